@@ -1,0 +1,285 @@
+"""
+Blazar's configuration: one TOML file, read into frozen attrs objects.
+
+The file is optional; every key has a default. Where it lives, first match wins:
+C{--config PATH}, the C{BLAZAR_CONFIG} environment variable, then
+C{~/.config/blazar/config.toml}. Keys::
+
+    listen = "tcp:11434:interface=127.0.0.1"   # Twisted endpoint string, or a list
+    data_dir = "~/.local/share/blazar"
+    models_dir = "<data_dir>/models"
+    ready_timeout = 120.0          # seconds a child may take to answer /health 200
+    stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
+    max_body_bytes = 33554432      # request bodies above this get 413
+
+    [engines.llamacpp]
+    binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
+    args = ["--threads", "2"]          # extra flags for every llama.cpp child
+
+    [models."name:tag"]
+    path = "/models/x.gguf"   # relative paths are under models_dir
+    ctx_size = 4096           # tokens of context per slot
+    parallel = 4              # slots (concurrent requests) per child
+    embedding = false         # start with --embeddings
+    args = []                 # extra flags for this model's child
+
+L{parse_config} is pure: text in, L{Config} out, or L{ConfigError} naming the
+key, the file and what was expected.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Mapping
+
+import attrs
+import tomlkit
+from tomlkit.exceptions import ParseError
+
+from blazar.names import canonical_name
+
+DEFAULT_LISTEN = "tcp:11434:interface=127.0.0.1"
+DEFAULT_CONFIG_PATH = "~/.config/blazar/config.toml"
+DEFAULT_DATA_DIR = "~/.local/share/blazar"
+
+
+class ConfigError(Exception):
+    """
+    The configuration cannot be used.
+
+    The message names the file, the key and what was expected, so that the
+    operator can fix it without reading code.
+    """
+
+
+@attrs.frozen
+class ModelConfig:
+    """
+    Per-model overrides from C{[models."name"]}.
+
+    @ivar path: The GGUF file, absolute or relative to C{models_dir}; L{None}
+        to keep the file the registry found for this name.
+    @ivar ctx_size: Context per slot, in tokens; L{None} for the default
+        (the model's trained context, capped at 4096).
+    @ivar parallel: Slots (concurrent sequences) in the child; L{None} for 4.
+    @ivar embedding: Start the child with C{--embeddings}.
+    @ivar args: Extra llama-server flags, appended last.
+    """
+
+    path: Path | None = None
+    ctx_size: int | None = None
+    parallel: int | None = None
+    embedding: bool = False
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class LlamaCppConfig:
+    """
+    C{[engines.llamacpp]}: how to find and start llama.cpp's llama-server.
+
+    @ivar binary: Explicit path to C{llama-server}, or L{None} to search.
+    @ivar args: Extra flags for every llama.cpp child.
+    """
+
+    binary: Path | None = None
+    args: tuple[str, ...] = ()
+
+
+@attrs.frozen
+class Config:
+    """
+    The whole configuration.
+
+    @ivar source: The file this was read from, or L{None} for defaults.
+    @ivar listen: Twisted server endpoint strings, one per listener.
+    """
+
+    source: Path | None = None
+    listen: tuple[str, ...] = (DEFAULT_LISTEN,)
+    data_dir: Path = attrs.field(factory=lambda: Path(DEFAULT_DATA_DIR).expanduser())
+    models_dir: Path | None = None
+    ready_timeout: float = 120.0
+    stop_grace: float = 10.0
+    max_body_bytes: int = 32 * 1024 * 1024
+    llamacpp: LlamaCppConfig = LlamaCppConfig()
+    models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
+
+    @property
+    def resolved_models_dir(self) -> Path:
+        """
+        C{models_dir}, defaulting to C{<data_dir>/models}.
+        """
+        if self.models_dir is not None:
+            return self.models_dir
+        return self.data_dir / "models"
+
+
+def config_path(explicit: str | None, environ: Mapping[str, str]) -> Path:
+    """
+    Which config file to read: C{--config}, else C{$BLAZAR_CONFIG}, else the
+    default under C{~/.config/blazar}.
+    """
+    chosen = explicit or environ.get("BLAZAR_CONFIG") or DEFAULT_CONFIG_PATH
+    return Path(chosen).expanduser()
+
+
+def load_config(path: Path, *, required: bool = False) -> Config:
+    """
+    Read and parse C{path}.
+
+    @param required: If false, a missing file means the defaults (used for
+        the default path); if true a missing file is an error (used when the
+        operator named the file).
+    @raise ConfigError: The file cannot be read or is not a valid config.
+    """
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        if required:
+            raise ConfigError(f"{path}: config file not found") from None
+        return Config()
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config file: {e.strerror}") from None
+    return parse_config(text, path)
+
+
+def _expected(source: str, key: str, what: str, got: object) -> ConfigError:
+    return ConfigError(
+        f"{source}: key {key!r} must be {what}, got {type(got).__name__} {got!r}"
+    )
+
+
+def _path(value: object, source: str, key: str, base: Path | None = None) -> Path:
+    if not isinstance(value, str) or not value:
+        raise _expected(source, key, "a non-empty path string", value)
+    p = Path(value).expanduser()
+    if base is not None and not p.is_absolute():
+        p = base / p
+    return p
+
+
+def _str_list(value: object, source: str, key: str) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise _expected(source, key, "a list of strings", value)
+    return tuple(str(v) for v in value)
+
+
+def _positive_int(value: object, source: str, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise _expected(source, key, "a positive integer", value)
+    return int(value)
+
+
+def _positive_number(value: object, source: str, key: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise _expected(source, key, "a positive number of seconds", value)
+    return float(value)
+
+
+def _table(value: object, source: str, key: str) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise _expected(source, key, "a table", value)
+    return value
+
+
+def _unknown(table: Mapping[str, Any], known: set[str], source: str, prefix: str) -> None:
+    for key in table:
+        if key not in known:
+            raise ConfigError(
+                f"{source}: unknown key {prefix + key!r}; "
+                f"expected one of: {', '.join(sorted(prefix + k for k in known))}"
+            )
+
+
+def parse_config(text: str, source: Path | None = None) -> Config:
+    """
+    Parse config file text into a L{Config}. Pure: no I/O.
+
+    @param text: TOML text.
+    @param source: The file it came from, for messages and relative paths.
+    @raise ConfigError: The text is not TOML, has an unknown key, or a value
+        of the wrong type; the message names the key and the file.
+    """
+    where = str(source) if source is not None else "<config>"
+    try:
+        doc = tomlkit.parse(text).unwrap()
+    except ParseError as e:
+        raise ConfigError(f"{where}: not valid TOML: {e}") from None
+
+    top = {
+        "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
+        "max_body_bytes", "engines", "models",
+    }
+    _unknown(doc, top, where, "")
+    kwargs: dict[str, Any] = {"source": source}
+
+    if "listen" in doc:
+        listen = doc["listen"]
+        if isinstance(listen, str):
+            listen = [listen]
+        listen = _str_list(listen, where, "listen")
+        if not listen or not all(listen):
+            raise _expected(where, "listen", "a non-empty endpoint string or list", doc["listen"])
+        kwargs["listen"] = listen
+    if "data_dir" in doc:
+        kwargs["data_dir"] = _path(doc["data_dir"], where, "data_dir")
+    if "models_dir" in doc:
+        kwargs["models_dir"] = _path(doc["models_dir"], where, "models_dir")
+    for key in ("ready_timeout", "stop_grace"):
+        if key in doc:
+            kwargs[key] = _positive_number(doc[key], where, key)
+    if "max_body_bytes" in doc:
+        kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
+
+    engines = _table(doc.get("engines", {}), where, "engines")
+    _unknown(engines, {"llamacpp"}, where, "engines.")
+    llamacpp = _table(engines.get("llamacpp", {}), where, "engines.llamacpp")
+    _unknown(llamacpp, {"binary", "args"}, where, "engines.llamacpp.")
+    kwargs["llamacpp"] = LlamaCppConfig(
+        binary=(
+            _path(llamacpp["binary"], where, "engines.llamacpp.binary")
+            if "binary" in llamacpp
+            else None
+        ),
+        args=_str_list(llamacpp.get("args", []), where, "engines.llamacpp.args"),
+    )
+
+    models_base = kwargs.get("models_dir") or (
+        kwargs.get("data_dir", Path(DEFAULT_DATA_DIR).expanduser()) / "models"
+    )
+    models: dict[str, ModelConfig] = {}
+    for name, raw in _table(doc.get("models", {}), where, "models").items():
+        prefix = f"models.{name}."
+        table = _table(raw, where, f"models.{name}")
+        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args"}, where, prefix)
+        embedding = table.get("embedding", False)
+        if not isinstance(embedding, bool):
+            raise _expected(where, prefix + "embedding", "true or false", embedding)
+        try:
+            canonical = canonical_name(name)
+        except ValueError as e:
+            raise ConfigError(f"{where}: [models.{name!r}]: {e}") from None
+        models[canonical] = ModelConfig(
+            path=_path(table["path"], where, prefix + "path", models_base) if "path" in table else None,
+            ctx_size=_positive_int(table["ctx_size"], where, prefix + "ctx_size") if "ctx_size" in table else None,
+            parallel=_positive_int(table["parallel"], where, prefix + "parallel") if "parallel" in table else None,
+            embedding=embedding,
+            args=_str_list(table.get("args", []), where, prefix + "args"),
+        )
+    kwargs["models"] = models
+    return Config(**kwargs)
+
+
+def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = None) -> Config:
+    """
+    Find and load the config the way the daemon and CLI do.
+
+    @raise ConfigError: As L{load_config}; a file named by C{--config} or
+        C{$BLAZAR_CONFIG} must exist.
+    """
+    env = os.environ if environ is None else environ
+    path = config_path(explicit, env)
+    named = bool(explicit or env.get("BLAZAR_CONFIG"))
+    return load_config(path, required=named)

@@ -1,0 +1,177 @@
+"""
+HTTP/1.1 to engine children, over Blazar's own connection pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import treq
+from treq.client import HTTPClient
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.internet.protocol import Protocol, connectionDone
+from twisted.python.failure import Failure
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.http_headers import Headers
+from twisted.web.iweb import IResponse
+
+
+class EngineClient:
+    """
+    Requests to children on 127.0.0.1, reusing connections per child.
+
+    Responses are unbuffered so that streams can be relayed as they arrive.
+    """
+
+    def __init__(self, reactor: Any, connect_timeout: float = 5.0) -> None:
+        self._reactor: IReactorTime = reactor
+        self._pool = HTTPConnectionPool(reactor, persistent=True)
+        self._pool.maxPersistentPerHost = 64
+        self._pool.cachedConnectionTimeout = 120
+        self._pool.retryAutomatically = False
+        self._http = HTTPClient(Agent(reactor, connectTimeout=connect_timeout, pool=self._pool))
+
+    async def get_status(self, url: str, timeout: float = 2.0) -> int:
+        """
+        GET C{url}, discard the body, return the status code.
+
+        @raise Exception: Connection errors, or C{CancelledError} after
+            C{timeout} seconds.
+        """
+        d = self._http.get(url, timeout=timeout)
+        response: IResponse = await d
+        await treq.content(response)
+        return int(response.code)
+
+    async def request(
+        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]]
+    ) -> IResponse:
+        """
+        Send one request and return as soon as the response headers arrive;
+        the caller reads (or discards) the body.
+        """
+        return await self._http.request(
+            method, url, data=body, headers=Headers(headers), unbuffered=True
+        )
+
+    async def close(self) -> None:
+        """
+        Drop every cached connection (on daemon stop).
+        """
+        await self._pool.closeCachedConnections()
+
+
+class BodyIdleTimeout(Exception):
+    """
+    The engine sent nothing for longer than the idle bound.
+    """
+
+
+class BodyTooLarge(Exception):
+    """
+    The engine's body exceeded the size bound.
+    """
+
+
+class _BodyRelay(Protocol):
+    def __init__(
+        self,
+        finished: Deferred[None],
+        on_chunk: Callable[[bytes], None],
+        clock: IReactorTime,
+        idle_timeout: float,
+        max_bytes: int | None,
+    ) -> None:
+        self.finished: Deferred[None] | None = finished
+        self.on_chunk = on_chunk
+        self.clock = clock
+        self.idle_timeout = idle_timeout
+        self.max_bytes = max_bytes
+        self.received = 0
+        self.timer = clock.callLater(idle_timeout, self._idle)
+
+    def _fail(self, error: BaseException | Failure) -> None:
+        if self.timer.active():
+            self.timer.cancel()
+        if self.transport is not None:
+            self.transport.stopProducing()
+        finished, self.finished = self.finished, None
+        if finished is not None:
+            finished.errback(error)
+
+    def _idle(self) -> None:
+        self._fail(BodyIdleTimeout(f"engine sent nothing for {self.idle_timeout:g} s"))
+
+    def cancel(self) -> None:
+        self._fail(CancelledError())
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.finished is None:
+            return
+        self.received += len(data)
+        if self.max_bytes is not None and self.received > self.max_bytes:
+            self._fail(BodyTooLarge(f"engine body over {self.max_bytes} bytes"))
+            return
+        self.timer.reset(self.idle_timeout)
+        try:
+            self.on_chunk(data)
+        except BaseException:
+            self._fail(Failure())
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.timer.active():
+            self.timer.cancel()
+        finished, self.finished = self.finished, None
+        if finished is None:
+            return
+        if reason.check(ResponseDone):
+            finished.callback(None)
+        else:
+            # PotentialDataLoss included: a body without a length that ended
+            # by a close is not trusted to be whole.
+            finished.errback(reason)
+
+
+def relay_body(
+    response: IResponse,
+    on_chunk: Callable[[bytes], None],
+    clock: IReactorTime,
+    *,
+    idle_timeout: float,
+    max_bytes: int | None = None,
+) -> Deferred[None]:
+    """
+    Feed C{response}'s body to C{on_chunk} as it arrives.
+
+    Unlike C{treq.collect}, cancelling the returned Deferred closes the
+    connection to the engine, so a client that goes away stops the
+    engine's work too.
+
+    @param idle_timeout: Seconds without a byte before failing with
+        L{BodyIdleTimeout}.
+    @param max_bytes: Fail with L{BodyTooLarge} past this many bytes.
+    @return: Fires with L{None} when the whole body arrived; fails with the
+        connection's failure (e.g. C{ResponseFailed}) if it broke.
+    """
+    relay: _BodyRelay | None = None
+
+    def cancel(_: Deferred[None]) -> None:
+        if relay is not None:
+            relay.cancel()
+
+    d: Deferred[None] = Deferred(cancel)
+    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes)
+    response.deliverBody(relay)
+    return d
+
+
+async def read_body(
+    response: IResponse, clock: IReactorTime, *, idle_timeout: float, max_bytes: int
+) -> bytes:
+    """
+    The whole body of C{response}, bounded as L{relay_body}.
+    """
+    parts: list[bytes] = []
+    await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes)
+    return b"".join(parts)

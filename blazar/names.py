@@ -1,0 +1,46 @@
+"""
+Model names, following Ollama's C{name:tag} rules.
+
+A name is C{[namespace/]model[:tag]}; a bare name means C{name:latest}.
+Matching is case-insensitive, as Ollama's is, but the spelling a client used
+is what Blazar echoes back.
+"""
+
+from __future__ import annotations
+
+import re
+
+_PART = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
+_NAME = re.compile(rf"^(?:{_PART}/)*{_PART}(?::[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,127}})?$")
+DEFAULT_TAG = "latest"
+
+
+def canonical_name(name: str) -> str:
+    """
+    The canonical C{model:tag} form of C{name}.
+
+    >>> canonical_name("qwen2.5")
+    'qwen2.5:latest'
+
+    @raise ValueError: C{name} is empty or has characters Ollama's names do
+        not allow (allowed: letters, digits, C{_ . -}, C{/} between parts,
+        one C{:} before the tag).
+    """
+    if not isinstance(name, str) or not _NAME.match(name) or len(name) > 350:
+        raise ValueError(
+            f"invalid model name {name!r}: use [namespace/]model[:tag] with letters, "
+            "digits, '_', '.', '-'"
+        )
+    last = name.rsplit("/", 1)[-1]
+    if ":" not in last:
+        return f"{name}:{DEFAULT_TAG}"
+    return name
+
+
+def name_key(name: str) -> str:
+    """
+    The lookup key for C{name}: canonical and case-folded.
+
+    @raise ValueError: As L{canonical_name}.
+    """
+    return canonical_name(name).casefold()

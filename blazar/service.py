@@ -1,0 +1,91 @@
+"""
+Assembling Blazar's service tree. The only module that wires every package
+together.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Mapping
+
+from twisted.application import strports
+from twisted.application.service import MultiService, Service
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.error import CannotListenError
+from twisted.logger import Logger
+
+from blazar.config import Config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
+from blazar.models.registry import ModelRegistry
+from blazar.web.openai import OpenAISurface
+from blazar.web.site import BlazarSite
+
+log = Logger()
+
+EXIT_BIND_CONFLICT = 3
+
+
+class BindConflict(SystemExit):
+    """
+    A listen endpoint could not be bound. Exits the process with code 3 so
+    that a service manager does not restart-loop on it.
+    """
+
+
+class Listeners(MultiService):
+    """
+    Every C{listen} endpoint, bound during C{privilegedStartService}. A
+    port that cannot be bound stops startup with L{BindConflict}.
+    """
+
+    def privilegedStartService(self) -> None:
+        try:
+            super().privilegedStartService()
+        except CannotListenError as e:
+            message = (
+                f"blazar: cannot listen on {e.interface or '*'}:{e.port}: {e.socketError}. "
+                "Another process (another blazar or ollama?) holds it: stop it, or set "
+                "`listen` in the config to a free endpoint."
+            )
+            log.critical("{message}", message=message)
+            print(message, file=sys.__stderr__, flush=True)
+            raise BindConflict(EXIT_BIND_CONFLICT) from None
+
+
+class EnginePool(Service):
+    """
+    Closes the engine client's cached connections on stop.
+    """
+
+    def __init__(self, client: EngineClient) -> None:
+        self.client = client
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        return ensureDeferred(self.client.close())
+
+
+def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
+    """
+    Build the daemon's service tree from a validated config.
+
+    Stop order (reverse of start): listeners stop accepting, then every
+    engine child is stopped, then the connection pool closes.
+    """
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    top = MultiService()
+    registry = ModelRegistry(config, reactor)
+    engines = EngineClient(reactor)
+    EnginePool(engines).setServiceParent(top)
+    supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
+    supervisor.setServiceParent(top)
+    surface = OpenAISurface(registry, supervisor, engines, reactor)
+    site = BlazarSite(surface.app.resource(), max_body_bytes=config.max_body_bytes, reactor=reactor)
+    listeners = Listeners()
+    for description in config.listen:
+        listener = strports.service(description, site, reactor=reactor)
+        listener._raiseSynchronously = True
+        listener.setServiceParent(listeners)
+    listeners.setServiceParent(top)
+    return top

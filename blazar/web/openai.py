@@ -1,0 +1,343 @@
+"""
+The OpenAI surface: C{/v1/models}, C{/v1/chat/completions},
+C{/v1/completions}, C{/v1/embeddings}, plus C{/health} and C{/healthz}.
+
+Wire format: OpenAI's API reference (platform.openai.com/docs/api-reference).
+The child speaks the same format, so request bodies are forwarded as received
+and response bytes are relayed as they come, with one change: the C{model}
+the child reports is replaced by the name the client asked for.
+
+Errors use OpenAI's envelope C{{"error": {"message", "type", "param",
+"code"}}}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from klein import Klein
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+
+from blazar.engines.client import EngineClient, read_body, relay_body
+from blazar.engines.llamacpp import EngineNotFound
+from blazar.engines.supervisor import EngineError, Instance, Supervisor
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.sse import ModelRenamer, SSERelay
+
+log = Logger()
+
+STREAM_IDLE_TIMEOUT = 600.0
+MAX_ENGINE_BODY = 256 * 1024 * 1024
+OWNED_BY = "blazar"
+
+
+class BadRequest(Exception):
+    """
+    The client's request is malformed (400).
+
+    @ivar param: The offending field, or L{None}.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class EngineRejected(Exception):
+    """
+    The engine answered with an error status.
+
+    @ivar status: The engine's HTTP status.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
+    """
+    OpenAI's error envelope, encoded.
+    """
+    return json.dumps(
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}
+    ).encode("utf-8")
+
+
+def engine_error_message(body: bytes) -> str:
+    """
+    The human message in an engine's error body (llama-server answers
+    C{{"error": {"code", "message", "type"}}}), or the raw text.
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")[:2000]
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+    return body.decode("utf-8", "replace")[:2000]
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    """
+    The request's JSON object.
+
+    @raise BadRequest: Not JSON, or not an object.
+    """
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"request body is not valid JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    return body
+
+
+def require_model(body: dict[str, Any]) -> str:
+    """
+    The C{model} field.
+
+    @raise BadRequest: Missing or not a non-empty string.
+    """
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("you must provide a model parameter (a model name, see GET /v1/models)", "model")
+    return model
+
+
+def validate(kind: str, body: dict[str, Any]) -> None:
+    """
+    Check the fields OpenAI requires for C{kind}
+    (C{"chat"}, C{"completion"} or C{"embedding"}).
+
+    @raise BadRequest: Naming the field.
+    """
+    if kind == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise BadRequest("'messages' must be a non-empty array of message objects", "messages")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise BadRequest(f"messages[{i}] must be an object with a string 'role'", f"messages[{i}]")
+    elif kind == "completion":
+        if "prompt" not in body:
+            raise BadRequest("you must provide a 'prompt' (string or array of strings)", "prompt")
+    elif kind == "embedding":
+        value = body.get("input")
+        if value is None or value == "" or value == []:
+            raise BadRequest("'input' must be a non-empty string or array", "input")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise BadRequest("'stream' must be true or false", "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+
+
+class OpenAISurface:
+    """
+    OpenAI-compatible HTTP API over the supervisor's children.
+    """
+
+    app = Klein()
+
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        supervisor: Supervisor,
+        engines: EngineClient,
+        clock: Any,
+    ) -> None:
+        self._registry = registry
+        self._supervisor = supervisor
+        self._engines = engines
+        self._clock = clock
+
+    # -- liveness -----------------------------------------------------------
+
+    @app.route("/health", methods=["GET", "HEAD"])
+    @app.route("/healthz", methods=["GET", "HEAD"])
+    def health(self, request: IRequest) -> bytes:
+        request.setHeader(b"content-type", b"application/json")
+        return b'{"status":"ok"}'
+
+    # -- models ---------------------------------------------------------------
+
+    def _model_object(self, name: str, modified: float) -> dict[str, Any]:
+        return {"id": name, "object": "model", "created": int(modified), "owned_by": OWNED_BY}
+
+    @app.route("/v1/models", methods=["GET"])
+    async def list_models(self, request: IRequest) -> bytes:
+        entries = await self._registry.refresh()
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(
+            {"object": "list", "data": [self._model_object(e.name, e.modified) for e in entries]}
+        ).encode("utf-8")
+
+    @app.route("/v1/models/<path:model_id>", methods=["GET"])
+    async def get_model(self, request: IRequest, model_id: str) -> bytes:
+        entry = await self._registry.resolve(model_id)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(self._model_object(model_id, entry.modified)).encode("utf-8")
+
+    # -- inference ------------------------------------------------------------
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    def chat_completions(self, request: IRequest) -> Any:
+        return self._proxy(request, "chat", "/v1/chat/completions")
+
+    @app.route("/v1/completions", methods=["POST"])
+    def completions(self, request: IRequest) -> Any:
+        return self._proxy(request, "completion", "/v1/completions")
+
+    @app.route("/v1/embeddings", methods=["POST"])
+    def embeddings(self, request: IRequest) -> Any:
+        return self._proxy(request, "embedding", "/v1/embeddings")
+
+    async def _proxy(self, request: IRequest, kind: str, path: str) -> bytes | None:
+        if getattr(request, "body_too_large", False):
+            request.setResponseCode(413)
+            request.setHeader(b"content-type", b"application/json")
+            return error_body(
+                "request body too large; raise max_body_bytes in the config if this is intended",
+                "invalid_request_error", "request_too_large",
+            )
+        raw = request.content.read() if request.content is not None else b""
+        body = parse_json_body(raw)
+        model = require_model(body)
+        validate(kind, body)
+        stream = bool(body.get("stream", False)) and kind != "embedding"
+        instance = await self._supervisor.instance_for(model)
+        renamer = ModelRenamer(instance.entry.name, model)
+        headers = dict(instance.auth_headers)
+        headers[b"content-type"] = [b"application/json"]
+        instance.in_flight += 1
+        try:
+            try:
+                response = await self._engines.request(
+                    "POST", instance.base_url + path, raw, headers
+                )
+            except CancelledError:
+                raise
+            except Exception as e:
+                raise await self._supervisor.explain_failure(instance, e) from None
+            if response.code != 200:
+                error = await read_body(
+                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=1 << 20
+                )
+                raise EngineRejected(response.code, engine_error_message(error))
+            if stream:
+                await self._relay_stream(request, instance, response, renamer)
+                return None
+            try:
+                payload = await read_body(
+                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
+                    max_bytes=MAX_ENGINE_BODY,
+                )
+            except CancelledError:
+                raise
+            except Exception as e:
+                raise await self._supervisor.explain_failure(instance, e) from None
+            request.setHeader(b"content-type", b"application/json")
+            return renamer.rename(payload)
+        finally:
+            instance.in_flight -= 1
+
+    async def _relay_stream(
+        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer
+    ) -> None:
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        request.setHeader(b"x-accel-buffering", b"no")
+        relay = SSERelay(request.write, renamer)
+        try:
+            await relay_body(
+                response, relay.feed, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT
+            )
+        except CancelledError:
+            raise
+        except Exception as e:
+            error = await self._supervisor.explain_failure(instance, e)
+            log.error(
+                "stream from {model} broke: {error}", model=instance.entry.name,
+                error=str(error), trace_id=getattr(request, "trace_id", ""),
+            )
+            relay.fail(error_body(str(error), "engine_error", "engine_crashed"))
+            return
+        relay.finish()
+        if not relay.done:
+            relay.fail(
+                error_body(
+                    f"llama-server for model {instance.entry.name!r} ended the stream early",
+                    "engine_error", "engine_crashed",
+                )
+            )
+
+    # -- errors -------------------------------------------------------------
+
+    def _error(self, request: IRequest, status: int, body: bytes) -> bytes:
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", b"application/json")
+        return body
+
+    @app.handle_errors(BadRequest)
+    def _bad_request(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(ModelNotFound)
+    def _model_not_found(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(
+            request, 404, error_body(str(failure.value), "invalid_request_error", "model_not_found", "model")
+        )
+
+    @app.handle_errors(EngineRejected)
+    def _engine_rejected(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        if 400 <= e.status < 500:
+            return self._error(request, e.status, error_body(str(e), "invalid_request_error", None))
+        return self._error(
+            request, 502,
+            error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),
+        )
+
+    @app.handle_errors(EngineError, EngineNotFound, GGUFError)
+    def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:
+        code = "engine_not_found" if failure.check(EngineNotFound) else "engine_error"
+        log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
+        return self._error(request, 502, error_body(str(failure.value), "engine_error", code))
+
+    @app.handle_errors(Exception)
+    def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:
+        if failure.check(CancelledError):
+            return None
+        from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+        if failure.check(NotFound):
+            return self._error(
+                request, 404,
+                error_body(f"no route for {request.path.decode('ascii', 'replace')}",
+                           "invalid_request_error", "not_found"),
+            )
+        if failure.check(MethodNotAllowed):
+            return self._error(
+                request, 405,
+                error_body(f"method {request.method.decode('ascii', 'replace')} not allowed here",
+                           "invalid_request_error", "method_not_allowed"),
+            )
+        log.failure("unexpected error", failure, trace_id=getattr(request, "trace_id", ""))
+        return self._error(
+            request, 500,
+            error_body(f"internal error (trace id {getattr(request, 'trace_id', '')})",
+                       "server_error", "internal_error"),
+        )
+
+

@@ -1,0 +1,82 @@
+"""
+Relaying an engine's Server-Sent Events stream (WHATWG HTML, "Server-sent
+events") to a client as bytes, event by event, without parsing the JSON in
+each event.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Callable
+
+DONE = b"data: [DONE]\n\n"
+
+
+class ModelRenamer:
+    """
+    Puts the client's model name where the engine wrote its own.
+
+    The child is started with C{--alias <canonical name>} and llama-server
+    writes compact JSON, so its name appears as the exact bytes
+    C{"model":"<canonical>"}; a byte replace is all it takes, per event.
+    """
+
+    def __init__(self, engine_name: str, client_name: str) -> None:
+        self.needed = engine_name != client_name
+        self._old = b'"model":' + json.dumps(engine_name).encode("utf-8")
+        self._new = b'"model":' + json.dumps(client_name).encode("utf-8")
+
+    def rename(self, data: bytes) -> bytes:
+        """
+        C{data} with the engine's model name replaced.
+        """
+        if not self.needed:
+            return data
+        return data.replace(self._old, self._new)
+
+
+class SSERelay:
+    """
+    Buffers an engine's SSE bytes up to event boundaries and writes whole
+    events to the client as soon as each one is complete.
+
+    @ivar done: The last event written was C{data: [DONE]}.
+    """
+
+    def __init__(self, write: Callable[[bytes], None], renamer: ModelRenamer) -> None:
+        self._write = write
+        self._renamer = renamer
+        self._buffer = b""
+        self.done = False
+        self.failed = False
+
+    def feed(self, chunk: bytes) -> None:
+        """
+        Take bytes from the engine; write every event they complete.
+        """
+        data = self._buffer + chunk if self._buffer else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data
+            return
+        events, self._buffer = data[: end + 2], data[end + 2 :]
+        self.done = events.endswith(DONE)
+        self._write(self._renamer.rename(events))
+
+    def finish(self) -> None:
+        """
+        The engine's body ended: write any trailing partial event.
+        """
+        if self._buffer.strip():
+            self._write(self._renamer.rename(self._buffer))
+        self._buffer = b""
+
+    def fail(self, error_json: bytes) -> None:
+        """
+        End the stream with an error event (OpenAI's SDKs raise on a
+        C{data:} event carrying an C{error} object); no C{[DONE]} follows.
+        """
+        if self.done or self.failed:
+            return
+        self.failed = True
+        self._write(b"data: " + error_json + b"\n\n")

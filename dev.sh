@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Blazar's two commands. Each sets up everything it needs first:
+#   ./dev.sh demo   venv + Python deps + llama-server engine, then the main job:
+#                   generate a test model, start the daemon, send a chat
+#                   completion and a streaming one, print them, stop the daemon
+#   ./dev.sh test   the same setup, then the whole test suite
+# Setup is idempotent: deps are reinstalled only when pyproject.toml changes,
+# and the engine is built once (~10 min) and reused from ~/.cache/blazar.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+say() { printf '[setup] %s\n' "$*" >&2; }
+
+setup() {
+  local py="${PYTHON:-python3}"
+  if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    say "Blazar needs Python >= 3.11 (set PYTHON=/path/to/python3.11)"; exit 1
+  fi
+  if [ ! -x .venv/bin/python ]; then
+    say "creating .venv"
+    "$py" -m venv .venv
+  fi
+  local stamp=".venv/.blazar-deps"
+  local want; want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+    say "installing Blazar and its Python dependencies into .venv"
+    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins here
+    .venv/bin/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+    echo "$want" >"$stamp"
+  fi
+  BLAZAR_ENGINE="$(scripts/build-engine.sh | tail -n 1)"
+  export BLAZAR_ENGINE
+  say "engine: $BLAZAR_ENGINE"
+}
+
+case "${1:-}" in
+  demo)
+    setup
+    exec .venv/bin/python scripts/demo.py --engine "$BLAZAR_ENGINE"
+    ;;
+  test)
+    setup
+    shift
+    say "checking import contracts (lint-imports)"
+    .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
+    exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+    ;;
+  *)
+    echo "usage: ./dev.sh demo | test [pytest args]" >&2
+    exit 2
+    ;;
+esac
