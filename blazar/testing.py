@@ -171,3 +171,195 @@ def make_test_model(
     writer.close()
     os.replace(tmp, out)
     return TestModel(out, {tok: i for i, tok in enumerate(tokens)})
+
+
+# -- fakes for unit tests ---------------------------------------------------
+
+
+class SynchronousThreadPool:
+    """
+    A thread pool that runs work at once in the caller's thread, so code
+    that uses C{deferToThreadPool} runs without threads in unit tests.
+    """
+
+    def callInThreadWithCallback(self, onResult, func, *args, **kw):  # type: ignore[no-untyped-def]
+        try:
+            result = func(*args, **kw)
+        except BaseException:
+            from twisted.python.failure import Failure
+
+            onResult(False, Failure())
+        else:
+            onResult(True, result)
+
+
+@attrs.define(eq=False)
+class FakeProcessTransport:
+    """
+    What L{FakeProcessReactor.spawnProcess} returns: records signals and
+    lets a test end the process with L{exit}.
+    """
+
+    protocol: object
+    pid: int
+    signals: list[str] = attrs.field(factory=list)
+    stdin_closed: bool = False
+    ended: bool = False
+
+    def signalProcess(self, signal: str) -> None:
+        from twisted.internet.error import ProcessExitedAlready
+
+        if self.ended:
+            raise ProcessExitedAlready()
+        self.signals.append(signal)
+
+    def closeStdin(self) -> None:
+        self.stdin_closed = True
+
+    def exit(self, code: int | None = 0, signal: int | None = None) -> None:
+        """
+        End the process as the real reactor reports it: C{processExited}
+        first, then C{processEnded}.
+        """
+        from twisted.internet.error import ProcessDone, ProcessTerminated
+        from twisted.python.failure import Failure
+
+        self.ended = True
+        reason = (
+            Failure(ProcessDone(0))
+            if code == 0 and signal is None
+            else Failure(ProcessTerminated(code, signal))
+        )
+        self.protocol.processExited(reason)  # type: ignore[attr-defined]
+        self.protocol.processEnded(reason)  # type: ignore[attr-defined]
+
+
+def fake_process_reactor():  # type: ignore[no-untyped-def]
+    """
+    A C{MemoryReactorClock} that also fakes C{spawnProcess} (recording each
+    call in C{.spawned} as C{(transport, executable, args, env)}) and runs
+    thread-pool work synchronously.
+    """
+    from twisted.internet.testing import MemoryReactorClock
+
+    class FakeProcessReactor(MemoryReactorClock):
+        def __init__(self) -> None:
+            super().__init__()
+            self.spawned: list[tuple[FakeProcessTransport, str, list[str], dict[str, str]]] = []
+            self._pool = SynchronousThreadPool()
+
+        def getThreadPool(self) -> SynchronousThreadPool:
+            return self._pool
+
+        def callFromThread(self, f, *args, **kw):  # type: ignore[no-untyped-def]
+            f(*args, **kw)
+
+        def spawnProcess(self, protocol, executable, args=(), env=None, path=None,  # type: ignore[no-untyped-def]
+                         uid=None, gid=None, usePTY=False, childFDs=None):
+            transport = FakeProcessTransport(protocol, pid=1000 + len(self.spawned))
+            protocol.makeConnection(transport)
+            self.spawned.append((transport, executable, list(args), dict(env or {})))
+            return transport
+
+    return FakeProcessReactor()
+
+
+# -- a fake engine and supervisor for surface unit tests --------------------
+
+
+def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-def]
+    """
+    A Klein app that answers like llama-server (compact JSON, C{model} set
+    to C{model_name}, SSE streams ending in C{[DONE]}), for
+    C{treq.testing.StubTreq}. C{app.requests} records C{(path, body)}.
+    Send C{"fail": N} in a request body to get status N back.
+    """
+    import json
+
+    from klein import Klein
+
+    app = Klein()
+    app.requests = []  # type: ignore[attr-defined]
+
+    def chunk(i: int, text: str) -> bytes:
+        body = {
+            "choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}],
+            "created": 1, "id": "chatcmpl-x", "model": model_name,
+            "object": "chat.completion.chunk",
+        }
+        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    def chat(request):  # type: ignore[no-untyped-def]
+        body = json.loads(request.content.read())
+        app.requests.append(("/v1/chat/completions", body))  # type: ignore[attr-defined]
+        if "fail" in body:
+            request.setResponseCode(body["fail"])
+            return json.dumps(
+                {"error": {"code": body["fail"], "message": "engine says no", "type": "server_error"}}
+            ).encode()
+        if body.get("stream"):
+            request.setHeader(b"content-type", b"text/event-stream")
+            for i, text in enumerate(["Hel", "lo"]):
+                request.write(chunk(i, text))
+            return b"data: [DONE]\n\n"
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(
+            {
+                "choices": [{"finish_reason": "stop", "index": 0,
+                             "message": {"role": "assistant", "content": "Hello"}}],
+                "created": 1, "model": model_name, "object": "chat.completion",
+                "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
+            },
+            separators=(",", ":"),
+        ).encode()
+
+    return app
+
+
+@attrs.define
+class FakeInstance:
+    """
+    Stands in for L{blazar.engines.supervisor.Instance} in surface tests.
+    """
+
+    name: str
+    base_url: str = "http://engine.invalid"
+    api_key: str = "secret"
+    in_flight: int = 0
+
+    @property
+    def entry(self):  # type: ignore[no-untyped-def]
+        return attrs.make_class("Entry", ["name"])(self.name)
+
+    @property
+    def auth_headers(self) -> dict[bytes, list[bytes]]:
+        return {b"authorization": [b"Bearer " + self.api_key.encode()]}
+
+
+@attrs.define
+class FakeSupervisor:
+    """
+    Resolves names against a fixed list; every model is always ready.
+    """
+
+    names: list[str]
+    instances: dict[str, FakeInstance] = attrs.field(factory=dict)
+
+    async def instance_for(self, name: str) -> FakeInstance:
+        from blazar.models.registry import ModelNotFound
+        from blazar.names import name_key
+
+        try:
+            key = name_key(name)
+        except ValueError:
+            raise ModelNotFound(name, self.names) from None
+        for canonical in self.names:
+            if name_key(canonical) == key:
+                return self.instances.setdefault(canonical, FakeInstance(canonical))
+        raise ModelNotFound(name, self.names)
+
+    async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
+        from blazar.engines.supervisor import EngineCrashed
+
+        return EngineCrashed(instance.name, f"engine connection failed: {error}")

@@ -1,0 +1,144 @@
+from pathlib import Path
+
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import parse_config
+from blazar.engines.supervisor import EngineCrashed, EngineStartFailed, Supervisor
+from blazar.models.registry import ModelRegistry
+from blazar.testing import fake_process_reactor, make_test_model
+
+
+class SupervisorTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.config = parse_config(
+            f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+        self.reactor = fake_process_reactor()
+        self.health = 503
+        self.probes: list[str] = []
+
+        async def probe(url: str) -> int:
+            self.probes.append(url)
+            return self.health
+
+        self.supervisor = Supervisor(
+            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe,
+            {"PATH": "/usr/bin", "LLAMA_ARG_THREADS": "99"},
+            port_finder=lambda: 5555,
+        )
+
+    def instance_for(self, name: str = "m") -> Deferred:
+        return ensureDeferred(self.supervisor.instance_for(name))
+
+    def test_concurrent_first_requests_share_one_spawn(self) -> None:
+        waits = [self.instance_for() for _ in range(10)]
+        self.assertEqual(len(self.reactor.spawned), 1)
+        transport, executable, argv, env = self.reactor.spawned[0]
+        self.assertIn("--port", argv)
+        self.assertEqual(argv[argv.index("--port") + 1], "5555")
+        self.assertIn("LLAMA_ARG_API_KEY", env)
+        self.assertNotIn("LLAMA_ARG_THREADS", env)
+        self.assertTrue(transport.stdin_closed)
+        for d in waits:
+            self.assertNoResult(d)
+        self.reactor.advance(0.05)
+        self.assertNoResult(waits[0])
+        self.health = 200
+        self.reactor.advance(0.05)
+        instances = [self.successResultOf(d) for d in waits]
+        self.assertTrue(all(i is instances[0] for i in instances))
+        self.assertEqual(instances[0].state, "ready")
+        self.assertEqual(self.probes[-1], "http://127.0.0.1:5555/health")
+        # a ready model is reused
+        self.assertIs(self.successResultOf(self.instance_for("m:latest")), instances[0])
+        self.assertEqual(len(self.reactor.spawned), 1)
+
+    def test_exit_while_starting_fails_waiters_with_status_and_tail(self) -> None:
+        d = self.instance_for()
+        transport = self.reactor.spawned[0][0]
+        transport.protocol.childDataReceived(2, b"loading...\nerror: failed to load model\n")
+        transport.exit(1)
+        f = self.failureResultOf(d, EngineStartFailed)
+        self.assertIn("exit code 1", str(f.value))
+        self.assertIn("failed to load model", str(f.value))
+        # the next request tries again with a fresh child
+        self.instance_for()
+        self.assertEqual(len(self.reactor.spawned), 2)
+
+    def test_crashed_child_is_respawned(self) -> None:
+        self.health = 200
+        d = self.instance_for()
+        self.reactor.advance(0)
+        first = self.successResultOf(d)
+        first.transport.exit(None, signal=9)
+        self.assertEqual(first.state, "dead")
+        d = self.instance_for()
+        self.reactor.advance(0)
+        second = self.successResultOf(d)
+        self.assertIsNot(second, first)
+        self.assertEqual(len(self.reactor.spawned), 2)
+
+    def test_explain_failure_names_exit_status(self) -> None:
+        self.health = 200
+        d = self.instance_for()
+        self.reactor.advance(0)
+        instance = self.successResultOf(d)
+        instance.protocol.childDataReceived(2, b"GGML_ASSERT failed\n")
+        explained = ensureDeferred(self.supervisor.explain_failure(instance, ConnectionError("reset")))
+        self.assertNoResult(explained)
+        instance.transport.exit(None, signal=6)
+        error = self.successResultOf(explained)
+        self.assertIsInstance(error, EngineCrashed)
+        self.assertIn("killed by signal 6", str(error))
+        self.assertIn("GGML_ASSERT", str(error))
+
+    def test_explain_failure_gives_up_waiting(self) -> None:
+        self.health = 200
+        d = self.instance_for()
+        self.reactor.advance(0)
+        instance = self.successResultOf(d)
+        explained = ensureDeferred(self.supervisor.explain_failure(instance, ConnectionError("reset")))
+        self.reactor.advance(2)
+        self.assertIn("reset", str(self.successResultOf(explained)))
+
+    def test_ready_timeout(self) -> None:
+        d = self.instance_for()
+        self.reactor.advance(5.1)
+        # poll steps are 0.05 s; advance enough steps to pass the bound
+        for _ in range(120):
+            self.reactor.advance(0.05)
+        f = self.failureResultOf(d, EngineStartFailed)
+        self.assertIn("ready_timeout", str(f.value))
+        self.assertEqual(self.reactor.spawned[0][0].signals[0], "TERM")
+
+    def test_stop_terms_then_kills_and_waits_for_exit(self) -> None:
+        self.health = 200
+        d = self.instance_for()
+        self.reactor.advance(0)
+        instance = self.successResultOf(d)
+        self.supervisor.startService()
+        stopped = self.supervisor.stopService()
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        self.assertNoResult(stopped)
+        self.reactor.advance(3)
+        self.assertEqual(instance.transport.signals, ["TERM", "KILL"])
+        self.assertNoResult(stopped)
+        instance.transport.exit(None, signal=9)
+        self.successResultOf(stopped)
+        self.assertEqual(self.supervisor.instances(), [])
+
+    def test_stop_cancels_kill_timer_on_prompt_exit(self) -> None:
+        self.health = 200
+        d = self.instance_for()
+        self.reactor.advance(0)
+        instance = self.successResultOf(d)
+        stopped = self.supervisor.stopService()
+        instance.transport.exit(0)
+        self.successResultOf(stopped)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+

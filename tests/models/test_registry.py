@@ -1,0 +1,85 @@
+from pathlib import Path
+
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import parse_config
+from blazar.models.registry import ModelNotFound, ModelRegistry, thd_scan
+from blazar.testing import fake_process_reactor, make_test_model
+
+
+def touch(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"GGUF")
+    return path
+
+
+class ScanTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = Path(self.mktemp())
+        self.dir.mkdir()
+
+    def test_stem_latest_and_split_shards(self) -> None:
+        touch(self.dir / "Qwen2.5-0.5B.gguf")
+        touch(self.dir / "sub" / "big-00001-of-00003.gguf")
+        touch(self.dir / "sub" / "big-00002-of-00003.gguf")
+        touch(self.dir / "sub" / "big-00003-of-00003.gguf")
+        touch(self.dir / "notes.txt")
+        found = thd_scan(self.dir, {})
+        self.assertEqual(sorted(e.name for e in found.values()), ["Qwen2.5-0.5B:latest", "big:latest"])
+        big = found["big:latest"]
+        self.assertEqual(big.path.name, "big-00001-of-00003.gguf")
+        self.assertEqual([s.name for s in big.shards], ["big-00002-of-00003.gguf", "big-00003-of-00003.gguf"])
+
+    def test_configured_names(self) -> None:
+        touch(self.dir / "a.gguf")
+        config = parse_config(
+            f'models_dir = "{self.dir}"\n[models."chat:7b"]\npath = "a.gguf"\n'
+            '[models.a]\nctx_size = 512\n'
+        )
+        found = thd_scan(self.dir, config.models)
+        self.assertEqual(found["chat:7b"].path, self.dir / "a.gguf")
+        self.assertEqual(found["a:latest"].settings.ctx_size, 512)
+
+    def test_odd_stems_become_valid_names(self) -> None:
+        touch(self.dir / "My Model (v2).gguf")
+        (entry,) = thd_scan(self.dir, {}).values()
+        self.assertEqual(entry.name, "My-Model-v2:latest")
+
+
+class RegistryTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = Path(self.mktemp())
+        self.reactor = fake_process_reactor()
+        self.registry = ModelRegistry(parse_config(f'models_dir = "{self.dir}"'), self.reactor)
+
+    def test_resolve_rescans_for_new_files(self) -> None:
+        f = self.failureResultOf(ensureDeferred(self.registry.resolve("m")), ModelNotFound)
+        self.assertIn("none", str(f.value))
+        make_test_model(self.dir / "m.gguf")
+        entry = self.successResultOf(ensureDeferred(self.registry.resolve("M:latest")))
+        self.assertEqual(entry.name, "m:latest")
+        f = self.failureResultOf(ensureDeferred(self.registry.resolve("other")))
+        self.assertEqual(f.value.available, ["m:latest"])
+        self.assertIn("m:latest", str(f.value))
+
+    def test_metadata_cached_by_path_mtime_size(self) -> None:
+        make_test_model(self.dir / "m.gguf")
+        reads = []
+        original = self.registry._read
+
+        def counting(path, shards):  # type: ignore[no-untyped-def]
+            reads.append(path)
+            return original(path, shards)
+
+        self.registry._read = counting
+        entry = self.successResultOf(ensureDeferred(self.registry.resolve("m")))
+        meta = self.successResultOf(ensureDeferred(self.registry.metadata(entry)))
+        self.assertEqual((meta.architecture, meta.context_length, meta.block_count), ("llama", 2048, 2))
+        self.assertTrue(meta.has_chat_template)
+        self.successResultOf(ensureDeferred(self.registry.metadata(entry)))
+        self.assertEqual(len(reads), 1)
+        make_test_model(self.dir / "m.gguf", n_layer=3)
+        meta = self.successResultOf(ensureDeferred(self.registry.metadata(entry)))
+        self.assertEqual(meta.block_count, 3)
+        self.assertEqual(len(reads), 2)

@@ -1,0 +1,99 @@
+from pathlib import Path
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import DEFAULT_LISTEN, Config, ConfigError, config_path, load_config, parse_config
+from blazar.names import canonical_name, name_key
+
+
+class ParseConfigTests(SynchronousTestCase):
+    def test_empty_gives_defaults(self) -> None:
+        c = parse_config("")
+        self.assertEqual(c.listen, (DEFAULT_LISTEN,))
+        self.assertEqual(c.resolved_models_dir, c.data_dir / "models")
+        self.assertEqual(c.models, {})
+
+    def test_listen_string_or_list(self) -> None:
+        self.assertEqual(parse_config('listen = "tcp:1"').listen, ("tcp:1",))
+        self.assertEqual(parse_config('listen = ["tcp:1", "unix:/x"]').listen, ("tcp:1", "unix:/x"))
+
+    def test_models_dir_default_follows_data_dir(self) -> None:
+        c = parse_config('data_dir = "/srv/b"')
+        self.assertEqual(c.resolved_models_dir, Path("/srv/b/models"))
+
+    def test_model_table(self) -> None:
+        c = parse_config(
+            'models_dir = "/m"\n[models."qwen"]\npath = "q.gguf"\nctx_size = 8192\n'
+            'parallel = 2\nembedding = true\nargs = ["--flash-attn", "on"]\n'
+        )
+        m = c.models["qwen:latest"]
+        self.assertEqual(m.path, Path("/m/q.gguf"))
+        self.assertEqual((m.ctx_size, m.parallel, m.embedding), (8192, 2, True))
+        self.assertEqual(m.args, ("--flash-attn", "on"))
+
+    def test_engine_binary(self) -> None:
+        c = parse_config('[engines.llamacpp]\nbinary = "/opt/llama-server"\nargs = ["-t", "2"]')
+        self.assertEqual(c.llamacpp.binary, Path("/opt/llama-server"))
+        self.assertEqual(c.llamacpp.args, ("-t", "2"))
+
+    def assertConfigError(self, text: str, *needles: str) -> None:
+        with self.assertRaises(ConfigError) as cm:
+            parse_config(text, Path("/etc/b.toml"))
+        message = str(cm.exception)
+        self.assertIn("/etc/b.toml", message)
+        for needle in needles:
+            self.assertIn(needle, message)
+
+    def test_unknown_top_key(self) -> None:
+        self.assertConfigError("lisen = 'tcp:1'", "'lisen'", "listen")
+
+    def test_unknown_model_key(self) -> None:
+        self.assertConfigError('[models.a]\nctx = 1', "'models.a.ctx'", "ctx_size")
+
+    def test_unknown_engine_key(self) -> None:
+        self.assertConfigError('[engines.llamacpp]\nbin = "x"', "'engines.llamacpp.bin'")
+
+    def test_wrong_types(self) -> None:
+        self.assertConfigError("listen = 5", "'listen'", "int")
+        self.assertConfigError("data_dir = 1", "'data_dir'")
+        self.assertConfigError("ready_timeout = -1", "'ready_timeout'", "positive")
+        self.assertConfigError('[models.a]\nctx_size = "big"', "'models.a.ctx_size'", "positive integer")
+        self.assertConfigError('[models.a]\nembedding = 1', "'models.a.embedding'", "true or false")
+        self.assertConfigError('[models.a]\nargs = "-x"', "'models.a.args'", "list of strings")
+        self.assertConfigError('[models.a]\nparallel = true', "'models.a.parallel'")
+
+    def test_not_toml(self) -> None:
+        self.assertConfigError("listen = [", "not valid TOML")
+
+    def test_bad_model_name(self) -> None:
+        self.assertConfigError('[models."bad name!"]\nctx_size = 1', "invalid model name")
+
+
+class ConfigPathTests(SynchronousTestCase):
+    def test_order(self) -> None:
+        self.assertEqual(config_path("/a.toml", {"BLAZAR_CONFIG": "/b.toml"}), Path("/a.toml"))
+        self.assertEqual(config_path(None, {"BLAZAR_CONFIG": "/b.toml"}), Path("/b.toml"))
+        self.assertEqual(config_path(None, {}).name, "config.toml")
+
+    def test_missing_default_file_is_defaults(self) -> None:
+        self.assertEqual(load_config(Path(self.mktemp())), Config())
+
+    def test_missing_named_file_is_error(self) -> None:
+        with self.assertRaises(ConfigError):
+            load_config(Path(self.mktemp()), required=True)
+
+
+class NameTests(SynchronousTestCase):
+    def test_bare_name_means_latest(self) -> None:
+        self.assertEqual(canonical_name("llama3"), "llama3:latest")
+        self.assertEqual(canonical_name("llama3:8b"), "llama3:8b")
+        self.assertEqual(canonical_name("library/llama3"), "library/llama3:latest")
+        self.assertEqual(canonical_name("qwen2.5-coder:1.5b-q4_K_M"), "qwen2.5-coder:1.5b-q4_K_M")
+
+    def test_case_insensitive_key(self) -> None:
+        self.assertEqual(name_key("Llama3"), name_key("llama3:LATEST"))
+
+    def test_invalid(self) -> None:
+        for bad in ["", "a b", ":tag", "a:", "a:b:c", "../x", "-x"]:
+            with self.assertRaises(ValueError, msg=bad):
+                canonical_name(bad)
