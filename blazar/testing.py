@@ -139,7 +139,9 @@ def make_test_model(
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
     if embedding:
-        writer.add_pooling_type(1)  # mean
+        from gguf import PoolingType
+
+        writer.add_pooling_type(PoolingType.MEAN)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0 if t != _NORMAL else -float(len(tok)) for tok, t in zip(tokens, types)])
@@ -363,3 +365,43 @@ class FakeSupervisor:
         from blazar.engines.supervisor import EngineCrashed
 
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
+
+
+def forced_tool_call_request(model: str, seed: int = 1, stream: bool = False) -> dict[str, object]:
+    """
+    An OpenAI chat request that makes the random test model emit one real,
+    parsed tool call on the pinned llama-server (seen with seeds 1-4).
+
+    How: C{tool_choice: "required"} makes the engine's grammar apply once
+    C{<tool_call>} and a newline appear, so both are pushed up with
+    C{logit_bias}; spaces and tabs are pushed down so the JSON closes within
+    C{max_tokens}; the argument is an enum so its string ends; and
+    C{<|im_end|>} is pushed up so the turn ends after one call
+    (C{finish_reason: "tool_calls"}).
+    """
+    ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
+    bias = {
+        ids["<tool_call>"]: 100, ids["\n"]: 100, ids["<|im_end|>"]: 100,
+        ids["<0x09>"]: -100, ids["<0x20>"]: -100, ids["<0x0A>"]: -100, ids["▁"]: -100,
+    }
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
+        "tools": [{
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Current weather for a city",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                    "required": ["city"],
+                },
+            },
+        }],
+        "tool_choice": "required",
+        "logit_bias": {str(k): v for k, v in bias.items()},
+        "max_tokens": 200,
+        "seed": seed,
+        "stream": stream,
+    }

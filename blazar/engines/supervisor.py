@@ -73,9 +73,13 @@ def free_port() -> int:
 def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
     """
     The base environment for engine children: the daemon's, without any
-    C{LLAMA_ARG_*} variable (those would silently change engine flags).
+    C{LLAMA_ARG_*} or C{LLAMA_API_KEY*} variable (those would silently
+    change engine flags or keys).
     """
-    return {k: v for k, v in environ.items() if not k.startswith("LLAMA_ARG_")}
+    return {
+        k: v for k, v in environ.items()
+        if not k.startswith("LLAMA_ARG_") and not k.startswith("LLAMA_API_KEY")
+    }
 
 
 @attrs.define(eq=False)

@@ -37,7 +37,7 @@ class BuildCommandTests(SynchronousTestCase):
         self.assertIn("--metrics", argv)
         self.assertNotIn("--embeddings", argv)
         # the per-child key is in the environment, never in argv
-        self.assertEqual(c.env, {"LLAMA_ARG_API_KEY": "k3y"})
+        self.assertEqual(c.env, {"LLAMA_API_KEY": "k3y"})
         self.assertNotIn("k3y", " ".join(argv))
 
     def test_small_trained_context(self) -> None:

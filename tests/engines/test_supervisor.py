@@ -40,7 +40,7 @@ class SupervisorTests(SynchronousTestCase):
         transport, executable, argv, env = self.reactor.spawned[0]
         self.assertIn("--port", argv)
         self.assertEqual(argv[argv.index("--port") + 1], "5555")
-        self.assertIn("LLAMA_ARG_API_KEY", env)
+        self.assertIn("LLAMA_API_KEY", env)
         self.assertNotIn("LLAMA_ARG_THREADS", env)
         self.assertTrue(transport.stdin_closed)
         for d in waits:

@@ -1,0 +1,52 @@
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from blazar.testing import TestModel, make_test_model
+from tests.integration.harness import Daemon, engine_binary
+
+
+@pytest.fixture(scope="session")
+def engine() -> str:
+    return engine_binary()
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TestModel]:
+    """
+    Generated GGUFs shared by every daemon: C{tiny} (chat), C{tiny-embed}
+    (embeddings), and C{cold} files that each test module may start once.
+    """
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "tiny": make_test_model(root / "tiny.gguf"),
+        "tiny-embed": make_test_model(root / "tiny-embed.gguf", seed=1, embedding=True),
+        "cold": make_test_model(root / "cold.gguf", seed=2),
+    }
+
+
+def daemon_config(engine: str, models: dict[str, TestModel], extra: str = "") -> str:
+    models_dir = models["tiny"].path.parent
+    return (
+        f'models_dir = "{models_dir}"\n'
+        "ready_timeout = 60\nstop_grace = 5\n"
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        '[models."tiny-embed"]\nembedding = true\n' + extra
+    )
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, models: dict[str, TestModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("daemon"), daemon_config(engine, models))
+    d.start()
+    try:
+        yield d
+    finally:
+        code = d.stop()
+        leftovers = d.leftovers
+        d.kill_everything()
+        # twistd re-raises the signal that stopped it, so SIGTERM shows as -15
+        assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{d.log()[-4000:]}"
+        assert leftovers == [], "llama-server outlived the daemon"

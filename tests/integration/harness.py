@@ -1,0 +1,197 @@
+"""
+Running a real `twistd -n blazar` daemon with real llama-server children for
+integration tests, and talking to it with the standard library's HTTP client.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import psutil
+import pytest
+
+from blazar.config import parse_config
+from blazar.engines.llamacpp import EngineNotFound, find_binary
+
+
+def engine_binary() -> str:
+    """
+    The llama-server to test with: $BLAZAR_ENGINE (set by ./dev.sh), else
+    the daemon's own search. Missing is a failure, never a skip: these tests
+    exist to drive the real engine.
+    """
+    explicit = os.environ.get("BLAZAR_ENGINE")
+    if explicit:
+        return explicit
+    try:
+        return str(find_binary(parse_config(""), os.environ))
+    except EngineNotFound as e:
+        pytest.fail(f"integration tests need llama-server: run ./dev.sh test ({e})")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def alive(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+class Daemon:
+    """
+    One daemon process under test.
+    """
+
+    def __init__(self, root: Path, config_text: str, port: int | None = None) -> None:
+        self.root = root
+        self.port = port or free_port()
+        root.mkdir(parents=True, exist_ok=True)
+        self.config = root / "config.toml"
+        self.config.write_text(
+            f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
+            f'data_dir = "{root / "data"}"\n' + config_text
+        )
+        self.log_path = root / "daemon.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.leftovers: list[psutil.Process] = []
+
+    def command(self) -> list[str]:
+        return [
+            str(Path(sys.executable).parent / "twistd"), "--nodaemon", "--pidfile=",
+            "blazar", "--config", str(self.config),
+        ]
+
+    def start(self, wait: bool = True) -> "Daemon":
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.root
+            )
+        if wait:
+            self.wait_healthy()
+        return self
+
+    def wait_healthy(self, timeout: float = 30.0) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if self.request("GET", "/health", timeout=1)[0] == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.05)
+        raise AssertionError(f"daemon not healthy after {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(
+        self, method: str, path: str, body: Any = None, timeout: float = 120.0,
+        raw: bytes | None = None,
+    ) -> tuple[int, dict[str, str], bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            data = raw if raw is not None else (json.dumps(body) if body is not None else None)
+            conn.request(method, path, data, {"content-type": "application/json"})
+            resp = conn.getresponse()
+            headers = {k.lower(): v for k, v in resp.getheaders()}
+            return resp.status, headers, resp.read()
+        finally:
+            conn.close()
+
+    def post_json(self, path: str, body: Any, timeout: float = 120.0) -> tuple[int, Any]:
+        status, _, data = self.request("POST", path, body, timeout)
+        try:
+            return status, json.loads(data)
+        except ValueError:
+            raise AssertionError(f"{status}: not JSON: {data[:500]!r}") from None
+
+    def stream(self, path: str, body: Any, timeout: float = 120.0) -> Iterator[tuple[str, float]]:
+        """
+        Yield each SSE C{data:} payload with the monotonic time it arrived.
+        Raises AssertionError if the status is not 200.
+        """
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        try:
+            conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            if resp.status != 200:
+                raise AssertionError(f"{resp.status}: {resp.read()[:1000]!r}")
+            self.last_stream_headers = {k.lower(): v for k, v in resp.getheaders()}
+            for raw in resp:
+                line = raw.decode("utf-8").rstrip("\n")
+                if line.startswith("data: "):
+                    yield line[len("data: "):], time.monotonic()
+                else:
+                    assert line == "", f"unexpected SSE line {line!r}"
+        finally:
+            conn.close()
+
+    def engines(self) -> list[psutil.Process]:
+        """
+        The daemon's live llama-server children.
+        """
+        assert self.proc is not None
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+        found = []
+        for p in children:
+            try:
+                if p.name() == "llama-server" and p.status() != psutil.STATUS_ZOMBIE:
+                    found.append(p)
+            except psutil.NoSuchProcess:
+                pass
+        return found
+
+    def engine_for(self, model: str) -> psutil.Process:
+        for p in self.engines():
+            argv = p.cmdline()
+            if "--alias" in argv and argv[argv.index("--alias") + 1] == model:
+                return p
+        raise AssertionError(f"no llama-server for {model}: {[p.cmdline() for p in self.engines()]}")
+
+    def stop(self, timeout: float = 30.0) -> int:
+        """
+        SIGTERM the daemon and wait; return its exit code.
+        """
+        assert self.proc is not None
+        engines = self.engines()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        code = self.proc.wait(timeout=timeout)
+        self.leftovers = [p for p in engines if alive(p)]
+        return code
+
+    def kill_everything(self) -> None:
+        """
+        Last-resort cleanup: KILL the daemon and any engine it left.
+        """
+        if self.proc is None:
+            return
+        leftovers = self.engines() + self.leftovers
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+        for p in leftovers:
+            try:
+                p.kill()
+            except psutil.NoSuchProcess:
+                pass

@@ -1,0 +1,41 @@
+"""
+The nevers of ARCHITECTURE.md that import-linter cannot express (it cannot
+forbid a submodule of an external package such as twisted.internet.reactor).
+The layer contracts themselves run as `lint-imports` in ./dev.sh test.
+"""
+
+import ast
+from pathlib import Path
+
+from twisted.trial.unittest import SynchronousTestCase
+
+import blazar
+
+PACKAGE = Path(blazar.__file__).parent
+ENTRY_POINTS = {"tap.py", "cli.py"}
+
+
+def imports_global_reactor(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module == "twisted.internet":
+            if any(alias.name == "reactor" for alias in node.names):
+                return True
+        if isinstance(node, ast.Import):
+            if any(alias.name == "twisted.internet.reactor" for alias in node.names):
+                return True
+    return False
+
+
+class GlobalReactorTests(SynchronousTestCase):
+    def test_detector(self) -> None:
+        self.assertTrue(imports_global_reactor("from twisted.internet import reactor"))
+        self.assertTrue(imports_global_reactor("def f():\n    import twisted.internet.reactor"))
+        self.assertFalse(imports_global_reactor("from twisted.internet import task"))
+
+    def test_only_entry_points_import_the_global_reactor(self) -> None:
+        offenders = [
+            str(path.relative_to(PACKAGE))
+            for path in PACKAGE.rglob("*.py")
+            if path.name not in ENTRY_POINTS and imports_global_reactor(path.read_text())
+        ]
+        self.assertEqual(offenders, [])
