@@ -61,7 +61,7 @@ _NORMAL, _UNKNOWN, _CONTROL_T, _USER, _BYTE = 1, 2, 3, 4, 6
 
 
 @attrs.frozen
-class TestModel:
+class GeneratedModel:
     """
     What L{make_test_model} wrote.
 
@@ -101,7 +101,7 @@ def make_test_model(
     n_head: int = 4,
     n_ff: int = 128,
     context_length: int = 2048,
-) -> TestModel:
+) -> GeneratedModel:
     """
     Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
 
@@ -172,7 +172,7 @@ def make_test_model(
     writer.write_tensors_to_file()
     writer.close()
     os.replace(tmp, out)
-    return TestModel(out, {tok: i for i, tok in enumerate(tokens)})
+    return GeneratedModel(out, {tok: i for i, tok in enumerate(tokens)})
 
 
 # -- fakes for unit tests ---------------------------------------------------

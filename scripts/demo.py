@@ -113,7 +113,8 @@ def main() -> int:
         finally:
             proc.send_signal(signal.SIGTERM)
             code = proc.wait(timeout=30)
-            print(f"\n== daemon stopped (exit code {code})")
+            how = "clean stop on SIGTERM" if code in (0, -signal.SIGTERM) else f"exit code {code}"
+            print(f"\n== daemon stopped ({how})")
     return 0
 
 

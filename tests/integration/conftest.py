@@ -4,7 +4,7 @@ from typing import Iterator
 
 import pytest
 
-from blazar.testing import TestModel, make_test_model
+from blazar.testing import GeneratedModel, make_test_model
 from tests.integration.harness import Daemon, engine_binary
 
 
@@ -14,7 +14,7 @@ def engine() -> str:
 
 
 @pytest.fixture(scope="session")
-def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TestModel]:
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, GeneratedModel]:
     """
     Generated GGUFs shared by every daemon: C{tiny} (chat), C{tiny-embed}
     (embeddings), and C{cold} files that each test module may start once.
@@ -27,7 +27,7 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, TestModel]:
     }
 
 
-def daemon_config(engine: str, models: dict[str, TestModel], extra: str = "") -> str:
+def daemon_config(engine: str, models: dict[str, GeneratedModel], extra: str = "") -> str:
     models_dir = models["tiny"].path.parent
     return (
         f'models_dir = "{models_dir}"\n'
@@ -38,7 +38,7 @@ def daemon_config(engine: str, models: dict[str, TestModel], extra: str = "") ->
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, TestModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("daemon"), daemon_config(engine, models))
     d.start()
     try:

@@ -1,0 +1,90 @@
+"""
+The daemon's process lifecycle: clean stop, bind conflicts, bad configs.
+Each test runs its own short-lived daemon.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from blazar.testing import GeneratedModel
+from tests.integration.conftest import daemon_config
+from tests.integration.harness import Daemon, alive
+
+
+def test_stop_leaves_no_engine_behind(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    d = Daemon(tmp_path, daemon_config(engine, models))
+    d.start()
+    try:
+        for model in ("tiny", "cold"):
+            status, body = d.post_json(
+                "/v1/chat/completions",
+                {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+            )
+            assert status == 200, body
+        engines = d.engines()
+        assert len(engines) == 2
+        code = d.stop()
+        assert code in (0, -signal.SIGTERM), d.log()[-3000:]
+        assert [p.pid for p in engines if alive(p)] == []
+        assert "stopped" in d.log()
+    finally:
+        d.kill_everything()
+
+
+def test_engines_die_with_a_killed_daemon(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    d = Daemon(tmp_path, daemon_config(engine, models))
+    d.start()
+    try:
+        status, _ = d.post_json(
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert status == 200
+        (child,) = d.engines()
+        assert d.proc is not None
+        d.proc.kill()
+        d.proc.wait()
+        # PR_SET_PDEATHSIG: the kernel kills the orphan at once
+        child.wait(10)
+        assert not alive(child)
+    finally:
+        d.kill_everything()
+
+
+def test_second_daemon_on_same_port_exits_3(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    first = Daemon(tmp_path / "a", daemon_config(engine, models))
+    first.start()
+    try:
+        second = Daemon(tmp_path / "b", daemon_config(engine, models), port=first.port)
+        second.start(wait=False)
+        assert second.proc is not None
+        assert second.proc.wait(30) == 3
+        assert f"cannot listen on 127.0.0.1:{first.port}" in second.log()
+        assert "listen" in second.log()
+        # the first one is unharmed
+        assert first.request("GET", "/health")[0] == 200
+    finally:
+        first.stop()
+        first.kill_everything()
+
+
+@pytest.mark.parametrize(
+    "config_text, needle",
+    [
+        ("listne = 1\n", "'listne'"),
+        ("ready_timeout = \"soon\"\n", "'ready_timeout'"),
+        ('[models.tiny]\nctx_size = -4\n', "'models.tiny.ctx_size'"),
+    ],
+)
+def test_bad_config_exits_nonzero_naming_the_key(tmp_path: Path, config_text: str, needle: str) -> None:
+    d = Daemon(tmp_path, config_text)
+    result = subprocess.run(d.command(), capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    assert result.returncode != 0
+    output = result.stdout + result.stderr
+    assert needle in output, output
+    assert str(d.config) in output
