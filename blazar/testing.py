@@ -329,6 +329,7 @@ class FakeInstance:
     base_url: str = "http://engine.invalid"
     api_key: str = "secret"
     in_flight: int = 0
+    state: str = "ready"
 
     @property
     def entry(self):  # type: ignore[no-untyped-def]
@@ -347,6 +348,7 @@ class FakeSupervisor:
 
     names: list[str]
     instances: dict[str, FakeInstance] = attrs.field(factory=dict)
+    started: int = 0
 
     async def instance_for(self, name: str) -> FakeInstance:
         from blazar.models.registry import ModelNotFound
@@ -358,12 +360,21 @@ class FakeSupervisor:
             raise ModelNotFound(name, self.names) from None
         for canonical in self.names:
             if name_key(canonical) == key:
-                return self.instances.setdefault(canonical, FakeInstance(canonical))
+                if canonical not in self.instances:
+                    self.started += 1
+                    self.instances[canonical] = FakeInstance(canonical)
+                return self.instances[canonical]
         raise ModelNotFound(name, self.names)
 
     async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
+        """
+        As the real one when the child has exited: the instance is dead and
+        leaves the table.
+        """
         from blazar.engines.supervisor import EngineCrashed
 
+        instance.state = "dead"
+        self.instances.pop(instance.name, None)
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
 
 

@@ -27,6 +27,7 @@ from twisted.internet.defer import (
 )
 from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.task import deferLater
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from blazar.config import Config
@@ -198,10 +199,13 @@ class Supervisor(Service):
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
         meta = await self._registry.metadata(entry)
+        binary = await deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), self._find_binary,
+            self._config, self._environ,
+        )
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
-        binary = self._find_binary(self._config, self._environ)
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
         command = build_command(

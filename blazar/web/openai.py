@@ -18,6 +18,7 @@ from typing import Any
 
 from klein import Klein
 from twisted.internet.defer import CancelledError
+from twisted.internet.error import ConnectError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -215,20 +216,10 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         stream = bool(body.get("stream", False)) and kind != "embedding"
-        instance = await self._supervisor.instance_for(model)
+        instance, response = await self._send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
-        headers = dict(instance.auth_headers)
-        headers[b"content-type"] = [b"application/json"]
         instance.in_flight += 1
         try:
-            try:
-                response = await self._engines.request(
-                    "POST", instance.base_url + path, raw, headers
-                )
-            except CancelledError:
-                raise
-            except Exception as e:
-                raise await self._supervisor.explain_failure(instance, e) from None
             if response.code != 200:
                 error = await read_body(
                     response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=1 << 20
@@ -250,6 +241,38 @@ class OpenAISurface:
             return renamer.rename(payload)
         finally:
             instance.in_flight -= 1
+
+    async def _send(self, model: str, path: str, raw: bytes) -> tuple[Instance, Any]:
+        """
+        Send the client's body to a ready child for C{model}; return the
+        child and its response (headers read, body not yet).
+
+        A child that died since its last request refuses the connection
+        before anything is sent; then the request goes, once, to a fresh
+        child instead of failing.
+
+        @raise EngineError: The child could not be reached.
+        """
+        for attempt in (1, 2):
+            instance = await self._supervisor.instance_for(model)
+            headers = dict(instance.auth_headers)
+            headers[b"content-type"] = [b"application/json"]
+            try:
+                response = await self._engines.request(
+                    "POST", instance.base_url + path, raw, headers
+                )
+            except CancelledError:
+                raise
+            except ConnectError as e:
+                error = await self._supervisor.explain_failure(instance, e)
+                if attempt == 2 or instance.state != "dead":
+                    raise error from None
+                log.info("{model} had died; retrying on a fresh child", model=model)
+                continue
+            except Exception as e:
+                raise await self._supervisor.explain_failure(instance, e) from None
+            return instance, response
+        raise AssertionError("unreachable")
 
     async def _relay_stream(
         self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer

@@ -296,3 +296,25 @@ def test_forced_tool_call_streaming(daemon: Daemon) -> None:
         assert all("id" not in f and "name" not in f.get("function", {}) for f in rest), parts
         arguments = "".join(f["function"].get("arguments", "") for f in parts)
         assert json.loads(arguments)["city"] in {"Paris", "Oslo"}
+
+
+def test_sigkill_during_non_streaming_request_is_502(daemon: Daemon) -> None:
+    assert chat(daemon)[0] == 200
+    victim = daemon.engine_for("tiny:latest")
+    result: list[tuple[int, dict]] = []
+    t = threading.Thread(target=lambda: result.append(
+        chat(daemon, max_tokens=100000, ignore_eos=True)
+    ))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not any(s.get("is_processing") for s in engine_slots(daemon, "tiny:latest")):
+        assert time.monotonic() < deadline, "engine never started the request"
+        time.sleep(0.02)
+    victim.send_signal(signal.SIGKILL)
+    t.join(15)
+    assert not t.is_alive(), "request hung after its engine died"
+    status, body = result[0]
+    assert status == 502, body
+    assert body["error"]["type"] == "engine_error"
+    assert "killed by signal 9" in body["error"]["message"]
+    assert chat(daemon)[0] == 200

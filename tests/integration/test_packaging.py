@@ -21,7 +21,7 @@ def test_wheel_install_registers_twistd_plugin(tmp_path: Path) -> None:
     )
     (wheel,) = wheels.glob("blazar-*.whl")
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     python = venv / "bin" / "python"
     purelib = Path(
         subprocess.run(
@@ -29,11 +29,12 @@ def test_wheel_install_registers_twistd_plugin(tmp_path: Path) -> None:
             check=True, capture_output=True, text=True,
         ).stdout.strip()
     )
-    # Install the wheel for real, but borrow the test venv's dependencies
-    # (a .pth line adds a path without running that path's own .pth files,
-    # so the editable checkout is NOT on the new venv's path).
+    # Install the wheel for real with the new venv's own pip (pip --prefix
+    # from this venv would uninstall this venv's editable blazar), but borrow
+    # this venv's dependencies: a .pth line adds a path without running that
+    # path's own .pth files, so the editable checkout is NOT on the new path.
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--prefix", str(venv), str(wheel)],
+        [str(python), "-m", "pip", "install", "--no-deps", "-q", str(wheel)],
         check=True, timeout=300,
     )
     (purelib / "_deps.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
@@ -56,7 +57,7 @@ def test_wheel_install_registers_twistd_plugin(tmp_path: Path) -> None:
     assert any(line.split()[:1] == ["blazar"] for line in commands.splitlines()), commands
 
     cli = subprocess.run(
-        [str(python), str(venv / "bin" / "blazar"), "--help"], capture_output=True, text=True, cwd=empty,
+        [str(venv / "bin" / "blazar"), "--help"], capture_output=True, text=True, cwd=empty,
     )
     assert cli.returncode == 0 and "serve" in cli.stdout, cli.stderr
 

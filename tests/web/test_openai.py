@@ -3,6 +3,7 @@ from pathlib import Path
 from typing import Any
 
 from treq.testing import StubTreq
+from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
@@ -14,8 +15,12 @@ from blazar.web.openai import OpenAISurface
 class StubEngineClient:
     def __init__(self, stub: StubTreq) -> None:
         self.stub = stub
+        self.refuse = 0
 
     async def request(self, method: str, url: str, body: bytes, headers: Any) -> Any:
+        if self.refuse:
+            self.refuse -= 1
+            raise ConnectionRefusedError("127.0.0.1", 1)
         return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
 
 
@@ -28,9 +33,10 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.engine_app = fake_engine_app("m:latest")
         self.engine = StubTreq(self.engine_app.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
+        self.engine_client = StubEngineClient(self.engine)
         surface = OpenAISurface(
             ModelRegistry(config, self.reactor), self.supervisor,  # type: ignore[arg-type]
-            StubEngineClient(self.engine), self.reactor,  # type: ignore[arg-type]
+            self.engine_client, self.reactor,  # type: ignore[arg-type]
         )
         self.client = StubTreq(surface.app.resource())
 
@@ -142,3 +148,13 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.assertOpenAIError(code, body, 404, "not_found")
         code, _, body = self.call("GET", "/v1/chat/completions")
         self.assertOpenAIError(code, body, 405, "method_not_allowed")
+
+    def test_dead_child_refusing_connection_is_retried_once_on_a_fresh_one(self) -> None:
+        chat = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
+        self.engine_client.refuse = 1
+        code, _, body = self.call("POST", "/v1/chat/completions", chat)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(self.supervisor.started, 2)
+        self.engine_client.refuse = 2
+        code, _, body = self.call("POST", "/v1/chat/completions", chat)
+        self.assertOpenAIError(code, body, 502, "engine_error", "connection failed")
