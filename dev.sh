@@ -22,7 +22,8 @@ setup() {
   fi
   local stamp=".venv/.blazar-deps"
   local want; want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
-  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
+     || ! (cd / && "$OLDPWD/.venv/bin/python" -c 'import blazar.tap' 2>/dev/null); then
     say "installing Blazar and its Python dependencies into .venv"
     .venv/bin/python -m pip install -q --upgrade pip >/dev/null
     # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins here
@@ -44,6 +45,8 @@ case "${1:-}" in
     shift
     say "checking import contracts (lint-imports)"
     .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
+    say "type-checking (mypy)"
+    .venv/bin/mypy
     exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
     ;;
   *)

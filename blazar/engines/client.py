@@ -95,7 +95,8 @@ class _BodyRelay(Protocol):
         if self.timer.active():
             self.timer.cancel()
         if self.transport is not None:
-            self.transport.stopProducing()
+            # an IPushProducer (TransportProxyProducer): closes the connection
+            self.transport.stopProducing()  # type: ignore[attr-defined]
         finished, self.finished = self.finished, None
         if finished is not None:
             finished.errback(error)

@@ -314,6 +314,7 @@ class OpenAISurface:
     @app.handle_errors(BadRequest)
     def _bad_request(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
+        assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
 
     @app.handle_errors(ModelNotFound)
@@ -325,6 +326,7 @@ class OpenAISurface:
     @app.handle_errors(EngineRejected)
     def _engine_rejected(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
+        assert isinstance(e, EngineRejected)
         if 400 <= e.status < 500:
             return self._error(request, e.status, error_body(str(e), "invalid_request_error", None))
         return self._error(

@@ -30,7 +30,7 @@ class BlazarRequest(Request):
     trace_id = ""
 
     def gotLength(self, length: int | None) -> None:
-        limit = getattr(self.channel.site, "max_body_bytes", None)  # type: ignore[union-attr]
+        limit = getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
         if limit is not None and length is not None and length > limit:
             self.body_too_large = True
             length = 0
@@ -39,7 +39,7 @@ class BlazarRequest(Request):
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_too_large:
             return
-        limit = getattr(self.channel.site, "max_body_bytes", None)  # type: ignore[union-attr]
+        limit = getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
         if limit is not None and self.content is not None:
             if self.content.tell() + len(data) > limit:
                 self.body_too_large = True
