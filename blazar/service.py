@@ -19,6 +19,7 @@ from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.web.openai import OpenAISurface
+from blazar.web.proxy import EngineProxy
 from blazar.web.site import BlazarSite
 
 log = Logger()
@@ -80,7 +81,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     EnginePool(engines).setServiceParent(top)
     supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
     supervisor.setServiceParent(top)
-    surface = OpenAISurface(registry, supervisor, engines, reactor)
+    surface = OpenAISurface(registry, EngineProxy(supervisor, engines, reactor))
     site = BlazarSite(surface.app.resource(), max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()
     for description in config.listen:

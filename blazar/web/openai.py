@@ -18,22 +18,19 @@ from typing import Any
 
 from klein import Klein
 from twisted.internet.defer import CancelledError
-from twisted.internet.error import ConnectError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from blazar.engines.client import EngineClient, read_body, relay_body
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import EngineError, Instance, Supervisor
+from blazar.engines.supervisor import EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.proxy import EngineProxy, EngineRejected
 from blazar.web.sse import ModelRenamer, SSERelay
 
 log = Logger()
 
-STREAM_IDLE_TIMEOUT = 600.0
-MAX_ENGINE_BODY = 256 * 1024 * 1024
 OWNED_BY = "blazar"
 
 
@@ -49,18 +46,6 @@ class BadRequest(Exception):
         super().__init__(message)
 
 
-class EngineRejected(Exception):
-    """
-    The engine answered with an error status.
-
-    @ivar status: The engine's HTTP status.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        super().__init__(message)
-
-
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
     """
     OpenAI's error envelope, encoded.
@@ -68,24 +53,6 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return json.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     ).encode("utf-8")
-
-
-def engine_error_message(body: bytes) -> str:
-    """
-    The human message in an engine's error body (llama-server answers
-    C{{"error": {"code", "message", "type"}}}), or the raw text.
-    """
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return body.decode("utf-8", "replace")[:2000]
-    if isinstance(parsed, dict):
-        error = parsed.get("error")
-        if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
-        if isinstance(error, str):
-            return error
-    return body.decode("utf-8", "replace")[:2000]
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -150,17 +117,9 @@ class OpenAISurface:
 
     app = Klein()
 
-    def __init__(
-        self,
-        registry: ModelRegistry,
-        supervisor: Supervisor,
-        engines: EngineClient,
-        clock: Any,
-    ) -> None:
+    def __init__(self, registry: ModelRegistry, proxy: EngineProxy) -> None:
         self._registry = registry
-        self._supervisor = supervisor
-        self._engines = engines
-        self._clock = clock
+        self._proxy = proxy
 
     # -- liveness -----------------------------------------------------------
 
@@ -193,17 +152,17 @@ class OpenAISurface:
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat_completions(self, request: IRequest) -> Any:
-        return self._proxy(request, "chat", "/v1/chat/completions")
+        return self._forward(request, "chat", "/v1/chat/completions")
 
     @app.route("/v1/completions", methods=["POST"])
     def completions(self, request: IRequest) -> Any:
-        return self._proxy(request, "completion", "/v1/completions")
+        return self._forward(request, "completion", "/v1/completions")
 
     @app.route("/v1/embeddings", methods=["POST"])
     def embeddings(self, request: IRequest) -> Any:
-        return self._proxy(request, "embedding", "/v1/embeddings")
+        return self._forward(request, "embedding", "/v1/embeddings")
 
-    async def _proxy(self, request: IRequest, kind: str, path: str) -> bytes | None:
+    async def _forward(self, request: IRequest, kind: str, path: str) -> bytes | None:
         if getattr(request, "body_too_large", False):
             request.setResponseCode(413)
             request.setHeader(b"content-type", b"application/json")
@@ -216,63 +175,18 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         stream = bool(body.get("stream", False)) and kind != "embedding"
-        instance, response = await self._send(model, path, raw)
+        instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
         instance.in_flight += 1
         try:
-            if response.code != 200:
-                error = await read_body(
-                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=1 << 20
-                )
-                raise EngineRejected(response.code, engine_error_message(error))
             if stream:
                 await self._relay_stream(request, instance, response, renamer)
                 return None
-            try:
-                payload = await read_body(
-                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
-                    max_bytes=MAX_ENGINE_BODY,
-                )
-            except CancelledError:
-                raise
-            except Exception as e:
-                raise await self._supervisor.explain_failure(instance, e) from None
+            payload = await self._proxy.read(instance, response)
             request.setHeader(b"content-type", b"application/json")
             return renamer.rename(payload)
         finally:
             instance.in_flight -= 1
-
-    async def _send(self, model: str, path: str, raw: bytes) -> tuple[Instance, Any]:
-        """
-        Send the client's body to a ready child for C{model}; return the
-        child and its response (headers read, body not yet).
-
-        A child that died since its last request refuses the connection
-        before anything is sent; then the request goes, once, to a fresh
-        child instead of failing.
-
-        @raise EngineError: The child could not be reached.
-        """
-        for attempt in (1, 2):
-            instance = await self._supervisor.instance_for(model)
-            headers = dict(instance.auth_headers)
-            headers[b"content-type"] = [b"application/json"]
-            try:
-                response = await self._engines.request(
-                    "POST", instance.base_url + path, raw, headers
-                )
-            except CancelledError:
-                raise
-            except ConnectError as e:
-                error = await self._supervisor.explain_failure(instance, e)
-                if attempt == 2 or instance.state != "dead":
-                    raise error from None
-                log.info("{model} had died; retrying on a fresh child", model=model)
-                continue
-            except Exception as e:
-                raise await self._supervisor.explain_failure(instance, e) from None
-            return instance, response
-        raise AssertionError("unreachable")
 
     async def _relay_stream(
         self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer
@@ -282,13 +196,8 @@ class OpenAISurface:
         request.setHeader(b"x-accel-buffering", b"no")
         relay = SSERelay(request.write, renamer)
         try:
-            await relay_body(
-                response, relay.feed, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT
-            )
-        except CancelledError:
-            raise
-        except Exception as e:
-            error = await self._supervisor.explain_failure(instance, e)
+            await self._proxy.relay(instance, response, relay.feed)
+        except EngineError as error:
             log.error(
                 "stream from {model} broke: {error}", model=instance.entry.name,
                 error=str(error), trace_id=getattr(request, "trace_id", ""),

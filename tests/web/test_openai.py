@@ -10,6 +10,7 @@ from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
 from blazar.web.openai import OpenAISurface
+from blazar.web.proxy import EngineProxy
 
 
 class StubEngineClient:
@@ -34,10 +35,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(self.engine_app.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine)
-        surface = OpenAISurface(
-            ModelRegistry(config, self.reactor), self.supervisor,  # type: ignore[arg-type]
-            self.engine_client, self.reactor,  # type: ignore[arg-type]
-        )
+        proxy = EngineProxy(self.supervisor, self.engine_client, self.reactor)  # type: ignore[arg-type]
+        surface = OpenAISurface(ModelRegistry(config, self.reactor), proxy)
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:

@@ -1,0 +1,135 @@
+"""
+Calling engine children on behalf of a surface: pick a ready child, send
+the body, read or relay what comes back, and turn every way that can fail
+into a domain error the surface renders in its own shape.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.internet.defer import CancelledError
+from twisted.internet.error import ConnectError
+from twisted.logger import Logger
+
+from blazar.engines.client import EngineClient, read_body, relay_body
+from blazar.engines.supervisor import Instance, Supervisor
+
+log = Logger()
+
+STREAM_IDLE_TIMEOUT = 600.0
+MAX_ENGINE_BODY = 256 * 1024 * 1024
+MAX_ERROR_BODY = 1 << 20
+
+
+class EngineRejected(Exception):
+    """
+    The engine answered with an error status.
+
+    @ivar status: The engine's HTTP status.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def engine_error_message(body: bytes) -> str:
+    """
+    The human message in an engine's error body (llama-server answers
+    C{{"error": {"code", "message", "type"}}}), or the raw text.
+    """
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace")[:2000]
+    if isinstance(parsed, dict):
+        error = parsed.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return error["message"]
+        if isinstance(error, str):
+            return error
+    return body.decode("utf-8", "replace")[:2000]
+
+
+class EngineProxy:
+    """
+    The one way surfaces talk to engines.
+    """
+
+    def __init__(self, supervisor: Supervisor, engines: EngineClient, clock: Any) -> None:
+        self.supervisor = supervisor
+        self._engines = engines
+        self._clock = clock
+
+    async def send(self, model: str, path: str, body: bytes) -> tuple[Instance, Any]:
+        """
+        Send C{body} to a ready child for C{model}; return the child and its
+        200 response (headers read, body not yet).
+
+        A child that died since its last request refuses the connection
+        before anything is sent; then the request goes, once, to a fresh
+        child instead of failing.
+
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        @raise blazar.engines.supervisor.EngineError: The child could not
+            be started or reached.
+        @raise EngineRejected: The child answered an error status.
+        """
+        for attempt in (1, 2):
+            instance = await self.supervisor.instance_for(model)
+            headers = dict(instance.auth_headers)
+            headers[b"content-type"] = [b"application/json"]
+            try:
+                response = await self._engines.request(
+                    "POST", instance.base_url + path, body, headers
+                )
+            except CancelledError:
+                raise
+            except ConnectError as e:
+                error = await self.supervisor.explain_failure(instance, e)
+                if attempt == 2 or instance.state != "dead":
+                    raise error from None
+                log.info("{model} had died; retrying on a fresh child", model=model)
+                continue
+            except Exception as e:
+                raise await self.supervisor.explain_failure(instance, e) from None
+            if response.code != 200:
+                error_body = await read_body(
+                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
+                    max_bytes=MAX_ERROR_BODY,
+                )
+                raise EngineRejected(response.code, engine_error_message(error_body))
+            return instance, response
+        raise AssertionError("unreachable")
+
+    async def read(self, instance: Instance, response: Any) -> bytes:
+        """
+        The whole body of a child's response.
+
+        @raise blazar.engines.supervisor.EngineError: The child died or
+            stalled before it finished.
+        """
+        try:
+            return await read_body(
+                response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=MAX_ENGINE_BODY
+            )
+        except CancelledError:
+            raise
+        except Exception as e:
+            raise await self.supervisor.explain_failure(instance, e) from None
+
+    async def relay(self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None]) -> None:
+        """
+        Feed the child's body to C{on_chunk} as it arrives.
+
+        @raise blazar.engines.supervisor.EngineError: The child died or
+            stalled mid-way.
+        """
+        try:
+            await relay_body(response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT)
+        except CancelledError:
+            raise
+        except Exception as e:
+            raise await self.supervisor.explain_failure(instance, e) from None
