@@ -11,6 +11,8 @@ C{~/.config/blazar/config.toml}. Keys::
     ready_timeout = 120.0          # seconds a child may take to answer /health 200
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
     max_body_bytes = 33554432      # request bodies above this get 413
+    keep_alive = "5m"              # default idle time before unloading a model
+                                   # (Go duration or seconds; negative = forever)
 
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
@@ -30,6 +32,7 @@ key, the file and what was expected.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -103,6 +106,7 @@ class Config:
     ready_timeout: float = 120.0
     stop_grace: float = 10.0
     max_body_bytes: int = 32 * 1024 * 1024
+    keep_alive: float = 300.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
 
@@ -114,6 +118,37 @@ class Config:
         if self.models_dir is not None:
             return self.models_dir
         return self.data_dir / "models"
+
+
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_duration(value: object) -> float:
+    """
+    A duration as Ollama takes C{keep_alive}: a Go duration string
+    (C{"5m"}, C{"1h30m"}, C{"-1s"}), a numeric string, or a number of
+    seconds.
+
+    @return: Seconds (negative values are kept: "forever" for keep_alive).
+    @raise ValueError: Not a duration.
+    """
+    if isinstance(value, bool):
+        raise ValueError(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            return float(text)
+        except ValueError:
+            pass
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        parts = _DURATION.findall(body)
+        if parts and "".join(n + u for n, u in parts) == body:
+            return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
+    raise ValueError(value)
 
 
 def config_path(explicit: str | None, environ: Mapping[str, str]) -> Path:
@@ -210,7 +245,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
 
     top = {
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
-        "max_body_bytes", "engines", "models",
+        "max_body_bytes", "keep_alive", "engines", "models",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -230,6 +265,11 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for key in ("ready_timeout", "stop_grace"):
         if key in doc:
             kwargs[key] = _positive_number(doc[key], where, key)
+    if "keep_alive" in doc:
+        try:
+            kwargs["keep_alive"] = parse_duration(doc["keep_alive"])
+        except ValueError:
+            raise _expected(where, "keep_alive", 'a duration like "5m" or a number of seconds', doc["keep_alive"]) from None
     if "max_body_bytes" in doc:
         kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
 

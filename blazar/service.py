@@ -6,6 +6,7 @@ together.
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any, Mapping
 
 from twisted.application import strports
@@ -18,8 +19,10 @@ from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
+from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
 
 log = Logger()
@@ -81,8 +84,11 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     EnginePool(engines).setServiceParent(top)
     supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
     supervisor.setServiceParent(top)
-    surface = OpenAISurface(registry, EngineProxy(supervisor, engines, reactor))
-    site = BlazarSite(surface.app.resource(), max_body_bytes=config.max_body_bytes, reactor=reactor)
+    proxy = EngineProxy(supervisor, engines, reactor)
+    openai = OpenAISurface(registry, proxy)
+    ollama = OllamaSurface(registry, proxy, reactor, time.time)
+    root = SurfaceRouter(openai.app.resource(), ollama.app.resource())
+    site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)

@@ -102,6 +102,8 @@ class Instance:
     in_flight: int = 0
     transport: Any = None
     kill_timer: Any = None
+    keep_alive: float = 300.0
+    last_used: float = 0.0
     _waiters: list[Deferred[Instance]] = attrs.field(factory=list)
     _failure: BaseException | None = None
 
@@ -142,6 +144,15 @@ class Instance:
                 d.callback(self)
             else:
                 d.errback(failure)
+
+    def expires_at(self) -> float | None:
+        """
+        When this child becomes idle-evictable (seconds since the epoch on
+        the supervisor's clock), or L{None} if it is kept loaded forever.
+        """
+        if self.keep_alive < 0:
+            return None
+        return self.last_used + self.keep_alive
 
     def describe_exit(self, status: ExitStatus) -> str:
         tail = self.protocol.tail_text()
@@ -212,7 +223,11 @@ class Supervisor(Service):
             binary, entry, meta, port=port, api_key=api_key, config=self._config
         )
         protocol = EngineProcessProtocol(entry.name)
-        instance = Instance(entry, port, api_key, protocol, started_at=self._reactor.seconds())
+        now = self._reactor.seconds()
+        instance = Instance(
+            entry, port, api_key, protocol, started_at=now, last_used=now,
+            keep_alive=self._config.keep_alive,
+        )
         env = child_environment(self._environ)
         env.update(command.env)
         argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
@@ -325,6 +340,22 @@ class Supervisor(Service):
 
         instance.kill_timer = self._reactor.callLater(self._config.stop_grace, kill)
         return ended
+
+    def touch(self, instance: Instance, keep_alive: float | None = None) -> None:
+        """
+        Record a use of C{instance}; C{keep_alive} (seconds, negative for
+        forever) replaces its idle time when given, as Ollama's per-request
+        C{keep_alive} does.
+        """
+        instance.last_used = self._reactor.seconds()
+        if keep_alive is not None:
+            instance.keep_alive = keep_alive
+
+    def loaded(self, name: str) -> Instance | None:
+        """
+        The live child for canonical model C{name}, if any.
+        """
+        return self._instances.get(name)
 
     def stop_instance(self, instance: Instance) -> Deferred[ExitStatus]:
         """

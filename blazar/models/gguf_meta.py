@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import attrs
 
@@ -43,6 +43,38 @@ class GGUFMetadata:
     has_chat_template: bool
     pooling_type: int | None
     size: int
+    parameter_count: int = 0
+    chat_template: str | None = None
+    kv: Mapping[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def quantization_level(self) -> str:
+        """
+        The file type's name as Ollama shows it (C{"Q4_K_M"}, C{"F16"}).
+        """
+        from gguf import LlamaFileType
+
+        if self.file_type is None:
+            return "unknown"
+        try:
+            name = LlamaFileType(self.file_type).name
+        except ValueError:
+            return f"type {self.file_type}"
+        return name.replace("MOSTLY_", "").replace("ALL_", "")
+
+    @property
+    def parameter_size(self) -> str:
+        """
+        The parameter count as Ollama shows it (C{"7.6B"}, C{"494.03M"}).
+        """
+        n = self.parameter_count
+        if n >= 1_000_000_000:
+            return f"{n / 1e9:.1f}B"
+        if n >= 1_000_000:
+            return f"{n / 1e6:.2f}M"
+        if n >= 1_000:
+            return f"{n / 1e3:.2f}K"
+        return str(n)
 
 
 def _value(reader: Any, key: str) -> Any:
@@ -76,6 +108,7 @@ def thd_read_metadata(path: Path, shards: tuple[Path, ...] = ()) -> GGUFMetadata
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: GGUF file has no general.architecture")
     size = sum(os.stat(p).st_size for p in (path, *shards))
+    template = _value(reader, "tokenizer.chat_template")
     return GGUFMetadata(
         architecture=arch,
         context_length=_int(reader, f"{arch}.context_length"),
@@ -87,4 +120,30 @@ def thd_read_metadata(path: Path, shards: tuple[Path, ...] = ()) -> GGUFMetadata
         has_chat_template=reader.get_field("tokenizer.chat_template") is not None,
         pooling_type=_int(reader, f"{arch}.pooling_type"),
         size=size,
+        parameter_count=sum(int(t.n_elements) for t in reader.tensors),
+        chat_template=template if isinstance(template, str) else None,
+        kv=_elided_kv(reader),
     )
+
+
+MAX_ARRAY = 64
+
+
+def _elided_kv(reader: Any) -> dict[str, Any]:
+    """
+    Every key/value pair except the header's bookkeeping, with arrays longer
+    than L{MAX_ARRAY} (vocabularies, merges) replaced by L{None}, as Ollama's
+    C{/api/show} does without C{verbose}.
+    """
+    out: dict[str, Any] = {}
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF."):
+            continue
+        if len(field.data) > MAX_ARRAY and field.types and field.types[0].name == "ARRAY":
+            out[name] = None
+            continue
+        try:
+            out[name] = field.contents()
+        except Exception:
+            out[name] = None
+    return out

@@ -9,6 +9,7 @@ add names (with C{path}) or override how a found model is run.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 from pathlib import Path
@@ -61,6 +62,12 @@ class ModelEntry:
 
 
 def _stem_name(stem: str) -> str:
+    if ":" in stem:
+        # name:tag.gguf, as /api/copy writes tagged aliases
+        try:
+            return canonical_name(stem)
+        except ValueError:
+            pass
     cleaned = _BAD_NAME_CHARS.sub("-", stem).strip("-.") or "model"
     if not cleaned[0].isalnum() and cleaned[0] != "_":
         cleaned = "m" + cleaned
@@ -131,8 +138,19 @@ class ModelRegistry:
     _read: Callable[[Path, tuple[Path, ...]], GGUFMetadata] = thd_read_metadata
     _entries: dict[str, ModelEntry] = attrs.field(factory=dict)
     _meta_cache: dict[tuple[Path, int, int], GGUFMetadata] = attrs.field(factory=dict)
+    _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
 
-    async def _in_thread(self, f: Callable[..., object], *args: object) -> object:
+    @property
+    def models_dir(self) -> Path:
+        """
+        Where model files live (and where aliases are written).
+        """
+        return self._config.resolved_models_dir
+
+    async def in_thread(self, f: Callable[..., object], *args: object) -> object:
+        """
+        Run blocking C{f(*args)} in the reactor's thread pool.
+        """
         return await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), f, *args)
 
     async def refresh(self) -> list[ModelEntry]:
@@ -141,7 +159,7 @@ class ModelRegistry:
 
         @return: Every model, sorted by name.
         """
-        entries = await self._in_thread(
+        entries = await self.in_thread(
             self._scan, self._config.resolved_models_dir, self._config.models
         )
         assert isinstance(entries, dict)
@@ -174,13 +192,48 @@ class ModelRegistry:
 
         @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
         """
-        st = await self._in_thread(os.stat, entry.path)
+        st = await self.in_thread(os.stat, entry.path)
         assert isinstance(st, os.stat_result)
         key = (entry.path, st.st_mtime_ns, st.st_size)
         cached = self._meta_cache.get(key)
         if cached is None:
-            meta = await self._in_thread(self._read, entry.path, entry.shards)
+            meta = await self.in_thread(self._read, entry.path, entry.shards)
             assert isinstance(meta, GGUFMetadata)
             self._meta_cache = {k: v for k, v in self._meta_cache.items() if k[0] != entry.path}
             self._meta_cache[key] = cached = meta
         return cached
+
+    async def digest(self, entry: ModelEntry) -> str:
+        """
+        C{sha256:<hex>} of the model's file (first shard), computed once per
+        (path, mtime, size) in the thread pool.
+        """
+        st = await self.in_thread(os.stat, entry.path)
+        assert isinstance(st, os.stat_result)
+        key = (entry.path, st.st_mtime_ns, st.st_size)
+        cached = self._digest_cache.get(key)
+        if cached is None:
+            hexdigest = await self.in_thread(thd_sha256, entry.path)
+            assert isinstance(hexdigest, str)
+            cached = "sha256:" + hexdigest
+            self._digest_cache = {k: v for k, v in self._digest_cache.items() if k[0] != entry.path}
+            self._digest_cache[key] = cached
+        return cached
+
+    def forget(self) -> None:
+        """
+        Drop the cached listing so the next lookup rescans (after a copy or
+        delete).
+        """
+        self._entries = {}
+
+
+def thd_sha256(path: Path) -> str:
+    """
+    Hex sha256 of a file. Blocking: call in a thread pool.
+    """
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()

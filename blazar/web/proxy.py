@@ -126,10 +126,15 @@ class EngineProxy:
 
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled mid-way.
+        @raise EngineRejected: C{on_chunk} raised it, or could not parse
+            the stream (C{ValueError}).
         """
         try:
             await relay_body(response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT)
-        except CancelledError:
+        except (CancelledError, EngineRejected):
             raise
+        except ValueError as e:
+            # on_chunk could not parse what the engine sent
+            raise EngineRejected(502, f"engine sent a malformed stream: {e}") from None
         except Exception as e:
             raise await self.supervisor.explain_failure(instance, e) from None

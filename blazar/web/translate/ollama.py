@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import base64
 import json
-import re
 import time
 from typing import Any, Callable, Iterable
 
 import attrs
+
+from blazar.config import parse_duration
 
 
 class TranslationError(ValueError):
@@ -62,36 +63,21 @@ _IGNORED_OPTIONS = {
     "embedding_only", "rope_frequency_base", "rope_frequency_scale", "num_gqa",
 }
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")
-_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
 def parse_keep_alive(value: Any) -> float | None:
     """
-    Ollama's C{keep_alive}: a Go duration string (C{"5m"}, C{"1h30m"},
-    C{"-1"}), or a number of seconds.
+    Ollama's C{keep_alive} (see L{blazar.config.parse_duration}).
 
     @return: Seconds; negative means keep loaded forever; L{None} if absent.
     @raise TranslationError: Not a duration.
     """
     if value is None:
         return None
-    if isinstance(value, bool):
-        raise TranslationError(f"keep_alive must be a duration like \"5m\" or a number of seconds, got {value!r}")
-    if isinstance(value, (int, float)):
-        return float(value)
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            return float(text)
-        except ValueError:
-            pass
-        sign = -1.0 if text.startswith("-") else 1.0
-        body = text.lstrip("+-")
-        parts = _DURATION.findall(body)
-        if parts and "".join(n + u for n, u in parts) == body:
-            return sign * sum(float(n) * _UNIT_SECONDS[u] for n, u in parts)
-    raise TranslationError(f"keep_alive must be a duration like \"5m\" or a number of seconds, got {value!r}")
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise TranslationError(
+            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
+        ) from None
 
 
 def _image_url(data: Any) -> dict[str, Any]:

@@ -1,0 +1,532 @@
+"""
+The Ollama surface: Ollama's HTTP API (C{docs/api.md} in ollama/ollama) on
+the same port, translated to and from the engines' OpenAI format by
+L{blazar.web.translate.ollama}.
+
+Errors are C{{"error": "..."}} with Ollama's statuses; a stream that fails
+after its first line ends with an C{{"error": ...}} line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable
+
+from klein import Klein
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+
+from blazar import __version__
+from blazar.engines.llamacpp import EngineNotFound, context_per_slot
+from blazar.engines.supervisor import EngineError, Instance
+from blazar.models.gguf_meta import GGUFError, GGUFMetadata
+from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
+from blazar.names import canonical_name, name_key
+from blazar.web.proxy import EngineProxy, EngineRejected
+from blazar.web.sse import SSEEvents
+from blazar.web.translate import ollama as tr
+
+log = Logger()
+
+NDJSON = b"application/x-ndjson"
+# The Ollama release whose API this surface follows.
+OLLAMA_API_VERSION = "0.12.0"
+
+
+class OllamaError(Exception):
+    """
+    An error answered as C{{"error": message}} with C{status}.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+def _json(request: IRequest, value: Any, status: int = 200) -> bytes:
+    request.setResponseCode(status)
+    request.setHeader(b"content-type", b"application/json; charset=utf-8")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def _rfc3339(seconds: float) -> str:
+    return tr.created_at(seconds)
+
+
+def details(meta: GGUFMetadata) -> dict[str, Any]:
+    """
+    Ollama's C{details} object for a model.
+    """
+    return {
+        "parent_model": "",
+        "format": "gguf",
+        "family": meta.architecture,
+        "families": [meta.architecture],
+        "parameter_size": meta.parameter_size,
+        "quantization_level": meta.quantization_level,
+    }
+
+
+def capabilities(entry: ModelEntry, meta: GGUFMetadata) -> list[str]:
+    """
+    What the model can do, from its config and chat template:
+    C{completion}, C{embedding}, C{tools}, C{thinking}.
+    """
+    if entry.settings.embedding:
+        return ["embedding"]
+    caps = ["completion"]
+    template = meta.chat_template or ""
+    if "tools" in template:
+        caps.append("tools")
+    if "<think>" in template or "enable_thinking" in template or "reasoning_content" in template:
+        caps.append("thinking")
+    return caps
+
+
+class OllamaSurface:
+    """
+    Ollama-compatible HTTP API over the supervisor's children.
+    """
+
+    app = Klein()
+
+    def __init__(
+        self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self._registry = registry
+        self._proxy = proxy
+        self._supervisor = proxy.supervisor
+        self._clock = clock
+        self._now = wall_clock
+
+    # -- small endpoints --------------------------------------------------------
+
+    @app.route("/", methods=["GET", "HEAD"])
+    def root(self, request: IRequest) -> bytes:
+        request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+        return b"Ollama is running"
+
+    @app.route("/api/version", methods=["GET", "HEAD"])
+    def version(self, request: IRequest) -> bytes:
+        return _json(request, {"version": OLLAMA_API_VERSION, "blazar": __version__})
+
+    @app.route("/api/create", methods=["POST"])
+    @app.route("/api/push", methods=["POST"])
+    def unsupported(self, request: IRequest) -> bytes:
+        what = "create" if request.path.endswith(b"/create") else "push"
+        hint = (
+            "put a .gguf file in models_dir (or add [models.\"name\"] path = ... to the config)"
+            if what == "create"
+            else "copy the .gguf file from models_dir to where you want it"
+        )
+        return _json(request, {"error": f"/api/{what} is not supported by Blazar: {hint}"}, 501)
+
+    # -- helpers --------------------------------------------------------------
+
+    def _body(self, request: IRequest) -> dict[str, Any]:
+        if getattr(request, "body_too_large", False):
+            raise OllamaError(413, "request body too large; raise max_body_bytes in the config")
+        raw = request.content.read() if request.content is not None else b""
+        try:
+            body = json.loads(raw) if raw.strip() else {}
+        except (ValueError, UnicodeDecodeError) as e:
+            raise OllamaError(400, f"invalid JSON in request body: {e}") from None
+        if not isinstance(body, dict):
+            raise OllamaError(400, "request body must be a JSON object")
+        return body
+
+    def _model_field(self, body: dict[str, Any], key: str = "model") -> str:
+        model = body.get(key) or (body.get("name") if key == "model" else None)
+        if not isinstance(model, str) or not model:
+            raise OllamaError(400, f"{key} is required")
+        return model
+
+    async def _entry(self, name: str) -> ModelEntry:
+        try:
+            return await self._registry.resolve(name)
+        except ModelNotFound:
+            raise OllamaError(404, f'model "{name}" not found, try pulling it first') from None
+
+    def _stream_flag(self, body: dict[str, Any]) -> bool:
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool):
+            raise OllamaError(400, "stream must be true or false")
+        return stream
+
+    def _keep_alive(self, body: dict[str, Any]) -> float | None:
+        try:
+            return tr.parse_keep_alive(body.get("keep_alive"))
+        except tr.TranslationError as e:
+            raise OllamaError(400, str(e)) from None
+
+    async def _load(self, model: str) -> tr.Timing:
+        """
+        Make sure a child for C{model} is ready, timing how long that took
+        (Ollama's C{load_duration}).
+        """
+        started = self._clock.seconds()
+        await self._entry(model)
+        await self._supervisor.instance_for(model)
+        return tr.Timing(started=started, loaded=self._clock.seconds())
+
+    def _after(self, instance: Instance, keep_alive: float | None) -> None:
+        self._supervisor.touch(instance, keep_alive)
+        if keep_alive == 0 and instance.in_flight == 0:
+            d = self._supervisor.stop_instance(instance)
+            d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
+
+    # -- chat and generate -------------------------------------------------------
+
+    @app.route("/api/chat", methods=["POST"])
+    async def chat(self, request: IRequest) -> bytes | None:
+        return await self._generate(request, "chat")
+
+    @app.route("/api/generate", methods=["POST"])
+    async def generate(self, request: IRequest) -> bytes | None:
+        return await self._generate(request, "generate")
+
+    async def _load_or_unload(
+        self, request: IRequest, kind: str, model: str, keep_alive: float | None
+    ) -> bytes:
+        entry = await self._entry(model)
+        started = self._clock.seconds()
+        if keep_alive == 0:
+            instance = self._supervisor.loaded(entry.name)
+            if instance is not None:
+                await self._supervisor.stop_instance(instance)
+            reason = "unload"
+        else:
+            instance = await self._supervisor.instance_for(model)
+            self._supervisor.touch(instance, keep_alive)
+            reason = "load"
+        line: dict[str, Any] = {"model": model, "created_at": _rfc3339(self._now())}
+        if kind == "chat":
+            line["message"] = {"role": "assistant", "content": ""}
+        else:
+            line["response"] = ""
+        line.update({"done": True, "done_reason": reason})
+        if reason == "load":
+            line["load_duration"] = int((self._clock.seconds() - started) * 1e9)
+        return _json(request, line)
+
+    async def _generate(self, request: IRequest, kind: str) -> bytes | None:
+        body = self._body(request)
+        model = self._model_field(body)
+        stream = self._stream_flag(body)
+        keep_alive = self._keep_alive(body)
+        empty = (
+            not body.get("messages") if kind == "chat"
+            else not body.get("prompt") and not body.get("suffix")
+        )
+        if empty:
+            if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
+                raise OllamaError(400, "messages must be an array")
+            return await self._load_or_unload(request, kind, model, keep_alive)
+        try:
+            if kind == "chat":
+                path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)
+            else:
+                path, engine_body = tr.generate_to_openai(body, stream)
+        except tr.TranslationError as e:
+            raise OllamaError(400, str(e)) from None
+        timing = await self._load(model)
+        instance, response = await self._proxy.send(
+            model, path, json.dumps(engine_body).encode("utf-8")
+        )
+        instance.in_flight += 1
+        try:
+            if not stream:
+                reply = json.loads(await self._proxy.read(instance, response))
+                now_wall = self._now()
+                timing_now = self._clock.seconds()
+                if kind == "chat":
+                    out = tr.chat_reply(reply, model, timing, timing_now)
+                else:
+                    out = tr.generate_reply(reply, model, timing, timing_now)
+                out["created_at"] = _rfc3339(now_wall)
+                return _json(request, out)
+            await self._stream(request, kind, model, instance, response, timing, path == "/infill")
+            return None
+        finally:
+            instance.in_flight -= 1
+            self._after(instance, keep_alive)
+
+    async def _stream(
+        self, request: IRequest, kind: str, model: str, instance: Instance, response: Any,
+        timing: tr.Timing, infill: bool,
+    ) -> None:
+        request.setHeader(b"content-type", NDJSON)
+        translator = tr.OllamaStream(kind, model, timing, self._clock.seconds)
+        wall = self._now
+
+        def emit(lines: list[dict[str, Any]]) -> None:
+            if lines:
+                for line in lines:
+                    line["created_at"] = _rfc3339(wall())
+                request.write(tr.ndjson(lines))
+
+        def on_event(data: bytes) -> None:
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise EngineRejected(500, tr_error_message(chunk["error"]))
+            if infill:
+                emit(tr.infill_line(chunk, translator))
+            else:
+                emit(translator.feed(chunk))
+
+        events = SSEEvents(on_event)
+        try:
+            await self._proxy.relay(instance, response, events.feed)
+        except (EngineError, EngineRejected) as error:
+            log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
+            request.write(tr.ndjson([{"error": str(error)}]))
+            return
+        final = translator.finish()
+        final["created_at"] = _rfc3339(wall())
+        request.write(tr.ndjson([final]))
+
+    # -- embeddings -------------------------------------------------------------
+
+    @app.route("/api/embed", methods=["POST"])
+    async def embed(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        model = self._model_field(body)
+        keep_alive = self._keep_alive(body)
+        try:
+            inputs = tr.embed_input(body)
+        except tr.TranslationError as e:
+            raise OllamaError(400, str(e)) from None
+        reply, timing, instance = await self._embed(model, inputs, keep_alive)
+        return _json(request, tr.embed_reply(reply, model, timing, self._clock.seconds()))
+
+    @app.route("/api/embeddings", methods=["POST"])
+    async def embeddings(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        model = self._model_field(body)
+        keep_alive = self._keep_alive(body)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise OllamaError(400, "prompt must be a string")
+        if prompt == "":
+            return _json(request, {"embedding": []})
+        reply, _, _ = await self._embed(model, [prompt], keep_alive)
+        return _json(request, {"embedding": reply["data"][0]["embedding"]})
+
+    async def _embed(
+        self, model: str, inputs: list[str], keep_alive: float | None
+    ) -> tuple[dict[str, Any], tr.Timing, Instance]:
+        entry = await self._entry(model)
+        if not entry.settings.embedding:
+            raise OllamaError(
+                400,
+                f'model "{model}" does not support embeddings: set embedding = true under '
+                f'[models."{entry.name}"] in the config',
+            )
+        timing = await self._load(model)
+        instance, response = await self._proxy.send(
+            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8")
+        )
+        instance.in_flight += 1
+        try:
+            reply = json.loads(await self._proxy.read(instance, response))
+        finally:
+            instance.in_flight -= 1
+            self._after(instance, keep_alive)
+        return reply, timing, instance
+
+    # -- model management ---------------------------------------------------------
+
+    @app.route("/api/tags", methods=["GET", "HEAD"])
+    async def tags(self, request: IRequest) -> bytes:
+        models = []
+        for entry in await self._registry.refresh():
+            try:
+                meta = await self._registry.metadata(entry)
+                digest = await self._registry.digest(entry)
+            except (GGUFError, OSError) as e:
+                log.warn("skipping {path}: {error}", path=str(entry.path), error=str(e))
+                continue
+            models.append({
+                "name": entry.name, "model": entry.name,
+                "modified_at": _rfc3339(entry.modified),
+                "size": meta.size, "digest": digest.removeprefix("sha256:"),
+                "details": details(meta),
+            })
+        return _json(request, {"models": models})
+
+    @app.route("/api/show", methods=["POST"])
+    async def show(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        model = self._model_field(body)
+        entry = await self._entry(model)
+        meta = await self._registry.metadata(entry)
+        parameters = "\n".join(
+            f"{k:<24}{v}" for k, v in [
+                ("num_ctx", context_per_slot(entry, meta)),
+                ("num_parallel", entry.settings.parallel or 4),
+            ]
+        )
+        modelfile = f"# Served by Blazar from {entry.path}\nFROM {entry.path}\n"
+        if meta.chat_template:
+            modelfile += f'TEMPLATE """{meta.chat_template}"""\n'
+        kv = dict(meta.kv)
+        kv.pop("tokenizer.chat_template", None)
+        kv["general.parameter_count"] = meta.parameter_count
+        return _json(request, {
+            "modelfile": modelfile,
+            "parameters": parameters,
+            "template": meta.chat_template or "",
+            "details": details(meta),
+            "model_info": kv,
+            "capabilities": capabilities(entry, meta),
+            "modified_at": _rfc3339(entry.modified),
+        })
+
+    @app.route("/api/ps", methods=["GET"])
+    async def ps(self, request: IRequest) -> bytes:
+        models = []
+        offset = self._now() - self._clock.seconds()
+        for instance in self._supervisor.instances():
+            if instance.state not in ("starting", "ready"):
+                continue
+            entry = instance.entry
+            try:
+                meta = await self._registry.metadata(entry)
+                digest = await self._registry.digest(entry)
+            except (GGUFError, OSError):
+                continue
+            expires = instance.expires_at()
+            models.append({
+                "name": entry.name, "model": entry.name, "size": meta.size, "size_vram": 0,
+                "digest": digest.removeprefix("sha256:"), "details": details(meta),
+                # "forever" is shown far in the future, as Ollama does
+                "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
+                "context_length": context_per_slot(entry, meta),
+            })
+        return _json(request, {"models": models})
+
+    @app.route("/api/copy", methods=["POST"])
+    async def copy(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        source = self._model_field(body, "source")
+        destination = self._model_field(body, "destination")
+        entry = await self._entry(source)
+        try:
+            dest = canonical_name(destination)
+        except ValueError as e:
+            raise OllamaError(400, str(e)) from None
+        if "/" in dest:
+            raise OllamaError(400, "destination must be a plain name[:tag] (no namespace)")
+        existing = [e for e in await self._registry.refresh() if name_key(e.name) == name_key(dest)]
+        if existing:
+            raise OllamaError(400, f'model "{destination}" already exists; delete it first')
+        stem = dest.removesuffix(":latest")
+        target = self._registry.models_dir / f"{stem}.gguf"
+        try:
+            await self._registry.in_thread(_link, entry.path, target)
+        except OSError as e:
+            raise OllamaError(500, f"cannot create {target}: {e.strerror}") from None
+        self._registry.forget()
+        request.setResponseCode(200)
+        return b""
+
+    @app.route("/api/delete", methods=["DELETE"])
+    async def delete(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        model = self._model_field(body)
+        entry = await self._entry(model)
+        models_dir = self._registry.models_dir.resolve()
+        if entry.settings.path is not None and not entry.path.resolve().is_relative_to(models_dir):
+            raise OllamaError(
+                400,
+                f'model "{model}" is configured in [models."{entry.name}"] with a path outside '
+                "models_dir; remove it from the config instead",
+            )
+        instance = self._supervisor.loaded(entry.name)
+        if instance is not None:
+            await self._supervisor.stop_instance(instance)
+        try:
+            for path in (entry.path, *entry.shards):
+                await self._registry.in_thread(os.unlink, path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise OllamaError(500, f"cannot delete {entry.path}: {e.strerror}") from None
+        self._registry.forget()
+        request.setResponseCode(200)
+        return b""
+
+    # -- errors -------------------------------------------------------------
+
+    @app.handle_errors(OllamaError)
+    def _ollama_error(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, OllamaError)
+        return _json(request, {"error": str(e)}, e.status)
+
+    @app.handle_errors(ModelNotFound)
+    def _not_found(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, ModelNotFound)
+        return _json(request, {"error": f'model "{e.name}" not found, try pulling it first'}, 404)
+
+    @app.handle_errors(EngineRejected)
+    def _rejected(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, EngineRejected)
+        status = e.status if 400 <= e.status < 500 else 502
+        return _json(request, {"error": str(e)}, status)
+
+    @app.handle_errors(EngineError, EngineNotFound, GGUFError)
+    def _engine(self, request: IRequest, failure: Failure) -> bytes:
+        log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
+        return _json(request, {"error": str(failure.value)}, 502)
+
+    @app.handle_errors(Exception)
+    def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:
+        if failure.check(CancelledError):
+            return None
+        from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+        if failure.check(NotFound):
+            return _json(request, {"error": "404 page not found"}, 404)
+        if failure.check(MethodNotAllowed):
+            return _json(request, {"error": "405 method not allowed"}, 405)
+        log.failure("unexpected error", failure, trace_id=getattr(request, "trace_id", ""))
+        return _json(
+            request, {"error": f"internal error (trace id {getattr(request, 'trace_id', '')})"}, 500
+        )
+
+
+def tr_error_message(error: Any) -> str:
+    """
+    The message of an engine's in-stream C{error} value.
+    """
+    if isinstance(error, dict):
+        return str(error.get("message", error))
+    return str(error)
+
+
+def _link(source: Path, target: Path) -> None:
+    """
+    Hard-link C{source} to C{target} (zero-copy alias); fall back to a copy
+    across filesystems. Blocking: call in a thread pool.
+    """
+    try:
+        os.link(source, target)
+    except OSError as e:
+        import errno
+        import shutil
+
+        if e.errno != errno.EXDEV:
+            raise
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)
