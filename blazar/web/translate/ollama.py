@@ -54,6 +54,8 @@ _OPTION_NAMES = {
     "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta",
     "num_keep": "n_keep",
+    # not Ollama's, but llama.cpp takes it: token id -> bias
+    "logit_bias": "logit_bias",
 }
 # Accepted and ignored: they size or place the engine, which the operator's
 # config decides (num_ctx: see the lifecycle issue), or are obsolete.
