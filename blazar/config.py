@@ -11,6 +11,7 @@ C{~/.config/blazar/config.toml}. Keys::
     ready_timeout = 120.0          # seconds a child may take to answer /health 200
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
     max_body_bytes = 33554432      # request bodies above this get 413
+    hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
     keep_alive = "5m"              # default idle time before unloading a model
                                    # (Go duration or seconds; negative = forever)
 
@@ -107,6 +108,7 @@ class Config:
     stop_grace: float = 10.0
     max_body_bytes: int = 32 * 1024 * 1024
     keep_alive: float = 300.0
+    hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
 
@@ -245,7 +247,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
 
     top = {
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
-        "max_body_bytes", "keep_alive", "engines", "models",
+        "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -270,6 +272,11 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             kwargs["keep_alive"] = parse_duration(doc["keep_alive"])
         except ValueError:
             raise _expected(where, "keep_alive", 'a duration like "5m" or a number of seconds', doc["keep_alive"]) from None
+    if "hf_endpoint" in doc:
+        endpoint = doc["hf_endpoint"]
+        if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+            raise _expected(where, "hf_endpoint", "an http:// or https:// URL", endpoint)
+        kwargs["hf_endpoint"] = endpoint
     if "max_body_bytes" in doc:
         kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
 

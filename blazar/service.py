@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from twisted.application import strports
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
@@ -19,6 +19,7 @@ from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
@@ -57,17 +58,17 @@ class Listeners(MultiService):
             raise BindConflict(EXIT_BIND_CONFLICT) from None
 
 
-class EnginePool(Service):
+class ConnectionPools(Service):
     """
-    Closes the engine client's cached connections on stop.
+    Closes HTTP clients' cached connections (engines, hub) on stop.
     """
 
-    def __init__(self, client: EngineClient) -> None:
-        self.client = client
+    def __init__(self, *clients: EngineClient | HubClient) -> None:
+        self.clients = clients
 
-    def stopService(self) -> Deferred[None]:
+    def stopService(self) -> Deferred[object]:
         Service.stopService(self)
-        return ensureDeferred(self.client.close())
+        return DeferredList([ensureDeferred(c.close()) for c in self.clients], consumeErrors=True)  # type: ignore[return-value]
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -81,12 +82,13 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     top = MultiService()
     registry = ModelRegistry(config, reactor)
     engines = EngineClient(reactor)
-    EnginePool(engines).setServiceParent(top)
+    hub = HubClient(reactor, config.hf_endpoint, environ.get("HF_TOKEN"))
+    ConnectionPools(engines, hub).setServiceParent(top)
     supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor)
     openai = OpenAISurface(registry, proxy)
-    ollama = OllamaSurface(registry, proxy, reactor, time.time)
+    ollama = OllamaSurface(registry, proxy, reactor, time.time, hub)
     root = SurfaceRouter(openai.app.resource(), ollama.app.resource())
     site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()

@@ -74,6 +74,23 @@ def _stem_name(stem: str) -> str:
     return canonical_name(cleaned)
 
 
+def _hub_name(folder: Path, models_dir: Path, stem: str) -> str | None:
+    """
+    Files pulled from Hugging Face live at C{hf.co/{user}/{repo}/{tag}.gguf}
+    and are named C{hf.co/{user}/{repo}:{tag}}, as Ollama names them.
+    """
+    try:
+        parts = folder.relative_to(models_dir).parts
+    except ValueError:
+        return None
+    if len(parts) == 3 and parts[0] == "hf.co":
+        try:
+            return canonical_name(f"hf.co/{parts[1]}/{parts[2]}:{stem}")
+        except ValueError:
+            return None
+    return None
+
+
 def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[str, ModelEntry]:
     """
     List the models on disk and in config. Blocking: call in a thread pool.
@@ -83,12 +100,11 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
     found: dict[str, ModelEntry] = {}
     by_path: dict[Path, str] = {}
     if models_dir.is_dir():
-        files = sorted(
-            Path(root) / f
-            for root, _dirs, names in os.walk(models_dir, followlinks=True)
-            for f in names
-            if f.endswith(".gguf") and not f.startswith(".")
-        )
+        files = []
+        for root, dirs, names in os.walk(models_dir, followlinks=True):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]  # .partial downloads
+            files += [Path(root) / f for f in names if f.endswith(".gguf") and not f.startswith(".")]
+        files.sort()
         for path in files:
             stem = path.name[: -len(".gguf")]
             shards: tuple[Path, ...] = ()
@@ -102,7 +118,7 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
                     path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")
                     for i in range(2, count + 1)
                 )
-            name = _stem_name(stem)
+            name = _hub_name(path.parent, models_dir, stem) or _stem_name(stem)
             if name_key(name) in found:
                 continue
             try:

@@ -26,6 +26,7 @@ from blazar.engines.supervisor import EngineError, Instance
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import canonical_name, name_key
+from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import EngineProxy, EngineRejected
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import ollama as tr
@@ -96,8 +97,9 @@ class OllamaSurface:
 
     def __init__(
         self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
-        wall_clock: Callable[[], float],
+        wall_clock: Callable[[], float], hub: HubClient,
     ) -> None:
+        self._hub = hub
         self._registry = registry
         self._proxy = proxy
         self._supervisor = proxy.supervisor
@@ -436,6 +438,38 @@ class OllamaSurface:
         self._registry.forget()
         request.setResponseCode(200)
         return b""
+
+    @app.route("/api/pull", methods=["POST"])
+    async def pull(self, request: IRequest) -> bytes | None:
+        body = self._body(request)
+        model = self._model_field(body)
+        stream = self._stream_flag(body)
+        try:
+            name = parse_hub_name(model)
+        except PullError as e:
+            raise OllamaError(e.status, str(e)) from None
+        models_dir = self._registry.models_dir
+        if not stream:
+            try:
+                await self._hub.pull(name, models_dir, lambda _: None)
+            except PullError as e:
+                raise OllamaError(e.status, str(e)) from None
+            finally:
+                self._registry.forget()
+            return _json(request, {"status": "success"})
+        request.setHeader(b"content-type", NDJSON)
+
+        def progress(line: dict[str, Any]) -> None:
+            request.write(tr.ndjson([line]))
+
+        try:
+            await self._hub.pull(name, models_dir, progress)
+        except PullError as e:
+            log.error("pull of {model} failed: {error}", model=model, error=str(e))
+            request.write(tr.ndjson([{"error": str(e)}]))
+        finally:
+            self._registry.forget()
+        return None
 
     @app.route("/api/delete", methods=["DELETE"])
     async def delete(self, request: IRequest) -> bytes:

@@ -83,3 +83,18 @@ class RegistryTests(SynchronousTestCase):
         meta = self.successResultOf(ensureDeferred(self.registry.metadata(entry)))
         self.assertEqual(meta.block_count, 3)
         self.assertEqual(len(reads), 2)
+
+
+class HubNameTests(SynchronousTestCase):
+    def test_pulled_files_are_named_as_ollama_names_them(self) -> None:
+        root = Path(self.mktemp())
+        touch(root / "hf.co" / "bartowski" / "Qwen-GGUF" / "Q4_K_M.gguf")
+        touch(root / "hf.co" / "bartowski" / "Qwen-GGUF" / "latest.gguf")
+        touch(root / ".partial" / "x.gguf")
+        names = sorted(e.name for e in thd_scan(root, {}).values())
+        self.assertEqual(names, ["hf.co/bartowski/Qwen-GGUF:Q4_K_M", "hf.co/bartowski/Qwen-GGUF:latest"])
+
+    def test_tagged_alias_file(self) -> None:
+        root = Path(self.mktemp())
+        touch(root / "mine:v2.gguf")
+        self.assertEqual([e.name for e in thd_scan(root, {}).values()], ["mine:v2"])
