@@ -48,7 +48,7 @@ CHAT_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
-_CONTROL = ["<|im_start|>", "<|im_end|>"]
+_CONTROL = ["<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 _USER_DEFINED = ["<tool_call>", "</tool_call>"]
 _WORDS = [
     "\n", "hello", "▁hello", "▁world", "▁the", "▁a", "▁is", "▁test", "▁model",
@@ -151,6 +151,10 @@ def make_test_model(
     writer.add_unk_token_id(0)
     writer.add_add_bos_token(False)
     writer.add_add_space_prefix(False)
+    # fill-in-the-middle tokens, so llama-server's /infill works
+    writer.add_uint32("tokenizer.ggml.fim_pre_token_id", tokens.index("<|fim_prefix|>"))
+    writer.add_uint32("tokenizer.ggml.fim_suf_token_id", tokens.index("<|fim_suffix|>"))
+    writer.add_uint32("tokenizer.ggml.fim_mid_token_id", tokens.index("<|fim_middle|>"))
     writer.add_chat_template(CHAT_TEMPLATE)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, n_embd))
@@ -378,7 +382,9 @@ class FakeSupervisor:
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
 
 
-def forced_tool_call_request(model: str, seed: int = 1, stream: bool = False) -> dict[str, object]:
+def forced_tool_call_request(
+    model: str, seed: int = 1, stream: bool = False, tool_choice: str = "required"
+) -> dict[str, object]:
     """
     An OpenAI chat request that makes the random test model emit one real,
     parsed tool call on the pinned llama-server (seen with seeds 1-4).
@@ -389,12 +395,20 @@ def forced_tool_call_request(model: str, seed: int = 1, stream: bool = False) ->
     C{max_tokens}; the argument is an enum so its string ends; and
     C{<|im_end|>} is pushed up so the turn ends after one call
     (C{finish_reason: "tool_calls"}).
+
+    With C{tool_choice="auto"} (what Ollama's API amounts to: it has no
+    tool_choice) the engine's grammar is lazy and a pushed-up C{<|im_end|>}
+    would end the turn before the call starts, so it is left alone: the
+    model then writes several parsed calls until C{max_tokens}
+    (C{finish_reason: "length"}).
     """
     ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
     bias = {
-        ids["<tool_call>"]: 100, ids["\n"]: 100, ids["<|im_end|>"]: 100,
+        ids["<tool_call>"]: 100, ids["\n"]: 100,
         ids["<0x09>"]: -100, ids["<0x20>"]: -100, ids["<0x0A>"]: -100, ids["▁"]: -100,
     }
+    if tool_choice == "required":
+        bias[ids["<|im_end|>"]] = 100
     return {
         "model": model,
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
@@ -410,7 +424,7 @@ def forced_tool_call_request(model: str, seed: int = 1, stream: bool = False) ->
                 },
             },
         }],
-        "tool_choice": "required",
+        "tool_choice": tool_choice,
         "logit_bias": {str(k): v for k, v in bias.items()},
         "max_tokens": 200,
         "seed": seed,

@@ -12,9 +12,19 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone
+from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IResponse
+
+
+class QuietConnectionPool(HTTPConnectionPool):
+    """
+    A connection pool whose connection factories do not log "Starting
+    factory" / "Stopping factory" for every new connection.
+    """
+
+    class _factory(_HTTP11ClientFactory):
+        noisy = False
 
 
 class EngineClient:
@@ -26,7 +36,7 @@ class EngineClient:
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0) -> None:
         self._reactor: IReactorTime = reactor
-        self._pool = HTTPConnectionPool(reactor, persistent=True)
+        self._pool = QuietConnectionPool(reactor, persistent=True)
         self._pool.maxPersistentPerHost = 64
         self._pool.cachedConnectionTimeout = 120
         self._pool.retryAutomatically = False

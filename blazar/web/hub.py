@@ -27,10 +27,10 @@ import attrs
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.threads import deferToThreadPool
-from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent
+from twisted.web.client import Agent, RedirectAgent
 from twisted.web.http_headers import Headers
 
-from blazar.engines.client import read_body, relay_body
+from blazar.engines.client import QuietConnectionPool, read_body, relay_body
 
 QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)$")
 PREFERRED = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q8_0")
@@ -221,7 +221,7 @@ class HubClient:
     def __init__(self, reactor: Any, endpoint: str, token: str | None = None) -> None:
         self._reactor = reactor
         self._endpoint = endpoint.rstrip("/")
-        self._pool = HTTPConnectionPool(reactor, persistent=True)
+        self._pool = QuietConnectionPool(reactor, persistent=True)
         self._http = HTTPClient(RedirectAgent(Agent(reactor, connectTimeout=30, pool=self._pool)))
         self._token = token
 

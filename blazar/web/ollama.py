@@ -515,8 +515,7 @@ class OllamaSurface:
     def _rejected(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
         assert isinstance(e, EngineRejected)
-        status = e.status if 400 <= e.status < 500 else 502
-        return _json(request, {"error": str(e)}, status)
+        return _json(request, {"error": str(e)}, client_status(e.status))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:
@@ -537,6 +536,19 @@ class OllamaSurface:
         return _json(
             request, {"error": f"internal error (trace id {getattr(request, 'trace_id', '')})"}, 500
         )
+
+
+def client_status(engine_status: int) -> int:
+    """
+    The status to answer for an engine's error status: its 4xx as they are,
+    501 (the model cannot do that, e.g. infill without FIM tokens) as 400,
+    anything else as 502.
+    """
+    if 400 <= engine_status < 500:
+        return engine_status
+    if engine_status == 501:
+        return 400
+    return 502
 
 
 def tr_error_message(error: Any) -> str:

@@ -236,8 +236,10 @@ class OpenAISurface:
     def _engine_rejected(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
         assert isinstance(e, EngineRejected)
-        if 400 <= e.status < 500:
-            return self._error(request, e.status, error_body(str(e), "invalid_request_error", None))
+        if 400 <= e.status < 500 or e.status == 501:
+            # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
+            status = 400 if e.status == 501 else e.status
+            return self._error(request, status, error_body(str(e), "invalid_request_error", None))
         return self._error(
             request, 502,
             error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),

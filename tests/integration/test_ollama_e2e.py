@@ -186,7 +186,7 @@ def test_format_json(daemon: Daemon) -> None:
 def test_forced_tool_call_arguments_are_objects(daemon: Daemon) -> None:
     for stream in (False, True):
         for seed in range(1, 6):
-            openai_body = forced_tool_call_request("tiny", seed)
+            openai_body = forced_tool_call_request("tiny", seed, tool_choice="auto")
             body = {
                 "model": "tiny", "messages": openai_body["messages"], "tools": openai_body["tools"],
                 "stream": stream,
@@ -206,6 +206,7 @@ def test_forced_tool_call_arguments_are_objects(daemon: Daemon) -> None:
         assert isinstance(calls[0]["function"]["arguments"], dict)
         assert calls[0]["function"]["arguments"]["city"] in {"Paris", "Oslo"}
         assert lines[-1]["done"] is True
+        assert all(isinstance(c["function"]["arguments"], dict) for c in calls)
 
 
 def test_errors(daemon: Daemon, client: ollama.Client) -> None:
@@ -221,3 +222,12 @@ def test_errors(daemon: Daemon, client: ollama.Client) -> None:
     assert status == 501 and "models_dir" in json.loads(body)["error"]
     status, _, body = daemon.request("GET", "/api/nothing")
     assert status == 404 and "error" in json.loads(body)
+
+
+def test_generate_with_suffix_uses_infill(client: ollama.Client) -> None:
+    reply = client.generate(model="tiny", prompt="def f(", suffix="return 1", options={"num_predict": 4})
+    assert reply.done and isinstance(reply.response, str)
+    assert reply.eval_count is not None and reply.eval_count <= 4
+    parts = list(client.generate(model="tiny", prompt="def f(", suffix="return 1", stream=True,
+                                 options={"num_predict": 4}))
+    assert parts[-1].done and sum(p.done for p in parts) == 1
