@@ -11,10 +11,14 @@ import json
 import ollama
 import pytest
 
-from blazar.testing import forced_tool_call_request
+from blazar.testing import forced_tool_call_request, vocabulary
 from tests.integration.harness import Daemon
 
 HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def token_id(text: str) -> int:
+    return vocabulary()[0].index(text)
 
 
 @pytest.fixture(scope="module")
@@ -231,3 +235,25 @@ def test_generate_with_suffix_uses_infill(client: ollama.Client) -> None:
     parts = list(client.generate(model="tiny", prompt="def f(", suffix="return 1", stream=True,
                                  options={"num_predict": 4}))
     assert parts[-1].done and sum(p.done for p in parts) == 1
+
+
+def test_engine_killed_mid_stream_ends_with_error_line(daemon: Daemon) -> None:
+    import signal
+    import time
+
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+    conn.request("POST", "/api/generate", json.dumps({
+        # logit_bias keeps the random model from ending its turn early
+        "model": "tiny", "prompt": "go",
+        "options": {"num_predict": 100000, "logit_bias": {str(token_id("<|im_end|>")): -100}},
+    }), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    first = json.loads(resp.readline())
+    assert first["done"] is False
+    daemon.engine_for("tiny:latest").send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    rest = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+    conn.close()
+    assert time.monotonic() - killed < 10
+    assert "killed by signal 9" in rest[-1]["error"]
+    assert not any(line.get("done") for line in rest)
