@@ -19,6 +19,7 @@ from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.web.anthropic import AnthropicSurface
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -89,7 +90,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     proxy = EngineProxy(supervisor, engines, reactor)
     openai = OpenAISurface(registry, proxy)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub)
-    root = SurfaceRouter(openai.app.resource(), ollama.app.resource())
+    anthropic = AnthropicSurface(registry, proxy, reactor)
+    root = SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource())
     site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()
     for description in config.listen:

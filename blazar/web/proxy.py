@@ -23,6 +23,13 @@ MAX_ENGINE_BODY = 256 * 1024 * 1024
 MAX_ERROR_BODY = 1 << 20
 
 
+class StreamStopped(Exception):
+    """
+    Raised by a relay callback to stop reading a child's stream on purpose
+    (e.g. a stop sequence matched); closing the connection stops the child.
+    """
+
+
 class EngineRejected(Exception):
     """
     The engine answered with an error status.
@@ -131,7 +138,7 @@ class EngineProxy:
         """
         try:
             await relay_body(response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT)
-        except (CancelledError, EngineRejected):
+        except (CancelledError, EngineRejected, StreamStopped):
             raise
         except ValueError as e:
             # on_chunk could not parse what the engine sent

@@ -1,0 +1,247 @@
+"""
+The Anthropic surface: C{POST /v1/messages} and
+C{POST /v1/messages/count_tokens}, per Anthropic's API reference, translated
+to the engines' OpenAI format by L{blazar.web.translate.anthropic}.
+
+Errors are C{{"type": "error", "error": {"type", "message"}}}; every
+response carries a C{request-id} header. C{x-api-key}, C{anthropic-version}
+and C{anthropic-beta} headers and query strings such as C{?beta=true} are
+accepted and ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+from klein import Klein
+from twisted.internet.defer import CancelledError
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+
+from blazar.engines.llamacpp import EngineNotFound
+from blazar.engines.supervisor import EngineError, Instance
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.proxy import EngineProxy, EngineRejected, StreamStopped
+from blazar.web.sse import SSEEvents
+from blazar.web.translate import anthropic as tr
+
+log = Logger()
+
+PING_INTERVAL = 5.0
+
+
+class AnthropicError(Exception):
+    """
+    An error answered in Anthropic's shape.
+
+    @ivar status: HTTP status.
+    @ivar kind: Anthropic's error type (C{invalid_request_error}, ...).
+    """
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        self.status = status
+        self.kind = kind
+        super().__init__(message)
+
+
+def error_body(kind: str, message: str) -> bytes:
+    """
+    Anthropic's error envelope, encoded.
+    """
+    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode("utf-8")
+
+
+class AnthropicSurface:
+    """
+    Anthropic Messages API over the supervisor's children.
+    """
+
+    app = Klein()
+
+    def __init__(self, registry: ModelRegistry, proxy: EngineProxy, clock: Any) -> None:
+        self._registry = registry
+        self._proxy = proxy
+        self._supervisor = proxy.supervisor
+        self._clock = clock
+
+    def _request_id(self, request: IRequest) -> None:
+        request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode("ascii"))
+
+    def _body(self, request: IRequest) -> dict[str, Any]:
+        self._request_id(request)
+        if getattr(request, "body_too_large", False):
+            raise AnthropicError(413, "request_too_large",
+                                 "Request exceeds the maximum allowed size (max_body_bytes in the config)")
+        raw = request.content.read() if request.content is not None else b""
+        try:
+            body = json.loads(raw)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise AnthropicError(400, "invalid_request_error", f"invalid JSON body: {e}") from None
+        if not isinstance(body, dict):
+            raise AnthropicError(400, "invalid_request_error", "request body must be a JSON object")
+        return body
+
+    def _translate(self, body: dict[str, Any], counting: bool = False) -> tuple[dict[str, Any], list[str]]:
+        try:
+            return tr.request_to_openai(body, counting=counting)
+        except tr.AnthropicRequestError as e:
+            raise AnthropicError(400, "invalid_request_error", str(e)) from None
+
+    async def _resolve(self, model: str) -> str:
+        try:
+            return (await self._registry.resolve(model)).name
+        except ModelNotFound as e:
+            raise AnthropicError(404, "not_found_error", f"model: {model} ({e})") from None
+
+    async def _count(self, model: str, engine_body: dict[str, Any]) -> int:
+        body = dict(engine_body)
+        body.pop("stream", None)
+        body.pop("stream_options", None)
+        instance, response = await self._proxy.send(
+            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8")
+        )
+        reply = json.loads(await self._proxy.read(instance, response))
+        return int(reply["input_tokens"])
+
+    @app.route("/v1/messages/count_tokens", methods=["POST"])
+    async def count_tokens(self, request: IRequest) -> bytes:
+        body = self._body(request)
+        engine_body, _ = self._translate(body, counting=True)
+        model = body["model"]
+        await self._resolve(model)
+        count = await self._count(model, engine_body)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"input_tokens": count}).encode("utf-8")
+
+    @app.route("/v1/messages", methods=["POST"])
+    async def messages(self, request: IRequest) -> bytes | None:
+        body = self._body(request)
+        engine_body, stops = self._translate(body)
+        model = body["model"]
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise AnthropicError(400, "invalid_request_error", "stream: must be a boolean")
+        canonical = await self._resolve(model)
+        translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
+        raw = json.dumps(engine_body).encode("utf-8")
+        if not stream:
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            await self._collect(instance, response, translator, None)
+            translator.finish()
+            request.setHeader(b"content-type", b"application/json")
+            return json.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
+        loaded = self._supervisor.loaded(canonical)
+        if loaded is not None and loaded.state == "ready":
+            # Anthropic's message_start carries the prompt's token count;
+            # it is cheap to know when the model is already loaded.
+            try:
+                translator.input_tokens = await self._count(model, engine_body)
+            except (EngineError, EngineRejected):
+                pass
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"cache-control", b"no-cache")
+        self._write(request, translator.start())
+        # pings while the child is silent (loading the model, reading the prompt)
+        pinger = LoopingCall(request.write, tr.sse_event("ping", {"type": "ping"}))
+        pinger.clock = self._clock
+        pinger.start(PING_INTERVAL, now=False).addErrback(
+            lambda f: log.failure("ping failed", f)
+        )
+        try:
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            await self._collect(instance, response, translator, request, pinger)
+        except (EngineError, EngineRejected, EngineNotFound) as e:
+            log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
+            request.write(tr.sse_event("error", {"type": "error", "error": {
+                "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
+                else "invalid_request_error",
+                "message": str(e)}}))
+            return None
+        finally:
+            if pinger.running:
+                pinger.stop()
+        self._write(request, translator.finish())
+        return None
+
+    def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if events:
+            request.write(b"".join(tr.sse_event(name, payload) for name, payload in events))
+
+    async def _collect(
+        self, instance: Instance, response: Any, translator: tr.AnthropicStream,
+        request: IRequest | None, pinger: Any = None,
+    ) -> None:
+        def on_event(data: bytes) -> None:
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                error = chunk["error"]
+                raise EngineRejected(500, error.get("message", str(error)) if isinstance(error, dict) else str(error))
+            if pinger is not None and pinger.running:
+                pinger.stop()
+            events = translator.feed(chunk)
+            if request is not None:
+                self._write(request, events)
+            if translator.stopped:
+                raise StreamStopped()
+
+        instance.in_flight += 1
+        try:
+            await self._proxy.relay(instance, response, SSEEvents(on_event).feed)
+        except StreamStopped:
+            pass
+        finally:
+            instance.in_flight -= 1
+            self._supervisor.touch(instance)
+
+    # -- errors -------------------------------------------------------------
+
+    def _error(self, request: IRequest, status: int, kind: str, message: str) -> bytes:
+        self._request_id(request)
+        request.setResponseCode(status)
+        request.setHeader(b"content-type", b"application/json")
+        return error_body(kind, message)
+
+    @app.handle_errors(AnthropicError)
+    def _anthropic_error(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, AnthropicError)
+        return self._error(request, e.status, e.kind, str(e))
+
+    @app.handle_errors(ModelNotFound)
+    def _not_found(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 404, "not_found_error", str(failure.value))
+
+    @app.handle_errors(EngineRejected)
+    def _rejected(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, EngineRejected)
+        if 400 <= e.status < 500 or e.status == 501:
+            return self._error(request, 400, "invalid_request_error", str(e))
+        return self._error(request, 500, "api_error", f"engine error ({e.status}): {e}")
+
+    @app.handle_errors(EngineError, EngineNotFound, GGUFError)
+    def _engine(self, request: IRequest, failure: Failure) -> bytes:
+        log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
+        return self._error(request, 500, "api_error", str(failure.value))
+
+    @app.handle_errors(Exception)
+    def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:
+        if failure.check(CancelledError):
+            return None
+        from werkzeug.exceptions import MethodNotAllowed, NotFound
+
+        if failure.check(NotFound):
+            return self._error(request, 404, "not_found_error", f"no route for {request.path.decode('ascii', 'replace')}")
+        if failure.check(MethodNotAllowed):
+            return self._error(request, 405, "invalid_request_error",
+                               f"method {request.method.decode('ascii', 'replace')} not allowed here")
+        log.failure("unexpected error", failure, trace_id=getattr(request, "trace_id", ""))
+        return self._error(request, 500, "api_error",
+                           f"internal error (request id req_{getattr(request, 'trace_id', '')})")
