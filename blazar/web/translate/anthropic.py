@@ -240,10 +240,21 @@ def request_to_openai(
         if converted:
             out["tools"] = converted
     choice, parallel = tool_choice_to_openai(body.get("tool_choice"))
+    if isinstance(choice, dict) and "tools" in out:
+        # {"type": "tool", "name": X}: offer only X, and require a call
+        name = choice["function"]["name"]
+        out["tools"] = [t for t in out["tools"] if t["function"]["name"] == name]
+        if not out["tools"]:
+            raise AnthropicRequestError(f"tool_choice.name: no tool named {name!r} in tools")
+        choice = "required"
     if choice is not None and "tools" in out:
         out["tool_choice"] = choice
     if parallel is not None:
         out["parallel_tool_calls"] = parallel
+    # llama.cpp's own sampling extension, passed through for clients that
+    # send it (e.g. with the SDK's extra_body): token id -> bias
+    if isinstance(body.get("logit_bias"), dict):
+        out["logit_bias"] = body["logit_bias"]
     thinking = body.get("thinking")
     if isinstance(thinking, dict):
         out["chat_template_kwargs"] = {"enable_thinking": thinking.get("type") == "enabled"}

@@ -1,0 +1,203 @@
+"""
+Table tests of the Anthropic translator on recorded llama-server streams.
+"""
+
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.web.sse import SSEEvents
+from blazar.web.translate import anthropic as tr
+
+
+def chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
+    c: dict = {"created": 1, "id": "chatcmpl-x", "model": "m:latest", "object": "chat.completion.chunk",
+               "choices": [] if delta is None and finish is None else
+               [{"index": 0, "finish_reason": finish, "delta": delta or {}}]}
+    if usage:
+        c["usage"] = usage
+    return c
+
+
+def sse(*chunks: dict) -> bytes:
+    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+                    for c in chunks) + b"data: [DONE]\n\n"
+
+
+USAGE = chunk(usage={"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18})
+
+TEXT = sse(
+    chunk({"role": "assistant", "content": None}),   # empty first chunk, role only
+    chunk({"content": "h€llo"}), chunk({"content": " wörld 😀"}),
+    chunk(finish="stop"), USAGE,                       # usage-only final chunk
+)
+
+TOOLS = sse(
+    chunk({"content": None}),                          # empty first chunk, no role
+    chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
+                           "function": {"name": "get_weather", "arguments": "{\"ci"}}]}),
+    chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
+                           "function": {"name": "get_time", "arguments": "{\"tz\":"}}]}),
+    chunk({"tool_calls": [{"index": 0, "function": {"arguments": "ty\": \"Paris\"}"}}]}),
+    chunk({"tool_calls": [{"index": 1, "function": {"arguments": "\"UTC\"}"}}]}),
+    chunk(finish="tool_calls"), USAGE,
+)
+
+
+def run(stream: bytes, splits: list[int] = [], stops: list[str] | None = None) -> tuple[list[dict], tr.AnthropicStream]:
+    t = tr.AnthropicStream("msg_1", "m", stops or [])
+    events = list(t.start())
+
+    def on_event(data: bytes) -> None:
+        if data != b"[DONE]" and not t.stopped:
+            events.extend(t.feed(json.loads(data)))
+
+    parser = SSEEvents(on_event)
+    cuts = [0, *sorted(splits), len(stream)]
+    for a, b in zip(cuts, cuts[1:]):
+        parser.feed(stream[a:b])
+    events.extend(t.finish())
+    return [payload for _, payload in events], t
+
+
+def check_order(events: list[dict]) -> None:
+    types = [e["type"] for e in events]
+    assert types[0] == "message_start" and types[-2:] == ["message_delta", "message_stop"], types
+    assert types.count("message_start") == 1 and types.count("message_delta") == 1
+    expected = 0
+    open_index = None
+    for e in events[1:-2]:
+        if e["type"] == "content_block_start":
+            assert open_index is None and e["index"] == expected
+            open_index = e["index"]
+        elif e["type"] == "content_block_delta":
+            assert e["index"] == open_index
+        elif e["type"] == "content_block_stop":
+            assert e["index"] == open_index
+            open_index, expected = None, expected + 1
+    assert open_index is None
+
+
+class StreamTests(SynchronousTestCase):
+    def test_text(self) -> None:
+        events, t = run(TEXT)
+        check_order(events)
+        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+        self.assertEqual(text, "h€llo wörld 😀")
+        delta = events[-2]
+        self.assertEqual(delta["delta"], {"stop_reason": "end_turn", "stop_sequence": None})
+        self.assertEqual(delta["usage"], {"input_tokens": 12, "output_tokens": 6})
+        message = t.message()
+        self.assertEqual(message["content"], [{"type": "text", "text": "h€llo wörld 😀"}])
+        self.assertEqual(message["stop_reason"], "end_turn")
+
+    def test_multibyte_split_at_every_byte(self) -> None:
+        whole, _ = run(TEXT)
+        for cut in range(1, len(TEXT)):
+            events, _ = run(TEXT, [cut])
+            self.assertEqual(events, whole, cut)
+
+    def test_interleaved_tool_fragments(self) -> None:
+        for splits in ([], [100], [37, 250, 400]):
+            events, t = run(TOOLS, splits)
+            check_order(events)
+            starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
+            self.assertEqual([(b["type"], b["id"], b["name"], b["input"]) for b in starts],
+                             [("tool_use", "call_a", "get_weather", {}), ("tool_use", "call_b", "get_time", {})])
+            for index, expected in [(0, {"city": "Paris"}), (1, {"tz": "UTC"})]:
+                partial = "".join(e["delta"]["partial_json"] for e in events
+                                  if e["type"] == "content_block_delta" and e["index"] == index)
+                self.assertEqual(json.loads(partial), expected)
+            self.assertEqual(events[-2]["delta"]["stop_reason"], "tool_use")
+            self.assertEqual([b["input"] for b in t.message()["content"]], [{"city": "Paris"}, {"tz": "UTC"}])
+
+    def test_stop_sequence_matched_across_chunks(self) -> None:
+        stream = sse(chunk({"content": "one ST"}), chunk({"content": "OP two"}), chunk(finish="length"), USAGE)
+        events, t = run(stream, stops=["STOP"])
+        self.assertTrue(t.stopped)
+        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+        self.assertEqual(text, "one ")
+        self.assertEqual(events[-2]["delta"], {"stop_reason": "stop_sequence", "stop_sequence": "STOP"})
+
+    def test_partial_stop_prefix_is_released(self) -> None:
+        stream = sse(chunk({"content": "a ST"}), chunk({"content": "AY"}), chunk(finish="stop"), USAGE)
+        events, t = run(stream, stops=["STOP"])
+        text = "".join(e["delta"]["text"] for e in events if e["type"] == "content_block_delta")
+        self.assertEqual(text, "a STAY")
+        self.assertEqual(events[-2]["delta"]["stop_reason"], "end_turn")
+
+    def test_max_tokens_and_thinking(self) -> None:
+        stream = sse(chunk({"reasoning_content": "hmm"}), chunk({"content": "ok"}), chunk(finish="length"), USAGE)
+        events, t = run(stream)
+        check_order(events)
+        self.assertEqual([b["type"] for b in t.message()["content"]], ["thinking", "text"])
+        self.assertEqual(events[-2]["delta"]["stop_reason"], "max_tokens")
+
+
+class RequestTests(SynchronousTestCase):
+    def test_full_request(self) -> None:
+        body = {
+            "model": "m", "max_tokens": 50, "stop_sequences": ["END"], "temperature": 0.2, "top_k": 3,
+            "system": [{"type": "text", "text": "be", "cache_control": {"type": "ephemeral"}},
+                       {"type": "text", "text": "brief"}],
+            "metadata": {"user_id": "u"},
+            "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
+            "tool_choice": {"type": "tool", "name": "f"},
+            "messages": [
+                {"role": "user", "content": [
+                    {"type": "text", "text": "look"},
+                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAA"}}]},
+                {"role": "assistant", "content": [
+                    {"type": "text", "text": "calling"},
+                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "42"}],
+                     "is_error": True},
+                    {"type": "text", "text": "thanks"}]},
+            ],
+        }
+        out, stops = tr.request_to_openai(body)
+        self.assertEqual(stops, ["END"])
+        self.assertNotIn("stop", out)  # matched by the gateway
+        self.assertEqual(out["max_tokens"], 50)
+        self.assertEqual(out["messages"][0], {"role": "system", "content": "be\n\nbrief"})
+        self.assertEqual(out["messages"][1]["content"][1]["image_url"]["url"], "data:image/png;base64,AAA")
+        self.assertEqual(out["messages"][2]["tool_calls"][0]["function"], {"name": "f", "arguments": '{"x": 1}'})
+        self.assertEqual(out["messages"][3], {"role": "tool", "tool_call_id": "t1", "content": "Error: 42"})
+        self.assertEqual(out["messages"][4], {"role": "user", "content": "thanks"})
+        self.assertEqual(out["tool_choice"], "required")  # with only the named tool offered
+        self.assertEqual([t["function"]["name"] for t in out["tools"]], ["f"])
+        self.assertEqual(out["tools"][0]["function"]["parameters"], {"type": "object"})
+
+    def test_system_string_equals_blocks(self) -> None:
+        a, _ = tr.request_to_openai({"model": "m", "max_tokens": 1, "system": "x",
+                                     "messages": [{"role": "user", "content": "q"}]})
+        b, _ = tr.request_to_openai({"model": "m", "max_tokens": 1, "system": [{"type": "text", "text": "x"}],
+                                     "messages": [{"role": "user", "content": "q"}]})
+        self.assertEqual(a, b)
+
+    def test_tool_choice_kinds(self) -> None:
+        self.assertEqual(tr.tool_choice_to_openai({"type": "any"}), ("required", None))
+        self.assertEqual(tr.tool_choice_to_openai({"type": "auto", "disable_parallel_tool_use": True}), ("auto", False))
+        self.assertEqual(tr.tool_choice_to_openai({"type": "none"}), ("none", None))
+
+    def test_errors_name_the_field(self) -> None:
+        cases = [
+            ({"model": "m", "messages": [{"role": "user", "content": "q"}]}, "max_tokens"),
+            ({"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "q"}]}, "max_tokens"),
+            ({"model": "m", "max_tokens": 5, "messages": []}, "messages"),
+            ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "q"}]}, "messages.0.role"),
+            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+             "messages.0.content.0.type"),
+            ({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}]}, "model"),
+            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
+              "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+        ]
+        for body, field in cases:
+            with self.assertRaises(tr.AnthropicRequestError, msg=field) as cm:
+                tr.request_to_openai(body)
+            self.assertTrue(str(cm.exception).startswith(field), str(cm.exception))
+
+    def test_sse_event_line_matches_type(self) -> None:
+        raw = tr.sse_event("ping", {"type": "ping"})
+        self.assertEqual(raw, b'event: ping\ndata: {"type":"ping"}\n\n')
