@@ -87,7 +87,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     ConnectionPools(engines, hub).setServiceParent(top)
     supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
     supervisor.setServiceParent(top)
-    proxy = EngineProxy(supervisor, engines, reactor)
+    proxy = EngineProxy(supervisor, engines, reactor, registry)
     openai = OpenAISurface(registry, proxy)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub)
     anthropic = AnthropicSurface(registry, proxy, reactor)

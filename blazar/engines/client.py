@@ -29,16 +29,20 @@ class QuietConnectionPool(HTTPConnectionPool):
 
 class EngineClient:
     """
-    Requests to children on 127.0.0.1, reusing connections per child.
+    Requests to children on 127.0.0.1, one connection per request.
+
+    Connections are not reused: llama-server closes a connection after a
+    streamed reply while announcing keep-alive, and a pooled connection to
+    a child that died since is indistinguishable from a request the child
+    died in the middle of. A fresh loopback connection costs tens of
+    microseconds; a wrong 502 costs a user.
 
     Responses are unbuffered so that streams can be relayed as they arrive.
     """
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0) -> None:
         self._reactor: IReactorTime = reactor
-        self._pool = QuietConnectionPool(reactor, persistent=True)
-        self._pool.maxPersistentPerHost = 64
-        self._pool.cachedConnectionTimeout = 120
+        self._pool = QuietConnectionPool(reactor, persistent=False)
         self._pool.retryAutomatically = False
         self._http = HTTPClient(Agent(reactor, connectTimeout=connect_timeout, pool=self._pool))
 

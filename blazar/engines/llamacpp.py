@@ -152,7 +152,9 @@ def build_command(
         "--no-webui",
     ]
     if settings.embedding:
-        argv.append("--embeddings")
+        # one input is embedded in one batch: let a batch hold a whole slot
+        per_slot = str(context_per_slot(entry, meta))
+        argv += ["--embeddings", "-b", per_slot, "-ub", per_slot]
         if not meta.pooling_type:
             # OpenAI-style embeddings need a pooled vector per input; a
             # model that declares no pooling gets mean pooling.

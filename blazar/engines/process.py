@@ -115,7 +115,9 @@ class EngineProcessProtocol(ProcessProtocol):
         self.status = exit_status(reason)
         waiting, self._ended = self._ended, []
         for d in waiting:
-            d.callback(self.status)
+            # a callback of an earlier one may have cancelled this one
+            if not d.called:
+                d.callback(self.status)
 
     def when_ended(self) -> Deferred[ExitStatus]:
         """

@@ -102,6 +102,7 @@ class Instance:
     in_flight: int = 0
     transport: Any = None
     kill_timer: Any = None
+    term_timer: Any = None
     keep_alive: float = 300.0
     last_used: float = 0.0
     _waiters: list[Deferred[Instance]] = attrs.field(factory=list)
@@ -140,6 +141,8 @@ class Instance:
         self._failure = failure
         waiting, self._waiters = self._waiters, []
         for d in waiting:
+            if d.called:  # cancelled by a callback of an earlier waiter
+                continue
             if failure is None:
                 d.callback(self)
             else:
@@ -299,8 +302,9 @@ class Supervisor(Service):
             log.error("{message}", message=message, model=instance.entry.name, engine="llamacpp")
         if instance._failure is None and was == "starting":
             instance._settle(EngineStartFailed(instance.entry.name, message))
-        if instance.kill_timer is not None and instance.kill_timer.active():
-            instance.kill_timer.cancel()
+        for timer in (instance.kill_timer, instance.term_timer):
+            if timer is not None and timer.active():
+                timer.cancel()
 
     async def explain_failure(self, instance: Instance, error: BaseException) -> EngineError:
         """
@@ -332,13 +336,18 @@ class Supervisor(Service):
         except ProcessExitedAlready:
             return ended
 
-        def kill() -> None:
+        def signal(name: str) -> None:
             try:
-                transport.signalProcess("KILL")
+                transport.signalProcess(name)
             except ProcessExitedAlready:
                 pass
 
-        instance.kill_timer = self._reactor.callLater(self._config.stop_grace, kill)
+        # llama-server finishes in-flight work on its first SIGTERM and
+        # exits at once on a second one; SIGKILL if even that hangs.
+        grace = self._config.stop_grace
+        instance.kill_timer = self._reactor.callLater(grace, signal, "KILL")
+        if grace > 1.0:
+            instance.term_timer = self._reactor.callLater(1.0, signal, "TERM")
         return ended
 
     def touch(self, instance: Instance, keep_alive: float | None = None) -> None:

@@ -39,7 +39,8 @@ class ModelNotFound(Exception):
         self.name = name
         self.available = available
         shown = ", ".join(available) if available else "none (put .gguf files in models_dir)"
-        super().__init__(f"model {name!r} not found; available models: {shown}")
+        spelled = name if len(name) <= 200 else name[:200] + "..."
+        super().__init__(f"model {spelled!r} not found; available models: {shown}")
 
 
 @attrs.frozen

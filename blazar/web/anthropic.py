@@ -26,7 +26,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.proxy import EngineProxy, EngineRejected, StreamStopped
+from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel, StreamStopped
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import anthropic as tr
 
@@ -80,7 +80,7 @@ class AnthropicSurface:
         raw = request.content.read() if request.content is not None else b""
         try:
             body = json.loads(raw)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise AnthropicError(400, "invalid_request_error", f"invalid JSON body: {e}") from None
         if not isinstance(body, dict):
             raise AnthropicError(400, "invalid_request_error", "request body must be a JSON object")
@@ -127,6 +127,7 @@ class AnthropicSurface:
         if not isinstance(stream, bool):
             raise AnthropicError(400, "invalid_request_error", "stream: must be a boolean")
         canonical = await self._resolve(model)
+        await self._proxy.check_purpose(model, embedding=False)
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
         raw = json.dumps(engine_body).encode("utf-8")
         if not stream:
@@ -214,6 +215,10 @@ class AnthropicSurface:
         assert isinstance(e, AnthropicError)
         return self._error(request, e.status, e.kind, str(e))
 
+    @app.handle_errors(UnsupportedByModel)
+    def _unsupported(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 400, "invalid_request_error", str(failure.value))
+
     @app.handle_errors(ModelNotFound)
     def _not_found(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(request, 404, "not_found_error", str(failure.value))
@@ -236,8 +241,9 @@ class AnthropicSurface:
         if failure.check(CancelledError):
             return None
         from werkzeug.exceptions import MethodNotAllowed, NotFound
+        from werkzeug.routing import RequestRedirect
 
-        if failure.check(NotFound):
+        if failure.check(NotFound, RequestRedirect):
             return self._error(request, 404, "not_found_error", f"no route for {request.path.decode('ascii', 'replace')}")
         if failure.check(MethodNotAllowed):
             return self._error(request, 405, "invalid_request_error",

@@ -27,7 +27,7 @@ from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import canonical_name, name_key
 from blazar.web.hub import HubClient, PullError, parse_hub_name
-from blazar.web.proxy import EngineProxy, EngineRejected
+from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import ollama as tr
 
@@ -136,7 +136,7 @@ class OllamaSurface:
         raw = request.content.read() if request.content is not None else b""
         try:
             body = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise OllamaError(400, f"invalid JSON in request body: {e}") from None
         if not isinstance(body, dict):
             raise OllamaError(400, "request body must be a JSON object")
@@ -236,6 +236,7 @@ class OllamaSurface:
                 path, engine_body = tr.generate_to_openai(body, stream)
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
+        await self._proxy.check_purpose(model, embedding=False)
         timing = await self._load(model)
         instance, response = await self._proxy.send(
             model, path, json.dumps(engine_body).encode("utf-8")
@@ -324,13 +325,8 @@ class OllamaSurface:
     async def _embed(
         self, model: str, inputs: list[str], keep_alive: float | None
     ) -> tuple[dict[str, Any], tr.Timing, Instance]:
-        entry = await self._entry(model)
-        if not entry.settings.embedding:
-            raise OllamaError(
-                400,
-                f'model "{model}" does not support embeddings: set embedding = true under '
-                f'[models."{entry.name}"] in the config',
-            )
+        await self._entry(model)
+        await self._proxy.check_purpose(model, embedding=True)
         timing = await self._load(model)
         instance, response = await self._proxy.send(
             model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8")
@@ -505,6 +501,10 @@ class OllamaSurface:
         assert isinstance(e, OllamaError)
         return _json(request, {"error": str(e)}, e.status)
 
+    @app.handle_errors(UnsupportedByModel)
+    def _unsupported(self, request: IRequest, failure: Failure) -> bytes:
+        return _json(request, {"error": str(failure.value)}, 400)
+
     @app.handle_errors(ModelNotFound)
     def _not_found(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
@@ -527,8 +527,9 @@ class OllamaSurface:
         if failure.check(CancelledError):
             return None
         from werkzeug.exceptions import MethodNotAllowed, NotFound
+        from werkzeug.routing import RequestRedirect
 
-        if failure.check(NotFound):
+        if failure.check(NotFound, RequestRedirect):
             return _json(request, {"error": "404 page not found"}, 404)
         if failure.check(MethodNotAllowed):
             return _json(request, {"error": "405 method not allowed"}, 405)

@@ -26,7 +26,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.proxy import EngineProxy, EngineRejected
+from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel
 from blazar.web.sse import ModelRenamer, SSERelay
 
 log = Logger()
@@ -63,7 +63,7 @@ def parse_json_body(raw: bytes) -> dict[str, Any]:
     """
     try:
         body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
@@ -103,8 +103,13 @@ def validate(kind: str, body: dict[str, Any]) -> None:
         value = body.get("input")
         if value is None or value == "" or value == []:
             raise BadRequest("'input' must be a non-empty string or array", "input")
-    if "stream" in body and not isinstance(body["stream"], bool):
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be true or false", "stream")
+    tools = body.get("tools")
+    if tools is not None and (
+        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
+    ):
+        raise BadRequest("'tools' must be an array of tool objects", "tools")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
@@ -174,7 +179,8 @@ class OpenAISurface:
         body = parse_json_body(raw)
         model = require_model(body)
         validate(kind, body)
-        stream = bool(body.get("stream", False)) and kind != "embedding"
+        stream = bool(body.get("stream") or False) and kind != "embedding"
+        await self._proxy.check_purpose(model, embedding=kind == "embedding")
         instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
         instance.in_flight += 1
@@ -226,6 +232,12 @@ class OpenAISurface:
         assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
 
+    @app.handle_errors(UnsupportedByModel)
+    def _unsupported(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(
+            request, 400, error_body(str(failure.value), "invalid_request_error", "model_not_supported", "model")
+        )
+
     @app.handle_errors(ModelNotFound)
     def _model_not_found(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(
@@ -256,8 +268,9 @@ class OpenAISurface:
         if failure.check(CancelledError):
             return None
         from werkzeug.exceptions import MethodNotAllowed, NotFound
+        from werkzeug.routing import RequestRedirect
 
-        if failure.check(NotFound):
+        if failure.check(NotFound, RequestRedirect):
             return self._error(
                 request, 404,
                 error_body(f"no route for {request.path.decode('ascii', 'replace')}",

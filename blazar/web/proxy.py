@@ -15,10 +15,16 @@ from twisted.logger import Logger
 
 from blazar.engines.client import EngineClient, read_body, relay_body
 from blazar.engines.supervisor import Instance, Supervisor
+from blazar.models.registry import ModelRegistry
 
 log = Logger()
 
 STREAM_IDLE_TIMEOUT = 600.0
+# llama-server answers 500 for these, but the request is at fault
+CLIENT_FAULTS = (
+    "Failed to parse", "is not supported", "not supported by", "too large to process",
+    "exceeds the available context", "exceed_context_size", "Invalid ",
+)
 MAX_ENGINE_BODY = 256 * 1024 * 1024
 MAX_ERROR_BODY = 1 << 20
 
@@ -28,6 +34,26 @@ class StreamStopped(Exception):
     Raised by a relay callback to stop reading a child's stream on purpose
     (e.g. a stop sequence matched); closing the connection stops the child.
     """
+
+
+class UnsupportedByModel(Exception):
+    """
+    The model is configured for something else (chat on an embedding
+    model, embeddings on a chat model); the message names the config fix.
+    Surfaces answer 400.
+    """
+
+
+def was_cancelled(error: BaseException) -> bool:
+    """
+    Whether C{error} is, or wraps, a cancellation (a client that left):
+    Twisted's HTTP client reports a cancelled request as
+    C{ResponseNeverReceived([CancelledError])}.
+    """
+    if isinstance(error, CancelledError):
+        return True
+    reasons = getattr(error, "reasons", None) or []
+    return any(r.check(CancelledError) for r in reasons)
 
 
 class EngineRejected(Exception):
@@ -65,10 +91,36 @@ class EngineProxy:
     The one way surfaces talk to engines.
     """
 
-    def __init__(self, supervisor: Supervisor, engines: EngineClient, clock: Any) -> None:
+    def __init__(
+        self, supervisor: Supervisor, engines: EngineClient, clock: Any,
+        registry: ModelRegistry | None = None,
+    ) -> None:
         self.supervisor = supervisor
+        self._registry = registry
         self._engines = engines
         self._clock = clock
+
+    async def check_purpose(self, model: str, embedding: bool) -> None:
+        """
+        Refuse to send chat to an embedding model or embeddings to a chat
+        model, before any child is started for it.
+
+        @raise UnsupportedByModel: With the config fix.
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        """
+        if self._registry is None:
+            return
+        entry = await self._registry.resolve(model)
+        if embedding and not entry.settings.embedding:
+            raise UnsupportedByModel(
+                f"model {model!r} is not an embedding model: set embedding = true under "
+                f'[models."{entry.name}"] in the config to serve embeddings from it'
+            )
+        if not embedding and entry.settings.embedding:
+            raise UnsupportedByModel(
+                f"model {model!r} is configured for embeddings only (embedding = true under "
+                f'[models."{entry.name}"]); use a chat model here'
+            )
 
     async def send(self, model: str, path: str, body: bytes) -> tuple[Instance, Any]:
         """
@@ -92,22 +144,26 @@ class EngineProxy:
                 response = await self._engines.request(
                     "POST", instance.base_url + path, body, headers
                 )
-            except CancelledError:
-                raise
-            except ConnectError as e:
+            except Exception as e:
+                if was_cancelled(e):
+                    raise CancelledError() from None
                 error = await self.supervisor.explain_failure(instance, e)
+                if not isinstance(e, ConnectError):
+                    raise error from None
                 if attempt == 2 or instance.state != "dead":
                     raise error from None
                 log.info("{model} had died; retrying on a fresh child", model=model)
                 continue
-            except Exception as e:
-                raise await self.supervisor.explain_failure(instance, e) from None
             if response.code != 200:
                 error_body = await read_body(
                     response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
                     max_bytes=MAX_ERROR_BODY,
                 )
-                raise EngineRejected(response.code, engine_error_message(error_body))
+                message = engine_error_message(error_body)
+                status = response.code
+                if status == 500 and any(m in message for m in CLIENT_FAULTS):
+                    status = 400
+                raise EngineRejected(status, message)
             return instance, response
         raise AssertionError("unreachable")
 
@@ -122,9 +178,9 @@ class EngineProxy:
             return await read_body(
                 response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=MAX_ENGINE_BODY
             )
-        except CancelledError:
-            raise
         except Exception as e:
+            if was_cancelled(e):
+                raise CancelledError() from None
             raise await self.supervisor.explain_failure(instance, e) from None
 
     async def relay(self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None]) -> None:
@@ -144,4 +200,6 @@ class EngineProxy:
             # on_chunk could not parse what the engine sent
             raise EngineRejected(502, f"engine sent a malformed stream: {e}") from None
         except Exception as e:
+            if was_cancelled(e):
+                raise CancelledError() from None
             raise await self.supervisor.explain_failure(instance, e) from None

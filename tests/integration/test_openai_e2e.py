@@ -318,3 +318,44 @@ def test_sigkill_during_non_streaming_request_is_502(daemon: Daemon) -> None:
     assert body["error"]["type"] == "engine_error"
     assert "killed by signal 9" in body["error"]["message"]
     assert chat(daemon)[0] == 200
+
+
+def test_wrong_purpose_is_400_naming_the_config_key(daemon: Daemon) -> None:
+    status, body = daemon.post_json("/v1/embeddings", {"model": "tiny", "input": "x"})
+    assert status == 400 and "embedding = true" in body["error"]["message"]
+    status, body = chat(daemon, model="tiny-embed")
+    assert status == 400 and "embeddings only" in body["error"]["message"]
+
+
+def test_stream_after_stream_on_one_connection(daemon: Daemon) -> None:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    body = json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True})
+    for _ in range(5):
+        conn.request("POST", CHAT, body, {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.read().endswith(b"data: [DONE]\n\n")
+    conn.close()
+
+
+def test_pathological_requests(daemon: Daemon) -> None:
+    deep = b'{"model":"tiny","x":' + b"[" * 5000 + b"]" * 5000 + b"}"
+    status, _, data = daemon.request("POST", CHAT, raw=deep)
+    assert status == 400 and json.loads(data)["error"]["type"] == "invalid_request_error"
+    status, _, data = daemon.request("POST", "/v1//chat/completions", {"model": "tiny", "messages": HELLO})
+    assert status == 404 and "error" in json.loads(data)
+    status, body = chat(daemon, tools="x")
+    assert status == 400 and body["error"]["param"] == "tools"
+    status, body = chat(daemon, stream=None, max_tokens=2)
+    assert status == 200 and body["object"] == "chat.completion"
+
+
+def test_long_embedding_input_fits_a_slot(daemon: Daemon) -> None:
+    # ~900 tokens: over llama-server's default 512-token batch, under the 2048 slot
+    status, body = daemon.post_json("/v1/embeddings", {"model": "tiny-embed", "input": "hello " * 150})
+    assert status == 200, body
+    # over the slot: the engine's 500 is the client's fault, answered 400
+    status, body = daemon.post_json("/v1/embeddings", {"model": "tiny-embed", "input": "hello " * 600})
+    assert status == 400 and "too large" in body["error"]["message"]
