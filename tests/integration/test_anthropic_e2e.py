@@ -208,3 +208,36 @@ def test_sdk_raises_typed_errors(client: anthropic.Anthropic) -> None:
         client.messages.create(model="nope", max_tokens=5, messages=HELLO)
     with pytest.raises(anthropic.BadRequestError):
         client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "system", "content": "x"}])  # type: ignore[list-item]
+
+
+def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:
+    import signal
+    import time
+
+    from blazar.testing import vocabulary
+
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+    conn.request("POST", "/v1/messages", json.dumps({
+        "model": "tiny", "max_tokens": 100000, "stream": True, "messages": HELLO,
+        "logit_bias": {str(vocabulary()[0].index("<|im_end|>")): -100},
+    }), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    seen = []
+    while True:
+        line = resp.readline().decode()
+        if line.startswith("event: "):
+            seen.append(line[len("event: "):].strip())
+        if "content_block_delta" in seen:
+            break
+    daemon.engine_for("tiny:latest").send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    rest = resp.read().decode()
+    conn.close()
+    assert time.monotonic() - killed < 10
+    events = [b for b in rest.split("\n\n") if b.strip()]
+    last = events[-1].split("\n")
+    assert last[0] == "event: error"
+    error = json.loads(last[1][len("data: "):])
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    assert "killed by signal 9" in error["error"]["message"]
+    assert "message_stop" not in rest
