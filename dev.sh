@@ -25,9 +25,15 @@ setup() {
   if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] \
      || ! (cd / && "$OLDPWD/.venv/bin/python" -c 'import blazar.tap' 2>/dev/null); then
     say "installing Blazar and its Python dependencies into .venv"
-    .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins here
-    .venv/bin/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat
+    # compat mode puts the checkout on sys.path, so twistd finds twisted/plugins here;
+    # pip's chatter goes to a log, shown only if the install fails
+    if ! { .venv/bin/python -m pip install -q --upgrade pip \
+           && .venv/bin/python -m pip install -q -e '.[test]' --config-settings editable_mode=compat; \
+         } >.venv/pip.log 2>&1; then
+      cat .venv/pip.log >&2
+      say "pip install failed (log above, also in .venv/pip.log)"
+      exit 1
+    fi
     echo "$want" >"$stamp"
   fi
   BLAZAR_ENGINE="$(scripts/build-engine.sh | tail -n 1)"

@@ -12,8 +12,14 @@ C{~/.config/blazar/config.toml}. Keys::
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
     max_body_bytes = 33554432      # request bodies above this get 413
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
-    keep_alive = "5m"              # default idle time before unloading a model
+    keep_alive = "5m"              # Ollama requests' default keep_alive
                                    # (Go duration or seconds; negative = forever)
+    idle_timeout_secs = 1800       # idle time before unloading, for requests
+                                   # that carry no keep_alive
+    breaker_crashes = 3            # this many crashes within
+    breaker_window_secs = 60       #   this window open a model's breaker
+    breaker_backoff_secs = 10      # first back-off; doubles, up to
+    breaker_max_backoff_secs = 300
 
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
@@ -108,6 +114,11 @@ class Config:
     stop_grace: float = 10.0
     max_body_bytes: int = 32 * 1024 * 1024
     keep_alive: float = 300.0
+    idle_timeout: float = 1800.0
+    breaker_crashes: int = 3
+    breaker_window: float = 60.0
+    breaker_backoff: float = 10.0
+    breaker_max_backoff: float = 300.0
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -248,6 +259,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     top = {
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
+        "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
+        "breaker_max_backoff_secs",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -272,6 +285,14 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             kwargs["keep_alive"] = parse_duration(doc["keep_alive"])
         except ValueError:
             raise _expected(where, "keep_alive", 'a duration like "5m" or a number of seconds', doc["keep_alive"]) from None
+    for key, attr in [
+        ("idle_timeout_secs", "idle_timeout"), ("breaker_window_secs", "breaker_window"),
+        ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
+    ]:
+        if key in doc:
+            kwargs[attr] = _positive_number(doc[key], where, key)
+    if "breaker_crashes" in doc:
+        kwargs["breaker_crashes"] = _positive_int(doc["breaker_crashes"], where, "breaker_crashes")
     if "hf_endpoint" in doc:
         endpoint = doc["hf_endpoint"]
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):

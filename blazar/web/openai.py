@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import EngineError, Instance
+from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel
@@ -256,6 +256,13 @@ class OpenAISurface:
             request, 502,
             error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),
         )
+
+    @app.handle_errors(BreakerOpen)
+    def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, BreakerOpen)
+        request.setHeader(b"retry-after", str(max(1, int(e.retry_after))).encode())
+        return self._error(request, 503, error_body(str(e), "engine_unavailable", "engine_unavailable"))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:

@@ -31,7 +31,8 @@ def daemon_config(engine: str, models: dict[str, GeneratedModel], extra: str = "
     models_dir = models["tiny"].path.parent
     return (
         f'models_dir = "{models_dir}"\n'
-        "ready_timeout = 60\nstop_grace = 5\n"
+        # these tests kill engines on purpose: keep the crash breaker out of it
+        "ready_timeout = 60\nstop_grace = 5\nbreaker_crashes = 1000\n"
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
         '[models."tiny-embed"]\nembedding = true\n' + extra
     )

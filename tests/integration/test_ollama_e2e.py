@@ -241,19 +241,27 @@ def test_engine_killed_mid_stream_ends_with_error_line(daemon: Daemon) -> None:
     import signal
     import time
 
-    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
-    conn.request("POST", "/api/generate", json.dumps({
-        # logit_bias keeps the random model from ending its turn early
-        "model": "tiny", "prompt": "go",
-        "options": {"num_predict": 100000, "logit_bias": {str(token_id("<|im_end|>")): -100}},
-    }), {"content-type": "application/json"})
-    resp = conn.getresponse()
-    first = json.loads(resp.readline())
-    assert first["done"] is False
-    daemon.engine_for("tiny:latest").send_signal(signal.SIGKILL)
-    killed = time.monotonic()
-    rest = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
-    conn.close()
-    assert time.monotonic() - killed < 10
-    assert "killed by signal 9" in rest[-1]["error"]
-    assert not any(line.get("done") for line in rest)
+    # The generation is bounded by the slot's context (2048 tokens, well
+    # under a second here), so a busy machine can let it finish before the
+    # kill lands; such an attempt proves nothing and is tried again.
+    for _ in range(3):
+        conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+        conn.request("POST", "/api/generate", json.dumps({
+            # logit_bias keeps the random model from ending its turn early
+            "model": "tiny", "prompt": "go",
+            "options": {"num_predict": 100000, "logit_bias": {str(token_id("<|im_end|>")): -100}},
+        }), {"content-type": "application/json"})
+        resp = conn.getresponse()
+        first = json.loads(resp.readline())
+        assert first["done"] is False
+        daemon.engine_for("tiny:latest").send_signal(signal.SIGKILL)
+        killed = time.monotonic()
+        rest = [json.loads(line) for line in resp.read().splitlines() if line.strip()]
+        conn.close()
+        assert time.monotonic() - killed < 10
+        if rest and rest[-1].get("done"):
+            continue
+        assert "killed by signal 9" in rest[-1].get("error", ""), rest[-3:]
+        assert not any(line.get("done") for line in rest)
+        return
+    raise AssertionError("the generation always finished before the kill")
