@@ -89,7 +89,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry)
     openai = OpenAISurface(registry, proxy)
-    ollama = OllamaSurface(registry, proxy, reactor, time.time, hub)
+    ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource())
     site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)

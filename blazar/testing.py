@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -369,6 +370,18 @@ class FakeSupervisor:
                     self.instances[canonical] = FakeInstance(canonical)
                 return self.instances[canonical]
         raise ModelNotFound(name, self.names)
+
+    touched: list[tuple[str, float | None]] = attrs.field(factory=list)
+
+    def touch(self, instance: FakeInstance, keep_alive: float | None = None) -> None:
+        self.touched.append((instance.name, keep_alive))
+
+    def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Any:
+        from twisted.internet.defer import succeed
+
+        instance.state = "stopping"
+        self.instances.pop(instance.name, None)
+        return succeed(None)
 
     async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
         """

@@ -362,7 +362,6 @@ class Supervisor(Service):
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
-        self._check_breaker(entry)
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
         command = build_command(

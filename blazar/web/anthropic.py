@@ -26,7 +26,14 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel, StreamStopped
+from blazar.web.proxy import (
+    KEEP_ALIVE_HEADER,
+    EngineProxy,
+    EngineRejected,
+    StreamStopped,
+    UnsupportedByModel,
+    keep_alive_of,
+)
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import anthropic as tr
 
@@ -126,13 +133,17 @@ class AnthropicSurface:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise AnthropicError(400, "invalid_request_error", "stream: must be a boolean")
+        try:
+            keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
+        except ValueError as e:
+            raise AnthropicError(400, "invalid_request_error", f"keep_alive: {e}") from None
         canonical = await self._resolve(model)
         await self._proxy.check_purpose(model, embedding=False)
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
         raw = json.dumps(engine_body).encode("utf-8")
         if not stream:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
-            await self._collect(instance, response, translator, None)
+            await self._collect(instance, response, translator, None, keep_alive=keep_alive)
             translator.finish()
             request.setHeader(b"content-type", b"application/json")
             return json.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
@@ -155,7 +166,7 @@ class AnthropicSurface:
         )
         try:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
-            await self._collect(instance, response, translator, request, pinger)
+            await self._collect(instance, response, translator, request, pinger, keep_alive)
         except (EngineError, EngineRejected, EngineNotFound) as e:
             log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
             request.write(tr.sse_event("error", {"type": "error", "error": {
@@ -175,7 +186,7 @@ class AnthropicSurface:
 
     async def _collect(
         self, instance: Instance, response: Any, translator: tr.AnthropicStream,
-        request: IRequest | None, pinger: Any = None,
+        request: IRequest | None, pinger: Any = None, keep_alive: float | None = None,
     ) -> None:
         def on_event(data: bytes) -> None:
             if data == b"[DONE]":
@@ -199,7 +210,7 @@ class AnthropicSurface:
             pass
         finally:
             instance.in_flight -= 1
-            self._supervisor.touch(instance)
+            self._proxy.done(instance, keep_alive)
 
     # -- errors -------------------------------------------------------------
 

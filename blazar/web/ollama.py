@@ -97,9 +97,10 @@ class OllamaSurface:
 
     def __init__(
         self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
-        wall_clock: Callable[[], float], hub: HubClient,
+        wall_clock: Callable[[], float], hub: HubClient, default_keep_alive: float = 300.0,
     ) -> None:
         self._hub = hub
+        self._default_keep_alive = default_keep_alive
         self._registry = registry
         self._proxy = proxy
         self._supervisor = proxy.supervisor
@@ -177,10 +178,8 @@ class OllamaSurface:
         return tr.Timing(started=started, loaded=self._clock.seconds())
 
     def _after(self, instance: Instance, keep_alive: float | None) -> None:
-        self._supervisor.touch(instance, keep_alive)
-        if keep_alive == 0 and instance.in_flight == 0:
-            d = self._supervisor.stop_instance(instance)
-            d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
+        # Ollama applies its default keep_alive to every request without one
+        self._proxy.done(instance, self._default_keep_alive if keep_alive is None else keep_alive)
 
     # -- chat and generate -------------------------------------------------------
 
@@ -200,11 +199,11 @@ class OllamaSurface:
         if keep_alive == 0:
             instance = self._supervisor.loaded(entry.name)
             if instance is not None:
-                await self._supervisor.stop_instance(instance)
+                await self._supervisor.stop_instance(instance, "keep_alive 0")
             reason = "unload"
         else:
             instance = await self._supervisor.instance_for(model)
-            self._supervisor.touch(instance, keep_alive)
+            self._after(instance, keep_alive)
             reason = "load"
         line: dict[str, Any] = {"model": model, "created_at": _rfc3339(self._now())}
         if kind == "chat":
@@ -481,7 +480,7 @@ class OllamaSurface:
             )
         instance = self._supervisor.loaded(entry.name)
         if instance is not None:
-            await self._supervisor.stop_instance(instance)
+            await self._supervisor.stop_instance(instance, "model deleted")
         try:
             for path in (entry.path, *entry.shards):
                 await self._registry.in_thread(os.unlink, path)

@@ -26,7 +26,13 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel
+from blazar.web.proxy import (
+    KEEP_ALIVE_HEADER,
+    EngineProxy,
+    EngineRejected,
+    UnsupportedByModel,
+    keep_alive_of,
+)
 from blazar.web.sse import ModelRenamer, SSERelay
 
 log = Logger()
@@ -180,6 +186,10 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         stream = bool(body.get("stream") or False) and kind != "embedding"
+        try:
+            keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
+        except ValueError as e:
+            raise BadRequest(str(e), "keep_alive") from None
         await self._proxy.check_purpose(model, embedding=kind == "embedding")
         instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
@@ -193,6 +203,7 @@ class OpenAISurface:
             return renamer.rename(payload)
         finally:
             instance.in_flight -= 1
+            self._proxy.done(instance, keep_alive)
 
     async def _relay_stream(
         self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer

@@ -13,6 +13,7 @@ from twisted.internet.defer import CancelledError
 from twisted.internet.error import ConnectError
 from twisted.logger import Logger
 
+from blazar.config import parse_duration
 from blazar.engines.client import EngineClient, read_body, relay_body
 from blazar.engines.supervisor import Instance, Supervisor
 from blazar.models.registry import ModelRegistry
@@ -42,6 +43,31 @@ class UnsupportedByModel(Exception):
     model, embeddings on a chat model); the message names the config fix.
     Surfaces answer 400.
     """
+
+
+KEEP_ALIVE_HEADER = b"x-blazar-keep-alive"
+
+
+def keep_alive_of(body: dict[str, Any], header: bytes | None) -> float | None:
+    """
+    The C{keep_alive} an OpenAI or Anthropic request carries, as an extra
+    body field or the C{x-blazar-keep-alive} header (Ollama's semantics:
+    duration string or seconds; 0 unloads after the answer; negative keeps
+    the model loaded).
+
+    @raise ValueError: Not a duration; the message says what is expected.
+    """
+    value: Any = body.get("keep_alive")
+    if value is None and header is not None:
+        value = header.decode("ascii", "replace")
+    if value is None:
+        return None
+    try:
+        return parse_duration(value)
+    except ValueError:
+        raise ValueError(
+            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
+        ) from None
 
 
 def was_cancelled(error: BaseException) -> bool:
@@ -99,6 +125,16 @@ class EngineProxy:
         self._registry = registry
         self._engines = engines
         self._clock = clock
+
+    def done(self, instance: Instance, keep_alive: float | None) -> None:
+        """
+        A request on C{instance} finished: record the use and apply its
+        C{keep_alive} (seconds; 0 unloads now if nothing else runs on it).
+        """
+        self.supervisor.touch(instance, keep_alive)
+        if keep_alive == 0 and instance.in_flight == 0:
+            d = self.supervisor.stop_instance(instance, "keep_alive 0")
+            d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
 
     async def check_purpose(self, model: str, embedding: bool) -> None:
         """

@@ -4,7 +4,7 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.engines.supervisor import EngineCrashed, EngineStartFailed, Supervisor
+from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineStartFailed, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.testing import fake_process_reactor, make_test_model
 
@@ -145,3 +145,134 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
 
+
+
+class LifecycleTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.config = parse_config(
+            f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n'
+            "idle_timeout_secs = 100\nbreaker_crashes = 2\nbreaker_window_secs = 60\n"
+            "breaker_backoff_secs = 10\nbreaker_max_backoff_secs = 25\n"
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+        self.reactor = fake_process_reactor()
+        self.health = 503
+
+        async def probe(url: str) -> int:
+            return self.health
+
+        self.supervisor = Supervisor(
+            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {},
+            port_finder=lambda: 5555,
+        )
+        self.supervisor.startService()
+
+    def tearDown(self) -> None:
+        for i in self.supervisor.instances():
+            if not i.transport.ended:
+                i.transport.exit(0)
+        self.successResultOf(self.supervisor.stopService())
+
+    def ready(self) -> Instance:
+        self.health = 200
+        d = ensureDeferred(self.supervisor.instance_for("m"))
+        self.reactor.advance(0)
+        self.health = 503
+        return self.successResultOf(d)
+
+    def test_idle_timeout_without_keep_alive(self) -> None:
+        instance = self.ready()
+        self.reactor.advance(99)
+        self.assertEqual(instance.transport.signals, [])
+        self.reactor.advance(2)
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        self.assertEqual(instance.stop_reason, "idle")
+
+    def test_keep_alive_sets_the_countdown_from_last_use(self) -> None:
+        instance = self.ready()
+        self.reactor.advance(50)
+        self.supervisor.touch(instance, 3.0)
+        self.assertEqual(instance.expires_at(), self.reactor.seconds() + 3.0)
+        self.reactor.advance(2)
+        self.assertEqual(instance.transport.signals, [])
+        self.reactor.advance(2)
+        self.assertEqual(instance.transport.signals, ["TERM"])
+
+    def test_negative_keep_alive_is_forever(self) -> None:
+        instance = self.ready()
+        self.supervisor.touch(instance, -1)
+        self.assertIsNone(instance.expires_at())
+        self.reactor.advance(10_000)
+        self.assertEqual(instance.transport.signals, [])
+
+    def test_busy_instances_are_not_reaped(self) -> None:
+        instance = self.ready()
+        instance.in_flight = 1
+        self.reactor.advance(500)
+        self.assertEqual(instance.transport.signals, [])
+
+    def test_reaper_survives_a_failing_round(self) -> None:
+        instance = self.ready()
+        instance.last_used = None  # type: ignore[assignment]
+        for _ in range(5):
+            self.reactor.advance(1)
+        self.assertEqual(len(self.flushLoggedErrors(TypeError)), 5)
+        instance.last_used = self.reactor.seconds()
+        self.reactor.advance(200)
+        self.assertEqual(instance.transport.signals, ["TERM"])
+
+    def crash(self) -> None:
+        d = ensureDeferred(self.supervisor.instance_for("m"))
+        transport = self.reactor.spawned[-1][0]
+        transport.protocol.childDataReceived(2, b"error: bad model\n")
+        transport.exit(1)
+        self.failureResultOf(d, EngineStartFailed)
+
+    def test_breaker_opens_fails_fast_then_allows_one_trial(self) -> None:
+        self.crash()
+        self.crash()
+        spawned = len(self.reactor.spawned)
+        f = self.failureResultOf(ensureDeferred(self.supervisor.instance_for("m")), BreakerOpen)
+        self.assertIn("exit code 1", str(f.value))
+        self.assertIn("bad model", str(f.value))
+        self.assertEqual(f.value.retry_after, 10)
+        self.assertEqual(len(self.reactor.spawned), spawned)  # failed fast: no spawn
+        self.assertEqual(self.supervisor.breaker("m:latest").state, "open")
+        self.reactor.advance(10)
+        self.crash()  # the one trial start, which fails: re-open, doubled
+        self.assertEqual(len(self.reactor.spawned), spawned + 1)
+        f = self.failureResultOf(ensureDeferred(self.supervisor.instance_for("m")), BreakerOpen)
+        self.assertEqual(f.value.retry_after, 20)
+        self.reactor.advance(20)
+        instance = self.ready()  # a trial that works closes it
+        self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")
+        self.assertEqual(instance.state, "ready")
+
+    def test_backoff_is_capped_and_reset_works(self) -> None:
+        self.crash()
+        self.crash()
+        for wait in (10, 20, 25, 25):
+            self.reactor.advance(wait)
+            self.crash()
+        f = self.failureResultOf(ensureDeferred(self.supervisor.instance_for("m")), BreakerOpen)
+        self.assertEqual(f.value.retry_after, 25)
+        self.assertEqual(self.supervisor.reset_breakers(), ["m:latest"])
+        self.ready()
+
+    def test_clean_stop_clears_crash_history(self) -> None:
+        self.crash()
+        instance = self.ready()
+        self.supervisor.stop_instance(instance)
+        instance.transport.exit(0)
+        self.assertEqual(self.supervisor.breaker("m:latest").crashes, [])
+
+    def test_evict_key_grammar(self) -> None:
+        instance = self.ready()
+        self.assertEqual(self.supervisor.evict("other"), [])
+        self.assertEqual(self.supervisor.evict("m#1"), [])
+        self.assertEqual(self.supervisor.evict("m@vision"), [])
+        self.assertEqual(self.supervisor.evict("M:latest#0@text"), [instance])
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        self.assertEqual(instance.stop_reason, "evicted")
