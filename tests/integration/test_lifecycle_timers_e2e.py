@@ -1,0 +1,107 @@
+"""
+Idle eviction and the crash breaker with real llama-server children.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+
+from typing import Iterator
+
+import pytest
+
+from blazar.testing import make_test_model
+from tests.integration.harness import Daemon, alive
+
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def lifecycle(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("lifecycle")
+    models = root / "models"
+    make_test_model(models / "tiny.gguf")
+    d = Daemon(root, (
+        f'models_dir = "{models}"\nidle_timeout_secs = 2\n'
+        "breaker_crashes = 3\nbreaker_window_secs = 60\nbreaker_backoff_secs = 3\n"
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        # a model whose engine exits at start: a flag llama-server rejects
+        '[models."broken"]\npath = "tiny.gguf"\nargs = ["--no-such-flag"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM)
+
+
+def chat(d: Daemon, **extra: object) -> tuple[int, dict]:
+    return d.post_json("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": 2, **extra})
+
+
+def test_keep_alive_seconds_then_gone(lifecycle: Daemon) -> None:
+    status, _ = chat(lifecycle, keep_alive="3s")
+    assert status == 200
+    child = lifecycle.engine_for("tiny:latest")
+    time.sleep(2.0)
+    assert alive(child), "evicted before its keep_alive ran out"
+    child.wait(5)
+    assert not alive(child)
+
+
+def test_idle_timeout_applies_without_keep_alive(lifecycle: Daemon) -> None:
+    assert chat(lifecycle)[0] == 200
+    child = lifecycle.engine_for("tiny:latest")
+    child.wait(6)  # idle_timeout_secs = 2, reaped within a second after
+    assert not alive(child)
+
+
+def test_negative_keep_alive_survives_idle_timeout(lifecycle: Daemon) -> None:
+    status, _, _ = lifecycle.request("POST", "/api/generate", {"model": "tiny", "keep_alive": -1})
+    assert status == 200
+    child = lifecycle.engine_for("tiny:latest")
+    time.sleep(4)
+    assert alive(child)
+    status, _, body = lifecycle.request("GET", "/api/ps")
+    assert b"9999-12-31" in body
+    # and an explicit unload still works
+    assert lifecycle.request("POST", "/api/generate", {"model": "tiny", "keep_alive": 0})[0] == 200
+    child.wait(10)
+
+
+def test_api_ps_expires_at_counts_down(lifecycle: Daemon) -> None:
+    import json
+    from datetime import datetime, timezone
+
+    assert chat(lifecycle, keep_alive="1m")[0] == 200
+    _, _, body = lifecycle.request("GET", "/api/ps")
+    (model,) = [m for m in json.loads(body)["models"] if m["name"] == "tiny:latest"]
+    expires = datetime.fromisoformat(model["expires_at"].replace("Z", "+00:00")[:26] + "+00:00")
+    left = (expires - datetime.now(timezone.utc)).total_seconds()
+    assert 50 < left <= 61, left
+    chat(lifecycle, keep_alive=0)
+
+
+def test_crash_breaker(lifecycle: Daemon) -> None:
+    for _ in range(3):
+        status, body = lifecycle.post_json(
+            "/v1/chat/completions", {"model": "broken", "messages": HELLO, "max_tokens": 1})
+        assert status == 502, body
+    t0 = time.monotonic()
+    status, body = lifecycle.post_json("/v1/chat/completions", {"model": "broken", "messages": HELLO})
+    assert time.monotonic() - t0 < 0.1
+    assert status == 503 and body["error"]["code"] == "engine_unavailable"
+    assert "exit code" in body["error"]["message"]
+    assert "no-such-flag" in body["error"]["message"]  # the stderr tail
+    starts = lifecycle.log().count("starting broken:latest")
+    time.sleep(3.2)
+    status, body = lifecycle.post_json("/v1/chat/completions", {"model": "broken", "messages": HELLO})
+    assert status == 502  # the one trial start, which fails again
+    assert lifecycle.log().count("starting broken:latest") == starts + 1
+    status, body = lifecycle.post_json("/v1/chat/completions", {"model": "broken", "messages": HELLO})
+    assert status == 503
+    # other models are unaffected
+    assert chat(lifecycle)[0] == 200
+
+
