@@ -88,7 +88,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry)
-    openai = OpenAISurface(registry, proxy)
+    openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource())

@@ -373,6 +373,9 @@ class FakeSupervisor:
 
     touched: list[tuple[str, float | None]] = attrs.field(factory=list)
 
+    def loaded(self, name: str) -> FakeInstance | None:
+        return self.instances.get(name)
+
     def touch(self, instance: FakeInstance, keep_alive: float | None = None) -> None:
         self.touched.append((instance.name, keep_alive))
 

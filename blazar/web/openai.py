@@ -18,6 +18,7 @@ from typing import Any
 
 from klein import Klein
 from twisted.internet.defer import CancelledError
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -38,6 +39,8 @@ from blazar.web.sse import ModelRenamer, SSERelay
 log = Logger()
 
 OWNED_BY = "blazar"
+LOADING = b": loading\n\n"
+LOADING_PING = 2.0
 
 
 class BadRequest(Exception):
@@ -128,9 +131,10 @@ class OpenAISurface:
 
     app = Klein()
 
-    def __init__(self, registry: ModelRegistry, proxy: EngineProxy) -> None:
+    def __init__(self, registry: ModelRegistry, proxy: EngineProxy, clock: Any) -> None:
         self._registry = registry
         self._proxy = proxy
+        self._clock = clock
 
     # -- liveness -----------------------------------------------------------
 
@@ -190,7 +194,10 @@ class OpenAISurface:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
-        await self._proxy.check_purpose(model, embedding=kind == "embedding")
+        canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
+        if stream and not self._proxy.is_ready(canonical):
+            await self._stream_cold(request, model, path, raw, keep_alive)
+            return None
         instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
         instance.in_flight += 1
@@ -205,12 +212,48 @@ class OpenAISurface:
             instance.in_flight -= 1
             self._proxy.done(instance, keep_alive)
 
-    async def _relay_stream(
-        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer
+    async def _stream_cold(
+        self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None
     ) -> None:
+        """
+        A streaming request that has to wait for a model load: the headers
+        and an SSE comment go out at once, and another comment every
+        L{LOADING_PING} seconds, so clients with a header timeout do not
+        give up. Failures from here on are C{data: {"error": ...}} events.
+        """
+        self._sse_headers(request)
+        request.write(LOADING)
+        keepalive = LoopingCall(request.write, LOADING)
+        keepalive.clock = self._clock
+        keepalive.start(LOADING_PING, now=False).addErrback(
+            lambda f: log.failure("loading keepalive failed", f)
+        )
+        try:
+            instance, response = await self._proxy.send(model, path, raw)
+        except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
+            code = "engine_unavailable" if isinstance(e, BreakerOpen) else "engine_error"
+            request.write(b"data: " + error_body(str(e), "engine_error", code) + b"\n\n")
+            return None
+        finally:
+            if keepalive.running:
+                keepalive.stop()
+        instance.in_flight += 1
+        try:
+            await self._relay_stream(request, instance, response, ModelRenamer(instance.entry.name, model))
+        finally:
+            instance.in_flight -= 1
+            self._proxy.done(instance, keep_alive)
+        return None
+
+    def _sse_headers(self, request: IRequest) -> None:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
+
+    async def _relay_stream(
+        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer
+    ) -> None:
+        self._sse_headers(request)
         relay = SSERelay(request.write, renamer)
         try:
             await self._proxy.relay(instance, response, relay.feed)

@@ -136,16 +136,25 @@ class EngineProxy:
             d = self.supervisor.stop_instance(instance, "keep_alive 0")
             d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
 
-    async def check_purpose(self, model: str, embedding: bool) -> None:
+    def is_ready(self, canonical: str) -> bool:
+        """
+        Whether a ready child for canonical model name C{canonical} exists
+        (a request for it will not wait for a load).
+        """
+        instance = self.supervisor.loaded(canonical)
+        return instance is not None and instance.state == "ready"
+
+    async def check_purpose(self, model: str, embedding: bool) -> str:
         """
         Refuse to send chat to an embedding model or embeddings to a chat
         model, before any child is started for it.
 
+        @return: The model's canonical name.
         @raise UnsupportedByModel: With the config fix.
         @raise blazar.models.registry.ModelNotFound: No such model.
         """
         if self._registry is None:
-            return
+            return model
         entry = await self._registry.resolve(model)
         if embedding and not entry.settings.embedding:
             raise UnsupportedByModel(
@@ -157,6 +166,7 @@ class EngineProxy:
                 f"model {model!r} is configured for embeddings only (embedding = true under "
                 f'[models."{entry.name}"]); use a chat model here'
             )
+        return entry.name
 
     async def send(self, model: str, path: str, body: bytes) -> tuple[Instance, Any]:
         """

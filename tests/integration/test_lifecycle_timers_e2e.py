@@ -5,6 +5,7 @@ Idle eviction and the crash breaker with real llama-server children.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 import time
 
 from typing import Iterator
@@ -104,4 +105,40 @@ def test_crash_breaker(lifecycle: Daemon) -> None:
     # other models are unaffected
     assert chat(lifecycle)[0] == 200
 
+
+
+
+def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path) -> None:
+    import http.client
+    import json
+
+    import stat
+
+    # A wrapper that makes the engine take 5 s to start listening.
+    slow = tmp_path / "slow-llama-server"
+    slow.write_text(f"#!/bin/sh\nsleep 5\nexec {engine} \"$@\"\n")
+    slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
+    make_test_model(tmp_path / "models" / "tiny.gguf")
+    d = Daemon(tmp_path / "d", (
+        f'models_dir = "{tmp_path / "models"}"\n'
+        f'[engines.llamacpp]\nbinary = "{slow}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+        t0 = time.monotonic()
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
+            {"content-type": "application/json"})
+        resp = conn.getresponse()
+        assert time.monotonic() - t0 < 1.0
+        assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
+        body = resp.read().decode()
+        assert time.monotonic() - t0 > 4.5  # it did wait for the load
+        assert body.startswith(": loading\n\n") and body.count(": loading") >= 2
+        assert body.rstrip().endswith("data: [DONE]")
+        conn.close()
+    finally:
+        d.stop()
+        d.kill_everything()
 

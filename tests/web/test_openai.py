@@ -35,8 +35,9 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(self.engine_app.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine)
-        proxy = EngineProxy(self.supervisor, self.engine_client, self.reactor)  # type: ignore[arg-type]
-        surface = OpenAISurface(ModelRegistry(config, self.reactor), proxy)
+        registry = ModelRegistry(config, self.reactor)
+        proxy = EngineProxy(self.supervisor, self.engine_client, self.reactor, registry)  # type: ignore[arg-type]
+        surface = OpenAISurface(registry, proxy, self.reactor)
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:
@@ -68,7 +69,9 @@ class OpenAISurfaceTests(SynchronousTestCase):
         )
         self.assertEqual(code, 200)
         self.assertEqual(headers.getRawHeaders(b"content-type"), [b"text/event-stream"])
-        events = [e for e in body.split(b"\n\n") if e]
+        # a cold model: the headers and ": loading" comments come first
+        self.assertTrue(body.startswith(b": loading\n\n"))
+        events = [e for e in body.split(b"\n\n") if e and not e.startswith(b":")]
         self.assertEqual(events[-1], b"data: [DONE]")
         chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
         self.assertEqual([c["model"] for c in chunks], ["M:latest", "M:latest"])
