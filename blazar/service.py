@@ -17,6 +17,7 @@ from twisted.logger import Logger
 
 from blazar.config import Config
 from blazar.engines.client import EngineClient
+from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.web.anthropic import AnthropicSurface
@@ -85,7 +86,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     engines = EngineClient(reactor)
     hub = HubClient(reactor, config.hf_endpoint, environ.get("HF_TOKEN"))
     ConnectionPools(engines, hub).setServiceParent(top)
-    supervisor = Supervisor(config, registry, reactor, engines.get_status, environ)
+    supervisor = Supervisor(
+        config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir)
+    )
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry)
     openai = OpenAISurface(registry, proxy, reactor)

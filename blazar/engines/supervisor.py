@@ -31,6 +31,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from blazar.config import Config
+from blazar.engines import runfiles
 from blazar.engines.llamacpp import build_command, find_binary
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -177,6 +178,7 @@ class Instance:
     transport: Any = None
     kill_timer: Any = None
     term_timer: Any = None
+    run_files: Any = None
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
     last_used: float = 0.0
@@ -263,12 +265,18 @@ class Supervisor(Service):
     _all: set[Instance] = attrs.field(factory=set)
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
     _reaper: Any = None
+    _run_dir: Path | None = None
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
 
     def startService(self) -> None:
         Service.startService(self)
+        if self._run_dir is not None:
+            # Before serving: children of a daemon that died unstopped.
+            # Blocking is fine here, the reactor serves nothing yet.
+            for pid in runfiles.thd_stop_orphans(self._run_dir):
+                log.warn("stopped orphaned engine pid {pid} left by an earlier daemon", pid=pid)
         self._reaper = LoopingCall(self.reap)
         self._reaper.clock = self._reactor
         self._reaper.start(1.0, now=False).addErrback(
@@ -385,6 +393,12 @@ class Supervisor(Service):
         )
         instance.pid = transport.pid
         instance.transport = transport
+        if self._run_dir is not None:
+            instance.run_files = deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), runfiles.thd_write, self._run_dir,
+                entry.name, transport.pid, port, list(command.argv), api_key,
+            )
+            instance.run_files.addErrback(lambda f: log.failure("writing run files failed", f))
         self._instances[entry.name] = instance
         self._all.add(instance)
         ended = protocol.when_ended()
@@ -432,6 +446,14 @@ class Supervisor(Service):
         # Exited while starting: _ended settles the waiters.
 
     def _ended(self, status: ExitStatus, instance: Instance) -> None:
+        if self._run_dir is not None and instance.run_files is not None:
+            run_dir, pid = self._run_dir, instance.pid or 0
+            instance.run_files.addCallback(
+                lambda _: deferToThreadPool(
+                    self._reactor, self._reactor.getThreadPool(), runfiles.thd_remove,
+                    run_dir, instance.entry.name, pid,
+                )
+            ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
         instance.state = "dead"
         self._all.discard(instance)

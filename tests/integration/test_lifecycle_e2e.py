@@ -5,6 +5,7 @@ Each test runs its own short-lived daemon.
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 from pathlib import Path
@@ -46,12 +47,28 @@ def test_engines_die_with_a_killed_daemon(engine: str, models: dict[str, Generat
         )
         assert status == 200
         (child,) = d.engines()
+        run = d.root / "data" / "run"
+        assert json.loads((run / "tiny_latest.pid").read_text())["pid"] == child.pid
+        assert (run / "tiny_latest.apikey").stat().st_mode & 0o777 == 0o600
         assert d.proc is not None
         d.proc.kill()
         d.proc.wait()
         # PR_SET_PDEATHSIG: the kernel kills the orphan at once
         child.wait(10)
         assert not alive(child)
+        # the stale run files are found and cleared on the next start
+        assert (run / "tiny_latest.pid").exists()
+        d.start()
+        assert not (run / "tiny_latest.pid").exists()
+        status, _ = d.post_json(
+            "/v1/chat/completions",
+            {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+        )
+        assert status == 200
+        (new,) = d.engines()
+        assert json.loads((run / "tiny_latest.pid").read_text())["pid"] == new.pid
+        d.stop()
+        assert not (run / "tiny_latest.pid").exists()
     finally:
         d.kill_everything()
 
