@@ -20,6 +20,8 @@ C{~/.config/blazar/config.toml}. Keys::
     breaker_window_secs = 60       #   this window open a model's breaker
     breaker_backoff_secs = 10      # first back-off; doubles, up to
     breaker_max_backoff_secs = 300
+    max_loaded_models = 0          # 0: as many as fit in free memory
+    drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
 
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
@@ -119,6 +121,8 @@ class Config:
     breaker_window: float = 60.0
     breaker_backoff: float = 10.0
     breaker_max_backoff: float = 300.0
+    max_loaded_models: int = 0
+    drain_timeout: float = 30.0
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -260,7 +264,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs",
+        "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -288,9 +292,15 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for key, attr in [
         ("idle_timeout_secs", "idle_timeout"), ("breaker_window_secs", "breaker_window"),
         ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
+        ("drain_timeout_secs", "drain_timeout"),
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "max_loaded_models" in doc:
+        value = doc["max_loaded_models"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _expected(where, "max_loaded_models", "0 (no limit) or a positive integer", value)
+        kwargs["max_loaded_models"] = value
     if "breaker_crashes" in doc:
         kwargs["breaker_crashes"] = _positive_int(doc["breaker_crashes"], where, "breaker_crashes")
     if "hf_endpoint" in doc:

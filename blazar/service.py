@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import sys
 import time
+
+import psutil
 from typing import Any, Mapping
 
 from twisted.application import strports
@@ -87,7 +89,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     hub = HubClient(reactor, config.hf_endpoint, environ.get("HF_TOKEN"))
     ConnectionPools(engines, hub).setServiceParent(top)
     supervisor = Supervisor(
-        config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir)
+        config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
+        free_memory=lambda: psutil.virtual_memory().available,
     )
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry)

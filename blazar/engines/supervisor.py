@@ -22,6 +22,7 @@ from twisted.internet.defer import (
     CancelledError,
     Deferred,
     DeferredList,
+    DeferredLock,
     ensureDeferred,
     succeed,
 )
@@ -32,8 +33,9 @@ from twisted.logger import Logger
 
 from blazar.config import Config
 from blazar.engines import runfiles
-from blazar.engines.llamacpp import build_command, find_binary
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus
+from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
 
 log = Logger()
@@ -60,6 +62,13 @@ class EngineStartFailed(EngineError):
 class EngineCrashed(EngineError):
     """
     A child died (or its connection broke) while serving a request.
+    """
+
+
+class NoCapacity(EngineError):
+    """
+    A model cannot be loaded without evicting a busy one, or does not fit
+    in memory at all (surfaces answer 503). The message names the levers.
     """
 
 
@@ -266,6 +275,8 @@ class Supervisor(Service):
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
     _reaper: Any = None
     _run_dir: Path | None = None
+    _free_memory: Callable[[], int] | None = None
+    _admission: Any = attrs.field(factory=DeferredLock)
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -370,6 +381,80 @@ class Supervisor(Service):
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
+        await self._admission.acquire()
+        try:
+            existing = self._instances.get(entry.name)
+            if existing is not None:
+                return existing
+            await self._make_room(entry, meta)
+            return self._start(entry, meta, binary)
+        finally:
+            self._admission.release()
+
+    def estimate(self, entry: ModelEntry, meta: GGUFMetadata) -> int:
+        """
+        Bytes a child for C{entry} needs: the weights (file size) plus the
+        f16 KV cache for every slot,
+        2 x n_layer x n_ctx x n_head_kv x head_dim x 2 bytes.
+        """
+        parallel = entry.settings.parallel or DEFAULT_PARALLEL
+        n_ctx = context_per_slot(entry, meta) * parallel
+        n_layer = meta.block_count or 0
+        head_count = meta.head_count or 1
+        head_dim = (meta.embedding_length or 0) // head_count
+        n_head_kv = meta.head_count_kv or head_count
+        return meta.size + 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+
+    def _idle_lru(self) -> list[Instance]:
+        return sorted(
+            (i for i in self._all if i.state == "ready" and i.in_flight == 0),
+            key=lambda i: i.last_used,
+        )
+
+    async def _make_room(self, entry: ModelEntry, meta: GGUFMetadata) -> None:
+        """
+        Evict least-recently-used idle children until C{entry} fits under
+        C{max_loaded_models} and in free memory. Busy or loading children
+        are never evicted: they get C{drain_timeout_secs} to go idle.
+
+        @raise NoCapacity: It cannot be made to fit.
+        """
+        need = self.estimate(entry, meta)
+        limit = self._config.max_loaded_models
+        deadline = self._reactor.seconds() + self._config.drain_timeout
+        while True:
+            live = [i for i in self._all if i.state in ("starting", "ready")]
+            too_many = limit > 0 and len(live) >= limit
+            free = await self._memory_free()
+            too_big = free is not None and need > free
+            if not too_many and not too_big:
+                return
+            if too_big and not live:
+                raise NoCapacity(entry.name, (
+                    f"model {entry.name!r} needs about {need / 2**30:.1f} GiB (weights + KV cache) "
+                    f"but only {(free or 0) / 2**30:.1f} GiB is free: lower ctx_size or parallel under "
+                    f'[models."{entry.name}"], or use a smaller quantization'
+                ))
+            idle = self._idle_lru()
+            if idle:
+                victim = idle[0]
+                await self.stop_instance(victim, f"making room for {entry.name}")
+                continue
+            if self._reactor.seconds() >= deadline:
+                raise NoCapacity(entry.name, (
+                    f"cannot load {entry.name!r}: every loaded model is busy "
+                    f"({', '.join(i.entry.name for i in live)}); raise max_loaded_models "
+                    f"(now {limit}) or lower ctx_size / parallel so more models fit"
+                ))
+            await deferLater(self._reactor, 0.1, lambda: None)
+
+    async def _memory_free(self) -> int | None:
+        if self._free_memory is None:
+            return None
+        free = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), self._free_memory)
+        return int(free)
+
+    def _start(self, entry: ModelEntry, meta: GGUFMetadata, binary: Path) -> Instance:
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
         command = build_command(

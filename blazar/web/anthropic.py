@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
+from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.proxy import (
@@ -242,7 +242,7 @@ class AnthropicSurface:
             return self._error(request, 400, "invalid_request_error", str(e))
         return self._error(request, 500, "api_error", f"engine error ({e.status}): {e}")
 
-    @app.handle_errors(BreakerOpen)
+    @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(request, 529, "overloaded_error", str(failure.value))
 

@@ -22,7 +22,7 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.engines.llamacpp import EngineNotFound, context_per_slot
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
+from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import canonical_name, name_key
@@ -516,7 +516,7 @@ class OllamaSurface:
         assert isinstance(e, EngineRejected)
         return _json(request, {"error": str(e)}, client_status(e.status))
 
-    @app.handle_errors(BreakerOpen)
+    @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         return _json(request, {"error": str(failure.value)}, 503)
 

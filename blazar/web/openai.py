@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance
+from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.proxy import (
@@ -311,11 +311,11 @@ class OpenAISurface:
             error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),
         )
 
-    @app.handle_errors(BreakerOpen)
+    @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         e = failure.value
-        assert isinstance(e, BreakerOpen)
-        request.setHeader(b"retry-after", str(max(1, int(e.retry_after))).encode())
+        retry_after = getattr(e, "retry_after", 5.0)
+        request.setHeader(b"retry-after", str(max(1, int(retry_after))).encode())
         return self._error(request, 503, error_body(str(e), "engine_unavailable", "engine_unavailable"))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)

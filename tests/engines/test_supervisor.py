@@ -4,7 +4,14 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineStartFailed, Instance, Supervisor
+from blazar.engines.supervisor import (
+    BreakerOpen,
+    EngineCrashed,
+    EngineStartFailed,
+    Instance,
+    NoCapacity,
+    Supervisor,
+)
 from blazar.models.registry import ModelRegistry
 from blazar.testing import fake_process_reactor, make_test_model
 
@@ -276,3 +283,80 @@ class LifecycleTests(SynchronousTestCase):
         self.assertEqual(self.supervisor.evict("M:latest#0@text"), [instance])
         self.assertEqual(instance.transport.signals, ["TERM"])
         self.assertEqual(instance.stop_reason, "evicted")
+
+
+class CapacityTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "a.gguf")
+        make_test_model(root / "models" / "b.gguf")
+        self.config = parse_config(
+            f'models_dir = "{root / "models"}"\nmax_loaded_models = 1\ndrain_timeout_secs = 2\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+        self.reactor = fake_process_reactor()
+        self.free = 10 * 2**30
+
+        async def probe(url: str) -> int:
+            return 200
+
+        self.supervisor = Supervisor(
+            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {},
+            port_finder=lambda: 5555, free_memory=lambda: self.free,
+        )
+
+    def load(self, name: str) -> Deferred:
+        d = ensureDeferred(self.supervisor.instance_for(name))
+        self.reactor.advance(0)
+        return d
+
+    def test_lru_idle_instance_is_evicted_first(self) -> None:
+        a = self.successResultOf(self.load("a"))
+        d = self.load("b")
+        self.assertNoResult(d)  # waits for a to exit
+        self.assertEqual(a.transport.signals, ["TERM"])
+        self.assertEqual(a.stop_reason, "making room for b:latest")
+        a.transport.exit(0)
+        self.reactor.advance(0)
+        b = self.successResultOf(d)
+        self.assertEqual([i.entry.name for i in self.supervisor.instances()], ["b:latest"])
+        self.assertEqual(b.state, "ready")
+
+    def test_busy_instances_drain_then_503(self) -> None:
+        a = self.successResultOf(self.load("a"))
+        a.in_flight = 1
+        d = self.load("b")
+        self.reactor.advance(1)
+        self.assertNoResult(d)
+        self.assertEqual(a.transport.signals, [])  # never evicted while busy
+        for _ in range(20):
+            self.reactor.advance(0.1)
+        f = self.failureResultOf(d, NoCapacity)
+        self.assertIn("max_loaded_models", str(f.value))
+
+    def test_busy_instance_that_drains_in_time_is_evicted(self) -> None:
+        a = self.successResultOf(self.load("a"))
+        a.in_flight = 1
+        d = self.load("b")
+        self.reactor.advance(0.5)
+        a.in_flight = 0
+        self.reactor.advance(0.1)
+        self.assertEqual(a.transport.signals, ["TERM"])
+        a.transport.exit(0)
+        self.reactor.advance(0)
+        self.successResultOf(d)
+
+    def test_too_big_for_memory(self) -> None:
+        self.free = 1000
+        f = self.failureResultOf(self.load("a"), NoCapacity)
+        self.assertIn("ctx_size", str(f.value))
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_estimate_counts_weights_and_kv_cache(self) -> None:
+        from blazar.models.gguf_meta import GGUFMetadata
+        from blazar.models.registry import ModelEntry
+
+        meta = GGUFMetadata("llama", 8192, 32, 4096, 32, 8, 15, True, None, 4_000_000_000)
+        entry = ModelEntry("m:latest", Path("/m.gguf"))
+        # 4 slots x 4096 ctx, 32 layers, 8 kv heads x 128 dims, f16 K and V
+        self.assertEqual(self.supervisor.estimate(entry, meta), 4_000_000_000 + 2 * 32 * 16384 * 8 * 128 * 2)

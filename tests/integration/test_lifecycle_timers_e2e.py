@@ -142,3 +142,37 @@ def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path
         d.stop()
         d.kill_everything()
 
+
+
+def test_max_loaded_models_one_alternating(engine: str, tmp_path: Path) -> None:
+    import threading
+
+    make_test_model(tmp_path / "models" / "a.gguf", seed=1)
+    make_test_model(tmp_path / "models" / "b.gguf", seed=2)
+    d = Daemon(tmp_path / "d", (
+        f'models_dir = "{tmp_path / "models"}"\nmax_loaded_models = 1\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    most = [0]
+    watching = threading.Event()
+
+    def watch() -> None:
+        while not watching.is_set():
+            most[0] = max(most[0], len(d.engines()))
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        for model in ["a", "b", "a", "b", "a"]:
+            status, body = d.post_json("/v1/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 2})
+            assert status == 200, body
+            assert [p.cmdline()[p.cmdline().index("--alias") + 1] for p in d.engines()] == [f"{model}:latest"]
+    finally:
+        watching.set()
+        watcher.join()
+        d.stop()
+        d.kill_everything()
+    assert most[0] == 1
+    assert d.log().count(": making room for") == 4
