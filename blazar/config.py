@@ -22,6 +22,8 @@ C{~/.config/blazar/config.toml}. Keys::
     breaker_max_backoff_secs = 300
     max_loaded_models = 0          # 0: as many as fit in free memory
     drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
+    child_header_timeout_secs = 120   # no response headers this long, and no /health:
+                                      # the child is wedged (killed, request retried once)
 
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
@@ -123,6 +125,7 @@ class Config:
     breaker_max_backoff: float = 300.0
     max_loaded_models: int = 0
     drain_timeout: float = 30.0
+    child_header_timeout: float = 120.0
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -265,6 +268,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
+        "child_header_timeout_secs",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -292,7 +296,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for key, attr in [
         ("idle_timeout_secs", "idle_timeout"), ("breaker_window_secs", "breaker_window"),
         ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
-        ("drain_timeout_secs", "drain_timeout"),
+        ("drain_timeout_secs", "drain_timeout"), ("child_header_timeout_secs", "child_header_timeout"),
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)

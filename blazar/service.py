@@ -93,7 +93,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         free_memory=lambda: psutil.virtual_memory().available,
     )
     supervisor.setServiceParent(top)
-    proxy = EngineProxy(supervisor, engines, reactor, registry)
+    proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)
     openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)

@@ -65,6 +65,12 @@ class EngineCrashed(EngineError):
     """
 
 
+class EngineTimeout(EngineError):
+    """
+    A child stopped answering (surfaces answer 504).
+    """
+
+
 class NoCapacity(EngineError):
     """
     A model cannot be loaded without evicting a busy one, or does not fit
@@ -634,6 +640,33 @@ class Supervisor(Service):
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
         return self._terminate(instance)
+
+    async def probe_health(self, instance: Instance) -> bool:
+        """
+        Whether C{instance}'s C{/health} answers 200 within a few seconds.
+        """
+        timer = None
+        try:
+            d: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
+            timer = self._reactor.callLater(3.0, d.cancel)
+            return await d == 200
+        except Exception:
+            return False
+        finally:
+            if timer is not None and timer.active():
+                timer.cancel()
+
+    def kill_instance(self, instance: Instance, reason: str) -> Deferred[ExitStatus]:
+        """
+        Stop a child that no longer responds: SIGKILL at once.
+        """
+        ended = self.stop_instance(instance, reason)
+        if instance.transport is not None and instance.protocol.status is None:
+            try:
+                instance.transport.signalProcess("KILL")
+            except ProcessExitedAlready:
+                pass
+        return ended
 
     def evict(self, key: str) -> list[Instance]:
         """

@@ -23,7 +23,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
+from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.proxy import (
@@ -245,6 +245,10 @@ class AnthropicSurface:
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(request, 529, "overloaded_error", str(failure.value))
+
+    @app.handle_errors(EngineTimeout)
+    def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 504, "api_error", str(failure.value))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:

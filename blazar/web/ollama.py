@@ -22,7 +22,7 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.engines.llamacpp import EngineNotFound, context_per_slot
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
+from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import canonical_name, name_key
@@ -519,6 +519,10 @@ class OllamaSurface:
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         return _json(request, {"error": str(failure.value)}, 503)
+
+    @app.handle_errors(EngineTimeout)
+    def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        return _json(request, {"error": str(failure.value)}, 504)
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:

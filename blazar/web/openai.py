@@ -24,7 +24,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import BreakerOpen, EngineError, Instance, NoCapacity
+from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.proxy import (
@@ -317,6 +317,10 @@ class OpenAISurface:
         retry_after = getattr(e, "retry_after", 5.0)
         request.setHeader(b"retry-after", str(max(1, int(retry_after))).encode())
         return self._error(request, 503, error_body(str(e), "engine_unavailable", "engine_unavailable"))
+
+    @app.handle_errors(EngineTimeout)
+    def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 504, error_body(str(failure.value), "engine_error", "engine_timeout"))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:

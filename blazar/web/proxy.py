@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 from typing import Any, Callable
 
-from twisted.internet.defer import CancelledError
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.error import ConnectError
 from twisted.logger import Logger
 
 from blazar.config import parse_duration
 from blazar.engines.client import EngineClient, read_body, relay_body
-from blazar.engines.supervisor import Instance, Supervisor
+from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
 
 log = Logger()
@@ -35,6 +35,15 @@ class StreamStopped(Exception):
     Raised by a relay callback to stop reading a child's stream on purpose
     (e.g. a stop sequence matched); closing the connection stops the child.
     """
+
+
+class ChildWedged(Exception):
+    """
+    A child took a request and neither answers it nor its /health.
+    """
+
+
+_TICK = object()
 
 
 class UnsupportedByModel(Exception):
@@ -119,8 +128,9 @@ class EngineProxy:
 
     def __init__(
         self, supervisor: Supervisor, engines: EngineClient, clock: Any,
-        registry: ModelRegistry | None = None,
+        registry: ModelRegistry | None = None, header_timeout: float = 120.0,
     ) -> None:
+        self._header_timeout = header_timeout
         self.supervisor = supervisor
         self._registry = registry
         self._engines = engines
@@ -187,9 +197,20 @@ class EngineProxy:
             headers = dict(instance.auth_headers)
             headers[b"content-type"] = [b"application/json"]
             try:
-                response = await self._engines.request(
-                    "POST", instance.base_url + path, body, headers
-                )
+                response = await self._headers(instance, ensureDeferred(
+                    self._engines.request("POST", instance.base_url + path, body, headers)
+                ))
+            except ChildWedged:
+                self.supervisor.kill_instance(instance, "wedged: no response headers")
+                if attempt == 2:
+                    raise EngineTimeout(
+                        instance.entry.name,
+                        f"llama-server for model {instance.entry.name!r} accepted the request but "
+                        f"sent nothing for child_header_timeout_secs = {self._header_timeout:g} s "
+                        "and stopped answering /health, twice; it was stopped",
+                    ) from None
+                log.warn("{model} is wedged; retrying on a fresh child", model=model)
+                continue
             except Exception as e:
                 if was_cancelled(e):
                     raise CancelledError() from None
@@ -212,6 +233,41 @@ class EngineProxy:
                 raise EngineRejected(status, message)
             return instance, response
         raise AssertionError("unreachable")
+
+    async def _headers(self, instance: Instance, request: Deferred[Any]) -> Any:
+        """
+        Wait for the child's response headers. Every
+        C{child_header_timeout_secs} without them, ask the child's
+        C{/health}: a child that still answers is busy (a long non-streamed
+        generation) and is waited for; one that does not is wedged.
+
+        @raise ChildWedged: The child is wedged (the request is cancelled).
+        """
+        outcome: Deferred[Any] = Deferred()
+
+        def settle(result: Any) -> None:
+            if not outcome.called:
+                outcome.callback(result)
+
+        request.addBoth(settle)
+        while True:
+            timer = self._clock.callLater(self._header_timeout, settle, _TICK)
+            try:
+                result = await outcome  # a failed request raises here
+            finally:
+                if timer.active():
+                    timer.cancel()
+            if result is not _TICK:
+                return result
+            outcome = Deferred()
+            try:
+                healthy = await self.supervisor.probe_health(instance)
+            except Exception:
+                healthy = False
+            if not healthy:
+                outcome = succeed(None)  # so settle ignores the cancellation
+                request.cancel()
+                raise ChildWedged()
 
     async def read(self, instance: Instance, response: Any) -> bytes:
         """

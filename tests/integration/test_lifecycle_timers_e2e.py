@@ -176,3 +176,29 @@ def test_max_loaded_models_one_alternating(engine: str, tmp_path: Path) -> None:
         d.kill_everything()
     assert most[0] == 1
     assert d.log().count(": making room for") == 4
+
+
+def test_wedged_child_is_evicted_retried_then_504(tmp_path: Path) -> None:
+    import sys
+
+    fake = tmp_path / "wedged-engine"
+    script = Path(__file__).with_name("fake_wedged_engine.py")
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    fake.chmod(0o755)
+    make_test_model(tmp_path / "models" / "tiny.gguf")
+    d = Daemon(tmp_path / "d", (
+        f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'
+        f'[engines.llamacpp]\nbinary = "{fake}"\n'
+    ))
+    d.start()
+    try:
+        t0 = time.monotonic()
+        status, body = d.post_json("/v1/chat/completions", {"model": "tiny", "messages": HELLO})
+        assert status == 504, body
+        assert "child_header_timeout_secs" in body["error"]["message"]
+        assert time.monotonic() - t0 < 20
+        assert d.log().count("starting tiny:latest") == 2  # retried once on a fresh child
+        assert d.log().count("wedged: no response headers") >= 2
+    finally:
+        d.stop()
+        d.kill_everything()
