@@ -30,6 +30,7 @@ from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
     EngineRejected,
+    PromptTooLong,
     StreamStopped,
     UnsupportedByModel,
     keep_alive_of,
@@ -139,6 +140,10 @@ class AnthropicSurface:
             raise AnthropicError(400, "invalid_request_error", f"keep_alive: {e}") from None
         canonical = await self._resolve(model)
         await self._proxy.check_purpose(model, embedding=False)
+        await self._proxy.preflight(
+            model, engine_body.get("max_tokens"), len(json.dumps(engine_body)),
+            lambda: self._proxy.count_chat_tokens(model, engine_body),
+        )
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
         raw = json.dumps(engine_body).encode("utf-8")
         if not stream:
@@ -225,6 +230,10 @@ class AnthropicSurface:
         e = failure.value
         assert isinstance(e, AnthropicError)
         return self._error(request, e.status, e.kind, str(e))
+
+    @app.handle_errors(PromptTooLong)
+    def _too_long(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 400, "invalid_request_error", str(failure.value))
 
     @app.handle_errors(UnsupportedByModel)
     def _unsupported(self, request: IRequest, failure: Failure) -> bytes:

@@ -27,7 +27,7 @@ from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import canonical_name, name_key
 from blazar.web.hub import HubClient, PullError, parse_hub_name
-from blazar.web.proxy import EngineProxy, EngineRejected, UnsupportedByModel
+from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import ollama as tr
 
@@ -236,6 +236,15 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
         await self._proxy.check_purpose(model, embedding=False)
+        if path != "/infill":
+            max_tokens = engine_body.get("max_tokens")
+
+            async def count() -> int:
+                if "messages" in engine_body:
+                    return await self._proxy.count_chat_tokens(model, engine_body)
+                return await self._proxy.count_text_tokens(model, engine_body.get("prompt", ""))
+
+            await self._proxy.preflight(model, max_tokens, len(json.dumps(engine_body)), count)
         timing = await self._load(model)
         instance, response = await self._proxy.send(
             model, path, json.dumps(engine_body).encode("utf-8")
@@ -499,6 +508,10 @@ class OllamaSurface:
         e = failure.value
         assert isinstance(e, OllamaError)
         return _json(request, {"error": str(e)}, e.status)
+
+    @app.handle_errors(PromptTooLong)
+    def _too_long(self, request: IRequest, failure: Failure) -> bytes:
+        return _json(request, {"error": str(failure.value)}, 400)
 
     @app.handle_errors(UnsupportedByModel)
     def _unsupported(self, request: IRequest, failure: Failure) -> bytes:

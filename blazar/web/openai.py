@@ -31,6 +31,7 @@ from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
     EngineRejected,
+    PromptTooLong,
     UnsupportedByModel,
     keep_alive_of,
 )
@@ -195,6 +196,8 @@ class OpenAISurface:
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
+        if kind != "embedding":
+            await self._preflight(model, kind, body, len(raw))
         if stream and not self._proxy.is_ready(canonical):
             await self._stream_cold(request, model, path, raw, keep_alive)
             return None
@@ -211,6 +214,20 @@ class OpenAISurface:
         finally:
             instance.in_flight -= 1
             self._proxy.done(instance, keep_alive)
+
+    async def _preflight(self, model: str, kind: str, body: dict[str, Any], size: int) -> None:
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
+            return  # absent, or invalid: the engine answers that
+
+        async def count() -> int:
+            if kind == "chat":
+                return await self._proxy.count_chat_tokens(model, body)
+            prompt = body.get("prompt")
+            texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
+            return max([await self._proxy.count_text_tokens(model, t) for t in texts] or [0])
+
+        await self._proxy.preflight(model, max_tokens, size, count)
 
     async def _stream_cold(
         self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None
@@ -285,6 +302,11 @@ class OpenAISurface:
         e = failure.value
         assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(PromptTooLong)
+    def _too_long(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 400, error_body(
+            str(failure.value), "invalid_request_error", "context_length_exceeded", "messages"))
 
     @app.handle_errors(UnsupportedByModel)
     def _unsupported(self, request: IRequest, failure: Failure) -> bytes:

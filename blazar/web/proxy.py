@@ -7,7 +7,7 @@ into a domain error the surface renders in its own shape.
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.error import ConnectError
@@ -15,6 +15,7 @@ from twisted.logger import Logger
 
 from blazar.config import parse_duration
 from blazar.engines.client import EngineClient, read_body, relay_body
+from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
 
@@ -35,6 +36,19 @@ class StreamStopped(Exception):
     Raised by a relay callback to stop reading a child's stream on purpose
     (e.g. a stop sequence matched); closing the connection stops the child.
     """
+
+
+class PromptTooLong(Exception):
+    """
+    The prompt plus the requested output does not fit in a slot's context
+    (surfaces answer 400). The message gives both numbers and the levers.
+    """
+
+
+# Bytes of template text a chat template may add around the messages (role
+# markers, default system prompts, tool instructions): below this margin a
+# body cannot overflow the context, whatever it holds, so nothing is counted.
+TEMPLATE_SLACK = 1024
 
 
 class ChildWedged(Exception):
@@ -153,6 +167,62 @@ class EngineProxy:
         """
         instance = self.supervisor.loaded(canonical)
         return instance is not None and instance.state == "ready"
+
+    async def preflight(
+        self, model: str, max_tokens: int | None, body_size: int,
+        count: Callable[[], Awaitable[int]],
+    ) -> None:
+        """
+        Refuse a request whose prompt plus C{max_tokens} exceeds the
+        model's per-slot context, instead of letting the engine cut the
+        answer short. Tokens are counted (by C{count}, with the child's own
+        tokenizer) only when the body is large enough to matter: a prompt
+        has at most as many tokens as its rendering has bytes.
+
+        @raise PromptTooLong: With both numbers and the levers.
+        """
+        if max_tokens is None or self._registry is None:
+            return
+        entry = await self._registry.resolve(model)
+        meta = await self._registry.metadata(entry)
+        ctx = context_per_slot(entry, meta)
+        levers = (
+            f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'
+        )
+        if max_tokens >= ctx:
+            raise PromptTooLong(
+                f"max_tokens = {max_tokens} does not fit in the {ctx}-token context of "
+                f"{entry.name!r} (per slot), which also holds the prompt: {levers}"
+            )
+        if body_size + TEMPLATE_SLACK + max_tokens <= ctx:
+            return
+        prompt = await count()
+        if prompt + max_tokens > ctx:
+            raise PromptTooLong(
+                f"the prompt is {prompt} tokens and max_tokens is {max_tokens}: {prompt + max_tokens} "
+                f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}"
+            )
+
+    async def count_chat_tokens(self, model: str, chat_body: dict[str, Any]) -> int:
+        """
+        Prompt tokens of an OpenAI chat body, rendered by the child's chat
+        template and counted by its tokenizer (the number a real request
+        reports as C{usage.prompt_tokens}).
+        """
+        body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
+        instance, response = await self.send(
+            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8")
+        )
+        return int(json.loads(await self.read(instance, response))["input_tokens"])
+
+    async def count_text_tokens(self, model: str, text: str) -> int:
+        """
+        Tokens of raw text (a completion prompt), by the child's tokenizer.
+        """
+        instance, response = await self.send(
+            model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8")
+        )
+        return len(json.loads(await self.read(instance, response))["tokens"])
 
     async def check_purpose(self, model: str, embedding: bool) -> str:
         """

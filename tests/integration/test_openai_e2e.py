@@ -23,7 +23,7 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 def chat(daemon: Daemon, **fields: object) -> tuple[int, dict]:
     body = {"model": "tiny", "messages": HELLO, "max_tokens": 16, "seed": 1}
     body.update(fields)
-    return daemon.post_json(CHAT, body)
+    return daemon.post_json(CHAT, {k: v for k, v in body.items() if v is not None})
 
 
 def assert_usage(usage: dict) -> None:
@@ -113,7 +113,8 @@ def engine_slots(daemon: Daemon, model: str) -> list[dict]:
 
 def test_first_chunk_arrives_before_the_engine_finishes(daemon: Daemon) -> None:
     body = {
-        "model": "tiny", "messages": HELLO, "max_tokens": 4000, "stream": True,
+        # no max_tokens: it runs until the slot's context is full
+        "model": "tiny", "messages": HELLO, "stream": True,
         "ignore_eos": True,
     }
     stream = daemon.stream(CHAT, body)
@@ -235,7 +236,7 @@ def test_sigkill_idle_child_then_next_request_respawns(daemon: Daemon) -> None:
 
 
 def test_sigkill_during_stream_ends_stream_with_error(daemon: Daemon) -> None:
-    body = {"model": "tiny", "messages": HELLO, "max_tokens": 100000, "stream": True, "ignore_eos": True}
+    body = {"model": "tiny", "messages": HELLO, "stream": True, "ignore_eos": True}
     stream = daemon.stream(CHAT, body, timeout=30)
     next(stream)
     victim = daemon.engine_for("tiny:latest")
@@ -303,7 +304,7 @@ def test_sigkill_during_non_streaming_request_is_502(daemon: Daemon) -> None:
     victim = daemon.engine_for("tiny:latest")
     result: list[tuple[int, dict]] = []
     t = threading.Thread(target=lambda: result.append(
-        chat(daemon, max_tokens=100000, ignore_eos=True)
+        chat(daemon, max_tokens=None, ignore_eos=True)
     ))
     t.start()
     deadline = time.monotonic() + 30
@@ -359,3 +360,23 @@ def test_long_embedding_input_fits_a_slot(daemon: Daemon) -> None:
     # over the slot: the engine's 500 is the client's fault, answered 400
     status, body = daemon.post_json("/v1/embeddings", {"model": "tiny-embed", "input": "hello " * 600})
     assert status == 400 and "too large" in body["error"]["message"]
+
+
+def test_prompt_plus_max_tokens_over_context_is_400(daemon: Daemon) -> None:
+    # tiny has 2048 tokens per slot
+    status, body = chat(daemon, max_tokens=5000)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "5000" in body["error"]["message"] and "2048" in body["error"]["message"]
+    assert "ctx_size" in body["error"]["message"]
+    long_prompt = [{"role": "user", "content": "hello " * 400}]  # ~2400 tokens
+    status, body = chat(daemon, messages=long_prompt, max_tokens=100)
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert "the prompt is" in body["error"]["message"]
+    status, body = chat(daemon, messages=[{"role": "user", "content": "hello " * 200}], max_tokens=100)
+    assert status == 200, body  # counted, and it fits
+    for path, body in [
+        ("/api/chat", {"model": "tiny", "messages": long_prompt, "options": {"num_predict": 100}}),
+        ("/v1/messages", {"model": "tiny", "max_tokens": 100, "messages": long_prompt}),
+    ]:
+        status, _, data = daemon.request("POST", path, body)
+        assert status == 400 and "ctx_size" in data.decode(), data
