@@ -202,3 +202,48 @@ def test_wedged_child_is_evicted_retried_then_504(tmp_path: Path) -> None:
     finally:
         d.stop()
         d.kill_everything()
+
+
+def test_disconnect_mid_stream_frees_the_slot(engine: str, tmp_path: Path) -> None:
+    import http.client
+    import json
+
+    make_test_model(tmp_path / "models" / "one.gguf")
+    d = Daemon(tmp_path / "d", (
+        f'models_dir = "{tmp_path / "models"}"\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        '[models.one]\nparallel = 1\n'
+    ))
+    d.start()
+    try:
+        assert d.post_json("/v1/chat/completions", {"model": "one", "messages": HELLO, "max_tokens": 1})[0] == 200
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "one", "messages": HELLO, "stream": True, "ignore_eos": True}),
+            {"content-type": "application/json"})
+        resp = conn.getresponse()
+        resp.readline()
+        conn.sock.close()  # the client goes away mid-generation
+        conn.close()
+        t0 = time.monotonic()
+        status, body = d.post_json("/v1/chat/completions", {"model": "one", "messages": HELLO, "max_tokens": 2})
+        assert status == 200, body
+        # the only slot was freed at once, not after ~2000 more tokens
+        assert time.monotonic() - t0 < 2.0
+        time.sleep(0.2)
+        assert "cancel" in d.log().lower()
+    finally:
+        d.stop()
+        d.kill_everything()
+
+
+def test_different_num_ctx_under_fit_policy_share_one_child(lifecycle: Daemon) -> None:
+    pids = set()
+    for num_ctx in (1024, 8192, 2048):
+        status, _, _ = lifecycle.request("POST", "/api/chat", {
+            "model": "tiny", "messages": HELLO, "stream": False, "keep_alive": "1m",
+            "options": {"num_ctx": num_ctx, "num_predict": 2},
+        })
+        assert status == 200
+        pids.add(lifecycle.engine_for("tiny:latest").pid)
+    assert len(pids) == 1  # one child served all three: no reload
