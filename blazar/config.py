@@ -22,6 +22,9 @@ C{~/.config/blazar/config.toml}. Keys::
     breaker_max_backoff_secs = 300
     max_loaded_models = 0          # 0: as many as fit in free memory
     drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
+    ctx_policy = "fit"             # a request's num_ctx above the loaded context:
+                                   # "fit" keeps the child (preflight decides),
+                                   # "reload" restarts it with the larger context
     child_header_timeout_secs = 120   # no response headers this long, and no /health:
                                       # the child is wedged (killed, request retried once)
 
@@ -126,6 +129,7 @@ class Config:
     max_loaded_models: int = 0
     drain_timeout: float = 30.0
     child_header_timeout: float = 120.0
+    ctx_policy: str = "fit"
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -268,7 +272,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs",
+        "child_header_timeout_secs", "ctx_policy",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -300,6 +304,10 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "ctx_policy" in doc:
+        if doc["ctx_policy"] not in ("fit", "reload"):
+            raise _expected(where, "ctx_policy", '"fit" or "reload"', doc["ctx_policy"])
+        kwargs["ctx_policy"] = doc["ctx_policy"]
     if "max_loaded_models" in doc:
         value = doc["max_loaded_models"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

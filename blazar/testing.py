@@ -355,7 +355,7 @@ class FakeSupervisor:
     instances: dict[str, FakeInstance] = attrs.field(factory=dict)
     started: int = 0
 
-    async def instance_for(self, name: str) -> FakeInstance:
+    async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
         from blazar.models.registry import ModelNotFound
         from blazar.names import name_key
 

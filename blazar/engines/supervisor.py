@@ -194,6 +194,7 @@ class Instance:
     kill_timer: Any = None
     term_timer: Any = None
     run_files: Any = None
+    ctx: int = 0
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
     last_used: float = 0.0
@@ -341,26 +342,53 @@ class Supervisor(Service):
                 self._breakers[n].reset()
         return [n for n in names if n in self._breakers]
 
+    @property
+    def ctx_policy(self) -> str:
+        """
+        C{"fit"} or C{"reload"}: what a larger per-request context does.
+        """
+        return self._config.ctx_policy
+
     def instances(self) -> list[Instance]:
         """
         Every live child (starting, ready or stopping), oldest first.
         """
         return sorted(self._all, key=lambda i: i.started_at)
 
-    async def instance_for(self, name: str) -> Instance:
+    async def instance_for(self, name: str, ctx_size: int | None = None) -> Instance:
         """
         A ready child for the model a client named, spawning one if needed.
         Concurrent calls for one model share a single spawn.
 
+        @param ctx_size: A per-request context size (Ollama's C{num_ctx}).
+            Under C{ctx_policy = "reload"} a loaded child with a smaller
+            context is replaced (after its requests drain) by one with this
+            context; under C{"fit"} (the default) it is ignored and the
+            context preflight decides, so clients that disagree about
+            num_ctx do not thrash reloads.
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise EngineStartFailed: The child could not start.
         @raise blazar.engines.llamacpp.EngineNotFound: No binary.
         """
         entry = await self._registry.resolve(name)
+        if ctx_size and self._config.ctx_policy == "reload":
+            entry = await self._reload_for(entry, ctx_size)
         instance = self._instances.get(entry.name)
         if instance is None:
             instance = await self._spawn(entry)
         return await instance.wait_ready()
+
+    async def _reload_for(self, entry: ModelEntry, ctx_size: int) -> ModelEntry:
+        wanted = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=ctx_size))
+        instance = self._instances.get(entry.name)
+        if instance is None or instance.ctx >= ctx_size:
+            return wanted if instance is None else instance.entry
+        deadline = self._reactor.seconds() + self._config.drain_timeout
+        while instance.in_flight and self._reactor.seconds() < deadline:
+            await deferLater(self._reactor, 0.1, lambda: None)
+        if self._instances.get(entry.name) is instance:
+            await self.stop_instance(instance, f"reload with num_ctx {ctx_size} (ctx_policy reload)")
+        return wanted
 
     def _check_breaker(self, entry: ModelEntry) -> None:
         breaker = self.breaker(entry.name)
@@ -470,7 +498,7 @@ class Supervisor(Service):
         now = self._reactor.seconds()
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=self._config.idle_timeout,
+            idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta),
         )
         env = child_environment(self._environ)
         env.update(command.env)

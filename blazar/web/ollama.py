@@ -167,14 +167,14 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
 
-    async def _load(self, model: str) -> tr.Timing:
+    async def _load(self, model: str, ctx_size: int | None = None) -> tr.Timing:
         """
         Make sure a child for C{model} is ready, timing how long that took
         (Ollama's C{load_duration}).
         """
         started = self._clock.seconds()
         await self._entry(model)
-        await self._supervisor.instance_for(model)
+        await self._supervisor.instance_for(model, ctx_size)
         return tr.Timing(started=started, loaded=self._clock.seconds())
 
     def _after(self, instance: Instance, keep_alive: float | None) -> None:
@@ -235,6 +235,10 @@ class OllamaSurface:
                 path, engine_body = tr.generate_to_openai(body, stream)
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
+        raw_options = body.get("options")
+        options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
+        num_ctx = options.get("num_ctx")
+        ctx_size = num_ctx if isinstance(num_ctx, int) and not isinstance(num_ctx, bool) and num_ctx > 0 else None
         await self._proxy.check_purpose(model, embedding=False)
         if path != "/infill":
             max_tokens = engine_body.get("max_tokens")
@@ -244,10 +248,13 @@ class OllamaSurface:
                     return await self._proxy.count_chat_tokens(model, engine_body)
                 return await self._proxy.count_text_tokens(model, engine_body.get("prompt", ""))
 
-            await self._proxy.preflight(model, max_tokens, len(json.dumps(engine_body)), count)
-        timing = await self._load(model)
+            await self._proxy.preflight(
+                model, max_tokens, len(json.dumps(engine_body)), count,
+                ctx_size if self._supervisor.ctx_policy == "reload" else None,
+            )
+        timing = await self._load(model, ctx_size)
         instance, response = await self._proxy.send(
-            model, path, json.dumps(engine_body).encode("utf-8")
+            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size
         )
         instance.in_flight += 1
         try:
@@ -414,7 +421,7 @@ class OllamaSurface:
                 "digest": digest.removeprefix("sha256:"), "details": details(meta),
                 # "forever" is shown far in the future, as Ollama does
                 "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
-                "context_length": context_per_slot(entry, meta),
+                "context_length": instance.ctx or context_per_slot(entry, meta),
             })
         return _json(request, {"models": models})
 

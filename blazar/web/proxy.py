@@ -170,7 +170,7 @@ class EngineProxy:
 
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
-        count: Callable[[], Awaitable[int]],
+        count: Callable[[], Awaitable[int]], ctx_size: int | None = None,
     ) -> None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
@@ -179,13 +179,15 @@ class EngineProxy:
         tokenizer) only when the body is large enough to matter: a prompt
         has at most as many tokens as its rendering has bytes.
 
+        @param ctx_size: The context the request will get, if not the
+            model's configured one (Ollama's num_ctx under ctx_policy reload).
         @raise PromptTooLong: With both numbers and the levers.
         """
         if max_tokens is None or self._registry is None:
             return
         entry = await self._registry.resolve(model)
         meta = await self._registry.metadata(entry)
-        ctx = context_per_slot(entry, meta)
+        ctx = ctx_size or context_per_slot(entry, meta)
         levers = (
             f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'
         )
@@ -248,7 +250,9 @@ class EngineProxy:
             )
         return entry.name
 
-    async def send(self, model: str, path: str, body: bytes) -> tuple[Instance, Any]:
+    async def send(
+        self, model: str, path: str, body: bytes, ctx_size: int | None = None
+    ) -> tuple[Instance, Any]:
         """
         Send C{body} to a ready child for C{model}; return the child and its
         200 response (headers read, body not yet).
@@ -263,7 +267,7 @@ class EngineProxy:
         @raise EngineRejected: The child answered an error status.
         """
         for attempt in (1, 2):
-            instance = await self.supervisor.instance_for(model)
+            instance = await self.supervisor.instance_for(model, ctx_size)
             headers = dict(instance.auth_headers)
             headers[b"content-type"] = [b"application/json"]
             try:

@@ -1,4 +1,5 @@
 from pathlib import Path
+from typing import Any
 
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
@@ -360,3 +361,42 @@ class CapacityTests(SynchronousTestCase):
         entry = ModelEntry("m:latest", Path("/m.gguf"))
         # 4 slots x 4096 ctx, 32 layers, 8 kv heads x 128 dims, f16 K and V
         self.assertEqual(self.supervisor.estimate(entry, meta), 4_000_000_000 + 2 * 32 * 16384 * 8 * 128 * 2)
+
+
+class ContextPolicyTests(SynchronousTestCase):
+    def make(self, policy: str) -> tuple[Supervisor, Any]:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        config = parse_config(
+            f'models_dir = "{root / "models"}"\nctx_policy = "{policy}"\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+        reactor = fake_process_reactor()
+
+        async def probe(url: str) -> int:
+            return 200
+
+        return Supervisor(config, ModelRegistry(config, reactor), reactor, probe, {},
+                          port_finder=lambda: 5555), reactor
+
+    def test_fit_ignores_a_larger_num_ctx(self) -> None:
+        supervisor, reactor = self.make("fit")
+        first = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
+        again = self.successResultOf(ensureDeferred(supervisor.instance_for("m", 8192)))
+        self.assertIs(again, first)
+        self.assertEqual(len(reactor.spawned), 1)
+
+    def test_reload_restarts_with_the_larger_context(self) -> None:
+        supervisor, reactor = self.make("reload")
+        first = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
+        self.assertEqual(first.ctx, 2048)
+        d = ensureDeferred(supervisor.instance_for("m", 8192))
+        self.assertEqual(first.transport.signals, ["TERM"])
+        first.transport.exit(0)
+        second = self.successResultOf(d)
+        self.assertEqual(second.ctx, 8192)
+        engine_argv = reactor.spawned[-1][2][3:]  # after [python, -c, launcher]
+        self.assertEqual(engine_argv[engine_argv.index("-c") + 1], str(8192 * 4))
+        # a smaller num_ctx later does not reload again
+        self.assertIs(self.successResultOf(ensureDeferred(supervisor.instance_for("m", 1024))), second)
+        self.assertEqual(len(reactor.spawned), 2)
