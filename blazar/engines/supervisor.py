@@ -30,6 +30,7 @@ from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from blazar.config import Config
 from blazar.engines import runfiles
@@ -280,6 +281,7 @@ class Supervisor(Service):
     _instances: dict[str, Instance] = attrs.field(factory=dict)
     _all: set[Instance] = attrs.field(factory=set)
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
+    _spawning: dict[str, list[Deferred[Instance]]] = attrs.field(factory=dict)
     _reaper: Any = None
     _run_dir: Path | None = None
     _free_memory: Callable[[], int] | None = None
@@ -375,8 +377,42 @@ class Supervisor(Service):
             entry = await self._reload_for(entry, ctx_size)
         instance = self._instances.get(entry.name)
         if instance is None:
-            instance = await self._spawn(entry)
+            instance = await self._join_spawn(entry)
         return await instance.wait_ready()
+
+    def _join_spawn(self, entry: ModelEntry) -> Deferred[Instance]:
+        """
+        Wait for the spawn of C{entry}, starting it if none is under way.
+        The spawn runs on its own: a client that goes away (cancelling
+        this wait) does not abort a load that others, or its own retry,
+        will want.
+        """
+
+        def cancel(d: Deferred[Instance]) -> None:
+            current = self._spawning.get(entry.name)
+            if current is not None and d in current:
+                current.remove(d)
+
+        d: Deferred[Instance] = Deferred(cancel)
+        waiters = self._spawning.get(entry.name)
+        if waiters is not None:
+            waiters.append(d)
+            return d
+        self._spawning[entry.name] = [d]
+
+        def done(result: Any) -> None:
+            pending = [w for w in self._spawning.pop(entry.name, []) if not w.called]
+            if isinstance(result, Failure) and not pending:
+                log.error("loading {model} failed: {error}", model=entry.name,
+                          error=result.getErrorMessage())
+            for w in pending:
+                if isinstance(result, Failure):
+                    w.errback(result)
+                else:
+                    w.callback(result)
+
+        ensureDeferred(self._spawn(entry)).addBoth(done)
+        return d
 
     async def _reload_for(self, entry: ModelEntry, ctx_size: int) -> ModelEntry:
         wanted = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=ctx_size))

@@ -422,6 +422,9 @@ class OllamaSurface:
                 # "forever" is shown far in the future, as Ollama does
                 "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
                 "context_length": instance.ctx or context_per_slot(entry, meta),
+                # Blazar's: starting | ready | stopping, and the crash breaker
+                "state": instance.state,
+                "breaker": self._supervisor.breaker(entry.name).state,
             })
         return _json(request, {"models": models})
 

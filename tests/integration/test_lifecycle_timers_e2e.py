@@ -138,6 +138,20 @@ def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path
         assert body.startswith(": loading\n\n") and body.count(": loading") >= 2
         assert body.rstrip().endswith("data: [DONE]")
         conn.close()
+        # a client that leaves during a load does not abort the load
+        d.request("POST", "/api/generate", {"model": "tiny", "keep_alive": 0})
+        d.engine_for("tiny:latest").wait(10) if d.engines() else None
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+        conn.request("POST", "/v1/chat/completions", json.dumps(
+            {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
+            {"content-type": "application/json"})
+        conn.getresponse().readline()
+        conn.sock.close()
+        conn.close()
+        deadline = time.monotonic() + 15
+        while "tiny:latest ready on port" not in d.log().split("keep_alive 0")[-1]:
+            assert time.monotonic() < deadline, "the load was abandoned"
+            time.sleep(0.2)
     finally:
         d.stop()
         d.kill_everything()
