@@ -75,6 +75,32 @@ class ConnectionPools(Service):
         return DeferredList([ensureDeferred(c.close()) for c in self.clients], consumeErrors=True)  # type: ignore[return-value]
 
 
+def thd_free_memory() -> int:
+    """
+    Bytes a new engine could use: available RAM, plus free VRAM on every
+    NVIDIA GPU pynvml can see (none, on a machine without one). Blocking:
+    called in the thread pool.
+    """
+    free = int(psutil.virtual_memory().available)
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:
+        return free
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            free += int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free)
+    except Exception:
+        pass
+    finally:
+        try:
+            pynvml.nvmlShutdown()
+        except Exception:
+            pass
+    return free
+
+
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
     """
     Build the daemon's service tree from a validated config.
@@ -90,7 +116,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     ConnectionPools(engines, hub).setServiceParent(top)
     supervisor = Supervisor(
         config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=lambda: psutil.virtual_memory().available,
+        free_memory=thd_free_memory,
     )
     supervisor.setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)

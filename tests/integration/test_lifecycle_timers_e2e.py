@@ -261,3 +261,25 @@ def test_different_num_ctx_under_fit_policy_share_one_child(lifecycle: Daemon) -
         assert status == 200
         pids.add(lifecycle.engine_for("tiny:latest").pid)
     assert len(pids) == 1  # one child served all three: no reload
+
+
+def test_keep_alive_header_on_openai_and_anthropic(lifecycle: Daemon) -> None:
+    import http.client
+    import json
+
+    for path, body in [
+        ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": 2}),
+        ("/v1/messages", {"model": "tiny", "messages": HELLO, "max_tokens": 2}),
+    ]:
+        conn = http.client.HTTPConnection("127.0.0.1", lifecycle.port, timeout=60)
+        conn.request("POST", path, json.dumps(body),
+                     {"content-type": "application/json", "x-blazar-keep-alive": "0"})
+        assert conn.getresponse().status == 200
+        conn.close()
+        child = lifecycle.engine_for("tiny:latest") if lifecycle.engines() else None
+        if child is not None:
+            child.wait(10)
+        assert not [p for p in lifecycle.engines() if "tiny.gguf" in " ".join(p.cmdline())], path
+    status, body = lifecycle.post_json("/v1/chat/completions",
+                                       {"model": "tiny", "messages": HELLO, "keep_alive": "soon"})
+    assert status == 400 and body["error"]["param"] == "keep_alive"
