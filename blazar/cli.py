@@ -2,14 +2,24 @@
 The C{blazar} command.
 
   blazar serve [--config PATH]         run the daemon in the foreground
+  blazar status | version              the running daemon
+  blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
+  blazar evict MODEL|KEY | --all       unload models
+  blazar models list                   the model registry (from the daemon)
   blazar models make-test PATH [--embedding] [--seed N]
                                        write a tiny random-weight GGUF
+
+Exit codes: 0 ok, 1 error, 2 daemon not running, 3 bind conflict (serve).
+Verbs other than serve and make-test talk to the running daemon over its
+control socket, C{<data_dir>/run/control.sock}.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from typing import Any
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -31,6 +41,146 @@ def _make_test(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control(args: argparse.Namespace, action: Any) -> int:
+    """
+    Connect to the daemon's control socket, check the protocol version, run
+    C{action(protocol)} and return its exit code; 2 with a one-line
+    explanation if no daemon answers.
+    """
+    from twisted.internet.defer import Deferred
+    from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
+    from twisted.internet.task import react
+    from twisted.protocols.amp import AMP, RemoteAmpError
+
+    from blazar.config import ConfigError, resolve_config
+    from blazar.protocols.control import PROTOCOL_VERSION, IncompatibleClient, NothingToEvict, Version
+
+    try:
+        config = resolve_config(args.config)
+    except ConfigError as e:
+        print(f"blazar: {e}", file=sys.stderr)
+        return 1
+    path = config.data_dir / "run" / "control.sock"
+    outcome = {"code": 1}
+
+    async def main(reactor: Any) -> None:
+        try:
+            protocol = await connectProtocol(UNIXClientEndpoint(reactor, str(path), timeout=5), AMP())
+        except Exception:
+            print(f"blazar: no daemon is running for data_dir {config.data_dir} "
+                  f"(no answer on {path}); start one with `blazar serve`", file=sys.stderr)
+            outcome["code"] = 2
+            return
+        try:
+            await protocol.callRemote(Version, protocol=PROTOCOL_VERSION)
+            outcome["code"] = await action(protocol)
+        except RemoteAmpError as e:
+            print(f"blazar: {e.description}", file=sys.stderr)
+            outcome["code"] = 1
+        except (NothingToEvict, IncompatibleClient) as e:
+            print(f"blazar: {e}", file=sys.stderr)
+            outcome["code"] = 1
+        finally:
+            protocol.transport.loseConnection()
+
+    try:
+        react(lambda r: Deferred.fromCoroutine(main(r)))
+    except SystemExit:
+        pass
+    return outcome["code"]
+
+
+def _status(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import Status
+
+    async def action(p: Any) -> int:
+        s = await p.callRemote(Status)
+        if args.json:
+            print(json.dumps(s))
+        else:
+            print(f"blazar {s['version']}, up {s['uptime']:.0f} s, {s['loaded']} model(s) loaded")
+            print(f"listening: {', '.join(s['listeners'])}")
+            print(f"engine:    {s['engine']}")
+            print(f"data dir:  {s['data_dir']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _version(args: argparse.Namespace) -> int:
+    from blazar import __version__
+    from blazar.protocols.control import PROTOCOL_VERSION, Version
+
+    print(f"blazar {__version__} (control protocol {PROTOCOL_VERSION})")
+
+    async def action(p: Any) -> int:
+        v = await p.callRemote(Version, protocol=PROTOCOL_VERSION)
+        print(f"daemon {v['version']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _ps(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import Ps, ResetBreakers
+
+    async def action(p: Any) -> int:
+        if args.reset:
+            reset = (await p.callRemote(ResetBreakers))["reset"]
+            print(f"reset crash breakers: {', '.join(reset) or 'none'}")
+        rows: list[dict[str, Any]] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = await p.callRemote(Ps, offset=offset)
+            rows += page["instances"]
+            offset = page.get("next_offset")
+        if args.json:
+            print(json.dumps(rows))
+            return 0
+        if not rows:
+            print("no models loaded")
+            return 0
+        header = f"{'MODEL':<32} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} {'EXPIRES':>9} BREAKER"
+        print(header)
+        for r in rows:
+            expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
+            print(f"{r['model']:<32} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
+                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {expires:>9} {r['breaker']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _evict(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import Evict
+
+    if not args.all and not args.key:
+        print("blazar evict: name a model or instance key, or use --all", file=sys.stderr)
+        return 1
+
+    async def action(p: Any) -> int:
+        done = await p.callRemote(Evict, key=args.key, all=args.all)
+        print(f"evicted: {', '.join(done['evicted'])}")
+        return 0
+
+    return _control(args, action)
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import Models
+
+    async def action(p: Any) -> int:
+        models = (await p.callRemote(Models))["models"]
+        if args.json:
+            print(json.dumps(models))
+        else:
+            for m in models:
+                print(f"{m['name']:<40} {m['path']}")
+        return 0
+
+    return _control(args, action)
+
+
 def parser() -> argparse.ArgumentParser:
     """
     The argument parser for every verb.
@@ -40,8 +190,28 @@ def parser() -> argparse.ArgumentParser:
     serve = verbs.add_parser("serve", help="run the daemon in the foreground")
     serve.add_argument("--config", "-c", help="config.toml (default: $BLAZAR_CONFIG or ~/.config/blazar/config.toml)")
     serve.set_defaults(func=_serve)
+
+    def daemon_verb(name: str, help: str, func: Any) -> argparse.ArgumentParser:
+        v = verbs.add_parser(name, help=help)
+        v.add_argument("--config", "-c", help="config.toml of the daemon (to find its data_dir)")
+        v.add_argument("--json", action="store_true", help="machine-readable output")
+        v.set_defaults(func=func)
+        return v
+
+    daemon_verb("status", "the running daemon: version, uptime, listeners, engine", _status)
+    daemon_verb("version", "this CLI's and the daemon's versions", _version)
+    ps = daemon_verb("ps", "loaded models: state, pid, slots, expiry, crash breaker", _ps)
+    ps.add_argument("--reset", action="store_true", help="close every crash breaker first")
+    evict = daemon_verb("evict", "unload a model (name, or key name#replica@lane)", _evict)
+    evict.add_argument("key", nargs="?", help="model name or instance key")
+    evict.add_argument("--all", action="store_true", help="unload every model")
+
     models = verbs.add_parser("models", help="model files")
     model_verbs = models.add_subparsers(dest="models_verb", required=True)
+    listing = model_verbs.add_parser("list", help="the models the daemon serves")
+    listing.add_argument("--config", "-c")
+    listing.add_argument("--json", action="store_true")
+    listing.set_defaults(func=_models_list)
     make = model_verbs.add_parser(
         "make-test", help="write a tiny random-weight llama GGUF for tests and demos"
     )

@@ -18,10 +18,13 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger
 
 from blazar.config import Config
+from blazar import __version__
 from blazar.engines.client import EngineClient
+from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.protocols.control import ControlFactory
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
@@ -52,11 +55,17 @@ class Listeners(MultiService):
         try:
             super().privilegedStartService()
         except CannotListenError as e:
-            message = (
-                f"blazar: cannot listen on {e.interface or '*'}:{e.port}: {e.socketError}. "
-                "Another process (another blazar or ollama?) holds it: stop it, or set "
-                "`listen` in the config to a free endpoint."
-            )
+            if "control.sock" in str(e.port):
+                message = (
+                    f"blazar: {e.port} is in use: another blazar daemon runs on this data_dir "
+                    "(`blazar status` tells); stop it or set a different data_dir"
+                )
+            else:
+                message = (
+                    f"blazar: cannot listen on {e.interface or '*'}:{e.port}: {e.socketError}. "
+                    "Another process (another blazar or ollama?) holds it: stop it, or set "
+                    "`listen` in the config to a free endpoint."
+                )
             log.critical("{message}", message=message)
             print(message, file=sys.__stderr__, flush=True)
             raise BindConflict(EXIT_BIND_CONFLICT) from None
@@ -130,5 +139,31 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         listener = strports.service(description, site, reactor=reactor)
         listener._raiseSynchronously = True
         listener.setServiceParent(listeners)
+    control_path = run_dir(config.data_dir) / "control.sock"
+    if len(str(control_path)) > 100:
+        log.warn(
+            "control socket path {path} is too long for a UNIX socket: the blazar CLI cannot reach "
+            "this daemon; use a shorter data_dir", path=str(control_path),
+        )
+    else:
+        started = time.time()
+
+        def status() -> dict[str, Any]:
+            try:
+                engine = str(find_binary(config, environ))
+            except EngineNotFound:
+                engine = "not found"
+            return {
+                "version": __version__, "uptime": time.time() - started,
+                "listeners": list(config.listen), "engine": engine,
+                "data_dir": str(config.data_dir), "loaded": len(supervisor.instances()),
+            }
+
+        control = strports.service(
+            f"unix:{control_path}:mode=600:lockfile=1",
+            ControlFactory(supervisor, registry, status, reactor), reactor=reactor,
+        )
+        control._raiseSynchronously = True
+        control.setServiceParent(listeners)
     listeners.setServiceParent(top)
     return top

@@ -105,3 +105,49 @@ def test_bad_config_exits_nonzero_naming_the_key(tmp_path: Path, config_text: st
     output = result.stdout + result.stderr
     assert needle in output, output
     assert str(d.config) in output
+
+
+def blazar_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    import sys
+    from pathlib import Path as P
+
+    return subprocess.run([str(P(sys.executable).parent / "blazar"), *args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_control_verbs(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    import stat
+
+    d = Daemon(tmp_path, daemon_config(engine, models))
+    d.start()
+    try:
+        cfg = str(d.config)
+        run = d.root / "data" / "run"
+        sock = run / "control.sock"
+        assert stat.S_IMODE(sock.stat().st_mode) == 0o600
+        assert stat.S_IMODE(run.stat().st_mode) == 0o700
+        status, _ = d.post_json("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        assert status == 200
+        (child,) = d.engines()
+        ps = blazar_cli("ps", "--json", "-c", cfg)
+        assert ps.returncode == 0, ps.stderr
+        rows = json.loads(ps.stdout)
+        assert [(r["model"], r["pid"], r["state"]) for r in rows] == [("tiny:latest", child.pid, "ready")]
+        table = blazar_cli("ps", "-c", cfg)
+        assert "tiny:latest" in table.stdout and str(child.pid) in table.stdout
+        st = blazar_cli("status", "-c", cfg)
+        assert st.returncode == 0 and engine in st.stdout
+        miss = blazar_cli("evict", "nope", "-c", cfg)
+        assert miss.returncode == 1 and "nope" in miss.stderr
+        ev = blazar_cli("evict", "tiny", "-c", cfg)
+        assert ev.returncode == 0 and "tiny:latest" in ev.stdout
+        child.wait(10)
+        assert not alive(child)
+        assert "tiny" in blazar_cli("models", "list", "-c", cfg).stdout
+    finally:
+        d.stop()
+        d.kill_everything()
+    for verb in (["ps"], ["status"], ["evict", "--all"], ["version"], ["models", "list"]):
+        gone = blazar_cli(*verb, "-c", cfg)
+        assert gone.returncode == 2, (verb, gone.stdout, gone.stderr)
+        assert gone.stderr.count("\n") == 1 and "blazar serve" in gone.stderr

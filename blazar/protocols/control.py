@@ -1,0 +1,202 @@
+"""
+The control channel: AMP commands between the C{blazar} CLI and the daemon,
+over the private UNIX socket C{<data_dir>/run/control.sock} (mode 0600, in a
+0700 directory). Every command is here, with an explicit C{commandName} and
+every domain error declared, so a failure never drops the connection.
+
+Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
+(C{Ps} pages).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Factory
+from twisted.protocols import amp
+
+from blazar import __version__
+
+PROTOCOL_VERSION = 1
+PAGE = 50
+
+
+class NothingToEvict(Exception):
+    """
+    No loaded instance matches the key.
+    """
+
+
+class IncompatibleClient(Exception):
+    """
+    The client speaks another protocol version.
+    """
+
+
+class Version(amp.Command):
+    """
+    Sent first: the daemon's version and control-protocol version.
+    """
+
+    commandName = b"Version"
+    arguments = [(b"protocol", amp.Integer())]
+    response = [(b"version", amp.Unicode()), (b"protocol", amp.Integer())]
+    errors = {IncompatibleClient: b"INCOMPATIBLE_CLIENT"}
+
+
+class Status(amp.Command):
+    """
+    The daemon at a glance.
+    """
+
+    commandName = b"Status"
+    arguments = []  # type: ignore[var-annotated]
+    response = [
+        (b"version", amp.Unicode()),
+        (b"uptime", amp.Float()),
+        (b"listeners", amp.ListOf(amp.Unicode())),
+        (b"engine", amp.Unicode()),
+        (b"data_dir", amp.Unicode()),
+        (b"loaded", amp.Integer()),
+    ]
+
+
+INSTANCE = [
+    (b"model", amp.Unicode()),
+    (b"key", amp.Unicode()),
+    (b"state", amp.Unicode()),
+    (b"pid", amp.Integer(optional=True)),
+    (b"port", amp.Integer()),
+    (b"slots", amp.Integer()),
+    (b"busy", amp.Integer()),
+    (b"ctx", amp.Integer()),
+    (b"expires_in", amp.Float(optional=True)),
+    (b"breaker", amp.Unicode()),
+]
+
+
+class Ps(amp.Command):
+    """
+    Loaded instances, a page at a time (C{offset} of the next page in
+    C{next_offset}, absent on the last page).
+    """
+
+    commandName = b"Ps"
+    arguments = [(b"offset", amp.Integer(optional=True))]
+    response = [(b"instances", amp.AmpList(INSTANCE)), (b"next_offset", amp.Integer(optional=True))]
+
+
+class Evict(amp.Command):
+    """
+    Stop instances: by model name or instance key (C{name}, C{name#0},
+    C{name@text}), or all of them.
+    """
+
+    commandName = b"Evict"
+    arguments = [(b"key", amp.Unicode(optional=True)), (b"all", amp.Boolean(optional=True))]
+    response = [(b"evicted", amp.ListOf(amp.Unicode()))]
+    errors = {NothingToEvict: b"NOTHING_TO_EVICT"}
+
+
+class ResetBreakers(amp.Command):
+    """
+    Close crash breakers (of one model, or all).
+    """
+
+    commandName = b"ResetBreakers"
+    arguments = [(b"model", amp.Unicode(optional=True))]
+    response = [(b"reset", amp.ListOf(amp.Unicode()))]
+
+
+class Models(amp.Command):
+    """
+    The model registry.
+    """
+
+    commandName = b"Models"
+    arguments = []  # type: ignore[var-annotated]
+    response = [(b"models", amp.AmpList([(b"name", amp.Unicode()), (b"path", amp.Unicode())]))]
+
+
+class ControlServer(amp.AMP):
+    """
+    The daemon's side: answers the commands from the supervisor and
+    registry. Created per connection by L{control_factory}.
+    """
+
+    def __init__(self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any) -> None:
+        super().__init__()
+        self._supervisor = supervisor
+        self._registry = registry
+        self._status = status
+        self._clock = clock
+
+    @Version.responder
+    def version(self, protocol: int) -> dict[str, Any]:
+        if protocol != PROTOCOL_VERSION:
+            raise IncompatibleClient(
+                f"this daemon speaks control protocol {PROTOCOL_VERSION}, the client {protocol}: "
+                "use the blazar command from the same installation as the daemon"
+            )
+        return {"version": __version__, "protocol": PROTOCOL_VERSION}
+
+    @Status.responder
+    def status(self) -> dict[str, Any]:
+        return self._status()
+
+    @Ps.responder
+    def ps(self, offset: int | None = None) -> dict[str, Any]:
+        start = offset or 0
+        now = self._clock.seconds()
+        rows = []
+        for i in self._supervisor.instances():
+            expires = i.expires_at()
+            rows.append({
+                "model": i.entry.name, "key": f"{i.entry.name}#0@text", "state": i.state,
+                "pid": i.pid, "port": i.port, "slots": i.entry.settings.parallel or 4,
+                "busy": i.in_flight, "ctx": i.ctx,
+                "expires_in": None if expires is None else max(0.0, expires - now),
+                "breaker": self._supervisor.breaker(i.entry.name).state,
+            })
+        page = rows[start:start + PAGE]
+        result: dict[str, Any] = {"instances": page}
+        if start + PAGE < len(rows):
+            result["next_offset"] = start + PAGE
+        return result
+
+    @Evict.responder
+    def evict(self, key: str | None = None, all: bool | None = None) -> dict[str, Any]:
+        if all:
+            chosen = [i for i in self._supervisor.instances() if i.state != "stopping"]
+            for i in chosen:
+                self._supervisor.stop_instance(i, "evicted")
+        else:
+            chosen = self._supervisor.evict(key or "")
+        if not chosen:
+            raise NothingToEvict(f"no loaded instance matches {key!r}" if not all else "nothing is loaded")
+        return {"evicted": [i.entry.name for i in chosen]}
+
+    @ResetBreakers.responder
+    def reset_breakers(self, model: str | None = None) -> dict[str, Any]:
+        return {"reset": self._supervisor.reset_breakers(model)}
+
+    @Models.responder
+    def models(self) -> Deferred[dict[str, Any]]:
+        async def listing() -> dict[str, Any]:
+            entries = await self._registry.refresh()
+            return {"models": [{"name": e.name, "path": str(e.path)} for e in entries]}
+
+        return Deferred.fromCoroutine(listing())
+
+
+class ControlFactory(Factory):
+    """
+    Builds a L{ControlServer} per CLI connection.
+    """
+
+    def __init__(self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any) -> None:
+        self._args = (supervisor, registry, status, clock)
+
+    def buildProtocol(self, addr: Any) -> ControlServer:
+        return ControlServer(*self._args)

@@ -1,0 +1,106 @@
+"""
+The control channel's commands over an in-memory AMP connection
+(twisted.test.iosim), against a supervisor on a fake process reactor.
+"""
+
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.protocols import amp
+from twisted.test.iosim import connectedServerAndClient
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import parse_config
+from blazar.engines.supervisor import Supervisor
+from blazar.models.registry import ModelRegistry
+from blazar.protocols.control import (
+    PROTOCOL_VERSION,
+    ControlServer,
+    Evict,
+    IncompatibleClient,
+    Models,
+    NothingToEvict,
+    Ps,
+    ResetBreakers,
+    Status,
+    Version,
+)
+from blazar.testing import fake_process_reactor, make_test_model
+
+
+class ControlTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        config = parse_config(f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n')
+        self.reactor = fake_process_reactor()
+
+        async def probe(url: str) -> int:
+            return 200
+
+        registry = ModelRegistry(config, self.reactor)
+        self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
+        status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
+                  "data_dir": "/d", "loaded": 0}
+        self.client, self.server, self.pump = connectedServerAndClient(
+            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor),
+            amp.AMP,
+        )
+
+    def call(self, command: Any, **kw: Any) -> Any:
+        # AMP treats an error that reaches a Deferred with no errback yet as
+        # unhandled and drops the connection: collect the result first.
+        result: list[Any] = []
+        self.client.callRemote(command, **kw).addBoth(result.append)
+        self.pump.flush()
+        (value,) = result
+        d: Deferred[Any] = Deferred()
+        d.callback(value)  # a Failure becomes the Deferred's failure
+        return d
+
+    def load(self) -> Any:
+        return self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+
+    def test_version(self) -> None:
+        self.assertEqual(self.successResultOf(self.call(Version, protocol=PROTOCOL_VERSION))["protocol"],
+                         PROTOCOL_VERSION)
+        self.failureResultOf(self.call(Version, protocol=99), IncompatibleClient)
+        # the connection survives a declared error
+        self.successResultOf(self.call(Status))
+
+    def test_status(self) -> None:
+        self.assertEqual(self.successResultOf(self.call(Status))["listeners"], ["tcp:1"])
+
+    def test_ps_and_evict(self) -> None:
+        self.assertEqual(self.successResultOf(self.call(Ps))["instances"], [])
+        instance = self.load()
+        (row,) = self.successResultOf(self.call(Ps))["instances"]
+        self.assertEqual((row["model"], row["state"], row["pid"], row["port"]), ("m:latest", "ready", instance.pid, 5555))
+        self.assertEqual(row["breaker"], "closed")
+        self.failureResultOf(self.call(Evict, key="other"), NothingToEvict)
+        self.assertEqual(self.successResultOf(self.call(Evict, key="m"))["evicted"], ["m:latest"])
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        instance.transport.exit(0)
+        self.failureResultOf(self.call(Evict, all=True), NothingToEvict)
+
+    def test_ps_pages(self) -> None:
+        from blazar.protocols import control
+
+        self.patch(control, "PAGE", 0)
+        self.load()
+        page = self.successResultOf(self.call(Ps, offset=0))
+        self.assertEqual((page["instances"], page["next_offset"]), ([], 0))
+
+    def test_reset_breakers_and_models(self) -> None:
+        self.supervisor.breaker("m:latest").open_until = 1e9
+        self.assertEqual(self.successResultOf(self.call(ResetBreakers))["reset"], ["m:latest"])
+        self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")
+        self.assertEqual([m["name"] for m in self.successResultOf(self.call(Models))["models"]], ["m:latest"])
+
+    def test_unknown_command_keeps_the_connection(self) -> None:
+        class Nope(amp.Command):
+            commandName = b"Nope"
+
+        self.failureResultOf(self.call(Nope), amp.UnhandledCommand)
+        self.successResultOf(self.call(Status))
