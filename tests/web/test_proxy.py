@@ -50,3 +50,51 @@ class HeaderTimeoutTests(SynchronousTestCase):
         request.errback(ConnectionRefusedError("x"))
         self.failureResultOf(d, ConnectionRefusedError)
         self.assertEqual(self.clock.getDelayedCalls(), [])
+
+
+class PreflightTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        from pathlib import Path
+
+        from blazar.config import parse_config
+        from blazar.models.registry import ModelRegistry
+        from blazar.testing import fake_process_reactor, make_test_model
+
+        root = Path(self.mktemp())
+        make_test_model(root / "m.gguf")  # 2048 tokens per slot
+        reactor = fake_process_reactor()
+        registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), reactor)
+        self.proxy = EngineProxy(None, None, reactor, registry)  # type: ignore[arg-type]
+        self.counted = 0
+
+    def check(self, max_tokens: Any, size: int, tokens: int, ctx: Any = None) -> Any:
+        async def count() -> int:
+            self.counted += 1
+            return tokens
+
+        return ensureDeferred(self.proxy.preflight("m", max_tokens, size, count, ctx))
+
+    def test_small_bodies_are_not_counted(self) -> None:
+        self.successResultOf(self.check(100, 500, 10_000))
+        self.assertEqual(self.counted, 0)
+        self.successResultOf(self.check(None, 10**6, 10_000))
+        self.assertEqual(self.counted, 0)
+
+    def test_max_tokens_alone_too_big(self) -> None:
+        from blazar.web.proxy import PromptTooLong
+
+        f = self.failureResultOf(self.check(2048, 10, 1), PromptTooLong)
+        self.assertIn("2048", str(f.value))
+        self.assertIn("ctx_size", str(f.value))
+        self.assertEqual(self.counted, 0)
+
+    def test_counted_prompt_over_and_under(self) -> None:
+        from blazar.web.proxy import PromptTooLong
+
+        f = self.failureResultOf(self.check(100, 3000, 1990), PromptTooLong)
+        self.assertIn("the prompt is 1990 tokens and max_tokens is 100", str(f.value))
+        self.successResultOf(self.check(100, 3000, 1900))
+        self.assertEqual(self.counted, 2)
+
+    def test_requested_context_overrides(self) -> None:
+        self.successResultOf(self.check(3000, 3000, 100, ctx=8192))
