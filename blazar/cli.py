@@ -6,6 +6,8 @@ The C{blazar} command.
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
   blazar models list                   the model registry (from the daemon)
+  blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
+  blazar doctor                        check engine, config, models dir, port, memory
   blazar models make-test PATH [--embedding] [--seed N]
                                        write a tiny random-weight GGUF
 
@@ -181,6 +183,154 @@ def _models_list(args: argparse.Namespace) -> int:
     return _control(args, action)
 
 
+def _http_base(config: Any) -> str | None:
+    """
+    An http://host:port for the daemon's first TCP listener, if it has one.
+    """
+    import re
+
+    for description in config.listen:
+        m = re.match(r"tcp:(\d+)(?::interface=([^:]+))?", description)
+        if m:
+            host = m[2] or "127.0.0.1"
+            if host in ("0.0.0.0", "::"):
+                host = "127.0.0.1"
+            return f"http://{host}:{m[1]}"
+    return None
+
+
+def _run(args: argparse.Namespace) -> int:
+    """
+    One-shot (PROMPT given) or interactive chat over the daemon's HTTP API,
+    printing the answer as it streams.
+    """
+    import http.client
+    import urllib.parse
+
+    from blazar.config import ConfigError, resolve_config
+
+    try:
+        config = resolve_config(args.config)
+    except ConfigError as e:
+        print(f"blazar: {e}", file=sys.stderr)
+        return 1
+    base = _http_base(config)
+    if base is None:
+        print("blazar run: the daemon has no tcp: listener in `listen`", file=sys.stderr)
+        return 1
+    url = urllib.parse.urlparse(base)
+    history: list[dict[str, str]] = []
+
+    def ask(prompt: str) -> int:
+        history.append({"role": "user", "content": prompt})
+        try:
+            conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=600)
+            conn.request("POST", "/api/chat", json.dumps({"model": args.model, "messages": history}),
+                         {"content-type": "application/json"})
+            resp = conn.getresponse()
+        except OSError:
+            print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
+            return 2
+        if resp.status != 200:
+            try:
+                message = json.loads(resp.read()).get("error", "")
+            except ValueError:
+                message = f"HTTP {resp.status}"
+            print(f"blazar: {message}", file=sys.stderr)
+            return 1
+        answer = []
+        for raw in resp:
+            line = json.loads(raw)
+            if "error" in line:
+                print(f"\nblazar: {line['error']}", file=sys.stderr)
+                return 1
+            text = (line.get("message") or {}).get("content", "")
+            answer.append(text)
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        print()
+        history.append({"role": "assistant", "content": "".join(answer)})
+        return 0
+
+    if args.prompt:
+        return ask(" ".join(args.prompt))
+    print(f"chatting with {args.model}; an empty line or Ctrl-D ends", file=sys.stderr)
+    while True:
+        try:
+            line = input(">>> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        code = ask(line)
+        if code:
+            return code
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """
+    Check what the daemon needs, without needing the daemon.
+    """
+    import os
+    import socket
+    import subprocess
+
+    import psutil
+
+    from blazar.config import ConfigError, resolve_config
+    from blazar.engines.llamacpp import EngineNotFound, find_binary
+
+    problems = 0
+
+    def report(ok: bool, what: str) -> None:
+        nonlocal problems
+        problems += not ok
+        print(f"[{'ok' if ok else 'FAIL'}] {what}")
+
+    try:
+        config = resolve_config(args.config)
+        report(True, f"config: {config.source or 'defaults (no config file)'}")
+    except ConfigError as e:
+        report(False, f"config: {e}")
+        return 1
+    try:
+        binary = find_binary(config, os.environ)
+        out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
+        version = (out.stdout + out.stderr).strip().splitlines()
+        report(out.returncode == 0, f"engine: {binary} ({version[0] if version else 'no version'})")
+    except (EngineNotFound, OSError, subprocess.SubprocessError) as e:
+        report(False, f"engine: {e}")
+    models = config.resolved_models_dir
+    readable = models.is_dir() and os.access(models, os.R_OK | os.X_OK)
+    count = len(list(models.rglob("*.gguf"))) if readable else 0
+    report(readable, f"models dir: {models} ({count} .gguf files)" if readable
+           else f"models dir: {models} is missing or unreadable (mkdir -p it, or set models_dir)")
+    base = _http_base(config)
+    if base is not None:
+        host, port = base.split("//")[1].rsplit(":", 1)
+        with socket.socket() as s:
+            in_use = s.connect_ex((host, int(port))) == 0
+        report(True, f"port {port}: {'in use (a daemon answering?)' if in_use else 'free'}")
+    sock = config.data_dir / "run" / "control.sock"
+    if sock.exists():
+        mode = sock.stat().st_mode & 0o777
+        report(mode == 0o600, f"control socket {sock}: mode {mode:o}")
+    else:
+        report(True, f"control socket {sock}: absent (no daemon running)")
+    free = psutil.virtual_memory().available
+    report(free > 1 << 30, f"free memory: {free / 2**30:.1f} GiB")
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        gpus = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        report(True, f"GPUs: {gpus} (NVIDIA, via pynvml)")
+    except Exception:
+        report(True, "GPUs: none found (CPU only)")
+    return 1 if problems else 0
+
+
 def parser() -> argparse.ArgumentParser:
     """
     The argument parser for every verb.
@@ -206,6 +356,15 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
+    run = verbs.add_parser("run", help="chat with a model (one prompt, or interactively)")
+    run.add_argument("model")
+    run.add_argument("prompt", nargs="*", help="the prompt; none for an interactive chat")
+    run.add_argument("--config", "-c")
+    run.set_defaults(func=_run)
+    doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, memory")
+    doctor.add_argument("--config", "-c")
+    doctor.set_defaults(func=_doctor)
+
     models = verbs.add_parser("models", help="model files")
     model_verbs = models.add_subparsers(dest="models_verb", required=True)
     listing = model_verbs.add_parser("list", help="the models the daemon serves")
@@ -227,7 +386,16 @@ def main(argv: list[str] | None = None) -> int:
     Entry point of the C{blazar} console script.
     """
     args = parser().parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # the reader went away (e.g. `| head`): stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -151,3 +151,23 @@ def test_control_verbs(engine: str, models: dict[str, GeneratedModel], tmp_path:
         gone = blazar_cli(*verb, "-c", cfg)
         assert gone.returncode == 2, (verb, gone.stdout, gone.stderr)
         assert gone.stderr.count("\n") == 1 and "blazar serve" in gone.stderr
+
+
+def test_run_and_doctor(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    d = Daemon(tmp_path, daemon_config(engine, models))
+    d.start()
+    try:
+        cfg = str(d.config)
+        one = blazar_cli("run", "tiny", "hello", "-c", cfg)
+        assert one.returncode == 0, one.stderr
+        assert one.stdout.endswith("\n") and len(one.stdout) > 1
+        missing = blazar_cli("run", "nope", "hi", "-c", cfg)
+        assert missing.returncode == 1 and 'model "nope" not found' in missing.stderr
+        doctor = blazar_cli("doctor", "-c", cfg)
+        assert doctor.returncode == 0, doctor.stdout
+        assert "[ok] engine:" in doctor.stdout and "in use" in doctor.stdout
+    finally:
+        d.stop()
+        d.kill_everything()
+    gone = blazar_cli("run", "tiny", "hi", "-c", cfg)
+    assert gone.returncode == 2 and "blazar serve" in gone.stderr
