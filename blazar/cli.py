@@ -6,6 +6,7 @@ The C{blazar} command.
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
   blazar models list                   the model registry (from the daemon)
+  blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
   blazar doctor                        check engine, config, models dir, port, memory
   blazar models make-test PATH [--embedding] [--seed N]
@@ -164,6 +165,32 @@ def _evict(args: argparse.Namespace) -> int:
         done = await p.callRemote(Evict, key=args.key, all=args.all)
         print(f"evicted: {', '.join(done['evicted'])}")
         return 0
+
+    return _control(args, action)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    from twisted.internet import reactor
+    from twisted.internet.task import deferLater
+
+    from blazar.protocols.control import Logs, UnknownModel
+
+    async def action(p: Any) -> int:
+        cursor = 0
+        while True:
+            try:
+                page = await p.callRemote(Logs, model=args.model, after=cursor)
+            except UnknownModel as e:
+                print(f"blazar: {e}", file=sys.stderr)
+                return 1
+            for line in page["lines"]:
+                print(line, flush=True)
+            moved = page["next"] != cursor
+            cursor = page["next"]
+            if not args.follow and not (moved and page["lines"]):
+                return 0
+            if args.follow and not page["lines"]:
+                await deferLater(reactor, 1.0, lambda: None)
 
     return _control(args, action)
 
@@ -356,6 +383,9 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
+    logs = daemon_verb("logs", "the daemon's recent log, or one model's engine output", _logs)
+    logs.add_argument("model", nargs="?", help="only this model's engine output")
+    logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")
     run = verbs.add_parser("run", help="chat with a model (one prompt, or interactively)")
     run.add_argument("model")
     run.add_argument("prompt", nargs="*", help="the prompt; none for an interactive chat")

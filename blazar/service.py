@@ -15,7 +15,7 @@ from twisted.application import strports
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.error import CannotListenError
-from twisted.logger import Logger
+from twisted.logger import Logger, globalLogPublisher
 
 from blazar.config import Config
 from blazar import __version__
@@ -24,7 +24,7 @@ from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
-from blazar.protocols.control import ControlFactory
+from blazar.protocols.control import ControlFactory, LogRing
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
@@ -159,9 +159,11 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
                 "data_dir": str(config.data_dir), "loaded": len(supervisor.instances()),
             }
 
+        ring = LogRing()
+        globalLogPublisher.addObserver(ring)
         control = strports.service(
             f"unix:{control_path}:mode=600:lockfile=1",
-            ControlFactory(supervisor, registry, status, reactor), reactor=reactor,
+            ControlFactory(supervisor, registry, status, reactor, ring), reactor=reactor,
         )
         control._raiseSynchronously = True
         control.setServiceParent(listeners)

@@ -14,7 +14,9 @@ from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory
+from twisted.logger import ILogObserver
 from twisted.protocols import amp
+from zope.interface import implementer
 
 from blazar import __version__
 
@@ -119,14 +121,79 @@ class Models(amp.Command):
     response = [(b"models", amp.AmpList([(b"name", amp.Unicode()), (b"path", amp.Unicode())]))]
 
 
+class UnknownModel(Exception):
+    """
+    No model has that name.
+    """
+
+
+class Logs(amp.Command):
+    """
+    Log lines after sequence number C{after} (all kept lines if absent):
+    the daemon's, or only a model's engine output. C{next} is the cursor
+    for the next call (follow mode polls with it).
+    """
+
+    commandName = b"Logs"
+    arguments = [(b"model", amp.Unicode(optional=True)), (b"after", amp.Integer(optional=True))]
+    response = [(b"lines", amp.ListOf(amp.Unicode())), (b"next", amp.Integer())]
+    errors = {UnknownModel: b"UNKNOWN_MODEL"}
+
+
+@implementer(ILogObserver)
+class LogRing:
+    """
+    A log observer that keeps the last C{size} events as text lines, each
+    with a sequence number and the model it concerns (if any).
+    """
+
+    def __init__(self, size: int = 2000) -> None:
+        from collections import deque
+
+        self.lines: Any = deque(maxlen=size)
+        self.seq = 0
+
+    def __call__(self, event: dict[str, Any]) -> None:
+        from twisted.logger import formatEvent
+
+        try:
+            text = formatEvent(event)
+        except Exception:
+            return
+        self.seq += 1
+        self.lines.append((self.seq, event.get("model"), text))
+
+    def after(self, seq: int, model: str | None, budget: int = 60_000) -> tuple[list[str], int]:
+        out: list[str] = []
+        last = seq
+        used = 0
+        for n, m, text in list(self.lines):
+            if n <= seq:
+                continue
+            if model is not None and m != model:
+                last = n
+                continue
+            line = text[:4000]
+            if used + len(line) + 4 > budget:
+                break
+            out.append(line)
+            used += len(line) + 4
+            last = n
+        return out, last
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
     registry. Created per connection by L{control_factory}.
     """
 
-    def __init__(self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any) -> None:
+    def __init__(
+        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
+        logs: LogRing | None = None,
+    ) -> None:
         super().__init__()
+        self._logs = logs or LogRing()
         self._supervisor = supervisor
         self._registry = registry
         self._status = status
@@ -181,6 +248,22 @@ class ControlServer(amp.AMP):
     def reset_breakers(self, model: str | None = None) -> dict[str, Any]:
         return {"reset": self._supervisor.reset_breakers(model)}
 
+    @Logs.responder
+    def logs(self, model: str | None = None, after: int | None = None) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            canonical = None
+            if model:
+                from blazar.models.registry import ModelNotFound
+
+                try:
+                    canonical = (await self._registry.resolve(model)).name
+                except ModelNotFound as e:
+                    raise UnknownModel(str(e)) from None
+            lines, last = self._logs.after(after or 0, canonical)
+            return {"lines": lines, "next": last}
+
+        return Deferred.fromCoroutine(answer())
+
     @Models.responder
     def models(self) -> Deferred[dict[str, Any]]:
         async def listing() -> dict[str, Any]:
@@ -195,8 +278,11 @@ class ControlFactory(Factory):
     Builds a L{ControlServer} per CLI connection.
     """
 
-    def __init__(self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any) -> None:
-        self._args = (supervisor, registry, status, clock)
+    def __init__(
+        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
+        logs: LogRing | None = None,
+    ) -> None:
+        self._args = (supervisor, registry, status, clock, logs)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -104,3 +104,20 @@ class ControlTests(SynchronousTestCase):
 
         self.failureResultOf(self.call(Nope), amp.UnhandledCommand)
         self.successResultOf(self.call(Status))
+
+
+class LogTests(SynchronousTestCase):
+    def test_ring_pages_filters_and_follows(self) -> None:
+        from blazar.protocols.control import LogRing
+
+        ring = LogRing(size=5)
+        for i in range(7):
+            ring({"log_format": "line {i}", "i": i, "model": "m:latest" if i % 2 else None})
+        lines, cursor = ring.after(0, None)
+        self.assertEqual(lines, ["line 2", "line 3", "line 4", "line 5", "line 6"])  # the last 5 kept
+        self.assertEqual(ring.after(cursor, None), ([], cursor))
+        lines, _ = ring.after(0, "m:latest")
+        self.assertEqual(lines, ["line 3", "line 5"])
+        lines, cursor = ring.after(0, None, budget=20)
+        self.assertEqual(lines, ["line 2", "line 3"])
+        self.assertEqual(ring.after(cursor, None, budget=20)[0], ["line 4", "line 5"])
