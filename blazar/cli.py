@@ -5,7 +5,7 @@ The C{blazar} command.
   blazar status | version              the running daemon
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
-  blazar models list                   the model registry (from the daemon)
+  blazar models list|show|cp|rm|pull   the model registry, through the daemon
   blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
   blazar doctor                        check engine, config, models dir, port, memory
@@ -56,7 +56,14 @@ def _control(args: argparse.Namespace, action: Any) -> int:
     from twisted.protocols.amp import AMP, RemoteAmpError
 
     from blazar.config import ConfigError, resolve_config
-    from blazar.protocols.control import PROTOCOL_VERSION, IncompatibleClient, NothingToEvict, Version
+    from blazar.protocols.control import (
+        PROTOCOL_VERSION,
+        IncompatibleClient,
+        ModelError,
+        NothingToEvict,
+        UnknownModel,
+        Version,
+    )
 
     try:
         config = resolve_config(args.config)
@@ -80,7 +87,7 @@ def _control(args: argparse.Namespace, action: Any) -> int:
         except RemoteAmpError as e:
             print(f"blazar: {e.description}", file=sys.stderr)
             outcome["code"] = 1
-        except (NothingToEvict, IncompatibleClient) as e:
+        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel) as e:
             print(f"blazar: {e}", file=sys.stderr)
             outcome["code"] = 1
         finally:
@@ -193,6 +200,92 @@ def _logs(args: argparse.Namespace) -> int:
                 await deferLater(reactor, 1.0, lambda: None)
 
     return _control(args, action)
+
+
+def _models_show(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import ModelShow
+
+    async def action(p: Any) -> int:
+        m = await p.callRemote(ModelShow, name=args.name)
+        if args.json:
+            print(json.dumps(m))
+        else:
+            for key in ("name", "path", "size", "architecture", "parameters", "quantization",
+                        "context_length", "chat_template", "loaded"):
+                print(f"{key:<15} {m[key]}")
+        return 0
+
+    return _control(args, action)
+
+
+def _models_cp(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import ModelCopy
+
+    async def action(p: Any) -> int:
+        done = await p.callRemote(ModelCopy, source=args.source, destination=args.destination)
+        print(f"copied {args.source} to {done['name']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _models_rm(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import ModelRemove
+
+    async def action(p: Any) -> int:
+        done = await p.callRemote(ModelRemove, name=args.name)
+        print(f"deleted {done['name']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _models_pull(args: argparse.Namespace) -> int:
+    """
+    Pull over the daemon's Ollama API (/api/pull), with a progress line.
+    """
+    import http.client
+    import urllib.parse
+
+    from blazar.config import ConfigError, resolve_config
+
+    try:
+        config = resolve_config(args.config)
+    except ConfigError as e:
+        print(f"blazar: {e}", file=sys.stderr)
+        return 1
+    base = _http_base(config)
+    if base is None:
+        print("blazar models pull: the daemon has no tcp: listener in `listen`", file=sys.stderr)
+        return 1
+    url = urllib.parse.urlparse(base)
+    try:
+        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=3600)
+        conn.request("POST", "/api/pull", json.dumps({"model": args.name}), {"content-type": "application/json"})
+        resp = conn.getresponse()
+    except OSError:
+        print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
+        return 2
+    if resp.status != 200:
+        try:
+            print(f"blazar: {json.loads(resp.read()).get('error')}", file=sys.stderr)
+        except ValueError:
+            print(f"blazar: HTTP {resp.status}", file=sys.stderr)
+        return 1
+    for raw in resp:
+        line = json.loads(raw)
+        if "error" in line:
+            print(f"\nblazar: {line['error']}", file=sys.stderr)
+            return 1
+        if line.get("total"):
+            done, total = line.get("completed", 0), line["total"]
+            bar = "#" * int(30 * done / total)
+            sys.stderr.write(f"\r{line['status']} [{bar:<30}] {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        else:
+            sys.stderr.write(f"\n{line.get('status', '')}")
+        sys.stderr.flush()
+    sys.stderr.write("\n")
+    return 0
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -401,6 +494,18 @@ def parser() -> argparse.ArgumentParser:
     listing.add_argument("--config", "-c")
     listing.add_argument("--json", action="store_true")
     listing.set_defaults(func=_models_list)
+    for name, help_, func, params in [
+        ("show", "one model's file and GGUF facts", _models_show, ["name"]),
+        ("cp", "another name for a model (a hard link, no copy)", _models_cp, ["source", "destination"]),
+        ("rm", "delete a model's file (its engine is stopped first)", _models_rm, ["name"]),
+        ("pull", "download hf.co/{user}/{repo}[:{quant}] through the daemon", _models_pull, ["name"]),
+    ]:
+        verb = model_verbs.add_parser(name, help=help_)
+        for param in params:
+            verb.add_argument(param)
+        verb.add_argument("--config", "-c")
+        verb.add_argument("--json", action="store_true")
+        verb.set_defaults(func=func)
     make = model_verbs.add_parser(
         "make-test", help="write a tiny random-weight llama GGUF for tests and demos"
     )

@@ -43,6 +43,12 @@ class ModelNotFound(Exception):
         super().__init__(f"model {spelled!r} not found; available models: {shown}")
 
 
+class ModelChangeError(Exception):
+    """
+    A copy or removal cannot be done; the message says why and what to do.
+    """
+
+
 @attrs.frozen
 class ModelEntry:
     """
@@ -237,6 +243,62 @@ class ModelRegistry:
             self._digest_cache[key] = cached
         return cached
 
+    async def copy(self, entry: ModelEntry, destination: str) -> str:
+        """
+        Make C{destination} (C{name[:tag]}) another name for C{entry}: a
+        hard link C{<models_dir>/<name>[:<tag>].gguf} (a copy across
+        filesystems), visible at once.
+
+        @return: The new canonical name.
+        @raise ModelChangeError: Bad or taken name, or the file cannot be
+            written.
+        """
+        try:
+            dest = canonical_name(destination)
+        except ValueError as e:
+            raise ModelChangeError(str(e)) from None
+        if "/" in dest:
+            raise ModelChangeError("destination must be a plain name[:tag] (no namespace)")
+        if any(name_key(e.name) == name_key(dest) for e in await self.refresh()):
+            raise ModelChangeError(f'model "{destination}" already exists; delete it first')
+        target = self.models_dir / f"{dest.removesuffix(':latest')}.gguf"
+        try:
+            await self.in_thread(thd_link, entry.path, target)
+        except OSError as e:
+            raise ModelChangeError(f"cannot create {target}: {e.strerror}") from None
+        self.forget()
+        return dest
+
+    def check_removable(self, entry: ModelEntry) -> None:
+        """
+        @raise ModelChangeError: C{entry} is configured with a path outside
+            C{models_dir}, so its file is not Blazar's to delete.
+        """
+        models_dir = self.models_dir.resolve()
+        if entry.settings.path is not None and not entry.path.resolve().is_relative_to(models_dir):
+            raise ModelChangeError(
+                f'model "{entry.name}" is configured in [models."{entry.name}"] with a path outside '
+                "models_dir; remove it from the config instead"
+            )
+
+    async def remove(self, entry: ModelEntry) -> None:
+        """
+        Delete C{entry}'s files (every shard). Models configured with a
+        path outside C{models_dir} are not Blazar's to delete.
+
+        @raise ModelChangeError: Not removable, or the unlink failed.
+        """
+        self.check_removable(entry)
+        try:
+            for path in (entry.path, *entry.shards):
+                await self.in_thread(os.unlink, path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise ModelChangeError(f"cannot delete {entry.path}: {e.strerror}") from None
+        finally:
+            self.forget()
+
     def forget(self) -> None:
         """
         Drop the cached listing so the next lookup rescans (after a copy or
@@ -254,3 +316,21 @@ def thd_sha256(path: Path) -> str:
         while chunk := f.read(1 << 20):
             h.update(chunk)
     return h.hexdigest()
+
+
+def thd_link(source: Path, target: Path) -> None:
+    """
+    Hard-link C{source} to C{target} (zero-copy alias); copy across
+    filesystems. Blocking: call in a thread pool.
+    """
+    try:
+        os.link(source, target)
+    except OSError as e:
+        import errno
+        import shutil
+
+        if e.errno != errno.EXDEV:
+            raise
+        tmp = target.with_name(target.name + ".tmp")
+        shutil.copyfile(source, tmp)
+        os.replace(tmp, target)

@@ -182,6 +182,50 @@ class LogRing:
         return out, last
 
 
+class ModelError(Exception):
+    """
+    A model command failed (unknown model, name taken, not removable).
+    """
+
+
+class ModelShow(amp.Command):
+    """
+    One model's file and GGUF facts.
+    """
+
+    commandName = b"ModelShow"
+    arguments = [(b"name", amp.Unicode())]
+    response = [
+        (b"name", amp.Unicode()), (b"path", amp.Unicode()), (b"size", amp.Integer()),
+        (b"architecture", amp.Unicode()), (b"parameters", amp.Unicode()),
+        (b"quantization", amp.Unicode()), (b"context_length", amp.Integer()),
+        (b"chat_template", amp.Boolean()), (b"loaded", amp.Boolean()),
+    ]
+    errors = {ModelError: b"MODEL_ERROR"}
+
+
+class ModelCopy(amp.Command):
+    """
+    A zero-copy alias (hard link) of a model under another name.
+    """
+
+    commandName = b"ModelCopy"
+    arguments = [(b"source", amp.Unicode()), (b"destination", amp.Unicode())]
+    response = [(b"name", amp.Unicode())]
+    errors = {ModelError: b"MODEL_ERROR"}
+
+
+class ModelRemove(amp.Command):
+    """
+    Delete a model's files, stopping its engine first.
+    """
+
+    commandName = b"ModelRemove"
+    arguments = [(b"name", amp.Unicode())]
+    response = [(b"name", amp.Unicode())]
+    errors = {ModelError: b"MODEL_ERROR"}
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
@@ -261,6 +305,60 @@ class ControlServer(amp.AMP):
                     raise UnknownModel(str(e)) from None
             lines, last = self._logs.after(after or 0, canonical)
             return {"lines": lines, "next": last}
+
+        return Deferred.fromCoroutine(answer())
+
+    async def _entry(self, name: str) -> Any:
+        from blazar.models.registry import ModelNotFound
+
+        try:
+            return await self._registry.resolve(name)
+        except ModelNotFound as e:
+            raise ModelError(str(e)) from None
+
+    @ModelShow.responder
+    def model_show(self, name: str) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            entry = await self._entry(name)
+            meta = await self._registry.metadata(entry)
+            return {
+                "name": entry.name, "path": str(entry.path), "size": meta.size,
+                "architecture": meta.architecture, "parameters": meta.parameter_size,
+                "quantization": meta.quantization_level, "context_length": meta.context_length or 0,
+                "chat_template": meta.has_chat_template,
+                "loaded": self._supervisor.loaded(entry.name) is not None,
+            }
+
+        return Deferred.fromCoroutine(answer())
+
+    @ModelCopy.responder
+    def model_copy(self, source: str, destination: str) -> Deferred[dict[str, Any]]:
+        from blazar.models.registry import ModelChangeError
+
+        async def answer() -> dict[str, Any]:
+            entry = await self._entry(source)
+            try:
+                return {"name": await self._registry.copy(entry, destination)}
+            except ModelChangeError as e:
+                raise ModelError(str(e)) from None
+
+        return Deferred.fromCoroutine(answer())
+
+    @ModelRemove.responder
+    def model_remove(self, name: str) -> Deferred[dict[str, Any]]:
+        from blazar.models.registry import ModelChangeError
+
+        async def answer() -> dict[str, Any]:
+            entry = await self._entry(name)
+            try:
+                self._registry.check_removable(entry)
+                instance = self._supervisor.loaded(entry.name)
+                if instance is not None:
+                    await self._supervisor.stop_instance(instance, "model deleted")
+                await self._registry.remove(entry)
+            except ModelChangeError as e:
+                raise ModelError(str(e)) from None
+            return {"name": entry.name}
 
         return Deferred.fromCoroutine(answer())
 

@@ -10,8 +10,6 @@ after its first line ends with an C{{"error": ...}} line.
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any, Callable
 
 from klein import Klein
@@ -24,8 +22,7 @@ from blazar import __version__
 from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
-from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
-from blazar.names import canonical_name, name_key
+from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
 from blazar.web.sse import SSEEvents
@@ -435,21 +432,9 @@ class OllamaSurface:
         destination = self._model_field(body, "destination")
         entry = await self._entry(source)
         try:
-            dest = canonical_name(destination)
-        except ValueError as e:
+            await self._registry.copy(entry, destination)
+        except ModelChangeError as e:
             raise OllamaError(400, str(e)) from None
-        if "/" in dest:
-            raise OllamaError(400, "destination must be a plain name[:tag] (no namespace)")
-        existing = [e for e in await self._registry.refresh() if name_key(e.name) == name_key(dest)]
-        if existing:
-            raise OllamaError(400, f'model "{destination}" already exists; delete it first')
-        stem = dest.removesuffix(":latest")
-        target = self._registry.models_dir / f"{stem}.gguf"
-        try:
-            await self._registry.in_thread(_link, entry.path, target)
-        except OSError as e:
-            raise OllamaError(500, f"cannot create {target}: {e.strerror}") from None
-        self._registry.forget()
         request.setResponseCode(200)
         return b""
 
@@ -490,24 +475,17 @@ class OllamaSurface:
         body = self._body(request)
         model = self._model_field(body)
         entry = await self._entry(model)
-        models_dir = self._registry.models_dir.resolve()
-        if entry.settings.path is not None and not entry.path.resolve().is_relative_to(models_dir):
-            raise OllamaError(
-                400,
-                f'model "{model}" is configured in [models."{entry.name}"] with a path outside '
-                "models_dir; remove it from the config instead",
-            )
+        try:
+            self._registry.check_removable(entry)  # refuse before stopping anything
+        except ModelChangeError as e:
+            raise OllamaError(400, str(e)) from None
         instance = self._supervisor.loaded(entry.name)
         if instance is not None:
             await self._supervisor.stop_instance(instance, "model deleted")
         try:
-            for path in (entry.path, *entry.shards):
-                await self._registry.in_thread(os.unlink, path)
-        except FileNotFoundError:
-            pass
-        except OSError as e:
-            raise OllamaError(500, f"cannot delete {entry.path}: {e.strerror}") from None
-        self._registry.forget()
+            await self._registry.remove(entry)
+        except ModelChangeError as e:
+            raise OllamaError(400, str(e)) from None
         request.setResponseCode(200)
         return b""
 
@@ -589,21 +567,3 @@ def tr_error_message(error: Any) -> str:
     if isinstance(error, dict):
         return str(error.get("message", error))
     return str(error)
-
-
-def _link(source: Path, target: Path) -> None:
-    """
-    Hard-link C{source} to C{target} (zero-copy alias); fall back to a copy
-    across filesystems. Blocking: call in a thread pool.
-    """
-    try:
-        os.link(source, target)
-    except OSError as e:
-        import errno
-        import shutil
-
-        if e.errno != errno.EXDEV:
-            raise
-        tmp = target.with_name(target.name + ".tmp")
-        shutil.copyfile(source, tmp)
-        os.replace(tmp, target)

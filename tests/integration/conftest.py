@@ -1,5 +1,4 @@
 import signal
-from pathlib import Path
 from typing import Iterator
 
 import pytest

@@ -98,6 +98,27 @@ class ControlTests(SynchronousTestCase):
         self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")
         self.assertEqual([m["name"] for m in self.successResultOf(self.call(Models))["models"]], ["m:latest"])
 
+    def test_model_show_copy_remove(self) -> None:
+        from blazar.protocols.control import ModelCopy, ModelError, ModelRemove, ModelShow
+
+        shown = self.successResultOf(self.call(ModelShow, name="m"))
+        self.assertEqual((shown["architecture"], shown["context_length"], shown["loaded"]), ("llama", 2048, False))
+        self.failureResultOf(self.call(ModelShow, name="nope"), ModelError)
+        self.assertEqual(self.successResultOf(self.call(ModelCopy, source="m", destination="m2:v1"))["name"], "m2:v1")
+        self.failureResultOf(self.call(ModelCopy, source="m", destination="m2:v1"), ModelError)
+        self.failureResultOf(self.call(ModelCopy, source="m", destination="bad name"), ModelError)
+        instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m2:v1")))
+        d = self.client.callRemote(ModelRemove, name="m2:v1")
+        result: list[Any] = []
+        d.addBoth(result.append)
+        self.pump.flush()
+        self.assertEqual(instance.transport.signals, ["TERM"])  # its engine is stopped first
+        instance.transport.exit(0)
+        self.pump.flush()
+        self.assertEqual(result, [{"name": "m2:v1"}])
+        names = [m["name"] for m in self.successResultOf(self.call(Models))["models"]]
+        self.assertEqual(names, ["m:latest"])
+
     def test_unknown_command_keeps_the_connection(self) -> None:
         class Nope(amp.Command):
             commandName = b"Nope"
