@@ -92,6 +92,29 @@ class ModelConfig:
 
 
 @attrs.frozen
+class KeyConfig:
+    """
+    One API key from C{[[keys]]}.
+
+    @ivar models: Scope: the model names this key may use; empty means
+        every model and admin rights.
+    """
+
+    name: str
+    secret: str = attrs.field(repr=False)
+    models: tuple[str, ...] = ()
+    max_concurrent: int | None = None
+    rpm: int | None = None
+    tpm: int | None = None
+    daily_tokens: int | None = None
+    weight: float = 1.0
+
+    @property
+    def admin(self) -> bool:
+        return not self.models
+
+
+@attrs.frozen
 class LlamaCppConfig:
     """
     C{[engines.llamacpp]}: how to find and start llama.cpp's llama-server.
@@ -133,6 +156,7 @@ class Config:
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
+    keys: tuple[KeyConfig, ...] = ()
 
     @property
     def resolved_models_dir(self) -> Path:
@@ -272,7 +296,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs", "ctx_policy",
+        "child_header_timeout_secs", "ctx_policy", "keys",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -359,7 +383,51 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             args=_str_list(table.get("args", []), where, prefix + "args"),
         )
     kwargs["models"] = models
+    kwargs["keys"] = _parse_keys(doc.get("keys", []), where)
     return Config(**kwargs)
+
+
+MIN_SECRET = 16
+
+
+def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
+    if not isinstance(raw, list):
+        raise _expected(where, "keys", "an array of tables ([[keys]])", raw)
+    keys = []
+    names: set[str] = set()
+    secrets_seen: set[str] = set()
+    for i, item in enumerate(raw):
+        prefix = f"keys[{i}]."
+        table = _table(item, where, f"keys[{i}]")
+        _unknown(table, {"name", "secret", "models", "max_concurrent", "rpm", "tpm",
+                         "daily_tokens", "weight"}, where, prefix)
+        name = table.get("name")
+        if not isinstance(name, str) or not name:
+            raise _expected(where, prefix + "name", "a non-empty string", name)
+        secret = table.get("secret")
+        if not isinstance(secret, str) or len(secret) < MIN_SECRET:
+            raise ConfigError(
+                f"{where}: key {prefix + 'secret'!r} must be a string of at least {MIN_SECRET} "
+                "characters (`blazar keys add NAME` makes one)"
+            )
+        if name in names:
+            raise ConfigError(f"{where}: two keys are named {name!r}; names must be unique")
+        if secret in secrets_seen:
+            raise ConfigError(f"{where}: key {name!r} reuses another key's secret")
+        names.add(name)
+        secrets_seen.add(secret)
+        limits: dict[str, Any] = {}
+        for k in ("max_concurrent", "rpm", "tpm", "daily_tokens"):
+            if k in table:
+                limits[k] = _positive_int(table[k], where, prefix + k)
+        if "weight" in table:
+            limits["weight"] = _positive_number(table["weight"], where, prefix + "weight")
+        try:
+            models = tuple(canonical_name(m) for m in _str_list(table.get("models", []), where, prefix + "models"))
+        except ValueError as e:
+            raise ConfigError(f"{where}: key {prefix + 'models'!r}: {e}") from None
+        keys.append(KeyConfig(name, secret, models, **limits))
+    return tuple(keys)
 
 
 def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = None) -> Config:

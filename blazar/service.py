@@ -26,6 +26,7 @@ from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.web.anthropic import AnthropicSurface
+from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -132,7 +133,10 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
-    root = SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource())
+    keys = KeyHolder(config)
+    root = AuthGate(
+        SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys
+    )
     site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()
     for description in config.listen:

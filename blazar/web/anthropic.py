@@ -26,6 +26,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.auth import Forbidden, check_scope
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -100,11 +101,16 @@ class AnthropicSurface:
         except tr.AnthropicRequestError as e:
             raise AnthropicError(400, "invalid_request_error", str(e)) from None
 
-    async def _resolve(self, model: str) -> str:
+    async def _resolve(self, model: str, request: IRequest) -> str:
         try:
-            return (await self._registry.resolve(model)).name
+            name = (await self._registry.resolve(model)).name
         except ModelNotFound as e:
             raise AnthropicError(404, "not_found_error", f"model: {model} ({e})") from None
+        try:
+            check_scope(request, name)
+        except Forbidden as e:
+            raise AnthropicError(403, "permission_error", str(e)) from None
+        return name
 
     async def _count(self, model: str, engine_body: dict[str, Any]) -> int:
         body = dict(engine_body)
@@ -121,7 +127,7 @@ class AnthropicSurface:
         body = self._body(request)
         engine_body, _ = self._translate(body, counting=True)
         model = body["model"]
-        await self._resolve(model)
+        await self._resolve(model, request)
         count = await self._count(model, engine_body)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"input_tokens": count}).encode("utf-8")
@@ -138,7 +144,7 @@ class AnthropicSurface:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise AnthropicError(400, "invalid_request_error", f"keep_alive: {e}") from None
-        canonical = await self._resolve(model)
+        canonical = await self._resolve(model, request)
         await self._proxy.check_purpose(model, embedding=False)
         await self._proxy.preflight(
             model, engine_body.get("max_tokens"), len(json.dumps(engine_body)),

@@ -23,6 +23,7 @@ from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
+from blazar.web.auth import Forbidden, check_admin, check_scope, visible
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
 from blazar.web.sse import SSEEvents
@@ -146,11 +147,14 @@ class OllamaSurface:
             raise OllamaError(400, f"{key} is required")
         return model
 
-    async def _entry(self, name: str) -> ModelEntry:
+    async def _entry(self, name: str, request: IRequest | None = None) -> ModelEntry:
         try:
-            return await self._registry.resolve(name)
+            entry = await self._registry.resolve(name)
         except ModelNotFound:
             raise OllamaError(404, f'model "{name}" not found, try pulling it first') from None
+        if request is not None:
+            check_scope(request, entry.name)
+        return entry
 
     def _stream_flag(self, body: dict[str, Any]) -> bool:
         stream = body.get("stream", True)
@@ -224,6 +228,7 @@ class OllamaSurface:
         if empty:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
+            await self._entry(model, request)
             return await self._load_or_unload(request, kind, model, keep_alive)
         try:
             if kind == "chat":
@@ -236,6 +241,7 @@ class OllamaSurface:
         options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
         num_ctx = options.get("num_ctx")
         ctx_size = num_ctx if isinstance(num_ctx, int) and not isinstance(num_ctx, bool) and num_ctx > 0 else None
+        await self._entry(model, request)
         await self._proxy.check_purpose(model, embedding=False)
         if path != "/infill":
             max_tokens = engine_body.get("max_tokens")
@@ -318,6 +324,7 @@ class OllamaSurface:
             inputs = tr.embed_input(body)
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
+        await self._entry(model, request)
         reply, timing, instance = await self._embed(model, inputs, keep_alive)
         return _json(request, tr.embed_reply(reply, model, timing, self._clock.seconds()))
 
@@ -331,6 +338,7 @@ class OllamaSurface:
             raise OllamaError(400, "prompt must be a string")
         if prompt == "":
             return _json(request, {"embedding": []})
+        await self._entry(model, request)
         reply, _, _ = await self._embed(model, [prompt], keep_alive)
         return _json(request, {"embedding": reply["data"][0]["embedding"]})
 
@@ -356,7 +364,9 @@ class OllamaSurface:
     @app.route("/api/tags", methods=["GET", "HEAD"])
     async def tags(self, request: IRequest) -> bytes:
         models = []
-        for entry in await self._registry.refresh():
+        entries = await self._registry.refresh()
+        allowed = set(visible(request, [e.name for e in entries]))
+        for entry in (e for e in entries if e.name in allowed):
             try:
                 meta = await self._registry.metadata(entry)
                 digest = await self._registry.digest(entry)
@@ -375,7 +385,7 @@ class OllamaSurface:
     async def show(self, request: IRequest) -> bytes:
         body = self._body(request)
         model = self._model_field(body)
-        entry = await self._entry(model)
+        entry = await self._entry(model, request)
         meta = await self._registry.metadata(entry)
         parameters = "\n".join(
             f"{k:<24}{v}" for k, v in [
@@ -403,8 +413,9 @@ class OllamaSurface:
     async def ps(self, request: IRequest) -> bytes:
         models = []
         offset = self._now() - self._clock.seconds()
+        allowed = set(visible(request, [i.entry.name for i in self._supervisor.instances()]))
         for instance in self._supervisor.instances():
-            if instance.state not in ("starting", "ready"):
+            if instance.state not in ("starting", "ready") or instance.entry.name not in allowed:
                 continue
             entry = instance.entry
             try:
@@ -428,6 +439,7 @@ class OllamaSurface:
     @app.route("/api/copy", methods=["POST"])
     async def copy(self, request: IRequest) -> bytes:
         body = self._body(request)
+        check_admin(request, "copy models")
         source = self._model_field(body, "source")
         destination = self._model_field(body, "destination")
         entry = await self._entry(source)
@@ -441,6 +453,7 @@ class OllamaSurface:
     @app.route("/api/pull", methods=["POST"])
     async def pull(self, request: IRequest) -> bytes | None:
         body = self._body(request)
+        check_admin(request, "pull models")
         model = self._model_field(body)
         stream = self._stream_flag(body)
         try:
@@ -472,6 +485,7 @@ class OllamaSurface:
 
     @app.route("/api/delete", methods=["DELETE"])
     async def delete(self, request: IRequest) -> bytes:
+        check_admin(request, "delete models")
         body = self._body(request)
         model = self._model_field(body)
         entry = await self._entry(model)
@@ -496,6 +510,10 @@ class OllamaSurface:
         e = failure.value
         assert isinstance(e, OllamaError)
         return _json(request, {"error": str(e)}, e.status)
+
+    @app.handle_errors(Forbidden)
+    def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
+        return _json(request, {"error": str(failure.value)}, 403)
 
     @app.handle_errors(PromptTooLong)
     def _too_long(self, request: IRequest, failure: Failure) -> bytes:

@@ -27,6 +27,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.auth import Forbidden, check_scope, visible
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -153,14 +154,16 @@ class OpenAISurface:
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:
         entries = await self._registry.refresh()
+        allowed = set(visible(request, [e.name for e in entries]))
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(
-            {"object": "list", "data": [self._model_object(e.name, e.modified) for e in entries]}
-        ).encode("utf-8")
+        return json.dumps({"object": "list", "data": [
+            self._model_object(e.name, e.modified) for e in entries if e.name in allowed
+        ]}).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
         entry = await self._registry.resolve(model_id)
+        check_scope(request, entry.name)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps(self._model_object(model_id, entry.modified)).encode("utf-8")
 
@@ -196,6 +199,7 @@ class OpenAISurface:
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
+        check_scope(request, canonical)
         if kind != "embedding":
             await self._preflight(model, kind, body, len(raw))
         if stream and not self._proxy.is_ready(canonical):
@@ -302,6 +306,10 @@ class OpenAISurface:
         e = failure.value
         assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(Forbidden)
+    def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
+        return self._error(request, 403, error_body(str(failure.value), "invalid_request_error", "model_not_allowed", "model"))
 
     @app.handle_errors(PromptTooLong)
     def _too_long(self, request: IRequest, failure: Failure) -> bytes:

@@ -1,0 +1,172 @@
+"""
+API keys at the door: which key a request carries, in each surface's own
+401 shape when it carries none or a wrong one, and the model scope check
+(403) the surfaces apply once they know the model.
+
+Keys come from C{[[keys]]} in the config (L{blazar.config.KeyConfig}). Auth
+is on iff at least one key exists; without keys the gateway trusts its
+(loopback, by default) network. Secrets are compared in constant time and
+never logged.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+from typing import Any
+
+from twisted.web.iweb import IRequest
+from twisted.web.resource import IResource, Resource
+
+from blazar.config import Config, KeyConfig
+from blazar.names import name_key
+
+OPEN_PATHS = {b"/health", b"/healthz"}
+
+
+class Forbidden(Exception):
+    """
+    The request's key may not use this model, or this operation.
+    """
+
+
+class KeyHolder:
+    """
+    The live config's keys; swapped whole when keys change at runtime.
+    """
+
+    def __init__(self, config: Config) -> None:
+        self.set(config)
+
+    def set(self, config: Config) -> None:
+        self.config = config
+        self._keys = [(k.secret.encode("utf-8"), k) for k in config.keys]
+
+    @property
+    def active(self) -> bool:
+        return bool(self._keys)
+
+    def find(self, presented: bytes) -> KeyConfig | None:
+        """
+        The key whose secret is C{presented}; every key is compared, in
+        constant time, so timing says nothing about which one nearly matched.
+        """
+        found = None
+        for secret, key in self._keys:
+            if hmac.compare_digest(secret, presented):
+                found = key
+        return found
+
+
+def surface_of(path: bytes) -> str:
+    """
+    Which surface answers C{path}: C{"ollama"}, C{"anthropic"} or C{"openai"}.
+    """
+    if path == b"/" or path.startswith(b"/api/") or path == b"/api":
+        return "ollama"
+    if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
+        return "anthropic"
+    return "openai"
+
+
+def error_body(surface: str, status: int, message: str) -> bytes:
+    """
+    An error in the surface's own shape.
+    """
+    if surface == "ollama":
+        return json.dumps({"error": message}).encode()
+    if surface == "anthropic":
+        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+    code = {401: "invalid_api_key", 403: "model_not_allowed"}.get(status)
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
+                                 "param": None, "code": code}}).encode()
+
+
+def presented_secret(request: IRequest) -> bytes | None:
+    """
+    C{Authorization: Bearer <secret>}, else C{x-api-key}.
+    """
+    header = request.getHeader(b"authorization")
+    if header and header[:7].lower() == b"bearer ":
+        return header[7:].strip()
+    api_key = request.getHeader(b"x-api-key")
+    return api_key.strip() if api_key else None
+
+
+class AuthGate(Resource):
+    """
+    Checks the key, then hands the request to the surfaces. The key found
+    is left on the request as C{blazar_key} (L{None} when auth is off).
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: IResource, keys: KeyHolder) -> None:
+        super().__init__()
+        self._inner = inner
+        self._keys = keys
+
+    def render(self, request: IRequest) -> Any:  # type: ignore[override]
+        request.blazar_key = None  # type: ignore[attr-defined]
+        open_route = (
+            request.path in OPEN_PATHS
+            or request.method == b"OPTIONS"
+            or (request.path == b"/" and request.method in (b"GET", b"HEAD"))
+        )
+        if self._keys.active and not open_route:
+            secret = presented_secret(request)
+            key = self._keys.find(secret) if secret else None
+            if key is None:
+                surface = surface_of(request.path)
+                request.setResponseCode(401)
+                request.setHeader(b"content-type", b"application/json")
+                request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
+                if surface == "anthropic":
+                    request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+                what = "missing" if not secret else "invalid"
+                return error_body(surface, 401, (
+                    f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
+                    "(keys are listed with `blazar keys list`)"
+                ))
+            request.blazar_key = key  # type: ignore[attr-defined]
+        return self._inner.render(request)
+
+
+def key_of(request: IRequest) -> KeyConfig | None:
+    """
+    The key a request was admitted with (L{None}: auth is off).
+    """
+    return getattr(request, "blazar_key", None)
+
+
+def check_scope(request: IRequest, model: str) -> None:
+    """
+    @param model: The canonical model name.
+    @raise Forbidden: The request's key is scoped to other models.
+    """
+    key = key_of(request)
+    if key is None or key.admin:
+        return
+    if name_key(model) not in {name_key(m) for m in key.models}:
+        raise Forbidden(f"key {key.name!r} may not use model {model!r}; it may use: {', '.join(key.models)}")
+
+
+def check_admin(request: IRequest, what: str) -> None:
+    """
+    @raise Forbidden: A scoped key asks for a management operation.
+    """
+    key = key_of(request)
+    if key is not None and not key.admin:
+        raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
+
+
+def visible(request: IRequest, names: list[str]) -> list[str]:
+    """
+    The model names a request's key may see.
+    """
+    key = key_of(request)
+    if key is None or key.admin:
+        return names
+    allowed = {name_key(m) for m in key.models}
+    return [n for n in names if name_key(n) in allowed]
