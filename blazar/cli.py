@@ -6,6 +6,7 @@ The C{blazar} command.
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
   blazar models list|show|cp|rm|pull   the model registry, through the daemon
+  blazar keys list|add|rotate|rm       API keys (changes go to the config file)
   blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
   blazar doctor                        check engine, config, models dir, port, memory
@@ -59,6 +60,7 @@ def _control(args: argparse.Namespace, action: Any) -> int:
     from blazar.protocols.control import (
         PROTOCOL_VERSION,
         IncompatibleClient,
+        KeyError_,
         ModelError,
         NothingToEvict,
         UnknownModel,
@@ -87,7 +89,7 @@ def _control(args: argparse.Namespace, action: Any) -> int:
         except RemoteAmpError as e:
             print(f"blazar: {e.description}", file=sys.stderr)
             outcome["code"] = 1
-        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel) as e:
+        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel, KeyError_) as e:
             print(f"blazar: {e}", file=sys.stderr)
             outcome["code"] = 1
         finally:
@@ -198,6 +200,32 @@ def _logs(args: argparse.Namespace) -> int:
                 return 0
             if args.follow and not page["lines"]:
                 await deferLater(reactor, 1.0, lambda: None)
+
+    return _control(args, action)
+
+
+def _keys(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import KeysAdd, KeysList, KeysRemove, KeysRotate
+
+    async def action(p: Any) -> int:
+        if args.keys_verb == "list":
+            keys = (await p.callRemote(KeysList))["keys"]
+            if args.json:
+                print(json.dumps(keys))
+            elif not keys:
+                print("no keys: the gateway is open (add one with `blazar keys add NAME`)")
+            for k in keys if not args.json else []:
+                print(f"{k['name']:<24} {k['secret']:<10} {', '.join(k['models']) or '(all models, admin)'}")
+        elif args.keys_verb == "add":
+            secret = (await p.callRemote(KeysAdd, name=args.name, models=args.models or []))["secret"]
+            print(f"added key {args.name!r}; its secret, shown only now:\n{secret}")
+        elif args.keys_verb == "rotate":
+            secret = (await p.callRemote(KeysRotate, name=args.name))["secret"]
+            print(f"rotated key {args.name!r}; the old secret no longer works. New secret, shown only now:\n{secret}")
+        else:
+            await p.callRemote(KeysRemove, name=args.name)
+            print(f"removed key {args.name!r}")
+        return 0
 
     return _control(args, action)
 
@@ -487,6 +515,24 @@ def parser() -> argparse.ArgumentParser:
     doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, memory")
     doctor.add_argument("--config", "-c")
     doctor.set_defaults(func=_doctor)
+
+    keys = verbs.add_parser("keys", help="API keys (written to the daemon's config file)")
+    key_verbs = keys.add_subparsers(dest="keys_verb", required=True)
+    for name, help_, params in [
+        ("list", "keys, secrets redacted", []),
+        ("add", "a new key; prints its secret once", ["name"]),
+        ("rotate", "a new secret for a key; prints it once", ["name"]),
+        ("rm", "remove a key", ["name"]),
+    ]:
+        verb = key_verbs.add_parser(name, help=help_)
+        for param in params:
+            verb.add_argument(param)
+        if name == "add":
+            verb.add_argument("--model", dest="models", action="append",
+                              help="scope the key to this model (repeatable); none: all models + admin")
+        verb.add_argument("--config", "-c")
+        verb.add_argument("--json", action="store_true")
+        verb.set_defaults(func=_keys)
 
     models = verbs.add_parser("models", help="model files")
     model_verbs = models.add_subparsers(dest="models_verb", required=True)

@@ -441,3 +441,53 @@ def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = Non
     path = config_path(explicit, env)
     named = bool(explicit or env.get("BLAZAR_CONFIG"))
     return load_config(path, required=named)
+
+
+def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
+    """
+    The config file round trip for runtime changes: parse the file with
+    tomlkit, apply C{change(document)}, validate the result with
+    L{parse_config}, then write it atomically (a temporary file in the same
+    directory, fsync, rename) after saving the old file as
+    C{<name>.<UTC timestamp>.bak}. Comments and formatting survive.
+    Blocking: call in a thread pool, one at a time.
+
+    @param change: Mutates the tomlkit document; may raise L{ConfigError}.
+    @return: The new L{Config} and the new text.
+    @raise ConfigError: The change is invalid; nothing was written.
+    @raise OSError: The write failed; the file on disk is untouched.
+    """
+    import time as _time
+
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        text = ""
+    doc = tomlkit.parse(text)
+    change(doc)
+    new_text = tomlkit.dumps(doc)
+    config = parse_config(new_text, path)
+    stamp = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(new_text)
+            f.flush()
+            os.fsync(f.fileno())
+        if text:
+            backup = path.with_name(f"{path.name}.{stamp}.bak")
+            n = 1
+            while backup.exists():
+                backup = path.with_name(f"{path.name}.{stamp}.{n}.bak")
+                n += 1
+            backup.write_text(text, encoding="utf-8")
+            os.chmod(backup, 0o600)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    return config, new_text

@@ -25,6 +25,7 @@ from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
+from blazar.protocols.keyadmin import KeyAdmin
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.hub import HubClient
@@ -129,11 +130,11 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         free_memory=thd_free_memory,
     )
     supervisor.setServiceParent(top)
+    keys = KeyHolder(config)
     proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)
     openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
-    keys = KeyHolder(config)
     root = AuthGate(
         SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys
     )
@@ -167,7 +168,10 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         globalLogPublisher.addObserver(ring)
         control = strports.service(
             f"unix:{control_path}:mode=600:lockfile=1",
-            ControlFactory(supervisor, registry, status, reactor, ring), reactor=reactor,
+            ControlFactory(
+                supervisor, registry, status, reactor, ring, KeyAdmin(config.source, keys, reactor)
+            ),
+            reactor=reactor,
         )
         control._raiseSynchronously = True
         control.setServiceParent(listeners)

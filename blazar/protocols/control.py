@@ -226,6 +226,62 @@ class ModelRemove(amp.Command):
     errors = {ModelError: b"MODEL_ERROR"}
 
 
+class KeyError_(Exception):
+    """
+    A key command failed (unknown or duplicate name, last admin key, or the
+    config could not be written); the message says why.
+    """
+
+
+KEY = [
+    (b"name", amp.Unicode()), (b"secret", amp.Unicode()), (b"models", amp.ListOf(amp.Unicode())),
+]
+
+
+class KeysList(amp.Command):
+    """
+    The keys, secrets redacted to their last 4 characters.
+    """
+
+    commandName = b"KeysList"
+    arguments = []  # type: ignore[var-annotated]
+    response = [(b"keys", amp.AmpList(KEY))]
+
+
+class KeysAdd(amp.Command):
+    """
+    Add a key; the new secret is returned once.
+    """
+
+    commandName = b"KeysAdd"
+    arguments = [(b"name", amp.Unicode()), (b"models", amp.ListOf(amp.Unicode(), optional=True))]
+    response = [(b"secret", amp.Unicode())]
+    errors = {KeyError_: b"KEY_ERROR"}
+
+
+class KeysRotate(amp.Command):
+    """
+    Give a key a new secret (returned once); the old one stops working.
+    """
+
+    commandName = b"KeysRotate"
+    arguments = [(b"name", amp.Unicode())]
+    response = [(b"secret", amp.Unicode())]
+    errors = {KeyError_: b"KEY_ERROR"}
+
+
+class KeysRemove(amp.Command):
+    """
+    Remove a key. The last unscoped key cannot go while scoped keys exist
+    (nobody could manage them).
+    """
+
+    commandName = b"KeysRemove"
+    arguments = [(b"name", amp.Unicode())]
+    response = [(b"name", amp.Unicode())]
+    errors = {KeyError_: b"KEY_ERROR"}
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
@@ -234,9 +290,10 @@ class ControlServer(amp.AMP):
 
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
-        logs: LogRing | None = None,
+        logs: LogRing | None = None, keys: Any = None,
     ) -> None:
         super().__init__()
+        self._key_admin = keys
         self._logs = logs or LogRing()
         self._supervisor = supervisor
         self._registry = registry
@@ -362,6 +419,36 @@ class ControlServer(amp.AMP):
 
         return Deferred.fromCoroutine(answer())
 
+    @KeysList.responder
+    def keys_list(self) -> dict[str, Any]:
+        return {"keys": [
+            {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models)}
+            for k in self._key_admin.config.keys
+        ]}
+
+    def _keys_change(self, change: Callable[[Any], Any]) -> Deferred[dict[str, Any]]:
+        from blazar.config import ConfigError
+
+        async def answer() -> dict[str, Any]:
+            try:
+                return await self._key_admin.change(change)
+            except (ConfigError, OSError, ValueError) as e:
+                raise KeyError_(str(e)) from None
+
+        return Deferred.fromCoroutine(answer())
+
+    @KeysAdd.responder
+    def keys_add(self, name: str, models: list[str] | None = None) -> Deferred[dict[str, Any]]:
+        return self._keys_change(lambda admin: admin.add(name, models or []))
+
+    @KeysRotate.responder
+    def keys_rotate(self, name: str) -> Deferred[dict[str, Any]]:
+        return self._keys_change(lambda admin: admin.rotate(name))
+
+    @KeysRemove.responder
+    def keys_remove(self, name: str) -> Deferred[dict[str, Any]]:
+        return self._keys_change(lambda admin: admin.remove(name))
+
     @Models.responder
     def models(self) -> Deferred[dict[str, Any]]:
         async def listing() -> dict[str, Any]:
@@ -378,9 +465,9 @@ class ControlFactory(Factory):
 
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
-        logs: LogRing | None = None,
+        logs: LogRing | None = None, keys: Any = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs)
+        self._args = (supervisor, registry, status, clock, logs, keys)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -1,0 +1,114 @@
+"""
+Changing API keys at runtime: the config file is the source of truth, so
+every change goes parse → change → validate → atomic write (with a .bak),
+under one lock, off the reactor thread; only then is the live key set
+swapped. A failed validation or write changes nothing, on disk or in memory.
+"""
+
+from __future__ import annotations
+
+import secrets
+from pathlib import Path
+from typing import Any, Callable
+
+from twisted.internet.defer import DeferredLock
+from twisted.internet.threads import deferToThreadPool
+
+from blazar.config import Config, ConfigError, thd_rewrite
+
+
+def new_secret() -> str:
+    """
+    A fresh key secret: C{blz-} and 40 URL-safe random characters.
+    """
+    return "blz-" + secrets.token_urlsafe(30)
+
+
+class KeyAdmin:
+    """
+    Applies key changes to the config file and the live key holder.
+
+    @ivar config: The live config (read by the control channel's list).
+    """
+
+    def __init__(self, path: Path | None, holder: Any, reactor: Any) -> None:
+        self._path = path
+        self._holder = holder
+        self._reactor = reactor
+        self._lock = DeferredLock()
+
+    @property
+    def config(self) -> Config:
+        return self._holder.config  # type: ignore[no-any-return]
+
+    async def change(self, plan: Callable[["KeyAdmin"], tuple[Callable[[Any], None], dict[str, Any]]]) -> dict[str, Any]:
+        """
+        Run C{plan(self)}, which returns (a tomlkit document mutation, the
+        answer), through the file round trip.
+
+        @raise ConfigError: Invalid change, or the daemon has no config file.
+        @raise OSError: The write failed.
+        """
+        if self._path is None:
+            raise ConfigError(
+                "this daemon runs without a config file: start it with --config PATH to manage keys"
+            )
+        await self._lock.acquire()
+        try:
+            mutate, answer = plan(self)
+            config, _ = await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), thd_rewrite, self._path, mutate
+            )
+            self._holder.set(config)
+            return answer
+        finally:
+            self._lock.release()
+
+    def _find(self, doc: Any, name: str) -> Any:
+        for table in doc.get("keys", []):
+            if table.get("name") == name:
+                return table
+        raise ConfigError(f"no key named {name!r} (see `blazar keys list`)")
+
+    def add(self, name: str, models: list[str]) -> tuple[Callable[[Any], None], dict[str, Any]]:
+        secret = new_secret()
+
+        def mutate(doc: Any) -> None:
+            import tomlkit
+
+            if any(t.get("name") == name for t in doc.get("keys", [])):
+                raise ConfigError(f"a key named {name!r} exists; rotate it or pick another name")
+            table = tomlkit.table()
+            table["name"] = name
+            table["secret"] = secret
+            if models:
+                table["models"] = models
+            if "keys" not in doc:
+                doc["keys"] = tomlkit.aot()
+            doc["keys"].append(table)
+
+        return mutate, {"secret": secret}
+
+    def rotate(self, name: str) -> tuple[Callable[[Any], None], dict[str, Any]]:
+        secret = new_secret()
+
+        def mutate(doc: Any) -> None:
+            self._find(doc, name)["secret"] = secret
+
+        return mutate, {"secret": secret}
+
+    def remove(self, name: str) -> tuple[Callable[[Any], None], dict[str, Any]]:
+        def mutate(doc: Any) -> None:
+            keys = doc.get("keys", [])
+            target = self._find(doc, name)
+            rest = [t for t in keys if t is not target]
+            if not target.get("models") and rest and not any(not t.get("models") for t in rest):
+                raise ConfigError(
+                    f"{name!r} is the last unscoped key and scoped keys remain: nobody could "
+                    "manage them; add another unscoped key first (`blazar keys add NAME`)"
+                )
+            keys.remove(target)
+            if not keys:
+                del doc["keys"]
+
+        return mutate, {"name": name}

@@ -1,0 +1,122 @@
+"""
+API keys end to end: 401/403 on all three surfaces in their own shapes,
+scoped listings, and `blazar keys rotate` rewriting the config file.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from blazar.testing import GeneratedModel
+from tests.integration.conftest import daemon_config
+from tests.integration.harness import Daemon
+
+ADMIN = "admin-secret-0123456789"
+SCOPED = "tiny-secret-0123456789"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("keys"), daemon_config(engine, models) + (
+        "# keys for the suite: keep this comment\n"
+        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+        f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM)
+
+
+def call(d: Daemon, method: str, path: str, body: object = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    try:
+        conn.request(method, path, json.dumps(body) if body is not None else None,
+                     {"content-type": "application/json", **(headers or {})})
+        resp = conn.getresponse()
+        return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
+    finally:
+        conn.close()
+
+
+REQUESTS = [
+    ("openai", "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": 1}),
+    ("ollama", "/api/chat", {"model": "tiny", "messages": HELLO, "stream": False, "options": {"num_predict": 1}}),
+    ("anthropic", "/v1/messages", {"model": "tiny", "messages": HELLO, "max_tokens": 1}),
+]
+
+
+def assert_shape(surface: str, status: int, body: bytes) -> str:
+    parsed = json.loads(body)
+    if surface == "ollama":
+        return str(parsed["error"])
+    if surface == "anthropic":
+        assert parsed["type"] == "error"
+        assert parsed["error"]["type"] == {401: "authentication_error", 403: "permission_error"}[status]
+        return str(parsed["error"]["message"])
+    assert set(parsed["error"]) == {"message", "type", "param", "code"}
+    return str(parsed["error"]["message"])
+
+
+@pytest.mark.parametrize("surface, path, body", REQUESTS)
+def test_missing_and_wrong_keys_are_401(keyed: Daemon, surface: str, path: str, body: dict) -> None:
+    for headers in ({}, {"authorization": "Bearer wrong-wrong-wrong-wrong"}, {"x-api-key": "nope"}):
+        status, _, data = call(keyed, "POST", path, body, headers)
+        assert status == 401, (headers, data)
+        assert "API key" in assert_shape(surface, 401, data)
+    for headers in ({"authorization": f"Bearer {ADMIN}"}, {"x-api-key": ADMIN}):
+        status, _, data = call(keyed, "POST", path, body, headers)
+        assert status == 200, data
+
+
+def test_open_routes(keyed: Daemon) -> None:
+    assert call(keyed, "GET", "/health")[0] == 200
+    assert call(keyed, "GET", "/healthz")[0] == 200
+    assert call(keyed, "GET", "/")[0] == 200
+
+
+@pytest.mark.parametrize("surface, path, body", REQUESTS)
+def test_scoped_key_is_403_on_other_models(keyed: Daemon, surface: str, path: str, body: dict) -> None:
+    status, _, data = call(keyed, "POST", path, {**body, "model": "cold"}, {"x-api-key": SCOPED})
+    assert status == 403, data
+    assert "tinyonly" in assert_shape(surface, 403, data)
+    assert call(keyed, "POST", path, body, {"x-api-key": SCOPED})[0] == 200
+
+
+def test_scoped_listings(keyed: Daemon) -> None:
+    _, _, data = call(keyed, "GET", "/v1/models", headers={"x-api-key": SCOPED})
+    assert [m["id"] for m in json.loads(data)["data"]] == ["tiny:latest"]
+    _, _, data = call(keyed, "GET", "/api/tags", headers={"x-api-key": SCOPED})
+    assert [m["name"] for m in json.loads(data)["models"]] == ["tiny:latest"]
+    _, _, data = call(keyed, "GET", "/v1/models", headers={"x-api-key": ADMIN})
+    assert len(json.loads(data)["data"]) >= 3
+    status, _, data = call(keyed, "DELETE", "/api/delete", {"model": "tiny"}, {"x-api-key": SCOPED})
+    assert status == 403
+
+
+def test_keys_rotate_rewrites_config(keyed: Daemon) -> None:
+    blazar = str(Path(sys.executable).parent / "blazar")
+    listed = subprocess.run([blazar, "keys", "list", "-c", str(keyed.config)], capture_output=True, text=True)
+    assert "tinyonly" in listed.stdout and SCOPED not in listed.stdout  # redacted
+    out = subprocess.run([blazar, "keys", "rotate", "tinyonly", "-c", str(keyed.config)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    new = out.stdout.strip().splitlines()[-1]
+    assert new.startswith("blz-") and out.stdout.count(new) == 1
+    text = keyed.config.read_text()
+    assert "# keys for the suite: keep this comment" in text and new in text and SCOPED not in text
+    assert list(keyed.config.parent.glob("config.toml.*.bak"))
+    body = REQUESTS[0][2]
+    assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": SCOPED})[0] == 401
+    assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": new})[0] == 200
+    assert new not in keyed.log() and ADMIN not in keyed.log()  # secrets never logged

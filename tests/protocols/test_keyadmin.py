@@ -1,0 +1,64 @@
+from pathlib import Path
+
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import ConfigError, load_config
+from blazar.protocols.keyadmin import KeyAdmin
+from blazar.testing import fake_process_reactor
+from blazar.web.auth import KeyHolder
+
+TEXT = """# the operator's notes
+listen = "tcp:1"  # inline comment
+
+[[keys]]
+name = "root"
+secret = "root-secret-0123456789"
+"""
+
+
+class KeyAdminTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.dir = Path(self.mktemp())
+        self.dir.mkdir()
+        self.path = self.dir / "config.toml"
+        self.path.write_text(TEXT)
+        self.holder = KeyHolder(load_config(self.path))
+        self.admin = KeyAdmin(self.path, self.holder, fake_process_reactor())
+
+    def run_change(self, plan):  # type: ignore[no-untyped-def]
+        return ensureDeferred(self.admin.change(plan))
+
+    def test_add_rotate_remove_keep_comments_and_back_up(self) -> None:
+        added = self.successResultOf(self.run_change(lambda a: a.add("alice", ["tiny"])))
+        self.assertTrue(added["secret"].startswith("blz-"))
+        self.assertIsNotNone(self.holder.find(added["secret"].encode()))
+        text = self.path.read_text()
+        self.assertIn("# the operator's notes", text)
+        self.assertIn("# inline comment", text)
+        self.assertEqual(len(list(self.dir.glob("config.toml.*.bak"))), 1)
+        rotated = self.successResultOf(self.run_change(lambda a: a.rotate("alice")))
+        self.assertIsNone(self.holder.find(added["secret"].encode()))
+        self.assertEqual(self.holder.find(rotated["secret"].encode()).name, "alice")
+        self.assertIn(rotated["secret"], self.path.read_text())
+        self.successResultOf(self.run_change(lambda a: a.remove("alice")))
+        self.assertEqual([k.name for k in self.holder.config.keys], ["root"])
+
+    def test_last_admin_key_stays_while_scoped_keys_exist(self) -> None:
+        self.successResultOf(self.run_change(lambda a: a.add("scoped", ["tiny"])))
+        f = self.failureResultOf(self.run_change(lambda a: a.remove("root")), ConfigError)
+        self.assertIn("last unscoped key", str(f.value))
+        self.failureResultOf(self.run_change(lambda a: a.rotate("nobody")), ConfigError)
+        self.failureResultOf(self.run_change(lambda a: a.add("root", [])), ConfigError)
+
+    def test_failed_write_changes_nothing(self) -> None:
+        before = self.path.read_bytes()
+        keys_before = self.holder.config.keys
+        # the temporary file's place is taken by a directory: the write fails
+        # (works as root too, where mode bits would not stop it)
+        (self.dir / ".config.toml.tmp").mkdir()
+        f = self.failureResultOf(self.run_change(lambda a: a.rotate("root")), OSError)
+        self.assertIsInstance(f.value, IsADirectoryError)
+        self.assertEqual(self.path.read_bytes(), before)
+        self.assertEqual(self.holder.config.keys, keys_before)
+        self.assertEqual(list(self.dir.glob("*.bak")), [])
