@@ -7,6 +7,7 @@ The C{blazar} command.
   blazar evict MODEL|KEY | --all       unload models
   blazar models list|show|cp|rm|pull   the model registry, through the daemon
   blazar keys list|add|rotate|rm       API keys (changes go to the config file)
+  blazar reload                        re-read the config file
   blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
   blazar doctor                        check engine, config, models dir, port, memory
@@ -152,12 +153,16 @@ def _ps(args: argparse.Namespace) -> int:
         if not rows:
             print("no models loaded")
             return 0
-        header = f"{'MODEL':<32} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} {'EXPIRES':>9} BREAKER"
-        print(header)
+        def mib(n: Any) -> str:
+            return "-" if n is None else f"{n / 2**20:.0f}M"
+
+        print(f"{'MODEL':<30} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
+              f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} BREAKER")
         for r in rows:
             expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
-            print(f"{r['model']:<32} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
-                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {expires:>9} {r['breaker']}")
+            print(f"{r['model']:<30} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
+                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {r.get('served') or 0:>6} "
+                  f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} {r['breaker']}")
         return 0
 
     return _control(args, action)
@@ -225,6 +230,17 @@ def _keys(args: argparse.Namespace) -> int:
         else:
             await p.callRemote(KeysRemove, name=args.name)
             print(f"removed key {args.name!r}")
+        return 0
+
+    return _control(args, action)
+
+
+def _reload(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import ReloadConfig
+
+    async def action(p: Any) -> int:
+        restart = (await p.callRemote(ReloadConfig))["restart_needed"]
+        print("config reloaded" + (f"; restart the daemon to apply: {', '.join(restart)}" if restart else ""))
         return 0
 
     return _control(args, action)
@@ -504,6 +520,7 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
+    daemon_verb("reload", "re-read the config file (keys, limits, model settings)", _reload)
     logs = daemon_verb("logs", "the daemon's recent log, or one model's engine output", _logs)
     logs.add_argument("model", nargs="?", help="only this model's engine output")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")

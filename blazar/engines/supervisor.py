@@ -191,6 +191,7 @@ class Instance:
     state: str = "starting"
     started_at: float = 0.0
     in_flight: int = 0
+    served: int = 0
     transport: Any = None
     kill_timer: Any = None
     term_timer: Any = None
@@ -343,6 +344,18 @@ class Supervisor(Service):
             if n in self._breakers:
                 self._breakers[n].reset()
         return [n for n in names if n in self._breakers]
+
+    def reconfigure(self, config: Config) -> None:
+        """
+        Use C{config} from now on (timeouts, limits, breaker settings, model
+        settings for the next spawn); running children are not touched.
+        """
+        self._config = config
+        for name in list(self._breakers):
+            self._breakers[name].threshold = config.breaker_crashes
+            self._breakers[name].window = config.breaker_window
+            self._breakers[name].base_backoff = config.breaker_backoff
+            self._breakers[name].max_backoff = config.breaker_max_backoff
 
     @property
     def ctx_policy(self) -> str:
@@ -682,6 +695,7 @@ class Supervisor(Service):
         C{keep_alive} does.
         """
         instance.last_used = self._reactor.seconds()
+        instance.served += 1
         if keep_alive is not None:
             instance.keep_alive = keep_alive
 

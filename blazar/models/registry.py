@@ -163,6 +163,13 @@ class ModelRegistry:
     _meta_cache: dict[tuple[Path, int, int], GGUFMetadata] = attrs.field(factory=dict)
     _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
 
+    def reconfigure(self, config: Config) -> None:
+        """
+        Use C{config}'s models_dir and model tables from the next lookup on.
+        """
+        self._config = config
+        self.forget()
+
     @property
     def models_dir(self) -> Path:
         """

@@ -75,6 +75,9 @@ INSTANCE = [
     (b"ctx", amp.Integer()),
     (b"expires_in", amp.Float(optional=True)),
     (b"breaker", amp.Unicode()),
+    (b"served", amp.Integer(optional=True)),
+    (b"memory_estimate", amp.Integer(optional=True)),
+    (b"rss", amp.Integer(optional=True)),
 ]
 
 
@@ -282,6 +285,20 @@ class KeysRemove(amp.Command):
     errors = {KeyError_: b"KEY_ERROR"}
 
 
+class ReloadConfig(amp.Command):
+    """
+    Re-read the config file and apply it: keys, limits, timeouts and model
+    settings take effect at once (running children keep running; model
+    settings apply at their next start). C{restart_needed} lists changed
+    keys that only a restart applies (C{listen}, C{data_dir}).
+    """
+
+    commandName = b"ReloadConfig"
+    arguments = []  # type: ignore[var-annotated]
+    response = [(b"restart_needed", amp.ListOf(amp.Unicode()))]
+    errors = {KeyError_: b"KEY_ERROR"}
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
@@ -314,24 +331,36 @@ class ControlServer(amp.AMP):
         return self._status()
 
     @Ps.responder
-    def ps(self, offset: int | None = None) -> dict[str, Any]:
-        start = offset or 0
-        now = self._clock.seconds()
-        rows = []
-        for i in self._supervisor.instances():
-            expires = i.expires_at()
-            rows.append({
-                "model": i.entry.name, "key": f"{i.entry.name}#0@text", "state": i.state,
-                "pid": i.pid, "port": i.port, "slots": i.entry.settings.parallel or 4,
-                "busy": i.in_flight, "ctx": i.ctx,
-                "expires_in": None if expires is None else max(0.0, expires - now),
-                "breaker": self._supervisor.breaker(i.entry.name).state,
-            })
-        page = rows[start:start + PAGE]
-        result: dict[str, Any] = {"instances": page}
-        if start + PAGE < len(rows):
-            result["next_offset"] = start + PAGE
-        return result
+    def ps(self, offset: int | None = None) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            from twisted.internet.threads import deferToThreadPool
+
+            start = offset or 0
+            now = self._clock.seconds()
+            rows = []
+            for i in self._supervisor.instances()[start:start + PAGE]:
+                expires = i.expires_at()
+                try:
+                    estimate = self._supervisor.estimate(i.entry, await self._registry.metadata(i.entry))
+                except Exception:
+                    estimate = None
+                rss = None
+                if i.pid and hasattr(self._clock, "getThreadPool"):
+                    rss = await deferToThreadPool(self._clock, self._clock.getThreadPool(), thd_rss, i.pid)
+                rows.append({
+                    "model": i.entry.name, "key": f"{i.entry.name}#0@text", "state": i.state,
+                    "pid": i.pid, "port": i.port, "slots": i.entry.settings.parallel or 4,
+                    "busy": i.in_flight, "ctx": i.ctx,
+                    "expires_in": None if expires is None else max(0.0, expires - now),
+                    "breaker": self._supervisor.breaker(i.entry.name).state,
+                    "served": i.served, "memory_estimate": estimate, "rss": rss,
+                })
+            result: dict[str, Any] = {"instances": rows}
+            if start + PAGE < len(self._supervisor.instances()):
+                result["next_offset"] = start + PAGE
+            return result
+
+        return Deferred.fromCoroutine(answer())
 
     @Evict.responder
     def evict(self, key: str | None = None, all: bool | None = None) -> dict[str, Any]:
@@ -419,6 +448,18 @@ class ControlServer(amp.AMP):
 
         return Deferred.fromCoroutine(answer())
 
+    @ReloadConfig.responder
+    def reload_config(self) -> Deferred[dict[str, Any]]:
+        from blazar.config import ConfigError
+
+        async def answer() -> dict[str, Any]:
+            try:
+                return {"restart_needed": await self._key_admin.reload(self._supervisor, self._registry)}
+            except (ConfigError, OSError) as e:
+                raise KeyError_(str(e)) from None
+
+        return Deferred.fromCoroutine(answer())
+
     @KeysList.responder
     def keys_list(self) -> dict[str, Any]:
         return {"keys": [
@@ -471,3 +512,15 @@ class ControlFactory(Factory):
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)
+
+
+def thd_rss(pid: int) -> int | None:
+    """
+    Resident memory of process C{pid} in bytes, or L{None}. Blocking.
+    """
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except (psutil.Error, OSError):
+        return None

@@ -64,6 +64,31 @@ class KeyAdmin:
         finally:
             self._lock.release()
 
+    async def reload(self, supervisor: Any, registry: Any) -> list[str]:
+        """
+        Re-read the config file and swap it in everywhere it is read.
+
+        @return: Changed keys that need a restart to apply.
+        @raise ConfigError: The file is invalid; nothing changes.
+        """
+        from blazar.config import load_config
+
+        if self._path is None:
+            raise ConfigError("this daemon runs without a config file: nothing to reload")
+        await self._lock.acquire()
+        try:
+            new = await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), load_config, self._path, required=True
+            )
+            old = self.config
+            restart = [k for k in ("listen", "data_dir") if getattr(old, k) != getattr(new, k)]
+            self._holder.set(new)
+            supervisor.reconfigure(new)
+            registry.reconfigure(new)
+            return restart
+        finally:
+            self._lock.release()
+
     def _find(self, doc: Any, name: str) -> Any:
         for table in doc.get("keys", []):
             if table.get("name") == name:

@@ -171,3 +171,30 @@ def test_run_and_doctor(engine: str, models: dict[str, GeneratedModel], tmp_path
         d.kill_everything()
     gone = blazar_cli("run", "tiny", "hi", "-c", cfg)
     assert gone.returncode == 2 and "blazar serve" in gone.stderr
+
+
+def test_second_daemon_on_same_data_dir_and_reload(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    first = Daemon(tmp_path / "a", daemon_config(engine, models))
+    first.start()
+    try:
+        # another port, the same data_dir: the control socket's lock refuses it
+        second = Daemon(tmp_path / "b", daemon_config(engine, models))
+        second.config.write_text(second.config.read_text().replace(
+            f'data_dir = "{second.root / "data"}"', f'data_dir = "{first.root / "data"}"'))
+        second.start(wait=False)
+        assert second.proc is not None and second.proc.wait(30) == 3
+        assert "another blazar daemon runs on this data_dir" in second.log()
+        assert first.request("GET", "/health")[0] == 200
+        # reload: a new key takes effect without a restart
+        text = first.config.read_text()
+        first.config.write_text(text + '[[keys]]\nname = "late"\nsecret = "late-secret-0123456789"\n')
+        out = blazar_cli("reload", "-c", str(first.config))
+        assert out.returncode == 0 and "config reloaded" in out.stdout, out.stderr
+        assert first.request("GET", "/v1/models")[0] == 401
+        first.config.write_text(text + 'listen = "tcp:1"\n')  # invalid: listen twice
+        bad = blazar_cli("reload", "-c", str(first.config))
+        assert bad.returncode == 1
+        assert first.request("GET", "/v1/models")[0] == 401  # still the last good config
+    finally:
+        first.stop()
+        first.kill_everything()
