@@ -43,8 +43,18 @@ class ControlTests(SynchronousTestCase):
         self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
         status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
                   "data_dir": "/d", "loaded": 0}
+        self.config_path = root / "config.toml"
+        self.config_path.write_text(
+            f'models_dir = "{root / "models"}"\n[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n'
+        )
+        from blazar.config import load_config
+        from blazar.protocols.keyadmin import KeyAdmin
+        from blazar.web.auth import KeyHolder
+
+        self.holder = KeyHolder(load_config(self.config_path))
+        admin = KeyAdmin(self.config_path, self.holder, self.reactor)
         self.client, self.server, self.pump = connectedServerAndClient(
-            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor),
+            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor, None, admin),
             amp.AMP,
         )
 
@@ -118,6 +128,33 @@ class ControlTests(SynchronousTestCase):
         self.assertEqual(result, [{"name": "m2:v1"}])
         names = [m["name"] for m in self.successResultOf(self.call(Models))["models"]]
         self.assertEqual(names, ["m:latest"])
+
+    def test_keys_commands(self) -> None:
+        from blazar.protocols.control import KeyError_, KeysAdd, KeysList, KeysRemove, KeysRotate
+
+        (row,) = self.successResultOf(self.call(KeysList))["keys"]
+        self.assertEqual((row["name"], row["secret"]), ("root", "...6789"))
+        secret = self.successResultOf(self.call(KeysAdd, name="bob", models=["m"]))["secret"]
+        self.assertEqual(self.holder.find(secret.encode()).models, ("m:latest",))
+        self.failureResultOf(self.call(KeysAdd, name="bob"), KeyError_)
+        new = self.successResultOf(self.call(KeysRotate, name="bob"))["secret"]
+        self.assertIsNone(self.holder.find(secret.encode()))
+        self.assertIsNotNone(self.holder.find(new.encode()))
+        self.failureResultOf(self.call(KeysRotate, name="nobody"), KeyError_)
+        self.failureResultOf(self.call(KeysRemove, name="root"), KeyError_)  # bob is scoped
+        self.assertEqual(self.successResultOf(self.call(KeysRemove, name="bob"))["name"], "bob")
+        self.assertEqual([k.name for k in self.holder.config.keys], ["root"])
+
+    def test_reload_config(self) -> None:
+        from blazar.protocols.control import KeyError_, ReloadConfig
+
+        text = self.config_path.read_text()
+        self.config_path.write_text('listen = "tcp:2"\nidle_timeout_secs = 5\n' + text)
+        self.assertEqual(self.successResultOf(self.call(ReloadConfig))["restart_needed"], ["listen"])
+        self.assertEqual(self.supervisor._config.idle_timeout, 5)
+        self.config_path.write_text("bogus = 1\n" + text)
+        self.failureResultOf(self.call(ReloadConfig), KeyError_)
+        self.assertEqual(self.supervisor._config.idle_timeout, 5)  # unchanged
 
     def test_unknown_command_keeps_the_connection(self) -> None:
         class Nope(amp.Command):
