@@ -175,9 +175,17 @@ def _evict(args: argparse.Namespace) -> int:
         print("blazar evict: name a model or instance key, or use --all", file=sys.stderr)
         return 1
 
+    return _one_call(args, Evict, lambda done: f"evicted: {', '.join(done['evicted'])}",
+                     key=args.key, all=args.all)
+
+
+def _one_call(args: argparse.Namespace, command: Any, say: Any, **arguments: Any) -> int:
+    """
+    Send one control command and print C{say(answer)}.
+    """
+
     async def action(p: Any) -> int:
-        done = await p.callRemote(Evict, key=args.key, all=args.all)
-        print(f"evicted: {', '.join(done['evicted'])}")
+        print(say(await p.callRemote(command, **arguments)))
         return 0
 
     return _control(args, action)
@@ -265,23 +273,14 @@ def _models_show(args: argparse.Namespace) -> int:
 def _models_cp(args: argparse.Namespace) -> int:
     from blazar.protocols.control import ModelCopy
 
-    async def action(p: Any) -> int:
-        done = await p.callRemote(ModelCopy, source=args.source, destination=args.destination)
-        print(f"copied {args.source} to {done['name']}")
-        return 0
-
-    return _control(args, action)
+    return _one_call(args, ModelCopy, lambda done: f"copied {args.source} to {done['name']}",
+                     source=args.source, destination=args.destination)
 
 
 def _models_rm(args: argparse.Namespace) -> int:
     from blazar.protocols.control import ModelRemove
 
-    async def action(p: Any) -> int:
-        done = await p.callRemote(ModelRemove, name=args.name)
-        print(f"deleted {done['name']}")
-        return 0
-
-    return _control(args, action)
+    return _one_call(args, ModelRemove, lambda done: f"deleted {done['name']}", name=args.name)
 
 
 def _models_pull(args: argparse.Namespace) -> int:
