@@ -45,6 +45,7 @@ key, the file and what was expected.
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from pathlib import Path
@@ -178,9 +179,17 @@ def parse_duration(value: object) -> float:
     (C{"5m"}, C{"1h30m"}, C{"-1s"}), a numeric string, or a number of
     seconds.
 
-    @return: Seconds (negative values are kept: "forever" for keep_alive).
-    @raise ValueError: Not a duration.
+    @return: Seconds (negative values are kept: "forever" for keep_alive;
+        anything over ten years is also taken as forever, -1).
+    @raise ValueError: Not a finite duration.
     """
+    result = _duration(value)
+    if not math.isfinite(result):
+        raise ValueError(value)
+    return -1.0 if result > 10 * 365 * 86400 else result
+
+
+def _duration(value: object) -> float:
     if isinstance(value, bool):
         raise ValueError(value)
     if isinstance(value, (int, float)):

@@ -191,6 +191,7 @@ class Instance:
     state: str = "starting"
     started_at: float = 0.0
     in_flight: int = 0
+    ready_once: bool = False
     served: int = 0
     transport: Any = None
     kill_timer: Any = None
@@ -596,6 +597,7 @@ class Supervisor(Service):
                     pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
                 )
                 self.breaker(instance.entry.name).ready()
+                instance.ready_once = True
                 instance._settle(None)
                 return
             if self._reactor.seconds() >= deadline:
@@ -638,7 +640,12 @@ class Supervisor(Service):
             self.breaker(instance.entry.name).crashed(
                 self._reactor.seconds(), f"{status.describe()}; {instance.protocol.tail_text(4)}"
             )
-        if instance._failure is None and was == "starting":
+        if instance._failure is None and not instance.ready_once:
+            # it never became ready (crashed, or stopped while loading):
+            # every request waiting for it gets an answer
+            if was == "stopping":
+                message = (f"model {instance.entry.name!r} was unloaded while it was loading "
+                           f"({instance.stop_reason}); send the request again")
             instance._settle(EngineStartFailed(instance.entry.name, message))
         for timer in (instance.kill_timer, instance.term_timer):
             if timer is not None and timer.active():

@@ -107,7 +107,10 @@ def thd_read_metadata(path: Path, shards: tuple[Path, ...] = ()) -> GGUFMetadata
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(f"{path}: GGUF file has no general.architecture")
-    size = sum(os.stat(p).st_size for p in (path, *shards))
+    try:
+        size = sum(os.stat(p).st_size for p in (path, *shards))
+    except OSError as e:
+        raise GGUFError(f"{path}: a shard of this split model is missing or unreadable: {e}") from None
     template = _value(reader, "tokenizer.chat_template")
     return GGUFMetadata(
         architecture=arch,

@@ -266,6 +266,8 @@ class ModelRegistry:
             raise ModelChangeError(str(e)) from None
         if "/" in dest:
             raise ModelChangeError("destination must be a plain name[:tag] (no namespace)")
+        if _SHARD.match(dest.removesuffix(":latest")):
+            raise ModelChangeError("destination looks like a split-model shard (-0000N-of-0000M); pick another name")
         if any(name_key(e.name) == name_key(dest) for e in await self.refresh()):
             raise ModelChangeError(f'model "{destination}" already exists; delete it first')
         target = self.models_dir / f"{dest.removesuffix(':latest')}.gguf"
@@ -282,7 +284,12 @@ class ModelRegistry:
             C{models_dir}, so its file is not Blazar's to delete.
         """
         models_dir = self.models_dir.resolve()
-        if entry.settings.path is not None and not entry.path.resolve().is_relative_to(models_dir):
+        if not entry.path.resolve().is_relative_to(models_dir):
+            if entry.settings.path is None:
+                raise ModelChangeError(
+                    f'model "{entry.name}" is a file outside models_dir (reached through a link): '
+                    f"delete {entry.path.resolve()} yourself if you mean it"
+                )
             raise ModelChangeError(
                 f'model "{entry.name}" is configured in [models."{entry.name}"] with a path outside '
                 "models_dir; remove it from the config instead"

@@ -112,23 +112,14 @@ class AnthropicSurface:
             raise AnthropicError(403, "permission_error", str(e)) from None
         return name
 
-    async def _count(self, model: str, engine_body: dict[str, Any]) -> int:
-        body = dict(engine_body)
-        body.pop("stream", None)
-        body.pop("stream_options", None)
-        instance, response = await self._proxy.send(
-            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8")
-        )
-        reply = json.loads(await self._proxy.read(instance, response))
-        return int(reply["input_tokens"])
-
     @app.route("/v1/messages/count_tokens", methods=["POST"])
     async def count_tokens(self, request: IRequest) -> bytes:
         body = self._body(request)
         engine_body, _ = self._translate(body, counting=True)
         model = body["model"]
         await self._resolve(model, request)
-        count = await self._count(model, engine_body)
+        await self._proxy.check_purpose(model, embedding=False)
+        count = await self._proxy.count_chat_tokens(model, engine_body)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"input_tokens": count}).encode("utf-8")
 
@@ -153,19 +144,31 @@ class AnthropicSurface:
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
         raw = json.dumps(engine_body).encode("utf-8")
         if not stream:
+            if stops:
+                # a stop sequence cuts the child's stream before its usage
+                # arrives: count the prompt up front
+                translator.input_tokens = await self._proxy.count_chat_tokens(model, engine_body)
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
             await self._collect(instance, response, translator, None, keep_alive=keep_alive)
             translator.finish()
             request.setHeader(b"content-type", b"application/json")
             return json.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
-        loaded = self._supervisor.loaded(canonical)
-        if loaded is not None and loaded.state == "ready":
-            # Anthropic's message_start carries the prompt's token count;
-            # it is cheap to know when the model is already loaded.
+        if self._proxy.is_ready(canonical):
+            # A loaded model answers at once: send first, so a request the
+            # engine rejects is an HTTP error, not a 200 stream with an error
+            # event; and message_start can carry the prompt's token count.
+            translator.input_tokens = await self._proxy.count_chat_tokens(model, engine_body)
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.setHeader(b"cache-control", b"no-cache")
+            self._write(request, translator.start())
             try:
-                translator.input_tokens = await self._count(model, engine_body)
-            except (EngineError, EngineRejected):
-                pass
+                await self._collect(instance, response, translator, request, None, keep_alive)
+            except (EngineError, EngineRejected) as e:
+                self._stream_error(request, model, e)
+                return None
+            self._write(request, translator.finish())
+            return None
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         self._write(request, translator.start())
@@ -179,17 +182,20 @@ class AnthropicSurface:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
             await self._collect(instance, response, translator, request, pinger, keep_alive)
         except (EngineError, EngineRejected, EngineNotFound) as e:
-            log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
-            request.write(tr.sse_event("error", {"type": "error", "error": {
-                "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
-                else "invalid_request_error",
-                "message": str(e)}}))
+            self._stream_error(request, model, e)
             return None
         finally:
             if pinger.running:
                 pinger.stop()
         self._write(request, translator.finish())
         return None
+
+    def _stream_error(self, request: IRequest, model: str, e: Exception) -> None:
+        log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
+        request.write(tr.sse_event("error", {"type": "error", "error": {
+            "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
+            else "invalid_request_error",
+            "message": str(e)}}))
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
         if events:
@@ -214,7 +220,6 @@ class AnthropicSurface:
             if translator.stopped:
                 raise StreamStopped()
 
-        instance.in_flight += 1
         try:
             await self._proxy.relay(instance, response, SSEEvents(on_event).feed)
         except StreamStopped:

@@ -49,7 +49,11 @@ class OllamaError(Exception):
 def _json(request: IRequest, value: Any, status: int = 200) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate echoed from the request
+        return json.dumps(value, separators=(",", ":")).encode("ascii")
 
 
 def _rfc3339(seconds: float) -> str:
@@ -151,13 +155,16 @@ class OllamaSurface:
         try:
             entry = await self._registry.resolve(name)
         except ModelNotFound:
-            raise OllamaError(404, f'model "{name}" not found, try pulling it first') from None
+            shown = name if len(name) <= 200 else name[:200] + "..."
+            raise OllamaError(404, f'model "{shown}" not found, try pulling it first') from None
         if request is not None:
             check_scope(request, entry.name)
         return entry
 
     def _stream_flag(self, body: dict[str, Any]) -> bool:
-        stream = body.get("stream", True)
+        stream = body.get("stream")
+        if stream is None:
+            return True
         if not isinstance(stream, bool):
             raise OllamaError(400, "stream must be true or false")
         return stream
@@ -221,6 +228,8 @@ class OllamaSurface:
         model = self._model_field(body)
         stream = self._stream_flag(body)
         keep_alive = self._keep_alive(body)
+        if kind == "generate" and body.get("prompt") is not None and not isinstance(body["prompt"], str):
+            raise OllamaError(400, "prompt must be a string")
         empty = (
             not body.get("messages") if kind == "chat"
             else not body.get("prompt") and not body.get("suffix")
@@ -259,7 +268,6 @@ class OllamaSurface:
         instance, response = await self._proxy.send(
             model, path, json.dumps(engine_body).encode("utf-8"), ctx_size
         )
-        instance.in_flight += 1
         try:
             if not stream:
                 reply = json.loads(await self._proxy.read(instance, response))
@@ -351,7 +359,6 @@ class OllamaSurface:
         instance, response = await self._proxy.send(
             model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8")
         )
-        instance.in_flight += 1
         try:
             reply = json.loads(await self._proxy.read(instance, response))
         finally:

@@ -207,7 +207,6 @@ class OpenAISurface:
             return None
         instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
-        instance.in_flight += 1
         try:
             if stream:
                 await self._relay_stream(request, instance, response, renamer)
@@ -258,7 +257,6 @@ class OpenAISurface:
         finally:
             if keepalive.running:
                 keepalive.stop()
-        instance.in_flight += 1
         try:
             await self._relay_stream(request, instance, response, ModelRenamer(instance.entry.name, model))
         finally:

@@ -14,7 +14,7 @@ from twisted.internet.error import ConnectError
 from twisted.logger import Logger
 
 from blazar.config import parse_duration
-from blazar.engines.client import EngineClient, read_body, relay_body
+from blazar.engines.client import BodyTooLarge, EngineClient, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
@@ -49,6 +49,12 @@ class PromptTooLong(Exception):
 # markers, default system prompts, tool instructions): below this margin a
 # body cannot overflow the context, whatever it holds, so nothing is counted.
 TEMPLATE_SLACK = 1024
+
+
+class _Retry(Exception):
+    """
+    Internal: send the request again, on a fresh child.
+    """
 
 
 class ChildWedged(Exception):
@@ -129,9 +135,9 @@ def engine_error_message(body: bytes) -> str:
     if isinstance(parsed, dict):
         error = parsed.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
-            return error["message"]
+            return error["message"][:2000]
         if isinstance(error, str):
-            return error
+            return error[:2000]
     return body.decode("utf-8", "replace")[:2000]
 
 
@@ -215,7 +221,10 @@ class EngineProxy:
         instance, response = await self.send(
             model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8")
         )
-        return int(json.loads(await self.read(instance, response))["input_tokens"])
+        try:
+            return int(json.loads(await self.read(instance, response))["input_tokens"])
+        finally:
+            instance.in_flight -= 1
 
     async def count_text_tokens(self, model: str, text: str) -> int:
         """
@@ -224,7 +233,10 @@ class EngineProxy:
         instance, response = await self.send(
             model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8")
         )
-        return len(json.loads(await self.read(instance, response))["tokens"])
+        try:
+            return len(json.loads(await self.read(instance, response))["tokens"])
+        finally:
+            instance.in_flight -= 1
 
     async def check_purpose(self, model: str, embedding: bool) -> str:
         """
@@ -268,45 +280,67 @@ class EngineProxy:
         """
         for attempt in (1, 2):
             instance = await self.supervisor.instance_for(model, ctx_size)
-            headers = dict(instance.auth_headers)
-            headers[b"content-type"] = [b"application/json"]
+            # busy from now on: idle eviction and keep_alive 0 of other
+            # requests wait for this one (the caller decrements when done)
+            instance.in_flight += 1
             try:
-                response = await self._headers(instance, ensureDeferred(
-                    self._engines.request("POST", instance.base_url + path, body, headers)
-                ))
-            except ChildWedged:
-                self.supervisor.kill_instance(instance, "wedged: no response headers")
-                if attempt == 2:
-                    raise EngineTimeout(
-                        instance.entry.name,
-                        f"llama-server for model {instance.entry.name!r} accepted the request but "
-                        f"sent nothing for child_header_timeout_secs = {self._header_timeout:g} s "
-                        "and stopped answering /health, twice; it was stopped",
-                    ) from None
-                log.warn("{model} is wedged; retrying on a fresh child", model=model)
+                return instance, await self._send_to(instance, model, path, body, attempt)
+            except _Retry:
+                instance.in_flight -= 1
                 continue
-            except Exception as e:
-                if was_cancelled(e):
-                    raise CancelledError() from None
-                error = await self.supervisor.explain_failure(instance, e)
-                if not isinstance(e, ConnectError):
-                    raise error from None
-                if attempt == 2 or instance.state != "dead":
-                    raise error from None
-                log.info("{model} had died; retrying on a fresh child", model=model)
-                continue
-            if response.code != 200:
+            except BaseException:
+                instance.in_flight -= 1
+                raise
+        raise AssertionError("unreachable")
+
+    async def _send_to(self, instance: Instance, model: str, path: str, body: bytes, attempt: int) -> Any:
+        """
+        One attempt of L{send}; raises L{_Retry} when a fresh child should
+        get the request.
+        """
+        headers = dict(instance.auth_headers)
+        headers[b"content-type"] = [b"application/json"]
+        try:
+            response = await self._headers(instance, ensureDeferred(
+                self._engines.request("POST", instance.base_url + path, body, headers)
+            ))
+        except ChildWedged:
+            self.supervisor.kill_instance(instance, "wedged: no response headers")
+            if attempt == 2:
+                raise EngineTimeout(
+                    instance.entry.name,
+                    f"llama-server for model {instance.entry.name!r} accepted the request but "
+                    f"sent nothing for child_header_timeout_secs = {self._header_timeout:g} s "
+                    "and stopped answering /health, twice; it was stopped",
+                ) from None
+            log.warn("{model} is wedged; retrying on a fresh child", model=model)
+            raise _Retry()
+        except Exception as e:
+            if was_cancelled(e):
+                raise CancelledError() from None
+            error = await self.supervisor.explain_failure(instance, e)
+            if not isinstance(e, ConnectError):
+                raise error from None
+            if attempt == 2 or instance.state != "dead":
+                raise error from None
+            log.info("{model} had died; retrying on a fresh child", model=model)
+            raise _Retry()
+        if response.code != 200:
+            try:
                 error_body = await read_body(
                     response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
                     max_bytes=MAX_ERROR_BODY,
                 )
                 message = engine_error_message(error_body)
-                status = response.code
-                if status == 500 and any(m in message for m in CLIENT_FAULTS):
-                    status = 400
-                raise EngineRejected(status, message)
-            return instance, response
-        raise AssertionError("unreachable")
+            except BodyTooLarge:
+                message = "the engine's error message is over 1 MiB (not shown); the request is likely malformed"
+                if response.code == 500:
+                    raise EngineRejected(400, message) from None
+            status = response.code
+            if status == 500 and any(m in message for m in CLIENT_FAULTS):
+                status = 400
+            raise EngineRejected(status, message)
+        return response
 
     async def _headers(self, instance: Instance, request: Deferred[Any]) -> Any:
         """
@@ -317,7 +351,7 @@ class EngineProxy:
 
         @raise ChildWedged: The child is wedged (the request is cancelled).
         """
-        outcome: Deferred[Any] = Deferred()
+        outcome: Deferred[Any] = Deferred(lambda _: request.cancel())
 
         def settle(result: Any) -> None:
             if not outcome.called:
@@ -333,7 +367,7 @@ class EngineProxy:
                     timer.cancel()
             if result is not _TICK:
                 return result
-            outcome = Deferred()
+            outcome = Deferred(lambda _: request.cancel())
             try:
                 healthy = await self.supervisor.probe_health(instance)
             except Exception:

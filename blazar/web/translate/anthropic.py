@@ -15,6 +15,7 @@ start of a stop sequence is held back until it is known not to be.
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
 import attrs
@@ -87,6 +88,7 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
     if not isinstance(messages, list) or not messages:
         raise AnthropicRequestError("messages: must be a non-empty array")
     out: list[dict[str, Any]] = []
+    tool_ids: set[str] = set()
     for i, m in enumerate(messages):
         where = f"messages.{i}"
         if not isinstance(m, dict):
@@ -96,10 +98,14 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
             raise AnthropicRequestError(f"{where}.role: must be \"user\" or \"assistant\"")
         content = m.get("content")
         if isinstance(content, str):
+            if not content and not (role == "assistant" and i == len(messages) - 1):
+                raise AnthropicRequestError(f"{where}.content: must not be empty")
             out.append({"role": role, "content": content})
             continue
         if not isinstance(content, list):
             raise AnthropicRequestError(f"{where}.content: must be a string or an array of blocks")
+        if not content:
+            raise AnthropicRequestError(f"{where}.content: must not be empty")
         parts: list[dict[str, Any]] = []
         tool_calls: list[dict[str, Any]] = []
         tool_results: list[dict[str, Any]] = []
@@ -121,6 +127,9 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
                     raise AnthropicRequestError(f"{bwhere}: tool_use blocks belong to assistant turns")
                 if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                     raise AnthropicRequestError(f"{bwhere}: tool_use needs id and name")
+                if not isinstance(block.get("input", {}), dict):
+                    raise AnthropicRequestError(f"{bwhere}.input: must be an object")
+                tool_ids.add(block["id"])
                 tool_calls.append({
                     "id": block["id"], "type": "function",
                     "function": {"name": block["name"],
@@ -131,6 +140,11 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
                     raise AnthropicRequestError(f"{bwhere}: tool_result blocks belong to user turns")
                 if not isinstance(block.get("tool_use_id"), str):
                     raise AnthropicRequestError(f"{bwhere}.tool_use_id: required")
+                if block["tool_use_id"] not in tool_ids:
+                    raise AnthropicRequestError(
+                        f"{bwhere}.tool_use_id: no tool_use block with id {block['tool_use_id']!r} "
+                        "in an earlier assistant turn"
+                    )
                 tool_results.append({
                     "role": "tool", "tool_call_id": block["tool_use_id"],
                     "content": _tool_result_text(block, bwhere),
@@ -138,8 +152,8 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not sent back to the model
             elif kind == "document":
-                source = block.get("source") or {}
-                if source.get("type") == "text" and isinstance(source.get("data"), str):
+                source = block.get("source")
+                if isinstance(source, dict) and source.get("type") == "text" and isinstance(source.get("data"), str):
                     parts.append({"type": "text", "text": source["data"]})
                 else:
                     raise AnthropicRequestError(f"{bwhere}: only text documents are supported")
@@ -152,6 +166,8 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
             if tool_calls:
                 msg["tool_calls"] = tool_calls
             out.append(msg)
+        elif not parts and not tool_results:
+            raise AnthropicRequestError(f"{where}.content: has no text, image or tool_result block")
         elif parts:
             if all(p["type"] == "text" for p in parts):
                 out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
@@ -215,10 +231,11 @@ def request_to_openai(
     for key in ("temperature", "top_p", "top_k"):
         value = body.get(key)
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise AnthropicRequestError(f"{key}: must be a number")
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise AnthropicRequestError(f"{key}: must be a finite number")
             out[key] = value
-    stops = body.get("stop_sequences") or []
+    stops = body.get("stop_sequences")
+    stops = [] if stops is None else stops
     if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
         raise AnthropicRequestError("stop_sequences: must be an array of non-empty strings")
     tools = body.get("tools")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import base64
 import json
+import math
 import time
 from typing import Any, Callable, Iterable
 
@@ -57,6 +58,11 @@ _OPTION_NAMES = {
     # not Ollama's, but llama.cpp takes it: token id -> bias
     "logit_bias": "logit_bias",
 }
+_INTEGER_OPTIONS = {"num_predict", "num_ctx", "top_k", "seed", "repeat_last_n", "mirostat",
+                    "num_keep", "num_batch", "num_gpu", "num_thread", "main_gpu"}
+_NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
+                   "presence_penalty", "frequency_penalty", "mirostat_tau", "mirostat_eta"}
+
 # Accepted and ignored: they size or place the engine, which the operator's
 # config decides (num_ctx: see the lifecycle issue), or are obsolete.
 _IGNORED_OPTIONS = {
@@ -179,9 +185,29 @@ def options_to_openai(options: Any) -> dict[str, Any]:
         raise TranslationError("options must be an object")
     out: dict[str, Any] = {}
     for key, value in options.items():
+        if value is None:
+            continue
+        if key in _INTEGER_OPTIONS:
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TranslationError(f"options.{key} must be an integer, got {value!r}")
+        elif key in _NUMBER_OPTIONS:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                raise TranslationError(f"options.{key} must be a number, got {value!r}")
         if key == "num_predict":
-            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            if value >= 0:
                 out["max_tokens"] = value
+        elif key == "stop":
+            if isinstance(value, str):
+                value = [value]
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise TranslationError("options.stop must be a string or an array of strings")
+            out["stop"] = value
+        elif key == "logit_bias":
+            if not isinstance(value, dict):
+                raise TranslationError("options.logit_bias must be an object of token id -> bias")
+            out["logit_bias"] = value
         elif key in _OPTION_NAMES:
             out[_OPTION_NAMES[key]] = value
     return out
@@ -251,6 +277,8 @@ def generate_to_openai(body: dict[str, Any], stream: bool) -> tuple[str, dict[st
         prompt = ""
     if not isinstance(prompt, str):
         raise TranslationError("prompt must be a string")
+    if body.get("raw") is not None and not isinstance(body.get("raw"), bool):
+        raise TranslationError("raw must be true or false")
     request = _common(body)
     suffix = body.get("suffix")
     if suffix:
