@@ -28,6 +28,7 @@ from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.auth import AuthGate, KeyHolder
+from blazar.web.quota import Quotas
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -136,7 +137,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = AuthGate(
-        SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys
+        SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys,
+        Quotas(reactor),
     )
     site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
     listeners = Listeners()

@@ -20,6 +20,7 @@ from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig
 from blazar.names import name_key
+from blazar.web.quota import QuotaExceeded, Quotas
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 
@@ -76,10 +77,12 @@ def error_body(surface: str, status: int, message: str) -> bytes:
     if surface == "ollama":
         return json.dumps({"error": message}).encode()
     if surface == "anthropic":
-        kind = {401: "authentication_error", 403: "permission_error"}.get(status, "invalid_request_error")
+        kind = {401: "authentication_error", 403: "permission_error",
+                429: "rate_limit_error"}.get(status, "invalid_request_error")
         return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-    code = {401: "invalid_api_key", 403: "model_not_allowed"}.get(status)
-    return json.dumps({"error": {"message": message, "type": "invalid_request_error",
+    code = {401: "invalid_api_key", 403: "model_not_allowed", 429: "rate_limit_exceeded"}.get(status)
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return json.dumps({"error": {"message": message, "type": kind,
                                  "param": None, "code": code}}).encode()
 
 
@@ -102,10 +105,11 @@ class AuthGate(Resource):
 
     isLeaf = True
 
-    def __init__(self, inner: IResource, keys: KeyHolder) -> None:
+    def __init__(self, inner: IResource, keys: KeyHolder, quotas: Quotas | None = None) -> None:
         super().__init__()
         self._inner = inner
         self._keys = keys
+        self._quotas = quotas
 
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
         request.blazar_key = None  # type: ignore[attr-defined]
@@ -130,6 +134,21 @@ class AuthGate(Resource):
                     "(keys are listed with `blazar keys list`)"
                 ))
             request.blazar_key = key  # type: ignore[attr-defined]
+            if self._quotas is not None:
+                try:
+                    self._quotas.admit(key)
+                except QuotaExceeded as e:
+                    surface = surface_of(request.path)
+                    request.setResponseCode(429)
+                    request.setHeader(b"content-type", b"application/json")
+                    request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+                    if surface == "anthropic":
+                        request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+                    return error_body(surface, 429, str(e))
+                # the lease rides the response: released when it is fully
+                # sent, or when the client goes away
+                quotas = self._quotas
+                request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
         return self._inner.render(request)
 
 

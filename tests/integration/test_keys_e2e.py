@@ -10,6 +10,7 @@ import json
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Iterator
 
@@ -21,6 +22,8 @@ from tests.integration.harness import Daemon
 
 ADMIN = "admin-secret-0123456789"
 SCOPED = "tiny-secret-0123456789"
+ONE = "one-at-a-time-0123456789"
+SLOW = "two-per-minute-0123456789"
 HELLO = [{"role": "user", "content": "hi"}]
 
 
@@ -30,6 +33,8 @@ def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyte
         "# keys for the suite: keep this comment\n"
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
         f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+        f'[[keys]]\nname = "one"\nsecret = "{ONE}"\nmax_concurrent = 1\n'
+        f'[[keys]]\nname = "slow"\nsecret = "{SLOW}"\nrpm = 2\n'
     ))
     d.start()
     yield d
@@ -120,3 +125,57 @@ def test_keys_rotate_rewrites_config(keyed: Daemon) -> None:
     assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": SCOPED})[0] == 401
     assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": new})[0] == 200
     assert new not in keyed.log() and ADMIN not in keyed.log()  # secrets never logged
+
+
+def streaming_request(d: Daemon, secret: str) -> http.client.HTTPConnection:
+    from blazar.testing import vocabulary
+
+    no_end = {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")}
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps({
+        "model": "tiny", "messages": HELLO, "stream": True, "logit_bias": no_end}),
+        {"content-type": "application/json", "x-api-key": secret})
+    return conn
+
+
+def test_max_concurrent_lease(keyed: Daemon) -> None:
+    body = REQUESTS[0][2]
+    for finish in ("drain", "disconnect"):
+        conn = streaming_request(keyed, ONE)
+        resp = conn.getresponse()
+        assert resp.status == 200
+        resp.readline()
+        for surface, path, b in REQUESTS:
+            status, headers, data = call(keyed, "POST", path, b, {"x-api-key": ONE})
+            assert status == 429, (surface, data)
+            assert headers["retry-after"] == "1"
+            assert "max_concurrent" in assert_shape_429(surface, data)
+        if finish == "drain":
+            resp.read()
+            conn.close()
+        else:
+            conn.sock.close()
+            conn.close()
+        deadline = time.monotonic() + 5
+        while call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": ONE})[0] != 200:
+            assert time.monotonic() < deadline, f"lease not released after {finish}"
+            time.sleep(0.1)
+
+
+def assert_shape_429(surface: str, body: bytes) -> str:
+    parsed = json.loads(body)
+    if surface == "ollama":
+        return str(parsed["error"])
+    if surface == "anthropic":
+        assert parsed["error"]["type"] == "rate_limit_error"
+        return str(parsed["error"]["message"])
+    assert parsed["error"]["type"] == "rate_limit_error"
+    return str(parsed["error"]["message"])
+
+
+def test_rpm(keyed: Daemon) -> None:
+    assert call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})[0] == 200
+    assert call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})[0] == 200
+    status, headers, data = call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})
+    assert status == 429 and 1 <= int(headers["retry-after"]) <= 60
+    assert "rpm" in json.loads(data)["error"]["message"]
