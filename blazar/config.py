@@ -10,7 +10,8 @@ C{~/.config/blazar/config.toml}. Keys::
     models_dir = "<data_dir>/models"
     ready_timeout = 120.0          # seconds a child may take to answer /health 200
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
-    max_body_bytes = 33554432      # request bodies above this get 413
+    max_body_bytes = 52428800      # request bodies above this (50 MiB) get 413
+    cors_origins = []              # browser origins allowed, or ["*"]; empty: no CORS
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
     keep_alive = "5m"              # Ollama requests' default keep_alive
                                    # (Go duration or seconds; negative = forever)
@@ -143,7 +144,8 @@ class Config:
     models_dir: Path | None = None
     ready_timeout: float = 120.0
     stop_grace: float = 10.0
-    max_body_bytes: int = 32 * 1024 * 1024
+    max_body_bytes: int = 50 * 1024 * 1024
+    cors_origins: tuple[str, ...] = ()
     keep_alive: float = 300.0
     idle_timeout: float = 1800.0
     breaker_crashes: int = 3
@@ -305,7 +307,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs", "ctx_policy", "keys",
+        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -337,6 +339,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "cors_origins" in doc:
+        kwargs["cors_origins"] = _str_list(doc["cors_origins"], where, "cors_origins")
     if "ctx_policy" in doc:
         if doc["ctx_policy"] not in ("fit", "reload"):
             raise _expected(where, "ctx_policy", '"fit" or "reload"', doc["ctx_policy"])

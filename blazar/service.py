@@ -140,7 +140,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys,
         Quotas(reactor),
     )
-    site = BlazarSite(root, max_body_bytes=config.max_body_bytes, reactor=reactor)
+    site = BlazarSite(
+        root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor
+    )
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)

@@ -5,6 +5,7 @@ and request body limits.
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import Any
 
@@ -15,6 +16,7 @@ from twisted.web.server import Request, Site
 log = Logger()
 
 TRACE_HEADER = b"x-blazar-trace-id"
+_CLIENT_TRACE = re.compile(rb"[A-Za-z0-9._-]{8,64}")
 
 
 class BlazarRequest(Request):
@@ -22,7 +24,8 @@ class BlazarRequest(Request):
     A request whose body is capped: bytes past C{site.max_body_bytes} are
     dropped, and L{body_too_large} tells the surface to answer 413.
 
-    @ivar trace_id: 16 hex digits naming this request in logs and in the
+    @ivar trace_id: C{plm-<hex>-<seq>} (or a well-formed id the client sent
+        in C{x-blazar-trace-id}) naming this request in logs and in the
         C{x-blazar-trace-id} response header.
     """
 
@@ -49,8 +52,33 @@ class BlazarRequest(Request):
         super().handleContentChunk(data)
 
     def process(self) -> None:
-        self.trace_id = secrets.token_hex(8)
+        site = self.channel.site  # type: ignore[union-attr,attr-defined]
+        offered = self.getHeader(TRACE_HEADER)
+        if offered is not None and _CLIENT_TRACE.fullmatch(offered):
+            self.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
+        else:
+            site.trace_seq += 1
+            self.trace_id = f"plm-{site.trace_prefix}-{site.trace_seq}"
         self.setHeader(TRACE_HEADER, self.trace_id.encode("ascii"))
+        origin = self.getHeader(b"origin")
+        allowed = getattr(site, "cors_origins", ())
+        if origin is not None and allowed and ("*" in allowed or origin.decode("latin-1") in allowed):
+            # on every response, errors included
+            self.setHeader(b"access-control-allow-origin", b"*" if "*" in allowed else origin)
+            self.setHeader(b"vary", b"Origin")
+            self.setHeader(b"access-control-expose-headers", TRACE_HEADER + b", request-id, retry-after")
+            if self.method == b"OPTIONS":
+                self.setHeader(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")
+                requested = self.getHeader(b"access-control-request-headers")
+                self.setHeader(b"access-control-allow-headers", requested or b"authorization, content-type, x-api-key")
+                self.setHeader(b"access-control-max-age", b"600")
+                self.setResponseCode(204)
+                self.finish()
+                return
+        if self.method == b"OPTIONS":
+            self.setResponseCode(204)
+            self.finish()
+            return
         super().process()
 
 
@@ -64,9 +92,15 @@ class BlazarSite(Site):
 
     requestFactory = BlazarRequest
 
-    def __init__(self, resource: IResource, *, max_body_bytes: int, **kwargs: Any) -> None:
+    def __init__(
+        self, resource: IResource, *, max_body_bytes: int, cors_origins: tuple[str, ...] = (),
+        **kwargs: Any,
+    ) -> None:
         super().__init__(resource, **kwargs)
         self.max_body_bytes = max_body_bytes
+        self.cors_origins = cors_origins
+        self.trace_prefix = secrets.token_hex(4)
+        self.trace_seq = 0
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access line per request (replaces the combined log).

@@ -198,7 +198,7 @@ def test_error_shapes(daemon: Daemon, body: dict, status: int, kind: str) -> Non
 
 
 def test_too_large_is_413(daemon: Daemon) -> None:
-    big = b'{"model":"tiny","max_tokens":1,"messages":[{"role":"user","content":"' + b"x" * (33 * 1024 * 1024) + b'"}]}'
+    big = b'{"model":"tiny","max_tokens":1,"messages":[{"role":"user","content":"' + b"x" * (51 * 1024 * 1024) + b'"}]}'
     code, _, data = daemon.request("POST", "/v1/messages", raw=big)
     assert code == 413 and json.loads(data)["error"]["type"] == "request_too_large"
 

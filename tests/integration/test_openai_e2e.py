@@ -5,11 +5,14 @@ llama-server children, a generated random-weight model.
 
 from __future__ import annotations
 
+import http.client
 import json
+import re
 import signal
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
@@ -57,7 +60,45 @@ def test_trace_id_on_every_response(daemon: Daemon) -> None:
         ("POST", CHAT, {"model": "nope", "messages": HELLO}), ("GET", "/nowhere", None),
     ]:
         _, headers, _ = daemon.request(method, path, body)
-        assert len(headers.get("x-blazar-trace-id", "")) == 16, (path, headers)
+        assert re.fullmatch(r"plm-[0-9a-f]{8}-\d+", headers.get("x-blazar-trace-id", "")), (path, headers)
+    # a well-formed id the client sends is echoed
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=10)
+    conn.request("GET", "/health", headers={"x-blazar-trace-id": "client-trace-42"})
+    assert conn.getresponse().getheader("x-blazar-trace-id") == "client-trace-42"
+    conn.close()
+
+
+def test_cors_and_preflight(engine: str, models: dict, tmp_path: Path) -> None:
+    from tests.integration.conftest import daemon_config
+
+    d = Daemon(tmp_path, daemon_config(engine, models) + (
+        '[[keys]]\nname = "k"\nsecret = "cors-secret-0123456789"\n'
+    ))
+    # a top-level key: it goes before the config's tables
+    d.config.write_text('cors_origins = ["https://ok.example"]\n' + d.config.read_text())
+    d.start()
+    try:
+        for origin, allowed in (("https://ok.example", True), ("https://evil.example", False)):
+            conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=10)
+            conn.request("OPTIONS", "/v1/chat/completions", headers={
+                "origin": origin, "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type"})
+            resp = conn.getresponse()
+            assert resp.status == 204  # never gated by keys
+            assert (resp.getheader("access-control-allow-origin") == origin) is allowed
+            if allowed:
+                assert "POST" in resp.getheader("access-control-allow-methods")
+            conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=10)
+        conn.request("GET", "/v1/models", headers={"origin": "https://ok.example"})
+        resp = conn.getresponse()
+        assert resp.status == 401  # no key: the error still carries CORS headers
+        assert resp.getheader("access-control-allow-origin") == "https://ok.example"
+        assert "x-blazar-trace-id" in resp.getheader("access-control-expose-headers")
+        conn.close()
+    finally:
+        d.stop()
+        d.kill_everything()
 
 
 def test_max_tokens(daemon: Daemon) -> None:
