@@ -179,3 +179,18 @@ def test_rpm(keyed: Daemon) -> None:
     status, headers, data = call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})
     assert status == 429 and 1 <= int(headers["retry-after"]) <= 60
     assert "rpm" in json.loads(data)["error"]["message"]
+
+
+def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None:
+    blazar = str(Path(sys.executable).parent / "blazar")
+    before = keyed.config.read_bytes()
+    blocker = keyed.config.with_name(f".{keyed.config.name}.tmp")
+    blocker.mkdir()  # the atomic write's temporary file cannot be created
+    try:
+        out = subprocess.run([blazar, "keys", "rotate", "admin", "-c", str(keyed.config)],
+                             capture_output=True, text=True)
+    finally:
+        blocker.rmdir()
+    assert out.returncode == 1 and "Is a directory" in out.stderr, out
+    assert keyed.config.read_bytes() == before
+    assert call(keyed, "GET", "/v1/models", headers={"x-api-key": ADMIN})[0] == 200  # old secret still works

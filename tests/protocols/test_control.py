@@ -156,6 +156,13 @@ class ControlTests(SynchronousTestCase):
         self.failureResultOf(self.call(ReloadConfig), KeyError_)
         self.assertEqual(self.supervisor._config.idle_timeout, 5)  # unchanged
 
+    def test_logs_and_remove_errors(self) -> None:
+        from blazar.protocols.control import Logs, ModelError, ModelRemove, UnknownModel
+
+        self.failureResultOf(self.call(Logs, model="nope"), UnknownModel)
+        self.assertEqual(self.successResultOf(self.call(Logs, model="m"))["lines"], [])
+        self.failureResultOf(self.call(ModelRemove, name="nope"), ModelError)
+
     def test_unknown_command_keeps_the_connection(self) -> None:
         class Nope(amp.Command):
             commandName = b"Nope"
