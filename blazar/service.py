@@ -13,12 +13,15 @@ from typing import Any, Mapping
 
 from twisted.application import strports
 from twisted.application.service import MultiService, Service
-from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
+from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
+from twisted.internet.task import LoopingCall
+from twisted.internet.threads import deferToThreadPool
+from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger, globalLogPublisher
 
 from blazar.config import Config
-from blazar import __version__
+from blazar import __version__, store
 from blazar.engines.client import EngineClient
 from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
@@ -87,6 +90,75 @@ class ConnectionPools(Service):
         return DeferredList([ensureDeferred(c.close()) for c in self.clients], consumeErrors=True)  # type: ignore[return-value]
 
 
+class UsageStore(Service):
+    """
+    Keeps per-key day token totals in SQLite: reads today's back into the
+    quotas at start, writes new usage in batches (one transaction a second)
+    from its own single thread, and flushes on stop.
+    """
+
+    def __init__(self, path: Any, quotas: Quotas, reactor: Any) -> None:
+        self._path = path
+        self._quotas = quotas
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name="blazar-store")
+        self._db: Any = None
+        self._flusher: LoopingCall | None = None
+
+    def _run(self, f: Any, *args: Any) -> Deferred[Any]:
+        return deferToThreadPool(self._reactor, self._pool, f, *args)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._pool.start()
+        # at start, before serving: a short blocking read is fine here
+        self._db = self._pool_call(store.thd_open, self._path)
+        day = self._quotas.today()
+        self._quotas.load_day(day, self._pool_call(store.thd_day_usage, self._db, day))
+        self._flusher = LoopingCall(self.flush)
+        self._flusher.clock = self._reactor
+        self._flusher.start(1.0, now=False).addErrback(lambda f: log.failure("usage flusher stopped", f))
+
+    def _pool_call(self, f: Any, *args: Any) -> Any:
+        import queue
+
+        box: queue.Queue[Any] = queue.Queue()
+        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), f, *args)
+        ok, value = box.get()
+        if not ok:
+            value.raiseException()
+        return value
+
+    def flush(self) -> Deferred[Any]:
+        rows = self._quotas.take_pending()
+        if not rows or self._db is None:
+            return succeed(None)
+        d = self._run(store.thd_add_usage, self._db, rows)
+
+        def failed(f: Any) -> None:
+            log.failure("writing key usage failed; will retry", f)
+            self._quotas._pending[:0] = rows
+
+        return d.addErrback(failed)
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        if self._flusher is not None and self._flusher.running:
+            self._flusher.stop()
+        d = self.flush()
+
+        def close(_: Any) -> Deferred[Any]:
+            return self._run(self._db.close) if self._db is not None else succeed(None)
+
+        def stop_pool(result: Any) -> Any:
+            self._pool.stop()
+            return result
+
+        d.addCallback(close)
+        d.addBoth(stop_pool)
+        return d
+
+
 def thd_free_memory() -> int:
     """
     Bytes a new engine could use: available RAM, plus free VRAM on every
@@ -132,13 +204,15 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     )
     supervisor.setServiceParent(top)
     keys = KeyHolder(config)
+    quotas = Quotas(reactor)
+    UsageStore(config.data_dir / "blazar.db", quotas, reactor).setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)
     openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = AuthGate(
         SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys,
-        Quotas(reactor),
+        quotas,
     )
     site = BlazarSite(
         root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor

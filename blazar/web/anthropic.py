@@ -26,7 +26,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.auth import Forbidden, check_scope
+from blazar.web.auth import Forbidden, check_scope, record_usage
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -151,6 +151,7 @@ class AnthropicSurface:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
             await self._collect(instance, response, translator, None, keep_alive=keep_alive)
             translator.finish()
+            record_usage(request, translator.total_tokens())
             request.setHeader(b"content-type", b"application/json")
             return json.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
         if self._proxy.is_ready(canonical):
@@ -168,6 +169,7 @@ class AnthropicSurface:
                 self._stream_error(request, model, e)
                 return None
             self._write(request, translator.finish())
+            record_usage(request, translator.total_tokens())
             return None
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
@@ -188,6 +190,7 @@ class AnthropicSurface:
             if pinger.running:
                 pinger.stop()
         self._write(request, translator.finish())
+        record_usage(request, translator.total_tokens())
         return None
 
     def _stream_error(self, request: IRequest, model: str, e: Exception) -> None:

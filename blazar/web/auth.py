@@ -149,6 +149,8 @@ class AuthGate(Resource):
                 # sent, or when the client goes away
                 quotas = self._quotas
                 request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
+                if key.tpm is not None or key.daily_tokens is not None:
+                    request.blazar_usage = lambda tokens: quotas.record(key, tokens)  # type: ignore[attr-defined]
         return self._inner.render(request)
 
 
@@ -189,3 +191,21 @@ def visible(request: IRequest, names: list[str]) -> list[str]:
         return names
     allowed = {name_key(m) for m in key.models}
     return [n for n in names if name_key(n) in allowed]
+
+
+def wants_usage(request: IRequest) -> bool:
+    """
+    Whether this request's key has token limits, so its usage must be
+    counted (the OpenAI surface parses replies only then).
+    """
+    return getattr(request, "blazar_usage", None) is not None
+
+
+def record_usage(request: IRequest, tokens: int) -> None:
+    """
+    Count C{tokens} (prompt + completion, from the child) against the
+    request's key, if it has token limits.
+    """
+    record = getattr(request, "blazar_usage", None)
+    if record is not None:
+        record(tokens)

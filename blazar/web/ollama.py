@@ -23,7 +23,7 @@ from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
-from blazar.web.auth import Forbidden, check_admin, check_scope, visible
+from blazar.web.auth import Forbidden, check_admin, check_scope, record_usage, visible
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
 from blazar.web.sse import SSEEvents
@@ -278,6 +278,7 @@ class OllamaSurface:
                 else:
                     out = tr.generate_reply(reply, model, timing, timing_now)
                 out["created_at"] = _rfc3339(now_wall)
+                record_usage(request, out["prompt_eval_count"] + out["eval_count"])
                 return _json(request, out)
             await self._stream(request, kind, model, instance, response, timing, path == "/infill")
             return None
@@ -318,6 +319,7 @@ class OllamaSurface:
             request.write(tr.ndjson([{"error": str(error)}]))
             return
         final = translator.finish()
+        record_usage(request, final["prompt_eval_count"] + final["eval_count"])
         final["created_at"] = _rfc3339(wall())
         request.write(tr.ndjson([final]))
 
@@ -334,7 +336,9 @@ class OllamaSurface:
             raise OllamaError(400, str(e)) from None
         await self._entry(model, request)
         reply, timing, instance = await self._embed(model, inputs, keep_alive)
-        return _json(request, tr.embed_reply(reply, model, timing, self._clock.seconds()))
+        out = tr.embed_reply(reply, model, timing, self._clock.seconds())
+        record_usage(request, out["prompt_eval_count"])
+        return _json(request, out)
 
     @app.route("/api/embeddings", methods=["POST"])
     async def embeddings(self, request: IRequest) -> bytes:

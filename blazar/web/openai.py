@@ -27,7 +27,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.auth import Forbidden, check_scope, visible
+from blazar.web.auth import Forbidden, check_scope, record_usage, visible, wants_usage
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -200,18 +200,30 @@ class OpenAISurface:
             raise BadRequest(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
         check_scope(request, canonical)
+        hide_usage = False
+        if stream and wants_usage(request):
+            # token limits need the child's usage: ask for it, and keep the
+            # usage chunk from a client that did not ask for it
+            options = body.get("stream_options") or {}
+            if not options.get("include_usage"):
+                hide_usage = True
+                body["stream_options"] = {**options, "include_usage": True}
+                raw = json.dumps(body).encode("utf-8")
         if kind != "embedding":
             await self._preflight(model, kind, body, len(raw))
         if stream and not self._proxy.is_ready(canonical):
-            await self._stream_cold(request, model, path, raw, keep_alive)
+            await self._stream_cold(request, model, path, raw, keep_alive, hide_usage)
             return None
         instance, response = await self._proxy.send(model, path, raw)
         renamer = ModelRenamer(instance.entry.name, model)
         try:
             if stream:
-                await self._relay_stream(request, instance, response, renamer)
+                await self._relay_stream(request, instance, response, renamer, hide_usage)
                 return None
             payload = await self._proxy.read(instance, response)
+            if wants_usage(request):
+                usage = json.loads(payload).get("usage") or {}
+                record_usage(request, int(usage.get("total_tokens") or usage.get("prompt_tokens") or 0))
             request.setHeader(b"content-type", b"application/json")
             return renamer.rename(payload)
         finally:
@@ -233,7 +245,8 @@ class OpenAISurface:
         await self._proxy.preflight(model, max_tokens, size, count)
 
     async def _stream_cold(
-        self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None
+        self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None,
+        hide_usage: bool = False,
     ) -> None:
         """
         A streaming request that has to wait for a model load: the headers
@@ -258,7 +271,9 @@ class OpenAISurface:
             if keepalive.running:
                 keepalive.stop()
         try:
-            await self._relay_stream(request, instance, response, ModelRenamer(instance.entry.name, model))
+            await self._relay_stream(
+                request, instance, response, ModelRenamer(instance.entry.name, model), hide_usage
+            )
         finally:
             instance.in_flight -= 1
             self._proxy.done(instance, keep_alive)
@@ -270,10 +285,12 @@ class OpenAISurface:
         request.setHeader(b"x-accel-buffering", b"no")
 
     async def _relay_stream(
-        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer
+        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer,
+        hide_usage: bool = False,
     ) -> None:
         self._sse_headers(request)
-        relay = SSERelay(request.write, renamer)
+        on_usage = (lambda tokens: record_usage(request, tokens)) if wants_usage(request) else None
+        relay = SSERelay(request.write, renamer, on_usage, hide_usage)
         try:
             await self._proxy.relay(instance, response, relay.feed)
         except EngineError as error:

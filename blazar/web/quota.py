@@ -1,13 +1,18 @@
 """
-Per-key admission limits checked at the door: C{max_concurrent} (a lease
-held until the response is fully sent or the client drops) and C{rpm}
-(requests in the last 60 s). Pure logic on an injected clock.
+Per-key admission limits checked at the door, in this order:
+C{max_concurrent} (a lease held until the response is fully sent or the
+client drops), C{rpm} (requests in the last 60 s), C{tpm} (tokens in the
+last 60 s) and C{daily_tokens} (tokens this UTC day). Tokens are the
+child's own usage counts (prompt + completion), recorded after each answer.
+Pure logic on injected clocks; the day totals are persisted by
+L{blazar.service} through L{blazar.store}.
 """
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict, deque
-from typing import Any
+from typing import Any, Callable
 
 from blazar.config import KeyConfig
 
@@ -29,10 +34,61 @@ class Quotas:
     Live counters per key name.
     """
 
-    def __init__(self, clock: Any) -> None:
+    def __init__(self, clock: Any, wall: Callable[[], float] = time.time) -> None:
         self._clock = clock
+        self._wall = wall
         self._active: dict[str, int] = defaultdict(int)
         self._recent: dict[str, deque[float]] = defaultdict(deque)
+        self._tokens: dict[str, deque[tuple[float, int]]] = defaultdict(deque)
+        self._day = self.today()
+        self._daily: dict[str, int] = defaultdict(int)
+        self._pending: list[tuple[str, str, int]] = []
+
+    def today(self) -> str:
+        """
+        The current UTC day, YYYY-MM-DD.
+        """
+        return time.strftime("%Y-%m-%d", time.gmtime(self._wall()))
+
+    def _roll(self) -> None:
+        day = self.today()
+        if day != self._day:
+            self._day = day
+            self._daily = defaultdict(int)
+
+    def load_day(self, day: str, usage: dict[str, int]) -> None:
+        """
+        Seed today's totals (read back from the store at start).
+        """
+        self._roll()
+        if day == self._day:
+            for name, tokens in usage.items():
+                self._daily[name] += tokens
+
+    def record(self, key: KeyConfig, tokens: int) -> None:
+        """
+        Count C{tokens} (prompt + completion) used by a request of C{key}.
+        """
+        if tokens <= 0:
+            return
+        self._roll()
+        self._tokens[key.name].append((self._clock.seconds(), tokens))
+        self._daily[key.name] += tokens
+        self._pending.append((self._day, key.name, tokens))
+
+    def take_pending(self) -> list[tuple[str, str, int]]:
+        """
+        Usage recorded since the last call, for the store.
+        """
+        rows, self._pending = self._pending, []
+        return rows
+
+    def daily(self, name: str) -> int:
+        """
+        Tokens key C{name} used today.
+        """
+        self._roll()
+        return self._daily[name]
 
     def admit(self, key: KeyConfig) -> None:
         """
@@ -55,7 +111,27 @@ class Quotas:
                     f"key {key.name!r} is over its {key.rpm} requests per minute (rpm)",
                     max(1.0, 60.0 - (now - recent[0])),
                 )
-            recent.append(now)
+        if key.tpm is not None:
+            window = self._tokens[key.name]
+            while window and now - window[0][0] >= 60.0:
+                window.popleft()
+            used = sum(t for _, t in window)
+            if used >= key.tpm:
+                raise QuotaExceeded(
+                    f"key {key.name!r} used {used} tokens in the last minute, over its tpm of {key.tpm}",
+                    max(1.0, 60.0 - (now - window[0][0])),
+                )
+        if key.daily_tokens is not None:
+            self._roll()
+            if self._daily[key.name] >= key.daily_tokens:
+                wall = self._wall()
+                to_midnight = 86400 - (wall % 86400)
+                raise QuotaExceeded(
+                    f"key {key.name!r} used its {key.daily_tokens} daily_tokens for today (UTC)",
+                    max(1.0, to_midnight),
+                )
+        if key.rpm is not None:
+            self._recent[key.name].append(now)
         self._active[key.name] += 1
 
     def release(self, key: KeyConfig) -> None:

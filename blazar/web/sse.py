@@ -43,9 +43,14 @@ class SSERelay:
     @ivar done: The last event written was C{data: [DONE]}.
     """
 
-    def __init__(self, write: Callable[[bytes], None], renamer: ModelRenamer) -> None:
+    def __init__(
+        self, write: Callable[[bytes], None], renamer: ModelRenamer,
+        on_usage: Callable[[int], None] | None = None, hide_usage: bool = False,
+    ) -> None:
         self._write = write
         self._renamer = renamer
+        self._on_usage = on_usage
+        self._hide_usage = hide_usage
         self._buffer = b""
         self.done = False
         self.failed = False
@@ -61,7 +66,29 @@ class SSERelay:
             return
         events, self._buffer = data[: end + 2], data[end + 2 :]
         self.done = events.endswith(DONE)
+        if self._on_usage is not None and b'"usage":{' in events:
+            events = self._take_usage(events)
         self._write(self._renamer.rename(events))
+
+    def _take_usage(self, events: bytes) -> bytes:
+        """
+        Report the usage chunk's total tokens; drop it if the client did
+        not ask for usage (only ever parses that one event).
+        """
+        kept = []
+        for event in events.split(b"\n\n"):
+            if event.startswith(b"data: {") and b'"usage":{' in event:
+                try:
+                    chunk = json.loads(event[len(b"data: "):])
+                except ValueError:
+                    chunk = {}
+                usage = chunk.get("usage") or {}
+                if self._on_usage is not None and usage:
+                    self._on_usage(int(usage.get("total_tokens") or 0))
+                if self._hide_usage and not chunk.get("choices"):
+                    continue
+            kept.append(event)
+        return b"\n\n".join(kept)
 
     def finish(self) -> None:
         """

@@ -156,8 +156,12 @@ class Daemon:
         for p in children:
             try:
                 if p.name() == "llama-server" and p.status() != psutil.STATUS_ZOMBIE:
+                    argv = p.cmdline()
+                    # freeze the command line: the process may exit (and
+                    # become a zombie) before the test reads it
+                    p.cmdline = lambda argv=argv: argv  # type: ignore[method-assign]
                     found.append(p)
-            except psutil.NoSuchProcess:
+            except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 pass
         return found
 

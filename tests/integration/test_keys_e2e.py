@@ -24,6 +24,8 @@ ADMIN = "admin-secret-0123456789"
 SCOPED = "tiny-secret-0123456789"
 ONE = "one-at-a-time-0123456789"
 SLOW = "two-per-minute-0123456789"
+FEW = "few-tokens-per-minute-0123"
+DAILY = "few-tokens-per-day-012345"
 HELLO = [{"role": "user", "content": "hi"}]
 
 
@@ -35,6 +37,8 @@ def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyte
         f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
         f'[[keys]]\nname = "one"\nsecret = "{ONE}"\nmax_concurrent = 1\n'
         f'[[keys]]\nname = "slow"\nsecret = "{SLOW}"\nrpm = 2\n'
+        f'[[keys]]\nname = "few"\nsecret = "{FEW}"\ntpm = 30\n'
+        f'[[keys]]\nname = "daily"\nsecret = "{DAILY}"\ndaily_tokens = 30\n'
     ))
     d.start()
     yield d
@@ -194,3 +198,30 @@ def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None
     assert out.returncode == 1 and "Is a directory" in out.stderr, out
     assert keyed.config.read_bytes() == before
     assert call(keyed, "GET", "/v1/models", headers={"x-api-key": ADMIN})[0] == 200  # old secret still works
+
+
+def test_tpm_counts_the_childs_usage(keyed: Daemon) -> None:
+    # one request uses ~20 prompt + 16 completion tokens: over tpm 30
+    status, _, _ = call(keyed, "POST", "/v1/chat/completions",
+                        {"model": "tiny", "messages": HELLO, "max_tokens": 16, "stream": True},
+                        {"x-api-key": FEW})
+    assert status == 200
+    status, headers, data = call(keyed, "POST", "/api/chat",
+                                 {"model": "tiny", "messages": HELLO, "stream": False},
+                                 {"x-api-key": FEW})
+    assert status == 429 and "tpm" in json.loads(data)["error"]
+    assert 1 <= int(headers["retry-after"]) <= 60
+
+
+def test_daily_tokens_survive_a_restart(keyed: Daemon) -> None:
+    status, _, data = call(keyed, "POST", "/v1/messages",
+                           {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY})
+    assert status == 200, data
+    status, _, data = call(keyed, "POST", "/v1/messages",
+                           {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY})
+    assert status == 429 and json.loads(data)["error"]["type"] == "rate_limit_error"
+    keyed.stop()
+    keyed.start()
+    status, headers, data = call(keyed, "POST", "/v1/chat/completions", REQUESTS[0][2], {"x-api-key": DAILY})
+    assert status == 429 and "daily_tokens" in json.loads(data)["error"]["message"]
+    assert int(headers["retry-after"]) <= 86400

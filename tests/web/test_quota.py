@@ -38,3 +38,52 @@ class QuotaTests(SynchronousTestCase):
         for _ in range(100):
             q.admit(key)
         self.assertEqual(q.active("k"), 100)
+
+
+class TokenQuotaTests(SynchronousTestCase):
+    def test_tpm_window(self) -> None:
+        clock = Clock()
+        q = Quotas(clock, wall=lambda: 1_000_000.0)
+        key = KeyConfig("k", "s" * 16, tpm=100)
+        q.admit(key)
+        q.record(key, 60)
+        q.admit(key)
+        q.record(key, 50)
+        clock.advance(20)
+        with self.assertRaises(QuotaExceeded) as cm:
+            q.admit(key)
+        self.assertEqual(cm.exception.retry_after, 40)
+        clock.advance(40)
+        q.admit(key)
+
+    def test_daily_tokens_roll_over_at_utc_midnight_and_persist(self) -> None:
+        now = [86400.0 * 20000 + 100]  # 100 s into a UTC day
+        q = Quotas(Clock(), wall=lambda: now[0])
+        key = KeyConfig("k", "s" * 16, daily_tokens=50)
+        q.load_day(q.today(), {"k": 45})  # read back from the store
+        q.admit(key)
+        q.record(key, 10)
+        self.assertEqual(q.take_pending(), [(q.today(), "k", 10)])
+        with self.assertRaises(QuotaExceeded) as cm:
+            q.admit(key)
+        self.assertEqual(cm.exception.retry_after, 86400 - 100)
+        now[0] += 86400
+        q.admit(key)  # a new day
+        self.assertEqual(q.daily("k"), 0)
+
+
+class StoreTests(SynchronousTestCase):
+    def test_usage_round_trip_and_migrations(self) -> None:
+        from pathlib import Path
+
+        from blazar import store
+
+        path = Path(self.mktemp()) / "blazar.db"
+        db = store.thd_open(path)
+        store.thd_add_usage(db, [("2026-12-01", "a", 5), ("2026-12-01", "a", 7), ("2026-12-02", "a", 1)])
+        db.close()
+        db = store.thd_open(path)  # reopening applies no migration twice
+        self.assertEqual(store.thd_day_usage(db, "2026-12-01"), {"a": 12})
+        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
+        self.assertEqual(db.execute("PRAGMA journal_mode").fetchone()[0], "wal")
+        db.close()

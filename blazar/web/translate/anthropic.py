@@ -470,6 +470,12 @@ class AnthropicStream:
         events.append(("message_stop", {"type": "message_stop"}))
         return events
 
+    def total_tokens(self) -> int:
+        """
+        Prompt + output tokens of the answer (after L{finish}).
+        """
+        return self.input_tokens + self._output_tokens
+
     def message(self) -> dict[str, Any]:
         """
         The whole message, as a non-streaming reply (call after L{finish}).

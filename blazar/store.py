@@ -1,0 +1,70 @@
+"""
+Blazar's durable state: one SQLite file, C{<data_dir>/blazar.db}, in WAL
+mode, with a schema version and forward migrations.
+
+Every function here blocks: the daemon calls them through the store's own
+single-thread pool (SQLite connections belong to one thread), never on the
+reactor thread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+MIGRATIONS = [
+    # 1: whole-day token counts per API key (quotas survive restarts)
+    """
+    CREATE TABLE key_usage (
+        day TEXT NOT NULL,          -- UTC date, YYYY-MM-DD
+        key TEXT NOT NULL,          -- the key's name (never its secret)
+        tokens INTEGER NOT NULL,    -- prompt + completion tokens that day
+        PRIMARY KEY (day, key)
+    )
+    """,
+]
+
+
+def thd_open(path: Path) -> sqlite3.Connection:
+    """
+    Open (creating if needed) and migrate the database.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA journal_mode=WAL")
+    db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+    row = db.execute("SELECT version FROM schema_version").fetchone()
+    version = row[0] if row else 0
+    if row is None:
+        db.execute("INSERT INTO schema_version VALUES (0)")
+    for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
+        db.execute("BEGIN")
+        db.execute(sql)
+        db.execute("UPDATE schema_version SET version = ?", (number,))
+        db.execute("COMMIT")
+    return db
+
+
+def thd_add_usage(db: sqlite3.Connection, rows: list[tuple[str, str, int]]) -> None:
+    """
+    Add C{(day, key name, tokens)} rows to the day totals, in one transaction.
+    """
+    db.execute("BEGIN")
+    try:
+        db.executemany(
+            "INSERT INTO key_usage (day, key, tokens) VALUES (?, ?, ?) "
+            "ON CONFLICT (day, key) DO UPDATE SET tokens = tokens + excluded.tokens",
+            rows,
+        )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def thd_day_usage(db: sqlite3.Connection, day: str) -> dict[str, int]:
+    """
+    Token totals per key name for one UTC day.
+    """
+    return {k: int(t) for k, t in db.execute("SELECT key, tokens FROM key_usage WHERE day = ?", (day,))}
