@@ -115,6 +115,8 @@ def _status(args: argparse.Namespace) -> int:
             print(f"listening: {', '.join(s['listeners'])}")
             print(f"engine:    {s['engine']}")
             print(f"data dir:  {s['data_dir']}")
+            if s.get("audit_dropped"):
+                print(f"audit:     {s['audit_dropped']} line(s) dropped (the writer fell behind)")
         return 0
 
     return _control(args, action)

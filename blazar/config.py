@@ -12,6 +12,7 @@ C{~/.config/blazar/config.toml}. Keys::
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
     max_body_bytes = 52428800      # request bodies above this (50 MiB) get 413
     cors_origins = []              # browser origins allowed, or ["*"]; empty: no CORS
+    audit_log = "/path/audit.jsonl"  # opt-in: one JSON line per request
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
     keep_alive = "5m"              # Ollama requests' default keep_alive
                                    # (Go duration or seconds; negative = forever)
@@ -146,6 +147,7 @@ class Config:
     stop_grace: float = 10.0
     max_body_bytes: int = 50 * 1024 * 1024
     cors_origins: tuple[str, ...] = ()
+    audit_log: Path | None = None
     keep_alive: float = 300.0
     idle_timeout: float = 1800.0
     breaker_crashes: int = 3
@@ -307,7 +309,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins",
+        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -339,6 +341,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "audit_log" in doc:
+        kwargs["audit_log"] = _path(doc["audit_log"], where, "audit_log")
     if "cors_origins" in doc:
         kwargs["cors_origins"] = _str_list(doc["cors_origins"], where, "cors_origins")
     if "ctx_policy" in doc:

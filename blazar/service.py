@@ -30,7 +30,8 @@ from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.web.anthropic import AnthropicSurface
-from blazar.web.auth import AuthGate, KeyHolder
+from blazar.web.audit import AuditLog
+from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
 from blazar.web.quota import Quotas
 from blazar.web.hub import HubClient
 from blazar.web.ollama import OllamaSurface
@@ -159,6 +160,23 @@ class UsageStore(Service):
         return d
 
 
+class AuditService(Service):
+    """
+    Runs the audit writer thread for the daemon's lifetime.
+    """
+
+    def __init__(self, audit: AuditLog) -> None:
+        self.audit = audit
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self.audit.start()
+
+    def stopService(self) -> None:
+        Service.stopService(self)
+        self.audit.stop()
+
+
 def thd_free_memory() -> int:
     """
     Bytes a new engine could use: available RAM, plus free VRAM on every
@@ -203,7 +221,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         free_memory=thd_free_memory,
     )
     supervisor.setServiceParent(top)
-    keys = KeyHolder(config)
+    keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
     UsageStore(config.data_dir / "blazar.db", quotas, reactor).setServiceParent(top)
     proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)
@@ -217,6 +235,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     site = BlazarSite(
         root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor
     )
+    if config.audit_log is not None:
+        site.audit = AuditLog(config.audit_log)
+        AuditService(site.audit).setServiceParent(top)
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)
@@ -240,6 +261,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
                 "version": __version__, "uptime": time.time() - started,
                 "listeners": list(config.listen), "engine": engine,
                 "data_dir": str(config.data_dir), "loaded": len(supervisor.instances()),
+                "audit_dropped": site.audit.dropped if site.audit is not None else 0,
             }
 
         ring = LogRing()

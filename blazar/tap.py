@@ -31,6 +31,12 @@ class Options(usage.Options):
             self["parsed"] = resolve_config(self["config"])
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None
+        from blazar.web.auth import keys_from_env
+
+        try:
+            keys_from_env(os.environ.get("BLAZAR_KEYS"))
+        except ValueError as e:
+            raise usage.UsageError(str(e)) from None
 
 
 def makeService(options: Options) -> IService:

@@ -61,6 +61,7 @@ class Status(amp.Command):
         (b"engine", amp.Unicode()),
         (b"data_dir", amp.Unicode()),
         (b"loaded", amp.Integer()),
+        (b"audit_dropped", amp.Integer(optional=True)),
     ]
 
 

@@ -36,12 +36,13 @@ class KeyHolder:
     The live config's keys; swapped whole when keys change at runtime.
     """
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, extra: tuple[KeyConfig, ...] = ()) -> None:
+        self._extra = extra
         self.set(config)
 
     def set(self, config: Config) -> None:
         self.config = config
-        self._keys = [(k.secret.encode("utf-8"), k) for k in config.keys]
+        self._keys = [(k.secret.encode("utf-8"), k) for k in (*config.keys, *self._extra)]
 
     @property
     def active(self) -> bool:
@@ -113,6 +114,7 @@ class AuthGate(Resource):
 
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
         request.blazar_key = None  # type: ignore[attr-defined]
+        request.blazar_keys_active = self._keys.active  # type: ignore[attr-defined]
         open_route = (
             request.path in OPEN_PATHS
             or request.method == b"OPTIONS"
@@ -166,6 +168,7 @@ def check_scope(request: IRequest, model: str) -> None:
     @param model: The canonical model name.
     @raise Forbidden: The request's key is scoped to other models.
     """
+    request.blazar_model = model  # type: ignore[attr-defined]  # for the access and audit logs
     key = key_of(request)
     if key is None or key.admin:
         return
@@ -175,11 +178,23 @@ def check_scope(request: IRequest, model: str) -> None:
 
 def check_admin(request: IRequest, what: str) -> None:
     """
-    @raise Forbidden: A scoped key asks for a management operation.
+    Management over HTTP (pull, copy, delete) needs an unscoped key. On a
+    gateway without keys it is allowed from loopback only (what local
+    Ollama clients do), and refused from the network.
+
+    @raise Forbidden: A scoped key, or a keyless request from the network.
     """
     key = key_of(request)
     if key is not None and not key.admin:
         raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
+    if key is None and not getattr(request, "blazar_keys_active", False):
+        peer = request.getClientAddress()
+        host = getattr(peer, "host", None)
+        if host is not None and host not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+            raise Forbidden(
+                f"this gateway has no API keys, so it does not {what} for clients on the network; "
+                "add a key first (`blazar keys add admin`) and send it as a Bearer token"
+            )
 
 
 def visible(request: IRequest, names: list[str]) -> list[str]:
@@ -209,3 +224,24 @@ def record_usage(request: IRequest, tokens: int) -> None:
     record = getattr(request, "blazar_usage", None)
     if record is not None:
         record(tokens)
+
+
+def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:
+    """
+    Unscoped keys from C{BLAZAR_KEYS}: C{name:secret} pairs separated by
+    commas (for containers and service managers that pass secrets in the
+    environment; they are not written to the config file).
+
+    @raise ValueError: Malformed, or a secret under 16 characters.
+    """
+    if not value:
+        return ()
+    keys = []
+    for item in value.split(","):
+        name, sep, secret = item.strip().partition(":")
+        if not sep or not name or len(secret) < 16:
+            raise ValueError(
+                "BLAZAR_KEYS must be name:secret pairs separated by commas, secrets of at least 16 characters"
+            )
+        keys.append(KeyConfig(name, secret))
+    return tuple(keys)

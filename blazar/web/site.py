@@ -31,6 +31,7 @@ class BlazarRequest(Request):
 
     body_too_large = False
     trace_id = ""
+    started: float | None = None
 
     def gotLength(self, length: int | None) -> None:
         limit = getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
@@ -53,6 +54,7 @@ class BlazarRequest(Request):
 
     def process(self) -> None:
         site = self.channel.site  # type: ignore[union-attr,attr-defined]
+        self.started = site.reactor.seconds()
         offered = self.getHeader(TRACE_HEADER)
         if offered is not None and _CLIENT_TRACE.fullmatch(offered):
             self.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
@@ -101,14 +103,22 @@ class BlazarSite(Site):
         self.cors_origins = cors_origins
         self.trace_prefix = secrets.token_hex(4)
         self.trace_seq = 0
+        self.audit: Any = None
 
     def log(self, request: Request) -> None:  # type: ignore[override]
-        # One structured access line per request (replaces the combined log).
+        # One structured access event per request (replaces the combined log).
+        started = getattr(request, "started", None)
+        ms = (self.reactor.seconds() - started) * 1000 if started is not None else 0.0
+        key = getattr(request, "blazar_key", None)
+        event = {
+            "method": request.method.decode("ascii", "replace"),
+            "path": request.path.decode("ascii", "replace"),
+            "status": request.code, "ms": round(ms, 1), "bytes": request.sentLength,
+            "key": key.name if key is not None else "", "trace": getattr(request, "trace_id", ""),
+            "model": getattr(request, "blazar_model", None) or "",
+        }
         log.info(
-            "{method} {uri} {code} {length} trace={trace_id}",
-            method=request.method.decode("ascii", "replace"),
-            uri=request.uri.decode("ascii", "replace"),
-            code=request.code,
-            length=request.sentLength,
-            trace_id=getattr(request, "trace_id", ""),
+            "{method} {path} {status} {bytes} {ms}ms model={model} key={key} trace={trace}", **event,
         )
+        if self.audit is not None:
+            self.audit.submit(event)

@@ -1,0 +1,94 @@
+"""
+The audit lane (opt-in, C{audit_log = PATH}): one JSON line per request,
+C{{ts, trace, key, method, path, model, status, ms, priority,
+queue_depth}}, handed to a writer thread through a bounded queue. A full
+queue drops the line and counts it (C{dropped}, shown by C{blazar status}):
+auditing never blocks a request. The file rotates to C{PATH.1} at
+C{max_bytes}.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+_STOP = object()
+
+
+class AuditLog:
+    """
+    A bounded, dropping, rotating JSON-lines writer on its own thread.
+    """
+
+    def __init__(
+        self, path: Path, *, max_bytes: int = 16 * 1024 * 1024, queue_size: int = 4096,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.path = path
+        self.max_bytes = max_bytes
+        self.dropped = 0
+        self.written = 0
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
+        self._wall = wall
+        self._thread: threading.Thread | None = None
+        self.gate = threading.Event()  # tests close it to stall the writer
+        self.gate.set()
+
+    def submit(self, event: dict[str, Any]) -> None:
+        """
+        Queue one request's line; never blocks. Secrets never reach here:
+        the key is named, not shown.
+        """
+        line = {
+            "ts": round(self._wall(), 3), "trace": event.get("trace"), "key": event.get("key") or None,
+            "method": event.get("method"), "path": event.get("path"), "model": event.get("model"),
+            "status": event.get("status"), "ms": event.get("ms"),
+            "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
+        }
+        try:
+            self._queue.put_nowait(line)
+        except queue.Full:
+            self.dropped += 1
+
+    def start(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name="blazar-audit", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """
+        Write what is queued, then end the thread. Blocking (at shutdown).
+        """
+        if self._thread is None:
+            return
+        self.gate.set()
+        try:
+            self._queue.put(_STOP, timeout=timeout)
+        except queue.Full:
+            pass
+        self._thread.join(timeout)
+        self._thread = None
+
+    def _run(self) -> None:
+        f = open(self.path, "a", encoding="utf-8")
+        try:
+            while True:
+                self.gate.wait()
+                item = self._queue.get()
+                if item is _STOP:
+                    return
+                data = json.dumps(item, separators=(",", ":")) + "\n"
+                if f.tell() + len(data) > self.max_bytes and f.tell() > 0:
+                    f.close()
+                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                    f = open(self.path, "a", encoding="utf-8")
+                f.write(data)
+                f.flush()
+                self.written += 1
+        finally:
+            f.close()

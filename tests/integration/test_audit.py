@@ -1,0 +1,79 @@
+"""
+The audit lane: a real writer thread, a stalled one, rotation, and a
+daemon writing one line per request.
+"""
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.testing import GeneratedModel
+from blazar.web.audit import AuditLog
+from tests.integration.conftest import daemon_config
+from tests.integration.harness import Daemon
+
+
+class AuditTests(SynchronousTestCase):
+    def wait_for(self, predicate: Any) -> None:
+        deadline = time.monotonic() + 10
+        while not predicate():
+            self.assertLess(time.monotonic(), deadline)
+            time.sleep(0.01)
+
+    def test_stalled_writer_drops_and_counts(self) -> None:
+        path = Path(self.mktemp()) / "audit.jsonl"
+        audit = AuditLog(path, queue_size=100)
+        audit.gate.clear()  # the writer is stalled
+        audit.start()
+        self.addCleanup(audit.stop)
+        t0 = time.monotonic()
+        for i in range(10_000):
+            audit.submit({"trace": f"t{i}", "key": "k", "method": "GET", "path": "/x", "status": 200, "ms": 1})
+        self.assertLess(time.monotonic() - t0, 2.0)  # never blocked
+        self.assertGreaterEqual(audit.dropped, 10_000 - 101)
+        audit.gate.set()
+        self.wait_for(lambda: audit.written + audit.dropped == 10_000)
+        lines = path.read_text().splitlines()
+        first = json.loads(lines[0])
+        self.assertEqual(set(first), {"ts", "trace", "key", "method", "path", "model", "status", "ms",
+                                      "priority", "queue_depth"})
+
+    def test_rotation(self) -> None:
+        path = Path(self.mktemp()) / "audit.jsonl"
+        audit = AuditLog(path, max_bytes=2000)
+        audit.start()
+        for i in range(100):
+            audit.submit({"trace": f"t{i}", "status": 200})
+        audit.stop()
+        self.assertTrue(path.with_name("audit.jsonl.1").exists())
+        self.assertLessEqual(path.stat().st_size, 2000)
+
+
+
+
+def test_daemon_writes_one_line_per_request(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    d = Daemon(tmp_path / "d", f'audit_log = "{path}"\n' + daemon_config(engine, models) + (
+        '[[keys]]\nname = "auditor"\nsecret = "audit-secret-0123456789"\n'))
+    d.start()
+    try:
+        import http.client
+
+        for _ in range(3):
+            conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
+            conn.request("POST", "/v1/chat/completions", json.dumps(
+                {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                {"content-type": "application/json", "x-api-key": "audit-secret-0123456789"})
+            assert conn.getresponse().status == 200
+            conn.close()
+    finally:
+        d.stop()
+        d.kill_everything()
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    chats = [line for line in lines if line["path"] == "/v1/chat/completions"]
+    assert len(chats) == 3
+    assert chats[0]["key"] == "auditor" and chats[0]["model"] == "tiny:latest" and chats[0]["status"] == 200
+    assert "audit-secret" not in path.read_text()

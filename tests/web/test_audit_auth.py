@@ -1,0 +1,36 @@
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import KeyConfig
+from blazar.web.auth import Forbidden, check_admin, keys_from_env
+
+
+class FakeRequest:
+    def __init__(self, host: str, key: Any = None, keys_active: bool = False) -> None:
+        self.host = host
+        self.blazar_key = key
+        self.blazar_keys_active = keys_active
+
+    def getClientAddress(self) -> Any:
+        return type("Addr", (), {"host": self.host})()
+
+
+class AuthHelperTests(SynchronousTestCase):
+    def test_keys_from_env(self) -> None:
+        keys = keys_from_env("a:0123456789abcdef, b:fedcba9876543210")
+        self.assertEqual([(k.name, k.admin) for k in keys], [("a", True), ("b", True)])
+        self.assertEqual(keys_from_env(None), ())
+        for bad in ("nocolon", "a:short", ":0123456789abcdef"):
+            with self.assertRaises(ValueError):
+                keys_from_env(bad)
+
+    def test_keyless_management_only_from_loopback(self) -> None:
+        check_admin(FakeRequest("127.0.0.1"), "pull models")  # type: ignore[arg-type]
+        with self.assertRaises(Forbidden) as cm:
+            check_admin(FakeRequest("10.1.2.3"), "pull models")  # type: ignore[arg-type]
+        self.assertIn("blazar keys add", str(cm.exception))
+        scoped = KeyConfig("s", "x" * 16, models=("m:latest",))
+        with self.assertRaises(Forbidden):
+            check_admin(FakeRequest("127.0.0.1", scoped, True), "pull models")  # type: ignore[arg-type]
+        check_admin(FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True), "pull models")  # type: ignore[arg-type]
