@@ -27,6 +27,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.auth import Forbidden, check_scope, record_usage
+from blazar.web.quota import QuotaExceeded
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -248,6 +249,13 @@ class AnthropicSurface:
     @app.handle_errors(PromptTooLong)
     def _too_long(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(request, 400, "invalid_request_error", str(failure.value))
+
+    @app.handle_errors(QuotaExceeded)
+    def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, QuotaExceeded)
+        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        return self._error(request, 429, "rate_limit_error", str(e))
 
     @app.handle_errors(UnsupportedByModel)
     def _unsupported(self, request: IRequest, failure: Failure) -> bytes:

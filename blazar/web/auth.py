@@ -138,7 +138,7 @@ class AuthGate(Resource):
             request.blazar_key = key  # type: ignore[attr-defined]
             if self._quotas is not None:
                 try:
-                    self._quotas.admit(key)
+                    self._quotas.lease(key)
                 except QuotaExceeded as e:
                     surface = surface_of(request.path)
                     request.setResponseCode(429)
@@ -151,6 +151,8 @@ class AuthGate(Resource):
                 # sent, or when the client goes away
                 quotas = self._quotas
                 request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
+                # rpm / tpm / daily come after the scope check (check_scope)
+                request.blazar_rates = lambda: quotas.rates(key)  # type: ignore[attr-defined]
                 if key.tpm is not None or key.daily_tokens is not None:
                     request.blazar_usage = lambda tokens: quotas.record(key, tokens)  # type: ignore[attr-defined]
         return self._inner.render(request)
@@ -165,15 +167,21 @@ def key_of(request: IRequest) -> KeyConfig | None:
 
 def check_scope(request: IRequest, model: str) -> None:
     """
+    The scope check, then the key's rate limits (rpm, tpm, daily_tokens),
+    in that order, for a request that names C{model}.
+
     @param model: The canonical model name.
     @raise Forbidden: The request's key is scoped to other models.
+    @raise QuotaExceeded: Over a rate limit.
     """
     request.blazar_model = model  # type: ignore[attr-defined]  # for the access and audit logs
     key = key_of(request)
-    if key is None or key.admin:
-        return
-    if name_key(model) not in {name_key(m) for m in key.models}:
+    if key is not None and not key.admin and name_key(model) not in {name_key(m) for m in key.models}:
         raise Forbidden(f"key {key.name!r} may not use model {model!r}; it may use: {', '.join(key.models)}")
+    rates = getattr(request, "blazar_rates", None)
+    if rates is not None:
+        request.blazar_rates = None  # type: ignore[attr-defined]  # once per request
+        rates()
 
 
 def check_admin(request: IRequest, what: str) -> None:

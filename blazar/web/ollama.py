@@ -24,6 +24,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import Forbidden, check_admin, check_scope, record_usage, visible
+from blazar.web.quota import QuotaExceeded
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
 from blazar.web.sse import SSEEvents
@@ -521,6 +522,13 @@ class OllamaSurface:
         e = failure.value
         assert isinstance(e, OllamaError)
         return _json(request, {"error": str(e)}, e.status)
+
+    @app.handle_errors(QuotaExceeded)
+    def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, QuotaExceeded)
+        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        return _json(request, {"error": str(e)}, 429)
 
     @app.handle_errors(Forbidden)
     def _forbidden(self, request: IRequest, failure: Failure) -> bytes:

@@ -28,6 +28,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.auth import Forbidden, check_scope, record_usage, visible, wants_usage
+from blazar.web.quota import QuotaExceeded
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -321,6 +322,13 @@ class OpenAISurface:
         e = failure.value
         assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(QuotaExceeded)
+    def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, QuotaExceeded)
+        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        return self._error(request, 429, error_body(str(e), "rate_limit_error", "rate_limit_exceeded"))
 
     @app.handle_errors(Forbidden)
     def _forbidden(self, request: IRequest, failure: Failure) -> bytes:

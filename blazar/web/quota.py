@@ -92,16 +92,36 @@ class Quotas:
 
     def admit(self, key: KeyConfig) -> None:
         """
+        L{lease} then L{rates}, for callers with nothing in between.
+        """
+        self.lease(key)
+        try:
+            self.rates(key)
+        except QuotaExceeded:
+            self.release(key)
+            raise
+
+    def lease(self, key: KeyConfig) -> None:
+        """
         Take a lease for one request of C{key}; pair with L{release}.
 
-        @raise QuotaExceeded: Over max_concurrent, or over rpm.
+        @raise QuotaExceeded: Over max_concurrent.
         """
-        now = self._clock.seconds()
         if key.max_concurrent is not None and self._active[key.name] >= key.max_concurrent:
             raise QuotaExceeded(
                 f"key {key.name!r} already has {key.max_concurrent} request(s) running "
                 "(max_concurrent); retry when one finishes", 1.0,
             )
+        self._active[key.name] += 1
+
+    def rates(self, key: KeyConfig) -> None:
+        """
+        Check and count the request against rpm, then tpm, then
+        daily_tokens (after the scope check, as the spec orders them).
+
+        @raise QuotaExceeded: Over one of them.
+        """
+        now = self._clock.seconds()
         if key.rpm is not None:
             recent = self._recent[key.name]
             while recent and now - recent[0] >= 60.0:
@@ -132,7 +152,6 @@ class Quotas:
                 )
         if key.rpm is not None:
             self._recent[key.name].append(now)
-        self._active[key.name] += 1
 
     def release(self, key: KeyConfig) -> None:
         """

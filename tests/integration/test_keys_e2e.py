@@ -37,8 +37,8 @@ def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyte
         f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
         f'[[keys]]\nname = "one"\nsecret = "{ONE}"\nmax_concurrent = 1\n'
         f'[[keys]]\nname = "slow"\nsecret = "{SLOW}"\nrpm = 2\n'
-        f'[[keys]]\nname = "few"\nsecret = "{FEW}"\ntpm = 30\n'
-        f'[[keys]]\nname = "daily"\nsecret = "{DAILY}"\ndaily_tokens = 30\n'
+        f'[[keys]]\nname = "few"\nsecret = "{FEW}"\ntpm = 20\n'
+        f'[[keys]]\nname = "daily"\nsecret = "{DAILY}"\ndaily_tokens = 20\n'
     ))
     d.start()
     yield d
@@ -178,11 +178,13 @@ def assert_shape_429(surface: str, body: bytes) -> str:
 
 
 def test_rpm(keyed: Daemon) -> None:
-    assert call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})[0] == 200
-    assert call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})[0] == 200
-    status, headers, data = call(keyed, "GET", "/v1/models", headers={"x-api-key": SLOW})
-    assert status == 429 and 1 <= int(headers["retry-after"]) <= 60
-    assert "rpm" in json.loads(data)["error"]["message"]
+    body = REQUESTS[0][2]
+    assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": SLOW})[0] == 200
+    assert call(keyed, "POST", "/v1/chat/completions", body, {"x-api-key": SLOW})[0] == 200
+    for surface, path, b in REQUESTS:
+        status, headers, data = call(keyed, "POST", path, b, {"x-api-key": SLOW})
+        assert status == 429 and 1 <= int(headers["retry-after"]) <= 60, (surface, data)
+        assert "rpm" in assert_shape_429(surface, data)
 
 
 def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None:
@@ -201,7 +203,7 @@ def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None
 
 
 def test_tpm_counts_the_childs_usage(keyed: Daemon) -> None:
-    # one request uses ~20 prompt + 16 completion tokens: over tpm 30
+    # the prompt alone is ~21 tokens: one request goes over tpm 20, whatever the answer
     status, _, _ = call(keyed, "POST", "/v1/chat/completions",
                         {"model": "tiny", "messages": HELLO, "max_tokens": 16, "stream": True},
                         {"x-api-key": FEW})
@@ -225,3 +227,23 @@ def test_daily_tokens_survive_a_restart(keyed: Daemon) -> None:
     status, headers, data = call(keyed, "POST", "/v1/chat/completions", REQUESTS[0][2], {"x-api-key": DAILY})
     assert status == 429 and "daily_tokens" in json.loads(data)["error"]["message"]
     assert int(headers["retry-after"]) <= 86400
+
+
+def test_big_body_is_413_without_holding_it(keyed: Daemon) -> None:
+    import psutil
+
+    assert keyed.proc is not None
+    daemon = psutil.Process(keyed.proc.pid)
+    before = daemon.memory_info().rss
+    big = b'{"model":"tiny","messages":[{"role":"user","content":"' + b"x" * (51 * 1024 * 1024) + b'"}]}'
+    for path, surface in (("/v1/chat/completions", "openai"), ("/api/chat", "ollama"), ("/v1/messages", "anthropic")):
+        conn = http.client.HTTPConnection("127.0.0.1", keyed.port, timeout=120)
+        conn.request("POST", path, big, {"content-type": "application/json", "x-api-key": ADMIN})
+        resp = conn.getresponse()
+        data = resp.read()
+        conn.close()
+        assert resp.status == 413, (path, data[:200])
+        parsed = json.loads(data)
+        assert ("error" in parsed) and (surface != "anthropic" or parsed["error"]["type"] == "request_too_large")
+    grown = daemon.memory_info().rss - before
+    assert grown < 20 * 1024 * 1024, f"the daemon grew by {grown / 2**20:.0f} MiB"
