@@ -290,22 +290,13 @@ def _models_pull(args: argparse.Namespace) -> int:
     Pull over the daemon's Ollama API (/api/pull), with a progress line.
     """
     import http.client
-    import urllib.parse
 
-    from blazar.config import ConfigError, resolve_config
-
+    where = _daemon_http(args, "models pull")
+    if isinstance(where, int):
+        return where
+    host, port, base = where
     try:
-        config = resolve_config(args.config)
-    except ConfigError as e:
-        print(f"blazar: {e}", file=sys.stderr)
-        return 1
-    base = _http_base(config)
-    if base is None:
-        print("blazar models pull: the daemon has no tcp: listener in `listen`", file=sys.stderr)
-        return 1
-    url = urllib.parse.urlparse(base)
-    try:
-        conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=3600)
+        conn = http.client.HTTPConnection(host, port, timeout=3600)
         conn.request("POST", "/api/pull", json.dumps({"model": args.name}), {"content-type": "application/json"})
         resp = conn.getresponse()
     except OSError:
@@ -364,12 +355,11 @@ def _http_base(config: Any) -> str | None:
     return None
 
 
-def _run(args: argparse.Namespace) -> int:
+def _daemon_http(args: argparse.Namespace, verb: str) -> tuple[str, int, str] | int:
     """
-    One-shot (PROMPT given) or interactive chat over the daemon's HTTP API,
-    printing the answer as it streams.
+    The (host, port, base URL) of the daemon's HTTP API from its config, or
+    an exit code after explaining why there is none.
     """
-    import http.client
     import urllib.parse
 
     from blazar.config import ConfigError, resolve_config
@@ -381,15 +371,29 @@ def _run(args: argparse.Namespace) -> int:
         return 1
     base = _http_base(config)
     if base is None:
-        print("blazar run: the daemon has no tcp: listener in `listen`", file=sys.stderr)
+        print(f"blazar {verb}: the daemon has no tcp: listener in `listen`", file=sys.stderr)
         return 1
     url = urllib.parse.urlparse(base)
+    return url.hostname or "127.0.0.1", url.port or 11434, base
+
+
+def _run(args: argparse.Namespace) -> int:
+    """
+    One-shot (PROMPT given) or interactive chat over the daemon's HTTP API,
+    printing the answer as it streams.
+    """
+    import http.client
+
+    where = _daemon_http(args, "run")
+    if isinstance(where, int):
+        return where
+    host, port, base = where
     history: list[dict[str, str]] = []
 
     def ask(prompt: str) -> int:
         history.append({"role": "user", "content": prompt})
         try:
-            conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port, timeout=600)
+            conn = http.client.HTTPConnection(host, port, timeout=600)
             conn.request("POST", "/api/chat", json.dumps({"model": args.model, "messages": history}),
                          {"content-type": "application/json"})
             resp = conn.getresponse()
