@@ -289,25 +289,14 @@ def _models_pull(args: argparse.Namespace) -> int:
     """
     Pull over the daemon's Ollama API (/api/pull), with a progress line.
     """
-    import http.client
 
     where = _daemon_http(args, "models pull")
     if isinstance(where, int):
         return where
     host, port, base = where
-    try:
-        conn = http.client.HTTPConnection(host, port, timeout=3600)
-        conn.request("POST", "/api/pull", json.dumps({"model": args.name}), {"content-type": "application/json"})
-        resp = conn.getresponse()
-    except OSError:
-        print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
-        return 2
-    if resp.status != 200:
-        try:
-            print(f"blazar: {json.loads(resp.read()).get('error')}", file=sys.stderr)
-        except ValueError:
-            print(f"blazar: HTTP {resp.status}", file=sys.stderr)
-        return 1
+    resp = _post_ndjson(host, port, base, "/api/pull", {"model": args.name}, timeout=3600)
+    if isinstance(resp, int):
+        return resp
     for raw in resp:
         line = json.loads(raw)
         if "error" in line:
@@ -377,12 +366,35 @@ def _daemon_http(args: argparse.Namespace, verb: str) -> tuple[str, int, str] | 
     return url.hostname or "127.0.0.1", url.port or 11434, base
 
 
+def _post_ndjson(host: str, port: int, base: str, path: str, body: Any, timeout: float) -> Any:
+    """
+    POST to the daemon's Ollama API; the response (to read as NDJSON) on
+    200, else an exit code after printing why (2: no daemon answers).
+    """
+    import http.client
+
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=timeout)
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        resp = conn.getresponse()
+    except OSError:
+        print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
+        return 2
+    if resp.status != 200:
+        try:
+            message = json.loads(resp.read()).get("error", "")
+        except ValueError:
+            message = f"HTTP {resp.status}"
+        print(f"blazar: {message}", file=sys.stderr)
+        return 1
+    return resp
+
+
 def _run(args: argparse.Namespace) -> int:
     """
     One-shot (PROMPT given) or interactive chat over the daemon's HTTP API,
     printing the answer as it streams.
     """
-    import http.client
 
     where = _daemon_http(args, "run")
     if isinstance(where, int):
@@ -392,21 +404,10 @@ def _run(args: argparse.Namespace) -> int:
 
     def ask(prompt: str) -> int:
         history.append({"role": "user", "content": prompt})
-        try:
-            conn = http.client.HTTPConnection(host, port, timeout=600)
-            conn.request("POST", "/api/chat", json.dumps({"model": args.model, "messages": history}),
-                         {"content-type": "application/json"})
-            resp = conn.getresponse()
-        except OSError:
-            print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
-            return 2
-        if resp.status != 200:
-            try:
-                message = json.loads(resp.read()).get("error", "")
-            except ValueError:
-                message = f"HTTP {resp.status}"
-            print(f"blazar: {message}", file=sys.stderr)
-            return 1
+        resp = _post_ndjson(host, port, base, "/api/chat",
+                            {"model": args.model, "messages": history}, timeout=600)
+        if isinstance(resp, int):
+            return resp
         answer = []
         for raw in resp:
             line = json.loads(raw)

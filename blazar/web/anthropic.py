@@ -36,6 +36,7 @@ from blazar.web.proxy import (
     StreamStopped,
     UnsupportedByModel,
     keep_alive_of,
+    stream_error_message,
 )
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import anthropic as tr
@@ -138,17 +139,23 @@ class AnthropicSurface:
             raise AnthropicError(400, "invalid_request_error", f"keep_alive: {e}") from None
         canonical = await self._resolve(model, request)
         await self._proxy.check_purpose(model, embedding=False)
-        await self._proxy.preflight(
+        counted = await self._proxy.preflight(
             model, engine_body.get("max_tokens"), len(json.dumps(engine_body)),
             lambda: self._proxy.count_chat_tokens(model, engine_body),
         )
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
+
+        async def prompt_tokens() -> int:
+            # the preflight may have counted already: never ask the child twice
+            if counted is None:
+                return await self._proxy.count_chat_tokens(model, engine_body)
+            return counted
         raw = json.dumps(engine_body).encode("utf-8")
         if not stream:
             if stops:
                 # a stop sequence cuts the child's stream before its usage
                 # arrives: count the prompt up front
-                translator.input_tokens = await self._proxy.count_chat_tokens(model, engine_body)
+                translator.input_tokens = await prompt_tokens()
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
             await self._collect(instance, response, translator, None, keep_alive=keep_alive)
             translator.finish()
@@ -159,7 +166,7 @@ class AnthropicSurface:
             # A loaded model answers at once: send first, so a request the
             # engine rejects is an HTTP error, not a 200 stream with an error
             # event; and message_start can carry the prompt's token count.
-            translator.input_tokens = await self._proxy.count_chat_tokens(model, engine_body)
+            translator.input_tokens = await prompt_tokens()
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
             request.setHeader(b"content-type", b"text/event-stream")
             request.setHeader(b"cache-control", b"no-cache")
@@ -214,8 +221,7 @@ class AnthropicSurface:
                 return
             chunk = json.loads(data)
             if "error" in chunk:
-                error = chunk["error"]
-                raise EngineRejected(500, error.get("message", str(error)) if isinstance(error, dict) else str(error))
+                raise EngineRejected(500, stream_error_message(chunk["error"]))
             if pinger is not None and pinger.running:
                 pinger.stop()
             events = translator.feed(chunk)

@@ -26,7 +26,13 @@ from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, 
 from blazar.web.auth import Forbidden, check_admin, check_scope, record_usage, visible
 from blazar.web.quota import QuotaExceeded
 from blazar.web.hub import HubClient, PullError, parse_hub_name
-from blazar.web.proxy import EngineProxy, EngineRejected, PromptTooLong, UnsupportedByModel
+from blazar.web.proxy import (
+    EngineProxy,
+    EngineRejected,
+    PromptTooLong,
+    UnsupportedByModel,
+    stream_error_message,
+)
 from blazar.web.sse import SSEEvents
 from blazar.web.translate import ollama as tr
 
@@ -306,7 +312,7 @@ class OllamaSurface:
                 return
             chunk = json.loads(data)
             if "error" in chunk:
-                raise EngineRejected(500, tr_error_message(chunk["error"]))
+                raise EngineRejected(500, stream_error_message(chunk["error"]))
             if infill:
                 emit(tr.infill_line(chunk, translator))
             else:
@@ -595,12 +601,3 @@ def client_status(engine_status: int) -> int:
     if engine_status == 501:
         return 400
     return 502
-
-
-def tr_error_message(error: Any) -> str:
-    """
-    The message of an engine's in-stream C{error} value.
-    """
-    if isinstance(error, dict):
-        return str(error.get("message", error))
-    return str(error)

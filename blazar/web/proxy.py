@@ -141,6 +141,15 @@ def engine_error_message(body: bytes) -> str:
     return body.decode("utf-8", "replace")[:2000]
 
 
+def stream_error_message(error: Any) -> str:
+    """
+    The message of an C{error} value an engine put in a stream chunk.
+    """
+    if isinstance(error, dict):
+        return str(error.get("message", error))[:2000]
+    return str(error)[:2000]
+
+
 class EngineProxy:
     """
     The one way surfaces talk to engines.
@@ -177,7 +186,7 @@ class EngineProxy:
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
         count: Callable[[], Awaitable[int]], ctx_size: int | None = None,
-    ) -> None:
+    ) -> int | None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
         model's per-slot context, instead of letting the engine cut the
@@ -187,13 +196,17 @@ class EngineProxy:
 
         @param ctx_size: The context the request will get, if not the
             model's configured one (Ollama's num_ctx under ctx_policy reload).
+        @return: The prompt's token count if it had to be counted.
         @raise PromptTooLong: With both numbers and the levers.
         """
         if max_tokens is None or self._registry is None:
-            return
+            return None
         entry = await self._registry.resolve(model)
-        meta = await self._registry.metadata(entry)
-        ctx = ctx_size or context_per_slot(entry, meta)
+        loaded = self.supervisor.loaded(entry.name)
+        if ctx_size is None and loaded is not None and loaded.ctx:
+            ctx = loaded.ctx  # the usual case: no GGUF stat on the request path
+        else:
+            ctx = ctx_size or context_per_slot(entry, await self._registry.metadata(entry))
         levers = (
             f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'
         )
@@ -203,13 +216,14 @@ class EngineProxy:
                 f"{entry.name!r} (per slot), which also holds the prompt: {levers}"
             )
         if body_size + TEMPLATE_SLACK + max_tokens <= ctx:
-            return
+            return None
         prompt = await count()
         if prompt + max_tokens > ctx:
             raise PromptTooLong(
                 f"the prompt is {prompt} tokens and max_tokens is {max_tokens}: {prompt + max_tokens} "
                 f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}"
             )
+        return prompt
 
     async def count_chat_tokens(self, model: str, chat_body: dict[str, Any]) -> int:
         """

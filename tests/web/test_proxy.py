@@ -64,7 +64,10 @@ class PreflightTests(SynchronousTestCase):
         make_test_model(root / "m.gguf")  # 2048 tokens per slot
         reactor = fake_process_reactor()
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), reactor)
-        self.proxy = EngineProxy(None, None, reactor, registry)  # type: ignore[arg-type]
+        self.loaded: dict[str, Any] = {}
+        supervisor = type("Sup", (), {"loaded": lambda _, name: self.loaded.get(name)})()
+        self.proxy = EngineProxy(supervisor, None, reactor, registry)  # type: ignore[arg-type]
+        self.registry = registry
         self.counted = 0
 
     def check(self, max_tokens: Any, size: int, tokens: int, ctx: Any = None) -> Any:
@@ -95,6 +98,21 @@ class PreflightTests(SynchronousTestCase):
         self.assertIn("the prompt is 1990 tokens and max_tokens is 100", str(f.value))
         self.successResultOf(self.check(100, 3000, 1900))
         self.assertEqual(self.counted, 2)
+
+    def test_a_loaded_childs_context_is_used_without_reading_the_gguf(self) -> None:
+        from blazar.web.proxy import PromptTooLong
+
+        self.loaded["m:latest"] = type("Inst", (), {"ctx": 512})()
+        def no_read(*args: Any) -> Any:
+            raise AssertionError("the GGUF was read")
+
+        self.registry._read = no_read  # type: ignore[misc]
+        f = self.failureResultOf(self.check(600, 10, 1), PromptTooLong)
+        self.assertIn("512", str(f.value))
+
+    def test_the_count_is_returned_for_reuse(self) -> None:
+        self.assertEqual(self.successResultOf(self.check(100, 3000, 1900)), 1900)
+        self.assertIsNone(self.successResultOf(self.check(100, 10, 1900)))
 
     def test_requested_context_overrides(self) -> None:
         self.successResultOf(self.check(3000, 3000, 100, ctx=8192))
