@@ -36,9 +36,7 @@ from blazar.web.proxy import (
     StreamStopped,
     UnsupportedByModel,
     keep_alive_of,
-    stream_error_message,
 )
-from blazar.web.sse import SSEEvents
 from blazar.web.translate import anthropic as tr
 
 log = Logger()
@@ -216,12 +214,7 @@ class AnthropicSurface:
         self, instance: Instance, response: Any, translator: tr.AnthropicStream,
         request: IRequest | None, pinger: Any = None, keep_alive: float | None = None,
     ) -> None:
-        def on_event(data: bytes) -> None:
-            if data == b"[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise EngineRejected(500, stream_error_message(chunk["error"]))
+        def on_chunk(chunk: dict[str, Any]) -> None:
             if pinger is not None and pinger.running:
                 pinger.stop()
             events = translator.feed(chunk)
@@ -231,7 +224,7 @@ class AnthropicSurface:
                 raise StreamStopped()
 
         try:
-            await self._proxy.relay(instance, response, SSEEvents(on_event).feed)
+            await self._proxy.relay_chunks(instance, response, on_chunk)
         except StreamStopped:
             pass
         finally:

@@ -31,9 +31,7 @@ from blazar.web.proxy import (
     EngineRejected,
     PromptTooLong,
     UnsupportedByModel,
-    stream_error_message,
 )
-from blazar.web.sse import SSEEvents
 from blazar.web.translate import ollama as tr
 
 log = Logger()
@@ -307,20 +305,14 @@ class OllamaSurface:
                     line["created_at"] = _rfc3339(wall())
                 request.write(tr.ndjson(lines))
 
-        def on_event(data: bytes) -> None:
-            if data == b"[DONE]":
-                return
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise EngineRejected(500, stream_error_message(chunk["error"]))
+        def on_chunk(chunk: dict[str, Any]) -> None:
             if infill:
                 emit(tr.infill_line(chunk, translator))
             else:
                 emit(translator.feed(chunk))
 
-        events = SSEEvents(on_event)
         try:
-            await self._proxy.relay(instance, response, events.feed)
+            await self._proxy.relay_chunks(instance, response, on_chunk)
         except (EngineError, EngineRejected) as error:
             log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
             request.write(tr.ndjson([{"error": str(error)}]))

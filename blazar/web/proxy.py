@@ -18,6 +18,7 @@ from blazar.engines.client import BodyTooLarge, EngineClient, read_body, relay_b
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.web.sse import SSEEvents
 
 log = Logger()
 
@@ -406,6 +407,24 @@ class EngineProxy:
             if was_cancelled(e):
                 raise CancelledError() from None
             raise await self.supervisor.explain_failure(instance, e) from None
+
+    async def relay_chunks(
+        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], None]
+    ) -> None:
+        """
+        Feed each JSON chunk of a child's SSE stream to C{on_chunk} (for
+        surfaces that translate); C{[DONE]} is dropped and an in-stream
+        C{error} raises L{EngineRejected}.
+        """
+        def on_event(data: bytes) -> None:
+            if data == b"[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise EngineRejected(500, stream_error_message(chunk["error"]))
+            on_chunk(chunk)
+
+        await self.relay(instance, response, SSEEvents(on_event).feed)
 
     async def relay(self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None]) -> None:
         """
