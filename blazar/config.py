@@ -30,6 +30,13 @@ C{~/.config/blazar/config.toml}. Keys::
     child_header_timeout_secs = 120   # no response headers this long, and no /health:
                                       # the child is wedged (killed, request retried once)
 
+    [queue]                        # admission: how long requests may wait for a slot
+    deadline_high_secs = 2         # x-blazar-priority: high
+    deadline_normal_secs = 30      # no priority header
+    deadline_low_secs = 120        # x-blazar-priority: low
+    deadline_tool_secs = 10        # chat carrying tools waits at most this long
+    max_waiting = 1024             # per model; more get 503 at once
+
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
     args = ["--threads", "2"]          # extra flags for every llama.cpp child
@@ -118,6 +125,28 @@ class KeyConfig:
 
 
 @attrs.frozen
+class QueueConfig:
+    """
+    C{[queue]}: admission control (L{blazar.web.admission}).
+
+    @ivar deadline_high: Seconds a C{high} priority request may wait for a
+        slot before it is answered 503 C{all_slots_busy}.
+    @ivar deadline_normal: The same for requests without a priority.
+    @ivar deadline_low: The same for C{low} priority requests.
+    @ivar deadline_tool: Chat carrying tools waits at most this long
+        (the tighter of this and its priority's deadline).
+    @ivar max_waiting: Requests that may wait per model; more are answered
+        503 at once.
+    """
+
+    deadline_high: float = 2.0
+    deadline_normal: float = 30.0
+    deadline_low: float = 120.0
+    deadline_tool: float = 10.0
+    max_waiting: int = 1024
+
+
+@attrs.frozen
 class LlamaCppConfig:
     """
     C{[engines.llamacpp]}: how to find and start llama.cpp's llama-server.
@@ -160,6 +189,7 @@ class Config:
     ctx_policy: str = "fit"
     hf_endpoint: str = "https://huggingface.co"
     llamacpp: LlamaCppConfig = LlamaCppConfig()
+    queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
     keys: tuple[KeyConfig, ...] = ()
 
@@ -309,7 +339,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log",
+        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log", "queue",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -376,6 +406,17 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         ),
         args=_str_list(llamacpp.get("args", []), where, "engines.llamacpp.args"),
     )
+
+    queue = _table(doc.get("queue", {}), where, "queue")
+    queue_keys = {f"deadline_{tier}_secs": f"deadline_{tier}" for tier in ("high", "normal", "low", "tool")}
+    _unknown(queue, {*queue_keys, "max_waiting"}, where, "queue.")
+    queue_kwargs: dict[str, Any] = {
+        attr: _positive_number(queue[key], where, "queue." + key)
+        for key, attr in queue_keys.items() if key in queue
+    }
+    if "max_waiting" in queue:
+        queue_kwargs["max_waiting"] = _positive_int(queue["max_waiting"], where, "queue.max_waiting")
+    kwargs["queue"] = QueueConfig(**queue_kwargs)
 
     models_base = kwargs.get("models_dir") or (
         kwargs.get("data_dir", Path(DEFAULT_DATA_DIR).expanduser()) / "models"

@@ -1,0 +1,569 @@
+"""
+Admission control: who gets an engine slot next, and who waits.
+
+Each model has as many slots as its child has (llama-server's
+C{--parallel}, C{parallel} under C{[models."name"]}). A request holds a
+slot from admission until its response is finished or its client is gone;
+beyond the slots, requests wait in the model's L{ModelQueue}, ordered by:
+
+ 1. priority: C{x-blazar-priority: high | low} (case-insensitive; anything
+    else is normal). A request body over L{LONG_PREFILL_BYTES} (a long
+    prefill, ~16k tokens) is demoted one priority.
+ 2. work class: L{WorkClass.TOOL} (chat carrying tools) before
+    L{WorkClass.INTERACTIVE} (chat, embeddings) before
+    L{WorkClass.RAW_LONG} (raw completions, Ollama raw generate). While
+    interactive work waits, raw work may hold at most
+    C{max(1, N - ceil(N/4))} of the N slots (all N otherwise).
+ 3. weighted fair queuing between API keys: each admission adds
+    C{1 / weight} to its key's credit and the key with the lowest credit
+    goes first (credits reset every L{CREDIT_RESET} admissions; a key that
+    starts waiting starts at the lowest credit of the keys already waiting,
+    so an idle key cannot bank a burst). Without keys every request is one
+    anonymous key.
+ 4. deadline, earliest first, within a key: C{x-blazar-deadline-ms} (ms
+    from arrival), else the priority's default from C{[queue]} (2 s, 30 s,
+    120 s), at most C{deadline_tool_secs} (10 s) for tool calls.
+
+A request still waiting at its deadline fails with L{AllSlotsBusy} (each
+surface answers 503 C{all_slots_busy} with C{Retry-After}); a client that
+disconnects while waiting leaves the queue at once (cancelling the
+L{Deferred} L{ModelQueue.admit} returned).
+
+The scheduler is pure logic on an injected clock (C{seconds()} and
+C{callLater()}); L{admit_request} is the glue to a web request.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from enum import IntEnum
+from typing import Any, Callable
+
+import attrs
+from twisted.internet.defer import Deferred
+from twisted.web.iweb import IRequest
+
+from blazar.config import Config, QueueConfig
+
+PRIORITY_HEADER = b"x-blazar-priority"
+DEADLINE_HEADER = b"x-blazar-deadline-ms"
+QUEUE_MS_HEADER = b"x-blazar-queue-ms"
+LONG_PREFILL_BYTES = 64 * 1024
+CREDIT_RESET = 256
+# weight of the newest hold time in the service-time average
+SERVICE_EWMA = 0.3
+# requests listed per model by snapshot() (counts cover all of them)
+SNAPSHOT_REQUESTS = 200
+
+
+class Priority(IntEnum):
+    """
+    Priority tiers, most urgent first.
+    """
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+
+class WorkClass(IntEnum):
+    """
+    What a request asks the engine to do, in admission order.
+    """
+
+    TOOL = 0
+    INTERACTIVE = 1
+    RAW_LONG = 2
+
+
+CLASS_NAMES = {WorkClass.TOOL: "tool", WorkClass.INTERACTIVE: "interactive", WorkClass.RAW_LONG: "raw_long"}
+
+
+def human_wait(seconds: float) -> str:
+    """
+    A wait for people: C{"850ms"} below a second, C{"30s"}, C{"2m05s"}.
+    """
+    if seconds < 1.0:
+        return f"{int(seconds * 1000)}ms"
+    whole = int(round(seconds))
+    if whole < 60:
+        return f"{whole}s"
+    return f"{whole // 60}m{whole % 60:02d}s"
+
+
+def parse_priority(value: bytes | None) -> Priority:
+    """
+    C{x-blazar-priority}: C{high} or C{low} (any case); anything else,
+    or no header, is normal.
+    """
+    if value is None:
+        return Priority.NORMAL
+    word = value.strip().lower()
+    if word == b"high":
+        return Priority.HIGH
+    if word == b"low":
+        return Priority.LOW
+    return Priority.NORMAL
+
+
+def parse_deadline_ms(value: bytes | None) -> float | None:
+    """
+    C{x-blazar-deadline-ms}: how long (ms, from arrival) the request may
+    wait for a slot; L{None} when absent, not a number, or not positive.
+
+    @return: Seconds.
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(ms) or ms <= 0:
+        return None
+    return min(ms, 24 * 3600 * 1000.0) / 1000.0
+
+
+class AllSlotsBusy(Exception):
+    """
+    Every slot of the model stayed busy until the request's deadline, or
+    its queue is full. Surfaces answer 503 C{all_slots_busy} with
+    C{Retry-After}.
+
+    @ivar waited: Seconds the request waited.
+    @ivar retry_after: Seconds after which a retry is likely to be admitted.
+    """
+
+    def __init__(self, message: str, waited: float, retry_after: float) -> None:
+        self.waited = waited
+        self.retry_after = retry_after
+        super().__init__(message)
+
+    @property
+    def retry_after_header(self) -> bytes:
+        return str(max(1, math.ceil(self.retry_after))).encode("ascii")
+
+
+@attrs.define(eq=False)
+class Ticket:
+    """
+    One request, waiting for or holding a slot.
+
+    @ivar key: The API key's name (C{""} without keys).
+    @ivar arrived: Clock seconds at arrival.
+    @ivar deadline: Clock seconds after which it stops waiting.
+    """
+
+    key: str
+    weight: float
+    priority: Priority
+    work: WorkClass
+    arrived: float
+    deadline: float
+    trace_id: str = ""
+    seq: int = 0
+    admitted_at: float | None = None
+    waiter: Deferred[Lease] | None = None
+    timer: Any = None
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (int(self.priority), int(self.work))
+
+
+class Lease:
+    """
+    A held slot; L{release} (idempotent) gives it back.
+    """
+
+    def __init__(self, queue: ModelQueue, ticket: Ticket) -> None:
+        self._queue = queue
+        self.ticket = ticket
+        self.released = False
+
+    @property
+    def waited(self) -> float:
+        """
+        Seconds the request waited for its slot.
+        """
+        assert self.ticket.admitted_at is not None
+        return self.ticket.admitted_at - self.ticket.arrived
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self._queue._release(self.ticket)
+
+
+class ModelQueue:
+    """
+    The slots of one model and the requests waiting for them.
+
+    @ivar slots: The model's slot count (set by each L{admit}).
+    @ivar service: Average seconds a slot is held (an EWMA), or L{None}
+        before the first release.
+    """
+
+    def __init__(self, model: str, clock: Any, settings: QueueConfig) -> None:
+        self.model = model
+        self._clock = clock
+        self.settings = settings
+        self.slots = 1
+        self.waiting: list[Ticket] = []
+        self.running: list[Ticket] = []
+        self.credits: dict[str, float] = {}
+        self.admissions = 0
+        self.admitted_total = 0
+        self.expired_total = 0
+        self.service: float | None = None
+        self._seq = 0
+
+    # -- the request side -------------------------------------------------
+
+    def ticket(
+        self, *, key: str = "", weight: float = 1.0, priority: Priority = Priority.NORMAL,
+        work: WorkClass = WorkClass.INTERACTIVE, deadline: float | None = None,
+        body_size: int = 0, trace_id: str = "",
+    ) -> Ticket:
+        """
+        A ticket for a request arriving now.
+
+        @param deadline: Seconds the request may wait (from the
+            C{x-blazar-deadline-ms} header), or L{None} for the default.
+        @param body_size: Bytes of the request body; over
+            L{LONG_PREFILL_BYTES} demotes it one priority.
+        """
+        if body_size > LONG_PREFILL_BYTES and priority < Priority.LOW:
+            priority = Priority(priority + 1)
+        if deadline is None:
+            deadline = {
+                Priority.HIGH: self.settings.deadline_high,
+                Priority.NORMAL: self.settings.deadline_normal,
+                Priority.LOW: self.settings.deadline_low,
+            }[priority]
+            if work == WorkClass.TOOL:
+                deadline = min(deadline, self.settings.deadline_tool)
+        now = self._clock.seconds()
+        self._seq += 1
+        return Ticket(
+            key=key, weight=weight if weight > 0 else 1.0, priority=priority, work=work,
+            arrived=now, deadline=now + deadline, trace_id=trace_id, seq=self._seq,
+        )
+
+    def admit(self, ticket: Ticket, slots: int | None = None) -> Deferred[Lease]:
+        """
+        Wait for a slot.
+
+        @param slots: The model's slot count now (it may change on reload).
+        @return: Fires with a L{Lease} once admitted (at once if a slot is
+            free and nobody is ahead); fails with L{AllSlotsBusy} at the
+            deadline or when L{QueueConfig.max_waiting} requests wait
+            already. Cancelling it leaves the queue.
+        """
+        if slots is not None:
+            self.slots = max(1, slots)
+        if len(self.waiting) >= self.settings.max_waiting:
+            self.expired_total += 1
+            raise AllSlotsBusy(
+                f"all_slots_busy: {len(self.waiting)} requests already wait for the "
+                f"{self.slots} slot(s) of model {self.model!r} (queue.max_waiting = "
+                f"{self.settings.max_waiting}); retry later, or raise parallel under "
+                f'[models."{self.model}"]', 0.0, self._retry_after(),
+            )
+        if not any(t.key == ticket.key for t in self.waiting):
+            # a key that starts waiting starts level with the keys already
+            # waiting: credit banked while idle is not spent as a burst
+            others = [self.credits.get(t.key, 0.0) for t in self.waiting]
+            if others:
+                self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), min(others))
+
+        def cancel(d: Deferred[Lease]) -> None:
+            self._leave(ticket)
+
+        waiter: Deferred[Lease] = Deferred(cancel)
+        ticket.waiter = waiter
+        self.waiting.append(ticket)
+        self._dispatch()
+        if ticket.admitted_at is None:
+            ticket.timer = self._clock.callLater(
+                max(0.0, ticket.deadline - self._clock.seconds()), self._expire, ticket
+            )
+        return waiter
+
+    # -- scheduling -------------------------------------------------------
+
+    @property
+    def raw_ceiling(self) -> int:
+        """
+        Slots raw work may hold: all of them, or C{max(1, N - ceil(N/4))}
+        while interactive work waits.
+        """
+        if any(t.work != WorkClass.RAW_LONG for t in self.waiting):
+            return max(1, self.slots - math.ceil(self.slots / 4))
+        return self.slots
+
+    def _pick(self, waiting: list[Ticket], credits: dict[str, float], raw_ok: bool) -> Ticket | None:
+        candidates = waiting if raw_ok else [t for t in waiting if t.work != WorkClass.RAW_LONG]
+        if not candidates:
+            return None
+        best = min(t.rank for t in candidates)
+        return min(
+            (t for t in candidates if t.rank == best),
+            key=lambda t: (credits.get(t.key, 0.0), t.deadline, t.seq),
+        )
+
+    def _dispatch(self) -> None:
+        while len(self.running) < self.slots and self.waiting:
+            raw_busy = sum(1 for t in self.running if t.work == WorkClass.RAW_LONG)
+            ticket = self._pick(self.waiting, self.credits, raw_busy < self.raw_ceiling)
+            if ticket is None:
+                return
+            self._start(ticket)
+
+    def _start(self, ticket: Ticket) -> None:
+        self.waiting.remove(ticket)
+        if ticket.timer is not None and ticket.timer.active():
+            ticket.timer.cancel()
+        ticket.admitted_at = self._clock.seconds()
+        self.running.append(ticket)
+        self.credits[ticket.key] = self.credits.get(ticket.key, 0.0) + 1.0 / ticket.weight
+        self.admitted_total += 1
+        self.admissions += 1
+        if self.admissions >= CREDIT_RESET:
+            self.admissions = 0
+            self.credits.clear()
+        waiter, ticket.waiter = ticket.waiter, None
+        if waiter is not None:
+            waiter.callback(Lease(self, ticket))
+
+    def _release(self, ticket: Ticket) -> None:
+        self.running.remove(ticket)
+        assert ticket.admitted_at is not None
+        held = self._clock.seconds() - ticket.admitted_at
+        self.service = held if self.service is None else (
+            (1 - SERVICE_EWMA) * self.service + SERVICE_EWMA * held
+        )
+        self._dispatch()
+
+    def _leave(self, ticket: Ticket) -> None:
+        if ticket in self.waiting:
+            self.waiting.remove(ticket)
+            if ticket.timer is not None and ticket.timer.active():
+                ticket.timer.cancel()
+            ticket.waiter = None
+            self._dispatch()  # the raw ceiling may have risen
+
+    def _expire(self, ticket: Ticket) -> None:
+        waiter = ticket.waiter
+        if ticket not in self.waiting or waiter is None:
+            return
+        position = 1 + sum(1 for t in self.waiting if (t.rank, t.deadline) < (ticket.rank, ticket.deadline))
+        ticket.waiter = None
+        ticket.timer = None
+        self.waiting.remove(ticket)
+        self.expired_total += 1
+        waited = self._clock.seconds() - ticket.arrived
+        retry = self._retry_after()
+        self._dispatch()
+        waiter.errback(AllSlotsBusy(
+            f"all_slots_busy: all {self.slots} slot(s) of model {self.model!r} stayed busy; "
+            f"waited {human_wait(waited)} (position {position} of {len(self.waiting) + 1}). "
+            f"Retry in {max(1, math.ceil(retry))}s, allow a longer wait with the "
+            f"x-blazar-deadline-ms header, or raise parallel under [models.\"{self.model}\"]",
+            waited, retry,
+        ))
+
+    # -- introspection ----------------------------------------------------
+
+    def order(self) -> list[Ticket]:
+        """
+        The waiting requests in the order they would be admitted if no
+        more arrived and every slot were free to take them (the raw ceiling
+        is not simulated). O(n log n).
+        """
+        buckets: dict[tuple[int, int], dict[str, list[Ticket]]] = {}
+        for t in self.waiting:
+            buckets.setdefault(t.rank, {}).setdefault(t.key, []).append(t)
+        credits = dict(self.credits)
+        admissions = self.admissions
+        ordered: list[Ticket] = []
+        for rank in sorted(buckets):
+            lines = {k: sorted(ts, key=lambda t: (t.deadline, t.seq)) for k, ts in buckets[rank].items()}
+            heads = {k: 0 for k in lines}
+
+            def entry(k: str) -> tuple[float, float, int, str]:
+                head = lines[k][heads[k]]
+                return (credits.get(k, 0.0), head.deadline, head.seq, k)
+
+            heap = [entry(k) for k in lines]
+            heapq.heapify(heap)
+            while heap:
+                _, _, _, k = heapq.heappop(heap)
+                ticket = lines[k][heads[k]]
+                heads[k] += 1
+                ordered.append(ticket)
+                credits[k] = credits.get(k, 0.0) + 1.0 / ticket.weight
+                admissions += 1
+                if admissions >= CREDIT_RESET:
+                    admissions = 0
+                    credits.clear()
+                    heap = [entry(e[3]) for e in heap]
+                    heapq.heapify(heap)
+                if heads[k] < len(lines[k]):
+                    heapq.heappush(heap, entry(k))
+        return ordered
+
+    def _start_times(self, count: int) -> list[float] | None:
+        """
+        Estimated seconds from now until each of the next C{count} queued
+        requests starts, from the average service time; L{None} without
+        one.
+        """
+        if self.service is None:
+            return None
+        now = self._clock.seconds()
+        free = [
+            max(0.0, self.service - (now - (t.admitted_at or now))) for t in self.running
+        ] + [0.0] * max(0, self.slots - len(self.running))
+        heapq.heapify(free)
+        starts = []
+        for _ in range(count):
+            start = heapq.heappop(free) if free else 0.0
+            starts.append(start)
+            heapq.heappush(free, start + self.service)
+        return starts
+
+    def _retry_after(self) -> float:
+        starts = self._start_times(len(self.waiting) + 1)
+        return starts[-1] if starts else 1.0
+
+    def snapshot(self, show: Callable[[Ticket], bool] = lambda t: True) -> dict[str, Any]:
+        """
+        The queue for C{GET /api/queue} and C{blazar queue}::
+
+            {"model", "slots": {"busy", "total"}, "raw": {"busy", "ceiling"},
+             "waiting": {"total", "by_priority": {"high", "normal", "low"},
+                         "by_class": {"tool", "interactive", "raw_long"}},
+             "oldest_wait_ms", "service_ms", "admitted", "expired",
+             "requests": [{"trace_id", "key", "position", "priority",
+                           "class", "waited_ms", "deadline_in_ms",
+                           "estimated_start_ms"}]}
+
+        Times are milliseconds; C{estimated_start_ms} (from now) and
+        C{service_ms} are L{None} before any request has finished.
+        C{requests} lists at most L{SNAPSHOT_REQUESTS} waiting requests for
+        which C{show} is true, first in line first (positions count every
+        waiting request).
+        """
+        now = self._clock.seconds()
+        ordered = self.order()
+        starts = self._start_times(min(len(ordered), SNAPSHOT_REQUESTS * 4))
+        requests: list[dict[str, Any]] = []
+        for position, t in enumerate(ordered):
+            if len(requests) >= SNAPSHOT_REQUESTS:
+                break
+            if not show(t):
+                continue
+            requests.append({
+                "trace_id": t.trace_id, "key": t.key, "position": position + 1,
+                "priority": t.priority.name.lower(), "class": CLASS_NAMES[t.work],
+                "waited_ms": round((now - t.arrived) * 1000),
+                "deadline_in_ms": round((t.deadline - now) * 1000),
+                "estimated_start_ms": (
+                    round(starts[position] * 1000) if starts is not None and position < len(starts) else None
+                ),
+            })
+        return {
+            "model": self.model,
+            "slots": {"busy": len(self.running), "total": self.slots},
+            "raw": {
+                "busy": sum(1 for t in self.running if t.work == WorkClass.RAW_LONG),
+                "ceiling": self.raw_ceiling,
+            },
+            "waiting": {
+                "total": len(self.waiting),
+                "by_priority": {p.name.lower(): sum(1 for t in self.waiting if t.priority == p) for p in Priority},
+                "by_class": {CLASS_NAMES[w]: sum(1 for t in self.waiting if t.work == w) for w in WorkClass},
+            },
+            "oldest_wait_ms": round(max((now - t.arrived for t in self.waiting), default=0.0) * 1000),
+            "service_ms": round(self.service * 1000, 1) if self.service is not None else None,
+            "admitted": self.admitted_total,
+            "expired": self.expired_total,
+            "requests": requests,
+        }
+
+
+class Admission:
+    """
+    Every model's L{ModelQueue}, created on first use.
+
+    @param config: The live config (swapped on C{blazar reload}); its
+        C{[queue]} settings apply to requests arriving after a change.
+    """
+
+    def __init__(self, clock: Any, config: Callable[[], Config]) -> None:
+        self._clock = clock
+        self._config = config
+        self.queues: dict[str, ModelQueue] = {}
+
+    def queue(self, model: str) -> ModelQueue:
+        """
+        The queue of canonical model name C{model}.
+        """
+        queue = self.queues.get(model)
+        settings = self._config().queue
+        if queue is None:
+            queue = self.queues[model] = ModelQueue(model, self._clock, settings)
+        queue.settings = settings
+        return queue
+
+    def snapshot(self, show: Callable[[str, Ticket | None], bool] = lambda m, t: True) -> dict[str, Any]:
+        """
+        C{{"models": [ModelQueue.snapshot(), ...]}} for the models C{show}
+        allows (called with a ticket of L{None} for the model itself).
+        """
+        def rows(model: str) -> Callable[[Ticket], bool]:
+            return lambda t: show(model, t)
+
+        return {"models": [
+            q.snapshot(rows(name)) for name, q in sorted(self.queues.items()) if show(name, None)
+        ]}
+
+
+async def admit_request(
+    admission: Admission, request: IRequest, model: str, slots: int, work: WorkClass,
+    body_size: int,
+) -> Lease:
+    """
+    Wait for a slot of C{model} on behalf of a web request: priority and
+    deadline from its headers, the API key it was admitted with (its
+    C{weight}), its trace id. The slot is released when the response is
+    finished or the client leaves; C{x-blazar-queue-ms} tells the client
+    how long it waited.
+
+    @param slots: The model's slot count.
+    @param body_size: Bytes of the request body as sent.
+    @raise AllSlotsBusy: At the deadline, or the queue is full.
+    @raise CancelledError: The client left while waiting.
+    """
+    key = getattr(request, "blazar_key", None)
+    queue = admission.queue(model)
+    ticket = queue.ticket(
+        key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
+        priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
+        deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
+        work=work, body_size=body_size, trace_id=getattr(request, "trace_id", ""),
+    )
+    waiting = queue.admit(ticket, slots)
+    gone = request.notifyFinish()  # type: ignore[attr-defined]
+    if not waiting.called:
+        # the client left while waiting: leave the queue at once, even if
+        # the handler's Deferred is not cancelled (e.g. a resource that
+        # does not propagate the disconnect)
+        gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
+    lease = await waiting
+    gone.addBoth(lambda _: lease.release())
+    request.setHeader(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
+    return lease
+
