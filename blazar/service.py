@@ -29,6 +29,7 @@ from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
+from blazar.web.admission import Admission
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
@@ -224,7 +225,10 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
     UsageStore(config.data_dir / "blazar.db", quotas, reactor).setServiceParent(top)
-    proxy = EngineProxy(supervisor, engines, reactor, registry, config.child_header_timeout)
+    admission = Admission(reactor, lambda: keys.config)
+    proxy = EngineProxy(
+        supervisor, engines, reactor, registry, config.child_header_timeout, admission
+    )
     openai = OpenAISurface(registry, proxy, reactor)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)

@@ -335,10 +335,13 @@ class FakeInstance:
     api_key: str = "secret"
     in_flight: int = 0
     state: str = "ready"
+    parallel: int = 1
 
     @property
     def entry(self):  # type: ignore[no-untyped-def]
-        return attrs.make_class("Entry", ["name"])(self.name)
+        from blazar.config import ModelConfig
+
+        return attrs.make_class("Entry", ["name", "settings"])(self.name, ModelConfig(parallel=self.parallel))
 
     @property
     def auth_headers(self) -> dict[bytes, list[bytes]]:
@@ -354,6 +357,7 @@ class FakeSupervisor:
     names: list[str]
     instances: dict[str, FakeInstance] = attrs.field(factory=dict)
     started: int = 0
+    ctx_policy: str = "fit"
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
         from blazar.models.registry import ModelNotFound

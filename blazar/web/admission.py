@@ -531,9 +531,23 @@ class Admission:
         ]}
 
 
+def body_size(request: IRequest) -> int:
+    """
+    Bytes of the request's body (as received, whatever was read of it).
+    """
+    content = request.content
+    if content is None:
+        return 0
+    here = content.tell()
+    content.seek(0, 2)
+    size = int(content.tell())
+    content.seek(here)
+    return size
+
+
 async def admit_request(
     admission: Admission, request: IRequest, model: str, slots: int, work: WorkClass,
-    body_size: int,
+    size: int | None = None,
 ) -> Lease:
     """
     Wait for a slot of C{model} on behalf of a web request: priority and
@@ -543,7 +557,8 @@ async def admit_request(
     how long it waited.
 
     @param slots: The model's slot count.
-    @param body_size: Bytes of the request body as sent.
+    @param size: Bytes of the request body as sent (default:
+        L{body_size}).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
     @raise CancelledError: The client left while waiting.
     """
@@ -553,7 +568,8 @@ async def admit_request(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
         priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
         deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
-        work=work, body_size=body_size, trace_id=getattr(request, "trace_id", ""),
+        work=work, body_size=body_size(request) if size is None else size,
+        trace_id=getattr(request, "trace_id", ""),
     )
     waiting = queue.admit(ticket, slots)
     gone = request.notifyFinish()  # type: ignore[attr-defined]

@@ -26,6 +26,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.admission import AllSlotsBusy, WorkClass
 from blazar.web.auth import Forbidden, check_scope, record_usage
 from blazar.web.quota import QuotaExceeded
 from blazar.web.proxy import (
@@ -140,6 +141,9 @@ class AnthropicSurface:
         counted = await self._proxy.preflight(
             model, engine_body.get("max_tokens"), len(json.dumps(engine_body)),
             lambda: self._proxy.count_chat_tokens(model, engine_body),
+        )
+        await self._proxy.admit(
+            request, canonical, WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE
         )
         translator = tr.AnthropicStream("msg_" + secrets.token_hex(12), model, stops)
 
@@ -271,6 +275,13 @@ class AnthropicSurface:
         if 400 <= e.status < 500 or e.status == 501:
             return self._error(request, 400, "invalid_request_error", str(e))
         return self._error(request, 500, "api_error", f"engine error ({e.status}): {e}")
+
+    @app.handle_errors(AllSlotsBusy)
+    def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, AllSlotsBusy)
+        request.setHeader(b"retry-after", e.retry_after_header)
+        return self._error(request, 503, "overloaded_error", str(e))
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:

@@ -23,7 +23,8 @@ from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
-from blazar.web.auth import Forbidden, check_admin, check_scope, record_usage, visible
+from blazar.web.admission import AllSlotsBusy, Ticket, WorkClass
+from blazar.web.auth import Forbidden, check_admin, check_scope, key_of, record_usage, visible
 from blazar.web.quota import QuotaExceeded
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import (
@@ -255,7 +256,7 @@ class OllamaSurface:
         options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
         num_ctx = options.get("num_ctx")
         ctx_size = num_ctx if isinstance(num_ctx, int) and not isinstance(num_ctx, bool) and num_ctx > 0 else None
-        await self._entry(model, request)
+        entry = await self._entry(model, request)
         await self._proxy.check_purpose(model, embedding=False)
         if path != "/infill":
             max_tokens = engine_body.get("max_tokens")
@@ -269,6 +270,11 @@ class OllamaSurface:
                 model, max_tokens, len(json.dumps(engine_body)), count,
                 ctx_size if self._supervisor.ctx_policy == "reload" else None,
             )
+        if kind == "chat":
+            work = WorkClass.TOOL if body.get("tools") else WorkClass.INTERACTIVE
+        else:
+            work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
+        await self._proxy.admit(request, entry.name, work)
         timing = await self._load(model, ctx_size)
         instance, response = await self._proxy.send(
             model, path, json.dumps(engine_body).encode("utf-8"), ctx_size
@@ -334,7 +340,7 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
         await self._entry(model, request)
-        reply, timing, instance = await self._embed(model, inputs, keep_alive)
+        reply, timing, instance = await self._embed(request, model, inputs, keep_alive)
         out = tr.embed_reply(reply, model, timing, self._clock.seconds())
         record_usage(request, out["prompt_eval_count"])
         return _json(request, out)
@@ -350,14 +356,15 @@ class OllamaSurface:
         if prompt == "":
             return _json(request, {"embedding": []})
         await self._entry(model, request)
-        reply, _, _ = await self._embed(model, [prompt], keep_alive)
+        reply, _, _ = await self._embed(request, model, [prompt], keep_alive)
         return _json(request, {"embedding": reply["data"][0]["embedding"]})
 
     async def _embed(
-        self, model: str, inputs: list[str], keep_alive: float | None
+        self, request: IRequest, model: str, inputs: list[str], keep_alive: float | None
     ) -> tuple[dict[str, Any], tr.Timing, Instance]:
-        await self._entry(model)
+        entry = await self._entry(model)
         await self._proxy.check_purpose(model, embedding=True)
+        await self._proxy.admit(request, entry.name, WorkClass.INTERACTIVE)
         timing = await self._load(model)
         instance, response = await self._proxy.send(
             model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8")
@@ -445,6 +452,28 @@ class OllamaSurface:
                 "breaker": self._supervisor.breaker(entry.name).state,
             })
         return _json(request, {"models": models})
+
+    @app.route("/api/queue", methods=["GET"])
+    def queue(self, request: IRequest) -> bytes:
+        """
+        Blazar's admission queues (not in Ollama's API): per model, slots
+        busy/total, waiting counts by priority and class, the oldest wait,
+        and each waiting request (by trace id) with its position and
+        estimated start; shape in L{blazar.web.admission.ModelQueue.snapshot}.
+        A scoped key sees its models, and only its own requests in them.
+        """
+        admission = self._proxy.admission
+        if admission is None:
+            return _json(request, {"models": []})
+        key = key_of(request)
+        allowed = set(visible(request, list(admission.queues)))
+
+        def show(model: str, ticket: Ticket | None) -> bool:
+            if model not in allowed:
+                return False
+            return ticket is None or key is None or key.admin or ticket.key == key.name
+
+        return _json(request, admission.snapshot(show))
 
     @app.route("/api/copy", methods=["POST"])
     async def copy(self, request: IRequest) -> bytes:
@@ -551,6 +580,13 @@ class OllamaSurface:
         e = failure.value
         assert isinstance(e, EngineRejected)
         return _json(request, {"error": str(e)}, client_status(e.status))
+
+    @app.handle_errors(AllSlotsBusy)
+    def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, AllSlotsBusy)
+        request.setHeader(b"retry-after", e.retry_after_header)
+        return _json(request, {"error": str(e)}, 503)
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:

@@ -27,6 +27,7 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.web.admission import AllSlotsBusy, WorkClass
 from blazar.web.auth import Forbidden, check_scope, record_usage, visible, wants_usage
 from blazar.web.quota import QuotaExceeded
 from blazar.web.proxy import (
@@ -212,6 +213,13 @@ class OpenAISurface:
                 raw = json.dumps(body).encode("utf-8")
         if kind != "embedding":
             await self._preflight(model, kind, body, len(raw))
+        if kind == "completion":
+            work = WorkClass.RAW_LONG
+        elif kind == "chat" and body.get("tools"):
+            work = WorkClass.TOOL
+        else:
+            work = WorkClass.INTERACTIVE
+        await self._proxy.admit(request, canonical, work)
         if stream and not self._proxy.is_ready(canonical):
             await self._stream_cold(request, model, path, raw, keep_alive, hide_usage)
             return None
@@ -363,6 +371,13 @@ class OpenAISurface:
             request, 502,
             error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),
         )
+
+    @app.handle_errors(AllSlotsBusy)
+    def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, AllSlotsBusy)
+        request.setHeader(b"retry-after", e.retry_after_header)
+        return self._error(request, 503, error_body(str(e), "server_error", "all_slots_busy"))
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:

@@ -15,9 +15,10 @@ from twisted.logger import Logger
 
 from blazar.config import parse_duration
 from blazar.engines.client import BodyTooLarge, EngineClient, read_body, relay_body
-from blazar.engines.llamacpp import context_per_slot
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.web.admission import Admission, Lease, WorkClass, admit_request
 from blazar.web.sse import SSEEvents
 
 log = Logger()
@@ -159,7 +160,9 @@ class EngineProxy:
     def __init__(
         self, supervisor: Supervisor, engines: EngineClient, clock: Any,
         registry: ModelRegistry | None = None, header_timeout: float = 120.0,
+        admission: Admission | None = None,
     ) -> None:
+        self.admission = admission
         self._header_timeout = header_timeout
         self.supervisor = supervisor
         self._registry = registry
@@ -175,6 +178,29 @@ class EngineProxy:
         if keep_alive == 0 and instance.in_flight == 0:
             d = self.supervisor.stop_instance(instance, "keep_alive 0")
             d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
+
+    async def admit(self, request: Any, model: str, work: WorkClass) -> Lease | None:
+        """
+        Wait for one of C{model}'s slots on behalf of C{request}
+        (L{blazar.web.admission}); the slot is held until the response is
+        finished or the client leaves. Call it after the request is
+        validated and before anything is written.
+
+        @param model: The canonical model name.
+        @raise blazar.web.admission.AllSlotsBusy: Still waiting at the
+            deadline, or the model's queue is full.
+        """
+        if self.admission is None:
+            return None
+        loaded = self.supervisor.loaded(model)
+        if loaded is not None:
+            entry = loaded.entry
+        elif self._registry is not None:
+            entry = await self._registry.resolve(model)
+        else:
+            return await admit_request(self.admission, request, model, DEFAULT_PARALLEL, work)
+        slots = entry.settings.parallel or DEFAULT_PARALLEL
+        return await admit_request(self.admission, request, entry.name, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
         """
