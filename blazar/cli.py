@@ -5,6 +5,7 @@ The C{blazar} command.
   blazar status | version              the running daemon
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
+  blazar queue [--json]                admission: busy slots, who waits, estimated starts
   blazar models list|show|cp|rm|pull   the model registry, through the daemon
   blazar keys list|add|rotate|rm       API keys (changes go to the config file)
   blazar reload                        re-read the config file
@@ -165,6 +166,39 @@ def _ps(args: argparse.Namespace) -> int:
             print(f"{r['model']:<30} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
                   f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {r.get('served') or 0:>6} "
                   f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} {r['breaker']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _queue(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import Queue
+
+    async def action(p: Any) -> int:
+        answer = await p.callRemote(Queue)
+        if args.json:
+            print(answer["queue"])
+            return 0
+        models = json.loads(answer["queue"])["models"]
+        if not models:
+            print("no requests yet")
+            return 0
+        for m in models:
+            w = m["waiting"]
+            service = "-" if m["service_ms"] is None else f"{m['service_ms'] / 1000:.1f}s"
+            print(f"{m['model']}: {m['slots']['busy']}/{m['slots']['total']} slots busy, "
+                  f"{w['total']} waiting (high {w['by_priority']['high']}, normal "
+                  f"{w['by_priority']['normal']}, low {w['by_priority']['low']}), oldest "
+                  f"{m['oldest_wait_ms'] / 1000:.1f}s, average hold {service}")
+            if m["requests"]:
+                print(f"  {'POS':>4} {'TRACE':<28} {'KEY':<12} {'PRIORITY':<8} {'CLASS':<11} "
+                      f"{'WAITED':>7} {'START IN':>8}")
+            for r in m["requests"]:
+                start = "-" if r["estimated_start_ms"] is None else f"{r['estimated_start_ms'] / 1000:.1f}s"
+                print(f"  {r['position']:>4} {r['trace_id']:<28} {r['key'] or '-':<12} "
+                      f"{r['priority']:<8} {r['class']:<11} {r['waited_ms'] / 1000:>6.1f}s {start:>8}")
+        if answer["truncated"]:
+            print("(some waiting requests not listed; blazar queue --json or GET /api/queue)")
         return 0
 
     return _control(args, action)
@@ -522,6 +556,7 @@ def parser() -> argparse.ArgumentParser:
     daemon_verb("version", "this CLI's and the daemon's versions", _version)
     ps = daemon_verb("ps", "loaded models: state, pid, slots, expiry, crash breaker", _ps)
     ps.add_argument("--reset", action="store_true", help="close every crash breaker first")
+    daemon_verb("queue", "admission queues: busy slots, waiting requests, estimated starts", _queue)
     evict = daemon_verb("evict", "unload a model (name, or key name#replica@lane)", _evict)
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")

@@ -273,7 +273,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         control = strports.service(
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
-                supervisor, registry, status, reactor, ring, KeyAdmin(config.source, keys, reactor)
+                supervisor, registry, status, reactor, ring, KeyAdmin(config.source, keys, reactor),
+                admission.snapshot,
             ),
             reactor=reactor,
         )

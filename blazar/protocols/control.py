@@ -286,6 +286,41 @@ class KeysRemove(amp.Command):
     errors = {KeyError_: b"KEY_ERROR"}
 
 
+class Queue(amp.Command):
+    """
+    The admission queues as JSON (the shape of C{GET /api/queue}); when
+    the listing would pass AMP's 64 KiB value limit, per-request rows are
+    cut (C{truncated} is then true; counts stay whole).
+    """
+
+    commandName = b"Queue"
+    arguments = []  # type: ignore[var-annotated]
+    response = [(b"queue", amp.Unicode()), (b"truncated", amp.Boolean())]
+
+
+QUEUE_BUDGET = 60_000
+
+
+def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str, bool]:
+    """
+    C{snapshot} as JSON of at most C{budget} bytes, dropping per-request
+    rows from the end of each model's list until it fits.
+    """
+    import json
+
+    text = json.dumps(snapshot)
+    truncated = False
+    while len(text.encode("utf-8")) > budget:
+        rows = [m for m in snapshot["models"] if m.get("requests")]
+        if not rows:
+            break
+        for model in rows:
+            model["requests"] = model["requests"][: len(model["requests"]) // 2]
+        truncated = True
+        text = json.dumps(snapshot)
+    return text, truncated
+
+
 class ReloadConfig(amp.Command):
     """
     Re-read the config file and apply it: keys, limits, timeouts and model
@@ -309,8 +344,10 @@ class ControlServer(amp.AMP):
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
+        queue: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         super().__init__()
+        self._queue = queue
         self._key_admin = keys
         self._logs = logs or LogRing()
         self._supervisor = supervisor
@@ -449,6 +486,11 @@ class ControlServer(amp.AMP):
 
         return Deferred.fromCoroutine(answer())
 
+    @Queue.responder
+    def queue(self) -> dict[str, Any]:
+        text, truncated = fit_queue(self._queue() if self._queue is not None else {"models": []})
+        return {"queue": text, "truncated": truncated}
+
     @ReloadConfig.responder
     def reload_config(self) -> Deferred[dict[str, Any]]:
         from blazar.config import ConfigError
@@ -508,8 +550,9 @@ class ControlFactory(Factory):
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
+        queue: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys)
+        self._args = (supervisor, registry, status, clock, logs, keys, queue)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -22,6 +22,7 @@ from blazar.protocols.control import (
     Models,
     NothingToEvict,
     Ps,
+    Queue,
     ResetBreakers,
     Status,
     Version,
@@ -53,8 +54,14 @@ class ControlTests(SynchronousTestCase):
 
         self.holder = KeyHolder(load_config(self.config_path))
         admin = KeyAdmin(self.config_path, self.holder, self.reactor)
+        from blazar.web.admission import Admission
+
+        self.admission = Admission(self.reactor, lambda: config)
         self.client, self.server, self.pump = connectedServerAndClient(
-            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor, None, admin),
+            lambda: ControlServer(
+                self.supervisor, registry, lambda: status, self.reactor, None, admin,
+                self.admission.snapshot,
+            ),
             amp.AMP,
         )
 
@@ -71,6 +78,35 @@ class ControlTests(SynchronousTestCase):
 
     def load(self) -> Any:
         return self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+
+    def test_queue(self) -> None:
+        import json
+
+        queue = self.admission.queue("m:latest")
+        queue.admit(queue.ticket(trace_id="running"), 1)
+        queue.admit(queue.ticket(trace_id="waiting", key="k"), 1)
+        self.reactor.advance(1.5)
+        answer = self.successResultOf(self.call(Queue))
+        self.assertFalse(answer["truncated"])
+        (model,) = json.loads(answer["queue"])["models"]
+        self.assertEqual(model["slots"], {"busy": 1, "total": 1})
+        self.assertEqual(model["oldest_wait_ms"], 1500)
+        self.assertEqual([(r["trace_id"], r["key"], r["position"]) for r in model["requests"]],
+                         [("waiting", "k", 1)])
+
+    def test_queue_listing_fits_an_amp_value(self) -> None:
+        import json
+
+        for name in ("a:latest", "b:latest", "c:latest"):
+            queue = self.admission.queue(name)
+            for i in range(1001):
+                queue.admit(queue.ticket(trace_id=f"plm-{'x' * 40}-{i}", key="k" * 40), 1)
+        answer = self.successResultOf(self.call(Queue))
+        self.assertTrue(answer["truncated"])
+        models = json.loads(answer["queue"])["models"]
+        self.assertEqual([m["waiting"]["total"] for m in models], [1000, 1000, 1000])
+        self.assertTrue(all(0 < len(m["requests"]) < 200 for m in models))
+        self.assertLessEqual(len(answer["queue"]), 60_000)
 
     def test_version(self) -> None:
         self.assertEqual(self.successResultOf(self.call(Version, protocol=PROTOCOL_VERSION))["protocol"],
