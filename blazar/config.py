@@ -30,6 +30,9 @@ C{~/.config/blazar/config.toml}. Keys::
     child_header_timeout_secs = 120   # no response headers this long, and no /health:
                                       # the child is wedged (killed, request retried once)
 
+    metrics_require_key = false    # GET /metrics needs an API key too
+    otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
+
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
     deadline_normal_secs = 30      # no priority header
@@ -188,6 +191,8 @@ class Config:
     child_header_timeout: float = 120.0
     ctx_policy: str = "fit"
     hf_endpoint: str = "https://huggingface.co"
+    metrics_require_key: bool = False
+    otlp_endpoint: str | None = None
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -340,6 +345,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
         "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log", "queue",
+        "metrics_require_key", "otlp_endpoint",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -391,6 +397,15 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise _expected(where, "hf_endpoint", "an http:// or https:// URL", endpoint)
         kwargs["hf_endpoint"] = endpoint
+    if "metrics_require_key" in doc:
+        if not isinstance(doc["metrics_require_key"], bool):
+            raise _expected(where, "metrics_require_key", "true or false", doc["metrics_require_key"])
+        kwargs["metrics_require_key"] = doc["metrics_require_key"]
+    if "otlp_endpoint" in doc:
+        endpoint = doc["otlp_endpoint"]
+        if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
+            raise _expected(where, "otlp_endpoint", "an http:// or https:// URL (OTLP/HTTP)", endpoint)
+        kwargs["otlp_endpoint"] = endpoint.rstrip("/")
     if "max_body_bytes" in doc:
         kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
 

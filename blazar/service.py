@@ -23,6 +23,8 @@ from twisted.logger import Logger, globalLogPublisher
 from blazar.config import Config
 from blazar import __version__, store
 from blazar.engines.client import EngineClient
+from blazar.engines.hints import EngineHints
+from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
@@ -35,6 +37,7 @@ from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
 from blazar.web.quota import Quotas
 from blazar.web.hub import HubClient
+from blazar.web.observe import MetricsResource, RequestObserver
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
@@ -217,15 +220,18 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     engines = EngineClient(reactor)
     hub = HubClient(reactor, config.hf_endpoint, environ.get("HF_TOKEN"))
     ConnectionPools(engines, hub).setServiceParent(top)
+    metrics = Metrics()
     supervisor = Supervisor(
         config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=thd_free_memory,
+        free_memory=thd_free_memory, metrics=metrics,
     )
     supervisor.setServiceParent(top)
+    hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
+    hints.setServiceParent(top)
     keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
     UsageStore(config.data_dir / "blazar.db", quotas, reactor).setServiceParent(top)
-    admission = Admission(reactor, lambda: keys.config)
+    admission = Admission(reactor, lambda: keys.config, metrics)
     proxy = EngineProxy(
         supervisor, engines, reactor, registry, config.child_header_timeout, admission
     )
@@ -233,15 +239,23 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = AuthGate(
-        SurfaceRouter(openai.app.resource(), ollama.app.resource(), anthropic.app.resource()), keys,
-        quotas,
+        SurfaceRouter(
+            openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
+            MetricsResource(metrics),
+        ),
+        keys, quotas,
     )
     site = BlazarSite(
         root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor
     )
+    site.observer = RequestObserver(metrics, reactor)
     if config.audit_log is not None:
-        site.audit = AuditLog(config.audit_log)
-        AuditService(site.audit).setServiceParent(top)
+        audit = site.audit = AuditLog(config.audit_log)
+        AuditService(audit).setServiceParent(top)
+        metrics.gauges(lambda: [gauge(
+            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
+            [([], audit.dropped)],
+        )])
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)
@@ -274,7 +288,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
                 supervisor, registry, status, reactor, ring, KeyAdmin(config.source, keys, reactor),
-                admission.snapshot,
+                admission.snapshot, hints,
             ),
             reactor=reactor,
         )

@@ -58,6 +58,20 @@ class EngineClient:
         await treq.content(response)
         return int(response.code)
 
+    async def get(
+        self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0,
+        max_bytes: int = 1 << 20,
+    ) -> tuple[int, bytes]:
+        """
+        GET C{url}: its status and body (at most C{max_bytes}).
+
+        @raise Exception: Connection errors, L{BodyTooLarge}, or
+            C{CancelledError} after C{timeout} seconds without headers.
+        """
+        response: IResponse = await self._http.get(url, headers=Headers(headers), timeout=timeout, unbuffered=True)
+        body = await read_body(response, self._reactor, idle_timeout=timeout, max_bytes=max_bytes)
+        return int(response.code), body
+
     async def request(
         self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]]
     ) -> IResponse:

@@ -35,6 +35,7 @@ from twisted.python.failure import Failure
 from blazar.config import Config
 from blazar.engines import runfiles
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
+from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -288,9 +289,23 @@ class Supervisor(Service):
     _run_dir: Path | None = None
     _free_memory: Callable[[], int] | None = None
     _admission: Any = attrs.field(factory=DeferredLock)
+    metrics: Metrics = attrs.field(factory=Metrics)
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
+        self.metrics.gauges(self.collect_metrics)
+
+    def collect_metrics(self) -> Any:
+        """
+        Scrape-time gauges: C{blazar_instances_loaded{state}} and
+        C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open).
+        """
+        states = ("starting", "ready", "stopping")
+        yield gauge("blazar_instances_loaded", "Engine children, by state", ["state"],
+                    [([st], sum(1 for i in self._all if i.state == st)) for st in states])
+        value = {"closed": 0, "half-open": 1, "open": 2}
+        yield gauge("blazar_breaker_state", "Crash breaker per model: 0 closed, 1 half-open, 2 open",
+                    ["model"], [([n], value[b.state]) for n, b in sorted(self._breakers.items())])
 
     def startService(self) -> None:
         Service.startService(self)
@@ -546,6 +561,7 @@ class Supervisor(Service):
         )
         protocol = EngineProcessProtocol(entry.name)
         now = self._reactor.seconds()
+        self.metrics.loads.labels(entry.name).inc()
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
             idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta),
@@ -597,6 +613,9 @@ class Supervisor(Service):
                     pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
                 )
                 self.breaker(instance.entry.name).ready()
+                self.metrics.load_duration.labels(instance.entry.name).observe(
+                    self._reactor.seconds() - instance.started_at
+                )
                 instance.ready_once = True
                 instance._settle(None)
                 return
@@ -631,11 +650,13 @@ class Supervisor(Service):
             del self._instances[instance.entry.name]
         message = instance.describe_exit(status)
         if was == "stopping":
+            self.metrics.evictions.labels(instance.entry.name, label_reason(instance.stop_reason)).inc()
             log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
                      engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
             if status.signal is None and status.code == 0:
                 self.breaker(instance.entry.name).reset()
         else:
+            self.metrics.crashes.labels(instance.entry.name).inc()
             log.error("{message}", message=message, model=instance.entry.name, engine="llamacpp")
             self.breaker(instance.entry.name).crashed(
                 self._reactor.seconds(), f"{status.describe()}; {instance.protocol.tail_text(4)}"

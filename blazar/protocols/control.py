@@ -79,6 +79,8 @@ INSTANCE = [
     (b"served", amp.Integer(optional=True)),
     (b"memory_estimate", amp.Integer(optional=True)),
     (b"rss", amp.Integer(optional=True)),
+    (b"cache_hit", amp.Float(optional=True)),
+    (b"draft_acceptance", amp.Float(optional=True)),
 ]
 
 
@@ -344,9 +346,10 @@ class ControlServer(amp.AMP):
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
-        queue: Callable[[], dict[str, Any]] | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
     ) -> None:
         super().__init__()
+        self._hints = hints
         self._queue = queue
         self._key_admin = keys
         self._logs = logs or LogRing()
@@ -385,7 +388,10 @@ class ControlServer(amp.AMP):
                 rss = None
                 if i.pid and hasattr(self._clock, "getThreadPool"):
                     rss = await deferToThreadPool(self._clock, self._clock.getThreadPool(), thd_rss, i.pid)
+                hint = self._hints.for_model(i.entry.name) if self._hints is not None else None
                 rows.append({
+                    "cache_hit": hint.cache_hit if hint is not None else None,
+                    "draft_acceptance": hint.draft_acceptance if hint is not None else None,
                     "model": i.entry.name, "key": f"{i.entry.name}#0@text", "state": i.state,
                     "pid": i.pid, "port": i.port, "slots": i.entry.settings.parallel or 4,
                     "busy": i.in_flight, "ctx": i.ctx,
@@ -550,9 +556,9 @@ class ControlFactory(Factory):
     def __init__(
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
-        queue: Callable[[], dict[str, Any]] | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys, queue)
+        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -45,6 +45,7 @@ from twisted.internet.defer import Deferred
 from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
+from blazar.metrics import Metrics, gauge
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
@@ -205,7 +206,10 @@ class ModelQueue:
         before the first release.
     """
 
-    def __init__(self, model: str, clock: Any, settings: QueueConfig) -> None:
+    def __init__(
+        self, model: str, clock: Any, settings: QueueConfig, metrics: Metrics | None = None
+    ) -> None:
+        self._metrics = metrics
         self.model = model
         self._clock = clock
         self.settings = settings
@@ -326,6 +330,10 @@ class ModelQueue:
         if ticket.timer is not None and ticket.timer.active():
             ticket.timer.cancel()
         ticket.admitted_at = self._clock.seconds()
+        if self._metrics is not None:
+            self._metrics.queue_wait.labels(
+                self.model, ticket.priority.name.lower(), CLASS_NAMES[ticket.work]
+            ).observe(ticket.admitted_at - ticket.arrived)
         self.running.append(ticket)
         self.credits[ticket.key] = self.credits.get(ticket.key, 0.0) + 1.0 / ticket.weight
         self.admitted_total += 1
@@ -502,10 +510,36 @@ class Admission:
         C{[queue]} settings apply to requests arriving after a change.
     """
 
-    def __init__(self, clock: Any, config: Callable[[], Config]) -> None:
+    def __init__(
+        self, clock: Any, config: Callable[[], Config], metrics: Metrics | None = None
+    ) -> None:
         self._clock = clock
         self._config = config
+        self._metrics = metrics
         self.queues: dict[str, ModelQueue] = {}
+        if metrics is not None:
+            metrics.gauges(self.collect_metrics)
+
+    def collect_metrics(self) -> Any:
+        """
+        Scrape-time gauges: C{blazar_queue_depth{model,priority,class}},
+        C{blazar_slots_busy{model}}, C{blazar_slots_total{model}}.
+        """
+        depth = []
+        for name, q in sorted(self.queues.items()):
+            counts: dict[tuple[str, str], int] = {}
+            for t in q.waiting:
+                cell = (t.priority.name.lower(), CLASS_NAMES[t.work])
+                counts[cell] = counts.get(cell, 0) + 1
+            depth += [
+                ([name, p.name.lower(), CLASS_NAMES[w]], counts.get((p.name.lower(), CLASS_NAMES[w]), 0))
+                for p in Priority for w in WorkClass
+            ]
+        yield gauge("blazar_queue_depth", "Requests waiting for a slot", ["model", "priority", "class"], depth)
+        yield gauge("blazar_slots_busy", "Slots held by admitted requests", ["model"],
+                    [([n], len(q.running)) for n, q in sorted(self.queues.items())])
+        yield gauge("blazar_slots_total", "Slots of the model (its parallel)", ["model"],
+                    [([n], q.slots) for n, q in sorted(self.queues.items())])
 
     def queue(self, model: str) -> ModelQueue:
         """
@@ -514,7 +548,7 @@ class Admission:
         queue = self.queues.get(model)
         settings = self._config().queue
         if queue is None:
-            queue = self.queues[model] = ModelQueue(model, self._clock, settings)
+            queue = self.queues[model] = ModelQueue(model, self._clock, settings, self._metrics)
         queue.settings = settings
         return queue
 

@@ -38,6 +38,7 @@ from blazar.web.proxy import (
     UnsupportedByModel,
     keep_alive_of,
 )
+from blazar.web.observe import note_error, note_tokens
 from blazar.web.translate import anthropic as tr
 
 log = Logger()
@@ -106,10 +107,12 @@ class AnthropicSurface:
         try:
             name = (await self._registry.resolve(model)).name
         except ModelNotFound as e:
+            note_error(request, e)
             raise AnthropicError(404, "not_found_error", f"model: {model} ({e})") from None
         try:
             check_scope(request, name)
         except Forbidden as e:
+            note_error(request, "forbidden")
             raise AnthropicError(403, "permission_error", str(e)) from None
         return name
 
@@ -159,9 +162,9 @@ class AnthropicSurface:
                 # arrives: count the prompt up front
                 translator.input_tokens = await prompt_tokens()
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
-            await self._collect(instance, response, translator, None, keep_alive=keep_alive)
+            await self._collect(instance, response, translator, None, keep_alive=keep_alive, observed=request)
             translator.finish()
-            record_usage(request, translator.total_tokens())
+            self._usage(request, translator)
             request.setHeader(b"content-type", b"application/json")
             return json.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
         if self._proxy.is_ready(canonical):
@@ -179,7 +182,7 @@ class AnthropicSurface:
                 self._stream_error(request, model, e)
                 return None
             self._write(request, translator.finish())
-            record_usage(request, translator.total_tokens())
+            self._usage(request, translator)
             return None
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
@@ -200,10 +203,15 @@ class AnthropicSurface:
             if pinger.running:
                 pinger.stop()
         self._write(request, translator.finish())
-        record_usage(request, translator.total_tokens())
+        self._usage(request, translator)
         return None
 
+    def _usage(self, request: IRequest, translator: tr.AnthropicStream) -> None:
+        note_tokens(request, translator.input_tokens, translator.total_tokens() - translator.input_tokens)
+        record_usage(request, translator.total_tokens())
+
     def _stream_error(self, request: IRequest, model: str, e: Exception) -> None:
+        note_error(request, e if not isinstance(e, EngineRejected) else "engine_error")
         log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
         request.write(tr.sse_event("error", {"type": "error", "error": {
             "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
@@ -217,6 +225,7 @@ class AnthropicSurface:
     async def _collect(
         self, instance: Instance, response: Any, translator: tr.AnthropicStream,
         request: IRequest | None, pinger: Any = None, keep_alive: float | None = None,
+        observed: IRequest | None = None,
     ) -> None:
         def on_chunk(chunk: dict[str, Any]) -> None:
             if pinger is not None and pinger.running:
@@ -228,7 +237,7 @@ class AnthropicSurface:
                 raise StreamStopped()
 
         try:
-            await self._proxy.relay_chunks(instance, response, on_chunk)
+            await self._proxy.relay_chunks(instance, response, on_chunk, observed or request)
         except StreamStopped:
             pass
         finally:
@@ -255,6 +264,7 @@ class AnthropicSurface:
 
     @app.handle_errors(QuotaExceeded)
     def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
         request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
@@ -266,10 +276,12 @@ class AnthropicSurface:
 
     @app.handle_errors(ModelNotFound)
     def _not_found(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return self._error(request, 404, "not_found_error", str(failure.value))
 
     @app.handle_errors(EngineRejected)
     def _rejected(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, EngineRejected)
         if 400 <= e.status < 500 or e.status == 501:
@@ -278,6 +290,7 @@ class AnthropicSurface:
 
     @app.handle_errors(AllSlotsBusy)
     def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
         request.setHeader(b"retry-after", e.retry_after_header)
@@ -285,14 +298,17 @@ class AnthropicSurface:
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return self._error(request, 529, "overloaded_error", str(failure.value))
 
     @app.handle_errors(EngineTimeout)
     def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return self._error(request, 504, "api_error", str(failure.value))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
         return self._error(request, 500, "api_error", str(failure.value))
 

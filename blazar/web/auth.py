@@ -117,6 +117,7 @@ class AuthGate(Resource):
         request.blazar_keys_active = self._keys.active  # type: ignore[attr-defined]
         open_route = (
             request.path in OPEN_PATHS
+            or (request.path == b"/metrics" and not self._keys.config.metrics_require_key)
             or request.method == b"OPTIONS"
             or (request.path == b"/" and request.method in (b"GET", b"HEAD"))
         )
@@ -130,6 +131,7 @@ class AuthGate(Resource):
                 request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
                 if surface == "anthropic":
                     request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+                request.blazar_error = "auth"  # type: ignore[attr-defined]
                 what = "missing" if not secret else "invalid"
                 return error_body(surface, 401, (
                     f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
@@ -140,6 +142,7 @@ class AuthGate(Resource):
                 try:
                     self._quotas.lease(key)
                 except QuotaExceeded as e:
+                    request.blazar_error = "quota"  # type: ignore[attr-defined]
                     surface = surface_of(request.path)
                     request.setResponseCode(429)
                     request.setHeader(b"content-type", b"application/json")

@@ -33,6 +33,7 @@ from blazar.web.proxy import (
     PromptTooLong,
     UnsupportedByModel,
 )
+from blazar.web.observe import note_error, note_tokens
 from blazar.web.translate import ollama as tr
 
 log = Logger()
@@ -160,7 +161,9 @@ class OllamaSurface:
     async def _entry(self, name: str, request: IRequest | None = None) -> ModelEntry:
         try:
             entry = await self._registry.resolve(name)
-        except ModelNotFound:
+        except ModelNotFound as e:
+            if request is not None:
+                note_error(request, e)
             shown = name if len(name) <= 200 else name[:200] + "..."
             raise OllamaError(404, f'model "{shown}" not found, try pulling it first') from None
         if request is not None:
@@ -289,6 +292,7 @@ class OllamaSurface:
                 else:
                     out = tr.generate_reply(reply, model, timing, timing_now)
                 out["created_at"] = _rfc3339(now_wall)
+                note_tokens(request, out["prompt_eval_count"], out["eval_count"])
                 record_usage(request, out["prompt_eval_count"] + out["eval_count"])
                 return _json(request, out)
             await self._stream(request, kind, model, instance, response, timing, path == "/infill")
@@ -312,18 +316,22 @@ class OllamaSurface:
                 request.write(tr.ndjson(lines))
 
         def on_chunk(chunk: dict[str, Any]) -> None:
+            if timing.first_token is None:
+                timing.first_token = self._clock.seconds()
             if infill:
                 emit(tr.infill_line(chunk, translator))
             else:
                 emit(translator.feed(chunk))
 
         try:
-            await self._proxy.relay_chunks(instance, response, on_chunk)
+            await self._proxy.relay_chunks(instance, response, on_chunk, request)
         except (EngineError, EngineRejected) as error:
+            note_error(request, error if isinstance(error, EngineError) else "engine_error")
             log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
             request.write(tr.ndjson([{"error": str(error)}]))
             return
         final = translator.finish()
+        note_tokens(request, final["prompt_eval_count"], final["eval_count"])
         record_usage(request, final["prompt_eval_count"] + final["eval_count"])
         final["created_at"] = _rfc3339(wall())
         request.write(tr.ndjson([final]))
@@ -342,6 +350,7 @@ class OllamaSurface:
         await self._entry(model, request)
         reply, timing, instance = await self._embed(request, model, inputs, keep_alive)
         out = tr.embed_reply(reply, model, timing, self._clock.seconds())
+        note_tokens(request, out["prompt_eval_count"], 0)
         record_usage(request, out["prompt_eval_count"])
         return _json(request, out)
 
@@ -552,6 +561,7 @@ class OllamaSurface:
 
     @app.handle_errors(QuotaExceeded)
     def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
         request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
@@ -559,6 +569,7 @@ class OllamaSurface:
 
     @app.handle_errors(Forbidden)
     def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, "forbidden")
         return _json(request, {"error": str(failure.value)}, 403)
 
     @app.handle_errors(PromptTooLong)
@@ -571,18 +582,21 @@ class OllamaSurface:
 
     @app.handle_errors(ModelNotFound)
     def _not_found(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, ModelNotFound)
         return _json(request, {"error": f'model "{e.name}" not found, try pulling it first'}, 404)
 
     @app.handle_errors(EngineRejected)
     def _rejected(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, EngineRejected)
         return _json(request, {"error": str(e)}, client_status(e.status))
 
     @app.handle_errors(AllSlotsBusy)
     def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
         request.setHeader(b"retry-after", e.retry_after_header)
@@ -590,14 +604,17 @@ class OllamaSurface:
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return _json(request, {"error": str(failure.value)}, 503)
 
     @app.handle_errors(EngineTimeout)
     def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return _json(request, {"error": str(failure.value)}, 504)
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
         return _json(request, {"error": str(failure.value)}, 502)
 

@@ -38,6 +38,7 @@ from blazar.web.proxy import (
     UnsupportedByModel,
     keep_alive_of,
 )
+from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
 from blazar.web.sse import ModelRenamer, SSERelay
 
 log = Logger()
@@ -230,9 +231,10 @@ class OpenAISurface:
                 await self._relay_stream(request, instance, response, renamer, hide_usage)
                 return None
             payload = await self._proxy.read(instance, response)
-            if wants_usage(request):
-                usage = json.loads(payload).get("usage") or {}
-                record_usage(request, int(usage.get("total_tokens") or usage.get("prompt_tokens") or 0))
+            tokens = usage_of_reply(payload)
+            if tokens is not None:
+                note_tokens(request, *tokens)
+                record_usage(request, tokens[0] + tokens[1])
             request.setHeader(b"content-type", b"application/json")
             return renamer.rename(payload)
         finally:
@@ -273,6 +275,7 @@ class OpenAISurface:
         try:
             instance, response = await self._proxy.send(model, path, raw)
         except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
+            note_error(request, e)
             code = "engine_unavailable" if isinstance(e, BreakerOpen) else "engine_error"
             request.write(b"data: " + error_body(str(e), "engine_error", code) + b"\n\n")
             return None
@@ -299,10 +302,16 @@ class OpenAISurface:
     ) -> None:
         self._sse_headers(request)
         on_usage = (lambda tokens: record_usage(request, tokens)) if wants_usage(request) else None
-        relay = SSERelay(request.write, renamer, on_usage, hide_usage)
+        def on_timings(events: bytes) -> None:
+            tokens = usage_of_timings(events)
+            if tokens is not None:
+                note_tokens(request, *tokens)
+
+        relay = SSERelay(request.write, renamer, on_usage, hide_usage, on_timings)
         try:
-            await self._proxy.relay(instance, response, relay.feed)
+            await self._proxy.relay(instance, response, relay.feed, request)
         except EngineError as error:
+            note_error(request, error)
             log.error(
                 "stream from {model} broke: {error}", model=instance.entry.name,
                 error=str(error), trace_id=getattr(request, "trace_id", ""),
@@ -311,6 +320,7 @@ class OpenAISurface:
             return
         relay.finish()
         if not relay.done:
+            note_error(request, "engine_crash")
             relay.fail(
                 error_body(
                     f"llama-server for model {instance.entry.name!r} ended the stream early",
@@ -333,6 +343,7 @@ class OpenAISurface:
 
     @app.handle_errors(QuotaExceeded)
     def _quota(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
         request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
@@ -340,6 +351,7 @@ class OpenAISurface:
 
     @app.handle_errors(Forbidden)
     def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, "forbidden")
         return self._error(request, 403, error_body(str(failure.value), "invalid_request_error", "model_not_allowed", "model"))
 
     @app.handle_errors(PromptTooLong)
@@ -355,6 +367,7 @@ class OpenAISurface:
 
     @app.handle_errors(ModelNotFound)
     def _model_not_found(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return self._error(
             request, 404, error_body(str(failure.value), "invalid_request_error", "model_not_found", "model")
         )
@@ -374,6 +387,7 @@ class OpenAISurface:
 
     @app.handle_errors(AllSlotsBusy)
     def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
         request.setHeader(b"retry-after", e.retry_after_header)
@@ -381,6 +395,7 @@ class OpenAISurface:
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         e = failure.value
         retry_after = getattr(e, "retry_after", 5.0)
         request.setHeader(b"retry-after", str(max(1, int(retry_after))).encode())
@@ -388,10 +403,12 @@ class OpenAISurface:
 
     @app.handle_errors(EngineTimeout)
     def _timeout(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         return self._error(request, 504, error_body(str(failure.value), "engine_error", "engine_timeout"))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:
+        note_error(request, failure.value)
         code = "engine_not_found" if failure.check(EngineNotFound) else "engine_error"
         log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
         return self._error(request, 502, error_body(str(failure.value), "engine_error", code))

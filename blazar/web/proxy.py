@@ -19,6 +19,7 @@ from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.web.admission import Admission, Lease, WorkClass, admit_request
+from blazar.web.observe import timing_of
 from blazar.web.sse import SSEEvents
 
 log = Logger()
@@ -435,7 +436,8 @@ class EngineProxy:
             raise await self.supervisor.explain_failure(instance, e) from None
 
     async def relay_chunks(
-        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], None]
+        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], None],
+        request: Any = None,
     ) -> None:
         """
         Feed each JSON chunk of a child's SSE stream to C{on_chunk} (for
@@ -450,17 +452,30 @@ class EngineProxy:
                 raise EngineRejected(500, stream_error_message(chunk["error"]))
             on_chunk(chunk)
 
-        await self.relay(instance, response, SSEEvents(on_event).feed)
+        await self.relay(instance, response, SSEEvents(on_event).feed, request)
 
-    async def relay(self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None]) -> None:
+    async def relay(
+        self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None],
+        request: Any = None,
+    ) -> None:
         """
-        Feed the child's body to C{on_chunk} as it arrives.
+        Feed the child's body to C{on_chunk} as it arrives; with C{request},
+        note when bytes arrived on it (L{blazar.web.observe.StreamTiming},
+        for time to first token and time per output token).
 
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled mid-way.
         @raise EngineRejected: C{on_chunk} raised it, or could not parse
             the stream (C{ValueError}).
         """
+        timing = timing_of(request)
+        if timing is not None:
+            tick, seconds, feed = timing.tick, self._clock.seconds, on_chunk
+
+            def on_chunk(data: bytes) -> None:
+                tick(seconds())
+                feed(data)
+
         try:
             await relay_body(response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT)
         except (CancelledError, EngineRejected, StreamStopped):

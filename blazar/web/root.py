@@ -12,21 +12,28 @@ from twisted.web.resource import IResource, Resource
 
 class SurfaceRouter(Resource):
     """
-    Sends C{/} and C{/api/*} to the Ollama surface, C{/v1/messages*} to the
+    Sends C{/metrics} to the Prometheus exposition, C{/} and C{/api/*} to
+    the Ollama surface, C{/v1/messages*} to the
     Anthropic surface, and every other path to the OpenAI surface (whose 404
     shape unknown paths then get).
     """
 
     isLeaf = True
 
-    def __init__(self, openai: IResource, ollama: IResource, anthropic: IResource) -> None:
+    def __init__(
+        self, openai: IResource, ollama: IResource, anthropic: IResource,
+        metrics: IResource | None = None,
+    ) -> None:
         super().__init__()
+        self._metrics = metrics
         self._openai = openai
         self._ollama = ollama
         self._anthropic = anthropic
 
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
         path = request.path
+        if path == b"/metrics" and self._metrics is not None:
+            return self._metrics.render(request)
         if path == b"/" or path.startswith(b"/api/") or path == b"/api":
             return self._ollama.render(request)
         if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):

@@ -13,6 +13,8 @@ from twisted.logger import Logger
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from blazar.web.auth import surface_of
+
 log = Logger()
 
 TRACE_HEADER = b"x-blazar-trace-id"
@@ -81,6 +83,9 @@ class BlazarRequest(Request):
             self.setResponseCode(204)
             self.finish()
             return
+        observer = site.observer
+        if observer is not None and (self.path.startswith(b"/v1/") or self.path.startswith(b"/api/")):
+            observer.started(self, surface_of(self.path))
         super().process()
 
 
@@ -104,6 +109,7 @@ class BlazarSite(Site):
         self.trace_prefix = secrets.token_hex(4)
         self.trace_seq = 0
         self.audit: Any = None
+        self.observer: Any = None  # a blazar.web.observe.RequestObserver
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access event per request (replaces the combined log).

@@ -38,7 +38,9 @@ class ModelRenamer:
 class SSERelay:
     """
     Buffers an engine's SSE bytes up to event boundaries and writes whole
-    events to the client as soon as each one is complete.
+    events to the client as soon as each one is complete. C{on_timings}
+    gets the events that carry llama-server's C{timings} object (the last
+    chunk of a stream).
 
     @ivar done: The last event written was C{data: [DONE]}.
     """
@@ -46,7 +48,9 @@ class SSERelay:
     def __init__(
         self, write: Callable[[bytes], None], renamer: ModelRenamer,
         on_usage: Callable[[int], None] | None = None, hide_usage: bool = False,
+        on_timings: Callable[[bytes], None] | None = None,
     ) -> None:
+        self._on_timings = on_timings
         self._write = write
         self._renamer = renamer
         self._on_usage = on_usage
@@ -66,6 +70,8 @@ class SSERelay:
             return
         events, self._buffer = data[: end + 2], data[end + 2 :]
         self.done = events.endswith(DONE)
+        if self._on_timings is not None and b'"timings":{' in events:
+            self._on_timings(events)  # llama-server's last chunk: token counts
         if self._on_usage is not None and b'"usage":{' in events:
             events = self._take_usage(events)
         self._write(self._renamer.rename(events))

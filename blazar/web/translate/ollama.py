@@ -353,10 +353,13 @@ class Timing:
 
     @ivar started: When the request arrived.
     @ivar loaded: When a ready engine was in hand (load time = loaded - started).
+    @ivar first_token: When the engine's first streamed chunk arrived, if
+        seen (streamed replies).
     """
 
     started: float
     loaded: float
+    first_token: float | None = None
 
 
 def final_fields(
@@ -365,20 +368,31 @@ def final_fields(
 ) -> dict[str, Any]:
     """
     The counters of a C{done: true} object, integers (durations in ns).
+    C{prompt_eval_duration} and C{eval_duration} are the child's own
+    C{timings} (C{prompt_ms}, C{predicted_ms}) where it sent them, else
+    Blazar's measurement: engine in hand to first token, first token to
+    now (all of it C{eval_duration} when no first token was seen).
     """
     usage = usage or {}
     timings = timings or {}
     prompt_n = timings.get("prompt_n", usage.get("prompt_tokens", 0))
     predicted_n = timings.get("predicted_n", usage.get("completion_tokens", 0))
+    first = timing.first_token if timing.first_token is not None else timing.loaded
+    prompt_ms = timings.get("prompt_ms")
+    predicted_ms = timings.get("predicted_ms")
     return {
         "done": True,
         "done_reason": done_reason,
         "total_duration": int((now - timing.started) * 1e9),
         "load_duration": int((timing.loaded - timing.started) * 1e9),
         "prompt_eval_count": int(usage.get("prompt_tokens", prompt_n) or 0),
-        "prompt_eval_duration": int(float(timings.get("prompt_ms", 0) or 0) * 1e6),
+        "prompt_eval_duration": int(
+            float(prompt_ms) * 1e6 if isinstance(prompt_ms, (int, float)) else (first - timing.loaded) * 1e9
+        ),
         "eval_count": int(usage.get("completion_tokens", predicted_n) or 0),
-        "eval_duration": int(float(timings.get("predicted_ms", 0) or 0) * 1e6),
+        "eval_duration": int(
+            float(predicted_ms) * 1e6 if isinstance(predicted_ms, (int, float)) else (now - first) * 1e9
+        ),
     }
 
 

@@ -218,6 +218,22 @@ class ReplyTests(SynchronousTestCase):
         self.assertEqual((out["total_duration"], out["load_duration"]), (1_000_000_000, 250_000_000))
         self.assertEqual((out["prompt_eval_count"], out["eval_count"]), (5, 3))
 
+    def test_durations_from_child_timings(self) -> None:
+        reply = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+                 "usage": {"completion_tokens": 3, "prompt_tokens": 5},
+                 "timings": {"prompt_ms": 1.5, "predicted_ms": 2.0}}
+        out = tr.chat_reply(reply, "m", tr.Timing(0.0, 0.25), 1.0)
+        self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (1_500_000, 2_000_000))
+
+    def test_durations_measured_without_child_timings(self) -> None:
+        reply = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+                 "usage": {"completion_tokens": 3, "prompt_tokens": 5}}
+        out = tr.chat_reply(reply, "m", tr.Timing(0.0, 0.25), 1.0)
+        self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (0, 750_000_000))
+        timed = tr.Timing(0.0, 0.25, first_token=0.5)
+        out = tr.chat_reply(reply, "m", timed, 1.0)
+        self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (250_000_000, 500_000_000))
+
     def test_embed_reply_keeps_input_order(self) -> None:
         reply = {"data": [{"index": 1, "embedding": [2.0]}, {"index": 0, "embedding": [1.0]}],
                  "usage": {"prompt_tokens": 4}}
