@@ -38,6 +38,7 @@ from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
 from blazar.web.quota import Quotas
 from blazar.web.hub import HubClient
 from blazar.web.observe import MetricsResource, RequestObserver
+from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
@@ -248,7 +249,11 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     site = BlazarSite(
         root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor
     )
-    site.observer = RequestObserver(metrics, reactor)
+    tracing = None
+    if config.otlp_endpoint is not None:
+        tracing = Tracing(config.otlp_endpoint, reactor, metrics)
+        tracing.setServiceParent(top)
+    site.observer = RequestObserver(metrics, reactor, tracing)
     if config.audit_log is not None:
         audit = site.audit = AuditLog(config.audit_log)
         AuditService(audit).setServiceParent(top)

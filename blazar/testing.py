@@ -189,6 +189,12 @@ class SynchronousThreadPool:
     that uses C{deferToThreadPool} runs without threads in unit tests.
     """
 
+    def start(self) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
     def callInThreadWithCallback(self, onResult, func, *args, **kw):  # type: ignore[no-untyped-def]
         try:
             result = func(*args, **kw)

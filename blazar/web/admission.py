@@ -614,6 +614,11 @@ async def admit_request(
         gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
     lease = await waiting
     gone.addBoth(lambda _: lease.release())
+    if getattr(request, "started", None) is not None:  # observed: for its trace
+        spans = getattr(request, "blazar_spans", None)
+        if spans is None:
+            spans = request.blazar_spans = {}  # type: ignore[attr-defined]
+        spans["queue"] = (ticket.arrived, ticket.admitted_at)
     request.setHeader(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
 

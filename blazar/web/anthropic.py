@@ -161,7 +161,7 @@ class AnthropicSurface:
                 # a stop sequence cuts the child's stream before its usage
                 # arrives: count the prompt up front
                 translator.input_tokens = await prompt_tokens()
-            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
             await self._collect(instance, response, translator, None, keep_alive=keep_alive, observed=request)
             translator.finish()
             self._usage(request, translator)
@@ -172,7 +172,7 @@ class AnthropicSurface:
             # engine rejects is an HTTP error, not a 200 stream with an error
             # event; and message_start can carry the prompt's token count.
             translator.input_tokens = await prompt_tokens()
-            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
             request.setHeader(b"content-type", b"text/event-stream")
             request.setHeader(b"cache-control", b"no-cache")
             self._write(request, translator.start())
@@ -194,7 +194,7 @@ class AnthropicSurface:
             lambda f: log.failure("ping failed", f)
         )
         try:
-            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw)
+            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
             await self._collect(instance, response, translator, request, pinger, keep_alive)
         except (EngineError, EngineRejected, EngineNotFound) as e:
             self._stream_error(request, model, e)

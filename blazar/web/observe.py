@@ -108,6 +108,19 @@ def usage_of_timings(event: bytes) -> tuple[int, int] | None:
     return prompt, int(timings.get("predicted_n") or 0)
 
 
+def note_span(request: Any, name: str, start: float, end: float | None = None) -> None:
+    """
+    Record a phase of C{request} for its trace (C{queue}, C{load},
+    C{generate}): clock seconds; an end of L{None} means the response's end.
+    """
+    if request is None:
+        return
+    spans = getattr(request, "blazar_spans", None)
+    if spans is None:
+        spans = request.blazar_spans = {}
+    spans[name] = (start, end)
+
+
 class StreamTiming:
     """
     When a child's streamed bytes arrived, for TTFT and TPOT.
@@ -149,9 +162,10 @@ class RequestObserver:
     Counts one finished request into L{Metrics}.
     """
 
-    def __init__(self, metrics: Metrics, clock: Any) -> None:
+    def __init__(self, metrics: Metrics, clock: Any, tracing: Any = None) -> None:
         self.metrics = metrics
         self._clock = clock
+        self.tracing = tracing  # a blazar.web.tracing.Tracing
 
     def started(self, request: Any, surface: str) -> None:
         self.metrics.in_flight.labels(surface).inc()
@@ -170,7 +184,8 @@ class RequestObserver:
         key_name = key.name if key is not None else ""
         m.requests.labels(surface, model, key_name, status).inc()
         started = request.started
-        m.duration.labels(surface, model).observe(max(0.0, self._clock.seconds() - started))
+        end = self._clock.seconds()
+        m.duration.labels(surface, model).observe(max(0.0, end - started))
         kind = getattr(request, "blazar_error", None)
         if kind is None and not gone and code >= 400:
             kind = status
@@ -185,6 +200,8 @@ class RequestObserver:
             m.ttft.labels(surface, model).observe(max(0.0, timing.first - started))
             if timing.chunks > 1:
                 m.tpot.labels(surface, model).observe((timing.last - timing.first) / (timing.chunks - 1))
+        if self.tracing is not None:
+            self.tracing.record(request, surface, end)
 
 
 class MetricsResource(Resource):

@@ -33,7 +33,7 @@ from blazar.web.proxy import (
     PromptTooLong,
     UnsupportedByModel,
 )
-from blazar.web.observe import note_error, note_tokens
+from blazar.web.observe import note_error, note_span, note_tokens
 from blazar.web.translate import ollama as tr
 
 log = Logger()
@@ -184,15 +184,20 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
 
-    async def _load(self, model: str, ctx_size: int | None = None) -> tr.Timing:
+    async def _load(self, model: str, ctx_size: int | None = None, request: IRequest | None = None) -> tr.Timing:
         """
         Make sure a child for C{model} is ready, timing how long that took
-        (Ollama's C{load_duration}).
+        (Ollama's C{load_duration}; a C{load} span in C{request}'s trace
+        when it had to wait for one).
         """
         started = self._clock.seconds()
-        await self._entry(model)
+        entry = await self._entry(model)
+        cold = not self._proxy.is_ready(entry.name)
         await self._supervisor.instance_for(model, ctx_size)
-        return tr.Timing(started=started, loaded=self._clock.seconds())
+        loaded = self._clock.seconds()
+        if cold and request is not None:
+            note_span(request, "load", started, loaded)
+        return tr.Timing(started=started, loaded=loaded)
 
     def _after(self, instance: Instance, keep_alive: float | None) -> None:
         # Ollama applies its default keep_alive to every request without one
@@ -278,9 +283,9 @@ class OllamaSurface:
         else:
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
         await self._proxy.admit(request, entry.name, work)
-        timing = await self._load(model, ctx_size)
+        timing = await self._load(model, ctx_size, request)
         instance, response = await self._proxy.send(
-            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size
+            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size, request
         )
         try:
             if not stream:
@@ -374,9 +379,9 @@ class OllamaSurface:
         entry = await self._entry(model)
         await self._proxy.check_purpose(model, embedding=True)
         await self._proxy.admit(request, entry.name, WorkClass.INTERACTIVE)
-        timing = await self._load(model)
+        timing = await self._load(model, None, request)
         instance, response = await self._proxy.send(
-            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8")
+            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), None, request
         )
         try:
             reply = json.loads(await self._proxy.read(instance, response))

@@ -224,7 +224,7 @@ class OpenAISurface:
         if stream and not self._proxy.is_ready(canonical):
             await self._stream_cold(request, model, path, raw, keep_alive, hide_usage)
             return None
-        instance, response = await self._proxy.send(model, path, raw)
+        instance, response = await self._proxy.send(model, path, raw, request=request)
         renamer = ModelRenamer(instance.entry.name, model)
         try:
             if stream:
@@ -273,7 +273,7 @@ class OpenAISurface:
             lambda f: log.failure("loading keepalive failed", f)
         )
         try:
-            instance, response = await self._proxy.send(model, path, raw)
+            instance, response = await self._proxy.send(model, path, raw, request=request)
         except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
             note_error(request, e)
             code = "engine_unavailable" if isinstance(e, BreakerOpen) else "engine_error"

@@ -19,7 +19,7 @@ from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.web.admission import Admission, Lease, WorkClass, admit_request
-from blazar.web.observe import timing_of
+from blazar.web.observe import note_span, timing_of
 from blazar.web.sse import SSEEvents
 
 log = Logger()
@@ -305,7 +305,8 @@ class EngineProxy:
         return entry.name
 
     async def send(
-        self, model: str, path: str, body: bytes, ctx_size: int | None = None
+        self, model: str, path: str, body: bytes, ctx_size: int | None = None,
+        request: Any = None,
     ) -> tuple[Instance, Any]:
         """
         Send C{body} to a ready child for C{model}; return the child and its
@@ -315,13 +316,24 @@ class EngineProxy:
         before anything is sent; then the request goes, once, to a fresh
         child instead of failing.
 
+        @param request: The web request this is for (its trace gets
+            C{load} and C{generate} spans).
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise blazar.engines.supervisor.EngineError: The child could not
             be started or reached.
         @raise EngineRejected: The child answered an error status.
         """
         for attempt in (1, 2):
+            began = self._clock.seconds()
+            loading = request is not None and self._registry is not None and not self.is_ready(
+                (await self._registry.resolve(model)).name
+            )
             instance = await self.supervisor.instance_for(model, ctx_size)
+            if request is not None:
+                now = self._clock.seconds()
+                if loading:
+                    note_span(request, "load", began, now)
+                note_span(request, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
             # requests wait for this one (the caller decrements when done)
             instance.in_flight += 1
