@@ -180,10 +180,12 @@ def _queue(args: argparse.Namespace) -> int:
 
     async def action(p: Any) -> int:
         answer = await p.callRemote(Queue)
+        queue = json.loads(answer["queue"])
         if args.json:
-            print(answer["queue"])
+            queue["truncated"] = answer["truncated"]  # rows were cut to fit the control channel
+            print(json.dumps(queue))
             return 0
-        models = json.loads(answer["queue"])["models"]
+        models = queue["models"]
         if not models:
             print("no requests yet")
             return 0
@@ -201,8 +203,9 @@ def _queue(args: argparse.Namespace) -> int:
                 start = "-" if r["estimated_start_ms"] is None else f"{r['estimated_start_ms'] / 1000:.1f}s"
                 print(f"  {r['position']:>4} {r['trace_id']:<28} {r['key'] or '-':<12} "
                       f"{r['priority']:<8} {r['class']:<11} {r['waited_ms'] / 1000:>6.1f}s {start:>8}")
-        if answer["truncated"]:
-            print("(some waiting requests not listed; blazar queue --json or GET /api/queue)")
+            unlisted = w["total"] - len(m["requests"])
+            if unlisted > 0:
+                print(f"  ... and {unlisted} more waiting, not listed (GET /api/queue lists 200 per model)")
         return 0
 
     return _control(args, action)

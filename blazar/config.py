@@ -303,9 +303,12 @@ def _positive_int(value: object, source: str, key: str) -> int:
     return int(value)
 
 
-def _positive_number(value: object, source: str, key: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise _expected(source, key, "a positive number of seconds", value)
+def _positive_number(value: object, source: str, key: str, what: str = "a positive number of seconds") -> float:
+    if (
+        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise _expected(source, key, what, value)
     return float(value)
 
 
@@ -494,7 +497,9 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
             if k in table:
                 limits[k] = _positive_int(table[k], where, prefix + k)
         if "weight" in table:
-            limits["weight"] = _positive_number(table["weight"], where, prefix + "weight")
+            limits["weight"] = _positive_number(
+                table["weight"], where, prefix + "weight", "a positive number (its share of busy slots)"
+            )
         try:
             models = tuple(canonical_name(m) for m in _str_list(table.get("models", []), where, prefix + "models"))
         except ValueError as e:

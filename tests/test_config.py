@@ -44,6 +44,15 @@ class ParseConfigTests(SynchronousTestCase):
         for needle in needles:
             self.assertIn(needle, message)
 
+    def test_non_finite_numbers_refused(self) -> None:
+        self.assertConfigError("[queue]\ndeadline_normal_secs = inf\n", "queue.deadline_normal_secs")
+        self.assertConfigError("[queue]\ndeadline_low_secs = nan\n", "queue.deadline_low_secs")
+        self.assertConfigError("idle_timeout_secs = inf\n", "idle_timeout_secs")
+        self.assertConfigError(
+            '[[keys]]\nname = "k"\nsecret = "0123456789abcdef"\nweight = inf\n',
+            "keys[0].weight", "share of busy slots",
+        )
+
     def test_unknown_top_key(self) -> None:
         self.assertConfigError("lisen = 'tcp:1'", "'lisen'", "listen")
 

@@ -16,9 +16,10 @@ beyond the slots, requests wait in the model's L{ModelQueue}, ordered by:
     C{max(1, N - ceil(N/4))} of the N slots (all N otherwise).
  3. weighted fair queuing between API keys: each admission adds
     C{1 / weight} to its key's credit and the key with the lowest credit
-    goes first (credits reset every L{CREDIT_RESET} admissions; a key that
-    starts waiting starts at the lowest credit of the keys already waiting,
-    so an idle key cannot bank a burst). Without keys every request is one
+    goes first (credits reset every L{CREDIT_RESET} admissions and when
+    the model goes idle; a key that becomes active starts at the lowest
+    credit of the keys already waiting or running, so no key banks a
+    burst). Without keys every request is one
     anonymous key.
  4. deadline, earliest first, within a key: C{x-blazar-deadline-ms} (ms
     from arrival), else the priority's default from C{[queue]} (2 s, 30 s,
@@ -275,12 +276,13 @@ class ModelQueue:
                 f"{self.settings.max_waiting}); retry later, or raise parallel under "
                 f'[models."{self.model}"]', 0.0, self._retry_after(),
             )
-        if not any(t.key == ticket.key for t in self.waiting):
-            # a key that starts waiting starts level with the keys already
-            # waiting: credit banked while idle is not spent as a burst
-            others = [self.credits.get(t.key, 0.0) for t in self.waiting]
-            if others:
-                self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), min(others))
+        active = {t.key for t in self.waiting} | {t.key for t in self.running}
+        if ticket.key not in active and active:
+            # a key that becomes active starts level with the keys already
+            # waiting or running: nobody banks credit while idle and spends
+            # it as a burst (a newcomer at 0 against a busy incumbent would)
+            others = min(self.credits.get(k, 0.0) for k in active)
+            self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), others)
 
         def cancel(d: Deferred[Lease]) -> None:
             self._leave(ticket)
@@ -347,6 +349,10 @@ class ModelQueue:
 
     def _release(self, ticket: Ticket) -> None:
         self.running.remove(ticket)
+        if not self.running and not self.waiting:
+            # idle: nobody has a share to catch up on
+            self.credits.clear()
+            self.admissions = 0
         assert ticket.admitted_at is not None
         held = self._clock.seconds() - ticket.admitted_at
         self.service = held if self.service is None else (

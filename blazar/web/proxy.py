@@ -10,7 +10,7 @@ import json
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
-from twisted.internet.error import ConnectError
+from twisted.internet.error import ConnectError, ConnectingCancelledError
 from twisted.logger import Logger
 
 from blazar.config import parse_duration
@@ -108,10 +108,10 @@ def was_cancelled(error: BaseException) -> bool:
     Twisted's HTTP client reports a cancelled request as
     C{ResponseNeverReceived([CancelledError])}.
     """
-    if isinstance(error, CancelledError):
+    if isinstance(error, (CancelledError, ConnectingCancelledError)):
         return True
     reasons = getattr(error, "reasons", None) or []
-    return any(r.check(CancelledError) for r in reasons)
+    return any(r.check(CancelledError, ConnectingCancelledError) for r in reasons)
 
 
 class EngineRejected(Exception):
@@ -173,10 +173,13 @@ class EngineProxy:
     def done(self, instance: Instance, keep_alive: float | None) -> None:
         """
         A request on C{instance} finished: record the use and apply its
-        C{keep_alive} (seconds; 0 unloads now if nothing else runs on it).
+        C{keep_alive} (seconds; 0 unloads now if nothing else runs on it or
+        waits for it).
         """
         self.supervisor.touch(instance, keep_alive)
-        if keep_alive == 0 and instance.in_flight == 0:
+        queue = self.admission.queues.get(instance.entry.name) if self.admission is not None else None
+        if keep_alive == 0 and instance.in_flight == 0 and not (queue is not None and queue.waiting):
+            # (requests waiting for a slot want this child: the last one unloads it)
             d = self.supervisor.stop_instance(instance, "keep_alive 0")
             d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
 
@@ -405,10 +408,20 @@ class EngineProxy:
 
         @raise ChildWedged: The child is wedged (the request is cancelled).
         """
-        outcome: Deferred[Any] = Deferred(lambda _: request.cancel())
+        cancelled = False
+
+        def cancel(_: Deferred[Any]) -> None:
+            # the client left: whatever the engine request fails with now
+            # (ConnectingCancelledError, DNSLookupError mid-connect, ...)
+            # is the cancellation, not an engine failure
+            nonlocal cancelled
+            cancelled = True
+            request.cancel()
+
+        outcome: Deferred[Any] = Deferred(cancel)
 
         def settle(result: Any) -> None:
-            if not outcome.called:
+            if not cancelled and not outcome.called:
                 outcome.callback(result)
 
         request.addBoth(settle)
@@ -421,13 +434,17 @@ class EngineProxy:
                     timer.cancel()
             if result is not _TICK:
                 return result
-            outcome = Deferred(lambda _: request.cancel())
+            outcome = Deferred(cancel)
             try:
                 healthy = await self.supervisor.probe_health(instance)
+            except CancelledError:
+                cancelled = True
+                request.cancel()
+                raise
             except Exception:
                 healthy = False
             if not healthy:
-                outcome = succeed(None)  # so settle ignores the cancellation
+                cancelled = True  # so settle ignores the cancellation
                 request.cancel()
                 raise ChildWedged()
 

@@ -32,6 +32,7 @@ class BlazarRequest(Request):
     """
 
     body_too_large = False
+    client_gone = False
     trace_id = ""
     started: float | None = None
 
@@ -53,6 +54,17 @@ class BlazarRequest(Request):
                 self.content.truncate()
                 return
         super().handleContentChunk(data)
+
+    def connectionLost(self, reason: Any) -> None:
+        # a client that left before its response was finished still gets
+        # its access-log (and audit) line, with nginx's 499 "client closed
+        # request" as its status
+        if not self.finished and self.started is not None:
+            self.client_gone = True
+            site = getattr(self.channel, "site", None)
+            if site is not None:
+                site.log(self)
+        super().connectionLost(reason)
 
     def process(self) -> None:
         site = self.channel.site  # type: ignore[union-attr,attr-defined]
@@ -119,7 +131,8 @@ class BlazarSite(Site):
         event = {
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
-            "status": request.code, "ms": round(ms, 1), "bytes": request.sentLength,
+            "status": 499 if getattr(request, "client_gone", False) else request.code,
+            "ms": round(ms, 1), "bytes": request.sentLength,
             "key": key.name if key is not None else "", "trace": getattr(request, "trace_id", ""),
             "model": getattr(request, "blazar_model", None) or "",
         }

@@ -251,3 +251,28 @@ def test_two_keys_share_a_slot_by_weight(daemon: Daemon) -> None:
     assert counts["light"] >= 20, counts  # the model was saturated
     ratio = counts["heavy"] / counts["light"]
     assert 3 * 0.9 <= ratio <= 3 * 1.1, counts
+
+
+def test_clients_that_leave_at_once_are_logged_and_crash_nothing(daemon: Daemon) -> None:
+    import socket
+
+    # loaded, so that the clients leave while the engine connection is made
+    assert call(daemon, "POST", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2})[0] == 200
+    body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 50})
+    for i in range(10):
+        s = socket.create_connection(("127.0.0.1", daemon.port))
+        s.sendall((
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: blazar\r\ncontent-type: application/json\r\n"
+            f"authorization: Bearer {ADMIN}\r\nx-blazar-trace-id: gone-request-{i:02d}\r\n"
+            f"content-length: {len(body)}\r\n\r\n{body}"
+        ).encode())
+        s.close()
+    wait_for(lambda: all(f"trace=gone-request-{i:02d}" in daemon.log() for i in range(10)))
+    time.sleep(2.5)  # a misread cancellation took 2 s to surface as an "engine crash"
+    log = daemon.log()
+    assert "Unhandled Error" not in log and "EngineCrashed" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if "trace=gone-request-" in line]
+    assert len(lines) == 10, lines  # one access line each: 499 (client closed) or 200
+    assert all(" 499 " in line or " 200 " in line for line in lines), lines
+    assert queue_of(daemon)["slots"]["busy"] == 0
+    assert call(daemon, "POST", "/v1/chat/completions", {"model": MODEL, "messages": HELLO, "max_tokens": 2})[0] == 200

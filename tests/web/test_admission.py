@@ -218,6 +218,25 @@ class FairQueuingTests(QueueTestCase):
         last = self.admitted[-10:]
         self.assertEqual(sum(1 for label in last if label.startswith("b")), 5, last)
 
+    def test_newcomer_against_a_running_incumbent_alternates(self) -> None:
+        # "a" ran 50 alone and holds the slot (nothing waits); then "b" and
+        # "a" arrive interleaved, "b" first
+        for i in range(50):
+            self.enqueue(f"solo{i}", key="a")
+            self.release(f"solo{i}")
+        self.enqueue("hold", key="a")
+        for i in range(20):
+            self.enqueue(f"b{i}", key="b")
+            self.enqueue(f"a{i}", key="a")
+        self.drain()
+        order = "".join(label[0] for label in self.admitted[51:])
+        self.assertEqual(order, "ba" * 20)
+
+    def test_idle_model_forgets_credits(self) -> None:
+        self.enqueue("x", key="a")
+        self.release("x")
+        self.assertEqual(self.queue.credits, {})
+
     def test_credits_reset_after_256_admissions(self) -> None:
         # the first admission happens while the backlog is built
         self.saturate({"a": 1.0, "b": 2.0}, 254)

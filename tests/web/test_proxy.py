@@ -44,6 +44,35 @@ class HeaderTimeoutTests(SynchronousTestCase):
         self.failureResultOf(d, ChildWedged)
         self.assertEqual(cancelled, [True])
 
+    def test_client_leaving_mid_connect_is_a_cancellation(self) -> None:
+        from twisted.internet.defer import CancelledError
+        from twisted.internet.error import DNSLookupError
+
+        # cancelling a connect in progress fails the engine request with
+        # the endpoint's own error, synchronously, inside the cancel
+        request: Deferred[str] = Deferred(lambda d: d.errback(DNSLookupError("127.0.0.1")))
+        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_client_leaving_during_a_health_probe_spares_the_child(self) -> None:
+        from twisted.internet.defer import CancelledError
+
+        probing: Deferred[bool] = Deferred()
+
+        async def probe(instance: Any) -> bool:
+            return await probing
+
+        self.supervisor.probe_health = probe  # type: ignore[method-assign]
+        cancelled = []
+        request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
+        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        self.clock.advance(10)
+        d.cancel()
+        self.failureResultOf(d, CancelledError)  # not ChildWedged: nobody kills the child
+        self.assertEqual(cancelled, [True])
+
     def test_errors_pass_through(self) -> None:
         request: Deferred[str] = Deferred()
         d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
