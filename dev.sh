@@ -4,6 +4,8 @@
 #                   generate a test model, start the daemon, send a chat
 #                   completion and a streaming one, print them, stop the daemon
 #   ./dev.sh test   the same setup, then the whole test suite
+#   ./dev.sh bench  the same setup, then bench/run.py (Blazar's own cost vs the
+#                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light)
 # Setup is idempotent: deps are reinstalled only when pyproject.toml changes,
 # and the engine is built once (~10 min) and reused from ~/.cache/blazar.
 set -euo pipefail
@@ -55,8 +57,13 @@ case "${1:-}" in
     .venv/bin/mypy
     exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
     ;;
+  bench)
+    setup
+    shift
+    exec .venv/bin/python bench/run.py "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL]" >&2
     exit 2
     ;;
 esac

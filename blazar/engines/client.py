@@ -8,13 +8,15 @@ from typing import Any, Callable
 
 import treq
 from treq.client import HTTPClient
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
-from twisted.web.iweb import IResponse
+from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
+from zope.interface import implementer
 
 
 class QuietConnectionPool(HTTPConnectionPool):
@@ -25,6 +27,44 @@ class QuietConnectionPool(HTTPConnectionPool):
 
     class _factory(_HTTP11ClientFactory):
         noisy = False
+
+
+@implementer(IAgentEndpointFactory)
+class _LoopbackEndpoints:
+    """
+    TCP endpoints for C{http://127.0.0.1:<port>} URLs (engine children).
+    """
+
+    def __init__(self, reactor: Any, timeout: float) -> None:
+        self._reactor = reactor
+        self._timeout = timeout
+
+    def endpointForURI(self, uri: Any) -> TCP4ClientEndpoint:
+        return TCP4ClientEndpoint(self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout)
+
+
+@implementer(IBodyProducer)
+class _BytesProducer:
+    """
+    A request body that is all in memory: written at once.
+    """
+
+    def __init__(self, body: bytes) -> None:
+        self._body = body
+        self.length = len(body)
+
+    def startProducing(self, consumer: Any) -> Deferred[None]:
+        consumer.write(self._body)
+        return succeed(None)
+
+    def pauseProducing(self) -> None:
+        pass
+
+    def resumeProducing(self) -> None:
+        pass
+
+    def stopProducing(self) -> None:
+        pass
 
 
 class EngineClient:
@@ -45,6 +85,12 @@ class EngineClient:
         self._pool = QuietConnectionPool(reactor, persistent=False)
         self._pool.retryAutomatically = False
         self._http = HTTPClient(Agent(reactor, connectTimeout=connect_timeout, pool=self._pool))
+        # the request path: children are on 127.0.0.1, so a plain TCP
+        # endpoint (no name resolution thread, no Happy Eyeballs) and the
+        # bare Agent (no cookie, redirect or decoding wrappers)
+        self._agent = Agent.usingEndpointFactory(
+            reactor, _LoopbackEndpoints(reactor, connect_timeout), pool=self._pool
+        )
 
     async def get_status(self, url: str, timeout: float = 2.0) -> int:
         """
@@ -79,9 +125,11 @@ class EngineClient:
         Send one request and return as soon as the response headers arrive;
         the caller reads (or discards) the body.
         """
-        return await self._http.request(
-            method, url, data=body, headers=Headers(headers), unbuffered=True
+        producer = _BytesProducer(body) if body is not None else None
+        response: IResponse = await self._agent.request(
+            method.encode("ascii"), url.encode("ascii"), Headers(headers), producer
         )
+        return response
 
     async def close(self) -> None:
         """

@@ -33,6 +33,9 @@ class BlazarRequest(Request):
 
     body_too_large = False
     client_gone = False
+    # every surface takes JSON: no form parsing (twisted.web parses each
+    # POST's content-type with the email package to look for forms)
+    _parsePOSTFormSubmission = False
     trace_id = ""
     started: float | None = None
 

@@ -1,0 +1,520 @@
+#!/usr/bin/env python3
+"""
+Blazar's own cost per request and per streamed chunk, measured against the
+engine direct, side by side in one run (A B A B ...), as ratios.
+
+    ./dev.sh bench [--quick] [--profile] [--litellm]
+
+It starts what it needs on loopback and stops it: a Blazar daemon pinned
+to CPU 0; as engines, nginx serving canned llama-server replies (a
+near-zero-cost upstream, via bench/engine_shim.py) and real llama-server
+children on a generated model; wrk (on CPU 1) as the load generator. It
+prints a table and writes bench/results/<UTC time>.json. Needs wrk and
+nginx (Debian: apt-get install wrk nginx-light).
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+BLAZAR_CPU, LOAD_CPU = 0, 1
+HELLO = [{"role": "user", "content": "hi"}]
+
+TARGETS = {
+    "openai c=1 added p50 <= 1.0 ms": lambda r: r["openai_chat"]["1"]["added_p50_ms"] <= 1.0,
+    "openai c=1 CPU <= 0.8 ms per request": lambda r: r["openai_chat"]["1"]["cpu_ms_per_request"] <= 0.8,
+    "openai c=8 >= 1200 req/s": lambda r: r["openai_chat"]["8"]["blazar_rps"] >= 1200,
+    "stream relay <= 40 us CPU per chunk (no translation)": lambda r: r["relay_chunk_cpu_us"]["openai"] <= 40,
+    "stream relay <= 80 us CPU per chunk (Ollama)": lambda r: r["relay_chunk_cpu_us"]["ollama"] <= 80,
+    "stream relay <= 80 us CPU per chunk (Anthropic)": lambda r: r["relay_chunk_cpu_us"]["anthropic"] <= 80,
+    "added time to first byte <= 1 ms": lambda r: r["ttfb"]["added_ms"] <= 1.0,
+    "cold start: Blazar's share <= 50 ms": lambda r: r["cold_start"]["blazar_share_ms"] <= 50,
+    "RSS after 10,000 requests within 10% of after 1,000": lambda r: r["memory"]["growth_ratio"] <= 1.10,
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine_binary() -> str:
+    explicit = os.environ.get("BLAZAR_ENGINE")
+    if explicit:
+        return explicit
+    out = subprocess.run([str(ROOT / "scripts" / "build-engine.sh")], capture_output=True, text=True, check=True)
+    return out.stdout.strip().splitlines()[-1]
+
+
+# -- wrk ---------------------------------------------------------------------
+
+def lua_post(path: Path, body: Any, headers: dict[str, str] | None = None) -> Path:
+    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(body))}",
+             'wrk.headers["Content-Type"] = "application/json"']
+    for k, v in (headers or {}).items():
+        lines.append(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _ms(text: str) -> float:
+    match = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text)
+    if match is None:
+        raise ValueError(f"not a wrk duration: {text!r}")
+    value, unit = match.groups()
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
+
+
+def wrk(url: str, script: Path, connections: int, seconds: float, watch: psutil.Process | None) -> dict[str, float]:
+    """
+    One wrk run on CPU 1: req/s, p50/p99 ms, and C{watch}'s CPU seconds.
+    """
+    cpu0 = sum(watch.cpu_times()[:2]) if watch else 0.0
+    out = subprocess.run(
+        ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--latency",
+         "-s", str(script), url],
+        capture_output=True, text=True, check=True,
+    ).stdout
+    cpu = (sum(watch.cpu_times()[:2]) - cpu0) if watch else 0.0
+    if "Latency Distribution" not in out:
+        raise SystemExit(f"wrk printed no latency distribution for {url}:\n{out}")
+    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    socket_errors = re.search(r"Socket errors: (.*)", out)
+    if errors or socket_errors:
+        raise SystemExit(f"wrk saw errors against {url}:\n{out}")
+    return {
+        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
+        "p50_ms": _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
+        "p99_ms": _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
+        "requests": requests, "cpu_s": cpu,
+    }
+
+
+# -- the daemon ----------------------------------------------------------------
+
+class Bench:
+    def __init__(self, seconds: float, work: Path) -> None:
+        self.seconds = seconds
+        self.work = work
+        self.port = free_port()
+        self.llama = engine_binary()
+        self.results: dict[str, Any] = {}
+
+    def start(self) -> None:
+        sys.path.insert(0, str(ROOT))
+        from blazar.testing import make_test_model
+
+        models = self.work / "models"
+        make_test_model(models / "tiny.gguf")
+        self.config = self.work / "config.toml"
+        self.config.write_text(
+            f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
+            f'data_dir = "{self.work / "data"}"\nmodels_dir = "{models}"\n'
+            "breaker_crashes = 1000\n"
+            f'[engines.llamacpp]\nbinary = "{HERE / "engine_shim.py"}"\nargs = ["--threads", "1"]\n'
+            '[models."upstream"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
+            '[models."upstream-sse"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
+            '[models."tiny"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
+        )
+        env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
+        self.log = open(self.work / "daemon.log", "wb")
+        self.proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(self.config)],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+        )
+        self.daemon = psutil.Process(self.proc.pid)
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if self.get("/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit("daemon did not start:\n" + (self.work / "daemon.log").read_text())
+            time.sleep(0.05)
+        # twistd may run the reactor in the process blazar serve execs into
+        self.daemon.cpu_affinity([BLAZAR_CPU])
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        for p in psutil.process_iter(["cmdline"]):
+            if any("bench-nginx-" in a for a in (p.info["cmdline"] or [])):
+                p.kill()
+
+    def get(self, path: str, port: int | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
+        try:
+            conn.request("GET", path)
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def post(self, path: str, body: Any, port: int | None = None) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
+        try:
+            conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+            resp = conn.getresponse()
+            return resp.status, resp.read()
+        finally:
+            conn.close()
+
+    def child(self, model: str) -> tuple[int, int]:
+        """
+        Load C{model}; the pid and port of its engine (pinned to CPU 1, with
+        the load generator, so that CPU 0 is Blazar's alone).
+        """
+        status, body = self.post("/v1/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 1})
+        assert status == 200, body
+        info = json.loads((self.work / "data" / "run" / f"{model}_latest.pid").read_text())
+        for p in [psutil.Process(info["pid"]), *psutil.Process(info["pid"]).children(recursive=True)]:
+            p.cpu_affinity([LOAD_CPU])
+        return info["pid"], info["port"]
+
+    # -- scenarios ---------------------------------------------------------
+
+    def ab(self, direct: str, through: str, script_direct: Path, script_through: Path,
+           connections: int) -> dict[str, Any]:
+        """
+        Direct and through Blazar, alternating, twice each; best of each.
+        """
+        runs: dict[str, list[dict[str, float]]] = {"direct": [], "blazar": []}
+        for _ in range(2):
+            runs["direct"].append(wrk(direct, script_direct, connections, self.seconds, None))
+            runs["blazar"].append(wrk(through, script_through, connections, self.seconds, self.daemon))
+        best = {k: max(v, key=lambda r: r["rps"]) for k, v in runs.items()}
+        d, b = best["direct"], best["blazar"]
+        return {
+            "direct_rps": d["rps"], "blazar_rps": b["rps"], "rps_ratio": b["rps"] / d["rps"],
+            "direct_p50_ms": d["p50_ms"], "blazar_p50_ms": b["p50_ms"],
+            "direct_p99_ms": d["p99_ms"], "blazar_p99_ms": b["p99_ms"],
+            "added_p50_ms": b["p50_ms"] - d["p50_ms"],
+            "cpu_ms_per_request": 1000 * b["cpu_s"] / max(1, b["requests"]),
+            "runs": runs,
+        }
+
+    def non_streaming(self) -> None:
+        _, port = self.child("upstream")
+        direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+        body = {"model": "upstream", "messages": HELLO, "max_tokens": 8}
+        script = lua_post(self.work / "chat.lua", body)
+        self.results["openai_chat"] = {
+            str(c): self.ab(direct, f"http://127.0.0.1:{self.port}/v1/chat/completions", script, script, c)
+            for c in (1, 8, 64)
+        }
+        ollama = lua_post(self.work / "ollama.lua", {**body, "stream": False})
+        self.results["ollama_chat"] = {
+            str(c): self.ab(direct, f"http://127.0.0.1:{self.port}/api/chat", script, ollama, c) for c in (1, 8)
+        }
+
+    def streaming(self) -> None:
+        # the canned stream: Blazar's relay cost per chunk, engine cost ~0
+        from engine_shim import CHUNKS  # type: ignore[import-not-found]
+
+        _, port = self.child("upstream-sse")
+        body = {"model": "upstream-sse", "messages": HELLO, "stream": True, "max_tokens": 8}
+        direct = f"http://127.0.0.1:{port}/v1/chat/completions"
+        cpu: dict[str, float] = {}
+        self.results["canned_stream"] = {}
+        for surface, path, request in [
+            ("openai", "/v1/chat/completions", body),
+            ("ollama", "/api/chat", body),
+            ("anthropic", "/v1/messages", {**body, "max_tokens": 8}),
+        ]:
+            script = lua_post(self.work / f"sse-{surface}.lua", request)
+            r = self.ab(direct, f"http://127.0.0.1:{self.port}{path}", script, script, 8)
+            r["chunks_per_stream"] = CHUNKS
+            cpu[surface] = 1000 * r["cpu_ms_per_request"] / CHUNKS
+            self.results["canned_stream"][surface] = r
+        self.results["relay_chunk_cpu_us"] = cpu
+        # real llama-server streams: relayed chunks per second
+        _, port = self.child("tiny")
+        tokens = 64
+        body = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": tokens, "ignore_eos": True}
+        script = lua_post(self.work / "llama.lua", body)
+        real = {}
+        for c in (1, 16, 64):
+            r = self.ab(f"http://127.0.0.1:{port}/v1/chat/completions",
+                        f"http://127.0.0.1:{self.port}/v1/chat/completions", script, script, c)
+            r["direct_chunks_per_s"] = r["direct_rps"] * (tokens + 2)
+            r["blazar_chunks_per_s"] = r["blazar_rps"] * (tokens + 2)
+            r["cpu_us_per_chunk"] = 1000 * r["cpu_ms_per_request"] / (tokens + 2)
+            real[str(c)] = r
+        self.results["llama_stream"] = real
+
+    def ttfb(self) -> None:
+        """
+        Time to the first streamed event, c = 1, direct vs through Blazar.
+        """
+        _, port = self.child("tiny")
+        body = json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 4})
+
+        def first_event(p: int) -> float:
+            conn = http.client.HTTPConnection("127.0.0.1", p, timeout=30)
+            try:
+                started = time.perf_counter()
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                resp = conn.getresponse()
+                for line in resp:
+                    if line.startswith(b"data: "):
+                        elapsed = time.perf_counter() - started
+                        resp.read()
+                        return elapsed
+                raise AssertionError("no event")
+            finally:
+                conn.close()
+
+        samples: dict[str, list[float]] = {"direct": [], "blazar": []}
+        for _ in range(100):
+            samples["direct"].append(first_event(port))
+            samples["blazar"].append(first_event(self.port))
+        d, b = (statistics.median(samples[k]) * 1000 for k in ("direct", "blazar"))
+        self.results["ttfb"] = {"direct_ms": d, "blazar_ms": b, "added_ms": b - d}
+
+    def cold_start(self) -> None:
+        """
+        First request to first streamed event from nothing loaded: direct
+        (spawn llama-server, poll /health every 5 ms, send) vs Blazar (its
+        load on first use).
+        """
+        body = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 4}
+        model = str(self.work / "models" / "tiny.gguf")
+
+        def until_event(port: int) -> float:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            started = time.perf_counter()
+            try:
+                conn.request("POST", "/v1/chat/completions", json.dumps(body), {"content-type": "application/json"})
+                for line in conn.getresponse():
+                    if line.startswith(b"data: "):
+                        return time.perf_counter() - started
+                raise AssertionError("no event")
+            finally:
+                conn.close()
+
+        direct, through, loads, spawns = [], [], [], []
+        for _ in range(3):
+            port = free_port()
+            started = time.perf_counter()
+            proc = subprocess.Popen(
+                ["taskset", "-c", str(LOAD_CPU), self.llama, "-m", model, "--host", "127.0.0.1",
+                 "--port", str(port), "-c", str(2048 * 64), "-np", "64", "--jinja", "--no-webui",
+                 "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+            spawns.append(time.perf_counter() - started)
+            while True:
+                try:
+                    if self.get("/health", port)[0] == 200:
+                        break
+                except OSError:
+                    pass
+                time.sleep(0.005)
+            loads.append(time.perf_counter() - started)
+            direct.append(time.perf_counter() - started + until_event(port))
+            proc.terminate()
+            proc.wait()
+            subprocess.run([str(Path(sys.executable).parent / "blazar"), "evict", "tiny",
+                            "--config", str(self.config)], capture_output=True)
+            time.sleep(0.5)
+            through.append(until_event(self.port))
+        d, b = statistics.median(direct) * 1000, statistics.median(through) * 1000
+        self.results["cold_start"] = {
+            "spawn_ms": statistics.median(spawns) * 1000,
+            "engine_load_ms": statistics.median(loads) * 1000,
+            "direct_first_event_ms": d, "blazar_first_event_ms": b, "blazar_share_ms": b - d,
+        }
+
+    def memory(self) -> None:
+        _, _ = self.child("upstream")
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        body = json.dumps({"model": "upstream", "messages": HELLO, "max_tokens": 8})
+        rss = {"idle": self.daemon.memory_info().rss}
+
+        def requests(n: int) -> None:
+            for _ in range(n):
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                conn.getresponse().read()
+
+        requests(1000)
+        rss["after_1000"] = self.daemon.memory_info().rss
+        requests(9000)
+        rss["after_10000"] = self.daemon.memory_info().rss
+        conn.close()
+        stream = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 16}
+        for _ in range(1000):
+            self.post("/v1/chat/completions", stream)
+        rss["after_1000_streams"] = self.daemon.memory_info().rss
+        self.results["memory"] = {**{k: v / 2**20 for k, v in rss.items()},
+                                  "growth_ratio": rss["after_10000"] / rss["after_1000"]}
+
+    def profile(self, label: str) -> None:
+        """
+        py-spy on the daemon during non-streaming c = 8: the hottest functions.
+        """
+        if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
+            raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
+        spy = str(Path(sys.executable).parent / "py-spy") if (Path(sys.executable).parent / "py-spy").exists() else "py-spy"
+        _, port = self.child("upstream")
+        out = HERE / "results" / f"profile-{label}.txt"
+        script = lua_post(self.work / "chat.lua", {"model": "upstream", "messages": HELLO, "max_tokens": 8})
+        raw = HERE / "results" / f"profile-{label}.raw"  # collapsed stacks (not committed)
+        spy_proc = subprocess.Popen([spy, "record", "--pid", str(self.daemon.pid), "--format", "raw",
+                                     "--output", str(raw), "--rate", "500", "--nonblocking"],
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(1)
+        wrk(f"http://127.0.0.1:{self.port}/v1/chat/completions", script, 8, 10.0, None)
+        spy_proc.send_signal(signal.SIGINT)
+        spy_proc.wait(30)
+        out.write_text(summarize_profile(raw.read_text()))
+        self.results["profile"] = str(out.relative_to(ROOT))
+
+
+def summarize_profile(raw: str, top: int = 40) -> str:
+    """
+    Self and total sample shares per function from py-spy's collapsed stacks.
+    """
+    own: dict[str, int] = {}
+    total: dict[str, int] = {}
+    samples = 0
+    for line in raw.splitlines():
+        stack, _, count = line.rpartition(" ")
+        if not stack:
+            continue
+        n = int(count)
+        samples += n
+        frames = [re.sub(r" \((.*/)?([^/]+):\d+\)", r" (\2)", f) for f in stack.split(";")]
+        own[frames[-1]] = own.get(frames[-1], 0) + n
+        for f in set(frames):
+            total[f] = total.get(f, 0) + n
+    lines = [f"{samples} samples\n", "by self time", "self%   total%  function"]
+    for f, n in sorted(own.items(), key=lambda kv: -kv[1])[:top]:
+        lines.append(f"{100 * n / samples:5.1f}  {100 * total[f] / samples:6.1f}  {f}")
+    lines += ["", "by total time (the function and what it calls)", "total%  function"]
+    for f, n in sorted(total.items(), key=lambda kv: -kv[1])[: top * 2]:
+        lines.append(f"{100 * n / samples:6.1f}  {f}")
+    return "\n".join(lines) + "\n"
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+            "python": platform.python_version(), "kernel": platform.release(),
+            "pinning": f"daemon on CPU {BLAZAR_CPU}; wrk and engines on CPU {LOAD_CPU}"}
+
+
+def table(r: dict[str, Any]) -> str:
+    rows = ["scenario                                  direct       blazar      ratio   added p50  CPU/req"]
+    for name, key in (("openai chat", "openai_chat"), ("ollama chat", "ollama_chat")):
+        for c, x in r.get(key, {}).items():
+            rows.append(f"{name + ' c=' + c:<38} {x['direct_rps']:>8.0f}/s {x['blazar_rps']:>8.0f}/s "
+                        f"{x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms {x['cpu_ms_per_request']:>6.2f}ms")
+    for c, x in r.get("llama_stream", {}).items():
+        rows.append(f"{'llama-server stream c=' + c:<38} {x['direct_chunks_per_s']:>6.0f}ch/s "
+                    f"{x['blazar_chunks_per_s']:>6.0f}ch/s {x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms "
+                    f"{x['cpu_us_per_chunk']:>5.1f}us/ch")
+    for s, us in r.get("relay_chunk_cpu_us", {}).items():
+        rows.append(f"{'canned stream relay, ' + s:<38} {'':>10} {'':>10} {'':>7} {'':>10} {us:>5.1f}us/ch")
+    if "ttfb" in r:
+        t = r["ttfb"]
+        rows.append(f"{'time to first event c=1':<38} {t['direct_ms']:>8.2f}ms {t['blazar_ms']:>8.2f}ms "
+                    f"{t['blazar_ms'] / t['direct_ms']:>7.3f} {t['added_ms']:>8.2f}ms")
+    if "cold_start" in r:
+        c = r["cold_start"]
+        rows.append(f"{'cold start to first event':<38} {c['direct_first_event_ms']:>8.0f}ms "
+                    f"{c['blazar_first_event_ms']:>8.0f}ms {'':>7} {c['blazar_share_ms']:>8.1f}ms"
+                    f"  (engine load {c['engine_load_ms']:.0f} ms)")
+    if "memory" in r:
+        m = r["memory"]
+        rows.append(f"RSS MiB: idle {m['idle']:.1f}, after 1k {m['after_1000']:.1f}, after 10k "
+                    f"{m['after_10000']:.1f}, after 1k streams {m['after_1000_streams']:.1f}")
+    rows.append("")
+    for name, check in TARGETS.items():
+        try:
+            met = "met" if check(r) else "NOT MET"
+        except KeyError:
+            met = "not measured"
+        rows.append(f"  [{met}] {name}")
+    return "\n".join(rows)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="2 s per measurement instead of 5")
+    p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
+    p.add_argument("--only", help="comma-separated scenarios: nonstream,stream,ttfb,cold,memory")
+    args = p.parse_args()
+    for tool in ("wrk", "nginx", "taskset"):
+        if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
+            print(f"bench needs {tool}: apt-get install wrk nginx-light util-linux", file=sys.stderr)
+            return 1
+    if psutil.cpu_count() < 2:
+        print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
+        return 1
+    sys.path.insert(0, str(HERE))
+    only = set((args.only or "nonstream,stream,ttfb,cold,memory").split(","))
+    with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
+        bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
+        bench.start()
+        try:
+            if "nonstream" in only:
+                bench.non_streaming()
+            if "stream" in only:
+                bench.streaming()
+            if "ttfb" in only:
+                bench.ttfb()
+            if "cold" in only:
+                bench.cold_start()
+            if "memory" in only:
+                bench.memory()
+            if args.profile:
+                bench.profile(args.profile)
+        finally:
+            bench.stop()
+    import blazar
+
+    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "blazar": blazar.__version__,
+              "machine": machine(), "seconds_per_run": bench.seconds, **bench.results}
+    print(table(result))
+    out = HERE / "results" / (result["when"].replace(":", "") + ".json")
+    out.parent.mkdir(exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"\nwritten {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
