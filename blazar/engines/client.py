@@ -13,6 +13,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
+from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
@@ -69,16 +70,23 @@ class _BytesProducer:
 
 class EngineClient:
     """
-    Requests to children on 127.0.0.1, one connection per request.
+    Requests to children on 127.0.0.1.
 
-    Connections are not reused: llama-server closes a connection after a
-    streamed reply while announcing keep-alive, and a pooled connection to
-    a child that died since is indistinguishable from a request the child
-    died in the middle of. A fresh loopback connection costs tens of
-    microseconds; a wrong 502 costs a user.
+    Non-streamed requests go over kept-alive connections (llama-server
+    keeps them for 5 s and 100 requests; Blazar drops its idle ones after
+    L{IDLE_CONNECTION_SECS}, before the child does): a new connection per
+    request was Blazar's largest cost per request. A request that fails on
+    a kept connection before any answer (the child closed it meanwhile) is
+    sent once more on a fresh one: a child only closes idle connections, so
+    it never saw that request.
+
+    Streamed requests get a connection of their own: llama-server closes a
+    connection after a streamed reply while announcing keep-alive.
 
     Responses are unbuffered so that streams can be relayed as they arrive.
     """
+
+    IDLE_CONNECTION_SECS = 2
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0) -> None:
         self._reactor: IReactorTime = reactor
@@ -88,9 +96,13 @@ class EngineClient:
         # the request path: children are on 127.0.0.1, so a plain TCP
         # endpoint (no name resolution thread, no Happy Eyeballs) and the
         # bare Agent (no cookie, redirect or decoding wrappers)
-        self._agent = Agent.usingEndpointFactory(
-            reactor, _LoopbackEndpoints(reactor, connect_timeout), pool=self._pool
-        )
+        endpoints = _LoopbackEndpoints(reactor, connect_timeout)
+        self._fresh = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
+        self._kept_pool = QuietConnectionPool(reactor, persistent=True)
+        self._kept_pool.retryAutomatically = False
+        self._kept_pool.maxPersistentPerHost = 64
+        self._kept_pool.cachedConnectionTimeout = self.IDLE_CONNECTION_SECS
+        self._kept = Agent.usingEndpointFactory(reactor, endpoints, pool=self._kept_pool)
 
     async def get_status(self, url: str, timeout: float = 2.0) -> int:
         """
@@ -119,16 +131,32 @@ class EngineClient:
         return int(response.code), body
 
     async def request(
-        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]]
+        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]],
+        stream: bool = True,
     ) -> IResponse:
         """
         Send one request and return as soon as the response headers arrive;
         the caller reads (or discards) the body.
+
+        @param stream: The child will stream its answer (a connection of
+            its own); L{False} for a reply read whole (a kept connection).
         """
-        producer = _BytesProducer(body) if body is not None else None
-        response: IResponse = await self._agent.request(
-            method.encode("ascii"), url.encode("ascii"), Headers(headers), producer
-        )
+        uri, raw_headers = url.encode("ascii"), Headers(headers)
+        verb = method.encode("ascii")
+
+        def producer() -> _BytesProducer | None:
+            return _BytesProducer(body) if body is not None else None
+
+        if stream:
+            response: IResponse = await self._fresh.request(verb, uri, raw_headers, producer())
+            return response
+        try:
+            response = await self._kept.request(verb, uri, raw_headers, producer())
+        except (ResponseNeverReceived, RequestTransmissionFailed, RequestNotSent) as e:
+            if any(r.check(CancelledError) for r in getattr(e, "reasons", [])):
+                raise
+            # a kept connection the child had closed: it never saw this
+            response = await self._fresh.request(verb, uri, raw_headers, producer())
         return response
 
     async def close(self) -> None:
@@ -136,6 +164,7 @@ class EngineClient:
         Drop every cached connection (on daemon stop).
         """
         await self._pool.closeCachedConnections()
+        await self._kept_pool.closeCachedConnections()
 
 
 class BodyIdleTimeout(Exception):

@@ -285,7 +285,7 @@ class OllamaSurface:
         await self._proxy.admit(request, entry.name, work)
         timing = await self._load(model, ctx_size, request)
         instance, response = await self._proxy.send(
-            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size, request
+            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size, request, stream
         )
         try:
             if not stream:
@@ -381,7 +381,7 @@ class OllamaSurface:
         await self._proxy.admit(request, entry.name, WorkClass.INTERACTIVE)
         timing = await self._load(model, None, request)
         instance, response = await self._proxy.send(
-            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), None, request
+            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), None, request, False
         )
         try:
             reply = json.loads(await self._proxy.read(instance, response))

@@ -224,7 +224,7 @@ class OpenAISurface:
         if stream and not self._proxy.is_ready(canonical):
             await self._stream_cold(request, model, path, raw, keep_alive, hide_usage)
             return None
-        instance, response = await self._proxy.send(model, path, raw, request=request)
+        instance, response = await self._proxy.send(model, path, raw, request=request, stream=stream)
         renamer = ModelRenamer(instance.entry.name, model)
         try:
             if stream:

@@ -264,7 +264,7 @@ class EngineProxy:
         """
         body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
         instance, response = await self.send(
-            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8")
+            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8"), stream=False
         )
         try:
             return int(json.loads(await self.read(instance, response))["input_tokens"])
@@ -276,7 +276,8 @@ class EngineProxy:
         Tokens of raw text (a completion prompt), by the child's tokenizer.
         """
         instance, response = await self.send(
-            model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8")
+            model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8"),
+            stream=False,
         )
         try:
             return len(json.loads(await self.read(instance, response))["tokens"])
@@ -309,7 +310,7 @@ class EngineProxy:
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        request: Any = None,
+        request: Any = None, stream: bool = True,
     ) -> tuple[Instance, Any]:
         """
         Send C{body} to a ready child for C{model}; return the child and its
@@ -321,6 +322,8 @@ class EngineProxy:
 
         @param request: The web request this is for (its trace gets
             C{load} and C{generate} spans).
+        @param stream: Whether the child streams its answer (L{False}: a
+            reply read whole, sent over a kept-alive connection).
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise blazar.engines.supervisor.EngineError: The child could not
             be started or reached.
@@ -341,7 +344,7 @@ class EngineProxy:
             # requests wait for this one (the caller decrements when done)
             instance.in_flight += 1
             try:
-                return instance, await self._send_to(instance, model, path, body, attempt)
+                return instance, await self._send_to(instance, model, path, body, attempt, stream)
             except _Retry:
                 instance.in_flight -= 1
                 continue
@@ -350,7 +353,9 @@ class EngineProxy:
                 raise
         raise AssertionError("unreachable")
 
-    async def _send_to(self, instance: Instance, model: str, path: str, body: bytes, attempt: int) -> Any:
+    async def _send_to(
+        self, instance: Instance, model: str, path: str, body: bytes, attempt: int, stream: bool = True
+    ) -> Any:
         """
         One attempt of L{send}; raises L{_Retry} when a fresh child should
         get the request.
@@ -359,7 +364,7 @@ class EngineProxy:
         headers[b"content-type"] = [b"application/json"]
         try:
             response = await self._headers(instance, ensureDeferred(
-                self._engines.request("POST", instance.base_url + path, body, headers)
+                self._engines.request("POST", instance.base_url + path, body, headers, stream)
             ))
         except ChildWedged:
             self.supervisor.kill_instance(instance, "wedged: no response headers")

@@ -33,9 +33,6 @@ class BlazarRequest(Request):
 
     body_too_large = False
     client_gone = False
-    # every surface takes JSON: no form parsing (twisted.web parses each
-    # POST's content-type with the email package to look for forms)
-    _parsePOSTFormSubmission = False
     trace_id = ""
     started: float | None = None
 
@@ -118,6 +115,9 @@ class BlazarSite(Site):
         self, resource: IResource, *, max_body_bytes: int, cors_origins: tuple[str, ...] = (),
         **kwargs: Any,
     ) -> None:
+        # every surface takes JSON: no form parsing (twisted.web would parse
+        # each POST's content-type with the email package to look for forms)
+        kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(resource, **kwargs)
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins

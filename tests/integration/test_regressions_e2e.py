@@ -5,11 +5,13 @@ Regressions found by attacking the Ollama and Anthropic surfaces.
 from __future__ import annotations
 
 import http.client
+import sys
+from pathlib import Path
 import json
 import threading
 import time
 
-from blazar.testing import vocabulary
+from blazar.testing import make_test_model, vocabulary
 from tests.integration.harness import Daemon
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -103,3 +105,30 @@ def test_non_streaming_disconnect_frees_the_engine(daemon: Daemon) -> None:
     while daemon.log().count("cancel task") == before:
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.1)
+
+
+def test_kept_connection_closed_by_the_child_is_retried_on_a_fresh_one(tmp_path: Path) -> None:
+    """
+    Non-streamed replies reuse connections to the child; one the child
+    closes just as it is reused is sent again on a fresh connection, and
+    the client never sees it.
+    """
+    fake = tmp_path / "closing-engine"
+    script = Path(__file__).with_name("fake_closing_engine.py")
+    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
+    fake.chmod(0o755)
+    make_test_model(tmp_path / "models" / "tiny.gguf")
+    d = Daemon(tmp_path / "d", f'models_dir = "{tmp_path / "models"}"\n[engines.llamacpp]\nbinary = "{fake}"\n')
+    d.start()
+    try:
+        for _ in range(10):
+            status, body = d.post_json("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]})
+            assert status == 200, body
+            assert body["choices"][0]["message"]["content"] == "ok"
+        deadline = time.monotonic() + 5
+        while d.log().count("closed a kept connection under a request") < 4:
+            assert time.monotonic() < deadline, d.log()[-3000:]
+            time.sleep(0.05)
+    finally:
+        d.stop()
+        d.kill_everything()

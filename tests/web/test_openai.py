@@ -18,7 +18,7 @@ class StubEngineClient:
         self.stub = stub
         self.refuse = 0
 
-    async def request(self, method: str, url: str, body: bytes, headers: Any) -> Any:
+    async def request(self, method: str, url: str, body: bytes, headers: Any, stream: bool = True) -> Any:
         if self.refuse:
             self.refuse -= 1
             raise ConnectionRefusedError("127.0.0.1", 1)
