@@ -30,6 +30,19 @@ class QuietConnectionPool(HTTPConnectionPool):
         noisy = False
 
 
+class StaleConnection(Exception):
+    """
+    A request on a kept-alive connection failed at once, before any
+    answer: the connection was closed under it.
+
+    @ivar error: What the HTTP client raised.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        super().__init__(str(error))
+
+
 @implementer(IAgentEndpointFactory)
 class _LoopbackEndpoints:
     """
@@ -76,9 +89,10 @@ class EngineClient:
     keeps them for 5 s and 100 requests; Blazar drops its idle ones after
     L{IDLE_CONNECTION_SECS}, before the child does): a new connection per
     request was Blazar's largest cost per request. A request that fails on
-    a kept connection before any answer (the child closed it meanwhile) is
-    sent once more on a fresh one: a child only closes idle connections, so
-    it never saw that request.
+    a kept connection at once, before any answer, raises L{StaleConnection}:
+    the caller resends it on a fresh connection if the child is alive (it
+    closed an idle connection, so it never saw the request), and reports a
+    crash if not.
 
     Streamed requests get a connection of their own: llama-server closes a
     connection after a streamed reply while announcing keep-alive.
@@ -87,6 +101,8 @@ class EngineClient:
     """
 
     IDLE_CONNECTION_SECS = 2
+    # a kept connection the child had closed fails at once
+    STALE_WINDOW_SECS = 0.05
 
     def __init__(self, reactor: Any, connect_timeout: float = 5.0) -> None:
         self._reactor: IReactorTime = reactor
@@ -150,13 +166,15 @@ class EngineClient:
         if stream:
             response: IResponse = await self._fresh.request(verb, uri, raw_headers, producer())
             return response
+        sent = self._reactor.seconds()
         try:
             response = await self._kept.request(verb, uri, raw_headers, producer())
         except (ResponseNeverReceived, RequestTransmissionFailed, RequestNotSent) as e:
             if any(r.check(CancelledError) for r in getattr(e, "reasons", [])):
                 raise
-            # a kept connection the child had closed: it never saw this
-            response = await self._fresh.request(verb, uri, raw_headers, producer())
+            if self._reactor.seconds() - sent < self.STALE_WINDOW_SECS:
+                raise StaleConnection(e) from None
+            raise
         return response
 
     async def close(self) -> None:

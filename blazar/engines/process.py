@@ -60,6 +60,22 @@ def exit_status(reason: Failure) -> ExitStatus:
     return ExitStatus(None, None)
 
 
+def process_alive(pid: int | None) -> bool:
+    """
+    Whether process C{pid} is running (not gone, not a zombie), from
+    C{/proc/<pid>/stat}; one small read, for the rare failure path.
+    """
+    if pid is None:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X", b"x")
+
+
 class EngineProcessProtocol(ProcessProtocol):
     """
     Reads a child's stdout and stderr, logs each line tagged with the model,

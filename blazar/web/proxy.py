@@ -14,7 +14,8 @@ from twisted.internet.error import ConnectError, ConnectingCancelledError
 from twisted.logger import Logger
 
 from blazar.config import parse_duration
-from blazar.engines.client import BodyTooLarge, EngineClient, read_body, relay_body
+from blazar.engines.client import BodyTooLarge, EngineClient, StaleConnection, read_body, relay_body
+from blazar.engines.process import process_alive
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry
@@ -362,10 +363,20 @@ class EngineProxy:
         """
         headers = dict(instance.auth_headers)
         headers[b"content-type"] = [b"application/json"]
+        url = instance.base_url + path
         try:
-            response = await self._headers(instance, ensureDeferred(
-                self._engines.request("POST", instance.base_url + path, body, headers, stream)
-            ))
+            try:
+                response = await self._headers(instance, ensureDeferred(
+                    self._engines.request("POST", url, body, headers, stream)
+                ))
+            except StaleConnection as stale:
+                if instance.protocol.status is not None or not process_alive(instance.pid):
+                    raise stale.error from None  # the child died: a crash, not a stale connection
+                # the child closed an idle connection as it was reused: it
+                # never saw this request; once more on a fresh connection
+                response = await self._headers(instance, ensureDeferred(
+                    self._engines.request("POST", url, body, headers, True)
+                ))
         except ChildWedged:
             self.supervisor.kill_instance(instance, "wedged: no response headers")
             if attempt == 2:
