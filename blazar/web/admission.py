@@ -42,7 +42,7 @@ from enum import IntEnum
 from typing import Any, Callable
 
 import attrs
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
@@ -284,6 +284,13 @@ class ModelQueue:
             others = min(self.credits.get(k, 0.0) for k in active)
             self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), others)
 
+        if not self.waiting and len(self.running) < self.slots and (
+            ticket.work != WorkClass.RAW_LONG
+            or sum(1 for t in self.running if t.work == WorkClass.RAW_LONG) < self.slots
+        ):
+            # the usual case: a free slot and nobody ahead
+            return succeed(self._start(ticket))
+
         def cancel(d: Deferred[Lease]) -> None:
             self._leave(ticket)
 
@@ -325,10 +332,10 @@ class ModelQueue:
             ticket = self._pick(self.waiting, self.credits, raw_busy < self.raw_ceiling)
             if ticket is None:
                 return
+            self.waiting.remove(ticket)
             self._start(ticket)
 
-    def _start(self, ticket: Ticket) -> None:
-        self.waiting.remove(ticket)
+    def _start(self, ticket: Ticket) -> Lease:
         if ticket.timer is not None and ticket.timer.active():
             ticket.timer.cancel()
         ticket.admitted_at = self._clock.seconds()
@@ -343,9 +350,11 @@ class ModelQueue:
         if self.admissions >= CREDIT_RESET:
             self.admissions = 0
             self.credits.clear()
+        lease = Lease(self, ticket)
         waiter, ticket.waiter = ticket.waiter, None
         if waiter is not None:
-            waiter.callback(Lease(self, ticket))
+            waiter.callback(lease)
+        return lease
 
     def _release(self, ticket: Ticket) -> None:
         self.running.remove(ticket)
