@@ -193,9 +193,12 @@ class Bench:
         """
         status, body = self.post("/v1/chat/completions", {"model": model, "messages": HELLO, "max_tokens": 1})
         assert status == 200, body
-        info = json.loads((self.work / "data" / "run" / f"{model}_latest.pid").read_text())
+        run = self.work / "data" / "run"
+        info = json.loads((run / f"{model}_latest.pid").read_text())
         for p in [psutil.Process(info["pid"]), *psutil.Process(info["pid"]).children(recursive=True)]:
             p.cpu_affinity([LOAD_CPU])
+        # the child demands its per-engine key; direct runs send it too
+        self.engine_key = (run / f"{model}_latest.apikey").read_text().strip()
         return info["pid"], info["port"]
 
     # -- scenarios ---------------------------------------------------------
@@ -259,10 +262,11 @@ class Bench:
         tokens = 64
         body = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": tokens, "ignore_eos": True}
         script = lua_post(self.work / "llama.lua", body)
+        keyed = lua_post(self.work / "llama-direct.lua", body, {"Authorization": f"Bearer {self.engine_key}"})
         real = {}
         for c in (1, 16, 64):
             r = self.ab(f"http://127.0.0.1:{port}/v1/chat/completions",
-                        f"http://127.0.0.1:{self.port}/v1/chat/completions", script, script, c)
+                        f"http://127.0.0.1:{self.port}/v1/chat/completions", keyed, script, c)
             r["direct_chunks_per_s"] = r["direct_rps"] * (tokens + 2)
             r["blazar_chunks_per_s"] = r["blazar_rps"] * (tokens + 2)
             r["cpu_us_per_chunk"] = 1000 * r["cpu_ms_per_request"] / (tokens + 2)
@@ -280,7 +284,8 @@ class Bench:
             conn = http.client.HTTPConnection("127.0.0.1", p, timeout=30)
             try:
                 started = time.perf_counter()
-                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                conn.request("POST", "/v1/chat/completions", body, {
+                    "content-type": "application/json", "authorization": f"Bearer {self.engine_key}"})
                 resp = conn.getresponse()
                 for line in resp:
                     if line.startswith(b"data: "):

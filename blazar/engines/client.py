@@ -127,9 +127,14 @@ class EngineClient:
         @raise Exception: Connection errors, or C{CancelledError} after
             C{timeout} seconds.
         """
-        d = self._http.get(url, timeout=timeout)
-        response: IResponse = await d
-        await treq.content(response)
+        d = self._fresh.request(b"GET", url.encode("ascii"), Headers({}), None)
+        timer = self._reactor.callLater(timeout, d.cancel)  # type: ignore[attr-defined]
+        try:
+            response: IResponse = await d
+        finally:
+            if timer.active():
+                timer.cancel()
+        await read_body(response, self._reactor, idle_timeout=timeout, max_bytes=1 << 16)
         return int(response.code)
 
     async def get(

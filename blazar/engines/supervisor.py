@@ -280,7 +280,7 @@ class Supervisor(Service):
     _environ: Mapping[str, str] = attrs.field(factory=lambda: dict(os.environ))
     _find_binary: Callable[[Config, Mapping[str, str]], Path] = find_binary
     _port_finder: Callable[[], int] = free_port
-    _health_interval: float = 0.05
+    _health_interval: float = 0.01
     _instances: dict[str, Instance] = attrs.field(factory=dict)
     _all: set[Instance] = attrs.field(factory=set)
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
