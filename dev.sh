@@ -6,6 +6,8 @@
 #   ./dev.sh test   the same setup, then the whole test suite
 #   ./dev.sh bench  the same setup, then bench/run.py (Blazar's own cost vs the
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light)
+#   ./dev.sh soak   the same setup, then bench/soak.py (10 minutes of mixed traffic
+#                   with engine kills; report in bench/results/soak-*.json)
 # Setup is idempotent: deps are reinstalled only when pyproject.toml changes,
 # and the engine is built once (~10 min) and reused from ~/.cache/blazar.
 set -euo pipefail
@@ -62,8 +64,13 @@ case "${1:-}" in
     shift
     exec .venv/bin/python bench/run.py "$@"
     ;;
+  soak)
+    setup
+    shift
+    exec .venv/bin/python bench/soak.py "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL] | soak [--minutes N]" >&2
     exit 2
     ;;
 esac

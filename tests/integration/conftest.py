@@ -50,3 +50,13 @@ def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyt
         # twistd re-raises the signal that stopped it, so SIGTERM shows as -15
         assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{d.log()[-4000:]}"
         assert leftovers == [], "llama-server outlived the daemon"
+
+
+def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+    """
+    The reliability suite's counts, when it ran (tests/integration/reliability.py).
+    """
+    from tests.integration.reliability import TALLY
+
+    if TALLY.ran:
+        terminalreporter.write_line(TALLY.line())
