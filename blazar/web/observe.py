@@ -68,21 +68,30 @@ def note_tokens(request: IRequest, prompt: int, completion: int) -> None:
     request.blazar_tokens = (prompt, completion)  # type: ignore[attr-defined]
 
 
+def _object_after(data: bytes, marker: bytes) -> dict[str, Any] | None:
+    """
+    The JSON object that follows the last C{marker} (C{b'"usage":{'}-like,
+    ending in its opening brace) in C{data}, parsed alone.
+    """
+    import json
+
+    at = data.rfind(marker)
+    if at < 0:
+        return None
+    try:
+        value, _ = json.JSONDecoder().raw_decode(data[at + len(marker) - 1:].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 def usage_of_reply(payload: bytes) -> tuple[int, int] | None:
     """
     C{(prompt_tokens, completion_tokens)} from a non-streamed OpenAI
     reply's C{usage} object, found without parsing the rest of the reply.
     """
-    import json
-
-    at = payload.rfind(b'"usage":{')
-    if at < 0:
-        return None
-    try:
-        usage, _ = json.JSONDecoder().raw_decode(payload[at + 8:].decode("utf-8", "replace"))
-    except ValueError:
-        return None
-    if not isinstance(usage, dict):
+    usage = _object_after(payload, b'"usage":{')
+    if usage is None:
         return None
     return int(usage.get("prompt_tokens") or 0), int(usage.get("completion_tokens") or 0)
 
@@ -93,16 +102,8 @@ def usage_of_timings(event: bytes) -> tuple[int, int] | None:
     llama-server puts in a stream's last chunk (C{prompt_n} + C{cache_n},
     C{predicted_n}), found without parsing the rest of the event.
     """
-    import json
-
-    at = event.rfind(b'"timings":{')
-    if at < 0:
-        return None
-    try:
-        timings, _ = json.JSONDecoder().raw_decode(event[at + 10:].decode("utf-8", "replace"))
-    except ValueError:
-        return None
-    if not isinstance(timings, dict):
+    timings = _object_after(event, b'"timings":{')
+    if timings is None:
         return None
     prompt = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
     return prompt, int(timings.get("predicted_n") or 0)

@@ -184,6 +184,16 @@ class Daemon:
         self.leftovers = [p for p in engines if alive(p)]
         return code
 
+    def close(self) -> None:
+        """
+        Stop the daemon (SIGTERM), clean up whatever is left, and fail
+        unless it exited cleanly (twistd re-raises the SIGTERM: -15).
+        """
+        code = self.stop()
+        log = self.log()
+        self.kill_everything()
+        assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{log[-3000:]}"
+
     def kill_everything(self) -> None:
         """
         Last-resort cleanup: KILL the daemon and any engine it left.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import signal
 import statistics
 import threading
 import time
@@ -88,9 +87,7 @@ def daemon(engine: str, models: dict[str, GeneratedModel], receiver: Receiver,
     try:
         yield d
     finally:
-        code = d.stop()
-        d.kill_everything()
-        assert code in (0, -signal.SIGTERM), d.log()[-3000:]
+        d.close()
 
 
 def chat(d: Daemon) -> float:
