@@ -31,6 +31,8 @@ C{~/.config/blazar/config.toml}. Keys::
                                       # the child is wedged (killed, request retried once)
 
     metrics_require_key = false    # GET /metrics needs an API key too
+    responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
+    responses_max_stored = 10000   # and at most this many are kept (oldest dropped)
     otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
 
     [queue]                        # admission: how long requests may wait for a slot
@@ -192,6 +194,8 @@ class Config:
     ctx_policy: str = "fit"
     hf_endpoint: str = "https://huggingface.co"
     metrics_require_key: bool = False
+    responses_ttl: float = 30 * 86400.0
+    responses_max_stored: int = 10000
     otlp_endpoint: str | None = None
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     queue: QueueConfig = QueueConfig()
@@ -348,7 +352,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
         "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log", "queue",
-        "metrics_require_key", "otlp_endpoint",
+        "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -400,6 +404,13 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise _expected(where, "hf_endpoint", "an http:// or https:// URL", endpoint)
         kwargs["hf_endpoint"] = endpoint
+    if "responses_ttl_secs" in doc:
+        value = doc["responses_ttl_secs"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
+            raise _expected(where, "responses_ttl_secs", "0 (store none) or a number of seconds", value)
+        kwargs["responses_ttl"] = float(value)
+    if "responses_max_stored" in doc:
+        kwargs["responses_max_stored"] = _positive_int(doc["responses_max_stored"], where, "responses_max_stored")
     if "metrics_require_key" in doc:
         if not isinstance(doc["metrics_require_key"], bool):
             raise _expected(where, "metrics_require_key", "true or false", doc["metrics_require_key"])

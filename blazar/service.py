@@ -42,6 +42,7 @@ from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
+from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
 
@@ -113,6 +114,13 @@ class UsageStore(Service):
 
     def _run(self, f: Any, *args: Any) -> Deferred[Any]:
         return deferToThreadPool(self._reactor, self._pool, f, *args)
+
+    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
+        """
+        C{f(db, *args)} on the store's own thread (a C{thd_*} function of
+        L{blazar.store}).
+        """
+        return self._run(f, self._db, *args)
 
     def startService(self) -> None:
         Service.startService(self)
@@ -231,12 +239,14 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     hints.setServiceParent(top)
     keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
-    UsageStore(config.data_dir / "blazar.db", quotas, reactor).setServiceParent(top)
+    usage_store = UsageStore(config.data_dir / "blazar.db", quotas, reactor)
+    usage_store.setServiceParent(top)
     admission = Admission(reactor, lambda: keys.config, metrics)
     proxy = EngineProxy(
         supervisor, engines, reactor, registry, config.child_header_timeout, admission
     )
-    openai = OpenAISurface(registry, proxy, reactor)
+    responses = Responses(proxy, lambda: keys.config, reactor, usage_store.run_db)
+    openai = OpenAISurface(registry, proxy, reactor, responses)
     ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = AuthGate(

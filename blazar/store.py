@@ -22,6 +22,18 @@ MIGRATIONS = [
         PRIMARY KEY (day, key)
     )
     """,
+    # 2: stored Responses API responses (previous_response_id, retrieve)
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,        -- resp_...
+        key TEXT NOT NULL,          -- the API key's name that made it ("" without keys)
+        created REAL NOT NULL,      -- UNIX seconds
+        expires REAL NOT NULL,      -- UNIX seconds
+        previous TEXT,              -- previous_response_id, or NULL
+        response TEXT NOT NULL,     -- the response object, JSON
+        input TEXT NOT NULL         -- its input items, JSON array
+    )
+    """,
 ]
 
 
@@ -68,3 +80,43 @@ def thd_day_usage(db: sqlite3.Connection, day: str) -> dict[str, int]:
     Token totals per key name for one UTC day.
     """
     return {k: int(t) for k, t in db.execute("SELECT key, tokens FROM key_usage WHERE day = ?", (day,))}
+
+
+def thd_put_response(
+    db: sqlite3.Connection, row: tuple[str, str, float, float, str | None, str, str], keep: int
+) -> None:
+    """
+    Store C{(id, key, created, expires, previous, response JSON, input
+    JSON)}; drop expired rows and all but the newest C{keep}.
+    """
+    db.execute("BEGIN")
+    try:
+        db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        db.execute("DELETE FROM responses WHERE expires < ?", (row[2],))
+        db.execute(
+            "DELETE FROM responses WHERE id NOT IN (SELECT id FROM responses ORDER BY created DESC LIMIT ?)",
+            (keep,),
+        )
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def thd_get_response(db: sqlite3.Connection, id_: str, key: str, now: float) -> tuple[str, str, str | None] | None:
+    """
+    C{(response JSON, input JSON, previous)} of a live response made by
+    C{key}, else L{None}.
+    """
+    row = db.execute(
+        "SELECT response, input, previous FROM responses WHERE id = ? AND key = ? AND expires >= ?",
+        (id_, key, now),
+    ).fetchone()
+    return (row[0], row[1], row[2]) if row else None
+
+
+def thd_delete_response(db: sqlite3.Connection, id_: str, key: str) -> bool:
+    """
+    Delete a response made by C{key}; whether there was one.
+    """
+    return db.execute("DELETE FROM responses WHERE id = ? AND key = ?", (id_, key)).rowcount > 0

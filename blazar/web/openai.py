@@ -39,7 +39,9 @@ from blazar.web.proxy import (
     keep_alive_of,
 )
 from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
+from blazar.web.responses import ResponseNotFound, Responses
 from blazar.web.sse import ModelRenamer, SSERelay
+from blazar.web.translate.responses import ResponsesRequestError
 
 log = Logger()
 
@@ -136,10 +138,13 @@ class OpenAISurface:
 
     app = Klein()
 
-    def __init__(self, registry: ModelRegistry, proxy: EngineProxy, clock: Any) -> None:
+    def __init__(
+        self, registry: ModelRegistry, proxy: EngineProxy, clock: Any, responses: Responses | None = None,
+    ) -> None:
         self._registry = registry
         self._proxy = proxy
         self._clock = clock
+        self._responses = responses
 
     # -- liveness -----------------------------------------------------------
 
@@ -183,6 +188,41 @@ class OpenAISurface:
     @app.route("/v1/embeddings", methods=["POST"])
     def embeddings(self, request: IRequest) -> Any:
         return self._forward(request, "embedding", "/v1/embeddings")
+
+    # -- the Responses API (blazar.web.responses) ----------------------------
+
+    def _responses_api(self) -> Responses:
+        if self._responses is None:
+            raise BadRequest("the Responses API is not configured on this gateway")
+        return self._responses
+
+    def _responses_body(self, request: IRequest) -> tuple[dict[str, Any], int]:
+        if getattr(request, "body_too_large", False):
+            raise BadRequest("request body too large; raise max_body_bytes in the config if this is intended")
+        raw = request.content.read() if request.content is not None else b""
+        return parse_json_body(raw), len(raw)
+
+    @app.route("/v1/responses", methods=["POST"])
+    async def create_response(self, request: IRequest) -> bytes | None:
+        body, size = self._responses_body(request)
+        return await self._responses_api().create(request, body, size)
+
+    @app.route("/v1/responses/input_tokens", methods=["POST"])
+    async def response_input_tokens(self, request: IRequest) -> bytes:
+        body, _ = self._responses_body(request)
+        return await self._responses_api().input_tokens(request, body)
+
+    @app.route("/v1/responses/<string:response_id>", methods=["GET"])
+    async def retrieve_response(self, request: IRequest, response_id: str) -> bytes:
+        return await self._responses_api().retrieve(request, response_id)
+
+    @app.route("/v1/responses/<string:response_id>", methods=["DELETE"])
+    async def delete_response(self, request: IRequest, response_id: str) -> bytes:
+        return await self._responses_api().delete(request, response_id)
+
+    @app.route("/v1/responses/<string:response_id>/input_items", methods=["GET"])
+    async def response_input_items(self, request: IRequest, response_id: str) -> bytes:
+        return await self._responses_api().items(request, response_id)
 
     async def _forward(self, request: IRequest, kind: str, path: str) -> bytes | None:
         if getattr(request, "body_too_large", False):
@@ -340,6 +380,18 @@ class OpenAISurface:
         e = failure.value
         assert isinstance(e, BadRequest)
         return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(ResponsesRequestError)
+    def _responses_request(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, ResponsesRequestError)
+        return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
+
+    @app.handle_errors(ResponseNotFound)
+    def _response_not_found(self, request: IRequest, failure: Failure) -> bytes:
+        e = failure.value
+        assert isinstance(e, ResponseNotFound)
+        return self._error(request, 404, error_body(str(e), "invalid_request_error", "not_found", e.param))
 
     @app.handle_errors(QuotaExceeded)
     def _quota(self, request: IRequest, failure: Failure) -> bytes:

@@ -1,0 +1,462 @@
+"""
+OpenAI's Responses API to and from the chat-completions format the engines
+speak.
+
+Source: OpenAI's API reference ("Responses": create, the streaming events
+C{response.*}) and what the official C{openai} SDK accumulates
+(C{openai/lib/streaming/responses/}). Pure functions and one incremental
+state machine; no reactor, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from typing import Any
+
+import attrs
+
+
+class ResponsesRequestError(ValueError):
+    """
+    The request is invalid (400 C{invalid_request_error}); C{param} names
+    the field.
+    """
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+# fields accepted and used, or accepted as no-ops (documented as such)
+KNOWN = {
+    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
+    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata", "store",
+    "previous_response_id", "stream", "user", "truncation", "safety_identifier",
+    "prompt_cache_key", "service_tier", "include", "stream_options", "keep_alive", "seed",
+}
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(16)}"
+
+
+def _content_text(content: Any, where: str) -> Any:
+    """
+    A message item's content as chat content: a string, or parts.
+    """
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ResponsesRequestError(f"{where}.content: must be a string or an array of content parts", where)
+    parts: list[dict[str, Any]] = []
+    for i, part in enumerate(content):
+        at = f"{where}.content[{i}]"
+        if not isinstance(part, dict):
+            raise ResponsesRequestError(f"{at}: must be an object", at)
+        kind = part.get("type")
+        if kind in ("input_text", "output_text", "text"):
+            if not isinstance(part.get("text"), str):
+                raise ResponsesRequestError(f"{at}.text: must be a string", at)
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "input_image":
+            url = part.get("image_url")
+            if not isinstance(url, str) or not url.startswith(("data:", "http://", "https://")):
+                raise ResponsesRequestError(
+                    f"{at}.image_url: must be a data: or http(s) URL (file_id is not supported)", at
+                )
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        elif kind == "refusal" and isinstance(part.get("refusal"), str):
+            parts.append({"type": "text", "text": part["refusal"]})
+        else:
+            raise ResponsesRequestError(f"{at}.type: {kind!r} is not supported", at)
+    if all(p["type"] == "text" for p in parts):
+        return "".join(p["text"] for p in parts)
+    return parts
+
+
+def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """
+    The request's C{input} as a list of items (a string is one user message).
+
+    @raise ResponsesRequestError: Not a string or an array.
+    """
+    raw = body.get("input")
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    if not isinstance(raw, list):
+        raise ResponsesRequestError("input: must be a string or an array of input items", "input")
+    return raw
+
+
+def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+    """
+    Input items as chat messages: C{message} items (roles user, assistant,
+    system, developer), C{function_call} and C{function_call_output} items;
+    C{reasoning} items are history the engine does not take back.
+
+    @raise ResponsesRequestError: Naming the item's index.
+    """
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(items):
+        at = f"{where}[{i}]"
+        if not isinstance(item, dict):
+            raise ResponsesRequestError(f"{at}: must be an object", at)
+        kind = item.get("type", "message" if "role" in item else None)
+        if kind == "message":
+            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            if role is None:
+                raise ResponsesRequestError(f"{at}.role: must be user, assistant, system or developer", at)
+            messages.append({"role": role, "content": _content_text(item.get("content"), at)})
+        elif kind == "function_call":
+            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+            if not all(isinstance(v, str) for v in (call_id, name, arguments)):
+                raise ResponsesRequestError(f"{at}: a function_call needs string call_id, name and arguments", at)
+            call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+            last = messages[-1] if messages else None
+            if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
+                last["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            call_id, output = item.get("call_id"), item.get("output")
+            if not isinstance(call_id, str):
+                raise ResponsesRequestError(f"{at}.call_id: must be a string", at)
+            if not isinstance(output, str):
+                output = _content_text(output, at) if isinstance(output, list) else None
+                if not isinstance(output, str):
+                    raise ResponsesRequestError(f"{at}.output: must be a string or text parts", at)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise ResponsesRequestError(f"{at}.type: {kind!r} items are not supported", at)
+    return messages
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ResponsesRequestError("tools: must be an array", "tools")
+    out = []
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ResponsesRequestError(f"{at}: must be an object", at)
+        if tool.get("type") != "function":
+            raise ResponsesRequestError(
+                f"{at}.type: {tool.get('type')!r} tools are not supported by local models; "
+                "only function tools", at,
+            )
+        if not isinstance(tool.get("name"), str) or not tool["name"]:
+            raise ResponsesRequestError(f"{at}.name: required", at)
+        function: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        if isinstance(tool.get("strict"), bool):
+            function["strict"] = tool["strict"]
+        out.append({"type": "function", "function": function})
+    return out
+
+
+def _tool_choice(value: Any) -> Any:
+    if value is None or value in ("auto", "none", "required"):
+        return value
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
+        return {"type": "function", "function": {"name": value["name"]}}
+    raise ResponsesRequestError(
+        'tool_choice: must be "auto", "none", "required" or {"type": "function", "name": ...}', "tool_choice"
+    )
+
+
+def _response_format(text: Any) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    if not isinstance(text, dict):
+        raise ResponsesRequestError("text: must be an object", "text")
+    fmt = text.get("format")
+    if fmt is None or (isinstance(fmt, dict) and fmt.get("type") == "text"):
+        return None
+    if isinstance(fmt, dict) and fmt.get("type") == "json_object":
+        return {"type": "json_object"}
+    if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
+        if not isinstance(fmt.get("schema"), dict):
+            raise ResponsesRequestError("text.format.schema: required for json_schema", "text.format")
+        schema: dict[str, Any] = {"name": fmt.get("name") or "response", "schema": fmt["schema"]}
+        if isinstance(fmt.get("strict"), bool):
+            schema["strict"] = fmt["strict"]
+        return {"type": "json_schema", "json_schema": schema}
+    raise ResponsesRequestError("text.format.type: must be text, json_object or json_schema", "text.format")
+
+
+def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+    """
+    The chat-completions body for a Responses request; C{history} are the
+    earlier turns' items (from C{previous_response_id}), oldest first. The
+    child always streams (with usage), so both reply modes share one
+    translator.
+
+    @raise ResponsesRequestError: A malformed field, or one Blazar cannot
+        honour (named; never dropped silently).
+    """
+    for key in body:
+        if key not in KNOWN:
+            raise ResponsesRequestError(f"{key}: not supported by Blazar", key)
+    if not isinstance(body.get("model"), str) or not body["model"]:
+        raise ResponsesRequestError("model: required (a model name, see GET /v1/models)", "model")
+    if body.get("stream") is not None and not isinstance(body["stream"], bool):
+        raise ResponsesRequestError("stream: must be true or false", "stream")
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if instructions is not None:
+        if not isinstance(instructions, str):
+            raise ResponsesRequestError("instructions: must be a string", "instructions")
+        messages.append({"role": "system", "content": instructions})
+    messages += items_to_messages(list(history), "previous_response_id")
+    messages += items_to_messages(input_items(body))
+    if not any(m["role"] != "system" for m in messages):
+        raise ResponsesRequestError("input: needs at least one item", "input")
+    chat: dict[str, Any] = {"model": body["model"], "messages": messages, "stream": True,
+                            "stream_options": {"include_usage": True}}
+    tools = _tools(body)
+    if tools:
+        chat["tools"] = tools
+    choice = _tool_choice(body.get("tool_choice"))
+    if choice is not None:
+        chat["tool_choice"] = choice
+    if isinstance(body.get("parallel_tool_calls"), bool):
+        chat["parallel_tool_calls"] = body["parallel_tool_calls"]
+    limit = body.get("max_output_tokens")
+    if limit is not None:
+        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+            raise ResponsesRequestError("max_output_tokens: must be a positive integer", "max_output_tokens")
+        chat["max_tokens"] = limit
+    for key in ("temperature", "top_p", "seed"):
+        value = body.get(key)
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ResponsesRequestError(f"{key}: must be a number", key)
+            chat[key] = value
+    fmt = _response_format(body.get("text"))
+    if fmt is not None:
+        chat["response_format"] = fmt
+    return chat
+
+
+def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """
+    A stored response's output items as input items for the next turn.
+    """
+    items: list[dict[str, Any]] = []
+    for item in output:
+        if item.get("type") == "message":
+            text = "".join(p.get("text", "") for p in item.get("content", []) if p.get("type") == "output_text")
+            items.append({"type": "message", "role": "assistant", "content": text})
+        elif item.get("type") == "function_call":
+            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                          "arguments": item["arguments"]})
+    return items
+
+
+@attrs.define
+class _Item:
+    kind: str
+    item_id: str
+    index: int
+    text: str = ""
+    call_id: str = ""
+    name: str = ""
+
+
+@attrs.define
+class ResponsesStream:
+    """
+    Turns the child's chat-completion chunks (parsed JSON, in order) into
+    Responses streaming events (C{(type, payload)} pairs, C{sequence_number}
+    rising by one from 0) and the final response object.
+
+    @ivar response: The response object as it stands (C{output} complete
+        after L{finish}).
+    """
+
+    response: dict[str, Any]
+    sequence: int = 0
+    _open: _Item | None = None
+    _items: list[dict[str, Any]] = attrs.field(factory=list)
+    _calls: dict[int, _Item] = attrs.field(factory=dict)
+    _finish: str | None = None
+    usage: dict[str, Any] | None = None
+    done: bool = False
+
+    def _event(self, kind: str, **payload: Any) -> tuple[str, dict[str, Any]]:
+        event = {"type": kind, "sequence_number": self.sequence, **payload}
+        self.sequence += 1
+        return kind, event
+
+    def start(self) -> list[tuple[str, dict[str, Any]]]:
+        self.response["status"] = "in_progress"
+        snapshot = {**self.response, "output": []}
+        return [self._event("response.created", response=snapshot),
+                self._event("response.in_progress", response=snapshot)]
+
+    def _close(self) -> list[tuple[str, dict[str, Any]]]:
+        item, self._open = self._open, None
+        if item is None:
+            return []
+        events = []
+        if item.kind == "message":
+            part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
+            full = {"type": "message", "id": item.item_id, "status": "completed", "role": "assistant",
+                    "content": [part]}
+            events.append(self._event("response.output_text.done", item_id=item.item_id, output_index=item.index,
+                                      content_index=0, text=item.text, logprobs=[]))
+            events.append(self._event("response.content_part.done", item_id=item.item_id,
+                                      output_index=item.index, content_index=0, part=part))
+        elif item.kind == "reasoning":
+            full = {"type": "reasoning", "id": item.item_id, "summary": [],
+                    "content": [{"type": "reasoning_text", "text": item.text}], "status": "completed"}
+            events.append(self._event("response.reasoning_text.done", item_id=item.item_id,
+                                      output_index=item.index, content_index=0, text=item.text))
+        else:
+            full = {"type": "function_call", "id": item.item_id, "call_id": item.call_id, "name": item.name,
+                    "arguments": item.text, "status": "completed"}
+            events.append(self._event("response.function_call_arguments.done", item_id=item.item_id,
+                                      output_index=item.index, name=item.name, arguments=item.text))
+        self._items.append(full)
+        events.append(self._event("response.output_item.done", output_index=item.index, item=full))
+        return events
+
+    def _open_item(self, kind: str, call_id: str = "", name: str = "") -> list[tuple[str, dict[str, Any]]]:
+        events = self._close()
+        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
+        item = self._open = _Item(kind, new_id(prefix), len(self._items), call_id=call_id, name=name)
+        if kind == "message":
+            added = {"type": "message", "id": item.item_id, "status": "in_progress", "role": "assistant", "content": []}
+        elif kind == "reasoning":
+            added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
+        else:
+            added = {"type": "function_call", "id": item.item_id, "call_id": call_id, "name": name,
+                     "arguments": "", "status": "in_progress"}
+        events.append(self._event("response.output_item.added", output_index=item.index, item=added))
+        if kind == "message":
+            events.append(self._event("response.content_part.added", item_id=item.item_id, output_index=item.index,
+                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
+                                                             "logprobs": []}))
+        return events
+
+    def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """
+        Events for one child chunk.
+        """
+        events: list[tuple[str, dict[str, Any]]] = []
+        if chunk.get("usage"):
+            self.usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            delta = choice.get("delta") or {}
+            reasoning = delta.get("reasoning_content")
+            if isinstance(reasoning, str) and reasoning:
+                if self._open is None or self._open.kind != "reasoning":
+                    events += self._open_item("reasoning")
+                assert self._open is not None
+                self._open.text += reasoning
+                events.append(self._event("response.reasoning_text.delta", item_id=self._open.item_id,
+                                          output_index=self._open.index, content_index=0, delta=reasoning))
+            text = delta.get("content")
+            if isinstance(text, str) and text:
+                if self._open is None or self._open.kind != "message":
+                    events += self._open_item("message")
+                assert self._open is not None
+                self._open.text += text
+                events.append(self._event("response.output_text.delta", item_id=self._open.item_id,
+                                          output_index=self._open.index, content_index=0, delta=text, logprobs=[]))
+            for call in delta.get("tool_calls") or []:
+                index = call.get("index", 0)
+                function = call.get("function") or {}
+                item = self._calls.get(index)
+                if item is None:
+                    events += self._open_item("function_call", call.get("id") or new_id("call"),
+                                              function.get("name") or "")
+                    assert self._open is not None
+                    item = self._calls[index] = self._open
+                elif item is not self._open:
+                    continue  # fragments of a call already closed: cannot happen in order
+                if function.get("name") and not item.name:
+                    item.name = function["name"]
+                fragment = function.get("arguments")
+                if isinstance(fragment, str) and fragment:
+                    item.text += fragment
+                    events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
+                                              output_index=item.index, delta=fragment))
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+        return events
+
+    def finish(self) -> list[tuple[str, dict[str, Any]]]:
+        """
+        Close the open item; the terminal C{response.completed} or
+        C{response.incomplete} event.
+        """
+        events = self._close()
+        self.done = True
+        self.response["output"] = self._items
+        usage = self.usage or {}
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+        self.response["usage"] = {
+            "input_tokens": int(usage.get("prompt_tokens") or 0),
+            "input_tokens_details": {"cached_tokens": int(cached)},
+            "output_tokens": int(usage.get("completion_tokens") or 0),
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": int(usage.get("total_tokens") or 0),
+        }
+        if self._finish == "length":
+            self.response["status"] = "incomplete"
+            self.response["incomplete_details"] = {"reason": "max_output_tokens"}
+            events.append(self._event("response.incomplete", response=self.response))
+        else:
+            self.response["status"] = "completed"
+            events.append(self._event("response.completed", response=self.response))
+        return events
+
+    def fail(self, message: str) -> list[tuple[str, dict[str, Any]]]:
+        """
+        The terminal C{response.failed} event (the child failed mid-way).
+        """
+        self.done = True
+        self.response["status"] = "failed"
+        self.response["output"] = self._items
+        self.response["error"] = {"code": "server_error", "message": message}
+        return [self._event("response.failed", response=self.response)]
+
+    @property
+    def output_text(self) -> str:
+        return "".join(
+            p["text"] for i in self._items if i["type"] == "message" for p in i["content"]
+        )
+
+
+def response_object(body: dict[str, Any], model: str, created_at: int, previous: str | None) -> dict[str, Any]:
+    """
+    The response object's fixed fields, as OpenAI's reference lists them.
+    """
+    text = body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
+    return {
+        "id": new_id("resp"), "object": "response", "created_at": created_at, "status": "in_progress",
+        "background": False, "error": None, "incomplete_details": None,
+        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
+        "model": model, "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": previous, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "store": body.get("store", True) is not False, "temperature": body.get("temperature", 1.0),
+        "text": text, "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None,
+        "user": body.get("user"), "metadata": body.get("metadata") or {},
+    }
+
+
+def sse(kind: str, payload: dict[str, Any]) -> bytes:
+    """
+    One Server-Sent Event: C{event:} equal to the payload's type.
+    """
+    return b"event: " + kind.encode("ascii") + b"\ndata: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
