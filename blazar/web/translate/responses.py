@@ -34,6 +34,7 @@ KNOWN = {
     "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata", "store",
     "previous_response_id", "stream", "user", "truncation", "safety_identifier",
     "prompt_cache_key", "service_tier", "include", "stream_options", "keep_alive", "seed",
+    "logit_bias",  # llama.cpp's extension, passed through (as on /v1/chat/completions)
 }
 ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
 
@@ -225,6 +226,14 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
     if tools:
         chat["tools"] = tools
     choice = _tool_choice(body.get("tool_choice"))
+    if isinstance(choice, dict):
+        # llama-server has no named tool_choice: offer only that tool, and
+        # require a call (as the Anthropic surface does)
+        name = choice["function"]["name"]
+        named = [t for t in tools or [] if t["function"]["name"] == name]
+        if not named:
+            raise ResponsesRequestError(f"tool_choice: no function tool named {name!r} in tools", "tool_choice")
+        chat["tools"], choice = named, "required"
     if choice is not None:
         chat["tool_choice"] = choice
     if isinstance(body.get("parallel_tool_calls"), bool):
@@ -240,6 +249,8 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ResponsesRequestError(f"{key}: must be a number", key)
             chat[key] = value
+    if isinstance(body.get("logit_bias"), dict):
+        chat["logit_bias"] = body["logit_bias"]
     fmt = _response_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt

@@ -67,7 +67,8 @@ class RequestTests(SynchronousTestCase):
             "text": {"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}, "strict": True}},
         })
         self.assertEqual(chat["tools"][0]["function"], {"name": "f", "parameters": {"type": "object"}, "description": "d", "strict": True})
-        self.assertEqual(chat["tool_choice"], {"type": "function", "function": {"name": "f"}})
+        # llama-server has no named choice: only that tool, and a call required
+        self.assertEqual((chat["tool_choice"], [t["function"]["name"] for t in chat["tools"]]), ("required", ["f"]))
         self.assertEqual(chat["response_format"]["json_schema"], {"name": "s", "schema": {"type": "object"}, "strict": True})
         self.assertFalse(chat["parallel_tool_calls"])
         chat = tr.request_to_chat({"model": "m", "input": "x", "text": {"format": {"type": "json_object"}}})
@@ -79,6 +80,7 @@ class RequestTests(SynchronousTestCase):
             ({"model": "m", "input": [{"type": "web_search_call"}]}, "input[0]"),
             ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
             ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
+            ({"model": "m", "input": "x", "tool_choice": {"type": "function", "name": "ghost"}}, "tool_choice"),
             ({"model": "m", "input": "x", "background": True}, "background"),
             ({"model": "m", "input": 5}, "input"),
             ({"input": "x"}, "model"),
