@@ -46,6 +46,7 @@ TARGETS = {
     "stream relay <= 40 us CPU per chunk (no translation)": lambda r: r["relay_chunk_cpu_us"]["openai"] <= 40,
     "stream relay <= 80 us CPU per chunk (Ollama)": lambda r: r["relay_chunk_cpu_us"]["ollama"] <= 80,
     "stream relay <= 80 us CPU per chunk (Anthropic)": lambda r: r["relay_chunk_cpu_us"]["anthropic"] <= 80,
+    "stream relay <= 80 us CPU per chunk (Responses)": lambda r: r["relay_chunk_cpu_us"]["responses"] <= 80,
     "added time to first byte <= 1 ms": lambda r: r["ttfb"]["added_ms"] <= 1.0,
     "cold start: Blazar's share <= 50 ms": lambda r: r["cold_start"]["blazar_share_ms"] <= 50,
     "RSS after 10,000 requests within 10% of after 1,000": lambda r: r["memory"]["growth_ratio"] <= 1.10,
@@ -258,6 +259,7 @@ class Bench:
             ("openai", "/v1/chat/completions", body),
             ("ollama", "/api/chat", body),
             ("anthropic", "/v1/messages", {**body, "max_tokens": 8}),
+            ("responses", "/v1/responses", {"model": "upstream-sse", "input": "hi", "stream": True}),
         ]:
             script = lua_post(self.work / f"sse-{surface}.lua", request)
             r = self.ab(direct, f"http://127.0.0.1:{self.port}{path}", script, script, 8)
