@@ -39,3 +39,21 @@ class GlobalReactorTests(SynchronousTestCase):
             if path.name not in ENTRY_POINTS and imports_global_reactor(path.read_text())
         ]
         self.assertEqual(offenders, [])
+
+
+class PureTranslatorTests(SynchronousTestCase):
+    """
+    blazar.web.translate is pure: no reactor, no network, no disk.
+    """
+
+    FORBIDDEN = ("twisted.internet", "twisted.web", "blazar.engines", "blazar.store", "sqlite3", "socket")
+
+    def test_translators_import_no_io(self) -> None:
+        offenders = []
+        for path in (PACKAGE / "web" / "translate").glob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                )
+                offenders += [f"{path.name}: {n}" for n in names if n.startswith(self.FORBIDDEN)]
+        self.assertEqual(offenders, [])
