@@ -87,15 +87,17 @@ def thd_put_response(
 ) -> None:
     """
     Store C{(id, key, created, expires, previous, response JSON, input
-    JSON)}; drop expired rows and all but the newest C{keep}.
+    JSON)}; drop expired rows and all but the newest C{keep} of that key's
+    (one key never pushes out another's).
     """
     db.execute("BEGIN")
     try:
         db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
         db.execute("DELETE FROM responses WHERE expires < ?", (row[2],))
         db.execute(
-            "DELETE FROM responses WHERE id NOT IN (SELECT id FROM responses ORDER BY created DESC LIMIT ?)",
-            (keep,),
+            "DELETE FROM responses WHERE key = ? AND id NOT IN "
+            "(SELECT id FROM responses WHERE key = ? ORDER BY created DESC LIMIT ?)",
+            (row[1], row[1], keep),
         )
         db.execute("COMMIT")
     except BaseException:

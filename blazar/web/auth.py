@@ -62,12 +62,15 @@ class KeyHolder:
 
 def surface_of(path: bytes) -> str:
     """
-    Which surface answers C{path}: C{"ollama"}, C{"anthropic"} or C{"openai"}.
+    Which surface answers C{path}: C{"ollama"}, C{"anthropic"}, C{"responses"}
+    (OpenAI's Responses API) or C{"openai"}.
     """
     if path == b"/" or path.startswith(b"/api/") or path == b"/api":
         return "ollama"
     if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
         return "anthropic"
+    if path == b"/v1/responses" or path.startswith(b"/v1/responses/"):
+        return "responses"  # OpenAI's error shape, its own metrics label
     return "openai"
 
 

@@ -189,6 +189,14 @@ class OpenAISurface:
     def embeddings(self, request: IRequest) -> Any:
         return self._forward(request, "embedding", "/v1/embeddings")
 
+    def _too_large(self, request: IRequest) -> bytes:
+        request.setResponseCode(413)
+        request.setHeader(b"content-type", b"application/json")
+        return error_body(
+            "request body too large; raise max_body_bytes in the config if this is intended",
+            "invalid_request_error", "request_too_large",
+        )
+
     # -- the Responses API (blazar.web.responses) ----------------------------
 
     def _responses_api(self) -> Responses:
@@ -197,18 +205,29 @@ class OpenAISurface:
         return self._responses
 
     def _responses_body(self, request: IRequest) -> tuple[dict[str, Any], int]:
-        if getattr(request, "body_too_large", False):
-            raise BadRequest("request body too large; raise max_body_bytes in the config if this is intended")
         raw = request.content.read() if request.content is not None else b""
+        if b"NaN" in raw or b"Infinity" in raw:
+            # json.loads takes these; JSON does not, and they would be echoed back
+            def refuse(name: str) -> Any:
+                raise BadRequest(f"request body is not valid JSON: {name} is not a JSON number")
+
+            try:
+                json.loads(raw, parse_constant=refuse)
+            except (ValueError, UnicodeDecodeError, RecursionError):
+                pass
         return parse_json_body(raw), len(raw)
 
     @app.route("/v1/responses", methods=["POST"])
     async def create_response(self, request: IRequest) -> bytes | None:
+        if getattr(request, "body_too_large", False):
+            return self._too_large(request)
         body, size = self._responses_body(request)
         return await self._responses_api().create(request, body, size)
 
     @app.route("/v1/responses/input_tokens", methods=["POST"])
     async def response_input_tokens(self, request: IRequest) -> bytes:
+        if getattr(request, "body_too_large", False):
+            return self._too_large(request)
         body, _ = self._responses_body(request)
         return await self._responses_api().input_tokens(request, body)
 
@@ -226,12 +245,7 @@ class OpenAISurface:
 
     async def _forward(self, request: IRequest, kind: str, path: str) -> bytes | None:
         if getattr(request, "body_too_large", False):
-            request.setResponseCode(413)
-            request.setHeader(b"content-type", b"application/json")
-            return error_body(
-                "request body too large; raise max_body_bytes in the config if this is intended",
-                "invalid_request_error", "request_too_large",
-            )
+            return self._too_large(request)
         raw = request.content.read() if request.content is not None else b""
         body = parse_json_body(raw)
         model = require_model(body)

@@ -16,7 +16,7 @@ import json
 import time
 from typing import Any, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
@@ -76,7 +76,8 @@ class Responses:
         if self._run_db is not None and isinstance(response_id, str):
             row = await self._run_db(store.thd_get_response, response_id, self._key(request), self._wall())
         if row is None:
-            raise ResponseNotFound(f"no response with id {response_id!r} (responses are kept "
+            shown = response_id if isinstance(response_id, str) and len(response_id) <= 100 else "(too long)"
+            raise ResponseNotFound(f"no response with id {shown!r} (responses are kept "
                                    f"responses_ttl_secs, for the API key that made them)", param)
         return json.loads(row[0]), json.loads(row[1]), row[2]
 
@@ -86,7 +87,12 @@ class Responses:
         """
         turns: list[list[dict[str, Any]]] = []
         current: str | None = previous
-        while current is not None and len(turns) < MAX_CHAIN:
+        while current is not None:
+            if len(turns) >= MAX_CHAIN:
+                raise tr.ResponsesRequestError(
+                    f"previous_response_id: the conversation is longer than {MAX_CHAIN} turns; "
+                    "start a new one", "previous_response_id",
+                )
             response, inputs, earlier = await self._load(request, current, "previous_response_id")
             turns.append(inputs + tr.output_as_input(response.get("output") or []))
             current = earlier
@@ -149,7 +155,7 @@ class Responses:
             self._usage(request, translator)
             await self._store(request, translator.response, inputs)
             request.setHeader(b"content-type", b"application/json")
-            return json.dumps(translator.response, ensure_ascii=False).encode("utf-8")
+            return tr.dump(translator.response)
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         self._write(request, translator.start())
@@ -159,19 +165,30 @@ class Responses:
             note_error(request, e)
             self._write(request, translator.fail(str(e)))
             return None
+        ended = False
         try:
             await self._proxy.relay_chunks(
                 instance, response, lambda chunk: self._write(request, translator.feed(chunk)), request
             )
+            self._write(request, translator.finish())
+            ended = True
         except (EngineError, EngineRejected) as e:
             log.error("responses stream for {model} failed: {error}", model=model, error=str(e))
             note_error(request, e if isinstance(e, EngineError) else "engine_error")
             self._write(request, translator.fail(str(e)))
             return None
+        except CancelledError:
+            raise
+        except Exception:
+            # headers are out: whatever broke ends the stream in its own terms
+            log.failure("responses stream for {model} broke", model=model)
+            note_error(request, "5xx")
+            if not ended:
+                self._write(request, translator.fail("internal error; see the daemon log"))
+            return None
         finally:
             instance.in_flight -= 1
             self._proxy.done(instance, keep_alive)
-        self._write(request, translator.finish())
         self._usage(request, translator)
         await self._store(request, translator.response, inputs)
         return None
@@ -200,15 +217,15 @@ class Responses:
     async def retrieve(self, request: IRequest, response_id: str) -> bytes:
         response, _, _ = await self._load(request, response_id)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(response, ensure_ascii=False).encode("utf-8")
+        return tr.dump(response)
 
     async def items(self, request: IRequest, response_id: str) -> bytes:
         _, inputs, _ = await self._load(request, response_id)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({
+        return tr.dump({
             "object": "list", "data": inputs, "has_more": False,
             "first_id": inputs[0]["id"] if inputs else None, "last_id": inputs[-1]["id"] if inputs else None,
-        }, ensure_ascii=False).encode("utf-8")
+        })
 
     async def delete(self, request: IRequest, response_id: str) -> bytes:
         deleted = self._run_db is not None and await self._run_db(

@@ -46,12 +46,16 @@ ROUTES = [
     ("GET", "/api/tags", "ollama"), ("GET", "/api/ps", "ollama"), ("POST", "/api/copy", "ollama"),
     ("POST", "/api/pull", "ollama"), ("GET", "/api/queue", "ollama"), ("DELETE", "/api/delete", "ollama"),
     ("POST", "/api/version", "ollama"), ("POST", "/v1/nonexistent", "openai"),
+    ("POST", "/v1/responses", "openai"), ("POST", "/v1/responses/input_tokens", "openai"),
+    ("GET", "/v1/responses/resp_0", "openai"), ("DELETE", "/v1/responses/resp_0", "openai"),
+    ("GET", "/v1/responses/resp_0/input_items", "openai"),
 ]
 FIELDS = [
     "model", "messages", "prompt", "input", "stream", "max_tokens", "max_completion_tokens",
     "tools", "tool_choice", "options", "format", "keep_alive", "system", "temperature", "stop",
     "stop_sequences", "suffix", "raw", "images", "response_format", "stream_options", "name",
     "source", "destination", "seed", "n", "logit_bias", "thinking", "metadata", "content", "role",
+    "instructions", "max_output_tokens", "previous_response_id", "text", "store", "reasoning",
 ]
 MODELS = st.sampled_from(["tiny", "tiny:latest", "TINY", "nope", "", "tiny-embed", "a" * 300, "../etc/passwd"])
 
@@ -77,6 +81,8 @@ objects = st.fixed_dictionaries(
         "options": st.dictionaries(st.sampled_from(["num_predict", "num_ctx", "temperature", "seed", "stop"]), values, max_size=3),
         "tools": values, "tool_choice": values, "keep_alive": values, "format": values,
         "source": MODELS, "destination": st.text(max_size=20), "name": MODELS,
+        "instructions": values, "max_output_tokens": st.integers(-5, 5000) | values,
+        "previous_response_id": st.text(max_size=20) | values, "text": values, "store": values,
     },
 ).map(lambda d: {**d, "options": {**d.get("options", {}), "num_predict": 4}} if "options" in d else d)
 

@@ -106,7 +106,8 @@ def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list
             raise ResponsesRequestError(f"{at}: must be an object", at)
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
-            role = ROLES.get(item.get("role"))  # type: ignore[arg-type]
+            raw_role = item.get("role")
+            role = ROLES.get(raw_role) if isinstance(raw_role, str) else None
             if role is None:
                 raise ResponsesRequestError(f"{at}.role: must be user, assistant, system or developer", at)
             messages.append({"role": role, "content": _content_text(item.get("content"), at)})
@@ -134,6 +135,24 @@ def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list
         else:
             raise ResponsesRequestError(f"{at}.type: {kind!r} items are not supported", at)
     return messages
+
+
+def _check_metadata(metadata: Any) -> None:
+    """
+    OpenAI's limits: an object of at most 16 string values (keys up to 64
+    characters, values up to 512).
+    """
+    if metadata is None:
+        return
+    if (
+        not isinstance(metadata, dict) or len(metadata) > 16
+        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
+                   for k, v in metadata.items())
+    ):
+        raise ResponsesRequestError(
+            "metadata: must be an object of at most 16 string values (keys up to 64 characters, "
+            "values up to 512)", "metadata",
+        )
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
@@ -186,6 +205,8 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     if isinstance(fmt, dict) and fmt.get("type") == "json_schema":
         if not isinstance(fmt.get("schema"), dict):
             raise ResponsesRequestError("text.format.schema: required for json_schema", "text.format")
+        if fmt.get("name") is not None and not isinstance(fmt["name"], str):
+            raise ResponsesRequestError("text.format.name: must be a string", "text.format")
         schema: dict[str, Any] = {"name": fmt.get("name") or "response", "schema": fmt["schema"]}
         if isinstance(fmt.get("strict"), bool):
             schema["strict"] = fmt["strict"]
@@ -208,8 +229,22 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
             raise ResponsesRequestError(f"{key}: not supported by Blazar", key)
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise ResponsesRequestError("model: required (a model name, see GET /v1/models)", "model")
-    if body.get("stream") is not None and not isinstance(body["stream"], bool):
-        raise ResponsesRequestError("stream: must be true or false", "stream")
+    for key in ("stream", "store", "parallel_tool_calls"):
+        if body.get(key) is not None and not isinstance(body[key], bool):
+            raise ResponsesRequestError(f"{key}: must be true or false", key)
+    previous = body.get("previous_response_id")
+    if previous is not None and (not isinstance(previous, str) or not previous):
+        raise ResponsesRequestError("previous_response_id: must be a response id (resp_...)", "previous_response_id")
+    _check_metadata(body.get("metadata"))
+    reasoning = body.get("reasoning")
+    if reasoning is not None and (
+        not isinstance(reasoning, dict)
+        or not all(k in ("effort", "summary", "generate_summary") and (v is None or isinstance(v, str))
+                   for k, v in reasoning.items())
+    ):
+        raise ResponsesRequestError('reasoning: must be an object like {"effort": "low"}', "reasoning")
+    if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
+        raise ResponsesRequestError("logit_bias: must be an object of token id -> bias", "logit_bias")
     messages: list[dict[str, Any]] = []
     instructions = body.get("instructions")
     if instructions is not None:
@@ -226,6 +261,8 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
     if tools:
         chat["tools"] = tools
     choice = _tool_choice(body.get("tool_choice"))
+    if choice == "required" and not tools:
+        raise ResponsesRequestError('tool_choice: "required" needs at least one tool in tools', "tool_choice")
     if isinstance(choice, dict):
         # llama-server has no named tool_choice: offer only that tool, and
         # require a call (as the Anthropic surface does)
@@ -318,9 +355,11 @@ class ResponsesStream:
         if item is None:
             return []
         events = []
+        # an answer the token limit cut is incomplete, as an item too
+        status = "incomplete" if self._finish == "length" else "completed"
         if item.kind == "message":
             part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
-            full = {"type": "message", "id": item.item_id, "status": "completed", "role": "assistant",
+            full = {"type": "message", "id": item.item_id, "status": status, "role": "assistant",
                     "content": [part]}
             events.append(self._event("response.output_text.done", item_id=item.item_id, output_index=item.index,
                                       content_index=0, text=item.text, logprobs=[]))
@@ -328,12 +367,12 @@ class ResponsesStream:
                                       output_index=item.index, content_index=0, part=part))
         elif item.kind == "reasoning":
             full = {"type": "reasoning", "id": item.item_id, "summary": [],
-                    "content": [{"type": "reasoning_text", "text": item.text}], "status": "completed"}
+                    "content": [{"type": "reasoning_text", "text": item.text}], "status": status}
             events.append(self._event("response.reasoning_text.done", item_id=item.item_id,
                                       output_index=item.index, content_index=0, text=item.text))
         else:
             full = {"type": "function_call", "id": item.item_id, "call_id": item.call_id, "name": item.name,
-                    "arguments": item.text, "status": "completed"}
+                    "arguments": item.text, "status": status}
             events.append(self._event("response.function_call_arguments.done", item_id=item.item_id,
                                       output_index=item.index, name=item.name, arguments=item.text))
         self._items.append(full)
@@ -459,15 +498,26 @@ def response_object(body: dict[str, Any], model: str, created_at: int, previous:
         "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
         "model": model, "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
         "previous_response_id": previous, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-        "store": body.get("store", True) is not False, "temperature": body.get("temperature", 1.0),
+        "store": body.get("store", True) is True, "temperature": body.get("temperature", 1.0),
         "text": text, "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
         "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None,
         "user": body.get("user"), "metadata": body.get("metadata") or {},
     }
 
 
+def dump(value: Any) -> bytes:
+    """
+    C{value} as UTF-8 JSON; with C{\\u} escapes if it holds a lone
+    surrogate echoed from a request (never a 500 for it).
+    """
+    try:
+        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(value).encode("ascii")
+
+
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
     """
     One Server-Sent Event: C{event:} equal to the payload's type.
     """
-    return b"event: " + kind.encode("ascii") + b"\ndata: " + json.dumps(payload, ensure_ascii=False).encode("utf-8") + b"\n\n"
+    return b"event: " + kind.encode("ascii") + b"\ndata: " + dump(payload) + b"\n\n"

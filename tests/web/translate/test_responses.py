@@ -86,6 +86,15 @@ class RequestTests(SynchronousTestCase):
             ({"input": "x"}, "model"),
             ({"model": "m", "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
             ({"model": "m", "input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]}, "input[0].content[0]"),
+            ({"model": "m", "input": [{"type": "message", "role": ["user"], "content": "x"}]}, "input[0]"),
+            ({"model": "m", "input": "x", "metadata": {"k": "v" * 600}}, "metadata"),
+            ({"model": "m", "input": "x", "metadata": [[[]]]}, "metadata"),
+            ({"model": "m", "input": "x", "store": "no"}, "store"),
+            ({"model": "m", "input": "x", "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+            ({"model": "m", "input": "x", "previous_response_id": ""}, "previous_response_id"),
+            ({"model": "m", "input": "x", "tool_choice": "required"}, "tool_choice"),
+            ({"model": "m", "input": "x", "reasoning": "high"}, "reasoning"),
+            ({"model": "m", "input": "x", "logit_bias": "x"}, "logit_bias"),
         ]
         for body, param in cases:
             with self.assertRaises(tr.ResponsesRequestError) as caught:
@@ -150,6 +159,7 @@ class StreamTests(SynchronousTestCase):
         _, events = run([chunk({"content": "abc"}), chunk({}, "length"), chunk(None, usage=USAGE)])
         self.assertEqual(events[-1]["type"], "response.incomplete")
         self.assertEqual(events[-1]["response"]["incomplete_details"], {"reason": "max_output_tokens"})
+        self.assertEqual(events[-1]["response"]["output"][0]["status"], "incomplete")
 
     def test_reasoning_then_text(self) -> None:
         _, events = run([chunk({"reasoning_content": "think"}), chunk({"reasoning_content": "ing"}),
@@ -170,6 +180,11 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(events[-1][0], "response.failed")
         self.assertEqual(events[-1][1]["response"]["error"]["message"], "engine died")
         self.assertEqual(sum(1 for k, _ in events if k in ("response.completed", "response.failed", "response.incomplete")), 1)
+
+    def test_lone_surrogates_are_escaped_not_fatal(self) -> None:
+        data = tr.dump({"user": "\ud800"})
+        self.assertEqual(json.loads(data), {"user": "\ud800"})
+        self.assertIn(b"event: x", tr.sse("x", {"metadata": {"k": "\udfff"}}))
 
     def test_sse_event_line_equals_type(self) -> None:
         data = tr.sse("response.created", {"type": "response.created", "sequence_number": 0})
