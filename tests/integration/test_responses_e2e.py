@@ -229,3 +229,31 @@ def test_child_killed_mid_stream_is_response_failed(daemon: Daemon) -> None:
     assert "killed" in events[-1][1]["response"]["error"]["message"] or events[-1][1]["response"]["error"]
     assert after_kill < 5
     assert client(daemon).responses.create(model="tiny", input="hi", max_output_tokens=2).status
+
+
+def post_raw(d: Daemon, body: bytes) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
+    try:
+        conn.request("POST", "/v1/responses", body,
+                     {"content-type": "application/json", "authorization": f"Bearer {ALICE}"})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read())
+    finally:
+        conn.close()
+
+
+def test_hostile_input_gets_400s_or_valid_json_never_500(daemon: Daemon) -> None:
+    status, body = post_raw(daemon, b'{"model":"tiny","input":"x","user":"\\ud800","max_output_tokens":2}')
+    assert status == 200 and body["user"] == "\ud800"  # escaped, valid JSON
+    cases = [
+        (b'{"model":"tiny","input":[{"type":"message","role":["user"],"content":"x"}]}', "input[0]"),
+        (b'{"model":"tiny","input":"x","metadata":{"a":NaN}}', None),
+        (b'{"model":"tiny","input":"x","metadata":' + b"[" * 900 + b"]" * 900 + b"}", "metadata"),
+        (b'{"model":"tiny","input":"x","store":"no"}', "store"),
+        (b'{"model":"tiny","input":"x","tool_choice":"required"}', "tool_choice"),
+    ]
+    for raw, param in cases:
+        status, body = post_raw(daemon, raw)
+        assert status == 400, (raw[:80], body)
+        assert set(body) == {"error"} and body["error"]["param"] == param, body
+    assert "Unhandled Error" not in daemon.log() and "internal error" not in daemon.log()
