@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-import treq
-from treq.client import HTTPClient
 from twisted.internet.defer import CancelledError, Deferred, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.interfaces import IReactorTime
@@ -108,7 +106,6 @@ class EngineClient:
         self._reactor: IReactorTime = reactor
         self._pool = QuietConnectionPool(reactor, persistent=False)
         self._pool.retryAutomatically = False
-        self._http = HTTPClient(Agent(reactor, connectTimeout=connect_timeout, pool=self._pool))
         # the request path: children are on 127.0.0.1, so a plain TCP
         # endpoint (no name resolution thread, no Happy Eyeballs) and the
         # bare Agent (no cookie, redirect or decoding wrappers)
@@ -127,27 +124,26 @@ class EngineClient:
         @raise Exception: Connection errors, or C{CancelledError} after
             C{timeout} seconds.
         """
-        d = self._fresh.request(b"GET", url.encode("ascii"), Headers({}), None)
-        timer = self._reactor.callLater(timeout, d.cancel)  # type: ignore[attr-defined]
-        try:
-            response: IResponse = await d
-        finally:
-            if timer.active():
-                timer.cancel()
-        await read_body(response, self._reactor, idle_timeout=timeout, max_bytes=1 << 16)
-        return int(response.code)
+        return (await self.get(url, {}, timeout, max_bytes=1 << 16))[0]
 
     async def get(
         self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0,
         max_bytes: int = 1 << 20,
     ) -> tuple[int, bytes]:
         """
-        GET C{url}: its status and body (at most C{max_bytes}).
+        GET C{url} (a child's C{/health}, C{/metrics}) over a fresh loopback
+        connection: its status and body (at most C{max_bytes}).
 
         @raise Exception: Connection errors, L{BodyTooLarge}, or
             C{CancelledError} after C{timeout} seconds without headers.
         """
-        response: IResponse = await self._http.get(url, headers=Headers(headers), timeout=timeout, unbuffered=True)
+        d = self._fresh.request(b"GET", url.encode("ascii"), Headers(headers), None)
+        timer = self._reactor.callLater(timeout, d.cancel)  # type: ignore[attr-defined]
+        try:
+            response: IResponse = await d
+        finally:
+            if timer.active():
+                timer.cancel()
         body = await read_body(response, self._reactor, idle_timeout=timeout, max_bytes=max_bytes)
         return int(response.code), body
 

@@ -199,6 +199,7 @@ class Instance:
     term_timer: Any = None
     run_files: Any = None
     ctx: int = 0
+    ready_at: float | None = None
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
     last_used: float = 0.0
@@ -617,6 +618,7 @@ class Supervisor(Service):
                     self._reactor.seconds() - instance.started_at
                 )
                 instance.ready_once = True
+                instance.ready_at = self._reactor.seconds()
                 instance._settle(None)
                 return
             if self._reactor.seconds() >= deadline:

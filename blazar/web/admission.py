@@ -47,6 +47,7 @@ from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
+from blazar.web.quota import retry_after_value
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
@@ -144,7 +145,10 @@ class AllSlotsBusy(Exception):
 
     @property
     def retry_after_header(self) -> bytes:
-        return str(max(1, math.ceil(self.retry_after))).encode("ascii")
+        """
+        The C{Retry-After} value surfaces send.
+        """
+        return retry_after_value(self.retry_after)
 
 
 @attrs.define(eq=False)

@@ -28,7 +28,7 @@ from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, WorkClass
 from blazar.web.auth import Forbidden, check_scope, record_usage
-from blazar.web.quota import QuotaExceeded
+from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -267,7 +267,7 @@ class AnthropicSurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
-        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        retry_after(request, e.retry_after)
         return self._error(request, 429, "rate_limit_error", str(e))
 
     @app.handle_errors(UnsupportedByModel)
@@ -293,7 +293,7 @@ class AnthropicSurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
-        request.setHeader(b"retry-after", e.retry_after_header)
+        retry_after(request, e.retry_after)
         return self._error(request, 503, "overloaded_error", str(e))
 
     @app.handle_errors(BreakerOpen, NoCapacity)

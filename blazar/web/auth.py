@@ -20,7 +20,7 @@ from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig
 from blazar.names import name_key
-from blazar.web.quota import QuotaExceeded, Quotas
+from blazar.web.quota import QuotaExceeded, Quotas, retry_after
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 
@@ -149,7 +149,7 @@ class AuthGate(Resource):
                     surface = surface_of(request.path)
                     request.setResponseCode(429)
                     request.setHeader(b"content-type", b"application/json")
-                    request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+                    retry_after(request, e.retry_after)
                     if surface == "anthropic":
                         request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
                     return error_body(surface, 429, str(e))

@@ -124,11 +124,12 @@ def note_span(request: Any, name: str, start: float, end: float | None = None) -
 
 class StreamTiming:
     """
-    When a child's streamed bytes arrived, for TTFT and TPOT.
+    When a child's streamed events arrived, for TTFT and TPOT.
 
     @ivar first: Clock seconds of the first bytes, or L{None}.
     @ivar last: Clock seconds of the latest bytes.
-    @ivar chunks: How many deliveries arrived.
+    @ivar chunks: How many SSE events arrived (counted by their blank-line
+        ends, so TPOT does not depend on how TCP cut the stream).
     """
 
     __slots__ = ("first", "last", "chunks")
@@ -138,11 +139,14 @@ class StreamTiming:
         self.last = 0.0
         self.chunks = 0
 
-    def tick(self, now: float) -> None:
+    def tick(self, now: float, events: int = 1) -> None:
+        """
+        C{events} SSE events arrived at C{now} (several may share one read).
+        """
         if self.first is None:
             self.first = now
         self.last = now
-        self.chunks += 1
+        self.chunks += events
 
 
 def timing_of(request: Any) -> StreamTiming | None:

@@ -25,7 +25,7 @@ from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, Ticket, WorkClass
 from blazar.web.auth import Forbidden, check_admin, check_scope, key_of, record_usage, visible
-from blazar.web.quota import QuotaExceeded
+from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import (
     EngineProxy,
@@ -569,7 +569,7 @@ class OllamaSurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
-        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        retry_after(request, e.retry_after)
         return _json(request, {"error": str(e)}, 429)
 
     @app.handle_errors(Forbidden)
@@ -604,7 +604,7 @@ class OllamaSurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
-        request.setHeader(b"retry-after", e.retry_after_header)
+        retry_after(request, e.retry_after)
         return _json(request, {"error": str(e)}, 503)
 
     @app.handle_errors(BreakerOpen, NoCapacity)

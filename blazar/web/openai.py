@@ -29,7 +29,7 @@ from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, WorkClass
 from blazar.web.auth import Forbidden, check_scope, record_usage, visible, wants_usage
-from blazar.web.quota import QuotaExceeded
+from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
     EngineProxy,
@@ -204,7 +204,7 @@ class OpenAISurface:
             raise BadRequest("the Responses API is not configured on this gateway")
         return self._responses
 
-    def _responses_body(self, request: IRequest) -> tuple[dict[str, Any], int]:
+    def _responses_body(self, request: IRequest) -> dict[str, Any]:
         raw = request.content.read() if request.content is not None else b""
         if b"NaN" in raw or b"Infinity" in raw:
             # json.loads takes these; JSON does not, and they would be echoed back
@@ -215,21 +215,19 @@ class OpenAISurface:
                 json.loads(raw, parse_constant=refuse)
             except (ValueError, UnicodeDecodeError, RecursionError):
                 pass
-        return parse_json_body(raw), len(raw)
+        return parse_json_body(raw)
 
     @app.route("/v1/responses", methods=["POST"])
     async def create_response(self, request: IRequest) -> bytes | None:
         if getattr(request, "body_too_large", False):
             return self._too_large(request)
-        body, size = self._responses_body(request)
-        return await self._responses_api().create(request, body, size)
+        return await self._responses_api().create(request, self._responses_body(request))
 
     @app.route("/v1/responses/input_tokens", methods=["POST"])
     async def response_input_tokens(self, request: IRequest) -> bytes:
         if getattr(request, "body_too_large", False):
             return self._too_large(request)
-        body, _ = self._responses_body(request)
-        return await self._responses_api().input_tokens(request, body)
+        return await self._responses_api().input_tokens(request, self._responses_body(request))
 
     @app.route("/v1/responses/<string:response_id>", methods=["GET"])
     async def retrieve_response(self, request: IRequest, response_id: str) -> bytes:
@@ -412,7 +410,7 @@ class OpenAISurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, QuotaExceeded)
-        request.setHeader(b"retry-after", str(int(e.retry_after + 0.999)).encode())
+        retry_after(request, e.retry_after)
         return self._error(request, 429, error_body(str(e), "rate_limit_error", "rate_limit_exceeded"))
 
     @app.handle_errors(Forbidden)
@@ -456,15 +454,15 @@ class OpenAISurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, AllSlotsBusy)
-        request.setHeader(b"retry-after", e.retry_after_header)
+        retry_after(request, e.retry_after)
         return self._error(request, 503, error_body(str(e), "server_error", "all_slots_busy"))
 
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
         e = failure.value
-        retry_after = getattr(e, "retry_after", 5.0)
-        request.setHeader(b"retry-after", str(max(1, int(retry_after))).encode())
+        retry_after_secs = getattr(e, "retry_after", 5.0)
+        retry_after(request, retry_after_secs)
         return self._error(request, 503, error_body(str(e), "engine_unavailable", "engine_unavailable"))
 
     @app.handle_errors(EngineTimeout)

@@ -332,13 +332,11 @@ class EngineProxy:
         """
         for attempt in (1, 2):
             began = self._clock.seconds()
-            loading = request is not None and self._registry is not None and not self.is_ready(
-                (await self._registry.resolve(model)).name
-            )
             instance = await self.supervisor.instance_for(model, ctx_size)
             if request is not None:
                 now = self._clock.seconds()
-                if loading:
+                ready_at = getattr(instance, "ready_at", None)
+                if ready_at is not None and ready_at >= began:  # it became ready while we waited
                     note_span(request, "load", began, now)
                 note_span(request, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
@@ -518,7 +516,7 @@ class EngineProxy:
             tick, seconds, feed = timing.tick, self._clock.seconds, on_chunk
 
             def on_chunk(data: bytes) -> None:
-                tick(seconds())
+                tick(seconds(), data.count(b"\n\n") or 1)
                 feed(data)
 
         try:

@@ -10,11 +10,28 @@ L{blazar.service} through L{blazar.store}.
 
 from __future__ import annotations
 
+import math
+
 import time
 from collections import defaultdict, deque
 from typing import Any, Callable
 
 from blazar.config import KeyConfig
+
+
+def retry_after_value(seconds: float) -> bytes:
+    """
+    A C{Retry-After} value: whole seconds, rounded up, at least 1
+    (RFC 9110, section 10.2.3).
+    """
+    return str(max(1, math.ceil(seconds))).encode("ascii")
+
+
+def retry_after(request: Any, seconds: float) -> None:
+    """
+    Set C{Retry-After} on a refusal (quota, all slots busy, breaker open).
+    """
+    request.setHeader(b"retry-after", retry_after_value(seconds))
 
 
 class QuotaExceeded(Exception):

@@ -121,7 +121,7 @@ class Responses:
         history = await self._history(request, previous) if previous else []
         return tr.request_to_chat(body, history), previous
 
-    async def create(self, request: IRequest, body: dict[str, Any], size: int) -> bytes | None:
+    async def create(self, request: IRequest, body: dict[str, Any]) -> bytes | None:
         """
         C{POST /v1/responses}: the response object, or its event stream.
         """
@@ -133,14 +133,13 @@ class Responses:
             raise tr.ResponsesRequestError(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=False)
         check_scope(request, canonical)
+        raw = json.dumps(chat).encode("utf-8")  # once: its size bounds the prompt, then it is sent
         await self._proxy.preflight(
-            model, chat.get("max_tokens"), size + len(json.dumps(chat["messages"])),
-            lambda: self._proxy.count_chat_tokens(model, chat),
+            model, chat.get("max_tokens"), len(raw), lambda: self._proxy.count_chat_tokens(model, chat),
         )
         await self._proxy.admit(request, canonical, WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE)
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous))
         inputs = tr.input_items(body)
-        raw = json.dumps(chat).encode("utf-8")
         if not body.get("stream"):
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
             def collect(chunk: dict[str, Any]) -> None:

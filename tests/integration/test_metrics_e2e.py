@@ -59,8 +59,8 @@ def call(d: Daemon, path: str, body: Any, secret: str | None = ADMIN) -> tuple[i
 
 def stream_lines(d: Daemon, body: Any, kill: bool = False) -> list[Any]:
     """
-    A streamed OpenAI chat; with C{kill}, SIGKILL the child after the
-    first event.
+    A streamed OpenAI chat; with C{kill}, SIGKILL the child after its
+    third event (so the stream has inter-chunk gaps to measure).
     """
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
     try:
@@ -73,7 +73,7 @@ def stream_lines(d: Daemon, body: Any, kill: bool = False) -> list[Any]:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data: "):
                 continue
-            if kill and not events:
+            if kill and len(events) == 3:
                 d.engine_for(MODEL).send_signal(signal.SIGKILL)
             events.append(line[6:])
         return [json.loads(e) for e in events if e != "[DONE]"]
