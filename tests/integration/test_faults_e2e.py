@@ -108,10 +108,22 @@ def settled(d: Daemon) -> dict[str, Any]:
     }
 
 
+def _no_end_of_turn() -> dict[str, int]:
+    """
+    logit_bias that keeps the random model from ending its turn, so a
+    stream is still running when its child is killed.
+    """
+    from blazar.testing import vocabulary
+
+    return {str(vocabulary()[0].index("<|im_end|>")): -100}
+
+
 STREAMS = {
     "openai": ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "stream": True, "ignore_eos": True}),
-    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 1900, "messages": HELLO, "stream": True}),
-    "ollama": ("/api/chat", {"model": "tiny", "messages": HELLO, "options": {"num_predict": 1900}}),
+    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 1900, "messages": HELLO, "stream": True,
+                                   "logit_bias": _no_end_of_turn()}),
+    "ollama": ("/api/chat", {"model": "tiny", "messages": HELLO,
+                             "options": {"num_predict": 1900, "logit_bias": _no_end_of_turn()}}),
 }
 
 
