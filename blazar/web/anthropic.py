@@ -39,11 +39,18 @@ from blazar.web.proxy import (
     keep_alive_of,
 )
 from blazar.web.observe import note_error, note_tokens
+from blazar.web.ignored import beta_values, note_ignored
 from blazar.web.translate import anthropic as tr
+from blazar.web.translate import leniency
 
 log = Logger()
 
 PING_INTERVAL = 5.0
+# anthropic-beta values whose feature Blazar serves (others are listed in x-blazar-ignored)
+HONOURED_BETAS = frozenset({
+    "mid-conversation-system-2026-04-07", "interleaved-thinking-2025-05-14", "token-counting-2024-11-01",
+    "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13",
+})
 
 
 class AnthropicError(Exception):
@@ -97,11 +104,16 @@ class AnthropicSurface:
             raise AnthropicError(400, "invalid_request_error", "request body must be a JSON object")
         return body
 
-    def _translate(self, body: dict[str, Any], counting: bool = False) -> tuple[dict[str, Any], list[str]]:
+    def _translate(
+        self, request: IRequest, body: dict[str, Any], counting: bool = False
+    ) -> tuple[dict[str, Any], list[str]]:
         try:
-            return tr.request_to_openai(body, counting=counting)
-        except tr.AnthropicRequestError as e:
+            ignored = leniency.screen("anthropic", body)
+            translated = tr.request_to_openai(body, counting=counting, ignored=ignored)
+        except (tr.AnthropicRequestError, leniency.MeaningChanged) as e:
             raise AnthropicError(400, "invalid_request_error", str(e)) from None
+        note_ignored(request, "anthropic", ignored + beta_values(request, HONOURED_BETAS))
+        return translated
 
     async def _resolve(self, model: str, request: IRequest) -> str:
         try:
@@ -119,10 +131,11 @@ class AnthropicSurface:
     @app.route("/v1/messages/count_tokens", methods=["POST"])
     async def count_tokens(self, request: IRequest) -> bytes:
         body = self._body(request)
-        engine_body, _ = self._translate(body, counting=True)
+        engine_body, _ = self._translate(request, body, counting=True)
         model = body["model"]
         await self._resolve(model, request)
         await self._proxy.check_purpose(model, embedding=False)
+        await self._proxy.place_system_messages(model, engine_body)
         count = await self._proxy.count_chat_tokens(model, engine_body)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"input_tokens": count}).encode("utf-8")
@@ -130,7 +143,7 @@ class AnthropicSurface:
     @app.route("/v1/messages", methods=["POST"])
     async def messages(self, request: IRequest) -> bytes | None:
         body = self._body(request)
-        engine_body, stops = self._translate(body)
+        engine_body, stops = self._translate(request, body)
         model = body["model"]
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
@@ -141,6 +154,7 @@ class AnthropicSurface:
             raise AnthropicError(400, "invalid_request_error", f"keep_alive: {e}") from None
         canonical = await self._resolve(model, request)
         await self._proxy.check_purpose(model, embedding=False)
+        await self._proxy.place_system_messages(model, engine_body)
         counted = await self._proxy.preflight(
             model, engine_body.get("max_tokens"), len(json.dumps(engine_body)),
             lambda: self._proxy.count_chat_tokens(model, engine_body),

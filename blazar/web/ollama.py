@@ -35,6 +35,8 @@ from blazar.web.proxy import (
 )
 from blazar.web.observe import note_error, note_span, note_tokens
 from blazar.web.translate import ollama as tr
+from blazar.web.ignored import note_ignored
+from blazar.web.translate import leniency
 
 log = Logger()
 
@@ -184,6 +186,20 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
 
+    def _num_ctx(self, body: dict[str, Any]) -> int | None:
+        """
+        C{options.num_ctx}, the context per slot the request asks for
+        (the supervisor grows the child to it under C{ctx_policy =
+        "grow"}), if it is a positive integer; anything else is ignored.
+        """
+        options = body.get("options")
+        num_ctx = options.get("num_ctx") if isinstance(options, dict) else None
+        if isinstance(num_ctx, float) and num_ctx.is_integer():
+            num_ctx = int(num_ctx)  # as the options translator takes it
+        if isinstance(num_ctx, int) and not isinstance(num_ctx, bool) and num_ctx > 0:
+            return num_ctx
+        return None
+
     async def _load(self, model: str, ctx_size: int | None = None, request: IRequest | None = None) -> tr.Timing:
         """
         Make sure a child for C{model} is ready, timing how long that took
@@ -237,8 +253,21 @@ class OllamaSurface:
             line["load_duration"] = int((self._clock.seconds() - started) * 1e9)
         return _json(request, line)
 
+    def _lenient(self, request: IRequest, surface: str, body: dict[str, Any]) -> None:
+        """
+        The leniency policy on an Ollama body: C{x-blazar-ignored} names
+        what is accepted but not honoured; a field whose meaning would be
+        lost is a 400.
+        """
+        try:
+            ignored = leniency.screen(surface, body)
+        except leniency.MeaningChanged as e:
+            raise OllamaError(400, str(e)) from None
+        note_ignored(request, "ollama", ignored + tr.ignored_options(body.get("options")))
+
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
+        self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         model = self._model_field(body)
         stream = self._stream_flag(body)
         keep_alive = self._keep_alive(body)
@@ -260,12 +289,11 @@ class OllamaSurface:
                 path, engine_body = tr.generate_to_openai(body, stream)
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
-        raw_options = body.get("options")
-        options: dict[str, Any] = raw_options if isinstance(raw_options, dict) else {}
-        num_ctx = options.get("num_ctx")
-        ctx_size = num_ctx if isinstance(num_ctx, int) and not isinstance(num_ctx, bool) and num_ctx > 0 else None
+        ctx_size = self._num_ctx(body)
         entry = await self._entry(model, request)
         await self._proxy.check_purpose(model, embedding=False)
+        if "messages" in engine_body:
+            await self._proxy.place_system_messages(model, engine_body)
         if path != "/infill":
             max_tokens = engine_body.get("max_tokens")
 
@@ -275,8 +303,7 @@ class OllamaSurface:
                 return await self._proxy.count_text_tokens(model, engine_body.get("prompt", ""))
 
             await self._proxy.preflight(
-                model, max_tokens, len(json.dumps(engine_body)), count,
-                ctx_size if self._supervisor.ctx_policy == "reload" else None,
+                model, max_tokens, len(json.dumps(engine_body)), count, ctx_size,
             )
         if kind == "chat":
             work = WorkClass.TOOL if body.get("tools") else WorkClass.INTERACTIVE
@@ -346,6 +373,7 @@ class OllamaSurface:
     @app.route("/api/embed", methods=["POST"])
     async def embed(self, request: IRequest) -> bytes:
         body = self._body(request)
+        self._lenient(request, "ollama_embed", body)
         model = self._model_field(body)
         keep_alive = self._keep_alive(body)
         try:
@@ -353,7 +381,7 @@ class OllamaSurface:
         except tr.TranslationError as e:
             raise OllamaError(400, str(e)) from None
         await self._entry(model, request)
-        reply, timing, instance = await self._embed(request, model, inputs, keep_alive)
+        reply, timing, instance = await self._embed(request, model, inputs, keep_alive, self._num_ctx(body))
         out = tr.embed_reply(reply, model, timing, self._clock.seconds())
         note_tokens(request, out["prompt_eval_count"], 0)
         record_usage(request, out["prompt_eval_count"])
@@ -362,6 +390,7 @@ class OllamaSurface:
     @app.route("/api/embeddings", methods=["POST"])
     async def embeddings(self, request: IRequest) -> bytes:
         body = self._body(request)
+        self._lenient(request, "ollama_embed", body)
         model = self._model_field(body)
         keep_alive = self._keep_alive(body)
         prompt = body.get("prompt")
@@ -370,18 +399,19 @@ class OllamaSurface:
         if prompt == "":
             return _json(request, {"embedding": []})
         await self._entry(model, request)
-        reply, _, _ = await self._embed(request, model, [prompt], keep_alive)
+        reply, _, _ = await self._embed(request, model, [prompt], keep_alive, self._num_ctx(body))
         return _json(request, {"embedding": reply["data"][0]["embedding"]})
 
     async def _embed(
-        self, request: IRequest, model: str, inputs: list[str], keep_alive: float | None
+        self, request: IRequest, model: str, inputs: list[str], keep_alive: float | None,
+        ctx_size: int | None = None,
     ) -> tuple[dict[str, Any], tr.Timing, Instance]:
         entry = await self._entry(model)
         await self._proxy.check_purpose(model, embedding=True)
         await self._proxy.admit(request, entry.name, WorkClass.INTERACTIVE)
-        timing = await self._load(model, None, request)
+        timing = await self._load(model, ctx_size, request)
         instance, response = await self._proxy.send(
-            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), None, request, False
+            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), ctx_size, request, False
         )
         try:
             reply = json.loads(await self._proxy.read(instance, response))

@@ -41,6 +41,8 @@ from blazar.web.proxy import (
 from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
 from blazar.web.responses import ResponseNotFound, Responses
 from blazar.web.sse import ModelRenamer, SSERelay
+from blazar.web.ignored import note_ignored
+from blazar.web.translate import leniency
 from blazar.web.translate.responses import ResponsesRequestError
 
 log = Logger()
@@ -129,6 +131,35 @@ def validate(kind: str, body: dict[str, Any]) -> None:
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise BadRequest("'stream_options' must be an object", "stream_options")
+
+
+def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
+    """
+    The leniency policy (L{blazar.web.translate.leniency}) on a chat,
+    completion or embedding body, and what the engine must not get: tools
+    that are not functions (built-in ones a local model cannot run) and
+    C{best_of} (llama-server refuses it) are taken out of C{body}.
+
+    @return: (the names accepted but not honoured, whether C{body} changed).
+    @raise BadRequest: A field whose meaning would be lost, named.
+    """
+    try:
+        ignored = leniency.screen(kind, body)
+    except leniency.MeaningChanged as e:
+        raise BadRequest(str(e), e.field) from None
+    changed = False
+    tools = body.get("tools")
+    if kind == "chat" and isinstance(tools, list) and any(t.get("type", "function") != "function" for t in tools):
+        ignored += [f"tools:{t.get('type')}"[:80] for t in tools if t.get("type", "function") != "function"]
+        body["tools"] = [t for t in tools if t.get("type", "function") == "function"]
+        if not body["tools"]:
+            del body["tools"]
+            body.pop("tool_choice", None)
+        changed = True
+    if kind == "completion" and "best_of" in body:
+        del body["best_of"]
+        changed = True
+    return ignored, changed
 
 
 class OpenAISurface:
@@ -248,6 +279,8 @@ class OpenAISurface:
         body = parse_json_body(raw)
         model = require_model(body)
         validate(kind, body)
+        ignored, changed = lenient(kind, body)
+        note_ignored(request, "openai", ignored)
         stream = bool(body.get("stream") or False) and kind != "embedding"
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
@@ -255,6 +288,10 @@ class OpenAISurface:
             raise BadRequest(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
         check_scope(request, canonical)
+        if kind == "chat" and await self._proxy.place_system_messages(model, body):
+            changed = True
+        if changed:
+            raw = json.dumps(body).encode("utf-8")
         hide_usage = False
         if stream and wants_usage(request):
             # token limits need the child's usage: ask for it, and keep the

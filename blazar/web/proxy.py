@@ -22,6 +22,7 @@ from blazar.models.registry import ModelRegistry
 from blazar.web.admission import Admission, Lease, WorkClass, admit_request
 from blazar.web.observe import note_span, timing_of
 from blazar.web.sse import SSEEvents
+from blazar.web.translate import placement
 
 log = Logger()
 
@@ -170,6 +171,9 @@ class EngineProxy:
         self._registry = registry
         self._engines = engines
         self._clock = clock
+        # (canonical model, file mtime) -> whether its chat template takes
+        # a system message after the first turn (asked once per model file)
+        self._mid_system: dict[tuple[str, float], bool] = {}
 
     def done(self, instance: Instance, keep_alive: float | None) -> None:
         """
@@ -226,8 +230,11 @@ class EngineProxy:
         tokenizer) only when the body is large enough to matter: a prompt
         has at most as many tokens as its rendering has bytes.
 
-        @param ctx_size: The context the request will get, if not the
-            model's configured one (Ollama's num_ctx under ctx_policy reload).
+        @param ctx_size: The context per slot the request asks for
+            (Ollama's C{num_ctx}); it is checked against the context the
+            supervisor plans for it (L{Supervisor.context_for}: grown
+            under C{ctx_policy = "grow"}, within the trained context and
+            free memory), and the levers say what held that below it.
         @return: The prompt's token count if it had to be counted.
         @raise PromptTooLong: With both numbers and the levers.
         """
@@ -235,13 +242,18 @@ class EngineProxy:
             return None
         entry = await self._registry.resolve(model)
         loaded = self.supervisor.loaded(entry.name)
-        if ctx_size is None and loaded is not None and loaded.ctx:
-            ctx = loaded.ctx  # the usual case: no GGUF stat on the request path
-        else:
-            ctx = ctx_size or context_per_slot(entry, await self._registry.metadata(entry))
         levers = (
             f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'
         )
+        if ctx_size is not None:
+            plan = await self.supervisor.context_for(entry.name, ctx_size)
+            ctx = plan.ctx
+            if plan.shortfall():
+                levers = f"shorten the prompt or lower max_tokens ({plan.shortfall()})"
+        elif loaded is not None and loaded.ctx:
+            ctx = loaded.ctx  # the usual case: no GGUF stat on the request path
+        else:
+            ctx = context_per_slot(entry, await self._registry.metadata(entry))
         if max_tokens >= ctx:
             raise PromptTooLong(
                 f"max_tokens = {max_tokens} does not fit in the {ctx}-token context of "
@@ -256,6 +268,61 @@ class EngineProxy:
                 f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}"
             )
         return prompt
+
+    async def place_system_messages(self, model: str, chat_body: dict[str, Any]) -> bool:
+        """
+        Render the system and developer messages of an OpenAI chat body in
+        place, the way the model's chat template takes them
+        (L{blazar.web.translate.placement}); changes C{chat_body["messages"]}.
+
+        @return: Whether the messages changed (a raw body must be encoded again).
+        """
+        messages = chat_body.get("messages")
+        if not placement.needs_placement(messages):
+            return False
+        assert isinstance(messages, list)
+        ok = await self.mid_system_ok(model)
+        chat_body["messages"] = placement.place(messages, ok)
+        return True
+
+    async def mid_system_ok(self, model: str) -> bool:
+        """
+        Whether C{model}'s chat template renders a system message after the
+        first turn in its place: asked once per model file, by rendering
+        L{placement.PROBE} with the child's C{/apply-template}. A template
+        that raises or drops it answers L{False}.
+        """
+        if self._registry is not None:
+            entry = await self._registry.resolve(model)
+            key = (entry.name, entry.modified)
+        else:
+            key = (model, 0.0)
+        known = self._mid_system.get(key)
+        if known is not None:
+            return known
+        try:
+            instance, response = await self.send(
+                model, "/apply-template", json.dumps(placement.PROBE).encode("utf-8"), stream=False
+            )
+        except EngineRejected as e:
+            log.info("{model}: its chat template refuses a system message after the first turn "
+                     "({error}); such messages are rendered as <system-reminder> blocks",
+                     model=key[0], error=str(e)[:200])
+            ok = False
+        else:
+            try:
+                payload = await self.read(instance, response)
+            finally:
+                instance.in_flight -= 1
+            try:
+                ok = placement.probe_accepts(json.loads(payload).get("prompt"))
+            except (ValueError, AttributeError):
+                ok = False
+            if not ok:
+                log.info("{model}: its chat template drops a system message after the first turn; "
+                         "such messages are rendered as <system-reminder> blocks", model=key[0])
+        self._mid_system[key] = ok
+        return ok
 
     async def count_chat_tokens(self, model: str, chat_body: dict[str, Any]) -> int:
         """

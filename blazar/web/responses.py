@@ -25,6 +25,7 @@ from blazar.config import Config
 from blazar.engines.supervisor import EngineError
 from blazar.web.admission import WorkClass
 from blazar.web.auth import check_scope, key_of, record_usage
+from blazar.web.ignored import note_ignored
 from blazar.web.observe import note_error, note_tokens
 from blazar.web.proxy import KEEP_ALIVE_HEADER, EngineProxy, EngineRejected, keep_alive_of
 from blazar.web.translate import responses as tr
@@ -114,18 +115,24 @@ class Responses:
 
     # -- routes ---------------------------------------------------------------
 
-    async def _translate(self, request: IRequest, body: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    async def _translate(
+        self, request: IRequest, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], str | None, tr.ToolNames]:
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
             raise tr.ResponsesRequestError("previous_response_id: must be a string", "previous_response_id")
         history = await self._history(request, previous) if previous else []
-        return tr.request_to_chat(body, history), previous
+        ignored: list[str] = []
+        names = tr.ToolNames()
+        chat = tr.request_to_chat(body, history, ignored, names)
+        note_ignored(request, "responses", ignored)
+        return chat, previous, names
 
     async def create(self, request: IRequest, body: dict[str, Any]) -> bytes | None:
         """
         C{POST /v1/responses}: the response object, or its event stream.
         """
-        chat, previous = await self._translate(request, body)
+        chat, previous, names = await self._translate(request, body)
         model = body["model"]
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
@@ -133,12 +140,13 @@ class Responses:
             raise tr.ResponsesRequestError(str(e), "keep_alive") from None
         canonical = await self._proxy.check_purpose(model, embedding=False)
         check_scope(request, canonical)
+        await self._proxy.place_system_messages(model, chat)
         raw = json.dumps(chat).encode("utf-8")  # once: its size bounds the prompt, then it is sent
         await self._proxy.preflight(
             model, chat.get("max_tokens"), len(raw), lambda: self._proxy.count_chat_tokens(model, chat),
         )
         await self._proxy.admit(request, canonical, WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE)
-        translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous))
+        translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
@@ -206,9 +214,10 @@ class Responses:
         C{POST /v1/responses/input_tokens}: the prompt tokens a create with
         this body would report, counted by the child on the same rendering.
         """
-        chat, _ = await self._translate(request, body)
+        chat, _, _ = await self._translate(request, body)
         canonical = await self._proxy.check_purpose(body["model"], embedding=False)
         check_scope(request, canonical)
+        await self._proxy.place_system_messages(body["model"], chat)
         count = await self._proxy.count_chat_tokens(body["model"], chat)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")

@@ -37,7 +37,19 @@ def _text_of(blocks: Any, where: str) -> str:
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
             raise AnthropicRequestError(f"{where}.{i}: expected a text block {{\"type\": \"text\", \"text\": ...}}")
         parts.append(b["text"])
-    return "\n\n".join(parts) if where == "system" else "".join(parts)
+    return "\n\n".join(parts)
+
+
+def _system_text(blocks: Any, where: str, ignored: list[str]) -> str:
+    """
+    A C{system} value (string or text blocks) as one string; blocks joined
+    by a blank line.
+    """
+    if isinstance(blocks, list):
+        if any(isinstance(b, dict) and "cache_control" in b for b in blocks):
+            ignored.append("cache_control")
+    text = _text_of(blocks, where)
+    return text
 
 
 def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
@@ -76,17 +88,31 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
     return content
 
 
-def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
+# content blocks of Anthropic's server tools (run by Anthropic, not here):
+# history the local model cannot use, left out
+SERVER_BLOCKS = frozenset({
+    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
+    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "mcp_tool_use",
+    "mcp_tool_result", "container_upload", "tool_search_tool_result",
+})
+
+
+def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[dict[str, Any]]:
     """
     Anthropic messages to OpenAI chat messages. C{tool_result} blocks
     become C{role: "tool"} messages placed before the rest of their user
-    turn; C{tool_use} blocks become C{tool_calls} with JSON string arguments.
+    turn; C{tool_use} blocks become C{tool_calls} with JSON string arguments;
+    C{role: "system"} messages (the C{mid-conversation-system} beta) stay
+    where they are, as system messages.
 
+    @param ignored: Gets the names of what was accepted but left out
+        (server-tool blocks, C{cache_control}, unknown block types).
     @raise AnthropicRequestError: Naming the bad field as Anthropic does
         (C{messages.0.content.1.type}).
     """
     if not isinstance(messages, list) or not messages:
         raise AnthropicRequestError("messages: must be a non-empty array")
+    ignored = [] if ignored is None else ignored
     out: list[dict[str, Any]] = []
     tool_ids: set[str] = set()
     for i, m in enumerate(messages):
@@ -94,8 +120,12 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
         if not isinstance(m, dict):
             raise AnthropicRequestError(f"{where}: must be an object")
         role = m.get("role")
+        if role == "system":
+            text = _system_text(m.get("content"), f"{where}.content", ignored)
+            out.append({"role": "system", "content": text})
+            continue
         if role not in ("user", "assistant"):
-            raise AnthropicRequestError(f"{where}.role: must be \"user\" or \"assistant\"")
+            raise AnthropicRequestError(f"{where}.role: must be \"user\", \"assistant\" or \"system\"")
         content = m.get("content")
         if isinstance(content, str):
             if not content and not (role == "assistant" and i == len(messages) - 1):
@@ -114,6 +144,8 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
             if not isinstance(block, dict):
                 raise AnthropicRequestError(f"{bwhere}: must be an object")
             kind = block.get("type")
+            if "cache_control" in block:
+                ignored.append("cache_control")
             if kind == "text":
                 if not isinstance(block.get("text"), str):
                     raise AnthropicRequestError(f"{bwhere}.text: must be a string")
@@ -157,8 +189,15 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
                     parts.append({"type": "text", "text": source["data"]})
                 else:
                     raise AnthropicRequestError(f"{bwhere}: only text documents are supported")
+            elif kind == "search_result":
+                texts = [b.get("text", "") for b in block.get("content") or []
+                         if isinstance(b, dict) and isinstance(b.get("text"), str)]
+                parts.append({"type": "text", "text": "\n".join(texts)})
+            elif not isinstance(kind, str):
+                raise AnthropicRequestError(f"{bwhere}.type: required (a string)")
             else:
-                raise AnthropicRequestError(f"{bwhere}.type: unsupported content block type {kind!r}")
+                # server tools' blocks, or a block type newer than Blazar
+                ignored.append(f"content:{kind}"[:80])
         out.extend(tool_results)
         if role == "assistant":
             text = "".join(p["text"] for p in parts if p["type"] == "text")
@@ -173,6 +212,8 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
                 out.append({"role": "user", "content": "".join(p["text"] for p in parts)})
             else:
                 out.append({"role": "user", "content": parts})
+    if all(m["role"] == "system" for m in out):
+        raise AnthropicRequestError("messages: needs at least one user or assistant message")
     return out
 
 
@@ -200,8 +241,11 @@ def tool_choice_to_openai(choice: Any) -> tuple[Any, bool | None]:
     raise AnthropicRequestError("tool_choice.type: must be auto, any, tool or none")
 
 
+EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhigh": "high"}
+
+
 def request_to_openai(
-    body: dict[str, Any], *, counting: bool = False
+    body: dict[str, Any], *, counting: bool = False, ignored: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """
     A C{/v1/messages} body to the child's streaming C{/v1/chat/completions}
@@ -209,9 +253,13 @@ def request_to_openai(
     one translation).
 
     @param counting: For C{count_tokens}, which takes no C{max_tokens}.
+    @param ignored: Gets the names of what was accepted but not honoured
+        (server tools, C{cache_control}, ...), besides what
+        L{blazar.web.translate.leniency} lists for the top level.
     @return: (engine body, stop sequences for L{AnthropicStream}).
     @raise AnthropicRequestError: Naming the bad field.
     """
+    ignored = [] if ignored is None else ignored
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise AnthropicRequestError("model: Field required")
@@ -223,10 +271,10 @@ def request_to_openai(
         if max_tokens < 1:
             raise AnthropicRequestError("max_tokens: must be at least 1")
         out["max_tokens"] = max_tokens
-    messages = messages_to_openai(body.get("messages"))
+    messages = messages_to_openai(body.get("messages"), ignored)
     system = body.get("system")
     if system is not None and system != "" and system != []:
-        messages.insert(0, {"role": "system", "content": _text_of(system, "system")})
+        messages.insert(0, {"role": "system", "content": _system_text(system, "system", ignored)})
     out["messages"] = messages
     for key in ("temperature", "top_p", "top_k"):
         value = body.get(key)
@@ -247,7 +295,11 @@ def request_to_openai(
             if not isinstance(t, dict) or not isinstance(t.get("name"), str):
                 raise AnthropicRequestError(f"tools.{i}.name: Field required")
             if t.get("type") not in (None, "custom"):
-                continue  # server tools (web search, ...) are not available locally
+                # server tools (web search, ...) are not available locally
+                ignored.append(f"tools:{t['name']}"[:80])
+                continue
+            if "cache_control" in t:
+                ignored.append("cache_control")
             schema = t.get("input_schema")
             if not isinstance(schema, dict):
                 raise AnthropicRequestError(f"tools.{i}.input_schema: Field required")
@@ -272,10 +324,45 @@ def request_to_openai(
     # send it (e.g. with the SDK's extra_body): token id -> bias
     if isinstance(body.get("logit_bias"), dict):
         out["logit_bias"] = body["logit_bias"]
-    thinking = body.get("thinking")
-    if isinstance(thinking, dict):
-        out["chat_template_kwargs"] = {"enable_thinking": thinking.get("type") == "enabled"}
+    _reasoning(body, out)
+    fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise AnthropicRequestError(
+                'output_config.format: must be {"type": "json_schema", "schema": {...}}')
+        out["response_format"] = {"type": "json_schema",
+                                  "json_schema": {"name": "output", "schema": fmt["schema"]}}
     return out, list(stops)
+
+
+def _reasoning(body: dict[str, Any], out: dict[str, Any]) -> None:
+    """
+    C{thinking} and C{output_config.effort} as the engine's reasoning
+    switches: the chat template's C{enable_thinking}, llama-server's
+    C{thinking_budget_tokens} and C{reasoning_effort} (each used by the
+    engine where the model's template has it, harmless where not).
+    """
+    thinking = body.get("thinking")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "adaptive", "disabled"):
+            raise AnthropicRequestError('thinking.type: must be "enabled", "adaptive" or "disabled"')
+        assert isinstance(thinking, dict)
+        out["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        if kind == "enabled":
+            budget = thinking.get("budget_tokens")
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
+                raise AnthropicRequestError("thinking.budget_tokens: required (an integer) when type is \"enabled\"")
+            out["thinking_budget_tokens"] = budget
+    config = body.get("output_config")
+    if config is not None and not isinstance(config, dict):
+        raise AnthropicRequestError("output_config: must be an object")
+    effort = (config or {}).get("effort")
+    if effort is not None:
+        if effort not in EFFORTS:
+            raise AnthropicRequestError('output_config.effort: must be "low", "medium", "high" or "max"')
+        if out.get("chat_template_kwargs", {}).get("enable_thinking") is not False:
+            out["reasoning_effort"] = EFFORTS[effort]
 
 
 def stop_reason(finish: str | None) -> str:

@@ -64,9 +64,10 @@ _NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty
                    "presence_penalty", "frequency_penalty", "mirostat_tau", "mirostat_eta"}
 
 # Accepted and ignored: they size or place the engine, which the operator's
-# config decides (num_ctx: see the lifecycle issue), or are obsolete.
+# config decides, or are obsolete. (num_ctx is not sent to the engine either:
+# the surface hands it to the supervisor, which grows the child's context.)
 _IGNORED_OPTIONS = {
-    "num_ctx", "num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread",
+    "num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread",
     "numa", "low_vram", "f16_kv", "vocab_only", "penalize_newline", "tfs_z", "logits_all",
     "embedding_only", "rope_frequency_base", "rope_frequency_scale", "num_gqa",
 }
@@ -596,3 +597,15 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
         json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
         for line in lines
     )
+
+
+def ignored_options(options: Any) -> list[str]:
+    """
+    The C{options} keys accepted but not honoured (they size or place the
+    engine, which the operator's config decides, or are obsolete or
+    unknown), as C{options.KEY} names for C{x-blazar-ignored}.
+    """
+    if not isinstance(options, dict):
+        return []
+    honoured = set(_OPTION_NAMES) | {"num_predict", "stop", "logit_bias", "num_ctx"}
+    return [f"options.{key}"[:80] for key in options if key not in honoured]

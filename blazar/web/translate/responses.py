@@ -16,6 +16,8 @@ from typing import Any
 
 import attrs
 
+from blazar.web.translate import leniency
+
 
 class ResponsesRequestError(ValueError):
     """
@@ -28,15 +30,42 @@ class ResponsesRequestError(ValueError):
         super().__init__(message)
 
 
-# fields accepted and used, or accepted as no-ops (documented as such)
-KNOWN = {
-    "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-    "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata", "store",
-    "previous_response_id", "stream", "user", "truncation", "safety_identifier",
-    "prompt_cache_key", "service_tier", "include", "stream_options", "keep_alive", "seed",
-    "logit_bias",  # llama.cpp's extension, passed through (as on /v1/chat/completions)
-}
-ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "system"}
+# built-in tools OpenAI runs itself: a local model gets none of them
+BUILT_IN_TOOLS = frozenset({
+    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
+    "file_search", "code_interpreter", "computer_use", "computer_use_preview", "computer", "mcp",
+    "image_generation", "local_shell", "shell", "apply_patch", "tool_search",
+})
+# what a namespace's function names become for the engine: NS + SEP + NAME
+NAMESPACE_SEP = "__"
+# output items of built-in tools, in history: the local model cannot use them
+BUILT_IN_ITEMS = frozenset({
+    "web_search_call", "file_search_call", "computer_call", "computer_call_output",
+    "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
+    "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_call",
+    "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "item_reference",
+    "tool_search_call", "tool_search_output", "compaction",
+})
+
+
+@attrs.define
+class ToolNames:
+    """
+    How the tools offered to the engine map back to what the client sent:
+    engine function name -> (namespace or L{None}, the client's name,
+    C{"function"} or C{"custom"}).
+    """
+
+    names: dict[str, tuple[str | None, str, str]] = attrs.field(factory=dict)
+
+    def engine_name(self, name: str, namespace: str | None) -> str:
+        return f"{namespace}{NAMESPACE_SEP}{name}" if namespace else name
+
+    def client(self, engine_name: str) -> tuple[str | None, str, str]:
+        return self.names.get(engine_name, (None, engine_name, "function"))
+
+
+ROLES = {"user": "user", "assistant": "assistant", "system": "system", "developer": "developer"}
 
 
 def new_id(prefix: str) -> str:
@@ -91,11 +120,15 @@ def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
     return raw
 
 
-def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list[dict[str, Any]]:
+def items_to_messages(
+    items: list[dict[str, Any]], where: str = "input", ignored: list[str] | None = None,
+) -> list[dict[str, Any]]:
     """
     Input items as chat messages: C{message} items (roles user, assistant,
-    system, developer), C{function_call} and C{function_call_output} items;
-    C{reasoning} items are history the engine does not take back.
+    system, developer — kept in place), C{function_call} (a namespaced one
+    as C{NS__NAME}), C{custom_tool_call} (arguments C{{"input": ...}}) and
+    their outputs; C{reasoning} items are history the engine does not take
+    back, built-in tools' items are left out (named in C{ignored}).
 
     @raise ResponsesRequestError: Naming the item's index.
     """
@@ -111,17 +144,27 @@ def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list
             if role is None:
                 raise ResponsesRequestError(f"{at}.role: must be user, assistant, system or developer", at)
             messages.append({"role": role, "content": _content_text(item.get("content"), at)})
-        elif kind == "function_call":
-            call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+        elif kind in ("function_call", "custom_tool_call"):
+            call_id, name = item.get("call_id"), item.get("name")
+            if kind == "custom_tool_call":
+                raw_input = item.get("input")
+                arguments: Any = json.dumps({"input": raw_input}, ensure_ascii=False) if isinstance(raw_input, str) else None
+            else:
+                arguments = item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
-                raise ResponsesRequestError(f"{at}: a function_call needs string call_id, name and arguments", at)
+                raise ResponsesRequestError(
+                    f"{at}: a {kind} needs string call_id, name and "
+                    f"{'input' if kind == 'custom_tool_call' else 'arguments'}", at)
+            namespace = item.get("namespace")
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}{NAMESPACE_SEP}{name}"
             call = {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
             last = messages[-1] if messages else None
             if last is not None and last["role"] == "assistant" and last.get("tool_calls") is not None:
                 last["tool_calls"].append(call)
             else:
                 messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id, output = item.get("call_id"), item.get("output")
             if not isinstance(call_id, str):
                 raise ResponsesRequestError(f"{at}.call_id: must be a string", at)
@@ -132,8 +175,13 @@ def items_to_messages(items: list[dict[str, Any]], where: str = "input") -> list
             messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             continue
+        elif isinstance(kind, str):
+            # built-in tools' items, or an item type newer than Blazar
+            if ignored is not None:
+                ignored.append(f"input:{kind}"[:80])
+            continue
         else:
-            raise ResponsesRequestError(f"{at}.type: {kind!r} items are not supported", at)
+            raise ResponsesRequestError(f"{at}.type: required (a string)", at)
     return messages
 
 
@@ -155,7 +203,27 @@ def _check_metadata(metadata: Any) -> None:
         )
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _function(tool: dict[str, Any], at: str, engine_name: str) -> dict[str, Any]:
+    if not isinstance(tool.get("name"), str) or not tool["name"]:
+        raise ResponsesRequestError(f"{at}.name: required", at)
+    if tool.get("type") == "custom":
+        parameters: Any = {"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]}
+    else:
+        parameters = tool.get("parameters") or {"type": "object"}
+    function: dict[str, Any] = {"name": engine_name, "parameters": parameters}
+    if isinstance(tool.get("description"), str):
+        function["description"] = tool["description"]
+    if isinstance(tool.get("strict"), bool) and tool.get("type") != "custom":
+        function["strict"] = tool["strict"]
+    return {"type": "function", "function": function}
+
+
+def _tools(body: dict[str, Any], names: ToolNames, ignored: list[str]) -> list[dict[str, Any]] | None:
+    """
+    The function tools the engine is offered: function and custom tools,
+    and those inside namespaces (as C{NS__NAME}); built-in tools are left
+    out and named in C{ignored}.
+    """
     tools = body.get("tools")
     if tools is None:
         return None
@@ -166,27 +234,56 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         at = f"tools[{i}]"
         if not isinstance(tool, dict):
             raise ResponsesRequestError(f"{at}: must be an object", at)
-        if tool.get("type") != "function":
-            raise ResponsesRequestError(
-                f"{at}.type: {tool.get('type')!r} tools are not supported by local models; "
-                "only function tools", at,
-            )
-        if not isinstance(tool.get("name"), str) or not tool["name"]:
-            raise ResponsesRequestError(f"{at}.name: required", at)
-        function: dict[str, Any] = {"name": tool["name"], "parameters": tool.get("parameters") or {"type": "object"}}
-        if isinstance(tool.get("description"), str):
-            function["description"] = tool["description"]
-        if isinstance(tool.get("strict"), bool):
-            function["strict"] = tool["strict"]
-        out.append({"type": "function", "function": function})
+        kind = tool.get("type")
+        if kind in ("function", "custom"):
+            out.append(_function(tool, at, tool.get("name") or ""))
+            names.names[tool["name"]] = (None, tool["name"], kind)
+        elif kind == "namespace":
+            namespace = tool.get("name")
+            if not isinstance(namespace, str) or not namespace or not isinstance(tool.get("tools"), list):
+                raise ResponsesRequestError(f"{at}: a namespace needs a name and tools", at)
+            for j, inner in enumerate(tool["tools"]):
+                inner_at = f"{at}.tools[{j}]"
+                if not isinstance(inner, dict) or inner.get("type", "function") not in ("function", "custom"):
+                    ignored.append(f"tools:{namespace}.{inner.get('type') if isinstance(inner, dict) else '?'}"[:80])
+                    continue
+                engine_name = names.engine_name(str(inner.get("name") or ""), namespace)
+                function = _function(inner, inner_at, engine_name)
+                if isinstance(tool.get("description"), str) and tool["description"]:
+                    described = function["function"].get("description", "")
+                    function["function"]["description"] = f"{tool['description']}\n\n{described}".strip()
+                out.append(function)
+                names.names[engine_name] = (namespace, inner["name"], inner.get("type", "function"))
+        elif isinstance(kind, str):
+            ignored.append(f"tools:{kind}"[:80])
+        else:
+            raise ResponsesRequestError(f"{at}.type: required (a string)", at)
     return out
 
 
-def _tool_choice(value: Any) -> Any:
+def _tool_choice(value: Any, ignored: list[str]) -> Any:
+    """
+    C{tool_choice} as the chat form: a string, or a named function (a
+    namespaced or custom one by its engine name), or
+    C{("allowed", mode, names)} for C{allowed_tools}.
+    """
     if value is None or value in ("auto", "none", "required"):
         return value
-    if isinstance(value, dict) and value.get("type") == "function" and isinstance(value.get("name"), str):
-        return {"type": "function", "function": {"name": value["name"]}}
+    if isinstance(value, dict) and value.get("type") in ("function", "custom") and isinstance(value.get("name"), str):
+        name = value["name"]
+        if isinstance(value.get("namespace"), str) and value["namespace"]:
+            name = f"{value['namespace']}{NAMESPACE_SEP}{name}"
+        return {"type": "function", "function": {"name": name}}
+    if isinstance(value, dict) and value.get("type") == "allowed_tools":
+        mode = value.get("mode", "auto")
+        allowed = value.get("tools")
+        if mode not in ("auto", "required") or not isinstance(allowed, list):
+            raise ResponsesRequestError(
+                'tool_choice: allowed_tools needs mode "auto" or "required" and a tools array', "tool_choice")
+        return ("allowed", mode, [t.get("name") for t in allowed if isinstance(t, dict)])
+    if isinstance(value, dict) and isinstance(value.get("type"), str):
+        ignored.append(f"tool_choice:{value['type']}"[:80])  # a built-in tool: not available here
+        return "auto"
     raise ResponsesRequestError(
         'tool_choice: must be "auto", "none", "required" or {"type": "function", "name": ...}', "tool_choice"
     )
@@ -214,19 +311,32 @@ def _response_format(text: Any) -> dict[str, Any] | None:
     raise ResponsesRequestError("text.format.type: must be text, json_object or json_schema", "text.format")
 
 
-def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) -> dict[str, Any]:  # type: ignore[assignment]
+EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium", "high": "high", "xhigh": "high"}
+
+
+def request_to_chat(
+    body: dict[str, Any], history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    ignored: list[str] | None = None, names: ToolNames | None = None,
+) -> dict[str, Any]:
     """
     The chat-completions body for a Responses request; C{history} are the
     earlier turns' items (from C{previous_response_id}), oldest first. The
     child always streams (with usage), so both reply modes share one
     translator.
 
-    @raise ResponsesRequestError: A malformed field, or one Blazar cannot
-        honour (named; never dropped silently).
+    @param ignored: Gets the names of what was accepted but not honoured
+        (the leniency policy's, plus built-in tools and their items).
+    @param names: Gets how the engine's tool names map back to the
+        client's (namespaces, custom tools).
+    @raise ResponsesRequestError: A malformed field, or one whose meaning
+        Blazar cannot keep (named; never dropped silently).
     """
-    for key in body:
-        if key not in KNOWN:
-            raise ResponsesRequestError(f"{key}: not supported by Blazar", key)
+    ignored = [] if ignored is None else ignored
+    names = ToolNames() if names is None else names
+    try:
+        ignored += leniency.screen("responses", body)
+    except leniency.MeaningChanged as e:
+        raise ResponsesRequestError(str(e), e.field) from None
     if not isinstance(body.get("model"), str) or not body["model"]:
         raise ResponsesRequestError("model: required (a model name, see GET /v1/models)", "model")
     for key in ("stream", "store", "parallel_tool_calls"):
@@ -239,10 +349,14 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
     reasoning = body.get("reasoning")
     if reasoning is not None and (
         not isinstance(reasoning, dict)
-        or not all(k in ("effort", "summary", "generate_summary") and (v is None or isinstance(v, str))
-                   for k, v in reasoning.items())
+        or not all(v is None or isinstance(v, str) for k, v in reasoning.items()
+                   if k in ("effort", "summary", "generate_summary"))
     ):
         raise ResponsesRequestError('reasoning: must be an object like {"effort": "low"}', "reasoning")
+    effort = (reasoning or {}).get("effort")
+    if effort is not None and effort not in EFFORTS:
+        raise ResponsesRequestError(
+            'reasoning.effort: must be "none", "minimal", "low", "medium", "high" or "xhigh"', "reasoning")
     if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
         raise ResponsesRequestError("logit_bias: must be an object of token id -> bias", "logit_bias")
     messages: list[dict[str, Any]] = []
@@ -252,15 +366,23 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
             raise ResponsesRequestError("instructions: must be a string", "instructions")
         messages.append({"role": "system", "content": instructions})
     messages += items_to_messages(list(history), "previous_response_id")
-    messages += items_to_messages(input_items(body))
-    if not any(m["role"] != "system" for m in messages):
+    messages += items_to_messages(input_items(body), "input", ignored)
+    if not any(m["role"] not in ("system", "developer") for m in messages):
         raise ResponsesRequestError("input: needs at least one item", "input")
     chat: dict[str, Any] = {"model": body["model"], "messages": messages, "stream": True,
                             "stream_options": {"include_usage": True}}
-    tools = _tools(body)
+    tools = _tools(body, names, ignored)
     if tools:
         chat["tools"] = tools
-    choice = _tool_choice(body.get("tool_choice"))
+    choice = _tool_choice(body.get("tool_choice"), ignored)
+    if isinstance(choice, tuple):
+        _, mode, allowed = choice
+        allowed_names = {names.engine_name(str(n), None) for n in allowed} | {
+            engine for engine, (_, client, _) in names.names.items() if client in allowed}
+        chat["tools"] = tools = [t for t in tools or [] if t["function"]["name"] in allowed_names]
+        if not tools:
+            chat.pop("tools")
+        choice = mode if tools else None
     if choice == "required" and not tools:
         raise ResponsesRequestError('tool_choice: "required" needs at least one tool in tools', "tool_choice")
     if isinstance(choice, dict):
@@ -271,9 +393,11 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
         if not named:
             raise ResponsesRequestError(f"tool_choice: no function tool named {name!r} in tools", "tool_choice")
         chat["tools"], choice = named, "required"
-    if choice is not None:
+    if choice is not None and chat.get("tools"):
         chat["tool_choice"] = choice
-    if isinstance(body.get("parallel_tool_calls"), bool):
+    elif choice == "none":
+        chat["tool_choice"] = "none"
+    if isinstance(body.get("parallel_tool_calls"), bool) and chat.get("tools"):
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
     limit = body.get("max_output_tokens")
     if limit is not None:
@@ -288,6 +412,8 @@ def request_to_chat(body: dict[str, Any], history: list[dict[str, Any]] = ()) ->
             chat[key] = value
     if isinstance(body.get("logit_bias"), dict):
         chat["logit_bias"] = body["logit_bias"]
+    if effort is not None:
+        chat["reasoning_effort"] = EFFORTS[effort]
     fmt = _response_format(body.get("text"))
     if fmt is not None:
         chat["response_format"] = fmt
@@ -304,8 +430,14 @@ def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = "".join(p.get("text", "") for p in item.get("content", []) if p.get("type") == "output_text")
             items.append({"type": "message", "role": "assistant", "content": text})
         elif item.get("type") == "function_call":
-            items.append({"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                          "arguments": item["arguments"]})
+            call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
+                    "arguments": item["arguments"]}
+            if item.get("namespace"):
+                call["namespace"] = item["namespace"]
+            items.append(call)
+        elif item.get("type") == "custom_tool_call":
+            items.append({"type": "custom_tool_call", "call_id": item["call_id"], "name": item["name"],
+                          "input": item["input"]})
     return items
 
 
@@ -331,6 +463,7 @@ class ResponsesStream:
     """
 
     response: dict[str, Any]
+    names: ToolNames = attrs.field(factory=ToolNames)
     sequence: int = 0
     _open: _Item | None = None
     _items: list[dict[str, Any]] = attrs.field(factory=list)
@@ -371,10 +504,25 @@ class ResponsesStream:
             events.append(self._event("response.reasoning_text.done", item_id=item.item_id,
                                       output_index=item.index, content_index=0, text=item.text))
         else:
-            full = {"type": "function_call", "id": item.item_id, "call_id": item.call_id, "name": item.name,
-                    "arguments": item.text, "status": status}
-            events.append(self._event("response.function_call_arguments.done", item_id=item.item_id,
-                                      output_index=item.index, name=item.name, arguments=item.text))
+            namespace, name, kind = self.names.client(item.name)
+            if kind == "custom":
+                try:
+                    parsed = json.loads(item.text) if item.text else {}
+                except ValueError:
+                    parsed = item.text
+                value = parsed.get("input") if isinstance(parsed, dict) else parsed
+                text = value if isinstance(value, str) else item.text
+                full = {"type": "custom_tool_call", "id": item.item_id, "call_id": item.call_id, "name": name,
+                        "input": text, "status": status}
+                events.append(self._event("response.custom_tool_call_input.done", item_id=item.item_id,
+                                          output_index=item.index, input=text))
+            else:
+                full = {"type": "function_call", "id": item.item_id, "call_id": item.call_id, "name": name,
+                        "arguments": item.text, "status": status}
+                events.append(self._event("response.function_call_arguments.done", item_id=item.item_id,
+                                          output_index=item.index, name=name, arguments=item.text))
+            if namespace is not None:
+                full["namespace"] = namespace
         self._items.append(full)
         events.append(self._event("response.output_item.done", output_index=item.index, item=full))
         return events
@@ -388,8 +536,15 @@ class ResponsesStream:
         elif kind == "reasoning":
             added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
         else:
-            added = {"type": "function_call", "id": item.item_id, "call_id": call_id, "name": name,
-                     "arguments": "", "status": "in_progress"}
+            namespace, client_name, tool_kind = self.names.client(name)
+            if tool_kind == "custom":
+                added = {"type": "custom_tool_call", "id": item.item_id, "call_id": call_id,
+                         "name": client_name, "input": "", "status": "in_progress"}
+            else:
+                added = {"type": "function_call", "id": item.item_id, "call_id": call_id, "name": client_name,
+                         "arguments": "", "status": "in_progress"}
+            if namespace is not None:
+                added["namespace"] = namespace
         events.append(self._event("response.output_item.added", output_index=item.index, item=added))
         if kind == "message":
             events.append(self._event("response.content_part.added", item_id=item.item_id, output_index=item.index,
@@ -438,8 +593,9 @@ class ResponsesStream:
                 fragment = function.get("arguments")
                 if isinstance(fragment, str) and fragment:
                     item.text += fragment
-                    events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
-                                              output_index=item.index, delta=fragment))
+                    if self.names.client(item.name)[2] != "custom":  # a custom tool's input comes whole
+                        events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
+                                                  output_index=item.index, delta=fragment))
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return events

@@ -49,7 +49,7 @@ class RequestTests(SynchronousTestCase):
             {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
         ]})
         roles = [m["role"] for m in chat["messages"]]
-        self.assertEqual(roles, ["system", "user", "assistant", "tool", "assistant"])
+        self.assertEqual(roles, ["developer", "user", "assistant", "tool", "assistant"])
         self.assertEqual([c["id"] for c in chat["messages"][2]["tool_calls"]], ["c1", "c2"])
         self.assertEqual(chat["messages"][3], {"role": "tool", "tool_call_id": "c1", "content": "sunny"})
 
@@ -77,8 +77,11 @@ class RequestTests(SynchronousTestCase):
     def test_errors_name_the_field(self) -> None:
         cases = [
             ({"model": "m", "input": [{"role": "user", "content": "a"}, {"type": "message", "role": "robot", "content": "b"}]}, "input[1]"),
-            ({"model": "m", "input": [{"type": "web_search_call"}]}, "input[0]"),
-            ({"model": "m", "input": "x", "tools": [{"type": "web_search"}]}, "tools[0]"),
+            ({"model": "m", "input": [{"foo": "bar"}]}, "input[0]"),
+            ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0]"),
+            ({"model": "m", "input": "x", "conversation": "conv_1"}, "conversation"),
+            ({"model": "m", "input": "x", "prompt": {"id": "pmpt_1"}}, "prompt"),
+            ({"model": "m", "input": "x", "reasoning": {"effort": "extreme"}}, "reasoning"),
             ({"model": "m", "input": "x", "tool_choice": "sometimes"}, "tool_choice"),
             ({"model": "m", "input": "x", "tool_choice": {"type": "function", "name": "ghost"}}, "tool_choice"),
             ({"model": "m", "input": "x", "background": True}, "background"),

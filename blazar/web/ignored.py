@@ -1,0 +1,90 @@
+"""
+Making the leniency policy visible: the fields a request carried that Blazar
+accepted but did not honour go into one response header,
+C{x-blazar-ignored}, and into the log once per client and field
+(L{blazar.web.translate.leniency} decides which fields those are).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Iterable
+
+from twisted.logger import Logger
+from twisted.web.iweb import IRequest
+
+from blazar.web.auth import key_of
+from blazar.web.translate.leniency import header_value
+
+log = Logger()
+
+IGNORED_HEADER = b"x-blazar-ignored"
+_SEEN_MAX = 4096
+
+
+class IgnoredFields:
+    """
+    Remembers which (client, surface, field) triples were logged, so that
+    each is logged once (bounded: the oldest are forgotten first).
+    """
+
+    def __init__(self, limit: int = _SEEN_MAX) -> None:
+        self._seen: OrderedDict[tuple[str, str, str], None] = OrderedDict()
+        self._limit = limit
+
+    def client_of(self, request: IRequest) -> str:
+        """
+        Who sent a request, for the log: its key's name (or C{-}) and the
+        first product of its C{User-Agent}.
+        """
+        key = key_of(request)
+        agent = (request.getHeader(b"user-agent") or b"").decode("ascii", "replace").split(" ", 1)[0][:60]
+        return f"{key.name if key is not None else '-'} {agent or '-'}"
+
+    def note(self, request: IRequest, surface: str, names: Iterable[str]) -> None:
+        """
+        Set C{x-blazar-ignored} on C{request}'s response (call before
+        anything is written) and log each name not yet logged for this
+        client.
+        """
+        names = list(dict.fromkeys(names))
+        if not names:
+            return
+        request.setHeader(IGNORED_HEADER, header_value(names))
+        client = self.client_of(request)
+        for name in names:
+            triple = (client, surface, name)
+            if triple in self._seen:
+                self._seen.move_to_end(triple)
+                continue
+            self._seen[triple] = None
+            if len(self._seen) > self._limit:
+                self._seen.popitem(last=False)
+            log.info(
+                "ignored request field {field!r} on the {surface} surface (client {client}); "
+                "see the README's leniency table", field=name[:100], surface=surface, client=client,
+                trace_id=getattr(request, "trace_id", ""),
+            )
+
+
+#: One per daemon process: the surfaces share it.
+IGNORED = IgnoredFields()
+
+
+def note_ignored(request: IRequest, surface: str, names: Iterable[str]) -> None:
+    """
+    L{IgnoredFields.note} on the process's L{IGNORED}.
+    """
+    IGNORED.note(request, surface, names)
+
+
+def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
+    """
+    The C{anthropic-beta} header's values Blazar does not act on, as
+    C{anthropic-beta=VALUE} names for C{x-blazar-ignored}.
+    """
+    raw = request.getHeader(b"anthropic-beta")
+    if not raw:
+        return []
+    values = [v.strip() for v in raw.decode("ascii", "replace").split(",")]
+    return [f"anthropic-beta={v}" for v in values if v and v not in honoured]
