@@ -24,9 +24,12 @@ C{~/.config/blazar/config.toml}. Keys::
     breaker_max_backoff_secs = 300
     max_loaded_models = 0          # 0: as many as fit in free memory
     drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
-    ctx_policy = "fit"             # a request's num_ctx above the loaded context:
-                                   # "fit" keeps the child (preflight decides),
-                                   # "reload" restarts it with the larger context
+    ctx_policy = "grow"            # a request's num_ctx above the loaded context:
+                                   # "grow" restarts the child with the larger context
+                                   # (up to the trained context and free memory) once
+                                   # its running requests finish; "fit" keeps the child
+                                   # (preflight decides: 400 if the prompt is too long);
+                                   # "reload" is the old name of "grow"
     child_header_timeout_secs = 120   # no response headers this long, and no /health:
                                       # the child is wedged (killed, request retried once)
 
@@ -191,7 +194,7 @@ class Config:
     max_loaded_models: int = 0
     drain_timeout: float = 30.0
     child_header_timeout: float = 120.0
-    ctx_policy: str = "fit"
+    ctx_policy: str = "grow"
     hf_endpoint: str = "https://huggingface.co"
     metrics_require_key: bool = False
     responses_ttl: float = 30 * 86400.0
@@ -389,9 +392,11 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     if "cors_origins" in doc:
         kwargs["cors_origins"] = _str_list(doc["cors_origins"], where, "cors_origins")
     if "ctx_policy" in doc:
-        if doc["ctx_policy"] not in ("fit", "reload"):
-            raise _expected(where, "ctx_policy", '"fit" or "reload"', doc["ctx_policy"])
-        kwargs["ctx_policy"] = doc["ctx_policy"]
+        if doc["ctx_policy"] not in ("grow", "fit", "reload"):
+            raise _expected(where, "ctx_policy", '"grow" or "fit"', doc["ctx_policy"])
+        # "reload" (before "grow" existed) restarted the child for a larger
+        # num_ctx too: kept as another spelling of "grow"
+        kwargs["ctx_policy"] = "grow" if doc["ctx_policy"] == "reload" else doc["ctx_policy"]
     if "max_loaded_models" in doc:
         value = doc["max_loaded_models"]
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:

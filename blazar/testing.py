@@ -363,7 +363,8 @@ class FakeSupervisor:
     names: list[str]
     instances: dict[str, FakeInstance] = attrs.field(factory=dict)
     started: int = 0
-    ctx_policy: str = "fit"
+    ctx_policy: str = "grow"
+    ctx: int = 2048
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
         from blazar.models.registry import ModelNotFound
@@ -382,6 +383,15 @@ class FakeSupervisor:
         raise ModelNotFound(name, self.names)
 
     touched: list[tuple[str, float | None]] = attrs.field(factory=list)
+
+    async def context_for(self, name: str, ctx_size: int) -> Any:
+        """
+        As the real one for a model trained for C{ctx} tokens per slot,
+        loaded with all of it: C{ctx} whatever C{ctx_size} asks.
+        """
+        from blazar.engines.supervisor import ContextPlan
+
+        return ContextPlan(self.ctx, ctx_size, self.ctx_policy, name, self.ctx)
 
     def loaded(self, name: str) -> FakeInstance | None:
         return self.instances.get(name)

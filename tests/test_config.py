@@ -53,6 +53,13 @@ class ParseConfigTests(SynchronousTestCase):
             "keys[0].weight", "share of busy slots",
         )
 
+    def test_ctx_policy(self) -> None:
+        self.assertEqual(parse_config("").ctx_policy, "grow")
+        self.assertEqual(parse_config('ctx_policy = "fit"').ctx_policy, "fit")
+        # the earlier name, kept so existing configs still start
+        self.assertEqual(parse_config('ctx_policy = "reload"').ctx_policy, "grow")
+        self.assertConfigError('ctx_policy = "shrink"', "'ctx_policy'", '"grow" or "fit"')
+
     def test_unknown_top_key(self) -> None:
         self.assertConfigError("lisen = 'tcp:1'", "'lisen'", "listen")
 

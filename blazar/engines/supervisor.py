@@ -154,6 +154,99 @@ class Breaker:
         self.trial = False
 
 
+@attrs.frozen
+class ContextPlan:
+    """
+    The context per slot that a request asking for C{asked} tokens
+    (Ollama's C{num_ctx}) runs with, and what held it below C{asked}.
+
+    @ivar ctx: Tokens per slot the request gets: never below the loaded
+        child's (a grown context stays) or the configured C{ctx_size}.
+    @ivar asked: Tokens per slot the request asked for.
+    @ivar policy: C{ctx_policy} when planned: C{"grow"} or C{"fit"}.
+    @ivar model: The canonical model name.
+    @ivar trained: The model's trained context (GGUF
+        C{<arch>.context_length}), if the file says.
+    @ivar memory_limit: The largest context per slot that fits in free
+        memory, when that is what held C{ctx} below C{asked}.
+    @ivar parallel: The model's slots (the KV cache holds C{ctx} tokens
+        for each).
+    @ivar free: Bytes of memory free when planned, if measured.
+    """
+
+    ctx: int
+    asked: int
+    policy: str
+    model: str
+    trained: int | None = None
+    memory_limit: int | None = None
+    parallel: int = DEFAULT_PARALLEL
+    free: int | None = None
+
+    def shortfall(self) -> str:
+        """
+        Why C{ctx} is below C{asked} and how to get more, as one sentence;
+        empty when it is not.
+        """
+        if self.ctx >= self.asked:
+            return ""
+        where = f'[models."{self.model}"]'
+        if self.policy != "grow":
+            return (f"num_ctx {self.asked} was not applied: ctx_policy = \"{self.policy}\" keeps the "
+                    f"loaded {self.ctx}-token context (set ctx_policy = \"grow\", or raise ctx_size "
+                    f"under {where})")
+        if self.memory_limit is not None:
+            free = f" ({self.free / 2**30:.1f} GiB free)" if self.free is not None else ""
+            return (f"num_ctx {self.asked} does not fit in memory{free}: at most about "
+                    f"{self.memory_limit} tokens per slot for {self.parallel} slots (lower parallel "
+                    f"under {where}, unload other models, or use a smaller quantization)")
+        return (f"num_ctx {self.asked} is above the {self.trained}-token context {self.model!r} "
+                f"was trained for, so it gets {self.ctx}")
+
+
+@attrs.define(eq=False)
+class _Grow:
+    """
+    A restart of one model's child with a larger context, shared by every
+    request that wants one while it drains (singleflight); requests that
+    arrive meanwhile wait for it instead of getting the small child.
+
+    @ivar target: Tokens per slot the new child gets; raised by growing
+        requests that join before the spawn begins.
+    @ivar spawning: The old child is gone and the new one being started:
+        C{target} is fixed.
+    """
+
+    target: int
+    spawning: bool = False
+    _waiters: list[Deferred[BaseException | None]] = attrs.field(factory=list)
+    _done: bool = False
+    _error: BaseException | None = None
+
+    def wait(self) -> Deferred[BaseException | None]:
+        """
+        Fires when the grow is over, with its error (or L{None}); never
+        fails. Cancelling it stops only this wait.
+        """
+        if self._done:
+            return succeed(self._error)
+
+        def cancel(d: Deferred[BaseException | None]) -> None:
+            if d in self._waiters:
+                self._waiters.remove(d)
+
+        d: Deferred[BaseException | None] = Deferred(cancel)
+        self._waiters.append(d)
+        return d
+
+    def settle(self, error: BaseException | None) -> None:
+        self._done, self._error = True, error
+        waiting, self._waiters = self._waiters, []
+        for d in waiting:
+            if not d.called:
+                d.callback(error)
+
+
 def free_port() -> int:
     """
     A TCP port on 127.0.0.1 that is free right now.
@@ -264,6 +357,18 @@ class Instance:
         return message + (f"; last output:\n{tail}" if tail else "")
 
 
+def _kv_bytes_per_token(meta: GGUFMetadata) -> int:
+    """
+    Bytes of f16 KV cache one token of context takes:
+    2 (K and V) x n_layer x n_head_kv x head_dim x 2 bytes.
+    """
+    n_layer = meta.block_count or 0
+    head_count = meta.head_count or 1
+    head_dim = (meta.embedding_length or 0) // head_count
+    n_head_kv = meta.head_count_kv or head_count
+    return 2 * n_layer * n_head_kv * head_dim * 2
+
+
 @attrs.define(eq=False)
 class Supervisor(Service):
     """
@@ -286,6 +391,8 @@ class Supervisor(Service):
     _all: set[Instance] = attrs.field(factory=set)
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
     _spawning: dict[str, list[Deferred[Instance]]] = attrs.field(factory=dict)
+    _grows: dict[str, _Grow] = attrs.field(factory=dict)
+    _shutting_down: bool = False
     _reaper: Any = None
     _run_dir: Path | None = None
     _free_memory: Callable[[], int] | None = None
@@ -377,7 +484,8 @@ class Supervisor(Service):
     @property
     def ctx_policy(self) -> str:
         """
-        C{"fit"} or C{"reload"}: what a larger per-request context does.
+        C{"grow"} or C{"fit"}: what a request asking for more context than
+        the loaded child has does (see L{instance_for}).
         """
         return self._config.ctx_policy
 
@@ -392,23 +500,138 @@ class Supervisor(Service):
         A ready child for the model a client named, spawning one if needed.
         Concurrent calls for one model share a single spawn.
 
-        @param ctx_size: A per-request context size (Ollama's C{num_ctx}).
-            Under C{ctx_policy = "reload"} a loaded child with a smaller
-            context is replaced (after its requests drain) by one with this
-            context; under C{"fit"} (the default) it is ignored and the
-            context preflight decides, so clients that disagree about
-            num_ctx do not thrash reloads.
+        @param ctx_size: Tokens per slot the request asks for (Ollama's
+            C{num_ctx}). Under C{ctx_policy = "grow"} (the default) a
+            loaded child with less context is replaced by one with the
+            context L{context_for} plans (clamped to the trained context
+            and to free memory): once the requests running on the old
+            child finish, with every request that arrives meanwhile
+            waiting for the new one, and one restart for all growing
+            requests that join before it starts. A smaller C{ctx_size} is
+            served by the loaded child, so a grown context stays. Under
+            C{"fit"} it is ignored and the context preflight decides.
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise EngineStartFailed: The child could not start.
+        @raise NoCapacity: The old child was still busy after
+            C{drain_timeout_secs}, so it could not grow.
         @raise blazar.engines.llamacpp.EngineNotFound: No binary.
         """
         entry = await self._registry.resolve(name)
-        if ctx_size and self._config.ctx_policy == "reload":
-            entry = await self._reload_for(entry, ctx_size)
-        instance = self._instances.get(entry.name)
-        if instance is None:
-            instance = await self._join_spawn(entry)
-        return await instance.wait_ready()
+        target = 0
+        if ctx_size and self._config.ctx_policy == "grow":
+            target = (await self._plan(entry, ctx_size)).ctx
+        while True:
+            grow = self._grows.get(entry.name)
+            instance = self._instances.get(entry.name)
+            if grow is None and instance is not None and target > instance.ctx:
+                grow = self._begin_grow(entry, instance, target)
+            if grow is not None:
+                if target > grow.target and not grow.spawning:
+                    grow.target = target  # one restart for every growing request
+                part = target > 0 and grow.target >= target
+                error = await grow.wait()
+                if error is not None and part:
+                    raise error
+                continue
+            if instance is None:
+                spawned = entry
+                if target:
+                    spawned = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=target))
+                instance = await self._join_spawn(spawned)
+                if target > instance.ctx:
+                    continue  # it joined a smaller spawn already under way: grow it
+            ready = await instance.wait_ready()
+            if self._instances.get(entry.name) is ready:
+                return ready
+            # stopped while we waited for it to load (a grow, an eviction): again
+
+    async def context_for(self, name: str, ctx_size: int) -> ContextPlan:
+        """
+        The context per slot a request for model C{name} asking for
+        C{ctx_size} tokens per slot would run with now; L{instance_for}
+        grows the child to it under C{ctx_policy = "grow"}.
+
+        It is C{ctx_size}, clamped to the model's trained context and to
+        what fits in free memory (the KV cache of the child it replaces
+        counts as free; a context limited by memory is rounded down to a
+        multiple of 1024 tokens, so drifting free memory does not restart
+        the child again and again), and never below the loaded child's
+        context or the configured C{ctx_size}.
+
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        """
+        return await self._plan(await self._registry.resolve(name), ctx_size)
+
+    async def _plan(self, entry: ModelEntry, asked: int) -> ContextPlan:
+        meta = await self._registry.metadata(entry)
+        parallel = entry.settings.parallel or DEFAULT_PARALLEL
+        loaded = self._instances.get(entry.name)
+        current = loaded.ctx if loaded is not None and loaded.ctx else context_per_slot(entry, meta)
+        policy = self._config.ctx_policy
+        trained = meta.context_length
+        plan = ContextPlan(current, asked, policy, entry.name, trained, parallel=parallel)
+        wanted = min(asked, trained) if trained else asked
+        if policy != "grow" or wanted <= current:
+            return plan
+        free = await self._memory_free()
+        per_token = _kv_bytes_per_token(meta) * parallel
+        if free is not None and per_token:
+            freed = per_token * loaded.ctx if loaded is not None else 0
+            fits = (free + freed - meta.size) // per_token
+            fits = fits // 1024 * 1024 if fits >= 1024 else max(fits, 0) // 256 * 256
+            if fits < wanted:
+                return attrs.evolve(plan, ctx=max(current, fits), memory_limit=fits, free=free)
+        return attrs.evolve(plan, ctx=wanted, free=free)
+
+    def _begin_grow(self, entry: ModelEntry, old: Instance, target: int) -> _Grow:
+        grow = self._grows[entry.name] = _Grow(target)
+
+        def done(result: Any) -> None:
+            if self._grows.get(entry.name) is grow:
+                del self._grows[entry.name]
+            error = result.value if isinstance(result, Failure) else None
+            if error is not None:
+                log.error("growing the context of {model} failed: {error}", model=entry.name,
+                          error=str(error))
+            grow.settle(error)
+
+        ensureDeferred(self._grow(entry, old, grow)).addBoth(done)
+        return grow
+
+    async def _grow(self, entry: ModelEntry, old: Instance, grow: _Grow) -> None:
+        """
+        Replace C{old} by a child with C{grow.target} tokens per slot: wait
+        for it to finish loading and for its running requests to finish
+        (never killing them), stop it, start the new one.
+
+        @raise NoCapacity: Still busy after C{drain_timeout_secs}; C{old}
+            keeps serving.
+        """
+        if old.state == "starting":
+            try:
+                await old.wait_ready()
+            except Exception:
+                pass  # it failed to load: nothing to drain
+        deadline = self._reactor.seconds() + self._config.drain_timeout
+        while old.in_flight and old.state == "ready":
+            if self._reactor.seconds() >= deadline:
+                raise NoCapacity(entry.name, (
+                    f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
+                    f"tokens per slot: {old.in_flight} requests still running on it after "
+                    f"drain_timeout_secs = {self._config.drain_timeout:g}; send the request again "
+                    f'later, or set ctx_size = {grow.target} under [models."{entry.name}"] so it '
+                    f"starts that large"
+                ))
+            await deferLater(self._reactor, 0.1, lambda: None)
+        grow.spawning = True
+        if old.state == "stopping":
+            await old.protocol.when_ended()  # someone else stopped it: no second SIGTERM
+        elif old.state != "dead":
+            await self.stop_instance(old, f"context {old.ctx} -> {grow.target} tokens per slot (num_ctx)")
+        if self._shutting_down:
+            raise EngineStartFailed(entry.name, f"Blazar is shutting down; {entry.name!r} was not restarted")
+        grown = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=grow.target))
+        await self._join_spawn(grown)
 
     def _join_spawn(self, entry: ModelEntry) -> Deferred[Instance]:
         """
@@ -443,18 +666,6 @@ class Supervisor(Service):
 
         ensureDeferred(self._spawn(entry)).addBoth(done)
         return d
-
-    async def _reload_for(self, entry: ModelEntry, ctx_size: int) -> ModelEntry:
-        wanted = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=ctx_size))
-        instance = self._instances.get(entry.name)
-        if instance is None or instance.ctx >= ctx_size:
-            return wanted if instance is None else instance.entry
-        deadline = self._reactor.seconds() + self._config.drain_timeout
-        while instance.in_flight and self._reactor.seconds() < deadline:
-            await deferLater(self._reactor, 0.1, lambda: None)
-        if self._instances.get(entry.name) is instance:
-            await self.stop_instance(instance, f"reload with num_ctx {ctx_size} (ctx_policy reload)")
-        return wanted
 
     def _check_breaker(self, entry: ModelEntry) -> None:
         breaker = self.breaker(entry.name)
@@ -499,11 +710,7 @@ class Supervisor(Service):
         """
         parallel = entry.settings.parallel or DEFAULT_PARALLEL
         n_ctx = context_per_slot(entry, meta) * parallel
-        n_layer = meta.block_count or 0
-        head_count = meta.head_count or 1
-        head_dim = (meta.embedding_length or 0) // head_count
-        n_head_kv = meta.head_count_kv or head_count
-        return meta.size + 2 * n_layer * n_ctx * n_head_kv * head_dim * 2
+        return meta.size + _kv_bytes_per_token(meta) * n_ctx
 
     def _idle_lru(self) -> list[Instance]:
         return sorted(
@@ -804,6 +1011,7 @@ class Supervisor(Service):
         Stop every child; fires once all have exited.
         """
         Service.stopService(self)
+        self._shutting_down = True
         if self._reaper is not None and self._reaper.running:
             self._reaper.stop()
         waits = [self.stop_instance(i, "shutdown") for i in list(self._all)]

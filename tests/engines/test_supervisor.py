@@ -364,39 +364,204 @@ class CapacityTests(SynchronousTestCase):
 
 
 class ContextPolicyTests(SynchronousTestCase):
-    def make(self, policy: str) -> tuple[Supervisor, Any]:
+    """
+    Ollama's num_ctx (C{instance_for(name, ctx_size)}) under ctx_policy
+    "grow" (the default) and "fit". The model is trained for 32768 tokens,
+    so it starts at the 4096-token default; its KV cache takes 2 KiB per
+    token of context per slot (K and V, 2 layers, 4 KV heads of 16 dims, f16,
+    4 slots).
+    """
+
+    def make(self, policy: str = "grow", extra: str = "", free: int | None = None) -> tuple[Supervisor, Any]:
         root = Path(self.mktemp())
-        make_test_model(root / "models" / "m.gguf")
+        make_test_model(root / "models" / "m.gguf", context_length=32768)
+        self.size = (root / "models" / "m.gguf").stat().st_size
         config = parse_config(
-            f'models_dir = "{root / "models"}"\nctx_policy = "{policy}"\n'
-            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+            f'models_dir = "{root / "models"}"\nctx_policy = "{policy}"\ndrain_timeout_secs = 5\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n' + extra
         )
         reactor = fake_process_reactor()
+        self.free = free
 
         async def probe(url: str) -> int:
             return 200
 
         return Supervisor(config, ModelRegistry(config, reactor), reactor, probe, {},
-                          port_finder=lambda: 5555), reactor
+                          port_finder=lambda: 5555,
+                          free_memory=(lambda: self.free) if free is not None else None), reactor
+
+    def get(self, supervisor: Supervisor, ctx: int | None = None) -> Deferred:
+        return ensureDeferred(supervisor.instance_for("m", ctx))
+
+    def engine_ctx(self, reactor: Any) -> int:
+        argv = reactor.spawned[-1][2][3:]  # after [python, -c, launcher]
+        return int(argv[argv.index("-c") + 1]) // int(argv[argv.index("-np") + 1])
 
     def test_fit_ignores_a_larger_num_ctx(self) -> None:
         supervisor, reactor = self.make("fit")
-        first = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
-        again = self.successResultOf(ensureDeferred(supervisor.instance_for("m", 8192)))
+        first = self.successResultOf(self.get(supervisor))
+        again = self.successResultOf(self.get(supervisor, 8192))
         self.assertIs(again, first)
         self.assertEqual(len(reactor.spawned), 1)
+        plan = self.successResultOf(ensureDeferred(supervisor.context_for("m", 8192)))
+        self.assertEqual(plan.ctx, 4096)
+        self.assertIn('ctx_policy = "fit"', plan.shortfall())
 
-    def test_reload_restarts_with_the_larger_context(self) -> None:
-        supervisor, reactor = self.make("reload")
-        first = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
-        self.assertEqual(first.ctx, 2048)
-        d = ensureDeferred(supervisor.instance_for("m", 8192))
+    def test_reload_is_another_name_for_grow(self) -> None:
+        supervisor, _ = self.make("reload")
+        self.assertEqual(supervisor.ctx_policy, "grow")
+
+    def test_grow_restarts_once_and_the_context_stays(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        self.assertEqual(first.ctx, 4096)
+        d = self.get(supervisor, 8192)
+        self.assertNoResult(d)
         self.assertEqual(first.transport.signals, ["TERM"])
+        self.assertIn("4096 -> 8192", first.stop_reason)
         first.transport.exit(0)
         second = self.successResultOf(d)
-        self.assertEqual(second.ctx, 8192)
-        engine_argv = reactor.spawned[-1][2][3:]  # after [python, -c, launcher]
-        self.assertEqual(engine_argv[engine_argv.index("-c") + 1], str(8192 * 4))
-        # a smaller num_ctx later does not reload again
-        self.assertIs(self.successResultOf(ensureDeferred(supervisor.instance_for("m", 1024))), second)
+        self.assertEqual((second.ctx, self.engine_ctx(reactor)), (8192, 8192))
+        # smaller (or no) num_ctx later: served by the grown child, no restart
+        for ctx in (1024, None, 8192):
+            self.assertIs(self.successResultOf(self.get(supervisor, ctx)), second)
         self.assertEqual(len(reactor.spawned), 2)
+        self.assertEqual(second.transport.signals, [])
+
+    def test_above_the_trained_context_is_clamped(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        plan = self.successResultOf(ensureDeferred(supervisor.context_for("m", 100_000)))
+        self.assertEqual((plan.ctx, plan.trained), (32768, 32768))
+        self.assertIn("32768-token context 'm:latest' was trained for", plan.shortfall())
+        d = self.get(supervisor, 100_000)
+        first.transport.exit(0)
+        self.assertEqual(self.successResultOf(d).ctx, 32768)
+        self.assertEqual(self.engine_ctx(reactor), 32768)
+
+    def test_configured_ctx_size_is_the_starting_point(self) -> None:
+        supervisor, reactor = self.make(extra='[models."m"]\nctx_size = 1024\n')
+        first = self.successResultOf(self.get(supervisor, 512))
+        self.assertEqual(first.ctx, 1024)
+        self.assertIs(self.successResultOf(self.get(supervisor, 1024)), first)
+        self.assertEqual(len(reactor.spawned), 1)
+
+    def test_first_load_starts_at_the_asked_context(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor, 16384))
+        self.assertEqual((first.ctx, self.engine_ctx(reactor), len(reactor.spawned)), (16384, 16384, 1))
+
+    def test_grow_waits_for_running_requests_and_new_ones_queue_behind_it(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        first.in_flight = 1  # a request running on the small child
+        grow = self.get(supervisor, 8192)
+        plain = self.get(supervisor)  # arrives meanwhile: must not get the small child
+        reactor.advance(1)
+        self.assertEqual(first.transport.signals, [])  # never stopped while busy
+        self.assertNoResult(grow)
+        self.assertNoResult(plain)
+        first.in_flight = 0
+        reactor.advance(0.1)
+        self.assertEqual(first.transport.signals, ["TERM"])
+        first.transport.exit(0)
+        second = self.successResultOf(grow)
+        self.assertIs(self.successResultOf(plain), second)
+        self.assertEqual(second.ctx, 8192)
+
+    def test_concurrent_growing_requests_share_one_restart(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        first.in_flight = 1
+        waits = [self.get(supervisor, ctx) for ctx in (8192, 16384, 6000)]
+        first.in_flight = 0
+        reactor.advance(0.1)
+        first.transport.exit(0)
+        grown = [self.successResultOf(d) for d in waits]
+        self.assertTrue(all(g is grown[0] for g in grown))
+        self.assertEqual((grown[0].ctx, len(reactor.spawned)), (16384, 2))
+
+    def test_grow_gives_up_when_the_child_stays_busy(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        first.in_flight = 1
+        grow = self.get(supervisor, 8192)
+        plain = self.get(supervisor)
+        reactor.advance(5.1)
+        f = self.failureResultOf(grow, NoCapacity)
+        self.assertIn("drain_timeout_secs", str(f.value))
+        self.assertIn("ctx_size = 8192", str(f.value))
+        # the running request was never disturbed, and the one queued behind
+        # the grow gets the child that is still there
+        self.assertEqual(first.transport.signals, [])
+        self.assertIs(self.successResultOf(plain), first)
+        self.flushLoggedErrors()
+
+    def test_grow_waits_for_a_loading_child_and_the_request_already_waiting(self) -> None:
+        supervisor, reactor = self.make()
+        health = [503]
+
+        async def probe(url: str) -> int:
+            return health[0]
+
+        supervisor._probe = probe
+        loading = self.get(supervisor)
+
+        def send(instance: Instance) -> Instance:
+            instance.in_flight += 1  # as EngineProxy.send does, at once
+            return instance
+
+        loading.addCallback(send)
+        grow = self.get(supervisor, 8192)
+        reactor.advance(0.05)
+        (first,) = supervisor.instances()
+        health[0] = 200
+        reactor.advance(0.05)
+        # the request that was waiting for the load before the grow came is
+        # served by it, and the grow waits for that request
+        self.assertIs(self.successResultOf(loading), first)
+        reactor.advance(1)
+        self.assertEqual(first.transport.signals, [])
+        first.in_flight = 0
+        reactor.advance(0.1)
+        self.assertEqual(first.transport.signals, ["TERM"])
+        first.transport.exit(0)
+        reactor.advance(0.05)
+        self.assertEqual(self.successResultOf(grow).ctx, 8192)
+
+    def test_memory_limits_the_grow_to_the_largest_that_fits(self) -> None:
+        per_token = 2048
+        supervisor, reactor = self.make(free=10**9)
+        first = self.successResultOf(self.get(supervisor))
+        # 10000 tokens per slot fit once the 4096-token KV cache is freed
+        self.free = self.size + (10_000 - 4096) * per_token
+        plan = self.successResultOf(ensureDeferred(supervisor.context_for("m", 32768)))
+        self.assertEqual((plan.ctx, plan.memory_limit), (9216, 9216))  # rounded down to 1024s
+        self.assertIn("does not fit in memory", plan.shortfall())
+        self.assertIn("parallel", plan.shortfall())
+        d = self.get(supervisor, 32768)
+        self.free = self.size + 10_000 * per_token  # the old child's cache is free again
+        first.transport.exit(0)
+        self.assertEqual(self.successResultOf(d).ctx, 9216)
+        self.assertEqual(self.engine_ctx(reactor), 9216)
+
+    def test_memory_below_the_loaded_context_keeps_the_child(self) -> None:
+        supervisor, reactor = self.make(free=10**9)
+        first = self.successResultOf(self.get(supervisor))
+        self.free = 0
+        plan = self.successResultOf(ensureDeferred(supervisor.context_for("m", 32768)))
+        self.assertEqual(plan.ctx, 4096)
+        self.assertIs(self.successResultOf(self.get(supervisor, 32768)), first)
+        self.assertEqual((first.transport.signals, len(reactor.spawned)), ([], 1))
+
+    def test_no_restart_during_shutdown(self) -> None:
+        supervisor, reactor = self.make()
+        first = self.successResultOf(self.get(supervisor))
+        first.in_flight = 1
+        grow = self.get(supervisor, 8192)
+        supervisor.stopService()
+        first.transport.exit(0)
+        reactor.advance(0.1)
+        self.failureResultOf(grow, EngineStartFailed)
+        self.assertEqual(len(reactor.spawned), 1)
+        self.flushLoggedErrors()

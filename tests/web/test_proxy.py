@@ -94,7 +94,14 @@ class PreflightTests(SynchronousTestCase):
         reactor = fake_process_reactor()
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), reactor)
         self.loaded: dict[str, Any] = {}
-        supervisor = type("Sup", (), {"loaded": lambda _, name: self.loaded.get(name)})()
+        self.plan: Any = None
+
+        async def context_for(_: Any, name: str, ctx_size: int) -> Any:
+            return self.plan
+
+        supervisor = type("Sup", (), {
+            "loaded": lambda _, name: self.loaded.get(name), "context_for": context_for,
+        })()
         self.proxy = EngineProxy(supervisor, None, reactor, registry)  # type: ignore[arg-type]
         self.registry = registry
         self.counted = 0
@@ -143,5 +150,22 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(self.check(100, 3000, 1900)), 1900)
         self.assertIsNone(self.successResultOf(self.check(100, 10, 1900)))
 
-    def test_requested_context_overrides(self) -> None:
+    def test_a_requested_context_is_checked_against_the_planned_one(self) -> None:
+        from blazar.engines.supervisor import ContextPlan
+        from blazar.web.proxy import PromptTooLong
+
+        self.plan = ContextPlan(8192, 8192, "grow", "m:latest", 32768)
         self.successResultOf(self.check(3000, 3000, 100, ctx=8192))
+        # held below what was asked: the 400 says why
+        self.plan = ContextPlan(2048, 8192, "grow", "m:latest", 2048)
+        f = self.failureResultOf(self.check(3000, 3000, 100, ctx=8192), PromptTooLong)
+        self.assertIn("2048-token context", str(f.value))
+        self.assertIn("above the 2048-token context 'm:latest' was trained for", str(f.value))
+        self.plan = ContextPlan(4096, 65536, "grow", "m:latest", 131072, memory_limit=4096,
+                                parallel=4, free=2**30)
+        f = self.failureResultOf(self.check(100, 10**6, 5000, ctx=65536), PromptTooLong)
+        self.assertIn("does not fit in memory (1.0 GiB free)", str(f.value))
+        self.assertIn("lower parallel", str(f.value))
+        self.plan = ContextPlan(2048, 8192, "fit", "m:latest", 32768)
+        f = self.failureResultOf(self.check(3000, 3000, 100, ctx=8192), PromptTooLong)
+        self.assertIn('ctx_policy = "grow"', str(f.value))
