@@ -57,6 +57,21 @@ _WORDS = [
     "▁yes", "▁no", "ok", ".", "!", "?",
 ]
 
+# A template that, like Mistral's and Gemma's, takes a system message only
+# first and raises on a later one (for the placement tests).
+STRICT_CHAT_TEMPLATE = """\
+{%- for message in messages %}
+{%- if message.role == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{%- endif %}
+{%- if message.role == 'system' or message.role == 'user' %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message.content or '') }}
+{%- if message.tool_calls %}{%- for call in message.tool_calls %}{{- '<tool_call>\\n' + call.function.name + '\\n</tool_call>' }}{%- endfor %}{%- endif %}
+{{- '<|im_end|>\\n' }}
+{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+{%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
+"""
+
 # gguf.TokenType values
 _NORMAL, _UNKNOWN, _CONTROL_T, _USER, _BYTE = 1, 2, 3, 4, 6
 
@@ -102,6 +117,7 @@ def make_test_model(
     n_head: int = 4,
     n_ff: int = 128,
     context_length: int = 2048,
+    chat_template: str = CHAT_TEMPLATE,
 ) -> GeneratedModel:
     """
     Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
@@ -112,6 +128,8 @@ def make_test_model(
 
     @param seed: Seeds the weights; the same seed gives the same file.
     @param embedding: Mark the model for mean-pooled embeddings.
+    @param chat_template: Its Jinja chat template (L{STRICT_CHAT_TEMPLATE}:
+        one that takes a system message only first).
     """
     import numpy as np
     from gguf import GGUFWriter
@@ -156,7 +174,7 @@ def make_test_model(
     writer.add_uint32("tokenizer.ggml.fim_pre_token_id", tokens.index("<|fim_prefix|>"))
     writer.add_uint32("tokenizer.ggml.fim_suf_token_id", tokens.index("<|fim_suffix|>"))
     writer.add_uint32("tokenizer.ggml.fim_mid_token_id", tokens.index("<|fim_middle|>"))
-    writer.add_chat_template(CHAT_TEMPLATE)
+    writer.add_chat_template(chat_template)
 
     writer.add_tensor("token_embd.weight", weights(n_vocab, n_embd))
     for i in range(n_layer):
