@@ -49,7 +49,7 @@ PING_INTERVAL = 5.0
 # anthropic-beta values whose feature Blazar serves (others are listed in x-blazar-ignored)
 HONOURED_BETAS = frozenset({
     "mid-conversation-system-2026-04-07", "interleaved-thinking-2025-05-14", "token-counting-2024-11-01",
-    "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13",
+    "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13", "effort-2025-11-24",
 })
 
 

@@ -14,8 +14,9 @@ Errors use OpenAI's envelope C{{"error": {"message", "type", "param",
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Callable
 
+import attrs
 from klein import Klein
 from twisted.internet.defer import CancelledError
 from twisted.internet.task import LoopingCall
@@ -40,9 +41,10 @@ from blazar.web.proxy import (
 )
 from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
 from blazar.web.responses import ResponseNotFound, Responses
-from blazar.web.sse import ModelRenamer, SSERelay
+from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
 from blazar.web.ignored import note_ignored
 from blazar.web.translate import leniency
+from blazar.web.translate import chat_logprobs, completions
 from blazar.web.translate.responses import ResponsesRequestError
 
 log = Logger()
@@ -156,10 +158,41 @@ def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
             del body["tools"]
             body.pop("tool_choice", None)
         changed = True
-    if kind == "completion" and "best_of" in body:
-        del body["best_of"]
-        changed = True
+    for name in ("best_of", "suffix"):
+        # llama-server refuses these by name, even null; a real suffix was refused above
+        if kind == "completion" and name in body:
+            del body[name]
+            changed = True
     return ignored, changed
+
+
+#: an SSE payload -> the payloads the client gets instead
+Rewrite = Callable[[bytes], list[bytes]]
+
+
+@attrs.frozen
+class EngineFix:
+    """
+    Where llama-server's own answer would break clients, what Blazar sends
+    it instead and how its answer is rebuilt (L{blazar.web.translate.completions},
+    L{blazar.web.translate.chat_logprobs}).
+
+    @ivar body: What the engine gets.
+    @ivar reply: A non-streamed reply's bytes -> the client's; L{None}:
+        relayed as they are.
+    @ivar rewrite: For a stream: each SSE payload -> the client's payloads.
+    @ivar wants: Which payloads L{rewrite} must see (tested on raw bytes,
+        also on a whole batch of events); L{None}: all of them.
+    """
+
+    body: dict[str, Any]
+    reply: Callable[[bytes], bytes] | None = None
+    rewrite: Rewrite | None = None
+    wants: Callable[[bytes], bool] | None = None
+
+
+def _usage_or_done(data: bytes) -> bool:
+    return b'"usage":{' in data or b"[DONE]" in data
 
 
 class OpenAISurface:
@@ -301,6 +334,9 @@ class OpenAISurface:
                 hide_usage = True
                 body["stream_options"] = {**options, "include_usage": True}
                 raw = json.dumps(body).encode("utf-8")
+        fix = await self._engine_fix(model, kind, body, stream)
+        if fix is not None and fix.body is not body:
+            raw = json.dumps(fix.body).encode("utf-8")
         if kind != "embedding":
             await self._preflight(model, kind, body, len(raw))
         if kind == "completion":
@@ -311,15 +347,17 @@ class OpenAISurface:
             work = WorkClass.INTERACTIVE
         await self._proxy.admit(request, canonical, work)
         if stream and not self._proxy.is_ready(canonical):
-            await self._stream_cold(request, model, path, raw, keep_alive, hide_usage)
+            await self._stream_cold(request, model, path, raw, keep_alive, hide_usage, fix)
             return None
         instance, response = await self._proxy.send(model, path, raw, request=request, stream=stream)
         renamer = ModelRenamer(instance.entry.name, model)
         try:
             if stream:
-                await self._relay_stream(request, instance, response, renamer, hide_usage)
+                await self._relay_stream(request, instance, response, renamer, hide_usage, fix)
                 return None
             payload = await self._proxy.read(instance, response)
+            if fix is not None and fix.reply is not None:
+                payload = fix.reply(payload)
             tokens = usage_of_reply(payload)
             if tokens is not None:
                 note_tokens(request, *tokens)
@@ -329,6 +367,69 @@ class OpenAISurface:
         finally:
             instance.in_flight -= 1
             self._proxy.done(instance, keep_alive)
+
+    async def _engine_fix(
+        self, model: str, kind: str, body: dict[str, Any], stream: bool
+    ) -> EngineFix | None:
+        """
+        The L{EngineFix} a request needs, if any: every completion (its
+        stream's usage chunk; legacy C{logprobs}; C{echo}), and a streamed
+        chat with C{tools} and C{logprobs}.
+
+        @raise BadRequest: A malformed C{logprobs} or C{echo}.
+        """
+        if kind == "chat" and stream:
+            top = chat_logprobs.tool_stream_logprobs(body)
+            if top is None:
+                return None
+            fixer = chat_logprobs.ToolStreamLogprobs(top)
+            return EngineFix(chat_logprobs.engine_body(body, top), rewrite=fixer.event)
+        if kind != "completion":
+            return None
+        try:
+            plan = completions.plan_completion(body)
+        except completions.CompletionRequestError as e:
+            raise BadRequest(str(e), e.param) from None
+        prompts = completions.prompts_of(body.get("prompt"))
+        if plan.needs_pieces:
+            texts = [completions.prompt_text(p, await self._token_pieces(model, p)) for p in prompts]
+        else:
+            texts = [completions.prompt_text(p) for p in prompts]
+        if stream:
+            translator = completions.CompletionStream(plan, texts)
+            return EngineFix(
+                plan.engine_body, rewrite=translator.event,
+                wants=None if plan.rewrites else _usage_or_done,
+            )
+        if not plan.rewrites:
+            return None
+
+        def reply(payload: bytes) -> bytes:
+            try:
+                parsed = json.loads(payload)
+            except ValueError:
+                return payload
+            if not isinstance(parsed, dict):
+                return payload
+            return completions.dumps(completions.completion_reply(parsed, plan, texts))
+
+        return EngineFix(plan.engine_body, reply=reply)
+
+    async def _token_pieces(self, model: str, prompt: Any) -> list[Any]:
+        """
+        A prompt's tokens and their text, by the child's tokenizer
+        (C{/tokenize} with C{with_pieces}; no BOS: only the prompt's own).
+        """
+        instance, response = await self._proxy.send(
+            model, "/tokenize",
+            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}).encode("utf-8"),
+            stream=False,
+        )
+        try:
+            tokens = json.loads(await self._proxy.read(instance, response)).get("tokens")
+        finally:
+            instance.in_flight -= 1
+        return tokens if isinstance(tokens, list) else []
 
     async def _preflight(self, model: str, kind: str, body: dict[str, Any], size: int) -> None:
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
@@ -346,7 +447,7 @@ class OpenAISurface:
 
     async def _stream_cold(
         self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None,
-        hide_usage: bool = False,
+        hide_usage: bool = False, fix: EngineFix | None = None,
     ) -> None:
         """
         A streaming request that has to wait for a model load: the headers
@@ -373,7 +474,7 @@ class OpenAISurface:
                 keepalive.stop()
         try:
             await self._relay_stream(
-                request, instance, response, ModelRenamer(instance.entry.name, model), hide_usage
+                request, instance, response, ModelRenamer(instance.entry.name, model), hide_usage, fix
             )
         finally:
             instance.in_flight -= 1
@@ -387,7 +488,7 @@ class OpenAISurface:
 
     async def _relay_stream(
         self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer,
-        hide_usage: bool = False,
+        hide_usage: bool = False, fix: EngineFix | None = None,
     ) -> None:
         self._sse_headers(request)
         on_usage = (lambda tokens: record_usage(request, tokens)) if wants_usage(request) else None
@@ -397,8 +498,12 @@ class OpenAISurface:
                 note_tokens(request, *tokens)
 
         relay = SSERelay(request.write, renamer, on_usage, hide_usage, on_timings)
+        feed, rewriter = relay.feed, None
+        if fix is not None and fix.rewrite is not None:
+            rewriter = SSERewriter(relay.feed, fix.rewrite, fix.wants)
+            feed = rewriter.feed
         try:
-            await self._proxy.relay(instance, response, relay.feed, request)
+            await self._proxy.relay(instance, response, feed, request)
         except EngineError as error:
             note_error(request, error)
             log.error(
@@ -407,6 +512,8 @@ class OpenAISurface:
             )
             relay.fail(error_body(str(error), "engine_error", "engine_crashed"))
             return
+        if rewriter is not None:
+            rewriter.finish()
         relay.finish()
         if not relay.done:
             note_error(request, "engine_crash")

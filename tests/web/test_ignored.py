@@ -1,0 +1,55 @@
+"""
+x-blazar-ignored and the once-per-client-and-field log line.
+"""
+
+from __future__ import annotations
+
+from twisted.logger import globalLogPublisher
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.test.requesthelper import DummyRequest
+
+from blazar.web.ignored import IGNORED_HEADER, IgnoredFields, beta_values
+
+
+def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyRequest:
+    r = DummyRequest([b""])
+    r.requestHeaders.setRawHeaders(b"user-agent", [agent])
+    return r
+
+
+class IgnoredFieldsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.events: list[dict] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def lines(self) -> list[str]:
+        return [e["field"] for e in self.events if "field" in e]
+
+    def test_header_and_one_line_per_client_and_field(self) -> None:
+        seen = IgnoredFields()
+        r = request()
+        seen.note(r, "anthropic", ["metadata", "context_management", "metadata"])
+        self.assertEqual(r.responseHeaders.getRawHeaders(IGNORED_HEADER), [b"metadata,context_management"])
+        seen.note(request(), "anthropic", ["metadata"])
+        self.assertEqual(self.lines(), ["metadata", "context_management"])
+        seen.note(request(b"codex_exec/0.171.0"), "anthropic", ["metadata"])  # another client
+        self.assertEqual(self.lines(), ["metadata", "context_management", "metadata"])
+
+    def test_nothing_ignored_sets_no_header(self) -> None:
+        r = request()
+        IgnoredFields().note(r, "openai", [])
+        self.assertIsNone(r.responseHeaders.getRawHeaders(IGNORED_HEADER))
+
+    def test_bounded(self) -> None:
+        seen = IgnoredFields(limit=2)
+        for name in ("a", "b", "c"):
+            seen.note(request(), "openai", [name])
+        seen.note(request(), "openai", ["a"])  # forgotten, so logged again
+        self.assertEqual(self.lines(), ["a", "b", "c", "a"])
+
+    def test_beta_values(self) -> None:
+        r = request()
+        r.requestHeaders.setRawHeaders(b"anthropic-beta", [b"claude-code-20250219, effort-2025-11-24"])
+        self.assertEqual(beta_values(r, frozenset({"effort-2025-11-24"})), ["anthropic-beta=claude-code-20250219"])
+        self.assertEqual(beta_values(request()), [])
