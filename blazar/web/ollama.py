@@ -230,7 +230,8 @@ class OllamaSurface:
         return await self._generate(request, "generate")
 
     async def _load_or_unload(
-        self, request: IRequest, kind: str, model: str, keep_alive: float | None
+        self, request: IRequest, kind: str, model: str, keep_alive: float | None,
+        ctx_size: int | None = None,
     ) -> bytes:
         entry = await self._entry(model)
         started = self._clock.seconds()
@@ -240,7 +241,7 @@ class OllamaSurface:
                 await self._supervisor.stop_instance(instance, "keep_alive 0")
             reason = "unload"
         else:
-            instance = await self._supervisor.instance_for(model)
+            instance = await self._supervisor.instance_for(model, ctx_size)
             self._after(instance, keep_alive)
             reason = "load"
         line: dict[str, Any] = {"model": model, "created_at": _rfc3339(self._now())}
@@ -281,7 +282,7 @@ class OllamaSurface:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
             await self._entry(model, request)
-            return await self._load_or_unload(request, kind, model, keep_alive)
+            return await self._load_or_unload(request, kind, model, keep_alive, self._num_ctx(body))
         try:
             if kind == "chat":
                 path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)

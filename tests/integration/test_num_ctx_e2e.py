@@ -186,6 +186,13 @@ def test_a_request_running_on_the_small_child_completes(daemon: Daemon) -> None:
     assert "stopping grow:latest: context 1024 -> 4096" in daemon.log()
 
 
+def test_a_load_request_starts_with_its_num_ctx(daemon: Daemon) -> None:
+    unload(daemon)
+    status, _, body = daemon.request("POST", "/api/generate", {"model": "grow", "options": {"num_ctx": 2048}})
+    assert status == 200 and json.loads(body)["done_reason"] == "load", body
+    assert (ps_context(daemon), engine_n_ctx(daemon)) == (2048, 2048)
+
+
 def test_num_ctx_on_api_embed(daemon: Daemon) -> None:
     unload(daemon, EMBED)
     status, body = daemon.post_json("/api/embed", {"model": "grow-embed", "input": "hi"})
