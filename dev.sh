@@ -8,6 +8,9 @@
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light)
 #   ./dev.sh soak   the same setup, then bench/soak.py (10 minutes of mixed traffic
 #                   with engine kills; report in bench/results/soak-*.json)
+#   ./dev.sh clients the same setup, then scripts/clients.py: Claude Code and Codex
+#                   CLI (pinned npm releases, installed once into ~/.cache/blazar/clients;
+#                   needs npm) through a daemon with keys on; bench/results/clients-*.json
 # Setup is idempotent: deps are reinstalled only when pyproject.toml changes,
 # and the engine is built once (~10 min) and reused from ~/.cache/blazar.
 set -euo pipefail
@@ -69,8 +72,13 @@ case "${1:-}" in
     shift
     exec .venv/bin/python bench/soak.py "$@"
     ;;
+  clients)
+    setup
+    shift
+    exec .venv/bin/python scripts/clients.py "$@"
+    ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL] | soak [--minutes N]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL] | soak [--minutes N] | clients [--only claude-code|codex]" >&2
     exit 2
     ;;
 esac

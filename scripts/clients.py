@@ -32,7 +32,6 @@ import http.client
 import json
 import os
 import platform
-import re
 import shutil
 import signal
 import socket
@@ -222,6 +221,7 @@ def codex_config(base_url: str) -> str:
     return (
         f'model = "{MODEL}"\n'
         'model_provider = "blazar"\n'
+        f"model_context_window = {CONTEXT}\n"
         "check_for_update_on_startup = false\n"
         "\n"
         "[model_providers.blazar]\n"
@@ -257,3 +257,292 @@ def codex_environment(home: Path, base_url: str, api_key: str) -> dict[str, str]
         "RUST_LOG": "warn",
     })
     return env
+
+
+# -- the conformance run -------------------------------------------------------
+
+@dataclass
+class Run:
+    """
+    One agent invocation and what the daemon saw of it.
+    """
+
+    agent: Agent
+    turn: int
+    argv: list[str]
+    exit_code: int | None = None
+    seconds: float = 0.0
+    requests: list[dict[str, Any]] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    timed_out: bool = False
+
+    @property
+    def generations(self) -> list[dict[str, Any]]:
+        path = "/v1/messages" if self.agent.surface == "anthropic" else "/v1/responses"
+        return [r for r in self.requests if r.get("method") == "POST" and r.get("path") == path]
+
+    @property
+    def passed(self) -> bool:
+        return (self.exit_code == 0 and bool(self.generations)
+                and all(200 <= int(r.get("status", 0)) < 300 for r in self.generations))
+
+    def row(self) -> dict[str, Any]:
+        seen: dict[str, int] = {}
+        for r in self.requests:
+            what = f"{r.get('method')} {r.get('path')} {r.get('status')}"
+            seen[what] = seen.get(what, 0) + 1
+        return {
+            "client": self.agent.name, "version": self.agent.version, "surface": self.agent.surface,
+            "turn": self.turn, "command": " ".join([self.agent.command, *self.argv[1:]]),
+            "exit_code": self.exit_code, "timed_out": self.timed_out, "seconds": round(self.seconds, 1),
+            "requests_seen": len(self.requests), "requests": seen, "passed": self.passed,
+            "stdout_tail": self.stdout[-400:],
+        }
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def find_engine(explicit: str | None) -> str:
+    """
+    The llama-server to serve with: C{--engine}, C{$BLAZAR_ENGINE} (set by
+    ./dev.sh), else the daemon's own search.
+    """
+    if explicit or os.environ.get("BLAZAR_ENGINE"):
+        return explicit or os.environ["BLAZAR_ENGINE"]
+    from blazar.config import parse_config
+    from blazar.engines.llamacpp import EngineNotFound, find_binary
+
+    try:
+        return str(find_binary(parse_config(""), os.environ))
+    except EngineNotFound as e:
+        raise SystemExit(f"[clients] no llama-server: run ./dev.sh clients ({e})") from None
+
+
+class Daemon:
+    """
+    A real `blazar serve` with API keys on, one generated 128k-context model
+    (C{tiny}: C{ctx_size = 131072}, C{parallel = 1}) and an audit log the
+    run counts requests from.
+    """
+
+    def __init__(self, root: Path, engine: str, keys: dict[str, str]) -> None:
+        from blazar.testing import make_test_model
+
+        self.root = root
+        self.port = free_port()
+        self.model = make_test_model(root / "models" / f"{MODEL}.gguf", context_length=CONTEXT)
+        self.audit = root / "audit.jsonl"
+        self.log_path = root / "daemon.log"
+        self.config = root / "config.toml"
+        lines = [
+            f'listen = "tcp:{self.port}:interface=127.0.0.1"',
+            f'data_dir = "{root / "data"}"',
+            f'models_dir = "{root / "models"}"',
+            f'audit_log = "{self.audit}"',
+            "ready_timeout = 300",
+            "[engines.llamacpp]",
+            f'binary = "{engine}"',
+            f"[models.{MODEL}]",
+            f"ctx_size = {CONTEXT}",
+            "parallel = 1",
+        ]
+        for name, secret in keys.items():
+            lines += ["[[keys]]", f'name = "{name}"', f'secret = "{secret}"']
+        self.config.write_text("\n".join(lines) + "\n")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        blazar = Path(sys.executable).parent / "blazar"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen([str(blazar), "serve", "--config", str(self.config)],
+                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"[clients] the daemon exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=1)
+                conn.request("GET", "/health")
+                if conn.getresponse().status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise SystemExit(f"[clients] the daemon did not answer /health in 60 s:\n{self.log_tail()}")
+
+    def audited(self) -> list[dict[str, Any]]:
+        """
+        Every request the daemon has finished, from its audit log.
+        """
+        try:
+            text = self.audit.read_text()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in text.splitlines():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                pass
+        return out
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except FileNotFoundError:
+            return "(no daemon log)"
+
+    def stop(self) -> None:
+        """
+        SIGTERM the daemon (it stops its engines), then KILL whatever is left.
+        """
+        if self.proc is None:
+            return
+        import psutil
+
+        try:
+            children = psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            children = []
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        for child in children:
+            try:
+                child.kill()
+            except psutil.NoSuchProcess:
+                pass
+
+
+def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout: float) -> None:
+    """
+    Run one agent invocation to its end (or C{timeout}) and collect the
+    requests the daemon logged for it (its key names the agent).
+    """
+    before = len(daemon.audited())
+    say(f"{run.agent.name} turn {run.turn}: {run.row()['command']}")
+    started = time.monotonic()
+    try:
+        done = subprocess.run(run.argv, cwd=cwd, env=env, capture_output=True, text=True,
+                              timeout=timeout, stdin=subprocess.DEVNULL)
+        run.exit_code, run.stdout, run.stderr = done.returncode, done.stdout, done.stderr
+    except subprocess.TimeoutExpired as e:
+        run.timed_out = True
+        run.stdout = (e.stdout or b"").decode("utf-8", "replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
+        run.stderr = (e.stderr or b"").decode("utf-8", "replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+    run.seconds = time.monotonic() - started
+    # the audit log is written by a thread of the daemon's: let it catch up
+    time.sleep(1.5)
+    run.requests = [r for r in daemon.audited()[before:] if r.get("key") == run.agent.name]
+    verdict = "ok" if run.passed else "FAILED"
+    say(f"{run.agent.name} turn {run.turn}: {verdict}, exit {run.exit_code}"
+        f"{' (timed out)' if run.timed_out else ''}, {run.seconds:.1f} s, "
+        f"{len(run.requests)} requests: {run.row()['requests']}")
+    if run.stdout.strip():
+        print(f"--- {run.agent.name} turn {run.turn} said:\n{run.stdout.strip()[-1500:]}", flush=True)
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = f"{'client':<12} {'version':<9} {'surface':<10} {'turn':>4} {'exit':>5} {'seconds':>8} {'requests':>8}  result"
+    out = [head, "-" * len(head)]
+    for r in rows:
+        code = "T/O" if r["timed_out"] else str(r["exit_code"])
+        out.append(f"{r['client']:<12} {r['version']:<9} {r['surface']:<10} {r['turn']:>4} {code:>5} "
+                   f"{r['seconds']:>8.1f} {r['requests_seen']:>8}  {'ok' if r['passed'] else 'FAILED'}")
+    return "\n".join(out)
+
+
+def machine() -> dict[str, Any]:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "kernel": platform.release(), "node": subprocess.run(
+                ["node", "--version"], capture_output=True, text=True).stdout.strip()}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--engine", help="llama-server binary (default: $BLAZAR_ENGINE, else the daemon's search)")
+    p.add_argument("--only", choices=[a.name for a in AGENTS], help="run one agent only")
+    p.add_argument("--out", type=Path, help="results file (default: bench/results/clients-<UTC time>.json)")
+    p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds per agent run (default %(default)s)")
+    p.add_argument("--keep", action="store_true", help="keep the scratch directory (homes, daemon log)")
+    args = p.parse_args()
+
+    agents = [a for a in AGENTS if args.only in (None, a.name)]
+    for agent in agents:
+        install(agent)
+    engine = find_engine(args.engine)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H%M%SZ")
+    out = args.out or ROOT / "bench" / "results" / f"clients-{stamp}.json"
+    keys = {a.name: f"blz-{a.name}-" + os.urandom(12).hex() for a in agents}
+
+    scratch = Path(tempfile.mkdtemp(prefix="blazar-clients-"))
+    daemon = Daemon(scratch / "daemon", engine, keys)
+    say(f"daemon on {daemon.base_url}, model {MODEL} (ctx {CONTEXT}, 1 slot), keys on; scratch {scratch}")
+    runs: list[Run] = []
+    try:
+        daemon.start()
+        for agent in agents:
+            home = scratch / agent.name / "home"
+            cwd = scratch / agent.name / "project"
+            cwd.mkdir(parents=True)
+            exe = str(agent.executable)
+            if agent is CLAUDE_CODE:
+                env = claude_environment(home, daemon.base_url, keys[agent.name])
+                turns = [[exe, "-p", "say hi", "--model", MODEL],
+                         [exe, "-p", "--continue", "say hi again", "--model", MODEL]]
+            else:
+                env = codex_environment(home, daemon.base_url, keys[agent.name])
+                turns = [[exe, "exec", "--skip-git-repo-check", "--color", "never", "say hi"],
+                         [exe, "exec", "--skip-git-repo-check", "--color", "never", "resume", "--last", "again"]]
+            for turn, argv in enumerate(turns, 1):
+                run = Run(agent, turn, argv)
+                runs.append(run)
+                run_agent(run, daemon, cwd, env, args.timeout)
+                if not run.passed:
+                    print(f"--- {agent.name} turn {turn} FAILED; its stderr (tail):\n{run.stderr[-3000:]}\n"
+                          f"--- its stdout (tail):\n{run.stdout[-1500:]}\n"
+                          f"--- the daemon's log (tail):\n{daemon.log_tail()}", flush=True)
+    finally:
+        daemon.stop()
+
+    rows = [r.row() for r in runs]
+    passed = bool(rows) and all(r["passed"] for r in rows) and len(rows) == 2 * len(agents)
+    result = {
+        "when": stamp, "passed": passed, "machine": machine(), "engine": engine,
+        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.testing)"},
+        "keys": "on", "runs": rows,
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(table(rows), flush=True)
+    print(f"results: {out}", flush=True)
+    if args.keep or not passed:
+        say(f"scratch directory kept: {scratch}")
+    else:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return 0 if passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
