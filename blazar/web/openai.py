@@ -191,8 +191,13 @@ class EngineFix:
     wants: Callable[[bytes], bool] | None = None
 
 
-def _usage_or_done(data: bytes) -> bool:
-    return b'"usage":{' in data or b"[DONE]" in data
+def _completion_events(data: bytes) -> bool:
+    """
+    Whether SSE bytes of a completion stream hold an event that
+    L{completions.CompletionStream} changes when it rewrites no logprobs:
+    usage, C{[DONE]}, the C{data: null} of several prompts.
+    """
+    return b'"usage":{' in data or b"[DONE]" in data or b"data: null" in data
 
 
 class OpenAISurface:
@@ -399,7 +404,7 @@ class OpenAISurface:
             translator = completions.CompletionStream(plan, texts)
             return EngineFix(
                 plan.engine_body, rewrite=translator.event,
-                wants=None if plan.rewrites else _usage_or_done,
+                wants=None if plan.rewrites else _completion_events,
             )
         if not plan.rewrites:
             return None

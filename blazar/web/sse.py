@@ -141,3 +141,56 @@ class SSEEvents:
             ]
             if payload:
                 self._on_event(b"\n".join(payload))
+
+
+class SSERewriter:
+    """
+    Rebuilds chosen events of an engine's SSE stream on their way to
+    C{feed} (an L{SSERelay}'s): each C{data:} event whose payload C{wants}
+    is replaced by the payloads C{rewrite} returns (zero or more), every
+    other event passes as it came. Bytes are buffered up to event
+    boundaries only; a batch of events none of which C{wants} (tested on
+    the batch's bytes first) is passed on without being split.
+
+    @param wants: L{None}: every event is rewritten.
+    """
+
+    def __init__(
+        self, feed: Callable[[bytes], None], rewrite: Callable[[bytes], list[bytes]],
+        wants: Callable[[bytes], bool] | None = None,
+    ) -> None:
+        self._feed = feed
+        self._rewrite = rewrite
+        self._wants = wants
+        self._buffer = b""
+
+    def feed(self, chunk: bytes) -> None:
+        """
+        Take bytes from the engine; pass on every event they complete.
+        """
+        data = self._buffer + chunk if self._buffer else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data
+            return
+        events, self._buffer = data[: end + 2], data[end + 2 :]
+        wants = self._wants
+        if wants is not None and not wants(events):
+            self._feed(events)
+            return
+        out: list[bytes] = []
+        for event in events.split(b"\n\n")[:-1]:
+            if event.startswith(b"data: ") and b"\n" not in event and (wants is None or wants(event)):
+                out.extend(b"data: " + payload + b"\n\n" for payload in self._rewrite(event[6:]))
+            else:
+                out.append(event + b"\n\n")
+        if out:
+            self._feed(b"".join(out))
+
+    def finish(self) -> None:
+        """
+        The engine's body ended: pass on any trailing partial event as it is.
+        """
+        if self._buffer:
+            self._feed(self._buffer)
+        self._buffer = b""

@@ -110,10 +110,6 @@ def _dimensions(value: Any) -> str | None:
     return None
 
 
-def _echo(value: Any) -> str | None:
-    return "echo: true is not available from the engine" if value else None
-
-
 #: surface -> (honoured, ignored, refused)
 Policy = tuple[frozenset[str], frozenset[str], Mapping[str, Refusal]]
 
@@ -139,7 +135,7 @@ POLICIES: dict[str, Policy] = {
     "completion": (frozenset({
         "model", "prompt", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
         "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "echo",
-    }) | LLAMACPP, frozenset({"user", "best_of"}), {"suffix": _suffix, "echo": _echo}),
+    }) | LLAMACPP, frozenset({"user", "best_of"}), {"suffix": _suffix}),
     # OpenAI POST /v1/embeddings
     "embedding": (frozenset({"model", "input", "encoding_format"}) | LLAMACPP,
                   frozenset({"user"}), {"dimensions": _dimensions}),

@@ -80,7 +80,6 @@ REFUSED = [
     ("chat", "functions", [{"name": "f", "parameters": {}}]),
     ("chat", "function_call", "auto"),
     ("completion", "suffix", "tail"),
-    ("completion", "echo", True),
     ("embedding", "dimensions", 256),
     ("responses", "background", True),
     ("responses", "conversation", "conv_123"),
