@@ -232,3 +232,47 @@ def test_echo_of_a_token_prompt(daemon: Daemon) -> None:
 def test_malformed_logprobs_is_a_400_naming_it(daemon: Daemon) -> None:
     status, data = post(daemon, "/v1/completions", completion(logprobs="two"))
     assert status == 400 and json.loads(data)["error"]["param"] == "logprobs"
+
+
+# -- c. logprobs with tools and stream on chat ---------------------------------
+
+def tool_body(**fields: Any) -> dict[str, Any]:
+    body = forced_tool_call_request("tiny", seed=2, stream=True, tool_choice="auto")
+    body.pop("logit_bias")  # let the random model write text
+    return {**body, "max_tokens": 40, "logprobs": True, "top_logprobs": 2, **fields}
+
+
+def test_logprobs_with_tools_and_stream_are_served(daemon: Daemon) -> None:
+    chunks = [c for c in events(daemon, "/v1/chat/completions", tool_body()) if c != "[DONE]"]
+    filled = 0
+    for c in chunks:
+        for choice in c["choices"]:
+            assert "logprobs" in choice
+            delta, lp = choice["delta"], choice["logprobs"]
+            if lp is None:
+                continue
+            assert isinstance(delta.get("content"), str) and not delta.get("tool_calls")
+            assert lp["refusal"] is None
+            assert same_text("".join(e["token"] for e in lp["content"]), delta["content"])
+            for e in lp["content"]:
+                assert isinstance(e["logprob"], float) and len(e["top_logprobs"]) <= 2
+            filled += 1
+    assert filled >= 5, chunks
+
+
+def test_logprobs_with_tools_and_stream_with_the_sdk(daemon: Daemon) -> None:
+    body = tool_body()
+    stream = client(daemon).chat.completions.create(
+        model="tiny", messages=body["messages"], tools=body["tools"], stream=True, logprobs=True,
+        top_logprobs=1, max_tokens=20, seed=2)
+    contents = [c.choices[0].logprobs.content for c in stream if c.choices and c.choices[0].logprobs]
+    assert contents and all(len(e.top_logprobs) <= 1 for entries in contents for e in entries or [])
+
+
+def test_tool_call_chunks_carry_null_logprobs(daemon: Daemon) -> None:
+    body = {**forced_tool_call_request("tiny", seed=1, stream=True), "logprobs": True}
+    chunks = [c for c in events(daemon, "/v1/chat/completions", body) if c != "[DONE]"]
+    calls = [ch for c in chunks for ch in c["choices"] if ch["delta"].get("tool_calls")]
+    assert calls, chunks
+    assert all("logprobs" in ch and ch["logprobs"] is None for ch in calls)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
