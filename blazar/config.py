@@ -70,8 +70,9 @@ from typing import Any, Mapping
 
 import attrs
 import tomlkit
-from tomlkit.exceptions import ParseError
+from tomlkit.exceptions import TOMLKitError
 
+from blazar.files import open_private
 from blazar.names import canonical_name
 
 DEFAULT_LISTEN = "tcp:11434:interface=127.0.0.1"
@@ -346,7 +347,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     where = str(source) if source is not None else "<config>"
     try:
         doc = tomlkit.parse(text).unwrap()
-    except ParseError as e:
+    except TOMLKitError as e:  # ParseError, and KeyAlreadyPresent for a key given twice
         raise ConfigError(f"{where}: not valid TOML: {e}") from None
 
     top = {
@@ -543,8 +544,9 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
     tomlkit, apply C{change(document)}, validate the result with
     L{parse_config}, then write it atomically (a temporary file in the same
     directory, fsync, rename) after saving the old file as
-    C{<name>.<UTC timestamp>.bak}. Comments and formatting survive.
-    Blocking: call in a thread pool, one at a time.
+    C{<name>.<UTC timestamp>.bak}; both are mode 0600 (the file holds the
+    keys' secrets). Comments and formatting survive. Blocking: call in a
+    thread pool, one at a time.
 
     @param change: Mutates the tomlkit document; may raise L{ConfigError}.
     @return: The new L{Config} and the new text.
@@ -563,7 +565,7 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
     config = parse_config(new_text, path)
     stamp = _time.strftime("%Y%m%dT%H%M%SZ", _time.gmtime())
     tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)  # it holds the keys' secrets
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(new_text)
@@ -575,8 +577,8 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
             while backup.exists():
                 backup = path.with_name(f"{path.name}.{stamp}.{n}.bak")
                 n += 1
-            backup.write_text(text, encoding="utf-8")
-            os.chmod(backup, 0o600)
+            with os.fdopen(open_private(backup, os.O_WRONLY | os.O_TRUNC), "w", encoding="utf-8") as b:
+                b.write(text)  # 0600 before the old secrets are in it
         os.replace(tmp, path)
     except BaseException:
         try:

@@ -5,11 +5,13 @@ together.
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
+from pathlib import Path
 
 import psutil
-from typing import Any, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 from twisted.application import strports
 from twisted.application.service import MultiService, Service
@@ -20,8 +22,9 @@ from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger, globalLogPublisher
 
-from blazar.config import Config
+from blazar.config import Config, ConfigError
 from blazar import __version__, store
+from blazar.files import private_dir
 from blazar.engines.client import EngineClient
 from blazar.engines.hints import EngineHints
 from blazar.metrics import Metrics, gauge
@@ -190,6 +193,101 @@ class AuditService(Service):
         self.audit.stop()
 
 
+class ReloadOnHangup(Service):
+    """
+    SIGHUP re-reads the config file exactly as C{blazar reload} does (the
+    same L{KeyAdmin.reload}: keys, limits and model settings swapped in,
+    C{listen} and C{data_dir} only at the next start) and logs the outcome.
+    A file that does not parse or validate is logged and the running config
+    kept; a reload never stops the daemon.
+
+    twistd handles SIGINT and SIGTERM (the graceful stop) and leaves SIGHUP
+    at the system default, which kills the process on the spot; this
+    service owns SIGHUP from C{startService}. The handler only schedules
+    the reload with C{reactor.callFromThread}, the one reactor call that is
+    safe from a signal handler; the reload itself runs on the reactor.
+    From C{stopService} on, a SIGHUP is logged and ignored, and the
+    previous handler is put back once the reactor has shut down, so a
+    hangup while engines drain cannot cut the stop short.
+
+    @ivar reloads: The reloads not finished yet (C{stopService} waits).
+    """
+
+    def __init__(
+        self, reload: Callable[[], Awaitable[list[str]]], reactor: Any, source: Path | None,
+        install: Callable[[int, Any], Any] = signal.signal,
+    ) -> None:
+        """
+        @param reload: Re-reads the config and swaps it in; returns the
+            changed settings that need a restart; raises L{ConfigError} or
+            L{OSError} when the file cannot be used.
+        @param source: The config file (for the log lines).
+        @param install: C{signal.signal}, or a fake with its contract
+            (returns the previous handler, L{None} if it was not set from
+            Python).
+        """
+        self._reload = reload
+        self._reactor = reactor
+        self._source = source
+        self._install = install
+        self._previous: Any = None
+        self._owned = False
+        self.reloads: set[Deferred[None]] = set()
+
+    def startService(self) -> None:
+        Service.startService(self)
+        previous = self._install(signal.SIGHUP, self._hangup)
+        if not self._owned:
+            self._previous, self._owned = previous, True
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        self._reactor.addSystemEventTrigger("after", "shutdown", self._restore)
+        return DeferredList(list(self.reloads))
+
+    def _restore(self) -> None:
+        if self._owned and not self.running:
+            self._install(signal.SIGHUP, signal.SIG_DFL if self._previous is None else self._previous)
+            self._owned = False
+
+    def _hangup(self, signum: int, frame: Any) -> None:
+        self._reactor.callFromThread(self.reload)
+
+    def reload(self) -> Deferred[None]:
+        """
+        Re-read the config now (what a SIGHUP schedules).
+
+        @return: Fires with L{None} when done; never fails (every outcome
+            is logged).
+        """
+        if not self.running:
+            log.info("SIGHUP while stopping: ignored")
+            return succeed(None)
+        log.info("SIGHUP: reloading the config file {path}", path=str(self._source))
+        d = Deferred.fromCoroutine(self._run())
+        self.reloads.add(d)
+        d.addBoth(lambda _: self.reloads.discard(d))
+        return d
+
+    async def _run(self) -> None:
+        try:
+            restart = await self._reload()
+        except (ConfigError, OSError) as e:
+            log.error(
+                "SIGHUP: config not reloaded, the running config stays: {error}", error=str(e)
+            )
+        except Exception:
+            log.failure("SIGHUP: config reload failed; the running config stays")
+        else:
+            if restart:
+                log.warn(
+                    "SIGHUP: config reloaded from {path}; restart the daemon to apply: {restart}",
+                    path=str(self._source), restart=", ".join(restart),
+                )
+            else:
+                log.info("SIGHUP: config reloaded from {path}", path=str(self._source))
+
+
 def thd_free_memory() -> int:
     """
     Bytes a new engine could use: available RAM, plus free VRAM on every
@@ -220,10 +318,17 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     """
     Build the daemon's service tree from a validated config.
 
-    Stop order (reverse of start): listeners stop accepting, then every
-    engine child is stopped, then the connection pool closes.
+    Stop order (reverse of start): SIGHUP stops reloading, listeners stop
+    accepting, then every engine child is stopped, then the connection
+    pool closes.
     """
-    config.data_dir.mkdir(parents=True, exist_ok=True)
+    # it holds conversations, usage and the engines' keys: 0700, whatever
+    # the umask, and tightened if an older version left it open
+    old_mode = private_dir(config.data_dir)
+    if old_mode is not None:
+        log.info(
+            "data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}"
+        )
     top = MultiService()
     registry = ModelRegistry(config, reactor)
     engines = EngineClient(reactor)
@@ -271,6 +376,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
             "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
             [([], audit.dropped)],
         )])
+    key_admin = KeyAdmin(config.source, keys, reactor)
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)
@@ -302,7 +408,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         control = strports.service(
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
-                supervisor, registry, status, reactor, ring, KeyAdmin(config.source, keys, reactor),
+                supervisor, registry, status, reactor, ring, key_admin,
                 admission.snapshot, hints,
             ),
             reactor=reactor,
@@ -310,4 +416,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         control._raiseSynchronously = True
         control.setServiceParent(listeners)
     listeners.setServiceParent(top)
+    # last: started once everything serves, stopped first
+    ReloadOnHangup(
+        lambda: key_admin.reload(supervisor, registry), reactor, config.source
+    ).setServiceParent(top)
     return top

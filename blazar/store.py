@@ -9,8 +9,11 @@ reactor thread.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 from pathlib import Path
+
+from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode
 
 MIGRATIONS = [
     # 1: whole-day token counts per API key (quotas survive restarts)
@@ -40,8 +43,18 @@ MIGRATIONS = [
 def thd_open(path: Path) -> sqlite3.Connection:
     """
     Open (creating if needed) and migrate the database.
+
+    The file holds stored conversations and usage, so it is made mode 0600
+    before SQLite opens it, and an existing one (or a C{-wal}/C{-shm} left
+    by a daemon that died) is set to 0600 first; SQLite gives the C{-wal}
+    and C{-shm} files it creates the main file's mode. A missing parent
+    directory is created 0700.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.exists():
+        private_dir(path.parent)
+    for leftover in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+        set_mode(leftover, PRIVATE_FILE)
+    os.close(open_private(path, os.O_RDWR))
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")

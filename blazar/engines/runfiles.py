@@ -1,8 +1,8 @@
 """
 Run files: while a child lives, C{<data_dir>/run/<model>.pid} (JSON: pid,
-model, port, argv) and C{<model>.apikey} (mode 0600) describe it, so that a
-daemon that died without stopping its children can find and stop them on
-its next start.
+model, port, argv) and C{<model>.apikey}, both mode 0600 in a 0700
+directory, describe it, so that a daemon that died without stopping its
+children can find and stop them on its next start.
 
 Functions here block (files, psutil): call them in a thread pool, or at
 startup before the reactor serves.
@@ -19,14 +19,15 @@ from typing import Any
 
 import psutil
 
+from blazar.files import open_private, private_dir
+
 
 def run_dir(data_dir: Path) -> Path:
     """
-    C{<data_dir>/run}, created with mode 0700.
+    C{<data_dir>/run}, created (or set) with mode 0700.
     """
     path = data_dir / "run"
-    path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    os.chmod(path, 0o700)
+    private_dir(path)
     return path
 
 
@@ -41,10 +42,10 @@ def thd_write(run: Path, model: str, pid: int, port: int, argv: list[str], api_k
     stem = _stem(model)
     info = {"pid": pid, "model": model, "port": port, "argv": argv}
     tmp = run / f".{stem}.pid.tmp"
-    tmp.write_text(json.dumps(info))
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
+        f.write(json.dumps(info))
     os.replace(tmp, run / f"{stem}.pid")
-    fd = os.open(run / f"{stem}.apikey", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
+    with os.fdopen(open_private(run / f"{stem}.apikey", os.O_WRONLY | os.O_TRUNC), "w") as f:
         f.write(api_key)
 
 

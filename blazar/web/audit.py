@@ -4,7 +4,7 @@ C{{ts, trace, key, method, path, model, status, ms, priority,
 queue_depth}}, handed to a writer thread through a bounded queue. A full
 queue drops the line and counts it (C{dropped}, shown by C{blazar status}):
 auditing never blocks a request. The file rotates to C{PATH.1} at
-C{max_bytes}.
+C{max_bytes}. Both files are mode 0600 (set at open, whatever the umask).
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import queue
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
+
+from blazar.files import PRIVATE_FILE, open_private, set_mode
 
 _STOP = object()
 
@@ -56,7 +58,9 @@ class AuditLog:
             self.dropped += 1
 
     def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # a directory made here holds only audit lines: 0700 (an existing
+        # one, say /var/log/blazar, keeps the mode its owner gave it)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         self._thread = threading.Thread(target=self._run, name="blazar-audit", daemon=True)
         self._thread.start()
 
@@ -74,8 +78,12 @@ class AuditLog:
         self._thread.join(timeout)
         self._thread = None
 
+    def _open(self) -> TextIO:
+        return os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8")
+
     def _run(self) -> None:
-        f = open(self.path, "a", encoding="utf-8")
+        set_mode(self.path.with_name(self.path.name + ".1"), PRIVATE_FILE)
+        f = self._open()
         try:
             while True:
                 self.gate.wait()
@@ -86,7 +94,7 @@ class AuditLog:
                 if f.tell() + len(data) > self.max_bytes and f.tell() > 0:
                     f.close()
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                    f = open(self.path, "a", encoding="utf-8")
+                    f = self._open()
                 f.write(data)
                 f.flush()
                 self.written += 1

@@ -53,6 +53,31 @@ class AuditTests(SynchronousTestCase):
 
 
 
+    def test_files_are_0600_whatever_the_umask(self) -> None:
+        import os
+
+        old = os.umask(0)
+        self.addCleanup(os.umask, old)
+        path = Path(self.mktemp()) / "logs" / "audit.jsonl"
+        path.parent.mkdir(parents=True)
+        path.write_text("")  # left by an older version, readable by all
+        os.chmod(path, 0o644)
+        path.with_name("audit.jsonl.1").write_text("")
+        os.chmod(path.with_name("audit.jsonl.1"), 0o644)
+        audit = AuditLog(path, max_bytes=2000)
+        audit.start()
+        for i in range(100):
+            audit.submit({"trace": f"t{i}", "status": 200})
+        audit.stop()
+        for p in (path, path.with_name("audit.jsonl.1")):
+            self.assertEqual(p.stat().st_mode & 0o777, 0o600, p)
+        fresh = Path(self.mktemp()) / "new" / "audit.jsonl"
+        writer = AuditLog(fresh)
+        writer.start()
+        self.addCleanup(writer.stop)
+        self.wait_for(fresh.exists)
+        self.assertEqual((fresh.stat().st_mode & 0o777, fresh.parent.stat().st_mode & 0o777), (0o600, 0o700))
+
 
 def test_daemon_writes_one_line_per_request(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"

@@ -3,6 +3,7 @@ Run files and orphan stopping, with real (tiny) processes.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -25,10 +26,26 @@ class RunFileTests(SynchronousTestCase):
         key = pid_file.with_suffix(".apikey")
         self.assertEqual(key.read_text(), "sekrit")
         self.assertEqual(key.stat().st_mode & 0o777, 0o600)
+        self.assertEqual(pid_file.stat().st_mode & 0o777, 0o600)
         thd_remove(self.run, "hf.co/u/r:Q4", 999)  # not that child: kept
         self.assertTrue(pid_file.exists())
         thd_remove(self.run, "hf.co/u/r:Q4", 123)
         self.assertEqual(list(self.run.iterdir()), [])
+
+    def test_modes_are_set_whatever_the_umask(self) -> None:
+        old = os.umask(0)
+        self.addCleanup(os.umask, old)
+        data = Path(self.mktemp())
+        data.mkdir()
+        (data / "run").mkdir(mode=0o755)
+        run = run_dir(data)
+        self.assertEqual(run.stat().st_mode & 0o777, 0o700)
+        (run / "m.apikey").write_text("old")  # left behind with a loose mode
+        os.chmod(run / "m.apikey", 0o644)
+        thd_write(run, "m", 1, 2, ["x"], "new")
+        self.assertEqual([(p.name, p.stat().st_mode & 0o777) for p in sorted(run.iterdir())],
+                         [("m.apikey", 0o600), ("m.pid", 0o600)])
+        self.assertEqual((run / "m.apikey").read_text(), "new")
 
     def test_orphans_are_stopped_only_when_the_command_line_matches(self) -> None:
         argv = [sys.executable, "-c", "import time; time.sleep(60)", "orphan-marker"]

@@ -62,3 +62,19 @@ class KeyAdminTests(SynchronousTestCase):
         self.assertEqual(self.path.read_bytes(), before)
         self.assertEqual(self.holder.config.keys, keys_before)
         self.assertEqual(list(self.dir.glob("*.bak")), [])
+
+    def test_rewritten_file_and_backup_are_0600_whatever_the_umask(self) -> None:
+        import os
+        import stat
+
+        old = os.umask(0)
+        self.addCleanup(os.umask, old)
+        os.chmod(self.path, 0o644)
+        # a temporary file left by a crash, with a loose mode
+        (self.dir / ".config.toml.tmp").write_text("")
+        os.chmod(self.dir / ".config.toml.tmp", 0o666)
+        self.successResultOf(self.run_change(lambda a: a.add("alice", [])))
+        (backup,) = self.dir.glob("config.toml.*.bak")
+        self.assertEqual(stat.S_IMODE(self.path.stat().st_mode), 0o600)
+        self.assertEqual(stat.S_IMODE(backup.stat().st_mode), 0o600)
+        self.assertEqual(backup.read_text(), TEXT)
