@@ -242,7 +242,9 @@ def replay_headers(recorded: dict[str, Any]) -> dict[str, str]:
     return {k: v for k, v in recorded["headers"].items() if k.lower() not in skip}
 
 
-@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result"])
+# (the tool-result turns: each carries all of its first turn; about a minute
+# of prefill each on 2 cores, so the first turns are left to ./dev.sh clients)
+@pytest.mark.parametrize("name", ["claude-code-tool-result"])
 def test_claude_code_requests_are_served(daemon: Daemon, name: str) -> None:
     recorded = fixture(name)
     # as recorded, but for the generated model and fewer tokens (random weights
@@ -255,7 +257,7 @@ def test_claude_code_requests_are_served(daemon: Daemon, name: str) -> None:
     assert {"metadata", "context_management"} <= ignored(headers)
 
 
-@pytest.mark.parametrize("name", ["codex-first", "codex-tool-result"])
+@pytest.mark.parametrize("name", ["codex-tool-result"])
 def test_codex_requests_are_served(daemon: Daemon, name: str) -> None:
     recorded = fixture(name)
     body = {**recorded["body"], "model": "big", "max_output_tokens": 16}
@@ -351,9 +353,8 @@ def test_claude_code_system_message_stays_in_place(renderers: dict[str, int], mo
     prompt = render(port, chat, mid_ok(port))
     user = prompt.index("say hi")
     system_text = chat["messages"][2]["content"]
-    first_line = system_text.splitlines()[0]
     # after the user's turn, before the generation prompt: where Claude Code put it
-    assert user < prompt.index(first_line) < prompt.rindex("<|im_start|>assistant")
+    assert user < prompt.find(system_text, user) < prompt.rindex("<|im_start|>assistant")
     # and the top-level system prompt still opens the prompt
     assert prompt.index(chat["messages"][0]["content"][:40]) < user
 
