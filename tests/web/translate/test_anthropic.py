@@ -210,3 +210,39 @@ class RequestTests(SynchronousTestCase):
     def test_sse_event_line_matches_type(self) -> None:
         raw = tr.sse_event("ping", {"type": "ping"})
         self.assertEqual(raw, b'event: ping\ndata: {"type":"ping"}\n\n')
+
+
+class ReasoningAndSystemTests(SynchronousTestCase):
+    BASE = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "q"}]}
+
+    def test_thinking_maps_to_the_engine_switches(self) -> None:
+        enabled, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}})
+        self.assertEqual((enabled["chat_template_kwargs"], enabled["thinking_budget_tokens"]),
+                         ({"enable_thinking": True}, 1024))
+        adaptive, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "adaptive"}})
+        self.assertEqual(adaptive["chat_template_kwargs"], {"enable_thinking": True})
+        self.assertNotIn("thinking_budget_tokens", adaptive)
+        disabled, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "disabled"},
+                                            "output_config": {"effort": "high"}})
+        self.assertEqual(disabled["chat_template_kwargs"], {"enable_thinking": False})
+        self.assertNotIn("reasoning_effort", disabled)  # no thinking: no effort to set
+
+    def test_output_config(self) -> None:
+        out, _ = tr.request_to_openai({**self.BASE, "output_config": {
+            "effort": "max", "format": {"type": "json_schema", "schema": {"type": "object"}}}})
+        self.assertEqual(out["reasoning_effort"], "high")
+        self.assertEqual(out["response_format"], {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": {"type": "object"}}})
+
+    def test_system_messages_stay_in_place_and_server_blocks_are_named(self) -> None:
+        ignored: list[str] = []
+        out, _ = tr.request_to_openai({**self.BASE, "system": "top", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}}]},
+            {"role": "system", "content": [{"type": "text", "text": "mid"}]},
+            {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
+                                              {"type": "text", "text": "a"}]},
+            {"role": "user", "content": "again"},
+        ]}, ignored=ignored)
+        self.assertEqual([(m["role"], m["content"]) for m in out["messages"]],
+                         [("system", "top"), ("user", "q"), ("system", "mid"), ("assistant", "a"), ("user", "again")])
+        self.assertEqual(ignored, ["cache_control", "content:server_tool_use"])
