@@ -81,10 +81,11 @@ def error_body(surface: str, status: int, message: str) -> bytes:
     if surface == "ollama":
         return json.dumps({"error": message}).encode()
     if surface == "anthropic":
-        kind = {401: "authentication_error", 403: "permission_error",
+        kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error"}.get(status, "invalid_request_error")
         return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-    code = {401: "invalid_api_key", 403: "model_not_allowed", 429: "rate_limit_exceeded"}.get(status)
+    code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
+            429: "rate_limit_exceeded"}.get(status)
     kind = "rate_limit_error" if status == 429 else "invalid_request_error"
     return json.dumps({"error": {"message": message, "type": kind,
                                  "param": None, "code": code}}).encode()

@@ -1,6 +1,14 @@
 """
 The HTTP site shared by every surface: trace ids, the access log, request
 and request body limits.
+
+The body limit comes before auth and before any surface: a request whose
+C{Content-Length} is over C{max_body_bytes} is answered 413 (in its
+surface's error shape) as soon as its headers are in, and its connection is
+closed after that answer without reading the body (a client that sent
+C{Expect: 100-continue} gets no C{100} and never sends it). A chunked body
+that grows past the limit is dropped as it arrives and answered 413 once it
+ends.
 """
 
 from __future__ import annotations
@@ -10,10 +18,11 @@ import secrets
 from typing import Any
 
 from twisted.logger import Logger
+from twisted.web.http import HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
-from blazar.web.auth import surface_of
+from blazar.web.auth import error_body, surface_of
 
 log = Logger()
 
@@ -41,7 +50,26 @@ class BlazarRequest(Request):
         if limit is not None and length is not None and length > limit:
             self.body_too_large = True
             length = 0
+            self._refuse_body()
         super().gotLength(length)
+
+    def _refuse_body(self) -> None:
+        """
+        The headers announced a body over the limit (called from
+        C{HTTPChannel.allHeadersReceived}, before it looks at the length
+        and at C{Expect}): the channel is told the body is empty, so it
+        hands the request on at once (L{process} answers 413), and not to
+        keep the connection, so it closes after the answer with the body
+        unread. Dropping C{Expect: 100-continue} keeps the channel from
+        inviting the body.
+        """
+        channel = self.channel
+        if not isinstance(channel, HTTPChannel):
+            return  # HTTP/2: the body is dropped as it arrives (handleContentChunk)
+        channel.length = 0
+        channel.persistent = False
+        self.requestHeaders.removeHeader(b"expect")
+        self.responseHeaders.setRawHeaders(b"connection", [b"close"])
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.body_too_large:
@@ -98,7 +126,29 @@ class BlazarRequest(Request):
         observer = site.observer
         if observer is not None and (self.path.startswith(b"/v1/") or self.path.startswith(b"/api/")):
             observer.started(self, surface_of(self.path))
+        if self.body_too_large:
+            self._too_large(site.max_body_bytes)
+            return
         super().process()
+
+    def _too_large(self, limit: int) -> None:
+        """
+        Answer 413 in the surface's error shape, before auth: a client
+        without a key gets no further than one with a key.
+        """
+        surface = surface_of(self.path)
+        self.blazar_error = "too_large"
+        self.setResponseCode(413)
+        self.setHeader(b"content-type", b"application/json")
+        if surface == "anthropic":
+            self.setHeader(b"request-id", ("req_" + self.trace_id).encode("ascii"))
+        body = error_body(surface, 413, (
+            f"request body too large: the limit is max_body_bytes = {limit} bytes; "
+            "raise it in the config if this is intended"
+        ))
+        self.setHeader(b"content-length", b"%d" % len(body))
+        self.write(body)
+        self.finish()
 
 
 class BlazarSite(Site):

@@ -276,3 +276,76 @@ def test_tool_call_chunks_carry_null_logprobs(daemon: Daemon) -> None:
     assert calls, chunks
     assert all("logprobs" in ch and ch["logprobs"] is None for ch in calls)
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+# -- d. a body over max_body_bytes: 413 at the headers -------------------------
+
+
+def send_head(d: Daemon, path: str, *headers: str, length: int = LIMIT + 1) -> tuple[bytes, float]:
+    """
+    Send only a request's head announcing C{length} body bytes, read
+    until the daemon closes; the answer and how long it took.
+    """
+    head = "\r\n".join([f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json",
+                        f"Content-Length: {length}", *headers, "", ""])
+    began = time.monotonic()
+    with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
+        s.sendall(head.encode("ascii"))
+        data = b""
+        while True:
+            piece = s.recv(65536)  # a timeout here fails: the daemon must close
+            if not piece:
+                break
+            data += piece
+    return data, time.monotonic() - began
+
+
+@pytest.mark.parametrize("path,surface", [
+    ("/v1/chat/completions", "openai"), ("/v1/completions", "openai"), ("/v1/embeddings", "openai"),
+    ("/v1/responses", "responses"), ("/v1/messages", "anthropic"), ("/api/chat", "ollama"),
+    ("/api/generate", "ollama"),
+])
+def test_oversized_body_is_refused_at_the_headers(daemon: Daemon, path: str, surface: str) -> None:
+    # no key: the limit comes before auth, so the body is never invited
+    data, took = send_head(daemon, path)
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    assert status.split(" ")[1] == "413", data[:300]
+    assert headers["connection"] == "close" and took < 5
+    error = json.loads(body)
+    if surface == "anthropic":
+        assert error["type"] == "error" and error["error"]["type"] == "request_too_large"
+        assert headers["request-id"].startswith("req_")
+    elif surface == "ollama":
+        assert list(error) == ["error"] and "max_body_bytes" in error["error"]
+    else:
+        assert error["error"]["code"] == "request_too_large"
+
+
+def test_oversized_body_with_expect_gets_no_100(daemon: Daemon) -> None:
+    data, _ = send_head(daemon, "/v1/chat/completions", "Expect: 100-continue", f"Authorization: Bearer {KEY}")
+    assert not data.startswith(b"HTTP/1.1 100") and data.startswith(b"HTTP/1.1 413")
+
+
+def test_a_body_within_the_limit_still_needs_a_key(daemon: Daemon) -> None:
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+    conn.request("POST", "/v1/chat/completions", b"x" * LIMIT, {"content-type": "application/json"})
+    assert conn.getresponse().status == 401
+    conn.close()
+
+
+def test_sdk_clients_read_the_413_without_a_key(daemon: Daemon) -> None:
+    import anthropic
+
+    # they write the whole body; the daemon answered at the headers and closed,
+    # and httpx (under both SDKs) still reads that answer: 413, not 401
+    big = "x" * (2 * LIMIT)
+    with pytest.raises(openai.APIStatusError) as e:
+        openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="wrong", max_retries=0).chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": big}])
+    assert e.value.status_code == 413
+    with pytest.raises(anthropic.APIStatusError) as a:
+        anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=1, messages=[{"role": "user", "content": big}])
+    assert a.value.status_code == 413 and a.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
