@@ -5,6 +5,7 @@ output, a tail kept for error messages, and its exit as a value.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 
 import attrs
@@ -76,6 +77,18 @@ def process_alive(pid: int | None) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
+_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^/\\\s'\"]+)+[/\\]([^/\\\s'\"]+)")
+
+
+def sanitize_line(line: str) -> str:
+    """
+    A line of engine output as a client may see it: printable, at most 300
+    characters, file paths reduced to their last component.
+    """
+    text = "".join(c if c.isprintable() else " " for c in line)
+    return _PATH.sub(lambda m: m.group(1), text).strip()[:300]
+
+
 class EngineProcessProtocol(ProcessProtocol):
     """
     Reads a child's stdout and stderr, logs each line tagged with the model,
@@ -122,6 +135,19 @@ class EngineProcessProtocol(ProcessProtocol):
         The last C{lines} lines of output, joined with newlines.
         """
         return "\n".join(list(self.tail)[-lines:])
+
+    def error_line(self) -> str:
+        """
+        The one line of output fit for a client to see: of the last 16, the
+        first error line (llama.cpp's C{E} level, or one that says "error":
+        the cause; later ones tend to say "exiting due to ... error"), else
+        the last line; with directories cut from file paths and at most 300
+        characters. The whole tail stays in the daemon's log.
+        """
+        lines = list(self.tail)[-16:]
+        chosen = next((line for line in lines if " E " in line[:24] or "error" in line.lower()),
+                      lines[-1] if lines else "")
+        return sanitize_line(chosen)
 
     def processEnded(self, reason: Failure) -> None:
         for fd, rest in self._partial.items():

@@ -351,10 +351,18 @@ class Instance:
             return None
         return self.last_used + keep
 
-    def describe_exit(self, status: ExitStatus) -> str:
-        tail = self.protocol.tail_text()
+    def describe_exit(self, status: ExitStatus, full: bool = False) -> str:
+        """
+        What became of the child, for a client (with the one sanitized
+        line of output L{EngineProcessProtocol.error_line}) or, C{full},
+        for the daemon's log (with the tail of its output).
+        """
         message = f"llama-server for model {self.entry.name!r} {status.describe()}"
-        return message + (f"; last output:\n{tail}" if tail else "")
+        if full:
+            tail = self.protocol.tail_text()
+            return message + (f"; last output:\n{tail}" if tail else "")
+        line = self.protocol.error_line()
+        return message + (f"; it said: {line} (the daemon log has the rest)" if line else "")
 
 
 def _kv_bytes_per_token(meta: GGUFMetadata) -> int:
@@ -834,8 +842,8 @@ class Supervisor(Service):
                         instance.entry.name,
                         f"llama-server for model {instance.entry.name!r} did not answer "
                         f"/health 200 within ready_timeout = {self._config.ready_timeout:g} s; "
-                        f"raise ready_timeout in the config if the model is large. Last output:\n"
-                        + instance.protocol.tail_text(),
+                        f"raise ready_timeout in the config if the model is large. It said: "
+                        + instance.protocol.error_line(),
                     )
                 )
                 self._terminate(instance)
@@ -866,9 +874,10 @@ class Supervisor(Service):
                 self.breaker(instance.entry.name).reset()
         else:
             self.metrics.crashes.labels(instance.entry.name).inc()
-            log.error("{message}", message=message, model=instance.entry.name, engine="llamacpp")
+            log.error("{message}", message=instance.describe_exit(status, full=True),
+                      model=instance.entry.name, engine="llamacpp")
             self.breaker(instance.entry.name).crashed(
-                self._reactor.seconds(), f"{status.describe()}; {instance.protocol.tail_text(4)}"
+                self._reactor.seconds(), f"{status.describe()}; {instance.protocol.error_line()}"
             )
         if instance._failure is None and not instance.ready_once:
             # it never became ready (crashed, or stopped while loading):

@@ -1,0 +1,35 @@
+"""
+What of an engine's output a client may see: one sanitized line.
+"""
+
+from __future__ import annotations
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.engines.process import EngineProcessProtocol, sanitize_line
+
+
+class ErrorLineTests(SynchronousTestCase):
+    def protocol(self, *lines: str) -> EngineProcessProtocol:
+        p = EngineProcessProtocol("m")
+        p.childDataReceived(2, "".join(line + "\n" for line in lines).encode())
+        return p
+
+    def test_the_cause_not_the_exit_line(self) -> None:
+        p = self.protocol(
+            "0.00.009.146 I srv    load_model: loading model '/srv/models/secret/alien.gguf'",
+            "0.00.009.756 E llama_model_load: error loading model: unknown model architecture: 'nosucharch'",
+            "0.00.011.269 E srv    load_model: failed to load model, '/srv/models/secret/alien.gguf'",
+            "0.00.012.127 E srv  llama_server: exiting due to model loading error",
+        )
+        self.assertEqual(p.error_line(),
+                         "0.00.009.756 E llama_model_load: error loading model: unknown model architecture: 'nosucharch'")
+
+    def test_without_an_error_line_the_last_line(self) -> None:
+        self.assertEqual(self.protocol("a", "b").error_line(), "b")
+        self.assertEqual(self.protocol().error_line(), "")
+
+    def test_paths_lose_their_directories_and_control_characters_go(self) -> None:
+        self.assertEqual(sanitize_line("failed to load model, '/srv/models/secret/alien.gguf'\x1b[0m"),
+                         "failed to load model, 'alien.gguf' [0m")
+        self.assertEqual(len(sanitize_line("x" * 1000)), 300)
