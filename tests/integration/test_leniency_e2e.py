@@ -244,28 +244,24 @@ def replay_headers(recorded: dict[str, Any]) -> dict[str, str]:
 
 # (the tool-result turns: each carries all of its first turn; about a minute
 # of prefill each on 2 cores, so the first turns are left to ./dev.sh clients)
-@pytest.mark.parametrize("name", ["claude-code-tool-result"])
-def test_claude_code_requests_are_served(daemon: Daemon, name: str) -> None:
+@pytest.mark.parametrize(("name", "limit", "first", "last", "named"), [
+    ("claude-code-tool-result", {"max_tokens": 16}, "message_start", ("message_stop",),
+     {"metadata", "context_management"}),
+    ("codex-tool-result", {"max_output_tokens": 16}, "response.created",
+     ("response.completed", "response.incomplete"), {"client_metadata", "include", "prompt_cache_key", "tools:web_search"}),
+])
+def test_recorded_agent_requests_are_served(
+    daemon: Daemon, name: str, limit: dict[str, int], first: str, last: tuple[str, ...], named: set[str],
+) -> None:
     recorded = fixture(name)
     # as recorded, but for the generated model and fewer tokens (random weights
     # may never stop on their own)
-    body = {**recorded["body"], "model": "big", "max_tokens": 16}
+    body = {**recorded["body"], "model": "big", **limit}
     status, headers, data = post(daemon, recorded["path"], body, replay_headers(recorded))
     assert status == 200, data[:1000]
     events = [line[7:] for line in data.decode().splitlines() if line.startswith("event: ")]
-    assert events[0] == "message_start" and events[-1] == "message_stop", events
-    assert {"metadata", "context_management"} <= ignored(headers)
-
-
-@pytest.mark.parametrize("name", ["codex-tool-result"])
-def test_codex_requests_are_served(daemon: Daemon, name: str) -> None:
-    recorded = fixture(name)
-    body = {**recorded["body"], "model": "big", "max_output_tokens": 16}
-    status, headers, data = post(daemon, recorded["path"], body, replay_headers(recorded))
-    assert status == 200, data[:1000]
-    events = [line[7:] for line in data.decode().splitlines() if line.startswith("event: ")]
-    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete"), events
-    assert {"client_metadata", "include", "prompt_cache_key", "tools:web_search"} <= ignored(headers)
+    assert events[0] == first and events[-1] in last, events
+    assert named <= ignored(headers)
 
 
 # -- the prompts the engine renders for the recorded conversations --------------
