@@ -27,7 +27,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, WorkClass
-from blazar.web.auth import Forbidden, check_scope, record_usage
+from blazar.web.auth import record_usage
 from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
@@ -39,6 +39,7 @@ from blazar.web.proxy import (
     keep_alive_of,
 )
 from blazar.web.observe import note_error, note_tokens
+from blazar.web.scope import redact
 from blazar.web.ignored import beta_values, note_ignored
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
@@ -116,17 +117,15 @@ class AnthropicSurface:
         return translated
 
     async def _resolve(self, model: str, request: IRequest) -> str:
+        """
+        The scope check (L{EngineProxy.check_scope}): a model outside a
+        scoped key's scope is not found either.
+        """
         try:
-            name = (await self._registry.resolve(model)).name
+            return await self._proxy.check_scope(request, model)
         except ModelNotFound as e:
             note_error(request, e)
             raise AnthropicError(404, "not_found_error", f"model: {model} ({e})") from None
-        try:
-            check_scope(request, name)
-        except Forbidden as e:
-            note_error(request, "forbidden")
-            raise AnthropicError(403, "permission_error", str(e)) from None
-        return name
 
     @app.route("/v1/messages/count_tokens", methods=["POST"])
     async def count_tokens(self, request: IRequest) -> bytes:
@@ -230,7 +229,7 @@ class AnthropicSurface:
         request.write(tr.sse_event("error", {"type": "error", "error": {
             "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
             else "invalid_request_error",
-            "message": str(e)}}))
+            "message": redact(request, str(e))}}))
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
         if events:
@@ -264,7 +263,7 @@ class AnthropicSurface:
         self._request_id(request)
         request.setResponseCode(status)
         request.setHeader(b"content-type", b"application/json")
-        return error_body(kind, message)
+        return error_body(kind, redact(request, message))
 
     @app.handle_errors(AnthropicError)
     def _anthropic_error(self, request: IRequest, failure: Failure) -> bytes:

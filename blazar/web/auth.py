@@ -1,7 +1,8 @@
 """
 API keys at the door: which key a request carries, in each surface's own
-401 shape when it carries none or a wrong one, and the model scope check
-(403) the surfaces apply once they know the model.
+401 shape when it carries none or a wrong one, and the check that model
+management needs an unscoped key (403). What a scoped key may see of models
+is decided in L{blazar.web.scope}.
 
 Keys come from C{[[keys]]} in the config (L{blazar.config.KeyConfig}). Auth
 is on iff at least one key exists; without keys the gateway trusts its
@@ -19,7 +20,6 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig
-from blazar.names import name_key
 from blazar.web.quota import QuotaExceeded, Quotas, retry_after
 
 OPEN_PATHS = {b"/health", b"/healthz"}
@@ -27,7 +27,10 @@ OPEN_PATHS = {b"/health", b"/healthz"}
 
 class Forbidden(Exception):
     """
-    The request's key may not use this model, or this operation.
+    The request's key may not do this operation (model management with a
+    scoped key, or from the network without keys). A model outside a key's
+    scope is not this but L{blazar.models.registry.ModelNotFound}
+    (L{blazar.web.scope}).
     """
 
 
@@ -158,7 +161,7 @@ class AuthGate(Resource):
                 # sent, or when the client goes away
                 quotas = self._quotas
                 request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
-                # rpm / tpm / daily come after the scope check (check_scope)
+                # rpm / tpm / daily come after the scope check (scope.resolve_in_scope)
                 request.blazar_rates = lambda: quotas.rates(key)  # type: ignore[attr-defined]
                 if key.tpm is not None or key.daily_tokens is not None:
                     request.blazar_usage = lambda tokens: quotas.record(key, tokens)  # type: ignore[attr-defined]
@@ -170,25 +173,6 @@ def key_of(request: IRequest) -> KeyConfig | None:
     The key a request was admitted with (L{None}: auth is off).
     """
     return getattr(request, "blazar_key", None)
-
-
-def check_scope(request: IRequest, model: str) -> None:
-    """
-    The scope check, then the key's rate limits (rpm, tpm, daily_tokens),
-    in that order, for a request that names C{model}.
-
-    @param model: The canonical model name.
-    @raise Forbidden: The request's key is scoped to other models.
-    @raise QuotaExceeded: Over a rate limit.
-    """
-    request.blazar_model = model  # type: ignore[attr-defined]  # for the access and audit logs
-    key = key_of(request)
-    if key is not None and not key.admin and name_key(model) not in {name_key(m) for m in key.models}:
-        raise Forbidden(f"key {key.name!r} may not use model {model!r}; it may use: {', '.join(key.models)}")
-    rates = getattr(request, "blazar_rates", None)
-    if rates is not None:
-        request.blazar_rates = None  # type: ignore[attr-defined]  # once per request
-        rates()
 
 
 def check_admin(request: IRequest, what: str) -> None:
@@ -210,17 +194,6 @@ def check_admin(request: IRequest, what: str) -> None:
                 f"this gateway has no API keys, so it does not {what} for clients on the network; "
                 "add a key first (`blazar keys add admin`) and send it as a Bearer token"
             )
-
-
-def visible(request: IRequest, names: list[str]) -> list[str]:
-    """
-    The model names a request's key may see.
-    """
-    key = key_of(request)
-    if key is None or key.admin:
-        return names
-    allowed = {name_key(m) for m in key.models}
-    return [n for n in names if name_key(n) in allowed]
 
 
 def wants_usage(request: IRequest) -> bool:

@@ -24,7 +24,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, Ticket, WorkClass
-from blazar.web.auth import Forbidden, check_admin, check_scope, key_of, record_usage, visible
+from blazar.web.auth import Forbidden, check_admin, key_of, record_usage
 from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import (
@@ -34,6 +34,7 @@ from blazar.web.proxy import (
     UnsupportedByModel,
 )
 from blazar.web.observe import note_error, note_span, note_tokens
+from blazar.web.scope import is_scoped, redact, redact_value, resolve_in_scope, visible
 from blazar.web.translate import ollama as tr
 from blazar.web.ignored import note_ignored
 from blazar.web.translate import leniency
@@ -161,16 +162,20 @@ class OllamaSurface:
         return model
 
     async def _entry(self, name: str, request: IRequest | None = None) -> ModelEntry:
+        """
+        The model C{name}; with C{request}, the scope check first
+        (L{resolve_in_scope}: a model outside a scoped key's scope is not
+        found either).
+        """
         try:
-            entry = await self._registry.resolve(name)
+            if request is not None:
+                return await resolve_in_scope(request, self._registry, name)
+            return await self._registry.resolve(name)
         except ModelNotFound as e:
             if request is not None:
                 note_error(request, e)
             shown = name if len(name) <= 200 else name[:200] + "..."
             raise OllamaError(404, f'model "{shown}" not found, try pulling it first') from None
-        if request is not None:
-            check_scope(request, entry.name)
-        return entry
 
     def _stream_flag(self, body: dict[str, Any]) -> bool:
         stream = body.get("stream")
@@ -361,7 +366,7 @@ class OllamaSurface:
         except (EngineError, EngineRejected) as error:
             note_error(request, error if isinstance(error, EngineError) else "engine_error")
             log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
-            request.write(tr.ndjson([{"error": str(error)}]))
+            request.write(tr.ndjson([{"error": redact(request, str(error))}]))
             return
         final = translator.finish()
         note_tokens(request, final["prompt_eval_count"], final["eval_count"])
@@ -455,7 +460,11 @@ class OllamaSurface:
                 ("num_parallel", entry.settings.parallel or 4),
             ]
         )
-        modelfile = f"# Served by Blazar from {entry.path}\nFROM {entry.path}\n"
+        if is_scoped(request):
+            # no file paths for a scoped key: the model by name
+            modelfile = f"# Served by Blazar\nFROM {entry.name}\n"
+        else:
+            modelfile = f"# Served by Blazar from {entry.path}\nFROM {entry.path}\n"
         if meta.chat_template:
             modelfile += f'TEMPLATE """{meta.chat_template}"""\n'
         kv = dict(meta.kv)
@@ -466,7 +475,7 @@ class OllamaSurface:
             "parameters": parameters,
             "template": meta.chat_template or "",
             "details": details(meta),
-            "model_info": kv,
+            "model_info": redact_value(request, kv),
             "capabilities": capabilities(entry, meta),
             "modified_at": _rfc3339(entry.modified),
         })
@@ -628,7 +637,7 @@ class OllamaSurface:
         note_error(request, failure.value)
         e = failure.value
         assert isinstance(e, EngineRejected)
-        return _json(request, {"error": str(e)}, client_status(e.status))
+        return _json(request, {"error": redact(request, str(e))}, client_status(e.status))
 
     @app.handle_errors(AllSlotsBusy)
     def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
@@ -641,18 +650,18 @@ class OllamaSurface:
     @app.handle_errors(BreakerOpen, NoCapacity)
     def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
-        return _json(request, {"error": str(failure.value)}, 503)
+        return _json(request, {"error": redact(request, str(failure.value))}, 503)
 
     @app.handle_errors(EngineTimeout)
     def _timeout(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
-        return _json(request, {"error": str(failure.value)}, 504)
+        return _json(request, {"error": redact(request, str(failure.value))}, 504)
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
         log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
-        return _json(request, {"error": str(failure.value)}, 502)
+        return _json(request, {"error": redact(request, str(failure.value))}, 502)
 
     @app.handle_errors(Exception)
     def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:

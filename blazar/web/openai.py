@@ -29,7 +29,7 @@ from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, I
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, WorkClass
-from blazar.web.auth import Forbidden, check_scope, record_usage, visible, wants_usage
+from blazar.web.auth import record_usage, wants_usage
 from blazar.web.quota import QuotaExceeded, retry_after
 from blazar.web.proxy import (
     KEEP_ALIVE_HEADER,
@@ -41,6 +41,7 @@ from blazar.web.proxy import (
 )
 from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
 from blazar.web.responses import ResponseNotFound, Responses
+from blazar.web.scope import redact, resolve_in_scope, visible
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
 from blazar.web.ignored import note_ignored
 from blazar.web.translate import leniency
@@ -239,8 +240,7 @@ class OpenAISurface:
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
-        entry = await self._registry.resolve(model_id)
-        check_scope(request, entry.name)
+        entry = await resolve_in_scope(request, self._registry, model_id)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps(self._model_object(model_id, entry.modified)).encode("utf-8")
 
@@ -324,8 +324,8 @@ class OpenAISurface:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
-        canonical = await self._proxy.check_purpose(model, embedding=kind == "embedding")
-        check_scope(request, canonical)
+        canonical = await self._proxy.check_scope(request, model)
+        await self._proxy.check_purpose(model, embedding=kind == "embedding")
         if kind == "chat" and await self._proxy.place_system_messages(model, body):
             changed = True
         if changed:
@@ -472,7 +472,7 @@ class OpenAISurface:
         except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
             note_error(request, e)
             code = "engine_unavailable" if isinstance(e, BreakerOpen) else "engine_error"
-            request.write(b"data: " + error_body(str(e), "engine_error", code) + b"\n\n")
+            request.write(b"data: " + error_body(redact(request, str(e)), "engine_error", code) + b"\n\n")
             return None
         finally:
             if keepalive.running:
@@ -515,7 +515,7 @@ class OpenAISurface:
                 "stream from {model} broke: {error}", model=instance.entry.name,
                 error=str(error), trace_id=getattr(request, "trace_id", ""),
             )
-            relay.fail(error_body(str(error), "engine_error", "engine_crashed"))
+            relay.fail(error_body(redact(request, str(error)), "engine_error", "engine_crashed"))
             return
         if rewriter is not None:
             rewriter.finish()
@@ -562,11 +562,6 @@ class OpenAISurface:
         retry_after(request, e.retry_after)
         return self._error(request, 429, error_body(str(e), "rate_limit_error", "rate_limit_exceeded"))
 
-    @app.handle_errors(Forbidden)
-    def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, "forbidden")
-        return self._error(request, 403, error_body(str(failure.value), "invalid_request_error", "model_not_allowed", "model"))
-
     @app.handle_errors(PromptTooLong)
     def _too_long(self, request: IRequest, failure: Failure) -> bytes:
         return self._error(request, 400, error_body(
@@ -592,10 +587,10 @@ class OpenAISurface:
         if 400 <= e.status < 500 or e.status == 501:
             # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
             status = 400 if e.status == 501 else e.status
-            return self._error(request, status, error_body(str(e), "invalid_request_error", None))
+            return self._error(request, status, error_body(redact(request, str(e)), "invalid_request_error", None))
         return self._error(
             request, 502,
-            error_body(f"engine error ({e.status}): {e}", "engine_error", "engine_error"),
+            error_body(redact(request, f"engine error ({e.status}): {e}"), "engine_error", "engine_error"),
         )
 
     @app.handle_errors(AllSlotsBusy)
@@ -612,19 +607,19 @@ class OpenAISurface:
         e = failure.value
         retry_after_secs = getattr(e, "retry_after", 5.0)
         retry_after(request, retry_after_secs)
-        return self._error(request, 503, error_body(str(e), "engine_unavailable", "engine_unavailable"))
+        return self._error(request, 503, error_body(redact(request, str(e)), "engine_unavailable", "engine_unavailable"))
 
     @app.handle_errors(EngineTimeout)
     def _timeout(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
-        return self._error(request, 504, error_body(str(failure.value), "engine_error", "engine_timeout"))
+        return self._error(request, 504, error_body(redact(request, str(failure.value)), "engine_error", "engine_timeout"))
 
     @app.handle_errors(EngineError, EngineNotFound, GGUFError)
     def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:
         note_error(request, failure.value)
         code = "engine_not_found" if failure.check(EngineNotFound) else "engine_error"
         log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
-        return self._error(request, 502, error_body(str(failure.value), "engine_error", code))
+        return self._error(request, 502, error_body(redact(request, str(failure.value)), "engine_error", code))
 
     @app.handle_errors(Exception)
     def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:

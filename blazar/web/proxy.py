@@ -18,10 +18,11 @@ from blazar.engines.client import BodyTooLarge, EngineClient, StaleConnection, r
 from blazar.engines.process import process_alive
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
-from blazar.models.registry import ModelRegistry
+from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import Admission, Lease, WorkClass, admit_request
 from blazar.web.observe import note_span, timing_of
 from blazar.web.sse import SSEEvents
+from blazar.web.scope import may_use, resolve_in_scope
 from blazar.web.translate import placement
 
 log = Logger()
@@ -352,10 +353,28 @@ class EngineProxy:
         finally:
             instance.in_flight -= 1
 
+    async def check_scope(self, request: Any, model: str) -> str:
+        """
+        The scope check, first of the checks that look at the model
+        (L{blazar.web.scope.resolve_in_scope}): for a scoped key, a model
+        outside its scope is answered as one that does not exist.
+
+        @return: The model's canonical name.
+        @raise blazar.models.registry.ModelNotFound: No such model, or one
+            the request's key may not use.
+        @raise blazar.web.quota.QuotaExceeded: Over one of the key's rate limits.
+        """
+        if self._registry is None:
+            if not may_use(request, model):
+                raise ModelNotFound(model, [])
+            return model
+        return (await resolve_in_scope(request, self._registry, model)).name
+
     async def check_purpose(self, model: str, embedding: bool) -> str:
         """
         Refuse to send chat to an embedding model or embeddings to a chat
-        model, before any child is started for it.
+        model, before any child is started for it. Call it after
+        L{check_scope}: its message is the config fix.
 
         @return: The model's canonical name.
         @raise UnsupportedByModel: With the config fix.

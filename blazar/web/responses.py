@@ -24,9 +24,10 @@ from blazar import store
 from blazar.config import Config
 from blazar.engines.supervisor import EngineError
 from blazar.web.admission import WorkClass
-from blazar.web.auth import check_scope, key_of, record_usage
+from blazar.web.auth import key_of, record_usage
 from blazar.web.ignored import note_ignored
 from blazar.web.observe import note_error, note_tokens
+from blazar.web.scope import redact
 from blazar.web.proxy import KEEP_ALIVE_HEADER, EngineProxy, EngineRejected, keep_alive_of
 from blazar.web.translate import responses as tr
 
@@ -138,8 +139,8 @@ class Responses:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise tr.ResponsesRequestError(str(e), "keep_alive") from None
-        canonical = await self._proxy.check_purpose(model, embedding=False)
-        check_scope(request, canonical)
+        canonical = await self._proxy.check_scope(request, model)
+        await self._proxy.check_purpose(model, embedding=False)
         await self._proxy.place_system_messages(model, chat)
         raw = json.dumps(chat).encode("utf-8")  # once: its size bounds the prompt, then it is sent
         await self._proxy.preflight(
@@ -170,7 +171,7 @@ class Responses:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
         except (EngineError, EngineRejected) as e:
             note_error(request, e)
-            self._write(request, translator.fail(str(e)))
+            self._write(request, translator.fail(redact(request, str(e))))
             return None
         ended = False
         try:
@@ -182,7 +183,7 @@ class Responses:
         except (EngineError, EngineRejected) as e:
             log.error("responses stream for {model} failed: {error}", model=model, error=str(e))
             note_error(request, e if isinstance(e, EngineError) else "engine_error")
-            self._write(request, translator.fail(str(e)))
+            self._write(request, translator.fail(redact(request, str(e))))
             return None
         except CancelledError:
             raise
@@ -215,8 +216,8 @@ class Responses:
         this body would report, counted by the child on the same rendering.
         """
         chat, _, _ = await self._translate(request, body)
-        canonical = await self._proxy.check_purpose(body["model"], embedding=False)
-        check_scope(request, canonical)
+        await self._proxy.check_scope(request, body["model"])
+        await self._proxy.check_purpose(body["model"], embedding=False)
         await self._proxy.place_system_messages(body["model"], chat)
         count = await self._proxy.count_chat_tokens(body["model"], chat)
         request.setHeader(b"content-type", b"application/json")

@@ -1,6 +1,8 @@
 """
-API keys end to end: 401/403 on all three surfaces in their own shapes,
-scoped listings, and `blazar keys rotate` rewriting the config file.
+API keys end to end: 401 on all three surfaces in their own shapes, a
+scoped key's 404 for a model outside its scope (tests/integration/test_scope_e2e.py
+has the rest of what scoped keys may see), scoped listings, and `blazar
+keys rotate` rewriting the config file.
 """
 
 from __future__ import annotations
@@ -71,7 +73,8 @@ def assert_shape(surface: str, status: int, body: bytes) -> str:
         return str(parsed["error"])
     if surface == "anthropic":
         assert parsed["type"] == "error"
-        assert parsed["error"]["type"] == {401: "authentication_error", 403: "permission_error"}[status]
+        assert parsed["error"]["type"] == {
+            401: "authentication_error", 403: "permission_error", 404: "not_found_error"}[status]
         return str(parsed["error"]["message"])
     assert set(parsed["error"]) == {"message", "type", "param", "code"}
     return str(parsed["error"]["message"])
@@ -95,10 +98,11 @@ def test_open_routes(keyed: Daemon) -> None:
 
 
 @pytest.mark.parametrize("surface, path, body", REQUESTS)
-def test_scoped_key_is_403_on_other_models(keyed: Daemon, surface: str, path: str, body: dict) -> None:
+def test_scoped_key_is_404_on_other_models(keyed: Daemon, surface: str, path: str, body: dict) -> None:
+    # a model outside the key's scope is, to it, a model that does not exist
     status, _, data = call(keyed, "POST", path, {**body, "model": "cold"}, {"x-api-key": SCOPED})
-    assert status == 403, data
-    assert "tinyonly" in assert_shape(surface, 403, data)
+    assert status == 404, data
+    assert "not found" in assert_shape(surface, 404, data)
     assert call(keyed, "POST", path, body, {"x-api-key": SCOPED})[0] == 200
 
 

@@ -35,24 +35,3 @@ class AuthHelperTests(SynchronousTestCase):
             check_admin(FakeRequest("127.0.0.1", scoped, True), "pull models")  # type: ignore[arg-type]
         check_admin(FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True), "pull models")  # type: ignore[arg-type]
 
-
-class ScopeOrderTests(SynchronousTestCase):
-    def test_scope_before_rates_and_rates_once(self) -> None:
-        from blazar.web.auth import check_scope
-        from blazar.web.quota import QuotaExceeded
-
-        calls: list[int] = []
-
-        def rates() -> None:
-            calls.append(1)
-            raise QuotaExceeded("over", 5)
-
-        request = FakeRequest("127.0.0.1", KeyConfig("s", "x" * 16, models=("a:latest",)), True)
-        request.blazar_rates = rates  # type: ignore[attr-defined]
-        with self.assertRaises(Forbidden):
-            check_scope(request, "b:latest")  # type: ignore[arg-type]
-        self.assertEqual(calls, [])
-        with self.assertRaises(QuotaExceeded):
-            check_scope(request, "a:latest")  # type: ignore[arg-type]
-        check_scope(request, "a:latest")  # type: ignore[arg-type]  # counted once per request
-        self.assertEqual(calls, [1])

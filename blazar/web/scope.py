@@ -1,0 +1,135 @@
+"""
+What a scoped API key may learn about models: the scope check, which comes
+before everything else that depends on the model, and what of an answer
+such a key may see.
+
+A scoped key (C{models = [...]} in its C{[[keys]]} table) is told nothing
+about the models outside its scope. A model it may not use is answered as
+one that does not exist, by the same code path: the surface's 404, whose
+list of models holds only those it may use, before any check that looks at
+the model (its purpose, its context, its engine) and without resolving the
+name. No answer to it holds a file path: L{redact} cuts them from engine
+and GGUF error text, and C{/api/show} leaves them out. Admin (unscoped)
+keys and a gateway without keys see everything.
+
+This is the pipeline's first step (scope, then purpose, preflight,
+admission); every surface calls L{resolve_in_scope}, directly or through
+L{blazar.web.proxy.EngineProxy.check_scope}.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from twisted.web.iweb import IRequest
+
+from blazar.config import KeyConfig
+from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
+from blazar.names import name_key
+from blazar.web.auth import key_of
+
+# An absolute file path (POSIX, C{~/...} or C{C:\\...}) and its last
+# component. It must start a word, so model names such as
+# C{hf.co/user/repo:tag} and URLs (C{http://host/a/b}) are left alone.
+_PATH = re.compile(r"(?<![\w.~/\\-])(?:~|[A-Za-z]:)?(?:[/\\][^/\\\s'\"`]+)+[/\\]([^/\\\s'\"`]+)")
+
+
+def in_scope(key: KeyConfig | None, name: object) -> bool:
+    """
+    Whether C{key} may use the model named C{name}, spelled as a client
+    spells it (C{"qwen"}, C{"Qwen:latest"}): every model for an unscoped
+    key or no key; for a scoped key, only the names in its C{models}.
+    """
+    if key is None or key.admin:
+        return True
+    if not isinstance(name, str):
+        return False
+    try:
+        wanted = name_key(name)
+    except ValueError:
+        return False
+    return any(name_key(m) == wanted for m in key.models)
+
+
+def may_use(request: IRequest, name: object) -> bool:
+    """
+    Whether the request's key may use the model named C{name}
+    (L{in_scope}).
+    """
+    return in_scope(key_of(request), name)
+
+
+def is_scoped(request: IRequest) -> bool:
+    """
+    Whether C{request} came with a key scoped to some models.
+    """
+    key = key_of(request)
+    return key is not None and not key.admin
+
+
+def visible(request: IRequest, names: list[str]) -> list[str]:
+    """
+    The model names of C{names} that the request's key may see, in order.
+    """
+    key = key_of(request)
+    return [n for n in names if in_scope(key, n)]
+
+
+async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: object) -> ModelEntry:
+    """
+    The model C{request} names, if its key may use it; then the key's rate
+    limits (rpm, tpm, daily_tokens), once per request. Call it before
+    anything else that looks at the model.
+
+    For a scoped key, a name outside its scope is not resolved: the
+    registry is rescanned (as for a name that is not found) and the answer
+    is the L{ModelNotFound} a name that does not exist gets, listing only
+    the models the key may use.
+
+    @param name: The C{model} field as the client sent it.
+    @raise ModelNotFound: No such model, or one the key may not use; its
+        C{available} is what the key may see.
+    @raise blazar.web.quota.QuotaExceeded: Over a rate limit.
+    """
+    spelled = name if isinstance(name, str) else str(name)
+    if not may_use(request, name):
+        entries = await registry.refresh()
+        raise ModelNotFound(spelled, visible(request, [e.name for e in entries]))
+    try:
+        entry = await registry.resolve(name)
+    except ModelNotFound as e:
+        raise ModelNotFound(e.name, visible(request, e.available)) from None
+    request.blazar_model = entry.name  # type: ignore[attr-defined]  # for the access and audit logs
+    rates = getattr(request, "blazar_rates", None)
+    if rates is not None:
+        request.blazar_rates = None  # type: ignore[attr-defined]  # once per request
+        rates()
+    return entry
+
+
+def redact(request: IRequest, text: str) -> str:
+    """
+    C{text} (an error message: the engine's, a GGUF reader's, the
+    supervisor's) as the request's key may see it: for a scoped key, every
+    absolute file path cut to its last component; for others, unchanged.
+    """
+    if not is_scoped(request):
+        return text
+    return _PATH.sub(lambda m: m.group(1), text)
+
+
+def redact_value(request: IRequest, value: Any) -> Any:
+    """
+    L{redact} over the strings in C{value} (GGUF metadata: strings, numbers,
+    lists of them, L{None}).
+    """
+    if not is_scoped(request):
+        return value
+    if isinstance(value, str):
+        return redact(request, value)
+    if isinstance(value, list):
+        return [redact_value(request, v) for v in value]
+    if isinstance(value, dict):
+        return {k: redact_value(request, v) for k, v in value.items()}
+    return value
