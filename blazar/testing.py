@@ -236,6 +236,7 @@ class FakeProcessTransport:
     signals: list[str] = attrs.field(factory=list)
     stdin_closed: bool = False
     ended: bool = False
+    zombie: bool = False
 
     def signalProcess(self, signal: str) -> None:
         from twisted.internet.error import ProcessExitedAlready
@@ -264,12 +265,23 @@ class FakeProcessTransport:
         self.protocol.processExited(reason)  # type: ignore[attr-defined]
         self.protocol.processEnded(reason)  # type: ignore[attr-defined]
 
+    def die(self) -> None:
+        """
+        The process exits, and the reactor has not reaped it yet: C{/proc}
+        shows a zombie (L{FakeProcessReactor.process_alive} is false), no
+        exit is reported until L{exit}, and signals still succeed.
+        """
+        self.zombie = True
+
 
 def fake_process_reactor():  # type: ignore[no-untyped-def]
     """
     A C{MemoryReactorClock} that also fakes C{spawnProcess} (recording each
     call in C{.spawned} as C{(transport, executable, args, env)}) and runs
-    thread-pool work synchronously.
+    thread-pool work synchronously. Its C{process_alive(pid)} stands in for
+    L{blazar.engines.process.process_alive} (the supervisor's
+    C{process_alive} argument): false once a child's transport has died or
+    exited.
     """
     from twisted.internet.testing import MemoryReactorClock
 
@@ -281,6 +293,9 @@ def fake_process_reactor():  # type: ignore[no-untyped-def]
 
         def getThreadPool(self) -> SynchronousThreadPool:
             return self._pool
+
+        def process_alive(self, pid: int | None) -> bool:
+            return any(t.pid == pid and not (t.ended or t.zombie) for t, *_ in self.spawned)
 
         def callFromThread(self, f, *args, **kw):  # type: ignore[no-untyped-def]
             f(*args, **kw)
@@ -360,6 +375,7 @@ class FakeInstance:
     in_flight: int = 0
     state: str = "ready"
     parallel: int = 1
+    alive: bool = True  # its child runs; False: it exited, unreported
 
     @property
     def entry(self):  # type: ignore[no-untyped-def]
@@ -423,6 +439,23 @@ class FakeSupervisor:
         instance.state = "stopping"
         self.instances.pop(instance.name, None)
         return succeed(None)
+
+    def exited(self, instance: FakeInstance) -> bool:
+        """
+        As the real one: whether the child has exited (the instance is
+        dead, or a test cleared C{alive}); a ready one found exited is dead
+        from then on and leaves the table, so the next request gets a fresh
+        instance.
+        """
+        if instance.state == "dead":
+            return True
+        if instance.alive:
+            return False
+        if instance.state == "ready":
+            instance.state = "dead"
+            if self.instances.get(instance.name) is instance:
+                del self.instances[instance.name]
+        return True
 
     async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
         """

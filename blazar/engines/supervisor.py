@@ -3,7 +3,8 @@ The supervisor: one llama-server child per loaded model, started on first
 use, watched, and stopped with the daemon.
 
 States of an L{Instance}: C{starting} (spawned, waiting for C{/health} 200),
-C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited). A dead instance
+C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited: reported by the
+reactor, or found by a request, L{Supervisor.exited}). A dead instance
 leaves the table at once, so the next request spawns a fresh child.
 """
 
@@ -36,7 +37,7 @@ from blazar.config import Config
 from blazar.engines import runfiles
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
 from blazar.metrics import Metrics, gauge, label_reason
-from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus
+from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
 
@@ -385,6 +386,8 @@ class Supervisor(Service):
     @ivar _probe: Returns the HTTP status of a GET to a URL (the engine
         client's C{get_status}); used for C{/health}.
     @ivar _environ: The daemon's environment; children get a filtered copy.
+    @ivar _process_alive: Whether a pid runs (not gone, not a zombie):
+        L{blazar.engines.process.process_alive}.
     """
 
     _config: Config
@@ -404,6 +407,7 @@ class Supervisor(Service):
     _reaper: Any = None
     _run_dir: Path | None = None
     _free_memory: Callable[[], int] | None = None
+    _process_alive: Callable[[int | None], bool] = process_alive
     _admission: Any = attrs.field(factory=DeferredLock)
     metrics: Metrics = attrs.field(factory=Metrics)
 
@@ -873,12 +877,15 @@ class Supervisor(Service):
             if status.signal is None and status.code == 0:
                 self.breaker(instance.entry.name).reset()
         else:
-            self.metrics.crashes.labels(instance.entry.name).inc()
             log.error("{message}", message=instance.describe_exit(status, full=True),
                       model=instance.entry.name, engine="llamacpp")
-            self.breaker(instance.entry.name).crashed(
-                self._reactor.seconds(), f"{status.describe()}; {instance.protocol.error_line()}"
-            )
+            detail = f"{status.describe()}; {instance.protocol.error_line()}"
+            if was == "dead":
+                # a request found it exited first and counted the crash
+                self.breaker(instance.entry.name).last_error = detail
+            else:
+                self.metrics.crashes.labels(instance.entry.name).inc()
+                self.breaker(instance.entry.name).crashed(self._reactor.seconds(), detail)
         if instance._failure is None and not instance.ready_once:
             # it never became ready (crashed, or stopped while loading):
             # every request waiting for it gets an answer
@@ -889,6 +896,37 @@ class Supervisor(Service):
         for timer in (instance.kill_timer, instance.term_timer):
             if timer is not None and timer.active():
                 timer.cancel()
+
+    def exited(self, instance: Instance) -> bool:
+        """
+        Whether C{instance}'s child has exited: its exit was reported, or
+        C{/proc} shows its pid gone or a zombie (the reactor reaps it and
+        reports the exit a moment later). Called on the request path when a
+        request could not reach the child.
+
+        A ready child found exited here is dead from then on, without
+        waiting for the report: it leaves the table, so the next
+        L{instance_for} starts a fresh child (one spawn for every request
+        that wants one), and its crash counts now, once, for the breaker;
+        the report does the rest of the bookkeeping when it comes.
+        """
+        if instance.state == "dead" or instance.protocol.status is not None:
+            return True
+        if self._process_alive(instance.pid):
+            return False
+        if instance.state == "ready":
+            name = instance.entry.name
+            instance.state = "dead"
+            if self._instances.get(name) is instance:
+                del self._instances[name]
+            self.metrics.crashes.labels(name).inc()
+            self.breaker(name).crashed(
+                self._reactor.seconds(),
+                f"pid {instance.pid} exited (found by a request before its exit was reported)",
+            )
+            log.info("{model}: llama-server (pid {pid}) has exited; the next request starts a fresh one",
+                     model=name, engine="llamacpp", pid=instance.pid)
+        return True
 
     async def explain_failure(self, instance: Instance, error: BaseException) -> EngineError:
         """
@@ -911,8 +949,8 @@ class Supervisor(Service):
 
     def _terminate(self, instance: Instance) -> Deferred[ExitStatus]:
         ended = instance.protocol.when_ended()
-        if instance.protocol.status is not None:
-            return ended
+        if instance.protocol.status is not None or instance.state == "dead":
+            return ended  # (dead: it exited, its exit not yet reported)
         instance.state = "stopping"
         transport = instance.transport
         try:
@@ -960,7 +998,7 @@ class Supervisor(Service):
         """
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
-        if not instance.stop_reason:
+        if not instance.stop_reason and instance.state != "dead":
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
         return self._terminate(instance)
@@ -1010,7 +1048,10 @@ class Supervisor(Service):
             return []
         if replica not in ("", "0") or lane not in ("", "text"):
             return []
-        chosen = [i for i in self._all if name_key(i.entry.name) == wanted and i.state != "stopping"]
+        chosen = [
+            i for i in self._all
+            if name_key(i.entry.name) == wanted and i.state not in ("stopping", "dead")
+        ]
         for instance in chosen:
             self.stop_instance(instance, "evicted")
         return chosen

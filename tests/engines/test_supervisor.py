@@ -565,3 +565,114 @@ class ContextPolicyTests(SynchronousTestCase):
         self.failureResultOf(grow, EngineStartFailed)
         self.assertEqual(len(reactor.spawned), 1)
         self.flushLoggedErrors()
+
+
+class ExitFoundByARequestTests(SynchronousTestCase):
+    """
+    L{Supervisor.exited}: a request that could not reach its child finds the
+    child exited (a zombie the reactor has not reaped yet, or gone) before
+    the exit is reported.
+    """
+
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.reactor = fake_process_reactor()
+        self.supervisor = self.make(root, "breaker_crashes = 3\n")
+
+    def make(self, root: Path, extra: str) -> Supervisor:
+        config = parse_config(
+            f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n{extra}'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+
+        async def probe(url: str) -> int:
+            return 200
+
+        return Supervisor(
+            config, ModelRegistry(config, self.reactor), self.reactor, probe, {},
+            port_finder=lambda: 5555, process_alive=self.reactor.process_alive,
+        )
+
+    def ready(self) -> Instance:
+        d = ensureDeferred(self.supervisor.instance_for("m"))
+        self.reactor.advance(0)
+        return self.successResultOf(d)
+
+    def crashes(self) -> float | None:
+        return self.supervisor.metrics.registry.get_sample_value(
+            "blazar_engine_crashes_total", {"model": "m:latest"}
+        )
+
+    def test_a_live_child_has_not_exited(self) -> None:
+        instance = self.ready()
+        self.assertFalse(self.supervisor.exited(instance))
+        self.assertEqual(instance.state, "ready")
+        self.assertIs(self.supervisor.loaded("m:latest"), instance)
+
+    def test_a_zombie_is_dead_at_once_and_one_fresh_child_serves_everyone(self) -> None:
+        first = self.ready()
+        first.transport.die()
+        self.assertTrue(self.supervisor.exited(first))
+        self.assertTrue(self.supervisor.exited(first))  # asked again: counted once
+        self.assertEqual(first.state, "dead")
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
+        waits = [ensureDeferred(self.supervisor.instance_for("m")) for _ in range(5)]
+        self.reactor.advance(0)
+        fresh = {self.successResultOf(d) for d in waits}
+        self.assertEqual(len(fresh), 1)
+        self.assertIsNot(fresh.pop(), first)
+        self.assertEqual(len(self.reactor.spawned), 2)  # one spawn, not one per request
+        self.assertEqual(self.crashes(), 1)
+        self.assertEqual(len(self.supervisor.breaker("m:latest").crashes), 1)
+        # the exit report comes: bookkeeping, no second crash
+        first.transport.exit(None, signal=9)
+        self.assertEqual(self.crashes(), 1)
+        self.assertEqual(len(self.supervisor.breaker("m:latest").crashes), 1)
+        self.assertIn("killed by signal 9", self.supervisor.breaker("m:latest").last_error)
+        self.assertNotIn(first, self.supervisor.instances())
+        self.assertEqual(len(self.supervisor.instances()), 1)
+
+    def test_a_reported_exit_is_an_exit(self) -> None:
+        instance = self.ready()
+        instance.transport.exit(None, signal=9)
+        self.assertTrue(self.supervisor.exited(instance))
+        self.assertEqual(self.crashes(), 1)
+
+    def test_the_breaker_counts_the_crash_before_the_exit_is_reported(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.supervisor = self.make(root, "breaker_crashes = 1\n")
+        instance = self.ready()
+        instance.transport.die()
+        self.assertTrue(self.supervisor.exited(instance))
+        f = self.failureResultOf(ensureDeferred(self.supervisor.instance_for("m")), BreakerOpen)
+        self.assertIn("found by a request", str(f.value))
+        self.assertEqual(len(self.reactor.spawned), 1)
+        instance.transport.exit(None, signal=9)
+        self.assertEqual(self.crashes(), 1)
+
+    def test_stopping_a_child_found_dead_signals_nothing(self) -> None:
+        instance = self.ready()
+        instance.transport.die()
+        self.supervisor.exited(instance)
+        stopped = self.supervisor.stop_instance(instance, "keep_alive 0")
+        self.assertEqual(instance.transport.signals, [])
+        self.assertEqual(self.supervisor.evict("m"), [])
+        self.assertNoResult(stopped)
+        instance.transport.exit(None, signal=9)
+        self.successResultOf(stopped)
+        self.assertEqual(self.crashes(), 1)  # a crash, not an eviction
+        evictions = [s for m in self.supervisor.metrics.registry.collect() for s in m.samples
+                     if s.name == "blazar_evictions_total"]
+        self.assertEqual(evictions, [])
+        self.assertEqual(self.reactor.getDelayedCalls(), [])
+
+    def test_a_child_being_stopped_that_exits_is_not_a_crash(self) -> None:
+        instance = self.ready()
+        self.supervisor.stop_instance(instance, "idle")
+        instance.transport.die()
+        self.assertTrue(self.supervisor.exited(instance))
+        self.assertEqual(instance.state, "stopping")
+        instance.transport.exit(0)
+        self.assertIsNone(self.crashes())
