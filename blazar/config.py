@@ -32,6 +32,9 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # "reload" is the old name of "grow"
     child_header_timeout_secs = 120   # no response headers this long, and no /health:
                                       # the child is wedged (killed, request retried once)
+    stream_stall_close_secs = 60   # a streaming client that reads nothing this long (its
+                                   # engine paused meanwhile, slot held) is disconnected
+                                   # and its slot freed
 
     metrics_require_key = false    # GET /metrics needs an API key too
     responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
@@ -78,6 +81,7 @@ from blazar.names import canonical_name
 DEFAULT_LISTEN = "tcp:11434:interface=127.0.0.1"
 DEFAULT_CONFIG_PATH = "~/.config/blazar/config.toml"
 DEFAULT_DATA_DIR = "~/.local/share/blazar"
+DEFAULT_STREAM_STALL_CLOSE = 60.0
 
 
 class ConfigError(Exception):
@@ -195,6 +199,7 @@ class Config:
     max_loaded_models: int = 0
     drain_timeout: float = 30.0
     child_header_timeout: float = 120.0
+    stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
     ctx_policy: str = "grow"
     hf_endpoint: str = "https://huggingface.co"
     metrics_require_key: bool = False
@@ -355,7 +360,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
-        "child_header_timeout_secs", "ctx_policy", "keys", "cors_origins", "audit_log", "queue",
+        "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
+        "cors_origins", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
     }
     _unknown(doc, top, where, "")
@@ -385,6 +391,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         ("idle_timeout_secs", "idle_timeout"), ("breaker_window_secs", "breaker_window"),
         ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
         ("drain_timeout_secs", "drain_timeout"), ("child_header_timeout_secs", "child_header_timeout"),
+        ("stream_stall_close_secs", "stream_stall_close"),
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)

@@ -348,7 +348,8 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     usage_store.setServiceParent(top)
     admission = Admission(reactor, lambda: keys.config, metrics)
     proxy = EngineProxy(
-        supervisor, engines, reactor, registry, config.child_header_timeout, admission
+        supervisor, engines, reactor, registry, config.child_header_timeout, admission,
+        stall_close_secs=lambda: keys.config.stream_stall_close,
     )
     responses = Responses(proxy, lambda: keys.config, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, proxy, reactor, responses)

@@ -198,6 +198,49 @@ class BodyTooLarge(Exception):
     """
 
 
+class BodyValve:
+    """
+    Pauses and resumes the reading of a body that L{relay_body} relays.
+
+    Paused, the engine's connection is not read: its bytes wait in the
+    kernel's socket buffers, and once those are full the engine's writes
+    block (TCP backpressure), so a slow consumer holds no more of the body
+    in memory than one read. The idle timeout does not run while paused
+    (the silence is the consumer's, not the engine's).
+
+    Usable before the relay starts: the state is applied once it does.
+
+    @ivar paused: Whether reading is paused.
+    """
+
+    def __init__(self) -> None:
+        self.paused = False
+        self._relay: _BodyRelay | None = None
+
+    def pause(self) -> None:
+        """
+        Stop reading the engine's connection (idempotent).
+        """
+        if not self.paused:
+            self.paused = True
+            if self._relay is not None:
+                self._relay.pause()
+
+    def resume(self) -> None:
+        """
+        Read the engine's connection again (idempotent).
+        """
+        if self.paused:
+            self.paused = False
+            if self._relay is not None:
+                self._relay.resume()
+
+    def _attach(self, relay: _BodyRelay) -> None:
+        self._relay = relay
+        if self.paused:
+            relay.pause()
+
+
 class _BodyRelay(Protocol):
     def __init__(
         self,
@@ -213,7 +256,26 @@ class _BodyRelay(Protocol):
         self.idle_timeout = idle_timeout
         self.max_bytes = max_bytes
         self.received = 0
+        self.paused = False
         self.timer = clock.callLater(idle_timeout, self._idle)
+
+    def pause(self) -> None:
+        if self.finished is None or self.paused:
+            return
+        self.paused = True
+        if self.timer.active():
+            self.timer.cancel()
+        if self.transport is not None:
+            # a TransportProxyProducer: stops reading the TCP connection
+            self.transport.pauseProducing()  # type: ignore[attr-defined]
+
+    def resume(self) -> None:
+        if self.finished is None or not self.paused:
+            return
+        self.paused = False
+        self.timer = self.clock.callLater(self.idle_timeout, self._idle)
+        if self.transport is not None:
+            self.transport.resumeProducing()  # type: ignore[attr-defined]
 
     def _fail(self, error: BaseException | Failure) -> None:
         if self.timer.active():
@@ -238,7 +300,9 @@ class _BodyRelay(Protocol):
         if self.max_bytes is not None and self.received > self.max_bytes:
             self._fail(BodyTooLarge(f"engine body over {self.max_bytes} bytes"))
             return
-        self.timer.reset(self.idle_timeout)
+        if self.timer.active():
+            # (paused: the rest of a read already taken is still delivered)
+            self.timer.reset(self.idle_timeout)
         try:
             self.on_chunk(data)
         except BaseException:
@@ -265,6 +329,7 @@ def relay_body(
     *,
     idle_timeout: float,
     max_bytes: int | None = None,
+    valve: BodyValve | None = None,
 ) -> Deferred[None]:
     """
     Feed C{response}'s body to C{on_chunk} as it arrives.
@@ -274,8 +339,10 @@ def relay_body(
     engine's work too.
 
     @param idle_timeout: Seconds without a byte before failing with
-        L{BodyIdleTimeout}.
+        L{BodyIdleTimeout} (not counted while C{valve} is paused).
     @param max_bytes: Fail with L{BodyTooLarge} past this many bytes.
+    @param valve: Pauses and resumes reading (a consumer that cannot keep
+        up); C{on_chunk} may pause it from inside.
     @return: Fires with L{None} when the whole body arrived; fails with the
         connection's failure (e.g. C{ResponseFailed}) if it broke.
     """
@@ -288,6 +355,10 @@ def relay_body(
     d: Deferred[None] = Deferred(cancel)
     relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes)
     response.deliverBody(relay)
+    if valve is not None:
+        # after deliverBody, which resumes the transport once it has handed
+        # over what it had buffered (on_chunk may have paused the valve)
+        valve._attach(relay)
     return d
 
 

@@ -13,13 +13,16 @@ from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, suc
 from twisted.internet.error import ConnectError, ConnectingCancelledError
 from twisted.logger import Logger
 
-from blazar.config import parse_duration
-from blazar.engines.client import BodyTooLarge, EngineClient, StaleConnection, read_body, relay_body
+from blazar.config import DEFAULT_STREAM_STALL_CLOSE, parse_duration
+from blazar.engines.client import (
+    BodyTooLarge, BodyValve, EngineClient, StaleConnection, read_body, relay_body,
+)
 from blazar.engines.process import process_alive
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.web.admission import Admission, Lease, WorkClass, admit_request
+from blazar.web.backpressure import ClientPacer
 from blazar.web.observe import note_span, timing_of
 from blazar.web.sse import SSEEvents
 from blazar.web.scope import may_use, resolve_in_scope
@@ -165,7 +168,13 @@ class EngineProxy:
         self, supervisor: Supervisor, engines: EngineClient, clock: Any,
         registry: ModelRegistry | None = None, header_timeout: float = 120.0,
         admission: Admission | None = None,
+        stall_close_secs: Callable[[], float] = lambda: DEFAULT_STREAM_STALL_CLOSE,
     ) -> None:
+        """
+        @param stall_close_secs: The current C{stream_stall_close_secs}
+            (read per stream, so a reload applies to new streams).
+        """
+        self._stall_close_secs = stall_close_secs
         self.admission = admission
         self._header_timeout = header_timeout
         self.supervisor = supervisor
@@ -592,10 +601,17 @@ class EngineProxy:
         note when bytes arrived on it (L{blazar.web.observe.StreamTiming},
         for time to first token and time per output token).
 
+        With C{request} on a live HTTP channel, the relay is the request's
+        producer (L{ClientPacer}): while the client does not read, the
+        child's connection is not read either, and a client paused for
+        C{stream_stall_close_secs} is disconnected. It returns once the
+        client has taken what was written.
+
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled mid-way.
         @raise EngineRejected: C{on_chunk} raised it, or could not parse
             the stream (C{ValueError}).
+        @raise CancelledError: The client left (or was cut off as stalled).
         """
         timing = timing_of(request)
         if timing is not None:
@@ -605,8 +621,20 @@ class EngineProxy:
                 tick(seconds(), data.count(b"\n\n") or 1)
                 feed(data)
 
+        valve, pacer = BodyValve(), None
+        if request is not None:
+            pacer = ClientPacer(request, valve, self._clock, self._stall_close_secs(), instance.entry.name)
+            if not pacer.register():
+                pacer = None
         try:
-            await relay_body(response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT)
+            reading = relay_body(
+                response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, valve=valve
+            )
+            if pacer is not None:
+                pacer.follow(reading)
+            await reading
+            if pacer is not None:
+                await pacer.drained()
         except (CancelledError, EngineRejected, StreamStopped):
             raise
         except ValueError as e:
@@ -616,3 +644,6 @@ class EngineProxy:
             if was_cancelled(e):
                 raise CancelledError() from None
             raise await self.supervisor.explain_failure(instance, e) from None
+        finally:
+            if pacer is not None:
+                pacer.unregister()
