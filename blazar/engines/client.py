@@ -4,28 +4,103 @@ HTTP/1.1 to engine children, over Blazar's own connection pool.
 
 from __future__ import annotations
 
+import socket
 from typing import Any, Callable
 
-from twisted.internet.defer import CancelledError, Deferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
+from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionLost
 from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
-from twisted.web._newclient import RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived
+from twisted.web._newclient import (
+    HTTP11ClientProtocol, Request, RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived,
+)
 from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
 
+def peer_closed(transport: Any) -> bool:
+    """
+    Whether the other end of C{transport}'s TCP connection has closed or
+    reset it although the reactor may not have read that yet (it is in the
+    kernel): one non-blocking C{MSG_PEEK} read of the socket
+    (C{getHandle()}). Bytes nobody asked for count as closed too: the
+    connection is not at a request boundary.
+    """
+    handle = getattr(transport, "getHandle", lambda: None)()
+    recv = getattr(handle, "recv", None)
+    if recv is None:
+        return False
+    try:
+        recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+    except BlockingIOError:
+        return False  # open, and quiet
+    except OSError:
+        return True  # reset
+    return True  # end of stream, or stray bytes
+
+
+class RequestNotRead(Exception):
+    """
+    The child had closed the connection before the request reached it: a
+    close was in the kernel right after the request was sent (on loopback
+    a send arrives at once), and no byte of an answer came.
+    """
+
+
+class _CheckedClientProtocol(HTTP11ClientProtocol):
+    """
+    An HTTP/1.1 client connection that tells a request its child can no
+    longer read from one it may have read.
+
+    Written onto the connection of a child that has closed it (it exited),
+    a request fails with the same clean close as one the child read and
+    then died on. So a connection whose peer has closed it takes no request
+    (L{RequestNotSent}, the connection is dropped); otherwise the request
+    is sent at once, not on the reactor's next turn, and the connection
+    looked at again: closed already, the child closed it before the request
+    arrived, and a failure without an answer is L{RequestNotRead}. A close
+    that comes later is a reset if the child never read the request (the
+    kernel resets a socket closed with bytes unread) and clean if it did.
+    """
+
+    def request(self, request: Request) -> Deferred[IResponse]:
+        transport = self.transport
+        if self.state != "QUIESCENT" or transport is None:
+            return super().request(request)
+        if peer_closed(transport):
+            transport.loseConnection()
+            return fail(RequestNotSent())
+        d = super().request(request)
+        flush = getattr(transport, "doWrite", None)  # IWriteDescriptor
+        if flush is not None:
+            flush()  # (a failed send is the reactor's to report, on its next turn)
+        if peer_closed(transport):
+
+            def not_read(failure: Failure) -> None:
+                failure.trap(ResponseNeverReceived)
+                raise RequestNotRead("the child had closed the connection") from None
+
+            d.addErrback(not_read)
+        return d
+
+
 class QuietConnectionPool(HTTPConnectionPool):
     """
     A connection pool whose connection factories do not log "Starting
-    factory" / "Stopping factory" for every new connection.
+    factory" / "Stopping factory" for every new connection, and whose
+    connections check that the child has not closed them before each
+    request (L{_CheckedClientProtocol}).
     """
 
     class _factory(_HTTP11ClientFactory):
         noisy = False
+
+        def buildProtocol(self, addr: Any) -> HTTP11ClientProtocol:
+            return _CheckedClientProtocol(self._quiescentCallback)
 
 
 class StaleConnection(Exception):
@@ -39,6 +114,46 @@ class StaleConnection(Exception):
     def __init__(self, error: BaseException) -> None:
         self.error = error
         super().__init__(str(error))
+
+
+class NotDelivered(Exception):
+    """
+    A request failed in a way that proves the engine cannot have taken it
+    (L{never_delivered}): the connection was refused, or never written
+    to, or reset before any answer.
+
+    @ivar error: What the HTTP client raised.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error
+        super().__init__(str(error))
+
+
+def never_delivered(error: BaseException) -> bool:
+    """
+    Whether a request that failed with C{error} cannot have been read whole
+    by the engine: the connect failed (C{ConnectError}: refused, timed
+    out), the request was never written (L{RequestNotSent}), reached a
+    connection the child had closed (L{RequestNotRead}) or was not written
+    whole (L{RequestTransmissionFailed}), or its connection was reset
+    before any response byte (L{ResponseNeverReceived} for a
+    C{ConnectionLost}): the kernel resets a socket that is closed with
+    bytes unread, or that is already closed when bytes arrive, while a
+    child that read the request and then died closes cleanly
+    (C{ConnectionDone}). A local abort (C{ConnectionAborted}: a timeout, a
+    cancellation) proves nothing.
+    """
+    if isinstance(error, ConnectError):
+        return True
+    reasons = getattr(error, "reasons", None) or []
+    if any(r.check(CancelledError, ConnectionAborted) for r in reasons):
+        return False
+    if isinstance(error, (RequestNotSent, RequestNotRead, RequestTransmissionFailed)):
+        return True
+    if isinstance(error, ResponseNeverReceived):
+        return any(r.check(ConnectionLost) for r in reasons)
+    return False
 
 
 @implementer(IAgentEndpointFactory)
@@ -90,7 +205,10 @@ class EngineClient:
     a kept connection at once, before any answer, raises L{StaleConnection}:
     the caller resends it on a fresh connection if the child is alive (it
     closed an idle connection, so it never saw the request), and reports a
-    crash if not.
+    crash if not. A request the engine cannot have taken (L{never_delivered})
+    raises L{NotDelivered}, whatever the connection: the caller may send
+    it again, to a fresh child if this one has exited. Neither is raised
+    once any byte of the answer has come.
 
     Streamed requests get a connection of their own: llama-server closes a
     connection after a streamed reply while announcing keep-alive.
@@ -164,16 +282,18 @@ class EngineClient:
         def producer() -> _BytesProducer | None:
             return _BytesProducer(body) if body is not None else None
 
-        if stream:
-            response: IResponse = await self._fresh.request(verb, uri, raw_headers, producer())
-            return response
+        agent = self._fresh if stream else self._kept
         sent = self._reactor.seconds()
         try:
-            response = await self._kept.request(verb, uri, raw_headers, producer())
-        except (ResponseNeverReceived, RequestTransmissionFailed, RequestNotSent) as e:
+            response: IResponse = await agent.request(verb, uri, raw_headers, producer())
+        except (
+            ConnectError, ResponseNeverReceived, RequestTransmissionFailed, RequestNotSent, RequestNotRead,
+        ) as e:
             if any(r.check(CancelledError) for r in getattr(e, "reasons", [])):
                 raise
-            if self._reactor.seconds() - sent < self.STALE_WINDOW_SECS:
+            if never_delivered(e):
+                raise NotDelivered(e) from None
+            if not stream and self._reactor.seconds() - sent < self.STALE_WINDOW_SECS:
                 raise StaleConnection(e) from None
             raise
         return response

@@ -10,14 +10,13 @@ import json
 from typing import Any, Awaitable, Callable
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
-from twisted.internet.error import ConnectError, ConnectingCancelledError
+from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 
 from blazar.config import DEFAULT_STREAM_STALL_CLOSE, parse_duration
 from blazar.engines.client import (
-    BodyTooLarge, BodyValve, EngineClient, StaleConnection, read_body, relay_body,
+    BodyTooLarge, BodyValve, EngineClient, NotDelivered, StaleConnection, read_body, relay_body,
 )
-from blazar.engines.process import process_alive
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
@@ -412,9 +411,13 @@ class EngineProxy:
         Send C{body} to a ready child for C{model}; return the child and its
         200 response (headers read, body not yet).
 
-        A child that died since its last request refuses the connection
-        before anything is sent; then the request goes, once, to a fresh
-        child instead of failing.
+        A request the child cannot have taken (the connection refused,
+        reset or closed before the request was written:
+        L{blazar.engines.client.NotDelivered}) because the child had
+        exited, whether or not its exit was reported yet, goes once to a
+        fresh child instead of failing. A request the child may have read
+        (a clean close before any answer, any byte of an answer) fails:
+        running it again could run it twice.
 
         @param request: The web request this is for (its trace gets
             C{load} and C{generate} spans).
@@ -462,11 +465,14 @@ class EngineProxy:
                 response = await self._headers(instance, ensureDeferred(
                     self._engines.request("POST", url, body, headers, stream)
                 ))
-            except StaleConnection as stale:
-                if instance.protocol.status is not None or not process_alive(instance.pid):
-                    raise stale.error from None  # the child died: a crash, not a stale connection
-                # the child closed an idle connection as it was reused: it
-                # never saw this request; once more on a fresh connection
+            except (NotDelivered, StaleConnection) as failed:
+                if self.supervisor.exited(instance):
+                    if isinstance(failed, NotDelivered):
+                        raise  # it never reached the child: a fresh child, below
+                    raise failed.error from None  # it may have read it, then died: a crash
+                # the child is alive and closed the connection as it was
+                # reused (an idle one, or on its way out) without reading
+                # this request; once more on a fresh connection
                 response = await self._headers(instance, ensureDeferred(
                     self._engines.request("POST", url, body, headers, True)
                 ))
@@ -484,13 +490,15 @@ class EngineProxy:
         except Exception as e:
             if was_cancelled(e):
                 raise CancelledError() from None
+            undelivered = isinstance(e, NotDelivered) and attempt == 1
+            if undelivered and self.supervisor.exited(instance):
+                log.info("{model} had exited; sending the request to a fresh child", model=model)
+                raise _Retry()
             error = await self.supervisor.explain_failure(instance, e)
-            if not isinstance(e, ConnectError):
-                raise error from None
-            if attempt == 2 or instance.state != "dead":
-                raise error from None
-            log.info("{model} had died; retrying on a fresh child", model=model)
-            raise _Retry()
+            if undelivered and instance.state == "dead":  # its exit was reported meanwhile
+                log.info("{model} had exited; sending the request to a fresh child", model=model)
+                raise _Retry()
+            raise error from None
         if response.code != 200:
             try:
                 error_body = await read_body(

@@ -158,6 +158,54 @@ def test_sigkill_mid_stream_ends_in_the_surfaces_error(daemon: Daemon, surface: 
     chat_ok(daemon)
 
 
+def test_a_request_right_after_an_idle_child_is_killed_gets_a_fresh_child(daemon: Daemon) -> None:
+    """
+    50 rounds of: a request finishes, its child (idle now) is SIGKILLed,
+    and the next request follows at once on a connection opened before the
+    kill, while the daemon has not seen the exit yet. Streamed and not,
+    after a streamed request (the child closed its connection) or not (a
+    kept one): all four pairs. The dead child never took the request, so a
+    fresh child answers it: 50 x 200, no 502.
+    """
+    kinds = [False, False, True, True]  # (prev, next): (F, F), (F, T), (T, T), (T, F)
+    path = "/v1/chat/completions"
+    headers = {"content-type": "application/json", "authorization": f"Bearer {SECRET}"}
+
+    def body(stream: bool) -> str:
+        return json.dumps({"model": "tiny", "max_tokens": 2, "messages": HELLO, "stream": stream})
+
+    status, _ = call(daemon, "POST", path, json.loads(body(False)))
+    assert status == 200
+    before = daemon.log().count("had exited; sending the request to a fresh child")
+    answers: list[tuple[int, bytes]] = []
+    started = time.monotonic()
+    for i in range(50):
+        stream = kinds[(i + 1) % 4]
+        victim = daemon.engine_for("tiny:latest")
+        conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
+        try:
+            conn.connect()
+            victim.send_signal(signal.SIGKILL)
+            TALLY.faults += 1
+            conn.request("POST", path, body(stream), headers)
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        if resp.status >= 500:
+            TALLY.gateway_5xx += 1
+        complete = data.rstrip().endswith(b"data: [DONE]") if stream else "choices" in json.loads(data)
+        answers.append((resp.status if complete else -resp.status, data[:300]))
+        victim.wait(10)
+    elapsed = time.monotonic() - started
+    failed = [(i, a) for i, a in enumerate(answers) if a[0] != 200]
+    assert failed == [], failed
+    resent = daemon.log().count("had exited; sending the request to a fresh child") - before
+    print(f"50 kill-then-request rounds: 50 x 200 in {elapsed:.1f} s; "
+          f"{resent} sent on to a fresh child after reaching the dead one")
+    assert settled(daemon)["busy"] == 0
+
+
 def test_sigstop_child_takes_the_header_timeout_path(daemon: Daemon) -> None:
     chat_ok(daemon)
     victim = daemon.engine_for("tiny:latest")

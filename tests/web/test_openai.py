@@ -7,6 +7,7 @@ from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
 from blazar.web.openai import OpenAISurface
@@ -14,14 +15,18 @@ from blazar.web.proxy import EngineProxy
 
 
 class StubEngineClient:
-    def __init__(self, stub: StubTreq) -> None:
+    def __init__(self, stub: StubTreq, supervisor: FakeSupervisor | None = None) -> None:
         self.stub = stub
+        self.supervisor = supervisor
         self.refuse = 0
 
     async def request(self, method: str, url: str, body: bytes, headers: Any, stream: bool = True) -> Any:
         if self.refuse:
+            # the next requests' children have exited (unreported): they refuse
             self.refuse -= 1
-            raise ConnectionRefusedError("127.0.0.1", 1)
+            for instance in self.supervisor.instances.values() if self.supervisor else ():
+                instance.alive = False
+            raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
         return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
 
 
@@ -34,7 +39,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.engine_app = fake_engine_app("m:latest")
         self.engine = StubTreq(self.engine_app.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
-        self.engine_client = StubEngineClient(self.engine)
+        self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
         proxy = EngineProxy(self.supervisor, self.engine_client, self.reactor, registry)  # type: ignore[arg-type]
         surface = OpenAISurface(registry, proxy, self.reactor)

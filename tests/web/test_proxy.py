@@ -169,3 +169,148 @@ class PreflightTests(SynchronousTestCase):
         self.plan = ContextPlan(2048, 8192, "fit", "m:latest", 32768)
         f = self.failureResultOf(self.check(3000, 3000, 100, ctx=8192), PromptTooLong)
         self.assertIn('ctx_policy = "grow"', str(f.value))
+
+
+class ScriptedEngines:
+    """
+    An engine client whose requests end, in turn, as C{outcomes} say: an
+    exception is raised, a callable is called first (a test's way to change
+    the world as a request goes out), anything else is a 200 response.
+    C{sent} records C{(url, stream)}.
+    """
+
+    def __init__(self, *outcomes: Any) -> None:
+        self.outcomes = list(outcomes)
+        self.sent: list[tuple[str, bool]] = []
+
+    async def request(self, method: str, url: str, body: Any, headers: Any, stream: bool = True) -> Any:
+        self.sent.append((url, stream))
+        outcome = self.outcomes.pop(0)
+        if callable(outcome):
+            outcome = outcome()
+        if isinstance(outcome, BaseException):
+            raise outcome
+        return type("Response", (), {"code": 200})()
+
+
+class ChildExitedTests(SynchronousTestCase):
+    """
+    A request that reaches a child which had already exited (its exit
+    reported or not) goes to a fresh child; one the child may have read
+    fails (running it twice could duplicate a generation).
+    """
+
+    def setUp(self) -> None:
+        import attrs
+
+        from blazar.testing import FakeSupervisor
+
+        @attrs.define
+        class ExplainingSupervisor(FakeSupervisor):
+            explained: list[BaseException] = attrs.field(factory=list)
+
+            async def explain_failure(self, instance: Any, error: BaseException) -> Exception:
+                # the real one waits up to 2 s for the exit to be reported
+                self.explained.append(error)
+                return await super().explain_failure(instance, error)
+
+        self.clock = Clock()
+        self.supervisor = ExplainingSupervisor(["m:latest"])
+        self.first = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+
+    def send(self, engines: ScriptedEngines, stream: bool = False) -> Deferred[Any]:
+        proxy = EngineProxy(self.supervisor, engines, self.clock)  # type: ignore[arg-type]
+        return ensureDeferred(proxy.send("m", "/v1/chat/completions", b"{}", stream=stream))
+
+    def reset(self) -> Any:
+        from twisted.internet.error import ConnectionLost
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import ResponseNeverReceived
+
+        from blazar.engines.client import NotDelivered
+
+        return NotDelivered(ResponseNeverReceived([Failure(ConnectionLost())]))
+
+    def clean_close(self) -> Any:
+        from twisted.internet.error import ConnectionDone
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import ResponseNeverReceived
+
+        return ResponseNeverReceived([Failure(ConnectionDone())])
+
+    def test_a_child_that_had_exited_unreported_hands_the_request_to_a_fresh_one(self) -> None:
+        from twisted.internet.error import ConnectionRefusedError
+
+        from blazar.engines.client import NotDelivered
+
+        for stream, error in [(False, self.reset()), (True, NotDelivered(ConnectionRefusedError()))]:
+            self.first.alive = False  # a zombie: exited, not yet reaped
+            engines = ScriptedEngines(error, 200)
+            instance, response = self.successResultOf(self.send(engines, stream))
+            self.assertIsNot(instance, self.first)
+            self.assertEqual(self.first.state, "dead")
+            self.assertEqual((self.first.in_flight, instance.in_flight), (0, 1))
+            self.assertEqual(len(engines.sent), 2)
+            self.assertEqual(self.supervisor.explained, [])  # no wait for the exit report
+            instance.in_flight -= 1  # the caller's, once the answer is read
+            self.first = instance
+        self.assertEqual(self.supervisor.started, 3)
+
+    def test_a_live_child_gets_it_again_on_a_fresh_connection(self) -> None:
+        engines = ScriptedEngines(self.reset(), 200)
+        instance, _ = self.successResultOf(self.send(engines))
+        self.assertIs(instance, self.first)
+        self.assertEqual([stream for _, stream in engines.sent], [False, True])
+        self.assertEqual(self.supervisor.started, 1)
+
+    def test_exiting_when_asked_exited_by_the_second_try(self) -> None:
+        from twisted.internet.error import ConnectionRefusedError
+
+        from blazar.engines.client import NotDelivered
+
+        def refused_now_gone() -> Exception:
+            self.first.alive = False
+            return NotDelivered(ConnectionRefusedError())
+
+        engines = ScriptedEngines(self.reset(), refused_now_gone, 200)
+        instance, _ = self.successResultOf(self.send(engines))
+        self.assertIsNot(instance, self.first)
+        self.assertEqual(len(engines.sent), 3)
+
+    def test_a_clean_close_from_a_child_now_dead_is_a_crash(self) -> None:
+        from blazar.engines.client import StaleConnection
+        from blazar.engines.supervisor import EngineCrashed
+
+        # at once on a kept connection, or on a streamed request's own
+        for stream, error in [(False, StaleConnection(self.clean_close())), (True, self.clean_close())]:
+            self.first.alive = False
+            engines = ScriptedEngines(error, 200)
+            self.failureResultOf(self.send(engines, stream), EngineCrashed)
+            self.assertEqual(len(engines.sent), 1)  # not run again
+            self.assertEqual(self.first.in_flight, 0)
+            self.first = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+
+    def test_an_answer_that_had_begun_is_a_crash(self) -> None:
+        from twisted.internet.error import ConnectionLost
+        from twisted.python.failure import Failure
+        from twisted.web._newclient import ResponseFailed
+
+        from blazar.engines.supervisor import EngineCrashed
+
+        self.first.alive = False
+        engines = ScriptedEngines(ResponseFailed([Failure(ConnectionLost())]), 200)
+        self.failureResultOf(self.send(engines), EngineCrashed)
+        self.assertEqual(len(engines.sent), 1)
+
+    def test_a_fresh_child_dead_on_arrival_too_is_a_502_not_a_loop(self) -> None:
+        from blazar.engines.supervisor import EngineCrashed
+
+        def dies() -> Exception:
+            for instance in self.supervisor.instances.values():
+                instance.alive = False
+            return self.reset()
+
+        engines = ScriptedEngines(dies, dies, 200)
+        self.failureResultOf(self.send(engines), EngineCrashed)
+        self.assertEqual(len(engines.sent), 2)
+        self.assertEqual(self.supervisor.started, 2)
