@@ -133,6 +133,19 @@ def install(agent: Agent) -> Path:
         tmp.rename(agent.prefix)
     if not agent.executable.exists():
         raise SystemExit(f"[clients] {agent.package}@{agent.version} installed no {agent.executable}")
+    # Claude Code's native binary is put in place by its postinstall script
+    # (copied from @anthropic-ai/claude-code-<platform>): an npm that skips
+    # install scripts leaves a stub that cannot run
+    check = subprocess.run([str(agent.executable), "--version"], capture_output=True, text=True,
+                           stdin=subprocess.DEVNULL)
+    if check.returncode != 0 or agent.version not in check.stdout:
+        shutil.rmtree(agent.prefix, ignore_errors=True)
+        raise SystemExit(
+            f"[clients] {agent.executable} --version did not print {agent.version} "
+            f"(exit {check.returncode}): {check.stdout[-500:]}{check.stderr[-1500:]}\n"
+            "if npm skipped the package's install script, allow it (npm's allow-scripts / "
+            "ignore-scripts settings) and run again"
+        )
     return agent.executable
 
 
@@ -216,7 +229,8 @@ def claude_environment(home: Path, base_url: str, api_key: str) -> dict[str, str
 def codex_config(base_url: str) -> str:
     """
     Codex's C{config.toml}: Blazar as the one model provider, over the
-    Responses API, with update checks, analytics and feedback off.
+    Responses API, with update checks, analytics, feedback and the plugin
+    sync off.
     """
     return (
         f'model = "{MODEL}"\n'
@@ -238,6 +252,12 @@ def codex_config(base_url: str) -> str:
         "\n"
         "[feedback]\n"
         "enabled = false\n"
+        "\n"
+        # the plugins feature syncs a curated plugin list at start: DNS for
+        # github.com, api.github.com and chatgpt.com (seen with strace); off,
+        # the agent's only connections are to base_url
+        "[features]\n"
+        "plugins = false\n"
     )
 
 
@@ -276,6 +296,7 @@ class Run:
     stdout: str = ""
     stderr: str = ""
     timed_out: bool = False
+    tool_calls: list[str] = field(default_factory=list)
 
     @property
     def generations(self) -> list[dict[str, Any]]:
@@ -296,7 +317,8 @@ class Run:
             "client": self.agent.name, "version": self.agent.version, "surface": self.agent.surface,
             "turn": self.turn, "command": " ".join([self.agent.command, *self.argv[1:]]),
             "exit_code": self.exit_code, "timed_out": self.timed_out, "seconds": round(self.seconds, 1),
-            "requests_seen": len(self.requests), "requests": seen, "passed": self.passed,
+            "requests_seen": len(self.requests), "requests": seen, "tool_calls": self.tool_calls,
+            "passed": self.passed,
             "stdout_tail": self.stdout[-400:],
         }
 
@@ -427,11 +449,44 @@ class Daemon:
                 pass
 
 
+def transcript_tool_calls(agent: Agent, home: Path) -> dict[str, str]:
+    """
+    The tool calls in the agent's own session transcripts under C{home}
+    (Claude Code: C{.claude/projects/*/*.jsonl} C{tool_use} blocks; Codex:
+    C{.codex/sessions/**/rollout-*.jsonl} C{function_call} items), by call id.
+    The random-weight model's noise now and then parses as a tool call, which
+    the agent then runs and answers with a tool-result request.
+    """
+    calls: dict[str, str] = {}
+    pattern = ".claude/projects/*/*.jsonl" if agent is CLAUDE_CODE else ".codex/sessions/**/*.jsonl"
+    for path in home.glob(pattern):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                entry = json.loads(line)
+            except ValueError:
+                continue
+            if not isinstance(entry, dict):
+                continue
+            if agent is CLAUDE_CODE:
+                content = (entry.get("message") or {}).get("content") if entry.get("type") == "assistant" else None
+                for block in content if isinstance(content, list) else []:
+                    if isinstance(block, dict) and block.get("type") == "tool_use":
+                        calls[str(block.get("id"))] = str(block.get("name"))
+            else:
+                item = entry.get("payload") if entry.get("type") == "response_item" else None
+                if isinstance(item, dict) and item.get("type") in ("function_call", "custom_tool_call"):
+                    calls[str(item.get("call_id"))] = str(item.get("name"))
+    return calls
+
+
 def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout: float) -> None:
     """
     Run one agent invocation to its end (or C{timeout}) and collect the
-    requests the daemon logged for it (its key names the agent).
+    requests the daemon logged for it (its key names the agent) and the tool
+    calls its transcript gained.
     """
+    home = Path(env["HOME"])
+    calls_before = transcript_tool_calls(run.agent, home)
     before = len(daemon.audited())
     say(f"{run.agent.name} turn {run.turn}: {run.row()['command']}")
     started = time.monotonic()
@@ -447,21 +502,26 @@ def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout:
     # the audit log is written by a thread of the daemon's: let it catch up
     time.sleep(1.5)
     run.requests = [r for r in daemon.audited()[before:] if r.get("key") == run.agent.name]
+    run.tool_calls = [name for call, name in transcript_tool_calls(run.agent, home).items()
+                      if call not in calls_before]
     verdict = "ok" if run.passed else "FAILED"
     say(f"{run.agent.name} turn {run.turn}: {verdict}, exit {run.exit_code}"
         f"{' (timed out)' if run.timed_out else ''}, {run.seconds:.1f} s, "
-        f"{len(run.requests)} requests: {run.row()['requests']}")
+        f"{len(run.requests)} requests: {run.row()['requests']}"
+        f"{'; tool calls run: ' + ', '.join(run.tool_calls) if run.tool_calls else ''}")
     if run.stdout.strip():
         print(f"--- {run.agent.name} turn {run.turn} said:\n{run.stdout.strip()[-1500:]}", flush=True)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = f"{'client':<12} {'version':<9} {'surface':<10} {'turn':>4} {'exit':>5} {'seconds':>8} {'requests':>8}  result"
+    head = (f"{'client':<12} {'version':<9} {'surface':<10} {'turn':>4} {'exit':>5} {'seconds':>8} "
+            f"{'requests':>8} {'tool calls':>10}  result")
     out = [head, "-" * len(head)]
     for r in rows:
         code = "T/O" if r["timed_out"] else str(r["exit_code"])
         out.append(f"{r['client']:<12} {r['version']:<9} {r['surface']:<10} {r['turn']:>4} {code:>5} "
-                   f"{r['seconds']:>8.1f} {r['requests_seen']:>8}  {'ok' if r['passed'] else 'FAILED'}")
+                   f"{r['seconds']:>8.1f} {r['requests_seen']:>8} {len(r['tool_calls']):>10}  "
+                   f"{'ok' if r['passed'] else 'FAILED'}")
     return "\n".join(out)
 
 
