@@ -6,8 +6,12 @@ client's request (C{IRequest.registerProducer}): when the client stops
 reading and the transport's write buffer fills, Twisted pauses it, and it
 pauses reading the child's connection (L{blazar.engines.client.BodyValve}),
 so TCP backpressure reaches llama-server and the bytes in Blazar's memory
-stay bounded by one socket read per connection. The slot stays held while
-paused: the request is still running.
+stay bounded by one socket read per connection beyond the transport's
+buffer. The client's socket gets a fixed kernel send buffer
+(L{pin_send_buffer}), set when the relay starts: Linux would otherwise grow
+it before the first pause enough to take a whole stream the client never
+reads, and the slot would be given back as if it had been delivered. The
+slot stays held while paused: the request is still running.
 
 A client that stays paused for C{stream_stall_close_secs} is cut off: its
 connection is aborted, and the client-gone path does the rest (the handler
