@@ -11,6 +11,13 @@ C{~/.config/blazar/config.toml}. Keys::
     ready_timeout = 120.0          # seconds a child may take to answer /health 200
     stop_grace = 10.0              # seconds between SIGTERM and SIGKILL on stop
     max_body_bytes = 52428800      # request bodies above this (50 MiB) get 413
+    header_timeout_secs = 10       # a request's headers must be in this long after its
+                                   # first byte (after the connection opens, for its first
+                                   # request), else 408 and the connection closed
+    body_min_bytes_per_sec = 4096  # a body gets header_timeout_secs plus a second for
+                                   # every this many bytes it has delivered, else 408
+    max_connections_per_ip = 64    # open connections per client address, more get 503
+                                   # (loopback and UNIX sockets not counted; 0: no limit)
     cors_origins = []              # browser origins allowed, or ["*"]; empty: no CORS
     audit_log = "/path/audit.jsonl"  # opt-in: one JSON line per request
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
@@ -36,7 +43,8 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # engine paused meanwhile, slot held) is disconnected
                                    # and its slot freed
 
-    metrics_require_key = false    # GET /metrics needs an API key too
+    metrics_require_key = true     # GET /metrics needs an API key too; unset: it does
+                                   # from the network once keys exist, not from loopback
     responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
     responses_max_stored = 10000   # and at most this many are kept (oldest dropped)
     otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
@@ -188,6 +196,9 @@ class Config:
     ready_timeout: float = 120.0
     stop_grace: float = 10.0
     max_body_bytes: int = 50 * 1024 * 1024
+    header_timeout: float = 10.0
+    body_min_bytes_per_sec: int = 4096
+    max_connections_per_ip: int = 64
     cors_origins: tuple[str, ...] = ()
     audit_log: Path | None = None
     keep_alive: float = 300.0
@@ -202,7 +213,7 @@ class Config:
     stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
     ctx_policy: str = "grow"
     hf_endpoint: str = "https://huggingface.co"
-    metrics_require_key: bool = False
+    metrics_require_key: bool | None = None  # None: required from the network, not from loopback
     responses_ttl: float = 30 * 86400.0
     responses_max_stored: int = 10000
     otlp_endpoint: str | None = None
@@ -363,6 +374,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
         "cors_origins", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
+        "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -435,6 +447,17 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["otlp_endpoint"] = endpoint.rstrip("/")
     if "max_body_bytes" in doc:
         kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
+    if "header_timeout_secs" in doc:
+        kwargs["header_timeout"] = _positive_number(doc["header_timeout_secs"], where, "header_timeout_secs")
+    if "body_min_bytes_per_sec" in doc:
+        kwargs["body_min_bytes_per_sec"] = _positive_int(
+            doc["body_min_bytes_per_sec"], where, "body_min_bytes_per_sec"
+        )
+    if "max_connections_per_ip" in doc:
+        value = doc["max_connections_per_ip"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _expected(where, "max_connections_per_ip", "0 (no limit) or a positive integer", value)
+        kwargs["max_connections_per_ip"] = value
 
     engines = _table(doc.get("engines", {}), where, "engines")
     _unknown(engines, {"llamacpp"}, where, "engines.")

@@ -363,7 +363,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         keys, quotas,
     )
     site = BlazarSite(
-        root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, reactor=reactor
+        root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, gate=root,
+        header_timeout=config.header_timeout, body_min_rate=config.body_min_bytes_per_sec,
+        max_connections_per_ip=config.max_connections_per_ip, reactor=reactor,
     )
     tracing = None
     if config.otlp_endpoint is not None:

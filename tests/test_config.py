@@ -53,6 +53,26 @@ class ParseConfigTests(SynchronousTestCase):
             "keys[0].weight", "share of busy slots",
         )
 
+    def test_door_settings(self) -> None:
+        c = parse_config("")
+        self.assertEqual(
+            (c.header_timeout, c.body_min_bytes_per_sec, c.max_connections_per_ip, c.metrics_require_key),
+            (10.0, 4096, 64, None),  # None: a key is needed for /metrics from the network only
+        )
+        c = parse_config(
+            "header_timeout_secs = 2.5\nbody_min_bytes_per_sec = 100\nmax_connections_per_ip = 0\n"
+            "metrics_require_key = false\n"
+        )
+        self.assertEqual(
+            (c.header_timeout, c.body_min_bytes_per_sec, c.max_connections_per_ip, c.metrics_require_key),
+            (2.5, 100, 0, False),
+        )
+        self.assertConfigError("header_timeout_secs = 0", "'header_timeout_secs'", "positive")
+        self.assertConfigError("header_timeout_secs = inf", "'header_timeout_secs'")
+        self.assertConfigError("body_min_bytes_per_sec = 1.5", "'body_min_bytes_per_sec'", "positive integer")
+        self.assertConfigError("max_connections_per_ip = -1", "'max_connections_per_ip'", "0 (no limit)")
+        self.assertConfigError("max_connections_per_ip = true", "'max_connections_per_ip'")
+
     def test_ctx_policy(self) -> None:
         self.assertEqual(parse_config("").ctx_policy, "grow")
         self.assertEqual(parse_config('ctx_policy = "fit"').ctx_policy, "fit")

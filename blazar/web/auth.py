@@ -13,9 +13,12 @@ never logged.
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import json
 from typing import Any
 
+import attrs
+from twisted.internet.address import UNIXAddress
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
@@ -77,19 +80,22 @@ def surface_of(path: bytes) -> str:
     return "openai"
 
 
-def error_body(surface: str, status: int, message: str) -> bytes:
+def error_body(surface: str, status: int, message: str, code: str | None = None) -> bytes:
     """
     An error in the surface's own shape.
+
+    @param code: OpenAI's C{code}, where the status alone does not give it.
     """
     if surface == "ollama":
         return json.dumps({"error": message}).encode()
     if surface == "anthropic":
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
-                429: "rate_limit_error"}.get(status, "invalid_request_error")
+                429: "rate_limit_error", 503: "overloaded_error"}.get(status, "invalid_request_error")
         return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-    code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
-            429: "rate_limit_exceeded"}.get(status)
-    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    if code is None:
+        code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
+                429: "rate_limit_exceeded"}.get(status)
+    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
     return json.dumps({"error": {"message": message, "type": kind,
                                  "param": None, "code": code}}).encode()
 
@@ -105,10 +111,82 @@ def presented_secret(request: IRequest) -> bytes | None:
     return api_key.strip() if api_key else None
 
 
+@attrs.frozen
+class Refusal:
+    """
+    A request turned away at the door, before its body is read and before
+    any surface sees it; L{render_refusal} answers it in the surface's
+    error shape.
+
+    @ivar status: The HTTP status.
+    @ivar kind: Its C{blazar_errors_total} kind: C{auth}, C{bad_request},
+        C{too_large}, C{timeout}, C{headers_too_large} or
+        C{too_many_connections}.
+    @ivar message: What the client is told; it names the setting when one
+        is the cause.
+    @ivar retry_after: Seconds for C{Retry-After}, when a retry may succeed.
+    @ivar code: OpenAI's C{code}, where the status alone does not give it.
+    """
+
+    status: int
+    kind: str
+    message: str
+    retry_after: float | None = None
+    code: str | None = None
+
+
+def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
+    """
+    Set C{request}'s status and headers for C{refusal} (C{WWW-Authenticate}
+    on a 401, C{Retry-After} when it has one, Anthropic's C{request-id})
+    and return the body, in the surface's shape.
+    """
+    surface = surface_of(request.path or b"")
+    request.blazar_error = refusal.kind  # type: ignore[attr-defined]
+    request.setResponseCode(refusal.status)
+    request.setHeader(b"content-type", b"application/json")
+    if refusal.status == 401:
+        request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
+    if refusal.retry_after is not None:
+        retry_after(request, refusal.retry_after)
+    if surface == "anthropic":
+        request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+    return error_body(surface, refusal.status, refusal.message, refusal.code)
+
+
+def is_local(address: object) -> bool:
+    """
+    Whether a client address is this machine: a loopback IPv4 or IPv6
+    address (IPv4-mapped ones included), or the peer of a UNIX socket.
+    """
+    if isinstance(address, UNIXAddress):
+        return True
+    host = getattr(address, "host", None)
+    if not isinstance(host, str):
+        return False
+    try:
+        ip = ipaddress.ip_address(host.partition("%")[0])
+    except ValueError:
+        return False
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped.is_loopback
+    return ip.is_loopback
+
+
+CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
+_UNASKED: Any = object()
+
+
 class AuthGate(Resource):
     """
     Checks the key, then hands the request to the surfaces. The key found
     is left on the request as C{blazar_key} (L{None} when auth is off).
+
+    The site (L{blazar.web.site}) asks L{authenticate} as soon as a
+    request's headers are in, before any of its body is read, answers a
+    refusal itself and leaves the answer on the request as C{blazar_door};
+    L{render} goes by that answer (and asks for a request that came another
+    way, such as through C{StubTreq}).
     """
 
     isLeaf = True
@@ -119,31 +197,63 @@ class AuthGate(Resource):
         self._keys = keys
         self._quotas = quotas
 
+    @property
+    def active(self) -> bool:
+        """
+        Whether auth is on (at least one key exists).
+        """
+        return self._keys.active
+
+    def authenticate(self, request: IRequest) -> KeyConfig | Refusal | None:
+        """
+        Who C{request} is, from its method, path, client address and
+        headers alone (the body need not have arrived).
+
+        @return: The key it presents; L{None} when it needs none (auth is
+            off, or an open route: C{/health}, C{/healthz}, C{GET /},
+            C{OPTIONS}, and C{/metrics} as C{metrics_require_key} says); or
+            a L{Refusal}: 400 for C{Authorization} or C{x-api-key} sent more
+            than once (a front proxy that checks the first would see another
+            identity than the last), 401 for a missing or wrong key.
+        """
+        for name in CREDENTIAL_HEADERS:
+            given = request.requestHeaders.getRawHeaders(name) or []
+            if len(given) > 1:
+                return Refusal(400, "bad_request", (
+                    f"the {name.decode('ascii')} header was sent {len(given)} times; send it once"
+                ))
+        if not self._keys.active or self._open_route(request):
+            return None
+        secret = presented_secret(request)
+        key = self._keys.find(secret) if secret else None
+        if key is None:
+            what = "missing" if not secret else "invalid"
+            return Refusal(401, "auth", (
+                f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
+                "(keys are listed with `blazar keys list`)"
+            ))
+        return key
+
+    def _open_route(self, request: IRequest) -> bool:
+        path, method = request.path, request.method
+        if path in OPEN_PATHS or method == b"OPTIONS" or (path == b"/" and method in (b"GET", b"HEAD")):
+            return True
+        if path == b"/metrics":
+            required = self._keys.config.metrics_require_key
+            # unset: scrapes from this machine are open, from the network they need a key
+            return required is False or (required is None and is_local(request.getClientAddress()))
+        return False
+
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
         request.blazar_key = None  # type: ignore[attr-defined]
         request.blazar_keys_active = self._keys.active  # type: ignore[attr-defined]
-        open_route = (
-            request.path in OPEN_PATHS
-            or (request.path == b"/metrics" and not self._keys.config.metrics_require_key)
-            or request.method == b"OPTIONS"
-            or (request.path == b"/" and request.method in (b"GET", b"HEAD"))
-        )
-        if self._keys.active and not open_route:
-            secret = presented_secret(request)
-            key = self._keys.find(secret) if secret else None
-            if key is None:
-                surface = surface_of(request.path)
-                request.setResponseCode(401)
-                request.setHeader(b"content-type", b"application/json")
-                request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
-                if surface == "anthropic":
-                    request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
-                request.blazar_error = "auth"  # type: ignore[attr-defined]
-                what = "missing" if not secret else "invalid"
-                return error_body(surface, 401, (
-                    f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
-                    "(keys are listed with `blazar keys list`)"
-                ))
+        found = getattr(request, "blazar_door", _UNASKED)  # the site asked at the headers
+        if found is _UNASKED:
+            found = self.authenticate(request)
+        if isinstance(found, Refusal):
+            return render_refusal(request, found)
+        if found is not None:
+            key: KeyConfig = found
             request.blazar_key = key  # type: ignore[attr-defined]
             if self._quotas is not None:
                 try:

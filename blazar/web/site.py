@@ -1,86 +1,204 @@
 """
-The HTTP site shared by every surface: trace ids, the access log, request
-and request body limits.
+The HTTP site shared by every surface: trace ids, the access log, and the
+door: what is decided from a request's headers, before any of its body is
+read.
 
-The body limit comes before auth and before any surface: a request whose
-C{Content-Length} is over C{max_body_bytes} is answered 413 (in its
-surface's error shape) as soon as its headers are in, and its connection is
-closed after that answer without reading the body (a client that sent
-C{Expect: 100-continue} gets no C{100} and never sends it). A chunked body
-that grows past the limit is dropped as it arrives and answered 413 once it
-ends.
+As soon as a request's headers are in (C{HTTPChannel.allHeadersReceived}
+calls L{BlazarRequest.gotLength}), in this order:
+
+ 1. a connection over C{max_connections_per_ip} (clients on loopback or a
+    UNIX socket are not counted) is answered 503 with C{Retry-After: 1};
+ 2. the body limit: a C{Content-Length} over C{max_body_bytes} is 413;
+ 3. the API key (L{AuthGate.authenticate}): C{Authorization} or
+    C{x-api-key} sent twice is 400, a missing or wrong key 401; a request
+    let in without a key (the open routes) may send L{OPEN_BODY_BYTES}.
+
+Each is answered in its surface's error shape with the body unread: the
+channel is told the body is empty (so the request is handed on at once)
+and not to keep the connection, and C{Expect: 100-continue} gets no C{100}.
+A body that is read is kept in memory up to L{BODY_IN_MEMORY} bytes and
+spooled to a temporary file beyond that, so only requests with a key (or
+any, when auth is off) can make Blazar write one. A chunked body is cut as
+soon as it passes the limit: 413, and the connection closed.
+
+Deadlines, on the site's reactor: a request's headers must be complete
+within C{header_timeout} seconds of its first byte (of the connection's
+opening, for its first request; a connection that sends nothing in that
+time is closed without an answer), and a body gets C{header_timeout}
+seconds plus one more for every C{body_min_rate} bytes it has delivered
+(Apache's mod_reqtimeout rule). Missing either is a 408, and the
+connection is closed. Idle kept-alive connections are twisted.web's: 60 s.
+
+Headers over L{HEADER_BYTES} in all (or a line over it, or more than 500
+of them) get 431, a request line over it 414, and what twisted.web cannot
+parse 400, each with a JSON body in the surface's shape when the path is
+known. Every status goes out with its reason phrase (L{reason_phrase}).
+
+After a refusal Blazar closes the connection gracefully (RFC 9112, section
+9.6): it half-closes it after the answer and discards what the client
+still sends, for at most L{LINGER_SECS} seconds and L{LINGER_BYTES} bytes,
+so a client still writing its request reads the answer instead of a reset.
 """
 
 from __future__ import annotations
 
 import re
 import secrets
-from typing import Any
+from http import HTTPStatus
+from io import BytesIO
+from tempfile import SpooledTemporaryFile
+from typing import IO, Any, Callable, cast
 
+from twisted.internet.interfaces import IDelayedCall
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
-from twisted.web.http import HTTPChannel
+from twisted.python.failure import Failure
+from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
-from blazar.web.auth import error_body, surface_of
+from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of
 
 log = Logger()
 
 TRACE_HEADER = b"x-blazar-trace-id"
 _CLIENT_TRACE = re.compile(rb"[A-Za-z0-9._-]{8,64}")
 
+BODY_IN_MEMORY = 1024 * 1024
+"""Bytes of a request body kept in memory; a longer one is spooled to a temporary file."""
+
+OPEN_BODY_BYTES = 64 * 1024
+"""The body limit of a request let in without a key (the open routes, while keys exist)."""
+
+HEADER_BYTES = 16 * 1024
+"""The request line and headers together, at most (also the longest line)."""
+
+LINGER_SECS = 2.0
+LINGER_BYTES = 1024 * 1024
+"""How long, and how much of what a refused client still sends, is read and dropped."""
+
+_REASONS = {499: b"Client Closed Request", 529: b"Overloaded"}
+
+
+def reason_phrase(code: int) -> bytes:
+    """
+    The reason phrase for status C{code}: RFC 9110's (and 6585's 429 and
+    431, which twisted.web's table lacks and sends as C{Unknown Status}),
+    nginx's 499 and Anthropic's 529.
+    """
+    if code in _REASONS:
+        return _REASONS[code]
+    try:
+        return HTTPStatus(code).phrase.encode("ascii")
+    except ValueError:
+        return RESPONSES.get(code, b"Unknown Status")
+
+
+def too_large(limit: int, keyed: bool) -> Refusal:
+    """
+    The 413 for a body over C{limit} bytes.
+
+    @param keyed: Whether C{max_body_bytes} is the limit (else the request
+        came without a key to an open route).
+    """
+    if keyed:
+        message = (
+            f"request body too large: the limit is max_body_bytes = {limit} bytes; "
+            "raise it in the config if this is intended"
+        )
+    else:
+        message = f"request body too large: a request without an API key may send at most {limit} bytes"
+    return Refusal(413, "too_large", message)
+
 
 class BlazarRequest(Request):
     """
-    A request whose body is capped: bytes past C{site.max_body_bytes} are
-    dropped, and L{body_too_large} tells the surface to answer 413.
+    A request decided at the door (see the module docstring).
 
     @ivar trace_id: C{plm-<hex>-<seq>} (or a well-formed id the client sent
         in C{x-blazar-trace-id}) naming this request in logs and in the
         C{x-blazar-trace-id} response header.
+    @ivar refusal: Set at the door, or when the body broke a limit or a
+        deadline: L{process} answers it instead of passing the request on.
+    @ivar body_limit: Bytes this request's body may have (L{None}: no
+        limit, on a channel that is not a L{BlazarChannel}).
+    @ivar body_too_large: The refusal is a 413 (surfaces check it too).
     """
 
     body_too_large = False
     client_gone = False
     trace_id = ""
     started: float | None = None
+    refusal: Refusal | None = None
+    body_limit: int | None = None
+    _keyed = True
+
+    def setResponseCode(self, code: int, message: bytes | None = None) -> None:
+        super().setResponseCode(code, reason_phrase(code) if message is None else message)
 
     def gotLength(self, length: int | None) -> None:
-        limit = getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
-        if limit is not None and length is not None and length > limit:
-            self.body_too_large = True
-            length = 0
-            self._refuse_body()
-        super().gotLength(length)
-
-    def _refuse_body(self) -> None:
-        """
-        The headers announced a body over the limit (called from
-        C{HTTPChannel.allHeadersReceived}, before it looks at the length
-        and at C{Expect}): the channel is told the body is empty, so it
-        hands the request on at once (L{process} answers 413), and not to
-        keep the connection, so it closes after the answer with the body
-        unread. Dropping C{Expect: 100-continue} keeps the channel from
-        inviting the body.
-        """
         channel = self.channel
-        if not isinstance(channel, HTTPChannel):
-            return  # HTTP/2: the body is dropped as it arrives (handleContentChunk)
-        channel.length = 0
-        channel.persistent = False
-        self.requestHeaders.removeHeader(b"expect")
-        self.responseHeaders.setRawHeaders(b"connection", [b"close"])
+        if not isinstance(channel, BlazarChannel):
+            super().gotLength(length)
+            return
+        refusal, spool = self._at_the_door(channel, length)
+        if refusal is not None:
+            self.refusal = refusal
+            channel.refuse_body(self)
+            length = 0
+        if spool and (length is None or length > BODY_IN_MEMORY):
+            self.content = cast(IO[bytes], SpooledTemporaryFile(max_size=BODY_IN_MEMORY))
+        else:
+            self.content = BytesIO()
+
+    def _at_the_door(self, channel: BlazarChannel, length: int | None) -> tuple[Refusal | None, bool]:
+        """
+        The connection cap, C{max_body_bytes}, auth, then the open routes'
+        smaller limit, from the headers. (A body over C{max_body_bytes} is
+        a 413 before auth, as it was before auth moved to the headers: a
+        client without a key gets no further than one with a key.)
+
+        @return: The refusal, if any, and whether the body may be spooled.
+        """
+        site = channel.site
+        # what requestReceived sets, known since the request line
+        self.method, self.uri = channel.request_line()
+        self.path = self.uri.split(b"?", 1)[0]
+        if channel.over_cap:
+            return Refusal(503, "too_many_connections", (
+                f"too many connections from {channel.counted_as}: at most max_connections_per_ip = "
+                f"{site.max_connections_per_ip} at once; reuse or close idle ones"
+            ), retry_after=1, code="too_many_connections"), False
+        self.body_limit = site.max_body_bytes
+        if length is not None and length > site.max_body_bytes:
+            self.body_too_large = True
+            return too_large(site.max_body_bytes, True), False
+        if site.gate is None:
+            return None, True
+        found = site.gate.authenticate(self)
+        self.blazar_door = found
+        if isinstance(found, Refusal):
+            return found, False
+        if found is None and site.gate.active:  # an open route, without a key
+            self.body_limit, self._keyed = min(site.max_body_bytes, OPEN_BODY_BYTES), False
+            if length is not None and length > self.body_limit:
+                self.body_too_large = True
+                return too_large(self.body_limit, False), False
+        return None, self._keyed
 
     def handleContentChunk(self, data: bytes) -> None:
-        if self.body_too_large:
+        if self.refusal is not None:
             return
-        limit = getattr(getattr(self.channel, "site", None), "max_body_bytes", None)
-        if limit is not None and self.content is not None:
-            if self.content.tell() + len(data) > limit:
-                self.body_too_large = True
-                self.content.seek(0)
-                self.content.truncate()
-                return
+        limit = self.body_limit
+        if limit is not None and self.content is not None and self.content.tell() + len(data) > limit:
+            # a chunked body past the limit: answered as soon as this read is parsed
+            self.body_too_large = True
+            self.refusal = too_large(limit, self._keyed)
+            self.content.seek(0)
+            self.content.truncate()
+            if isinstance(self.channel, BlazarChannel):
+                self.channel.end_body_after_this_read()
+            return
         super().handleContentChunk(data)
 
     def connectionLost(self, reason: Any) -> None:
@@ -101,9 +219,9 @@ class BlazarRequest(Request):
         if offered is not None and _CLIENT_TRACE.fullmatch(offered):
             self.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
         else:
-            site.trace_seq += 1
-            self.trace_id = f"plm-{site.trace_prefix}-{site.trace_seq}"
+            self.trace_id = site.new_trace_id()
         self.setHeader(TRACE_HEADER, self.trace_id.encode("ascii"))
+        refusal = self.refusal
         origin = self.getHeader(b"origin")
         allowed = getattr(site, "cors_origins", ())
         if origin is not None and allowed and ("*" in allowed or origin.decode("latin-1") in allowed):
@@ -111,7 +229,7 @@ class BlazarRequest(Request):
             self.setHeader(b"access-control-allow-origin", b"*" if "*" in allowed else origin)
             self.setHeader(b"vary", b"Origin")
             self.setHeader(b"access-control-expose-headers", TRACE_HEADER + b", request-id, retry-after")
-            if self.method == b"OPTIONS":
+            if self.method == b"OPTIONS" and refusal is None:
                 self.setHeader(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")
                 requested = self.getHeader(b"access-control-request-headers")
                 self.setHeader(b"access-control-allow-headers", requested or b"authorization, content-type, x-api-key")
@@ -119,51 +237,290 @@ class BlazarRequest(Request):
                 self.setResponseCode(204)
                 self.finish()
                 return
-        if self.method == b"OPTIONS":
+        if self.method == b"OPTIONS" and refusal is None:
             self.setResponseCode(204)
             self.finish()
             return
         observer = site.observer
         if observer is not None and (self.path.startswith(b"/v1/") or self.path.startswith(b"/api/")):
             observer.started(self, surface_of(self.path))
-        if self.body_too_large:
-            self._too_large(site.max_body_bytes)
+        if refusal is not None:
+            body = render_refusal(self, refusal)
+            self.setHeader(b"content-length", b"%d" % len(body))
+            self.write(body)
+            self.finish()
             return
         super().process()
 
-    def _too_large(self, limit: int) -> None:
+
+class BlazarChannel(HTTPChannel):
+    """
+    HTTP/1.1 with the door's deadlines, the connection cap, 431 and 414 for
+    oversized heads, and a graceful close after a refusal.
+
+    @ivar over_cap: This connection was over C{max_connections_per_ip} when
+        it opened: its request is answered 503.
+    @ivar counted_as: The client address this connection counts against,
+        or L{None} (loopback, UNIX socket, no cap).
+    """
+
+    site: BlazarSite  # set by Site.buildProtocol
+    totalHeadersSize = HEADER_BYTES
+    MAX_LENGTH = HEADER_BYTES
+    over_cap = False
+    counted_as: str | None = None
+    _deadline: IDelayedCall | None = None
+    _body_started = 0.0
+    _body_bytes = 0
+    _end_body = False
+    _refused = False
+    _lingering: IDelayedCall | None = None
+    _lingered = 0
+
+    def request_line(self) -> tuple[bytes, bytes]:
         """
-        Answer 413 in the surface's error shape, before auth: a client
-        without a key gets no further than one with a key.
+        The method and URI of the request being received.
         """
-        surface = surface_of(self.path)
-        self.blazar_error = "too_large"
-        self.setResponseCode(413)
-        self.setHeader(b"content-type", b"application/json")
-        if surface == "anthropic":
-            self.setHeader(b"request-id", ("req_" + self.trace_id).encode("ascii"))
-        body = error_body(surface, 413, (
-            f"request body too large: the limit is max_body_bytes = {limit} bytes; "
-            "raise it in the config if this is intended"
-        ))
-        self.setHeader(b"content-length", b"%d" % len(body))
-        self.write(body)
-        self.finish()
+        return self._command, self._path
+
+    # -- connections and deadlines -----------------------------------------
+
+    def connectionMade(self) -> None:
+        super().connectionMade()
+        site = self.site
+        peer = self.transport.getPeer()  # type: ignore[union-attr]
+        if site.max_connections_per_ip and not is_local(peer):
+            self.counted_as = str(getattr(peer, "host", peer))
+            self.over_cap = site.connection_opened(self.counted_as) > site.max_connections_per_ip
+        self._expect_headers()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._cancel_deadline()
+        if self._lingering is not None and self._lingering.active():
+            self._lingering.cancel()
+        if self.counted_as is not None:
+            self.site.connection_closed(self.counted_as)
+            self.counted_as = None
+        super().connectionLost(reason)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._deadline is None and self.line_mode and not self._handlingRequest:
+            self._expect_headers()  # the first bytes of a next request on a kept connection
+        super().dataReceived(data)
+
+    def requestDone(self, request: Any) -> None:
+        super().requestDone(request)
+        # a pipelined request whose first bytes came while this one was served
+        if (
+            self.persistent and self._deadline is None and self.line_mode and not self._handlingRequest
+            and (self._buffer or self.requests)
+        ):
+            self._expect_headers()
+
+    def _arm(self, delay: float, call: Callable[[], None]) -> None:
+        self._cancel_deadline()
+        self._deadline = self.site.reactor.callLater(delay, call)  # type: ignore[attr-defined]
+
+    def _cancel_deadline(self) -> None:
+        if self._deadline is not None:
+            if self._deadline.active():
+                self._deadline.cancel()
+            self._deadline = None
+
+    def _expect_headers(self) -> None:
+        self._arm(self.site.header_timeout, self._headers_late)
+
+    def _headers_late(self) -> None:
+        self._deadline = None
+        if not self.requests and not self._buffer:
+            self.timeoutConnection()  # not a byte of a request: nothing to answer
+            return
+        self._refuse_now(Refusal(408, "timeout", (
+            f"the request's headers did not arrive within header_timeout_secs = {self.site.header_timeout:g} s"
+        ), code="request_timeout"))
+
+    def allHeadersReceived(self) -> None:
+        self._cancel_deadline()
+        super().allHeadersReceived()
+        if self.length != 0 and not self._refused:  # a body follows
+            self._body_started = self.site.reactor.seconds()  # type: ignore[attr-defined]
+            self._body_bytes = 0
+            self._arm(self.site.header_timeout, self._body_check)
+
+    def allContentReceived(self) -> None:
+        self._cancel_deadline()
+        self._end_body = False
+        super().allContentReceived()
+
+    def _body_check(self) -> None:
+        self._deadline = None
+        site = self.site
+        due = self._body_started + site.header_timeout + self._body_bytes / site.body_min_rate
+        now = site.reactor.seconds()  # type: ignore[attr-defined]
+        if now < due:
+            self._deadline = site.reactor.callLater(due - now, self._body_check)  # type: ignore[attr-defined]
+            return
+        self._refuse_now(Refusal(408, "timeout", (
+            f"the request body came slower than body_min_bytes_per_sec = {site.body_min_rate} "
+            f"(after the first header_timeout_secs = {site.header_timeout:g} s)"
+        ), code="request_timeout"))
+
+    def rawDataReceived(self, data: bytes) -> None:
+        if not self._handlingRequest:
+            self._body_bytes += len(data)
+        super().rawDataReceived(data)
+        if self._end_body and not self._handlingRequest and not self._refused:
+            self._end_body_now()
+
+    # -- oversized and malformed heads -------------------------------------
+
+    def lineReceived(self, line: bytes) -> None:
+        if self._receivedHeaderSize + len(line) > self.totalHeadersSize:
+            self._head_too_large()
+            return
+        super().lineReceived(line)
+
+    def headerReceived(self, line: bytes) -> bool:
+        if self._receivedHeaderCount >= self.maxHeaders:
+            self._head_too_large()
+            return False
+        return bool(super().headerReceived(line))
+
+    def lineLengthExceeded(self, line: bytes) -> None:
+        self._head_too_large()
+
+    def _head_too_large(self) -> None:
+        if self.requests and hasattr(self, "_command"):
+            self._refuse_now(Refusal(431, "headers_too_large", (
+                f"request headers too large: at most {self.totalHeadersSize} bytes "
+                f"and {self.maxHeaders} header lines"
+            ), code="request_header_fields_too_large"))
+        else:
+            self._answer_raw(Refusal(414, "headers_too_large", (
+                f"request line too long: at most {self.MAX_LENGTH} bytes"
+            ), code="uri_too_long"))
+
+    def _respondToBadRequestAndDisconnect(self) -> None:
+        # twisted.web's own refusals (a malformed request line, header or
+        # chunk, two Content-Lengths, ...): a bare 400 before
+        self._answer_raw(Refusal(400, "bad_request", "malformed HTTP request", code="bad_request"))
+
+    # -- refusing ------------------------------------------------------------
+
+    def refuse_body(self, request: BlazarRequest) -> None:
+        """
+        C{request}'s body will not be read: the channel takes it as empty,
+        closes the connection after the answer and sends no C{100 Continue}.
+        """
+        self._refused = True
+        self.length = 0
+        self.persistent = False
+        request.requestHeaders.removeHeader(b"expect")
+        request.responseHeaders.setRawHeaders(b"connection", [b"close"])
+
+    def end_body_after_this_read(self) -> None:
+        """
+        The request's body broke its limit: once the bytes in hand are
+        parsed, the request is answered as if its body had ended.
+        """
+        self._end_body = True
+
+    def _refuse_now(self, refusal: Refusal) -> None:
+        """
+        Answer the request being received with C{refusal} and close: through
+        the request (trace id, access log, the surface's shape) once its
+        request line is known, else on the bare connection.
+        """
+        if self._refused:
+            return
+        if self.requests and hasattr(self, "_command") and not self._handlingRequest:
+            request = cast(BlazarRequest, self.requests[-1])
+            request.refusal = refusal
+            self._end_body_now()
+        else:
+            self._answer_raw(refusal)
+
+    def _end_body_now(self) -> None:
+        request = cast(BlazarRequest, self.requests[-1])
+        self.refuse_body(request)
+        if request.content is None:  # refused before its headers were complete
+            request.content = BytesIO()
+        self.allContentReceived()
+
+    def _answer_raw(self, refusal: Refusal) -> None:
+        """
+        Answer C{refusal} on the connection itself (no request to answer it
+        through), in the surface's shape if the path is known, and close.
+        """
+        if self._refused:
+            return
+        self._refused = True
+        self.persistent = False
+        self._cancel_deadline()
+        path = getattr(self, "_path", b"").split(b"?", 1)[0]
+        body = error_body(surface_of(path), refusal.status, refusal.message, refusal.code)
+        self.transport.write(b"".join([  # type: ignore[union-attr]
+            b"HTTP/1.1 %d %s\r\n" % (refusal.status, reason_phrase(refusal.status)),
+            b"Content-Type: application/json\r\n",
+            TRACE_HEADER + b": " + self.site.new_trace_id().encode("ascii") + b"\r\n",
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body),
+            body,
+        ]))
+        log.info(
+            "{status} before a request: {why} (client {peer})", status=refusal.status,
+            why=refusal.message, peer=str(self.transport.getPeer()),  # type: ignore[union-attr]
+        )
+        self.loseConnection()
+
+    def loseConnection(self) -> None:
+        if self._lingering is not None:
+            return  # already closing
+        transport = self.transport
+        # TCP and UNIX transports can half-close; TLS cannot (and its
+        # wrapper only forwards the attribute, which the class lookup skips)
+        if not self._refused or not hasattr(type(transport), "loseWriteConnection"):
+            super().loseConnection()
+            return
+        self.setTimeout(None)
+        # what is still parsed of the last read, and what comes after, is dropped
+        self.dataReceived = self.lineReceived = self.rawDataReceived = self._discard  # type: ignore[method-assign,assignment]
+        transport.unregisterProducer()  # type: ignore[union-attr]  # so the half-close is not held up
+        transport.resumeProducing()  # type: ignore[union-attr]
+        transport.loseWriteConnection()  # type: ignore[union-attr]  # FIN once the answer is out
+        self._lingering = self.site.reactor.callLater(LINGER_SECS, self._stop_lingering)  # type: ignore[attr-defined]
+
+    def _discard(self, data: bytes) -> None:
+        self._lingered += len(data)
+        if self._lingered > LINGER_BYTES:
+            self._stop_lingering()
+
+    def _stop_lingering(self) -> None:
+        if self._lingering is not None and self._lingering.active():
+            self._lingering.cancel()
+        self.transport.abortConnection()  # type: ignore[union-attr]
 
 
 class BlazarSite(Site):
     """
     The one Site on every listener.
 
-    @ivar max_body_bytes: Request bodies above this are not kept; the
-        surface answers 413 in its own error shape.
+    @ivar max_body_bytes: Request bodies above this are refused with 413.
+    @ivar gate: Decides each request's key from its headers, before its body
+        is read (L{None}: no auth at the door, as in tests of the site alone).
+    @ivar header_timeout: Seconds a request's headers may take (and the
+        head start of its body).
+    @ivar body_min_rate: Bytes a second a body must keep up, on average.
+    @ivar max_connections_per_ip: Open connections per client address (0:
+        no limit); loopback and UNIX-socket clients are not counted.
     """
 
     requestFactory = BlazarRequest
+    protocol = BlazarChannel  # type: ignore[assignment]  # HTTP/1.1 only (no h2 here)
 
     def __init__(
         self, resource: IResource, *, max_body_bytes: int, cors_origins: tuple[str, ...] = (),
-        **kwargs: Any,
+        gate: AuthGate | None = None, header_timeout: float = 10.0, body_min_rate: int = 4096,
+        max_connections_per_ip: int = 64, **kwargs: Any,
     ) -> None:
         # every surface takes JSON: no form parsing (twisted.web would parse
         # each POST's content-type with the email package to look for forms)
@@ -171,10 +528,34 @@ class BlazarSite(Site):
         super().__init__(resource, **kwargs)
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
+        self.gate = gate
+        self.header_timeout = header_timeout
+        self.body_min_rate = body_min_rate
+        self.max_connections_per_ip = max_connections_per_ip
+        self._connections: dict[str, int] = {}
         self.trace_prefix = secrets.token_hex(4)
         self.trace_seq = 0
         self.audit: Any = None
         self.observer: Any = None  # a blazar.web.observe.RequestObserver
+
+    def new_trace_id(self) -> str:
+        """
+        The next C{plm-<hex>-<seq>} trace id.
+        """
+        self.trace_seq += 1
+        return f"plm-{self.trace_prefix}-{self.trace_seq}"
+
+    def connection_opened(self, address: str) -> int:
+        """
+        Count a connection from C{address}; return how many are open from it.
+        """
+        count = self._connections[address] = self._connections.get(address, 0) + 1
+        return count
+
+    def connection_closed(self, address: str) -> None:
+        count = self._connections.pop(address, 1) - 1
+        if count > 0:
+            self._connections[address] = count
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access event per request (replaces the combined log).

@@ -1,19 +1,29 @@
 """
-The site's body limit, driven byte by byte through a real HTTPChannel on a
-StringTransport (no sockets, no reactor).
+The site's door (connection cap, auth and body limit from the headers),
+its deadlines, oversized heads and reason phrases, driven byte by byte
+through a real HTTPChannel on a StringTransport with a Clock (no sockets,
+no reactor, no time).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import tempfile
+from typing import Any
 
+from twisted.internet.address import IPv4Address, UNIXAddress
 from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from blazar.web.site import BlazarSite
+from blazar.config import Config, KeyConfig
+from blazar.web.auth import AuthGate, KeyHolder, is_local
+from blazar.web.site import LINGER_BYTES, LINGER_SECS, OPEN_BODY_BYTES, BlazarSite, reason_phrase
 
 LIMIT = 1000
+SECRET = "door-secret-0123456789"
 
 
 class Recorder(Resource):
@@ -26,9 +36,11 @@ class Recorder(Resource):
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[bytes] = []
+        self.keys: list[Any] = []  # the key each request was let in with
 
     def render(self, request):  # type: ignore[no-untyped-def]
         self.seen.append(request.content.read())
+        self.keys.append(getattr(request, "blazar_key", None))
         return b"reached"
 
 
@@ -109,3 +121,425 @@ class BodyLimitTests(SynchronousTestCase):
         status, _, body = self.response()
         self.assertEqual(status.split(b" ")[1], b"413")
         self.assertEqual(self.inner.seen, [])
+
+    def test_a_chunked_body_is_cut_as_soon_as_it_passes_the_limit(self) -> None:
+        # no last chunk: the answer may not wait for one
+        self.channel.dataReceived(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + b"%x\r\n" % (LIMIT + 1) + b"x" * (LIMIT + 1)
+        )
+        status, headers, _ = self.response()
+        self.assertEqual(status.split(b" ")[1], b"413")
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertTrue(self.transport.disconnecting)
+        self.channel.dataReceived(b"\r\n" + (b"10\r\n" + b"y" * 16 + b"\r\n") * 10)
+        self.assertEqual(self.transport.value().count(b"HTTP/1.1"), 1)
+        self.assertEqual(self.inner.seen, [])
+
+
+def parse(raw: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
+    top, _, body = raw.partition(b"\r\n\r\n")
+    status, *lines = top.split(b"\r\n")
+    headers = {k.lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}
+    return status, headers, body
+
+
+class HalfCloseTransport(StringTransport):
+    """
+    A StringTransport that half-closes, as TCP and UNIX sockets do.
+    """
+
+    write_closed = False
+    aborted = False
+
+    def loseWriteConnection(self) -> None:
+        self.write_closed = True
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        super().abortConnection()
+
+
+class SiteCase(SynchronousTestCase):
+    """
+    A site with keys at the door (unless C{keys} says otherwise), on a Clock.
+    """
+
+    keys: tuple[KeyConfig, ...] = (KeyConfig("k", SECRET),)
+    config_extra: dict[str, Any] = {}
+
+    def setUp(self) -> None:
+        self.clock = MemoryReactorClock()
+        self.inner = Recorder()
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=self.keys, **self.config_extra)))
+        self.site = self.make_site()
+        self.tempfiles: list[dict[str, Any]] = []
+
+        def temporary_file(**kwargs: Any) -> io.BytesIO:
+            self.tempfiles.append(kwargs)
+            return io.BytesIO()
+
+        self.patch(tempfile, "TemporaryFile", temporary_file)
+
+    def make_site(self, **kwargs: Any) -> BlazarSite:
+        return BlazarSite(
+            self.gate, max_body_bytes=50 * 1024 * 1024, gate=self.gate, reactor=self.clock, **kwargs
+        )
+
+    def connect(self, host: str = "10.1.2.3", kind: type[StringTransport] = StringTransport) -> tuple[Any, Any]:
+        transport = kind(peerAddress=IPv4Address("TCP", host, 40000))
+        channel = self.site.buildProtocol(None)
+        channel.makeConnection(transport)
+        return channel, transport
+
+    def send(self, data: bytes, host: str = "10.1.2.3") -> tuple[Any, StringTransport]:
+        channel, transport = self.connect(host)
+        channel.dataReceived(data)
+        return channel, transport
+
+
+class DoorTests(SiteCase):
+    def test_no_key_is_401_at_the_headers_with_the_body_unread(self) -> None:
+        _, transport = self.send(head(b"/v1/chat/completions", 45 * 1024 * 1024) + b"x" * 3000)
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 401 Unauthorized")
+        self.assertEqual(json.loads(body)["error"]["code"], "invalid_api_key")
+        self.assertIn(b"missing API key", body)
+        self.assertEqual(headers[b"www-authenticate"], b'Bearer realm="blazar"')
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertTrue(headers[b"x-blazar-trace-id"].startswith(b"plm-"))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(self.inner.seen, [])
+        self.assertEqual(self.tempfiles, [])  # nothing spooled
+
+    def test_each_surface_has_its_shape(self) -> None:
+        for path, check in [
+            (b"/v1/messages", lambda b: b["error"]["type"] == "authentication_error"),
+            (b"/api/chat", lambda b: "invalid API key" in b["error"]),
+            (b"/v1/responses", lambda b: b["error"]["code"] == "invalid_api_key"),
+        ]:
+            _, transport = self.send(head(path, 10, b"x-api-key: wrong-wrong-wrong") + b"{}")
+            status, _, body = parse(transport.value())
+            self.assertEqual(status.split(b" ")[1], b"401", path)
+            self.assertTrue(check(json.loads(body)), (path, body))
+
+    def test_no_100_continue_without_a_key(self) -> None:
+        _, transport = self.send(head(b"/v1/messages", 4096, b"Expect: 100-continue"))
+        self.assertNotIn(b"100 Continue", transport.value())
+        status, headers, _ = parse(transport.value())
+        self.assertEqual(status.split(b" ")[1], b"401")
+        self.assertTrue(headers[b"request-id"].startswith(b"req_plm-"))
+
+    def test_a_key_lets_the_body_in(self) -> None:
+        for header in (b"Authorization: Bearer " + SECRET.encode(), b"x-api-key: " + SECRET.encode()):
+            _, transport = self.send(head(b"/v1/chat/completions", 2, header) + b"{}")
+            self.assertIn(b"200 OK", transport.value())
+        self.assertEqual(self.inner.seen, [b"{}", b"{}"])
+        self.assertEqual([k.name for k in self.inner.keys], ["k", "k"])
+
+    def test_the_body_limit_comes_before_auth(self) -> None:
+        # without a key or with one, a body over max_body_bytes is the same 413
+        for extra in ((), (b"x-api-key: " + SECRET.encode(),)):
+            _, transport = self.send(head(b"/v1/chat/completions", 60 * 1024 * 1024, *extra))
+            status, _, body = parse(transport.value())
+            self.assertEqual(status.split(b" ")[1], b"413")
+            self.assertIn(b"max_body_bytes = 52428800", body)
+
+    def test_spooled_only_past_the_memory_bound_and_only_with_a_key(self) -> None:
+        big = 2 * 1024 * 1024
+        channel, _ = self.send(head(b"/v1/chat/completions", big, b"x-api-key: " + SECRET.encode()))
+        channel.dataReceived(b"y" * (1024 * 1024))
+        self.assertEqual(self.tempfiles, [])  # the first MiB is in memory
+        channel.dataReceived(b"y" * (big - 1024 * 1024))
+        self.assertEqual(len(self.tempfiles), 1)
+        self.assertEqual(self.inner.seen, [b"y" * big])
+        # chunked, without a key, to an open route: never spooled, cut at 64 KiB
+        channel, transport = self.send(
+            b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + (b"%x\r\n" % 4096 + b"z" * 4096 + b"\r\n") * 20
+        )
+        status, _, body = parse(transport.value())
+        self.assertEqual(status.split(b" ")[1], b"413")
+        self.assertIn(b"without an API key may send at most %d bytes" % OPEN_BODY_BYTES, body)
+        self.assertEqual(len(self.tempfiles), 1)
+
+    def test_open_routes_need_no_key(self) -> None:
+        _, transport = self.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"200 OK", transport.value())
+        _, transport = self.send(head(b"/healthz", OPEN_BODY_BYTES + 1))
+        self.assertIn(b"413", transport.value().split(b"\r\n")[0])
+
+    def test_credentials_sent_twice_are_400(self) -> None:
+        key = SECRET.encode()
+        for extra in (
+            (b"Authorization: Bearer " + key, b"Authorization: Bearer other-other-other"),
+            (b"x-api-key: " + key, b"X-Api-Key: " + key),
+        ):
+            _, transport = self.send(head(b"/v1/messages", 2, *extra) + b"{}")
+            status, headers, body = parse(transport.value())
+            self.assertEqual(status, b"HTTP/1.1 400 Bad Request")
+            self.assertIn(b"sent 2 times", body)
+            self.assertEqual(json.loads(body)["error"]["type"], "invalid_request_error")
+            self.assertEqual(headers[b"connection"], b"close")
+        self.assertEqual(self.inner.seen, [])
+
+    def test_metrics_need_a_key_from_the_network_by_default(self) -> None:
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
+        self.assertIn(b"401", transport.value().split(b"\r\n")[0])
+        for host in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+            _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host=host)
+            self.assertIn(b"200 OK", transport.value(), host)
+
+    def test_is_local(self) -> None:
+        self.assertTrue(is_local(IPv4Address("TCP", "127.0.0.2", 1)))
+        self.assertTrue(is_local(UNIXAddress(b"/tmp/x.sock")))
+        self.assertFalse(is_local(IPv4Address("TCP", "10.0.0.1", 1)))
+        self.assertFalse(is_local(IPv4Address("TCP", "::ffff:10.0.0.1", 1)))
+        self.assertFalse(is_local(None))
+
+
+class MetricsRequireKeyTests(SiteCase):
+    def test_false_opens_metrics_to_everyone(self) -> None:
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=self.keys, metrics_require_key=False)))
+        self.site = self.make_site()
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
+        self.assertIn(b"200 OK", transport.value())
+
+    def test_true_closes_it_to_loopback_too(self) -> None:
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=self.keys, metrics_require_key=True)))
+        self.site = self.make_site()
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="127.0.0.1")
+        self.assertIn(b"401", transport.value().split(b"\r\n")[0])
+
+    def test_without_keys_it_is_open(self) -> None:
+        self.gate = AuthGate(self.inner, KeyHolder(Config()))
+        self.site = self.make_site()
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
+        self.assertIn(b"200 OK", transport.value())
+
+
+class DeadlineTests(SiteCase):
+    def test_headers_one_byte_a_second_are_408_at_the_deadline(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(b"POST /api/chat HTTP/1.1\r\n")
+        for byte in b"Host: example.org\r\nContent-Type: application/json\r\n":
+            channel.dataReceived(bytes([byte]))
+            self.clock.advance(1)
+            if transport.value():
+                break
+        self.assertEqual(self.clock.seconds(), 10)
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 408 Request Timeout")
+        self.assertIn("header_timeout_secs = 10", json.loads(body)["error"])  # Ollama's shape
+        self.assertTrue(headers[b"x-blazar-trace-id"].startswith(b"plm-"))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(self.inner.seen, [])
+
+    def test_before_the_request_line_the_408_is_on_the_bare_connection(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(b"PO")
+        self.clock.advance(10)
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 408 Request Timeout")
+        self.assertEqual(json.loads(body)["error"]["code"], "request_timeout")
+        self.assertEqual(int(headers[b"content-length"]), len(body))
+        self.assertTrue(transport.disconnecting)
+
+    def test_a_connection_that_sends_nothing_is_closed_without_an_answer(self) -> None:
+        _, transport = self.connect()
+        self.clock.advance(9.9)
+        self.assertFalse(transport.disconnecting)
+        self.clock.advance(0.1)
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(transport.value(), b"")
+
+    def test_a_kept_connection_may_idle_then_its_next_request_has_the_deadline(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.clock.advance(30)  # idle between requests: twisted.web's 60 s, not the header deadline
+        self.assertFalse(transport.disconnecting)
+        channel.dataReceived(b"GET /health HTTP/1.1\r\n")
+        self.clock.advance(10)
+        self.assertIn(b"408 Request Timeout", transport.value())
+        self.assertTrue(transport.disconnecting)
+
+    def test_a_pipelined_partial_request_has_the_deadline(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\nGET /health HTTP/1.1\r\n")
+        self.clock.advance(10)
+        self.assertEqual(transport.value().count(b"HTTP/1.1 "), 2)
+        self.assertIn(b"408 Request Timeout", transport.value())
+
+    def test_a_stalled_body_is_408(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(head(b"/v1/chat/completions", 100_000, b"x-api-key: " + SECRET.encode()))
+        channel.dataReceived(b"y" * 8192)  # two seconds' worth at 4096 bytes/s
+        self.clock.advance(11.9)
+        self.assertEqual(transport.value(), b"")
+        self.clock.advance(0.1)
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 408 Request Timeout")
+        self.assertIn(b"body_min_bytes_per_sec = 4096", body)
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(self.inner.seen, [])
+
+    def test_a_body_at_the_minimum_rate_is_served(self) -> None:
+        channel, transport = self.connect()
+        channel.dataReceived(head(b"/v1/chat/completions", 100_000, b"x-api-key: " + SECRET.encode()))
+        sent = 0
+        while sent < 100_000:
+            chunk = min(4096, 100_000 - sent)
+            channel.dataReceived(b"y" * chunk)
+            sent += chunk
+            self.clock.advance(1)
+        self.assertIn(b"200 OK", transport.value())
+        self.assertEqual(self.inner.seen, [b"y" * 100_000])
+
+    def test_the_deadlines_are_the_sites(self) -> None:
+        self.site = self.make_site(header_timeout=2.5)
+        channel, transport = self.connect()
+        channel.dataReceived(b"GET /health HTTP/1.1\r\n")
+        self.clock.advance(2.5)
+        self.assertIn(b"header_timeout_secs = 2.5", transport.value())
+
+
+class HeadTests(SiteCase):
+    def test_a_header_over_16_kib_is_431(self) -> None:
+        _, transport = self.send(head(b"/v1/messages", 2, b"x-junk: " + b"v" * 20_000) + b"{}")
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 431 Request Header Fields Too Large")
+        self.assertEqual(json.loads(body)["type"], "error")  # Anthropic's shape
+        self.assertTrue(headers[b"request-id"].startswith(b"req_plm-"))
+        self.assertTrue(transport.disconnecting)
+        self.assertEqual(self.inner.seen, [])
+
+    def test_a_64_kib_header_in_one_read_is_431(self) -> None:
+        _, transport = self.send(head(b"/v1/chat/completions", 2, b"x-junk: " + b"v" * 65536) + b"{}")
+        status, _, body = parse(transport.value())
+        self.assertEqual(status.split(b" ")[1], b"431")
+        self.assertEqual(json.loads(body)["error"]["code"], "request_header_fields_too_large")
+
+    def test_headers_over_16_kib_together_are_431(self) -> None:
+        many = [b"x-h%d: %s" % (i, b"v" * 1000) for i in range(20)]
+        _, transport = self.send(head(b"/api/chat", 2, *many) + b"{}")
+        self.assertIn(b"431", transport.value().split(b"\r\n")[0])
+
+    def test_too_many_header_lines_are_431(self) -> None:
+        many = [b"x-h%d: v" % i for i in range(501)]
+        _, transport = self.send(head(b"/api/chat", 2, *many) + b"{}")
+        self.assertIn(b"431", transport.value().split(b"\r\n")[0])
+
+    def test_a_request_line_over_16_kib_is_414(self) -> None:
+        _, transport = self.send(b"GET /v1/models?" + b"q" * 20_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+        status, _, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 414 Request-URI Too Long")
+        self.assertIn(b"request line too long", body)
+
+    def test_what_twisted_cannot_parse_is_400_with_a_body(self) -> None:
+        _, transport = self.send(b"POST /api/chat HTTP/1.1\r\nHost: x\r\nno colon here\r\n\r\n")
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 400 Bad Request")
+        self.assertEqual(json.loads(body), {"error": "malformed HTTP request"})
+        self.assertEqual(headers[b"connection"], b"close")
+        self.assertEqual(transport.value().count(b"HTTP/1.1 "), 1)
+
+
+class Status(Resource):
+    isLeaf = True
+
+    def __init__(self, code: int) -> None:
+        super().__init__()
+        self.code = code
+
+    def render(self, request):  # type: ignore[no-untyped-def]
+        request.setResponseCode(self.code)
+        return b"{}"
+
+
+class ReasonPhraseTests(SynchronousTestCase):
+    def test_every_status_has_its_phrase(self) -> None:
+        for code, phrase in [
+            (429, b"Too Many Requests"), (431, b"Request Header Fields Too Large"),
+            (408, b"Request Timeout"), (413, b"Request Entity Too Large"), (422, b"Unprocessable Entity"),
+            (499, b"Client Closed Request"), (529, b"Overloaded"), (503, b"Service Unavailable"),
+            (504, b"Gateway Timeout"),
+        ]:
+            site = BlazarSite(Status(code), max_body_bytes=LIMIT, reactor=MemoryReactorClock())
+            transport = StringTransport()
+            channel = site.buildProtocol(None)
+            channel.makeConnection(transport)
+            channel.dataReceived(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertTrue(transport.value().startswith(b"HTTP/1.1 %d %s\r\n" % (code, phrase)), code)
+            self.assertEqual(reason_phrase(code), phrase)
+        self.assertEqual(reason_phrase(599), b"Unknown Status")
+
+
+class ConnectionCapTests(SiteCase):
+    def test_over_the_cap_is_503_with_retry_after(self) -> None:
+        self.site = self.make_site(max_connections_per_ip=2)
+        first, _ = self.connect("10.0.0.1")
+        self.connect("10.0.0.1")
+        third, transport = self.connect("10.0.0.1")
+        third.dataReceived(head(b"/v1/chat/completions", 2, b"x-api-key: " + SECRET.encode()) + b"{}")
+        status, headers, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 503 Service Unavailable")
+        self.assertEqual(headers[b"retry-after"], b"1")
+        self.assertIn(b"max_connections_per_ip = 2", body)
+        self.assertEqual(json.loads(body)["error"]["code"], "too_many_connections")
+        self.assertTrue(transport.disconnecting)
+        # another address, and loopback, are not held back
+        other, transport = self.connect("10.0.0.2")
+        other.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"200 OK", transport.value())
+        for _ in range(5):
+            local, transport = self.connect("127.0.0.1")
+            local.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+            self.assertIn(b"200 OK", transport.value())
+        # a closed connection frees its place
+        third.connectionLost(Failure(Exception("gone")))
+        first.connectionLost(Failure(Exception("gone")))
+        fourth, transport = self.connect("10.0.0.1")
+        fourth.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"200 OK", transport.value())
+
+    def test_zero_is_no_cap(self) -> None:
+        self.site = self.make_site(max_connections_per_ip=0)
+        for _ in range(100):
+            channel, transport = self.connect("10.0.0.1")
+        channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        self.assertIn(b"200 OK", transport.value())
+
+
+class LingerTests(SiteCase):
+    def refused(self) -> tuple[Any, HalfCloseTransport]:
+        channel, transport = self.connect(kind=HalfCloseTransport)
+        channel.dataReceived(head(b"/v1/chat/completions", 10_000_000) + b"x" * 1000)
+        self.assertIn(b"401", transport.value().split(b"\r\n")[0])
+        return channel, transport
+
+    def test_half_closed_after_a_refusal_and_the_rest_dropped(self) -> None:
+        channel, transport = self.refused()
+        self.assertTrue(transport.write_closed)
+        self.assertFalse(transport.disconnecting)
+        channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n" + b"x" * 5000)
+        self.assertEqual(transport.value().count(b"HTTP/1.1 "), 1)
+        self.clock.advance(LINGER_SECS)
+        self.assertTrue(transport.aborted)
+
+    def test_at_most_linger_bytes_are_dropped(self) -> None:
+        channel, transport = self.refused()
+        channel.dataReceived(b"x" * (LINGER_BYTES - 1000))  # the 1000 after the headers count
+        self.assertFalse(transport.aborted)
+        channel.dataReceived(b"x")
+        self.assertTrue(transport.aborted)
+
+    def test_a_client_that_closes_ends_it(self) -> None:
+        channel, transport = self.refused()
+        channel.connectionLost(Failure(Exception("closed")))
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_tls_closes_at_once(self) -> None:
+        # a wrapper that only forwards loseWriteConnection (as TLS does) gets a plain close
+        _, transport = self.send(head(b"/v1/chat/completions", 10_000_000))
+        self.assertTrue(transport.disconnecting)
