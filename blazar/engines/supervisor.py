@@ -1006,12 +1006,26 @@ class Supervisor(Service):
     async def probe_health(self, instance: Instance) -> bool:
         """
         Whether C{instance}'s C{/health} answers 200 within a few seconds.
+
+        @raise CancelledError: The caller was cancelled (its client left):
+            that says nothing about the child, so it is not a L{False}
+            (which would get a busy, healthy child killed as wedged).
         """
         timer = None
+        timed_out = []
         try:
             d: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
-            timer = self._reactor.callLater(3.0, d.cancel)
+
+            def give_up() -> None:
+                timed_out.append(True)
+                d.cancel()
+
+            timer = self._reactor.callLater(3.0, give_up)
             return await d == 200
+        except CancelledError:
+            if timed_out:
+                return False
+            raise
         except Exception:
             return False
         finally:

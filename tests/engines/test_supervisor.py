@@ -1,7 +1,7 @@
 from pathlib import Path
 from typing import Any
 
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
@@ -676,3 +676,50 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         self.assertEqual(instance.state, "stopping")
         instance.transport.exit(0)
         self.assertIsNone(self.crashes())
+
+
+class HealthProbeTests(SynchronousTestCase):
+    """
+    The real L{Supervisor.probe_health} on a child that stops answering
+    C{/health}: a timeout is "unhealthy", a caller that is cancelled (its
+    client left) is a cancellation, never "unhealthy" — that would get a
+    busy, healthy child killed as wedged.
+    """
+
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        config = parse_config(
+            f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
+        self.reactor = fake_process_reactor()
+        self.pending: list[Deferred[int]] = []
+
+        def probe(url: str) -> Deferred[int]:
+            d: Deferred[int] = Deferred()
+            self.pending.append(d)
+            return d
+
+        self.supervisor = Supervisor(config, ModelRegistry(config, self.reactor), self.reactor, probe,
+                                     {"PATH": "/usr/bin"}, port_finder=lambda: 5555)
+
+    def probe(self) -> Deferred[bool]:
+        instance: Any = type("I", (), {"base_url": "http://127.0.0.1:5555"})()
+        return Deferred.fromCoroutine(self.supervisor.probe_health(instance))
+
+    def test_a_silent_child_is_unhealthy_after_the_timeout(self) -> None:
+        d = self.probe()
+        self.assertNoResult(d)
+        self.reactor.advance(3.0)
+        self.assertIs(self.successResultOf(d), False)
+
+    def test_a_client_that_leaves_is_a_cancellation_not_unhealthy(self) -> None:
+        d = self.probe()
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertEqual(self.reactor.getDelayedCalls(), [])  # the timeout timer is gone too
+
+    def test_an_answer_in_time(self) -> None:
+        d = self.probe()
+        self.pending[0].callback(200)
+        self.assertIs(self.successResultOf(d), True)
