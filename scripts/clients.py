@@ -12,10 +12,13 @@ pick others, `BLAZAR_CLIENTS_HOME` moves the cache), starts the daemon, runs
     codex exec --skip-git-repo-check "say hi"    then  codex exec --skip-git-repo-check resume --last "again"
 
 each in a fresh home of its own (nothing of this machine's configuration leaks
-in), counts the requests the daemon saw for each run (from its access log), and
-prints a table that also goes to `bench/results/clients-<UTC time>.json`. It
-exits 1 if any run fails, after printing the tail of that client's output and
-of the daemon's log.
+in), counts the requests the daemon saw for each run (from its audit log), the
+prompt tokens the engine evaluated (a second turn whose prompt extends the
+first's byte for byte evaluates only what is new) and the tool calls the agent
+ran, and prints a table that also goes to `bench/results/clients-<UTC time>.json`.
+A run passes when the agent exits 0 and every generation request it made was
+answered 2xx. The script exits 1 if any run fails, after printing the tail of
+that client's output and of the daemon's log.
 
 Every network access of the agents goes to the daemon: no telemetry, no update
 checks, nothing downloaded at run time (Codex's native binary is an npm package
@@ -32,6 +35,7 @@ import http.client
 import json
 import os
 import platform
+import re
 import shutil
 import signal
 import socket
@@ -297,6 +301,7 @@ class Run:
     stderr: str = ""
     timed_out: bool = False
     tool_calls: list[str] = field(default_factory=list)
+    prefill_tokens: list[int] = field(default_factory=list)
 
     @property
     def generations(self) -> list[dict[str, Any]]:
@@ -318,6 +323,7 @@ class Run:
             "turn": self.turn, "command": " ".join([self.agent.command, *self.argv[1:]]),
             "exit_code": self.exit_code, "timed_out": self.timed_out, "seconds": round(self.seconds, 1),
             "requests_seen": len(self.requests), "requests": seen, "tool_calls": self.tool_calls,
+            "prefill_tokens": self.prefill_tokens,
             "passed": self.passed,
             "stdout_tail": self.stdout[-400:],
         }
@@ -417,6 +423,24 @@ class Daemon:
                 pass
         return out
 
+    def log_size(self) -> int:
+        try:
+            return self.log_path.stat().st_size
+        except FileNotFoundError:
+            return 0
+
+    def prefills(self, since: int) -> list[int]:
+        """
+        The prompt tokens the engine evaluated for each generation logged
+        after byte C{since} of the daemon's log (llama-server's C{prompt eval
+        time = ... / N tokens} lines): a turn that extends the last one's
+        prompt byte for byte evaluates only what is new.
+        """
+        with open(self.log_path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode("utf-8", "replace")
+        return [int(n) for n in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", text)]
+
     def log_tail(self, lines: int = 40) -> str:
         try:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
@@ -488,6 +512,7 @@ def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout:
     home = Path(env["HOME"])
     calls_before = transcript_tool_calls(run.agent, home)
     before = len(daemon.audited())
+    log_before = daemon.log_size()
     say(f"{run.agent.name} turn {run.turn}: {run.row()['command']}")
     started = time.monotonic()
     try:
@@ -502,12 +527,14 @@ def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout:
     # the audit log is written by a thread of the daemon's: let it catch up
     time.sleep(1.5)
     run.requests = [r for r in daemon.audited()[before:] if r.get("key") == run.agent.name]
+    run.prefill_tokens = daemon.prefills(log_before)
     run.tool_calls = [name for call, name in transcript_tool_calls(run.agent, home).items()
                       if call not in calls_before]
     verdict = "ok" if run.passed else "FAILED"
     say(f"{run.agent.name} turn {run.turn}: {verdict}, exit {run.exit_code}"
         f"{' (timed out)' if run.timed_out else ''}, {run.seconds:.1f} s, "
         f"{len(run.requests)} requests: {run.row()['requests']}"
+        f"; prompt tokens evaluated: {run.prefill_tokens}"
         f"{'; tool calls run: ' + ', '.join(run.tool_calls) if run.tool_calls else ''}")
     if run.stdout.strip():
         print(f"--- {run.agent.name} turn {run.turn} said:\n{run.stdout.strip()[-1500:]}", flush=True)
