@@ -216,6 +216,9 @@ def claude_environment(home: Path, base_url: str, api_key: str) -> dict[str, str
         "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
         "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
         "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+        # an id it does not know is "assumed to be 1m tokens": compact
+        # before the model's real context runs out
+        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(CONTEXT),
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
         "DISABLE_TELEMETRY": "1",
         "DISABLE_AUTOUPDATER": "1",

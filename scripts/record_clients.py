@@ -13,7 +13,10 @@ configuration as the conformance run) is run twice:
   "say hi"`, answered with text;
 - tool-result turn: the first request is answered with a call of the agent's
   shell tool (`echo hi`, allowed non-interactively), so the agent runs it and
-  sends a second request carrying the result.
+  sends a second request carrying the result;
+- Claude Code only, its interactive UI in a pseudo-terminal (`say hi` typed,
+  then `/exit`): what most users send, with a tool more and fields `-p` leaves
+  out (`safeguards`), into `claude-code-interactive-first.json`.
 
 From each run the agent's main request (the one offering tools) is written to
 `<agent>-first.json` / `<agent>-tool-result.json` as `{"client", "version",
@@ -28,6 +31,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import pty
+import select
+import signal
 import subprocess
 import sys
 import tempfile
@@ -345,6 +352,8 @@ def run_agent(agent: Agent, base_url: str, mode: str, work: Path) -> subprocess.
     cwd.mkdir(parents=True)
     (cwd / "notes.txt").write_text("hello from the recorder\n")
     exe = str(install(agent))
+    if mode == "interactive":
+        return run_claude_tui(exe, claude_environment(home, base_url, API_KEY), home, cwd)
     if agent is CLAUDE_CODE:
         env = claude_environment(home, base_url, API_KEY)
         argv = [exe, "-p", "say hi" if mode == "text" else "run `echo hi` and tell me what it printed",
@@ -366,6 +375,59 @@ def run_agent(agent: Agent, base_url: str, mode: str, work: Path) -> subprocess.
     return done
 
 
+def run_claude_tui(exe: str, env: dict[str, str], home: Path, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """
+    Claude Code's interactive terminal UI in a pseudo-terminal: the folder
+    marked trusted (or it stops at the trust dialog), C{say hi} typed once the
+    UI is up, and C{/exit} once the recorder has seen the reply's request.
+    """
+    for path in (home / ".claude.json", home / ".claude" / ".claude.json"):
+        state = json.loads(path.read_text())
+        state["projects"] = {str(cwd): {"hasTrustDialogAccepted": True, "hasCompletedProjectOnboarding": True}}
+        path.write_text(json.dumps(state))
+    env = dict(env, TERM="xterm-256color")
+    say(f"claude-code (interactive): {exe} --model {MODEL}, typing 'say hi'")
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: never returns
+        os.chdir(cwd)
+        os.execve(exe, [exe, "--model", MODEL], env)
+    screen = bytearray()
+
+    def pump(seconds: float) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end:
+            ready, _, _ = select.select([fd], [], [], 0.2)
+            if ready:
+                try:
+                    screen.extend(os.read(fd, 65536))
+                except OSError:
+                    return
+
+    pump(8)
+    os.write(fd, b"say hi")
+    pump(1)
+    os.write(fd, b"\r")
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not RECORDER.requests:
+        pump(1)
+    pump(3)
+    os.write(fd, b"/exit\r")
+    pump(3)
+    for _ in range(50):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGTERM)
+        _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    code = os.waitstatus_to_exitcode(status)
+    text = screen.decode("utf-8", "replace")
+    say(f"claude-code (interactive): exit {code}")
+    return subprocess.CompletedProcess([exe], code, text, "")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", choices=[CLAUDE_CODE.name, CODEX.name])
@@ -384,7 +446,10 @@ def main() -> int:
         for agent in (CLAUDE_CODE, CODEX):
             if args.only and agent.name != args.only:
                 continue
-            for mode, name in (("text", "first"), ("tool", "tool-result")):
+            modes = [("text", "first"), ("tool", "tool-result")]
+            if agent is CLAUDE_CODE:
+                modes.append(("interactive", "interactive-first"))
+            for mode, name in modes:
                 RECORDER.reset(agent.name, mode)
                 with tempfile.TemporaryDirectory(prefix=f"blazar-rec-{agent.name}-") as tmp:
                     done = run_agent(agent, base_url, mode, Path(tmp))
@@ -393,7 +458,7 @@ def main() -> int:
                     for r in seen:
                         log.write(json.dumps({"client": agent.name, "mode": mode, **fixture(agent, r)}) + "\n")
                 mains = main_requests(agent, seen)
-                if mode == "text":
+                if mode in ("text", "interactive"):
                     chosen = mains[0] if mains else None
                 else:
                     chosen = next((r for r in mains if has_tool_result(agent, r["body"])), None)
