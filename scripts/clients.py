@@ -569,6 +569,25 @@ def machine() -> dict[str, Any]:
                 ["node", "--version"], capture_output=True, text=True).stdout.strip()}
 
 
+def source() -> dict[str, Any]:
+    """
+    Which Blazar the run served with: the checkout's commit, and whether
+    its code had uncommitted changes (L{None}s outside a git checkout).
+    """
+    import blazar
+
+    def git(*argv: str) -> str | None:
+        try:
+            done = subprocess.run(["git", "-C", str(ROOT), *argv], capture_output=True, text=True)
+        except OSError:
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    status = git("status", "--porcelain", "--", "blazar", "twisted", "pyproject.toml")
+    return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": None if status is None else bool(status),
+            "package": str(Path(blazar.__file__).parent)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", help="llama-server binary (default: $BLAZAR_ENGINE, else the daemon's search)")
@@ -619,7 +638,7 @@ def main() -> int:
     rows = [r.row() for r in runs]
     passed = bool(rows) and all(r["passed"] for r in rows) and len(rows) == 2 * len(agents)
     result = {
-        "when": stamp, "passed": passed, "machine": machine(), "engine": engine,
+        "when": stamp, "passed": passed, "blazar": source(), "machine": machine(), "engine": engine,
         "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.testing)"},
         "keys": "on", "runs": rows,
     }
