@@ -359,10 +359,18 @@ class Daemon:
     A real `blazar serve` with API keys on, one generated 128k-context model
     (C{tiny}: C{ctx_size = 131072}, C{parallel = 1}) and an audit log the
     run counts requests from.
+
+    Unless C{tool_tokens}, the model's engine never samples the test
+    vocabulary's C{<tool_call>} token (C{--logit-bias ID-inf}): the random
+    weights emit it every few hundred tokens, and a noise "tool call" left
+    unclosed at the end of an answer makes llama-server fail the stream ("The
+    model produced output that does not match the expected peg-native
+    format"), which the agent reports as an error and exits 1. That is the
+    random model's doing, not the request path this run checks.
     """
 
-    def __init__(self, root: Path, engine: str, keys: dict[str, str]) -> None:
-        from blazar.testing import make_test_model
+    def __init__(self, root: Path, engine: str, keys: dict[str, str], tool_tokens: bool = False) -> None:
+        from blazar.testing import make_test_model, vocabulary
 
         self.root = root
         self.port = free_port()
@@ -382,6 +390,11 @@ class Daemon:
             f"ctx_size = {CONTEXT}",
             "parallel = 1",
         ]
+        self.logit_bias: dict[str, str] = {}
+        if not tool_tokens:
+            self.logit_bias = {str(vocabulary()[0].index("<tool_call>")): "-inf"}
+            lines.append("args = [" + ", ".join(
+                f'"--logit-bias", "{token}{bias}"' for token, bias in self.logit_bias.items()) + "]")
         for name, secret in keys.items():
             lines += ["[[keys]]", f'name = "{name}"', f'secret = "{secret}"']
         self.config.write_text("\n".join(lines) + "\n")
@@ -595,6 +608,8 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="results file (default: bench/results/clients-<UTC time>.json)")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds per agent run (default %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (homes, daemon log)")
+    p.add_argument("--tool-tokens", action="store_true",
+                   help="let the random model sample <tool_call> (its noise then fails a stream now and then)")
     args = p.parse_args()
 
     agents = [a for a in AGENTS if args.only in (None, a.name)]
@@ -606,7 +621,7 @@ def main() -> int:
     keys = {a.name: f"blz-{a.name}-" + os.urandom(12).hex() for a in agents}
 
     scratch = Path(tempfile.mkdtemp(prefix="blazar-clients-"))
-    daemon = Daemon(scratch / "daemon", engine, keys)
+    daemon = Daemon(scratch / "daemon", engine, keys, tool_tokens=args.tool_tokens)
     say(f"daemon on {daemon.base_url}, model {MODEL} (ctx {CONTEXT}, 1 slot), keys on; scratch {scratch}")
     runs: list[Run] = []
     try:
@@ -639,7 +654,8 @@ def main() -> int:
     passed = bool(rows) and all(r["passed"] for r in rows) and len(rows) == 2 * len(agents)
     result = {
         "when": stamp, "passed": passed, "blazar": source(), "machine": machine(), "engine": engine,
-        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.testing)"},
+        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.testing)",
+                  "engine_logit_bias": daemon.logit_bias},
         "keys": "on", "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
