@@ -22,7 +22,7 @@ def load(name: str) -> dict[str, Any]:
     return json.loads((FIXTURES / f"{name}.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result"])
+@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result", "claude-code-interactive-first"])
 def test_claude_code_translates(name: str) -> None:
     body = load(name)["body"]
     ignored = leniency.screen("anthropic", body)
@@ -53,7 +53,8 @@ def test_claude_code_tool_result_turn() -> None:
 
 
 @pytest.mark.parametrize("mid_ok", [True, False])
-@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result", "codex-first", "codex-tool-result"])
+@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result", "claude-code-interactive-first",
+                                  "codex-first", "codex-tool-result"])
 def test_placed_for_either_kind_of_template(name: str, mid_ok: bool) -> None:
     fixture = load(name)
     body = fixture["body"]
