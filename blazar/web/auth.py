@@ -214,7 +214,8 @@ class AuthGate(Resource):
             C{OPTIONS}, and C{/metrics} as C{metrics_require_key} says); or
             a L{Refusal}: 400 for C{Authorization} or C{x-api-key} sent more
             than once (a front proxy that checks the first would see another
-            identity than the last), 401 for a missing or wrong key.
+            identity than the last), 401 for a missing or wrong key, 403
+            for a scoped key asking for C{/metrics} (where it needs a key).
         """
         for name in CREDENTIAL_HEADERS:
             given = request.requestHeaders.getRawHeaders(name) or []
@@ -232,6 +233,14 @@ class AuthGate(Resource):
                 f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
                 "(keys are listed with `blazar keys list`)"
             ))
+        if request.path == b"/metrics" and not key.admin:
+            # the series name every model and key: to a scoped key, models
+            # outside its scope do not exist
+            return Refusal(403, "forbidden", (
+                f"key {key.name!r} is scoped to models and may not read /metrics, which names "
+                "every model and key: scrape with an unscoped (admin) key, or set "
+                "metrics_require_key = false to open /metrics to everyone"
+            ), code="insufficient_permissions")
         return key
 
     def _open_route(self, request: IRequest) -> bool:

@@ -311,6 +311,34 @@ class MetricsRequireKeyTests(SiteCase):
         _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="127.0.0.1")
         self.assertIn(b"401", transport.value().split(b"\r\n")[0])
 
+    def test_a_scoped_key_is_403_where_a_key_is_needed(self) -> None:
+        scoped = KeyConfig("webui", "scoped-secret-0123456789", models=("qwen:7b",))
+        get = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
+        for required, host in ((None, "10.1.2.3"), (True, "127.0.0.1")):
+            self.gate = AuthGate(self.inner, KeyHolder(Config(
+                keys=(*self.keys, scoped), metrics_require_key=required)))
+            self.site = self.make_site()
+            _, transport = self.send(get + b"Authorization: Bearer " + scoped.secret.encode() + b"\r\n\r\n", host=host)
+            status, _, body = parse(transport.value())
+            self.assertEqual(status, b"HTTP/1.1 403 Forbidden", (required, host))
+            error = json.loads(body)["error"]
+            self.assertEqual(error["type"], "invalid_request_error")
+            self.assertEqual(error["code"], "insufficient_permissions")
+            self.assertIn("'webui' is scoped", error["message"])
+            self.assertIn("metrics_require_key = false", error["message"])
+            self.assertIn("admin", error["message"])
+            # an admin key reads them
+            _, transport = self.send(get + b"x-api-key: " + SECRET.encode() + b"\r\n\r\n", host=host)
+            self.assertIn(b"200 OK", transport.value())
+        self.assertEqual(len(self.inner.seen), 2)
+        # scrapes without a key from loopback stay open when unset, as does everything with false
+        for required, host in ((None, "127.0.0.1"), (False, "10.1.2.3")):
+            self.gate = AuthGate(self.inner, KeyHolder(Config(
+                keys=(*self.keys, scoped), metrics_require_key=required)))
+            self.site = self.make_site()
+            _, transport = self.send(get + b"\r\n", host=host)
+            self.assertIn(b"200 OK", transport.value(), (required, host))
+
     def test_without_keys_it_is_open(self) -> None:
         self.gate = AuthGate(self.inner, KeyHolder(Config()))
         self.site = self.make_site()
