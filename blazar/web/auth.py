@@ -100,13 +100,23 @@ def error_body(surface: str, status: int, message: str, code: str | None = None)
                                  "param": None, "code": code}}).encode()
 
 
-def presented_secret(request: IRequest) -> bytes | None:
+def bearer_secret(request: IRequest) -> bytes | None:
     """
-    C{Authorization: Bearer <secret>}, else C{x-api-key}.
+    The secret in C{Authorization: Bearer <secret>}, if that is there.
     """
     header = request.getHeader(b"authorization")
     if header and header[:7].lower() == b"bearer ":
         return header[7:].strip()
+    return None
+
+
+def presented_secret(request: IRequest) -> bytes | None:
+    """
+    C{Authorization: Bearer <secret>}, else C{x-api-key}.
+    """
+    bearer = bearer_secret(request)
+    if bearer is not None:
+        return bearer
     api_key = request.getHeader(b"x-api-key")
     return api_key.strip() if api_key else None
 
@@ -214,7 +224,9 @@ class AuthGate(Resource):
             C{OPTIONS}, and C{/metrics} as C{metrics_require_key} says); or
             a L{Refusal}: 400 for C{Authorization} or C{x-api-key} sent more
             than once (a front proxy that checks the first would see another
-            identity than the last), 401 for a missing or wrong key, 403
+            identity than the last) or for C{Authorization: Bearer} and
+            C{x-api-key} with different keys (one checked, the other
+            used), 401 for a missing or wrong key, 403
             for a scoped key asking for C{/metrics} (where it needs a key).
         """
         for name in CREDENTIAL_HEADERS:
@@ -225,6 +237,12 @@ class AuthGate(Resource):
                 ))
         if not self._keys.active or self._open_route(request):
             return None
+        bearer, api_key = bearer_secret(request), request.getHeader(b"x-api-key")
+        if bearer and api_key and not hmac.compare_digest(bearer, api_key.strip()):
+            return Refusal(400, "bad_request", (
+                "Authorization: Bearer and x-api-key carry different keys; send one key, "
+                "in one of them (or the same key in both)"
+            ))
         secret = presented_secret(request)
         key = self._keys.find(secret) if secret else None
         if key is None:

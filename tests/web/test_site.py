@@ -283,6 +283,29 @@ class DoorTests(SiteCase):
             self.assertEqual(headers[b"connection"], b"close")
         self.assertEqual(self.inner.seen, [])
 
+    def test_different_keys_in_authorization_and_x_api_key_are_400(self) -> None:
+        other = KeyConfig("other", "other-secret-0123456789")
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=(*self.keys, other))))
+        self.site = self.make_site()
+        a, b = b"Authorization: Bearer " + SECRET.encode(), b"x-api-key: " + other.secret.encode()
+        for path, check in [
+            (b"/v1/chat/completions", lambda e: e["error"]["type"] == "invalid_request_error"),
+            (b"/v1/messages", lambda e: e["error"]["type"] == "invalid_request_error"),
+            (b"/api/chat", lambda e: isinstance(e["error"], str)),
+        ]:
+            for extra in ((a, b), (b, a), (a, b"x-api-key: not-a-key-at-all")):
+                _, transport = self.send(head(path, 2, *extra) + b"{}")
+                status, headers, body = parse(transport.value())
+                self.assertEqual(status, b"HTTP/1.1 400 Bad Request", (path, extra))
+                self.assertIn(b"carry different keys", body)
+                self.assertTrue(check(json.loads(body)), body)
+                self.assertEqual(headers[b"connection"], b"close")
+        self.assertEqual(self.inner.seen, [])
+        # the same key in both is one identity
+        _, transport = self.send(head(b"/v1/messages", 2, a, b"x-api-key:  " + SECRET.encode()) + b"{}")
+        self.assertIn(b"200 OK", transport.value())
+        self.assertEqual([k.name for k in self.inner.keys], ["k"])
+
     def test_metrics_need_a_key_from_the_network_by_default(self) -> None:
         _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
         self.assertIn(b"401", transport.value().split(b"\r\n")[0])
