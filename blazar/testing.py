@@ -318,7 +318,8 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
     A Klein app that answers like llama-server (compact JSON, C{model} set
     to C{model_name}, SSE streams ending in C{[DONE]}), for
     C{treq.testing.StubTreq}. C{app.requests} records C{(path, body)}.
-    Send C{"fail": N} in a request body to get status N back.
+    Send C{"chat_template_kwargs": {"fail": N}} in a request body (a field
+    the gateway passes through) to get status N back.
     """
     import json
 
@@ -339,10 +340,11 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
     def chat(request):  # type: ignore[no-untyped-def]
         body = json.loads(request.content.read())
         app.requests.append(("/v1/chat/completions", body))  # type: ignore[attr-defined]
-        if "fail" in body:
-            request.setResponseCode(body["fail"])
+        fail = (body.get("chat_template_kwargs") or {}).get("fail")
+        if fail:
+            request.setResponseCode(fail)
             return json.dumps(
-                {"error": {"code": body["fail"], "message": "engine says no", "type": "server_error"}}
+                {"error": {"code": fail, "message": "engine says no", "type": "server_error"}}
             ).encode()
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
@@ -363,7 +365,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
     return app
 
 
-@attrs.define
+@attrs.define(eq=False)  # as the real Instance: compared and hashed by identity
 class FakeInstance:
     """
     Stands in for L{blazar.engines.supervisor.Instance} in surface tests.

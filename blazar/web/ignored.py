@@ -20,6 +20,9 @@ log = Logger()
 
 IGNORED_HEADER = b"x-blazar-ignored"
 _SEEN_MAX = 4096
+# per request: names kept (for the header and the log), and their length
+_PER_REQUEST = 64
+_NAME_MAX = 100
 
 
 class IgnoredFields:
@@ -45,14 +48,31 @@ class IgnoredFields:
         """
         Set C{x-blazar-ignored} on C{request}'s response (call before
         anything is written) and log each name not yet logged for this
-        client.
+        client. Bounded: names are cut to 100 characters and at most 64 a
+        request are listed, logged and remembered (the rest are counted).
         """
-        names = list(dict.fromkeys(names))
-        if not names:
-            return
-        request.setHeader(IGNORED_HEADER, header_value(names))
-        client = self.client_of(request)
+        kept: dict[str, None] = {}
+        more = 0
         for name in names:
+            short = name[:_NAME_MAX]
+            if short in kept:
+                continue
+            if len(kept) >= _PER_REQUEST:
+                more += 1
+                continue
+            kept[short] = None
+        if not kept:
+            return
+        shown = list(kept) + ([f"(+{more} more)"] if more else [])
+        request.setHeader(IGNORED_HEADER, header_value(shown))
+        client = self.client_of(request)[:_NAME_MAX]
+        if more:
+            log.info(
+                "ignored {count} more request fields on the {surface} surface (client {client}) "
+                "than are listed", count=more, surface=surface, client=client,
+                trace_id=getattr(request, "trace_id", ""),
+            )
+        for name in kept:
             triple = (client, surface, name)
             if triple in self._seen:
                 self._seen.move_to_end(triple)
@@ -62,7 +82,7 @@ class IgnoredFields:
                 self._seen.popitem(last=False)
             log.info(
                 "ignored request field {field!r} on the {surface} surface (client {client}); "
-                "see the README's leniency table", field=name[:100], surface=surface, client=client,
+                "see the README's leniency table", field=name, surface=surface, client=client,
                 trace_id=getattr(request, "trace_id", ""),
             )
 

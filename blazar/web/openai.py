@@ -139,9 +139,11 @@ def validate(kind: str, body: dict[str, Any]) -> None:
 def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
     """
     The leniency policy (L{blazar.web.translate.leniency}) on a chat,
-    completion or embedding body, and what the engine must not get: tools
-    that are not functions (built-in ones a local model cannot run) and
-    C{best_of} (llama-server refuses it) are taken out of C{body}.
+    completion or embedding body, and what the engine must not get: the
+    ignored fields, tools that are not functions (built-in ones a local
+    model cannot run), C{best_of} and C{suffix} (llama-server refuses them)
+    are taken out of C{body}; a named or C{allowed_tools} C{tool_choice}
+    becomes what llama-server honours (only those tools, a call required).
 
     @return: (the names accepted but not honoured, whether C{body} changed).
     @raise BadRequest: A field whose meaning would be lost, named.
@@ -151,6 +153,12 @@ def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
     except leniency.MeaningChanged as e:
         raise BadRequest(str(e), e.field) from None
     changed = False
+    # what the engine would ignore anyway is not sent to it (a body can carry
+    # any number of unknown fields; the engine's JSON handling is slow in them)
+    for name in ignored:
+        if name in body:
+            del body[name]
+            changed = True
     tools = body.get("tools")
     if kind == "chat" and isinstance(tools, list) and any(t.get("type", "function") != "function" for t in tools):
         ignored += [f"tools:{t.get('type')}"[:80] for t in tools if t.get("type", "function") != "function"]
@@ -159,12 +167,60 @@ def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
             del body["tools"]
             body.pop("tool_choice", None)
         changed = True
+    if kind == "chat" and isinstance(body.get("tool_choice"), dict):
+        _tool_choice(body)
+        changed = True
     for name in ("best_of", "suffix"):
         # llama-server refuses these by name, even null; a real suffix was refused above
         if kind == "completion" and name in body:
             del body[name]
             changed = True
     return ignored, changed
+
+
+def _tool_choice(body: dict[str, Any]) -> None:
+    """
+    An object C{tool_choice} as llama-server honours it (it takes only
+    "auto", "none" and "required", and silently reads anything else as
+    "auto"): a named function offers only that tool and requires a call;
+    C{allowed_tools} narrows the tools and keeps its mode.
+
+    @raise BadRequest: A name no offered tool has, or a shape OpenAI does
+        not define.
+    """
+    choice = body["tool_choice"]
+    tools = body.get("tools") or []
+
+    def name_of(tool: Any) -> Any:
+        return (tool.get("function") or {}).get("name") if isinstance(tool, dict) else None
+
+    kind = choice.get("type")
+    if kind == "function" and isinstance(name_of(choice), str):
+        named = [t for t in tools if name_of(t) == name_of(choice)]
+        if not named:
+            raise BadRequest(f"tool_choice: no function tool named {name_of(choice)!r} in tools", "tool_choice")
+        body["tools"], body["tool_choice"] = named, "required"
+        return
+    if kind == "allowed_tools" and isinstance(choice.get("allowed_tools"), dict):
+        spec = choice["allowed_tools"]
+        mode, allowed = spec.get("mode", "auto"), spec.get("tools")
+        if mode in ("auto", "required") and isinstance(allowed, list):
+            names = {name_of(t) for t in allowed}
+            body["tools"] = [t for t in tools if name_of(t) in names]
+            if body["tools"]:
+                body["tool_choice"] = mode
+                return
+            if mode == "required":
+                raise BadRequest('tool_choice: allowed_tools with mode "required" names no function tool in tools',
+                                 "tool_choice")
+            del body["tools"]
+            body.pop("tool_choice")
+            return
+    if kind == "custom":
+        raise BadRequest("tool_choice: custom tools are not served by this gateway; offer function tools",
+                         "tool_choice")
+    raise BadRequest('tool_choice: must be "auto", "none", "required", {"type": "function", "function": '
+                     '{"name": ...}} or {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}', "tool_choice")
 
 
 #: an SSE payload -> the payloads the client gets instead

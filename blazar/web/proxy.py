@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import json
 from typing import Any, Awaitable, Callable
+from weakref import WeakKeyDictionary
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from blazar.config import DEFAULT_STREAM_STALL_CLOSE, parse_duration
 from blazar.engines.client import (
@@ -180,9 +182,11 @@ class EngineProxy:
         self._registry = registry
         self._engines = engines
         self._clock = clock
-        # (canonical model, file mtime) -> whether its chat template takes
-        # a system message after the first turn (asked once per model file)
-        self._mid_system: dict[tuple[str, float], bool] = {}
+        # child -> whether its chat template takes a system message after
+        # the first turn (asked once per child); model -> requests waiting
+        # for the probe under way
+        self._mid_system: WeakKeyDictionary[Any, bool] = WeakKeyDictionary()
+        self._probing: dict[str, list[Deferred[bool]]] = {}
 
     def done(self, instance: Instance, keep_alive: float | None) -> None:
         """
@@ -297,41 +301,66 @@ class EngineProxy:
     async def mid_system_ok(self, model: str) -> bool:
         """
         Whether C{model}'s chat template renders a system message after the
-        first turn in its place: asked once per model file, by rendering
-        L{placement.PROBE} with the child's C{/apply-template}. A template
-        that raises or drops it answers L{False}.
+        first turn in its place: asked once per child (the template is the
+        running child's, whatever file is on disk now), by rendering
+        L{placement.PROBE} with its C{/apply-template}; concurrent first
+        requests share one probe. A template that raises or drops it
+        answers L{False}.
+
+        @raise blazar.engines.supervisor.EngineError: No child could be
+            started to ask.
         """
-        if self._registry is not None:
-            entry = await self._registry.resolve(model)
-            key = (entry.name, entry.modified)
-        else:
-            key = (model, 0.0)
-        known = self._mid_system.get(key)
-        if known is not None:
-            return known
+        name = (await self._registry.resolve(model)).name if self._registry is not None else model
+        loaded = self.supervisor.loaded(name)
+        if loaded is not None and loaded in self._mid_system:
+            return self._mid_system[loaded]
+        waiters = self._probing.get(name)
+        if waiters is None:
+            waiters = self._probing[name] = []
+            # not tied to the request: a client that leaves does not stop
+            # the probe the others wait for
+            ensureDeferred(self._probe_template(model, name)).addErrback(
+                lambda f: log.failure("probing {model}'s chat template failed", f, model=name))
+        waiter: Deferred[bool] = Deferred()
+        waiters.append(waiter)
+        return await waiter
+
+    async def _probe_template(self, model: str, name: str) -> None:
+        outcome: Any
         try:
-            instance, response = await self.send(
-                model, "/apply-template", json.dumps(placement.PROBE).encode("utf-8"), stream=False
-            )
-        except EngineRejected as e:
-            log.info("{model}: its chat template refuses a system message after the first turn "
-                     "({error}); such messages are rendered as <system-reminder> blocks",
-                     model=key[0], error=str(e)[:200])
-            ok = False
-        else:
             try:
-                payload = await self.read(instance, response)
-            finally:
-                instance.in_flight -= 1
-            try:
-                ok = placement.probe_accepts(json.loads(payload).get("prompt"))
-            except (ValueError, AttributeError):
-                ok = False
-            if not ok:
-                log.info("{model}: its chat template drops a system message after the first turn; "
-                         "such messages are rendered as <system-reminder> blocks", model=key[0])
-        self._mid_system[key] = ok
-        return ok
+                instance, response = await self.send(
+                    model, "/apply-template", json.dumps(placement.PROBE).encode("utf-8"), stream=False
+                )
+            except EngineRejected as e:
+                log.info("{model}: its chat template refuses a system message after the first turn "
+                         "({error}); such messages are rendered as <system-reminder> blocks",
+                         model=name, error=str(e)[:200])
+                ok, child = False, self.supervisor.loaded(name)
+            else:
+                try:
+                    payload = await self.read(instance, response)
+                finally:
+                    instance.in_flight -= 1
+                try:
+                    ok = placement.probe_accepts(json.loads(payload).get("prompt"))
+                except (ValueError, AttributeError):
+                    ok = False
+                if not ok:
+                    log.info("{model}: its chat template drops a system message after the first turn; "
+                             "such messages are rendered as <system-reminder> blocks", model=name)
+                child = instance
+            if child is not None:
+                self._mid_system[child] = ok
+            outcome = ok
+        except BaseException:
+            outcome = Failure()
+        for waiter in self._probing.pop(name, []):
+            if not waiter.called:  # (a waiter whose client left was cancelled)
+                if isinstance(outcome, Failure):
+                    waiter.errback(outcome)
+                else:
+                    waiter.callback(outcome)
 
     async def count_chat_tokens(self, model: str, chat_body: dict[str, Any]) -> int:
         """

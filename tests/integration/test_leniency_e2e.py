@@ -141,7 +141,7 @@ def test_responses_every_field(daemon: Daemon, models: dict[str, GeneratedModel]
     assert json.loads(data)["status"] in ("completed", "incomplete")
     assert {"user", "truncation", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
             "service_tier", "include", "client_metadata", "max_tool_calls", "top_logprobs",
-            "tools:web_search", "tools:file_search", "input:web_search_call"} == ignored(headers)
+            "tools:web_search", "tools:file_search", "input:web_search_call", "text.verbosity"} == ignored(headers)
 
 
 def test_anthropic_every_field(daemon: Daemon, models: dict[str, GeneratedModel]) -> None:

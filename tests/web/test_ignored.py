@@ -53,3 +53,20 @@ class IgnoredFieldsTests(SynchronousTestCase):
         r.requestHeaders.setRawHeaders(b"anthropic-beta", [b"claude-code-20250219, effort-2025-11-24"])
         self.assertEqual(beta_values(r, frozenset({"effort-2025-11-24"})), ["anthropic-beta=claude-code-20250219"])
         self.assertEqual(beta_values(request()), [])
+
+
+class HostileRequestTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.events: list[dict] = []
+        globalLogPublisher.addObserver(self.events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+
+    def test_many_and_long_names_are_bounded(self) -> None:
+        seen = IgnoredFields()
+        r = request()
+        seen.note(r, "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
+        self.assertLessEqual(len(self.events), 65)  # 64 names and one count line
+        self.assertLessEqual(sum(len(k[2]) for k in seen._seen), 64 * 100)
+        header = r.responseHeaders.getRawHeaders(IGNORED_HEADER)[0]
+        self.assertLessEqual(len(header), 1100)
+        self.assertTrue(any("936" in str(e.get("count", "")) for e in self.events))

@@ -121,14 +121,14 @@ class OpenAISurfaceTests(SynchronousTestCase):
     def test_engine_failure_is_502_with_engine_message(self) -> None:
         code, _, body = self.call(
             "POST", "/v1/chat/completions",
-            {"model": "m", "fail": 500, "messages": [{"role": "user", "content": "x"}]},
+            {"model": "m", "chat_template_kwargs": {"fail": 500}, "messages": [{"role": "user", "content": "x"}]},
         )
         self.assertOpenAIError(code, body, 502, "engine_error", "engine says no")
 
     def test_engine_4xx_keeps_status(self) -> None:
         code, _, body = self.call(
             "POST", "/v1/chat/completions",
-            {"model": "m", "fail": 400, "messages": [{"role": "user", "content": "x"}]},
+            {"model": "m", "chat_template_kwargs": {"fail": 400}, "messages": [{"role": "user", "content": "x"}]},
         )
         self.assertOpenAIError(code, body, 400, None, "engine says no")
 

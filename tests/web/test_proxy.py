@@ -1,3 +1,4 @@
+import json
 from typing import Any
 
 from twisted.internet.defer import Deferred, ensureDeferred
@@ -314,3 +315,69 @@ class ChildExitedTests(SynchronousTestCase):
         self.failureResultOf(self.send(engines), EngineCrashed)
         self.assertEqual(len(engines.sent), 2)
         self.assertEqual(self.supervisor.started, 2)
+
+
+class TemplateProbeTests(SynchronousTestCase):
+    """
+    Whether a child's template takes a mid-conversation system message is
+    asked once per child, shared by concurrent first requests, and asked
+    again of a new child (its file may have changed).
+    """
+
+    def setUp(self) -> None:
+        self.children: dict[str, FakeInstance] = {}
+        self.accepting: dict[int, bool] = {}
+        self.sent: list[Deferred[Any]] = []
+        proxy = self
+
+        class Supervisor:
+            def loaded(self, name: str) -> Any:
+                return proxy.children.get(name)
+
+        class Probing(EngineProxy):
+            async def send(self, model: str, path: str, body: bytes, *args: Any, **kw: Any) -> Any:
+                assert path == "/apply-template"
+                d: Deferred[Any] = Deferred()
+                proxy.sent.append(d)
+                instance = await d
+                instance.in_flight += 1
+                return instance, None
+
+            async def read(self, instance: Any, response: Any) -> bytes:
+                from blazar.web.translate import placement
+                return json.dumps({"prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
+                                   if proxy.accepting[id(instance)] else "no"}).encode()
+
+        self.proxy = Probing(Supervisor(), None, Clock())  # type: ignore[arg-type]
+
+    def child(self, accepts: bool) -> FakeInstance:
+        instance = FakeInstance("m")
+        self.accepting[id(instance)] = accepts
+        self.children["m"] = instance
+        return instance
+
+    def test_one_probe_per_child_shared_by_concurrent_requests(self) -> None:
+        waits = [ensureDeferred(self.proxy.mid_system_ok("m")) for _ in range(5)]
+        self.assertEqual(len(self.sent), 1)
+        first = self.child(accepts=True)
+        self.sent[0].callback(first)
+        self.assertEqual([self.successResultOf(d) for d in waits], [True] * 5)
+        self.assertEqual(first.in_flight, 0)
+        self.assertTrue(self.successResultOf(ensureDeferred(self.proxy.mid_system_ok("m"))))
+        self.assertEqual(len(self.sent), 1)  # cached for that child
+        # a new child (restarted on a changed file) is asked again
+        second = self.child(accepts=False)
+        d = ensureDeferred(self.proxy.mid_system_ok("m"))
+        self.assertEqual(len(self.sent), 2)
+        self.sent[1].callback(second)
+        self.assertFalse(self.successResultOf(d))
+
+    def test_a_waiter_that_leaves_does_not_stop_the_probe(self) -> None:
+        from twisted.internet.defer import CancelledError
+
+        leaving = ensureDeferred(self.proxy.mid_system_ok("m"))
+        staying = ensureDeferred(self.proxy.mid_system_ok("m"))
+        leaving.cancel()
+        self.failureResultOf(leaving, CancelledError)
+        self.sent[0].callback(self.child(accepts=True))
+        self.assertTrue(self.successResultOf(staying))

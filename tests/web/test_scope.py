@@ -68,7 +68,7 @@ ROUTES: list[tuple[str, str, dict[str, Any]]] = [
 
 def engine_app() -> Klein:
     """
-    A llama-server stand-in: a chat reply, or (C{"fail": N}) an error
+    A llama-server stand-in: a chat reply, or (C{"chat_template_kwargs": {"fail": N}}) an error
     whose text names a file, as the engine's own messages can.
     """
     app = Klein()
@@ -76,9 +76,10 @@ def engine_app() -> Klein:
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request: Any) -> bytes:
         body = json.loads(request.content.read())
-        if "fail" in body:
-            request.setResponseCode(body["fail"])
-            return json.dumps({"error": {"code": body["fail"], "type": "server_error",
+        fail = (body.get("chat_template_kwargs") or {}).get("fail")
+        if fail:
+            request.setResponseCode(fail)
+            return json.dumps({"error": {"code": fail, "type": "server_error",
                                          "message": f"failed to open {ENGINE_PATH}: no such file"}}).encode()
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({
@@ -228,11 +229,11 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.assertIn(f"FROM {self.root / 'mine.gguf'}", json.loads(data)["modelfile"])
 
     def test_engine_and_gguf_errors_have_no_paths_for_a_scoped_key(self) -> None:
-        failing = {"model": "{model}", "messages": HELLO, "fail": 400}
+        failing = {"model": "{model}", "messages": HELLO, "chat_template_kwargs": {"fail": 400}}
         cases = [
             # the engine's text (a 4xx, a 5xx), a GGUF reader's
             ("POST", "/v1/chat/completions", failing, "mine"),
-            ("POST", "/v1/chat/completions", {**failing, "fail": 503}, "mine"),
+            ("POST", "/v1/chat/completions", {**failing, "chat_template_kwargs": {"fail": 503}}, "mine"),
             ("POST", "/api/show", {"model": "{model}"}, "broken"),
             ("POST", "/v1/chat/completions", {"model": "{model}", "messages": HELLO, "max_tokens": 8}, "broken"),
             ("POST", "/v1/messages", {"model": "{model}", "messages": HELLO, "max_tokens": 8}, "broken"),
@@ -252,7 +253,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
         for secret, shown in ((SCOPED, "failed to open mine.gguf"), (ADMIN, f"failed to open {ENGINE_PATH}")):
             status, _, data = self.route(
                 "POST", "/v1/chat/completions",
-                {"model": "{model}", "messages": HELLO, "stream": True, "fail": 400}, "mine", secret,
+                {"model": "{model}", "messages": HELLO, "stream": True, "chat_template_kwargs": {"fail": 400}}, "mine", secret,
             )
             self.assertIn(shown.encode(), data)
             if secret == SCOPED:

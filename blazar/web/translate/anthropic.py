@@ -76,8 +76,14 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
                 texts.append(str(b.get("text", "")))
             elif isinstance(b, dict) and b.get("type") == "image":
                 texts.append("[image]")
+            elif isinstance(b, dict) and b.get("type") == "search_result":
+                texts.append("\n".join(str(c.get("text", "")) for c in b.get("content") or [] if isinstance(c, dict)))
+            elif isinstance(b, dict) and b.get("type") == "document" and isinstance(b.get("source"), dict) \
+                    and isinstance(b["source"].get("data"), str) and b["source"].get("type") == "text":
+                texts.append(b["source"]["data"])
             else:
-                raise AnthropicRequestError(f"{where}.content.{i}: expected text or image blocks")
+                raise AnthropicRequestError(f"{where}.content.{i}: expected text, image, search_result or "
+                                            "text document blocks")
         content = "\n".join(texts)
     elif content is None:
         content = ""
@@ -292,12 +298,14 @@ def request_to_openai(
             raise AnthropicRequestError("tools: must be an array")
         converted = []
         for i, t in enumerate(tools):
-            if not isinstance(t, dict) or not isinstance(t.get("name"), str):
-                raise AnthropicRequestError(f"tools.{i}.name: Field required")
+            if not isinstance(t, dict):
+                raise AnthropicRequestError(f"tools.{i}: must be an object")
             if t.get("type") not in (None, "custom"):
-                # server tools (web search, ...) are not available locally
-                ignored.append(f"tools:{t['name']}"[:80])
+                # server tools (web search, an MCP toolset, ...) are not available locally
+                ignored.append(f"tools:{t.get('name') or t.get('type')}"[:80])
                 continue
+            if not isinstance(t.get("name"), str):
+                raise AnthropicRequestError(f"tools.{i}.name: Field required")
             if "cache_control" in t:
                 ignored.append("cache_control")
             schema = t.get("input_schema")

@@ -181,7 +181,7 @@ _NESTED: dict[str, dict[str, frozenset[str]]] = {
     "chat": {"stream_options": frozenset({"include_usage"})},
     "completion": {"stream_options": frozenset({"include_usage"})},
     "responses": {"reasoning": frozenset({"effort", "summary", "generate_summary"}),
-                  "text": frozenset({"format", "verbosity"})},
+                  "text": frozenset({"format"})},
     "anthropic": {"output_config": frozenset({"effort", "format"}), "thinking": frozenset({"type", "budget_tokens"})},
 }
 

@@ -218,6 +218,20 @@ def _function(tool: dict[str, Any], at: str, engine_name: str) -> dict[str, Any]
     return {"type": "function", "function": function}
 
 
+def _claim(names: ToolNames, engine_name: str, client: tuple[str | None, str, str], at: str) -> None:
+    """
+    Record that the engine's C{engine_name} is the client's tool C{client}.
+
+    @raise ResponsesRequestError: Another offered tool has that engine name
+        (a call could not be told apart).
+    """
+    if engine_name in names.names:
+        raise ResponsesRequestError(
+            f"{at}.name: {engine_name!r} is offered twice (a namespace's tools are offered as "
+            f"NAMESPACE{NAMESPACE_SEP}NAME); rename one", at)
+    names.names[engine_name] = client
+
+
 def _tools(body: dict[str, Any], names: ToolNames, ignored: list[str]) -> list[dict[str, Any]] | None:
     """
     The function tools the engine is offered: function and custom tools,
@@ -237,7 +251,7 @@ def _tools(body: dict[str, Any], names: ToolNames, ignored: list[str]) -> list[d
         kind = tool.get("type")
         if kind in ("function", "custom"):
             out.append(_function(tool, at, tool.get("name") or ""))
-            names.names[tool["name"]] = (None, tool["name"], kind)
+            _claim(names, tool["name"], (None, tool["name"], kind), at)
         elif kind == "namespace":
             namespace = tool.get("name")
             if not isinstance(namespace, str) or not namespace or not isinstance(tool.get("tools"), list):
@@ -253,7 +267,7 @@ def _tools(body: dict[str, Any], names: ToolNames, ignored: list[str]) -> list[d
                     described = function["function"].get("description", "")
                     function["function"]["description"] = f"{tool['description']}\n\n{described}".strip()
                 out.append(function)
-                names.names[engine_name] = (namespace, inner["name"], inner.get("type", "function"))
+                _claim(names, engine_name, (namespace, inner["name"], inner.get("type", "function")), inner_at)
         elif isinstance(kind, str):
             ignored.append(f"tools:{kind}"[:80])
         else:

@@ -126,3 +126,30 @@ def test_custom_tool_round_trips() -> None:
         {"type": "custom_tool_call_output", "call_id": "c", "output": "done"}])
     assert json.loads(history[0]["tool_calls"][0]["function"]["arguments"]) == {"input": "*** Begin Patch"}
     assert history[1] == {"role": "tool", "tool_call_id": "c", "content": "done"}
+
+
+@pytest.mark.parametrize("tools", [
+    [{"type": "function", "name": "ns__spawn"},
+     {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn"}]}],
+    [{"type": "namespace", "name": "a__b", "tools": [{"type": "function", "name": "c"}]},
+     {"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "b__c"}]}],
+    [{"type": "function", "name": "x"}, {"type": "custom", "name": "x"}],
+])
+def test_tool_names_that_collide_for_the_engine_are_refused(tools: list[dict[str, Any]]) -> None:
+    with pytest.raises(responses.ResponsesRequestError) as caught:
+        responses.request_to_chat({"model": "m", "input": "x", "tools": tools})
+    assert "offered twice" in str(caught.value)
+
+
+def test_anthropic_mcp_toolset_and_tool_result_blocks() -> None:
+    ignored: list[str] = []
+    chat, _ = anthropic.request_to_openai({"model": "m", "max_tokens": 4, "tools": [
+        {"type": "mcp_toolset", "mcp_server_name": "x"}], "messages": [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "search_result", "source": "s", "title": "t", "content": [{"type": "text", "text": "found"}]},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}}]}]}]},
+        ignored=ignored)
+    assert ignored == ["tools:mcp_toolset"] and "tools" not in chat
+    assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "t", "content": "found\ndoc"}
