@@ -378,6 +378,7 @@ class FakeInstance:
     state: str = "ready"
     parallel: int = 1
     alive: bool = True  # its child runs; False: it exited, unreported
+    ctx: int = 0  # tokens per slot, as the real one (0: not known, read from the GGUF)
 
     @property
     def entry(self):  # type: ignore[no-untyped-def]

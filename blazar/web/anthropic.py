@@ -194,6 +194,11 @@ class AnthropicSurface:
             except (EngineError, EngineRejected) as e:
                 self._stream_error(request, model, e)
                 return None
+            except CancelledError:
+                raise
+            except Exception:
+                self._stream_broke(request, model)
+                return None
             self._write(request, translator.finish())
             self._usage(request, translator)
             return None
@@ -209,8 +214,14 @@ class AnthropicSurface:
         try:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
             await self._collect(instance, response, translator, request, pinger, keep_alive)
-        except (EngineError, EngineRejected, EngineNotFound) as e:
+        except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
             self._stream_error(request, model, e)
+            return None
+        except CancelledError:
+            raise
+        except Exception:
+            # the 200 is out: whatever broke ends the stream with an error event
+            self._stream_broke(request, model)
             return None
         finally:
             if pinger.running:
@@ -226,10 +237,22 @@ class AnthropicSurface:
     def _stream_error(self, request: IRequest, model: str, e: Exception) -> None:
         note_error(request, e if not isinstance(e, EngineRejected) else "engine_error")
         log.error("anthropic stream for {model} failed: {error}", model=model, error=str(e))
+        if isinstance(e, EngineRejected) and e.status < 500:
+            kind = "invalid_request_error"
+        else:
+            kind = "not_found_error" if isinstance(e, ModelNotFound) else "api_error"
         request.write(tr.sse_event("error", {"type": "error", "error": {
-            "type": "api_error" if not isinstance(e, EngineRejected) or e.status >= 500
-            else "invalid_request_error",
-            "message": redact(request, str(e))}}))
+            "type": kind, "message": redact(request, str(e))}}))
+
+    def _stream_broke(self, request: IRequest, model: str) -> None:
+        """
+        A bug after the stream's 200 went out: logged, and the stream ends
+        with an C{error} event (an error body now would be read as events).
+        """
+        log.failure("anthropic stream for {model} broke", model=model)
+        note_error(request, "5xx")
+        request.write(tr.sse_event("error", {"type": "error", "error": {
+            "type": "api_error", "message": "internal error; see the daemon log"}}))
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
         if events:

@@ -368,6 +368,14 @@ class OllamaSurface:
             log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
             request.write(tr.ndjson([{"error": redact(request, str(error))}]))
             return
+        except CancelledError:
+            raise
+        except Exception:
+            # lines may be out: whatever broke ends the stream with an error line
+            log.failure("stream from {model} broke", model=instance.entry.name)
+            note_error(request, "5xx")
+            request.write(tr.ndjson([{"error": "internal error; see the daemon log"}]))
+            return
         final = translator.finish()
         note_tokens(request, final["prompt_eval_count"], final["eval_count"])
         record_usage(request, final["prompt_eval_count"] + final["eval_count"])
@@ -572,6 +580,12 @@ class OllamaSurface:
         except PullError as e:
             log.error("pull of {model} failed: {error}", model=model, error=str(e))
             request.write(tr.ndjson([{"error": str(e)}]))
+        except CancelledError:
+            raise
+        except Exception:
+            log.failure("pull of {model} broke", model=model)
+            note_error(request, "5xx")
+            request.write(tr.ndjson([{"error": "internal error; see the daemon log"}]))
         finally:
             self._registry.forget()
         return None

@@ -22,7 +22,10 @@ from twisted.web.iweb import IRequest
 
 from blazar import store
 from blazar.config import Config
+from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import EngineError
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelNotFound
 from blazar.web.admission import WorkClass
 from blazar.web.auth import key_of, record_usage
 from blazar.web.ignored import note_ignored
@@ -167,11 +170,21 @@ class Responses:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         self._write(request, translator.start())
+        # the headers are out: from here on every failure ends the stream
+        # with response.failed, never with an error body of its own
         try:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
-        except (EngineError, EngineRejected) as e:
-            note_error(request, e)
+        except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
+            log.error("responses stream for {model} failed: {error}", model=model, error=str(e))
+            note_error(request, e if not isinstance(e, EngineRejected) else "engine_error")
             self._write(request, translator.fail(redact(request, str(e))))
+            return None
+        except CancelledError:
+            raise
+        except Exception:
+            log.failure("responses stream for {model} broke", model=model)
+            note_error(request, "5xx")
+            self._write(request, translator.fail("internal error; see the daemon log"))
             return None
         ended = False
         try:
