@@ -6,7 +6,13 @@ prints one summary line from it at the end of the run.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator
+
 import attrs
+
+if TYPE_CHECKING:
+    from tests.integration.harness import Daemon
 
 
 @attrs.define
@@ -27,3 +33,17 @@ class Tally:
 
 
 TALLY = Tally()
+
+
+@contextmanager
+def tallied(daemon: "Daemon") -> Iterator["Daemon"]:
+    """
+    A reliability module's daemon: started, counted as a run of the suite
+    (so the summary line is printed), closed at the end.
+    """
+    daemon.start()
+    TALLY.ran = True
+    try:
+        yield daemon
+    finally:
+        daemon.close()

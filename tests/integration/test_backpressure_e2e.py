@@ -22,7 +22,7 @@ import pytest
 from blazar.testing import GeneratedModel, vocabulary
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
-from tests.integration.reliability import TALLY
+from tests.integration.reliability import TALLY, tallied
 
 STALL = 3.0
 HELLO = [{"role": "user", "content": "hi"}]
@@ -65,12 +65,8 @@ def daemon(
         f"stream_stall_close_secs = {STALL:g}\n"
         + daemon_config(engine, models, '[models."tiny"]\nparallel = 4\n'),
     )
-    d.start()
-    TALLY.ran = True
-    try:
+    with tallied(d):
         yield d
-    finally:
-        d.close()
 
 
 def rss(d: Daemon) -> int:

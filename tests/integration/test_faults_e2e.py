@@ -25,7 +25,7 @@ import pytest
 
 from blazar.testing import make_test_model
 from tests.integration.harness import Daemon
-from tests.integration.reliability import TALLY
+from tests.integration.reliability import TALLY, tallied
 
 HELLO = [{"role": "user", "content": "hi"}]
 SECRET = "fault-admin-secret-0123"
@@ -61,12 +61,8 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
         '[models."tiny"]\nparallel = 2\n'
         f'[[keys]]\nname = "admin"\nsecret = "{SECRET}"\n'
     ))
-    d.start()
-    TALLY.ran = True
-    try:
+    with tallied(d):
         yield d
-    finally:
-        d.close()
 
 
 def call(d: Daemon, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, bytes]:

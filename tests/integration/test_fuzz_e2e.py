@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 
 from blazar.testing import make_test_model
 from tests.integration.harness import Daemon
-from tests.integration.reliability import TALLY
+from tests.integration.reliability import TALLY, tallied
 
 EXAMPLES = int(os.environ.get("BLAZAR_FUZZ_EXAMPLES", "12"))
 FUZZ = settings(
@@ -126,12 +126,8 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
         '[models."tiny"]\nctx_size = 256\nparallel = 2\n'
         '[models."tiny-embed"]\nembedding = true\n'
     ))
-    d.start()
-    TALLY.ran = True
-    try:
+    with tallied(d):
         yield d
-    finally:
-        d.close()
 
 
 def send(d: Daemon, method: str, path: str, body: bytes, headers: dict[str, str]) -> tuple[int, bytes]:

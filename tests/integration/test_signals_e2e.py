@@ -25,7 +25,7 @@ import pytest
 from blazar.testing import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, alive
-from tests.integration.reliability import TALLY
+from tests.integration.reliability import TALLY, tallied
 
 HELLO = [{"role": "user", "content": "hi"}]
 KEY = "sighup-secret-0123456789"
@@ -37,12 +37,8 @@ REFUSED = "SIGHUP: config not reloaded, the running config stays"
 @pytest.fixture(scope="module")
 def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("signals"), daemon_config(engine, models))
-    d.start()
-    TALLY.ran = True
-    try:
+    with tallied(d):
         yield d
-    finally:
-        d.close()
 
 
 def call(d: Daemon, method: str, path: str, body: Any = None, key: str | None = None) -> tuple[int, bytes]:
