@@ -225,7 +225,8 @@ def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
     conn.request("POST", "/v1/messages", json.dumps({
         "model": "tiny", "max_tokens": 1900, "stream": True, "messages": HELLO,
-        "logit_bias": {str(vocabulary()[0].index("<|im_end|>")): -100},
+        # the random model ends its turn on </s> as well as <|im_end|>
+        "logit_bias": {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")},
     }), {"content-type": "application/json"})
     resp = conn.getresponse()
     seen = []

@@ -249,7 +249,7 @@ def test_engine_killed_mid_stream_ends_with_error_line(daemon: Daemon) -> None:
         conn.request("POST", "/api/generate", json.dumps({
             # logit_bias keeps the random model from ending its turn early
             "model": "tiny", "prompt": "go",
-            "options": {"num_predict": -1, "logit_bias": {str(token_id("<|im_end|>")): -100}},
+            "options": {"num_predict": -1, "logit_bias": {str(token_id(t)): -100 for t in ("<|im_end|>", "</s>")}},
         }), {"content-type": "application/json"})
         resp = conn.getresponse()
         first = json.loads(resp.readline())

@@ -341,25 +341,36 @@ def test_forced_tool_call_streaming(daemon: Daemon) -> None:
 
 
 def test_sigkill_during_non_streaming_request_is_502(daemon: Daemon) -> None:
+    """
+    A child killed while it generates a non-streamed answer gives a 502.
+    The tiny model can finish its whole 2k context in well under a second,
+    so on a loaded machine the kill may land after the answer: then the
+    round proves nothing and is run again (up to five times).
+    """
     assert chat(daemon)[0] == 200
-    victim = daemon.engine_for("tiny:latest")
-    result: list[tuple[int, dict]] = []
-    t = threading.Thread(target=lambda: result.append(
-        chat(daemon, max_tokens=None, ignore_eos=True)
-    ))
-    t.start()
-    deadline = time.monotonic() + 30
-    while not any(s.get("is_processing") for s in engine_slots(daemon, "tiny:latest")):
-        assert time.monotonic() < deadline, "engine never started the request"
-        time.sleep(0.02)
-    victim.send_signal(signal.SIGKILL)
-    t.join(15)
-    assert not t.is_alive(), "request hung after its engine died"
-    status, body = result[0]
-    assert status == 502, body
-    assert body["error"]["type"] == "engine_error"
-    assert "killed by signal 9" in body["error"]["message"]
-    assert chat(daemon)[0] == 200
+    for _ in range(5):
+        victim = daemon.engine_for("tiny:latest")
+        result: list[tuple[int, dict]] = []
+        t = threading.Thread(target=lambda: result.append(
+            chat(daemon, max_tokens=None, ignore_eos=True)
+        ))
+        t.start()
+        deadline = time.monotonic() + 30
+        while not any(s.get("is_processing") for s in engine_slots(daemon, "tiny:latest")):
+            assert time.monotonic() < deadline, "engine never started the request"
+            time.sleep(0.02)
+        victim.send_signal(signal.SIGKILL)
+        t.join(15)
+        assert not t.is_alive(), "request hung after its engine died"
+        status, body = result[0]
+        if status == 200 and body["choices"][0]["finish_reason"] == "length":
+            continue  # it finished before the kill landed
+        assert status == 502, body
+        assert body["error"]["type"] == "engine_error"
+        assert "killed by signal 9" in body["error"]["message"]
+        assert chat(daemon)[0] == 200
+        return
+    pytest.fail("the kill never landed while the engine was generating (five rounds)")
 
 
 def test_wrong_purpose_is_400_naming_the_config_key(daemon: Daemon) -> None:
