@@ -60,7 +60,12 @@ case "${1:-}" in
     .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
     say "type-checking (mypy)"
     .venv/bin/mypy
-    exec .venv/bin/python -m pytest tests -q -p no:cacheprovider "$@"
+    # a path among the arguments narrows the run to it; else the whole of tests/
+    targets=(tests)
+    for arg in "$@"; do
+      if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then targets=(); break; fi
+    done
+    exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider "$@"
     ;;
   bench)
     setup
