@@ -175,16 +175,12 @@ class Responses:
         try:
             instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
         except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
-            log.error("responses stream for {model} failed: {error}", model=model, error=str(e))
-            note_error(request, e if not isinstance(e, EngineRejected) else "engine_error")
-            self._write(request, translator.fail(redact(request, str(e))))
+            self._end_failed(request, translator, model, e)
             return None
         except CancelledError:
             raise
         except Exception:
-            log.failure("responses stream for {model} broke", model=model)
-            note_error(request, "5xx")
-            self._write(request, translator.fail("internal error; see the daemon log"))
+            self._end_failed(request, translator, model, None)
             return None
         ended = False
         try:
@@ -194,18 +190,12 @@ class Responses:
             self._write(request, translator.finish())
             ended = True
         except (EngineError, EngineRejected) as e:
-            log.error("responses stream for {model} failed: {error}", model=model, error=str(e))
-            note_error(request, e if isinstance(e, EngineError) else "engine_error")
-            self._write(request, translator.fail(redact(request, str(e))))
+            self._end_failed(request, translator, model, e)
             return None
         except CancelledError:
             raise
         except Exception:
-            # headers are out: whatever broke ends the stream in its own terms
-            log.failure("responses stream for {model} broke", model=model)
-            note_error(request, "5xx")
-            if not ended:
-                self._write(request, translator.fail("internal error; see the daemon log"))
+            self._end_failed(request, translator, model, None, write=not ended)
             return None
         finally:
             instance.in_flight -= 1
@@ -213,6 +203,27 @@ class Responses:
         self._usage(request, translator)
         await self._store(request, translator.response, inputs)
         return None
+
+    def _end_failed(
+        self, request: IRequest, translator: tr.ResponsesStream, model: str, error: Exception | None,
+        write: bool = True,
+    ) -> None:
+        """
+        End a stream whose headers are out with C{response.failed}: for a
+        domain C{error} with its (redacted) message, else — called in the
+        C{except} of a bug, which is logged with its traceback — with a
+        pointer to the daemon's log.
+        """
+        if error is None:
+            log.failure("responses stream for {model} broke", model=model)
+            note_error(request, "5xx")
+            message = "internal error; see the daemon log"
+        else:
+            log.error("responses stream for {model} failed: {error}", model=model, error=str(error))
+            note_error(request, error if not isinstance(error, EngineRejected) else "engine_error")
+            message = redact(request, str(error))
+        if write:
+            self._write(request, translator.fail(message))
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
         if events:
