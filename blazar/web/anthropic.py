@@ -93,9 +93,6 @@ class AnthropicSurface:
 
     def _body(self, request: IRequest) -> dict[str, Any]:
         self._request_id(request)
-        if getattr(request, "body_too_large", False):
-            raise AnthropicError(413, "request_too_large",
-                                 "Request exceeds the maximum allowed size (max_body_bytes in the config)")
         raw = request.content.read() if request.content is not None else b""
         try:
             body = json.loads(raw)

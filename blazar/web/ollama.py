@@ -144,8 +144,6 @@ class OllamaSurface:
     # -- helpers --------------------------------------------------------------
 
     def _body(self, request: IRequest) -> dict[str, Any]:
-        if getattr(request, "body_too_large", False):
-            raise OllamaError(413, "request body too large; raise max_body_bytes in the config")
         raw = request.content.read() if request.content is not None else b""
         try:
             body = json.loads(raw) if raw.strip() else {}

@@ -314,14 +314,6 @@ class OpenAISurface:
     def embeddings(self, request: IRequest) -> Any:
         return self._forward(request, "embedding", "/v1/embeddings")
 
-    def _too_large(self, request: IRequest) -> bytes:
-        request.setResponseCode(413)
-        request.setHeader(b"content-type", b"application/json")
-        return error_body(
-            "request body too large; raise max_body_bytes in the config if this is intended",
-            "invalid_request_error", "request_too_large",
-        )
-
     # -- the Responses API (blazar.web.responses) ----------------------------
 
     def _responses_api(self) -> Responses:
@@ -344,14 +336,10 @@ class OpenAISurface:
 
     @app.route("/v1/responses", methods=["POST"])
     async def create_response(self, request: IRequest) -> bytes | None:
-        if getattr(request, "body_too_large", False):
-            return self._too_large(request)
         return await self._responses_api().create(request, self._responses_body(request))
 
     @app.route("/v1/responses/input_tokens", methods=["POST"])
     async def response_input_tokens(self, request: IRequest) -> bytes:
-        if getattr(request, "body_too_large", False):
-            return self._too_large(request)
         return await self._responses_api().input_tokens(request, self._responses_body(request))
 
     @app.route("/v1/responses/<string:response_id>", methods=["GET"])
@@ -367,8 +355,6 @@ class OpenAISurface:
         return await self._responses_api().items(request, response_id)
 
     async def _forward(self, request: IRequest, kind: str, path: str) -> bytes | None:
-        if getattr(request, "body_too_large", False):
-            return self._too_large(request)
         raw = request.content.read() if request.content is not None else b""
         body = parse_json_body(raw)
         model = require_model(body)
@@ -384,20 +370,19 @@ class OpenAISurface:
         await self._proxy.check_purpose(model, embedding=kind == "embedding")
         if kind == "chat" and await self._proxy.place_system_messages(model, body):
             changed = True
-        if changed:
-            raw = json.dumps(body).encode("utf-8")
         hide_usage = False
         if stream and wants_usage(request):
             # token limits need the child's usage: ask for it, and keep the
             # usage chunk from a client that did not ask for it
             options = body.get("stream_options") or {}
             if not options.get("include_usage"):
-                hide_usage = True
+                hide_usage = changed = True
                 body["stream_options"] = {**options, "include_usage": True}
-                raw = json.dumps(body).encode("utf-8")
         fix = await self._engine_fix(model, kind, body, stream)
         if fix is not None and fix.body is not body:
             raw = json.dumps(fix.body).encode("utf-8")
+        elif changed:  # encoded once, whatever the steps above changed
+            raw = json.dumps(body).encode("utf-8")
         if kind != "embedding":
             await self._preflight(model, kind, body, len(raw))
         if kind == "completion":

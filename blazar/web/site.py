@@ -122,10 +122,8 @@ class BlazarRequest(Request):
         deadline: L{process} answers it instead of passing the request on.
     @ivar body_limit: Bytes this request's body may have (L{None}: no
         limit, on a channel that is not a L{BlazarChannel}).
-    @ivar body_too_large: The refusal is a 413 (surfaces check it too).
     """
 
-    body_too_large = False
     client_gone = False
     trace_id = ""
     started: float | None = None
@@ -171,7 +169,6 @@ class BlazarRequest(Request):
             ), retry_after=1, code="too_many_connections"), False
         self.body_limit = site.max_body_bytes
         if length is not None and length > site.max_body_bytes:
-            self.body_too_large = True
             return too_large(site.max_body_bytes, True), False
         if site.gate is None:
             return None, True
@@ -182,7 +179,6 @@ class BlazarRequest(Request):
         if found is None and site.gate.active:  # an open route, without a key
             self.body_limit, self._keyed = min(site.max_body_bytes, OPEN_BODY_BYTES), False
             if length is not None and length > self.body_limit:
-                self.body_too_large = True
                 return too_large(self.body_limit, False), False
         return None, self._keyed
 
@@ -192,7 +188,6 @@ class BlazarRequest(Request):
         limit = self.body_limit
         if limit is not None and self.content is not None and self.content.tell() + len(data) > limit:
             # a chunked body past the limit: answered as soon as this read is parsed
-            self.body_too_large = True
             self.refusal = too_large(limit, self._keyed)
             self.content.seek(0)
             self.content.truncate()

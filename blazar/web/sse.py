@@ -35,7 +35,28 @@ class ModelRenamer:
         return data.replace(self._old, self._new)
 
 
-class SSERelay:
+class _EventBuffer:
+    """
+    Holds an engine stream's bytes up to the last complete SSE event.
+    """
+
+    _buffer: bytes
+
+    def _complete(self, chunk: bytes) -> bytes:
+        """
+        The complete events that C{chunk} (after what was held) ends,
+        whole; the rest is held for the next call. C{b""}: none yet.
+        """
+        data = self._buffer + chunk if self._buffer else chunk
+        end = data.rfind(b"\n\n")
+        if end < 0:
+            self._buffer = data
+            return b""
+        self._buffer = data[end + 2:]
+        return data[: end + 2]
+
+
+class SSERelay(_EventBuffer):
     """
     Buffers an engine's SSE bytes up to event boundaries and writes whole
     events to the client as soon as each one is complete. C{on_timings}
@@ -63,12 +84,9 @@ class SSERelay:
         """
         Take bytes from the engine; write every event they complete.
         """
-        data = self._buffer + chunk if self._buffer else chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = data
+        events = self._complete(chunk)
+        if not events:
             return
-        events, self._buffer = data[: end + 2], data[end + 2 :]
         self.done = events.endswith(DONE)
         if self._on_timings is not None and b'"timings":{' in events:
             self._on_timings(events)  # llama-server's last chunk: token counts
@@ -143,7 +161,7 @@ class SSEEvents:
                 self._on_event(b"\n".join(payload))
 
 
-class SSERewriter:
+class SSERewriter(_EventBuffer):
     """
     Rebuilds chosen events of an engine's SSE stream on their way to
     C{feed} (an L{SSERelay}'s): each C{data:} event whose payload C{wants}
@@ -168,12 +186,9 @@ class SSERewriter:
         """
         Take bytes from the engine; pass on every event they complete.
         """
-        data = self._buffer + chunk if self._buffer else chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = data
+        events = self._complete(chunk)
+        if not events:
             return
-        events, self._buffer = data[: end + 2], data[end + 2 :]
         wants = self._wants
         if wants is not None and not wants(events):
             self._feed(events)
