@@ -44,3 +44,17 @@ def name_key(name: str) -> str:
     @raise ValueError: As L{canonical_name}.
     """
     return canonical_name(name).casefold()
+
+
+# An absolute file path (POSIX, C{~/...} or C{C:\\...}) and its last
+# component. It must start a word, so model names such as
+# C{hf.co/user/repo:tag} and URLs (C{http://host/a/b}) are left alone.
+_PATH = re.compile(r"(?<![\w.~/\\-])(?:~|[A-Za-z]:)?(?:[/\\][^/\\\s'\"`]+)+[/\\]([^/\\\s'\"`]+)")
+
+
+def strip_dirs(text: str) -> str:
+    """
+    C{text} with every absolute file path cut to its last component (what
+    a client that must not learn the daemon's layout may see).
+    """
+    return _PATH.sub(lambda m: m.group(1), text)

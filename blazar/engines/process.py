@@ -5,7 +5,6 @@ output, a tail kept for error messages, and its exit as a value.
 
 from __future__ import annotations
 
-import re
 from collections import deque
 
 import attrs
@@ -14,6 +13,8 @@ from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+
+from blazar.names import strip_dirs
 
 # Python program that makes the child die with the daemon, then becomes the
 # engine (same PID, so signals and accounting go to the engine itself).
@@ -77,16 +78,13 @@ def process_alive(pid: int | None) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:[/\\][^/\\\s'\"]+)+[/\\]([^/\\\s'\"]+)")
-
-
 def sanitize_line(line: str) -> str:
     """
     A line of engine output as a client may see it: printable, at most 300
     characters, file paths reduced to their last component.
     """
     text = "".join(c if c.isprintable() else " " for c in line)
-    return _PATH.sub(lambda m: m.group(1), text).strip()[:300]
+    return strip_dirs(text).strip()[:300]
 
 
 class EngineProcessProtocol(ProcessProtocol):

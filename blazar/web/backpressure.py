@@ -175,7 +175,8 @@ class ClientPacer:
         self._valve.resume()
         waiters, self._drain_waiters = self._drain_waiters, []
         for waiter in waiters:
-            waiter.callback(None)
+            if not waiter.called:  # (one whose relay was cancelled)
+                waiter.callback(None)
 
     def stopProducing(self) -> None:
         # the connection is lost; the request's notifyFinish errback

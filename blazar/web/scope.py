@@ -19,21 +19,14 @@ L{blazar.web.proxy.EngineProxy.check_scope}.
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 from twisted.web.iweb import IRequest
 
 from blazar.config import KeyConfig
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
-from blazar.names import name_key
+from blazar.names import name_key, strip_dirs
 from blazar.web.auth import key_of
-
-# An absolute file path (POSIX, C{~/...} or C{C:\\...}) and its last
-# component. It must start a word, so model names such as
-# C{hf.co/user/repo:tag} and URLs (C{http://host/a/b}) are left alone.
-_PATH = re.compile(r"(?<![\w.~/\\-])(?:~|[A-Za-z]:)?(?:[/\\][^/\\\s'\"`]+)+[/\\]([^/\\\s'\"`]+)")
-
 
 def in_scope(key: KeyConfig | None, name: object) -> bool:
     """
@@ -116,7 +109,7 @@ def redact(request: IRequest, text: str) -> str:
     """
     if not is_scoped(request):
         return text
-    return _PATH.sub(lambda m: m.group(1), text)
+    return strip_dirs(text)
 
 
 def redact_value(request: IRequest, value: Any) -> Any:

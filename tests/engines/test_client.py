@@ -211,3 +211,36 @@ class RequestFailureTests(SynchronousTestCase):
     def test_a_cancellation_stays_one(self) -> None:
         cancelled = ResponseNeverReceived(lost(CancelledError()))
         self.assertIs(self.outcome(cancelled, stream=False).value, cancelled)
+
+
+class PeerClosedOnARealSocketTests(SynchronousTestCase):
+    """
+    What L{peer_closed} claims of the kernel, on a real loopback socket
+    pair (no reactor): quiet and open is not closed; a close, a reset or
+    stray bytes are.
+    """
+
+    def pair(self) -> tuple[Any, Any]:
+        import socket
+
+        a, b = socket.socketpair()
+        self.addCleanup(a.close)
+        self.addCleanup(b.close)
+        return a, b
+
+    def transport(self, sock: Any) -> Any:
+        return type("T", (), {"getHandle": lambda self: sock})()
+
+    def test_open_and_quiet(self) -> None:
+        ours, _theirs = self.pair()
+        self.assertFalse(peer_closed(self.transport(ours)))
+
+    def test_closed_by_the_peer(self) -> None:
+        ours, theirs = self.pair()
+        theirs.close()
+        self.assertTrue(peer_closed(self.transport(ours)))
+
+    def test_stray_bytes(self) -> None:
+        ours, theirs = self.pair()
+        theirs.sendall(b"x")
+        self.assertTrue(peer_closed(self.transport(ours)))

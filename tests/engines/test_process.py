@@ -33,3 +33,7 @@ class ErrorLineTests(SynchronousTestCase):
         self.assertEqual(sanitize_line("failed to load model, '/srv/models/secret/alien.gguf'\x1b[0m"),
                          "failed to load model, 'alien.gguf' [0m")
         self.assertEqual(len(sanitize_line("x" * 1000)), 300)
+
+    def test_model_names_and_urls_are_left_alone(self) -> None:
+        self.assertEqual(sanitize_line("pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health"),
+                         "pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health")
