@@ -148,7 +148,7 @@ class KeyConfig:
 @attrs.frozen
 class QueueConfig:
     """
-    C{[queue]}: admission control (L{blazar.web.admission}).
+    C{[queue]}: admission control (L{blazar.gateway.admission}).
 
     @ivar deadline_high: Seconds a C{high} priority request may wait for a
         slot before it is answered 503 C{all_slots_busy}.

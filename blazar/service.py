@@ -34,17 +34,18 @@ from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
-from blazar.web.admission import Admission
+from blazar.gateway.admission import Admission
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
-from blazar.web.quota import Quotas
+from blazar.gateway.quota import Quotas
 from blazar.web.hub import HubClient
 from blazar.web.observe import MetricsResource, RequestObserver
 from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-from blazar.web.proxy import EngineProxy
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.pipeline import Pipeline
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
@@ -348,13 +349,14 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     usage_store.setServiceParent(top)
     admission = Admission(reactor, lambda: keys.config, metrics)
     proxy = EngineProxy(
-        supervisor, engines, reactor, registry, config.child_header_timeout, admission,
+        supervisor, engines, reactor, registry, config.child_header_timeout,
         stall_close_secs=lambda: keys.config.stream_stall_close,
     )
-    responses = Responses(proxy, lambda: keys.config, reactor, usage_store.run_db)
-    openai = OpenAISurface(registry, proxy, reactor, responses)
-    ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
-    anthropic = AnthropicSurface(registry, proxy, reactor)
+    pipeline = Pipeline(proxy, reactor, registry, admission)
+    responses = Responses(pipeline, lambda: keys.config, reactor, usage_store.run_db)
+    openai = OpenAISurface(registry, pipeline, reactor, responses)
+    ollama = OllamaSurface(registry, pipeline, reactor, time.time, hub, config.keep_alive)
+    anthropic = AnthropicSurface(registry, pipeline, reactor)
     root = AuthGate(
         SurfaceRouter(
             openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),

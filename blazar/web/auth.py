@@ -2,7 +2,7 @@
 API keys at the door: which key a request carries, in each surface's own
 401 shape when it carries none or a wrong one, and the check that model
 management needs an unscoped key (403). What a scoped key may see of models
-is decided in L{blazar.web.scope}.
+is decided in L{blazar.gateway.scope}.
 
 Keys come from C{[[keys]]} in the config (L{blazar.config.KeyConfig}). Auth
 is on iff at least one key exists; without keys the gateway trusts its
@@ -23,18 +23,11 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig
-from blazar.web.quota import QuotaExceeded, Quotas, retry_after
+from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.errors import Forbidden
+from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
 
 OPEN_PATHS = {b"/health", b"/healthz"}
-
-
-class Forbidden(Exception):
-    """
-    The request's key may not do this operation (model management with a
-    scoped key, or from the network without keys). A model outside a key's
-    scope is not this but L{blazar.models.registry.ModelNotFound}
-    (L{blazar.web.scope}).
-    """
 
 
 class KeyHolder:
@@ -152,7 +145,7 @@ def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
     and return the body, in the surface's shape.
     """
     surface = surface_of(request.path or b"")
-    request.blazar_error = refusal.kind  # type: ignore[attr-defined]
+    context_of(request).error = refusal.kind
     request.setResponseCode(refusal.status)
     request.setHeader(b"content-type", b"application/json")
     if refusal.status == 401:
@@ -160,7 +153,7 @@ def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
     if refusal.retry_after is not None:
         retry_after(request, refusal.retry_after)
     if surface == "anthropic":
-        request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode())
     return error_body(surface, refusal.status, refusal.message, refusal.code)
 
 
@@ -184,7 +177,6 @@ def is_local(address: object) -> bool:
 
 
 CREDENTIAL_HEADERS = (b"authorization", b"x-api-key")
-_UNASKED: Any = object()
 
 
 class AuthGate(Resource):
@@ -194,7 +186,7 @@ class AuthGate(Resource):
 
     The site (L{blazar.web.site}) asks L{authenticate} as soon as a
     request's headers are in, before any of its body is read, answers a
-    refusal itself and leaves the answer on the request as C{blazar_door};
+    refusal itself and leaves the answer in the request's context (C{door});
     L{render} goes by that answer (and asks for a request that came another
     way, such as through C{StubTreq}).
     """
@@ -272,44 +264,36 @@ class AuthGate(Resource):
         return False
 
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
-        request.blazar_key = None  # type: ignore[attr-defined]
-        request.blazar_keys_active = self._keys.active  # type: ignore[attr-defined]
-        found = getattr(request, "blazar_door", _UNASKED)  # the site asked at the headers
-        if found is _UNASKED:
-            found = self.authenticate(request)
+        context = context_of(request)
+        context.key, context.keys_active = None, self._keys.active
+        # the site asked at the headers
+        found = context.door if context.door_asked else self.authenticate(request)
         if isinstance(found, Refusal):
             return render_refusal(request, found)
         if found is not None:
             key: KeyConfig = found
-            request.blazar_key = key  # type: ignore[attr-defined]
+            context.key = key
             if self._quotas is not None:
                 try:
                     self._quotas.lease(key)
                 except QuotaExceeded as e:
-                    request.blazar_error = "quota"  # type: ignore[attr-defined]
+                    context.error = "quota"
                     surface = surface_of(request.path)
                     request.setResponseCode(429)
                     request.setHeader(b"content-type", b"application/json")
                     retry_after(request, e.retry_after)
                     if surface == "anthropic":
-                        request.setHeader(b"request-id", ("req_" + getattr(request, "trace_id", "")).encode())
+                        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode())
                     return error_body(surface, 429, str(e))
                 # the lease rides the response: released when it is fully
                 # sent, or when the client goes away
                 quotas = self._quotas
                 request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
                 # rpm / tpm / daily come after the scope check (scope.resolve_in_scope)
-                request.blazar_rates = lambda: quotas.rates(key)  # type: ignore[attr-defined]
+                context.rates = lambda: quotas.rates(key)
                 if key.tpm is not None or key.daily_tokens is not None:
-                    request.blazar_usage = lambda tokens: quotas.record(key, tokens)  # type: ignore[attr-defined]
+                    context.usage = lambda tokens: quotas.record(key, tokens)
         return self._inner.render(request)
-
-
-def key_of(request: IRequest) -> KeyConfig | None:
-    """
-    The key a request was admitted with (L{None}: auth is off).
-    """
-    return getattr(request, "blazar_key", None)
 
 
 def check_admin(request: IRequest, what: str) -> None:
@@ -323,7 +307,7 @@ def check_admin(request: IRequest, what: str) -> None:
     key = key_of(request)
     if key is not None and not key.admin:
         raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
-    if key is None and not getattr(request, "blazar_keys_active", False):
+    if key is None and not context_of(request).keys_active:
         peer = request.getClientAddress()
         host = getattr(peer, "host", None)
         if host is not None and host not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
@@ -331,24 +315,6 @@ def check_admin(request: IRequest, what: str) -> None:
                 f"this gateway has no API keys, so it does not {what} for clients on the network; "
                 "add a key first (`blazar keys add admin`) and send it as a Bearer token"
             )
-
-
-def wants_usage(request: IRequest) -> bool:
-    """
-    Whether this request's key has token limits, so its usage must be
-    counted (the OpenAI surface parses replies only then).
-    """
-    return getattr(request, "blazar_usage", None) is not None
-
-
-def record_usage(request: IRequest, tokens: int) -> None:
-    """
-    Count C{tokens} (prompt + completion, from the child) against the
-    request's key, if it has token limits.
-    """
-    record = getattr(request, "blazar_usage", None)
-    if record is not None:
-        record(tokens)
 
 
 def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:

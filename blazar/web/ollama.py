@@ -19,25 +19,21 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar import __version__
-from blazar.engines.llamacpp import EngineNotFound, context_per_slot
-from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
+from blazar.engines.llamacpp import context_per_slot
+from blazar.gateway.admission import Ticket, WorkClass
+from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.context import key_of, note_error
+from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.scope import is_scoped, redact_value, resolve_in_scope, visible
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
-from blazar.web.admission import AllSlotsBusy, Ticket, WorkClass
-from blazar.web.auth import Forbidden, check_admin, key_of, record_usage
-from blazar.web.quota import QuotaExceeded, retry_after
+from blazar.web.auth import check_admin
+from blazar.web.body import read_json
+from blazar.web.errors import answer, in_stream
 from blazar.web.hub import HubClient, PullError, parse_hub_name
-from blazar.web.proxy import (
-    EngineProxy,
-    EngineRejected,
-    PromptTooLong,
-    UnsupportedByModel,
-)
-from blazar.web.observe import note_error, note_span, note_tokens
-from blazar.web.scope import is_scoped, redact, redact_value, resolve_in_scope, visible
-from blazar.web.translate import ollama as tr
-from blazar.web.ignored import note_ignored
 from blazar.web.translate import leniency
+from blazar.web.translate import ollama as tr
 
 log = Logger()
 
@@ -46,14 +42,15 @@ NDJSON = b"application/x-ndjson"
 OLLAMA_API_VERSION = "0.12.0"
 
 
-class OllamaError(Exception):
+class OllamaError(BadRequest):
     """
-    An error answered as C{{"error": message}} with C{status}.
+    A request Ollama's API answers with C{{"error": message}} and C{status}
+    (400 unless said).
     """
 
     def __init__(self, status: int, message: str) -> None:
-        self.status = status
         super().__init__(message)
+        self.status = status
 
 
 def _json(request: IRequest, value: Any, status: int = 200) -> bytes:
@@ -108,14 +105,14 @@ class OllamaSurface:
     app = Klein()
 
     def __init__(
-        self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
+        self, registry: ModelRegistry, pipeline: Pipeline, clock: Any,
         wall_clock: Callable[[], float], hub: HubClient, default_keep_alive: float = 300.0,
     ) -> None:
         self._hub = hub
         self._default_keep_alive = default_keep_alive
         self._registry = registry
-        self._proxy = proxy
-        self._supervisor = proxy.supervisor
+        self._pipeline = pipeline
+        self._supervisor = pipeline.supervisor
         self._clock = clock
         self._now = wall_clock
 
@@ -144,14 +141,7 @@ class OllamaSurface:
     # -- helpers --------------------------------------------------------------
 
     def _body(self, request: IRequest) -> dict[str, Any]:
-        raw = request.content.read() if request.content is not None else b""
-        try:
-            body = json.loads(raw) if raw.strip() else {}
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise OllamaError(400, f"invalid JSON in request body: {e}") from None
-        if not isinstance(body, dict):
-            raise OllamaError(400, "request body must be a JSON object")
-        return body
+        return read_json(request, empty_ok=True)
 
     def _model_field(self, body: dict[str, Any], key: str = "model") -> str:
         model = body.get(key) or (body.get("name") if key == "model" else None)
@@ -203,24 +193,19 @@ class OllamaSurface:
             return num_ctx
         return None
 
-    async def _load(self, model: str, ctx_size: int | None = None, request: IRequest | None = None) -> tr.Timing:
-        """
-        Make sure a child for C{model} is ready, timing how long that took
-        (Ollama's C{load_duration}; a C{load} span in C{request}'s trace
-        when it had to wait for one).
-        """
-        started = self._clock.seconds()
-        entry = await self._entry(model)
-        cold = not self._proxy.is_ready(entry.name)
-        await self._supervisor.instance_for(model, ctx_size)
-        loaded = self._clock.seconds()
-        if cold and request is not None:
-            note_span(request, "load", started, loaded)
-        return tr.Timing(started=started, loaded=loaded)
-
-    def _after(self, instance: Instance, keep_alive: float | None) -> None:
-        # Ollama applies its default keep_alive to every request without one
-        self._proxy.done(instance, self._default_keep_alive if keep_alive is None else keep_alive)
+    def _call(
+        self, kind: CallKind, model: str, path: str, engine_body: dict[str, Any], body: dict[str, Any],
+        stream: bool, ignored: list[str], work: WorkClass = WorkClass.INTERACTIVE,
+    ) -> Call:
+        keep_alive = self._keep_alive(body)
+        return Call(
+            "ollama", kind, model, path, engine_body, stream=stream,
+            # Ollama applies its default keep_alive to every request without one
+            keep_alive=self._default_keep_alive if keep_alive is None else keep_alive,
+            ctx_size=self._num_ctx(body),
+            max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
+            work=work, ignored=ignored,
+        )
 
     # -- chat and generate -------------------------------------------------------
 
@@ -232,49 +217,37 @@ class OllamaSurface:
     async def generate(self, request: IRequest) -> bytes | None:
         return await self._generate(request, "generate")
 
-    async def _load_or_unload(
-        self, request: IRequest, kind: str, model: str, keep_alive: float | None,
-        ctx_size: int | None = None,
-    ) -> bytes:
-        entry = await self._entry(model)
-        started = self._clock.seconds()
-        if keep_alive == 0:
-            instance = self._supervisor.loaded(entry.name)
-            if instance is not None:
-                await self._supervisor.stop_instance(instance, "keep_alive 0")
-            reason = "unload"
+    async def _load_or_unload(self, request: IRequest, kind: str, call: Call) -> bytes:
+        if self._keep_alive(call.body) == 0:
+            await self._pipeline.unload(request, call.model)
+            reason, duration = "unload", None
         else:
-            instance = await self._supervisor.instance_for(model, ctx_size)
-            self._after(instance, keep_alive)
-            reason = "load"
-        line: dict[str, Any] = {"model": model, "created_at": _rfc3339(self._now())}
+            started, loaded = await self._pipeline.load(request, call)
+            reason, duration = "load", loaded - started
+        line: dict[str, Any] = {"model": call.model, "created_at": _rfc3339(self._now())}
         if kind == "chat":
             line["message"] = {"role": "assistant", "content": ""}
         else:
             line["response"] = ""
         line.update({"done": True, "done_reason": reason})
-        if reason == "load":
-            line["load_duration"] = int((self._clock.seconds() - started) * 1e9)
+        if duration is not None:
+            line["load_duration"] = int(duration * 1e9)
         return _json(request, line)
 
-    def _lenient(self, request: IRequest, surface: str, body: dict[str, Any]) -> None:
+    def _lenient(self, surface: str, body: dict[str, Any]) -> list[str]:
         """
-        The leniency policy on an Ollama body: C{x-blazar-ignored} names
-        what is accepted but not honoured; a field whose meaning would be
+        The leniency policy on an Ollama body: what is accepted but not
+        honoured (for C{x-blazar-ignored}); a field whose meaning would be
         lost is a 400.
         """
-        try:
-            ignored = leniency.screen(surface, body)
-        except leniency.MeaningChanged as e:
-            raise OllamaError(400, str(e)) from None
-        note_ignored(request, "ollama", ignored + tr.ignored_options(body.get("options")))
+        return leniency.screen(surface, body) + tr.ignored_options(body.get("options"))
 
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
-        self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
+        ignored = self._lenient("ollama_chat" if kind == "chat" else "ollama_generate", body)
         model = self._model_field(body)
         stream = self._stream_flag(body)
-        keep_alive = self._keep_alive(body)
+        self._keep_alive(body)
         if kind == "generate" and body.get("prompt") is not None and not isinstance(body["prompt"], str):
             raise OllamaError(400, "prompt must be a string")
         empty = (
@@ -284,62 +257,36 @@ class OllamaSurface:
         if empty:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
-            await self._entry(model, request)
-            return await self._load_or_unload(request, kind, model, keep_alive, self._num_ctx(body))
-        try:
-            if kind == "chat":
-                path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)
-            else:
-                path, engine_body = tr.generate_to_openai(body, stream)
-        except tr.TranslationError as e:
-            raise OllamaError(400, str(e)) from None
-        ctx_size = self._num_ctx(body)
-        entry = await self._entry(model, request)
-        await self._proxy.check_purpose(model, embedding=False)
-        if "messages" in engine_body:
-            await self._proxy.place_system_messages(model, engine_body)
-        if path != "/infill":
-            max_tokens = engine_body.get("max_tokens")
-
-            async def count() -> int:
-                if "messages" in engine_body:
-                    return await self._proxy.count_chat_tokens(model, engine_body)
-                return await self._proxy.count_text_tokens(model, engine_body.get("prompt", ""))
-
-            await self._proxy.preflight(
-                model, max_tokens, len(json.dumps(engine_body)), count, ctx_size,
-            )
+            call = self._call(CallKind.CHAT, model, "", body, body, False, ignored)
+            return await self._load_or_unload(request, kind, call)
         if kind == "chat":
-            work = WorkClass.TOOL if body.get("tools") else WorkClass.INTERACTIVE
+            path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)
+            call_kind, work = CallKind.CHAT, WorkClass.TOOL if body.get("tools") else WorkClass.INTERACTIVE
         else:
+            path, engine_body = tr.generate_to_openai(body, stream)
+            call_kind = (
+                CallKind.INFILL if path == "/infill"
+                else CallKind.CHAT if "messages" in engine_body else CallKind.COMPLETION
+            )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
-        await self._proxy.admit(request, entry.name, work)
-        timing = await self._load(model, ctx_size, request)
-        instance, response = await self._proxy.send(
-            model, path, json.dumps(engine_body).encode("utf-8"), ctx_size, request, stream
-        )
-        try:
+        call = self._call(call_kind, model, path, engine_body, body, stream, ignored, work)
+        async with self._pipeline.open(request, call) as reply:
+            timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
-                reply = json.loads(await self._proxy.read(instance, response))
-                now_wall = self._now()
-                timing_now = self._clock.seconds()
+                answer = json.loads(await reply.read())
+                now = self._clock.seconds()
                 if kind == "chat":
-                    out = tr.chat_reply(reply, model, timing, timing_now)
+                    out = tr.chat_reply(answer, model, timing, now)
                 else:
-                    out = tr.generate_reply(reply, model, timing, timing_now)
-                out["created_at"] = _rfc3339(now_wall)
-                note_tokens(request, out["prompt_eval_count"], out["eval_count"])
-                record_usage(request, out["prompt_eval_count"] + out["eval_count"])
+                    out = tr.generate_reply(answer, model, timing, now)
+                out["created_at"] = _rfc3339(self._now())
+                reply.usage(out["prompt_eval_count"], out["eval_count"])
                 return _json(request, out)
-            await self._stream(request, kind, model, instance, response, timing, path == "/infill")
+            await self._stream(request, kind, model, reply, timing, path == "/infill")
             return None
-        finally:
-            instance.in_flight -= 1
-            self._after(instance, keep_alive)
 
     async def _stream(
-        self, request: IRequest, kind: str, model: str, instance: Instance, response: Any,
-        timing: tr.Timing, infill: bool,
+        self, request: IRequest, kind: str, model: str, reply: Reply, timing: tr.Timing, infill: bool,
     ) -> None:
         request.setHeader(b"content-type", NDJSON)
         translator = tr.OllamaStream(kind, model, timing, self._clock.seconds)
@@ -360,23 +307,16 @@ class OllamaSurface:
                 emit(translator.feed(chunk))
 
         try:
-            await self._proxy.relay_chunks(instance, response, on_chunk, request)
-        except (EngineError, EngineRejected) as error:
-            note_error(request, error if isinstance(error, EngineError) else "engine_error")
-            log.error("stream from {model} broke: {error}", model=instance.entry.name, error=str(error))
-            request.write(tr.ndjson([{"error": redact(request, str(error))}]))
-            return
-        except CancelledError:
-            raise
-        except Exception:
+            await reply.chunks(on_chunk)
+        except Exception as e:
             # lines may be out: whatever broke ends the stream with an error line
-            log.failure("stream from {model} broke", model=instance.entry.name)
-            note_error(request, "5xx")
-            request.write(tr.ndjson([{"error": "internal error; see the daemon log"}]))
+            problem = in_stream(request, e, reply.model, "ollama")
+            if problem is None:
+                raise
+            request.write(tr.ndjson([{"error": problem.message}]))
             return
         final = translator.finish()
-        note_tokens(request, final["prompt_eval_count"], final["eval_count"])
-        record_usage(request, final["prompt_eval_count"] + final["eval_count"])
+        reply.usage(final["prompt_eval_count"], final["eval_count"])
         final["created_at"] = _rfc3339(wall())
         request.write(tr.ndjson([final]))
 
@@ -385,52 +325,31 @@ class OllamaSurface:
     @app.route("/api/embed", methods=["POST"])
     async def embed(self, request: IRequest) -> bytes:
         body = self._body(request)
-        self._lenient(request, "ollama_embed", body)
+        ignored = self._lenient("ollama_embed", body)
         model = self._model_field(body)
-        keep_alive = self._keep_alive(body)
-        try:
-            inputs = tr.embed_input(body)
-        except tr.TranslationError as e:
-            raise OllamaError(400, str(e)) from None
-        await self._entry(model, request)
-        reply, timing, instance = await self._embed(request, model, inputs, keep_alive, self._num_ctx(body))
-        out = tr.embed_reply(reply, model, timing, self._clock.seconds())
-        note_tokens(request, out["prompt_eval_count"], 0)
-        record_usage(request, out["prompt_eval_count"])
+        inputs = tr.embed_input(body)
+        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False, ignored)
+        async with self._pipeline.open(request, call) as reply:
+            timing = tr.Timing(started=reply.started, loaded=reply.loaded)
+            out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
+            reply.usage(out["prompt_eval_count"], 0)
         return _json(request, out)
 
     @app.route("/api/embeddings", methods=["POST"])
     async def embeddings(self, request: IRequest) -> bytes:
         body = self._body(request)
-        self._lenient(request, "ollama_embed", body)
+        ignored = self._lenient("ollama_embed", body)
         model = self._model_field(body)
-        keep_alive = self._keep_alive(body)
+        self._keep_alive(body)
         prompt = body.get("prompt")
         if not isinstance(prompt, str):
             raise OllamaError(400, "prompt must be a string")
         if prompt == "":
             return _json(request, {"embedding": []})
-        await self._entry(model, request)
-        reply, _, _ = await self._embed(request, model, [prompt], keep_alive, self._num_ctx(body))
-        return _json(request, {"embedding": reply["data"][0]["embedding"]})
-
-    async def _embed(
-        self, request: IRequest, model: str, inputs: list[str], keep_alive: float | None,
-        ctx_size: int | None = None,
-    ) -> tuple[dict[str, Any], tr.Timing, Instance]:
-        entry = await self._entry(model)
-        await self._proxy.check_purpose(model, embedding=True)
-        await self._proxy.admit(request, entry.name, WorkClass.INTERACTIVE)
-        timing = await self._load(model, ctx_size, request)
-        instance, response = await self._proxy.send(
-            model, "/v1/embeddings", json.dumps({"input": inputs}).encode("utf-8"), ctx_size, request, False
-        )
-        try:
-            reply = json.loads(await self._proxy.read(instance, response))
-        finally:
-            instance.in_flight -= 1
-            self._after(instance, keep_alive)
-        return reply, timing, instance
+        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False, ignored)
+        async with self._pipeline.open(request, call) as reply:
+            out = json.loads(await reply.read())
+        return _json(request, {"embedding": out["data"][0]["embedding"]})
 
     # -- model management ---------------------------------------------------------
 
@@ -519,10 +438,10 @@ class OllamaSurface:
         Blazar's admission queues (not in Ollama's API): per model, slots
         busy/total, waiting counts by priority and class, the oldest wait,
         and each waiting request (by trace id) with its position and
-        estimated start; shape in L{blazar.web.admission.ModelQueue.snapshot}.
+        estimated start; shape in L{blazar.gateway.admission.ModelQueue.snapshot}.
         A scoped key sees its models, and only its own requests in them.
         """
-        admission = self._proxy.admission
+        admission = self._pipeline.admission
         if admission is None:
             return _json(request, {"models": []})
         key = key_of(request)
@@ -610,96 +529,21 @@ class OllamaSurface:
 
     # -- errors -------------------------------------------------------------
 
-    @app.handle_errors(OllamaError)
-    def _ollama_error(self, request: IRequest, failure: Failure) -> bytes:
-        e = failure.value
-        assert isinstance(e, OllamaError)
-        return _json(request, {"error": str(e)}, e.status)
-
-    @app.handle_errors(QuotaExceeded)
-    def _quota(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, QuotaExceeded)
-        retry_after(request, e.retry_after)
-        return _json(request, {"error": str(e)}, 429)
-
-    @app.handle_errors(Forbidden)
-    def _forbidden(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, "forbidden")
-        return _json(request, {"error": str(failure.value)}, 403)
-
-    @app.handle_errors(PromptTooLong)
-    def _too_long(self, request: IRequest, failure: Failure) -> bytes:
-        return _json(request, {"error": str(failure.value)}, 400)
-
-    @app.handle_errors(UnsupportedByModel)
-    def _unsupported(self, request: IRequest, failure: Failure) -> bytes:
-        return _json(request, {"error": str(failure.value)}, 400)
-
-    @app.handle_errors(ModelNotFound)
-    def _not_found(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, ModelNotFound)
-        return _json(request, {"error": f'model "{e.name}" not found, try pulling it first'}, 404)
-
-    @app.handle_errors(EngineRejected)
-    def _rejected(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, EngineRejected)
-        return _json(request, {"error": redact(request, str(e))}, client_status(e.status))
-
-    @app.handle_errors(AllSlotsBusy)
-    def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, AllSlotsBusy)
-        retry_after(request, e.retry_after)
-        return _json(request, {"error": str(e)}, 503)
-
-    @app.handle_errors(BreakerOpen, NoCapacity)
-    def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        return _json(request, {"error": redact(request, str(failure.value))}, 503)
-
-    @app.handle_errors(EngineTimeout)
-    def _timeout(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        return _json(request, {"error": redact(request, str(failure.value))}, 504)
-
-    @app.handle_errors(EngineError, EngineNotFound, GGUFError)
-    def _engine(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
-        return _json(request, {"error": redact(request, str(failure.value))}, 502)
-
     @app.handle_errors(Exception)
-    def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:
-        if failure.check(CancelledError):
-            return None
-        from werkzeug.exceptions import MethodNotAllowed, NotFound
-        from werkzeug.routing import RequestRedirect
-
-        if failure.check(NotFound, RequestRedirect):
-            return _json(request, {"error": "404 page not found"}, 404)
-        if failure.check(MethodNotAllowed):
-            return _json(request, {"error": "405 method not allowed"}, 405)
-        log.failure("unexpected error", failure, trace_id=getattr(request, "trace_id", ""))
-        return _json(
-            request, {"error": f"internal error (trace id {getattr(request, 'trace_id', '')})"}, 500
-        )
+    def _error(self, request: IRequest, failure: Failure) -> bytes | None:
+        problem = answer(request, failure.value, "ollama")
+        return None if problem is None else render(problem)
 
 
-def client_status(engine_status: int) -> int:
+def render(problem: Problem) -> bytes:
     """
-    The status to answer for an engine's error status: its 4xx as they are,
-    501 (the model cannot do that, e.g. infill without FIM tokens) as 400,
-    anything else as 502.
+    A L{Problem} in Ollama's shape, C{{"error": message}}.
     """
-    if 400 <= engine_status < 500:
-        return engine_status
-    if engine_status == 501:
-        return 400
-    return 502
+    if problem.code == "not_found" and problem.category is Category.NOT_FOUND:
+        return json.dumps({"error": "404 page not found"}).encode("utf-8")
+    if problem.code == "method_not_allowed":
+        return json.dumps({"error": "405 method not allowed"}).encode("utf-8")
+    if problem.kind == "model_not_found":
+        # Ollama's own wording: clients look for it
+        return json.dumps({"error": f'model "{problem.subject}" not found, try pulling it first'}).encode("utf-8")
+    return json.dumps({"error": problem.message}).encode("utf-8")

@@ -18,53 +18,32 @@ from typing import Any, Callable
 
 import attrs
 from klein import Klein
-from twisted.internet.defer import CancelledError
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
-from blazar.models.gguf_meta import GGUFError
-from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.admission import AllSlotsBusy, WorkClass
-from blazar.web.auth import record_usage, wants_usage
-from blazar.web.quota import QuotaExceeded, retry_after
-from blazar.web.proxy import (
-    KEEP_ALIVE_HEADER,
-    EngineProxy,
-    EngineRejected,
-    PromptTooLong,
-    UnsupportedByModel,
-    keep_alive_of,
-)
-from blazar.web.observe import note_error, note_tokens, usage_of_reply, usage_of_timings
-from blazar.web.responses import ResponseNotFound, Responses
-from blazar.web.scope import redact, resolve_in_scope, visible
+from blazar.engines.supervisor import EngineError
+from blazar.gateway.admission import WorkClass
+from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.context import note_error, wants_usage
+from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.scope import resolve_in_scope, visible
+from blazar.models.registry import ModelRegistry
+from blazar.web.body import json_object, read_json
+from blazar.web.errors import answer, in_stream
+from blazar.web.observe import usage_of_reply, usage_of_timings
+from blazar.web.responses import Responses
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
-from blazar.web.ignored import note_ignored
-from blazar.web.translate import leniency
-from blazar.web.translate import chat_logprobs, completions
-from blazar.web.translate.responses import ResponsesRequestError
+from blazar.web.translate import chat_logprobs, completions, leniency
 
 log = Logger()
 
 OWNED_BY = "blazar"
 LOADING = b": loading\n\n"
 LOADING_PING = 2.0
-
-
-class BadRequest(Exception):
-    """
-    The client's request is malformed (400).
-
-    @ivar param: The offending field, or L{None}.
-    """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        self.param = param
-        super().__init__(message)
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -74,21 +53,6 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return json.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}}
     ).encode("utf-8")
-
-
-def parse_json_body(raw: bytes) -> dict[str, Any]:
-    """
-    The request's JSON object.
-
-    @raise BadRequest: Not JSON, or not an object.
-    """
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise BadRequest(f"request body is not valid JSON: {e}") from None
-    if not isinstance(body, dict):
-        raise BadRequest("request body must be a JSON object")
-    return body
 
 
 def require_model(body: dict[str, Any]) -> str:
@@ -148,10 +112,7 @@ def lenient(kind: str, body: dict[str, Any]) -> tuple[list[str], bool]:
     @return: (the names accepted but not honoured, whether C{body} changed).
     @raise BadRequest: A field whose meaning would be lost, named.
     """
-    try:
-        ignored = leniency.screen(kind, body)
-    except leniency.MeaningChanged as e:
-        raise BadRequest(str(e), e.field) from None
+    ignored = leniency.screen(kind, body)
     changed = False
     # what the engine would ignore anyway is not sent to it (a body can carry
     # any number of unknown fields; the engine's JSON handling is slow in them)
@@ -265,10 +226,10 @@ class OpenAISurface:
     app = Klein()
 
     def __init__(
-        self, registry: ModelRegistry, proxy: EngineProxy, clock: Any, responses: Responses | None = None,
+        self, registry: ModelRegistry, pipeline: Pipeline, clock: Any, responses: Responses | None = None,
     ) -> None:
         self._registry = registry
-        self._proxy = proxy
+        self._pipeline = pipeline
         self._clock = clock
         self._responses = responses
 
@@ -322,17 +283,7 @@ class OpenAISurface:
         return self._responses
 
     def _responses_body(self, request: IRequest) -> dict[str, Any]:
-        raw = request.content.read() if request.content is not None else b""
-        if b"NaN" in raw or b"Infinity" in raw:
-            # json.loads takes these; JSON does not, and they would be echoed back
-            def refuse(name: str) -> Any:
-                raise BadRequest(f"request body is not valid JSON: {name} is not a JSON number")
-
-            try:
-                json.loads(raw, parse_constant=refuse)
-            except (ValueError, UnicodeDecodeError, RecursionError):
-                pass
-        return parse_json_body(raw)
+        return read_json(request)
 
     @app.route("/v1/responses", methods=["POST"])
     async def create_response(self, request: IRequest) -> bytes | None:
@@ -356,20 +307,15 @@ class OpenAISurface:
 
     async def _forward(self, request: IRequest, kind: str, path: str) -> bytes | None:
         raw = request.content.read() if request.content is not None else b""
-        body = parse_json_body(raw)
+        body = json_object(raw)
         model = require_model(body)
         validate(kind, body)
         ignored, changed = lenient(kind, body)
-        note_ignored(request, "openai", ignored)
         stream = bool(body.get("stream") or False) and kind != "embedding"
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
-        canonical = await self._proxy.check_scope(request, model)
-        await self._proxy.check_purpose(model, embedding=kind == "embedding")
-        if kind == "chat" and await self._proxy.place_system_messages(model, body):
-            changed = True
         hide_usage = False
         if stream and wants_usage(request):
             # token limits need the child's usage: ask for it, and keep the
@@ -378,41 +324,70 @@ class OpenAISurface:
             if not options.get("include_usage"):
                 hide_usage = changed = True
                 body["stream_options"] = {**options, "include_usage": True}
-        fix = await self._engine_fix(model, kind, body, stream)
-        if fix is not None and fix.body is not body:
-            raw = json.dumps(fix.body).encode("utf-8")
-        elif changed:  # encoded once, whatever the steps above changed
-            raw = json.dumps(body).encode("utf-8")
-        if kind != "embedding":
-            await self._preflight(model, kind, body, len(raw))
         if kind == "completion":
             work = WorkClass.RAW_LONG
         elif kind == "chat" and body.get("tools"):
             work = WorkClass.TOOL
         else:
             work = WorkClass.INTERACTIVE
-        await self._proxy.admit(request, canonical, work)
-        if stream and not self._proxy.is_ready(canonical):
-            await self._stream_cold(request, model, path, raw, keep_alive, hide_usage, fix)
-            return None
-        instance, response = await self._proxy.send(model, path, raw, request=request, stream=stream)
-        renamer = ModelRenamer(instance.entry.name, model)
-        try:
-            if stream:
-                await self._relay_stream(request, instance, response, renamer, hide_usage, fix)
+        fixes: list[EngineFix] = []
+
+        async def rewrite(call: Call) -> None:
+            fix = await self._engine_fix(model, kind, call.body, stream)
+            if fix is not None:
+                fixes.append(fix)
+                if fix.body is not call.body:
+                    call.body, call.raw = fix.body, None
+
+        headers_out = False
+
+        def on_send(cold: bool) -> Callable[[], None] | None:
+            nonlocal headers_out
+            if not (stream and cold):
                 return None
-            payload = await self._proxy.read(instance, response)
-            if fix is not None and fix.reply is not None:
-                payload = fix.reply(payload)
-            tokens = usage_of_reply(payload)
-            if tokens is not None:
-                note_tokens(request, *tokens)
-                record_usage(request, tokens[0] + tokens[1])
-            request.setHeader(b"content-type", b"application/json")
-            return renamer.rename(payload)
-        finally:
-            instance.in_flight -= 1
-            self._proxy.done(instance, keep_alive)
+            # a model load first: the headers and an SSE comment go out at
+            # once, and another comment every LOADING_PING seconds, so
+            # clients with a header timeout do not give up
+            headers_out = True
+            self._sse_headers(request)
+            request.write(LOADING)
+            pinger = LoopingCall(request.write, LOADING)
+            pinger.clock = self._clock
+            pinger.start(LOADING_PING, now=False).addErrback(lambda f: log.failure("loading keepalive failed", f))
+            return lambda: pinger.stop() if pinger.running else None
+
+        call = Call(
+            "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream,
+            keep_alive=keep_alive, max_tokens=None if kind == "embedding" else max_tokens_of(body),
+            work=work, ignored=ignored, rewrite=rewrite, on_send=on_send,
+        )
+        try:
+            async with self._pipeline.open(request, call) as reply:
+                fix = fixes[0] if fixes else None
+                renamer = ModelRenamer(reply.model, model)
+                if stream:
+                    await self._relay_stream(request, reply, renamer, hide_usage, fix)
+                    return None
+                payload = await reply.read()
+                if fix is not None and fix.reply is not None:
+                    payload = fix.reply(payload)
+                tokens = usage_of_reply(payload)
+                if tokens is not None:
+                    reply.usage(*tokens)
+                request.setHeader(b"content-type", b"application/json")
+                return renamer.rename(payload)
+        except Exception as e:
+            if not headers_out:
+                raise
+            # the loading comments are out: the failure is an error event
+            problem = in_stream(request, e, model, "openai")
+            if problem is None:
+                raise
+            request.write(b"data: " + error_body(
+                problem.message, "engine_error",
+                "engine_unavailable" if problem.category is Category.UNAVAILABLE else "engine_error",
+            ) + b"\n\n")
+            return None
 
     async def _engine_fix(
         self, model: str, kind: str, body: dict[str, Any], stream: bool
@@ -432,13 +407,10 @@ class OpenAISurface:
             return EngineFix(chat_logprobs.engine_body(body, top), rewrite=fixer.event)
         if kind != "completion":
             return None
-        try:
-            plan = completions.plan_completion(body)
-        except completions.CompletionRequestError as e:
-            raise BadRequest(str(e), e.param) from None
+        plan = completions.plan_completion(body)
         prompts = completions.prompts_of(body.get("prompt"))
         if plan.needs_pieces:
-            texts = [completions.prompt_text(p, await self._token_pieces(model, p)) for p in prompts]
+            texts = [completions.prompt_text(p, await self._pipeline.token_pieces(model, p)) for p in prompts]
         else:
             texts = [completions.prompt_text(p) for p in prompts]
         if stream:
@@ -461,87 +433,22 @@ class OpenAISurface:
 
         return EngineFix(plan.engine_body, reply=reply)
 
-    async def _token_pieces(self, model: str, prompt: Any) -> list[Any]:
-        """
-        A prompt's tokens and their text, by the child's tokenizer
-        (C{/tokenize} with C{with_pieces}; no BOS: only the prompt's own).
-        """
-        instance, response = await self._proxy.send(
-            model, "/tokenize",
-            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}).encode("utf-8"),
-            stream=False,
-        )
-        try:
-            tokens = json.loads(await self._proxy.read(instance, response)).get("tokens")
-        finally:
-            instance.in_flight -= 1
-        return tokens if isinstance(tokens, list) else []
-
-    async def _preflight(self, model: str, kind: str, body: dict[str, Any], size: int) -> None:
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 0:
-            return  # absent, or invalid: the engine answers that
-
-        async def count() -> int:
-            if kind == "chat":
-                return await self._proxy.count_chat_tokens(model, body)
-            prompt = body.get("prompt")
-            texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
-            return max([await self._proxy.count_text_tokens(model, t) for t in texts] or [0])
-
-        await self._proxy.preflight(model, max_tokens, size, count)
-
-    async def _stream_cold(
-        self, request: IRequest, model: str, path: str, raw: bytes, keep_alive: float | None,
-        hide_usage: bool = False, fix: EngineFix | None = None,
-    ) -> None:
-        """
-        A streaming request that has to wait for a model load: the headers
-        and an SSE comment go out at once, and another comment every
-        L{LOADING_PING} seconds, so clients with a header timeout do not
-        give up. Failures from here on are C{data: {"error": ...}} events.
-        """
-        self._sse_headers(request)
-        request.write(LOADING)
-        keepalive = LoopingCall(request.write, LOADING)
-        keepalive.clock = self._clock
-        keepalive.start(LOADING_PING, now=False).addErrback(
-            lambda f: log.failure("loading keepalive failed", f)
-        )
-        try:
-            instance, response = await self._proxy.send(model, path, raw, request=request)
-        except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
-            note_error(request, e)
-            code = "engine_unavailable" if isinstance(e, BreakerOpen) else "engine_error"
-            request.write(b"data: " + error_body(redact(request, str(e)), "engine_error", code) + b"\n\n")
-            return None
-        finally:
-            if keepalive.running:
-                keepalive.stop()
-        try:
-            await self._relay_stream(
-                request, instance, response, ModelRenamer(instance.entry.name, model), hide_usage, fix
-            )
-        finally:
-            instance.in_flight -= 1
-            self._proxy.done(instance, keep_alive)
-        return None
-
     def _sse_headers(self, request: IRequest) -> None:
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"cache-control", b"no-cache")
         request.setHeader(b"x-accel-buffering", b"no")
 
     async def _relay_stream(
-        self, request: IRequest, instance: Instance, response: Any, renamer: ModelRenamer,
+        self, request: IRequest, reply: Reply, renamer: ModelRenamer,
         hide_usage: bool = False, fix: EngineFix | None = None,
     ) -> None:
         self._sse_headers(request)
-        on_usage = (lambda tokens: record_usage(request, tokens)) if wants_usage(request) else None
+        on_usage = reply.record if wants_usage(request) else None
+
         def on_timings(events: bytes) -> None:
             tokens = usage_of_timings(events)
             if tokens is not None:
-                note_tokens(request, *tokens)
+                reply.tokens(*tokens)
 
         relay = SSERelay(request.write, renamer, on_usage, hide_usage, on_timings)
         feed, rewriter = relay.feed, None
@@ -549,14 +456,11 @@ class OpenAISurface:
             rewriter = SSERewriter(relay.feed, fix.rewrite, fix.wants)
             feed = rewriter.feed
         try:
-            await self._proxy.relay(instance, response, feed, request)
+            await reply.relay(feed)
         except EngineError as error:
-            note_error(request, error)
-            log.error(
-                "stream from {model} broke: {error}", model=instance.entry.name,
-                error=str(error), trace_id=getattr(request, "trace_id", ""),
-            )
-            relay.fail(error_body(redact(request, str(error)), "engine_error", "engine_crashed"))
+            problem = in_stream(request, error, reply.model, "openai")
+            assert problem is not None
+            relay.fail(error_body(problem.message, "engine_error", "engine_crashed"))
             return
         if rewriter is not None:
             rewriter.finish()
@@ -565,127 +469,32 @@ class OpenAISurface:
             note_error(request, "engine_crash")
             relay.fail(
                 error_body(
-                    f"llama-server for model {instance.entry.name!r} ended the stream early",
+                    f"llama-server for model {reply.model!r} ended the stream early",
                     "engine_error", "engine_crashed",
                 )
             )
 
     # -- errors -------------------------------------------------------------
 
-    def _error(self, request: IRequest, status: int, body: bytes) -> bytes:
-        request.setResponseCode(status)
-        request.setHeader(b"content-type", b"application/json")
-        return body
-
-    @app.handle_errors(BadRequest)
-    def _bad_request(self, request: IRequest, failure: Failure) -> bytes:
-        e = failure.value
-        assert isinstance(e, BadRequest)
-        return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
-
-    @app.handle_errors(ResponsesRequestError)
-    def _responses_request(self, request: IRequest, failure: Failure) -> bytes:
-        e = failure.value
-        assert isinstance(e, ResponsesRequestError)
-        return self._error(request, 400, error_body(str(e), "invalid_request_error", None, e.param))
-
-    @app.handle_errors(ResponseNotFound)
-    def _response_not_found(self, request: IRequest, failure: Failure) -> bytes:
-        e = failure.value
-        assert isinstance(e, ResponseNotFound)
-        return self._error(request, 404, error_body(str(e), "invalid_request_error", "not_found", e.param))
-
-    @app.handle_errors(QuotaExceeded)
-    def _quota(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, QuotaExceeded)
-        retry_after(request, e.retry_after)
-        return self._error(request, 429, error_body(str(e), "rate_limit_error", "rate_limit_exceeded"))
-
-    @app.handle_errors(PromptTooLong)
-    def _too_long(self, request: IRequest, failure: Failure) -> bytes:
-        return self._error(request, 400, error_body(
-            str(failure.value), "invalid_request_error", "context_length_exceeded", "messages"))
-
-    @app.handle_errors(UnsupportedByModel)
-    def _unsupported(self, request: IRequest, failure: Failure) -> bytes:
-        return self._error(
-            request, 400, error_body(str(failure.value), "invalid_request_error", "model_not_supported", "model")
-        )
-
-    @app.handle_errors(ModelNotFound)
-    def _model_not_found(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        return self._error(
-            request, 404, error_body(str(failure.value), "invalid_request_error", "model_not_found", "model")
-        )
-
-    @app.handle_errors(EngineRejected)
-    def _engine_rejected(self, request: IRequest, failure: Failure) -> bytes:
-        e = failure.value
-        assert isinstance(e, EngineRejected)
-        if 400 <= e.status < 500 or e.status == 501:
-            # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
-            status = 400 if e.status == 501 else e.status
-            return self._error(request, status, error_body(redact(request, str(e)), "invalid_request_error", None))
-        return self._error(
-            request, 502,
-            error_body(redact(request, f"engine error ({e.status}): {e}"), "engine_error", "engine_error"),
-        )
-
-    @app.handle_errors(AllSlotsBusy)
-    def _all_slots_busy(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        assert isinstance(e, AllSlotsBusy)
-        retry_after(request, e.retry_after)
-        return self._error(request, 503, error_body(str(e), "server_error", "all_slots_busy"))
-
-    @app.handle_errors(BreakerOpen, NoCapacity)
-    def _breaker_open(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        e = failure.value
-        retry_after_secs = getattr(e, "retry_after", 5.0)
-        retry_after(request, retry_after_secs)
-        return self._error(request, 503, error_body(redact(request, str(e)), "engine_unavailable", "engine_unavailable"))
-
-    @app.handle_errors(EngineTimeout)
-    def _timeout(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        return self._error(request, 504, error_body(redact(request, str(failure.value)), "engine_error", "engine_timeout"))
-
-    @app.handle_errors(EngineError, EngineNotFound, GGUFError)
-    def _engine_failed(self, request: IRequest, failure: Failure) -> bytes:
-        note_error(request, failure.value)
-        code = "engine_not_found" if failure.check(EngineNotFound) else "engine_error"
-        log.error("{error}", error=str(failure.value), trace_id=getattr(request, "trace_id", ""))
-        return self._error(request, 502, error_body(redact(request, str(failure.value)), "engine_error", code))
-
     @app.handle_errors(Exception)
-    def _unexpected(self, request: IRequest, failure: Failure) -> bytes | None:
-        if failure.check(CancelledError):
-            return None
-        from werkzeug.exceptions import MethodNotAllowed, NotFound
-        from werkzeug.routing import RequestRedirect
-
-        if failure.check(NotFound, RequestRedirect):
-            return self._error(
-                request, 404,
-                error_body(f"no route for {request.path.decode('ascii', 'replace')}",
-                           "invalid_request_error", "not_found"),
-            )
-        if failure.check(MethodNotAllowed):
-            return self._error(
-                request, 405,
-                error_body(f"method {request.method.decode('ascii', 'replace')} not allowed here",
-                           "invalid_request_error", "method_not_allowed"),
-            )
-        log.failure("unexpected error", failure, trace_id=getattr(request, "trace_id", ""))
-        return self._error(
-            request, 500,
-            error_body(f"internal error (trace id {getattr(request, 'trace_id', '')})",
-                       "server_error", "internal_error"),
-        )
+    def _error(self, request: IRequest, failure: Failure) -> bytes | None:
+        problem = answer(request, failure.value, "openai")
+        return None if problem is None else render(problem)
 
 
+_TYPES = {
+    Category.INVALID: "invalid_request_error", Category.NOT_FOUND: "invalid_request_error",
+    Category.PERMISSION: "invalid_request_error", Category.RATE_LIMIT: "rate_limit_error",
+    Category.BUSY: "server_error", Category.UNAVAILABLE: "engine_unavailable",
+    Category.TIMEOUT: "engine_error", Category.ENGINE: "engine_error", Category.INTERNAL: "server_error",
+}
+
+
+def render(problem: Problem) -> bytes:
+    """
+    A L{Problem} in OpenAI's envelope.
+    """
+    return error_body(problem.message, _TYPES[problem.category], problem.code, problem.param)
+
+
+_KINDS = {"chat": CallKind.CHAT, "completion": CallKind.COMPLETION, "embedding": CallKind.EMBEDDING}

@@ -16,22 +16,19 @@ import json
 import time
 from typing import Any, Callable
 
-from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
 from blazar import store
 from blazar.config import Config
-from blazar.engines.llamacpp import EngineNotFound
-from blazar.engines.supervisor import EngineError
-from blazar.models.gguf_meta import GGUFError
-from blazar.models.registry import ModelNotFound
-from blazar.web.admission import WorkClass
-from blazar.web.auth import key_of, record_usage
-from blazar.web.ignored import note_ignored
-from blazar.web.observe import note_error, note_tokens
-from blazar.web.scope import redact
-from blazar.web.proxy import KEEP_ALIVE_HEADER, EngineProxy, EngineRejected, keep_alive_of
+from blazar.gateway.admission import WorkClass
+from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.context import key_of
+from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.gateway.errors import NotFound
+from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.web.errors import in_stream
 from blazar.web.translate import responses as tr
 
 log = Logger()
@@ -39,17 +36,11 @@ log = Logger()
 MAX_CHAIN = 100
 
 
-class ResponseNotFound(Exception):
+class ResponseNotFound(NotFound):
     """
     No stored response with that id for this key (404; never says whether
-    another key has one).
-
-    @ivar param: The request field that named it, or L{None}.
+    another key has one). C{param} names the request field that named it.
     """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        self.param = param
-        super().__init__(message)
 
 
 class Responses:
@@ -61,10 +52,10 @@ class Responses:
     """
 
     def __init__(
-        self, proxy: EngineProxy, config: Callable[[], Config], clock: Any,
+        self, pipeline: Pipeline, config: Callable[[], Config], clock: Any,
         run_db: Callable[..., Deferred[Any]] | None, wall: Callable[[], float] = time.time,
     ) -> None:
-        self._proxy = proxy
+        self._pipeline = pipeline
         self._config = config
         self._clock = clock
         self._run_db = run_db
@@ -119,9 +110,7 @@ class Responses:
 
     # -- routes ---------------------------------------------------------------
 
-    async def _translate(
-        self, request: IRequest, body: dict[str, Any]
-    ) -> tuple[dict[str, Any], str | None, tr.ToolNames]:
+    async def _translate(self, request: IRequest, body: dict[str, Any]) -> tuple[Call, str | None, tr.ToolNames]:
         previous = body.get("previous_response_id")
         if previous is not None and not isinstance(previous, str):
             raise tr.ResponsesRequestError("previous_response_id: must be a string", "previous_response_id")
@@ -129,121 +118,80 @@ class Responses:
         ignored: list[str] = []
         names = tr.ToolNames()
         chat = tr.request_to_chat(body, history, ignored, names)
-        note_ignored(request, "responses", ignored)
-        return chat, previous, names
+        try:
+            keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
+        except ValueError as e:
+            raise tr.ResponsesRequestError(str(e), "keep_alive") from None
+        call = Call(
+            "responses", CallKind.CHAT, body["model"], "/v1/chat/completions", chat, stream=True,
+            keep_alive=keep_alive, max_tokens=max_tokens_of(chat),
+            work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE, ignored=ignored,
+        )
+        return call, previous, names
 
     async def create(self, request: IRequest, body: dict[str, Any]) -> bytes | None:
         """
         C{POST /v1/responses}: the response object, or its event stream.
         """
-        chat, previous, names = await self._translate(request, body)
-        model = body["model"]
-        try:
-            keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
-        except ValueError as e:
-            raise tr.ResponsesRequestError(str(e), "keep_alive") from None
-        canonical = await self._proxy.check_scope(request, model)
-        await self._proxy.check_purpose(model, embedding=False)
-        await self._proxy.place_system_messages(model, chat)
-        raw = json.dumps(chat).encode("utf-8")  # once: its size bounds the prompt, then it is sent
-        await self._proxy.preflight(
-            model, chat.get("max_tokens"), len(raw), lambda: self._proxy.count_chat_tokens(model, chat),
-        )
-        await self._proxy.admit(request, canonical, WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE)
+        call, previous, names = await self._translate(request, body)
+        model = call.model
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
-            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
-            def collect(chunk: dict[str, Any]) -> None:
-                translator.feed(chunk)
-
-            try:
-                await self._proxy.relay_chunks(instance, response, collect, request)
-            finally:
-                instance.in_flight -= 1
-                self._proxy.done(instance, keep_alive)
+            async with self._pipeline.open(request, call) as reply:
+                await reply.chunks(translator.feed)
             translator.finish()
-            self._usage(request, translator)
+            self._usage(reply, translator)
             await self._store(request, translator.response, inputs)
             request.setHeader(b"content-type", b"application/json")
             return tr.dump(translator.response)
-        request.setHeader(b"content-type", b"text/event-stream")
-        request.setHeader(b"cache-control", b"no-cache")
-        self._write(request, translator.start())
-        # the headers are out: from here on every failure ends the stream
-        # with response.failed, never with an error body of its own
-        try:
-            instance, response = await self._proxy.send(model, "/v1/chat/completions", raw, request=request)
-        except (EngineError, EngineRejected, EngineNotFound, GGUFError, ModelNotFound) as e:
-            self._end_failed(request, translator, model, e)
-            return None
-        except CancelledError:
-            raise
-        except Exception:
-            self._end_failed(request, translator, model, None)
-            return None
+
+        headers_out = False
+
+        def on_send(cold: bool) -> None:
+            nonlocal headers_out
+            headers_out = True
+            request.setHeader(b"content-type", b"text/event-stream")
+            request.setHeader(b"cache-control", b"no-cache")
+            self._write(request, translator.start())
+
+        # once the headers are out, every failure ends the stream with
+        # response.failed, never with an error body of its own
+        call.on_send = on_send
         ended = False
         try:
-            await self._proxy.relay_chunks(
-                instance, response, lambda chunk: self._write(request, translator.feed(chunk)), request
-            )
-            self._write(request, translator.finish())
-            ended = True
-        except (EngineError, EngineRejected) as e:
-            self._end_failed(request, translator, model, e)
+            async with self._pipeline.open(request, call) as reply:
+                await reply.chunks(lambda chunk: self._write(request, translator.feed(chunk)))
+                self._write(request, translator.finish())
+                ended = True
+        except Exception as e:
+            if not headers_out:
+                raise  # before the headers: an error answer of its own
+            problem = in_stream(request, e, model, "responses")
+            if problem is None:
+                raise
+            if not ended:
+                self._write(request, translator.fail(problem.message))
             return None
-        except CancelledError:
-            raise
-        except Exception:
-            self._end_failed(request, translator, model, None, write=not ended)
-            return None
-        finally:
-            instance.in_flight -= 1
-            self._proxy.done(instance, keep_alive)
-        self._usage(request, translator)
+        self._usage(reply, translator)
         await self._store(request, translator.response, inputs)
         return None
-
-    def _end_failed(
-        self, request: IRequest, translator: tr.ResponsesStream, model: str, error: Exception | None,
-        write: bool = True,
-    ) -> None:
-        """
-        End a stream whose headers are out with C{response.failed}: for a
-        domain C{error} with its (redacted) message, else — called in the
-        C{except} of a bug, which is logged with its traceback — with a
-        pointer to the daemon's log.
-        """
-        if error is None:
-            log.failure("responses stream for {model} broke", model=model)
-            note_error(request, "5xx")
-            message = "internal error; see the daemon log"
-        else:
-            log.error("responses stream for {model} failed: {error}", model=model, error=str(error))
-            note_error(request, error if not isinstance(error, EngineRejected) else "engine_error")
-            message = redact(request, str(error))
-        if write:
-            self._write(request, translator.fail(message))
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:
         if events:
             request.write(b"".join(tr.sse(kind, payload) for kind, payload in events))
 
-    def _usage(self, request: IRequest, translator: tr.ResponsesStream) -> None:
+    def _usage(self, reply: Reply, translator: tr.ResponsesStream) -> None:
         usage = translator.response["usage"]
-        note_tokens(request, usage["input_tokens"], usage["output_tokens"])
-        record_usage(request, usage["input_tokens"] + usage["output_tokens"])
+        reply.usage(usage["input_tokens"], usage["output_tokens"])
 
     async def input_tokens(self, request: IRequest, body: dict[str, Any]) -> bytes:
         """
         C{POST /v1/responses/input_tokens}: the prompt tokens a create with
         this body would report, counted by the child on the same rendering.
         """
-        chat, _, _ = await self._translate(request, body)
-        await self._proxy.check_scope(request, body["model"])
-        await self._proxy.check_purpose(body["model"], embedding=False)
-        await self._proxy.place_system_messages(body["model"], chat)
-        count = await self._proxy.count_chat_tokens(body["model"], chat)
+        call, _, _ = await self._translate(request, body)
+        count = await self._pipeline.count(request, call)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
 

@@ -57,6 +57,7 @@ from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
 from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of
 
 log = Logger()
@@ -115,8 +116,9 @@ class BlazarRequest(Request):
     """
     A request decided at the door (see the module docstring).
 
-    @ivar trace_id: C{plm-<hex>-<seq>} (or a well-formed id the client sent
-        in C{x-blazar-trace-id}) naming this request in logs and in the
+    @ivar blazar: The request's L{RequestContext}; its C{trace_id} is
+        C{plm-<hex>-<seq>} (or a well-formed id the client sent in
+        C{x-blazar-trace-id}) naming this request in logs and in the
         C{x-blazar-trace-id} response header.
     @ivar refusal: Set at the door, or when the body broke a limit or a
         deadline: L{process} answers it instead of passing the request on.
@@ -125,11 +127,13 @@ class BlazarRequest(Request):
     """
 
     client_gone = False
-    trace_id = ""
-    started: float | None = None
     refusal: Refusal | None = None
     body_limit: int | None = None
     _keyed = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.blazar = RequestContext()
 
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         super().setResponseCode(code, reason_phrase(code) if message is None else message)
@@ -173,7 +177,7 @@ class BlazarRequest(Request):
         if site.gate is None:
             return None, True
         found = site.gate.authenticate(self)
-        self.blazar_door = found
+        self.blazar.door, self.blazar.door_asked = found, True
         if isinstance(found, Refusal):
             return found, False
         if found is None and site.gate.active:  # an open route, without a key
@@ -200,7 +204,7 @@ class BlazarRequest(Request):
         # a client that left before its response was finished still gets
         # its access-log (and audit) line, with nginx's 499 "client closed
         # request" as its status
-        if not self.finished and self.started is not None:
+        if not self.finished and self.blazar.started is not None:
             self.client_gone = True
             site = getattr(self.channel, "site", None)
             if site is not None:
@@ -209,13 +213,14 @@ class BlazarRequest(Request):
 
     def process(self) -> None:
         site = self.channel.site  # type: ignore[union-attr,attr-defined]
-        self.started = site.reactor.seconds()
+        context = self.blazar
+        context.started = site.reactor.seconds()
         offered = self.getHeader(TRACE_HEADER)
         if offered is not None and _CLIENT_TRACE.fullmatch(offered):
-            self.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
+            context.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
         else:
-            self.trace_id = site.new_trace_id()
-        self.setHeader(TRACE_HEADER, self.trace_id.encode("ascii"))
+            context.trace_id = site.new_trace_id()
+        self.setHeader(TRACE_HEADER, context.trace_id.encode("ascii"))
         refusal = self.refusal
         origin = self.getHeader(b"origin")
         allowed = getattr(site, "cors_origins", ())
@@ -554,16 +559,16 @@ class BlazarSite(Site):
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access event per request (replaces the combined log).
-        started = getattr(request, "started", None)
+        started = context_of(request).started
         ms = (self.reactor.seconds() - started) * 1000 if started is not None else 0.0
-        key = getattr(request, "blazar_key", None)
+        key = key_of(request)
         event = {
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
             "status": 499 if getattr(request, "client_gone", False) else request.code,
             "ms": round(ms, 1), "bytes": request.sentLength,
-            "key": key.name if key is not None else "", "trace": getattr(request, "trace_id", ""),
-            "model": getattr(request, "blazar_model", None) or "",
+            "key": key.name if key is not None else "", "trace": trace_id_of(request),
+            "model": context_of(request).model or "",
         }
         log.info(
             "{method} {path} {status} {bytes} {ms}ms model={model} key={key} trace={trace}", **event,

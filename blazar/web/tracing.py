@@ -35,6 +35,7 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from blazar import __version__
+from blazar.gateway.context import context_of, key_of, trace_id_of
 from blazar.metrics import Metrics
 
 log = Logger()
@@ -105,28 +106,28 @@ class Tracing(Service):
         """
         The span tree of one finished request: C{"<METHOD> <path>"} from
         arrival to C{end} (clock seconds), and a child per entry of the
-        request's C{blazar_spans} (C{queue}, C{load}, C{generate}: start
+        request context's C{spans} (C{queue}, C{load}, C{generate}: start
         and end seconds).
         """
-        started = request.started
-        key = getattr(request, "blazar_key", None)
+        started = context_of(request).started or 0.0
+        key = key_of(request)
         attributes: dict[str, Any] = {
             "http.request.method": request.method.decode("ascii", "replace"),
             "url.path": request.path.decode("ascii", "replace"),
             "http.response.status_code": int(getattr(request, "code", 200) or 200),
             "blazar.surface": surface,
-            "blazar.trace_id": getattr(request, "trace_id", ""),
+            "blazar.trace_id": trace_id_of(request),
         }
-        model = getattr(request, "blazar_model", None)
+        model = context_of(request).model
         if model:
             attributes["gen_ai.request.model"] = model
         if key is not None:
             attributes["blazar.key"] = key.name
-        tokens = getattr(request, "blazar_tokens", None)
+        tokens = context_of(request).tokens
         if tokens is not None:
             attributes["gen_ai.usage.input_tokens"] = tokens[0]
             attributes["gen_ai.usage.output_tokens"] = tokens[1]
-        kind = getattr(request, "blazar_error", None)
+        kind = context_of(request).error
         if kind is not None:
             attributes["error.type"] = kind
         root = self._tracer.start_span(
@@ -134,7 +135,7 @@ class Tracing(Service):
             kind=trace.SpanKind.SERVER, start_time=_ns(started), attributes=attributes,
         )
         context = trace.set_span_in_context(root)
-        for name, (start, stop) in getattr(request, "blazar_spans", {}).items():
+        for name, (start, stop) in context_of(request).spans.items():
             child = self._tracer.start_span(name, context=context, start_time=_ns(start))
             child.end(end_time=_ns(stop if stop is not None else end))
         root.end(end_time=_ns(end))

@@ -54,7 +54,7 @@ class ControlTests(SynchronousTestCase):
 
         self.holder = KeyHolder(load_config(self.config_path))
         admin = KeyAdmin(self.config_path, self.holder, self.reactor)
-        from blazar.web.admission import Admission
+        from blazar.gateway.admission import Admission
 
         self.admission = Admission(self.reactor, lambda: config)
         self.client, self.server, self.pump = connectedServerAndClient(

@@ -16,14 +16,15 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
-from blazar.web.admission import Admission, Lease
+from blazar.gateway.admission import Admission, Lease
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-from blazar.web.proxy import EngineProxy
+from blazar.gateway.engine_proxy import EngineProxy
 from blazar.web.root import SurfaceRouter
 
 from .test_openai import StubEngineClient
@@ -43,10 +44,9 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
-        proxy = EngineProxy(
+        proxy = Pipeline(EngineProxy(
             self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
-            admission=self.admission,
-        )
+        ), self.reactor, registry, self.admission)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, None).app.resource(),  # type: ignore[arg-type]

@@ -2,15 +2,17 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.context import context_of
 from blazar.config import KeyConfig
-from blazar.web.auth import Forbidden, check_admin, keys_from_env
+from blazar.gateway.errors import Forbidden
+from blazar.web.auth import check_admin, keys_from_env
 
 
 class FakeRequest:
     def __init__(self, host: str, key: Any = None, keys_active: bool = False) -> None:
         self.host = host
-        self.blazar_key = key
-        self.blazar_keys_active = keys_active
+        context_of(self).key = key
+        context_of(self).keys_active = keys_active
 
     def getClientAddress(self) -> Any:
         return type("Addr", (), {"host": self.host})()

@@ -13,16 +13,10 @@ from twisted.web.test.requesthelper import DummyRequest
 from blazar.config import KeyConfig
 from blazar.engines.supervisor import EngineCrashed
 from blazar.metrics import Metrics, label_reason
-from blazar.web.admission import AllSlotsBusy
-from blazar.web.observe import (
-    RequestObserver,
-    error_kind,
-    note_error,
-    note_tokens,
-    timing_of,
-    usage_of_reply,
-    usage_of_timings,
-)
+from blazar.gateway.admission import AllSlotsBusy
+from blazar.gateway.context import context_of, note_error, note_tokens, timing_of
+from blazar.gateway.errors import describe
+from blazar.web.observe import RequestObserver, usage_of_reply, usage_of_timings
 
 
 class Request(DummyRequest):
@@ -42,15 +36,15 @@ class ObserverTests(SynchronousTestCase):
 
     def request(self) -> DummyRequest:
         request = Request([b"v1"])
-        request.started = self.clock.seconds()  # type: ignore[attr-defined]
+        context_of(request).started = self.clock.seconds()
         return request
 
     def test_success_with_tokens_and_stream_timing(self) -> None:
         request = self.request()
         self.observer.started(request, "openai")
         self.assertEqual(self.value("blazar_requests_in_flight", surface="openai"), 1)
-        request.blazar_model = "m:latest"  # type: ignore[attr-defined]
-        request.blazar_key = KeyConfig("me", "x" * 16)  # type: ignore[attr-defined]
+        context_of(request).model = "m:latest"
+        context_of(request).key = KeyConfig("me", "x" * 16)
         timing = timing_of(request)
         assert timing is not None
         for t in (0.5, 0.6, 0.7, 0.8):
@@ -91,8 +85,8 @@ class ObserverTests(SynchronousTestCase):
         self.assertIsNone(self.value("blazar_errors_total", surface="anthropic", model="", kind="gone"))
 
     def test_kinds(self) -> None:
-        self.assertEqual(error_kind(EngineCrashed("m", "died")), "engine_crash")
-        self.assertIsNone(error_kind(ValueError()))
+        self.assertEqual(describe(EngineCrashed("m", "died")).kind, "engine_crash")
+        self.assertIsNone(describe(ValueError()).kind)
         self.assertEqual(label_reason("making room for qwen:7b"), "making room")
         self.assertEqual(label_reason("wedged: no response headers"), "wedged")
 

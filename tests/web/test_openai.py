@@ -6,12 +6,13 @@ from treq.testing import StubTreq
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
 from blazar.web.openai import OpenAISurface
-from blazar.web.proxy import EngineProxy
+from blazar.gateway.engine_proxy import EngineProxy
 
 
 class StubEngineClient:
@@ -41,7 +42,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        proxy = EngineProxy(self.supervisor, self.engine_client, self.reactor, registry)  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(self.supervisor, self.engine_client, self.reactor, registry),  # type: ignore[arg-type]
+                         self.reactor, registry)
         surface = OpenAISurface(registry, proxy, self.reactor)
         self.client = StubTreq(surface.app.resource())
 

@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
+from blazar.gateway.context import key_of
 from blazar.config import Config, KeyConfig
 from blazar.web.auth import AuthGate, KeyHolder, is_local
 from blazar.web.site import LINGER_BYTES, LINGER_SECS, OPEN_BODY_BYTES, BlazarSite, reason_phrase
@@ -40,7 +41,7 @@ class Recorder(Resource):
 
     def render(self, request):  # type: ignore[no-untyped-def]
         self.seen.append(request.content.read())
-        self.keys.append(getattr(request, "blazar_key", None))
+        self.keys.append(key_of(request))
         return b"reached"
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.models.gguf_meta import GGUFError
@@ -24,7 +25,7 @@ from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_p
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-from blazar.web.proxy import EngineProxy
+from blazar.gateway.engine_proxy import EngineProxy
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 
@@ -82,7 +83,9 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        self.proxy = EngineProxy(self.supervisor, StubEngineClient(self.engine), self.reactor, registry)  # type: ignore[arg-type]
+        self.engines = EngineProxy(self.supervisor, StubEngineClient(self.engine), self.reactor, registry)  # type: ignore[arg-type]
+        self.proxy = Pipeline(self.engines,
+                              self.reactor, registry)
         responses = Responses(self.proxy, lambda: config, self.reactor, None)
         router = SurfaceRouter(
             OpenAISurface(registry, self.proxy, self.reactor, responses).app.resource(),
@@ -150,13 +153,13 @@ class StreamFailureTests(SynchronousTestCase):
         self.assertEqual(len(self.flushLoggedErrors(Bug)), len(STREAMS))
 
     def broken_relay(self) -> None:
-        relay = self.proxy.relay_chunks
+        relay = self.engines.relay_chunks
 
         async def broken(*args: Any, **kwargs: Any) -> None:
             await relay(*args, **kwargs)  # every chunk is out, then it breaks
             raise Bug("boom")
 
-        self.patch(self.proxy, "relay_chunks", broken)
+        self.patch(self.engines, "relay_chunks", broken)
 
     def test_a_bug_mid_stream_ends_it(self) -> None:
         self.broken_relay()

@@ -12,6 +12,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.context import RequestContext
 from blazar.config import KeyConfig
 from blazar.metrics import Metrics
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
@@ -39,12 +40,12 @@ class Request:
     method = b"POST"
     path = b"/v1/chat/completions"
     code = 200
-    trace_id = "plm-1-1"
-    started = 100.0
-    blazar_model = "m:latest"
-    blazar_key = KeyConfig("me", "x" * 16)
-    blazar_tokens = (12, 3)
-    blazar_spans = {"queue": (100.0, 100.5), "load": (100.5, 102.0), "generate": (102.0, None)}
+
+    def __init__(self) -> None:
+        self.blazar = RequestContext(
+            trace_id="plm-1-1", started=100.0, model="m:latest", key=KeyConfig("me", "x" * 16),
+            tokens=(12, 3), spans={"queue": (100.0, 100.5), "load": (100.5, 102.0), "generate": (102.0, None)},
+        )
 
 
 class TracingTests(SynchronousTestCase):

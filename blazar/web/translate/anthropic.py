@@ -14,6 +14,8 @@ start of a stop sequence is held back until it is known not to be.
 
 from __future__ import annotations
 
+from blazar.gateway.errors import BadRequest
+
 import json
 import math
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import attrs
 
 
-class AnthropicRequestError(ValueError):
+class AnthropicRequestError(BadRequest):
     """
     The request is invalid (answered as 400 C{invalid_request_error}).
     """

@@ -32,6 +32,8 @@ C{null}. Pure: no reactor, no I/O.
 
 from __future__ import annotations
 
+from blazar.gateway.errors import BadRequest
+
 import codecs
 import json
 from typing import Any, Iterable
@@ -39,7 +41,7 @@ from typing import Any, Iterable
 import attrs
 
 
-class CompletionRequestError(ValueError):
+class CompletionRequestError(BadRequest):
     """
     The request's C{logprobs} or C{echo} is malformed (answered as 400).
 
@@ -47,8 +49,7 @@ class CompletionRequestError(ValueError):
     """
 
     def __init__(self, message: str, param: str) -> None:
-        self.param = param
-        super().__init__(message)
+        super().__init__(message, param)
 
 
 @attrs.frozen

@@ -25,6 +25,8 @@ listed the same way, never a 400. Pure: no reactor, no I/O.
 
 from __future__ import annotations
 
+from blazar.gateway.errors import BadRequest
+
 from typing import Any, Callable, Mapping
 
 # llama.cpp's own request fields (tools/server/server-schema.cpp of the
@@ -45,7 +47,7 @@ LLAMACPP = frozenset({
 })
 
 
-class MeaningChanged(ValueError):
+class MeaningChanged(BadRequest):
     """
     A field Blazar can neither honour nor ignore without changing what the
     answer means (400 naming it).
@@ -55,7 +57,7 @@ class MeaningChanged(ValueError):
 
     def __init__(self, field: str, message: str) -> None:
         self.field = field
-        super().__init__(message)
+        super().__init__(message, field)
 
 
 Refusal = Callable[[Any], "str | None"]
@@ -220,22 +222,3 @@ def documented(surface: str) -> frozenset[str]:
     """
     honoured, ignored, refused = POLICIES[surface]
     return honoured | ignored | frozenset(refused)
-
-
-def header_value(names: list[str], limit: int = 1024) -> bytes:
-    """
-    The C{x-blazar-ignored} header's value: the names, comma-separated,
-    cut (with a trailing C{,...}) at about C{limit} bytes.
-    """
-    out: list[str] = []
-    size = 0
-    for name in dict.fromkeys(names):
-        safe = "".join(c for c in name if 0x20 < ord(c) < 0x7F and c != ",")[:100]
-        if not safe:
-            continue
-        if size + len(safe) + 1 > limit:
-            out.append("...")
-            break
-        out.append(safe)
-        size += len(safe) + 1
-    return ",".join(out).encode("ascii")

@@ -19,6 +19,8 @@ Shapes (Ollama side):
 
 from __future__ import annotations
 
+from blazar.gateway.errors import BadRequest
+
 import base64
 import json
 import math
@@ -30,7 +32,7 @@ import attrs
 from blazar.config import parse_duration
 
 
-class TranslationError(ValueError):
+class TranslationError(BadRequest):
     """
     The Ollama request cannot be translated; the message says which field
     and why (answered as 400).

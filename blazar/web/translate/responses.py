@@ -10,6 +10,8 @@ state machine; no reactor, no I/O.
 
 from __future__ import annotations
 
+from blazar.gateway.errors import BadRequest
+
 import json
 import secrets
 from typing import Any
@@ -19,15 +21,11 @@ import attrs
 from blazar.web.translate import leniency
 
 
-class ResponsesRequestError(ValueError):
+class ResponsesRequestError(BadRequest):
     """
     The request is invalid (400 C{invalid_request_error}); C{param} names
     the field.
     """
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        self.param = param
-        super().__init__(message)
 
 
 # built-in tools OpenAI runs itself: a local model gets none of them

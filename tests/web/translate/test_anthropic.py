@@ -6,7 +6,7 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.web.sse import SSEEvents
+from blazar.engines.sse import SSEEvents
 from blazar.web.translate import anthropic as tr
 
 

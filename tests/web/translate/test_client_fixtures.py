@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from blazar.web.translate import anthropic, leniency, placement, responses
+from blazar.gateway import placement
+from blazar.web.translate import anthropic, leniency, responses
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "clients"
 

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.web.sse import SSEEvents
+from blazar.engines.sse import SSEEvents
 from blazar.web.translate import ollama as tr
 
 

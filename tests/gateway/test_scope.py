@@ -17,6 +17,8 @@ from klein import Klein
 from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.context import context_of
+from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.testing import FakeSupervisor, fake_process_reactor, make_test_model
@@ -24,13 +26,13 @@ from blazar.web.anthropic import AnthropicSurface
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-from blazar.web.proxy import EngineProxy
-from blazar.web.quota import QuotaExceeded
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.quota import QuotaExceeded
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
-from blazar.web.scope import redact, redact_value, resolve_in_scope, visible
+from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
-from .test_openai import StubEngineClient
+from tests.web.test_openai import StubEngineClient
 
 ADMIN = "admin-secret-0123456789"
 SCOPED = "scoped-secret-0123456789"
@@ -117,7 +119,8 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(engine_app().resource())
         names = ["broken:latest", "mine:latest", "minevec:latest", "theirs:latest", "theirvec:latest"]
         registry = ModelRegistry(config, self.reactor)
-        proxy = EngineProxy(FakeSupervisor(names), StubEngineClient(self.engine), self.reactor, registry)  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(FakeSupervisor(names), StubEngineClient(self.engine), self.reactor, registry),  # type: ignore[arg-type]
+                         self.reactor, registry)
         responses = Responses(proxy, lambda: config, self.reactor, None)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor, responses).app.resource(),
@@ -305,7 +308,7 @@ class KeylessScopeTests(ScopeSurfaceTests):
 
 class FakeRequest:
     def __init__(self, key: KeyConfig | None) -> None:
-        self.blazar_key = key
+        context_of(self).key = key
 
 
 class ResolveInScopeTests(SynchronousTestCase):
@@ -329,7 +332,7 @@ class ResolveInScopeTests(SynchronousTestCase):
             raise QuotaExceeded("over", 5)
 
         request = FakeRequest(KeyConfig("s", "x" * 16, models=("a:latest",)))
-        request.blazar_rates = rates  # type: ignore[attr-defined]
+        context_of(request).rates = rates
         for name in ("b", "nope", 7, "bad name!"):
             failure = self.failureResultOf(self.resolve(request, name), ModelNotFound)
             self.assertEqual(failure.value.available, ["a:latest"])
@@ -337,7 +340,7 @@ class ResolveInScopeTests(SynchronousTestCase):
         self.failureResultOf(self.resolve(request, "A"), QuotaExceeded)
         self.assertEqual(self.successResultOf(self.resolve(request, "a")).name, "a:latest")  # counted once
         self.assertEqual(calls, [1])
-        self.assertEqual(request.blazar_model, "a:latest")  # type: ignore[attr-defined]
+        self.assertEqual(context_of(request).model, "a:latest")
 
     def test_out_of_scope_rescans_as_unknown_does(self) -> None:
         """

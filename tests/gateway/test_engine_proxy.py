@@ -5,8 +5,9 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.engines.lease import InstanceLease
 from blazar.testing import FakeInstance
-from blazar.web.proxy import ChildWedged, EngineProxy
+from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
 
 
 class HealthSupervisor:
@@ -121,7 +122,7 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.counted, 0)
 
     def test_max_tokens_alone_too_big(self) -> None:
-        from blazar.web.proxy import PromptTooLong
+        from blazar.gateway.engine_proxy import PromptTooLong
 
         f = self.failureResultOf(self.check(2048, 10, 1), PromptTooLong)
         self.assertIn("2048", str(f.value))
@@ -129,7 +130,7 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.counted, 0)
 
     def test_counted_prompt_over_and_under(self) -> None:
-        from blazar.web.proxy import PromptTooLong
+        from blazar.gateway.engine_proxy import PromptTooLong
 
         f = self.failureResultOf(self.check(100, 3000, 1990), PromptTooLong)
         self.assertIn("the prompt is 1990 tokens and max_tokens is 100", str(f.value))
@@ -137,7 +138,7 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.counted, 2)
 
     def test_a_loaded_childs_context_is_used_without_reading_the_gguf(self) -> None:
-        from blazar.web.proxy import PromptTooLong
+        from blazar.gateway.engine_proxy import PromptTooLong
 
         self.loaded["m:latest"] = type("Inst", (), {"ctx": 512})()
         def no_read(*args: Any) -> Any:
@@ -153,7 +154,7 @@ class PreflightTests(SynchronousTestCase):
 
     def test_a_requested_context_is_checked_against_the_planned_one(self) -> None:
         from blazar.engines.supervisor import ContextPlan
-        from blazar.web.proxy import PromptTooLong
+        from blazar.gateway.engine_proxy import PromptTooLong
 
         self.plan = ContextPlan(8192, 8192, "grow", "m:latest", 32768)
         self.successResultOf(self.check(3000, 3000, 100, ctx=8192))
@@ -247,20 +248,21 @@ class ChildExitedTests(SynchronousTestCase):
         for stream, error in [(False, self.reset()), (True, NotDelivered(ConnectionRefusedError()))]:
             self.first.alive = False  # a zombie: exited, not yet reaped
             engines = ScriptedEngines(error, 200)
-            instance, response = self.successResultOf(self.send(engines, stream))
+            lease, response = self.successResultOf(self.send(engines, stream))
+            instance = lease.instance
             self.assertIsNot(instance, self.first)
             self.assertEqual(self.first.state, "dead")
             self.assertEqual((self.first.in_flight, instance.in_flight), (0, 1))
             self.assertEqual(len(engines.sent), 2)
             self.assertEqual(self.supervisor.explained, [])  # no wait for the exit report
-            instance.in_flight -= 1  # the caller's, once the answer is read
+            lease.release()  # the caller's, once the answer is read
             self.first = instance
         self.assertEqual(self.supervisor.started, 3)
 
     def test_a_live_child_gets_it_again_on_a_fresh_connection(self) -> None:
         engines = ScriptedEngines(self.reset(), 200)
-        instance, _ = self.successResultOf(self.send(engines))
-        self.assertIs(instance, self.first)
+        lease, _ = self.successResultOf(self.send(engines))
+        self.assertIs(lease.instance, self.first)
         self.assertEqual([stream for _, stream in engines.sent], [False, True])
         self.assertEqual(self.supervisor.started, 1)
 
@@ -274,8 +276,8 @@ class ChildExitedTests(SynchronousTestCase):
             return NotDelivered(ConnectionRefusedError())
 
         engines = ScriptedEngines(self.reset(), refused_now_gone, 200)
-        instance, _ = self.successResultOf(self.send(engines))
-        self.assertIsNot(instance, self.first)
+        lease, _ = self.successResultOf(self.send(engines))
+        self.assertIsNot(lease.instance, self.first)
         self.assertEqual(len(engines.sent), 3)
 
     def test_a_clean_close_from_a_child_now_dead_is_a_crash(self) -> None:
@@ -340,11 +342,10 @@ class TemplateProbeTests(SynchronousTestCase):
                 d: Deferred[Any] = Deferred()
                 proxy.sent.append(d)
                 instance = await d
-                instance.in_flight += 1
-                return instance, None
+                return InstanceLease(None, instance), None
 
             async def read(self, instance: Any, response: Any) -> bytes:
-                from blazar.web.translate import placement
+                from blazar.gateway import placement
                 return json.dumps({"prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
                                    if proxy.accepting[id(instance)] else "no"}).encode()
 

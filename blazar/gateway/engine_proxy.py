@@ -1,7 +1,9 @@
 """
-Calling engine children on behalf of a surface: pick a ready child, send
-the body, read or relay what comes back, and turn every way that can fail
-into a domain error the surface renders in its own shape.
+Calling engine children for the pipeline (L{blazar.gateway.pipeline}):
+pick a ready child, send the body, read or relay what comes back, and turn
+every way that can fail into a domain error (L{blazar.gateway.errors}).
+Also the pipeline's engine-side checks: the context preflight and the
+chat template's system-message probe.
 """
 
 from __future__ import annotations
@@ -20,14 +22,14 @@ from blazar.engines.client import (
     BodyTooLarge, BodyValve, EngineClient, NotDelivered, StaleConnection, read_body, relay_body,
 )
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
+from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
-from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.web.admission import Admission, Lease, WorkClass, admit_request
-from blazar.web.backpressure import ClientPacer
-from blazar.web.observe import note_span, timing_of
-from blazar.web.sse import SSEEvents
-from blazar.web.scope import may_use, resolve_in_scope
-from blazar.web.translate import placement
+from blazar.models.registry import ModelRegistry
+from blazar.gateway.backpressure import ClientPacer
+from blazar.gateway.errors import EngineRejected, PromptTooLong
+from blazar.gateway.context import note_span, timing_of
+from blazar.engines.sse import SSEEvents
+from blazar.gateway import placement
 
 log = Logger()
 
@@ -45,13 +47,6 @@ class StreamStopped(Exception):
     """
     Raised by a relay callback to stop reading a child's stream on purpose
     (e.g. a stop sequence matched); closing the connection stops the child.
-    """
-
-
-class PromptTooLong(Exception):
-    """
-    The prompt plus the requested output does not fit in a slot's context
-    (surfaces answer 400). The message gives both numbers and the levers.
     """
 
 
@@ -74,14 +69,6 @@ class ChildWedged(Exception):
 
 
 _TICK = object()
-
-
-class UnsupportedByModel(Exception):
-    """
-    The model is configured for something else (chat on an embedding
-    model, embeddings on a chat model); the message names the config fix.
-    Surfaces answer 400.
-    """
 
 
 KEEP_ALIVE_HEADER = b"x-blazar-keep-alive"
@@ -121,18 +108,6 @@ def was_cancelled(error: BaseException) -> bool:
     return any(r.check(CancelledError, ConnectingCancelledError) for r in reasons)
 
 
-class EngineRejected(Exception):
-    """
-    The engine answered with an error status.
-
-    @ivar status: The engine's HTTP status.
-    """
-
-    def __init__(self, status: int, message: str) -> None:
-        self.status = status
-        super().__init__(message)
-
-
 def engine_error_message(body: bytes) -> str:
     """
     The human message in an engine's error body (llama-server answers
@@ -162,13 +137,12 @@ def stream_error_message(error: Any) -> str:
 
 class EngineProxy:
     """
-    The one way surfaces talk to engines.
+    The pipeline's way to talk to engine children.
     """
 
     def __init__(
         self, supervisor: Supervisor, engines: EngineClient, clock: Any,
         registry: ModelRegistry | None = None, header_timeout: float = 120.0,
-        admission: Admission | None = None,
         stall_close_secs: Callable[[], float] = lambda: DEFAULT_STREAM_STALL_CLOSE,
     ) -> None:
         """
@@ -176,7 +150,6 @@ class EngineProxy:
             (read per stream, so a reload applies to new streams).
         """
         self._stall_close_secs = stall_close_secs
-        self.admission = admission
         self._header_timeout = header_timeout
         self.supervisor = supervisor
         self._registry = registry
@@ -187,50 +160,6 @@ class EngineProxy:
         # for the probe under way
         self._mid_system: WeakKeyDictionary[Any, bool] = WeakKeyDictionary()
         self._probing: dict[str, list[Deferred[bool]]] = {}
-
-    def done(self, instance: Instance, keep_alive: float | None) -> None:
-        """
-        A request on C{instance} finished: record the use and apply its
-        C{keep_alive} (seconds; 0 unloads now if nothing else runs on it or
-        waits for it).
-        """
-        self.supervisor.touch(instance, keep_alive)
-        queue = self.admission.queues.get(instance.entry.name) if self.admission is not None else None
-        if keep_alive == 0 and instance.in_flight == 0 and not (queue is not None and queue.waiting):
-            # (requests waiting for a slot want this child: the last one unloads it)
-            d = self.supervisor.stop_instance(instance, "keep_alive 0")
-            d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))
-
-    async def admit(self, request: Any, model: str, work: WorkClass) -> Lease | None:
-        """
-        Wait for one of C{model}'s slots on behalf of C{request}
-        (L{blazar.web.admission}); the slot is held until the response is
-        finished or the client leaves. Call it after the request is
-        validated and before anything is written.
-
-        @param model: The canonical model name.
-        @raise blazar.web.admission.AllSlotsBusy: Still waiting at the
-            deadline, or the model's queue is full.
-        """
-        if self.admission is None:
-            return None
-        loaded = self.supervisor.loaded(model)
-        if loaded is not None:
-            entry = loaded.entry
-        elif self._registry is not None:
-            entry = await self._registry.resolve(model)
-        else:
-            return await admit_request(self.admission, request, model, DEFAULT_PARALLEL, work)
-        slots = entry.settings.parallel or DEFAULT_PARALLEL
-        return await admit_request(self.admission, request, entry.name, slots, work)
-
-    def is_ready(self, canonical: str) -> bool:
-        """
-        Whether a ready child for canonical model name C{canonical} exists
-        (a request for it will not wait for a load).
-        """
-        instance = self.supervisor.loaded(canonical)
-        return instance is not None and instance.state == "ready"
 
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
@@ -286,7 +215,7 @@ class EngineProxy:
         """
         Render the system and developer messages of an OpenAI chat body in
         place, the way the model's chat template takes them
-        (L{blazar.web.translate.placement}); changes C{chat_body["messages"]}.
+        (L{blazar.gateway.placement}); changes C{chat_body["messages"]}.
 
         @return: Whether the messages changed (a raw body must be encoded again).
         """
@@ -329,9 +258,10 @@ class EngineProxy:
         outcome: Any
         try:
             try:
-                instance, response = await self.send(
+                lease, response = await self.send(
                     model, "/apply-template", json.dumps(placement.PROBE).encode("utf-8"), stream=False
                 )
+                instance = lease.instance
             except EngineRejected as e:
                 log.info("{model}: its chat template refuses a system message after the first turn "
                          "({error}); such messages are rendered as <system-reminder> blocks",
@@ -341,7 +271,7 @@ class EngineProxy:
                 try:
                     payload = await self.read(instance, response)
                 finally:
-                    instance.in_flight -= 1
+                    lease.release()
                 try:
                     ok = placement.probe_accepts(json.loads(payload).get("prompt"))
                 except (ValueError, AttributeError):
@@ -369,76 +299,51 @@ class EngineProxy:
         reports as C{usage.prompt_tokens}).
         """
         body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
-        instance, response = await self.send(
+        lease, response = await self.send(
             model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8"), stream=False
         )
         try:
-            return int(json.loads(await self.read(instance, response))["input_tokens"])
+            return int(json.loads(await self.read(lease.instance, response))["input_tokens"])
         finally:
-            instance.in_flight -= 1
+            lease.release()
 
     async def count_text_tokens(self, model: str, text: str) -> int:
         """
         Tokens of raw text (a completion prompt), by the child's tokenizer.
         """
-        instance, response = await self.send(
+        lease, response = await self.send(
             model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8"),
             stream=False,
         )
         try:
-            return len(json.loads(await self.read(instance, response))["tokens"])
+            return len(json.loads(await self.read(lease.instance, response))["tokens"])
         finally:
-            instance.in_flight -= 1
+            lease.release()
 
-    async def check_scope(self, request: Any, model: str) -> str:
+    async def token_pieces(self, model: str, prompt: Any) -> list[Any]:
         """
-        The scope check, first of the checks that look at the model
-        (L{blazar.web.scope.resolve_in_scope}): for a scoped key, a model
-        outside its scope is answered as one that does not exist.
-
-        @return: The model's canonical name.
-        @raise blazar.models.registry.ModelNotFound: No such model, or one
-            the request's key may not use.
-        @raise blazar.web.quota.QuotaExceeded: Over one of the key's rate limits.
+        A prompt's tokens and their text, by the child's tokenizer
+        (C{/tokenize} with C{with_pieces}; no BOS: only the prompt's own).
         """
-        if self._registry is None:
-            if not may_use(request, model):
-                raise ModelNotFound(model, [])
-            return model
-        return (await resolve_in_scope(request, self._registry, model)).name
-
-    async def check_purpose(self, model: str, embedding: bool) -> str:
-        """
-        Refuse to send chat to an embedding model or embeddings to a chat
-        model, before any child is started for it. Call it after
-        L{check_scope}: its message is the config fix.
-
-        @return: The model's canonical name.
-        @raise UnsupportedByModel: With the config fix.
-        @raise blazar.models.registry.ModelNotFound: No such model.
-        """
-        if self._registry is None:
-            return model
-        entry = await self._registry.resolve(model)
-        if embedding and not entry.settings.embedding:
-            raise UnsupportedByModel(
-                f"model {model!r} is not an embedding model: set embedding = true under "
-                f'[models."{entry.name}"] in the config to serve embeddings from it'
-            )
-        if not embedding and entry.settings.embedding:
-            raise UnsupportedByModel(
-                f"model {model!r} is configured for embeddings only (embedding = true under "
-                f'[models."{entry.name}"]); use a chat model here'
-            )
-        return entry.name
+        lease, response = await self.send(
+            model, "/tokenize",
+            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}).encode("utf-8"),
+            stream=False,
+        )
+        try:
+            tokens = json.loads(await self.read(lease.instance, response)).get("tokens")
+        finally:
+            lease.release()
+        return tokens if isinstance(tokens, list) else []
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
         request: Any = None, stream: bool = True,
-    ) -> tuple[Instance, Any]:
+    ) -> tuple[InstanceLease, Any]:
         """
-        Send C{body} to a ready child for C{model}; return the child and its
-        200 response (headers read, body not yet).
+        Send C{body} to a ready child for C{model}; return the lease on the
+        child (the caller ends it) and its 200 response (headers read, body
+        not yet).
 
         A request the child cannot have taken (the connection refused,
         reset or closed before the request was written:
@@ -467,15 +372,15 @@ class EngineProxy:
                     note_span(request, "load", began, now)
                 note_span(request, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
-            # requests wait for this one (the caller decrements when done)
-            instance.in_flight += 1
+            # requests wait for this one (the caller ends the lease)
+            lease = InstanceLease(self.supervisor, instance)
             try:
-                return instance, await self._send_to(instance, model, path, body, attempt, stream)
+                return lease, await self._send_to(instance, model, path, body, attempt, stream)
             except _Retry:
-                instance.in_flight -= 1
+                lease.release()
                 continue
             except BaseException:
-                instance.in_flight -= 1
+                lease.release()
                 raise
         raise AssertionError("unreachable")
 
@@ -611,7 +516,7 @@ class EngineProxy:
             raise await self.supervisor.explain_failure(instance, e) from None
 
     async def relay_chunks(
-        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], None],
+        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
         request: Any = None,
     ) -> None:
         """
@@ -635,7 +540,7 @@ class EngineProxy:
     ) -> None:
         """
         Feed the child's body to C{on_chunk} as it arrives; with C{request},
-        note when bytes arrived on it (L{blazar.web.observe.StreamTiming},
+        note when bytes arrived on it (L{blazar.gateway.context.StreamTiming},
         for time to first token and time per output token).
 
         With C{request} on a live HTTP channel, the relay is the request's

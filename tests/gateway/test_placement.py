@@ -10,7 +10,7 @@ from typing import Any
 
 from hypothesis import given, strategies as st
 
-from blazar.web.translate import placement
+from blazar.gateway import placement
 
 
 def msgs(*pairs: tuple[str, str]) -> list[dict[str, Any]]:

@@ -13,8 +13,7 @@ from typing import Any, Iterable
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from blazar.web.auth import key_of
-from blazar.web.translate.leniency import header_value
+from blazar.gateway.context import key_of, trace_id_of
 
 log = Logger()
 
@@ -70,7 +69,7 @@ class IgnoredFields:
             log.info(
                 "ignored {count} more request fields on the {surface} surface (client {client}) "
                 "than are listed", count=more, surface=surface, client=client,
-                trace_id=getattr(request, "trace_id", ""),
+                trace_id=trace_id_of(request),
             )
         for name in kept:
             triple = (client, surface, name)
@@ -83,7 +82,7 @@ class IgnoredFields:
             log.info(
                 "ignored request field {field!r} on the {surface} surface (client {client}); "
                 "see the README's leniency table", field=name, surface=surface, client=client,
-                trace_id=getattr(request, "trace_id", ""),
+                trace_id=trace_id_of(request),
             )
 
 
@@ -108,3 +107,22 @@ def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[st
         return []
     values = [v.strip() for v in raw.decode("ascii", "replace").split(",")]
     return [f"anthropic-beta={v}" for v in values if v and v not in honoured]
+
+
+def header_value(names: list[str], limit: int = 1024) -> bytes:
+    """
+    The C{x-blazar-ignored} header's value: the names, comma-separated,
+    cut (with a trailing C{,...}) at about C{limit} bytes.
+    """
+    out: list[str] = []
+    size = 0
+    for name in dict.fromkeys(names):
+        safe = "".join(c for c in name if 0x20 < ord(c) < 0x7F and c != ",")[:100]
+        if not safe:
+            continue
+        if size + len(safe) + 1 > limit:
+            out.append("...")
+            break
+        out.append(safe)
+        size += len(safe) + 1
+    return ",".join(out).encode("ascii")

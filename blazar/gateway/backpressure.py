@@ -31,7 +31,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from blazar.engines.client import BodyValve
-from blazar.web.observe import note_error
+from blazar.gateway.context import note_error, trace_id_of
 
 log = Logger()
 
@@ -215,7 +215,7 @@ class ClientPacer:
         log.warn(
             "client stopped reading the {model} stream for stream_stall_close_secs = {secs} s; "
             "closing its connection and freeing the slot",
-            model=self._model, secs=f"{self._stall_close_secs:g}", trace_id=getattr(request, "trace_id", ""),
+            model=self._model, secs=f"{self._stall_close_secs:g}", trace_id=trace_id_of(request),
         )
         transport = getattr(request, "transport", None)
         if transport is None:

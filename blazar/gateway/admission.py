@@ -47,7 +47,8 @@ from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
-from blazar.web.quota import retry_after_value
+from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.quota import retry_after_value
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
@@ -615,14 +616,14 @@ async def admit_request(
     @raise AllSlotsBusy: At the deadline, or the queue is full.
     @raise CancelledError: The client left while waiting.
     """
-    key = getattr(request, "blazar_key", None)
+    key = key_of(request)
     queue = admission.queue(model)
     ticket = queue.ticket(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
         priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
         deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
         work=work, body_size=body_size(request) if size is None else size,
-        trace_id=getattr(request, "trace_id", ""),
+        trace_id=trace_id_of(request),
     )
     waiting = queue.admit(ticket, slots)
     gone = request.notifyFinish()  # type: ignore[attr-defined]
@@ -633,11 +634,9 @@ async def admit_request(
         gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
     lease = await waiting
     gone.addBoth(lambda _: lease.release())
-    if getattr(request, "started", None) is not None:  # observed: for its trace
-        spans = getattr(request, "blazar_spans", None)
-        if spans is None:
-            spans = request.blazar_spans = {}  # type: ignore[attr-defined]
-        spans["queue"] = (ticket.arrived, ticket.admitted_at)
+    context = context_of(request)
+    if context.started is not None:  # observed: for its trace
+        context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
     request.setHeader(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
 

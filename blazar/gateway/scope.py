@@ -14,7 +14,7 @@ keys and a gateway without keys see everything.
 
 This is the pipeline's first step (scope, then purpose, preflight,
 admission); every surface calls L{resolve_in_scope}, directly or through
-L{blazar.web.proxy.EngineProxy.check_scope}.
+L{blazar.gateway.engine_proxy.EngineProxy.check_scope}.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from twisted.web.iweb import IRequest
 from blazar.config import KeyConfig
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import name_key, strip_dirs
-from blazar.web.auth import key_of
+from blazar.gateway.context import context_of, key_of
 
 def in_scope(key: KeyConfig | None, name: object) -> bool:
     """
@@ -83,7 +83,7 @@ async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: obj
     @param name: The C{model} field as the client sent it.
     @raise ModelNotFound: No such model, or one the key may not use; its
         C{available} is what the key may see.
-    @raise blazar.web.quota.QuotaExceeded: Over a rate limit.
+    @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
     """
     spelled = name if isinstance(name, str) else str(name)
     if not may_use(request, name):
@@ -93,10 +93,11 @@ async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: obj
         entry = await registry.resolve(name)
     except ModelNotFound as e:
         raise ModelNotFound(e.name, visible(request, e.available)) from None
-    request.blazar_model = entry.name  # type: ignore[attr-defined]  # for the access and audit logs
-    rates = getattr(request, "blazar_rates", None)
+    context = context_of(request)
+    context.model = entry.name
+    rates = context.rates
     if rates is not None:
-        request.blazar_rates = None  # type: ignore[attr-defined]  # once per request
+        context.rates = None
         rates()
     return entry
 

@@ -14,8 +14,9 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
+from blazar.gateway.context import context_of
 from blazar.config import Config, KeyConfig, QueueConfig, parse_config
-from blazar.web.admission import (
+from blazar.gateway.admission import (
     LONG_PREFILL_BYTES,
     Admission,
     AllSlotsBusy,
@@ -397,8 +398,8 @@ class AdmitRequestTests(SynchronousTestCase):
         request = DummyRequest([b"v1"])
         for name, value in headers.items():
             request.requestHeaders.setRawHeaders(name.replace("_", "-"), [value])
-        request.blazar_key = key  # type: ignore[attr-defined]
-        request.trace_id = "t-" + str(len(self.admission.queue("m").waiting))  # type: ignore[attr-defined]
+        context_of(request).key = key
+        context_of(request).trace_id = "t-" + str(len(self.admission.queue("m").waiting))
         return request
 
     def admit(self, request: DummyRequest, work: WorkClass = WorkClass.INTERACTIVE) -> Deferred[Lease]:

@@ -2,7 +2,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import KeyConfig
-from blazar.web.quota import QuotaExceeded, Quotas
+from blazar.gateway.quota import QuotaExceeded, Quotas
 
 
 class QuotaTests(SynchronousTestCase):

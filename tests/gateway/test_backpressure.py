@@ -23,12 +23,13 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
+from blazar.gateway.context import context_of
 from blazar.config import Config
 from blazar.engines.client import BodyIdleTimeout, BodyValve, relay_body
 from blazar.testing import FakeInstance
-from blazar.web.admission import Admission, WorkClass, admit_request
-from blazar.web.backpressure import ClientPacer
-from blazar.web.proxy import STREAM_IDLE_TIMEOUT, EngineProxy
+from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway.backpressure import ClientPacer
+from blazar.gateway.engine_proxy import STREAM_IDLE_TIMEOUT, EngineProxy
 
 STALL = 3.0
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
@@ -182,7 +183,7 @@ class RelayBackpressureTests(SynchronousTestCase):
         self.clock.advance(0)
         self.assertEqual(self.engine.transport.producerState, "stopped")
         self.failureResultOf(self.relayed, CancelledError)
-        self.assertEqual(self.request.blazar_error, "client_stalled")  # type: ignore[attr-defined]
+        self.assertEqual(context_of(self.request).error, "client_stalled")
         self.assertEqual(len(self.flushLoggedErrors()), 0)
 
     def test_a_client_that_leaves_frees_at_once(self) -> None:

@@ -8,7 +8,7 @@ from twisted.logger import globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.web.ignored import IGNORED_HEADER, IgnoredFields, beta_values
+from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields, beta_values
 
 
 def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyRequest:

@@ -1,0 +1,247 @@
+"""
+The one error table: every domain error the gateway can answer with, and
+what it means on the wire — its category, HTTP status, C{Retry-After},
+the C{blazar_errors_total} kind, OpenAI's C{code} and C{param}.
+
+Errors are raised where they happen (the registry, the supervisor,
+admission, quotas, the pipeline, a translator) and travel up unchanged;
+L{describe} turns any of them into a L{Problem}, and each surface has one
+small function that renders a L{Problem} in its own shape. Lower layers
+never build HTTP bodies, and no surface keeps a table of its own.
+
+The errors the gateway itself defines live here too: L{BadRequest} (and the
+translators' request errors, which subclass it), L{NotFound},
+L{Forbidden}, L{PromptTooLong}, L{UnsupportedByModel}, L{EngineRejected}.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable
+
+import attrs
+from twisted.internet.defer import CancelledError
+
+from blazar.engines.llamacpp import EngineNotFound
+from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineError, EngineTimeout, NoCapacity
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelChangeError, ModelNotFound
+
+
+class BadRequest(ValueError):
+    """
+    The client's request is malformed or asks for what cannot be done
+    (400, or C{status}).
+
+    @ivar param: The offending field, or L{None}.
+    @ivar status: The HTTP status (400 unless a subclass says otherwise).
+    """
+
+    status = 400
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        self.param = param
+        super().__init__(message)
+
+
+class NotFound(BadRequest):
+    """
+    Something the request names other than a model does not exist (404),
+    e.g. a stored response.
+    """
+
+    status = 404
+
+
+class Forbidden(Exception):
+    """
+    The request's key may not do this operation (model management with a
+    scoped key, or from the network without keys). A model outside a key's
+    scope is not this but L{blazar.models.registry.ModelNotFound}
+    (L{blazar.gateway.scope}).
+    """
+
+
+class PromptTooLong(Exception):
+    """
+    The prompt plus the requested output does not fit in a slot's context
+    (400). The message gives both numbers and the levers.
+    """
+
+
+class UnsupportedByModel(Exception):
+    """
+    The model is configured for something else (chat on an embedding
+    model, embeddings on a chat model); the message names the config fix
+    (400).
+    """
+
+
+class EngineRejected(Exception):
+    """
+    The engine answered with an error status.
+
+    @ivar status: The engine's HTTP status.
+    """
+
+    def __init__(self, status: int, message: str) -> None:
+        self.status = status
+        super().__init__(message)
+
+
+class Category(enum.Enum):
+    """
+    What kind of failure a L{Problem} is; surfaces pick their error type
+    (OpenAI's C{type}, Anthropic's C{error.type}) from it.
+    """
+
+    INVALID = "invalid"
+    NOT_FOUND = "not_found"
+    PERMISSION = "permission"
+    RATE_LIMIT = "rate_limit"
+    BUSY = "busy"
+    UNAVAILABLE = "unavailable"
+    TIMEOUT = "timeout"
+    ENGINE = "engine"
+    INTERNAL = "internal"
+
+
+@attrs.frozen
+class Problem:
+    """
+    A domain error as the wire sees it.
+
+    @ivar category: Its L{Category}.
+    @ivar status: The HTTP status.
+    @ivar message: What the client is told (not yet redacted for a scoped
+        key: the renderer does that).
+    @ivar kind: The C{blazar_errors_total} kind, or L{None} (counted by
+        its status class).
+    @ivar code: OpenAI's C{error.code}.
+    @ivar param: OpenAI's C{error.param}.
+    @ivar retry_after: Seconds for C{Retry-After}, or L{None}.
+    @ivar logged: Whether it is a fault worth a log line (engine failures,
+        not the client's mistakes).
+    @ivar subject: What was not found, as the client spelled it (a
+        model's name), for surfaces whose clients expect their own wording.
+    """
+
+    category: Category
+    status: int
+    message: str
+    kind: str | None = None
+    code: str | None = None
+    param: str | None = None
+    retry_after: float | None = None
+    logged: bool = False
+    subject: str | None = None
+
+
+def _bad_request(e: BaseException) -> Problem:
+    assert isinstance(e, BadRequest)
+    if e.status == 404:
+        return Problem(Category.NOT_FOUND, 404, str(e), code="not_found", param=e.param)
+    return Problem(Category.INVALID, e.status, str(e), param=e.param)
+
+
+def _engine_rejected(e: BaseException) -> Problem:
+    assert isinstance(e, EngineRejected)
+    if 400 <= e.status < 500 or e.status == 501:
+        # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
+        return Problem(Category.INVALID, 400 if e.status == 501 else e.status, str(e))
+    return Problem(Category.ENGINE, 502, f"engine error ({e.status}): {e}", kind="engine_error",
+                   code="engine_error", logged=True)
+
+
+def _model_not_found(e: BaseException) -> Problem:
+    assert isinstance(e, ModelNotFound)
+    spelled = e.name if len(e.name) <= 200 else e.name[:200] + "..."
+    return Problem(Category.NOT_FOUND, 404, str(e), kind="model_not_found", code="model_not_found",
+                   param="model", subject=spelled)
+
+
+def _retry_after(e: BaseException, default: float) -> float:
+    value = getattr(e, "retry_after", None)
+    return float(value) if isinstance(value, (int, float)) else default
+
+
+def _unavailable(kind: str) -> Callable[[BaseException], Problem]:
+    def problem(e: BaseException) -> Problem:
+        return Problem(Category.UNAVAILABLE, 503, str(e), kind=kind, code="engine_unavailable",
+                       retry_after=_retry_after(e, 5.0))
+    return problem
+
+
+def _engine(kind: str, code: str = "engine_error") -> Callable[[BaseException], Problem]:
+    def problem(e: BaseException) -> Problem:
+        return Problem(Category.ENGINE, 502, str(e), kind=kind, code=code, logged=True)
+    return problem
+
+
+def _busy(e: BaseException) -> Problem:
+    return Problem(Category.BUSY, 503, str(e), kind="all_slots_busy", code="all_slots_busy",
+                   retry_after=_retry_after(e, 1.0))
+
+
+def _quota(e: BaseException) -> Problem:
+    return Problem(Category.RATE_LIMIT, 429, str(e), kind="quota", code="rate_limit_exceeded",
+                   retry_after=_retry_after(e, 1.0))
+
+
+def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Problem]]]:
+    from blazar.gateway.admission import AllSlotsBusy
+    from blazar.gateway.quota import QuotaExceeded
+    return [
+        (BadRequest, _bad_request),
+        (ModelChangeError, lambda e: Problem(Category.INVALID, 400, str(e))),
+        (PromptTooLong, lambda e: Problem(Category.INVALID, 400, str(e), code="context_length_exceeded",
+                                          param="messages")),
+        (UnsupportedByModel, lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported",
+                                               param="model")),
+        (ModelNotFound, _model_not_found),
+        (Forbidden, lambda e: Problem(Category.PERMISSION, 403, str(e), kind="forbidden",
+                                      code="insufficient_permissions")),
+        (QuotaExceeded, _quota),
+        (AllSlotsBusy, _busy),
+        (BreakerOpen, _unavailable("breaker_open")),
+        (NoCapacity, _unavailable("no_capacity")),
+        (EngineTimeout, lambda e: Problem(Category.TIMEOUT, 504, str(e), kind="wedge", code="engine_timeout",
+                                          logged=True)),
+        (EngineCrashed, _engine("engine_crash")),
+        (EngineError, _engine("engine_error")),
+        (EngineNotFound, _engine("engine_not_found", "engine_not_found")),
+        (GGUFError, _engine("engine_error")),
+        (EngineRejected, _engine_rejected),
+    ]
+
+
+_TABLE: list[tuple[type[BaseException], Callable[[BaseException], Problem]]] = []
+
+
+def domain_errors() -> list[type[BaseException]]:
+    """
+    Every error class the table knows, most specific first.
+    """
+    if not _TABLE:
+        _TABLE.extend(_table())
+    return [cls for cls, _ in _TABLE]
+
+
+def describe(error: BaseException) -> Problem:
+    """
+    The L{Problem} for C{error}: a domain error by the table; anything
+    else (a bug) is a 500 whose message names no internals.
+    """
+    if not _TABLE:
+        _TABLE.extend(_table())
+    for cls, problem in _TABLE:
+        if isinstance(error, cls):
+            return problem(error)
+    return Problem(Category.INTERNAL, 500, "internal error", kind=None, code="internal_error")
+
+
+def is_cancellation(error: BaseException) -> bool:
+    """
+    Whether C{error} is a client's departure (nothing is answered).
+    """
+    return isinstance(error, CancelledError)

@@ -1,0 +1,338 @@
+"""
+The one request path. Every surface decodes its JSON into a
+L{blazar.gateway.call.Call} and hands it here; what comes back is the
+engine's answer, which the surface encodes. The steps, in this order, for
+every surface:
+
+ 1. what was ignored (C{x-blazar-ignored}, one log line per client);
+ 2. scope: a model outside a scoped key's scope does not exist (and the
+    key's rate limits are checked: L{blazar.gateway.scope});
+ 3. purpose: no chat on an embedding model, no embeddings on a chat model;
+ 4. system-message placement for the model's chat template;
+ 5. the surface's own rewrite, if any (L{Call.rewrite});
+ 6. the body encoded, once;
+ 7. the context preflight (prompt + output within a slot's context);
+ 8. the prompt's token count, if the surface needs it;
+ 9. admission (a slot of the model, by priority, class, deadline and key);
+ 10. a lease on a ready child (loading one if needed), and the send;
+ 11. the surface reads or relays the answer (L{Reply});
+ 12. usage (metrics, the key's token limits) as the surface reports it,
+     and the lease's end (C{keep_alive}, unloading on 0).
+
+Adding a step (a session pin, a tool-call grammar, a cache lookup, remote
+routing) is a change here, not in the surfaces. Errors are domain errors
+(L{blazar.gateway.errors}); surfaces render them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+from twisted.logger import Logger
+
+from blazar.engines.lease import InstanceLease
+from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway.call import Call, CallKind, Counting
+from blazar.gateway.context import note_span, note_tokens, record_usage
+from blazar.gateway.engine_proxy import EngineProxy, StreamStopped
+from blazar.gateway.errors import UnsupportedByModel
+from blazar.gateway.ignored import note_ignored
+from blazar.gateway.scope import may_use, resolve_in_scope
+from blazar.engines.llamacpp import DEFAULT_PARALLEL
+from blazar.models.registry import ModelNotFound, ModelRegistry
+
+log = Logger()
+
+
+class Reply:
+    """
+    A child's answer to one call, held on a lease until the call ends.
+
+    @ivar model: The canonical name of the model that answers.
+    @ivar prompt_tokens: The prompt's token count, if the pipeline counted
+        it (L{Call.counting}, or the preflight needed it).
+    @ivar started: Clock seconds when the pipeline began waiting for a child.
+    @ivar loaded: Clock seconds when a ready child was there.
+    """
+
+    def __init__(
+        self, proxy: EngineProxy, request: Any, lease: InstanceLease, response: Any,
+        prompt_tokens: int | None, started: float, loaded: float,
+    ) -> None:
+        self._proxy = proxy
+        self._request = request
+        self._lease = lease
+        self._response = response
+        self.model = lease.instance.entry.name
+        self.prompt_tokens = prompt_tokens
+        self.started = started
+        self.loaded = loaded
+
+    async def read(self) -> bytes:
+        """
+        The whole answer.
+
+        @raise blazar.engines.supervisor.EngineError: The child died or
+            stalled before it finished.
+        """
+        return await self._proxy.read(self._lease.instance, self._response)
+
+    async def relay(self, feed: Callable[[bytes], None]) -> None:
+        """
+        Feed the answer's bytes to C{feed} as they arrive, at the client's
+        pace (L{EngineProxy.relay}).
+        """
+        await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+
+    async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
+        """
+        Feed each JSON chunk of the answer's SSE stream to C{on_chunk}; an
+        C{on_chunk} that raises L{StreamStopped} ends the stream early, on
+        purpose (a stop sequence matched), and this returns normally.
+
+        @raise blazar.gateway.errors.EngineRejected: An in-stream error.
+        """
+        try:
+            await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
+        except StreamStopped:
+            pass
+
+    def usage(self, prompt: int, completion: int) -> None:
+        """
+        The tokens this call used, as the engine reported them: counted in
+        the metrics and against the key's token limits.
+        """
+        note_tokens(self._request, prompt, completion)
+        record_usage(self._request, prompt + completion)
+
+    def tokens(self, prompt: int, completion: int) -> None:
+        """
+        The tokens, for the metrics only (the key's limits were counted
+        from the stream's usage chunk: L{record}).
+        """
+        note_tokens(self._request, prompt, completion)
+
+    def record(self, total: int) -> None:
+        """
+        Tokens counted against the key's token limits only.
+        """
+        record_usage(self._request, total)
+
+
+class Opened:
+    """
+    C{async with pipeline.open(request, call) as reply}: the steps up to
+    the send on entry; the lease's end on exit, however the block ends.
+    """
+
+    def __init__(self, pipeline: Pipeline, request: Any, call: Call) -> None:
+        self._pipeline = pipeline
+        self._request = request
+        self._call = call
+        self._lease: InstanceLease | None = None
+
+    async def __aenter__(self) -> Reply:
+        reply, self._lease = await self._pipeline._start(self._request, self._call)
+        return reply
+
+    async def __aexit__(self, *exc_info: Any) -> None:
+        if self._lease is not None:
+            self._pipeline._end(self._lease, self._call.keep_alive)
+
+
+class Pipeline:
+    """
+    Runs calls (see the module docstring).
+    """
+
+    def __init__(
+        self, proxy: EngineProxy, clock: Any, registry: ModelRegistry | None = None,
+        admission: Admission | None = None,
+    ) -> None:
+        self._proxy = proxy
+        self._clock = clock
+        self._registry = registry
+        self.admission = admission
+        self.supervisor = proxy.supervisor
+
+    def open(self, request: Any, call: Call) -> Opened:
+        """
+        Run C{call} up to the engine's answer; see L{Opened}.
+        """
+        return Opened(self, request, call)
+
+    async def count(self, request: Any, call: Call) -> int:
+        """
+        The prompt tokens C{call} would report, counted by the child on the
+        same rendering (steps 1-5, then the count): C{count_tokens},
+        C{input_tokens}.
+        """
+        await self._check(request, call)
+        if call.rewrite is not None:
+            await call.rewrite(call)
+        return await self._count(call)
+
+    async def load(self, request: Any, call: Call) -> tuple[float, float]:
+        """
+        Make sure a child for C{call.model} is ready (scope checked) and
+        record the use with C{call.keep_alive}: Ollama's load with an empty
+        prompt.
+
+        @return: Clock seconds when it began and when the child was ready.
+        """
+        await self._scope(request, call.model)
+        started = self._clock.seconds()
+        instance = await self.supervisor.instance_for(call.model, call.ctx_size)
+        loaded = self._clock.seconds()
+        self._note_load(request, instance, started, loaded)
+        self._end(InstanceLease(self.supervisor, instance), call.keep_alive)
+        return started, loaded
+
+    async def unload(self, request: Any, model: str) -> None:
+        """
+        Stop C{model}'s child, if one runs (scope checked): Ollama's
+        C{keep_alive: 0} with an empty prompt.
+        """
+        canonical = await self._scope(request, model)
+        instance = self.supervisor.loaded(canonical)
+        if instance is not None:
+            await self.supervisor.stop_instance(instance, "keep_alive 0")
+
+    async def token_pieces(self, model: str, prompt: Any) -> list[Any]:
+        """
+        A prompt's tokens and their text, by the child's tokenizer (for a
+        surface's rewrite step: completions' C{echo} and C{logprobs}).
+        """
+        return await self._proxy.token_pieces(model, prompt)
+
+    # -- the steps ----------------------------------------------------------
+
+    async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease]:
+        canonical = await self._check(request, call)
+        if call.rewrite is not None:
+            await call.rewrite(call)
+        raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
+        counted = None
+        if call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
+            counted = await self._proxy.preflight(
+                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size,
+            )
+        ready = self.is_ready(canonical)
+        if call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready):
+            if counted is None:
+                counted = await self._count(call)
+        await self._admit(request, canonical, call.work)
+        stop = call.on_send(not self.is_ready(canonical)) if call.on_send is not None else None
+        started = self._clock.seconds()
+        try:
+            instance = await self.supervisor.instance_for(call.model, call.ctx_size)
+            loaded = self._clock.seconds()
+            self._note_load(request, instance, started, loaded)
+            lease, response = await self._proxy.send(
+                call.model, call.path, raw, call.ctx_size, request, call.stream
+            )
+        finally:
+            if stop is not None:
+                stop()
+        return Reply(self._proxy, request, lease, response, counted, started, loaded), lease
+
+    async def _check(self, request: Any, call: Call) -> str:
+        """
+        Steps 1-4: ignored fields, scope, purpose, placement.
+
+        @return: The canonical model name.
+        """
+        note_ignored(request, call.surface, call.ignored)
+        canonical = await self._scope(request, call.model)
+        await self._purpose(call)
+        if call.kind is CallKind.CHAT and await self._proxy.place_system_messages(call.model, call.body):
+            call.raw = None
+        return canonical
+
+    async def _scope(self, request: Any, model: str) -> str:
+        """
+        The scope check (L{blazar.gateway.scope.resolve_in_scope}): for a
+        scoped key, a model outside its scope is answered as one that does
+        not exist.
+
+        @raise ModelNotFound: No such model, or one the key may not use.
+        @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
+        """
+        if self._registry is None:
+            if not may_use(request, model):
+                raise ModelNotFound(model, [])
+            return model
+        return (await resolve_in_scope(request, self._registry, model)).name
+
+    async def _purpose(self, call: Call) -> None:
+        """
+        No chat on an embedding model, no embeddings on a chat model, before
+        any child is started for it; the message is the config fix.
+
+        @raise UnsupportedByModel: With the config fix.
+        """
+        if self._registry is None:
+            return
+        entry = await self._registry.resolve(call.model)
+        if call.embedding and not entry.settings.embedding:
+            raise UnsupportedByModel(
+                f"model {call.model!r} is not an embedding model: set embedding = true under "
+                f'[models."{entry.name}"] in the config to serve embeddings from it'
+            )
+        if not call.embedding and entry.settings.embedding:
+            raise UnsupportedByModel(
+                f"model {call.model!r} is configured for embeddings only (embedding = true under "
+                f'[models."{entry.name}"]); use a chat model here'
+            )
+
+    async def _count(self, call: Call) -> int:
+        """
+        The prompt's tokens, by the child's own template and tokenizer.
+        """
+        if "messages" in call.body:
+            return await self._proxy.count_chat_tokens(call.model, call.body)
+        prompt = call.body.get("prompt")
+        texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
+        return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
+
+    async def _admit(self, request: Any, canonical: str, work: WorkClass) -> None:
+        """
+        Wait for one of the model's slots (L{blazar.gateway.admission}); the
+        slot is held until the response is finished or the client leaves.
+
+        @raise blazar.gateway.admission.AllSlotsBusy: Still waiting at the
+            deadline, or the model's queue is full.
+        """
+        if self.admission is None:
+            return
+        loaded = self.supervisor.loaded(canonical)
+        if loaded is not None:
+            slots = loaded.entry.settings.parallel or DEFAULT_PARALLEL
+        elif self._registry is not None:
+            slots = (await self._registry.resolve(canonical)).settings.parallel or DEFAULT_PARALLEL
+        else:
+            slots = DEFAULT_PARALLEL
+        await admit_request(self.admission, request, canonical, slots, work)
+
+    def is_ready(self, canonical: str) -> bool:
+        """
+        Whether a ready child for canonical model name C{canonical} exists
+        (a call for it will not wait for a load).
+        """
+        instance = self.supervisor.loaded(canonical)
+        return instance is not None and instance.state == "ready"
+
+    def _note_load(self, request: Any, instance: Any, started: float, loaded: float) -> None:
+        ready_at = getattr(instance, "ready_at", None)
+        if ready_at is not None and ready_at >= started:  # it became ready while we waited
+            note_span(request, "load", started, loaded)
+
+    def _end(self, lease: InstanceLease, keep_alive: float | None) -> None:
+        name = lease.instance.entry.name
+
+        def waiting() -> bool:
+            queue = self.admission.queues.get(name) if self.admission is not None else None
+            return queue is not None and bool(queue.waiting)
+
+        lease.finish(keep_alive, waiting)

@@ -1,0 +1,95 @@
+"""
+What every surface does with an error before it encodes it: one
+function for an error answered with its own status (L{answer}), one for an
+error after a stream's headers went out (L{in_stream}). Each surface then
+renders the L{Problem} in its own shape, in one small function; the table
+of what each error means is L{blazar.gateway.errors}.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from twisted.internet.defer import CancelledError
+from twisted.logger import Logger
+from werkzeug.exceptions import MethodNotAllowed, NotFound
+from werkzeug.routing import RequestRedirect
+
+from blazar.gateway.context import note_error, trace_id_of
+from blazar.gateway.errors import Category, Problem, describe
+from blazar.gateway.quota import retry_after
+from blazar.gateway.scope import redact
+
+log = Logger()
+
+
+def answer(request: Any, error: BaseException | None, surface: str) -> Problem | None:
+    """
+    The L{Problem} to answer C{error} with, its side effects done: the
+    metrics kind noted, C{Retry-After} set, the message redacted for a
+    scoped key, a fault logged (a bug with its traceback), the status set.
+    A client's departure is answered with nothing (L{None}).
+
+    Routing errors (no such path, wrong method) are problems too: 404 and
+    405.
+    """
+    if error is None or isinstance(error, CancelledError):
+        return None
+    if isinstance(error, (NotFound, RequestRedirect)):
+        problem = Problem(Category.NOT_FOUND, 404,
+                          f"no route for {request.path.decode('ascii', 'replace')}", code="not_found")
+    elif isinstance(error, MethodNotAllowed):
+        problem = Problem(Category.INVALID, 405,
+                          f"method {request.method.decode('ascii', 'replace')} not allowed here",
+                          code="method_not_allowed")
+    else:
+        problem = describe(error)
+        if problem.category is Category.INTERNAL:
+            log.failure("unexpected error", _failure(error), trace_id=trace_id_of(request), surface=surface)
+            problem = Problem(Category.INTERNAL, 500, f"internal error (trace id {trace_id_of(request)})",
+                              code="internal_error")
+        elif problem.logged:
+            log.error("{error}", error=str(error), trace_id=trace_id_of(request), surface=surface)
+        note_error(request, problem.kind)
+    if problem.retry_after is not None:
+        retry_after(request, problem.retry_after)
+    request.setResponseCode(problem.status)
+    request.setHeader(b"content-type", b"application/json")
+    return _redacted(request, problem)
+
+
+def in_stream(request: Any, error: BaseException, model: str, surface: str) -> Problem | None:
+    """
+    The L{Problem} to end a stream with whose headers are out (an error
+    event, line or chunk: an error body now would be read as events): the
+    metrics kind noted, the failure logged (a bug with its traceback,
+    under a message that names no internals). A client's departure ends
+    nothing (L{None}: re-raise it).
+    """
+    if isinstance(error, CancelledError):
+        return None
+    problem = describe(error)
+    if problem.category is Category.INTERNAL:
+        log.failure("{surface} stream for {model} broke", _failure(error), surface=surface, model=model,
+                    trace_id=trace_id_of(request))
+        note_error(request, "5xx")
+        return Problem(Category.INTERNAL, 500, "internal error; see the daemon log", code="internal_error")
+    log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=str(error),
+              trace_id=trace_id_of(request))
+    note_error(request, problem.kind or ("engine_error" if problem.status >= 500 else None))
+    return _redacted(request, problem)
+
+
+def _redacted(request: Any, problem: Problem) -> Problem:
+    message = redact(request, problem.message)
+    if message == problem.message:
+        return problem
+    import attrs
+
+    return attrs.evolve(problem, message=message)
+
+
+def _failure(error: BaseException) -> Any:
+    from twisted.python.failure import Failure
+
+    return Failure(error, type(error), error.__traceback__)
