@@ -31,6 +31,8 @@ from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
+from blazar.gateway.operations import ModelOperations
+from blazar.models.hub import HubClient
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
@@ -39,7 +41,6 @@ from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
 from blazar.web.quota import Quotas
-from blazar.web.hub import HubClient
 from blazar.web.observe import MetricsResource, RequestObserver
 from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
@@ -340,6 +341,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         free_memory=thd_free_memory, metrics=metrics,
     )
     supervisor.setServiceParent(top)
+    operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
     hints.setServiceParent(top)
     keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
@@ -353,7 +355,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     )
     responses = Responses(proxy, lambda: keys.config, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, proxy, reactor, responses)
-    ollama = OllamaSurface(registry, proxy, reactor, time.time, hub, config.keep_alive)
+    ollama = OllamaSurface(registry, proxy, reactor, time.time, operations, config.keep_alive)
     anthropic = AnthropicSurface(registry, proxy, reactor)
     root = AuthGate(
         SurfaceRouter(
@@ -412,7 +414,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
                 supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints,
+                admission.snapshot, hints, operations,
             ),
             reactor=reactor,
         )

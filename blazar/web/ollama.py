@@ -21,12 +21,13 @@ from twisted.web.iweb import IRequest
 from blazar import __version__
 from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
+from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
+from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.admission import AllSlotsBusy, Ticket, WorkClass
 from blazar.web.auth import Forbidden, check_admin, key_of, record_usage
 from blazar.web.quota import QuotaExceeded, retry_after
-from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.proxy import (
     EngineProxy,
     EngineRejected,
@@ -109,9 +110,10 @@ class OllamaSurface:
 
     def __init__(
         self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
-        wall_clock: Callable[[], float], hub: HubClient, default_keep_alive: float = 300.0,
+        wall_clock: Callable[[], float], operations: ModelOperations,
+        default_keep_alive: float = 300.0,
     ) -> None:
-        self._hub = hub
+        self._operations = operations
         self._default_keep_alive = default_keep_alive
         self._registry = registry
         self._proxy = proxy
@@ -535,15 +537,23 @@ class OllamaSurface:
 
         return _json(request, admission.snapshot(show))
 
+    def _missing(self, e: ModelNotFound) -> OllamaError:
+        """
+        Ollama's answer to a management call on a model that does not exist.
+        """
+        shown = e.name if len(e.name) <= 200 else e.name[:200] + "..."
+        return OllamaError(404, f'model "{shown}" not found, try pulling it first')
+
     @app.route("/api/copy", methods=["POST"])
     async def copy(self, request: IRequest) -> bytes:
         body = self._body(request)
         check_admin(request, "copy models")
         source = self._model_field(body, "source")
         destination = self._model_field(body, "destination")
-        entry = await self._entry(source)
         try:
-            await self._registry.copy(entry, destination)
+            await self._operations.copy(source, destination)
+        except ModelNotFound as e:
+            raise self._missing(e) from None
         except ModelChangeError as e:
             raise OllamaError(400, str(e)) from None
         request.setResponseCode(200)
@@ -555,37 +565,35 @@ class OllamaSurface:
         check_admin(request, "pull models")
         model = self._model_field(body)
         stream = self._stream_flag(body)
-        try:
-            name = parse_hub_name(model)
-        except PullError as e:
-            raise OllamaError(e.status, str(e)) from None
-        models_dir = self._registry.models_dir
         if not stream:
             try:
-                await self._hub.pull(name, models_dir, lambda _: None)
+                await self._operations.pull(model)
             except PullError as e:
                 raise OllamaError(e.status, str(e)) from None
-            finally:
-                self._registry.forget()
             return _json(request, {"status": "success"})
-        request.setHeader(b"content-type", NDJSON)
+        streaming = False
 
         def progress(line: dict[str, Any]) -> None:
+            nonlocal streaming
+            if not streaming:  # a refusal before the first line is a plain error answer
+                streaming = True
+                request.setHeader(b"content-type", NDJSON)
             request.write(tr.ndjson([line]))
 
         try:
-            await self._hub.pull(name, models_dir, progress)
+            await self._operations.pull(model, progress)
         except PullError as e:
-            log.error("pull of {model} failed: {error}", model=model, error=str(e))
+            if not streaming:
+                raise OllamaError(e.status, str(e)) from None
             request.write(tr.ndjson([{"error": str(e)}]))
         except CancelledError:
             raise
         except Exception:
+            if not streaming:
+                raise
             log.failure("pull of {model} broke", model=model)
             note_error(request, "5xx")
             request.write(tr.ndjson([{"error": "internal error; see the daemon log"}]))
-        finally:
-            self._registry.forget()
         return None
 
     @app.route("/api/delete", methods=["DELETE"])
@@ -593,16 +601,10 @@ class OllamaSurface:
         check_admin(request, "delete models")
         body = self._body(request)
         model = self._model_field(body)
-        entry = await self._entry(model)
         try:
-            self._registry.check_removable(entry)  # refuse before stopping anything
-        except ModelChangeError as e:
-            raise OllamaError(400, str(e)) from None
-        instance = self._supervisor.loaded(entry.name)
-        if instance is not None:
-            await self._supervisor.stop_instance(instance, "model deleted")
-        try:
-            await self._registry.remove(entry)
+            await self._operations.delete(model)
+        except ModelNotFound as e:
+            raise self._missing(e) from None
         except ModelChangeError as e:
             raise OllamaError(400, str(e)) from None
         request.setResponseCode(200)
