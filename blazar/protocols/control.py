@@ -10,7 +10,7 @@ Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory
@@ -19,10 +19,18 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.gateway.operations import ModelOperations, NothingToEvict
+
+if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
+    from blazar.gateway.operations import ModelOperations
 
 PROTOCOL_VERSION = 1
 PAGE = 50
+
+
+class NothingToEvict(Exception):
+    """
+    No loaded instance matches the key.
+    """
 
 
 class IncompatibleClient(Exception):
@@ -350,10 +358,11 @@ class ControlServer(amp.AMP):
             C{supervisor} that cannot pull.
         """
         super().__init__()
-        self._operations = (
-            operations if operations is not None
-            else ModelOperations(registry, supervisor, None, clock)
-        )
+        if operations is None:
+            from blazar.gateway.operations import ModelOperations
+
+            operations = ModelOperations(registry, supervisor, None, clock)
+        self._operations = operations
         self._hints = hints
         self._queue = queue
         self._key_admin = keys
@@ -413,7 +422,12 @@ class ControlServer(amp.AMP):
 
     @Evict.responder
     def evict(self, key: str | None = None, all: bool | None = None) -> dict[str, Any]:
-        return {"evicted": self._operations.evict(key, everything=bool(all))}
+        from blazar.gateway import operations
+
+        try:
+            return {"evicted": self._operations.evict(key, everything=bool(all))}
+        except operations.NothingToEvict as e:
+            raise NothingToEvict(str(e)) from None
 
     @ResetBreakers.responder
     def reset_breakers(self, model: str | None = None) -> dict[str, Any]:
