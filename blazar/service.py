@@ -31,6 +31,8 @@ from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
+from blazar.gateway.operations import ModelOperations
+from blazar.models.hub import HubClient
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
@@ -39,7 +41,6 @@ from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
 from blazar.gateway.quota import Quotas
-from blazar.web.hub import HubClient
 from blazar.web.observe import MetricsResource, RequestObserver
 from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
@@ -341,6 +342,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         free_memory=thd_free_memory, metrics=metrics,
     )
     supervisor.setServiceParent(top)
+    operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
     hints.setServiceParent(top)
     keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
@@ -355,7 +357,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     pipeline = Pipeline(proxy, reactor, registry, admission)
     responses = Responses(pipeline, lambda: keys.config, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
-    ollama = OllamaSurface(registry, pipeline, reactor, time.time, hub, config.keep_alive)
+    ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, config.keep_alive)
     anthropic = AnthropicSurface(registry, pipeline, reactor)
     root = AuthGate(
         SurfaceRouter(
@@ -414,7 +416,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
                 supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints,
+                admission.snapshot, hints, operations,
             ),
             reactor=reactor,
         )

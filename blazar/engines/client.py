@@ -5,21 +5,26 @@ HTTP/1.1 to engine children, over Blazar's own connection pool.
 from __future__ import annotations
 
 import socket
-from typing import Any, Callable
+from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionLost
 from twisted.internet.interfaces import IReactorTime
-from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web._newclient import (
     HTTP11ClientProtocol, Request, RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived,
 )
-from twisted.web.client import Agent, HTTPConnectionPool, ResponseDone, _HTTP11ClientFactory
+from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
+
+# the bounded body reads live below the engines (the hub puller uses them too);
+# re-exported here, where the engine client's callers have always found them
+from blazar.httpbody import (  # noqa: F401
+    BodyIdleTimeout, BodyTooLarge, BodyValve, read_body, relay_body,
+)
 
 
 def peer_closed(transport: Any) -> bool:
@@ -304,190 +309,3 @@ class EngineClient:
         """
         await self._pool.closeCachedConnections()
         await self._kept_pool.closeCachedConnections()
-
-
-class BodyIdleTimeout(Exception):
-    """
-    The engine sent nothing for longer than the idle bound.
-    """
-
-
-class BodyTooLarge(Exception):
-    """
-    The engine's body exceeded the size bound.
-    """
-
-
-class BodyValve:
-    """
-    Pauses and resumes the reading of a body that L{relay_body} relays.
-
-    Paused, the engine's connection is not read: its bytes wait in the
-    kernel's socket buffers, and once those are full the engine's writes
-    block (TCP backpressure), so a slow consumer holds no more of the body
-    in memory than one read. The idle timeout does not run while paused
-    (the silence is the consumer's, not the engine's).
-
-    Usable before the relay starts: the state is applied once it does.
-
-    @ivar paused: Whether reading is paused.
-    """
-
-    def __init__(self) -> None:
-        self.paused = False
-        self._relay: _BodyRelay | None = None
-
-    def pause(self) -> None:
-        """
-        Stop reading the engine's connection (idempotent).
-        """
-        if not self.paused:
-            self.paused = True
-            if self._relay is not None:
-                self._relay.pause()
-
-    def resume(self) -> None:
-        """
-        Read the engine's connection again (idempotent).
-        """
-        if self.paused:
-            self.paused = False
-            if self._relay is not None:
-                self._relay.resume()
-
-    def _attach(self, relay: _BodyRelay) -> None:
-        self._relay = relay
-        if self.paused:
-            relay.pause()
-
-
-class _BodyRelay(Protocol):
-    def __init__(
-        self,
-        finished: Deferred[None],
-        on_chunk: Callable[[bytes], None],
-        clock: IReactorTime,
-        idle_timeout: float,
-        max_bytes: int | None,
-    ) -> None:
-        self.finished: Deferred[None] | None = finished
-        self.on_chunk = on_chunk
-        self.clock = clock
-        self.idle_timeout = idle_timeout
-        self.max_bytes = max_bytes
-        self.received = 0
-        self.paused = False
-        self.timer = clock.callLater(idle_timeout, self._idle)
-
-    def pause(self) -> None:
-        if self.finished is None or self.paused:
-            return
-        self.paused = True
-        if self.timer.active():
-            self.timer.cancel()
-        if self.transport is not None:
-            # a TransportProxyProducer: stops reading the TCP connection
-            self.transport.pauseProducing()  # type: ignore[attr-defined]
-
-    def resume(self) -> None:
-        if self.finished is None or not self.paused:
-            return
-        self.paused = False
-        self.timer = self.clock.callLater(self.idle_timeout, self._idle)
-        if self.transport is not None:
-            self.transport.resumeProducing()  # type: ignore[attr-defined]
-
-    def _fail(self, error: BaseException | Failure) -> None:
-        if self.timer.active():
-            self.timer.cancel()
-        if self.transport is not None:
-            # an IPushProducer (TransportProxyProducer): closes the connection
-            self.transport.stopProducing()  # type: ignore[attr-defined]
-        finished, self.finished = self.finished, None
-        if finished is not None:
-            finished.errback(error)
-
-    def _idle(self) -> None:
-        self._fail(BodyIdleTimeout(f"engine sent nothing for {self.idle_timeout:g} s"))
-
-    def cancel(self) -> None:
-        self._fail(CancelledError())
-
-    def dataReceived(self, data: bytes) -> None:
-        if self.finished is None:
-            return
-        self.received += len(data)
-        if self.max_bytes is not None and self.received > self.max_bytes:
-            self._fail(BodyTooLarge(f"engine body over {self.max_bytes} bytes"))
-            return
-        if self.timer.active():
-            # (paused: the rest of a read already taken is still delivered)
-            self.timer.reset(self.idle_timeout)
-        try:
-            self.on_chunk(data)
-        except BaseException:
-            self._fail(Failure())
-
-    def connectionLost(self, reason: Failure = connectionDone) -> None:
-        if self.timer.active():
-            self.timer.cancel()
-        finished, self.finished = self.finished, None
-        if finished is None:
-            return
-        if reason.check(ResponseDone):
-            finished.callback(None)
-        else:
-            # PotentialDataLoss included: a body without a length that ended
-            # by a close is not trusted to be whole.
-            finished.errback(reason)
-
-
-def relay_body(
-    response: IResponse,
-    on_chunk: Callable[[bytes], None],
-    clock: IReactorTime,
-    *,
-    idle_timeout: float,
-    max_bytes: int | None = None,
-    valve: BodyValve | None = None,
-) -> Deferred[None]:
-    """
-    Feed C{response}'s body to C{on_chunk} as it arrives.
-
-    Unlike C{treq.collect}, cancelling the returned Deferred closes the
-    connection to the engine, so a client that goes away stops the
-    engine's work too.
-
-    @param idle_timeout: Seconds without a byte before failing with
-        L{BodyIdleTimeout} (not counted while C{valve} is paused).
-    @param max_bytes: Fail with L{BodyTooLarge} past this many bytes.
-    @param valve: Pauses and resumes reading (a consumer that cannot keep
-        up); C{on_chunk} may pause it from inside.
-    @return: Fires with L{None} when the whole body arrived; fails with the
-        connection's failure (e.g. C{ResponseFailed}) if it broke.
-    """
-    relay: _BodyRelay | None = None
-
-    def cancel(_: Deferred[None]) -> None:
-        if relay is not None:
-            relay.cancel()
-
-    d: Deferred[None] = Deferred(cancel)
-    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes)
-    response.deliverBody(relay)
-    if valve is not None:
-        # after deliverBody, which resumes the transport once it has handed
-        # over what it had buffered (on_chunk may have paused the valve)
-        valve._attach(relay)
-    return d
-
-
-async def read_body(
-    response: IResponse, clock: IReactorTime, *, idle_timeout: float, max_bytes: int
-) -> bytes:
-    """
-    The whole body of C{response}, bounded as L{relay_body}.
-    """
-    parts: list[bytes] = []
-    await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes)
-    return b"".join(parts)

@@ -189,15 +189,15 @@ class Pipeline:
         self._end(InstanceLease(self.supervisor, instance), call.keep_alive)
         return started, loaded
 
-    async def unload(self, request: Any, model: str) -> None:
+    async def scope(self, request: Any, model: str) -> str:
         """
-        Stop C{model}'s child, if one runs (scope checked): Ollama's
-        C{keep_alive: 0} with an empty prompt.
+        Step 2 alone, for what is not a call (Ollama's unload with an
+        empty prompt): the canonical name of a model the request's key may
+        use.
+
+        @raise ModelNotFound: No such model, or one the key may not use.
         """
-        canonical = await self._scope(request, model)
-        instance = self.supervisor.loaded(canonical)
-        if instance is not None:
-            await self.supervisor.stop_instance(instance, "keep_alive 0")
+        return await self._scope(request, model)
 
     async def token_pieces(self, model: str, prompt: Any) -> list[Any]:
         """

@@ -10,7 +10,7 @@ Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory
@@ -19,6 +19,9 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
+
+if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
+    from blazar.gateway.operations import ModelOperations
 
 PROTOCOL_VERSION = 1
 PAGE = 50
@@ -347,8 +350,19 @@ class ControlServer(amp.AMP):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
+        operations: ModelOperations | None = None,
     ) -> None:
+        """
+        @param operations: The model operations the model commands run
+            (delete, copy, evict); without, ones over C{registry} and
+            C{supervisor} that cannot pull.
+        """
         super().__init__()
+        if operations is None:
+            from blazar.gateway.operations import ModelOperations
+
+            operations = ModelOperations(registry, supervisor, None, clock)
+        self._operations = operations
         self._hints = hints
         self._queue = queue
         self._key_admin = keys
@@ -408,15 +422,12 @@ class ControlServer(amp.AMP):
 
     @Evict.responder
     def evict(self, key: str | None = None, all: bool | None = None) -> dict[str, Any]:
-        if all:
-            chosen = [i for i in self._supervisor.instances() if i.state != "stopping"]
-            for i in chosen:
-                self._supervisor.stop_instance(i, "evicted")
-        else:
-            chosen = self._supervisor.evict(key or "")
-        if not chosen:
-            raise NothingToEvict(f"no loaded instance matches {key!r}" if not all else "nothing is loaded")
-        return {"evicted": [i.entry.name for i in chosen]}
+        from blazar.gateway import operations
+
+        try:
+            return {"evicted": self._operations.evict(key, everything=bool(all))}
+        except operations.NothingToEvict as e:
+            raise NothingToEvict(str(e)) from None
 
     @ResetBreakers.responder
     def reset_breakers(self, model: str | None = None) -> dict[str, Any]:
@@ -446,6 +457,17 @@ class ControlServer(amp.AMP):
         except ModelNotFound as e:
             raise ModelError(str(e)) from None
 
+    async def _model_change(self, change: Awaitable[str]) -> dict[str, Any]:
+        """
+        C{{"name": ...}} from a model operation, its refusals as L{ModelError}.
+        """
+        from blazar.models.registry import ModelChangeError, ModelNotFound
+
+        try:
+            return {"name": await change}
+        except (ModelNotFound, ModelChangeError) as e:
+            raise ModelError(str(e)) from None
+
     @ModelShow.responder
     def model_show(self, name: str) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
@@ -463,34 +485,11 @@ class ControlServer(amp.AMP):
 
     @ModelCopy.responder
     def model_copy(self, source: str, destination: str) -> Deferred[dict[str, Any]]:
-        from blazar.models.registry import ModelChangeError
-
-        async def answer() -> dict[str, Any]:
-            entry = await self._entry(source)
-            try:
-                return {"name": await self._registry.copy(entry, destination)}
-            except ModelChangeError as e:
-                raise ModelError(str(e)) from None
-
-        return Deferred.fromCoroutine(answer())
+        return Deferred.fromCoroutine(self._model_change(self._operations.copy(source, destination)))
 
     @ModelRemove.responder
     def model_remove(self, name: str) -> Deferred[dict[str, Any]]:
-        from blazar.models.registry import ModelChangeError
-
-        async def answer() -> dict[str, Any]:
-            entry = await self._entry(name)
-            try:
-                self._registry.check_removable(entry)
-                instance = self._supervisor.loaded(entry.name)
-                if instance is not None:
-                    await self._supervisor.stop_instance(instance, "model deleted")
-                await self._registry.remove(entry)
-            except ModelChangeError as e:
-                raise ModelError(str(e)) from None
-            return {"name": entry.name}
-
-        return Deferred.fromCoroutine(answer())
+        return Deferred.fromCoroutine(self._model_change(self._operations.delete(name)))
 
     @Queue.responder
     def queue(self) -> dict[str, Any]:
@@ -557,8 +556,9 @@ class ControlFactory(Factory):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
+        operations: ModelOperations | None = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints)
+        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -37,11 +37,12 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
         return None
     if isinstance(error, (NotFound, RequestRedirect)):
         problem = Problem(Category.NOT_FOUND, 404,
-                          f"no route for {request.path.decode('ascii', 'replace')}", code="not_found")
+                          f"no route for {request.path.decode('ascii', 'replace')}", code="not_found",
+                          subject="route")
     elif isinstance(error, MethodNotAllowed):
         problem = Problem(Category.INVALID, 405,
                           f"method {request.method.decode('ascii', 'replace')} not allowed here",
-                          code="method_not_allowed")
+                          code="method_not_allowed", subject="route")
     else:
         problem = describe(error)
         if problem.category is Category.INTERNAL:

@@ -26,12 +26,13 @@ from blazar.gateway.context import key_of, note_error
 from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import is_scoped, redact_value, resolve_in_scope, visible
+from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
+from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
-from blazar.web.hub import HubClient, PullError, parse_hub_name
 from blazar.web.translate import leniency
 from blazar.web.translate import ollama as tr
 
@@ -106,9 +107,10 @@ class OllamaSurface:
 
     def __init__(
         self, registry: ModelRegistry, pipeline: Pipeline, clock: Any,
-        wall_clock: Callable[[], float], hub: HubClient, default_keep_alive: float = 300.0,
+        wall_clock: Callable[[], float], operations: ModelOperations,
+        default_keep_alive: float = 300.0,
     ) -> None:
-        self._hub = hub
+        self._operations = operations
         self._default_keep_alive = default_keep_alive
         self._registry = registry
         self._pipeline = pipeline
@@ -219,7 +221,7 @@ class OllamaSurface:
 
     async def _load_or_unload(self, request: IRequest, kind: str, call: Call) -> bytes:
         if self._keep_alive(call.body) == 0:
-            await self._pipeline.unload(request, call.model)
+            await self._operations.unload(await self._pipeline.scope(request, call.model), "keep_alive 0")
             reason, duration = "unload", None
         else:
             started, loaded = await self._pipeline.load(request, call)
@@ -460,11 +462,7 @@ class OllamaSurface:
         check_admin(request, "copy models")
         source = self._model_field(body, "source")
         destination = self._model_field(body, "destination")
-        entry = await self._entry(source)
-        try:
-            await self._registry.copy(entry, destination)
-        except ModelChangeError as e:
-            raise OllamaError(400, str(e)) from None
+        await self._operations.copy(source, destination)
         request.setResponseCode(200)
         return b""
 
@@ -474,37 +472,27 @@ class OllamaSurface:
         check_admin(request, "pull models")
         model = self._model_field(body)
         stream = self._stream_flag(body)
-        try:
-            name = parse_hub_name(model)
-        except PullError as e:
-            raise OllamaError(e.status, str(e)) from None
-        models_dir = self._registry.models_dir
         if not stream:
-            try:
-                await self._hub.pull(name, models_dir, lambda _: None)
-            except PullError as e:
-                raise OllamaError(e.status, str(e)) from None
-            finally:
-                self._registry.forget()
+            await self._operations.pull(model)
             return _json(request, {"status": "success"})
-        request.setHeader(b"content-type", NDJSON)
+        streaming = False
 
         def progress(line: dict[str, Any]) -> None:
+            nonlocal streaming
+            if not streaming:  # a refusal before the first line is a plain error answer
+                streaming = True
+                request.setHeader(b"content-type", NDJSON)
             request.write(tr.ndjson([line]))
 
         try:
-            await self._hub.pull(name, models_dir, progress)
-        except PullError as e:
-            log.error("pull of {model} failed: {error}", model=model, error=str(e))
-            request.write(tr.ndjson([{"error": str(e)}]))
-        except CancelledError:
-            raise
-        except Exception:
-            log.failure("pull of {model} broke", model=model)
-            note_error(request, "5xx")
-            request.write(tr.ndjson([{"error": "internal error; see the daemon log"}]))
-        finally:
-            self._registry.forget()
+            await self._operations.pull(model, progress)
+        except Exception as e:
+            if not streaming:
+                raise  # a refusal before the first line is a plain error answer
+            problem = in_stream(request, e, model, "ollama")
+            if problem is None:
+                raise
+            request.write(tr.ndjson([{"error": problem.message}]))
         return None
 
     @app.route("/api/delete", methods=["DELETE"])
@@ -512,18 +500,7 @@ class OllamaSurface:
         check_admin(request, "delete models")
         body = self._body(request)
         model = self._model_field(body)
-        entry = await self._entry(model)
-        try:
-            self._registry.check_removable(entry)  # refuse before stopping anything
-        except ModelChangeError as e:
-            raise OllamaError(400, str(e)) from None
-        instance = self._supervisor.loaded(entry.name)
-        if instance is not None:
-            await self._supervisor.stop_instance(instance, "model deleted")
-        try:
-            await self._registry.remove(entry)
-        except ModelChangeError as e:
-            raise OllamaError(400, str(e)) from None
+        await self._operations.delete(model)
         request.setResponseCode(200)
         return b""
 
@@ -532,18 +509,15 @@ class OllamaSurface:
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
         problem = answer(request, failure.value, "ollama")
-        return None if problem is None else render(problem)
+        return None if problem is None else _json(request, {"error": message_of(problem)}, problem.status)
 
 
-def render(problem: Problem) -> bytes:
+def message_of(problem: Problem) -> str:
     """
-    A L{Problem} in Ollama's shape, C{{"error": message}}.
+    A L{Problem}'s message in Ollama's words (its shape is C{{"error": message}}).
     """
-    if problem.code == "not_found" and problem.category is Category.NOT_FOUND:
-        return json.dumps({"error": "404 page not found"}).encode("utf-8")
-    if problem.code == "method_not_allowed":
-        return json.dumps({"error": "405 method not allowed"}).encode("utf-8")
+    if problem.subject == "route":
+        return "404 page not found" if problem.status == 404 else "405 method not allowed"
     if problem.kind == "model_not_found":
-        # Ollama's own wording: clients look for it
-        return json.dumps({"error": f'model "{problem.subject}" not found, try pulling it first'}).encode("utf-8")
-    return json.dumps({"error": problem.message}).encode("utf-8")
+        return f'model "{problem.subject}" not found, try pulling it first'  # clients look for it
+    return problem.message

@@ -17,6 +17,7 @@ from klein import Klein
 from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.operations import ModelOperations
 from blazar.gateway.context import context_of
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
@@ -124,7 +125,8 @@ class ScopeSurfaceTests(SynchronousTestCase):
         responses = Responses(proxy, lambda: config, self.reactor, None)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor, responses).app.resource(),
-            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, None).app.resource(),  # type: ignore[arg-type]
+            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
+                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
             AnthropicSurface(registry, proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))

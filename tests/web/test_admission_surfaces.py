@@ -16,6 +16,7 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
@@ -49,7 +50,8 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         ), self.reactor, registry, self.admission)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor).app.resource(),
-            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, None).app.resource(),  # type: ignore[arg-type]
+            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
+                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
             AnthropicSurface(registry, proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)

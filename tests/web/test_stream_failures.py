@@ -19,6 +19,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound
+from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
@@ -89,7 +90,10 @@ class StreamFailureTests(SynchronousTestCase):
         responses = Responses(self.proxy, lambda: config, self.reactor, None)
         router = SurfaceRouter(
             OpenAISurface(registry, self.proxy, self.reactor, responses).app.resource(),
-            OllamaSurface(registry, self.proxy, self.reactor, lambda: 0.0, FakeHub()).app.resource(),  # type: ignore[arg-type]
+            OllamaSurface(
+                registry, self.proxy, self.reactor, lambda: 0.0,
+                ModelOperations(registry, self.supervisor, FakeHub(), self.reactor),  # type: ignore[arg-type]
+            ).app.resource(),
             AnthropicSurface(registry, self.proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)

@@ -2,7 +2,7 @@ from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.web.hub import HubName, PullError, choose_files, parse_hub_name, target_paths
+from blazar.models.hub import HubName, PullError, choose_files, parse_hub_name, target_paths
 
 
 def f(path: str) -> dict:

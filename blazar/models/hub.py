@@ -1,6 +1,7 @@
 """
-Pulling GGUF files from a Hugging Face-compatible hub, for Ollama's
-C{/api/pull}.
+Pulling GGUF files from a Hugging Face-compatible hub into C{models_dir},
+next to the registry that then serves them (L{blazar.gateway.operations}
+runs a pull for Ollama's C{/api/pull}).
 
 Names follow Ollama's for Hugging Face models: C{hf.co/{user}/{repo}} and
 C{hf.co/{user}/{repo}:{quant}}. Files are listed with the hub's
@@ -27,10 +28,10 @@ import attrs
 from treq.client import HTTPClient
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.threads import deferToThreadPool
-from twisted.web.client import Agent, RedirectAgent
+from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 
-from blazar.engines.client import QuietConnectionPool, read_body, relay_body
+from blazar.httpbody import read_body, relay_body
 
 QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)$")
 PREFERRED = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q8_0")
@@ -213,6 +214,16 @@ class _SerialWriter:
         await tail
 
 
+class _QuietPool(HTTPConnectionPool):
+    """
+    A connection pool that does not log "Starting factory" / "Stopping
+    factory" for every connection to the hub.
+    """
+
+    class _factory(_HTTP11ClientFactory):
+        noisy = False
+
+
 class HubClient:
     """
     Lists and downloads files from a Hugging Face-compatible endpoint.
@@ -221,7 +232,7 @@ class HubClient:
     def __init__(self, reactor: Any, endpoint: str, token: str | None = None) -> None:
         self._reactor = reactor
         self._endpoint = endpoint.rstrip("/")
-        self._pool = QuietConnectionPool(reactor, persistent=True)
+        self._pool = _QuietPool(reactor, persistent=True)
         self._http = HTTPClient(RedirectAgent(Agent(reactor, connectTimeout=30, pool=self._pool)))
         self._token = token
 
