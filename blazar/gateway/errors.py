@@ -163,8 +163,8 @@ def _model_not_found(e: BaseException) -> Problem:
 def _pull(e: BaseException) -> Problem:
     status = int(getattr(e, "status", 500))
     if status < 500:
-        return Problem(Category.INVALID, status, str(e))
-    return Problem(Category.ENGINE, status, str(e), kind="pull_failed", logged=True)
+        return Problem(Category.NOT_FOUND if status == 404 else Category.INVALID, status, str(e))
+    return Problem(Category.ENGINE, status, str(e), kind="pull_failed", code="engine_error", logged=True)
 
 
 def _retry_after(e: BaseException, default: float) -> float:
