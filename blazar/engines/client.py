@@ -20,11 +20,7 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import implementer
 
-# the bounded body reads live below the engines (the hub puller uses them too);
-# re-exported here, where the engine client's callers have always found them
-from blazar.httpbody import (  # noqa: F401
-    BodyIdleTimeout, BodyTooLarge, BodyValve, read_body, relay_body,
-)
+from blazar.httpbody import read_body
 
 
 def peer_closed(transport: Any) -> bool:

@@ -30,7 +30,7 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from blazar.engines.client import BodyValve
+from blazar.httpbody import BodyValve
 from blazar.gateway.context import note_error, trace_id_of
 
 log = Logger()

@@ -12,16 +12,15 @@ import json
 from typing import Any, Awaitable, Callable
 from weakref import WeakKeyDictionary
 
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from blazar.config import DEFAULT_STREAM_STALL_CLOSE, parse_duration
-from blazar.engines.client import (
-    BodyTooLarge, BodyValve, EngineClient, NotDelivered, StaleConnection, read_body, relay_body,
-)
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot
+from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
+from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
+from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
 from blazar.models.registry import ModelRegistry

@@ -199,6 +199,16 @@ class Pipeline:
         """
         return await self._scope(request, model)
 
+    def queues(self, show: Callable[[str, Any], bool]) -> dict[str, Any]:
+        """
+        The admission queues as C{GET /api/queue} shows them
+        (L{blazar.gateway.admission.Admission.snapshot}), filtered by
+        C{show(model, ticket)}.
+        """
+        if self.admission is None:
+            return {"models": []}
+        return self.admission.snapshot(show)
+
     async def token_pieces(self, model: str, prompt: Any) -> list[Any]:
         """
         A prompt's tokens and their text, by the child's tokenizer (for a

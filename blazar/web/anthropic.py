@@ -142,11 +142,7 @@ class AnthropicSurface:
                     start()
                 await reply.chunks(self._feeder(translator, request, pinger))
         except Exception as e:
-            if not headers_out:
-                raise
-            problem = in_stream(request, e, model, "anthropic")
-            if problem is None:
-                raise
+            problem = in_stream(request, e, model, "anthropic", headers_out)
             request.write(tr.sse_event("error", {"type": "error", "error": {
                 "type": _TYPES[problem.category], "message": problem.message}}))
             return None

@@ -59,16 +59,22 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
     return _redacted(request, problem)
 
 
-def in_stream(request: Any, error: BaseException, model: str, surface: str) -> Problem | None:
+def in_stream(
+    request: Any, error: BaseException, model: str, surface: str, headers_out: bool = True,
+) -> Problem:
     """
     The L{Problem} to end a stream with whose headers are out (an error
     event, line or chunk: an error body now would be read as events): the
     metrics kind noted, the failure logged (a bug with its traceback,
-    under a message that names no internals). A client's departure ends
-    nothing (L{None}: re-raise it).
+    under a message that names no internals). Call it in an C{except}.
+
+    @param headers_out: Whether the stream's headers went out; if not, the
+        error is raised again, to be answered with a status of its own.
+    @raise BaseException: C{error} again, when the headers are not out or
+        it is a client's departure (which ends nothing).
     """
-    if isinstance(error, CancelledError):
-        return None
+    if not headers_out or isinstance(error, CancelledError):
+        raise error
     problem = describe(error)
     if problem.category is Category.INTERNAL:
         log.failure("{surface} stream for {model} broke", _failure(error), surface=surface, model=model,

@@ -13,7 +13,6 @@ import json
 from typing import Any, Callable
 
 from klein import Klein
-from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -23,13 +22,12 @@ from blazar.engines.llamacpp import context_per_slot
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
-from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.pipeline import Pipeline, Reply
-from blazar.gateway.scope import is_scoped, redact_value, resolve_in_scope, visible
+from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
-from blazar.models.hub import PullError
-from blazar.models.registry import ModelChangeError, ModelEntry, ModelNotFound, ModelRegistry
+from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
@@ -313,8 +311,6 @@ class OllamaSurface:
         except Exception as e:
             # lines may be out: whatever broke ends the stream with an error line
             problem = in_stream(request, e, reply.model, "ollama")
-            if problem is None:
-                raise
             request.write(tr.ndjson([{"error": problem.message}]))
             return
         final = translator.finish()
@@ -443,18 +439,14 @@ class OllamaSurface:
         estimated start; shape in L{blazar.gateway.admission.ModelQueue.snapshot}.
         A scoped key sees its models, and only its own requests in them.
         """
-        admission = self._pipeline.admission
-        if admission is None:
-            return _json(request, {"models": []})
         key = key_of(request)
-        allowed = set(visible(request, list(admission.queues)))
 
         def show(model: str, ticket: Ticket | None) -> bool:
-            if model not in allowed:
+            if not may_use(request, model):
                 return False
             return ticket is None or key is None or key.admin or ticket.key == key.name
 
-        return _json(request, admission.snapshot(show))
+        return _json(request, self._pipeline.queues(show))
 
     @app.route("/api/copy", methods=["POST"])
     async def copy(self, request: IRequest) -> bytes:
@@ -487,11 +479,8 @@ class OllamaSurface:
         try:
             await self._operations.pull(model, progress)
         except Exception as e:
-            if not streaming:
-                raise  # a refusal before the first line is a plain error answer
-            problem = in_stream(request, e, model, "ollama")
-            if problem is None:
-                raise
+            # a refusal before the first line is a plain error answer
+            problem = in_stream(request, e, model, "ollama", streaming)
             request.write(tr.ndjson([{"error": problem.message}]))
         return None
 

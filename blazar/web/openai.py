@@ -377,12 +377,8 @@ class OpenAISurface:
                 request.setHeader(b"content-type", b"application/json")
                 return renamer.rename(payload)
         except Exception as e:
-            if not headers_out:
-                raise
-            # the loading comments are out: the failure is an error event
-            problem = in_stream(request, e, model, "openai")
-            if problem is None:
-                raise
+            # once the loading comments are out, the failure is an error event
+            problem = in_stream(request, e, model, "openai", headers_out)
             request.write(b"data: " + error_body(
                 problem.message, "engine_error",
                 "engine_unavailable" if problem.category is Category.UNAVAILABLE else "engine_error",
@@ -459,7 +455,6 @@ class OpenAISurface:
             await reply.relay(feed)
         except EngineError as error:
             problem = in_stream(request, error, reply.model, "openai")
-            assert problem is not None
             relay.fail(error_body(problem.message, "engine_error", "engine_crashed"))
             return
         if rewriter is not None:

@@ -165,11 +165,7 @@ class Responses:
                 self._write(request, translator.finish())
                 ended = True
         except Exception as e:
-            if not headers_out:
-                raise  # before the headers: an error answer of its own
-            problem = in_stream(request, e, model, "responses")
-            if problem is None:
-                raise
+            problem = in_stream(request, e, model, "responses", headers_out)
             if not ended:
                 self._write(request, translator.fail(problem.message))
             return None

@@ -25,7 +25,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from blazar.gateway.context import context_of
 from blazar.config import Config
-from blazar.engines.client import BodyIdleTimeout, BodyValve, relay_body
+from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
 from blazar.testing import FakeInstance
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.backpressure import ClientPacer
