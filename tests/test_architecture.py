@@ -57,3 +57,47 @@ class PureTranslatorTests(SynchronousTestCase):
                 )
                 offenders += [f"{path.name}: {n}" for n in names if n.startswith(self.FORBIDDEN)]
         self.assertEqual(offenders, [])
+
+
+SURFACES = ("openai.py", "responses.py", "anthropic.py", "ollama.py")
+# what only the pipeline (blazar/gateway/pipeline.py) may touch: the
+# supervisor, the engine client and its calls, admission, a child's
+# in_flight count
+ORCHESTRATION = ("supervisor", "EngineProxy", "EngineClient", "engine_proxy.EngineProxy", ".send(",
+                 "instance_for", "in_flight", "admit_request", ".admission", "Admission", "stop_instance",
+                 "relay_chunks", "count_chat_tokens", "count_text_tokens", "preflight(", "check_scope",
+                 "check_purpose", "place_system_messages")
+
+
+def orchestration_in(source: str) -> list[str]:
+    """
+    The orchestration names C{source}'s code uses (not its docstrings or
+    comments).
+    """
+    code = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.Name, ast.Attribute)):
+            code.append(ast.unparse(node))
+        if isinstance(node, ast.alias):  # what is imported, not from where
+            code.append(node.name)
+        if isinstance(node, ast.Call):
+            code.append(ast.unparse(node.func) + "(")
+    text = "\n".join(code)
+    return sorted({name for name in ORCHESTRATION if name in text})
+
+
+class SurfacesDoNotOrchestrateTests(SynchronousTestCase):
+    """
+    A surface decodes its JSON into a call for the pipeline and encodes what
+    comes back; it never calls the supervisor, the engine client or
+    admission itself (ARCHITECTURE.md).
+    """
+
+    def test_detector(self) -> None:
+        self.assertEqual(orchestration_in("async def f(self):\n    await self._proxy.send(m)\n"), [".send("])
+        self.assertEqual(orchestration_in("x = self._supervisor.loaded(m)\n"), ["supervisor"])
+        self.assertEqual(orchestration_in('"""the supervisor"""\n# admission\nx = 1\n'), [])
+
+    def test_no_surface_orchestrates(self) -> None:
+        found = {name: orchestration_in((PACKAGE / "web" / name).read_text()) for name in SURFACES}
+        self.assertEqual(found, {name: [] for name in SURFACES})
