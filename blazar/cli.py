@@ -290,8 +290,13 @@ def _reload(args: argparse.Namespace) -> int:
     from blazar.protocols.control import ReloadConfig
 
     async def action(p: Any) -> int:
-        restart = (await p.callRemote(ReloadConfig))["restart_needed"]
-        print("config reloaded" + (f"; restart the daemon to apply: {', '.join(restart)}" if restart else ""))
+        answer = await p.callRemote(ReloadConfig)
+        applied, restart = answer.get("applied") or [], answer["restart_needed"]
+        print("config reloaded" + ("" if applied or restart else "; nothing changed"))
+        for key in applied:
+            print(f"  applied: {key}")
+        for key in restart:
+            print(f"  restart the daemon to apply: {key}")
         return 0
 
     return _control(args, action)

@@ -14,7 +14,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import ConfigError, load_config
+from blazar.config import ConfigError, ReloadReport, load_config
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
@@ -78,9 +78,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_the_handler_only_schedules_the_reload(self) -> None:
         calls = []
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             calls.append(1)
-            return []
+            return ReloadReport()
 
         self.service(reload)
         self.signals.deliver(signal.SIGHUP)
@@ -90,8 +90,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertIn("SIGHUP: config reloaded from /etc/blazar.toml", self.messages(LogLevel.info))
 
     def test_settings_that_need_a_restart_are_named(self) -> None:
-        async def reload() -> list[str]:
-            return ["listen", "data_dir"]
+        async def reload() -> ReloadReport:
+            return ReloadReport(restart=("listen", "data_dir"))
 
         self.service(reload)
         self.signals.deliver(signal.SIGHUP)
@@ -107,9 +107,11 @@ class ReloadOnHangupTests(SynchronousTestCase):
         path = root / "config.toml"
         path.write_text(GOOD)
         holder = KeyHolder(load_config(path))
-        admin = KeyAdmin(path, holder, self.reactor)
+        admin = KeyAdmin(path, holder.live, self.reactor)
         supervisor, registry = Reconfigurable(), Reconfigurable()
-        service = self.service(lambda: admin.reload(supervisor, registry), path)
+        holder.live.subscribe(supervisor.reconfigure)
+        holder.live.subscribe(registry.reconfigure)
+        service = self.service(admin.reload, path)
 
         path.write_text(GOOD + 'listen = "tcp:1"\nlisten = "tcp:2"\n')  # TOML error: a key twice
         self.signals.deliver(signal.SIGHUP)
@@ -134,7 +136,7 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertEqual(registry.configs, [holder.config])
 
     def test_no_config_file_is_a_logged_error(self) -> None:
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             raise ConfigError("this daemon runs without a config file: nothing to reload")
 
         self.service(reload)
@@ -143,7 +145,7 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertEqual(len(self.messages(LogLevel.error)), 1)
 
     def test_a_bug_in_the_reload_is_logged_not_raised(self) -> None:
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             raise RuntimeError("boom")
 
         service = self.service(reload)
@@ -154,9 +156,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_stop_ignores_hangups_and_restores_the_handler_after_shutdown(self) -> None:
         calls = []
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             calls.append(1)
-            return []
+            return ReloadReport()
 
         service = self.service(reload)
         self.assertNotEqual(self.signals.handlers[signal.SIGHUP], "twistd's")
@@ -173,8 +175,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_a_handler_not_set_from_python_comes_back_as_the_default(self) -> None:
         self.signals = SignalTable(previous=None)
 
-        async def reload() -> list[str]:
-            return []
+        async def reload() -> ReloadReport:
+            return ReloadReport()
 
         service = self.service(reload)
         service.stopService()
@@ -183,8 +185,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertIs(self.signals.handlers[signal.SIGHUP], signal.SIG_DFL)
 
     def test_restarted_service_remembers_the_first_previous_handler(self) -> None:
-        async def reload() -> list[str]:
-            return []
+        async def reload() -> ReloadReport:
+            return ReloadReport()
 
         service = self.service(reload)
         service.stopService()
@@ -200,9 +202,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_stop_waits_for_a_reload_in_progress(self) -> None:
         gate: Deferred[None] = Deferred()
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             await gate
-            return []
+            return ReloadReport()
 
         service = self.service(reload)
         self.signals.deliver(signal.SIGHUP)

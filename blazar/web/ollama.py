@@ -19,6 +19,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar import __version__
+from blazar.config import Config
 from blazar.engines.llamacpp import EngineNotFound, context_per_slot
 from blazar.engines.supervisor import BreakerOpen, EngineError, EngineTimeout, Instance, NoCapacity
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
@@ -109,10 +110,14 @@ class OllamaSurface:
 
     def __init__(
         self, registry: ModelRegistry, proxy: EngineProxy, clock: Any,
-        wall_clock: Callable[[], float], hub: HubClient, default_keep_alive: float = 300.0,
+        wall_clock: Callable[[], float], hub: HubClient, config: Callable[[], Config] = Config,
     ) -> None:
+        """
+        @param config: The live config (L{blazar.config.LiveConfig}); its
+            C{keep_alive} is read as each request ends.
+        """
         self._hub = hub
-        self._default_keep_alive = default_keep_alive
+        self._config = config
         self._registry = registry
         self._proxy = proxy
         self._supervisor = proxy.supervisor
@@ -220,7 +225,7 @@ class OllamaSurface:
 
     def _after(self, instance: Instance, keep_alive: float | None) -> None:
         # Ollama applies its default keep_alive to every request without one
-        self._proxy.done(instance, self._default_keep_alive if keep_alive is None else keep_alive)
+        self._proxy.done(instance, self._config().keep_alive if keep_alive is None else keep_alive)
 
     # -- chat and generate -------------------------------------------------------
 

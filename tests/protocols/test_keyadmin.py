@@ -24,7 +24,7 @@ class KeyAdminTests(SynchronousTestCase):
         self.path = self.dir / "config.toml"
         self.path.write_text(TEXT)
         self.holder = KeyHolder(load_config(self.path))
-        self.admin = KeyAdmin(self.path, self.holder, fake_process_reactor())
+        self.admin = KeyAdmin(self.path, self.holder.live, fake_process_reactor())
 
     def run_change(self, plan):  # type: ignore[no-untyped-def]
         return ensureDeferred(self.admin.change(plan))
