@@ -573,7 +573,7 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
-    daemon_verb("reload", "re-read the config file (keys, limits, model settings)", _reload)
+    daemon_verb("reload", "re-read the config file: applies every runtime key, names those needing a restart", _reload)
     logs = daemon_verb("logs", "the daemon's recent log, or one model's engine output", _logs)
     logs.add_argument("model", nargs="?", help="only this model's engine output")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")

@@ -326,6 +326,7 @@ def config_changes(old: Config, new: Config) -> ReloadReport:
 _QUEUE_KEYS = {f"deadline_{tier}": f"deadline_{tier}_secs" for tier in ("high", "normal", "low", "tool")}
 
 
+@attrs.define(eq=False)
 class LiveConfig:
     """
     The running daemon's one config: every service that reads settings at
@@ -340,9 +341,8 @@ class LiveConfig:
     every reload until the daemon restarts.
     """
 
-    def __init__(self, config: Config) -> None:
-        self._current = config
-        self._subscribers: list[Callable[[Config], object]] = []
+    _current: Config
+    _subscribers: list[Callable[[Config], object]] = attrs.field(factory=list)
 
     @property
     def current(self) -> Config:
