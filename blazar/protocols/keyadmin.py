@@ -15,8 +15,11 @@ from typing import Any, Callable
 
 from twisted.internet.defer import DeferredLock
 from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
 
 from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, load_config, thd_rewrite
+
+log = Logger()
 
 
 def new_secret() -> str:
@@ -64,7 +67,15 @@ class KeyAdmin:
             config, _ = await deferToThreadPool(
                 self._reactor, self._reactor.getThreadPool(), thd_rewrite, self._path, mutate
             )
-            self._live.swap(config)
+            report = self._live.swap(config)
+            others = [k for k in report.applied if k != "keys"]
+            if others or report.restart:
+                # the operator had edited the file by hand since the last reload
+                log.info(
+                    "config file {path} rewritten for a key change; also applied: {applied}; "
+                    "restart the daemon to apply: {restart}", path=str(self._path),
+                    applied=", ".join(others) or "nothing", restart=", ".join(report.restart) or "nothing",
+                )
             return answer
         finally:
             self._lock.release()
