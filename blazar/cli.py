@@ -290,8 +290,13 @@ def _reload(args: argparse.Namespace) -> int:
     from blazar.protocols.control import ReloadConfig
 
     async def action(p: Any) -> int:
-        restart = (await p.callRemote(ReloadConfig))["restart_needed"]
-        print("config reloaded" + (f"; restart the daemon to apply: {', '.join(restart)}" if restart else ""))
+        answer = await p.callRemote(ReloadConfig)
+        applied, restart = answer.get("applied") or [], answer["restart_needed"]
+        print("config reloaded" + ("" if applied or restart else "; nothing changed"))
+        for key in applied:
+            print(f"  applied: {key}")
+        for key in restart:
+            print(f"  restart the daemon to apply: {key}")
         return 0
 
     return _control(args, action)
@@ -568,7 +573,7 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
-    daemon_verb("reload", "re-read the config file (keys, limits, model settings)", _reload)
+    daemon_verb("reload", "re-read the config file: applies every runtime key, names those needing a restart", _reload)
     logs = daemon_verb("logs", "the daemon's recent log, or one model's engine output", _logs)
     logs.add_argument("model", nargs="?", help="only this model's engine output")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")

@@ -77,11 +77,12 @@ import math
 import os
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 import tomlkit
 from tomlkit.exceptions import TOMLKitError
+from twisted.logger import Logger
 
 from blazar.files import open_private
 from blazar.names import canonical_name
@@ -90,6 +91,8 @@ DEFAULT_LISTEN = "tcp:11434:interface=127.0.0.1"
 DEFAULT_CONFIG_PATH = "~/.config/blazar/config.toml"
 DEFAULT_DATA_DIR = "~/.local/share/blazar"
 DEFAULT_STREAM_STALL_CLOSE = 60.0
+
+log = Logger()
 
 
 class ConfigError(Exception):
@@ -230,6 +233,168 @@ class Config:
         if self.models_dir is not None:
             return self.models_dir
         return self.data_dir / "models"
+
+
+RUNTIME = "runtime"
+RESTART = "restart"
+
+# Every L{Config} field: its config-file key and whether C{blazar reload}
+# (SIGHUP) applies it to the running daemon (RUNTIME: read from the live
+# config when it is needed, per request, per stream or per spawn) or only a
+# restart does (RESTART: bound at start: sockets, files and threads opened
+# then). tests/test_config.py checks that no field is missing.
+RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
+    "source": ("source", RUNTIME),  # the file reloaded: the same path every time
+    "listen": ("listen", RESTART),  # listening sockets
+    "data_dir": ("data_dir", RESTART),  # database, control socket, run files
+    "audit_log": ("audit_log", RESTART),  # its writer thread and file
+    "otlp_endpoint": ("otlp_endpoint", RESTART),  # the trace exporter service
+    "models_dir": ("models_dir", RUNTIME),
+    "ready_timeout": ("ready_timeout", RUNTIME),
+    "stop_grace": ("stop_grace", RUNTIME),
+    "max_body_bytes": ("max_body_bytes", RUNTIME),
+    "header_timeout": ("header_timeout_secs", RUNTIME),
+    "body_min_bytes_per_sec": ("body_min_bytes_per_sec", RUNTIME),
+    "max_connections_per_ip": ("max_connections_per_ip", RUNTIME),
+    "cors_origins": ("cors_origins", RUNTIME),
+    "keep_alive": ("keep_alive", RUNTIME),
+    "idle_timeout": ("idle_timeout_secs", RUNTIME),
+    "breaker_crashes": ("breaker_crashes", RUNTIME),
+    "breaker_window": ("breaker_window_secs", RUNTIME),
+    "breaker_backoff": ("breaker_backoff_secs", RUNTIME),
+    "breaker_max_backoff": ("breaker_max_backoff_secs", RUNTIME),
+    "max_loaded_models": ("max_loaded_models", RUNTIME),
+    "drain_timeout": ("drain_timeout_secs", RUNTIME),
+    "child_header_timeout": ("child_header_timeout_secs", RUNTIME),
+    "stream_stall_close": ("stream_stall_close_secs", RUNTIME),
+    "ctx_policy": ("ctx_policy", RUNTIME),
+    "hf_endpoint": ("hf_endpoint", RUNTIME),
+    "metrics_require_key": ("metrics_require_key", RUNTIME),
+    "responses_ttl": ("responses_ttl_secs", RUNTIME),
+    "responses_max_stored": ("responses_max_stored", RUNTIME),
+    "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
+    "queue": ("queue", RUNTIME),
+    "models": ("models", RUNTIME),  # at each model's next start
+    "keys": ("keys", RUNTIME),
+}
+
+
+@attrs.frozen
+class ReloadReport:
+    """
+    What swapping in a new config did, key by key (config-file key names,
+    such as C{child_header_timeout_secs} or C{models."name:tag"}).
+
+    @ivar applied: Changed keys the running daemon uses from now on.
+    @ivar restart: Changed keys that only a restart applies (the daemon
+        keeps running with the old value).
+    """
+
+    applied: tuple[str, ...] = ()
+    restart: tuple[str, ...] = ()
+
+
+def config_changes(old: Config, new: Config) -> ReloadReport:
+    """
+    Compare two configs field by field through L{RELOAD_TABLE}.
+
+    @return: The changed keys, split into applied and restart-only;
+        C{[queue]} and C{[engines.llamacpp]} are named per key, models per
+        model.
+    """
+    applied: list[str] = []
+    restart: list[str] = []
+    for field in attrs.fields(Config):
+        key, kind = RELOAD_TABLE[field.name]
+        before, after = getattr(old, field.name), getattr(new, field.name)
+        if before == after:
+            continue
+        if field.name == "models":
+            names = sorted(n for n in {*before, *after} if before.get(n) != after.get(n))
+            changed = [f'models."{n}"' for n in names]
+        elif attrs.has(type(before)):
+            changed = [
+                f"{key}.{_QUEUE_KEYS.get(f.name, f.name)}" for f in attrs.fields(type(before))
+                if getattr(before, f.name) != getattr(after, f.name)
+            ]
+        else:
+            changed = [key]
+        (restart if kind == RESTART else applied).extend(changed)
+    return ReloadReport(tuple(applied), tuple(restart))
+
+
+_QUEUE_KEYS = {f"deadline_{tier}": f"deadline_{tier}_secs" for tier in ("high", "normal", "low", "tool")}
+
+
+@attrs.define(eq=False)
+class LiveConfig:
+    """
+    The running daemon's one config: every service that reads settings at
+    run time holds this object and reads C{current} (or calls it) when it
+    needs a value, per request, per stream or per spawn. C{blazar reload},
+    SIGHUP and key changes replace the whole L{Config} with L{swap}; no
+    service keeps a copy of a runtime key.
+
+    Keys that L{RELOAD_TABLE} marks RESTART keep their running values
+    through a swap (a new C{data_dir} must not move the models directory
+    under the running daemon); L{swap} names them, and names them again at
+    every reload until the daemon restarts.
+    """
+
+    _current: Config
+    _subscribers: list[Callable[[Config], object]] = attrs.field(factory=list)
+
+    @property
+    def current(self) -> Config:
+        """
+        The config in force now.
+        """
+        return self._current
+
+    def __call__(self) -> Config:
+        """
+        The config in force now: a L{LiveConfig} is the C{Callable[[],
+        Config]} that the web layer's classes take.
+        """
+        return self._current
+
+    def subscribe(self, notify: Callable[[Config], object]) -> None:
+        """
+        Call C{notify(new)} after each L{swap}, for state derived from the
+        config (breakers, caches); plain reads need no subscription.
+        """
+        self._subscribers.append(notify)
+
+    def swap(self, new: Config) -> ReloadReport:
+        """
+        Make C{new}, less its restart-only keys, the current config, then
+        tell the subscribers (in the
+        order they subscribed; one that raises is logged, the others still
+        run).
+
+        @return: The changed keys, applied and restart-only.
+        """
+        old = self._current
+        report = config_changes(old, new)
+        # what only a restart applies keeps its running value: nothing can
+        # read a data_dir or listen the daemon does not use
+        kept = {f.name: getattr(old, f.name) for f in attrs.fields(Config) if RELOAD_TABLE[f.name][1] == RESTART}
+        new = attrs.evolve(new, **{name.lstrip("_"): value for name, value in kept.items()})
+        self._current = new
+        for notify in list(self._subscribers):
+            try:
+                notify(new)
+            except Exception:
+                log.failure("applying the reloaded config failed in {notify!r}", notify=notify)
+        return report
+
+
+def live_config(config: Config | LiveConfig) -> LiveConfig:
+    """
+    C{config} if it is live already, else a L{LiveConfig} of its own (for
+    services built alone, as in tests).
+    """
+    return config if isinstance(config, LiveConfig) else LiveConfig(config)
 
 
 _DURATION = re.compile(r"(\d+(?:\.\d+)?)(ns|us|µs|ms|s|m|h)")

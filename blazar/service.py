@@ -22,7 +22,9 @@ from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger, globalLogPublisher
 
-from blazar.config import Config, ConfigError
+import attrs
+
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport
 from blazar import __version__, store
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
@@ -198,8 +200,9 @@ class AuditService(Service):
 class ReloadOnHangup(Service):
     """
     SIGHUP re-reads the config file exactly as C{blazar reload} does (the
-    same L{KeyAdmin.reload}: keys, limits and model settings swapped in,
-    C{listen} and C{data_dir} only at the next start) and logs the outcome.
+    same L{KeyAdmin.reload}: the live config swapped whole, every runtime
+    key applied, the restart-only ones of L{blazar.config.RELOAD_TABLE}
+    named) and logs the outcome, key by key.
     A file that does not parse or validate is logged and the running config
     kept; a reload never stops the daemon.
 
@@ -216,12 +219,12 @@ class ReloadOnHangup(Service):
     """
 
     def __init__(
-        self, reload: Callable[[], Awaitable[list[str]]], reactor: Any, source: Path | None,
+        self, reload: Callable[[], Awaitable[ReloadReport]], reactor: Any, source: Path | None,
         install: Callable[[int, Any], Any] = signal.signal,
     ) -> None:
         """
         @param reload: Re-reads the config and swaps it in; returns the
-            changed settings that need a restart; raises L{ConfigError} or
+            changed keys, applied and restart-only; raises L{ConfigError} or
             L{OSError} when the file cannot be used.
         @param source: The config file (for the log lines).
         @param install: C{signal.signal}, or a fake with its contract
@@ -273,7 +276,7 @@ class ReloadOnHangup(Service):
 
     async def _run(self) -> None:
         try:
-            restart = await self._reload()
+            report = await self._reload()
         except (ConfigError, OSError) as e:
             log.error(
                 "SIGHUP: config not reloaded, the running config stays: {error}", error=str(e)
@@ -281,13 +284,16 @@ class ReloadOnHangup(Service):
         except Exception:
             log.failure("SIGHUP: config reload failed; the running config stays")
         else:
-            if restart:
-                log.warn(
-                    "SIGHUP: config reloaded from {path}; restart the daemon to apply: {restart}",
-                    path=str(self._source), restart=", ".join(restart),
-                )
-            else:
-                log.info("SIGHUP: config reloaded from {path}", path=str(self._source))
+            text = "SIGHUP: config reloaded from {path}"
+            if report.applied:
+                text += "; applied: {applied}"
+            if report.restart:
+                text += "; restart the daemon to apply: {restart}"
+            emit = log.warn if report.restart else log.info
+            emit(
+                text, path=str(self._source), applied=", ".join(report.applied),
+                restart=", ".join(report.restart),
+            )
 
 
 def thd_free_memory() -> int:
@@ -316,9 +322,43 @@ def thd_free_memory() -> int:
     return free
 
 
+@attrs.frozen
+class ServiceTree:
+    """
+    The assembled daemon (L{assemble}): the service tree and the pieces that
+    read the live config, for L{make_service} and for tests that look at
+    what a reload changed without sockets.
+    """
+
+    top: MultiService
+    live: LiveConfig
+    site: BlazarSite
+    supervisor: Supervisor
+    registry: ModelRegistry
+    proxy: EngineProxy
+    hub: HubClient
+    ollama: OllamaSurface
+    responses: Responses
+    admission: Admission
+    keys: KeyHolder
+    key_admin: KeyAdmin
+
+
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
     """
+    Build the daemon's service tree from a validated config (L{assemble}).
+    """
+    return assemble(config, reactor, environ).top
+
+
+def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> ServiceTree:
+    """
     Build the daemon's service tree from a validated config.
+
+    One L{LiveConfig} is made here and handed to every service that reads a
+    setting at run time; each reads its current object when it needs a
+    value, so C{blazar reload} (L{KeyAdmin.reload}) applies a runtime key by
+    swapping that one object. Nothing below captures a runtime key's value.
 
     Stop order (reverse of start): SIGHUP stops reloading, listeners stop
     accepting, then every engine child is stopped, then the connection
@@ -331,33 +371,31 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         log.info(
             "data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}"
         )
+    live = LiveConfig(config)
     top = MultiService()
-    registry = ModelRegistry(config, reactor)
+    registry = ModelRegistry(live, reactor)
     engines = EngineClient(reactor)
-    hub = HubClient(reactor, config.hf_endpoint, environ.get("HF_TOKEN"))
+    hub = HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN"))
     ConnectionPools(engines, hub).setServiceParent(top)
     metrics = Metrics()
     supervisor = Supervisor(
-        config, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
+        live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
         free_memory=thd_free_memory, metrics=metrics,
     )
     supervisor.setServiceParent(top)
     operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
     hints.setServiceParent(top)
-    keys = KeyHolder(config, keys_from_env(environ.get("BLAZAR_KEYS")))
+    keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
     usage_store = UsageStore(config.data_dir / "blazar.db", quotas, reactor)
     usage_store.setServiceParent(top)
-    admission = Admission(reactor, lambda: keys.config, metrics)
-    proxy = EngineProxy(
-        supervisor, engines, reactor, registry, config.child_header_timeout,
-        stall_close_secs=lambda: keys.config.stream_stall_close,
-    )
+    admission = Admission(reactor, live, metrics)
+    proxy = EngineProxy(supervisor, engines, reactor, registry, live)
     pipeline = Pipeline(proxy, reactor, registry, admission)
-    responses = Responses(pipeline, lambda: keys.config, reactor, usage_store.run_db)
+    responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
-    ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, config.keep_alive)
+    ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
     anthropic = AnthropicSurface(registry, pipeline, reactor)
     root = AuthGate(
         SurfaceRouter(
@@ -366,11 +404,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         ),
         keys, quotas,
     )
-    site = BlazarSite(
-        root, max_body_bytes=config.max_body_bytes, cors_origins=config.cors_origins, gate=root,
-        header_timeout=config.header_timeout, body_min_rate=config.body_min_bytes_per_sec,
-        max_connections_per_ip=config.max_connections_per_ip, reactor=reactor,
-    )
+    site = BlazarSite(root, config=live, gate=root, reactor=reactor)
+    # restart-only (RELOAD_TABLE): the exporter and the audit writer are
+    # started with the config the daemon started with
     tracing = None
     if config.otlp_endpoint is not None:
         tracing = Tracing(config.otlp_endpoint, reactor, metrics)
@@ -383,7 +419,7 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
             "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
             [([], audit.dropped)],
         )])
-    key_admin = KeyAdmin(config.source, keys, reactor)
+    key_admin = KeyAdmin(config.source, live, reactor)
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)
@@ -399,14 +435,15 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         started = time.time()
 
         def status() -> dict[str, Any]:
+            current = live.current
             try:
-                engine = str(find_binary(config, environ))
+                engine = str(find_binary(current, environ))
             except EngineNotFound:
                 engine = "not found"
             return {
                 "version": __version__, "uptime": time.time() - started,
-                "listeners": list(config.listen), "engine": engine,
-                "data_dir": str(config.data_dir), "loaded": len(supervisor.instances()),
+                "listeners": list(current.listen), "engine": engine,
+                "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
                 "audit_dropped": site.audit.dropped if site.audit is not None else 0,
             }
 
@@ -424,7 +461,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
         control.setServiceParent(listeners)
     listeners.setServiceParent(top)
     # last: started once everything serves, stopped first
-    ReloadOnHangup(
-        lambda: key_admin.reload(supervisor, registry), reactor, config.source
-    ).setServiceParent(top)
-    return top
+    ReloadOnHangup(key_admin.reload, reactor, config.source).setServiceParent(top)
+    return ServiceTree(
+        top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
+        hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
+        key_admin=key_admin,
+    )

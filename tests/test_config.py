@@ -133,3 +133,86 @@ class NameTests(SynchronousTestCase):
         for bad in ["", "a b", ":tag", "a:", "a:b:c", "../x", "-x"]:
             with self.assertRaises(ValueError, msg=bad):
                 canonical_name(bad)
+
+
+class ReloadTableTests(SynchronousTestCase):
+    def test_every_field_is_classified(self) -> None:
+        import attrs
+
+        from blazar.config import RELOAD_TABLE, RESTART, RUNTIME
+
+        self.assertEqual(set(RELOAD_TABLE), {f.name for f in attrs.fields(Config)})
+        self.assertEqual({kind for _, kind in RELOAD_TABLE.values()}, {RUNTIME, RESTART})
+        self.assertEqual(
+            sorted(k for k, kind in RELOAD_TABLE.values() if kind == RESTART),
+            ["audit_log", "data_dir", "listen", "otlp_endpoint"],
+        )
+
+    def test_table_names_are_the_files_keys(self) -> None:
+        from blazar.config import RELOAD_TABLE
+
+        # each name parses as a config-file key (nested ones by their table)
+        for name, (key, _) in RELOAD_TABLE.items():
+            if name == "source":
+                continue
+            try:  # a dotted key is a nested table: {} is valid there, a wrong type elsewhere
+                parse_config(f"{key} = {{}}")
+            except ConfigError as e:
+                self.assertNotIn("unknown key", str(e), key)
+
+    def test_changes_are_named_key_by_key(self) -> None:
+        from blazar.config import config_changes
+
+        old = parse_config('listen = "tcp:1"\n[models."a"]\nctx_size = 1024\n[models."b"]\nctx_size = 1024\n')
+        new = parse_config(
+            'listen = "tcp:2"\nchild_header_timeout_secs = 5\nkeep_alive = "1m"\n[queue]\nmax_waiting = 3\n'
+            'deadline_high_secs = 1\n[engines.llamacpp]\nargs = ["-t", "2"]\n'
+            '[models."a"]\nctx_size = 2048\n[models."b"]\nctx_size = 1024\n[models."c"]\n'
+            '[[keys]]\nname = "k"\nsecret = "k-secret-0123456789abc"\n'
+        )
+        report = config_changes(old, new)
+        self.assertEqual(report.restart, ("listen",))
+        self.assertEqual(report.applied, (
+            "keep_alive", "child_header_timeout_secs", "engines.llamacpp.args",
+            "queue.deadline_high_secs", "queue.max_waiting", 'models."a:latest"', 'models."c:latest"', "keys",
+        ))
+        self.assertEqual(config_changes(new, new).applied, ())
+
+
+class LiveConfigTests(SynchronousTestCase):
+    def test_swap_applies_runtime_keys_keeps_restart_keys_and_notifies(self) -> None:
+        from blazar.config import LiveConfig
+
+        live = LiveConfig(parse_config('listen = "tcp:1"\ndata_dir = "/a"\n'))
+        seen: list[Config] = []
+        live.subscribe(seen.append)
+        report = live.swap(parse_config('listen = "tcp:2"\ndata_dir = "/b"\nmax_body_bytes = 10\n'))
+        self.assertEqual((report.applied, report.restart), (("max_body_bytes",), ("listen", "data_dir")))
+        self.assertIs(live(), live.current)
+        self.assertEqual(live.current.max_body_bytes, 10)
+        self.assertEqual((live.current.listen, live.current.data_dir), (("tcp:1",), Path("/a")))
+        self.assertEqual(seen, [live.current])
+        # until a restart, every reload names them again
+        self.assertEqual(live.swap(parse_config('listen = "tcp:2"\n')).restart, ("listen", "data_dir"))
+
+    def test_a_failing_subscriber_is_logged_and_the_others_run(self) -> None:
+        from blazar.config import LiveConfig
+
+        live = LiveConfig(Config())
+        seen: list[Config] = []
+
+        def broken(config: Config) -> None:
+            raise RuntimeError("boom")
+
+        live.subscribe(broken)
+        live.subscribe(seen.append)
+        live.swap(Config(max_body_bytes=5))
+        self.assertEqual(len(seen), 1)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_live_config_wraps_a_plain_config_once(self) -> None:
+        from blazar.config import LiveConfig, live_config
+
+        live = LiveConfig(Config())
+        self.assertIs(live_config(live), live)
+        self.assertEqual(live_config(Config(keep_alive=1)).current.keep_alive, 1)

@@ -14,7 +14,7 @@ from twisted.internet.defer import Deferred
 from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import ConfigError, load_config
+from blazar.config import ConfigError, ReloadReport, load_config
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
@@ -78,9 +78,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_the_handler_only_schedules_the_reload(self) -> None:
         calls = []
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             calls.append(1)
-            return []
+            return ReloadReport()
 
         self.service(reload)
         self.signals.deliver(signal.SIGHUP)
@@ -90,8 +90,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertIn("SIGHUP: config reloaded from /etc/blazar.toml", self.messages(LogLevel.info))
 
     def test_settings_that_need_a_restart_are_named(self) -> None:
-        async def reload() -> list[str]:
-            return ["listen", "data_dir"]
+        async def reload() -> ReloadReport:
+            return ReloadReport(restart=("listen", "data_dir"))
 
         self.service(reload)
         self.signals.deliver(signal.SIGHUP)
@@ -107,9 +107,11 @@ class ReloadOnHangupTests(SynchronousTestCase):
         path = root / "config.toml"
         path.write_text(GOOD)
         holder = KeyHolder(load_config(path))
-        admin = KeyAdmin(path, holder, self.reactor)
+        admin = KeyAdmin(path, holder.live, self.reactor)
         supervisor, registry = Reconfigurable(), Reconfigurable()
-        service = self.service(lambda: admin.reload(supervisor, registry), path)
+        holder.live.subscribe(supervisor.reconfigure)
+        holder.live.subscribe(registry.reconfigure)
+        service = self.service(admin.reload, path)
 
         path.write_text(GOOD + 'listen = "tcp:1"\nlisten = "tcp:2"\n')  # TOML error: a key twice
         self.signals.deliver(signal.SIGHUP)
@@ -134,7 +136,7 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertEqual(registry.configs, [holder.config])
 
     def test_no_config_file_is_a_logged_error(self) -> None:
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             raise ConfigError("this daemon runs without a config file: nothing to reload")
 
         self.service(reload)
@@ -143,7 +145,7 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertEqual(len(self.messages(LogLevel.error)), 1)
 
     def test_a_bug_in_the_reload_is_logged_not_raised(self) -> None:
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             raise RuntimeError("boom")
 
         service = self.service(reload)
@@ -154,9 +156,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_stop_ignores_hangups_and_restores_the_handler_after_shutdown(self) -> None:
         calls = []
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             calls.append(1)
-            return []
+            return ReloadReport()
 
         service = self.service(reload)
         self.assertNotEqual(self.signals.handlers[signal.SIGHUP], "twistd's")
@@ -173,8 +175,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_a_handler_not_set_from_python_comes_back_as_the_default(self) -> None:
         self.signals = SignalTable(previous=None)
 
-        async def reload() -> list[str]:
-            return []
+        async def reload() -> ReloadReport:
+            return ReloadReport()
 
         service = self.service(reload)
         service.stopService()
@@ -183,8 +185,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.assertIs(self.signals.handlers[signal.SIGHUP], signal.SIG_DFL)
 
     def test_restarted_service_remembers_the_first_previous_handler(self) -> None:
-        async def reload() -> list[str]:
-            return []
+        async def reload() -> ReloadReport:
+            return ReloadReport()
 
         service = self.service(reload)
         service.stopService()
@@ -200,9 +202,9 @@ class ReloadOnHangupTests(SynchronousTestCase):
     def test_stop_waits_for_a_reload_in_progress(self) -> None:
         gate: Deferred[None] = Deferred()
 
-        async def reload() -> list[str]:
+        async def reload() -> ReloadReport:
             await gate
-            return []
+            return ReloadReport()
 
         service = self.service(reload)
         self.signals.deliver(signal.SIGHUP)
@@ -212,3 +214,251 @@ class ReloadOnHangupTests(SynchronousTestCase):
         gate.callback(None)
         self.successResultOf(stopped)
         self.assertEqual(service.reloads, set())
+
+
+class ReloadEveryKeyTests(SynchronousTestCase):
+    """
+    Every key that L{blazar.config.RELOAD_TABLE} marks as applied at run
+    time, changed in the config file and reloaded through the assembled
+    daemon (L{blazar.service.assemble}, no sockets: a fake process reactor),
+    then observed where the service that uses it reads it: the next spawn's
+    argv, its ready and stop timers, the site's connection cap, the proxy's
+    header timer, a stream's stall bound, the door's answer, and so on.
+    The HTTP-visible keys are observed through a real daemon too
+    (tests/integration/test_reload_e2e.py).
+    """
+
+    SECRET = "reloaded-secret-0123456789"
+
+    def setUp(self) -> None:
+        from blazar.protocols.control import LogRing
+        from blazar.service import assemble
+        from blazar.testing import make_test_model
+
+        self.root = Path(self.mktemp()).absolute()
+        make_test_model(self.root / "models" / "m.gguf")
+        (self.root / "other").mkdir()
+        self.path = self.root / "config.toml"
+        self.write()
+        self.reactor = fake_process_reactor()
+        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        self.tree = assemble(load_config(self.path), self.reactor, {})
+        for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+            if isinstance(observer, LogRing) and observer not in before:
+                globalLogPublisher.removeObserver(observer)
+
+    def write(self, top: str = "", tables: str = "") -> None:
+        self.path.write_text(
+            f'data_dir = "{self.root / "data"}"\n'
+            + ("" if "models_dir" in top else f'models_dir = "{self.root / "models"}"\n') + top
+            + '[engines.llamacpp]\nbinary = "/bin/true"\n' + tables
+            + '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n'
+        )
+
+    def reload(self, top: str = "", tables: str = "") -> Any:
+        self.write(top, tables)
+        return self.successResultOf(Deferred.fromCoroutine(self.tree.key_admin.reload()))
+
+    def spawn(self) -> tuple[Any, list[str], Deferred[Any]]:
+        """
+        Start model m (its child never answers /health here): the instance,
+        its argv and the Deferred of C{instance_for}.
+        """
+        from twisted.internet.defer import ensureDeferred
+
+        d = ensureDeferred(self.tree.supervisor.instance_for("m"))
+        transport, _, argv, _ = self.reactor.spawned[-1]
+        (instance,) = [i for i in self.tree.supervisor._all if i.transport is transport]
+        return instance, argv, d
+
+    def end(self, instance: Any, d: Deferred[Any]) -> None:
+        if not instance.transport.ended:
+            instance.transport.exit(signal=15)
+        d.addErrback(lambda f: None)
+        self.tree.supervisor.reset_breakers()
+
+    def applied(self, report: Any, key: str) -> None:
+        self.assertEqual((report.applied, report.restart), ((key,), ()))
+
+    def check(self, key: str, top: str, tables: str, observe: Callable[[], Any], expected: Any) -> None:
+        self.assertNotEqual(observe(), expected, key)
+        self.applied(self.reload(top, tables), key)
+        self.assertEqual(observe(), expected, key)
+        self.applied(self.reload(), key)  # back to the base file
+        self.assertNotEqual(observe(), expected, key)
+
+    def test_every_runtime_key_is_checked_here(self) -> None:
+        from blazar.config import RELOAD_TABLE, RUNTIME
+
+        runtime = {key for key, kind in RELOAD_TABLE.values() if kind == RUNTIME} - {"source"}
+        self.assertEqual(runtime, set(self.CHECKED))
+
+    CHECKED = (
+        "models_dir", "ready_timeout", "stop_grace", "max_body_bytes", "header_timeout_secs",
+        "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "keep_alive",
+        "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
+        "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
+        "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
+        "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
+        "queue", "models", "keys",
+    )
+
+    def test_site_keys(self) -> None:
+        site = self.tree.site
+        self.check("max_body_bytes", "max_body_bytes = 1234\n", "", lambda: site.max_body_bytes, 1234)
+        self.check("header_timeout_secs", "header_timeout_secs = 3\n", "", lambda: site.header_timeout, 3)
+        self.check("body_min_bytes_per_sec", "body_min_bytes_per_sec = 7\n", "", lambda: site.body_min_rate, 7)
+        self.check("cors_origins", 'cors_origins = ["https://app.example"]\n', "",
+                   lambda: site.cors_origins, ("https://app.example",))
+
+    def test_max_connections_per_ip_caps_the_next_connection(self) -> None:
+        from twisted.internet.address import IPv4Address
+        from twisted.internet.testing import StringTransport
+
+        def second_is_over_cap() -> bool:
+            channels = []
+            for _ in range(2):
+                channel = self.tree.site.buildProtocol(None)
+                channel.makeConnection(StringTransport(peerAddress=IPv4Address("TCP", "10.1.2.3", 40000)))
+                channels.append(channel)
+            over = bool(channels[1].over_cap)
+            for channel in channels:
+                channel.connectionLost(None)
+            return over
+
+        self.check("max_connections_per_ip", "max_connections_per_ip = 1\n", "", second_is_over_cap, True)
+
+    def test_door_keys(self) -> None:
+        from twisted.internet.address import IPv4Address
+        from twisted.web.test.requesthelper import DummyRequest
+
+        from blazar.web.auth import Refusal
+
+        def door(path: bytes, secret: str | None = None) -> Any:
+            request = DummyRequest([path.decode()[1:]])
+            request.path, request.method = path, b"GET"
+            request.client = IPv4Address("TCP", "127.0.0.1", 5000)
+            if secret is not None:
+                request.requestHeaders.setRawHeaders(b"authorization", [f"Bearer {secret}".encode()])
+            found = self.tree.site.gate.authenticate(request)  # type: ignore[union-attr]
+            return found.status if isinstance(found, Refusal) else found.name if found else None
+
+        self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
+                   lambda: door(b"/v1/models", self.SECRET), "late")
+        # unset: /metrics from loopback is open; true: it needs a key
+        self.check("metrics_require_key", "metrics_require_key = true\n", "", lambda: door(b"/metrics"), 401)
+
+    def test_proxy_keys(self) -> None:
+        from blazar.testing import FakeInstance
+        from tests.gateway.test_backpressure import EngineBody, connect
+
+        def header_timer() -> float:
+            request: Deferred[Any] = Deferred()
+            d = Deferred.fromCoroutine(self.tree.proxy._headers(FakeInstance("m"), request))  # type: ignore[arg-type]
+            now = self.reactor.seconds()
+            (timer,) = [c for c in self.reactor.getDelayedCalls() if c.getTime() > now]
+            d.cancel()
+            self.failureResultOf(d)
+            return timer.getTime() - now
+
+        self.check("child_header_timeout_secs", "child_header_timeout_secs = 9\n", "", header_timer, 9)
+
+        def stall_bound() -> float:
+            request, _, _ = connect(self.reactor)
+            engine = EngineBody()
+            relay = Deferred.fromCoroutine(
+                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, request)  # type: ignore[arg-type]
+            )
+            bound = request.producer._stall_close_secs  # type: ignore[attr-defined]
+            engine.end()
+            self.successResultOf(relay)
+            return bound  # type: ignore[no-any-return]
+
+        self.check("stream_stall_close_secs", "stream_stall_close_secs = 4\n", "", stall_bound, 4)
+        self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.supervisor.ctx_policy, "fit")
+
+    def test_the_next_spawn_keys(self) -> None:
+        def argv() -> list[str]:
+            instance, argv, d = self.spawn()
+            self.end(instance, d)
+            return argv[argv.index("/bin/true"):]
+
+        self.check("engines.llamacpp.args", "", 'args = ["--reloaded"]\n', lambda: argv()[-1], "--reloaded")
+        self.check('models."m:latest"', "", '[models."m"]\nctx_size = 1024\nparallel = 1\n',
+                   lambda: argv()[argv().index("-c"):][:4], ["-c", "1024", "-np", "1"])
+        self.check("models_dir", f'models_dir = "{self.root / "other"}"\n', "",
+                   lambda: self.tree.registry.models_dir, self.root / "other")
+
+        def ready_failure() -> str:
+            instance, _, d = self.spawn()
+            self.reactor.advance(0)
+            for _ in range(400):
+                if d.called:
+                    break
+                self.reactor.advance(0.5)
+            message = str(self.failureResultOf(d).value)
+            self.end(instance, d)
+            return message.split(" s;")[0].rsplit("= ", 1)[1]
+
+        self.check("ready_timeout", "ready_timeout = 7\n", "", ready_failure, "7")
+
+        def kill_after() -> float:
+            instance, _, d = self.spawn()
+            self.tree.supervisor.stop_instance(instance, "test")
+            grace = instance.kill_timer.getTime() - self.reactor.seconds()
+            self.end(instance, d)
+            return grace  # type: ignore[no-any-return]
+
+        self.check("stop_grace", "stop_grace = 2.5\n", "", kill_after, 2.5)
+
+    def test_a_running_childs_idle_time_and_keep_alive(self) -> None:
+        instance, _, d = self.spawn()
+        self.check("idle_timeout_secs", "idle_timeout_secs = 77\n", "", lambda: instance.idle_timeout, 77)
+
+        def default_keep_alive() -> float:
+            from blazar.engines.lease import InstanceLease
+            from blazar.gateway.call import CallKind
+
+            # an Ollama request without keep_alive gets the default, and ends
+            call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False, [])
+            InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
+            return instance.keep_alive  # type: ignore[no-any-return]
+
+        self.check("keep_alive", 'keep_alive = "9m"\n', "", default_keep_alive, 540)
+        self.end(instance, d)
+
+    def test_breakers_admission_responses_hub(self) -> None:
+        breaker = self.tree.supervisor.breaker("m:latest")  # made before the reload: retuned
+        for key, attr, value in [
+            ("breaker_crashes", "threshold", 9), ("breaker_window_secs", "window", 99),
+            ("breaker_backoff_secs", "base_backoff", 4), ("breaker_max_backoff_secs", "max_backoff", 44),
+        ]:
+            self.check(key, f"{key} = {value}\n", "", lambda: getattr(breaker, attr), value)
+        supervisor = self.tree.supervisor
+        self.check("max_loaded_models", "max_loaded_models = 2\n", "",
+                   lambda: supervisor._config.max_loaded_models, 2)
+        self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
+                   lambda: supervisor._config.drain_timeout, 3)
+        queue = self.tree.admission.queue("m:latest")
+        self.check("queue.max_waiting", "", "[queue]\nmax_waiting = 3\n",
+                   lambda: self.tree.admission.queue("m:latest").settings.max_waiting, 3)
+        self.assertIs(self.tree.admission.queue("m:latest"), queue)
+        self.check("responses_ttl_secs", "responses_ttl_secs = 60\n", "",
+                   lambda: self.tree.responses._config().responses_ttl, 60)
+        self.check("responses_max_stored", "responses_max_stored = 5\n", "",
+                   lambda: self.tree.responses._config().responses_max_stored, 5)
+        self.check("hf_endpoint", 'hf_endpoint = "http://127.0.0.1:9/hub/"\n', "",
+                   lambda: self.tree.hub._endpoint, "http://127.0.0.1:9/hub")
+
+    def test_restart_keys_are_named_and_keep_their_running_values(self) -> None:
+        report = self.reload(
+            'listen = "tcp:1"\naudit_log = "/tmp/x.jsonl"\notlp_endpoint = "http://127.0.0.1:4318"\n'
+        )
+        self.assertEqual((report.applied, report.restart), ((), ("listen", "audit_log", "otlp_endpoint")))
+        self.assertEqual(self.tree.live.current.listen, ("tcp:11434:interface=127.0.0.1",))
+        # named again at the next reload: still not applied
+        self.assertEqual(self.reload('listen = "tcp:1"\n').restart, ("listen",))
+        self.path.write_text(f'data_dir = "{self.root / "elsewhere"}"\n')
+        report = self.successResultOf(Deferred.fromCoroutine(self.tree.key_admin.reload()))
+        self.assertIn("data_dir", report.restart)
+        self.assertEqual(self.tree.registry.models_dir, self.root / "data" / "models")  # not moved

@@ -33,7 +33,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from blazar.config import Config
+from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
 from blazar.metrics import Metrics, gauge, label_reason
@@ -390,7 +390,7 @@ class Supervisor(Service):
         L{blazar.engines.process.process_alive}.
     """
 
-    _config: Config
+    _live: LiveConfig = attrs.field(converter=live_config)
     _registry: ModelRegistry
     _reactor: Any
     _probe: Callable[[str], Awaitable[int]]
@@ -414,6 +414,12 @@ class Supervisor(Service):
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
         self.metrics.gauges(self.collect_metrics)
+        self._live.subscribe(self.reconfigure)
+
+    @property
+    def _config(self) -> Config:
+        # the live config, read at each use: a reload applies from the next read
+        return self._live.current
 
     def collect_metrics(self) -> Any:
         """
@@ -483,10 +489,12 @@ class Supervisor(Service):
 
     def reconfigure(self, config: Config) -> None:
         """
-        Use C{config} from now on (timeouts, limits, breaker settings, model
-        settings for the next spawn); running children are not touched.
+        After a swap of the live config (timeouts, limits and model settings
+        are read from it at each use): retune the breakers and the running
+        children's C{idle_timeout_secs}; the children keep running.
         """
-        self._config = config
+        for instance in self._all:
+            instance.idle_timeout = config.idle_timeout
         for name in list(self._breakers):
             self._breakers[name].threshold = config.breaker_crashes
             self._breakers[name].window = config.breaker_window

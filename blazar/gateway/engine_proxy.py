@@ -17,7 +17,7 @@ from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from blazar.config import DEFAULT_STREAM_STALL_CLOSE, parse_duration
+from blazar.config import Config, parse_duration
 from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
@@ -141,15 +141,15 @@ class EngineProxy:
 
     def __init__(
         self, supervisor: Supervisor, engines: EngineClient, clock: Any,
-        registry: ModelRegistry | None = None, header_timeout: float = 120.0,
-        stall_close_secs: Callable[[], float] = lambda: DEFAULT_STREAM_STALL_CLOSE,
+        registry: ModelRegistry | None = None, config: Callable[[], Config] = Config,
     ) -> None:
         """
-        @param stall_close_secs: The current C{stream_stall_close_secs}
-            (read per stream, so a reload applies to new streams).
+        @param config: The live config (L{blazar.config.LiveConfig}):
+            C{child_header_timeout_secs} is read per engine request and
+            C{stream_stall_close_secs} per stream, so a reload applies to the
+            next ones.
         """
-        self._stall_close_secs = stall_close_secs
-        self._header_timeout = header_timeout
+        self._config = config
         self.supervisor = supervisor
         self._registry = registry
         self._engines = engines
@@ -415,7 +415,7 @@ class EngineProxy:
                 raise EngineTimeout(
                     instance.entry.name,
                     f"llama-server for model {instance.entry.name!r} accepted the request but "
-                    f"sent nothing for child_header_timeout_secs = {self._header_timeout:g} s "
+                    f"sent nothing for child_header_timeout_secs = {self._config().child_header_timeout:g} s "
                     "and stopped answering /health, twice; it was stopped",
                 ) from None
             log.warn("{model} is wedged; retrying on a fresh child", model=model)
@@ -476,7 +476,7 @@ class EngineProxy:
 
         request.addBoth(settle)
         while True:
-            timer = self._clock.callLater(self._header_timeout, settle, _TICK)
+            timer = self._clock.callLater(self._config().child_header_timeout, settle, _TICK)
             try:
                 result = await outcome  # a failed request raises here
             finally:
@@ -564,7 +564,7 @@ class EngineProxy:
 
         valve, pacer = BodyValve(), None
         if request is not None:
-            pacer = ClientPacer(request, valve, self._clock, self._stall_close_secs(), instance.entry.name)
+            pacer = ClientPacer(request, valve, self._clock, self._config().stream_stall_close, instance.entry.name)
             if not pacer.register():
                 pacer = None
         try:

@@ -229,12 +229,21 @@ class HubClient:
     Lists and downloads files from a Hugging Face-compatible endpoint.
     """
 
-    def __init__(self, reactor: Any, endpoint: str, token: str | None = None) -> None:
+    def __init__(self, reactor: Any, endpoint: str | Callable[[], str], token: str | None = None) -> None:
+        """
+        @param endpoint: The hub's base URL, or a function that reads the
+            live config's C{hf_endpoint} (so a reload applies to the next
+            request).
+        """
         self._reactor = reactor
-        self._endpoint = endpoint.rstrip("/")
+        self._endpoint_of = endpoint if callable(endpoint) else (lambda: endpoint)
         self._pool = _QuietPool(reactor, persistent=True)
         self._http = HTTPClient(RedirectAgent(Agent(reactor, connectTimeout=30, pool=self._pool)))
         self._token = token
+
+    @property
+    def _endpoint(self) -> str:
+        return self._endpoint_of().rstrip("/")
 
     def _headers(self, extra: dict[bytes, list[bytes]] | None = None) -> Headers:
         h: dict[bytes, list[bytes]] = {b"user-agent": [b"blazar"]}

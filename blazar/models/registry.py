@@ -19,7 +19,7 @@ import attrs
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
 
-from blazar.config import Config, ModelConfig
+from blazar.config import Config, LiveConfig, ModelConfig, live_config
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
 from blazar.names import canonical_name, name_key
 
@@ -155,7 +155,7 @@ class ModelRegistry:
     @ivar _reactor: Used only for its thread pool; disk reads run there.
     """
 
-    _config: Config
+    _live: LiveConfig = attrs.field(converter=live_config)
     _reactor: IReactorThreads
     _scan: Callable[[Path, Mapping[str, ModelConfig]], dict[str, ModelEntry]] = thd_scan
     _read: Callable[[Path, tuple[Path, ...]], GGUFMetadata] = thd_read_metadata
@@ -163,11 +163,19 @@ class ModelRegistry:
     _meta_cache: dict[tuple[Path, int, int], GGUFMetadata] = attrs.field(factory=dict)
     _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
 
+    def __attrs_post_init__(self) -> None:
+        self._live.subscribe(self.reconfigure)
+
+    @property
+    def _config(self) -> Config:
+        # the live config, read at each use: a reload applies from the next read
+        return self._live.current
+
     def reconfigure(self, config: Config) -> None:
         """
-        Use C{config}'s models_dir and model tables from the next lookup on.
+        After a swap of the live config: forget what was found, so that the
+        next lookup rescans C{models_dir} and the model tables.
         """
-        self._config = config
         self.forget()
 
     @property

@@ -328,15 +328,20 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
 
 class ReloadConfig(amp.Command):
     """
-    Re-read the config file and apply it: keys, limits, timeouts and model
-    settings take effect at once (running children keep running; model
-    settings apply at their next start). C{restart_needed} lists changed
-    keys that only a restart applies (C{listen}, C{data_dir}).
+    Re-read the config file and swap it in whole: every key that can change
+    at run time takes effect at once (running children keep running; model
+    and engine settings apply at each model's next start). C{applied} lists
+    the changed keys now in force, C{restart_needed} the changed keys that
+    only a restart applies (L{blazar.config.RELOAD_TABLE}: C{listen},
+    C{data_dir}, C{audit_log}, C{otlp_endpoint}), by config-file key name.
     """
 
     commandName = b"ReloadConfig"
     arguments = []  # type: ignore[var-annotated]
-    response = [(b"restart_needed", amp.ListOf(amp.Unicode()))]
+    response = [
+        (b"restart_needed", amp.ListOf(amp.Unicode())),
+        (b"applied", amp.ListOf(amp.Unicode(), optional=True)),
+    ]
     errors = {KeyError_: b"KEY_ERROR"}
 
 
@@ -502,7 +507,8 @@ class ControlServer(amp.AMP):
 
         async def answer() -> dict[str, Any]:
             try:
-                return {"restart_needed": await self._key_admin.reload(self._supervisor, self._registry)}
+                report = await self._key_admin.reload()
+                return {"restart_needed": list(report.restart), "applied": list(report.applied)}
             except (ConfigError, OSError) as e:
                 raise KeyError_(str(e)) from None
 

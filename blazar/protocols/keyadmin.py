@@ -1,8 +1,10 @@
 """
 Changing API keys at runtime: the config file is the source of truth, so
 every change goes parse → change → validate → atomic write (with a .bak),
-under one lock, off the reactor thread; only then is the live key set
-swapped. A failed validation or write changes nothing, on disk or in memory.
+under one lock, off the reactor thread; only then is the live config
+(L{blazar.config.LiveConfig}) swapped. A failed validation or write changes
+nothing, on disk or in memory. C{blazar reload} and SIGHUP go through the
+same lock and the same swap.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ from typing import Any, Callable
 
 from twisted.internet.defer import DeferredLock
 from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
 
-from blazar.config import Config, ConfigError, thd_rewrite
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, load_config, thd_rewrite
+
+log = Logger()
 
 
 def new_secret() -> str:
@@ -26,25 +31,28 @@ def new_secret() -> str:
 
 class KeyAdmin:
     """
-    Applies key changes to the config file and the live key holder.
+    Applies key changes and reloads of the config file to the file and the
+    live config.
 
-    @ivar config: The live config (read by the control channel's list).
+    @ivar config: The live config's current object (read by the control
+        channel's list).
     """
 
-    def __init__(self, path: Path | None, holder: Any, reactor: Any) -> None:
+    def __init__(self, path: Path | None, live: LiveConfig, reactor: Any) -> None:
         self._path = path
-        self._holder = holder
+        self._live = live
         self._reactor = reactor
         self._lock = DeferredLock()
 
     @property
     def config(self) -> Config:
-        return self._holder.config  # type: ignore[no-any-return]
+        return self._live.current
 
     async def change(self, plan: Callable[["KeyAdmin"], tuple[Callable[[Any], None], dict[str, Any]]]) -> dict[str, Any]:
         """
         Run C{plan(self)}, which returns (a tomlkit document mutation, the
-        answer), through the file round trip.
+        answer), through the file round trip, then swap the file's new
+        config in whole.
 
         @raise ConfigError: Invalid change, or the daemon has no config file.
         @raise OSError: The write failed.
@@ -59,20 +67,29 @@ class KeyAdmin:
             config, _ = await deferToThreadPool(
                 self._reactor, self._reactor.getThreadPool(), thd_rewrite, self._path, mutate
             )
-            self._holder.set(config)
+            report = self._live.swap(config)
+            others = [k for k in report.applied if k != "keys"]
+            if others or report.restart:
+                # the operator had edited the file by hand since the last reload
+                log.info(
+                    "config file {path} rewritten for a key change; also applied: {applied}; "
+                    "restart the daemon to apply: {restart}", path=str(self._path),
+                    applied=", ".join(others) or "nothing", restart=", ".join(report.restart) or "nothing",
+                )
             return answer
         finally:
             self._lock.release()
 
-    async def reload(self, supervisor: Any, registry: Any) -> list[str]:
+    async def reload(self) -> ReloadReport:
         """
-        Re-read the config file and swap it in everywhere it is read.
+        Re-read and validate the config file, then swap it in whole: every
+        service reads the live config, so each runtime key applies from its
+        next use; restart-only keys keep their running values.
 
-        @return: Changed keys that need a restart to apply.
-        @raise ConfigError: The file is invalid; nothing changes.
+        @return: The changed keys, applied and restart-only.
+        @raise ConfigError: The file is missing or invalid; nothing changes.
+        @raise OSError: The file cannot be read; nothing changes.
         """
-        from blazar.config import load_config
-
         if self._path is None:
             raise ConfigError("this daemon runs without a config file: nothing to reload")
         await self._lock.acquire()
@@ -80,12 +97,7 @@ class KeyAdmin:
             new = await deferToThreadPool(
                 self._reactor, self._reactor.getThreadPool(), load_config, self._path, required=True
             )
-            old = self.config
-            restart = [k for k in ("listen", "data_dir") if getattr(old, k) != getattr(new, k)]
-            self._holder.set(new)
-            supervisor.reconfigure(new)
-            registry.reconfigure(new)
-            return restart
+            return self._live.swap(new)
         finally:
             self._lock.release()
 

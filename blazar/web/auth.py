@@ -22,7 +22,7 @@ from twisted.internet.address import UNIXAddress
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
-from blazar.config import Config, KeyConfig
+from blazar.config import Config, KeyConfig, LiveConfig, live_config
 from blazar.gateway.context import context_of, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden
 from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
@@ -32,16 +32,38 @@ OPEN_PATHS = {b"/health", b"/healthz"}
 
 class KeyHolder:
     """
-    The live config's keys; swapped whole when keys change at runtime.
+    The keys of the live config (L{blazar.config.LiveConfig}) and of
+    C{BLAZAR_KEYS}, read from the live config's current object at each
+    lookup; the secrets are re-encoded only when that object changes.
     """
 
-    def __init__(self, config: Config, extra: tuple[KeyConfig, ...] = ()) -> None:
+    def __init__(self, config: Config | LiveConfig, extra: tuple[KeyConfig, ...] = ()) -> None:
         self._extra = extra
-        self.set(config)
+        self.live = live_config(config)
+        self._seen: Config | None = None
+        self._encoded: list[tuple[bytes, KeyConfig]] = []
+
+    @property
+    def config(self) -> Config:
+        """
+        The live config's current object.
+        """
+        return self.live.current
 
     def set(self, config: Config) -> None:
-        self.config = config
-        self._keys = [(k.secret.encode("utf-8"), k) for k in (*config.keys, *self._extra)]
+        """
+        Swap C{config} into the live config (everything that reads it sees
+        it).
+        """
+        self.live.swap(config)
+
+    @property
+    def _keys(self) -> list[tuple[bytes, KeyConfig]]:
+        current = self.live.current
+        if current is not self._seen:
+            self._encoded = [(k.secret.encode("utf-8"), k) for k in (*current.keys, *self._extra)]
+            self._seen = current
+        return self._encoded
 
     @property
     def active(self) -> bool:

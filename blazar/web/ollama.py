@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar import __version__
+from blazar.config import Config
 from blazar.engines.llamacpp import context_per_slot
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
@@ -106,10 +107,14 @@ class OllamaSurface:
     def __init__(
         self, registry: ModelRegistry, pipeline: Pipeline, clock: Any,
         wall_clock: Callable[[], float], operations: ModelOperations,
-        default_keep_alive: float = 300.0,
+        config: Callable[[], Config] = Config,
     ) -> None:
+        """
+        @param config: The live config (L{blazar.config.LiveConfig}); its
+            C{keep_alive} is read per request.
+        """
         self._operations = operations
-        self._default_keep_alive = default_keep_alive
+        self._config = config
         self._registry = registry
         self._pipeline = pipeline
         self._supervisor = pipeline.supervisor
@@ -201,7 +206,7 @@ class OllamaSurface:
         return Call(
             "ollama", kind, model, path, engine_body, stream=stream,
             # Ollama applies its default keep_alive to every request without one
-            keep_alive=self._default_keep_alive if keep_alive is None else keep_alive,
+            keep_alive=self._config().keep_alive if keep_alive is None else keep_alive,
             ctx_size=self._num_ctx(body),
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
             work=work, ignored=ignored,

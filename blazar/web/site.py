@@ -57,6 +57,7 @@ from twisted.web.http import RESPONSES, HTTPChannel
 from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
+from blazar.config import Config
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
 from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of
 
@@ -518,25 +519,52 @@ class BlazarSite(Site):
     protocol = BlazarChannel  # type: ignore[assignment]  # HTTP/1.1 only (no h2 here)
 
     def __init__(
-        self, resource: IResource, *, max_body_bytes: int, cors_origins: tuple[str, ...] = (),
+        self, resource: IResource, *, max_body_bytes: int = 50 * 1024 * 1024, cors_origins: tuple[str, ...] = (),
         gate: AuthGate | None = None, header_timeout: float = 10.0, body_min_rate: int = 4096,
-        max_connections_per_ip: int = 64, **kwargs: Any,
+        max_connections_per_ip: int = 64, config: Callable[[], Config] | None = None, **kwargs: Any,
     ) -> None:
+        """
+        @param config: The live config (L{blazar.config.LiveConfig}), read
+            per connection and per request; without it, a fixed one from the
+            other keywords (for a site built alone).
+        """
         # every surface takes JSON: no form parsing (twisted.web would parse
         # each POST's content-type with the email package to look for forms)
         kwargs.setdefault("parsePOSTFormSubmission", False)
         super().__init__(resource, **kwargs)
-        self.max_body_bytes = max_body_bytes
-        self.cors_origins = cors_origins
+        if config is None:
+            fixed = Config(
+                max_body_bytes=max_body_bytes, cors_origins=cors_origins, header_timeout=header_timeout,
+                body_min_bytes_per_sec=body_min_rate, max_connections_per_ip=max_connections_per_ip,
+            )
+            config = lambda: fixed  # noqa: E731
+        self.config = config
         self.gate = gate
-        self.header_timeout = header_timeout
-        self.body_min_rate = body_min_rate
-        self.max_connections_per_ip = max_connections_per_ip
         self._connections: dict[str, int] = {}
         self.trace_prefix = secrets.token_hex(4)
         self.trace_seq = 0
         self.audit: Any = None
         self.observer: Any = None  # a blazar.web.observe.RequestObserver
+
+    @property
+    def max_body_bytes(self) -> int:
+        return self.config().max_body_bytes
+
+    @property
+    def cors_origins(self) -> tuple[str, ...]:
+        return self.config().cors_origins
+
+    @property
+    def header_timeout(self) -> float:
+        return self.config().header_timeout
+
+    @property
+    def body_min_rate(self) -> int:
+        return self.config().body_min_bytes_per_sec
+
+    @property
+    def max_connections_per_ip(self) -> int:
+        return self.config().max_connections_per_ip
 
     def new_trace_id(self) -> str:
         """

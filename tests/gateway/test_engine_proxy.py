@@ -6,6 +6,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.lease import InstanceLease
+from blazar.config import Config
 from blazar.testing import FakeInstance
 from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
 
@@ -24,7 +25,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.supervisor = HealthSupervisor()
-        self.proxy = EngineProxy(self.supervisor, None, self.clock, header_timeout=10)  # type: ignore[arg-type]
+        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(child_header_timeout=10))  # type: ignore[arg-type]
 
     def test_busy_but_healthy_child_is_waited_for(self) -> None:
         request: Deferred[str] = Deferred()

@@ -11,7 +11,6 @@ from twisted.protocols import amp
 from twisted.test.iosim import connectedServerAndClient
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import parse_config
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import (
@@ -34,26 +33,29 @@ class ControlTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
-        config = parse_config(f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n')
         self.reactor = fake_process_reactor()
 
         async def probe(url: str) -> int:
             return 200
 
-        registry = ModelRegistry(config, self.reactor)
-        self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
-        status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
-                  "data_dir": "/d", "loaded": 0}
         self.config_path = root / "config.toml"
         self.config_path.write_text(
             f'models_dir = "{root / "models"}"\n[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
         )
-        from blazar.config import load_config
+        from blazar.config import LiveConfig, load_config
         from blazar.protocols.keyadmin import KeyAdmin
         from blazar.web.auth import KeyHolder
 
-        self.holder = KeyHolder(load_config(self.config_path))
-        admin = KeyAdmin(self.config_path, self.holder, self.reactor)
+        # one live config, as the daemon has (blazar.service.assemble)
+        live = LiveConfig(load_config(self.config_path))
+        config = live.current
+        registry = ModelRegistry(live, self.reactor)
+        self.supervisor = Supervisor(live, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
+        status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
+                  "data_dir": "/d", "loaded": 0}
+        self.holder = KeyHolder(live)
+        admin = KeyAdmin(self.config_path, live, self.reactor)
         from blazar.gateway.admission import Admission
 
         self.admission = Admission(self.reactor, lambda: config)

@@ -24,7 +24,7 @@ class KeyAdminTests(SynchronousTestCase):
         self.path = self.dir / "config.toml"
         self.path.write_text(TEXT)
         self.holder = KeyHolder(load_config(self.path))
-        self.admin = KeyAdmin(self.path, self.holder, fake_process_reactor())
+        self.admin = KeyAdmin(self.path, self.holder.live, fake_process_reactor())
 
     def run_change(self, plan):  # type: ignore[no-untyped-def]
         return ensureDeferred(self.admin.change(plan))
@@ -78,3 +78,26 @@ class KeyAdminTests(SynchronousTestCase):
         self.assertEqual(stat.S_IMODE(self.path.stat().st_mode), 0o600)
         self.assertEqual(stat.S_IMODE(backup.stat().st_mode), 0o600)
         self.assertEqual(backup.read_text(), TEXT)
+
+
+class KeyChangeAppliesTheWholeFileTests(SynchronousTestCase):
+    def test_hand_edits_are_swapped_in_with_the_key_and_logged(self) -> None:
+        from twisted.logger import formatEvent, globalLogPublisher
+
+        from blazar.config import LiveConfig
+
+        root = Path(self.mktemp())
+        root.mkdir()
+        path = root / "config.toml"
+        path.write_text(TEXT)
+        live = LiveConfig(load_config(path))
+        admin = KeyAdmin(path, live, fake_process_reactor())
+        path.write_text("max_body_bytes = 1000\n" + TEXT)  # edited by hand, not reloaded
+        events: list[dict] = []  # type: ignore[type-arg]
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("alice", []))))
+        self.assertEqual(live.current.max_body_bytes, 1000)
+        self.assertEqual([k.name for k in live.current.keys], ["root", "alice"])
+        (line,) = [formatEvent(e) for e in events if e.get("log_namespace") == "blazar.protocols.keyadmin"]
+        self.assertIn("also applied: max_body_bytes; restart the daemon to apply: nothing", line)
