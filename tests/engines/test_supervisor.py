@@ -14,7 +14,8 @@ from blazar.engines.supervisor import (
     Supervisor,
 )
 from blazar.models.registry import ModelRegistry
-from blazar.testing import fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import fake_process_reactor
 
 
 class SupervisorTests(SynchronousTestCase):

@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from blazar.testing import STRICT_CHAT_TEMPLATE, GeneratedModel, make_test_model
+from blazar.models.testmodel import STRICT_CHAT_TEMPLATE, GeneratedModel, make_test_model
 from blazar.web.translate import anthropic, placement, responses
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, free_port

@@ -9,7 +9,8 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.config import parse_config
 from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.openai import OpenAISurface
 from blazar.web.proxy import EngineProxy
 

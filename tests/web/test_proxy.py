@@ -88,7 +88,8 @@ class PreflightTests(SynchronousTestCase):
 
         from blazar.config import parse_config
         from blazar.models.registry import ModelRegistry
-        from blazar.testing import fake_process_reactor, make_test_model
+        from blazar.models.testmodel import make_test_model
+        from blazar.testing import fake_process_reactor
 
         root = Path(self.mktemp())
         make_test_model(root / "m.gguf")  # 2048 tokens per slot

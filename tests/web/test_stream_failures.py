@@ -20,7 +20,8 @@ from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
