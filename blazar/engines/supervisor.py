@@ -1009,27 +1009,38 @@ class Supervisor(Service):
 
         @raise CancelledError: The caller was cancelled (its client left):
             that says nothing about the child, so it is not a L{False}
-            (which would get a busy, healthy child killed as wedged).
+            (which would get a busy, healthy child killed as wedged),
+            whatever the probe fails with once cancelled (Twisted's HTTP
+            client reports it as C{ResponseNeverReceived([CancelledError])},
+            not as a bare C{CancelledError}).
         """
-        timer = None
-        timed_out = []
+        caller_left = False
+        probe: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
+
+        def leave(_: Deferred[int]) -> None:
+            nonlocal caller_left
+            caller_left = True
+            probe.cancel()
+
+        answer: Deferred[int] = Deferred(leave)
+
+        def relay(result: Any) -> None:
+            if not answer.called:
+                if isinstance(result, Failure):
+                    answer.errback(result)
+                else:
+                    answer.callback(result)
+
+        probe.addBoth(relay)
+        timer = self._reactor.callLater(3.0, probe.cancel)
         try:
-            d: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
-
-            def give_up() -> None:
-                timed_out.append(True)
-                d.cancel()
-
-            timer = self._reactor.callLater(3.0, give_up)
-            return await d == 200
-        except CancelledError:
-            if timed_out:
-                return False
-            raise
+            return await answer == 200
         except Exception:
-            return False
+            if caller_left:
+                raise CancelledError() from None
+            return False  # refused, reset, its own timeout or ours: not healthy
         finally:
-            if timer is not None and timer.active():
+            if timer.active():
                 timer.cancel()
 
     def kill_instance(self, instance: Instance, reason: str) -> Deferred[ExitStatus]:

@@ -2,6 +2,8 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseNeverReceived
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
@@ -697,7 +699,11 @@ class HealthProbeTests(SynchronousTestCase):
         self.pending: list[Deferred[int]] = []
 
         def probe(url: str) -> Deferred[int]:
-            d: Deferred[int] = Deferred()
+            def cancel(d: Deferred[int]) -> None:
+                # as Twisted's HTTP client reports a cancelled request
+                d.errback(ResponseNeverReceived([Failure(CancelledError())]))
+
+            d: Deferred[int] = Deferred(cancel)
             self.pending.append(d)
             return d
 
@@ -719,6 +725,12 @@ class HealthProbeTests(SynchronousTestCase):
         d.cancel()
         self.failureResultOf(d, CancelledError)
         self.assertEqual(self.reactor.getDelayedCalls(), [])  # the timeout timer is gone too
+
+    def test_a_probe_that_gives_up_on_its_own_is_unhealthy(self) -> None:
+        d = self.probe()
+        # the engine client's own timeout cancels its request
+        self.pending[0].errback(ResponseNeverReceived([Failure(CancelledError())]))
+        self.assertIs(self.successResultOf(d), False)
 
     def test_an_answer_in_time(self) -> None:
         d = self.probe()
