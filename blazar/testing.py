@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from blazar.engines.supervisor import InstanceState
+
 
 
 # -- fakes for unit tests ---------------------------------------------------
@@ -192,7 +194,7 @@ class FakeInstance:
     base_url: str = "http://engine.invalid"
     api_key: str = "secret"
     in_flight: int = 0
-    state: str = "ready"
+    state: InstanceState = InstanceState.READY
     parallel: int = 1
     alive: bool = True  # its child runs; False: it exited, unreported
     ctx: int = 0  # tokens per slot, as the real one (0: not known, read from the GGUF)
@@ -256,7 +258,7 @@ class FakeSupervisor:
     def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Any:
         from twisted.internet.defer import succeed
 
-        instance.state = "stopping"
+        instance.state = InstanceState.STOPPING
         self.instances.pop(instance.name, None)
         return succeed(None)
 
@@ -267,12 +269,12 @@ class FakeSupervisor:
         from then on and leaves the table, so the next request gets a fresh
         instance.
         """
-        if instance.state == "dead":
+        if instance.state == InstanceState.DEAD:
             return True
         if instance.alive:
             return False
-        if instance.state == "ready":
-            instance.state = "dead"
+        if instance.state == InstanceState.READY:
+            instance.state = InstanceState.DEAD
             if self.instances.get(instance.name) is instance:
                 del self.instances[instance.name]
         return True
@@ -284,7 +286,7 @@ class FakeSupervisor:
         """
         from blazar.engines.supervisor import EngineCrashed
 
-        instance.state = "dead"
+        instance.state = InstanceState.DEAD
         self.instances.pop(instance.name, None)
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
 

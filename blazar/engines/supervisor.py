@@ -2,14 +2,16 @@
 The supervisor: one llama-server child per loaded model, started on first
 use, watched, and stopped with the daemon.
 
-States of an L{Instance}: C{starting} (spawned, waiting for C{/health} 200),
-C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited: reported by the
-reactor, or found by a request, L{Supervisor.exited}). A dead instance
-leaves the table at once, so the next request spawns a fresh child.
+States of an L{Instance} (L{InstanceState}): C{starting} (spawned, waiting
+for C{/health} 200), C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited:
+reported by the reactor, or found by a request, L{Supervisor.exited}). A
+dead instance leaves the table at once, so the next request spawns a fresh
+child.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import secrets
 import socket
@@ -92,6 +94,19 @@ class BreakerOpen(EngineError):
     def __init__(self, model: str, message: str, retry_after: float) -> None:
         super().__init__(model, message)
         self.retry_after = retry_after
+
+
+class InstanceState(enum.StrEnum):
+    """
+    Where an engine child is in its life. A C{str}: it compares equal to
+    its value (C{InstanceState.READY == "ready"}) and renders as it in
+    JSON, AMP and logs.
+    """
+
+    STARTING = "starting"  # spawned, waiting for /health 200
+    READY = "ready"
+    STOPPING = "stopping"  # SIGTERM sent
+    DEAD = "dead"  # exited (reported, or found by a request)
 
 
 @attrs.define
@@ -283,7 +298,7 @@ class Instance:
     api_key: str
     protocol: EngineProcessProtocol
     pid: int | None = None
-    state: str = "starting"
+    state: InstanceState = InstanceState.STARTING
     started_at: float = 0.0
     in_flight: int = 0
     ready_once: bool = False
@@ -315,7 +330,7 @@ class Instance:
         L{EngineStartFailed}. Cancelling it stops only this wait, never the
         start other requests share.
         """
-        if self.state == "ready":
+        if self.state == InstanceState.READY:
             return succeed(self)
         if self._failure is not None:
             from twisted.internet.defer import fail
@@ -420,7 +435,7 @@ class Supervisor(Service):
         Scrape-time gauges: C{blazar_instances_loaded{state}} and
         C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open).
         """
-        states = ("starting", "ready", "stopping")
+        states = (InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING)
         yield gauge("blazar_instances_loaded", "Engine children, by state", ["state"],
                     [([st], sum(1 for i in self._all if i.state == st)) for st in states])
         value = {"closed": 0, "half-open": 1, "open": 2}
@@ -450,7 +465,7 @@ class Supervisor(Service):
             for instance in list(self._all):
                 expires = instance.expires_at()
                 if (
-                    instance.state == "ready" and instance.in_flight == 0
+                    instance.state == InstanceState.READY and instance.in_flight == 0
                     and expires is not None and expires <= now
                 ):
                     self.stop_instance(instance, "idle")
@@ -619,13 +634,13 @@ class Supervisor(Service):
         @raise NoCapacity: Still busy after C{drain_timeout_secs}; C{old}
             keeps serving.
         """
-        if old.state == "starting":
+        if old.state == InstanceState.STARTING:
             try:
                 await old.wait_ready()
             except Exception:
                 pass  # it failed to load: nothing to drain
         deadline = self._reactor.seconds() + self._config.drain_timeout
-        while old.in_flight and old.state == "ready":
+        while old.in_flight and old.state == InstanceState.READY:
             if self._reactor.seconds() >= deadline:
                 raise NoCapacity(entry.name, (
                     f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
@@ -636,9 +651,9 @@ class Supervisor(Service):
                 ))
             await deferLater(self._reactor, 0.1, lambda: None)
         grow.spawning = True
-        if old.state == "stopping":
+        if old.state == InstanceState.STOPPING:
             await old.protocol.when_ended()  # someone else stopped it: no second SIGTERM
-        elif old.state != "dead":
+        elif old.state != InstanceState.DEAD:
             await self.stop_instance(old, f"context {old.ctx} -> {grow.target} tokens per slot (num_ctx)")
         if self._shutting_down:
             raise EngineStartFailed(entry.name, f"Blazar is shutting down; {entry.name!r} was not restarted")
@@ -726,7 +741,7 @@ class Supervisor(Service):
 
     def _idle_lru(self) -> list[Instance]:
         return sorted(
-            (i for i in self._all if i.state == "ready" and i.in_flight == 0),
+            (i for i in self._all if i.state == InstanceState.READY and i.in_flight == 0),
             key=lambda i: i.last_used,
         )
 
@@ -742,7 +757,7 @@ class Supervisor(Service):
         limit = self._config.max_loaded_models
         deadline = self._reactor.seconds() + self._config.drain_timeout
         while True:
-            live = [i for i in self._all if i.state in ("starting", "ready")]
+            live = [i for i in self._all if i.state in (InstanceState.STARTING, InstanceState.READY)]
             too_many = limit > 0 and len(live) >= limit
             free = await self._memory_free()
             too_big = free is not None and need > free
@@ -826,7 +841,7 @@ class Supervisor(Service):
             if instance.protocol.status is not None:
                 break
             if status == 200:
-                instance.state = "ready"
+                instance.state = InstanceState.READY
                 log.info(
                     "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
                     model=instance.entry.name, engine="llamacpp", port=instance.port,
@@ -865,12 +880,12 @@ class Supervisor(Service):
                 )
             ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
-        instance.state = "dead"
+        instance.state = InstanceState.DEAD
         self._all.discard(instance)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
         message = instance.describe_exit(status)
-        if was == "stopping":
+        if was == InstanceState.STOPPING:
             self.metrics.evictions.labels(instance.entry.name, label_reason(instance.stop_reason)).inc()
             log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
                      engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
@@ -880,7 +895,7 @@ class Supervisor(Service):
             log.error("{message}", message=instance.describe_exit(status, full=True),
                       model=instance.entry.name, engine="llamacpp")
             detail = f"{status.describe()}; {instance.protocol.error_line()}"
-            if was == "dead":
+            if was == InstanceState.DEAD:
                 # a request found it exited first and counted the crash
                 self.breaker(instance.entry.name).last_error = detail
             else:
@@ -889,7 +904,7 @@ class Supervisor(Service):
         if instance._failure is None and not instance.ready_once:
             # it never became ready (crashed, or stopped while loading):
             # every request waiting for it gets an answer
-            if was == "stopping":
+            if was == InstanceState.STOPPING:
                 message = (f"model {instance.entry.name!r} was unloaded while it was loading "
                            f"({instance.stop_reason}); send the request again")
             instance._settle(EngineStartFailed(instance.entry.name, message))
@@ -910,13 +925,13 @@ class Supervisor(Service):
         that wants one), and its crash counts now, once, for the breaker;
         the report does the rest of the bookkeeping when it comes.
         """
-        if instance.state == "dead" or instance.protocol.status is not None:
+        if instance.state == InstanceState.DEAD or instance.protocol.status is not None:
             return True
         if self._process_alive(instance.pid):
             return False
-        if instance.state == "ready":
+        if instance.state == InstanceState.READY:
             name = instance.entry.name
-            instance.state = "dead"
+            instance.state = InstanceState.DEAD
             if self._instances.get(name) is instance:
                 del self._instances[name]
             self.metrics.crashes.labels(name).inc()
@@ -949,9 +964,9 @@ class Supervisor(Service):
 
     def _terminate(self, instance: Instance) -> Deferred[ExitStatus]:
         ended = instance.protocol.when_ended()
-        if instance.protocol.status is not None or instance.state == "dead":
+        if instance.protocol.status is not None or instance.state == InstanceState.DEAD:
             return ended  # (dead: it exited, its exit not yet reported)
-        instance.state = "stopping"
+        instance.state = InstanceState.STOPPING
         transport = instance.transport
         try:
             transport.signalProcess("TERM")
@@ -998,7 +1013,7 @@ class Supervisor(Service):
         """
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
-        if not instance.stop_reason and instance.state != "dead":
+        if not instance.stop_reason and instance.state != InstanceState.DEAD:
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
         return self._terminate(instance)
@@ -1075,7 +1090,7 @@ class Supervisor(Service):
             return []
         chosen = [
             i for i in self._all
-            if name_key(i.entry.name) == wanted and i.state not in ("stopping", "dead")
+            if name_key(i.entry.name) == wanted and i.state not in (InstanceState.STOPPING, InstanceState.DEAD)
         ]
         for instance in chosen:
             self.stop_instance(instance, "evicted")
