@@ -9,11 +9,24 @@ The tiny GGUF model generator is a product feature
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from zope.interface import implementer
 
-from blazar.engines.supervisor import InstanceState
+from blazar.engines.client import IEngineClient
+from blazar.engines.supervisor import (
+    Breaker,
+    EngineError,
+    IInstance,
+    InstanceState,
+    InstanceView,
+    ISupervisor,
+)
+from blazar.models.registry import ModelEntry
 
 
 
@@ -184,10 +197,25 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
     return app
 
 
+def _engine_protocol(instance: "FakeInstance") -> Any:
+    from blazar.engines.process import EngineProcessProtocol
+
+    return EngineProcessProtocol(instance.name)
+
+
+@implementer(IInstance)
 @attrs.define(eq=False)  # as the real Instance: compared and hashed by identity
 class FakeInstance:
     """
-    Stands in for L{blazar.engines.supervisor.Instance} in surface tests.
+    Stands in for L{blazar.engines.supervisor.Instance} in surface tests:
+    an L{IInstance} with no process behind it.
+
+    @ivar alive: Its child runs; L{False}: it exited, unreported
+        (L{FakeSupervisor.exited} finds it).
+    @ivar answers_health: Its C{/health} answers 200
+        (L{FakeSupervisor.probe_health}); L{False}: it is silent.
+    @ivar protocol: A real L{blazar.engines.process.EngineProcessProtocol}
+        that no process feeds (C{status} L{None}: running).
     """
 
     name: str
@@ -196,31 +224,75 @@ class FakeInstance:
     in_flight: int = 0
     state: InstanceState = InstanceState.READY
     parallel: int = 1
-    alive: bool = True  # its child runs; False: it exited, unreported
+    alive: bool = True
     ctx: int = 0  # tokens per slot, as the real one (0: not known, read from the GGUF)
+    port: int = 0
+    pid: int | None = None
+    started_at: float = 0.0
+    ready_at: float | None = 0.0
+    last_used: float = 0.0
+    keep_alive: float | None = None
+    idle_timeout: float = 1800.0
+    served: int = 0
+    answers_health: bool = True
+    path: Path | None = None  # its model file (entry.path), if a test needs a real one
+    protocol: Any = attrs.field(default=attrs.Factory(_engine_protocol, takes_self=True))
 
     @property
-    def entry(self):  # type: ignore[no-untyped-def]
+    def entry(self) -> ModelEntry:
         from blazar.config import ModelConfig
 
-        return attrs.make_class("Entry", ["name", "settings"])(self.name, ModelConfig(parallel=self.parallel))
+        return ModelEntry(self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"),
+                          settings=ModelConfig(parallel=self.parallel))
 
     @property
     def auth_headers(self) -> dict[bytes, list[bytes]]:
         return {b"authorization": [b"Bearer " + self.api_key.encode()]}
 
+    def expires_at(self) -> float | None:
+        """
+        As the real one: last use plus C{keep_alive}, else plus
+        C{idle_timeout}; L{None} if kept forever.
+        """
+        keep = self.idle_timeout if self.keep_alive is None else self.keep_alive
+        if keep < 0:
+            return None
+        return self.last_used + keep
 
+    def wait_ready(self) -> Deferred[Any]:
+        if self.state == InstanceState.READY:
+            return succeed(self)
+        from blazar.engines.supervisor import EngineStartFailed
+
+        return fail(EngineStartFailed(self.name, f"model {self.name!r} is {self.state}"))
+
+
+@implementer(ISupervisor)
 @attrs.define
 class FakeSupervisor:
     """
-    Resolves names against a fixed list; every model is always ready.
+    An L{ISupervisor} that resolves names against a fixed list; every
+    model is ready at once, and a stopped one exits at once. Its clock
+    (a L{Clock} unless given) times uses, expiry and the 3 s health
+    probe.
+
+    @ivar table: The live instance per canonical name (the real one's
+        C{loaded}).
+    @ivar started: Instances made so far.
+    @ivar touched: C{(name, keep_alive)} of every L{touch}.
+    @ivar stopped: C{(name, reason)} of every stop or kill.
     """
 
     names: list[str]
-    instances: dict[str, FakeInstance] = attrs.field(factory=dict)
+    table: dict[str, FakeInstance] = attrs.field(factory=dict)
     started: int = 0
     ctx_policy: str = "grow"
     ctx: int = 2048
+    clock: Any = attrs.field(factory=Clock)
+    touched: list[tuple[str, float | None]] = attrs.field(factory=list)
+    stopped: list[tuple[str, str]] = attrs.field(factory=list)
+    breakers: dict[str, Breaker] = attrs.field(factory=dict)
+    _config: Any = None
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
         from blazar.models.registry import ModelNotFound
@@ -232,13 +304,15 @@ class FakeSupervisor:
             raise ModelNotFound(name, self.names) from None
         for canonical in self.names:
             if name_key(canonical) == key:
-                if canonical not in self.instances:
+                if canonical not in self.table:
                     self.started += 1
-                    self.instances[canonical] = FakeInstance(canonical)
-                return self.instances[canonical]
+                    now = self.clock.seconds()
+                    self.table[canonical] = FakeInstance(
+                        canonical, pid=1000 + self.started, port=5000 + self.started,
+                        started_at=now, ready_at=now, last_used=now, ctx=self.ctx,
+                    )
+                return self.table[canonical]
         raise ModelNotFound(name, self.names)
-
-    touched: list[tuple[str, float | None]] = attrs.field(factory=list)
 
     async def context_for(self, name: str, ctx_size: int) -> Any:
         """
@@ -250,17 +324,64 @@ class FakeSupervisor:
         return ContextPlan(self.ctx, ctx_size, self.ctx_policy, name, self.ctx)
 
     def loaded(self, name: str) -> FakeInstance | None:
-        return self.instances.get(name)
+        return self.table.get(name)
+
+    def instances(self) -> list[FakeInstance]:
+        return sorted(self.table.values(), key=lambda i: i.started_at)
+
+    def snapshot(self) -> list[InstanceView]:
+        from blazar.engines.supervisor import view_of
+
+        return [view_of(i, self.breaker(i.name).state) for i in self.instances()]
+
+    async def measured_snapshot(self) -> list[InstanceView]:
+        """
+        L{snapshot}: a fake child has no memory to measure (C{rss} L{None}).
+        """
+        return self.snapshot()
 
     def touch(self, instance: FakeInstance, keep_alive: float | None = None) -> None:
         self.touched.append((instance.name, keep_alive))
+        instance.last_used = self.clock.seconds()
+        instance.served += 1
+        if keep_alive is not None:
+            instance.keep_alive = keep_alive
 
-    def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Any:
-        from twisted.internet.defer import succeed
+    def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Deferred[Any]:
+        """
+        As the real one, with a child that exits at once: it leaves the
+        table, and the result fires with a clean L{ExitStatus}.
+        """
+        from blazar.engines.process import ExitStatus
 
-        instance.state = InstanceState.STOPPING
-        self.instances.pop(instance.name, None)
-        return succeed(None)
+        if self.table.get(instance.name) is instance:
+            del self.table[instance.name]
+        if instance.state != InstanceState.DEAD:
+            self.stopped.append((instance.name, reason))
+        instance.state = InstanceState.DEAD
+        instance.alive = False
+        return succeed(ExitStatus(0, None))
+
+    def kill_instance(self, instance: FakeInstance, reason: str) -> Deferred[Any]:
+        return self.stop_instance(instance, reason)
+
+    async def probe_health(self, instance: FakeInstance) -> bool:
+        """
+        As the real one: L{True} if the child answers, L{False} for an
+        exited one, and for a silent one after 3 s on the clock; a caller
+        cancelled meanwhile gets L{CancelledError}, never L{False}.
+        """
+        if instance.state == InstanceState.DEAD or not instance.alive:
+            return False
+        if instance.answers_health:
+            return True
+        silence: Deferred[bool] = Deferred()
+        timer = self.clock.callLater(3.0, silence.callback, False)
+        try:
+            return await silence
+        finally:
+            if timer.active():
+                timer.cancel()
 
     def exited(self, instance: FakeInstance) -> bool:
         """
@@ -275,11 +396,11 @@ class FakeSupervisor:
             return False
         if instance.state == InstanceState.READY:
             instance.state = InstanceState.DEAD
-            if self.instances.get(instance.name) is instance:
-                del self.instances[instance.name]
+            if self.table.get(instance.name) is instance:
+                del self.table[instance.name]
         return True
 
-    async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
+    async def explain_failure(self, instance: FakeInstance, error: BaseException) -> EngineError:
         """
         As the real one when the child has exited: the instance is dead and
         leaves the table.
@@ -287,8 +408,78 @@ class FakeSupervisor:
         from blazar.engines.supervisor import EngineCrashed
 
         instance.state = InstanceState.DEAD
-        self.instances.pop(instance.name, None)
+        instance.alive = False
+        if self.table.get(instance.name) is instance:
+            del self.table[instance.name]
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
+
+    def breaker(self, name: str) -> Breaker:
+        found = self.breakers.get(name)
+        if found is None:
+            found = self.breakers[name] = Breaker(3, 60.0, 10.0, 300.0)
+        return found
+
+    def reset_breakers(self, name: str | None = None) -> list[str]:
+        names = [name] if name is not None else list(self.breakers)
+        for n in names:
+            if n in self.breakers:
+                self.breakers[n].reset()
+        return [n for n in names if n in self.breakers]
+
+    def evict(self, key: str) -> list[FakeInstance]:
+        from blazar.engines.supervisor import evicted_name
+        from blazar.names import name_key
+
+        wanted = evicted_name(key)
+        chosen = [i for i in self.instances() if wanted is not None and name_key(i.name) == wanted]
+        for instance in chosen:
+            self.stop_instance(instance, "evicted")
+        return chosen
+
+    def estimate(self, entry: ModelEntry, meta: Any) -> int:
+        from blazar.engines.supervisor import estimate_bytes
+
+        return estimate_bytes(entry, meta)
+
+    def reconfigure(self, config: Any) -> None:
+        self._config = config
+        self.ctx_policy = config.ctx_policy
+
+
+@implementer(IEngineClient)
+class FakeEngineClient:
+    """
+    An L{IEngineClient} over an in-memory HTTP client such as
+    C{treq.testing.StubTreq(fake_engine_app().resource())}, so the proxy
+    code runs unchanged against a fake engine.
+
+    @ivar sent: C{(method, url)} of every request.
+    """
+
+    def __init__(self, http: Any) -> None:
+        self._http = http
+        self.sent: list[tuple[str, str]] = []
+        self.closed = False
+
+    async def get_status(self, url: str, timeout: float = 2.0) -> int:
+        return (await self.get(url, {}, timeout, max_bytes=1 << 16))[0]
+
+    async def get(
+        self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0, max_bytes: int = 1 << 20,
+    ) -> tuple[int, bytes]:
+        self.sent.append(("GET", url))
+        response = await self._http.request("GET", url, headers=headers)
+        body = await response.content()
+        return int(response.code), bytes(body[:max_bytes])
+
+    async def request(
+        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+    ) -> Any:
+        self.sent.append((method, url))
+        return await self._http.request(method, url, data=body, headers=headers, unbuffered=True)
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 def forced_tool_call_request(

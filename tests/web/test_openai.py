@@ -25,7 +25,7 @@ class StubEngineClient:
         if self.refuse:
             # the next requests' children have exited (unreported): they refuse
             self.refuse -= 1
-            for instance in self.supervisor.instances.values() if self.supervisor else ():
+            for instance in self.supervisor.table.values() if self.supervisor else ():
                 instance.alive = False
             raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
         return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
@@ -149,7 +149,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         for path in ("/health", "/healthz"):
             code, _, body = self.call("GET", path)
             self.assertEqual((code, json.loads(body)), (200, {"status": "ok"}))
-        self.assertEqual(self.supervisor.instances, {})
+        self.assertEqual(self.supervisor.table, {})
 
     def test_unknown_route_and_method(self) -> None:
         code, _, body = self.call("GET", "/v1/nothing")

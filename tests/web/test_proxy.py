@@ -308,7 +308,7 @@ class ChildExitedTests(SynchronousTestCase):
         from blazar.engines.supervisor import EngineCrashed
 
         def dies() -> Exception:
-            for instance in self.supervisor.instances.values():
+            for instance in self.supervisor.table.values():
                 instance.alive = False
             return self.reset()
 

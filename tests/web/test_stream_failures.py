@@ -168,7 +168,7 @@ class StreamFailureTests(SynchronousTestCase):
             self.assertFailedInItsTerms(path, data, "internal error; see the daemon log")
             self.assertIn(b"Hel", data)
         self.assertEqual(len(self.flushLoggedErrors(Bug)), 3)
-        self.assertEqual(self.supervisor.instances["m:latest"].in_flight, 0)
+        self.assertEqual(self.supervisor.table["m:latest"].in_flight, 0)
 
     def test_ollama_streams_end_with_an_error_line(self) -> None:
         self.broken_relay()
