@@ -28,8 +28,6 @@ from blazar.engines.supervisor import (
 )
 from blazar.models.registry import ModelEntry
 
-
-
 # -- fakes for unit tests ---------------------------------------------------
 
 

@@ -7,6 +7,11 @@ for C{/health} 200), C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited:
 reported by the reactor, or found by a request, L{Supervisor.exited}). A
 dead instance leaves the table at once, so the next request spawns a fresh
 child.
+
+The seams: L{ISupervisor} and L{IInstance} are what the rest of Blazar may
+use (L{blazar.testing.FakeSupervisor} provides them too, checked by one
+shared contract test); readers that only look (C{/api/ps}, the metrics)
+take L{Supervisor.snapshot}'s frozen L{InstanceView}s.
 """
 
 from __future__ import annotations
