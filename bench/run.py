@@ -132,7 +132,7 @@ class Bench:
 
     def start(self) -> None:
         sys.path.insert(0, str(ROOT))
-        from blazar.testing import make_test_model
+        from blazar.models.testmodel import make_test_model
 
         models = self.work / "models"
         make_test_model(models / "tiny.gguf")

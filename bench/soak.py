@@ -59,7 +59,7 @@ def main() -> int:
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between SIGKILLs of the chat child")
     args = p.parse_args()
-    from blazar.testing import make_test_model
+    from blazar.models.testmodel import make_test_model
 
     with tempfile.TemporaryDirectory(prefix="blazar-soak-") as tmp:
         work = Path(tmp)

@@ -40,7 +40,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_test(args: argparse.Namespace) -> int:
-    from blazar.testing import make_test_model
+    from blazar.models.testmodel import make_test_model
 
     model = make_test_model(args.path, seed=args.seed, embedding=args.embedding)
     print(model.path)

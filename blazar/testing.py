@@ -1,202 +1,32 @@
 """
-Public test helpers: a generator of tiny GGUF models that a real llama-server
-loads in well under a second.
+Public test helpers: fakes (a fake process reactor, a fake engine, a fake
+supervisor and instance, a fake engine client) that tests and users can
+import; each passes the same interface tests as the real thing.
 
-The model is llama-architecture with random weights (its output is noise:
-Blazar's tests check plumbing, not prose), a SentencePiece-style ("llama")
-vocabulary of byte tokens, a few words and the chat template's special
-tokens, and a Qwen2.5-style ChatML template that can render tools, so
-llama.cpp's Hermes-style tool-call parser is used for it.
+The tiny GGUF model generator is a product feature
+(C{blazar models make-test}): L{blazar.models.testmodel}.
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
 import attrs
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from zope.interface import implementer
 
-# Qwen2.5's chat template (tool-capable ChatML), trimmed of its long default
-# system prompt. llama.cpp recognises the <tool_call> format from it.
-CHAT_TEMPLATE = """\
-{%- if tools %}
-{{- '<|im_start|>system\\n' }}
-{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}{%- else %}{{- 'You are a test model.' }}{%- endif %}
-{{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query.\\n\\nYou are provided with function signatures within <tools></tools> XML tags:\\n<tools>" }}
-{%- for tool in tools %}{{- "\\n" }}{{- tool | tojson }}{%- endfor %}
-{{- "\\n</tools>\\n\\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n</tool_call><|im_end|>\\n" }}
-{%- else %}
-{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- for message in messages %}
-{%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}
-{%- elif message.role == "assistant" %}
-{{- '<|im_start|>' + message.role }}
-{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}
-{%- for tool_call in message.tool_calls %}
-{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}
-{{- '\\n<tool_call>\\n{"name": "' }}{{- tool_call.name }}{{- '", "arguments": ' }}{{- tool_call.arguments | tojson }}{{- '}\\n</tool_call>' }}
-{%- endfor %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == "tool" %}
-{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}{{- '<|im_start|>user' }}{%- endif %}
-{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}
-{%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}{{- '<|im_end|>\\n' }}{%- endif %}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-_CONTROL = ["<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
-_USER_DEFINED = ["<tool_call>", "</tool_call>"]
-_WORDS = [
-    "\n", "hello", "▁hello", "▁world", "▁the", "▁a", "▁is", "▁test", "▁model",
-    "{", "}", '"', ":", ",", "▁", "name", "arguments", "true", "false", "null",
-    "▁yes", "▁no", "ok", ".", "!", "?",
-]
-
-# A template that, like Mistral's and Gemma's, takes a system message only
-# first and raises on a later one (for the placement tests).
-STRICT_CHAT_TEMPLATE = """\
-{%- for message in messages %}
-{%- if message.role == 'system' and not loop.first %}{{ raise_exception('System message must be at the beginning.') }}{%- endif %}
-{%- if message.role == 'system' or message.role == 'user' %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
-{%- elif message.role == 'assistant' %}{{- '<|im_start|>assistant\\n' + (message.content or '') }}
-{%- if message.tool_calls %}{%- for call in message.tool_calls %}{{- '<tool_call>\\n' + call.function.name + '\\n</tool_call>' }}{%- endfor %}{%- endif %}
-{{- '<|im_end|>\\n' }}
-{%- elif message.role == 'tool' %}{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
-{%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
-"""
-
-# gguf.TokenType values
-_NORMAL, _UNKNOWN, _CONTROL_T, _USER, _BYTE = 1, 2, 3, 4, 6
-
-
-@attrs.frozen
-class GeneratedModel:
-    """
-    What L{make_test_model} wrote.
-
-    @ivar path: The GGUF file.
-    @ivar token_ids: Token text to id, for C{logit_bias} in tests
-        (e.g. C{token_ids["<tool_call>"]}, C{token_ids["\\n"]}).
-    """
-
-    path: Path
-    token_ids: dict[str, int]
-
-
-def vocabulary() -> tuple[list[str], list[int]]:
-    """
-    The test model's tokens and their GGUF token types, in id order.
-    """
-    tokens = ["<unk>", "<s>", "</s>"]
-    types = [_UNKNOWN, _CONTROL_T, _CONTROL_T]
-    tokens += [f"<0x{b:02X}>" for b in range(256)]
-    types += [_BYTE] * 256
-    tokens += _CONTROL
-    types += [_CONTROL_T] * len(_CONTROL)
-    tokens += _USER_DEFINED
-    types += [_USER] * len(_USER_DEFINED)
-    tokens += _WORDS
-    types += [_NORMAL] * len(_WORDS)
-    return tokens, types
-
-
-def make_test_model(
-    path: str | os.PathLike[str],
-    *,
-    seed: int = 0,
-    embedding: bool = False,
-    n_embd: int = 64,
-    n_layer: int = 2,
-    n_head: int = 4,
-    n_ff: int = 128,
-    context_length: int = 2048,
-    chat_template: str = CHAT_TEMPLATE,
-) -> GeneratedModel:
-    """
-    Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
-
-    Blocking: writes a file. C{tokenizer.ggml.add_space_prefix} is false:
-    with it true, llama.cpp's grammar sampler fails to initialise on this
-    vocabulary ("Failed to initialize samplers").
-
-    @param seed: Seeds the weights; the same seed gives the same file.
-    @param embedding: Mark the model for mean-pooled embeddings.
-    @param chat_template: Its Jinja chat template (L{STRICT_CHAT_TEMPLATE}:
-        one that takes a system message only first).
-    """
-    import numpy as np
-    from gguf import GGUFWriter
-
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    tokens, types = vocabulary()
-    n_vocab = len(tokens)
-    head_dim = n_embd // n_head
-
-    def weights(*shape: int) -> "np.ndarray":
-        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
-
-    tmp = out.with_name(out.name + ".tmp")
-    writer = GGUFWriter(os.fspath(tmp), "llama")
-    writer.add_name("blazar-test-embed" if embedding else "blazar-test")
-    writer.add_file_type(0)  # ALL_F32
-    writer.add_context_length(context_length)
-    writer.add_embedding_length(n_embd)
-    writer.add_block_count(n_layer)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head)
-    writer.add_rope_dimension_count(head_dim)
-    writer.add_layer_norm_rms_eps(1e-5)
-    writer.add_vocab_size(n_vocab)
-    if embedding:
-        from gguf import PoolingType
-
-        writer.add_pooling_type(PoolingType.MEAN)
-    writer.add_tokenizer_model("llama")
-    writer.add_token_list(tokens)
-    writer.add_token_scores([0.0 if t != _NORMAL else -float(len(tok)) for tok, t in zip(tokens, types)])
-    writer.add_token_types(types)
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(tokens.index("<|im_end|>"))
-    writer.add_unk_token_id(0)
-    writer.add_add_bos_token(False)
-    writer.add_add_space_prefix(False)
-    # fill-in-the-middle tokens, so llama-server's /infill works
-    writer.add_uint32("tokenizer.ggml.fim_pre_token_id", tokens.index("<|fim_prefix|>"))
-    writer.add_uint32("tokenizer.ggml.fim_suf_token_id", tokens.index("<|fim_suffix|>"))
-    writer.add_uint32("tokenizer.ggml.fim_mid_token_id", tokens.index("<|fim_middle|>"))
-    writer.add_chat_template(chat_template)
-
-    writer.add_tensor("token_embd.weight", weights(n_vocab, n_embd))
-    for i in range(n_layer):
-        writer.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", weights(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", weights(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_v.weight", weights(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.attn_output.weight", weights(n_embd, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, dtype=np.float32))
-        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights(n_ff, n_embd))
-        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights(n_embd, n_ff))
-    writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
-    writer.add_tensor("output.weight", weights(n_vocab, n_embd))
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
-    return GeneratedModel(out, {tok: i for i, tok in enumerate(tokens)})
-
+from blazar.engines.client import IEngineClient
+from blazar.engines.supervisor import (
+    Breaker,
+    EngineError,
+    IInstance,
+    InstanceState,
+    InstanceView,
+    ISupervisor,
+)
+from blazar.models.registry import ModelEntry
 
 # -- fakes for unit tests ---------------------------------------------------
 
@@ -365,43 +195,102 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
     return app
 
 
+def _engine_protocol(instance: "FakeInstance") -> Any:
+    from blazar.engines.process import EngineProcessProtocol
+
+    return EngineProcessProtocol(instance.name)
+
+
+@implementer(IInstance)
 @attrs.define(eq=False)  # as the real Instance: compared and hashed by identity
 class FakeInstance:
     """
-    Stands in for L{blazar.engines.supervisor.Instance} in surface tests.
+    Stands in for L{blazar.engines.supervisor.Instance} in surface tests:
+    an L{IInstance} with no process behind it.
+
+    @ivar alive: Its child runs; L{False}: it exited, unreported
+        (L{FakeSupervisor.exited} finds it).
+    @ivar answers_health: Its C{/health} answers 200
+        (L{FakeSupervisor.probe_health}); L{False}: it is silent.
+    @ivar protocol: A real L{blazar.engines.process.EngineProcessProtocol}
+        that no process feeds (C{status} L{None}: running).
     """
 
     name: str
     base_url: str = "http://engine.invalid"
     api_key: str = "secret"
     in_flight: int = 0
-    state: str = "ready"
+    state: InstanceState = InstanceState.READY
     parallel: int = 1
-    alive: bool = True  # its child runs; False: it exited, unreported
+    alive: bool = True
     ctx: int = 0  # tokens per slot, as the real one (0: not known, read from the GGUF)
+    port: int = 0
+    pid: int | None = None
+    started_at: float = 0.0
+    ready_at: float | None = 0.0
+    last_used: float = 0.0
+    keep_alive: float | None = None
+    idle_timeout: float = 1800.0
+    served: int = 0
+    answers_health: bool = True
+    path: Path | None = None  # its model file (entry.path), if a test needs a real one
+    protocol: Any = attrs.field(default=attrs.Factory(_engine_protocol, takes_self=True))
 
     @property
-    def entry(self):  # type: ignore[no-untyped-def]
+    def entry(self) -> ModelEntry:
         from blazar.config import ModelConfig
 
-        return attrs.make_class("Entry", ["name", "settings"])(self.name, ModelConfig(parallel=self.parallel))
+        return ModelEntry(self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"),
+                          settings=ModelConfig(parallel=self.parallel))
 
     @property
     def auth_headers(self) -> dict[bytes, list[bytes]]:
         return {b"authorization": [b"Bearer " + self.api_key.encode()]}
 
+    def expires_at(self) -> float | None:
+        """
+        As the real one: last use plus C{keep_alive}, else plus
+        C{idle_timeout}; L{None} if kept forever.
+        """
+        keep = self.idle_timeout if self.keep_alive is None else self.keep_alive
+        if keep < 0:
+            return None
+        return self.last_used + keep
 
+    def wait_ready(self) -> Deferred[Any]:
+        if self.state == InstanceState.READY:
+            return succeed(self)
+        from blazar.engines.supervisor import EngineStartFailed
+
+        return fail(EngineStartFailed(self.name, f"model {self.name!r} is {self.state}"))
+
+
+@implementer(ISupervisor)
 @attrs.define
 class FakeSupervisor:
     """
-    Resolves names against a fixed list; every model is always ready.
+    An L{ISupervisor} that resolves names against a fixed list; every
+    model is ready at once, and a stopped one exits at once. Its clock
+    (a L{Clock} unless given) times uses, expiry and the 3 s health
+    probe.
+
+    @ivar table: The live instance per canonical name (the real one's
+        C{loaded}).
+    @ivar started: Instances made so far.
+    @ivar touched: C{(name, keep_alive)} of every L{touch}.
+    @ivar stopped: C{(name, reason)} of every stop or kill.
     """
 
     names: list[str]
-    instances: dict[str, FakeInstance] = attrs.field(factory=dict)
+    table: dict[str, FakeInstance] = attrs.field(factory=dict)
     started: int = 0
     ctx_policy: str = "grow"
     ctx: int = 2048
+    clock: Any = attrs.field(factory=Clock)
+    touched: list[tuple[str, float | None]] = attrs.field(factory=list)
+    stopped: list[tuple[str, str]] = attrs.field(factory=list)
+    breakers: dict[str, Breaker] = attrs.field(factory=dict)
+    _config: Any = None
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
         from blazar.models.registry import ModelNotFound
@@ -413,13 +302,15 @@ class FakeSupervisor:
             raise ModelNotFound(name, self.names) from None
         for canonical in self.names:
             if name_key(canonical) == key:
-                if canonical not in self.instances:
+                if canonical not in self.table:
                     self.started += 1
-                    self.instances[canonical] = FakeInstance(canonical)
-                return self.instances[canonical]
+                    now = self.clock.seconds()
+                    self.table[canonical] = FakeInstance(
+                        canonical, pid=1000 + self.started, port=5000 + self.started,
+                        started_at=now, ready_at=now, last_used=now, ctx=self.ctx,
+                    )
+                return self.table[canonical]
         raise ModelNotFound(name, self.names)
-
-    touched: list[tuple[str, float | None]] = attrs.field(factory=list)
 
     async def context_for(self, name: str, ctx_size: int) -> Any:
         """
@@ -431,17 +322,64 @@ class FakeSupervisor:
         return ContextPlan(self.ctx, ctx_size, self.ctx_policy, name, self.ctx)
 
     def loaded(self, name: str) -> FakeInstance | None:
-        return self.instances.get(name)
+        return self.table.get(name)
+
+    def instances(self) -> list[FakeInstance]:
+        return sorted(self.table.values(), key=lambda i: i.started_at)
+
+    def snapshot(self) -> list[InstanceView]:
+        from blazar.engines.supervisor import view_of
+
+        return [view_of(i, self.breaker(i.name).state) for i in self.instances()]
+
+    async def measured_snapshot(self) -> list[InstanceView]:
+        """
+        L{snapshot}: a fake child has no memory to measure (C{rss} L{None}).
+        """
+        return self.snapshot()
 
     def touch(self, instance: FakeInstance, keep_alive: float | None = None) -> None:
         self.touched.append((instance.name, keep_alive))
+        instance.last_used = self.clock.seconds()
+        instance.served += 1
+        if keep_alive is not None:
+            instance.keep_alive = keep_alive
 
-    def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Any:
-        from twisted.internet.defer import succeed
+    def stop_instance(self, instance: FakeInstance, reason: str = "requested") -> Deferred[Any]:
+        """
+        As the real one, with a child that exits at once: it leaves the
+        table, and the result fires with a clean L{ExitStatus}.
+        """
+        from blazar.engines.process import ExitStatus
 
-        instance.state = "stopping"
-        self.instances.pop(instance.name, None)
-        return succeed(None)
+        if self.table.get(instance.name) is instance:
+            del self.table[instance.name]
+        if instance.state != InstanceState.DEAD:
+            self.stopped.append((instance.name, reason))
+        instance.state = InstanceState.DEAD
+        instance.alive = False
+        return succeed(ExitStatus(0, None))
+
+    def kill_instance(self, instance: FakeInstance, reason: str) -> Deferred[Any]:
+        return self.stop_instance(instance, reason)
+
+    async def probe_health(self, instance: FakeInstance) -> bool:
+        """
+        As the real one: L{True} if the child answers, L{False} for an
+        exited one, and for a silent one after 3 s on the clock; a caller
+        cancelled meanwhile gets L{CancelledError}, never L{False}.
+        """
+        if instance.state == InstanceState.DEAD or not instance.alive:
+            return False
+        if instance.answers_health:
+            return True
+        silence: Deferred[bool] = Deferred()
+        timer = self.clock.callLater(3.0, silence.callback, False)
+        try:
+            return await silence
+        finally:
+            if timer.active():
+                timer.cancel()
 
     def exited(self, instance: FakeInstance) -> bool:
         """
@@ -450,26 +388,96 @@ class FakeSupervisor:
         from then on and leaves the table, so the next request gets a fresh
         instance.
         """
-        if instance.state == "dead":
+        if instance.state == InstanceState.DEAD:
             return True
         if instance.alive:
             return False
-        if instance.state == "ready":
-            instance.state = "dead"
-            if self.instances.get(instance.name) is instance:
-                del self.instances[instance.name]
+        if instance.state == InstanceState.READY:
+            instance.state = InstanceState.DEAD
+            if self.table.get(instance.name) is instance:
+                del self.table[instance.name]
         return True
 
-    async def explain_failure(self, instance: FakeInstance, error: BaseException) -> Exception:
+    async def explain_failure(self, instance: FakeInstance, error: BaseException) -> EngineError:
         """
         As the real one when the child has exited: the instance is dead and
         leaves the table.
         """
         from blazar.engines.supervisor import EngineCrashed
 
-        instance.state = "dead"
-        self.instances.pop(instance.name, None)
+        instance.state = InstanceState.DEAD
+        instance.alive = False
+        if self.table.get(instance.name) is instance:
+            del self.table[instance.name]
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
+
+    def breaker(self, name: str) -> Breaker:
+        found = self.breakers.get(name)
+        if found is None:
+            found = self.breakers[name] = Breaker(3, 60.0, 10.0, 300.0)
+        return found
+
+    def reset_breakers(self, name: str | None = None) -> list[str]:
+        names = [name] if name is not None else list(self.breakers)
+        for n in names:
+            if n in self.breakers:
+                self.breakers[n].reset()
+        return [n for n in names if n in self.breakers]
+
+    def evict(self, key: str) -> list[FakeInstance]:
+        from blazar.engines.supervisor import evicted_name
+        from blazar.names import name_key
+
+        wanted = evicted_name(key)
+        chosen = [i for i in self.instances() if wanted is not None and name_key(i.name) == wanted]
+        for instance in chosen:
+            self.stop_instance(instance, "evicted")
+        return chosen
+
+    def estimate(self, entry: ModelEntry, meta: Any) -> int:
+        from blazar.engines.supervisor import estimate_bytes
+
+        return estimate_bytes(entry, meta)
+
+    def reconfigure(self, config: Any) -> None:
+        self._config = config
+        self.ctx_policy = config.ctx_policy
+
+
+@implementer(IEngineClient)
+class FakeEngineClient:
+    """
+    An L{IEngineClient} over an in-memory HTTP client such as
+    C{treq.testing.StubTreq(fake_engine_app().resource())}, so the proxy
+    code runs unchanged against a fake engine.
+
+    @ivar sent: C{(method, url)} of every request.
+    """
+
+    def __init__(self, http: Any) -> None:
+        self._http = http
+        self.sent: list[tuple[str, str]] = []
+        self.closed = False
+
+    async def get_status(self, url: str, timeout: float = 2.0) -> int:
+        return (await self.get(url, {}, timeout, max_bytes=1 << 16))[0]
+
+    async def get(
+        self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0, max_bytes: int = 1 << 20,
+    ) -> tuple[int, bytes]:
+        self.sent.append(("GET", url))
+        response = await self._http.request("GET", url, headers=headers)
+        body = await response.content()
+        return int(response.code), bytes(body[:max_bytes])
+
+    async def request(
+        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+    ) -> Any:
+        self.sent.append((method, url))
+        return await self._http.request(method, url, data=body, headers=headers, unbuffered=True)
+
+    async def close(self) -> None:
+        self.closed = True
 
 
 def forced_tool_call_request(
@@ -492,6 +500,8 @@ def forced_tool_call_request(
     model then writes several parsed calls until C{max_tokens}
     (C{finish_reason: "length"}).
     """
+    from blazar.models.testmodel import vocabulary
+
     ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
     bias = {
         ids["<tool_call>"]: 100, ids["\n"]: 100,

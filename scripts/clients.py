@@ -370,7 +370,7 @@ class Daemon:
     """
 
     def __init__(self, root: Path, engine: str, keys: dict[str, str], tool_tokens: bool = False) -> None:
-        from blazar.testing import make_test_model, vocabulary
+        from blazar.models.testmodel import make_test_model, vocabulary
 
         self.root = root
         self.port = free_port()
@@ -654,7 +654,7 @@ def main() -> int:
     passed = bool(rows) and all(r["passed"] for r in rows) and len(rows) == 2 * len(agents)
     result = {
         "when": stamp, "passed": passed, "blazar": source(), "machine": machine(), "engine": engine,
-        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.testing)",
+        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.models.testmodel)",
                   "engine_logit_bias": daemon.logit_bias},
         "keys": "on", "runs": rows,
     }

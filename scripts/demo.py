@@ -48,7 +48,7 @@ def main() -> int:
     p.add_argument("--engine", help="llama-server binary (default: search as the daemon does)")
     args = p.parse_args()
 
-    from blazar.testing import make_test_model
+    from blazar.models.testmodel import make_test_model
 
     with tempfile.TemporaryDirectory(prefix="blazar-demo-") as tmp:
         root = Path(tmp)

@@ -233,7 +233,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     def setUp(self) -> None:
         from blazar.protocols.control import LogRing
         from blazar.service import assemble
-        from blazar.testing import make_test_model
+        from blazar.models.testmodel import make_test_model
 
         self.root = Path(self.mktemp()).absolute()
         make_test_model(self.root / "models" / "m.gguf")

@@ -18,7 +18,7 @@ from twisted.web._newclient import (
 from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
-from zope.interface import implementer
+from zope.interface import Interface, implementer
 
 from blazar.httpbody import read_body
 
@@ -195,6 +195,46 @@ class _BytesProducer:
         pass
 
 
+class IEngineClient(Interface):
+    """
+    HTTP requests from the gateway to its engine children on 127.0.0.1.
+    """
+
+    async def get_status(url: str, timeout: float = 2.0) -> int:
+        """
+        GET C{url}, discard the body, return the status code.
+
+        @raise Exception: Connection errors, or a cancellation after
+            C{timeout} seconds.
+        """
+
+    async def get(
+        url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0, max_bytes: int = 1 << 20,
+    ) -> tuple[int, bytes]:
+        """
+        GET C{url} (a child's C{/health}, C{/metrics}): its status and body
+        (at most C{max_bytes}).
+        """
+
+    async def request(
+        method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+    ) -> IResponse:
+        """
+        Send one request; return as soon as the response headers arrive
+        (the caller reads or discards the body). C{stream}: the child
+        streams its answer (a connection of its own).
+
+        @raise NotDelivered: The child cannot have taken it.
+        @raise StaleConnection: A kept connection failed at once.
+        """
+
+    async def close() -> None:
+        """
+        Drop every cached connection (on daemon stop).
+        """
+
+
+@implementer(IEngineClient)
 class EngineClient:
     """
     Requests to children on 127.0.0.1.

@@ -30,6 +30,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
+from blazar.engines.supervisor import InstanceState
 from blazar.metrics import Metrics, gauge
 
 log = Logger()
@@ -147,7 +148,7 @@ class EngineHints(Service):
         One round: every ready child, one after the other. Never raises.
         """
         for instance in self._instances():
-            if instance.state != "ready":
+            if instance.state != InstanceState.READY:
                 continue
             name = instance.entry.name
             hint = self.hints.setdefault(name, EngineHint())

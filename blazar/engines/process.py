@@ -78,6 +78,19 @@ def process_alive(pid: int | None) -> bool:
     return state not in (b"Z", b"X", b"x")
 
 
+def thd_rss(pid: int) -> int | None:
+    """
+    Resident memory of process C{pid} in bytes, or L{None} (gone, or not
+    readable). Blocking: call in a thread pool.
+    """
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except (psutil.Error, OSError):
+        return None
+
+
 def sanitize_line(line: str) -> str:
     """
     A line of engine output as a client may see it: printable, at most 300

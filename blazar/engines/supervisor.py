@@ -2,20 +2,27 @@
 The supervisor: one llama-server child per loaded model, started on first
 use, watched, and stopped with the daemon.
 
-States of an L{Instance}: C{starting} (spawned, waiting for C{/health} 200),
-C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited: reported by the
-reactor, or found by a request, L{Supervisor.exited}). A dead instance
-leaves the table at once, so the next request spawns a fresh child.
+States of an L{Instance} (L{InstanceState}): C{starting} (spawned, waiting
+for C{/health} 200), C{ready}, C{stopping} (SIGTERM sent), C{dead} (exited:
+reported by the reactor, or found by a request, L{Supervisor.exited}). A
+dead instance leaves the table at once, so the next request spawns a fresh
+child.
+
+The seams: L{ISupervisor} and L{IInstance} are what the rest of Blazar may
+use (L{blazar.testing.FakeSupervisor} provides them too, checked by one
+shared contract test); readers that only look (C{/api/ps}, the metrics)
+take L{Supervisor.snapshot}'s frozen L{InstanceView}s.
 """
 
 from __future__ import annotations
 
+import enum
 import os
 import secrets
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 import attrs
 from twisted.application.service import Service
@@ -32,12 +39,13 @@ from twisted.internet.task import LoopingCall, deferLater
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
+from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
 from blazar.metrics import Metrics, gauge, label_reason
-from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive
+from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
 
@@ -92,6 +100,19 @@ class BreakerOpen(EngineError):
     def __init__(self, model: str, message: str, retry_after: float) -> None:
         super().__init__(model, message)
         self.retry_after = retry_after
+
+
+class InstanceState(enum.StrEnum):
+    """
+    Where an engine child is in its life. A C{str}: it compares equal to
+    its value (C{InstanceState.READY == "ready"}) and renders as it in
+    JSON, AMP and logs.
+    """
+
+    STARTING = "starting"  # spawned, waiting for /health 200
+    READY = "ready"
+    STOPPING = "stopping"  # SIGTERM sent
+    DEAD = "dead"  # exited (reported, or found by a request)
 
 
 @attrs.define
@@ -248,6 +269,253 @@ class _Grow:
                 d.callback(error)
 
 
+class IInstance(Interface):
+    """
+    One engine child, as the supervisor hands it to the request path.
+    """
+
+    entry = Attribute("The L{ModelEntry} it serves (C{entry.name}: the canonical name).")
+    port = Attribute("Its TCP port on 127.0.0.1.")
+    pid = Attribute("Its process id (L{None} before the spawn).")
+    api_key = Attribute("The per-child secret it demands as a bearer token.")
+    base_url = Attribute("C{http://127.0.0.1:<port>}.")
+    auth_headers = Attribute("Headers that carry C{api_key}: C{{b'authorization': [b'Bearer ...']}}.")
+    state = Attribute("An L{InstanceState}.")
+    in_flight = Attribute("Requests sent to it and not finished (the request path counts them).")
+    ctx = Attribute("Tokens of context per slot it was started with (0: not known).")
+    started_at = Attribute("When it was spawned, supervisor clock seconds.")
+    ready_at = Attribute("When it answered C{/health} 200, supervisor clock seconds, or L{None}.")
+    last_used = Attribute("Its last use (L{ISupervisor.touch}), supervisor clock seconds.")
+    keep_alive = Attribute("Seconds of idle life a request asked for (negative: forever), or L{None}.")
+    served = Attribute("Requests it has served.")
+    protocol = Attribute(
+        "Its L{EngineProcessProtocol}: C{status} (L{ExitStatus} once ended), C{when_ended()}, C{error_line()}."
+    )
+
+    def expires_at() -> float | None:
+        """
+        When it becomes idle-evictable (supervisor clock seconds), L{None}
+        if kept loaded forever.
+        """
+
+    def wait_ready() -> Deferred[Any]:
+        """
+        Fires with the instance once ready, or fails with
+        L{EngineStartFailed}; cancelling it stops only this wait.
+        """
+
+
+class ISupervisor(Interface):
+    """
+    Starts, tracks and stops engine children: what the request path, the
+    control socket and the metrics use.
+    """
+
+    ctx_policy = Attribute('C{"grow"} or C{"fit"} (the config\'s C{ctx_policy}).')
+
+    async def instance_for(name: str, ctx_size: int | None = None) -> IInstance:
+        """
+        A ready L{IInstance} for the model a client named, started if need be.
+
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        @raise EngineError: It could not be started (L{EngineStartFailed},
+            L{NoCapacity}, L{BreakerOpen}).
+        """
+
+    async def context_for(name: str, ctx_size: int) -> ContextPlan:
+        """
+        The context per slot a request asking for C{ctx_size} tokens runs with.
+        """
+
+    def loaded(name: str) -> IInstance | None:
+        """
+        The live L{IInstance} for canonical model C{name}, or L{None}.
+        """
+
+    def instances() -> Sequence[IInstance]:
+        """
+        Every live L{IInstance} (starting, ready or stopping), oldest first.
+        """
+
+    def snapshot() -> list[InstanceView]:
+        """
+        A read-only L{InstanceView} of each live instance, oldest first
+        (C{rss} not measured: no I/O).
+        """
+
+    async def measured_snapshot() -> list[InstanceView]:
+        """
+        L{snapshot}, with each child's resident memory read in the thread
+        pool.
+        """
+
+    def touch(instance: Any, keep_alive: float | None = None) -> None:
+        """
+        Record a use of C{instance}; C{keep_alive} (seconds, negative for
+        forever) replaces its idle time when given.
+        """
+
+    def stop_instance(instance: Any, reason: str = "requested") -> Deferred[Any]:
+        """
+        SIGTERM it (SIGKILL after C{stop_grace}); it leaves the table at
+        once; fires with its L{ExitStatus} once it has exited.
+        """
+
+    def kill_instance(instance: Any, reason: str) -> Deferred[Any]:
+        """
+        As L{stop_instance}, with SIGKILL at once (a wedged child).
+        """
+
+    async def probe_health(instance: Any) -> bool:
+        """
+        Whether its C{/health} answers 200 within 3 seconds.
+
+        @raise CancelledError: The caller was cancelled: never L{False}.
+        """
+
+    def exited(instance: Any) -> bool:
+        """
+        Whether its child has exited, reported or not; a ready one found
+        exited is dead from then on and leaves the table.
+        """
+
+    async def explain_failure(instance: Any, error: BaseException) -> EngineError:
+        """
+        An L{EngineCrashed} naming how the child ended, for a connection
+        to it that broke with C{error}.
+        """
+
+    def breaker(name: str) -> Breaker:
+        """
+        The crash breaker for canonical model C{name}.
+        """
+
+    def reset_breakers(name: str | None = None) -> list[str]:
+        """
+        Close the breakers of C{name}, or of every model; the models reset.
+        """
+
+    def evict(key: str) -> Sequence[IInstance]:
+        """
+        Stop the instances C{key} (C{name}, C{name#replica}, C{name@lane})
+        names; the instances being stopped.
+        """
+
+    def estimate(entry: ModelEntry, meta: GGUFMetadata) -> int:
+        """
+        Bytes a child for C{entry} needs (weights plus KV cache).
+        """
+
+    def reconfigure(config: Config) -> None:
+        """
+        Use C{config} from now on; running children are not touched.
+        """
+
+
+@attrs.frozen
+class InstanceView:
+    """
+    What one engine child looks like now, read-only: for C{/api/ps}, the
+    control socket's C{ps} and the metrics, which must not reach into the
+    supervisor's live objects.
+
+    @ivar entry: The model it serves.
+    @ivar name: The canonical model name (C{entry.name}).
+    @ivar state: Its L{InstanceState}.
+    @ivar pid: Its process id, if spawned.
+    @ivar port: Its TCP port on 127.0.0.1.
+    @ivar in_flight: Requests sent to it and not finished.
+    @ivar slots: Its slots (C{parallel}).
+    @ivar ctx: Tokens of context per slot (0: not known).
+    @ivar started_at: Spawned, supervisor clock seconds.
+    @ivar ready_at: Ready, supervisor clock seconds, or L{None}.
+    @ivar last_used: Last use, supervisor clock seconds.
+    @ivar expires_at: When it becomes idle-evictable (supervisor clock
+        seconds), L{None} if kept loaded forever.
+    @ivar served: Requests served.
+    @ivar breaker: Its model's crash breaker: C{closed}, C{half-open} or
+        C{open}.
+    @ivar rss: Resident memory in bytes, if measured
+        (L{ISupervisor.measured_snapshot}).
+    """
+
+    entry: ModelEntry
+    name: str
+    state: InstanceState
+    pid: int | None
+    port: int
+    in_flight: int
+    slots: int
+    ctx: int
+    started_at: float
+    ready_at: float | None
+    last_used: float
+    expires_at: float | None
+    served: int
+    breaker: str
+    rss: int | None = None
+
+    @property
+    def live(self) -> bool:
+        """
+        Starting or ready: not on its way out (what C{/api/ps} lists).
+        """
+        return self.state in (InstanceState.STARTING, InstanceState.READY)
+
+    @property
+    def busy(self) -> int:
+        """
+        Slots busy with requests now.
+        """
+        return min(self.in_flight, self.slots)
+
+
+def view_of(instance: Any, breaker: str) -> InstanceView:
+    """
+    The L{InstanceView} of an L{IInstance} whose model's breaker is in
+    state C{breaker}.
+    """
+    entry = instance.entry
+    return InstanceView(
+        entry=entry, name=entry.name, state=InstanceState(instance.state), pid=instance.pid,
+        port=instance.port, in_flight=instance.in_flight,
+        slots=entry.settings.parallel or DEFAULT_PARALLEL, ctx=instance.ctx,
+        started_at=instance.started_at, ready_at=instance.ready_at, last_used=instance.last_used,
+        expires_at=instance.expires_at(), served=instance.served, breaker=breaker,
+    )
+
+
+def estimate_bytes(entry: ModelEntry, meta: GGUFMetadata) -> int:
+    """
+    Bytes a child for C{entry} needs: the weights (file size) plus the
+    f16 KV cache for every slot,
+    2 x n_layer x n_ctx x n_head_kv x head_dim x 2 bytes.
+    """
+    parallel = entry.settings.parallel or DEFAULT_PARALLEL
+    n_ctx = context_per_slot(entry, meta) * parallel
+    return meta.size + _kv_bytes_per_token(meta) * n_ctx
+
+
+def evicted_name(key: str) -> str | None:
+    """
+    The model (as L{blazar.names.name_key}) an eviction key names:
+    C{name}, or C{name#replica} / C{name@lane} for one instance (Blazar
+    runs one instance per model today: replica C{0}, lane C{text});
+    L{None} if it names none.
+    """
+    from blazar.names import name_key
+
+    base, lane = (key.split("@", 1) + [""])[:2] if "@" in key else (key, "")
+    base, replica = (base.split("#", 1) + [""])[:2] if "#" in base else (base, "")
+    try:
+        wanted = name_key(base)
+    except ValueError:
+        return None
+    if replica not in ("", "0") or lane not in ("", "text"):
+        return None
+    return wanted
+
+
 def free_port() -> int:
     """
     A TCP port on 127.0.0.1 that is free right now.
@@ -269,6 +537,7 @@ def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+@implementer(IInstance)
 @attrs.define(eq=False)
 class Instance:
     """
@@ -283,7 +552,7 @@ class Instance:
     api_key: str
     protocol: EngineProcessProtocol
     pid: int | None = None
-    state: str = "starting"
+    state: InstanceState = InstanceState.STARTING
     started_at: float = 0.0
     in_flight: int = 0
     ready_once: bool = False
@@ -315,7 +584,7 @@ class Instance:
         L{EngineStartFailed}. Cancelling it stops only this wait, never the
         start other requests share.
         """
-        if self.state == "ready":
+        if self.state == InstanceState.READY:
             return succeed(self)
         if self._failure is not None:
             from twisted.internet.defer import fail
@@ -378,6 +647,7 @@ def _kv_bytes_per_token(meta: GGUFMetadata) -> int:
     return 2 * n_layer * n_head_kv * head_dim * 2
 
 
+@implementer(ISupervisor)
 @attrs.define(eq=False)
 class Supervisor(Service):
     """
@@ -426,9 +696,10 @@ class Supervisor(Service):
         Scrape-time gauges: C{blazar_instances_loaded{state}} and
         C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open).
         """
-        states = ("starting", "ready", "stopping")
+        states = (InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING)
+        views = self.snapshot()
         yield gauge("blazar_instances_loaded", "Engine children, by state", ["state"],
-                    [([st], sum(1 for i in self._all if i.state == st)) for st in states])
+                    [([st], sum(1 for v in views if v.state == st)) for st in states])
         value = {"closed": 0, "half-open": 1, "open": 2}
         yield gauge("blazar_breaker_state", "Crash breaker per model: 0 closed, 1 half-open, 2 open",
                     ["model"], [([n], value[b.state]) for n, b in sorted(self._breakers.items())])
@@ -456,7 +727,7 @@ class Supervisor(Service):
             for instance in list(self._all):
                 expires = instance.expires_at()
                 if (
-                    instance.state == "ready" and instance.in_flight == 0
+                    instance.state == InstanceState.READY and instance.in_flight == 0
                     and expires is not None and expires <= now
                 ):
                     self.stop_instance(instance, "idle")
@@ -514,6 +785,28 @@ class Supervisor(Service):
         Every live child (starting, ready or stopping), oldest first.
         """
         return sorted(self._all, key=lambda i: i.started_at)
+
+    def snapshot(self) -> list[InstanceView]:
+        """
+        A read-only L{InstanceView} of each live child, oldest first; no
+        I/O (C{rss} is L{None}: L{measured_snapshot} reads it).
+        """
+        return [view_of(i, self.breaker(i.entry.name).state) for i in self.instances()]
+
+    async def measured_snapshot(self) -> list[InstanceView]:
+        """
+        L{snapshot}, with each child's resident memory (C{rss}, bytes) read
+        from C{/proc} in the thread pool.
+        """
+        views = self.snapshot()
+        pool = self._reactor.getThreadPool()
+        measured = []
+        for view in views:
+            rss = None
+            if view.pid:
+                rss = await deferToThreadPool(self._reactor, pool, thd_rss, view.pid)
+            measured.append(attrs.evolve(view, rss=rss))
+        return measured
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> Instance:
         """
@@ -627,13 +920,13 @@ class Supervisor(Service):
         @raise NoCapacity: Still busy after C{drain_timeout_secs}; C{old}
             keeps serving.
         """
-        if old.state == "starting":
+        if old.state == InstanceState.STARTING:
             try:
                 await old.wait_ready()
             except Exception:
                 pass  # it failed to load: nothing to drain
         deadline = self._reactor.seconds() + self._config.drain_timeout
-        while old.in_flight and old.state == "ready":
+        while old.in_flight and old.state == InstanceState.READY:
             if self._reactor.seconds() >= deadline:
                 raise NoCapacity(entry.name, (
                     f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
@@ -644,9 +937,9 @@ class Supervisor(Service):
                 ))
             await deferLater(self._reactor, 0.1, lambda: None)
         grow.spawning = True
-        if old.state == "stopping":
+        if old.state == InstanceState.STOPPING:
             await old.protocol.when_ended()  # someone else stopped it: no second SIGTERM
-        elif old.state != "dead":
+        elif old.state != InstanceState.DEAD:
             await self.stop_instance(old, f"context {old.ctx} -> {grow.target} tokens per slot (num_ctx)")
         if self._shutting_down:
             raise EngineStartFailed(entry.name, f"Blazar is shutting down; {entry.name!r} was not restarted")
@@ -724,17 +1017,13 @@ class Supervisor(Service):
 
     def estimate(self, entry: ModelEntry, meta: GGUFMetadata) -> int:
         """
-        Bytes a child for C{entry} needs: the weights (file size) plus the
-        f16 KV cache for every slot,
-        2 x n_layer x n_ctx x n_head_kv x head_dim x 2 bytes.
+        Bytes a child for C{entry} needs: L{estimate_bytes}.
         """
-        parallel = entry.settings.parallel or DEFAULT_PARALLEL
-        n_ctx = context_per_slot(entry, meta) * parallel
-        return meta.size + _kv_bytes_per_token(meta) * n_ctx
+        return estimate_bytes(entry, meta)
 
     def _idle_lru(self) -> list[Instance]:
         return sorted(
-            (i for i in self._all if i.state == "ready" and i.in_flight == 0),
+            (i for i in self._all if i.state == InstanceState.READY and i.in_flight == 0),
             key=lambda i: i.last_used,
         )
 
@@ -750,7 +1039,7 @@ class Supervisor(Service):
         limit = self._config.max_loaded_models
         deadline = self._reactor.seconds() + self._config.drain_timeout
         while True:
-            live = [i for i in self._all if i.state in ("starting", "ready")]
+            live = [i for i in self._all if i.state in (InstanceState.STARTING, InstanceState.READY)]
             too_many = limit > 0 and len(live) >= limit
             free = await self._memory_free()
             too_big = free is not None and need > free
@@ -834,7 +1123,7 @@ class Supervisor(Service):
             if instance.protocol.status is not None:
                 break
             if status == 200:
-                instance.state = "ready"
+                instance.state = InstanceState.READY
                 log.info(
                     "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
                     model=instance.entry.name, engine="llamacpp", port=instance.port,
@@ -873,12 +1162,12 @@ class Supervisor(Service):
                 )
             ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
-        instance.state = "dead"
+        instance.state = InstanceState.DEAD
         self._all.discard(instance)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
         message = instance.describe_exit(status)
-        if was == "stopping":
+        if was == InstanceState.STOPPING:
             self.metrics.evictions.labels(instance.entry.name, label_reason(instance.stop_reason)).inc()
             log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
                      engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
@@ -888,7 +1177,7 @@ class Supervisor(Service):
             log.error("{message}", message=instance.describe_exit(status, full=True),
                       model=instance.entry.name, engine="llamacpp")
             detail = f"{status.describe()}; {instance.protocol.error_line()}"
-            if was == "dead":
+            if was == InstanceState.DEAD:
                 # a request found it exited first and counted the crash
                 self.breaker(instance.entry.name).last_error = detail
             else:
@@ -897,7 +1186,7 @@ class Supervisor(Service):
         if instance._failure is None and not instance.ready_once:
             # it never became ready (crashed, or stopped while loading):
             # every request waiting for it gets an answer
-            if was == "stopping":
+            if was == InstanceState.STOPPING:
                 message = (f"model {instance.entry.name!r} was unloaded while it was loading "
                            f"({instance.stop_reason}); send the request again")
             instance._settle(EngineStartFailed(instance.entry.name, message))
@@ -918,13 +1207,13 @@ class Supervisor(Service):
         that wants one), and its crash counts now, once, for the breaker;
         the report does the rest of the bookkeeping when it comes.
         """
-        if instance.state == "dead" or instance.protocol.status is not None:
+        if instance.state == InstanceState.DEAD or instance.protocol.status is not None:
             return True
         if self._process_alive(instance.pid):
             return False
-        if instance.state == "ready":
+        if instance.state == InstanceState.READY:
             name = instance.entry.name
-            instance.state = "dead"
+            instance.state = InstanceState.DEAD
             if self._instances.get(name) is instance:
                 del self._instances[name]
             self.metrics.crashes.labels(name).inc()
@@ -957,9 +1246,9 @@ class Supervisor(Service):
 
     def _terminate(self, instance: Instance) -> Deferred[ExitStatus]:
         ended = instance.protocol.when_ended()
-        if instance.protocol.status is not None or instance.state == "dead":
+        if instance.protocol.status is not None or instance.state == InstanceState.DEAD:
             return ended  # (dead: it exited, its exit not yet reported)
-        instance.state = "stopping"
+        instance.state = InstanceState.STOPPING
         transport = instance.transport
         try:
             transport.signalProcess("TERM")
@@ -1006,7 +1295,7 @@ class Supervisor(Service):
         """
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
-        if not instance.stop_reason and instance.state != "dead":
+        if not instance.stop_reason and instance.state != InstanceState.DEAD:
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
         return self._terminate(instance)
@@ -1017,27 +1306,38 @@ class Supervisor(Service):
 
         @raise CancelledError: The caller was cancelled (its client left):
             that says nothing about the child, so it is not a L{False}
-            (which would get a busy, healthy child killed as wedged).
+            (which would get a busy, healthy child killed as wedged),
+            whatever the probe fails with once cancelled (Twisted's HTTP
+            client reports it as C{ResponseNeverReceived([CancelledError])},
+            not as a bare C{CancelledError}).
         """
-        timer = None
-        timed_out = []
+        caller_left = False
+        probe: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
+
+        def leave(_: Deferred[int]) -> None:
+            nonlocal caller_left
+            caller_left = True
+            probe.cancel()
+
+        answer: Deferred[int] = Deferred(leave)
+
+        def relay(result: Any) -> None:
+            if not answer.called:
+                if isinstance(result, Failure):
+                    answer.errback(result)
+                else:
+                    answer.callback(result)
+
+        probe.addBoth(relay)
+        timer = self._reactor.callLater(3.0, probe.cancel)
         try:
-            d: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
-
-            def give_up() -> None:
-                timed_out.append(True)
-                d.cancel()
-
-            timer = self._reactor.callLater(3.0, give_up)
-            return await d == 200
-        except CancelledError:
-            if timed_out:
-                return False
-            raise
+            return await answer == 200
         except Exception:
-            return False
+            if caller_left:
+                raise CancelledError() from None
+            return False  # refused, reset, its own timeout or ours: not healthy
         finally:
-            if timer is not None and timer.active():
+            if timer.active():
                 timer.cancel()
 
     def kill_instance(self, instance: Instance, reason: str) -> Deferred[ExitStatus]:
@@ -1054,25 +1354,20 @@ class Supervisor(Service):
 
     def evict(self, key: str) -> list[Instance]:
         """
-        Stop the instances a key names: C{name} (every instance of that
-        model), or C{name#replica} / C{name@lane} for one instance (Blazar
-        runs one instance per model today: replica C{0}, lane C{text}).
+        Stop the instances a key names (L{evicted_name}): C{name} (every
+        instance of that model), or C{name#replica} / C{name@lane} for one
+        instance.
 
         @return: The instances being stopped.
         """
         from blazar.names import name_key
 
-        base, lane = (key.split("@", 1) + [""])[:2] if "@" in key else (key, "")
-        base, replica = (base.split("#", 1) + [""])[:2] if "#" in base else (base, "")
-        try:
-            wanted = name_key(base)
-        except ValueError:
-            return []
-        if replica not in ("", "0") or lane not in ("", "text"):
+        wanted = evicted_name(key)
+        if wanted is None:
             return []
         chosen = [
             i for i in self._all
-            if name_key(i.entry.name) == wanted and i.state not in ("stopping", "dead")
+            if name_key(i.entry.name) == wanted and i.state not in (InstanceState.STOPPING, InstanceState.DEAD)
         ]
         for instance in chosen:
             self.stop_instance(instance, "evicted")

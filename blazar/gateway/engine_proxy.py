@@ -22,7 +22,7 @@ from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lease import InstanceLease
-from blazar.engines.supervisor import EngineTimeout, Instance, Supervisor
+from blazar.engines.supervisor import EngineTimeout, Instance, InstanceState, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
@@ -428,7 +428,7 @@ class EngineProxy:
                 log.info("{model} had exited; sending the request to a fresh child", model=model)
                 raise _Retry()
             error = await self.supervisor.explain_failure(instance, e)
-            if undelivered and instance.state == "dead":  # its exit was reported meanwhile
+            if undelivered and instance.state == InstanceState.DEAD:  # its exit was reported meanwhile
                 log.info("{model} had exited; sending the request to a fresh child", model=model)
                 raise _Retry()
             raise error from None

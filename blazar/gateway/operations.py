@@ -26,7 +26,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from blazar.engines.supervisor import Supervisor
+from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.hub import HubName, PullError, parse_hub_name
 from blazar.models.registry import ModelRegistry
 
@@ -154,7 +154,7 @@ class ModelOperations:
         @raise NothingToEvict: Nothing matched.
         """
         if everything:
-            chosen = [i for i in self._supervisor.instances() if i.state != "stopping"]
+            chosen = [i for i in self._supervisor.instances() if i.state != InstanceState.STOPPING]
             for instance in chosen:
                 self._supervisor.stop_instance(instance, "evicted").addErrback(
                     self._stop_failed, instance.entry.name

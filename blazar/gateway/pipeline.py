@@ -32,6 +32,7 @@ from typing import Any, Callable
 from twisted.logger import Logger
 
 from blazar.engines.lease import InstanceLease
+from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.call import Call, CallKind, Counting
 from blazar.gateway.context import note_span, note_tokens, record_usage
@@ -199,6 +200,12 @@ class Pipeline:
         """
         return await self._scope(request, model)
 
+    def running(self) -> list[InstanceView]:
+        """
+        A read-only view of each live child (C{GET /api/ps}).
+        """
+        return self.supervisor.snapshot()  # type: ignore[no-any-return]
+
     def queues(self, show: Callable[[str, Any], bool]) -> dict[str, Any]:
         """
         The admission queues as C{GET /api/queue} shows them
@@ -331,7 +338,7 @@ class Pipeline:
         (a call for it will not wait for a load).
         """
         instance = self.supervisor.loaded(canonical)
-        return instance is not None and instance.state == "ready"
+        return instance is not None and instance.state == InstanceState.READY
 
     def _note_load(self, request: Any, instance: Any, started: float, loaded: float) -> None:
         ready_at = getattr(instance, "ready_at", None)

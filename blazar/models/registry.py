@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 import attrs
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
+from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
@@ -147,6 +148,69 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
     return found
 
 
+class IModelRegistry(Interface):
+    """
+    Names to models: what the request path, the surfaces and the control
+    socket ask about the models on disk and in the config.
+    """
+
+    models_dir = Attribute("Where model files live (and where aliases are written): a L{Path}.")
+
+    def reconfigure(config: Config) -> None:
+        """
+        Use C{config}'s models_dir and model tables from the next lookup on.
+        """
+
+    async def refresh() -> list[ModelEntry]:
+        """
+        Rescan; every model, sorted by name.
+        """
+
+    async def resolve(name: object) -> ModelEntry:
+        """
+        The model a client named (C{name} or C{name:tag}).
+
+        @raise ModelNotFound: No such model, even after a rescan.
+        """
+
+    async def metadata(entry: ModelEntry) -> GGUFMetadata:
+        """
+        The GGUF facts for C{entry}.
+
+        @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
+        """
+
+    async def digest(entry: ModelEntry) -> str:
+        """
+        C{sha256:<hex>} of the model's file (first shard).
+        """
+
+    async def copy(entry: ModelEntry, destination: str) -> str:
+        """
+        Make C{destination} another name for C{entry}; the new canonical name.
+
+        @raise ModelChangeError: Bad or taken name, or not written.
+        """
+
+    def check_removable(entry: ModelEntry) -> None:
+        """
+        @raise ModelChangeError: C{entry}'s file is not Blazar's to delete.
+        """
+
+    async def remove(entry: ModelEntry) -> None:
+        """
+        Delete C{entry}'s files (every shard).
+
+        @raise ModelChangeError: Not removable, or the unlink failed.
+        """
+
+    def forget() -> None:
+        """
+        Drop the cached listing so the next lookup rescans.
+        """
+
+
+@implementer(IModelRegistry)
 @attrs.define
 class ModelRegistry:
     """

@@ -117,7 +117,6 @@ class OllamaSurface:
         self._config = config
         self._registry = registry
         self._pipeline = pipeline
-        self._supervisor = pipeline.supervisor
         self._clock = clock
         self._now = wall_clock
 
@@ -412,26 +411,27 @@ class OllamaSurface:
     async def ps(self, request: IRequest) -> bytes:
         models = []
         offset = self._now() - self._clock.seconds()
-        allowed = set(visible(request, [i.entry.name for i in self._supervisor.instances()]))
-        for instance in self._supervisor.instances():
-            if instance.state not in ("starting", "ready") or instance.entry.name not in allowed:
+        views = self._pipeline.running()
+        allowed = set(visible(request, [view.name for view in views]))
+        for view in views:
+            if not view.live or view.name not in allowed:
                 continue
-            entry = instance.entry
+            entry = view.entry
             try:
                 meta = await self._registry.metadata(entry)
                 digest = await self._registry.digest(entry)
             except (GGUFError, OSError):
                 continue
-            expires = instance.expires_at()
+            expires = view.expires_at
             models.append({
                 "name": entry.name, "model": entry.name, "size": meta.size, "size_vram": 0,
                 "digest": digest.removeprefix("sha256:"), "details": details(meta),
                 # "forever" is shown far in the future, as Ollama does
                 "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
-                "context_length": instance.ctx or context_per_slot(entry, meta),
+                "context_length": view.ctx or context_per_slot(entry, meta),
                 # Blazar's: starting | ready | stopping, and the crash breaker
-                "state": instance.state,
-                "breaker": self._supervisor.breaker(entry.name).state,
+                "state": view.state,
+                "breaker": view.breaker,
             })
         return _json(request, {"models": models})
 

@@ -15,6 +15,7 @@ from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.hints import EngineHints, ScrapeError, parse_engine_metrics
+from blazar.engines.supervisor import InstanceState
 from blazar.metrics import Metrics
 
 
@@ -38,7 +39,7 @@ def page(prompt: float, cached: float, drafted: float = 0, accepted: float = 0) 
 class Child:
     name: str
     pid: int = 100
-    state: str = "ready"
+    state: InstanceState = InstanceState.READY
     base_url: str = "http://127.0.0.1:1"
 
     @property
@@ -123,7 +124,7 @@ class HintsTests(SynchronousTestCase):
         self.assertEqual(len([w for w in self.warnings if "engine /metrics" in w]), 2)
 
     def test_children_not_ready_are_skipped(self) -> None:
-        self.children[0].state = "starting"
+        self.children[0].state = InstanceState.STARTING
         self.tick()
         self.assertEqual(self.fetched, [])
 

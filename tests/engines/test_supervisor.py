@@ -2,6 +2,8 @@ from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.python.failure import Failure
+from twisted.web._newclient import ResponseNeverReceived
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
@@ -10,11 +12,13 @@ from blazar.engines.supervisor import (
     EngineCrashed,
     EngineStartFailed,
     Instance,
+    InstanceState,
     NoCapacity,
     Supervisor,
 )
 from blazar.models.registry import ModelRegistry
-from blazar.testing import fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import fake_process_reactor
 
 
 class SupervisorTests(SynchronousTestCase):
@@ -59,7 +63,7 @@ class SupervisorTests(SynchronousTestCase):
         self.reactor.advance(0.05)
         instances = [self.successResultOf(d) for d in waits]
         self.assertTrue(all(i is instances[0] for i in instances))
-        self.assertEqual(instances[0].state, "ready")
+        self.assertEqual(instances[0].state, InstanceState.READY)
         self.assertEqual(self.probes[-1], "http://127.0.0.1:5555/health")
         # a ready model is reused
         self.assertIs(self.successResultOf(self.instance_for("m:latest")), instances[0])
@@ -83,7 +87,7 @@ class SupervisorTests(SynchronousTestCase):
         self.reactor.advance(0)
         first = self.successResultOf(d)
         first.transport.exit(None, signal=9)
-        self.assertEqual(first.state, "dead")
+        self.assertEqual(first.state, InstanceState.DEAD)
         d = self.instance_for()
         self.reactor.advance(0)
         second = self.successResultOf(d)
@@ -256,7 +260,7 @@ class LifecycleTests(SynchronousTestCase):
         self.reactor.advance(20)
         instance = self.ready()  # a trial that works closes it
         self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")
-        self.assertEqual(instance.state, "ready")
+        self.assertEqual(instance.state, InstanceState.READY)
 
     def test_backoff_is_capped_and_reset_works(self) -> None:
         self.crash()
@@ -321,7 +325,7 @@ class CapacityTests(SynchronousTestCase):
         self.reactor.advance(0)
         b = self.successResultOf(d)
         self.assertEqual([i.entry.name for i in self.supervisor.instances()], ["b:latest"])
-        self.assertEqual(b.state, "ready")
+        self.assertEqual(b.state, InstanceState.READY)
 
     def test_busy_instances_drain_then_503(self) -> None:
         a = self.successResultOf(self.load("a"))
@@ -607,7 +611,7 @@ class ExitFoundByARequestTests(SynchronousTestCase):
     def test_a_live_child_has_not_exited(self) -> None:
         instance = self.ready()
         self.assertFalse(self.supervisor.exited(instance))
-        self.assertEqual(instance.state, "ready")
+        self.assertEqual(instance.state, InstanceState.READY)
         self.assertIs(self.supervisor.loaded("m:latest"), instance)
 
     def test_a_zombie_is_dead_at_once_and_one_fresh_child_serves_everyone(self) -> None:
@@ -615,7 +619,7 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         first.transport.die()
         self.assertTrue(self.supervisor.exited(first))
         self.assertTrue(self.supervisor.exited(first))  # asked again: counted once
-        self.assertEqual(first.state, "dead")
+        self.assertEqual(first.state, InstanceState.DEAD)
         self.assertIsNone(self.supervisor.loaded("m:latest"))
         waits = [ensureDeferred(self.supervisor.instance_for("m")) for _ in range(5)]
         self.reactor.advance(0)
@@ -673,7 +677,7 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         self.supervisor.stop_instance(instance, "idle")
         instance.transport.die()
         self.assertTrue(self.supervisor.exited(instance))
-        self.assertEqual(instance.state, "stopping")
+        self.assertEqual(instance.state, InstanceState.STOPPING)
         instance.transport.exit(0)
         self.assertIsNone(self.crashes())
 
@@ -696,7 +700,11 @@ class HealthProbeTests(SynchronousTestCase):
         self.pending: list[Deferred[int]] = []
 
         def probe(url: str) -> Deferred[int]:
-            d: Deferred[int] = Deferred()
+            def cancel(d: Deferred[int]) -> None:
+                # as Twisted's HTTP client reports a cancelled request
+                d.errback(ResponseNeverReceived([Failure(CancelledError())]))
+
+            d: Deferred[int] = Deferred(cancel)
             self.pending.append(d)
             return d
 
@@ -719,7 +727,24 @@ class HealthProbeTests(SynchronousTestCase):
         self.failureResultOf(d, CancelledError)
         self.assertEqual(self.reactor.getDelayedCalls(), [])  # the timeout timer is gone too
 
+    def test_a_probe_that_gives_up_on_its_own_is_unhealthy(self) -> None:
+        d = self.probe()
+        # the engine client's own timeout cancels its request
+        self.pending[0].errback(ResponseNeverReceived([Failure(CancelledError())]))
+        self.assertIs(self.successResultOf(d), False)
+
     def test_an_answer_in_time(self) -> None:
         d = self.probe()
         self.pending[0].callback(200)
         self.assertIs(self.successResultOf(d), True)
+
+
+class InstanceStateTests(SynchronousTestCase):
+    def test_a_string_in_comparisons_json_and_text(self) -> None:
+        import json
+
+        self.assertEqual(InstanceState.READY, "ready")
+        self.assertIn(InstanceState.STOPPING, ("starting", "stopping"))
+        self.assertEqual(json.dumps({"state": InstanceState.DEAD}), '{"state": "dead"}')
+        self.assertEqual(f"{InstanceState.STARTING}", "starting")
+        self.assertEqual(InstanceState("ready"), InstanceState.READY)

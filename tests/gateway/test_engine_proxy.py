@@ -90,7 +90,8 @@ class PreflightTests(SynchronousTestCase):
 
         from blazar.config import parse_config
         from blazar.models.registry import ModelRegistry
-        from blazar.testing import fake_process_reactor, make_test_model
+        from blazar.models.testmodel import make_test_model
+        from blazar.testing import fake_process_reactor
 
         root = Path(self.mktemp())
         make_test_model(root / "m.gguf")  # 2048 tokens per slot
@@ -310,7 +311,7 @@ class ChildExitedTests(SynchronousTestCase):
         from blazar.engines.supervisor import EngineCrashed
 
         def dies() -> Exception:
-            for instance in self.supervisor.instances.values():
+            for instance in self.supervisor.table.values():
                 instance.alive = False
             return self.reset()
 

@@ -18,7 +18,8 @@ from blazar.engines.supervisor import Supervisor
 from blazar.gateway.operations import ModelOperations, NothingToEvict, Pulled
 from blazar.models.hub import HubName, PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound, ModelRegistry
-from blazar.testing import FakeInstance, FakeSupervisor, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeInstance, FakeSupervisor, fake_process_reactor
 
 
 @attrs.define

@@ -22,7 +22,8 @@ from blazar.gateway.context import context_of
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.testing import FakeSupervisor, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.ollama import OllamaSurface

@@ -3,7 +3,7 @@ from typing import Iterator
 
 import pytest
 
-from blazar.testing import GeneratedModel, make_test_model
+from blazar.models.testmodel import GeneratedModel, make_test_model
 from tests.integration.harness import Daemon, engine_binary
 
 

@@ -17,7 +17,7 @@ from typing import Any, Iterator
 import attrs
 import pytest
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 

@@ -220,7 +220,7 @@ def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:
     import signal
     import time
 
-    from blazar.testing import vocabulary
+    from blazar.models.testmodel import vocabulary
 
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
     conn.request("POST", "/v1/messages", json.dumps({

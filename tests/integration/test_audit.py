@@ -10,7 +10,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from blazar.web.audit import AuditLog
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon

@@ -19,7 +19,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from blazar.testing import GeneratedModel, vocabulary
+from blazar.models.testmodel import GeneratedModel, vocabulary
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 from tests.integration.reliability import TALLY, tallied

@@ -26,7 +26,9 @@ from typing import Any, Iterator
 import openai
 import pytest
 
-from blazar.testing import GeneratedModel, forced_tool_call_request
+from blazar.models.testmodel import GeneratedModel
+
+from blazar.testing import forced_tool_call_request
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 

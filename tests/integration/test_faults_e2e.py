@@ -23,7 +23,7 @@ from typing import Any, Iterator
 import psutil
 import pytest
 
-from blazar.testing import make_test_model
+from blazar.models.testmodel import make_test_model
 from tests.integration.harness import Daemon
 from tests.integration.reliability import TALLY, tallied
 
@@ -111,7 +111,7 @@ def _no_end_of_turn() -> dict[str, int]:
     end-of-generation tokens (with only <|im_end|> held back, 40 of 40
     seeds ended early on </s>, some within ten tokens).
     """
-    from blazar.testing import vocabulary
+    from blazar.models.testmodel import vocabulary
 
     tokens = vocabulary()[0]
     return {str(tokens.index(t)): -100 for t in ("<|im_end|>", "</s>")}

@@ -26,7 +26,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from blazar.testing import make_test_model
+from blazar.models.testmodel import make_test_model
 from tests.integration.harness import Daemon
 from tests.integration.reliability import TALLY, tallied
 

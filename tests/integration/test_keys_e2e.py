@@ -18,7 +18,7 @@ from typing import Iterator
 
 import pytest
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 
@@ -136,7 +136,7 @@ def test_keys_rotate_rewrites_config(keyed: Daemon) -> None:
 
 
 def streaming_request(d: Daemon, secret: str) -> http.client.HTTPConnection:
-    from blazar.testing import vocabulary
+    from blazar.models.testmodel import vocabulary
 
     no_end = {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")}
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)

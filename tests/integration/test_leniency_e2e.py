@@ -20,8 +20,8 @@ from typing import Any, Iterator
 
 import pytest
 
-from blazar.testing import STRICT_CHAT_TEMPLATE, GeneratedModel, make_test_model
 from blazar.gateway import placement
+from blazar.models.testmodel import STRICT_CHAT_TEMPLATE, GeneratedModel, make_test_model
 from blazar.web.translate import anthropic, responses
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, free_port

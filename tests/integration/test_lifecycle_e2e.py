@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, alive
 

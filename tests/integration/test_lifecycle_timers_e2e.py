@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from blazar.testing import make_test_model
+from blazar.models.testmodel import make_test_model
 from tests.integration.harness import Daemon, alive
 
 HELLO = [{"role": "user", "content": "hi"}]

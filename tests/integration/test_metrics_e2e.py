@@ -21,7 +21,7 @@ from twisted.internet.task import Clock
 
 from blazar.engines.hints import EngineHints
 from blazar.metrics import Metrics
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 

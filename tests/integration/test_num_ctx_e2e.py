@@ -20,7 +20,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from blazar.testing import make_test_model, vocabulary
+from blazar.models.testmodel import make_test_model, vocabulary
 from tests.integration.harness import Daemon, alive
 
 HELLO = [{"role": "user", "content": "hi"}]

@@ -11,7 +11,9 @@ import json
 import ollama
 import pytest
 
-from blazar.testing import forced_tool_call_request, vocabulary
+from blazar.models.testmodel import vocabulary
+
+from blazar.testing import forced_tool_call_request
 from tests.integration.harness import Daemon
 
 HELLO = [{"role": "user", "content": "Say hello."}]

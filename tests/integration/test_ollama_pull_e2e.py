@@ -12,7 +12,7 @@ from typing import Iterator
 import ollama
 import pytest
 
-from blazar.testing import make_test_model
+from blazar.models.testmodel import make_test_model
 from tests.integration.fakehub import FakeHub
 from tests.integration.harness import Daemon
 

@@ -11,7 +11,7 @@ import json
 import threading
 import time
 
-from blazar.testing import make_test_model, vocabulary
+from blazar.models.testmodel import make_test_model, vocabulary
 from tests.integration.harness import Daemon
 
 HELLO = [{"role": "user", "content": "hi"}]

@@ -24,7 +24,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from blazar.testing import GeneratedModel, make_test_model
+from blazar.models.testmodel import GeneratedModel, make_test_model
 from tests.integration.fakehub import FakeHub
 from tests.integration.harness import Daemon
 

@@ -15,7 +15,9 @@ import jsonschema
 import openai
 import pytest
 
-from blazar.testing import GeneratedModel, forced_tool_call_request
+from blazar.models.testmodel import GeneratedModel
+
+from blazar.testing import forced_tool_call_request
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 
@@ -67,7 +69,7 @@ def ends_early(seed: int, push: int) -> dict[str, Any]:
     extra_body that makes the random model end its turn by itself after
     a few tokens (the SDK's get_final_response needs response.completed).
     """
-    from blazar.testing import vocabulary
+    from blazar.models.testmodel import vocabulary
 
     end = vocabulary()[0].index("<|im_end|>")
     return {"logit_bias": {str(end): push}, "seed": seed}

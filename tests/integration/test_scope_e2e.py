@@ -16,7 +16,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
 

@@ -21,7 +21,7 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceResponse,
 )
 
-from blazar.testing import GeneratedModel
+from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, free_port
 

@@ -5,7 +5,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
 from blazar.models.registry import ModelNotFound, ModelRegistry, thd_scan
-from blazar.testing import fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import fake_process_reactor
 
 
 def touch(path: Path) -> Path:

@@ -26,7 +26,8 @@ from blazar.protocols.control import (
     Status,
     Version,
 )
-from blazar.testing import fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import fake_process_reactor
 
 
 class ControlTests(SynchronousTestCase):

@@ -20,7 +20,8 @@ from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.gateway.admission import Admission, Lease
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface

@@ -40,7 +40,8 @@ from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound, ModelRegistry
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface

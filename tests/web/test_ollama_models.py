@@ -12,11 +12,13 @@ from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.engines.supervisor import InstanceState
 from blazar.config import parse_config
 from blazar.gateway.operations import ModelOperations
 from blazar.models.hub import HubName, PullError
 from blazar.models.registry import ModelRegistry
-from blazar.testing import FakeSupervisor, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.web.ollama import OllamaSurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
@@ -65,7 +67,7 @@ class OllamaModelsTests(SynchronousTestCase):
     def test_delete(self) -> None:
         instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
         self.assertEqual(self.call("DELETE", "/api/delete", {"model": "m"})[0], 200)
-        self.assertEqual(instance.state, "stopping")
+        self.assertEqual(instance.state, InstanceState.DEAD)  # stopped and exited before the files went, as a real child
         self.assertFalse((self.root / "m.gguf").exists())
         status, _, data = self.call("DELETE", "/api/delete", {"model": "m"})
         self.assertEqual((status, json.loads(data)), (404, {"error": 'model "m" not found, try pulling it first'}))

@@ -10,7 +10,8 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 
@@ -25,7 +26,7 @@ class StubEngineClient:
         if self.refuse:
             # the next requests' children have exited (unreported): they refuse
             self.refuse -= 1
-            for instance in self.supervisor.instances.values() if self.supervisor else ():
+            for instance in self.supervisor.table.values() if self.supervisor else ():
                 instance.alive = False
             raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
         return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
@@ -150,7 +151,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         for path in ("/health", "/healthz"):
             code, _, body = self.call("GET", path)
             self.assertEqual((code, json.loads(body)), (200, {"status": "ok"}))
-        self.assertEqual(self.supervisor.instances, {})
+        self.assertEqual(self.supervisor.table, {})
 
     def test_unknown_route_and_method(self) -> None:
         code, _, body = self.call("GET", "/v1/nothing")

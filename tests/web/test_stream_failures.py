@@ -22,7 +22,8 @@ from blazar.engines.llamacpp import EngineNotFound
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor, make_test_model
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -174,7 +175,7 @@ class StreamFailureTests(SynchronousTestCase):
             self.assertFailedInItsTerms(path, data, "internal error; see the daemon log")
             self.assertIn(b"Hel", data)
         self.assertEqual(len(self.flushLoggedErrors(Bug)), 3)
-        self.assertEqual(self.supervisor.instances["m:latest"].in_flight, 0)
+        self.assertEqual(self.supervisor.table["m:latest"].in_flight, 0)
 
     def test_ollama_streams_end_with_an_error_line(self) -> None:
         self.broken_relay()

@@ -1,0 +1,71 @@
+"""
+Every seam's real object and fake provide its zope interface in full
+(C{verifyObject}: every method and attribute, with compatible
+signatures). The supervisor's behaviour, fake and real, is checked by one
+shared contract: tests/engines/test_supervisor_contract.py.
+"""
+
+import json
+
+from treq.testing import StubTreq
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.testing import MemoryReactorClock
+from twisted.trial.unittest import SynchronousTestCase
+from zope.interface.verify import verifyClass, verifyObject
+
+from blazar.config import parse_config
+from blazar.engines.client import EngineClient, IEngineClient
+from blazar.engines.supervisor import IInstance, Instance, ISupervisor, Supervisor
+from blazar.models.registry import IModelRegistry, ModelRegistry
+from blazar.testing import (
+    FakeEngineClient,
+    FakeInstance,
+    FakeSupervisor,
+    fake_engine_app,
+    fake_process_reactor,
+)
+
+
+class InterfaceTests(SynchronousTestCase):
+    def test_engine_clients(self) -> None:
+        self.assertTrue(verifyObject(IEngineClient, EngineClient(MemoryReactorClock())))
+        self.assertTrue(verifyObject(IEngineClient, FakeEngineClient(StubTreq(fake_engine_app().resource()))))
+
+    def test_registry(self) -> None:
+        self.assertTrue(verifyObject(IModelRegistry, ModelRegistry(parse_config(""), fake_process_reactor())))
+
+    def test_supervisors_and_instances(self) -> None:
+        # the objects are verified in the contract tests; the classes here
+        self.assertTrue(verifyClass(ISupervisor, Supervisor))
+        self.assertTrue(verifyClass(ISupervisor, FakeSupervisor))
+        self.assertTrue(verifyClass(IInstance, Instance))
+        self.assertTrue(verifyClass(IInstance, FakeInstance))
+        self.assertTrue(verifyObject(IInstance, FakeInstance("m")))
+        self.assertTrue(verifyObject(ISupervisor, FakeSupervisor(["m:latest"])))
+
+
+class FakeEngineClientTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.app = fake_engine_app("m:latest")
+        self.http = StubTreq(self.app.resource())
+        self.client = FakeEngineClient(self.http)
+
+    def test_request_reaches_the_fake_engine(self) -> None:
+        body = json.dumps({"model": "m", "messages": []}).encode()
+        d = ensureDeferred(self.client.request(
+            "POST", "http://engine.invalid/v1/chat/completions", body, {b"content-type": [b"application/json"]},
+            stream=False,
+        ))
+        self.http.flush()
+        response = self.successResultOf(d)
+        self.assertEqual(response.code, 200)
+        content = self.successResultOf(response.content())
+        self.assertEqual(json.loads(content)["model"], "m:latest")
+        self.assertEqual(self.client.sent, [("POST", "http://engine.invalid/v1/chat/completions")])
+
+    def test_get_status(self) -> None:
+        d = ensureDeferred(self.client.get_status("http://engine.invalid/health"))
+        self.http.flush()
+        self.assertEqual(self.successResultOf(d), 404)  # the fake engine has no /health
+        self.successResultOf(ensureDeferred(self.client.close()))
+        self.assertTrue(self.client.closed)

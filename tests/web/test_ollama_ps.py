@@ -1,0 +1,57 @@
+"""
+C{GET /api/ps} reads the supervisor's read-only view
+(L{blazar.engines.supervisor.InstanceView}), here the fake's.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import parse_config
+from blazar.engines.supervisor import InstanceState
+from blazar.models.registry import ModelRegistry
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.web.ollama import OllamaSurface
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.pipeline import Pipeline
+
+
+class PsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        root = Path(self.mktemp()).absolute()
+        self.gguf = make_test_model(root / "m.gguf").path
+        make_test_model(root / "n.gguf", seed=1)
+        self.reactor = fake_process_reactor()
+        self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
+        registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
+        engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
+        proxy = Pipeline(EngineProxy(self.supervisor, engine, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, None)  # type: ignore[arg-type]
+        self.client = StubTreq(surface.app.resource())
+
+    def ps(self) -> list[dict[str, Any]]:
+        d = self.client.get("http://blazar/api/ps")
+        self.client.flush()
+        response = self.successResultOf(d)
+        self.assertEqual(response.code, 200)
+        return json.loads(self.successResultOf(response.content()))["models"]  # type: ignore[no-any-return]
+
+    def test_lists_live_instances_from_the_view(self) -> None:
+        self.assertEqual(self.ps(), [])
+        instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+        instance.path = self.gguf
+        self.reactor.advance(10)
+        self.supervisor.touch(instance, 60.0)
+        self.supervisor.breaker("m:latest").open_until = 99.0  # open
+        (row,) = self.ps()
+        self.assertEqual((row["name"], row["state"], row["breaker"]), ("m:latest", "ready", "open"))
+        self.assertEqual(row["context_length"], 2048)
+        # last use at 10 s + 60 s keep_alive, shown on the wall clock (1000 s now)
+        self.assertEqual(row["expires_at"], "1970-01-01T00:17:40.000000000Z")
+        instance.state = InstanceState.STOPPING
+        self.assertEqual(self.ps(), [])
