@@ -393,33 +393,28 @@ class ControlServer(amp.AMP):
     @Ps.responder
     def ps(self, offset: int | None = None) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
-            from twisted.internet.threads import deferToThreadPool
-
             start = offset or 0
             now = self._clock.seconds()
+            views = await self._supervisor.measured_snapshot()
             rows = []
-            for i in self._supervisor.instances()[start:start + PAGE]:
-                expires = i.expires_at()
+            for view in views[start:start + PAGE]:
                 try:
-                    estimate = self._supervisor.estimate(i.entry, await self._registry.metadata(i.entry))
+                    estimate = self._supervisor.estimate(view.entry, await self._registry.metadata(view.entry))
                 except Exception:
                     estimate = None
-                rss = None
-                if i.pid and hasattr(self._clock, "getThreadPool"):
-                    rss = await deferToThreadPool(self._clock, self._clock.getThreadPool(), thd_rss, i.pid)
-                hint = self._hints.for_model(i.entry.name) if self._hints is not None else None
+                hint = self._hints.for_model(view.name) if self._hints is not None else None
                 rows.append({
                     "cache_hit": hint.cache_hit if hint is not None else None,
                     "draft_acceptance": hint.draft_acceptance if hint is not None else None,
-                    "model": i.entry.name, "key": f"{i.entry.name}#0@text", "state": i.state,
-                    "pid": i.pid, "port": i.port, "slots": i.entry.settings.parallel or 4,
-                    "busy": i.in_flight, "ctx": i.ctx,
-                    "expires_in": None if expires is None else max(0.0, expires - now),
-                    "breaker": self._supervisor.breaker(i.entry.name).state,
-                    "served": i.served, "memory_estimate": estimate, "rss": rss,
+                    "model": view.name, "key": f"{view.name}#0@text", "state": view.state,
+                    "pid": view.pid, "port": view.port, "slots": view.slots,
+                    "busy": view.in_flight, "ctx": view.ctx,
+                    "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
+                    "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
+                    "rss": view.rss,
                 })
             result: dict[str, Any] = {"instances": rows}
-            if start + PAGE < len(self._supervisor.instances()):
+            if start + PAGE < len(views):
                 result["next_offset"] = start + PAGE
             return result
 
@@ -568,15 +563,3 @@ class ControlFactory(Factory):
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)
-
-
-def thd_rss(pid: int) -> int | None:
-    """
-    Resident memory of process C{pid} in bytes, or L{None}. Blocking.
-    """
-    import psutil
-
-    try:
-        return int(psutil.Process(pid).memory_info().rss)
-    except (psutil.Error, OSError):
-        return None
