@@ -12,6 +12,7 @@ from typing import Any, Awaitable, Callable
 import attrs
 
 from blazar.gateway.admission import WorkClass
+from blazar.models.registry import ModelEntry
 
 
 class CallKind(enum.Enum):
@@ -48,6 +49,8 @@ class Call:
         C{"ollama"} (log lines, C{x-blazar-ignored}).
     @ivar kind: The L{CallKind}.
     @ivar model: The model as the client spelled it.
+    @ivar entry: The model, resolved once by the scope step (L{None}
+        before it, or on a pipeline without a registry).
     @ivar path: The engine path (C{/v1/chat/completions}, C{/infill}, ...).
     @ivar body: The OpenAI-shaped body the engine gets; the pipeline's
         steps may change it (system-message placement, L{rewrite}).
@@ -89,6 +92,7 @@ class Call:
     counting: Counting = Counting.NEVER
     rewrite: Callable[[Call], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
+    entry: ModelEntry | None = None
 
     @property
     def embedding(self) -> bool:

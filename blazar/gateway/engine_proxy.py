@@ -23,7 +23,7 @@ from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import EngineTimeout, Instance, InstanceState, Supervisor
-from blazar.models.registry import ModelRegistry
+from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
 from blazar.gateway.context import note_span, timing_of
@@ -162,7 +162,7 @@ class EngineProxy:
 
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
-        count: Callable[[], Awaitable[int]], ctx_size: int | None = None,
+        count: Callable[[], Awaitable[int]], ctx_size: int | None = None, entry: ModelEntry | None = None,
     ) -> int | None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
@@ -176,12 +176,14 @@ class EngineProxy:
             supervisor plans for it (L{Supervisor.context_for}: grown
             under C{ctx_policy = "grow"}, within the trained context and
             free memory), and the levers say what held that below it.
+        @param entry: The model, if the caller resolved it already.
         @return: The prompt's token count if it had to be counted.
         @raise PromptTooLong: With both numbers and the levers.
         """
         if max_tokens is None or self._registry is None:
             return None
-        entry = await self._registry.resolve(model)
+        if entry is None:
+            entry = await self._registry.resolve(model)
         loaded = self.supervisor.loaded(entry.name)
         levers = (
             f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'

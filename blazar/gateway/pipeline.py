@@ -41,7 +41,7 @@ from blazar.gateway.errors import UnsupportedByModel
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
-from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
 
@@ -233,13 +233,13 @@ class Pipeline:
         counted = None
         if call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
-                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size,
+                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry,
             )
         ready = self.is_ready(canonical)
         if call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready):
             if counted is None:
                 counted = await self._count(call)
-        await self._admit(request, canonical, call.work)
+        await self._admit(request, canonical, call.work, call.entry)
         stop = call.on_send(not self.is_ready(canonical)) if call.on_send is not None else None
         started = self._clock.seconds()
         try:
@@ -261,8 +261,12 @@ class Pipeline:
         @return: The canonical model name.
         """
         note_ignored(request, call.surface, call.ignored)
-        canonical = await self._scope(request, call.model)
-        await self._purpose(call)
+        if self._registry is None:
+            canonical = await self._scope(request, call.model)
+        else:
+            call.entry = await resolve_in_scope(request, self._registry, call.model)
+            canonical = call.entry.name
+        self._purpose(call)
         if call.kind is CallKind.CHAT and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None
         return canonical
@@ -282,16 +286,16 @@ class Pipeline:
             return model
         return (await resolve_in_scope(request, self._registry, model)).name
 
-    async def _purpose(self, call: Call) -> None:
+    def _purpose(self, call: Call) -> None:
         """
         No chat on an embedding model, no embeddings on a chat model, before
         any child is started for it; the message is the config fix.
 
         @raise UnsupportedByModel: With the config fix.
         """
-        if self._registry is None:
+        entry = call.entry
+        if entry is None:
             return
-        entry = await self._registry.resolve(call.model)
         if call.embedding and not entry.settings.embedding:
             raise UnsupportedByModel(
                 f"model {call.model!r} is not an embedding model: set embedding = true under "
@@ -313,7 +317,7 @@ class Pipeline:
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
 
-    async def _admit(self, request: Any, canonical: str, work: WorkClass) -> None:
+    async def _admit(self, request: Any, canonical: str, work: WorkClass, entry: ModelEntry | None) -> None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
         slot is held until the response is finished or the client leaves.
@@ -324,12 +328,9 @@ class Pipeline:
         if self.admission is None:
             return
         loaded = self.supervisor.loaded(canonical)
-        if loaded is not None:
-            slots = loaded.entry.settings.parallel or DEFAULT_PARALLEL
-        elif self._registry is not None:
-            slots = (await self._registry.resolve(canonical)).settings.parallel or DEFAULT_PARALLEL
-        else:
-            slots = DEFAULT_PARALLEL
+        if loaded is not None:  # the running child's settings (a reload changes the next one's)
+            entry = loaded.entry
+        slots = (entry.settings.parallel if entry is not None else None) or DEFAULT_PARALLEL
         await admit_request(self.admission, request, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
