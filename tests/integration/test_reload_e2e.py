@@ -20,7 +20,7 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import pytest
 

@@ -7,7 +7,6 @@ long as before and the dropped spans are counted in /metrics.
 
 from __future__ import annotations
 
-import http.client
 import json
 import statistics
 import threading

@@ -6,7 +6,7 @@ spans and count them.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
