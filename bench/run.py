@@ -96,6 +96,7 @@ def wrk(
     cpu0 = sum(watch.cpu_times()[:2]) if watch else 0.0
     out = subprocess.run(
         ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--latency",
+         "--timeout", "30s",
          "-s", str(script), url],
         capture_output=True, text=True, check=True,
     ).stdout

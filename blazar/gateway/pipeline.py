@@ -198,7 +198,8 @@ class Pipeline:
 
         @raise ModelNotFound: No such model, or one the key may not use.
         """
-        return await self._scope(request, model)
+        entry = await self._scope(request, model)
+        return entry.name if entry is not None else model
 
     def running(self) -> list[InstanceView]:
         """
@@ -261,30 +262,29 @@ class Pipeline:
         @return: The canonical model name.
         """
         note_ignored(request, call.surface, call.ignored)
-        if self._registry is None:
-            canonical = await self._scope(request, call.model)
-        else:
-            call.entry = await resolve_in_scope(request, self._registry, call.model)
-            canonical = call.entry.name
+        call.entry = await self._scope(request, call.model)
+        canonical = call.entry.name if call.entry is not None else call.model
         self._purpose(call)
         if call.kind is CallKind.CHAT and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None
         return canonical
 
-    async def _scope(self, request: Any, model: str) -> str:
+    async def _scope(self, request: Any, model: str) -> ModelEntry | None:
         """
         The scope check (L{blazar.gateway.scope.resolve_in_scope}): for a
         scoped key, a model outside its scope is answered as one that does
         not exist.
 
+        @return: The model, resolved (L{None} on a pipeline without a
+            registry).
         @raise ModelNotFound: No such model, or one the key may not use.
         @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
         """
         if self._registry is None:
             if not may_use(request, model):
                 raise ModelNotFound(model, [])
-            return model
-        return (await resolve_in_scope(request, self._registry, model)).name
+            return None
+        return await resolve_in_scope(request, self._registry, model)
 
     def _purpose(self, call: Call) -> None:
         """

@@ -209,3 +209,19 @@ class Daemon:
                 p.kill()
             except psutil.NoSuchProcess:
                 pass
+
+
+def fake_engine(tmp_path: Path, script: str, pids: Path | None = None) -> Path:
+    """
+    An executable that runs the fake engine C{script} (a file next to this
+    module, e.g. C{fake_wedged_engine.py}) in place of llama-server, with
+    its arguments; with C{pids}, each start appends its pid there (C{exec}
+    keeps it, so each line is one child the daemon started).
+    """
+    import sys
+
+    shim = tmp_path / script.removesuffix(".py").replace("_", "-")
+    record = f"echo $$ >> {pids}\n" if pids is not None else ""
+    shim.write_text(f"#!/bin/sh\n{record}exec {sys.executable} {Path(__file__).with_name(script)} \"$@\"\n")
+    shim.chmod(0o755)
+    return shim

@@ -14,14 +14,13 @@ from __future__ import annotations
 import http.client
 import json
 import socket
-import sys
 import time
 from pathlib import Path
 
 import psutil
 
 from blazar.models.testmodel import make_test_model
-from tests.integration.harness import Daemon, alive
+from tests.integration.harness import Daemon, alive, fake_engine
 
 
 def chat(content: str) -> dict[str, object]:
@@ -30,11 +29,7 @@ def chat(content: str) -> dict[str, object]:
 
 def test_client_leaving_during_a_health_probe_does_not_kill_the_busy_child(tmp_path: Path) -> None:
     pids = tmp_path / "engine.pids"
-    fake = tmp_path / "busy-engine"
-    script = Path(__file__).with_name("fake_busy_engine.py")
-    # exec keeps the pid: each line of engine.pids is one child the daemon started
-    fake.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec {sys.executable} {script} \"$@\"\n")
-    fake.chmod(0o755)
+    fake = fake_engine(tmp_path, "fake_busy_engine.py", pids)
     make_test_model(tmp_path / "models" / "tiny.gguf")
     d = Daemon(tmp_path / "d", (
         f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'

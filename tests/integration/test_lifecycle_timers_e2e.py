@@ -13,7 +13,7 @@ from typing import Iterator
 import pytest
 
 from blazar.models.testmodel import make_test_model
-from tests.integration.harness import Daemon, alive
+from tests.integration.harness import Daemon, alive, fake_engine
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -194,12 +194,7 @@ def test_max_loaded_models_one_alternating(engine: str, tmp_path: Path) -> None:
 
 
 def test_wedged_child_is_evicted_retried_then_504(tmp_path: Path) -> None:
-    import sys
-
-    fake = tmp_path / "wedged-engine"
-    script = Path(__file__).with_name("fake_wedged_engine.py")
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    fake.chmod(0o755)
+    fake = fake_engine(tmp_path, "fake_wedged_engine.py")
     make_test_model(tmp_path / "models" / "tiny.gguf")
     d = Daemon(tmp_path / "d", (
         f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'

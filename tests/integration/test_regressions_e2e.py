@@ -5,14 +5,13 @@ Regressions found by attacking the Ollama and Anthropic surfaces.
 from __future__ import annotations
 
 import http.client
-import sys
 from pathlib import Path
 import json
 import threading
 import time
 
 from blazar.models.testmodel import make_test_model, vocabulary
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, fake_engine
 
 HELLO = [{"role": "user", "content": "hi"}]
 NO_END = {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")}
@@ -113,10 +112,7 @@ def test_kept_connection_closed_by_the_child_is_retried_on_a_fresh_one(tmp_path:
     closes just as it is reused is sent again on a fresh connection, and
     the client never sees it.
     """
-    fake = tmp_path / "closing-engine"
-    script = Path(__file__).with_name("fake_closing_engine.py")
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    fake.chmod(0o755)
+    fake = fake_engine(tmp_path, "fake_closing_engine.py")
     make_test_model(tmp_path / "models" / "tiny.gguf")
     d = Daemon(tmp_path / "d", f'models_dir = "{tmp_path / "models"}"\n[engines.llamacpp]\nbinary = "{fake}"\n')
     d.start()

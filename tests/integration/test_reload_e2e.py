@@ -26,7 +26,7 @@ import pytest
 
 from blazar.models.testmodel import GeneratedModel, make_test_model
 from tests.integration.fakehub import FakeHub
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, fake_engine
 
 KEY = "reload-secret-0123456789"
 HELLO = [{"role": "user", "content": "hi"}]
@@ -197,10 +197,7 @@ def test_hf_endpoint(live: Reloadable, hub: FakeHub) -> None:
 
 
 def test_child_header_timeout_and_engine_binary(live: Reloadable, tmp_path: Path) -> None:
-    fake = tmp_path / "wedged-engine"
-    script = Path(__file__).with_name("fake_wedged_engine.py")
-    fake.write_text(f"#!/bin/sh\nexec {sys.executable} {script} \"$@\"\n")
-    fake.chmod(0o755)
+    fake = fake_engine(tmp_path, "fake_wedged_engine.py")
     applied(
         live.reload("child_header_timeout_secs = 1\n", binary=str(fake)),
         "child_header_timeout_secs", "engines.llamacpp.binary",
