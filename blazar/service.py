@@ -378,9 +378,12 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     hub = HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN"))
     ConnectionPools(engines, hub).setServiceParent(top)
     metrics = Metrics()
+    # what `blazar logs` shows: the daemon's log events and every line the
+    # engines print (which reach the daemon's log only as warnings and errors)
+    ring = LogRing()
     supervisor = Supervisor(
         live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=thd_free_memory, metrics=metrics,
+        free_memory=thd_free_memory, metrics=metrics, engine_output=ring.engine_line,
     )
     supervisor.setServiceParent(top)
     operations = ModelOperations(registry, supervisor, hub, reactor)
@@ -447,7 +450,6 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
                 "audit_dropped": site.audit.dropped if site.audit is not None else 0,
             }
 
-        ring = LogRing()
         globalLogPublisher.addObserver(ring)
         control = strports.service(
             f"unix:{control_path}:mode=600:lockfile=1",

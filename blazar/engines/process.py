@@ -6,6 +6,7 @@ output, a tail kept for error messages, and its exit as a value.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -100,10 +101,29 @@ def sanitize_line(line: str) -> str:
     return strip_dirs(text).strip()[:300]
 
 
+def engine_level(line: str) -> str | None:
+    """
+    The level llama.cpp's log format gives a line (C{0.00.002.435 W srv  ...}:
+    C{"W"} for a warning, C{"E"} for an error), or L{None} for its info and
+    debug lines and for lines in no known format.
+    """
+    head = line[:24]
+    for level in ("E", "W"):
+        if f" {level} " in head:
+            return level
+    return None
+
+
 class EngineProcessProtocol(ProcessProtocol):
     """
-    Reads a child's stdout and stderr, logs each line tagged with the model,
-    keeps the last L{TAIL_LINES} lines, and fires L{ended} on exit.
+    Reads a child's stdout and stderr, keeps the last L{TAIL_LINES} lines,
+    hands every line to C{output} (the daemon's per-model ring, which
+    C{blazar logs MODEL} shows), and fires L{ended} on exit.
+
+    Only the lines the engine marks as warnings or errors become events of
+    the daemon's log: formatting every line as a log event (a llama-server
+    writes nine per request) was a third of the daemon's CPU. Without an
+    C{output} (a protocol made alone, in a test), every line is logged.
 
     Lines longer than L{MAX_LINE} bytes are cut, never treated as an error:
     closing an engine's pipes would kill it with SIGPIPE.
@@ -111,9 +131,15 @@ class EngineProcessProtocol(ProcessProtocol):
 
     log = Logger()
 
-    def __init__(self, model: str, engine: str = "llamacpp") -> None:
+    def __init__(
+        self, model: str, engine: str = "llamacpp", output: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """
+        @param output: Takes C{(model, line)} for every line of output.
+        """
         self.model = model
         self.engine = engine
+        self._output = output
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.status: ExitStatus | None = None
         self._partial = {1: b"", 2: b""}
@@ -139,7 +165,15 @@ class EngineProcessProtocol(ProcessProtocol):
         if not text:
             return
         self.tail.append(text)
-        self.log.info("{model} | {line}", model=self.model, engine=self.engine, line=text)
+        if self._output is None:
+            self.log.info("{model} | {line}", model=self.model, engine=self.engine, line=text)
+            return
+        self._output(self.model, f"{self.model} | {text}")
+        level = engine_level(text)
+        if level == "E":
+            self.log.error("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)
+        elif level == "W":
+            self.log.warn("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)
 
     def tail_text(self, lines: int = 8) -> str:
         """

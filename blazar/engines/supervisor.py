@@ -680,6 +680,7 @@ class Supervisor(Service):
     _process_alive: Callable[[int | None], bool] = process_alive
     _admission: Any = attrs.field(factory=DeferredLock)
     metrics: Metrics = attrs.field(factory=Metrics)
+    _engine_output: Callable[[str, str], None] | None = None
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -1076,7 +1077,7 @@ class Supervisor(Service):
         command = build_command(
             binary, entry, meta, port=port, api_key=api_key, config=self._config
         )
-        protocol = EngineProcessProtocol(entry.name)
+        protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
         now = self._reactor.seconds()
         self.metrics.loads.labels(entry.name).inc()
         instance = Instance(

@@ -165,12 +165,22 @@ class LogRing:
     def __call__(self, event: dict[str, Any]) -> None:
         from twisted.logger import formatEvent
 
+        if event.get("ring") is False:
+            return  # an engine line, which came in through engine_line already
         try:
             text = formatEvent(event)
         except Exception:
             return
         self.seq += 1
         self.lines.append((self.seq, event.get("model"), text))
+
+    def engine_line(self, model: str, text: str) -> None:
+        """
+        One line of an engine child's output, kept without being a log event
+        (L{blazar.engines.process.EngineProcessProtocol}).
+        """
+        self.seq += 1
+        self.lines.append((self.seq, model, text))
 
     def after(self, seq: int, model: str | None, budget: int = 60_000) -> tuple[list[str], int]:
         out: list[str] = []

@@ -37,3 +37,49 @@ class ErrorLineTests(SynchronousTestCase):
     def test_model_names_and_urls_are_left_alone(self) -> None:
         self.assertEqual(sanitize_line("pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health"),
                          "pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health")
+
+
+class OutputTests(SynchronousTestCase):
+    """
+    Engine output goes to the per-model ring, not through the daemon's log
+    (only warnings and errors are log events).
+    """
+
+    def test_every_line_to_the_ring_only_warnings_and_errors_logged(self) -> None:
+        from twisted.logger import globalLogPublisher
+
+        from blazar.protocols.control import LogRing
+
+        ring = LogRing()
+        events: list[dict[str, object]] = []
+        globalLogPublisher.addObserver(events.append)
+        globalLogPublisher.addObserver(ring)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, ring)
+        protocol = EngineProcessProtocol("m:latest", output=ring.engine_line)
+        protocol.childDataReceived(2, (
+            b"0.00.002.435 I srv  llama_server: initializing\n"
+            b"0.00.005.317 W srv  load_model: no chat template\n"
+            b"0.00.007.468 E srv  load_model: failed to load\nplain line\n"
+        ))
+        lines, _ = ring.after(0, "m:latest")
+        self.assertEqual(lines, [
+            "m:latest | 0.00.002.435 I srv  llama_server: initializing",
+            "m:latest | 0.00.005.317 W srv  load_model: no chat template",
+            "m:latest | 0.00.007.468 E srv  load_model: failed to load",
+            "m:latest | plain line",
+        ])  # each once: the logged warning and error are not added again
+        logged = [(e["log_level"].name, e["line"]) for e in events if e.get("model") == "m:latest"]
+        self.assertEqual(logged, [("warn", "0.00.005.317 W srv  load_model: no chat template"),
+                                  ("error", "0.00.007.468 E srv  load_model: failed to load")])
+        self.flushLoggedErrors()
+        self.assertEqual(len(protocol.tail), 4)  # the 502 bodies' tail has every line
+
+    def test_without_a_ring_every_line_is_logged(self) -> None:
+        from twisted.logger import globalLogPublisher
+
+        events: list[dict[str, object]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        EngineProcessProtocol("m").childDataReceived(1, b"0.00.002.435 I srv  hello\n")
+        self.assertEqual([e["line"] for e in events if e.get("model") == "m"], ["0.00.002.435 I srv  hello"])

@@ -101,6 +101,20 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def engine_log(self, model: str) -> str:
+        """
+        What C{blazar logs MODEL} prints: the model's engine output (which
+        the daemon's own log has only as warnings and errors).
+        """
+        import sys
+
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "blazar"), "logs", model, "-c", str(self.config)],
+            capture_output=True, text=True, timeout=60,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = 120.0,
         raw: bytes | None = None,

@@ -93,7 +93,7 @@ def test_stop_sequence_reply_counts_the_prompt(daemon: Daemon) -> None:
 
 
 def test_non_streaming_disconnect_frees_the_engine(daemon: Daemon) -> None:
-    before = daemon.log().count("cancel task")
+    before = daemon.engine_log("tiny").count("cancel task")
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
     conn.request("POST", "/api/chat", json.dumps({"model": "tiny", "messages": HELLO, "stream": False,
                                                   "options": {"num_predict": 1900, "logit_bias": NO_END}}),
@@ -101,7 +101,7 @@ def test_non_streaming_disconnect_frees_the_engine(daemon: Daemon) -> None:
     time.sleep(0.3)
     conn.sock.close()
     deadline = time.monotonic() + 5
-    while daemon.log().count("cancel task") == before:
+    while daemon.engine_log("tiny").count("cancel task") == before:
         assert time.monotonic() < deadline, "the engine kept generating for a client that left"
         time.sleep(0.1)
 
@@ -122,9 +122,30 @@ def test_kept_connection_closed_by_the_child_is_retried_on_a_fresh_one(tmp_path:
             assert status == 200, body
             assert body["choices"][0]["message"]["content"] == "ok"
         deadline = time.monotonic() + 5
-        while d.log().count("closed a kept connection under a request") < 4:
-            assert time.monotonic() < deadline, d.log()[-3000:]
+        while d.engine_log("tiny").count("closed a kept connection under a request") < 4:  # the fake's output
+            assert time.monotonic() < deadline, d.engine_log("tiny")[-3000:]
             time.sleep(0.05)
     finally:
         d.stop()
         d.kill_everything()
+
+
+def test_engine_output_is_in_its_log_not_the_daemons(daemon: Daemon) -> None:
+    """
+    Each line a llama-server prints goes to its model's ring (`blazar logs
+    MODEL`), not through the daemon's log as an event (issue 19): nine per
+    request were a third of the daemon's CPU. The daemon's log keeps its own
+    lines about the child (started, ready) and the engine's warnings.
+    """
+    status, _ = daemon.post_json("/api/chat", {"model": "tiny", "messages": HELLO, "stream": False,
+                                              "options": {"num_predict": 2}})
+    assert status == 200
+    deadline = time.monotonic() + 5
+    while "print_timing" not in daemon.engine_log("tiny"):  # llama-server's per-request info line
+        assert time.monotonic() < deadline, daemon.engine_log("tiny")[-2000:]
+        time.sleep(0.1)
+    own = daemon.log()
+    assert "print_timing" not in own and "load_model" not in own, own[-3000:]
+    assert "tiny:latest ready on port" in own
+    engine = daemon.engine_log("tiny")
+    assert "tiny:latest | " in engine and "load_model" in engine  # from its start on
