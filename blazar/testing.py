@@ -230,6 +230,7 @@ class FakeInstance:
     ready_at: float | None = 0.0
     last_used: float = 0.0
     keep_alive: float | None = None
+    unload_when_idle: str | None = None
     idle_timeout: float = 1800.0
     served: int = 0
     answers_health: bool = True
@@ -359,6 +360,16 @@ class FakeSupervisor:
         instance.state = InstanceState.DEAD
         instance.alive = False
         return succeed(ExitStatus(0, None))
+
+    def unload_when_idle(self, instance: FakeInstance, reason: str) -> Deferred[Any] | None:
+        """
+        As the real one: stopped now if idle, else marked for its last
+        request's lease to stop.
+        """
+        if instance.in_flight == 0:
+            return self.stop_instance(instance, reason)
+        instance.unload_when_idle = reason
+        return None
 
     def kill_instance(self, instance: FakeInstance, reason: str) -> Deferred[Any]:
         return self.stop_instance(instance, reason)

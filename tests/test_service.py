@@ -420,7 +420,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             from blazar.gateway.call import CallKind
 
             # an Ollama request without keep_alive gets the default, and ends
-            call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False, [])
+            call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
             InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
             return instance.keep_alive  # type: ignore[no-any-return]
 

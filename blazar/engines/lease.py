@@ -59,13 +59,18 @@ class InstanceLease:
         C{keep_alive} (seconds; L{None}: the model's default), and for a
         C{keep_alive} of 0 unload the child if no other request runs on it
         and C{others_waiting()} is false (a request waiting for a slot of
-        this model wants the child: the last one unloads it).
+        this model wants the child: the last one unloads it). A child marked
+        to unload when idle (L{Supervisor.unload_when_idle}) is stopped by
+        the last lease to end.
         """
         if not self._held:
             return
         self.release()
         instance = self.instance
         self._supervisor.touch(instance, keep_alive)
-        if keep_alive == 0 and instance.in_flight == 0 and not others_waiting():
-            d = self._supervisor.stop_instance(instance, "keep_alive 0")
+        if instance.in_flight != 0:
+            return
+        pending = getattr(instance, "unload_when_idle", None)
+        if pending is not None or (keep_alive == 0 and not others_waiting()):
+            d = self._supervisor.stop_instance(instance, pending or "keep_alive 0")
             d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))

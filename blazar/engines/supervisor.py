@@ -287,6 +287,9 @@ class IInstance(Interface):
     ready_at = Attribute("When it answered C{/health} 200, supervisor clock seconds, or L{None}.")
     last_used = Attribute("Its last use (L{ISupervisor.touch}), supervisor clock seconds.")
     keep_alive = Attribute("Seconds of idle life a request asked for (negative: forever), or L{None}.")
+    unload_when_idle = Attribute(
+        "Why it is to be stopped once no request runs on it (L{ISupervisor.unload_when_idle}), or L{None}."
+    )
     served = Attribute("Requests it has served.")
     protocol = Attribute(
         "Its L{EngineProcessProtocol}: C{status} (L{ExitStatus} once ended), C{when_ended()}, C{error_line()}."
@@ -359,6 +362,13 @@ class ISupervisor(Interface):
         """
         SIGTERM it (SIGKILL after C{stop_grace}); it leaves the table at
         once; fires with its L{ExitStatus} once it has exited.
+        """
+
+    def unload_when_idle(instance: Any, reason: str) -> Deferred[Any] | None:
+        """
+        Stop C{instance} now if no request runs on it (the result of
+        L{stop_instance}); else once the last one ends (its lease stops it;
+        L{None}). Ollama's unload: it never cuts a running answer.
         """
 
     def kill_instance(instance: Any, reason: str) -> Deferred[Any]:
@@ -567,6 +577,7 @@ class Instance:
     idle_timeout: float = 1800.0
     last_used: float = 0.0
     stop_reason: str = ""
+    unload_when_idle: str | None = None
     _waiters: list[Deferred[Instance]] = attrs.field(factory=list)
     _failure: BaseException | None = None
 
@@ -1286,6 +1297,19 @@ class Supervisor(Service):
         The live child for canonical model C{name}, if any.
         """
         return self._instances.get(name)
+
+    def unload_when_idle(self, instance: Instance, reason: str) -> Deferred[ExitStatus] | None:
+        """
+        Stop C{instance} now if no request runs on it; else mark it, and the
+        lease of the last request to end stops it (L{blazar.engines.lease}).
+        A running answer is never cut (Ollama's unload waits as well).
+        """
+        if instance.in_flight == 0:
+            return self.stop_instance(instance, reason)
+        instance.unload_when_idle = reason
+        log.info("{model}: unloading once its {n} running request(s) end ({reason})",
+                 model=instance.entry.name, n=instance.in_flight, reason=reason)
+        return None
 
     def stop_instance(self, instance: Instance, reason: str = "requested") -> Deferred[ExitStatus]:
         """

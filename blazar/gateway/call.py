@@ -65,7 +65,6 @@ class Call:
     @ivar max_tokens: The output limit the context preflight checks, or
         L{None} (no preflight).
     @ivar work: The L{WorkClass} admission queues it in.
-    @ivar ignored: Fields accepted but not honoured (C{x-blazar-ignored}).
     @ivar counting: Whether the surface needs the prompt's token count
         (L{Reply.prompt_tokens}).
     @ivar rewrite: A surface's step after placement and before the
@@ -88,7 +87,6 @@ class Call:
     ctx_size: int | None = None
     max_tokens: int | None = None
     work: WorkClass = WorkClass.INTERACTIVE
-    ignored: list[str] = attrs.Factory(list)
     counting: Counting = Counting.NEVER
     rewrite: Callable[[Call], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None

@@ -130,8 +130,10 @@ class ModelOperations:
 
     async def unload(self, name: str, reason: str = "unloaded") -> bool:
         """
-        Stop the model C{name}'s running engine, if it has one, and wait
-        for it to exit (Ollama's C{keep_alive: 0}).
+        Stop the model C{name}'s running engine, if it has one (Ollama's
+        C{keep_alive: 0} with no prompt): at once, waiting for it to exit,
+        if no request runs on it; else once the last one ends (a running
+        answer is never cut).
 
         @param reason: Why, for the log.
         @return: Whether an engine was running.
@@ -141,7 +143,9 @@ class ModelOperations:
         instance = self._supervisor.loaded(entry.name)
         if instance is None:
             return False
-        await self._supervisor.stop_instance(instance, reason)
+        stopping = self._supervisor.unload_when_idle(instance, reason)
+        if stopping is not None:
+            await stopping
         return True
 
     def evict(self, key: str | None = None, everything: bool = False) -> list[str]:

@@ -1,22 +1,25 @@
 """
 The one request path. Every surface decodes its JSON into a
-L{blazar.gateway.call.Call} and hands it here; what comes back is the
-engine's answer, which the surface encodes. The steps, in this order, for
-every surface:
+L{blazar.gateway.call.Call} (noting, as it decodes, what it accepts but
+does not honour: C{x-blazar-ignored}, so a request refused before it is a
+call still says so) and hands it here; what comes back is the engine's
+answer, which the surface encodes. The steps, in this order, for every
+surface:
 
- 1. what was ignored (C{x-blazar-ignored}, one log line per client);
- 2. scope: a model outside a scoped key's scope does not exist (and the
-    key's rate limits are checked: L{blazar.gateway.scope});
- 3. purpose: no chat on an embedding model, no embeddings on a chat model;
- 4. system-message placement for the model's chat template;
- 5. the surface's own rewrite, if any (L{Call.rewrite});
- 6. the body encoded, once;
- 7. the context preflight (prompt + output within a slot's context);
- 8. the prompt's token count, if the surface needs it;
- 9. admission (a slot of the model, by priority, class, deadline and key);
- 10. a lease on a ready child (loading one if needed), and the send;
- 11. the surface reads or relays the answer (L{Reply});
- 12. usage (metrics, the key's token limits) as the surface reports it,
+ 1. scope: a model outside a scoped key's scope does not exist (and the
+    key's rate limits are checked: L{blazar.gateway.scope}); the model is
+    resolved here, once;
+ 2. purpose: no chat on an embedding model, no embeddings on a chat model;
+ 3. system-message placement for the model's chat template;
+ 4. the surface's own rewrite, if any (L{Call.rewrite});
+ 5. the body encoded, once;
+ 6. the context preflight (prompt + output within a slot's context);
+ 7. admission (a slot of the model, by priority, class, deadline and key);
+ 8. the prompt's token count, if the surface needs it (after admission: no
+    engine call for a request still queued);
+ 9. a lease on a ready child (loading one if needed), and the send;
+ 10. the surface reads or relays the answer (L{Reply});
+ 11. usage (metrics, the key's token limits) as the surface reports it,
      and the lease's end (C{keep_alive}, unloading on 0).
 
 Adding a step (a session pin, a tool-call grammar, a cache lookup, remote
@@ -38,7 +41,6 @@ from blazar.gateway.call import Call, CallKind, Counting
 from blazar.gateway.context import note_span, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped
 from blazar.gateway.errors import UnsupportedByModel
-from blazar.gateway.ignored import note_ignored
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -166,7 +168,7 @@ class Pipeline:
     async def count(self, request: Any, call: Call) -> int:
         """
         The prompt tokens C{call} would report, counted by the child on the
-        same rendering (steps 1-5, then the count): C{count_tokens},
+        same rendering (steps 1-4, then the count): C{count_tokens},
         C{input_tokens}.
         """
         await self._check(request, call)
@@ -236,12 +238,14 @@ class Pipeline:
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry,
             )
+        await self._admit(request, canonical, call.work, call.entry)
+        # after admission: no engine call for a request still queued, and a
+        # model that loaded while it waited is found ready
         ready = self.is_ready(canonical)
         if call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready):
             if counted is None:
                 counted = await self._count(call)
-        await self._admit(request, canonical, call.work, call.entry)
-        stop = call.on_send(not self.is_ready(canonical)) if call.on_send is not None else None
+        stop = call.on_send(not ready) if call.on_send is not None else None
         started = self._clock.seconds()
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
@@ -257,11 +261,10 @@ class Pipeline:
 
     async def _check(self, request: Any, call: Call) -> str:
         """
-        Steps 1-4: ignored fields, scope, purpose, placement.
+        Steps 1-3: scope, purpose, placement.
 
         @return: The canonical model name.
         """
-        note_ignored(request, call.surface, call.ignored)
         call.entry = await self._scope(request, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
         self._purpose(call)

@@ -26,7 +26,7 @@ from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, StreamStopped, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
-from blazar.gateway.ignored import beta_values
+from blazar.gateway.ignored import beta_values, note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
@@ -72,6 +72,7 @@ class AnthropicSurface:
         body = read_json(request)
         ignored = leniency.screen("anthropic", body)
         engine_body, stops = tr.request_to_openai(body, counting=counting, ignored=ignored)
+        note_ignored(request, "anthropic", ignored + beta_values(request, HONOURED_BETAS))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream: must be a boolean", "stream")
@@ -83,7 +84,6 @@ class AnthropicSurface:
             "anthropic", CallKind.CHAT, body["model"], "/v1/chat/completions", engine_body, stream=True,
             keep_alive=keep_alive, max_tokens=max_tokens_of(engine_body),
             work=WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE,
-            ignored=ignored + beta_values(request, HONOURED_BETAS),
         )
         return call, body, stops
 
@@ -202,6 +202,8 @@ def render(request: IRequest, problem: Problem) -> bytes:
     """
     if problem.category in _STATUSES:
         request.setResponseCode(_STATUSES[problem.category])
+    elif problem.category is Category.INVALID and problem.status not in (400, 405, 413):
+        request.setResponseCode(400)  # Anthropic's one status for a request at fault (an engine's 404, 422, ...)
     kind = "request_too_large" if problem.status == 413 else _TYPES[problem.category]
     if problem.kind == "model_not_found":
         return error_body(kind, f"model: {problem.subject} ({problem.message})")  # Anthropic's wording

@@ -16,7 +16,7 @@ from werkzeug.exceptions import MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
 from blazar.gateway.context import note_error, trace_id_of
-from blazar.gateway.errors import Category, Problem, describe
+from blazar.gateway.errors import Category, EngineRejected, Problem, describe
 from blazar.gateway.quota import retry_after
 from blazar.gateway.scope import redact
 
@@ -83,7 +83,10 @@ def in_stream(
         return Problem(Category.INTERNAL, 500, "internal error; see the daemon log", code="internal_error")
     log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=str(error),
               trace_id=trace_id_of(request))
-    note_error(request, problem.kind or ("engine_error" if problem.status >= 500 else None))
+    # the status is the stream's 200: a kind is noted for every failure, or
+    # the metrics would not count it (an engine's own 4xx is an engine_error)
+    kind = problem.kind or ("engine_error" if isinstance(error, EngineRejected) else f"{problem.status // 100}xx")
+    note_error(request, kind)
     return _redacted(request, problem)
 
 

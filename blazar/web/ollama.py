@@ -24,6 +24,7 @@ from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
+from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible
 from blazar.gateway.operations import ModelOperations
@@ -199,7 +200,7 @@ class OllamaSurface:
 
     def _call(
         self, kind: CallKind, model: str, path: str, engine_body: dict[str, Any], body: dict[str, Any],
-        stream: bool, ignored: list[str], work: WorkClass = WorkClass.INTERACTIVE,
+        stream: bool, work: WorkClass = WorkClass.INTERACTIVE,
     ) -> Call:
         keep_alive = self._keep_alive(body)
         return Call(
@@ -208,7 +209,7 @@ class OllamaSurface:
             keep_alive=self._config().keep_alive if keep_alive is None else keep_alive,
             ctx_size=self._num_ctx(body),
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
-            work=work, ignored=ignored,
+            work=work,
         )
 
     # -- chat and generate -------------------------------------------------------
@@ -238,17 +239,17 @@ class OllamaSurface:
             line["load_duration"] = int(duration * 1e9)
         return _json(request, line)
 
-    def _lenient(self, surface: str, body: dict[str, Any]) -> list[str]:
+    def _lenient(self, request: IRequest, surface: str, body: dict[str, Any]) -> None:
         """
-        The leniency policy on an Ollama body: what is accepted but not
-        honoured (for C{x-blazar-ignored}); a field whose meaning would be
+        The leniency policy on an Ollama body: C{x-blazar-ignored} names
+        what is accepted but not honoured; a field whose meaning would be
         lost is a 400.
         """
-        return leniency.screen(surface, body) + tr.ignored_options(body.get("options"))
+        note_ignored(request, "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
 
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
-        ignored = self._lenient("ollama_chat" if kind == "chat" else "ollama_generate", body)
+        self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         model = self._model_field(body)
         stream = self._stream_flag(body)
         self._keep_alive(body)
@@ -261,7 +262,7 @@ class OllamaSurface:
         if empty:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
-            call = self._call(CallKind.CHAT, model, "", body, body, False, ignored)
+            call = self._call(CallKind.CHAT, model, "", body, body, False)
             return await self._load_or_unload(request, kind, call)
         if kind == "chat":
             path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)
@@ -273,7 +274,7 @@ class OllamaSurface:
                 else CallKind.CHAT if "messages" in engine_body else CallKind.COMPLETION
             )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
-        call = self._call(call_kind, model, path, engine_body, body, stream, ignored, work)
+        call = self._call(call_kind, model, path, engine_body, body, stream, work)
         async with self._pipeline.open(request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
@@ -327,10 +328,10 @@ class OllamaSurface:
     @app.route("/api/embed", methods=["POST"])
     async def embed(self, request: IRequest) -> bytes:
         body = self._body(request)
-        ignored = self._lenient("ollama_embed", body)
+        self._lenient(request, "ollama_embed", body)
         model = self._model_field(body)
         inputs = tr.embed_input(body)
-        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False, ignored)
+        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False)
         async with self._pipeline.open(request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
@@ -340,7 +341,7 @@ class OllamaSurface:
     @app.route("/api/embeddings", methods=["POST"])
     async def embeddings(self, request: IRequest) -> bytes:
         body = self._body(request)
-        ignored = self._lenient("ollama_embed", body)
+        self._lenient(request, "ollama_embed", body)
         model = self._model_field(body)
         self._keep_alive(body)
         prompt = body.get("prompt")
@@ -348,7 +349,7 @@ class OllamaSurface:
             raise OllamaError(400, "prompt must be a string")
         if prompt == "":
             return _json(request, {"embedding": []})
-        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False, ignored)
+        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False)
         async with self._pipeline.open(request, call) as reply:
             out = json.loads(await reply.read())
         return _json(request, {"embedding": out["data"][0]["embedding"]})

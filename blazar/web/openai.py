@@ -29,6 +29,7 @@ from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import resolve_in_scope, visible
 from blazar.models.registry import ModelRegistry
@@ -311,6 +312,7 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         ignored, changed = lenient(kind, body)
+        note_ignored(request, "openai", ignored)
         stream = bool(body.get("stream") or False) and kind != "embedding"
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
@@ -359,7 +361,7 @@ class OpenAISurface:
         call = Call(
             "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream,
             keep_alive=keep_alive, max_tokens=None if kind == "embedding" else max_tokens_of(body),
-            work=work, ignored=ignored, rewrite=rewrite, on_send=on_send,
+            work=work, rewrite=rewrite, on_send=on_send,
         )
         try:
             async with self._pipeline.open(request, call) as reply:

@@ -27,6 +27,7 @@ from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import NotFound
+from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.web.errors import in_stream
 from blazar.web.translate import responses as tr
@@ -118,6 +119,7 @@ class Responses:
         ignored: list[str] = []
         names = tr.ToolNames()
         chat = tr.request_to_chat(body, history, ignored, names)
+        note_ignored(request, "responses", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
@@ -125,7 +127,7 @@ class Responses:
         call = Call(
             "responses", CallKind.CHAT, body["model"], "/v1/chat/completions", chat, stream=True,
             keep_alive=keep_alive, max_tokens=max_tokens_of(chat),
-            work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE, ignored=ignored,
+            work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE,
         )
         return call, previous, names
 

@@ -96,6 +96,7 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
      "engine_error", "engine_not_found"),
     (GGUFError("m.gguf: truncated"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
     (EngineRejected(400, "bad grammar"), (400, 400), None, None, "invalid_request_error", None),
+    (EngineRejected(404, "no such slot"), (404, 400), None, None, "invalid_request_error", None),
     (EngineRejected(501, "no FIM tokens"), (400, 400), None, None, "invalid_request_error", None),
     (EngineRejected(500, "llama-server broke"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
     (Bug("secret internals"), (500, 500), None, None, "server_error", "internal_error"),

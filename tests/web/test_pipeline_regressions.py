@@ -1,0 +1,269 @@
+"""
+Regressions a review of the one-path refactor found (issue 18): each test
+states what a client (or the lease contract of blazar/engines/lease.py) expects.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.config import parse_config
+from blazar.engines.lease import InstanceLease
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
+from blazar.models.registry import ModelRegistry
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.web.anthropic import AnthropicSurface
+from blazar.web.ollama import OllamaSurface
+from blazar.web.openai import OpenAISurface
+from blazar.web.responses import Responses
+from blazar.web.root import SurfaceRouter
+from klein import Klein
+
+from .test_openai import StubEngineClient
+
+
+def failing_engine(status: int) -> Any:
+    """
+    An engine whose chat endpoint answers C{status} with llama-server's
+    error envelope.
+    """
+    app = Klein()
+
+    @app.route("/v1/chat/completions", methods=["POST"])
+    def chat(request: Any) -> bytes:
+        request.setResponseCode(status)
+        return json.dumps({"error": {"code": status, "message": "engine says no", "type": "x"}}).encode()
+
+    return app
+
+
+class ReviewFindingsTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.build(fake_engine_app("m:latest"))
+
+    def build(self, engine_app: Any) -> None:
+        root = Path(self.mktemp()).absolute()
+        make_test_model(root / "m.gguf")
+        reactor = fake_process_reactor()
+        config = parse_config(f'models_dir = "{root}"')
+        self.engine = StubTreq(engine_app.resource())
+        self.supervisor = FakeSupervisor(["m:latest"])
+        registry = ModelRegistry(config, reactor)
+        pipeline = Pipeline(
+            EngineProxy(self.supervisor, StubEngineClient(self.engine), reactor, registry),  # type: ignore[arg-type]
+            reactor, registry,
+        )
+        self.client = StubTreq(SurfaceRouter(
+            OpenAISurface(registry, pipeline, reactor, Responses(pipeline, lambda: config, reactor, None)).app.resource(),
+            OllamaSurface(registry, pipeline, reactor, lambda: 0.0,
+                          ModelOperations(registry, self.supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
+            AnthropicSurface(registry, pipeline, reactor).app.resource(),
+        ))
+        self.successResultOf(ensureDeferred(registry.refresh()))
+
+    def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
+        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
+        for _ in range(10):
+            self.client.flush()
+            self.engine.flush()
+        response = self.successResultOf(d)
+        return response.code, response.headers, self.successResultOf(response.content())
+
+    def test_ollama_keep_alive_0_unload_waits_for_a_running_request(self) -> None:
+        """
+        The lease module: "while it is held the child counts the request in
+        in_flight, so idle eviction, a keep_alive of 0 from another request
+        and a context grow wait for it". Ollama's unload (empty prompt,
+        keep_alive 0) stops the child under a request that holds a lease.
+        """
+        instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m:latest")))
+        lease = InstanceLease(self.supervisor, instance)  # another client's stream, still running
+        code, _, body = self.post("/api/generate", {"model": "m", "keep_alive": 0})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(self.supervisor.stopped, [], "the child was stopped under a running request")
+        lease.finish(0)
+
+    def test_ollama_empty_prompt_load_names_ignored_fields(self) -> None:
+        """
+        Before the refactor every Ollama request, the load with an empty
+        prompt included, named its ignored fields in x-blazar-ignored
+        (OllamaSurface._lenient called note_ignored first).
+        """
+        code, headers, body = self.post("/api/generate", {"model": "m", "options": {"num_gpu": 99}})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+
+    def test_ollama_empty_prompt_unload_names_ignored_fields(self) -> None:
+        code, headers, body = self.post("/api/chat", {"model": "m", "keep_alive": 0, "options": {"num_gpu": 99}})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+
+    def test_ollama_empty_embeddings_prompt_names_ignored_fields(self) -> None:
+        code, headers, body = self.post("/api/embeddings", {"model": "m", "prompt": "", "options": {"num_gpu": 99}})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+
+    def test_anthropic_engine_4xx_is_a_400(self) -> None:
+        """
+        Before the refactor the Anthropic surface answered any engine 4xx
+        as 400 invalid_request_error; now the engine's own status (here
+        404) leaks through as a not_found_error.
+        """
+        self.build(failing_engine(404))
+        code, _, body = self.post("/v1/messages", {
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+        })
+        self.assertEqual((code, json.loads(body)["error"]["type"]), (400, "invalid_request_error"), body)
+
+    def test_openai_refusal_before_the_pipeline_names_ignored_fields(self) -> None:
+        """
+        The old surface noted x-blazar-ignored right after the leniency
+        screen; now only the pipeline's first step does, so a request the
+        surface refuses itself (here a bad keep_alive) loses the header.
+        """
+        code, headers, body = self.post("/v1/chat/completions", {
+            "model": "m", "messages": [{"role": "user", "content": "hi"}],
+            "service_tier": "auto", "keep_alive": "soon",
+        })
+        self.assertEqual(code, 400, body)
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"service_tier"])
+
+
+class AnthropicAdmissionOrderTests(SynchronousTestCase):
+    """
+    The Anthropic stream's prompt count (Counting.IF_READY) is decided and
+    made before admission (Pipeline._start), the old surface did both after
+    it.
+    """
+
+    def setUp(self) -> None:
+        from blazar.gateway.admission import Admission
+
+        root = Path(self.mktemp()).absolute()
+        make_test_model(root / "m.gguf")
+        self.reactor = fake_process_reactor()
+        config = parse_config(f'models_dir = "{root}"\n[models."m"]\nparallel = 1\n')
+        engine = fake_engine_app("m:latest")
+        self.counted: list[bytes] = []
+
+        @engine.route("/v1/chat/completions/input_tokens", methods=["POST"])
+        def input_tokens(request: Any) -> bytes:
+            self.counted.append(request.content.read())
+            return b'{"input_tokens": 7}'
+
+        self.engine = StubTreq(engine.resource())
+        self.supervisor = FakeSupervisor(["m:latest"])
+        registry = ModelRegistry(config, self.reactor)
+        self.admission = Admission(self.reactor, lambda: config)
+        pipeline = Pipeline(EngineProxy(
+            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
+        ), self.reactor, registry, self.admission)
+        self.client = StubTreq(AnthropicSurface(registry, pipeline, self.reactor).app.resource())
+        self.successResultOf(ensureDeferred(registry.refresh()))
+
+    def pump(self) -> None:
+        for _ in range(20):
+            self.client.flush()
+            self.engine.flush()
+
+    def hold(self) -> Any:
+        queue = self.admission.queue("m:latest")
+        return self.successResultOf(queue.admit(queue.ticket(trace_id="holder"), 1))
+
+    def start(self) -> Any:
+        return self.client.request("POST", "http://blazar/v1/messages", data=json.dumps({
+            "model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}],
+        }).encode())
+
+    def test_message_start_counts_a_prompt_whose_model_loaded_while_it_queued(self) -> None:
+        held = self.hold()
+        d = self.start()
+        self.pump()
+        self.assertNoResult(d)  # queued behind the held slot; the model is not loaded
+        # another request loads the model meanwhile
+        self.successResultOf(ensureDeferred(self.supervisor.instance_for("m:latest")))
+        held.release()
+        self.pump()
+        body = self.successResultOf(self.successResultOf(d).content()).decode()
+        start = json.loads(body.split("\n\n")[0].split("data: ", 1)[1])
+        self.assertEqual(start["type"], "message_start")
+        # the old surface decided warm/cold after admission and counted then
+        self.assertEqual(start["message"]["usage"]["input_tokens"], 7, body)
+
+    def test_no_engine_call_before_admission(self) -> None:
+        self.successResultOf(ensureDeferred(self.supervisor.instance_for("m:latest")))
+        held = self.hold()
+        d = self.start()
+        self.pump()
+        self.assertNoResult(d)  # still queued
+        self.assertEqual(self.counted, [], "the engine was asked to count a prompt not yet admitted")
+        held.release()
+        self.pump()
+        self.successResultOf(d)
+
+
+class InStreamMetricsTests(SynchronousTestCase):
+    """
+    An engine's 4xx after a stream's headers went out (every Responses
+    stream sends its headers before the send; an Anthropic stream whose
+    model must load first) ends the stream with a 200 status, and
+    in_stream notes no kind for a 4xx problem: blazar_errors_total does
+    not count it at all (observe counts a None kind only for status >= 400).
+    The old surfaces noted "engine_error".
+    """
+
+    def setUp(self) -> None:
+        from tests.web.test_error_table import Capture
+
+        root = Path(self.mktemp()).absolute()
+        make_test_model(root / "m.gguf")
+        reactor = fake_process_reactor()
+        config = parse_config(f'models_dir = "{root}"')
+        self.engine = StubTreq(failing_engine(400).resource())
+        self.supervisor = FakeSupervisor(["m:latest"])
+        registry = ModelRegistry(config, reactor)
+        pipeline = Pipeline(
+            EngineProxy(self.supervisor, StubEngineClient(self.engine), reactor, registry),  # type: ignore[arg-type]
+            reactor, registry,
+        )
+        self.capture = Capture(SurfaceRouter(
+            OpenAISurface(registry, pipeline, reactor, Responses(pipeline, lambda: config, reactor, None)).app.resource(),
+            OllamaSurface(registry, pipeline, reactor, lambda: 0.0,
+                          ModelOperations(registry, self.supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
+            AnthropicSurface(registry, pipeline, reactor).app.resource(),
+        ))
+        self.client = StubTreq(self.capture)
+        self.successResultOf(ensureDeferred(registry.refresh()))
+
+    def stream(self, path: str, body: dict[str, Any]) -> tuple[int, bytes, Any]:
+        from blazar.gateway.context import context_of
+
+        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
+        for _ in range(20):
+            self.client.flush()
+            self.engine.flush()
+        response = self.successResultOf(d)
+        return response.code, self.successResultOf(response.content()), context_of(self.capture.requests[-1]).error
+
+    def test_responses_stream_engine_400_is_counted(self) -> None:
+        code, data, kind = self.stream("/v1/responses", {"model": "m", "input": "hi", "stream": True})
+        self.assertEqual(code, 200)
+        self.assertIn(b"response.failed", data)
+        self.assertEqual(kind, "engine_error")
+
+    def test_anthropic_cold_stream_engine_400_is_counted(self) -> None:
+        code, data, kind = self.stream("/v1/messages", {
+            "model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        self.assertEqual(code, 200)
+        self.assertIn(b"event: error", data)
+        self.assertEqual(kind, "engine_error")
+
