@@ -348,6 +348,7 @@ class OllamaSurface:
         if not isinstance(prompt, str):
             raise OllamaError(400, "prompt must be a string")
         if prompt == "":
+            await self._pipeline.scope(request, model)  # an unknown model is still a 404
             return _json(request, {"embedding": []})
         call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False)
         async with self._pipeline.open(request, call) as reply:

@@ -112,6 +112,12 @@ class ReviewFindingsTests(SynchronousTestCase):
         self.assertEqual(code, 200, body)
         self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
 
+    def test_an_empty_embeddings_prompt_still_needs_a_model_that_exists(self) -> None:
+        code, _, body = self.post("/api/embeddings", {"model": "nope", "prompt": ""})
+        self.assertEqual((code, json.loads(body)), (404, {"error": 'model "nope" not found, try pulling it first'}))
+        code, _, body = self.post("/api/embeddings", {"model": "m", "prompt": ""})
+        self.assertEqual((code, json.loads(body)), (200, {"embedding": []}))
+
     def test_anthropic_engine_4xx_is_a_400(self) -> None:
         """
         Before the refactor the Anthropic surface answered any engine 4xx
