@@ -340,7 +340,7 @@ def _models_pull(args: argparse.Namespace) -> int:
     if isinstance(where, int):
         return where
     host, port, base = where
-    resp = _post_ndjson(host, port, base, "/api/pull", {"model": args.name}, timeout=3600)
+    resp = _post_ndjson(host, port, base, "/api/pull", {"model": args.name}, timeout=3600, key=_api_key(args))
     if isinstance(resp, int):
         return resp
     for raw in resp:
@@ -412,16 +412,24 @@ def _daemon_http(args: argparse.Namespace, verb: str) -> tuple[str, int, str] | 
     return url.hostname or "127.0.0.1", url.port or 11434, base
 
 
-def _post_ndjson(host: str, port: int, base: str, path: str, body: Any, timeout: float) -> Any:
+def _post_ndjson(
+    host: str, port: int, base: str, path: str, body: Any, timeout: float, key: str | None = None,
+) -> Any:
     """
     POST to the daemon's Ollama API; the response (to read as NDJSON) on
     200, else an exit code after printing why (2: no daemon answers).
+
+    @param key: An API key to send (C{--key}, else C{BLAZAR_API_KEY}): a
+        gateway with keys needs one.
     """
     import http.client
 
+    headers = {"content-type": "application/json"}
+    if key:
+        headers["authorization"] = f"Bearer {key}"
     try:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        conn.request("POST", path, json.dumps(body), headers)
         resp = conn.getresponse()
     except OSError:
         print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
@@ -434,6 +442,16 @@ def _post_ndjson(host: str, port: int, base: str, path: str, body: Any, timeout:
         print(f"blazar: {message}", file=sys.stderr)
         return 1
     return resp
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """
+    The API key for the verbs that use the HTTP API (C{run}, C{models
+    pull}): C{--key}, else the C{BLAZAR_API_KEY} environment variable.
+    """
+    import os
+
+    return getattr(args, "key", None) or os.environ.get("BLAZAR_API_KEY") or None
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -451,7 +469,7 @@ def _run(args: argparse.Namespace) -> int:
     def ask(prompt: str) -> int:
         history.append({"role": "user", "content": prompt})
         resp = _post_ndjson(host, port, base, "/api/chat",
-                            {"model": args.model, "messages": history}, timeout=600)
+                            {"model": args.model, "messages": history}, timeout=600, key=_api_key(args))
         if isinstance(resp, int):
             return resp
         answer = []
@@ -581,6 +599,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("model")
     run.add_argument("prompt", nargs="*", help="the prompt; none for an interactive chat")
     run.add_argument("--config", "-c")
+    run.add_argument("--key", help="an API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
     run.set_defaults(func=_run)
     doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, memory")
     doctor.add_argument("--config", "-c")
@@ -621,6 +640,8 @@ def parser() -> argparse.ArgumentParser:
             verb.add_argument(param)
         verb.add_argument("--config", "-c")
         verb.add_argument("--json", action="store_true")
+        if name == "pull":  # over the HTTP API, as a client
+            verb.add_argument("--key", help="an unscoped API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
         verb.set_defaults(func=func)
     make = model_verbs.add_parser(
         "make-test", help="write a tiny random-weight llama GGUF for tests and demos"

@@ -65,6 +65,10 @@ class Call:
     @ivar max_tokens: The output limit the context preflight checks, or
         L{None} (no preflight).
     @ivar work: The L{WorkClass} admission queues it in.
+    @ivar names: What the client's API calls the output limit and the
+        prompt, for the preflight's message (C{("max_output_tokens",
+        "input")} on the Responses API, C{("num_predict", "messages")} on
+        Ollama's).
     @ivar counting: Whether the surface needs the prompt's token count
         (L{Reply.prompt_tokens}).
     @ivar rewrite: A surface's step after placement and before the
@@ -87,6 +91,7 @@ class Call:
     ctx_size: int | None = None
     max_tokens: int | None = None
     work: WorkClass = WorkClass.INTERACTIVE
+    names: tuple[str, str] = ("max_tokens", "messages")
     counting: Counting = Counting.NEVER
     rewrite: Callable[[Call], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None

@@ -163,6 +163,7 @@ class EngineProxy:
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
         count: Callable[[], Awaitable[int]], ctx_size: int | None = None, entry: ModelEntry | None = None,
+        names: tuple[str, str] = ("max_tokens", "messages"),
     ) -> int | None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
@@ -177,6 +178,9 @@ class EngineProxy:
             under C{ctx_policy = "grow"}, within the trained context and
             free memory), and the levers say what held that below it.
         @param entry: The model, if the caller resolved it already.
+        @param names: What the client's API calls the output limit and the
+            prompt (C{max_output_tokens} and C{input} on the Responses API,
+            C{num_predict} on Ollama's), for the message and C{param}.
         @return: The prompt's token count if it had to be counted.
         @raise PromptTooLong: With both numbers and the levers.
         """
@@ -184,31 +188,32 @@ class EngineProxy:
             return None
         if entry is None:
             entry = await self._registry.resolve(model)
+        limit, prompt_field = names
         loaded = self.supervisor.loaded(entry.name)
         levers = (
-            f'shorten the prompt, lower max_tokens, or raise ctx_size under [models."{entry.name}"]'
+            f'shorten the prompt, lower {limit}, or raise ctx_size under [models."{entry.name}"]'
         )
         if ctx_size is not None:
             plan = await self.supervisor.context_for(entry.name, ctx_size)
             ctx = plan.ctx
             if plan.shortfall():
-                levers = f"shorten the prompt or lower max_tokens ({plan.shortfall()})"
+                levers = f"shorten the prompt or lower {limit} ({plan.shortfall()})"
         elif loaded is not None and loaded.ctx:
             ctx = loaded.ctx  # the usual case: no GGUF stat on the request path
         else:
             ctx = context_per_slot(entry, await self._registry.metadata(entry))
         if max_tokens >= ctx:
             raise PromptTooLong(
-                f"max_tokens = {max_tokens} does not fit in the {ctx}-token context of "
-                f"{entry.name!r} (per slot), which also holds the prompt: {levers}"
+                f"{limit} = {max_tokens} does not fit in the {ctx}-token context of "
+                f"{entry.name!r} (per slot), which also holds the prompt: {levers}", limit,
             )
         if body_size + TEMPLATE_SLACK + max_tokens <= ctx:
             return None
         prompt = await count()
         if prompt + max_tokens > ctx:
             raise PromptTooLong(
-                f"the prompt is {prompt} tokens and max_tokens is {max_tokens}: {prompt + max_tokens} "
-                f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}"
+                f"the prompt is {prompt} tokens and {limit} is {max_tokens}: {prompt + max_tokens} "
+                f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}", prompt_field,
             )
         return prompt
 

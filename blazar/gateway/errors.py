@@ -66,7 +66,13 @@ class PromptTooLong(Exception):
     """
     The prompt plus the requested output does not fit in a slot's context
     (400). The message gives both numbers and the levers.
+
+    @ivar param: The field at fault, as the client's API names it.
     """
+
+    def __init__(self, message: str, param: str = "messages") -> None:
+        self.param = param
+        super().__init__(message)
 
 
 class UnsupportedByModel(Exception):
@@ -204,7 +210,7 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         (ModelChangeError, lambda e: Problem(Category.INVALID, 400, str(e))),
         (PullError, _pull),
         (PromptTooLong, lambda e: Problem(Category.INVALID, 400, str(e), code="context_length_exceeded",
-                                          param="messages")),
+                                          param=getattr(e, "param", "messages"))),
         (UnsupportedByModel, lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported",
                                                param="model")),
         (ModelNotFound, _model_not_found),

@@ -236,7 +236,7 @@ class Pipeline:
         counted = None
         if call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
-                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry,
+                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
         await self._admit(request, canonical, call.work, call.entry)
         # after admission: no engine call for a request still queued, and a

@@ -209,7 +209,7 @@ class OllamaSurface:
             keep_alive=self._config().keep_alive if keep_alive is None else keep_alive,
             ctx_size=self._num_ctx(body),
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
-            work=work,
+            work=work, names=("num_predict", "messages" if kind is CallKind.CHAT else "prompt"),
         )
 
     # -- chat and generate -------------------------------------------------------

@@ -362,6 +362,8 @@ class OpenAISurface:
             "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream,
             keep_alive=keep_alive, max_tokens=None if kind == "embedding" else max_tokens_of(body),
             work=work, rewrite=rewrite, on_send=on_send,
+            names=("max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                   "prompt" if kind == "completion" else "messages"),
         )
         try:
             async with self._pipeline.open(request, call) as reply:
@@ -381,10 +383,8 @@ class OpenAISurface:
         except Exception as e:
             # once the loading comments are out, the failure is an error event
             problem = in_stream(request, e, model, "openai", headers_out)
-            request.write(b"data: " + error_body(
-                problem.message, "engine_error",
-                "engine_unavailable" if problem.category is Category.UNAVAILABLE else "engine_error",
-            ) + b"\n\n")
+            request.write(b"data: " + error_body(problem.message, "engine_error", problem.code or "engine_error")
+                          + b"\n\n")
             return None
 
     async def _engine_fix(

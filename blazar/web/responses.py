@@ -126,7 +126,7 @@ class Responses:
             raise tr.ResponsesRequestError(str(e), "keep_alive") from None
         call = Call(
             "responses", CallKind.CHAT, body["model"], "/v1/chat/completions", chat, stream=True,
-            keep_alive=keep_alive, max_tokens=max_tokens_of(chat),
+            keep_alive=keep_alive, max_tokens=max_tokens_of(chat), names=("max_output_tokens", "input"),
             work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE,
         )
         return call, previous, names

@@ -150,3 +150,14 @@ class OnePathTests(SynchronousTestCase):
             self.assertEqual(self.post(path, body)[0], 400, surface)
         self.assertNotIn("admission", self.steps)
         self.assertNotIn("send", self.steps)
+
+    def test_the_preflight_names_each_apis_own_field(self) -> None:
+        fields = {"openai": "max_tokens", "responses": "max_output_tokens", "anthropic": "max_tokens",
+                  "ollama": "num_predict"}
+        for surface, (path, body) in requests("m", 10 ** 7).items():
+            status, answer = self.post(path, body)
+            self.assertEqual(status, 400, surface)
+            message = json.dumps(answer)
+            self.assertIn(f"{fields[surface]} = 10000000 does not fit", message, surface)
+            if surface in ("openai", "responses"):
+                self.assertEqual(answer["error"]["param"], fields[surface], surface)

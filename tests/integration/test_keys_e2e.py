@@ -253,3 +253,21 @@ def test_big_body_is_413_without_holding_it(keyed: Daemon) -> None:
         assert ("error" in parsed) and (surface != "anthropic" or parsed["error"]["type"] == "request_too_large")
     grown = daemon.memory_info().rss - before
     assert grown < 20 * 1024 * 1024, f"the daemon grew by {grown / 2**20:.0f} MiB"
+
+
+def test_blazar_run_sends_a_key(keyed: Daemon) -> None:
+    """
+    `blazar run` is a client of the HTTP API: on a gateway with keys it
+    sends --key, or $BLAZAR_API_KEY, and without one it says what is missing.
+    """
+    import os
+
+    blazar = str(Path(sys.executable).parent / "blazar")
+    argv = [blazar, "run", "tiny", "hi", "-c", str(keyed.config)]
+    env = {k: v for k, v in os.environ.items() if k != "BLAZAR_API_KEY"}
+    refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 1 and "missing API key" in refused.stderr, refused.stderr
+    with_flag = subprocess.run([*argv, "--key", SCOPED], capture_output=True, text=True, timeout=120, env=env)
+    assert with_flag.returncode == 0, with_flag.stderr
+    from_env = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**env, "BLAZAR_API_KEY": ADMIN})
+    assert from_env.returncode == 0, from_env.stderr
