@@ -10,30 +10,14 @@ and only notes its name).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from treq.testing import StubTreq
-from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.resource import Resource
 
-from blazar.config import KeyConfig, parse_config
-from blazar.gateway.admission import Admission
-from blazar.gateway.context import context_of
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
-from blazar.models.registry import ModelRegistry
-from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
+from blazar.config import KeyConfig
+from blazar.testing import FakeSupervisor, fake_engine_app
 
-from tests.web.test_openai import StubEngineClient
+from tests.web.gateway import MemoryGateway
 
 HELLO = [{"role": "user", "content": "hi"}]
 
@@ -48,31 +32,8 @@ def requests(model: str, max_tokens: int = 8) -> dict[str, tuple[str, dict[str, 
     }
 
 
-class WithKey(Resource):
-    """
-    Lets requests in with C{key} (as the site's auth gate would).
-    """
-
-    isLeaf = True
-
-    def __init__(self, inner: Resource) -> None:
-        super().__init__()
-        self._inner = inner
-        self.key: KeyConfig | None = None
-
-    def render(self, request: Any) -> Any:
-        context_of(request).key = self.key
-        return self._inner.render(request)
-
-
 class OnePathTests(SynchronousTestCase):
     def setUp(self) -> None:
-        root = Path(self.mktemp()).absolute()
-        make_test_model(root / "m.gguf")
-        make_test_model(root / "e.gguf", seed=1)
-        reactor = fake_process_reactor()
-        config = parse_config(f'models_dir = "{root}"\n[models."e"]\nembedding = true\n')
-        self.engine = StubTreq(fake_engine_app("m:latest").resource())
         self.steps: list[str] = []
         steps = self.steps
 
@@ -81,19 +42,12 @@ class OnePathTests(SynchronousTestCase):
                 steps.append("lease")
                 return await super().instance_for(name, ctx_size)
 
-        supervisor = Observed(["m:latest", "e:latest"])
-        registry = ModelRegistry(config, reactor)
-        self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), reactor, registry)  # type: ignore[arg-type]
-        self.pipeline = Pipeline(self.proxy, reactor, registry, Admission(reactor, lambda: config))
-        self.gate = WithKey(SurfaceRouter(
-            OpenAISurface(registry, self.pipeline, reactor,
-                          Responses(self.pipeline, lambda: config, reactor, None)).app.resource(),
-            OllamaSurface(registry, self.pipeline, reactor, lambda: 0.0,
-                          ModelOperations(registry, supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, self.pipeline, reactor).app.resource(),
-        ))
-        self.client = StubTreq(self.gate)
-        self.successResultOf(ensureDeferred(registry.refresh()))
+        self.gateway = MemoryGateway(
+            self, Observed(["m:latest", "e:latest"]), fake_engine_app("m:latest"), models=("m", "e"),
+            config='[models."e"]\nembedding = true\n', admission=True,
+        )
+        self.gate = self.gateway.capture
+        self.pipeline, self.proxy = self.gateway.pipeline, self.gateway.proxy
         self.observe(self.pipeline, "_scope", "scope")
         self.observe(self.pipeline, "_purpose", "purpose")
         self.observe(self.proxy, "place_system_messages", "placement")
@@ -111,12 +65,8 @@ class OnePathTests(SynchronousTestCase):
         self.patch(owner, name, noted)
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any]:
-        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
-        for _ in range(10):
-            self.client.flush()
-            self.engine.flush()
-        response = self.successResultOf(d)
-        return response.code, json.loads(self.successResultOf(response.content()))
+        status, _, data = self.gateway.post(path, body)
+        return status, json.loads(data)
 
     def test_every_surface_runs_the_same_steps_in_the_same_order(self) -> None:
         seen = {}

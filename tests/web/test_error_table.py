@@ -14,41 +14,26 @@ preflight and admission ran.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
 import pytest
-from treq.testing import StubTreq
-from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.resource import Resource
 
-from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import (
     BreakerOpen, EngineCrashed, EngineError, EngineStartFailed, EngineTimeout, NoCapacity,
 )
 from blazar.gateway.admission import AllSlotsBusy
-from blazar.gateway.context import context_of
-from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.errors import (
     BadRequest, EngineRejected, Forbidden, NotFound, PromptTooLong, UnsupportedByModel, domain_errors,
 )
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
-from blazar.models.registry import ModelChangeError, ModelNotFound, ModelRegistry
-from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
+from blazar.models.registry import ModelChangeError, ModelNotFound
+from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
 
-from .test_openai import StubEngineClient
+from tests.web.gateway import MemoryGateway
 
 HELLO = [{"role": "user", "content": "hi"}]
 SURFACES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -123,53 +108,14 @@ class Failing(FakeSupervisor):
         return await super().instance_for(name, ctx_size)
 
 
-class Capture(Resource):
-    """
-    Hands requests on, keeping each, to read its context afterwards.
-    """
-
-    isLeaf = True
-
-    def __init__(self, inner: Resource) -> None:
-        super().__init__()
-        self._inner = inner
-        self.requests: list[Any] = []
-
-    def render(self, request: Any) -> Any:
-        self.requests.append(request)
-        return self._inner.render(request)
-
-
 class ErrorTableTests(SynchronousTestCase):
     def setUp(self) -> None:
-        root = Path(self.mktemp()).absolute()
-        make_test_model(root / "m.gguf")
-        reactor = fake_process_reactor()
-        config = parse_config(f'models_dir = "{root}"')
-        self.engine = StubTreq(fake_engine_app("m:latest").resource())
         self.supervisor = Failing(["m:latest"])
-        registry = ModelRegistry(config, reactor)
-        pipeline = Pipeline(
-            EngineProxy(self.supervisor, StubEngineClient(self.engine), reactor, registry),  # type: ignore[arg-type]
-            reactor, registry,
-        )
-        self.capture = Capture(SurfaceRouter(
-            OpenAISurface(registry, pipeline, reactor, Responses(pipeline, lambda: config, reactor, None)).app.resource(),
-            OllamaSurface(registry, pipeline, reactor, lambda: 0.0,
-                          ModelOperations(registry, self.supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, pipeline, reactor).app.resource(),
-        ))
-        self.client = StubTreq(self.capture)
-        # the model is resolved once before any case (the registry's first scan)
-        self.successResultOf(ensureDeferred(registry.refresh()))
+        self.gateway = MemoryGateway(self, self.supervisor, fake_engine_app("m:latest"))
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, Any]:
-        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
-        for _ in range(10):
-            self.client.flush()
-            self.engine.flush()
-        response = self.successResultOf(d)
-        return response.code, response.headers, json.loads(self.successResultOf(response.content()))
+        status, headers, data = self.gateway.post(path, body)
+        return status, headers, json.loads(data)
 
     def test_every_error_through_every_surface(self) -> None:
         for error, (status, anthropic_status), retry, kind, openai_type, code in CASES:
@@ -180,7 +126,7 @@ class ErrorTableTests(SynchronousTestCase):
                 expected = anthropic_status if surface == "anthropic" else status
                 self.assertEqual(got, expected, where)
                 self.assertEqual(headers.getRawHeaders(b"retry-after"), [retry.encode()] if retry else None, where)
-                self.assertEqual(context_of(self.capture.requests[-1]).error, kind, where)
+                self.assertEqual(self.gateway.context().error, kind, where)
                 message = str(error) if not isinstance(error, Bug) else "internal error"
                 if surface in ("openai", "responses"):
                     self.assertEqual(set(answer), {"error"}, where)
@@ -206,11 +152,8 @@ class ErrorTableTests(SynchronousTestCase):
         for surface, (path, body) in SURFACES.items():
             raw = json.dumps({**body, "temperature": float("nan")}).encode()
             self.assertIn(b"NaN", raw)
-            d = self.client.request("POST", "http://blazar" + path, data=raw)
-            self.client.flush()
-            response = self.successResultOf(d)
-            data = self.successResultOf(response.content())
-            self.assertEqual(response.code, 400, surface)
+            status, _, data = self.gateway.post(path, body, raw)
+            self.assertEqual(status, 400, surface)
             self.assertIn(b"NaN is not a JSON number", data, surface)
 
 

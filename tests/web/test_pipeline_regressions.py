@@ -6,30 +6,16 @@ states what a client (or the lease contract of blazar/engines/lease.py) expects.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 from typing import Any
 
-from treq.testing import StubTreq
+from klein import Klein
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import parse_config
 from blazar.engines.lease import InstanceLease
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
-from blazar.models.registry import ModelRegistry
-from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
-from klein import Klein
+from blazar.testing import FakeSupervisor, fake_engine_app
 
-from .test_openai import StubEngineClient
-
+from tests.web.gateway import MemoryGateway
 
 def failing_engine(status: int) -> Any:
     """
@@ -51,32 +37,11 @@ class ReviewFindingsTests(SynchronousTestCase):
         self.build(fake_engine_app("m:latest"))
 
     def build(self, engine_app: Any) -> None:
-        root = Path(self.mktemp()).absolute()
-        make_test_model(root / "m.gguf")
-        reactor = fake_process_reactor()
-        config = parse_config(f'models_dir = "{root}"')
-        self.engine = StubTreq(engine_app.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
-        registry = ModelRegistry(config, reactor)
-        pipeline = Pipeline(
-            EngineProxy(self.supervisor, StubEngineClient(self.engine), reactor, registry),  # type: ignore[arg-type]
-            reactor, registry,
-        )
-        self.client = StubTreq(SurfaceRouter(
-            OpenAISurface(registry, pipeline, reactor, Responses(pipeline, lambda: config, reactor, None)).app.resource(),
-            OllamaSurface(registry, pipeline, reactor, lambda: 0.0,
-                          ModelOperations(registry, self.supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, pipeline, reactor).app.resource(),
-        ))
-        self.successResultOf(ensureDeferred(registry.refresh()))
+        self.gateway = MemoryGateway(self, self.supervisor, engine_app)
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, Any, bytes]:
-        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
-        for _ in range(10):
-            self.client.flush()
-            self.engine.flush()
-        response = self.successResultOf(d)
-        return response.code, response.headers, self.successResultOf(response.content())
+        return self.gateway.post(path, body)
 
     def test_ollama_keep_alive_0_unload_waits_for_a_running_request(self) -> None:
         """
@@ -152,12 +117,6 @@ class AnthropicAdmissionOrderTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        from blazar.gateway.admission import Admission
-
-        root = Path(self.mktemp()).absolute()
-        make_test_model(root / "m.gguf")
-        self.reactor = fake_process_reactor()
-        config = parse_config(f'models_dir = "{root}"\n[models."m"]\nparallel = 1\n')
         engine = fake_engine_app("m:latest")
         self.counted: list[bytes] = []
 
@@ -166,15 +125,9 @@ class AnthropicAdmissionOrderTests(SynchronousTestCase):
             self.counted.append(request.content.read())
             return b'{"input_tokens": 7}'
 
-        self.engine = StubTreq(engine.resource())
         self.supervisor = FakeSupervisor(["m:latest"])
-        registry = ModelRegistry(config, self.reactor)
-        self.admission = Admission(self.reactor, lambda: config)
-        pipeline = Pipeline(EngineProxy(
-            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
-        ), self.reactor, registry, self.admission)
-        self.client = StubTreq(AnthropicSurface(registry, pipeline, self.reactor).app.resource())
-        self.successResultOf(ensureDeferred(registry.refresh()))
+        gateway = MemoryGateway(self, self.supervisor, engine, config='[models."m"]\nparallel = 1\n', admission=True)
+        self.admission, self.client, self.engine = gateway.admission, gateway.client, gateway.engine
 
     def pump(self) -> None:
         for _ in range(20):
@@ -228,37 +181,12 @@ class InStreamMetricsTests(SynchronousTestCase):
     """
 
     def setUp(self) -> None:
-        from tests.web.test_error_table import Capture
-
-        root = Path(self.mktemp()).absolute()
-        make_test_model(root / "m.gguf")
-        reactor = fake_process_reactor()
-        config = parse_config(f'models_dir = "{root}"')
-        self.engine = StubTreq(failing_engine(400).resource())
         self.supervisor = FakeSupervisor(["m:latest"])
-        registry = ModelRegistry(config, reactor)
-        pipeline = Pipeline(
-            EngineProxy(self.supervisor, StubEngineClient(self.engine), reactor, registry),  # type: ignore[arg-type]
-            reactor, registry,
-        )
-        self.capture = Capture(SurfaceRouter(
-            OpenAISurface(registry, pipeline, reactor, Responses(pipeline, lambda: config, reactor, None)).app.resource(),
-            OllamaSurface(registry, pipeline, reactor, lambda: 0.0,
-                          ModelOperations(registry, self.supervisor, None, reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, pipeline, reactor).app.resource(),
-        ))
-        self.client = StubTreq(self.capture)
-        self.successResultOf(ensureDeferred(registry.refresh()))
+        self.gateway = MemoryGateway(self, self.supervisor, failing_engine(400))
 
     def stream(self, path: str, body: dict[str, Any]) -> tuple[int, bytes, Any]:
-        from blazar.gateway.context import context_of
-
-        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
-        for _ in range(20):
-            self.client.flush()
-            self.engine.flush()
-        response = self.successResultOf(d)
-        return response.code, self.successResultOf(response.content()), context_of(self.capture.requests[-1]).error
+        status, _, data = self.gateway.post(path, body)
+        return status, data, self.gateway.context().error
 
     def test_responses_stream_engine_400_is_counted(self) -> None:
         code, data, kind = self.stream("/v1/responses", {"model": "m", "input": "hi", "stream": True})

@@ -1,0 +1,108 @@
+"""
+The four surfaces over the real pipeline and the real registry, in memory
+(StubTreq), for tests of what a client sees: one place that assembles them
+as L{blazar.service} does.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from treq.testing import StubTreq
+from twisted.internet.defer import ensureDeferred
+from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
+
+from blazar.config import parse_config
+from blazar.gateway.admission import Admission
+from blazar.gateway.context import RequestContext, context_of
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
+from blazar.models.registry import ModelRegistry
+from blazar.models.testmodel import make_test_model
+from blazar.testing import FakeSupervisor, fake_process_reactor
+from blazar.web.anthropic import AnthropicSurface
+from blazar.web.ollama import OllamaSurface
+from blazar.web.openai import OpenAISurface
+from blazar.web.responses import Responses
+from blazar.web.root import SurfaceRouter
+
+from tests.web.test_openai import StubEngineClient
+
+
+class Capture(Resource):
+    """
+    Hands requests on, keeping each (to read its context afterwards), and
+    lets them in with C{key} as the site's auth gate would.
+    """
+
+    isLeaf = True
+
+    def __init__(self, inner: Resource) -> None:
+        super().__init__()
+        self._inner = inner
+        self.requests: list[Any] = []
+        self.key: Any = None
+
+    def render(self, request: Any) -> Any:
+        self.requests.append(request)
+        context_of(request).key = self.key
+        return self._inner.render(request)
+
+
+class MemoryGateway:
+    """
+    The surfaces of a gateway serving C{models} (generated GGUFs named
+    C{<name>.gguf}) from C{supervisor}, whose children are C{engine_app}
+    (a Klein app, e.g. L{blazar.testing.fake_engine_app}).
+
+    @ivar client: A StubTreq client of the whole router.
+    @ivar engine: The StubTreq the children are served by.
+    """
+
+    def __init__(
+        self, test: SynchronousTestCase, supervisor: FakeSupervisor, engine_app: Any,
+        models: tuple[str, ...] = ("m",), config: str = "", admission: bool = False,
+    ) -> None:
+        root = Path(test.mktemp()).absolute()
+        for seed, name in enumerate(models):
+            make_test_model(root / f"{name}.gguf", seed=seed)
+        self.reactor = fake_process_reactor()
+        parsed = parse_config(f'models_dir = "{root}"\n{config}')
+        self.engine = StubTreq(engine_app.resource())
+        self.registry = ModelRegistry(parsed, self.reactor)
+        self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), self.reactor, self.registry)  # type: ignore[arg-type]
+        self.admission = Admission(self.reactor, lambda: parsed) if admission else None
+        self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
+        self.capture = Capture(SurfaceRouter(
+            OpenAISurface(self.registry, self.pipeline, self.reactor,
+                          Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
+            OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
+                          ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+            AnthropicSurface(self.registry, self.pipeline, self.reactor).app.resource(),
+        ))
+        self.client = StubTreq(self.capture)
+        self._test = test
+        # the models are found once, before any request (the registry's first scan)
+        test.successResultOf(ensureDeferred(self.registry.refresh()))
+
+    def post(self, path: str, body: dict[str, Any], raw: bytes | None = None) -> tuple[int, Any, bytes]:
+        """
+        POST C{body} (or C{raw} bytes) and pump until answered: status,
+        headers, body bytes.
+        """
+        d = self.client.request("POST", "http://blazar" + path, data=raw if raw is not None else json.dumps(body).encode())
+        for _ in range(20):
+            self.client.flush()
+            self.engine.flush()
+        response = self._test.successResultOf(d)
+        return response.code, response.headers, self._test.successResultOf(response.content())
+
+    def context(self) -> RequestContext:
+        """
+        The context of the latest request.
+        """
+        return context_of(self.capture.requests[-1])
