@@ -58,6 +58,13 @@ log = Logger()
 EXIT_BIND_CONFLICT = 3
 
 
+def _text(value: object) -> str:
+    """
+    A listener's address as text (a UNIX socket's path comes as bytes).
+    """
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
+
+
 class BindConflict(SystemExit):
     """
     A listen endpoint could not be bound. Exits the process with code 3 so
@@ -77,7 +84,7 @@ class Listeners(MultiService):
         except CannotListenError as e:
             if "control.sock" in str(e.port):
                 message = (
-                    f"blazar: {e.port} is in use: another blazar daemon runs on this data_dir "
+                    f"blazar: {_text(e.port)} is in use: another blazar daemon runs on this data_dir "
                     "(`blazar status` tells); stop it or set a different data_dir"
                 )
             else:

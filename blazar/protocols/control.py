@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred
 from twisted.internet.protocol import Factory
-from twisted.logger import ILogObserver
+from twisted.logger import ILogObserver, Logger
 from twisted.protocols import amp
 from zope.interface import implementer
 
@@ -25,6 +25,8 @@ if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported 
 
 PROTOCOL_VERSION = 1
 PAGE = 50
+
+log = Logger()
 
 
 class NothingToEvict(Exception):
@@ -513,9 +515,12 @@ class ControlServer(amp.AMP):
         async def answer() -> dict[str, Any]:
             try:
                 report = await self._key_admin.reload()
-                return {"restart_needed": list(report.restart), "applied": list(report.applied)}
             except (ConfigError, OSError) as e:
+                log.error("blazar reload: the config file was not applied: {error}", error=str(e))
                 raise KeyError_(str(e)) from None
+            log.info("blazar reload: config reloaded; applied: {applied}; restart needed: {restart}",
+                     applied=", ".join(report.applied) or "nothing", restart=", ".join(report.restart) or "nothing")
+            return {"restart_needed": list(report.restart), "applied": list(report.applied)}
 
         return Deferred.fromCoroutine(answer())
 

@@ -74,11 +74,13 @@ class Reloadable:
         Write the file and run `blazar reload`; its output lines.
         """
         self.d.config.write_text(self.text(top, tables, binary))
+        logged = self.d.log().count("blazar reload: config reloaded")
         out = subprocess.run(
             [str(Path(sys.executable).parent / "blazar"), "reload", "-c", str(self.d.config)],
             capture_output=True, text=True, timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
+        assert self.d.log().count("blazar reload: config reloaded") == logged + 1  # the daemon logs it too
         return [line.strip() for line in out.stdout.splitlines()]
 
     def request(self, method: str, path: str, body: bytes | None = None,
