@@ -5,7 +5,10 @@
 #                   completion and a streaming one, print them, stop the daemon
 #   ./dev.sh test   the same setup, then the whole test suite
 #   ./dev.sh bench  the same setup, then bench/run.py (Blazar's own cost vs the
-#                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light)
+#                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light);
+#                   its first table (--only real) puts llama-server direct, an nginx hop,
+#                   Blazar and LiteLLM (pip-installed once into ~/.cache/blazar/bench/litellm)
+#                   in front of the same engine
 #   ./dev.sh soak   the same setup, then bench/soak.py (10 minutes of mixed traffic
 #                   with engine kills; report in bench/results/soak-*.json)
 #   ./dev.sh clients the same setup, then scripts/clients.py: Claude Code and Codex
@@ -83,7 +86,7 @@ case "${1:-}" in
     exec .venv/bin/python scripts/clients.py "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--profile LABEL] | soak [--minutes N] | clients [--only claude-code|codex]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--only real,nonstream,...] [--profile LABEL] | soak [--minutes N] | clients [--only claude-code|codex]" >&2
     exit 2
     ;;
 esac

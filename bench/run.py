@@ -3,7 +3,7 @@
 Blazar's own cost per request and per streamed chunk, measured against the
 engine direct, side by side in one run (A B A B ...), as ratios.
 
-    ./dev.sh bench [--quick] [--profile] [--litellm]
+    ./dev.sh bench [--quick] [--profile LABEL] [--only real,nonstream,...]
 
 It starts what it needs on loopback and stops it: a Blazar daemon pinned
 to CPU 0; as engines, nginx serving canned llama-server replies (a
@@ -11,6 +11,12 @@ near-zero-cost upstream, via bench/engine_shim.py) and real llama-server
 children on a generated model; wrk (on CPU 1) as the load generator. It
 prints a table and writes bench/results/<UTC time>.json. Needs wrk and
 nginx (Debian: apt-get install wrk nginx-light).
+
+The first table (scenario `real`, bench/real.py) is the real engine: one
+llama-server child direct, behind an nginx proxy_pass hop, behind Blazar
+and behind LiteLLM's proxy (installed into a venv of its own), requests
+alternating between the four. The second is the canned upstream, which
+isolates Blazar's relay.
 """
 
 from __future__ import annotations
@@ -137,12 +143,13 @@ class Bench:
 
         models = self.work / "models"
         make_test_model(models / "tiny.gguf")
+        (self.work / "slots").mkdir()  # --slot-save-path: lets the bench erase the engine's slots
         self.config = self.work / "config.toml"
         self.config.write_text(
             f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
             f'data_dir = "{self.work / "data"}"\nmodels_dir = "{models}"\n'
             "breaker_crashes = 1000\n"
-            f'[engines.llamacpp]\nbinary = "{HERE / "engine_shim.py"}"\nargs = ["--threads", "1"]\n'
+            f'[engines.llamacpp]\nbinary = "{HERE / "engine_shim.py"}"\nargs = ["--threads", "1", "--slot-save-path", "{self.work / "slots"}"]\n'
             '[models."upstream"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."upstream-sse"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."tiny"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
@@ -495,7 +502,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 s per measurement instead of 5")
     p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
-    p.add_argument("--only", help="comma-separated scenarios: nonstream,stream,ttfb,cold,memory")
+    p.add_argument("--only", help="comma-separated scenarios: real,nonstream,stream,ttfb,cold,memory")
     args = p.parse_args()
     for tool in ("wrk", "nginx", "taskset"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -505,11 +512,14 @@ def main() -> int:
         print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
         return 1
     sys.path.insert(0, str(HERE))
-    only = set((args.only or "nonstream,stream,ttfb,cold,memory").split(","))
+    only = set((args.only or "real,nonstream,stream,ttfb,cold,memory").split(","))
+    from real import real_engine, real_table
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
         bench.start()
         try:
+            if "real" in only:
+                real_engine(bench, wrk, lua_post)
             if "nonstream" in only:
                 bench.non_streaming()
             if "stream" in only:
@@ -528,7 +538,12 @@ def main() -> int:
 
     result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "blazar": blazar.__version__,
               "machine": machine(), "seconds_per_run": bench.seconds, **bench.results}
-    print(table(result))
+    if "real_engine" in result:
+        print(real_table(result["real_engine"]))
+    if set(bench.results) - {"real_engine"}:
+        if "real_engine" in result:
+            print("\nCanned upstream (nginx serving a llama-server reply; isolates Blazar's relay):")
+        print(table(result))
     out = HERE / "results" / (result["when"].replace(":", "") + ".json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
