@@ -51,6 +51,10 @@ def alive(p: psutil.Process) -> bool:
         return False
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Daemon:
     """
     One daemon process under test.
@@ -78,7 +82,10 @@ class Daemon:
     def start(self, wait: bool = True) -> "Daemon":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.root
+                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                # as from a terminal: a suite started in the background (`./dev.sh test &`)
+                # has SIGINT ignored, which the daemon would inherit (and honour)
+                preexec_fn=_sigint_default,
             )
         if wait:
             self.wait_healthy()

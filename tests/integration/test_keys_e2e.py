@@ -267,7 +267,8 @@ def test_blazar_run_sends_a_key(keyed: Daemon) -> None:
     env = {k: v for k, v in os.environ.items() if k != "BLAZAR_API_KEY"}
     refused = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
     assert refused.returncode == 1 and "missing API key" in refused.stderr, refused.stderr
-    with_flag = subprocess.run([*argv, "--key", SCOPED], capture_output=True, text=True, timeout=120, env=env)
+    # (a key no other test of the module rotates)
+    with_flag = subprocess.run([*argv, "--key", ONE], capture_output=True, text=True, timeout=120, env=env)
     assert with_flag.returncode == 0, with_flag.stderr
-    from_env = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**env, "BLAZAR_API_KEY": ADMIN})
+    from_env = subprocess.run(argv, capture_output=True, text=True, timeout=120, env={**env, "BLAZAR_API_KEY": ONE})
     assert from_env.returncode == 0, from_env.stderr
