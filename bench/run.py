@@ -401,16 +401,20 @@ class Bench:
         self.results["memory"] = {**{k: v / 2**20 for k, v in rss.items()},
                                   "growth_ratio": rss["after_10000"] / rss["after_1000"]}
 
-    def profile(self, label: str) -> None:
+    def profile(self, label: str, model: str = "upstream") -> None:
         """
         py-spy on the daemon during non-streaming c = 8: the hottest functions.
+
+        @param model: C{upstream} (the canned engine: the relay alone) or
+            C{tiny} (the real llama-server, C{max_tokens: 1}).
         """
         if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
             raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
         spy = str(Path(sys.executable).parent / "py-spy") if (Path(sys.executable).parent / "py-spy").exists() else "py-spy"
-        _, port = self.child("upstream")
+        self.child(model)
         out = HERE / "results" / f"profile-{label}.txt"
-        script = lua_post(self.work / "chat.lua", {"model": "upstream", "messages": HELLO, "max_tokens": 8})
+        script = lua_post(self.work / f"profile-{model}.lua",
+                          {"model": model, "messages": HELLO, "max_tokens": 8 if model == "upstream" else 1})
         raw = HERE / "results" / f"profile-{label}.raw"  # collapsed stacks (not committed)
         spy_proc = subprocess.Popen([spy, "record", "--pid", str(self.daemon.pid), "--format", "raw",
                                      "--output", str(raw), "--rate", "500", "--nonblocking"],
@@ -502,6 +506,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 s per measurement instead of 5")
     p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
+    p.add_argument("--profile-model", default="upstream", choices=["upstream", "tiny"],
+                   help="what --profile loads: the canned engine (default) or the real llama-server")
     p.add_argument("--only", help="comma-separated scenarios: real,nonstream,stream,ttfb,cold,memory")
     args = p.parse_args()
     for tool in ("wrk", "nginx", "taskset"):
@@ -531,7 +537,7 @@ def main() -> int:
             if "memory" in only:
                 bench.memory()
             if args.profile:
-                bench.profile(args.profile)
+                bench.profile(args.profile, args.profile_model)
         finally:
             bench.stop()
     import blazar
