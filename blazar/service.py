@@ -406,7 +406,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
-    anthropic = AnthropicSurface(registry, pipeline, reactor)
+    anthropic = AnthropicSurface(pipeline, reactor)
     root = AuthGate(
         SurfaceRouter(
             openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),

@@ -70,7 +70,7 @@ class InstanceLease:
         self._supervisor.touch(instance, keep_alive)
         if instance.in_flight != 0:
             return
-        pending = getattr(instance, "unload_when_idle", None)
+        pending = instance.unload_when_idle
         if pending is not None or (keep_alive == 0 and not others_waiting()):
             d = self._supervisor.stop_instance(instance, pending or "keep_alive 0")
             d.addErrback(lambda f: log.failure("unloading {model} failed", f, model=instance.entry.name))

@@ -18,6 +18,7 @@ from typing import Any, Callable
 import attrs
 
 from blazar.config import KeyConfig
+from blazar.gateway.errors import describe
 
 
 class StreamTiming:
@@ -108,8 +109,6 @@ def note_error(request: Any, error: BaseException | str | None) -> None:
     Record why C{request} failed (an exception, or a kind), for
     C{blazar_errors_total}. The first specific kind recorded wins.
     """
-    from blazar.gateway.errors import describe
-
     kind = error if isinstance(error, str) or error is None else describe(error).kind
     context = context_of(request)
     if kind is not None and context.error is None:

@@ -134,6 +134,16 @@ def stream_error_message(error: Any) -> str:
     return str(error)[:2000]
 
 
+def note_load(request: Any, instance: Any, began: float, now: float) -> None:
+    """
+    A C{load} span in C{request}'s trace if C{instance} became ready while
+    the request waited for it (from C{began} to C{now}, clock seconds).
+    """
+    ready_at = getattr(instance, "ready_at", None)
+    if ready_at is not None and ready_at >= began:
+        note_span(request, "load", began, now)
+
+
 class EngineProxy:
     """
     The pipeline's way to talk to engine children.
@@ -344,7 +354,7 @@ class EngineProxy:
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        request: Any = None, stream: bool = True,
+        request: Any = None, stream: bool = True, ready: tuple[Instance, float] | None = None,
     ) -> tuple[InstanceLease, Any]:
         """
         Send C{body} to a ready child for C{model}; return the lease on the
@@ -363,19 +373,22 @@ class EngineProxy:
             C{load} and C{generate} spans).
         @param stream: Whether the child streams its answer (L{False}: a
             reply read whole, sent over a kept-alive connection).
+        @param ready: The child the caller already waited for, and when it
+            began waiting (clock seconds): the first attempt goes to it.
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise blazar.engines.supervisor.EngineError: The child could not
             be started or reached.
         @raise EngineRejected: The child answered an error status.
         """
         for attempt in (1, 2):
-            began = self._clock.seconds()
-            instance = await self.supervisor.instance_for(model, ctx_size)
+            if attempt == 1 and ready is not None:
+                instance, began = ready
+            else:
+                began = self._clock.seconds()
+                instance = await self.supervisor.instance_for(model, ctx_size)
             if request is not None:
                 now = self._clock.seconds()
-                ready_at = getattr(instance, "ready_at", None)
-                if ready_at is not None and ready_at >= began:  # it became ready while we waited
-                    note_span(request, "load", began, now)
+                note_load(request, instance, began, now)
                 note_span(request, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
             # requests wait for this one (the caller ends the lease)

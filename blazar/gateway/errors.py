@@ -20,7 +20,6 @@ import enum
 from typing import Callable
 
 import attrs
-from twisted.internet.defer import CancelledError
 
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineError, EngineTimeout, NoCapacity
@@ -254,9 +253,3 @@ def describe(error: BaseException) -> Problem:
             return problem(error)
     return Problem(Category.INTERNAL, 500, "internal error", kind=None, code="internal_error")
 
-
-def is_cancellation(error: BaseException) -> bool:
-    """
-    Whether C{error} is a client's departure (nothing is answered).
-    """
-    return isinstance(error, CancelledError)

@@ -38,8 +38,8 @@ from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.call import Call, CallKind, Counting
-from blazar.gateway.context import note_span, note_tokens, record_usage
-from blazar.gateway.engine_proxy import EngineProxy, StreamStopped
+from blazar.gateway.context import note_tokens, record_usage
+from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
 from blazar.gateway.errors import UnsupportedByModel
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
@@ -188,7 +188,7 @@ class Pipeline:
         started = self._clock.seconds()
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
-        self._note_load(request, instance, started, loaded)
+        note_load(request, instance, started, loaded)
         self._end(InstanceLease(self.supervisor, instance), call.keep_alive)
         return started, loaded
 
@@ -249,10 +249,9 @@ class Pipeline:
         started = self._clock.seconds()
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
-            loaded = self._clock.seconds()
-            self._note_load(request, instance, started, loaded)
+            loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             lease, response = await self._proxy.send(
-                call.model, call.path, raw, call.ctx_size, request, call.stream
+                call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
             )
         finally:
             if stop is not None:
@@ -343,11 +342,6 @@ class Pipeline:
         """
         instance = self.supervisor.loaded(canonical)
         return instance is not None and instance.state == InstanceState.READY
-
-    def _note_load(self, request: Any, instance: Any, started: float, loaded: float) -> None:
-        ready_at = getattr(instance, "ready_at", None)
-        if ready_at is not None and ready_at >= started:  # it became ready while we waited
-            note_span(request, "load", started, loaded)
 
     def _end(self, lease: InstanceLease, keep_alive: float | None) -> None:
         name = lease.instance.entry.name

@@ -57,7 +57,7 @@ class AnthropicSurface:
 
     app = Klein()
 
-    def __init__(self, registry: Any, pipeline: Pipeline, clock: Any) -> None:
+    def __init__(self, pipeline: Pipeline, clock: Any) -> None:
         self._pipeline = pipeline
         self._clock = clock
 

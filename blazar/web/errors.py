@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import attrs
 from twisted.internet.defer import CancelledError
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
@@ -92,14 +94,8 @@ def in_stream(
 
 def _redacted(request: Any, problem: Problem) -> Problem:
     message = redact(request, problem.message)
-    if message == problem.message:
-        return problem
-    import attrs
-
-    return attrs.evolve(problem, message=message)
+    return problem if message == problem.message else attrs.evolve(problem, message=message)
 
 
-def _failure(error: BaseException) -> Any:
-    from twisted.python.failure import Failure
-
+def _failure(error: BaseException) -> Failure:
     return Failure(error, type(error), error.__traceback__)

@@ -128,7 +128,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
             OpenAISurface(registry, proxy, self.reactor, responses).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
                           ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, proxy, self.reactor).app.resource(),
+            AnthropicSurface(proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))
 

@@ -82,7 +82,7 @@ class MemoryGateway:
                           Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
             OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
                           ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(self.registry, self.pipeline, self.reactor).app.resource(),
+            AnthropicSurface(self.pipeline, self.reactor).app.resource(),
         ))
         self.client = StubTreq(self.capture)
         self._test = test

@@ -53,7 +53,7 @@ class AdmissionSurfaceTests(SynchronousTestCase):
             OpenAISurface(registry, proxy, self.reactor).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
                           ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(registry, proxy, self.reactor).app.resource(),
+            AnthropicSurface(proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)
 

@@ -95,7 +95,7 @@ class StreamFailureTests(SynchronousTestCase):
                 registry, self.proxy, self.reactor, lambda: 0.0,
                 ModelOperations(registry, self.supervisor, FakeHub(), self.reactor),  # type: ignore[arg-type]
             ).app.resource(),
-            AnthropicSurface(registry, self.proxy, self.reactor).app.resource(),
+            AnthropicSurface(self.proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)
 
