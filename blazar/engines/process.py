@@ -101,16 +101,27 @@ def sanitize_line(line: str) -> str:
     return strip_dirs(text).strip()[:300]
 
 
+ROUTINE_WARNINGS = (
+    # a prompt whose every token is already in the slot's KV cache (the same
+    # request again): llama-server re-evaluates the last one, and says so at
+    # warning level twice per request
+    "need to evaluate at least 1 token",
+    "n_past was set to",
+)
+
+
 def engine_level(line: str) -> str | None:
     """
     The level llama.cpp's log format gives a line (C{0.00.002.435 W srv  ...}:
     C{"W"} for a warning, C{"E"} for an error), or L{None} for its info and
-    debug lines and for lines in no known format.
+    debug lines, for lines in no known format and for the warnings it
+    prints in routine work (L{ROUTINE_WARNINGS}).
     """
     head = line[:24]
-    for level in ("E", "W"):
-        if f" {level} " in head:
-            return level
+    if " E " in head:
+        return "E"
+    if " W " in head and not any(routine in line for routine in ROUTINE_WARNINGS):
+        return "W"
     return None
 
 

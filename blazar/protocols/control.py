@@ -19,6 +19,7 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
+from blazar.logtext import event_text
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
     from blazar.gateway.operations import ModelOperations
@@ -165,13 +166,13 @@ class LogRing:
         self.seq = 0
 
     def __call__(self, event: dict[str, Any]) -> None:
-        from twisted.logger import formatEvent
-
         if event.get("ring") is False:
             return  # an engine line, which came in through engine_line already
         try:
-            text = formatEvent(event)
+            text = event_text(event)
         except Exception:
+            return
+        if text is None:
             return
         self.seq += 1
         self.lines.append((self.seq, event.get("model"), text))

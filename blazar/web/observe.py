@@ -74,40 +74,50 @@ class RequestObserver:
         self.metrics = metrics
         self._clock = clock
         self.tracing = tracing  # a blazar.web.tracing.Tracing
+        # labelled children, bound once per label values: prometheus_client's
+        # labels() validates and locks on every call (seven per request)
+        self._bound: dict[tuple[Any, ...], Any] = {}
+
+    def _child(self, metric: Any, *values: str) -> Any:
+        key = (id(metric), *values)
+        child = self._bound.get(key)
+        if child is None:
+            child = self._bound[key] = metric.labels(*values)
+        return child
 
     def started(self, request: Any, surface: str) -> None:
-        self.metrics.in_flight.labels(surface).inc()
+        self._child(self.metrics.in_flight, surface).inc()
         request.notifyFinish().addBoth(self._finished, request, surface).addErrback(
             lambda f: log.failure("counting a finished request failed", f)
         )
 
     def _finished(self, result: Any, request: Any, surface: str) -> None:
-        m = self.metrics
-        m.in_flight.labels(surface).dec()
+        m, child = self.metrics, self._child
+        child(m.in_flight, surface).dec()
         gone = isinstance(result, Failure)
         code = int(request.code or 200)
         status = "gone" if gone else f"{code // 100}xx"
         context = context_of(request)
         model = context.model or ""
         key_name = context.key.name if context.key is not None else ""
-        m.requests.labels(surface, model, key_name, status).inc()
+        child(m.requests, surface, model, key_name, status).inc()
         started = context.started if context.started is not None else 0.0
         end = self._clock.seconds()
-        m.duration.labels(surface, model).observe(max(0.0, end - started))
+        child(m.duration, surface, model).observe(max(0.0, end - started))
         kind = context.error
         if kind is None and not gone and code >= 400:
             kind = status
         if kind is not None:
-            m.errors.labels(surface, model, kind).inc()
+            child(m.errors, surface, model, kind).inc()
         tokens = context.tokens
         if tokens is not None and model:
-            m.prompt_tokens.labels(model, key_name).inc(tokens[0])
-            m.completion_tokens.labels(model, key_name).inc(tokens[1])
+            child(m.prompt_tokens, model, key_name).inc(tokens[0])
+            child(m.completion_tokens, model, key_name).inc(tokens[1])
         timing = context.timing
         if timing is not None and timing.first is not None:
-            m.ttft.labels(surface, model).observe(max(0.0, timing.first - started))
+            child(m.ttft, surface, model).observe(max(0.0, timing.first - started))
             if timing.chunks > 1:
-                m.tpot.labels(surface, model).observe((timing.last - timing.first) / (timing.chunks - 1))
+                child(m.tpot, surface, model).observe((timing.last - timing.first) / (timing.chunks - 1))
         if self.tracing is not None:
             self.tracing.record(request, surface, end)
 

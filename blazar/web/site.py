@@ -59,6 +59,7 @@ from twisted.web.server import Request, Site
 
 from blazar.config import Config
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
+from blazar.logtext import RENDERED
 from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of
 
 log = Logger()
@@ -598,8 +599,11 @@ class BlazarSite(Site):
             "key": key.name if key is not None else "", "trace": trace_id_of(request),
             "model": context_of(request).model or "",
         }
+        # made once here: formatting it field by field in every observer
+        # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(
-            "{method} {path} {status} {bytes} {ms}ms model={model} key={key} trace={trace}", **event,
+            RENDERED, rendered=f"{event['method']} {event['path']} {event['status']} {event['bytes']} "
+            f"{event['ms']}ms model={event['model']} key={event['key']} trace={event['trace']}", **event,
         )
         if self.audit is not None:
             self.audit.submit(event)

@@ -83,3 +83,27 @@ class OutputTests(SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         EngineProcessProtocol("m").childDataReceived(1, b"0.00.002.435 I srv  hello\n")
         self.assertEqual([e["line"] for e in events if e.get("model") == "m"], ["0.00.002.435 I srv  hello"])
+
+    def test_routine_warnings_stay_in_the_ring(self) -> None:
+        """
+        A prompt that is all in the KV cache makes llama-server warn twice
+        per request: those lines are the ring's alone, other warnings are
+        still logged.
+        """
+        from twisted.logger import globalLogPublisher
+
+        from blazar.protocols.control import LogRing
+
+        ring = LogRing()
+        events: list[dict[str, object]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        EngineProcessProtocol("m", output=ring.engine_line).childDataReceived(2, (
+            b"0.09.376.270 W slot   operator(): id 63 | task 1094 | need to evaluate at least 1 token for each "
+            b"active slot (n_past = 21, task.n_tokens() = 21)\n"
+            b"0.09.376.270 W slot   operator(): id 63 | task 1094 | n_past was set to 20\n"
+            b"0.09.376.300 W srv  operator(): slot 3 context shift disabled\n"
+        ))
+        self.assertEqual(len(ring.after(0, "m")[0]), 3)
+        self.assertEqual([e["line"] for e in events if e.get("model") == "m"],
+                         ["0.09.376.300 W srv  operator(): slot 3 context shift disabled"])

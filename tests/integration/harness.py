@@ -76,6 +76,7 @@ class Daemon:
     def command(self) -> list[str]:
         return [
             str(Path(sys.executable).parent / "twistd"), "--nodaemon", "--pidfile=",
+            "--logger=blazar.logtext.observer",  # as blazar serve runs it
             "blazar", "--config", str(self.config),
         ]
 

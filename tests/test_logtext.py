@@ -1,0 +1,64 @@
+"""
+The daemon's text log (L{blazar.logtext}) says what twistd's own observer
+says, line for line.
+"""
+
+from __future__ import annotations
+
+import io
+import time
+
+from twisted.logger import Logger, LogPublisher, formatEventAsClassicLogText, formatTime
+from twisted.python.failure import Failure
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.logtext import RENDERED, TextObserver, event_text
+
+
+def events_of(emit: "callable") -> list[dict[str, object]]:  # type: ignore[valid-type]
+    publisher = LogPublisher()
+    events: list[dict[str, object]] = []
+    publisher.addObserver(events.append)
+    emit(Logger(namespace="blazar.web.site", observer=publisher))
+    return events
+
+
+class TextObserverTests(SynchronousTestCase):
+    def twistd_line(self, event: dict[str, object]) -> str:
+        return formatEventAsClassicLogText(event, lambda t: formatTime(t, "%Y-%m-%dT%H:%M:%S%z")) or ""
+
+    def ours(self, event: dict[str, object]) -> str:
+        out = io.StringIO()
+        TextObserver(out)(event)
+        return out.getvalue()
+
+    def test_the_same_lines_as_twistds_observer(self) -> None:
+        def emit(log: Logger) -> None:
+            log.info("{method} {path} {status}", method="POST", path="/v1/{odd}", status=200)
+            log.warn("two\nlines")
+            log.info(RENDERED, rendered="POST /v1/chat/completions 200 573 11.8ms model=tiny key= trace=t",
+                     method="POST")
+            log.error("{x!r}", x={"a": 1})
+            try:
+                1 / 0
+            except ZeroDivisionError:
+                log.failure("it broke", Failure())
+        events = events_of(emit)
+        events.append({"log_format": "system set", "log_system": "-", "log_time": time.time()})
+        for event in events:
+            self.assertEqual(self.ours(event), self.twistd_line(event))
+
+    def test_a_rendered_event_is_taken_as_it_is(self) -> None:
+        [event] = events_of(lambda log: log.info(RENDERED, rendered="GET /{not a field} 200", status=200))
+        self.assertEqual(event_text(event), "GET /{not a field} 200")
+
+    def test_the_time_prefix_follows_the_clock(self) -> None:
+        out = io.StringIO()
+        observer = TextObserver(out)
+        for when in (0.2, 0.9, 1.1, 3600.5):
+            observer({"log_format": "x", "log_time": when, "log_namespace": "n", "log_level": None})
+        stamps = [line.split(" ")[0] for line in out.getvalue().splitlines()]
+        self.assertEqual(stamps, [formatTime(t, "%Y-%m-%dT%H:%M:%S%z") for t in (0.2, 0.9, 1.1, 3600.5)])
+
+    def test_an_event_without_a_format_writes_nothing(self) -> None:
+        self.assertEqual(self.ours({"log_time": 1.0, "x": 1}), "")
