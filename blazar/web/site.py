@@ -140,6 +140,19 @@ class BlazarRequest(Request):
     def setResponseCode(self, code: int, message: bytes | None = None) -> None:
         super().setResponseCode(code, reason_phrase(code) if message is None else message)
 
+    def write(self, data: bytes) -> None:
+        """
+        Once the headers are out, a chunk of a chunked body is one write of
+        one C{bytes}; else L{Request.write}. (Twisted writes a chunk as a
+        sequence of four, each checked and buffered: a stream writes one
+        per relayed event.)
+        """
+        if self.startedWriting and self.chunked and data and not self.finished and not self._disconnected:
+            self.sentLength += len(data)
+            self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+            return
+        super().write(data)
+
     def gotLength(self, length: int | None) -> None:
         channel = self.channel
         if not isinstance(channel, BlazarChannel):
