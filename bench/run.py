@@ -4,6 +4,7 @@ Blazar's own cost per request and per streamed chunk, measured against the
 engine direct, side by side in one run (A B A B ...), as ratios.
 
     ./dev.sh bench [--quick] [--profile LABEL] [--only real,nonstream,...]
+    ./dev.sh bench --cprofile LABEL   (only: the daemon's CPU profile, cProfile)
 
 It starts what it needs on loopback and stops it: a Blazar daemon pinned
 to CPU 0; as engines, nginx serving canned llama-server replies (a
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import io
 import json
 import os
 import platform
@@ -136,6 +138,7 @@ class Bench:
         self.port = free_port()
         self.llama = engine_binary()
         self.results: dict[str, Any] = {}
+        self.cprofile_out: Path | None = None  # the daemon runs under cProfile (--cprofile)
 
     def start(self) -> None:
         sys.path.insert(0, str(ROOT))
@@ -156,8 +159,11 @@ class Bench:
         )
         env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
         self.log = open(self.work / "daemon.log", "wb")
+        command = [str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(self.config)]
+        if self.cprofile_out is not None:
+            command = [sys.executable, str(HERE / "cprofile_serve.py"), str(self.config), str(self.cprofile_out)]
         self.proc = subprocess.Popen(
-            [str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(self.config)],
+            command,
             stdout=self.log, stderr=subprocess.STDOUT, env=env,
         )
         self.daemon = psutil.Process(self.proc.pid)
@@ -427,6 +433,52 @@ class Bench:
         self.results["profile"] = str(out.relative_to(ROOT))
 
 
+def cprofile(bench: Bench, label: str) -> Path:
+    """
+    The daemon's CPU profile (cProfile, process time) over 500
+    non-streamed C{max_tokens: 1} chat completions and 100 streams of 64
+    tokens, one at a time, on the real engine; into
+    C{bench/results/cprofile-LABEL.txt}.
+    """
+    import pstats
+
+    bench.child("tiny")
+    os.sched_setaffinity(0, {LOAD_CPU})
+    chat = json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 1})
+    stream = json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 64, "stream": True,
+                         "ignore_eos": True, "temperature": 0})
+    out = io.StringIO()
+    for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
+        conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
+
+        def send(n: int) -> None:
+            for _ in range(n):
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                reply = conn.getresponse()
+                reply.read()
+                assert reply.status == 200, reply.status
+
+        send(20)
+        bench.proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.2)
+        send(count)
+        assert bench.cprofile_out is not None
+        bench.cprofile_out.unlink(missing_ok=True)
+        bench.proc.send_signal(signal.SIGUSR2)
+        deadline = time.monotonic() + 10
+        while not bench.cprofile_out.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(0.5)
+        conn.close()
+        stats = pstats.Stats(str(bench.cprofile_out), stream=out)
+        out.write(f"==== {count} {name} requests, c = 1 (CPU time under cProfile: its own overhead included)\n")
+        stats.sort_stats("tottime").print_stats(30)
+        stats.sort_stats("cumulative").print_stats("blazar/", 30)
+    path = HERE / "results" / f"cprofile-{label}.txt"
+    path.write_text(re.sub(r"/\S*/site-packages/", "", out.getvalue()).replace(str(ROOT) + "/", ""))
+    return path
+
+
 def summarize_profile(raw: str, top: int = 40) -> str:
     """
     Self and total sample shares per function from py-spy's collapsed stacks.
@@ -509,6 +561,8 @@ def main() -> int:
     p.add_argument("--profile-model", default="upstream", choices=["upstream", "tiny"],
                    help="what --profile loads: the canned engine (default) or the real llama-server")
     p.add_argument("--only", help="comma-separated scenarios: real,nonstream,stream,ttfb,cold,memory")
+    p.add_argument("--cprofile", metavar="LABEL",
+                   help="only profile the daemon's CPU (cProfile) on the real engine, into bench/results/cprofile-LABEL.txt")
     args = p.parse_args()
     for tool in ("wrk", "nginx", "taskset"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -522,6 +576,14 @@ def main() -> int:
     from real import real_engine, real_table
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
+        if args.cprofile:
+            bench.cprofile_out = Path(tmp) / "daemon.prof"
+            bench.start()
+            try:
+                print(f"written {cprofile(bench, args.cprofile).relative_to(ROOT)}")
+            finally:
+                bench.stop()
+            return 0
         bench.start()
         try:
             if "real" in only:
