@@ -42,14 +42,33 @@ def _text_of(blocks: Any, where: str) -> str:
     return "\n\n".join(parts)
 
 
+BILLING_HEADER = "x-anthropic-billing-header:"
+"""
+How Claude Code's per-request system block begins
+(C{x-anthropic-billing-header: cc_version=2.1.332.0b8; ...}): its value
+changes with every request, so kept in the prompt it would make every
+turn's prompt differ from the last one's at its first tokens, and no
+prompt cache could ever be reused (llama.cpp PR #20623).
+"""
+
+
 def _system_text(blocks: Any, where: str, ignored: list[str]) -> str:
     """
     A C{system} value (string or text blocks) as one string; blocks joined
-    by a blank line.
+    by a blank line. A Claude Code billing block (L{BILLING_HEADER}) is
+    left out of the prompt, and noted as ignored.
     """
     if isinstance(blocks, list):
         if any(isinstance(b, dict) and "cache_control" in b for b in blocks):
             ignored.append("cache_control")
+        billing = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"
+                   and isinstance(b.get("text"), str) and b["text"].startswith(BILLING_HEADER)]
+        if billing:
+            ignored.append("system:x-anthropic-billing-header")
+            blocks = [b for b in blocks if not any(b is x for x in billing)]
+    elif isinstance(blocks, str) and blocks.startswith(BILLING_HEADER):
+        ignored.append("system:x-anthropic-billing-header")
+        blocks = blocks.partition("\n")[2].lstrip("\n")
     text = _text_of(blocks, where)
     return text
 

@@ -154,3 +154,27 @@ def test_anthropic_mcp_toolset_and_tool_result_blocks() -> None:
         ignored=ignored)
     assert ignored == ["tools:mcp_toolset"] and "tools" not in chat
     assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "t", "content": "found\ndoc"}
+
+
+def test_claude_codes_billing_block_stays_out_of_the_prompt() -> None:
+    """
+    Claude Code's first system block (C{x-anthropic-billing-header:
+    cc_version=...}) differs from request to request: kept, no turn's
+    prompt would extend the last one's. Left out, the two recorded
+    requests render the same system prompt.
+    """
+    systems = []
+    for name in ("claude-code-first", "claude-code-tool-result"):
+        body = load(name)["body"]
+        assert body["system"][0]["text"].startswith("x-anthropic-billing-header:")
+        ignored: list[str] = []
+        chat, _ = anthropic.request_to_openai(body, ignored=ignored)
+        assert "system:x-anthropic-billing-header" in ignored
+        assert "x-anthropic-billing-header" not in chat["messages"][0]["content"]
+        systems.append(chat["messages"][0]["content"])
+    assert load("claude-code-first")["body"]["system"][0] != load("claude-code-tool-result")["body"]["system"][0]
+    # (the two were recorded in different temporary directories)
+    import re
+
+    same = [re.sub(r"blazar-rec-claude-code-\w+", "DIR", s) for s in systems]
+    assert same[0] == same[1]
