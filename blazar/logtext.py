@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import sys
 import time
-from typing import IO, Any, Callable
+from typing import IO, Any
 
 from twisted.logger import ILogObserver, eventAsText
 from zope.interface import implementer
@@ -48,12 +48,10 @@ class TextObserver:
     Writes each event as one line of C{out}, in twistd's classic format,
     and flushes.
 
-    @ivar _clock: C{time.time}-like, for events without a C{log_time}.
     """
 
-    def __init__(self, out: IO[str], clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, out: IO[str]) -> None:
         self._out = out
-        self._clock = clock
         self._second = -1
         self._stamp = ""
 
@@ -69,11 +67,16 @@ class TextObserver:
         if text is None:
             return
         when = event.get("log_time")
-        stamp = self._time(when if isinstance(when, (int, float)) else self._clock())
+        stamp = self._time(when) if isinstance(when, (int, float)) else "-"  # as twistd's
         system = event.get("log_system")
         if system is None:
             level = event.get("log_level")
             system = f"{event.get('log_namespace', '-')}#{getattr(level, 'name', '-')}"
+        elif not isinstance(system, str):
+            try:
+                system = str(system)
+            except Exception:
+                system = "UNFORMATTABLE"
         if "\n" in text:
             text = text.replace("\n", "\n\t")
         self._out.write(f"{stamp} [{system}] {text}\n")

@@ -45,6 +45,13 @@ class TextObserverTests(SynchronousTestCase):
                 log.failure("it broke", Failure())
         events = events_of(emit)
         events.append({"log_format": "system set", "log_system": "-", "log_time": time.time()})
+        events.append({"log_format": "no time", "log_namespace": "n"})
+
+        class Unprintable:
+            def __str__(self) -> str:
+                raise ValueError("nope")
+
+        events.append({"log_format": "x", "log_system": Unprintable(), "log_time": 1700000000.0})
         for event in events:
             self.assertEqual(self.ours(event), self.twistd_line(event))
 

@@ -147,7 +147,8 @@ class BlazarRequest(Request):
         sequence of four, each checked and buffered: a stream writes one
         per relayed event.)
         """
-        if self.startedWriting and self.chunked and data and not self.finished and not self._disconnected:
+        if (self.startedWriting and self.chunked and data and not self.finished and not self._disconnected
+                and self._encoder is None):
             self.sentLength += len(data)
             self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
             return
