@@ -48,6 +48,11 @@ C{~/.config/blazar/config.toml}. Keys::
     responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
     responses_max_stored = 10000   # and at most this many are kept (oldest dropped)
     otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
+    session_keep_secs = 900        # a session (x-blazar-session, or an agent's session id)
+                                   # lives this long after its last request; 0: no sessions
+    session_save_timeout_secs = 2  # each slot save or restore of the KV bank, at most
+    session_bank_entry_max_mib = 512   # a saved slot bigger than this is not kept
+    session_bank_max_mib = 4096    # the bank on disk, at most (oldest entries dropped)
 
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
@@ -220,6 +225,10 @@ class Config:
     responses_ttl: float = 30 * 86400.0
     responses_max_stored: int = 10000
     otlp_endpoint: str | None = None
+    session_keep: float = 900.0
+    session_save_timeout: float = 2.0
+    session_bank_entry_max_mib: int = 512
+    session_bank_max_mib: int = 4096
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -272,6 +281,10 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "metrics_require_key": ("metrics_require_key", RUNTIME),
     "responses_ttl": ("responses_ttl_secs", RUNTIME),
     "responses_max_stored": ("responses_max_stored", RUNTIME),
+    "session_keep": ("session_keep_secs", RUNTIME),
+    "session_save_timeout": ("session_save_timeout_secs", RUNTIME),
+    "session_bank_entry_max_mib": ("session_bank_entry_max_mib", RUNTIME),
+    "session_bank_max_mib": ("session_bank_max_mib", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
@@ -540,6 +553,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "cors_origins", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
+        "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -572,6 +586,17 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "session_keep_secs" in doc:
+        value = doc["session_keep_secs"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
+            raise _expected(where, "session_keep_secs", "0 (no sessions) or a number of seconds", value)
+        kwargs["session_keep"] = float(value)
+    if "session_save_timeout_secs" in doc:
+        kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
+                                                          "session_save_timeout_secs")
+    for key in ("session_bank_entry_max_mib", "session_bank_max_mib"):
+        if key in doc:
+            kwargs[key] = _positive_int(doc[key], where, key)
     if "audit_log" in doc:
         kwargs["audit_log"] = _path(doc["audit_log"], where, "audit_log")
     if "cors_origins" in doc:

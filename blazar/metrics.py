@@ -111,6 +111,10 @@ class Metrics:
             "blazar_load_duration_seconds", "From spawning an engine child to its /health 200",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.session_bank = Counter(
+            "blazar_session_bank", "KV bank slot saves and restores (blazar.gateway.sessions), by result "
+            "(ok, failed, discarded, other_shape)", ["op", "result"], registry=r,
+        )
         self.evictions = Counter(
             "blazar_evictions", "Engine children stopped on purpose, by reason",
             ["model", "reason"], registry=r,

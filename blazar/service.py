@@ -49,6 +49,7 @@ from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
@@ -185,6 +186,105 @@ class UsageStore(Service):
         d.addCallback(close)
         d.addBoth(stop_pool)
         return d
+
+
+class SessionService(Service):
+    """
+    Runs L{blazar.gateway.sessions.Sessions}: its rows in SQLite (its own
+    connection and thread), read back at start; the reaper of sessions
+    unused for C{session_keep_secs}, once a minute. Added before the
+    supervisor, it is stopped after it: it waits for the saves the
+    children's stops begin, then closes.
+    """
+
+    def __init__(self, path: Any, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> None:
+        self._path = path
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name="blazar-sessions")
+        self._db: Any = None
+        self._reaper: LoopingCall | None = None
+
+        def settings() -> tuple[float, float, int, int]:
+            c = live.current
+            return (c.session_keep, c.session_save_timeout, c.session_bank_entry_max_mib << 20,
+                    c.session_bank_max_mib << 20)
+
+        self.sessions = Sessions(
+            reactor, EngineSlots(engines, reactor), lambda: live.current.data_dir, settings,
+            lambda f, *args: deferToThreadPool(self._reactor, self._pool, f, *args),
+            persist=self._persist, forget=self._forget,
+            count=lambda op, result: metrics.session_bank.labels(op, result).inc(),
+        )
+        metrics.gauges(lambda: [gauge(
+            "blazar_sessions", "Sessions kept (blazar.gateway.sessions), by model and whether saved to the bank",
+            ["model", "saved"], self._counts(),
+        )])
+
+    def _counts(self) -> list[tuple[list[str], float]]:
+        counts: dict[tuple[str, str], int] = {}
+        for session in self.sessions.of_key(None):
+            label = (session.model, "true" if session.bank is not None else "false")
+            counts[label] = counts.get(label, 0) + 1
+        return [([m, saved], n) for (m, saved), n in sorted(counts.items())]
+
+    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
+        if self._db is None:
+            return succeed(None)
+        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
+
+    def _persist(self, session: Any) -> Deferred[Any]:
+        bank = session.bank
+        row = (session.key, session.name, session.model, bank.file if bank else None, bank.tokens if bank else 0,
+               bank.size if bank else 0, bank.shape if bank else "", bank.saved_at if bank else 0.0,
+               session.last_used)
+        return self._db_call(store.thd_put_session, row)
+
+    def _forget(self, session: Any) -> Deferred[Any]:
+        return self._db_call(store.thd_delete_session, session.key, session.name, session.model)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        import queue
+
+        self._pool.start()
+        box: queue.Queue[Any] = queue.Queue()
+
+        def thd_start(path: Any) -> Any:
+            db = store.thd_open(path)
+            return db, store.thd_sessions(db)
+
+        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), thd_start, self._path)
+        ok, value = box.get()  # at start, before serving: a short blocking read
+        if not ok:
+            value.raiseException()
+        self._db, rows = value
+        self.sessions.load(sessions_from_rows(rows))
+        self._reaper = LoopingCall(self._expire)
+        self._reaper.clock = self._reactor
+        self._reaper.start(60.0, now=False).addErrback(lambda f: log.failure("session reaper stopped", f))
+
+    def _expire(self) -> None:
+        try:
+            self.sessions.expire()
+        except Exception:
+            log.failure("expiring sessions failed")
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        if self._reaper is not None and self._reaper.running:
+            self._reaper.stop()
+
+        async def drain() -> None:
+            while self.sessions.pending:
+                await DeferredList(list(self.sessions.pending), consumeErrors=True)
+            if self._db is not None:
+                await deferToThreadPool(self._reactor, self._pool, self._db.close)
+
+        def stop_pool(result: Any) -> Any:
+            self._pool.stop()
+            return result
+
+        return ensureDeferred(drain()).addBoth(stop_pool)
 
 
 class AuditService(Service):
@@ -349,6 +449,7 @@ class ServiceTree:
     admission: Admission
     keys: KeyHolder
     key_admin: KeyAdmin
+    sessions: Sessions
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -388,10 +489,15 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     # what `blazar logs` shows: the daemon's log events and every line the
     # engines print (which reach the daemon's log only as warnings and errors)
     ring = LogRing()
+    # before the supervisor: stopped after it, once the children's stops
+    # have saved their sessions' slots
+    session_service = SessionService(config.data_dir / "blazar.db", live, engines, reactor, metrics)
+    session_service.setServiceParent(top)
     supervisor = Supervisor(
         live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
         free_memory=thd_free_memory, metrics=metrics, engine_output=ring.engine_line,
     )
+    supervisor.before_stop = session_service.sessions.stopping
     supervisor.setServiceParent(top)
     operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
@@ -402,7 +508,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     usage_store.setServiceParent(top)
     admission = Admission(reactor, live, metrics)
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
-    pipeline = Pipeline(proxy, reactor, registry, admission)
+    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions)
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
@@ -474,5 +580,5 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     return ServiceTree(
         top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
         hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
-        key_admin=key_admin,
+        key_admin=key_admin, sessions=session_service.sessions,
     )

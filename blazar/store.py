@@ -37,6 +37,21 @@ MIGRATIONS = [
         input TEXT NOT NULL         -- its input items, JSON array
     )
     """,
+    # 3: sessions and their KV bank entries (blazar.gateway.sessions)
+    """
+    CREATE TABLE sessions (
+        key TEXT NOT NULL,          -- the API key's name ("" without keys)
+        name TEXT NOT NULL,         -- the session's name
+        model TEXT NOT NULL,        -- canonical model name
+        file TEXT,                  -- bank entry, under <data_dir>/sessions/<model>/ (NULL: none)
+        tokens INTEGER NOT NULL,    -- tokens saved in it
+        size INTEGER NOT NULL,      -- bytes
+        shape TEXT NOT NULL,        -- model file, engine and context it was made with (hashed)
+        saved_at REAL NOT NULL,     -- UNIX seconds
+        last_used REAL NOT NULL,    -- UNIX seconds
+        PRIMARY KEY (key, name, model)
+    )
+    """,
 ]
 
 
@@ -135,3 +150,24 @@ def thd_delete_response(db: sqlite3.Connection, id_: str, key: str) -> bool:
     Delete a response made by C{key}; whether there was one.
     """
     return db.execute("DELETE FROM responses WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
+
+
+def thd_put_session(db: sqlite3.Connection, row: tuple[object, ...]) -> None:
+    """
+    Write a session's row: C{(key, name, model, file, tokens, size, shape,
+    saved_at, last_used)}.
+    """
+    db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+
+
+def thd_delete_session(db: sqlite3.Connection, key: str, name: str, model: str) -> None:
+    db.execute("DELETE FROM sessions WHERE key = ? AND name = ? AND model = ?", (key, name, model))
+
+
+def thd_sessions(db: sqlite3.Connection) -> list[tuple[object, ...]]:
+    """
+    Every session's row, as L{thd_put_session} wrote it.
+    """
+    return db.execute(
+        "SELECT key, name, model, file, tokens, size, shape, saved_at, last_used FROM sessions"
+    ).fetchall()

@@ -18,6 +18,7 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from blazar.engines.client import IEngineClient
+from blazar.gateway.sessions import ISlotBank
 from blazar.engines.supervisor import (
     Breaker,
     EngineError,
@@ -541,3 +542,49 @@ def forced_tool_call_request(
         "seed": seed,
         "stream": stream,
     }
+
+
+@implementer(ISlotBank)
+class FakeSlotBank:
+    """
+    L{blazar.gateway.sessions.ISlotBank} in memory: each slot of each
+    instance holds a token count (L{fill} is a request that ran there),
+    each saved file the count it was saved with. A file named in
+    C{corrupt} fails to restore, as llama-server's answer to a damaged
+    file does.
+
+    @ivar calls: C{(action, slot, filename)} in order.
+    """
+
+    def __init__(self) -> None:
+        self.slots: dict[tuple[int, int], int] = {}
+        self.files: dict[str, int] = {}
+        self.corrupt: set[str] = set()
+        self.calls: list[tuple[str, int, str | None]] = []
+
+    def fill(self, instance: Any, slot: int, tokens: int) -> None:
+        self.slots[(id(instance), slot)] = tokens
+
+    def held(self, instance: Any, slot: int) -> int:
+        return self.slots.get((id(instance), slot), 0)
+
+    async def save(self, instance: Any, slot: int, filename: str, timeout: float) -> tuple[int, int]:
+        self.calls.append(("save", slot, filename))
+        tokens = self.held(instance, slot)
+        self.files[filename] = tokens
+        self.corrupt.discard(filename)
+        return tokens, tokens * 512
+
+    async def restore(self, instance: Any, slot: int, filename: str, timeout: float) -> int:
+        from blazar.gateway.sessions import SlotActionFailed
+
+        self.calls.append(("restore", slot, filename))
+        if filename not in self.files or filename in self.corrupt:
+            raise SlotActionFailed("restore: 400 'Unable to restore slot: No available space in KV cache or "
+                                   "invalid slot save file'")
+        self.fill(instance, slot, self.files[filename])
+        return self.files[filename]
+
+    async def erase(self, instance: Any, slot: int, timeout: float) -> None:
+        self.calls.append(("erase", slot, None))
+        self.fill(instance, slot, 0)

@@ -300,8 +300,17 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
-        "queue", "models", "keys",
+        "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
+        "session_bank_entry_max_mib", "session_bank_max_mib",
     )
+
+    def test_session_keys(self) -> None:
+        settings = self.tree.sessions._settings
+        self.check("session_keep_secs", "session_keep_secs = 0\n", "", lambda: settings()[0], 0)
+        self.check("session_save_timeout_secs", "session_save_timeout_secs = 7\n", "", lambda: settings()[1], 7)
+        self.check("session_bank_entry_max_mib", "session_bank_entry_max_mib = 3\n", "",
+                   lambda: settings()[2], 3 << 20)
+        self.check("session_bank_max_mib", "session_bank_max_mib = 5\n", "", lambda: settings()[3], 5 << 20)
 
     def test_site_keys(self) -> None:
         site = self.tree.site

@@ -106,6 +106,15 @@ def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
     return min(trained, DEFAULT_CTX_SIZE)
 
 
+def slot_save_dir(data_dir: Path, model: str) -> Path:
+    """
+    Where a model's children save and restore slots (C{--slot-save-path}):
+    C{<data_dir>/sessions/<model>}, the name made safe for a directory.
+    """
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return data_dir / "sessions" / safe
+
+
 @attrs.frozen
 class EngineCommand:
     """
@@ -151,6 +160,9 @@ def build_command(
         "--alias", entry.name,
         "--no-webui",
     ]
+    if not settings.embedding:
+        # the KV bank (blazar.gateway.sessions): slots are saved and restored here
+        argv += ["--slot-save-path", str(slot_save_dir(config.data_dir, entry.name))]
     if settings.embedding:
         # one input is embedded in one batch: let a batch hold a whole slot
         per_slot = str(context_per_slot(entry, meta))

@@ -575,6 +575,7 @@ class Instance:
     ready_at: float | None = None
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
+    binary: str = ""
     last_used: float = 0.0
     stop_reason: str = ""
     unload_when_idle: str | None = None
@@ -692,6 +693,9 @@ class Supervisor(Service):
     _admission: Any = attrs.field(factory=DeferredLock)
     metrics: Metrics = attrs.field(factory=Metrics)
     _engine_output: Callable[[str, str], None] | None = None
+    # called with a ready child about to be stopped (the KV bank saves its
+    # sessions' slots: blazar.gateway.sessions); SIGTERM waits for it
+    before_stop: Callable[[Instance], Deferred[None]] | None = None
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -1093,7 +1097,7 @@ class Supervisor(Service):
         self.metrics.loads.labels(entry.name).inc()
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta),
+            idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta), binary=str(binary),
         )
         env = child_environment(self._environ)
         env.update(command.env)
@@ -1323,6 +1327,14 @@ class Supervisor(Service):
         if not instance.stop_reason and instance.state != InstanceState.DEAD:
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
+            if self.before_stop is not None and instance.state == InstanceState.READY:
+                saving = self.before_stop(instance)
+                if not saving.called:
+                    ended = instance.protocol.when_ended()
+                    saving.addErrback(lambda f: log.failure("before stopping {model}", f, model=instance.entry.name))
+                    saving.addCallback(lambda _: self._terminate(instance))
+                    saving.addErrback(lambda f: log.failure("stopping {model} failed", f, model=instance.entry.name))
+                    return ended
         return self._terminate(instance)
 
     async def probe_health(self, instance: Instance) -> bool:

@@ -96,6 +96,7 @@ class Call:
     rewrite: Callable[[Call], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
     entry: ModelEntry | None = None
+    session_hint: str | None = None
 
     @property
     def embedding(self) -> bool:

@@ -17,13 +17,15 @@ surface:
  7. admission (a slot of the model, by priority, class, deadline and key);
  8. the prompt's token count, if the surface needs it (after admission: no
     engine call for a request still queued);
- 9. a lease on a ready child (loading one if needed), and the send;
+ 9. a lease on a ready child (loading one if needed); the session pin
+    (L{blazar.gateway.sessions}: the session's slot, its KV bank entry
+    restored into it); the send;
  10. the surface reads or relays the answer (L{Reply});
  11. usage (metrics, the key's token limits) as the surface reports it,
      and the lease's end (C{keep_alive}, unloading on 0).
 
-Adding a step (a session pin, a tool-call grammar, a cache lookup, remote
-routing) is a change here, not in the surfaces. Errors are domain errors
+Adding a step (a tool-call grammar, a cache lookup, remote routing) is a
+change here, not in the surfaces. Errors are domain errors
 (L{blazar.gateway.errors}); surfaces render them.
 """
 
@@ -38,10 +40,11 @@ from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.call import Call, CallKind, Counting
-from blazar.gateway.context import note_tokens, record_usage
+from blazar.gateway.context import context_of, key_of, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
 from blazar.gateway.errors import UnsupportedByModel
 from blazar.gateway.scope import may_use, resolve_in_scope
+from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
@@ -71,6 +74,7 @@ class Reply:
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.loaded = loaded
+        self.pin: Pin | None = None
 
     async def read(self) -> bytes:
         """
@@ -134,12 +138,16 @@ class Opened:
         self._request = request
         self._call = call
         self._lease: InstanceLease | None = None
+        self._reply: Reply | None = None
 
     async def __aenter__(self) -> Reply:
-        reply, self._lease = await self._pipeline._start(self._request, self._call)
-        return reply
+        self._reply, self._lease = await self._pipeline._start(self._request, self._call)
+        return self._reply
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        if self._reply is not None and self._reply.pin is not None and self._pipeline.sessions is not None:
+            tokens = context_of(self._request).tokens
+            self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
         if self._lease is not None:
             self._pipeline._end(self._lease, self._call.keep_alive)
 
@@ -151,12 +159,13 @@ class Pipeline:
 
     def __init__(
         self, proxy: EngineProxy, clock: Any, registry: ModelRegistry | None = None,
-        admission: Admission | None = None,
+        admission: Admission | None = None, sessions: Sessions | None = None,
     ) -> None:
         self._proxy = proxy
         self._clock = clock
         self._registry = registry
         self.admission = admission
+        self.sessions = sessions
         self.supervisor = proxy.supervisor
 
     def open(self, request: Any, call: Call) -> Opened:
@@ -247,16 +256,44 @@ class Pipeline:
                 counted = await self._count(call)
         stop = call.on_send(not ready) if call.on_send is not None else None
         started = self._clock.seconds()
+        pin = None
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
+            pin = await self._pin(request, call, instance)
+            if pin is not None:
+                raw = with_slot(raw, pin.slot) or raw
             lease, response = await self._proxy.send(
                 call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
             )
+        except BaseException:
+            if pin is not None and self.sessions is not None:
+                self.sessions.release(pin, None)
+            raise
         finally:
             if stop is not None:
                 stop()
-        return Reply(self._proxy, request, lease, response, counted, started, loaded), lease
+        reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
+        reply.pin = pin
+        return reply, lease
+
+    async def _pin(self, request: Any, call: Call, instance: Any) -> Pin | None:
+        """
+        The session step: a request that names a session
+        (L{blazar.gateway.sessions.session_name}) goes to its session's slot
+        of C{instance}, its bank entry restored there first if it has one.
+        A request that picks its own slot (C{id_slot}) is left alone.
+        """
+        if self.sessions is None or not self.sessions.enabled:
+            return None
+        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or "id_slot" in call.body:
+            return None
+        getter = getattr(request, "getHeader", None)
+        name = session_name(lambda h: getter(h) if getter is not None else None, call.session_hint)
+        if name is None:
+            return None
+        key = key_of(request)
+        return await self.sessions.pin(key.name if key is not None else "", name, instance)
 
     async def _check(self, request: Any, call: Call) -> str:
         """

@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.gateway.admission import WorkClass
+from blazar.gateway.sessions import anthropic_hint
 from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, StreamStopped, keep_alive_of
@@ -84,6 +85,7 @@ class AnthropicSurface:
             "anthropic", CallKind.CHAT, body["model"], "/v1/chat/completions", engine_body, stream=True,
             keep_alive=keep_alive, max_tokens=max_tokens_of(engine_body),
             work=WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE,
+            session_hint=anthropic_hint(body),
         )
         return call, body, stops
 

@@ -455,6 +455,44 @@ class OllamaSurface:
 
         return _json(request, self._pipeline.queues(show))
 
+    @app.route("/api/session", methods=["GET"])
+    def sessions(self, request: IRequest) -> bytes:
+        """
+        Blazar's sessions (not in Ollama's API): the caller's key's own,
+        most recent first: C{session}, C{model}, C{slot} (in the running
+        child, or null), C{last_used} (RFC 3339), C{tokens_cached},
+        C{saved} (a KV bank entry on disk) and C{saved_tokens}.
+        """
+        key = key_of(request)
+        table = self._pipeline.sessions
+        offset = self._now() - self._clock.seconds()
+        shown = []
+        for session in table.of_key(key.name if key is not None else "") if table is not None else []:
+            view = session.view()
+            view["last_used"] = _rfc3339(view["last_used"] + offset)
+            shown.append(view)
+        return _json(request, {"sessions": shown, "enabled": bool(table is not None and table.enabled)})
+
+    @app.route("/api/session", methods=["POST"])
+    def session_action(self, request: IRequest) -> bytes:
+        """
+        C{{"action": "close", "session": NAME}}: end one of the caller's
+        sessions (its slot given up, its bank entry deleted); 404 if the
+        key has none by that name.
+        """
+        body = self._body(request)
+        if body.get("action") != "close":
+            raise OllamaError(400, 'action: must be "close"')
+        name = body.get("session")
+        if not isinstance(name, str) or not name:
+            raise OllamaError(400, "session is required: the name of one of this key's sessions (GET /api/session)")
+        key = key_of(request)
+        table = self._pipeline.sessions
+        closed = table.close(key.name if key is not None else "", name) if table is not None else []
+        if not closed:
+            raise OllamaError(404, f"no session {name!r} for this key (GET /api/session lists them)")
+        return _json(request, {"closed": name, "models": sorted({s.model for s in closed})})
+
     @app.route("/api/copy", methods=["POST"])
     async def copy(self, request: IRequest) -> bytes:
         body = self._body(request)

@@ -364,6 +364,7 @@ class OpenAISurface:
             work=work, rewrite=rewrite, on_send=on_send,
             names=("max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                    "prompt" if kind == "completion" else "messages"),
+            session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
         )
         try:
             async with self._pipeline.open(request, call) as reply:

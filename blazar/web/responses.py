@@ -128,6 +128,7 @@ class Responses:
             "responses", CallKind.CHAT, body["model"], "/v1/chat/completions", chat, stream=True,
             keep_alive=keep_alive, max_tokens=max_tokens_of(chat), names=("max_output_tokens", "input"),
             work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE,
+            session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
         )
         return call, previous, names
 

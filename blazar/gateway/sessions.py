@@ -1,0 +1,597 @@
+"""
+Sessions and the KV bank: a conversation keeps its prompt cache across
+turns, slots, evictions and restarts.
+
+A session is named by the client (C{x-blazar-session: NAME}) or by what
+coding agents already send (L{session_name}); it belongs to the API key
+that made it and to one model. While it is active it owns one slot of its
+model's child: its requests go to that slot (llama-server's C{id_slot}),
+so the slot's KV cache is the conversation's. When the slot must be given
+up — another session needs it and none is free, or the child stops (idle,
+C{keep_alive}, capacity, C{blazar evict}, daemon stop) — the slot is saved
+to disk (llama-server's C{POST /slots/N?action=save}, under
+C{--slot-save-path <data_dir>/sessions/<model>}), and before the
+session's next request it is restored into a free slot
+(C{?action=restore}). A bank entry is tied to the model file, the engine
+binary and the context per slot it was made with (L{shape_of}) and is
+never restored into a child of another shape; a restore that fails or
+restores another token count than was saved is counted and logged, the
+slot erased, and the request prefilled as if there had been no bank.
+
+A session unused for C{session_keep_secs} is dropped with its bank entry.
+Entries are kept in SQLite (C{sessions}) so that a daemon restart finds
+them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import attrs
+from twisted.internet.defer import CancelledError, Deferred, DeferredLock, ensureDeferred
+from twisted.logger import Logger
+from zope.interface import Interface, implementer
+
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
+from blazar.httpbody import read_body
+
+log = Logger()
+
+SESSION_HEADER = "x-blazar-session"
+# what coding agents send, in the order they are looked at after the header
+IMPLICIT_HEADERS = ("x-claude-code-session-id", "session-id")
+MAX_NAME = 200
+
+
+def session_name(header: Callable[[str], str | None], hint: str | None) -> str | None:
+    """
+    The session a request names: C{x-blazar-session}, else Claude Code's
+    C{X-Claude-Code-Session-Id} or Codex's C{session-id} header, else
+    C{hint} (what the surface found in its body: Anthropic
+    C{metadata.user_id}'s C{session_id}, Responses C{prompt_cache_key}).
+
+    @param header: A request header's value by lower-case name.
+    @return: The name (at most L{MAX_NAME} characters), or L{None}.
+    """
+    for name in (SESSION_HEADER, *IMPLICIT_HEADERS):
+        value = header(name)
+        if value and value.strip():
+            return value.strip()[:MAX_NAME]
+    if hint and hint.strip():
+        return hint.strip()[:MAX_NAME]
+    return None
+
+
+def anthropic_hint(body: dict[str, Any]) -> str | None:
+    """
+    The C{session_id} in Anthropic C{metadata.user_id} (Claude Code sends
+    it as a JSON string: C{{"device_id": ..., "session_id": ...}}).
+    """
+    metadata = body.get("metadata")
+    user_id = metadata.get("user_id") if isinstance(metadata, dict) else None
+    if not isinstance(user_id, str) or "session_id" not in user_id:
+        return None
+    try:
+        parsed = json.loads(user_id)
+    except ValueError:
+        return None
+    value = parsed.get("session_id") if isinstance(parsed, dict) else None
+    return value if isinstance(value, str) and value else None
+
+
+def with_slot(raw: bytes, slot: int) -> bytes | None:
+    """
+    The encoded JSON object C{raw} with C{"id_slot": slot} added at its end
+    (a later key wins in llama-server's parser), or L{None} if C{raw} is
+    not an object's encoding.
+    """
+    body = raw.rstrip()
+    if not body.endswith(b"}"):
+        return None
+    inner = body[:-1].rstrip()
+    sep = b"" if inner.endswith(b"{") else b","
+    return inner + sep + b'"id_slot":%d}' % slot
+
+
+bank_dir = slot_save_dir
+
+
+def thd_shape(model_path: str, binary: str, ctx: int) -> str:
+    """
+    What a bank entry is tied to: the model file (path, size, mtime), the
+    engine binary (path, mtime) and the context per slot, hashed.
+    """
+    parts = [model_path, binary, f"ctx={ctx}"]
+    for path in (model_path, binary):
+        try:
+            st = os.stat(path)
+            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append("missing")
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:32]
+
+
+class SlotActionFailed(Exception):
+    """
+    A child refused or failed a slot save, restore or erase.
+    """
+
+
+class ISlotBank(Interface):
+    """
+    Slot saves and restores on one child (llama-server's C{/slots/N}).
+    """
+
+    async def save(instance: Any, slot: int, filename: str, timeout: float) -> tuple[int, int]:
+        """
+        Save C{slot} to C{filename} (under the child's slot save path).
+
+        @return: Tokens saved, bytes written.
+        @raise SlotActionFailed: The child refused it.
+        """
+
+    async def restore(instance: Any, slot: int, filename: str, timeout: float) -> int:
+        """
+        Restore C{filename} into C{slot}.
+
+        @return: Tokens restored.
+        @raise SlotActionFailed: The child refused it (a missing or
+            corrupted file, a context too small).
+        """
+
+    async def erase(instance: Any, slot: int, timeout: float) -> None:
+        """
+        Empty C{slot}'s KV cache.
+        """
+
+
+@implementer(ISlotBank)
+class EngineSlots:
+    """
+    L{ISlotBank} on llama-server children: C{POST /slots/N?action=...}
+    with the child's key, over the engine client, each bounded.
+    """
+
+    def __init__(self, engines: Any, clock: Any) -> None:
+        self._engines = engines
+        self._clock = clock
+
+    async def _action(self, instance: Any, slot: int, action: str, body: dict[str, Any], timeout: float) -> Any:
+        async def go() -> Any:
+            response = await self._engines.request(
+                "POST", f"{instance.base_url}/slots/{slot}?action={action}", json.dumps(body).encode("utf-8"),
+                {**instance.auth_headers, b"content-type": [b"application/json"]}, stream=False,
+            )
+            data = await read_body(response, self._clock, idle_timeout=timeout, max_bytes=1 << 16)
+            try:
+                parsed = json.loads(data)
+            except ValueError:
+                parsed = {}
+            if response.code != 200:
+                error = parsed.get("error") if isinstance(parsed, dict) else None
+                message = error.get("message") if isinstance(error, dict) else None
+                raise SlotActionFailed(f"{action}: {response.code} {message or data[:200]!r}")
+            return parsed
+
+        d = ensureDeferred(go())
+        d.addTimeout(timeout, self._clock)
+        try:
+            return await d
+        except CancelledError:
+            raise SlotActionFailed(f"{action}: no answer in {timeout:g} s (session_save_timeout_secs)") from None
+
+    async def save(self, instance: Any, slot: int, filename: str, timeout: float) -> tuple[int, int]:
+        done = await self._action(instance, slot, "save", {"filename": filename}, timeout)
+        return int(done.get("n_saved") or 0), int(done.get("n_written") or 0)
+
+    async def restore(self, instance: Any, slot: int, filename: str, timeout: float) -> int:
+        done = await self._action(instance, slot, "restore", {"filename": filename}, timeout)
+        return int(done.get("n_restored") or 0)
+
+    async def erase(self, instance: Any, slot: int, timeout: float) -> None:
+        await self._action(instance, slot, "erase", {}, timeout)
+
+
+@attrs.frozen
+class BankEntry:
+    """
+    A saved slot: C{file} (relative to the model's bank directory), the
+    tokens and bytes saved, the L{thd_shape} it was made with, when.
+    """
+
+    file: str
+    tokens: int
+    size: int
+    shape: str
+    saved_at: float
+
+
+@attrs.define(eq=False)
+class Session:
+    """
+    One conversation of one key on one model.
+
+    @ivar instance: The child whose slot C{slot} holds this session's KV
+        cache, if any.
+    """
+
+    key: str
+    name: str
+    model: str
+    last_used: float
+    slot: int | None = None
+    instance: Any = None
+    bank: BankEntry | None = None
+    tokens: int = 0
+    in_flight: int = 0
+
+    @property
+    def file(self) -> str:
+        digest = hashlib.sha256(f"{self.key}\0{self.name}\0{self.model}".encode("utf-8")).hexdigest()
+        return f"{digest[:32]}.bin"
+
+    def view(self) -> dict[str, Any]:
+        """
+        What C{GET /api/session} shows of it.
+        """
+        return {
+            "session": self.name, "model": self.model, "slot": self.slot if self.instance is not None else None,
+            "last_used": self.last_used, "tokens_cached": self.tokens,
+            "saved": self.bank is not None, "saved_tokens": self.bank.tokens if self.bank is not None else 0,
+        }
+
+
+@attrs.define(eq=False)
+class Pin:
+    """
+    A request's hold on its session's slot (L{Sessions.pin}); ended by
+    L{Sessions.release}.
+    """
+
+    session: Session
+    slot: int
+
+
+class Sessions:
+    """
+    The sessions of every key and model (see the module docstring).
+
+    @param bank: Saves and restores slots (L{ISlotBank}).
+    @param settings: C{() -> (keep_secs, save_timeout, entry_max_bytes,
+        bank_max_bytes)}, from the live config.
+    @param run: C{run(f, *args)}: a blocking C{thd_*} function on a thread,
+        as a Deferred.
+    @param persist: C{persist(session)}: write its row (bank entry and last
+        use); C{forget(session)}: delete it. Both return Deferreds.
+    @param count: C{count(op, result)}: a metrics counter.
+    """
+
+    def __init__(
+        self, clock: Any, bank: ISlotBank, data_dir: Callable[[], Path],
+        settings: Callable[[], tuple[float, float, int, int]],
+        run: Callable[..., Deferred[Any]],
+        persist: Callable[[Session], Deferred[Any]] | None = None,
+        forget: Callable[[Session], Deferred[Any]] | None = None,
+        count: Callable[[str, str], None] | None = None,
+    ) -> None:
+        self._clock = clock
+        self._bank = bank
+        self._data_dir = data_dir
+        self._settings = settings
+        self._run = run
+        self._persist = persist
+        self._forget = forget
+        self._count = count or (lambda op, result: None)
+        self._sessions: dict[tuple[str, str, str], Session] = {}
+        # per child: who owns each slot
+        self._owners: dict[int, tuple[Any, list[Session | None]]] = {}
+        self._locks: dict[int, DeferredLock] = {}
+        self._shapes: dict[int, str] = {}
+        self.pending: set[Deferred[Any]] = set()
+
+    # -- what clients see --------------------------------------------------
+
+    @property
+    def enabled(self) -> bool:
+        return self._settings()[0] > 0
+
+    def of_key(self, key: str | None) -> list[Session]:
+        """
+        The sessions of C{key} (every key's for L{None}), most recent first.
+        """
+        found = [s for s in self._sessions.values() if key is None or s.key == key]
+        return sorted(found, key=lambda s: -s.last_used)
+
+    def close(self, key: str | None, name: str) -> list[Session]:
+        """
+        End C{key}'s sessions named C{name} (on every model; any key's for
+        L{None}, the control socket): their slots are given up and their
+        bank entries deleted.
+
+        @return: The sessions ended (none: no such session of that key).
+        """
+        closed = [s for s in list(self._sessions.values()) if s.name == name and (key is None or s.key == key)]
+        for session in closed:
+            self._drop(session)
+        return closed
+
+    def load(self, sessions: Sequence[Session]) -> None:
+        """
+        Sessions read back from the store at start (bank entries, no slot).
+        """
+        for session in sessions:
+            self._sessions[(session.key, session.name, session.model)] = session
+
+    # -- the pipeline's step ----------------------------------------------
+
+    async def pin(self, key: str, name: str, instance: Any) -> Pin | None:
+        """
+        The slot of C{instance} that C{key}'s session C{name} uses for its
+        next request: the one it owns, else a free one, else the least
+        recently used idle session's (saved to the bank first); its bank
+        entry, if any and of this child's shape, restored into it.
+
+        @return: L{None} when sessions are off, or every slot is held by a
+            session with a request running (the request goes unpinned).
+        """
+        if not self.enabled:
+            return None
+        model = instance.entry.name
+        session = self._sessions.get((key, name, model))
+        now = self._clock.seconds()
+        if session is None:
+            session = self._sessions[(key, name, model)] = Session(key, name, model, now)
+        session.last_used = now
+        lock = self._locks.setdefault(id(instance), DeferredLock())
+        await lock.acquire()
+        try:
+            slot = await self._slot_for(session, instance)
+            if slot is None:
+                return None
+            session.in_flight += 1
+            return Pin(session, slot)
+        finally:
+            lock.release()
+
+    def release(self, pin: Pin, tokens: int | None) -> None:
+        """
+        A pinned request ended; C{tokens} (prompt + completion, as the
+        engine reported them) is what its slot now holds.
+        """
+        session = pin.session
+        session.in_flight = max(0, session.in_flight - 1)
+        session.last_used = self._clock.seconds()
+        if tokens:
+            session.tokens = tokens
+
+    async def _slot_for(self, session: Session, instance: Any) -> int | None:
+        owners = self._owners_of(instance)
+        if session.instance is instance and session.slot is not None and owners[session.slot] is session:
+            return session.slot
+        session.instance, session.slot = None, None
+        slot = next((i for i, owner in enumerate(owners) if owner is None), None)
+        if slot is None:
+            idle = [o for o in owners if o is not None and o.in_flight == 0]
+            if not idle:
+                return None
+            victim = min(idle, key=lambda o: o.last_used)
+            slot = owners.index(victim)
+            await self._page_out(victim, instance)
+        owners[slot] = session
+        session.instance, session.slot = instance, slot
+        if session.bank is not None:
+            await self._restore(session, instance, slot)
+        return slot
+
+    def _owners_of(self, instance: Any) -> list[Session | None]:
+        for ident, (other, _) in list(self._owners.items()):
+            if other is not instance and getattr(other, "state", None) in ("dead", "stopping"):
+                self._lose(ident)
+        held = self._owners.get(id(instance))
+        if held is None or held[0] is not instance:
+            slots = int(instance.entry.settings.parallel or DEFAULT_PARALLEL)
+            held = self._owners[id(instance)] = (instance, [None] * slots)
+        return held[1]
+
+    def _lose(self, ident: int) -> None:
+        _, owners = self._owners.pop(ident)
+        self._shapes.pop(ident, None)
+        self._locks.pop(ident, None)
+        for owner in owners:
+            if owner is not None:
+                owner.instance, owner.slot = None, None
+
+    async def _shape(self, instance: Any) -> str:
+        shape = self._shapes.get(id(instance))
+        if shape is None:
+            shape = await self._run(thd_shape, str(instance.entry.path), str(getattr(instance, "binary", "")),
+                                    int(instance.ctx))
+            self._shapes[id(instance)] = shape
+        return shape
+
+    async def _page_out(self, session: Session, instance: Any) -> None:
+        """
+        Save C{session}'s slot to the bank and give the slot up.
+        """
+        slot = session.slot
+        session.instance, session.slot = None, None
+        owners = self._owners_of(instance)
+        if slot is not None and owners[slot] is session:
+            owners[slot] = None
+        if slot is None:
+            return
+        await self._save(session, instance, slot)
+
+    async def _save(self, session: Session, instance: Any, slot: int) -> None:
+        _, timeout, entry_max, bank_max = self._settings()
+        shape = await self._shape(instance)
+        await self._run(_thd_mkdir, bank_dir(self._data_dir(), session.model))
+        try:
+            tokens, size = await self._bank.save(instance, slot, session.file, timeout)
+        except Exception as e:
+            self._count("save", "failed")
+            log.warn("{model}: saving session {session}'s slot {slot} failed: {error}",
+                     model=session.model, session=session.name, slot=slot, error=str(e) or type(e).__name__)
+            return
+        if tokens <= 0 or size > entry_max:
+            if size > entry_max:
+                log.warn("{model}: session {session}'s bank entry is {size} bytes, over "
+                         "session_bank_entry_max_mib; not kept", model=session.model, session=session.name, size=size)
+            self._count("save", "discarded")
+            await self._run(_thd_unlink, bank_dir(self._data_dir(), session.model) / session.file)
+            session.bank = None
+            return
+        session.bank = BankEntry(session.file, tokens, size, shape, self._clock.seconds())
+        session.tokens = tokens
+        self._count("save", "ok")
+        self._track(self._persist(session) if self._persist is not None else None)
+        await self._bound(bank_max)
+
+    async def _restore(self, session: Session, instance: Any, slot: int) -> None:
+        bank = session.bank
+        assert bank is not None
+        _, timeout, _, _ = self._settings()
+        shape = await self._shape(instance)
+        if bank.shape != shape:
+            # another model file, engine or context size: never restored
+            self._count("restore", "other_shape")
+            log.info("{model}: session {session}'s bank entry was made for another model file, engine or "
+                     "context size; prefilling instead", model=session.model, session=session.name)
+            self._drop_bank(session)
+            return
+        try:
+            restored = await self._bank.restore(instance, slot, bank.file, timeout)
+        except Exception as e:
+            restored, error = -1, str(e) or type(e).__name__
+        else:
+            error = f"restored {restored} tokens, {bank.tokens} were saved"
+        if restored == bank.tokens:
+            self._count("restore", "ok")
+            session.tokens = restored
+            return
+        self._count("restore", "failed")
+        log.warn("{model}: restoring session {session}'s bank entry into slot {slot} failed ({error}); "
+                 "the prompt is prefilled instead", model=session.model, session=session.name, slot=slot, error=error)
+        try:
+            await self._bank.erase(instance, slot, timeout)
+        except Exception as e:
+            log.warn("{model}: erasing slot {slot} after a failed restore failed: {error}",
+                     model=session.model, slot=slot, error=str(e))
+        self._drop_bank(session)
+
+    def _drop_bank(self, session: Session) -> None:
+        if session.bank is None:
+            return
+        path = bank_dir(self._data_dir(), session.model) / session.bank.file
+        session.bank = None
+        self._track(self._run(_thd_unlink, path))
+        self._track(self._persist(session) if self._persist is not None else None)
+
+    async def _bound(self, bank_max: int) -> None:
+        """
+        Keep the bank's total size within C{bank_max} bytes, oldest saves
+        dropped first.
+        """
+        banked = sorted((s for s in self._sessions.values() if s.bank is not None),
+                        key=lambda s: s.bank.saved_at if s.bank is not None else 0.0)
+        total = sum(s.bank.size for s in banked if s.bank is not None)
+        for session in banked:
+            if total <= bank_max:
+                break
+            assert session.bank is not None
+            total -= session.bank.size
+            log.info("session bank over session_bank_max_mib: dropping {session}'s entry ({model})",
+                     session=session.name, model=session.model)
+            self._drop_bank(session)
+
+    def _drop(self, session: Session) -> None:
+        self._sessions.pop((session.key, session.name, session.model), None)
+        if session.instance is not None and session.slot is not None:
+            held = self._owners.get(id(session.instance))
+            if held is not None and held[1][session.slot] is session:
+                held[1][session.slot] = None
+        session.instance, session.slot = None, None
+        if session.bank is not None:
+            path = bank_dir(self._data_dir(), session.model) / session.bank.file
+            session.bank = None
+            self._track(self._run(_thd_unlink, path))
+        self._track(self._forget(session) if self._forget is not None else None)
+
+    def _track(self, d: Deferred[Any] | None) -> None:
+        if d is None:
+            return
+        self.pending.add(d)
+
+        def done(result: Any) -> Any:
+            self.pending.discard(d)
+            return result
+
+        d.addBoth(done).addErrback(lambda f: log.failure("session bank bookkeeping failed", f))
+
+    # -- the supervisor's hook and the reaper ---------------------------------
+
+    async def before_stop(self, instance: Any) -> None:
+        """
+        The child is about to stop: save the slot of every session it holds
+        (the most recently used first), within C{session_save_timeout_secs}
+        each.
+        """
+        held = self._owners.get(id(instance))
+        if held is None or held[0] is not instance:
+            return
+        owners = [o for o in held[1] if o is not None]
+        for session in sorted(owners, key=lambda s: -s.last_used):
+            if session.slot is not None:
+                slot = session.slot
+                await self._save(session, instance, slot)
+        self._lose(id(instance))
+
+    def stopping(self, instance: Any) -> Deferred[None]:
+        """
+        L{before_stop} as a tracked Deferred (the supervisor's hook).
+        """
+        d: Deferred[None] = ensureDeferred(self.before_stop(instance))
+        self._track(d)
+        return d
+
+    def expire(self) -> int:
+        """
+        Drop the sessions unused for C{session_keep_secs} (none running).
+
+        @return: How many were dropped.
+        """
+        keep = self._settings()[0]
+        now = self._clock.seconds()
+        old = [s for s in self._sessions.values() if s.in_flight == 0 and now - s.last_used > keep]
+        for session in old:
+            self._drop(session)
+        return len(old)
+
+
+def _thd_mkdir(path: Path) -> None:
+    from blazar.files import private_dir
+
+    if not path.exists():
+        private_dir(path)
+
+
+def _thd_unlink(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def sessions_from_rows(rows: Sequence[tuple[Any, ...]]) -> list[Session]:
+    """
+    Sessions from the store's rows (L{blazar.store.thd_sessions}).
+    """
+    out = []
+    for key, name, model, file, tokens, size, shape, saved_at, last_used in rows:
+        bank = BankEntry(file, int(tokens), int(size), shape, float(saved_at)) if file else None
+        out.append(Session(key, name, model, float(last_used), bank=bank, tokens=int(tokens or 0)))
+    return out

@@ -1,0 +1,184 @@
+"""
+Sessions and the KV bank (L{blazar.gateway.sessions}), on a fake slot bank
+and a clock.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.task import Clock
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.gateway.sessions import (
+    Pin, Sessions, anthropic_hint, session_name, sessions_from_rows, with_slot,
+)
+from blazar.testing import FakeInstance, FakeSlotBank
+from tests.gateway.slot_bank_contract import check_slot_bank
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "clients"
+
+
+def run_now(f: Any, *args: Any) -> Deferred[Any]:
+    return succeed(f(*args))
+
+
+class NamingTests(SynchronousTestCase):
+    def test_the_header_first_then_the_agents_then_the_hint(self) -> None:
+        headers = {"x-blazar-session": "mine", "x-claude-code-session-id": "cc", "session-id": "codex"}
+        self.assertEqual(session_name(headers.get, "hint"), "mine")
+        del headers["x-blazar-session"]
+        self.assertEqual(session_name(headers.get, "hint"), "cc")
+        del headers["x-claude-code-session-id"]
+        self.assertEqual(session_name(headers.get, "hint"), "codex")
+        self.assertEqual(session_name({}.get, " hint "), "hint")
+        self.assertIsNone(session_name({"x-blazar-session": "  "}.get, None))
+
+    def test_the_recorded_agents_name_their_sessions(self) -> None:
+        claude = json.loads((FIXTURES / "claude-code-first.json").read_text())
+        lower = {k.lower(): v for k, v in claude["headers"].items()}
+        self.assertEqual(anthropic_hint(claude["body"]), lower["x-claude-code-session-id"])
+        self.assertEqual(session_name(lower.get, None), lower["x-claude-code-session-id"])
+        codex = json.loads((FIXTURES / "codex-first.json").read_text())
+        lower = {k.lower(): v for k, v in codex["headers"].items()}
+        self.assertEqual(session_name(lower.get, codex["body"]["prompt_cache_key"]), lower["session-id"])
+        self.assertIsNone(anthropic_hint({"metadata": {"user_id": "plain-user"}}))
+
+    def test_id_slot_is_added_at_the_end(self) -> None:
+        self.assertEqual(json.loads(with_slot(b'{"a": 1}\n', 3) or b""), {"a": 1, "id_slot": 3})
+        self.assertEqual(json.loads(with_slot(b"{}", 0) or b""), {"id_slot": 0})
+        self.assertIsNone(with_slot(b"[1]", 0))
+
+
+class SessionTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.bank = FakeSlotBank()
+        self.data = Path(tempfile.mkdtemp(prefix="blazar-sessions-"))
+        self.keep = 900.0
+        self.counted: list[tuple[str, str]] = []
+        self.rows: dict[tuple[str, str, str], Any] = {}
+        self.sessions = Sessions(
+            self.clock, self.bank, lambda: self.data, lambda: (self.keep, 2.0, 512 << 20, 4096 << 20), run_now,
+            persist=self.persist, forget=self.forget, count=lambda op, result: self.counted.append((op, result)),
+        )
+        self.child = FakeInstance("m:latest", parallel=2, ctx=2048)
+
+    def persist(self, session: Any) -> Deferred[None]:
+        self.rows[(session.key, session.name, session.model)] = session.bank
+        return succeed(None)
+
+    def forget(self, session: Any) -> Deferred[None]:
+        self.rows.pop((session.key, session.name, session.model), None)
+        return succeed(None)
+
+    def pin(self, name: str, child: Any = None, key: str = "k") -> Pin | None:
+        return self.successResultOf(Deferred.fromCoroutine(self.sessions.pin(key, name, child or self.child)))
+
+    def turn(self, name: str, tokens: int, child: Any = None, key: str = "k") -> Pin:
+        """
+        One request of session C{name}: pinned, run (its slot then holds
+        C{tokens}), released.
+        """
+        pin = self.pin(name, child, key)
+        assert pin is not None
+        self.bank.fill(child or self.child, pin.slot, tokens)
+        self.sessions.release(pin, tokens)
+        self.clock.advance(1)
+        return pin
+
+    def test_a_session_keeps_its_slot(self) -> None:
+        a, b = self.turn("a", 10), self.turn("b", 20)
+        self.assertNotEqual(a.slot, b.slot)
+        self.assertEqual(self.turn("a", 15).slot, a.slot)
+        self.assertEqual(self.bank.calls, [])  # nothing paged: each has its slot
+
+    def test_more_sessions_than_slots_page_the_least_recent_out_and_back(self) -> None:
+        a, b = self.turn("a", 100), self.turn("b", 200)
+        c = self.turn("c", 300)  # a is the least recently used: saved, its slot given to c
+        self.assertEqual(c.slot, a.slot)
+        a_file = a.session.file
+        self.assertEqual(self.bank.calls, [("save", a.slot, a_file)])
+        self.assertEqual(a.session.bank.tokens, 100)  # type: ignore[union-attr]
+        self.assertIn(("k", "a", "m:latest"), self.rows)
+        again = self.turn("a", 120)  # b is now the least recent: saved; a restored where b was
+        self.assertEqual(again.slot, b.slot)
+        self.assertEqual(self.bank.calls[1:], [("save", b.slot, b.session.file), ("restore", b.slot, a_file)])
+        self.assertIn(("restore", "ok"), self.counted)
+
+    def test_a_stop_saves_every_session_and_a_new_child_restores_them(self) -> None:
+        a, b = self.turn("a", 100), self.turn("b", 200)
+        self.successResultOf(self.sessions.stopping(self.child))
+        self.assertEqual(sorted(c[0] for c in self.bank.calls), ["save", "save"])
+        self.assertIsNone(a.session.slot)
+        fresh = FakeInstance("m:latest", parallel=2, ctx=2048)
+        pin = self.pin("b", fresh)
+        assert pin is not None
+        self.assertEqual(self.bank.held(fresh, pin.slot), 200)  # restored before the request
+
+    def test_a_bank_entry_of_another_shape_is_never_restored(self) -> None:
+        a = self.turn("a", 100)
+        self.successResultOf(self.sessions.stopping(self.child))
+        other = FakeInstance("m:latest", parallel=2, ctx=4096)  # another context per slot
+        pin = self.pin("a", other)
+        assert pin is not None
+        self.assertEqual(self.bank.held(other, pin.slot), 0)
+        self.assertNotIn("restore", [c[0] for c in self.bank.calls])
+        self.assertIsNone(a.session.bank)
+        self.assertIn(("restore", "other_shape"), self.counted)
+
+    def test_a_damaged_bank_entry_falls_back_to_prefill(self) -> None:
+        a = self.turn("a", 100)
+        self.successResultOf(self.sessions.stopping(self.child))
+        self.bank.corrupt.add(a.session.file)
+        fresh = FakeInstance("m:latest", parallel=2, ctx=2048)
+        pin = self.pin("a", fresh)
+        assert pin is not None  # the request still goes, to an erased slot
+        self.assertEqual([c[0] for c in self.bank.calls][-2:], ["restore", "erase"])
+        self.assertIsNone(a.session.bank)
+        self.assertIn(("restore", "failed"), self.counted)
+        self.flushLoggedErrors()
+
+    def test_sessions_belong_to_their_key(self) -> None:
+        mine, theirs = self.turn("same", 10, key="alice"), self.turn("same", 20, key="bob")
+        self.assertIsNot(mine.session, theirs.session)
+        self.assertEqual([s.key for s in self.sessions.of_key("alice")], ["alice"])
+        self.assertEqual(self.sessions.close("carol", "same"), [])
+        self.assertEqual([s.key for s in self.sessions.close("bob", "same")], ["bob"])
+        self.assertEqual([s.key for s in self.sessions.of_key(None)], ["alice"])
+
+    def test_unused_sessions_expire_with_their_bank_entry(self) -> None:
+        a = self.turn("a", 10)
+        self.successResultOf(self.sessions.stopping(self.child))
+        running = self.pin("b")
+        self.clock.advance(901)
+        self.assertEqual(self.sessions.expire(), 1)  # a; b has a request running
+        self.assertEqual([s.name for s in self.sessions.of_key(None)], ["b"])
+        self.assertNotIn(("k", "a", "m:latest"), self.rows)
+        assert running is not None
+        self.assertIsNone(a.session.bank)
+
+    def test_off_and_full(self) -> None:
+        held = [self.pin("a"), self.pin("b")]  # both slots with a request running
+        self.assertTrue(all(held))
+        self.assertIsNone(self.pin("c"))  # no idle session to page out: unpinned
+        self.keep = 0.0
+        self.assertIsNone(self.pin("a"))
+
+    def test_rows_read_back(self) -> None:
+        [session] = sessions_from_rows([("k", "a", "m:latest", "f.bin", 100, 51200, "shape", 5.0, 6.0)])
+        self.assertEqual((session.bank.file, session.bank.tokens, session.last_used), ("f.bin", 100, 6.0))  # type: ignore[union-attr]
+
+    def test_the_fake_bank_keeps_the_contract(self) -> None:
+        bank = FakeSlotBank()
+        child = FakeInstance("m:latest", parallel=2)
+
+        async def fill(slot: int) -> int:
+            bank.fill(child, slot, 42)
+            return 42
+
+        self.successResultOf(Deferred.fromCoroutine(check_slot_bank(bank, child, fill, bank.corrupt.add)))
