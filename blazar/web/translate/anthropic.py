@@ -428,6 +428,7 @@ class AnthropicStream:
     _finish: str | None = None
     _stop_sequence: str | None = None
     _output_tokens: int = 0
+    _cached_tokens: int = 0
     _usage_seen: bool = False
     _reason: str = "end_turn"
     stopped: bool = False
@@ -518,6 +519,9 @@ class AnthropicStream:
             self._usage_seen = True
             self._output_tokens = int(usage.get("completion_tokens", 0) or 0)
             self.input_tokens = int(usage.get("prompt_tokens", self.input_tokens) or 0)
+            details = usage.get("prompt_tokens_details")
+            cached = details.get("cached_tokens") if isinstance(details, dict) else None
+            self._cached_tokens = min(int(cached or 0), self.input_tokens)
         for choice in chunk.get("choices") or []:
             delta = choice.get("delta") or {}
             thinking = delta.get("reasoning_content")
@@ -581,7 +585,7 @@ class AnthropicStream:
         events.append(("message_delta", {
             "type": "message_delta",
             "delta": {"stop_reason": reason, "stop_sequence": self._stop_sequence},
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": self._output_tokens},
+            "usage": self._usage(),
         }))
         events.append(("message_stop", {"type": "message_stop"}))
         return events
@@ -610,7 +614,20 @@ class AnthropicStream:
         return {
             "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
             "content": content, "stop_reason": self._reason, "stop_sequence": self._stop_sequence,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": self._output_tokens},
+            "usage": self._usage(),
+        }
+
+    def _usage(self) -> dict[str, int]:
+        """
+        Anthropic's usage: C{input_tokens} are the prompt tokens not read
+        from the KV cache, C{cache_read_input_tokens} those that were (the
+        engine's C{prompt_tokens_details.cached_tokens}); together, the
+        prompt. (L{input_tokens} stays the whole prompt, for Blazar's own
+        counting.)
+        """
+        return {
+            "input_tokens": self.input_tokens - self._cached_tokens, "output_tokens": self._output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": self._cached_tokens,
         }
 
 

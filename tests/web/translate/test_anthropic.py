@@ -86,7 +86,8 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(text, "h€llo wörld 😀")
         delta = events[-2]
         self.assertEqual(delta["delta"], {"stop_reason": "end_turn", "stop_sequence": None})
-        self.assertEqual(delta["usage"], {"input_tokens": 12, "output_tokens": 6})
+        self.assertEqual(delta["usage"], {"input_tokens": 12, "output_tokens": 6,
+                                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
         message = t.message()
         self.assertEqual(message["content"], [{"type": "text", "text": "h€llo wörld 😀"}])
         self.assertEqual(message["stop_reason"], "end_turn")
@@ -246,3 +247,21 @@ class ReasoningAndSystemTests(SynchronousTestCase):
         self.assertEqual([(m["role"], m["content"]) for m in out["messages"]],
                          [("system", "top"), ("user", "q"), ("system", "mid"), ("assistant", "a"), ("user", "again")])
         self.assertEqual(ignored, ["cache_control", "content:server_tool_use"])
+
+
+class CacheUsageTests(SynchronousTestCase):
+    def test_cached_prompt_tokens_are_cache_reads(self) -> None:
+        """
+        Anthropic's C{input_tokens} excludes what was read from the cache
+        (C{cache_read_input_tokens}); the two add up to the prompt.
+        """
+        translator = tr.AnthropicStream("msg_1", "m")
+        translator.feed(chunk({"content": "hi"}))
+        translator.feed(chunk(finish="stop"))
+        translator.feed(chunk(usage={"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
+                                     "prompt_tokens_details": {"cached_tokens": 90}}))
+        translator.finish()
+        self.assertEqual(translator.message()["usage"], {
+            "input_tokens": 10, "output_tokens": 2, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 90,
+        })
+        self.assertEqual(translator.total_tokens(), 102)  # Blazar's own count: the whole prompt
