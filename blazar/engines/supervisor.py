@@ -43,7 +43,7 @@ from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary, slot_save_dir
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
@@ -524,6 +524,17 @@ def evicted_name(key: str) -> str | None:
     if replica not in ("", "0") or lane not in ("", "text"):
         return None
     return wanted
+
+
+def thd_slot_dir(path: Path) -> None:
+    """
+    Make a model's slot save directory (0700, its parents too) if missing.
+    """
+    from blazar.files import private_dir
+
+    if not path.is_dir():
+        private_dir(path.parent)
+        private_dir(path)
 
 
 def free_port() -> int:
@@ -1018,6 +1029,12 @@ class Supervisor(Service):
             self._reactor, self._reactor.getThreadPool(), self._find_binary,
             self._config, self._environ,
         )
+        if not entry.settings.embedding:
+            # llama-server refuses a --slot-save-path that is not a directory
+            await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
+                slot_save_dir(self._config.data_dir, entry.name),
+            )
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
