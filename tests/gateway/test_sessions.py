@@ -111,7 +111,7 @@ class SessionTests(SynchronousTestCase):
         self.assertIn(("restore", "ok"), self.counted)
 
     def test_a_stop_saves_every_session_and_a_new_child_restores_them(self) -> None:
-        a, b = self.turn("a", 100), self.turn("b", 200)
+        a, _ = self.turn("a", 100), self.turn("b", 200)
         self.successResultOf(self.sessions.stopping(self.child))
         self.assertEqual(sorted(c[0] for c in self.bank.calls), ["save", "save"])
         self.assertIsNone(a.session.slot)
