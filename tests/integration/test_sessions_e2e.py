@@ -297,3 +297,59 @@ def test_codexs_second_turn_comes_from_the_cache(daemon: Daemon) -> None:
     cached = usage["input_tokens_details"]["cached_tokens"]
     print(f"Codex turn 2: {cached} of {usage['input_tokens']} prompt tokens from the cache")
     assert cached >= 0.9 * usage["input_tokens"], usage
+
+
+CONTRACT = """
+import json, sys
+from pathlib import Path
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import react
+from blazar.engines.client import EngineClient
+from blazar.gateway.sessions import EngineSlots
+from tests.gateway.slot_bank_contract import check_slot_bank
+
+port, key, bank = int(sys.argv[1]), sys.argv[2], Path(sys.argv[3])
+
+class Child:
+    base_url = f"http://127.0.0.1:{port}"
+    auth_headers = {b"authorization": [b"Bearer " + key.encode()]}
+
+async def main(reactor):
+    engines = EngineClient(reactor)
+    slots = EngineSlots(engines, reactor)
+
+    async def fill(slot):
+        response = await engines.request(
+            "POST", Child.base_url + "/v1/chat/completions",
+            json.dumps({"messages": [{"role": "user", "content": "fill this slot " * 20}], "max_tokens": 2,
+                        "id_slot": slot}).encode(),
+            {**Child.auth_headers, b"content-type": [b"application/json"]}, stream=False)
+        from blazar.httpbody import read_body
+        usage = json.loads(await read_body(response, reactor, idle_timeout=30, max_bytes=1 << 20))["usage"]
+        return usage["prompt_tokens"] + usage["completion_tokens"] - 1  # the last token is not in the cache
+
+    def corrupt(name):
+        path = bank / name
+        path.write_bytes(path.read_bytes()[:100])
+
+    await check_slot_bank(slots, Child(), fill, corrupt)
+    await engines.close()
+    print("contract kept")
+
+react(lambda reactor: ensureDeferred(main(reactor)))
+"""
+
+
+def test_the_real_slot_bank_keeps_the_contract(daemon: Daemon) -> None:
+    """
+    L{blazar.gateway.sessions.EngineSlots} on a real child passes the same
+    checks as the fake the unit tests use (tests/gateway/slot_bank_contract.py).
+    """
+    Conversation(daemon, 600, None).turn(0)  # the model is loaded
+    run = daemon.root / "data" / "run"
+    info = json.loads((run / "two_latest.pid").read_text())
+    key = (run / "two_latest.apikey").read_text().strip()
+    bank = daemon.root / "data" / "sessions" / "two_latest"
+    result = subprocess.run([sys.executable, "-c", CONTRACT, str(info["port"]), key, str(bank)],
+                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert result.returncode == 0 and "contract kept" in result.stdout, result.stdout + result.stderr
