@@ -6,6 +6,7 @@ The C{blazar} command.
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
   blazar queue [--json]                admission: busy slots, who waits, estimated starts
+  blazar sessions [close NAME [--key K]]  sessions: slot, tokens cached, KV bank; end one
   blazar models list|show|cp|rm|pull   the model registry, through the daemon
   blazar keys list|add|rotate|rm       API keys (changes go to the config file)
   blazar reload                        re-read the config file
@@ -25,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Any
 
 
@@ -172,6 +174,49 @@ def _ps(args: argparse.Namespace) -> int:
                   f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {r.get('served') or 0:>6} "
                   f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} "
                   f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']}")
+        return 0
+
+    return _control(args, action)
+
+
+def _sessions(args: argparse.Namespace) -> int:
+    from blazar.protocols.control import SessionClose, SessionList
+
+    async def action(p: Any) -> int:
+        if args.action == "close":
+            if not args.name:
+                print("blazar sessions close NAME [--key KEY]: name the session (blazar sessions lists them)",
+                      file=sys.stderr)
+                return 1
+            answer = await p.callRemote(SessionClose, name=args.name, key=args.key)
+            if args.json:
+                print(json.dumps({"closed": answer["closed"]}))
+            elif not answer["closed"]:
+                print(f"no session {args.name!r}" + (f" of key {args.key!r}" if args.key is not None else ""))
+            else:
+                print(f"closed {args.name}: " + ", ".join(answer["closed"]))
+            return 0 if answer["closed"] else 1
+        answer = await p.callRemote(SessionList)
+        listing = json.loads(answer["sessions"])
+        if args.json:
+            listing["truncated"] = answer["truncated"]
+            print(json.dumps(listing))
+            return 0
+        if not listing["enabled"]:
+            print("sessions are off (session_keep_secs = 0)")
+        rows = listing["sessions"]
+        if not rows:
+            print("no sessions")
+            return 0
+        now = time.time()
+        print(f"{'SESSION':<38} {'KEY':<12} {'MODEL':<20} {'SLOT':>4} {'CACHED':>7} {'BANK':>7} {'IDLE':>7}")
+        for r in rows:
+            slot = "-" if r["slot"] is None else str(r["slot"])
+            bank = f"{r['saved_tokens']}" if r["saved"] else "-"
+            print(f"{r['session'][:38]:<38} {r['key'] or '-':<12} {r['model'][:20]:<20} {slot:>4} "
+                  f"{r['tokens_cached']:>7} {bank:>7} {now - r['last_used']:>6.0f}s")
+        if answer["truncated"]:
+            print("... more sessions, not listed (--json lists as many as fit)")
         return 0
 
     return _control(args, action)
@@ -553,6 +598,13 @@ def _doctor(args: argparse.Namespace) -> int:
         report(mode == 0o600, f"control socket {sock}: mode {mode:o}")
     else:
         report(True, f"control socket {sock}: absent (no daemon running)")
+    bank = config.data_dir / "sessions"
+    entries = [f for f in bank.rglob("*.bin") if f.is_file()] if bank.is_dir() else []
+    size = sum(f.stat().st_size for f in entries)
+    cap = config.session_bank_max_mib << 20
+    report(size <= cap, f"session KV bank {bank}: {len(entries)} entries, {size / 2**20:.1f} MiB "
+           f"(session_bank_max_mib = {config.session_bank_max_mib}"
+           f"{'; sessions off: session_keep_secs = 0' if config.session_keep == 0 else ''})")
     free = psutil.virtual_memory().available
     report(free > 1 << 30, f"free memory: {free / 2**30:.1f} GiB")
     try:
@@ -589,6 +641,11 @@ def parser() -> argparse.ArgumentParser:
     ps = daemon_verb("ps", "loaded models: state, pid, slots, expiry, crash breaker", _ps)
     ps.add_argument("--reset", action="store_true", help="close every crash breaker first")
     daemon_verb("queue", "admission queues: busy slots, waiting requests, estimated starts", _queue)
+    sessions = daemon_verb("sessions", "sessions (every key's): slot, tokens cached, KV bank; or close one",
+                           _sessions)
+    sessions.add_argument("action", nargs="?", choices=["close"], help="close NAME: end a session")
+    sessions.add_argument("name", nargs="?", help="the session to close")
+    sessions.add_argument("--key", help="close only this key's session of that name")
     evict = daemon_verb("evict", "unload a model (name, or key name#replica@lane)", _evict)
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")

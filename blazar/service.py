@@ -568,7 +568,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
                 supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints, operations,
+                admission.snapshot, hints, operations, session_service.sessions,
             ),
             reactor=reactor,
         )

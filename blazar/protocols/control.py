@@ -10,6 +10,8 @@ Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
 
 from __future__ import annotations
 
+import json
+import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred
@@ -316,6 +318,30 @@ class Queue(amp.Command):
     response = [(b"queue", amp.Unicode()), (b"truncated", amp.Boolean())]
 
 
+class SessionList(amp.Command):
+    """
+    Every key's sessions as JSON: C{{"sessions": [{key, session, model,
+    slot, last_used, tokens_cached, saved, saved_tokens}, ...],
+    "enabled": bool}}, cut to fit AMP's value limit (C{truncated}).
+    """
+
+    commandName = b"SessionList"
+    arguments = []  # type: ignore[var-annotated]
+    response = [(b"sessions", amp.Unicode()), (b"truncated", amp.Boolean())]
+
+
+class SessionClose(amp.Command):
+    """
+    End the sessions named C{name} (of one key, or of every key): their
+    slots given up, their bank entries deleted. C{closed}: C{key/model}
+    of each.
+    """
+
+    commandName = b"SessionClose"
+    arguments = [(b"name", amp.Unicode()), (b"key", amp.Unicode(optional=True))]
+    response = [(b"closed", amp.ListOf(amp.Unicode()))]
+
+
 QUEUE_BUDGET = 60_000
 
 
@@ -368,14 +394,16 @@ class ControlServer(amp.AMP):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None,
+        operations: ModelOperations | None = None, sessions: Any = None,
     ) -> None:
         """
         @param operations: The model operations the model commands run
             (delete, copy, evict); without, ones over C{registry} and
             C{supervisor} that cannot pull.
+        @param sessions: The session table (L{blazar.gateway.sessions.Sessions}).
         """
         super().__init__()
+        self._sessions = sessions
         if operations is None:
             from blazar.gateway.operations import ModelOperations
 
@@ -504,6 +532,27 @@ class ControlServer(amp.AMP):
     def model_remove(self, name: str) -> Deferred[dict[str, Any]]:
         return Deferred.fromCoroutine(self._model_change(self._operations.delete(name)))
 
+    @SessionList.responder
+    def session_list(self) -> dict[str, Any]:
+        table = self._sessions
+        rows = []
+        offset = time.time() - self._clock.seconds()
+        for session in table.of_key(None) if table is not None else []:
+            view = session.view()
+            view["key"] = session.key
+            view["last_used"] = view["last_used"] + offset  # UNIX seconds
+            rows.append(view)
+        truncated = False
+        while len(json.dumps(rows)) > QUEUE_BUDGET:
+            rows, truncated = rows[: len(rows) // 2], True
+        enabled = bool(table is not None and table.enabled)
+        return {"sessions": json.dumps({"sessions": rows, "enabled": enabled}), "truncated": truncated}
+
+    @SessionClose.responder
+    def session_close(self, name: str, key: str | None = None) -> dict[str, Any]:
+        closed = self._sessions.close(key, name) if self._sessions is not None else []
+        return {"closed": [f"{s.key or '-'}/{s.model}" for s in closed]}
+
     @Queue.responder
     def queue(self) -> dict[str, Any]:
         text, truncated = fit_queue(self._queue() if self._queue is not None else {"models": []})
@@ -573,9 +622,9 @@ class ControlFactory(Factory):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None,
+        operations: ModelOperations | None = None, sessions: Any = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations)
+        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations, sessions)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

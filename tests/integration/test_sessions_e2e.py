@@ -353,3 +353,25 @@ def test_the_real_slot_bank_keeps_the_contract(daemon: Daemon) -> None:
     result = subprocess.run([sys.executable, "-c", CONTRACT, str(info["port"]), key, str(bank)],
                             capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
     assert result.returncode == 0 and "contract kept" in result.stdout, result.stdout + result.stderr
+
+
+def blazar(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(Path(sys.executable).parent / "blazar"), *args, "-c", str(d.config)],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_the_cli_lists_and_closes_sessions(daemon: Daemon) -> None:
+    Conversation(daemon, 700, "from-the-cli").turn(0)
+    listed = blazar(daemon, "sessions", "--json")
+    assert listed.returncode == 0, listed.stderr
+    rows = [r for r in json.loads(listed.stdout)["sessions"] if r["session"] == "from-the-cli"]
+    assert rows and rows[0]["key"] == "alice" and rows[0]["model"] == "two:latest", listed.stdout
+    table = blazar(daemon, "sessions")
+    assert "from-the-cli" in table.stdout and "alice" in table.stdout, table.stdout
+    closed = blazar(daemon, "sessions", "close", "from-the-cli", "--key", "bob")
+    assert closed.returncode == 1  # bob has none by that name
+    closed = blazar(daemon, "sessions", "close", "from-the-cli")
+    assert closed.returncode == 0 and "alice/two:latest" in closed.stdout, closed.stdout + closed.stderr
+    assert "from-the-cli" not in blazar(daemon, "sessions").stdout
+    doctor = blazar(daemon, "doctor")
+    assert "session KV bank" in doctor.stdout and "entries" in doctor.stdout, doctor.stdout
