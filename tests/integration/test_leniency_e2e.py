@@ -96,7 +96,7 @@ def test_chat_completions_every_field(daemon: Daemon, models: dict[str, Generate
     status, headers, data = post(daemon, "/v1/chat/completions", body)
     assert status == 200, data
     assert json.loads(data)["choices"][0]["message"]["role"] == "assistant"
-    assert {"metadata", "store", "user", "safety_identifier", "service_tier", "prompt_cache_key",
+    assert {"metadata", "store", "user", "safety_identifier", "service_tier",
             "prompt_cache_retention", "verbosity", "prediction", "web_search_options", "tools:custom",
             "a_field_from_2027"} == ignored(headers)
     # streamed: the header is on the stream too, and the stream_options extra named
@@ -140,7 +140,7 @@ def test_responses_every_field(daemon: Daemon, models: dict[str, GeneratedModel]
     })
     assert status == 200, data
     assert json.loads(data)["status"] in ("completed", "incomplete")
-    assert {"user", "truncation", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+    assert {"user", "truncation", "safety_identifier", "prompt_cache_retention",
             "service_tier", "include", "client_metadata", "max_tool_calls", "top_logprobs",
             "tools:web_search", "tools:file_search", "input:web_search_call", "text.verbosity"} == ignored(headers)
 
@@ -249,7 +249,7 @@ def replay_headers(recorded: dict[str, Any]) -> dict[str, str]:
     ("claude-code-tool-result", {"max_tokens": 16}, "message_start", ("message_stop",),
      {"metadata", "context_management"}),
     ("codex-tool-result", {"max_output_tokens": 16}, "response.created",
-     ("response.completed", "response.incomplete"), {"client_metadata", "include", "prompt_cache_key", "tools:web_search"}),
+     ("response.completed", "response.incomplete"), {"client_metadata", "include", "tools:web_search"}),
 ])
 def test_recorded_agent_requests_are_served(
     daemon: Daemon, name: str, limit: dict[str, int], first: str, last: tuple[str, ...], named: set[str],

@@ -120,9 +120,10 @@ _CHAT_HONOURED = frozenset({
     "max_tokens", "n", "parallel_tool_calls", "presence_penalty", "reasoning_effort", "response_format",
     "seed", "stop", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
     "top_p", "modalities",
+    "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
 })
 _CHAT_IGNORED = frozenset({
-    "metadata", "store", "user", "safety_identifier", "service_tier", "prompt_cache_key",
+    "metadata", "store", "user", "safety_identifier", "service_tier",
     "prompt_cache_retention", "verbosity", "prediction", "web_search_options",
 })
 
@@ -146,8 +147,9 @@ POLICIES: dict[str, Policy] = {
         "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
         "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata", "store",
         "previous_response_id", "stream", "seed", "logit_bias", "keep_alive", "background",
+        "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
     }), frozenset({
-        "user", "truncation", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+        "user", "truncation", "safety_identifier", "prompt_cache_retention",
         "service_tier", "include", "stream_options", "client_metadata", "max_tool_calls",
         "top_logprobs", "context_management",
     }), {
