@@ -146,16 +146,18 @@ class Bench:
 
         models = self.work / "models"
         make_test_model(models / "tiny.gguf")
-        (self.work / "slots").mkdir()  # --slot-save-path: lets the bench erase the engine's slots
+        make_test_model(models / "long.gguf", context_length=16384)  # the sessions scenario's
         self.config = self.work / "config.toml"
         self.config.write_text(
             f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
             f'data_dir = "{self.work / "data"}"\nmodels_dir = "{models}"\n'
             "breaker_crashes = 1000\n"
-            f'[engines.llamacpp]\nbinary = "{HERE / "engine_shim.py"}"\nargs = ["--threads", "1", "--slot-save-path", "{self.work / "slots"}"]\n'
+            # (Blazar gives each child a --slot-save-path: the bench erases slots with it)
+            f'[engines.llamacpp]\nbinary = "{HERE / "engine_shim.py"}"\nargs = ["--threads", "1"]\n'
             '[models."upstream"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."upstream-sse"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."tiny"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
+            '[models."two"]\npath = "long.gguf"\nparallel = 2\nctx_size = 4096\n'
         )
         env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
         self.log = open(self.work / "daemon.log", "wb")
@@ -560,7 +562,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
     p.add_argument("--profile-model", default="upstream", choices=["upstream", "tiny"],
                    help="what --profile loads: the canned engine (default) or the real llama-server")
-    p.add_argument("--only", help="comma-separated scenarios: real,nonstream,stream,ttfb,cold,memory")
+    p.add_argument("--only", help="comma-separated scenarios: real,sessions,nonstream,stream,ttfb,cold,memory")
     p.add_argument("--cprofile", metavar="LABEL",
                    help="only profile the daemon's CPU (cProfile) on the real engine, into bench/results/cprofile-LABEL.txt")
     args = p.parse_args()
@@ -572,7 +574,7 @@ def main() -> int:
         print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
         return 1
     sys.path.insert(0, str(HERE))
-    only = set((args.only or "real,nonstream,stream,ttfb,cold,memory").split(","))
+    only = set((args.only or "real,sessions,nonstream,stream,ttfb,cold,memory").split(","))
     from real import real_engine, real_table
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
@@ -588,6 +590,10 @@ def main() -> int:
         try:
             if "real" in only:
                 real_engine(bench, wrk, lua_post)
+            if "sessions" in only:
+                from sessions import sessions_scenario
+
+                sessions_scenario(bench)
             if "nonstream" in only:
                 bench.non_streaming()
             if "stream" in only:
@@ -608,7 +614,11 @@ def main() -> int:
               "machine": machine(), "seconds_per_run": bench.seconds, **bench.results}
     if "real_engine" in result:
         print(real_table(result["real_engine"]))
-    if set(bench.results) - {"real_engine"}:
+    if "sessions" in result:
+        from sessions import sessions_table
+
+        print("\n" + sessions_table(result["sessions"]))
+    if set(bench.results) - {"real_engine", "sessions"}:
         if "real_engine" in result:
             print("\nCanned upstream (nginx serving a llama-server reply; isolates Blazar's relay):")
         print(table(result))
