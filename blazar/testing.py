@@ -588,3 +588,6 @@ class FakeSlotBank:
     async def erase(self, instance: Any, slot: int, timeout: float) -> None:
         self.calls.append(("erase", slot, None))
         self.fill(instance, slot, 0)
+
+    async def used(self, instance: Any, timeout: float) -> list[int]:
+        return sorted(slot for (ident, slot) in self.slots if ident == id(instance))

@@ -286,7 +286,10 @@ class Pipeline:
         """
         if self.sessions is None or not self.sessions.enabled:
             return None
-        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or "id_slot" in call.body:
+        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION):
+            return None
+        await self.sessions.warm(instance)
+        if "id_slot" in call.body:
             return None
         getter = getattr(request, "getHeader", None)
         name = session_name(lambda h: getter(h) if getter is not None else None, call.session_hint)

@@ -42,6 +42,10 @@ from blazar.httpbody import read_body
 log = Logger()
 
 SESSION_HEADER = "x-blazar-session"
+# the sessions of conversations no client named: a child's other slots,
+# saved when it stops and restored into the same slots when it is next used
+AUTO_KEY = "\0auto"
+MAX_SESSIONS_PER_KEY = 256
 # what coding agents send, in the order they are looked at after the header
 IMPLICIT_HEADERS = ("x-claude-code-session-id", "session-id")
 MAX_NAME = 200
@@ -148,6 +152,11 @@ class ISlotBank(Interface):
         Empty C{slot}'s KV cache.
         """
 
+    async def used(instance: Any, timeout: float) -> list[int]:
+        """
+        The slots that have held a prompt (C{GET /slots}).
+        """
+
 
 @implementer(ISlotBank)
 class EngineSlots:
@@ -194,6 +203,19 @@ class EngineSlots:
 
     async def erase(self, instance: Any, slot: int, timeout: float) -> None:
         await self._action(instance, slot, "erase", {}, timeout)
+
+    async def used(self, instance: Any, timeout: float) -> list[int]:
+        d = ensureDeferred(self._engines.get(f"{instance.base_url}/slots", instance.auth_headers, timeout=timeout))
+        d.addTimeout(timeout, self._clock)
+        try:
+            status, body = await d
+        except CancelledError:
+            raise SlotActionFailed(f"slots: no answer in {timeout:g} s") from None
+        if status != 200:
+            raise SlotActionFailed(f"slots: {status} {body[:200]!r}")
+        slots = json.loads(body)
+        # a slot that never ran a task shows no id_task
+        return [int(s["id"]) for s in slots if isinstance(s, dict) and s.get("id_task") is not None]
 
 
 @attrs.frozen
@@ -291,6 +313,7 @@ class Sessions:
         self._owners: dict[int, tuple[Any, list[Session | None]]] = {}
         self._locks: dict[int, DeferredLock] = {}
         self._shapes: dict[int, str] = {}
+        self._warming: dict[int, tuple[Any, Deferred[None]]] = {}
         self.pending: set[Deferred[Any]] = set()
 
     # -- what clients see --------------------------------------------------
@@ -344,6 +367,7 @@ class Sessions:
         session = self._sessions.get((key, name, model))
         now = self._clock.seconds()
         if session is None:
+            self._make_room(key)
             session = self._sessions[(key, name, model)] = Session(key, name, model, now)
         session.last_used = now
         lock = self._locks.setdefault(id(instance), DeferredLock())
@@ -356,6 +380,47 @@ class Sessions:
             return Pin(session, slot)
         finally:
             lock.release()
+
+    def _make_room(self, key: str) -> None:
+        """
+        At most L{MAX_SESSIONS_PER_KEY} sessions per key: the least recently
+        used idle ones go first.
+        """
+        mine = [s for s in self._sessions.values() if s.key == key]
+        if len(mine) < MAX_SESSIONS_PER_KEY:
+            return
+        idle = sorted((s for s in mine if s.in_flight == 0), key=lambda s: s.last_used)
+        for session in idle[: len(mine) - MAX_SESSIONS_PER_KEY + 1]:
+            self._drop(session)
+
+    async def warm(self, instance: Any) -> None:
+        """
+        Once per child, before its first request: the slots of
+        conversations no client named that its predecessor held (saved when
+        it stopped) are restored into the same slots, so that llama-server,
+        which gives a request the slot whose cache shares the most of its
+        prompt, finds them.
+        """
+        if not self.enabled:
+            return
+        held = self._warming.get(id(instance))
+        if held is not None and held[0] is instance:
+            if not held[1].called:
+                await held[1]
+            return
+        done: Deferred[None] = Deferred()
+        self._warming[id(instance)] = (instance, done)
+        try:
+            model = instance.entry.name
+            owners = self._owners_of(instance)
+            for session in list(self._sessions.values()):
+                if session.key != AUTO_KEY or session.model != model or session.bank is None:
+                    continue
+                slot = int(session.name.rsplit("-", 1)[1])
+                if slot < len(owners) and owners[slot] is None:
+                    await self._restore(session, instance, slot)
+        finally:
+            done.callback(None)
 
     def release(self, pin: Pin, tokens: int | None) -> None:
         """
@@ -541,14 +606,42 @@ class Sessions:
         each.
         """
         held = self._owners.get(id(instance))
-        if held is None or held[0] is not instance:
-            return
-        owners = [o for o in held[1] if o is not None]
+        owners = [o for o in held[1] if o is not None] if held is not None and held[0] is instance else []
+        owned = {o.slot for o in owners}
         for session in sorted(owners, key=lambda s: -s.last_used):
             if session.slot is not None:
                 slot = session.slot
                 await self._save(session, instance, slot)
-        self._lose(id(instance))
+        if self.enabled:
+            await self._save_unnamed(instance, owned)
+        if held is not None and held[0] is instance:
+            self._lose(id(instance))
+        if self._warming.get(id(instance), (None,))[0] is instance:
+            del self._warming[id(instance)]
+
+    async def _save_unnamed(self, instance: Any, owned: set[int | None]) -> None:
+        """
+        Save the slots no session owns (conversations no client named) as
+        C{_auto-<slot>} entries of L{AUTO_KEY}.
+        """
+        _, timeout, _, _ = self._settings()
+        try:
+            used = await self._bank.used(instance, timeout)
+        except Exception as e:
+            log.warn("{model}: listing its slots before it stops failed ({error}); its unnamed conversations "
+                     "are not saved", model=instance.entry.name, error=str(e) or type(e).__name__)
+            return
+        model = instance.entry.name
+        now = self._clock.seconds()
+        for slot in used:
+            if slot in owned:
+                continue
+            name = f"_auto-{slot}"
+            session = self._sessions.get((AUTO_KEY, name, model))
+            if session is None:
+                session = self._sessions[(AUTO_KEY, name, model)] = Session(AUTO_KEY, name, model, now)
+            session.last_used = now
+            await self._save(session, instance, slot)
 
     def stopping(self, instance: Any) -> Deferred[None]:
         """

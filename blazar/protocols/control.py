@@ -539,7 +539,7 @@ class ControlServer(amp.AMP):
         offset = time.time() - self._clock.seconds()
         for session in table.of_key(None) if table is not None else []:
             view = session.view()
-            view["key"] = session.key
+            view["key"] = "(unnamed)" if session.key == "\0auto" else session.key  # sessions.AUTO_KEY
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)
         truncated = False

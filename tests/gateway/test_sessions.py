@@ -120,6 +120,35 @@ class SessionTests(SynchronousTestCase):
         assert pin is not None
         self.assertEqual(self.bank.held(fresh, pin.slot), 200)  # restored before the request
 
+    def test_unnamed_conversations_are_saved_and_restored_into_their_slots(self) -> None:
+        a = self.turn("a", 100)
+        other = 1 - a.slot
+        self.bank.fill(self.child, other, 70)  # a request no client named ran there
+        self.successResultOf(self.sessions.stopping(self.child))
+        saved = {c[2] for c in self.bank.calls if c[0] == "save"}
+        self.assertEqual(saved, {a.session.file, [s for s in self.sessions.of_key(None) if s.key != "k"][0].file})
+        fresh = FakeInstance("m:latest", parallel=2, ctx=2048)
+        self.successResultOf(Deferred.fromCoroutine(self.sessions.warm(fresh)))
+        self.assertEqual(self.bank.held(fresh, other), 70)  # back in the same slot, before any request
+        restores = len([c for c in self.bank.calls if c[0] == "restore"])
+        self.successResultOf(Deferred.fromCoroutine(self.sessions.warm(fresh)))  # once per child
+        self.assertEqual(len([c for c in self.bank.calls if c[0] == "restore"]), restores)
+        pin = self.pin("a", fresh)
+        assert pin is not None
+        self.assertEqual((pin.slot, self.bank.held(fresh, pin.slot)), (a.slot, 100))
+        self.assertEqual(self.sessions.of_key(""), [])  # the unnamed ones belong to no client's key
+
+    def test_a_key_has_at_most_so_many_sessions(self) -> None:
+        from blazar.gateway import sessions
+
+        for n in range(sessions.MAX_SESSIONS_PER_KEY + 5):
+            self.sessions.load([sessions.Session("k", f"s{n}", "m:latest", float(n))])
+        self.turn("new", 10)
+        mine = self.sessions.of_key("k")
+        self.assertLessEqual(len(mine), sessions.MAX_SESSIONS_PER_KEY)
+        self.assertIn("new", [s.name for s in mine])
+        self.assertNotIn("s0", [s.name for s in mine])  # the least recently used went
+
     def test_a_bank_entry_of_another_shape_is_never_restored(self) -> None:
         a = self.turn("a", 100)
         self.successResultOf(self.sessions.stopping(self.child))

@@ -375,3 +375,23 @@ def test_the_cli_lists_and_closes_sessions(daemon: Daemon) -> None:
     assert "from-the-cli" not in blazar(daemon, "sessions").stdout
     doctor = blazar(daemon, "doctor")
     assert "session KV bank" in doctor.stdout and "entries" in doctor.stdout, doctor.stdout
+
+
+def test_an_unnamed_conversation_survives_an_evict(daemon: Daemon) -> None:
+    """
+    A conversation no client named: its slot is saved as an C{_auto} entry
+    when the child stops and restored into the same slot of the next one,
+    where llama-server finds it (it gives a request the slot whose cache
+    shares the most of its prompt).
+    """
+    Conversation(daemon, 900, None).turn(0)  # a child to evict: the next one holds no session
+    evict(daemon, "two")
+    talk = Conversation(daemon, 901, None)
+    talk.turn(0)
+    talk.turn(1)
+    evict(daemon, "two")
+    prompt, cached, _ = talk.turn(2)
+    print(f"unnamed, after evict: {cached} of {prompt} prompt tokens from the bank")
+    assert cached >= 0.9 * prompt, (cached, prompt)
+    listed = blazar(daemon, "sessions", "--json")
+    assert any(r["key"] == "(unnamed)" and r["saved"] for r in json.loads(listed.stdout)["sessions"]), listed.stdout
