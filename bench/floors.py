@@ -38,6 +38,9 @@ N = 300
 
 
 def main() -> int:
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     os.sched_setaffinity(0, {benchrun.LOAD_CPU})
     with tempfile.TemporaryDirectory(prefix="blazar-floors-") as tmp:
         bench = benchrun.Bench(5, Path(tmp))

@@ -199,6 +199,10 @@ def _sessions(args: argparse.Namespace) -> int:
         answer = await p.callRemote(SessionList)
         listing = json.loads(answer["sessions"])
         if args.json:
+            from datetime import datetime, timezone
+
+            for row in listing["sessions"]:  # RFC 3339, as GET /api/session gives it
+                row["last_used"] = datetime.fromtimestamp(row["last_used"], timezone.utc).isoformat()
             listing["truncated"] = answer["truncated"]
             print(json.dumps(listing))
             return 0
@@ -660,7 +664,7 @@ def parser() -> argparse.ArgumentParser:
     run.add_argument("--config", "-c")
     run.add_argument("--key", help="an API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
     run.set_defaults(func=_run)
-    doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, memory")
+    doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, KV bank, memory, GPUs")
     doctor.add_argument("--config", "-c")
     doctor.set_defaults(func=_doctor)
 

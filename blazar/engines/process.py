@@ -26,6 +26,9 @@ DEATHSIG_LAUNCHER = (
     " ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)\n"
     "except Exception:\n"
     " pass\n"
+    # what the engine writes (the KV bank's slot files: conversations) is
+    # its owner's alone
+    "os.umask(0o077)\n"
     "os.execv(sys.argv[1],sys.argv[1:])\n"
 )
 

@@ -339,8 +339,20 @@ class Sessions:
         """
         closed = [s for s in list(self._sessions.values()) if s.name == name and (key is None or s.key == key)]
         for session in closed:
+            instance, slot = session.instance, session.slot
             self._drop(session)
+            if instance is not None and slot is not None:
+                # the conversation is gone from the child too (else the slot
+                # would be saved again, unnamed, when the child stops)
+                self._track(ensureDeferred(self._erase(instance, slot)))
         return closed
+
+    async def _erase(self, instance: Any, slot: int) -> None:
+        try:
+            await self._bank.erase(instance, slot, self._settings()[1])
+        except Exception as e:
+            log.warn("{model}: erasing slot {slot} of a closed session failed: {error}",
+                     model=instance.entry.name, slot=slot, error=str(e) or type(e).__name__)
 
     def load(self, sessions: Sequence[Session]) -> None:
         """

@@ -21,6 +21,7 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
+from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
@@ -343,6 +344,7 @@ class SessionClose(amp.Command):
 
 
 QUEUE_BUDGET = 60_000
+UNNAMED = "(unnamed)"  # how the conversations no client named are listed
 
 
 def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str, bool]:
@@ -539,7 +541,7 @@ class ControlServer(amp.AMP):
         offset = time.time() - self._clock.seconds()
         for session in table.of_key(None) if table is not None else []:
             view = session.view()
-            view["key"] = "(unnamed)" if session.key == "\0auto" else session.key  # sessions.AUTO_KEY
+            view["key"] = UNNAMED if session.key == AUTO_KEY else session.key
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)
         truncated = False
@@ -550,8 +552,10 @@ class ControlServer(amp.AMP):
 
     @SessionClose.responder
     def session_close(self, name: str, key: str | None = None) -> dict[str, Any]:
+        if key == UNNAMED:
+            key = AUTO_KEY
         closed = self._sessions.close(key, name) if self._sessions is not None else []
-        return {"closed": [f"{s.key or '-'}/{s.model}" for s in closed]}
+        return {"closed": [f"{UNNAMED if s.key == AUTO_KEY else s.key or '-'}/{s.model}" for s in closed]}
 
     @Queue.responder
     def queue(self) -> dict[str, Any]:

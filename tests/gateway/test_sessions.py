@@ -177,7 +177,10 @@ class SessionTests(SynchronousTestCase):
         self.assertIsNot(mine.session, theirs.session)
         self.assertEqual([s.key for s in self.sessions.of_key("alice")], ["alice"])
         self.assertEqual(self.sessions.close("carol", "same"), [])
+        slot = theirs.slot
+        self.bank.fill(self.child, slot, 20)
         self.assertEqual([s.key for s in self.sessions.close("bob", "same")], ["bob"])
+        self.assertEqual(self.bank.held(self.child, slot), 0)  # the conversation is gone from the child too
         self.assertEqual([s.key for s in self.sessions.of_key(None)], ["alice"])
 
     def test_unused_sessions_expire_with_their_bank_entry(self) -> None:

@@ -186,6 +186,8 @@ def test_a_damaged_bank_entry_is_prefilled_with_the_same_answer(daemon: Daemon) 
 
     damaged = bank / (hashlib.sha256(b"alice\0damaged\0two:latest").hexdigest()[:32] + ".bin")
     assert damaged.exists(), [p.name for p in files]
+    assert {oct(p.stat().st_mode & 0o777) for p in files} == {"0o600"}  # conversations: the owner's alone
+    assert oct(bank.stat().st_mode & 0o777) == "0o700"
     damaged.write_bytes(damaged.read_bytes()[:100])
     before = bank_counts(daemon)
     _, _, answer = talk.turn(2)
