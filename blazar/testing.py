@@ -236,6 +236,8 @@ class FakeInstance:
     served: int = 0
     answers_health: bool = True
     path: Path | None = None  # its model file (entry.path), if a test needs a real one
+    binary: str = ""
+    shape: str = ""  # as the real one's (blazar.engines.supervisor.child_shape); "": computed from the files
     protocol: Any = attrs.field(default=attrs.Factory(_engine_protocol, takes_self=True))
 
     @property
@@ -557,16 +559,18 @@ class FakeSlotBank:
     """
 
     def __init__(self) -> None:
-        self.slots: dict[tuple[int, int], int] = {}
+        self.slots_held: dict[tuple[int, int], int] = {}
         self.files: dict[str, int] = {}
         self.corrupt: set[str] = set()
+        self.busy: set[int] = set()  # slots a task runs in (of any instance)
+        self.unreachable = False  # the child answers nothing (it is gone)
         self.calls: list[tuple[str, int, str | None]] = []
 
     def fill(self, instance: Any, slot: int, tokens: int) -> None:
-        self.slots[(id(instance), slot)] = tokens
+        self.slots_held[(id(instance), slot)] = tokens
 
     def held(self, instance: Any, slot: int) -> int:
-        return self.slots.get((id(instance), slot), 0)
+        return self.slots_held.get((id(instance), slot), 0)
 
     async def save(self, instance: Any, slot: int, filename: str, timeout: float) -> tuple[int, int]:
         self.calls.append(("save", slot, filename))
@@ -579,6 +583,8 @@ class FakeSlotBank:
         from blazar.gateway.sessions import SlotActionFailed
 
         self.calls.append(("restore", slot, filename))
+        if self.unreachable:
+            raise SlotActionFailed("restore: Connection refused", transient=True)
         if filename not in self.files or filename in self.corrupt:
             raise SlotActionFailed("restore: 400 'Unable to restore slot: No available space in KV cache or "
                                    "invalid slot save file'")
@@ -589,5 +595,10 @@ class FakeSlotBank:
         self.calls.append(("erase", slot, None))
         self.fill(instance, slot, 0)
 
-    async def used(self, instance: Any, timeout: float) -> list[int]:
-        return sorted(slot for (ident, slot) in self.slots if ident == id(instance))
+    async def slots(self, instance: Any, timeout: float) -> list[tuple[int, bool, bool]]:
+        if self.unreachable:
+            from blazar.gateway.sessions import SlotActionFailed
+
+            raise SlotActionFailed("slots: Connection refused", transient=True)
+        used = {slot for (ident, slot) in self.slots_held if ident == id(instance)}
+        return [(slot, slot in used, slot in self.busy) for slot in range(max(used | self.busy | {0}) + 1)]

@@ -17,6 +17,7 @@ take L{Supervisor.snapshot}'s frozen L{InstanceView}s.
 from __future__ import annotations
 
 import enum
+import hashlib
 import os
 import secrets
 import socket
@@ -526,6 +527,33 @@ def evicted_name(key: str) -> str | None:
     return wanted
 
 
+def thd_identity(*paths: Path) -> str:
+    """
+    What the files a child is started from are right now (path, size,
+    mtime of each): part of L{Instance.shape}.
+    """
+    parts = []
+    for path in paths:
+        try:
+            st = os.stat(path)
+            parts.append(f"{path}:{st.st_size}:{st.st_mtime_ns}")
+        except OSError:
+            parts.append(f"{path}:missing")
+    return "\0".join(parts)
+
+
+def child_shape(identity: str, argv: Sequence[str]) -> str:
+    """
+    L{Instance.shape}: the files' identity and the command line (without
+    the port, which changes with every start), hashed.
+    """
+    args = list(argv)
+    if "--port" in args:
+        at = args.index("--port")
+        del args[at:at + 2]
+    return hashlib.sha256((identity + "\0" + "\0".join(args)).encode("utf-8")).hexdigest()[:32]
+
+
 def thd_slot_dir(path: Path) -> None:
     """
     Make a model's slot save directory (0700, its parents too) if missing.
@@ -587,6 +615,10 @@ class Instance:
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
     binary: str = ""
+    # what its KV cache was made with: the model file and engine as it loaded
+    # them, and its command line (a KV bank entry is restored only into a
+    # child of the same shape: blazar.gateway.sessions)
+    shape: str = ""
     last_used: float = 0.0
     stop_reason: str = ""
     unload_when_idle: str | None = None
@@ -1035,6 +1067,11 @@ class Supervisor(Service):
                 self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
                 slot_save_dir(self._config.data_dir, entry.name),
             )
+        # the files as this child will load them (a file replaced later does
+        # not change what it holds)
+        identity = await deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), thd_identity, Path(entry.path), Path(binary),
+        )
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
@@ -1044,7 +1081,7 @@ class Supervisor(Service):
             if existing is not None:
                 return existing
             await self._make_room(entry, meta)
-            return self._start(entry, meta, binary)
+            return self._start(entry, meta, binary, identity)
         finally:
             self._admission.release()
 
@@ -1103,7 +1140,7 @@ class Supervisor(Service):
         free = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), self._free_memory)
         return int(free)
 
-    def _start(self, entry: ModelEntry, meta: GGUFMetadata, binary: Path) -> Instance:
+    def _start(self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "") -> Instance:
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
         command = build_command(
@@ -1115,6 +1152,7 @@ class Supervisor(Service):
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
             idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta), binary=str(binary),
+            shape=child_shape(identity, command.argv),
         )
         env = child_environment(self._environ)
         env.update(command.env)

@@ -291,8 +291,14 @@ class Pipeline:
         await self.sessions.warm(instance)
         if "id_slot" in call.body:
             return None
-        getter = getattr(request, "getHeader", None)
-        name = session_name(lambda h: getter(h) if getter is not None else None, call.session_hint)
+        headers = getattr(request, "requestHeaders", None)
+
+        def header(name: str) -> str | None:
+            # bytes decoded leniently: a header that is not UTF-8 still names a session
+            raw = headers.getRawHeaders(name.encode("ascii")) if headers is not None else None
+            return raw[0].decode("utf-8", "replace") if raw else None
+
+        name = session_name(header, call.session_hint)
         if name is None:
             return None
         key = key_of(request)

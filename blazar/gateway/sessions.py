@@ -37,6 +37,7 @@ from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
+from blazar.gateway.engine_proxy import was_cancelled
 from blazar.httpbody import read_body
 
 log = Logger()
@@ -59,15 +60,26 @@ def session_name(header: Callable[[str], str | None], hint: str | None) -> str |
     C{metadata.user_id}'s C{session_id}, Responses C{prompt_cache_key}).
 
     @param header: A request header's value by lower-case name.
-    @return: The name (at most L{MAX_NAME} characters), or L{None}.
+    @return: The name (at most L{MAX_NAME} characters: L{_bounded_name}),
+        or L{None}.
     """
     for name in (SESSION_HEADER, *IMPLICIT_HEADERS):
         value = header(name)
         if value and value.strip():
-            return value.strip()[:MAX_NAME]
+            return _bounded_name(value.strip())
     if hint and hint.strip():
-        return hint.strip()[:MAX_NAME]
+        return _bounded_name(hint.strip())
     return None
+
+
+def _bounded_name(name: str) -> str:
+    """
+    C{name}, or, past L{MAX_NAME} characters, its start and a hash of the
+    whole (two long names that share a start stay two sessions).
+    """
+    if len(name) <= MAX_NAME:
+        return name
+    return name[: MAX_NAME - 33] + "#" + hashlib.sha256(name.encode("utf-8", "replace")).hexdigest()[:32]
 
 
 def anthropic_hint(body: dict[str, Any]) -> str | None:
@@ -122,7 +134,15 @@ def thd_shape(model_path: str, binary: str, ctx: int) -> str:
 class SlotActionFailed(Exception):
     """
     A child refused or failed a slot save, restore or erase.
+
+    @ivar transient: The child did not answer (no answer in time, not
+        reachable): the slot file may still be good. L{False}: the child
+        answered that it failed (a missing or damaged file).
     """
+
+    def __init__(self, message: str, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class ISlotBank(Interface):
@@ -152,9 +172,10 @@ class ISlotBank(Interface):
         Empty C{slot}'s KV cache.
         """
 
-    async def used(instance: Any, timeout: float) -> list[int]:
+    async def slots(instance: Any, timeout: float) -> list[tuple[int, bool, bool]]:
         """
-        The slots that have held a prompt (C{GET /slots}).
+        Each slot as C{(id, used, busy)}: it has held a prompt, a task runs
+        in it now (C{GET /slots}).
         """
 
 
@@ -168,6 +189,35 @@ class EngineSlots:
     def __init__(self, engines: Any, clock: Any) -> None:
         self._engines = engines
         self._clock = clock
+
+    async def _bounded(self, work: Any, timeout: float, what: str) -> Any:
+        """
+        Await C{work} (a coroutine) at most C{timeout} seconds. A client that
+        leaves meanwhile raises C{CancelledError}; no answer in time, or
+        none at all (the child is gone), L{SlotActionFailed} (transient).
+        """
+        d = ensureDeferred(work)
+        timed_out = []
+
+        def expire() -> None:
+            timed_out.append(True)
+            d.cancel()
+
+        timer = self._clock.callLater(timeout, expire)
+        try:
+            return await d
+        except SlotActionFailed:
+            raise
+        except Exception as e:
+            if timed_out:
+                raise SlotActionFailed(f"{what}: no answer in {timeout:g} s (session_save_timeout_secs)",
+                                       transient=True) from None
+            if was_cancelled(e):
+                raise CancelledError() from None
+            raise SlotActionFailed(f"{what}: {str(e) or type(e).__name__}", transient=True) from None
+        finally:
+            if timer.active():
+                timer.cancel()
 
     async def _action(self, instance: Any, slot: int, action: str, body: dict[str, Any], timeout: float) -> Any:
         async def go() -> Any:
@@ -186,12 +236,7 @@ class EngineSlots:
                 raise SlotActionFailed(f"{action}: {response.code} {message or data[:200]!r}")
             return parsed
 
-        d = ensureDeferred(go())
-        d.addTimeout(timeout, self._clock)
-        try:
-            return await d
-        except CancelledError:
-            raise SlotActionFailed(f"{action}: no answer in {timeout:g} s (session_save_timeout_secs)") from None
+        return await self._bounded(go(), timeout, action)
 
     async def save(self, instance: Any, slot: int, filename: str, timeout: float) -> tuple[int, int]:
         done = await self._action(instance, slot, "save", {"filename": filename}, timeout)
@@ -204,18 +249,15 @@ class EngineSlots:
     async def erase(self, instance: Any, slot: int, timeout: float) -> None:
         await self._action(instance, slot, "erase", {}, timeout)
 
-    async def used(self, instance: Any, timeout: float) -> list[int]:
-        d = ensureDeferred(self._engines.get(f"{instance.base_url}/slots", instance.auth_headers, timeout=timeout))
-        d.addTimeout(timeout, self._clock)
-        try:
-            status, body = await d
-        except CancelledError:
-            raise SlotActionFailed(f"slots: no answer in {timeout:g} s") from None
+    async def slots(self, instance: Any, timeout: float) -> list[tuple[int, bool, bool]]:
+        status, body = await self._bounded(
+            self._engines.get(f"{instance.base_url}/slots", instance.auth_headers, timeout=timeout), timeout, "slots",
+        )
         if status != 200:
             raise SlotActionFailed(f"slots: {status} {body[:200]!r}")
-        slots = json.loads(body)
         # a slot that never ran a task shows no id_task
-        return [int(s["id"]) for s in slots if isinstance(s, dict) and s.get("id_task") is not None]
+        return [(int(s["id"]), s.get("id_task") is not None, bool(s.get("is_processing")))
+                for s in json.loads(body) if isinstance(s, dict)]
 
 
 @attrs.frozen
@@ -430,7 +472,7 @@ class Sessions:
                     continue
                 slot = int(session.name.rsplit("-", 1)[1])
                 if slot < len(owners) and owners[slot] is None:
-                    await self._restore(session, instance, slot)
+                    await self._restore(session, instance, slot)  # (no answer: kept for the next child)
         finally:
             done.callback(None)
 
@@ -450,19 +492,36 @@ class Sessions:
         if session.instance is instance and session.slot is not None and owners[session.slot] is session:
             return session.slot
         session.instance, session.slot = None, None
-        slot = next((i for i, owner in enumerate(owners) if owner is None), None)
+        busy = await self._busy(instance)
+        # a slot no session owns and no request runs in; else the least
+        # recently used idle session's (an unnamed request llama-server put
+        # in a slot would hold a restore back until it ends)
+        slot = next((i for i, owner in enumerate(owners) if owner is None and i not in busy), None)
         if slot is None:
-            idle = [o for o in owners if o is not None and o.in_flight == 0]
+            idle = [o for i, o in enumerate(owners) if o is not None and o.in_flight == 0 and i not in busy]
             if not idle:
-                return None
+                return None  # unpinned: llama-server picks a slot
             victim = min(idle, key=lambda o: o.last_used)
             slot = owners.index(victim)
             await self._page_out(victim, instance)
         owners[slot] = session
         session.instance, session.slot = instance, slot
-        if session.bank is not None:
-            await self._restore(session, instance, slot)
+        if session.bank is not None and not await self._restore(session, instance, slot):
+            # the child did not answer (gone, or wedged): unpinned, the entry
+            # kept for the next turn
+            owners[slot] = None
+            session.instance, session.slot = None, None
+            return None
         return slot
+
+    async def _busy(self, instance: Any) -> set[int]:
+        """
+        The slots a task runs in now (none if the child does not say).
+        """
+        try:
+            return {slot for slot, _, busy in await self._bank.slots(instance, self._settings()[1]) if busy}
+        except SlotActionFailed:
+            return set()
 
     def _owners_of(self, instance: Any) -> list[Session | None]:
         for ident, (other, _) in list(self._owners.items()):
@@ -483,12 +542,17 @@ class Sessions:
                 owner.instance, owner.slot = None, None
 
     async def _shape(self, instance: Any) -> str:
-        shape = self._shapes.get(id(instance))
-        if shape is None:
+        """
+        What a bank entry of this child is tied to: L{Instance.shape} (the
+        model file and engine as it loaded them, its command line), else
+        (a child without one) L{thd_shape} now.
+        """
+        shape = getattr(instance, "shape", "") or self._shapes.get(id(instance))
+        if not shape:
             shape = await self._run(thd_shape, str(instance.entry.path), str(getattr(instance, "binary", "")),
                                     int(instance.ctx))
             self._shapes[id(instance)] = shape
-        return shape
+        return str(shape)
 
     async def _page_out(self, session: Session, instance: Any) -> None:
         """
@@ -509,6 +573,8 @@ class Sessions:
         await self._run(_thd_mkdir, bank_dir(self._data_dir(), session.model))
         try:
             tokens, size = await self._bank.save(instance, slot, session.file, timeout)
+        except CancelledError:
+            raise
         except Exception as e:
             self._count("save", "failed")
             log.warn("{model}: saving session {session}'s slot {slot} failed: {error}",
@@ -528,37 +594,53 @@ class Sessions:
         self._track(self._persist(session) if self._persist is not None else None)
         await self._bound(bank_max)
 
-    async def _restore(self, session: Session, instance: Any, slot: int) -> None:
+    async def _restore(self, session: Session, instance: Any, slot: int) -> bool:
+        """
+        Restore C{session}'s bank entry into C{slot}. A definite failure (the
+        child says the file is missing or damaged, or restored another
+        token count than was saved) erases the slot and drops the entry:
+        the prompt is prefilled. An entry of another shape is dropped
+        unrestored.
+
+        @return: L{False} if the child did not answer (the entry is kept).
+        @raise CancelledError: The client left (the entry is kept).
+        """
         bank = session.bank
         assert bank is not None
         _, timeout, _, _ = self._settings()
         shape = await self._shape(instance)
         if bank.shape != shape:
-            # another model file, engine or context size: never restored
+            # another model file, engine, context size or engine flags: never restored
             self._count("restore", "other_shape")
-            log.info("{model}: session {session}'s bank entry was made for another model file, engine or "
-                     "context size; prefilling instead", model=session.model, session=session.name)
+            log.info("{model}: session {session}'s bank entry was made for another model file, engine, context "
+                     "size or engine flags; prefilling instead", model=session.model, session=session.name)
             self._drop_bank(session)
-            return
+            return True
         try:
             restored = await self._bank.restore(instance, slot, bank.file, timeout)
-        except Exception as e:
-            restored, error = -1, str(e) or type(e).__name__
+        except SlotActionFailed as e:
+            if e.transient:
+                self._count("restore", "no_answer")
+                log.warn("{model}: restoring session {session}'s bank entry: {error}; the entry is kept for "
+                         "its next turn", model=session.model, session=session.name, error=str(e))
+                return False
+            restored, error = -1, str(e)
         else:
             error = f"restored {restored} tokens, {bank.tokens} were saved"
         if restored == bank.tokens:
             self._count("restore", "ok")
             session.tokens = restored
-            return
+            return True
         self._count("restore", "failed")
         log.warn("{model}: restoring session {session}'s bank entry into slot {slot} failed ({error}); "
                  "the prompt is prefilled instead", model=session.model, session=session.name, slot=slot, error=error)
         try:
             await self._bank.erase(instance, slot, timeout)
-        except Exception as e:
+        except SlotActionFailed as e:
             log.warn("{model}: erasing slot {slot} after a failed restore failed: {error}",
                      model=session.model, slot=slot, error=str(e))
         self._drop_bank(session)
+        return True
 
     def _drop_bank(self, session: Session) -> None:
         if session.bank is None:
@@ -617,6 +699,8 @@ class Sessions:
         (the most recently used first), within C{session_save_timeout_secs}
         each.
         """
+        if instance.entry.settings.embedding:
+            return  # no --slot-save-path, no KV worth keeping
         held = self._owners.get(id(instance))
         owners = [o for o in held[1] if o is not None] if held is not None and held[0] is instance else []
         owned = {o.slot for o in owners}
@@ -638,8 +722,8 @@ class Sessions:
         """
         _, timeout, _, _ = self._settings()
         try:
-            used = await self._bank.used(instance, timeout)
-        except Exception as e:
+            used = [slot for slot, was_used, _ in await self._bank.slots(instance, timeout) if was_used]
+        except SlotActionFailed as e:
             log.warn("{model}: listing its slots before it stops failed ({error}); its unnamed conversations "
                      "are not saved", model=instance.entry.name, error=str(e) or type(e).__name__)
             return

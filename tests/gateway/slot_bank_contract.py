@@ -21,7 +21,7 @@ async def check_slot_bank(
     assert ISlotBank.providedBy(bank)
     tokens = await fill(0)
     assert tokens > 0
-    assert 0 in await bank.used(instance, 5.0)
+    assert (0, True, False) in await bank.slots(instance, 5.0)
     saved, size = await bank.save(instance, 0, "contract.bin", 5.0)
     assert saved == tokens and size > 0
     await bank.erase(instance, 1, 5.0)

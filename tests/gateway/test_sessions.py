@@ -214,3 +214,83 @@ class SessionTests(SynchronousTestCase):
             return 42
 
         self.successResultOf(Deferred.fromCoroutine(check_slot_bank(bank, child, fill, bank.corrupt.add)))
+
+
+class HardeningTests(SessionTests):
+    """
+    What the attack on the first version found (issue 20's review).
+    """
+
+    def test_a_busy_slot_is_not_chosen(self) -> None:
+        self.bank.busy.add(0)  # an unnamed request llama-server put in slot 0
+        pin = self.pin("a")
+        assert pin is not None
+        self.assertEqual(pin.slot, 1)
+        self.bank.busy.add(1)
+        self.assertIsNone(self.pin("b"))  # nothing idle: unpinned
+
+    def test_a_child_that_does_not_answer_keeps_the_entry(self) -> None:
+        a = self.turn("a", 100)
+        self.successResultOf(self.sessions.stopping(self.child))
+        fresh = FakeInstance("m:latest", parallel=2, ctx=2048)
+        self.bank.unreachable = True  # it crashed, not yet reported
+        self.assertIsNone(self.pin("a", fresh))  # unpinned
+        self.assertIsNotNone(a.session.bank)
+        self.assertIn(("restore", "no_answer"), self.counted)
+        self.assertNotIn("erase", [c[0] for c in self.bank.calls])
+        self.bank.unreachable = False
+        pin = self.pin("a", fresh)
+        assert pin is not None
+        self.assertEqual(self.bank.held(fresh, pin.slot), 100)
+        self.flushLoggedErrors()
+
+    def test_a_client_leaving_during_a_restore_keeps_the_entry(self) -> None:
+        from twisted.internet.defer import CancelledError
+
+        a = self.turn("a", 100)
+        self.successResultOf(self.sessions.stopping(self.child))
+        fresh = FakeInstance("m:latest", parallel=2, ctx=2048)
+        waiting: Deferred[int] = Deferred()
+
+        async def slow_restore(instance: Any, slot: int, filename: str, timeout: float) -> int:
+            return await waiting
+
+        self.bank.restore = slow_restore  # type: ignore[method-assign]
+        d = Deferred.fromCoroutine(self.sessions.pin("k", "a", fresh))
+        d.cancel()
+        self.failureResultOf(d, CancelledError)
+        self.assertIsNotNone(a.session.bank)
+        self.assertEqual(a.session.in_flight, 0)
+
+    def test_an_embedding_child_saves_nothing(self) -> None:
+        from blazar.config import ModelConfig
+        from blazar.models.registry import ModelEntry
+
+        class Embedder(FakeInstance):
+            @property
+            def entry(self) -> ModelEntry:
+                return ModelEntry(self.name, Path("/nonexistent/e.gguf"), settings=ModelConfig(embedding=True))
+
+        child = Embedder("e:latest")
+        self.bank.fill(child, 0, 10)
+        self.successResultOf(self.sessions.stopping(child))
+        self.assertEqual(self.bank.calls, [])
+        self.assertEqual(self.sessions.of_key(None), [])
+
+    def test_the_childs_own_shape_is_used(self) -> None:
+        a = self.turn("a", 100)
+        self.successResultOf(self.sessions.stopping(self.child))
+        reflagged = FakeInstance("m:latest", parallel=2, ctx=2048, shape="other-flags")
+        pin = self.pin("a", reflagged)
+        assert pin is not None
+        self.assertEqual(self.bank.held(reflagged, pin.slot), 0)
+        self.assertIn(("restore", "other_shape"), self.counted)
+        self.assertIsNone(a.session.bank)
+
+    def test_long_names_stay_apart(self) -> None:
+        from blazar.gateway.sessions import MAX_NAME
+
+        one, two = "x" * 300 + "1", "x" * 300 + "2"
+        names = {session_name({"x-blazar-session": n}.get, None) for n in (one, two)}
+        self.assertEqual(len(names), 2)
+        self.assertTrue(all(len(n or "") <= MAX_NAME for n in names))
