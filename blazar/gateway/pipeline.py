@@ -42,9 +42,13 @@ from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.call import Call, CallKind, Counting
 from blazar.gateway.context import context_of, key_of, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
-from blazar.gateway.errors import UnsupportedByModel
+from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
+from blazar.gateway.toolcalls import (
+    DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
+    forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
+)
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
@@ -75,6 +79,9 @@ class Reply:
         self.started = started
         self.loaded = loaded
         self.pin: Pin | None = None
+        # an answer the pipeline made itself (a forced tool call): the OpenAI
+        # chat completion, or its SSE stream
+        self.made: bytes | None = None
 
     async def read(self) -> bytes:
         """
@@ -83,6 +90,8 @@ class Reply:
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled before it finished.
         """
+        if self.made is not None:
+            return self.made
         return await self._proxy.read(self._lease.instance, self._response)
 
     async def relay(self, feed: Callable[[bytes], None]) -> None:
@@ -90,6 +99,9 @@ class Reply:
         Feed the answer's bytes to C{feed} as they arrive, at the client's
         pace (L{EngineProxy.relay}).
         """
+        if self.made is not None:
+            feed(self.made)
+            return
         await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
 
     async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
@@ -101,6 +113,11 @@ class Reply:
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
         try:
+            if self.made is not None:
+                for event in self.made.split(b"\n\n"):
+                    if event.startswith(b"data: {"):
+                        on_chunk(json.loads(event[len(b"data: "):]))
+                return
             await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
         except StreamStopped:
             pass
@@ -257,15 +274,21 @@ class Pipeline:
         stop = call.on_send(not ready) if call.on_send is not None else None
         started = self._clock.seconds()
         pin = None
+        forced = self._forced_call(call)
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             pin = await self._pin(request, call, instance)
-            if pin is not None:
-                raw = with_slot(raw, pin.slot) or raw
-            lease, response = await self._proxy.send(
-                call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
-            )
+            made = None
+            if forced is not None:
+                lease, made = await self._forced(request, call, forced, instance, started, pin)
+                response = None
+            else:
+                if pin is not None:
+                    raw = with_slot(raw, pin.slot) or raw
+                lease, response = await self._proxy.send(
+                    call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
+                )
         except BaseException:
             if pin is not None and self.sessions is not None:
                 self.sessions.release(pin, None)
@@ -275,7 +298,92 @@ class Pipeline:
                 stop()
         reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
         reply.pin = pin
+        reply.made = made
         return reply, lease
+
+    async def _forced(
+        self, request: Any, call: Call, forced: Forced, instance: Any, started: float, pin: Pin | None,
+    ) -> tuple[InstanceLease, bytes]:
+        """
+        The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
+        decoded under the offered tools' schema, from the prompt the model's
+        template renders with the tools, and answered as an OpenAI chat
+        completion (or its stream) with C{tool_calls}.
+
+        @raise BadRequest: The tools' parameters cannot be made a grammar.
+        """
+        budget = call.max_tokens if call.max_tokens and call.max_tokens > 0 else DEFAULT_BUDGET
+        budget = max(budget, needed_tokens(forced))  # a call that cannot end is no call
+        names = ", ".join(t["function"]["name"] for t in forced.tools)
+        try:
+            body = completion_body(call.body, "", forced, budget)
+        except ToolSchemaError as e:
+            raise BadRequest(f"tools: {e}", "tools") from None
+        template = {k: v for k, v in call.body.items()
+                    if k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
+                             "reasoning_effort")}
+        try:
+            lease, response = await self._proxy.send(
+                call.model, "/apply-template", json.dumps(template).encode("utf-8"), call.ctx_size, request,
+                stream=False, ready=(instance, started),
+            )
+        except EngineRejected as e:
+            if e.status == 400:
+                raise BadRequest(f"tools: the model's template refused the tools {names}: {e}", "tools") from None
+            raise
+        try:
+            prompt = json.loads(await self._proxy.read(lease.instance, response))["prompt"]
+        finally:
+            lease.release()
+        body["prompt"] = prompt
+        if pin is not None:
+            body["id_slot"] = pin.slot
+        try:
+            lease, response = await self._proxy.send(
+                call.model, "/completion", json.dumps(body).encode("utf-8"), call.ctx_size, request,
+                stream=False, ready=(lease.instance, self._clock.seconds()),
+            )
+        except EngineRejected as e:
+            if e.status == 400:
+                raise BadRequest(
+                    f"tools: the parameters of {names} cannot be made a grammar for a forced tool call: {e}",
+                    "tools",
+                ) from None
+            raise
+        done: Any = None
+        try:
+            done = json.loads(await self._proxy.read(lease.instance, response))
+            calls = tool_calls(parse_calls(str(done.get("content") or ""), forced))
+        except ValueError as e:
+            lease.release()
+            content = str(done.get("content") or "")[-120:] if isinstance(done, dict) else ""
+            raise EngineRejected(502, f"the engine's forced tool call did not parse ({e}); it ended {content!r}"
+                                 ) from None
+        except BaseException:
+            lease.release()
+            raise
+        usage = usage_of(done)
+        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        name = lease.instance.entry.name
+        if not call.stream:
+            return lease, chat_completion(name, calls, usage)
+        options = call.body.get("stream_options")
+        wants = isinstance(options, dict) and bool(options.get("include_usage"))
+        return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"))
+
+    def _forced_call(self, call: Call) -> Forced | None:
+        """
+        The forced tool call a chat call asks for (C{tool_choice} required
+        or a named function), if any.
+
+        @raise BadRequest: It names a tool that is not offered.
+        """
+        if call.kind is not CallKind.CHAT:
+            return None
+        try:
+            return forced_call(call.body)
+        except ToolChoiceError as e:
+            raise BadRequest(str(e), "tool_choice") from None
 
     async def _pin(self, request: Any, call: Call, instance: Any) -> Pin | None:
         """

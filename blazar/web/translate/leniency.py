@@ -169,6 +169,7 @@ POLICIES: dict[str, Policy] = {
     # Ollama POST /api/chat
     "ollama_chat": (frozenset({
         "model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
+        "tool_choice", "parallel_tool_calls",  # Blazar's: a forced call (blazar.gateway.toolcalls)
     }), frozenset({"logprobs", "top_logprobs", "truncate", "shift"}), {}),
     # Ollama POST /api/generate
     "ollama_generate": (frozenset({

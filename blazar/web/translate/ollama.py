@@ -259,6 +259,12 @@ def chat_to_openai(body: dict[str, Any], stream: bool) -> dict[str, Any]:
         if not isinstance(tools, list):
             raise TranslationError("tools must be an array of {type: \"function\", function: {...}}")
         request["tools"] = tools
+        # (not in Ollama's API: the OpenAI field, so that a call can be forced
+        # here too, under the tools' grammar: blazar.gateway.toolcalls)
+        if body.get("tool_choice") is not None:
+            request["tool_choice"] = body["tool_choice"]
+        if isinstance(body.get("parallel_tool_calls"), bool):
+            request["parallel_tool_calls"] = body["parallel_tool_calls"]
     request["stream"] = stream
     if stream:
         request["stream_options"] = {"include_usage": True}

@@ -63,7 +63,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
     "ollama_chat": {
         "model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [], "format": "json",
         "options": {}, "stream": False, "keep_alive": "5m", "think": False, "logprobs": False,
-        "top_logprobs": 0, "truncate": True, "shift": True,
+        "top_logprobs": 0, "truncate": True, "shift": True, "tool_choice": "auto", "parallel_tool_calls": True,
     },
     "ollama_generate": {
         "model": "m", "prompt": "hi", "suffix": "", "images": [], "format": "json", "options": {},

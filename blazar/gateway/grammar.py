@@ -1,0 +1,276 @@
+"""
+JSON schemas as GBNF grammars for llama-server's C{grammar} field: compact
+JSON (no whitespace between tokens), every string, array and number
+bounded, so the length of anything the grammar admits is bounded too. A
+forced tool call decoded under it ends as valid JSON within its token
+budget, whatever the model (L{blazar.gateway.toolcalls}).
+
+Supported: C{type} (one or a list), C{properties} / C{required} (in
+declared order, optional ones optional; nothing undeclared, unless
+C{additionalProperties} is given: then an object without C{properties}
+takes up to 4 free members), C{enum},
+C{const}, C{items} / C{minItems} / C{maxItems}, C{minLength} /
+C{maxLength}, integer C{minimum} / C{maximum} (a range of at most 256
+values is enumerated; a lower bound of 0 or more drops the sign), C{oneOf}
+/ C{anyOf}, local C{$ref} (C{#/$defs/...}, C{#/definitions/...}), and
+C{format} (read as a plain string). Anything else that constrains values
+(C{pattern}, C{allOf}, C{not}, C{if}, remote C{$ref}, ...) raises
+L{Unsupported} naming it: a grammar that ignored it would admit values the
+schema refuses.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+FREE_MEMBERS = 4
+FREE_ITEMS = 8
+MAX_DEPTH = 24
+RANGE_LIMIT = 256
+UNSUPPORTED = ("pattern", "patternProperties", "allOf", "not", "if", "then", "else", "dependentSchemas",
+               "dependentRequired", "propertyNames", "contains", "prefixItems", "unevaluatedProperties",
+               "multipleOf", "exclusiveMinimum", "exclusiveMaximum", "uniqueItems", "minProperties", "maxProperties")
+
+PRIMITIVES = {
+    "char": r'[^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})',
+    "integer": '"-"? ("0" | [1-9] [0-9]{0,15})',
+    "natural": '"0" | [1-9] [0-9]{0,15}',
+    "number": 'integer ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,3})?',
+    "boolean": '"true" | "false"',
+    "null": '"null"',
+}
+
+
+class Unsupported(ValueError):
+    """
+    A schema construct the grammar cannot express; the message names it
+    and where (a JSON pointer).
+    """
+
+
+def literal(value: Any) -> str:
+    """
+    A GBNF literal matching C{value}'s compact JSON encoding.
+    """
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return json.dumps(text, ensure_ascii=False)
+
+
+class Grammar:
+    """
+    Rules made while walking one schema.
+    """
+
+    def __init__(self, root_schema: Any, string_cap: int) -> None:
+        self._root = root_schema
+        self._cap = string_cap
+        self.rules: dict[str, str] = {}
+        self._refs: dict[str, str] = {}
+        self._used: set[str] = set()
+
+    def use_root(self, schema: Any) -> None:
+        """
+        Resolve C{$ref}s against C{schema} from now on (one tool's
+        parameters at a time).
+        """
+        self._root = schema
+        self._refs = {}
+
+    def rule(self, base: str, body: str) -> str:
+        """
+        A named rule for C{body} (the same name for the same body).
+        """
+        return self._rule(base, body)
+
+    def _rule(self, base: str, body: str) -> str:
+        name = base
+        n = 0
+        while name in self.rules and self.rules[name] != body:
+            n += 1
+            name = f"{base}{n}"
+        self.rules[name] = body
+        return name
+
+    def _primitive(self, name: str) -> str:
+        self._used.add(name)
+        if name == "number":
+            self._used.add("integer")
+        return name
+
+    def value(self, schema: Any, where: str, depth: int = 0) -> str:
+        """
+        A GBNF expression for the values C{schema} admits.
+        """
+        if depth > MAX_DEPTH:
+            raise Unsupported(f"{where}: nested deeper than {MAX_DEPTH} (a recursive $ref?)")
+        if schema is True or schema == {}:
+            return self._free(depth)
+        if not isinstance(schema, dict):
+            raise Unsupported(f"{where}: a schema must be an object")
+        for key in UNSUPPORTED:
+            if key in schema:
+                raise Unsupported(f"{where}: {key}")
+        if "$ref" in schema:
+            return self._ref(schema["$ref"], where, depth)
+        if "const" in schema:
+            return literal(schema["const"])
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise Unsupported(f"{where}: enum must be a non-empty array")
+            return "(" + " | ".join(literal(v) for v in schema["enum"]) + ")"
+        for key in ("oneOf", "anyOf"):
+            if key in schema:
+                options = schema[key]
+                if not isinstance(options, list) or not options:
+                    raise Unsupported(f"{where}: {key} must be a non-empty array")
+                base = {k: v for k, v in schema.items() if k != key}
+                return "(" + " | ".join(self.value({**base, **o} if isinstance(o, dict) else o, f"{where}/{key}/{i}",
+                                                   depth + 1) for i, o in enumerate(options)) + ")"
+        kind = schema.get("type")
+        if isinstance(kind, list):
+            return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kind) + ")"
+        if kind is None:
+            if "properties" in schema:
+                kind = "object"
+            elif "items" in schema:
+                kind = "array"
+            else:
+                return self._free(depth)
+        if kind == "string":
+            return self._string(schema, where)
+        if kind == "integer":
+            return self._integer(schema, where)
+        if kind == "number":
+            return self._primitive("number")
+        if kind == "boolean":
+            return self._primitive("boolean")
+        if kind == "null":
+            return self._primitive("null")
+        if kind == "array":
+            return self._array(schema, where, depth)
+        if kind == "object":
+            return self._object(schema, where, depth)
+        raise Unsupported(f"{where}: type {kind!r}")
+
+    def _string(self, schema: dict[str, Any], where: str) -> str:
+        low = int(schema.get("minLength", 0) or 0)
+        high = schema.get("maxLength")
+        high = self._cap if high is None else int(high)
+        if high < low:
+            raise Unsupported(f"{where}: maxLength below minLength")
+        self._used.add("char")
+        return f'"\\"" char{{{low},{high}}} "\\""'
+
+    def _integer(self, schema: dict[str, Any], where: str) -> str:
+        low, high = schema.get("minimum"), schema.get("maximum")
+        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
+            lo, hi = int(-(-low // 1)), int(high // 1)
+            if hi < lo:
+                raise Unsupported(f"{where}: maximum below minimum")
+            if hi - lo < RANGE_LIMIT:
+                return "(" + " | ".join(f'"{n}"' for n in range(lo, hi + 1)) + ")"
+        if isinstance(low, (int, float)) and low >= 0:
+            return self._primitive("natural")
+        return self._primitive("integer")
+
+    def _array(self, schema: dict[str, Any], where: str, depth: int) -> str:
+        items = schema.get("items", {})
+        item = self.value(items, f"{where}/items", depth + 1)
+        low = int(schema.get("minItems", 0) or 0)
+        high = int(schema.get("maxItems", max(low, FREE_ITEMS)))
+        if high < low:
+            raise Unsupported(f"{where}: maxItems below minItems")
+        if high == 0:
+            return '"[]"'
+        name = self._rule("item", item)
+        more = f'("," {name}){{{max(0, low - 1)},{high - 1}}}'
+        body = f'"[" {name} {more} "]"'
+        return body if low > 0 else f'("[]" | {body})'
+
+    def _object(self, schema: dict[str, Any], where: str, depth: int) -> str:
+        properties = schema.get("properties")
+        if not properties:
+            # only what is declared, unless more is asked for explicitly (as
+            # llama.cpp's own converter reads it): a tool without
+            # parameters is called with {}
+            extra = schema.get("additionalProperties", False)
+            if extra is False:
+                return '"{}"'
+            return self._free_object(extra if isinstance(extra, dict) else {}, where, depth)
+        if not isinstance(properties, dict):
+            raise Unsupported(f"{where}: properties must be an object")
+        required = [k for k in schema.get("required", []) if k in properties]
+        members = []
+        for key, sub in properties.items():
+            expr = f'{literal(key)} ":" {self.value(sub, f"{where}/properties/{key}", depth + 1)}'
+            members.append((key in required, self._rule("member", expr)))
+        # required members in order, each optional one in its place: a tail
+        # rule per position, so commas come only between members
+        tails: list[str] = [""]  # "": nothing (no rule)
+        for must, rule in reversed(members):
+            after = tails[-1]
+            body = f'"," {rule} {after}' if must else f'("," {rule})? {after}'
+            tails.append(self._rule("tail", body.strip()))
+        tails.reverse()  # tails[i]: members i.. each after a comma
+        first = ""  # members i.. with no comma before the first of them
+        for i in range(len(members) - 1, -1, -1):
+            must, rule = members[i]
+            head = f"{rule} {tails[i + 1]}".strip()
+            first = self._rule("first", head if must else (f"{head} | {first}" if first else f"({head})?"))
+        return f'"{{" {first} "}}"'
+
+    def _free_object(self, values: Any, where: str, depth: int) -> str:
+        value = self.value(values, f"{where}/additionalProperties", depth + 1) if values else self._free(depth + 1)
+        self._used.add("char")
+        member = self._rule("freemember", f'"\\"" char{{1,{max(1, min(self._cap, 64))}}} "\\"" ":" {value}')
+        return f'("{{}}" | "{{" {member} ("," {member}){{0,{FREE_MEMBERS - 1}}} "}}")'
+
+    def _free(self, depth: int) -> str:
+        """
+        Any JSON value, nested at most two levels.
+        """
+        if depth > 2:
+            return f"({self._string({}, '')} | {self._primitive('number')} | {self._primitive('boolean')} | " \
+                   f"{self._primitive('null')})"
+        inner = self._free(depth + 1)
+        name = self._rule("free", inner)
+        self._used.add("char")
+        member = f'"\\"" char{{1,32}} "\\"" ":" {name}'
+        return (f'({self._string({}, "")} | {self._primitive("number")} | {self._primitive("boolean")} | '
+                f'{self._primitive("null")} | ("[]" | "[" {name} ("," {name}){{0,{FREE_ITEMS - 1}}} "]") | '
+                f'("{{}}" | "{{" {member} ("," {member}){{0,{FREE_MEMBERS - 1}}} "}}"))')
+
+    def _ref(self, ref: Any, where: str, depth: int) -> str:
+        if not isinstance(ref, str) or not ref.startswith("#/"):
+            raise Unsupported(f"{where}: $ref {ref!r} (only local references, #/...)")
+        if ref in self._refs:
+            return self._refs[ref]
+        target: Any = self._root
+        for part in ref[2:].split("/"):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise Unsupported(f"{where}: $ref {ref!r} does not resolve")
+            target = target[part]
+        name = self._rule("ref", '""')
+        self._refs[ref] = name
+        self.rules[name] = self.value(target, ref, depth + 1)
+        return name
+
+    def text(self, root: str) -> str:
+        lines = [f"root ::= {root}"]
+        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
+        lines += [f"{name} ::= {PRIMITIVES[name]}" for name in sorted(self._used)]
+        return "\n".join(lines) + "\n"
+
+
+def to_gbnf(schema: Any, string_cap: int, where: str = "#") -> str:
+    """
+    The grammar of C{schema}'s values, as compact JSON.
+
+    @param string_cap: The C{maxLength} of strings that have none.
+    @raise Unsupported: A construct it cannot express (named).
+    """
+    grammar = Grammar(schema, string_cap)
+    root = grammar.value(schema, where)
+    return grammar.text(root)

@@ -1,0 +1,197 @@
+"""
+Forced tool calls always parse (issue 21, part 1), on a real llama-server
+child and the random-weight model: plain requests (no logit_bias tricks),
+many seeds, every surface, streamed and not. Each call names an offered
+tool and its arguments validate against that tool's parameters
+(jsonschema).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+from typing import Any, Iterator
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from blazar.models.testmodel import make_test_model
+from tests.integration.harness import Daemon
+
+SEEDS = range(1, 51)
+WEATHER = {
+    "name": "get_weather", "description": "Current weather for a city",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        "units": {"type": "string", "enum": ["metric", "imperial"]},
+    }, "required": ["city", "units"]},
+}
+TIME = {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}
+SCHEMAS = {WEATHER["name"]: WEATHER["parameters"], TIME["name"]: TIME["parameters"]}
+ASK = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("forced")
+    models = root / "models"
+    make_test_model(models / "tiny.gguf")
+    d = Daemon(root, (
+        f'models_dir = "{models}"\n[models."tiny"]\nparallel = 2\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM)
+
+
+def check(name: str, arguments: Any) -> None:
+    assert name in SCHEMAS, name
+    value = json.loads(arguments) if isinstance(arguments, str) else arguments
+    assert isinstance(value, dict), arguments
+    jsonschema.validate(value, SCHEMAS[name])
+
+
+def openai_tools(*tools: dict[str, Any]) -> list[dict[str, Any]]:
+    return [{"type": "function", "function": t} for t in tools]
+
+
+def test_openai_forced_calls_parse(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="none")
+    for seed in SEEDS:
+        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+            reply = client.chat.completions.create(
+                model="tiny", messages=ASK, tools=openai_tools(WEATHER, TIME), tool_choice=choice,  # type: ignore[arg-type]
+                parallel_tool_calls=False, max_tokens=200, seed=seed,
+            )
+            choice0 = reply.choices[0]
+            assert choice0.finish_reason == "tool_calls", reply
+            calls = choice0.message.tool_calls or []
+            assert len(calls) == 1, calls
+            check(calls[0].function.name, calls[0].function.arguments)
+            if isinstance(choice, dict):
+                assert calls[0].function.name == "get_weather"
+        # streamed, through the SDK's helper
+        with client.beta.chat.completions.stream(
+            model="tiny", messages=ASK, tools=openai_tools(WEATHER), tool_choice="required",  # type: ignore[arg-type]
+            max_tokens=200, seed=seed,
+        ) as stream:
+            final = stream.get_final_completion()
+        calls = final.choices[0].message.tool_calls or []
+        assert calls and all(c.id and c.type == "function" for c in calls), final
+        for call in calls:
+            check(call.function.name, call.function.arguments)
+
+
+def test_parallel_calls_and_a_tool_without_arguments(daemon: Daemon) -> None:
+    for seed in range(1, 11):
+        status, reply = daemon.post_json("/v1/chat/completions", {
+            "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER, TIME), "tool_choice": "required",
+            "parallel_tool_calls": True, "max_tokens": 300, "seed": seed,
+        })
+        assert status == 200, reply
+        calls = reply["choices"][0]["message"]["tool_calls"]
+        assert 1 <= len(calls) <= 4 and len({c["id"] for c in calls}) == len(calls), calls
+        for call in calls:
+            check(call["function"]["name"], call["function"]["arguments"])
+        status, reply = daemon.post_json("/v1/chat/completions", {
+            "model": "tiny", "messages": ASK, "tools": openai_tools(TIME),
+            "tool_choice": {"type": "function", "function": {"name": "get_time"}}, "max_tokens": 50, "seed": seed,
+        })
+        assert status == 200, reply
+        assert [json.loads(c["function"]["arguments"]) for c in reply["choices"][0]["message"]["tool_calls"]] \
+            in ([{}], [{}, {}], [{}, {}, {}], [{}, {}, {}, {}]), reply
+
+
+def test_openai_stream_fragments_follow_the_rules(daemon: Daemon) -> None:
+    events = [data for data, _ in daemon.stream("/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "tool_choice": "required",
+        "max_tokens": 200, "seed": 3, "stream": True, "stream_options": {"include_usage": True},
+    })]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    fragments = [tc for c in chunks for ch in c["choices"] for tc in ch["delta"].get("tool_calls") or []]
+    assert fragments and all(isinstance(f["index"], int) and f["id"] and f["type"] == "function" for f in fragments)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    assert all(c["model"] == "tiny" for c in chunks)
+
+
+def test_anthropic_forced_calls_parse(daemon: Daemon) -> None:
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="none")
+    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+             for t in (WEATHER, TIME)]
+    for seed in SEEDS:
+        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+            message = client.messages.create(
+                model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice=choice,  # type: ignore[arg-type]
+                extra_body={"seed": seed},
+            )
+            uses = [b for b in message.content if b.type == "tool_use"]
+            assert uses and message.stop_reason == "tool_use", message
+            for block in uses:
+                check(block.name, block.input)
+        with client.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools,  # type: ignore[arg-type]
+                                    tool_choice={"type": "any"}, extra_body={"seed": seed}) as stream:
+            final = stream.get_final_message()
+        uses = [b for b in final.content if b.type == "tool_use"]
+        assert uses and final.stop_reason == "tool_use", final
+        for block in uses:
+            check(block.name, block.input)
+
+
+def test_responses_forced_calls_parse(daemon: Daemon) -> None:
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="none")
+    tools = [{"type": "function", **t} for t in (WEATHER, TIME)]
+    for seed in SEEDS:
+        for stream in (False, True):
+            kwargs: dict[str, Any] = dict(model="tiny", input="What is the weather in Paris?", tools=tools,
+                                          tool_choice="required", max_output_tokens=200, extra_body={"seed": seed})
+            if stream:
+                with client.responses.stream(**kwargs) as events:
+                    response = events.get_final_response()
+            else:
+                response = client.responses.create(**kwargs)
+            calls = [item for item in response.output if item.type == "function_call"]
+            assert calls, response
+            for call in calls:
+                check(call.name, call.arguments)
+
+
+def test_ollama_forced_calls_parse(daemon: Daemon) -> None:
+    """
+    Ollama's API has no tool_choice; Blazar takes the OpenAI field on
+    /api/chat too, so a forced call is possible there as well.
+    """
+    for seed in SEEDS:
+        for stream in (False, True):
+            status, _, data = daemon.request("POST", "/api/chat", {
+                "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "stream": stream,
+                "tool_choice": "required", "options": {"seed": seed, "num_predict": 200},
+            })
+            assert status == 200, data
+            lines = [json.loads(line) for line in data.decode().splitlines() if line.strip()]
+            assert lines[-1]["done"] is True, lines[-1]
+            calls = [c for line in lines for c in (line.get("message") or {}).get("tool_calls") or []]
+            assert calls, lines
+            for call in calls:
+                assert isinstance(call["function"]["arguments"], dict)
+                check(call["function"]["name"], call["function"]["arguments"])
+
+
+def test_a_schema_the_grammar_cannot_express_is_a_400(daemon: Daemon) -> None:
+    bad = {"name": "odd", "parameters": {"type": "object", "properties": {"x": {"$ref": "#/nowhere"}}}}
+    status, reply = daemon.post_json("/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "tools": openai_tools(bad), "tool_choice": "required", "max_tokens": 20,
+    })
+    assert status == 400, reply
+    assert "odd" in reply["error"]["message"] and reply["error"]["param"] == "tools", reply
+    status, reply = daemon.post_json("/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "max_tokens": 20,
+        "tool_choice": {"type": "function", "function": {"name": "nope"}},
+    })
+    assert status == 400 and "nope" in reply["error"]["message"], reply
