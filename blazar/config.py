@@ -53,6 +53,8 @@ C{~/.config/blazar/config.toml}. Keys::
     session_save_timeout_secs = 2  # each slot save or restore of the KV bank, at most
     session_bank_entry_max_mib = 512   # a saved slot bigger than this is not kept
     session_bank_max_mib = 4096    # the bank on disk, at most (oldest entries dropped)
+    sentinel_enforce = false       # a non-streamed chat answer the sentinel flags is a 422
+                                   # (also per model: [models."name"] sentinel_enforce)
 
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
@@ -128,6 +130,7 @@ class ModelConfig:
     parallel: int | None = None
     embedding: bool = False
     args: tuple[str, ...] = ()
+    sentinel_enforce: bool | None = None  # None: the global sentinel_enforce
 
 
 @attrs.frozen
@@ -229,6 +232,7 @@ class Config:
     session_save_timeout: float = 2.0
     session_bank_entry_max_mib: int = 512
     session_bank_max_mib: int = 4096
+    sentinel_enforce: bool = False
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -285,6 +289,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "session_save_timeout": ("session_save_timeout_secs", RUNTIME),
     "session_bank_entry_max_mib": ("session_bank_entry_max_mib", RUNTIME),
     "session_bank_max_mib": ("session_bank_max_mib", RUNTIME),
+    "sentinel_enforce": ("sentinel_enforce", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
@@ -554,6 +559,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
+        "sentinel_enforce",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -591,6 +597,10 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
             raise _expected(where, "session_keep_secs", "0 (no sessions) or a number of seconds", value)
         kwargs["session_keep"] = float(value)
+    if "sentinel_enforce" in doc:
+        if not isinstance(doc["sentinel_enforce"], bool):
+            raise _expected(where, "sentinel_enforce", "true or false", doc["sentinel_enforce"])
+        kwargs["sentinel_enforce"] = doc["sentinel_enforce"]
     if "session_save_timeout_secs" in doc:
         kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
                                                           "session_save_timeout_secs")
@@ -680,10 +690,13 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for name, raw in _table(doc.get("models", {}), where, "models").items():
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
-        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args"}, where, prefix)
+        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce"}, where, prefix)
         embedding = table.get("embedding", False)
         if not isinstance(embedding, bool):
             raise _expected(where, prefix + "embedding", "true or false", embedding)
+        enforce = table.get("sentinel_enforce")
+        if enforce is not None and not isinstance(enforce, bool):
+            raise _expected(where, prefix + "sentinel_enforce", "true or false", enforce)
         try:
             canonical = canonical_name(name)
         except ValueError as e:
@@ -694,6 +707,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             parallel=_positive_int(table["parallel"], where, prefix + "parallel") if "parallel" in table else None,
             embedding=embedding,
             args=_str_list(table.get("args", []), where, prefix + "args"),
+            sentinel_enforce=enforce,
         )
     kwargs["models"] = models
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where)

@@ -111,6 +111,10 @@ class Metrics:
             "blazar_load_duration_seconds", "From spawning an engine child to its /health 200",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
+        self.sentinel = Counter(
+            "blazar_sentinel", "Answers the sentinel flagged (blazar.gateway.sentinel), by code",
+            ["model", "code"], registry=r,
+        )
         self.session_bank = Counter(
             "blazar_session_bank", "KV bank slot saves and restores (blazar.gateway.sessions), by result "
             "(ok, failed, discarded, other_shape)", ["op", "result"], registry=r,

@@ -508,7 +508,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     usage_store.setServiceParent(top)
     admission = Admission(reactor, live, metrics)
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
-    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions)
+    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live)
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)

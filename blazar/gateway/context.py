@@ -70,6 +70,7 @@ class RequestContext:
     @ivar usage: Counts tokens against the key's token limits, if it has any.
     @ivar door: What the site's door decided from the headers (a key, a
         refusal or L{None}); L{NOT_ASKED} until it asked.
+    @ivar sentinel: What the sentinel found wrong with the answer (codes).
     """
 
     trace_id: str = ""
@@ -85,6 +86,7 @@ class RequestContext:
     usage: Callable[[int], None] | None = None
     door: Any = None
     door_asked: bool = False
+    sentinel: tuple[str, ...] = ()  # the sentinel's codes on the answer (blazar.gateway.sentinel)
 
 
 def context_of(request: Any) -> RequestContext:

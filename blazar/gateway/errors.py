@@ -146,7 +146,7 @@ def _bad_request(e: BaseException) -> Problem:
     assert isinstance(e, BadRequest)
     if e.status == 404:
         return Problem(Category.NOT_FOUND, 404, str(e), code="not_found", param=e.param)
-    return Problem(Category.INVALID, e.status, str(e), param=e.param)
+    return Problem(Category.INVALID, e.status, str(e), param=e.param, kind=getattr(e, "kind", None))
 
 
 def _engine_rejected(e: BaseException) -> Problem:

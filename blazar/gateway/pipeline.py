@@ -43,7 +43,10 @@ from blazar.gateway.call import Call, CallKind, Counting
 from blazar.gateway.context import context_of, key_of, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
+from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
+from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
+from blazar.gateway.sentinel import SentinelViolation, StreamWatch, inspect_reply
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
@@ -82,6 +85,9 @@ class Reply:
         # an answer the pipeline made itself (a forced tool call): the OpenAI
         # chat completion, or its SSE stream
         self.made: bytes | None = None
+        # the chat request the sentinel judges the answer by (None: no chat)
+        self.watched: dict[str, Any] | None = None
+        self.enforce = False
 
     async def read(self) -> bytes:
         """
@@ -90,19 +96,30 @@ class Reply:
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled before it finished.
         """
-        if self.made is not None:
-            return self.made
-        return await self._proxy.read(self._lease.instance, self._response)
+        data = self.made if self.made is not None else await self._proxy.read(self._lease.instance, self._response)
+        if self.watched is not None:
+            self._judge(inspect_reply(self.watched, data))
+        return data
 
     async def relay(self, feed: Callable[[bytes], None]) -> None:
         """
         Feed the answer's bytes to C{feed} as they arrive, at the client's
         pace (L{EngineProxy.relay}).
         """
+        watch = StreamWatch(self.watched) if self.watched is not None else None
+        if watch is not None:
+            inner = feed
+
+            def feed(data: bytes) -> None:
+                watch.events(data)
+                inner(data)
+
         if self.made is not None:
             feed(self.made)
-            return
-        await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+        else:
+            await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+        if watch is not None:
+            self._judge(watch.findings())
 
     async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
         """
@@ -112,15 +129,44 @@ class Reply:
 
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
+        watch = StreamWatch(self.watched) if self.watched is not None else None
+        if watch is not None:
+            inner = on_chunk
+
+            def on_chunk(chunk: dict[str, Any]) -> Any:
+                watch.chunk(chunk)
+                return inner(chunk)
+
         try:
             if self.made is not None:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
-                return
-            await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
+            else:
+                await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
         except StreamStopped:
-            pass
+            return
+        if watch is not None:
+            self._judge(watch.findings())
+
+    def _judge(self, findings: list[tuple[str, str]]) -> None:
+        """
+        The sentinel's findings on the whole answer: recorded (metrics,
+        audit); on an answer not yet written (a non-streamed one), named in
+        C{x-blazar-sentinel}, or refused under C{sentinel_enforce}.
+
+        @raise SentinelViolation: Enforced, and something was found.
+        """
+        if not findings:
+            return
+        codes = tuple(dict.fromkeys(code for code, _ in findings))
+        context_of(self._request).sentinel = codes
+        request = self._request
+        if request is None or getattr(request, "startedWriting", True):
+            return  # streamed to the client already: counted, never cut
+        if self.enforce:
+            raise SentinelViolation(findings)
+        request.setHeader(SENTINEL_HEADER, ",".join(codes))
 
     def usage(self, prompt: int, completion: int) -> None:
         """
@@ -177,7 +223,9 @@ class Pipeline:
     def __init__(
         self, proxy: EngineProxy, clock: Any, registry: ModelRegistry | None = None,
         admission: Admission | None = None, sessions: Sessions | None = None,
+        config: Callable[[], Config] = Config,
     ) -> None:
+        self._config = config
         self._proxy = proxy
         self._clock = clock
         self._registry = registry
@@ -255,6 +303,7 @@ class Pipeline:
     # -- the steps ----------------------------------------------------------
 
     async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease]:
+        asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
         canonical = await self._check(request, call)
         if call.rewrite is not None:
             await call.rewrite(call)
@@ -299,6 +348,10 @@ class Pipeline:
         reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
         reply.pin = pin
         reply.made = made
+        if call.kind is CallKind.CHAT:
+            reply.watched = asked
+            own = lease.instance.entry.settings.sentinel_enforce
+            reply.enforce = own if own is not None else self._config().sentinel_enforce
         return reply, lease
 
     async def _forced(

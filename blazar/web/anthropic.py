@@ -204,7 +204,7 @@ def render(request: IRequest, problem: Problem) -> bytes:
     """
     if problem.category in _STATUSES:
         request.setResponseCode(_STATUSES[problem.category])
-    elif problem.category is Category.INVALID and problem.status not in (400, 405, 413):
+    elif problem.category is Category.INVALID and problem.status not in (400, 405, 413) and problem.kind != "sentinel":
         request.setResponseCode(400)  # Anthropic's one status for a request at fault (an engine's 404, 422, ...)
     kind = "request_too_large" if problem.status == 413 else _TYPES[problem.category]
     if problem.kind == "model_not_found":

@@ -51,6 +51,7 @@ class AuditLog:
             "method": event.get("method"), "path": event.get("path"), "model": event.get("model"),
             "status": event.get("status"), "ms": event.get("ms"),
             "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
+            "sentinel": event.get("sentinel") or [],  # what the sentinel flagged (blazar.gateway.sentinel)
         }
         try:
             self._queue.put_nowait(line)

@@ -109,6 +109,8 @@ class RequestObserver:
             kind = status
         if kind is not None:
             child(m.errors, surface, model, kind).inc()
+        for flagged in context.sentinel:
+            child(m.sentinel, model, flagged).inc()
         tokens = context.tokens
         if tokens is not None and model:
             child(m.prompt_tokens, model, key_name).inc(tokens[0])

@@ -613,6 +613,8 @@ class BlazarSite(Site):
             "key": key.name if key is not None else "", "trace": trace_id_of(request),
             "model": context_of(request).model or "",
         }
+        if context_of(request).sentinel:
+            event["sentinel"] = list(context_of(request).sentinel)
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(

@@ -39,7 +39,7 @@ class AuditTests(SynchronousTestCase):
         lines = path.read_text().splitlines()
         first = json.loads(lines[0])
         self.assertEqual(set(first), {"ts", "trace", "key", "method", "path", "model", "status", "ms",
-                                      "priority", "queue_depth"})
+                                      "priority", "queue_depth", "sentinel"})
 
     def test_rotation(self) -> None:
         path = Path(self.mktemp()) / "audit.jsonl"

@@ -1,5 +1,5 @@
 """
-Forced tool calls always parse (issue 21, part 1), on a real llama-server
+Forced tool calls always parse, and the sentinel (issue 21), on a real llama-server
 child and the random-weight model: plain requests (no logit_bias tricks),
 many seeds, every surface, streamed and not. Each call names an offered
 tool and its arguments validate against that tool's parameters
@@ -39,7 +39,9 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models = root / "models"
     make_test_model(models / "tiny.gguf")
     d = Daemon(root, (
-        f'models_dir = "{models}"\n[models."tiny"]\nparallel = 2\n'
+        f'models_dir = "{models}"\naudit_log = "{root / "audit.jsonl"}"\n'
+        '[models."tiny"]\nparallel = 2\n'
+        '[models."strict"]\npath = "tiny.gguf"\nparallel = 1\nsentinel_enforce = true\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
     ))
     d.start()
@@ -195,3 +197,66 @@ def test_a_schema_the_grammar_cannot_express_is_a_400(daemon: Daemon) -> None:
         "tool_choice": {"type": "function", "function": {"name": "nope"}},
     })
     assert status == 400 and "nope" in reply["error"]["message"], reply
+
+
+
+# -- the sentinel -----------------------------------------------------------------
+
+
+def end_at_once() -> dict[str, str]:
+    from blazar.models.testmodel import vocabulary
+
+    ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
+    return {str(ids["<|im_end|>"]): 100}
+
+
+def sentinel_metric(daemon: Daemon, model: str, code: str) -> float:
+    import re
+
+    status, _, text = daemon.request("GET", "/metrics")
+    found = re.search(rf'blazar_sentinel_total{{code="{code}",model="{model}"}} ([\d.]+)', text.decode())
+    return float(found.group(1)) if found else 0.0
+
+
+def test_the_sentinel_names_what_was_wrong(daemon: Daemon) -> None:
+    before = {c: sentinel_metric(daemon, "tiny:latest", c) for c in ("truncated", "format_invalid", "empty")}
+    status, headers, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 2})
+    assert status == 200 and headers.get("x-blazar-sentinel") == "truncated", (headers, body)
+    status, headers, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 1, "temperature": 0, "response_format": {"type": "json_object"}})
+    flagged = headers.get("x-blazar-sentinel", "").split(",")
+    assert status == 200 and flagged[:2] == ["truncated", "format_invalid"], (headers, body[:300])
+    status, headers, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "max_tokens": 8, "logit_bias": end_at_once()})
+    assert status == 200 and headers.get("x-blazar-sentinel") == "empty", (headers, body)
+    after = {c: sentinel_metric(daemon, "tiny:latest", c) for c in before}
+    assert after["truncated"] == before["truncated"] + 2 and after["format_invalid"] == before["format_invalid"] + 1
+    assert after["empty"] >= before["empty"] + 1, (before, after)
+    audit = [json.loads(line) for line in (daemon.root / "audit.jsonl").read_text().splitlines()]
+    assert any((line.get("sentinel") or [])[:2] == ["truncated", "format_invalid"] for line in audit), audit[-3:]
+    # a good answer says nothing
+    status, headers, _ = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "tool_choice": "required",
+        "max_tokens": 200})
+    assert status == 200 and "x-blazar-sentinel" not in headers
+
+
+def test_enforced_the_sentinel_refuses_with_a_422_on_every_surface(daemon: Daemon) -> None:
+    for path, body, shape in (
+        ("/v1/chat/completions", {"model": "strict", "messages": ASK, "max_tokens": 2}, "openai"),
+        ("/v1/messages", {"model": "strict", "messages": ASK, "max_tokens": 2}, "anthropic"),
+        ("/v1/responses", {"model": "strict", "input": "hi", "max_output_tokens": 2}, "openai"),
+        ("/api/chat", {"model": "strict", "messages": ASK, "stream": False, "options": {"num_predict": 2}}, "ollama"),
+    ):
+        status, _, data = daemon.request("POST", path, body)
+        assert status == 422, (path, status, data[:300])
+        answer = json.loads(data)
+        message = answer["error"] if shape == "ollama" else answer["error"]["message"]
+        assert "sentinel enforce: [truncated]" in message, (path, answer)
+    # streams are never cut: counted, and they finish
+    before = sentinel_metric(daemon, "strict:latest", "truncated")
+    events = [e for e, _ in daemon.stream("/v1/chat/completions", {
+        "model": "strict", "messages": ASK, "max_tokens": 2, "stream": True})]
+    assert events[-1] == "[DONE]"
+    assert sentinel_metric(daemon, "strict:latest", "truncated") == before + 1
