@@ -132,6 +132,10 @@ class StreamWatch:
 
     def __init__(self, body: dict[str, Any]) -> None:
         self._body = body
+        # the answer's text matters whole only for a JSON format; else an
+        # event that only carries text is not parsed (relayed streams stay
+        # cheap per chunk)
+        self._whole_text = isinstance(body.get("response_format"), dict)
         self._finish: str | None = None
         self._content: list[str] = []
         self._reasoning: list[str] = []
@@ -169,11 +173,17 @@ class StreamWatch:
             return
         self._held = data[cut + 2:]
         for event in data[:cut].split(b"\n\n"):
-            if event.startswith(b"data: {"):
-                try:
-                    self.chunk(json.loads(event[len(b"data: "):]))
-                except ValueError:
-                    pass
+            if not event.startswith(b"data: {"):
+                continue
+            if not self._whole_text and b'"tool_calls"' not in event and b'"reasoning_content"' not in event \
+                    and b'"finish_reason":"' not in event and b'"finish_reason": "' not in event:
+                if b'"content":"' in event and b'"content":""' not in event:
+                    self._content.append("x")  # some text (what it says does not matter here)
+                continue
+            try:
+                self.chunk(json.loads(event[len(b"data: "):]))
+            except ValueError:
+                pass
 
     def findings(self) -> list[tuple[str, str]]:
         calls = [(n, a) for _, (n, a) in sorted(self._calls.items())]
