@@ -54,7 +54,8 @@ C{~/.config/blazar/config.toml}. Keys::
     session_bank_entry_max_mib = 512   # a saved slot bigger than this is not kept
     session_bank_max_mib = 4096    # the bank on disk, at most (oldest entries dropped)
     sentinel_enforce = false       # a non-streamed chat answer the sentinel flags is a 422
-                                   # (also per model: [models."name"] sentinel_enforce)
+                                   # (also per model and per key: sentinel_enforce there)
+    sentinel_stall_secs = 30       # a stream silent this long is flagged stalled (it goes on)
 
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
@@ -150,6 +151,7 @@ class KeyConfig:
     tpm: int | None = None
     daily_tokens: int | None = None
     weight: float = 1.0
+    sentinel_enforce: bool | None = None  # None: the model's, else the global sentinel_enforce
 
     @property
     def admin(self) -> bool:
@@ -233,6 +235,7 @@ class Config:
     session_bank_entry_max_mib: int = 512
     session_bank_max_mib: int = 4096
     sentinel_enforce: bool = False
+    sentinel_stall: float = 30.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -290,6 +293,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "session_bank_entry_max_mib": ("session_bank_entry_max_mib", RUNTIME),
     "session_bank_max_mib": ("session_bank_max_mib", RUNTIME),
     "sentinel_enforce": ("sentinel_enforce", RUNTIME),
+    "sentinel_stall": ("sentinel_stall_secs", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
@@ -559,7 +563,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
-        "sentinel_enforce",
+        "sentinel_enforce", "sentinel_stall_secs",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -588,7 +592,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         ("idle_timeout_secs", "idle_timeout"), ("breaker_window_secs", "breaker_window"),
         ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
         ("drain_timeout_secs", "drain_timeout"), ("child_header_timeout_secs", "child_header_timeout"),
-        ("stream_stall_close_secs", "stream_stall_close"),
+        ("stream_stall_close_secs", "stream_stall_close"), ("sentinel_stall_secs", "sentinel_stall"),
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
@@ -727,7 +731,7 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
         prefix = f"keys[{i}]."
         table = _table(item, where, f"keys[{i}]")
         _unknown(table, {"name", "secret", "models", "max_concurrent", "rpm", "tpm",
-                         "daily_tokens", "weight"}, where, prefix)
+                         "daily_tokens", "weight", "sentinel_enforce"}, where, prefix)
         name = table.get("name")
         if not isinstance(name, str) or not name:
             raise _expected(where, prefix + "name", "a non-empty string", name)
@@ -747,6 +751,10 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
         for k in ("max_concurrent", "rpm", "tpm", "daily_tokens"):
             if k in table:
                 limits[k] = _positive_int(table[k], where, prefix + k)
+        if "sentinel_enforce" in table:
+            if not isinstance(table["sentinel_enforce"], bool):
+                raise _expected(where, prefix + "sentinel_enforce", "true or false", table["sentinel_enforce"])
+            limits["sentinel_enforce"] = table["sentinel_enforce"]
         if "weight" in table:
             limits["weight"] = _positive_number(
                 table["weight"], where, prefix + "weight", "a positive number (its share of busy slots)"

@@ -216,3 +216,22 @@ class LiveConfigTests(SynchronousTestCase):
         live = LiveConfig(Config())
         self.assertIs(live_config(live), live)
         self.assertEqual(live_config(Config(keep_alive=1)).current.keep_alive, 1)
+
+
+
+def test_sentinel_enforce_per_model_and_key() -> None:
+    from blazar.config import parse_config
+
+    config = parse_config(
+        'sentinel_enforce = false\nsentinel_stall_secs = 5\n[models."m"]\nsentinel_enforce = true\n'
+        '[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nsentinel_enforce = false\n'
+    )
+    assert config.models["m:latest"].sentinel_enforce is True
+    assert config.keys[0].sentinel_enforce is False
+    assert config.sentinel_stall == 5 and config.sentinel_enforce is False
+    import pytest
+
+    from blazar.config import ConfigError
+
+    with pytest.raises(ConfigError, match="sentinel_enforce"):
+        parse_config('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nsentinel_enforce = 1\n')

@@ -301,13 +301,15 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
-        "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce",
+        "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
     )
 
     def test_sentinel_enforce(self) -> None:
         # the pipeline reads it from the live config with each answer
         self.check("sentinel_enforce", "sentinel_enforce = true\n", "",
                    lambda: self.tree.live.current.sentinel_enforce, True)
+        self.check("sentinel_stall_secs", "sentinel_stall_secs = 3\n", "",
+                   lambda: self.tree.live.current.sentinel_stall, 3)
 
     def test_session_keys(self) -> None:
         settings = self.tree.sessions._settings

@@ -88,6 +88,8 @@ class Reply:
         # the chat request the sentinel judges the answer by (None: no chat)
         self.watched: dict[str, Any] | None = None
         self.enforce = False
+        self.stall = 30.0  # seconds without a chunk: a stream is flagged stalled
+        self.clock: Any = None
 
     async def read(self) -> bytes:
         """
@@ -107,19 +109,35 @@ class Reply:
         pace (L{EngineProxy.relay}).
         """
         watch = StreamWatch(self.watched) if self.watched is not None else None
+        timer = self._stall_timer(watch)
         if watch is not None:
             inner = feed
 
             def feed(data: bytes) -> None:
                 watch.events(data)
+                if timer is not None and timer.active():
+                    timer.reset(self.stall)
                 inner(data)
 
-        if self.made is not None:
-            feed(self.made)
-        else:
-            await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+        try:
+            if self.made is not None:
+                feed(self.made)
+            else:
+                await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+        finally:
+            if timer is not None and timer.active():
+                timer.cancel()
         if watch is not None:
             self._judge(watch.findings())
+
+    def _stall_timer(self, watch: StreamWatch | None) -> Any:
+        """
+        A timer that flags the stream C{stalled} (once) if no chunk comes for
+        C{sentinel_stall_secs}; the stream goes on.
+        """
+        if watch is None or self.made is not None or self.stall <= 0 or self.clock is None:
+            return None
+        return self.clock.callLater(self.stall, watch.stalled, self.stall)
 
     async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
         """
@@ -130,11 +148,14 @@ class Reply:
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
         watch = StreamWatch(self.watched) if self.watched is not None else None
+        timer = self._stall_timer(watch)
         if watch is not None:
             inner = on_chunk
 
             def on_chunk(chunk: dict[str, Any]) -> Any:
                 watch.chunk(chunk)
+                if timer is not None and timer.active():
+                    timer.reset(self.stall)
                 return inner(chunk)
 
         try:
@@ -146,6 +167,9 @@ class Reply:
                 await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
         except StreamStopped:
             return
+        finally:
+            if timer is not None and timer.active():
+                timer.cancel()
         if watch is not None:
             self._judge(watch.findings())
 
@@ -350,8 +374,12 @@ class Pipeline:
         reply.made = made
         if call.kind is CallKind.CHAT:
             reply.watched = asked
-            own = lease.instance.entry.settings.sentinel_enforce
-            reply.enforce = own if own is not None else self._config().sentinel_enforce
+            key = key_of(request)
+            choices = (key.sentinel_enforce if key is not None else None,
+                       lease.instance.entry.settings.sentinel_enforce, self._config().sentinel_enforce)
+            reply.enforce = next(c for c in choices if c is not None)  # the key's, the model's, the global
+            reply.stall = self._config().sentinel_stall
+            reply.clock = self._clock
         return reply, lease
 
     async def _forced(

@@ -8,11 +8,12 @@ tool that was not offered), C{tool_args_schema} (arguments that violate
 the tool's parameters), C{format_invalid} (a C{json_object} /
 C{json_schema} answer, Ollama's C{format} included, that does not parse
 or validate), C{empty} (no text, no call), C{reasoning_only} (reasoning
-but no answer). Each is counted (C{blazar_sentinel_total{model,code}}),
+but no answer), C{stalled} (a stream with no chunk for
+C{sentinel_stall_secs}; it goes on). Each is counted (C{blazar_sentinel_total{model,code}}),
 written in the audit line, and on a non-streamed answer named in the
-C{x-blazar-sentinel} header. With C{sentinel_enforce} (global, or per
-model), a flagged non-streamed answer is a 422 instead; streams are never
-cut.
+C{x-blazar-sentinel} header. With C{sentinel_enforce} (global, per model
+or per key), a flagged non-streamed answer is a 422 instead; streams are
+never cut.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import jsonschema
 from blazar.gateway.errors import BadRequest
 
 CODES = ("truncated", "tool_args_invalid", "tool_name_unknown", "tool_args_schema", "format_invalid", "empty",
-         "reasoning_only")
+         "reasoning_only", "stalled")
 HEADER = "x-blazar-sentinel"
 
 
@@ -185,6 +186,17 @@ class StreamWatch:
             except ValueError:
                 pass
 
+    _stalled: float | None = None
+
+    def stalled(self, seconds: float) -> None:
+        """
+        No chunk came for C{seconds} (the stream went on).
+        """
+        self._stalled = seconds
+
     def findings(self) -> list[tuple[str, str]]:
         calls = [(n, a) for _, (n, a) in sorted(self._calls.items())]
-        return inspect(self._body, self._finish, "".join(self._content), "".join(self._reasoning), calls)
+        found = inspect(self._body, self._finish, "".join(self._content), "".join(self._reasoning), calls)
+        if self._stalled is not None:
+            found.append(("stalled", f"no chunk for {self._stalled:g} s (sentinel_stall_secs)"))
+        return found

@@ -39,7 +39,7 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models = root / "models"
     make_test_model(models / "tiny.gguf")
     d = Daemon(root, (
-        f'models_dir = "{models}"\naudit_log = "{root / "audit.jsonl"}"\n'
+        f'models_dir = "{models}"\naudit_log = "{root / "audit.jsonl"}"\nsentinel_stall_secs = 1\n'
         '[models."tiny"]\nparallel = 2\n'
         '[models."strict"]\npath = "tiny.gguf"\nparallel = 1\nsentinel_enforce = true\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
@@ -260,3 +260,35 @@ def test_enforced_the_sentinel_refuses_with_a_422_on_every_surface(daemon: Daemo
         "model": "strict", "messages": ASK, "max_tokens": 2, "stream": True})]
     assert events[-1] == "[DONE]"
     assert sentinel_metric(daemon, "strict:latest", "truncated") == before + 1
+
+
+def test_a_stalled_stream_is_counted_and_finishes(daemon: Daemon) -> None:
+    """
+    The child SIGSTOPped for a few seconds mid-stream (sentinel_stall_secs
+    is 1 here): the stream is flagged stalled, and it still ends well.
+    """
+    import threading
+    import time
+
+    before = sentinel_metric(daemon, "tiny:latest", "stalled")
+    child = daemon.engine_for("tiny:latest")
+    events: list[str] = []
+
+    def pause() -> None:
+        while not events:
+            time.sleep(0.01)
+        child.suspend()
+        time.sleep(2.5)
+        child.resume()
+
+    pauser = threading.Thread(target=pause)
+    pauser.start()
+    for data, _ in daemon.stream("/v1/chat/completions", {
+            "model": "tiny", "messages": ASK, "max_tokens": 200, "ignore_eos": True, "stream": True}):
+        events.append(data)
+    pauser.join()
+    assert events[-1] == "[DONE]"
+    deadline = time.monotonic() + 5
+    while sentinel_metric(daemon, "tiny:latest", "stalled") != before + 1:
+        assert time.monotonic() < deadline, "the stall was not counted"
+        time.sleep(0.1)
