@@ -30,7 +30,7 @@ MAX_DEPTH = 24
 RANGE_LIMIT = 256
 UNSUPPORTED = ("pattern", "patternProperties", "allOf", "not", "if", "then", "else", "dependentSchemas",
                "dependentRequired", "propertyNames", "contains", "prefixItems", "unevaluatedProperties",
-               "multipleOf", "exclusiveMinimum", "exclusiveMaximum", "uniqueItems", "minProperties", "maxProperties")
+               "multipleOf", "uniqueItems", "minProperties", "maxProperties")
 
 PRIMITIVES = {
     "char": r'[^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})',
@@ -67,6 +67,7 @@ class Grammar:
         self._cap = string_cap
         self.rules: dict[str, str] = {}
         self._refs: dict[str, str] = {}
+        self._resolving: set[str] = set()
         self._used: set[str] = set()
 
     def use_root(self, schema: Any) -> None:
@@ -142,7 +143,7 @@ class Grammar:
         if kind == "integer":
             return self._integer(schema, where)
         if kind == "number":
-            return self._primitive("number")
+            return self._number(schema, where)
         if kind == "boolean":
             return self._primitive("boolean")
         if kind == "null":
@@ -156,29 +157,42 @@ class Grammar:
     def _string(self, schema: dict[str, Any], where: str) -> str:
         low = int(schema.get("minLength", 0) or 0)
         high = schema.get("maxLength")
-        high = self._cap if high is None else int(high)
+        # a schema's own bound is kept when it fits the budget, else cut to
+        # what fits (still within the schema)
+        high = max(low, self._cap) if high is None else min(int(high), max(low, self._cap))
         if high < low:
             raise Unsupported(f"{where}: maxLength below minLength")
         self._used.add("char")
         return f'"\\"" char{{{low},{high}}} "\\""'
 
     def _integer(self, schema: dict[str, Any], where: str) -> str:
-        low, high = schema.get("minimum"), schema.get("maximum")
-        if isinstance(low, (int, float)) and isinstance(high, (int, float)):
-            lo, hi = int(-(-low // 1)), int(high // 1)
-            if hi < lo:
-                raise Unsupported(f"{where}: maximum below minimum")
-            if hi - lo < RANGE_LIMIT:
-                return "(" + " | ".join(f'"{n}"' for n in range(lo, hi + 1)) + ")"
-        if isinstance(low, (int, float)) and low >= 0:
-            return self._primitive("natural")
-        return self._primitive("integer")
+        low, high = _bounds(schema, where, integral=True)
+        return int_range(low, high, where)
+
+    def _number(self, schema: dict[str, Any], where: str) -> str:
+        """
+        A number within the schema's bounds: unbounded, any JSON number;
+        bounded, an integer part within them and a fraction that cannot
+        pass the upper one (a subset of the valid values, never more).
+        """
+        low, high = _bounds(schema, where, integral=False)
+        if low is None and high is None:
+            return self._primitive("number")
+        import math
+
+        lo = None if low is None else math.ceil(low)
+        top = None if high is None else math.floor(high)
+        fraction = '("." [0-9]{1,6})?'
+        if top is not None and lo is not None and top - 1 < lo:
+            return int_range(lo, top, where)  # no room for a fraction
+        whole = int_range(lo, None if top is None else top - 1, where)
+        return f"({whole} {fraction})"
 
     def _array(self, schema: dict[str, Any], where: str, depth: int) -> str:
         items = schema.get("items", {})
         item = self.value(items, f"{where}/items", depth + 1)
         low = int(schema.get("minItems", 0) or 0)
-        high = int(schema.get("maxItems", max(low, FREE_ITEMS)))
+        high = min(int(schema.get("maxItems", FREE_ITEMS)), max(low, FREE_ITEMS))
         if high < low:
             raise Unsupported(f"{where}: maxItems below minItems")
         if high == 0:
@@ -190,6 +204,12 @@ class Grammar:
 
     def _object(self, schema: dict[str, Any], where: str, depth: int) -> str:
         properties = schema.get("properties")
+        given = schema.get("required")
+        required_list: list[Any] = given if isinstance(given, list) else []
+        if not properties and required_list:
+            # required names, values of any shape
+            properties = {name: schema.get("additionalProperties") if isinstance(
+                schema.get("additionalProperties"), dict) else {} for name in required_list if isinstance(name, str)}
         if not properties:
             # only what is declared, unless more is asked for explicitly (as
             # llama.cpp's own converter reads it): a tool without
@@ -200,7 +220,7 @@ class Grammar:
             return self._free_object(extra if isinstance(extra, dict) else {}, where, depth)
         if not isinstance(properties, dict):
             raise Unsupported(f"{where}: properties must be an object")
-        required = [k for k in schema.get("required", []) if k in properties]
+        required = [k for k in required_list if isinstance(k, str) and k in properties]
         members = []
         for key, sub in properties.items():
             expr = f'{literal(key)} ":" {self.value(sub, f"{where}/properties/{key}", depth + 1)}'
@@ -245,16 +265,26 @@ class Grammar:
         if not isinstance(ref, str) or not ref.startswith("#/"):
             raise Unsupported(f"{where}: $ref {ref!r} (only local references, #/...)")
         if ref in self._refs:
-            return self._refs[ref]
+            name = self._refs[ref]
+            if name in self._resolving:
+                # a value's length must be bounded: a schema that contains itself is not
+                raise Unsupported(f"{where}: a recursive $ref ({ref})")
+            return name
         target: Any = self._root
         for part in ref[2:].split("/"):
             part = part.replace("~1", "/").replace("~0", "~")
             if not isinstance(target, dict) or part not in target:
                 raise Unsupported(f"{where}: $ref {ref!r} does not resolve")
             target = target[part]
-        name = self._rule("ref", '""')
+        n = 0
+        while f"ref{n}" in self.rules or f"ref{n}" in self._resolving:
+            n += 1
+        name = f"ref{n}"
+        self._resolving.add(name)
         self._refs[ref] = name
-        self.rules[name] = self.value(target, ref, depth + 1)
+        body = self.value(target, ref, depth + 1)
+        self._resolving.discard(name)
+        self.rules[name] = body
         return name
 
     def text(self, root: str) -> str:
@@ -262,6 +292,99 @@ class Grammar:
         lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
         lines += [f"{name} ::= {PRIMITIVES[name]}" for name in sorted(self._used)]
         return "\n".join(lines) + "\n"
+
+
+def _bounds(schema: dict[str, Any], where: str, integral: bool) -> tuple[float | None, float | None]:
+    """
+    The inclusive bounds of a number (C{exclusive*} ones, numbers in
+    draft 6 and later, turned inclusive for integers).
+    """
+    low, high = schema.get("minimum"), schema.get("maximum")
+    for key in ("exclusiveMinimum", "exclusiveMaximum"):
+        value = schema.get(key)
+        if isinstance(value, bool):
+            raise Unsupported(f"{where}: {key} as a boolean (draft 4): give it as a number")
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or not integral:
+            raise Unsupported(f"{where}: {key} on a number")
+        if key == "exclusiveMinimum":
+            low = value + 1 if low is None else max(low, value + 1)
+        else:
+            high = value - 1 if high is None else min(high, value - 1)
+    for value, key in ((low, "minimum"), (high, "maximum")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise Unsupported(f"{where}: {key} must be a number")
+    if low is not None and high is not None and high < low:
+        raise Unsupported(f"{where}: maximum below minimum")
+    return low, high
+
+
+def _digits(n: int) -> int:
+    return len(str(n))
+
+
+def int_range(low: float | None, high: float | None, where: str = "#") -> str:
+    """
+    GBNF for integers within C{[low, high]} (either open): a range of at
+    most L{RANGE_LIMIT} values enumerated, else the numbers whose digit
+    count puts them inside (a subset of the range, never more), at most 16
+    digits.
+    """
+    import math
+
+    lo = None if low is None else math.ceil(low)
+    hi = None if high is None else math.floor(high)
+    if lo is not None and hi is not None and hi < lo:
+        raise Unsupported(f"{where}: no integer between minimum and maximum")
+    if lo is not None and hi is not None and hi - lo < RANGE_LIMIT:
+        return "(" + " | ".join(f'"{n}"' for n in range(lo, hi + 1)) + ")"
+    parts = []
+    # non-negative part
+    if hi is None or hi >= 0:
+        start = max(lo, 0) if lo is not None else 0
+        small = [str(n) for n in range(start, min(start + 10, (hi if hi is not None else start + 9) + 1))]
+        # numbers with more digits than start and fewer than hi
+        first = _digits(start) + 1
+        last = min(16, _digits(hi) - 1) if hi is not None else 16
+        if first <= last:
+            parts.append(f'[1-9] [0-9]{{{first - 1},{last - 1}}}')
+        parts += [f'"{n}"' for n in small]
+    # negative part
+    if lo is None or lo < 0:
+        end = min(hi, -1) if hi is not None else -1  # the closest to zero
+        first = _digits(-end) + 1
+        last = min(16, _digits(-lo) - 1) if lo is not None else 16
+        if first <= last:
+            parts.append(f'"-" [1-9] [0-9]{{{first - 1},{last - 1}}}')
+        parts += [f'"{n}"' for n in range(end, max(end - 10, (lo if lo is not None else end - 9) - 1), -1)]
+    return "(" + " | ".join(dict.fromkeys(parts)) + ")"
+
+
+def min_chars(schema: Any, depth: int = 0) -> int:
+    """
+    About the fewest characters a value of C{schema} takes (required
+    members, C{minLength}, C{minItems}): what a call needs at least.
+    """
+    if depth > 8 or not isinstance(schema, dict):
+        return 2
+    if "const" in schema or "enum" in schema:
+        values = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema["enum"], list) else []
+        return min((len(json.dumps(v)) for v in values), default=2)
+    for key in ("oneOf", "anyOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            return min(min_chars(o, depth + 1) for o in schema[key])
+    kind = schema.get("type")
+    if kind == "string":
+        return 2 + int(schema.get("minLength", 0) or 0)
+    if kind == "array":
+        return 2 + int(schema.get("minItems", 0) or 0) * (1 + min_chars(schema.get("items", {}), depth + 1))
+    if kind == "object" or "properties" in schema:
+        props = schema.get("properties") or {}
+        given = schema.get("required")
+        required: list[Any] = given if isinstance(given, list) else []
+        return 2 + sum(len(k) + 4 + min_chars(props.get(k, {}), depth + 1) for k in required if isinstance(k, str))
+    return 1
 
 
 def to_gbnf(schema: Any, string_cap: int, where: str = "#") -> str:

@@ -50,7 +50,7 @@ from blazar.gateway.sentinel import SentinelViolation, StreamWatch, inspect_repl
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
-    forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
+    expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -393,6 +393,10 @@ class Pipeline:
 
         @raise BadRequest: The tools' parameters cannot be made a grammar.
         """
+        forced, dropped = expressible(forced)
+        if dropped:
+            log.info("forced tool call: left out of the grammar (not callable correctly): {dropped}",
+                     dropped="; ".join(dropped))
         budget = call.max_tokens if call.max_tokens and call.max_tokens > 0 else DEFAULT_BUDGET
         budget = max(budget, needed_tokens(forced))  # a call that cannot end is no call
         names = ", ".join(t["function"]["name"] for t in forced.tools)

@@ -162,6 +162,7 @@ class StreamWatch:
                 name_args[1] += function.get("arguments") or ""
 
     _held = b""
+    _some_text = False
 
     def events(self, data: bytes) -> None:
         """
@@ -178,8 +179,8 @@ class StreamWatch:
                 continue
             if not self._whole_text and b'"tool_calls"' not in event and b'"reasoning_content"' not in event \
                     and b'"finish_reason":"' not in event and b'"finish_reason": "' not in event:
-                if b'"content":"' in event and b'"content":""' not in event:
-                    self._content.append("x")  # some text (what it says does not matter here)
+                if not self._some_text and b'"content":"' in event and b'"content":""' not in event:
+                    self._some_text = True  # some text (what it says does not matter here)
                 continue
             try:
                 self.chunk(json.loads(event[len(b"data: "):]))
@@ -196,7 +197,8 @@ class StreamWatch:
 
     def findings(self) -> list[tuple[str, str]]:
         calls = [(n, a) for _, (n, a) in sorted(self._calls.items())]
-        found = inspect(self._body, self._finish, "".join(self._content), "".join(self._reasoning), calls)
+        content = "".join(self._content) or ("x" if self._some_text else "")
+        found = inspect(self._body, self._finish, content, "".join(self._reasoning), calls)
         if self._stalled is not None:
             found.append(("stalled", f"no chunk for {self._stalled:g} s (sentinel_stall_secs)"))
         return found

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from blazar.gateway.grammar import Grammar, Unsupported, literal
+from blazar.gateway.grammar import Grammar, Unsupported, literal, min_chars
 
 MAX_CALLS = 4  # parallel calls at most, when allowed
 DEFAULT_BUDGET = 1024  # tokens for a call when the client set no limit
@@ -46,6 +46,7 @@ class Forced:
 
     tools: tuple[dict[str, Any], ...]
     parallel: bool
+    named: bool = False  # one tool by name (else: any of them, "required")
 
 
 class ToolChoiceError(ValueError):
@@ -76,7 +77,7 @@ def forced_call(body: dict[str, Any]) -> Forced | None:
     else:
         return None
     parallel = body.get("parallel_tool_calls", True) is not False
-    return Forced(tuple(chosen), parallel)
+    return Forced(tuple(chosen), parallel, named=choice != "required")
 
 
 def _strings(schema: Any) -> int:
@@ -105,13 +106,39 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     return strings, syntax, calls
 
 
+def expressible(forced: Forced) -> tuple[Forced, list[str]]:
+    """
+    C{forced} without the tools whose parameters a grammar cannot express,
+    when any tool will do (C{required}): they cannot be called correctly,
+    so they are not offered to the grammar; the model still sees them.
+    A named tool is kept (and refused later, by L{call_grammar}).
+
+    @return: The call, and each dropped tool's name and construct.
+    """
+    if forced.named:
+        return forced, []
+    kept, dropped = [], []
+    for tool in forced.tools:
+        try:
+            Grammar(tool["function"].get("parameters") or {}, MIN_STRING).value(
+                tool["function"].get("parameters") or {"type": "object", "properties": {}}, "#")
+        except Unsupported as e:
+            dropped.append(f"{tool['function']['name']}: {e}")
+            continue
+        kept.append(tool)
+    if not kept:
+        return forced, []  # none can be called: call_grammar names the first
+    return attrs.evolve(forced, tools=tuple(kept)), dropped
+
+
 def needed_tokens(forced: Forced) -> int:
     """
     The fewest tokens one call can need: a forced call is given at least
     these, whatever C{max_tokens} says (else it could not end).
     """
     strings, syntax, _ = plan(forced, 0)
-    return syntax + 6 * MIN_STRING * strings
+    least = max(min_chars(t["function"].get("parameters") or {}) for t in forced.tools)
+    return syntax + 6 * MIN_STRING * strings + 6 * least
 
 
 class ToolSchemaError(ValueError):

@@ -29,7 +29,7 @@ def test_what_forces_a_call() -> None:
     assert forced is not None and len(forced.tools) == 2 and forced.parallel
     named = forced_call({"tools": [WEATHER, TIME], "tool_choice": {"type": "function", "function": {"name": "get_time"}},
                          "parallel_tool_calls": False})
-    assert named == Forced((TIME,), False)
+    assert named == Forced((TIME,), False, named=True)
     with pytest.raises(ToolChoiceError, match="nope"):
         forced_call({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     with pytest.raises(ToolChoiceError):
@@ -103,3 +103,43 @@ def test_the_answer_in_openai_shape() -> None:
     assert chunks[-2]["choices"][0]["finish_reason"] == "tool_calls" and chunks[-2]["timings"] == {"predicted_n": 5}
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == usage
     assert all(c["choices"] for c in chunks[:-1]) and "usage" not in chat_stream("m", calls, None).decode()
+
+
+
+def test_nested_refs_each_get_their_rule_and_recursion_is_refused() -> None:
+    schema = {"type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}, "required": ["a"], "$defs": {
+        "A": {"type": "object", "properties": {"b": {"$ref": "#/$defs/B"}}, "required": ["b"]},
+        "B": {"type": "boolean"}}}
+    grammar = to_gbnf(schema, 8)
+    assert "boolean" in grammar and grammar.count("ref") >= 2
+    with pytest.raises(Unsupported, match="recursive"):
+        to_gbnf({"$defs": {"N": {"type": "object", "properties": {"n": {"$ref": "#/$defs/N"}}}},
+                 "$ref": "#/$defs/N"}, 8)
+
+
+def test_integer_bounds_are_kept() -> None:
+    from blazar.gateway.grammar import int_range
+
+    assert int_range(1, 3) == '("1" | "2" | "3")'
+    wide = int_range(1, 1000)  # only values that are inside
+    assert '"0"' not in wide and "{1,2}" in wide
+    grammar = to_gbnf({"type": "integer", "exclusiveMinimum": 0}, 8)
+    assert '"0"' not in grammar.split("\n")[0] and '"-"' not in grammar
+    with pytest.raises(Unsupported):
+        to_gbnf({"type": "number", "exclusiveMaximum": 1.5}, 8)
+
+
+def test_a_tool_that_cannot_be_expressed_is_left_out_of_any_but_named_is_refused() -> None:
+    from blazar.gateway.toolcalls import expressible
+
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "^x"}}}}}
+    kept, dropped = expressible(Forced((WEATHER, odd), True))
+    assert [t["function"]["name"] for t in kept.tools] == ["get_weather"] and "odd" in dropped[0]
+    assert expressible(Forced((odd,), False, named=True)) == (Forced((odd,), False, named=True), [])
+
+
+def test_min_lengths_get_their_tokens() -> None:
+    long = {"type": "function", "function": {"name": "w", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", "minLength": 300}}, "required": ["s"]}}}
+    assert needed_tokens(Forced((long,), False)) > 6 * 300

@@ -38,10 +38,12 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     root = tmp_path_factory.mktemp("forced")
     models = root / "models"
     make_test_model(models / "tiny.gguf")
+    make_test_model(models / "big.gguf", seed=4, context_length=65536)  # Claude Code's tools: ~32k tokens
     d = Daemon(root, (
         f'models_dir = "{models}"\naudit_log = "{root / "audit.jsonl"}"\nsentinel_stall_secs = 1\n'
         '[models."tiny"]\nparallel = 2\n'
         '[models."strict"]\npath = "tiny.gguf"\nparallel = 1\nsentinel_enforce = true\n'
+        '[models."big"]\nctx_size = 40960\nparallel = 1\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
     ))
     d.start()
@@ -292,3 +294,27 @@ def test_a_stalled_stream_is_counted_and_finishes(daemon: Daemon) -> None:
     while sentinel_metric(daemon, "tiny:latest", "stalled") != before + 1:
         assert time.monotonic() < deadline, "the stall was not counted"
         time.sleep(0.1)
+
+
+
+def test_claude_codes_own_tools_can_be_forced(daemon: Daemon) -> None:
+    """
+    The recorded Claude Code request's whole toolset under tool_choice any:
+    the tools a grammar cannot express (a pattern, propertyNames) are left
+    out of the grammar, the call is one of the others and validates.
+    """
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "clients" /
+                           "claude-code-tool-result.json").read_text())
+    tools = recorded["body"]["tools"]
+    schemas = {t["name"]: t["input_schema"] for t in tools if "input_schema" in t}
+    for seed in (1, 2, 3):
+        status, _, data = daemon.request("POST", "/v1/messages", {
+            "model": "big", "max_tokens": 400, "messages": ASK, "tools": tools, "tool_choice": {"type": "any"},
+            "seed": seed})
+        assert status == 200, data[:500]
+        uses = [b for b in json.loads(data)["content"] if b["type"] == "tool_use"]
+        assert uses, data[:500]
+        for block in uses:
+            jsonschema.validate(block["input"], schemas[block["name"]])
