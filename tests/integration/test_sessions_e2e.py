@@ -23,6 +23,7 @@ from tests.integration.harness import Daemon
 
 ALICE = "sk-alice-0123456789abcdef0123"
 BOB = "sk-bob-0123456789abcdef012345"
+CAROL = "sk-carol-0123456789abcdef0123"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "clients"
 WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
          "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
@@ -50,6 +51,7 @@ def config(engine: str, models: Path, ctx: int) -> str:
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
         f'[[keys]]\nname = "alice"\nsecret = "{ALICE}"\n'
         f'[[keys]]\nname = "bob"\nsecret = "{BOB}"\n'
+        f'[[keys]]\nname = "carol"\nsecret = "{CAROL}"\nsentinel_enforce = true\n'
     )
 
 
@@ -397,3 +399,21 @@ def test_an_unnamed_conversation_survives_an_evict(daemon: Daemon) -> None:
     assert cached >= 0.9 * prompt, (cached, prompt)
     listed = blazar(daemon, "sessions", "--json")
     assert any(r["key"] == "(unnamed)" and r["saved"] for r in json.loads(listed.stdout)["sessions"]), listed.stdout
+
+
+
+def test_sentinel_enforce_per_key(daemon: Daemon) -> None:
+    """
+    carol's key enforces the sentinel (issue 21), alice's does not: the same
+    cut-short answer is a 422 for carol and a 200 naming the finding for alice.
+    """
+    body = {"model": "two", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"content-type": "application/json", "authorization": f"Bearer {ALICE}"})
+    reply = conn.getresponse()
+    assert reply.status == 200 and reply.getheader("x-blazar-sentinel") == "truncated", reply.read()[:300]
+    reply.read()
+    conn.close()
+    status, answer = call(daemon, "POST", "/v1/chat/completions", body, key=CAROL)
+    assert status == 422 and "sentinel enforce: [truncated]" in answer["error"]["message"], answer
