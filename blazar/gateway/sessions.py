@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
@@ -37,6 +36,7 @@ from twisted.logger import Logger
 from zope.interface import Interface, implementer
 
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
+from blazar.engines.supervisor import child_shape, thd_identity
 from blazar.gateway.engine_proxy import was_cancelled
 from blazar.httpbody import read_body
 
@@ -118,17 +118,11 @@ bank_dir = slot_save_dir
 
 def thd_shape(model_path: str, binary: str, ctx: int) -> str:
     """
-    What a bank entry is tied to: the model file (path, size, mtime), the
-    engine binary (path, mtime) and the context per slot, hashed.
+    The shape of a child that did not take one at its start (a test's
+    fake): the supervisor's own, from the files as they are now and the
+    context per slot (L{blazar.engines.supervisor.child_shape}).
     """
-    parts = [model_path, binary, f"ctx={ctx}"]
-    for path in (model_path, binary):
-        try:
-            st = os.stat(path)
-            parts.append(f"{st.st_size}:{st.st_mtime_ns}")
-        except OSError:
-            parts.append("missing")
-    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()[:32]
+    return child_shape(thd_identity(Path(model_path), Path(binary)), [f"ctx={ctx}"])
 
 
 class SlotActionFailed(Exception):
@@ -570,7 +564,8 @@ class Sessions:
     async def _save(self, session: Session, instance: Any, slot: int) -> None:
         _, timeout, entry_max, bank_max = self._settings()
         shape = await self._shape(instance)
-        await self._run(_thd_mkdir, bank_dir(self._data_dir(), session.model))
+        # (the supervisor made the directory before the child started:
+        # llama-server refuses a --slot-save-path that is not one)
         try:
             tokens, size = await self._bank.save(instance, slot, session.file, timeout)
         except CancelledError:
@@ -759,13 +754,6 @@ class Sessions:
         for session in old:
             self._drop(session)
         return len(old)
-
-
-def _thd_mkdir(path: Path) -> None:
-    from blazar.files import private_dir
-
-    if not path.exists():
-        private_dir(path)
 
 
 def _thd_unlink(path: Path) -> None:
