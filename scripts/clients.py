@@ -439,23 +439,32 @@ class Daemon:
                 pass
         return out
 
+    def _engine_prefills(self) -> list[int]:
+        """
+        The prompt tokens the engine evaluated for each generation it logged
+        (llama-server's C{prompt eval time = ... / N tokens} lines), from the
+        model's engine output as C{blazar logs tiny} shows it: those lines
+        are not in the daemon's own log.
+        """
+        blazar = Path(sys.executable).parent / "blazar"
+        out = subprocess.run([str(blazar), "logs", "tiny", "-c", str(self.config)],
+                             capture_output=True, text=True, timeout=60)
+        return [int(n) for n in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", out.stdout)]
+
     def log_size(self) -> int:
-        try:
-            return self.log_path.stat().st_size
-        except FileNotFoundError:
-            return 0
+        """
+        How many generations the engine has logged so far (a mark for
+        L{prefills}).
+        """
+        return len(self._engine_prefills())
 
     def prefills(self, since: int) -> list[int]:
         """
-        The prompt tokens the engine evaluated for each generation logged
-        after byte C{since} of the daemon's log (llama-server's C{prompt eval
-        time = ... / N tokens} lines): a turn that extends the last one's
+        The prompt tokens the engine evaluated for each generation after
+        mark C{since} (L{log_size}): a turn that extends the last one's
         prompt byte for byte evaluates only what is new.
         """
-        with open(self.log_path, "rb") as f:
-            f.seek(since)
-            text = f.read().decode("utf-8", "replace")
-        return [int(n) for n in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", text)]
+        return self._engine_prefills()[since:]
 
     def log_tail(self, lines: int = 40) -> str:
         try:
