@@ -20,7 +20,11 @@ surface:
  9. a lease on a ready child (loading one if needed); the session pin
     (L{blazar.gateway.sessions}: the session's slot, its KV bank entry
     restored into it); the send;
- 10. the surface reads or relays the answer (L{Reply});
+    a forced tool call is decoded under the offered tools' grammar instead
+    (L{blazar.gateway.toolcalls}); a model's own call the engine could not
+    parse is asked once more as text (L{Pipeline._as_text});
+ 10. the surface reads or relays the answer (L{Reply}), and the sentinel
+     judges it (L{blazar.gateway.sentinel});
  11. usage (metrics, the key's token limits) as the surface reports it,
      and the lease's end (C{keep_alive}, unloading on 0).
 
@@ -46,7 +50,7 @@ from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
-from blazar.gateway.sentinel import SentinelViolation, StreamWatch, inspect_reply
+from blazar.gateway.sentinel import UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, inspect_reply, unparsed_end
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
@@ -88,6 +92,10 @@ class Reply:
         # the chat request the sentinel judges the answer by (None: no chat)
         self.watched: dict[str, Any] | None = None
         self.enforce = False
+        self.max_tokens: int | None = None
+        # a finding the pipeline made while it got the answer (an engine
+        # that could not parse the model's tool call: L{Pipeline._start})
+        self.noted: tuple[str, str] | None = None
         self.stall = 30.0  # seconds without a chunk: a stream is flagged stalled
         self.clock: Any = None
 
@@ -100,8 +108,22 @@ class Reply:
         """
         data = self.made if self.made is not None else await self._proxy.read(self._lease.instance, self._response)
         if self.watched is not None:
-            self._judge(inspect_reply(self.watched, data))
+            self._judge(inspect_reply(self.watched, data) + ([self.noted] if self.noted else []))
         return data
+
+    def _finish(self, watch: StreamWatch) -> str:
+        """
+        The C{finish_reason} of a stream the engine cut with L{UNPARSED}
+        (about one event per token).
+        """
+        return "length" if self.max_tokens and watch.deltas >= self.max_tokens else "stop"
+
+    def _unparsed(self, watch: StreamWatch) -> None:
+        code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
+        watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
+                             "for; the stream ended with its text")
+        log.info("{model}: the engine could not parse the model's output ({code}); the stream ends with its "
+                 "text instead of the engine's error", model=self.model, code=code)
 
     async def relay(self, feed: Callable[[bytes], None]) -> None:
         """
@@ -114,6 +136,10 @@ class Reply:
             inner = feed
 
             def feed(data: bytes) -> None:
+                if UNPARSED_BYTES in data:
+                    # an answer, not a fault: the stream ends as a good one does
+                    data = unparsed_end(data, watch.last, self._finish(watch))
+                    self._unparsed(watch)
                 watch.events(data)
                 if timer is not None and timer.active():
                     timer.reset(self.stall)
@@ -153,6 +179,7 @@ class Reply:
             inner = on_chunk
 
             def on_chunk(chunk: dict[str, Any]) -> Any:
+                watch.deltas += 1
                 watch.chunk(chunk)
                 if timer is not None and timer.active():
                     timer.reset(self.stall)
@@ -164,7 +191,17 @@ class Reply:
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
             else:
-                await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
+                try:
+                    await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
+                except EngineRejected as e:
+                    if watch is None or UNPARSED not in str(e):
+                        raise
+                    # an answer, not a fault: the stream ends as a good one does
+                    self._unparsed(watch)
+                    last = watch.last or {}
+                    on_chunk({k: last[k] for k in ("id", "created", "model") if k in last} | {
+                        "object": "chat.completion.chunk",
+                        "choices": [{"index": 0, "delta": {}, "finish_reason": self._finish(watch)}]})
         except StreamStopped:
             return
         finally:
@@ -352,16 +389,21 @@ class Pipeline:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             pin = await self._pin(request, call, instance)
-            made = None
+            made, noted = None, None
             if forced is not None:
                 lease, made = await self._forced(request, call, forced, instance, started, pin)
                 response = None
             else:
                 if pin is not None:
                     raw = with_slot(raw, pin.slot) or raw
-                lease, response = await self._proxy.send(
-                    call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
-                )
+                try:
+                    lease, response = await self._proxy.send(
+                        call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
+                    )
+                except EngineRejected as e:
+                    if not (call.kind is CallKind.CHAT and UNPARSED in str(e) and call.body.get("tools")):
+                        raise
+                    noted, lease, response = await self._as_text(request, call, instance, pin, str(e))
         except BaseException:
             if pin is not None and self.sessions is not None:
                 self.sessions.release(pin, None)
@@ -372,6 +414,8 @@ class Pipeline:
         reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
         reply.pin = pin
         reply.made = made
+        reply.noted = noted
+        reply.max_tokens = call.max_tokens
         if call.kind is CallKind.CHAT:
             reply.watched = asked
             key = key_of(request)
@@ -455,6 +499,30 @@ class Pipeline:
         options = call.body.get("stream_options")
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"))
+
+    async def _as_text(
+        self, request: Any, call: Call, instance: Any, pin: Pin | None, error: str,
+    ) -> tuple[tuple[str, str], InstanceLease, Any]:
+        """
+        The engine could not parse the model's answer to a chat that offered
+        tools (auto tool choice: the call is the model's own decision) and
+        answered 500 (L{UNPARSED}). An answer, not a fault: asked once more
+        with C{tool_choice} C{none} (the model still sees the tools), its
+        text is the answer, and the sentinel says C{tool_args_invalid}.
+        """
+        log.info("{model}: the engine could not parse the model's tool call ({error}); asking once more "
+                 "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
+        body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
+        body["tool_choice"] = "none"
+        raw = json.dumps(body).encode("utf-8")
+        if pin is not None:
+            raw = with_slot(raw, pin.slot) or raw
+        lease, response = await self._proxy.send(
+            call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, self._clock.seconds()),
+        )
+        noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
+                                      "model's text, asked once more with tool_choice none")
+        return noted, lease, response
 
     def _forced_call(self, call: Call) -> Forced | None:
         """

@@ -25,6 +25,18 @@ import jsonschema
 
 from blazar.gateway.errors import BadRequest
 
+# Tool-call syntax engines lift into C{tool_calls} (Hermes/Qwen, Mistral,
+# Llama 3.x, Functionary, DeepSeek, Kimi). Text that still holds one after
+# the engine's parse is a call that did not become one: the model's own
+# decision (auto tool choice), judged, never rewritten (issue 21, point 4).
+CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]", "<|python_tag|>", "<function=",
+                "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<|tool_calls_section_begin|>")
+_MARKER_BYTES = (b"tool_call", b"TOOL_CALLS", b"python_tag", b"<function=", b"tool\\u2581calls",
+                 "tool\u2581calls".encode())
+# llama-server's error when the model's output does not fit the format its
+# parser expects (tool-call syntax that went wrong): an answer, not a fault
+UNPARSED = "The model produced output that does not match the expected"
+UNPARSED_BYTES = UNPARSED.encode()
 CODES = ("truncated", "tool_args_invalid", "tool_name_unknown", "tool_args_schema", "format_invalid", "empty",
          "reasoning_only", "stalled")
 HEADER = "x-blazar-sentinel"
@@ -60,6 +72,53 @@ def _schema_error(value: Any, schema: Any) -> str | None:
     return None
 
 
+def _check_call(offered: dict[str, Any], name: str, arguments: Any, found: list[tuple[str, str]]) -> None:
+    if name not in offered:
+        found.append(("tool_name_unknown", f"{name!r} is not an offered tool"))
+        return
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments) if arguments else {}
+        except ValueError:
+            found.append(("tool_args_invalid", f"{name}: the arguments are not JSON"))
+            return
+    if not isinstance(arguments, dict):
+        found.append(("tool_args_invalid", f"{name}: the arguments are not a JSON object"))
+        return
+    error = _schema_error(arguments, offered[name])
+    if error is not None:
+        found.append(("tool_args_schema", f"{name}: {error}"))
+
+
+def _calls_in_text(offered: dict[str, Any], content: str, found: list[tuple[str, str]]) -> None:
+    """
+    Tool-call syntax left in the answer's text: a C{<tool_call>} whose JSON
+    names a call is judged as a call (name, arguments); one that is not
+    JSON, or another engine's marker, is C{tool_args_invalid}.
+    """
+    for marker in CALL_MARKERS:
+        at = content.find(marker)
+        if at < 0:
+            continue
+        if marker != "<tool_call>":
+            found.append(("tool_args_invalid", f"the text holds {marker} that the engine did not parse as a call"))
+            continue
+        while at >= 0:
+            start = at + len(marker)
+            end = content.find("</tool_call>", start)
+            inner = content[start:end if end >= 0 else len(content)].strip()
+            try:
+                value = json.loads(inner)
+            except ValueError:
+                value = None
+            if isinstance(value, dict) and isinstance(value.get("name"), str):
+                _check_call(offered, value["name"], value.get("arguments", value.get("parameters", {})), found)
+            else:
+                found.append(("tool_args_invalid", "the text holds a <tool_call> that does not parse"
+                              + ("" if end >= 0 else " (never closed)")))
+            at = content.find(marker, end) if end >= 0 else -1
+
+
 def inspect(
     body: dict[str, Any], finish: str | None, content: str, reasoning: str, calls: list[tuple[str, str]],
 ) -> list[tuple[str, str]]:
@@ -75,20 +134,9 @@ def inspect(
         found.append(("truncated", "the answer reached max_tokens"))
     offered = _tools(body)
     for name, arguments in calls:
-        if name not in offered:
-            found.append(("tool_name_unknown", f"{name!r} is not an offered tool"))
-            continue
-        try:
-            value = json.loads(arguments) if arguments else {}
-        except ValueError:
-            found.append(("tool_args_invalid", f"{name}: the arguments are not JSON"))
-            continue
-        if not isinstance(value, dict):
-            found.append(("tool_args_invalid", f"{name}: the arguments are not a JSON object"))
-            continue
-        error = _schema_error(value, offered[name])
-        if error is not None:
-            found.append(("tool_args_schema", f"{name}: {error}"))
+        _check_call(offered, name, arguments, found)
+    if "<" in content or "[TOOL_CALLS]" in content:
+        _calls_in_text(offered, content, found)
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema") and not calls:
         try:
@@ -136,13 +184,17 @@ class StreamWatch:
         # the answer's text matters whole only for a JSON format; else an
         # event that only carries text is not parsed (relayed streams stay
         # cheap per chunk)
-        self._whole_text = isinstance(body.get("response_format"), dict)
+        # or, once the text may hold call syntax, from there on (L{CALL_MARKERS})
+        self._whole_text = isinstance(body.get("response_format"), dict) or bool(body.get("tools"))
         self._finish: str | None = None
         self._content: list[str] = []
         self._reasoning: list[str] = []
         self._calls: dict[int, list[str]] = {}
+        self.last: dict[str, Any] | None = None  # the last chunk parsed
+        self.deltas = 0  # events seen with text or a call (about one token each)
 
     def chunk(self, chunk: dict[str, Any]) -> None:
+        self.last = chunk
         for choice in chunk.get("choices") or []:
             if not isinstance(choice, dict):
                 continue
@@ -177,6 +229,9 @@ class StreamWatch:
         for event in data[:cut].split(b"\n\n"):
             if not event.startswith(b"data: {"):
                 continue
+            self.deltas += 1
+            if not self._whole_text and any(m in event for m in _MARKER_BYTES) and b'"content":"' in event:
+                self._whole_text = True
             if not self._whole_text and b'"tool_calls"' not in event and b'"reasoning_content"' not in event \
                     and b'"finish_reason":"' not in event and b'"finish_reason": "' not in event:
                 if not self._some_text and b'"content":"' in event and b'"content":""' not in event:
@@ -188,6 +243,7 @@ class StreamWatch:
                 pass
 
     _stalled: float | None = None
+    noted: tuple[str, str] | None = None  # a finding the relay made (L{unparsed_end})
 
     def stalled(self, seconds: float) -> None:
         """
@@ -199,6 +255,30 @@ class StreamWatch:
         calls = [(n, a) for _, (n, a) in sorted(self._calls.items())]
         content = "".join(self._content) or ("x" if self._some_text else "")
         found = inspect(self._body, self._finish, content, "".join(self._reasoning), calls)
+        if self.noted is not None:
+            found.append(self.noted)
         if self._stalled is not None:
             found.append(("stalled", f"no chunk for {self._stalled:g} s (sentinel_stall_secs)"))
         return found
+
+
+def unparsed_end(data: bytes, chunk: dict[str, Any] | None, finish: str) -> bytes:
+    """
+    C{data} (SSE bytes) with the engine's in-stream L{UNPARSED} error event
+    replaced by the end a good stream has: a chunk with C{finish_reason}
+    and C{[DONE]} (what the model wrote went out already, as text).
+
+    @param chunk: The last chunk seen (its C{id}, C{created}, C{model} are
+        kept).
+    """
+    at = data.find(UNPARSED_BYTES)
+    start = data.rfind(b"data: ", 0, at)
+    end = data.find(b"\n\n", at)
+    if start < 0:
+        return data
+    final: dict[str, Any] = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint")
+                             if chunk and k in chunk}
+    final["object"] = "chat.completion.chunk"
+    final["choices"] = [{"index": 0, "delta": {}, "finish_reason": finish}]
+    ending = b"data: " + json.dumps(final, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
+    return data[:start] + ending + (data[end + 2:] if end >= 0 else b"")

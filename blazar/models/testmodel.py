@@ -71,6 +71,24 @@ STRICT_CHAT_TEMPLATE = """\
 {%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}
 """
 
+# A thinking template like Qwen3's: the generation prompt opens <think>
+# (closed at once when enable_thinking is false), and an assistant turn's
+# reasoning_content renders inside <think></think>, so llama.cpp extracts
+# the model's output up to </think> as reasoning_content.
+_PLAIN_TURN = "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+THINKING_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}",
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- else %}{{- '<think>\\n' }}{%- endif %}{%- endif %}",
+).replace(
+    _PLAIN_TURN,
+    "{%- if message.role == 'assistant' and message.reasoning_content is defined and message.reasoning_content %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' + message.content"
+    " + '<|im_end|>\\n' }}{%- else %}" + _PLAIN_TURN + "{%- endif %}",
+)
+assert THINKING_CHAT_TEMPLATE.count("<think>") == 3
+
 # gguf.TokenType values
 _NORMAL, _UNKNOWN, _CONTROL_T, _USER, _BYTE = 1, 2, 3, 4, 6
 
@@ -128,7 +146,8 @@ def make_test_model(
     @param seed: Seeds the weights; the same seed gives the same file.
     @param embedding: Mark the model for mean-pooled embeddings.
     @param chat_template: Its Jinja chat template (L{STRICT_CHAT_TEMPLATE}:
-        one that takes a system message only first).
+        one that takes a system message only first; L{THINKING_CHAT_TEMPLATE}:
+        one that thinks first).
     """
     import numpy as np
     from gguf import GGUFWriter

@@ -52,3 +52,55 @@ def test_a_reply_and_a_stream_give_the_same_findings() -> None:
     for i in range(0, len(data), 7):  # split anywhere
         watch.events(data[i:i + 7])
     assert codes(watch.findings()) == ["truncated", "tool_args_schema"]
+
+
+def test_call_syntax_left_in_the_text_is_judged_as_a_call() -> None:
+    """
+    Text that still holds tool-call syntax after the engine's parse (auto
+    tool choice, tool_choice none, no tools at all): a C{<tool_call>} with a
+    JSON call is judged by name and arguments; one that does not parse, or
+    another engine's marker, is tool_args_invalid.
+    """
+    call = '<tool_call>\n{{"name": "{}", "arguments": {}}}\n</tool_call>'
+    assert codes(inspect(TOOLS, "stop", call.format("nope", "{}"), "", [])) == ["tool_name_unknown"]
+    assert codes(inspect(TOOLS, "stop", call.format("f", '{"x": "one"}'), "", [])) == ["tool_args_schema"]
+    assert codes(inspect(TOOLS, "stop", call.format("f", '"x"'), "", [])) == ["tool_args_invalid"]
+    assert codes(inspect(TOOLS, "stop", "ok " + call.format("f", '{"x": 1}'), "", [])) == []
+    assert codes(inspect(TOOLS, "length", '<tool_call>\n{"name": "f", "argu', "", [])) == [
+        "truncated", "tool_args_invalid"]
+    two = call.format("f", '{"x": 1}') + call.format("g", "{}")
+    assert codes(inspect(TOOLS, "stop", two, "", [])) == ["tool_name_unknown"]
+    assert codes(inspect({}, "stop", call.format("f", "{}"), "", [])) == ["tool_name_unknown"]
+    assert codes(inspect(TOOLS, "stop", '[TOOL_CALLS][{"name": "f"}]', "", [])) == ["tool_args_invalid"]
+    assert codes(inspect(TOOLS, "stop", "a < b, and that is all", "", [])) == []
+
+
+def test_a_stream_without_tools_still_sees_call_syntax() -> None:
+    """
+    The fast path (a stream that offers no tools and asks no format parses
+    no text chunk) switches to reading the text once call syntax shows up.
+    """
+    pieces = ["Sure. ", "<tool_call>", '\n{"name": "f", ', '"arguments": {}}', "\n</tool_call>"]
+    chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+    chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+    data = b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
+    watch = StreamWatch({})
+    watch.events(data)
+    assert codes(watch.findings()) == ["tool_name_unknown"]
+    plain = StreamWatch({})
+    plain.events(b'data: {"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
+    assert codes(plain.findings()) == []
+
+
+def test_the_engines_unparsed_error_becomes_a_good_end() -> None:
+    from blazar.gateway.sentinel import unparsed_end
+
+    text = b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":"<tool_call>x"}}]}\n\n'
+    error = (b'data: {"error":{"code":500,"message":"The model produced output that does not match the expected '
+             b'peg-native format","type":"server_error"}}\n\n')
+    out = unparsed_end(text + error, {"id": "c1", "created": 5, "model": "m"}, "length")
+    events = out.split(b"\n\n")
+    assert out.startswith(text) and events[-2] == b"data: [DONE]" and events[-1] == b""
+    final = json.loads(events[-3][len(b"data: "):])
+    assert final == {"id": "c1", "created": 5, "model": "m", "object": "chat.completion.chunk",
+                     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}

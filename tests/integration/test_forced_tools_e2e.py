@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from blazar.models.testmodel import make_test_model
+from blazar.models.testmodel import THINKING_CHAT_TEMPLATE, make_test_model
 from tests.integration.harness import Daemon
 
 SEEDS = range(1, 51)
@@ -39,11 +39,13 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models = root / "models"
     make_test_model(models / "tiny.gguf")
     make_test_model(models / "big.gguf", seed=4, context_length=65536)  # Claude Code's tools: ~32k tokens
+    make_test_model(models / "thinker.gguf", seed=5, chat_template=THINKING_CHAT_TEMPLATE)
     d = Daemon(root, (
         f'models_dir = "{models}"\naudit_log = "{root / "audit.jsonl"}"\nsentinel_stall_secs = 1\n'
         '[models."tiny"]\nparallel = 2\n'
         '[models."strict"]\npath = "tiny.gguf"\nparallel = 1\nsentinel_enforce = true\n'
         '[models."big"]\nctx_size = 40960\nparallel = 1\n'
+        '[models."thinker"]\nparallel = 1\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
     ))
     d.start()
@@ -318,3 +320,103 @@ def test_claude_codes_own_tools_can_be_forced(daemon: Daemon) -> None:
         assert uses, data[:500]
         for block in uses:
             jsonschema.validate(block["input"], schemas[block["name"]])
+
+
+# -- the model's own calls (auto tool choice), judged -------------------------------
+
+
+def toward_calls() -> dict[str, int]:
+    """A logit_bias that makes the random model write <tool_call> often (the
+    engine's parser then fails on what follows: its 500, without Blazar)."""
+    from blazar.models.testmodel import vocabulary
+
+    return {str(vocabulary()[0].index("<tool_call>")): 6}
+
+
+def audit_codes(daemon: Daemon) -> set[str]:
+    lines = [json.loads(line) for line in (daemon.root / "audit.jsonl").read_text().splitlines()]
+    return {code for line in lines for code in line.get("sentinel") or []}
+
+
+def test_a_call_the_engine_cannot_parse_is_an_answer_not_a_500(daemon: Daemon) -> None:
+    """
+    Auto tool choice, the model's call garbled: llama-server answers 500
+    ("does not match the expected ... format") or cuts its stream with that
+    error. Through Blazar it is the model's text with tool_args_invalid:
+    a 200 on every surface, streams that end well; a 422 under enforce.
+    """
+    before = sentinel_metric(daemon, "tiny:latest", "tool_args_invalid")
+    ask = {"messages": ASK, "tools": openai_tools(WEATHER), "max_tokens": 60, "logit_bias": toward_calls()}
+    for seed in (1, 2, 3):
+        status, headers, body = daemon.request("POST", "/v1/chat/completions", {"model": "tiny", "seed": seed, **ask})
+        assert status == 200, (status, body[:300])
+        assert "tool_args_invalid" in headers.get("x-blazar-sentinel", "").split(","), headers
+        assert "<tool_call>" in (json.loads(body)["choices"][0]["message"]["content"] or ""), body[:300]
+        events = [e for e, _ in daemon.stream("/v1/chat/completions", {
+            "model": "tiny", "seed": seed, "stream": True, **ask})]
+        assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
+        assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length"), events[-2]
+    client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="none", max_retries=0)
+    tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+    message = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
+                                     extra_body={"logit_bias": toward_calls()})
+    assert message.stop_reason in ("end_turn", "max_tokens"), message
+    with client.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
+                                extra_body={"logit_bias": toward_calls()}) as stream:
+        final = stream.get_final_message()
+    assert final.stop_reason in ("end_turn", "max_tokens"), final
+    assert sentinel_metric(daemon, "tiny:latest", "tool_args_invalid") >= before + 8
+    status, _, body = daemon.request("POST", "/v1/chat/completions", {"model": "strict", "seed": 1, **ask})
+    assert status == 422 and b"[tool_args_invalid]" in body, (status, body[:300])
+    assert "tool_args_invalid" in audit_codes(daemon)
+    log = daemon.log()  # the engine did refuse them: Blazar made them answers
+    assert "asking once more with tool_choice none" in log and "the stream ends with its text" in log
+
+
+def grammar_for(text: str) -> str:
+    return "root ::= " + json.dumps(text)
+
+
+def test_a_call_left_in_the_text_is_judged_by_name_and_schema(daemon: Daemon) -> None:
+    """
+    Call syntax the engine does not lift into tool_calls (tool_choice none,
+    the text held to a call by the request's own llama.cpp grammar): a call
+    of a tool that was not offered is tool_name_unknown, one whose
+    arguments break the tool's schema is tool_args_schema; streamed and not.
+    """
+    cases = {
+        "tool_name_unknown": '<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>',
+        "tool_args_schema": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "units": "kelvin"}}'
+                            '\n</tool_call>',
+    }
+    for code, text in cases.items():
+        before = sentinel_metric(daemon, "tiny:latest", code)
+        ask = {"model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "tool_choice": "none",
+               "grammar": grammar_for(text), "max_tokens": 100}
+        status, headers, body = daemon.request("POST", "/v1/chat/completions", ask)
+        assert status == 200 and headers.get("x-blazar-sentinel") == code, (headers, body[:300])
+        assert json.loads(body)["choices"][0]["message"]["content"] == text  # the answer's bytes are the model's
+        events = [e for e, _ in daemon.stream("/v1/chat/completions", {**ask, "stream": True})]
+        assert events[-1] == "[DONE]"
+        assert sentinel_metric(daemon, "tiny:latest", code) == before + 2
+        status, _, body = daemon.request("POST", "/v1/chat/completions", {**ask, "model": "strict"})
+        assert status == 422 and f"[{code}]".encode() in body, (status, body[:300])
+        assert code in audit_codes(daemon)
+
+
+def test_reasoning_and_no_answer_is_reasoning_only(daemon: Daemon) -> None:
+    """
+    A thinking model (its template opens <think>) cut before it closes the
+    thought: all reasoning_content, no content.
+    """
+    before = sentinel_metric(daemon, "thinker:latest", "reasoning_only")
+    status, headers, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "thinker", "messages": ASK, "max_tokens": 12})
+    message = json.loads(body)["choices"][0]["message"]
+    assert status == 200 and message.get("reasoning_content") and not message.get("content"), body[:300]
+    assert headers.get("x-blazar-sentinel") == "truncated,reasoning_only", headers
+    events = [e for e, _ in daemon.stream("/v1/chat/completions", {
+        "model": "thinker", "messages": ASK, "max_tokens": 12, "stream": True})]
+    assert events[-1] == "[DONE]"
+    assert sentinel_metric(daemon, "thinker:latest", "reasoning_only") == before + 2
+    assert "reasoning_only" in audit_codes(daemon)
