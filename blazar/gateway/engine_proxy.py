@@ -323,12 +323,13 @@ class EngineProxy:
         finally:
             lease.release()
 
-    async def count_text_tokens(self, model: str, text: str) -> int:
+    async def count_text_tokens(self, model: str, text: str, add_special: bool = True) -> int:
         """
-        Tokens of raw text (a completion prompt), by the child's tokenizer.
+        Tokens of raw text (a completion prompt, with its BOS; or, without
+        C{add_special}, text a model wrote), by the child's tokenizer.
         """
         lease, response = await self.send(
-            model, "/tokenize", json.dumps({"content": text, "add_special": True}).encode("utf-8"),
+            model, "/tokenize", json.dumps({"content": text, "add_special": add_special}).encode("utf-8"),
             stream=False,
         )
         try:

@@ -50,7 +50,9 @@ from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
-from blazar.gateway.sentinel import UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, inspect_reply, unparsed_end
+from blazar.gateway.sentinel import (
+    UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
+)
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
@@ -111,19 +113,31 @@ class Reply:
             self._judge(inspect_reply(self.watched, data) + ([self.noted] if self.noted else []))
         return data
 
-    def _finish(self, watch: StreamWatch) -> str:
+    async def _cut_end(self, watch: StreamWatch) -> list[dict[str, Any]]:
         """
-        The C{finish_reason} of a stream the engine cut with L{UNPARSED}
-        (about one event per token).
+        The end of a stream the engine cut with L{UNPARSED} (an answer, not
+        a fault): the finding, and the chunks a good stream ends with, its
+        token counts from the child's tokenizer (the engine sent none).
         """
-        return "length" if self.max_tokens and watch.deltas >= self.max_tokens else "stop"
-
-    def _unparsed(self, watch: StreamWatch) -> None:
         code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
         watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
                              "for; the stream ended with its text")
         log.info("{model}: the engine could not parse the model's output ({code}); the stream ends with its "
                  "text instead of the engine's error", model=self.model, code=code)
+        completion, prompt = watch.deltas, self.prompt_tokens or 0
+        try:
+            text = watch.text()
+            if text:
+                completion = await self._proxy.count_text_tokens(self.model, text, add_special=False)
+            if not prompt and self.watched is not None:
+                prompt = await self._proxy.count_chat_tokens(self.model, self.watched)
+        except Exception as e:
+            log.info("{model}: could not count a cut stream's tokens ({error}); estimated", model=self.model,
+                     error=str(e)[:200])
+        finish = "length" if self.max_tokens and completion >= self.max_tokens else "stop"
+        options = (self.watched or {}).get("stream_options")
+        usage = isinstance(options, dict) and bool(options.get("include_usage"))
+        return ending(watch.last, finish, prompt, completion, usage)
 
     async def relay(self, feed: Callable[[bytes], None]) -> None:
         """
@@ -132,14 +146,25 @@ class Reply:
         """
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
+        cut = False
         if watch is not None:
             inner = feed
+            held = b""
 
             def feed(data: bytes) -> None:
+                nonlocal held, cut
+                if held or not data.endswith(b"\n\n"):  # whole events only (a cut one can then be seen)
+                    data, held = held + data, b""
+                    end = data.rfind(b"\n\n")
+                    if end < 0:
+                        held = data
+                        return
+                    data, held = data[:end + 2], data[end + 2:]
                 if UNPARSED_BYTES in data:
-                    # an answer, not a fault: the stream ends as a good one does
-                    data = unparsed_end(data, watch.last, self._finish(watch))
-                    self._unparsed(watch)
+                    data, dropped = drop_unparsed(data)
+                    cut = cut or dropped
+                    if not data.strip():
+                        return
                 watch.events(data)
                 if timer is not None and timer.active():
                     timer.reset(self.stall)
@@ -154,6 +179,14 @@ class Reply:
             if timer is not None and timer.active():
                 timer.cancel()
         if watch is not None:
+            if held:
+                inner(held)  # an unfinished last event: as the engine left it
+            if cut:
+                # an answer, not a fault: the stream ends as a good one does
+                events = b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                                  for c in await self._cut_end(watch)) + b"data: [DONE]\n\n"
+                watch.events(events)
+                inner(events)
             self._judge(watch.findings())
 
     def _stall_timer(self, watch: StreamWatch | None) -> Any:
@@ -194,14 +227,11 @@ class Reply:
                 try:
                     await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
                 except EngineRejected as e:
-                    if watch is None or UNPARSED not in str(e):
+                    if watch is None or not str(e).startswith(UNPARSED):
                         raise
                     # an answer, not a fault: the stream ends as a good one does
-                    self._unparsed(watch)
-                    last = watch.last or {}
-                    on_chunk({k: last[k] for k in ("id", "created", "model") if k in last} | {
-                        "object": "chat.completion.chunk",
-                        "choices": [{"index": 0, "delta": {}, "finish_reason": self._finish(watch)}]})
+                    for chunk in await self._cut_end(watch):
+                        on_chunk(chunk)
         except StreamStopped:
             return
         finally:
@@ -225,9 +255,9 @@ class Reply:
         request = self._request
         if request is None or getattr(request, "startedWriting", True):
             return  # streamed to the client already: counted, never cut
+        request.setHeader(SENTINEL_HEADER, ",".join(codes))
         if self.enforce:
             raise SentinelViolation(findings)
-        request.setHeader(SENTINEL_HEADER, ",".join(codes))
 
     def usage(self, prompt: int, completion: int) -> None:
         """
@@ -418,10 +448,7 @@ class Pipeline:
         reply.max_tokens = call.max_tokens
         if call.kind is CallKind.CHAT:
             reply.watched = asked
-            key = key_of(request)
-            choices = (key.sentinel_enforce if key is not None else None,
-                       lease.instance.entry.settings.sentinel_enforce, self._config().sentinel_enforce)
-            reply.enforce = next(c for c in choices if c is not None)  # the key's, the model's, the global
+            reply.enforce = self._enforce(request, lease.instance.entry)
             reply.stall = self._config().sentinel_stall
             reply.clock = self._clock
         return reply, lease
@@ -500,6 +527,15 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"))
 
+    def _enforce(self, request: Any, entry: ModelEntry) -> bool:
+        """
+        C{sentinel_enforce}: the key's, else the model's, else the global.
+        """
+        key = key_of(request)
+        choices = (key.sentinel_enforce if key is not None else None, entry.settings.sentinel_enforce,
+                   self._config().sentinel_enforce)
+        return next(c for c in choices if c is not None)
+
     async def _as_text(
         self, request: Any, call: Call, instance: Any, pin: Pin | None, error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
@@ -509,7 +545,18 @@ class Pipeline:
         answered 500 (L{UNPARSED}). An answer, not a fault: asked once more
         with C{tool_choice} C{none} (the model still sees the tools), its
         text is the answer, and the sentinel says C{tool_args_invalid}.
+        Under C{sentinel_enforce} the answer would be refused anyway: a 422
+        at once, no second generation.
+
+        @raise SentinelViolation: Enforced.
         """
+        noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
+                                      "model's text, asked once more with tool_choice none")
+        if self._enforce(request, instance.entry):
+            context_of(request).sentinel = ("tool_args_invalid",)
+            if request is not None:
+                request.setHeader(SENTINEL_HEADER, "tool_args_invalid")
+            raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
         log.info("{model}: the engine could not parse the model's tool call ({error}); asking once more "
                  "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
         body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
@@ -520,8 +567,6 @@ class Pipeline:
         lease, response = await self._proxy.send(
             call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, self._clock.seconds()),
         )
-        noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
-                                      "model's text, asked once more with tool_choice none")
         return noted, lease, response
 
     def _forced_call(self, call: Call) -> Forced | None:

@@ -26,13 +26,13 @@ import jsonschema
 from blazar.gateway.errors import BadRequest
 
 # Tool-call syntax engines lift into C{tool_calls} (Hermes/Qwen, Mistral,
-# Llama 3.x, Functionary, DeepSeek, Kimi). Text that still holds one after
+# Llama 3.x, Functionary, DeepSeek, Kimi). When tools were offered, text
+# that still holds one (outside code: a fence, a `span`) after
 # the engine's parse is a call that did not become one: the model's own
 # decision (auto tool choice), judged, never rewritten (issue 21, point 4).
+# Without tools, such text is prose about the syntax, and not judged.
 CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]", "<|python_tag|>", "<function=",
                 "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<|tool_calls_section_begin|>")
-_MARKER_BYTES = (b"tool_call", b"TOOL_CALLS", b"python_tag", b"<function=", b"tool\\u2581calls",
-                 "tool\u2581calls".encode())
 # llama-server's error when the model's output does not fit the format its
 # parser expects (tool-call syntax that went wrong): an answer, not a fault
 UNPARSED = "The model produced output that does not match the expected"
@@ -90,33 +90,55 @@ def _check_call(offered: dict[str, Any], name: str, arguments: Any, found: list[
         found.append(("tool_args_schema", f"{name}: {error}"))
 
 
+def _call_lines(content: str) -> list[tuple[str, int]]:
+    """
+    C{(marker, offset)} of each call marker outside code: not in a fenced
+    block, not in an inline C{`code`} span.
+    """
+    found = []
+    fenced = False
+    offset = 0
+    for line in content.splitlines(keepends=True):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            for marker in CALL_MARKERS:
+                at = line.find(marker)
+                while at >= 0:
+                    if line.count("`", 0, at) % 2 == 0:
+                        found.append((marker, offset + at))
+                    at = line.find(marker, at + len(marker))
+        offset += len(line)
+    return sorted(found, key=lambda f: f[1])
+
+
 def _calls_in_text(offered: dict[str, Any], content: str, found: list[tuple[str, str]]) -> None:
     """
-    Tool-call syntax left in the answer's text: a C{<tool_call>} whose JSON
-    names a call is judged as a call (name, arguments); one that is not
-    JSON, or another engine's marker, is C{tool_args_invalid}.
+    Tool-call syntax left in the answer's text (L{CALL_MARKERS}): a
+    C{<tool_call>} whose JSON names a call is judged as a call (name,
+    arguments); one that is not JSON, or another engine's marker, is
+    C{tool_args_invalid}.
     """
-    for marker in CALL_MARKERS:
-        at = content.find(marker)
-        if at < 0:
-            continue
+    judged: list[tuple[str, str]] = []
+    for marker, at in _call_lines(content):
+        if len(judged) >= 3:  # enough to say so (a garbled answer can repeat a marker hundreds of times)
+            break
         if marker != "<tool_call>":
-            found.append(("tool_args_invalid", f"the text holds {marker} that the engine did not parse as a call"))
+            judged.append(("tool_args_invalid", f"the text holds {marker} that the engine did not parse as a call"))
             continue
-        while at >= 0:
-            start = at + len(marker)
-            end = content.find("</tool_call>", start)
-            inner = content[start:end if end >= 0 else len(content)].strip()
-            try:
-                value = json.loads(inner)
-            except ValueError:
-                value = None
-            if isinstance(value, dict) and isinstance(value.get("name"), str):
-                _check_call(offered, value["name"], value.get("arguments", value.get("parameters", {})), found)
-            else:
-                found.append(("tool_args_invalid", "the text holds a <tool_call> that does not parse"
-                              + ("" if end >= 0 else " (never closed)")))
-            at = content.find(marker, end) if end >= 0 else -1
+        start = at + len(marker)
+        end = content.find("</tool_call>", start)
+        inner = content[start:end if end >= 0 else len(content)].strip()
+        try:
+            value = json.loads(inner)
+        except ValueError:
+            value = None
+        if isinstance(value, dict) and isinstance(value.get("name"), str):
+            _check_call(offered, value["name"], value.get("arguments", value.get("parameters", {})), judged)
+        else:
+            judged.append(("tool_args_invalid", "the text holds a <tool_call> that does not parse"
+                          + ("" if end >= 0 else " (never closed)")))
+    found.extend(judged)
 
 
 def inspect(
@@ -135,7 +157,7 @@ def inspect(
     offered = _tools(body)
     for name, arguments in calls:
         _check_call(offered, name, arguments, found)
-    if "<" in content or "[TOOL_CALLS]" in content:
+    if offered and ("<" in content or "[TOOL_CALLS]" in content):
         _calls_in_text(offered, content, found)
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema") and not calls:
@@ -184,7 +206,7 @@ class StreamWatch:
         # the answer's text matters whole only for a JSON format; else an
         # event that only carries text is not parsed (relayed streams stay
         # cheap per chunk)
-        # or, once the text may hold call syntax, from there on (L{CALL_MARKERS})
+        # (or tools were offered: call syntax in the text is judged)
         self._whole_text = isinstance(body.get("response_format"), dict) or bool(body.get("tools"))
         self._finish: str | None = None
         self._content: list[str] = []
@@ -229,9 +251,8 @@ class StreamWatch:
         for event in data[:cut].split(b"\n\n"):
             if not event.startswith(b"data: {"):
                 continue
-            self.deltas += 1
-            if not self._whole_text and any(m in event for m in _MARKER_BYTES) and b'"content":"' in event:
-                self._whole_text = True
+            if b'"delta":{}' not in event and b'"role":"assistant","content":null' not in event:
+                self.deltas += 1
             if not self._whole_text and b'"tool_calls"' not in event and b'"reasoning_content"' not in event \
                     and b'"finish_reason":"' not in event and b'"finish_reason": "' not in event:
                 if not self._some_text and b'"content":"' in event and b'"content":""' not in event:
@@ -241,6 +262,14 @@ class StreamWatch:
                 self.chunk(json.loads(event[len(b"data: "):]))
             except ValueError:
                 pass
+
+    def text(self) -> str:
+        """
+        What the stream carried that the model wrote: text, reasoning, call
+        arguments (whole only when L{_whole_text}).
+        """
+        return "".join(self._content) + "".join(self._reasoning) + "".join(
+            n + a for n, a in self._calls.values())
 
     _stalled: float | None = None
     noted: tuple[str, str] | None = None  # a finding the relay made (L{unparsed_end})
@@ -262,23 +291,49 @@ class StreamWatch:
         return found
 
 
-def unparsed_end(data: bytes, chunk: dict[str, Any] | None, finish: str) -> bytes:
+def is_unparsed(event: bytes) -> bool:
     """
-    C{data} (SSE bytes) with the engine's in-stream L{UNPARSED} error event
-    replaced by the end a good stream has: a chunk with C{finish_reason}
-    and C{[DONE]} (what the model wrote went out already, as text).
+    Whether one SSE event is llama-server's in-stream L{UNPARSED} error
+    (a top-level C{error} object with that message; text that merely
+    quotes it is not).
+    """
+    if not event.startswith(b"data: {") or UNPARSED_BYTES not in event:
+        return False
+    try:
+        error = json.loads(event[len(b"data: "):]).get("error")
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(error, dict) and str(error.get("message", "")).startswith(UNPARSED)
 
-    @param chunk: The last chunk seen (its C{id}, C{created}, C{model} are
-        kept).
+
+def drop_unparsed(events: bytes) -> tuple[bytes, bool]:
     """
-    at = data.find(UNPARSED_BYTES)
-    start = data.rfind(b"data: ", 0, at)
-    end = data.find(b"\n\n", at)
-    if start < 0:
-        return data
-    final: dict[str, Any] = {k: chunk[k] for k in ("id", "created", "model", "system_fingerprint")
-                             if chunk and k in chunk}
-    final["object"] = "chat.completion.chunk"
-    final["choices"] = [{"index": 0, "delta": {}, "finish_reason": finish}]
-    ending = b"data: " + json.dumps(final, separators=(",", ":")).encode() + b"\n\ndata: [DONE]\n\n"
-    return data[:start] + ending + (data[end + 2:] if end >= 0 else b"")
+    Whole SSE events without L{is_unparsed} ones; whether one was there.
+    """
+    kept, dropped = [], False
+    for event in events.split(b"\n\n"):
+        if is_unparsed(event):
+            dropped = True
+        else:
+            kept.append(event)
+    return b"\n\n".join(kept), dropped
+
+
+def ending(last: dict[str, Any] | None, finish: str, prompt: int, completion: int, usage: bool) -> list[dict[str, Any]]:
+    """
+    The chunks a good stream ends with, for one the engine cut with
+    L{UNPARSED}: C{finish_reason} (with llama-server's C{timings} token
+    counts), then, if the request asked for it, the usage chunk.
+
+    @param last: The last chunk seen (its C{id}, C{created}, C{model} and
+        C{system_fingerprint} are kept).
+    """
+    head: dict[str, Any] = {k: last[k] for k in ("id", "created", "model", "system_fingerprint")
+                            if last and k in last}
+    head["object"] = "chat.completion.chunk"
+    chunks = [dict(head, choices=[{"index": 0, "delta": {}, "finish_reason": finish}],
+                   timings={"prompt_n": prompt, "cache_n": 0, "predicted_n": completion})]
+    if usage:
+        chunks.append(dict(head, choices=[], usage={
+            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}))
+    return chunks

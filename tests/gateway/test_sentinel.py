@@ -57,7 +57,7 @@ def test_a_reply_and_a_stream_give_the_same_findings() -> None:
 def test_call_syntax_left_in_the_text_is_judged_as_a_call() -> None:
     """
     Text that still holds tool-call syntax after the engine's parse (auto
-    tool choice, tool_choice none, no tools at all): a C{<tool_call>} with a
+    tool choice, tool_choice none; not inside code): a C{<tool_call>} with a
     JSON call is judged by name and arguments; one that does not parse, or
     another engine's marker, is tool_args_invalid.
     """
@@ -68,39 +68,47 @@ def test_call_syntax_left_in_the_text_is_judged_as_a_call() -> None:
     assert codes(inspect(TOOLS, "stop", "ok " + call.format("f", '{"x": 1}'), "", [])) == []
     assert codes(inspect(TOOLS, "length", '<tool_call>\n{"name": "f", "argu', "", [])) == [
         "truncated", "tool_args_invalid"]
-    two = call.format("f", '{"x": 1}') + call.format("g", "{}")
+    two = call.format("f", '{"x": 1}') + "\n" + call.format("g", "{}")
     assert codes(inspect(TOOLS, "stop", two, "", [])) == ["tool_name_unknown"]
-    assert codes(inspect({}, "stop", call.format("f", "{}"), "", [])) == ["tool_name_unknown"]
+    # without tools offered, call syntax is prose about it; with them, only
+    # a marker outside code is a call
+    assert codes(inspect({}, "stop", call.format("f", "{}"), "", [])) == []
+    assert codes(inspect(TOOLS, "stop", "Use `<tool_call>` tags, or `<function=f>` inline.", "", [])) == []
+    assert codes(inspect(TOOLS, "stop", "```\n" + call.format("nope", "{}") + "\n```", "", [])) == []
+    assert codes(inspect(TOOLS, "stop", "Calling:\n  " + call.format("nope", "{}"), "", [])) == ["tool_name_unknown"]
     assert codes(inspect(TOOLS, "stop", '[TOOL_CALLS][{"name": "f"}]', "", [])) == ["tool_args_invalid"]
     assert codes(inspect(TOOLS, "stop", "a < b, and that is all", "", [])) == []
 
 
-def test_a_stream_without_tools_still_sees_call_syntax() -> None:
-    """
-    The fast path (a stream that offers no tools and asks no format parses
-    no text chunk) switches to reading the text once call syntax shows up.
-    """
-    pieces = ["Sure. ", "<tool_call>", '\n{"name": "f", ', '"arguments": {}}', "\n</tool_call>"]
+def test_a_stream_sees_call_syntax_split_over_tokens() -> None:
+    pieces = ["<tool", "_call>", '\n{"name": "nope", ', '"arguments": {}}', "\n</tool_call>"]
     chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
     chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     data = b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
-    watch = StreamWatch({})
+    watch = StreamWatch(TOOLS)
     watch.events(data)
     assert codes(watch.findings()) == ["tool_name_unknown"]
     plain = StreamWatch({})
-    plain.events(b'data: {"choices":[{"index":0,"delta":{"content":"hello"}}]}\n\n')
+    plain.events(data)
     assert codes(plain.findings()) == []
 
 
-def test_the_engines_unparsed_error_becomes_a_good_end() -> None:
-    from blazar.gateway.sentinel import unparsed_end
+def test_only_the_engines_own_unparsed_error_event_is_dropped() -> None:
+    from blazar.gateway.sentinel import drop_unparsed, ending, is_unparsed
 
-    text = b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":"<tool_call>x"}}]}\n\n'
-    error = (b'data: {"error":{"code":500,"message":"The model produced output that does not match the expected '
-             b'peg-native format","type":"server_error"}}\n\n')
-    out = unparsed_end(text + error, {"id": "c1", "created": 5, "model": "m"}, "length")
-    events = out.split(b"\n\n")
-    assert out.startswith(text) and events[-2] == b"data: [DONE]" and events[-1] == b""
-    final = json.loads(events[-3][len(b"data: "):])
-    assert final == {"id": "c1", "created": 5, "model": "m", "object": "chat.completion.chunk",
-                     "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}
+    phrase = "The model produced output that does not match the expected peg-native format"
+    text = ('data: {"id":"c1","choices":[{"index":0,"delta":{"content":' + json.dumps("Error: " + phrase)
+            + '}}]}').encode()
+    call = ('data: {"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":'
+            + json.dumps(json.dumps({"title": phrase})) + '}}]}}]}').encode()
+    error = ('data: {"error":{"code":500,"message":"' + phrase + '","type":"server_error"}}').encode()
+    assert not is_unparsed(text) and not is_unparsed(call) and is_unparsed(error)
+    kept, dropped = drop_unparsed(text + b"\n\n" + call + b"\n\n" + error + b"\n\n")
+    assert dropped and kept == text + b"\n\n" + call + b"\n\n"
+    assert drop_unparsed(text + b"\n\n") == (text + b"\n\n", False)
+    last = {"id": "c1", "created": 5, "model": "m"}
+    final, usage = ending(last, "length", 7, 3, usage=True)
+    assert final["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}] and final["id"] == "c1"
+    assert final["timings"] == {"prompt_n": 7, "cache_n": 0, "predicted_n": 3}
+    assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
+    assert len(ending(last, "stop", 1, 1, usage=False)) == 1

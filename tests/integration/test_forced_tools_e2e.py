@@ -253,8 +253,8 @@ def test_enforced_the_sentinel_refuses_with_a_422_on_every_surface(daemon: Daemo
         ("/v1/responses", {"model": "strict", "input": "hi", "max_output_tokens": 2}, "openai"),
         ("/api/chat", {"model": "strict", "messages": ASK, "stream": False, "options": {"num_predict": 2}}, "ollama"),
     ):
-        status, _, data = daemon.request("POST", path, body)
-        assert status == 422, (path, status, data[:300])
+        status, headers, data = daemon.request("POST", path, body)
+        assert status == 422 and headers.get("x-blazar-sentinel") == "truncated", (path, status, headers, data[:300])
         answer = json.loads(data)
         message = answer["error"] if shape == "ollama" else answer["error"]["message"]
         assert "sentinel enforce: [truncated]" in message, (path, answer)
@@ -420,3 +420,30 @@ def test_reasoning_and_no_answer_is_reasoning_only(daemon: Daemon) -> None:
     assert events[-1] == "[DONE]"
     assert sentinel_metric(daemon, "thinker:latest", "reasoning_only") == before + 2
     assert "reasoning_only" in audit_codes(daemon)
+
+
+def test_a_cut_stream_keeps_its_usage_and_text_that_quotes_the_error_is_left_alone(daemon: Daemon) -> None:
+    """
+    The end Blazar gives a stream the engine cut carries the tokens the
+    child's tokenizer counts (usage chunk, finish_reason length at
+    max_tokens); a stream whose text merely quotes the engine's error
+    sentence is relayed as it is, with one [DONE].
+    """
+    for seed in (2, 3):
+        events = [e for e, _ in daemon.stream("/v1/chat/completions", {
+            "model": "tiny", "messages": ASK, "tools": openai_tools(WEATHER), "max_tokens": 10, "seed": seed,
+            "logit_bias": toward_calls(), "stream": True, "stream_options": {"include_usage": True}})]
+        assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events[-3:]
+        usage = json.loads(events[-2])["usage"]
+        assert usage["completion_tokens"] > 0 and usage["prompt_tokens"] > 0, usage
+        finish = json.loads(events[-3])["choices"][0]["finish_reason"]
+        assert finish == ("length" if usage["completion_tokens"] >= 10 else "stop"), (finish, usage)
+    text = "Error: The model produced output that does not match the expected format. It means X. The end."
+    for stop in (None, ["The model produced output that does not match the expected formaQ"]):
+        ask = {"model": "tiny", "messages": ASK, "grammar": grammar_for(text), "max_tokens": 100, "stream": True}
+        if stop:
+            ask["stop"] = stop  # the engine holds text back: the sentence comes in one delta
+        events = [e for e, _ in daemon.stream("/v1/chat/completions", ask)]
+        content = "".join(json.loads(e)["choices"][0]["delta"].get("content") or "" for e in events[:-1]
+                          if json.loads(e).get("choices"))
+        assert content == text and events.count("[DONE]") == 1, events
