@@ -587,6 +587,14 @@ def _doctor(args: argparse.Namespace) -> int:
         report(out.returncode == 0, f"engine: {binary} ({version[0] if version else 'no version'})")
     except (EngineNotFound, OSError, subprocess.SubprocessError) as e:
         report(False, f"engine: {e}")
+    for lane in config.lanes:
+        import shutil
+
+        found = shutil.which(lane.command[0])
+        report(found is not None, f"engine lane {lane.name} ({', '.join(lane.formats)}): "
+               + (found or f"{lane.command[0]!r} is not on PATH (install it, or fix [engines.{lane.name}] command)"))
+    for problem in _lane_problems(config):
+        report(False, f"model: {problem}")
     models = config.resolved_models_dir
     readable = models.is_dir() and os.access(models, os.R_OK | os.X_OK)
     count = len(list(models.rglob("*.gguf"))) if readable else 0
@@ -623,6 +631,23 @@ def _doctor(args: argparse.Namespace) -> int:
     except Exception:
         report(True, "GPUs: none found (CPU only)")
     return 1 if problems else 0
+
+
+def _lane_problems(config: Any) -> list[str]:
+    """
+    The L{blazar.engines.lanes.LaneError} text of each model no lane
+    serves (the same string the API answers with).
+    """
+    from blazar.engines.lanes import LaneError, route
+    from blazar.models.registry import thd_scan
+
+    problems = []
+    for entry in sorted(thd_scan(config.resolved_models_dir, config.models).values(), key=lambda e: e.name):
+        try:
+            route(entry.name, entry.format, entry.settings.engine, config)
+        except LaneError as e:
+            problems.append(str(e))
+    return problems
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -678,6 +703,10 @@ def _engine(args: argparse.Namespace) -> int:
             for e in rows:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.installed_at))
                 print(f"{'*' if e.active else ' '} {e.name:<28} {when}  {e.source}")
+            print("lanes: llamacpp (gguf)" + "".join(
+                f", {lane.name} ({', '.join(lane.formats)}: {lane.command[0]})" for lane in config.lanes))
+            for lane_problem in _lane_problems(config):
+                print(f"no lane: {lane_problem}")
             return 0
         if verb == "install":
             spec = parse_spec(args.spec)

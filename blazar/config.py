@@ -68,12 +68,19 @@ C{~/.config/blazar/config.toml}. Keys::
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
     args = ["--threads", "2"]          # extra flags for every llama.cpp child
 
+    [engines.vllm]                     # a command lane: any OpenAI-compatible server
+    command = ["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]
+    health = "/health"                 # answers 200 once ready
+    formats = ["safetensors", "awq"]   # gguf, safetensors, awq, gptq, fp8, mlx
+    api = "openai"
+
     [models."name:tag"]
     path = "/models/x.gguf"   # relative paths are under models_dir
     ctx_size = 4096           # tokens of context per slot
     parallel = 4              # slots (concurrent requests) per child
     embedding = false         # start with --embeddings
     args = []                 # extra flags for this model's child
+    engine = "vllm"           # its lane (default: by format, GGUF to llamacpp)
 
 L{parse_config} is pure: text in, L{Config} out, or L{ConfigError} naming the
 key, the file and what was expected.
@@ -132,6 +139,7 @@ class ModelConfig:
     embedding: bool = False
     args: tuple[str, ...] = ()
     sentinel_enforce: bool | None = None  # None: the global sentinel_enforce
+    engine: str | None = None  # the lane that serves it (llamacpp, or an [engines.NAME]); None: by format
 
 
 @attrs.frozen
@@ -193,6 +201,31 @@ class LlamaCppConfig:
     args: tuple[str, ...] = ()
 
 
+MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx")
+LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}")
+
+
+@attrs.frozen
+class CommandLane:
+    """
+    C{[engines.NAME]}: any OpenAI-compatible server command as an engine
+    lane, started, supervised, health-checked and evicted like llama-server.
+
+    @ivar command: argv; C{{model}} (the model's path), C{{port}},
+        C{{host}}, C{{api_key}} (the per-child key), C{{alias}}, C{{ctx_size}}
+        and C{{parallel}} are filled in per child.
+    @ivar health: The path that answers 200 once the server is ready.
+    @ivar formats: The model formats it serves (L{MODEL_FORMATS}).
+    @ivar api: The wire format it speaks (C{openai}).
+    """
+
+    name: str
+    command: tuple[str, ...]
+    health: str = "/health"
+    formats: tuple[str, ...] = ("gguf",)
+    api: str = "openai"
+
+
 @attrs.frozen
 class Config:
     """
@@ -237,6 +270,7 @@ class Config:
     sentinel_enforce: bool = False
     sentinel_stall: float = 30.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
+    lanes: tuple[CommandLane, ...] = ()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
     keys: tuple[KeyConfig, ...] = ()
@@ -295,6 +329,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "sentinel_enforce": ("sentinel_enforce", RUNTIME),
     "sentinel_stall": ("sentinel_stall_secs", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
+    "lanes": ("engines.NAME (command lanes)", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
     "keys": ("keys", RUNTIME),
@@ -664,7 +699,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["max_connections_per_ip"] = value
 
     engines = _table(doc.get("engines", {}), where, "engines")
-    _unknown(engines, {"llamacpp"}, where, "engines.")
+    kwargs["lanes"] = tuple(_parse_lane(name, raw, where) for name, raw in engines.items() if name != "llamacpp")
     llamacpp = _table(engines.get("llamacpp", {}), where, "engines.llamacpp")
     _unknown(llamacpp, {"binary", "args"}, where, "engines.llamacpp.")
     kwargs["llamacpp"] = LlamaCppConfig(
@@ -694,7 +729,13 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for name, raw in _table(doc.get("models", {}), where, "models").items():
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
-        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce"}, where, prefix)
+        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine"},
+                 where, prefix)
+        engine = table.get("engine")
+        if engine is not None and engine != "llamacpp" and engine not in {lane.name for lane in kwargs["lanes"]}:
+            raise ConfigError(
+                f"{where}: models.{name}.engine = {engine!r}: no such engine lane (llamacpp, or one of "
+                f"[engines.NAME]: {', '.join(lane.name for lane in kwargs['lanes']) or 'none configured'})")
         embedding = table.get("embedding", False)
         if not isinstance(embedding, bool):
             raise _expected(where, prefix + "embedding", "true or false", embedding)
@@ -712,6 +753,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             embedding=embedding,
             args=_str_list(table.get("args", []), where, prefix + "args"),
             sentinel_enforce=enforce,
+            engine=engine,
         )
     kwargs["models"] = models
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where)
@@ -719,6 +761,29 @@ def parse_config(text: str, source: Path | None = None) -> Config:
 
 
 MIN_SECRET = 16
+
+
+def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
+    prefix = f"engines.{name}."
+    table = _table(raw, where, f"engines.{name}")
+    _unknown(table, {"command", "health", "formats", "api"}, where, prefix)
+    if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", name):
+        raise ConfigError(f"{where}: [engines.{name}]: a lane's name is letters, digits, - and _")
+    command = _str_list(table.get("command", []), where, prefix + "command")
+    if not command or not any("{port}" in part for part in command):
+        raise _expected(where, prefix + "command", 'an argv with "{port}" (e.g. ["vllm", "serve", "{model}", '
+                        '"--port", "{port}"])', table.get("command"))
+    health = table.get("health", "/health")
+    if not isinstance(health, str) or not health.startswith("/"):
+        raise _expected(where, prefix + "health", 'a path such as "/health"', health)
+    formats = _str_list(table.get("formats", ["gguf"]), where, prefix + "formats")
+    unknown = [f for f in formats if f not in MODEL_FORMATS]
+    if unknown or not formats:
+        raise _expected(where, prefix + "formats", f"a list of {', '.join(MODEL_FORMATS)}", table.get("formats"))
+    api = table.get("api", "openai")
+    if api != "openai":
+        raise _expected(where, prefix + "api", '"openai" (the wire format Blazar translates from)', api)
+    return CommandLane(name, command, health, formats, api)
 
 
 def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:

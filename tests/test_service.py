@@ -302,6 +302,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
+        "engines.NAME (command lanes)",
     )
 
     def test_sentinel_enforce(self) -> None:
@@ -402,6 +403,20 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.check("engines.llamacpp.args", "", 'args = ["--reloaded"]\n', lambda: argv()[-1], "--reloaded")
         self.check('models."m:latest"', "", '[models."m"]\nctx_size = 1024\nparallel = 1\n',
                    lambda: argv()[argv().index("-c"):][:4], ["-c", "1024", "-np", "1"])
+        def lane_binary() -> str:
+            instance, argv, d = self.spawn()
+            self.end(instance, d)
+            return argv[3]  # after the launcher: the lane's command
+
+        # a lane serves a model that names it: both keys change together
+        both = ('engines.NAME (command lanes)', 'models."m:latest"')
+        self.assertNotEqual(lane_binary(), "/bin/alt")
+        report = self.reload("", '[engines.alt]\ncommand = ["/bin/alt", "--port", "{port}"]\n'
+                                 '[models."m"]\nengine = "alt"\n')
+        self.assertEqual((report.applied, report.restart), (both, ()))
+        self.assertEqual(lane_binary(), "/bin/alt")
+        self.assertEqual(self.reload().applied, both)
+        self.assertNotEqual(lane_binary(), "/bin/alt")
         self.check("models_dir", f'models_dir = "{self.root / "other"}"\n', "",
                    lambda: self.tree.registry.models_dir, self.root / "other")
 

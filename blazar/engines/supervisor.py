@@ -44,7 +44,11 @@ from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, build_command, context_per_slot, find_binary, slot_save_dir
+from blazar.config import CommandLane
+from blazar.engines.lanes import lane_argv, route
+from blazar.engines.llamacpp import (
+    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
+)
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
@@ -615,6 +619,8 @@ class Instance:
     keep_alive: float | None = None
     idle_timeout: float = 1800.0
     binary: str = ""
+    lane: str = "llamacpp"  # the engine lane: llamacpp, or an [engines.NAME] command lane
+    health_path: str = "/health"
     # what its KV cache was made with: the model file and engine as it loaded
     # them, and its command line (a KV bank entry is restored only into a
     # child of the same shape: blazar.gateway.sessions)
@@ -1056,12 +1062,16 @@ class Supervisor(Service):
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
         self._check_breaker(entry)
+        lane = route(entry.name, entry.format, entry.settings.engine, self._config)  # LaneError: none serves it
         meta = await self._registry.metadata(entry)
-        binary = await deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), self._find_binary,
-            self._config, self._environ,
-        )
-        if not entry.settings.embedding:
+        if lane is not None:
+            binary = Path(lane.command[0])
+        else:
+            binary = await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), self._find_binary,
+                self._config, self._environ,
+            )
+        if lane is None and not entry.settings.embedding:
             # llama-server refuses a --slot-save-path that is not a directory
             await deferToThreadPool(
                 self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
@@ -1069,7 +1079,7 @@ class Supervisor(Service):
             )
         # the files as this child will load them (a file replaced later does
         # not change what it holds)
-        identity = await deferToThreadPool(
+        identity = "" if lane is not None else await deferToThreadPool(
             self._reactor, self._reactor.getThreadPool(), thd_identity, Path(entry.path), Path(binary),
         )
         existing = self._instances.get(entry.name)
@@ -1081,7 +1091,7 @@ class Supervisor(Service):
             if existing is not None:
                 return existing
             await self._make_room(entry, meta)
-            return self._start(entry, meta, binary, identity)
+            return self._start(entry, meta, binary, identity, lane)
         finally:
             self._admission.release()
 
@@ -1140,25 +1150,36 @@ class Supervisor(Service):
         free = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), self._free_memory)
         return int(free)
 
-    def _start(self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "") -> Instance:
+    def _start(
+        self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "",
+        lane: CommandLane | None = None,
+    ) -> Instance:
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
-        command = build_command(
-            binary, entry, meta, port=port, api_key=api_key, config=self._config
-        )
+        if lane is None:
+            command = build_command(
+                binary, entry, meta, port=port, api_key=api_key, config=self._config
+            )
+        else:
+            command = EngineCommand(tuple(lane_argv(
+                lane, model=str(entry.path), port=port, api_key=api_key, alias=entry.name,
+                ctx_size=context_per_slot(entry, meta), parallel=entry.settings.parallel or DEFAULT_PARALLEL,
+            )), {})
         protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
         now = self._reactor.seconds()
         self.metrics.loads.labels(entry.name).inc()
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
             idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta), binary=str(binary),
-            shape=child_shape(identity, command.argv),
+            shape=child_shape(identity, command.argv) if lane is None else "",
+            lane=lane.name if lane is not None else "llamacpp",
+            health_path=lane.health if lane is not None else "/health",
         )
         env = child_environment(self._environ)
         env.update(command.env)
         argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
         log.info(
-            "starting {model}: {argv}", model=entry.name, engine="llamacpp",
+            "starting {model}: {argv}", model=entry.name, engine=instance.lane,
             argv=" ".join(command.argv),
         )
         transport = self._reactor.spawnProcess(
@@ -1183,7 +1204,7 @@ class Supervisor(Service):
 
     async def _await_ready(self, instance: Instance) -> None:
         deadline = self._reactor.seconds() + self._config.ready_timeout
-        url = instance.base_url + "/health"
+        url = instance.base_url + instance.health_path
         while instance.protocol.status is None:
             try:
                 status = await self._probe(url)
@@ -1404,7 +1425,8 @@ class Supervisor(Service):
             not as a bare C{CancelledError}).
         """
         caller_left = False
-        probe: Deferred[int] = ensureDeferred(self._probe(instance.base_url + "/health"))  # type: ignore[arg-type]
+        url = instance.base_url + instance.health_path
+        probe: Deferred[int] = ensureDeferred(self._probe(url))  # type: ignore[arg-type]
 
         def leave(_: Deferred[int]) -> None:
             nonlocal caller_left

@@ -21,6 +21,7 @@ from typing import Callable
 
 import attrs
 
+from blazar.engines.lanes import LaneError
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineError, EngineTimeout, NoCapacity
 from blazar.models.gguf_meta import GGUFError
@@ -224,6 +225,7 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         (EngineCrashed, _engine("engine_crash")),
         (EngineError, _engine("engine_error")),
         (EngineNotFound, _engine("engine_not_found", "engine_not_found")),
+        (LaneError, _engine("engine_not_found", "no_engine_lane")),
         (GGUFError, _engine("engine_error")),
         (EngineRejected, _engine_rejected),
     ]

@@ -58,6 +58,7 @@ from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
     expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
+from blazar.engines.lanes import LLAMACPP, route
 from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
@@ -400,7 +401,13 @@ class Pipeline:
             await call.rewrite(call)
         raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
         counted = None
-        if call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
+        # a command lane's server (vLLM, MLX, ...) has no llama-server extras:
+        # no token counting, no grammar of Blazar's, no slots
+        lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config()) \
+            if call.entry is not None else None
+        if lane is not None:
+            pass
+        elif call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
@@ -408,13 +415,13 @@ class Pipeline:
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
         ready = self.is_ready(canonical)
-        if call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready):
+        if lane is None and (call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready)):
             if counted is None:
                 counted = await self._count(call)
         stop = call.on_send(not ready) if call.on_send is not None else None
         started = self._clock.seconds()
         pin = None
-        forced = self._forced_call(call)
+        forced = self._forced_call(call) if lane is None else None  # a lane's server does its own
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
@@ -592,8 +599,8 @@ class Pipeline:
         """
         if self.sessions is None or not self.sessions.enabled:
             return None
-        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION):
-            return None
+        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or getattr(instance, "lane", LLAMACPP) != LLAMACPP:
+            return None  # slots and the KV bank are llama-server's
         await self.sessions.warm(instance)
         if "id_slot" in call.body:
             return None

@@ -21,6 +21,7 @@ from twisted.internet.threads import deferToThreadPool
 from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
+from blazar.models.formats import thd_model_format
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
 from blazar.names import canonical_name, name_key
 
@@ -60,6 +61,9 @@ class ModelEntry:
     @ivar shards: The other shards of a split model.
     @ivar settings: The operator's overrides for this model.
     @ivar modified: The file's mtime, seconds since the epoch.
+    @ivar format: C{gguf}, or another of L{blazar.config.MODEL_FORMATS} for
+        a model directory a command lane serves (L{thd_model_format}), or
+        C{unknown}.
     """
 
     name: str
@@ -67,6 +71,7 @@ class ModelEntry:
     shards: tuple[Path, ...] = ()
     settings: ModelConfig = ModelConfig()
     modified: float = 0.0
+    format: str = "gguf"
 
 
 def _stem_name(stem: str) -> str:
@@ -97,6 +102,20 @@ def _hub_name(folder: Path, models_dir: Path, stem: str) -> str | None:
         except ValueError:
             return None
     return None
+
+
+def thd_tree_size(path: Path) -> int:
+    """
+    Bytes under a model directory (or of one file).
+    """
+    if path.is_file():
+        return path.stat().st_size
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def thd_tree_listing(path: Path) -> str:
+    return "\n".join(f"{f.relative_to(path)} {f.stat().st_size} {f.stat().st_mtime_ns}"
+                     for f in sorted(path.rglob("*")) if f.is_file())
 
 
 def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[str, ModelEntry]:
@@ -142,7 +161,7 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
                 mtime = settings.path.stat().st_mtime
             except OSError:
                 mtime = 0.0
-            found[key] = ModelEntry(name, settings.path, (), settings, mtime)
+            found[key] = ModelEntry(name, settings.path, (), settings, mtime, thd_model_format(settings.path))
         elif key in found:
             found[key] = attrs.evolve(found[key], settings=settings)
     return found
@@ -294,6 +313,12 @@ class ModelRegistry:
 
         @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
         """
+        if entry.format != "gguf":
+            size = await self.in_thread(thd_tree_size, entry.path)
+            assert isinstance(size, int)
+            return GGUFMetadata(architecture=entry.format, context_length=None, block_count=None,
+                                embedding_length=None, head_count=None, head_count_kv=None, file_type=None,
+                                has_chat_template=True, pooling_type=None, size=size)
         st = await self.in_thread(os.stat, entry.path)
         assert isinstance(st, os.stat_result)
         key = (entry.path, st.st_mtime_ns, st.st_size)
@@ -308,8 +333,13 @@ class ModelRegistry:
     async def digest(self, entry: ModelEntry) -> str:
         """
         C{sha256:<hex>} of the model's file (first shard), computed once per
-        (path, mtime, size) in the thread pool.
+        (path, mtime, size) in the thread pool; of a model directory, its
+        listing (names, sizes, mtimes).
         """
+        if entry.format != "gguf":
+            listing = await self.in_thread(thd_tree_listing, entry.path)
+            assert isinstance(listing, str)
+            return "sha256:" + hashlib.sha256(listing.encode()).hexdigest()
         st = await self.in_thread(os.stat, entry.path)
         assert isinstance(st, os.stat_result)
         key = (entry.path, st.st_mtime_ns, st.st_size)

