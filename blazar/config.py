@@ -217,6 +217,8 @@ class CommandLane:
     @ivar health: The path that answers 200 once the server is ready.
     @ivar formats: The model formats it serves (L{MODEL_FORMATS}).
     @ivar api: The wire format it speaks (C{openai}).
+    @ivar architectures: GGUF architectures it serves: a model whose child
+        dies with llama.cpp's unknown-architecture error is re-routed here.
     """
 
     name: str
@@ -224,6 +226,7 @@ class CommandLane:
     health: str = "/health"
     formats: tuple[str, ...] = ("gguf",)
     api: str = "openai"
+    architectures: tuple[str, ...] = ()  # GGUF architectures it serves that llama.cpp may not know
 
 
 @attrs.frozen
@@ -766,7 +769,7 @@ MIN_SECRET = 16
 def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
     prefix = f"engines.{name}."
     table = _table(raw, where, f"engines.{name}")
-    _unknown(table, {"command", "health", "formats", "api"}, where, prefix)
+    _unknown(table, {"command", "health", "formats", "api", "architectures"}, where, prefix)
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", name):
         raise ConfigError(f"{where}: [engines.{name}]: a lane's name is letters, digits, - and _")
     command = _str_list(table.get("command", []), where, prefix + "command")
@@ -783,7 +786,8 @@ def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
     api = table.get("api", "openai")
     if api != "openai":
         raise _expected(where, prefix + "api", '"openai" (the wire format Blazar translates from)', api)
-    return CommandLane(name, command, health, formats, api)
+    architectures = _str_list(table.get("architectures", []), where, prefix + "architectures")
+    return CommandLane(name, command, health, formats, api, architectures)
 
 
 def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:

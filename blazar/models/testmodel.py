@@ -135,6 +135,7 @@ def make_test_model(
     n_ff: int = 128,
     context_length: int = 2048,
     chat_template: str = CHAT_TEMPLATE,
+    architecture: str = "llama",
 ) -> GeneratedModel:
     """
     Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
@@ -148,6 +149,8 @@ def make_test_model(
     @param chat_template: Its Jinja chat template (L{STRICT_CHAT_TEMPLATE}:
         one that takes a system message only first; L{THINKING_CHAT_TEMPLATE}:
         one that thinks first).
+    @param architecture: C{general.architecture}: another name makes a file
+        llama.cpp refuses to load ("unknown model architecture").
     """
     import numpy as np
     from gguf import GGUFWriter
@@ -163,7 +166,7 @@ def make_test_model(
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
 
     tmp = out.with_name(out.name + ".tmp")
-    writer = GGUFWriter(os.fspath(tmp), "llama")
+    writer = GGUFWriter(os.fspath(tmp), architecture)
     writer.add_name("blazar-test-embed" if embedding else "blazar-test")
     writer.add_file_type(0)  # ALL_F32
     writer.add_context_length(context_length)

@@ -71,3 +71,24 @@ def test_formats(tmp_path: Path) -> None:
     (tmp_path / "x.gguf").write_bytes(b"GGUF")
     assert thd_model_format(tmp_path / "x.gguf") == "gguf"
     assert thd_model_format(tmp_path / "absent.bin") == "unknown"
+
+
+def test_the_unknown_architecture_is_read_from_the_engines_output() -> None:
+    from blazar.engines.lanes import architecture_error_text, lane_for_architecture, unknown_architecture
+    from blazar.engines.process import EngineProcessProtocol
+
+    line = "0.00.011.121 E llama_model_load: error loading model: unknown model architecture: 'blazarnet'"
+    assert unknown_architecture(line) == "blazarnet"
+    assert unknown_architecture("ｕｎｋｎｏｗｎ model architecture: ‘qwen9’ (full-width, curly quotes)") == "qwen9"
+    assert unknown_architecture("llama_model_load: loaded meta data") is None
+    protocol = EngineProcessProtocol("m")
+    protocol.childDataReceived(2, "noise \udcff\n".encode("utf-8", "surrogateescape"))
+    protocol.childDataReceived(2, b"E llama_model_load: error loading model: unknown model archi")
+    assert protocol.unknown_architecture() is None
+    protocol.childDataReceived(2, b"tecture: 'zorg\xc3")  # an unfinished line, cut inside a UTF-8 sequence
+    assert protocol.unknown_architecture() == "zorg\ufffd"
+    config = parse_config('[engines.fork]\ncommand = ["f", "{port}"]\narchitectures = ["zorg"]\n')
+    assert lane_for_architecture("zorg", config).name == "fork"  # type: ignore[union-attr]
+    assert lane_for_architecture("zorg", config, tried="fork") is None
+    assert lane_for_architecture("other", config) is None
+    assert "blazar engine install" in architecture_error_text("m", "zorg")

@@ -60,7 +60,9 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
 def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("engines")
     models = root / "models"
-    make_test_model(models / "tiny.gguf")
+    tiny = make_test_model(models / "tiny.gguf").path
+    make_test_model(models / "alien.gguf", seed=3, architecture="blazarnet")  # llama.cpp: unknown architecture
+    make_test_model(models / "stranger.gguf", seed=4, architecture="zorgnet")  # and no lane declares this one
     st = root / "st-model"  # a Hugging Face style safetensors directory
     st.mkdir()
     (st / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
@@ -69,8 +71,12 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     # the "alt" lane runs llama-server itself, with its own flags
     lane = json.dumps([engine, "-m", "{model}", "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
                        "--jinja", "-np", "1", "-c", "{ctx_size}", "--threads", "1"])
+    # "fork" stands for a llama.cpp fork that knows blazarnet (it serves tiny.gguf whatever it is given)
+    fork = json.dumps([engine, "-m", str(tiny), "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
+                       "--jinja", "-np", "1", "--threads", "1"])
     d = Daemon(root, (
         f'models_dir = "{models}"\n[engines.llamacpp]\nargs = ["--threads", "1"]\n'
+        f'[engines.fork]\ncommand = {fork}\nformats = ["gguf"]\narchitectures = ["blazarnet"]\n'
         f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\n'
         f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\n'
         f'[models."st"]\npath = "{st}"\n'
@@ -190,3 +196,26 @@ def test_a_model_no_lane_serves_gets_the_same_teaching_error_everywhere(daemon: 
                             capture_output=True, text=True, timeout=120)
     assert f"[FAIL] model: {message}" in doctor.stdout, doctor.stdout
     assert f"no lane: {message}" in cli(daemon, "list").stdout
+
+
+def test_an_unknown_architecture_is_re_routed_once_or_named(daemon: Daemon) -> None:
+    """
+    llama.cpp dies at load on an architecture it does not know: the model
+    goes (once) to a lane that declares it; with none, a 502 names the
+    architecture and the steps.
+    """
+    from blazar.engines.lanes import architecture_error_text
+
+    if daemon.proc is None:
+        daemon.start()
+    status, _, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 200, body[:500]
+    assert "re-routed to the fork lane" in daemon.log()
+    status, _, body = daemon.request("POST", "/v1/chat/completions", {  # it stays there
+        "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert status == 200 and daemon.log().count("re-routed to the fork lane") == 1, body[:300]
+    status, _, body = daemon.request("POST", "/v1/chat/completions", {
+        "model": "stranger", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    message = json.loads(body)["error"]["message"]
+    assert status == 502 and message == architecture_error_text("stranger:latest", "zorgnet"), (status, body)
