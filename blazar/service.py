@@ -17,6 +17,8 @@ from twisted.application import strports
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
 from twisted.internet.task import LoopingCall
+
+from blazar.engines.update import EngineUpdates
 from twisted.internet.threads import deferToThreadPool
 from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
@@ -287,6 +289,23 @@ class SessionService(Service):
         return ensureDeferred(drain()).addBoth(stop_pool)
 
 
+class _Hooks(Service):
+    """
+    A service that runs C{start} and C{stop} with the tree.
+    """
+
+    def __init__(self, start: Callable[[], None], stop: Callable[[], None]) -> None:
+        self._start, self._stop = start, stop
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._start()
+
+    def stopService(self) -> None:
+        Service.stopService(self)
+        self._stop()
+
+
 class AuditService(Service):
     """
     Runs the audit writer thread for the daemon's lifetime.
@@ -541,6 +560,8 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         listener = strports.service(description, site, reactor=reactor)
         listener._raiseSynchronously = True
         listener.setServiceParent(listeners)
+    updates = EngineUpdates(reactor, lambda: live.current.engine_index_url, lambda: live.current.data_dir)
+    top.addService(_Hooks(lambda: updates.start(config.engine_check), updates.stop))
     control_path = run_dir(config.data_dir) / "control.sock"
     if len(str(control_path)) > 100:
         log.warn(
@@ -561,6 +582,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
                 "listeners": list(current.listen), "engine": engine,
                 "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
                 "audit_dropped": site.audit.dropped if site.audit is not None else 0,
+                **({"engine_update": updates.notice} if updates.notice else {}),
             }
 
         globalLogPublisher.addObserver(ring)

