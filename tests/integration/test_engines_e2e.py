@@ -133,6 +133,11 @@ def test_install_use_serve_refuse_rollback_prune(daemon: Daemon, served: tuple[s
     # a second good build: b103 (the same binary, another tag), then back
     again = cli(daemon, "install", f"url:{base}/llama-b101-bin.tar.gz#sha256={hashes['good']}&tag=b103", "--use")
     assert again.returncode == 0, again
+    chat(daemon)  # tiny's child started on b101 keeps it: running children keep their binary
+    assert Path(daemon.engine_for("tiny:latest").exe()).resolve() == (
+        engines / "llamacpp/b101/llama/bin/llama-server").resolve()
+    running = cli(daemon, "rm", "llamacpp@b101")
+    assert running.returncode == 1 and "is running" in running.stderr, running
     back = cli(daemon, "rollback", "llamacpp")
     assert back.returncode == 0 and "llamacpp@b101 is active" in back.stdout, back
 
