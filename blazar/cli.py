@@ -48,7 +48,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _make_test(args: argparse.Namespace) -> int:
     from blazar.models.testmodel import make_test_model
 
-    model = make_test_model(args.path, seed=args.seed, embedding=args.embedding)
+    model = make_test_model(args.path, seed=args.seed, embedding=args.embedding, rerank=args.rerank)
     print(model.path)
     return 0
 
@@ -884,6 +884,7 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument("path", help="where to write the .gguf file")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--embedding", action="store_true", help="mark it for mean-pooled embeddings")
+    make.add_argument("--rerank", action="store_true", help="a reranker (rank pooling: POST /v1/rerank)")
     make.set_defaults(func=_make_test)
     return p
 

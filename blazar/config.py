@@ -81,6 +81,7 @@ C{~/.config/blazar/config.toml}. Keys::
     ctx_size = 4096           # tokens of context per slot
     parallel = 4              # slots (concurrent requests) per child
     embedding = false         # start with --embeddings
+    rerank = false            # start with --rerank (POST /v1/rerank); rank-pooling GGUFs are rerankers anyway
     args = []                 # extra flags for this model's child
     engine = "vllm"           # its lane (default: by format, GGUF to llamacpp)
 
@@ -142,6 +143,7 @@ class ModelConfig:
     args: tuple[str, ...] = ()
     sentinel_enforce: bool | None = None  # None: the global sentinel_enforce
     engine: str | None = None  # the lane that serves it (llamacpp, or an [engines.NAME]); None: by format
+    rerank: bool = False  # serve it as a reranker (--rerank; a GGUF with rank pooling is one anyway)
 
 
 @attrs.frozen
@@ -748,8 +750,14 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     for name, raw in _table(doc.get("models", {}), where, "models").items():
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
-        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine"},
-                 where, prefix)
+        _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine",
+                         "rerank"}, where, prefix)
+        rerank = table.get("rerank", False)
+        if not isinstance(rerank, bool):
+            raise _expected(where, prefix + "rerank", "true or false", rerank)
+        if rerank and table.get("embedding") is True:
+            raise ConfigError(f"{where}: [models.{name!r}]: rerank and embedding exclude each other "
+                              "(a child serves one or the other)")
         engine = table.get("engine")
         if engine is not None and engine != "llamacpp" and engine not in {lane.name for lane in kwargs["lanes"]}:
             raise ConfigError(
@@ -773,6 +781,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             args=_str_list(table.get("args", []), where, prefix + "args"),
             sentinel_enforce=enforce,
             engine=engine,
+            rerank=rerank,
         )
     kwargs["models"] = models
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where)

@@ -102,6 +102,17 @@ def find_binary(
     )
 
 
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK
+
+
+def is_reranker(entry: ModelEntry, meta: GGUFMetadata) -> bool:
+    """
+    Whether C{entry} is served as a reranker (C{--rerank}): C{rerank = true}
+    under its C{[models."..."]}, or a GGUF that declares rank pooling.
+    """
+    return entry.settings.rerank or meta.pooling_type == RANK_POOLING
+
+
 def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
     """
     Tokens of context each slot gets: the configured C{ctx_size}, else the
@@ -167,7 +178,11 @@ def build_command(
         "--alias", entry.name,
         "--no-webui",
     ]
-    if not settings.embedding:
+    if is_reranker(entry, meta):
+        # a query and a document are scored in one batch
+        per_slot = str(context_per_slot(entry, meta))
+        argv += ["--rerank", "-b", per_slot, "-ub", per_slot]
+    elif not settings.embedding:
         # the KV bank (blazar.gateway.sessions): slots are saved and restored here
         argv += ["--slot-save-path", str(slot_save_dir(config.data_dir, entry.name))]
     if settings.embedding:

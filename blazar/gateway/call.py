@@ -25,6 +25,7 @@ class CallKind(enum.Enum):
     COMPLETION = "completion"
     INFILL = "infill"
     EMBEDDING = "embedding"
+    RERANK = "rerank"
 
 
 class Counting(enum.Enum):

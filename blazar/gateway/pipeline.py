@@ -59,7 +59,7 @@ from blazar.gateway.toolcalls import (
     expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
 from blazar.engines.lanes import LLAMACPP, route
-from blazar.engines.llamacpp import DEFAULT_PARALLEL
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, RANK_POOLING
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
@@ -627,7 +627,7 @@ class Pipeline:
         """
         call.entry = await self._scope(request, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
-        self._purpose(call)
+        await self._purpose(call)
         if call.kind is CallKind.CHAT and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None
         return canonical
@@ -649,25 +649,41 @@ class Pipeline:
             return None
         return await resolve_in_scope(request, self._registry, model)
 
-    def _purpose(self, call: Call) -> None:
+    async def _purpose(self, call: Call) -> None:
         """
-        No chat on an embedding model, no embeddings on a chat model, before
-        any child is started for it; the message is the config fix.
+        No chat on an embedding model or a reranker, no embeddings on a
+        chat model, no reranking on anything but a reranker, before any
+        child is started for it; the message is the config fix.
 
         @raise UnsupportedByModel: With the config fix.
         """
         entry = call.entry
         if entry is None:
             return
+        section = f'[models."{entry.name}"]'
+        if call.kind is CallKind.RERANK:
+            reranker = entry.settings.rerank
+            if not reranker and not entry.settings.embedding and entry.format == "gguf" and self._registry is not None:
+                reranker = (await self._registry.metadata(entry)).pooling_type == RANK_POOLING
+            if not reranker:
+                raise UnsupportedByModel(
+                    f"model {call.model!r} is not a reranker: set rerank = true under {section} in the config "
+                    "for a reranker GGUF (one whose metadata says rank pooling is one already), or rerank with "
+                    "such a model")
+            return
+        if entry.settings.rerank:
+            raise UnsupportedByModel(
+                f"model {call.model!r} is configured as a reranker (rerank = true under {section}); send it "
+                "POST /v1/rerank, or use a chat or embedding model here")
         if call.embedding and not entry.settings.embedding:
             raise UnsupportedByModel(
                 f"model {call.model!r} is not an embedding model: set embedding = true under "
-                f'[models."{entry.name}"] in the config to serve embeddings from it'
+                f"{section} in the config to serve embeddings from it"
             )
         if not call.embedding and entry.settings.embedding:
             raise UnsupportedByModel(
                 f"model {call.model!r} is configured for embeddings only (embedding = true under "
-                f'[models."{entry.name}"]); use a chat model here'
+                f"{section}); use a chat model here"
             )
 
     async def _count(self, call: Call) -> int:

@@ -136,6 +136,7 @@ def make_test_model(
     context_length: int = 2048,
     chat_template: str = CHAT_TEMPLATE,
     architecture: str = "llama",
+    rerank: bool = False,
 ) -> GeneratedModel:
     """
     Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
@@ -149,6 +150,8 @@ def make_test_model(
     @param chat_template: Its Jinja chat template (L{STRICT_CHAT_TEMPLATE}:
         one that takes a system message only first; L{THINKING_CHAT_TEMPLATE}:
         one that thinks first).
+    @param rerank: A reranker: rank pooling (llama-server C{--rerank} scores
+        a query and a document by the pooled state's first value).
     @param architecture: C{general.architecture}: another name makes a file
         llama.cpp refuses to load ("unknown model architecture").
     """
@@ -167,7 +170,7 @@ def make_test_model(
 
     tmp = out.with_name(out.name + ".tmp")
     writer = GGUFWriter(os.fspath(tmp), architecture)
-    writer.add_name("blazar-test-embed" if embedding else "blazar-test")
+    writer.add_name("blazar-test-rerank" if rerank else "blazar-test-embed" if embedding else "blazar-test")
     writer.add_file_type(0)  # ALL_F32
     writer.add_context_length(context_length)
     writer.add_embedding_length(n_embd)
@@ -178,10 +181,10 @@ def make_test_model(
     writer.add_rope_dimension_count(head_dim)
     writer.add_layer_norm_rms_eps(1e-5)
     writer.add_vocab_size(n_vocab)
-    if embedding:
+    if embedding or rerank:
         from gguf import PoolingType
 
-        writer.add_pooling_type(PoolingType.MEAN)
+        writer.add_pooling_type(PoolingType.RANK if rerank else PoolingType.MEAN)
     writer.add_tokenizer_model("llama")
     writer.add_token_list(tokens)
     writer.add_token_scores([0.0 if t != _NORMAL else -float(len(tok)) for tok, t in zip(tokens, types)])

@@ -39,6 +39,7 @@ from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.responses import Responses
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
 from blazar.web.translate import chat_logprobs, completions, leniency
+from blazar.web.translate import rerank as rerank_tr
 
 log = Logger()
 
@@ -275,6 +276,37 @@ class OpenAISurface:
     @app.route("/v1/embeddings", methods=["POST"])
     def embeddings(self, request: IRequest) -> Any:
         return self._forward(request, "embedding", "/v1/embeddings")
+
+    @app.route("/v1/rerank", methods=["POST"])
+    @app.route("/rerank", methods=["POST"])
+    @app.route("/v1/reranking", methods=["POST"])
+    @app.route("/v2/rerank", methods=["POST"])  # Cohere's v2 client
+    async def rerank(self, request: IRequest) -> bytes:
+        """
+        Rerank C{documents} against C{query} (L{blazar.web.translate.rerank}:
+        Jina's, Cohere's v1 and v2 and llama.cpp's request shapes)
+        on a reranker model (C{rerank = true}, or rank pooling in its GGUF).
+        """
+        raw = request.content.read() if request.content is not None else b""
+        body = json_object(raw)
+        model = require_model(body)
+        engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
+        note_ignored(request, "openai", ignored)
+        try:
+            keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
+        except ValueError as e:
+            raise BadRequest(str(e), "keep_alive") from None
+        call = Call("openai", CallKind.RERANK, model, "/v1/rerank", engine_body, keep_alive=keep_alive)
+        async with self._pipeline.open(request, call) as reply:
+            try:
+                answer = json.loads(await reply.read())
+            except ValueError:
+                answer = {}
+            out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n,
+                                   return_documents)
+            reply.usage(out["usage"]["prompt_tokens"], 0)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(out).encode("utf-8")
 
     # -- the Responses API (blazar.web.responses) ----------------------------
 
