@@ -681,6 +681,13 @@ def _engine(args: argparse.Namespace) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr)
 
+    import signal
+
+    def leave(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # so the gate's children and staging are cleaned up (finally)
+
+    signal.signal(signal.SIGTERM, leave)
+    signal.signal(signal.SIGHUP, leave)
     try:
         config = resolve_config(args.config)
     except ConfigError as problem:
@@ -726,8 +733,10 @@ def _engine(args: argparse.Namespace) -> int:
             return 0
         if verb == "install":
             spec = parse_spec(args.spec)
+            before = next((e for e in store.installed() if e.tag == spec.tag and spec.scheme == "local"), None)
             engine = store.install(spec, say=say)
-            print(f"installed {engine.name}: {engine.path} (sha256 {engine.sha256})")
+            print(f"installed {engine.name}: {engine.path} (sha256 {engine.sha256})"
+                  + (f"; it replaces the earlier local registration, {before.path}" if before else ""))
             return gate_then_use(engine.kind, engine.tag) if args.use else 0
         if verb == "use":
             return gate_then_use(*parse_name(args.name))

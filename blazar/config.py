@@ -206,7 +206,8 @@ class LlamaCppConfig:
 
 
 MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx")
-LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}")
+LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}",
+                     "{ctx_total}")
 
 
 @attrs.frozen
@@ -217,10 +218,15 @@ class CommandLane:
 
     @ivar command: argv; C{{model}} (the model's path), C{{port}},
         C{{host}}, C{{api_key}} (the per-child key), C{{alias}}, C{{ctx_size}}
-        and C{{parallel}} are filled in per child.
+        (tokens per slot), C{{parallel}} and C{{ctx_total}} (their product:
+        llama-server's C{-c}) are filled in per child.
     @ivar health: The path that answers 200 once the server is ready.
     @ivar formats: The model formats it serves (L{MODEL_FORMATS}).
     @ivar api: The wire format it speaks (C{openai}).
+    @ivar api_key_env: The environment variable the server reads its API
+        key from (C{VLLM_API_KEY}, C{LLAMA_API_KEY}): the per-child key goes
+        there, unseen by other local users; C{{api_key}} in C{command}
+        puts it in argv, which C{ps} shows.
     @ivar architectures: GGUF architectures it serves: a model whose child
         dies with llama.cpp's unknown-architecture error is re-routed here.
     """
@@ -231,6 +237,7 @@ class CommandLane:
     formats: tuple[str, ...] = ("gguf",)
     api: str = "openai"
     architectures: tuple[str, ...] = ()  # GGUF architectures it serves that llama.cpp may not know
+    api_key_env: str | None = None  # the child's key in this environment variable (not in argv)
 
 
 @attrs.frozen
@@ -794,13 +801,18 @@ MIN_SECRET = 16
 def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
     prefix = f"engines.{name}."
     table = _table(raw, where, f"engines.{name}")
-    _unknown(table, {"command", "health", "formats", "api", "architectures"}, where, prefix)
+    _unknown(table, {"command", "health", "formats", "api", "architectures", "api_key_env"}, where, prefix)
     if not re.fullmatch(r"[A-Za-z][A-Za-z0-9_-]{0,31}", name):
         raise ConfigError(f"{where}: [engines.{name}]: a lane's name is letters, digits, - and _")
     command = _str_list(table.get("command", []), where, prefix + "command")
     if not command or not any("{port}" in part for part in command):
         raise _expected(where, prefix + "command", 'an argv with "{port}" (e.g. ["vllm", "serve", "{model}", '
                         '"--port", "{port}"])', table.get("command"))
+    for part in command:
+        for token in re.findall(r"\{[A-Za-z_]+\}", part):
+            if token not in LANE_PLACEHOLDERS:
+                raise ConfigError(f"{where}: {prefix}command: unknown placeholder {token} (there are "
+                                  f"{', '.join(LANE_PLACEHOLDERS)})")
     health = table.get("health", "/health")
     if not isinstance(health, str) or not health.startswith("/"):
         raise _expected(where, prefix + "health", 'a path such as "/health"', health)
@@ -812,7 +824,10 @@ def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
     if api != "openai":
         raise _expected(where, prefix + "api", '"openai" (the wire format Blazar translates from)', api)
     architectures = _str_list(table.get("architectures", []), where, prefix + "architectures")
-    return CommandLane(name, command, health, formats, api, architectures)
+    key_env = table.get("api_key_env")
+    if key_env is not None and (not isinstance(key_env, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env)):
+        raise _expected(where, prefix + "api_key_env", 'an environment variable name (e.g. "VLLM_API_KEY")', key_env)
+    return CommandLane(name, command, health, formats, api, architectures, key_env)
 
 
 def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:

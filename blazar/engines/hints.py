@@ -148,8 +148,8 @@ class EngineHints(Service):
         One round: every ready child, one after the other. Never raises.
         """
         for instance in self._instances():
-            if instance.state != InstanceState.READY:
-                continue
+            if instance.state != InstanceState.READY or getattr(instance, "lane", "llamacpp") != "llamacpp":
+                continue  # (a command lane's server has no llama-server /metrics)
             name = instance.entry.name
             hint = self.hints.setdefault(name, EngineHint())
             try:

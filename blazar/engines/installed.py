@@ -28,6 +28,8 @@ calls them directly, the daemon only in a thread (L{thd_active_binary}).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import re
@@ -40,7 +42,7 @@ import urllib.parse
 import urllib.request
 import zipfile
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import attrs
 
@@ -174,6 +176,30 @@ class EngineStore:
         self.data_dir = data_dir
         self.root = data_dir / "engines"
         self._clock = clock
+        self._held = 0
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """
+        One changer at a time (two CLI calls at once): an exclusive lock on
+        C{<data_dir>/engines/.lock}, re-entrant within this store.
+        """
+        if self._held:
+            self._held += 1
+            try:
+                yield
+            finally:
+                self._held -= 1
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.root / ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            self._held = 1
+            try:
+                yield
+            finally:
+                self._held = 0
+                fcntl.flock(lock, fcntl.LOCK_UN)
 
     def _db(self) -> sqlite3.Connection:
         return thd_open(self.data_dir / "blazar.db")
@@ -203,7 +229,37 @@ class EngineStore:
 
     # -- install -----------------------------------------------------------
 
-    def install(
+    def install(self, spec: Spec, kind: str = "llamacpp", fetch: Callable[[str, Path], None] | None = None,
+                build: Callable[[Spec, Path], Path] | None = None,
+                say: Callable[[str], None] = lambda _: None) -> InstalledEngine:
+        """
+        L{_install}, under the store's lock.
+        """
+        with self._locked():
+            return self._install(spec, kind, fetch, build, say)
+
+    def activate(self, kind: str, tag: str) -> InstalledEngine:
+        """
+        L{_activate}, under the store's lock.
+        """
+        with self._locked():
+            return self._activate(kind, tag)
+
+    def remove(self, kind: str, tag: str, running: Callable[[], list[str]] | None = None) -> InstalledEngine:
+        """
+        L{_remove}, under the store's lock.
+        """
+        with self._locked():
+            return self._remove(kind, tag, running)
+
+    def prune(self, kind: str, keep: int, running: Callable[[], list[str]] | None = None) -> list[InstalledEngine]:
+        """
+        L{_prune}, under the store's lock.
+        """
+        with self._locked():
+            return self._prune(kind, keep, running)
+
+    def _install(
         self, spec: Spec, kind: str = "llamacpp", fetch: Callable[[str, Path], None] | None = None,
         build: Callable[[Spec, Path], Path] | None = None, say: Callable[[str], None] = lambda _: None,
     ) -> InstalledEngine:
@@ -274,8 +330,11 @@ class EngineStore:
         if not (binary.is_file() and os.access(binary, os.X_OK)):
             raise EngineInstallError(f"local:{spec.target} is not an executable file")
         old = next((e for e in self.installed() if e.kind == kind and e.tag == "local"), None)
-        row = InstalledEngine(kind, "local", f"local:{binary}", thd_sha256(binary), str(binary), self._clock(),
-                              old.active if old else False, old.activated_at if old else None)
+        digest = thd_sha256(binary)
+        # a different binary under the active tag would skip the gate: it lands inactive (`use` gates it)
+        same = old is not None and old.path == str(binary) and old.sha256 == digest
+        row = InstalledEngine(kind, "local", f"local:{binary}", digest, str(binary), self._clock(),
+                              old.active if old and same else False, old.activated_at if old else None)
         self._insert(row)
         return row
 
@@ -322,7 +381,7 @@ class EngineStore:
 
     # -- switch ------------------------------------------------------------
 
-    def activate(self, kind: str, tag: str) -> InstalledEngine:
+    def _activate(self, kind: str, tag: str) -> InstalledEngine:
         """
         Make C{kind@tag} the one new children start (the gate is the
         caller's: L{blazar.engines.gate.thd_gate}).
@@ -354,7 +413,7 @@ class EngineStore:
 
     # -- removal -----------------------------------------------------------
 
-    def remove(self, kind: str, tag: str, running: Callable[[], list[str]] | None = None) -> InstalledEngine:
+    def _remove(self, kind: str, tag: str, running: Callable[[], list[str]] | None = None) -> InstalledEngine:
         """
         Remove C{kind@tag}: refused for the active engine and one a running
         process executes.
@@ -363,10 +422,10 @@ class EngineStore:
         if engine.active:
             raise EngineInstallError(f"{engine.name} is the active engine; `blazar engine use {kind}@OTHER` "
                                      "(or rollback) first")
-        self._refuse_if_running(engine, running or thd_running_binaries)
-        if engine.tag == "local":  # the user's own file: only forgotten
+        if engine.tag == "local":  # the user's own file: only forgotten (what runs it keeps running)
             self._delete_row(engine)
             return engine
+        self._refuse_if_running(engine, running or thd_running_binaries)
         tree = self.root / kind / tag
         aside = self.root / f".aside-{kind}-{tag}-{os.getpid()}"
         moved = tree.is_dir()
@@ -381,7 +440,7 @@ class EngineStore:
         shutil.rmtree(aside, ignore_errors=True)
         return engine
 
-    def prune(self, kind: str, keep: int, running: Callable[[], list[str]] | None = None) -> list[InstalledEngine]:
+    def _prune(self, kind: str, keep: int, running: Callable[[], list[str]] | None = None) -> list[InstalledEngine]:
         """
         Remove all but the C{keep} newest of a kind's installed engines
         (the active one, C{local} and engines in use are always kept).
@@ -395,13 +454,13 @@ class EngineStore:
         for engine in rows:
             if engine.name in keep_names or _used(engine, in_use):
                 continue
-            removed.append(self.remove(kind, engine.tag, lambda: in_use))
+            removed.append(self._remove(kind, engine.tag, lambda: in_use))
         return removed
 
     def _refuse_if_running(self, engine: InstalledEngine, running: Callable[[], list[str]]) -> None:
         if _used(engine, running()):
-            raise EngineInstallError(f"{engine.name} is running ({engine.path}); stop its children first "
-                                     "(`blazar evict --all`), then remove it")
+            raise EngineInstallError(f"{engine.name} is running ({engine.path}); stop what runs it first "
+                                     "(a daemon's children: `blazar evict --all`), then remove it")
 
     def _delete_row(self, engine: InstalledEngine) -> None:
         db = self._db()

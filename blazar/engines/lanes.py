@@ -102,7 +102,8 @@ def lane_argv(lane: CommandLane, *, model: str, port: int, api_key: str, alias: 
     The lane's command with its placeholders filled in.
     """
     values = {"{model}": model, "{port}": str(port), "{host}": "127.0.0.1", "{api_key}": api_key,
-              "{alias}": alias, "{ctx_size}": str(ctx_size), "{parallel}": str(parallel)}
+              "{alias}": alias, "{ctx_size}": str(ctx_size), "{parallel}": str(parallel),
+              "{ctx_total}": str(ctx_size * parallel)}
     argv = []
     for part in lane.command:
         for key, value in values.items():

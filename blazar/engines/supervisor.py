@@ -632,6 +632,7 @@ class Instance:
     idle_timeout: float = 1800.0
     binary: str = ""
     lane: str = "llamacpp"  # the engine lane: llamacpp, or an [engines.NAME] command lane
+    kv_bank: bool = True  # started with --slot-save-path: its slots can be saved (blazar.gateway.sessions)
     health_path: str = "/health"
     # what its KV cache was made with: the model file and engine as it loaded
     # them, and its command line (a KV bank entry is restored only into a
@@ -1200,7 +1201,7 @@ class Supervisor(Service):
             command = EngineCommand(tuple(lane_argv(
                 lane, model=str(entry.path), port=port, api_key=api_key, alias=entry.name,
                 ctx_size=context_per_slot(entry, meta), parallel=entry.settings.parallel or DEFAULT_PARALLEL,
-            )), {})
+            )), {lane.api_key_env: api_key} if lane.api_key_env else {})
         protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
         now = self._reactor.seconds()
         self.metrics.loads.labels(entry.name).inc()
@@ -1209,6 +1210,7 @@ class Supervisor(Service):
             idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta), binary=str(binary),
             shape=child_shape(identity, command.argv) if lane is None else "",
             lane=lane.name if lane is not None else "llamacpp",
+            kv_bank=lane is None and "--slot-save-path" in command.argv,
             health_path=lane.health if lane is not None else "/health",
         )
         env = child_environment(self._environ)
@@ -1216,7 +1218,7 @@ class Supervisor(Service):
         argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
         log.info(
             "starting {model}: {argv}", model=entry.name, engine=instance.lane,
-            argv=" ".join(command.argv),
+            argv=" ".join(command.argv).replace(api_key, "<per-child key>"),
         )
         transport = self._reactor.spawnProcess(
             protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}

@@ -98,6 +98,7 @@ class Call:
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
     entry: ModelEntry | None = None
     session_hint: str | None = None
+    lane: Any = None  # the command lane that serves it (blazar.config.CommandLane), or None: llama.cpp
 
     @property
     def embedding(self) -> bool:

@@ -320,6 +320,7 @@ class Pipeline:
         self._config = config
         self._proxy = proxy
         self._clock = clock
+        self._rerankers: dict[tuple[Any, float], bool] = {}
         self._registry = registry
         self.admission = admission
         self.sessions = sessions
@@ -338,6 +339,10 @@ class Pipeline:
         C{input_tokens}.
         """
         await self._check(request, call)
+        if call.lane is not None:
+            raise UnsupportedByModel(
+                f"model {call.model!r} is served by the {call.lane.name} lane, whose server Blazar cannot ask to "
+                "count tokens (counting needs llama-server)")
         if call.rewrite is not None:
             await call.rewrite(call)
         return await self._count(call)
@@ -397,14 +402,12 @@ class Pipeline:
     async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease]:
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
         canonical = await self._check(request, call)
-        if call.rewrite is not None:
+        if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
             await call.rewrite(call)
         raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
         counted = None
-        # a command lane's server (vLLM, MLX, ...) has no llama-server extras:
-        # no token counting, no grammar of Blazar's, no slots
-        lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config()) \
-            if call.entry is not None else None
+        # a command lane's server: no token counting, no grammar of Blazar's, no slots
+        lane = call.lane
         if lane is not None:
             pass
         elif call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
@@ -601,8 +604,8 @@ class Pipeline:
         """
         if self.sessions is None or not self.sessions.enabled:
             return None
-        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or getattr(instance, "lane", LLAMACPP) != LLAMACPP:
-            return None  # slots and the KV bank are llama-server's
+        if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or not getattr(instance, "kv_bank", True):
+            return None  # slots and the KV bank are llama-server's (not a lane's, not a reranker's)
         await self.sessions.warm(instance)
         if "id_slot" in call.body:
             return None
@@ -627,8 +630,13 @@ class Pipeline:
         """
         call.entry = await self._scope(request, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
+        # a command lane's server (vLLM, MLX, ...) gets the OpenAI request as
+        # it is: none of the llama-server extras (LaneError: no lane serves it)
+        call.lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config()) \
+            if call.entry is not None else None
         await self._purpose(call)
-        if call.kind is CallKind.CHAT and await self._proxy.place_system_messages(call.model, call.body):
+        if call.lane is None and call.kind is CallKind.CHAT \
+                and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None
         return canonical
 
@@ -649,6 +657,27 @@ class Pipeline:
             return None
         return await resolve_in_scope(request, self._registry, model)
 
+    async def _is_reranker(self, entry: ModelEntry) -> bool:
+        """
+        C{rerank = true}, or a GGUF with rank pooling (its header read once
+        per file version: then a dict lookup per request).
+        """
+        if entry.settings.rerank:
+            return True
+        if entry.settings.embedding or entry.format != "gguf" or self._registry is None:
+            return False
+        key = (entry.path, entry.modified)
+        known = self._rerankers.get(key)
+        if known is None:
+            try:
+                known = (await self._registry.metadata(entry)).pooling_type == RANK_POOLING
+            except Exception:
+                return False  # unreadable: the child's start says why
+            if len(self._rerankers) > 4096:
+                self._rerankers.clear()
+            self._rerankers[key] = known
+        return known
+
     async def _purpose(self, call: Call) -> None:
         """
         No chat on an embedding model or a reranker, no embeddings on a
@@ -661,20 +690,18 @@ class Pipeline:
         if entry is None:
             return
         section = f'[models."{entry.name}"]'
+        reranker = await self._is_reranker(entry)
         if call.kind is CallKind.RERANK:
-            reranker = entry.settings.rerank
-            if not reranker and not entry.settings.embedding and entry.format == "gguf" and self._registry is not None:
-                reranker = (await self._registry.metadata(entry)).pooling_type == RANK_POOLING
             if not reranker:
                 raise UnsupportedByModel(
                     f"model {call.model!r} is not a reranker: set rerank = true under {section} in the config "
                     "for a reranker GGUF (one whose metadata says rank pooling is one already), or rerank with "
                     "such a model")
             return
-        if entry.settings.rerank:
+        if reranker:
             raise UnsupportedByModel(
-                f"model {call.model!r} is configured as a reranker (rerank = true under {section}); send it "
-                "POST /v1/rerank, or use a chat or embedding model here")
+                f"model {call.model!r} is a reranker (rank pooling in its GGUF, or rerank = true under "
+                f"{section}); send it POST /v1/rerank, or use a chat or embedding model here")
         if call.embedding and not entry.settings.embedding:
             raise UnsupportedByModel(
                 f"model {call.model!r} is not an embedding model: set embedding = true under "

@@ -694,8 +694,8 @@ class Sessions:
         (the most recently used first), within C{session_save_timeout_secs}
         each.
         """
-        if instance.entry.settings.embedding:
-            return  # no --slot-save-path, no KV worth keeping
+        if instance.entry.settings.embedding or not getattr(instance, "kv_bank", True):
+            return  # no --slot-save-path (embeddings, rerankers, command lanes): no KV worth keeping
         held = self._owners.get(id(instance))
         owners = [o for o in held[1] if o is not None] if held is not None and held[0] is instance else []
         owned = {o.slot for o in owners}

@@ -80,7 +80,7 @@ def test_a_wrong_hash_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(EngineInstallError, match="sha256 is .* refused, nothing was unpacked"):
         s.install(parse_spec(f"url:http://h/{source.name}#sha256={'0' * 64}"), fetch=copy_fetch(source))
     assert s.installed() == []
-    assert [p.name for p in (tmp_path / "data/engines").iterdir()] == []
+    assert [p.name for p in (tmp_path / "data/engines").iterdir()] == [".lock"]
 
 
 def test_an_archive_without_the_server_or_that_escapes_is_refused(tmp_path: Path) -> None:
@@ -103,7 +103,7 @@ def test_leftovers_of_an_interrupted_install_are_discarded(tmp_path: Path) -> No
     (tmp_path / "data/engines/.staging-abc/tree").mkdir(parents=True)
     (tmp_path / "data/engines/llamacpp/b9").mkdir(parents=True)  # moved in, never recorded
     s.install(parse_spec(f"url:http://h/{source.name}#sha256={sha(source)}"), fetch=copy_fetch(source))
-    assert sorted(p.name for p in (tmp_path / "data/engines").iterdir()) == ["llamacpp"]
+    assert sorted(p.name for p in (tmp_path / "data/engines").iterdir()) == [".lock", "llamacpp"]
     assert [p.name for p in (tmp_path / "data/engines/llamacpp").iterdir()] == ["b7001"]
 
 
@@ -166,3 +166,48 @@ def test_a_local_binary_is_registered_where_it_is(tmp_path: Path) -> None:
         s.install(parse_spec(f"local:{tmp_path / 'absent'}"))
     s.remove("llamacpp", "local", running=lambda: [])
     assert binary.exists() and s.installed() == []
+
+
+def test_a_second_local_binary_under_the_active_tag_is_not_active(tmp_path: Path) -> None:
+    """
+    Re-registering local: with another binary must not skip the gate.
+    """
+    s = store(tmp_path)
+    for name in ("good", "bad"):
+        binary = tmp_path / name / "llama-server"
+        binary.parent.mkdir()
+        binary.write_text(f"#!/bin/sh\necho {name}\n")
+        binary.chmod(0o755)
+    s.install(parse_spec(f"local:{tmp_path / 'good' / 'llama-server'}"))
+    s.activate("llamacpp", "local")
+    s.install(parse_spec(f"local:{tmp_path / 'good' / 'llama-server'}"))  # the same file: still active
+    assert thd_active_binary(tmp_path / "data") == tmp_path / "good" / "llama-server"
+    s.install(parse_spec(f"local:{tmp_path / 'bad' / 'llama-server'}"))
+    assert thd_active_binary(tmp_path / "data") is None  # `blazar engine use llamacpp@local` gates it
+
+
+def test_changes_wait_for_each_other(tmp_path: Path) -> None:
+    """
+    Two installs at once: the second waits for the first's lock instead of
+    discarding its staging directory.
+    """
+    import threading
+    import time
+
+    s1, s2 = store(tmp_path), store(tmp_path)
+    first, second = archive(tmp_path, "llama-b201-x.tar.gz"), archive(tmp_path, "llama-b202-x.tar.gz")
+    started = threading.Event()
+
+    def slow(url: str, out: Path) -> None:
+        started.set()
+        time.sleep(0.5)
+        shutil.copyfile(first, out)
+
+    t = threading.Thread(target=lambda: s1.install(
+        parse_spec(f"url:http://h/{first.name}#sha256={sha(first)}"), fetch=slow))
+    t.start()
+    started.wait(5)
+    s2.install(parse_spec(f"url:http://h/{second.name}#sha256={sha(second)}"), fetch=copy_fetch(second))
+    t.join(10)
+    assert sorted(e.tag for e in s2.installed()) == ["b201", "b202"]
+    assert all(Path(e.path).is_file() for e in s2.installed())

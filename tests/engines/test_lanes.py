@@ -30,6 +30,8 @@ def test_lanes_in_the_config() -> None:
         ('[engines.x]\ncommand = ["srv", "{port}"]\nhealth = "health"\n', "health"),
         ('[engines.x]\ncommand = ["srv", "{port}"]\nflags = 1\n', "flags"),
         ('[models."q"]\nengine = "nope"\n', "no such engine lane"),
+        ('[engines.x]\ncommand = ["srv", "{port}", "{modle}"]\n', "unknown placeholder {modle}"),
+        ('[engines.x]\ncommand = ["srv", "{port}"]\napi_key_env = "1X"\n', "api_key_env"),
     ):
         with pytest.raises(ConfigError, match=needle):
             parse_config(bad)

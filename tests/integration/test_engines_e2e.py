@@ -75,8 +75,8 @@ def daemon(engine: str, served: tuple[str, dict[str, str]],
     (st / "model.safetensors").write_bytes(b"\0" * 64)
     # no [engines.llamacpp] binary: children start the active installed engine;
     # the "alt" lane runs llama-server itself, with its own flags
-    lane = json.dumps([engine, "-m", "{model}", "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
-                       "--jinja", "-np", "1", "-c", "{ctx_size}", "--threads", "1"])
+    lane = json.dumps([engine, "-m", "{model}", "--host", "{host}", "--port", "{port}",
+                       "--jinja", "-np", "{parallel}", "-c", "{ctx_total}", "--threads", "1"])
     # "fork" stands for a llama.cpp fork that knows blazarnet (it serves tiny.gguf whatever it is given)
     fork = json.dumps([engine, "-m", str(tiny), "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
                        "--jinja", "-np", "1", "--threads", "1"])
@@ -84,8 +84,8 @@ def daemon(engine: str, served: tuple[str, dict[str, str]],
         f'models_dir = "{models}"\nengine_check_secs = 1\nengine_index_url = "{served[0]}"\n'
         '[engines.llamacpp]\nargs = ["--threads", "1"]\n'
         f'[engines.fork]\ncommand = {fork}\nformats = ["gguf"]\narchitectures = ["blazarnet"]\n'
-        f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\n'
-        f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\n'
+        f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\napi_key_env = "LLAMA_API_KEY"\n'
+        f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\nparallel = 1\n'
         f'[models."st"]\npath = "{st}"\n'
     ))
     yield d
@@ -93,6 +93,9 @@ def daemon(engine: str, served: tuple[str, dict[str, str]],
         code = d.stop()
         d.kill_everything()
         assert code in (0, -signal.SIGTERM)
+        log = d.log()
+        assert "Start it with --slot-save-path" not in log and "listing its slots" not in log, \
+            "a KV bank save was tried on a child without one"
 
 
 def chat(d: Daemon) -> dict[str, Any]:
@@ -110,7 +113,7 @@ def test_install_use_serve_refuse_rollback_prune(daemon: Daemon, served: tuple[s
 
     wrong = cli(daemon, "install", f"url:{base}/llama-b101-bin.tar.gz#sha256={'0' * 64}")
     assert wrong.returncode == 1 and "refused, nothing was unpacked" in wrong.stderr, wrong
-    assert not engines.exists() or [p.name for p in engines.iterdir()] == []
+    assert not engines.exists() or [p.name for p in engines.iterdir() if p.name != ".lock"] == []
     assert "no engines installed" in cli(daemon, "list").stdout
 
     done = cli(daemon, "install", good, "--use")
@@ -190,6 +193,7 @@ def test_a_command_lane_serves_every_surface(daemon: Daemon) -> None:
     (child,) = [p for p in daemon.engines() if "-np" in p.cmdline() and "--alias" not in p.cmdline()]
     argv = child.cmdline()
     assert argv[argv.index("-np") + 1] == "1" and "{port}" not in " ".join(argv), argv
+    assert "--api-key" not in argv and "LLAMA_API_KEY" in child.environ()  # the key in its environment
     status, _, ps = daemon.request("GET", "/api/ps")
     assert any(m["name"].startswith("viaalt") for m in json.loads(ps)["models"]), ps
 
@@ -224,6 +228,7 @@ def test_an_unknown_architecture_is_re_routed_once_or_named(daemon: Daemon) -> N
         "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert status == 200, body[:500]
     assert "re-routed to the fork lane" in daemon.log()
+    assert "--api-key <per-child key>" in daemon.log()  # a lane's {api_key} never reaches the log
     status, _, body = daemon.request("POST", "/v1/chat/completions", {  # it stays there
         "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert status == 200 and daemon.log().count("re-routed to the fork lane") == 1, body[:300]

@@ -36,6 +36,9 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     code = d.stop()
     d.kill_everything()
     assert code in (0, -signal.SIGTERM)
+    log = d.log()
+    assert "Start it with --slot-save-path" not in log and "listing its slots" not in log, \
+        "a KV bank save was tried on a reranker"
 
 
 def rerank(d: Daemon, path: str = "/v1/rerank", **body: Any) -> tuple[int, dict[str, Any]]:
@@ -68,9 +71,10 @@ def test_a_model_configured_as_a_reranker_and_the_wrong_models(daemon: Daemon) -
         status, answer = rerank(daemon, model=model)
         assert status == 400, answer
         assert f'rerank = true under [models."{model}:latest"]' in answer["error"]["message"], answer
-    status, _, data = daemon.request("POST", "/v1/chat/completions", {
-        "model": "named-ranker", "messages": [{"role": "user", "content": "hi"}]})
-    assert status == 400 and b"POST /v1/rerank" in data, data
+    for model in ("named-ranker", "ranker"):  # configured, or a reranker by its GGUF alone
+        status, _, data = daemon.request("POST", "/v1/chat/completions", {
+            "model": model, "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 400 and b"POST /v1/rerank" in data, data
     for bad, param in (({"query": ""}, "query"), ({"documents": []}, "documents"), ({"documents": [1]}, "documents"),
                        ({"top_n": 0}, "top_n"), ({"return_documents": "yes"}, "return_documents")):
         status, answer = rerank(daemon, **bad)
