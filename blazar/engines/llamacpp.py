@@ -113,6 +113,16 @@ def is_reranker(entry: ModelEntry, meta: GGUFMetadata) -> bool:
     return entry.settings.rerank or meta.pooling_type == RANK_POOLING
 
 
+def model_kind(entry: ModelEntry, meta: GGUFMetadata) -> str:
+    """
+    What a model serves, as model lists show it: C{rerank}, C{embedding}
+    or C{chat}.
+    """
+    if is_reranker(entry, meta):
+        return "rerank"
+    return "embedding" if entry.settings.embedding else "chat"
+
+
 def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
     """
     Tokens of context each slot gets: the configured C{ctx_size}, else the

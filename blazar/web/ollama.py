@@ -19,7 +19,7 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.config import Config
-from blazar.engines.llamacpp import context_per_slot
+from blazar.engines.llamacpp import context_per_slot, model_kind
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
@@ -374,6 +374,7 @@ class OllamaSurface:
                 "modified_at": _rfc3339(entry.modified),
                 "size": meta.size, "digest": digest.removeprefix("sha256:"),
                 "details": details(meta),
+                "kind": model_kind(entry, meta),  # Blazar's: chat, embedding or rerank
             })
         return _json(request, {"models": models})
 

@@ -32,7 +32,9 @@ from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import resolve_in_scope, visible
-from blazar.models.registry import ModelRegistry
+from blazar.engines.llamacpp import model_kind
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.observe import usage_of_reply, usage_of_timings
@@ -245,23 +247,28 @@ class OpenAISurface:
 
     # -- models ---------------------------------------------------------------
 
-    def _model_object(self, name: str, modified: float) -> dict[str, Any]:
-        return {"id": name, "object": "model", "created": int(modified), "owned_by": OWNED_BY}
+    async def _model_object(self, name: str, entry: ModelEntry) -> dict[str, Any]:
+        try:
+            kind = model_kind(entry, await self._registry.metadata(entry))
+        except (GGUFError, OSError):
+            kind = "chat"  # unreadable: its start says why
+        # kind is Blazar's (chat, embedding or rerank): the endpoint it serves
+        return {"id": name, "object": "model", "created": int(entry.modified), "owned_by": OWNED_BY, "kind": kind}
 
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:
         entries = await self._registry.refresh()
         allowed = set(visible(request, [e.name for e in entries]))
+        data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"object": "list", "data": [
-            self._model_object(e.name, e.modified) for e in entries if e.name in allowed
-        ]}).encode("utf-8")
+        return json.dumps({"object": "list", "data": data}).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
         entry = await resolve_in_scope(request, self._registry, model_id)
+        answer = await self._model_object(model_id, entry)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(self._model_object(model_id, entry.modified)).encode("utf-8")
+        return json.dumps(answer).encode("utf-8")
 
     # -- inference ------------------------------------------------------------
 

@@ -103,3 +103,16 @@ def test_the_cohere_sdk_and_plain_http(daemon: Daemon) -> None:
     reply = httpx.post(f"{base}/v1/rerank", json={
         "model": "ranker", "query": "hello", "documents": ["a b", "hello"], "top_n": 1}, timeout=60)
     assert reply.status_code == 200 and len(reply.json()["results"]) == 1
+
+
+def test_model_lists_say_what_each_model_serves(daemon: Daemon) -> None:
+    want = {"ranker:latest": "rerank", "named-ranker:latest": "rerank", "tiny:latest": "chat",
+            "embed:latest": "embedding"}
+    status, _, data = daemon.request("GET", "/v1/models")
+    kinds = {m["id"]: m["kind"] for m in json.loads(data)["data"]}
+    assert status == 200 and {k: kinds.get(k) for k in want} == want, kinds
+    status, _, data = daemon.request("GET", "/v1/models/ranker")
+    assert json.loads(data)["kind"] == "rerank"
+    status, _, data = daemon.request("GET", "/api/tags")
+    kinds = {m["name"]: m["kind"] for m in json.loads(data)["models"]}
+    assert {k: kinds.get(k) for k in want} == want, kinds
