@@ -542,10 +542,10 @@ def _unpack(archive: Path, into: Path, name: str) -> None:
         raise EngineInstallError(f"{name}: not an archive Blazar can unpack ({e})") from None
 
 
-def thd_active_binary(data_dir: Path, kind: str = "llamacpp") -> Path | None:
+def thd_active_row(data_dir: Path, kind: str = "llamacpp") -> tuple[str, str] | None:
     """
-    The active engine's binary of C{kind}, if one is installed and its
-    file is there; reads the database without creating it.
+    C{(path, source)} of the active engine of C{kind}, if any; reads the
+    database without creating it.
     """
     db_path = data_dir / "blazar.db"
     if not db_path.is_file():
@@ -553,11 +553,20 @@ def thd_active_binary(data_dir: Path, kind: str = "llamacpp") -> Path | None:
     try:
         db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
         try:
-            row = db.execute("SELECT path FROM engines WHERE kind = ? AND active = 1", (kind,)).fetchone()
+            row = db.execute("SELECT path, source FROM engines WHERE kind = ? AND active = 1", (kind,)).fetchone()
         finally:
             db.close()
     except sqlite3.Error:
         return None  # no engines table yet (an older database)
+    return (str(row[0]), str(row[1])) if row else None
+
+
+def thd_active_binary(data_dir: Path, kind: str = "llamacpp") -> Path | None:
+    """
+    The active engine's binary of C{kind}, if one is installed and its
+    file is there.
+    """
+    row = thd_active_row(data_dir, kind)
     if row is None:
         return None
     path = Path(row[0])

@@ -17,11 +17,11 @@ from typing import Callable, Mapping
 
 import attrs
 
+from blazar.engines.build import PINNED, engine_home
 from blazar.config import Config
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry
 
-ENGINE_TAG = "11434.0.0"
 DEFAULT_CTX_SIZE = 4096
 DEFAULT_PARALLEL = 4
 BUILD_SCRIPT = "scripts/build-engine.sh"
@@ -31,16 +31,6 @@ class EngineNotFound(Exception):
     """
     No llama-server binary could be found; the message says how to get one.
     """
-
-
-def engine_home(environ: Mapping[str, str]) -> Path:
-    """
-    Where C{scripts/build-engine.sh} keeps built engines.
-    """
-    explicit = environ.get("BLAZAR_ENGINE_HOME")
-    if explicit:
-        return Path(explicit).expanduser()
-    return Path(environ.get("HOME", "~")).expanduser() / ".cache" / "blazar" / "engines"
 
 
 def _bundled_binary() -> Path | None:
@@ -91,7 +81,7 @@ def find_binary(
     if package is not None:
         return package
     home = engine_home(environ)
-    built = sorted(home.glob(f"llamacpp-{ENGINE_TAG}-*/bin/llama-server"))
+    built = sorted(home.glob(f"llamacpp-{PINNED}-*/bin/llama-server"))
     if built:
         return built[0]
     raise EngineNotFound(

