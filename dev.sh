@@ -50,6 +50,11 @@ setup() {
   BLAZAR_ENGINE="$(.venv/bin/python -m blazar.engines.build | tail -n 1)"
   export BLAZAR_ENGINE
   say "engine: $BLAZAR_ENGINE"
+  # the speech-to-text and image lanes' servers (issue 23), built the same way, once
+  BLAZAR_WHISPER_ENGINE="$(.venv/bin/python -m blazar.engines.build --kind whisper | tail -n 1)"
+  BLAZAR_SDCPP_ENGINE="$(.venv/bin/python -m blazar.engines.build --kind sdcpp | tail -n 1)"
+  export BLAZAR_WHISPER_ENGINE BLAZAR_SDCPP_ENGINE
+  say "whisper engine: $BLAZAR_WHISPER_ENGINE; sd engine: $BLAZAR_SDCPP_ENGINE"
 }
 
 case "${1:-}" in

@@ -675,7 +675,7 @@ def _engine(args: argparse.Namespace) -> int:
     take the active one.
     """
     from blazar.config import ConfigError, resolve_config
-    from blazar.engines.gate import GateFailed, thd_gate
+    from blazar.engines.gate import GateFailed, thd_gate, thd_probe
     from blazar.engines.installed import EngineInstallError, EngineStore, parse_name, parse_spec
 
     def say(line: str) -> None:
@@ -699,9 +699,14 @@ def _engine(args: argparse.Namespace) -> int:
         from pathlib import Path
 
         engine = store.get(kind, tag)
-        say(f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, embedding")
         try:
-            thd_gate(Path(engine.path), say)
+            if kind == "llamacpp":
+                say(f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, "
+                    "embedding")
+                thd_gate(Path(engine.path), say)
+            else:  # whisper-server, sd-server: no model to serve yet; it must at least run here
+                say(f"checking {engine.name} ({engine.path}) before switching: it runs")
+                thd_probe(kind, Path(engine.path))
         except GateFailed as failed:
             active = store.active(kind)
             print(f"blazar: not switching to {engine.name}: {failed}. "
@@ -769,7 +774,7 @@ def _engine(args: argparse.Namespace) -> int:
             active = [e for e in store.installed() if e.active]
             for e in active:
                 try:
-                    thd_gate(Path(e.path), say)
+                    thd_gate(Path(e.path), say) if e.kind == "llamacpp" else thd_probe(e.kind, Path(e.path))
                     print(f"[ok] {e.name} passes the regression gate")
                 except GateFailed as failed:
                     problems += 1

@@ -58,6 +58,11 @@ C{~/.config/blazar/config.toml}. Keys::
     sentinel_enforce = false       # a non-streamed chat answer the sentinel flags is a 422
                                    # (also per model and per key: sentinel_enforce there)
     sentinel_stall_secs = 30       # a stream silent this long is flagged stalled (it goes on)
+    whisper_idle_secs = 900        # a whisper-server child (speech to text) idle this long
+                                   # is stopped; 0 keeps it until the daemon stops
+    sdcpp_child_header_timeout_secs = 900   # an sd-server child (images) writes its headers
+                                   # only when the whole image is done: this long, not
+                                   # child_header_timeout_secs, before it counts as wedged
 
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
@@ -195,17 +200,22 @@ class QueueConfig:
 @attrs.frozen
 class LlamaCppConfig:
     """
-    C{[engines.llamacpp]}: how to find and start llama.cpp's llama-server.
+    C{[engines.llamacpp]}, C{[engines.whisper]}, C{[engines.sdcpp]}: how
+    to find and start a built-in engine's server (llama.cpp's
+    C{llama-server}, whisper.cpp's C{whisper-server},
+    stable-diffusion.cpp's C{sd-server}).
 
-    @ivar binary: Explicit path to C{llama-server}, or L{None} to search.
-    @ivar args: Extra flags for every llama.cpp child.
+    @ivar binary: Explicit path to the server, or L{None} to search.
+    @ivar args: Extra flags for every child of that engine.
     """
 
     binary: Path | None = None
     args: tuple[str, ...] = ()
 
 
-MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx")
+MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx", "whisper")
+# the engines Blazar builds and starts itself ([engines.NAME] with binary and args, not a command lane)
+BUILTIN_ENGINES = ("llamacpp", "whisper", "sdcpp")
 LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}",
                      "{ctx_total}")
 
@@ -285,7 +295,11 @@ class Config:
     session_bank_max_mib: int = 4096
     sentinel_enforce: bool = False
     sentinel_stall: float = 30.0
+    whisper_idle: float = 900.0  # whisper_idle_secs (0: kept until the daemon stops)
+    sdcpp_child_header_timeout: float = 900.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
+    whisper: LlamaCppConfig = LlamaCppConfig()
+    sdcpp: LlamaCppConfig = LlamaCppConfig()
     lanes: tuple[CommandLane, ...] = ()
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
@@ -346,7 +360,11 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "session_bank_max_mib": ("session_bank_max_mib", RUNTIME),
     "sentinel_enforce": ("sentinel_enforce", RUNTIME),
     "sentinel_stall": ("sentinel_stall_secs", RUNTIME),
+    "whisper_idle": ("whisper_idle_secs", RUNTIME),
+    "sdcpp_child_header_timeout": ("sdcpp_child_header_timeout_secs", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
+    "whisper": ("engines.whisper", RUNTIME),
+    "sdcpp": ("engines.sdcpp", RUNTIME),
     "lanes": ("engines.NAME (command lanes)", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
@@ -617,6 +635,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
+        "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -646,9 +665,16 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         ("breaker_backoff_secs", "breaker_backoff"), ("breaker_max_backoff_secs", "breaker_max_backoff"),
         ("drain_timeout_secs", "drain_timeout"), ("child_header_timeout_secs", "child_header_timeout"),
         ("stream_stall_close_secs", "stream_stall_close"), ("sentinel_stall_secs", "sentinel_stall"),
+        ("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout"),
     ]:
         if key in doc:
             kwargs[attr] = _positive_number(doc[key], where, key)
+    if "whisper_idle_secs" in doc:
+        value = doc["whisper_idle_secs"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
+            raise _expected(where, "whisper_idle_secs", "0 (kept until the daemon stops) or a number of seconds",
+                            value)
+        kwargs["whisper_idle"] = float(value)
     if "session_keep_secs" in doc:
         value = doc["session_keep_secs"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
@@ -727,17 +753,15 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["max_connections_per_ip"] = value
 
     engines = _table(doc.get("engines", {}), where, "engines")
-    kwargs["lanes"] = tuple(_parse_lane(name, raw, where) for name, raw in engines.items() if name != "llamacpp")
-    llamacpp = _table(engines.get("llamacpp", {}), where, "engines.llamacpp")
-    _unknown(llamacpp, {"binary", "args"}, where, "engines.llamacpp.")
-    kwargs["llamacpp"] = LlamaCppConfig(
-        binary=(
-            _path(llamacpp["binary"], where, "engines.llamacpp.binary")
-            if "binary" in llamacpp
-            else None
-        ),
-        args=_str_list(llamacpp.get("args", []), where, "engines.llamacpp.args"),
-    )
+    kwargs["lanes"] = tuple(_parse_lane(name, raw, where) for name, raw in engines.items()
+                            if name not in BUILTIN_ENGINES)
+    for builtin in BUILTIN_ENGINES:
+        table = _table(engines.get(builtin, {}), where, f"engines.{builtin}")
+        _unknown(table, {"binary", "args"}, where, f"engines.{builtin}.")
+        kwargs[builtin] = LlamaCppConfig(
+            binary=_path(table["binary"], where, f"engines.{builtin}.binary") if "binary" in table else None,
+            args=_str_list(table.get("args", []), where, f"engines.{builtin}.args"),
+        )
 
     queue = _table(doc.get("queue", {}), where, "queue")
     queue_keys = {f"deadline_{tier}_secs": f"deadline_{tier}" for tier in ("high", "normal", "low", "tool")}
@@ -766,9 +790,9 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             raise ConfigError(f"{where}: [models.{name!r}]: rerank and embedding exclude each other "
                               "(a child serves one or the other)")
         engine = table.get("engine")
-        if engine is not None and engine != "llamacpp" and engine not in {lane.name for lane in kwargs["lanes"]}:
+        if engine is not None and engine not in BUILTIN_ENGINES and engine not in {lane.name for lane in kwargs["lanes"]}:
             raise ConfigError(
-                f"{where}: models.{name}.engine = {engine!r}: no such engine lane (llamacpp, or one of "
+                f"{where}: models.{name}.engine = {engine!r}: no such engine lane (llamacpp, whisper, sdcpp, or one of "
                 f"[engines.NAME]: {', '.join(lane.name for lane in kwargs['lanes']) or 'none configured'})")
         embedding = table.get("embedding", False)
         if not isinstance(embedding, bool):

@@ -7,7 +7,8 @@ puller (L{blazar.models.hub}); it knows nothing of either.
 
 from __future__ import annotations
 
-from typing import Callable
+import secrets
+from typing import Callable, Mapping, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -202,3 +203,28 @@ async def read_body(
     parts: list[bytes] = []
     await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes)
     return b"".join(parts)
+
+
+def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, str, bytes]],
+                   boundary: str | None = None) -> tuple[bytes, str]:
+    """
+    A C{multipart/form-data} body (RFC 7578): text C{fields}, then
+    C{files} as C{(field name, file name, content type, bytes)}.
+
+    @return: The body and its C{content-type} header value.
+    """
+    boundary = boundary or "blazar-" + secrets.token_hex(16)
+
+    def quoted(value: str) -> str:
+        return value.replace("\\", "\\\\").replace('"', "%22").replace("\r", "%0D").replace("\n", "%0A")
+
+    parts = []
+    for name, value in fields.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"\r\n\r\n'.encode()
+                     + value.encode("utf-8") + b"\r\n")
+    for name, filename, content_type, data in files:
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"; '
+                     f'filename="{quoted(filename)}"\r\nContent-Type: {quoted(content_type)}\r\n\r\n'.encode()
+                     + data + b"\r\n")
+    parts.append(f"--{boundary}--\r\n".encode())
+    return b"".join(parts), f"multipart/form-data; boundary={boundary}"

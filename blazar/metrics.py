@@ -92,6 +92,13 @@ class Metrics:
             "blazar_completion_tokens", "Generated tokens, as the engine counted them",
             ["model", "key"], registry=r,
         )
+        self.audio_seconds = Counter(
+            "blazar_audio_seconds", "Seconds of audio transcribed or translated (the whisper lane)",
+            ["model", "key"], registry=r,
+        )
+        self.images = Counter(
+            "blazar_images", "Images generated or edited (the sdcpp lane)", ["model", "key"], registry=r,
+        )
         self.ttft = Histogram(
             "blazar_time_to_first_token_seconds",
             "From a request's arrival to the engine's first streamed bytes, measured by Blazar",

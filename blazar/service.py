@@ -527,7 +527,8 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     usage_store.setServiceParent(top)
     admission = Admission(reactor, live, metrics)
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
-    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live)
+    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
+                        in_thread=lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)

@@ -238,6 +238,8 @@ class FakeInstance:
     path: Path | None = None  # its model file (entry.path), if a test needs a real one
     binary: str = ""
     shape: str = ""  # as the real one's (blazar.engines.supervisor.child_shape); "": computed from the files
+    lane: str = "llamacpp"  # as the real one's: llamacpp, whisper, sdcpp or a command lane's name
+    server: str = "llama-server"
     protocol: Any = attrs.field(default=attrs.Factory(_engine_protocol, takes_self=True))
 
     @property

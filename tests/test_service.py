@@ -302,8 +302,25 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
-        "engines.NAME (command lanes)",
+        "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
+        "engines.whisper", "engines.sdcpp",
     )
+
+    def test_builtin_lane_keys(self) -> None:
+        from blazar.gateway.engine_proxy import header_timeout_of
+        from blazar.testing import FakeInstance
+
+        # the supervisor reads them from its live config at each whisper or sd child's start
+        supervisor = self.tree.supervisor
+        self.check("whisper_idle_secs", "whisper_idle_secs = 5\n", "", lambda: supervisor._config.whisper_idle, 5)
+        self.check("engines.whisper.binary", "", '[engines.whisper]\nbinary = "/bin/sh"\n',
+                   lambda: str(supervisor._config.whisper.binary), "/bin/sh")
+        self.check("engines.sdcpp.args", "", '[engines.sdcpp]\nargs = ["--steps", "1"]\n',
+                   lambda: supervisor._config.sdcpp.args, ("--steps", "1"))
+        # and the proxy its header timer for an sd child (a chat child's is child_header_timeout_secs)
+        sd = FakeInstance("img", lane="sdcpp")
+        self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
+                   lambda: header_timeout_of(self.tree.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
 
     def test_sentinel_enforce(self) -> None:
         # the pipeline reads it from the live config with each answer

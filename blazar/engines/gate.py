@@ -152,3 +152,21 @@ def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None) -> list[
             passed.append("embedding")
             say("gate: embedding answered")
         return passed
+
+
+def thd_probe(kind: str, binary: Path) -> None:
+    """
+    The gate of an engine that serves no model yet (C{whisper},
+    C{sdcpp}): the binary runs here and answers its help (exit 0).
+
+    @raise GateFailed: It does not.
+    """
+    from blazar.engines.build import SOURCES
+
+    try:
+        done = subprocess.run([str(binary), SOURCES[kind].probe], capture_output=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as e:
+        raise GateFailed("start", f"{binary} does not run here: {e}") from None
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).decode("utf-8", "replace").strip().splitlines()[-3:]
+        raise GateFailed("start", f"{binary} {SOURCES[kind].probe} exited {done.returncode}: {' / '.join(tail)}")

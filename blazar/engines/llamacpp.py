@@ -18,6 +18,7 @@ from typing import Callable, Mapping
 import attrs
 
 from blazar.engines.build import PINNED, engine_home
+from blazar.engines.lanes import DIFFUSION_ARCHITECTURES, LANE_KIND, SDCPP, WHISPER
 from blazar.config import Config
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry
@@ -105,9 +106,17 @@ def is_reranker(entry: ModelEntry, meta: GGUFMetadata) -> bool:
 
 def model_kind(entry: ModelEntry, meta: GGUFMetadata) -> str:
     """
-    What a model serves, as model lists show it: C{rerank}, C{embedding}
+    What a model serves, as model lists show it: C{transcription} (a
+    whisper model), C{image} (a diffusion model), C{rerank}, C{embedding}
     or C{chat}.
     """
+    engine = entry.settings.engine
+    if engine in LANE_KIND:
+        return LANE_KIND[engine]
+    if entry.format == "whisper":
+        return LANE_KIND[WHISPER]
+    if entry.format == "gguf" and engine is None and meta.architecture in DIFFUSION_ARCHITECTURES:
+        return LANE_KIND[SDCPP]
     if is_reranker(entry, meta):
         return "rerank"
     return "embedding" if entry.settings.embedding else "chat"

@@ -45,7 +45,19 @@ from zope.interface import Attribute, Interface, implementer
 from blazar.config import Config, LiveConfig, live_config
 from blazar.engines import runfiles
 from blazar.config import CommandLane
-from blazar.engines.lanes import LaneError, architecture_error_text, lane_argv, lane_for_architecture, route
+from blazar.engines.lanes import (
+    BUILTIN,
+    SERVER_NAME,
+    WHISPER,
+    LaneError,
+    ServerNotFound,
+    architecture_error_text,
+    builtin_argv,
+    lane_argv,
+    lane_for_architecture,
+    route,
+    thd_find_server,
+)
 from blazar.engines.llamacpp import (
     DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
 )
@@ -634,6 +646,7 @@ class Instance:
     lane: str = "llamacpp"  # the engine lane: llamacpp, or an [engines.NAME] command lane
     kv_bank: bool = True  # started with --slot-save-path: its slots can be saved (blazar.gateway.sessions)
     health_path: str = "/health"
+    path_prefix: str = ""  # whisper-server's --request-path: every route of the child is under it
     # what its KV cache was made with: the model file and engine as it loaded
     # them, and its command line (a KV bank entry is restored only into a
     # child of the same shape: blazar.gateway.sessions)
@@ -646,7 +659,15 @@ class Instance:
 
     @property
     def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"http://127.0.0.1:{self.port}{self.path_prefix}"
+
+    @property
+    def server(self) -> str:
+        """
+        The child's program as messages name it (C{llama-server},
+        C{whisper-server}, C{sd-server}, or a command lane's name).
+        """
+        return SERVER_NAME.get(self.lane, "llama-server" if self.lane == "llamacpp" else self.lane)
 
     @property
     def auth_headers(self) -> dict[bytes, list[bytes]]:
@@ -701,7 +722,7 @@ class Instance:
         line of output L{EngineProcessProtocol.error_line}) or, C{full},
         for the daemon's log (with the tail of its output).
         """
-        message = f"llama-server for model {self.entry.name!r} {status.describe()}"
+        message = f"{self.server} for model {self.entry.name!r} {status.describe()}"
         if full:
             tail = self.protocol.tail_text()
             return message + (f"; last output:\n{tail}" if tail else "")
@@ -1099,9 +1120,18 @@ class Supervisor(Service):
         # awaitable parts first, then check the table again.
         self._check_breaker(entry)
         pinned = entry.settings.engine or self._rerouted.get(entry.name)
-        lane = route(entry.name, entry.format, pinned, self._config)  # LaneError: none serves it
         meta = await self._registry.metadata(entry)
-        if lane is not None:
+        # LaneError: none serves it
+        lane = route(entry.name, entry.format, pinned, self._config, meta.architecture)
+        if lane is not None and lane.name in BUILTIN:
+            try:
+                binary = await deferToThreadPool(
+                    self._reactor, self._reactor.getThreadPool(), thd_find_server, lane.name, self._config,
+                    self._environ,
+                )
+            except ServerNotFound as e:
+                raise EngineStartFailed(entry.name, f"model {entry.name!r}: {e}") from None
+        elif lane is not None:
             binary = Path(lane.command[0])
         else:
             binary = await deferToThreadPool(
@@ -1197,6 +1227,11 @@ class Supervisor(Service):
             command = build_command(
                 binary, entry, meta, port=port, api_key=api_key, config=self._config
             )
+        elif lane.name in BUILTIN:
+            command = EngineCommand(tuple(builtin_argv(
+                lane.name, str(binary), model=str(entry.path), port=port, secret=api_key,
+                args=(*getattr(self._config, lane.name).args, *entry.settings.args),
+            )), {})
         else:
             command = EngineCommand(tuple(lane_argv(
                 lane, model=str(entry.path), port=port, api_key=api_key, alias=entry.name,
@@ -1205,13 +1240,17 @@ class Supervisor(Service):
         protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
         now = self._reactor.seconds()
         self.metrics.loads.labels(entry.name).inc()
+        idle = self._config.idle_timeout
+        if lane is not None and lane.name == WHISPER:  # whisper_idle_secs; 0: kept until the daemon stops
+            idle = self._config.whisper_idle or -1.0
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=self._config.idle_timeout, ctx=context_per_slot(entry, meta), binary=str(binary),
+            idle_timeout=idle, ctx=context_per_slot(entry, meta), binary=str(binary),
             shape=child_shape(identity, command.argv) if lane is None else "",
             lane=lane.name if lane is not None else "llamacpp",
             kv_bank=lane is None and "--slot-save-path" in command.argv,
             health_path=lane.health if lane is not None else "/health",
+            path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
         )
         env = child_environment(self._environ)
         env.update(command.env)
@@ -1271,8 +1310,8 @@ class Supervisor(Service):
                 instance._settle(
                     EngineStartFailed(
                         instance.entry.name,
-                        f"llama-server for model {instance.entry.name!r} did not answer "
-                        f"/health 200 within ready_timeout = {self._config.ready_timeout:g} s; "
+                        f"{instance.server} for model {instance.entry.name!r} did not answer "
+                        f"{instance.health_path} 200 within ready_timeout = {self._config.ready_timeout:g} s; "
                         f"raise ready_timeout in the config if the model is large. It said: "
                         + instance.protocol.error_line(),
                     )
@@ -1355,7 +1394,7 @@ class Supervisor(Service):
                 self._reactor.seconds(),
                 f"pid {instance.pid} exited (found by a request before its exit was reported)",
             )
-            log.info("{model}: llama-server (pid {pid}) has exited; the next request starts a fresh one",
+            log.info("{model}: its engine (pid {pid}) has exited; the next request starts a fresh one",
                      model=name, engine="llamacpp", pid=instance.pid)
         return True
 
@@ -1372,7 +1411,7 @@ class Supervisor(Service):
         except CancelledError:
             return EngineCrashed(
                 instance.entry.name,
-                f"connection to llama-server for model {instance.entry.name!r} failed: {error}",
+                f"connection to {instance.server} for model {instance.entry.name!r} failed: {error}",
             )
         if timer.active():
             timer.cancel()

@@ -26,6 +26,8 @@ class CallKind(enum.Enum):
     INFILL = "infill"
     EMBEDDING = "embedding"
     RERANK = "rerank"
+    TRANSCRIBE = "transcribe"  # speech to text (and translation): the whisper lane
+    IMAGE = "image"  # image generation and edits: the sdcpp lane
 
 
 class Counting(enum.Enum):
@@ -99,6 +101,9 @@ class Call:
     entry: ModelEntry | None = None
     session_hint: str | None = None
     lane: Any = None  # the command lane that serves it (blazar.config.CommandLane), or None: llama.cpp
+    content_type: str = "application/json"  # of raw, as the engine gets it
+    audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
+    audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
 
     @property
     def embedding(self) -> bool:

@@ -87,6 +87,8 @@ class RequestContext:
     door: Any = None
     door_asked: bool = False
     sentinel: tuple[str, ...] = ()  # the sentinel's codes on the answer (blazar.gateway.sentinel)
+    audio_seconds: float | None = None  # a transcription's audio, decoded (metrics, audit)
+    images: int | None = None  # images an image request made (metrics, audit)
 
 
 def context_of(request: Any) -> RequestContext:

@@ -21,6 +21,7 @@ from blazar.config import Config, parse_duration
 from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
+from blazar.engines.lanes import SDCPP
 from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import EngineTimeout, Instance, InstanceState, Supervisor
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -356,6 +357,7 @@ class EngineProxy:
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
         request: Any = None, stream: bool = True, ready: tuple[Instance, float] | None = None,
+        content_type: str = "application/json",
     ) -> tuple[InstanceLease, Any]:
         """
         Send C{body} to a ready child for C{model}; return the lease on the
@@ -395,7 +397,7 @@ class EngineProxy:
             # requests wait for this one (the caller ends the lease)
             lease = InstanceLease(self.supervisor, instance)
             try:
-                return lease, await self._send_to(instance, model, path, body, attempt, stream)
+                return lease, await self._send_to(instance, model, path, body, attempt, stream, content_type)
             except _Retry:
                 lease.release()
                 continue
@@ -405,14 +407,15 @@ class EngineProxy:
         raise AssertionError("unreachable")
 
     async def _send_to(
-        self, instance: Instance, model: str, path: str, body: bytes, attempt: int, stream: bool = True
+        self, instance: Instance, model: str, path: str, body: bytes, attempt: int, stream: bool = True,
+        content_type: str = "application/json",
     ) -> Any:
         """
         One attempt of L{send}; raises L{_Retry} when a fresh child should
         get the request.
         """
         headers = dict(instance.auth_headers)
-        headers[b"content-type"] = [b"application/json"]
+        headers[b"content-type"] = [content_type.encode("ascii")]
         url = instance.base_url + path
         try:
             try:
@@ -433,11 +436,12 @@ class EngineProxy:
         except ChildWedged:
             self.supervisor.kill_instance(instance, "wedged: no response headers")
             if attempt == 2:
+                key, secs = header_timeout_of(self._config(), instance)
                 raise EngineTimeout(
                     instance.entry.name,
-                    f"llama-server for model {instance.entry.name!r} accepted the request but "
-                    f"sent nothing for child_header_timeout_secs = {self._config().child_header_timeout:g} s "
-                    "and stopped answering /health, twice; it was stopped",
+                    f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} accepted the "
+                    f"request but sent nothing for {key} = {secs:g} s and stopped answering its health check, "
+                    "twice; it was stopped",
                 ) from None
             log.warn("{model} is wedged; retrying on a fresh child", model=model)
             raise _Retry()
@@ -497,7 +501,7 @@ class EngineProxy:
 
         request.addBoth(settle)
         while True:
-            timer = self._clock.callLater(self._config().child_header_timeout, settle, _TICK)
+            timer = self._clock.callLater(header_timeout_of(self._config(), instance)[1], settle, _TICK)
             try:
                 result = await outcome  # a failed request raises here
             finally:
@@ -609,3 +613,16 @@ class EngineProxy:
         finally:
             if pacer is not None:
                 pacer.unregister()
+
+
+def header_timeout_of(config: Config, instance: Any) -> tuple[str, float]:
+    """
+    How long a child may take to send its response headers before its
+    health is asked (the config key, and seconds): an sd-server writes
+    them only when the whole image is done, so it gets
+    C{sdcpp_child_header_timeout_secs}; every other child
+    C{child_header_timeout_secs}.
+    """
+    if getattr(instance, "lane", "") == SDCPP:
+        return "sdcpp_child_header_timeout_secs", config.sdcpp_child_header_timeout
+    return "child_header_timeout_secs", config.child_header_timeout

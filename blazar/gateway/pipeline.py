@@ -36,7 +36,8 @@ change here, not in the surfaces. Errors are domain errors
 from __future__ import annotations
 
 import json
-from typing import Any, Callable
+import math
+from typing import Any, Awaitable, Callable
 
 from twisted.logger import Logger
 
@@ -58,8 +59,10 @@ from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
     expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
-from blazar.engines.lanes import LLAMACPP, route
+from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
+from blazar.gateway.audio import AudioUnreadable, thd_to_wav
+from blazar.httpbody import multipart_body
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
@@ -275,6 +278,15 @@ class Reply:
         """
         note_tokens(self._request, prompt, completion)
 
+    def audio_used(self) -> float:
+        """
+        The seconds of audio a transcription decoded, counted against the
+        key's token limits (each second as one token) once it is answered.
+        """
+        seconds = context_of(self._request).audio_seconds or 0.0
+        record_usage(self._request, math.ceil(seconds))
+        return seconds
+
     def record(self, total: int) -> None:
         """
         Tokens counted against the key's token limits only.
@@ -316,11 +328,14 @@ class Pipeline:
         self, proxy: EngineProxy, clock: Any, registry: ModelRegistry | None = None,
         admission: Admission | None = None, sessions: Sessions | None = None,
         config: Callable[[], Config] = Config,
+        in_thread: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
         self._config = config
         self._proxy = proxy
         self._clock = clock
-        self._rerankers: dict[tuple[Any, float], bool] = {}
+        self._in_thread = in_thread or _inline
+        # per (path, mtime): (general.architecture, reranker), read once per file version
+        self._facts: dict[tuple[Any, float], tuple[str | None, bool]] = {}
         self._registry = registry
         self.admission = admission
         self.sessions = sessions
@@ -404,6 +419,8 @@ class Pipeline:
         canonical = await self._check(request, call)
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
             await call.rewrite(call)
+        if call.kind is CallKind.TRANSCRIBE:
+            await self._audio(request, call)
         raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
         counted = None
         # a command lane's server: no token counting, no grammar of Blazar's, no slots
@@ -412,7 +429,7 @@ class Pipeline:
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
-        await self._admit(request, canonical, call.work, call.entry)
+        await self._admit(request, canonical, call.work, call.entry, call.lane)
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
         ready = self.is_ready(canonical)
@@ -438,7 +455,8 @@ class Pipeline:
                     raw = with_slot(raw, pin.slot) or raw
                 try:
                     lease, response = await self._proxy.send(
-                        call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started)
+                        call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
+                        content_type=call.content_type,
                     )
                 except EngineRejected as e:
                     if not (call.kind is CallKind.CHAT and UNPARSED in str(e) and call.body.get("tools")):
@@ -629,9 +647,14 @@ class Pipeline:
         call.entry = await self._scope(request, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
         # a command lane's server (vLLM, MLX, ...) gets the OpenAI request as
-        # it is: none of the llama-server extras (LaneError: no lane serves it)
-        call.lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config()) \
-            if call.entry is not None else None
+        # it is: none of the llama-server extras (LaneError: no lane serves it);
+        # whisper and sd models go to their built-in lanes
+        if call.entry is not None:
+            architecture, _ = await self._facts_of(call.entry)
+            call.lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config(),
+                              architecture)
+        else:
+            call.lane = None
         await self._purpose(call)
         if call.lane is None and call.kind is CallKind.CHAT \
                 and await self._proxy.place_system_messages(call.model, call.body):
@@ -655,26 +678,50 @@ class Pipeline:
             return None
         return await resolve_in_scope(request, self._registry, model)
 
-    async def _is_reranker(self, entry: ModelEntry) -> bool:
+    async def _facts_of(self, entry: ModelEntry) -> tuple[str | None, bool]:
         """
-        C{rerank = true}, or a GGUF with rank pooling (its header read once
-        per file version: then a dict lookup per request).
+        A GGUF's C{general.architecture} and whether it is a reranker
+        (C{rerank = true}, or rank pooling), its header read once per file
+        version: then a dict lookup per request.
         """
-        if entry.settings.rerank:
-            return True
-        if entry.settings.embedding or entry.format != "gguf" or self._registry is None:
-            return False
+        if entry.format != "gguf" or self._registry is None:
+            return None, entry.settings.rerank
         key = (entry.path, entry.modified)
-        known = self._rerankers.get(key)
+        known = self._facts.get(key)
         if known is None:
             try:
-                known = is_reranker(entry, await self._registry.metadata(entry))
+                meta = await self._registry.metadata(entry)
             except Exception:
-                return False  # unreadable: the child's start says why
-            if len(self._rerankers) > 4096:
-                self._rerankers.clear()
-            self._rerankers[key] = known
-        return known
+                return None, entry.settings.rerank  # unreadable: the child's start says why
+            known = (meta.architecture, is_reranker(entry, meta))
+            if len(self._facts) > 4096:
+                self._facts.clear()
+            self._facts[key] = known
+        return known[0], known[1] or entry.settings.rerank
+
+    async def _is_reranker(self, entry: ModelEntry) -> bool:
+        if entry.settings.rerank:
+            return True
+        if entry.settings.embedding:
+            return False
+        return (await self._facts_of(entry))[1]
+
+    async def _audio(self, request: Any, call: Call) -> None:
+        """
+        The audio step: the upload decoded and resampled to 16 kHz mono WAV
+        (L{blazar.gateway.audio}, in the thread pool), then the child's
+        multipart body around it. Its length is the call's usage
+        (L{Reply.audio_used}).
+
+        @raise BadRequest: Not audio the converter can read.
+        """
+        try:
+            wav, seconds = await self._in_thread(thd_to_wav, call.audio or b"")
+        except AudioUnreadable as e:
+            raise BadRequest(f"{e}: send a WAV, MP3, OGG, FLAC, M4A or WebM file", "file") from None
+        call.raw, call.content_type = multipart_body(call.audio_fields or {}, [("file", "audio.wav", "audio/wav", wav)])
+        call.audio = None
+        context_of(request).audio_seconds = seconds
 
     async def _purpose(self, call: Call) -> None:
         """
@@ -688,6 +735,17 @@ class Pipeline:
         if entry is None:
             return
         section = f'[models."{entry.name}"]'
+        lane_kind = LANE_KIND.get(call.lane.name) if call.lane is not None else None
+        wanted = {CallKind.TRANSCRIBE: WHISPER, CallKind.IMAGE: SDCPP}.get(call.kind)
+        if wanted is not None:
+            if call.lane is None or call.lane.name != wanted:
+                raise UnsupportedByModel(_not_of_lane(call.model, wanted, section))
+            return
+        if lane_kind is not None:
+            endpoint = "POST /v1/audio/transcriptions" if lane_kind == "transcription" else "POST /v1/images/generations"
+            raise UnsupportedByModel(
+                f"model {call.model!r} is {'a speech-to-text' if lane_kind == 'transcription' else 'an image'} "
+                f"model (served by the {call.lane.name} lane); send it {endpoint}, or use a chat model here")
         reranker = await self._is_reranker(entry)
         if call.kind is CallKind.RERANK:
             if not reranker:
@@ -721,7 +779,8 @@ class Pipeline:
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
 
-    async def _admit(self, request: Any, canonical: str, work: WorkClass, entry: ModelEntry | None) -> None:
+    async def _admit(self, request: Any, canonical: str, work: WorkClass, entry: ModelEntry | None,
+                     lane: Any = None) -> None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
         slot is held until the response is finished or the client leaves.
@@ -735,6 +794,8 @@ class Pipeline:
         if loaded is not None:  # the running child's settings (a reload changes the next one's)
             entry = loaded.entry
         slots = (entry.settings.parallel if entry is not None else None) or DEFAULT_PARALLEL
+        if lane is not None and lane.name in BUILTIN:
+            slots = 1  # whisper-server and sd-server run one request at a time (the rest would wait inside)
         await admit_request(self.admission, request, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
@@ -753,3 +814,20 @@ class Pipeline:
             return queue is not None and bool(queue.waiting)
 
         lease.finish(keep_alive, waiting)
+
+
+async def _inline(f: Callable[..., Any], *args: Any) -> Any:
+    """
+    The default C{in_thread} of a pipeline without a thread pool (unit
+    tests): the function, called here.
+    """
+    return f(*args)
+
+
+def _not_of_lane(model: str, lane: str, section: str) -> str:
+    if lane == WHISPER:
+        return (f"model {model!r} is not a speech-to-text model: transcriptions need a whisper.cpp model (a ggml "
+                f"whisper .bin file such as ggml-base.en.bin under models_dir, or engine = \"whisper\" under "
+                f"{section})")
+    return (f"model {model!r} is not an image model: images need a diffusion model stable-diffusion.cpp loads (a "
+            f"Flux or Stable Diffusion GGUF, or engine = \"sdcpp\" under {section})")

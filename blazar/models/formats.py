@@ -2,7 +2,7 @@
 What format a model on disk is, for routing it to an engine lane
 (L{blazar.engines.lanes}): a C{.gguf} file, or a Hugging Face style
 directory of safetensors (plain, or AWQ / GPTQ / FP8 quantized by its
-C{config.json}), or an MLX one.
+C{config.json}), or an MLX one, or a whisper.cpp model (a ggml C{.bin}).
 
 Blocking (reads a directory and a small JSON file): call in a thread.
 """
@@ -18,6 +18,8 @@ def thd_model_format(path: Path) -> str:
     One of L{blazar.config.MODEL_FORMATS}, or C{unknown}.
     """
     if path.is_file():
+        if is_whisper_file(path):
+            return "whisper"
         return "gguf" if path.name.endswith(".gguf") else "unknown"
     if not path.is_dir():
         return "gguf" if path.name.endswith(".gguf") else "unknown"
@@ -38,3 +40,20 @@ def thd_model_format(path: Path) -> str:
     if any(path.glob("*.gguf")):
         return "gguf"
     return "unknown"
+
+
+GGML_MAGIC = b"lmgg"  # 0x67676d6c little-endian: whisper.cpp's GGML_FILE_MAGIC
+
+
+def is_whisper_file(path: Path) -> bool:
+    """
+    Whether C{path} is a whisper.cpp model: a C{.bin} file that starts
+    with the ggml magic.
+    """
+    if not path.name.endswith(".bin"):
+        return False
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == GGML_MAGIC
+    except OSError:
+        return False

@@ -21,7 +21,7 @@ from twisted.internet.threads import deferToThreadPool
 from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
-from blazar.models.formats import thd_model_format
+from blazar.models.formats import is_whisper_file, thd_model_format
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
 from blazar.names import canonical_name, name_key
 
@@ -128,10 +128,24 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
     by_path: dict[Path, str] = {}
     if models_dir.is_dir():
         files = []
+        whisper: list[Path] = []
         for root, dirs, names in os.walk(models_dir, followlinks=True):
             dirs[:] = [d for d in dirs if not d.startswith(".")]  # .partial downloads
             files += [Path(root) / f for f in names if f.endswith(".gguf") and not f.startswith(".")]
+            whisper += [Path(root) / f for f in names if f.endswith(".bin") and not f.startswith(".")]
         files.sort()
+        for path in sorted(whisper):  # whisper.cpp's ggml models: ggml-base.en.bin is whisper-base.en
+            if not is_whisper_file(path):
+                continue
+            stem = path.name[: -len(".bin")]
+            name = _stem_name("whisper-" + stem[len("ggml-"):] if stem.startswith("ggml-") else stem)
+            if name_key(name) in found:
+                continue
+            try:
+                mtime = path.stat().st_mtime
+            except OSError:
+                continue
+            found[name_key(name)] = ModelEntry(name, path, modified=mtime, format="whisper")
         for path in files:
             stem = path.name[: -len(".gguf")]
             shards: tuple[Path, ...] = ()

@@ -28,6 +28,8 @@ from blazar.gateway.errors import Forbidden
 from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
 
 OPEN_PATHS = {b"/health", b"/healthz"}
+# images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
+HELD_IMAGES = b"/v1/images/files/"
 
 
 class KeyHolder:
@@ -277,7 +279,8 @@ class AuthGate(Resource):
 
     def _open_route(self, request: IRequest) -> bool:
         path, method = request.path, request.method
-        if path in OPEN_PATHS or method == b"OPTIONS" or (path == b"/" and method in (b"GET", b"HEAD")):
+        if path in OPEN_PATHS or method == b"OPTIONS" or (path == b"/" and method in (b"GET", b"HEAD")) \
+                or (path.startswith(HELD_IMAGES) and method in (b"GET", b"HEAD")):
             return True
         if path == b"/metrics":
             required = self._keys.config.metrics_require_key

@@ -115,6 +115,10 @@ class RequestObserver:
         if tokens is not None and model:
             child(m.prompt_tokens, model, key_name).inc(tokens[0])
             child(m.completion_tokens, model, key_name).inc(tokens[1])
+        if context.audio_seconds is not None and model and not gone and code < 400:
+            child(m.audio_seconds, model, key_name).inc(context.audio_seconds)
+        if context.images and model:
+            child(m.images, model, key_name).inc(context.images)
         timing = context.timing
         if timing is not None and timing.first is not None:
             child(m.ttft, surface, model).observe(max(0.0, timing.first - started))

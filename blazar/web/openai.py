@@ -13,7 +13,10 @@ Errors use OpenAI's envelope C{{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
+import secrets
 from typing import Any, Callable
 
 import attrs
@@ -26,7 +29,7 @@ from twisted.web.iweb import IRequest
 from blazar.engines.supervisor import EngineError
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
-from blazar.gateway.context import note_error, wants_usage
+from blazar.gateway.context import context_of, note_error, wants_usage
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.ignored import note_ignored
@@ -35,17 +38,23 @@ from blazar.gateway.scope import resolve_in_scope, visible
 from blazar.engines.llamacpp import model_kind
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
-from blazar.web.body import json_object, read_json
+from blazar.web.body import json_object, read_form, read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.responses import Responses
+from blazar.httpbody import multipart_body
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
 from blazar.web.translate import chat_logprobs, completions, leniency
+from blazar.web.translate import audio as audio_tr
+from blazar.web.translate import images as images_tr
 from blazar.web.translate import rerank as rerank_tr
 
 log = Logger()
 
 OWNED_BY = "blazar"
+IMAGE_FILES = "/v1/images/files/"  # images made with response_format "url" (HeldImages)
+HELD_SECS = 3600.0  # as OpenAI's image URLs: an hour
+HELD_MAX_BYTES = 256 * 1024 * 1024
 LOADING = b": loading\n\n"
 LOADING_PING = 2.0
 
@@ -236,6 +245,7 @@ class OpenAISurface:
         self._pipeline = pipeline
         self._clock = clock
         self._responses = responses
+        self.images = HeldImages(clock)
 
     # -- liveness -----------------------------------------------------------
 
@@ -314,6 +324,99 @@ class OpenAISurface:
             reply.usage(out["usage"]["prompt_tokens"], 0)
         request.setHeader(b"content-type", b"application/json")
         return json.dumps(out).encode("utf-8")
+
+    # -- speech to text (blazar.web.translate.audio): the whisper lane --------
+
+    @app.route("/v1/audio/transcriptions", methods=["POST"])
+    async def transcriptions(self, request: IRequest) -> bytes:
+        return await self._audio(request, translate=False)
+
+    @app.route("/v1/audio/translations", methods=["POST"])
+    async def translations(self, request: IRequest) -> bytes:
+        return await self._audio(request, translate=True)
+
+    async def _audio(self, request: IRequest, translate: bool) -> bytes:
+        form, files = read_form(request)
+        model = require_model({"model": (form.get("model") or [""])[-1]})
+        uploads = files.get("file")
+        if not uploads:
+            raise BadRequest("you must provide the audio as the 'file' part of the form", "file")
+        fields, response_format, granularities, ignored = audio_tr.decode(form, translate)
+        note_ignored(request, "openai", ignored)
+        call = Call("openai", CallKind.TRANSCRIBE, model, "/inference", {}, audio=uploads[0].data,
+                    audio_fields=fields)
+        async with self._pipeline.open(request, call) as reply:
+            try:
+                answer = json.loads(await reply.read())
+            except ValueError:
+                answer = {}
+            seconds = reply.audio_used()
+        body, content_type = audio_tr.encode(answer if isinstance(answer, dict) else {}, response_format,
+                                             granularities, translate, seconds)
+        request.setHeader(b"content-type", content_type.encode("ascii"))
+        return body
+
+    # -- images (blazar.web.translate.images): the sdcpp lane -----------------
+
+    @app.route("/v1/images/generations", methods=["POST"])
+    async def images_generations(self, request: IRequest) -> bytes:
+        body = read_json(request)
+        model = require_model(body)
+        engine_body, response_format, ignored = images_tr.decode(body)
+        note_ignored(request, "openai", ignored)
+        call = Call("openai", CallKind.IMAGE, model, "/v1/images/generations", engine_body)
+        return await self._images(request, call, response_format, engine_body["output_format"])
+
+    @app.route("/v1/images/edits", methods=["POST"])
+    async def images_edits(self, request: IRequest) -> bytes:
+        form, files = read_form(request)
+        values = images_tr.form_fields(form)
+        model = require_model(values)
+        engine_body, response_format, ignored = images_tr.decode(values)
+        note_ignored(request, "openai", ignored)
+        images = files.get("image[]", []) + files.get("image", [])
+        if not images:
+            raise BadRequest("you must provide the image to edit as the 'image' (or 'image[]') part of the form",
+                             "image")
+        parts = [("image[]", u.filename or "image.png", u.content_type or "image/png", u.data) for u in images]
+        parts += [("mask", u.filename or "mask.png", u.content_type or "image/png", u.data)
+                  for u in files.get("mask", [])[:1]]
+        raw, content_type = multipart_body({k: str(v) for k, v in engine_body.items()}, parts)
+        call = Call("openai", CallKind.IMAGE, model, "/v1/images/edits", engine_body, raw=raw,
+                    content_type=content_type)
+        return await self._images(request, call, response_format, engine_body["output_format"])
+
+    async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
+        async with self._pipeline.open(request, call) as reply:
+            try:
+                answer = json.loads(await reply.read())
+            except ValueError:
+                answer = {}
+        base = _base_url(request)
+        out = images_tr.encode(answer if isinstance(answer, dict) else {}, response_format, output_format,
+                               int(self._clock.seconds()),
+                               lambda b64, fmt: base + IMAGE_FILES + self.images.keep(b64, fmt))
+        context_of(request).images = len(out["data"])
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(out).encode("utf-8")
+
+    @app.route(IMAGE_FILES + "<token>", methods=["GET", "HEAD"])
+    def image_file(self, request: IRequest, token: str) -> bytes:
+        """
+        An image made with C{response_format: "url"}: its address is the
+        capability (unguessable, no key needed, as an C{<img src>} sends
+        none), for C{HELD_SECS} after it was made.
+        """
+        held = self.images.get(token)
+        if held is None:
+            request.setResponseCode(404)
+            request.setHeader(b"content-type", b"application/json")
+            return error_body("no such image: image URLs expire an hour after they were made; generate it again",
+                              "invalid_request_error", "not_found")
+        data, content_type = held
+        request.setHeader(b"content-type", content_type.encode("ascii"))
+        request.setHeader(b"cache-control", b"private, max-age=3600")
+        return data
 
     # -- the Responses API (blazar.web.responses) ----------------------------
 
@@ -535,3 +638,58 @@ def render(problem: Problem) -> bytes:
 
 
 _KINDS = {"chat": CallKind.CHAT, "completion": CallKind.COMPLETION, "embedding": CallKind.EMBEDDING}
+
+
+def _base_url(request: IRequest) -> str:
+    """
+    The scheme and authority the client reached this gateway at (its
+    C{Host} header), for the image URLs it gets.
+    """
+    host = request.getHeader(b"host")
+    if not host:
+        address = request.getHost()
+        host = f"{getattr(address, 'host', '127.0.0.1')}:{getattr(address, 'port', 0)}"
+    elif isinstance(host, bytes):
+        host = host.decode("latin-1")
+    return ("https://" if request.isSecure() else "http://") + str(host)
+
+
+class HeldImages:
+    """
+    Images made with C{response_format: "url"}, kept in memory for
+    L{HELD_SECS} (at most L{HELD_MAX_BYTES}: the oldest go first), each
+    under an unguessable token.
+    """
+
+    def __init__(self, clock: Any) -> None:
+        self._clock = clock
+        self._held: dict[str, tuple[float, bytes, str]] = {}
+        self._bytes = 0
+
+    def keep(self, b64: str, output_format: str) -> str:
+        """
+        Keep one image; its token and file name (C{TOKEN.png}).
+        """
+        try:
+            data = base64.b64decode(b64, validate=True)
+        except (binascii.Error, ValueError):
+            data = b""
+        self._expire()
+        while self._held and self._bytes + len(data) > HELD_MAX_BYTES:
+            oldest = next(iter(self._held))
+            self._bytes -= len(self._held.pop(oldest)[1])
+        token = secrets.token_urlsafe(24) + (".jpg" if output_format == "jpeg" else ".png")
+        self._held[token] = (self._clock.seconds() + HELD_SECS, data,
+                             "image/jpeg" if output_format == "jpeg" else "image/png")
+        self._bytes += len(data)
+        return token
+
+    def get(self, token: str) -> tuple[bytes, str] | None:
+        self._expire()
+        held = self._held.get(token)
+        return (held[1], held[2]) if held is not None else None
+
+    def _expire(self) -> None:
+        now = self._clock.seconds()
+        for token in [t for t, (until, _, _) in self._held.items() if until <= now]:
+            self._bytes -= len(self._held.pop(token)[1])

@@ -38,6 +38,26 @@ def engine_binary() -> str:
         pytest.fail(f"integration tests need llama-server: run ./dev.sh test ({e})")
 
 
+ENGINE_NAMES = ("llama-server", "whisper-server", "sd-server")
+
+
+def lane_binary(lane: str) -> str:
+    """
+    The whisper-server or sd-server to test with: $BLAZAR_WHISPER_ENGINE
+    or $BLAZAR_SDCPP_ENGINE (set by ./dev.sh), else the daemon's own
+    search. Missing is a failure, never a skip.
+    """
+    from blazar.engines.lanes import ServerNotFound, thd_find_server
+
+    explicit = os.environ.get(f"BLAZAR_{lane.upper()}_ENGINE")
+    if explicit:
+        return explicit
+    try:
+        return str(thd_find_server(lane, parse_config(""), os.environ))
+    except ServerNotFound as e:
+        pytest.fail(f"these tests need the {lane} engine: run ./dev.sh test ({e})")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -165,9 +185,10 @@ class Daemon:
         finally:
             conn.close()
 
-    def engines(self) -> list[psutil.Process]:
+    def engines(self, names: tuple[str, ...] = ENGINE_NAMES) -> list[psutil.Process]:
         """
-        The daemon's live llama-server children.
+        The daemon's live engine children (llama-server, whisper-server,
+        sd-server; or those of C{names}).
         """
         assert self.proc is not None
         try:
@@ -177,7 +198,7 @@ class Daemon:
         found = []
         for p in children:
             try:
-                if p.name() == "llama-server" and p.status() != psutil.STATUS_ZOMBIE:
+                if p.name() in names and p.status() != psutil.STATUS_ZOMBIE:
                     argv = p.cmdline()
                     # freeze the command line: the process may exit (and
                     # become a zombie) before the test reads it
@@ -188,7 +209,7 @@ class Daemon:
         return found
 
     def engine_for(self, model: str) -> psutil.Process:
-        for p in self.engines():
+        for p in self.engines(("llama-server",)):
             argv = p.cmdline()
             if "--alias" in argv and argv[argv.index("--alias") + 1] == model:
                 return p

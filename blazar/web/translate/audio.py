@@ -1,0 +1,154 @@
+"""
+Speech to text (issue 23): OpenAI's C{/v1/audio/transcriptions} and
+C{/v1/audio/translations} (multipart form fields, the five
+C{response_format}s) to and from whisper.cpp's C{whisper-server}
+C{/inference}.
+
+The child is always asked for its C{verbose_json} (segments with times,
+tokens, probabilities); every format the client asked for is made here
+from it, so all five are OpenAI's shape whatever the server version
+prints. Field reference: platform.openai.com/docs/api-reference/audio.
+
+Pure functions: no reactor, no I/O.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Mapping
+
+from blazar.gateway.errors import BadRequest
+
+FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+CONTENT_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain; charset=utf-8",
+                 "srt": "application/x-subrip; charset=utf-8", "vtt": "text/vtt; charset=utf-8"}
+# accepted and not honoured (whisper models have none of these): named in x-blazar-ignored
+IGNORED = ("stream", "chunking_strategy", "include", "include[]", "known_speaker_names", "known_speaker_names[]",
+           "known_speaker_references", "known_speaker_references[]")
+
+
+def decode(form: Mapping[str, list[str]], translate: bool) -> tuple[dict[str, str], str, tuple[str, ...], list[str]]:
+    """
+    Check a transcription or translation request's text fields.
+
+    @param form: Field name to its values (the file part is not here).
+    @return: The whisper-server fields, the C{response_format}, the
+        timestamp granularities, and the names accepted but not honoured.
+    @raise BadRequest: A field of the wrong type or an impossible value,
+        named.
+    """
+    def one(name: str) -> str | None:
+        values = form.get(name)
+        return values[-1] if values else None
+
+    response_format = one("response_format") or "json"
+    if response_format == "diarized_json":
+        raise BadRequest("response_format 'diarized_json' needs a diarizing model (OpenAI's "
+                         "gpt-4o-transcribe-diarize); whisper models answer json, text, srt, verbose_json or vtt",
+                         "response_format")
+    if response_format not in FORMATS:
+        raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}", "response_format")
+    fields = {"response_format": "verbose_json", "translate": "true" if translate else "false"}
+    temperature = one("temperature")
+    if temperature is not None:
+        try:
+            value = float(temperature)
+        except ValueError:
+            value = math.nan
+        if not 0.0 <= value <= 1.0:
+            raise BadRequest("temperature must be a number between 0 and 1", "temperature")
+        fields["temperature"] = repr(value)
+    language = one("language")
+    ignored = [name for name in IGNORED if name in form]
+    if translate and language is not None:
+        ignored.append("language")  # translations detect the language they translate from
+    elif language:
+        if not (language.isascii() and language.replace("-", "").isalpha() and len(language) <= 12):
+            raise BadRequest("language must be an ISO-639-1 code such as 'en' or 'de'", "language")
+        fields["language"] = language.lower()
+    if "language" not in fields:
+        fields["language"] = "auto"  # OpenAI detects it when none is given; whisper-server would assume English
+    prompt = one("prompt")
+    if prompt:
+        fields["prompt"] = prompt
+    granularities = tuple(dict.fromkeys(form.get("timestamp_granularities[]", []) + form.get(
+        "timestamp_granularities", [])))
+    for g in granularities:
+        if g not in ("word", "segment"):
+            raise BadRequest("timestamp_granularities must be 'word' and/or 'segment'", "timestamp_granularities")
+    if granularities and response_format != "verbose_json":
+        raise BadRequest("timestamp_granularities needs response_format 'verbose_json'", "timestamp_granularities")
+    if "word" in granularities:
+        fields["token_timestamps"] = "true"
+    return fields, response_format, granularities, ignored
+
+
+def _clock(seconds: float, mark: str) -> str:
+    ms = max(0, int(round(seconds * 1000)))
+    h, rest = divmod(ms, 3_600_000)
+    m, rest = divmod(rest, 60_000)
+    s, ms = divmod(rest, 1000)
+    return f"{h:02d}:{m:02d}:{s:02d}{mark}{ms:03d}"
+
+
+def _segments(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
+    segments = answer.get("segments")
+    return [s for s in segments if isinstance(s, dict)] if isinstance(segments, list) else []
+
+
+def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple[str, ...], translate: bool,
+           seconds: float) -> tuple[bytes, str]:
+    """
+    OpenAI's answer in C{response_format}, from whisper-server's
+    C{verbose_json} C{answer}.
+
+    @param seconds: The audio's length, as decoded (the usage).
+    @return: The body and its content type.
+    """
+    segments = _segments(answer)
+    text = str(answer.get("text") or "".join(str(s.get("text", "")) for s in segments)).strip()
+    usage = {"type": "duration", "seconds": math.ceil(seconds)}
+    if response_format == "text":
+        return (text + "\n").encode("utf-8"), CONTENT_TYPES["text"]
+    if response_format in ("srt", "vtt"):
+        mark = "," if response_format == "srt" else "."
+        lines = [] if response_format == "srt" else ["WEBVTT", ""]
+        for i, s in enumerate(segments, 1):
+            if response_format == "srt":
+                lines.append(str(i))
+            lines.append(f"{_clock(float(s.get('start') or 0), mark)} --> {_clock(float(s.get('end') or 0), mark)}")
+            lines += [str(s.get("text", "")).strip(), ""]
+        return "\n".join(lines).encode("utf-8") + b"\n", CONTENT_TYPES[response_format]
+    if response_format == "json":
+        return json.dumps({"text": text, "usage": usage}).encode("utf-8"), CONTENT_TYPES["json"]
+    out: dict[str, Any] = {
+        "task": "translate" if translate else "transcribe",
+        "language": str(answer.get("language") or ""),
+        "duration": round(float(answer.get("duration") or seconds), 3),
+        "text": text,
+    }
+    if not granularities or "segment" in granularities:
+        out["segments"] = [{
+            "id": int(s.get("id", i)), "seek": 0, "start": float(s.get("start") or 0),
+            "end": float(s.get("end") or 0), "text": str(s.get("text", "")),
+            "tokens": [t for t in s.get("tokens") or [] if isinstance(t, int)],
+            "temperature": float(s.get("temperature") or 0), "avg_logprob": _finite(s.get("avg_logprob")),
+            "compression_ratio": 0.0, "no_speech_prob": _finite(s.get("no_speech_prob")),
+        } for i, s in enumerate(segments)]
+    if "word" in granularities:
+        out["words"] = [
+            {"word": str(w.get("word", "")).strip(), "start": float(w.get("start") or 0),
+             "end": float(w.get("end") or 0)}
+            for s in segments for w in s.get("words") or [] if isinstance(w, dict) and str(w.get("word", "")).strip()
+        ]
+    out["usage"] = usage
+    return json.dumps(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]
+
+
+def _finite(value: Any) -> float:
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        return 0.0
+    return number if math.isfinite(number) else 0.0

@@ -1,0 +1,173 @@
+"""
+Speech to text on the same port (issue 23): a generated tiny random-weight
+whisper model (blazar.models.testwhisper) served by the real whisper-server
+built here, through the openai SDK's audio.transcriptions and
+audio.translations: a WAV, an MP3 and an OGG/Opus made by the test, every
+response_format, an unreadable file, the wrong models, and the child
+stopped after whisper_idle_secs and started again by the next request.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import signal
+import time
+import wave
+from pathlib import Path
+from typing import Iterator
+
+import openai
+import pytest
+
+from blazar.models.testmodel import make_test_model
+from blazar.models.testwhisper import make_test_whisper_model
+from tests.integration.harness import Daemon, lane_binary
+
+IDLE = 4
+
+
+def tone(seconds: float = 2.0, rate: int = 16000) -> "object":
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    return (0.3 * np.sin(2 * math.pi * 440 * t) * 32767).astype("<i2")
+
+
+def wav_bytes(seconds: float = 2.0, rate: int = 22050) -> bytes:
+    out = io.BytesIO()
+    with wave.open(out, "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(tone(seconds, rate).tobytes())  # type: ignore[attr-defined]
+    return out.getvalue()
+
+
+def encoded(container: str, codec: str, rate: int) -> bytes:
+    """
+    The tone, encoded by FFmpeg (PyAV) as C{container}/C{codec}.
+    """
+    import av
+
+    samples = tone(2.0, 16000)
+    out = io.BytesIO()
+    with av.open(out, "w", format=container) as c:
+        stream = c.add_stream(codec, rate=rate)
+        stream.layout = "mono"
+        frame = av.AudioFrame.from_ndarray(samples.reshape(1, -1), format="s16", layout="mono")  # type: ignore[attr-defined]
+        frame.sample_rate = 16000
+        resampler = av.AudioResampler(format=stream.format.name, layout="mono", rate=rate)
+        for f in resampler.resample(frame):
+            for packet in stream.encode(f):
+                c.mux(packet)
+        for packet in stream.encode(None):
+            c.mux(packet)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("audio")
+    models = root / "models"
+    models.mkdir()
+    make_test_whisper_model(models / "ggml-tiny-test.bin")  # found by its magic: whisper-tiny-test
+    make_test_model(models / "tiny.gguf")
+    d = Daemon(root, (
+        f'models_dir = "{models}"\nwhisper_idle_secs = {IDLE}\nready_timeout = 60\n'
+        '[models."whisper-1"]\npath = "ggml-tiny-test.bin"\n'  # the name OpenAI clients send
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[engines.whisper]\nbinary = "{lane_binary("whisper")}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    leftovers = d.leftovers
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM), d.log()[-3000:]
+    assert leftovers == [], "whisper-server outlived the daemon"
+
+
+def client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def whisper_children(d: Daemon) -> list[object]:
+    return d.engines(("whisper-server",))
+
+
+def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tmp_path: Path) -> None:
+    audio = tmp_path / "tone.wav"
+    audio.write_bytes(wav_bytes())  # 22.05 kHz: the gateway resamples it
+    c = client(daemon)
+    with audio.open("rb") as f:
+        answer = c.audio.transcriptions.create(model="whisper-1", file=f)
+    assert isinstance(answer.text, str)
+    with audio.open("rb") as f:
+        verbose = c.audio.transcriptions.create(model="whisper-tiny-test", file=f, response_format="verbose_json",
+                                                timestamp_granularities=["word", "segment"], language="en")
+    assert verbose.task == "transcribe" and abs(verbose.duration - 2.0) < 0.05, verbose
+    assert verbose.segments is not None and verbose.words is not None
+    for segment in verbose.segments:
+        assert 0 <= segment.start <= segment.end
+    for fmt, shape in (("text", r"(?s).*\n"), ("srt", r"(?s)(1\n\d\d:\d\d:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n.*)?"),
+                       ("vtt", r"(?s)WEBVTT\n\n.*")):
+        with audio.open("rb") as f:
+            body = c.audio.transcriptions.create(model="whisper-1", file=f, response_format=fmt)  # type: ignore[call-overload]
+        assert isinstance(body, str) and re.fullmatch(shape, body), (fmt, body)
+    status, headers, raw = daemon.request("GET", "/v1/models")
+    kinds = {m["id"]: m["kind"] for m in json.loads(raw)["data"]}
+    assert kinds["whisper-tiny-test:latest"] == "transcription" and kinds["tiny:latest"] == "chat", kinds
+    status, _, metrics = daemon.request("GET", "/metrics")
+    assert re.search(rb'blazar_audio_seconds_total\{key="",model="whisper-1:latest"\} ([0-9.]+)', metrics), \
+        metrics[-2000:]
+
+
+def test_mp3_and_ogg_and_a_translation(daemon: Daemon) -> None:
+    c = client(daemon)
+    for name, data in (("tone.mp3", encoded("mp3", "libmp3lame", 44100)),
+                       ("tone.ogg", encoded("ogg", "libopus", 48000))):
+        answer = c.audio.transcriptions.create(model="whisper-1", file=(name, data), response_format="verbose_json")
+        assert abs(answer.duration - 2.0) < 0.1, (name, answer.duration)
+    translated = c.audio.translations.create(model="whisper-1", file=("tone.wav", wav_bytes()),
+                                             response_format="verbose_json")
+    assert translated.task == "translate"  # type: ignore[attr-defined]
+
+
+def test_an_unreadable_file_and_the_wrong_models(daemon: Daemon) -> None:
+    c = client(daemon)
+    with pytest.raises(openai.BadRequestError) as bad:
+        c.audio.transcriptions.create(model="whisper-1", file=("notes.mp3", b"this is not audio at all" * 50))
+    assert "could not be decoded as audio" in str(bad.value) and bad.value.body["param"] == "file"  # type: ignore[index]
+    with pytest.raises(openai.BadRequestError) as wrong:
+        c.audio.transcriptions.create(model="tiny", file=("tone.wav", wav_bytes()))
+    assert "not a speech-to-text model" in str(wrong.value)
+    with pytest.raises(openai.BadRequestError) as chat:
+        c.chat.completions.create(model="whisper-1", messages=[{"role": "user", "content": "hi"}])
+    assert "POST /v1/audio/transcriptions" in str(chat.value)
+    with pytest.raises(openai.BadRequestError) as fmt:
+        c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()),
+                                      response_format="yaml")  # type: ignore[arg-type]
+    assert "response_format" in str(fmt.value)
+
+
+def gone_within(daemon: Daemon, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while whisper_children(daemon) and time.monotonic() < deadline:
+        time.sleep(0.25)
+    return not whisper_children(daemon)
+
+
+def test_the_child_is_stopped_when_idle_and_started_again(daemon: Daemon) -> None:
+    c = client(daemon)
+    assert gone_within(daemon, IDLE + 30), "earlier tests' whisper-servers still run after whisper_idle_secs"
+    c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()))
+    (child,) = whisper_children(daemon)
+    assert "--request-path" in child.cmdline()  # type: ignore[attr-defined]
+    assert gone_within(daemon, IDLE + 30), "whisper-server still runs after whisper_idle_secs"
+    answer = c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()))
+    assert isinstance(answer.text, str)
+    (again,) = whisper_children(daemon)
+    assert again.pid != child.pid  # type: ignore[attr-defined]
