@@ -47,6 +47,27 @@ class HeaderTimeoutTests(SynchronousTestCase):
         self.failureResultOf(d, ChildWedged)
         self.assertEqual(cancelled, [True])
 
+    def test_an_sd_server_gets_its_own_long_header_timeout(self) -> None:
+        # an sd-server writes its headers only when the whole image is done:
+        # sdcpp_child_header_timeout_secs, not child_header_timeout_secs,
+        # before its health is asked, and a silent one is wedged then
+        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(  # type: ignore[arg-type]
+            child_header_timeout=10, sdcpp_child_header_timeout=900))
+        cancelled = []
+        request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
+        d = ensureDeferred(self.proxy._headers(FakeInstance("img", lane="sdcpp"), request))
+        self.supervisor.healthy = False
+        self.clock.advance(899)
+        self.assertEqual(self.supervisor.probes, 0)
+        self.assertNoResult(d)
+        self.clock.advance(1)
+        self.failureResultOf(d, ChildWedged)
+        self.assertEqual((self.supervisor.probes, cancelled), (1, [True]))
+        chat: Deferred[str] = Deferred(lambda d: None)
+        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), chat))
+        self.clock.advance(10)  # a llama-server child: the short one
+        self.failureResultOf(d, ChildWedged)
+
     def test_client_leaving_mid_connect_is_a_cancellation(self) -> None:
         from twisted.internet.defer import CancelledError
         from twisted.internet.error import DNSLookupError

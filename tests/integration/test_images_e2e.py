@@ -1,0 +1,127 @@
+"""
+Image generation on the same port (issue 23): a generated tiny
+random-weight Flux.2-klein model (blazar.models.testimage) served by the
+real sd-server built here, through the openai SDK's images.generate and
+images.edit: PNGs of the asked size, seeds that repeat, n, URLs served
+by Blazar, the wrong models, and a model file sd-server cannot load (a
+502 that names the file and the reason).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import struct
+import urllib.request
+from pathlib import Path
+from typing import Iterator
+
+import openai
+import pytest
+
+from blazar.models.testimage import make_test_image_model
+from blazar.models.testmodel import make_test_model
+from tests.integration.harness import Daemon, lane_binary
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", data[:16]
+    width, height = struct.unpack(">II", data[16:24])  # the IHDR chunk
+    return width, height
+
+
+def broken_model(path: Path) -> None:
+    """
+    A well-formed GGUF (Blazar reads its header and routes it by its flux
+    architecture) whose tensors are no model stable-diffusion.cpp knows.
+    """
+    import gguf
+    import numpy as np
+
+    w = gguf.GGUFWriter(path, arch="flux")
+    w.add_tensor("not.a.diffusion.tensor", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("images")
+    models = root / "models"
+    models.mkdir()
+    _, tae = make_test_image_model(models / "tiny-flux.gguf", root / "tae.gguf")  # flux: the sdcpp lane
+    make_test_model(models / "tiny.gguf")
+    broken_model(root / "broken.gguf")
+    d = Daemon(root, (
+        f'models_dir = "{models}"\nready_timeout = 60\nbreaker_crashes = 1000\n'
+        f'[models."tiny-flux"]\nargs = ["--taesd", "{tae}"]\n'
+        f'[models."broken-image"]\npath = "{root / "broken.gguf"}"\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[engines.sdcpp]\nbinary = "{lane_binary("sdcpp")}"\nargs = ["--steps", "1", "--cfg-scale", "1"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    leftovers = d.leftovers
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM), d.log()[-3000:]
+    assert leftovers == [], "sd-server outlived the daemon"
+
+
+def client(d: Daemon) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="none", max_retries=0, timeout=300)
+
+
+def test_generate_a_64x64_png_with_a_seed_that_repeats(daemon: Daemon) -> None:
+    c = client(daemon)
+    first = c.images.generate(model="tiny-flux", prompt="a red fox", size="64x64", response_format="b64_json",
+                              extra_body={"seed": 42, "steps": 1})
+    assert first.data is not None and len(first.data) == 1
+    image = base64.b64decode(first.data[0].b64_json or "")
+    assert png_size(image) == (64, 64)
+    again = c.images.generate(model="tiny-flux", prompt="a red fox", size="64x64", extra_body={"seed": 42, "steps": 1})
+    assert again.data is not None and base64.b64decode(again.data[0].b64_json or "") == image
+    two = c.images.generate(model="tiny-flux", prompt="a blue fox", size="64x64", n=2, extra_body={"seed": 7})
+    assert two.data is not None and len(two.data) == 2
+    status, _, raw = daemon.request("GET", "/v1/models")
+    kinds = {m["id"]: m["kind"] for m in json.loads(raw)["data"]}
+    assert kinds["tiny-flux:latest"] == "image" and kinds["tiny:latest"] == "chat", kinds
+    status, _, metrics = daemon.request("GET", "/metrics")
+    assert b'blazar_images_total{key="",model="tiny-flux:latest"} 4.0' in metrics, metrics[-1500:]
+
+
+def test_an_image_url_served_by_blazar_and_an_edit(daemon: Daemon) -> None:
+    c = client(daemon)
+    made = c.images.generate(model="tiny-flux", prompt="a hill", size="64x64", response_format="url")
+    assert made.data is not None and made.data[0].url is not None
+    url = made.data[0].url
+    assert url.startswith(f"http://127.0.0.1:{daemon.port}/v1/images/files/"), url
+    with urllib.request.urlopen(url, timeout=30) as r:  # no key, as an <img src> fetches it
+        assert r.headers["content-type"] == "image/png" and png_size(r.read()) == (64, 64)
+    status, _, _ = daemon.request("GET", "/v1/images/files/not-a-token.png")
+    assert status == 404
+    edited = c.images.edit(model="tiny-flux", image=("in.png", base64.b64decode(
+        c.images.generate(model="tiny-flux", prompt="a hill", size="64x64").data[0].b64_json or "")),  # type: ignore[index]
+        prompt="the same hill at night", size="64x64")
+    assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json or "")) == (64, 64)
+
+
+def test_the_wrong_models_and_a_model_sd_server_cannot_load(daemon: Daemon) -> None:
+    c = client(daemon)
+    with pytest.raises(openai.BadRequestError) as wrong:
+        c.images.generate(model="tiny", prompt="a fox")
+    assert "not an image model" in str(wrong.value)
+    with pytest.raises(openai.BadRequestError) as chat:
+        c.chat.completions.create(model="tiny-flux", messages=[{"role": "user", "content": "hi"}])
+    assert "POST /v1/images/generations" in str(chat.value)
+    with pytest.raises(openai.BadRequestError) as size:
+        c.images.generate(model="tiny-flux", prompt="a fox", size="huge")  # type: ignore[arg-type]
+    assert "size" in str(size.value)
+    with pytest.raises(openai.APIStatusError) as broken:
+        c.images.generate(model="broken-image", prompt="a fox", size="64x64")
+    assert broken.value.status_code == 502, broken.value
+    message = str(broken.value)
+    assert "broken.gguf" in message and "sd-server" in message and "get sd version" in message, message
