@@ -174,11 +174,11 @@ def _ps(args: argparse.Namespace) -> int:
         def pct(x: Any) -> str:
             return "-" if x is None else f"{x * 100:.0f}%"
 
-        print(f"{'MODEL':<30} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
+        print(f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
               f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'DRAFT':>6} BREAKER")
         for r in rows:
             expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
-            print(f"{r['model']:<30} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
+            print(f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
                   f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {r.get('served') or 0:>6} "
                   f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} "
                   f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']}")

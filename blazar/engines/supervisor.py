@@ -493,6 +493,7 @@ class InstanceView:
     served: int
     breaker: str
     rss: int | None = None
+    lane: str = "llamacpp"  # the engine lane: llamacpp, whisper, sdcpp or a command lane's name
 
     @property
     def live(self) -> bool:
@@ -518,9 +519,12 @@ def view_of(instance: Any, breaker: str) -> InstanceView:
     return InstanceView(
         entry=entry, name=entry.name, state=InstanceState(instance.state), pid=instance.pid,
         port=instance.port, in_flight=instance.in_flight,
-        slots=entry.settings.parallel or DEFAULT_PARALLEL, ctx=instance.ctx,
+        # whisper-server and sd-server take one request at a time (admission gives them one slot)
+        slots=1 if getattr(instance, "lane", "") in BUILTIN else entry.settings.parallel or DEFAULT_PARALLEL,
+        ctx=instance.ctx,
         started_at=instance.started_at, ready_at=instance.ready_at, last_used=instance.last_used,
         expires_at=instance.expires_at(), served=instance.served, breaker=breaker,
+        lane=getattr(instance, "lane", "llamacpp"),
     )
 
 
@@ -801,6 +805,9 @@ class Supervisor(Service):
         views = self.snapshot()
         yield gauge("blazar_instances_loaded", "Engine children, by state", ["state"],
                     [([st], sum(1 for v in views if v.state == st)) for st in states])
+        lanes = sorted({v.lane for v in views if v.live} | {"llamacpp"})
+        yield gauge("blazar_instances_by_lane", "Live engine children, by lane (llamacpp, whisper, sdcpp, ...)",
+                    ["lane"], [([lane], sum(1 for v in views if v.live and v.lane == lane)) for lane in lanes])
         value = {"closed": 0, "half-open": 1, "open": 2}
         yield gauge("blazar_breaker_state", "Crash breaker per model: 0 closed, 1 half-open, 2 open",
                     ["model"], [([n], value[b.state]) for n, b in sorted(self._breakers.items())])

@@ -389,6 +389,26 @@ class Pipeline:
         entry = await self._scope(request, model)
         return entry.name if entry is not None else model
 
+    async def lane_kind(self, request: Any, model: str) -> str | None:
+        """
+        What a built-in lane's model serves (C{transcription} or C{image}),
+        or L{None} for llama.cpp's and command lanes' models: for a surface
+        whose one endpoint takes more than one kind (Ollama's
+        C{/api/generate} makes images too). The scope step runs here (its
+        rate check once per request, as always).
+
+        @raise ModelNotFound: No such model, or one the key may not use.
+        """
+        entry = await self._scope(request, model)
+        if entry is None:
+            return None
+        architecture, _ = await self._facts_of(entry)
+        try:
+            lane = route(entry.name, entry.format, entry.settings.engine, self._config(), architecture)
+        except Exception:
+            return None  # no lane serves it: the call itself says so
+        return LANE_KIND.get(lane.name) if lane is not None else None
+
     def running(self) -> list[InstanceView]:
         """
         A read-only view of each live child (C{GET /api/ps}).

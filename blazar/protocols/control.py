@@ -21,6 +21,7 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
+from blazar.engines.llamacpp import model_kind
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text
 
@@ -91,6 +92,8 @@ INSTANCE = [
     (b"rss", amp.Integer(optional=True)),
     (b"cache_hit", amp.Float(optional=True)),
     (b"draft_acceptance", amp.Float(optional=True)),
+    (b"kind", amp.Unicode(optional=True)),  # chat, embedding, rerank, transcription, image
+    (b"lane", amp.Unicode(optional=True)),  # llamacpp, whisper, sdcpp or a command lane
 ]
 
 
@@ -443,8 +446,11 @@ class ControlServer(amp.AMP):
             views = await self._supervisor.measured_snapshot()
             rows = []
             for view in views[start:start + PAGE]:
+                kind = None
                 try:
-                    estimate = self._supervisor.estimate(view.entry, await self._registry.metadata(view.entry))
+                    meta = await self._registry.metadata(view.entry)
+                    kind = model_kind(view.entry, meta)
+                    estimate = self._supervisor.estimate(view.entry, meta)
                 except Exception:
                     estimate = None
                 hint = self._hints.for_model(view.name) if self._hints is not None else None
@@ -456,7 +462,7 @@ class ControlServer(amp.AMP):
                     "busy": view.in_flight, "ctx": view.ctx,
                     "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
                     "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
-                    "rss": view.rss,
+                    "rss": view.rss, "kind": kind, "lane": view.lane,
                 })
             result: dict[str, Any] = {"instances": rows}
             update = self._status().get("engine_update") if start == 0 else None

@@ -22,7 +22,7 @@ from blazar.config import Config
 from blazar.engines.llamacpp import context_per_slot, model_kind
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
-from blazar.gateway.context import key_of, note_error
+from blazar.gateway.context import context_of, key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
@@ -34,6 +34,7 @@ from blazar.web.auth import check_admin
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import leniency
+from blazar.web.translate import images as images_tr
 from blazar.web.translate import ollama as tr
 
 log = Logger()
@@ -247,10 +248,52 @@ class OllamaSurface:
         """
         note_ignored(request, "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
 
+    async def _image(self, request: IRequest, model: str, body: dict[str, Any], stream: bool) -> bytes:
+        """
+        Ollama's experimental image generation on C{/api/generate} (Ollama
+        0.14-0.2x: C{width}, C{height}, C{steps}, C{options.seed}; the
+        answer's C{image}, base64 PNG), on the sdcpp lane. sd-server
+        reports no progress, so a stream is the final line alone.
+        """
+        options: dict[str, Any] = body["options"] if isinstance(body.get("options"), dict) else {}
+        fields: dict[str, Any] = {"prompt": body.get("prompt"), "response_format": "b64_json"}
+        width, height = body.get("width"), body.get("height")
+        if width is not None or height is not None:
+            for name, value in (("width", width), ("height", height)):
+                if isinstance(value, bool) or not isinstance(value, int) or not 16 <= value <= 4096:
+                    raise OllamaError(400, f"{name} must be an integer from 16 to 4096 (both width and height)")
+            fields["size"] = f"{width}x{height}"
+        if body.get("steps") is not None:
+            fields["steps"] = body["steps"]
+        if options.get("seed") is not None:
+            fields["seed"] = options["seed"]
+        try:
+            engine_body, _, _ = images_tr.decode(fields)
+        except BadRequest as e:
+            raise OllamaError(400, str(e)) from None
+        call = self._call(CallKind.IMAGE, model, "/v1/images/generations", engine_body, body, False)
+        async with self._pipeline.open(request, call) as reply:
+            started = reply.started
+            try:
+                answer = json.loads(await reply.read())
+            except ValueError:
+                answer = {}
+        data = [d for d in (answer.get("data") or []) if isinstance(d, dict)] if isinstance(answer, dict) else []
+        context_of(request).images = len(data[:1])
+        line = {"model": model, "created_at": _rfc3339(self._now()),
+                "image": str(data[0].get("b64_json", "")) if data else "", "done": True, "done_reason": "stop",
+                "total_duration": int(max(0.0, self._clock.seconds() - started) * 1e9)}
+        if stream:
+            request.setHeader(b"content-type", b"application/x-ndjson")
+            return json.dumps(line).encode("utf-8") + b"\n"
+        return _json(request, line)
+
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
-        self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         model = self._model_field(body)
+        if kind == "generate" and body.get("prompt") and await self._pipeline.lane_kind(request, model) == "image":
+            return await self._image(request, model, body, self._stream_flag(body))
+        self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         stream = self._stream_flag(body)
         self._keep_alive(body)
         if kind == "generate" and body.get("prompt") is not None and not isinstance(body["prompt"], str):

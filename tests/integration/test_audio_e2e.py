@@ -14,6 +14,8 @@ import json
 import math
 import re
 import signal
+import subprocess
+import sys
 import time
 import wave
 from pathlib import Path
@@ -123,6 +125,15 @@ def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tm
     status, _, metrics = daemon.request("GET", "/metrics")
     assert re.search(rb'blazar_audio_seconds_total\{key="",model="whisper-1:latest"\} ([0-9.]+)', metrics), \
         metrics[-2000:]
+    assert re.search(rb'blazar_instances_by_lane\{lane="whisper"\} [12]\.0', metrics), metrics[-2000:]
+    status, _, raw = daemon.request("GET", "/api/tags")
+    tags = {m["name"]: m for m in json.loads(raw)["models"]}
+    assert status == 200 and tags["whisper-tiny-test:latest"]["kind"] == "transcription", tags
+    ps = subprocess.run([str(Path(sys.executable).parent / "blazar"), "ps", "--json", "-c", str(daemon.config)],
+                        capture_output=True, text=True, timeout=60)
+    rows = {r["model"]: r for r in json.loads(ps.stdout)}
+    assert rows["whisper-1:latest"]["kind"] == "transcription" and rows["whisper-1:latest"]["lane"] == "whisper", rows
+    assert rows["whisper-1:latest"]["slots"] == 1, rows  # one request at a time, as admission gives it
 
 
 def test_mp3_and_ogg_and_a_translation(daemon: Daemon) -> None:

@@ -125,3 +125,22 @@ def test_the_wrong_models_and_a_model_sd_server_cannot_load(daemon: Daemon) -> N
     assert broken.value.status_code == 502, broken.value
     message = str(broken.value)
     assert "broken.gguf" in message and "sd-server" in message and "get sd version" in message, message
+
+
+def test_ollamas_image_fields_on_api_generate(daemon: Daemon) -> None:
+    # Ollama's experimental image generation (0.14 to its removal): width, height, steps, options.seed in;
+    # the final line's base64 "image" out; a stream is that line alone (sd-server reports no progress)
+    body = {"model": "tiny-flux", "prompt": "a fox", "width": 64, "height": 64, "steps": 1,
+            "options": {"seed": 3}}
+    status, answer = daemon.post_json("/api/generate", {**body, "stream": False}, timeout=300)
+    assert status == 200 and answer["done"] is True, answer
+    assert png_size(base64.b64decode(answer["image"])) == (64, 64)
+    status, headers, raw = daemon.request("POST", "/api/generate", body, timeout=300)
+    lines = [json.loads(line) for line in raw.splitlines() if line.strip()]
+    assert status == 200 and headers["content-type"] == "application/x-ndjson" and len(lines) == 1, raw[:300]
+    assert base64.b64decode(lines[0]["image"]) == base64.b64decode(answer["image"])  # the same seed
+    status, answer = daemon.post_json("/api/generate", {**body, "width": 7, "stream": False})
+    assert status == 400 and "width" in answer["error"], answer
+    status, _, raw = daemon.request("GET", "/api/tags")
+    tags = {m["name"]: m for m in json.loads(raw)["models"]}
+    assert tags["tiny-flux:latest"]["kind"] == "image", tags["tiny-flux:latest"]
