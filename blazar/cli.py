@@ -15,7 +15,7 @@ The C{blazar} command.
   blazar doctor                        check engine, config, models dir, port, memory
   blazar engine list|install SPEC [--use]|use KIND@TAG|rollback KIND|rm KIND@TAG|prune KIND [--keep N]|check
                                        installed engines (in the data dir; no daemon needed)
-  blazar models make-test PATH [--embedding] [--seed N]
+  blazar models make-test PATH [--embedding|--rerank|--whisper|--image] [--seed N]
                                        write a tiny random-weight GGUF
 
 Exit codes: 0 ok, 1 error, 2 daemon not running, 3 bind conflict (serve).
@@ -46,6 +46,23 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _make_test(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    if args.whisper:
+        from blazar.models.testwhisper import make_test_whisper_model
+
+        print(make_test_whisper_model(Path(args.path), seed=args.seed))
+        return 0
+    if args.image:
+        from blazar.models.testimage import make_test_image_model
+
+        path = Path(args.path)
+        tae = path.with_name(path.stem + ".taesd.gguf.tae")  # not a .gguf: models_dir would list it as a model
+        made, tae = make_test_image_model(path, tae, seed=args.seed)
+        print(made)
+        print(f"# start it with its tiny autoencoder: [models.\"{path.stem}\"] args = [\"--taesd\", \"{tae}\"]",
+              file=sys.stderr)
+        return 0
     from blazar.models.testmodel import make_test_model
 
     model = make_test_model(args.path, seed=args.seed, embedding=args.embedding, rerank=args.rerank)
@@ -893,12 +910,16 @@ def parser() -> argparse.ArgumentParser:
             verb.add_argument("--key", help="an unscoped API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
         verb.set_defaults(func=func)
     make = model_verbs.add_parser(
-        "make-test", help="write a tiny random-weight llama GGUF for tests and demos"
+        "make-test", help="write a tiny random-weight model for tests and demos (llama GGUF; whisper or image)"
     )
-    make.add_argument("path", help="where to write the .gguf file")
+    make.add_argument("path", help="where to write it (.gguf; a whisper model: ggml-NAME.bin)")
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--embedding", action="store_true", help="mark it for mean-pooled embeddings")
     make.add_argument("--rerank", action="store_true", help="a reranker (rank pooling: POST /v1/rerank)")
+    make.add_argument("--whisper", action="store_true",
+                      help="a whisper.cpp model (speech to text: POST /v1/audio/transcriptions)")
+    make.add_argument("--image", action="store_true",
+                      help="a Flux.2-klein GGUF and its tiny autoencoder (POST /v1/images/generations)")
     make.set_defaults(func=_make_test)
     return p
 

@@ -191,6 +191,7 @@ def _write_gguf(path: Path, tensors: list[tuple[str, list[int]]], rng: Any, std:
     import numpy as np
 
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
     w = gguf.GGUFWriter(tmp, arch="flux")  # sd.cpp ignores it; Blazar routes flux GGUFs to the sdcpp lane
     n_params = 0
     for name, ne in tensors:

@@ -76,6 +76,7 @@ def make_test_whisper_model(path: Path, *, state: int = 64, heads: int = 2, laye
     rng = np.random.default_rng(seed)
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as f:
         f.write(struct.pack("<I", GGML_MAGIC))
         f.write(struct.pack("<11i", N_VOCAB, N_AUDIO_CTX, state, heads, layers, N_TEXT_CTX, state, heads, layers,

@@ -35,6 +35,7 @@ from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import leniency
 from blazar.web.translate import images as images_tr
+from blazar.web.translate import rerank as rerank_tr
 from blazar.web.translate import ollama as tr
 
 log = Logger()
@@ -379,6 +380,32 @@ class OllamaSurface:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
             reply.usage(out["prompt_eval_count"], 0)
+        return _json(request, out)
+
+    @app.route("/api/rerank", methods=["POST"])
+    async def rerank(self, request: IRequest) -> bytes:
+        """
+        Reranking as Ollama-style clients call it (the shape of ollama#11389
+        and langchain's OllamaRerank: C{model}, C{query}, C{documents},
+        C{top_n}, C{return_documents}; C{results} with C{index},
+        C{relevance_score} and C{document}), the same call as
+        C{POST /v1/rerank}, Ollama's error shape.
+        """
+        body = self._body(request)
+        model = self._model_field(body)
+        try:
+            engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
+        except BadRequest as e:
+            raise OllamaError(400, str(e)) from None
+        note_ignored(request, "ollama", ignored)
+        call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False)
+        async with self._pipeline.open(request, call) as reply:
+            try:
+                answer = json.loads(await reply.read())
+            except ValueError:
+                answer = {}
+            out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n, return_documents)
+            reply.usage(out["usage"]["prompt_tokens"], 0)
         return _json(request, out)
 
     @app.route("/api/embeddings", methods=["POST"])

@@ -116,3 +116,33 @@ def test_model_lists_say_what_each_model_serves(daemon: Daemon) -> None:
     status, _, data = daemon.request("GET", "/api/tags")
     kinds = {m["name"]: m["kind"] for m in json.loads(data)["models"]}
     assert {k: kinds.get(k) for k in want} == want, kinds
+
+
+def test_ollama_style_clients_rerank_on_api_rerank(daemon: Daemon) -> None:
+    # the shape of ollama#11389 and langchain's OllamaRerank, answered as /v1/rerank answers, Ollama's errors
+    status, answer = daemon.post_json("/api/rerank", {"model": "ranker", "query": "hello", "documents": DOCS,
+                                                      "top_n": 2, "return_documents": True})
+    assert status == 200 and len(answer["results"]) == 2, answer
+    _, full = rerank(daemon, top_n=2)
+    assert [r["index"] for r in answer["results"]] == [r["index"] for r in full["results"]]
+    assert all("text" in r["document"] for r in answer["results"])
+    status, answer = daemon.post_json("/api/rerank", {"model": "tiny", "query": "hello", "documents": DOCS})
+    assert status == 400 and "rerank = true" in answer["error"], answer
+    status, answer = daemon.post_json("/api/rerank", {"model": "ranker", "query": "", "documents": DOCS})
+    assert status == 400 and "query" in answer["error"], answer
+
+
+def test_a_rag_stacks_reranker_integration(daemon: Daemon) -> None:
+    # langchain's CohereRerank document compressor, pointed at Blazar as a user would
+    from langchain_cohere import CohereRerank
+    from langchain_core.documents import Document
+
+    reranker = CohereRerank(model="ranker", top_n=2, base_url=f"http://127.0.0.1:{daemon.port}",
+                            cohere_api_key="none")  # type: ignore[arg-type]
+    docs = [Document(page_content=t, metadata={"n": i}) for i, t in enumerate(["hello world", "the test model",
+                                                                                "yes no ok"])]
+    kept = reranker.compress_documents(docs, "hello")
+    _, plain = rerank(daemon, top_n=2)
+    assert [d.metadata["n"] for d in kept] == [r["index"] for r in plain["results"]]
+    scores = [d.metadata["relevance_score"] for d in kept]
+    assert scores == sorted(scores, reverse=True) and len(kept) == 2, kept
