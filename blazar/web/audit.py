@@ -53,6 +53,9 @@ class AuditLog:
             "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
             "sentinel": event.get("sentinel") or [],  # what the sentinel flagged (blazar.gateway.sentinel)
         }
+        for usage in ("audio_seconds", "images"):  # the speech-to-text and image lanes' usage
+            if usage in event:
+                line[usage] = event[usage]
         try:
             self._queue.put_nowait(line)
         except queue.Full:

@@ -145,12 +145,12 @@ class Daemon:
 
     def request(
         self, method: str, path: str, body: Any = None, timeout: float = 120.0,
-        raw: bytes | None = None,
+        raw: bytes | None = None, headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
             data = raw if raw is not None else (json.dumps(body) if body is not None else None)
-            conn.request(method, path, data, {"content-type": "application/json"})
+            conn.request(method, path, data, {"content-type": "application/json", **(headers or {})})
             resp = conn.getresponse()
             headers = {k.lower(): v for k, v in resp.getheaders()}
             return resp.status, headers, resp.read()

@@ -29,6 +29,8 @@ from blazar.models.testwhisper import make_test_whisper_model
 from tests.integration.harness import Daemon, lane_binary
 
 IDLE = 4
+ROOT = "root-secret-0123456789"
+STT = "stt-secret-0123456789"
 
 
 def tone(seconds: float = 2.0, rate: int = 16000) -> "object":
@@ -79,6 +81,10 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     make_test_model(models / "tiny.gguf")
     d = Daemon(root, (
         f'models_dir = "{models}"\nwhisper_idle_secs = {IDLE}\nready_timeout = 60\n'
+        f'audit_log = "{root / "audit.jsonl"}"\n'
+        f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
+        # a scoped key whose token limit counts audio seconds
+        f'[[keys]]\nname = "stt"\nsecret = "{STT}"\nmodels = ["whisper-1"]\ndaily_tokens = 5\n'
         '[models."whisper-1"]\npath = "ggml-tiny-test.bin"\n'  # the name OpenAI clients send
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
         f'[engines.whisper]\nbinary = "{lane_binary("whisper")}"\nargs = ["--threads", "1"]\n'
@@ -92,8 +98,8 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     assert leftovers == [], "whisper-server outlived the daemon"
 
 
-def client(d: Daemon) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key="none", max_retries=0, timeout=120)
+def client(d: Daemon, key: str = ROOT) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=key, max_retries=0, timeout=120)
 
 
 def whisper_children(d: Daemon) -> list[object]:
@@ -119,14 +125,14 @@ def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tm
         with audio.open("rb") as f:
             body = c.audio.transcriptions.create(model="whisper-1", file=f, response_format=fmt)  # type: ignore[call-overload]
         assert isinstance(body, str) and re.fullmatch(shape, body), (fmt, body)
-    status, headers, raw = daemon.request("GET", "/v1/models")
+    status, headers, raw = daemon.request("GET", "/v1/models", headers={"authorization": f"Bearer {ROOT}"})
     kinds = {m["id"]: m["kind"] for m in json.loads(raw)["data"]}
     assert kinds["whisper-tiny-test:latest"] == "transcription" and kinds["tiny:latest"] == "chat", kinds
-    status, _, metrics = daemon.request("GET", "/metrics")
-    assert re.search(rb'blazar_audio_seconds_total\{key="",model="whisper-1:latest"\} ([0-9.]+)', metrics), \
+    status, _, metrics = daemon.request("GET", "/metrics", headers={"authorization": f"Bearer {ROOT}"})
+    assert re.search(rb'blazar_audio_seconds_total\{key="root",model="whisper-1:latest"\} ([0-9.]+)', metrics), \
         metrics[-2000:]
     assert re.search(rb'blazar_instances_by_lane\{lane="whisper"\} [12]\.0', metrics), metrics[-2000:]
-    status, _, raw = daemon.request("GET", "/api/tags")
+    status, _, raw = daemon.request("GET", "/api/tags", headers={"authorization": f"Bearer {ROOT}"})
     tags = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and tags["whisper-tiny-test:latest"]["kind"] == "transcription", tags
     ps = subprocess.run([str(Path(sys.executable).parent / "blazar"), "ps", "--json", "-c", str(daemon.config)],
@@ -182,3 +188,20 @@ def test_the_child_is_stopped_when_idle_and_started_again(daemon: Daemon) -> Non
     assert isinstance(answer.text, str)
     (again,) = whisper_children(daemon)
     assert again.pid != child.pid  # type: ignore[attr-defined]
+
+
+def test_keys_scopes_token_limits_and_the_audit_line(daemon: Daemon) -> None:
+    scoped = client(daemon, STT)
+    with pytest.raises(openai.NotFoundError):  # outside its scope: as if it did not exist
+        scoped.audio.transcriptions.create(model="whisper-tiny-test", file=("tone.wav", wav_bytes()))
+    with pytest.raises(openai.AuthenticationError):
+        client(daemon, "wrong-secret-0123456789").audio.transcriptions.create(
+            model="whisper-1", file=("tone.wav", wav_bytes()))
+    for _ in range(3):  # 2 s each: one token per second of audio, 6 > daily_tokens 5
+        scoped.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()))
+    with pytest.raises(openai.RateLimitError) as over:
+        scoped.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()))
+    assert "daily_tokens" in str(over.value)
+    lines = [json.loads(line) for line in (daemon.root / "audit.jsonl").read_text().splitlines()]
+    mine = [e for e in lines if e["key"] == "stt" and e["status"] == 200]
+    assert len(mine) == 3 and all(abs(e["audio_seconds"] - 2.0) < 0.05 for e in mine), mine
