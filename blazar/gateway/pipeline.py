@@ -439,8 +439,6 @@ class Pipeline:
         canonical = await self._check(request, call)
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
             await call.rewrite(call)
-        if call.kind is CallKind.TRANSCRIBE:
-            await self._audio(request, call)
         raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
         counted = None
         # a command lane's server: no token counting, no grammar of Blazar's, no slots
@@ -450,6 +448,10 @@ class Pipeline:
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
         await self._admit(request, canonical, call.work, call.entry, call.lane)
+        if call.kind is CallKind.TRANSCRIBE:
+            # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
+            await self._audio(request, call)
+            raw = call.raw or b""
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
         ready = self.is_ready(canonical)
