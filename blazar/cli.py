@@ -628,10 +628,20 @@ def _doctor(args: argparse.Namespace) -> int:
                + (found or f"{lane.command[0]!r} is not on PATH (install it, or fix [engines.{lane.name}] command)"))
     for problem in _lane_problems(config):
         report(False, f"model: {problem}")
+    from blazar.engines.lanes import SDCPP, WHISPER, ServerNotFound, thd_find_server
+
+    for builtin, serves in ((WHISPER, "speech to text"), (SDCPP, "image generation")):
+        try:
+            report(True, f"{builtin} engine ({serves}): {thd_find_server(builtin, config, os.environ)}")
+        except ServerNotFound as e:
+            report(not _uses_lane(config, builtin), f"{builtin} engine ({serves}): {e}")
     models = config.resolved_models_dir
     readable = models.is_dir() and os.access(models, os.R_OK | os.X_OK)
     count = len(list(models.rglob("*.gguf"))) if readable else 0
-    report(readable, f"models dir: {models} ({count} .gguf files)" if readable
+    from blazar.models.formats import is_whisper_file
+
+    whisper = sum(1 for f in models.rglob("*.bin") if is_whisper_file(f)) if readable else 0
+    report(readable, f"models dir: {models} ({count} .gguf files, {whisper} whisper models)" if readable
            else f"models dir: {models} is missing or unreadable (mkdir -p it, or set models_dir)")
     base = _http_base(config)
     if base is not None:
@@ -664,6 +674,18 @@ def _doctor(args: argparse.Namespace) -> int:
     except Exception:
         report(True, "GPUs: none found (CPU only)")
     return 1 if problems else 0
+
+
+def _uses_lane(config: Any, lane: str) -> bool:
+    """
+    Whether a model found or configured is pinned to C{lane}, or is a
+    whisper model (for C{whisper}); image models are known by their GGUF
+    header, which doctor does not read.
+    """
+    from blazar.models.registry import thd_scan
+
+    return any(e.settings.engine == lane or (lane == "whisper" and e.format == "whisper")
+               for e in thd_scan(config.resolved_models_dir, config.models).values())
 
 
 def _lane_problems(config: Any) -> list[str]:
@@ -748,7 +770,7 @@ def _engine(args: argparse.Namespace) -> int:
             for e in rows:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.installed_at))
                 print(f"{'*' if e.active else ' '} {e.name:<28} {when}  {e.source}")
-            print("lanes: llamacpp (gguf)" + "".join(
+            print("lanes: llamacpp (gguf), whisper (whisper .bin), sdcpp (diffusion gguf)" + "".join(
                 f", {lane.name} ({', '.join(lane.formats)}: {lane.command[0]})" for lane in config.lanes))
             for lane_problem in _lane_problems(config):
                 print(f"no lane: {lane_problem}")

@@ -107,3 +107,28 @@ def test_whisper_files_are_found_by_their_magic(tmp_path: Path) -> None:
     assert [(e.name, e.format) for e in found.values()] == [("whisper-base.en:latest", "whisper")]
     assert thd_model_format(models / "ggml-base.en.bin") == "whisper"
     assert thd_model_format(models / "weights.bin") == "unknown"
+
+
+def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    import argparse
+
+    from blazar.cli import _doctor
+
+    models = tmp_path / "models"
+    models.mkdir()
+    config = tmp_path / "c.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{models}"\nengine_check_secs = 0\n'
+                      f'[engines.llamacpp]\nbinary = "{executable(tmp_path / "bin" / "llama-server")}"\n')
+    monkeypatch.setenv("BLAZAR_ENGINE_HOME", str(tmp_path / "empty"))
+    monkeypatch.setenv("PATH", str(tmp_path / "bin"))
+    _doctor(argparse.Namespace(config=str(config)))
+    out = capsys.readouterr().out
+    assert "[ok] whisper engine (speech to text): the whisper engine (whisper-server) is not installed" in out
+    make_test_whisper_model(models / "ggml-t.bin")
+    _doctor(argparse.Namespace(config=str(config)))
+    out = capsys.readouterr().out
+    assert "[FAIL] whisper engine (speech to text): the whisper engine (whisper-server) is not installed: run " \
+           "`blazar engine install pypi:pywhispercpp==1.5.1 --use`" in out, out
+    assert "[ok] sdcpp engine (image generation)" in out and "1 whisper models" in out
