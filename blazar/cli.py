@@ -56,12 +56,12 @@ def _make_test(args: argparse.Namespace) -> int:
     if args.image:
         from blazar.models.testimage import make_test_image_model
 
-        path = Path(args.path)
+        path = Path(args.path).absolute()
         tae = path.with_name(path.stem + ".taesd.gguf.tae")  # not a .gguf: models_dir would list it as a model
         made, tae = make_test_image_model(path, tae, seed=args.seed)
         print(made)
-        print(f"# start it with its tiny autoencoder: [models.\"{path.stem}\"] args = [\"--taesd\", \"{tae}\"]",
-              file=sys.stderr)
+        print(f"# sd-server needs its tiny autoencoder: put this in the config\n[models.\"{path.stem}\"]\n"
+              f"args = [\"--taesd\", \"{tae}\"]", file=sys.stderr)
         return 0
     from blazar.models.testmodel import make_test_model
 
@@ -196,7 +196,7 @@ def _ps(args: argparse.Namespace) -> int:
         for r in rows:
             expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
             print(f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
-                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx']:>6} {r.get('served') or 0:>6} "
+                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
                   f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} "
                   f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']}")
         return 0

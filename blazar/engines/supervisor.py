@@ -1252,7 +1252,8 @@ class Supervisor(Service):
             idle = self._config.whisper_idle or -1.0
         instance = Instance(
             entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=idle, ctx=context_per_slot(entry, meta), binary=str(binary),
+            idle_timeout=idle, binary=str(binary),
+            ctx=0 if lane is not None and lane.name in BUILTIN else context_per_slot(entry, meta),  # 0: no context
             shape=child_shape(identity, command.argv) if lane is None else "",
             lane=lane.name if lane is not None else "llamacpp",
             kv_bank=lane is None and "--slot-save-path" in command.argv,

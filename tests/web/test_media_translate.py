@@ -58,9 +58,11 @@ def test_every_response_format_from_verbose_json() -> None:
     assert ctype == "application/json"
     assert audio.encode(VERBOSE, "text", (), False, 2)[0] == b"hello there\n"
     srt = audio.encode(VERBOSE, "srt", (), False, 2)[0].decode()
-    assert srt == "1\n00:00:00,000 --> 00:00:01,250\nhello\n\n2\n00:00:01,250 --> 01:01:01,500\nthere\n\n"
+    # the second segment's end (whisper's window end) is clamped to the audio's 2 s
+    assert srt == "1\n00:00:00,000 --> 00:00:01,250\nhello\n\n2\n00:00:01,250 --> 00:00:02,000\nthere\n\n"
+    assert audio._clock(3661.5, ",") == "01:01:01,500" and audio._clock(-1, ".") == "00:00:00.000"
     vtt = audio.encode(VERBOSE, "vtt", (), False, 2)[0].decode()
-    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.250\nhello\n\n00:00:01.250 --> 01:01:01.500\n")
+    assert vtt.startswith("WEBVTT\n\n00:00:00.000 --> 00:00:01.250\nhello\n\n00:00:01.250 --> 00:00:02.000\n")
     verbose = json.loads(audio.encode(VERBOSE, "verbose_json", ("word",), True, 2)[0])
     assert verbose["task"] == "translate" and "segments" not in verbose  # words only, as asked
     assert verbose["words"] == [{"word": "hello", "start": 0.0, "end": 1.25}, {"word": "there", "start": 1.3, "end": 2.0}]

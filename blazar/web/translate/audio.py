@@ -106,7 +106,8 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
     @param seconds: The audio's length, as decoded (the usage).
     @return: The body and its content type.
     """
-    segments = _segments(answer)
+    duration = round(float(answer.get("duration") or seconds), 3)
+    segments = [_clamped(s, duration) for s in _segments(answer)]
     text = str(answer.get("text") or "".join(str(s.get("text", "")) for s in segments)).strip()
     usage = {"type": "duration", "seconds": math.ceil(seconds)}
     if response_format == "text":
@@ -125,7 +126,7 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
     out: dict[str, Any] = {
         "task": "translate" if translate else "transcribe",
         "language": str(answer.get("language") or ""),
-        "duration": round(float(answer.get("duration") or seconds), 3),
+        "duration": duration,
         "text": text,
     }
     if not granularities or "segment" in granularities:
@@ -138,12 +139,23 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
         } for i, s in enumerate(segments)]
     if "word" in granularities:
         out["words"] = [
-            {"word": str(w.get("word", "")).strip(), "start": float(w.get("start") or 0),
-             "end": float(w.get("end") or 0)}
+            {"word": str(w.get("word", "")).strip(), "start": min(float(w.get("start") or 0), duration),
+             "end": min(float(w.get("end") or 0), duration)}
             for s in segments for w in s.get("words") or [] if isinstance(w, dict) and str(w.get("word", "")).strip()
         ]
     out["usage"] = usage
     return json.dumps(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]
+
+
+def _clamped(segment: dict[str, Any], duration: float) -> dict[str, Any]:
+    """
+    A segment whose times lie within the audio: whisper.cpp's last segment
+    may end at the 30 s window's end, past a shorter recording's.
+    """
+    out = dict(segment)
+    for edge in ("start", "end"):
+        out[edge] = min(_finite(segment.get(edge)), duration) if duration > 0 else _finite(segment.get(edge))
+    return out
 
 
 def _finite(value: Any) -> float:
