@@ -57,6 +57,23 @@ setup() {
   say "whisper engine: $BLAZAR_WHISPER_ENGINE; sd engine: $BLAZAR_SDCPP_ENGINE"
 }
 
+# the dashboard e2e drives Debian's chromium (tests/integration/test_dashboard_e2e.py): install it
+# where this user may (root with apt-get, as on CI), else say how
+browser() {
+  if command -v chromium >/dev/null 2>&1 || [ -n "${BLAZAR_CHROMIUM:-}" ]; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's chromium for the dashboard's browser test (once)"
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium \
+           || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; }; } \
+         >.venv/apt.log 2>&1; then
+      cat .venv/apt.log >&2
+      say "apt-get install chromium failed (log above); the dashboard test will fail without it"
+    fi
+  else
+    say "the dashboard's browser test needs chromium: sudo apt-get install -y chromium (or set BLAZAR_CHROMIUM)"
+  fi
+}
+
 case "${1:-}" in
   demo)
     setup
@@ -64,6 +81,7 @@ case "${1:-}" in
     ;;
   test)
     setup
+    browser
     shift
     say "checking import contracts (lint-imports)"
     .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports

@@ -41,6 +41,7 @@ from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.gateway.admission import Admission
+from blazar.web.dashboard import Dashboard
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
@@ -533,10 +534,22 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
     anthropic = AnthropicSurface(pipeline, reactor)
+
+    def installed_engines() -> Any:
+        from blazar.engines.installed import EngineStore
+
+        def thd_list() -> list[dict[str, Any]]:
+            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
+                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
+
+        return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
+
+    dashboard = Dashboard(registry, pipeline, operations, reactor, time.time, lambda: live.current, logs=ring,
+                          hints=hints, engines=installed_engines)
     root = AuthGate(
         SurfaceRouter(
             openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
-            MetricsResource(metrics),
+            MetricsResource(metrics), dashboard.app.resource(),
         ),
         keys, quotas,
     )
@@ -547,7 +560,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     if config.otlp_endpoint is not None:
         tracing = Tracing(config.otlp_endpoint, reactor, metrics)
         tracing.setServiceParent(top)
-    site.observer = RequestObserver(metrics, reactor, tracing)
+    site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
     if config.audit_log is not None:
         audit = site.audit = AuditLog(config.audit_log)
         AuditService(audit).setServiceParent(top)
@@ -555,7 +568,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
             [([], audit.dropped)],
         )])
-    key_admin = KeyAdmin(config.source, live, reactor)
+    key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
     listeners = Listeners()
     for description in config.listen:
         listener = strports.service(description, site, reactor=reactor)

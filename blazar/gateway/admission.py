@@ -476,7 +476,8 @@ class ModelQueue:
              "oldest_wait_ms", "service_ms", "admitted", "expired",
              "requests": [{"trace_id", "key", "position", "priority",
                            "class", "waited_ms", "deadline_in_ms",
-                           "estimated_start_ms"}]}
+                           "estimated_start_ms"}],
+             "running": [{"trace_id", "key", "priority", "class", "elapsed_ms"}]}
 
         Times are milliseconds; C{estimated_start_ms} (from now) and
         C{service_ms} are L{None} before any request has finished.
@@ -519,6 +520,11 @@ class ModelQueue:
             "admitted": self.admitted_total,
             "expired": self.expired_total,
             "requests": requests,
+            "running": [{
+                "trace_id": t.trace_id, "key": t.key, "priority": t.priority.name.lower(),
+                "class": CLASS_NAMES[t.work],
+                "elapsed_ms": round((now - (t.admitted_at if t.admitted_at is not None else t.arrived)) * 1000),
+            } for t in self.running[:SNAPSHOT_REQUESTS] if show(t)],
         }
 
 

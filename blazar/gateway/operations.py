@@ -77,6 +77,38 @@ def _ignore(line: dict[str, Any]) -> None:
     pass
 
 
+async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) -> list[dict[str, Any]]:
+    """
+    Each loaded instance as C{blazar ps} and the dashboard show it: model,
+    kind, lane, state, pid, port, busy and total slots, context, seconds
+    until idle-evictable, breaker, served, memory estimate and RSS, the
+    engine's cache-hit and draft-acceptance EWMAs.
+    """
+    from blazar.engines.llamacpp import model_kind
+
+    rows = []
+    for view in await supervisor.measured_snapshot():
+        kind, estimate = None, None
+        try:
+            meta = await registry.metadata(view.entry)
+            kind = model_kind(view.entry, meta)
+            estimate = supervisor.estimate(view.entry, meta)
+        except Exception:
+            pass
+        hint = hints.for_model(view.name) if hints is not None else None
+        rows.append({
+            "cache_hit": hint.cache_hit if hint is not None else None,
+            "draft_acceptance": hint.draft_acceptance if hint is not None else None,
+            "model": view.name, "key": f"{view.name}#0@text", "state": str(view.state),
+            "pid": view.pid, "port": view.port, "slots": view.slots,
+            "busy": view.in_flight, "ctx": view.ctx,
+            "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
+            "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
+            "rss": view.rss, "kind": kind, "lane": view.lane,
+        })
+    return rows
+
+
 @attrs.define
 class ModelOperations:
     """
@@ -172,6 +204,21 @@ class ModelOperations:
                 f"no loaded instance matches {key!r}; `blazar ps` lists the loaded ones"
             )
         return [i.entry.name for i in chosen]
+
+    async def instances(self, hints: Any = None) -> list[dict[str, Any]]:
+        """
+        L{instance_rows}, for the dashboard as for C{blazar ps}.
+        """
+        return await instance_rows(self._supervisor, self._registry, hints, self._clock.seconds())
+
+    def reset_breakers(self, name: str | None = None) -> list[str]:
+        """
+        Close the crash breaker of C{name}, or of every model: the next
+        request tries at once.
+
+        @return: The models whose breakers were reset.
+        """
+        return list(self._supervisor.reset_breakers(name))
 
     def _stop_failed(self, failure: Failure, model: str) -> None:
         log.failure("stopping {model} failed", failure, model=model)

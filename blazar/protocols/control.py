@@ -21,7 +21,7 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.engines.llamacpp import model_kind
+from blazar.gateway.operations import instance_rows
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text
 
@@ -442,33 +442,13 @@ class ControlServer(amp.AMP):
     def ps(self, offset: int | None = None) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
             start = offset or 0
-            now = self._clock.seconds()
-            views = await self._supervisor.measured_snapshot()
-            rows = []
-            for view in views[start:start + PAGE]:
-                kind = None
-                try:
-                    meta = await self._registry.metadata(view.entry)
-                    kind = model_kind(view.entry, meta)
-                    estimate = self._supervisor.estimate(view.entry, meta)
-                except Exception:
-                    estimate = None
-                hint = self._hints.for_model(view.name) if self._hints is not None else None
-                rows.append({
-                    "cache_hit": hint.cache_hit if hint is not None else None,
-                    "draft_acceptance": hint.draft_acceptance if hint is not None else None,
-                    "model": view.name, "key": f"{view.name}#0@text", "state": view.state,
-                    "pid": view.pid, "port": view.port, "slots": view.slots,
-                    "busy": view.in_flight, "ctx": view.ctx,
-                    "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
-                    "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
-                    "rss": view.rss, "kind": kind, "lane": view.lane,
-                })
+            everything = await instance_rows(self._supervisor, self._registry, self._hints, self._clock.seconds())
+            rows = everything[start:start + PAGE]
             result: dict[str, Any] = {"instances": rows}
             update = self._status().get("engine_update") if start == 0 else None
             if update:
                 result["engine_update"] = update
-            if start + PAGE < len(views):
+            if start + PAGE < len(everything):
                 result["next_offset"] = start + PAGE
             return result
 

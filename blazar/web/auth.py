@@ -30,6 +30,9 @@ from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
 HELD_IMAGES = b"/v1/images/files/"
+# the dashboard's page and assets (blazar.web.dashboard): the page asks for the key; its data needs one
+UI_PAGE = (b"/ui", b"/ui/", b"/ui/api/door")
+UI_ASSETS = b"/ui/static/"
 
 
 class KeyHolder:
@@ -88,6 +91,8 @@ def surface_of(path: bytes) -> str:
     Which surface answers C{path}: C{"ollama"}, C{"anthropic"}, C{"responses"}
     (OpenAI's Responses API) or C{"openai"}.
     """
+    if path == b"/ui" or path.startswith(b"/ui/") or path == b"/api/logs":
+        return "ui"  # the dashboard (blazar.web.dashboard)
     if path == b"/" or path.startswith(b"/api/") or path == b"/api":
         return "ollama"
     if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
@@ -280,7 +285,8 @@ class AuthGate(Resource):
     def _open_route(self, request: IRequest) -> bool:
         path, method = request.path, request.method
         if path in OPEN_PATHS or method == b"OPTIONS" or (path == b"/" and method in (b"GET", b"HEAD")) \
-                or (path.startswith(HELD_IMAGES) and method in (b"GET", b"HEAD")):
+                or (path.startswith(HELD_IMAGES) and method in (b"GET", b"HEAD")) \
+                or (method in (b"GET", b"HEAD") and (path in UI_PAGE or path.startswith(UI_ASSETS))):
             return True
         if path == b"/metrics":
             required = self._keys.config.metrics_require_key

@@ -20,6 +20,7 @@ from twisted.web.resource import Resource
 
 from blazar.gateway.context import context_of
 from blazar.metrics import CONTENT_TYPE, Metrics
+from blazar.web.activity import Activity, Finished, Performance
 
 log = Logger()
 
@@ -74,6 +75,9 @@ class RequestObserver:
         self.metrics = metrics
         self._clock = clock
         self.tracing = tracing  # a blazar.web.tracing.Tracing
+        # the dashboard's Activity and Performance pages (blazar.web.activity)
+        self.activity = Activity()
+        self.performance = Performance()
         # labelled children, bound once per label values: prometheus_client's
         # labels() validates and locks on every call (seven per request)
         self._bound: dict[tuple[Any, ...], Any] = {}
@@ -120,10 +124,23 @@ class RequestObserver:
         if context.images and model:
             child(m.images, model, key_name).inc(context.images)
         timing = context.timing
+        ttft = tpot = None
         if timing is not None and timing.first is not None:
-            child(m.ttft, surface, model).observe(max(0.0, timing.first - started))
+            ttft = max(0.0, timing.first - started)
+            child(m.ttft, surface, model).observe(ttft)
             if timing.chunks > 1:
-                child(m.tpot, surface, model).observe((timing.last - timing.first) / (timing.chunks - 1))
+                tpot = (timing.last - timing.first) / (timing.chunks - 1)
+                child(m.tpot, surface, model).observe(tpot)
+        if model and surface != "ui":  # a model's request (not a poll of /api/ps, /metrics or the dashboard)
+            seconds = max(0.0, end - started)
+            self.activity.add(Finished(
+                at=end, surface=surface, method=(getattr(request, "method", b"") or b"").decode("ascii", "replace"),
+                path=(getattr(request, "path", b"") or b"").decode("ascii", "replace")[:200], model=model,
+                key=key_name, status=status,
+                code=code, ms=round(seconds * 1000, 1), prompt_tokens=tokens[0] if tokens else None,
+                completion_tokens=tokens[1] if tokens else None, ttft=ttft, tpot=tpot, trace=context.trace_id,
+            ))
+            self.performance.add(end, seconds, tokens[1] if tokens else 0, not gone and code >= 500)
         if self.tracing is not None:
             self.tracing.record(request, surface, end)
 

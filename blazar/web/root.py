@@ -12,8 +12,9 @@ from twisted.web.resource import IResource, Resource
 
 class SurfaceRouter(Resource):
     """
-    Sends C{/metrics} to the Prometheus exposition, C{/} and C{/api/*} to
-    the Ollama surface, C{/v1/messages*} to the
+    Sends C{/metrics} to the Prometheus exposition, C{/ui*} and
+    C{/api/logs} to the dashboard (and a browser's C{GET /} there), C{/}
+    and C{/api/*} to the Ollama surface, C{/v1/messages*} to the
     Anthropic surface, and every other path to the OpenAI surface (whose 404
     shape unknown paths then get).
     """
@@ -22,10 +23,11 @@ class SurfaceRouter(Resource):
 
     def __init__(
         self, openai: IResource, ollama: IResource, anthropic: IResource,
-        metrics: IResource | None = None,
+        metrics: IResource | None = None, dashboard: IResource | None = None,
     ) -> None:
         super().__init__()
         self._metrics = metrics
+        self._dashboard = dashboard
         self._openai = openai
         self._ollama = ollama
         self._anthropic = anthropic
@@ -34,8 +36,24 @@ class SurfaceRouter(Resource):
         path = request.path
         if path == b"/metrics" and self._metrics is not None:
             return self._metrics.render(request)
+        if self._dashboard is not None:
+            if path == b"/ui" or path.startswith(b"/ui/") or path == b"/api/logs":
+                return self._dashboard.render(request)
+            if path == b"/" and request.method in (b"GET", b"HEAD") and _browser(request):
+                request.setResponseCode(302)  # a browser at the root gets the dashboard; Ollama clients its line
+                request.setHeader(b"location", b"/ui")
+                return b""
         if path == b"/" or path.startswith(b"/api/") or path == b"/api":
             return self._ollama.render(request)
         if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
             return self._anthropic.render(request)
         return self._openai.render(request)
+
+
+def _browser(request: IRequest) -> bool:
+    """
+    A browser navigating (it asks for HTML first), not an Ollama client
+    checking that the server runs.
+    """
+    accept = request.getHeader(b"accept") or ""
+    return "text/html" in (accept if isinstance(accept, str) else accept.decode("latin-1"))

@@ -122,6 +122,8 @@ def test_wheel_ships_every_package_and_no_twisted_init(installed: Installed) -> 
         if "__pycache__" not in p.parts
     }
     assert on_disk - shipped == set(), "modules left out of the wheel"
+    assets = {p.relative_to(ROOT).as_posix() for p in (ROOT / "blazar" / "web" / "ui").iterdir() if p.is_file()}
+    assert assets and assets <= names, ("the dashboard's assets left out of the wheel", assets - names)
     assert "twisted/plugins/blazar_plugin.py" in shipped
     # an __init__.py here would shadow the real Twisted (or its plugins package)
     assert {n for n in names if n.startswith("twisted/")} == {"twisted/plugins/blazar_plugin.py"}
@@ -213,3 +215,12 @@ def test_installed_daemon_serves_a_chat_completion(installed_daemon: InstalledDa
     message = body["choices"][0]["message"]
     assert message["role"] == "assistant" and isinstance(message["content"], str), body
     assert os.listdir(installed_daemon.installed.empty) == []
+
+
+def test_installed_daemon_serves_the_dashboard(installed_daemon: InstalledDaemon) -> None:
+    status, headers, page = installed_daemon.request("GET", "/ui")
+    assert status == 200 and b'<script src="/ui/static/app.js"' in page, page[:300]
+    assert "script-src 'self'" in headers["content-security-policy"] and headers["x-frame-options"] == "DENY"
+    for asset in ("app.js", "app.css"):
+        status, _, body = installed_daemon.request("GET", f"/ui/static/{asset}")
+        assert status == 200 and len(body) > 1000, asset

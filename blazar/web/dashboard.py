@@ -1,0 +1,371 @@
+"""
+The web dashboard (issue 25): C{GET /ui} (and C{GET /} for a browser)
+serves a single-page app shipped inside the package (C{blazar/web/ui/}:
+plain HTML, CSS and JavaScript, no build step, no CDN: it works offline),
+and C{/ui/api/...} the JSON it reads, plus C{GET /api/logs} (the log ring
+C{blazar logs} reads, live over Server-Sent Events with C{follow=1}).
+
+Sign-in: the page asks for an API key and keeps it in C{sessionStorage},
+sending it as C{Authorization: Bearer} (no cookies, so no CSRF); its
+requests go through the same door, scopes and metrics as any client's. On
+a gateway without keys the dashboard answers loopback clients only. A
+scoped key sees its models (and its own requests) and none of the admin
+pages or actions; management (load, unload, evict, breakers, keys) needs
+an unscoped key and calls the same code as the AMP verbs
+(L{blazar.gateway.operations}, L{blazar.protocols.keyadmin}).
+
+Every response carries a strict Content-Security-Policy (no inline
+script or style, nothing from elsewhere), C{X-Frame-Options: DENY} and
+C{X-Content-Type-Options: nosniff}.
+"""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+from typing import Any, Callable
+
+from klein import Klein
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web.iweb import IRequest
+
+from blazar import __version__
+from blazar.config import Config, ConfigError
+from blazar.gateway.call import Call, CallKind
+from blazar.gateway.context import context_of, key_of
+from blazar.gateway.errors import BadRequest, Forbidden
+from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.scope import may_use, visible
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelRegistry
+from blazar.web.auth import check_admin, is_local
+from blazar.web.body import read_json
+from blazar.web.errors import answer
+
+log = Logger()
+
+CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+       b"font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+ASSETS = {"app.js": b"text/javascript; charset=utf-8", "app.css": b"text/css; charset=utf-8",
+          "favicon.svg": b"image/svg+xml"}
+LOG_PING = 15.0  # seconds between SSE comments on a quiet log stream (proxies close idle ones)
+LOG_POLL = 0.25  # how often a followed log stream looks for new lines
+
+
+def secure(request: IRequest) -> None:
+    """
+    The security headers every dashboard response carries.
+    """
+    request.setHeader(b"content-security-policy", CSP)
+    request.setHeader(b"x-frame-options", b"DENY")
+    request.setHeader(b"x-content-type-options", b"nosniff")
+    request.setHeader(b"referrer-policy", b"no-referrer")
+    request.setHeader(b"cache-control", b"no-store")
+
+
+def _asset(name: str) -> bytes:
+    return resources.files("blazar.web").joinpath("ui", name).read_bytes()
+
+
+def _viewer(request: IRequest) -> None:
+    """
+    On a gateway without keys, the dashboard's data is for this machine
+    only (as management is: L{check_admin}).
+
+    @raise Forbidden: A keyless request from the network.
+    """
+    if key_of(request) is None and not context_of(request).keys_active:
+        if not is_local(request.getClientAddress()):
+            raise Forbidden("this gateway has no API keys, so its dashboard answers this machine only; add a key "
+                            "(`blazar keys add admin`) and sign in with it")
+
+
+def _is_admin(request: IRequest) -> bool:
+    key = key_of(request)
+    return key.admin if key is not None else True  # no key on a keyless gateway (loopback: _viewer)
+
+
+class Dashboard:
+    """
+    The dashboard's page, assets and JSON (see the module docstring).
+    """
+
+    app = Klein()
+
+    def __init__(
+        self, registry: ModelRegistry, pipeline: Pipeline, operations: ModelOperations, clock: Any,
+        wall: Callable[[], float], config: Callable[[], Config], logs: Any = None, observer: Any = None,
+        key_admin: Any = None, hints: Any = None, engines: Callable[[], Deferred[list[dict[str, Any]]]] | None = None,
+    ) -> None:
+        self._registry = registry
+        self._pipeline = pipeline
+        self._operations = operations
+        self._clock = clock
+        self._wall = wall
+        self._config = config
+        self._logs = logs  # blazar.protocols.control.LogRing
+        self.observer = observer  # blazar.web.observe.RequestObserver: activity and performance
+        self.key_admin = key_admin  # blazar.protocols.keyadmin.KeyAdmin
+        self._hints = hints
+        self._engines = engines
+
+    # -- the page ------------------------------------------------------------
+
+    @app.route("/ui", methods=["GET", "HEAD"])
+    @app.route("/ui/", methods=["GET", "HEAD"])
+    def page(self, request: IRequest) -> bytes:
+        secure(request)
+        request.setHeader(b"content-type", b"text/html; charset=utf-8")
+        return _asset("index.html")
+
+    @app.route("/ui/static/<name>", methods=["GET", "HEAD"])
+    def static(self, request: IRequest, name: str) -> bytes:
+        secure(request)
+        kind = ASSETS.get(name)
+        if kind is None:
+            request.setResponseCode(404)
+            request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+            return b"no such file"
+        request.setHeader(b"content-type", kind)
+        request.setHeader(b"cache-control", b"no-cache")
+        return _asset(name)
+
+    # -- who is signed in ------------------------------------------------------
+
+    @app.route("/ui/api/door", methods=["GET"])
+    def door(self, request: IRequest) -> bytes:
+        """
+        Open (no key): whether the page must ask for one, so it never
+        sends a request bound to be refused.
+        """
+        return self._json(request, {"keys_active": context_of(request).keys_active})
+
+    @app.route("/ui/api/me", methods=["GET"])
+    def me(self, request: IRequest) -> bytes:
+        _viewer(request)
+        key = key_of(request)
+        return self._json(request, {
+            "key": key.name if key is not None else None, "admin": _is_admin(request),
+            "keys_active": context_of(request).keys_active, "version": __version__,
+        })
+
+    # -- models ----------------------------------------------------------------
+
+    @app.route("/ui/api/models", methods=["GET"])
+    async def models(self, request: IRequest) -> bytes:
+        """
+        Files on disk (name, kind, format, size, quantization, trained
+        context, capabilities) and loaded instances (L{ModelOperations.instances}),
+        each only if the key may use it.
+        """
+        _viewer(request)
+        from blazar.engines.llamacpp import model_kind
+
+        entries = await self._registry.refresh()
+        allowed = set(visible(request, [e.name for e in entries]))
+        files = []
+        for e in entries:
+            if e.name not in allowed:
+                continue
+            row: dict[str, Any] = {"name": e.name, "format": e.format, "path": e.path.name}
+            try:
+                meta = await self._registry.metadata(e)
+                row.update(kind=model_kind(e, meta), size=meta.size, architecture=meta.architecture,
+                           trained_ctx=meta.context_length, file_type=meta.file_type,
+                           chat_template=meta.has_chat_template)
+            except (GGUFError, OSError):
+                row.update(kind="unknown", size=None, error="unreadable")
+            files.append(row)
+        loaded = [r for r in await self._operations.instances(self._hints) if may_use(request, r["model"])]
+        return self._json(request, {"files": files, "loaded": loaded, "now": self._wall()})
+
+    @app.route("/ui/api/models/<path:name>/load", methods=["POST"])
+    async def load(self, request: IRequest, name: str) -> bytes:
+        check_admin(request, "load models")
+        started, loaded = await self._pipeline.load(request, Call("ui", CallKind.CHAT, name, "", {}))
+        return self._json(request, {"model": context_of(request).model or name, "seconds": round(loaded - started, 3)})
+
+    @app.route("/ui/api/models/<path:name>/unload", methods=["POST"])
+    async def unload(self, request: IRequest, name: str) -> bytes:
+        check_admin(request, "unload models")
+        running = await self._operations.unload(name, "unloaded from the dashboard")
+        return self._json(request, {"model": name, "was_running": running})
+
+    @app.route("/ui/api/models/<path:name>/evict", methods=["POST"])
+    def evict(self, request: IRequest, name: str) -> bytes:
+        check_admin(request, "evict models")
+        return self._json(request, {"evicted": self._operations.evict(name)})
+
+    @app.route("/ui/api/breakers/reset", methods=["POST"])
+    def reset_breakers(self, request: IRequest) -> bytes:
+        check_admin(request, "reset crash breakers")
+        return self._json(request, {"reset": self._operations.reset_breakers()})
+
+    # -- activity and performance ------------------------------------------------
+
+    @app.route("/ui/api/activity", methods=["GET"])
+    def activity(self, request: IRequest) -> bytes:
+        """
+        The last requests, newest first (C{limit}, C{model}, C{status}
+        filters); a scoped key sees its own requests on its models.
+        """
+        _viewer(request)
+        args = request.args or {}
+
+        def arg(name: str) -> str | None:
+            values = args.get(name.encode("ascii"))
+            return values[-1].decode("utf-8", "replace") if values else None
+
+        try:
+            limit = max(1, min(500, int(arg("limit") or 100)))
+        except ValueError:
+            raise BadRequest("limit must be a number from 1 to 500", "limit") from None
+        key = key_of(request)
+        mine = None if key is None or key.admin else key.name
+        rows = self.observer.activity.recent(limit, arg("model"), mine or arg("key"), arg("status")) \
+            if self.observer is not None else []
+        return self._json(request, {"requests": [r.to_json() for r in rows if may_use(request, r.model)]})
+
+    @app.route("/ui/api/performance", methods=["GET"])
+    def performance(self, request: IRequest) -> bytes:
+        _viewer(request)
+        series = self.observer.performance.series(self._wall()) if self.observer is not None else []
+        return self._json(request, {"minutes": series})
+
+    # -- logs ------------------------------------------------------------------
+
+    @app.route("/api/logs", methods=["GET"])
+    def logs(self, request: IRequest) -> Any:
+        """
+        The log ring C{blazar logs} reads: C{model=M} for one model's lines
+        (its engine's output and the daemon's events about it), else the
+        daemon's (admin only); C{after=SEQ} for what came later;
+        C{follow=1} keeps the response open as Server-Sent Events
+        (C{id} is the line's sequence number, C{data} its JSON
+        C{{seq, model, text}}).
+        """
+        _viewer(request)
+        args = request.args or {}
+        model = args.get(b"model", [b""])[-1].decode("utf-8", "replace") or None
+        if model is None:
+            check_admin(request, "read the daemon's log")
+        elif not may_use(request, model):
+            from blazar.models.registry import ModelNotFound
+
+            raise ModelNotFound(model, [])
+        try:
+            after = int(args.get(b"after", [b"0"])[-1] or 0)
+        except ValueError:
+            raise BadRequest("after must be a line number", "after") from None
+        follow = args.get(b"follow", [b"0"])[-1] in (b"1", b"true")
+        ring = self._logs
+        secure(request)
+
+        def lines(since: int) -> list[dict[str, Any]]:
+            if ring is None:
+                return []
+            return [{"seq": seq, "model": m, "text": text} for seq, m, text in list(ring.lines)
+                    if seq > since and (model is None or m == model)]
+
+        if not follow:
+            return self._json(request, {"lines": lines(after)[-2000:]})
+        return self._follow(request, lines, after)
+
+    def _follow(self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int) -> Deferred[None]:
+        request.setHeader(b"content-type", b"text/event-stream")
+        request.setHeader(b"x-accel-buffering", b"no")
+        request.write(b": log stream\n\n")
+        done: Deferred[None] = Deferred()
+        state = {"seq": after, "quiet": 0.0}
+
+        def tick() -> None:
+            if done.called:
+                return
+            fresh = lines(state["seq"])  # type: ignore[arg-type]
+            for line in fresh:
+                request.write(f"id: {line['seq']}\ndata: {json.dumps(line)}\n\n".encode("utf-8"))
+                state["seq"] = line["seq"]
+            state["quiet"] = 0.0 if fresh else state["quiet"] + LOG_POLL
+            if state["quiet"] >= LOG_PING:
+                request.write(b": ping\n\n")
+                state["quiet"] = 0.0
+            timer[0] = self._clock.callLater(LOG_POLL, tick)
+
+        timer = [self._clock.callLater(0, tick)]
+
+        def gone(_: Any) -> None:
+            if timer[0].active():
+                timer[0].cancel()
+            if not done.called:
+                done.callback(None)
+
+        request.notifyFinish().addBoth(gone)  # type: ignore[attr-defined]
+        return done
+
+    # -- keys (admin) -------------------------------------------------------------
+
+    @app.route("/ui/api/keys", methods=["GET"])
+    def keys(self, request: IRequest) -> bytes:
+        check_admin(request, "manage keys")
+        return self._json(request, {"keys": [
+            {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models), "admin": k.admin,
+             "rpm": k.rpm, "tpm": k.tpm, "daily_tokens": k.daily_tokens}
+            for k in self._config().keys
+        ], "config": str(self._config().source) if self._config().source else None})
+
+    @app.route("/ui/api/keys", methods=["POST"])
+    async def add_key(self, request: IRequest) -> bytes:
+        check_admin(request, "manage keys")
+        body = read_json(request)
+        name, models = body.get("name"), body.get("models") or []
+        if not isinstance(name, str) or not name.strip():
+            raise BadRequest("name: the new key's name is required", "name")
+        if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
+            raise BadRequest("models: a list of model names (empty: an unscoped key)", "models")
+        return await self._change(request, lambda admin: admin.add(name.strip(), models), name=name.strip())
+
+    @app.route("/ui/api/keys/<name>/rotate", methods=["POST"])
+    async def rotate_key(self, request: IRequest, name: str) -> bytes:
+        check_admin(request, "manage keys")
+        return await self._change(request, lambda admin: admin.rotate(name), name=name)
+
+    @app.route("/ui/api/keys/<name>", methods=["DELETE"])
+    async def remove_key(self, request: IRequest, name: str) -> bytes:
+        check_admin(request, "manage keys")
+        return await self._change(request, lambda admin: admin.remove(name), name=name)
+
+    async def _change(self, request: IRequest, change: Callable[[Any], Any], **extra: Any) -> bytes:
+        if self.key_admin is None:
+            raise BadRequest("keys cannot be changed here: the daemon has no config file to write "
+                             "(start it with --config FILE)")
+        try:
+            result = await self.key_admin.change(change)
+        except (ConfigError, OSError, ValueError) as e:
+            raise BadRequest(str(e)) from None
+        return self._json(request, {**extra, **result})
+
+    # -- sessions and engines -------------------------------------------------------
+
+    @app.route("/ui/api/engines", methods=["GET"])
+    async def engines(self, request: IRequest) -> bytes:
+        check_admin(request, "see the installed engines")
+        rows = await self._engines() if self._engines is not None else []
+        return self._json(request, {"engines": rows})
+
+    # -- plumbing ---------------------------------------------------------------------
+
+    def _json(self, request: IRequest, value: Any) -> bytes:
+        secure(request)
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps(value).encode("utf-8")
+
+    @app.handle_errors(Exception)
+    def _error(self, request: IRequest, failure: Failure) -> bytes | None:
+        problem = answer(request, failure.value, "ui")
+        if problem is None:
+            return None
+        secure(request)
+        return json.dumps({"error": {"message": problem.message, "code": problem.code}}).encode("utf-8")
