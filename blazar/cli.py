@@ -310,11 +310,59 @@ def _one_call(args: argparse.Namespace, command: Any, say: Any, **arguments: Any
     return _control(args, action)
 
 
+def _follow_http(args: argparse.Namespace) -> int | None:
+    """
+    C{blazar logs -f} over the daemon's C{GET /api/logs?follow=1} (the
+    dashboard's Server-Sent Events, from the same ring): new lines as they
+    come, no polling. L{None} when the HTTP API cannot serve it (no TCP
+    listener, no answer, or it wants a key this shell does not have):
+    the control socket is asked instead.
+    """
+    import http.client
+    import os
+    import urllib.parse
+
+    found = _daemon_http(argparse.Namespace(config=args.config), "logs")
+    if isinstance(found, int):
+        return None
+    host, port, _ = found
+    query = {"follow": "1", **({"model": args.model} if args.model else {})}
+    headers = {"accept": "text/event-stream"}
+    key = os.environ.get("BLAZAR_API_KEY")
+    if key:
+        headers["authorization"] = f"Bearer {key}"
+    try:
+        conn = http.client.HTTPConnection(host, port, timeout=60)
+        conn.request("GET", "/api/logs?" + urllib.parse.urlencode(query), headers=headers)
+        resp = conn.getresponse()
+    except OSError:
+        return None
+    if resp.status == 404 and args.model:
+        print(f"blazar: no model named {args.model!r}", file=sys.stderr)
+        return 1
+    if resp.status != 200:
+        return None
+    try:
+        for raw in resp:
+            line = raw.decode("utf-8", "replace").rstrip("\n")
+            if line.startswith("data: "):
+                print(json.loads(line[len("data: "):])["text"], flush=True)
+    except (OSError, http.client.HTTPException, ValueError):
+        print("blazar: the daemon closed the log stream", file=sys.stderr)
+        return 1
+    return 0
+
+
 def _logs(args: argparse.Namespace) -> int:
     from twisted.internet import reactor
     from twisted.internet.task import deferLater
 
     from blazar.protocols.control import Logs, UnknownModel
+
+    if args.follow:
+        followed = _follow_http(args)
+        if followed is not None:
+            return followed
 
     async def action(p: Any) -> int:
         cursor = 0

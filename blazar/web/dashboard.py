@@ -238,7 +238,7 @@ class Dashboard:
     # -- logs ------------------------------------------------------------------
 
     @app.route("/api/logs", methods=["GET"])
-    def logs(self, request: IRequest) -> Any:
+    async def logs(self, request: IRequest) -> Any:
         """
         The log ring C{blazar logs} reads: C{model=M} for one model's lines
         (its engine's output and the daemon's events about it), else the
@@ -252,10 +252,14 @@ class Dashboard:
         model = args.get(b"model", [b""])[-1].decode("utf-8", "replace") or None
         if model is None:
             check_admin(request, "read the daemon's log")
-        elif not may_use(request, model):
+        else:
             from blazar.models.registry import ModelNotFound
 
-            raise ModelNotFound(model, [])
+            if not may_use(request, model):
+                raise ModelNotFound(model, [])
+            model = (await self._registry.resolve(model)).name  # the ring names models canonically
+            if not may_use(request, model):
+                raise ModelNotFound(model, [])
         try:
             after = int(args.get(b"after", [b"0"])[-1] or 0)
         except ValueError:
@@ -272,7 +276,7 @@ class Dashboard:
 
         if not follow:
             return self._json(request, {"lines": lines(after)[-2000:]})
-        return self._follow(request, lines, after)
+        return await self._follow(request, lines, after)
 
     def _follow(self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int) -> Deferred[None]:
         request.setHeader(b"content-type", b"text/event-stream")

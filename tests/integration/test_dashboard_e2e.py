@@ -263,3 +263,35 @@ def test_security_headers_and_the_keyless_door(daemon: Daemon) -> None:
     assert status == 302 and headers["location"] == "/ui"
     status, _, body = daemon.request("GET", "/")
     assert status == 200 and b"Ollama is running" in body  # Ollama clients still get their line
+
+
+def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
+    import subprocess
+    import sys
+
+    status, _ = api(daemon, "POST", "/v1/chat/completions", body={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200
+    follow = subprocess.Popen(
+        [str(Path(sys.executable).parent / "blazar"), "logs", "tiny", "-f", "-c", str(daemon.config)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "BLAZAR_API_KEY": ROOT},
+    )
+    try:
+        first = follow.stdout.readline() if follow.stdout is not None else ""
+        assert "tiny:latest" in first, (first, follow.stderr.read() if follow.poll() is not None else "")
+        status, _ = api(daemon, "POST", "/v1/chat/completions", body={
+            "model": "tiny", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2})
+        assert status == 200
+        deadline = time.monotonic() + 10
+        seen = ""
+        while "print_timing" not in seen and time.monotonic() < deadline:
+            seen += follow.stdout.readline() if follow.stdout is not None else ""
+        assert "print_timing" in seen, seen[-2000:]
+    finally:
+        follow.kill()
+        follow.wait(10)
+    deadline = time.monotonic() + 10  # it followed the HTTP stream (its access line: the stream ended)
+    while "GET /api/logs" not in daemon.log() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert "GET /api/logs" in daemon.log()
