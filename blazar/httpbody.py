@@ -8,7 +8,7 @@ puller (L{blazar.models.hub}); it knows nothing of either.
 from __future__ import annotations
 
 import secrets
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IReactorTime
@@ -205,11 +205,14 @@ async def read_body(
     return b"".join(parts)
 
 
-def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, str, bytes]],
+def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, str, Any]],
                    boundary: str | None = None) -> tuple[bytes, str]:
     """
     A C{multipart/form-data} body (RFC 7578): text C{fields}, then
-    C{files} as C{(field name, file name, content type, bytes)}.
+    C{files} as C{(field name, file name, content type, data)}, C{data}
+    bytes or a tuple of byte strings joined in place (no copy of their own).
+
+    @raise ValueError: A field that is not text (a lone surrogate).
 
     @return: The body and its C{content-type} header value.
     """
@@ -224,7 +227,8 @@ def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, st
                      + value.encode("utf-8") + b"\r\n")
     for name, filename, content_type, data in files:
         parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"; '
-                     f'filename="{quoted(filename)}"\r\nContent-Type: {quoted(content_type)}\r\n\r\n'.encode()
-                     + data + b"\r\n")
+                     f'filename="{quoted(filename)}"\r\nContent-Type: {quoted(content_type)}\r\n\r\n'.encode())
+        parts.extend(data if isinstance(data, tuple) else (data,))
+        parts.append(b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())
     return b"".join(parts), f"multipart/form-data; boundary={boundary}"

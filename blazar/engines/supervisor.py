@@ -47,6 +47,7 @@ from blazar.engines import runfiles
 from blazar.config import CommandLane
 from blazar.engines.lanes import (
     BUILTIN,
+    SDCPP,
     SERVER_NAME,
     WHISPER,
     LaneError,
@@ -730,6 +731,10 @@ class Instance:
         if full:
             tail = self.protocol.tail_text()
             return message + (f"; last output:\n{tail}" if tail else "")
+        if self.lane == SDCPP and self.ready_once:
+            # sd-server logs what requests asked (their prompts): a crash's last lines may be
+            # another client's; its load failures (before ready) name the file and the reason
+            return message + f" (its output is in the daemon log: `blazar logs {self.entry.name}`)"
         line = self.protocol.error_line()
         return message + (f"; it said: {line} (the daemon log has the rest)" if line else "")
 
@@ -1130,6 +1135,9 @@ class Supervisor(Service):
         meta = await self._registry.metadata(entry)
         # LaneError: none serves it
         lane = route(entry.name, entry.format, pinned, self._config, meta.architecture)
+        if lane is not None and lane.name == WHISPER and self._run_dir is not None:
+            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
+                                    self._run_dir / "child-cwd")
         if lane is not None and lane.name in BUILTIN:
             try:
                 binary = await deferToThreadPool(
@@ -1267,8 +1275,10 @@ class Supervisor(Service):
             "starting {model}: {argv}", model=entry.name, engine=instance.lane,
             argv=" ".join(command.argv).replace(api_key, "<per-child key>"),
         )
+        # whisper-server serves ./examples/server/public from its working directory: give it an empty one
+        cwd = str(self._run_dir / "child-cwd") if lane is not None and lane.name == WHISPER and self._run_dir else None
         transport = self._reactor.spawnProcess(
-            protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}
+            protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}, path=cwd,
         )
         instance.pid = transport.pid
         instance.transport = transport

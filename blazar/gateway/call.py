@@ -104,6 +104,7 @@ class Call:
     content_type: str = "application/json"  # of raw, as the engine gets it
     audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
     audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
+    images: list[bytes] | None = None  # an image edit's uploads (their sizes are checked before admission)
 
     @property
     def embedding(self) -> bool:

@@ -39,6 +39,7 @@ import json
 import math
 from typing import Any, Awaitable, Callable
 
+from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.logger import Logger
 
 from blazar.engines.lease import InstanceLease
@@ -61,8 +62,7 @@ from blazar.gateway.toolcalls import (
 )
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
-from blazar.gateway.audio import AudioUnreadable, thd_to_wav
-from blazar.httpbody import multipart_body
+from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
@@ -334,6 +334,7 @@ class Pipeline:
         self._proxy = proxy
         self._clock = clock
         self._in_thread = in_thread or _inline
+        self._decodes = Bounded(DECODES)  # uploads being decoded at once, daemon-wide
         # per (path, mtime): (general.architecture, reranker), read once per file version
         self._facts: dict[tuple[Any, float], tuple[str | None, bool]] = {}
         self._registry = registry
@@ -447,6 +448,8 @@ class Pipeline:
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
             )
+        if call.images:
+            await self._image_sizes(call.images)
         await self._admit(request, canonical, call.work, call.entry, call.lane)
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
@@ -728,6 +731,23 @@ class Pipeline:
             return False
         return (await self._facts_of(entry))[1]
 
+    async def _image_sizes(self, images: list[bytes]) -> None:
+        """
+        An image edit's uploads, read by their headers (nothing decoded):
+        sd-server edits at an image's own size, so one bigger than
+        L{MAX_IMAGE_SIDE} a side could take all the memory there is.
+
+        @raise BadRequest: Not an image, or too big.
+        """
+        for data in images:
+            try:
+                width, height = await self._in_thread(thd_image_size, data)
+            except AudioUnreadable as e:
+                raise BadRequest(str(e), "image") from None
+            if width > MAX_IMAGE_SIDE or height > MAX_IMAGE_SIDE:
+                raise BadRequest(f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
+                                 "side: scale it down first", "image")
+
     async def _audio(self, request: Any, call: Call) -> None:
         """
         The audio step: the upload decoded and resampled to 16 kHz mono WAV
@@ -738,10 +758,12 @@ class Pipeline:
         @raise BadRequest: Not audio the converter can read.
         """
         try:
-            wav, seconds = await self._in_thread(thd_to_wav, call.audio or b"")
+            call.raw, call.content_type, seconds = await self._decodes.run(
+                self._in_thread, thd_to_multipart, call.audio or b"", call.audio_fields or {})
         except AudioUnreadable as e:
             raise BadRequest(f"{e}: send a WAV, MP3, OGG, FLAC, M4A or WebM file", "file") from None
-        call.raw, call.content_type = multipart_body(call.audio_fields or {}, [("file", "audio.wav", "audio/wav", wav)])
+        except ValueError as e:  # a field that is not text
+            raise BadRequest(f"a form field is not text: {e}") from None
         call.audio = None
         context_of(request).audio_seconds = seconds
 
@@ -836,6 +858,58 @@ class Pipeline:
             return queue is not None and bool(queue.waiting)
 
         lease.finish(keep_alive, waiting)
+
+
+DECODES = 2  # audio decodes in the thread pool at once (each holds up to MAX_SECONDS of PCM)
+MAX_IMAGE_SIDE = 2048  # pixels, as blazar.web.translate.images.MAX_SIDE
+
+
+class Bounded:
+    """
+    At most C{limit} pieces of thread-pool work at once, counted until the
+    work itself ends: a caller that leaves (its client gone, its Deferred
+    cancelled) stops waiting, but its work still holds its place until the
+    thread is done, so leaving and asking again cannot stack more.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.running = 0
+        self._waiting: list[Deferred[None]] = []
+
+    async def run(self, in_thread: Callable[..., Awaitable[Any]], f: Callable[..., Any], *args: Any) -> Any:
+        """
+        C{in_thread(f, *args)} once fewer than C{limit} are running.
+        """
+        while self.running >= self.limit:
+            turn: Deferred[None] = Deferred(self._leave)
+            self._waiting.append(turn)
+            await turn
+        self.running += 1
+        try:
+            work: Deferred[Any] = ensureDeferred(in_thread(f, *args))  # type: ignore[arg-type]
+        except BaseException:
+            self._release(None)
+            raise
+        work.addBoth(self._release)
+        shield: Deferred[Any] = Deferred()  # cancelling it (the caller leaves) leaves the work alone
+
+        def relay(result: Any) -> None:
+            if not shield.called:
+                shield.callback(result)  # a Failure goes down shield's errbacks
+
+        work.addBoth(relay)
+        return await shield
+
+    def _leave(self, turn: Deferred[None]) -> None:
+        if turn in self._waiting:
+            self._waiting.remove(turn)
+
+    def _release(self, result: Any) -> Any:
+        self.running -= 1
+        if self._waiting:
+            self._waiting.pop(0).callback(None)
+        return result
 
 
 async def _inline(f: Callable[..., Any], *args: Any) -> Any:

@@ -53,6 +53,9 @@ def read_json(request: Any, empty_ok: bool = False) -> dict[str, Any]:
     return json_object(content.read() if content is not None else b"", empty_ok)
 
 
+FILE_FIELDS = frozenset({"file", "image", "image[]", "mask"})  # uploads even without a filename
+
+
 class Upload(NamedTuple):
     """
     One file part of a C{multipart/form-data} body.
@@ -87,10 +90,12 @@ def read_form(request: Any) -> tuple[dict[str, list[str]], dict[str, list[Upload
         parser = multipart.MultipartParser(io.BytesIO(raw), options["boundary"], len(raw), strict=True,
                                            memory_limit=len(raw) + 1, spool_limit=len(raw) + 1, part_limit=256)
         for part in parser:
-            if part.filename is not None:
-                files.setdefault(part.name, []).append(Upload(part.filename, part.content_type or "", part.raw))
+            if part.filename is not None or part.name in FILE_FIELDS:
+                files.setdefault(part.name, []).append(Upload(part.filename or "", part.content_type or "", part.raw))
             else:
-                fields.setdefault(part.name, []).append(part.value)
-    except (multipart.MultipartError, UnicodeDecodeError, ValueError) as e:
+                value = part.value
+                value.encode("utf-8")  # a lone surrogate (from a utf-7 part, say) is not text
+                fields.setdefault(part.name, []).append(value)
+    except (multipart.MultipartError, UnicodeError, ValueError, LookupError) as e:
         raise BadRequest(f"malformed multipart/form-data body: {e}") from None
     return fields, files

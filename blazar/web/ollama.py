@@ -261,8 +261,9 @@ class OllamaSurface:
         width, height = body.get("width"), body.get("height")
         if width is not None or height is not None:
             for name, value in (("width", width), ("height", height)):
-                if isinstance(value, bool) or not isinstance(value, int) or not 16 <= value <= 4096:
-                    raise OllamaError(400, f"{name} must be an integer from 16 to 4096 (both width and height)")
+                if isinstance(value, bool) or not isinstance(value, int) or not 16 <= value <= images_tr.MAX_SIDE:
+                    raise OllamaError(400, f"{name} must be an integer from 16 to {images_tr.MAX_SIDE} (both width "
+                                      "and height)")
             fields["size"] = f"{width}x{height}"
         if body.get("steps") is not None:
             fields["steps"] = body["steps"]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
+import re
 import secrets
 from typing import Any, Callable
 
@@ -383,7 +384,7 @@ class OpenAISurface:
                   for u in files.get("mask", [])[:1]]
         raw, content_type = multipart_body({k: str(v) for k, v in engine_body.items()}, parts)
         call = Call("openai", CallKind.IMAGE, model, "/v1/images/edits", engine_body, raw=raw,
-                    content_type=content_type)
+                    content_type=content_type, images=[u.data for u in images + files.get("mask", [])[:1]])
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
@@ -640,18 +641,23 @@ def render(problem: Problem) -> bytes:
 _KINDS = {"chat": CallKind.CHAT, "completion": CallKind.COMPLETION, "embedding": CallKind.EMBEDDING}
 
 
+_HOST = re.compile(r"(?:[A-Za-z0-9.-]+|\[[0-9A-Fa-f:.]+\])(?::[0-9]{1,5})?")
+
+
 def _base_url(request: IRequest) -> str:
     """
     The scheme and authority the client reached this gateway at (its
     C{Host} header), for the image URLs it gets.
     """
     host = request.getHeader(b"host")
-    if not host:
+    if isinstance(host, bytes):
+        host = host.decode("latin-1")
+    if not host or not _HOST.fullmatch(host):  # no header, or one that is not a host[:port]
         address = request.getHost()
         host = f"{getattr(address, 'host', '127.0.0.1')}:{getattr(address, 'port', 0)}"
-    elif isinstance(host, bytes):
-        host = host.decode("latin-1")
-    return ("https://" if request.isSecure() else "http://") + str(host)
+    forwarded = request.getHeader(b"x-forwarded-proto")  # behind a TLS-terminating proxy
+    secure = request.isSecure() or (forwarded or b"").strip().lower() in (b"https", "https")
+    return ("https://" if secure else "http://") + str(host)
 
 
 class HeldImages:

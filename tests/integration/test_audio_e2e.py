@@ -164,6 +164,15 @@ def test_an_unreadable_file_and_the_wrong_models(daemon: Daemon) -> None:
     with pytest.raises(openai.BadRequestError) as chat:
         c.chat.completions.create(model="whisper-1", messages=[{"role": "user", "content": "hi"}])
     assert "POST /v1/audio/transcriptions" in str(chat.value)
+    # a playlist naming a file beside the daemon: never opened (only media demuxers read uploads)
+    with pytest.raises(openai.BadRequestError) as playlist:
+        c.audio.transcriptions.create(model="whisper-1", file=("notes.txt", b"ffconcat version 1.0\nfile 'x.wav'\n"))
+    assert "could not be decoded as audio" in str(playlist.value)
+    with pytest.raises(openai.BadRequestError) as lang:
+        c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()), language="zz")
+    assert "language" in str(lang.value)
+    regional = c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()), language="en-US")
+    assert isinstance(regional.text, str)  # the language alone: en
     with pytest.raises(openai.BadRequestError) as fmt:
         c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()),
                                       response_format="yaml")  # type: ignore[arg-type]

@@ -144,3 +144,38 @@ def test_ollamas_image_fields_on_api_generate(daemon: Daemon) -> None:
     status, _, raw = daemon.request("GET", "/api/tags")
     tags = {m["name"]: m for m in json.loads(raw)["models"]}
     assert tags["tiny-flux:latest"]["kind"] == "image", tags["tiny-flux:latest"]
+
+
+def big_png(width: int, height: int) -> bytes:
+    """
+    A black PNG (zlib packs its rows to almost nothing: a small upload of a huge picture).
+    """
+    import zlib
+
+    rows = zlib.compress(b"".join(b"\x00" + b"\x00\x00\x00" * width for _ in range(height)), 9)
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+
+
+def test_what_would_take_all_the_memory_is_refused(daemon: Daemon) -> None:
+    c = client(daemon)
+    huge = big_png(3000, 2400)
+    assert len(huge) < 200_000
+    with pytest.raises(openai.BadRequestError) as edit:
+        c.images.edit(model="tiny-flux", image=("big.png", huge), prompt="x")
+    assert "3000x2400" in str(edit.value) and "2048" in str(edit.value)
+    with pytest.raises(openai.BadRequestError) as text:
+        c.images.edit(model="tiny-flux", image=("notes.png", b"not an image at all"), prompt="x")
+    assert "could not be read" in str(text.value)
+    with pytest.raises(openai.BadRequestError) as long:
+        c.images.generate(model="tiny-flux", prompt="a " * 10000, size="16x16")
+    assert "at most 4000" in str(long.value)
+    status, _, raw = daemon.request("POST", "/v1/images/generations", raw=b'{"model": "tiny-flux", "prompt": "\\ud800"}')
+    assert status == 400 and b"surrogate" in raw, raw
+    made = c.images.generate(model="tiny-flux", prompt="a hill", size="64x64", response_format="url",
+                             extra_headers={"host": "evil.example:1/x?y="})
+    assert made.data is not None and (made.data[0].url or "").startswith(f"http://127.0.0.1:{daemon.port}/v1/images/")

@@ -21,6 +21,11 @@ from typing import Any, Mapping
 from blazar.gateway.errors import BadRequest
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
+# whisper.cpp's languages (its g_lang), ISO-639-1 where one exists
+LANGUAGES = frozenset(
+    "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt la mi "
+    "ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af oc ka be tg sd "
+    "gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su yue".split())
 CONTENT_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain; charset=utf-8",
                  "srt": "application/x-subrip; charset=utf-8", "vtt": "text/vtt; charset=utf-8"}
 # accepted and not honoured (whisper models have none of these): named in x-blazar-ignored
@@ -64,9 +69,10 @@ def decode(form: Mapping[str, list[str]], translate: bool) -> tuple[dict[str, st
     if translate and language is not None:
         ignored.append("language")  # translations detect the language they translate from
     elif language:
-        if not (language.isascii() and language.replace("-", "").isalpha() and len(language) <= 12):
-            raise BadRequest("language must be an ISO-639-1 code such as 'en' or 'de'", "language")
-        fields["language"] = language.lower()
+        code = language.lower().replace("_", "-").split("-")[0]  # en-US, pt_BR: the language alone
+        if code not in LANGUAGES:
+            raise BadRequest("language must be an ISO-639-1 code whisper knows, such as 'en' or 'de'", "language")
+        fields["language"] = code
     if "language" not in fields:
         fields["language"] = "auto"  # OpenAI detects it when none is given; whisper-server would assume English
     prompt = one("prompt")

@@ -27,6 +27,7 @@ OUTPUT_FORMATS = ("png", "jpeg")  # sd-server built without libwebp (blazar.engi
 RESPONSE_FORMATS = ("b64_json", "url")
 MAX_N = 10
 MAX_SIDE = 2048
+MAX_PROMPT = 4000  # characters (dall-e-3's limit): sd-server's text encoders crash or take GBs on longer ones
 # OpenAI's fields a diffusion model has no use for: accepted, named in x-blazar-ignored
 IGNORED = ("quality", "style", "background", "moderation", "user", "input_fidelity", "partial_images")
 _SIZE = re.compile(r"([1-9][0-9]{0,4})x([1-9][0-9]{0,4})")
@@ -52,6 +53,7 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     prompt = body.get("prompt")
     if not isinstance(prompt, str) or not prompt.strip():
         raise BadRequest("'prompt' must be a non-empty string describing the image", "prompt")
+    _text(prompt, "prompt")
     if "<sd_cpp_extra_args>" in prompt:
         raise BadRequest("'prompt' may not carry <sd_cpp_extra_args>: use the fields seed, steps, "
                          "negative_prompt and cfg_scale", "prompt")
@@ -92,9 +94,21 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
     if negative is not None:
         if not isinstance(negative, str):
             raise BadRequest("'negative_prompt' must be a string", "negative_prompt")
+        _text(negative, "negative_prompt")
         extra["negative_prompt"] = negative
     engine["prompt"] = prompt + (f"<sd_cpp_extra_args>{json.dumps(extra)}</sd_cpp_extra_args>" if extra else "")
     return engine, response_format, [name for name in IGNORED if name in body]
+
+
+def _text(value: str, name: str) -> None:
+    if len(value) > MAX_PROMPT:
+        raise BadRequest(f"'{name}' is {len(value)} characters; at most {MAX_PROMPT}", name)
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"'{name}' is not valid Unicode text (a lone surrogate)", name) from None
+    if "</sd_cpp_extra_args>" in value:
+        raise BadRequest(f"'{name}' may not carry sd_cpp_extra_args tags", name)
 
 
 def form_fields(form: Mapping[str, list[str]]) -> dict[str, Any]:

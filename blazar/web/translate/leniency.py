@@ -175,7 +175,9 @@ POLICIES: dict[str, Policy] = {
     "ollama_generate": (frozenset({
         "model", "prompt", "suffix", "images", "format", "options", "system", "stream", "raw",
         "keep_alive", "think",
-    }), frozenset({"logprobs", "top_logprobs", "truncate", "shift", "context"}), {"template": _template}),
+    }), frozenset({"logprobs", "top_logprobs", "truncate", "shift", "context",
+                   "width", "height", "steps"}),  # Ollama's image fields, on a text model
+     {"template": _template}),
     # Ollama POST /api/embed and /api/embeddings
     "ollama_embed": (frozenset({"model", "input", "prompt", "options", "keep_alive"}),
                      frozenset({"truncate"}), {"dimensions": _dimensions}),

@@ -69,6 +69,7 @@ SAMPLES: dict[str, dict[str, Any]] = {
         "model": "m", "prompt": "hi", "suffix": "", "images": [], "format": "json", "options": {},
         "system": "s", "stream": False, "raw": False, "keep_alive": "5m", "think": False, "context": [1],
         "logprobs": False, "top_logprobs": 0, "truncate": True, "shift": True, "template": "",
+        "width": 64, "height": 64, "steps": 1,
     },
     "ollama_embed": {"model": "m", "input": "hi", "prompt": "hi", "options": {}, "keep_alive": "5m",
                      "truncate": True, "dimensions": None},
