@@ -44,6 +44,7 @@ from blazar.models.registry import ModelRegistry
 from blazar.web.auth import check_admin, is_local
 from blazar.web.body import read_json
 from blazar.web.errors import answer
+from blazar.web.ollama import capabilities
 
 log = Logger()
 
@@ -173,9 +174,10 @@ class Dashboard:
             row: dict[str, Any] = {"name": e.name, "format": e.format, "path": e.path.name}
             try:
                 meta = await self._registry.metadata(e)
-                row.update(kind=model_kind(e, meta), size=meta.size, architecture=meta.architecture,
+                kind = model_kind(e, meta)
+                row.update(kind=kind, size=meta.size, architecture=meta.architecture,
                            trained_ctx=meta.context_length, file_type=meta.file_type,
-                           chat_template=meta.has_chat_template)
+                           capabilities=capabilities(e, meta) if kind in ("chat", "embedding") else [kind])
             except (GGUFError, OSError):
                 row.update(kind="unknown", size=None, error="unreadable")
             files.append(row)

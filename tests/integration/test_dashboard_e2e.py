@@ -128,6 +128,7 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     page = tab.page
     expect(page.locator("#files tr[data-model='tiny:latest']")).to_be_visible()
     expect(page.locator("#who")).to_have_text("root (admin)")
+    expect(page.locator("#files tr[data-model='tiny:latest']")).to_contain_text("completion")  # its capabilities
 
     # load it from the page, then unload it from the page: /api/ps is empty
     page.click("#files tr[data-model='tiny:latest'] button.load")

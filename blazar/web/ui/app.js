@@ -215,6 +215,7 @@ async function loadModels() {
     el("td", { class: "num" }, fmtBytes(f.size)),
     el("td", {}, f.file_type === null || f.file_type === undefined ? "-" : (FILE_TYPES[f.file_type] || String(f.file_type))),
     el("td", { class: "num" }, f.trained_ctx || "-"), el("td", {}, f.architecture || "-"),
+    el("td", {}, (f.capabilities || []).join(", ") || "-"),
     admin ? el("td", {}, el("button", { type: "button", class: "load",
       onclick: () => action(`/ui/api/models/${encodeURIComponent(f.name)}/load`, "load " + f.name) }, "Load")) : null)));
 }
