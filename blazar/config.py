@@ -913,13 +913,17 @@ def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = Non
     return load_config(path, required=named)
 
 
+BACKUPS = 5  # .bak copies of the config file kept by thd_rewrite
+
+
 def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
     """
     The config file round trip for runtime changes: parse the file with
     tomlkit, apply C{change(document)}, validate the result with
     L{parse_config}, then write it atomically (a temporary file in the same
     directory, fsync, rename) after saving the old file as
-    C{<name>.<UTC timestamp>.bak}; both are mode 0600 (the file holds the
+    C{<name>.<UTC timestamp>.bak} (the newest L{BACKUPS} are kept); both
+    are mode 0600 (the file holds the
     keys' secrets). Comments and formatting survive. Blocking: call in a
     thread pool, one at a time.
 
@@ -961,4 +965,11 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
         except OSError:
             pass
         raise
+    # the newest BACKUPS copies stay (each holds the keys' secrets of its time: rotated ones too)
+    old = sorted(path.parent.glob(f"{path.name}.*.bak"), key=lambda p: p.stat().st_mtime_ns)
+    for stale in old[:-BACKUPS]:
+        try:
+            stale.unlink()
+        except OSError:
+            pass
     return config, new_text

@@ -9,6 +9,7 @@ same lock and the same swap.
 
 from __future__ import annotations
 
+import re
 import secrets
 from pathlib import Path
 from typing import Any, Callable
@@ -20,6 +21,9 @@ from twisted.logger import Logger
 from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, load_config, thd_rewrite
 
 log = Logger()
+
+
+KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def new_secret() -> str:
@@ -108,6 +112,9 @@ class KeyAdmin:
         raise ConfigError(f"no key named {name!r} (see `blazar keys list`)")
 
     def add(self, name: str, models: list[str]) -> tuple[Callable[[Any], None], dict[str, Any]]:
+        if not KEY_NAME.fullmatch(name):
+            raise ConfigError(f"a key's name is 1 to 64 letters, digits, '.', '_' or '-' (not {name[:80]!r}): it "
+                              "appears in logs, metrics and the dashboard")
         secret = new_secret()
 
         def mutate(doc: Any) -> None:

@@ -72,7 +72,8 @@ class Activity:
         """
         out = []
         for f in reversed(self._ring):
-            if model and f.model != model or key and f.key != key or status and f.status != status:
+            if model and f.model != model and not f.model.startswith(model + ":") \
+                    or key and f.key != key or status and f.status != status:
                 continue
             if models is not None and f.model not in models:
                 continue

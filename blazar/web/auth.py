@@ -102,6 +102,90 @@ def surface_of(path: bytes) -> str:
     return "openai"
 
 
+UI_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+          b"font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def ui_headers(request: IRequest) -> None:
+    """
+    The security headers of every dashboard response (errors and
+    preflights included): a strict CSP, no framing, no sniffing.
+    """
+    request.setHeader(b"content-security-policy", UI_CSP)
+    request.setHeader(b"x-frame-options", b"DENY")
+    request.setHeader(b"x-content-type-options", b"nosniff")
+    request.setHeader(b"referrer-policy", b"no-referrer")
+    request.setHeader(b"cache-control", b"no-store")
+
+
+def _host_name(host: str) -> str:
+    if host.startswith("["):
+        return host[1:].split("]", 1)[0].lower()
+    return (host.rsplit(":", 1)[0] if host.count(":") == 1 else host).lower().rstrip(".")
+
+
+def _local_name(host: str) -> bool:
+    """
+    Whether C{host} (C{name[:port]}, C{[v6][:port]}) names this machine:
+    C{localhost} (and C{*.localhost}) or a loopback address.
+    """
+    name = _host_name(host)
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _unrebindable(host: str) -> bool:
+    """
+    Whether a C{Host} cannot be a DNS-rebound name (as Ollama allows
+    them): an IP address, this machine's names, or a name under
+    C{.localhost}, C{.local} or C{.internal}.
+    """
+    import socket
+
+    name = _host_name(host)
+    try:
+        ipaddress.ip_address(name)
+        return True
+    except ValueError:
+        pass
+    return _local_name(host) or name == socket.gethostname().lower() or name.endswith((".local", ".internal"))
+
+
+def check_same_machine_page(request: IRequest, host_too: bool = False) -> None:
+    """
+    On a gateway without keys, what a request may do rests on it coming
+    from this machine; a web page on this machine is not the user,
+    though. A browser names the page's origin (C{Origin}) on cross-site
+    requests and on every POST, which must be this machine's; with
+    C{host_too}, the C{Host} a DNS-rebinding page reaches the daemon
+    under (for reads, which carry no C{Origin}) must not be a name that
+    could have been rebound.
+
+    @raise Forbidden: Another site's page, or a rebound name.
+    """
+    origin = request.getHeader(b"origin")
+    if origin is not None:
+        text = origin.decode("latin-1") if isinstance(origin, bytes) else str(origin)
+        if text == "null":
+            raise Forbidden("this gateway has no API keys, so a page of no origin (a sandboxed frame, a "
+                            "file) may not manage it")
+        if not _local_name(text.split("://", 1)[-1]):
+            raise Forbidden(
+                f"this gateway has no API keys, so it takes management only from this machine's own pages and "
+                f"tools; the page at {text!r} is not one (add a key: `blazar keys add admin`)")
+    if host_too:
+        host = request.getHeader(b"host")
+        text = host.decode("latin-1") if isinstance(host, bytes) else str(host or "")
+        if text and not _unrebindable(text):
+            raise Forbidden(
+                f"this gateway has no API keys, so its dashboard answers only under this machine's own names; "
+                f"host {text!r} is not one (add a key: `blazar keys add admin`)")
+
+
 def error_body(surface: str, status: int, message: str, code: str | None = None) -> bytes:
     """
     An error in the surface's own shape.
@@ -346,6 +430,7 @@ def check_admin(request: IRequest, what: str) -> None:
                 f"this gateway has no API keys, so it does not {what} for clients on the network; "
                 "add a key first (`blazar keys add admin`) and send it as a Bearer token"
             )
+        check_same_machine_page(request)
 
 
 def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:

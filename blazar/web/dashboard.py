@@ -27,9 +27,11 @@ from typing import Any, Callable
 
 from klein import Klein
 from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IPushProducer
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
+from zope.interface import implementer
 
 from blazar import __version__
 from blazar.config import Config, ConfigError
@@ -41,30 +43,21 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.scope import may_use, visible
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelRegistry
-from blazar.web.auth import check_admin, is_local
+from blazar.names import strip_dirs
+from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_headers
 from blazar.web.body import read_json
 from blazar.web.errors import answer
 from blazar.web.ollama import capabilities
 
 log = Logger()
 
-CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-       b"font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 ASSETS = {"app.js": b"text/javascript; charset=utf-8", "app.css": b"text/css; charset=utf-8",
           "favicon.svg": b"image/svg+xml"}
 LOG_PING = 15.0  # seconds between SSE comments on a quiet log stream (proxies close idle ones)
 LOG_POLL = 0.25  # how often a followed log stream looks for new lines
-
-
-def secure(request: IRequest) -> None:
-    """
-    The security headers every dashboard response carries.
-    """
-    request.setHeader(b"content-security-policy", CSP)
-    request.setHeader(b"x-frame-options", b"DENY")
-    request.setHeader(b"x-content-type-options", b"nosniff")
-    request.setHeader(b"referrer-policy", b"no-referrer")
-    request.setHeader(b"cache-control", b"no-store")
+LOG_STALL = 30.0  # a follower that reads nothing this long is disconnected (nothing is buffered for it)
+LOG_STREAMS = 8  # followed log streams per key (or per keyless client) at once
+secure = ui_headers
 
 
 def _asset(name: str) -> bytes:
@@ -82,6 +75,7 @@ def _viewer(request: IRequest) -> None:
         if not is_local(request.getClientAddress()):
             raise Forbidden("this gateway has no API keys, so its dashboard answers this machine only; add a key "
                             "(`blazar keys add admin`) and sign in with it")
+        check_same_machine_page(request, host_too=True)  # not another site's page, not a rebound name
 
 
 def _is_admin(request: IRequest) -> bool:
@@ -112,6 +106,7 @@ class Dashboard:
         self.key_admin = key_admin  # blazar.protocols.keyadmin.KeyAdmin
         self._hints = hints
         self._engines = engines
+        self._streams: dict[str, int] = {}  # followed log streams open, per key (or keyless peer)
 
     # -- the page ------------------------------------------------------------
 
@@ -198,8 +193,13 @@ class Dashboard:
 
     @app.route("/ui/api/models/<path:name>/evict", methods=["POST"])
     def evict(self, request: IRequest, name: str) -> bytes:
+        from blazar.gateway.operations import NothingToEvict
+
         check_admin(request, "evict models")
-        return self._json(request, {"evicted": self._operations.evict(name)})
+        try:
+            return self._json(request, {"evicted": self._operations.evict(name)})
+        except NothingToEvict as e:  # not loaded (any more): nothing went wrong
+            raise BadRequest(str(e), "model") from None
 
     @app.route("/ui/api/breakers/reset", methods=["POST"])
     def reset_breakers(self, request: IRequest) -> bytes:
@@ -233,7 +233,7 @@ class Dashboard:
 
     @app.route("/ui/api/performance", methods=["GET"])
     def performance(self, request: IRequest) -> bytes:
-        _viewer(request)
+        check_admin(request, "see the whole gateway's traffic")
         series = self.observer.performance.series(self._wall()) if self.observer is not None else []
         return self._json(request, {"minutes": series})
 
@@ -258,10 +258,10 @@ class Dashboard:
             from blazar.models.registry import ModelNotFound
 
             if not may_use(request, model):
-                raise ModelNotFound(model, [])
+                raise ModelNotFound(model, visible(request, [e.name for e in await self._registry.refresh()]))
             model = (await self._registry.resolve(model)).name  # the ring names models canonically
             if not may_use(request, model):
-                raise ModelNotFound(model, [])
+                raise ModelNotFound(model, visible(request, [e.name for e in await self._registry.refresh()]))
         try:
             after = int(args.get(b"after", [b"0"])[-1] or 0)
         except ValueError:
@@ -269,46 +269,95 @@ class Dashboard:
         follow = args.get(b"follow", [b"0"])[-1] in (b"1", b"true")
         ring = self._logs
         secure(request)
+        engine_only = not _is_admin(request)  # a scoped key: its model's engine output, paths cut
 
         def lines(since: int) -> list[dict[str, Any]]:
             if ring is None:
                 return []
-            return [{"seq": seq, "model": m, "text": text} for seq, m, text in list(ring.lines)
-                    if seq > since and (model is None or m == model)]
+            out = []
+            for seq, m, text in list(ring.lines):
+                if seq <= since or (model is not None and m != model):
+                    continue
+                if engine_only:
+                    # the daemon's own lines name other keys' requests and the files: not for it
+                    if not text.startswith(f"{m} | "):
+                        continue
+                    text = strip_dirs(text)
+                out.append({"seq": seq, "model": m, "text": text})
+            return out
 
         if not follow:
             return self._json(request, {"lines": lines(after)[-2000:]})
-        return await self._follow(request, lines, after)
+        who = key_of(request)
+        owner = who.name if who is not None else f"peer {getattr(request.getClientAddress(), 'host', '')}"
+        if self._streams.get(owner, 0) >= LOG_STREAMS:
+            raise Forbidden(f"{LOG_STREAMS} log streams are open for {owner} already; close one first")
+        return await self._follow(request, lines, after, owner)
 
-    def _follow(self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int) -> Deferred[None]:
+    def _follow(self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int,
+                owner: str) -> Deferred[None]:
+        """
+        Stream the ring's new lines as they come. Nothing is queued for a
+        follower that does not read: the transport pauses us (we write
+        nothing while paused, and send what the ring still holds once it
+        resumes), and one paused for L{LOG_STALL} is disconnected.
+        """
         request.setHeader(b"content-type", b"text/event-stream")
         request.setHeader(b"x-accel-buffering", b"no")
-        request.write(b": log stream\n\n")
         done: Deferred[None] = Deferred()
-        state = {"seq": after, "quiet": 0.0}
+        state: dict[str, Any] = {"seq": after, "quiet": 0.0, "paused_at": None}
+        self._streams[owner] = self._streams.get(owner, 0) + 1
+
+        @implementer(IPushProducer)
+        class Pacer:
+            def pauseProducing(self) -> None:
+                state["paused_at"] = clock.seconds()
+
+            def resumeProducing(self) -> None:
+                state["paused_at"] = None
+
+            def stopProducing(self) -> None:
+                finish()
+
+        clock = self._clock
+        request.registerProducer(Pacer(), True)  # type: ignore[attr-defined]
+        request.write(b": log stream\n\n")
 
         def tick() -> None:
             if done.called:
                 return
-            fresh = lines(state["seq"])  # type: ignore[arg-type]
-            for line in fresh:
-                request.write(f"id: {line['seq']}\ndata: {json.dumps(line)}\n\n".encode("utf-8"))
-                state["seq"] = line["seq"]
-            state["quiet"] = 0.0 if fresh else state["quiet"] + LOG_POLL
-            if state["quiet"] >= LOG_PING:
-                request.write(b": ping\n\n")
-                state["quiet"] = 0.0
-            timer[0] = self._clock.callLater(LOG_POLL, tick)
+            if state["paused_at"] is not None:
+                if clock.seconds() - state["paused_at"] >= LOG_STALL:
+                    transport = getattr(getattr(request, "channel", None), "transport", None)
+                    if transport is not None:
+                        transport.abortConnection()  # it reads nothing: drop it, and what it had not read
+                    finish()
+                    return
+            else:
+                fresh = lines(state["seq"])
+                for line in fresh:
+                    request.write(f"id: {line['seq']}\ndata: {json.dumps(line)}\n\n".encode("utf-8"))
+                    state["seq"] = line["seq"]
+                    if state["paused_at"] is not None:
+                        break  # the transport's buffer is full: the rest when it drains
+                state["quiet"] = 0.0 if fresh else state["quiet"] + LOG_POLL
+                if state["quiet"] >= LOG_PING:
+                    request.write(b": ping\n\n")
+                    state["quiet"] = 0.0
+            timer[0] = clock.callLater(LOG_POLL, tick)
 
-        timer = [self._clock.callLater(0, tick)]
+        timer = [clock.callLater(0, tick)]
 
-        def gone(_: Any) -> None:
+        def finish(_: Any = None) -> None:
             if timer[0].active():
                 timer[0].cancel()
             if not done.called:
+                self._streams[owner] -= 1
+                if not self._streams[owner]:
+                    del self._streams[owner]
                 done.callback(None)
 
-        request.notifyFinish().addBoth(gone)  # type: ignore[attr-defined]
+        request.notifyFinish().addBoth(finish)  # type: ignore[attr-defined]
         return done
 
     # -- keys (admin) -------------------------------------------------------------

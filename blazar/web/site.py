@@ -60,7 +60,7 @@ from twisted.web.server import Request, Site
 from blazar.config import Config
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
 from blazar.logtext import RENDERED
-from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of
+from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of, ui_headers
 
 log = Logger()
 
@@ -237,6 +237,8 @@ class BlazarRequest(Request):
         else:
             context.trace_id = site.new_trace_id()
         self.setHeader(TRACE_HEADER, context.trace_id.encode("ascii"))
+        if surface_of(self.path) == "ui":
+            ui_headers(self)  # on every dashboard response: its page, data, errors, refusals, preflights
         refusal = self.refusal
         origin = self.getHeader(b"origin")
         allowed = getattr(site, "cors_origins", ())

@@ -243,9 +243,13 @@ def test_a_scoped_key_sees_its_models_and_no_admin_pages(daemon: Daemon, browser
     expect(page.locator("#page-keys")).to_be_hidden()
     tab.shot("scoped")
     assert tab.errors == [], tab.errors
-    for path in ("/ui/api/keys", "/ui/api/engines"):
+    for path in ("/ui/api/keys", "/ui/api/engines", "/ui/api/performance", "/api/logs"):
         status, body = api(daemon, "GET", path, secret=SCOPED)
         assert status == 403, (path, body)
+    status, body = api(daemon, "GET", "/api/logs?model=tiny", secret=SCOPED)
+    lines = [line["text"] for line in body["lines"]]
+    assert lines and all(t.startswith("tiny:latest | ") for t in lines), lines[:5]  # its engine's lines only
+    assert not any(str(daemon.root) in t or "key=root" in t for t in lines), "paths or other keys' requests"
     status, body = api(daemon, "GET", "/ui/api/models", secret=SCOPED)
     assert [f["name"] for f in body["files"]] == ["tiny:latest"], body
     status, body = api(daemon, "POST", "/ui/api/models/tiny/unload", secret=SCOPED)
@@ -296,3 +300,25 @@ def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
     while "GET /api/logs" not in daemon.log() and time.monotonic() < deadline:
         time.sleep(0.1)
     assert "GET /api/logs" in daemon.log()
+
+
+def test_a_keyless_gateway_takes_no_orders_from_other_sites(engine: str, tmp_path: Path) -> None:
+    # no keys: management from this machine only, and a web page on it is not the user
+    make_test_model(tmp_path / "models" / "tiny.gguf")
+    d = Daemon(tmp_path, f'models_dir = "{tmp_path / "models"}"\n[engines.llamacpp]\nbinary = "{engine}"\n')
+    d.start()
+    try:
+        forged = {"origin": "https://evil.example", "content-type": "text/plain"}
+        status, _, body = d.request("POST", "/ui/api/keys", raw=b'{"name": "csrf"}', headers=forged)
+        assert status == 403 and b"evil.example" in body, body
+        status, _, body = d.request("POST", "/ui/api/models/tiny/load", headers={"origin": "null"})
+        assert status == 403, body
+        status, _, body = d.request("GET", "/ui/api/models", headers={"host": f"rebound.example:{d.port}"})
+        assert status == 403 and b"rebound.example" in body, body  # a DNS-rebinding page's read
+        status, _, body = d.request("POST", "/api/pull", {"model": "x"}, headers={"origin": "https://evil.example"})
+        assert status == 403, body  # Ollama's management too
+        status, _, body = d.request("GET", "/ui/api/models")
+        assert status == 200 and b"tiny:latest" in body  # this machine's own tools
+        assert "[[keys]]" not in (tmp_path / "config.toml").read_text()
+    finally:
+        d.close()

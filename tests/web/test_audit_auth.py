@@ -9,13 +9,18 @@ from blazar.web.auth import check_admin, keys_from_env
 
 
 class FakeRequest:
-    def __init__(self, host: str, key: Any = None, keys_active: bool = False) -> None:
+    def __init__(self, host: str, key: Any = None, keys_active: bool = False,
+                 headers: dict[bytes, bytes] | None = None) -> None:
         self.host = host
+        self.headers = headers or {}
         context_of(self).key = key
         context_of(self).keys_active = keys_active
 
     def getClientAddress(self) -> Any:
         return type("Addr", (), {"host": self.host})()
+
+    def getHeader(self, name: bytes) -> bytes | None:
+        return self.headers.get(name)
 
 
 class AuthHelperTests(SynchronousTestCase):
@@ -36,4 +41,8 @@ class AuthHelperTests(SynchronousTestCase):
         with self.assertRaises(Forbidden):
             check_admin(FakeRequest("127.0.0.1", scoped, True), "pull models")  # type: ignore[arg-type]
         check_admin(FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True), "pull models")  # type: ignore[arg-type]
+        # from loopback, but a page of another site (cross-site request forgery): refused
+        with self.assertRaises(Forbidden):
+            check_admin(FakeRequest("127.0.0.1", headers={b"origin": b"https://evil.example"}), "pull models")  # type: ignore[arg-type]
+        check_admin(FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"}), "pull models")  # type: ignore[arg-type]
 

@@ -25,10 +25,14 @@ function el(tag, attrs, ...children) {
   return node;
 }
 
-function status(text, bad) {
+let sticky = 0;
+
+function status(text, bad, keep) {
+  if (!keep && Date.now() < sticky) return;  // an action's outcome stays readable for a while
   const s = $("status");
   s.textContent = text || "";
   s.className = bad ? "error" : "";
+  if (keep) sticky = Date.now() + 8000;
 }
 
 function headers(extra) {
@@ -97,8 +101,9 @@ async function whoami() {
   } catch (e) {
     state.me = null;
     if (e.status === 401 || e.status === 403) {
+      const had = sessionStorage.getItem(KEY);
       sessionStorage.removeItem(KEY);
-      showSignin(e.status === 403 ? e.message : (sessionStorage.getItem(KEY) ? "that key was refused" : ""));
+      showSignin(e.status === 403 ? e.message : (had ? "that key was refused" : ""));
       return false;
     }
     showSignin("the gateway did not answer: " + e.message);
@@ -133,6 +138,9 @@ $("signin-form").addEventListener("submit", async (event) => {
 
 $("signout").addEventListener("click", () => {
   sessionStorage.removeItem(KEY);
+  $("activity-filter").reset();
+  $("chat-log").replaceChildren();
+  state.chat = [];
   showSignin("");
 });
 
@@ -143,7 +151,7 @@ const PAGES = {
   queue: { start: () => every(1000, loadQueue) },
   activity: { start: () => every(2000, loadActivity) },
   logs: { start: startLogs },
-  performance: { start: () => every(10000, loadPerformance) },
+  performance: { start: () => every(10000, loadPerformance), admin: true },
   playground: { start: startPlayground },
   sessions: { start: () => every(3000, loadSessions) },
   keys: { start: loadKeys, admin: true },
@@ -181,14 +189,14 @@ window.addEventListener("hashchange", route);
 // -- Models ------------------------------------------------------------------------
 
 async function action(path, label) {
-  status(label + "...");
+  status(label + "...", false, true);
   try {
     await api(path, { method: "POST" });
-    status(label + ": done");
+    status(label + ": done", false, true);
   } catch (e) {
-    status(label + ": " + e.message, true);
+    status(label + ": " + e.message, true, true);
   }
-  await loadModels();
+  await loadModels().catch((e) => status(e.message, true));
 }
 
 async function loadModels() {
@@ -271,7 +279,7 @@ async function loadActivity() {
     el("td", { class: "muted" }, r.trace))));
 }
 
-$("activity-filter").addEventListener("input", () => loadActivity().catch((e) => status(e.message, true)));
+$("activity-filter").addEventListener("change", () => loadActivity().catch((e) => status(e.message, true)));
 $("activity-filter").addEventListener("submit", (e) => e.preventDefault());
 
 // -- Logs (Server-Sent Events over fetch: EventSource cannot send the key) -----------
@@ -402,11 +410,14 @@ async function loadPerformance() {
 // -- Playground ------------------------------------------------------------------------
 
 async function startPlayground() {
-  const models = (await api("/ui/api/models")).files.filter((m) => m.kind === "chat");
+  const data = await api("/ui/api/models");
+  const models = data.files.filter((m) => m.kind === "chat");
   const select = $("chat-model");
   const chosen = select.value;
   select.replaceChildren(...models.map((m) => el("option", { value: m.name }, m.name)));
+  const loaded = data.loaded.find((r) => models.some((m) => m.name === r.model));
   if (chosen && models.some((m) => m.name === chosen)) select.value = chosen;
+  else if (loaded) select.value = loaded.model;
   if (!state.chat) state.chat = [];
 }
 
@@ -471,7 +482,7 @@ $("chat-form").addEventListener("submit", async (event) => {
     const secs = (performance.now() - (first || started)) / 1000;
     const tokens = usage ? usage.completion_tokens : chunks;
     $("chat-stats").textContent = `TTFT ${first === null ? "-" : Math.round(first - started) + " ms"}, ` +
-      `${tokens} tokens, ${secs > 0 ? (tokens / secs).toFixed(1) : "-"} tokens/s`;
+      `${tokens} tokens, ${secs > 0 ? (tokens / secs).toFixed(1) : "-"} tokens/s after the first`;
   } catch (e) {
     if (e.name !== "AbortError") { out.classList.add("error"); out.textContent = answer + "\n[" + e.message + "]"; }
   } finally {
@@ -497,10 +508,11 @@ async function loadSessions() {
 async function keyAction(path, method, label) {
   try {
     const result = await api(path, { method });
+    if (result.secret && state.me && result.name === state.me.key) sessionStorage.setItem(KEY, result.secret);
     showSecret(result.secret ? `${label}: the new secret of ${result.name} is shown once: ${result.secret}` : "");
-    status(label + ": done");
-  } catch (e) { status(label + ": " + e.message, true); }
-  await loadKeys();
+    status(label + ": done", false, true);
+  } catch (e) { status(label + ": " + e.message, true, true); }
+  await loadKeys().catch((e) => status(e.message, true));
 }
 
 function showSecret(text) {
