@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.web.test.requesthelper import DummyRequest
 
