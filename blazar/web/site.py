@@ -260,7 +260,7 @@ class BlazarRequest(Request):
             self.finish()
             return
         observer = site.observer
-        if observer is not None and (self.path.startswith(b"/v1/") or self.path.startswith(b"/api/")):
+        if observer is not None and self.path.startswith((b"/v1/", b"/api/", b"/ui/api/")):
             observer.started(self, surface_of(self.path))
         if refusal is not None:
             body = render_refusal(self, refusal)

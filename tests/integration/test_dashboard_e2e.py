@@ -45,11 +45,12 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models = root / "models"
     make_test_model(models / "tiny.gguf")
     make_test_model(models / "other.gguf", seed=3)
-    make_test_model(models / "slow.gguf", seed=4)
+    make_test_model(models / "slow.gguf", seed=4, context_length=32768)  # long answers fit
     d = Daemon(root, (
         f'models_dir = "{models}"\nready_timeout = 60\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        '[models."slow"]\nparallel = 1\nctx_size = 8192\n'  # one slot, long answers: a queue forms behind it
+        '[models."slow"]\nparallel = 1\nctx_size = 32768\n'  # one slot, long answers: a queue forms behind it
+        '[queue]\ndeadline_normal_secs = 180\n'  # the one behind it waits its turn, however slow the machine
         f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
         f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
     ))
@@ -176,7 +177,7 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
 
     status, _ = api(daemon, "POST", "/ui/api/models/slow/load")
     assert status == 200
-    busy = threading.Thread(target=ask, args=(7000,))
+    busy = threading.Thread(target=ask, args=(6000,))  # a few seconds even at 5000 tokens/s
     busy.start()
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -187,6 +188,14 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
         time.sleep(0.05)
     waiting = threading.Thread(target=ask, args=(4,))
     waiting.start()
+    deadline = time.monotonic() + 10
+    seen_waiting = False
+    while time.monotonic() < deadline and not seen_waiting:  # the gateway has it waiting...
+        _, queue = api(daemon, "GET", "/api/queue")
+        seen_waiting = any(m["model"] == "slow:latest" and m["waiting"]["total"] == 1 for m in queue["models"])
+        time.sleep(0.05)
+    assert seen_waiting, ("the second request never waited", results, queue)
+    # ...and the page shows it (it polls every second)
     expect(page.locator(".queue-model[data-model='slow:latest'] tr.waiting")).to_have_count(1, timeout=10000)
     expect(page.locator(".queue-model[data-model='slow:latest'] tr.running")).to_have_count(1)
     tab.shot("queue")
@@ -224,6 +233,8 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     page.click("#keys tr[data-key=ui-made] button >> text=Remove")
     expect(page.locator("#keys tr[data-key=ui-made]")).to_have_count(0, timeout=10000)
     assert tab.errors == [], tab.errors
+    status, _, metrics = daemon.request("GET", "/metrics", headers={"authorization": f"Bearer {ROOT}"})
+    assert b'blazar_requests_total{key="root",model="",status="2xx",surface="ui"}' in metrics  # its own requests too
 
 
 def test_a_scoped_key_sees_its_models_and_no_admin_pages(daemon: Daemon, browser: Any, shots: Path) -> None:
