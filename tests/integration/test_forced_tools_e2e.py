@@ -9,6 +9,7 @@ tool and its arguments validate against that tool's parameters
 from __future__ import annotations
 
 import json
+import time
 import signal
 from typing import Any, Iterator
 
@@ -358,13 +359,18 @@ def test_a_call_the_engine_cannot_parse_is_an_answer_not_a_500(daemon: Daemon) -
         assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length"), events[-2]
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="none", max_retries=0)
     tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+    # greedy (temperature 0): the same garbled call every run, as the seeded ones above
     message = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
-                                     extra_body={"logit_bias": toward_calls()})
+                                     extra_body={"logit_bias": toward_calls(), "temperature": 0})
     assert message.stop_reason in ("end_turn", "max_tokens"), message
     with client.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
-                                extra_body={"logit_bias": toward_calls()}) as stream:
+                                extra_body={"logit_bias": toward_calls(), "temperature": 0}) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens"), final
+    # counted when each response is finished, which a streaming client may see a moment before
+    deadline = time.monotonic() + 5
+    while sentinel_metric(daemon, "tiny:latest", "tool_args_invalid") < before + 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert sentinel_metric(daemon, "tiny:latest", "tool_args_invalid") >= before + 8
     status, _, body = daemon.request("POST", "/v1/chat/completions", {"model": "strict", "seed": 1, **ask})
     assert status == 422 and b"[tool_args_invalid]" in body, (status, body[:300])
