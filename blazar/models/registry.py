@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 from twisted.internet.interfaces import IReactorThreads
@@ -118,6 +118,21 @@ def thd_tree_listing(path: Path) -> str:
                      for f in sorted(path.rglob("*")) if f.is_file())
 
 
+def _add(found: dict[str, ModelEntry], name: str, path: Path, **fields: Any) -> bool:
+    """
+    Put a file found on disk under C{name}, unless a file found first took
+    the name or it vanished meanwhile; whether it was put.
+    """
+    if name_key(name) in found:
+        return False
+    try:
+        mtime = path.stat().st_mtime
+    except OSError:
+        return False
+    found[name_key(name)] = ModelEntry(name, path, modified=mtime, **fields)
+    return True
+
+
 def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[str, ModelEntry]:
     """
     List the models on disk and in config. Blocking: call in a thread pool.
@@ -139,13 +154,7 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
                 continue
             stem = path.name[: -len(".bin")]
             name = _stem_name("whisper-" + stem[len("ggml-"):] if stem.startswith("ggml-") else stem)
-            if name_key(name) in found:
-                continue
-            try:
-                mtime = path.stat().st_mtime
-            except OSError:
-                continue
-            found[name_key(name)] = ModelEntry(name, path, modified=mtime, format="whisper")
+            _add(found, name, path, format="whisper")
         for path in files:
             stem = path.name[: -len(".gguf")]
             shards: tuple[Path, ...] = ()
@@ -160,14 +169,8 @@ def thd_scan(models_dir: Path, configured: Mapping[str, ModelConfig]) -> dict[st
                     for i in range(2, count + 1)
                 )
             name = _hub_name(path.parent, models_dir, stem) or _stem_name(stem)
-            if name_key(name) in found:
-                continue
-            try:
-                mtime = path.stat().st_mtime
-            except OSError:
-                continue
-            found[name_key(name)] = ModelEntry(name, path, shards, modified=mtime)
-            by_path[path] = name_key(name)
+            if _add(found, name, path, shards=shards):
+                by_path[path] = name_key(name)
     for name, settings in configured.items():
         key = name_key(name)
         if settings.path is not None:

@@ -284,6 +284,25 @@ $("activity-filter").addEventListener("submit", (e) => e.preventDefault());
 
 // -- Logs (Server-Sent Events over fetch: EventSource cannot send the key) -----------
 
+// Server-Sent Events over fetch (EventSource cannot send the key): each event's data, in order.
+async function sseEvents(response, onData) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffered = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buffered += decoder.decode(value, { stream: true });
+    let cut;
+    while ((cut = buffered.indexOf("\n\n")) >= 0) {
+      const event = buffered.slice(0, cut);
+      buffered = buffered.slice(cut + 2);
+      const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
+      if (data) onData(data);
+    }
+  }
+}
+
 const ANSI = /\x1b\[([0-9;]*)m/g;
 
 function ansiLine(text) {
@@ -335,26 +354,13 @@ async function followLogs() {
     const response = await fetch("/api/logs?" + q, { headers: headers(), signal: controller.signal });
     if (!response.ok) { status("logs: " + response.status, true); return; }
     status("following " + (model || "the daemon"));
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffered = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffered += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffered.indexOf("\n\n")) >= 0) {
-        const event = buffered.slice(0, cut);
-        buffered = buffered.slice(cut + 2);
-        const data = event.split("\n").filter((l) => l.startsWith("data: ")).map((l) => l.slice(6)).join("\n");
-        if (!data) continue;
-        const line = JSON.parse(data);
-        const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 8;
-        log.append(ansiLine(line.text));
-        while (log.childNodes.length > 3000) log.firstChild.remove();
-        if (atBottom) log.scrollTop = log.scrollHeight;
-      }
-    }
+    await sseEvents(response, (data) => {
+      const line = JSON.parse(data);
+      const atBottom = log.scrollTop + log.clientHeight >= log.scrollHeight - 8;
+      log.append(ansiLine(line.text));
+      while (log.childNodes.length > 3000) log.firstChild.remove();
+      if (atBottom) log.scrollTop = log.scrollHeight;
+    });
   } catch (e) {
     if (e.name !== "AbortError") status("logs: " + e.message, true);
   }
@@ -452,32 +458,19 @@ $("chat-form").addEventListener("submit", async (event) => {
       const body = await response.json().catch(() => ({}));
       throw new Error((body.error && body.error.message) || response.statusText);
     }
-    const reader = response.body.getReader();
-    const decoder = new TextDecoder();
-    let buffered = "";
-    for (;;) {
-      const { value, done } = await reader.read();
-      if (done) break;
-      buffered += decoder.decode(value, { stream: true });
-      let cut;
-      while ((cut = buffered.indexOf("\n\n")) >= 0) {
-        const event = buffered.slice(0, cut);
-        buffered = buffered.slice(cut + 2);
-        for (const line of event.split("\n")) {
-          if (!line.startsWith("data: ") || line === "data: [DONE]") continue;
-          const chunk = JSON.parse(line.slice(6));
-          if (chunk.usage) usage = chunk.usage;
-          const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
-          const piece = delta && (delta.content || delta.reasoning_content);
-          if (piece) {
-            if (first === null) first = performance.now();
-            chunks++;
-            answer += piece;
-            out.textContent = answer;
-          }
-        }
+    await sseEvents(response, (data) => {
+      if (data === "[DONE]") return;
+      const chunk = JSON.parse(data);
+      if (chunk.usage) usage = chunk.usage;
+      const delta = chunk.choices && chunk.choices[0] && chunk.choices[0].delta;
+      const piece = delta && (delta.content || delta.reasoning_content);
+      if (piece) {
+        if (first === null) first = performance.now();
+        chunks++;
+        answer += piece;
+        out.textContent = answer;
       }
-    }
+    });
     state.chat.push({ role: "assistant", content: answer });
     const secs = (performance.now() - (first || started)) / 1000;
     const tokens = usage ? usage.completion_tokens : chunks;
