@@ -223,6 +223,19 @@ def sentinel_metric(daemon: Daemon, model: str, code: str) -> float:
     return float(found.group(1)) if found else 0.0
 
 
+def counted_after_stream(daemon: Daemon, model: str, code: str, want: float) -> float:
+    """
+    The sentinel count once a stream's request has ended: it is counted when
+    the request finishes, which can be just after the client read [DONE] (the
+    engine's [DONE] is relayed before its body closes). Waits up to 5 s for
+    C{want}, then returns what it reads.
+    """
+    deadline = time.monotonic() + 5
+    while sentinel_metric(daemon, model, code) < want and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return sentinel_metric(daemon, model, code)
+
+
 def test_the_sentinel_names_what_was_wrong(daemon: Daemon) -> None:
     before = {c: sentinel_metric(daemon, "tiny:latest", c) for c in ("truncated", "format_invalid", "empty")}
     status, headers, body = daemon.request("POST", "/v1/chat/completions", {
@@ -264,7 +277,7 @@ def test_enforced_the_sentinel_refuses_with_a_422_on_every_surface(daemon: Daemo
     events = [e for e, _ in daemon.stream("/v1/chat/completions", {
         "model": "strict", "messages": ASK, "max_tokens": 2, "stream": True})]
     assert events[-1] == "[DONE]"
-    assert sentinel_metric(daemon, "strict:latest", "truncated") == before + 1
+    assert counted_after_stream(daemon, "strict:latest", "truncated", before + 1) == before + 1
 
 
 def test_a_stalled_stream_is_counted_and_finishes(daemon: Daemon) -> None:
@@ -404,7 +417,7 @@ def test_a_call_left_in_the_text_is_judged_by_name_and_schema(daemon: Daemon) ->
         assert json.loads(body)["choices"][0]["message"]["content"] == text  # the answer's bytes are the model's
         events = [e for e, _ in daemon.stream("/v1/chat/completions", {**ask, "stream": True})]
         assert events[-1] == "[DONE]"
-        assert sentinel_metric(daemon, "tiny:latest", code) == before + 2
+        assert counted_after_stream(daemon, "tiny:latest", code, before + 2) == before + 2
         status, _, body = daemon.request("POST", "/v1/chat/completions", {**ask, "model": "strict"})
         assert status == 422 and f"[{code}]".encode() in body, (status, body[:300])
         assert code in audit_codes(daemon)
@@ -424,7 +437,7 @@ def test_reasoning_and_no_answer_is_reasoning_only(daemon: Daemon) -> None:
     events = [e for e, _ in daemon.stream("/v1/chat/completions", {
         "model": "thinker", "messages": ASK, "max_tokens": 12, "stream": True})]
     assert events[-1] == "[DONE]"
-    assert sentinel_metric(daemon, "thinker:latest", "reasoning_only") == before + 2
+    assert counted_after_stream(daemon, "thinker:latest", "reasoning_only", before + 2) == before + 2
     assert "reasoning_only" in audit_codes(daemon)
 
 
