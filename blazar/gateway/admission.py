@@ -6,8 +6,8 @@ C{--parallel}, C{parallel} under C{[models."name"]}). A request holds a
 slot from admission until its response is finished or its client is gone;
 beyond the slots, requests wait in the model's L{ModelQueue}, ordered by:
 
- 1. priority: C{x-blazar-priority: high | low} (case-insensitive; anything
-    else is normal). A request body over L{LONG_PREFILL_BYTES} (a long
+ 1. priority: C{x-blazar-priority: high | low | batch} (case-insensitive;
+    anything else is normal; C{batch}, below C{low}, is for offline work). A request body over L{LONG_PREFILL_BYTES} (a long
     prefill, ~16k tokens) is demoted one priority.
  2. work class: L{WorkClass.TOOL} (chat carrying tools) before
     L{WorkClass.INTERACTIVE} (chat, embeddings) before
@@ -59,6 +59,8 @@ CREDIT_RESET = 256
 SERVICE_EWMA = 0.3
 # requests listed per model by snapshot() (counts cover all of them)
 SNAPSHOT_REQUESTS = 200
+# seconds a batch line may wait for a slot (OpenAI's completion_window, 24h)
+BATCH_DEADLINE = 24 * 3600.0
 
 
 class Priority(IntEnum):
@@ -69,6 +71,8 @@ class Priority(IntEnum):
     HIGH = 0
     NORMAL = 1
     LOW = 2
+    # offline work (Batch API lines): a slot only when nobody else waits
+    BATCH = 3
 
 
 class WorkClass(IntEnum):
@@ -98,7 +102,8 @@ def human_wait(seconds: float) -> str:
 
 def parse_priority(value: bytes | None) -> Priority:
     """
-    C{x-blazar-priority}: C{high} or C{low} (any case); anything else,
+    C{x-blazar-priority}: C{high}, C{low} or C{batch} (any case; C{batch}
+    is below C{low}: a slot only when nothing else waits); anything else,
     or no header, is normal.
     """
     if value is None:
@@ -108,6 +113,8 @@ def parse_priority(value: bytes | None) -> Priority:
         return Priority.HIGH
     if word == b"low":
         return Priority.LOW
+    if word == b"batch":
+        return Priority.BATCH
     return Priority.NORMAL
 
 
@@ -251,8 +258,9 @@ class ModelQueue:
                 Priority.HIGH: self.settings.deadline_high,
                 Priority.NORMAL: self.settings.deadline_normal,
                 Priority.LOW: self.settings.deadline_low,
+                Priority.BATCH: BATCH_DEADLINE,
             }[priority]
-            if work == WorkClass.TOOL:
+            if work == WorkClass.TOOL and priority != Priority.BATCH:  # a batch line waits its day
                 deadline = min(deadline, self.settings.deadline_tool)
         now = self._clock.seconds()
         self._seq += 1
@@ -471,7 +479,7 @@ class ModelQueue:
         The queue for C{GET /api/queue} and C{blazar queue}::
 
             {"model", "slots": {"busy", "total"}, "raw": {"busy", "ceiling"},
-             "waiting": {"total", "by_priority": {"high", "normal", "low"},
+             "waiting": {"total", "by_priority": {"high", "normal", "low", "batch"},
                          "by_class": {"tool", "interactive", "raw_long"}},
              "oldest_wait_ms", "service_ms", "admitted", "expired",
              "requests": [{"trace_id", "key", "position", "priority",

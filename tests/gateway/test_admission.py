@@ -73,6 +73,25 @@ class OrderTests(QueueTestCase):
         self.drain()
         self.assertEqual(self.admitted, ["hold", "high", "normal", "low"])
 
+    def test_batch_after_everything(self) -> None:
+        """
+        Batch lines wait behind every other tier, even ones that arrive
+        after them, and take a day's deadline by default.
+        """
+        self.enqueue("hold")
+        for i in range(3):
+            self.enqueue(f"batch{i}", priority=Priority.BATCH, work=WorkClass.TOOL)
+        self.clock.advance(60.0)
+        self.enqueue("low", priority=Priority.LOW, work=WorkClass.RAW_LONG)
+        self.enqueue("chat")
+        self.assertEqual(self.queue.snapshot()["waiting"]["by_priority"]["batch"], 3)
+        self.drain()
+        self.assertEqual(self.admitted, ["hold", "chat", "low", "batch0", "batch1", "batch2"])
+
+    def test_batch_deadline_is_a_day(self) -> None:
+        ticket = self.queue.ticket(priority=Priority.BATCH)
+        self.assertEqual(ticket.deadline - ticket.arrived, 24 * 3600.0)
+
     def test_class_order_within_a_priority(self) -> None:
         self.enqueue("hold")
         self.enqueue("raw", work=WorkClass.RAW_LONG)
@@ -337,7 +356,7 @@ class SnapshotTests(QueueTestCase):
         snap = self.queue.snapshot()
         self.assertEqual(snap["slots"], {"busy": 1, "total": 1})
         self.assertEqual(snap["waiting"]["total"], 3)
-        self.assertEqual(snap["waiting"]["by_priority"], {"high": 1, "normal": 1, "low": 1})
+        self.assertEqual(snap["waiting"]["by_priority"], {"high": 1, "normal": 1, "low": 1, "batch": 0})
         self.assertEqual(snap["waiting"]["by_class"], {"tool": 1, "interactive": 2, "raw_long": 0})
         self.assertEqual(snap["oldest_wait_ms"], 500)
         self.assertEqual(snap["service_ms"], 2000.0)
@@ -370,6 +389,7 @@ class ParsingTests(SynchronousTestCase):
         self.assertEqual(parse_priority(b"HIGH"), Priority.HIGH)
         self.assertEqual(parse_priority(b" low "), Priority.LOW)
         self.assertEqual(parse_priority(b"urgent"), Priority.NORMAL)
+        self.assertEqual(parse_priority(b"Batch"), Priority.BATCH)
         self.assertEqual(parse_priority(None), Priority.NORMAL)
 
     def test_deadline_header(self) -> None:
