@@ -9,6 +9,7 @@ reactor thread.
 
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 from pathlib import Path
@@ -66,6 +67,32 @@ MIGRATIONS = [
         PRIMARY KEY (kind, tag)
     )
     """,
+    # 5: the Batch API (blazar.gateway.batch): uploaded files, batches, and each line's state
+    """
+    CREATE TABLE batch_files (
+        id TEXT PRIMARY KEY,        -- file-...
+        key TEXT NOT NULL,          -- the owning API key's name ("" without keys)
+        filename TEXT NOT NULL,
+        purpose TEXT NOT NULL,      -- batch | batch_output
+        created_at INTEGER NOT NULL,-- UNIX seconds
+        content BLOB NOT NULL
+    );
+    CREATE TABLE batches (
+        id TEXT PRIMARY KEY,        -- batch_...
+        key TEXT NOT NULL,
+        created_at INTEGER NOT NULL,
+        batch TEXT NOT NULL         -- the batch object, JSON (OpenAI's shape)
+    );
+    CREATE TABLE batch_lines (
+        batch TEXT NOT NULL,        -- batch_...
+        line INTEGER NOT NULL,      -- 0-based, in input order
+        custom_id TEXT NOT NULL,
+        body TEXT NOT NULL,         -- the request body, JSON
+        state TEXT NOT NULL,        -- pending | running | done | failed
+        result TEXT,                -- the output or error line, JSON (done, failed)
+        PRIMARY KEY (batch, line)
+    )
+    """,
 ]
 
 
@@ -94,7 +121,9 @@ def thd_open(path: Path) -> sqlite3.Connection:
         db.execute("INSERT INTO schema_version VALUES (0)")
     for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
         db.execute("BEGIN")
-        db.execute(sql)
+        for statement in sql.split(";"):
+            if statement.strip():
+                db.execute(statement)
         db.execute("UPDATE schema_version SET version = ?", (number,))
         db.execute("COMMIT")
     return db
@@ -185,3 +214,158 @@ def thd_sessions(db: sqlite3.Connection) -> list[tuple[object, ...]]:
     return db.execute(
         "SELECT key, name, model, file, tokens, size, shape, saved_at, last_used FROM sessions"
     ).fetchall()
+
+
+# -- the Batch API (migration 5) ---------------------------------------------
+#
+# A line is claimed (pending -> running) before it is sent and recorded
+# (running -> done | failed, with its output line) in one statement once
+# answered: a line found running after an unclean stop was perhaps sent, so
+# thd_interrupted_lines fails it instead of sending it again (at most once).
+
+
+def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes]) -> None:
+    """
+    Store C{(id, key, filename, purpose, created_at, content)}.
+    """
+    db.execute("INSERT INTO batch_files (id, key, filename, purpose, created_at, content) VALUES (?, ?, ?, ?, ?, ?)",
+               row)
+
+
+def thd_files(db: sqlite3.Connection, key: str | None) -> list[tuple[str, str, str, str, int, int]]:
+    """
+    C{(id, key, filename, purpose, created_at, bytes)} of C{key}'s files
+    (every key's for L{None}), newest first.
+    """
+    sql = "SELECT id, key, filename, purpose, created_at, length(content) FROM batch_files"
+    args: tuple[str, ...] = ()
+    if key is not None:
+        sql, args = sql + " WHERE key = ?", (key,)
+    return list(db.execute(sql + " ORDER BY created_at DESC, id DESC", args))
+
+
+def thd_file_content(db: sqlite3.Connection, id_: str, key: str | None) -> bytes | None:
+    """
+    A file's bytes, if it exists and belongs to C{key} (any key's for L{None}).
+    """
+    row = db.execute("SELECT key, content FROM batch_files WHERE id = ?", (id_,)).fetchone()
+    if row is None or (key is not None and row[0] != key):
+        return None
+    return bytes(row[1])
+
+
+def thd_delete_file(db: sqlite3.Connection, id_: str, key: str | None) -> bool:
+    """
+    Delete a file of C{key}'s; whether there was one.
+    """
+    if key is None:
+        return db.execute("DELETE FROM batch_files WHERE id = ?", (id_,)).rowcount > 0
+    return db.execute("DELETE FROM batch_files WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
+
+
+def thd_create_batch(db: sqlite3.Connection, id_: str, key: str, created_at: int, batch: str,
+                     lines: list[tuple[str, str]]) -> None:
+    """
+    A batch and its C{(custom_id, body JSON)} lines, all pending, in one
+    transaction.
+    """
+    db.execute("BEGIN")
+    try:
+        db.execute("INSERT INTO batches (id, key, created_at, batch) VALUES (?, ?, ?, ?)", (id_, key, created_at, batch))
+        db.executemany("INSERT INTO batch_lines (batch, line, custom_id, body, state) VALUES (?, ?, ?, ?, 'pending')",
+                       [(id_, n, custom, body) for n, (custom, body) in enumerate(lines)])
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
+def thd_put_batch(db: sqlite3.Connection, id_: str, batch: str) -> None:
+    """
+    Replace a batch's object (JSON).
+    """
+    db.execute("UPDATE batches SET batch = ? WHERE id = ?", (batch, id_))
+
+
+def thd_batches(db: sqlite3.Connection, key: str | None, after: str | None, limit: int) -> list[tuple[str, str]]:
+    """
+    C{(key, batch JSON)} of up to C{limit} of C{key}'s batches (every key's
+    for L{None}), newest first, starting after batch C{after} (OpenAI's
+    cursor pagination).
+    """
+    where: list[str] = []
+    args: list[object] = []
+    if key is not None:
+        where.append("key = ?")
+        args.append(key)
+    if after is not None:
+        row = db.execute("SELECT created_at FROM batches WHERE id = ?", (after,)).fetchone()
+        if row is not None:
+            where.append("(created_at < ? OR (created_at = ? AND id < ?))")
+            args += [row[0], row[0], after]
+    sql = "SELECT key, batch FROM batches" + (" WHERE " + " AND ".join(where) if where else "")
+    return list(db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)))
+
+
+def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tuple[int, str, str]]:
+    """
+    Up to C{count} pending lines of C{batch}, marked running (in one
+    transaction): C{(line, custom_id, body JSON)}, in input order.
+    """
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = list(db.execute("SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
+                               "ORDER BY line LIMIT ?", (batch, count)))
+        db.executemany("UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line = ?",
+                       [(batch, r[0]) for r in rows])
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return rows
+
+
+def thd_finish_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str) -> None:
+    """
+    Record a running line as done (C{ok}) or failed, with its output or
+    error line (JSON), in one statement.
+    """
+    db.execute("UPDATE batch_lines SET state = ?, result = ? WHERE batch = ? AND line = ? AND state = 'running'",
+               ("done" if ok else "failed", result, batch, line))
+
+
+def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> int:
+    """
+    Fail the lines left running by a daemon that stopped uncleanly (they
+    may have been sent: never sent twice), with error line C{result}
+    (its C{custom_id} filled in per line); how many.
+    """
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = 'running'",
+                               (batch,)))
+        template = json.loads(result)
+        db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
+                       [(json.dumps({**template, "custom_id": custom}), batch, n) for n, custom in rows])
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return len(rows)
+
+
+def thd_line_counts(db: sqlite3.Connection, batch: str) -> dict[str, int]:
+    """
+    C{{state: lines}} of C{batch}.
+    """
+    return dict(db.execute("SELECT state, count(*) FROM batch_lines WHERE batch = ? GROUP BY state", (batch,)))
+
+
+def thd_results(db: sqlite3.Connection, batch: str, ok: bool) -> bytes:
+    """
+    The output (C{ok}) or error file of C{batch}: its lines' results as
+    JSONL, in input order.
+    """
+    rows = db.execute("SELECT result FROM batch_lines WHERE batch = ? AND state = ? ORDER BY line",
+                      (batch, "done" if ok else "failed"))
+    return b"".join(r[0].encode("utf-8") + b"\n" for r in rows)
