@@ -93,6 +93,16 @@ MIGRATIONS = [
         PRIMARY KEY (batch, line)
     )
     """,
+    # 6: the semantic cache's answers and their prompt vectors (blazar.gateway.cache)
+    """
+    CREATE TABLE cache_entries (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        scope TEXT NOT NULL,        -- sha256 of (chat model, key name, lane, sampling parameters)
+        created REAL NOT NULL,      -- UNIX seconds
+        vector BLOB NOT NULL,       -- the prompt's embedding, L2-normalized, float32 little-endian
+        answer BLOB NOT NULL        -- the OpenAI chat completion, JSON
+    )
+    """,
 ]
 
 
@@ -369,3 +379,51 @@ def thd_results(db: sqlite3.Connection, batch: str, ok: bool) -> bytes:
     rows = db.execute("SELECT result FROM batch_lines WHERE batch = ? AND state = ? ORDER BY line",
                       (batch, "done" if ok else "failed"))
     return b"".join(r[0].encode("utf-8") + b"\n" for r in rows)
+
+
+# -- the semantic cache (migration 6: blazar.gateway.cache) --------------------
+
+def thd_put_cache(
+    db: sqlite3.Connection, row: tuple[str, float, bytes, bytes], expired_before: float, keep: int,
+) -> tuple[int, list[int]]:
+    """
+    Store a cache entry C{(scope, created, vector, answer)}; drop the
+    entries created before C{expired_before} and all but the newest
+    C{keep}, in one transaction.
+
+    @return: The new entry's id, and the ids dropped.
+    """
+    db.execute("BEGIN")
+    try:
+        id_ = db.execute("INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)",
+                         row).lastrowid
+        dropped = [i for (i,) in db.execute(
+            "SELECT id FROM cache_entries WHERE created < ? OR id NOT IN "
+            "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?)", (expired_before, keep))]
+        db.executemany("DELETE FROM cache_entries WHERE id = ?", [(i,) for i in dropped])
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return int(id_ or 0), dropped
+
+
+def thd_cache_entries(db: sqlite3.Connection, since: float, keep: int) -> list[tuple[int, str, float, bytes, bytes]]:
+    """
+    The newest C{keep} entries created at or after C{since}, oldest first:
+    C{(id, scope, created, vector, answer)} (the in-memory index is
+    rebuilt from them at start). Older ones are deleted.
+    """
+    db.execute("DELETE FROM cache_entries WHERE created < ?", (since,))
+    rows = db.execute("SELECT id, scope, created, vector, answer FROM cache_entries ORDER BY id DESC LIMIT ?",
+                      (keep,)).fetchall()
+    if rows:
+        db.execute("DELETE FROM cache_entries WHERE id < ?", (rows[-1][0],))
+    return [(int(r[0]), str(r[1]), float(r[2]), bytes(r[3]), bytes(r[4])) for r in reversed(rows)]
+
+
+def thd_purge_cache(db: sqlite3.Connection, before: float) -> int:
+    """
+    Delete the cache entries created before C{before}; how many.
+    """
+    return db.execute("DELETE FROM cache_entries WHERE created < ?", (before,)).rowcount

@@ -1,0 +1,304 @@
+"""
+The semantic cache's decisions and its in-memory index (issue 26, part 2),
+with no reactor and no I/O: which chat calls it may answer, what is
+embedded, which answers may be reused for which call, and the index of
+L2-normalized prompt vectors the lookup searches.
+
+What a hit needs:
+ - a chat call (L{blazar.gateway.call.CallKind.CHAT}) that is not
+   streamed and carries no C{tools}, C{functions} or C{response_format}
+   (those bypass the cache both ways: no lookup, no store: L{bypass});
+ - the same I{scope} (L{scope_of}): the same canonical chat model, the same
+   API key (by name; C{""} without keys), the same lane and the same
+   sampling parameters (L{SAMPLING}: an answer made at temperature 0 is
+   not the answer to a request at temperature 1.5, nor one of 16 tokens to
+   a request for 512);
+ - a cosine similarity of at least the threshold between the embeddings of
+   the two prompts: the messages up to and including the last user turn
+   (L{prompt_text});
+ - an entry younger than C{ttl_secs}.
+
+The index is exact, not approximate: entries are grouped by scope, and a
+lookup is one matrix-vector product over its scope's vectors (L{Scope}).
+A scope holds at most the cache's C{max_entries} rows (default 10 000; of
+384 float32 dimensions that is 15 MiB and well under a millisecond per
+lookup), so an approximate index would buy nothing at this size and would
+cost recall exactly at the threshold, where the cache's answer is decided.
+The rows live in SQLite (L{blazar.store}, C{cache_entries}); the index is
+rebuilt from them at start.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import OrderedDict
+from typing import Any, Iterable
+
+import attrs
+import numpy as np
+import numpy.typing as npt
+
+Vector = npt.NDArray[np.float32]
+
+# request fields that change the answer the model gives to the same prompt
+SAMPLING = (
+    "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "max_completion_tokens",
+    "n", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "logit_bias",
+    "logprobs", "top_logprobs", "mirostat", "mirostat_tau", "mirostat_eta",
+    "chat_template_kwargs", "reasoning_effort", "reasoning_format", "thinking_budget_tokens",
+)
+# request fields that make a call bypass the cache both ways
+BYPASS = ("tools", "functions", "response_format", "grammar", "json_schema")
+
+HIT = "hit"
+MISS = "miss"
+HEADER = b"x-blazar-cache"
+
+
+def bypass(body: dict[str, Any], stream: bool) -> str | None:
+    """
+    Why a chat call bypasses the cache (no lookup and no store), or
+    L{None} if it may use it.
+
+    @param body: The OpenAI-shaped chat body.
+    @param stream: Whether the answer is streamed.
+    @return: C{"stream"}, the first L{BYPASS} field present, C{"n"} for
+        more than one choice, C{"no_user_turn"}, or L{None}.
+    """
+    if stream or body.get("stream") is True:
+        return "stream"
+    for field in BYPASS:
+        if body.get(field) not in (None, [], {}):
+            return field
+    if body.get("n") not in (None, 1):
+        return "n"
+    if prompt_text(body) is None:
+        return "no_user_turn"
+    return None
+
+
+def prompt_text(body: dict[str, Any]) -> str | None:
+    """
+    What is embedded: the messages up to and including the last user turn
+    (the context that turn is asked in), one per line as
+    C{role: content}, text parts joined; an image part counts by its URL.
+    Anything after the last user turn (an assistant prefill) is left out of
+    the text but is part of the request: L{scope_of} hashes it.
+
+    @return: The text, or L{None} if there is no user turn.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        return None
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
+               default=None)
+    if last is None:
+        return None
+    lines = []
+    for message in messages[:last + 1]:
+        if isinstance(message, dict):
+            lines.append(f"{message.get('role')}: {_content_text(message.get('content'))}")
+    return "\n".join(lines)
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if isinstance(part, dict):
+                if isinstance(part.get("text"), str):
+                    parts.append(part["text"])
+                elif isinstance(part.get("image_url"), dict):
+                    parts.append(f"[image {part['image_url'].get('url', '')}]")
+            elif isinstance(part, str):
+                parts.append(part)
+        return "\n".join(parts)
+    return "" if content is None else json.dumps(content, sort_keys=True)
+
+
+def scope_of(model: str, key: str, lane: str, body: dict[str, Any]) -> str:
+    """
+    The exact-match part of a hit: a hex sha256 over the canonical chat
+    model, the key's name, the lane, the L{SAMPLING} fields and whatever
+    follows the last user turn.
+    """
+    found = body.get("messages")
+    messages: list[Any] = found if isinstance(found, list) else []
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
+    parts = {
+        "model": model, "key": key, "lane": lane,
+        "sampling": {k: body[k] for k in SAMPLING if k in body},
+        "after": messages[last + 1:],
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+
+
+def normalized(values: Iterable[float]) -> Vector | None:
+    """
+    An embedding as a unit float32 vector, or L{None} if it has no length
+    (or is not finite).
+    """
+    vector = np.asarray(list(values), dtype=np.float32)
+    if vector.ndim != 1 or vector.size == 0 or not np.all(np.isfinite(vector)):
+        return None
+    norm = float(np.linalg.norm(vector))
+    if norm == 0.0:
+        return None
+    return (vector / norm).astype(np.float32)
+
+
+def embedding_of(answer: Any) -> Vector | None:
+    """
+    The first embedding of an OpenAI C{/v1/embeddings} answer (or
+    llama-server's native list form), normalized; L{None} if it has none.
+    """
+    if isinstance(answer, dict):
+        data = answer.get("data")
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            values = data[0].get("embedding")
+            if isinstance(values, list) and values and isinstance(values[0], list):
+                values = values[0]  # llama-server's per-token form, pooled none: the first
+            return normalized(values) if isinstance(values, list) else None
+    if isinstance(answer, list) and answer and isinstance(answer[0], dict):
+        values = answer[0].get("embedding")
+        if isinstance(values, list) and values and isinstance(values[0], list):
+            values = values[0]
+        return normalized(values) if isinstance(values, list) else None
+    return None
+
+
+def to_blob(vector: Vector) -> bytes:
+    """
+    A vector as SQLite stores it: float32, little-endian.
+    """
+    return vector.astype("<f4").tobytes()
+
+
+def from_blob(blob: bytes) -> Vector:
+    return np.frombuffer(blob, dtype="<f4").astype(np.float32)
+
+
+@attrs.frozen
+class Entry:
+    """
+    One cached answer.
+
+    @ivar id: Its row id in C{cache_entries}.
+    @ivar scope: L{scope_of} the call it answered.
+    @ivar created: UNIX seconds.
+    @ivar vector: The prompt's unit vector.
+    @ivar answer: The OpenAI chat completion, JSON bytes.
+    """
+
+    id: int
+    scope: str
+    created: float
+    vector: Vector = attrs.field(eq=False)
+    answer: bytes
+
+
+class Scope:
+    """
+    The entries of one scope and their vectors stacked as one matrix
+    (rebuilt only after a change).
+    """
+
+    def __init__(self) -> None:
+        self.entries: OrderedDict[int, Entry] = OrderedDict()
+        self._matrix: Vector | None = None
+        self._ids: list[int] = []
+
+    def add(self, entry: Entry) -> None:
+        self.entries[entry.id] = entry
+        self._matrix = None
+
+    def drop(self, id_: int) -> None:
+        if self.entries.pop(id_, None) is not None:
+            self._matrix = None
+
+    def best(self, vector: Vector, since: float) -> tuple[float, Entry] | None:
+        """
+        The live entry (created at or after C{since}) most similar to the
+        unit vector C{vector}, with its cosine similarity.
+        """
+        if not self.entries:
+            return None
+        if self._matrix is None:
+            self._ids = list(self.entries)
+            self._matrix = np.stack([self.entries[i].vector for i in self._ids])
+        if self._matrix.shape[1] != vector.shape[0]:
+            return None  # another embedding model made them
+        similarities = self._matrix @ vector
+        for index in np.argsort(-similarities):
+            entry = self.entries[self._ids[int(index)]]
+            if entry.created >= since:
+                return float(similarities[int(index)]), entry
+        return None
+
+
+class SemanticIndex:
+    """
+    Every live cache entry, by scope, at most C{max_entries} of them (the
+    oldest go first), mirroring the C{cache_entries} rows.
+    """
+
+    def __init__(self) -> None:
+        self._scopes: dict[str, Scope] = {}
+        self._order: OrderedDict[int, str] = OrderedDict()  # id -> scope, oldest first
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def add(self, entry: Entry, max_entries: int) -> list[int]:
+        """
+        Add C{entry}; drop the oldest beyond C{max_entries}.
+
+        @return: The ids dropped.
+        """
+        self._scopes.setdefault(entry.scope, Scope()).add(entry)
+        self._order[entry.id] = entry.scope
+        dropped = []
+        while len(self._order) > max(max_entries, 0):
+            id_, _ = next(iter(self._order.items()))
+            self.drop(id_)
+            dropped.append(id_)
+        return dropped
+
+    def drop(self, id_: int) -> None:
+        scope = self._order.pop(id_, None)
+        if scope is None:
+            return
+        entries = self._scopes[scope]
+        entries.drop(id_)
+        if not entries.entries:
+            del self._scopes[scope]
+
+    def purge(self, before: float) -> list[int]:
+        """
+        Drop every entry created before C{before}; the ids dropped.
+        """
+        gone = [id_ for id_, scope in self._order.items() if self._scopes[scope].entries[id_].created < before]
+        for id_ in gone:
+            self.drop(id_)
+        return gone
+
+    def lookup(self, scope: str, vector: Vector, now: float, ttl: float, threshold: float,
+               ) -> tuple[float, Entry | None]:
+        """
+        The answer for a call of C{scope} whose prompt embeds to the unit
+        vector C{vector}: the most similar entry of the same scope made
+        within C{ttl} seconds of C{now}, if its cosine similarity is at
+        least C{threshold}.
+
+        @return: The best similarity found (C{-1.0}: none in the scope)
+            and the entry, or L{None} below the threshold.
+        """
+        entries = self._scopes.get(scope)
+        found = entries.best(vector, now - ttl) if entries is not None else None
+        if found is None:
+            return -1.0, None
+        similarity, entry = found
+        return similarity, entry if similarity >= threshold else None

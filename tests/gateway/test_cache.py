@@ -1,0 +1,181 @@
+"""
+The semantic cache's decisions and index (L{blazar.gateway.cache}) and its
+SQLite rows (L{blazar.store}), with no reactor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar import store
+from blazar.gateway.cache import (
+    Entry, SemanticIndex, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
+)
+
+
+def chat(text: str, **extra: object) -> dict[str, object]:
+    return {"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                       {"role": "user", "content": text}], **extra}
+
+
+def unit(*values: float) -> object:
+    vector = normalized(values)
+    assert vector is not None
+    return vector
+
+
+class BypassTests(SynchronousTestCase):
+    def test_plain_chat_may_use_it(self) -> None:
+        self.assertIsNone(bypass(chat("hi"), stream=False))
+
+    def test_streams_tools_and_formats_bypass(self) -> None:
+        self.assertEqual(bypass(chat("hi"), stream=True), "stream")
+        self.assertEqual(bypass(chat("hi", stream=True), stream=False), "stream")
+        self.assertEqual(bypass(chat("hi", tools=[{"type": "function", "function": {"name": "f"}}]), False), "tools")
+        self.assertEqual(bypass(chat("hi", response_format={"type": "json_object"}), False), "response_format")
+        self.assertEqual(bypass(chat("hi", n=2), False), "n")
+        self.assertEqual(bypass({"messages": [{"role": "system", "content": "x"}]}, False), "no_user_turn")
+
+    def test_empty_tools_do_not_bypass(self) -> None:
+        self.assertIsNone(bypass(chat("hi", tools=[]), False))
+
+
+class PromptTests(SynchronousTestCase):
+    def test_the_last_user_turn_with_its_context(self) -> None:
+        body = {"messages": [
+            {"role": "system", "content": "s"}, {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "a"},
+            {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "image_url",
+                                                                          "image_url": {"url": "data:x"}}]},
+            {"role": "assistant", "content": "prefill"},
+        ]}
+        self.assertEqual(prompt_text(body), "system: s\nuser: one\nassistant: a\nuser: two\n[image data:x]")
+
+    def test_no_user_turn(self) -> None:
+        self.assertIsNone(prompt_text({"messages": []}))
+        self.assertIsNone(prompt_text({}))
+
+
+class ScopeTests(SynchronousTestCase):
+    def test_model_key_lane_and_sampling_separate_scopes(self) -> None:
+        base = scope_of("m", "alice", "llamacpp", chat("hi", temperature=0))
+        self.assertEqual(base, scope_of("m", "alice", "llamacpp", chat("other text", temperature=0)))
+        self.assertNotEqual(base, scope_of("n", "alice", "llamacpp", chat("hi", temperature=0)))
+        self.assertNotEqual(base, scope_of("m", "bob", "llamacpp", chat("hi", temperature=0)))
+        self.assertNotEqual(base, scope_of("m", "alice", "vllm", chat("hi", temperature=0)))
+        self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=1)))
+        self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, max_tokens=5)))
+
+    def test_a_prefill_after_the_last_user_turn_is_part_of_the_scope(self) -> None:
+        body = chat("hi")
+        prefilled = {"messages": [*body["messages"], {"role": "assistant", "content": "Sure"}]}  # type: ignore
+        self.assertNotEqual(scope_of("m", "", "llamacpp", body), scope_of("m", "", "llamacpp", prefilled))
+
+
+class VectorTests(SynchronousTestCase):
+    def test_normalized(self) -> None:
+        vector = normalized([3.0, 4.0])
+        assert vector is not None
+        self.assertAlmostEqual(float(vector[0]), 0.6, places=6)
+        self.assertIsNone(normalized([0.0, 0.0]))
+        self.assertIsNone(normalized([]))
+        self.assertIsNone(normalized([math.nan, 1.0]))
+
+    def test_embedding_answers(self) -> None:
+        vector = embedding_of({"data": [{"embedding": [0.0, 2.0]}]})
+        assert vector is not None
+        self.assertEqual(vector.tolist(), [0.0, 1.0])
+        native = embedding_of([{"embedding": [[2.0, 0.0]]}])
+        assert native is not None
+        self.assertEqual(native.tolist(), [1.0, 0.0])
+        self.assertIsNone(embedding_of({"error": "x"}))
+
+    def test_blob_round_trip(self) -> None:
+        vector = unit(1.0, 2.0, 3.0)
+        self.assertEqual(from_blob(to_blob(vector)).tolist(), vector.tolist())  # type: ignore[attr-defined]
+
+
+class IndexTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.index = SemanticIndex()
+        self.index.add(Entry(1, "s", 100.0, unit(1.0, 0.0), b"one"), 10)  # type: ignore[arg-type]
+        self.index.add(Entry(2, "s", 100.0, unit(0.0, 1.0), b"two"), 10)  # type: ignore[arg-type]
+
+    def test_the_most_similar_above_the_threshold(self) -> None:
+        similarity, entry = self.index.lookup("s", unit(1.0, 0.1), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        assert entry is not None
+        self.assertEqual(entry.answer, b"one")
+        self.assertGreater(similarity, 0.99)
+
+    def test_below_the_threshold_is_a_miss(self) -> None:
+        similarity, entry = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        self.assertIsNone(entry)
+        self.assertAlmostEqual(similarity, math.sqrt(0.5), places=5)
+        _, exact = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.7)  # type: ignore[arg-type]
+        self.assertIsNotNone(exact)
+
+    def test_another_scope_never_answers(self) -> None:
+        self.assertEqual(self.index.lookup("other", unit(1.0, 0.0), 101.0, 600.0, 0.0),  # type: ignore[arg-type]
+                         (-1.0, None))
+
+    def test_expired_entries_do_not_answer_and_are_purged(self) -> None:
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)  # type: ignore[arg-type]
+        self.assertIsNone(entry)
+        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0), 700.0, 600.0, 0.9)[1].answer,  # type: ignore
+                         b"one")
+        self.index.add(Entry(3, "s", 650.0, unit(1.0, 0.0), b"three"), 10)  # type: ignore[arg-type]
+        _, newer = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)  # type: ignore[arg-type]
+        assert newer is not None
+        self.assertEqual(newer.answer, b"three")
+        self.assertEqual(self.index.purge(101.0), [1, 2])
+        self.assertEqual(len(self.index), 1)
+
+    def test_the_oldest_go_beyond_max_entries(self) -> None:
+        dropped = self.index.add(Entry(3, "t", 100.0, unit(1.0, 0.0), b"three"), 2)  # type: ignore[arg-type]
+        self.assertEqual(dropped, [1])
+        self.assertEqual(len(self.index), 2)
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        self.assertIsNone(entry)  # "one" is gone; "two" is orthogonal
+
+    def test_vectors_of_another_dimension_never_answer(self) -> None:
+        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0),  # type: ignore
+                         (-1.0, None))
+
+
+class StoreTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.db = store.thd_open(Path(self.mktemp()) / "blazar.db")
+        self.addCleanup(self.db.close)
+
+    def put(self, created: float, expired_before: float = 0.0, keep: int = 10) -> tuple[int, list[int]]:
+        answer = json.dumps({"choices": [{"message": {"content": str(created)}}]}).encode()
+        return store.thd_put_cache(self.db, ("s", created, to_blob(unit(1.0, 2.0)), answer),  # type: ignore
+                                   expired_before, keep)
+
+    def test_rows_round_trip_oldest_first(self) -> None:
+        first, _ = self.put(1.0)
+        second, _ = self.put(2.0)
+        rows = store.thd_cache_entries(self.db, 0.0, 10)
+        self.assertEqual([r[0] for r in rows], [first, second])
+        self.assertEqual(rows[0][1], "s")
+        self.assertEqual(from_blob(rows[0][3]).tolist(), unit(1.0, 2.0).tolist())  # type: ignore[attr-defined]
+
+    def test_bounded_and_expired_rows_go(self) -> None:
+        ids = [self.put(float(t))[0] for t in range(1, 4)]
+        _, dropped = self.put(4.0, keep=2)
+        self.assertEqual(dropped, ids[:2])
+        _, dropped = self.put(5.0, expired_before=4.5, keep=10)
+        self.assertEqual(dropped, [ids[2], ids[2] + 1])  # created 3.0 and 4.0: before 4.5
+        self.assertEqual([r[2] for r in store.thd_cache_entries(self.db, 0.0, 10)], [5.0])
+
+    def test_start_reads_the_live_newest_and_deletes_the_rest(self) -> None:
+        for t in range(1, 6):
+            self.put(float(t))
+        rows = store.thd_cache_entries(self.db, 2.0, 2)
+        self.assertEqual([r[2] for r in rows], [4.0, 5.0])
+        self.assertEqual(len(store.thd_cache_entries(self.db, 0.0, 100)), 2)
+        self.assertEqual(store.thd_purge_cache(self.db, 5.0), 1)
