@@ -250,6 +250,64 @@ class CommandLane:
     api_key_env: str | None = None  # the child's key in this environment variable (not in argv)
 
 
+REMOTE_APIS = ("openai", "anthropic", "ollama")
+
+
+@attrs.frozen
+class RemoteConfig:
+    """
+    C{[[remotes]]}: another server (a second machine, a cloud API) whose
+    models are served as C{NAME:model} through Blazar's own keys, scopes,
+    quotas, admission, metrics and audit (L{blazar.engines.remote}).
+
+    @ivar base_url: Where it answers (C{https://api.openai.com/v1},
+        C{http://box:11434}); a trailing C{/v1} is optional.
+    @ivar api: The wire format it speaks: C{openai}, C{anthropic} (Messages)
+        or C{ollama} (its OpenAI-compatible C{/v1}).
+    @ivar api_key: Its key, sent as the remote expects; never logged or shown.
+    @ivar api_key_env: Or the environment variable holding it, read at each
+        request.
+    @ivar models: The remote's model names served, or C{("*",)} for every
+        model it lists (C{GET /v1/models}).
+    @ivar max_concurrent: Requests sent to it at once: its slots in
+        admission (more wait in Blazar's queue).
+    @ivar timeout: Seconds to wait for its response headers.
+    """
+
+    name: str
+    base_url: str
+    api: str = "openai"
+    api_key: str | None = attrs.field(default=None, repr=False)
+    api_key_env: str | None = None
+    models: tuple[str, ...] = ("*",)
+    max_concurrent: int = 4
+    timeout: float = 120.0
+
+    @property
+    def root(self) -> str:
+        """
+        C{base_url} without a trailing C{/} or C{/v1}: request paths
+        (C{/v1/chat/completions}) are appended to it.
+        """
+        url = self.base_url.rstrip("/")
+        return url[:-3] if url.endswith("/v1") else url
+
+    @property
+    def any_model(self) -> bool:
+        return "*" in self.models
+
+    def key(self, environ: Mapping[str, str]) -> str | None:
+        """
+        The remote's key now: C{api_key}, else C{api_key_env} from
+        C{environ}.
+        """
+        if self.api_key:
+            return self.api_key
+        if self.api_key_env:
+            return environ.get(self.api_key_env) or None
+        return None
+
+
 @attrs.frozen
 class Config:
     """
@@ -304,6 +362,17 @@ class Config:
     queue: QueueConfig = QueueConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
     keys: tuple[KeyConfig, ...] = ()
+    remotes: tuple[RemoteConfig, ...] = ()
+
+    def remote(self, name: str) -> RemoteConfig | None:
+        """
+        The remote named C{name} (case-insensitive), if configured.
+        """
+        folded = name.casefold()
+        for remote in self.remotes:
+            if remote.name.casefold() == folded:
+                return remote
+        return None
 
     @property
     def resolved_models_dir(self) -> Path:
@@ -369,6 +438,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "queue": ("queue", RUNTIME),
     "models": ("models", RUNTIME),  # at each model's next start
     "keys": ("keys", RUNTIME),
+    "remotes": ("remotes", RUNTIME),  # at each request
 }
 
 
@@ -635,7 +705,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
-        "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
+        "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -816,6 +886,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         )
     kwargs["models"] = models
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where)
+    kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where, kwargs["lanes"])
     return Config(**kwargs)
 
 
@@ -898,6 +969,54 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
             raise ConfigError(f"{where}: key {prefix + 'models'!r}: {e}") from None
         keys.append(KeyConfig(name, secret, models, **limits))
     return tuple(keys)
+
+
+def _parse_remotes(raw: object, where: str, lanes: tuple[CommandLane, ...]) -> tuple[RemoteConfig, ...]:
+    if not isinstance(raw, list):
+        raise _expected(where, "remotes", "an array of tables ([[remotes]])", raw)
+    remotes: list[RemoteConfig] = []
+    for i, item in enumerate(raw):
+        prefix = f"remotes[{i}]."
+        table = _table(item, where, f"remotes[{i}]")
+        _unknown(table, {"name", "base_url", "api", "api_key", "api_key_env", "models", "max_concurrent",
+                         "timeout_secs"}, where, prefix)
+        name = table.get("name")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9_.-]{0,31}", name):
+            raise _expected(where, prefix + "name", "a name of letters, digits, '.', '-' and '_' (models are "
+                            "addressed as NAME:model)", name)
+        if any(r.name.casefold() == name.casefold() for r in remotes):
+            raise ConfigError(f"{where}: two remotes are named {name!r}; names must be unique")
+        url = table.get("base_url")
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
+            raise _expected(where, prefix + "base_url", 'an http:// or https:// URL such as '
+                            '"https://api.openai.com/v1"', url)
+        api = table.get("api", "openai")
+        if api not in REMOTE_APIS:
+            raise _expected(where, prefix + "api", " or ".join(f'"{a}"' for a in REMOTE_APIS), api)
+        key, key_env = table.get("api_key"), table.get("api_key_env")
+        if key is not None and (not isinstance(key, str) or not key):
+            raise ConfigError(f"{where}: {prefix}api_key must be a non-empty string (or use api_key_env)")
+        if key_env is not None and (not isinstance(key_env, str)
+                                    or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key_env)):
+            raise _expected(where, prefix + "api_key_env", 'an environment variable name (e.g. "OPENAI_API_KEY")',
+                            key_env)
+        if key is not None and key_env is not None:
+            raise ConfigError(f"{where}: {prefix}: set api_key or api_key_env, not both")
+        models = table.get("models", "*")
+        if models == "*":
+            names: tuple[str, ...] = ("*",)
+        else:
+            names = _str_list(models, where, prefix + "models")
+            if not names or not all(names) or any(n != n.strip() or "*" in n for n in names):
+                raise _expected(where, prefix + "models", '"*" (every model it lists) or a list of its model names',
+                                models)
+        fields: dict[str, Any] = {}
+        if "max_concurrent" in table:
+            fields["max_concurrent"] = _positive_int(table["max_concurrent"], where, prefix + "max_concurrent")
+        if "timeout_secs" in table:
+            fields["timeout"] = _positive_number(table["timeout_secs"], where, prefix + "timeout_secs")
+        remotes.append(RemoteConfig(name, url, api, key, key_env, names, **fields))
+    return tuple(remotes)
 
 
 def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = None) -> Config:

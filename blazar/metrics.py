@@ -73,6 +73,10 @@ class Metrics:
             "blazar_requests", "Requests answered, by surface, model, API key and status class",
             ["surface", "model", "key", "status"], registry=r,
         )
+        self.remote_requests = Counter(
+            "blazar_remote_requests", "Requests sent to a remote ([[remotes]]), by remote, model, API key and "
+            "status class", ["remote", "model", "key", "status"], registry=r,
+        )
         self.in_flight = Gauge(
             "blazar_requests_in_flight", "Requests being answered now", ["surface"], registry=r,
         )

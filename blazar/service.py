@@ -30,6 +30,7 @@ from blazar.config import Config, ConfigError, LiveConfig, ReloadReport
 from blazar import __version__, store
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
+from blazar.engines.remote import RemoteCatalog
 from blazar.engines.hints import EngineHints
 from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary
@@ -519,6 +520,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     )
     supervisor.before_stop = session_service.sessions.stopping
     supervisor.setServiceParent(top)
+    # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
+    catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
+    _Hooks(catalog.start, catalog.stop).setServiceParent(top)
     operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
     hints.setServiceParent(top)

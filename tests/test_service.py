@@ -303,8 +303,21 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp",
+        "engines.whisper", "engines.sdcpp", "remotes",
     )
+
+    def test_remote_keys(self) -> None:
+        from twisted.internet.defer import ensureDeferred
+
+        # the registry resolves NAME:model and the supervisor hands out its instance from the live config
+        def remote_url() -> Any:
+            d = ensureDeferred(self.tree.supervisor.instance_for("peer:tiny"))
+            d.addErrback(lambda f: None)
+            instance = self.successResultOf(d)
+            return None if instance is None else (instance.base_url, instance.lane, instance.entry.remote_model)
+
+        self.check("remotes", "", '[[remotes]]\nname = "peer"\nbase_url = "http://10.0.0.2:8080/v1"\n'
+                   'models = ["tiny"]\n', remote_url, ("http://10.0.0.2:8080", "remote", "tiny"))
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of

@@ -161,15 +161,38 @@ def never_delivered(error: BaseException) -> bool:
 @implementer(IAgentEndpointFactory)
 class _LoopbackEndpoints:
     """
-    TCP endpoints for C{http://127.0.0.1:<port>} URLs (engine children).
+    Endpoints for the URLs the gateway asks: a plain TCP endpoint for
+    C{http://127.0.0.1:<port>} (engine children: no name resolution
+    thread, no Happy Eyeballs); for a remote (C{[[remotes]]}), a host name
+    endpoint, wrapped in TLS (the system's trust roots, the host name
+    checked) for C{https}.
     """
 
     def __init__(self, reactor: Any, timeout: float) -> None:
         self._reactor = reactor
         self._timeout = timeout
 
-    def endpointForURI(self, uri: Any) -> TCP4ClientEndpoint:
-        return TCP4ClientEndpoint(self._reactor, uri.host.decode("ascii"), uri.port, timeout=self._timeout)
+    def endpointForURI(self, uri: Any) -> Any:
+        host = uri.host.decode("ascii")
+        if uri.scheme == b"https":
+            from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
+            from twisted.internet.ssl import optionsForClientTLS
+
+            return wrapClientTLS(optionsForClientTLS(host),
+                                 HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout))
+        if _is_ipv4(host):
+            return TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+        from twisted.internet.endpoints import HostnameEndpoint
+
+        return HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        socket.inet_aton(host)
+    except OSError:
+        return False
+    return host.count(".") == 3
 
 
 @implementer(IBodyProducer)
@@ -324,7 +347,7 @@ class EngineClient:
         @param stream: The child will stream its answer (a connection of
             its own); L{False} for a reply read whole (a kept connection).
         """
-        uri, raw_headers = url.encode("ascii"), Headers(headers)
+        uri, raw_headers = url.encode("utf-8"), Headers(headers)
         verb = method.encode("ascii")
 
         def producer() -> _BytesProducer | None:

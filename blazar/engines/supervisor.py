@@ -63,6 +63,7 @@ from blazar.engines.llamacpp import (
     DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
 )
 from blazar.metrics import Metrics, gauge, label_reason
+from blazar.engines.remote import RemoteInstance, scrub
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -739,6 +740,20 @@ class Instance:
         return message + (f"; it said: {line} (the daemon log has the rest)" if line else "")
 
 
+def _failure_text(error: BaseException) -> str:
+    """
+    What a failed HTTP request to a remote says: the reasons inside
+    Twisted's wrappers (C{ResponseNeverReceived}, C{NotDelivered}).
+    """
+    inner = getattr(error, "error", None)
+    if isinstance(inner, BaseException):
+        error = inner
+    reasons = getattr(error, "reasons", None)
+    if reasons:
+        return "; ".join(str(getattr(r, "value", r)) for r in reasons)[:500]
+    return (str(error) or type(error).__name__)[:500]
+
+
 def _kv_bytes_per_token(meta: GGUFMetadata) -> int:
     """
     Bytes of f16 KV cache one token of context takes:
@@ -779,6 +794,8 @@ class Supervisor(Service):
     _grows: dict[str, _Grow] = attrs.field(factory=dict)
     # models whose children died with llama.cpp's unknown-architecture error: the lane that serves them
     _rerouted: dict[str, str] = attrs.field(factory=dict)
+    # remote models (blazar.engines.remote): one always-ready instance each, never spawned
+    _remotes: dict[str, RemoteInstance] = attrs.field(factory=dict)
     _shutting_down: bool = False
     _reaper: Any = None
     _run_dir: Path | None = None
@@ -943,6 +960,8 @@ class Supervisor(Service):
         @raise blazar.engines.llamacpp.EngineNotFound: No binary.
         """
         entry = await self._registry.resolve(name)
+        if entry.remote is not None:
+            return self._remote(entry)  # type: ignore[return-value]
         target = 0
         if ctx_size and self._config.ctx_policy == "grow":
             target = (await self._plan(entry, ctx_size)).ctx
@@ -974,6 +993,55 @@ class Supervisor(Service):
             if self._instances.get(entry.name) is ready:
                 return ready
             # stopped while we waited for it to load (a grow, an eviction): again
+
+    def _remote(self, entry: ModelEntry) -> RemoteInstance:
+        """
+        The instance of a remote model (L{blazar.engines.remote}), with its
+        remote's config as it is now; its breaker checked as a start's is.
+
+        @raise ModelNotFound: Its remote is no longer configured.
+        @raise BreakerOpen: The remote failed too often lately.
+        """
+        from blazar.models.registry import ModelNotFound
+
+        remote = self._config.remote(entry.remote or "")
+        if remote is None:
+            raise ModelNotFound(entry.name, [])
+        breaker = self.breaker(entry.name)
+        wait = breaker.allow(self._reactor.seconds())
+        if wait is not None:
+            raise BreakerOpen(
+                entry.name,
+                f"remote {remote.name!r} ({remote.root}) failed {len(breaker.crashes)} times lately; Blazar tries "
+                f"it again in {wait:.0f} s (`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
+                wait,
+            )
+        instance = self._remotes.get(entry.name)
+        if instance is None:
+            if len(self._remotes) > 4096:
+                self._remotes = {n: i for n, i in self._remotes.items() if i.in_flight}
+            instance = self._remotes[entry.name] = RemoteInstance(entry, remote, self._environ)
+        instance.remote = remote
+        return instance
+
+    def remote_failed(self, instance: RemoteInstance, error: str) -> str:
+        """
+        A remote could not be reached, timed out or answered 5xx: counted
+        against its model's breaker, as a crash is.
+
+        @return: C{error} without the remote's key.
+        """
+        error = scrub(error, instance.remote, self._environ)
+        self.metrics.crashes.labels(instance.entry.name).inc()
+        self.breaker(instance.entry.name).crashed(self._reactor.seconds(), error)
+        log.warn("{model}: {server} failed: {error}", model=instance.entry.name, server=instance.server, error=error)
+        return error
+
+    def remote_ok(self, instance: RemoteInstance) -> None:
+        """
+        A remote answered: a half-open breaker closes.
+        """
+        self.breaker(instance.entry.name).ready()
 
     def _reroute(self, entry: ModelEntry, error: UnknownArchitecture) -> ModelEntry:
         """
@@ -1398,6 +1466,8 @@ class Supervisor(Service):
         that wants one), and its crash counts now, once, for the breaker;
         the report does the rest of the bookkeeping when it comes.
         """
+        if isinstance(instance, RemoteInstance):
+            return False  # never spawned: a refused connection is the remote's failure (explain_failure)
         if instance.state == InstanceState.DEAD or instance.protocol.status is not None:
             return True
         if self._process_alive(instance.pid):
@@ -1420,8 +1490,13 @@ class Supervisor(Service):
         """
         Turn a broken connection to C{instance} into an L{EngineCrashed}
         that names the exit status and the tail of the child's output,
-        waiting up to two seconds for the exit to be reported.
+        waiting up to two seconds for the exit to be reported. A remote's
+        is its failure (L{remote_failed}): it counts for its breaker.
         """
+        if isinstance(instance, RemoteInstance):
+            error_text = self.remote_failed(instance, _failure_text(error))
+            return EngineCrashed(instance.entry.name, f"{instance.server} for model {instance.entry.name!r} could "
+                                 f"not be reached: {error_text}")
         ended = instance.protocol.when_ended()
         timer = self._reactor.callLater(2.0, ended.cancel)
         try:
@@ -1497,6 +1572,8 @@ class Supervisor(Service):
         @param reason: Why, for the log (C{idle}, C{keep_alive 0}, C{evicted},
             C{shutdown}, ...).
         """
+        if isinstance(instance, RemoteInstance):
+            return succeed(None)  # type: ignore[arg-type]  # nothing runs here (keep_alive 0, an unload)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
         if not instance.stop_reason and instance.state != InstanceState.DEAD:
@@ -1558,6 +1635,8 @@ class Supervisor(Service):
         Stop a child that no longer responds: SIGKILL at once.
         """
         ended = self.stop_instance(instance, reason)
+        if isinstance(instance, RemoteInstance):
+            return ended
         if instance.transport is not None and instance.protocol.status is None:
             try:
                 instance.transport.signalProcess("KILL")

@@ -23,7 +23,8 @@ from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lanes import SDCPP
 from blazar.engines.lease import InstanceLease
-from blazar.engines.supervisor import EngineTimeout, Instance, InstanceState, Supervisor
+from blazar.engines.remote import is_remote, scrub
+from blazar.engines.supervisor import EngineError, EngineTimeout, Instance, InstanceState, Supervisor
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
@@ -433,6 +434,8 @@ class EngineProxy:
                 response = await self._headers(instance, ensureDeferred(
                     self._engines.request("POST", url, body, headers, True)
                 ))
+        except EngineError:
+            raise  # a remote's timeout (L{_headers}): already the answer
         except ChildWedged:
             self.supervisor.kill_instance(instance, "wedged: no response headers")
             if attempt == 2:
@@ -469,10 +472,31 @@ class EngineProxy:
                 if response.code == 500:
                     raise EngineRejected(400, message) from None
             status = response.code
+            if is_remote(instance):
+                raise self._remote_rejected(instance, status, message)
             if status == 500 and any(m in message for m in CLIENT_FAULTS):
                 status = 400
             raise EngineRejected(status, message)
+        if is_remote(instance):
+            self.supervisor.remote_ok(instance)
         return response
+
+    def _remote_rejected(self, instance: Any, status: int, message: str) -> EngineRejected:
+        """
+        A remote's error answer, as the client's: its 5xx counts for its
+        breaker and is a 502; a refused key is Blazar's config to fix (a
+        502 naming it), not the client's 401; its 4xx (a bad request, an
+        unknown model, its own rate limit) stays what it is.
+        """
+        remote = instance.remote
+        message = scrub(message, remote, instance.environ)
+        if status >= 500:
+            self.supervisor.remote_failed(instance, f"status {status}: {message}")
+            return EngineRejected(502, f"{instance.server} answered {status}: {message}")
+        if status in (401, 403):
+            return EngineRejected(502, f"{instance.server} refused Blazar's credentials ({status}: {message}); "
+                                       f"set api_key or api_key_env of [[remotes]] name = {remote.name!r}")
+        return EngineRejected(status, f"{instance.server}: {message}")
 
     async def _headers(self, instance: Instance, request: Deferred[Any]) -> Any:
         """
@@ -509,6 +533,12 @@ class EngineProxy:
                     timer.cancel()
             if result is not _TICK:
                 return result
+            if is_remote(instance):
+                cancelled = True  # so settle ignores the cancellation
+                request.cancel()
+                error = self.supervisor.remote_failed(instance, "no response headers within timeout_secs")
+                raise EngineTimeout(instance.entry.name, f"{instance.server} for model {instance.entry.name!r}: "
+                                    f"{error} = {instance.remote.timeout:g} s ([[remotes]] timeout_secs)")
             outcome = Deferred(cancel)
             try:
                 healthy = await self.supervisor.probe_health(instance)
@@ -625,4 +655,6 @@ def header_timeout_of(config: Config, instance: Any) -> tuple[str, float]:
     """
     if getattr(instance, "lane", "") == SDCPP:
         return "sdcpp_child_header_timeout_secs", config.sdcpp_child_header_timeout
+    if is_remote(instance):
+        return "remotes.timeout_secs", instance.remote.timeout
     return "child_header_timeout_secs", config.child_header_timeout

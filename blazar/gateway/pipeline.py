@@ -60,7 +60,12 @@ from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
     expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
+from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
+from blazar.engines.remote import REMOTE
+from blazar.engines.sse import SSEEvents
+from blazar.gateway.ignored import note_ignored
+from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, from_anthropic, to_anthropic
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -104,6 +109,8 @@ class Reply:
         self.noted: tuple[str, str] | None = None
         self.stall = 30.0  # seconds without a chunk: a stream is flagged stalled
         self.clock: Any = None
+        # an api = "anthropic" remote's answer: turned into OpenAI's on the way (L{_from_remote})
+        self.anthropic: AnthropicStream | None = None
 
     async def read(self) -> bytes:
         """
@@ -113,9 +120,69 @@ class Reply:
             stalled before it finished.
         """
         data = self.made if self.made is not None else await self._proxy.read(self._lease.instance, self._response)
+        if self.anthropic is not None and self.made is None:
+            data = self._from_anthropic(data)
         if self.watched is not None:
             self._judge(inspect_reply(self.watched, data) + ([self.noted] if self.noted else []))
         return data
+
+    def _from_anthropic(self, data: bytes) -> bytes:
+        """
+        An Anthropic Messages answer as the OpenAI chat completion every
+        surface translates from.
+
+        @raise EngineRejected: Not a Messages answer.
+        """
+        assert self.anthropic is not None
+        try:
+            message = json.loads(data)
+            if not isinstance(message, dict):
+                raise ValueError("not an object")
+            answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
+        except (ValueError, TypeError, AttributeError) as e:
+            raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
+        return json.dumps(answer, ensure_ascii=False).encode("utf-8")
+
+    def _anthropic_events(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
+        """
+        A feed for an Anthropic Messages stream's bytes that hands each
+        OpenAI chunk it translates to (L{AnthropicStream}) to C{on_chunk}.
+
+        @raise EngineRejected: The remote's stream reported an error.
+        """
+        stream = self.anthropic
+        assert stream is not None
+
+        def on_event(data: bytes) -> None:
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                return
+            try:
+                chunks = stream.feed(str(event.get("type", "")), event)
+            except RemoteStreamError as e:
+                raise EngineRejected(502, f"the remote's stream failed ({e.kind}): {e}") from None
+            for chunk in chunks:
+                on_chunk(chunk)
+
+        return SSEEvents(on_event).feed
+
+    def _anthropic_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """
+        L{_anthropic_events}, encoded as OpenAI's SSE (C{data: [DONE]} after
+        the last chunk), for the byte relay.
+        """
+        stream = self.anthropic
+        assert stream is not None
+        done = False
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            nonlocal done
+            feed(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n")
+            if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
+                done = True
+                feed(b"data: [DONE]\n\n")
+
+        return self._anthropic_events(on_chunk)
 
     async def _cut_end(self, watch: StreamWatch) -> list[dict[str, Any]]:
         """
@@ -177,6 +244,9 @@ class Reply:
         try:
             if self.made is not None:
                 feed(self.made)
+            elif self.anthropic is not None:
+                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
+                                        self._request)
             else:
                 await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
         finally:
@@ -227,6 +297,9 @@ class Reply:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
+            elif self.anthropic is not None:
+                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
+                                        self._request)
             else:
                 try:
                     await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
@@ -440,10 +513,13 @@ class Pipeline:
         canonical = await self._check(request, call)
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
             await call.rewrite(call)
-        raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
-        counted = None
-        # a command lane's server: no token counting, no grammar of Blazar's, no slots
+        # a command lane's server or a remote: no token counting, no grammar of Blazar's, no slots
         lane = call.lane
+        raw = call.raw if call.raw is not None else json.dumps(call.body).encode("utf-8")
+        path, anthropic = call.path, None
+        if lane is not None and lane.name == REMOTE:
+            raw, path, anthropic = self._remote_body(request, call)
+        counted = None
         if lane is None and call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
@@ -480,7 +556,7 @@ class Pipeline:
                     raw = with_slot(raw, pin.slot) or raw
                 try:
                     lease, response = await self._proxy.send(
-                        call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
+                        call.model, path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
                         content_type=call.content_type,
                     )
                 except EngineRejected as e:
@@ -499,6 +575,7 @@ class Pipeline:
         reply.made = made
         reply.noted = noted
         reply.max_tokens = call.max_tokens
+        reply.anthropic = anthropic
         if call.kind is CallKind.CHAT:
             reply.watched = asked
             reply.enforce = self._enforce(request, lease.instance.entry)
@@ -671,6 +748,10 @@ class Pipeline:
         """
         call.entry = await self._scope(request, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
+        if call.entry is not None and call.entry.remote is not None:
+            call.lane = self._remote_lane(call)  # the remote decides the rest: no purpose, no placement
+            context_of(request).remote = call.entry.remote
+            return canonical
         # a command lane's server (vLLM, MLX, ...) gets the OpenAI request as
         # it is: none of the llama-server extras (LaneError: no lane serves it);
         # whisper and sd models go to their built-in lanes
@@ -685,6 +766,49 @@ class Pipeline:
                 and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None
         return canonical
+
+    def _remote_lane(self, call: Call) -> CommandLane:
+        """
+        The lane of a remote model (C{[[remotes]]}): what it is asked must
+        be something its API does.
+
+        @raise ModelNotFound: Its remote is no longer configured.
+        @raise UnsupportedByModel: A kind of call its API has no endpoint for.
+        """
+        assert call.entry is not None
+        remote = self._config().remote(call.entry.remote or "")
+        if remote is None:
+            raise ModelNotFound(call.model, [])
+        kinds = (CallKind.CHAT,) if remote.api == "anthropic" else (CallKind.CHAT, CallKind.COMPLETION,
+                                                                      CallKind.EMBEDDING)
+        if call.kind not in kinds:
+            raise UnsupportedByModel(
+                f"model {call.model!r} is on remote {remote.name!r} (api = {remote.api!r}), which Blazar sends "
+                f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}")
+        return CommandLane(REMOTE, (), health="/v1/models", formats=(), api=remote.api)
+
+    def _remote_body(self, request: Any, call: Call) -> tuple[bytes, str, AnthropicStream | None]:
+        """
+        The body a remote is sent, with its own name for the model; for
+        C{api = "anthropic"}, the chat as a Messages request
+        (L{blazar.gateway.remotewire}) and the translator of its answer.
+
+        @return: The body, the path, the translator (or L{None}).
+        @raise BadRequest: What Messages cannot express without changing
+            the answer (C{n} > 1, logprobs, a JSON response format).
+        """
+        assert call.entry is not None and call.lane is not None
+        model = call.entry.remote_model
+        if call.lane.api != "anthropic":
+            body = dict(call.body, model=model)
+            return json.dumps(body).encode("utf-8"), call.path, None
+        body, ignored = to_anthropic(call.body, model)
+        if ignored and request is not None:
+            note_ignored(request, "remote", ignored)
+        options = call.body.get("stream_options")
+        stream = AnthropicStream(call.model, int(self._clock.seconds()),
+                                 isinstance(options, dict) and bool(options.get("include_usage")))
+        return json.dumps(body).encode("utf-8"), "/v1/messages", stream
 
     async def _scope(self, request: Any, model: str) -> ModelEntry | None:
         """
@@ -840,6 +964,9 @@ class Pipeline:
         slots = (entry.settings.parallel if entry is not None else None) or DEFAULT_PARALLEL
         if lane is not None and lane.name in BUILTIN:
             slots = 1  # whisper-server and sd-server run one request at a time (the rest would wait inside)
+        if lane is not None and lane.name == REMOTE and entry is not None:
+            remote = self._config().remote(entry.remote or "")
+            slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
         await admit_request(self.admission, request, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:

@@ -72,6 +72,14 @@ class ModelEntry:
     settings: ModelConfig = ModelConfig()
     modified: float = 0.0
     format: str = "gguf"
+    remote: str | None = None  # format "remote": the [[remotes]] name; the name is NAME:model
+
+    @property
+    def remote_model(self) -> str:
+        """
+        A remote model's name on its remote (C{tiny} of C{peer:tiny}).
+        """
+        return self.name.split(":", 1)[1] if self.remote is not None else self.name
 
 
 def _stem_name(stem: str) -> str:
@@ -262,6 +270,8 @@ class ModelRegistry:
     _entries: dict[str, ModelEntry] = attrs.field(factory=dict)
     _meta_cache: dict[tuple[Path, int, int], GGUFMetadata] = attrs.field(factory=dict)
     _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
+    # per remote with models = "*": the names its GET /v1/models listed last
+    _listed: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         self._live.subscribe(self.reconfigure)
@@ -302,7 +312,41 @@ class ModelRegistry:
         )
         assert isinstance(entries, dict)
         self._entries = entries
-        return sorted(self._entries.values(), key=lambda e: e.name)
+        return sorted([*self._entries.values(), *self.remote_entries()], key=lambda e: e.name)
+
+    def remote_entries(self) -> list[ModelEntry]:
+        """
+        The remotes' models (C{[[remotes]]}): those a remote's C{models}
+        names, or for C{models = "*"} those it listed when last asked
+        (L{note_listed}).
+        """
+        entries: list[ModelEntry] = []
+        for remote in self._config.remotes:
+            names = self._listed.get(remote.name, ()) if remote.any_model else remote.models
+            entries.extend(remote_entry(remote.name, n) for n in names)
+        return entries
+
+    def note_listed(self, remote: str, names: tuple[str, ...]) -> None:
+        """
+        What remote C{remote} (one with C{models = "*"}) lists now.
+        """
+        self._listed[remote] = names
+
+    def _remote(self, name: str) -> ModelEntry | None:
+        """
+        C{NAME:model} for a configured remote NAME (before local names:
+        C{peer:tiny} is also an Ollama C{name:tag}).
+
+        @raise ModelNotFound: The remote is configured, and C{model} is not
+            one of its C{models}.
+        """
+        prefix, _, model = name.partition(":")
+        remote = self._config.remote(prefix) if model else None
+        if remote is None:
+            return None
+        if not remote.any_model and model not in remote.models:
+            raise ModelNotFound(name, sorted(e.name for e in [*self._entries.values(), *self.remote_entries()]))
+        return remote_entry(remote.name, model)
 
     async def resolve(self, name: object) -> ModelEntry:
         """
@@ -312,6 +356,9 @@ class ModelRegistry:
         """
         if not isinstance(name, str):
             raise ModelNotFound(str(name), sorted(e.name for e in self._entries.values()))
+        remote = self._remote(name)
+        if remote is not None:
+            return remote
         try:
             key = name_key(name)
         except ValueError:
@@ -438,6 +485,14 @@ class ModelRegistry:
         delete).
         """
         self._entries = {}
+
+
+def remote_entry(remote: str, model: str) -> ModelEntry:
+    """
+    The entry of model C{model} of remote C{remote}: named C{remote:model},
+    no file.
+    """
+    return ModelEntry(f"{remote}:{model}", Path(remote), format="remote", remote=remote)
 
 
 def thd_sha256(path: Path) -> str:

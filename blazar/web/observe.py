@@ -105,6 +105,8 @@ class RequestObserver:
         model = context.model or ""
         key_name = context.key.name if context.key is not None else ""
         child(m.requests, surface, model, key_name, status).inc()
+        if context.remote is not None:
+            child(m.remote_requests, context.remote, model, key_name, status).inc()
         started = context.started if context.started is not None else 0.0
         end = self._clock.seconds()
         child(m.duration, surface, model).observe(max(0.0, end - started))

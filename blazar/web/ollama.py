@@ -9,6 +9,7 @@ after its first line ends with an C{{"error": ...}} line.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Callable
 
@@ -81,6 +82,21 @@ def details(meta: GGUFMetadata) -> dict[str, Any]:
         "families": [meta.architecture],
         "parameter_size": meta.parameter_size,
         "quantization_level": meta.quantization_level,
+    }
+
+
+def remote_tag(entry: ModelEntry) -> dict[str, Any]:
+    """
+    C{/api/tags}' entry for a remote's model (C{[[remotes]]}), with the
+    fields Ollama gives its own remote models (C{remote_model},
+    C{remote_host}).
+    """
+    return {
+        "name": entry.name, "model": entry.name, "modified_at": _rfc3339(entry.modified), "size": 0,
+        "digest": hashlib.sha256(entry.name.encode("utf-8")).hexdigest(),
+        "details": {"parent_model": "", "format": "remote", "family": "", "families": None, "parameter_size": "",
+                    "quantization_level": ""},
+        "kind": "remote", "remote_model": entry.remote_model, "remote_host": entry.remote,
     }
 
 
@@ -434,6 +450,9 @@ class OllamaSurface:
         entries = await self._registry.refresh()
         allowed = set(visible(request, [e.name for e in entries]))
         for entry in (e for e in entries if e.name in allowed):
+            if entry.remote is not None:
+                models.append(remote_tag(entry))
+                continue
             try:
                 meta = await self._registry.metadata(entry)
                 digest = await self._registry.digest(entry)
@@ -454,6 +473,12 @@ class OllamaSurface:
         body = self._body(request)
         model = self._model_field(body)
         entry = await self._entry(model, request)
+        if entry.remote is not None:
+            # nothing of it is on this machine: what Ollama shows of its own remote models
+            return _json(request, {"modelfile": f"# Served by Blazar from remote {entry.remote}\nFROM {entry.name}\n",
+                                   "parameters": "", "template": "", "details": remote_tag(entry)["details"],
+                                   "model_info": {}, "capabilities": ["completion"],
+                                   "remote_model": entry.remote_model, "remote_host": entry.remote})
         meta = await self._registry.metadata(entry)
         parameters = "\n".join(
             f"{k:<24}{v}" for k, v in [

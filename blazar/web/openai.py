@@ -259,6 +259,8 @@ class OpenAISurface:
     # -- models ---------------------------------------------------------------
 
     async def _model_object(self, name: str, entry: ModelEntry) -> dict[str, Any]:
+        if entry.remote is not None:  # a [[remotes]] model: owned by its remote, nothing of it here
+            return {"id": name, "object": "model", "created": 0, "owned_by": entry.remote, "kind": "remote"}
         try:
             kind = model_kind(entry, await self._registry.metadata(entry))
         except (GGUFError, OSError):

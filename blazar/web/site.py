@@ -621,6 +621,8 @@ class BlazarSite(Site):
             event["audio_seconds"] = round(context_of(request).audio_seconds or 0.0, 2)
         if context_of(request).images:
             event["images"] = context_of(request).images
+        if context_of(request).remote is not None:
+            event["remote"] = context_of(request).remote
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(

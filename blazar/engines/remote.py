@@ -1,0 +1,208 @@
+"""
+Remotes (C{[[remotes]]}): another server's models served as C{NAME:model}.
+
+A remote is an engine that never spawns: the supervisor hands the request
+path a L{RemoteInstance} (always ready, never listed in C{/api/ps}, never
+evicted) whose C{base_url} is the remote's and whose C{auth_headers} carry
+the remote's key, read at each request (C{api_key_env}). Everything else on
+the path is the one a local child's request takes: scope, quotas,
+admission (C{max_concurrent} slots), metrics, audit, the relay. A remote
+that cannot be reached or answers 5xx counts against its model's breaker,
+as a crash does.
+
+The key is only ever in a request header: not in a log line, an error
+text (L{scrub}) or C{repr}.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Awaitable, Callable, Mapping, TypeGuard
+
+import attrs
+from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
+
+from blazar.config import Config, RemoteConfig
+from blazar.models.registry import ModelEntry
+
+log = Logger()
+
+REMOTE = "remote"  # the lane name of remote models (metrics, instance.lane)
+ANTHROPIC_VERSION = b"2023-06-01"
+
+
+@attrs.define(eq=False)
+class RemoteInstance:
+    """
+    A remote model as the request path sees an engine child (the
+    attributes of L{blazar.engines.supervisor.IInstance} that matter to it).
+
+    @ivar entry: The model (C{format = "remote"}).
+    @ivar remote: Its remote's config at the time of the request.
+    @ivar environ: Where C{api_key_env} is read.
+    """
+
+    entry: ModelEntry
+    remote: RemoteConfig
+    environ: Mapping[str, str] = attrs.field(repr=False, factory=dict)
+    state: str = "ready"
+    in_flight: int = 0
+    served: int = 0
+    last_used: float = 0.0
+    keep_alive: float | None = None
+    unload_when_idle: str | None = None
+    stop_reason: str = ""
+    ready_once: bool = True
+    ready_at: float | None = 0.0
+    started_at: float = 0.0
+    pid: int | None = None
+    port: int = 0
+    ctx: int = 0
+    lane: str = REMOTE
+    kv_bank: bool = False
+    health_path: str = "/v1/models"
+    path_prefix: str = ""
+    shape: str = ""
+
+    @property
+    def base_url(self) -> str:
+        return self.remote.root
+
+    @property
+    def server(self) -> str:
+        return f"remote {self.remote.name!r} ({self.remote.root})"
+
+    @property
+    def api_key(self) -> str:
+        return self.remote.key(self.environ) or ""
+
+    @property
+    def auth_headers(self) -> dict[bytes, list[bytes]]:
+        return auth_headers(self.remote, self.environ)
+
+    def wait_ready(self) -> Deferred[RemoteInstance]:
+        return succeed(self)
+
+    def expires_at(self) -> float | None:
+        return None
+
+
+def auth_headers(remote: RemoteConfig, environ: Mapping[str, str]) -> dict[bytes, list[bytes]]:
+    """
+    The headers that carry the remote's key as its API expects it
+    (Anthropic's C{x-api-key} and C{anthropic-version}; a bearer token for
+    the others); none without a key.
+    """
+    headers: dict[bytes, list[bytes]] = {}
+    key = remote.key(environ)
+    if remote.api == "anthropic":
+        headers[b"anthropic-version"] = [ANTHROPIC_VERSION]
+        if key:
+            headers[b"x-api-key"] = [key.encode("utf-8")]
+    elif key:
+        headers[b"authorization"] = [b"Bearer " + key.encode("utf-8")]
+    return headers
+
+
+def scrub(text: str, remote: RemoteConfig, environ: Mapping[str, str]) -> str:
+    """
+    C{text} (a remote's error message, a connection error) without the
+    remote's key, should the remote have echoed it.
+    """
+    key = remote.key(environ)
+    if key and len(key) >= 4:
+        text = text.replace(key, "[redacted]")
+    return text
+
+
+def listed_models(body: bytes) -> tuple[str, ...]:
+    """
+    The model names in a C{GET /v1/models} answer (OpenAI's, Anthropic's
+    and Ollama's C{/v1} shape: C{data[].id}), or Ollama's C{/api/tags}
+    (C{models[].name}).
+
+    @raise ValueError: Neither shape.
+    """
+    answer = json.loads(body)
+    if isinstance(answer, dict) and isinstance(answer.get("data"), list):
+        items, field = answer["data"], "id"
+    elif isinstance(answer, dict) and isinstance(answer.get("models"), list):
+        items, field = answer["models"], "name"
+    else:
+        raise ValueError("not a model list (no data[] or models[])")
+    names = [item.get(field) for item in items if isinstance(item, dict)]
+    return tuple(sorted({n for n in names if isinstance(n, str) and n and "*" not in n}))
+
+
+def models_url(remote: RemoteConfig) -> str:
+    """
+    Where a remote lists its models.
+    """
+    return remote.root + "/v1/models" + ("?limit=1000" if remote.api == "anthropic" else "")
+
+
+def is_remote(instance: Any) -> TypeGuard[RemoteInstance]:
+    return isinstance(instance, RemoteInstance)
+
+
+@attrs.define(eq=False)
+class RemoteCatalog:
+    """
+    Asks each remote with C{models = "*"} what it serves
+    (C{GET /v1/models}) at start and every C{interval} seconds, and tells
+    the registry (L{blazar.models.registry.ModelRegistry.note_listed}), so
+    C{/v1/models} and C{/api/tags} list C{NAME:model} for each. A remote that
+    does not answer keeps its last list; resolving C{NAME:anything} does not
+    wait for this (the remote's own answer decides).
+
+    @ivar get: The engine client's C{get(url, headers, timeout)}.
+    @ivar note: Where each list goes: C{note(remote name, names)}.
+    """
+
+    config: Callable[[], Config]
+    get: Callable[..., Awaitable[tuple[int, bytes]]]
+    note: Callable[[str, tuple[str, ...]], None]
+    clock: Any
+    environ: Mapping[str, str] = attrs.field(repr=False, factory=dict)
+    interval: float = 60.0
+    _job: LoopingCall | None = None
+    _failing: set[str] = attrs.field(factory=set)
+
+    def start(self) -> None:
+        self._job = LoopingCall(self._tick)
+        self._job.clock = self.clock
+        self._job.start(self.interval, now=True).addErrback(lambda f: log.failure("remote catalog stopped", f))
+
+    def stop(self) -> None:
+        if self._job is not None and self._job.running:
+            self._job.stop()
+
+    def _tick(self) -> Deferred[None]:
+        d = ensureDeferred(self.refresh())
+        d.addErrback(lambda f: log.failure("asking the remotes for their models failed", f))
+        return d
+
+    async def refresh(self) -> None:
+        """
+        Ask every C{models = "*"} remote once (a job body: never raises for
+        one remote's failure).
+        """
+        for remote in self.config().remotes:
+            if not remote.any_model:
+                continue
+            try:
+                status, body = await self.get(models_url(remote), auth_headers(remote, self.environ), 10.0)
+                if status != 200:
+                    raise ValueError(f"status {status}")
+                names = listed_models(body)
+            except Exception as e:
+                if remote.name not in self._failing:
+                    self._failing.add(remote.name)
+                    log.warn("remote {remote}: could not list its models ({error}); its models are still "
+                             "served by name (NAME:model), listed once it answers", remote=remote.name,
+                             error=scrub(str(e) or type(e).__name__, remote, self.environ)[:300])
+                continue
+            self._failing.discard(remote.name)
+            self.note(remote.name, names)

@@ -1,0 +1,240 @@
+"""
+Remotes ([[remotes]]) end to end: a second real Blazar daemon (its own
+llama-server child, its own keys) is the remote of the first, reached as
+peer:tiny from the OpenAI, Anthropic, Ollama and Responses surfaces,
+streamed and not, through the first daemon's keys, scopes, quotas and
+metrics; the same peer spoken to as an Anthropic Messages API
+(api = "anthropic") and as Ollama's /v1 with its model list asked
+(models = "*"); a remote that is not there gets a 502 naming it, then an
+open breaker's 503; a remote that refuses the key a 502 naming the config
+key; the remote's key appears in neither log nor body.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from typing import Iterator
+
+import anthropic
+import openai
+import pytest
+
+from blazar.models.testmodel import GeneratedModel
+from tests.integration.conftest import daemon_config
+from tests.integration.harness import Daemon, free_port
+
+PEER_SECRET = "peer-secret-remote-0123456789"
+WRONG_SECRET = "wrong-secret-remote-0123456789"
+ADMIN = "front-admin-0123456789"
+LIMITED = "front-limited-0123456789"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def _stop(d: Daemon) -> None:
+    code = d.stop()
+    leftovers = d.leftovers
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{d.log()[-4000:]}"
+    assert leftovers == [], "llama-server outlived the daemon"
+
+
+@pytest.fixture(scope="module")
+def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    d = Daemon(tmp_path_factory.mktemp("peer"), daemon_config(engine, models) + (
+        f'[[keys]]\nname = "front"\nsecret = "{PEER_SECRET}"\n'
+    ))
+    d.start()
+    try:
+        yield d
+    finally:
+        _stop(d)
+
+
+@pytest.fixture(scope="module")
+def front(peer: Daemon, engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory,
+          ) -> Iterator[Daemon]:
+    url = f"http://127.0.0.1:{peer.port}"
+    config = (
+        f'models_dir = "{models["tiny"].path.parent}"\n'
+        "breaker_crashes = 2\nbreaker_backoff_secs = 60\n"
+        f'[engines.llamacpp]\nbinary = "{engine}"\n'  # (nothing local runs in this module)
+        f'[[remotes]]\nname = "peer"\nbase_url = "{url}/v1"\napi_key_env = "BLAZAR_TEST_PEER_KEY"\n'
+        'models = ["tiny", "tiny-embed"]\nmax_concurrent = 2\n'
+        f'[[remotes]]\nname = "claude"\nbase_url = "{url}"\napi = "anthropic"\napi_key = "{PEER_SECRET}"\n'
+        'models = ["tiny"]\n'
+        f'[[remotes]]\nname = "box"\nbase_url = "{url}"\napi = "ollama"\napi_key = "{PEER_SECRET}"\nmodels = "*"\n'
+        f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
+        f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
+        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+        f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nmodels = ["peer:tiny"]\nrpm = 3\n'
+    )
+    d = Daemon(tmp_path_factory.mktemp("front"), config)
+    os.environ["BLAZAR_TEST_PEER_KEY"] = PEER_SECRET  # read by the daemon at each request
+    try:
+        d.start()
+    finally:
+        del os.environ["BLAZAR_TEST_PEER_KEY"]
+    try:
+        yield d
+    finally:
+        _stop(d)
+
+
+def auth(secret: str = ADMIN) -> dict[str, str]:
+    return {"authorization": f"Bearer {secret}"}
+
+
+def oai(d: Daemon, secret: str = ADMIN) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{d.port}/v1", api_key=secret, max_retries=0, timeout=120)
+
+
+def peer_requests(peer: Daemon, surface: str = "") -> float:
+    """
+    The requests for its tiny models the peer has answered (on
+    C{surface}, or any), by its own metrics, read with its key.
+    """
+    status, _, body = peer.request("GET", "/metrics", headers=auth(PEER_SECRET))
+    assert status == 200
+    total = 0.0
+    for line in body.decode().splitlines():
+        if line.startswith("blazar_requests_total{") and 'model="tiny' in line and f'surface="{surface}' in line:
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_listed_with_their_remote_names(front: Daemon) -> None:
+    ids = {m.id: m for m in oai(front).models.list()}
+    for name in ("peer:tiny", "peer:tiny-embed", "claude:tiny", "gone:x"):
+        assert name in ids, sorted(ids)
+    assert ids["peer:tiny"].owned_by == "peer"
+    # models = "*": what the peer's /v1/models lists, asked at start
+    deadline = time.monotonic() + 10
+    while not any(i.startswith("box:") for i in ids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+        ids = {m.id: m for m in oai(front).models.list()}
+    assert "box:tiny:latest" in ids, sorted(ids)
+    status, _, body = front.request("GET", "/api/tags", headers=auth())
+    tags = {m["name"]: m for m in json.loads(body)["models"]}
+    assert tags["peer:tiny"]["remote_host"] == "peer" and tags["peer:tiny"]["remote_model"] == "tiny"
+    # a scoped key sees only its own
+    limited = {m.id for m in oai(front, LIMITED).models.list()}
+    assert limited == {"peer:tiny"}
+
+
+def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
+    before = peer_requests(peer)
+    client = oai(front)
+    answer = client.chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content is not None
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model="peer:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(chunks) > 2 and isinstance(text, str)
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    vector = client.embeddings.create(model="peer:tiny-embed", input="hello").data[0].embedding
+    assert len(vector) > 8
+    completion = client.completions.create(model="peer:tiny", prompt="once", max_tokens=3)
+    assert completion.choices[0].text is not None
+    # the peer answered every one of them; the front started no engine of its own
+    assert peer_requests(peer) >= before + 4
+    assert front.engines() == []
+
+
+def test_anthropic_and_responses_and_ollama_surfaces(front: Daemon) -> None:
+    claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=ADMIN, max_retries=0)
+    message = claude.messages.create(model="peer:tiny", max_tokens=4, messages=HELLO)  # type: ignore[arg-type]
+    assert message.role == "assistant" and message.usage.output_tokens > 0
+    with claude.messages.stream(model="peer:tiny", max_tokens=4, messages=HELLO) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.stop_reason in ("max_tokens", "end_turn")
+
+    client = oai(front)
+    response = client.responses.create(model="peer:tiny", input="hi", max_output_tokens=16)
+    assert response.status in ("completed", "incomplete") and response.usage is not None
+    events = [e.type for e in client.responses.create(model="peer:tiny", input="hi", max_output_tokens=16,
+                                                       stream=True)]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+
+    status, _, body = front.request("POST", "/api/chat", {"model": "peer:tiny", "messages": HELLO, "stream": False,
+                                                          "options": {"num_predict": 4}}, headers=auth())
+    assert status == 200, body
+    assert json.loads(body)["message"]["role"] == "assistant"
+    status, _, body = front.request("POST", "/api/chat", {"model": "peer:tiny", "messages": HELLO,
+                                                          "options": {"num_predict": 4}}, headers=auth())
+    lines = [json.loads(line) for line in body.splitlines() if line.strip()]
+    assert status == 200 and lines[-1]["done"] is True and lines[-1]["eval_count"] > 0
+
+
+def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
+    # api = "anthropic": the front speaks Messages to the peer's /v1/messages and translates back
+    before = peer_requests(peer, "anthropic")
+    client = oai(front)
+    answer = client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.choices[0].finish_reason in ("length", "stop")
+    assert answer.usage is not None and answer.usage.completion_tokens > 0
+    chunks = list(client.chat.completions.create(
+        model="claude:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert peer_requests(peer, "anthropic") == before + 2  # both went to the peer's Messages surface
+    # Messages has no n: refused, not silently one answer
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)  # type: ignore[arg-type]
+    # an ollama-api remote serves by any name its remote knows
+    answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.choices[0].message is not None
+
+
+def test_front_keys_scopes_and_quotas_apply(front: Daemon) -> None:
+    limited = oai(front, LIMITED)
+    with pytest.raises(openai.NotFoundError):
+        limited.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    codes = []
+    for _ in range(4):
+        status, _, _ = front.request("POST", "/v1/chat/completions",
+                                     {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2}, headers=auth(LIMITED))
+        codes.append(status)
+    assert codes[:3] == [200, 200, 200] and codes[3] == 429, codes  # rpm = 3 (a scope refusal is not counted)
+    status, _, _ = front.request("POST", "/v1/chat/completions",
+                                 {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2})
+    assert status == 401
+    status, _, body = front.request("GET", "/metrics", headers=auth())
+    metrics = body.decode()
+    assert 'blazar_remote_requests_total{key="admin",model="peer:tiny",remote="peer",status="2xx"}' in metrics
+
+
+def test_a_remote_that_is_not_there_opens_its_breaker(front: Daemon) -> None:
+    body = {"model": "gone:x", "messages": HELLO, "max_tokens": 2}
+    status, _, first = front.request("POST", "/v1/chat/completions", body, headers=auth())
+    assert status == 502, first
+    assert "remote 'gone'" in json.loads(first)["error"]["message"]
+    front.request("POST", "/v1/chat/completions", body, headers=auth())
+    status, headers, third = front.request("POST", "/v1/chat/completions", body, headers=auth())
+    assert status == 503, third
+    assert "retry-after" in headers
+    assert "remote 'gone'" in json.loads(third)["error"]["message"]
+    # on the Anthropic surface, in its own shape (Anthropic's "overloaded" status)
+    status, _, data = front.request("POST", "/v1/messages", {"model": "gone:x", "max_tokens": 2, "messages": HELLO},
+                                    headers=auth())
+    assert status == 529 and json.loads(data)["type"] == "error", data
+    assert "remote 'gone'" in json.loads(data)["error"]["message"]
+
+
+def test_a_refused_key_names_the_config_and_no_key_is_shown(front: Daemon) -> None:
+    status, _, body = front.request("POST", "/v1/chat/completions",
+                                    {"model": "wrongkey:tiny", "messages": HELLO, "max_tokens": 2}, headers=auth())
+    assert status == 502, body
+    message = json.loads(body)["error"]["message"]
+    assert "api_key" in message and "wrongkey" in message
+    assert WRONG_SECRET not in message
+    log = front.log()
+    assert PEER_SECRET not in log and WRONG_SECRET not in log
+    config_free = front.log() + json.dumps(front.request("GET", "/api/ps", headers=auth())[2].decode())
+    assert PEER_SECRET not in config_free
