@@ -12,9 +12,11 @@ key; the remote's key appears in neither log nor body.
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
+import threading
 import time
 from typing import Iterator
 
@@ -53,8 +55,56 @@ def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytes
         _stop(d)
 
 
+class HeldRemote(http.server.ThreadingHTTPServer):
+    """
+    An OpenAI-compatible server that answers a chat completion only once
+    C{release} is set (for what admission and the timeout do while a
+    remote is slow; the real remote is the peer daemon above).
+    """
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.seen = 0
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.seen += 1
+                if not outer.release.wait(30):
+                    return
+                body = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                                   "choices": [{"index": 0, "finish_reason": "stop",
+                                                "message": {"role": "assistant", "content": "ok"}}],
+                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                self.send_response(200)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body.encode())
+
+        super().__init__(("127.0.0.1", 0), Handler)
+
+
 @pytest.fixture(scope="module")
-def front(peer: Daemon, engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory,
+def held() -> Iterator[HeldRemote]:
+    server = HeldRemote()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server
+    finally:
+        server.release.set()
+        server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory,
           ) -> Iterator[Daemon]:
     url = f"http://127.0.0.1:{peer.port}"
     config = (
@@ -68,6 +118,8 @@ def front(peer: Daemon, engine: str, models: dict[str, GeneratedModel], tmp_path
         f'[[remotes]]\nname = "box"\nbase_url = "{url}"\napi = "ollama"\napi_key = "{PEER_SECRET}"\nmodels = "*"\n'
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
+        f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t"]\n'
+        'max_concurrent = 1\ntimeout_secs = 2\n'
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
         f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nmodels = ["peer:tiny"]\nrpm = 3\n'
     )
@@ -238,3 +290,46 @@ def test_a_refused_key_names_the_config_and_no_key_is_shown(front: Daemon) -> No
     assert PEER_SECRET not in log and WRONG_SECRET not in log
     config_free = front.log() + json.dumps(front.request("GET", "/api/ps", headers=auth())[2].decode())
     assert PEER_SECRET not in config_free
+
+
+def test_max_concurrent_is_the_remotes_slots_and_timeout_secs_its_bound(front: Daemon, held: HeldRemote) -> None:
+    body = {"model": "held:m", "messages": HELLO, "max_tokens": 2}
+    results: dict[str, tuple[int, dict[str, str], bytes]] = {}
+
+    def send(name: str) -> None:
+        results[name] = front.request("POST", "/v1/chat/completions", body, headers=auth(), timeout=60)
+
+    held.release.clear()
+    first = threading.Thread(target=send, args=("first",))
+    first.start()
+    deadline = time.monotonic() + 10
+    while held.seen < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = threading.Thread(target=send, args=("second",))
+    second.start()
+    # max_concurrent = 1: the second waits in Blazar's queue, not at the remote
+    queued = None
+    while time.monotonic() < deadline:
+        queues = json.loads(front.request("GET", "/api/queue", headers=auth())[2])["models"]
+        queued = next((q for q in queues if q["model"] == "held:m"), None)
+        if queued is not None and queued["waiting"]["total"] == 1:
+            break
+        time.sleep(0.05)
+    assert queued is not None and queued["slots"] == {"busy": 1, "total": 1}, queued
+    assert queued["waiting"]["total"] == 1 and held.seen == 1
+    time.sleep(0.3)
+    held.release.set()
+    first.join(30)
+    second.join(30)
+    assert results["first"][0] == 200 and results["second"][0] == 200, results
+    assert float(results["second"][1]["x-blazar-queue-ms"]) >= 300
+    assert json.loads(results["second"][2])["choices"][0]["message"]["content"] == "ok"
+
+    # a remote that sends nothing within timeout_secs: a 504 naming the key, once (never sent twice)
+    held.release.clear()
+    seen = held.seen
+    status, _, data = front.request("POST", "/v1/chat/completions", {**body, "model": "held:t"}, headers=auth())
+    held.release.set()
+    assert status == 504, data
+    assert "timeout_secs" in json.loads(data)["error"]["message"]
+    assert held.seen == seen + 1
