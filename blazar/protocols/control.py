@@ -603,7 +603,8 @@ class ControlServer(amp.AMP):
     def models(self) -> Deferred[dict[str, Any]]:
         async def listing() -> dict[str, Any]:
             entries = await self._registry.refresh()
-            return {"models": [{"name": e.name, "path": str(e.path)} for e in entries]}
+            return {"models": [{"name": e.name, "path": f"remote {e.remote}" if e.remote else str(e.path)}
+                               for e in entries]}
 
         return Deferred.fromCoroutine(listing())
 

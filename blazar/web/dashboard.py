@@ -167,6 +167,10 @@ class Dashboard:
             if e.name not in allowed:
                 continue
             row: dict[str, Any] = {"name": e.name, "format": e.format, "path": e.path.name}
+            if e.remote is not None:  # a [[remotes]] model: nothing of it on this machine
+                row.update(kind="remote", size=None, path=f"remote {e.remote}", capabilities=["completion"])
+                files.append(row)
+                continue
             try:
                 meta = await self._registry.metadata(e)
                 kind = model_kind(e, meta)

@@ -174,6 +174,10 @@ def test_listed_with_their_remote_names(front: Daemon) -> None:
     # a scoped key sees only its own
     limited = {m.id for m in oai(front, LIMITED).models.list()}
     assert limited == {"peer:tiny"}
+    # and the dashboard's Models page lists them as remote
+    status, _, body = front.request("GET", "/ui/api/models", headers=auth())
+    rows = {r["name"]: r for r in json.loads(body)["files"]}
+    assert status == 200 and rows["peer:tiny"]["kind"] == "remote", body[:500]
 
 
 def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
