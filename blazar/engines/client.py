@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from OpenSSL import SSL
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionLost
@@ -33,6 +34,8 @@ def peer_closed(transport: Any) -> bool:
     connection is not at a request boundary.
     """
     handle = getattr(transport, "getHandle", lambda: None)()
+    if isinstance(handle, SSL.Connection):
+        return False  # a TLS connection's handle (to a remote) is OpenSSL's: peeking it reads TLS records
     recv = getattr(handle, "recv", None)
     if recv is None:
         return False

@@ -27,6 +27,7 @@ import pytest
 from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon, free_port
+from tests.integration.test_tls_e2e import self_signed
 
 PEER_SECRET = "peer-secret-remote-0123456789"
 WRONG_SECRET = "wrong-secret-remote-0123456789"
@@ -45,9 +46,17 @@ def _stop(d: Daemon) -> None:
 
 @pytest.fixture(scope="module")
 def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("peer"), daemon_config(engine, models) + (
+    root = tmp_path_factory.mktemp("peer")
+    cert, key = self_signed(root)
+    d = Daemon(root / "d", daemon_config(engine, models) + (
         f'[[keys]]\nname = "front"\nsecret = "{PEER_SECRET}"\n'
     ))
+    # a TLS listener too, for an https remote (its certificate trusted through SSL_CERT_FILE)
+    d.tls_port, d.cert = free_port(), cert  # type: ignore[attr-defined]
+    d.config.write_text(d.config.read_text().replace(
+        f'listen = "tcp:{d.port}:interface=127.0.0.1"',
+        f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
+        f'"ssl:{d.tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]'))  # type: ignore[attr-defined]
     d.start()
     try:
         yield d
@@ -116,6 +125,8 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
         f'[[remotes]]\nname = "claude"\nbase_url = "{url}"\napi = "anthropic"\napi_key = "{PEER_SECRET}"\n'
         'models = ["tiny"]\n'
         f'[[remotes]]\nname = "box"\nbase_url = "{url}"\napi = "ollama"\napi_key = "{PEER_SECRET}"\nmodels = "*"\n'
+        f'[[remotes]]\nname = "secure"\nbase_url = "https://localhost:{peer.tls_port}/v1"\n'  # type: ignore[attr-defined]
+        f'api_key = "{PEER_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t"]\n'
@@ -125,10 +136,11 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
     )
     d = Daemon(tmp_path_factory.mktemp("front"), config)
     os.environ["BLAZAR_TEST_PEER_KEY"] = PEER_SECRET  # read by the daemon at each request
+    os.environ["SSL_CERT_FILE"] = str(peer.cert)  # type: ignore[attr-defined]  # OpenSSL's trust store
     try:
         d.start()
     finally:
-        del os.environ["BLAZAR_TEST_PEER_KEY"]
+        del os.environ["BLAZAR_TEST_PEER_KEY"], os.environ["SSL_CERT_FILE"]
     try:
         yield d
     finally:
@@ -337,3 +349,12 @@ def test_max_concurrent_is_the_remotes_slots_and_timeout_secs_its_bound(front: D
     assert status == 504, data
     assert "timeout_secs" in json.loads(data)["error"]["message"]
     assert held.seen == seen + 1
+
+
+def test_an_https_remote(front: Daemon) -> None:
+    # TLS to the peer's ssl: listener, its certificate checked against the trust store and the host name
+    answer = oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    assert answer.choices[0].message.role == "assistant"
+    chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+                                                     stream=True))
+    assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
