@@ -8,7 +8,11 @@ surface:
 
  1. scope: a model outside a scoped key's scope does not exist (and the
     key's rate limits are checked: L{blazar.gateway.scope}); the model is
-    resolved here, once;
+    resolved here, once, and its lane found (C{NAME:model} of a
+    C{[[remotes]]} entry: the remote lane, L{blazar.engines.remote}, which
+    skips steps 2-4, 6 and 8 and the grammar and the pin: the remote does
+    its own; its body names the remote's model, as Anthropic Messages for
+    C{api = "anthropic"}: L{blazar.gateway.remotewire});
  2. purpose: no chat on an embedding model, no embeddings on a chat model;
  3. system-message placement for the model's chat template;
  4. the surface's own rewrite, if any (L{Call.rewrite});
