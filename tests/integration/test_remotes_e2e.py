@@ -236,6 +236,12 @@ def test_anthropic_and_responses_and_ollama_surfaces(front: Daemon) -> None:
                                                           "options": {"num_predict": 4}}, headers=auth())
     lines = [json.loads(line) for line in body.splitlines() if line.strip()]
     assert status == 200 and lines[-1]["done"] is True and lines[-1]["eval_count"] > 0
+    status, _, body = front.request("POST", "/api/generate", {"model": "peer:tiny", "prompt": "hi", "stream": False,
+                                                              "options": {"num_predict": 4}}, headers=auth())
+    assert status == 200 and json.loads(body)["done"] is True, body
+    status, _, body = front.request("POST", "/api/embed", {"model": "peer:tiny-embed", "input": ["a", "b"]},
+                                    headers=auth())
+    assert status == 200 and len(json.loads(body)["embeddings"]) == 2, body
 
 
 def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
@@ -252,6 +258,15 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert peer_requests(peer, "anthropic") == before + 2  # both went to the peer's Messages surface
+    # the other surfaces reach it too: Anthropic in, OpenAI inside, Anthropic out, and back
+    claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=ADMIN, max_retries=0)
+    with claude.messages.stream(model="claude:tiny", max_tokens=4, messages=HELLO) as stream:  # type: ignore[arg-type]
+        final = stream.get_final_message()
+    assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens > 0
+    events = [e.type for e in client.responses.create(model="claude:tiny", input="hi", max_output_tokens=16,
+                                                       stream=True)]
+    assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
+    assert peer_requests(peer, "anthropic") == before + 4
     # Messages has no n: refused, not silently one answer
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)  # type: ignore[arg-type]
