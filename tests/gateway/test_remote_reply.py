@@ -1,0 +1,86 @@
+"""
+An api = "anthropic" remote's answer on the way back
+(L{blazar.gateway.pipeline.Reply}): a Messages answer read whole becomes
+an OpenAI chat completion; its stream, however the reads split it,
+becomes OpenAI chunks (the byte relay's SSE ends with [DONE] after the
+usage chunk); an error event or a body that is no message is the
+remote's fault (502).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar.gateway.errors import EngineRejected
+from blazar.gateway.pipeline import Reply
+from blazar.gateway.remotewire import AnthropicStream
+
+from tests.gateway.test_remotewire import STREAM
+
+
+def reply(include_usage: bool = True) -> Reply:
+    # the translation steps read only the translator: the rest of a Reply is a lease's
+    made = Reply.__new__(Reply)
+    made.anthropic = AnthropicStream("claude:m", 7, include_usage)
+    return made
+
+
+def sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
+    return b"".join(f"event: {name}\ndata: {json.dumps(data)}\n\n".encode() for name, data in events)
+
+
+class AnthropicReplyTests(SynchronousTestCase):
+    def test_a_message_read_whole(self) -> None:
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "max_tokens",
+                   "content": [{"type": "text", "text": "hello"}],
+                   "usage": {"input_tokens": 3, "output_tokens": 2}}
+        out = json.loads(reply()._from_anthropic(json.dumps(message).encode()))
+        self.assertEqual(out["object"], "chat.completion")
+        self.assertEqual(out["model"], "claude:m")
+        self.assertEqual(out["choices"][0]["message"]["content"], "hello")
+        self.assertEqual(out["choices"][0]["finish_reason"], "length")
+        self.assertEqual(out["usage"]["completion_tokens"], 2)
+        with self.assertRaises(EngineRejected) as caught:
+            reply()._from_anthropic(b"[1]")
+        self.assertEqual(caught.exception.status, 502)
+
+    def test_a_stream_split_anywhere(self) -> None:
+        data = sse(STREAM)
+        whole: list[bytes] = []
+        feed = reply()._anthropic_bytes(whole.append)
+        feed(data)
+        for step in (1, 7, 64):
+            parts: list[bytes] = []
+            feed = reply()._anthropic_bytes(parts.append)
+            for i in range(0, len(data), step):
+                feed(data[i:i + step])
+            self.assertEqual(b"".join(parts), b"".join(whole), step)
+        events = b"".join(whole).split(b"\n\n")[:-1]
+        self.assertEqual(events[-1], b"data: [DONE]")
+        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        self.assertEqual(chunks[0]["choices"][0]["delta"]["role"], "assistant")
+        self.assertEqual("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]),
+                         "Let me check.")
+        calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
+        self.assertEqual([t["function"]["name"] for t in calls if "id" in t], ["get_weather", "get_time"])
+        self.assertEqual([c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1], "tool_calls")
+        self.assertEqual(chunks[-1]["choices"], [])
+        self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 89)
+
+    def test_without_usage_the_finish_chunk_ends_it(self) -> None:
+        out: list[bytes] = []
+        reply(include_usage=False)._anthropic_bytes(out.append)(sse(STREAM))
+        events = b"".join(out).split(b"\n\n")[:-1]
+        self.assertEqual(events[-1], b"data: [DONE]")
+        self.assertNotIn(b'"usage"', events[-2])
+
+    def test_an_error_event(self) -> None:
+        chunks: list[Any] = []
+        feed = reply()._anthropic_events(chunks.append)
+        with self.assertRaises(EngineRejected) as caught:
+            feed(sse([("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})]))
+        self.assertEqual(caught.exception.status, 502)
+        self.assertIn("overloaded_error", str(caught.exception))
