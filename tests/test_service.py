@@ -303,8 +303,14 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp",
+        "engines.whisper", "engines.sdcpp", "batch_max_in_flight",
     )
+
+    def test_batch_max_in_flight(self) -> None:
+        # the batch runner reads it from the live config at each line it starts
+        runner = self.tree.batches
+        assert runner is not None
+        self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of
