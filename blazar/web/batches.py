@@ -58,6 +58,8 @@ def thd_read_upload(content: IO[bytes], content_type: str) -> tuple[dict[str, st
                 upload = (part.filename or "", part.raw)
             elif part.filename is None:
                 fields[part.name] = part.value
+    except FileTooLarge:
+        raise
     except multipart.MultipartError as e:
         if "limit" in str(e).lower():
             raise FileTooLarge(f"a file may be at most 200 MB ({FILE_MAX_BYTES} bytes)", "file") from None
