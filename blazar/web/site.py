@@ -12,6 +12,12 @@ calls L{BlazarRequest.gotLength}), in this order:
  3. the API key (L{AuthGate.authenticate}): C{Authorization} or
     C{x-api-key} sent twice is 400, a missing or wrong key 401; a request
     let in without a key (the open routes) may send L{OPEN_BODY_BYTES}.
+    On the private batch listener's site (C{batch_secret} set) it is
+    L{AuthGate.authenticate_batch_line} instead: the daemon's own Batch API
+    lines, as the key each names.
+
+C{POST /v1/files} (a Batch API upload) may send L{UPLOAD_BODY_BYTES},
+OpenAI's 200 MB and its form, whatever C{max_body_bytes}.
 
 Each is answered in its surface's error shape with the body unread: the
 channel is told the body is empty (so the request is handed on at once)
