@@ -225,6 +225,47 @@ def test_a_restart_mid_batch_finishes_it_with_each_line_sent_once(daemon: Daemon
     assert "resumed (in_progress)" in daemon.log()
 
 
+def test_a_daemon_killed_mid_batch_never_sends_a_line_twice(daemon: Daemon) -> None:
+    """
+    SIGKILL (no drain): the lines in flight then are failed at the next
+    start with batch_interrupted, never sent again; the rest complete.
+    """
+    batch = start_batch(daemon, chat_lines(30, "killed", max_tokens=48, ignore_eos=True))
+    wait_batch(daemon, batch.id, lambda b: b.request_counts.completed >= 3)
+    engines = daemon.engines()
+    assert daemon.proc is not None
+    daemon.proc.kill()
+    daemon.proc.wait()
+    for p in engines:
+        p.kill()
+    daemon.start()
+    done = wait_batch(daemon, batch.id, lambda b: b.status in ("completed", "failed", "expired"))
+    assert done.status == "completed", done
+    counts = done.request_counts
+    assert counts.completed + counts.failed == 30 and counts.completed >= 3, done
+    completed = [o["custom_id"] for o in output_of(daemon, done.output_file_id)]
+    errors = output_of(daemon, done.error_file_id) if counts.failed else []
+    # what was in flight at the kill (the runner keeps batch_max_in_flight = 4 going): failed
+    assert 1 <= len(errors) <= 4 and {e["error"]["code"] for e in errors} <= {"batch_interrupted"}, errors
+    assert sorted(completed + [e["custom_id"] for e in errors]) == sorted(f"killed-{i}" for i in range(30))
+    # no line reached the Site twice (the killed daemon's last audit lines may be lost, never doubled)
+    assert max(audit_traces(daemon, batch.id).values()) == 1
+    assert "were in flight at the last stop and are failed" in daemon.log()
+
+
+def test_responses_lines(daemon: Daemon) -> None:
+    content = b"".join(json.dumps({
+        "custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
+        "body": {"model": MODEL, "input": f"say {i}", "max_output_tokens": 8},
+    }).encode() + b"\n" for i in range(3))
+    batch = start_batch(daemon, content, "/v1/responses")
+    done = wait_batch(daemon, batch.id, lambda b: b.status in ("completed", "failed"))
+    assert done.status == "completed" and done.request_counts.completed == 3, done
+    for o in output_of(daemon, done.output_file_id):
+        assert o["response"]["status_code"] == 200
+        assert o["response"]["body"]["object"] == "response"
+
+
 def test_embeddings_lines(daemon: Daemon) -> None:
     content = b"".join(json.dumps({
         "custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
