@@ -288,7 +288,7 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     """
     Write a finished batch's output and error files (purpose
     C{batch_output}, owned by C{key}; none when empty) and its final
-    object, in one transaction (a crash never leaves the files without
+    object, its C{request_counts} counted from its lines, in one transaction (a crash never leaves the files without
     the batch naming them).
 
     @param batch: The batch object, its final status and timestamp set.
@@ -296,6 +296,9 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     """
     db.execute("BEGIN")
     try:
+        counts = store.thd_line_counts(db, batch["id"])
+        batch = {**batch, "request_counts": {"total": sum(counts.values()), "completed": counts.get("done", 0),
+                                             "failed": counts.get("failed", 0)}}
         for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
             content = store.thd_results(db, batch["id"], ok)
             if content:
@@ -343,6 +346,7 @@ class _Running:
     expiring: bool = False
     paused_until: float = 0.0
     finishing: bool = False
+    claiming: bool = False
 
     @property
     def id(self) -> str:
@@ -645,15 +649,36 @@ class BatchRunner:
                     if (running.batch["status"] != "in_progress" or running.exhausted or running.finishing
                             or running.paused_until > self.reactor.seconds()):
                         continue
-                    rows = await self.run_db(store.thd_claim_lines, running.id, free)
-                    if len(rows) < free:
-                        running.exhausted = True
+                    running.claiming = True
+                    try:
+                        rows = await self.run_db(store.thd_claim_lines, running.id, free)
+                        if len(rows) < free:
+                            running.exhausted = True
+                        if running.batch["status"] != "in_progress" or running.expiring or self._stopping:
+                            # cancelled, expired or stopped while the claim ran: those never start
+                            await self._unclaim(running, [row[0] for row in rows])
+                            rows = []
+                    finally:
+                        running.claiming = False
                     for line, custom_id, body in rows:
                         self._start_line(running, line, custom_id, body)
-                    if running.exhausted and running.in_flight == 0:
+                    if running.in_flight == 0 and (running.exhausted or running.batch["status"] == "cancelling"):
                         self._finish_later(running)
         finally:
             self._pumping = False
+
+    async def _unclaim(self, running: _Running, lines: list[int]) -> None:
+        """
+        Put claimed lines that were not sent back to pending (an expiring
+        batch's then fail as expired, as its other pending ones did).
+        """
+        for line in lines:
+            await self.run_db(store.thd_release_line, running.id, line)
+        if lines and running.expiring:
+            failed = await self.run_db(store.thd_fail_pending, running.id, error_template(EXPIRED))
+            counts = running.batch["request_counts"]
+            running.batch["request_counts"] = {**counts, "failed": counts["failed"] + failed}
+            await self._save(running)
 
     def _start_line(self, running: _Running, line: int, custom_id: str, body: str) -> None:
         running.in_flight += 1
@@ -707,8 +732,8 @@ class BatchRunner:
         await self.run_db(thd_record_line, running.id, line, ok, json.dumps(result), json.dumps(running.batch))
 
     def _finish_later(self, running: _Running) -> None:
-        if running.finishing or self._stopping:
-            return
+        if running.finishing or running.claiming or self._stopping:
+            return  # (a claim in progress finishes it when it is done)
         running.finishing = True
         Deferred.fromCoroutine(self._finish(running)).addErrback(
             lambda f: log.failure("finishing batch {batch} failed", f, batch=running.id))

@@ -336,6 +336,28 @@ class CancelTests(RunnerCase):
         self.assertEqual(len(self.lines_of(done["output_file_id"])), 2)
         self.assertEqual(self.ok(self.runner.cancel("alice", made["id"]))["status"], "cancelled")
 
+    def test_lines_claimed_as_it_is_cancelled_never_start(self) -> None:
+        held: list[tuple[Deferred[Any], Any, tuple[Any, ...]]] = []
+
+        def run_db(f: Any, *args: Any) -> Deferred[Any]:
+            if f is store.thd_claim_lines:
+                d: Deferred[Any] = Deferred()
+                held.append((d, f, args))
+                return d
+            return maybeDeferred(f, self.db, *args)
+
+        self.runner.run_db = run_db
+        made = self.make_batch(3)
+        self.assertEqual(len(held), 1)  # the claim is on the database thread
+        self.assertEqual(self.ok(self.runner.cancel("alice", made["id"]))["status"], "cancelling")
+        d, f, args = held.pop()
+        d.callback(f(self.db, *args))
+        self.assertEqual(self.send.calls, [])
+        done = self.get(made["id"])
+        self.assertEqual((done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0,
+                                                                                  "failed": 0}))
+        self.assertEqual(store.thd_line_counts(self.db, made["id"]), {"pending": 3})
+
     def test_a_finished_batch_cannot_be_cancelled(self) -> None:
         made = self.make_batch(1)
         self.send.answer_all()
