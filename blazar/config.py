@@ -63,6 +63,8 @@ C{~/.config/blazar/config.toml}. Keys::
     sdcpp_child_header_timeout_secs = 900   # an sd-server child (images) writes its headers
                                    # only when the whole image is done: this long, not
                                    # child_header_timeout_secs, before it counts as wedged
+    batch_max_in_flight = 4        # Batch API lines in flight at once (over all batches);
+                                   # each still waits for a slot at the lowest priority
 
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
@@ -355,6 +357,7 @@ class Config:
     sentinel_stall: float = 30.0
     whisper_idle: float = 900.0  # whisper_idle_secs (0: kept until the daemon stops)
     sdcpp_child_header_timeout: float = 900.0
+    batch_max_in_flight: int = 4
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     whisper: LlamaCppConfig = LlamaCppConfig()
     sdcpp: LlamaCppConfig = LlamaCppConfig()
@@ -431,6 +434,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "sentinel_stall": ("sentinel_stall_secs", RUNTIME),
     "whisper_idle": ("whisper_idle_secs", RUNTIME),
     "sdcpp_child_header_timeout": ("sdcpp_child_header_timeout_secs", RUNTIME),
+    "batch_max_in_flight": ("batch_max_in_flight", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "whisper": ("engines.whisper", RUNTIME),
     "sdcpp": ("engines.sdcpp", RUNTIME),
@@ -705,7 +709,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
-        "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes",
+        "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -757,7 +761,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     if "session_save_timeout_secs" in doc:
         kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
                                                           "session_save_timeout_secs")
-    for key in ("session_bank_entry_max_mib", "session_bank_max_mib"):
+    for key in ("session_bank_entry_max_mib", "session_bank_max_mib", "batch_max_in_flight"):
         if key in doc:
             kwargs[key] = _positive_int(doc[key], where, key)
     if "audit_log" in doc:

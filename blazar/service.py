@@ -5,6 +5,7 @@ together.
 
 from __future__ import annotations
 
+import secrets
 import signal
 import sys
 import time
@@ -42,6 +43,8 @@ from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.gateway.admission import Admission
+from blazar.gateway.batch import BatchRunner, LineSender
+from blazar.web.batches import BatchSurface
 from blazar.web.dashboard import Dashboard
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
@@ -87,7 +90,7 @@ class Listeners(MultiService):
         try:
             super().privilegedStartService()
         except CannotListenError as e:
-            if "control.sock" in str(e.port):
+            if "control.sock" in str(e.port) or "batch.sock" in str(e.port):
                 message = (
                     f"blazar: {_text(e.port)} is in use: another blazar daemon runs on this data_dir "
                     "(`blazar status` tells); stop it or set a different data_dir"
@@ -311,18 +314,81 @@ class _Hooks(Service):
 class AuditService(Service):
     """
     Runs the audit writer thread for the daemon's lifetime.
+
+    @ivar after: Fires when the last requests that may still be audited
+        have ended (the Batch API lines a stop waits for); the writer
+        stops after it.
     """
 
-    def __init__(self, audit: AuditLog) -> None:
+    def __init__(self, audit: AuditLog, after: Callable[[], Deferred[None]] | None = None) -> None:
         self.audit = audit
+        self.after = after
 
     def startService(self) -> None:
         Service.startService(self)
         self.audit.start()
 
-    def stopService(self) -> None:
+    def stopService(self) -> Deferred[None] | None:
         Service.stopService(self)
-        self.audit.stop()
+        if self.after is None:
+            self.audit.stop()
+            return None
+        return self.after().addBoth(lambda _: self.audit.stop())
+
+
+class BatchService(Service):
+    """
+    Runs the Batch API's runner (L{blazar.gateway.batch.BatchRunner}) on
+    its own SQLite connection and thread (so a stop can record the lines
+    it waits for after the other stores have closed): resumes unfinished
+    batches at start; on stop waits for the lines in flight, then closes
+    the line sender's connections and the database.
+    """
+
+    def __init__(self, path: Path, reactor: Any, make_runner: Callable[[Callable[..., Deferred[Any]]], BatchRunner],
+                 sender: LineSender) -> None:
+        self._path = path
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name="blazar-batch")
+        self._db: Any = None
+        self._sender = sender
+        self.runner = make_runner(self.run_db)
+
+    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
+        """
+        C{f(db, *args)} on the runner's own database thread.
+        """
+        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        import queue
+
+        self._pool.start()
+        box: queue.Queue[Any] = queue.Queue()
+        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), store.thd_open, self._path)
+        ok, value = box.get()  # at start, before serving: a short blocking open
+        if not ok:
+            value.raiseException()
+        self._db = value
+        Deferred.fromCoroutine(self.runner.start()).addErrback(lambda f: log.failure("resuming batches failed", f))
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+
+        async def stop() -> None:
+            try:
+                await self.runner.stop()
+                await self._sender.close()
+            finally:
+                if self._db is not None:
+                    await deferToThreadPool(self._reactor, self._pool, self._db.close)
+
+        def stop_pool(result: Any) -> Any:
+            self._pool.stop()
+            return result
+
+        return Deferred.fromCoroutine(stop()).addBoth(stop_pool)
 
 
 class ReloadOnHangup(Service):
@@ -471,6 +537,7 @@ class ServiceTree:
     keys: KeyHolder
     key_admin: KeyAdmin
     sessions: Sessions
+    batches: BatchRunner | None = None
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -518,7 +585,6 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
         free_memory=thd_free_memory, metrics=metrics, engine_output=ring.engine_line,
     )
-    supervisor.before_stop = session_service.sessions.stopping
     supervisor.setServiceParent(top)
     # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
     catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
@@ -538,6 +604,28 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
     anthropic = AnthropicSurface(pipeline, reactor)
+    # the Batch API: its lines come back in through a private listener
+    # (below) as their key's requests, at batch priority
+    batch_socket = run_dir(config.data_dir) / "batch.sock"
+    batch_secret = secrets.token_urlsafe(32)
+    sender = LineSender(reactor, batch_socket, batch_secret)
+    in_pool = lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)  # noqa: E731
+    batch_service = BatchService(
+        config.data_dir / "blazar.db", reactor,
+        lambda run_db: BatchRunner(reactor, run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight),
+        sender,
+    )
+    runner = batch_service.runner
+    batches = BatchSurface(runner, in_pool)
+
+    def before_stop(instance: Any) -> Deferred[None]:
+        # a shutdown lets the batch lines in flight finish first (bounded:
+        # blazar.gateway.batch.STOP_WAIT), then saves the sessions' slots
+        if instance.stop_reason != "shutdown" or not runner.stopping:
+            return session_service.sessions.stopping(instance)
+        return runner.drained().addCallback(lambda _: session_service.sessions.stopping(instance))
+
+    supervisor.before_stop = before_stop
 
     def installed_engines() -> Any:
         from blazar.engines.installed import EngineStore
@@ -553,7 +641,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     root = AuthGate(
         SurfaceRouter(
             openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
-            MetricsResource(metrics), dashboard.app.resource(),
+            MetricsResource(metrics), dashboard.app.resource(), batches.app.resource(),
         ),
         keys, quotas,
     )
@@ -567,7 +655,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
     if config.audit_log is not None:
         audit = site.audit = AuditLog(config.audit_log)
-        AuditService(audit).setServiceParent(top)
+        AuditService(audit, runner.drained).setServiceParent(top)
         metrics.gauges(lambda: [gauge(
             "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
             [([], audit.dropped)],
@@ -578,6 +666,19 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         listener = strports.service(description, site, reactor=reactor)
         listener._raiseSynchronously = True
         listener.setServiceParent(listeners)
+    if len(str(batch_socket)) > 100:
+        log.warn(
+            "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
+            "this daemon; use a shorter data_dir", path=str(batch_socket),
+        )
+    else:
+        # the one listener that honours the batch secret: 0600 in the 0700 run/ directory
+        batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
+        batch_site.batch_secret = batch_secret.encode("ascii")
+        batch_site.audit, batch_site.observer = site.audit, site.observer
+        private = strports.service(f"unix:{batch_socket}:mode=600:lockfile=1", batch_site, reactor=reactor)
+        private._raiseSynchronously = True
+        private.setServiceParent(listeners)
     updates = EngineUpdates(reactor, lambda: live.current.engine_index_url, lambda: live.current.data_dir)
     top.addService(_Hooks(lambda: updates.start(config.engine_check), updates.stop))
     control_path = run_dir(config.data_dir) / "control.sock"
@@ -615,10 +716,12 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         control._raiseSynchronously = True
         control.setServiceParent(listeners)
     listeners.setServiceParent(top)
+    # after the listeners: resumed batches start once their listener is bound
+    batch_service.setServiceParent(top)
     # last: started once everything serves, stopped first
     ReloadOnHangup(key_admin.reload, reactor, config.source).setServiceParent(top)
     return ServiceTree(
         top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
         hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
-        key_admin=key_admin, sessions=session_service.sessions,
+        key_admin=key_admin, sessions=session_service.sessions, batches=runner,
     )

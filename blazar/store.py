@@ -234,6 +234,14 @@ def thd_sessions(db: sqlite3.Connection) -> list[tuple[object, ...]]:
 # thd_interrupted_lines fails it instead of sending it again (at most once).
 
 
+def line_request_id(batch: str, line: int) -> str:
+    """
+    The C{id} of a batch line's output or error line: C{batch_req_<batch
+    id's hex>_<line>}, the same whoever writes it.
+    """
+    return f"batch_req_{batch.removeprefix('batch_')}_{line}"
+
+
 def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes]) -> None:
     """
     Store C{(id, key, filename, purpose, created_at, content)}.
@@ -348,7 +356,7 @@ def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> in
     """
     Fail the lines left running by a daemon that stopped uncleanly (they
     may have been sent: never sent twice), with error line C{result}
-    (its C{custom_id} filled in per line); how many.
+    (its C{id} and C{custom_id} filled in per line); how many.
     """
     db.execute("BEGIN IMMEDIATE")
     try:
@@ -356,7 +364,62 @@ def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> in
                                (batch,)))
         template = json.loads(result)
         db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
-                       [(json.dumps({**template, "custom_id": custom}), batch, n) for n, custom in rows])
+                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
+                        for n, custom in rows])
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return len(rows)
+
+
+def thd_file(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[str, str, str, str, int, int] | None:
+    """
+    C{(id, key, filename, purpose, created_at, bytes)} of one file, if it
+    exists and belongs to C{key} (any key's for L{None}).
+    """
+    row = db.execute("SELECT id, key, filename, purpose, created_at, length(content) FROM batch_files WHERE id = ?",
+                     (id_,)).fetchone()
+    if row is None or (key is not None and row[1] != key):
+        return None
+    return (str(row[0]), str(row[1]), str(row[2]), str(row[3]), int(row[4]), int(row[5]))
+
+
+def thd_batch(db: sqlite3.Connection, id_: str, key: str | None) -> str | None:
+    """
+    A batch's object (JSON), if it exists and belongs to C{key} (any key's
+    for L{None}).
+    """
+    row = db.execute("SELECT key, batch FROM batches WHERE id = ?", (id_,)).fetchone()
+    if row is None or (key is not None and row[0] != key):
+        return None
+    return str(row[1])
+
+
+def thd_release_line(db: sqlite3.Connection, batch: str, line: int) -> None:
+    """
+    Put a running line back to pending: it was refused before it reached
+    an engine (a quota's 429, a 503 with C{Retry-After}), so sending it
+    again cannot run it twice.
+    """
+    db.execute("UPDATE batch_lines SET state = 'pending' WHERE batch = ? AND line = ? AND state = 'running'",
+               (batch, line))
+
+
+def thd_fail_pending(db: sqlite3.Connection, batch: str, result: str) -> int:
+    """
+    Fail every pending line of C{batch} (its window expired: they never
+    start), with error line C{result} (its C{id} and C{custom_id} filled
+    in per line); how many.
+    """
+    db.execute("BEGIN IMMEDIATE")
+    try:
+        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = 'pending'",
+                               (batch,)))
+        template = json.loads(result)
+        db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
+                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
+                        for n, custom in rows])
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")

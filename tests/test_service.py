@@ -303,7 +303,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp", "remotes",
+        "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight",
     )
 
     def test_remote_keys(self) -> None:
@@ -318,6 +318,12 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         self.check("remotes", "", '[[remotes]]\nname = "peer"\nbase_url = "http://10.0.0.2:8080/v1"\n'
                    'models = ["tiny"]\n', remote_url, ("http://10.0.0.2:8080", "remote", "tiny"))
+
+    def test_batch_max_in_flight(self) -> None:
+        # the batch runner reads it from the live config at each line it starts
+        runner = self.tree.batches
+        assert runner is not None
+        self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of

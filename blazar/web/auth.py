@@ -23,6 +23,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig, LiveConfig, live_config
+from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
 from blazar.gateway.context import context_of, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden
 from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
@@ -73,6 +74,16 @@ class KeyHolder:
     @property
     def active(self) -> bool:
         return bool(self._keys)
+
+    def named(self, name: str) -> KeyConfig | None:
+        """
+        The key called C{name} (a batch line runs as the key that made
+        its batch).
+        """
+        for _, key in self._keys:
+            if key.name == name:
+                return key
+        return None
 
     def find(self, presented: bytes) -> KeyConfig | None:
         """
@@ -364,6 +375,31 @@ class AuthGate(Resource):
                 "every model and key: scrape with an unscoped (admin) key, or set "
                 "metrics_require_key = false to open /metrics to everyone"
             ), code="insufficient_permissions")
+        return key
+
+    def authenticate_batch_line(self, request: IRequest, secret: bytes) -> KeyConfig | Refusal | None:
+        """
+        Who a request on the private batch listener is
+        (L{blazar.gateway.batch}): only the daemon's own batch runner,
+        which sends the per-daemon C{secret} in L{SECRET_HEADER} and the
+        name of the key that made the batch in L{KEY_HEADER}; the line is
+        then that key's request (its scope, quotas and weight). The public
+        listeners never call this: there the two headers mean nothing.
+
+        @return: The batch's key (L{None} on a gateway without keys), or a
+            401 L{Refusal}: no or a wrong secret, or a key that no longer
+            exists.
+        """
+        given = request.getHeader(SECRET_HEADER)
+        if not given or not hmac.compare_digest(given, secret):
+            return Refusal(401, "auth", "this listener serves only the daemon's own Batch API lines")
+        if not self._keys.active:
+            return None
+        raw = request.getHeader(KEY_HEADER) or b""
+        name = raw.decode("utf-8", "replace")
+        key = self._keys.named(name)
+        if key is None:
+            return Refusal(401, "auth", f"the API key {name!r} that made this batch no longer exists")
         return key
 
     def _open_route(self, request: IRequest) -> bool:

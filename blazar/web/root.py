@@ -15,8 +15,9 @@ class SurfaceRouter(Resource):
     Sends C{/metrics} to the Prometheus exposition, C{/ui*} and
     C{/api/logs} to the dashboard (and a browser's C{GET /} there), C{/}
     and C{/api/*} to the Ollama surface, C{/v1/messages*} to the
-    Anthropic surface, and every other path to the OpenAI surface (whose 404
-    shape unknown paths then get).
+    Anthropic surface, C{/v1/files*} and C{/v1/batches*} to the Batch API
+    (L{blazar.web.batches}), and every other path to the OpenAI surface
+    (whose 404 shape unknown paths then get).
     """
 
     isLeaf = True
@@ -24,8 +25,10 @@ class SurfaceRouter(Resource):
     def __init__(
         self, openai: IResource, ollama: IResource, anthropic: IResource,
         metrics: IResource | None = None, dashboard: IResource | None = None,
+        batches: IResource | None = None,
     ) -> None:
         super().__init__()
+        self._batches = batches
         self._metrics = metrics
         self._dashboard = dashboard
         self._openai = openai
@@ -47,6 +50,9 @@ class SurfaceRouter(Resource):
             return self._ollama.render(request)
         if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
             return self._anthropic.render(request)
+        if self._batches is not None and (path in (b"/v1/files", b"/v1/batches")
+                                          or path.startswith((b"/v1/files/", b"/v1/batches/"))):
+            return self._batches.render(request)
         return self._openai.render(request)
 
 

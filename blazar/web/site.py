@@ -12,6 +12,12 @@ calls L{BlazarRequest.gotLength}), in this order:
  3. the API key (L{AuthGate.authenticate}): C{Authorization} or
     C{x-api-key} sent twice is 400, a missing or wrong key 401; a request
     let in without a key (the open routes) may send L{OPEN_BODY_BYTES}.
+    On the private batch listener's site (C{batch_secret} set) it is
+    L{AuthGate.authenticate_batch_line} instead: the daemon's own Batch API
+    lines, as the key each names.
+
+C{POST /v1/files} (a Batch API upload) may send L{UPLOAD_BODY_BYTES},
+OpenAI's 200 MB and its form, whatever C{max_body_bytes}.
 
 Each is answered in its surface's error shape with the body unread: the
 channel is told the body is empty (so the request is handed on at once)
@@ -58,6 +64,7 @@ from twisted.web.resource import IResource
 from twisted.web.server import Request, Site
 
 from blazar.config import Config
+from blazar.gateway.batch import FILE_MAX_BYTES
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
 from blazar.logtext import RENDERED
 from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of, ui_headers
@@ -72,6 +79,9 @@ BODY_IN_MEMORY = 1024 * 1024
 
 OPEN_BODY_BYTES = 64 * 1024
 """The body limit of a request let in without a key (the open routes, while keys exist)."""
+
+UPLOAD_BODY_BYTES = FILE_MAX_BYTES + 1024 * 1024
+"""The body limit of C{POST /v1/files} (a Batch API file of up to 200 MB and its form), whatever C{max_body_bytes}."""
 
 HEADER_BYTES = 16 * 1024
 """The request line and headers together, at most (also the longest line)."""
@@ -97,13 +107,20 @@ def reason_phrase(code: int) -> bytes:
         return RESPONSES.get(code, b"Unknown Status")
 
 
-def too_large(limit: int, keyed: bool) -> Refusal:
+def too_large(limit: int, keyed: bool, upload: bool = False) -> Refusal:
     """
     The 413 for a body over C{limit} bytes.
 
     @param keyed: Whether C{max_body_bytes} is the limit (else the request
         came without a key to an open route).
+    @param upload: A Batch API file upload (C{POST /v1/files}), whose limit
+        is OpenAI's 200 MB.
     """
+    if upload and keyed:
+        return Refusal(413, "too_large", (
+            f"file upload too large: a file may be at most 200 MB ({FILE_MAX_BYTES} bytes), "
+            f"the whole upload at most {limit} bytes"
+        ), code="file_too_large")
     if keyed:
         message = (
             f"request body too large: the limit is max_body_bytes = {limit} bytes; "
@@ -132,6 +149,7 @@ class BlazarRequest(Request):
     refusal: Refusal | None = None
     body_limit: int | None = None
     _keyed = True
+    _upload = False
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -188,11 +206,14 @@ class BlazarRequest(Request):
                 f"{site.max_connections_per_ip} at once; reuse or close idle ones"
             ), retry_after=1, code="too_many_connections"), False
         self.body_limit = site.max_body_bytes
-        if length is not None and length > site.max_body_bytes:
-            return too_large(site.max_body_bytes, True), False
+        if self.method == b"POST" and self.path == b"/v1/files":
+            self.body_limit, self._upload = max(self.body_limit, UPLOAD_BODY_BYTES), True
+        if length is not None and length > self.body_limit:
+            return too_large(self.body_limit, True, self._upload), False
         if site.gate is None:
             return None, True
-        found = site.gate.authenticate(self)
+        secret = site.batch_secret
+        found = site.gate.authenticate(self) if secret is None else site.gate.authenticate_batch_line(self, secret)
         self.blazar.door, self.blazar.door_asked = found, True
         if isinstance(found, Refusal):
             return found, False
@@ -208,7 +229,7 @@ class BlazarRequest(Request):
         limit = self.body_limit
         if limit is not None and self.content is not None and self.content.tell() + len(data) > limit:
             # a chunked body past the limit: answered as soon as this read is parsed
-            self.refusal = too_large(limit, self._keyed)
+            self.refusal = too_large(limit, self._keyed, self._upload)
             self.content.seek(0)
             self.content.truncate()
             if isinstance(self.channel, BlazarChannel):
@@ -530,6 +551,11 @@ class BlazarSite(Site):
     @ivar body_min_rate: Bytes a second a body must keep up, on average.
     @ivar max_connections_per_ip: Open connections per client address (0:
         no limit); loopback and UNIX-socket clients are not counted.
+    @ivar batch_secret: Set only on the site of the private batch listener
+        (L{blazar.gateway.batch}): every request there must carry it, and
+        runs as the key its batch line names
+        (L{AuthGate.authenticate_batch_line}). L{None} on every public
+        listener's site, where the batch headers are not honoured.
     """
 
     requestFactory = BlazarRequest
@@ -562,6 +588,7 @@ class BlazarSite(Site):
         self.trace_seq = 0
         self.audit: Any = None
         self.observer: Any = None  # a blazar.web.observe.RequestObserver
+        self.batch_secret: bytes | None = None
 
     @property
     def max_body_bytes(self) -> int:
