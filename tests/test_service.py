@@ -303,8 +303,13 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp",
+        "engines.whisper", "engines.sdcpp", "cache",
     )
+
+    def test_cache_keys(self) -> None:
+        # [cache] is read from the live config at each chat call
+        self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: self.tree.live.current.cache.threshold,
+                   0.5)
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of
