@@ -307,9 +307,20 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     )
 
     def test_cache_keys(self) -> None:
-        # [cache] is read from the live config at each chat call
-        self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: self.tree.live.current.cache.threshold,
-                   0.5)
+        # the cache's store reads [cache] from the live config at each lookup, store and purge
+        cache = self.tree.cache
+        assert cache is not None
+        self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: cache._config().threshold, 0.5)
+        self.check("cache.ttl_secs", "", "[cache]\nttl_secs = 5\n", lambda: cache._config().ttl, 5)
+        self.check("cache.max_entries", "", "[cache]\nmax_entries = 7\n", lambda: cache._config().max_entries, 7)
+        # and the pipeline its switch, per call
+        pipeline = self.tree.pipeline
+        assert pipeline is not None
+        report = self.reload("", '[cache]\nenabled = true\nembedding_model = "e"\n[models."e"]\nembedding = true\n')
+        self.assertEqual((report.applied, report.restart),
+                         (("cache.enabled", "cache.embedding_model", 'models."e:latest"'), ()))
+        self.assertEqual(pipeline._config().cache.embedding_model, "e:latest")
+        self.assertTrue(pipeline._config().cache.enabled)
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of

@@ -53,7 +53,48 @@ BYPASS = ("tools", "functions", "response_format", "grammar", "json_schema")
 
 HIT = "hit"
 MISS = "miss"
+BYPASSED = "bypass"  # enabled for the call, but a stream, tools or a response format (L{bypass})
+FAILED = "error"  # enabled, but the prompt could not be embedded: the call went on uncached
 HEADER = b"x-blazar-cache"
+
+
+def enabled_for(enabled: bool, model: bool | None, key: bool | None) -> bool:
+    """
+    Whether a call uses the cache: the key's C{cache} if it says, else its
+    model's, else C{[cache] enabled}.
+    """
+    return next(choice for choice in (key, model, enabled) if choice is not None)
+
+
+def reissued(answer: bytes, id_: str, created: int) -> bytes:
+    """
+    A stored chat completion as a hit answers it: under a new C{id} and
+    C{created} (UNIX seconds), so no two answers share an id; the rest (its
+    text, its C{usage} as the engine counted it then) as it was made.
+    """
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return answer
+    if not isinstance(parsed, dict):
+        return answer
+    parsed["id"], parsed["created"] = id_, created
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def storable(answer: bytes) -> bool:
+    """
+    Whether an engine's answer is one to keep: a chat completion with
+    choices, each with a message and a finish reason.
+    """
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return False
+    choices = parsed.get("choices") if isinstance(parsed, dict) else None
+    return (isinstance(choices, list) and bool(choices)
+            and all(isinstance(c, dict) and isinstance(c.get("message"), dict) and c.get("finish_reason")
+                    for c in choices))
 
 
 def bypass(body: dict[str, Any], stream: bool) -> str | None:

@@ -89,6 +89,7 @@ class RequestContext:
     sentinel: tuple[str, ...] = ()  # the sentinel's codes on the answer (blazar.gateway.sentinel)
     audio_seconds: float | None = None  # a transcription's audio, decoded (metrics, audit)
     images: int | None = None  # images an image request made (metrics, audit)
+    cache: str | None = None  # the semantic cache's outcome: hit, miss, bypass, error (None: not enabled)
 
 
 def context_of(request: Any) -> RequestContext:
