@@ -241,18 +241,25 @@ class Reply:
         """
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
+        keep, self.keep = self.keep, None
+        answer = semantic.StreamedAnswer() if keep is not None else None
         if watch is not None:
             inner = on_chunk
 
             def on_chunk(chunk: dict[str, Any]) -> Any:
                 watch.deltas += 1
                 watch.chunk(chunk)
+                if answer is not None:
+                    answer.feed(chunk)
                 if timer is not None and timer.active():
                     timer.reset(self.stall)
                 return inner(chunk)
 
         try:
-            if self.made is not None:
+            if self.cached and self.made is not None:  # a stored completion, as the stream it was made from
+                for chunk in semantic.as_chunks(self.made):
+                    on_chunk(chunk)
+            elif self.made is not None:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
@@ -264,15 +271,19 @@ class Reply:
                     if watch is None or not str(e).startswith(UNPARSED):
                         raise
                     # an answer, not a fault: the stream ends as a good one does
+                    answer = None  # (not the engine's answer: never stored)
                     for chunk in await self._cut_end(watch):
                         on_chunk(chunk)
         except StreamStopped:
-            return
+            return  # cut short on purpose (a surface's stop sequence): not a whole answer to keep
         finally:
             if timer is not None and timer.active():
                 timer.cancel()
-        if watch is not None:
-            self._judge(watch.findings())
+        findings = watch.findings() if watch is not None else []
+        self._judge(findings)
+        made = answer.completion() if answer is not None and not findings else None
+        if keep is not None and made is not None:
+            keep(made)
 
     def _judge(self, findings: list[tuple[str, str]]) -> None:
         """
@@ -584,8 +595,11 @@ class Pipeline:
                                     key.cache if key is not None else None):
             return None, None
         context = context_of(request)
+        streamed = call.stream if call.client_stream is None else call.client_stream
+        if call.stream and not streamed:  # the engine streams a whole answer: as a non-streamed chat
+            asked = {k: v for k, v in asked.items() if k not in ("stream", "stream_options")}
         text = semantic.prompt_text(asked)
-        if text is None or semantic.bypass(asked, call.stream) is not None:
+        if text is None or semantic.bypass(asked, streamed) is not None:
             context.cache = semantic.BYPASSED
             return None, None
         began = self._clock.seconds()

@@ -78,9 +78,19 @@ def cache_engine() -> Any:
         app.answers += 1
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
-            chunk = {"choices": [{"finish_reason": "stop", "index": 0, "delta": {"content": "streamed"}}],
-                     "created": 1, "id": "chatcmpl-s", "model": "m:latest", "object": "chat.completion.chunk"}
-            return b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+            meta = {"created": 1, "id": f"chatcmpl-s{app.answers}", "model": "m:latest",
+                    "object": "chat.completion.chunk"}
+            chunks = [
+                {**meta, "choices": [{"finish_reason": None, "index": 0,
+                                      "delta": {"role": "assistant", "content": "streamed "}}]},
+                {**meta, "choices": [{"finish_reason": None, "index": 0, "delta": {"content": f"{app.answers}"}}]},
+                {**meta, "choices": [{"finish_reason": app.finish, "index": 0, "delta": {}}]},
+            ]
+            if (body.get("stream_options") or {}).get("include_usage"):
+                chunks.append({**meta, "choices": [],
+                               "usage": {"completion_tokens": 2, "prompt_tokens": 6, "total_tokens": 8}})
+            return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                            for c in chunks) + b"data: [DONE]\n\n"
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({
             "choices": [{"finish_reason": app.finish, "index": 0,
@@ -281,6 +291,41 @@ class CacheStepTests(SynchronousTestCase):
         self.door.key = None
         self.assertEqual(self.chat("switch words")[1], None)  # off globally, and nothing says otherwise
 
+    def test_anthropic_and_responses_whole_answers_use_it_too(self) -> None:
+        # they read the engine's stream to make one answer: stored from the stream, replayed as one
+        messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "anthropic words"}]}
+        # their streams bypass it (first: once the model is loaded, a stream asks the fake engine to count)
+        status, headers, _ = self.gateway.post("/v1/messages", {**messages, "stream": True})
+        self.assertEqual((status, headers.getRawHeaders(b"x-blazar-cache")), (200, None))
+        self.assertEqual(self.gateway.context().cache, "bypass")
+        self.app.answers = 0
+        status, headers, first = self.gateway.post("/v1/messages", messages)
+        self.assertEqual((status, headers.getRawHeaders(b"x-blazar-cache")), (200, [b"miss"]))
+        status, headers, second = self.gateway.post("/v1/messages", messages)
+        self.assertEqual((status, headers.getRawHeaders(b"x-blazar-cache")), (200, [b"hit"]))
+        self.assertEqual(self.sent(), 2)
+        first_message, second_message = json.loads(first), json.loads(second)
+        self.assertEqual(second_message["content"], [{"type": "text", "text": "streamed 1"}])
+        self.assertEqual(second_message["content"], first_message["content"])
+        self.assertEqual((second_message["stop_reason"], second_message["usage"]["output_tokens"]),
+                         (first_message["stop_reason"], first_message["usage"]["output_tokens"]))
+        self.assertIsNone(self.gateway.context().tokens)  # a hit's tokens count nowhere
+        responses = {"model": "m", "max_output_tokens": 8, "input": "responses words"}
+        self.assertEqual(self.gateway.post("/v1/responses", responses)[1].getRawHeaders(b"x-blazar-cache"),
+                         [b"miss"])
+        status, headers, data = self.gateway.post("/v1/responses", responses)
+        self.assertEqual((status, headers.getRawHeaders(b"x-blazar-cache")), (200, [b"hit"]))
+        self.assertEqual(json.loads(data)["output"][0]["content"][0]["text"], "streamed 2")
+        self.assertEqual(self.sent(), 3)
+
+    def test_a_streamed_whole_answer_the_sentinel_flags_is_not_stored(self) -> None:
+        self.app.finish = "length"
+        messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "cut words"}]}
+        self.gateway.post("/v1/messages", messages)
+        self.assertEqual(self.gateway.post("/v1/messages", messages)[1].getRawHeaders(b"x-blazar-cache"),
+                         [b"miss"])
+        self.assertEqual(len(self.cache.index), 0)
+
     def test_ollama_chat_is_answered_from_the_same_answer(self) -> None:
         self.chat("ollama words", path="/api/chat")
         status, header, data = self.chat("ollama words", path="/api/chat")
@@ -383,3 +428,38 @@ class CacheServiceTests(SynchronousTestCase):
         self.assertEqual(len(service.cache.index), 0)
         self.successResultOf(service.stopService())
 
+
+
+class StreamShapeTests(SynchronousTestCase):
+    """
+    A completion as the stream it was made from, and back.
+    """
+
+    def test_round_trip(self) -> None:
+        from blazar.gateway.cache import StreamedAnswer, as_chunks
+
+        completion = {"id": "chatcmpl-1", "created": 5, "model": "m", "object": "chat.completion",
+                      "choices": [{"index": 0, "finish_reason": "stop",
+                                   "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"}}],
+                      "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        chunks = as_chunks(json.dumps(completion).encode())
+        self.assertEqual([c["choices"][0]["delta"] if c["choices"] else c["usage"] for c in chunks], [
+            {"role": "assistant", "reasoning_content": "hm"}, {"role": "assistant", "content": "hi"}, {},
+            completion["usage"]])
+        answer = StreamedAnswer()
+        for chunk in chunks:
+            answer.feed(chunk)
+        made = answer.completion()
+        assert made is not None
+        self.assertEqual(json.loads(made), completion)
+        self.assertEqual(as_chunks(b"not json"), [])
+
+    def test_unfinished_or_tool_calls_are_no_answer(self) -> None:
+        from blazar.gateway.cache import StreamedAnswer
+
+        unfinished = StreamedAnswer()
+        unfinished.feed({"choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}]})
+        self.assertIsNone(unfinished.completion())
+        called = StreamedAnswer()
+        called.feed({"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}, "finish_reason": "stop"}]})
+        self.assertIsNone(called.completion())

@@ -212,6 +212,27 @@ def test_the_ollama_surface_answers_a_hit_in_its_own_shape(daemon: Daemon) -> No
     assert json.loads(second)["done"] is True
 
 
+def test_anthropic_whole_answers_are_looked_up(daemon: Daemon) -> None:
+    """
+    A non-streamed Anthropic message is made from the engine's stream, and
+    still asks the cache (the random model's answers end at max_tokens,
+    truncated, so none is stored here: the unit tests store and replay
+    one); a streamed one does not.
+    """
+    import anthropic
+
+    sdk = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key=KEY_A, max_retries=0, timeout=120)
+    # greedy, so the answer is the same every run (this SDK no longer takes temperature itself)
+    ask_it: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "extra_body": {"temperature": 0},
+                              "messages": [{"role": "user", "content": "Say something."}]}
+    raw = sdk.messages.with_raw_response.create(**ask_it)
+    assert raw.headers.get("x-blazar-cache") == "miss"
+    assert raw.parse().stop_reason == "max_tokens"
+    with sdk.messages.with_streaming_response.create(**ask_it, stream=True) as streamed:
+        assert streamed.headers.get("x-blazar-cache") is None
+        assert b"message_stop" in b"".join(streamed.iter_bytes())
+
+
 def test_an_answer_expires_after_ttl_secs(daemon: Daemon) -> None:
     text = "How many legs does a spider have?"
     stop = clean_stop(daemon, text)
