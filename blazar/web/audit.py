@@ -53,7 +53,7 @@ class AuditLog:
             "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
             "sentinel": event.get("sentinel") or [],  # what the sentinel flagged (blazar.gateway.sentinel)
         }
-        for usage in ("audio_seconds", "images"):  # the speech-to-text and image lanes' usage
+        for usage in ("audio_seconds", "images", "cache"):  # the lanes' usage; the semantic cache's outcome
             if usage in event:
                 line[usage] = event[usage]
         try:

@@ -621,6 +621,8 @@ class BlazarSite(Site):
             event["audio_seconds"] = round(context_of(request).audio_seconds or 0.0, 2)
         if context_of(request).images:
             event["images"] = context_of(request).images
+        if context_of(request).cache is not None:
+            event["cache"] = context_of(request).cache  # the semantic cache: hit, miss, bypass, error
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(

@@ -326,6 +326,14 @@ class CacheStepTests(SynchronousTestCase):
                          [b"miss"])
         self.assertEqual(len(self.cache.index), 0)
 
+    def test_the_audit_line_names_the_outcome(self) -> None:
+        from blazar.web.audit import AuditLog
+
+        audit = AuditLog(Path(self.mktemp()) / "audit.jsonl", wall=lambda: 1.0)
+        audit.submit({"model": "m:latest", "cache": "hit"})
+        audit.submit({"model": "m:latest"})
+        self.assertEqual([audit._queue.get_nowait().get("cache") for _ in range(2)], ["hit", None])
+
     def test_ollama_chat_is_answered_from_the_same_answer(self) -> None:
         self.chat("ollama words", path="/api/chat")
         status, header, data = self.chat("ollama words", path="/api/chat")
