@@ -309,7 +309,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     def test_cache_keys(self) -> None:
         # the cache's store reads [cache] from the live config at each lookup, store and purge
         cache = self.tree.cache
-        assert cache is not None
+        assert cache is not None and self.tree.pipeline is not None
+        self.assertIs(self.tree.pipeline.cache, cache)  # the one the pipeline looks answers up in
         self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: cache._config().threshold, 0.5)
         self.check("cache.ttl_secs", "", "[cache]\nttl_secs = 5\n", lambda: cache._config().ttl, 5)
         self.check("cache.max_entries", "", "[cache]\nmax_entries = 7\n", lambda: cache._config().max_entries, 7)
