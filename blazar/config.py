@@ -66,6 +66,13 @@ C{~/.config/blazar/config.toml}. Keys::
     batch_max_in_flight = 4        # Batch API lines in flight at once (over all batches);
                                    # each still waits for a slot at the lowest priority
 
+    [cache]                        # the semantic cache (opt-in): a chat answer reused for a
+    enabled = false                # similar prompt of the same model, key and lane
+    embedding_model = "name:tag"   # a local embedding model (embedding = true); required when enabled
+    threshold = 0.90               # cosine similarity a hit needs, in (0, 1]
+    ttl_secs = 600                 # an answer is reused this long after it was made
+    max_entries = 10000            # answers kept (the oldest dropped first)
+
     [queue]                        # admission: how long requests may wait for a slot
     deadline_high_secs = 2         # x-blazar-priority: high
     deadline_normal_secs = 30      # no priority header
@@ -91,6 +98,8 @@ C{~/.config/blazar/config.toml}. Keys::
     rerank = false            # start with --rerank (POST /v1/rerank); rank-pooling GGUFs are rerankers anyway
     args = []                 # extra flags for this model's child
     engine = "vllm"           # its lane (default: by format, GGUF to llamacpp)
+    cache = true              # the semantic cache for this model (default: [cache] enabled;
+                              # a key's own cache = true|false wins over both)
 
 L{parse_config} is pure: text in, L{Config} out, or L{ConfigError} naming the
 key, the file and what was expected.
@@ -151,6 +160,7 @@ class ModelConfig:
     sentinel_enforce: bool | None = None  # None: the global sentinel_enforce
     engine: str | None = None  # the lane that serves it (llamacpp, or an [engines.NAME]); None: by format
     rerank: bool = False  # serve it as a reranker (--rerank; a GGUF with rank pooling is one anyway)
+    cache: bool | None = None  # the semantic cache for this model; None: [cache] enabled
 
 
 @attrs.frozen
@@ -171,6 +181,7 @@ class KeyConfig:
     daily_tokens: int | None = None
     weight: float = 1.0
     sentinel_enforce: bool | None = None  # None: the model's, else the global sentinel_enforce
+    cache: bool | None = None  # the semantic cache for this key; None: the model's, else [cache] enabled
 
     @property
     def admin(self) -> bool:
@@ -197,6 +208,29 @@ class QueueConfig:
     deadline_low: float = 120.0
     deadline_tool: float = 10.0
     max_waiting: int = 1024
+
+
+@attrs.frozen
+class CacheConfig:
+    """
+    C{[cache]}: the semantic cache (L{blazar.gateway.cache}).
+
+    @ivar enabled: Whether chat calls use it, unless their model or key
+        says otherwise (C{cache = true|false} there; the key wins).
+    @ivar embedding_model: The local embedding model prompts are embedded
+        with (a model served with C{embedding = true}); required when any
+        cache is enabled.
+    @ivar threshold: The cosine similarity a hit needs, in (0, 1].
+    @ivar ttl: Seconds an answer may be reused after it was made
+        (C{ttl_secs}).
+    @ivar max_entries: Answers kept, daemon-wide (the oldest go first).
+    """
+
+    enabled: bool = False
+    embedding_model: str | None = None
+    threshold: float = 0.90
+    ttl: float = 600.0
+    max_entries: int = 10000
 
 
 @attrs.frozen
@@ -363,6 +397,7 @@ class Config:
     sdcpp: LlamaCppConfig = LlamaCppConfig()
     lanes: tuple[CommandLane, ...] = ()
     queue: QueueConfig = QueueConfig()
+    cache: CacheConfig = CacheConfig()
     models: Mapping[str, ModelConfig] = attrs.field(factory=dict)
     keys: tuple[KeyConfig, ...] = ()
     remotes: tuple[RemoteConfig, ...] = ()
@@ -440,6 +475,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "sdcpp": ("engines.sdcpp", RUNTIME),
     "lanes": ("engines.NAME (command lanes)", RUNTIME),  # at each child's next start
     "queue": ("queue", RUNTIME),
+    "cache": ("cache", RUNTIME),  # read per chat call; the index keeps what it holds
     "models": ("models", RUNTIME),  # at each model's next start
     "keys": ("keys", RUNTIME),
     "remotes": ("remotes", RUNTIME),  # at each request
@@ -481,7 +517,7 @@ def config_changes(old: Config, new: Config) -> ReloadReport:
             changed = [f'models."{n}"' for n in names]
         elif attrs.has(type(before)):
             changed = [
-                f"{key}.{_QUEUE_KEYS.get(f.name, f.name)}" for f in attrs.fields(type(before))
+                f"{key}.{_TABLE_KEYS.get(f.name, f.name)}" for f in attrs.fields(type(before))
                 if getattr(before, f.name) != getattr(after, f.name)
             ]
         else:
@@ -491,6 +527,8 @@ def config_changes(old: Config, new: Config) -> ReloadReport:
 
 
 _QUEUE_KEYS = {f"deadline_{tier}": f"deadline_{tier}_secs" for tier in ("high", "normal", "low", "tool")}
+_CACHE_KEYS = {"ttl": "ttl_secs"}
+_TABLE_KEYS = {**_QUEUE_KEYS, **_CACHE_KEYS}  # a table's attribute -> its config-file key
 
 
 @attrs.define(eq=False)
@@ -709,7 +747,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
-        "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight",
+        "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight", "cache",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -847,6 +885,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     if "max_waiting" in queue:
         queue_kwargs["max_waiting"] = _positive_int(queue["max_waiting"], where, "queue.max_waiting")
     kwargs["queue"] = QueueConfig(**queue_kwargs)
+    kwargs["cache"] = _parse_cache(doc.get("cache", {}), where)
 
     models_base = kwargs.get("models_dir") or (
         kwargs.get("data_dir", Path(DEFAULT_DATA_DIR).expanduser()) / "models"
@@ -856,7 +895,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
         _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine",
-                         "rerank"}, where, prefix)
+                         "rerank", "cache"}, where, prefix)
         rerank = table.get("rerank", False)
         if not isinstance(rerank, bool):
             raise _expected(where, prefix + "rerank", "true or false", rerank)
@@ -887,11 +926,78 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             sentinel_enforce=enforce,
             engine=engine,
             rerank=rerank,
+            cache=_optional_bool(table, "cache", where, prefix),
         )
     kwargs["models"] = models
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where)
     kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where, kwargs["lanes"])
+    _check_cache(kwargs["cache"], models, kwargs["keys"], where)
     return Config(**kwargs)
+
+
+def _optional_bool(table: Mapping[str, Any], key: str, where: str, prefix: str) -> bool | None:
+    value = table.get(key)
+    if value is not None and not isinstance(value, bool):
+        raise _expected(where, prefix + key, "true or false", value)
+    return value
+
+
+def _parse_cache(raw: object, where: str) -> CacheConfig:
+    """
+    C{[cache]}, each key checked alone (L{_check_cache} checks them
+    together with the models' and keys' C{cache}).
+    """
+    table = _table(raw, where, "cache")
+    _unknown(table, {"enabled", "embedding_model", "threshold", "ttl_secs", "max_entries"}, where, "cache.")
+    kwargs: dict[str, Any] = {}
+    if "enabled" in table:
+        kwargs["enabled"] = _optional_bool(table, "enabled", where, "cache.")
+    if "embedding_model" in table:
+        name = table["embedding_model"]
+        if not isinstance(name, str) or not name:
+            raise _expected(where, "cache.embedding_model", 'the name of a local embedding model (e.g. "bge-small")',
+                            name)
+        try:
+            kwargs["embedding_model"] = canonical_name(name)
+        except ValueError as e:
+            raise ConfigError(f"{where}: key 'cache.embedding_model': {e}") from None
+    if "threshold" in table:
+        value = table["threshold"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1:
+            raise _expected(where, "cache.threshold", "a cosine similarity above 0 and at most 1 (e.g. 0.90; "
+                            "higher: fewer, closer hits)", value)
+        kwargs["threshold"] = float(value)
+    if "ttl_secs" in table:
+        kwargs["ttl"] = _positive_number(table["ttl_secs"], where, "cache.ttl_secs")
+    if "max_entries" in table:
+        kwargs["max_entries"] = _positive_int(table["max_entries"], where, "cache.max_entries")
+    return CacheConfig(**kwargs)
+
+
+def _check_cache(cache: CacheConfig, models: Mapping[str, ModelConfig], keys: tuple[KeyConfig, ...],
+                 where: str) -> None:
+    """
+    A cache that some call may use needs an embedding model to embed with.
+
+    @raise ConfigError: Enabled (globally, for a model or for a key)
+        without C{cache.embedding_model}; or that model is configured for
+        chat, not embeddings.
+    """
+    users = (["[cache] enabled = true"] if cache.enabled else []) + [
+        f'cache = true under [models."{name}"]' for name, m in models.items() if m.cache] + [
+        f"cache = true in key {k.name!r}" for k in keys if k.cache]
+    if not users:
+        return
+    if cache.embedding_model is None:
+        raise ConfigError(
+            f"{where}: the semantic cache is enabled ({users[0]}) but key 'cache.embedding_model' is not set: name "
+            'a local embedding model there (one with embedding = true under [models."NAME"]), or turn the cache off')
+    model = models.get(cache.embedding_model)
+    if model is None or not model.embedding:
+        # the purpose check serves embeddings only from a model configured for them
+        raise ConfigError(
+            f"{where}: key 'cache.embedding_model' names {cache.embedding_model!r}, which is not configured for "
+            f'embeddings: set embedding = true under [models."{cache.embedding_model}"], or name an embedding model')
 
 
 MIN_SECRET = 16
@@ -939,7 +1045,7 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
         prefix = f"keys[{i}]."
         table = _table(item, where, f"keys[{i}]")
         _unknown(table, {"name", "secret", "models", "max_concurrent", "rpm", "tpm",
-                         "daily_tokens", "weight", "sentinel_enforce"}, where, prefix)
+                         "daily_tokens", "weight", "sentinel_enforce", "cache"}, where, prefix)
         name = table.get("name")
         if not isinstance(name, str) or not name:
             raise _expected(where, prefix + "name", "a non-empty string", name)
@@ -963,6 +1069,8 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
             if not isinstance(table["sentinel_enforce"], bool):
                 raise _expected(where, prefix + "sentinel_enforce", "true or false", table["sentinel_enforce"])
             limits["sentinel_enforce"] = table["sentinel_enforce"]
+        if "cache" in table:
+            limits["cache"] = _optional_bool(table, "cache", where, prefix)
         if "weight" in table:
             limits["weight"] = _positive_number(
                 table["weight"], where, prefix + "weight", "a positive number (its share of busy slots)"

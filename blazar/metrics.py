@@ -126,6 +126,11 @@ class Metrics:
             "blazar_sentinel", "Answers the sentinel flagged (blazar.gateway.sentinel), by code",
             ["model", "code"], registry=r,
         )
+        self.cache = Counter(
+            "blazar_cache", "Chat calls the semantic cache was enabled for (blazar.gateway.cache), by result "
+            "(hit, miss, bypass: a stream, tools or a response format; error: the prompt could not be embedded)",
+            ["model", "result"], registry=r,
+        )
         self.session_bank = Counter(
             "blazar_session_bank", "KV bank slot saves and restores (blazar.gateway.sessions), by result "
             "(ok, failed, discarded, other_shape)", ["op", "result"], registry=r,

@@ -45,6 +45,7 @@ from blazar.protocols.keyadmin import KeyAdmin
 from blazar.gateway.admission import Admission
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.web.batches import BatchSurface
+from blazar.gateway.cachestore import CacheStore
 from blazar.web.dashboard import Dashboard
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
@@ -286,6 +287,76 @@ class SessionService(Service):
                 await DeferredList(list(self.sessions.pending), consumeErrors=True)
             if self._db is not None:
                 await deferToThreadPool(self._reactor, self._pool, self._db.close)
+
+        def stop_pool(result: Any) -> Any:
+            self._pool.stop()
+            return result
+
+        return ensureDeferred(drain()).addBoth(stop_pool)
+
+
+CACHE_PURGE_SECS = 60.0  # how often expired semantic cache entries are dropped (a lookup skips them anyway)
+
+
+class CacheService(Service):
+    """
+    Runs the semantic cache's L{CacheStore}: its rows in SQLite (its own
+    connection and thread), read back into the index after start (lookups
+    miss until then), and a purge of the expired entries every
+    L{CACHE_PURGE_SECS}. On stop it waits for the stores in flight, then
+    closes.
+
+    @ivar cache: The entries the pipeline looks answers up in.
+    """
+
+    def __init__(self, path: Any, live: LiveConfig, reactor: Any, wall: Callable[[], float] = time.time) -> None:
+        self._path = path
+        self._reactor = reactor
+        self._pool = ThreadPool(1, 1, name="blazar-cache")
+        self._db: Any = None
+        self._purger: LoopingCall | None = None
+        self.started: Deferred[None] | None = None  # the rows read back
+        self.cache = CacheStore(lambda: live.current.cache, wall, self._db_call)
+
+    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
+        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._pool.start()
+        self.started = Deferred.fromCoroutine(self._open())
+        self.started.addErrback(lambda f: log.failure("the semantic cache did not start; every lookup misses", f))
+        self._purger = LoopingCall(self._purge)
+        self._purger.clock = self._reactor
+        self._purger.start(CACHE_PURGE_SECS, now=False).addErrback(
+            lambda f: log.failure("semantic cache purge stopped", f))
+
+    async def _open(self) -> None:
+        self._db = await deferToThreadPool(self._reactor, self._pool, store.thd_open, self._path)
+        loaded = await self.cache.load()
+        if loaded:
+            log.info("semantic cache: {count} entries read back", count=loaded)
+
+    def _purge(self) -> Deferred[None]:
+        return Deferred.fromCoroutine(self._purge_now())
+
+    async def _purge_now(self) -> None:
+        try:
+            await self.cache.purge()
+        except Exception:
+            log.failure("purging the semantic cache failed; will retry")
+
+    def stopService(self) -> Deferred[Any]:
+        Service.stopService(self)
+        if self._purger is not None and self._purger.running:
+            self._purger.stop()
+
+        async def drain() -> None:
+            while self.cache.pending:
+                await DeferredList(list(self.cache.pending), consumeErrors=True)
+            if self._db is not None:
+                await deferToThreadPool(self._reactor, self._pool, self._db.close)
+                self._db = None
 
         def stop_pool(result: Any) -> Any:
             self._pool.stop()
@@ -538,6 +609,8 @@ class ServiceTree:
     key_admin: KeyAdmin
     sessions: Sessions
     batches: BatchRunner | None = None
+    pipeline: Pipeline | None = None
+    cache: CacheStore | None = None
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -600,6 +673,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
     pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
                         in_thread=lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
+    cache_service = CacheService(config.data_dir / "blazar.db", live, reactor)
+    cache_service.setServiceParent(top)
+    pipeline.cache = cache_service.cache
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
@@ -723,5 +799,6 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     return ServiceTree(
         top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
         hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
-        key_admin=key_admin, sessions=session_service.sessions, batches=runner,
+        key_admin=key_admin, sessions=session_service.sessions, batches=runner, pipeline=pipeline,
+        cache=cache_service.cache,
     )

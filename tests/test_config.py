@@ -235,3 +235,80 @@ def test_sentinel_enforce_per_model_and_key() -> None:
 
     with pytest.raises(ConfigError, match="sentinel_enforce"):
         parse_config('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nsentinel_enforce = 1\n')
+
+
+class CacheConfigTests(SynchronousTestCase):
+    """
+    C{[cache]}: the semantic cache, off unless asked for, and per model and
+    per key C{cache = true|false}.
+    """
+
+    SECRET = "0123456789abcdef0123"
+    EMBED = '[models."e"]\nembedding = true\n'
+
+    def test_defaults(self) -> None:
+        from blazar.config import CacheConfig
+
+        self.assertEqual(parse_config("").cache, CacheConfig())
+        self.assertEqual(
+            (CacheConfig().enabled, CacheConfig().embedding_model, CacheConfig().threshold, CacheConfig().ttl,
+             CacheConfig().max_entries), (False, None, 0.90, 600.0, 10000))
+        self.assertIsNone(parse_config('[models."m"]\n').models["m:latest"].cache)
+
+    def test_every_key(self) -> None:
+        config = parse_config(
+            '[cache]\nenabled = true\nembedding_model = "e"\nthreshold = 1\nttl_secs = 2.5\nmax_entries = 3\n'
+            + self.EMBED + '[models."m"]\ncache = false\n'
+            f'[[keys]]\nname = "k"\nsecret = "{self.SECRET}"\ncache = true\n'
+        )
+        cache = config.cache
+        self.assertEqual((cache.enabled, cache.embedding_model, cache.threshold, cache.ttl, cache.max_entries),
+                         (True, "e:latest", 1.0, 2.5, 3))
+        self.assertIs(config.models["m:latest"].cache, False)
+        self.assertIs(config.keys[0].cache, True)
+
+    def test_bad_values_name_the_key(self) -> None:
+        for text, key in [
+            ("[cache]\nthreshold = 0\n", "cache.threshold"),
+            ("[cache]\nthreshold = 1.5\n", "cache.threshold"),
+            ("[cache]\nthreshold = true\n", "cache.threshold"),
+            ("[cache]\nttl_secs = 0\n", "cache.ttl_secs"),
+            ("[cache]\nmax_entries = -1\n", "cache.max_entries"),
+            ("[cache]\nenabled = 1\n", "cache.enabled"),
+            ('[cache]\nembedding_model = ""\n', "cache.embedding_model"),
+            ('[cache]\nembedding_model = "a b"\n', "cache.embedding_model"),
+            ("[cache]\nsize = 3\n", "cache.size"),
+            ('[models."m"]\ncache = "yes"\n', "models.m.cache"),
+            (f'[[keys]]\nname = "k"\nsecret = "{self.SECRET}"\ncache = 0\n', "keys[0].cache"),
+            ("cache = 1\n", "cache"),
+        ]:
+            with self.assertRaises(ConfigError, msg=text) as caught:
+                parse_config(text)
+            self.assertIn(repr(key), str(caught.exception), text)
+
+    def test_enabled_anywhere_needs_an_embedding_model(self) -> None:
+        for text in [
+            "[cache]\nenabled = true\n",
+            '[models."m"]\ncache = true\n',
+            f'[[keys]]\nname = "k"\nsecret = "{self.SECRET}"\ncache = true\n',
+        ]:
+            with self.assertRaises(ConfigError, msg=text) as caught:
+                parse_config(text)
+            self.assertIn("'cache.embedding_model' is not set", str(caught.exception))
+        # off everywhere (false is not a use): no embedding model needed
+        parse_config('[cache]\nenabled = false\n[models."m"]\ncache = false\n')
+
+    def test_the_embedding_model_must_serve_embeddings(self) -> None:
+        for text in ['[cache]\nenabled = true\nembedding_model = "m"\n',
+                     '[cache]\nenabled = true\nembedding_model = "m"\n[models."m"]\nctx_size = 512\n']:
+            with self.assertRaises(ConfigError) as caught:
+                parse_config(text)
+            self.assertIn('set embedding = true under [models."m:latest"]', str(caught.exception))
+        parse_config('[cache]\nenabled = true\nembedding_model = "e"\n' + self.EMBED)
+
+    def test_reload_names_each_cache_key(self) -> None:
+        from blazar.config import config_changes
+
+        old = parse_config("")
+        new = parse_config("[cache]\nttl_secs = 5\nthreshold = 0.95\n")
+        self.assertEqual(config_changes(old, new).applied, ("cache.threshold", "cache.ttl_secs"))

@@ -303,7 +303,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight",
+        "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
     )
 
     def test_remote_keys(self) -> None:
@@ -324,6 +324,23 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         runner = self.tree.batches
         assert runner is not None
         self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
+
+    def test_cache_keys(self) -> None:
+        # the cache's store reads [cache] from the live config at each lookup, store and purge
+        cache = self.tree.cache
+        assert cache is not None and self.tree.pipeline is not None
+        self.assertIs(self.tree.pipeline.cache, cache)  # the one the pipeline looks answers up in
+        self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: cache._config().threshold, 0.5)
+        self.check("cache.ttl_secs", "", "[cache]\nttl_secs = 5\n", lambda: cache._config().ttl, 5)
+        self.check("cache.max_entries", "", "[cache]\nmax_entries = 7\n", lambda: cache._config().max_entries, 7)
+        # and the pipeline its switch, per call
+        pipeline = self.tree.pipeline
+        assert pipeline is not None
+        report = self.reload("", '[cache]\nenabled = true\nembedding_model = "e"\n[models."e"]\nembedding = true\n')
+        self.assertEqual((report.applied, report.restart),
+                         (("cache.enabled", "cache.embedding_model", 'models."e:latest"'), ()))
+        self.assertEqual(pipeline._config().cache.embedding_model, "e:latest")
+        self.assertTrue(pipeline._config().cache.enabled)
 
     def test_builtin_lane_keys(self) -> None:
         from blazar.gateway.engine_proxy import header_timeout_of

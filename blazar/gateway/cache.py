@@ -53,7 +53,138 @@ BYPASS = ("tools", "functions", "response_format", "grammar", "json_schema")
 
 HIT = "hit"
 MISS = "miss"
+BYPASSED = "bypass"  # enabled for the call, but a stream, tools or a response format (L{bypass})
+FAILED = "error"  # enabled, but the prompt could not be embedded: the call went on uncached
 HEADER = b"x-blazar-cache"
+
+
+def enabled_for(enabled: bool, model: bool | None, key: bool | None) -> bool:
+    """
+    Whether a call uses the cache: the key's C{cache} if it says, else its
+    model's, else C{[cache] enabled}.
+    """
+    return next(choice for choice in (key, model, enabled) if choice is not None)
+
+
+def reissued(answer: bytes, id_: str, created: int) -> bytes:
+    """
+    A stored chat completion as a hit answers it: under a new C{id} and
+    C{created} (UNIX seconds), so no two answers share an id; the rest (its
+    text, its C{usage} as the engine counted it then) as it was made.
+    """
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return answer
+    if not isinstance(parsed, dict):
+        return answer
+    parsed["id"], parsed["created"] = id_, created
+    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def as_chunks(answer: bytes) -> list[dict[str, Any]]:
+    """
+    A stored chat completion as the chunks of the stream an engine would
+    have sent for it (reasoning, text, the finish, then the usage), for a
+    surface that reads a stream to make a whole answer (Anthropic
+    Messages, the Responses API).
+
+    @return: The chunks; none if C{answer} is not a chat completion.
+    """
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return []
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("choices"), list):
+        return []
+    meta = {k: parsed[k] for k in ("id", "created", "model") if k in parsed}
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {**meta, "object": "chat.completion.chunk", "choices": choices, **extra}
+
+    chunks = []
+    for choice in parsed["choices"]:
+        if not isinstance(choice, dict):
+            continue
+        index, message = choice.get("index", 0), choice.get("message") or {}
+        if message.get("reasoning_content"):
+            chunks.append(chunk([{"index": index, "finish_reason": None,
+                                  "delta": {"role": "assistant", "reasoning_content": message["reasoning_content"]}}]))
+        chunks.append(chunk([{"index": index, "finish_reason": None,
+                              "delta": {"role": "assistant", "content": message.get("content") or ""}}]))
+        chunks.append(chunk([{"index": index, "finish_reason": choice.get("finish_reason"), "delta": {}}]))
+    if isinstance(parsed.get("usage"), dict):
+        chunks.append(chunk([], usage=parsed["usage"]))
+    return chunks
+
+
+class StreamedAnswer:
+    """
+    The chat completion a stream of chunks makes (text, reasoning, finish
+    reason and usage; one choice), so an answer the engine streamed for a
+    surface that answers whole can be stored as a non-streamed one.
+    """
+
+    def __init__(self) -> None:
+        self._meta: dict[str, Any] = {}
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._finish: str | None = None
+        self._usage: dict[str, Any] | None = None
+        self._other = False  # a tool call, a second choice, logprobs: not a plain answer
+
+    def feed(self, chunk: dict[str, Any]) -> None:
+        for key in ("id", "created", "model"):
+            if key in chunk and key not in self._meta:
+                self._meta[key] = chunk[key]
+        if isinstance(chunk.get("usage"), dict):
+            self._usage = chunk["usage"]
+        for choice in chunk.get("choices") or []:
+            if not isinstance(choice, dict) or choice.get("index", 0) != 0 or choice.get("logprobs"):
+                self._other = True
+                continue
+            delta = choice.get("delta") or {}
+            if delta.get("tool_calls") or delta.get("function_call"):
+                self._other = True
+            if isinstance(delta.get("content"), str):
+                self._content.append(delta["content"])
+            if isinstance(delta.get("reasoning_content"), str):
+                self._reasoning.append(delta["reasoning_content"])
+            if choice.get("finish_reason"):
+                self._finish = choice["finish_reason"]
+
+    def completion(self) -> bytes | None:
+        """
+        The OpenAI chat completion, JSON; L{None} for a stream that did not
+        finish, or carried more than one plain answer.
+        """
+        if self._finish is None or self._other:
+            return None
+        message: dict[str, Any] = {"role": "assistant", "content": "".join(self._content)}
+        if self._reasoning:
+            message["reasoning_content"] = "".join(self._reasoning)
+        answer: dict[str, Any] = {
+            **self._meta, "object": "chat.completion",
+            "choices": [{"index": 0, "message": message, "finish_reason": self._finish}],
+        }
+        if self._usage is not None:
+            answer["usage"] = self._usage
+        return json.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def storable(answer: bytes) -> bool:
+    """
+    Whether an engine's answer is one to keep: a chat completion with
+    choices, each with a message and a finish reason.
+    """
+    try:
+        parsed = json.loads(answer)
+    except ValueError:
+        return False
+    choices = parsed.get("choices") if isinstance(parsed, dict) else None
+    return (isinstance(choices, list) and bool(choices)
+            and all(isinstance(c, dict) and isinstance(c.get("message"), dict) and c.get("finish_reason")
+                    for c in choices))
 
 
 def bypass(body: dict[str, Any], stream: bool) -> str | None:

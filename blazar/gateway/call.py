@@ -105,6 +105,9 @@ class Call:
     audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
     audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
     images: list[bytes] | None = None  # an image edit's uploads (their sizes are checked before admission)
+    # whether the client gets a stream, where that is not C{stream} (Anthropic Messages and the Responses
+    # API read the engine's stream to make a whole answer too): the semantic cache's bypass; None: C{stream}
+    client_stream: bool | None = None
 
     @property
     def embedding(self) -> bool:

@@ -90,6 +90,7 @@ class RequestContext:
     audio_seconds: float | None = None  # a transcription's audio, decoded (metrics, audit)
     images: int | None = None  # images an image request made (metrics, audit)
     remote: str | None = None  # the [[remotes]] name that answered it (metrics, audit)
+    cache: str | None = None  # the semantic cache's outcome: hit, miss, bypass, error (None: not enabled)
 
 
 def context_of(request: Any) -> RequestContext:

@@ -15,6 +15,8 @@ surface:
     C{api = "anthropic"}: L{blazar.gateway.remotewire});
  2. purpose: no chat on an embedding model, no embeddings on a chat model;
  3. system-message placement for the model's chat template;
+    then the semantic cache (L{Pipeline._cached}, chat calls only): a
+    hit is answered here, with no slot, no child and no engine request;
  4. the surface's own rewrite, if any (L{Call.rewrite});
  5. the body encoded, once;
  6. the context preflight (prompt + output within a slot's context);
@@ -41,16 +43,19 @@ from __future__ import annotations
 
 import json
 import math
+import secrets
 from typing import Any, Awaitable, Callable
 
-from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.logger import Logger
 
 from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway import cache as semantic
+from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import Call, CallKind, Counting
-from blazar.gateway.context import context_of, key_of, note_tokens, record_usage
+from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
@@ -86,17 +91,32 @@ class Reply:
         it (L{Call.counting}, or the preflight needed it).
     @ivar started: Clock seconds when the pipeline began waiting for a child.
     @ivar loaded: Clock seconds when a ready child was there.
+    @ivar cached: A semantic cache hit (L{Pipeline._cached}): no lease,
+        no child; C{made} is the stored answer, and its usage counts
+        against nothing (L{usage}).
+    @ivar keep: Called with the whole answer once L{read} has it and the
+        sentinel found nothing: the cache step's store on a miss.
     """
 
     def __init__(
-        self, proxy: EngineProxy, request: Any, lease: InstanceLease, response: Any,
-        prompt_tokens: int | None, started: float, loaded: float,
+        self, proxy: EngineProxy, request: Any, lease: InstanceLease | None, response: Any,
+        prompt_tokens: int | None, started: float, loaded: float, model: str | None = None,
     ) -> None:
+        """
+        @param lease: The hold on the child that answers; L{None} for an
+            answer the pipeline has already (C{made}, then C{model} names
+            the model).
+        """
         self._proxy = proxy
         self._request = request
         self._lease = lease
         self._response = response
-        self.model = lease.instance.entry.name
+        if model is None:
+            assert lease is not None, "a reply without a lease names its model"
+            model = lease.instance.entry.name
+        self.model = model
+        self.cached = False
+        self.keep: Callable[[bytes], None] | None = None
         self.prompt_tokens = prompt_tokens
         self.started = started
         self.loaded = loaded
@@ -123,11 +143,19 @@ class Reply:
         @raise blazar.engines.supervisor.EngineError: The child died or
             stalled before it finished.
         """
-        data = self.made if self.made is not None else await self._proxy.read(self._lease.instance, self._response)
-        if self.anthropic is not None and self.made is None:
-            data = self._from_anthropic(data)
-        if self.watched is not None:
-            self._judge(inspect_reply(self.watched, data) + ([self.noted] if self.noted else []))
+        if self.made is not None:
+            data = self.made
+        else:
+            assert self._lease is not None
+            data = await self._proxy.read(self._lease.instance, self._response)
+            if self.anthropic is not None:
+                data = self._from_anthropic(data)
+        findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
+            if self.watched is not None else []
+        self._judge(findings)
+        keep, self.keep = self.keep, None
+        if keep is not None and not findings:
+            keep(data)
         return data
 
     def _from_anthropic(self, data: bytes) -> bytes:
@@ -249,9 +277,11 @@ class Reply:
             if self.made is not None:
                 feed(self.made)
             elif self.anthropic is not None:
+                assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
                                         self._request)
             else:
+                assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
         finally:
             if timer is not None and timer.active():
@@ -286,40 +316,53 @@ class Reply:
         """
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
+        keep, self.keep = self.keep, None
+        answer = semantic.StreamedAnswer() if keep is not None else None
         if watch is not None:
             inner = on_chunk
 
             def on_chunk(chunk: dict[str, Any]) -> Any:
                 watch.deltas += 1
                 watch.chunk(chunk)
+                if answer is not None:
+                    answer.feed(chunk)
                 if timer is not None and timer.active():
                     timer.reset(self.stall)
                 return inner(chunk)
 
         try:
-            if self.made is not None:
+            if self.cached and self.made is not None:  # a stored completion, as the stream it was made from
+                for chunk in semantic.as_chunks(self.made):
+                    on_chunk(chunk)
+            elif self.made is not None:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
             elif self.anthropic is not None:
+                assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
                                         self._request)
             else:
+                assert self._lease is not None
                 try:
                     await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
                 except EngineRejected as e:
                     if watch is None or not str(e).startswith(UNPARSED):
                         raise
                     # an answer, not a fault: the stream ends as a good one does
+                    answer = None  # (not the engine's answer: never stored)
                     for chunk in await self._cut_end(watch):
                         on_chunk(chunk)
         except StreamStopped:
-            return
+            return  # cut short on purpose (a surface's stop sequence): not a whole answer to keep
         finally:
             if timer is not None and timer.active():
                 timer.cancel()
-        if watch is not None:
-            self._judge(watch.findings())
+        findings = watch.findings() if watch is not None else []
+        self._judge(findings)
+        made = answer.completion() if answer is not None and not findings else None
+        if keep is not None and made is not None:
+            keep(made)
 
     def _judge(self, findings: list[tuple[str, str]]) -> None:
         """
@@ -343,8 +386,12 @@ class Reply:
     def usage(self, prompt: int, completion: int) -> None:
         """
         The tokens this call used, as the engine reported them: counted in
-        the metrics and against the key's token limits.
+        the metrics and against the key's token limits. A cache hit's
+        tokens count nowhere: no engine made them now (its answer still
+        shows the usage of when it was made).
         """
+        if self.cached:
+            return
         note_tokens(self._request, prompt, completion)
         record_usage(self._request, prompt + completion)
 
@@ -353,6 +400,8 @@ class Reply:
         The tokens, for the metrics only (the key's limits were counted
         from the stream's usage chunk: L{record}).
         """
+        if self.cached:
+            return
         note_tokens(self._request, prompt, completion)
 
     def audio_used(self) -> float:
@@ -368,6 +417,8 @@ class Reply:
         """
         Tokens counted against the key's token limits only.
         """
+        if self.cached:
+            return
         record_usage(self._request, total)
 
 
@@ -418,6 +469,7 @@ class Pipeline:
         self.admission = admission
         self.sessions = sessions
         self.supervisor = proxy.supervisor
+        self.cache: CacheStore | None = None  # the semantic cache's entries (L{_cached}); None: no cache
 
     def open(self, request: Any, call: Call) -> Opened:
         """
@@ -512,9 +564,12 @@ class Pipeline:
 
     # -- the steps ----------------------------------------------------------
 
-    async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease]:
+    async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease | None]:
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
         canonical = await self._check(request, call)
+        hit, keep = await self._cached(request, call, asked, canonical)
+        if hit is not None:
+            return hit, None
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
             await call.rewrite(call)
         # a command lane's server or a remote: no token counting, no grammar of Blazar's, no slots
@@ -578,6 +633,7 @@ class Pipeline:
         reply.pin = pin
         reply.made = made
         reply.noted = noted
+        reply.keep = keep
         reply.max_tokens = call.max_tokens
         reply.anthropic = anthropic
         if call.kind is CallKind.CHAT:
@@ -586,6 +642,104 @@ class Pipeline:
             reply.stall = self._config().sentinel_stall
             reply.clock = self._clock
         return reply, lease
+
+    async def _cached(
+        self, request: Any, call: Call, asked: dict[str, Any], canonical: str,
+    ) -> tuple[Reply | None, Callable[[bytes], None] | None]:
+        """
+        The semantic cache step (L{blazar.gateway.cache}), after scope,
+        purpose and placement, for chat calls the cache is enabled for (the
+        key's C{cache}, else the model's, else C{[cache] enabled}): a call
+        that L{semantic.bypass} lets through has its prompt embedded by the
+        local C{[cache] embedding_model} and looked up in its scope (model,
+        key, lane, sampling). A hit is answered at once: a L{Reply} with no
+        lease whose C{made} is the stored chat completion (reissued: a new
+        id); it takes no slot and starts no child. On a miss, the answer is
+        stored once it is read whole and the sentinel found nothing
+        (L{Reply.keep}). An embedding that fails leaves the call uncached,
+        with a log line, never an error.
+
+        C{x-blazar-cache} says C{hit} or C{miss} when the cache was asked;
+        the request's context says C{hit}, C{miss}, C{bypass} or C{error}
+        (C{blazar_cache_total}).
+
+        @param asked: The chat body as the client asked (before placement
+            and the surface's rewrite).
+        @return: The hit's reply, or the miss's store (C{keep}), or
+            neither.
+        """
+        cache = self.cache
+        if cache is None or call.kind is not CallKind.CHAT:
+            return None, None
+        config = self._config().cache
+        key = key_of(request)
+        entry = call.entry
+        if not semantic.enabled_for(config.enabled, entry.settings.cache if entry is not None else None,
+                                    key.cache if key is not None else None):
+            return None, None
+        context = context_of(request)
+        streamed = call.stream if call.client_stream is None else call.client_stream
+        if call.stream and not streamed:  # the engine streams a whole answer: as a non-streamed chat
+            asked = {k: v for k, v in asked.items() if k not in ("stream", "stream_options")}
+        text = semantic.prompt_text(asked)
+        if text is None or semantic.bypass(asked, streamed) is not None:
+            context.cache = semantic.BYPASSED
+            return None, None
+        began = self._clock.seconds()
+        vector = await self._embed(config.embedding_model or "", text, canonical)
+        note_span(request, "cache", began, self._clock.seconds())
+        if vector is None:
+            context.cache = semantic.FAILED
+            return None, None
+        lane = call.lane.name if call.lane is not None else LLAMACPP
+        scope = semantic.scope_of(canonical, key.name if key is not None else "", lane, asked)
+        similarity, found = cache.lookup(scope, vector)
+        if found is None:
+            context.cache = semantic.MISS
+            if request is not None:
+                request.setHeader(semantic.HEADER, semantic.MISS.encode("ascii"))
+
+            def keep(answer: bytes) -> None:
+                if semantic.storable(answer):
+                    cache.store(scope, vector, answer)
+
+            return None, keep
+        context.cache = semantic.HIT
+        if request is not None:
+            request.setHeader(semantic.HEADER, semantic.HIT.encode("ascii"))
+        log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical,
+                  similarity=similarity)
+        now = self._clock.seconds()
+        reply = Reply(self._proxy, request, None, None, None, now, now, model=canonical)
+        reply.made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
+        reply.cached = True
+        return reply, None
+
+    async def _embed(self, model: str, text: str, chat_model: str) -> semantic.Vector | None:
+        """
+        C{text} embedded by the local embedding model C{model}, as a unit
+        vector: one of the gateway's own small engine calls (no slot, as a
+        token count), sent to the model's child like any request.
+
+        @return: The vector, or L{None} (logged) if the embedding failed.
+        """
+        body = json.dumps({"model": model, "input": text}).encode("utf-8")
+        try:
+            lease, response = await self._proxy.send(model, "/v1/embeddings", body, stream=False)
+            try:
+                data = await self._proxy.read(lease.instance, response)
+            finally:
+                self._end(lease, None)
+            vector = semantic.embedding_of(json.loads(data))
+            if vector is None:
+                raise ValueError("its answer held no embedding")
+            return vector
+        except CancelledError:
+            raise
+        except Exception as e:
+            log.warn("{model}: the semantic cache could not embed the prompt with {embedding_model} ({error}); "
+                     "the request goes on uncached", model=chat_model, embedding_model=model, error=str(e)[:300])
+            return None
 
     async def _forced(
         self, request: Any, call: Call, forced: Forced, instance: Any, started: float, pin: Pin | None,

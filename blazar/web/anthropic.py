@@ -105,6 +105,7 @@ class AnthropicSurface:
             # a stop sequence cuts the child's stream before its usage
             # arrives: the prompt is counted up front
             call.counting = Counting.ALWAYS if stops else Counting.NEVER
+            call.client_stream = False  # the engine's stream makes one message (the semantic cache may answer)
             async with self._pipeline.open(request, call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens

@@ -53,7 +53,7 @@ class AuditLog:
             "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
             "sentinel": event.get("sentinel") or [],  # what the sentinel flagged (blazar.gateway.sentinel)
         }
-        for usage in ("audio_seconds", "images", "remote"):  # the lanes' usage; the [[remotes]] name that answered
+        for usage in ("audio_seconds", "images", "remote", "cache"):  # the lanes' usage; the [[remotes]] name; the cache's outcome
             if usage in event:
                 line[usage] = event[usage]
         try:

@@ -117,6 +117,8 @@ class RequestObserver:
             child(m.errors, surface, model, kind).inc()
         for flagged in context.sentinel:
             child(m.sentinel, model, flagged).inc()
+        if context.cache is not None:
+            child(m.cache, model, context.cache).inc()
         tokens = context.tokens
         if tokens is not None and model:
             child(m.prompt_tokens, model, key_name).inc(tokens[0])

@@ -141,6 +141,7 @@ class Responses:
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
+            call.client_stream = False  # the engine's stream makes one response (the semantic cache may answer)
             async with self._pipeline.open(request, call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()

@@ -650,6 +650,8 @@ class BlazarSite(Site):
             event["images"] = context_of(request).images
         if context_of(request).remote is not None:
             event["remote"] = context_of(request).remote
+        if context_of(request).cache is not None:
+            event["cache"] = context_of(request).cache  # the semantic cache: hit, miss, bypass, error
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(
