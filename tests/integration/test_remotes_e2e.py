@@ -91,11 +91,14 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                                    "choices": [{"index": 0, "finish_reason": "stop",
                                                 "message": {"role": "assistant", "content": "ok"}}],
                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
-                self.send_response(200)
-                self.send_header("content-type", "application/json")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body.encode())
+                try:
+                    self.send_response(200)
+                    self.send_header("content-type", "application/json")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body.encode())
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # the timed-out request: Blazar has hung up, as it should
 
         super().__init__(("127.0.0.1", 0), Handler)
 
