@@ -18,14 +18,14 @@ What a hit needs:
    (L{prompt_text});
  - an entry younger than C{ttl_secs}.
 
-The index is exact, not approximate: entries are grouped by scope, and a
-lookup is one matrix-vector product over its scope's vectors (L{Scope}).
-A scope holds at most the cache's C{max_entries} rows (default 10 000; of
-384 float32 dimensions that is 15 MiB and well under a millisecond per
-lookup), so an approximate index would buy nothing at this size and would
-cost recall exactly at the threshold, where the cache's answer is decided.
-The rows live in SQLite (L{blazar.store}, C{cache_entries}); the index is
-rebuilt from them at start.
+Entries are grouped by scope, and each scope's vectors are in a usearch
+index (HNSW, cosine: L{Scope}); the cache as a whole holds at most its
+C{max_entries} rows (default 10 000). The index is approximate, and that
+costs only reuse, never correctness: the candidate it finds is checked
+by its exact cosine against the threshold, so an approximation can make
+a miss, never a hit that should not be. The rows live in SQLite
+(L{blazar.store}, C{cache_entries}); the index is rebuilt from them at
+start.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from typing import Any, Iterable
 import attrs
 import numpy as np
 import numpy.typing as npt
+from usearch.index import Index
 
 Vector = npt.NDArray[np.float32]
 
@@ -333,41 +334,53 @@ class Entry:
 
 class Scope:
     """
-    The entries of one scope and their vectors stacked as one matrix
-    (rebuilt only after a change).
+    The entries of one scope, their vectors in a usearch index (cosine,
+    float32) keyed by entry id. Entries another embedding model made (of
+    other dimensions) stay listed but are not searched: a lookup with
+    vectors of the model now configured finds only its own.
     """
+
+    CANDIDATES = 8  # nearest entries asked for first; more only if all are expired
 
     def __init__(self) -> None:
         self.entries: OrderedDict[int, Entry] = OrderedDict()
-        self._matrix: Vector | None = None
-        self._ids: list[int] = []
+        self._index: Index | None = None
 
     def add(self, entry: Entry) -> None:
         self.entries[entry.id] = entry
-        self._matrix = None
+        dimensions = entry.vector.shape[0]
+        if self._index is None or self._index.ndim != dimensions:
+            # the first entry, or a new embedding model: an index of its dimensions
+            self._index = Index(ndim=dimensions, metric="cos", dtype="f32")
+            for other in self.entries.values():
+                if other.vector.shape[0] == dimensions:
+                    self._index.add(other.id, other.vector)
+            return
+        self._index.add(entry.id, entry.vector)
 
     def drop(self, id_: int) -> None:
-        if self.entries.pop(id_, None) is not None:
-            self._matrix = None
+        entry = self.entries.pop(id_, None)
+        if entry is not None and self._index is not None and entry.vector.shape[0] == self._index.ndim:
+            self._index.remove(id_)
 
     def best(self, vector: Vector, since: float) -> tuple[float, Entry] | None:
         """
-        The live entry (created at or after C{since}) most similar to the
-        unit vector C{vector}, with its cosine similarity.
+        The live entry (created at or after C{since}) nearest to the unit
+        vector C{vector} in the index, with its exact cosine similarity.
         """
-        if not self.entries:
+        index = self._index
+        if index is None or len(index) == 0 or index.ndim != vector.shape[0]:
             return None
-        if self._matrix is None:
-            self._ids = list(self.entries)
-            self._matrix = np.stack([self.entries[i].vector for i in self._ids])
-        if self._matrix.shape[1] != vector.shape[0]:
-            return None  # another embedding model made them
-        similarities = self._matrix @ vector
-        for index in np.argsort(-similarities):
-            entry = self.entries[self._ids[int(index)]]
-            if entry.created >= since:
-                return float(similarities[int(index)]), entry
-        return None
+        count = min(self.CANDIDATES, len(index))
+        while True:
+            matches = index.search(vector, count)
+            for key in matches.keys:
+                entry = self.entries.get(int(key))
+                if entry is not None and entry.created >= since:
+                    return float(np.dot(entry.vector, vector)), entry
+            if count >= len(index):
+                return None
+            count = len(index)  # the nearest were all expired (the purge has not run yet): every one
 
 
 class SemanticIndex:

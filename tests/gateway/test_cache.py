@@ -134,6 +134,34 @@ class IndexTests(SynchronousTestCase):
         self.assertEqual(self.index.purge(101.0), [1, 2])
         self.assertEqual(len(self.index), 1)
 
+    def test_many_entries_the_nearest_by_its_exact_cosine(self) -> None:
+        import numpy as np
+
+        rng = np.random.default_rng(7)
+        vectors = rng.normal(size=(3000, 64)).astype(np.float32)
+        for i, v in enumerate(vectors):
+            self.index.add(Entry(100 + i, "many", 100.0, v / np.linalg.norm(v), b"%d" % i), 10000)
+        for i in (0, 1234, 2999):
+            query = vectors[i] + rng.normal(scale=0.01, size=64).astype(np.float32)
+            query /= np.linalg.norm(query)
+            similarity, entry = self.index.lookup("many", query, 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+            assert entry is not None
+            self.assertEqual(entry.answer, b"%d" % i)
+            self.assertAlmostEqual(similarity, float(np.dot(query, vectors[i] / np.linalg.norm(vectors[i]))), places=5)
+        self.index.drop(100 + 1234)
+        _, entry = self.index.lookup("many", vectors[1234] / np.linalg.norm(vectors[1234]), 101.0, 600.0, 0.9)  # type: ignore
+        self.assertIsNone(entry)  # dropped from the index too: random others are far below 0.9
+
+    def test_another_embedding_models_entries_are_not_searched(self) -> None:
+        self.index.add(Entry(3, "s", 100.0, unit(0.0, 0.0, 1.0), b"three"), 10)  # type: ignore[arg-type]
+        _, entry = self.index.lookup("s", unit(0.0, 0.0, 1.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        assert entry is not None
+        self.assertEqual(entry.answer, b"three")
+        _, old = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        self.assertIsNone(old)  # of two dimensions: made by the model configured before
+        self.index.drop(1)  # and dropping one of them is fine
+        self.assertEqual(len(self.index), 2)
+
     def test_the_oldest_go_beyond_max_entries(self) -> None:
         dropped = self.index.add(Entry(3, "t", 100.0, unit(1.0, 0.0), b"three"), 2)  # type: ignore[arg-type]
         self.assertEqual(dropped, [1])
