@@ -592,7 +592,8 @@ class Pipeline:
             raw = call.raw or b""
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
-        ready = self.is_ready(canonical)
+        # (a remote is always ready: its errors come as statuses, not after a stream's loading comments)
+        ready = (lane is not None and lane.name == REMOTE) or self.is_ready(canonical)
         if lane is None and (call.counting is Counting.ALWAYS or (call.counting is Counting.IF_READY and ready)):
             if counted is None:
                 counted = await self._count(call)

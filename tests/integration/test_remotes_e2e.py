@@ -376,3 +376,24 @@ def test_an_https_remote(front: Daemon) -> None:
     chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
                                                      stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> None:
+    # last in the module: it stops the peer
+    assert oai(front).chat.completions.create(model="peer:tiny", messages=HELLO,  # type: ignore[arg-type]
+                                              max_tokens=2).choices
+    code = peer.stop()
+    assert code in (0, -signal.SIGTERM)
+    body = {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2}
+    status, _, first = front.request("POST", "/v1/chat/completions", body, headers=auth())
+    assert status == 502, first
+    assert "remote 'peer'" in json.loads(first)["error"]["message"]
+    status, _, second = front.request("POST", "/api/chat", {**body, "stream": False}, headers=auth())
+    assert status == 502 and "remote 'peer'" in json.loads(second)["error"], second  # Ollama's shape
+    with pytest.raises(openai.APIStatusError) as caught:
+        list(oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+                                                stream=True))
+    assert caught.value.status_code == 503 and "failed 2 times lately" in str(caught.value)
+    status, _, metrics = front.request("GET", "/metrics", headers=auth())
+    assert 'blazar_breaker_state{model="peer:tiny"} 2.0' in metrics.decode()
+    assert PEER_SECRET not in front.log()
