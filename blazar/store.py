@@ -358,10 +358,19 @@ def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> in
     may have been sent: never sent twice), with error line C{result}
     (its C{id} and C{custom_id} filled in per line); how many.
     """
+    return _fail_lines(db, batch, "running", result)
+
+
+def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> int:
+    """
+    Fail every line of C{batch} in C{state}, in one transaction, each with
+    the error line C{result} (its C{id} and C{custom_id} filled in); how
+    many.
+    """
     db.execute("BEGIN IMMEDIATE")
     try:
-        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = 'running'",
-                               (batch,)))
+        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?",
+                               (batch, state)))
         template = json.loads(result)
         db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
                        [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
@@ -412,19 +421,7 @@ def thd_fail_pending(db: sqlite3.Connection, batch: str, result: str) -> int:
     start), with error line C{result} (its C{id} and C{custom_id} filled
     in per line); how many.
     """
-    db.execute("BEGIN IMMEDIATE")
-    try:
-        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = 'pending'",
-                               (batch,)))
-        template = json.loads(result)
-        db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
-                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
-                        for n, custom in rows])
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
-    return len(rows)
+    return _fail_lines(db, batch, "pending", result)
 
 
 def thd_line_counts(db: sqlite3.Connection, batch: str) -> dict[str, int]:

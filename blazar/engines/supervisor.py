@@ -1007,15 +1007,8 @@ class Supervisor(Service):
         remote = self._config.remote(entry.remote or "")
         if remote is None:
             raise ModelNotFound(entry.name, [])
-        breaker = self.breaker(entry.name)
-        wait = breaker.allow(self._reactor.seconds())
-        if wait is not None:
-            raise BreakerOpen(
-                entry.name,
-                f"remote {remote.name!r} ({remote.root}) failed {len(breaker.crashes)} times lately; Blazar tries "
-                f"it again in {wait:.0f} s (`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
-                wait,
-            )
+        self._check_breaker(entry, lambda crashes, wait: f"remote {remote.name!r} ({remote.root}) failed {crashes} "
+                                                        f"times lately; Blazar tries it again in {wait} s")
         instance = self._remotes.get(entry.name)
         if instance is None:
             if len(self._remotes) > 4096:
@@ -1182,15 +1175,23 @@ class Supervisor(Service):
         ensureDeferred(self._spawn(entry)).addBoth(done)
         return d
 
-    def _check_breaker(self, entry: ModelEntry) -> None:
+    def _check_breaker(self, entry: ModelEntry, what: Callable[[int, str], str] | None = None) -> None:
+        """
+        @param what: What failed, given the failures and the seconds to
+            wait (default: the engine's crashes).
+        @raise BreakerOpen: The model's breaker is open.
+        """
         breaker = self.breaker(entry.name)
         wait = breaker.allow(self._reactor.seconds())
         if wait is not None:
+            if what is None:
+                def what(crashes: int, seconds: str) -> str:
+                    return (f"model {entry.name!r} is failing to run: its engine crashed {crashes} times lately; "
+                            f"next try in {seconds} s")
             raise BreakerOpen(
                 entry.name,
-                f"model {entry.name!r} is failing to run: its engine crashed "
-                f"{len(breaker.crashes)} times lately; next try in {wait:.0f} s "
-                f"(`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
+                what(len(breaker.crashes), f"{wait:.0f}")
+                + f" (`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
                 wait,
             )
 
