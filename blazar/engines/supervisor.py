@@ -1582,9 +1582,13 @@ class Supervisor(Service):
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)
             if self.before_stop is not None and instance.state == InstanceState.READY:
                 saving = self.before_stop(instance)
-                if not saving.called:
+                saving.addErrback(lambda f: log.failure("before stopping {model}", f, model=instance.entry.name))
+                # (not saving.called: a Deferred that fired and then waits on
+                # one its callback returned is "called" and still running)
+                finished: list[bool] = []
+                saving.addCallback(finished.append)
+                if not finished:
                     ended = instance.protocol.when_ended()
-                    saving.addErrback(lambda f: log.failure("before stopping {model}", f, model=instance.entry.name))
                     saving.addCallback(lambda _: self._terminate(instance))
                     saving.addErrback(lambda f: log.failure("stopping {model} failed", f, model=instance.entry.name))
                     return ended

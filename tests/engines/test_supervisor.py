@@ -194,6 +194,28 @@ class LifecycleTests(SynchronousTestCase):
         self.health = 503
         return self.successResultOf(d)
 
+    def test_the_stop_waits_for_before_stop_even_once_it_has_fired_and_waits_on_another(self) -> None:
+        # the shutdown's hook: the batch lines drained (fired at once), then the
+        # sessions' slots saved (still going): SIGTERM only after both
+        saving: Deferred[None] = Deferred()
+        chained = Deferred()
+        chained.callback(None)
+        chained.addCallback(lambda _: saving)
+        self.assertTrue(chained.called)  # fired, and paused on saving
+        self.supervisor.before_stop = lambda instance: chained
+        instance = self.ready()
+        self.supervisor.stop_instance(instance, "shutdown")
+        self.assertEqual(instance.transport.signals, [])
+        saving.callback(None)
+        self.assertEqual(instance.transport.signals, ["TERM"])
+
+    def test_a_failing_before_stop_still_stops(self) -> None:
+        self.supervisor.before_stop = lambda instance: Deferred.fromCoroutine(_fails())
+        instance = self.ready()
+        self.supervisor.stop_instance(instance, "evicted")
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
     def test_idle_timeout_without_keep_alive(self) -> None:
         instance = self.ready()
         self.reactor.advance(99)
@@ -748,3 +770,7 @@ class InstanceStateTests(SynchronousTestCase):
         self.assertEqual(json.dumps({"state": InstanceState.DEAD}), '{"state": "dead"}')
         self.assertEqual(f"{InstanceState.STARTING}", "starting")
         self.assertEqual(InstanceState("ready"), InstanceState.READY)
+
+
+async def _fails() -> None:
+    raise RuntimeError("the hook failed")
