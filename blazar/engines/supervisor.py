@@ -1586,7 +1586,7 @@ class Supervisor(Service):
                 # (not saving.called: a Deferred that fired and then waits on
                 # one its callback returned is "called" and still running)
                 finished: list[bool] = []
-                saving.addCallback(finished.append)
+                saving.addCallback(lambda _: finished.append(True))
                 if not finished:
                     ended = instance.protocol.when_ended()
                     saving.addCallback(lambda _: self._terminate(instance))

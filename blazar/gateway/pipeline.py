@@ -135,6 +135,8 @@ class Reply:
         self.clock: Any = None
         # an api = "anthropic" remote's answer: turned into OpenAI's on the way (L{_from_remote})
         self.anthropic: AnthropicStream | None = None
+        # an OpenAI-compatible remote's answer names its own model: this one's name put there instead
+        self.renamed = False
 
     async def read(self) -> bytes:
         """
@@ -150,6 +152,8 @@ class Reply:
             data = await self._proxy.read(self._lease.instance, self._response)
             if self.anthropic is not None:
                 data = self._from_anthropic(data)
+            elif self.renamed:
+                data = _with_model(data, self.model)
         findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
             if self.watched is not None else []
         self._judge(findings)
@@ -195,6 +199,18 @@ class Reply:
                 raise EngineRejected(502, f"the remote's stream failed ({e.kind}): {e}") from None
             for chunk in chunks:
                 on_chunk(chunk)
+
+        return SSEEvents(on_event).feed
+
+    def _renamed_events(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """
+        A feed for an OpenAI-compatible remote's SSE stream that hands each
+        event on with this reply's model name in its C{model} (the remote
+        wrote its own: C{tiny} for C{peer:tiny}, a dated snapshot for an
+        alias), as compact JSON, whole events only.
+        """
+        def on_event(data: bytes) -> None:
+            feed(b"data: " + (data if data == b"[DONE]" else _with_model(data, self.model)) + b"\n\n")
 
         return SSEEvents(on_event).feed
 
@@ -279,6 +295,10 @@ class Reply:
             elif self.anthropic is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
+                                        self._request)
+            elif self.renamed:
+                assert self._lease is not None
+                await self._proxy.relay(self._lease.instance, self._response, self._renamed_events(feed),
                                         self._request)
             else:
                 assert self._lease is not None
@@ -637,6 +657,7 @@ class Pipeline:
         reply.keep = keep
         reply.max_tokens = call.max_tokens
         reply.anthropic = anthropic
+        reply.renamed = anthropic is None and lane is not None and lane.name == REMOTE
         if call.kind is CallKind.CHAT:
             reply.watched = asked
             reply.enforce = self._enforce(request, lease.instance.entry)
@@ -1204,6 +1225,21 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     tests): the function, called here.
     """
     return f(*args)
+
+
+def _with_model(data: bytes, model: str) -> bytes:
+    """
+    A JSON object's bytes with C{model} as its C{"model"} (compact, so the
+    surfaces' byte-level renames find it); anything else as it is.
+    """
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return data
+    if not isinstance(value, dict) or "model" not in value:
+        return data
+    value["model"] = model
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _not_of_lane(model: str, lane: str, section: str) -> str:

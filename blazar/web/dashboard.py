@@ -355,6 +355,13 @@ class Dashboard:
         def finish(_: Any = None) -> None:
             if timer[0].active():
                 timer[0].cancel()
+            if getattr(request, "producer", None) is not None:
+                # before the handler's end finishes the request: Twisted refuses
+                # to finish one whose producer is still registered
+                try:
+                    request.unregisterProducer()  # type: ignore[attr-defined]
+                except AttributeError:
+                    pass  # the channel is gone already (the client left)
             if not done.called:
                 self._streams[owner] -= 1
                 if not self._streams[owner]:

@@ -201,14 +201,16 @@ def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
     answer = client.chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
     assert answer.choices[0].message.content is not None
     assert answer.usage is not None and answer.usage.completion_tokens > 0
+    assert answer.model == "peer:tiny"  # the name asked for, not the remote's own
     chunks = list(client.chat.completions.create(
-        model="peer:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        model="PEER:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
         stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 2 and isinstance(text, str)
+    assert {c.model for c in chunks} == {"PEER:tiny"}  # as spelled, on every chunk
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
-    vector = client.embeddings.create(model="peer:tiny-embed", input="hello").data[0].embedding
-    assert len(vector) > 8
+    embedded = client.embeddings.create(model="peer:tiny-embed", input="hello")
+    assert len(embedded.data[0].embedding) > 8 and embedded.model == "peer:tiny-embed"
     completion = client.completions.create(model="peer:tiny", prompt="once", max_tokens=3)
     assert completion.choices[0].text is not None
     # the peer answered every one of them; the front started no engine of its own

@@ -87,6 +87,9 @@ class StreamRequest:
     def registerProducer(self, producer: Any, streaming: bool) -> None:
         self.producer = producer
 
+    def unregisterProducer(self) -> None:
+        self.producer = None
+
     def notifyFinish(self) -> Deferred[None]:
         return self.ended
 
@@ -112,6 +115,21 @@ def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> N
     request.producer.pauseProducing()
     clock.advance(LOG_STALL + 1)
     assert request.channel.transport.aborted and done.called and dash._streams == {}
+    assert request.producer is None  # unregistered before the handler's end finishes the request
+
+
+def test_a_follower_that_leaves_unregisters_the_producer() -> None:
+    # else Twisted refuses to finish the request: "Producer was not unregistered" (a critical log line)
+    from blazar.web.dashboard import Dashboard
+
+    clock = Clock()
+    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)  # type: ignore[arg-type]
+    request = StreamRequest()
+    done = dash._follow(request, lambda since: [], 0, "k")  # type: ignore[arg-type]
+    clock.advance(0)
+    assert request.producer is not None
+    request.ended.errback(Exception("connection lost"))
+    assert done.called and request.producer is None and dash._streams == {}
 
 
 def test_key_names_are_checked_where_keys_are_made(tmp_path: Path) -> None:
