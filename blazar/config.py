@@ -1099,9 +1099,11 @@ def _parse_remotes(raw: object, where: str, lanes: tuple[CommandLane, ...]) -> t
         if any(r.name.casefold() == name.casefold() for r in remotes):
             raise ConfigError(f"{where}: two remotes are named {name!r}; names must be unique")
         url = table.get("base_url")
-        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#]+(/[^\s?#]*)?", url):
+        if not isinstance(url, str) or not re.fullmatch(r"https?://[^\s/?#@]+(/[^\s?#@]*)?", url):
+            shown = url.split("@")[-1] if isinstance(url, str) else url  # never a password in a message
             raise _expected(where, prefix + "base_url", 'an http:// or https:// URL such as '
-                            '"https://api.openai.com/v1"', url)
+                            '"https://api.openai.com/v1", with no user:password@ (the key goes in api_key or '
+                            'api_key_env)', shown)
         api = table.get("api", "openai")
         if api not in REMOTE_APIS:
             raise _expected(where, prefix + "api", " or ".join(f'"{a}"' for a in REMOTE_APIS), api)

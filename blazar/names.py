@@ -58,3 +58,17 @@ def strip_dirs(text: str) -> str:
     a client that must not learn the daemon's layout may see).
     """
     return _PATH.sub(lambda m: m.group(1), text)
+
+
+#: a remote model's name after NAME:, at most (its metrics series carry it)
+MAX_REMOTE_MODEL = 200
+
+
+def fair_remote_model(name: str) -> bool:
+    """
+    Whether C{name} may be a remote's model name (C{[[remotes]]}):
+    printable, no white space, at most L{MAX_REMOTE_MODEL} characters.
+    Otherwise any spelling: a remote's ids are its own (case-sensitive,
+    with C{/} for OpenRouter's, C{:} for Ollama's tags).
+    """
+    return 0 < len(name) <= MAX_REMOTE_MODEL and name.isprintable() and not any(c.isspace() for c in name)

@@ -661,6 +661,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     supervisor.setServiceParent(top)
     # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
     catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
+    registry.relist = catalog.relist
     _Hooks(catalog.start, catalog.stop).setServiceParent(top)
     operations = ModelOperations(registry, supervisor, hub, reactor)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)

@@ -17,14 +17,16 @@ text (L{scrub}) or C{repr}.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Awaitable, Callable, Mapping, TypeGuard
 
 import attrs
-from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from blazar.config import Config, RemoteConfig
+from blazar.names import fair_remote_model
 from blazar.models.registry import ModelEntry
 
 log = Logger()
@@ -71,8 +73,17 @@ class RemoteInstance:
         return self.remote.root
 
     @property
+    def shared(self) -> str:
+        """
+        What its remote's models share: one breaker and one admission
+        queue per remote (L{shared_name}), not per model name.
+        """
+        return shared_name(self.remote.name)
+
+    @property
     def server(self) -> str:
-        return f"remote {self.remote.name!r} ({self.remote.root})"
+        # (its URL only in the daemon's log: clients, scoped ones too, learn its name)
+        return f"remote {self.remote.name!r}"
 
     @property
     def api_key(self) -> str:
@@ -87,6 +98,15 @@ class RemoteInstance:
 
     def expires_at(self) -> float | None:
         return None
+
+
+def shared_name(remote: str) -> str:
+    """
+    The name a remote's breaker and admission queue go by (C{peer:*}):
+    every model of one remote shares them (its C{max_concurrent} is the
+    remote's, and a remote that is down is down for all its models).
+    """
+    return f"{remote}:*"
 
 
 def auth_headers(remote: RemoteConfig, environ: Mapping[str, str]) -> dict[bytes, list[bytes]]:
@@ -109,12 +129,23 @@ def auth_headers(remote: RemoteConfig, environ: Mapping[str, str]) -> dict[bytes
 def scrub(text: str, remote: RemoteConfig, environ: Mapping[str, str]) -> str:
     """
     C{text} (a remote's error message, a connection error) without the
-    remote's key, should the remote have echoed it.
+    remote's key, should the remote have echoed it (as it is, in any case).
     """
     key = remote.key(environ)
     if key and len(key) >= 4:
-        text = text.replace(key, "[redacted]")
+        text = re.sub(re.escape(key), "[redacted]", text, flags=re.IGNORECASE)
     return text
+
+
+def scrub_bytes(data: bytes, remote: RemoteConfig, environ: Mapping[str, str]) -> bytes:
+    """
+    L{scrub} on the bytes of an answer the remote sent (its JSON, its
+    stream's events).
+    """
+    key = remote.key(environ)
+    if key and len(key) >= 4:
+        data = re.sub(re.escape(key.encode("utf-8")), b"[redacted]", data, flags=re.IGNORECASE)
+    return data
 
 
 def listed_models(body: bytes) -> tuple[str, ...]:
@@ -132,8 +163,10 @@ def listed_models(body: bytes) -> tuple[str, ...]:
         items, field = answer["models"], "name"
     else:
         raise ValueError("not a model list (no data[] or models[])")
-    names = [item.get(field) for item in items if isinstance(item, dict)]
-    return tuple(sorted({n for n in names if isinstance(n, str) and n and "*" not in n}))
+    # (another Blazar lists its speech, image and rerank models too: remotes serve chat and embeddings)
+    names = [item.get(field) for item in items
+             if isinstance(item, dict) and item.get("kind") not in ("transcription", "image", "rerank")]
+    return tuple(sorted({n for n in names if isinstance(n, str) and "*" not in n and fair_remote_model(n)}))
 
 
 def models_url(remote: RemoteConfig) -> str:
@@ -167,8 +200,11 @@ class RemoteCatalog:
     clock: Any
     environ: Mapping[str, str] = attrs.field(repr=False, factory=dict)
     interval: float = 60.0
+    again: float = 10.0  # seconds between two questions to one remote for a name it did not list
     _job: LoopingCall | None = None
     _failing: set[str] = attrs.field(factory=set)
+    _asked: dict[str, float] = attrs.field(factory=dict)  # remote -> when it was last asked
+    _asking: dict[str, list[Deferred[None]]] = attrs.field(factory=dict)
 
     def start(self) -> None:
         self._job = LoopingCall(self._tick)
@@ -184,25 +220,58 @@ class RemoteCatalog:
         d.addErrback(lambda f: log.failure("asking the remotes for their models failed", f))
         return d
 
+    async def relist(self, name: str) -> None:
+        """
+        Ask remote C{name} for its list now, for a model name it did not
+        list (a model it has just pulled): at most once every L{again}
+        seconds, one question for all who ask meanwhile; never raises.
+        """
+        remote = self.config().remote(name)
+        if remote is None or not remote.any_model:
+            return
+        waiting = self._asking.get(remote.name)
+        if waiting is not None:
+            d: Deferred[None] = Deferred()
+            waiting.append(d)
+            await d
+            return
+        if self.clock.seconds() - self._asked.get(remote.name, float("-inf")) < self.again:
+            return
+        self._asking[remote.name] = []
+        try:
+            await self._ask(remote)
+        finally:
+            for d in self._asking.pop(remote.name):
+                d.callback(None)
+
     async def refresh(self) -> None:
         """
         Ask every C{models = "*"} remote once (a job body: never raises for
         one remote's failure).
         """
         for remote in self.config().remotes:
-            if not remote.any_model:
-                continue
-            try:
-                status, body = await self.get(models_url(remote), auth_headers(remote, self.environ), 10.0)
-                if status != 200:
-                    raise ValueError(f"status {status}")
-                names = listed_models(body)
-            except Exception as e:
-                if remote.name not in self._failing:
-                    self._failing.add(remote.name)
-                    log.warn("remote {remote}: could not list its models ({error}); its models are still "
-                             "served by name (NAME:model), listed once it answers", remote=remote.name,
-                             error=scrub(str(e) or type(e).__name__, remote, self.environ)[:300])
-                continue
-            self._failing.discard(remote.name)
-            self.note(remote.name, names)
+            if remote.any_model:
+                await self._ask(remote)
+
+    async def _ask(self, remote: RemoteConfig) -> None:
+        """
+        One question to C{remote} for its models; a failure is logged once
+        until it answers again.
+        """
+        self._asked[remote.name] = self.clock.seconds()
+        try:
+            status, body = await self.get(models_url(remote), auth_headers(remote, self.environ), 10.0)
+            if status != 200:
+                raise ValueError(f"status {status}")
+            names = listed_models(body)
+        except CancelledError:
+            raise
+        except Exception as e:
+            if remote.name not in self._failing:
+                self._failing.add(remote.name)
+                log.warn("remote {remote}: could not list its models ({error}); with models = \"*\" they are "
+                         "served once it answers", remote=remote.name,
+                         error=scrub(str(e) or type(e).__name__, remote, self.environ)[:300])
+            return
+        self._failing.discard(remote.name)
+        self.note(remote.name, names)

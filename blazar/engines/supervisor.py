@@ -63,7 +63,7 @@ from blazar.engines.llamacpp import (
     DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
 )
 from blazar.metrics import Metrics, gauge, label_reason
-from blazar.engines.remote import RemoteInstance, scrub
+from blazar.engines.remote import RemoteInstance, scrub, shared_name
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -1007,8 +1007,9 @@ class Supervisor(Service):
         remote = self._config.remote(entry.remote or "")
         if remote is None:
             raise ModelNotFound(entry.name, [])
-        self._check_breaker(entry, lambda crashes, wait: f"remote {remote.name!r} ({remote.root}) failed {crashes} "
-                                                        f"times lately; Blazar tries it again in {wait} s")
+        self._check_breaker(shared_name(remote.name),
+                            lambda crashes, wait: f"remote {remote.name!r} failed {crashes} times lately; Blazar tries "
+                                                  f"it again in {wait} s")
         instance = self._remotes.get(entry.name)
         if instance is None:
             if len(self._remotes) > 4096:
@@ -1025,16 +1026,17 @@ class Supervisor(Service):
         @return: C{error} without the remote's key.
         """
         error = scrub(error, instance.remote, self._environ)
-        self.metrics.crashes.labels(instance.entry.name).inc()
-        self.breaker(instance.entry.name).crashed(self._reactor.seconds(), error)
-        log.warn("{model}: {server} failed: {error}", model=instance.entry.name, server=instance.server, error=error)
+        self.metrics.crashes.labels(instance.shared).inc()
+        self.breaker(instance.shared).crashed(self._reactor.seconds(), error)
+        log.warn("{model}: {server} ({url}) failed: {error}", model=instance.entry.name, server=instance.server,
+                 url=instance.remote.root, error=error)
         return error
 
     def remote_ok(self, instance: RemoteInstance) -> None:
         """
         A remote answered: a half-open breaker closes.
         """
-        self.breaker(instance.entry.name).ready()
+        self.breaker(instance.shared).ready()
 
     def _reroute(self, entry: ModelEntry, error: UnknownArchitecture) -> ModelEntry:
         """
@@ -1175,21 +1177,21 @@ class Supervisor(Service):
         ensureDeferred(self._spawn(entry)).addBoth(done)
         return d
 
-    def _check_breaker(self, entry: ModelEntry, what: Callable[[int, str], str] | None = None) -> None:
+    def _check_breaker(self, name: str, what: Callable[[int, str], str] | None = None) -> None:
         """
         @param what: What failed, given the failures and the seconds to
             wait (default: the engine's crashes).
         @raise BreakerOpen: The model's breaker is open.
         """
-        breaker = self.breaker(entry.name)
+        breaker = self.breaker(name)
         wait = breaker.allow(self._reactor.seconds())
         if wait is not None:
             if what is None:
                 def what(crashes: int, seconds: str) -> str:
-                    return (f"model {entry.name!r} is failing to run: its engine crashed {crashes} times lately; "
+                    return (f"model {name!r} is failing to run: its engine crashed {crashes} times lately; "
                             f"next try in {seconds} s")
             raise BreakerOpen(
-                entry.name,
+                name,
                 what(len(breaker.crashes), f"{wait:.0f}")
                 + f" (`blazar ps --reset` to try now). Last failure: {breaker.last_error}",
                 wait,
@@ -1199,7 +1201,7 @@ class Supervisor(Service):
         # Everything before the table insert must not yield to the reactor
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
-        self._check_breaker(entry)
+        self._check_breaker(entry.name)
         pinned = entry.settings.engine or self._rerouted.get(entry.name)
         meta = await self._registry.metadata(entry)
         # LaneError: none serves it

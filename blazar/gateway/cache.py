@@ -9,13 +9,17 @@ What a hit needs:
    streamed and carries no C{tools}, C{functions} or C{response_format}
    (those bypass the cache both ways: no lookup, no store: L{bypass});
  - the same I{scope} (L{scope_of}): the same canonical chat model, the same
-   API key (by name; C{""} without keys), the same lane and the same
-   sampling parameters (L{SAMPLING}: an answer made at temperature 0 is
-   not the answer to a request at temperature 1.5, nor one of 16 tokens to
-   a request for 512);
+   API key (by name; C{""} without keys), the same lane, and the same
+   request in every other respect: every field but the few that cannot
+   change the answer (L{UNHASHED}: an answer made at temperature 0 is not
+   the answer to a request at temperature 1.5, nor one of 16 tokens to a
+   request for 512), and every message exactly, the last user turn's text
+   aside (its images, audio and files are hashed too);
  - a cosine similarity of at least the threshold between the embeddings of
-   the two prompts: the messages up to and including the last user turn
-   (L{prompt_text});
+   the two last user turns' texts (L{prompt_text}). Only that text is
+   embedded: the context before it must be identical (in the scope), and
+   embedded with it, a long shared context (an agent's system prompt)
+   would make any two questions look alike.
  - an entry younger than C{ttl_secs}.
 
 Entries are grouped by scope, and each scope's vectors are in a usearch
@@ -42,13 +46,9 @@ from usearch.index import Index
 
 Vector = npt.NDArray[np.float32]
 
-# request fields that change the answer the model gives to the same prompt
-SAMPLING = (
-    "temperature", "top_p", "top_k", "min_p", "typical_p", "seed", "max_tokens", "max_completion_tokens",
-    "n", "stop", "presence_penalty", "frequency_penalty", "repeat_penalty", "repeat_last_n", "logit_bias",
-    "logprobs", "top_logprobs", "mirostat", "mirostat_tau", "mirostat_eta",
-    "chat_template_kwargs", "reasoning_effort", "reasoning_format", "thinking_budget_tokens",
-)
+# request fields that cannot change the answer: left out of the scope (every other field is in it)
+UNHASHED = ("model", "messages", "stream", "stream_options", "user", "metadata", "store", "keep_alive",
+            "prompt_cache_key", "safety_identifier")
 # request fields that make a call bypass the cache both ways
 BYPASS = ("tools", "functions", "response_format", "grammar", "json_schema")
 
@@ -210,60 +210,58 @@ def bypass(body: dict[str, Any], stream: bool) -> str | None:
     return None
 
 
-def prompt_text(body: dict[str, Any]) -> str | None:
-    """
-    What is embedded: the messages up to and including the last user turn
-    (the context that turn is asked in), one per line as
-    C{role: content}, text parts joined; an image part counts by its URL.
-    Anything after the last user turn (an assistant prefill) is left out of
-    the text but is part of the request: L{scope_of} hashes it.
-
-    @return: The text, or L{None} if there is no user turn.
-    """
+def _last_user(body: dict[str, Any]) -> tuple[list[Any], int] | None:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
     last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
                default=None)
-    if last is None:
+    return None if last is None else (messages, last)
+
+
+def prompt_text(body: dict[str, Any]) -> str | None:
+    """
+    What is embedded: the last user turn's text (its text parts, joined
+    by newlines). What comes before it and its other parts are matched
+    exactly instead (L{scope_of}).
+
+    @return: The text, or L{None} if there is no user turn.
+    """
+    found = _last_user(body)
+    if found is None:
         return None
-    lines = []
-    for message in messages[:last + 1]:
-        if isinstance(message, dict):
-            lines.append(f"{message.get('role')}: {_content_text(message.get('content'))}")
-    return "\n".join(lines)
-
-
-def _content_text(content: Any) -> str:
+    messages, last = found
+    content = messages[last].get("content")
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        parts = []
-        for part in content:
-            if isinstance(part, dict):
-                if isinstance(part.get("text"), str):
-                    parts.append(part["text"])
-                elif isinstance(part.get("image_url"), dict):
-                    parts.append(f"[image {part['image_url'].get('url', '')}]")
-            elif isinstance(part, str):
-                parts.append(part)
-        return "\n".join(parts)
-    return "" if content is None else json.dumps(content, sort_keys=True)
+        return "\n".join(p["text"] if isinstance(p, dict) else p for p in content
+                         if (isinstance(p, dict) and isinstance(p.get("text"), str)) or isinstance(p, str))
+    return ""
 
 
 def scope_of(model: str, key: str, lane: str, body: dict[str, Any]) -> str:
     """
     The exact-match part of a hit: a hex sha256 over the canonical chat
-    model, the key's name, the lane, the L{SAMPLING} fields and whatever
-    follows the last user turn.
+    model, the key's name, the lane, every field of the request but
+    L{UNHASHED}, and the messages with the last user turn's text taken out
+    (its other parts, its name, and every other message, tool calls and
+    results included, as they are).
     """
-    found = body.get("messages")
-    messages: list[Any] = found if isinstance(found, list) else []
-    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=-1)
+    found = _last_user(body)
+    messages: list[Any] = list(found[0]) if found is not None else []
+    if found is not None:
+        turn = dict(messages[found[1]])
+        content = turn.get("content")
+        if isinstance(content, list):
+            turn["content"] = [p for p in content if not (isinstance(p, str) or (isinstance(p, dict)
+                               and isinstance(p.get("text"), str) and p.get("type", "text") == "text"))]
+        else:
+            turn.pop("content", None)
+        messages[found[1]] = turn
     parts = {
-        "model": model, "key": key, "lane": lane,
-        "sampling": {k: body[k] for k in SAMPLING if k in body},
-        "after": messages[last + 1:],
+        "model": model, "key": key, "lane": lane, "messages": messages,
+        "fields": {k: v for k, v in body.items() if k not in UNHASHED},
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 

@@ -490,8 +490,12 @@ class EngineProxy:
         """
         remote = instance.remote
         message = scrub(message, remote, instance.environ)
+        if status == 500 and any(m in message for m in CLIENT_FAULTS):
+            return EngineRejected(400, f"{instance.server}: {message}")  # the request's fault (llama-server's words)
         if status >= 500:
-            self.supervisor.remote_failed(instance, f"status {status}: {message}")
+            if status in (502, 503, 504):  # it (or what is behind it) is down: for everyone, so its breaker
+                self.supervisor.remote_failed(instance, f"status {status}: {message}")
+            # (another 5xx may be one request's doing: a client must not open the breaker for all)
             return EngineRejected(502, f"{instance.server} answered {status}: {message}")
         if status in (401, 403):
             return EngineRejected(502, f"{instance.server} refused Blazar's credentials ({status}: {message}); "
@@ -583,7 +587,11 @@ class EngineProxy:
                 return
             chunk = json.loads(data)
             if "error" in chunk:
-                raise EngineRejected(500, stream_error_message(chunk["error"]))
+                message = stream_error_message(chunk["error"])
+                if is_remote(instance):
+                    raise EngineRejected(502, f"{instance.server}'s stream failed: "
+                                              f"{scrub(message, instance.remote, instance.environ)}")
+                raise EngineRejected(500, message)
             on_chunk(chunk)
 
         await self.relay(instance, response, SSEEvents(on_event).feed, request)

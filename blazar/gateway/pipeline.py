@@ -71,7 +71,7 @@ from blazar.gateway.toolcalls import (
 )
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
-from blazar.engines.remote import REMOTE
+from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
 from blazar.engines.sse import SSEEvents
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, from_anthropic, to_anthropic
@@ -151,9 +151,9 @@ class Reply:
             assert self._lease is not None
             data = await self._proxy.read(self._lease.instance, self._response)
             if self.anthropic is not None:
-                data = self._from_anthropic(data)
+                data = self._from_anthropic(self._scrubbed(data))
             elif self.renamed:
-                data = _with_model(data, self.model)
+                data = _with_model(self._scrubbed(data), self.model, self._lease.instance.server)
         findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
             if self.watched is not None else []
         self._judge(findings)
@@ -172,8 +172,8 @@ class Reply:
         assert self.anthropic is not None
         try:
             message = json.loads(data)
-            if not isinstance(message, dict):
-                raise ValueError("not an object")
+            if not isinstance(message, dict) or message.get("type") != "message":
+                raise ValueError("not a message object")
             answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
         except (ValueError, TypeError, AttributeError) as e:
             raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
@@ -190,7 +190,10 @@ class Reply:
         assert stream is not None
 
         def on_event(data: bytes) -> None:
-            event = json.loads(data)
+            try:
+                event = json.loads(self._scrubbed(data))
+            except ValueError:
+                raise EngineRejected(502, "the remote's stream is not Anthropic's: an event is not JSON") from None
             if not isinstance(event, dict):
                 return
             try:
@@ -209,10 +212,22 @@ class Reply:
         wrote its own: C{tiny} for C{peer:tiny}, a dated snapshot for an
         alias), as compact JSON, whole events only.
         """
+        assert self._lease is not None
+        server = self._lease.instance.server
+
         def on_event(data: bytes) -> None:
-            feed(b"data: " + (data if data == b"[DONE]" else _with_model(data, self.model)) + b"\n\n")
+            data = data if data == b"[DONE]" else _with_model(self._scrubbed(data), self.model, server)
+            feed(b"data: " + data + b"\n\n")
 
         return SSEEvents(on_event).feed
+
+    def _scrubbed(self, data: bytes) -> bytes:
+        """
+        A remote's answer without its key, should it have echoed it
+        (L{blazar.engines.remote.scrub_bytes}).
+        """
+        instance = self._lease.instance if self._lease is not None else None
+        return scrub_bytes(data, instance.remote, instance.environ) if is_remote(instance) else data
 
     def _anthropic_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """
@@ -1147,6 +1162,7 @@ class Pipeline:
         if lane is not None and lane.name == REMOTE and entry is not None:
             remote = self._config().remote(entry.remote or "")
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
+            canonical = shared_name(entry.remote or "")  # one queue for all its models
         await admit_request(self.admission, request, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
@@ -1227,16 +1243,22 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     return f(*args)
 
 
-def _with_model(data: bytes, model: str) -> bytes:
+def _with_model(data: bytes, model: str, server: str) -> bytes:
     """
-    A JSON object's bytes with C{model} as its C{"model"} (compact, so the
-    surfaces' byte-level renames find it); anything else as it is.
+    An OpenAI-compatible remote's JSON object (an answer, a stream's
+    event) with C{model} as its C{"model"} (compact, so the surfaces'
+    byte-level renames find it).
+
+    @raise EngineRejected: Not a JSON object (a 502 naming C{server}).
     """
     try:
         value = json.loads(data)
     except ValueError:
-        return data
-    if not isinstance(value, dict) or "model" not in value:
+        value = None
+    if not isinstance(value, dict):
+        raise EngineRejected(502, f"{server} answered with something that is not an OpenAI JSON object "
+                                  f"(it began {data[:60]!r}): check its base_url and api")
+    if "model" not in value:
         return data
     value["model"] = model
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

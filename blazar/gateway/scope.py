@@ -69,6 +69,18 @@ def visible(request: IRequest, names: list[str]) -> list[str]:
     return [n for n in names if in_scope(key, n)]
 
 
+def visible_entries(request: IRequest, entries: list[ModelEntry]) -> list[str]:
+    """
+    The names of C{entries} the request's key may see, in order: by
+    L{in_scope}, and a remote's model only as its scope spells it (a
+    remote's ids are case-sensitive).
+    """
+    key = key_of(request)
+    scoped = key is not None and not key.admin
+    return [e.name for e in entries if in_scope(key, e.name)
+            and not (scoped and e.remote is not None and not any(_is_remote_model(m, e) for m in key.models))]  # type: ignore[union-attr]
+
+
 async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: object) -> ModelEntry:
     """
     The model C{request} names, if its key may use it; then the key's rate
@@ -88,11 +100,17 @@ async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: obj
     spelled = name if isinstance(name, str) else str(name)
     if not may_use(request, name):
         entries = await registry.refresh()
-        raise ModelNotFound(spelled, visible(request, [e.name for e in entries]))
+        raise ModelNotFound(spelled, visible_entries(request, entries))
     try:
         entry = await registry.resolve(name)
     except ModelNotFound as e:
         raise ModelNotFound(e.name, visible(request, e.available)) from None
+    key = key_of(request)
+    if entry.remote is not None and key is not None and not key.admin \
+            and not any(_is_remote_model(m, entry) for m in key.models):
+        # a remote's ids are case-sensitive (peer:Tiny may be another model than peer:tiny): exactly as scoped
+        entries = await registry.refresh()
+        raise ModelNotFound(spelled, visible_entries(request, entries))
     context = context_of(request)
     context.model = entry.name
     rates = context.rates
@@ -100,6 +118,15 @@ async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: obj
         context.rates = None
         rates()
     return entry
+
+
+def _is_remote_model(scoped: str, entry: ModelEntry) -> bool:
+    """
+    Whether a scope's name C{scoped} is remote model C{entry}: the remote's
+    name in any case, the model's exactly.
+    """
+    remote, _, model = scoped.partition(":")
+    return remote.casefold() == (entry.remote or "").casefold() and model == entry.remote_model
 
 
 def redact(request: IRequest, text: str) -> str:

@@ -13,7 +13,7 @@ import hashlib
 import os
 import re
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any, Awaitable, Callable, Mapping
 
 import attrs
 from twisted.internet.interfaces import IReactorThreads
@@ -23,7 +23,7 @@ from zope.interface import Attribute, Interface, implementer
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
 from blazar.models.formats import is_whisper_file, thd_model_format
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
-from blazar.names import canonical_name, name_key
+from blazar.names import canonical_name, fair_remote_model, name_key
 
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
@@ -272,6 +272,8 @@ class ModelRegistry:
     _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
     # per remote with models = "*": the names its GET /v1/models listed last
     _listed: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    # asks a models = "*" remote for its list again (blazar.engines.remote.RemoteCatalog.relist)
+    relist: Callable[[str], Awaitable[None]] | None = None
 
     def __attrs_post_init__(self) -> None:
         self._live.subscribe(self.reconfigure)
@@ -332,19 +334,24 @@ class ModelRegistry:
         """
         self._listed[remote] = names
 
-    def _remote(self, name: str) -> ModelEntry | None:
+    async def _remote(self, name: str) -> ModelEntry | None:
         """
         C{NAME:model} for a configured remote NAME (before local names:
         C{peer:tiny} is also an Ollama C{name:tag}).
 
         @raise ModelNotFound: The remote is configured, and C{model} is not
-            one of its C{models}.
+            one of its C{models} (for C{models = "*"}: not one it listed,
+            asked once more first: L{relist}).
         """
         prefix, _, model = name.partition(":")
         remote = self._config.remote(prefix) if model else None
         if remote is None:
             return None
-        if not remote.any_model and model not in remote.models:
+        known = model in (self._listed.get(remote.name, ()) if remote.any_model else remote.models)
+        if not known and remote.any_model and self.relist is not None and fair_remote_model(model):
+            await self.relist(remote.name)  # (at most one question a few seconds, however many ask)
+            known = model in self._listed.get(remote.name, ())
+        if not known:
             raise ModelNotFound(name, sorted(e.name for e in [*self._entries.values(), *self.remote_entries()]))
         return remote_entry(remote.name, model)
 
@@ -356,7 +363,7 @@ class ModelRegistry:
         """
         if not isinstance(name, str):
             raise ModelNotFound(str(name), sorted(e.name for e in self._entries.values()))
-        remote = self._remote(name)
+        remote = await self._remote(name)
         if remote is not None:
             return remote
         try:

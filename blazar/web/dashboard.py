@@ -40,7 +40,7 @@ from blazar.gateway.context import context_of, key_of
 from blazar.gateway.errors import BadRequest, Forbidden
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
-from blazar.gateway.scope import may_use, visible
+from blazar.gateway.scope import may_use, visible_entries
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelRegistry
 from blazar.names import strip_dirs
@@ -161,7 +161,7 @@ class Dashboard:
         from blazar.engines.llamacpp import model_kind
 
         entries = await self._registry.refresh()
-        allowed = set(visible(request, [e.name for e in entries]))
+        allowed = set(visible_entries(request, entries))
         files = []
         for e in entries:
             if e.name not in allowed:
@@ -262,10 +262,10 @@ class Dashboard:
             from blazar.models.registry import ModelNotFound
 
             if not may_use(request, model):
-                raise ModelNotFound(model, visible(request, [e.name for e in await self._registry.refresh()]))
+                raise ModelNotFound(model, visible_entries(request, await self._registry.refresh()))
             model = (await self._registry.resolve(model)).name  # the ring names models canonically
             if not may_use(request, model):
-                raise ModelNotFound(model, visible(request, [e.name for e in await self._registry.refresh()]))
+                raise ModelNotFound(model, visible_entries(request, await self._registry.refresh()))
         try:
             after = int(args.get(b"after", [b"0"])[-1] or 0)
         except ValueError:

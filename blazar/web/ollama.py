@@ -27,7 +27,7 @@ from blazar.gateway.context import context_of, key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
-from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible
+from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -448,7 +448,7 @@ class OllamaSurface:
     async def tags(self, request: IRequest) -> bytes:
         models = []
         entries = await self._registry.refresh()
-        allowed = set(visible(request, [e.name for e in entries]))
+        allowed = set(visible_entries(request, entries))
         for entry in (e for e in entries if e.name in allowed):
             if entry.remote is not None:
                 models.append(remote_tag(entry))

@@ -35,7 +35,7 @@ from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
-from blazar.gateway.scope import resolve_in_scope, visible
+from blazar.gateway.scope import resolve_in_scope, visible_entries
 from blazar.engines.llamacpp import model_kind
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -271,7 +271,7 @@ class OpenAISurface:
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:
         entries = await self._registry.refresh()
-        allowed = set(visible(request, [e.name for e in entries]))
+        allowed = set(visible_entries(request, entries))
         data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
         return json.dumps({"object": "list", "data": data}).encode("utf-8")

@@ -15,7 +15,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import ConfigError, RemoteConfig, parse_config
-from blazar.engines.remote import RemoteCatalog, RemoteInstance, auth_headers, listed_models, scrub
+from blazar.engines.remote import RemoteCatalog, RemoteInstance, auth_headers, listed_models, scrub, scrub_bytes
 from blazar.engines.supervisor import BreakerOpen, EngineCrashed, Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.testing import fake_process_reactor
@@ -72,6 +72,14 @@ class RemoteConfigTests(SynchronousTestCase):
         remote = RemoteConfig("p", "http://x", api_key="sk-secret-1")
         self.assertEqual(scrub("Incorrect API key provided: sk-secret-1.", remote, {}),
                          "Incorrect API key provided: [redacted].")
+        self.assertEqual(scrub("BEARER SK-SECRET-1", remote, {}), "BEARER [redacted]")
+        self.assertEqual(scrub_bytes(b'{"e":"sk-secret-1"}', remote, {}), b'{"e":"[redacted]"}')
+
+    def test_no_password_in_a_url(self) -> None:
+        with self.assertRaises(ConfigError) as caught:
+            parse_config('[[remotes]]\nname = "p"\nbase_url = "http://bob:hunter2@10.0.0.2/v1"\n')
+        self.assertIn("user:password@", str(caught.exception))
+        self.assertNotIn("hunter2", str(caught.exception))
 
     def test_listed_models(self) -> None:
         self.assertEqual(listed_models(b'{"object":"list","data":[{"id":"b"},{"id":"a"},{"x":1}]}'), ("a", "b"))
@@ -97,7 +105,25 @@ class RegistryTests(SynchronousTestCase):
         self.assertEqual((entry.name, entry.format, entry.remote, entry.remote_model), ("peer:tiny", "remote", "peer",
                                                                                        "tiny"))
         self.assertEqual(self.resolve("peer").name, "peer:latest")  # the local file, by its own name
+        self.registry.note_listed("any", ("whatever/model-1",))
         self.assertEqual(self.resolve("any:whatever/model-1").remote_model, "whatever/model-1")
+
+    def test_a_star_remote_serves_what_it_lists_asked_again_for_another_name(self) -> None:
+        asked: list[str] = []
+
+        async def relist(name: str) -> None:
+            asked.append(name)
+            self.registry.note_listed(name, ("m1", "pulled-just-now"))
+
+        self.registry.relist = relist
+        self.assertEqual(self.resolve("any:pulled-just-now").remote_model, "pulled-just-now")
+        self.assertEqual(asked, ["any"])
+        failure = self.failureResultOf(ensureDeferred(self.registry.resolve("any:never")), ModelNotFound)
+        self.assertIn("any:m1", failure.value.available)
+        # a name no remote could have is not even asked about (its series, breaker and queue would be per name)
+        for bad in ("x" * 201, "has space", "tab\tname", "nul\x00"):
+            self.failureResultOf(ensureDeferred(self.registry.resolve("any:" + bad)), ModelNotFound)
+        self.assertEqual(asked, ["any", "any"])
 
     def test_a_model_the_remote_does_not_list(self) -> None:
         failure = self.failureResultOf(ensureDeferred(self.registry.resolve("peer:other")), ModelNotFound)
@@ -112,6 +138,35 @@ class RegistryTests(SynchronousTestCase):
 
 
 class CatalogTests(SynchronousTestCase):
+    def test_relist_asks_once_for_all_and_not_again_at_once(self) -> None:
+        config = parse_config('[[remotes]]\nname = "a"\nbase_url = "http://a"\n')
+        answers: list[Any] = []
+
+        def get(url: str, headers: Any, timeout: float) -> Any:
+            d: Any = __import__("twisted.internet.defer", fromlist=["Deferred"]).Deferred()
+            answers.append(d)
+            return d
+
+        noted: list[Any] = []
+        clock = Clock()
+        catalog = RemoteCatalog(lambda: config, get, lambda *a: noted.append(a), clock)
+        first, second = ensureDeferred(catalog.relist("a")), ensureDeferred(catalog.relist("a"))
+        self.assertEqual(len(answers), 1)  # one question for both
+        answers[0].callback((200, b'{"data":[{"id":"m"}]}'))
+        self.successResultOf(first)
+        self.successResultOf(second)
+        self.assertEqual(noted, [("a", ("m",))])
+        self.successResultOf(ensureDeferred(catalog.relist("a")))
+        self.assertEqual(len(answers), 1)  # not again within `again` seconds
+        clock.advance(catalog.again)
+        ensureDeferred(catalog.relist("a"))
+        self.assertEqual(len(answers), 2)
+
+    def test_other_lanes_models_are_not_listed(self) -> None:
+        body = (b'{"data":[{"id":"tiny:latest","kind":"chat"},{"id":"w","kind":"transcription"},'
+                b'{"id":"i","kind":"image"},{"id":"r","kind":"rerank"},{"id":"e","kind":"embedding"}]}')
+        self.assertEqual(listed_models(body), ("e", "tiny:latest"))
+
     def test_asks_star_remotes_and_survives_failures(self) -> None:
         config = parse_config('[[remotes]]\nname = "a"\nbase_url = "http://a/v1"\napi_key = "sk-a-123"\n'
                               '[[remotes]]\nname = "b"\nbase_url = "http://b"\nmodels = ["x"]\n')
@@ -163,5 +218,25 @@ class SupervisorRemoteTests(SynchronousTestCase):
         self.supervisor.remote_failed(instance, "status 500: boom")
         failure = self.failureResultOf(ensureDeferred(self.supervisor.instance_for("peer:tiny")), BreakerOpen)
         self.assertIn("remote 'peer'", str(failure.value))
-        self.assertEqual(self.supervisor.reset_breakers(), ["peer:tiny"])
+        self.assertEqual(self.supervisor.reset_breakers(), ["peer:*"])  # one breaker for the remote
         self.assertIs(self.instance(), instance)
+
+
+class ScopeTests(SynchronousTestCase):
+    def test_a_scoped_key_reaches_its_remote_model_exactly(self) -> None:
+        from blazar.config import KeyConfig
+        from blazar.gateway.context import RequestContext
+        from blazar.gateway.scope import resolve_in_scope
+
+        config = parse_config('[[remotes]]\nname = "peer"\nbase_url = "http://h"\n')
+        registry = ModelRegistry(config, fake_process_reactor())
+        registry.note_listed("peer", ("tiny", "Tiny"))  # a remote's ids are case-sensitive: two models
+
+        class Request:
+            blazar = RequestContext(key=KeyConfig("k", "k" * 16, ("peer:tiny",)))
+
+        entry = self.successResultOf(ensureDeferred(resolve_in_scope(Request(), registry, "PEER:tiny")))
+        self.assertEqual(entry.remote_model, "tiny")
+        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(Request(), registry, "peer:Tiny")),
+                                       ModelNotFound)
+        self.assertEqual(failure.value.available, ["peer:tiny"])

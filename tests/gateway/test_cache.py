@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+from typing import Any
 from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -45,19 +46,25 @@ class BypassTests(SynchronousTestCase):
 
 
 class PromptTests(SynchronousTestCase):
-    def test_the_last_user_turn_with_its_context(self) -> None:
+    def test_the_last_user_turns_text_is_embedded(self) -> None:
         body = {"messages": [
             {"role": "system", "content": "s"}, {"role": "user", "content": "one"},
             {"role": "assistant", "content": "a"},
             {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "image_url",
-                                                                          "image_url": {"url": "data:x"}}]},
+                                                                          "image_url": {"url": "data:x"}},
+                                         {"type": "text", "text": "three"}]},
             {"role": "assistant", "content": "prefill"},
         ]}
-        self.assertEqual(prompt_text(body), "system: s\nuser: one\nassistant: a\nuser: two\n[image data:x]")
+        self.assertEqual(prompt_text(body), "two\nthree")
+        self.assertEqual(prompt_text(chat("hi")), "hi")
 
     def test_no_user_turn(self) -> None:
         self.assertIsNone(prompt_text({"messages": []}))
         self.assertIsNone(prompt_text({}))
+
+
+def turns(*messages: tuple[str, Any], **fields: Any) -> dict[str, Any]:
+    return {"messages": [{"role": r, "content": c} for r, c in messages], **fields}
 
 
 class ScopeTests(SynchronousTestCase):
@@ -69,6 +76,48 @@ class ScopeTests(SynchronousTestCase):
         self.assertNotEqual(base, scope_of("m", "alice", "vllm", chat("hi", temperature=0)))
         self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=1)))
         self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, max_tokens=5)))
+        # what cannot change the answer does not separate them
+        self.assertEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, user="u", stream=False,
+                                                                       metadata={"a": "b"})))
+
+    def test_every_other_field_separates_them(self) -> None:
+        # llama-server's own samplers, tool settings, Ollama's options: none of them is listed anywhere
+        base = scope_of("m", "", "llamacpp", chat("hi"))
+        for field, value in (("xtc_probability", 0.5), ("dry_multiplier", 0.8), ("samplers", ["top_k"]),
+                             ("ignore_eos", True), ("tool_choice", "none"), ("parallel_tool_calls", False),
+                             ("prediction", {"type": "content", "content": "x"}), ("verbosity", "low"),
+                             ("options", {"num_ctx": 8192}), ("thinking", {"type": "enabled"})):
+            self.assertNotEqual(base, scope_of("m", "", "llamacpp", chat("hi", **{field: value})), field)
+
+    def test_the_context_before_the_last_user_turn_must_be_identical(self) -> None:
+        two = turns(("user", "a"), ("user", "b"))
+        merged = turns(("user", "a\nuser: b"))
+        self.assertNotEqual(scope_of("m", "", "llamacpp", two), scope_of("m", "", "llamacpp", merged))
+        long_system = "lorem ipsum dolor " * 100
+        self.assertEqual(scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "What is 2+2?"))),
+                         scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "Delete my files"))))
+        # ... so that only the questions are compared, not the system prompt that swamps them
+        self.assertEqual(prompt_text(turns(("system", long_system), ("user", "Delete my files"))), "Delete my files")
+        calls = [{"role": "user", "content": "weather?"},
+                 {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
+                                                       "function": {"name": "w", "arguments": '{"city":"Paris"}'}}]},
+                 {"role": "tool", "tool_call_id": "1", "content": "sunny"}, {"role": "user", "content": "and?"}]
+        oslo = json.loads(json.dumps(calls).replace("Paris", "Oslo"))
+        self.assertNotEqual(scope_of("m", "", "llamacpp", {"messages": calls}),
+                            scope_of("m", "", "llamacpp", {"messages": oslo}))
+        named = [{"role": "user", "name": "ann", "content": "hi"}]
+        self.assertNotEqual(scope_of("m", "", "llamacpp", {"messages": named}),
+                            scope_of("m", "", "llamacpp", {"messages": [{**named[0], "name": "bo"}]}))
+
+    def test_the_last_turns_other_parts_are_matched_exactly(self) -> None:
+        def with_audio(data: str) -> dict[str, Any]:
+            return {"messages": [{"role": "user", "content": [
+                {"type": "text", "text": "what is said?"},
+                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]}
+
+        self.assertNotEqual(scope_of("m", "", "llamacpp", with_audio("AAAA")),
+                            scope_of("m", "", "llamacpp", with_audio("BBBB")))
+        self.assertEqual(prompt_text(with_audio("AAAA")), "what is said?")
 
     def test_a_prefill_after_the_last_user_turn_is_part_of_the_scope(self) -> None:
         body = chat("hi")

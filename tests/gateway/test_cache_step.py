@@ -177,7 +177,7 @@ class CacheStepTests(SynchronousTestCase):
         first = json.loads(data)
         self.assertEqual((self.sent(), self.sent("/v1/embeddings"), len(self.cache.index)), (1, 1, 1))
         embed = self.app.requests[0][1]
-        self.assertEqual(embed, {"model": "e:latest", "input": "user: what is the capital of france"})
+        self.assertEqual(embed, {"model": "e:latest", "input": "what is the capital of france"})
         status, header, data = self.chat("what is the capital of france")
         self.assertEqual((status, header), (200, ["hit"]))
         second = json.loads(data)
@@ -223,7 +223,7 @@ class CacheStepTests(SynchronousTestCase):
     def test_below_the_threshold_is_a_miss(self) -> None:
         self.chat("alpha beta gamma delta")
         # three words of the four (and the role's): about 0.89 under these word buckets
-        a, b = bag_of_words("user: alpha beta gamma delta"), bag_of_words("user: alpha beta gamma")
+        a, b = bag_of_words("alpha beta gamma delta"), bag_of_words("alpha beta gamma")
         cosine = sum(x * y for x, y in zip(a, b)) / math.sqrt(sum(x * x for x in a) * sum(y * y for y in b))
         self.assertLess(cosine, 0.90)
         self.app.finish = "length"  # the misses' own answers are not stored (the sentinel flags them)

@@ -24,6 +24,7 @@ from tests.gateway.test_remotewire import STREAM
 def reply(include_usage: bool = True) -> Reply:
     # the translation steps read only the translator: the rest of a Reply is a lease's
     made = Reply.__new__(Reply)
+    made._lease = None
     made.anthropic = AnthropicStream("claude:m", 7, include_usage)
     return made
 

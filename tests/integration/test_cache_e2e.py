@@ -150,8 +150,8 @@ def test_the_same_prompt_twice_is_answered_from_the_cache(daemon: Daemon) -> Non
 
 def test_another_prompt_below_the_threshold_is_a_miss(daemon: Daemon) -> None:
     text, other = "What is the boiling point of water?", "Write a haiku about autumn leaves falling slowly."
-    # the daemon embeds the messages as "role: content" lines (blazar.gateway.cache.prompt_text)
-    a, b = embedding(daemon, f"user: {text}"), embedding(daemon, f"user: {other}")
+    # the daemon embeds the last user turn's text (blazar.gateway.cache.prompt_text)
+    a, b = embedding(daemon, text), embedding(daemon, other)
     cosine = sum(x * y for x, y in zip(a, b))
     assert cosine < THRESHOLD, f"the embedding model finds these alike ({cosine}): pick another pair"
     stop = clean_stop(daemon, text)

@@ -275,15 +275,20 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     # Messages has no n: refused, not silently one answer
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)  # type: ignore[arg-type]
-    # an ollama-api remote serves by any name its remote knows
-    answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
-    assert answer.choices[0].message is not None
+    # an ollama-api remote with models = "*" serves what it lists
+    answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO,  # type: ignore[arg-type]
+                                            max_tokens=4)
+    assert answer.choices[0].message is not None and answer.model == "box:tiny:latest"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="box:never-listed", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
 
 
 def test_front_keys_scopes_and_quotas_apply(front: Daemon) -> None:
     limited = oai(front, LIMITED)
     with pytest.raises(openai.NotFoundError):
         limited.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    with pytest.raises(openai.NotFoundError):  # a remote's ids are case-sensitive: exactly as scoped
+        limited.chat.completions.create(model="peer:TINY", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
     codes = []
     for _ in range(4):
         status, _, _ = front.request("POST", "/v1/chat/completions",
@@ -347,11 +352,12 @@ def test_max_concurrent_is_the_remotes_slots_and_timeout_secs_its_bound(front: D
     queued = None
     while time.monotonic() < deadline:
         queues = json.loads(front.request("GET", "/api/queue", headers=auth())[2])["models"]
-        queued = next((q for q in queues if q["model"] == "held:m"), None)
+        queued = next((q for q in queues if q["model"] == "held:*"), None)
         if queued is not None and queued["waiting"]["total"] == 1:
             break
         time.sleep(0.05)
     assert queued is not None and queued["slots"] == {"busy": 1, "total": 1}, queued
+    assert queued["model"] == "held:*"  # one queue for the remote: its other models wait in it too
     assert queued["waiting"]["total"] == 1 and held.seen == 1
     time.sleep(0.3)
     held.release.set()
@@ -397,5 +403,8 @@ def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> No
                                                 stream=True))
     assert caught.value.status_code == 503 and "failed 2 times lately" in str(caught.value)
     status, _, metrics = front.request("GET", "/metrics", headers=auth())
-    assert 'blazar_breaker_state{model="peer:tiny"} 2.0' in metrics.decode()
+    assert 'blazar_breaker_state{model="peer:*"} 2.0' in metrics.decode()  # one breaker for the remote
+    status, _, data = front.request("POST", "/v1/embeddings", {"model": "peer:tiny-embed", "input": "x"},
+                                    headers=auth())
+    assert status == 503, data  # its other models too
     assert PEER_SECRET not in front.log()
