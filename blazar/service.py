@@ -748,6 +748,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
             "this daemon; use a shorter data_dir", path=str(batch_socket),
         )
+        # (a batch made anyway would wait forever: its lines have nowhere to go)
+        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
+                              "than a UNIX socket allows; set a shorter data_dir in the config")
     else:
         # the one listener that honours the batch secret: 0600 in the 0700 run/ directory
         batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)

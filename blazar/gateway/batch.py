@@ -53,7 +53,7 @@ from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from blazar import store
-from blazar.gateway.errors import BadRequest, NotFound
+from blazar.gateway.errors import BadRequest, NotFound, Unavailable
 
 log = Logger()
 
@@ -384,6 +384,8 @@ class BatchRunner:
     _stopping: bool = False
     _expiry: LoopingCall | None = None
     _timers: list[IDelayedCall] = attrs.field(factory=list)
+    # why lines cannot run on this daemon (its private listener could not be made), or None
+    unavailable: str | None = None
 
     def _now(self) -> int:
         return int(self.reactor.seconds())
@@ -467,7 +469,10 @@ class BatchRunner:
 
         @raise BadRequest: A missing or unsupported parameter.
         @raise FileNotFound: The input file is none of C{key}'s.
+        @raise Unavailable: Lines cannot run on this daemon (L{unavailable}).
         """
+        if self.unavailable is not None:
+            raise Unavailable(self.unavailable)
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise BadRequest("missing required parameter 'input_file_id'", "input_file_id")

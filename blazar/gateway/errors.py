@@ -53,6 +53,13 @@ class NotFound(BadRequest):
     status = 404
 
 
+class Unavailable(Exception):
+    """
+    Something the request needs cannot run on this daemon as configured
+    (503); the message names the fix.
+    """
+
+
 class Forbidden(Exception):
     """
     The request's key may not do this operation (model management with a
@@ -219,6 +226,7 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         (QuotaExceeded, _quota),
         (AllSlotsBusy, _busy),
         (BreakerOpen, _unavailable("breaker_open")),
+        (Unavailable, _unavailable("unavailable")),
         (NoCapacity, _unavailable("no_capacity")),
         (EngineTimeout, lambda e: Problem(Category.TIMEOUT, 504, str(e), kind="wedge", code="engine_timeout",
                                           logged=True)),

@@ -211,6 +211,16 @@ class CreateTests(RunnerCase):
             self.assertEqual(error.param, param)
         self.assertEqual(self.send.calls, [])
 
+    def test_no_batch_is_made_where_lines_cannot_run(self) -> None:
+        from blazar.gateway.errors import Unavailable
+
+        file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
+        self.runner.unavailable = "the Batch API cannot run on this daemon: set a shorter data_dir"
+        error = self.fails(self.runner.create("alice", {"input_file_id": file["id"], "endpoint": CHAT,
+                                                        "completion_window": "24h"}), Unavailable)
+        self.assertIn("data_dir", str(error))
+        self.assertEqual(self.send.calls, [])
+
     def test_another_keys_file_is_404(self) -> None:
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
         self.fails(self.runner.create("bob", {"input_file_id": file["id"], "endpoint": CHAT,

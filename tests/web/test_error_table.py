@@ -26,7 +26,7 @@ from blazar.engines.supervisor import (
 )
 from blazar.gateway.admission import AllSlotsBusy
 from blazar.gateway.errors import (
-    BadRequest, EngineRejected, Forbidden, NotFound, PromptTooLong, UnsupportedByModel, domain_errors,
+    BadRequest, EngineRejected, Forbidden, NotFound, PromptTooLong, Unavailable, UnsupportedByModel, domain_errors,
 )
 from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
@@ -72,6 +72,8 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
     (BreakerOpen("m:latest", "crashed too often", 30.0), (503, 529), "30", "breaker_open", "engine_unavailable",
      "engine_unavailable"),
     (NoCapacity("m:latest", "does not fit"), (503, 529), "5", "no_capacity", "engine_unavailable",
+     "engine_unavailable"),
+    (Unavailable("cannot run here: set a shorter data_dir"), (503, 529), "5", "unavailable", "engine_unavailable",
      "engine_unavailable"),
     (EngineTimeout("m:latest", "wedged"), (504, 504), None, "wedge", "engine_error", "engine_timeout"),
     (EngineCrashed("m:latest", "died"), (502, 500), None, "engine_crash", "engine_error", "engine_error"),
