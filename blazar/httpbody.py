@@ -15,6 +15,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.internet.protocol import Protocol, connectionDone
 from twisted.python.failure import Failure
 from twisted.web.client import ResponseDone
+from twisted.web.http import PotentialDataLoss
 from twisted.web.iweb import IResponse
 
 
@@ -81,8 +82,10 @@ class _BodyRelay(Protocol):
         clock: IReactorTime,
         idle_timeout: float,
         max_bytes: int | None,
+        close_ends: bool = False,
     ) -> None:
         self.finished: Deferred[None] | None = finished
+        self.close_ends = close_ends
         self.on_chunk = on_chunk
         self.clock = clock
         self.idle_timeout = idle_timeout
@@ -146,11 +149,11 @@ class _BodyRelay(Protocol):
         finished, self.finished = self.finished, None
         if finished is None:
             return
-        if reason.check(ResponseDone):
+        if reason.check(ResponseDone) or (self.close_ends and reason.check(PotentialDataLoss)):
             finished.callback(None)
         else:
             # PotentialDataLoss included: a body without a length that ended
-            # by a close is not trusted to be whole.
+            # by a close is not trusted to be whole (unless close_ends)
             finished.errback(reason)
 
 
@@ -162,6 +165,7 @@ def relay_body(
     idle_timeout: float,
     max_bytes: int | None = None,
     valve: BodyValve | None = None,
+    close_ends: bool = False,
 ) -> Deferred[None]:
     """
     Feed C{response}'s body to C{on_chunk} as it arrives.
@@ -175,6 +179,10 @@ def relay_body(
     @param max_bytes: Fail with L{BodyTooLarge} past this many bytes.
     @param valve: Pauses and resumes reading (a consumer that cannot keep
         up); C{on_chunk} may pause it from inside.
+    @param close_ends: A body without a length ends when its connection
+        closes, as HTTP allows (RFC 9112, 6.3): for a remote server, which
+        may be Python's C{http.server}; an engine child's close without a
+        length is taken as a crash.
     @return: Fires with L{None} when the whole body arrived; fails with the
         connection's failure (e.g. C{ResponseFailed}) if it broke.
     """
@@ -185,7 +193,7 @@ def relay_body(
             relay.cancel()
 
     d: Deferred[None] = Deferred(cancel)
-    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes)
+    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes, close_ends)
     response.deliverBody(relay)
     if valve is not None:
         # after deliverBody, which resumes the transport once it has handed
@@ -195,13 +203,14 @@ def relay_body(
 
 
 async def read_body(
-    response: IResponse, clock: IReactorTime, *, idle_timeout: float, max_bytes: int
+    response: IResponse, clock: IReactorTime, *, idle_timeout: float, max_bytes: int, close_ends: bool = False,
 ) -> bytes:
     """
     The whole body of C{response}, bounded as L{relay_body}.
     """
     parts: list[bytes] = []
-    await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes)
+    await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes,
+                     close_ends=close_ends)
     return b"".join(parts)
 
 

@@ -566,7 +566,8 @@ class EngineProxy:
         """
         try:
             return await read_body(
-                response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=MAX_ENGINE_BODY
+                response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=MAX_ENGINE_BODY,
+                close_ends=is_remote(instance),
             )
         except Exception as e:
             if was_cancelled(e):
@@ -632,7 +633,8 @@ class EngineProxy:
                 pacer = None
         try:
             reading = relay_body(
-                response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, valve=valve
+                response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, valve=valve,
+                close_ends=is_remote(instance),
             )
             if pacer is not None:
                 pacer.follow(reading)

@@ -83,7 +83,10 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                 pass
 
             def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("content-length") or 0))
+                asked = json.loads(self.rfile.read(int(self.headers.get("content-length") or 0)))
+                if asked.get("model") == "close":
+                    self.close_delimited(bool(asked.get("stream")))
+                    return
                 outer.seen += 1
                 if not outer.release.wait(30):
                     return
@@ -99,6 +102,23 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                     self.wfile.write(body.encode())
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the timed-out request: Blazar has hung up, as it should
+
+            def close_delimited(self, stream: bool) -> None:
+                # HTTP/1.0 with no content-length (Python's http.server apps, mlx_lm.server): the close ends it
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream" if stream else "application/json")
+                self.end_headers()
+                message = {"role": "assistant", "content": "closed"}
+                if stream:
+                    for chunk in ({"delta": message, "finish_reason": None}, {"delta": {}, "finish_reason": "stop"}):
+                        event = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "close",
+                                 "choices": [{"index": 0, **chunk}]}
+                        self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
+                    self.wfile.write(b"data: [DONE]\n\n")
+                else:
+                    self.wfile.write(json.dumps({
+                        "id": "c", "object": "chat.completion", "created": 0, "model": "close",
+                        "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}).encode())
 
         super().__init__(("127.0.0.1", 0), Handler)
 
@@ -132,7 +152,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
         f'api_key = "{PEER_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
-        f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t"]\n'
+        f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t", "close"]\n'
         'max_concurrent = 1\ntimeout_secs = 2\n'
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
         f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nmodels = ["peer:tiny"]\nrpm = 3\n'
@@ -408,3 +428,13 @@ def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> No
                                     headers=auth())
     assert status == 503, data  # its other models too
     assert PEER_SECRET not in front.log()
+
+
+def test_a_close_delimited_answer_is_whole(front: Daemon) -> None:
+    # HTTP/1.0 without a length: the close ends the body (a local child's close without one is a crash)
+    client = oai(front)
+    answer = client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    assert answer.choices[0].message.content == "closed" and answer.model == "held:close"
+    chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "closed"
