@@ -473,7 +473,7 @@ class EngineProxy:
                     raise EngineRejected(400, message) from None
             status = response.code
             if is_remote(instance):
-                raise self._remote_rejected(instance, status, message)
+                raise self._remote_rejected(instance, status, message, _retry_after(response))
             if status == 500 and any(m in message for m in CLIENT_FAULTS):
                 status = 400
             raise EngineRejected(status, message)
@@ -481,7 +481,8 @@ class EngineProxy:
             self.supervisor.remote_ok(instance)
         return response
 
-    def _remote_rejected(self, instance: Any, status: int, message: str) -> EngineRejected:
+    def _remote_rejected(self, instance: Any, status: int, message: str,
+                         retry_after: float | None = None) -> EngineRejected:
         """
         A remote's error answer, as the client's: its 5xx counts for its
         breaker and is a 502; a refused key is Blazar's config to fix (a
@@ -500,7 +501,7 @@ class EngineProxy:
         if status in (401, 403):
             return EngineRejected(502, f"{instance.server} refused Blazar's credentials ({status}: {message}); "
                                        f"set api_key or api_key_env of [[remotes]] name = {remote.name!r}")
-        return EngineRejected(status, f"{instance.server}: {message}")
+        return EngineRejected(status, f"{instance.server}: {message}", retry_after if status == 429 else None)
 
     async def _headers(self, instance: Instance, request: Deferred[Any]) -> Any:
         """
@@ -653,6 +654,19 @@ class EngineProxy:
         finally:
             if pacer is not None:
                 pacer.unregister()
+
+
+def _retry_after(response: Any) -> float | None:
+    """
+    A response's C{Retry-After} in seconds (its delta-seconds form; a
+    date is not read), at most an hour.
+    """
+    raw = response.headers.getRawHeaders(b"retry-after") if getattr(response, "headers", None) else None
+    try:
+        seconds = float(raw[0]) if raw else None
+    except ValueError:
+        return None
+    return None if seconds is None or not seconds >= 0 else min(seconds, 3600.0)
 
 
 def header_timeout_of(config: Config, instance: Any) -> tuple[str, float]:

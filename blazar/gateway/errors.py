@@ -95,10 +95,13 @@ class EngineRejected(Exception):
     The engine answered with an error status.
 
     @ivar status: The engine's HTTP status.
+    @ivar retry_after: Seconds its C{Retry-After} asked for (a remote's
+        429), or L{None}.
     """
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         self.status = status
+        self.retry_after = retry_after
         super().__init__(message)
 
 
@@ -159,6 +162,9 @@ def _bad_request(e: BaseException) -> Problem:
 
 def _engine_rejected(e: BaseException) -> Problem:
     assert isinstance(e, EngineRejected)
+    if e.status == 429:  # a remote's own rate limit: the client waits as it asks
+        return Problem(Category.RATE_LIMIT, 429, str(e), kind="quota", code="rate_limit_exceeded",
+                       retry_after=e.retry_after if e.retry_after is not None else 1.0)
     if 400 <= e.status < 500 or e.status == 501:
         # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
         return Problem(Category.INVALID, 400 if e.status == 501 else e.status, str(e))

@@ -87,6 +87,14 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                 if asked.get("model") == "close":
                     self.close_delimited(bool(asked.get("stream")))
                     return
+                if asked.get("model") == "limited":  # its own rate limit
+                    body = b'{"error":{"message":"slow down","type":"rate_limit_error"}}'
+                    self.send_response(429)
+                    self.send_header("retry-after", "7")
+                    self.send_header("content-length", str(len(body)))
+                    self.end_headers()
+                    self.wfile.write(body)
+                    return
                 outer.seen += 1
                 if not outer.release.wait(30):
                     return
@@ -152,7 +160,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
         f'api_key = "{PEER_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
-        f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t", "close"]\n'
+        f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t", "close", "limited"]\n'
         'max_concurrent = 1\ntimeout_secs = 2\n'
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
         f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nmodels = ["peer:tiny"]\nrpm = 3\n'
@@ -438,3 +446,13 @@ def test_a_close_delimited_answer_is_whole(front: Daemon) -> None:
     chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "closed"
+
+
+def test_a_remotes_rate_limit_is_passed_on_with_its_retry_after(front: Daemon) -> None:
+    status, headers, body = front.request("POST", "/v1/chat/completions",
+                                          {"model": "held:limited", "messages": HELLO}, headers=auth())
+    assert status == 429 and headers.get("retry-after") == "7", (status, headers, body)
+    assert "slow down" in json.loads(body)["error"]["message"]
+    status, headers, _ = front.request("POST", "/v1/messages", {"model": "held:limited", "max_tokens": 2,
+                                                                "messages": HELLO}, headers=auth())
+    assert status == 429 and headers.get("retry-after") == "7"
