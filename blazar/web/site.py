@@ -253,6 +253,8 @@ class BlazarRequest(Request):
         context = self.blazar
         context.started = site.reactor.seconds()
         offered = self.getHeader(TRACE_HEADER)
+        if offered is not None and offered.startswith(b"batch_") and getattr(site, "batch_secret", None) is None:
+            offered = None  # the Batch API's lines' ids (batch_ID.LINE) come from the private listener only
         if offered is not None and _CLIENT_TRACE.fullmatch(offered):
             context.trace_id = offered.decode("ascii")  # a well-formed client id is echoed
         else:
@@ -267,7 +269,8 @@ class BlazarRequest(Request):
             # on every response, errors included
             self.setHeader(b"access-control-allow-origin", b"*" if "*" in allowed else origin)
             self.setHeader(b"vary", b"Origin")
-            self.setHeader(b"access-control-expose-headers", TRACE_HEADER + b", request-id, retry-after")
+            self.setHeader(b"access-control-expose-headers", TRACE_HEADER + b", request-id, retry-after, "
+                           b"x-blazar-cache, x-blazar-sentinel, x-blazar-ignored, x-blazar-queue-ms")
             if self.method == b"OPTIONS" and refusal is None:
                 self.setHeader(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")
                 requested = self.getHeader(b"access-control-request-headers")

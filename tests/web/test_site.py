@@ -200,6 +200,13 @@ class SiteCase(SynchronousTestCase):
 
 
 class DoorTests(SiteCase):
+    def test_a_client_trace_id_is_echoed_but_never_a_batch_lines(self) -> None:
+        for offered, echoed in ((b"my-trace-1", True), (b"batch_abc.0", False)):
+            _, transport = self.send(head(b"/v1/chat/completions", 2, b"Authorization: Bearer " + SECRET.encode(),
+                                          b"x-blazar-trace-id: " + offered) + b"{}")
+            _, headers, _ = parse(transport.value())
+            self.assertEqual(headers[b"x-blazar-trace-id"] == offered, echoed, offered)
+
     def test_no_key_is_401_at_the_headers_with_the_body_unread(self) -> None:
         _, transport = self.send(head(b"/v1/chat/completions", 45 * 1024 * 1024) + b"x" * 3000)
         status, headers, body = parse(transport.value())
