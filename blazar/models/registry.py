@@ -18,12 +18,15 @@ from typing import Any, Awaitable, Callable, Mapping
 import attrs
 from twisted.internet.interfaces import IReactorThreads
 from twisted.internet.threads import deferToThreadPool
+from twisted.logger import Logger
 from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
 from blazar.models.formats import is_whisper_file, thd_model_format
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
 from blazar.names import canonical_name, fair_remote_model, name_key
+
+log = Logger()
 
 _SHARD = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})$")
 _BAD_NAME_CHARS = re.compile(r"[^A-Za-z0-9_.\-]+")
@@ -272,6 +275,7 @@ class ModelRegistry:
     _digest_cache: dict[tuple[Path, int, int], str] = attrs.field(factory=dict)
     # per remote with models = "*": the names its GET /v1/models listed last
     _listed: dict[str, tuple[str, ...]] = attrs.field(factory=dict)
+    _shadowed: set[str] = attrs.field(factory=set)  # local names a remote's name hides, warned about
     # asks a models = "*" remote for its list again (blazar.engines.remote.RemoteCatalog.relist)
     relist: Callable[[str], Awaitable[None]] | None = None
 
@@ -314,7 +318,23 @@ class ModelRegistry:
         )
         assert isinstance(entries, dict)
         self._entries = entries
+        self._warn_shadowed()
         return sorted([*self._entries.values(), *self.remote_entries()], key=lambda e: e.name)
+
+    def _warn_shadowed(self) -> None:
+        """
+        Name (once each) the local models a remote's name hides: with
+        C{[[remotes]] name = "tiny"}, C{tiny:latest} is the remote's model
+        C{latest}, not the local file.
+        """
+        remotes = {r.name.casefold(): r.name for r in self._config.remotes}
+        for entry in self._entries.values():
+            base = entry.name.split(":", 1)[0].casefold()
+            if base in remotes and entry.name not in self._shadowed:
+                self._shadowed.add(entry.name)
+                log.warn("local model {model} is hidden by [[remotes]] name = {remote!r}: {model} now names that "
+                         "remote's model; rename the remote (or the file) to reach it", model=entry.name,
+                         remote=remotes[base])
 
     def remote_entries(self) -> list[ModelEntry]:
         """

@@ -132,6 +132,7 @@ class RegistryTests(SynchronousTestCase):
     def test_listed(self) -> None:
         names = [e.name for e in self.successResultOf(ensureDeferred(self.registry.refresh()))]
         self.assertEqual(names, ["peer:latest", "peer:tiny"])
+        self.assertEqual(self.registry._shadowed, {"peer:latest"})  # named in a warning: peer:latest is the remote's
         self.registry.note_listed("any", ("m1", "m2"))
         names = [e.name for e in self.successResultOf(ensureDeferred(self.registry.refresh()))]
         self.assertEqual(names, ["any:m1", "any:m2", "peer:latest", "peer:tiny"])
