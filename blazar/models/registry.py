@@ -367,13 +367,24 @@ class ModelRegistry:
         remote = self._config.remote(prefix) if model else None
         if remote is None:
             return None
-        known = model in (self._listed.get(remote.name, ()) if remote.any_model else remote.models)
-        if not known and remote.any_model and self.relist is not None and fair_remote_model(model):
-            await self.relist(remote.name)  # (at most one question a few seconds, however many ask)
-            known = model in self._listed.get(remote.name, ())
-        if not known:
+        def listed() -> str | None:
+            names = self._listed.get(remote.name, ())
+            if model in names:
+                return model
+            # an Ollama or Blazar remote lists tiny:latest: a bare name means it, as there
+            latest = f"{model}:latest"
+            return latest if ":" not in model.rsplit("/", 1)[-1] and latest in names else None
+
+        if not remote.any_model:
+            found = model if model in remote.models else None
+        else:
+            found = listed()
+            if found is None and self.relist is not None and fair_remote_model(model):
+                await self.relist(remote.name)  # (at most one question a few seconds, however many ask)
+                found = listed()
+        if found is None:
             raise ModelNotFound(name, sorted(e.name for e in [*self._entries.values(), *self.remote_entries()]))
-        return remote_entry(remote.name, model)
+        return remote_entry(remote.name, found)
 
     async def resolve(self, name: object) -> ModelEntry:
         """

@@ -118,6 +118,8 @@ class RegistryTests(SynchronousTestCase):
         self.registry.relist = relist
         self.assertEqual(self.resolve("any:pulled-just-now").remote_model, "pulled-just-now")
         self.assertEqual(asked, ["any"])
+        self.registry.note_listed("any", ("m1", "tiny:latest"))
+        self.assertEqual(self.resolve("any:tiny").name, "any:tiny:latest")  # a bare name means :latest, as there
         failure = self.failureResultOf(ensureDeferred(self.registry.resolve("any:never")), ModelNotFound)
         self.assertIn("any:m1", failure.value.available)
         # a name no remote could have is not even asked about (its series, breaker and queue would be per name)

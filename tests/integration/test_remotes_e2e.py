@@ -307,6 +307,8 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO,  # type: ignore[arg-type]
                                             max_tokens=4)
     assert answer.choices[0].message is not None and answer.model == "box:tiny:latest"
+    answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    assert answer.model == "box:tiny"  # a bare name means the :latest it lists, as on Ollama and Blazar
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="box:never-listed", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
 
