@@ -227,15 +227,19 @@ class Daemon:
         self.leftovers = [p for p in engines if alive(p)]
         return code
 
-    def close(self) -> None:
+    def close(self, check_engines: bool = False) -> None:
         """
         Stop the daemon (SIGTERM), clean up whatever is left, and fail
-        unless it exited cleanly (twistd re-raises the SIGTERM: -15).
+        unless it exited cleanly (twistd re-raises the SIGTERM: -15) and,
+        with C{check_engines}, no engine outlived it.
         """
         code = self.stop()
         log = self.log()
+        leftovers = self.leftovers
         self.kill_everything()
-        assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{log[-3000:]}"
+        # twistd re-raises the signal that stopped it, so SIGTERM shows as -15
+        assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{log[-4000:]}"
+        assert not check_engines or leftovers == [], "an engine outlived the daemon"
 
     def kill_everything(self) -> None:
         """

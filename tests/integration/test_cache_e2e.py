@@ -20,7 +20,6 @@ from __future__ import annotations
 import http.client
 import json
 import math
-import signal
 import time
 import urllib.request
 from pathlib import Path
@@ -55,11 +54,7 @@ def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyt
     try:
         yield d
     finally:
-        code = d.stop()
-        leftovers = d.leftovers
-        d.kill_everything()
-        assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{d.log()[-4000:]}"
-        assert leftovers == [], "llama-server outlived the daemon"
+        d.close(check_engines=True)
 
 
 def client(d: Daemon, key: str = KEY_A) -> openai.OpenAI:

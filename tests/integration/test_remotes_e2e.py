@@ -36,14 +36,6 @@ LIMITED = "front-limited-0123456789"
 HELLO = [{"role": "user", "content": "hi"}]
 
 
-def _stop(d: Daemon) -> None:
-    code = d.stop()
-    leftovers = d.leftovers
-    d.kill_everything()
-    assert code in (0, -signal.SIGTERM), f"daemon exit code {code}:\n{d.log()[-4000:]}"
-    assert leftovers == [], "llama-server outlived the daemon"
-
-
 @pytest.fixture(scope="module")
 def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("peer")
@@ -61,7 +53,7 @@ def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytes
     try:
         yield d
     finally:
-        _stop(d)
+        d.close(check_engines=True)
 
 
 class HeldRemote(http.server.ThreadingHTTPServer):
@@ -175,7 +167,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
     try:
         yield d
     finally:
-        _stop(d)
+        d.close(check_engines=True)
 
 
 def auth(secret: str = ADMIN) -> dict[str, str]:
