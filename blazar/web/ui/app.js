@@ -76,8 +76,9 @@ function fmtBytes(n) {
 
 function fmtSecs(s) {
   if (s === null || s === undefined) return "forever";
-  if (s < 60) return Math.round(s) + " s";
-  if (s < 3600) return Math.floor(s / 60) + " min " + Math.round(s % 60) + " s";
+  s = Math.round(s);  // whole seconds first: 1799.6 is 30 min 0 s, not 29 min 60 s
+  if (s < 60) return s + " s";
+  if (s < 3600) return Math.floor(s / 60) + " min " + (s % 60) + " s";
   return (s / 3600).toFixed(1) + " h";
 }
 
