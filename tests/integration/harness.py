@@ -208,12 +208,21 @@ class Daemon:
                 pass
         return found
 
-    def engine_for(self, model: str) -> psutil.Process:
-        for p in self.engines(("llama-server",)):
-            argv = p.cmdline()
-            if "--alias" in argv and argv[argv.index("--alias") + 1] == model:
-                return p
-        raise AssertionError(f"no llama-server for {model}: {[p.cmdline() for p in self.engines()]}")
+    def engine_for(self, model: str, timeout: float = 5.0) -> psutil.Process:
+        """
+        The llama-server child serving C{model}, looked for up to
+        C{timeout} seconds: a child just started may still be its launcher
+        (before the exec, its process name is not yet llama-server's).
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in self.engines(("llama-server",)):
+                argv = p.cmdline()
+                if "--alias" in argv and argv[argv.index("--alias") + 1] == model:
+                    return p
+            if time.monotonic() >= deadline:
+                raise AssertionError(f"no llama-server for {model}: {[p.cmdline() for p in self.engines()]}")
+            time.sleep(0.05)
 
     def stop(self, timeout: float = 30.0) -> int:
         """
