@@ -186,6 +186,7 @@ def test_a_request_right_after_an_idle_child_is_killed_gets_a_fresh_child(daemon
             conn.connect()
             victim.send_signal(signal.SIGKILL)
             TALLY.faults += 1
+            dead(victim)  # (its sockets closed: else the request can race the kill's teardown, below)
             conn.request("POST", path, body(stream), headers)
             resp = conn.getresponse()
             data = resp.read()
@@ -203,6 +204,26 @@ def test_a_request_right_after_an_idle_child_is_killed_gets_a_fresh_child(daemon
     print(f"50 kill-then-request rounds: 50 x 200 in {elapsed:.1f} s; "
           f"{resent} sent on to a fresh child after reaching the dead one")
     assert settled(daemon)["busy"] == 0
+
+
+def dead(process: Any, timeout: float = 2.0) -> None:
+    """
+    Wait until a SIGKILLed process is no longer running (a zombie, or
+    reaped): the kernel has closed its sockets. A request written while
+    the kill is still tearing the process down can reach a socket that then
+    closes cleanly before any answer, which the gateway cannot tell from a
+    child that read the request and died on it (and so, rightly, answers
+    502 rather than run it twice); that race is the kernel's, not the
+    daemon's not having seen the exit, which is what this test is about.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if process.status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        time.sleep(0.001)
 
 
 def test_sigstop_child_takes_the_header_timeout_path(daemon: Daemon) -> None:
