@@ -165,7 +165,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
             "created": 1, "id": "chatcmpl-x", "model": model_name,
             "object": "chat.completion.chunk",
         }
-        return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + json.dumps(body, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request):  # type: ignore[no-untyped-def]
@@ -175,8 +175,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
         if fail:
             request.setResponseCode(fail)
             return json.dumps(
-                {"error": {"code": fail, "message": "engine says no", "type": "server_error"}}
-            ).encode()
+                {"error": {"code": fail, "message": "engine says no", "type": "server_error"}}, allow_nan=False).encode()
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
             for i, text in enumerate(["Hel", "lo"]):
@@ -190,8 +189,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
                 "created": 1, "model": model_name, "object": "chat.completion",
                 "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
             },
-            separators=(",", ":"),
-        ).encode()
+            separators=(",", ":"), allow_nan=False).encode()
 
     return app
 

@@ -43,7 +43,7 @@ def thd_write(run: Path, model: str, pid: int, port: int, argv: list[str], api_k
     info = {"pid": pid, "model": model, "port": port, "argv": argv}
     tmp = run / f".{stem}.pid.tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
-        f.write(json.dumps(info))
+        f.write(json.dumps(info, allow_nan=False))
     os.replace(tmp, run / f"{stem}.pid")
     with os.fdopen(open_private(run / f"{stem}.apikey", os.O_WRONLY | os.O_TRUNC), "w") as f:
         f.write(api_key)

@@ -236,7 +236,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
             fail("invalid_value", f"line {n}: batch requests cannot stream; drop 'stream'", n, "body.stream")
             continue
         models.add(body.get("model"))
-        lines.append((custom_id, json.dumps(body)))
+        lines.append((custom_id, json.dumps(body, allow_nan=False)))
     if not lines and not errors:
         fail("empty_file", "the input file has no requests", None)
     if len(lines) > MAX_LINES:
@@ -267,7 +267,7 @@ def error_template(error: Mapping[str, str]) -> str:
     An error line with its C{id} and C{custom_id} left for the store to
     fill in per line (L{store.thd_interrupted_lines}, L{store.thd_fail_pending}).
     """
-    return json.dumps({"id": None, "custom_id": None, "response": None, "error": dict(error)})
+    return json.dumps({"id": None, "custom_id": None, "response": None, "error": dict(error)}, allow_nan=False)
 
 
 def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
@@ -305,7 +305,7 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
                 file_id = new_id("file-")
                 store.thd_put_file(db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content))
                 batch = {**batch, field: file_id}
-        store.thd_put_batch(db, batch["id"], json.dumps(batch))
+        store.thd_put_batch(db, batch["id"], json.dumps(batch, allow_nan=False))
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -500,7 +500,7 @@ class BatchRunner:
         else:
             batch.update(status="in_progress", in_progress_at=now,
                          request_counts={"total": len(lines), "completed": 0, "failed": 0})
-        await self.run_db(store.thd_create_batch, batch["id"], key, now, json.dumps(batch), lines)
+        await self.run_db(store.thd_create_batch, batch["id"], key, now, json.dumps(batch, allow_nan=False), lines)
         if errors:
             log.info("batch {batch} failed validation: {count} errors", batch=batch["id"], count=len(errors))
         else:
@@ -734,7 +734,7 @@ class BatchRunner:
         counts = running.batch["request_counts"]
         running.batch["request_counts"] = {**counts, "completed": counts["completed"] + ok,
                                            "failed": counts["failed"] + (not ok)}
-        await self.run_db(thd_record_line, running.id, line, ok, json.dumps(result), json.dumps(running.batch))
+        await self.run_db(thd_record_line, running.id, line, ok, json.dumps(result, allow_nan=False), json.dumps(running.batch, allow_nan=False))
 
     def _finish_later(self, running: _Running) -> None:
         if running.finishing or running.claiming or self._stopping:
@@ -769,7 +769,7 @@ class BatchRunner:
             raise
 
     async def _save(self, running: _Running) -> None:
-        await self.run_db(store.thd_put_batch, running.id, json.dumps(running.batch))
+        await self.run_db(store.thd_put_batch, running.id, json.dumps(running.batch, allow_nan=False))
 
     async def _expire_batch(self, running: _Running) -> None:
         running.expiring = running.exhausted = True

@@ -277,7 +277,7 @@ class EngineProxy:
         try:
             try:
                 lease, response = await self.send(
-                    model, "/apply-template", json.dumps(placement.PROBE).encode("utf-8"), stream=False
+                    model, "/apply-template", json.dumps(placement.PROBE, allow_nan=False).encode("utf-8"), stream=False
                 )
                 instance = lease.instance
             except EngineRejected as e:
@@ -318,7 +318,7 @@ class EngineProxy:
         """
         body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
         lease, response = await self.send(
-            model, "/v1/chat/completions/input_tokens", json.dumps(body).encode("utf-8"), stream=False
+            model, "/v1/chat/completions/input_tokens", json.dumps(body, allow_nan=False).encode("utf-8"), stream=False
         )
         try:
             return int(json.loads(await self.read(lease.instance, response))["input_tokens"])
@@ -331,7 +331,7 @@ class EngineProxy:
         C{add_special}, text a model wrote), by the child's tokenizer.
         """
         lease, response = await self.send(
-            model, "/tokenize", json.dumps({"content": text, "add_special": add_special}).encode("utf-8"),
+            model, "/tokenize", json.dumps({"content": text, "add_special": add_special}, allow_nan=False).encode("utf-8"),
             stream=False,
         )
         try:
@@ -346,7 +346,7 @@ class EngineProxy:
         """
         lease, response = await self.send(
             model, "/tokenize",
-            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}).encode("utf-8"),
+            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}, allow_nan=False).encode("utf-8"),
             stream=False,
         )
         try:

@@ -53,8 +53,8 @@ def literal(value: Any) -> str:
     """
     A GBNF literal matching C{value}'s compact JSON encoding.
     """
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return json.dumps(text, ensure_ascii=False)
+    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return json.dumps(text, ensure_ascii=False, allow_nan=False)
 
 
 class Grammar:
@@ -370,7 +370,7 @@ def min_chars(schema: Any, depth: int = 0) -> int:
         return 2
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema["enum"], list) else []
-        return min((len(json.dumps(v)) for v in values), default=2)
+        return min((len(json.dumps(v, allow_nan=False)) for v in values), default=2)
     for key in ("oneOf", "anyOf"):
         if isinstance(schema.get(key), list) and schema[key]:
             return min(min_chars(o, depth + 1) for o in schema[key])

@@ -100,7 +100,7 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     token), and how many calls fit in C{budget} (1 without parallel calls).
     """
     strings = max(_strings(t["function"].get("parameters") or {}) for t in forced.tools)
-    syntax = max(48 + len(json.dumps(t["function"].get("parameters") or {})) // 2 for t in forced.tools)
+    syntax = max(48 + len(json.dumps(t["function"].get("parameters") or {}, allow_nan=False)) // 2 for t in forced.tools)
     per_call = syntax + 6 * MIN_STRING * strings
     calls = max(1, min(MAX_CALLS, budget // per_call)) if forced.parallel else 1
     return strings, syntax, calls
@@ -228,7 +228,7 @@ def usage_of(done: dict[str, Any]) -> dict[str, Any]:
 
 def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=COMPACT)}}
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=COMPACT, allow_nan=False)}}
             for name, arguments in calls]
 
 
@@ -242,7 +242,7 @@ def chat_completion(model: str, calls: list[dict[str, Any]], usage: dict[str, An
         "choices": [{"index": 0, "finish_reason": "tool_calls",
                      "message": {"role": "assistant", "content": None, "tool_calls": calls}}],
         "usage": usage,
-    }, ensure_ascii=False, separators=COMPACT).encode("utf-8")
+    }, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8")
 
 
 def chat_stream(
@@ -259,7 +259,7 @@ def chat_stream(
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return (b"data: " + json.dumps({**base, "choices": choices, **extra}, ensure_ascii=False,
-                                       separators=COMPACT).encode("utf-8") + b"\n\n")
+                                       separators=COMPACT, allow_nan=False).encode("utf-8") + b"\n\n")
 
     out = [event([{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}])]
     for i, call in enumerate(calls):

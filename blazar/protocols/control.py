@@ -359,7 +359,7 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
     """
     import json
 
-    text = json.dumps(snapshot)
+    text = json.dumps(snapshot, allow_nan=False)
     truncated = False
     while len(text.encode("utf-8")) > budget:
         rows = [m for m in snapshot["models"] if m.get("requests")]
@@ -368,7 +368,7 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
         for model in rows:
             model["requests"] = model["requests"][: len(model["requests"]) // 2]
         truncated = True
-        text = json.dumps(snapshot)
+        text = json.dumps(snapshot, allow_nan=False)
     return text, truncated
 
 
@@ -536,10 +536,10 @@ class ControlServer(amp.AMP):
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)
         truncated = False
-        while len(json.dumps(rows)) > QUEUE_BUDGET:
+        while len(json.dumps(rows, allow_nan=False)) > QUEUE_BUDGET:
             rows, truncated = rows[: len(rows) // 2], True
         enabled = bool(table is not None and table.enabled)
-        return {"sessions": json.dumps({"sessions": rows, "enabled": enabled}), "truncated": truncated}
+        return {"sessions": json.dumps({"sessions": rows, "enabled": enabled}, allow_nan=False), "truncated": truncated}
 
     @SessionClose.responder
     def session_close(self, name: str, key: str | None = None) -> dict[str, Any]:

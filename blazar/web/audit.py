@@ -94,7 +94,7 @@ class AuditLog:
                 item = self._queue.get()
                 if item is _STOP:
                     return
-                data = json.dumps(item, separators=(",", ":")) + "\n"
+                data = json.dumps(item, separators=(",", ":"), allow_nan=False) + "\n"
                 if f.tell() + len(data) > self.max_bytes and f.tell() > 0:
                     f.close()
                     os.replace(self.path, self.path.with_name(self.path.name + ".1"))

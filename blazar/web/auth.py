@@ -204,17 +204,17 @@ def error_body(surface: str, status: int, message: str, code: str | None = None)
     @param code: OpenAI's C{code}, where the status alone does not give it.
     """
     if surface == "ollama":
-        return json.dumps({"error": message}).encode()
+        return json.dumps({"error": message}, allow_nan=False).encode()
     if surface == "anthropic":
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error"}.get(status, "invalid_request_error")
-        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
+        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, allow_nan=False).encode()
     if code is None:
         code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
                 429: "rate_limit_exceeded"}.get(status)
     kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
     return json.dumps({"error": {"message": message, "type": kind,
-                                 "param": None, "code": code}}).encode()
+                                 "param": None, "code": code}}, allow_nan=False).encode()
 
 
 def bearer_secret(request: IRequest) -> bytes | None:

@@ -89,7 +89,7 @@ def _limit(request: IRequest, default: int, most: int) -> int:
 
 def _json(request: IRequest, value: object) -> bytes:
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(value).encode("utf-8")
+    return json.dumps(value, allow_nan=False).encode("utf-8")
 
 
 class BatchSurface:

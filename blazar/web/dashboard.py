@@ -340,7 +340,7 @@ class Dashboard:
             else:
                 fresh = lines(state["seq"])
                 for line in fresh:
-                    request.write(f"id: {line['seq']}\ndata: {json.dumps(line)}\n\n".encode("utf-8"))
+                    request.write(f"id: {line['seq']}\ndata: {json.dumps(line, allow_nan=False)}\n\n".encode("utf-8"))
                     state["seq"] = line["seq"]
                     if state["paused_at"] is not None:
                         break  # the transport's buffer is full: the rest when it drains
@@ -426,7 +426,7 @@ class Dashboard:
     def _json(self, request: IRequest, value: Any) -> bytes:
         secure(request)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(value).encode("utf-8")
+        return json.dumps(value, allow_nan=False).encode("utf-8")
 
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
@@ -434,4 +434,4 @@ class Dashboard:
         if problem is None:
             return None
         secure(request)
-        return json.dumps({"error": {"message": problem.message, "code": problem.code}}).encode("utf-8")
+        return json.dumps({"error": {"message": problem.message, "code": problem.code}}, allow_nan=False).encode("utf-8")

@@ -65,8 +65,7 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     OpenAI's error envelope, encoded.
     """
     return json.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    ).encode("utf-8")
+        {"error": {"message": message, "type": type_, "param": param, "code": code}}, allow_nan=False).encode("utf-8")
 
 
 def require_model(body: dict[str, Any]) -> str:
@@ -274,14 +273,14 @@ class OpenAISurface:
         allowed = set(visible_entries(request, entries))
         data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"object": "list", "data": data}).encode("utf-8")
+        return json.dumps({"object": "list", "data": data}, allow_nan=False).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
         entry = await resolve_in_scope(request, self._registry, model_id)
         answer = await self._model_object(model_id, entry)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(answer).encode("utf-8")
+        return json.dumps(answer, allow_nan=False).encode("utf-8")
 
     # -- inference ------------------------------------------------------------
 
@@ -326,7 +325,7 @@ class OpenAISurface:
                                    return_documents)
             reply.usage(out["usage"]["prompt_tokens"], 0)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(out).encode("utf-8")
+        return json.dumps(out, allow_nan=False).encode("utf-8")
 
     # -- speech to text (blazar.web.translate.audio): the whisper lane --------
 
@@ -401,7 +400,7 @@ class OpenAISurface:
                                lambda b64, fmt: base + IMAGE_FILES + self.images.keep(b64, fmt))
         context_of(request).images = len(out["data"])
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(out).encode("utf-8")
+        return json.dumps(out, allow_nan=False).encode("utf-8")
 
     @app.route(IMAGE_FILES + "<token>", methods=["GET", "HEAD"])
     def image_file(self, request: IRequest, token: str) -> bytes:

@@ -192,7 +192,7 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                 tool_calls.append({
                     "id": block["id"], "type": "function",
                     "function": {"name": block["name"],
-                                 "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False)},
+                                 "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False, allow_nan=False)},
                 })
             elif kind == "tool_result":
                 if role != "user":
@@ -637,5 +637,5 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     """
     return (
         b"event: " + event.encode("ascii") + b"\ndata: "
-        + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+        + json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n\n"
     )

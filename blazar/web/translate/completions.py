@@ -407,4 +407,4 @@ def dumps(value: Any) -> bytes:
     Compact JSON, UTF-8, as llama-server writes it (so the model renamer's
     byte match still finds C{"model":"..."}).
     """
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")

@@ -111,7 +111,7 @@ def _image_url(data: Any) -> dict[str, Any]:
 def _arguments_json(arguments: Any) -> str:
     if isinstance(arguments, str):
         return arguments
-    return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False, allow_nan=False)
 
 
 def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
@@ -602,7 +602,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     Objects as NDJSON bytes, one compact line each.
     """
     return b"".join(
-        json.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
+        json.dumps(line, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
         for line in lines
     )
 

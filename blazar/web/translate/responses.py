@@ -146,7 +146,7 @@ def items_to_messages(
             call_id, name = item.get("call_id"), item.get("name")
             if kind == "custom_tool_call":
                 raw_input = item.get("input")
-                arguments: Any = json.dumps({"input": raw_input}, ensure_ascii=False) if isinstance(raw_input, str) else None
+                arguments: Any = json.dumps({"input": raw_input}, ensure_ascii=False, allow_nan=False) if isinstance(raw_input, str) else None
             else:
                 arguments = item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -679,9 +679,9 @@ def dump(value: Any) -> bytes:
     surrogate echoed from a request (never a 500 for it).
     """
     try:
-        return json.dumps(value, ensure_ascii=False).encode("utf-8")
+        return json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(value).encode("ascii")
+        return json.dumps(value, allow_nan=False).encode("ascii")
 
 
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
