@@ -67,7 +67,7 @@ from blazar.gateway.sentinel import (
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
     DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
-    expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
+    cut_short, expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
 )
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
@@ -793,8 +793,10 @@ class Pipeline:
         if dropped:
             log.info("forced tool call: left out of the grammar (not callable correctly): {dropped}",
                      dropped="; ".join(dropped))
-        budget = call.max_tokens if call.max_tokens and call.max_tokens > 0 else DEFAULT_BUDGET
-        budget = max(budget, needed_tokens(forced))  # a call that cannot end is no call
+        # the client's limit is a limit (cost, latency, context): a call that
+        # does not fit it ends cut short; Blazar's own default fits one call
+        limit = call.max_tokens if call.max_tokens and call.max_tokens > 0 else None
+        budget = limit if limit is not None else max(DEFAULT_BUDGET, needed_tokens(forced))
         names = ", ".join(t["function"]["name"] for t in forced.tools)
         try:
             body = completion_body(call.body, "", forced, budget)
@@ -832,9 +834,19 @@ class Pipeline:
                 ) from None
             raise
         done: Any = None
+        finish = "tool_calls"
         try:
             done = json.loads(await self._proxy.read(lease.instance, response))
-            calls = tool_calls(parse_calls(str(done.get("content") or ""), forced))
+            try:
+                calls = tool_calls(parse_calls(str(done.get("content") or ""), forced))
+            except ValueError:
+                if not cut_short(done, budget):
+                    raise
+                # the client's max_tokens ended it mid-call: the surface's
+                # truncation, with no call (half a call is not a call)
+                log.info("{model}: a forced tool call did not fit max_tokens={limit}; answered as cut short",
+                         model=call.model, limit=budget)
+                calls, finish = [], "length"
         except ValueError as e:
             lease.release()
             content = str(done.get("content") or "")[-120:] if isinstance(done, dict) else ""
@@ -847,10 +859,10 @@ class Pipeline:
         note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
         name = lease.instance.entry.name
         if not call.stream:
-            return lease, chat_completion(name, calls, usage)
+            return lease, chat_completion(name, calls, usage, finish)
         options = call.body.get("stream_options")
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
-        return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"))
+        return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
     def _enforce(self, request: Any, entry: ModelEntry) -> bool:
         """

@@ -27,6 +27,7 @@ import math
 from typing import Any
 
 from blazar.gateway.errors import BadRequest
+from blazar import strictjson
 
 DEFAULT_MAX_TOKENS = 4096
 """
@@ -158,7 +159,7 @@ def _tool_input(arguments: Any, ignored: list[str]) -> dict[str, Any]:
     if arguments is None or arguments == "":
         return {}
     try:
-        value = json.loads(arguments) if isinstance(arguments, str) else None
+        value = strictjson.loads(arguments) if isinstance(arguments, str) else None
     except ValueError:
         value = None
     if isinstance(value, dict):

@@ -28,6 +28,7 @@ from typing import Any
 import attrs
 
 from blazar.gateway.grammar import Grammar, Unsupported, literal, min_chars
+from blazar import strictjson
 
 MAX_CALLS = 4  # parallel calls at most, when allowed
 DEFAULT_BUDGET = 1024  # tokens for a call when the client set no limit
@@ -133,8 +134,10 @@ def expressible(forced: Forced) -> tuple[Forced, list[str]]:
 
 def needed_tokens(forced: Forced) -> int:
     """
-    The fewest tokens one call can need: a forced call is given at least
-    these, whatever C{max_tokens} says (else it could not end).
+    The fewest tokens one call can need: a forced call with no
+    C{max_tokens} of the client's is given at least these. The client's
+    own limit is a limit: a call that does not fit it ends cut short
+    (L{cut_short}).
     """
     strings, syntax, _ = plan(forced, 0)
     least = max(min_chars(t["function"].get("parameters") or {}) for t in forced.tools)
@@ -202,7 +205,7 @@ def parse_calls(content: str, forced: Forced) -> list[tuple[str, dict[str, Any]]
 
     @raise ValueError: The answer is not the schema's JSON (cut short).
     """
-    value = json.loads(content)
+    value = strictjson.loads(content)
     items = value if isinstance(value, list) else [value]
     names = {t["function"]["name"] for t in forced.tools}
     calls = []
@@ -213,6 +216,18 @@ def parse_calls(content: str, forced: Forced) -> list[tuple[str, dict[str, Any]]
     if not calls:
         raise ValueError("no call")
     return calls if forced.parallel else calls[:1]
+
+
+def cut_short(done: Any, budget: int) -> bool:
+    """
+    Whether llama-server's C{/completion} answer C{done} stopped at its
+    token budget (C{stop_type} C{"limit"}, or as many tokens as C{budget}):
+    a forced call that did not fit the client's C{max_tokens}.
+    """
+    if not isinstance(done, dict):
+        return False
+    predicted = done.get("tokens_predicted")
+    return done.get("stop_type") == "limit" or (isinstance(predicted, int) and predicted >= budget)
 
 
 def usage_of(done: dict[str, Any]) -> dict[str, Any]:
@@ -232,21 +247,27 @@ def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             for name, arguments in calls]
 
 
-def chat_completion(model: str, calls: list[dict[str, Any]], usage: dict[str, Any]) -> bytes:
+def chat_completion(
+    model: str, calls: list[dict[str, Any]], usage: dict[str, Any], finish: str = "tool_calls",
+) -> bytes:
     """
-    A non-streamed OpenAI chat completion carrying C{calls}.
+    A non-streamed OpenAI chat completion carrying C{calls}; with none (a
+    call cut short by the client's C{max_tokens}: C{finish} C{"length"}),
+    empty content: half a call is not a call.
     """
+    message: dict[str, Any] = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
+                               else {"role": "assistant", "content": ""})
     return json.dumps({
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "finish_reason": "tool_calls",
-                     "message": {"role": "assistant", "content": None, "tool_calls": calls}}],
+        "choices": [{"index": 0, "finish_reason": finish, "message": message}],
         "usage": usage,
     }, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8")
 
 
 def chat_stream(
     model: str, calls: list[dict[str, Any]], usage: dict[str, Any] | None, timings: dict[str, Any] | None = None,
+    finish: str = "tool_calls",
 ) -> bytes:
     """
     The same answer as an OpenAI SSE stream: a role chunk, one chunk per
@@ -266,7 +287,7 @@ def chat_stream(
         out.append(event([{"index": 0, "finish_reason": None,
                            "delta": {"tool_calls": [{"index": i, **call}]}}]))
     # llama-server's timings ride on its last chunk (the surfaces read them)
-    out.append(event([{"index": 0, "delta": {}, "finish_reason": "tool_calls"}],
+    out.append(event([{"index": 0, "delta": {}, "finish_reason": finish}],
                      **({"timings": timings} if timings else {})))
     if usage is not None:
         out.append(event([], usage=usage))

@@ -1,8 +1,8 @@
 """
 Decoding a request's JSON body, the same way on every surface: RFC 8259
-JSON (C{NaN} and C{Infinity}, which Python's C{json} takes, are refused:
-they are not JSON, and they would be echoed back), an object at the top;
-and a multipart form (L{read_form}).
+JSON (C{NaN}, C{Infinity} and numbers beyond a double, which Python's
+C{json} takes, are refused: they are not JSON, and they would be echoed
+back), an object at the top; and a multipart form (L{read_form}).
 """
 
 from __future__ import annotations
@@ -11,18 +11,8 @@ import io
 import json
 from typing import Any, NamedTuple
 
+from blazar import strictjson
 from blazar.gateway.errors import BadRequest
-
-
-class _NotJSON(Exception):
-    pass
-
-
-def _refuse(name: str) -> Any:
-    raise _NotJSON(name)
-
-
-_DECODER = json.JSONDecoder(parse_constant=_refuse)
 
 
 def json_object(raw: bytes, empty_ok: bool = False) -> dict[str, Any]:
@@ -35,9 +25,7 @@ def json_object(raw: bytes, empty_ok: bool = False) -> dict[str, Any]:
     if empty_ok and not raw.strip():
         return {}
     try:
-        body = _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
-    except _NotJSON as e:
-        raise BadRequest(f"request body is not valid JSON: {e} is not a JSON number") from None
+        body = strictjson.loads(raw)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise BadRequest(f"request body is not valid JSON: {e}") from None
     if not isinstance(body, dict):

@@ -21,6 +21,7 @@ import math
 from typing import Any
 
 import attrs
+from blazar import strictjson
 
 
 class AnthropicRequestError(BadRequest):
@@ -189,10 +190,10 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                 if not isinstance(block.get("input", {}), dict):
                     raise AnthropicRequestError(f"{bwhere}.input: must be an object")
                 tool_ids.add(block["id"])
+                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False, allow_nan=False)
                 tool_calls.append({
                     "id": block["id"], "type": "function",
-                    "function": {"name": block["name"],
-                                 "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False, allow_nan=False)},
+                    "function": {"name": block["name"], "arguments": arguments},
                 })
             elif kind == "tool_result":
                 if role != "user":
@@ -606,7 +607,7 @@ class AnthropicStream:
             if block["type"] == "tool_use":
                 raw = block.pop("_json", "")
                 try:
-                    value = json.loads(raw) if raw else {}
+                    value = strictjson.loads(raw) if raw else {}
                 except ValueError:
                     value = {}
                 block["input"] = value if isinstance(value, dict) else {}

@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import attrs
 
 from blazar.config import parse_duration
+from blazar import strictjson
 
 
 class TranslationError(BadRequest):
@@ -349,7 +350,7 @@ def parse_arguments(text: Any) -> dict[str, Any]:
     if not text:
         return {}
     try:
-        value = json.loads(text)
+        value = strictjson.loads(text)
     except (TypeError, ValueError):
         return {"__arguments": text}
     return value if isinstance(value, dict) else {"__arguments": value}

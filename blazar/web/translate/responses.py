@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from blazar.web.translate import leniency
+from blazar import strictjson
 
 
 class ResponsesRequestError(BadRequest):
@@ -146,7 +147,9 @@ def items_to_messages(
             call_id, name = item.get("call_id"), item.get("name")
             if kind == "custom_tool_call":
                 raw_input = item.get("input")
-                arguments: Any = json.dumps({"input": raw_input}, ensure_ascii=False, allow_nan=False) if isinstance(raw_input, str) else None
+                arguments: Any = None
+                if isinstance(raw_input, str):
+                    arguments = json.dumps({"input": raw_input}, ensure_ascii=False, allow_nan=False)
             else:
                 arguments = item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -519,7 +522,7 @@ class ResponsesStream:
             namespace, name, kind = self.names.client(item.name)
             if kind == "custom":
                 try:
-                    parsed = json.loads(item.text) if item.text else {}
+                    parsed = strictjson.loads(item.text) if item.text else {}
                 except ValueError:
                     parsed = item.text
                 value = parsed.get("input") if isinstance(parsed, dict) else parsed

@@ -1,0 +1,61 @@
+"""
+RFC 8259 JSON, read strictly. Python's C{json} reads C{NaN}, C{Infinity}
+and C{-Infinity}, which are not JSON, and turns a number too large for a
+double (C{1e999}) into infinity; written back, either becomes C{Infinity},
+which strict parsers (every TypeScript SDK's C{JSON.parse}) refuse. What a
+model or an engine wrote is read with L{loads} wherever Blazar may write it
+again, so a value that is not a finite JSON number is refused where it is
+read, not echoed. (Blazar writes every JSON with C{allow_nan=False}.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+
+class NotStrictJSON(ValueError):
+    """
+    Text that Python's C{json} reads but that is not strict JSON: the
+    message names the value.
+    """
+
+
+def _constant(name: str) -> Any:
+    raise NotStrictJSON(f"{name} is not a JSON number")
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise NotStrictJSON(f"{text[:40]} is out of range of a double")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
+
+
+def loads(text: str | bytes) -> Any:
+    """
+    C{text} as JSON, strictly.
+
+    @raise ValueError: Not JSON, or holding C{NaN}, C{Infinity} or a number
+        that overflows a double (L{NotStrictJSON}).
+    """
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode(json.detect_encoding(text), "surrogatepass")
+    return _DECODER.decode(text)
+
+
+def is_finite(value: Any) -> bool:
+    """
+    Whether C{value} (decoded JSON) holds only finite numbers, however deep.
+    """
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(is_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return all(is_finite(v) for v in value)
+    return True
