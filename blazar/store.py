@@ -373,7 +373,8 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
                                (batch, state)))
         template = json.loads(result)
         db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
-                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}, allow_nan=False), batch, n)
+                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom},
+                                    allow_nan=False), batch, n)
                         for n, custom in rows])
         db.execute("COMMIT")
     except BaseException:

@@ -175,7 +175,9 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
         if fail:
             request.setResponseCode(fail)
             return json.dumps(
-                {"error": {"code": fail, "message": "engine says no", "type": "server_error"}}, allow_nan=False).encode()
+                {"error": {"code": fail, "message": "engine says no", "type": "server_error"}},
+                allow_nan=False,
+            ).encode()
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
             for i, text in enumerate(["Hel", "lo"]):
@@ -189,7 +191,9 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
                 "created": 1, "model": model_name, "object": "chat.completion",
                 "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
             },
-            separators=(",", ":"), allow_nan=False).encode()
+            separators=(",", ":"),
+            allow_nan=False,
+        ).encode()
 
     return app
 

@@ -76,7 +76,8 @@ class _Child:
         raise GateFailed("health", f"/health did not answer 200 within {timeout:g} s: {self.tail()}")
 
     def post(self, step: str, path: str, body: dict[str, object]) -> bytes:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", json.dumps(body, allow_nan=False).encode(),
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
+                                         json.dumps(body, allow_nan=False).encode(),
                                          {"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:

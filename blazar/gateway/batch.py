@@ -734,7 +734,8 @@ class BatchRunner:
         counts = running.batch["request_counts"]
         running.batch["request_counts"] = {**counts, "completed": counts["completed"] + ok,
                                            "failed": counts["failed"] + (not ok)}
-        await self.run_db(thd_record_line, running.id, line, ok, json.dumps(result, allow_nan=False), json.dumps(running.batch, allow_nan=False))
+        await self.run_db(thd_record_line, running.id, line, ok,
+                          json.dumps(result, allow_nan=False), json.dumps(running.batch, allow_nan=False))
 
     def _finish_later(self, running: _Running) -> None:
         if running.finishing or running.claiming or self._stopping:

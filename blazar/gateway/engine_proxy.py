@@ -330,9 +330,9 @@ class EngineProxy:
         Tokens of raw text (a completion prompt, with its BOS; or, without
         C{add_special}, text a model wrote), by the child's tokenizer.
         """
+        body = {"content": text, "add_special": add_special}
         lease, response = await self.send(
-            model, "/tokenize", json.dumps({"content": text, "add_special": add_special}, allow_nan=False).encode("utf-8"),
-            stream=False,
+            model, "/tokenize", json.dumps(body, allow_nan=False).encode("utf-8"), stream=False
         )
         try:
             return len(json.loads(await self.read(lease.instance, response))["tokens"])
@@ -344,9 +344,9 @@ class EngineProxy:
         A prompt's tokens and their text, by the child's tokenizer
         (C{/tokenize} with C{with_pieces}; no BOS: only the prompt's own).
         """
+        body = {"content": prompt, "add_special": False, "with_pieces": True}
         lease, response = await self.send(
-            model, "/tokenize",
-            json.dumps({"content": prompt, "add_special": False, "with_pieces": True}, allow_nan=False).encode("utf-8"),
+            model, "/tokenize", json.dumps(body, allow_nan=False).encode("utf-8"),
             stream=False,
         )
         try:

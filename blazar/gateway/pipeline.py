@@ -56,7 +56,7 @@ from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import Call, CallKind, Counting
 from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
-from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load
+from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
@@ -73,10 +73,12 @@ from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
 from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
 from blazar.engines.sse import SSEEvents
+from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, from_anthropic, to_anthropic
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
+from blazar.models.gguf_meta import template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 
 log = Logger()
@@ -137,6 +139,9 @@ class Reply:
         self.anthropic: AnthropicStream | None = None
         # an OpenAI-compatible remote's answer names its own model: this one's name put there instead
         self.renamed = False
+        # a JSON answer streamed by llama-server's /completion
+        # (L{blazar.gateway.jsonanswer}): turned into OpenAI's chat chunks
+        self.completion: jsonanswer.ChatFromCompletion | None = None
 
     async def read(self) -> bytes:
         """
@@ -205,6 +210,43 @@ class Reply:
 
         return SSEEvents(on_event).feed
 
+    def _completion_events(
+        self, on_chunk: Callable[[dict[str, Any]], Any], on_end: Callable[[], None] | None = None,
+    ) -> Callable[[bytes], None]:
+        """
+        A feed for llama-server's C{/completion} SSE stream (a JSON answer:
+        L{blazar.gateway.jsonanswer}) that hands each OpenAI chat chunk it
+        translates to to C{on_chunk}, then calls C{on_end} after the last.
+
+        @raise EngineRejected: The engine's stream reported an error.
+        """
+        stream = self.completion
+        assert stream is not None
+
+        def on_event(data: bytes) -> None:
+            if data == b"[DONE]":
+                return
+            event = json.loads(data)
+            if not isinstance(event, dict):
+                return
+            if "error" in event:
+                raise EngineRejected(500, stream_error_message(event["error"]))
+            ended = stream.finished
+            for chunk in stream.feed(event):
+                on_chunk(chunk)
+            if stream.finished and not ended and on_end is not None:
+                on_end()
+
+        return SSEEvents(on_event).feed
+
+    def _completion_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """
+        L{_completion_events}, encoded as OpenAI's SSE (C{data: [DONE]}
+        after the last chunk), for the byte relay.
+        """
+        return self._completion_events(lambda chunk: feed(jsonanswer.encode(chunk)),
+                                       lambda: feed(b"data: [DONE]\n\n"))
+
     def _renamed_events(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
         """
         A feed for an OpenAI-compatible remote's SSE stream that hands each
@@ -252,7 +294,20 @@ class Reply:
         The end of a stream the engine cut with L{UNPARSED} (an answer, not
         a fault): the finding, and the chunks a good stream ends with, its
         token counts from the child's tokenizer (the engine sent none).
+
+        @raise EngineRejected: A JSON answer without tools (a model whose
+            template reasons: the others' JSON answers do not go through
+            the chat parser, L{blazar.gateway.jsonanswer}): the engine held
+            text back, so the JSON is incomplete; the stream ends with the
+            surface's error, never as a C{stop} with its JSON cut.
         """
+        if self.watched is not None and not self.watched.get("tools") and jsonanswer.json_format(self.watched):
+            watch.noted = ("format_invalid", "the engine could not parse the model's JSON answer and held its end "
+                                             "back; the stream ended with an error")
+            log.info("{model}: the engine could not parse the model's JSON answer and held its end back; the "
+                     "stream ends with an error", model=self.model)
+            raise EngineRejected(502, "the engine's chat parser refused the model's JSON answer at its end and "
+                                      "held the rest of it back: the answer is incomplete; ask again")
         code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
         watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
                              "for; the stream ended with its text")
@@ -310,6 +365,10 @@ class Reply:
             elif self.anthropic is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
+                                        self._request)
+            elif self.completion is not None:
+                assert self._lease is not None
+                await self._proxy.relay(self._lease.instance, self._response, self._completion_bytes(feed),
                                         self._request)
             elif self.renamed:
                 assert self._lease is not None
@@ -376,6 +435,10 @@ class Reply:
             elif self.anthropic is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
+                                        self._request)
+            elif self.completion is not None:
+                assert self._lease is not None
+                await self._proxy.relay(self._lease.instance, self._response, self._completion_events(on_chunk),
                                         self._request)
             else:
                 assert self._lease is not None
@@ -636,6 +699,8 @@ class Pipeline:
         started = self._clock.seconds()
         pin = None
         forced = self._forced_call(call) if lane is None else None  # a lane's server does its own
+        json_route = lane is None and forced is None and await self._json_route(call)
+        completion: jsonanswer.ChatFromCompletion | None = None
         try:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
@@ -643,9 +708,16 @@ class Pipeline:
             made, noted = None, None
             if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
                 forced = None  # re-routed to a lane (an architecture llama.cpp did not know): its server decides
+                json_route = False
             if forced is not None:
                 lease, made = await self._forced(request, call, forced, instance, started, pin)
                 response = None
+            elif json_route and not call.stream:
+                lease, made = await self._json_answer(request, call, instance, pin)
+                response = None
+            elif json_route:
+                lease, response = await self._json_send(request, call, instance, pin, stream=True)
+                completion = jsonanswer.ChatFromCompletion(lease.instance.entry.name, call.body)
             else:
                 if pin is not None:
                     raw = with_slot(raw, pin.slot) or raw
@@ -655,9 +727,18 @@ class Pipeline:
                         content_type=call.content_type,
                     )
                 except EngineRejected as e:
-                    if not (call.kind is CallKind.CHAT and UNPARSED in str(e) and call.body.get("tools")):
+                    if not (call.kind is CallKind.CHAT and UNPARSED in str(e)):
                         raise
-                    noted, lease, response = await self._as_text(request, call, instance, pin, str(e))
+                    if call.body.get("tools"):
+                        noted, lease, response = await self._as_text(request, call, instance, pin, str(e))
+                    elif jsonanswer.json_format(call.body) is not None:
+                        # (a reasoning model's JSON): its text without the parser
+                        log.info("{model}: the engine's chat parser refused the model's JSON answer; asked once "
+                                 "more without it, so its text is the answer", model=call.model)
+                        lease, made = await self._json_answer(request, call, instance, pin)
+                        response = None
+                    else:
+                        raise
         except BaseException:
             if pin is not None and self.sessions is not None:
                 self.sessions.release(pin, None)
@@ -673,6 +754,7 @@ class Pipeline:
         reply.max_tokens = call.max_tokens
         reply.anthropic = anthropic
         reply.renamed = anthropic is None and lane is not None and lane.name == REMOTE
+        reply.completion = completion
         if call.kind is CallKind.CHAT:
             reply.watched = asked
             reply.enforce = self._enforce(request, lease.instance.entry)
@@ -806,25 +888,18 @@ class Pipeline:
                     if k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
                              "reasoning_effort")}
         try:
-            lease, response = await self._proxy.send(
-                call.model, "/apply-template", json.dumps(template, allow_nan=False).encode("utf-8"), call.ctx_size, request,
-                stream=False, ready=(instance, started),
-            )
+            prompt, rendered_by = await self._rendered(request, call, template, instance, started)
         except EngineRejected as e:
             if e.status == 400:
                 raise BadRequest(f"tools: the model's template refused the tools {names}: {e}", "tools") from None
             raise
-        try:
-            prompt = json.loads(await self._proxy.read(lease.instance, response))["prompt"]
-        finally:
-            lease.release()
         body["prompt"] = prompt
         if pin is not None:
             body["id_slot"] = pin.slot
         try:
             lease, response = await self._proxy.send(
                 call.model, "/completion", json.dumps(body, allow_nan=False).encode("utf-8"), call.ctx_size, request,
-                stream=False, ready=(lease.instance, self._clock.seconds()),
+                stream=False, ready=(rendered_by, self._clock.seconds()),
             )
         except EngineRejected as e:
             if e.status == 400:
@@ -863,6 +938,89 @@ class Pipeline:
         options = call.body.get("stream_options")
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
+
+    async def _rendered(self, request: Any, call: Call, template: dict[str, Any], instance: Any,
+                        started: float) -> tuple[str, Any]:
+        """
+        The prompt the model's chat template renders for C{template} (a
+        chat body's messages and template settings: llama-server's
+        C{/apply-template}), and the child that rendered it.
+
+        @raise EngineRejected: The template refused it.
+        """
+        lease, response = await self._proxy.send(
+            call.model, "/apply-template", json.dumps(template, allow_nan=False).encode("utf-8"), call.ctx_size,
+            request, stream=False, ready=(instance, started),
+        )
+        try:
+            return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
+        finally:
+            lease.release()
+
+    async def _json_send(
+        self, request: Any, call: Call, instance: Any, pin: Pin | None, stream: bool,
+    ) -> tuple[InstanceLease, Any]:
+        """
+        A JSON answer without the engine's chat parser
+        (L{blazar.gateway.jsonanswer}): the prompt the model's template
+        renders, decoded by C{/completion} under the answer's schema (the
+        engine's own grammar for it), its text as the model wrote it.
+
+        @return: The lease on the child that answers (the caller ends it)
+            and its 200 response (body not read yet).
+        """
+        schema = jsonanswer.json_format(call.body)
+        assert schema is not None
+        template = {k: v for k, v in call.body.items()
+                    if k in ("messages", "response_format", "chat_template_kwargs", "reasoning_effort",
+                             "add_generation_prompt", "continue_final_message")}
+        prompt, instance = await self._rendered(request, call, template, instance, self._clock.seconds())
+        body = jsonanswer.completion_request(call.body, prompt, schema, stream)
+        if pin is not None:
+            body["id_slot"] = pin.slot
+        return await self._proxy.send(
+            call.model, "/completion", json.dumps(body, allow_nan=False).encode("utf-8"), call.ctx_size, request,
+            stream=stream, ready=(instance, self._clock.seconds()),
+        )
+
+    async def _json_answer(
+        self, request: Any, call: Call, instance: Any, pin: Pin | None,
+    ) -> tuple[InstanceLease, bytes]:
+        """
+        A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
+        completion (the sentinel says whether it follows the schema).
+
+        @return: The lease on the child (held until the call ends, as every
+            answer's is) and the chat completion.
+        """
+        lease, response = await self._json_send(request, call, instance, pin, stream=False)
+        try:
+            done = json.loads(await self._proxy.read(lease.instance, response))
+            if not isinstance(done, dict):
+                raise EngineRejected(502, "the engine's /completion answer is not an object")
+        except BaseException:
+            lease.release()
+            raise
+        usage = jsonanswer.usage_of(done)
+        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        return lease, jsonanswer.chat_completion(lease.instance.entry.name, done, call.body)
+
+    async def _json_route(self, call: Call) -> bool:
+        """
+        Whether a chat's answer is decoded by L{_json_send} instead of the
+        engine's chat path: it asks for JSON, offers no tools, and its
+        model's template does not reason (a C{<think>} block would be
+        forbidden by the schema's grammar; those stay on the chat path).
+        """
+        if call.kind is not CallKind.CHAT or call.body.get("tools") or jsonanswer.json_format(call.body) is None:
+            return False
+        if call.entry is None or call.entry.format != "gguf" or self._registry is None:
+            return False
+        try:
+            meta = await self._registry.metadata(call.entry)
+        except Exception:
+            return False  # unreadable: the child's start says why
+        return "thinking" not in template_capabilities(meta.chat_template)
 
     def _enforce(self, request: Any, entry: ModelEntry) -> bool:
         """

@@ -216,7 +216,8 @@ class EngineSlots:
     async def _action(self, instance: Any, slot: int, action: str, body: dict[str, Any], timeout: float) -> Any:
         async def go() -> Any:
             response = await self._engines.request(
-                "POST", f"{instance.base_url}/slots/{slot}?action={action}", json.dumps(body, allow_nan=False).encode("utf-8"),
+                "POST", f"{instance.base_url}/slots/{slot}?action={action}",
+                json.dumps(body, allow_nan=False).encode("utf-8"),
                 {**instance.auth_headers, b"content-type": [b"application/json"]}, stream=False,
             )
             data = await read_body(response, self._clock, idle_timeout=timeout, max_bytes=1 << 16)

@@ -18,8 +18,38 @@ import attrs
 
 class GGUFError(Exception):
     """
-    A file is not a readable GGUF model; the message names the file.
+    A file is not a readable GGUF model. The message names the file, so it
+    is for the daemon's log, not for clients:
+    L{blazar.models.registry.ModelUnreadable}, which the registry raises,
+    names the model instead.
+
+    @ivar path: The file.
+    @ivar reason: What is wrong with it, without its path, to follow
+        "its file" (C{"cannot be read (Permission denied)"}).
+    @ivar hint: What to check, without the path.
     """
+
+    def __init__(self, path: Path, reason: str, hint: str = "check the file", message: str | None = None) -> None:
+        super().__init__(f"{path}: {reason}" if message is None else message)
+        self.path = path
+        self.reason = reason
+        self.hint = hint
+
+
+def unreadable(path: Path, error: OSError, what: str = "cannot be read") -> GGUFError:
+    """
+    The L{GGUFError} for an C{OSError} met reading C{path}: its reason is
+    C{what} and the system's words (C{strerror}, which hold no path), its
+    hint what to check for that C{errno}.
+    """
+    why = error.strerror or type(error).__name__
+    if isinstance(error, PermissionError):
+        hint = "check the file's permissions: the daemon's user must be able to read it"
+    elif isinstance(error, FileNotFoundError):
+        hint = "check that the file was not moved or deleted"
+    else:
+        hint = "check the file"
+    return GGUFError(path, f"{what} ({why})", hint)
 
 
 @attrs.frozen
@@ -100,17 +130,21 @@ def thd_read_metadata(path: Path, shards: tuple[Path, ...] = ()) -> GGUFMetadata
     """
     from gguf import GGUFReader
 
+    replace = "replace the file (pull the model again)"
     try:
         reader = GGUFReader(os.fspath(path), "r")
-    except (OSError, ValueError) as e:
-        raise GGUFError(f"{path}: not a readable GGUF file: {e}") from None
+    except OSError as e:
+        raise unreadable(path, e) from None
+    except ValueError as e:  # gguf's and numpy's words name no path
+        raise GGUFError(path, f"is not a readable GGUF file ({e})", replace) from None
     arch = _value(reader, "general.architecture")
     if not isinstance(arch, str):
-        raise GGUFError(f"{path}: GGUF file has no general.architecture")
+        raise GGUFError(path, "is a GGUF file without general.architecture", replace)
     try:
         size = sum(os.stat(p).st_size for p in (path, *shards))
     except OSError as e:
-        raise GGUFError(f"{path}: a shard of this split model is missing or unreadable: {e}") from None
+        shard = Path(e.filename).name if isinstance(e.filename, str) else "a shard"
+        raise unreadable(path, e, f"has a missing or unreadable shard, {shard}") from None
     template = _value(reader, "tokenizer.chat_template")
     return GGUFMetadata(
         architecture=arch,
@@ -150,3 +184,18 @@ def _elided_kv(reader: Any) -> dict[str, Any]:
         except Exception:
             out[name] = None
     return out
+
+
+def template_capabilities(template: str | None) -> list[str]:
+    """
+    What a chat template shows the model, beyond messages: C{tools} (it
+    renders the offered tools) and C{thinking} (it has a reasoning block),
+    as Ollama's C{/api/show} C{capabilities} name them.
+    """
+    text = template or ""
+    caps = []
+    if "tools" in text:
+        caps.append("tools")
+    if "<think>" in text or "enable_thinking" in text or "reasoning_content" in text:
+        caps.append("thinking")
+    return caps

@@ -23,7 +23,7 @@ from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, LiveConfig, ModelConfig, live_config
 from blazar.models.formats import is_whisper_file, thd_model_format
-from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
+from blazar.models.gguf_meta import GGUFError, GGUFMetadata, thd_read_metadata, unreadable
 from blazar.names import canonical_name, fair_remote_model, name_key
 
 log = Logger()
@@ -46,6 +46,24 @@ class ModelNotFound(Exception):
         shown = ", ".join(available) if available else "none (put .gguf files in models_dir)"
         spelled = name if len(name) <= 200 else name[:200] + "..."
         super().__init__(f"model {spelled!r} not found; available models: {shown}")
+
+
+class ModelUnreadable(GGUFError):
+    """
+    A model's file cannot be read (missing, not readable by the daemon's
+    user, not GGUF). The message, which clients get, names the model, what
+    is wrong and what to check, never the file's path: a server's paths are
+    not its clients' business. The path is in L{path} and in L{log_detail},
+    which only the daemon's log gets (L{blazar.web.errors}).
+
+    @ivar model: The model's canonical name.
+    """
+
+    def __init__(self, model: str, error: GGUFError) -> None:
+        message = f'model "{model}": its file {error.reason}; {error.hint} (the daemon log names the file)'
+        super().__init__(error.path, error.reason, error.hint, message)
+        self.model = model
+        self.log_detail = f"file {error.path}"
 
 
 class ModelChangeError(Exception):
@@ -224,12 +242,16 @@ class IModelRegistry(Interface):
         """
         The GGUF facts for C{entry}.
 
-        @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
+        @raise ModelUnreadable: Unreadable file (a
+            L{blazar.models.gguf_meta.GGUFError} whose message names the
+            model, not the file).
         """
 
     async def digest(entry: ModelEntry) -> str:
         """
         C{sha256:<hex>} of the model's file (first shard).
+
+        @raise ModelUnreadable: Unreadable file.
         """
 
     async def copy(entry: ModelEntry, destination: str) -> str:
@@ -413,8 +435,16 @@ class ModelRegistry:
         """
         The GGUF facts for C{entry}, cached by (path, mtime, size).
 
-        @raise blazar.models.gguf_meta.GGUFError: Unreadable file.
+        @raise ModelUnreadable: Unreadable file.
         """
+        try:
+            return await self._metadata(entry)
+        except GGUFError as e:
+            raise ModelUnreadable(entry.name, e) from None
+        except OSError as e:
+            raise ModelUnreadable(entry.name, unreadable(entry.path, e)) from None
+
+    async def _metadata(self, entry: ModelEntry) -> GGUFMetadata:
         if entry.format != "gguf":
             size = await self.in_thread(thd_tree_size, entry.path)
             assert isinstance(size, int)
@@ -437,7 +467,15 @@ class ModelRegistry:
         C{sha256:<hex>} of the model's file (first shard), computed once per
         (path, mtime, size) in the thread pool; of a model directory, its
         listing (names, sizes, mtimes).
+
+        @raise ModelUnreadable: Unreadable file.
         """
+        try:
+            return await self._digest(entry)
+        except OSError as e:
+            raise ModelUnreadable(entry.name, unreadable(entry.path, e)) from None
+
+    async def _digest(self, entry: ModelEntry) -> str:
         if entry.format != "gguf":
             listing = await self.in_thread(thd_tree_listing, entry.path)
             assert isinstance(listing, str)

@@ -434,4 +434,5 @@ class Dashboard:
         if problem is None:
             return None
         secure(request)
-        return json.dumps({"error": {"message": problem.message, "code": problem.code}}, allow_nan=False).encode("utf-8")
+        body = {"error": {"message": problem.message, "code": problem.code}}
+        return json.dumps(body, allow_nan=False).encode("utf-8")

@@ -52,7 +52,7 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
             problem = Problem(Category.INTERNAL, 500, f"internal error (trace id {trace_id_of(request)})",
                               code="internal_error")
         elif problem.logged:
-            log.error("{error}", error=str(error), trace_id=trace_id_of(request), surface=surface)
+            log.error("{error}", error=_logged(error), trace_id=trace_id_of(request), surface=surface)
         note_error(request, problem.kind)
     if problem.retry_after is not None:
         retry_after(request, problem.retry_after)
@@ -83,7 +83,7 @@ def in_stream(
                     trace_id=trace_id_of(request))
         note_error(request, "5xx")
         return Problem(Category.INTERNAL, 500, "internal error; see the daemon log", code="internal_error")
-    log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=str(error),
+    log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=_logged(error),
               trace_id=trace_id_of(request))
     # the status is the stream's 200: a kind is noted for every failure, or
     # the metrics would not count it (an engine's own 4xx is an engine_error)
@@ -95,6 +95,16 @@ def in_stream(
 def _redacted(request: Any, problem: Problem) -> Problem:
     message = redact(request, problem.message)
     return problem if message == problem.message else attrs.evolve(problem, message=message)
+
+
+def _logged(error: BaseException) -> str:
+    """
+    C{error} as the daemon's log tells it: its message, and its
+    C{log_detail} where it has one (what only the log may hold: the path of
+    an unreadable model file, L{blazar.models.registry.ModelUnreadable}).
+    """
+    detail = getattr(error, "log_detail", None)
+    return f"{error} ({detail})" if detail else str(error)
 
 
 def _failure(error: BaseException) -> Failure:

@@ -29,7 +29,7 @@ from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
 from blazar.gateway.operations import ModelOperations
-from blazar.models.gguf_meta import GGUFError, GGUFMetadata
+from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
@@ -107,13 +107,7 @@ def capabilities(entry: ModelEntry, meta: GGUFMetadata) -> list[str]:
     """
     if entry.settings.embedding:
         return ["embedding"]
-    caps = ["completion"]
-    template = meta.chat_template or ""
-    if "tools" in template:
-        caps.append("tools")
-    if "<think>" in template or "enable_thinking" in template or "reasoning_content" in template:
-        caps.append("thinking")
-    return caps
+    return ["completion", *template_capabilities(meta.chat_template)]
 
 
 class OllamaSurface:

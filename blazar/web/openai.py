@@ -65,7 +65,9 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     OpenAI's error envelope, encoded.
     """
     return json.dumps(
-        {"error": {"message": message, "type": type_, "param": param, "code": code}}, allow_nan=False).encode("utf-8")
+        {"error": {"message": message, "type": type_, "param": param, "code": code}},
+        allow_nan=False,
+    ).encode("utf-8")
 
 
 def require_model(body: dict[str, Any]) -> str:

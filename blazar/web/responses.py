@@ -103,7 +103,8 @@ class Responses:
         items = [{"id": item.get("id") or tr.new_id("msg" if item.get("type", "message") == "message" else "item"),
                   **item} for item in inputs]
         row = (response["id"], self._key(request), now, now + config.responses_ttl,
-               response.get("previous_response_id"), json.dumps(response, allow_nan=False), json.dumps(items, allow_nan=False))
+               response.get("previous_response_id"),
+               json.dumps(response, allow_nan=False), json.dumps(items, allow_nan=False))
         try:
             await self._run_db(store.thd_put_response, row, config.responses_max_stored)
         except Exception:

@@ -99,6 +99,23 @@ def cache_engine() -> Any:
             "usage": {"completion_tokens": 5, "prompt_tokens": 7, "total_tokens": 12},
         }, separators=(",", ":")).encode()  # compact, as llama-server's
 
+    @app.route("/apply-template", methods=["POST"])
+    def apply_template(request: Any) -> bytes:
+        body = json.loads(request.content.read())
+        app.requests.append(("/apply-template", body))
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"prompt": "".join(str(m.get("content")) for m in body["messages"])}).encode()
+
+    @app.route("/completion", methods=["POST"])
+    def completion(request: Any) -> bytes:
+        # a JSON answer (blazar.gateway.jsonanswer), not streamed here
+        body = json.loads(request.content.read())
+        app.requests.append(("/completion", body))
+        app.answers += 1
+        request.setHeader(b"content-type", b"application/json")
+        return json.dumps({"content": json.dumps({"answer": app.answers}), "stop": True, "stop_type": "eos",
+                           "tokens_predicted": 5, "tokens_evaluated": 7}).encode()
+
     return app
 
 
@@ -257,7 +274,8 @@ class CacheStepTests(SynchronousTestCase):
         self.chat("bypassing words")
         self.assertEqual(self.chat("bypassing words")[1], ["hit"])
         self.assertEqual(self.chat("bypassing words", stream=True)[1], None)
-        self.assertEqual(self.sent(), 5)
+        # (the JSON answer is decoded by /completion: blazar.gateway.jsonanswer)
+        self.assertEqual((self.sent(), self.sent("/completion")), (4, 1))
 
     def test_a_failing_embedding_leaves_the_call_uncached(self) -> None:
         self.app.embed_status = 500

@@ -9,6 +9,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields, beta_values
+from blazar.testing import FakeSupervisor, fake_engine_app
+
+from tests.web.gateway import MemoryGateway
 
 
 def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyRequest:
@@ -70,3 +73,24 @@ class HostileRequestTests(SynchronousTestCase):
         header = r.responseHeaders.getRawHeaders(IGNORED_HEADER)[0]
         self.assertLessEqual(len(header), 1100)
         self.assertTrue(any("936" in str(e.get("count", "")) for e in self.events))
+
+
+class SurfaceTests(SynchronousTestCase):
+    """
+    What a client sees in C{x-blazar-ignored}, through the real surfaces.
+    """
+
+    def test_anthropic_tool_fields(self) -> None:
+        """
+        A per-tool field Blazar accepts but does not act on (here
+        C{eager_input_streaming}, sent by a TypeScript SDK on each tool) is
+        named in the header, once, as C{tools.FIELD}.
+        """
+        gateway = MemoryGateway(self, FakeSupervisor(["m:latest"]), fake_engine_app("m:latest"))
+        tool = {"input_schema": {"type": "object"}, "eager_input_streaming": True}
+        code, headers, body = gateway.post("/v1/messages", {
+            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+            "tools": [{"name": "f", **tool}, {"name": "g", **tool}],
+        })
+        self.assertEqual(code, 200, body)
+        self.assertEqual(headers.getRawHeaders(IGNORED_HEADER), [b"tools.eager_input_streaming"])

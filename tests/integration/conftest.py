@@ -1,9 +1,41 @@
-from typing import Iterator
+from typing import Any, Iterator
 
 import pytest
 
 from blazar.models.testmodel import GeneratedModel, make_test_model
+from tests.integration import strictwire
 from tests.integration.harness import Daemon, engine_binary
+
+
+@pytest.fixture(scope="package", autouse=True)
+def _strict_json() -> Iterator[None]:
+    """
+    Every JSON the suite reads is read strictly (issue 35): C{json.loads},
+    whoever calls it (a test, the harness, an SDK), refuses NaN, Infinity
+    and numbers beyond a double (L{strictwire.strict_loads}). For this
+    package only: the unit tests that run after it in the same session
+    (./dev.sh test runs all of tests/) keep Python's own C{json.loads}.
+    """
+    with strictwire.strict_json_loads():
+        yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    """
+    A test that passed fails if JSON it read was refused as not strict
+    where a library caught the refusal (the openai SDK reads an error body
+    under C{except Exception}) and went on.
+    """
+    try:
+        result = yield
+    except BaseException:
+        strictwire.REFUSED.clear()
+        raise
+    refused, strictwire.REFUSED[:] = list(strictwire.REFUSED), []
+    if refused:
+        raise AssertionError("read, refused and the refusal caught:\n" + "\n".join(refused))
+    return result
 
 
 @pytest.fixture(scope="session")

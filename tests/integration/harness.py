@@ -21,6 +21,7 @@ import pytest
 
 from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound, find_binary
+from tests.integration.strictwire import strict_loads
 
 
 def engine_binary() -> str:
@@ -160,14 +161,15 @@ class Daemon:
     def post_json(self, path: str, body: Any, timeout: float = 120.0) -> tuple[int, Any]:
         status, _, data = self.request("POST", path, body, timeout)
         try:
-            return status, json.loads(data)
+            return status, strict_loads(data)
         except ValueError:
             raise AssertionError(f"{status}: not JSON: {data[:500]!r}") from None
 
     def stream(self, path: str, body: Any, timeout: float = 120.0) -> Iterator[tuple[str, float]]:
         """
         Yield each SSE C{data:} payload with the monotonic time it arrived.
-        Raises AssertionError if the status is not 200.
+        Raises AssertionError if the status is not 200, or if a payload
+        other than C{[DONE]} is not strict JSON (L{strict_loads}).
         """
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
@@ -179,7 +181,13 @@ class Daemon:
             for raw in resp:
                 line = raw.decode("utf-8").rstrip("\n")
                 if line.startswith("data: "):
-                    yield line[len("data: "):], time.monotonic()
+                    payload = line[len("data: "):]
+                    if payload != "[DONE]":
+                        try:
+                            strict_loads(payload)
+                        except ValueError:
+                            raise AssertionError(f"SSE data is not JSON: {payload[:500]!r}") from None
+                    yield payload, time.monotonic()
                 else:
                     assert line == "", f"unexpected SSE line {line!r}"
         finally:

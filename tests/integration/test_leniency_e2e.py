@@ -152,7 +152,7 @@ def test_anthropic_every_field(daemon: Daemon, models: dict[str, GeneratedModel]
         "messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "ephemeral"}}]},
                      {"role": "system", "content": "late"}],
         "stop_sequences": ["zzz"], "temperature": 1, "top_k": 5, "top_p": 1,
-        "tools": [{"name": "t", "input_schema": {"type": "object"}},
+        "tools": [{"name": "t", "input_schema": {"type": "object"}, "eager_input_streaming": True},
                   {"type": "web_search_20250305", "name": "web_search"}],
         "tool_choice": {"type": "auto"}, "thinking": {"type": "adaptive"}, "output_config": {"effort": "low"},
         "metadata": {"user_id": json.dumps({"session_id": "s1"})}, "service_tier": "auto",
@@ -163,7 +163,8 @@ def test_anthropic_every_field(daemon: Daemon, models: dict[str, GeneratedModel]
     assert status == 200, data
     assert json.loads(data)["type"] == "message"
     assert {"metadata", "service_tier", "context_management", "container", "mcp_servers", "inference_geo",
-            "cache_control", "tools:web_search", "anthropic-beta=context-management-2025-06-27"} == ignored(headers)
+            "cache_control", "tools.eager_input_streaming", "tools:web_search",
+            "anthropic-beta=context-management-2025-06-27"} == ignored(headers)
 
 
 def test_ollama_every_field(daemon: Daemon) -> None:

@@ -1,10 +1,13 @@
+import errno
+import os
 from pathlib import Path
 
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.models.registry import ModelNotFound, ModelRegistry, thd_scan
+from blazar.models.gguf_meta import GGUFError, GGUFMetadata, unreadable
+from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable, thd_scan
 from blazar.models.testmodel import make_test_model
 from blazar.testing import fake_process_reactor
 
@@ -84,6 +87,55 @@ class RegistryTests(SynchronousTestCase):
         meta = self.successResultOf(ensureDeferred(self.registry.metadata(entry)))
         self.assertEqual(meta.block_count, 3)
         self.assertEqual(len(reads), 2)
+
+
+class UnreadableModelTests(SynchronousTestCase):
+    """
+    A model whose file cannot be read is a L{ModelUnreadable} (a
+    L{GGUFError}): its message, which clients get, names the model and what
+    to check, not the file's path; C{log_detail} has the path.
+    """
+
+    def setUp(self) -> None:
+        self.dir = Path(self.mktemp()).absolute()
+        self.path = make_test_model(self.dir / "x.gguf").path
+        self.registry = ModelRegistry(parse_config(f'models_dir = "{self.dir}"'), fake_process_reactor())
+        self.entry = self.successResultOf(ensureDeferred(self.registry.resolve("x")))
+
+    def unreadable(self, call: object) -> ModelUnreadable:
+        f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)  # type: ignore[arg-type]
+        error = f.value
+        self.assertIsInstance(error, GGUFError)
+        self.assertTrue(str(error).startswith('model "x:latest": its file '), str(error))
+        self.assertNotIn(str(self.dir), str(error))
+        self.assertNotIn("x.gguf", str(error))
+        self.assertEqual((error.model, error.path, error.log_detail), ("x:latest", self.path, f"file {self.path}"))
+        return error
+
+    def test_no_read_permission(self) -> None:
+        """
+        The reader meets EACCES (as on a file of mode 000, unless root).
+        """
+        def read(path: Path, shards: tuple[Path, ...]) -> GGUFMetadata:
+            raise unreadable(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path)))
+
+        self.registry._read = read
+        error = self.unreadable(self.registry.metadata(self.entry))
+        self.assertEqual(str(error), 'model "x:latest": its file cannot be read (Permission denied); check the '
+                         "file's permissions: the daemon's user must be able to read it (the daemon log names "
+                         "the file)")
+
+    def test_not_gguf(self) -> None:
+        self.path.write_bytes(b"not a model" * 10)
+        self.assertIn("is not a readable GGUF file", str(self.unreadable(self.registry.metadata(self.entry))))
+
+    def test_gone(self) -> None:
+        """
+        A file gone since the scan: its metadata and its digest.
+        """
+        self.path.unlink()
+        for call in (self.registry.metadata(self.entry), self.registry.digest(self.entry)):
+            self.assertIn("moved or deleted", str(self.unreadable(call)))
 
 
 class HubNameTests(SynchronousTestCase):

@@ -8,14 +8,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from blazar.config import parse_config
+from blazar.config import Config, parse_config
 from blazar.gateway.admission import Admission
 from blazar.gateway.context import RequestContext, context_of
 from blazar.gateway.engine_proxy import EngineProxy
@@ -59,13 +59,19 @@ class MemoryGateway:
     C{<name>.gguf}) from C{supervisor}, whose children are C{engine_app}
     (a Klein app, e.g. L{blazar.testing.fake_engine_app}).
 
+    @param supervise: Makes the supervisor from the gateway's config,
+        registry and reactor, in place of C{supervisor} (the real
+        L{blazar.engines.supervisor.Supervisor}, whose children are fakes of
+        the reactor's).
+    @ivar root: The C{models_dir}, an absolute path.
     @ivar client: A StubTreq client of the whole router.
     @ivar engine: The StubTreq the children are served by.
     """
 
     def __init__(
-        self, test: SynchronousTestCase, supervisor: FakeSupervisor, engine_app: Any,
+        self, test: SynchronousTestCase, supervisor: FakeSupervisor | None, engine_app: Any,
         models: tuple[str, ...] = ("m",), config: str = "", admission: bool = False,
+        supervise: Callable[[Config, ModelRegistry, Any], Any] | None = None,
     ) -> None:
         root = Path(test.mktemp()).absolute()
         for seed, name in enumerate(models):
@@ -74,7 +80,10 @@ class MemoryGateway:
         parsed = parse_config(f'models_dir = "{root}"\n{config}')
         self.engine = StubTreq(engine_app.resource())
         self.registry = ModelRegistry(parsed, self.reactor)
+        if supervise is not None:
+            supervisor = supervise(parsed, self.registry, self.reactor)
         self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), self.reactor, self.registry)  # type: ignore[arg-type]
+        self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
         self.capture = Capture(SurfaceRouter(

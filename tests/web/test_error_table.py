@@ -14,6 +14,7 @@ preflight and admission ran.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,7 +32,7 @@ from blazar.gateway.errors import (
 from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
-from blazar.models.registry import ModelChangeError, ModelNotFound
+from blazar.models.registry import ModelChangeError, ModelNotFound, ModelUnreadable
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
 
 from tests.web.gateway import MemoryGateway
@@ -84,7 +85,9 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
      "engine_error", "engine_not_found"),
     (LaneError("st:latest", "no engine lane serves safetensors"), (502, 500), None, "engine_not_found",
      "engine_error", "no_engine_lane"),
-    (GGUFError("m.gguf: truncated"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
+    (GGUFError(Path("m.gguf"), "is truncated"), (502, 500), None, "engine_error", "engine_error", "engine_error"),
+    (ModelUnreadable("m:latest", GGUFError(Path("/srv/models/m.gguf"), "cannot be read (Permission denied)")),
+     (502, 500), None, "engine_error", "engine_error", "engine_error"),
     (EngineRejected(400, "bad grammar"), (400, 400), None, None, "invalid_request_error", None),
     (EngineRejected(404, "no such slot"), (404, 400), None, None, "invalid_request_error", None),
     (EngineRejected(501, "no FIM tokens"), (400, 400), None, None, "invalid_request_error", None),
@@ -151,6 +154,7 @@ class ErrorTableTests(SynchronousTestCase):
                 else:
                     self.assertIn(message, text, where)
                 self.assertNotIn("secret internals", text, where)
+                self.assertNotIn("/srv/models", text, where)  # a server's paths: its log only
         self.assertEqual(len(self.flushLoggedErrors(Bug)), len(SURFACES))
 
     def test_nan_is_refused_on_every_surface(self) -> None:

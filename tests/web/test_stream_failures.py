@@ -21,7 +21,7 @@ from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
-from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
@@ -138,7 +138,8 @@ class StreamFailureTests(SynchronousTestCase):
 
     def test_domain_errors_at_the_load_end_the_stream(self) -> None:
         for failure, message in [
-            (GGUFError(f"{self.gguf}: truncated GGUF file (wanted 8 bytes at 99328)"), "truncated GGUF"),
+            (ModelUnreadable("m:latest", GGUFError(self.gguf, "is not a readable GGUF file (truncated GGUF file, "
+                                                    "wanted 8 bytes at 99328)")), "truncated GGUF"),
             (ModelNotFound("m", []), "m"),
             (EngineNotFound("no llama-server found; set BLAZAR_ENGINE"), "BLAZAR_ENGINE"),
         ]:
@@ -191,7 +192,8 @@ class StreamFailureTests(SynchronousTestCase):
             self.assertGreater(len(lines), 1, path)
         self.assertEqual(len(self.flushLoggedErrors(Bug)), 3)
         # a load that fails comes before the 200: an error status, as before
-        self.supervisor.failure = GGUFError(f"{self.gguf}: truncated GGUF file")
+        self.supervisor.failure = ModelUnreadable("m:latest", GGUFError(self.gguf, "is truncated"))
         status, _, data = self.post("/api/chat", {"model": "m", "messages": HELLO})
         self.assertEqual(status, 502)
         self.assertIn("truncated", json.loads(data)["error"])
+        self.assertNotIn(str(self.gguf), json.loads(data)["error"])

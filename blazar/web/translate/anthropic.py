@@ -330,6 +330,10 @@ def request_to_openai(
                 raise AnthropicRequestError(f"tools.{i}.name: Field required")
             if "cache_control" in t:
                 ignored.append("cache_control")
+            if "eager_input_streaming" in t:
+                # a per-tool switch for how its input streams: Blazar streams every
+                # tool's input the one way, asked or not
+                ignored.append("tools.eager_input_streaming")
             schema = t.get("input_schema")
             if not isinstance(schema, dict):
                 raise AnthropicRequestError(f"tools.{i}.input_schema: Field required")

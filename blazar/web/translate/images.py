@@ -96,7 +96,9 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
             raise BadRequest("'negative_prompt' must be a string", "negative_prompt")
         _text(negative, "negative_prompt")
         extra["negative_prompt"] = negative
-    engine["prompt"] = prompt + (f"<sd_cpp_extra_args>{json.dumps(extra, allow_nan=False)}</sd_cpp_extra_args>" if extra else "")
+    if extra:
+        prompt += f"<sd_cpp_extra_args>{json.dumps(extra, allow_nan=False)}</sd_cpp_extra_args>"
+    engine["prompt"] = prompt
     return engine, response_format, [name for name in IGNORED if name in body]
 
 

@@ -208,6 +208,28 @@ class RequestTests(SynchronousTestCase):
                 tr.request_to_openai(body)
             self.assertTrue(str(cm.exception).startswith(field), str(cm.exception))
 
+    def test_eager_input_streaming_is_named(self) -> None:
+        """
+        C{eager_input_streaming}, which a TypeScript SDK sets on each tool,
+        is accepted and named once as C{tools.eager_input_streaming}
+        (nested fields are C{parent.child}); the tool itself is offered.
+        """
+        tool = {"name": "f", "input_schema": {"type": "object"}}
+        ignored: list[str] = []
+        out, _ = tr.request_to_openai({
+            "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
+            "tools": [{**tool, "eager_input_streaming": True}, {**tool, "name": "g", "eager_input_streaming": False}],
+        }, ignored=ignored)
+        self.assertEqual(set(ignored), {"tools.eager_input_streaming"})
+        self.assertEqual([t["function"] for t in out["tools"]], [
+            {"name": "f", "description": "", "parameters": {"type": "object"}},
+            {"name": "g", "description": "", "parameters": {"type": "object"}},
+        ])
+        ignored = []
+        tr.request_to_openai({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
+                              "tools": [tool]}, ignored=ignored)
+        self.assertEqual(ignored, [])
+
     def test_sse_event_line_matches_type(self) -> None:
         raw = tr.sse_event("ping", {"type": "ping"})
         self.assertEqual(raw, b'event: ping\ndata: {"type":"ping"}\n\n')

@@ -1,0 +1,167 @@
+"""
+Strict JSON, both ways (issue 35): every C{json.dumps}, C{json.dump} and
+C{json.JSONEncoder} in blazar/ passes C{allow_nan=False}, so a NaN or an
+infinity is refused where Blazar writes it rather than sent as C{NaN} or
+C{Infinity}, which no strict parser reads; and L{blazar.strictjson.loads}
+refuses them where Blazar reads them.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from twisted.trial.unittest import SynchronousTestCase
+
+import blazar
+from blazar import strictjson
+
+PACKAGE = Path(blazar.__file__).parent
+WRITERS = frozenset({"dumps", "dump", "JSONEncoder"})
+
+
+def lenient_writes(source: str) -> list[int]:
+    """
+    The lines of C{source} that call C{json.dumps}, C{json.dump} or
+    C{json.JSONEncoder} without C{allow_nan=False}, however C{json} or the
+    name was imported. A call that passes C{**kwargs} is counted: whether it
+    allows NaN cannot be read from the source.
+    """
+    tree = ast.parse(source)
+    modules = {"json"}
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.asname or a.name for a in node.names if a.name == "json"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "json":
+            names |= {a.asname or a.name for a in node.names if a.name in WRITERS}
+    lines = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        f = node.func
+        writer = (
+            isinstance(f, ast.Attribute) and f.attr in WRITERS
+            and isinstance(f.value, ast.Name) and f.value.id in modules
+        ) or (isinstance(f, ast.Name) and f.id in names)
+        strict = any(
+            k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False
+            for k in node.keywords
+        )
+        if writer and not strict:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+class LenientWritesTests(SynchronousTestCase):
+    def test_detector(self) -> None:
+        """
+        The detector finds each way of writing JSON that may allow NaN, and
+        passes the strict ones.
+        """
+        source = "\n".join([
+            "import json",
+            "import json as j",
+            "from json import dumps, dump as d, JSONEncoder",
+            "json.dumps(v)",  # 4
+            "json.dumps(v, allow_nan=False)",
+            "json.dump(v, f, allow_nan=True)",  # 6
+            "j.dumps(v)",  # 7
+            "dumps(v)",  # 8
+            "d(v, f)",  # 9
+            "JSONEncoder()",  # 10
+            "json.JSONEncoder(allow_nan=False)",
+            "json.dumps(v, **options)",  # 12
+            "json.loads(t)",
+            "other.dumps(v)",
+            "json.dumps(\n    v,\n    allow_nan=False,\n)",
+        ])
+        self.assertEqual(lenient_writes(source), [4, 6, 7, 8, 9, 10, 12])
+
+    def test_every_write_refuses_nan(self) -> None:
+        """
+        No module in blazar/ writes JSON that may hold C{NaN} or C{Infinity}.
+        """
+        offenders = [
+            f"{path.relative_to(PACKAGE.parent)}:{line}"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            for line in lenient_writes(path.read_text(encoding="utf-8"))
+        ]
+        self.assertEqual(offenders, [], "json writes without allow_nan=False")
+
+
+class LoadsTests(SynchronousTestCase):
+    """
+    L{strictjson.loads} reads RFC 8259 JSON only.
+    """
+
+    REFUSED = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1E400", "123456789e999"]
+
+    def test_refused(self) -> None:
+        """
+        The non-numbers Python reads, and numbers that overflow a double,
+        are refused with L{strictjson.NotStrictJSON}, a C{ValueError},
+        alone or deep inside a document, as text or as bytes.
+        """
+        for word in self.REFUSED:
+            for text in (word, f'{{"a": [1, {{"b": {word}}}]}}', f"[{word}]"):
+                for value in (text, text.encode("utf-8")):
+                    with self.subTest(value=value):
+                        e = self.assertRaises(strictjson.NotStrictJSON, strictjson.loads, value)
+                        self.assertIsInstance(e, ValueError)
+
+    def test_message_names_the_value(self) -> None:
+        """
+        The error says which value is not JSON.
+        """
+        e = self.assertRaises(strictjson.NotStrictJSON, strictjson.loads, '{"x": -Infinity}')
+        self.assertIn("-Infinity", str(e))
+        e = self.assertRaises(strictjson.NotStrictJSON, strictjson.loads, "[1e999]")
+        self.assertIn("1e999", str(e))
+
+    def test_finite(self) -> None:
+        """
+        Finite numbers, up to the largest double, are read as Python reads
+        them; so is everything else JSON holds.
+        """
+        self.assertEqual(strictjson.loads("1e308"), 1e308)
+        self.assertEqual(strictjson.loads("-1.7976931348623157e308"), -1.7976931348623157e308)
+        self.assertEqual(strictjson.loads("1.5"), 1.5)
+        self.assertEqual(strictjson.loads("5e-324"), 5e-324)
+        self.assertEqual(strictjson.loads("1e-999"), 0.0)  # underflow is finite
+        self.assertEqual(strictjson.loads("12345678901234567890"), 12345678901234567890)
+        self.assertEqual(
+            strictjson.loads('{"a": [1, 2.5, {"b": null, "c": true}], "d": "NaN Infinity"}'),
+            {"a": [1, 2.5, {"b": None, "c": True}], "d": "NaN Infinity"},
+        )
+
+    def test_bytes(self) -> None:
+        """
+        Bytes are read in whichever UTF encoding RFC 8259 allows, as
+        C{json.loads} reads them.
+        """
+        for encoding in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
+            with self.subTest(encoding=encoding):
+                self.assertEqual(strictjson.loads('{"é": 1.5}'.encode(encoding)), {"é": 1.5})
+        self.assertEqual(strictjson.loads(bytearray(b"[1]")), [1])
+
+    def test_not_json(self) -> None:
+        """
+        Text that is not JSON at all is a C{ValueError}, as with C{json}.
+        """
+        for text in ("", "{", "nan", "[1,]", b"\xff\xfe\x00"):
+            with self.subTest(text=text):
+                self.assertRaises(ValueError, strictjson.loads, text)
+
+
+class IsFiniteTests(SynchronousTestCase):
+    def test_is_finite(self) -> None:
+        """
+        L{strictjson.is_finite} looks into lists and objects for a float
+        that is not finite.
+        """
+        self.assertTrue(strictjson.is_finite({"a": [1, 1.5, "inf", None, {"b": 1e308}]}))
+        for bad in (float("nan"), float("inf"), -float("inf")):
+            for value in (bad, [bad], {"a": [{"b": bad}]}):
+                with self.subTest(value=value):
+                    self.assertFalse(strictjson.is_finite(value))
