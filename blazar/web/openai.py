@@ -472,6 +472,13 @@ class OpenAISurface:
             if not options.get("include_usage"):
                 hide_usage = changed = True
                 body["stream_options"] = {**options, "include_usage": True}
+        # logprobs with tools in a stream: llama-server loses those of the
+        # text its tool-call parser holds back, so the answer is asked whole
+        # and streamed from it (blazar.web.translate.chat_logprobs)
+        top = chat_logprobs.tool_stream_logprobs(body) if kind == "chat" and stream else None
+        client_usage = bool((body.get("stream_options") or {}).get("include_usage")) and not hide_usage
+        if top is not None:
+            body, changed = chat_logprobs.whole_body(body), True
         if kind == "completion":
             work = WorkClass.RAW_LONG
         elif kind == "chat" and body.get("tools"):
@@ -505,7 +512,8 @@ class OpenAISurface:
             return lambda: pinger.stop() if pinger.running else None
 
         call = Call(
-            "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream,
+            "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream and top is None,
+            client_stream=True if top is not None else None,
             keep_alive=keep_alive, max_tokens=None if kind == "embedding" else max_tokens_of(body),
             work=work, rewrite=rewrite, on_send=on_send,
             names=("max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
@@ -516,6 +524,16 @@ class OpenAISurface:
             async with self._pipeline.open(request, call) as reply:
                 fix = fixes[0] if fixes else None
                 renamer = ModelRenamer(reply.model, model)
+                if top is not None:
+                    payload = await reply.read()
+                    tokens = usage_of_reply(payload)
+                    if tokens is not None:
+                        reply.usage(*tokens)
+                    chunks = chat_logprobs.stream_of(json.loads(payload), top, client_usage)
+                    if not headers_out:
+                        self._sse_headers(request)
+                    request.write(renamer.rename(chat_logprobs.encode(chunks)))
+                    return None
                 if stream:
                     await self._relay_stream(request, reply, renamer, hide_usage, fix)
                     return None
@@ -539,17 +557,11 @@ class OpenAISurface:
     ) -> EngineFix | None:
         """
         The L{EngineFix} a request needs, if any: every completion (its
-        stream's usage chunk; legacy C{logprobs}; C{echo}), and a streamed
-        chat with C{tools} and C{logprobs}.
+        stream's usage chunk; legacy C{logprobs}; C{echo}). (A streamed chat
+        with C{tools} and C{logprobs} is asked whole: L{_forward}.)
 
         @raise BadRequest: A malformed C{logprobs} or C{echo}.
         """
-        if kind == "chat" and stream:
-            top = chat_logprobs.tool_stream_logprobs(body)
-            if top is None:
-                return None
-            fixer = chat_logprobs.ToolStreamLogprobs(top)
-            return EngineFix(chat_logprobs.engine_body(body, top), rewrite=fixer.event)
         if kind != "completion":
             return None
         plan = completions.plan_completion(body)

@@ -5,23 +5,21 @@ pinned llama-server refuses with 400 ("logprobs is not supported with tools
 
 Why it refuses: with tools, its chat parser holds text back while it could
 still be the start of a tool call, and a token whose text is held produces
-no chunk, so its logprobs are never sent; text released later comes in one
-chunk with only the last token's logprobs, and a token that starts a tool
-call puts its logprobs on the tool-call chunk. Its logprobs would no longer
-line up with the text.
+no chunk, so its logprobs are never sent (C{send_partial_response} makes no
+event when the parsed message did not change); text released later comes in
+one chunk with only the last token's logprobs. Asked with C{n_probs}
+instead, the stream's chunks carry logprobs, but those of held text are
+lost (issue 35: content chunks with C{logprobs: null}).
 
-What Blazar does: the engine gets the request without C{logprobs} and
-C{top_logprobs} but with C{n_probs} (llama.cpp's own field, which that check
-does not look at), so every chunk it sends for a token carries that token's
-logprobs in OpenAI's chat shape (C{{content: [{id, token, bytes, logprob,
-top_logprobs}]}}). Then, chunk by chunk:
-  - a content chunk whose text is its tokens' text (up to how many U+FFFD
-    stand for bytes that are not UTF-8) keeps them
-    (C{top_logprobs} cut to the client's count), with C{refusal: null}, as
-    OpenAI's chat chunk has it;
-  - any other chunk (the role chunk, tool-call chunks, reasoning chunks,
-    the finishing chunk, content whose tokens were held back and lost) gets
-    C{logprobs: null}.
+What Blazar does: the engine is asked for the whole answer (not streamed,
+where it gives every generated token's logprobs), and the client gets the
+stream of that answer (L{stream_of}): the role chunk, a chunk per content
+token with that token's logprobs (C{top_logprobs} cut to the client's
+count, C{refusal: null}), the reasoning, a chunk per tool call, the
+finishing chunk (with llama-server's C{timings}), the usage chunk if asked.
+Tokens that are not the content's (the tool-call markup the engine parsed
+away) have no logprobs, as OpenAI's tool-call chunks have none. The price:
+the first chunk comes when the answer is done.
 Pure: no reactor, no I/O.
 
 Source: OpenAI's API reference, "The chat completion chunk object":
@@ -31,7 +29,6 @@ top_logprobs: [{token, logprob, bytes}]}] | null, refusal: ... | null}}.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any
 
@@ -53,26 +50,22 @@ def tool_stream_logprobs(body: dict[str, Any]) -> int | None:
     return top if isinstance(top, int) and not isinstance(top, bool) and top > 0 else 0
 
 
-def engine_body(body: dict[str, Any], top: int) -> dict[str, Any]:
+def whole_body(body: dict[str, Any]) -> dict[str, Any]:
     """
-    The body the engine gets instead: C{logprobs} and C{top_logprobs} out,
-    C{n_probs} in (at least 1: the engine sends no logprobs at 0).
+    The body the engine gets instead: the same request, not streamed.
     """
-    out = {k: v for k, v in body.items() if k not in ("logprobs", "top_logprobs")}
-    out["n_probs"] = max(top, 1)
-    return out
+    return {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
 
 
 _REPLACED = re.compile("\ufffd+")
 
 
-def _same_text(tokens: str, content: str) -> bool:
+def _normal(text: str) -> str:
     """
-    Whether C{content} is the text of C{tokens}, up to how bytes that are
-    not UTF-8 were replaced: the engine's parser and its token text can
-    write a different number of U+FFFD for the same bytes.
+    C{text} with each run of U+FFFD as one: the engine's parser and its
+    token text can write a different number of them for the same bytes.
     """
-    return tokens == content or _REPLACED.sub("\ufffd", tokens) == _REPLACED.sub("\ufffd", content)
+    return _REPLACED.sub("\ufffd", text)
 
 
 def _entry(entry: dict[str, Any], top: int) -> dict[str, Any]:
@@ -82,65 +75,91 @@ def _entry(entry: dict[str, Any], top: int) -> dict[str, Any]:
     return kept
 
 
-class ToolStreamLogprobs:
+def content_pieces(content: str, entries: list[Any]) -> list[tuple[str, list[dict[str, Any]]]]:
     """
-    Puts OpenAI's C{logprobs} on each chunk of such a stream (see the
-    module's docstring).
-
-    @ivar filled: Content chunks that got their logprobs.
-    @ivar unfilled: Content chunks that got C{null} (their tokens were not
-        all sent by the engine).
+    C{content} cut into pieces, each with the logprobs entries of its
+    tokens: one piece per token while the tokens' text spells the content;
+    where it does not (U+FFFD runs of another length), the rest of the
+    content in one piece with the entries that spell it (up to those runs).
+    Entries after the content (tool-call markup) are left out.
     """
+    pieces: list[tuple[str, list[dict[str, Any]]]] = []
+    pos = 0
+    tokens = [e for e in entries if isinstance(e, dict) and isinstance(e.get("token"), str)]
+    pending: list[dict[str, Any]] = []  # tokens with no text of their own (part of a character)
+    for i, e in enumerate(tokens):
+        token = e["token"]
+        if pos >= len(content):
+            if token or not pieces:
+                break
+            pieces[-1][1].append(e)  # (the bytes of a character the answer ends inside)
+            continue
+        if not token:
+            pending.append(e)
+            continue
+        if content.startswith(token, pos):
+            pieces.append((token, pending + [e]))
+            pending = []
+            pos += len(token)
+            continue
+        # the rest, with the entries whose text (U+FFFD runs as one) it begins with
+        rest, spelled = _normal(content[pos:]), ""
+        kept: list[dict[str, Any]] = pending
+        for later in tokens[i:]:
+            candidate = _normal(spelled + later["token"])
+            if not rest.startswith(candidate):
+                break
+            spelled, kept = candidate, kept + [later]
+        pieces.append((content[pos:], kept))
+        pos = len(content)
+        break
+    if pos < len(content):
+        pieces.append((content[pos:], pending))
+    return pieces
 
-    def __init__(self, top: int) -> None:
-        self._top = top
-        self.filled = 0
-        self.unfilled = 0
 
-    def chunk(self, chunk: dict[str, Any]) -> dict[str, Any]:
-        """
-        One engine chunk with its C{logprobs} set.
-        """
-        choices = chunk.get("choices")
-        if not isinstance(choices, list) or not choices:
-            return chunk
-        out = []
-        for choice in choices:
-            if isinstance(choice, dict):
-                choice = {**choice, "logprobs": self._logprobs(choice)}
-            out.append(choice)
-        return {**chunk, "choices": out}
+def stream_of(answer: dict[str, Any], top: int, include_usage: bool) -> list[dict[str, Any]]:
+    """
+    A whole chat completion (the engine's, asked with C{logprobs}) as the
+    chunks of its stream (see the module's docstring).
 
-    def _logprobs(self, choice: dict[str, Any]) -> dict[str, Any] | None:
-        delta = choice.get("delta")
-        if not isinstance(delta, dict):
-            return None
-        content = delta.get("content")
-        if not isinstance(content, str) or not content or delta.get("tool_calls"):
-            return None
-        logprobs = choice.get("logprobs")
-        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-        if (
-            isinstance(entries, list) and entries
-            and all(isinstance(e, dict) and isinstance(e.get("token"), str) for e in entries)
-            and _same_text("".join(e["token"] for e in entries), content)
-        ):
-            self.filled += 1
-            return {"content": [_entry(e, self._top) for e in entries], "refusal": None}
-        self.unfilled += 1
-        return None
+    @param top: How many alternatives per token the client asked for.
+    """
+    base: dict[str, Any] = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint") if k in answer}
+    base["object"] = "chat.completion.chunk"
+    choices = answer.get("choices") or [{}]
+    choice: dict[str, Any] = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
+    found = choice.get("message")
+    message: dict[str, Any] = found if isinstance(found, dict) else {}
 
-    def event(self, payload: bytes) -> list[bytes]:
-        """
-        L{chunk} on one SSE C{data} payload (C{[DONE]} and anything that is
-        not a JSON object pass unchanged).
-        """
-        if payload == b"[DONE]":
-            return [payload]
-        try:
-            chunk = json.loads(payload)
-        except (ValueError, UnicodeDecodeError):
-            return [payload]
-        if not isinstance(chunk, dict):
-            return [payload]
-        return [dumps(self.chunk(chunk))]
+    def chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None,
+              **extra: Any) -> dict[str, Any]:
+        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                **extra}
+
+    out = [chunk({"role": "assistant", "content": None})]
+    reasoning = message.get("reasoning_content")
+    if isinstance(reasoning, str) and reasoning:
+        out.append(chunk({"reasoning_content": reasoning}))
+    content = message.get("content")
+    logprobs = choice.get("logprobs")
+    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if isinstance(content, str) and content:
+        for text, kept in content_pieces(content, entries if isinstance(entries, list) else []):
+            out.append(chunk({"content": text}, {"content": [_entry(e, top) for e in kept], "refusal": None}))
+    for i, call in enumerate(message.get("tool_calls") or []):
+        if isinstance(call, dict):
+            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+    timings = answer.get("timings")
+    out.append(chunk({}, None, choice.get("finish_reason") or "stop",
+                     **({"timings": timings} if isinstance(timings, dict) else {})))
+    if include_usage and isinstance(answer.get("usage"), dict):
+        out.append({**base, "choices": [], "usage": answer["usage"]})
+    return out
+
+
+def encode(chunks: list[dict[str, Any]]) -> bytes:
+    """
+    Chunks as SSE events, then C{[DONE]}.
+    """
+    return b"".join(b"data: " + dumps(c) + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"

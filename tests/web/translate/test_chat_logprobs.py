@@ -10,7 +10,6 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.web.sse import SSERewriter
 from blazar.web.translate import chat_logprobs as tr
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
@@ -36,18 +35,19 @@ HELD = entry("\ufffd\ufffd\ufffd\x1b", [245, 173, 193, 27], -2.5, ("?", [63], -1
 TOOL_START = entry("<tool_call>", [60, 116, 111, 111, 108, 95, 99, 97, 108, 108, 62], -9.58, ("\ufffd", [255], -1.78))
 QUOTE = entry('"', [34], -11.07, ("", [241], -0.37))
 
-STREAM = [
-    chunk({"role": "assistant", "content": None}),
-    chunk({"content": " hello"}, {"content": [HELLO]}),
-    chunk({"content": "\ufffd\ufffd\x1b"}, {"content": [HELD]}),
-    # text released by the parser: "<" was held (its logprobs never sent), then "a"
-    chunk({"content": "<a"}, {"content": [entry("a", [97], -3.0)]}),
-    chunk({"tool_calls": [{"index": 0, "id": "c1", "type": "function",
-                           "function": {"name": "get_weather", "arguments": "{"}}]},
-          {"content": [TOOL_START]}),
-    chunk({"tool_calls": [{"index": 0, "function": {"arguments": '"'}}]}, {"content": [QUOTE]}),
-    chunk({}, finish="tool_calls"),
-]
+LT = entry("<", [60], -2.0)
+A = entry("a", [97], -3.0)
+# a whole answer with tools, asked with logprobs (not streamed): every
+# generated token's logprobs, the tool-call markup's too
+ANSWER = {
+    "id": "chatcmpl-x", "created": 1, "model": "tiny", "system_fingerprint": "b0-unknown",
+    "object": "chat.completion", "timings": {"predicted_n": 6},
+    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
+        "role": "assistant", "content": " hello\ufffd\ufffd\x1b<a",
+        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+        "logprobs": {"content": [HELLO, HELD, LT, A, TOOL_START, QUOTE]}}],
+    "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11},
+}
 
 
 class PlanTests(SynchronousTestCase):
@@ -60,47 +60,43 @@ class PlanTests(SynchronousTestCase):
         self.assertIsNone(tr.tool_stream_logprobs({**base, "logprobs": False}))
         self.assertIsNone(tr.tool_stream_logprobs({k: v for k, v in base.items() if k != "tools"}))
 
-    def test_engine_body(self) -> None:
-        body = {"messages": [], "tools": TOOLS, "stream": True, "logprobs": True, "top_logprobs": 0}
-        self.assertEqual(tr.engine_body(body, 0), {"messages": [], "tools": TOOLS, "stream": True, "n_probs": 1})
-        self.assertIn("logprobs", body)  # the client's body is not changed
+    def test_the_engine_is_asked_for_the_whole_answer(self) -> None:
+        body = {"messages": [], "tools": TOOLS, "stream": True, "stream_options": {"include_usage": True},
+                "logprobs": True, "top_logprobs": 2}
+        self.assertEqual(tr.whole_body(body), {"messages": [], "tools": TOOLS, "logprobs": True, "top_logprobs": 2})
+        self.assertIn("stream", body)  # the client's body is not changed
 
 
-class ChunkTests(SynchronousTestCase):
+class StreamTests(SynchronousTestCase):
     def setUp(self) -> None:
-        self.fix = tr.ToolStreamLogprobs(1)
-        self.out = [self.fix.chunk(c)["choices"][0]["logprobs"] for c in STREAM]
+        self.chunks = tr.stream_of(ANSWER, 1, include_usage=True)
 
-    def test_content_chunks_keep_their_tokens(self) -> None:
-        self.assertEqual(self.out[1], {"content": [{**HELLO, "top_logprobs": HELLO["top_logprobs"][:1]}],
-                                       "refusal": None})
+    def test_every_content_token_keeps_its_logprobs(self) -> None:
+        content = [c["choices"][0] for c in self.chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+        self.assertEqual("".join(c["delta"]["content"] for c in content), ANSWER["choices"][0]["message"]["content"])
+        entries = [e for c in content for e in c["logprobs"]["content"]]
+        self.assertEqual([e["token"] for e in entries], [" hello", HELD["token"], "<", "a"])
+        self.assertTrue(all(len(e["top_logprobs"]) <= 1 for e in entries))
+        self.assertTrue(all(c["logprobs"]["refusal"] is None for c in content))
 
     def test_replacement_characters_may_differ(self) -> None:
-        self.assertEqual(self.out[2]["content"][0]["bytes"], [245, 173, 193, 27])
+        pieces = tr.content_pieces(" hello\ufffd\ufffd\x1b<a", [HELLO, HELD, LT, A])
+        self.assertEqual(pieces[0], (" hello", [HELLO]))
+        self.assertEqual(pieces[1], ("\ufffd\ufffd\x1b<a", [HELD, LT, A]))
 
-    def test_content_whose_tokens_were_lost_is_null(self) -> None:
-        self.assertIsNone(self.out[3])
-        self.assertEqual((self.fix.filled, self.fix.unfilled), (2, 1))
+    def test_the_markup_has_no_logprobs_and_the_rest_is_null(self) -> None:
+        shape = [(list(c["choices"][0]["delta"]) if c["choices"] else "usage",
+                  c["choices"][0]["logprobs"] is not None if c["choices"] else None) for c in self.chunks]
+        self.assertEqual(shape, [(["role", "content"], False), (["content"], True), (["content"], True),
+                                 (["tool_calls"], False), ([], False), ("usage", None)])
+        self.assertEqual(self.chunks[-2]["choices"][0]["finish_reason"], "tool_calls")
+        self.assertEqual(self.chunks[-2]["timings"], {"predicted_n": 6})
+        self.assertEqual(self.chunks[-1]["usage"]["completion_tokens"], 6)
 
-    def test_role_tool_call_and_finish_chunks_are_null(self) -> None:
-        self.assertEqual([self.out[i] for i in (0, 4, 5, 6)], [None] * 4)
-        for c in STREAM:
-            self.assertIn("logprobs", self.fix.chunk(c)["choices"][0])
-
-    def test_top_zero(self) -> None:
-        out = tr.ToolStreamLogprobs(0).chunk(STREAM[1])["choices"][0]["logprobs"]
-        self.assertEqual(out["content"][0]["top_logprobs"], [])
-
-    def test_through_the_rewriter(self) -> None:
-        raw = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in STREAM) + b"data: [DONE]\n\n"
-        out: list[bytes] = []
-        rewriter = SSERewriter(out.append, tr.ToolStreamLogprobs(2).event)
-        for i in range(0, len(raw), 7):
-            rewriter.feed(raw[i:i + 7])
-        rewriter.finish()
-        events = b"".join(out).split(b"\n\n")
+    def test_no_usage_unless_asked_and_done_at_the_end(self) -> None:
+        chunks = tr.stream_of(ANSWER, 0, include_usage=False)
+        self.assertTrue(all(c["choices"] for c in chunks))
+        events = tr.encode(chunks).split(b"\n\n")
         self.assertEqual(events[-2:], [b"data: [DONE]", b""])
-        chunks = [json.loads(e[6:]) for e in events[:-2]]
-        self.assertEqual([c["choices"][0]["delta"] for c in chunks], [c["choices"][0]["delta"] for c in STREAM])
-        self.assertEqual([c["choices"][0]["logprobs"] is not None for c in chunks],
-                         [False, True, True, False, False, False, False])
+        self.assertEqual([json.loads(e[6:]) for e in events[:-2]], chunks)
+        self.assertEqual(chunks[1]["choices"][0]["logprobs"]["content"][0]["top_logprobs"], [])
