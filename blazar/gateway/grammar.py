@@ -12,7 +12,9 @@ takes up to 4 free members), C{enum},
 C{const}, C{items} / C{minItems} / C{maxItems}, C{minLength} /
 C{maxLength}, integer C{minimum} / C{maximum} (a range of at most 256
 values is enumerated; a lower bound of 0 or more drops the sign), C{oneOf}
-/ C{anyOf}, local C{$ref} (C{#/$defs/...}, C{#/definitions/...}), and
+/ C{anyOf} (each branch with the keywords beside it; C{oneOf} read as
+C{anyOf}: a value two branches admit is admitted), local C{$ref}
+(C{#/$defs/...}, C{#/definitions/...}), and
 C{format} (read as a plain string). Anything else that constrains values
 (C{pattern}, C{allOf}, C{not}, C{if}, remote C{$ref}, ...) raises
 L{Unsupported} naming it: a grammar that ignored it would admit values the
@@ -33,7 +35,10 @@ UNSUPPORTED = ("pattern", "patternProperties", "allOf", "not", "if", "then", "el
                "multipleOf", "uniqueItems", "minProperties", "maxProperties")
 
 PRIMITIVES = {
-    "char": r'[^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" [0-9a-fA-F]{4})',
+    # one character each: a \u escape is never a lone surrogate (no UTF-8
+    # can carry it), and a pair of them is one character, as minLength counts
+    "char": r'[^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2} | '
+            r'[dD] [89abAB] [0-9a-fA-F]{2} "\\u" [dD] [c-fC-F] [0-9a-fA-F]{2}))',
     "integer": '"-"? ("0" | [1-9] [0-9]{0,15})',
     "natural": '"0" | [1-9] [0-9]{0,15}',
     "number": 'integer ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,2})?',
@@ -126,8 +131,9 @@ class Grammar:
                 if not isinstance(options, list) or not options:
                     raise Unsupported(f"{where}: {key} must be a non-empty array")
                 base = {k: v for k, v in schema.items() if k != key}
-                return "(" + " | ".join(self.value({**base, **o} if isinstance(o, dict) else o, f"{where}/{key}/{i}",
-                                                   depth + 1) for i, o in enumerate(options)) + ")"
+                at = [f"{where}/{key}/{i}" for i in range(len(options))]
+                return "(" + " | ".join(self.value(_branch(base, o, w), w, depth + 1)
+                                        for o, w in zip(options, at)) + ")"
         kind = schema.get("type")
         if isinstance(kind, list):
             return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kind) + ")"
@@ -183,9 +189,13 @@ class Grammar:
         lo = None if low is None else math.ceil(low)
         top = None if high is None else math.floor(high)
         fraction = '("." [0-9]{1,6})?'
-        if top is not None and lo is not None and top - 1 < lo:
+        # a fraction moves a value away from zero: up from a whole part of
+        # 0 or more, down from a negative one
+        first = None if lo is None else lo + 1 if lo < 0 else lo
+        last = None if top is None else top - 1 if top >= 0 else top
+        if first is not None and last is not None and last < first:
             return int_range(lo, top, where)  # no room for a fraction
-        whole = int_range(lo, None if top is None else top - 1, where)
+        whole = int_range(first, last, where)
         return f"({whole} {fraction})"
 
     def _array(self, schema: dict[str, Any], where: str, depth: int) -> str:
@@ -206,10 +216,16 @@ class Grammar:
         properties = schema.get("properties")
         given = schema.get("required")
         required_list: list[Any] = given if isinstance(given, list) else []
-        if not properties and required_list:
-            # required names, values of any shape
-            properties = {name: schema.get("additionalProperties") if isinstance(
-                schema.get("additionalProperties"), dict) else {} for name in required_list if isinstance(name, str)}
+        declared = properties if isinstance(properties, dict) else {}
+        missing = [k for k in required_list if isinstance(k, str) and k not in declared]
+        if missing and (declared or not properties):
+            # required names that are not properties: additional members, of
+            # additionalProperties' shape (any, if it gives none)
+            extra = schema.get("additionalProperties")
+            if extra is False:
+                raise Unsupported(f"{where}: required {missing[0]!r} is not a property, and additionalProperties "
+                                  "is false")
+            properties = {**declared, **{k: extra if isinstance(extra, dict) else {} for k in missing}}
         if not properties:
             # only what is declared, unless more is asked for explicitly (as
             # llama.cpp's own converter reads it): a tool without
@@ -292,6 +308,43 @@ class Grammar:
         lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
         lines += [f"{name} ::= {PRIMITIVES[name]}" for name in sorted(self._used)]
         return "\n".join(lines) + "\n"
+
+
+def _branch(base: dict[str, Any], option: Any, where: str) -> Any:
+    """
+    One branch of a C{oneOf} / C{anyOf} with the keywords beside it
+    (C{base}), which hold for it too: the branch's keywords over the
+    sibling ones, except those of an object, which both sides constrain:
+    C{required} (both lists), C{properties} (a name of one side kept where
+    the other side lets any value in as an additional property; a name in
+    both takes the branch's schema, read as narrowing the sibling one) and
+    C{additionalProperties} (the one that is not C{true}; C{false} if both
+    are, and differ).
+
+    @raise Unsupported: A required name that one side declares and the
+        other refuses or constrains as an additional property.
+    """
+    if not isinstance(option, dict):
+        return option
+    merged = {**base, **option}
+    extras = [s["additionalProperties"] for s in (base, option)
+              if s.get("additionalProperties", True) not in (True, {})]
+    if extras:
+        merged["additionalProperties"] = extras[0] if extras[-1] == extras[0] else False
+    if isinstance(base.get("required"), list) and isinstance(option.get("required"), list):
+        merged["required"] = list(dict.fromkeys(base["required"] + option["required"]))
+    ours: dict[str, Any] = base["properties"] if isinstance(base.get("properties"), dict) else {}
+    theirs: dict[str, Any] = option["properties"] if isinstance(option.get("properties"), dict) else {}
+    every = {**ours, **theirs}
+    if every:
+        merged["properties"] = {k: v for k, v in every.items()
+                                if (k in ours or base.get("additionalProperties", True) in (True, {}))
+                                and (k in theirs or option.get("additionalProperties", True) in (True, {}))}
+        for name in merged.get("required") or []:
+            if name in every and name not in merged["properties"]:
+                raise Unsupported(f"{where}: required {name!r} is a property on one side and an additional "
+                                  "one, constrained, on the other")
+    return merged
 
 
 def _bounds(schema: dict[str, Any], where: str, integral: bool) -> tuple[float | None, float | None]:
