@@ -1064,6 +1064,42 @@ class Pipeline:
         )
         return noted, lease, response
 
+    async def _tools_seen(self, call: Call) -> None:
+        """
+        Tools offered to a model whose chat template renders none
+        (SmolLM2's, a base model's): the model would never see them, and
+        the answer would be made as if none were offered. Refused, as
+        Ollama does, unless the call is forced (C{tool_choice} required or
+        a named function: Blazar's grammar makes the call on any model,
+        L{blazar.gateway.toolcalls}) or C{tool_choice} is C{none}. A
+        template the operator gives llama-server (C{--chat-template*} in
+        C{args}) is not the GGUF's: not judged.
+
+        @raise UnsupportedByModel: Naming the capability and the fixes.
+        """
+        tools = call.body.get("tools")
+        if call.kind is not CallKind.CHAT or not isinstance(tools, list) or not tools:
+            return
+        if call.body.get("tool_choice") == "none" or self._forced_call(call) is not None:
+            return
+        entry = call.entry
+        if entry is None or entry.format != "gguf" or self._registry is None:
+            return
+        args = (*self._config().llamacpp.args, *entry.settings.args)
+        if any(a.startswith("--chat-template") or a.startswith("--jinja-template") for a in args):
+            return
+        try:
+            meta = await self._registry.metadata(entry)
+        except Exception:
+            return  # unreadable: the child's start says why
+        if "tools" in template_capabilities(meta.chat_template):
+            return
+        raise UnsupportedByModel(
+            f"model {call.model!r} does not support tools: its chat template renders none, so the model would "
+            "never see them. Use a model whose template supports tools, give this one such a template "
+            f'(args = ["--chat-template-file", "..."] under [models."{entry.name}"]), or force the call with '
+            'tool_choice ("required" or a named function; Blazar\'s grammar makes the call on any model)')
+
     def _forced_call(self, call: Call) -> Forced | None:
         """
         The forced tool call a chat call asks for (C{tool_choice} required
@@ -1127,6 +1163,8 @@ class Pipeline:
         else:
             call.lane = None
         await self._purpose(call)
+        if call.lane is None:
+            await self._tools_seen(call)
         if call.lane is None and call.kind is CallKind.CHAT \
                 and await self._proxy.place_system_messages(call.model, call.body):
             call.raw = None

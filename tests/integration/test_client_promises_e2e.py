@@ -18,7 +18,7 @@ import pytest
 
 from blazar import strictjson
 from blazar.models.testmodel import THINKING_CHAT_TEMPLATE, make_test_model
-from tests.integration.harness import Daemon
+from tests.integration.harness import Daemon, real_model
 
 EMIT = {"name": "emit", "description": "Emit a long text",
         "input_schema": {"type": "object", "properties": {"text": {"type": "string", "minLength": 200}},
@@ -38,6 +38,28 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
         f'models_dir = "{models}"\n'
         '[models."tiny"]\nparallel = 2\n[models."thinker"]\nparallel = 1\n'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    yield d
+    code = d.stop()
+    d.kill_everything()
+    assert code in (0, -signal.SIGTERM)
+
+
+@pytest.fixture(scope="module")
+def smol(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    """
+    A daemon serving SmolLM2-135M-Instruct as C{smollm}: a real instruct
+    model whose ChatML template renders no tools.
+    """
+    root = tmp_path_factory.mktemp("smol")
+    models = root / "models"
+    models.mkdir()
+    (models / "smollm.gguf").symlink_to(real_model())
+    d = Daemon(root, (
+        f'models_dir = "{models}"\n'
+        '[models."smollm"]\nparallel = 1\nctx_size = 2048\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
     ))
     d.start()
     yield d
@@ -327,3 +349,71 @@ def test_a_reasoning_models_json_is_an_answer_and_its_cut_stream_is_never_a_stop
         errors = [e for e in events if e != "[DONE]" and "error" in e]
         _, finishes = _content_of_stream([e for e in events if e != "[DONE]" and "error" not in e])
         assert len(errors) + len(finishes) == 1, events[-3:]  # one end: a finish or an error, not both
+
+
+# -- 5. tools a model cannot see are refused ----------------------------------------
+
+WEATHER = {"name": "get_weather", "description": "The current weather in a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_tools_a_models_template_cannot_show_are_a_400_on_every_surface(smol: Daemon) -> None:
+    """
+    SmolLM2's template renders no tools: the model would never see them
+    (the prompt was the same, token for token, with or without them).
+    """
+    asks = {
+        "/v1/chat/completions": {"model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)],
+                                 "max_tokens": 20},
+        "/v1/messages": {"model": "smollm", "max_tokens": 20, "messages": PARIS, "tools": [anthropic_tool(WEATHER)]},
+        "/v1/messages/count_tokens": {"model": "smollm", "messages": PARIS, "tools": [anthropic_tool(WEATHER)]},
+        "/api/chat": {"model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)], "stream": False},
+        "/v1/responses": {"model": "smollm", "input": "What is the weather in Paris?", "max_output_tokens": 20,
+                          "tools": [{"type": "function", **openai_tool(WEATHER)["function"]}]},
+    }
+    for path, body in asks.items():
+        for stream in ((False, True) if path not in ("/v1/messages/count_tokens",) else (False,)):
+            status, _, data = smol.request("POST", path, {**body, "stream": stream})
+            assert status == 400, (path, stream, data)
+            answer = strict(data)
+            message = answer["error"] if path == "/api/chat" else answer["error"]["message"]
+            assert "does not support tools" in message and "tool_choice" in message, (path, answer)
+            if path == "/v1/chat/completions":
+                assert answer["error"]["code"] == "model_not_supported", answer
+            if path.startswith("/v1/messages"):
+                assert answer["type"] == "error" and answer["error"]["type"] == "invalid_request_error", answer
+
+
+def test_a_forced_call_is_made_on_a_model_without_tools_and_names_the_city(smol: Daemon) -> None:
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    status, reply = smol.post_json("/v1/chat/completions", {
+        "model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)], "tool_choice": named,
+        "temperature": 0, "max_tokens": 40})
+    assert status == 200, reply
+    call = reply["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and strictjson.loads(call["arguments"]) == {"city": "Paris"}, reply
+    status, _, data = smol.request("POST", "/v1/messages", {
+        "model": "smollm", "max_tokens": 40, "messages": PARIS, "tools": [anthropic_tool(WEATHER)],
+        "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 0})
+    assert status == 200, data
+    uses = [b for b in strict(data)["content"] if b["type"] == "tool_use"]
+    assert [(u["name"], u["input"]) for u in uses] == [("get_weather", {"city": "Paris"})], data
+
+
+def test_tool_choice_none_is_served_and_counts_what_the_model_sees(smol: Daemon) -> None:
+    status, plain = smol.post_json("/v1/chat/completions", {
+        "model": "smollm", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "temperature": 0, "max_tokens": 20})
+    assert status == 200, plain
+    status, none = smol.post_json("/v1/chat/completions", {
+        "model": "smollm", "messages": [{"role": "user", "content": "What is the capital of France?"}],
+        "tools": [openai_tool(WEATHER)], "tool_choice": "none", "temperature": 0, "max_tokens": 20})
+    assert status == 200, none
+    assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"], (none, plain)
+    status, counted = smol.post_json("/v1/messages/count_tokens", {
+        "model": "smollm", "messages": PARIS, "tools": [anthropic_tool(WEATHER)],
+        "tool_choice": {"type": "tool", "name": "get_weather"}})
+    assert status == 200, counted
+    status, bare = smol.post_json("/v1/messages/count_tokens", {"model": "smollm", "messages": PARIS})
+    assert status == 200 and counted["input_tokens"] == bare["input_tokens"], (counted, bare)
