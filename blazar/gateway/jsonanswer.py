@@ -35,6 +35,8 @@ import secrets
 import time
 from typing import Any
 
+from blazar.gateway.toolcalls import usage_of
+
 COMPACT = (",", ":")
 # chat fields /completion has no use for (the rest, sampling settings and
 # llama.cpp's own, pass as the client sent them)
@@ -99,17 +101,6 @@ def finish_of(done: dict[str, Any]) -> str:
     OpenAI's C{finish_reason} for a C{/completion} answer.
     """
     return "length" if done.get("stop_type") == "limit" else "stop"
-
-
-def usage_of(done: dict[str, Any]) -> dict[str, Any]:
-    """
-    OpenAI C{usage} from a C{/completion} answer.
-    """
-    timings = done.get("timings") or {}
-    prompt = int(done.get("tokens_evaluated") or (timings.get("prompt_n", 0) + timings.get("cache_n", 0)) or 0)
-    completion = int(done.get("tokens_predicted") or timings.get("predicted_n") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n") or 0)}}
 
 
 def _logprobs(done: dict[str, Any], top: int | None) -> dict[str, Any] | None:

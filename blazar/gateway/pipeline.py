@@ -282,7 +282,8 @@ class Reply:
 
         def on_chunk(chunk: dict[str, Any]) -> None:
             nonlocal done
-            feed(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n\n")
+            feed(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+                 .encode("utf-8") + b"\n\n")
             if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
                 done = True
                 feed(b"data: [DONE]\n\n")

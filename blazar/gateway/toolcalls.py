@@ -101,7 +101,8 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     token), and how many calls fit in C{budget} (1 without parallel calls).
     """
     strings = max(_strings(t["function"].get("parameters") or {}) for t in forced.tools)
-    syntax = max(48 + len(json.dumps(t["function"].get("parameters") or {}, allow_nan=False)) // 2 for t in forced.tools)
+    syntax = max(48 + len(json.dumps(t["function"].get("parameters") or {}, allow_nan=False)) // 2
+                 for t in forced.tools)
     per_call = syntax + 6 * MIN_STRING * strings
     calls = max(1, min(MAX_CALLS, budget // per_call)) if forced.parallel else 1
     return strings, syntax, calls
@@ -243,7 +244,8 @@ def usage_of(done: dict[str, Any]) -> dict[str, Any]:
 
 def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=COMPACT, allow_nan=False)}}
+             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=COMPACT,
+                                                                allow_nan=False)}}
             for name, arguments in calls]
 
 

@@ -8,7 +8,6 @@ back), an object at the top; and a multipart form (L{read_form}).
 from __future__ import annotations
 
 import io
-import json
 from typing import Any, NamedTuple
 
 from blazar import strictjson

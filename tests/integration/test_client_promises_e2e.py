@@ -10,8 +10,7 @@ a real chat template without tools (SmolLM2-135M-Instruct, from its wheel).
 
 from __future__ import annotations
 
-import json
-import signal
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -28,22 +27,22 @@ MEASURE = {"name": "measure", "description": "Record a measurement",
 ASK = [{"role": "user", "content": "Write it."}]
 
 
+def serving(root: Path, engine: str, models: Path, sections: str) -> Iterator[Daemon]:
+    d = Daemon(root, f'models_dir = "{models}"\n{sections}'
+                     f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n')
+    d.start()
+    try:
+        yield d
+    finally:
+        d.close(check_engines=True)
+
+
 @pytest.fixture(scope="module")
 def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("promises")
-    models = root / "models"
-    make_test_model(models / "tiny.gguf")
-    make_test_model(models / "thinker.gguf", seed=5, chat_template=THINKING_CHAT_TEMPLATE)
-    d = Daemon(root, (
-        f'models_dir = "{models}"\n'
-        '[models."tiny"]\nparallel = 2\n[models."thinker"]\nparallel = 1\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ))
-    d.start()
-    yield d
-    code = d.stop()
-    d.kill_everything()
-    assert code in (0, -signal.SIGTERM)
+    make_test_model(root / "models" / "tiny.gguf")
+    make_test_model(root / "models" / "thinker.gguf", seed=5, chat_template=THINKING_CHAT_TEMPLATE)
+    yield from serving(root, engine, root / "models", '[models."tiny"]\nparallel = 2\n[models."thinker"]\nparallel = 1\n')
 
 
 @pytest.fixture(scope="module")
@@ -53,19 +52,9 @@ def smol(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daem
     model whose ChatML template renders no tools.
     """
     root = tmp_path_factory.mktemp("smol")
-    models = root / "models"
-    models.mkdir()
-    (models / "smollm.gguf").symlink_to(real_model())
-    d = Daemon(root, (
-        f'models_dir = "{models}"\n'
-        '[models."smollm"]\nparallel = 1\nctx_size = 2048\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
-    ))
-    d.start()
-    yield d
-    code = d.stop()
-    d.kill_everything()
-    assert code in (0, -signal.SIGTERM)
+    (root / "models").mkdir()
+    (root / "models" / "smollm.gguf").symlink_to(real_model())
+    yield from serving(root, engine, root / "models", '[models."smollm"]\nparallel = 1\nctx_size = 2048\n')
 
 
 def strict(data: bytes) -> Any:
