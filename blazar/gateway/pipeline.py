@@ -1015,6 +1015,9 @@ class Pipeline:
         """
         if call.kind is not CallKind.CHAT or call.body.get("tools") or jsonanswer.json_format(call.body) is None:
             return False
+        n = call.body.get("n")
+        if isinstance(n, int) and n > 1:
+            return False  # several choices: the engine's chat path makes them
         if call.entry is None or call.entry.format != "gguf" or self._registry is None:
             return False
         try:
