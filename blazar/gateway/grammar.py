@@ -24,8 +24,11 @@ schema refuses.
 from __future__ import annotations
 
 import json
+import time
 from typing import Any
 
+NODE_BUDGET = 4096  # subschemas one grammar may walk (Claude Code's whole toolset: about 600)
+DEADLINE = 2.0  # seconds a forced call's grammar may take to make (L{blazar.gateway.toolcalls.thd_prepare})
 FREE_MEMBERS = 4
 FREE_ITEMS = 8
 MAX_DEPTH = 24
@@ -65,15 +68,32 @@ def literal(value: Any) -> str:
 class Grammar:
     """
     Rules made while walking one schema.
+
+    The walk is bounded, so no schema can make it long (issue 36: a type
+    list of 30 entries nested 4 deep cost 30^4 walks and froze the daemon):
+    each distinct subschema is walked once at each depth (a memo), a type
+    list counts each type once, and a walk that visits more than C{nodes}
+    subschemas (each counts, remembered or not), or runs past C{deadline},
+    is refused (L{Unsupported}).
     """
 
-    def __init__(self, root_schema: Any, string_cap: int) -> None:
+    def __init__(self, root_schema: Any, string_cap: int, nodes: int = NODE_BUDGET,
+                 deadline: float | None = None) -> None:
+        """
+        @param nodes: The most subschemas the walk may visit.
+        @param deadline: C{time.monotonic()} past which the walk stops.
+        """
         self._root = root_schema
         self._cap = string_cap
         self.rules: dict[str, str] = {}
         self._refs: dict[str, str] = {}
         self._resolving: set[str] = set()
         self._used: set[str] = set()
+        self._memo: dict[tuple[str, int], str] = {}
+        self._named: dict[tuple[str, str], str] = {}  # (base, body) -> the rule's name
+        self._counts: dict[str, int] = {}  # base -> the next number for its rules
+        self._nodes = nodes
+        self._deadline = deadline
 
     def use_root(self, schema: Any) -> None:
         """
@@ -82,6 +102,7 @@ class Grammar:
         """
         self._root = schema
         self._refs = {}
+        self._memo = {}
 
     def rule(self, base: str, body: str) -> str:
         """
@@ -90,12 +111,17 @@ class Grammar:
         return self._rule(base, body)
 
     def _rule(self, base: str, body: str) -> str:
-        name = base
-        n = 0
-        while name in self.rules and self.rules[name] != body:
+        named = self._named.get((base, body))
+        if named is not None:
+            return named
+        n = self._counts.get(base, 0)
+        name = base if n == 0 else f"{base}{n}"
+        while name in self.rules:  # (taken by a rule of another base)
             n += 1
             name = f"{base}{n}"
+        self._counts[base] = n + 1
         self.rules[name] = body
+        self._named[(base, body)] = name
         return name
 
     def _primitive(self, name: str) -> str:
@@ -107,7 +133,28 @@ class Grammar:
     def value(self, schema: Any, where: str, depth: int = 0) -> str:
         """
         A GBNF expression for the values C{schema} admits.
+
+        @raise Unsupported: A construct it cannot express, or a schema too
+            large to walk within the node budget or the deadline.
         """
+        self._nodes -= 1  # every subschema counts, walked or remembered
+        if self._nodes < 0:
+            raise Unsupported(f"{where}: the schema is too large for a forced call's grammar (more than "
+                              f"{NODE_BUDGET} subschemas)")
+        if self._deadline is not None and time.monotonic() > self._deadline:
+            raise Unsupported(f"{where}: the schema took too long to make a grammar of (over {DEADLINE:g} s)")
+        try:
+            key = (json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False), depth)
+        except (TypeError, ValueError):
+            key = None
+        if key is not None and key in self._memo:
+            return self._memo[key]
+        expression = self._value(schema, where, depth)
+        if key is not None:
+            self._memo[key] = expression
+        return expression
+
+    def _value(self, schema: Any, where: str, depth: int) -> str:
         if depth > MAX_DEPTH:
             raise Unsupported(f"{where}: nested deeper than {MAX_DEPTH} (a recursive $ref?)")
         if schema is True or schema == {}:
@@ -136,7 +183,8 @@ class Grammar:
                                         for o, w in zip(options, at)) + ")"
         kind = schema.get("type")
         if isinstance(kind, list):
-            return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kind) + ")"
+            kinds = list(dict.fromkeys(k if isinstance(k, str) else json.dumps(k) for k in kind))  # each once
+            return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kinds) + ")"
         if kind is None:
             if "properties" in schema:
                 kind = "object"

@@ -66,8 +66,8 @@ from blazar.gateway.sentinel import (
 )
 from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
 from blazar.gateway.toolcalls import (
-    DEFAULT_BUDGET, Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, completion_body,
-    cut_short, expressible, forced_call, needed_tokens, parse_calls, tool_calls, usage_of,
+    Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, cut_short, forced_call, parse_calls,
+    thd_prepare, tool_calls, usage_of,
 )
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
@@ -872,22 +872,22 @@ class Pipeline:
 
         @raise BadRequest: The tools' parameters cannot be made a grammar.
         """
-        forced, dropped = expressible(forced)
+        # the client's limit is a limit (cost, latency, context): a call that
+        # does not fit it ends cut short; Blazar's own default fits one call.
+        # The grammar is CPU work that grows with the schemas: in a thread,
+        # bounded (issue 36)
+        limit = call.max_tokens if call.max_tokens and call.max_tokens > 0 else None
+        try:
+            forced, dropped, budget, body = await self._in_thread(thd_prepare, call.body, forced, limit)
+        except ToolSchemaError as e:
+            raise BadRequest(f"tools: {e}", "tools") from None
+        names = ", ".join(t["function"]["name"] for t in forced.tools)
         if dropped:
             log.info("forced tool call: left out of the grammar (not callable correctly): {dropped}",
                      dropped="; ".join(dropped))
-        # the client's limit is a limit (cost, latency, context): a call that
-        # does not fit it ends cut short; Blazar's own default fits one call
-        limit = call.max_tokens if call.max_tokens and call.max_tokens > 0 else None
-        budget = limit if limit is not None else max(DEFAULT_BUDGET, needed_tokens(forced))
-        names = ", ".join(t["function"]["name"] for t in forced.tools)
-        try:
-            body = completion_body(call.body, "", forced, budget)
-        except ToolSchemaError as e:
-            raise BadRequest(f"tools: {e}", "tools") from None
-        template = {k: v for k, v in call.body.items()
-                    if k in ("messages", "tools", "tool_choice", "parallel_tool_calls", "chat_template_kwargs",
-                             "reasoning_effort")}
+        template = _rendered_only({k: v for k, v in call.body.items()
+                                   if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
+                                            "reasoning_effort")})
         try:
             prompt, rendered_by = await self._rendered(request, call, template, instance, started)
         except EngineRejected as e:
@@ -1349,7 +1349,7 @@ class Pipeline:
         The prompt's tokens, by the child's own template and tokenizer.
         """
         if "messages" in call.body:
-            return await self._proxy.count_chat_tokens(call.model, call.body)
+            return await self._proxy.count_chat_tokens(call.model, _rendered_only(call.body))
         prompt = call.body.get("prompt")
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
@@ -1453,6 +1453,21 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     tests): the function, called here.
     """
     return f(*args)
+
+
+def _rendered_only(body: dict[str, Any]) -> dict[str, Any]:
+    """
+    A forced call's chat body as llama-server should render or count it:
+    with C{tool_choice} C{none}. The prompt is the same (the template shows
+    the tools whatever the choice), but the engine then builds no grammar
+    of its own from the tools' schemas, which Blazar's grammar replaces and
+    which cost the engine seconds for a 1.5 KB schema (issue 36: a type
+    list nested 4 deep, 8 s per render). Other bodies are left as they are.
+    """
+    choice = body.get("tool_choice")
+    if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
+        return {k: v for k, v in body.items() if k != "parallel_tool_calls"} | {"tool_choice": "none"}
+    return body
 
 
 def _with_model(data: bytes, model: str, server: str) -> bytes:

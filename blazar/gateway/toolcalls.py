@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from blazar.gateway.grammar import Grammar, Unsupported, literal, min_chars
+from blazar.gateway.grammar import DEADLINE, Grammar, Unsupported, literal, min_chars
 from blazar import strictjson
 
 MAX_CALLS = 4  # parallel calls at most, when allowed
@@ -108,7 +108,7 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     return strings, syntax, calls
 
 
-def expressible(forced: Forced) -> tuple[Forced, list[str]]:
+def expressible(forced: Forced, deadline: float | None = None) -> tuple[Forced, list[str]]:
     """
     C{forced} without the tools whose parameters a grammar cannot express,
     when any tool will do (C{required}): they cannot be called correctly,
@@ -122,7 +122,7 @@ def expressible(forced: Forced) -> tuple[Forced, list[str]]:
     kept, dropped = [], []
     for tool in forced.tools:
         try:
-            Grammar(tool["function"].get("parameters") or {}, MIN_STRING).value(
+            Grammar(tool["function"].get("parameters") or {}, MIN_STRING, deadline=deadline).value(
                 tool["function"].get("parameters") or {"type": "object", "properties": {}}, "#")
         except Unsupported as e:
             dropped.append(f"{tool['function']['name']}: {e}")
@@ -152,7 +152,7 @@ class ToolSchemaError(ValueError):
     """
 
 
-def call_grammar(forced: Forced, budget: int) -> str:
+def call_grammar(forced: Forced, budget: int, deadline: float | None = None) -> str:
     """
     The GBNF grammar of the answer (L{blazar.gateway.grammar}): one call
     C{{"name":..., "arguments":...}} of an offered tool, or with parallel
@@ -165,7 +165,7 @@ def call_grammar(forced: Forced, budget: int) -> str:
     # a character is at most 6 tokens (a \\uXXXX escape, or 4 bytes of
     # UTF-8 with byte tokens)
     cap = max(MIN_STRING, (budget - syntax * calls) // max(1, 6 * strings * calls))
-    g = Grammar(None, cap)
+    g = Grammar(None, cap, deadline=deadline)
     options = []
     for tool in forced.tools:
         fn = tool["function"]
@@ -183,14 +183,14 @@ def call_grammar(forced: Forced, budget: int) -> str:
 
 
 def completion_body(
-    chat: dict[str, Any], prompt: str, forced: Forced, budget: int,
+    chat: dict[str, Any], prompt: str, forced: Forced, budget: int, deadline: float | None = None,
 ) -> dict[str, Any]:
     """
     llama-server's C{/completion} request for the call: the rendered
     C{prompt}, the schema, and the chat request's sampling settings.
     """
     body: dict[str, Any] = {
-        "prompt": prompt, "grammar": call_grammar(forced, budget), "n_predict": budget, "stream": False,
+        "prompt": prompt, "grammar": call_grammar(forced, budget, deadline), "n_predict": budget, "stream": False,
         "cache_prompt": True,
     }
     for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
@@ -198,6 +198,29 @@ def completion_body(
         if key in chat:
             body[key] = chat[key]
     return body
+
+
+def thd_prepare(
+    chat: dict[str, Any], forced: Forced, budget: int | None, seconds: float = DEADLINE,
+) -> tuple[Forced, list[str], int, dict[str, Any]]:
+    """
+    The grammar work of a forced call, in a thread (it is CPU work that
+    grows with the tools' schemas): the tools a grammar can express
+    (L{expressible}), the token budget (the client's limit, else what one
+    call needs at least), and the C{/completion} body without its prompt.
+    Bounded: the grammar's walk stops after C{seconds} or its node budget
+    (L{blazar.gateway.grammar.Grammar}). Touches no Twisted object.
+
+    @param budget: The client's C{max_tokens}, or L{None}.
+    @return: C{(forced, dropped, budget, body)}.
+    @raise ToolSchemaError: A tool the grammar cannot express, or too
+        large a schema.
+    """
+    deadline = time.monotonic() + seconds
+    forced, dropped = expressible(forced, deadline)
+    if budget is None:
+        budget = max(DEFAULT_BUDGET, needed_tokens(forced))
+    return forced, dropped, budget, completion_body(chat, "", forced, budget, deadline)
 
 
 def parse_calls(content: str, forced: Forced) -> list[tuple[str, dict[str, Any]]]:
