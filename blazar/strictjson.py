@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from typing import Any
 
 
@@ -33,7 +34,16 @@ def _number(text: str) -> float:
     return value
 
 
-_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number)
+def _integer(text: str) -> int:
+    # an integer beyond a double is no number a JSON parser can hold
+    # either (llama-server's refuses it with its own message)
+    value = int(text) if len(text.lstrip("-")) <= 309 else None
+    if value is None or abs(value) > sys.float_info.max:
+        raise NotStrictJSON(f"{text[:40]} is out of range of a double")
+    return value
+
+
+_DECODER = json.JSONDecoder(parse_constant=_constant, parse_float=_number, parse_int=_integer)
 
 
 def loads(text: str | bytes) -> Any:

@@ -183,7 +183,8 @@ class Grammar:
                                         for o, w in zip(options, at)) + ")"
         kind = schema.get("type")
         if isinstance(kind, list):
-            kinds = list(dict.fromkeys(k if isinstance(k, str) else json.dumps(k) for k in kind))  # each once
+            # each type once
+            kinds = list(dict.fromkeys(k if isinstance(k, str) else json.dumps(k, allow_nan=False) for k in kind))
             return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kinds) + ")"
         if kind is None:
             if "properties" in schema:

@@ -93,6 +93,9 @@ def completion_request(chat: dict[str, Any], prompt: str, schema: dict[str, Any]
     top = top_logprobs(chat)
     if top is not None:
         body["n_probs"] = max(top, 1)  # (the engine sends none at 0)
+    n = chat.get("n")
+    if isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        body["n_cmpl"] = n  # several answers: a list of them, each event with its index
     return body
 
 
@@ -122,18 +125,42 @@ def _logprobs(done: dict[str, Any], top: int | None) -> dict[str, Any] | None:
     return {"content": out, "refusal": None}
 
 
-def chat_completion(model: str, done: dict[str, Any], chat: dict[str, Any]) -> bytes:
+def results_of(done: Any) -> list[dict[str, Any]]:
     """
-    A non-streamed C{/completion} answer as an OpenAI chat completion.
+    The answers in a C{/completion} answer: one object, or (asked with
+    C{n_cmpl}) a list of them, in C{index} order.
     """
+    found = done if isinstance(done, list) else [done]
+    return sorted((r for r in found if isinstance(r, dict)), key=lambda r: int(r.get("index") or 0))
+
+
+def usage_all(done: Any) -> dict[str, Any]:
+    """
+    OpenAI C{usage} of a C{/completion} answer with one or several
+    answers: the prompt once, the completions' tokens together.
+    """
+    results = results_of(done)
+    usage = usage_of(results[0] if results else {})
+    completion = sum(usage_of(r)["completion_tokens"] for r in results)
+    return {**usage, "completion_tokens": completion, "total_tokens": usage["prompt_tokens"] + completion}
+
+
+def chat_completion(model: str, done: Any, chat: dict[str, Any]) -> bytes:
+    """
+    A non-streamed C{/completion} answer (one, or several with C{n}) as an
+    OpenAI chat completion.
+    """
+    results = results_of(done)
+    top = top_logprobs(chat)
+    timings = results[0].get("timings") if results else None
     return json.dumps({
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
-        "choices": [{"index": 0, "finish_reason": finish_of(done),
-                     "message": {"role": "assistant", "content": str(done.get("content") or "")},
-                     "logprobs": _logprobs(done, top_logprobs(chat))}],
-        "usage": usage_of(done),
-        **({"timings": done["timings"]} if isinstance(done.get("timings"), dict) else {}),
+        "choices": [{"index": i, "finish_reason": finish_of(r),
+                     "message": {"role": "assistant", "content": str(r.get("content") or "")},
+                     "logprobs": _logprobs(r, top)} for i, r in enumerate(results)],
+        "usage": usage_all(results),
+        **({"timings": timings} if isinstance(timings, dict) else {}),
     }, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8")
 
 
@@ -153,34 +180,43 @@ class ChatFromCompletion:
         options = chat.get("stream_options")
         self._usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self._top = top_logprobs(chat)
-        self._started = False
+        n = chat.get("n")
+        self._n = n if isinstance(n, int) and not isinstance(n, bool) and n > 1 else 1
+        self._started: set[int] = set()
+        self._ended: dict[int, dict[str, Any]] = {}  # index -> its last event
         self.finished = False
 
-    def _chunk(self, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish}
+    def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
         if self._top is not None:
             choice["logprobs"] = extra.pop("logprobs", None)
         return {**self._base, "choices": [choice], **extra}
 
     def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:
         """
-        The chat chunks for one C{/completion} event.
+        The chat chunks for one C{/completion} event (its C{index}: which
+        of C{n} answers).
         """
-        if self.finished:
+        index = event.get("index")
+        index = index if isinstance(index, int) and 0 <= index < self._n else 0
+        if self.finished or index in self._ended:
             return []
         out = []
-        if not self._started:
-            self._started = True
-            out.append(self._chunk({"role": "assistant", "content": ""}))
+        if index not in self._started:
+            self._started.add(index)
+            out.append(self._chunk(index, {"role": "assistant", "content": ""}))
         text = event.get("content")
         if isinstance(text, str) and text:
-            out.append(self._chunk({"content": text}, logprobs=_logprobs(event, self._top)))
+            out.append(self._chunk(index, {"content": text}, logprobs=_logprobs(event, self._top)))
         if event.get("stop") is True:
-            self.finished = True
+            self._ended[index] = event
             timings = event.get("timings")
-            out.append(self._chunk({}, finish_of(event), **({"timings": timings} if isinstance(timings, dict) else {})))
-            if self._usage:
-                out.append({**self._base, "choices": [], "usage": usage_of(event)})
+            out.append(self._chunk(index, {}, finish_of(event),
+                                   **({"timings": timings} if isinstance(timings, dict) else {})))
+            if len(self._ended) == self._n:
+                self.finished = True
+                if self._usage:
+                    out.append({**self._base, "choices": [], "usage": usage_all(list(self._ended.values()))})
         return out
 
 

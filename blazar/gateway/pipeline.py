@@ -997,12 +997,12 @@ class Pipeline:
         lease, response = await self._json_send(request, call, instance, pin, stream=False)
         try:
             done = json.loads(await self._proxy.read(lease.instance, response))
-            if not isinstance(done, dict):
-                raise EngineRejected(502, "the engine's /completion answer is not an object")
+            if not jsonanswer.results_of(done):
+                raise EngineRejected(502, "the engine's /completion answer holds no answer")
         except BaseException:
             lease.release()
             raise
-        usage = jsonanswer.usage_of(done)
+        usage = jsonanswer.usage_all(done)
         note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
         return lease, jsonanswer.chat_completion(lease.instance.entry.name, done, call.body)
 
@@ -1015,9 +1015,6 @@ class Pipeline:
         """
         if call.kind is not CallKind.CHAT or call.body.get("tools") or jsonanswer.json_format(call.body) is None:
             return False
-        n = call.body.get("n")
-        if isinstance(n, int) and n > 1:
-            return False  # several choices: the engine's chat path makes them
         if call.entry is None or call.entry.format != "gguf" or self._registry is None:
             return False
         try:

@@ -23,6 +23,7 @@ from typing import Any
 
 import jsonschema
 
+from blazar import strictjson
 from blazar.gateway.errors import BadRequest
 
 # Tool-call syntax engines lift into C{tool_calls} (Hermes/Qwen, Mistral,
@@ -78,7 +79,7 @@ def _check_call(offered: dict[str, Any], name: str, arguments: Any, found: list[
         return
     if isinstance(arguments, str):
         try:
-            arguments = json.loads(arguments) if arguments else {}
+            arguments = strictjson.loads(arguments) if arguments else {}
         except ValueError:
             found.append(("tool_args_invalid", f"{name}: the arguments are not JSON"))
             return
@@ -162,7 +163,7 @@ def inspect(
     fmt = body.get("response_format")
     if isinstance(fmt, dict) and fmt.get("type") in ("json_object", "json_schema") and not calls:
         try:
-            value = json.loads(content)
+            value = strictjson.loads(content)  # (a number beyond a double is not JSON a client can read)
         except ValueError:
             found.append(("format_invalid", f"the answer is not the JSON {fmt['type']} asks for"))
         else:

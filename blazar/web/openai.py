@@ -32,7 +32,7 @@ from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import context_of, note_error, wants_usage
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
-from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.errors import BadRequest, Category, EngineRejected, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
@@ -614,9 +614,11 @@ class OpenAISurface:
             feed = rewriter.feed
         try:
             await reply.relay(feed)
-        except EngineError as error:
+        except (EngineError, EngineRejected) as error:
+            # the stream is under way: an error event, never an error body
             problem = in_stream(request, error, reply.model, "openai")
-            relay.fail(error_body(problem.message, "engine_error", "engine_crashed"))
+            code = "engine_crashed" if isinstance(error, EngineError) else problem.code or "engine_error"
+            relay.fail(error_body(problem.message, "engine_error", code))
             return
         if rewriter is not None:
             rewriter.finish()

@@ -62,6 +62,31 @@ class PureTests(SynchronousTestCase):
         self.assertTrue(stream.finished)
         self.assertEqual(stream.feed({"content": "late", "stop": True}), [])
 
+    def test_several_answers(self) -> None:
+        self.assertEqual(jsonanswer.completion_request({"n": 2}, "P", CITY, False)["n_cmpl"], 2)
+        done = [{"index": 1, "content": '{"city":"B"}', "stop_type": "limit", "tokens_predicted": 4,
+                 "tokens_evaluated": 9},
+                {"index": 0, "content": '{"city":"A"}', "stop_type": "eos", "tokens_predicted": 3,
+                 "tokens_evaluated": 9}]
+        answer = json.loads(jsonanswer.chat_completion("m", done, {"n": 2}))
+        self.assertEqual([(c["index"], c["message"]["content"], c["finish_reason"]) for c in answer["choices"]],
+                         [(0, '{"city":"A"}', "stop"), (1, '{"city":"B"}', "length")])
+        self.assertEqual((answer["usage"]["prompt_tokens"], answer["usage"]["completion_tokens"]), (9, 7))
+        stream = jsonanswer.ChatFromCompletion("m", {"n": 2, "stream_options": {"include_usage": True}})
+        chunks = [c for e in ({"index": 1, "content": "{"}, {"index": 0, "content": "["},
+                              {"index": 1, "content": "}", "stop": True, "tokens_predicted": 2, "tokens_evaluated": 5},
+                              {"index": 0, "content": "]", "stop": True, "tokens_predicted": 2, "tokens_evaluated": 5})
+                  for c in stream.feed(e)]
+        self.assertTrue(stream.finished)
+        by_index: dict[int, str] = {}
+        for c in chunks[:-1]:
+            choice = c["choices"][0]
+            by_index[choice["index"]] = by_index.get(choice["index"], "") + (choice["delta"].get("content") or "")
+        self.assertEqual(by_index, {0: "[]", 1: "{}"})
+        self.assertEqual([c["choices"][0]["finish_reason"] for c in chunks[:-1] if c["choices"][0]["finish_reason"]],
+                         ["stop", "stop"])
+        self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 4)
+
     def test_a_limit_is_length(self) -> None:
         answer = json.loads(jsonanswer.chat_completion("m", {"content": '{"ci', "stop_type": "limit",
                                                              "tokens_predicted": 3}, {}))

@@ -30,6 +30,9 @@ def test_each_code() -> None:
         "type": "object", "required": ["a"]}}}}
     assert codes(inspect(schema, "stop", '{"b": 1}', "", [])) == ["format_invalid"]
     assert codes(inspect(schema, "stop", '{"a": 1}', "", [])) == []
+    # a number beyond a double is no JSON a client can read (Python reads it as inf)
+    assert codes(inspect(schema, "stop", '{"a": 80e2802731807777318}', "", [])) == ["format_invalid"]
+    assert codes(inspect(TOOLS, "tool_calls", "", "", [("f", '{"x": 1e999}')])) == ["tool_args_invalid"]
     assert codes(inspect({}, "stop", "  ", "", [])) == ["empty"]
     assert codes(inspect({}, "stop", "", "thinking...", [])) == ["reasoning_only"]
     assert codes(inspect({}, "stop", "fine", "", [])) == []

@@ -286,6 +286,39 @@ def test_a_json_answer_is_never_a_502_and_a_stream_keeps_all_of_it(daemon: Daemo
     assert ends == {"stop", "length"}, ends  # both ends were seen
 
 
+def test_several_json_answers_each_whole(daemon: Daemon) -> None:
+    """
+    n = 2 JSON answers: both choices, streamed and not (the chat path's
+    parser refused them: a 502, or one choice where two were asked).
+    """
+    fmt = {"type": "json_object"}
+    for seed in range(1, 6):
+        body = {"model": "tiny", "messages": ASK, "max_tokens": 20, "seed": seed, "n": 2, "temperature": 1.0,
+                "response_format": fmt}
+        status, _, data = daemon.request("POST", "/v1/chat/completions", body)
+        assert status == 200, data
+        choices = strict(data)["choices"]
+        assert [c["index"] for c in choices] == [0, 1] and all(c["message"]["content"] for c in choices), choices
+        status, _, data = daemon.request("POST", "/v1/chat/completions", {**body, "stream": True})
+        assert status == 200, data
+        events = sse(data)
+        assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
+        ends = sorted((c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in events[:-1]
+                      if c["choices"] and c["choices"][0]["finish_reason"])
+        assert [i for i, _ in ends] == [0, 1] and all(f in ("stop", "length") for _, f in ends), ends
+
+
+def test_logprobs_with_tools_in_a_stream_for_every_choice(daemon: Daemon) -> None:
+    status, _, data = daemon.request("POST", "/v1/chat/completions", {
+        "model": "tiny", "messages": ASK, "tools": [openai_tool(MEASURE)], "logprobs": True, "max_tokens": 30,
+        "seed": 1, "n": 2, "stream": True})
+    assert status == 200, data
+    chunks = [c for c in sse(data) if c != "[DONE]"]
+    assert sorted({c["choices"][0]["index"] for c in chunks if c["choices"]}) == [0, 1], chunks
+    content = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["delta"].get("content")]
+    assert content and all(c["logprobs"] is not None for c in content), content
+
+
 def test_json_answers_on_the_other_surfaces(daemon: Daemon) -> None:
     for seed in range(1, 11):
         for stream in (False, True):

@@ -121,38 +121,43 @@ def content_pieces(content: str, entries: list[Any]) -> list[tuple[str, list[dic
 def stream_of(answer: dict[str, Any], top: int, include_usage: bool) -> list[dict[str, Any]]:
     """
     A whole chat completion (the engine's, asked with C{logprobs}) as the
-    chunks of its stream (see the module's docstring).
+    chunks of its stream (see the module's docstring), every choice of it
+    (C{n}) in turn.
 
     @param top: How many alternatives per token the client asked for.
     """
     base: dict[str, Any] = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint") if k in answer}
     base["object"] = "chat.completion.chunk"
-    choices = answer.get("choices") or [{}]
-    choice: dict[str, Any] = choices[0] if isinstance(choices, list) and isinstance(choices[0], dict) else {}
-    found = choice.get("message")
-    message: dict[str, Any] = found if isinstance(found, dict) else {}
+    choices = answer.get("choices")
+    out = []
+    for position, choice in enumerate(choices if isinstance(choices, list) and choices else [{}]):
+        if not isinstance(choice, dict):
+            continue
+        index = choice.get("index") if isinstance(choice.get("index"), int) else position
+        found = choice.get("message")
+        message: dict[str, Any] = found if isinstance(found, dict) else {}
 
-    def chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None,
-              **extra: Any) -> dict[str, Any]:
-        return {**base, "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-                **extra}
+        def chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None,
+                  **extra: Any) -> dict[str, Any]:
+            return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": finish}], **extra}
 
-    out = [chunk({"role": "assistant", "content": None})]
-    reasoning = message.get("reasoning_content")
-    if isinstance(reasoning, str) and reasoning:
-        out.append(chunk({"reasoning_content": reasoning}))
-    content = message.get("content")
-    logprobs = choice.get("logprobs")
-    entries = logprobs.get("content") if isinstance(logprobs, dict) else None
-    if isinstance(content, str) and content:
-        for text, kept in content_pieces(content, entries if isinstance(entries, list) else []):
-            out.append(chunk({"content": text}, {"content": [_entry(e, top) for e in kept], "refusal": None}))
-    for i, call in enumerate(message.get("tool_calls") or []):
-        if isinstance(call, dict):
-            out.append(chunk({"tool_calls": [{"index": i, **call}]}))
-    timings = answer.get("timings")
-    out.append(chunk({}, None, choice.get("finish_reason") or "stop",
-                     **({"timings": timings} if isinstance(timings, dict) else {})))
+        out.append(chunk({"role": "assistant", "content": None}))
+        reasoning = message.get("reasoning_content")
+        if isinstance(reasoning, str) and reasoning:
+            out.append(chunk({"reasoning_content": reasoning}))
+        content = message.get("content")
+        logprobs = choice.get("logprobs")
+        entries = logprobs.get("content") if isinstance(logprobs, dict) else None
+        if isinstance(content, str) and content:
+            for text, kept in content_pieces(content, entries if isinstance(entries, list) else []):
+                out.append(chunk({"content": text}, {"content": [_entry(e, top) for e in kept], "refusal": None}))
+        for i, call in enumerate(message.get("tool_calls") or []):
+            if isinstance(call, dict):
+                out.append(chunk({"tool_calls": [{"index": i, **call}]}))
+        timings = answer.get("timings")
+        out.append(chunk({}, None, choice.get("finish_reason") or "stop",
+                         **({"timings": timings} if isinstance(timings, dict) and position == 0 else {})))
     if include_usage and isinstance(answer.get("usage"), dict):
         out.append({**base, "choices": [], "usage": answer["usage"]})
     return out

@@ -93,6 +93,17 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(self.chunks[-2]["timings"], {"predicted_n": 6})
         self.assertEqual(self.chunks[-1]["usage"]["completion_tokens"], 6)
 
+    def test_every_choice_is_streamed(self) -> None:
+        second = {**ANSWER["choices"][0], "index": 1, "finish_reason": "length",
+                  "message": {"role": "assistant", "content": " hello"}, "logprobs": {"content": [HELLO]}}
+        chunks = tr.stream_of({**ANSWER, "choices": [ANSWER["choices"][0], second]}, 2, include_usage=False)
+        self.assertEqual(sorted({c["choices"][0]["index"] for c in chunks}), [0, 1])
+        ends = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
+                if c["choices"][0]["finish_reason"]]
+        self.assertEqual(ends, [(0, "tool_calls"), (1, "length")])
+        self.assertEqual([c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks
+                          if c["choices"][0]["index"] == 1 and c["choices"][0]["delta"].get("content")], [" hello"])
+
     def test_no_usage_unless_asked_and_done_at_the_end(self) -> None:
         chunks = tr.stream_of(ANSWER, 0, include_usage=False)
         self.assertTrue(all(c["choices"] for c in chunks))
