@@ -11,10 +11,8 @@ walked once, under a node budget and a deadline.
 from __future__ import annotations
 
 import http.client
-import json
 import threading
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
