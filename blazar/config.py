@@ -19,6 +19,9 @@ C{~/.config/blazar/config.toml}. Keys::
     max_connections_per_ip = 64    # open connections per client address, more get 503
                                    # (loopback and UNIX sockets not counted; 0: no limit)
     cors_origins = []              # browser origins allowed, or ["*"]; empty: no CORS
+    allowed_hosts = []             # without API keys: names besides this machine's own
+                                   # (localhost, its IPs, its hostname, *.local) that
+                                   # clients may reach it under (the Host header)
     audit_log = "/path/audit.jsonl"  # opt-in: one JSON line per request
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
     keep_alive = "5m"              # Ollama requests' default keep_alive
@@ -364,6 +367,7 @@ class Config:
     body_min_bytes_per_sec: int = 4096
     max_connections_per_ip: int = 64
     cors_origins: tuple[str, ...] = ()
+    allowed_hosts: tuple[str, ...] = ()
     audit_log: Path | None = None
     keep_alive: float = 300.0
     idle_timeout: float = 1800.0
@@ -446,6 +450,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "body_min_bytes_per_sec": ("body_min_bytes_per_sec", RUNTIME),
     "max_connections_per_ip": ("max_connections_per_ip", RUNTIME),
     "cors_origins": ("cors_origins", RUNTIME),
+    "allowed_hosts": ("allowed_hosts", RUNTIME),
     "keep_alive": ("keep_alive", RUNTIME),
     "idle_timeout": ("idle_timeout_secs", RUNTIME),
     "breaker_crashes": ("breaker_crashes", RUNTIME),
@@ -742,7 +747,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
-        "cors_origins", "audit_log", "queue",
+        "cors_origins", "allowed_hosts", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
@@ -806,6 +811,9 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["audit_log"] = _path(doc["audit_log"], where, "audit_log")
     if "cors_origins" in doc:
         kwargs["cors_origins"] = _str_list(doc["cors_origins"], where, "cors_origins")
+    if "allowed_hosts" in doc:
+        kwargs["allowed_hosts"] = tuple(h.lower().rstrip(".") for h in _str_list(doc["allowed_hosts"], where,
+                                                                                "allowed_hosts"))
     if "ctx_policy" in doc:
         if doc["ctx_policy"] not in ("grow", "fit", "reload"):
             raise _expected(where, "ctx_policy", '"grow" or "fit"', doc["ctx_policy"])

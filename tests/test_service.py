@@ -295,7 +295,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
     CHECKED = (
         "models_dir", "ready_timeout", "stop_grace", "max_body_bytes", "header_timeout_secs",
-        "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "keep_alive",
+        "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "allowed_hosts", "keep_alive",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
@@ -380,6 +380,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.check("body_min_bytes_per_sec", "body_min_bytes_per_sec = 7\n", "", lambda: site.body_min_rate, 7)
         self.check("cors_origins", 'cors_origins = ["https://app.example"]\n', "",
                    lambda: site.cors_origins, ("https://app.example",))
+        # (the door reads it from the live config at every keyless request)
+        self.check("allowed_hosts", 'allowed_hosts = ["GPU.lan."]\n', "",
+                   lambda: self.tree.live().allowed_hosts, ("gpu.lan",))
 
     def test_max_connections_per_ip_caps_the_next_connection(self) -> None:
         from twisted.internet.address import IPv4Address

@@ -197,6 +197,45 @@ def check_same_machine_page(request: IRequest, host_too: bool = False) -> None:
                 f"host {text!r} is not one (add a key: `blazar keys add admin`)")
 
 
+def keyless_refusal(request: IRequest, config: Any) -> "Refusal | None":
+    """
+    On a gateway without keys, whoever can reach it may use it; a web page
+    must not be able to (issue 36; Ollama's CVE-2024-28224). A DNS-rebinding
+    page reaches the daemon under its own name (C{Host}), and a cross-site
+    "simple" POST (C{text/plain}, a form) names its page (C{Origin}); a
+    browser cannot forge either. So every route but C{/} and C{/health}
+    answers only under this machine's names (L{_unrebindable}: loopback
+    names and addresses, any IP, its hostname, C{*.local}, C{*.internal})
+    or C{allowed_hosts}, and to pages of this machine, of the same origin
+    (the dashboard opened from another machine), or of C{cors_origins}.
+    Clients that are not browsers (curl, the SDKs) send no C{Origin} and
+    the address they dialled as C{Host}: they pass.
+
+    @return: A 403 L{Refusal} naming the fix, or L{None}.
+    """
+    host_raw = request.getHeader(b"host")
+    host = host_raw.decode("latin-1") if isinstance(host_raw, bytes) else str(host_raw or "")
+    allowed = tuple(getattr(config, "allowed_hosts", ()))
+    if host and not _unrebindable(host) and _host_name(host) not in allowed:
+        return Refusal(403, "forbidden", (
+            f"this gateway has no API keys, so it answers only under this machine's own names; host "
+            f"{_host_name(host)!r} is not one: add it to allowed_hosts in the config, or add a key "
+            "(`blazar keys add admin`)"), code="host_not_allowed")
+    origin_raw = request.getHeader(b"origin")
+    if origin_raw is None:
+        return None
+    origin = origin_raw.decode("latin-1") if isinstance(origin_raw, bytes) else str(origin_raw)
+    cors = tuple(getattr(config, "cors_origins", ()))
+    page = origin.split("://", 1)[-1]
+    if origin != "null" and ("*" in cors or origin in cors or _local_name(page)
+                             or (host and page.lower() == host.lower()) or _host_name(page) in allowed):
+        return None
+    return Refusal(403, "forbidden", (
+        f"this gateway has no API keys, so web pages of other sites may not use it; the page at {origin!r} "
+        "is not this machine's: list it in cors_origins to let it, or add a key (`blazar keys add admin`)"),
+        code="origin_not_allowed")
+
+
 def error_body(surface: str, status: int, message: str, code: str | None = None) -> bytes:
     """
     An error in the surface's own shape.
@@ -351,7 +390,9 @@ class AuthGate(Resource):
                 return Refusal(400, "bad_request", (
                     f"the {name.decode('ascii')} header was sent {len(given)} times; send it once"
                 ))
-        if not self._keys.active or self._open_route(request):
+        if not self._keys.active:
+            return None if self._page_route(request) else keyless_refusal(request, self._keys.config)
+        if self._open_route(request):
             return None
         bearer, api_key = bearer_secret(request), request.getHeader(b"x-api-key")
         if bearer and api_key and not hmac.compare_digest(bearer, api_key.strip()):
@@ -401,6 +442,14 @@ class AuthGate(Resource):
         if key is None:
             return Refusal(401, "auth", f"the API key {name!r} that made this batch no longer exists")
         return key
+
+    def _page_route(self, request: IRequest) -> bool:
+        """
+        The routes a keyless gateway answers whatever the Host and Origin
+        (nothing in them to take or to do): C{/}, C{/health}, C{/healthz},
+        and C{OPTIONS} (a CORS preflight; the request itself is checked).
+        """
+        return request.path in OPEN_PATHS or request.method == b"OPTIONS" or request.path == b"/"
 
     def _open_route(self, request: IRequest) -> bool:
         path, method = request.path, request.method
@@ -466,7 +515,7 @@ def check_admin(request: IRequest, what: str) -> None:
                 f"this gateway has no API keys, so it does not {what} for clients on the network; "
                 "add a key first (`blazar keys add admin`) and send it as a Bearer token"
             )
-        check_same_machine_page(request)
+        check_same_machine_page(request, host_too=True)
 
 
 def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:

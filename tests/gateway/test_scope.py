@@ -138,7 +138,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
         """
         headers = {"x-api-key": secret} if secret else {}
         d = self.client.request(
-            method, "http://blazar" + path, data=json.dumps(body).encode() if body else None, headers=headers,
+            method, "http://localhost" + path, data=json.dumps(body).encode() if body else None, headers=headers,
         )
         for _ in range(20):
             self.client.flush()

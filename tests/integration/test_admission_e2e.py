@@ -294,7 +294,7 @@ def test_clients_that_leave_at_once_are_logged_and_crash_nothing(daemon: Daemon)
     for i in range(10):
         s = socket.create_connection(("127.0.0.1", daemon.port))
         s.sendall((
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: blazar\r\ncontent-type: application/json\r\n"
+            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
             f"authorization: Bearer {ADMIN}\r\nx-blazar-trace-id: gone-request-{i:02d}\r\n"
             f"content-length: {len(body)}\r\n\r\n{body}"
         ).encode())

@@ -303,7 +303,7 @@ def send_head(d: Daemon, path: str, *headers: str, length: int = LIMIT + 1) -> t
     Send only a request's head announcing C{length} body bytes, read
     until the daemon closes; the answer and how long it took.
     """
-    head = "\r\n".join([f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json",
+    head = "\r\n".join([f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
                         f"Content-Length: {length}", *headers, "", ""])
     began = time.monotonic()
     with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:

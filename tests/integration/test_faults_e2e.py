@@ -300,7 +300,7 @@ def test_two_hundred_clients_leaving_at_random_points_leak_nothing(daemon: Daemo
     rng = random.Random(11)
     body = json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 400, "ignore_eos": True}).encode()
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nHost: b\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer " + SECRET.encode() + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
     )
 

@@ -11,6 +11,7 @@ walked once, under a node budget and a deadline.
 from __future__ import annotations
 
 import http.client
+import json
 import threading
 import time
 from typing import Any, Iterator
@@ -84,3 +85,53 @@ def test_a_forced_calls_schema_cannot_stall_the_daemon(daemon: Daemon) -> None:
         assert took < 10, (name, took)
         assert times and max(times) < 0.1, (name, max(times), len(times))
         print(f"{name}: {status} in {took:.2f} s; /health at most {max(times) * 1000:.0f} ms over {len(times)}")
+
+
+# -- H3: web pages cannot reach a keyless gateway ---------------------------------
+
+ROUTES = [("GET", "/v1/models"), ("GET", "/v1/files"), ("GET", "/v1/batches"), ("GET", "/api/tags"),
+          ("GET", "/api/ps"), ("POST", "/api/show"), ("GET", "/metrics"), ("GET", "/api/queue"),
+          ("GET", "/ui/api/models"), ("GET", "/ui/api/keys"), ("GET", "/ui/api/engines"),
+          ("POST", "/v1/chat/completions"), ("POST", "/api/chat"), ("POST", "/v1/messages"),
+          ("GET", "/v1/responses/resp_x")]
+CHAT = json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+
+
+def send(daemon: Daemon, method: str, path: str, headers: dict[str, str], body: str | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
+    try:
+        conn.request(method, path, body, headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_a_rebound_host_and_a_cross_site_page_are_refused_on_every_route(daemon: Daemon) -> None:
+    for method, path in ROUTES:
+        TALLY.inputs += 2
+        body = CHAT if method == "POST" else None
+        status, data = send(daemon, method, path, {"Host": "rebind.attacker.example", "content-type": "text/plain"},
+                            body)
+        assert status == 403 and b"allowed_hosts" in data, (method, path, status, data[:200])
+        json.loads(data)  # in the surface's own shape, strict JSON
+        status, data = send(daemon, method, path, {"Host": f"127.0.0.1:{daemon.port}",
+                                                   "Origin": "https://evil.example", "content-type": "text/plain"},
+                            body)
+        assert status == 403 and b"cors_origins" in data, (method, path, status, data[:200])
+    for path in ("/", "/health"):
+        status, _ = send(daemon, "GET", path, {"Host": "rebind.attacker.example"})
+        assert status == 200, path
+
+
+def test_same_machine_clients_still_work(daemon: Daemon) -> None:
+    here = f"127.0.0.1:{daemon.port}"
+    for headers in ({"Host": here}, {"Host": f"localhost:{daemon.port}"},
+                    {"Host": here, "Origin": f"http://{here}"},  # the dashboard's own page
+                    {"Host": here, "Origin": f"http://localhost:{daemon.port}"}):
+        status, data = send(daemon, "POST", "/v1/chat/completions", {**headers, "content-type": "application/json"},
+                            CHAT)
+        assert status == 200, (headers, data[:200])
+    # the dashboard opened from another machine, by the box's address: same origin
+    status, data = send(daemon, "GET", "/v1/models", {"Host": "192.168.7.7:11434", "Origin": "http://192.168.7.7:11434"})
+    assert status == 200, data[:200]

@@ -103,7 +103,7 @@ class MemoryGateway:
         POST C{body} (or C{raw} bytes) and pump until answered: status,
         headers, body bytes.
         """
-        d = self.client.request("POST", "http://blazar" + path, data=raw if raw is not None else json.dumps(body).encode())
+        d = self.client.request("POST", "http://localhost" + path, data=raw if raw is not None else json.dumps(body).encode())
         for _ in range(20):
             self.client.flush()
             self.engine.flush()

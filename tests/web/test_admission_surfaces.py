@@ -59,7 +59,7 @@ class AdmissionSurfaceTests(SynchronousTestCase):
 
     def start(self, path: str, body: Any, **headers: str) -> Deferred[Any]:
         return self.client.request(
-            "POST", "http://blazar" + path, data=json.dumps(body).encode(),
+            "POST", "http://localhost" + path, data=json.dumps(body).encode(),
             headers={k.replace("_", "-"): v for k, v in headers.items()},
         )
 
@@ -118,7 +118,7 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         d = self.start("/api/chat", OLLAMA, x_blazar_priority="low")
         self.pump()
         self.reactor.advance(1.0)
-        queue = self.client.get("http://blazar/api/queue")
+        queue = self.client.get("http://localhost/api/queue")
         self.pump()
         snapshot = json.loads(self.successResultOf(self.successResultOf(queue).content()))
         (model,) = snapshot["models"]

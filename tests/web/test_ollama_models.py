@@ -51,7 +51,7 @@ class OllamaModelsTests(SynchronousTestCase):
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
-        d = self.client.request(method, "http://blazar" + path, data=json.dumps(body).encode())
+        d = self.client.request(method, "http://localhost" + path, data=json.dumps(body).encode())
         self.client.flush()
         response = self.successResultOf(d)
         content = self.successResultOf(response.content())

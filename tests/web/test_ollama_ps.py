@@ -35,7 +35,7 @@ class PsTests(SynchronousTestCase):
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:
-        d = self.client.get("http://blazar/api/ps")
+        d = self.client.get("http://localhost/api/ps")
         self.client.flush()
         response = self.successResultOf(d)
         self.assertEqual(response.code, 200)

@@ -50,7 +50,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:
         data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
-        d = self.client.request(method, "http://blazar" + path, data=data)
+        d = self.client.request(method, "http://localhost" + path, data=data)
         for _ in range(20):
             self.client.flush()
             self.engine.flush()

@@ -139,7 +139,7 @@ class AnthropicAdmissionOrderTests(SynchronousTestCase):
         return self.successResultOf(queue.admit(queue.ticket(trace_id="holder"), 1))
 
     def start(self) -> Any:
-        return self.client.request("POST", "http://blazar/v1/messages", data=json.dumps({
+        return self.client.request("POST", "http://localhost/v1/messages", data=json.dumps({
             "model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}],
         }).encode())
 

@@ -333,7 +333,7 @@ class MetricsRequireKeyTests(SiteCase):
     def test_false_opens_metrics_to_everyone(self) -> None:
         self.gate = AuthGate(self.inner, KeyHolder(Config(keys=self.keys, metrics_require_key=False)))
         self.site = self.make_site()
-        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n\r\n", host="10.1.2.3")
         self.assertIn(b"200 OK", transport.value())
 
     def test_true_closes_it_to_loopback_too(self) -> None:
@@ -373,7 +373,7 @@ class MetricsRequireKeyTests(SiteCase):
     def test_without_keys_it_is_open(self) -> None:
         self.gate = AuthGate(self.inner, KeyHolder(Config()))
         self.site = self.make_site()
-        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
+        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: 10.0.0.1:11434\r\n\r\n", host="10.1.2.3")
         self.assertIn(b"200 OK", transport.value())
 
 

@@ -100,7 +100,7 @@ class StreamFailureTests(SynchronousTestCase):
         self.client = StubTreq(router)
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
-        d = self.client.request("POST", "http://blazar" + path, data=json.dumps(body).encode())
+        d = self.client.request("POST", "http://localhost" + path, data=json.dumps(body).encode())
         for _ in range(20):
             self.client.flush()
             self.engine.flush()
