@@ -68,6 +68,11 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # child_header_timeout_secs, before it counts as wedged
     batch_max_in_flight = 4        # Batch API lines in flight at once (over all batches);
                                    # each still waits for a slot at the lowest priority
+    max_messages = 10000           # messages in one chat request, more get 400
+    max_tools = 512                # tools offered in one chat request, more get 400
+    max_schema_nodes = 4096        # subschemas in one request's tools and response format
+                                   # together, more get 400 (the engine renders and
+                                   # tokenizes a body before admission: bounded work)
 
     [cache]                        # the semantic cache (opt-in): a chat answer reused for a
     enabled = false                # similar prompt of the same model, key and lane
@@ -396,6 +401,9 @@ class Config:
     whisper_idle: float = 900.0  # whisper_idle_secs (0: kept until the daemon stops)
     sdcpp_child_header_timeout: float = 900.0
     batch_max_in_flight: int = 4
+    max_messages: int = 10000
+    max_tools: int = 512
+    max_schema_nodes: int = 4096
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     whisper: LlamaCppConfig = LlamaCppConfig()
     sdcpp: LlamaCppConfig = LlamaCppConfig()
@@ -475,6 +483,9 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "whisper_idle": ("whisper_idle_secs", RUNTIME),
     "sdcpp_child_header_timeout": ("sdcpp_child_header_timeout_secs", RUNTIME),
     "batch_max_in_flight": ("batch_max_in_flight", RUNTIME),
+    "max_messages": ("max_messages", RUNTIME),
+    "max_tools": ("max_tools", RUNTIME),
+    "max_schema_nodes": ("max_schema_nodes", RUNTIME),
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "whisper": ("engines.whisper", RUNTIME),
     "sdcpp": ("engines.sdcpp", RUNTIME),
@@ -753,6 +764,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
         "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight", "cache",
+        "max_messages", "max_tools", "max_schema_nodes",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -804,7 +816,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     if "session_save_timeout_secs" in doc:
         kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
                                                           "session_save_timeout_secs")
-    for key in ("session_bank_entry_max_mib", "session_bank_max_mib", "batch_max_in_flight"):
+    for key in ("session_bank_entry_max_mib", "session_bank_max_mib", "batch_max_in_flight", "max_messages",
+                "max_tools", "max_schema_nodes"):
         if key in doc:
             kwargs[key] = _positive_int(doc[key], where, key)
     if "audit_log" in doc:

@@ -304,6 +304,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
         "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
+        "max_messages", "max_tools", "max_schema_nodes",
     )
 
     def test_remote_keys(self) -> None:
@@ -357,6 +358,11 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         sd = FakeInstance("img", lane="sdcpp")
         self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
                    lambda: header_timeout_of(self.tree.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
+
+    def test_request_limits(self) -> None:
+        # the pipeline reads them from the live config with each chat
+        for key in ("max_messages", "max_tools", "max_schema_nodes"):
+            self.check(key, f"{key} = 3\n", "", lambda: getattr(self.tree.live.current, key), 3)
 
     def test_sentinel_enforce(self) -> None:
         # the pipeline reads it from the live config with each answer

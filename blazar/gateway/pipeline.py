@@ -1065,6 +1065,34 @@ class Pipeline:
         )
         return noted, lease, response
 
+    def _within_limits(self, call: Call) -> None:
+        """
+        A chat request's size in what costs the engine most to render and
+        tokenize (before admission, for the preflight) and Blazar to make a
+        grammar of: messages, tools, and the subschemas of its tools and
+        response format (C{max_messages}, C{max_tools}, C{max_schema_nodes};
+        issue 36: 20,000 tools took a child to 8.3 GB, a tool of 20,000
+        properties crashed it, 50,000 messages cost 129 s of its CPU, each
+        to end in a 400).
+
+        @raise BadRequest: Over a limit, naming it and its config key.
+        """
+        if call.kind is not CallKind.CHAT:
+            return
+        config = self._config()
+        body = call.body
+        messages, tools = body.get("messages"), body.get("tools")
+        if isinstance(messages, list) and len(messages) > config.max_messages:
+            raise BadRequest(f"{len(messages)} messages are more than this gateway takes in one request "
+                             f"(max_messages = {config.max_messages} in its config)", "messages")
+        if isinstance(tools, list) and len(tools) > config.max_tools:
+            raise BadRequest(f"{len(tools)} tools are more than this gateway takes in one request "
+                             f"(max_tools = {config.max_tools} in its config)", "tools")
+        budget = config.max_schema_nodes
+        if schema_nodes([tools, body.get("response_format")], budget) > budget:
+            raise BadRequest(f"the tools' and the response format's schemas hold more than {budget} subschemas "
+                             f"(max_schema_nodes = {budget} in its config)", "tools" if tools else "response_format")
+
     async def _tools_seen(self, call: Call) -> None:
         """
         Tools offered to a model whose chat template renders none
@@ -1164,6 +1192,7 @@ class Pipeline:
         else:
             call.lane = None
         await self._purpose(call)
+        self._within_limits(call)
         if call.lane is None:
             await self._tools_seen(call)
         if call.lane is None and call.kind is CallKind.CHAT \
@@ -1450,6 +1479,24 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     tests): the function, called here.
     """
     return f(*args)
+
+
+def schema_nodes(value: Any, limit: int) -> int:
+    """
+    About how many subschemas C{value} holds (every object and array in
+    it, however deep), counted up to just past C{limit}: cheap, and
+    bounded by C{limit} whatever the body.
+    """
+    count, stack = 0, [value]
+    while stack and count <= limit:
+        item = stack.pop()
+        if isinstance(item, dict):
+            count += 1
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            count += 1
+            stack.extend(item)
+    return count
 
 
 def _rendered_only(body: dict[str, Any]) -> dict[str, Any]:

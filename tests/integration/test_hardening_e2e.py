@@ -135,3 +135,41 @@ def test_same_machine_clients_still_work(daemon: Daemon) -> None:
     # the dashboard opened from another machine, by the box's address: same origin
     status, data = send(daemon, "GET", "/v1/models", {"Host": "192.168.7.7:11434", "Origin": "http://192.168.7.7:11434"})
     assert status == 200, data[:200]
+
+
+# -- H2: no single request exhausts the engine -------------------------------------
+
+
+def test_bodies_too_large_for_the_engine_are_refused_before_it(daemon: Daemon) -> None:
+    """
+    20,000 tools took the child from 21 MB to 8.3 GB, a forced tool of
+    20,000 properties crashed it, 50,000 messages cost 129 s of its CPU:
+    each is now a 400 naming its limit, in well under a second, and the
+    child neither grows nor restarts.
+    """
+    status, _ = daemon.post_json("/v1/chat/completions", {"model": "tiny", "messages": [
+        {"role": "user", "content": "warm"}], "max_tokens": 1})
+    assert status == 200
+    child = daemon.engine_for("tiny:latest")
+    rss = child.memory_info().rss
+    say = [{"role": "user", "content": "hi"}]
+    weather = {"type": "object", "properties": {"city": {"type": "string"}}}
+    bodies = {
+        "max_tools": {"model": "tiny", "messages": say, "max_tokens": 8, "tools": [
+            {"type": "function", "function": {"name": f"t{i}", "parameters": weather}} for i in range(20_000)]},
+        "max_schema_nodes": {"model": "tiny", "messages": say, "max_tokens": 8, "tool_choice": "required", "tools": [
+            {"type": "function", "function": {"name": "wide", "parameters": {
+                "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}}}]},
+        "max_messages": {"model": "tiny", "max_tokens": 8,
+                         "messages": [{"role": "user", "content": "hi"}] * 50_000},
+    }
+    for key, body in bodies.items():
+        for path in ("/v1/chat/completions", "/api/chat"):
+            TALLY.inputs += 1
+            began = time.monotonic()
+            status, _, data = daemon.request("POST", path, {**body, "stream": False})
+            took = time.monotonic() - began
+            assert status == 400 and key.encode() in data, (key, path, status, data[:300])
+            assert took < 1.0, (key, path, took)
+    assert child.is_running() and daemon.engine_for("tiny:latest").pid == child.pid
+    assert child.memory_info().rss - rss < 100 << 20, (rss, child.memory_info().rss)
