@@ -72,7 +72,7 @@ from blazar.gateway.toolcalls import (
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
 from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
-from blazar.engines.sse import SSEEvents
+from blazar.engines.sse import SSEEvents, WholeEvents
 from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, from_anthropic, to_anthropic
@@ -337,19 +337,15 @@ class Reply:
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
         cut = False
+        whole = WholeEvents()
         if watch is not None:
             inner = feed
-            held = b""
 
             def feed(data: bytes) -> None:
-                nonlocal held, cut
-                if held or not data.endswith(b"\n\n"):  # whole events only (a cut one can then be seen)
-                    data, held = held + data, b""
-                    end = data.rfind(b"\n\n")
-                    if end < 0:
-                        held = data
-                        return
-                    data, held = data[:end + 2], data[end + 2:]
+                nonlocal cut
+                data = whole.feed(data)  # whole events only (a cut one can then be seen)
+                if not data:
+                    return
                 if UNPARSED_BYTES in data:
                     data, dropped = drop_unparsed(data)
                     cut = cut or dropped
@@ -382,6 +378,7 @@ class Reply:
             if timer is not None and timer.active():
                 timer.cancel()
         if watch is not None:
+            held = whole.rest()
             if held:
                 inner(held)  # an unfinished last event: as the engine left it
             if cut:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 from typing import Callable
 
+from blazar.engines.sse import WholeEvents
+
 DONE = b"data: [DONE]\n\n"
 
 
@@ -40,20 +42,20 @@ class _EventBuffer:
     Holds an engine stream's bytes up to the last complete SSE event.
     """
 
-    _buffer: bytes
+    _whole: WholeEvents
 
     def _complete(self, chunk: bytes) -> bytes:
         """
         The complete events that C{chunk} (after what was held) ends,
         whole; the rest is held for the next call. C{b""}: none yet.
+
+        @raise blazar.engines.sse.EventTooLong: An event over the cap.
         """
-        data = self._buffer + chunk if self._buffer else chunk
-        end = data.rfind(b"\n\n")
-        if end < 0:
-            self._buffer = data
-            return b""
-        self._buffer = data[end + 2:]
-        return data[: end + 2]
+        return self._whole.feed(chunk)
+
+    @property
+    def _buffer(self) -> bytes:
+        return self._whole.rest()
 
 
 class SSERelay(_EventBuffer):
@@ -76,7 +78,7 @@ class SSERelay(_EventBuffer):
         self._renamer = renamer
         self._on_usage = on_usage
         self._hide_usage = hide_usage
-        self._buffer = b""
+        self._whole = WholeEvents()
         self.done = False
         self.failed = False
 
@@ -118,9 +120,10 @@ class SSERelay(_EventBuffer):
         """
         The engine's body ended: write any trailing partial event.
         """
-        if self._buffer.strip():
-            self._write(self._renamer.rename(self._buffer))
-        self._buffer = b""
+        held = self._buffer
+        if held.strip():
+            self._write(self._renamer.rename(held))
+        self._whole = WholeEvents()
 
     def fail(self, error_json: bytes) -> None:
         """
@@ -152,7 +155,7 @@ class SSERewriter(_EventBuffer):
         self._feed = feed
         self._rewrite = rewrite
         self._wants = wants
-        self._buffer = b""
+        self._whole = WholeEvents()
 
     def feed(self, chunk: bytes) -> None:
         """
@@ -178,6 +181,7 @@ class SSERewriter(_EventBuffer):
         """
         The engine's body ended: pass on any trailing partial event as it is.
         """
-        if self._buffer:
-            self._feed(self._buffer)
-        self._buffer = b""
+        held = self._buffer
+        if held:
+            self._feed(held)
+        self._whole = WholeEvents()
