@@ -188,8 +188,9 @@ class ChatFromCompletion:
 
     def _chunk(self, index: int, delta: dict[str, Any], finish: str | None = None, **extra: Any) -> dict[str, Any]:
         choice: dict[str, Any] = {"index": index, "delta": delta, "finish_reason": finish}
+        logprobs = extra.pop("logprobs", None)
         if self._top is not None:
-            choice["logprobs"] = extra.pop("logprobs", None)
+            choice["logprobs"] = logprobs
         return {**self._base, "choices": [choice], **extra}
 
     def feed(self, event: dict[str, Any]) -> list[dict[str, Any]]:

@@ -61,6 +61,9 @@ class PureTests(SynchronousTestCase):
         self.assertEqual(last[1]["timings"], {"predicted_n": 5})
         self.assertTrue(stream.finished)
         self.assertEqual(stream.feed({"content": "late", "stop": True}), [])
+        # without logprobs asked, no logprobs anywhere in a chunk (the fresh-clone trial saw a stray one)
+        plain = jsonanswer.ChatFromCompletion("m", {}).feed({"content": "{}", "stop": True})
+        self.assertTrue(all("logprobs" not in c and "logprobs" not in c["choices"][0] for c in plain))
 
     def test_several_answers(self) -> None:
         self.assertEqual(jsonanswer.completion_request({"n": 2}, "P", CITY, False)["n_cmpl"], 2)
