@@ -139,8 +139,11 @@ def _status(args: argparse.Namespace) -> int:
             print(f"listening: {', '.join(s['listeners'])}")
             print(f"engine:    {s['engine']}")
             print(f"data dir:  {s['data_dir']}")
+            if s.get("audit_down"):
+                print(f"audit:     writer down: {s['audit_down']} (lines are dropped until it can write; "
+                      "check the disk of audit_log)")
             if s.get("audit_dropped"):
-                print(f"audit:     {s['audit_dropped']} line(s) dropped (the writer fell behind)")
+                print(f"audit:     {s['audit_dropped']} line(s) dropped (the writer fell behind or could not write)")
             if s.get("engine_update"):
                 print(f"update:    {s['engine_update']}")
         return 0

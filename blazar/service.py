@@ -734,8 +734,11 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         audit = site.audit = AuditLog(config.audit_log)
         AuditService(audit, runner.drained).setServiceParent(top)
         metrics.gauges(lambda: [gauge(
-            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind", [],
-            [([], audit.dropped)],
+            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
+            [], [([], audit.dropped)],
+        ), gauge(
+            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
+            [([], 1 if audit.down else 0)],
         )])
     key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
     listeners = Listeners()
@@ -781,6 +784,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
                 "listeners": list(current.listen), "engine": engine,
                 "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
                 "audit_dropped": site.audit.dropped if site.audit is not None else 0,
+                **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
                 **({"engine_update": updates.notice} if updates.notice else {}),
             }
 

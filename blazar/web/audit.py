@@ -5,6 +5,12 @@ queue_depth}}, handed to a writer thread through a bounded queue. A full
 queue drops the line and counts it (C{dropped}, shown by C{blazar status}):
 auditing never blocks a request. The file rotates to C{PATH.1} at
 C{max_bytes}. Both files are mode 0600 (set at open, whatever the umask).
+
+A write that fails (a full disk: ENOSPC, a removed folder) drops its line
+and counts it, and marks the writer down (C{down}: the error, shown in
+C{/metrics} and C{blazar status}); the writer reopens the file after a
+back-off (1 s, doubling to 60 s) and is up again at its first good write.
+It never dies: issue 36 saw the first ENOSPC end the thread for good.
 """
 
 from __future__ import annotations
@@ -29,14 +35,20 @@ class AuditLog:
 
     def __init__(
         self, path: Path, *, max_bytes: int = 16 * 1024 * 1024, queue_size: int = 4096,
-        wall: Callable[[], float] = time.time,
+        wall: Callable[[], float] = time.time, retry_secs: float = 1.0,
     ) -> None:
+        """
+        @param retry_secs: The first back-off after a failed write (it
+            doubles, to 60 s).
+        """
         self.path = path
         self.max_bytes = max_bytes
         self.dropped = 0
         self.written = 0
+        self.down: str | None = None  # the last write's error while the writer cannot write
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._wall = wall
+        self._retry = retry_secs
         self._thread: threading.Thread | None = None
         self.gate = threading.Event()  # tests close it to stall the writer
         self.gate.set()
@@ -85,9 +97,23 @@ class AuditLog:
     def _open(self) -> TextIO:
         return os.fdopen(open_private(self.path, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8")
 
+    @staticmethod
+    def _close(f: TextIO | None) -> None:
+        if f is None:
+            return
+        try:
+            f.close()
+        except OSError:
+            pass  # (its buffer could not be written either: those lines were counted)
+
     def _run(self) -> None:
-        set_mode(self.path.with_name(self.path.name + ".1"), PRIVATE_FILE)
-        f = self._open()
+        f: TextIO | None = None
+        retry_at, backoff = 0.0, self._retry
+        try:
+            set_mode(self.path.with_name(self.path.name + ".1"), PRIVATE_FILE)
+            f = self._open()  # (at once: the file is there from the start)
+        except OSError as e:
+            self.down = f"{e.strerror or e} ({type(e).__name__})"
         try:
             while True:
                 self.gate.wait()
@@ -95,12 +121,26 @@ class AuditLog:
                 if item is _STOP:
                     return
                 data = json.dumps(item, separators=(",", ":"), allow_nan=False) + "\n"
-                if f.tell() + len(data) > self.max_bytes and f.tell() > 0:
-                    f.close()
-                    os.replace(self.path, self.path.with_name(self.path.name + ".1"))
-                    f = self._open()
-                f.write(data)
-                f.flush()
+                if f is None and time.monotonic() < retry_at:
+                    self.dropped += 1  # down, before its next try
+                    continue
+                try:
+                    if f is None:
+                        set_mode(self.path.with_name(self.path.name + ".1"), PRIVATE_FILE)
+                        f = self._open()
+                    if f.tell() + len(data) > self.max_bytes and f.tell() > 0:
+                        f.close()
+                        os.replace(self.path, self.path.with_name(self.path.name + ".1"))
+                        f = self._open()
+                    f.write(data)
+                    f.flush()
+                except OSError as e:
+                    self.dropped += 1
+                    self.down = f"{e.strerror or e} ({type(e).__name__})"
+                    self._close(f)
+                    f, retry_at, backoff = None, time.monotonic() + backoff, min(backoff * 2, 60.0)
+                    continue
                 self.written += 1
+                self.down, backoff = None, self._retry
         finally:
-            f.close()
+            self._close(f)

@@ -41,6 +41,27 @@ class AuditTests(SynchronousTestCase):
         self.assertEqual(set(first), {"ts", "trace", "key", "method", "path", "model", "status", "ms",
                                       "priority", "queue_depth", "sentinel"})
 
+    def test_a_full_disk_drops_and_counts_then_the_writer_comes_back(self) -> None:
+        """
+        Issue 36: the first ENOSPC ended the writer thread for good. The
+        kernel's own ENOSPC (/dev/full) for a while, then the file again.
+        """
+        path = Path(self.mktemp()) / "audit.jsonl"
+        audit = AuditLog(path, retry_secs=0.05)
+        real_open = audit._open
+        audit._open = lambda: open("/dev/full", "a", encoding="utf-8")  # type: ignore[method-assign]
+        audit.start()
+        self.addCleanup(audit.stop)
+        audit.submit({"trace": "t0", "status": 200})
+        self.wait_for(lambda: audit.dropped == 1)
+        self.assertIn("No space left on device", audit.down or "")
+        audit._open = real_open  # type: ignore[method-assign]
+        time.sleep(0.2)  # past the back-off
+        audit.submit({"trace": "t1", "status": 200})
+        self.wait_for(lambda: audit.written == 1)
+        self.assertIsNone(audit.down)
+        self.assertEqual([json.loads(line)["trace"] for line in path.read_text().splitlines()], ["t1"])
+
     def test_rotation(self) -> None:
         path = Path(self.mktemp()) / "audit.jsonl"
         audit = AuditLog(path, max_bytes=2000)
