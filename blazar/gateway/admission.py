@@ -22,8 +22,12 @@ beyond the slots, requests wait in the model's L{ModelQueue}, ordered by:
     burst). Without keys every request is one
     anonymous key.
  4. deadline, earliest first, within a key: C{x-blazar-deadline-ms} (ms
-    from arrival), else the priority's default from C{[queue]} (2 s, 30 s,
-    120 s), at most C{deadline_tool_secs} (10 s) for tool calls.
+    from arrival; at most C{deadline_low_secs}), else the priority's
+    default from C{[queue]} (2 s, 30 s, 120 s), at most
+    C{deadline_tool_secs} (10 s) for tool calls. C{batch} is the Batch
+    API runner's own (a client's is C{low}); one key may hold at most half
+    of C{max_waiting}; a full queue sheds its least urgent waiter for a
+    more urgent arrival.
 
 A request still waiting at its deadline fails with L{AllSlotsBusy} (each
 surface answers 503 C{all_slots_busy} with C{Retry-After}); a client that
@@ -253,15 +257,18 @@ class ModelQueue:
         """
         if body_size > LONG_PREFILL_BYTES and priority < Priority.LOW:
             priority = Priority(priority + 1)
-        if deadline is None:
-            deadline = {
-                Priority.HIGH: self.settings.deadline_high,
-                Priority.NORMAL: self.settings.deadline_normal,
-                Priority.LOW: self.settings.deadline_low,
-                Priority.BATCH: BATCH_DEADLINE,
-            }[priority]
-            if work == WorkClass.TOOL and priority != Priority.BATCH:  # a batch line waits its day
-                deadline = min(deadline, self.settings.deadline_tool)
+        default = {
+            Priority.HIGH: self.settings.deadline_high,
+            Priority.NORMAL: self.settings.deadline_normal,
+            Priority.LOW: self.settings.deadline_low,
+            Priority.BATCH: BATCH_DEADLINE,
+        }[priority]
+        if work == WorkClass.TOOL and priority != Priority.BATCH:  # a batch line waits its day
+            default = min(default, self.settings.deadline_tool)
+        # a client's deadline may lengthen the wait up to the longest the
+        # operator set (deadline_low_secs), no further (issue 36: a day's
+        # deadline let one key park 1,024 waiters)
+        deadline = default if deadline is None else min(deadline, max(default, self.settings.deadline_low))
         now = self._clock.seconds()
         self._seq += 1
         return Ticket(
@@ -281,6 +288,20 @@ class ModelQueue:
         """
         if slots is not None:
             self.slots = max(1, slots)
+        share = max(1, self.settings.max_waiting // 2)
+        if ticket.key and sum(1 for t in self.waiting if t.key == ticket.key) >= share:
+            self.expired_total += 1
+            raise AllSlotsBusy(
+                f"all_slots_busy: key {ticket.key!r} already has {share} requests waiting for model "
+                f"{self.model!r}, half of queue.max_waiting = {self.settings.max_waiting}: one key may not fill "
+                "the queue; retry later", 0.0, self._retry_after(),
+            )
+        if len(self.waiting) >= self.settings.max_waiting:
+            # a full queue makes room for a more urgent arrival: its least
+            # urgent waiter (lowest priority and class, then latest deadline) goes
+            worst = max(self.waiting, key=lambda t: (t.rank, t.deadline, t.seq))
+            if ticket.rank < worst.rank:
+                self._expire(worst, shed=True)
         if len(self.waiting) >= self.settings.max_waiting:
             self.expired_total += 1
             raise AllSlotsBusy(
@@ -390,7 +411,11 @@ class ModelQueue:
             ticket.waiter = None
             self._dispatch()  # the raw ceiling may have risen
 
-    def _expire(self, ticket: Ticket) -> None:
+    def _expire(self, ticket: Ticket, shed: bool = False) -> None:
+        """
+        End C{ticket}'s wait with L{AllSlotsBusy}: its deadline came, or
+        (C{shed}) a full queue made room for a more urgent request.
+        """
         waiter = ticket.waiter
         if ticket not in self.waiting or waiter is None:
             return
@@ -402,6 +427,12 @@ class ModelQueue:
         waited = self._clock.seconds() - ticket.arrived
         retry = self._retry_after()
         self._dispatch()
+        if shed:
+            waiter.errback(AllSlotsBusy(
+                f"all_slots_busy: the queue of model {self.model!r} is full (queue.max_waiting = "
+                f"{self.settings.max_waiting}) and a more urgent request took this one's place after "
+                f"{human_wait(waited)}; retry in {max(1, math.ceil(retry))}s", waited, retry))
+            return
         waiter.errback(AllSlotsBusy(
             f"all_slots_busy: all {self.slots} slot(s) of model {self.model!r} stayed busy; "
             f"waited {human_wait(waited)} (position {position} of {len(self.waiting) + 1}). "
@@ -632,9 +663,14 @@ async def admit_request(
     """
     key = key_of(request)
     queue = admission.queue(model)
+    priority = parse_priority(request.getHeader(PRIORITY_HEADER))
+    if priority is Priority.BATCH and not context_of(request).batch_line:
+        # batch (below everything, a day's wait) is the Batch API runner's own:
+        # from a client it is low (issue 36: it let one key park 1,024 waiters)
+        priority = Priority.LOW
     ticket = queue.ticket(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
-        priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
+        priority=priority,
         deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
         work=work, body_size=body_size(request) if size is None else size,
         trace_id=trace_id_of(request),

@@ -91,6 +91,7 @@ class RequestContext:
     images: int | None = None  # images an image request made (metrics, audit)
     remote: str | None = None  # the [[remotes]] name that answered it (metrics, audit)
     cache: str | None = None  # the semantic cache's outcome: hit, miss, bypass, error (None: not enabled)
+    batch_line: bool = False  # it came over the private batch listener (the daemon's own Batch API runner)
 
 
 def context_of(request: Any) -> RequestContext:

@@ -215,6 +215,7 @@ class BlazarRequest(Request):
         secret = site.batch_secret
         found = site.gate.authenticate(self) if secret is None else site.gate.authenticate_batch_line(self, secret)
         self.blazar.door, self.blazar.door_asked = found, True
+        self.blazar.batch_line = secret is not None
         if isinstance(found, Refusal):
             return found, False
         if found is None and site.gate.active:  # an open route, without a key

@@ -125,8 +125,28 @@ class OrderTests(QueueTestCase):
         # tool calls: tightened to 10 s, never loosened
         self.assertEqual(queue.ticket(work=WorkClass.TOOL).deadline, 10)
         self.assertEqual(queue.ticket(work=WorkClass.TOOL, priority=Priority.HIGH).deadline, 2)
-        # an explicit deadline wins
+        # an explicit deadline wins, up to the longest the operator set (issue 36)
         self.assertEqual(queue.ticket(work=WorkClass.TOOL, deadline=45.0).deadline, 45)
+        self.assertEqual(queue.ticket(deadline=86_400.0).deadline, 120)
+        self.assertEqual(queue.ticket(priority=Priority.BATCH, deadline=86_400.0).deadline, 86_400)
+
+    def test_one_key_cannot_fill_the_queue_and_a_full_queue_sheds_for_urgency(self) -> None:
+        config = QueueConfig(max_waiting=4)
+        queue = ModelQueue("m", self.clock, config)
+        self.successResultOf(queue.admit(queue.ticket(key="a"), slots=1))  # holds the slot
+        parked = [queue.admit(queue.ticket(key="a", priority=Priority.LOW)) for _ in range(2)]
+        with self.assertRaises(AllSlotsBusy) as caught:
+            queue.admit(queue.ticket(key="a", priority=Priority.LOW))
+        self.assertIn("half of queue.max_waiting", str(caught.exception))
+        others = [queue.admit(queue.ticket(key="b", priority=Priority.LOW)) for _ in range(2)]
+        self.assertEqual(len(queue.waiting), 4)
+        urgent = queue.admit(queue.ticket(key="c", priority=Priority.HIGH))
+        self.assertNoResult(urgent)
+        shed = [d for d in parked + others if d.called]
+        self.assertEqual(len(shed), 1)
+        self.assertIn("more urgent request took", str(self.failureResultOf(shed[0], AllSlotsBusy).value))
+        with self.assertRaises(AllSlotsBusy):  # as urgent as the least urgent: no room made
+            queue.admit(queue.ticket(key="d", priority=Priority.LOW))
 
     def test_long_prefill_demoted_one_priority(self) -> None:
         big = LONG_PREFILL_BYTES + 1

@@ -178,39 +178,25 @@ def test_high_priority_overtakes_waiting_low_priority(daemon: Daemon) -> None:
     assert len(overtaken) >= 10, lows
 
 
-def test_batch_priority_waits_behind_even_low_priority(daemon: Daemon) -> None:
+def test_a_clients_batch_priority_is_low(daemon: Daemon) -> None:
     """
-    x-blazar-priority: batch (the Batch API's lines): a low request sent
-    while batch requests wait is admitted ahead of all of them, and the
-    batch ones still finish (their deadline is a day, not [queue]'s).
+    x-blazar-priority: batch (below everything, a day's wait) is the Batch
+    API runner's own: from a client it is low (issue 36: it let one key
+    park 1,024 waiters for a day). They wait as low requests, and finish.
     """
     batch = [Outcome(f"batch-request-{i:02d}") for i in range(6)]
     threads = [threading.Thread(target=stream, args=(daemon, o), kwargs={"x_blazar_priority": "batch"})
                for o in batch]
     for t in threads:
         t.start()
-    wait_for(lambda: queue_of(daemon)["waiting"]["by_priority"].get("batch", 0) >= 4)
-    low = Outcome("low-after-batch")
-    low_thread = threading.Thread(target=stream, args=(daemon, low), kwargs={"x_blazar_priority": "low"})
-    low_thread.start()
-
-    def low_waiting() -> dict[str, Any] | None:
-        model = queue_of(daemon)
-        return model if low.trace_id in {r["trace_id"] for r in model["requests"]} or low.status else None
-
-    snapshot = wait_for(low_waiting)
-    rows = snapshot["requests"]
-    if not low.status:  # still waiting: first in line, the batch requests behind it
-        assert rows[0]["trace_id"] == low.trace_id and rows[0]["priority"] == "low", rows
-        assert all(r["priority"] == "batch" for r in rows[1:]) and len(rows) >= 3, rows
-    for t in threads + [low_thread]:
+    snapshot = wait_for(lambda: (lambda m: m if m["waiting"]["total"] >= 3 or all(o.status for o in batch)
+                                 else None)(queue_of(daemon)))
+    assert snapshot["waiting"]["by_priority"].get("batch", 0) == 0, snapshot
+    assert all(r["priority"] == "low" for r in snapshot["requests"]), snapshot["requests"]
+    for t in threads:
         t.join(120)
-    assert low.status == 200 and low.done, low
     for o in batch:
         assert o.status == 200 and o.done, o
-    waiting_when_sent = [o for o in batch if o.admitted > low.sent + 0.05]
-    assert len(waiting_when_sent) >= 3, batch
-    assert all(low.admitted < o.admitted for o in waiting_when_sent), (low, batch)
 
 
 def test_deadline_gives_503_with_retry_after_on_every_surface(daemon: Daemon) -> None:
