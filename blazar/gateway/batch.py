@@ -160,6 +160,18 @@ def check_metadata(value: object) -> dict[str, str] | None:
     return dict(value)
 
 
+def _is_text(value: str) -> bool:
+    """
+    Whether C{value} is text UTF-8 can hold (no lone surrogate, which a
+    JSON C{\\ud800} escape can make).
+    """
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def new_batch(id_: str, endpoint: str, input_file_id: str, window: str, now: int,
               metadata: dict[str, str] | None) -> dict[str, Any]:
     """
@@ -476,11 +488,13 @@ class BatchRunner:
         file_id = body.get("input_file_id")
         if not isinstance(file_id, str) or not file_id:
             raise BadRequest("missing required parameter 'input_file_id'", "input_file_id")
+        if not _is_text(file_id):  # (a lone surrogate: no id can hold it, and SQLite cannot take it)
+            raise _no_file(file_id.encode("utf-8", "replace").decode("utf-8"), "input_file_id")
         endpoint = body.get("endpoint")
-        if endpoint not in ENDPOINTS:
+        if not isinstance(endpoint, str) or endpoint not in ENDPOINTS:
             raise BadRequest(f"'endpoint' must be one of {', '.join(ENDPOINTS)}", "endpoint")
         window = body.get("completion_window")
-        if window not in WINDOWS:
+        if not isinstance(window, str) or window not in WINDOWS:
             raise BadRequest("'completion_window' must be \"24h\"", "completion_window")
         metadata = check_metadata(body.get("metadata"))
         row = await self.run_db(store.thd_file, file_id, key)

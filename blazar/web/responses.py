@@ -70,10 +70,11 @@ class Responses:
 
     async def _load(self, request: IRequest, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
         row = None
-        if self._run_db is not None and isinstance(response_id, str):
+        text = isinstance(response_id, str) and response_id.encode("utf-8", "replace").decode("utf-8") == response_id
+        if self._run_db is not None and text:  # (a lone surrogate is no id, and SQLite cannot take it)
             row = await self._run_db(store.thd_get_response, response_id, self._key(request), self._wall())
         if row is None:
-            shown = response_id if isinstance(response_id, str) and len(response_id) <= 100 else "(too long)"
+            shown = (response_id if len(response_id) <= 100 else "(too long)") if text else "(not a valid id)"
             raise ResponseNotFound(f"no response with id {shown!r} (responses are kept "
                                    f"responses_ttl_secs, for the API key that made them)", param)
         return json.loads(row[0]), json.loads(row[1]), row[2]

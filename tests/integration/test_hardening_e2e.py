@@ -173,3 +173,22 @@ def test_bodies_too_large_for_the_engine_are_refused_before_it(daemon: Daemon) -
             assert took < 1.0, (key, path, took)
     assert child.is_running() and daemon.engine_for("tiny:latest").pid == child.pid
     assert child.memory_info().rss - rss < 100 << 20, (rss, child.memory_info().rss)
+
+
+# -- Low: malformed ids and fields are 4xx, never 500 -------------------------------
+
+
+def test_odd_batch_and_response_fields_are_client_errors(daemon: Daemon) -> None:
+    here = {"Host": f"127.0.0.1:{daemon.port}", "content-type": "application/json"}
+    cases = [
+        ("/v1/batches", '{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": ["24h"]}'),
+        ("/v1/batches", '{"input_file_id": "file-x", "endpoint": "/v1/chat/completions", "completion_window": {"a": 1}}'),
+        ("/v1/batches", '{"input_file_id": "file-x", "endpoint": ["/v1/chat/completions"], "completion_window": "24h"}'),
+        ("/v1/batches", '{"input_file_id": "\\ud800", "endpoint": "/v1/chat/completions", "completion_window": "24h"}'),
+        ("/v1/responses", '{"model": "tiny", "input": "hi", "previous_response_id": "resp_\\ud800"}'),
+    ]
+    for path, raw in cases:
+        TALLY.inputs += 1
+        status, data = send(daemon, "POST", path, here, raw)
+        assert 400 <= status < 500, (path, raw, status, data[:300])
+        json.loads(data)
