@@ -247,8 +247,9 @@ class Dashboard:
     async def logs(self, request: IRequest) -> Any:
         """
         The log ring C{blazar logs} reads: C{model=M} for one model's lines
-        (its engine's output and the daemon's events about it), else the
-        daemon's (admin only); C{after=SEQ} for what came later;
+        (its engine's output and the daemon's events about it; to a scoped
+        key, the daemon's events only, paths cut), else the daemon's (admin
+        only); C{after=SEQ} for what came later;
         C{follow=1} keeps the response open as Server-Sent Events
         (C{id} is the line's sequence number, C{data} its JSON
         C{{seq, model, text}}).
@@ -273,7 +274,11 @@ class Dashboard:
         follow = args.get(b"follow", [b"0"])[-1] in (b"1", b"true")
         ring = self._logs
         secure(request)
-        engine_only = not _is_admin(request)  # a scoped key: its model's engine output, paths cut
+        # a scoped key: Blazar's own lines about its model (loads, unloads,
+        # crashes), paths cut; never the engine's raw output, which prints
+        # other keys' grammars, schema property names and unparsed answers,
+        # nor a request line (it names the key that sent it) (issue 36)
+        scoped = not _is_admin(request)
 
         def lines(since: int) -> list[dict[str, Any]]:
             if ring is None:
@@ -282,9 +287,8 @@ class Dashboard:
             for seq, m, text in list(ring.lines):
                 if seq <= since or (model is not None and m != model):
                     continue
-                if engine_only:
-                    # the daemon's own lines name other keys' requests and the files: not for it
-                    if not text.startswith(f"{m} | "):
+                if scoped:
+                    if text.startswith(f"{m} | ") or " key=" in text or " trace=" in text:
                         continue
                     text = strip_dirs(text)
                 out.append({"seq": seq, "model": m, "text": text})
