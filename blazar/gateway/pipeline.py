@@ -540,7 +540,7 @@ class Opened:
             tokens = context_of(self._request).tokens
             self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
         if self._lease is not None:
-            self._pipeline._end(self._lease, self._call.keep_alive)
+            self._pipeline._end(self._lease, keep_alive_of(self._request, self._call))
 
 
 class Pipeline:
@@ -601,7 +601,7 @@ class Pipeline:
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
         note_load(request, instance, started, loaded)
-        self._end(InstanceLease(self.supervisor, instance), call.keep_alive)
+        self._end(InstanceLease(self.supervisor, instance), keep_alive_of(request, call))
         return started, loaded
 
     async def scope(self, request: Any, model: str) -> str:
@@ -1476,6 +1476,28 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     tests): the function, called here.
     """
     return f(*args)
+
+
+def scoped(request: Any) -> bool:
+    """
+    Whether C{request} came with a key scoped to models (not an admin's).
+    """
+    key = key_of(request)
+    return key is not None and not key.admin
+
+
+def keep_alive_of(request: Any, call: Call) -> float | None:
+    """
+    The C{keep_alive} a call's end applies: the client's, unless its key is
+    scoped to models. A model is shared: a scoped key's C{keep_alive} 0
+    unloaded it under other keys' requests (502s for them), -1 pinned it,
+    a second unloaded it soon (issue 36). Theirs is named in
+    C{x-blazar-ignored}, and the model's own C{keep_alive} applies.
+    """
+    if call.keep_alive is not None and scoped(request):
+        note_ignored(request, call.surface, ["keep_alive"])
+        return None
+    return call.keep_alive
 
 
 def schema_nodes(value: Any, limit: int) -> int:

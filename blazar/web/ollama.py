@@ -26,7 +26,7 @@ from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import context_of, key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline, Reply, scoped
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
@@ -235,7 +235,9 @@ class OllamaSurface:
         return await self._generate(request, "generate")
 
     async def _load_or_unload(self, request: IRequest, kind: str, call: Call) -> bytes:
-        if self._keep_alive(call.body) == 0:
+        # (a key scoped to models may not unload a model other keys share:
+        # its keep_alive is ignored, keep_alive_of, and the request loads it)
+        if self._keep_alive(call.body) == 0 and not scoped(request):
             await self._operations.unload(await self._pipeline.scope(request, call.model), "keep_alive 0")
             reason, duration = "unload", None
         else:

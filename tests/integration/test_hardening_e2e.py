@@ -192,3 +192,52 @@ def test_odd_batch_and_response_fields_are_client_errors(daemon: Daemon) -> None
         status, data = send(daemon, "POST", path, here, raw)
         assert 400 <= status < 500, (path, raw, status, data[:300])
         json.loads(data)
+
+
+# -- 6: a scoped key cannot unload or pin a shared model ---------------------------
+
+ADMIN, SCOPED = "admin-secret-0123456789", "scoped-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def keyed(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("keyed")
+    make_test_model(root / "models" / "tiny.gguf")
+    with tallied(Daemon(root, (
+        f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+        f'[[keys]]\nname = "tenant"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+    ))) as d:
+        yield d
+
+
+def loaded(daemon: Daemon) -> list[str]:
+    status, data = send(daemon, "GET", "/api/ps", {"Authorization": f"Bearer {ADMIN}"})
+    assert status == 200, data
+    return [m["name"] for m in json.loads(data)["models"]]
+
+
+def test_a_scoped_key_cannot_unload_or_pin_a_shared_model(keyed: Daemon) -> None:
+    auth = {"Authorization": f"Bearer {SCOPED}", "content-type": "application/json"}
+    for keep_alive in (0, -1, "0s"):
+        TALLY.inputs += 2
+        status, data = send(keyed, "POST", "/api/chat", auth, json.dumps({
+            "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+            "keep_alive": keep_alive, "options": {"num_predict": 2}}))
+        assert status == 200, data
+        assert loaded(keyed) == ["tiny:latest"], keep_alive
+        status, data = send(keyed, "POST", "/api/generate", auth, json.dumps({"model": "tiny", "keep_alive": 0}))
+        assert status == 200 and json.loads(data)["done_reason"] == "load", data  # not an unload
+        assert loaded(keyed) == ["tiny:latest"]
+    expires = [m["expires_at"] for m in json.loads(send(keyed, "GET", "/api/ps",
+                                                         {"Authorization": f"Bearer {ADMIN}"})[1])["models"]]
+    assert not any(e.startswith("9999") for e in expires), expires  # not pinned forever (year 9999)
+    # an admin's keep_alive 0 still unloads
+    status, data = send(keyed, "POST", "/api/generate", {"Authorization": f"Bearer {ADMIN}"},
+                        json.dumps({"model": "tiny", "keep_alive": 0}))
+    assert status == 200 and json.loads(data)["done_reason"] == "unload", data
+    deadline = time.monotonic() + 10
+    while loaded(keyed) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert loaded(keyed) == []
