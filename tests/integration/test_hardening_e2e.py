@@ -23,15 +23,19 @@ from tests.integration.harness import Daemon
 from tests.integration.reliability import TALLY, tallied
 
 
-@pytest.fixture(scope="module")
-def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("hardening")
+def serving(engine: str, tmp_path_factory: pytest.TempPathFactory, name: str, more: str = "") -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp(name)
     make_test_model(root / "models" / "tiny.gguf")
     with tallied(Daemon(root, (
         f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n' + more
     ))) as d:
         yield d
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from serving(engine, tmp_path_factory, "hardening")
 
 
 def nested(kinds: list[str], depth: int) -> dict[str, Any]:
@@ -201,15 +205,8 @@ ADMIN, SCOPED = "admin-secret-0123456789", "scoped-secret-0123456789"
 
 @pytest.fixture(scope="module")
 def keyed(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("keyed")
-    make_test_model(root / "models" / "tiny.gguf")
-    with tallied(Daemon(root, (
-        f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "tenant"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
-    ))) as d:
-        yield d
+    yield from serving(engine, tmp_path_factory, "keyed", f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+                       f'[[keys]]\nname = "tenant"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n')
 
 
 def loaded(daemon: Daemon) -> list[str]:
