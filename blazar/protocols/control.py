@@ -506,8 +506,13 @@ class ControlServer(amp.AMP):
     @ModelShow.responder
     def model_show(self, name: str) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
+            from blazar.models.gguf_meta import GGUFError
+
             entry = await self._entry(name)
-            meta = await self._registry.metadata(entry)
+            try:
+                meta = await self._registry.metadata(entry)
+            except GGUFError as e:  # (unlisted, it dropped the connection: AMP rule 12)
+                raise ModelError(str(e)) from None
             return {
                 "name": entry.name, "path": str(entry.path), "size": meta.size,
                 "architecture": meta.architecture, "parameters": meta.parameter_size,

@@ -51,7 +51,8 @@ class ControlTests(SynchronousTestCase):
         # one live config, as the daemon has (blazar.service.assemble)
         live = LiveConfig(load_config(self.config_path))
         config = live.current
-        registry = ModelRegistry(live, self.reactor)
+        registry = self.registry = ModelRegistry(live, self.reactor)
+        self.models = root / "models"
         self.supervisor = Supervisor(live, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
         status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
                   "data_dir": "/d", "loaded": 0}
@@ -154,6 +155,13 @@ class ControlTests(SynchronousTestCase):
         shown = self.successResultOf(self.call(ModelShow, name="m"))
         self.assertEqual((shown["architecture"], shown["context_length"], shown["loaded"]), ("llama", 2048, False))
         self.failureResultOf(self.call(ModelShow, name="nope"), ModelError)
+        # a file that is not a GGUF: a declared error, not a dropped connection
+        (self.models / "broken.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+        self.successResultOf(ensureDeferred(self.registry.refresh()))
+        self.assertIn("broken", str(self.failureResultOf(self.call(ModelShow, name="broken"), ModelError).value))
+        self.assertEqual(self.successResultOf(self.call(ModelShow, name="m"))["name"], "m:latest")
+        (self.models / "broken.gguf").unlink()
+        self.successResultOf(ensureDeferred(self.registry.refresh()))
         self.assertEqual(self.successResultOf(self.call(ModelCopy, source="m", destination="m2:v1"))["name"], "m2:v1")
         self.failureResultOf(self.call(ModelCopy, source="m", destination="m2:v1"), ModelError)
         self.failureResultOf(self.call(ModelCopy, source="m", destination="bad name"), ModelError)
