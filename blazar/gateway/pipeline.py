@@ -165,6 +165,8 @@ class Reply:
         keep, self.keep = self.keep, None
         if keep is not None and not findings:
             keep(data)
+        if scoped(self._request):
+            data = hide_prompt_cache_bytes(data)
         return data
 
     def _from_anthropic(self, data: bytes) -> bytes:
@@ -334,6 +336,8 @@ class Reply:
         Feed the answer's bytes to C{feed} as they arrive, at the client's
         pace (L{EngineProxy.relay}).
         """
+        if scoped(self._request):
+            feed = _hiding_cache(feed)
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
         cut = False
@@ -406,6 +410,13 @@ class Reply:
 
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
+        if scoped(self._request):
+            hidden = on_chunk
+
+            def on_chunk(chunk: dict[str, Any]) -> Any:
+                hide_prompt_cache(chunk)
+                return hidden(chunk)
+
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
         keep, self.keep = self.keep, None
@@ -1498,6 +1509,73 @@ def keep_alive_of(request: Any, call: Call) -> float | None:
         note_ignored(request, call.surface, ["keep_alive"])
         return None
     return call.keep_alive
+
+
+def hide_prompt_cache(value: Any) -> None:
+    """
+    In place, in an answer or chunk: no sign of how much of the prompt the
+    engine's KV cache held (C{prompt_tokens_details.cached_tokens} 0,
+    C{timings.cache_n} folded into C{prompt_n}; the prompt's size stays).
+    For keys scoped to models: another key's prompts on the same model
+    are in that cache, and how far a guessed prefix matched told the
+    guesser a secret in them a digit at a time (issue 36).
+    """
+    if isinstance(value, dict):
+        timings = value.get("timings")
+        if isinstance(timings, dict) and timings.get("cache_n"):
+            timings["prompt_n"] = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
+            timings["cache_n"] = 0
+        details = value.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens"):
+            details["cached_tokens"] = 0
+        for item in value.values():
+            if isinstance(item, (dict, list)):
+                hide_prompt_cache(item)
+    elif isinstance(value, list):
+        for item in value:
+            hide_prompt_cache(item)
+
+
+_CACHE_MARKS = (b'"cache_n"', b'"cached_tokens"')
+
+
+def hide_prompt_cache_bytes(data: bytes) -> bytes:
+    """
+    L{hide_prompt_cache} on one JSON document (compact again), or C{data}
+    as it is when it holds neither field or is not JSON.
+    """
+    if not any(mark in data for mark in _CACHE_MARKS):
+        return data
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return data
+    hide_prompt_cache(value)
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+
+
+def _hiding_cache(feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+    """
+    A feed that hands on an SSE stream's whole events, each with
+    L{hide_prompt_cache} applied to its C{data:} JSON where it has those
+    fields.
+    """
+    whole = WholeEvents()
+
+    def hiding(data: bytes) -> None:
+        events = whole.feed(data)
+        if not events:
+            return
+        if any(mark in events for mark in _CACHE_MARKS):
+            out = []
+            for event in events.split(b"\n\n")[:-1]:
+                if event.startswith(b"data: {") and any(mark in event for mark in _CACHE_MARKS):
+                    event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: "):])
+                out.append(event + b"\n\n")
+            events = b"".join(out)
+        feed(events)
+
+    return hiding
 
 
 def schema_nodes(value: Any, limit: int) -> int:

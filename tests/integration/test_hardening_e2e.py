@@ -238,3 +238,36 @@ def test_a_scoped_key_cannot_unload_or_pin_a_shared_model(keyed: Daemon) -> None
     while loaded(keyed) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert loaded(keyed) == []
+
+
+# -- 4: the prompt cache tells a scoped key nothing about other keys' prompts -------
+
+
+def test_a_scoped_key_sees_no_prompt_cache_counts(keyed: Daemon) -> None:
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "the secret is 4817 and more words"}],
+           "max_tokens": 2, "seed": 1}
+
+    def chat(secret: str, stream: bool = False) -> tuple[int, bytes]:
+        body = {**ask, "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        return send(keyed, "POST", "/v1/chat/completions",
+                    {"Authorization": f"Bearer {secret}", "content-type": "application/json"}, json.dumps(body))
+
+    status, data = chat(ADMIN)
+    assert status == 200, data
+    status, data = chat(ADMIN)  # the same prompt again: the engine's cache holds it
+    admin = json.loads(data)
+    assert admin["usage"]["prompt_tokens_details"]["cached_tokens"] > 0 and admin["timings"]["cache_n"] > 0, admin
+    TALLY.inputs += 3
+    status, data = chat(SCOPED)
+    tenant = json.loads(data)
+    assert status == 200 and tenant["usage"]["prompt_tokens"] == admin["usage"]["prompt_tokens"], tenant
+    assert not (tenant["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"), tenant
+    assert not tenant["timings"].get("cache_n"), tenant["timings"]
+    status, data = chat(SCOPED, stream=True)
+    assert status == 200 and b'"timings"' in data, data[-400:]
+    assert b'"cache_n":0' in data and b'"prompt_n":' in data, data[-400:]
+    assert b'"cached_tokens":' not in data.replace(b'"cached_tokens":0', b""), data[-400:]
+    status, data = send(keyed, "POST", "/v1/messages", {"Authorization": f"Bearer {SCOPED}",
+                                                         "content-type": "application/json"},
+                        json.dumps({**ask, "max_tokens": 2}))
+    assert status == 200 and json.loads(data)["usage"]["cache_read_input_tokens"] == 0, data
