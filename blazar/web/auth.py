@@ -395,6 +395,15 @@ class AuthGate(Resource):
         if self._open_route(request):
             return None
         bearer, api_key = bearer_secret(request), request.getHeader(b"x-api-key")
+        authorization = request.getHeader(b"authorization")
+        if api_key and authorization and bearer is None:
+            # (a front proxy that checks the Authorization would see another
+            # identity than the x-api-key used here: issue 36)
+            scheme = authorization.split(b" ", 1)[0].decode("latin-1")[:20]
+            return Refusal(400, "bad_request", (
+                f"Authorization: {scheme} and x-api-key were both sent: send the key once, as "
+                "`Authorization: Bearer <key>` or as `x-api-key`"
+            ))
         if bearer and api_key and not hmac.compare_digest(bearer, api_key.strip()):
             return Refusal(400, "bad_request", (
                 "Authorization: Bearer and x-api-key carry different keys; send one key, "

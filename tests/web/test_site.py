@@ -309,6 +309,13 @@ class DoorTests(SiteCase):
                 self.assertTrue(check(json.loads(body)), body)
                 self.assertEqual(headers[b"connection"], b"close")
         self.assertEqual(self.inner.seen, [])
+        # another scheme beside x-api-key: a proxy checking it would see another identity (issue 36)
+        basic = b"Authorization: Basic dXNlcjpwYXNz"
+        _, transport = self.send(head(b"/v1/chat/completions", 2, basic, b"x-api-key: " + SECRET.encode()) + b"{}")
+        status, _, body = parse(transport.value())
+        self.assertEqual(status, b"HTTP/1.1 400 Bad Request")
+        self.assertIn(b"Authorization: Basic and x-api-key were both sent", body)
+        self.assertEqual(self.inner.seen, [])
         # the same key in both is one identity
         _, transport = self.send(head(b"/v1/messages", 2, a, b"x-api-key:  " + SECRET.encode()) + b"{}")
         self.assertIn(b"200 OK", transport.value())
