@@ -160,6 +160,18 @@ def check_metadata(value: object) -> dict[str, str] | None:
     return dict(value)
 
 
+def _disk_full(error: BaseException) -> bool:
+    """
+    Whether a write failed for want of space (SQLite's own words for it,
+    or the kernel's ENOSPC / EDQUOT).
+    """
+    import errno
+
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "disk is full" in str(error) or "disk full" in str(error)
+
+
 def _is_text(value: str) -> bool:
     """
     Whether C{value} is text UTF-8 can hold (no lone surrogate, which a
@@ -419,7 +431,13 @@ class BatchRunner:
             raise FileTooLarge(f"the file is {len(content)} bytes; a file may be at most 200 MB "
                                f"({FILE_MAX_BYTES} bytes)", "file")
         row = (new_id("file-"), key, filename or "upload.jsonl", purpose, self._now(), content)
-        await self.run_db(store.thd_put_file, row)
+        try:
+            await self.run_db(store.thd_put_file, row)
+        except (sqlite3.OperationalError, OSError) as e:
+            if not _disk_full(e):
+                raise
+            raise Unavailable("the disk that holds the daemon's data_dir is full: the file was not stored; free "
+                              "space there, or move data_dir to a larger disk") from None
         return file_object((*row[:5], len(content)))
 
     async def files(self, key: str, purpose: str | None = None, after: str | None = None, limit: int = 10000,

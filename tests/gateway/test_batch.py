@@ -23,7 +23,7 @@ from blazar.gateway import batch as batch_mod
 from blazar.gateway.batch import (
     FILE_MAX_BYTES, BatchConflict, BatchNotFound, BatchRunner, FileNotFound, FileTooLarge, parse_input,
 )
-from blazar.gateway.errors import BadRequest
+from blazar.gateway.errors import BadRequest, Unavailable
 
 CHAT = "/v1/chat/completions"
 NOW = 1_700_000_000.0
@@ -182,6 +182,15 @@ class FilesTests(RunnerCase):
 
     def test_only_batch_files_and_at_most_200_mb(self) -> None:
         self.assertEqual(self.fails(self.runner.upload("alice", "f", "fine-tune", b"x"), BadRequest).param, "purpose")
+
+    def test_a_full_disk_is_a_503_naming_it(self) -> None:
+        def full(f: Any, *args: Any) -> Any:
+            raise sqlite3.OperationalError("database or disk is full")
+
+        runner = BatchRunner(self.clock, full, lambda f, *args: maybeDeferred(f, *args), self.send,
+                             lambda: self.in_flight)
+        error = self.fails(runner.upload("alice", "in.jsonl", "batch", b"x\n"), Unavailable)
+        self.assertIn("data_dir is full", str(error))
         self.patch(batch_mod, "FILE_MAX_BYTES", 3)
         error = self.fails(self.runner.upload("alice", "f", "batch", b"abcd"), FileTooLarge)
         self.assertEqual(error.status, 413)
