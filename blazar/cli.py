@@ -30,6 +30,7 @@ import json
 import sys
 import time
 from typing import Any
+from blazar import strictjson
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -133,7 +134,7 @@ def _status(args: argparse.Namespace) -> int:
     async def action(p: Any) -> int:
         s = await p.callRemote(Status)
         if args.json:
-            print(json.dumps(s, allow_nan=False))
+            print(strictjson.dumps(s))
         else:
             print(f"blazar {s['version']}, up {s['uptime']:.0f} s, {s['loaded']} model(s) loaded")
             print(f"listening: {', '.join(s['listeners'])}")
@@ -181,7 +182,7 @@ def _ps(args: argparse.Namespace) -> int:
             update = update or page.get("engine_update")
             offset = page.get("next_offset")
         if args.json:
-            print(json.dumps(rows, allow_nan=False))
+            print(strictjson.dumps(rows))
             return 0
         if update:
             print(f"engine update: {update}")
@@ -218,7 +219,7 @@ def _sessions(args: argparse.Namespace) -> int:
                 return 1
             answer = await p.callRemote(SessionClose, name=args.name, key=args.key)
             if args.json:
-                print(json.dumps({"closed": answer["closed"]}, allow_nan=False))
+                print(strictjson.dumps({"closed": answer["closed"]}))
             elif not answer["closed"]:
                 print(f"no session {args.name!r}" + (f" of key {args.key!r}" if args.key is not None else ""))
             else:
@@ -232,7 +233,7 @@ def _sessions(args: argparse.Namespace) -> int:
             for row in listing["sessions"]:  # RFC 3339, as GET /api/session gives it
                 row["last_used"] = datetime.fromtimestamp(row["last_used"], timezone.utc).isoformat()
             listing["truncated"] = answer["truncated"]
-            print(json.dumps(listing, allow_nan=False))
+            print(strictjson.dumps(listing))
             return 0
         if not listing["enabled"]:
             print("sessions are off (session_keep_secs = 0)")
@@ -262,7 +263,7 @@ def _queue(args: argparse.Namespace) -> int:
         queue = json.loads(answer["queue"])
         if args.json:
             queue["truncated"] = answer["truncated"]  # rows were cut to fit the control channel
-            print(json.dumps(queue, allow_nan=False))
+            print(strictjson.dumps(queue))
             return 0
         models = queue["models"]
         if not models:
@@ -394,7 +395,7 @@ def _keys(args: argparse.Namespace) -> int:
         if args.keys_verb == "list":
             keys = (await p.callRemote(KeysList))["keys"]
             if args.json:
-                print(json.dumps(keys, allow_nan=False))
+                print(strictjson.dumps(keys))
             elif not keys:
                 print("no keys: the gateway is open (add one with `blazar keys add NAME`)")
             for k in keys if not args.json else []:
@@ -435,7 +436,7 @@ def _models_show(args: argparse.Namespace) -> int:
     async def action(p: Any) -> int:
         m = await p.callRemote(ModelShow, name=args.name)
         if args.json:
-            print(json.dumps(m, allow_nan=False))
+            print(strictjson.dumps(m))
         else:
             for key in ("name", "path", "size", "architecture", "parameters", "quantization",
                         "context_length", "chat_template", "loaded"):
@@ -492,7 +493,7 @@ def _models_list(args: argparse.Namespace) -> int:
     async def action(p: Any) -> int:
         models = (await p.callRemote(Models))["models"]
         if args.json:
-            print(json.dumps(models, allow_nan=False))
+            print(strictjson.dumps(models))
         else:
             for m in models:
                 print(f"{m['name']:<40} {m['path']}")
@@ -556,7 +557,7 @@ def _post_ndjson(
         headers["authorization"] = f"Bearer {key}"
     try:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        conn.request("POST", path, json.dumps(body, allow_nan=False), headers)
+        conn.request("POST", path, strictjson.dumps(body), headers)
         resp = conn.getresponse()
     except OSError:
         print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)
@@ -811,9 +812,9 @@ def _engine(args: argparse.Namespace) -> int:
         if verb == "list":
             rows = store.installed()
             if args.json:
-                print(json.dumps([{"kind": e.kind, "tag": e.tag, "source": e.source, "sha256": e.sha256,
+                print(strictjson.dumps([{"kind": e.kind, "tag": e.tag, "source": e.source, "sha256": e.sha256,
                                    "path": e.path, "installed_at": e.installed_at, "active": e.active}
-                                  for e in rows], indent=2, allow_nan=False))
+                                  for e in rows], indent=2))
                 return 0
             if not rows:
                 print("no engines installed (`blazar engine install SPEC`; until then the daemon finds "

@@ -15,6 +15,7 @@ import sqlite3
 from pathlib import Path
 
 from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode
+from blazar import strictjson
 
 MIGRATIONS = [
     # 1: whole-day token counts per API key (quotas survive restarts)
@@ -373,8 +374,7 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
                                (batch, state)))
         template = json.loads(result)
         db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
-                       [(json.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom},
-                                    allow_nan=False), batch, n)
+                       [(strictjson.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
                         for n, custom in rows])
         db.execute("COMMIT")
     except BaseException:

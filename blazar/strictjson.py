@@ -69,3 +69,16 @@ def is_finite(value: Any) -> bool:
     if isinstance(value, list):
         return all(is_finite(v) for v in value)
     return True
+
+
+def dumps(value: Any, **options: Any) -> str:
+    """
+    C{value} as strict JSON: C{json.dumps} with C{allow_nan=False}, so a
+    NaN or an infinity raises C{ValueError} instead of being written as
+    C{NaN} / C{Infinity}, which are not JSON. Every JSON Blazar writes goes
+    through here (a test fails any C{json.dumps} elsewhere in C{blazar/}).
+
+    @param options: C{json.dumps}'s other options (C{separators},
+        C{ensure_ascii}, C{sort_keys}, C{indent}, C{default}).
+    """
+    return json.dumps(value, allow_nan=False, **options)

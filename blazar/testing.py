@@ -28,6 +28,7 @@ from blazar.engines.supervisor import (
     ISupervisor,
 )
 from blazar.models.registry import ModelEntry
+from blazar import strictjson
 
 # -- fakes for unit tests ---------------------------------------------------
 
@@ -165,7 +166,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
             "created": 1, "id": "chatcmpl-x", "model": model_name,
             "object": "chat.completion.chunk",
         }
-        return b"data: " + json.dumps(body, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+        return b"data: " + strictjson.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request):  # type: ignore[no-untyped-def]
@@ -174,9 +175,8 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
         fail = (body.get("chat_template_kwargs") or {}).get("fail")
         if fail:
             request.setResponseCode(fail)
-            return json.dumps(
+            return strictjson.dumps(
                 {"error": {"code": fail, "message": "engine says no", "type": "server_error"}},
-                allow_nan=False,
             ).encode()
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
@@ -184,7 +184,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
                 request.write(chunk(i, text))
             return b"data: [DONE]\n\n"
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(
+        return strictjson.dumps(
             {
                 "choices": [{"finish_reason": "stop", "index": 0,
                              "message": {"role": "assistant", "content": "Hello"}}],
@@ -192,7 +192,6 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
                 "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
             },
             separators=(",", ":"),
-            allow_nan=False,
         ).encode()
 
     return app

@@ -1,9 +1,10 @@
 """
-Strict JSON, both ways (issue 35): every C{json.dumps}, C{json.dump} and
-C{json.JSONEncoder} in blazar/ passes C{allow_nan=False}, so a NaN or an
-infinity is refused where Blazar writes it rather than sent as C{NaN} or
-C{Infinity}, which no strict parser reads; and L{blazar.strictjson.loads}
-refuses them where Blazar reads them.
+Strict JSON, both ways (issue 35): Blazar writes JSON only through
+L{blazar.strictjson.dumps} (C{allow_nan=False}), so a NaN or an infinity
+is refused where Blazar writes it rather than sent as C{NaN} or
+C{Infinity}, which no strict parser reads: no other C{json.dumps},
+C{json.dump} or C{json.JSONEncoder} is in blazar/; and
+L{blazar.strictjson.loads} refuses them where Blazar reads them.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ PACKAGE = Path(blazar.__file__).parent
 WRITERS = frozenset({"dumps", "dump", "JSONEncoder"})
 
 
-def lenient_writes(source: str) -> list[int]:
+def lenient_writes(source: str, strict_too: bool = False) -> list[int]:
     """
     The lines of C{source} that call C{json.dumps}, C{json.dump} or
-    C{json.JSONEncoder} without C{allow_nan=False}, however C{json} or the
-    name was imported. A call that passes C{**kwargs} is counted: whether it
-    allows NaN cannot be read from the source.
+    C{json.JSONEncoder} without C{allow_nan=False} (with C{strict_too}:
+    with it too), however C{json} or the name was imported. A call that
+    passes C{**kwargs} is counted: whether it allows NaN cannot be read
+    from the source.
     """
     tree = ast.parse(source)
     modules = {"json"}
@@ -48,7 +50,7 @@ def lenient_writes(source: str) -> list[int]:
             k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False
             for k in node.keywords
         )
-        if writer and not strict:
+        if writer and (strict_too or not strict):
             lines.append(node.lineno)
     return sorted(lines)
 
@@ -88,6 +90,25 @@ class LenientWritesTests(SynchronousTestCase):
             for line in lenient_writes(path.read_text(encoding="utf-8"))
         ]
         self.assertEqual(offenders, [], "json writes without allow_nan=False")
+
+    def test_every_write_is_strictjsons(self) -> None:
+        """
+        Only L{blazar.strictjson.dumps} calls C{json.dumps}: one writer, not
+        a keyword to remember at every call.
+        """
+        offenders = [
+            f"{path.relative_to(PACKAGE.parent)}:{line}"
+            for path in sorted(PACKAGE.rglob("*.py")) if path.name != "strictjson.py"
+            for line in lenient_writes(path.read_text(encoding="utf-8"), strict_too=True)
+        ]
+        self.assertEqual(offenders, [], "write JSON with blazar.strictjson.dumps")
+        self.assertEqual(lenient_writes("import json\njson.dumps(v, allow_nan=False)\n", strict_too=True), [2])
+
+    def test_the_writer_refuses_what_is_not_json(self) -> None:
+        for value in (float("nan"), float("inf"), {"a": [1.0, float("-inf")]}):
+            self.assertRaises(ValueError, strictjson.dumps, value)
+        self.assertEqual(strictjson.dumps({"b": 1, "a": [1.5]}, sort_keys=True, separators=(",", ":")),
+                         '{"a":[1.5],"b":1}')
 
 
 class LoadsTests(SynchronousTestCase):

@@ -20,6 +20,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
+from blazar import strictjson
 
 STEPS = ("start", "health", "chat", "stream", "embedding")
 START_TIMEOUT = 60.0
@@ -77,7 +78,7 @@ class _Child:
 
     def post(self, step: str, path: str, body: dict[str, object]) -> bytes:
         request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                         json.dumps(body, allow_nan=False).encode(),
+                                         strictjson.dumps(body).encode(),
                                          {"content-type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:

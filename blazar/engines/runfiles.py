@@ -20,6 +20,7 @@ from typing import Any
 import psutil
 
 from blazar.files import open_private, private_dir
+from blazar import strictjson
 
 
 def run_dir(data_dir: Path) -> Path:
@@ -43,7 +44,7 @@ def thd_write(run: Path, model: str, pid: int, port: int, argv: list[str], api_k
     info = {"pid": pid, "model": model, "port": port, "argv": argv}
     tmp = run / f".{stem}.pid.tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
-        f.write(json.dumps(info, allow_nan=False))
+        f.write(strictjson.dumps(info))
     os.replace(tmp, run / f"{stem}.pid")
     with os.fdopen(open_private(run / f"{stem}.apikey", os.O_WRONLY | os.O_TRUNC), "w") as f:
         f.write(api_key)

@@ -54,6 +54,7 @@ from zope.interface import implementer
 
 from blazar import store
 from blazar.gateway.errors import BadRequest, NotFound, Unavailable
+from blazar import strictjson
 
 log = Logger()
 
@@ -260,7 +261,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
             fail("invalid_value", f"line {n}: batch requests cannot stream; drop 'stream'", n, "body.stream")
             continue
         models.add(body.get("model"))
-        lines.append((custom_id, json.dumps(body, allow_nan=False)))
+        lines.append((custom_id, strictjson.dumps(body)))
     if not lines and not errors:
         fail("empty_file", "the input file has no requests", None)
     if len(lines) > MAX_LINES:
@@ -291,7 +292,7 @@ def error_template(error: Mapping[str, str]) -> str:
     An error line with its C{id} and C{custom_id} left for the store to
     fill in per line (L{store.thd_interrupted_lines}, L{store.thd_fail_pending}).
     """
-    return json.dumps({"id": None, "custom_id": None, "response": None, "error": dict(error)}, allow_nan=False)
+    return strictjson.dumps({"id": None, "custom_id": None, "response": None, "error": dict(error)})
 
 
 def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
@@ -329,7 +330,7 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
                 file_id = new_id("file-")
                 store.thd_put_file(db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content))
                 batch = {**batch, field: file_id}
-        store.thd_put_batch(db, batch["id"], json.dumps(batch, allow_nan=False))
+        store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -532,7 +533,7 @@ class BatchRunner:
         else:
             batch.update(status="in_progress", in_progress_at=now,
                          request_counts={"total": len(lines), "completed": 0, "failed": 0})
-        await self.run_db(store.thd_create_batch, batch["id"], key, now, json.dumps(batch, allow_nan=False), lines)
+        await self.run_db(store.thd_create_batch, batch["id"], key, now, strictjson.dumps(batch), lines)
         if errors:
             log.info("batch {batch} failed validation: {count} errors", batch=batch["id"], count=len(errors))
         else:
@@ -767,7 +768,7 @@ class BatchRunner:
         running.batch["request_counts"] = {**counts, "completed": counts["completed"] + ok,
                                            "failed": counts["failed"] + (not ok)}
         await self.run_db(thd_record_line, running.id, line, ok,
-                          json.dumps(result, allow_nan=False), json.dumps(running.batch, allow_nan=False))
+                          strictjson.dumps(result), strictjson.dumps(running.batch))
 
     def _finish_later(self, running: _Running) -> None:
         if running.finishing or running.claiming or self._stopping:
@@ -802,7 +803,7 @@ class BatchRunner:
             raise
 
     async def _save(self, running: _Running) -> None:
-        await self.run_db(store.thd_put_batch, running.id, json.dumps(running.batch, allow_nan=False))
+        await self.run_db(store.thd_put_batch, running.id, strictjson.dumps(running.batch))
 
     async def _expire_batch(self, running: _Running) -> None:
         running.expiring = running.exhausted = True

@@ -43,6 +43,7 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 from usearch.index import Index
+from blazar import strictjson
 
 Vector = npt.NDArray[np.float32]
 
@@ -80,7 +81,7 @@ def reissued(answer: bytes, id_: str, created: int) -> bytes:
     if not isinstance(parsed, dict):
         return answer
     parsed["id"], parsed["created"] = id_, created
-    return json.dumps(parsed, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return strictjson.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def as_chunks(answer: bytes) -> list[dict[str, Any]]:
@@ -170,7 +171,7 @@ class StreamedAnswer:
         }
         if self._usage is not None:
             answer["usage"] = self._usage
-        return json.dumps(answer, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+        return strictjson.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def storable(answer: bytes) -> bool:
@@ -263,7 +264,7 @@ def scope_of(model: str, key: str, lane: str, body: dict[str, Any]) -> str:
         "model": model, "key": key, "lane": lane, "messages": messages,
         "fields": {k: v for k, v in body.items() if k not in UNHASHED},
     }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str, allow_nan=False).encode("utf-8")).hexdigest()
+    return hashlib.sha256(strictjson.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
 def normalized(values: Iterable[float]) -> Vector | None:

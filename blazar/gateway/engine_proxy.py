@@ -31,6 +31,7 @@ from blazar.gateway.errors import EngineRejected, PromptTooLong
 from blazar.gateway.context import note_span, timing_of
 from blazar.engines.sse import SSEEvents
 from blazar.gateway import placement
+from blazar import strictjson
 
 log = Logger()
 
@@ -277,7 +278,7 @@ class EngineProxy:
         try:
             try:
                 lease, response = await self.send(
-                    model, "/apply-template", json.dumps(placement.PROBE, allow_nan=False).encode("utf-8"), stream=False
+                    model, "/apply-template", strictjson.dumps(placement.PROBE).encode("utf-8"), stream=False
                 )
                 instance = lease.instance
             except EngineRejected as e:
@@ -318,7 +319,7 @@ class EngineProxy:
         """
         body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
         lease, response = await self.send(
-            model, "/v1/chat/completions/input_tokens", json.dumps(body, allow_nan=False).encode("utf-8"), stream=False
+            model, "/v1/chat/completions/input_tokens", strictjson.dumps(body).encode("utf-8"), stream=False
         )
         try:
             return int(json.loads(await self.read(lease.instance, response))["input_tokens"])
@@ -332,7 +333,7 @@ class EngineProxy:
         """
         body = {"content": text, "add_special": add_special}
         lease, response = await self.send(
-            model, "/tokenize", json.dumps(body, allow_nan=False).encode("utf-8"), stream=False
+            model, "/tokenize", strictjson.dumps(body).encode("utf-8"), stream=False
         )
         try:
             return len(json.loads(await self.read(lease.instance, response))["tokens"])
@@ -346,7 +347,7 @@ class EngineProxy:
         """
         body = {"content": prompt, "add_special": False, "with_pieces": True}
         lease, response = await self.send(
-            model, "/tokenize", json.dumps(body, allow_nan=False).encode("utf-8"),
+            model, "/tokenize", strictjson.dumps(body).encode("utf-8"),
             stream=False,
         )
         try:

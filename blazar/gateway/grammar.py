@@ -23,9 +23,9 @@ schema refuses.
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
+from blazar import strictjson
 
 NODE_BUDGET = 4096  # subschemas one grammar may walk (Claude Code's whole toolset: about 600)
 DEADLINE = 2.0  # seconds a forced call's grammar may take to make (L{blazar.gateway.toolcalls.thd_prepare})
@@ -61,8 +61,8 @@ def literal(value: Any) -> str:
     """
     A GBNF literal matching C{value}'s compact JSON encoding.
     """
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
-    return json.dumps(text, ensure_ascii=False, allow_nan=False)
+    text = strictjson.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    return strictjson.dumps(text, ensure_ascii=False)
 
 
 class Grammar:
@@ -144,7 +144,7 @@ class Grammar:
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise Unsupported(f"{where}: the schema took too long to make a grammar of (over {DEADLINE:g} s)")
         try:
-            key = (json.dumps(schema, sort_keys=True, separators=(",", ":"), allow_nan=False), depth)
+            key = (strictjson.dumps(schema, sort_keys=True, separators=(",", ":")), depth)
         except (TypeError, ValueError):
             key = None
         if key is not None and key in self._memo:
@@ -184,7 +184,7 @@ class Grammar:
         kind = schema.get("type")
         if isinstance(kind, list):
             # each type once
-            kinds = list(dict.fromkeys(k if isinstance(k, str) else json.dumps(k, allow_nan=False) for k in kind))
+            kinds = list(dict.fromkeys(k if isinstance(k, str) else strictjson.dumps(k) for k in kind))
             return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kinds) + ")"
         if kind is None:
             if "properties" in schema:
@@ -472,7 +472,7 @@ def min_chars(schema: Any, depth: int = 0) -> int:
         return 2
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema["enum"], list) else []
-        return min((len(json.dumps(v, allow_nan=False)) for v in values), default=2)
+        return min((len(strictjson.dumps(v)) for v in values), default=2)
     for key in ("oneOf", "anyOf"):
         if isinstance(schema.get(key), list) and schema[key]:
             return min(min_chars(o, depth + 1) for o in schema[key])

@@ -30,12 +30,12 @@ logprob, top_logprobs}]}}.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
 
 from blazar.gateway.toolcalls import usage_of
+from blazar import strictjson
 
 COMPACT = (",", ":")
 # chat fields /completion has no use for (the rest, sampling settings and
@@ -153,7 +153,7 @@ def chat_completion(model: str, done: Any, chat: dict[str, Any]) -> bytes:
     results = results_of(done)
     top = top_logprobs(chat)
     timings = results[0].get("timings") if results else None
-    return json.dumps({
+    return strictjson.dumps({
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": i, "finish_reason": finish_of(r),
@@ -161,7 +161,7 @@ def chat_completion(model: str, done: Any, chat: dict[str, Any]) -> bytes:
                      "logprobs": _logprobs(r, top)} for i, r in enumerate(results)],
         "usage": usage_all(results),
         **({"timings": timings} if isinstance(timings, dict) else {}),
-    }, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8")
+    }, ensure_ascii=False, separators=COMPACT).encode("utf-8")
 
 
 class ChatFromCompletion:
@@ -225,5 +225,5 @@ def encode(chunk: dict[str, Any]) -> bytes:
     """
     One chunk as an SSE event.
     """
-    return b"data: " + json.dumps(chunk, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8") \
+    return b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=COMPACT).encode("utf-8") \
         + b"\n\n"

@@ -80,6 +80,7 @@ from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.gguf_meta import template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
+from blazar import strictjson
 
 log = Logger()
 
@@ -184,7 +185,7 @@ class Reply:
             answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
         except (ValueError, TypeError, AttributeError) as e:
             raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
-        return json.dumps(answer, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(answer, ensure_ascii=False).encode("utf-8")
 
     def _anthropic_events(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
         """
@@ -284,7 +285,7 @@ class Reply:
 
         def on_chunk(chunk: dict[str, Any]) -> None:
             nonlocal done
-            feed(b"data: " + json.dumps(chunk, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+            feed(b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
                  .encode("utf-8") + b"\n\n")
             if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
                 done = True
@@ -387,7 +388,7 @@ class Reply:
                 inner(held)  # an unfinished last event: as the engine left it
             if cut:
                 # an answer, not a fault: the stream ends as a good one does
-                events = b"".join(b"data: " + json.dumps(c, separators=(",", ":"), allow_nan=False).encode() + b"\n\n"
+                events = b"".join(b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
                                   for c in await self._cut_end(watch)) + b"data: [DONE]\n\n"
                 watch.events(events)
                 inner(events)
@@ -681,7 +682,7 @@ class Pipeline:
             await call.rewrite(call)
         # a command lane's server or a remote: no token counting, no grammar of Blazar's, no slots
         lane = call.lane
-        raw = call.raw if call.raw is not None else json.dumps(call.body, allow_nan=False).encode("utf-8")
+        raw = call.raw if call.raw is not None else strictjson.dumps(call.body).encode("utf-8")
         path, anthropic = call.path, None
         if lane is not None and lane.name == REMOTE:
             raw, path, anthropic = self._remote_body(request, call)
@@ -851,7 +852,7 @@ class Pipeline:
 
         @return: The vector, or L{None} (logged) if the embedding failed.
         """
-        body = json.dumps({"model": model, "input": text}, allow_nan=False).encode("utf-8")
+        body = strictjson.dumps({"model": model, "input": text}).encode("utf-8")
         try:
             lease, response = await self._proxy.send(model, "/v1/embeddings", body, stream=False)
             try:
@@ -907,7 +908,7 @@ class Pipeline:
             body["id_slot"] = pin.slot
         try:
             lease, response = await self._proxy.send(
-                call.model, "/completion", json.dumps(body, allow_nan=False).encode("utf-8"), call.ctx_size, request,
+                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
                 stream=False, ready=(rendered_by, self._clock.seconds()),
             )
         except EngineRejected as e:
@@ -958,7 +959,7 @@ class Pipeline:
         @raise EngineRejected: The template refused it.
         """
         lease, response = await self._proxy.send(
-            call.model, "/apply-template", json.dumps(template, allow_nan=False).encode("utf-8"), call.ctx_size,
+            call.model, "/apply-template", strictjson.dumps(template).encode("utf-8"), call.ctx_size,
             request, stream=False, ready=(instance, started),
         )
         try:
@@ -988,7 +989,7 @@ class Pipeline:
         if pin is not None:
             body["id_slot"] = pin.slot
         return await self._proxy.send(
-            call.model, "/completion", json.dumps(body, allow_nan=False).encode("utf-8"), call.ctx_size, request,
+            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
             stream=stream, ready=(instance, self._clock.seconds()),
         )
 
@@ -1065,7 +1066,7 @@ class Pipeline:
                  "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
         body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
         body["tool_choice"] = "none"
-        raw = json.dumps(body, allow_nan=False).encode("utf-8")
+        raw = strictjson.dumps(body).encode("utf-8")
         if pin is not None:
             raw = with_slot(raw, pin.slot) or raw
         lease, response = await self._proxy.send(
@@ -1242,14 +1243,14 @@ class Pipeline:
         model = call.entry.remote_model
         if call.lane.api != "anthropic":
             body = dict(call.body, model=model)
-            return json.dumps(body, allow_nan=False).encode("utf-8"), call.path, None
+            return strictjson.dumps(body).encode("utf-8"), call.path, None
         body, ignored = to_anthropic(call.body, model)
         if ignored and request is not None:
             note_ignored(request, "remote", ignored)
         options = call.body.get("stream_options")
         stream = AnthropicStream(call.model, int(self._clock.seconds()),
                                  isinstance(options, dict) and bool(options.get("include_usage")))
-        return json.dumps(body, allow_nan=False).encode("utf-8"), "/v1/messages", stream
+        return strictjson.dumps(body).encode("utf-8"), "/v1/messages", stream
 
     async def _scope(self, request: Any, model: str) -> ModelEntry | None:
         """
@@ -1551,7 +1552,7 @@ def hide_prompt_cache_bytes(data: bytes) -> bytes:
     except ValueError:
         return data
     hide_prompt_cache(value)
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _hiding_cache(feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
@@ -1629,7 +1630,7 @@ def _with_model(data: bytes, model: str, server: str) -> bytes:
     if "model" not in value:
         return data
     value["model"] = model
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _not_of_lane(model: str, lane: str, section: str) -> str:

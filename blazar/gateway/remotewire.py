@@ -165,7 +165,7 @@ def _tool_input(arguments: Any, ignored: list[str]) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     ignored.append("tool_calls:unparsed-arguments")
-    return {"_raw": arguments if isinstance(arguments, str) else json.dumps(arguments, allow_nan=False)}
+    return {"_raw": arguments if isinstance(arguments, str) else strictjson.dumps(arguments)}
 
 
 def _tool_result(message: dict[str, Any], where: str) -> dict[str, Any]:
@@ -490,7 +490,7 @@ def from_anthropic(message: dict[str, Any], model: str, created: int) -> dict[st
         elif kind == "tool_use":
             calls.append({"id": block.get("id"), "type": "function", "function": {
                 "name": block.get("name"),
-                "arguments": json.dumps(block.get("input") or {}, ensure_ascii=False, allow_nan=False)}})
+                "arguments": strictjson.dumps(block.get("input") or {}, ensure_ascii=False)}})
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if thinking:
         reply["reasoning_content"] = "".join(thinking)
@@ -574,7 +574,7 @@ class AnthropicStream:
                 chunks.append(self._chunk({"reasoning_content": block["thinking"]}))
             elif kind == "tool_use" and isinstance(index, int):
                 call = self._tools[index] = len(self._tools)
-                args = json.dumps(block["input"], ensure_ascii=False, allow_nan=False) if block.get("input") else ""
+                args = strictjson.dumps(block["input"], ensure_ascii=False) if block.get("input") else ""
                 chunks.append(self._chunk({"tool_calls": [{
                     "index": call, "id": block.get("id"), "type": "function",
                     "function": {"name": block.get("name"), "arguments": args}}]}))

@@ -39,6 +39,7 @@ from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
 from blazar.engines.supervisor import child_shape, thd_identity
 from blazar.gateway.engine_proxy import was_cancelled
 from blazar.httpbody import read_body
+from blazar import strictjson
 
 log = Logger()
 
@@ -217,7 +218,7 @@ class EngineSlots:
         async def go() -> Any:
             response = await self._engines.request(
                 "POST", f"{instance.base_url}/slots/{slot}?action={action}",
-                json.dumps(body, allow_nan=False).encode("utf-8"),
+                strictjson.dumps(body).encode("utf-8"),
                 {**instance.auth_headers, b"content-type": [b"application/json"]}, stream=False,
             )
             data = await read_body(response, self._clock, idle_timeout=timeout, max_bytes=1 << 16)

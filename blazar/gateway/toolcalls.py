@@ -20,7 +20,6 @@ string (random weights do not) still ends with valid JSON.
 
 from __future__ import annotations
 
-import json
 import secrets
 import time
 from typing import Any
@@ -101,7 +100,7 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     token), and how many calls fit in C{budget} (1 without parallel calls).
     """
     strings = max(_strings(t["function"].get("parameters") or {}) for t in forced.tools)
-    syntax = max(48 + len(json.dumps(t["function"].get("parameters") or {}, allow_nan=False)) // 2
+    syntax = max(48 + len(strictjson.dumps(t["function"].get("parameters") or {})) // 2
                  for t in forced.tools)
     per_call = syntax + 6 * MIN_STRING * strings
     calls = max(1, min(MAX_CALLS, budget // per_call)) if forced.parallel else 1
@@ -267,8 +266,8 @@ def usage_of(done: dict[str, Any]) -> dict[str, Any]:
 
 def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
     return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, separators=COMPACT,
-                                                                allow_nan=False)}}
+             "function": {"name": name,
+                          "arguments": strictjson.dumps(arguments, ensure_ascii=False, separators=COMPACT)}}
             for name, arguments in calls]
 
 
@@ -282,12 +281,12 @@ def chat_completion(
     """
     message: dict[str, Any] = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
                                else {"role": "assistant", "content": ""})
-    return json.dumps({
+    return strictjson.dumps({
         "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
         "model": model,
         "choices": [{"index": 0, "finish_reason": finish, "message": message}],
         "usage": usage,
-    }, ensure_ascii=False, separators=COMPACT, allow_nan=False).encode("utf-8")
+    }, ensure_ascii=False, separators=COMPACT).encode("utf-8")
 
 
 def chat_stream(
@@ -304,8 +303,8 @@ def chat_stream(
             "created": int(time.time()), "model": model}
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return (b"data: " + json.dumps({**base, "choices": choices, **extra}, ensure_ascii=False,
-                                       separators=COMPACT, allow_nan=False).encode("utf-8") + b"\n\n")
+        return (b"data: " + strictjson.dumps({**base, "choices": choices, **extra}, ensure_ascii=False,
+                                       separators=COMPACT).encode("utf-8") + b"\n\n")
 
     out = [event([{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}])]
     for i, call in enumerate(calls):

@@ -10,7 +10,6 @@ Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
 
 from __future__ import annotations
 
-import json
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
@@ -24,6 +23,7 @@ from blazar import __version__
 from blazar.gateway.operations import instance_rows
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text
+from blazar import strictjson
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
     from blazar.gateway.operations import ModelOperations
@@ -358,9 +358,8 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
     C{snapshot} as JSON of at most C{budget} bytes, dropping per-request
     rows from the end of each model's list until it fits.
     """
-    import json
 
-    text = json.dumps(snapshot, allow_nan=False)
+    text = strictjson.dumps(snapshot)
     truncated = False
     while len(text.encode("utf-8")) > budget:
         rows = [m for m in snapshot["models"] if m.get("requests")]
@@ -369,7 +368,7 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
         for model in rows:
             model["requests"] = model["requests"][: len(model["requests"]) // 2]
         truncated = True
-        text = json.dumps(snapshot, allow_nan=False)
+        text = strictjson.dumps(snapshot)
     return text, truncated
 
 
@@ -542,10 +541,10 @@ class ControlServer(amp.AMP):
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)
         truncated = False
-        while len(json.dumps(rows, allow_nan=False)) > QUEUE_BUDGET:
+        while len(strictjson.dumps(rows)) > QUEUE_BUDGET:
             rows, truncated = rows[: len(rows) // 2], True
         enabled = bool(table is not None and table.enabled)
-        return {"sessions": json.dumps({"sessions": rows, "enabled": enabled}, allow_nan=False), "truncated": truncated}
+        return {"sessions": strictjson.dumps({"sessions": rows, "enabled": enabled}), "truncated": truncated}
 
     @SessionClose.responder
     def session_close(self, name: str, key: str | None = None) -> dict[str, Any]:

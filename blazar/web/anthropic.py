@@ -11,7 +11,6 @@ accepted and ignored.
 
 from __future__ import annotations
 
-import json
 import secrets
 from typing import Any
 
@@ -33,6 +32,7 @@ from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
+from blazar import strictjson
 
 log = Logger()
 
@@ -48,7 +48,7 @@ def error_body(kind: str, message: str) -> bytes:
     """
     Anthropic's error envelope, encoded.
     """
-    return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, allow_nan=False).encode("utf-8")
+    return strictjson.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode("utf-8")
 
 
 class AnthropicSurface:
@@ -94,7 +94,7 @@ class AnthropicSurface:
         call, _, _ = self._call(request, counting=True)
         count = await self._pipeline.count(request, call)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"input_tokens": count}, allow_nan=False).encode("utf-8")
+        return strictjson.dumps({"input_tokens": count}).encode("utf-8")
 
     @app.route("/v1/messages", methods=["POST"])
     async def messages(self, request: IRequest) -> bytes | None:
@@ -113,7 +113,7 @@ class AnthropicSurface:
             translator.finish()
             self._usage(reply, translator)
             request.setHeader(b"content-type", b"application/json")
-            return json.dumps(translator.message(), ensure_ascii=False, allow_nan=False).encode("utf-8")
+            return strictjson.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
         # A loaded model answers at once: the pipeline sends first, so a
         # request the engine rejects is an HTTP error, not a 200 stream
         # with an error event, and message_start carries the prompt's

@@ -15,7 +15,6 @@ It never dies: issue 36 saw the first ENOSPC end the thread for good.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
 import threading
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, TextIO
 
 from blazar.files import PRIVATE_FILE, open_private, set_mode
+from blazar import strictjson
 
 _STOP = object()
 
@@ -120,7 +120,7 @@ class AuditLog:
                 item = self._queue.get()
                 if item is _STOP:
                     return
-                data = json.dumps(item, separators=(",", ":"), allow_nan=False) + "\n"
+                data = strictjson.dumps(item, separators=(",", ":")) + "\n"
                 if f is None and time.monotonic() < retry_at:
                     self.dropped += 1  # down, before its next try
                     continue

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-import json
 from typing import Any
 
 import attrs
@@ -27,6 +26,7 @@ from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
 from blazar.gateway.context import context_of, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden
 from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
+from blazar import strictjson
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -243,17 +243,17 @@ def error_body(surface: str, status: int, message: str, code: str | None = None)
     @param code: OpenAI's C{code}, where the status alone does not give it.
     """
     if surface == "ollama":
-        return json.dumps({"error": message}, allow_nan=False).encode()
+        return strictjson.dumps({"error": message}).encode()
     if surface == "anthropic":
         kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
                 429: "rate_limit_error", 503: "overloaded_error"}.get(status, "invalid_request_error")
-        return json.dumps({"type": "error", "error": {"type": kind, "message": message}}, allow_nan=False).encode()
+        return strictjson.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
     if code is None:
         code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
                 429: "rate_limit_exceeded"}.get(status)
     kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
-    return json.dumps({"error": {"message": message, "type": kind,
-                                 "param": None, "code": code}}, allow_nan=False).encode()
+    return strictjson.dumps({"error": {"message": message, "type": kind,
+                                 "param": None, "code": code}}).encode()
 
 
 def bearer_secret(request: IRequest) -> bytes | None:

@@ -9,7 +9,6 @@ Errors use OpenAI's envelope C{{"error": {"message", "type", "param",
 
 from __future__ import annotations
 
-import json
 from typing import IO, Any, Callable
 
 import attrs
@@ -24,6 +23,7 @@ from blazar.gateway.errors import BadRequest
 from blazar.web.body import read_json
 from blazar.web.errors import answer
 from blazar.web.openai import render
+from blazar import strictjson
 
 
 def thd_read_upload(content: IO[bytes], content_type: str) -> tuple[dict[str, str], tuple[str, bytes] | None]:
@@ -89,7 +89,7 @@ def _limit(request: IRequest, default: int, most: int) -> int:
 
 def _json(request: IRequest, value: object) -> bytes:
     request.setHeader(b"content-type", b"application/json")
-    return json.dumps(value, allow_nan=False).encode("utf-8")
+    return strictjson.dumps(value).encode("utf-8")
 
 
 class BatchSurface:

@@ -21,7 +21,6 @@ C{X-Content-Type-Options: nosniff}.
 
 from __future__ import annotations
 
-import json
 from importlib import resources
 from typing import Any, Callable
 
@@ -48,6 +47,7 @@ from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_h
 from blazar.web.body import read_json
 from blazar.web.errors import answer
 from blazar.web.ollama import capabilities
+from blazar import strictjson
 
 log = Logger()
 
@@ -344,7 +344,7 @@ class Dashboard:
             else:
                 fresh = lines(state["seq"])
                 for line in fresh:
-                    request.write(f"id: {line['seq']}\ndata: {json.dumps(line, allow_nan=False)}\n\n".encode("utf-8"))
+                    request.write(f"id: {line['seq']}\ndata: {strictjson.dumps(line)}\n\n".encode("utf-8"))
                     state["seq"] = line["seq"]
                     if state["paused_at"] is not None:
                         break  # the transport's buffer is full: the rest when it drains
@@ -430,7 +430,7 @@ class Dashboard:
     def _json(self, request: IRequest, value: Any) -> bytes:
         secure(request)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(value, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(value).encode("utf-8")
 
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
@@ -439,4 +439,4 @@ class Dashboard:
             return None
         secure(request)
         body = {"error": {"message": problem.message, "code": problem.code}}
-        return json.dumps(body, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(body).encode("utf-8")

@@ -38,6 +38,7 @@ from blazar.web.translate import leniency
 from blazar.web.translate import images as images_tr
 from blazar.web.translate import rerank as rerank_tr
 from blazar.web.translate import ollama as tr
+from blazar import strictjson
 
 log = Logger()
 
@@ -60,11 +61,11 @@ class OllamaError(BadRequest):
 def _json(request: IRequest, value: Any, status: int = 200) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
-    text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    text = strictjson.dumps(value, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate echoed from the request
-        return json.dumps(value, separators=(",", ":"), allow_nan=False).encode("ascii")
+        return strictjson.dumps(value, separators=(",", ":")).encode("ascii")
 
 
 def _rfc3339(seconds: float) -> str:
@@ -299,7 +300,7 @@ class OllamaSurface:
                 "total_duration": int(max(0.0, self._clock.seconds() - started) * 1e9)}
         if stream:
             request.setHeader(b"content-type", b"application/x-ndjson")
-            return json.dumps(line, allow_nan=False).encode("utf-8") + b"\n"
+            return strictjson.dumps(line).encode("utf-8") + b"\n"
         return _json(request, line)
 
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:

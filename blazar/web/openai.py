@@ -49,6 +49,7 @@ from blazar.web.translate import chat_logprobs, completions, leniency
 from blazar.web.translate import audio as audio_tr
 from blazar.web.translate import images as images_tr
 from blazar.web.translate import rerank as rerank_tr
+from blazar import strictjson
 
 log = Logger()
 
@@ -64,9 +65,8 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     """
     OpenAI's error envelope, encoded.
     """
-    return json.dumps(
+    return strictjson.dumps(
         {"error": {"message": message, "type": type_, "param": param, "code": code}},
-        allow_nan=False,
     ).encode("utf-8")
 
 
@@ -275,14 +275,14 @@ class OpenAISurface:
         allowed = set(visible_entries(request, entries))
         data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"object": "list", "data": data}, allow_nan=False).encode("utf-8")
+        return strictjson.dumps({"object": "list", "data": data}).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
         entry = await resolve_in_scope(request, self._registry, model_id)
         answer = await self._model_object(model_id, entry)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(answer, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(answer).encode("utf-8")
 
     # -- inference ------------------------------------------------------------
 
@@ -327,7 +327,7 @@ class OpenAISurface:
                                    return_documents)
             reply.usage(out["usage"]["prompt_tokens"], 0)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(out, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(out).encode("utf-8")
 
     # -- speech to text (blazar.web.translate.audio): the whisper lane --------
 
@@ -402,7 +402,7 @@ class OpenAISurface:
                                lambda b64, fmt: base + IMAGE_FILES + self.images.keep(b64, fmt))
         context_of(request).images = len(out["data"])
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps(out, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(out).encode("utf-8")
 
     @app.route(IMAGE_FILES + "<token>", methods=["GET", "HEAD"])
     def image_file(self, request: IRequest, token: str) -> bytes:

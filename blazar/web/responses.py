@@ -31,6 +31,7 @@ from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.web.errors import in_stream
 from blazar.web.translate import responses as tr
+from blazar import strictjson
 
 log = Logger()
 
@@ -105,7 +106,7 @@ class Responses:
                   **item} for item in inputs]
         row = (response["id"], self._key(request), now, now + config.responses_ttl,
                response.get("previous_response_id"),
-               json.dumps(response, allow_nan=False), json.dumps(items, allow_nan=False))
+               strictjson.dumps(response), strictjson.dumps(items))
         try:
             await self._run_db(store.thd_put_response, row, config.responses_max_stored)
         except Exception:
@@ -195,7 +196,7 @@ class Responses:
         call, _, _ = await self._translate(request, body)
         count = await self._pipeline.count(request, call)
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"object": "response.input_tokens", "input_tokens": count}, allow_nan=False).encode("utf-8")
+        return strictjson.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
 
     async def retrieve(self, request: IRequest, response_id: str) -> bytes:
         response, _, _ = await self._load(request, response_id)
@@ -217,4 +218,4 @@ class Responses:
         if not deleted:
             raise ResponseNotFound(f"no response with id {response_id!r}")
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"id": response_id, "object": "response", "deleted": True}, allow_nan=False).encode("utf-8")
+        return strictjson.dumps({"id": response_id, "object": "response", "deleted": True}).encode("utf-8")

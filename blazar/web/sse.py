@@ -10,6 +10,7 @@ import json
 from typing import Callable
 
 from blazar.engines.sse import WholeEvents
+from blazar import strictjson
 
 DONE = b"data: [DONE]\n\n"
 
@@ -25,8 +26,8 @@ class ModelRenamer:
 
     def __init__(self, engine_name: str, client_name: str) -> None:
         self.needed = engine_name != client_name
-        self._old = b'"model":' + json.dumps(engine_name, allow_nan=False).encode("utf-8")
-        self._new = b'"model":' + json.dumps(client_name, allow_nan=False).encode("utf-8")
+        self._old = b'"model":' + strictjson.dumps(engine_name).encode("utf-8")
+        self._new = b'"model":' + strictjson.dumps(client_name).encode("utf-8")
 
     def rename(self, data: bytes) -> bytes:
         """

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from blazar.gateway.errors import BadRequest
 
-import json
 import math
 from typing import Any
 
@@ -190,7 +189,7 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                 if not isinstance(block.get("input", {}), dict):
                     raise AnthropicRequestError(f"{bwhere}.input: must be an object")
                 tool_ids.add(block["id"])
-                arguments = json.dumps(block.get("input") or {}, ensure_ascii=False, allow_nan=False)
+                arguments = strictjson.dumps(block.get("input") or {}, ensure_ascii=False)
                 tool_calls.append({
                     "id": block["id"], "type": "function",
                     "function": {"name": block["name"], "arguments": arguments},
@@ -642,5 +641,5 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     """
     return (
         b"event: " + event.encode("ascii") + b"\ndata: "
-        + json.dumps(payload, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n\n"
+        + strictjson.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
     )

@@ -14,11 +14,11 @@ Pure functions: no reactor, no I/O.
 
 from __future__ import annotations
 
-import json
 import math
 from typing import Any, Mapping
 
 from blazar.gateway.errors import BadRequest
+from blazar import strictjson
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # whisper.cpp's languages (its g_lang), ISO-639-1 where one exists
@@ -128,7 +128,7 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
             lines += [str(s.get("text", "")).strip(), ""]
         return "\n".join(lines).encode("utf-8") + b"\n", CONTENT_TYPES[response_format]
     if response_format == "json":
-        return json.dumps({"text": text, "usage": usage}, allow_nan=False).encode("utf-8"), CONTENT_TYPES["json"]
+        return strictjson.dumps({"text": text, "usage": usage}).encode("utf-8"), CONTENT_TYPES["json"]
     out: dict[str, Any] = {
         "task": "translate" if translate else "transcribe",
         "language": str(answer.get("language") or ""),
@@ -150,7 +150,7 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
             for s in segments for w in s.get("words") or [] if isinstance(w, dict) and str(w.get("word", "")).strip()
         ]
     out["usage"] = usage
-    return json.dumps(out, allow_nan=False).encode("utf-8"), CONTENT_TYPES["verbose_json"]
+    return strictjson.dumps(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]
 
 
 def _clamped(segment: dict[str, Any], duration: float) -> dict[str, Any]:

@@ -33,6 +33,7 @@ C{null}. Pure: no reactor, no I/O.
 from __future__ import annotations
 
 from blazar.gateway.errors import BadRequest
+from blazar import strictjson
 
 import codecs
 import json
@@ -407,4 +408,4 @@ def dumps(value: Any) -> bytes:
     Compact JSON, UTF-8, as llama-server writes it (so the model renamer's
     byte match still finds C{"model":"..."}).
     """
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8")
+    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -17,11 +17,11 @@ Pure functions: no reactor, no I/O.
 
 from __future__ import annotations
 
-import json
 import re
 from typing import Any, Callable, Mapping
 
 from blazar.gateway.errors import BadRequest
+from blazar import strictjson
 
 OUTPUT_FORMATS = ("png", "jpeg")  # sd-server built without libwebp (blazar.engines.build)
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -97,7 +97,7 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
         _text(negative, "negative_prompt")
         extra["negative_prompt"] = negative
     if extra:
-        prompt += f"<sd_cpp_extra_args>{json.dumps(extra, allow_nan=False)}</sd_cpp_extra_args>"
+        prompt += f"<sd_cpp_extra_args>{strictjson.dumps(extra)}</sd_cpp_extra_args>"
     engine["prompt"] = prompt
     return engine, response_format, [name for name in IGNORED if name in body]
 

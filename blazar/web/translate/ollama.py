@@ -22,7 +22,6 @@ from __future__ import annotations
 from blazar.gateway.errors import BadRequest
 
 import base64
-import json
 import math
 import time
 from typing import Any, Callable, Iterable
@@ -112,7 +111,7 @@ def _image_url(data: Any) -> dict[str, Any]:
 def _arguments_json(arguments: Any) -> str:
     if isinstance(arguments, str):
         return arguments
-    return json.dumps(arguments if arguments is not None else {}, ensure_ascii=False, allow_nan=False)
+    return strictjson.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
 
 
 def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
@@ -603,7 +602,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     Objects as NDJSON bytes, one compact line each.
     """
     return b"".join(
-        json.dumps(line, ensure_ascii=False, separators=(",", ":"), allow_nan=False).encode("utf-8") + b"\n"
+        strictjson.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
         for line in lines
     )
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from blazar.gateway.errors import BadRequest
 
-import json
 import secrets
 from typing import Any
 
@@ -149,7 +148,7 @@ def items_to_messages(
                 raw_input = item.get("input")
                 arguments: Any = None
                 if isinstance(raw_input, str):
-                    arguments = json.dumps({"input": raw_input}, ensure_ascii=False, allow_nan=False)
+                    arguments = strictjson.dumps({"input": raw_input}, ensure_ascii=False)
             else:
                 arguments = item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -682,9 +681,9 @@ def dump(value: Any) -> bytes:
     surrogate echoed from a request (never a 500 for it).
     """
     try:
-        return json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+        return strictjson.dumps(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        return json.dumps(value, allow_nan=False).encode("ascii")
+        return strictjson.dumps(value).encode("ascii")
 
 
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
