@@ -46,6 +46,7 @@ import math
 import secrets
 from typing import Any, Awaitable, Callable
 
+import attrs
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.logger import Logger
 
@@ -337,8 +338,9 @@ class Reply:
         Feed the answer's bytes to C{feed} as they arrive, at the client's
         pace (L{EngineProxy.relay}).
         """
-        if scoped(self._request):
-            feed = _hiding_cache(feed)
+        hider = _CacheHider(feed) if scoped(self._request) else None
+        if hider is not None:
+            feed = hider.feed
         watch = StreamWatch(self.watched) if self.watched is not None else None
         timer = self._stall_timer(watch)
         cut = False
@@ -393,6 +395,8 @@ class Reply:
                 watch.events(events)
                 inner(events)
             self._judge(watch.findings())
+        if hider is not None:
+            hider.flush()
 
     def _stall_timer(self, watch: StreamWatch | None) -> Any:
         """
@@ -572,7 +576,7 @@ class Pipeline:
         self._in_thread = in_thread or _inline
         self._decodes = Bounded(DECODES)  # uploads being decoded at once, daemon-wide
         # per (path, mtime): (general.architecture, reranker), read once per file version
-        self._facts: dict[tuple[Any, float], tuple[str | None, bool]] = {}
+        self._facts: dict[tuple[Any, float], _Facts] = {}
         self._registry = registry
         self.admission = admission
         self.sessions = sessions
@@ -1024,13 +1028,8 @@ class Pipeline:
         """
         if call.kind is not CallKind.CHAT or call.body.get("tools") or jsonanswer.json_format(call.body) is None:
             return False
-        if call.entry is None or call.entry.format != "gguf" or self._registry is None:
-            return False
-        try:
-            meta = await self._registry.metadata(call.entry)
-        except Exception:
-            return False  # unreadable: the child's start says why
-        return "thinking" not in template_capabilities(meta.chat_template)
+        capabilities = await self._capabilities(call.entry)
+        return capabilities is not None and "thinking" not in capabilities
 
     def _enforce(self, request: Any, entry: ModelEntry) -> bool:
         """
@@ -1121,16 +1120,13 @@ class Pipeline:
         if call.body.get("tool_choice") == "none" or self._forced_call(call) is not None:
             return
         entry = call.entry
-        if entry is None or entry.format != "gguf" or self._registry is None:
+        if entry is None:
             return
         args = (*self._config().llamacpp.args, *entry.settings.args)
         if any(a.startswith("--chat-template") or a.startswith("--jinja-template") for a in args):
             return
-        try:
-            meta = await self._registry.metadata(entry)
-        except Exception:
-            return  # unreadable: the child's start says why
-        if "tools" in template_capabilities(meta.chat_template):
+        capabilities = await self._capabilities(entry)
+        if capabilities is None or "tools" in capabilities:
             return
         raise UnsupportedByModel(
             f"model {call.model!r} does not support tools: its chat template renders none, so the model would "
@@ -1275,20 +1271,36 @@ class Pipeline:
         (C{rerank = true}, or rank pooling), its header read once per file
         version: then a dict lookup per request.
         """
-        if entry.format != "gguf" or self._registry is None:
+        facts = await self._file_facts(entry)
+        if facts is None:
             return None, entry.settings.rerank
+        return facts.architecture, facts.reranker or entry.settings.rerank
+
+    async def _capabilities(self, entry: ModelEntry | None) -> tuple[str, ...] | None:
+        """
+        What the model's chat template shows it (C{tools}, C{thinking}:
+        L{template_capabilities}), from the same once-per-file-version read
+        as L{_facts_of}; L{None} when it has no GGUF to read.
+        """
+        facts = await self._file_facts(entry) if entry is not None else None
+        return facts.capabilities if facts is not None else None
+
+    async def _file_facts(self, entry: ModelEntry) -> _Facts | None:
+        if entry.format != "gguf" or self._registry is None:
+            return None
         key = (entry.path, entry.modified)
         known = self._facts.get(key)
         if known is None:
             try:
                 meta = await self._registry.metadata(entry)
             except Exception:
-                return None, entry.settings.rerank  # unreadable: the child's start says why
-            known = (meta.architecture, is_reranker(entry, meta))
+                return None  # unreadable: the child's start says why
+            known = _Facts(meta.architecture, is_reranker(entry, meta),
+                           tuple(template_capabilities(meta.chat_template)))
             if len(self._facts) > 4096:
                 self._facts.clear()
             self._facts[key] = known
-        return known[0], known[1] or entry.settings.rerank
+        return known
 
     async def _is_reranker(self, entry: ModelEntry) -> bool:
         if entry.settings.rerank:
@@ -1434,6 +1446,17 @@ DECODES = 2  # audio decodes in the thread pool at once (each holds up to MAX_SE
 MAX_IMAGE_SIDE = 2048  # pixels, as blazar.web.translate.images.MAX_SIDE
 
 
+@attrs.frozen
+class _Facts:
+    """
+    What the pipeline reads of a GGUF once per file version.
+    """
+
+    architecture: str | None
+    reranker: bool
+    capabilities: tuple[str, ...]  # its chat template's (template_capabilities)
+
+
 class Bounded:
     """
     At most C{limit} pieces of thread-pool work at once, counted until the
@@ -1555,16 +1578,19 @@ def hide_prompt_cache_bytes(data: bytes) -> bytes:
     return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def _hiding_cache(feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+class _CacheHider:
     """
-    A feed that hands on an SSE stream's whole events, each with
+    Hands an SSE stream on whole events at a time, each with
     L{hide_prompt_cache} applied to its C{data:} JSON where it has those
-    fields.
+    fields; L{flush} hands on an unfinished last event as it is.
     """
-    whole = WholeEvents()
 
-    def hiding(data: bytes) -> None:
-        events = whole.feed(data)
+    def __init__(self, feed: Callable[[bytes], None]) -> None:
+        self._feed = feed
+        self._whole = WholeEvents()
+
+    def feed(self, data: bytes) -> None:
+        events = self._whole.feed(data)
         if not events:
             return
         if any(mark in events for mark in _CACHE_MARKS):
@@ -1574,9 +1600,12 @@ def _hiding_cache(feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
                     event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: "):])
                 out.append(event + b"\n\n")
             events = b"".join(out)
-        feed(events)
+        self._feed(events)
 
-    return hiding
+    def flush(self) -> None:
+        rest = self._whole.rest()
+        if rest:
+            self._feed(rest)
 
 
 def schema_nodes(value: Any, limit: int) -> int:

@@ -202,3 +202,20 @@ class RouteTests(SynchronousTestCase):
         self.assertIn("error", events[-1])
         self.assertIn("incomplete", events[-1]["error"]["message"])
         self.assertFalse([e for e in events if e.get("choices") and e["choices"][0].get("finish_reason")])
+
+
+class CacheHiderTests(SynchronousTestCase):
+    def test_whole_events_hidden_and_an_unfinished_one_kept(self) -> None:
+        from blazar.gateway.pipeline import _CacheHider
+
+        out: list[bytes] = []
+        hider = _CacheHider(out.append)
+        stream = (b'data: {"a":1}\n\ndata: {"timings":{"prompt_n":2,"cache_n":5}}\n\n'
+                  b'data: {"usage":{"prompt_tokens_details":{"cached_tokens":5}}}\n\ndata: [DONE]')
+        for i in range(0, len(stream), 7):
+            hider.feed(stream[i:i + 7])
+        hider.flush()
+        text = b"".join(out)
+        self.assertIn(b'"prompt_n":7,"cache_n":0', text)
+        self.assertIn(b'"cached_tokens":0', text)
+        self.assertTrue(text.startswith(b'data: {"a":1}\n\n') and text.endswith(b"data: [DONE]"), text)

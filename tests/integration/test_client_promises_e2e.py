@@ -353,10 +353,11 @@ def test_json_answers_on_the_other_surfaces(daemon: Daemon) -> None:
 def test_a_reasoning_models_json_is_an_answer_and_its_cut_stream_is_never_a_stop(daemon: Daemon) -> None:
     """
     A model whose template reasons keeps the engine's chat path (its
-    grammar lets the reasoning come first). Where the chat parser refuses
-    the answer, a non-streamed one is asked once more without it (200, the
-    text); a stream it cut ends with the surface's error, never with
-    finish_reason stop and the JSON cut.
+    grammar lets the reasoning come first): never a 502, and each stream
+    has one end, a finish or an error. (The random reasoning model only
+    reasons, so the engine's parser never refuses here: the re-ask and the
+    cut stream's error end are tested against a refusing engine in
+    tests/gateway/test_json_answers.py.)
     """
     fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
     for seed in range(1, 11):
