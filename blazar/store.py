@@ -121,7 +121,16 @@ def thd_open(path: Path) -> sqlite3.Connection:
         private_dir(path.parent)
     for leftover in (path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
         set_mode(leftover, PRIVATE_FILE)
-    os.close(open_private(path, os.O_RDWR))
+    # never open and close a descriptor of a database this process may
+    # already have open: closing any descriptor of a file drops every
+    # POSIX lock the process holds on it, SQLite's too, and another process
+    # that then finds no lock takes itself for the last one, checkpoints
+    # and deletes the WAL the daemon still writes to (its writes unseen, and
+    # lost in a crash)
+    try:
+        os.close(open_private(path, os.O_RDWR | os.O_EXCL))
+    except FileExistsError:
+        set_mode(path, PRIVATE_FILE)
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
