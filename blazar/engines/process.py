@@ -5,6 +5,7 @@ output, a tail kept for error messages, and its exit as a value.
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from typing import Callable
 
@@ -34,6 +35,14 @@ DEATHSIG_LAUNCHER = (
 
 MAX_LINE = 8192
 TAIL_LINES = 40
+
+# llama-server's words for a task it stopped because its client left
+# (ENGINE.md): "srv stop: cancel task, id_task = 5", then, if the task had a
+# slot, "slot release: id  1 | task 5 | stop processing: n_tokens = 178, ..."
+# (the slot's tokens: the prompt and what was generated before the stop)
+CANCEL_LINE = re.compile(r"cancel task, id_task = (\d+)")
+RELEASE_LINE = re.compile(r"\| task (\d+) \| stop processing: n_tokens = (\d+)")
+MAX_CANCELLING = 256
 
 
 @attrs.frozen
@@ -158,6 +167,8 @@ class EngineProcessProtocol(ProcessProtocol):
         self.status: ExitStatus | None = None
         self._partial = {1: b"", 2: b""}
         self._ended: list[Deferred[ExitStatus]] = []
+        self._cancelling: deque[int] = deque(maxlen=MAX_CANCELLING)  # task ids the engine said it cancelled
+        self._cancel_waiters: deque[Deferred[int]] = deque()
 
     def connectionMade(self) -> None:
         # llama-server does not read stdin.
@@ -179,6 +190,8 @@ class EngineProcessProtocol(ProcessProtocol):
         if not text:
             return
         self.tail.append(text)
+        if "cancel task" in text or (self._cancelling and "stop processing" in text):
+            self._cancel_report(text)
         if self._output is None:
             self.log.info("{model} | {line}", model=self.model, engine=self.engine, line=text)
             return
@@ -188,6 +201,39 @@ class EngineProcessProtocol(ProcessProtocol):
             self.log.error("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)
         elif level == "W":
             self.log.warn("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)
+
+    def _cancel_report(self, text: str) -> None:
+        cancel = CANCEL_LINE.search(text)
+        if cancel is not None:
+            self._cancelling.append(int(cancel.group(1)))
+            return
+        release = RELEASE_LINE.search(text)
+        if release is None or int(release.group(1)) not in self._cancelling:
+            return
+        self._cancelling.remove(int(release.group(1)))
+        tokens = int(release.group(2))
+        while self._cancel_waiters:
+            waiter = self._cancel_waiters.popleft()
+            if not waiter.called:
+                waiter.callback(tokens)
+                return
+
+    def next_cancelled(self) -> Deferred[int]:
+        """
+        The tokens of the next task the child reports it stopped early (its
+        client left): the prompt and what it generated before the stop, in
+        its slot. Waiters are served in order; a stop no one waits for is
+        dropped. Cancelling the Deferred (a time limit) stops only this
+        wait.
+        """
+
+        def cancel(d: Deferred[int]) -> None:
+            if d in self._cancel_waiters:
+                self._cancel_waiters.remove(d)
+
+        d: Deferred[int] = Deferred(cancel)
+        self._cancel_waiters.append(d)
+        return d
 
     def unknown_architecture(self) -> str | None:
         """

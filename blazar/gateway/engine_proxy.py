@@ -12,7 +12,7 @@ import json
 from typing import Any, Awaitable, Callable
 from weakref import WeakKeyDictionary
 
-from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
+from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout, ensureDeferred
 from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -21,14 +21,14 @@ from blazar.config import Config, parse_duration
 from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
-from blazar.engines.lanes import SDCPP
+from blazar.engines.lanes import LLAMACPP, SDCPP
 from blazar.engines.lease import InstanceLease
 from blazar.engines.remote import is_remote, scrub
 from blazar.engines.supervisor import EngineError, EngineTimeout, Instance, InstanceState, Supervisor
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
-from blazar.gateway.context import note_span, timing_of
+from blazar.gateway.context import context_of, note_span, timing_of
 from blazar.engines.sse import SSEEvents
 from blazar.gateway import placement
 from blazar import strictjson
@@ -43,6 +43,9 @@ CLIENT_FAULTS = (
 )
 MAX_ENGINE_BODY = 256 * 1024 * 1024
 MAX_ERROR_BODY = 1 << 20
+# how long a llama.cpp child has, after a client left, to report the task it
+# stopped (its tokens are then counted against the client's key)
+CANCEL_REPORT_SECS = 10.0
 
 
 class StreamStopped(Exception):
@@ -403,6 +406,10 @@ class EngineProxy:
             except _Retry:
                 lease.release()
                 continue
+            except CancelledError:
+                lease.release()
+                self.count_abandoned(request, instance)
+                raise
             except BaseException:
                 lease.release()
                 raise
@@ -643,7 +650,10 @@ class EngineProxy:
             await reading
             if pacer is not None:
                 await pacer.drained()
-        except (CancelledError, EngineRejected, StreamStopped):
+        except CancelledError:
+            self.count_abandoned(request, instance)
+            raise
+        except (EngineRejected, StreamStopped):
             raise
         except ValueError as e:
             # on_chunk could not parse what the engine sent
@@ -655,6 +665,37 @@ class EngineProxy:
         finally:
             if pacer is not None:
                 pacer.unregister()
+
+    def count_abandoned(self, request: Any, instance: Any) -> None:
+        """
+        The client of C{request} left while a llama.cpp child worked on it,
+        before the answer's usage was counted: what the child reports for
+        the task it stopped (the prompt and the tokens generated until the
+        stop, L{blazar.engines.process.EngineProcessProtocol.next_cancelled})
+        is counted against the key's token limits (C{tpm},
+        C{daily_tokens}). A task the child finished, or never started,
+        reports nothing within L{CANCEL_REPORT_SECS}, and nothing is counted.
+        """
+        record = context_of(request).usage if request is not None else None
+        protocol = getattr(instance, "protocol", None)
+        if record is None or protocol is None or is_remote(instance):
+            return
+        if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
+            return
+        reported: Deferred[int] = protocol.next_cancelled()
+        reported.addTimeout(CANCEL_REPORT_SECS, self._clock)
+        model = instance.entry.name
+
+        def counted(tokens: int) -> None:
+            record(tokens)
+            log.info("{model}: the client left; the {tokens} tokens the engine used for it were counted against "
+                     "its key", model=model, tokens=tokens)
+
+        def nothing(failure: Failure) -> None:
+            failure.trap(DeferredTimeout, CancelledError)
+
+        reported.addCallbacks(counted, nothing).addErrback(
+            lambda f: log.failure("counting an abandoned request's tokens", f))
 
 
 def _retry_after(response: Any) -> float | None:

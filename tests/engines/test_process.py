@@ -107,3 +107,45 @@ class OutputTests(SynchronousTestCase):
         self.assertEqual(len(ring.after(0, "m")[0]), 3)
         self.assertEqual([e["line"] for e in events if e.get("model") == "m"],
                          ["0.09.376.300 W srv  operator(): slot 3 context shift disabled"])
+
+
+class CancelledTaskTests(SynchronousTestCase):
+    """
+    What llama-server reports for a task it stopped because its client
+    left (the lines of the pinned engine, ENGINE.md) reaches whoever waits
+    for it, in order.
+    """
+
+    def feed(self, protocol: EngineProcessProtocol, *lines: str) -> None:
+        protocol.childDataReceived(2, "".join(line + "\n" for line in lines).encode())
+
+    def test_a_stopped_tasks_tokens(self) -> None:
+        protocol = EngineProcessProtocol("m:latest", output=lambda model, line: None)
+        first, second = protocol.next_cancelled(), protocol.next_cancelled()
+        self.feed(protocol,
+                  "0.00.571.495 I slot launch_slot_: id  1 | task 5 | processing task, is_child = 0",
+                  # a task that ends normally is no one's report
+                  "0.00.600.000 I slot      release: id  0 | task 4 | stop processing: n_tokens = 32, truncated = 0",
+                  "0.03.071.465 W srv          stop: cancel task, id_task = 5",
+                  "0.03.086.475 I slot      release: id  1 | task 5 | stop processing: n_tokens = 178, truncated = 0")
+        self.assertEqual(self.successResultOf(first), 178)
+        self.assertNoResult(second)
+        self.feed(protocol, "0.04.000.000 W srv          stop: cancel task, id_task = 9",
+                  "0.04.000.100 I slot      release: id  0 | task 9 | stop processing: n_tokens = 40, truncated = 0")
+        self.assertEqual(self.successResultOf(second), 40)
+
+    def test_a_wait_given_up_is_not_served(self) -> None:
+        protocol = EngineProcessProtocol("m:latest", output=lambda model, line: None)
+        gone, kept = protocol.next_cancelled(), protocol.next_cancelled()
+        gone.cancel()
+        self.failureResultOf(gone)
+        self.feed(protocol, "W srv          stop: cancel task, id_task = 2",
+                  "I slot      release: id  1 | task 2 | stop processing: n_tokens = 12, truncated = 0")
+        self.assertEqual(self.successResultOf(kept), 12)
+
+    def test_a_task_stopped_before_it_had_a_slot_reports_nothing(self) -> None:
+        protocol = EngineProcessProtocol("m:latest", output=lambda model, line: None)
+        waiting = protocol.next_cancelled()
+        self.feed(protocol, "W srv          stop: cancel task, id_task = 3",
+                  "I slot      release: id  1 | task 4 | stop processing: n_tokens = 12, truncated = 0")
+        self.assertNoResult(waiting)

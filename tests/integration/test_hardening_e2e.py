@@ -271,3 +271,80 @@ def test_a_scoped_key_sees_no_prompt_cache_counts(keyed: Daemon) -> None:
                                                          "content-type": "application/json"},
                         json.dumps({**ask, "max_tokens": 2}))
     assert status == 200 and json.loads(data)["usage"]["cache_read_input_tokens"] == 0, data
+
+
+# -- 11: a request abandoned mid-generation is counted against its key -------------
+
+METERED = "metered-secret-0123456789"
+
+
+@pytest.fixture(scope="module")
+def metered(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    from tests.integration.harness import real_model
+
+    root = tmp_path_factory.mktemp("metered")
+    (root / "models").mkdir()
+    (root / "models" / "smol.gguf").symlink_to(real_model())
+    with tallied(Daemon(root, (
+        f'models_dir = "{root / "models"}"\n[models."smol"]\nparallel = 2\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[[keys]]\nname = "metered"\nsecret = "{METERED}"\ndaily_tokens = 10000000\n'
+    ))) as d:
+        yield d
+
+
+def used_today(daemon: Daemon) -> int:
+    import sqlite3
+
+    db = sqlite3.connect(daemon.root / "data" / "blazar.db")
+    try:
+        return sum(t for (t,) in db.execute("SELECT tokens FROM key_usage WHERE key = 'metered'"))
+    finally:
+        db.close()
+
+
+def abandon(daemon: Daemon, body: dict[str, Any], after: float) -> None:
+    """
+    Send C{body} as the metered key and leave without reading the answer.
+    """
+    import socket
+
+    raw = json.dumps(body).encode()
+    with socket.create_connection(("127.0.0.1", daemon.port)) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                  b"Authorization: Bearer " + METERED.encode() + b"\r\ncontent-type: application/json\r\n"
+                  b"content-length: %d\r\n\r\n" % len(raw) + raw)
+        time.sleep(after)
+
+
+def test_an_abandoned_request_is_counted_against_its_key(metered: Daemon) -> None:
+    """
+    The engine kept generating 294-1,538 tokens for requests whose client
+    had left, and the key's tpm and daily_tokens saw none of them. Now the
+    child stops the task and what it reports for it (the prompt and the
+    tokens made until the stop) is counted.
+    """
+    status, _, data = metered.request("POST", "/v1/chat/completions", {
+        "model": "smol", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+        headers={"Authorization": f"Bearer {METERED}"})
+    assert status == 200, data
+    # the model's end-of-turn tokens banned: it writes until max_tokens
+    endless = {"model": "smol", "max_tokens": 4000, "logit_bias": {"0": -100, "1": -100, "2": -100},
+               "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
+    for stream in (False, True):
+        TALLY.inputs += 1
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:  # the warm-up's usage reaches the store first
+            before = used_today(metered)
+            time.sleep(1.2)
+            if used_today(metered) == before:
+                break
+        abandon(metered, {**endless, "stream": stream}, after=2.0)
+        deadline = time.monotonic() + 15
+        while used_today(metered) - before < 40 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        counted = used_today(metered) - before
+        assert counted >= 40, (stream, counted, metered.engine_log("smol:latest")[-1500:])
+        assert counted < 4000 + 100, (stream, counted)  # the engine stopped: not all of max_tokens
+        print(f"abandoned (stream={stream}): {counted} tokens counted")
+    assert "cancel task" in metered.engine_log("smol:latest")
