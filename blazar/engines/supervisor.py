@@ -70,6 +70,10 @@ from blazar.models.registry import ModelEntry, ModelRegistry
 
 log = Logger()
 
+# how many unloads of the child it waited for one request sits out before its
+# answer is the unload's error
+MAX_UNLOADS_WAITED = 3
+
 
 class EngineError(Exception):
     """
@@ -86,6 +90,14 @@ class EngineError(Exception):
 class EngineStartFailed(EngineError):
     """
     A child exited, or never became ready, while starting.
+    """
+
+
+class UnloadedWhileLoading(EngineStartFailed):
+    """
+    A child was stopped on purpose (an unload, an eviction) before it was
+    ready: the requests that waited for it wait for a fresh one
+    (L{Supervisor.instance_for}), unless Blazar is shutting down.
     """
 
 
@@ -700,6 +712,12 @@ class Instance:
         self._waiters.append(d)
         return d
 
+    def awaited(self) -> bool:
+        """
+        Whether requests wait for this child to become ready.
+        """
+        return any(not d.called for d in self._waiters)
+
     def _settle(self, failure: BaseException | None) -> None:
         self._failure = failure
         waiting, self._waiters = self._waiters, []
@@ -965,6 +983,7 @@ class Supervisor(Service):
         target = 0
         if ctx_size and self._config.ctx_policy == "grow":
             target = (await self._plan(entry, ctx_size)).ctx
+        unloads = 0
         while True:
             grow = self._grows.get(entry.name)
             instance = self._instances.get(entry.name)
@@ -989,6 +1008,13 @@ class Supervisor(Service):
                 ready = await instance.wait_ready()
             except UnknownArchitecture as e:
                 entry = self._reroute(entry, e)  # once, to a lane that declares it; else the teaching error
+                continue
+            except UnloadedWhileLoading:
+                # (an unload or eviction of the child this request waited
+                # for: a fresh one serves it, as after a stop of a ready one)
+                if self._shutting_down or unloads >= MAX_UNLOADS_WAITED:
+                    raise
+                unloads += 1
                 continue
             if self._instances.get(entry.name) is ready:
                 return ready
@@ -1450,6 +1476,8 @@ class Supervisor(Service):
             architecture = instance.protocol.unknown_architecture() if was != InstanceState.STOPPING else None
             if architecture is not None:
                 instance._settle(UnknownArchitecture(instance.entry.name, message, architecture, instance.lane))
+            elif was == InstanceState.STOPPING:
+                instance._settle(UnloadedWhileLoading(instance.entry.name, message))
             else:
                 instance._settle(EngineStartFailed(instance.entry.name, message))
         for timer in (instance.kill_timer, instance.term_timer):
@@ -1559,9 +1587,11 @@ class Supervisor(Service):
         """
         Stop C{instance} now if no request runs on it; else mark it, and the
         lease of the last request to end stops it (L{blazar.engines.lease}).
-        A running answer is never cut (Ollama's unload waits as well).
+        A running answer is never cut (Ollama's unload waits as well), and
+        a child still loading for requests that wait for it serves them
+        first.
         """
-        if instance.in_flight == 0:
+        if instance.in_flight == 0 and not (instance.state == InstanceState.STARTING and instance.awaited()):
             return self.stop_instance(instance, reason)
         instance.unload_when_idle = reason
         log.info("{model}: unloading once its {n} running request(s) end ({reason})",
@@ -1579,6 +1609,10 @@ class Supervisor(Service):
             return succeed(None)  # type: ignore[arg-type]  # nothing runs here (keep_alive 0, an unload)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
+        if instance.stop_reason:
+            # a stop is under way: this is the same one (a second SIGTERM
+            # would make llama-server drop the work it is finishing)
+            return instance.protocol.when_ended()
         if not instance.stop_reason and instance.state != InstanceState.DEAD:
             instance.stop_reason = reason
             log.info("stopping {model}: {reason}", model=instance.entry.name, reason=reason)

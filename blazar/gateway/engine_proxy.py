@@ -389,9 +389,11 @@ class EngineProxy:
         @raise EngineRejected: The child answered an error status.
         """
         for attempt in (1, 2):
-            if attempt == 1 and ready is not None:
+            if attempt == 1 and ready is not None and not _stopping(ready[0]):
                 instance, began = ready
             else:
+                # (or the child it waited for is being stopped, by an
+                # unload or an eviction since: the next one serves it)
                 began = self._clock.seconds()
                 instance = await self.supervisor.instance_for(model, ctx_size)
             if request is not None:
@@ -696,6 +698,14 @@ class EngineProxy:
 
         reported.addCallbacks(counted, nothing).addErrback(
             lambda f: log.failure("counting an abandoned request's tokens", f))
+
+
+def _stopping(instance: Any) -> bool:
+    """
+    Whether a child is being stopped or is gone (a remote never is).
+    """
+    return bool(getattr(instance, "stop_reason", "")) or getattr(instance, "state", None) in (
+        InstanceState.STOPPING, InstanceState.DEAD)
 
 
 def _retry_after(response: Any) -> float | None:

@@ -159,6 +159,50 @@ class SupervisorTests(SynchronousTestCase):
 
 
 
+    def test_a_request_waiting_for_a_child_unloaded_while_loading_gets_the_next(self) -> None:
+        """
+        A request that waited for a loading child someone unloaded got a
+        502 ("unloaded while it was loading"): it now waits for a fresh one.
+        """
+        waiting = ensureDeferred(self.supervisor.instance_for("m"))
+        first = self.supervisor.instances()[0]
+        self.supervisor.stop_instance(first, "keep_alive 0")
+        first.transport.exit(0)
+        self.assertNoResult(waiting)
+        self.assertEqual(len(self.reactor.spawned), 2)
+        self.health = 200
+        self.reactor.advance(0.05)
+        fresh = self.successResultOf(waiting)
+        self.assertIsNot(fresh, first)
+        self.assertEqual(fresh.state, InstanceState.READY)
+
+    def test_an_unload_of_a_child_loading_for_requests_waits_for_them(self) -> None:
+        from blazar.engines.lease import InstanceLease
+
+        waiting = ensureDeferred(self.supervisor.instance_for("m"))
+        child = self.supervisor.instances()[0]
+        self.assertIsNone(self.supervisor.unload_when_idle(child, "keep_alive 0"))
+        self.assertEqual(child.transport.signals, [])
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.assertIs(self.successResultOf(waiting), child)
+        lease = InstanceLease(self.supervisor, child)
+        self.assertEqual(child.transport.signals, [])
+        lease.finish(None)  # the request that waited is served, then the unload is done
+        self.assertEqual(child.transport.signals, ["TERM"])
+
+    def test_unloads_while_loading_are_waited_out_a_few_times_only(self) -> None:
+        from blazar.engines.supervisor import MAX_UNLOADS_WAITED, UnloadedWhileLoading
+
+        waiting = ensureDeferred(self.supervisor.instance_for("m"))
+        for _ in range(MAX_UNLOADS_WAITED + 1):
+            child = self.supervisor.instances()[-1]
+            self.supervisor.stop_instance(child, "keep_alive 0")
+            child.transport.exit(0)
+        failure = self.failureResultOf(waiting, UnloadedWhileLoading)
+        self.assertIn("send the request again", str(failure.value))
+
+
 class LifecycleTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())
@@ -702,6 +746,24 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         self.assertEqual(instance.state, InstanceState.STOPPING)
         instance.transport.exit(0)
         self.assertIsNone(self.crashes())
+
+
+    def test_a_second_stop_is_the_same_stop(self) -> None:
+        """
+        An unload loop sent a stopping child a second SIGTERM (llama-server
+        then exits at once, dropping the work it was finishing): a second
+        stop now waits for the first.
+        """
+        instance = self.ready()
+        first = self.supervisor.stop_instance(instance, "keep_alive 0")
+        again = self.supervisor.stop_instance(instance, "keep_alive 0")
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        self.assertEqual(self.supervisor.evict("m"), [])
+        self.assertEqual(instance.transport.signals, ["TERM"])
+        instance.transport.exit(0)
+        self.successResultOf(first)
+        self.successResultOf(again)
+        self.assertEqual(instance.stop_reason, "keep_alive 0")
 
 
 class HealthProbeTests(SynchronousTestCase):

@@ -240,6 +240,41 @@ def test_a_scoped_key_cannot_unload_or_pin_a_shared_model(keyed: Daemon) -> None
     assert loaded(keyed) == []
 
 
+
+def test_an_unload_loop_costs_other_keys_nothing(keyed: Daemon) -> None:
+    """
+    An unload loop gave another key 5 x 502 in 243 requests: a second
+    SIGTERM to a stopping child, and "unloaded while it was loading". Now
+    a stop is done once and a request whose child was unloaded waits for
+    the next one.
+    """
+    stop, unloads = threading.Event(), [0]
+
+    def unload_loop() -> None:
+        while not stop.is_set():
+            status, _ = send(keyed, "POST", "/api/generate", {"Authorization": f"Bearer {ADMIN}"},
+                             json.dumps({"model": "tiny", "keep_alive": 0}))
+            assert status == 200
+            unloads[0] += 1
+
+    looping = threading.Thread(target=unload_loop)
+    looping.start()
+    statuses: list[tuple[int, bytes]] = []
+    try:
+        for i in range(60):
+            TALLY.inputs += 1
+            status, data = send(keyed, "POST", "/v1/chat/completions", {
+                "Authorization": f"Bearer {SCOPED}", "content-type": "application/json"}, json.dumps({
+                    "model": "tiny", "messages": [{"role": "user", "content": f"hi {i}"}], "max_tokens": 4}))
+            statuses.append((status, data[:200]))
+    finally:
+        stop.set()
+        looping.join()
+    assert unloads[0] >= 20, unloads
+    assert [s for s in statuses if s[0] != 200] == [], statuses
+    assert "drop the work" not in keyed.log()
+
+
 # -- 4: the prompt cache tells a scoped key nothing about other keys' prompts -------
 
 
