@@ -639,7 +639,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
     import psutil
 
-    from blazar.config import ConfigError, resolve_config
+    from blazar.config import ConfigError, resolve_config, thd_exposed_secrets
     from blazar.engines.llamacpp import EngineNotFound, find_binary
 
     problems = 0
@@ -655,6 +655,9 @@ def _doctor(args: argparse.Namespace) -> int:
     except ConfigError as e:
         report(False, f"config: {e}")
         return 1
+    exposed = thd_exposed_secrets(config)
+    if exposed is not None:
+        report(False, exposed)
     try:
         binary = find_binary(config, os.environ)
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)

@@ -46,8 +46,8 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # engine paused meanwhile, slot held) is disconnected
                                    # and its slot freed
 
-    metrics_require_key = true     # GET /metrics needs an API key too; unset: it does
-                                   # from the network once keys exist, not from loopback
+    metrics_require_key = true     # GET /metrics needs an admin API key once keys exist
+                                   # (unset: the same); false: open to everyone
     responses_ttl_secs = 2592000   # stored Responses API responses live 30 days (0: store none)
     responses_max_stored = 10000   # and at most this many are kept (oldest dropped)
     otlp_endpoint = "http://127.0.0.1:4318"   # opt-in: OTLP/HTTP traces, one span tree per request
@@ -68,6 +68,9 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # child_header_timeout_secs, before it counts as wedged
     batch_max_in_flight = 4        # Batch API lines in flight at once (over all batches);
                                    # each still waits for a slot at the lowest priority
+    max_file_bytes_per_key = 1073741824   # what one key's Batch API files (uploads and
+                                   # batch outputs) may hold in all (1 GiB); an upload past
+                                   # it is a 413 (per key: file_bytes in [[keys]])
     max_messages = 10000           # messages in one chat request, more get 400
     max_tools = 512                # tools offered in one chat request, more get 400
     max_schema_nodes = 4096        # subschemas in one request's tools and response format
@@ -127,12 +130,14 @@ from tomlkit.exceptions import TOMLKitError
 from twisted.logger import Logger
 
 from blazar.files import open_private
-from blazar.names import canonical_name
+from blazar.names import MAX_REMOTE_MODEL, canonical_name, fair_remote_model
 
 DEFAULT_LISTEN = "tcp:11434:interface=127.0.0.1"
 DEFAULT_CONFIG_PATH = "~/.config/blazar/config.toml"
 DEFAULT_DATA_DIR = "~/.local/share/blazar"
 DEFAULT_STREAM_STALL_CLOSE = 60.0
+DEFAULT_FILE_BYTES_PER_KEY = 1024 * 1024 * 1024
+"""C{max_file_bytes_per_key}'s default: 1 GiB of Batch API files per key."""
 
 log = Logger()
 
@@ -178,6 +183,8 @@ class KeyConfig:
 
     @ivar models: Scope: the model names this key may use; empty means
         every model and admin rights.
+    @ivar file_bytes: What its Batch API files may hold in all, in bytes;
+        L{None}: the config's C{max_file_bytes_per_key}.
     """
 
     name: str
@@ -190,10 +197,24 @@ class KeyConfig:
     weight: float = 1.0
     sentinel_enforce: bool | None = None  # None: the model's, else the global sentinel_enforce
     cache: bool | None = None  # the semantic cache for this key; None: the model's, else [cache] enabled
+    file_bytes: int | None = None  # its Batch API files' quota; None: max_file_bytes_per_key
+    id: str | None = None  # made once, by `blazar keys add`: what sets it apart from a later key of its name
 
     @property
     def admin(self) -> bool:
         return not self.models
+
+    @property
+    def owner(self) -> str:
+        """
+        Who owns what the key leaves behind (its Batch API files and
+        batches, its stored responses): C{NAME#ID} for a key with an C{id}
+        (every key C{blazar keys add} makes), so a key added later under
+        a removed key's name owns none of the removed one's; the name
+        alone for a key written without one (as before ids existed, so its
+        data stays its own). A rotated key keeps its id, and its data.
+        """
+        return self.name if self.id is None else f"{self.name}#{self.id}"
 
 
 @attrs.frozen
@@ -386,7 +407,7 @@ class Config:
     stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
     ctx_policy: str = "grow"
     hf_endpoint: str = "https://huggingface.co"
-    metrics_require_key: bool | None = None  # None: required from the network, not from loopback
+    metrics_require_key: bool | None = None  # None: as true (an admin key once keys exist); false: open
     responses_ttl: float = 30 * 86400.0
     responses_max_stored: int = 10000
     otlp_endpoint: str | None = None
@@ -401,6 +422,7 @@ class Config:
     whisper_idle: float = 900.0  # whisper_idle_secs (0: kept until the daemon stops)
     sdcpp_child_header_timeout: float = 900.0
     batch_max_in_flight: int = 4
+    max_file_bytes_per_key: int = DEFAULT_FILE_BYTES_PER_KEY
     max_messages: int = 10000
     max_tools: int = 512
     max_schema_nodes: int = 4096
@@ -483,6 +505,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "whisper_idle": ("whisper_idle_secs", RUNTIME),
     "sdcpp_child_header_timeout": ("sdcpp_child_header_timeout_secs", RUNTIME),
     "batch_max_in_flight": ("batch_max_in_flight", RUNTIME),
+    "max_file_bytes_per_key": ("max_file_bytes_per_key", RUNTIME),
     "max_messages": ("max_messages", RUNTIME),
     "max_tools": ("max_tools", RUNTIME),
     "max_schema_nodes": ("max_schema_nodes", RUNTIME),
@@ -764,7 +787,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
         "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight", "cache",
-        "max_messages", "max_tools", "max_schema_nodes",
+        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -817,7 +840,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
                                                           "session_save_timeout_secs")
     for key in ("session_bank_entry_max_mib", "session_bank_max_mib", "batch_max_in_flight", "max_messages",
-                "max_tools", "max_schema_nodes"):
+                "max_tools", "max_schema_nodes", "max_file_bytes_per_key"):
         if key in doc:
             kwargs[key] = _positive_int(doc[key], where, key)
     if "audit_log" in doc:
@@ -950,8 +973,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             cache=_optional_bool(table, "cache", where, prefix),
         )
     kwargs["models"] = models
-    kwargs["keys"] = _parse_keys(doc.get("keys", []), where)
     kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where, kwargs["lanes"])
+    kwargs["keys"] = _parse_keys(doc.get("keys", []), where, kwargs["remotes"])
     _check_cache(kwargs["cache"], models, kwargs["keys"], where)
     return Config(**kwargs)
 
@@ -1056,17 +1079,36 @@ def _parse_lane(name: str, raw: object, where: str) -> CommandLane:
     return CommandLane(name, command, health, formats, api, architectures, key_env)
 
 
-def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
+def _scoped_model(name: str, remotes: tuple[RemoteConfig, ...]) -> str:
+    """
+    A key's C{models} entry: a remote's model (C{NAME:model} for a
+    configured C{[[remotes]]} NAME) as written, since the model part is the
+    remote's own id (C{peer:qwen3:8b}, C{router:meta/llama}); any other
+    name in its canonical C{name:tag} form.
+
+    @raise ValueError: Not a model name.
+    """
+    prefix, _, model = name.partition(":")
+    if model and any(r.name.casefold() == prefix.casefold() for r in remotes):
+        if not fair_remote_model(model):
+            raise ValueError(f"invalid remote model name {name!r}: the part after {prefix}: is printable, "
+                             f"without spaces, at most {MAX_REMOTE_MODEL} characters")
+        return name
+    return canonical_name(name)
+
+
+def _parse_keys(raw: object, where: str, remotes: tuple[RemoteConfig, ...] = ()) -> tuple[KeyConfig, ...]:
     if not isinstance(raw, list):
         raise _expected(where, "keys", "an array of tables ([[keys]])", raw)
     keys = []
     names: set[str] = set()
     secrets_seen: set[str] = set()
+    ids: set[str] = set()
     for i, item in enumerate(raw):
         prefix = f"keys[{i}]."
         table = _table(item, where, f"keys[{i}]")
         _unknown(table, {"name", "secret", "models", "max_concurrent", "rpm", "tpm",
-                         "daily_tokens", "weight", "sentinel_enforce", "cache"}, where, prefix)
+                         "daily_tokens", "weight", "sentinel_enforce", "cache", "file_bytes", "id"}, where, prefix)
         name = table.get("name")
         if not isinstance(name, str) or not name:
             raise _expected(where, prefix + "name", "a non-empty string", name)
@@ -1083,7 +1125,16 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
         names.add(name)
         secrets_seen.add(secret)
         limits: dict[str, Any] = {}
-        for k in ("max_concurrent", "rpm", "tpm", "daily_tokens"):
+        if "id" in table:
+            if not isinstance(table["id"], str) or not re.fullmatch(r"[A-Za-z0-9_-]{1,64}", table["id"]):
+                raise _expected(where, prefix + "id", "1 to 64 letters, digits, '_' or '-' (`blazar keys add` "
+                                "makes it; do not change it: the key's files, batches and responses are "
+                                "filed under it)", table["id"])
+            if table["id"] in ids:
+                raise ConfigError(f"{where}: key {name!r} reuses another key's id; ids must be unique")
+            ids.add(table["id"])
+            limits["id"] = table["id"]
+        for k in ("max_concurrent", "rpm", "tpm", "daily_tokens", "file_bytes"):
             if k in table:
                 limits[k] = _positive_int(table[k], where, prefix + k)
         if "sentinel_enforce" in table:
@@ -1097,7 +1148,7 @@ def _parse_keys(raw: object, where: str) -> tuple[KeyConfig, ...]:
                 table["weight"], where, prefix + "weight", "a positive number (its share of busy slots)"
             )
         try:
-            models = tuple(canonical_name(m) for m in _str_list(table.get("models", []), where, prefix + "models"))
+            models = tuple(_scoped_model(m, remotes) for m in _str_list(table.get("models", []), where, prefix + "models"))
         except ValueError as e:
             raise ConfigError(f"{where}: key {prefix + 'models'!r}: {e}") from None
         keys.append(KeyConfig(name, secret, models, **limits))
@@ -1165,6 +1216,33 @@ def resolve_config(explicit: str | None, environ: Mapping[str, str] | None = Non
     path = config_path(explicit, env)
     named = bool(explicit or env.get("BLAZAR_CONFIG"))
     return load_config(path, required=named)
+
+
+def thd_exposed_secrets(config: Config) -> str | None:
+    """
+    What to tell the operator when C{config}'s file holds secrets
+    (C{[[keys]] secret}, C{[[remotes]] api_key}) and users other than its
+    owner may read it; L{None} when it holds none or only its owner may.
+    The file's mode is the operator's: Blazar names the fix and changes
+    nothing (files it writes itself, L{thd_rewrite}, are 0600). Blocking
+    (a stat): call at startup, from C{blazar doctor} or in a thread pool.
+    """
+    path = config.source
+    held = [what for what, present in (
+        ("[[keys]] secret", bool(config.keys)),
+        ("[[remotes]] api_key", any(r.api_key for r in config.remotes)),
+    ) if present]
+    if path is None or not held:
+        return None
+    try:
+        mode = path.stat().st_mode & 0o777
+    except OSError:
+        return None
+    readers = "everyone" if mode & 0o004 else "its group" if mode & 0o040 else None
+    if readers is None:
+        return None
+    return (f"config file {path} holds secrets ({', '.join(held)}) and {readers} may read it (mode {mode:03o}): "
+            f"run `chmod 600 {path}`")
 
 
 BACKUPS = 5  # .bak copies of the config file kept by thd_rewrite

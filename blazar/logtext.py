@@ -16,6 +16,7 @@ same lines, formatted more slowly).
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import IO, Any
@@ -29,17 +30,37 @@ The format of an event whose text is already made: C{rendered=TEXT}.
 """
 
 
+# C0 controls but tab and newline, DEL, and C1 controls: what a terminal
+# acts on (ESC starts its escape sequences; C1's CSI is one on its own)
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """
+    C{text} with the control characters a terminal acts on written as
+    Python escapes (ESC as C{\\x1b}, CR as C{\\r}): what clients send (a
+    C{User-Agent}, a model name, a field name) reaches the log file,
+    C{blazar logs} and C{tail -f} as text, never as a terminal escape
+    sequence. Tabs and newlines stay (a multi-line event is one indented
+    entry).
+    """
+    if _CONTROLS.search(text) is None:
+        return text
+    return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def event_text(event: dict[str, Any]) -> str | None:
     """
     The text of C{event} as L{twisted.logger.formatEvent} gives it (with
-    a failure's traceback), taking a L{RENDERED} event's text as it is.
+    a failure's traceback), taking a L{RENDERED} event's text as it is;
+    control characters escaped (L{printable}).
     """
     if event.get("log_format") == RENDERED and "log_failure" not in event:
         rendered = event.get("rendered")
         if isinstance(rendered, str):
-            return rendered
+            return printable(rendered)
     text = eventAsText(event, includeTraceback=True, includeTimestamp=False, includeSystem=False)
-    return text or None
+    return printable(text) if text else None
 
 
 @implementer(ILogObserver)

@@ -17,6 +17,8 @@ from typing import Any, Awaitable, Callable, Mapping
 from twisted.application import strports
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
+from twisted.internet.endpoints import SSL4ServerEndpoint
+from twisted.internet.interfaces import IOpenSSLContextFactory
 from twisted.internet.task import LoopingCall
 
 from blazar.engines.update import EngineUpdates
@@ -26,8 +28,9 @@ from twisted.internet.error import CannotListenError
 from twisted.logger import Logger, globalLogPublisher
 
 import attrs
+from zope.interface import implementer
 
-from blazar.config import Config, ConfigError, LiveConfig, ReloadReport
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
 from blazar import __version__, store
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
@@ -79,6 +82,47 @@ class BindConflict(SystemExit):
     A listen endpoint could not be bound. Exits the process with code 3 so
     that a service manager does not restart-loop on it.
     """
+
+
+#: TLS 1.2 cipher suites a listener accepts: ECDHE key exchange (forward
+#: secrecy) and AEAD only, no CBC-SHA or static-RSA suites; TLS 1.3's
+#: suites (all of them forward secret and AEAD) are unaffected
+TLS12_CIPHERS = b"ECDHE+AESGCM:ECDHE+CHACHA20:!aNULL:!eNULL"
+
+
+@implementer(IOpenSSLContextFactory)
+class ForwardSecretTLS:
+    """
+    An C{ssl:} listener's context factory (Twisted's C{CertificateOptions},
+    whose default suites keep CBC-SHA and static-RSA ones for old
+    clients) with TLS 1.2 narrowed to L{TLS12_CIPHERS}.
+    """
+
+    def __init__(self, options: IOpenSSLContextFactory) -> None:
+        self._options = options
+        self._context: Any = None
+
+    def getContext(self) -> Any:
+        if self._context is None:
+            context = self._options.getContext()
+            context.set_cipher_list(TLS12_CIPHERS)
+            self._context = context
+        return self._context
+
+
+def listener_service(description: str, factory: Any, reactor: Any) -> Any:
+    """
+    The service listening on C{description} (a C{listen} endpoint string)
+    with C{factory}: a port that cannot be bound fails its start (see
+    L{Listeners}); an C{ssl:} one has L{ForwardSecretTLS}.
+    """
+    service = strports.service(description, factory, reactor=reactor)
+    endpoint = service.endpoint
+    if isinstance(endpoint, SSL4ServerEndpoint):
+        # the ssl: string has no option for the suites: wrap what it made
+        endpoint._sslContextFactory = ForwardSecretTLS(endpoint._sslContextFactory)
+    service._raiseSynchronously = True
+    return service
 
 
 class Listeners(MultiService):
@@ -689,7 +733,8 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     in_pool = lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)  # noqa: E731
     batch_service = BatchService(
         config.data_dir / "blazar.db", reactor,
-        lambda run_db: BatchRunner(reactor, run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight),
+        lambda run_db: BatchRunner(reactor, run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
+                                   lambda: live.current.max_file_bytes_per_key),
         sender,
     )
     runner = batch_service.runner
@@ -741,11 +786,12 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             [([], 1 if audit.down else 0)],
         )])
     key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
+    exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
+    if exposed is not None:
+        log.warn("{problem}", problem=exposed)
     listeners = Listeners()
     for description in config.listen:
-        listener = strports.service(description, site, reactor=reactor)
-        listener._raiseSynchronously = True
-        listener.setServiceParent(listeners)
+        listener_service(description, site, reactor).setServiceParent(listeners)
     if len(str(batch_socket)) > 100:
         log.warn(
             "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "

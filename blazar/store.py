@@ -2,6 +2,11 @@
 Blazar's durable state: one SQLite file, C{<data_dir>/blazar.db}, in WAL
 mode, with a schema version and forward migrations.
 
+The Batch API's file contents are not in it: each is a file of its own,
+C{<data_dir>/files/<id>} (0600, in a 0700 directory), beside the metadata
+row (migration 7 moved the older ones out), so a download is read in
+pieces and a delete gives the space back at once.
+
 Every function here blocks: the daemon calls them through the store's own
 single-thread pool (SQLite connections belong to one thread), never on the
 reactor thread.
@@ -9,15 +14,24 @@ reactor thread.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import sqlite3
 from pathlib import Path
+from typing import IO, BinaryIO, Callable, Protocol, Union
 
 from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode
 from blazar import strictjson
 
-MIGRATIONS = [
+CHUNK = 1024 * 1024
+"""Bytes copied at a time into a stored file."""
+
+#: a migration: SQL statements separated by C{;}, or a function run in its
+#: transaction that returns whether a VACUUM should follow the commit
+Migration = Union[str, Callable[[sqlite3.Connection], bool]]
+
+MIGRATIONS: list[Migration] = [
     # 1: whole-day token counts per API key (quotas survive restarts)
     """
     CREATE TABLE key_usage (
@@ -104,6 +118,8 @@ MIGRATIONS = [
         answer BLOB NOT NULL        -- the OpenAI chat completion, JSON
     )
     """,
+    # 7: the Batch API's file contents out of SQLite, into <data_dir>/files/<id>
+    lambda db: _files_out_of_the_database(db),
 ]
 
 
@@ -134,19 +150,70 @@ def thd_open(path: Path) -> sqlite3.Connection:
     db = sqlite3.connect(path, isolation_level=None)
     db.execute("PRAGMA journal_mode=WAL")
     db.execute("PRAGMA synchronous=NORMAL")
+    db.execute("BEGIN IMMEDIATE")
     db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
     row = db.execute("SELECT version FROM schema_version").fetchone()
     version = row[0] if row else 0
     if row is None:
         db.execute("INSERT INTO schema_version VALUES (0)")
-    for number, sql in enumerate(MIGRATIONS[version:], start=version + 1):
-        db.execute("BEGIN")
-        for statement in sql.split(";"):
-            if statement.strip():
-                db.execute(statement)
-        db.execute("UPDATE schema_version SET version = ?", (number,))
-        db.execute("COMMIT")
+    db.execute("COMMIT")
+    vacuum = False
+    for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
+        # each step in its own write transaction, the version read again
+        # inside it: another connection opening at the same time (each
+        # store service opens its own) finds a step done, not half done
+        db.execute("BEGIN IMMEDIATE")
+        try:
+            if db.execute("SELECT version FROM schema_version").fetchone()[0] < number:
+                if isinstance(step, str):
+                    for statement in step.split(";"):
+                        if statement.strip():
+                            db.execute(statement)
+                else:
+                    vacuum = step(db) or vacuum
+                db.execute("UPDATE schema_version SET version = ?", (number,))
+            db.execute("COMMIT")
+        except BaseException:
+            db.execute("ROLLBACK")
+            raise
+    if vacuum:
+        try:
+            db.execute("VACUUM")  # the pages the moved contents held go back to the file system
+        except sqlite3.OperationalError:
+            pass  # another connection is reading: the pages stay free inside the file, reused later
     return db
+
+
+def _files_out_of_the_database(db: sqlite3.Connection) -> bool:
+    """
+    Migration 7: each Batch API file's content moves from its C{content}
+    BLOB to C{<data_dir>/files/<id>} (read in pieces, never whole), and
+    the table keeps its size in C{bytes}.
+
+    @return: Whether any content moved (a VACUUM then gives its pages back).
+    """
+    db.execute("""
+        CREATE TABLE batch_files_7 (
+            id TEXT PRIMARY KEY,        -- file-...; its content is <data_dir>/files/<id>
+            key TEXT NOT NULL,          -- the owning API key's name ("" without keys)
+            filename TEXT NOT NULL,
+            purpose TEXT NOT NULL,      -- batch | batch_output
+            created_at INTEGER NOT NULL,-- UNIX seconds
+            bytes INTEGER NOT NULL      -- the content's size
+        )
+    """)
+    rows = db.execute("SELECT rowid, id, key, filename, purpose, created_at FROM batch_files").fetchall()
+    folder = files_dir(db) if rows else None
+    for rowid, id_, key, filename, purpose, created_at in rows:
+        assert folder is not None
+        with db.blobopen("batch_files", "content", rowid, readonly=True) as blob:
+            size = _write_content(folder, str(id_), blob)
+        db.execute("INSERT INTO batch_files_7 VALUES (?, ?, ?, ?, ?, ?)", (id_, key, filename, purpose, created_at,
+                                                                        size))
+    db.execute("DROP TABLE batch_files")
+    db.execute("ALTER TABLE batch_files_7 RENAME TO batch_files")
+    db.execute("CREATE INDEX batch_files_by_key ON batch_files (key)")
+    return bool(rows)
 
 
 def thd_add_usage(db: sqlite3.Connection, rows: list[tuple[str, str, int]]) -> None:
@@ -252,12 +319,153 @@ def line_request_id(batch: str, line: int) -> str:
     return f"batch_req_{batch.removeprefix('batch_')}_{line}"
 
 
-def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes]) -> None:
+class OverQuota(Exception):
     """
-    Store C{(id, key, filename, purpose, created_at, content)}.
+    A file would take its key past its storage quota.
+
+    @ivar used: Bytes the key's files hold now.
+    @ivar size: Bytes of the file refused.
+    @ivar quota: The key's quota, in bytes.
     """
-    db.execute("INSERT INTO batch_files (id, key, filename, purpose, created_at, content) VALUES (?, ?, ?, ?, ?, ?)",
-               row)
+
+    def __init__(self, used: int, size: int, quota: int) -> None:
+        super().__init__(f"{used} + {size} bytes is over the quota of {quota}")
+        self.used, self.size, self.quota = used, size, quota
+
+
+def files_dir(db: sqlite3.Connection) -> Path:
+    """
+    Where the Batch API's file contents live: C{files/} beside the
+    database file (C{<data_dir>/files}).
+
+    @raise ValueError: An in-memory database, which has no such place.
+    """
+    for _, name, file in db.execute("PRAGMA database_list"):
+        if name == "main" and file:
+            return Path(file).parent / "files"
+    raise ValueError("the Batch API's files need a database on disk")
+
+
+def _content_path(folder: Path, id_: str) -> Path:
+    if not id_ or "/" in id_ or "\0" in id_ or id_.startswith("."):
+        raise ValueError(f"not a file id: {id_!r}")
+    return folder / id_
+
+
+class _Readable(Protocol):
+    def read(self, size: int, /) -> bytes: ...
+
+
+def _write_content(folder: Path, id_: str, content: bytes | _Readable) -> int:
+    """
+    Write C{content} to C{folder/id_}: to a temporary name (0600, in the
+    0700 C{folder}), flushed to disk, then renamed, so the name never
+    holds part of a file.
+
+    @param content: The bytes, or a readable file, read in L{CHUNK} pieces.
+    @return: Its size, in bytes.
+    """
+    private_dir(folder)
+    final = _content_path(folder, id_)
+    if final.exists():  # (ids are random: never another file's content overwritten)
+        raise FileExistsError(errno.EEXIST, "a file's content is already stored under this id", str(final))
+    temp = folder / f".{id_}.part"
+    size = 0
+    try:
+        with os.fdopen(open_private(temp, os.O_WRONLY | os.O_TRUNC), "wb") as out:
+            if isinstance(content, (bytes, bytearray, memoryview)):
+                out.write(content)
+                size = len(content)
+            else:
+                while piece := content.read(CHUNK):
+                    out.write(piece)
+                    size += len(piece)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    directory = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself
+    finally:
+        os.close(directory)
+    return size
+
+
+def _size_of(content: bytes | IO[bytes]) -> int:
+    if isinstance(content, (bytes, bytearray, memoryview)):
+        return len(content)
+    here = content.tell()
+    size = content.seek(0, os.SEEK_END) - here
+    content.seek(here)
+    return size
+
+
+def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes | IO[bytes]],
+                 quota: int | None = None) -> int:
+    """
+    Store C{(id, key, filename, purpose, created_at, content)}: the content
+    (bytes, or a readable file read from where it is, in pieces) to
+    C{<data_dir>/files/<id>}, then the row. Inside a caller's transaction
+    the row goes with it; a content whose row is rolled back is removed by
+    L{thd_remove_content} or, after a crash, by L{thd_sweep_files}.
+
+    @param quota: The bytes C{key}'s files may hold in all, if limited.
+    @return: The content's size, in bytes.
+    @raise OverQuota: The file would take C{key}'s files past C{quota}.
+    """
+    id_, key, filename, purpose, created_at, content = row
+    if quota is not None:
+        size, used = _size_of(content), thd_file_bytes(db, key)
+        if used + size > quota:
+            raise OverQuota(used, size, quota)
+    folder = files_dir(db)
+    size = _write_content(folder, id_, content)
+    try:
+        db.execute("INSERT INTO batch_files (id, key, filename, purpose, created_at, bytes) VALUES (?, ?, ?, ?, ?, ?)",
+                   (id_, key, filename, purpose, created_at, size))
+    except BaseException:
+        _content_path(folder, id_).unlink(missing_ok=True)
+        raise
+    return size
+
+
+def thd_remove_content(db: sqlite3.Connection, id_: str) -> None:
+    """
+    Remove a file's content whose row was not kept (its transaction rolled
+    back).
+    """
+    _content_path(files_dir(db), id_).unlink(missing_ok=True)
+
+
+def thd_sweep_files(db: sqlite3.Connection) -> int:
+    """
+    Remove what C{<data_dir>/files} holds that no row names: contents of
+    rows a crash rolled back, and half-written temporary files. Call it
+    before any file is stored (at start).
+
+    @return: How many were removed.
+    """
+    folder = files_dir(db)
+    if not folder.is_dir():
+        return 0
+    private_dir(folder)
+    kept = {str(i) for (i,) in db.execute("SELECT id FROM batch_files")}
+    removed = 0
+    for entry in os.scandir(folder):
+        if entry.name not in kept and entry.is_file(follow_symlinks=False):
+            os.unlink(entry.path)
+            removed += 1
+    return removed
+
+
+def thd_file_bytes(db: sqlite3.Connection, key: str) -> int:
+    """
+    Bytes C{key}'s files hold, all together.
+    """
+    return int(db.execute("SELECT coalesce(sum(bytes), 0) FROM batch_files WHERE key = ?", (key,)).fetchone()[0])
 
 
 def thd_files(db: sqlite3.Connection, key: str | None) -> list[tuple[str, str, str, str, int, int]]:
@@ -265,30 +473,56 @@ def thd_files(db: sqlite3.Connection, key: str | None) -> list[tuple[str, str, s
     C{(id, key, filename, purpose, created_at, bytes)} of C{key}'s files
     (every key's for L{None}), newest first.
     """
-    sql = "SELECT id, key, filename, purpose, created_at, length(content) FROM batch_files"
+    sql = "SELECT id, key, filename, purpose, created_at, bytes FROM batch_files"
     args: tuple[str, ...] = ()
     if key is not None:
         sql, args = sql + " WHERE key = ?", (key,)
     return list(db.execute(sql + " ORDER BY created_at DESC, id DESC", args))
 
 
-def thd_file_content(db: sqlite3.Connection, id_: str, key: str | None) -> bytes | None:
+def thd_open_content(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[int, BinaryIO] | None:
     """
-    A file's bytes, if it exists and belongs to C{key} (any key's for L{None}).
+    A file's content, opened for reading, if it exists and belongs to
+    C{key} (any key's for L{None}): a delete while it is read does not cut
+    the reading short (the name goes, the open file stays).
+
+    @return: Its size in bytes and the open file (the caller closes it),
+        or L{None}.
     """
-    row = db.execute("SELECT key, content FROM batch_files WHERE id = ?", (id_,)).fetchone()
+    row = db.execute("SELECT key FROM batch_files WHERE id = ?", (id_,)).fetchone()
     if row is None or (key is not None and row[0] != key):
         return None
-    return bytes(row[1])
+    try:
+        handle = open(_content_path(files_dir(db), id_), "rb")
+    except FileNotFoundError:
+        return None
+    return os.fstat(handle.fileno()).st_size, handle
+
+
+def thd_file_content(db: sqlite3.Connection, id_: str, key: str | None) -> bytes | None:
+    """
+    A file's bytes, whole (at most a file's limit: a batch's input), if it
+    exists and belongs to C{key} (any key's for L{None}).
+    """
+    found = thd_open_content(db, id_, key)
+    if found is None:
+        return None
+    with found[1] as handle:
+        return handle.read()
 
 
 def thd_delete_file(db: sqlite3.Connection, id_: str, key: str | None) -> bool:
     """
-    Delete a file of C{key}'s; whether there was one.
+    Delete a file of C{key}'s, its content too (the space is free at once,
+    or when the last reader of it closes it); whether there was one.
     """
     if key is None:
-        return db.execute("DELETE FROM batch_files WHERE id = ?", (id_,)).rowcount > 0
-    return db.execute("DELETE FROM batch_files WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
+        deleted = db.execute("DELETE FROM batch_files WHERE id = ?", (id_,)).rowcount > 0
+    else:
+        deleted = db.execute("DELETE FROM batch_files WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
+    if deleted:
+        thd_remove_content(db, id_)
+    return deleted
 
 
 def thd_create_batch(db: sqlite3.Connection, id_: str, key: str, created_at: int, batch: str,
@@ -397,7 +631,7 @@ def thd_file(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[str, st
     C{(id, key, filename, purpose, created_at, bytes)} of one file, if it
     exists and belongs to C{key} (any key's for L{None}).
     """
-    row = db.execute("SELECT id, key, filename, purpose, created_at, length(content) FROM batch_files WHERE id = ?",
+    row = db.execute("SELECT id, key, filename, purpose, created_at, bytes FROM batch_files WHERE id = ?",
                      (id_,)).fetchone()
     if row is None or (key is not None and row[1] != key):
         return None

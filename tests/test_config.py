@@ -1,5 +1,7 @@
+import re
 from pathlib import Path
 
+import pytest
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import DEFAULT_LISTEN, Config, ConfigError, config_path, load_config, parse_config
@@ -57,7 +59,7 @@ class ParseConfigTests(SynchronousTestCase):
         c = parse_config("")
         self.assertEqual(
             (c.header_timeout, c.body_min_bytes_per_sec, c.max_connections_per_ip, c.metrics_require_key),
-            (10.0, 4096, 64, None),  # None: a key is needed for /metrics from the network only
+            (10.0, 4096, 64, None),  # None: once keys exist, /metrics needs an admin key (as true)
         )
         c = parse_config(
             "header_timeout_secs = 2.5\nbody_min_bytes_per_sec = 100\nmax_connections_per_ip = 0\n"
@@ -237,6 +239,23 @@ def test_sentinel_enforce_per_model_and_key() -> None:
         parse_config('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nsentinel_enforce = 1\n')
 
 
+def test_file_storage_quota_globally_and_per_key() -> None:
+    from blazar.config import DEFAULT_FILE_BYTES_PER_KEY
+
+    assert parse_config("").max_file_bytes_per_key == DEFAULT_FILE_BYTES_PER_KEY == 1 << 30
+    config = parse_config(
+        'max_file_bytes_per_key = 5000\n[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nfile_bytes = 7\n'
+        '[[keys]]\nname = "j"\nsecret = "0123456789abcdef0124"\n'
+    )
+    assert (config.max_file_bytes_per_key, config.keys[0].file_bytes, config.keys[1].file_bytes) == (5000, 7, None)
+    for text, key in [("max_file_bytes_per_key = 0\n", "max_file_bytes_per_key"),
+                      ('max_file_bytes_per_key = "1G"\n', "max_file_bytes_per_key"),
+                      ('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nfile_bytes = -1\n',
+                       "keys[0].file_bytes")]:
+        with pytest.raises(ConfigError, match=re.escape(repr(key))):
+            parse_config(text)
+
+
 class CacheConfigTests(SynchronousTestCase):
     """
     C{[cache]}: the semantic cache, off unless asked for, and per model and
@@ -312,3 +331,50 @@ class CacheConfigTests(SynchronousTestCase):
         old = parse_config("")
         new = parse_config("[cache]\nttl_secs = 5\nthreshold = 0.95\n")
         self.assertEqual(config_changes(old, new).applied, ("cache.threshold", "cache.ttl_secs"))
+
+
+class ExposedSecretsTests(SynchronousTestCase):
+    """
+    A config file holding secrets that others may read is named, with the
+    fix, at startup and by C{blazar doctor} (issue 36); its mode is left
+    as the operator set it.
+    """
+
+    def write(self, text: str, mode: int) -> Path:
+        path = Path(self.mktemp())
+        path.write_text(text)
+        path.chmod(mode)
+        return path
+
+    def test_readable_secrets_are_named_with_the_fix(self) -> None:
+        from blazar.config import thd_exposed_secrets
+
+        keys = '[[keys]]\nname = "me"\nsecret = "' + "s" * 16 + '"\n'
+        remote = '[[remotes]]\nname = "peer"\nbase_url = "http://127.0.0.1:9/v1"\napi_key = "sk-x"\nmodels = ["a"]\n'
+        path = self.write(keys + remote, 0o644)
+        warning = thd_exposed_secrets(load_config(path))
+        self.assertEqual(warning, f"config file {path} holds secrets ([[keys]] secret, [[remotes]] api_key) and "
+                         f"everyone may read it (mode 644): run `chmod 600 {path}`")
+        self.assertEqual(path.stat().st_mode & 0o777, 0o644)  # not changed behind the operator's back
+        path.chmod(0o640)
+        self.assertIn("its group may read it (mode 640)", thd_exposed_secrets(load_config(path)) or "")
+        path.chmod(0o600)
+        self.assertIsNone(thd_exposed_secrets(load_config(path)))
+        for text in ("", remote.replace('api_key = "sk-x"', 'api_key_env = "PEER_KEY"')):
+            self.assertIsNone(thd_exposed_secrets(load_config(self.write(text, 0o644))))
+        self.assertIsNone(thd_exposed_secrets(parse_config(keys)))  # no file
+
+
+def test_doctor_names_a_readable_config_with_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from blazar.cli import _doctor
+
+    config = tmp_path / "c.toml"
+    config.write_text(f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{tmp_path}"\nengine_check_secs = 0\n'
+                      '[[keys]]\nname = "me"\nsecret = "' + "s" * 16 + '"\n')
+    config.chmod(0o644)
+    assert _doctor(argparse.Namespace(config=str(config))) == 1
+    out = capsys.readouterr().out
+    assert f"[FAIL] config file {config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): " \
+           f"run `chmod 600 {config}`" in out, out

@@ -1,8 +1,9 @@
 """
 Private files and directories (L{blazar.files}) and the files Blazar keeps
-private with them: the database and its WAL/SHM (L{blazar.store}). Each
-test runs under the loosest umask (0), so a mode that holds was set
-explicitly, and again under the usual 022.
+private with them: the database and its WAL/SHM, and the Batch API's file
+contents beside it (L{blazar.store}). Each test runs under the loosest
+umask (0), so a mode that holds was set explicitly, and again under the
+usual 022.
 """
 
 from __future__ import annotations
@@ -92,6 +93,13 @@ class DatabaseModeTests(UmaskMixin, SynchronousTestCase):
         self.assertEqual(store.thd_day_usage(db, "2025-01-01"), {})
         self.assertEqual([mode(p) for p in [path, *leftovers]], [0o600] * 3)
         self.assertEqual(mode(self.root), 0o755)  # an existing parent is the service's to set
+
+    def test_batch_file_contents_are_0600_in_a_0700_directory(self) -> None:
+        path = self.root / "data" / "blazar.db"
+        db = store.thd_open(path)
+        self.addCleanup(db.close)
+        store.thd_put_file(db, ("file-a", "k", "in.jsonl", "batch", 1, b"{}\n"))
+        self.assertEqual((mode(path.parent / "files"), mode(path.parent / "files" / "file-a")), (0o700, 0o600))
 
 
 class DatabaseModeUsualUmaskTests(DatabaseModeTests):

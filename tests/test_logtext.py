@@ -69,3 +69,18 @@ class TextObserverTests(SynchronousTestCase):
 
     def test_an_event_without_a_format_writes_nothing(self) -> None:
         self.assertEqual(self.ours({"log_time": 1.0, "x": 1}), "")
+
+    def test_terminal_controls_are_escaped(self) -> None:
+        """
+        What a client sends (issue 36: a C{User-Agent} or model name with
+        ESC, CR, C1's CSI) reaches the log as text, not as a terminal
+        escape sequence; tabs and newlines stay.
+        """
+        evil = "curl\x1b[2J\x1b]0;pwned\x07\r\x9b31m\x00\x7f"
+        [rendered] = events_of(lambda log: log.info(RENDERED, rendered=f"POST / 200 model={evil}"))
+        [formatted] = events_of(lambda log: log.info("client {client} at\ttwo\nlines", client=evil))
+        for event in (rendered, formatted):
+            line = self.ours({**event, "log_time": 1.0})
+            self.assertIn("curl\\x1b[2J\\x1b]0;pwned\\x07\\r\\x9b31m\\x00\\x7f", line)
+            self.assertNotRegex(line.replace("\n", "").replace("\t", ""), "[\x00-\x1f\x7f-\x9f]")
+        self.assertIn("at\ttwo\n\tlines", self.ours({**formatted, "log_time": 1.0}))

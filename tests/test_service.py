@@ -304,7 +304,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
         "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
-        "max_messages", "max_tools", "max_schema_nodes",
+        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key",
     )
 
     def test_remote_keys(self) -> None:
@@ -325,6 +325,12 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         runner = self.tree.batches
         assert runner is not None
         self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
+
+    def test_max_file_bytes_per_key(self) -> None:
+        # the Files API reads it from the live config at each upload
+        runner = self.tree.batches
+        assert runner is not None
+        self.check("max_file_bytes_per_key", "max_file_bytes_per_key = 9\n", "", runner.max_file_bytes, 9)
 
     def test_cache_keys(self) -> None:
         # the cache's store reads [cache] from the live config at each lookup, store and purge
@@ -424,8 +430,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
                    lambda: door(b"/v1/models", self.SECRET), "late")
-        # unset: /metrics from loopback is open; true: it needs a key
-        self.check("metrics_require_key", "metrics_require_key = true\n", "", lambda: door(b"/metrics"), 401)
+        # unset: /metrics needs an (admin) key, from loopback too; false: it is open
+        self.check("metrics_require_key", "metrics_require_key = false\n", "", lambda: door(b"/metrics"), None)
 
     def test_proxy_keys(self) -> None:
         from blazar.testing import FakeInstance
@@ -555,3 +561,65 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         report = self.successResultOf(Deferred.fromCoroutine(self.tree.key_admin.reload()))
         self.assertIn("data_dir", report.restart)
         self.assertEqual(self.tree.registry.models_dir, self.root / "data" / "models")  # not moved
+
+
+class StartupWarningTests(SynchronousTestCase):
+    def test_a_config_with_secrets_others_may_read_is_named(self) -> None:
+        """
+        Issue 36: the daemon says at startup that its config file's secrets
+        are readable by others, and how to fix it; it leaves the mode be.
+        """
+        from blazar.protocols.control import LogRing
+        from blazar.service import assemble
+
+        root = Path(self.mktemp()).absolute()
+        root.mkdir()
+        path = root / "config.toml"
+        path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n'
+                        '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n')
+        path.chmod(0o644)
+        events: list[LogEvent] = []
+        globalLogPublisher.addObserver(events.append)
+        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        try:
+            assemble(load_config(path), fake_process_reactor(), {})
+        finally:
+            globalLogPublisher.removeObserver(events.append)
+            for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+                if isinstance(observer, LogRing) and observer not in before:
+                    globalLogPublisher.removeObserver(observer)
+        warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]
+        self.assertIn(f"config file {path} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
+                      f"run `chmod 600 {path}`", warnings)
+        self.assertEqual(path.stat().st_mode & 0o777, 0o644)
+
+
+class TLSListenerTests(SynchronousTestCase):
+    def test_tls12_suites_are_forward_secret_aead_only(self) -> None:
+        """
+        An C{ssl:} listener offers TLS 1.2 clients ECDHE with AES-GCM or
+        ChaCha20 only: no CBC-SHA and no static-RSA key exchange (issue 36;
+        Twisted's defaults keep both). The real handshake is in
+        tests/integration/test_hardening_lows_e2e.py.
+        """
+        from OpenSSL import SSL
+        from twisted.internet.protocol import Factory
+        from twisted.internet.testing import MemoryReactor
+
+        from blazar.service import listener_service
+        from tests.integration.test_tls_e2e import self_signed
+
+        root = Path(self.mktemp())
+        root.mkdir()
+        cert, key = self_signed(root)
+        service = listener_service(f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}", Factory(),
+                                   MemoryReactor())
+        context = service.endpoint._sslContextFactory.getContext()
+        suites = SSL.Connection(context, None).get_cipher_list()
+        tls12 = [s for s in suites if not s.startswith("TLS_")]
+        self.assertTrue(tls12)
+        for suite in tls12:
+            self.assertTrue(suite.startswith("ECDHE-") and ("GCM" in suite or "CHACHA20" in suite), suite)
+        self.assertIn("TLS_AES_256_GCM_SHA384", suites)  # TLS 1.3 unchanged
+        plain = listener_service("tcp:0:interface=127.0.0.1", Factory(), MemoryReactor())
+        self.assertTrue(plain._raiseSynchronously)

@@ -1,11 +1,13 @@
 """
 The Batch API's tables (L{blazar.store}, migration 5): ownership, cursor
-pagination, and at-most-once lines.
+pagination, and at-most-once lines; its file contents on disk (migration 7).
 """
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sqlite3
 from pathlib import Path
 
@@ -61,3 +63,87 @@ class BatchStoreTests(SynchronousTestCase):
         self.assertEqual(store.thd_claim_lines(self.db, "batch_x", 10), [])
         self.assertEqual(store.thd_results(self.db, "batch_x", True), b'{"custom_id": "c0"}\n')
         self.assertEqual(json.loads(store.thd_results(self.db, "batch_x", False))["custom_id"], "c1")
+
+
+class FileContentTests(SynchronousTestCase):
+    """
+    File contents out of SQLite (migration 7): one file each under
+    C{<data_dir>/files}, read in pieces, removed on delete, held to a quota.
+    """
+
+    def setUp(self) -> None:
+        self.path = Path(self.mktemp()) / "blazar.db"
+        self.db: sqlite3.Connection = store.thd_open(self.path)
+        self.addCleanup(self.db.close)
+        self.files = self.path.parent / "files"
+
+    def test_a_files_content_is_a_file_of_its_own_and_a_delete_removes_it(self) -> None:
+        size = store.thd_put_file(self.db, ("file-a", "alice", "in.jsonl", "batch", 10, io.BytesIO(b"x" * 3_000_000)))
+        self.assertEqual(size, 3_000_000)
+        self.assertEqual((self.files / "file-a").read_bytes(), b"x" * 3_000_000)
+        self.assertEqual(sorted(os.listdir(self.files)), ["file-a"])  # no temporary left
+        self.assertEqual(store.thd_file(self.db, "file-a", "alice"), ("file-a", "alice", "in.jsonl", "batch", 10,
+                                                                      3_000_000))
+        found = store.thd_open_content(self.db, "file-a", "alice")
+        assert found is not None
+        with found[1] as handle:
+            self.assertEqual((found[0], handle.read(5)), (3_000_000, b"xxxxx"))
+        self.assertIsNone(store.thd_open_content(self.db, "file-a", "bob"))
+        self.assertTrue(store.thd_delete_file(self.db, "file-a", "alice"))
+        self.assertEqual(os.listdir(self.files), [])
+
+    def test_the_quota_counts_the_keys_files_only(self) -> None:
+        store.thd_put_file(self.db, ("file-a", "alice", "a", "batch", 1, b"x" * 60), quota=100)
+        store.thd_put_file(self.db, ("file-b", "bob", "b", "batch", 1, b"x" * 90), quota=100)
+        with self.assertRaises(store.OverQuota) as cm:
+            store.thd_put_file(self.db, ("file-c", "alice", "c", "batch", 1, io.BytesIO(b"x" * 41)), quota=100)
+        self.assertEqual((cm.exception.used, cm.exception.size, cm.exception.quota), (60, 41, 100))
+        self.assertFalse((self.files / "file-c").exists())
+        store.thd_put_file(self.db, ("file-c", "alice", "c", "batch", 1, b"x" * 40), quota=100)
+        self.assertEqual(store.thd_file_bytes(self.db, "alice"), 100)
+
+    def test_a_row_that_fails_leaves_no_content_and_touches_no_other(self) -> None:
+        store.thd_put_file(self.db, ("file-a", "alice", "a", "batch", 1, b"first"))
+        with self.assertRaises(FileExistsError):
+            store.thd_put_file(self.db, ("file-a", "alice", "a", "batch", 1, b"again"))
+        self.assertEqual(store.thd_file_content(self.db, "file-a", "alice"), b"first")
+        (self.files / "file-a").unlink()  # a row left without content (by hand): the same id again
+        with self.assertRaises(sqlite3.IntegrityError):
+            store.thd_put_file(self.db, ("file-a", "alice", "a", "batch", 1, b"again"))
+        self.assertEqual(os.listdir(self.files), [])  # the refused row's content went with it
+
+    def test_the_sweep_removes_what_no_row_names(self) -> None:
+        store.thd_put_file(self.db, ("file-a", "alice", "a", "batch", 1, b"kept"))
+        (self.files / "file-gone").write_bytes(b"a crash rolled its row back")
+        (self.files / ".file-b.part").write_bytes(b"half written")
+        self.assertEqual(store.thd_sweep_files(self.db), 2)
+        self.assertEqual(os.listdir(self.files), ["file-a"])
+
+    def test_older_blobs_move_out_and_give_their_space_back(self) -> None:
+        path = Path(self.mktemp()) / "blazar.db"
+        path.parent.mkdir()
+        old = sqlite3.connect(path, isolation_level=None)
+        old.execute("PRAGMA journal_mode=WAL")
+        old.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        old.execute("INSERT INTO schema_version VALUES (6)")
+        for sql in store.MIGRATIONS[:6]:
+            assert isinstance(sql, str)
+            for statement in sql.split(";"):
+                if statement.strip():
+                    old.execute(statement)
+        big = bytes(range(256)) * 40_000  # 10 MB
+        old.execute("INSERT INTO batch_files VALUES ('file-big', 'alice', 'in.jsonl', 'batch', 5, ?)", (big,))
+        old.execute("INSERT INTO batch_files VALUES ('file-empty', '', 'e.jsonl', 'batch_output', 6, ?)", (b"",))
+        old.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        old.close()
+        self.assertGreater(path.stat().st_size, len(big))
+        db = store.thd_open(path)
+        self.addCleanup(db.close)
+        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
+        self.assertEqual(store.thd_file_content(db, "file-big", "alice"), big)
+        self.assertEqual(store.thd_file_content(db, "file-empty", ""), b"")
+        self.assertEqual(sorted((r[0], r[5]) for r in store.thd_files(db, None)),
+                         [("file-big", len(big)), ("file-empty", 0)])
+        db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+        self.assertLess(path.stat().st_size, 1_000_000)  # the BLOB's pages went back to the file system
+        self.assertEqual(oct(os.stat(path.parent / "files" / "file-big").st_mode & 0o777), "0o600")

@@ -21,7 +21,9 @@ like any client's request, with C{x-blazar-priority: batch}: it takes a
 slot only when nobody else waits. At most C{batch_max_in_flight} lines are
 in flight at once, over all batches, oldest batch first.
 
-State is in SQLite (L{blazar.store}, migration 5) and survives restarts.
+State is in SQLite (L{blazar.store}, migration 5) and survives restarts;
+file contents are files of their own beside it (C{<data_dir>/files/<id>},
+migration 7), streamed out in pieces (L{BatchRunner.open_content}).
 Each line runs at most once: it is marked running before it is sent, and a
 line found running at start (the daemon stopped while it was in flight) is
 failed with code C{batch_interrupted}, never sent again. A clean stop waits
@@ -39,7 +41,7 @@ import secrets
 import sqlite3
 from io import BytesIO
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Mapping
+from typing import IO, Any, Awaitable, BinaryIO, Callable, Mapping
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredList, succeed
@@ -53,6 +55,7 @@ from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
 from blazar import store
+from blazar.config import DEFAULT_FILE_BYTES_PER_KEY
 from blazar.gateway.errors import BadRequest, NotFound, Unavailable
 from blazar import strictjson
 
@@ -60,6 +63,9 @@ log = Logger()
 
 FILE_MAX_BYTES = 200 * 1024 * 1024
 """An uploaded file's size, at most: OpenAI's 200 MB."""
+
+FILE_BYTES_SETTING = "max_file_bytes_per_key"
+"""The config key of what one key's files may hold in all (C{file_bytes} in its C{[[keys]]} entry overrides it)."""
 
 MAX_LINES = 50_000
 """Requests in one batch, at most (OpenAI's limit)."""
@@ -125,6 +131,31 @@ class FileTooLarge(BadRequest):
 
     status = 413
     code = "file_too_large"
+
+
+class StorageQuotaExceeded(BadRequest):
+    """
+    An upload that would take its key's files past the key's storage quota
+    (413 C{storage_quota_exceeded}); the message names the setting and
+    the fix.
+    """
+
+    status = 413
+    code = "storage_quota_exceeded"
+
+
+def storage_refusal(key: str, used: int, size: int, quota: int) -> StorageQuotaExceeded:
+    """
+    The L{StorageQuotaExceeded} for key C{key} (C{""}: a gateway without
+    keys) whose files hold C{used} bytes, refused a C{size}-byte file.
+    """
+    whose = f"key {key!r}'s files hold" if key else "the files stored on this gateway (it has no keys) hold"
+    setting = (f"{FILE_BYTES_SETTING} in the config, or file_bytes in the key's [[keys]] entry" if key
+               else f"{FILE_BYTES_SETTING} in the config")
+    return StorageQuotaExceeded(
+        f"{whose} {used} bytes; this {size}-byte file would take them past the quota of {quota} bytes "
+        f"({setting}): delete files no longer needed with DELETE /v1/files/{{file_id}} (GET /v1/files lists "
+        "them; a finished batch's output and error files count too), or raise the quota", "file")
 
 
 def new_id(prefix: str) -> str:
@@ -319,6 +350,7 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     @param batch: The batch object, its final status and timestamp set.
     @return: It with C{output_file_id} and C{error_file_id} filled in.
     """
+    written: list[str] = []
     db.execute("BEGIN")
     try:
         counts = store.thd_line_counts(db, batch["id"])
@@ -329,11 +361,14 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
             if content:
                 file_id = new_id("file-")
                 store.thd_put_file(db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content))
+                written.append(file_id)
                 batch = {**batch, field: file_id}
         store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
+        for file_id in written:  # their rows are gone with the transaction
+            store.thd_remove_content(db, file_id)
         raise
     return batch
 
@@ -394,6 +429,8 @@ class BatchRunner:
         (L{LineSender.send}).
     @ivar max_in_flight: Lines in flight at once, at most (the live
         C{batch_max_in_flight}).
+    @ivar max_file_bytes: What a key's files may hold in all, unless its
+        C{file_bytes} says (the live C{max_file_bytes_per_key}).
     """
 
     reactor: Any
@@ -401,6 +438,7 @@ class BatchRunner:
     in_thread: InThread
     send: Send
     max_in_flight: Callable[[], int]
+    max_file_bytes: Callable[[], int] = lambda: DEFAULT_FILE_BYTES_PER_KEY
     _active: dict[str, _Running] = attrs.field(factory=dict)
     _lines: set[Deferred[None]] = attrs.field(factory=set)
     _in_flight: int = 0
@@ -417,29 +455,38 @@ class BatchRunner:
 
     # -- files -----------------------------------------------------------------
 
-    async def upload(self, key: str, filename: str, purpose: str, content: bytes) -> dict[str, Any]:
+    async def upload(self, key: str, filename: str, purpose: str, content: bytes | IO[bytes],
+                     quota: int | None = None, name: str | None = None) -> dict[str, Any]:
         """
         Store an uploaded file.
 
+        @param content: Its bytes, or a readable file holding them (read
+            in pieces on the store's thread; the caller closes it).
+        @param quota: The bytes C{key}'s files may hold in all, if limited.
+        @param name: The key's name, as a refusal names it (C{key} unless
+            given: C{key} is its owner, which may carry its id).
         @return: Its file object.
         @raise BadRequest: A purpose other than C{batch}.
         @raise FileTooLarge: Over L{FILE_MAX_BYTES}.
+        @raise StorageQuotaExceeded: It would take C{key}'s files past C{quota}.
         """
         if purpose != "batch":
             raise BadRequest(f"purpose {purpose[:50]!r} is not supported here: this gateway takes files for the "
                              "Batch API only (purpose 'batch')", "purpose")
-        if len(content) > FILE_MAX_BYTES:
+        if isinstance(content, bytes) and len(content) > FILE_MAX_BYTES:
             raise FileTooLarge(f"the file is {len(content)} bytes; a file may be at most 200 MB "
                                f"({FILE_MAX_BYTES} bytes)", "file")
         row = (new_id("file-"), key, filename or "upload.jsonl", purpose, self._now(), content)
         try:
-            await self.run_db(store.thd_put_file, row)
+            size = await self.run_db(store.thd_put_file, row, quota)
+        except store.OverQuota as e:
+            raise storage_refusal(key if name is None else name, e.used, e.size, e.quota) from None
         except (sqlite3.OperationalError, OSError) as e:
             if not _disk_full(e):
                 raise
             raise Unavailable("the disk that holds the daemon's data_dir is full: the file was not stored; free "
                               "space there, or move data_dir to a larger disk") from None
-        return file_object((*row[:5], len(content)))
+        return file_object((*row[:5], int(size)))
 
     async def files(self, key: str, purpose: str | None = None, after: str | None = None, limit: int = 10000,
                     order: str = "desc") -> dict[str, Any]:
@@ -471,12 +518,29 @@ class BatchRunner:
 
     async def content(self, key: str, file_id: str) -> bytes:
         """
+        A file's bytes, whole (L{open_content} reads them in pieces).
+
         @raise FileNotFound: None of C{key}'s.
         """
         content = await self.run_db(store.thd_file_content, file_id, key)
         if content is None:
             raise _no_file(file_id)
         return bytes(content)
+
+    async def open_content(self, key: str, file_id: str) -> tuple[int, BinaryIO]:
+        """
+        A file's content, opened for reading (a delete meanwhile does not
+        cut the reading short).
+
+        @return: Its size in bytes, and the open file: the caller reads it
+            off the reactor thread, and closes it.
+        @raise FileNotFound: None of C{key}'s.
+        """
+        found = await self.run_db(store.thd_open_content, file_id, key)
+        if found is None:
+            raise _no_file(file_id)
+        size, handle = found
+        return int(size), handle
 
     async def delete_file(self, key: str, file_id: str) -> dict[str, Any]:
         """
@@ -593,6 +657,9 @@ class BatchRunner:
         counts are rebuilt from the lines, and the pending lines run.
         """
         self._stopping = False
+        swept = await self.run_db(store.thd_sweep_files)
+        if swept:
+            log.info("removed {count} file contents no file row named (left by an unclean stop)", count=swept)
         for key, text in await self.run_db(thd_unfinished):
             batch = json.loads(text)
             if batch["id"] in self._active:

@@ -67,6 +67,8 @@ class RequestContext:
         response's end), clock seconds.
     @ivar timing: When streamed events arrived (observed requests only).
     @ivar rates: Checks the key's rate limits (L{blazar.gateway.quota}).
+    @ivar requests: Checks the key's C{rpm} alone, for a route that names
+        no model (L{count_request}).
     @ivar usage: Counts tokens against the key's token limits, if it has any.
     @ivar door: What the site's door decided from the headers (a key, a
         refusal or L{None}); L{NOT_ASKED} until it asked.
@@ -83,6 +85,7 @@ class RequestContext:
     spans: dict[str, tuple[float, float | None]] = attrs.Factory(dict)
     timing: StreamTiming | None = None
     rates: Callable[[], None] | None = None
+    requests: Callable[[], None] | None = None
     usage: Callable[[int], None] | None = None
     door: Any = None
     door_asked: bool = False
@@ -102,6 +105,20 @@ def context_of(request: Any) -> RequestContext:
     if context is None:
         context = request.blazar = RequestContext()
     return context  # type: ignore[no-any-return]
+
+
+def count_request(request: Any) -> None:
+    """
+    Check and count a request of a route that names no model and spends
+    no tokens (the Files and Batch APIs) against its key's C{rpm}, once;
+    nothing for a request without a key.
+
+    @raise blazar.gateway.quota.QuotaExceeded: Over rpm.
+    """
+    context = context_of(request)
+    requests, context.requests, context.rates = context.requests, None, None
+    if requests is not None:
+        requests()
 
 
 def trace_id_of(request: Any) -> str:

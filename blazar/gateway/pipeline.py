@@ -76,7 +76,7 @@ from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
 from blazar.engines.sse import SSEEvents, WholeEvents
 from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, from_anthropic, to_anthropic
+from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, answer_chunks, from_anthropic, to_anthropic
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.gguf_meta import template_capabilities
@@ -141,6 +141,8 @@ class Reply:
         self.anthropic: AnthropicStream | None = None
         # an OpenAI-compatible remote's answer names its own model: this one's name put there instead
         self.renamed = False
+        # the request's stream_options.include_usage (a remote's JSON answer made a stream: L{_remote_json})
+        self.wants_usage = False
         # a JSON answer streamed by llama-server's /completion
         # (L{blazar.gateway.jsonanswer}): turned into OpenAI's chat chunks
         self.completion: jsonanswer.ChatFromCompletion | None = None
@@ -333,11 +335,44 @@ class Reply:
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
         return ending(watch.last, finish, prompt, completion, usage)
 
+    async def _remote_json(self) -> None:
+        """
+        A remote that answered a stream request with one JSON answer (its
+        C{content-type} is C{application/json}, not C{text/event-stream}):
+        that answer, read whole and translated as a non-streamed one is,
+        becomes the stream it would have sent (L{answer_chunks}), so the
+        client gets its surface's stream, not an empty one.
+
+        @raise EngineRejected: The JSON is no answer (a 502 naming the
+            remote).
+        """
+        lease = self._lease
+        if self.made is not None or lease is None or self._response is None \
+                or not (self.anthropic is not None or self.renamed):
+            return
+        instance = lease.instance
+        kind = (self._response.headers.getRawHeaders(b"content-type") or [b""])[0].lower()
+        if not is_remote(instance) or not kind.startswith(b"application/json"):
+            return
+        data = await self._proxy.read(lease.instance, self._response)
+        if self.anthropic is not None:
+            data = self._from_anthropic(self._scrubbed(data))
+        else:
+            data = _with_model(self._scrubbed(data), self.model, instance.server)
+        try:
+            chunks = answer_chunks(json.loads(data), self.wants_usage)
+        except ValueError as e:
+            raise EngineRejected(502, f"{instance.server} answered a stream request with JSON, and {e}: "
+                                      "check its base_url and api") from None
+        self.made = b"".join(b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":"))
+                             .encode("utf-8") + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+
     async def relay(self, feed: Callable[[bytes], None]) -> None:
         """
         Feed the answer's bytes to C{feed} as they arrive, at the client's
         pace (L{EngineProxy.relay}).
         """
+        await self._remote_json()
         hider = _CacheHider(feed) if scoped(self._request) else None
         if hider is not None:
             feed = hider.feed
@@ -415,6 +450,7 @@ class Reply:
 
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
+        await self._remote_json()
         if scoped(self._request):
             hidden = on_chunk
 
@@ -768,6 +804,8 @@ class Pipeline:
         reply.max_tokens = call.max_tokens
         reply.anthropic = anthropic
         reply.renamed = anthropic is None and lane is not None and lane.name == REMOTE
+        options = call.body.get("stream_options")
+        reply.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
         reply.completion = completion
         if call.kind is CallKind.CHAT:
             reply.watched = asked
@@ -825,7 +863,7 @@ class Pipeline:
             context.cache = semantic.FAILED
             return None, None
         lane = call.lane.name if call.lane is not None else LLAMACPP
-        scope = semantic.scope_of(canonical, key.name if key is not None else "", lane, asked)
+        scope = semantic.scope_of(canonical, key.owner if key is not None else "", lane, asked)
         similarity, found = cache.lookup(scope, vector)
         if found is None:
             context.cache = semantic.MISS
@@ -1173,7 +1211,7 @@ class Pipeline:
         if name is None:
             return None
         key = key_of(request)
-        return await self.sessions.pin(key.name if key is not None else "", name, instance)
+        return await self.sessions.pin(key.owner if key is not None else "", name, instance)
 
     async def _check(self, request: Any, call: Call) -> str:
         """

@@ -2,7 +2,9 @@
 Per-key admission limits checked at the door, in this order:
 C{max_concurrent} (a lease held until the response is fully sent or the
 client drops), C{rpm} (requests in the last 60 s), C{tpm} (tokens in the
-last 60 s) and C{daily_tokens} (tokens this UTC day). Tokens are the
+last 60 s) and C{daily_tokens} (tokens this UTC day). A route that names
+no model and spends no tokens (the Files and Batch APIs) is held to
+C{max_concurrent} and C{rpm} only (L{Quotas.requests}). Tokens are the
 child's own usage counts (prompt + completion), recorded after each answer.
 Pure logic on injected clocks; the day totals are persisted by
 L{blazar.service} through L{blazar.store}.
@@ -48,7 +50,8 @@ class QuotaExceeded(Exception):
 
 class Quotas:
     """
-    Live counters per key name.
+    Live counters per key, by its L{blazar.config.KeyConfig.owner}: a key
+    added under a removed key's name starts afresh.
     """
 
     def __init__(self, clock: Any, wall: Callable[[], float] = time.time) -> None:
@@ -89,9 +92,9 @@ class Quotas:
         if tokens <= 0:
             return
         self._roll()
-        self._tokens[key.name].append((self._clock.seconds(), tokens))
-        self._daily[key.name] += tokens
-        self._pending.append((self._day, key.name, tokens))
+        self._tokens[key.owner].append((self._clock.seconds(), tokens))
+        self._daily[key.owner] += tokens
+        self._pending.append((self._day, key.owner, tokens))
 
     def take_pending(self) -> list[tuple[str, str, int]]:
         """
@@ -124,12 +127,37 @@ class Quotas:
 
         @raise QuotaExceeded: Over max_concurrent.
         """
-        if key.max_concurrent is not None and self._active[key.name] >= key.max_concurrent:
+        if key.max_concurrent is not None and self._active[key.owner] >= key.max_concurrent:
             raise QuotaExceeded(
                 f"key {key.name!r} already has {key.max_concurrent} request(s) running "
                 "(max_concurrent); retry when one finishes", 1.0,
             )
-        self._active[key.name] += 1
+        self._active[key.owner] += 1
+
+    def _check_rpm(self, key: KeyConfig, now: float) -> None:
+        if key.rpm is not None:
+            recent = self._recent[key.owner]
+            while recent and now - recent[0] >= 60.0:
+                recent.popleft()
+            if len(recent) >= key.rpm:
+                raise QuotaExceeded(
+                    f"key {key.name!r} is over its {key.rpm} requests per minute (rpm)",
+                    max(1.0, 60.0 - (now - recent[0])),
+                )
+
+    def requests(self, key: KeyConfig) -> None:
+        """
+        Check and count a request that spends no tokens (the Files and
+        Batch APIs: listing, uploading, downloading, deleting; making,
+        reading, cancelling a batch) against rpm alone: a key that used
+        its tokens may still fetch its batch's output.
+
+        @raise QuotaExceeded: Over rpm.
+        """
+        now = self._clock.seconds()
+        self._check_rpm(key, now)
+        if key.rpm is not None:
+            self._recent[key.owner].append(now)
 
     def rates(self, key: KeyConfig) -> None:
         """
@@ -139,17 +167,9 @@ class Quotas:
         @raise QuotaExceeded: Over one of them.
         """
         now = self._clock.seconds()
-        if key.rpm is not None:
-            recent = self._recent[key.name]
-            while recent and now - recent[0] >= 60.0:
-                recent.popleft()
-            if len(recent) >= key.rpm:
-                raise QuotaExceeded(
-                    f"key {key.name!r} is over its {key.rpm} requests per minute (rpm)",
-                    max(1.0, 60.0 - (now - recent[0])),
-                )
+        self._check_rpm(key, now)
         if key.tpm is not None:
-            window = self._tokens[key.name]
+            window = self._tokens[key.owner]
             while window and now - window[0][0] >= 60.0:
                 window.popleft()
             used = sum(t for _, t in window)
@@ -160,7 +180,7 @@ class Quotas:
                 )
         if key.daily_tokens is not None:
             self._roll()
-            if self._daily[key.name] >= key.daily_tokens:
+            if self._daily[key.owner] >= key.daily_tokens:
                 wall = self._wall()
                 to_midnight = 86400 - (wall % 86400)
                 raise QuotaExceeded(
@@ -168,14 +188,14 @@ class Quotas:
                     max(1.0, to_midnight),
                 )
         if key.rpm is not None:
-            self._recent[key.name].append(now)
+            self._recent[key.owner].append(now)
 
     def release(self, key: KeyConfig) -> None:
         """
         Give back a lease (the response was sent, or the client left).
         """
-        if self._active[key.name] > 0:
-            self._active[key.name] -= 1
+        if self._active[key.owner] > 0:
+            self._active[key.owner] -= 1
 
     def active(self, name: str) -> int:
         """

@@ -627,3 +627,53 @@ def anthropic_error_message(body: bytes) -> str:
         if isinstance(value.get("message"), str) and value["message"]:
             return value["message"]
     return body.decode("utf-8", "replace").strip()[:500]
+
+
+def answer_chunks(answer: Any, include_usage: bool) -> list[dict[str, Any]]:
+    """
+    A whole OpenAI answer (a C{chat.completion} or a C{text_completion})
+    as the chunks its stream would have carried: per choice its reasoning,
+    its text and its tool calls, then its C{finish_reason}; then, with
+    C{include_usage}, the usage chunk (C{choices: []}). For a remote that
+    answers a stream request with one JSON answer (its C{content-type}
+    C{application/json}, not C{text/event-stream}): the client gets the
+    stream it asked for, in its surface's shape.
+
+    @param include_usage: The request's C{stream_options.include_usage}.
+    @raise ValueError: Not such an answer (no C{choices} list).
+    """
+    if not isinstance(answer, dict) or not isinstance(answer.get("choices"), list):
+        raise ValueError("it is no chat completion or completion (no choices)")
+    text = answer.get("object") == "text_completion"
+    meta = {k: answer[k] for k in ("id", "created", "model", "system_fingerprint") if k in answer}
+    kind = "text_completion" if text else "chat.completion.chunk"
+
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {**meta, "object": kind, "choices": choices, **extra}
+
+    chunks = []
+    for choice in answer["choices"]:
+        if not isinstance(choice, dict):
+            continue
+        index, finish = choice.get("index", 0), choice.get("finish_reason")
+        if text:
+            chunks.append(chunk([{"index": index, "text": str(choice.get("text") or ""), "logprobs": None,
+                                  "finish_reason": None}]))
+            chunks.append(chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": finish}]))
+            continue
+        message = choice.get("message")
+        if not isinstance(message, dict):
+            message = {}
+        if message.get("reasoning_content"):
+            chunks.append(chunk([{"index": index, "finish_reason": None, "delta": {
+                "role": "assistant", "reasoning_content": message["reasoning_content"]}}]))
+        chunks.append(chunk([{"index": index, "finish_reason": None,
+                              "delta": {"role": "assistant", "content": message.get("content") or ""}}]))
+        calls = message.get("tool_calls")
+        if isinstance(calls, list) and calls:
+            chunks.append(chunk([{"index": index, "finish_reason": None, "delta": {"tool_calls": [
+                {**call, "index": i} for i, call in enumerate(calls) if isinstance(call, dict)]}}]))
+        chunks.append(chunk([{"index": index, "finish_reason": finish, "delta": {}}]))
+    if include_usage and isinstance(answer.get("usage"), dict):
+        chunks.append(chunk([], usage=answer["usage"]))
+    return chunks

@@ -38,11 +38,22 @@ def in_scope(key: KeyConfig | None, name: object) -> bool:
         return True
     if not isinstance(name, str):
         return False
+    return any(_same_model(m, name) for m in key.models)
+
+
+def _same_model(scoped: str, name: str) -> bool:
+    """
+    Whether a scope's name C{scoped} and a client's C{name} are one model:
+    the same L{name_key}; or, for a remote's model whose id is no Ollama
+    name (C{peer:qwen3:8b}, C{router:meta/llama}), the remote's name in any
+    case and the model's exactly.
+    """
     try:
-        wanted = name_key(name)
+        return name_key(scoped) == name_key(name)
     except ValueError:
-        return False
-    return any(name_key(m) == wanted for m in key.models)
+        remote, _, model = scoped.partition(":")
+        other, _, asked = name.partition(":")
+        return bool(model) and remote.casefold() == other.casefold() and model == asked
 
 
 def may_use(request: IRequest, name: object) -> bool:

@@ -31,7 +31,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.web.client import Agent, HTTPConnectionPool, RedirectAgent, _HTTP11ClientFactory
 from twisted.web.http_headers import Headers
 
-from blazar.httpbody import read_body, relay_body
+from blazar.httpbody import BodyTooLarge, read_body, relay_body
 
 QUANT = re.compile(r"(?i)(?:^|[-_.])((?:I?Q\d(?:_[A-Z0-9]+)*)|F16|BF16|F32)$")
 PREFERRED = ("Q4_K_M", "Q4_0", "Q5_K_M", "Q8_0")
@@ -162,6 +162,13 @@ def thd_append(partial: Path, data: bytes, h: Any) -> None:
     with open(partial, "ab") as f:
         f.write(data)
     h.update(data)
+
+
+def thd_discard(partial: Path) -> None:
+    """
+    Remove a partial file, if there. Blocking: thread pool.
+    """
+    partial.unlink(missing_ok=True)
 
 
 def thd_install(partials: list[Path], targets: list[Path]) -> None:
@@ -345,7 +352,17 @@ class HubClient:
                     progress({"status": status, "digest": digest, "total": total, "completed": completed})
 
             try:
-                await relay_body(response, on_chunk, self._reactor, idle_timeout=120)
+                # no more than the listing's size: a hub that sends more is not filling the disk
+                await relay_body(response, on_chunk, self._reactor, idle_timeout=120,
+                                 max_bytes=total - have if total else None)
+            except BodyTooLarge:
+                await writer.drain()
+                await self._thread(thd_discard, partial)
+                raise PullError(
+                    f"{self._endpoint} sent more of {path} than the {total} bytes its listing gives; the "
+                    "download was stopped and its partial file removed. Check hf_endpoint in the config, "
+                    "then pull again", 502,
+                ) from None
             except Exception as e:
                 await writer.drain()
                 raise PullError(
@@ -353,6 +370,11 @@ class HubClient:
                     "pull again to resume", 502,
                 ) from None
             await writer.drain()
+            if total and completed < total:
+                raise PullError(
+                    f"download of {path} ended after {completed} of the {total} bytes the hub's listing "
+                    "gives; pull again to resume", 502,
+                )
         if h.hexdigest() != sha:
             await self._thread(partial.unlink)
             raise PullError(

@@ -510,7 +510,11 @@ class ModelRegistry:
             raise ModelChangeError("destination must be a plain name[:tag] (no namespace)")
         if _SHARD.match(dest.removesuffix(":latest")):
             raise ModelChangeError("destination looks like a split-model shard (-0000N-of-0000M); pick another name")
-        if any(name_key(e.name) == name_key(dest) for e in await self.refresh()):
+        if entry.remote is not None:
+            raise ModelChangeError(f'model "{entry.name}" is a remote\'s model ([[remotes]]): it has no file '
+                                   "here to copy; pull or copy it on the remote")
+        wanted = name_key(dest)
+        if any(_taken_key(e.name) == wanted for e in await self.refresh()):
             raise ModelChangeError(f'model "{destination}" already exists; delete it first')
         target = self.models_dir / f"{dest.removesuffix(':latest')}.gguf"
         try:
@@ -561,6 +565,18 @@ class ModelRegistry:
         delete).
         """
         self._entries = {}
+
+
+def _taken_key(name: str) -> str:
+    """
+    The lookup key of a listed name, for "is this name taken": as
+    L{name_key}, but a remote's model (C{peer:a"b}: the remote's own id,
+    which need not be an Ollama name) only case-folded, never an error.
+    """
+    try:
+        return name_key(name)
+    except ValueError:
+        return name.casefold()
 
 
 def remote_entry(remote: str, model: str) -> ModelEntry:

@@ -22,7 +22,7 @@ from zope.interface import implementer
 from blazar import __version__
 from blazar.gateway.operations import instance_rows
 from blazar.gateway.sessions import AUTO_KEY
-from blazar.logtext import event_text
+from blazar.logtext import event_text, printable
 from blazar import strictjson
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
@@ -192,7 +192,7 @@ class LogRing:
         (L{blazar.engines.process.EngineProcessProtocol}).
         """
         self.seq += 1
-        self.lines.append((self.seq, model, text))
+        self.lines.append((self.seq, model, printable(text)))
 
     def after(self, seq: int, model: str | None, budget: int = 60_000) -> tuple[list[str], int]:
         out: list[str] = []

@@ -125,6 +125,8 @@ class KeyAdmin:
             table = tomlkit.table()
             table["name"] = name
             table["secret"] = secret
+            # its own: a key added later under this name (once this one is removed) owns none of its data
+            table["id"] = secrets.token_hex(6)
             if models:
                 table["models"] = models
             if "keys" not in doc:

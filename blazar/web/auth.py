@@ -77,11 +77,12 @@ class KeyHolder:
 
     def named(self, name: str) -> KeyConfig | None:
         """
-        The key called C{name} (a batch line runs as the key that made
-        its batch).
+        The key whose L{KeyConfig.owner} is C{name} (a batch line runs as
+        the key that made its batch; a key removed since, and one added
+        under its name, is not it).
         """
         for _, key in self._keys:
-            if key.name == name:
+            if key.owner == name:
                 return key
         return None
 
@@ -467,9 +468,10 @@ class AuthGate(Resource):
                 or (method in (b"GET", b"HEAD") and (path in UI_PAGE or path.startswith(UI_ASSETS))):
             return True
         if path == b"/metrics":
-            required = self._keys.config.metrics_require_key
-            # unset: scrapes from this machine are open, from the network they need a key
-            return required is False or (required is None and is_local(request.getClientAddress()))
+            # it names every model and key: once keys exist, an admin key from everywhere (a
+            # scoped key must not read it by leaving its key out, on loopback too: issue 36),
+            # unless metrics_require_key = false opens it
+            return self._keys.config.metrics_require_key is False
         return False
 
     def render(self, request: IRequest) -> Any:  # type: ignore[override]
@@ -500,6 +502,8 @@ class AuthGate(Resource):
                 request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
                 # rpm / tpm / daily come after the scope check (scope.resolve_in_scope)
                 context.rates = lambda: quotas.rates(key)
+                # (routes that name no model, the Files and Batch APIs: rpm alone, at the route)
+                context.requests = lambda: quotas.requests(key)
                 if key.tpm is not None or key.daily_tokens is not None:
                     context.usage = lambda tokens: quotas.record(key, tokens)
         return self._inner.render(request)

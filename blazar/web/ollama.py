@@ -561,7 +561,7 @@ class OllamaSurface:
         table = self._pipeline.sessions
         offset = self._now() - self._clock.seconds()
         shown = []
-        for session in table.of_key(key.name if key is not None else "") if table is not None else []:
+        for session in table.of_key(key.owner if key is not None else "") if table is not None else []:
             view = session.view()
             view["last_used"] = _rfc3339(view["last_used"] + offset)
             shown.append(view)
@@ -582,7 +582,7 @@ class OllamaSurface:
             raise OllamaError(400, "session is required: the name of one of this key's sessions (GET /api/session)")
         key = key_of(request)
         table = self._pipeline.sessions
-        closed = table.close(key.name if key is not None else "", name) if table is not None else []
+        closed = table.close(key.owner if key is not None else "", name) if table is not None else []
         if not closed:
             raise OllamaError(404, f"no session {name!r} for this key (GET /api/session lists them)")
         return _json(request, {"closed": name, "models": sorted({s.model for s in closed})})

@@ -67,7 +67,7 @@ class Responses:
 
     def _key(self, request: IRequest) -> str:
         key = key_of(request)
-        return key.name if key is not None else ""
+        return key.owner if key is not None else ""
 
     async def _load(self, request: IRequest, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
         row = None

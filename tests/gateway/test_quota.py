@@ -72,6 +72,17 @@ class TokenQuotaTests(SynchronousTestCase):
         self.assertEqual(q.daily("k"), 0)
 
 
+    def test_a_key_added_under_a_removed_keys_name_starts_afresh(self) -> None:
+        q = Quotas(Clock())
+        removed = KeyConfig("alice", "s" * 16, daily_tokens=50, id="a1")
+        q.load_day(q.today(), {"alice#a1": 60})
+        with self.assertRaises(QuotaExceeded):
+            q.admit(removed)
+        again = KeyConfig("alice", "t" * 16, daily_tokens=50, id="b2")
+        q.admit(again)
+        q.record(again, 5)
+        self.assertEqual(q.take_pending(), [(q.today(), "alice#b2", 5)])
+
 class StoreTests(SynchronousTestCase):
     def test_usage_round_trip_and_migrations(self) -> None:
         from pathlib import Path
@@ -87,3 +98,32 @@ class StoreTests(SynchronousTestCase):
         self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
         self.assertEqual(db.execute("PRAGMA journal_mode").fetchone()[0], "wal")
         db.close()
+
+
+class RequestsTests(SynchronousTestCase):
+    """
+    L{Quotas.requests}: the routes that spend no tokens (the Files and
+    Batch APIs) count against rpm alone.
+    """
+
+    def test_rpm_is_shared_with_the_model_routes(self) -> None:
+        clock = Clock()
+        q = Quotas(clock)
+        key = KeyConfig("k", "s" * 16, rpm=2)
+        q.requests(key)
+        q.rates(key)  # a chat: the minute's second request
+        with self.assertRaises(QuotaExceeded) as cm:
+            q.requests(key)
+        self.assertIn("rpm", str(cm.exception))
+        self.assertEqual(cm.exception.retry_after, 60)
+        clock.advance(60)
+        q.requests(key)
+
+    def test_token_limits_do_not_apply(self) -> None:
+        q = Quotas(Clock())
+        key = KeyConfig("k", "s" * 16, tpm=1, daily_tokens=1)
+        q.record(key, 100)
+        with self.assertRaises(QuotaExceeded):
+            q.rates(key)
+        for _ in range(10):
+            q.requests(key)

@@ -85,3 +85,90 @@ class AnthropicReplyTests(SynchronousTestCase):
             feed(sse([("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})]))
         self.assertEqual(caught.exception.status, 502)
         self.assertIn("overloaded_error", str(caught.exception))
+
+
+class JSONAnswerToAStreamTests(SynchronousTestCase):
+    """
+    A remote that answers a stream request with one JSON answer
+    (C{application/json}, issue 36: the client got an empty 200): the
+    answer becomes the stream (L{Reply._remote_json}); JSON that is no
+    answer is a 502 naming the remote.
+    """
+
+    def reply(self, body: bytes, kind: bytes = b"application/json", anthropic: bool = False) -> Reply:
+        from pathlib import Path
+
+        from twisted.internet.defer import succeed
+        from twisted.web.http_headers import Headers
+
+        from blazar.config import RemoteConfig
+        from blazar.engines.remote import RemoteInstance
+        from blazar.models.registry import ModelEntry
+
+        class Proxy:
+            def read(self, instance: Any, response: Any) -> Any:
+                return succeed(body)
+
+        class Lease:
+            instance = RemoteInstance(ModelEntry("peer:m", Path("peer"), format="remote", remote="peer"),
+                                      RemoteConfig("peer", "http://127.0.0.1:9/v1"))
+
+        class Response:
+            headers = Headers({b"content-type": [kind]})
+
+        made = Reply.__new__(Reply)
+        made._lease, made._response, made._proxy = Lease(), Response(), Proxy()  # type: ignore[assignment]
+        made.made, made.model, made.wants_usage = None, "peer:m", True
+        made.anthropic = AnthropicStream("peer:m", 7, True) if anthropic else None
+        made.renamed = not anthropic
+        return made
+
+    def events(self, made: Reply) -> list[Any]:
+        from twisted.internet.defer import ensureDeferred
+
+        self.successResultOf(ensureDeferred(made._remote_json()))
+        assert made.made is not None
+        events = made.made.split(b"\n\n")[:-1]
+        self.assertEqual(events[-1], b"data: [DONE]")
+        return [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+
+    def test_a_chat_completion(self) -> None:
+        answer = {"id": "c1", "object": "chat.completion", "created": 5, "model": "m", "choices": [
+            {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": "hi", "tool_calls": [
+                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        chunks = self.events(self.reply(json.dumps(answer).encode()))
+        self.assertEqual({c["model"] for c in chunks}, {"peer:m"})
+        self.assertEqual({c["object"] for c in chunks}, {"chat.completion.chunk"})
+        self.assertEqual(chunks[0]["choices"][0]["delta"], {"role": "assistant", "content": "hi"})
+        self.assertEqual(chunks[1]["choices"][0]["delta"]["tool_calls"][0]["index"], 0)
+        self.assertEqual(chunks[2]["choices"][0]["finish_reason"], "tool_calls")
+        self.assertEqual((chunks[3]["choices"], chunks[3]["usage"]["total_tokens"]), ([], 5))
+
+    def test_a_text_completion(self) -> None:
+        answer = {"id": "c2", "object": "text_completion", "model": "m",
+                  "choices": [{"index": 0, "text": "once", "finish_reason": "length"}]}
+        chunks = self.events(self.reply(json.dumps(answer).encode()))
+        self.assertEqual([c["choices"][0]["text"] for c in chunks], ["once", ""])
+        self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "length")
+
+    def test_an_anthropic_message(self) -> None:
+        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "end_turn",
+                   "content": [{"type": "text", "text": "hello"}], "usage": {"input_tokens": 3, "output_tokens": 2}}
+        chunks = self.events(self.reply(json.dumps(message).encode(), anthropic=True))
+        self.assertEqual(chunks[0]["choices"][0]["delta"]["content"], "hello")
+        self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 2)
+
+    def test_no_answer_is_a_502_naming_the_remote(self) -> None:
+        from twisted.internet.defer import ensureDeferred
+
+        failure = self.failureResultOf(ensureDeferred(self.reply(b'{"status": "ok"}')._remote_json()), EngineRejected)
+        self.assertEqual(failure.value.status, 502)
+        self.assertIn("remote 'peer' answered a stream request with JSON", str(failure.value))
+
+    def test_a_stream_is_left_to_the_relay(self) -> None:
+        from twisted.internet.defer import ensureDeferred
+
+        made = self.reply(b"data: {}\n\n", kind=b"text/event-stream")
+        self.successResultOf(ensureDeferred(made._remote_json()))
+        self.assertIsNone(made.made)

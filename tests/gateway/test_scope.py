@@ -365,6 +365,29 @@ class ResolveInScopeTests(SynchronousTestCase):
         failure = self.failureResultOf(self.resolve(request, "b"), ModelNotFound)
         self.assertEqual((failure.value.name, failure.value.available), ("b", ["a:latest", "c:latest"]))
 
+    def test_remote_models_with_colons_and_slashes(self) -> None:
+        """
+        The README's own example (issue 36): a key scoped to
+        C{peer:qwen3:8b}, a remote's model whose id has its own C{:}, is
+        accepted by the config and reaches that model (and C{router:meta/llama},
+        an id with C{/}); another of the remote's models stays unknown to it.
+        """
+        config = parse_config(
+            f'models_dir = "{self.root}"\n'
+            '[[remotes]]\nname = "peer"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["qwen3:8b", "other:1b"]\n'
+            '[[remotes]]\nname = "router"\nbase_url = "http://127.0.0.1:9/v1"\nmodels = ["meta/llama"]\n'
+            '[[keys]]\nname = "webui"\nsecret = "' + "s" * 16 + '"\nmodels = ["peer:qwen3:8b", "router:meta/llama"]\n'
+        )
+        (key,) = config.keys
+        self.assertEqual(key.models, ("peer:qwen3:8b", "router:meta/llama"))
+        self.registry = ModelRegistry(config, fake_process_reactor())
+        request = FakeRequest(key)
+        self.assertEqual(self.successResultOf(self.resolve(request, "peer:qwen3:8b")).remote_model, "qwen3:8b")
+        self.assertEqual(self.successResultOf(self.resolve(request, "Router:meta/llama")).remote_model, "meta/llama")
+        failure = self.failureResultOf(self.resolve(request, "peer:other:1b"), ModelNotFound)
+        self.assertEqual(failure.value.available, ["peer:qwen3:8b", "router:meta/llama"])
+        self.failureResultOf(self.resolve(request, "peer:QWEN3:8b"), ModelNotFound)
+
     def test_unscoped_and_keyless_see_everything(self) -> None:
         for key in (None, KeyConfig("admin", "y" * 16)):
             request = FakeRequest(key)

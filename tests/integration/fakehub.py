@@ -19,6 +19,9 @@ class FakeHub:
     @ivar break_after: If set, the next download sends this many bytes of
         the body and then drops the connection (once).
     @ivar corrupt: Serve flipped bytes (the listing keeps the true sha256).
+    @ivar extra: Bytes sent after a file's own (the listing keeps its size).
+    @ivar cut: If set, a download sends only this many bytes, and says so
+        in its C{Content-Length} (a clean end, short of the listed size).
     @ivar ranges: The Range headers the downloads asked for.
     """
 
@@ -26,6 +29,8 @@ class FakeHub:
         self.repos = repos
         self.break_after: int | None = None
         self.corrupt = False
+        self.extra = b""
+        self.cut: int | None = None
         self.ranges: list[str | None] = []
         hub = self
 
@@ -68,7 +73,9 @@ class FakeHub:
                 rng = h.headers.get("Range")
                 self.ranges.append(rng)
                 start = int(rng.split("=")[1].split("-")[0]) if rng else 0
-                body = data[start:]
+                body = data[start:] + self.extra
+                if self.cut is not None:
+                    body = body[:self.cut]
                 h.send_response(206 if rng else 200)
                 h.send_header("Content-Length", str(len(body)))
                 if rng:

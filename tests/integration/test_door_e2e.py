@@ -231,7 +231,9 @@ def test_429_has_its_reason_phrase(door: Daemon) -> None:
     assert answers[1][:2] == (429, "Too Many Requests"), answers[1]
 
 
-def test_metrics_stay_open_to_loopback(door: Daemon) -> None:
-    # metrics_require_key is unset: a key is needed from the network, not from this machine
+def test_metrics_need_an_admin_key_from_loopback_too(door: Daemon) -> None:
+    # metrics_require_key is unset: an admin key is needed, from this machine too (issue 36)
     status, _, data = door.request("GET", "/metrics")
+    assert status == 401, (status, data)
+    status, _, data = door.request("GET", "/metrics", headers={"authorization": f"Bearer {ADMIN}"})
     assert status == 200 and b"blazar_requests_total" in data

@@ -84,7 +84,7 @@ def stream_lines(d: Daemon, body: Any, kill: bool = False) -> list[Any]:
 def scrape(d: Daemon) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=10)
     try:
-        conn.request("GET", "/metrics")  # no key: /metrics is open by default
+        conn.request("GET", "/metrics", headers={"authorization": f"Bearer {ADMIN}"})  # how Prometheus scrapes
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.getheader("content-type", "").startswith("text/plain")

@@ -163,10 +163,10 @@ def test_keys_and_metrics_require_key(live: Reloadable) -> None:
     applied(live.reload("", keys), "keys")
     assert live.request("GET", "/v1/models")[0] == 401
     assert live.request("GET", "/v1/models", headers=bearer)[0] == 200
-    assert live.request("GET", "/metrics")[0] == 200  # unset: open from loopback
-    applied(live.reload("metrics_require_key = true\n", keys), "metrics_require_key")
-    assert live.request("GET", "/metrics")[0] == 401
+    assert live.request("GET", "/metrics")[0] == 401  # unset: an admin key, from loopback too
     assert live.request("GET", "/metrics", headers=bearer)[0] == 200
+    applied(live.reload("metrics_require_key = false\n", keys), "metrics_require_key")
+    assert live.request("GET", "/metrics")[0] == 200
     applied(live.reload(), "metrics_require_key", "keys")
     assert live.request("GET", "/v1/models")[0] == 200
 

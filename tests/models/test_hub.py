@@ -1,4 +1,7 @@
+import hashlib
+import json
 from pathlib import Path
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -36,3 +39,68 @@ class HubTests(SynchronousTestCase):
             [p.name for p in target_paths(Path("/m"), HubName("u", "r", "Q4_K_M"), chosen)],
             ["Q4_K_M-00001-of-00002.gguf", "Q4_K_M-00002-of-00002.gguf"],
         )
+
+
+class LyingHub:
+    """
+    A hub (in memory, through StubTreq) whose listing gives C{listed} as
+    the size of C{r.gguf} and whose download sends C{sent}.
+    """
+
+    def __init__(self, listed: bytes, sent: bytes) -> None:
+        from klein import Klein
+
+        self.listed, self.sent = listed, sent
+        app = Klein()
+
+        @app.route("/api/models/u/r/tree/main")
+        def tree(request: object) -> bytes:
+            return json.dumps([{"type": "file", "path": "r-Q4_K_M.gguf", "size": len(self.listed),
+                                "lfs": {"oid": hashlib.sha256(self.listed).hexdigest(),
+                                        "size": len(self.listed)}}]).encode()
+
+        @app.route("/u/r/resolve/main/r-Q4_K_M.gguf")
+        def resolve(request: object) -> bytes:
+            return self.sent
+
+        self.resource = app.resource()
+
+
+class HubDownloadTests(SynchronousTestCase):
+    """
+    The hub's listed size bounds a download (issue 36): more is stopped at
+    once and its partial file removed; less is an error that keeps the
+    partial file to resume from.
+    """
+
+    def pull(self, hub: LyingHub) -> tuple[Path, Any]:
+        from treq.testing import StubTreq
+        from twisted.internet.defer import ensureDeferred
+
+        from blazar.models.hub import HubClient
+        from blazar.testing import fake_process_reactor
+
+        models = Path(self.mktemp())
+        client = HubClient(fake_process_reactor(), "http://hub.test")
+        client._http = StubTreq(hub.resource)  # type: ignore[assignment]
+        return models, ensureDeferred(client.pull(HubName("u", "r", "Q4_K_M"), models, lambda line: None))
+
+    def test_more_than_listed_is_stopped_and_removed(self) -> None:
+        models, d = self.pull(LyingHub(b"GGUF" * 8, b"GGUF" * 8 + b"x" * 4096))
+        error = self.failureResultOf(d, PullError).value
+        self.assertEqual(str(error), "http://hub.test sent more of r-Q4_K_M.gguf than the 32 bytes its listing "
+                         "gives; the download was stopped and its partial file removed. Check hf_endpoint in "
+                         "the config, then pull again")
+        self.assertEqual(error.status, 502)
+        self.assertEqual([p for p in models.rglob("*") if p.is_file()], [])
+
+    def test_less_than_listed_is_an_error_kept_to_resume(self) -> None:
+        data = b"GGUF" * 8
+        hub = LyingHub(data, data[:10])
+        models, d = self.pull(hub)
+        error = self.failureResultOf(d, PullError).value
+        self.assertEqual(str(error), "download of r-Q4_K_M.gguf ended after 10 of the 32 bytes the hub's listing "
+                         "gives; pull again to resume")
+        (partial,) = (models / ".partial").iterdir()
+        self.assertEqual(partial.read_bytes(), data[:10])
+        self.assertFalse((models / "hf.co").exists())

@@ -234,3 +234,15 @@ class LogTests(SynchronousTestCase):
         lines, cursor = ring.after(0, None, budget=20)
         self.assertEqual(lines, ["line 2", "line 3"])
         self.assertEqual(ring.after(cursor, None, budget=20)[0], ["line 4", "line 5"])
+
+    def test_ring_escapes_terminal_controls(self) -> None:
+        """
+        C{blazar logs} prints the ring's lines: a client's (or an engine's)
+        escape sequence is text there too (issue 36).
+        """
+        from blazar.protocols.control import LogRing
+
+        ring = LogRing()
+        ring({"log_format": "agent {agent}", "agent": "x\x1b[2Jy\x9b"})
+        ring.engine_line("m:latest", "engine \x1b]0;title\x07")
+        self.assertEqual(ring.after(0, None)[0], ["agent x\\x1b[2Jy\\x9b", "engine \\x1b]0;title\\x07"])

@@ -101,3 +101,46 @@ class KeyChangeAppliesTheWholeFileTests(SynchronousTestCase):
         self.assertEqual([k.name for k in live.current.keys], ["root", "alice"])
         (line,) = [formatEvent(e) for e in events if e.get("log_namespace") == "blazar.protocols.keyadmin"]
         self.assertIn("also applied: max_body_bytes; restart the daemon to apply: nothing", line)
+
+
+class KeyIdentityTests(SynchronousTestCase):
+    setUp = KeyAdminTests.setUp
+    run_change = KeyAdminTests.run_change
+
+    def test_a_key_added_under_a_removed_keys_name_is_another_owner(self) -> None:
+        """
+        Issue 36: files, batches and stored responses are filed under a
+        key's L{KeyConfig.owner}; a key removed and added again under its
+        name must not inherit them. Rotation keeps the owner; a key written
+        without an id (before ids, or by hand) keeps its name as owner.
+        """
+        (root,) = self.holder.config.keys
+        self.assertEqual(root.owner, "root")
+        first = self.successResultOf(self.run_change(lambda a: a.add("alice", [])))
+        alice = self.holder.find(first["secret"].encode())
+        assert alice is not None and alice.id is not None
+        self.assertEqual(alice.owner, f"alice#{alice.id}")
+        self.assertIn(f'id = "{alice.id}"', self.path.read_text())
+        rotated = self.successResultOf(self.run_change(lambda a: a.rotate("alice")))
+        self.assertEqual(self.holder.find(rotated["secret"].encode()).owner, alice.owner)  # type: ignore[union-attr]
+        self.successResultOf(self.run_change(lambda a: a.remove("alice")))
+        again = self.successResultOf(self.run_change(lambda a: a.add("alice", [])))
+        later = self.holder.find(again["secret"].encode())
+        assert later is not None
+        self.assertEqual(later.name, "alice")
+        self.assertNotEqual(later.owner, alice.owner)
+        # a batch made by the removed key runs as nobody (its lines are refused), not as the new one
+        self.assertIsNone(self.holder.named(alice.owner))
+        self.assertIs(self.holder.named(later.owner), later)
+        self.assertEqual(self.holder.named("root"), root)
+
+    def test_ids_are_checked(self) -> None:
+        from blazar.config import parse_config
+
+        key = '[[keys]]\nname = "{name}"\nsecret = "{secret}"\nid = "{id}"\n'
+        for bad in ("", "a b", "x" * 65):
+            with self.assertRaises(ConfigError):
+                parse_config(key.format(name="a", secret="s" * 16, id=bad))
+        with self.assertRaises(ConfigError) as caught:
+            parse_config(key.format(name="a", secret="s" * 16, id="k1") + key.format(name="b", secret="t" * 16, id="k1"))
+        self.assertIn("reuses another key's id", str(caught.exception))

@@ -64,6 +64,27 @@ class OllamaModelsTests(SynchronousTestCase):
         status, _, data = self.call("POST", "/api/copy", {"source": "nope", "destination": "m3"})
         self.assertEqual((status, json.loads(data)), (404, {"error": 'model "nope" not found, try pulling it first'}))
 
+    def test_copy_with_a_remote_listing_an_odd_id(self) -> None:
+        """
+        A remote's ids are its own (issue 36: C{a"b} from its /v1/models is
+        no Ollama name): every copy used to be a 500 once one was listed.
+        Copies still work, and copying the remote's model is a 400 that says
+        why.
+        """
+        config = parse_config(f'models_dir = "{self.root}"\n[[remotes]]\nname = "peer"\n'
+                              'base_url = "http://127.0.0.1:9/v1"\nmodels = "*"\n')
+        registry = ModelRegistry(config, self.reactor)
+        registry.note_listed("peer", ('a"b', "tiny:latest"))
+        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
+        self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
+        status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})
+        self.assertEqual(status, 400)
+        status, _, data = self.call("POST", "/api/copy", {"source": 'peer:a"b', "destination": "m4"})
+        self.assertEqual(status, 400)
+        self.assertIn("remote", json.loads(data)["error"])
+
     def test_delete(self) -> None:
         instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
         self.assertEqual(self.call("DELETE", "/api/delete", {"model": "m"})[0], 200)

@@ -321,11 +321,18 @@ class DoorTests(SiteCase):
         self.assertIn(b"200 OK", transport.value())
         self.assertEqual([k.name for k in self.inner.keys], ["k"])
 
-    def test_metrics_need_a_key_from_the_network_by_default(self) -> None:
-        _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host="10.1.2.3")
-        self.assertIn(b"401", transport.value().split(b"\r\n")[0])
-        for host in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+    def test_metrics_need_a_key_by_default_from_loopback_too(self) -> None:
+        """
+        C{/metrics} names every model and key: with keys on and
+        C{metrics_require_key} unset, a caller without a key is refused
+        from loopback too (issue 36: a scoped key's holder read it by
+        leaving its key out); an admin key reads it.
+        """
+        for host in ("10.1.2.3", "127.0.0.1", "::1", "::ffff:127.0.0.1"):
             _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host=host)
+            self.assertIn(b"401", transport.value().split(b"\r\n")[0], host)
+            _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\nx-api-key: " + SECRET.encode()
+                                     + b"\r\n\r\n", host=host)
             self.assertIn(b"200 OK", transport.value(), host)
 
     def test_is_local(self) -> None:
@@ -352,7 +359,7 @@ class MetricsRequireKeyTests(SiteCase):
     def test_a_scoped_key_is_403_where_a_key_is_needed(self) -> None:
         scoped = KeyConfig("webui", "scoped-secret-0123456789", models=("qwen:7b",))
         get = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
-        for required, host in ((None, "10.1.2.3"), (True, "127.0.0.1")):
+        for required, host in ((None, "10.1.2.3"), (None, "127.0.0.1"), (True, "127.0.0.1")):
             self.gate = AuthGate(self.inner, KeyHolder(Config(
                 keys=(*self.keys, scoped), metrics_require_key=required)))
             self.site = self.make_site()
@@ -368,9 +375,9 @@ class MetricsRequireKeyTests(SiteCase):
             # an admin key reads them
             _, transport = self.send(get + b"x-api-key: " + SECRET.encode() + b"\r\n\r\n", host=host)
             self.assertIn(b"200 OK", transport.value())
-        self.assertEqual(len(self.inner.seen), 2)
-        # scrapes without a key from loopback stay open when unset, as does everything with false
-        for required, host in ((None, "127.0.0.1"), (False, "10.1.2.3")):
+        self.assertEqual(len(self.inner.seen), 3)
+        # false opens it to scrapes without a key, from anywhere
+        for required, host in ((False, "127.0.0.1"), (False, "10.1.2.3")):
             self.gate = AuthGate(self.inner, KeyHolder(Config(
                 keys=(*self.keys, scoped), metrics_require_key=required)))
             self.site = self.make_site()
