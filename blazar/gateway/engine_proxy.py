@@ -12,7 +12,9 @@ import json
 from typing import Any, Awaitable, Callable
 from weakref import WeakKeyDictionary
 
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout, ensureDeferred
+from twisted.internet.defer import (
+    CancelledError, Deferred, DeferredSemaphore, TimeoutError as DeferredTimeout, ensureDeferred,
+)
 from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -46,6 +48,10 @@ MAX_ERROR_BODY = 1 << 20
 # how long a llama.cpp child has, after a client left, to report the task it
 # stopped (its tokens are then counted against the client's key)
 CANCEL_REPORT_SECS = 10.0
+# the context preflight's token counts, before admission: at most this many
+# per model at once, each done (its wait for a turn included) within the time
+COUNTS_PER_MODEL = 2
+COUNT_DEADLINE_SECS = 10.0
 
 
 class StreamStopped(Exception):
@@ -175,11 +181,12 @@ class EngineProxy:
         # for the probe under way
         self._mid_system: WeakKeyDictionary[Any, bool] = WeakKeyDictionary()
         self._probing: dict[str, list[Deferred[bool]]] = {}
+        self._counts: dict[str, DeferredSemaphore] = {}  # model -> its preflight counts (L{_bounded_count})
 
     async def preflight(
         self, model: str, max_tokens: int | None, body_size: int,
         count: Callable[[], Awaitable[int]], ctx_size: int | None = None, entry: ModelEntry | None = None,
-        names: tuple[str, str] = ("max_tokens", "messages"),
+        names: tuple[str, str] = ("max_tokens", "messages"), floor: int = 0,
     ) -> int | None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
@@ -197,10 +204,16 @@ class EngineProxy:
         @param names: What the client's API calls the output limit and the
             prompt (C{max_output_tokens} and C{input} on the Responses API,
             C{num_predict} on Ollama's), for the message and C{param}.
+        @param floor: Tokens the prompt has at least, known without
+            counting (its text's size over the vocabulary's longest
+            token): a prompt that cannot fit by it is refused uncounted.
         @return: The prompt's token count if it had to be counted.
         @raise PromptTooLong: With both numbers and the levers.
+        @raise EngineRejected: A 503: the count took over
+            L{COUNT_DEADLINE_SECS} (at most L{COUNTS_PER_MODEL} run at once
+            per model; the rest wait their turn within the same time).
         """
-        if max_tokens is None or self._registry is None:
+        if self._registry is None or (max_tokens is None and not floor):
             return None
         if entry is None:
             entry = await self._registry.resolve(model)
@@ -218,6 +231,14 @@ class EngineProxy:
             ctx = loaded.ctx  # the usual case: no GGUF stat on the request path
         else:
             ctx = context_per_slot(entry, await self._registry.metadata(entry))
+        if max_tokens is None:
+            # no output limit: the prompt alone must fit (llama-server counts it, unless its size says)
+            if floor > ctx:
+                raise PromptTooLong(
+                    f"the prompt is at least {floor} tokens (by its size): over the {ctx}-token context of "
+                    f"{entry.name!r} (per slot): {levers}", prompt_field,
+                )
+            return None
         if max_tokens >= ctx:
             raise PromptTooLong(
                 f"{limit} = {max_tokens} does not fit in the {ctx}-token context of "
@@ -225,13 +246,45 @@ class EngineProxy:
             )
         if body_size + TEMPLATE_SLACK + max_tokens <= ctx:
             return None
-        prompt = await count()
+        if floor + max_tokens > ctx:
+            raise PromptTooLong(
+                f"the prompt is at least {floor} tokens (by its size) and {limit} is {max_tokens}: over the "
+                f"{ctx}-token context of {entry.name!r} (per slot): {levers}", prompt_field,
+            )
+        prompt = await self._bounded_count(entry.name, count)
         if prompt + max_tokens > ctx:
             raise PromptTooLong(
                 f"the prompt is {prompt} tokens and {limit} is {max_tokens}: {prompt + max_tokens} "
                 f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}", prompt_field,
             )
         return prompt
+
+    async def _bounded_count(self, model: str, count: Callable[[], Awaitable[int]]) -> int:
+        """
+        C{count()} once fewer than L{COUNTS_PER_MODEL} counts run for
+        C{model}, all within L{COUNT_DEADLINE_SECS}: the context preflight
+        runs before admission, so without a bound any number of large
+        prompts could keep a child rendering and tokenizing.
+        """
+        gate = self._counts.get(model)
+        if gate is None:
+            gate = self._counts[model] = DeferredSemaphore(COUNTS_PER_MODEL)
+        async def counted() -> int:
+            return await count()
+
+        work: Deferred[int] = gate.run(counted)
+        work.addTimeout(COUNT_DEADLINE_SECS, self._clock)
+        try:
+            return await work
+        except DeferredTimeout:
+            raise EngineRejected(
+                503, f"counting the prompt's tokens for {model!r} took over {COUNT_DEADLINE_SECS:g} s (the "
+                f"model's child is busy counting other large prompts); send it again shortly, or a shorter prompt",
+                retry_after=5.0,
+            ) from None
+        finally:
+            if not gate.waiting and gate.tokens == gate.limit:
+                self._counts.pop(model, None)
 
     async def place_system_messages(self, model: str, chat_body: dict[str, Any]) -> bool:
         """

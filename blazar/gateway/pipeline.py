@@ -727,9 +727,10 @@ class Pipeline:
         if lane is not None and lane.name == REMOTE:
             raw, path, anthropic = self._remote_body(request, call)
         counted = None
-        if lane is None and call.max_tokens is not None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
+        if lane is None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
                 call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
+                floor=await self._prompt_floor(call, len(raw)),
             )
         if call.images:
             await self._image_sizes(call.images)
@@ -1334,11 +1335,26 @@ class Pipeline:
             except Exception:
                 return None  # unreadable: the child's start says why
             known = _Facts(meta.architecture, is_reranker(entry, meta),
-                           tuple(template_capabilities(meta.chat_template)))
+                           tuple(template_capabilities(meta.chat_template)), meta.longest_token)
             if len(self._facts) > 4096:
                 self._facts.clear()
             self._facts[key] = known
         return known
+
+    async def _prompt_floor(self, call: Call, size: int) -> int:
+        """
+        Tokens the prompt has at least, by its text's size alone: its
+        bytes of text over the longest entry of the model's vocabulary
+        (0 for a body under L{FLOOR_FROM} bytes, or a model whose
+        vocabulary Blazar cannot read). A body that cannot fit by this
+        count is refused without the child counting it.
+        """
+        if size < FLOOR_FROM or call.entry is None:
+            return 0
+        facts = await self._file_facts(call.entry)
+        if facts is None or not facts.longest_token:
+            return 0
+        return prompt_text_bytes(call.body) // facts.longest_token
 
     async def _is_reranker(self, entry: ModelEntry) -> bool:
         if entry.settings.rerank:
@@ -1484,6 +1500,38 @@ DECODES = 2  # audio decodes in the thread pool at once (each holds up to MAX_SE
 MAX_IMAGE_SIDE = 2048  # pixels, as blazar.web.translate.images.MAX_SIDE
 
 
+# bodies below this many bytes are not measured for L{Pipeline._prompt_floor}
+FLOOR_FROM = 64 * 1024
+
+
+def prompt_text_bytes(body: dict[str, Any]) -> int:
+    """
+    UTF-8 bytes of the text a request's prompt holds for certain: its
+    messages' C{content} (strings, and the C{text} of text parts), or its
+    C{prompt} (the longest, for a list of prompts, each its own
+    request). Every chat template renders a message's content; what else
+    a body holds (names, tools, other fields) is not counted, since a
+    template may leave it out.
+    """
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        total = 0
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, str):
+                total += len(content.encode("utf-8", "surrogatepass"))
+            elif isinstance(content, list):
+                for part in content:
+                    text = part.get("text") if isinstance(part, dict) else None
+                    if isinstance(text, str):
+                        total += len(text.encode("utf-8", "surrogatepass"))
+        return total
+    prompt = body.get("prompt")
+    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
+        if isinstance(prompt, list) else []
+    return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0)
+
+
 @attrs.frozen
 class _Facts:
     """
@@ -1493,6 +1541,7 @@ class _Facts:
     architecture: str | None
     reranker: bool
     capabilities: tuple[str, ...]  # its chat template's (template_capabilities)
+    longest_token: int | None = None  # bytes of its vocabulary's longest entry
 
 
 class Bounded:

@@ -61,6 +61,10 @@ class GGUFMetadata:
     @ivar size: Bytes on disk, summed over every shard of a split model.
     @ivar pooling_type: llama.cpp's C{LLAMA_POOLING_TYPE_*} number
         (0 none, 1 mean, 2 cls, 3 last, 4 rank), or L{None}.
+    @ivar longest_token: Bytes of the longest entry of the vocabulary
+        (C{tokenizer.ggml.tokens}, as stored: at least the text any one
+        token stands for), or L{None}: a prompt of C{n} bytes of text is at
+        least C{n // longest_token} tokens.
     """
 
     architecture: str
@@ -76,6 +80,7 @@ class GGUFMetadata:
     parameter_count: int = 0
     chat_template: str | None = None
     kv: Mapping[str, Any] = attrs.field(factory=dict)
+    longest_token: int | None = None
 
     @property
     def quantization_level(self) -> str:
@@ -160,7 +165,18 @@ def thd_read_metadata(path: Path, shards: tuple[Path, ...] = ()) -> GGUFMetadata
         parameter_count=sum(int(t.n_elements) for t in reader.tensors),
         chat_template=template if isinstance(template, str) else None,
         kv=_elided_kv(reader),
+        longest_token=_longest_token(reader),
     )
+
+
+def _longest_token(reader: Any) -> int | None:
+    field = reader.get_field("tokenizer.ggml.tokens")
+    if field is None or not field.data:
+        return None
+    try:
+        return max(len(field.parts[i]) for i in field.data) or None
+    except (IndexError, TypeError):
+        return None
 
 
 MAX_ARRAY = 64

@@ -196,6 +196,44 @@ class PreflightTests(SynchronousTestCase):
         self.assertIn('ctx_policy = "grow"', str(f.value))
 
 
+    def test_a_prompt_too_large_by_its_size_alone_is_not_counted(self) -> None:
+        from blazar.gateway.engine_proxy import PromptTooLong
+
+        async def count() -> int:
+            self.counted += 1
+            return 1
+
+        f = self.failureResultOf(ensureDeferred(self.proxy.preflight("m", 100, 10**6, count, floor=1990)),
+                                 PromptTooLong)
+        self.assertIn("at least 1990 tokens (by its size)", str(f.value))
+        self.assertEqual(self.counted, 0)
+        self.successResultOf(ensureDeferred(self.proxy.preflight("m", 100, 10**6, count, floor=1000)))
+        self.assertEqual(self.counted, 1)
+
+    def test_counts_are_bounded_per_model_and_have_a_deadline(self) -> None:
+        from blazar.gateway.engine_proxy import COUNT_DEADLINE_SECS, COUNTS_PER_MODEL, EngineRejected
+
+        started: list[Deferred[int]] = []
+
+        async def count() -> int:
+            d: Deferred[int] = Deferred()
+            started.append(d)
+            return await d
+
+        checks = [ensureDeferred(self.proxy.preflight("m", 100, 10**6, count)) for _ in range(COUNTS_PER_MODEL + 1)]
+        self.assertEqual(len(started), COUNTS_PER_MODEL)  # the last waits its turn
+        started[0].callback(10)
+        self.assertEqual(self.successResultOf(checks[0]), 10)
+        self.assertEqual(len(started), COUNTS_PER_MODEL + 1)
+        self.proxy._clock.advance(COUNT_DEADLINE_SECS)  # type: ignore[attr-defined]
+        for late in checks[1:]:
+            f = self.failureResultOf(late, EngineRejected)
+            self.assertEqual(f.value.status, 503)
+            self.assertIn("send it again shortly", str(f.value))
+        self.assertTrue(all(d.called for d in started))  # the counts were cancelled (their requests closed)
+        self.assertEqual(self.proxy._counts, {})
+
+
 class ScriptedEngines:
     """
     An engine client whose requests end, in turn, as C{outcomes} say: an

@@ -111,3 +111,24 @@ class OnePathTests(SynchronousTestCase):
             self.assertIn(f"{fields[surface]} = 10000000 does not fit", message, surface)
             if surface in ("openai", "responses"):
                 self.assertEqual(answer["error"]["param"], fields[surface], surface)
+
+
+class PromptTextBytesTests(SynchronousTestCase):
+    """
+    What the prompt floor measures: text every template renders, nothing
+    a template may leave out.
+    """
+
+    def test_messages_and_prompts(self) -> None:
+        from blazar.gateway.pipeline import prompt_text_bytes
+
+        self.assertEqual(prompt_text_bytes({"messages": [
+            {"role": "system", "content": "héllo"},  # 6 bytes
+            {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image_url", "image_url": {}}]},
+            {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "x" * 99}}]},
+            {"role": "tool", "name": "n" * 50, "content": "1234"},
+            "junk",
+        ], "tools": [{"x": "y" * 1000}]}), 13)
+        self.assertEqual(prompt_text_bytes({"prompt": ["ab", "abcd", 3]}), 4)
+        self.assertEqual(prompt_text_bytes({"prompt": "\ud800x"}), 4)  # a lone surrogate: not an error
+        self.assertEqual(prompt_text_bytes({"input": "x"}), 0)

@@ -175,6 +175,16 @@ def test_bodies_too_large_for_the_engine_are_refused_before_it(daemon: Daemon) -
             took = time.monotonic() - began
             assert status == 400 and key.encode() in data, (key, path, status, data[:300])
             assert took < 1.0, (key, path, took)
+    # under every limit, but larger than the context by its size alone: refused uncounted
+    for path in ("/v1/chat/completions", "/api/chat"):
+        TALLY.inputs += 1
+        began = time.monotonic()
+        status, _, data = daemon.request("POST", path, {"model": "tiny", "max_tokens": 8, "stream": False,
+                                                        "messages": [{"role": "user", "content": "word " * 400_000}]})
+        took = time.monotonic() - began
+        assert status == 400 and b"(by its size)" in data, (path, status, data[:300])
+        assert took < 1.0, (path, took)
+    assert "input_tokens" not in daemon.engine_log("tiny:latest")  # the child counted none of them
     assert child.is_running() and daemon.engine_for("tiny:latest").pid == child.pid
     assert child.memory_info().rss - rss < 100 << 20, (rss, child.memory_info().rss)
 
