@@ -111,6 +111,7 @@ C{~/.config/blazar/config.toml}. Keys::
     engine = "vllm"           # its lane (default: by format, GGUF to llamacpp)
     cache = true              # the semantic cache for this model (default: [cache] enabled;
                               # a key's own cache = true|false wins over both)
+    isolate_keys = false      # no key's request reuses a slot's KV cache another key left
 
 L{parse_config} is pure: text in, L{Config} out, or L{ConfigError} naming the
 key, the file and what was expected.
@@ -174,6 +175,7 @@ class ModelConfig:
     engine: str | None = None  # the lane that serves it (llamacpp, or an [engines.NAME]); None: by format
     rerank: bool = False  # serve it as a reranker (--rerank; a GGUF with rank pooling is one anyway)
     cache: bool | None = None  # the semantic cache for this model; None: [cache] enabled
+    isolate_keys: bool = False  # each key's requests reuse only its own KV cache (blazar.gateway.isolation)
 
 
 @attrs.frozen
@@ -939,7 +941,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
         _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine",
-                         "rerank", "cache"}, where, prefix)
+                         "rerank", "cache", "isolate_keys"}, where, prefix)
         rerank = table.get("rerank", False)
         if not isinstance(rerank, bool):
             raise _expected(where, prefix + "rerank", "true or false", rerank)
@@ -971,6 +973,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             engine=engine,
             rerank=rerank,
             cache=_optional_bool(table, "cache", where, prefix),
+            isolate_keys=bool(_optional_bool(table, "isolate_keys", where, prefix)),
         )
     kwargs["models"] = models
     kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where, kwargs["lanes"])

@@ -65,7 +65,8 @@ from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import (
     UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
 )
-from blazar.gateway.sessions import Pin, Sessions, session_name, with_slot
+from blazar.gateway.sessions import Pin, Sessions, session_name
+from blazar.gateway.isolation import Isolated, KeyIsolation, with_fields
 from blazar.gateway.toolcalls import (
     Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, cut_short, forced_call, parse_calls,
     thd_prepare, tool_calls, usage_of,
@@ -125,6 +126,7 @@ class Reply:
         self.started = started
         self.loaded = loaded
         self.pin: Pin | None = None
+        self.isolated: Isolated | None = None  # its slot on a model that isolates keys
         # an answer the pipeline made itself (a forced tool call): the OpenAI
         # chat completion, or its SSE stream
         self.made: bytes | None = None
@@ -588,6 +590,8 @@ class Opened:
         return self._reply
 
     async def __aexit__(self, *exc_info: Any) -> None:
+        if self._reply is not None and self._reply.isolated is not None:
+            self._pipeline.isolation.release(self._reply.isolated)
         if self._reply is not None and self._reply.pin is not None and self._pipeline.sessions is not None:
             tokens = context_of(self._request).tokens
             self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
@@ -618,6 +622,7 @@ class Pipeline:
         self.sessions = sessions
         self.supervisor = proxy.supervisor
         self.cache: CacheStore | None = None  # the semantic cache's entries (L{_cached}); None: no cache
+        self.isolation = KeyIsolation(clock)  # the slots of models with isolate_keys
 
     def open(self, request: Any, call: Call) -> Opened:
         """
@@ -748,7 +753,8 @@ class Pipeline:
                 counted = await self._count(call)
         stop = call.on_send(not ready) if call.on_send is not None else None
         started = self._clock.seconds()
-        pin = None
+        pin: Pin | None = None
+        isolated: Isolated | None = None
         forced = self._forced_call(call) if lane is None else None  # a lane's server does its own
         json_route = lane is None and forced is None and await self._json_route(call)
         completion: jsonanswer.ChatFromCompletion | None = None
@@ -756,22 +762,23 @@ class Pipeline:
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             pin = await self._pin(request, call, instance)
+            isolated = self._isolate(request, call, instance, pin)
+            slot = isolated.fields() if isolated is not None else {"id_slot": pin.slot} if pin is not None else {}
             made, noted = None, None
             if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
                 forced = None  # re-routed to a lane (an architecture llama.cpp did not know): its server decides
                 json_route = False
             if forced is not None:
-                lease, made = await self._forced(request, call, forced, instance, started, pin)
+                lease, made = await self._forced(request, call, forced, instance, started, slot)
                 response = None
             elif json_route and not call.stream:
-                lease, made = await self._json_answer(request, call, instance, pin)
+                lease, made = await self._json_answer(request, call, instance, slot)
                 response = None
             elif json_route:
-                lease, response = await self._json_send(request, call, instance, pin, stream=True)
+                lease, response = await self._json_send(request, call, instance, slot, stream=True)
                 completion = jsonanswer.ChatFromCompletion(lease.instance.entry.name, call.body)
             else:
-                if pin is not None:
-                    raw = with_slot(raw, pin.slot) or raw
+                raw = with_fields(raw, slot) or raw
                 try:
                     lease, response = await self._proxy.send(
                         call.model, path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
@@ -781,24 +788,27 @@ class Pipeline:
                     if not (call.kind is CallKind.CHAT and UNPARSED in str(e)):
                         raise
                     if call.body.get("tools"):
-                        noted, lease, response = await self._as_text(request, call, instance, pin, str(e))
+                        noted, lease, response = await self._as_text(request, call, instance, slot, str(e))
                     elif jsonanswer.json_format(call.body) is not None:
                         # (a reasoning model's JSON): its text without the parser
                         log.info("{model}: the engine's chat parser refused the model's JSON answer; asked once "
                                  "more without it, so its text is the answer", model=call.model)
-                        lease, made = await self._json_answer(request, call, instance, pin)
+                        lease, made = await self._json_answer(request, call, instance, slot)
                         response = None
                     else:
                         raise
         except BaseException:
             if pin is not None and self.sessions is not None:
                 self.sessions.release(pin, None)
+            if isolated is not None:
+                self.isolation.release(isolated)
             raise
         finally:
             if stop is not None:
                 stop()
         reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
         reply.pin = pin
+        reply.isolated = isolated
         reply.made = made
         reply.noted = noted
         reply.keep = keep
@@ -914,7 +924,7 @@ class Pipeline:
             return None
 
     async def _forced(
-        self, request: Any, call: Call, forced: Forced, instance: Any, started: float, pin: Pin | None,
+        self, request: Any, call: Call, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
@@ -947,8 +957,7 @@ class Pipeline:
                 raise BadRequest(f"tools: the model's template refused the tools {names}: {e}", "tools") from None
             raise
         body["prompt"] = prompt
-        if pin is not None:
-            body["id_slot"] = pin.slot
+        body.update(slot)
         try:
             lease, response = await self._proxy.send(
                 call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
@@ -1011,7 +1020,7 @@ class Pipeline:
             lease.release()
 
     async def _json_send(
-        self, request: Any, call: Call, instance: Any, pin: Pin | None, stream: bool,
+        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], stream: bool,
     ) -> tuple[InstanceLease, Any]:
         """
         A JSON answer without the engine's chat parser
@@ -1029,15 +1038,14 @@ class Pipeline:
                              "add_generation_prompt", "continue_final_message")}
         prompt, instance = await self._rendered(request, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
-        if pin is not None:
-            body["id_slot"] = pin.slot
+        body.update(slot)
         return await self._proxy.send(
             call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
             stream=stream, ready=(instance, self._clock.seconds()),
         )
 
     async def _json_answer(
-        self, request: Any, call: Call, instance: Any, pin: Pin | None,
+        self, request: Any, call: Call, instance: Any, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
@@ -1046,7 +1054,7 @@ class Pipeline:
         @return: The lease on the child (held until the call ends, as every
             answer's is) and the chat completion.
         """
-        lease, response = await self._json_send(request, call, instance, pin, stream=False)
+        lease, response = await self._json_send(request, call, instance, slot, stream=False)
         try:
             done = json.loads(await self._proxy.read(lease.instance, response))
             if not jsonanswer.results_of(done):
@@ -1080,7 +1088,7 @@ class Pipeline:
         return next(c for c in choices if c is not None)
 
     async def _as_text(
-        self, request: Any, call: Call, instance: Any, pin: Pin | None, error: str,
+        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
         """
         The engine could not parse the model's answer to a chat that offered
@@ -1105,8 +1113,7 @@ class Pipeline:
         body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
         body["tool_choice"] = "none"
         raw = strictjson.dumps(body).encode("utf-8")
-        if pin is not None:
-            raw = with_slot(raw, pin.slot) or raw
+        raw = with_fields(raw, slot) or raw
         lease, response = await self._proxy.send(
             call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, self._clock.seconds()),
         )
@@ -1213,6 +1220,28 @@ class Pipeline:
             return None
         key = key_of(request)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
+
+    def _isolate(self, request: Any, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
+        """
+        The isolation step, for models with C{isolate_keys}
+        (L{blazar.gateway.isolation}): the slot a chat or completion goes
+        to, picked so that it reuses no other key's KV cache; a session's
+        own slot is kept. A request that picks its own slot (C{id_slot})
+        is sent with C{cache_prompt: false}.
+        """
+        settings = instance.entry.settings
+        if not getattr(settings, "isolate_keys", False) or call.kind not in (CallKind.CHAT, CallKind.COMPLETION):
+            return None
+        if getattr(instance, "lane", LLAMACPP) != LLAMACPP or is_remote(instance):
+            return None
+        key = key_of(request)
+        owner = key.owner if key is not None else ""
+        slots = int(settings.parallel or DEFAULT_PARALLEL)
+        if pin is not None:
+            return self.isolation.hold(instance, slots, owner, pin.slot)
+        if "id_slot" in call.body:
+            return Isolated(instance, owner, None, True)
+        return self.isolation.take(instance, slots, owner)
 
     async def _check(self, request: Any, call: Call) -> str:
         """

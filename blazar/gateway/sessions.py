@@ -100,20 +100,6 @@ def anthropic_hint(body: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) and value else None
 
 
-def with_slot(raw: bytes, slot: int) -> bytes | None:
-    """
-    The encoded JSON object C{raw} with C{"id_slot": slot} added at its end
-    (a later key wins in llama-server's parser), or L{None} if C{raw} is
-    not an object's encoding.
-    """
-    body = raw.rstrip()
-    if not body.endswith(b"}"):
-        return None
-    inner = body[:-1].rstrip()
-    sep = b"" if inner.endswith(b"{") else b","
-    return inner + sep + b'"id_slot":%d}' % slot
-
-
 bank_dir = slot_save_dir
 
 

@@ -15,7 +15,7 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.sessions import (
-    Pin, Sessions, anthropic_hint, session_name, sessions_from_rows, with_slot,
+    Pin, Sessions, anthropic_hint, session_name, sessions_from_rows,
 )
 from blazar.testing import FakeInstance, FakeSlotBank
 from tests.gateway.slot_bank_contract import check_slot_bank
@@ -49,9 +49,13 @@ class NamingTests(SynchronousTestCase):
         self.assertIsNone(anthropic_hint({"metadata": {"user_id": "plain-user"}}))
 
     def test_id_slot_is_added_at_the_end(self) -> None:
-        self.assertEqual(json.loads(with_slot(b'{"a": 1}\n', 3) or b""), {"a": 1, "id_slot": 3})
-        self.assertEqual(json.loads(with_slot(b"{}", 0) or b""), {"id_slot": 0})
-        self.assertIsNone(with_slot(b"[1]", 0))
+        from blazar.gateway.isolation import with_fields
+
+        self.assertEqual(json.loads(with_fields(b'{"a": 1}\n', {"id_slot": 3}) or b""), {"a": 1, "id_slot": 3})
+        self.assertEqual(json.loads(with_fields(b"{}", {"id_slot": 0, "cache_prompt": False}) or b""),
+                         {"id_slot": 0, "cache_prompt": False})
+        self.assertIsNone(with_fields(b"[1]", {"id_slot": 0}))
+        self.assertEqual(with_fields(b"[1]", {}), b"[1]")
 
 
 class SessionTests(SynchronousTestCase):

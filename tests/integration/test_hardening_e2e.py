@@ -393,3 +393,45 @@ def test_an_abandoned_request_is_counted_against_its_key(metered: Daemon) -> Non
         assert counted < 4000 + 100, (stream, counted)  # the engine stopped: not all of max_tokens
         print(f"abandoned (stream={stream}): {counted} tokens counted")
     assert "cancel task" in metered.engine_log("smol:latest")
+
+
+# -- 4: per-key slot isolation for models that want it --------------------------------
+
+ONE, TWO = "isolated-one-0123456789", "isolated-two-0123456789"
+
+
+@pytest.fixture(scope="module")
+def isolated(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("isolated")
+    make_test_model(root / "models" / "tiny.gguf")
+    with tallied(Daemon(root, (
+        f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\nisolate_keys = true\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        f'[[keys]]\nname = "one"\nsecret = "{ONE}"\n[[keys]]\nname = "two"\nsecret = "{TWO}"\n'
+    ))) as d:
+        yield d
+
+
+def test_an_isolated_model_reuses_no_other_keys_cache(isolated: Daemon) -> None:
+    """
+    Keys share a child's slots, and a slot's KV cache shortens (and
+    counts, and times) the prompt of whoever shares its prefix. With
+    isolate_keys a key's request reuses only its own cache: the cache
+    counts are shown here to unscoped keys, which see them.
+    """
+    ask = {"model": "tiny", "messages": [{"role": "user", "content": "the secret is 4817 and more words"}],
+           "max_tokens": 2, "seed": 1}
+
+    def cached(secret: str) -> int:
+        status, data = send(isolated, "POST", "/v1/chat/completions",
+                            {"Authorization": f"Bearer {secret}", "content-type": "application/json"},
+                            json.dumps(ask))
+        assert status == 200, data
+        return int(json.loads(data)["timings"]["cache_n"])
+
+    TALLY.inputs += 4
+    assert cached(ONE) == 0
+    assert cached(ONE) > 0  # its own cache
+    assert cached(TWO) == 0  # not one's, though the prompt is the same
+    assert cached(TWO) > 0
+    assert cached(ONE) > 0  # each kept its slot
