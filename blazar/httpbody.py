@@ -25,6 +25,13 @@ class BodyIdleTimeout(Exception):
     """
 
 
+class BodyStalled(BodyIdleTimeout):
+    """
+    The engine sent nothing for the quiet time, and then did not answer
+    its health check (L{relay_body}'s C{quiet}).
+    """
+
+
 class BodyTooLarge(Exception):
     """
     The engine's body exceeded the size bound.
@@ -83,8 +90,12 @@ class _BodyRelay(Protocol):
         idle_timeout: float,
         max_bytes: int | None,
         close_ends: bool = False,
+        quiet: tuple[float, Callable[[], Deferred[bool]]] | None = None,
     ) -> None:
         self.finished: Deferred[None] | None = finished
+        self.quiet = quiet
+        self.last = clock.seconds()  # when a byte last came (or reading resumed)
+        self.asking: Deferred[bool] | None = None
         self.close_ends = close_ends
         self.on_chunk = on_chunk
         self.clock = clock
@@ -92,7 +103,10 @@ class _BodyRelay(Protocol):
         self.max_bytes = max_bytes
         self.received = 0
         self.paused = False
-        self.timer = clock.callLater(idle_timeout, self._idle)
+        self.timer = clock.callLater(self._wait(), self._idle)
+
+    def _wait(self) -> float:
+        return min(self.idle_timeout, self.quiet[0]) if self.quiet is not None else self.idle_timeout
 
     def pause(self) -> None:
         if self.finished is None or self.paused:
@@ -108,13 +122,17 @@ class _BodyRelay(Protocol):
         if self.finished is None or not self.paused:
             return
         self.paused = False
-        self.timer = self.clock.callLater(self.idle_timeout, self._idle)
+        self.last = self.clock.seconds()
+        self.timer = self.clock.callLater(self._wait(), self._idle)
         if self.transport is not None:
             self.transport.resumeProducing()  # type: ignore[attr-defined]
 
     def _fail(self, error: BaseException | Failure) -> None:
         if self.timer.active():
             self.timer.cancel()
+        asking, self.asking = self.asking, None
+        if asking is not None:
+            asking.cancel()
         if self.transport is not None:
             # an IPushProducer (TransportProxyProducer): closes the connection
             self.transport.stopProducing()  # type: ignore[attr-defined]
@@ -123,7 +141,24 @@ class _BodyRelay(Protocol):
             finished.errback(error)
 
     def _idle(self) -> None:
-        self._fail(BodyIdleTimeout(f"engine sent nothing for {self.idle_timeout:g} s"))
+        silent = self.clock.seconds() - self.last
+        if self.quiet is None or silent >= self.idle_timeout:
+            self._fail(BodyIdleTimeout(f"engine sent nothing for {self.idle_timeout:g} s"))
+            return
+        # quiet for a while: is it still there?
+        self.asking = asking = self.quiet[1]()
+
+        def answered(alive: object) -> None:
+            if self.asking is not asking or self.finished is None:
+                return  # data came meanwhile, or it ended
+            self.asking = None
+            if alive is True:
+                if not self.paused:  # (else resume starts the wait again)
+                    self.timer = self.clock.callLater(self._wait(), self._idle)
+            else:
+                self._fail(BodyStalled(f"engine sent nothing for {silent:.0f} s and did not answer its health check"))
+
+        asking.addBoth(answered)
 
     def cancel(self) -> None:
         self._fail(CancelledError())
@@ -135,9 +170,16 @@ class _BodyRelay(Protocol):
         if self.max_bytes is not None and self.received > self.max_bytes:
             self._fail(BodyTooLarge(f"engine body over {self.max_bytes} bytes"))
             return
+        self.last = self.clock.seconds()
+        if self.asking is not None:  # it spoke while its health was asked: on as before
+            asking = self.asking
+            self.asking = None
+            asking.cancel()
+            if not self.paused:
+                self.timer = self.clock.callLater(self._wait(), self._idle)
         if self.timer.active():
             # (paused: the rest of a read already taken is still delivered)
-            self.timer.reset(self.idle_timeout)
+            self.timer.reset(self._wait())
         try:
             self.on_chunk(data)
         except BaseException:
@@ -146,6 +188,9 @@ class _BodyRelay(Protocol):
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         if self.timer.active():
             self.timer.cancel()
+        asking, self.asking = self.asking, None
+        if asking is not None:
+            asking.cancel()
         finished, self.finished = self.finished, None
         if finished is None:
             return
@@ -166,6 +211,7 @@ def relay_body(
     max_bytes: int | None = None,
     valve: BodyValve | None = None,
     close_ends: bool = False,
+    quiet: tuple[float, Callable[[], Deferred[bool]]] | None = None,
 ) -> Deferred[None]:
     """
     Feed C{response}'s body to C{on_chunk} as it arrives.
@@ -183,6 +229,11 @@ def relay_body(
         closes, as HTTP allows (RFC 9112, 6.3): for a remote server, which
         may be Python's C{http.server}; an engine child's close without a
         length is taken as a crash.
+    @param quiet: C{(seconds, alive)}: after that many seconds without a
+        byte (not counted while paused), C{alive()} is asked (a child's
+        C{/health}); L{True} goes on waiting, anything else fails with
+        L{BodyIdleTimeout} at once (a child stopped mid-way, which a
+        stream would otherwise wait C{idle_timeout} for).
     @return: Fires with L{None} when the whole body arrived; fails with the
         connection's failure (e.g. C{ResponseFailed}) if it broke.
     """
@@ -193,7 +244,7 @@ def relay_body(
             relay.cancel()
 
     d: Deferred[None] = Deferred(cancel)
-    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes, close_ends)
+    relay = _BodyRelay(d, on_chunk, clock, idle_timeout, max_bytes, close_ends, quiet)
     response.deliverBody(relay)
     if valve is not None:
         # after deliverBody, which resumes the transport once it has handed

@@ -21,7 +21,7 @@ from twisted.python.failure import Failure
 
 from blazar.config import Config, parse_duration
 from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
-from blazar.httpbody import BodyTooLarge, BodyValve, read_body, relay_body
+from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lanes import LLAMACPP, SDCPP
 from blazar.engines.lease import InstanceLease
@@ -695,10 +695,16 @@ class EngineProxy:
             pacer = ClientPacer(request, valve, self._clock, self._config().stream_stall_close, instance.entry.name)
             if not pacer.register():
                 pacer = None
+        quiet = None
+        if not is_remote(instance) and getattr(instance, "protocol", None) is not None:
+            # silent for as long as headers may take: is the child still there? (a child
+            # SIGSTOPped mid-stream held the stream for STREAM_IDLE_TIMEOUT)
+            quiet = (header_timeout_of(self._config(), instance)[1],
+                     lambda: ensureDeferred(self.supervisor.probe_health(instance)))
         try:
             reading = relay_body(
                 response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, valve=valve,
-                close_ends=is_remote(instance),
+                close_ends=is_remote(instance), quiet=quiet,
             )
             if pacer is not None:
                 pacer.follow(reading)
@@ -716,6 +722,14 @@ class EngineProxy:
         except Exception as e:
             if was_cancelled(e):
                 raise CancelledError() from None
+            if isinstance(e, BodyStalled):
+                self.supervisor.kill_instance(instance, "wedged: silent mid-answer, no /health")
+                key, secs = header_timeout_of(self._config(), instance)
+                raise EngineTimeout(
+                    instance.entry.name,
+                    f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} stopped "
+                    f"sending its answer for {key} = {secs:g} s and stopped answering its health check; it was "
+                    "stopped", ) from None
             raise await self.supervisor.explain_failure(instance, e) from None
         finally:
             if pacer is not None:

@@ -301,3 +301,64 @@ class BodyValveTests(SynchronousTestCase):
 
         relay_body(engine, on_chunk, self.clock, idle_timeout=10, valve=valve)
         self.assertEqual(engine.transport.producerState, "paused")
+
+
+class QuietTests(SynchronousTestCase):
+    """
+    L{relay_body}'s C{quiet}: a body silent for the quiet time asks whether
+    its sender is alive; a child stopped mid-way (SIGSTOP) fails the relay
+    then, not after the idle timeout.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.engine = EngineBody()
+        self.asked: list[Deferred[bool]] = []
+        self.chunks: list[bytes] = []
+
+        def alive() -> Deferred[bool]:
+            d: Deferred[bool] = Deferred()
+            self.asked.append(d)
+            return d
+
+        self.d = relay_body(self.engine, self.chunks.append, self.clock, idle_timeout=600, quiet=(5, alive))
+
+    def test_a_silent_sender_that_answers_is_waited_for(self) -> None:
+        self.engine.send(b"a")
+        self.clock.advance(5)
+        self.assertEqual(len(self.asked), 1)
+        self.asked[0].callback(True)
+        self.clock.advance(4)
+        self.engine.send(b"b")
+        self.clock.advance(4)
+        self.assertEqual(len(self.asked), 1)  # the wait began again with the data
+        self.engine.end()
+        self.successResultOf(self.d)
+        self.assertEqual(self.chunks, [b"a", b"b"])
+
+    def test_a_silent_sender_that_does_not_answer_fails_the_relay(self) -> None:
+        from blazar.httpbody import BodyStalled
+
+        self.clock.advance(5)
+        self.asked[0].callback(False)
+        f = self.failureResultOf(self.d, BodyStalled)
+        self.assertIn("did not answer its health check", str(f.value))
+        self.assertEqual(self.engine.transport.producerState, "stopped")
+
+    def test_data_while_asking_goes_on(self) -> None:
+        self.clock.advance(5)
+        self.engine.send(b"late")
+        self.assertTrue(self.asked[0].called)  # the question was withdrawn
+        self.clock.advance(4.9)
+        self.assertNoResult(self.d)
+        self.clock.advance(0.1)
+        self.assertEqual(len(self.asked), 2)
+
+    def test_the_idle_timeout_still_bounds_it(self) -> None:
+        for _ in range(200):
+            self.clock.advance(5)
+            if self.asked and not self.asked[-1].called:
+                self.asked[-1].callback(True)
+            if self.d.called:
+                break
+        self.failureResultOf(self.d, BodyIdleTimeout)

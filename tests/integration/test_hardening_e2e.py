@@ -435,3 +435,41 @@ def test_an_isolated_model_reuses_no_other_keys_cache(isolated: Daemon) -> None:
     assert cached(TWO) == 0  # not one's, though the prompt is the same
     assert cached(TWO) > 0
     assert cached(ONE) > 0  # each kept its slot
+
+
+# -- low: an engine stopped mid-stream is found out, not waited for 600 s ------------
+
+
+def test_a_child_stopped_mid_stream_ends_the_stream_soon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    import signal
+
+    from tests.integration.harness import real_model
+
+    root = tmp_path_factory.mktemp("sigstop")
+    (root / "models").mkdir()
+    (root / "models" / "smol.gguf").symlink_to(real_model())
+    with tallied(Daemon(root, (
+        f'models_dir = "{root / "models"}"\nchild_header_timeout_secs = 2\n[models."smol"]\nparallel = 1\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    ))) as daemon:
+        TALLY.faults += 1
+        endless = {"model": "smol", "max_tokens": 4000, "stream": True,
+                   "logit_bias": {"0": -100, "1": -100, "2": -100},
+                   "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
+        stopped_at, child = None, None
+        events = daemon.stream("/v1/chat/completions", endless, timeout=60)
+        tail = []
+        for line, _ in events:
+            tail.append(line)
+            if stopped_at is None and '"content"' in line:
+                child = daemon.engine_for("smol:latest")
+                child.send_signal(signal.SIGSTOP)
+                stopped_at = time.monotonic()
+        assert stopped_at is not None and child is not None
+        took = time.monotonic() - stopped_at
+        assert took < 15, took  # the child's quiet time (2 s), a failed /health (3 s), the kill
+        assert any("stopped answering its health check" in line for line in tail[-3:]), tail[-3:]
+        child.wait(10)  # killed (a SIGSTOPped process takes SIGKILL)
+        status, _ = daemon.post_json("/v1/chat/completions", {"model": "smol", "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+        assert status == 200  # a fresh child
