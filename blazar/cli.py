@@ -15,7 +15,7 @@ The C{blazar} command.
   blazar doctor                        check engine, config, models dir, port, memory
   blazar engine list|install SPEC [--use]|use KIND@TAG|rollback KIND|rm KIND@TAG|prune KIND [--keep N]|check
                                        installed engines (in the data dir; no daemon needed)
-  blazar models make-test PATH [--embedding|--rerank|--whisper|--image] [--seed N]
+  blazar models make-test PATH [--embedding|--rerank|--whisper|--image] [--seed N] [--ctx N] ...
                                        write a tiny random-weight GGUF
 
 Exit codes: 0 ok, 1 error, 2 daemon not running, 3 bind conflict (serve).
@@ -64,10 +64,26 @@ def _make_test(args: argparse.Namespace) -> int:
         print(f"# sd-server needs its tiny autoencoder: put this in the config\n[models.\"{path.stem}\"]\n"
               f"args = [\"--taesd\", \"{tae}\"]", file=sys.stderr)
         return 0
-    from blazar.models.testmodel import make_test_model
+    from blazar.models import testmodel
 
-    model = make_test_model(args.path, seed=args.seed, embedding=args.embedding, rerank=args.rerank)
+    if args.heads < 1 or args.embd % args.heads or (args.embd // args.heads) % 2:
+        print(f"blazar: --embd {args.embd} must be a multiple of 2 x --heads {args.heads} (an even head size)",
+              file=sys.stderr)
+        return 2
+    if min(args.ctx, args.layers, args.ff) < 1:
+        print("blazar: --ctx, --layers and --ff must be positive", file=sys.stderr)
+        return 2
+    template = {"plain": testmodel.CHAT_TEMPLATE, "strict": testmodel.STRICT_CHAT_TEMPLATE,
+                "thinking": testmodel.THINKING_CHAT_TEMPLATE}[args.template]
+    model = testmodel.make_test_model(
+        args.path, seed=args.seed, embedding=args.embedding, rerank=args.rerank, context_length=args.ctx,
+        n_embd=args.embd, n_layer=args.layers, n_head=args.heads, n_ff=args.ff, chat_template=template,
+    )
     print(model.path)
+    if args.ctx > 4096:
+        name = Path(args.path).stem
+        print(f"# its trained context is {args.ctx} tokens; Blazar starts it with 4096 per slot unless told:\n"
+              f"[models.\"{name}\"]\nctx_size = {args.ctx}", file=sys.stderr)
     return 0
 
 
@@ -993,6 +1009,15 @@ def parser() -> argparse.ArgumentParser:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--embedding", action="store_true", help="mark it for mean-pooled embeddings")
     make.add_argument("--rerank", action="store_true", help="a reranker (rank pooling: POST /v1/rerank)")
+    make.add_argument("--ctx", type=int, default=2048, metavar="N",
+                      help="its trained context in tokens (a coding agent wants 131072; default 2048)")
+    make.add_argument("--embd", type=int, default=64, metavar="N", help="embedding width (default 64)")
+    make.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default 2)")
+    make.add_argument("--heads", type=int, default=4, metavar="N", help="attention heads (default 4)")
+    make.add_argument("--ff", type=int, default=128, metavar="N", help="feed-forward width (default 128)")
+    make.add_argument("--template", choices=("plain", "strict", "thinking"), default="plain",
+                      help="its chat template: plain ChatML with tools (default); strict (a system message "
+                           "only first); thinking (a reasoning block first)")
     make.add_argument("--whisper", action="store_true",
                       help="a whisper.cpp model (speech to text: POST /v1/audio/transcriptions)")
     make.add_argument("--image", action="store_true",

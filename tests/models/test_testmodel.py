@@ -39,3 +39,27 @@ class TestModelTests(SynchronousTestCase):
                 )
                 offenders += [str(path.relative_to(PACKAGE)) for n in names if n == "blazar.testing"]
         self.assertEqual(offenders, [])
+
+
+class MakeTestVerbTests(SynchronousTestCase):
+    """
+    C{blazar models make-test} takes the generator's shape options, so a
+    user trying a coding agent gets a 128k-context model without Python.
+    """
+
+    def test_shape_options(self) -> None:
+        from blazar.cli import main
+
+        path = Path(self.mktemp()) / "long.gguf"
+        self.assertEqual(main(["models", "make-test", str(path), "--ctx", "131072", "--embd", "128",
+                               "--heads", "8", "--layers", "3", "--template", "thinking"]), 0)
+        meta = thd_read_metadata(path, ())
+        self.assertEqual((meta.context_length, meta.embedding_length, meta.head_count, meta.block_count),
+                         (131072, 128, 8, 3))
+        self.assertIn("<think>", meta.chat_template or "")
+
+    def test_a_shape_the_generator_cannot_make_is_refused(self) -> None:
+        from blazar.cli import main
+
+        self.assertEqual(main(["models", "make-test", str(Path(self.mktemp()) / "x.gguf"), "--embd", "60",
+                               "--heads", "8"]), 2)
