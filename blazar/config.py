@@ -176,6 +176,16 @@ class ModelConfig:
     rerank: bool = False  # serve it as a reranker (--rerank; a GGUF with rank pooling is one anyway)
     cache: bool | None = None  # the semantic cache for this model; None: [cache] enabled
     isolate_keys: bool = False  # each key's requests reuse only its own KV cache (blazar.gateway.isolation)
+    # the launch profile (blazar.engines.llamacpp.launch_profile): None leaves llama-server's default
+    gpu_layers: int | None = None  # layers on the GPU(s) (-ngl); None: llama-server's auto
+    main_gpu: int | None = None  # the GPU for a model on one (--main-gpu)
+    tensor_split: tuple[float, ...] = ()  # a model's share per GPU (--tensor-split)
+    cache_type_k: str | None = None  # the KV cache's K type (-ctk): f16, q8_0, q4_0, ...
+    cache_type_v: str | None = None  # ... and V (-ctv)
+    flash_attn: str | None = None  # on, off or auto (-fa)
+    threads: int | None = None  # CPU threads (--threads); None: the machine's physical cores
+    n_cpu_moe: int | None = None  # MoE expert layers kept on the CPU (-ncmoe)
+    use_mmap: bool | None = None  # --load-mode mmap, or none for False
 
 
 @attrs.frozen
@@ -941,7 +951,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
         _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine",
-                         "rerank", "cache", "isolate_keys"}, where, prefix)
+                         "rerank", "cache", "isolate_keys", *PROFILE_KEYS}, where, prefix)
         rerank = table.get("rerank", False)
         if not isinstance(rerank, bool):
             raise _expected(where, prefix + "rerank", "true or false", rerank)
@@ -974,12 +984,53 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             rerank=rerank,
             cache=_optional_bool(table, "cache", where, prefix),
             isolate_keys=bool(_optional_bool(table, "isolate_keys", where, prefix)),
+            **_parse_profile(table, where, prefix),
         )
     kwargs["models"] = models
     kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where, kwargs["lanes"])
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where, kwargs["remotes"])
     _check_cache(kwargs["cache"], models, kwargs["keys"], where)
     return Config(**kwargs)
+
+
+PROFILE_KEYS = ("gpu_layers", "main_gpu", "tensor_split", "cache_type_k", "cache_type_v", "flash_attn",
+                "threads", "n_cpu_moe", "use_mmap")
+# the pinned llama-server's KV cache types (-ctk / -ctv)
+CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
+
+
+def _parse_profile(table: Mapping[str, Any], where: str, prefix: str) -> dict[str, Any]:
+    """
+    A model's launch-profile keys (L{PROFILE_KEYS}), checked.
+    """
+    out: dict[str, Any] = {}
+    for key in ("gpu_layers", "main_gpu", "n_cpu_moe"):
+        if key in table:
+            value = table[key]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise _expected(where, prefix + key, "a whole number, 0 or more", value)
+            out[key] = value
+    if "threads" in table:
+        out["threads"] = _positive_int(table["threads"], where, prefix + "threads")
+    if "tensor_split" in table:
+        split = table["tensor_split"]
+        if not isinstance(split, list) or not split or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in split) \
+                or not sum(split) > 0:
+            raise _expected(where, prefix + "tensor_split", "a list of shares per GPU, such as [3, 1]", split)
+        out["tensor_split"] = tuple(float(x) for x in split)
+    for key in ("cache_type_k", "cache_type_v"):
+        if key in table:
+            if table[key] not in CACHE_TYPES:
+                raise _expected(where, prefix + key, "one of " + ", ".join(CACHE_TYPES), table[key])
+            out[key] = table[key]
+    if "flash_attn" in table:
+        if table["flash_attn"] not in ("on", "off", "auto"):
+            raise _expected(where, prefix + "flash_attn", '"on", "off" or "auto"', table["flash_attn"])
+        out["flash_attn"] = table["flash_attn"]
+    if "use_mmap" in table:
+        out["use_mmap"] = _optional_bool(table, "use_mmap", where, prefix)
+    return out
 
 
 def _optional_bool(table: Mapping[str, Any], key: str, where: str, prefix: str) -> bool | None:

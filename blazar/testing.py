@@ -286,6 +286,7 @@ class FakeSupervisor:
     @ivar started: Instances made so far.
     @ivar touched: C{(name, keep_alive)} of every L{touch}.
     @ivar stopped: C{(name, reason)} of every stop or kill.
+    @ivar profiles: The placement asked for per model name (L{want_profile}).
     """
 
     names: list[str]
@@ -297,6 +298,7 @@ class FakeSupervisor:
     touched: list[tuple[str, float | None]] = attrs.field(factory=list)
     stopped: list[tuple[str, str]] = attrs.field(factory=list)
     breakers: dict[str, Breaker] = attrs.field(factory=dict)
+    profiles: dict[str, dict[str, Any]] = attrs.field(factory=dict)
     _config: Any = None
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
@@ -327,6 +329,14 @@ class FakeSupervisor:
         from blazar.engines.supervisor import ContextPlan
 
         return ContextPlan(self.ctx, ctx_size, self.ctx_policy, name, self.ctx)
+
+    async def want_profile(self, name: str, wishes: Any) -> None:
+        """
+        Records the placement asked for (C{profiles}, by the name asked);
+        nothing is reloaded.
+        """
+        if wishes:
+            self.profiles[name] = dict(wishes)
 
     def loaded(self, name: str) -> FakeInstance | None:
         return self.table.get(name)

@@ -19,7 +19,7 @@ import attrs
 
 from blazar.engines.build import PINNED, engine_home
 from blazar.engines.lanes import DIFFUSION_ARCHITECTURES, LANE_KIND, SDCPP, WHISPER
-from blazar.config import Config
+from blazar.config import Config, ModelConfig
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry
 
@@ -202,6 +202,50 @@ def build_command(
             # OpenAI-style embeddings need a pooled vector per input; a
             # model that declares no pooling gets mean pooling.
             argv += ["--pooling", "mean"]
+    argv += launch_profile(settings)
     argv += list(config.llamacpp.args)
     argv += list(settings.args)
     return EngineCommand(tuple(argv), {"LLAMA_API_KEY": api_key})
+
+
+def physical_cores() -> int:
+    """
+    The machine's physical CPU cores (logical ones where that is unknown).
+    """
+    import psutil
+
+    return int(psutil.cpu_count(logical=False) or psutil.cpu_count() or 1)
+
+
+def launch_profile(settings: ModelConfig, cores: Callable[[], int] = physical_cores) -> list[str]:
+    """
+    The llama-server flags that place and size a model's child, from its
+    C{[models."name"]} profile keys (L{blazar.config.PROFILE_KEYS}): the
+    layers on the GPU (C{-ngl}), the GPU (C{--main-gpu}) or the split
+    across GPUs (C{--tensor-split}), the KV cache types (C{-ctk},
+    C{-ctv}), flash attention (C{-fa}), CPU threads (C{--threads}; the
+    physical cores unless set), MoE expert layers on the CPU
+    (C{-ncmoe}) and memory-mapping (C{--load-mode mmap} or C{none}). A key not set leaves llama-server's own
+    default (for C{-ngl}: it fits what the GPUs hold). The operator's
+    C{args} come after these, and win.
+    """
+    flags: list[str] = []
+    if settings.gpu_layers is not None:
+        flags += ["-ngl", str(settings.gpu_layers)]
+    if settings.main_gpu is not None:
+        flags += ["--main-gpu", str(settings.main_gpu)]
+    if settings.tensor_split:
+        flags += ["--tensor-split", ",".join(f"{x:g}" for x in settings.tensor_split)]
+    if settings.cache_type_k is not None:
+        flags += ["-ctk", settings.cache_type_k]
+    if settings.cache_type_v is not None:
+        flags += ["-ctv", settings.cache_type_v]
+    if settings.flash_attn is not None:
+        flags += ["-fa", settings.flash_attn]
+    flags += ["--threads", str(settings.threads or cores())]
+    if settings.n_cpu_moe is not None:
+        flags += ["-ncmoe", str(settings.n_cpu_moe)]
+    if settings.use_mmap is not None:
+        # (the pinned engine has no --no-mmap: its -lm/--load-mode takes none, mmap, mlock, ...)
+        flags += ["--load-mode", "mmap" if settings.use_mmap else "none"]
+    return flags

@@ -284,6 +284,7 @@ class _Grow:
 
     target: int
     spawning: bool = False
+    why: str = "grow"  # or "reload": the same context, another placement (Supervisor.want_profile)
     _waiters: list[Deferred[BaseException | None]] = attrs.field(factory=list)
     _done: bool = False
     _error: BaseException | None = None
@@ -366,6 +367,12 @@ class ISupervisor(Interface):
         @raise blazar.models.registry.ModelNotFound: No such model.
         @raise EngineError: It could not be started (L{EngineStartFailed},
             L{NoCapacity}, L{BreakerOpen}).
+        """
+
+    async def want_profile(name: str, wishes: Mapping[str, Any]) -> None:
+        """
+        The placement a client asks for (profile keys and values); a loaded
+        child with another is reloaded for it by the next L{instance_for}.
         """
 
     async def context_for(name: str, ctx_size: int) -> ContextPlan:
@@ -669,6 +676,8 @@ class Instance:
     # them, and its command line (a KV bank entry is restored only into a
     # child of the same shape: blazar.gateway.sessions)
     shape: str = ""
+    # the placement a client asked for that it runs with (Supervisor.want_profile), as sorted items
+    profile: tuple[tuple[str, Any], ...] = ()
     last_used: float = 0.0
     stop_reason: str = ""
     unload_when_idle: str | None = None
@@ -810,6 +819,8 @@ class Supervisor(Service):
     _breakers: dict[str, Breaker] = attrs.field(factory=dict)
     _spawning: dict[str, list[Deferred[Instance]]] = attrs.field(factory=dict)
     _grows: dict[str, _Grow] = attrs.field(factory=dict)
+    # the placement clients last asked for, per model (want_profile): sorted (profile key, value) items
+    _profiles: dict[str, tuple[tuple[str, Any], ...]] = attrs.field(factory=dict)
     # models whose children died with llama.cpp's unknown-architecture error: the lane that serves them
     _rerouted: dict[str, str] = attrs.field(factory=dict)
     # remote models (blazar.engines.remote): one always-ready instance each, never spawned
@@ -987,12 +998,15 @@ class Supervisor(Service):
         while True:
             grow = self._grows.get(entry.name)
             instance = self._instances.get(entry.name)
-            if grow is None and instance is not None and target > instance.ctx:
-                grow = self._begin_grow(entry, instance, target)
+            wanted = self._profiles.get(entry.name, ())
+            reprofile = instance is not None and instance.lane == "llamacpp" and instance.profile != wanted
+            if grow is None and instance is not None and (target > instance.ctx or reprofile):
+                grow = self._begin_grow(entry, instance, max(target, instance.ctx),
+                                        "reload" if target <= instance.ctx else "grow")
             if grow is not None:
                 if target > grow.target and not grow.spawning:
                     grow.target = target  # one restart for every growing request
-                part = target > 0 and grow.target >= target
+                part = (target > 0 and grow.target >= target) or reprofile
                 error = await grow.wait()
                 if error is not None and part:
                     raise error
@@ -1081,6 +1095,24 @@ class Supervisor(Service):
         self.breaker(entry.name).reset()
         return attrs.evolve(entry, settings=attrs.evolve(entry.settings, engine=lane.name))
 
+    async def want_profile(self, name: str, wishes: Mapping[str, Any]) -> None:
+        """
+        A client's placement for the model it named (Ollama's C{num_gpu},
+        C{main_gpu}, C{num_thread}, C{use_mmap}, as the profile keys
+        C{gpu_layers}, C{main_gpu}, C{threads}, C{use_mmap}: over the
+        config's). As on Ollama, a loaded child with another placement is
+        reloaded for it: once its running requests end (never cut), by the
+        next L{instance_for}. A request that asks for none keeps what is
+        loaded.
+
+        @raise blazar.models.registry.ModelNotFound: No such model.
+        """
+        if not wishes:
+            return
+        entry = await self._registry.resolve(name)
+        if entry.remote is None:
+            self._profiles[entry.name] = tuple(sorted(wishes.items()))
+
     async def context_for(self, name: str, ctx_size: int) -> ContextPlan:
         """
         The context per slot a request for model C{name} asking for
@@ -1119,8 +1151,8 @@ class Supervisor(Service):
                 return attrs.evolve(plan, ctx=max(current, fits), memory_limit=fits, free=free)
         return attrs.evolve(plan, ctx=wanted, free=free)
 
-    def _begin_grow(self, entry: ModelEntry, old: Instance, target: int) -> _Grow:
-        grow = self._grows[entry.name] = _Grow(target)
+    def _begin_grow(self, entry: ModelEntry, old: Instance, target: int, why: str = "grow") -> _Grow:
+        grow = self._grows[entry.name] = _Grow(target, why=why)
 
         def done(result: Any) -> None:
             if self._grows.get(entry.name) is grow:
@@ -1150,6 +1182,14 @@ class Supervisor(Service):
                 pass  # it failed to load: nothing to drain
         deadline = self._reactor.seconds() + self._config.drain_timeout
         while old.in_flight and old.state == InstanceState.READY:
+            if self._reactor.seconds() >= deadline and grow.why == "reload":
+                raise NoCapacity(entry.name, (
+                    f"cannot reload {entry.name!r} with the placement asked for (num_gpu, main_gpu, num_thread, "
+                    f"use_mmap): {old.in_flight} requests still running on it after drain_timeout_secs = "
+                    f"{self._config.drain_timeout:g}; send the request again later, or set the model's profile "
+                    f'under [models."{entry.name}"] (gpu_layers, main_gpu, threads, use_mmap) and leave the '
+                    "options out"
+                ))
             if self._reactor.seconds() >= deadline:
                 raise NoCapacity(entry.name, (
                     f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
@@ -1335,6 +1375,9 @@ class Supervisor(Service):
     ) -> Instance:
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
+        profile = self._profiles.get(entry.name, ()) if lane is None else ()
+        if profile:
+            entry = attrs.evolve(entry, settings=attrs.evolve(entry.settings, **dict(profile)))
         if lane is None:
             command = build_command(
                 binary, entry, meta, port=port, api_key=api_key, config=self._config
@@ -1364,6 +1407,7 @@ class Supervisor(Service):
             kv_bank=lane is None and "--slot-save-path" in command.argv,
             health_path=lane.health if lane is not None else "/health",
             path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
+            profile=profile,
         )
         env = child_environment(self._environ)
         env.update(command.env)

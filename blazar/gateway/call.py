@@ -92,6 +92,8 @@ class Call:
     stream: bool = False
     keep_alive: float | None = None
     ctx_size: int | None = None
+    # the placement the request asks for, as profile keys (Ollama's num_gpu, main_gpu, num_thread, use_mmap)
+    profile: dict[str, Any] | None = None
     max_tokens: int | None = None
     work: WorkClass = WorkClass.INTERACTIVE
     names: tuple[str, str] = ("max_tokens", "messages")

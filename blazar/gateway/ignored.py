@@ -46,7 +46,8 @@ class IgnoredFields:
     def note(self, request: IRequest, surface: str, names: Iterable[str]) -> None:
         """
         Set C{x-blazar-ignored} on C{request}'s response (call before
-        anything is written) and log each name not yet logged for this
+        anything is written; names noted earlier for it are kept) and log
+        each name not yet logged for this
         client. Bounded: names are cut to 100 characters and at most 64 a
         request are listed, logged and remembered (the rest are counted).
         """
@@ -63,7 +64,12 @@ class IgnoredFields:
         if not kept:
             return
         shown = list(kept) + ([f"(+{more} more)"] if more else [])
-        request.setHeader(IGNORED_HEADER, header_value(shown))
+        # a later step's names join an earlier step's (the surface's, then the pipeline's)
+        headers = getattr(request, "responseHeaders", None)
+        earlier = headers.getRawHeaders(IGNORED_HEADER) if headers is not None else None
+        before = [n for n in earlier[-1].decode("ascii", "replace").split(",") if n and n != "..."] \
+            if earlier else []
+        request.setHeader(IGNORED_HEADER, header_value(before + shown))
         client = self.client_of(request)[:_NAME_MAX]
         if more:
             log.info(

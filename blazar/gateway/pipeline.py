@@ -655,6 +655,7 @@ class Pipeline:
         """
         await self._scope(request, call.model)
         started = self._clock.seconds()
+        await self._placement(request, call)
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
         note_load(request, instance, started, loaded)
@@ -759,6 +760,7 @@ class Pipeline:
         json_route = lane is None and forced is None and await self._json_route(call)
         completion: jsonanswer.ChatFromCompletion | None = None
         try:
+            await self._placement(request, call)
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
             pin = await self._pin(request, call, instance)
@@ -1221,6 +1223,22 @@ class Pipeline:
         key = key_of(request)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
 
+    async def _placement(self, request: Any, call: Call) -> None:
+        """
+        The placement a request asks for (Ollama's C{num_gpu}, C{main_gpu},
+        C{num_thread}, C{use_mmap}: L{Call.profile}) becomes the model's
+        (L{blazar.engines.supervisor.Supervisor.want_profile}: a reload, as
+        on Ollama), unless the key is scoped: a tenant does not reload a
+        model others share (named in C{x-blazar-ignored}).
+        """
+        if not call.profile or call.lane is not None:
+            return
+        if scoped(request):
+            names = {"gpu_layers": "num_gpu", "main_gpu": "main_gpu", "threads": "num_thread", "use_mmap": "use_mmap"}
+            note_ignored(request, call.surface, [f"options.{names[k]}" for k in call.profile])
+            return
+        await self.supervisor.want_profile(call.model, call.profile)
+
     def _isolate(self, request: Any, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
         """
         The isolation step, for models with C{isolate_keys}
@@ -1229,14 +1247,15 @@ class Pipeline:
         own slot is kept. A request that picks its own slot (C{id_slot})
         is sent with C{cache_prompt: false}.
         """
-        settings = instance.entry.settings
+        # the config as it is now (a reload applies at once), the slots as the child has them
+        settings = (call.entry or instance.entry).settings
         if not getattr(settings, "isolate_keys", False) or call.kind not in (CallKind.CHAT, CallKind.COMPLETION):
             return None
         if getattr(instance, "lane", LLAMACPP) != LLAMACPP or is_remote(instance):
             return None
         key = key_of(request)
         owner = key.owner if key is not None else ""
-        slots = int(settings.parallel or DEFAULT_PARALLEL)
+        slots = int(instance.entry.settings.parallel or DEFAULT_PARALLEL)
         if pin is not None:
             return self.isolation.hold(instance, slots, owner, pin.slot)
         if "id_slot" in call.body:

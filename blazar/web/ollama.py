@@ -211,6 +211,29 @@ class OllamaSurface:
             return num_ctx
         return None
 
+    def _placement(self, body: dict[str, Any]) -> dict[str, Any] | None:
+        """
+        The placement C{options} ask for, as the model profile's keys:
+        C{num_gpu} (layers on the GPU; -1, Ollama's "all it can", leaves
+        llama-server's fit) as C{gpu_layers}, C{main_gpu}, C{num_thread} as
+        C{threads}, C{use_mmap}. Values of the wrong kind are left out.
+        """
+        options = body.get("options")
+        if not isinstance(options, dict):
+            return None
+
+        def whole(name: str, least: int) -> int | None:
+            value = options.get(name)
+            if isinstance(value, float) and value.is_integer():
+                value = int(value)
+            return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else None
+
+        wanted = {"gpu_layers": whole("num_gpu", 0), "main_gpu": whole("main_gpu", 0),
+                  "threads": whole("num_thread", 1)}
+        if isinstance(options.get("use_mmap"), bool):
+            wanted["use_mmap"] = options["use_mmap"]
+        return {k: v for k, v in wanted.items() if v is not None} or None
+
     def _call(
         self, kind: CallKind, model: str, path: str, engine_body: dict[str, Any], body: dict[str, Any],
         stream: bool, work: WorkClass = WorkClass.INTERACTIVE,
@@ -220,7 +243,7 @@ class OllamaSurface:
             "ollama", kind, model, path, engine_body, stream=stream,
             # Ollama applies its default keep_alive to every request without one
             keep_alive=self._config().keep_alive if keep_alive is None else keep_alive,
-            ctx_size=self._num_ctx(body),
+            ctx_size=self._num_ctx(body), profile=self._placement(body),
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
             work=work, names=("num_predict", "messages" if kind is CallKind.CHAT else "prompt"),
         )

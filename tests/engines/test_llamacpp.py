@@ -62,6 +62,35 @@ class BuildCommandTests(SynchronousTestCase):
         self.assertNotIn("--pooling", argv)
 
 
+    def test_the_launch_profile_from_the_models_keys(self) -> None:
+        config = parse_config(
+            '[models."m"]\ngpu_layers = 20\nmain_gpu = 1\ntensor_split = [3, 1]\ncache_type_k = "q8_0"\n'
+            'cache_type_v = "q4_0"\nflash_attn = "on"\nthreads = 6\nn_cpu_moe = 2\nuse_mmap = false\n')
+        argv = self.command(config.models["m:latest"]).argv
+        self.assertEqual((flag(argv, "-ngl"), flag(argv, "--main-gpu"), flag(argv, "--tensor-split")),
+                         ("20", "1", "3,1"))
+        self.assertEqual((flag(argv, "-ctk"), flag(argv, "-ctv"), flag(argv, "-fa")), ("q8_0", "q4_0", "on"))
+        self.assertEqual((flag(argv, "--threads"), flag(argv, "-ncmoe")), ("6", "2"))
+        self.assertEqual(flag(argv, "--load-mode"), "none")
+
+    def test_an_unset_profile_leaves_llama_servers_defaults_but_threads(self) -> None:
+        from blazar.engines.llamacpp import launch_profile
+
+        self.assertEqual(launch_profile(ModelConfig(), cores=lambda: 12), ["--threads", "12"])
+        argv = self.command().argv
+        for name in ("-ngl", "--main-gpu", "--tensor-split", "-ctk", "-ctv", "-fa", "-ncmoe", "--load-mode"):
+            self.assertNotIn(name, argv)
+
+    def test_profile_keys_are_checked(self) -> None:
+        from blazar.config import ConfigError
+
+        for bad in ('gpu_layers = -1', 'gpu_layers = "all"', 'tensor_split = []', 'tensor_split = [0, 0]',
+                    'cache_type_k = "q3"', 'flash_attn = true', 'threads = 0', 'use_mmap = "no"'):
+            with self.assertRaises(ConfigError, msg=bad) as cm:
+                parse_config(f'[models."m"]\n{bad}\n')
+            self.assertIn("models.m.", str(cm.exception))
+
+
 class FindBinaryTests(SynchronousTestCase):
     def test_configured_binary_must_exist(self) -> None:
         config = parse_config('[engines.llamacpp]\nbinary = "/nonexistent/llama-server"')

@@ -203,6 +203,31 @@ class SupervisorTests(SynchronousTestCase):
         self.assertIn("send the request again", str(failure.value))
 
 
+    def test_a_placement_asked_for_reloads_the_model_with_it(self) -> None:
+        """
+        Ollama's num_gpu (and main_gpu, num_thread, use_mmap) on a loaded
+        model: it is reloaded with that placement, as Ollama does, once its
+        running requests end; a request that asks for none keeps it.
+        """
+        self.health = 200
+        first = self.successResultOf(self.instance_for())
+        self.assertNotIn("-ngl", self.reactor.spawned[0][2])
+        self.successResultOf(ensureDeferred(self.supervisor.want_profile("m", {"gpu_layers": 3, "threads": 2})))
+        d = self.instance_for()
+        self.assertEqual(first.transport.signals, ["TERM"])  # idle: stopped for the reload at once
+        first.transport.exit(0)
+        self.reactor.advance(0.05)
+        second = self.successResultOf(d)
+        argv = self.reactor.spawned[1][2]
+        self.assertEqual(argv[argv.index("-ngl") + 1], "3")
+        self.assertEqual(argv[argv.index("--threads") + 1], "2")
+        self.assertEqual(second.profile, (("gpu_layers", 3), ("threads", 2)))
+        self.assertIs(self.successResultOf(self.instance_for()), second)  # the same placement: kept
+        self.successResultOf(ensureDeferred(self.supervisor.want_profile("m", {})))  # none asked: kept
+        self.assertIs(self.successResultOf(self.instance_for()), second)
+        self.assertEqual(len(self.reactor.spawned), 2)
+
+
 class LifecycleTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())

@@ -24,6 +24,7 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
+from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -86,24 +87,28 @@ class MemoryGateway:
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
-        self.capture = Capture(SurfaceRouter(
+        router = SurfaceRouter(
             OpenAISurface(self.registry, self.pipeline, self.reactor,
                           Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
             OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
                           ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
             AnthropicSurface(self.pipeline, self.reactor).app.resource(),
-        ))
+        )
+        # with [[keys]] in the config, behind the gate that checks them (as the daemon's site is)
+        self.capture = Capture(AuthGate(router, KeyHolder(parsed)) if parsed.keys else router)
         self.client = StubTreq(self.capture)
         self._test = test
         # the models are found once, before any request (the registry's first scan)
         test.successResultOf(ensureDeferred(self.registry.refresh()))
 
-    def post(self, path: str, body: dict[str, Any], raw: bytes | None = None) -> tuple[int, Any, bytes]:
+    def post(self, path: str, body: dict[str, Any], raw: bytes | None = None,
+             headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
         """
         POST C{body} (or C{raw} bytes) and pump until answered: status,
         headers, body bytes.
         """
-        d = self.client.request("POST", "http://localhost" + path, data=raw if raw is not None else json.dumps(body).encode())
+        d = self.client.request("POST", "http://localhost" + path, data=raw if raw is not None else json.dumps(body).encode(),
+                                headers=headers)
         for _ in range(20):
             self.client.flush()
             self.engine.flush()

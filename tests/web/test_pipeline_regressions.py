@@ -63,19 +63,19 @@ class ReviewFindingsTests(SynchronousTestCase):
         prompt included, named its ignored fields in x-blazar-ignored
         (OllamaSurface._lenient called note_ignored first).
         """
-        code, headers, body = self.post("/api/generate", {"model": "m", "options": {"num_gpu": 99}})
+        code, headers, body = self.post("/api/generate", {"model": "m", "options": {"num_batch": 99}})
         self.assertEqual(code, 200, body)
-        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch"])
 
     def test_ollama_empty_prompt_unload_names_ignored_fields(self) -> None:
-        code, headers, body = self.post("/api/chat", {"model": "m", "keep_alive": 0, "options": {"num_gpu": 99}})
+        code, headers, body = self.post("/api/chat", {"model": "m", "keep_alive": 0, "options": {"num_batch": 99}})
         self.assertEqual(code, 200, body)
-        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch"])
 
     def test_ollama_empty_embeddings_prompt_names_ignored_fields(self) -> None:
-        code, headers, body = self.post("/api/embeddings", {"model": "m", "prompt": "", "options": {"num_gpu": 99}})
+        code, headers, body = self.post("/api/embeddings", {"model": "m", "prompt": "", "options": {"num_batch": 99}})
         self.assertEqual(code, 200, body)
-        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_gpu"])
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch"])
 
     def test_an_empty_embeddings_prompt_still_needs_a_model_that_exists(self) -> None:
         code, _, body = self.post("/api/embeddings", {"model": "nope", "prompt": ""})
@@ -201,3 +201,43 @@ class InStreamMetricsTests(SynchronousTestCase):
         self.assertIn(b"event: error", data)
         self.assertEqual(kind, "engine_error")
 
+
+
+class PlacementOptionsTests(SynchronousTestCase):
+    """
+    Ollama's placement options (num_gpu, main_gpu, num_thread, use_mmap)
+    reach the supervisor as the model's profile, on a chat and on a load;
+    a scoped key's are named ignored (a tenant does not reload a shared
+    model).
+    """
+
+    def setUp(self) -> None:
+        self.supervisor = FakeSupervisor(["m:latest"])
+        self.gateway = MemoryGateway(self, self.supervisor, fake_engine_app("m:latest"), config=(
+            '[[keys]]\nname = "admin"\nsecret = "admin-secret-0123456789"\n'
+            '[[keys]]\nname = "tenant"\nsecret = "tenant-secret-0123456789"\nmodels = ["m"]\n'))
+
+    def test_an_unscoped_keys_placement_is_the_models(self) -> None:
+        options = {"num_gpu": 12, "main_gpu": 1, "num_thread": 4, "use_mmap": False, "num_batch": 9}
+        code, headers, body = self.gateway.post("/api/chat", {
+            "model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}], "options": options},
+            headers={"authorization": "Bearer admin-secret-0123456789"})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(self.supervisor.profiles["m"],
+                         {"gpu_layers": 12, "main_gpu": 1, "threads": 4, "use_mmap": False})
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch"])
+        code, _, body = self.gateway.post("/api/generate", {"model": "m", "options": {"num_gpu": 0}},
+                                          headers={"authorization": "Bearer admin-secret-0123456789"})
+        self.assertEqual(code, 200, body)  # a load
+        self.assertEqual(self.supervisor.profiles["m"], {"gpu_layers": 0})
+
+    def test_a_scoped_keys_placement_is_ignored(self) -> None:
+        code, headers, body = self.gateway.post("/api/chat", {
+            "model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}],
+            "options": {"num_gpu": 12, "num_thread": 2}},
+            headers={"authorization": "Bearer tenant-secret-0123456789"})
+        self.assertEqual(code, 200, body)
+        self.assertEqual(self.supervisor.profiles, {})
+        ignored = b",".join(headers.getRawHeaders(b"x-blazar-ignored") or []).decode()
+        self.assertIn("options.num_gpu", ignored)
+        self.assertIn("options.num_thread", ignored)

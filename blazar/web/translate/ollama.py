@@ -65,11 +65,14 @@ _INTEGER_OPTIONS = {"num_predict", "num_ctx", "top_k", "seed", "repeat_last_n", 
 _NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
                    "presence_penalty", "frequency_penalty", "mirostat_tau", "mirostat_eta"}
 
+# honoured by a reload of the model with that placement (blazar.engines.supervisor.want_profile),
+# for unscoped keys
+PLACEMENT_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "use_mmap")
 # Accepted and ignored: they size or place the engine, which the operator's
 # config decides, or are obsolete. (num_ctx is not sent to the engine either:
 # the surface hands it to the supervisor, which grows the child's context.)
 _IGNORED_OPTIONS = {
-    "num_batch", "num_gpu", "main_gpu", "use_mmap", "use_mlock", "num_thread",
+    "num_batch", "use_mlock",
     "numa", "low_vram", "f16_kv", "vocab_only", "penalize_newline", "tfs_z", "logits_all",
     "embedding_only", "rope_frequency_base", "rope_frequency_scale", "num_gqa",
 }
@@ -615,5 +618,5 @@ def ignored_options(options: Any) -> list[str]:
     """
     if not isinstance(options, dict):
         return []
-    honoured = set(_OPTION_NAMES) | {"num_predict", "stop", "logit_bias", "num_ctx"}
+    honoured = set(_OPTION_NAMES) | {"num_predict", "stop", "logit_bias", "num_ctx", *PLACEMENT_OPTIONS}
     return [f"options.{key}"[:80] for key in options if key not in honoured]

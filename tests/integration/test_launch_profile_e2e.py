@@ -1,0 +1,67 @@
+"""
+Launch profiles (issue 38) on the real llama-server (the CPU build): the
+argv a child gets is the model's profile, the engine takes it (its own log
+says so), and Ollama's per-request placement reloads the model with it.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import pytest
+
+from blazar.models.testmodel import make_test_model
+from tests.integration.harness import Daemon
+
+
+@pytest.fixture(scope="module")
+def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    root = tmp_path_factory.mktemp("profile")
+    # a head size of 32: a q8_0 KV cache needs whole blocks of 32 per head
+    make_test_model(root / "models" / "tiny.gguf", n_embd=128, n_head=4, n_ff=256)
+    make_test_model(root / "models" / "plain.gguf", seed=1)
+    d = Daemon(root, (
+        f'models_dir = "{root / "models"}"\n'
+        '[models."tiny"]\nparallel = 2\ngpu_layers = 5\ncache_type_k = "q8_0"\ncache_type_v = "q8_0"\n'
+        'flash_attn = "on"\nthreads = 1\nuse_mmap = false\n'
+        '[models."plain"]\nparallel = 1\nthreads = 1\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\n'
+    ))
+    d.start()
+    try:
+        yield d
+    finally:
+        d.close(check_engines=True)
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[len(argv) - 1 - argv[::-1].index(name) + 1]  # the last one wins, as in llama.cpp
+
+
+def test_the_child_runs_with_the_models_profile(daemon: Daemon) -> None:
+    status, reply = daemon.post_json("/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    assert status == 200, reply
+    argv = daemon.engine_for("tiny:latest").cmdline()
+    assert (flag(argv, "-ngl"), flag(argv, "-ctk"), flag(argv, "-ctv"), flag(argv, "-fa"), flag(argv, "--threads")) \
+        == ("5", "q8_0", "q8_0", "on", "1"), argv
+    assert flag(argv, "--load-mode") == "none"
+    log = daemon.engine_log("tiny:latest")
+    assert "q8_0" in log and "n_threads = 1" in log, log[-3000:]  # what the engine itself says it runs with
+
+
+def test_ollamas_placement_reloads_the_model_with_it(daemon: Daemon) -> None:
+    ask = {"model": "plain", "messages": [{"role": "user", "content": "hi"}], "stream": False,
+           "options": {"num_predict": 2}}
+    status, reply = daemon.post_json("/api/chat", ask)
+    assert status == 200, reply
+    first = daemon.engine_for("plain:latest")
+    assert "-ngl" not in first.cmdline()
+    status, reply = daemon.post_json("/api/chat", {**ask, "options": {"num_predict": 2, "num_gpu": 7,
+                                                                       "num_thread": 1}})
+    assert status == 200, reply
+    second = daemon.engine_for("plain:latest")
+    assert second.pid != first.pid, "not reloaded"
+    assert flag(second.cmdline(), "-ngl") == "7", second.cmdline()
+    status, reply = daemon.post_json("/api/chat", ask)  # none asked: the placement stays
+    assert status == 200 and daemon.engine_for("plain:latest").pid == second.pid, reply
