@@ -170,12 +170,13 @@ def test_anthropic_every_field(daemon: Daemon, models: dict[str, GeneratedModel]
 def test_ollama_every_field(daemon: Daemon) -> None:
     status, headers, data = post(daemon, "/api/chat", {
         "model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}],
-        "options": {"num_predict": 4, "num_gpu": 1, "num_thread": 1}, "stream": False, "keep_alive": "5m",
+        "options": {"num_predict": 4, "num_batch": 64, "use_mlock": False}, "stream": False, "keep_alive": "5m",
         "think": False, "logprobs": False, "top_logprobs": 0, "truncate": True, "shift": True,
     })
     assert status == 200, data
     assert json.loads(data)["done"] is True
-    assert {"logprobs", "top_logprobs", "truncate", "shift", "options.num_gpu", "options.num_thread"} == ignored(headers)
+    # (num_gpu, main_gpu, num_thread, use_mmap place the model: tests/integration/test_launch_profile_e2e.py)
+    assert {"logprobs", "top_logprobs", "truncate", "shift", "options.num_batch", "options.use_mlock"} == ignored(headers)
     status, headers, data = post(daemon, "/api/generate", {
         "model": "tiny", "prompt": "hi", "system": "s", "options": {"num_predict": 4}, "stream": False,
         "raw": False, "context": [1, 2], "truncate": True, "images": [],
