@@ -653,8 +653,6 @@ def _doctor(args: argparse.Namespace) -> int:
     import socket
     import subprocess
 
-    import psutil
-
     from blazar.config import ConfigError, resolve_config, thd_exposed_secrets
     from blazar.engines.llamacpp import EngineNotFound, find_binary
 
@@ -733,17 +731,15 @@ def _doctor(args: argparse.Namespace) -> int:
     report(size <= cap, f"session KV bank {bank}: {len(entries)} entries, {size / 2**20:.1f} MiB "
            f"(session_bank_max_mib = {config.session_bank_max_mib}"
            f"{'; sessions off: session_keep_secs = 0' if config.session_keep == 0 else ''})")
-    free = psutil.virtual_memory().available
-    report(free > 1 << 30, f"free memory: {free / 2**30:.1f} GiB")
-    try:
-        import pynvml
+    from blazar.engines.hardware import NVMLProbe, describe
 
-        pynvml.nvmlInit()
-        gpus = pynvml.nvmlDeviceGetCount()
-        pynvml.nvmlShutdown()
-        report(True, f"GPUs: {gpus} (NVIDIA, via pynvml)")
-    except Exception:
-        report(True, "GPUs: none found (CPU only)")
+    probe = NVMLProbe()
+    census = probe.thd_census()
+    probe.thd_close()
+    free = census.ram_available
+    report(free > 1 << 30, f"free memory: {free / 2**30:.1f} GiB")
+    for line in describe(census):  # no GPU is not a failure: CPU inference
+        report(True, line)
     return 1 if problems else 0
 
 

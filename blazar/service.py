@@ -5,13 +5,13 @@ together.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import signal
 import sys
 import time
 from pathlib import Path
 
-import psutil
 from typing import Any, Awaitable, Callable, Mapping
 
 from twisted.application import strports
@@ -35,6 +35,7 @@ from blazar import __version__, store
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
 from blazar.engines.remote import RemoteCatalog
+from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
 from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary
@@ -605,30 +606,24 @@ class ReloadOnHangup(Service):
             )
 
 
-def thd_free_memory() -> int:
+def thd_free_memory(probe: IHardwareProbe | None = None) -> int:
     """
     Bytes a new engine could use: available RAM, plus free VRAM on every
-    NVIDIA GPU pynvml can see (none, on a machine without one). Blocking:
+    NVIDIA GPU C{probe} sees (none, on a machine without one). Blocking:
     called in the thread pool.
-    """
-    free = int(psutil.virtual_memory().available)
-    try:
-        import pynvml
 
-        pynvml.nvmlInit()
-    except Exception:
-        return free
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            free += int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).free)
-    except Exception:
-        pass
-    finally:
+    @param probe: The daemon's probe; L{None} opens and closes NVML for
+        this one reading.
+    """
+    if probe is not None:
+        census = probe.thd_census()
+    else:
+        own = NVMLProbe()
         try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
-    return free
+            census = own.thd_census()
+        finally:
+            own.thd_close()
+    return census.ram_available + census.gpu_memory_free
 
 
 @attrs.frozen
@@ -655,6 +650,7 @@ class ServiceTree:
     batches: BatchRunner | None = None
     pipeline: Pipeline | None = None
     cache: CacheStore | None = None
+    hardware: HardwareCensus | None = None
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -698,10 +694,16 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     # have saved their sessions' slots
     session_service = SessionService(config.data_dir / "blazar.db", live, engines, reactor, metrics)
     session_service.setServiceParent(top)
+    # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
+    # once on HardwareCensus.invalidate (for each spawn and evict)
+    probe = NVMLProbe()
+    hardware = HardwareCensus(probe, reactor, metrics)
+    hardware.setServiceParent(top)
     supervisor = Supervisor(
         live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=thd_free_memory, metrics=metrics, engine_output=ring.engine_line,
+        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
     )
+    supervisor.on_hardware_change = hardware.invalidate
     supervisor.setServiceParent(top)
     # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
     catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
@@ -854,5 +856,5 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
         hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
         key_admin=key_admin, sessions=session_service.sessions, batches=runner, pipeline=pipeline,
-        cache=cache_service.cache,
+        cache=cache_service.cache, hardware=hardware,
     )

@@ -18,6 +18,7 @@ from twisted.internet.task import Clock
 from zope.interface import implementer
 
 from blazar.engines.client import IEngineClient
+from blazar.engines.hardware import GPU, Census, IHardwareProbe, cuda_version
 from blazar.gateway.sessions import ISlotBank
 from blazar.engines.supervisor import (
     Breaker,
@@ -615,3 +616,249 @@ class FakeSlotBank:
             raise SlotActionFailed("slots: Connection refused", transient=True)
         used = {slot for (ident, slot) in self.slots_held if ident == id(instance)}
         return [(slot, slot in used, slot in self.busy) for slot in range(max(used | self.busy | {0}) + 1)]
+
+
+# -- a fake hardware probe and a recorded NVML -------------------------------
+
+GIB = 1 << 30
+
+
+def _recorded(value: Any) -> Any:
+    """
+    A value from an C{nvml_snapshot.py} recording, or L{None} where the
+    recording holds the NVML error it got instead (C{{"error": ...}}).
+    """
+    return None if isinstance(value, dict) and "error" in value else value
+
+
+def _snapshot_of(recorded: dict[str, Any]) -> dict[str, Any]:
+    # the whole file (scripts/nvml_snapshot.py's output) or its "snapshot"
+    return recorded["snapshot"] if "snapshot" in recorded else recorded
+
+
+@attrs.define
+class FakeGPU:
+    """
+    One GPU of a L{FakeNVML}, mutable. Its free memory is C{memory_total -
+    memory_reserved - other_used - sum(processes)}, so a test that gives a
+    child VRAM (L{FakeNVML.set_process_memory}) sees the free figure fall.
+
+    @ivar other_used: Bytes held by something not listed in C{processes}
+        (another user, a graphics context).
+    @ivar processes: pid to bytes.
+    """
+
+    index: int
+    memory_total: int
+    name: str = "NVIDIA GeForce RTX 4090"
+    uuid: str = ""
+    memory_reserved: int = 0
+    other_used: int = 0
+    processes: dict[int, int] = attrs.field(factory=dict)
+    compute_capability: tuple[int, int] | None = (8, 9)
+    temperature_c: int | None = 40
+    utilization_percent: int | None = 0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.uuid:
+            self.uuid = f"GPU-00000000-0000-0000-0000-{self.index:012d}"
+
+    @property
+    def memory_free(self) -> int:
+        return max(0, self.memory_total - self.memory_reserved - self.other_used - sum(self.processes.values()))
+
+
+@implementer(IHardwareProbe)
+@attrs.define
+class FakeNVML:
+    """
+    L{blazar.engines.hardware.IHardwareProbe} from given numbers: a
+    recording of a real machine (L{from_snapshot}) or simple specs
+    (L{with_gpus}); zero GPUs by default. It answers at once, in any
+    thread, and counts its readings in C{readings}.
+    """
+
+    gpus: list[FakeGPU] = attrs.field(factory=list)
+    cpu_physical_cores: int = 8
+    cpu_logical_cores: int = 16
+    ram_total: int = 64 * GIB
+    ram_available: int = 48 * GIB
+    driver_version: str | None = "580.159.04"
+    cuda_driver_version: tuple[int, int] | None = (13, 0)
+    gpu_note: str = ""
+    now: Any = lambda: 0.0
+    readings: int = 0
+
+    @classmethod
+    def with_gpus(cls, *totals: int, name: str = "NVIDIA GeForce RTX 4090", **host: Any) -> "FakeNVML":
+        """
+        One GPU per total (bytes), empty, e.g. C{FakeNVML.with_gpus(24 *
+        GIB, 24 * GIB)}; C{host} sets the other fields.
+        """
+        return cls(gpus=[FakeGPU(i, total, name=name) for i, total in enumerate(totals)], **host)
+
+    @classmethod
+    def from_snapshot(cls, recorded: dict[str, Any], **host: Any) -> "FakeNVML":
+        """
+        The machine C{scripts/nvml_snapshot.py} recorded (its JSON output,
+        e.g. C{tests/fixtures/nvml/h200.json}), read as L{NVMLProbe}
+        reads NVML: memory v2 where recorded, else v1.
+        """
+        snapshot = _snapshot_of(recorded)
+        gpus = []
+        for device in snapshot["devices"]:
+            memory = device["memory"]
+            v2 = _recorded(memory.get("v2"))
+            info = v2 if v2 and "reserved" in v2 else memory["v1"]
+            reserved = int(info.get("reserved", 0)) if info is v2 else 0
+            processes = {int(p["pid"]): int(p["usedGpuMemory"]) for p in _recorded(device["processes"]) or []
+                         if p["usedGpuMemory"] is not None}
+            capability = _recorded(device.get("compute_capability"))
+            utilization = _recorded(device.get("utilization"))
+            gpus.append(FakeGPU(
+                index=int(device["index"]), memory_total=int(info["total"]), name=device["name"],
+                uuid=device["uuid"], memory_reserved=reserved,
+                other_used=max(0, int(info["total"]) - int(info["free"]) - reserved - sum(processes.values())),
+                processes=processes,
+                compute_capability=tuple(capability) if capability else None,  # type: ignore[arg-type]
+                temperature_c=_recorded(device.get("temperature_c")),
+                utilization_percent=utilization.get("gpu") if utilization else None,
+            ))
+        cuda = _recorded(snapshot.get("cuda_driver_version"))
+        return cls(gpus=gpus, driver_version=_recorded(snapshot.get("driver_version")),
+                   cuda_driver_version=cuda_version(cuda) if cuda is not None else None, **host)
+
+    def gpu(self, index: int) -> FakeGPU:
+        return next(g for g in self.gpus if g.index == index)
+
+    def set_free(self, index: int, free: int) -> None:
+        """
+        GPU C{index} has C{free} bytes free now (something outside the
+        listed processes holds the rest); later process changes move it.
+        """
+        gpu = self.gpu(index)
+        gpu.other_used = max(0, gpu.memory_total - gpu.memory_reserved - sum(gpu.processes.values()) - free)
+
+    def set_process_memory(self, pid: int, index: int, used: int) -> None:
+        """
+        Process C{pid} holds C{used} bytes on GPU C{index} (0: none, it
+        leaves the list).
+        """
+        processes = self.gpu(index).processes
+        if used:
+            processes[pid] = used
+        else:
+            processes.pop(pid, None)
+
+    def _gpu(self, g: FakeGPU) -> GPU:
+        free = g.memory_free
+        return GPU(
+            index=g.index, uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_free=free,
+            memory_used=g.memory_total - free, memory_reserved=g.memory_reserved,
+            compute_capability=g.compute_capability, driver_version=self.driver_version,
+            cuda_driver_version=self.cuda_driver_version, temperature_c=g.temperature_c,
+            utilization_percent=g.utilization_percent, processes=tuple(sorted(g.processes.items())),
+        )
+
+    def thd_census(self) -> Census:
+        self.readings += 1
+        return Census(
+            gpus=tuple(self._gpu(g) for g in sorted(self.gpus, key=lambda g: g.index)),
+            cpu_physical_cores=self.cpu_physical_cores, cpu_logical_cores=self.cpu_logical_cores,
+            ram_total=self.ram_total, ram_available=self.ram_available, taken_at=self.now(),
+            gpu_note=(self.gpu_note or "NVML sees no GPU") if not self.gpus else self.gpu_note,
+        )
+
+    def thd_process_gpu_memory(self, pid: int) -> dict[int, int]:
+        return {g.index: g.processes[pid] for g in self.gpus if g.processes.get(pid)}
+
+
+class RecordedNVMLError(Exception):
+    """
+    What L{RecordedNVML} raises where the recording holds an NVML error
+    (as C{pynvml.NVMLError_*} would).
+    """
+
+
+class RecordedNVML:
+    """
+    A stand-in for the C{pynvml} module that answers what a real machine
+    answered (an C{nvml_snapshot.py} recording), so
+    L{blazar.engines.hardware.NVMLProbe}'s reading code runs without a GPU.
+
+    @param v2: Whether the driver answers memory v2 (C{False}: an older
+        driver, which refuses the versioned call).
+    @param init_error: Make C{nvmlInit} raise this (no driver, no library).
+    """
+
+    NVML_TEMPERATURE_GPU = 0
+    nvmlMemory_v2 = 0x02000028
+
+    def __init__(self, recorded: dict[str, Any], v2: bool = True, init_error: Exception | None = None) -> None:
+        self._snapshot = _snapshot_of(recorded)
+        self._v2 = v2
+        self._init_error = init_error
+        self.initialised = 0
+
+    @staticmethod
+    def _answer(value: Any) -> Any:
+        if isinstance(value, dict) and "error" in value:
+            raise RecordedNVMLError(value.get("message", value["error"]))
+        return value
+
+    def _device(self, handle: int) -> dict[str, Any]:
+        return self._snapshot["devices"][handle]  # type: ignore[no-any-return]
+
+    def nvmlInit(self) -> None:
+        if self._init_error is not None:
+            raise self._init_error
+        self.initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        self.initialised -= 1
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self._answer(self._snapshot["driver_version"])  # type: ignore[no-any-return]
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return self._answer(self._snapshot["cuda_driver_version"])  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self._snapshot["devices"])
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> int:
+        if not 0 <= index < len(self._snapshot["devices"]):
+            raise RecordedNVMLError("Invalid Argument")
+        return index
+
+    def nvmlDeviceGetName(self, handle: int) -> str:
+        return self._answer(self._device(handle)["name"])  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetUUID(self, handle: int) -> str:
+        return self._answer(self._device(handle)["uuid"])  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
+        from types import SimpleNamespace
+
+        memory = self._device(handle)["memory"]
+        if version is not None:
+            if not self._v2 or "v2" not in memory:
+                raise RecordedNVMLError("Function Not Found")
+            return SimpleNamespace(**self._answer(memory["v2"]))
+        return SimpleNamespace(**self._answer(memory["v1"]))
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
+        return tuple(self._answer(self._device(handle)["compute_capability"]))  # type: ignore[return-value]
+
+    def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
+        return self._answer(self._device(handle)["temperature_c"])  # type: ignore[no-any-return]
+
+    def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
+        from types import SimpleNamespace
+
+        return SimpleNamespace(**self._answer(self._device(handle)["utilization"]))
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
+        from types import SimpleNamespace
+
+        return [SimpleNamespace(**p) for p in self._answer(self._device(handle)["processes"])]

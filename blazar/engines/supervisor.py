@@ -833,6 +833,8 @@ class Supervisor(Service):
     _admission: Any = attrs.field(factory=DeferredLock)
     metrics: Metrics = attrs.field(factory=Metrics)
     _engine_output: Callable[[str, str], None] | None = None
+    # called when a child becomes ready or exits (blazar.engines.hardware.HardwareCensus.invalidate)
+    on_hardware_change: Callable[[], None] | None = None
     # called with a ready child about to be stopped (the KV bank saves its
     # sessions' slots: blazar.gateway.sessions); SIGTERM waits for it
     before_stop: Callable[[Instance], Deferred[None]] | None = None
@@ -1452,6 +1454,7 @@ class Supervisor(Service):
                 break
             if status == 200:
                 instance.state = InstanceState.READY
+                self._hardware_changed()  # (llama-server allocates its VRAM while it loads)
                 log.info(
                     "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
                     model=instance.entry.name, engine="llamacpp", port=instance.port,
@@ -1480,6 +1483,17 @@ class Supervisor(Service):
             await deferLater(self._reactor, self._health_interval, lambda: None)
         # Exited while starting: _ended settles the waiters.
 
+    def _hardware_changed(self) -> None:
+        """
+        A child became ready or exited: what the GPUs and RAM hold changed
+        (the hardware census reads them again: L{on_hardware_change}).
+        """
+        if self.on_hardware_change is not None:
+            try:
+                self.on_hardware_change()
+            except Exception:
+                log.failure("telling the hardware census a child came or went")
+
     def _ended(self, status: ExitStatus, instance: Instance) -> None:
         if self._run_dir is not None and instance.run_files is not None:
             run_dir, pid = self._run_dir, instance.pid or 0
@@ -1491,6 +1505,7 @@ class Supervisor(Service):
             ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
         instance.state = InstanceState.DEAD
+        self._hardware_changed()
         self._all.discard(instance)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]

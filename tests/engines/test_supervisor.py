@@ -861,3 +861,32 @@ class InstanceStateTests(SynchronousTestCase):
 
 async def _fails() -> None:
     raise RuntimeError("the hook failed")
+
+
+class HardwareChangeTests(SynchronousTestCase):
+    """
+    The hardware census is told when a child becomes ready (its VRAM is
+    allocated then) and when it exits.
+    """
+
+    def test_ready_and_exit_are_told(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        config = parse_config(f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n')
+        reactor = fake_process_reactor()
+        told: list[float] = []
+        health = [503]
+
+        async def probe(url: str) -> int:
+            return health[0]
+
+        supervisor = Supervisor(config, ModelRegistry(config, reactor), reactor, probe, {}, port_finder=lambda: 5555)
+        supervisor.on_hardware_change = lambda: told.append(reactor.seconds())
+        d = ensureDeferred(supervisor.instance_for("m"))
+        self.assertEqual(told, [])  # spawned, not loaded yet
+        health[0] = 200
+        reactor.advance(0.05)
+        instance = self.successResultOf(d)
+        self.assertEqual(len(told), 1)
+        instance.transport.exit(0)
+        self.assertEqual(len(told), 2)
