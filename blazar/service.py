@@ -704,6 +704,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
     )
     supervisor.on_hardware_change = hardware.invalidate
+    supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
     supervisor.setServiceParent(top)
     # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
     catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import shutil
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import attrs
 
@@ -161,6 +161,7 @@ def build_command(
     port: int,
     api_key: str,
     config: Config,
+    plan: Any = None,
 ) -> EngineCommand:
     """
     The command for one llama-server child serving C{entry}.
@@ -172,6 +173,11 @@ def build_command(
     Operator C{args} go last so they can override anything.
 
     @param port: A free TCP port on 127.0.0.1.
+    @param plan: Its GPU placement (L{blazar.engines.planner.Plan}): the
+        child sees only the plan's GPUs (C{CUDA_VISIBLE_DEVICES}, in NVML's
+        order), with its C{-ngl} and C{--tensor-split}, and llama-server's
+        own fitting off (C{--fit off}: it would change the plan); the
+        profile's GPU keys are then the planner's to honour.
     """
     settings = entry.settings
     parallel = settings.parallel or DEFAULT_PARALLEL
@@ -202,10 +208,19 @@ def build_command(
             # OpenAI-style embeddings need a pooled vector per input; a
             # model that declares no pooling gets mean pooling.
             argv += ["--pooling", "mean"]
-    argv += launch_profile(settings)
+    env = {"LLAMA_API_KEY": api_key}
+    if plan is None:
+        argv += launch_profile(settings)
+    else:
+        argv += launch_profile(attrs.evolve(settings, gpu_layers=None, main_gpu=None, tensor_split=()))
+        argv += ["-ngl", str(plan.gpu_layers), "--fit", "off"]
+        if len(plan.devices) > 1:
+            argv += ["--tensor-split", ",".join(f"{x:g}" for x in plan.tensor_split)]
+        env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the child's device numbers are NVML's
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.devices))
     argv += list(config.llamacpp.args)
     argv += list(settings.args)
-    return EngineCommand(tuple(argv), {"LLAMA_API_KEY": api_key})
+    return EngineCommand(tuple(argv), env)
 
 
 def physical_cores() -> int:

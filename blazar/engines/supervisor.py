@@ -678,6 +678,8 @@ class Instance:
     shape: str = ""
     # the placement a client asked for that it runs with (Supervisor.want_profile), as sorted items
     profile: tuple[tuple[str, Any], ...] = ()
+    plan: Any = None  # its GPU placement (blazar.engines.planner.Plan), if the planner placed it
+    need: Any = None  # the planner's estimate it was placed by (planner.ModelNeed)
     last_used: float = 0.0
     stop_reason: str = ""
     unload_when_idle: str | None = None
@@ -835,6 +837,11 @@ class Supervisor(Service):
     _engine_output: Callable[[str, str], None] | None = None
     # called when a child becomes ready or exits (blazar.engines.hardware.HardwareCensus.invalidate)
     on_hardware_change: Callable[[], None] | None = None
+    # the hardware census as of now (HardwareCensus.fresh): with GPUs, llama.cpp children are
+    # placed by blazar.engines.planner; None (or no GPU): RAM-only capacity, as before
+    hardware: Callable[[], Deferred[Any]] | None = None
+    # model -> what NVML measured its last child to hold beyond its plan (planner.correction)
+    _corrections: dict[str, int] = attrs.field(factory=dict)
     # called with a ready child about to be stopped (the KV bank saves its
     # sessions' slots: blazar.gateway.sessions); SIGTERM waits for it
     before_stop: Callable[[Instance], Deferred[None]] | None = None
@@ -1311,8 +1318,10 @@ class Supervisor(Service):
             existing = self._instances.get(entry.name)
             if existing is not None:
                 return existing
+            placed = await self._gpu_plan(entry, meta) if lane is None else None
             await self._make_room(entry, meta)
-            return self._start(entry, meta, binary, identity, lane)
+            instance = self._start(entry, meta, binary, identity, lane, placed)
+            return instance
         finally:
             self._admission.release()
 
@@ -1373,7 +1382,7 @@ class Supervisor(Service):
 
     def _start(
         self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "",
-        lane: CommandLane | None = None,
+        lane: CommandLane | None = None, placed: Any = None,
     ) -> Instance:
         port = self._port_finder()
         api_key = secrets.token_urlsafe(24)
@@ -1382,7 +1391,8 @@ class Supervisor(Service):
             entry = attrs.evolve(entry, settings=attrs.evolve(entry.settings, **dict(profile)))
         if lane is None:
             command = build_command(
-                binary, entry, meta, port=port, api_key=api_key, config=self._config
+                binary, entry, meta, port=port, api_key=api_key, config=self._config,
+                plan=placed[0] if placed is not None else None,
             )
         elif lane.name in BUILTIN:
             command = EngineCommand(tuple(builtin_argv(
@@ -1410,6 +1420,7 @@ class Supervisor(Service):
             health_path=lane.health if lane is not None else "/health",
             path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
             profile=profile,
+            plan=placed[0] if placed is not None else None, need=placed[1] if placed is not None else None,
         )
         env = child_environment(self._environ)
         env.update(command.env)
@@ -1455,6 +1466,9 @@ class Supervisor(Service):
             if status == 200:
                 instance.state = InstanceState.READY
                 self._hardware_changed()  # (llama-server allocates its VRAM while it loads)
+                if instance.plan is not None:
+                    ensureDeferred(self._measure(instance)).addErrback(
+                        lambda f: log.failure("measuring {model}'s GPU memory", f, model=instance.entry.name))
                 log.info(
                     "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
                     model=instance.entry.name, engine="llamacpp", port=instance.port,
@@ -1482,6 +1496,78 @@ class Supervisor(Service):
                 return
             await deferLater(self._reactor, self._health_interval, lambda: None)
         # Exited while starting: _ended settles the waiters.
+
+    async def _gpu_plan(self, entry: ModelEntry, meta: GGUFMetadata) -> tuple[Any, Any] | None:
+        """
+        Where a llama.cpp child for C{entry} goes on the GPUs the hardware
+        census sees (L{blazar.engines.planner.place}): which GPUs, how many
+        layers, and the idle models to stop first (stopped here); L{None}
+        on a machine without GPUs (or without a census).
+
+        @return: The plan and the estimate it was made from.
+        @raise NoCapacity: It cannot be placed; the message names the
+            levers.
+        """
+        if self.hardware is None:
+            return None
+        from blazar.engines.planner import GPUFree, Loaded, NoFit, Wishes, estimate_need, place
+
+        census = await self.hardware()
+        if not census.gpus:
+            return None
+        settings = entry.settings
+        per_slot = context_per_slot(entry, meta)
+        need = estimate_need(
+            entry.name, meta, per_slot, settings.parallel or DEFAULT_PARALLEL,
+            cache_type_k=settings.cache_type_k or "f16", cache_type_v=settings.cache_type_v or "f16",
+            flash_attn=settings.flash_attn == "on",
+            n_ubatch=per_slot if settings.embedding or settings.rerank else 512,
+            measured=self._corrections.get(entry.name, 0),
+        )
+        loaded = [
+            Loaded(i.entry.name,
+                   held=dict(i.plan.gpu_bytes) if i.plan is not None else census.process_gpu_memory(i.pid),
+                   ram=i.plan.ram_bytes if i.plan is not None else 0, last_used=i.last_used,
+                   pinned=i.keep_alive is not None and i.keep_alive < 0,
+                   busy=i.in_flight > 0 or i.state != InstanceState.READY)
+            for i in self._all
+            if i.lane == "llamacpp" and i.state in (InstanceState.STARTING, InstanceState.READY)
+        ]
+        plan = place(need, [GPUFree(g.index, g.memory_free) for g in census.gpus], loaded=loaded,
+                     ram_free=census.ram_available,
+                     wishes=Wishes(gpu_layers=settings.gpu_layers, main_gpu=settings.main_gpu,
+                                   tensor_split=settings.tensor_split))
+        if isinstance(plan, NoFit):
+            raise NoCapacity(entry.name, plan.message)
+        for name in plan.evictions:
+            for victim in [i for i in self._all if i.entry.name == name and i.state == InstanceState.READY]:
+                await self.stop_instance(victim, f"making room on the GPU for {entry.name}")
+        if plan.evictions:
+            census = await self.hardware()  # (what the stopped children held is free now)
+        log.info("{model}: placed on GPU {devices} with {layers} of {units} layers ({bytes})", model=entry.name,
+                 devices=",".join(map(str, plan.devices)) or "none (CPU)", layers=plan.gpu_layers,
+                 units=plan.n_units, bytes=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in
+                                                     sorted(plan.gpu_bytes.items())))
+        return plan, need
+
+    async def _measure(self, instance: Instance) -> None:
+        """
+        What a placed child really holds on each GPU (NVML, once it is
+        ready): the difference from its plan corrects the model's next plan.
+        """
+        from blazar.engines.planner import correction
+
+        if self.hardware is None or instance.plan is None or instance.need is None:
+            return
+        census = await self.hardware()
+        measured = census.process_gpu_memory(instance.pid)
+        if not measured:
+            return  # (NVML names no memory for it: another PID namespace, or no GPU used)
+        self._corrections[instance.entry.name] = instance.need.measured + correction(instance.plan.gpu_bytes,
+                                                                                     measured)
+        log.info("{model}: holds {measured} on the GPU(s), planned {planned}", model=instance.entry.name,
+                 measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())),
+                 planned=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(instance.plan.gpu_bytes.items())))
 
     def _hardware_changed(self) -> None:
         """

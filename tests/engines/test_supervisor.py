@@ -890,3 +890,75 @@ class HardwareChangeTests(SynchronousTestCase):
         self.assertEqual(len(told), 1)
         instance.transport.exit(0)
         self.assertEqual(len(told), 2)
+
+
+class GPUPlacementTests(SynchronousTestCase):
+    """
+    With a hardware census that sees GPUs, a llama.cpp child is placed by
+    the planner: it sees only its plan's GPUs (in NVML's order), with the
+    plan's layers and llama-server's own fitting off; a model that cannot
+    be placed is a 503 naming the levers; after it is ready, what NVML
+    measures corrects the model's next plan. (A real GPU run is pending:
+    these run against blazar.testing.FakeNVML.)
+    """
+
+    def make(self, nvml: Any, model_config: str = "") -> Supervisor:
+        from twisted.internet.defer import succeed
+
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        config = parse_config(f'models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
+                              '[engines.llamacpp]\nbinary = "/bin/true"\n')
+        self.reactor = fake_process_reactor()
+
+        self.health = 200
+
+        async def probe(url: str) -> int:
+            return self.health
+
+        supervisor = Supervisor(config, ModelRegistry(config, self.reactor), self.reactor, probe, {},
+                                port_finder=lambda: 5555)
+        supervisor.hardware = lambda: succeed(nvml.thd_census())
+        return supervisor
+
+    def test_a_child_sees_its_plans_gpu_with_its_layers(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB, 24 * GIB)
+        nvml.set_free(0, 2 * GIB)  # GPU 1 has the most room
+        supervisor = self.make(nvml)
+        self.health = 503
+        d = ensureDeferred(supervisor.instance_for("m"))
+        instance = supervisor.instances()[0]
+        _, _, argv, env = self.reactor.spawned[0]
+        self.assertEqual(env["CUDA_VISIBLE_DEVICES"], "1")
+        self.assertEqual(env["CUDA_DEVICE_ORDER"], "PCI_BUS_ID")
+        self.assertEqual(argv[argv.index("-ngl") + 1], str(instance.plan.n_units))  # all of it
+        self.assertEqual(argv[argv.index("--fit") + 1], "off")
+        self.assertNotIn("--tensor-split", argv)
+        # ready: NVML's figure for the child corrects the next plan
+        nvml.set_process_memory(instance.pid, 1, sum(instance.plan.gpu_bytes.values()) + 50 * 2**20)
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.assertIs(self.successResultOf(d), instance)
+        self.assertEqual(supervisor._corrections["m:latest"], 50 * 2**20)
+
+    def test_a_model_that_cannot_be_placed_is_refused_with_its_levers(self) -> None:
+        from blazar.engines.supervisor import NoCapacity
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB)
+        nvml.set_free(0, 1 << 20)
+        supervisor = self.make(nvml, "gpu_layers = 99\n")  # all of it on the GPU, as asked
+        failure = self.failureResultOf(ensureDeferred(supervisor.instance_for("m")), NoCapacity)
+        self.assertIn("gpu_layers", str(failure.value))
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_a_machine_without_gpus_is_as_before(self) -> None:
+        from blazar.testing import FakeNVML
+
+        supervisor = self.make(FakeNVML())
+        self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
+        _, _, argv, env = self.reactor.spawned[0]
+        self.assertNotIn("-ngl", argv)
+        self.assertNotIn("CUDA_VISIBLE_DEVICES", env)
