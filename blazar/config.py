@@ -33,6 +33,8 @@ C{~/.config/blazar/config.toml}. Keys::
     breaker_backoff_secs = 10      # first back-off; doubles, up to
     breaker_max_backoff_secs = 300
     max_loaded_models = 0          # 0: as many as fit in free memory
+    memory_budget_bytes = 0        # at most this much for all engine children (their estimates);
+                                   # 0: what the machine has free
     drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
     ctx_policy = "grow"            # a request's num_ctx above the loaded context:
                                    # "grow" restarts the child with the larger context
@@ -414,6 +416,7 @@ class Config:
     breaker_backoff: float = 10.0
     breaker_max_backoff: float = 300.0
     max_loaded_models: int = 0
+    memory_budget: int = 0  # bytes all children may take by their estimates (0: free memory decides)
     drain_timeout: float = 30.0
     child_header_timeout: float = 120.0
     stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
@@ -500,6 +503,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "breaker_backoff": ("breaker_backoff_secs", RUNTIME),
     "breaker_max_backoff": ("breaker_max_backoff_secs", RUNTIME),
     "max_loaded_models": ("max_loaded_models", RUNTIME),
+    "memory_budget": ("memory_budget_bytes", RUNTIME),
     "drain_timeout": ("drain_timeout_secs", RUNTIME),
     "child_header_timeout": ("child_header_timeout_secs", RUNTIME),
     "stream_stall_close": ("stream_stall_close_secs", RUNTIME),
@@ -791,7 +795,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
+        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "drain_timeout_secs",
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
         "cors_origins", "allowed_hosts", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
@@ -873,6 +877,11 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise _expected(where, "max_loaded_models", "0 (no limit) or a positive integer", value)
         kwargs["max_loaded_models"] = value
+    if "memory_budget_bytes" in doc:
+        value = doc["memory_budget_bytes"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _expected(where, "memory_budget_bytes", "0 (free memory decides) or a number of bytes", value)
+        kwargs["memory_budget"] = value
     if "breaker_crashes" in doc:
         kwargs["breaker_crashes"] = _positive_int(doc["breaker_crashes"], where, "breaker_crashes")
     if "hf_endpoint" in doc:

@@ -515,6 +515,7 @@ class InstanceView:
     breaker: str
     rss: int | None = None
     lane: str = "llamacpp"  # the engine lane: llamacpp, whisper, sdcpp or a command lane's name
+    vram: int = 0  # bytes on the GPUs its placement planned (blazar.engines.planner), 0 on a CPU
 
     @property
     def live(self) -> bool:
@@ -546,6 +547,7 @@ def view_of(instance: Any, breaker: str) -> InstanceView:
         started_at=instance.started_at, ready_at=instance.ready_at, last_used=instance.last_used,
         expires_at=instance.expires_at(), served=instance.served, breaker=breaker,
         lane=getattr(instance, "lane", "llamacpp"),
+        vram=sum(plan.gpu_bytes.values()) if (plan := getattr(instance, "plan", None)) is not None else 0,
     )
 
 
@@ -842,6 +844,8 @@ class Supervisor(Service):
     hardware: Callable[[], Deferred[Any]] | None = None
     # model -> what NVML measured its last child to hold beyond its plan (planner.correction)
     _corrections: dict[str, int] = attrs.field(factory=dict)
+    # id(instance) -> its estimated bytes (estimate_bytes), for memory_budget_bytes
+    _estimated: dict[int, int] = attrs.field(factory=dict)
     # called with a ready child about to be stopped (the KV bank saves its
     # sessions' slots: blazar.gateway.sessions); SIGTERM waits for it
     before_stop: Callable[[Instance], Deferred[None]] | None = None
@@ -1321,6 +1325,7 @@ class Supervisor(Service):
             placed = await self._gpu_plan(entry, meta) if lane is None else None
             await self._make_room(entry, meta)
             instance = self._start(entry, meta, binary, identity, lane, placed)
+            self._estimated[id(instance)] = self.estimate(entry, meta)
             return instance
         finally:
             self._admission.release()
@@ -1352,14 +1357,23 @@ class Supervisor(Service):
             live = [i for i in self._all if i.state in (InstanceState.STARTING, InstanceState.READY)]
             too_many = limit > 0 and len(live) >= limit
             free = await self._memory_free()
+            budget = self._config.memory_budget
+            within = None
+            if budget:
+                # what the budget leaves, by the estimates of the children it holds
+                within = budget - sum(self._estimated.get(id(i), 0) for i in live)
+                free = within if free is None else min(free, within)
             too_big = free is not None and need > free
             if not too_many and not too_big:
                 return
             if too_big and not live:
+                by_budget = within is not None and free == within
                 raise NoCapacity(entry.name, (
-                    f"model {entry.name!r} needs about {need / 2**30:.1f} GiB (weights + KV cache) "
-                    f"but only {(free or 0) / 2**30:.1f} GiB is free: lower ctx_size or parallel under "
-                    f'[models."{entry.name}"], or use a smaller quantization'
+                    f"model {entry.name!r} needs about {need / 2**30:.2f} GiB (weights + KV cache) "
+                    f"but only {(free or 0) / 2**30:.2f} GiB is "
+                    + (f"left of memory_budget_bytes = {budget}" if by_budget else "free")
+                    + f': lower ctx_size or parallel under [models."{entry.name}"], or use a smaller quantization'
+                    + (", or raise memory_budget_bytes" if by_budget else "")
                 ))
             idle = self._idle_lru()
             if idle:
@@ -1591,6 +1605,7 @@ class Supervisor(Service):
             ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
         instance.state = InstanceState.DEAD
+        self._estimated.pop(id(instance), None)
         self._hardware_changed()
         self._all.discard(instance)
         if self._instances.get(instance.entry.name) is instance:

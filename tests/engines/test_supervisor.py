@@ -942,6 +942,7 @@ class GPUPlacementTests(SynchronousTestCase):
         self.reactor.advance(0.05)
         self.assertIs(self.successResultOf(d), instance)
         self.assertEqual(supervisor._corrections["m:latest"], 50 * 2**20)
+        self.assertEqual([v.vram for v in supervisor.snapshot()], [sum(instance.plan.gpu_bytes.values())])
 
     def test_a_model_that_cannot_be_placed_is_refused_with_its_levers(self) -> None:
         from blazar.engines.supervisor import NoCapacity

@@ -65,3 +65,31 @@ def test_ollamas_placement_reloads_the_model_with_it(daemon: Daemon) -> None:
     assert flag(second.cmdline(), "-ngl") == "7", second.cmdline()
     status, reply = daemon.post_json("/api/chat", ask)  # none asked: the placement stays
     assert status == 200 and daemon.engine_for("plain:latest").pid == second.pid, reply
+
+
+def test_a_model_too_large_for_the_memory_budget_is_a_teaching_503(
+        engine: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """
+    memory_budget_bytes stands in for a small GPU: a model whose estimate
+    (weights + KV cache) is over it is refused before any child starts,
+    in each surface's shape, naming the levers.
+    """
+    root = tmp_path_factory.mktemp("budget")
+    make_test_model(root / "models" / "tiny.gguf")
+    d = Daemon(root, (
+        f'models_dir = "{root / "models"}"\nmemory_budget_bytes = 65536\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    ))
+    d.start()
+    try:
+        for path, body in (("/v1/chat/completions", {"model": "tiny", "max_tokens": 2,
+                                                     "messages": [{"role": "user", "content": "hi"}]}),
+                           ("/api/chat", {"model": "tiny", "stream": False,
+                                          "messages": [{"role": "user", "content": "hi"}]})):
+            status, headers, data = d.request("POST", path, body)
+            assert status == 503, (path, status, data[:300])
+            text = data.decode()
+            assert "memory_budget_bytes" in text and "ctx_size" in text and "parallel" in text, text
+        assert d.engines() == []  # no child was started
+    finally:
+        d.close()
