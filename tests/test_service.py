@@ -297,7 +297,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "models_dir", "ready_timeout", "stop_grace", "max_body_bytes", "header_timeout_secs",
         "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "allowed_hosts", "keep_alive",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs", "max_loaded_models", "drain_timeout_secs",
+        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "drain_timeout_secs",
         "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
@@ -536,6 +536,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         supervisor = self.tree.supervisor
         self.check("max_loaded_models", "max_loaded_models = 2\n", "",
                    lambda: supervisor._config.max_loaded_models, 2)
+        self.check("memory_budget_bytes", "memory_budget_bytes = 1073741824\n", "",
+                   lambda: supervisor._config.memory_budget, 1 << 30)
         self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
                    lambda: supervisor._config.drain_timeout, 3)
         queue = self.tree.admission.queue("m:latest")
