@@ -64,6 +64,7 @@ from blazar.engines.llamacpp import (
 )
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.remote import RemoteInstance, scrub, shared_name
+from blazar.engines.planner import GPUFree, Loaded, NoFit, Wishes, correction, estimate_need, place
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
@@ -1524,8 +1525,6 @@ class Supervisor(Service):
         """
         if self.hardware is None:
             return None
-        from blazar.engines.planner import GPUFree, Loaded, NoFit, Wishes, estimate_need, place
-
         census = await self.hardware()
         if not census.gpus:
             return None
@@ -1556,8 +1555,6 @@ class Supervisor(Service):
         for name in plan.evictions:
             for victim in [i for i in self._all if i.entry.name == name and i.state == InstanceState.READY]:
                 await self.stop_instance(victim, f"making room on the GPU for {entry.name}")
-        if plan.evictions:
-            census = await self.hardware()  # (what the stopped children held is free now)
         log.info("{model}: placed on GPU {devices} with {layers} of {units} layers ({bytes})", model=entry.name,
                  devices=",".join(map(str, plan.devices)) or "none (CPU)", layers=plan.gpu_layers,
                  units=plan.n_units, bytes=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in
@@ -1569,8 +1566,6 @@ class Supervisor(Service):
         What a placed child really holds on each GPU (NVML, once it is
         ready): the difference from its plan corrects the model's next plan.
         """
-        from blazar.engines.planner import correction
-
         if self.hardware is None or instance.plan is None or instance.need is None:
             return
         census = await self.hardware()

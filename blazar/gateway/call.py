@@ -15,6 +15,10 @@ from blazar.gateway.admission import WorkClass
 from blazar.models.registry import ModelEntry
 
 
+# Ollama's placement options and the model profile keys they set (blazar.config.PROFILE_KEYS)
+OLLAMA_PLACEMENT = {"num_gpu": "gpu_layers", "main_gpu": "main_gpu", "num_thread": "threads", "use_mmap": "use_mmap"}
+
+
 class CallKind(enum.Enum):
     """
     What the engine is asked to do; decides the purpose check and how the
@@ -92,7 +96,7 @@ class Call:
     stream: bool = False
     keep_alive: float | None = None
     ctx_size: int | None = None
-    # the placement the request asks for, as profile keys (Ollama's num_gpu, main_gpu, num_thread, use_mmap)
+    # the placement the request asks for, as profile keys (Ollama's options: OLLAMA_PLACEMENT)
     profile: dict[str, Any] | None = None
     max_tokens: int | None = None
     work: WorkClass = WorkClass.INTERACTIVE

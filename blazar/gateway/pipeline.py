@@ -55,7 +55,7 @@ from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
-from blazar.gateway.call import Call, CallKind, Counting
+from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
 from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
@@ -1234,8 +1234,8 @@ class Pipeline:
         if not call.profile or call.lane is not None:
             return
         if scoped(request):
-            names = {"gpu_layers": "num_gpu", "main_gpu": "main_gpu", "threads": "num_thread", "use_mmap": "use_mmap"}
-            note_ignored(request, call.surface, [f"options.{names[k]}" for k in call.profile])
+            note_ignored(request, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
+                                                 if key in call.profile])
             return
         await self.supervisor.want_profile(call.model, call.profile)
 

@@ -22,7 +22,7 @@ from blazar import __version__
 from blazar.config import Config
 from blazar.engines.llamacpp import context_per_slot, model_kind
 from blazar.gateway.admission import Ticket, WorkClass
-from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import context_of, key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.ignored import note_ignored
@@ -228,10 +228,10 @@ class OllamaSurface:
                 value = int(value)
             return value if isinstance(value, int) and not isinstance(value, bool) and value >= least else None
 
-        wanted = {"gpu_layers": whole("num_gpu", 0), "main_gpu": whole("main_gpu", 0),
-                  "threads": whole("num_thread", 1)}
+        least = {"num_gpu": 0, "main_gpu": 0, "num_thread": 1}
+        wanted: dict[str, Any] = {OLLAMA_PLACEMENT[o]: whole(o, n) for o, n in least.items()}
         if isinstance(options.get("use_mmap"), bool):
-            wanted["use_mmap"] = options["use_mmap"]
+            wanted[OLLAMA_PLACEMENT["use_mmap"]] = options["use_mmap"]
         return {k: v for k, v in wanted.items() if v is not None} or None
 
     def _call(

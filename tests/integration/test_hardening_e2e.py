@@ -23,11 +23,24 @@ from tests.integration.harness import Daemon
 from tests.integration.reliability import TALLY, tallied
 
 
-def serving(engine: str, tmp_path_factory: pytest.TempPathFactory, name: str, more: str = "") -> Iterator[Daemon]:
+def serving(engine: str, tmp_path_factory: pytest.TempPathFactory, name: str, more: str = "", *,
+            model: str = "tiny", real: bool = False, settings: str = "parallel = 2\n", top: str = "",
+            ) -> Iterator[Daemon]:
+    """
+    A reliability daemon serving one model: the generated test model, or
+    (C{real}) SmolLM2-135M-Instruct from its wheel; C{settings} go under
+    its C{[models."NAME"]}, C{top} before it, C{more} (keys, ...) last.
+    """
+    from tests.integration.harness import real_model
+
     root = tmp_path_factory.mktemp(name)
-    make_test_model(root / "models" / "tiny.gguf")
+    if real:
+        (root / "models").mkdir()
+        (root / "models" / f"{model}.gguf").symlink_to(real_model())
+    else:
+        make_test_model(root / "models" / f"{model}.gguf")
     with tallied(Daemon(root, (
-        f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\n'
+        f'models_dir = "{root / "models"}"\n{top}[models."{model}"]\n{settings}'
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n' + more
     ))) as d:
         yield d
@@ -325,17 +338,8 @@ METERED = "metered-secret-0123456789"
 
 @pytest.fixture(scope="module")
 def metered(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    from tests.integration.harness import real_model
-
-    root = tmp_path_factory.mktemp("metered")
-    (root / "models").mkdir()
-    (root / "models" / "smol.gguf").symlink_to(real_model())
-    with tallied(Daemon(root, (
-        f'models_dir = "{root / "models"}"\n[models."smol"]\nparallel = 2\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[[keys]]\nname = "metered"\nsecret = "{METERED}"\ndaily_tokens = 10000000\n'
-    ))) as d:
-        yield d
+    yield from serving(engine, tmp_path_factory, "metered", model="smol", real=True,
+                       more=f'[[keys]]\nname = "metered"\nsecret = "{METERED}"\ndaily_tokens = 10000000\n')
 
 
 def used_today(daemon: Daemon) -> int:
@@ -402,14 +406,8 @@ ONE, TWO = "isolated-one-0123456789", "isolated-two-0123456789"
 
 @pytest.fixture(scope="module")
 def isolated(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    root = tmp_path_factory.mktemp("isolated")
-    make_test_model(root / "models" / "tiny.gguf")
-    with tallied(Daemon(root, (
-        f'models_dir = "{root / "models"}"\n[models."tiny"]\nparallel = 2\nisolate_keys = true\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[[keys]]\nname = "one"\nsecret = "{ONE}"\n[[keys]]\nname = "two"\nsecret = "{TWO}"\n'
-    ))) as d:
-        yield d
+    yield from serving(engine, tmp_path_factory, "isolated", settings="parallel = 2\nisolate_keys = true\n",
+                       more=f'[[keys]]\nname = "one"\nsecret = "{ONE}"\n[[keys]]\nname = "two"\nsecret = "{TWO}"\n')
 
 
 def test_an_isolated_model_reuses_no_other_keys_cache(isolated: Daemon) -> None:
@@ -440,36 +438,34 @@ def test_an_isolated_model_reuses_no_other_keys_cache(isolated: Daemon) -> None:
 # -- low: an engine stopped mid-stream is found out, not waited for 600 s ------------
 
 
-def test_a_child_stopped_mid_stream_ends_the_stream_soon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+@pytest.fixture
+def quiet_child(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+    yield from serving(engine, tmp_path_factory, "sigstop", model="smol", real=True, settings="parallel = 1\n",
+                       top="child_header_timeout_secs = 2\n")
+
+
+def test_a_child_stopped_mid_stream_ends_the_stream_soon(quiet_child: Daemon) -> None:
     import signal
 
-    from tests.integration.harness import real_model
-
-    root = tmp_path_factory.mktemp("sigstop")
-    (root / "models").mkdir()
-    (root / "models" / "smol.gguf").symlink_to(real_model())
-    with tallied(Daemon(root, (
-        f'models_dir = "{root / "models"}"\nchild_header_timeout_secs = 2\n[models."smol"]\nparallel = 1\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ))) as daemon:
-        TALLY.faults += 1
-        endless = {"model": "smol", "max_tokens": 4000, "stream": True,
-                   "logit_bias": {"0": -100, "1": -100, "2": -100},
-                   "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
-        stopped_at, child = None, None
-        events = daemon.stream("/v1/chat/completions", endless, timeout=60)
-        tail = []
-        for line, _ in events:
-            tail.append(line)
-            if stopped_at is None and '"content"' in line:
-                child = daemon.engine_for("smol:latest")
-                child.send_signal(signal.SIGSTOP)
-                stopped_at = time.monotonic()
-        assert stopped_at is not None and child is not None
-        took = time.monotonic() - stopped_at
-        assert took < 15, took  # the child's quiet time (2 s), a failed /health (3 s), the kill
-        assert any("stopped answering its health check" in line for line in tail[-3:]), tail[-3:]
-        child.wait(10)  # killed (a SIGSTOPped process takes SIGKILL)
-        status, _ = daemon.post_json("/v1/chat/completions", {"model": "smol", "max_tokens": 2,
-                                                              "messages": [{"role": "user", "content": "hi"}]})
-        assert status == 200  # a fresh child
+    daemon = quiet_child
+    TALLY.faults += 1
+    endless = {"model": "smol", "max_tokens": 4000, "stream": True,
+               "logit_bias": {"0": -100, "1": -100, "2": -100},
+               "messages": [{"role": "user", "content": "Count from 1 to 1000, one number per line."}]}
+    stopped_at, child = None, None
+    events = daemon.stream("/v1/chat/completions", endless, timeout=60)
+    tail = []
+    for line, _ in events:
+        tail.append(line)
+        if stopped_at is None and '"content"' in line:
+            child = daemon.engine_for("smol:latest")
+            child.send_signal(signal.SIGSTOP)
+            stopped_at = time.monotonic()
+    assert stopped_at is not None and child is not None
+    took = time.monotonic() - stopped_at
+    assert took < 15, took  # the child's quiet time (2 s), a failed /health (3 s), the kill
+    assert any("stopped answering its health check" in line for line in tail[-3:]), tail[-3:]
+    child.wait(10)  # killed (a SIGSTOPped process takes SIGKILL)
+    status, _ = daemon.post_json("/v1/chat/completions", {"model": "smol", "max_tokens": 2,
+                                                          "messages": [{"role": "user", "content": "hi"}]})
+    assert status == 200  # a fresh child

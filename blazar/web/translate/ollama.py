@@ -20,6 +20,7 @@ Shapes (Ollama side):
 from __future__ import annotations
 
 from blazar.gateway.errors import BadRequest
+from blazar.gateway.call import OLLAMA_PLACEMENT
 
 import base64
 import math
@@ -67,7 +68,7 @@ _NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty
 
 # honoured by a reload of the model with that placement (blazar.engines.supervisor.want_profile),
 # for unscoped keys
-PLACEMENT_OPTIONS = ("num_gpu", "main_gpu", "num_thread", "use_mmap")
+PLACEMENT_OPTIONS = tuple(OLLAMA_PLACEMENT)
 # Accepted and ignored: they size or place the engine, which the operator's
 # config decides, or are obsolete. (num_ctx is not sent to the engine either:
 # the surface hands it to the supervisor, which grows the child's context.)
