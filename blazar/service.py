@@ -48,6 +48,7 @@ from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.gateway.admission import Admission
 from blazar.gateway.batch import BatchRunner, LineSender
+from blazar.gateway.bench import BenchRecords
 from blazar.web.batches import BatchSurface
 from blazar.gateway.cachestore import CacheStore
 from blazar.web.dashboard import Dashboard
@@ -717,6 +718,8 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     quotas = Quotas(reactor)
     usage_store = UsageStore(config.data_dir / "blazar.db", quotas, reactor)
     usage_store.setServiceParent(top)
+    # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
+    bench = BenchRecords(registry, supervisor, usage_store.run_db, hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
     pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
@@ -762,7 +765,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
         return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
 
     dashboard = Dashboard(registry, pipeline, operations, reactor, time.time, lambda: live.current, logs=ring,
-                          hints=hints, engines=installed_engines)
+                          hints=hints, engines=installed_engines, hardware=hardware, bench=bench.history)
     root = AuthGate(
         SurfaceRouter(
             openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
@@ -842,7 +845,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             f"unix:{control_path}:mode=600:lockfile=1",
             ControlFactory(
                 supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints, operations, session_service.sessions,
+                admission.snapshot, hints, operations, session_service.sessions, hardware, bench=bench,
             ),
             reactor=reactor,
         )

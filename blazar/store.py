@@ -120,6 +120,20 @@ MIGRATIONS: list[Migration] = [
     """,
     # 7: the Batch API's file contents out of SQLite, into <data_dir>/files/<id>
     lambda db: _files_out_of_the_database(db),
+    # 8: `blazar bench` runs (blazar.engines.bench, blazar.gateway.bench)
+    """
+    CREATE TABLE bench_history (
+        id INTEGER PRIMARY KEY AUTOINCREMENT,
+        model TEXT NOT NULL,        -- canonical model name
+        created REAL NOT NULL,      -- UNIX seconds
+        engine TEXT NOT NULL,       -- kind@tag of an installed engine, else the binary's build folder or path
+        profile TEXT NOT NULL,      -- the child's launch profile, JSON: argv (no port, no key), binary, GPUs, ...
+        hardware TEXT NOT NULL,     -- the machine, JSON: GPUs (name, memory), CPU cores, RAM
+        settings TEXT NOT NULL,     -- the bench's, JSON: prompt_tokens, max_tokens, rounds, concurrency, url
+        levels TEXT NOT NULL        -- per concurrency level, JSON: TTFT, prompt and generation tokens/s, ...
+    );
+    CREATE INDEX bench_history_by_model ON bench_history (model, id)
+    """,
 ]
 
 
@@ -731,3 +745,54 @@ def thd_purge_cache(db: sqlite3.Connection, before: float) -> int:
     Delete the cache entries created before C{before}; how many.
     """
     return db.execute("DELETE FROM cache_entries WHERE created < ?", (before,)).rowcount
+
+
+# -- `blazar bench` runs (migration 8: blazar.gateway.bench) ------------------------
+
+#: a bench_history row: (model, created, engine, profile JSON, hardware JSON, settings JSON, levels JSON)
+BenchRow = tuple[str, float, str, str, str, str, str]
+#: a bench_history row as read: its id first
+StoredBenchRow = tuple[int, str, float, str, str, str, str, str]
+
+
+def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
+    """
+    Record a bench run; drop all but the newest C{keep} of that model's,
+    in one transaction.
+
+    @return: The run's id (ids grow: a later run has a larger one).
+    """
+    db.execute("BEGIN")
+    try:
+        id_ = db.execute("INSERT INTO bench_history (model, created, engine, profile, hardware, settings, levels) "
+                         "VALUES (?, ?, ?, ?, ?, ?, ?)", row).lastrowid
+        db.execute("DELETE FROM bench_history WHERE model = ? AND id NOT IN "
+                   "(SELECT id FROM bench_history WHERE model = ? ORDER BY id DESC LIMIT ?)", (row[0], row[0], keep))
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+    return int(id_ or 0)
+
+
+def thd_bench_history(db: sqlite3.Connection, model: str | None, limit: int) -> list[StoredBenchRow]:
+    """
+    Up to C{limit} recorded runs of C{model} (of every model for
+    L{None}), newest first: C{(id, model, created, engine, profile,
+    hardware, settings, levels)}.
+    """
+    sql = "SELECT id, model, created, engine, profile, hardware, settings, levels FROM bench_history"
+    args: tuple[object, ...] = ()
+    if model is not None:
+        sql, args = sql + " WHERE model = ?", (model,)
+    return [(int(r[0]), str(r[1]), float(r[2]), str(r[3]), str(r[4]), str(r[5]), str(r[6]), str(r[7]))
+            for r in db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit))]
+
+
+def thd_engine_named(db: sqlite3.Connection, path: str) -> str | None:
+    """
+    C{kind@tag} of the installed engine (migration 4's C{engines} table)
+    whose binary is C{path}, if one is.
+    """
+    row = db.execute("SELECT kind, tag FROM engines WHERE path = ? ORDER BY active DESC LIMIT 1", (path,)).fetchone()
+    return f"{row[0]}@{row[1]}" if row else None

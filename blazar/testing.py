@@ -242,6 +242,9 @@ class FakeInstance:
     shape: str = ""  # as the real one's (blazar.engines.supervisor.child_shape); "": computed from the files
     lane: str = "llamacpp"  # as the real one's: llamacpp, whisper, sdcpp or a command lane's name
     server: str = "llama-server"
+    argv: tuple[str, ...] = ()  # the command line it was started with, as the real one's
+    plan: Any = None  # a blazar.engines.planner.Plan where a test places it on GPUs, as the real one's
+    vram_measured: dict[int, int] | None = None  # GPU -> bytes NVML measured, as the real one's
     protocol: Any = attrs.field(default=attrs.Factory(_engine_protocol, takes_self=True))
 
     @property

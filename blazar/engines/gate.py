@@ -3,7 +3,11 @@ The regression gate an engine passes before it becomes the active one
 (issue 22): on models generated here (random weights), the candidate
 llama-server must start and answer C{/health}, a chat completion, a
 stream and an embedding. The first step that fails names what went
-wrong, with the end of the engine's stderr.
+wrong, with the end of the engine's stderr. With a speed margin
+(C{[engines] gate_max_slowdown}, issue 38) and an engine in use to compare
+with, the candidate must also decode the generated chat model no more than
+that much slower than the engine in use (L{SPEED}: the step C{speed}),
+timed as C{blazar bench} times a stream (L{blazar.engines.bench}).
 
 Blocking (processes, HTTP on loopback): the CLI calls it directly.
 """
@@ -21,10 +25,14 @@ import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
 from blazar import strictjson
+from blazar.engines.bench import StreamRecorder, request_body, speed_refusal, synthetic_prompt
 
 STEPS = ("start", "health", "chat", "stream", "embedding")
+SPEED = "speed"  # the step after STEPS when a speed margin is set and there is an engine to compare with
 START_TIMEOUT = 60.0
 REQUEST_TIMEOUT = 60.0
+SPEED_TOKENS = 64  # tokens each timed stream decodes (ignore_eos: all of them)
+SPEED_ROUNDS = 3  # timed streams per engine, alternating; each engine's best counts
 
 
 class GateFailed(Exception):
@@ -88,6 +96,37 @@ class _Child:
         except OSError as e:
             raise GateFailed(step, f"{path} failed: {e}; {self.tail()}") from None
 
+    def decode_speed(self, tokens: int = SPEED_TOKENS) -> float:
+        """
+        Tokens/s after the first of one streamed chat completion of
+        C{tokens} tokens, timed as C{blazar bench} times one
+        (L{blazar.engines.bench.StreamRecorder}); the engine's own figure
+        where the stream's chunks cannot time it (a random-weight model's
+        byte tokens may come in one chunk: llama-server holds back
+        incomplete UTF-8).
+
+        @raise GateFailed: At step L{SPEED}: it failed, or gave no rate.
+        """
+        body = request_body("gate", synthetic_prompt(16, f"gate-{time.monotonic_ns()}"), tokens)
+        body.pop("stream_options")  # (llama-server sends its usage and timings on a stream's last chunk anyway)
+        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                                         strictjson.dumps(body).encode(), {"content-type": "application/json"})
+        recorder = StreamRecorder(time.perf_counter)
+        sent = time.perf_counter()
+        try:
+            with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
+                while chunk := r.read1(65536):
+                    recorder.feed(chunk)
+        except urllib.error.HTTPError as e:
+            raise GateFailed(SPEED, f"a timed stream answered {e.code}: {e.read()[:300]!r}") from None
+        except OSError as e:
+            raise GateFailed(SPEED, f"a timed stream failed: {e}; {self.tail()}") from None
+        sample = recorder.sample(sent, time.perf_counter())
+        rate = sample.gen_tps if sample.gen_tps is not None else sample.engine_gen_tps
+        if sample.error is not None or rate is None:
+            raise GateFailed(SPEED, f"a timed stream gave no decode rate: {sample.error or 'too few tokens'}")
+        return rate
+
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
@@ -100,11 +139,11 @@ class _Child:
 
 
 @contextlib.contextmanager
-def _children(binary: Path, workdir: Path) -> Iterator[Callable[[Path, list[str]], _Child]]:
+def _children(binary: Path, workdir: Path) -> Iterator[Callable[..., _Child]]:
     started: list[_Child] = []
 
-    def start(model: Path, extra: list[str]) -> _Child:
-        child = _Child(binary, model, workdir, extra)
+    def start(model: Path, extra: list[str], other: Path | None = None) -> _Child:
+        child = _Child(other or binary, model, workdir, extra)
         started.append(child)
         return child
 
@@ -115,10 +154,17 @@ def _children(binary: Path, workdir: Path) -> Iterator[Callable[[Path, list[str]
             child.stop()
 
 
-def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None) -> list[str]:
+def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None, *, baseline: Path | None = None,
+             max_slowdown: float = 0.0) -> list[str]:
     """
-    Run the gate on C{binary}; the steps passed (all of L{STEPS}).
+    Run the gate on C{binary}; the steps passed (all of L{STEPS}, then
+    L{SPEED} if it ran).
 
+    @param baseline: The engine in use, to compare the candidate's speed
+        with (L{None}: none to compare with, no speed step).
+    @param max_slowdown: C{[engines] gate_max_slowdown}: how much slower
+        than C{baseline} the candidate may decode, a fraction (0: no speed
+        step).
     @raise GateFailed: A step failed.
     """
     from blazar.models.testmodel import make_test_model
@@ -153,7 +199,35 @@ def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None) -> list[
                 raise GateFailed("embedding", f"no embedding in the answer: {str(vectors)[:200]}")
             passed.append("embedding")
             say("gate: embedding answered")
+            if baseline is not None and max_slowdown > 0:
+                active = start(Path(chat_model), [], baseline)
+                active.wait_healthy(START_TIMEOUT)
+                candidate_tps, active_tps = thd_compare_speed(chat, active)
+                refusal = speed_refusal(active_tps, candidate_tps, max_slowdown)
+                if refusal is not None:
+                    raise GateFailed(SPEED, refusal)
+                passed.append(SPEED)
+                say(f"gate: decodes {candidate_tps:.1f} tokens/s, the engine in use {active_tps:.1f} "
+                    f"(gate_max_slowdown = {max_slowdown:g})")
         return passed
+
+
+def thd_compare_speed(candidate: _Child, active: _Child, rounds: int = SPEED_ROUNDS) -> tuple[float, float]:
+    """
+    The best decode rate of each of two children serving the same model
+    over C{rounds} timed streams each, taken in turns (so that a machine
+    that gets busier meanwhile slows both alike); a first untimed stream
+    each warms them up.
+
+    @return: C{(candidate's tokens/s, active's tokens/s)}.
+    """
+    candidate.decode_speed(4)
+    active.decode_speed(4)
+    best = [0.0, 0.0]
+    for _ in range(rounds):
+        best[0] = max(best[0], candidate.decode_speed())
+        best[1] = max(best[1], active.decode_speed())
+    return best[0], best[1]
 
 
 def thd_probe(kind: str, binary: Path) -> None:

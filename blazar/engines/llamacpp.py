@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import subprocess
 import shutil
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -91,6 +92,21 @@ def find_binary(
         f"{home}), or put llama-server on PATH, or set [engines.llamacpp] binary = "
         '"/path/to/llama-server" in the config'
     )
+
+
+def thd_cuda_devices(binary: Path) -> list[str]:
+    """
+    The CUDA devices C{binary} can use, as its C{--list-devices} names them
+    (C{"CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)"}); C{[]} for a
+    CPU build, a machine without a driver, or a binary that cannot say.
+
+    Blocking (runs the binary, seconds with a GPU): call it in a thread.
+    """
+    try:
+        out = subprocess.run([str(binary), "--list-devices"], capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("CUDA")]
 
 
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK

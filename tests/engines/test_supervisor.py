@@ -902,12 +902,12 @@ class GPUPlacementTests(SynchronousTestCase):
     these run against blazar.testing.FakeNVML.)
     """
 
-    def make(self, nvml: Any, model_config: str = "") -> Supervisor:
+    def make(self, nvml: Any, model_config: str = "", top: str = "") -> Supervisor:
         from twisted.internet.defer import succeed
 
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
-        config = parse_config(f'models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
+        config = parse_config(f'{top}models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
                               '[engines.llamacpp]\nbinary = "/bin/true"\n')
         self.reactor = fake_process_reactor()
 
@@ -919,6 +919,14 @@ class GPUPlacementTests(SynchronousTestCase):
         supervisor = Supervisor(config, ModelRegistry(config, self.reactor), self.reactor, probe, {},
                                 port_finder=lambda: 5555)
         supervisor.hardware = lambda: succeed(nvml.thd_census())
+        self.asked: list[Path] = []
+
+        def devices(binary: Path) -> list[str]:
+            self.asked.append(binary)
+            return list(self.engine_devices)
+
+        self.engine_devices = ["CUDA0: NVIDIA GeForce RTX 4090 (24564 MiB, 24000 MiB free)"]  # a cuda build
+        supervisor.engine_devices = devices
         return supervisor
 
     def test_a_child_sees_its_plans_gpu_with_its_layers(self) -> None:
@@ -955,6 +963,34 @@ class GPUPlacementTests(SynchronousTestCase):
         self.assertIn("gpu_layers", str(failure.value))
         self.assertEqual(self.reactor.spawned, [])
 
+    def test_gpu_reserve_bytes_is_left_free_on_each_gpu(self) -> None:
+        from blazar.engines.supervisor import NoCapacity
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB)
+        nvml.set_free(0, 2 * GIB)
+        self.successResultOf(ensureDeferred(self.make(nvml, "gpu_layers = 99\n").instance_for("m")))  # fits
+        supervisor = self.make(nvml, "gpu_layers = 99\n", top=f"gpu_reserve_bytes = {2 * GIB - (1 << 20)}\n")
+        failure = self.failureResultOf(ensureDeferred(supervisor.instance_for("m")), NoCapacity)
+        self.assertIn("kept free by gpu_reserve_bytes", str(failure.value))
+
+    def test_a_cpu_build_on_a_gpu_machine_runs_its_children_on_the_cpu(self) -> None:
+        """
+        An engine that lists no CUDA device (a CPU build) gets no GPU plan:
+        its children are CPU children, and the binary is asked once.
+        """
+        from blazar.testing import GIB, FakeNVML
+
+        supervisor = self.make(FakeNVML.with_gpus(24 * GIB))
+        self.engine_devices = []
+        instance = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
+        _, _, argv, env = self.reactor.spawned[0]
+        self.assertNotIn("-ngl", argv)
+        self.assertNotIn("CUDA_VISIBLE_DEVICES", env)
+        self.assertIsNone(instance.plan)
+        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertEqual(self.asked, [Path("/bin/true")])  # once per binary file
+
     def test_a_machine_without_gpus_is_as_before(self) -> None:
         from blazar.testing import FakeNVML
 
@@ -963,3 +999,103 @@ class GPUPlacementTests(SynchronousTestCase):
         _, _, argv, env = self.reactor.spawned[0]
         self.assertNotIn("-ngl", argv)
         self.assertNotIn("CUDA_VISIBLE_DEVICES", env)
+
+
+class GPUMemoryTests(SynchronousTestCase):
+    """
+    What each child holds on each GPU, as C{blazar ps}, the dashboard and
+    C{blazar_model_vram_bytes{model,gpu}} show it: the plan's figure until
+    NVML has measured the ready child, NVML's after; the series goes with
+    the child. (Against blazar.testing.FakeNVML.)
+    """
+
+    make = GPUPlacementTests.make
+
+    def vram(self, supervisor: Supervisor, gpu: int) -> float | None:
+        return supervisor.metrics.registry.get_sample_value(
+            "blazar_model_vram_bytes", {"model": "m:latest", "gpu": str(gpu)})
+
+    def test_one_gpu_planned_then_measured_then_gone(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB)
+        supervisor = self.make(nvml)
+        self.health = 503
+        d = ensureDeferred(supervisor.instance_for("m"))
+        instance = supervisor.instances()[0]
+        planned = instance.plan.gpu_bytes[0]
+        self.assertGreater(planned, 0)
+        # loading: the plan's figure
+        self.assertEqual(self.vram(supervisor, 0), planned)
+        (view,) = supervisor.snapshot()
+        self.assertEqual(view.gpu_memory(), [(0, planned, None)])
+        self.assertEqual(view.gpu_held(), {0: planned})
+        # ready: NVML's
+        nvml.set_process_memory(instance.pid, 0, planned + 64 * 2**20)
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.successResultOf(d)
+        self.assertEqual(instance.vram_measured, {0: planned + 64 * 2**20})
+        self.assertEqual(self.vram(supervisor, 0), planned + 64 * 2**20)
+        (view,) = supervisor.snapshot()
+        self.assertEqual(view.gpu_memory(), [(0, planned, planned + 64 * 2**20)])
+        # stopping: it still holds it; exited: the series is gone
+        supervisor.stop_instance(instance, "requested")
+        self.assertEqual(self.vram(supervisor, 0), planned + 64 * 2**20)
+        instance.transport.exit(0)
+        self.assertIsNone(self.vram(supervisor, 0))
+        self.assertNotIn(b"blazar_model_vram_bytes{", supervisor.metrics.render())
+
+    def test_two_gpus_a_split_model_has_a_series_per_gpu(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB, 24 * GIB)
+        supervisor = self.make(nvml, "tensor_split = [1, 1]\n")
+        self.health = 503
+        d = ensureDeferred(supervisor.instance_for("m"))
+        instance = supervisor.instances()[0]
+        self.assertEqual(sorted(instance.plan.gpu_bytes), [0, 1])
+        self.assertEqual([self.vram(supervisor, g) for g in (0, 1)],
+                         [instance.plan.gpu_bytes[0], instance.plan.gpu_bytes[1]])
+        # NVML sees it on GPU 0 only: GPU 1 is measured at 0, not left at its plan
+        nvml.set_process_memory(instance.pid, 0, 300 * 2**20)
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.successResultOf(d)
+        self.assertEqual([self.vram(supervisor, g) for g in (0, 1)], [300 * 2**20, None])
+        (view,) = supervisor.snapshot()
+        self.assertEqual(view.gpu_memory(), [(0, instance.plan.gpu_bytes[0], 300 * 2**20),
+                                             (1, instance.plan.gpu_bytes[1], 0)])
+        instance.transport.exit(0)
+        self.assertEqual([self.vram(supervisor, g) for g in (0, 1)], [None, None])
+
+    def test_no_gpu_no_series_and_nothing_measured(self) -> None:
+        from blazar.testing import FakeNVML
+
+        supervisor = self.make(FakeNVML())
+        instance = self.successResultOf(ensureDeferred(supervisor.instance_for("m")))
+        self.reactor.advance(0.05)
+        self.assertIsNone(instance.vram_measured)
+        (view,) = supervisor.snapshot()
+        self.assertEqual((view.vram_planned, view.vram_measured, view.gpu_memory(), view.gpu_held()),
+                         (None, None, [], {}))
+        self.assertNotIn(b"blazar_model_vram_bytes{", supervisor.metrics.render())
+        self.assertIn(b"# TYPE blazar_model_vram_bytes gauge", supervisor.metrics.render())
+
+    def test_a_child_the_planner_did_not_place_is_measured_too(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB)
+        supervisor = self.make(nvml)
+        self.health = 503
+        d = ensureDeferred(supervisor.instance_for("m"))
+        instance = supervisor.instances()[0]
+        instance.plan = instance.need = None  # as a child of another lane, or spawned without a census
+        nvml.set_process_memory(instance.pid, 0, 200 * 2**20)
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.successResultOf(d)
+        self.assertEqual(self.vram(supervisor, 0), 200 * 2**20)
+        (view,) = supervisor.snapshot()
+        self.assertEqual(view.gpu_memory(), [(0, None, 200 * 2**20)])
+        self.assertEqual(supervisor._corrections, {})  # no plan: nothing to correct

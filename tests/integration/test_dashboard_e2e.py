@@ -134,6 +134,14 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     # load it from the page, then unload it from the page: /api/ps is empty
     page.click("#files tr[data-model='tiny:latest'] button.load")
     expect(page.locator("#loaded tr[data-model='tiny:latest']")).to_be_visible(timeout=60000)
+    # the GPUs and which one holds the model, or the CPU
+    status, models = api(daemon, "GET", "/ui/api/models")
+    assert status == 200 and models["gpus"] is not None, models
+    if models["gpus"]:
+        expect(page.locator("#gpus tr[data-gpu='0']")).to_be_visible(timeout=10000)
+    else:
+        expect(page.locator("#gpus-none")).to_contain_text("No GPU", timeout=10000)
+        expect(page.locator("#loaded tr[data-model='tiny:latest'] td[data-gpus]")).to_have_text("CPU")
     tab.shot("models")
     page.click("#loaded tr[data-model='tiny:latest'] button.unload")
     expect(page.locator("#loaded tr[data-model='tiny:latest']")).to_have_count(0, timeout=30000)
@@ -208,9 +216,19 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     expect(page.locator("#activity tbody tr").first).to_be_visible(timeout=10000)
     expect(page.locator("#activity")).to_contain_text("slow:latest")
     tab.shot("activity")
+    # a `blazar bench` run (through the gateway, with the admin key) shows under the charts
+    import subprocess
+    import sys
+
+    done = subprocess.run([str(Path(sys.executable).parent / "blazar"), "bench", "tiny", "--concurrency", "1",
+                           "--prompt-tokens", "8", "--max-tokens", "4", "--rounds", "1", "--key", ROOT,
+                           "-c", str(daemon.config)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
     tab.go("performance")
     expect(page.locator("#chart-tokens rect.bar1").first).to_be_visible(timeout=15000)
     expect(page.locator("#chart-latency rect.bar2").first).to_be_visible()  # p95 beside p50
+    expect(page.locator(".bench-model[data-model='tiny:latest'] tbody tr")).to_have_count(1, timeout=15000)
+    expect(page.locator("#bench-empty")).to_be_hidden()
     tab.shot("performance")
     for name in ("sessions", "engines"):
         tab.go(name)
@@ -254,7 +272,7 @@ def test_a_scoped_key_sees_its_models_and_no_admin_pages(daemon: Daemon, browser
     expect(page.locator("#page-keys")).to_be_hidden()
     tab.shot("scoped")
     assert tab.errors == [], tab.errors
-    for path in ("/ui/api/keys", "/ui/api/engines", "/ui/api/performance", "/api/logs"):
+    for path in ("/ui/api/keys", "/ui/api/engines", "/ui/api/performance", "/ui/api/bench", "/api/logs"):
         status, body = api(daemon, "GET", path, secret=SCOPED)
         assert status == 403, (path, body)
     status, body = api(daemon, "GET", "/api/logs?model=tiny", secret=SCOPED)

@@ -246,3 +246,113 @@ class LogTests(SynchronousTestCase):
         ring({"log_format": "agent {agent}", "agent": "x\x1b[2Jy\x9b"})
         ring.engine_line("m:latest", "engine \x1b]0;title\x07")
         self.assertEqual(ring.after(0, None)[0], ["agent x\\x1b[2Jy\\x9b", "engine \\x1b]0;title\\x07"])
+
+
+class PsGPUTests(SynchronousTestCase):
+    """
+    C{Ps} lists the GPUs of the daemon's latest hardware census on its
+    first page, and each instance's GPU memory (planned, and measured once
+    NVML has seen the ready child); without a GPU, an empty list and why.
+    """
+
+    def connect(self, nvml: Any, model_config: str = "", hardware: bool = True) -> None:
+        from blazar.engines.hardware import HardwareCensus
+
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.reactor = fake_process_reactor()
+        self.health = 200
+
+        async def probe(url: str) -> int:
+            return self.health
+
+        from blazar.config import parse_config
+
+        config = parse_config(f'models_dir = "{root / "models"}"\n[models."m"]\n{model_config}'
+                              '[engines.llamacpp]\nbinary = "/bin/true"\n')
+        registry = ModelRegistry(config, self.reactor)
+        self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
+        census = HardwareCensus(nvml, self.reactor)
+        census.refresh()
+        self.supervisor.hardware = census.fresh
+        self.supervisor.on_hardware_change = census.invalidate
+        self.supervisor.engine_devices = lambda binary: ["CUDA0: fake"]  # a cuda build
+        status = {"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d", "loaded": 0}
+        self.client, _, self.pump = connectedServerAndClient(
+            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor,
+                                  hardware=census if hardware else None),
+            amp.AMP,
+        )
+
+    def ps(self) -> Any:
+        result: list[Any] = []
+        self.client.callRemote(Ps).addBoth(result.append)
+        self.pump.flush()
+        (value,) = result
+        return value
+
+    def test_one_gpu(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB)
+        self.connect(nvml)
+        self.health = 503
+        d = ensureDeferred(self.supervisor.instance_for("m"))
+        instance = self.supervisor.instances()[0]
+        planned = instance.plan.gpu_bytes[0]
+        page = self.ps()
+        (gpu,) = page["gpus"]
+        self.assertEqual((gpu["index"], gpu["name"], gpu["memory_total"]), (0, "NVIDIA GeForce RTX 4090", 24 * GIB))
+        self.assertEqual(gpu["memory_used"] + gpu["memory_free"], gpu["memory_total"])
+        self.assertIsNone(page["gpu_note"])  # (an absent optional field reads as None)
+        (row,) = page["instances"]
+        self.assertEqual((row["vram"], row["gpus"]), (planned, [{"gpu": 0, "planned": planned, "measured": None}]))
+        nvml.set_process_memory(instance.pid, 0, planned + 2**20)
+        self.health = 200
+        self.reactor.advance(0.05)
+        self.successResultOf(d)
+        (row,) = self.ps()["instances"]
+        self.assertEqual((row["vram"], row["gpus"]),
+                         (planned + 2**20, [{"gpu": 0, "planned": planned, "measured": planned + 2**20}]))
+
+    def test_two_gpus(self) -> None:
+        from blazar.testing import GIB, FakeNVML
+
+        nvml = FakeNVML.with_gpus(24 * GIB, 48 * GIB, name="NVIDIA H100")
+        self.connect(nvml, "tensor_split = [1, 1]\n")
+        self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+        page = self.ps()
+        self.assertEqual([(g["index"], g["memory_total"]) for g in page["gpus"]], [(0, 24 * GIB), (1, 48 * GIB)])
+        (row,) = page["instances"]
+        self.assertEqual([g["gpu"] for g in row["gpus"]], [0, 1])
+        self.assertEqual(row["vram"], sum(g["planned"] for g in row["gpus"]))
+
+    def test_no_gpu(self) -> None:
+        from blazar.testing import FakeNVML
+
+        self.connect(FakeNVML(gpu_note="NVML unavailable: NVML Shared Library Not Found"))
+        self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+        page = self.ps()
+        self.assertEqual(page["gpus"], [])
+        self.assertEqual(page["gpu_note"], "NVML unavailable: NVML Shared Library Not Found")
+        (row,) = page["instances"]
+        self.assertEqual((row["vram"], row["gpus"]), (0, []))
+
+    def test_no_census_no_gpu_listing(self) -> None:
+        from blazar.testing import FakeNVML
+
+        self.connect(FakeNVML(), hardware=False)
+        page = self.ps()
+        self.assertEqual((page["gpus"], page["gpu_note"]), (None, None))
+
+    def test_a_full_page_on_eight_gpus_fits_an_amp_value(self) -> None:
+        from blazar.protocols.control import INSTANCE, PAGE
+
+        row = {"model": "hf.co/" + "x" * 90 + ":Q4_K_M", "key": "hf.co/" + "x" * 90 + ":Q4_K_M#0@text",
+               "state": "ready", "pid": 4_000_000, "port": 65535, "slots": 64, "busy": 64, "ctx": 1_048_576,
+               "expires_in": 1e9, "breaker": "half-open", "served": 10**12, "memory_estimate": 2**45,
+               "rss": 2**45, "cache_hit": 0.123456789, "draft_acceptance": 0.123456789, "kind": "transcription",
+               "lane": "a-command-lane-name", "vram": 2**45,
+               "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)]}
+        encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)  # type: ignore[arg-type]
+        self.assertLess(len(encoded), 0xFFFF)

@@ -55,3 +55,20 @@ class PsTests(SynchronousTestCase):
         self.assertEqual(row["expires_at"], "1970-01-01T00:17:40.000000000Z")
         instance.state = InstanceState.STOPPING
         self.assertEqual(self.ps(), [])
+
+    def test_size_vram_is_what_the_child_holds_on_the_gpus(self) -> None:
+        """
+        C{size_vram}: the plan's bytes until NVML has measured the child,
+        NVML's after (as Ollama reports what its child really took); 0 on
+        the CPU.
+        """
+        from blazar.engines.planner import Plan
+
+        instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+        instance.path = self.gguf
+        self.assertEqual(self.ps()[0]["size_vram"], 0)
+        instance.plan = Plan(devices=(0, 1), gpu_layers=3, n_units=3, gpu_bytes={0: 3 << 30, 1: 1 << 30},
+                             ram_bytes=0, tensor_split=(3, 1), evictions=())
+        self.assertEqual(self.ps()[0]["size_vram"], 4 << 30)
+        instance.vram_measured = {0: (3 << 30) + (200 << 20), 1: 1 << 30}
+        self.assertEqual(self.ps()[0]["size_vram"], (4 << 30) + (200 << 20))

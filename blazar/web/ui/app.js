@@ -200,16 +200,50 @@ async function action(path, label) {
   await loadModels().catch((e) => status(e.message, true));
 }
 
+// One GPU's share of a loaded model: NVML's figure once measured, the planner's before (both when known).
+function fmtGPU(g) {
+  const parts = [];
+  if (g.measured !== null && g.measured !== undefined) parts.push(fmtBytes(g.measured) + " measured");
+  if (g.planned !== null && g.planned !== undefined) parts.push(fmtBytes(g.planned) + " planned");
+  return parts.join(", ");
+}
+
+// Where a loaded model's memory is: "GPU 0: 4.1 GiB measured, 3.9 GiB planned", or CPU.
+function fmtPlacement(r, gpus) {
+  if (r.gpus && r.gpus.length) return r.gpus.map((g) => `GPU ${g.gpu}: ${fmtGPU(g)}`).join("; ");
+  return gpus === null || gpus === undefined ? "-" : "CPU";
+}
+
+function showGPUs(data) {
+  const gpus = data.gpus;
+  $("gpus-title").hidden = gpus === null || gpus === undefined;
+  $("gpus-none").hidden = !gpus || gpus.length !== 0;
+  $("gpus-none").textContent = "No GPU: models run on the CPU" + (data.gpu_note ? ` (${data.gpu_note})` : "") + ".";
+  $("gpus").hidden = !gpus || gpus.length === 0;
+  $("gpus").tBodies[0].replaceChildren(...(gpus || []).map((g) => {
+    const bar = el("span");
+    bar.style.width = Math.min(100, 100 * g.memory_used / Math.max(1, g.memory_total)) + "%";
+    const models = data.loaded.filter((r) => (r.gpus || []).some((x) => x.gpu === g.index));
+    return el("tr", { "data-gpu": g.index },
+      el("td", {}, String(g.index)), el("td", {}, g.name),
+      el("td", {}, `${fmtBytes(g.memory_used)} / ${fmtBytes(g.memory_total)}`, el("div", { class: "bar" }, bar)),
+      el("td", {}, models.length ? models.map((r) => `${r.model}: ${fmtGPU(r.gpus.find((x) => x.gpu === g.index))}`)
+        .join("; ") : "-"));
+  }));
+}
+
 async function loadModels() {
   const data = await api("/ui/api/models");
   state.models = data.files;
   const admin = state.me && state.me.admin;
+  showGPUs(data);
   const loaded = $("loaded").tBodies[0];
   loaded.replaceChildren(...data.loaded.map((r) => el("tr", { "data-model": r.model },
     el("td", {}, r.model), el("td", {}, r.kind || "-"), el("td", {}, pill(r.state)),
     el("td", { class: "num" }, `${r.busy} / ${r.slots}`), el("td", { class: "num" }, r.ctx || "-"),
     el("td", { class: "num", "data-expires": "1" }, fmtSecs(r.expires_in)),
     el("td", { class: "num" }, fmtBytes(r.rss)),
+    el("td", { "data-gpus": "1" }, fmtPlacement(r, data.gpus)),
     el("td", { class: "num" }, r.cache_hit === null || r.cache_hit === undefined ? "-" : Math.round(r.cache_hit * 100) + "%"),
     el("td", {}, pill(r.breaker)),
     admin ? el("td", {},
@@ -412,6 +446,41 @@ async function loadPerformance() {
   chart($("chart-tokens"), data.minutes, ["tokens_per_sec"], " tok/s");
   chart($("chart-requests"), data.minutes, ["requests_per_sec"], " req/s");
   chart($("chart-latency"), data.minutes, ["p50_ms", "p95_ms"], " ms");
+  showBench(await api("/ui/api/bench"));
+}
+
+// `blazar bench` runs, per model, newest first: each level's figures, and the latest run against the one before
+function fmtRate(v, unit) { return v === null || v === undefined ? "-" : (unit === " ms" ? Math.round(v) : v.toFixed(1)) + (unit || ""); }
+
+function fmtDelta(d) { return d === null || d === undefined ? "" : ` (${d > 0 ? "+" : ""}${d.toFixed(1)} %)`; }
+
+function showBench(data) {
+  $("bench-empty").hidden = data.runs.length !== 0;
+  const models = [...new Set(data.runs.map((r) => r.model))];
+  $("bench").replaceChildren(...models.map((model) => {
+    const runs = data.runs.filter((r) => r.model === model);
+    const rows = runs.flatMap((run) => run.levels.map((lv, n) => el("tr", { "data-run": run.id },
+      el("td", { class: "num" }, n ? "" : String(run.id)),
+      el("td", {}, n ? "" : new Date(run.created * 1000).toLocaleString()),
+      el("td", {}, n ? "" : run.engine),
+      el("td", { class: "num" }, String(lv.concurrency)),
+      el("td", { class: "num" }, fmtRate(lv.gen_tps)), el("td", { class: "num" }, fmtRate(lv.gen_tps_total)),
+      el("td", { class: "num" }, fmtRate(lv.pp_tps)), el("td", { class: "num" }, fmtRate(lv.ttft_ms, " ms")),
+      el("td", { class: "num" }, lv.errors ? `${lv.errors}/${lv.requests}` : String(lv.requests)))));
+    const cmp = data.comparisons[model];
+    const latest = runs[0];
+    const args = (latest.profile.argv || []).slice(1);
+    return el("div", { class: "bench-model", "data-model": model },
+      el("h3", {}, model),
+      el("p", { class: "muted" }, `latest profile: ${args.join(" ") || latest.profile.remote || "-"}`),
+      cmp ? el("p", { class: "bench-compare" }, `run ${cmp.after} against run ${cmp.before}: ` +
+        [...cmp.changes, ...cmp.levels.map((lv) => `c${lv.concurrency} generation ${fmtRate(lv.gen_tps.after)} tok/s` +
+          fmtDelta(lv.gen_tps.delta_percent) + `, TTFT ${fmtRate(lv.ttft_ms.after, " ms")}` +
+          fmtDelta(lv.ttft_ms.delta_percent))].join("; ")) : null,
+      el("table", {}, el("thead", {}, el("tr", {}, ...["Run", "When", "Engine", "Streams", "Gen tok/s per stream",
+        "Gen tok/s all", "Prompt tok/s", "TTFT p50", "Requests"].map((h) => el("th", {}, h)))),
+      el("tbody", {}, ...rows)));
+  }));
 }
 
 // -- Playground ------------------------------------------------------------------------
