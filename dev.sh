@@ -74,6 +74,23 @@ browser() {
   fi
 }
 
+# the library pull/push e2e runs Debian's docker-registry, the reference distribution server, on
+# loopback (tests/integration/test_ollama_library_e2e.py): install it where this user may, else say how
+registry() {
+  if command -v docker-registry >/dev/null 2>&1 || [ -n "${BLAZAR_DOCKER_REGISTRY:-}" ]; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's docker-registry for the library pull test (once)"
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry \
+           || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q docker-registry; }; } \
+         >.venv/apt.log 2>&1; then
+      cat .venv/apt.log >&2
+      say "apt-get install docker-registry failed (log above); the library pull test will fail without it"
+    fi
+  else
+    say "the library pull test needs docker-registry: sudo apt-get install -y docker-registry (or set BLAZAR_DOCKER_REGISTRY)"
+  fi
+}
+
 case "${1:-}" in
   demo)
     setup
@@ -82,6 +99,7 @@ case "${1:-}" in
   test)
     setup
     browser
+    registry
     shift
     say "checking import contracts (lint-imports)"
     .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports

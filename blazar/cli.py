@@ -21,9 +21,12 @@ The C{blazar} command.
                                        installed engines (in the data dir; no daemon needed)
   blazar models make-test PATH [--embedding|--rerank|--whisper|--image] [--seed N] [--ctx N] ...
                                        write a tiny random-weight GGUF
+  blazar models quantize SOURCE TYPE [--out PATH]
+                                       quantize a GGUF file (q4_K_M, q8_0, ...) with the
+                                       engine's own llama-quantize (no daemon needed)
 
 Exit codes: 0 ok, 1 error, 2 daemon not running, 3 bind conflict (serve).
-Verbs other than serve, engine and make-test talk to the running daemon over its
+Verbs other than serve, engine, make-test and quantize talk to the running daemon over its
 control socket, C{<data_dir>/run/control.sock}.
 """
 
@@ -567,6 +570,59 @@ def _models_pull(args: argparse.Namespace) -> int:
         sys.stderr.flush()
     sys.stderr.write("\n")
     return 0
+
+
+def _models_quantize(args: argparse.Namespace) -> int:
+    """
+    Quantize a GGUF file with the engine's own llama-quantize
+    (L{blazar.models.quantize}), here, without the daemon: a progress line,
+    then the new file's path on stdout.
+    """
+    import os
+    from pathlib import Path
+
+    from twisted.internet.defer import Deferred
+    from twisted.internet.task import react
+
+    from blazar.config import ConfigError, resolve_config
+    from blazar.engines.llamacpp import find_quantize
+    from blazar.models.quantize import QuantizeError, ollama_name, quant_type, quantize, quantized_name
+
+    try:
+        config = resolve_config(args.config)
+        qtype = quant_type(args.type)
+        source = Path(args.source).expanduser()
+        if not source.is_file():
+            raise QuantizeError(f"{source}: no such file (give the path of a GGUF model)")
+        target = Path(args.out).expanduser() if args.out else quantized_name(source, qtype)
+        if target.exists():
+            raise QuantizeError(f"{target} exists already: remove it first, or name another file with --out")
+        binary = find_quantize(config, os.environ)
+    except (ConfigError, QuantizeError) as e:
+        print(f"blazar: {e}", file=sys.stderr)
+        return 1
+    outcome = {"code": 1}
+
+    def progress(done: int, total: int) -> None:
+        bar = "#" * (30 * done // max(total, 1))
+        sys.stderr.write(f"\rquantizing {source.name} to {ollama_name(qtype)} [{bar:<30}] {done}/{total} tensors")
+        sys.stderr.flush()
+
+    async def main(reactor: Any) -> None:
+        try:
+            await quantize(reactor, binary, source, target, qtype, progress)
+        except QuantizeError as e:
+            print(f"\nblazar: {e}", file=sys.stderr)
+            return
+        sys.stderr.write("\n")
+        print(target)
+        outcome["code"] = 0
+
+    try:
+        react(lambda r: Deferred.fromCoroutine(main(r)))
+    except SystemExit:
+        pass
+    return outcome["code"]
 
 
 def _models_list(args: argparse.Namespace) -> int:
@@ -1240,7 +1296,8 @@ def parser() -> argparse.ArgumentParser:
         ("show", "one model's file and GGUF facts", _models_show, ["name"]),
         ("cp", "another name for a model (a hard link, no copy)", _models_cp, ["source", "destination"]),
         ("rm", "delete a model's file (its engine is stopped first)", _models_rm, ["name"]),
-        ("pull", "download hf.co/{user}/{repo}[:{quant}] through the daemon", _models_pull, ["name"]),
+        ("pull", "download name[:tag], ns/name[:tag] (the registry) or hf.co/{user}/{repo}[:{quant}] through the daemon",
+         _models_pull, ["name"]),
     ]:
         verb = model_verbs.add_parser(name, help=help_)
         for param in params:
@@ -1250,6 +1307,13 @@ def parser() -> argparse.ArgumentParser:
         if name == "pull":  # over the HTTP API, as a client
             verb.add_argument("--key", help="an unscoped API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
         verb.set_defaults(func=func)
+    quantize = model_verbs.add_parser(
+        "quantize", help="quantize a GGUF file with the engine's own llama-quantize (no daemon needed)")
+    quantize.add_argument("source", help="the GGUF model file (F32, F16 or BF16 weights)")
+    quantize.add_argument("type", help="q4_K_M, q4_K_S, q8_0, q5_K_M, q6_K, ... (any case)")
+    quantize.add_argument("--out", metavar="PATH", help="where to write it (default: beside it, named for the type)")
+    quantize.add_argument("--config", "-c")
+    quantize.set_defaults(func=_models_quantize)
     make = model_verbs.add_parser(
         "make-test", help="write a tiny random-weight model for tests and demos (llama GGUF; whisper or image)"
     )

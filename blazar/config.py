@@ -24,6 +24,11 @@ C{~/.config/blazar/config.toml}. Keys::
                                    # clients may reach it under (the Host header)
     audit_log = "/path/audit.jsonl"  # opt-in: one JSON line per request
     hf_endpoint = "https://huggingface.co"   # where /api/pull fetches GGUF files
+    ollama_models = "<data_dir>/ollama-models"   # Ollama's model store (blobs/, manifests/):
+                                   # point it at ~/.ollama/models to serve what Ollama pulled
+    registry = "https://registry.ollama.ai"   # where /api/pull fetches name[:tag] and
+                                   # ns/name[:tag] and /api/push sends them (any OCI
+                                   # distribution server holding Ollama-format manifests)
     keep_alive = "5m"              # Ollama requests' default keep_alive
                                    # (Go duration or seconds; negative = forever)
     idle_timeout_secs = 1800       # idle time before unloading, for requests
@@ -74,11 +79,18 @@ C{~/.config/blazar/config.toml}. Keys::
     max_file_bytes_per_key = 1073741824   # what one key's Batch API files (uploads and
                                    # batch outputs) may hold in all (1 GiB); an upload past
                                    # it is a 413 (per key: file_bytes in [[keys]])
+    max_blob_bytes = 137438953472  # a model blob upload (POST /api/blobs/..., for
+                                   # /api/create; unscoped keys only) at most (128 GiB)
     max_messages = 10000           # messages in one chat request, more get 400
     max_tools = 512                # tools offered in one chat request, more get 400
     max_schema_nodes = 4096        # subschemas in one request's tools and response format
                                    # together, more get 400 (the engine renders and
                                    # tokenizes a body before admission: bounded work)
+    image_fetch_max_bytes = 20971520   # an http(s) image URL in a chat is fetched by Blazar
+    image_fetch_timeout_secs = 10      # (not the engine): at most this big (20 MiB), this long
+    image_fetch_private_hosts = []     # hosts (as the URLs name them) that may be fetched from
+                                       # though they are private, loopback or link-local
+                                       # addresses (refused otherwise: no SSRF)
 
     [cache]                        # the semantic cache (opt-in): a chat answer reused for a
     enabled = false                # similar prompt of the same model, key and lane
@@ -120,6 +132,11 @@ C{~/.config/blazar/config.toml}. Keys::
     cache = true              # the semantic cache for this model (default: [cache] enabled;
                               # a key's own cache = true|false wins over both)
     isolate_keys = false      # no key's request reuses a slot's KV cache another key left
+    mmproj = "mmproj-x.gguf"  # its vision projector (--mmproj; default: a *mmproj*.gguf
+                              # beside its file); relative paths are under models_dir
+    lora = ["style.gguf", {path = "b.gguf", scale = 0.5}]
+                              # LoRA adapter GGUFs (--lora, --lora-scaled), in order;
+                              # relative paths are under models_dir
 
 L{parse_config} is pure: text in, L{Config} out, or L{ConfigError} naming the
 key, the file and what was expected.
@@ -172,6 +189,10 @@ class ModelConfig:
     @ivar parallel: Slots (concurrent sequences) in the child; L{None} for 4.
     @ivar embedding: Start the child with C{--embeddings}.
     @ivar args: Extra llama-server flags, appended last.
+    @ivar lora: LoRA adapters (C{lora = ["a.gguf", {path = "b.gguf",
+        scale = 0.5}]}): each adapter GGUF's path (absolute, or relative to
+        C{models_dir}) and scale, in order; the model's entry carries them
+        (L{blazar.models.registry.ModelEntry.adapters}).
     """
 
     path: Path | None = None
@@ -194,6 +215,8 @@ class ModelConfig:
     threads: int | None = None  # CPU threads (--threads); None: the machine's physical cores
     n_cpu_moe: int | None = None  # MoE expert layers kept on the CPU (-ncmoe)
     use_mmap: bool | None = None  # --load-mode mmap, or none for False
+    mmproj: Path | None = None  # its vision projector (--mmproj); None: a *mmproj*.gguf beside its file
+    lora: tuple[tuple[Path, float], ...] = ()  # (adapter GGUF, scale): --lora / --lora-scaled
 
 
 @attrs.frozen
@@ -431,6 +454,8 @@ class Config:
     stream_stall_close: float = DEFAULT_STREAM_STALL_CLOSE
     ctx_policy: str = "grow"
     hf_endpoint: str = "https://huggingface.co"
+    ollama_models: Path | None = None  # Ollama's model store; None: <data_dir>/ollama-models
+    registry: str = "https://registry.ollama.ai"  # the registry of names without a host
     metrics_require_key: bool | None = None  # None: as true (an admin key once keys exist); false: open
     responses_ttl: float = 30 * 86400.0
     responses_max_stored: int = 10000
@@ -447,9 +472,13 @@ class Config:
     sdcpp_child_header_timeout: float = 900.0
     batch_max_in_flight: int = 4
     max_file_bytes_per_key: int = DEFAULT_FILE_BYTES_PER_KEY
+    max_blob_bytes: int = 128 * 1024**3  # a model blob upload (POST /api/blobs/...), at most
     max_messages: int = 10000
     max_tools: int = 512
     max_schema_nodes: int = 4096
+    image_fetch_max_bytes: int = 20 * 1024 * 1024  # an http(s) image URL's body, at most
+    image_fetch_timeout: float = 10.0  # seconds an image URL's fetch may take, in all
+    image_fetch_private_hosts: tuple[str, ...] = ()  # image URL hosts allowed private addresses
     # [engines] gate_max_slowdown: the regression gate refuses an engine this much slower (0: no speed check)
     gate_max_slowdown: float = 0.0
     llamacpp: LlamaCppConfig = LlamaCppConfig()
@@ -480,6 +509,15 @@ class Config:
         if self.models_dir is not None:
             return self.models_dir
         return self.data_dir / "models"
+
+    @property
+    def resolved_ollama_models(self) -> Path:
+        """
+        C{ollama_models}, defaulting to C{<data_dir>/ollama-models}.
+        """
+        if self.ollama_models is not None:
+            return self.ollama_models
+        return self.data_dir / "ollama-models"
 
 
 RUNTIME = "runtime"
@@ -521,6 +559,8 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "stream_stall_close": ("stream_stall_close_secs", RUNTIME),
     "ctx_policy": ("ctx_policy", RUNTIME),
     "hf_endpoint": ("hf_endpoint", RUNTIME),
+    "ollama_models": ("ollama_models", RUNTIME),  # read at each scan, pull, push
+    "registry": ("registry", RUNTIME),  # read at each pull and push
     "metrics_require_key": ("metrics_require_key", RUNTIME),
     "responses_ttl": ("responses_ttl_secs", RUNTIME),
     "responses_max_stored": ("responses_max_stored", RUNTIME),
@@ -534,9 +574,13 @@ RELOAD_TABLE: Mapping[str, tuple[str, str]] = {
     "sdcpp_child_header_timeout": ("sdcpp_child_header_timeout_secs", RUNTIME),
     "batch_max_in_flight": ("batch_max_in_flight", RUNTIME),
     "max_file_bytes_per_key": ("max_file_bytes_per_key", RUNTIME),
+    "max_blob_bytes": ("max_blob_bytes", RUNTIME),  # read at each upload's headers
     "max_messages": ("max_messages", RUNTIME),
     "max_tools": ("max_tools", RUNTIME),
     "max_schema_nodes": ("max_schema_nodes", RUNTIME),
+    "image_fetch_max_bytes": ("image_fetch_max_bytes", RUNTIME),  # read per image fetched
+    "image_fetch_timeout": ("image_fetch_timeout_secs", RUNTIME),
+    "image_fetch_private_hosts": ("image_fetch_private_hosts", RUNTIME),
     "gate_max_slowdown": ("engines.gate_max_slowdown", RUNTIME),  # read by `blazar engine use` (the CLI)
     "llamacpp": ("engines.llamacpp", RUNTIME),  # at each child's next start
     "whisper": ("engines.whisper", RUNTIME),
@@ -806,7 +850,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
 
     top = {
         "listen", "data_dir", "models_dir", "ready_timeout", "stop_grace",
-        "max_body_bytes", "keep_alive", "hf_endpoint", "engines", "models",
+        "max_body_bytes", "keep_alive", "hf_endpoint", "ollama_models", "registry", "engines", "models",
         "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
         "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "gpu_reserve_bytes",
         "drain_timeout_secs", "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "keys",
@@ -816,7 +860,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         "session_keep_secs", "session_save_timeout_secs", "session_bank_entry_max_mib", "session_bank_max_mib",
         "sentinel_enforce", "sentinel_stall_secs", "engine_check_secs", "engine_index_url",
         "whisper_idle_secs", "sdcpp_child_header_timeout_secs", "remotes", "batch_max_in_flight", "cache",
-        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key",
+        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key", "max_blob_bytes",
+        "image_fetch_max_bytes", "image_fetch_timeout_secs", "image_fetch_private_hosts",
     }
     _unknown(doc, top, where, "")
     kwargs: dict[str, Any] = {"source": source}
@@ -869,9 +914,16 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         kwargs["session_save_timeout"] = _positive_number(doc["session_save_timeout_secs"], where,
                                                           "session_save_timeout_secs")
     for key in ("session_bank_entry_max_mib", "session_bank_max_mib", "batch_max_in_flight", "max_messages",
-                "max_tools", "max_schema_nodes", "max_file_bytes_per_key"):
+                "max_tools", "max_schema_nodes", "max_file_bytes_per_key", "image_fetch_max_bytes", "max_blob_bytes"):
         if key in doc:
             kwargs[key] = _positive_int(doc[key], where, key)
+    if "image_fetch_timeout_secs" in doc:
+        kwargs["image_fetch_timeout"] = _positive_number(doc["image_fetch_timeout_secs"], where,
+                                                         "image_fetch_timeout_secs")
+    if "image_fetch_private_hosts" in doc:
+        kwargs["image_fetch_private_hosts"] = tuple(
+            h.lower().rstrip(".").removeprefix("[").removesuffix("]")
+            for h in _str_list(doc["image_fetch_private_hosts"], where, "image_fetch_private_hosts"))
     if "audit_log" in doc:
         kwargs["audit_log"] = _path(doc["audit_log"], where, "audit_log")
     if "cors_origins" in doc:
@@ -907,6 +959,13 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         if not isinstance(endpoint, str) or not endpoint.startswith(("http://", "https://")):
             raise _expected(where, "hf_endpoint", "an http:// or https:// URL", endpoint)
         kwargs["hf_endpoint"] = endpoint
+    if "ollama_models" in doc:
+        kwargs["ollama_models"] = _path(doc["ollama_models"], where, "ollama_models")
+    if "registry" in doc:
+        registry = doc["registry"]
+        if not isinstance(registry, str) or not registry.startswith(("http://", "https://")):
+            raise _expected(where, "registry", "an http:// or https:// URL (an Ollama or OCI registry)", registry)
+        kwargs["registry"] = registry.rstrip("/")
     if "responses_ttl_secs" in doc:
         value = doc["responses_ttl_secs"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0 or value != value:
@@ -984,7 +1043,7 @@ def parse_config(text: str, source: Path | None = None) -> Config:
         prefix = f"models.{name}."
         table = _table(raw, where, f"models.{name}")
         _unknown(table, {"path", "ctx_size", "parallel", "embedding", "args", "sentinel_enforce", "engine",
-                         "rerank", "cache", "isolate_keys", *PROFILE_KEYS}, where, prefix)
+                         "rerank", "cache", "isolate_keys", "lora", "mmproj", *PROFILE_KEYS}, where, prefix)
         rerank = table.get("rerank", False)
         if not isinstance(rerank, bool):
             raise _expected(where, prefix + "rerank", "true or false", rerank)
@@ -1017,6 +1076,8 @@ def parse_config(text: str, source: Path | None = None) -> Config:
             rerank=rerank,
             cache=_optional_bool(table, "cache", where, prefix),
             isolate_keys=bool(_optional_bool(table, "isolate_keys", where, prefix)),
+            mmproj=_path(table["mmproj"], where, prefix + "mmproj", models_base) if "mmproj" in table else None,
+            lora=_parse_lora(table["lora"], where, prefix + "lora", models_base) if "lora" in table else (),
             **_parse_profile(table, where, prefix),
         )
     kwargs["models"] = models
@@ -1064,6 +1125,43 @@ def _parse_profile(table: Mapping[str, Any], where: str, prefix: str) -> dict[st
     if "use_mmap" in table:
         out["use_mmap"] = _optional_bool(table, "use_mmap", where, prefix)
     return out
+
+
+def _parse_lora(value: object, where: str, key: str, base: Path) -> tuple[tuple[Path, float], ...]:
+    """
+    A model's C{lora} list: each item an adapter's path (scale 1) or a
+    C{{path = "...", scale = 0.5}} table; relative paths are under
+    C{models_dir}. Whether each file is an adapter GGUF is checked when the
+    model is started (L{blazar.models.registry.thd_check_adapters}): the
+    config is parsed without reading files.
+
+    @raise ConfigError: Not such a list; or a scaled adapter whose path
+        holds a C{:}, which llama-server's C{--lora-scaled FILE:SCALE}
+        cannot take.
+    """
+    what = 'a list of LoRA adapter files, each a path or {path = "...", scale = 0.5}'
+    if not isinstance(value, list):
+        raise _expected(where, key, what, value)
+    adapters = []
+    for i, item in enumerate(value):
+        scale: object = 1.0
+        if isinstance(item, dict):
+            _unknown(item, {"path", "scale"}, where, f"{key}[{i}].")
+            if "path" not in item:
+                raise ConfigError(f"{where}: {key}[{i}] has no path: {{path = \"adapter.gguf\", scale = 0.5}}")
+            scale = item.get("scale", 1.0)
+            item = item["path"]
+        if not isinstance(item, str) or not item:
+            raise _expected(where, f"{key}[{i}]", what, item)
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+            raise _expected(where, f"{key}[{i}].scale", "a number (1 applies the adapter as trained, 0 not at all)",
+                            scale)
+        path = _path(item, where, f"{key}[{i}]", base)
+        if float(scale) != 1.0 and ":" in str(path):
+            raise ConfigError(f"{where}: {key}[{i}]: {str(path)!r} holds a ':', which llama-server's "
+                              "--lora-scaled FILE:SCALE cannot take; rename the file or use scale 1")
+        adapters.append((path, float(scale)))
+    return tuple(adapters)
 
 
 def _optional_bool(table: Mapping[str, Any], key: str, where: str, prefix: str) -> bool | None:

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 
 _PART = r"[A-Za-z0-9_][A-Za-z0-9_.\-]*"
-_NAME = re.compile(rf"^(?:{_PART}/)*{_PART}(?::[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,127}})?$")
+# a registry host, which may carry a port (127.0.0.1:5000/ns/model:tag), as Ollama's names allow
+_HOST = rf"{_PART}(?::\d{{1,5}})?/(?={_PART}/)"
+_NAME = re.compile(rf"^(?:{_HOST})?(?:{_PART}/)*{_PART}(?::[A-Za-z0-9_][A-Za-z0-9_.\-]{{0,127}})?$")
 DEFAULT_TAG = "latest"
 
 

@@ -38,11 +38,13 @@ from blazar.engines.remote import RemoteCatalog
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
 from blazar.metrics import Metrics, gauge
-from blazar.engines.llamacpp import EngineNotFound, find_binary
+from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
 from blazar.gateway.operations import ModelOperations
 from blazar.models.hub import HubClient
+from blazar.models.create import ModelCreator
+from blazar.models.ollama_registry import MIN_PART, RegistryClient
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
@@ -62,6 +64,7 @@ from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
@@ -155,10 +158,10 @@ class Listeners(MultiService):
 
 class ConnectionPools(Service):
     """
-    Closes HTTP clients' cached connections (engines, hub) on stop.
+    Closes HTTP clients' cached connections (engines, hub, registry) on stop.
     """
 
-    def __init__(self, *clients: EngineClient | HubClient) -> None:
+    def __init__(self, *clients: EngineClient | HubClient | RegistryClient) -> None:
         self.clients = clients
 
     def stopService(self) -> Deferred[object]:
@@ -686,7 +689,10 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     registry = ModelRegistry(live, reactor)
     engines = EngineClient(reactor)
     hub = HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN"))
-    ConnectionPools(engines, hub).setServiceParent(top)
+    # Ollama library pulls and pushes (BLAZAR_PULL_MIN_PART: the smallest ranged part, bytes; for tests)
+    library = RegistryClient(reactor, lambda: live.current.registry,
+                             min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART))
+    ConnectionPools(engines, hub, library).setServiceParent(top)
     metrics = Metrics()
     # what `blazar logs` shows: the daemon's log events and every line the
     # engines print (which reach the daemon's log only as warnings and errors)
@@ -711,7 +717,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
     registry.relist = catalog.relist
     _Hooks(catalog.start, catalog.stop).setServiceParent(top)
-    operations = ModelOperations(registry, supervisor, hub, reactor)
+    # /api/create and its uploads: quantized by the llama-quantize beside the engine in use (looked up per create)
+    creator = ModelCreator(registry, reactor, lambda: find_quantize(live.current, environ))
+    operations = ModelOperations(registry, supervisor, hub, reactor, library, creator)
     hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
     hints.setServiceParent(top)
     keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
@@ -727,6 +735,8 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     cache_service = CacheService(config.data_dir / "blazar.db", live, reactor)
     cache_service.setServiceParent(top)
     pipeline.cache = cache_service.cache
+    pipeline.images = ImageFetcher(
+        reactor, live, lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)

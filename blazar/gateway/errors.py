@@ -186,6 +186,13 @@ def _pull(e: BaseException) -> Problem:
     return Problem(Category.ENGINE, status, str(e), kind="pull_failed", code="engine_error", logged=True)
 
 
+def _create(e: BaseException) -> Problem:
+    status = int(getattr(e, "status", 500))
+    if status < 500:
+        return Problem(Category.NOT_FOUND if status == 404 else Category.INVALID, status, str(e))
+    return Problem(Category.ENGINE, status, str(e), kind="create_failed", code="engine_error", logged=True)
+
+
 def _retry_after(e: BaseException, default: float) -> float:
     value = getattr(e, "retry_after", None)
     return float(value) if isinstance(value, (int, float)) else default
@@ -217,11 +224,13 @@ def _quota(e: BaseException) -> Problem:
 def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Problem]]]:
     from blazar.gateway.admission import AllSlotsBusy
     from blazar.gateway.quota import QuotaExceeded
+    from blazar.models.create import CreateError
     from blazar.models.hub import PullError
     return [
         (BadRequest, _bad_request),
         (ModelChangeError, lambda e: Problem(Category.INVALID, 400, str(e))),
         (PullError, _pull),
+        (CreateError, _create),
         (PromptTooLong, lambda e: Problem(Category.INVALID, 400, str(e), code="context_length_exceeded",
                                           param=getattr(e, "param", "messages"))),
         (UnsupportedByModel, lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported",

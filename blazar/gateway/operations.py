@@ -12,12 +12,16 @@ what to do:
     name, a file that is not Blazar's to delete, a link or unlink that
     failed);
   - L{blazar.models.hub.PullError}: a pull failed (its C{status} is the
-    HTTP status a front end that has answered nothing yet may use);
+    HTTP status a front end that has answered nothing yet may use); a push
+    too (L{blazar.models.ollama_registry.PushError}, one of them);
+  - L{blazar.models.create.CreateError}: a create was refused or failed
+    (its C{status}, likewise);
   - L{NothingToEvict}: no loaded instance matches.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -27,8 +31,11 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from blazar.engines.supervisor import InstanceState, Supervisor
+from blazar.models.create import CreateError, CreateSpec, ModelCreator
 from blazar.models.hub import HubName, PullError, parse_hub_name
-from blazar.models.registry import ModelRegistry
+from blazar.models.ollama_registry import PushError
+from blazar.models.ollama_store import InvalidName, OllamaName, parse_name
+from blazar.models.registry import ModelNotFound, ModelRegistry
 
 if TYPE_CHECKING:
     from blazar.engines.hardware import Census
@@ -52,6 +59,31 @@ class Puller(Protocol):
         @return: The installed files.
         @raise PullError: Any failure.
         """
+
+
+class LibraryPuller(Protocol):
+    """
+    What L{ModelOperations.pull} and L{ModelOperations.push} need of an
+    Ollama-protocol registry client (L{blazar.models.ollama_registry.RegistryClient}).
+    """
+
+    async def pull(self, name: OllamaName, root: Path, progress: Progress, insecure: bool = False) -> list[Path]:
+        """
+        Pull C{name} into the store at C{root}; nothing is named if it fails.
+
+        @return: The model's blobs.
+        @raise PullError: Any failure.
+        """
+
+    async def push(self, name: OllamaName, root: Path, progress: Progress, insecure: bool = False) -> None:
+        """
+        Push the store's model C{name} to the registry its name names.
+
+        @raise PushError: Any failure.
+        """
+
+
+_HUB = re.compile(r"(?i)^(?:https?://)?(?:hf\.co|huggingface\.co)/")
 
 
 class NothingToEvict(Exception):
@@ -146,14 +178,20 @@ class ModelOperations:
     Delete, copy, unload, evict and pull a model: the one implementation of
     each, over the registry, the supervisor and the puller.
 
-    @ivar _puller: L{None} where pulling is not offered.
+    @ivar _puller: L{None} where pulling from the hub is not offered.
     @ivar _clock: Times pulls.
+    @ivar _library: Pulls and pushes Ollama library names; L{None} where
+        that is not offered.
+    @ivar _creator: Creates models of the Ollama store (C{/api/create})
+        and takes their uploaded blobs; L{None} where that is not offered.
     """
 
     _registry: ModelRegistry
     _supervisor: Supervisor
     _puller: Puller | None
     _clock: IReactorTime
+    _library: LibraryPuller | None = None
+    _creator: ModelCreator | None = None
 
     async def delete(self, name: str) -> str:
         """
@@ -254,20 +292,28 @@ class ModelOperations:
     def _stop_failed(self, failure: Failure, model: str) -> None:
         log.failure("stopping {model} failed", failure, model=model)
 
-    async def pull(self, name: str, progress: Progress = _ignore) -> Pulled:
+    async def pull(self, name: str, progress: Progress = _ignore, insecure: bool = False) -> Pulled:
         """
-        Download the model C{name} (C{hf.co/{user}/{repo}[:{quant}]}) from
-        the hub into C{models_dir}, reporting Ollama's progress objects
-        (C{status}, and C{digest}, C{total}, C{completed} in bytes while a
-        file downloads) to C{progress}. A bad name is refused before
-        C{progress} is called; a failed pull installs nothing and leaves
-        its partial file for the next pull to resume. The registry sees
-        the new model at once.
+        Download the model C{name} and name it, reporting Ollama's progress
+        objects (C{status}, and C{digest}, C{total}, C{completed} in bytes
+        while a file downloads) to C{progress}:
+          - C{hf.co/{user}/{repo}[:{quant}]}: the GGUF file from the hub
+            into C{models_dir};
+          - any other Ollama name (C{name[:tag]}, C{ns/name[:tag]},
+            C{host/ns/name[:tag]}): from the Ollama-protocol registry it
+            names (C{registry} in the config for names without a host;
+            C{insecure}: plain http) into the Ollama store
+            (C{ollama_models}).
+        A bad name is refused before C{progress} is called; a failed pull
+        names nothing and leaves its partial files for the next pull to
+        resume. The registry sees the new model at once.
 
-        @raise PullError: A name that is not a Hugging Face one (status
-            400), no such repository or quant (404), or the download
-            failed (502).
+        @raise PullError: A name neither kind takes (status 400), no such
+            repository, quant or tag (404), the download failed (502), or
+            the disk is too small (507).
         """
+        if not _HUB.match(name.strip()):
+            return await self._pull_library(name, progress, insecure)
         hub_name = parse_hub_name(name)
         if self._puller is None:
             raise PullError("this daemon was built without a hub client; pulls are off", 501)
@@ -282,3 +328,103 @@ class ModelOperations:
         seconds = self._clock.seconds() - started
         log.info("pulled {model} in {seconds:.1f} s", model=hub_name.name, seconds=seconds)
         return Pulled(hub_name.name, tuple(files), seconds)
+
+    def _library_name(self, name: str, verb: str) -> OllamaName:
+        try:
+            parsed = parse_name(name)
+        except InvalidName as e:
+            raise PullError(f"cannot {verb} {name[:200]!r}: {e}; hf.co/{{user}}/{{repo}}[:{{quant}}] pulls from "
+                            "Hugging Face", 400) from None
+        if self._library is None:
+            raise PullError(f"this daemon was built without a registry client; {verb}ing library models is off", 501)
+        return parsed
+
+    async def _pull_library(self, name: str, progress: Progress, insecure: bool) -> Pulled:
+        parsed = self._library_name(name, "pull")
+        assert self._library is not None
+        started = self._clock.seconds()
+        try:
+            files = await self._library.pull(parsed, self._registry.ollama_models, progress, insecure)
+        except PullError as e:
+            log.error("pull of {model} failed: {error}", model=parsed.display, error=str(e))
+            raise
+        finally:
+            self._registry.forget()
+        seconds = self._clock.seconds() - started
+        log.info("pulled {model} in {seconds:.1f} s", model=parsed.display, seconds=seconds)
+        return Pulled(parsed.display, tuple(files), seconds)
+
+    async def push(self, name: str, progress: Progress = _ignore, insecure: bool = False) -> str:
+        """
+        Push the model C{name}, one of the Ollama store's, to the registry
+        its name names (C{registry} in the config for names without a
+        host; C{insecure}: plain http), reporting Ollama's push progress
+        objects to C{progress}. To push under another name, copy it to
+        that name first (C{/api/copy}), as with Ollama.
+
+        @return: The name pushed, as Ollama shows it.
+        @raise ModelNotFound: No such model.
+        @raise PullError: A name Ollama's rules refuse (400); the model is
+            a C{models_dir} file, not a store model (400);
+            L{PushError}: the registry refused or could not be reached.
+        """
+        parsed = self._library_name(name, "push")
+        assert self._library is not None
+        try:
+            entry = await self._registry.resolve(parsed.display)
+        except ModelNotFound as e:
+            raise ModelNotFound(name, e.available) from None  # as the client spelled it
+        if entry.ollama is None:
+            raise PushError(f'model "{entry.name}" is a file in models_dir, not a model of the Ollama store '
+                            "(ollama_models): only those have the manifest a registry takes; create one from it "
+                            "(/api/create with FROM) and push that", 400)
+        try:
+            await self._library.push(entry.ollama.name, self._registry.ollama_models, progress, insecure)
+        except PullError as e:
+            log.error("push of {model} failed: {error}", model=entry.name, error=str(e))
+            raise
+        log.info("pushed {model}", model=entry.name)
+        return entry.name
+
+    def _created_by(self) -> ModelCreator:
+        if self._creator is None:
+            raise CreateError("this daemon was built without a model creator; /api/create is off", 501)
+        return self._creator
+
+    async def create(self, spec: CreateSpec, progress: Progress = _ignore) -> str:
+        """
+        Create the model C{spec.name} in the Ollama store
+        (L{blazar.models.create.ModelCreator.create}), reporting Ollama's
+        status lines to C{progress} (all but C{success}). A running child
+        of a model it replaces is stopped once idle, so the next request
+        loads the new one.
+
+        @return: Its name, as C{/api/tags} lists it.
+        @raise CreateError: Refused (its C{status}), or failed; nothing is
+            named then.
+        """
+        name = await self._created_by().create(spec, progress)
+        instance = self._supervisor.loaded(name)
+        if instance is not None:
+            stopping = self._supervisor.unload_when_idle(instance, "replaced by /api/create")
+            if stopping is not None:
+                stopping.addErrback(self._stop_failed, name)
+        return name
+
+    async def has_blob(self, digest: str) -> bool:
+        """
+        Whether the store holds blob C{digest} (C{sha256:<hex>}).
+
+        @raise blazar.models.ollama_store.StoreError: Not a sha256 digest.
+        """
+        return await self._created_by().has_blob(digest)
+
+    async def store_upload(self, digest: str, upload: Any) -> bool:
+        """
+        Name an uploaded body (a file object) the blob C{digest}, if its
+        sha256 is that.
+
+        @return: Whether the blob is new.
+        @raise blazar.models.ollama_store.DigestMismatch: It is not.
+        """
+        return await self._created_by().store_upload(digest, upload)

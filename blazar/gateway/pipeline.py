@@ -14,6 +14,12 @@ surface:
     its own; its body names the remote's model, as Anthropic Messages for
     C{api = "anthropic"}: L{blazar.gateway.remotewire});
  2. purpose: no chat on an embedding model, no embeddings on a chat model;
+    the model's own defaults: a model of the Ollama store gets its
+    Modelfile's system prompt, messages and parameters where the request
+    set none (L{blazar.gateway.defaults});
+    vision: a chat's images need a model with a projector, and those it
+    names by http(s) URL are fetched here, never by the engine
+    (L{Pipeline._vision});
  3. system-message placement for the model's chat template;
     then the semantic cache (L{Pipeline._cached}, chat calls only): a
     hit is answered here, with no slot, no child and no engine request;
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 from typing import Any, Awaitable, Callable
 
@@ -57,6 +64,7 @@ from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
 from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
+from blazar.gateway.defaults import apply_model_defaults, model_context
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
@@ -78,7 +86,8 @@ from blazar.engines.sse import SSEEvents, WholeEvents
 from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, answer_chunks, from_anthropic, to_anthropic
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
+from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.gguf_meta import template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -622,6 +631,7 @@ class Pipeline:
         self.sessions = sessions
         self.supervisor = proxy.supervisor
         self.cache: CacheStore | None = None  # the semantic cache's entries (L{_cached}); None: no cache
+        self.images: ImageFetcher | None = None  # fetches image URLs (L{_vision}); None: they are refused
         self.isolation = KeyIsolation(clock)  # the slots of models with isolate_keys
 
     def open(self, request: Any, call: Call) -> Opened:
@@ -653,7 +663,8 @@ class Pipeline:
 
         @return: Clock seconds when it began and when the child was ready.
         """
-        await self._scope(request, call.model)
+        call.entry = await self._scope(request, call.model)
+        model_context(call)  # a model's own num_ctx
         started = self._clock.seconds()
         await self._placement(request, call)
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
@@ -1285,6 +1296,9 @@ class Pipeline:
             call.lane = None
         await self._purpose(call)
         self._within_limits(call)
+        if call.lane is None and apply_model_defaults(call):  # its Modelfile's system, messages, parameters
+            call.raw = None
+        await self._vision(call)
         if call.lane is None:
             await self._tools_seen(call)
         if call.lane is None and call.kind is CallKind.CHAT \
@@ -1493,6 +1507,80 @@ class Pipeline:
                 f"{section}); use a chat model here"
             )
 
+    async def _vision(self, call: Call) -> None:
+        """
+        The vision step, for a chat: its images (C{image_url} content
+        parts, which every surface's images become) need a model whose
+        child takes them (L{sees_images}: a projector); an image for any
+        other llama.cpp model is refused with the fix, never dropped. An
+        image named by C{http(s)} URL is fetched here (L{ImageFetcher}:
+        bounded, public addresses only) and sent on as a C{data:} URL, for
+        a command lane's server too: no engine fetches a URL it is given.
+        Other URL schemes (C{file:} and the like) are refused; so are
+        audio and video parts named by URL.
+
+        @raise UnsupportedByModel: Images for a model without a projector.
+        @raise BadRequest: A URL that is refused or cannot be fetched.
+        """
+        messages = call.body.get("messages")
+        if call.kind is not CallKind.CHAT or not isinstance(messages, list):
+            return
+        images: list[tuple[dict[str, Any], str, str]] = []  # (part, url, where)
+        for i, message in enumerate(messages):
+            content = message.get("content") if isinstance(message, dict) else None
+            if not isinstance(content, list):
+                continue
+            for j, part in enumerate(content):
+                if not isinstance(part, dict):
+                    continue
+                where = f"messages[{i}].content[{j}]"
+                kind = part.get("type")
+                if kind == "image_url":
+                    image = part.get("image_url")
+                    url = image.get("url") if isinstance(image, dict) else image
+                    if not isinstance(url, str):
+                        raise BadRequest(f"{where}.image_url.url: required (a data: or http(s) URL)",
+                                         f"{where}.image_url")
+                    if not isinstance(image, dict):  # a bare URL string: as the engine reads it
+                        part["image_url"] = {"url": url}
+                        call.raw = None
+                    images.append((part, url, f"{where}.image_url"))
+                elif kind in MEDIA_PARTS:
+                    media = part.get(kind)
+                    url = next((media.get(k) for k in ("url", "data") if isinstance(media, dict)
+                                and isinstance(media.get(k), str)), None)
+                    if isinstance(url, str) and _scheme(url) not in (None, "data"):
+                        raise BadRequest(f"{where}.{kind}: Blazar does not fetch {kind} URLs; send the data "
+                                         "itself (base64)", f"{where}.{kind}")
+        if not images:
+            return
+        entry = call.entry
+        if call.lane is None and entry is not None and not sees_images(entry, None, self._config()):
+            stem = entry.path.name.removesuffix(".gguf") if entry.format == "gguf" else entry.name
+            raise UnsupportedByModel(
+                f"model {call.model!r} cannot see images: it has no vision projector. Put its projector (the "
+                f"model's *mmproj*.gguf, named like mmproj-{stem}.gguf) beside its GGUF file, or set "
+                f'mmproj = "/path/to/mmproj.gguf" under [models."{entry.name}"] in the config; or send text only')
+        budget = self._config().image_fetch_max_bytes
+        for part, url, where in images:
+            scheme = _scheme(url)
+            if scheme in ("http", "https"):
+                if self.images is None:
+                    raise BadRequest(f"{where}: this gateway does not fetch image URLs; send the image as base64 "
+                                     "data (a data: URL)", where)
+                data, size = await self.images.fetch(url, where, budget)
+                budget -= size
+                part["image_url"] = {**part["image_url"], "url": data}
+                call.raw = None
+            elif scheme == "data":
+                head = url[len("data:"):].partition(",")[0].lower()
+                if not head.startswith("image/") or not head.endswith(";base64"):
+                    raise BadRequest(f"{where}.url: a data: URL of an image must be base64 "
+                                     "(data:image/png;base64,...)", where)
+            elif scheme is not None:
+                raise BadRequest(f"{where}.url: {scheme}: URLs are not taken; send a data: or http(s) URL",
+                                 where)
+
     async def _count(self, call: Call) -> int:
         """
         The prompt's tokens, by the child's own template and tokenizer.
@@ -1546,6 +1634,18 @@ class Pipeline:
 
 DECODES = 2  # audio decodes in the thread pool at once (each holds up to MAX_SECONDS of PCM)
 MAX_IMAGE_SIDE = 2048  # pixels, as blazar.web.translate.images.MAX_SIDE
+# content parts of other media, whose URLs llama-server would fetch itself
+MEDIA_PARTS = ("input_audio", "input_video", "video_url")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):")
+
+
+def _scheme(url: str) -> str | None:
+    """
+    A URL's scheme, lower case; L{None} for what has none (bare base64,
+    which llama-server decodes as it is).
+    """
+    m = _SCHEME.match(url)
+    return m[1].lower() if m else None
 
 
 # bodies below this many bytes are not measured for L{Pipeline._prompt_floor}

@@ -220,3 +220,63 @@ def make_test_model(
     writer.close()
     os.replace(tmp, out)
     return GeneratedModel(out, {tok: i for i, tok in enumerate(tokens)})
+
+
+# the model's matrices a test adapter adapts, and each one's (rows, columns) as numpy shapes them
+_LORA_TARGETS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def make_test_lora(
+    path: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    n_embd: int = 64,
+    n_layer: int = 2,
+    n_ff: int = 128,
+    rank: int = 4,
+    alpha: float = 8.0,
+    architecture: str = "llama",
+    targets: tuple[str, ...] = _LORA_TARGETS,
+) -> Path:
+    """
+    Write a tiny random-weight LoRA adapter GGUF for the model
+    L{make_test_model} makes with the same C{n_embd}, C{n_layer} and
+    C{n_ff}, as llama.cpp's C{src/llama-adapter.cpp} loads it: C{general.type
+    = "adapter"}, C{adapter.type = "lora"}, C{adapter.lora.alpha}, the
+    model's C{general.architecture}, and for each adapted matrix
+    C{blk.N.<name>.weight.lora_a} (C{rank} x the matrix's input width) and
+    C{.lora_b} (its output width x C{rank}), f32. Blocking: writes a file.
+
+    @param targets: The matrices adapted in every block (C{attn_q},
+        C{ffn_down}, ...).
+    @return: The file.
+    """
+    import numpy as np
+    from gguf import GGUFWriter
+
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    # (output width, input width) of each matrix: numpy's order, the reverse of ggml's ne
+    shapes = {"attn_q": (n_embd, n_embd), "attn_k": (n_embd, n_embd), "attn_v": (n_embd, n_embd),
+              "attn_output": (n_embd, n_embd), "ffn_gate": (n_ff, n_embd), "ffn_up": (n_ff, n_embd),
+              "ffn_down": (n_embd, n_ff)}
+    tmp = out.with_name(out.name + ".tmp")
+    writer = GGUFWriter(os.fspath(tmp), architecture)
+    writer.add_type("adapter")
+    writer.add_name("blazar-test-lora")
+    writer.add_string("adapter.type", "lora")
+    writer.add_float32("adapter.lora.alpha", alpha)
+    for i in range(n_layer):
+        for target in targets:
+            rows, columns = shapes[target]
+            writer.add_tensor(f"blk.{i}.{target}.weight.lora_a",
+                              (rng.standard_normal((rank, columns)) * 0.1).astype(np.float32))
+            writer.add_tensor(f"blk.{i}.{target}.weight.lora_b",
+                              (rng.standard_normal((rows, rank)) * 0.1).astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
+    return out

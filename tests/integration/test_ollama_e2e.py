@@ -225,7 +225,7 @@ def test_errors(daemon: Daemon, client: ollama.Client) -> None:
     status, _, body = daemon.request("POST", "/api/chat", {"messages": HELLO})
     assert status == 400 and json.loads(body) == {"error": "model is required"}
     status, _, body = daemon.request("POST", "/api/create", {"model": "x"})
-    assert status == 501 and "models_dir" in json.loads(body)["error"]
+    assert (status, json.loads(body)) == (400, {"error": "neither 'from' or 'files' was specified"})
     status, _, body = daemon.request("GET", "/api/nothing")
     assert status == 404 and "error" in json.loads(body)
 

@@ -95,7 +95,7 @@ def test_corrupt_download_is_rejected(client: ollama.Client, hub: FakeHub, pulld
 
 def test_pull_errors(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.pull("llama3")
+        client.pull("a/b/c/llama3")  # (a plain name is a library pull: test_ollama_library_e2e)
     assert e.value.status_code == 400 and "hf.co/" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("hf.co/test/missing-GGUF")

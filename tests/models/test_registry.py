@@ -151,3 +151,69 @@ class HubNameTests(SynchronousTestCase):
         root = Path(self.mktemp())
         touch(root / "mine:v2.gguf")
         self.assertEqual([e.name for e in thd_scan(root, {}).values()], ["mine:v2"])
+
+
+class AdapterTests(SynchronousTestCase):
+    """
+    A model's LoRA adapters (C{lora = [...]}, L{ModelEntry.adapters}) are
+    checked as the supervisor reads its metadata, before a child is started
+    with them: one that llama-server would refuse is an L{AdapterUnusable}
+    naming the model and the fix, never the file.
+    """
+
+    def setUp(self) -> None:
+        from blazar.models.testmodel import make_test_lora
+
+        self.dir = Path(self.mktemp()).absolute()
+        make_test_model(self.dir / "x.gguf")
+        self.lora = make_test_lora(self.dir / "adapters" / "style.gguf")
+        self.not_lora = make_test_model(self.dir / "adapters" / "model.gguf").path
+
+    def registry(self, lora: str) -> ModelRegistry:
+        return ModelRegistry(parse_config(f'models_dir = "{self.dir}"\n[models.x]\nlora = {lora}\n'),
+                             fake_process_reactor())
+
+    def test_the_config_sets_the_entrys_adapters(self) -> None:
+        registry = self.registry('["adapters/style.gguf", {path = "adapters/style.gguf", scale = 0.5}]')
+        entry = self.successResultOf(ensureDeferred(registry.resolve("x")))
+        self.assertEqual(entry.adapters, ((self.lora, 1.0), (self.lora, 0.5)))
+        self.assertEqual(self.successResultOf(ensureDeferred(registry.metadata(entry))).architecture, "llama")
+
+    def test_a_file_that_is_no_adapter_is_a_teaching_error(self) -> None:
+        from blazar.models.registry import AdapterUnusable
+
+        registry = self.registry('["adapters/style.gguf", "adapters/model.gguf"]')
+        entry = self.successResultOf(ensureDeferred(registry.resolve("x")))
+        error = self.failureResultOf(ensureDeferred(registry.metadata(entry)), AdapterUnusable).value
+        self.assertIsInstance(error, ModelUnreadable)  # rendered as the surfaces render an unreadable model
+        self.assertTrue(str(error).startswith('model "x:latest": LoRA adapter 2 of 2 is not a LoRA adapter GGUF '
+                                              "(it has no general.type: a model file;"), str(error))
+        self.assertIn("check its lora list", str(error))
+        self.assertNotIn(str(self.dir), str(error))
+        self.assertEqual(error.log_detail, f"file {self.not_lora}")
+
+    def test_missing_or_for_another_architecture(self) -> None:
+        from blazar.models.registry import AdapterUnusable
+        from blazar.models.testmodel import make_test_lora
+
+        registry = self.registry('["adapters/gone.gguf"]')
+        entry = self.successResultOf(ensureDeferred(registry.resolve("x")))
+        error = self.failureResultOf(ensureDeferred(registry.metadata(entry)), AdapterUnusable).value
+        self.assertIn("LoRA adapter 1 of 1 cannot be read (No such file or directory)", str(error))
+        make_test_lora(self.dir / "adapters" / "qwen.gguf", architecture="qwen2")
+        registry = self.registry('["adapters/qwen.gguf"]')
+        entry = self.successResultOf(ensureDeferred(registry.resolve("x")))
+        error = self.failureResultOf(ensureDeferred(registry.metadata(entry)), AdapterUnusable).value
+        self.assertIn("was made for architecture 'qwen2', and the model is 'llama'", str(error))
+
+    def test_a_checked_file_is_not_read_again(self) -> None:
+        from blazar.models.registry import thd_check_adapters
+
+        checked = thd_check_adapters(((self.lora, 1.0),), "llama")
+        st = self.lora.stat()
+        self.lora.write_bytes(b"x" * st.st_size)  # what a read would refuse, under the same size and mtime
+        os.utime(self.lora, ns=(st.st_atime_ns, st.st_mtime_ns))
+        self.assertEqual(thd_check_adapters(((self.lora, 1.0),), "llama", checked), checked)
+        os.utime(self.lora, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # changed: read again
+        with self.assertRaises(GGUFError):
+            thd_check_adapters(((self.lora, 1.0),), "llama", checked)

@@ -31,6 +31,7 @@ from blazar.gateway.errors import (
 )
 from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
+from blazar.models.create import CreateError
 from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound, ModelUnreadable
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
@@ -68,6 +69,11 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
     (PullError("no such repo", 404), (404, 404), None, None, "invalid_request_error", None),
     (PullError("not a GGUF repo", 400), (400, 400), None, None, "invalid_request_error", None),
     (PullError("hub unreachable", 502), (502, 500), None, "pull_failed", "engine_error", "engine_error"),
+    (CreateError("blob sha256:ab is not on this server", 404), (404, 404), None, None, "invalid_request_error",
+     None),
+    (CreateError("quantization is only supported for F16, BF16 and F32 models"), (400, 400), None, None,
+     "invalid_request_error", None),
+    (CreateError("llama-quantize failed", 500), (500, 500), None, "create_failed", "engine_error", "engine_error"),
     (QuotaExceeded("over the rpm limit", 7.2), (429, 429), "8", "quota", "rate_limit_error", "rate_limit_exceeded"),
     (AllSlotsBusy("all slots busy", 3.0, 2.5), (503, 503), "3", "all_slots_busy", "server_error", "all_slots_busy"),
     (BreakerOpen("m:latest", "crashed too often", 30.0), (503, 529), "30", "breaker_open", "engine_unavailable",

@@ -95,7 +95,7 @@ class OllamaModelsTests(SynchronousTestCase):
 
     def test_pull_refused_before_any_line_is_a_plain_error(self) -> None:
         for stream in (True, False):
-            status, kind, data = self.call("POST", "/api/pull", {"model": "llama3", "stream": stream})
+            status, kind, data = self.call("POST", "/api/pull", {"model": "a/b/c/llama3", "stream": stream})
             self.assertEqual((status, kind), (400, b"application/json; charset=utf-8"))
             self.assertIn("hf.co/{user}/{repo}", json.loads(data)["error"])
 

@@ -294,6 +294,10 @@ def generate_to_openai(body: dict[str, Any], stream: bool) -> tuple[str, dict[st
         raise TranslationError("raw must be true or false")
     request = _common(body)
     suffix = body.get("suffix")
+    if body.get("images") and (suffix or body.get("raw")):
+        # (the prompt goes to the engine as it is: no message an image could be a part of)
+        raise TranslationError(f"images cannot be sent with {'suffix' if suffix else 'raw: true'}: send them "
+                               "with a plain prompt (or in /api/chat messages)")
     if suffix:
         if not isinstance(suffix, str):
             raise TranslationError("suffix must be a string")
