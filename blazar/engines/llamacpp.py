@@ -144,19 +144,37 @@ def lora_flags(adapters: tuple[tuple[Path, float], ...]) -> list[str]:
     return flags
 
 
-def thd_cuda_devices(binary: Path) -> list[str]:
+def thd_cuda_devices(binary: Path) -> list[str] | None:
     """
     The CUDA devices C{binary} can use, as its C{--list-devices} names them
     (C{"CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)"}); C{[]} for a
-    CPU build, a machine without a driver, or a binary that cannot say.
+    CPU build or a machine without a driver; L{None} when it could not say
+    (it did not run, timed out or failed: ask again later).
 
     Blocking (runs the binary, seconds with a GPU): call it in a thread.
     """
     try:
         out = subprocess.run([str(binary), "--list-devices"], capture_output=True, text=True, timeout=120)
     except (OSError, subprocess.SubprocessError):
-        return []
+        return None
+    if out.returncode != 0:
+        return None
     return [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("CUDA")]
+
+
+def thd_engine_devices(binary: Path, known: Mapping[tuple[str, float], list[str]]) -> \
+        tuple[tuple[str, float], list[str] | None]:
+    """
+    C{binary}'s key (path, modification time) and its CUDA devices: from
+    C{known} when that file was asked before, else L{thd_cuda_devices}.
+    """
+    try:
+        key = (str(binary), binary.stat().st_mtime)
+    except OSError:
+        key = (str(binary), 0.0)
+    if key in known:
+        return key, known[key]
+    return key, thd_cuda_devices(binary)
 
 
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK

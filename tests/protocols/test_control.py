@@ -276,7 +276,7 @@ class PsGPUTests(SynchronousTestCase):
         census.refresh()
         self.supervisor.hardware = census.fresh
         self.supervisor.on_hardware_change = census.invalidate
-        self.supervisor.engine_devices = lambda binary: ["CUDA0: fake"]  # a cuda build
+        self.supervisor.engine_devices = lambda binary, known: ((str(binary), 0.0), ["CUDA0: fake"])  # a cuda build
         status = {"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d", "loaded": 0}
         self.client, _, self.pump = connectedServerAndClient(
             lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor,
