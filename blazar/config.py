@@ -477,7 +477,7 @@ class Config:
     max_tools: int = 512
     max_schema_nodes: int = 4096
     image_fetch_max_bytes: int = 20 * 1024 * 1024  # an http(s) image URL's body, at most
-    image_fetch_timeout: float = 10.0  # seconds an image URL's fetch may take, in all
+    image_fetch_timeout: float = 10.0  # seconds one request's image URL fetches may take, together
     image_fetch_private_hosts: tuple[str, ...] = ()  # image URL hosts allowed private addresses
     # [engines] gate_max_slowdown: the regression gate refuses an engine this much slower (0: no speed check)
     gate_max_slowdown: float = 0.0

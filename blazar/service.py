@@ -45,6 +45,7 @@ from blazar.gateway.operations import ModelOperations
 from blazar.models.hub import HubClient
 from blazar.models.create import ModelCreator
 from blazar.models.ollama_registry import MIN_PART, RegistryClient
+from blazar.models.ollama_store import thd_sweep_temporaries
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
@@ -431,6 +432,23 @@ class _Hooks(Service):
         self._stop()
 
 
+def sweep_store(reactor: Any, root: Callable[[], Path]) -> Deferred[None]:
+    """
+    Remove the temporary files a crash left in the Ollama store at
+    C{root()} (L{thd_sweep_temporaries}: those older than now, the
+    daemon's start), in the thread pool; a failure is logged.
+    """
+
+    def swept(removed: list[Path]) -> None:
+        if removed:
+            log.info("removed {count} temporary files a previous run left in {path}", count=len(removed),
+                     path=str(root()))
+
+    d: Deferred[None] = deferToThreadPool(reactor, reactor.getThreadPool(), thd_sweep_temporaries, root(),
+                                          reactor.seconds()).addCallback(swept)
+    return d.addErrback(lambda f: log.failure("sweeping the model store's temporary files failed", f))
+
+
 class AuditService(Service):
     """
     Runs the audit writer thread for the daemon's lifetime.
@@ -693,6 +711,12 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     library = RegistryClient(reactor, lambda: live.current.registry,
                              min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART))
     ConnectionPools(engines, hub, library).setServiceParent(top)
+
+    def sweep() -> None:
+        # what a crash left in the Ollama store (uploads, copies, quantize outputs); it logs its own failure
+        sweep_store(reactor, lambda: live.current.resolved_ollama_models)
+
+    _Hooks(sweep, lambda: None).setServiceParent(top)
     metrics = Metrics()
     # what `blazar logs` shows: the daemon's log events and every line the
     # engines print (which reach the daemon's log only as warnings and errors)
@@ -738,7 +762,7 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     pipeline.images = ImageFetcher(
         reactor, live, lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
     responses = Responses(pipeline, live, reactor, usage_store.run_db)
-    openai = OpenAISurface(registry, pipeline, reactor, responses)
+    openai = OpenAISurface(registry, pipeline, reactor, responses, live)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
     anthropic = AnthropicSurface(pipeline, reactor)
     # the Batch API: its lines come back in through a private listener

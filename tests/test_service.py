@@ -662,3 +662,21 @@ class TLSListenerTests(SynchronousTestCase):
         self.assertIn("TLS_AES_256_GCM_SHA384", suites)  # TLS 1.3 unchanged
         plain = listener_service("tcp:0:interface=127.0.0.1", Factory(), MemoryReactor())
         self.assertTrue(plain._raiseSynchronously)
+
+
+class StoreSweepTests(SynchronousTestCase):
+    def test_the_store_is_swept_of_what_a_crash_left_at_start(self) -> None:
+        import os
+
+        from blazar.service import sweep_store
+
+        root = Path(self.mktemp())
+        (root / "blobs").mkdir(parents=True)
+        stale, fresh = root / "blobs" / ".tmp-upload-old", root / "blobs" / ".tmp-upload-new"
+        for path, mtime in ((stale, 1000.0), (fresh, 3000.0)):
+            path.write_bytes(b"x")
+            os.utime(path, (mtime, mtime))
+        reactor = fake_process_reactor()
+        reactor.advance(2000.0)  # the daemon starts
+        self.successResultOf(sweep_store(reactor, lambda: root))
+        self.assertEqual([p.name for p in (root / "blobs").iterdir()], [fresh.name])

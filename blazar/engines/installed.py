@@ -156,7 +156,7 @@ def resolve_flavour(spec: Spec, say: Callable[[str], None] = lambda _: None,
         def choose(kind: str) -> tuple[str, str]:
             return choose_flavour(kind, os.environ)
     flavour, why = choose(spec.kind)
-    say(f"building the {flavour} flavour: {why}")
+    say(f"engine flavour {flavour}: {why}")
     return attrs.evolve(spec, flavour=flavour, tag=f"{spec.target}-{flavour}")
 
 

@@ -4,16 +4,19 @@ the engine: llama-server would fetch any URL it is given, from the
 daemon's own network) and handed to the engine as C{data:} URLs.
 
 A fetch is bounded: only C{http} and C{https}, at most
-C{image_fetch_max_bytes} for all of one request's images, at most
-C{image_fetch_timeout_secs} each (connecting, redirects and the body
-together), a C{200} whose C{content-type} is C{image/*}, at most
-L{MAX_REDIRECTS} redirects, each checked as the first URL is. No request
-reaches a private, loopback, link-local, shared, reserved or multicast
-address (server-side request forgery): the host is resolved first, every
-address it has must be public, and the connection goes to the address
-that was checked (a second lookup could answer otherwise). The config's
-C{image_fetch_private_hosts} names hosts exempt from the address check
-(an image server on the LAN, a test server on loopback).
+C{image_fetch_max_bytes} and C{image_fetch_timeout_secs} for all of one
+request's images (connecting, redirects and bodies together; they are
+fetched one after another), a C{200} whose C{content-type} is
+C{image/*}, at most L{MAX_REDIRECTS} redirects, each checked as the
+first URL is. No request reaches a private, loopback, link-local, shared,
+reserved or multicast address (server-side request forgery): the host is
+resolved first, every address it has must be public, and the connection
+goes to the address that was checked (a second lookup could answer
+otherwise). The config's C{image_fetch_private_hosts} names hosts exempt
+from the address check (an image server on the LAN, a test server on
+loopback). A refusal says which rule refused, not what the host resolves
+to or whether it resolves (the log says it): a client cannot map the
+daemon's network by the answers.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from twisted.internet.defer import CancelledError, Deferred, TimeoutError as Def
 from twisted.internet.error import ConnectingCancelledError
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
 from twisted.internet.ssl import optionsForClientTLS
+from twisted.logger import Logger
 from twisted.web.client import Agent, HTTPConnectionPool, URI
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IResponse
@@ -37,6 +41,8 @@ from blazar.config import Config
 from blazar.gateway.errors import BadRequest
 from blazar.httpbody import BodyTooLarge, read_body, relay_body
 
+log = Logger()
+
 MAX_REDIRECTS = 3
 REDIRECTS = frozenset({301, 302, 303, 307, 308})
 _NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses in IPv6 (RFC 6052)
@@ -45,7 +51,8 @@ _NAT64 = ipaddress.ip_network("64:ff9b::/96")  # IPv4 addresses in IPv6 (RFC 605
 class ImageFetchError(BadRequest):
     """
     An image URL that Blazar will not or could not fetch (400); the message
-    names the URL's host, why, and what to send instead.
+    names the URL, the rule that refused it (never what its host resolves
+    to, or whether it does: that is logged) and what to send instead.
     """
 
 
@@ -140,25 +147,32 @@ class ImageFetcher:
         self._resolve = resolve
         self._pool = HTTPConnectionPool(reactor, persistent=False)
 
-    async def fetch(self, url: str, where: str, budget: int) -> tuple[str, int]:
+    async def fetch(self, url: str, where: str, budget: int, seconds: float | None = None) -> tuple[str, int]:
         """
         The image at C{url} as a C{data:} URL.
 
         @param where: The field that holds the URL, for the error's C{param}.
         @param budget: Bytes the request's fetched images may still take.
+        @param seconds: Seconds the request's fetches may still take (what
+            its earlier images left of C{image_fetch_timeout_secs}, which
+            bounds them all together); L{None}: all of it.
         @return: The C{data:} URL and the image's size in bytes.
         @raise ImageFetchError: Refused (scheme, host, address, redirect,
             status, type, size) or failed (unreachable, too slow).
         """
         timeout = self._config().image_fetch_timeout
+        left = timeout if seconds is None else min(seconds, timeout)
+        late = ImageFetchError(f"image URL {_shown(url)}: the request's image URLs took longer than {timeout:g} s "
+                               "to fetch, together (image_fetch_timeout_secs); send the images as base64 data "
+                               "instead", where)
+        if left <= 0:
+            raise late
         fetching: Deferred[tuple[str, int]] = Deferred.fromCoroutine(self._fetch(url, where, budget))
-        fetching.addTimeout(timeout, self._reactor)
+        fetching.addTimeout(left, self._reactor)
         try:
             return await fetching
         except DeferredTimeout:
-            raise ImageFetchError(f"image URL {_shown(url)} took longer than {timeout:g} s to fetch "
-                                  "(image_fetch_timeout_secs); send the image as base64 data instead",
-                                  where) from None
+            raise late from None
 
     async def _fetch(self, url: str, where: str, budget: int) -> tuple[str, int]:
         for _ in range(MAX_REDIRECTS + 1):
@@ -187,22 +201,32 @@ class ImageFetcher:
             raise ImageFetchError(f"image URL {_shown(url)}: Blazar fetches http and https URLs only", where)
         if parts.username is not None or parts.password is not None:
             raise ImageFetchError(f"image URL {_shown(url)} holds credentials; Blazar does not send them", where)
+        listed = host.lower().rstrip(".") in config.image_fetch_private_hosts
+        # the answer says which rule refused, never what the host resolves to (or that it does not):
+        # the client must not map the daemon's network by it; the log says it
+        not_public = ImageFetchError(
+            f"image URL {_shown(url)}: its host does not resolve to a public address, and Blazar fetches image "
+            "URLs only from public addresses. Send the image as base64 data, or allow the host with "
+            "image_fetch_private_hosts in the gateway's config", where)
         try:
             addresses = [str(ipaddress.ip_address(host))] if _is_address(host) else \
                 await self._in_thread(self._resolve, host, port)
         except OSError as e:
-            raise ImageFetchError(f"image URL {_shown(url)}: its host {host!r} does not resolve ({e})",
-                                  where) from None
+            log.info("image URL host {host!r} ({where}) does not resolve: {error}", host=host, where=where,
+                     error=str(e))
+            if listed:
+                raise ImageFetchError(f"image URL {_shown(url)}: its host does not resolve", where) from None
+            raise not_public from None
         if not addresses:
-            raise ImageFetchError(f"image URL {_shown(url)}: its host {host!r} has no address", where)
-        if host.lower().rstrip(".") not in config.image_fetch_private_hosts:
+            log.info("image URL host {host!r} ({where}) has no address", host=host, where=where, error="no address")
+            raise not_public
+        if not listed:
             for address in addresses:
                 why = refused_address(address)
                 if why is not None:
-                    raise ImageFetchError(
-                        f"image URL {_shown(url)}: its host {host!r} is a {why} address ({address}), and Blazar "
-                        "fetches image URLs only from public addresses. Send the image as base64 data, or list "
-                        "the host in image_fetch_private_hosts in the gateway's config", where)
+                    log.info("image URL host {host!r} ({where}) refused: a {why} address ({address})",
+                             host=host, where=where, why=why, address=address)
+                    raise not_public
         agent = Agent.usingEndpointFactory(self._reactor, _Pinned(self._reactor, addresses[0], host,
                                                                   config.image_fetch_timeout), pool=self._pool)
         headers = Headers({b"user-agent": [b"blazar"], b"accept": [b"image/*"]})

@@ -1517,7 +1517,9 @@ class Pipeline:
         bounded, public addresses only) and sent on as a C{data:} URL, for
         a command lane's server too: no engine fetches a URL it is given.
         Other URL schemes (C{file:} and the like) are refused; so are
-        audio and video parts named by URL.
+        audio and video parts named by URL, under C{data} or C{url} (the
+        engine reads C{data} first), and each such part is sent on with
+        the one value that was checked.
 
         @raise UnsupportedByModel: Images for a model without a projector.
         @raise BadRequest: A URL that is refused or cannot be fetched.
@@ -1545,13 +1547,18 @@ class Pipeline:
                         part["image_url"] = {"url": url}
                         call.raw = None
                     images.append((part, url, f"{where}.image_url"))
-                elif kind in MEDIA_PARTS:
-                    media = part.get(kind)
-                    url = next((media.get(k) for k in ("url", "data") if isinstance(media, dict)
-                                and isinstance(media.get(k), str)), None)
-                    if isinstance(url, str) and _scheme(url) not in (None, "data"):
-                        raise BadRequest(f"{where}.{kind}: Blazar does not fetch {kind} URLs; send the data "
-                                         "itself (base64)", f"{where}.{kind}")
+                elif kind in MEDIA_PARTS and isinstance(part.get(kind), dict):
+                    # llama-server reads data, else url: every string under either is checked, and
+                    # the engine is sent the one it would read, alone
+                    media = part[kind]
+                    values = {k: media[k] for k in ("data", "url") if isinstance(media.get(k), str)}
+                    for key, value in values.items():
+                        if _engine_fetches(value):
+                            raise BadRequest(f"{where}.{kind}.{key}: Blazar does not fetch {kind} URLs; send "
+                                             "the data itself (base64, or a data: URL)", f"{where}.{kind}")
+                    part[kind] = {k: v for k, v in media.items() if k not in ("data", "url")}
+                    part[kind].update(list(values.items())[:1])
+                    call.raw = None
         if not images:
             return
         entry = call.entry
@@ -1561,14 +1568,17 @@ class Pipeline:
                 f"model {call.model!r} cannot see images: it has no vision projector. Put its projector (the "
                 f"model's *mmproj*.gguf, named like mmproj-{stem}.gguf) beside its GGUF file, or set "
                 f'mmproj = "/path/to/mmproj.gguf" under [models."{entry.name}"] in the config; or send text only')
-        budget = self._config().image_fetch_max_bytes
+        config = self._config()
+        # one request's fetches, one after another, share the byte and the time bound
+        budget, began = config.image_fetch_max_bytes, self._clock.seconds()
         for part, url, where in images:
             scheme = _scheme(url)
             if scheme in ("http", "https"):
                 if self.images is None:
                     raise BadRequest(f"{where}: this gateway does not fetch image URLs; send the image as base64 "
                                      "data (a data: URL)", where)
-                data, size = await self.images.fetch(url, where, budget)
+                seconds = config.image_fetch_timeout - (self._clock.seconds() - began)
+                data, size = await self.images.fetch(url, where, budget, seconds)
                 budget -= size
                 part["image_url"] = {**part["image_url"], "url": data}
                 call.raw = None
@@ -1579,6 +1589,9 @@ class Pipeline:
                                      "(data:image/png;base64,...)", where)
             elif scheme is not None:
                 raise BadRequest(f"{where}.url: {scheme}: URLs are not taken; send a data: or http(s) URL",
+                                 where)
+            elif _engine_fetches(url):  # (llama-server would fetch it)
+                raise BadRequest(f"{where}.url: not a data: or http(s) URL, and not base64; send one of those",
                                  where)
 
     async def _count(self, call: Call) -> int:
@@ -1646,6 +1659,17 @@ def _scheme(url: str) -> str | None:
     """
     m = _SCHEME.match(url)
     return m[1].lower() if m else None
+
+
+def _engine_fetches(value: str) -> bool:
+    """
+    Whether llama-server would fetch or open C{value}, a media part's
+    string, itself (C{handle_media}: anything that starts with C{http},
+    C{file://}): any value with a scheme but C{data:}, or that starts with
+    C{http} in any case (bare base64 that begins so is fetched, not
+    decoded).
+    """
+    return _scheme(value) not in (None, "data") or value[:4].lower() == "http"
 
 
 # bodies below this many bytes are not measured for L{Pipeline._prompt_floor}

@@ -37,8 +37,8 @@ from blazar.models.gguf_meta import GGUFError, thd_read_metadata
 from blazar.models.modelfile import go_json
 from blazar.models.ollama_store import (
     MEDIA_ADAPTER, MEDIA_CONFIG, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_PROJECTOR,
-    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, OllamaName, StoreError, blob_path, digest_hex, layer,
-    make_manifest, thd_add_bytes, thd_has_blob, thd_link_blob, thd_read_manifest, thd_sha256_file,
+    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, Hold, OllamaName, StoreError, blob_path, digest_hex, hold,
+    layer, make_manifest, thd_add_bytes, thd_has_blob, thd_link_blob, thd_read_manifest, thd_sha256_file,
     thd_write_manifest,
 )
 from blazar.models.quantize import QuantizeError, quantize
@@ -177,15 +177,18 @@ def thd_model_facts(path: Path) -> dict[str, Any]:
             "model_type": meta.parameter_size, "file_type": meta.quantization_level}
 
 
-def thd_adopt(root: Path, path: Path) -> tuple[str, bool]:
+def thd_adopt(root: Path, path: Path, held: Hold | None = None) -> tuple[str, bool]:
     """
     Make a file written under C{<root>/blobs} (a quantize's output) a blob:
     hashed, then linked to its name, its temporary name removed. Blocking.
 
+    @param held: Holds the digest before the blob is looked for.
     @return: Its digest, and whether the blob is new.
     """
     try:
         digest = thd_sha256_file(path)
+        if held is not None:
+            held.add([digest])
         new = not thd_has_blob(root, digest)
         thd_link_blob(root, path, digest, verify=False)
         return digest, new
@@ -193,12 +196,16 @@ def thd_adopt(root: Path, path: Path) -> tuple[str, bool]:
         path.unlink(missing_ok=True)
 
 
-def thd_text_layer(root: Path, media: str, data: bytes) -> Layer:
+def thd_text_layer(root: Path, media: str, data: bytes, held: Hold | None = None) -> Layer:
     """
     A text layer (template, system, params, messages, license) stored as a
     blob, with Ollama's status for it. Blocking.
+
+    @param held: Holds the digest before the blob is looked for.
     """
     digest = "sha256:" + hashlib.sha256(data).hexdigest()
+    if held is not None:
+        held.add([digest])
     existed = thd_has_blob(root, digest)
     thd_add_bytes(root, data)
     return Layer(media, digest, len(data), f"{'using existing' if existed else 'creating new'} layer {digest}")
@@ -331,44 +338,49 @@ class ModelCreator:
         """
         display = spec.name.display
         await self._check_name(display)
-        if spec.source is not None:
-            base, parameters, config = await self._from(spec.source)
-        elif spec.files:
-            base, parameters, config = await self._files(spec.files, MEDIA_MODEL, progress), {}, {}
-        else:
-            raise CreateError("neither 'from' or 'files' was specified")
-        if spec.adapters:
-            base += await self._files(spec.adapters, MEDIA_ADAPTER, progress)
-        models = [entry for entry in base if entry.media == MEDIA_MODEL]
-        if not models:
-            raise CreateError("no model layer: files must hold a GGUF model (not only adapters or projectors)")
-        if len(models) > 1:
-            raise CreateError("more than one model GGUF: Blazar serves one file per model; merge a split model "
-                              "first (llama-gguf-split --merge)")
-        model = models[0]
-        assert model.path is not None
-        facts = await self._in_thread(thd_model_facts, model.path)
-        if spec.quantize is not None:
-            quantized = await self._quantize(model, facts["file_type"], spec, progress)
-            if quantized is not model:
-                base[base.index(model)] = model = quantized
-                assert model.path is not None
-                facts = await self._in_thread(thd_model_facts, model.path)
-        layers = await self._text_layers(base, spec, parameters)
-        body = {**{k: v for k, v in config.items() if k in ("renderer", "parser", "requires")},
-                "model_format": "gguf", **facts, "architecture": "amd64", "os": "linux",
-                "rootfs": {"type": "layers", "diff_ids": [entry.digest for entry in layers]}}
-        config_layer = await self._in_thread(thd_text_layer, self.root, MEDIA_CONFIG, go_json(body, sort_keys=False))
-        for entry in layers:
-            progress({"status": entry.status})
-        progress({"status": "writing manifest"})
-        manifest = make_manifest(config_layer.descriptor(), [entry.descriptor() for entry in layers])
-        try:
-            await self._in_thread(thd_write_manifest, self.root, spec.name, manifest)
-        except (OSError, StoreError) as e:
-            raise CreateError(f"cannot write the manifest of {display}: {e}", 500) from None
-        finally:
-            self._registry.forget()
+        # each blob it uses is held from when it is known until its manifest is written: a delete
+        # meanwhile leaves them (blazar.models.ollama_store.hold)
+        with hold(self.root, [*spec.files.values(), *spec.adapters.values()]) as held:
+            if spec.source is not None:
+                base, parameters, config = await self._from(spec.source)
+            elif spec.files:
+                base, parameters, config = await self._files(spec.files, MEDIA_MODEL, progress), {}, {}
+            else:
+                raise CreateError("neither 'from' or 'files' was specified")
+            if spec.adapters:
+                base += await self._files(spec.adapters, MEDIA_ADAPTER, progress)
+            held.add(entry.digest for entry in base)
+            models = [entry for entry in base if entry.media == MEDIA_MODEL]
+            if not models:
+                raise CreateError("no model layer: files must hold a GGUF model (not only adapters or projectors)")
+            if len(models) > 1:
+                raise CreateError("more than one model GGUF: Blazar serves one file per model; merge a split model "
+                                  "first (llama-gguf-split --merge)")
+            model = models[0]
+            assert model.path is not None
+            facts = await self._in_thread(thd_model_facts, model.path)
+            if spec.quantize is not None:
+                quantized = await self._quantize(model, facts["file_type"], spec, progress, held)
+                if quantized is not model:
+                    base[base.index(model)] = model = quantized
+                    assert model.path is not None
+                    facts = await self._in_thread(thd_model_facts, model.path)
+            layers = await self._text_layers(base, spec, parameters, held)
+            body = {**{k: v for k, v in config.items() if k in ("renderer", "parser", "requires")},
+                    "model_format": "gguf", **facts, "architecture": "amd64", "os": "linux",
+                    "rootfs": {"type": "layers", "diff_ids": [entry.digest for entry in layers]}}
+            config_layer = await self._in_thread(thd_text_layer, self.root, MEDIA_CONFIG,
+                                                 go_json(body, sort_keys=False), held)
+            for entry in layers:
+                progress({"status": entry.status})
+            progress({"status": "writing manifest"})
+            manifest = make_manifest(config_layer.descriptor(), [entry.descriptor() for entry in layers])
+            try:
+                await self._in_thread(thd_write_manifest, self.root, spec.name, manifest)
+            except (OSError, StoreError) as e:
+                raise CreateError(f"cannot write the manifest of {display}: {e}", 500) from None
+            finally:
+                self._registry.forget()
         log.info("created {model} ({layers} layers)", model=display, layers=len(layers))
         return display
 
@@ -476,10 +488,12 @@ class ModelCreator:
             layers.append(Layer(kind, digest, size, f"using existing layer {digest}", path))
         return layers
 
-    async def _quantize(self, model: Layer, file_type: str, spec: CreateSpec, progress: Progress) -> Layer:
+    async def _quantize(self, model: Layer, file_type: str, spec: CreateSpec, progress: Progress,
+                        held: Hold) -> Layer:
         """
         The model layer quantized to C{spec.quantize} with llama-quantize,
-        its progress as Ollama's C{quantizing F16 model to Q8_0} lines.
+        its progress as Ollama's C{quantizing F16 model to Q8_0} lines; the
+        new blob's digest held in C{held}.
         """
         assert spec.quantize is not None and model.path is not None
         if file_type not in UNQUANTIZED:
@@ -505,19 +519,21 @@ class ModelCreator:
             raise CreateError(str(e), 500) from None
         progress({"status": "verifying conversion"})
         try:
-            digest, new = await self._in_thread(thd_adopt, self.root, temporary)
+            digest, new = await self._in_thread(thd_adopt, self.root, temporary, held)
             size = (await self._in_thread(os.stat, blob_path(self.root, digest))).st_size
         except OSError as e:
             raise CreateError(f"cannot store the quantized model: {e.strerror}", 500) from None
         return Layer(MEDIA_MODEL, digest, size, f"{'creating new' if new else 'using existing'} layer {digest}",
                      blob_path(self.root, digest))
 
-    async def _text_layers(self, base: list[Layer], spec: CreateSpec, parameters: dict[str, Any]) -> list[Layer]:
+    async def _text_layers(self, base: list[Layer], spec: CreateSpec, parameters: dict[str, Any],
+                           held: Hold) -> list[Layer]:
         """
         C{base} with the request's text layers, as Ollama's C{createModel}
         sets them: a template, system prompt or messages replace the
         source's; licenses are added; parameters are merged over the
-        source's (a request's value wins) into one params layer.
+        source's (a request's value wins) into one params layer. Their
+        digests are held in C{held}.
         """
         layers = list(base)
 
@@ -525,7 +541,7 @@ class ModelCreator:
             nonlocal layers
             if replace:
                 layers = [entry for entry in layers if entry.media != media]
-            layers.append(await self._in_thread(thd_text_layer, self.root, media, data))
+            layers.append(await self._in_thread(thd_text_layer, self.root, media, data, held))
 
         if spec.template:
             await put(MEDIA_TEMPLATE, spec.template.encode("utf-8"))

@@ -12,7 +12,10 @@ C{GET /{user}/{repo}/resolve/main/{path}} with C{Range} to resume.
 A pull writes to C{<models_dir>/.partial/} and renames into
 C{<models_dir>/hf.co/{user}/{repo}/{tag}.gguf} only after the sha256
 matches, so a failed pull never leaves a half-written model in the registry;
-the partial file stays for the next attempt to resume.
+the partial file stays for the next attempt to resume. A repository with a
+vision projector (C{*mmproj*.gguf}: its F16 one, else the first) has it
+pulled too, under its own name in the same folder, where the registry pairs
+it with each of the repository's quants (L{blazar.models.registry.pair_projectors}).
 """
 
 from __future__ import annotations
@@ -85,6 +88,31 @@ def parse_hub_name(name: str) -> HubName:
     return HubName(m[1], m[2], m[3] or "latest")
 
 
+def _quant(f: dict[str, Any]) -> str:
+    """
+    The quant a GGUF's name ends in (C{Q4_K_M}, C{F16}, ...), upper case;
+    empty if none.
+    """
+    stem = Path(f["path"]).name[: -len(".gguf")]
+    stem = re.sub(r"-\d{5}-of-\d{5}$", "", stem)
+    m = QUANT.search(stem)
+    return m[1].upper() if m else ""
+
+
+def _is_projector(f: dict[str, Any]) -> bool:
+    path = str(f.get("path", ""))
+    return f.get("type", "file") == "file" and path.endswith(".gguf") and "mmproj" in path.lower()
+
+
+def choose_projector(files: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """
+    The vision projector of a repo listing: its C{*mmproj*.gguf} file whose
+    name ends in C{F16}, else the first; L{None} for a repository without.
+    """
+    projectors = [f for f in files if _is_projector(f)]
+    return next((f for f in projectors if _quant(f) == "F16"), projectors[0] if projectors else None)
+
+
 def choose_files(files: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
     """
     The GGUF file(s) for C{tag} from a repo listing: the file whose name
@@ -95,25 +123,18 @@ def choose_files(files: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
     @raise PullError: No match (404), naming the quants there are.
     """
     ggufs = [f for f in files if f.get("type", "file") == "file" and str(f.get("path", "")).endswith(".gguf")
-             and "mmproj" not in str(f.get("path", "")).lower()]
-
-    def quant(f: dict[str, Any]) -> str:
-        stem = Path(f["path"]).name[: -len(".gguf")]
-        stem = re.sub(r"-\d{5}-of-\d{5}$", "", stem)
-        m = QUANT.search(stem)
-        return m[1].upper() if m else ""
-
+             and not _is_projector(f)]
     wanted = tag.upper()
-    match = [f for f in ggufs if quant(f) == wanted]
+    match = [f for f in ggufs if _quant(f) == wanted]
     if not match and tag == "latest":
         for q in PREFERRED:
-            match = [f for f in ggufs if quant(f) == q]
+            match = [f for f in ggufs if _quant(f) == q]
             if match:
                 break
-        if not match and len({quant(f) for f in ggufs}) == 1:
+        if not match and len({_quant(f) for f in ggufs}) == 1:
             match = ggufs
     if not match:
-        there = sorted({quant(f) for f in ggufs if quant(f)})
+        there = sorted({_quant(f) for f in ggufs if _quant(f)})
         raise PullError(
             f"no GGUF file for tag {tag!r}; the repository has: {', '.join(there) or 'no GGUF files'}",
             404,
@@ -169,6 +190,16 @@ def thd_discard(partial: Path) -> None:
     Remove a partial file, if there. Blocking: thread pool.
     """
     partial.unlink(missing_ok=True)
+
+
+def thd_size(path: Path) -> int | None:
+    """
+    A file's size, L{None} if it is not there. Blocking: thread pool.
+    """
+    try:
+        return path.stat().st_size
+    except OSError:
+        return None
 
 
 def thd_install(partials: list[Path], targets: list[Path]) -> None:
@@ -290,28 +321,41 @@ class HubClient:
         self, name: HubName, models_dir: Path, progress: Callable[[dict[str, Any]], None]
     ) -> list[Path]:
         """
-        Download C{name} into C{models_dir}, reporting Ollama-style progress
-        objects (C{status}, C{digest}, C{total}, C{completed}).
+        Download C{name} into C{models_dir}, and the repository's vision
+        projector (L{choose_projector}) beside it unless it is there
+        already (of the listed size), reporting Ollama-style progress
+        objects (C{status}, C{digest}, C{total}, C{completed}) for each file.
 
-        @return: The installed files.
+        @return: The installed files (the projector last).
         @raise PullError: Any failure; nothing is installed then.
         """
         progress({"status": "pulling manifest"})
-        files = choose_files(await self.list_files(name), name.tag)
+        listing = await self.list_files(name)
+        files = choose_files(listing, name.tag)
         targets = target_paths(models_dir, name, files)
+        projector = choose_projector(listing)
+        if projector is not None:
+            files.append(projector)
+            targets.append(targets[0].parent / Path(projector["path"]).name)
         partial_dir = models_dir / ".partial"
-        partials = []
+        partials, installs = [], []
         for f, target in zip(files, targets):
             sha = (f.get("lfs") or {}).get("oid") or (f.get("lfs") or {}).get("sha256")
             total = int((f.get("lfs") or {}).get("size") or f.get("size") or 0)
             if not sha:
                 raise PullError(f"{f['path']} has no sha256 in the hub's listing; cannot verify it", 502)
+            if f is projector and total and await self._thread(thd_size, target) == total:
+                # (pulled with another quant: one projector serves them all)
+                progress({"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": total,
+                          "completed": total})
+                continue
             partial = partial_dir / f"{name.user}--{name.repo}--{target.name}.partial"
             partials.append(partial)
+            installs.append(target)
             await self._download(name, f["path"], partial, sha, total, progress)
         progress({"status": "verifying sha256 digest"})
         progress({"status": "writing manifest"})
-        await self._thread(thd_install, partials, targets)
+        await self._thread(thd_install, partials, installs)
         progress({"status": "success"})
         return targets
 

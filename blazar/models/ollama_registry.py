@@ -68,7 +68,7 @@ from blazar import strictjson
 from blazar.httpbody import read_body, relay_body
 from blazar.models.hub import PullError, _QuietPool
 from blazar.models.ollama_store import (
-    MEDIA_MANIFEST, DigestMismatch, OllamaName, StoreError, blob_path, check_manifest, descriptors, digest_hex,
+    MEDIA_MANIFEST, DigestMismatch, OllamaName, StoreError, blob_path, check_manifest, descriptors, digest_hex, hold,
     manifest_bytes, partial_path, thd_find_manifest, thd_free_bytes, thd_has_blob, thd_write_manifest,
 )
 
@@ -138,17 +138,31 @@ def plan_parts(total: int, parts: int = PARTS, min_part: int = MIN_PART) -> list
 
 
 def _part_files(root: Path, digest: str) -> list[Path]:
+    """
+    The parts' records of a download: C{...-partial-<N>}, nothing else (a
+    temporary file a kill left is not a part).
+    """
     base = partial_path(root, digest)
-    return sorted(base.parent.glob(base.name + "-*"))
+    return sorted(p for p in base.parent.glob(base.name + "-*") if p.name[len(base.name) + 1:].isdigit())
+
+
+def _record_temp(record: Path) -> Path:
+    """
+    Where a part's record is written before it is renamed into place:
+    C{.sha256-<hex>-partial-<N>.tmp}, which the parts' glob cannot match.
+    """
+    return record.with_name(f".{record.name}.tmp")
 
 
 def thd_discard_download(root: Path, digest: str) -> None:
     """
-    Remove a download's partial file and its parts' files. Blocking: thread pool.
+    Remove a download's partial file, its parts' files and any temporary
+    record a kill left. Blocking: thread pool.
     """
-    for path in _part_files(root, digest):
+    base = partial_path(root, digest)
+    for path in [*base.parent.glob(base.name + "-*"), *base.parent.glob(f".{base.name}-*.tmp")]:
         path.unlink(missing_ok=True)
-    partial_path(root, digest).unlink(missing_ok=True)
+    base.unlink(missing_ok=True)
 
 
 def thd_partial_bytes(root: Path, digest: str, total: int) -> int:
@@ -245,7 +259,7 @@ def thd_write_part(root: Path, digest: str, part: Part, position: int, data: byt
     finally:
         os.close(fd)
     record = Path(f"{path}-{part.n}")
-    temp = record.with_name(record.name + ".tmp")
+    temp = _record_temp(record)
     temp.write_bytes(part.record(completed))
     os.replace(temp, record)
 
@@ -451,7 +465,8 @@ class RegistryClient:
         self._min_part = min_part
         self._stall = stall
         self._retries = retries
-        self._tokens: dict[str, str] = {}
+        # anonymous tokens by (the registry's host, scope): never sent to another registry
+        self._tokens: dict[tuple[str, str], str] = {}
         self.pulls: dict[str, Deferred[None]] = {}
 
     async def _thread(self, f: Callable[..., Any], *args: Any) -> Any:
@@ -476,17 +491,22 @@ class RegistryClient:
     ) -> IResponse:
         """
         One request, with the anonymous token flow on a Bearer challenge
-        and, with C{follow}, redirects followed (without the token to
-        another host). The caller reads or discards the body.
+        (a cached token the registry refuses, expired, is dropped and the
+        challenge answered once more) and, with C{follow}, redirects
+        followed (without the token to another host). The caller reads or
+        discards the body.
 
         @raise PullError: The registry is unreachable, or wants credentials.
         """
         origin = urlsplit(url).netloc
+        key = (origin.casefold(), scope)
+        answered = False
         for _ in range(8):
             sent = dict(headers or {})
             sent.setdefault(b"user-agent", [b"blazar"])
-            token = self._tokens.get(scope)
-            if token is not None and urlsplit(url).netloc == origin:
+            on_origin = urlsplit(url).netloc == origin
+            token = self._tokens.get(key) if on_origin else None
+            if token is not None:
                 sent[b"authorization"] = [b"Bearer " + token.encode()]
             try:
                 response: IResponse = await self._http.request(
@@ -495,10 +515,13 @@ class RegistryClient:
                 raise
             except Exception as e:
                 raise _Retry(f"cannot reach {urlsplit(url).netloc}: {e}") from None
-            if response.code == 401 and token is None and data is None:
+            if response.code == 401 and on_origin and not answered and data is None:
+                answered = True
+                if token is not None and self._tokens.get(key) == token:
+                    del self._tokens[key]  # expired (or not enough): a new one is asked for
                 challenge = (response.headers.getRawHeaders(b"www-authenticate") or [b""])[0].decode("latin-1")
                 await self._discard(response)
-                await self._token(challenge, scope, url)
+                self._tokens[key] = await self._token(challenge, scope, url)
                 continue
             if follow and response.code in (301, 302, 303, 307, 308):
                 location = (response.headers.getRawHeaders(b"location") or [b""])[0].decode("latin-1")
@@ -516,10 +539,11 @@ class RegistryClient:
         except Exception:
             pass
 
-    async def _token(self, challenge: str, scope: str, url: str) -> None:
+    async def _token(self, challenge: str, scope: str, url: str) -> str:
         """
         Get an anonymous token for C{scope} from a Bearer challenge's realm.
 
+        @return: The token.
         @raise PullError: Not a Bearer challenge, or no token given (401).
         """
         if not challenge.lower().startswith("bearer "):
@@ -540,7 +564,7 @@ class RegistryClient:
         if response.code != 200 or not isinstance(token, str) or not token:
             raise PullError(f"{urlsplit(url).netloc} refused an anonymous token ({response.code}); the "
                             "repository needs credentials, which Blazar does not hold", 401)
-        self._tokens[scope] = token
+        return token
 
     # -- pull -------------------------------------------------------------------
 
@@ -562,28 +586,30 @@ class RegistryClient:
         manifest = await self._manifest(base, name, scope)
         config = [d for d in descriptors(manifest) if d is manifest.get("config")]
         wanted = [*manifest["layers"], *config]  # in Ollama's order: the layers, then the config
-        await self._check_space(name, root, wanted)
-        made = await self._reserve(name, root, wanted)
-        try:
-            for d in wanted:
-                await self._blob(base, name, root, d, scope, progress)
-        except BaseException:
-            # what this pull reserved and got no byte of goes (a part begun stays, to resume)
-            for digest in made:
-                if digest not in self.pulls and not await self._thread(thd_partial_bytes, root, digest,
-                                                                        _size(wanted, digest)):
-                    await self._thread(thd_discard_download, root, digest)
-            raise
-        progress({"status": "verifying sha256 digest"})  # (each blob was checked before it was named)
-        progress({"status": "writing manifest"})
-        try:
-            await self._thread(thd_write_manifest, root, name, manifest)
-        except StoreError as e:
-            raise PullError(f"{name.display}: {e}; pull again", 502) from None
-        except OSError as e:
-            if e.errno in _DISK_FULL:
-                raise _disk_full(f"cannot write the manifest of {name.display}", e, root) from None
-            raise PullError(f"cannot write the manifest of {name.display}: {e.strerror}", 500) from None
+        # held before any is looked for: a delete meanwhile leaves the blobs found there for the manifest
+        with hold(root, [d["digest"] for d in wanted]):
+            await self._check_space(name, root, wanted)
+            made = await self._reserve(name, root, wanted)
+            try:
+                for d in wanted:
+                    await self._blob(base, name, root, d, scope, progress)
+            except BaseException:
+                # what this pull reserved and got no byte of goes (a part begun stays, to resume)
+                for digest in made:
+                    if digest not in self.pulls and not await self._thread(thd_partial_bytes, root, digest,
+                                                                            _size(wanted, digest)):
+                        await self._thread(thd_discard_download, root, digest)
+                raise
+            progress({"status": "verifying sha256 digest"})  # (each blob was checked before it was named)
+            progress({"status": "writing manifest"})
+            try:
+                await self._thread(thd_write_manifest, root, name, manifest)
+            except StoreError as e:
+                raise PullError(f"{name.display}: {e}; pull again", 502) from None
+            except OSError as e:
+                if e.errno in _DISK_FULL:
+                    raise _disk_full(f"cannot write the manifest of {name.display}", e, root) from None
+                raise PullError(f"cannot write the manifest of {name.display}: {e.strerror}", 500) from None
         progress({"status": "success"})
         return [blob_path(root, d["digest"]) for d in wanted]
 
@@ -658,20 +684,22 @@ class RegistryClient:
     ) -> None:
         digest, total = d["digest"], d["size"]
         status = _status("pulling", digest)
-        while digest in self.pulls:  # another pull is fetching it: wait, then see
+        while (other := self.pulls.get(digest)) is not None:  # another pull is at it: wait, then see
             try:
-                await _wait(self.pulls[digest])
+                await _wait(other)
             except Exception:
                 pass
-        if await self._thread(thd_has_blob, root, digest, total):
-            progress({"status": status, "digest": digest, "total": total, "completed": total})
-            return
+        # claimed before any await: a second waiter woken with this one waits for this one
         done: Deferred[None] = Deferred()
         self.pulls[digest] = done
         try:
+            if await self._thread(thd_has_blob, root, digest, total):
+                progress({"status": status, "digest": digest, "total": total, "completed": total})
+                return
             await self._download(base, name, root, digest, total, scope, status, progress)
         finally:
-            del self.pulls[digest]
+            if self.pulls.get(digest) is done:
+                del self.pulls[digest]
             done.callback(None)
 
     async def _download(

@@ -7,6 +7,7 @@ Layout under the store's root::
 
     blobs/sha256-<hex>                              content-addressed layers
     blobs/sha256-<hex>-partial, -partial-<N>        a download in progress
+    blobs/.tmp-*, manifests/.../.tmp-*              files being written (then renamed)
     manifests/<host>/<namespace>/<model>/<tag>      one JSON manifest per name
 
 A manifest is the Docker Registry v2 image manifest
@@ -30,19 +31,32 @@ Every function here is thread-side (C{thd_*}: blocking file I/O, no Twisted
 object); callers run them in the reactor's thread pool. Nothing is named
 until it is whole: blobs and manifests are written to a temporary file in
 the same directory, then renamed.
+
+A delete removes the blobs no manifest names any more, so what is in
+progress guards its own: a manifest write and a delete's blob cleanup take
+the store's lock in turn (L{thd_store_lock}: this process's, and an
+C{flock} on C{<root>/.blazar-lock} for another daemon on the same store),
+and a pull or create holds the digests it relies on (L{hold}) until its
+manifest is written, which the cleanup leaves alone. Temporary files a
+crash left are removed at the daemon's start (L{thd_sweep_temporaries}).
 """
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
 import re
 import secrets
 import shutil
+import stat
+import threading
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import attrs
 
@@ -70,6 +84,14 @@ MAX_MANIFEST = 1 << 20
 
 _DIGEST = re.compile(r"^sha256[:\-]([0-9a-f]{64})$")
 _TEMP = ".tmp-"
+#: the store's lock file (under its root, where Ollama's blob pruning does not look)
+LOCK_FILE = ".blazar-lock"
+
+# guards the two tables, and a cleanup's look at the holds and rename of one
+# blob; never held across other I/O (the reactor takes it to hold digests)
+_GUARD = threading.Lock()
+_LOCKS: dict[str, threading.Lock] = {}
+_HELD: dict[str, Counter[str]] = {}
 
 
 class InvalidName(ValueError):
@@ -421,18 +443,95 @@ def _atomic_write(target: Path, data: bytes) -> None:
         raise
 
 
-def thd_write_manifest(root: Path, name: OllamaName, manifest: dict[str, Any]) -> str:
-    """
-    Name C{manifest} C{name} (replacing what had that name, however it was
-    spelled): written to a temporary file, then renamed. Blocking: thread
-    pool.
+def _root_key(root: Path) -> str:
+    return os.path.abspath(root)
 
-    @return: The manifest's digest, C{sha256:<hex>}.
-    @raise StoreError: Not a valid manifest, or a blob it names is not in
-        the store (a model is never named before all its blobs are there).
-    @raise OSError: The write failed (nothing was named).
+
+@contextmanager
+def thd_store_lock(root: Path) -> Iterator[None]:
     """
-    check_manifest(manifest)
+    Hold the store's lock while the block runs: this process's lock for
+    C{root}, then an exclusive C{flock} on C{<root>/.blazar-lock} (another
+    daemon on the same store waits too; a store that cannot take the file,
+    not made yet or read-only, has only this process's lock). Manifest
+    writes and a delete's blob cleanup run under it. Not reentrant.
+    Blocking: thread pool.
+    """
+    with _GUARD:
+        lock = _LOCKS.setdefault(_root_key(root), threading.Lock())
+    with lock:
+        try:
+            fd: int | None = os.open(root / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError:
+            fd = None
+        try:
+            if fd is not None:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            if fd is not None:
+                os.close(fd)  # (which releases the flock)
+
+
+class Hold:
+    """
+    Blobs an operation in progress (a pull, a create) relies on, by
+    digest: a delete's blob cleanup (L{thd_delete_manifest}) leaves them
+    where they are until the hold is released, so the manifest the
+    operation writes last finds them. Holds count (two pulls may hold one
+    digest). Thread-safe, and no file I/O: the reactor makes and releases
+    them. A context manager: released on exit.
+    """
+
+    def __init__(self, root: Path, digests: Iterable[str] = ()) -> None:
+        self._key = _root_key(root)
+        self._digests: Counter[str] = Counter()
+        self.add(digests)
+
+    def add(self, digests: Iterable[str]) -> None:
+        """
+        Hold C{digests} (C{sha256:<hex>}) too.
+        """
+        more = Counter(digests)
+        with _GUARD:
+            _HELD.setdefault(self._key, Counter()).update(more)
+            self._digests.update(more)
+
+    def release(self) -> None:
+        """
+        Let go of every digest this hold holds (again: nothing).
+        """
+        with _GUARD:
+            held = _HELD.get(self._key)
+            if held is not None:
+                held -= self._digests  # (what drops to zero goes)
+                if not held:
+                    del _HELD[self._key]
+            self._digests.clear()
+
+    def __enter__(self) -> Hold:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
+
+
+def hold(root: Path, digests: Iterable[str] = ()) -> Hold:
+    """
+    Hold C{digests} of the store at C{root} (L{Hold}), for a C{with} block.
+    """
+    return Hold(root, digests)
+
+
+def held_digests(root: Path) -> set[str]:
+    """
+    The digests held in the store at C{root} now.
+    """
+    with _GUARD:
+        return set(_HELD.get(_root_key(root), ()))
+
+
+def _write_manifest(root: Path, name: OllamaName, manifest: dict[str, Any]) -> str:
     for d in descriptors(manifest):
         if not thd_has_blob(root, d["digest"], d["size"]):
             raise StoreError(f"blob {d['digest']} ({d['size']} bytes) of {name.display} is not in the store")
@@ -442,27 +541,52 @@ def thd_write_manifest(root: Path, name: OllamaName, manifest: dict[str, Any]) -
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
+def thd_write_manifest(root: Path, name: OllamaName, manifest: dict[str, Any]) -> str:
+    """
+    Name C{manifest} C{name} (replacing what had that name, however it was
+    spelled): written to a temporary file, then renamed, under the store's
+    lock (L{thd_store_lock}: no delete removes a blob between the check
+    that each is there and the rename). Blocking: thread pool.
+
+    @return: The manifest's digest, C{sha256:<hex>}.
+    @raise StoreError: Not a valid manifest, or a blob it names is not in
+        the store (a model is never named before all its blobs are there).
+    @raise OSError: The write failed (nothing was named).
+    """
+    check_manifest(manifest)
+    with thd_store_lock(root):
+        return _write_manifest(root, name, manifest)
+
+
 def thd_copy_manifest(root: Path, source: OllamaName, destination: OllamaName) -> str:
     """
     Name C{source}'s manifest C{destination} too: a new manifest naming the
-    same blobs (zero-copy, as Ollama copies). Blocking: thread pool.
+    same blobs (zero-copy, as Ollama copies), read and written under the
+    store's lock. Blocking: thread pool.
 
     @return: The manifest's digest (the same as the source's).
     @raise FileNotFoundError: No model C{source}.
     @raise StoreError: Its manifest is not valid, or a blob is missing.
     """
-    return thd_write_manifest(root, destination, thd_read_manifest(root, source))
+    with thd_store_lock(root):
+        return _write_manifest(root, destination, thd_read_manifest(root, source))
 
 
 def thd_delete_manifest(root: Path, name: OllamaName) -> list[str]:
     """
     Remove the model C{name}, then those of its blobs no other manifest
-    names (blobs no manifest named before, such as an upload waiting for
-    its create, are left alone). Blocking: thread pool.
+    names and no pull or create in progress holds (L{hold}), under the
+    store's lock (blobs no manifest named before, such as an upload
+    waiting for its create, are left alone). Blocking: thread pool.
 
     @return: The digests of the blobs removed.
     @raise FileNotFoundError: No such model in the store.
     """
+    with thd_store_lock(root):
+        return _delete_manifest(root, name)
+
+
+def _delete_manifest(root: Path, name: OllamaName) -> list[str]:
     path = thd_find_manifest(root, name)
     if path is None:
         raise FileNotFoundError(errno.ENOENT, f"no manifest for {name.display}", str(manifest_path(root, name)))
@@ -481,12 +605,20 @@ def thd_delete_manifest(root: Path, name: OllamaName) -> list[str]:
         parent = parent.parent
     still = {d["digest"] for _, m in thd_list(root) for d in descriptors(m)}
     removed = []
+    key = _root_key(root)
     for digest in sorted(mine - still):
-        try:
-            blob_path(root, digest).unlink()
-            removed.append(digest)
-        except FileNotFoundError:
-            pass
+        blob = blob_path(root, digest)
+        doomed = blob.with_name(f"{_TEMP}deleted-{blob.name}-{secrets.token_hex(4)}")
+        with _GUARD:  # (a hold taken after this look finds the blob gone, and fetches it again)
+            held = _HELD.get(key)
+            if held is not None and held[digest] > 0:
+                continue
+            try:
+                os.replace(blob, doomed)  # (a rename: the unlink of a big file waits for no one)
+            except FileNotFoundError:
+                continue
+        doomed.unlink(missing_ok=True)
+        removed.append(digest)
     return removed
 
 
@@ -628,18 +760,22 @@ def thd_put_model(
     @return: The manifest written.
     @raise OSError: A file cannot be read or written (the model is not named).
     """
-    layers = []
-    for media, path in [(MEDIA_MODEL, model_path), *(blobs or [])]:
-        digest = thd_sha256_file(path)
-        thd_link_blob(root, path, digest, verify=False)
-        layers.append(layer(media, digest, path.stat().st_size))
-    for media, data in (texts or {}).items():
-        layers.append(layer(media, thd_add_bytes(root, data), len(data)))
-    body = {"model_format": "gguf", "architecture": "amd64", "os": "linux", **(config or {}),
-            "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layers]}}
-    data = strictjson.dumps(body, separators=(",", ":")).encode()
-    manifest = make_manifest(layer(MEDIA_CONFIG, thd_add_bytes(root, data), len(data)), layers)
-    thd_write_manifest(root, name, manifest)
+    with hold(root) as held:  # (each blob held before it is looked for)
+        layers = []
+        for media, path in [(MEDIA_MODEL, model_path), *(blobs or [])]:
+            digest = thd_sha256_file(path)
+            held.add([digest])
+            thd_link_blob(root, path, digest, verify=False)
+            layers.append(layer(media, digest, path.stat().st_size))
+        for media, data in (texts or {}).items():
+            held.add(["sha256:" + hashlib.sha256(data).hexdigest()])
+            layers.append(layer(media, thd_add_bytes(root, data), len(data)))
+        body = {"model_format": "gguf", "architecture": "amd64", "os": "linux", **(config or {}),
+                "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layers]}}
+        data = strictjson.dumps(body, separators=(",", ":")).encode()
+        held.add(["sha256:" + hashlib.sha256(data).hexdigest()])
+        manifest = make_manifest(layer(MEDIA_CONFIG, thd_add_bytes(root, data), len(data)), layers)
+        thd_write_manifest(root, name, manifest)
     return manifest
 
 
@@ -771,6 +907,47 @@ def thd_models(root: Path) -> list[OllamaLayers]:
         if layers.model.is_file():
             found.append(layers)
     return sorted(found, key=lambda entry: entry.name.display)
+
+
+def _is_temporary(name: str) -> bool:
+    """
+    Whether a name in C{blobs/} is a temporary file of the store's writers:
+    C{.tmp-*} (a blob copied in, an upload, a quantize's output, a blob
+    being deleted), C{.*.quantizing} (llama-quantize's output), or
+    C{.sha256-<hex>-partial-<N>.tmp} (a part's record, before its rename).
+    """
+    return (name.startswith(_TEMP) or (name.startswith(".") and name.endswith(".quantizing"))
+            or (name.startswith(".sha256-") and name.endswith(".tmp")))
+
+
+def thd_sweep_temporaries(root: Path, before: float) -> list[Path]:
+    """
+    Remove the temporary files a crash or a kill left in the store: those
+    of L{_is_temporary} in C{blobs/}, and C{.tmp-*} under C{manifests/},
+    last modified before C{before} (seconds since the epoch: the daemon's
+    start, so that nothing it writes now goes). Partial downloads stay (a
+    pull resumes them). Blocking: thread pool.
+
+    @return: The files removed.
+    """
+    found: list[Path] = []
+    try:
+        found += [Path(e.path) for e in os.scandir(root / "blobs") if _is_temporary(e.name)]
+    except OSError:
+        pass
+    for folder, _, names in os.walk(root / "manifests"):
+        found += [Path(folder) / n for n in names if n.startswith(_TEMP)]
+    removed = []
+    for path in found:
+        try:
+            st = path.lstat()
+            if not stat.S_ISREG(st.st_mode) or st.st_mtime >= before:
+                continue
+            path.unlink()
+        except OSError:
+            continue
+        removed.append(path)
+    return removed
 
 
 def thd_free_bytes(root: Path) -> int:

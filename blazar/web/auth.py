@@ -521,14 +521,26 @@ def check_admin(request: IRequest, what: str) -> None:
     if key is not None and not key.admin:
         raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
     if key is None and not context_of(request).keys_active:
-        peer = request.getClientAddress()
-        host = getattr(peer, "host", None)
-        if host is not None and host not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
-            raise Forbidden(
-                f"this gateway has no API keys, so it does not {what} for clients on the network; "
-                "add a key first (`blazar keys add admin`) and send it as a Bearer token"
-            )
-        check_same_machine_page(request, host_too=True)
+        check_keyless_management(request, what)
+
+
+def check_keyless_management(request: IRequest, what: str) -> None:
+    """
+    On a gateway without keys, management is for this machine only: its
+    loopback peers (or a UNIX socket), not for another site's page
+    (L{check_same_machine_page}). The site's door asks it from the headers
+    too, so that a blob upload it refuses is not given C{max_blob_bytes}.
+
+    @raise Forbidden: A request from the network, or from another page.
+    """
+    peer = request.getClientAddress()
+    host = getattr(peer, "host", None)
+    if host is not None and host not in ("127.0.0.1", "::1", "::ffff:127.0.0.1"):
+        raise Forbidden(
+            f"this gateway has no API keys, so it does not {what} for clients on the network; "
+            "add a key first (`blazar keys add admin`) and send it as a Bearer token"
+        )
+    check_same_machine_page(request, host_too=True)
 
 
 def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:

@@ -180,9 +180,9 @@ class Dashboard:
             try:
                 meta = await self._registry.metadata(e)
                 kind = model_kind(e, meta)
+                can = capabilities(e, meta, self._config()) if kind in ("chat", "embedding") else [kind]
                 row.update(kind=kind, size=meta.size, architecture=meta.architecture,
-                           trained_ctx=meta.context_length, file_type=meta.file_type,
-                           capabilities=capabilities(e, meta) if kind in ("chat", "embedding") else [kind])
+                           trained_ctx=meta.context_length, file_type=meta.file_type, capabilities=can)
             except (GGUFError, OSError):
                 row.update(kind="unknown", size=None, error="unreadable")
             files.append(row)

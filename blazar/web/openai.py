@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from blazar.config import Config
 from blazar.engines.supervisor import EngineError
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
@@ -243,7 +244,14 @@ class OpenAISurface:
 
     def __init__(
         self, registry: ModelRegistry, pipeline: Pipeline, clock: Any, responses: Responses | None = None,
+        config: Callable[[], Config] = Config,
     ) -> None:
+        """
+        @param config: The live config (L{blazar.config.LiveConfig}); its
+            C{args} may give or take away a model's projector, so its
+            C{vision} capability (L{capabilities}, as C{/api/show}).
+        """
+        self._config = config
         self._registry = registry
         self._pipeline = pipeline
         self._clock = clock
@@ -267,7 +275,7 @@ class OpenAISurface:
             meta = await self._registry.metadata(entry)
             kind = model_kind(entry, meta)
             # Blazar's too, as Ollama's /api/show names them: "vision" for a model that takes images
-            can = capabilities(entry, meta) if kind in ("chat", "embedding") else [kind]
+            can = capabilities(entry, meta, self._config()) if kind in ("chat", "embedding") else [kind]
         except (GGUFError, OSError):
             kind, can = "chat", ["completion"]  # unreadable: its start says why
         # kind is Blazar's (chat, embedding or rerank): the endpoint it serves

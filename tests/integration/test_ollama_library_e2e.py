@@ -162,8 +162,26 @@ def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobPr
     reply = client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], options={"num_predict": 2})
     assert reply.done and reply.model == "tiny"  # (echoed as spelled)
 
-    # copy: a manifest naming the same blobs, nothing copied
+    # create from it (the flow): a system prompt, parameters and quantize q8_0; the new model
+    # is quantized by the engine's llama-quantize and answers with its system prompt and parameters
     before = blobs(libd.root)
+    asked = client.chat(model="tiny", messages=[{"role": "system", "content": "You answer in one word."},
+                                                {"role": "user", "content": "hi"}], options={"num_predict": 2})
+    lines = list(client.create(model="tiny-q8", from_="tiny", system="You answer in one word.",
+                               parameters={"num_predict": 3, "temperature": 0}, quantize="q8_0", stream=True))
+    assert lines[-1].status == "success", [line.status for line in lines]
+    assert any((line.status or "").startswith("quantizing") and (line.status or "").endswith("to Q8_0")
+               for line in lines), [line.status for line in lines]
+    made = client.show("tiny-q8")
+    assert made.details is not None and made.details.quantization_level == "Q8_0"
+    assert "You answer in one word." in (made.modelfile or "") and "num_predict" in (made.parameters or "")
+    answer = client.chat(model="tiny-q8", messages=[{"role": "user", "content": "hi"}])
+    assert answer.eval_count == 3 and answer.done_reason == "length"  # its num_predict
+    assert answer.prompt_eval_count == asked.prompt_eval_count  # its system prompt went in, as if asked with it
+    client.delete("tiny-q8")
+    assert blobs(libd.root) == before  # the created model's own blobs went with it
+
+    # copy: a manifest naming the same blobs, nothing copied
     client.copy("tiny", "me/tiny2:v2")
     assert "me/tiny2:v2" in tags(client)
     assert blobs(libd.root) == before

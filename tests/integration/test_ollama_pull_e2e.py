@@ -93,6 +93,23 @@ def test_corrupt_download_is_rejected(client: ollama.Client, hub: FakeHub, pulld
     assert list((Path(pulld.root / "models") / ".partial").iterdir()) == []
 
 
+def test_a_vision_repositorys_projector_comes_with_it(client: ollama.Client, hub: FakeHub, pulld: Daemon,
+                                                      tmp_path: Path) -> None:
+    from blazar.models.testprojector import make_test_projector
+
+    data = make_test_model(tmp_path / "seer.gguf", seed=7).path.read_bytes()
+    projector = make_test_projector(tmp_path / "p.gguf").read_bytes()
+    hub.repos["test/seer-GGUF"] = {"seer-Q4_K_M.gguf": data, "mmproj-seer-BF16.gguf": b"not this one",
+                                   "mmproj-seer-F16.gguf": projector}
+    progress = list(client.pull("hf.co/test/seer-GGUF:Q4_K_M", stream=True))
+    assert progress[-1].status == "success"
+    assert {p.total for p in progress if p.digest} == {len(data), len(projector)}
+    folder = Path(pulld.root / "models" / "hf.co" / "test" / "seer-GGUF")
+    assert sorted(p.name for p in folder.iterdir()) == ["Q4_K_M.gguf", "mmproj-seer-F16.gguf"]
+    assert (folder / "mmproj-seer-F16.gguf").read_bytes() == projector
+    assert "vision" in (client.show("hf.co/test/seer-GGUF:Q4_K_M").capabilities or [])
+
+
 def test_pull_errors(client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.pull("a/b/c/llama3")  # (a plain name is a library pull: test_ollama_library_e2e)

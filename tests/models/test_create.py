@@ -23,7 +23,8 @@ from blazar.models.create import (
 )
 from blazar.models.ollama_store import (
     MEDIA_ADAPTER, MEDIA_CONFIG, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_PROJECTOR,
-    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, blob_path, parse_name, thd_read_manifest,
+    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, blob_path, held_digests, parse_name, thd_delete_manifest,
+    thd_read_manifest,
 )
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_lora, make_test_model
@@ -237,6 +238,23 @@ class CreateTests(SynchronousTestCase):
                                                 "writing manifest"])
         leftovers = sorted(p.name for p in (self.root / "blobs").iterdir() if p.name.startswith("."))
         self.assertEqual(leftovers, [])
+
+    def test_a_delete_during_a_create_leaves_the_blobs_it_uses(self) -> None:
+        digest = self.upload(self.source)
+        self.create(name="first", files={"model.gguf": digest}, system="One.")
+        d = self.start(name="second", source="first", quantize="Q8_0", asked_quantize="Q8_0")
+        ((transport, _, argv, _),) = self.reactor.spawned
+        # while it quantizes, its source goes: the system prompt it keeps was only the source's
+        config = self.manifest("first")["config"]["digest"]  # (the one blob of its that the create does not use)
+        self.assertEqual(thd_delete_manifest(self.root, parse_name("first")), [config])
+        output = make_test_model(self.models / "q" / "out.gguf", seed=9).path.read_bytes()
+        Path(argv[2]).write_bytes(output)
+        transport.exit(0)
+        self.successResultOf(d)
+        second = self.successResultOf(ensureDeferred(self.registry.resolve("second")))
+        assert second.ollama is not None
+        self.assertEqual(second.ollama.system, "One.")
+        self.assertEqual(held_digests(self.root), set())
 
     def test_quantize_refused_and_failed(self) -> None:
         digest = self.upload(self.source)

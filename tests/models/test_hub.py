@@ -5,7 +5,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.models.hub import HubName, PullError, choose_files, parse_hub_name, target_paths
+from blazar.models.hub import HubName, PullError, choose_files, choose_projector, parse_hub_name, target_paths
 
 
 def f(path: str) -> dict:
@@ -41,6 +41,42 @@ class HubTests(SynchronousTestCase):
         )
 
 
+    def test_the_projector_is_the_f16_one_else_the_first(self) -> None:
+        model = f("m-Q4_K_M.gguf")
+        self.assertIsNone(choose_projector([model, f("README.md")]))
+        bf16, f16, q8 = f("mmproj-m-BF16.gguf"), f("sub/mmproj-model-f16.gguf"), f("m.mmproj-Q8_0.gguf")
+        self.assertEqual(choose_projector([model, bf16, f16, q8]), f16)
+        self.assertEqual(choose_projector([model, q8, bf16]), q8)
+        self.assertEqual(choose_projector([{"type": "directory", "path": "mmproj"}, q8]), q8)
+
+
+class MemoryHub:
+    """
+    A hub (in memory, through StubTreq) serving C{files} of C{u/r}, and
+    counting the downloads of each.
+    """
+
+    def __init__(self, files: dict[str, bytes]) -> None:
+        from klein import Klein
+
+        self.files = files
+        self.downloads: dict[str, int] = {}
+        app = Klein()
+
+        @app.route("/api/models/u/r/tree/main")
+        def tree(request: object) -> bytes:
+            return json.dumps([{"type": "file", "path": path, "size": len(data),
+                                "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
+                               for path, data in self.files.items()]).encode()
+
+        @app.route("/u/r/resolve/main/<path:path>")
+        def resolve(request: object, path: str) -> bytes:
+            self.downloads[path] = self.downloads.get(path, 0) + 1
+            return self.files[path]
+
+        self.resource = app.resource()
+
+
 class LyingHub:
     """
     A hub (in memory, through StubTreq) whose listing gives C{listed} as
@@ -73,17 +109,50 @@ class HubDownloadTests(SynchronousTestCase):
     partial file to resume from.
     """
 
-    def pull(self, hub: LyingHub) -> tuple[Path, Any]:
+    def pull(self, hub: LyingHub | MemoryHub, tag: str = "Q4_K_M", models: Path | None = None,
+             lines: list[dict[str, Any]] | None = None) -> tuple[Path, Any]:
         from treq.testing import StubTreq
         from twisted.internet.defer import ensureDeferred
 
         from blazar.models.hub import HubClient
         from blazar.testing import fake_process_reactor
 
-        models = Path(self.mktemp())
+        models = models or Path(self.mktemp())
         client = HubClient(fake_process_reactor(), "http://hub.test")
         client._http = StubTreq(hub.resource)  # type: ignore[assignment]
-        return models, ensureDeferred(client.pull(HubName("u", "r", "Q4_K_M"), models, lambda line: None))
+        progress = lines.append if lines is not None else (lambda line: None)
+        return models, ensureDeferred(client.pull(HubName("u", "r", tag), models, progress))
+
+    def test_the_repositorys_projector_comes_too(self) -> None:
+        """
+        A vision model's projector (issue 39): the repository's F16
+        C{mmproj} is installed beside the quant pulled, with its own
+        progress lines, and not fetched again for another quant.
+        """
+        weights, other, projector = b"GGUF q4" * 10, b"GGUF q8" * 10, b"GGUF projector f16" * 5
+        hub = MemoryHub({"r-Q4_K_M.gguf": weights, "r-Q8_0.gguf": other, "mmproj-r-BF16.gguf": b"GGUF bf16",
+                         "mmproj-r-F16.gguf": projector})
+        lines: list[dict[str, Any]] = []
+        models, d = self.pull(hub, lines=lines)
+        folder = models / "hf.co" / "u" / "r"
+        self.assertEqual(self.successResultOf(d), [folder / "Q4_K_M.gguf", folder / "mmproj-r-F16.gguf"])
+        self.assertEqual((folder / "mmproj-r-F16.gguf").read_bytes(), projector)
+        self.assertEqual(sorted(p.name for p in folder.iterdir()), ["Q4_K_M.gguf", "mmproj-r-F16.gguf"])
+        sha = hashlib.sha256(projector).hexdigest()
+        mine = [line for line in lines if line.get("digest") == f"sha256:{sha}"]
+        self.assertEqual(mine[0], {"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}",
+                                   "total": len(projector), "completed": 0})
+        self.assertEqual(mine[-1]["completed"], len(projector))
+        self.assertEqual([line["status"] for line in lines][-3:], ["verifying sha256 digest", "writing manifest",
+                                                                   "success"])
+        # another quant of the repository: its projector is there already
+        lines.clear()
+        _, d = self.pull(hub, "Q8_0", models, lines)
+        self.successResultOf(d)
+        self.assertEqual(hub.downloads, {"r-Q4_K_M.gguf": 1, "mmproj-r-F16.gguf": 1, "r-Q8_0.gguf": 1})
+        self.assertIn({"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": len(projector),
+                       "completed": len(projector)}, lines)
+        self.assertEqual(sorted(p.name for p in folder.iterdir()), ["Q4_K_M.gguf", "Q8_0.gguf", "mmproj-r-F16.gguf"])
 
     def test_more_than_listed_is_stopped_and_removed(self) -> None:
         models, d = self.pull(LyingHub(b"GGUF" * 8, b"GGUF" * 8 + b"x" * 4096))

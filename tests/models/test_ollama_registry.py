@@ -16,6 +16,7 @@ from typing import Any
 from treq.client import HTTPClient
 from treq.testing import RequestTraversalAgent
 from twisted.internet.defer import Deferred, ensureDeferred, succeed
+from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 from twisted.web.iweb import IBodyProducer
@@ -25,7 +26,8 @@ from zope.interface import implementer
 from blazar.models import ollama_store as store
 from blazar.models.hub import PullError
 from blazar.models.ollama_registry import (
-    Part, RegistryClient, plan_parts, thd_finish_download, thd_open_download, thd_partial_bytes, thd_write_part,
+    Part, RegistryClient, plan_parts, thd_discard_download, thd_finish_download, thd_open_download,
+    thd_partial_bytes, thd_write_part,
 )
 from blazar.models.ollama_store import DigestMismatch, blob_path, layer, make_manifest, parse_name, partial_path
 from blazar.testing import fake_process_reactor
@@ -131,13 +133,27 @@ class BookkeepingTests(SynchronousTestCase):
             thd_finish_download(self.root, self.digest)
         self.assertEqual(list((self.root / "blobs").iterdir()), [])
 
+    def test_a_part_record_cut_off_before_its_rename_keeps_the_resume(self) -> None:
+        parts = self.open()
+        thd_write_part(self.root, self.digest, parts[1], 256, self.data[256:300], 44)
+        record = Path(f"{partial_path(self.root, self.digest)}-1")
+        # killed between writing a record's temporary file and renaming it
+        # (the name an older version gave it, and the one it has now)
+        record.with_name(record.name + ".tmp").write_bytes(b'{"N": 1, "Off')
+        record.with_name(f".{record.name}.tmp").write_bytes(b'{"N": 1, "Off')
+        self.assertEqual([p.completed for p in self.open()], [0, 44, 0, 0])
+        self.assertEqual(thd_partial_bytes(self.root, self.digest, 1024), 44)
+        thd_discard_download(self.root, self.digest)  # and a discard takes them all
+        self.assertEqual(list((self.root / "blobs").iterdir()), [])
+
 
 class MemoryRegistry(Resource):
     """
     A Docker Registry v2 in memory: manifests and blobs by repository,
     Range requests, uploads; counts the blob bytes it serves, and can
     redirect blob reads to a "CDN" path, stall a blob after some bytes,
-    or ask for a token.
+    ask for a token (a new C{token} expires the one given before), or
+    refuse a blob's next reads.
     """
 
     isLeaf = True
@@ -154,6 +170,8 @@ class MemoryRegistry(Resource):
         self.stalled: list[Request] = []
         self.token: str | None = None
         self.ignore_range = False
+        self.refuse: dict[str, int] = {}  # blob digest: how many more of its reads answer 403
+        self.authorizations: list[tuple[str, str | None]] = []  # (Host, Authorization) of each request
 
     def put_model(self, repository: str, tag: str, layers: dict[str, bytes]) -> bytes:
         descriptors = []
@@ -170,6 +188,7 @@ class MemoryRegistry(Resource):
         method = request.method.decode()
         path = request.path.decode()
         self.requests.append((method, path))
+        self.authorizations.append((request.getHeader("host") or "", request.getHeader("authorization")))
         if path == "/token":
             return json.dumps({"token": self.token}).encode()
         if self.token is not None and request.getHeader("authorization") != f"Bearer {self.token}":
@@ -220,6 +239,10 @@ class MemoryRegistry(Resource):
         return b"{}"
 
     def _blob(self, request: Request, digest: str) -> bytes | int:
+        if self.refuse.get(digest):
+            self.refuse[digest] -= 1
+            request.setResponseCode(403)
+            return b'{"errors":[{"code":"DENIED"}]}'
         data = self.blobs.get(digest)
         if data is None:
             request.setResponseCode(404)
@@ -348,6 +371,22 @@ class PullTests(RegistryCase):
         self.assertFalse(any("partial" in p.name for p in (self.root / "blobs").iterdir()))
         self.assertNotIn("success", [line["status"] for line in self.lines])
 
+    def test_a_delete_during_a_pull_leaves_the_blobs_it_skipped(self) -> None:
+        self.successResultOf(self.pull())
+        self.server.put_model("library/two", "latest", {store.MEDIA_MODEL: self.weights, store.MEDIA_SYSTEM: b"Hi."})
+        self.server.stall_after = 1  # its first blob read: its own system prompt (the weights are there)
+        d = ensureDeferred(self.client.pull(parse_name("two"), self.root, self.lines.append))
+        for _ in range(10):  # until it has found the weights there and waits for its system prompt
+            if self.server.stalled:
+                break
+            self.agent.flush()
+        self.assertTrue(self.server.stalled)
+        self.assertEqual(store.thd_delete_manifest(self.root, parse_name("tiny")), [sha(b"Be brief.")])
+        self.drive(d)
+        self.successResultOf(d)
+        (model,) = store.thd_models(self.root)
+        self.assertEqual((model.name.display, model.model.read_bytes()), ("two:latest", self.weights))
+
     def test_unknown_model(self) -> None:
         failure = self.failureResultOf(self.pull("nope:1"), PullError)
         self.assertEqual(failure.value.status, 404)
@@ -377,6 +416,82 @@ class PullTests(RegistryCase):
         self.assertEqual(self.server.requests[:3], [
             ("GET", "/v2/library/tiny/manifests/latest"), ("GET", "/token"),
             ("GET", "/v2/library/tiny/manifests/latest")])
+
+    def test_an_expired_token_is_replaced(self) -> None:
+        self.server.token = "t0k"
+        self.successResultOf(self.pull())
+        self.server.token = "t1k"  # the registry's tokens expire: "t0k" is refused from now on
+        self.server.put_model("library/other", "latest", {store.MEDIA_MODEL: b"other weights"})
+        self.server.requests.clear()
+        self.successResultOf(self.pull("other"))
+        self.assertEqual(self.server.requests[:3], [
+            ("GET", "/v2/library/other/manifests/latest"), ("GET", "/token"),
+            ("GET", "/v2/library/other/manifests/latest")])
+        # a pull of the first repository again uses the new token too
+        self.server.requests.clear()
+        self.successResultOf(self.pull())
+        self.assertEqual(self.server.requests.count(("GET", "/token")), 1)
+
+    def test_a_token_goes_only_to_the_registry_that_gave_it(self) -> None:
+        self.server.token = "t0k"
+        self.successResultOf(self.pull())
+        self.server.authorizations.clear()
+        self.drive(ensureDeferred(self.client.pull(
+            parse_name("other.test/library/tiny"), self.root, self.lines.append, insecure=True)))
+        (first, *_) = self.server.authorizations
+        self.assertEqual(first, ("other.test", None))
+
+
+class QueuedPool:
+    """
+    A thread pool whose work waits until L{run} (so that pulls interleave
+    at each thread hop, as they do with real threads).
+    """
+
+    def __init__(self) -> None:
+        self.queue: list[tuple[Any, Any, tuple[Any, ...]]] = []
+
+    def callInThreadWithCallback(self, on_result: Any, f: Any, *args: Any) -> None:
+        self.queue.append((on_result, f, args))
+
+    def run(self) -> None:
+        while self.queue:
+            on_result, f, args = self.queue.pop(0)
+            try:
+                result = f(*args)
+            except BaseException:
+                on_result(False, Failure())
+            else:
+                on_result(True, result)
+
+
+class ConcurrentPullTests(RegistryCase):
+    def setUp(self) -> None:
+        super().setUp()
+        self.pool = QueuedPool()
+        self.reactor._pool = self.pool
+
+    def test_pulls_of_one_blob_wait_for_each_other_even_when_one_fails(self) -> None:
+        # the system prompt's blob is refused once: the pull that fetches it first fails
+        self.server.refuse[sha(b"Be brief.")] = 1
+        pulls = [ensureDeferred(self.client.pull(parse_name("tiny"), self.root, self.lines.append))
+                 for _ in range(3)]
+        for _ in range(2000):
+            if all(d.called for d in pulls):
+                break
+            self.agent.flush()
+            self.pool.run()
+            self.reactor.advance(0.5)
+        outcomes = []
+        for d in pulls:
+            self.assertTrue(d.called, "a pull waiting for another's blob never ended")
+            outcomes.append("ok" if d.result is not None and not isinstance(d.result, Failure) else "failed")
+            d.addErrback(lambda f: f.trap(PullError))
+        self.assertEqual(sorted(outcomes), ["failed", "ok", "ok"])
+        self.assertEqual(self.client.pulls, {})
+        # each blob was fetched once
+        self.assertEqual(self.server.served, 5120 + len(b"Be brief.") + len(b'{"model_format":"gguf"}'))
+        self.assertEqual(store.thd_models(self.root)[0].model.read_bytes(), self.weights)
 
 
 class PushTests(RegistryCase):

@@ -132,6 +132,85 @@ class ManifestTests(SynchronousTestCase):
         self.assertTrue(store.thd_has_blob(self.root, pending))
         self.assertFalse((self.root / "manifests" / "registry.ollama.ai").exists())
 
+    def test_delete_leaves_the_blobs_a_pull_or_create_holds(self) -> None:
+        manifest = self.model("tiny")
+        weights = manifest["layers"][0]["digest"]  # type: ignore[index]
+        config = manifest["config"]["digest"]  # type: ignore[index]
+        # a pull of another model naming the same weights: there already, so skipped, then its manifest
+        with store.hold(self.root, [weights]):
+            self.assertEqual(store.held_digests(self.root), {weights})
+            self.assertEqual(store.thd_delete_manifest(self.root, parse_name("tiny")), [config])
+            self.assertTrue(store.thd_has_blob(self.root, weights))
+            other = make_manifest(layer(store.MEDIA_CONFIG, store.thd_add_bytes(self.root, b"{}"), 2),
+                                  [manifest["layers"][0]])  # type: ignore[index]
+            store.thd_write_manifest(self.root, parse_name("other"), other)
+        self.assertEqual(store.held_digests(self.root), set())
+        self.assertEqual(sorted(store.thd_delete_manifest(self.root, parse_name("other"))),
+                         sorted([weights, sha(b"{}")]))
+        self.assertEqual(list((self.root / "blobs").iterdir()), [])  # (no renamed blob left behind)
+
+    def test_holds_count(self) -> None:
+        digest = sha(b"x")
+        with store.hold(self.root, [digest]) as first:
+            with store.hold(self.root) as second:
+                second.add([digest])
+            self.assertEqual(store.held_digests(self.root), {digest})
+            first.release()
+            self.assertEqual(store.held_digests(self.root), set())
+        self.assertEqual(store.held_digests(self.root), set())
+
+    def test_manifest_writes_wait_for_the_stores_lock(self) -> None:
+        import fcntl
+        import os
+        import threading
+
+        manifest = self.model("tiny")
+        done = threading.Event()
+
+        def write() -> None:
+            store.thd_write_manifest(self.root, parse_name("copy"), manifest)
+            done.set()
+
+        with store.thd_store_lock(self.root):
+            # another daemon on this store finds it locked
+            fd = os.open(self.root / store.LOCK_FILE, os.O_RDWR)
+            try:
+                self.assertRaises(BlockingIOError, fcntl.flock, fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(fd)
+            writer = threading.Thread(target=write)
+            writer.start()
+            self.assertFalse(done.wait(0.2))
+        writer.join(10)
+        self.assertTrue(done.is_set())
+        self.assertEqual(sorted(n.display for n, _ in store.thd_list(self.root)), ["copy:latest", "tiny:latest"])
+
+
+class SweepTests(SynchronousTestCase):
+    def test_temporaries_older_than_the_start_are_removed(self) -> None:
+        import os
+
+        root = Path(self.mktemp())
+        blobs = root / "blobs"
+        tag = root / "manifests" / "registry.ollama.ai" / "library" / "tiny"
+        tag.mkdir(parents=True)
+        blobs.mkdir()
+        hexd = "a" * 64
+        stale = [blobs / ".tmp-upload-x1y2", blobs / f".tmp-sha256-{hexd}-0a0b", blobs / ".tmp-quantize-1f.gguf",
+                 blobs / "..tmp-quantize-1f.gguf.0c0d.quantizing", blobs / f".sha256-{hexd}-partial-2.tmp",
+                 tag / ".tmp-latest-0e0f"]
+        kept = [blobs / f"sha256-{hexd}", blobs / f"sha256-{hexd}-partial", blobs / f"sha256-{hexd}-partial-0",
+                tag / "latest", root / store.LOCK_FILE]
+        for path in stale + kept:
+            path.write_bytes(b"x")
+            os.utime(path, (1000.0, 1000.0))
+        fresh = blobs / ".tmp-upload-now"  # written since the start: this daemon's
+        fresh.write_bytes(b"x")
+        os.utime(fresh, (3000.0, 3000.0))
+        self.assertEqual(sorted(store.thd_sweep_temporaries(root, 2000.0)), sorted(stale))
+        self.assertEqual(sorted(p for p in root.rglob("*") if p.is_file()), sorted([*kept, fresh]))
+        self.assertEqual(store.thd_sweep_temporaries(Path(self.mktemp()), 2000.0), [])  # no store yet
+
 
 class BlobTests(SynchronousTestCase):
     def setUp(self) -> None:

@@ -667,3 +667,44 @@ class BlobUploadDoorTests(SiteCase):
         # a small one stays in memory (the surface copies it in)
         channel, _ = self.send(head(self.BLOB, 10, b"x-api-key: " + SECRET.encode()) + b"0123456789")
         self.assertIsInstance(self.contents[-1][0], io.BytesIO)
+
+
+class KeylessBlobDoorTests(SiteCase):
+    """
+    On a gateway without keys, blobs are taken from loopback only (as
+    L{blazar.web.auth.check_admin} rules): from the network a blob's body
+    gets C{max_body_bytes} and is never spooled into the store, so a host
+    on the LAN cannot fill the disk before the surface's 403.
+    """
+
+    keys = ()
+    BLOB = BlobUploadDoorTests.BLOB
+    make_site = BlobUploadDoorTests.make_site
+    keep = BlobUploadDoorTests.keep
+
+    def blob(self, size: int, peer: str, host: bytes) -> tuple[Any, StringTransport]:
+        return self.send(head(self.BLOB, size).replace(b"Host: x", b"Host: " + host), peer)
+
+    def test_from_the_network_the_limit_is_max_body_bytes(self) -> None:
+        _, transport = self.blob(2 * 1024 * 1024, "10.1.2.3", b"10.0.0.2:11434")
+        status, _, body = parse(transport.value())
+        self.assertEqual(status.split(b" ")[1], b"413")
+        self.assertIn(b"max_body_bytes = 1000", body)
+        self.assertFalse((self.store / "blobs").exists() and any((self.store / "blobs").iterdir()))
+        # a small one reaches the surface (which refuses it) from memory, not from the store
+        channel, _ = self.blob(10, "10.1.2.3", b"10.0.0.2:11434")
+        channel.dataReceived(b"0123456789")
+        self.assertIsInstance(self.contents[-1][0], io.BytesIO)
+        # and one from loopback for a page that is not this machine's (check_admin refuses it too)
+        _, transport = self.send(head(self.BLOB, 2 * 1024 * 1024, b"Origin: http://10.0.0.2:11434").replace(
+            b"Host: x", b"Host: 10.0.0.2:11434"), "127.0.0.1")
+        self.assertIn(b"max_body_bytes = 1000", parse(transport.value())[2])
+
+    def test_from_loopback_it_is_spooled_into_the_store(self) -> None:
+        size = 2 * 1024 * 1024
+        channel, transport = self.blob(size, "127.0.0.1", b"127.0.0.1:11434")
+        channel.dataReceived(b"g" * size)
+        self.assertIn(b"200 OK", transport.value())
+        ((content, data),) = self.contents
+        self.assertEqual(data, b"g" * size)
+        self.assertEqual(Path(content.name).parent, self.store / "blobs")

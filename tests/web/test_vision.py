@@ -12,12 +12,17 @@ import base64
 import json
 from typing import Any
 
+from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.config import parse_config
 from blazar.gateway.imagefetch import ImageFetchError
+from blazar.gateway.pipeline import MEDIA_PARTS
 from blazar.models.testprojector import make_test_projector, png_image
 from blazar.testing import FakeSupervisor, fake_engine_app
+from blazar.web.ollama import OllamaSurface
+from blazar.web.openai import OpenAISurface
 
 from tests.web.gateway import MemoryGateway
 
@@ -34,9 +39,15 @@ class FakeFetcher:
     def __init__(self) -> None:
         self.fetched: list[tuple[str, str, int]] = []
         self.refuse: set[str] = set()
+        self.seconds: list[float | None] = []  # the time left each fetch was given
+        self.taking: tuple[Any, float] | None = None  # (clock, seconds): each fetch advances the clock so
 
-    async def fetch(self, url: str, where: str, budget: int) -> tuple[str, int]:
+    async def fetch(self, url: str, where: str, budget: int, seconds: float | None = None) -> tuple[str, int]:
         self.fetched.append((url, where, budget))
+        self.seconds.append(seconds)
+        if self.taking is not None:
+            clock, taken = self.taking
+            clock.advance(taken)
         if url in self.refuse:
             raise ImageFetchError(f"image URL {url!r}: refused", where)
         return DATA_URL, 100
@@ -128,6 +139,14 @@ class VisionSurfaceTests(SynchronousTestCase):
         url, where, budget = self.fetcher.fetched[0]
         self.assertEqual((where, budget), ("messages[0].content[1].image_url", 20 * 1024 * 1024))
 
+    def test_a_requests_image_urls_share_one_fetch_deadline(self) -> None:
+        self.fetcher.taking = (self.gateway.reactor, 4.0)
+        url = {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}}
+        code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "x"}, url, url, url]}]})
+        self.assertEqual(code, 200, answer)
+        self.assertEqual(self.fetcher.seconds, [10.0, 6.0, 2.0])  # of image_fetch_timeout_secs, in all
+
     def test_a_refused_url_is_a_400_naming_it(self) -> None:
         self.fetcher.refuse.add("http://10.0.0.1/x.png")
         for surface, (path, body) in image_requests("seer", {"url": "http://10.0.0.1/x.png"}).items():
@@ -152,6 +171,46 @@ class VisionSurfaceTests(SynchronousTestCase):
             self.assertEqual(code, 400, answer)
             self.assertIn(needle, error_message("openai", answer))
         self.assertEqual(self.engine_app.requests, [])
+
+    def media_answer(self, part: dict[str, Any]) -> tuple[int, bytes]:
+        code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
+            {"role": "user", "content": [{"type": "text", "text": "x"}, part]}]})
+        return code, answer
+
+    def test_every_media_value_is_checked_whatever_its_key(self) -> None:
+        # llama-server reads data before url, and fetches any value that starts with "http"
+        wav, metadata = "data:audio/wav;base64,AAAA", "http://169.254.169.254/"
+        for kind in MEDIA_PARTS:
+            for media in ({"url": wav, "data": metadata}, {"data": metadata, "url": wav},
+                          {"url": metadata, "data": wav}, {"data": wav, "url": metadata},
+                          {"data": "AAAA", "url": "https://10.0.0.1/a.wav"}, {"data": "file:///etc/passwd"},
+                          {"data": "http//169.254.169.254/"}, {"url": "HTTP://169.254.169.254/"}):
+                code, answer = self.media_answer({"type": kind, kind: media})
+                self.assertEqual(code, 400, (kind, media, answer))
+                self.assertIn(f"does not fetch {kind}", error_message("openai", answer))
+        self.assertEqual(self.engine_app.requests, [])
+
+    def test_a_media_part_carries_only_the_value_checked(self) -> None:
+        wav = "data:audio/wav;base64,AAAA"
+        for kind in MEDIA_PARTS:
+            for media, sent in [
+                ({"url": wav, "data": "QUJD", "format": "wav"}, {"data": "QUJD", "format": "wav"}),
+                ({"data": "QUJD", "url": wav}, {"data": "QUJD"}),
+                ({"url": wav, "data": 5}, {"url": wav}),  # the engine reads url when data is no string
+                ({"data": wav}, {"data": wav}),
+            ]:
+                del self.engine_app.requests[:]
+                code, answer = self.media_answer({"type": kind, kind: media})
+                self.assertEqual(code, 200, (kind, media, answer))
+                ((_, request),) = self.engine_app.requests
+                self.assertEqual(request["messages"][0]["content"][1], {"type": kind, kind: sent})
+
+    def test_a_bare_http_image_string_is_refused(self) -> None:
+        # no scheme, so not fetched by Blazar, yet llama-server would try to fetch it
+        code, answer = self.media_answer({"type": "image_url", "image_url": {"url": "http//169.254.169.254/"}})
+        self.assertEqual(code, 400, answer)
+        self.assertIn("not base64", error_message("openai", answer))
+        self.assertEqual((self.engine_app.requests, self.fetcher.fetched), ([], []))
 
     def test_a_bare_url_string_is_sent_as_the_engine_reads_it(self) -> None:
         code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
@@ -185,6 +244,22 @@ class VisionSurfaceTests(SynchronousTestCase):
         listing = json.loads(self.successResultOf(self.successResultOf(d).content()))
         self.assertEqual({m["id"]: "vision" in m["capabilities"] for m in listing["data"]},
                          {"seer:latest": True, "plain:latest": False})
+
+    def test_the_live_configs_no_mmproj_takes_vision_away_everywhere(self) -> None:
+        live = parse_config(f'models_dir = "{self.gateway.root}"\n[engines.llamacpp]\nargs = ["--no-mmproj"]')
+        gateway = self.gateway
+        openai = StubTreq(OpenAISurface(gateway.registry, gateway.pipeline, gateway.reactor,
+                                        config=lambda: live).app.resource())
+        for path in ("/v1/models", "/v1/models/seer:latest"):
+            response = self.successResultOf(openai.get("http://localhost" + path))
+            answer = json.loads(self.successResultOf(response.content()))
+            for model in answer.get("data", [answer]):
+                self.assertNotIn("vision", model["capabilities"], (path, model))
+        # as /api/show says
+        ollama = StubTreq(OllamaSurface(gateway.registry, gateway.pipeline, gateway.reactor, lambda: 0.0,
+                                        None, lambda: live).app.resource())  # type: ignore[arg-type]
+        response = self.successResultOf(ollama.post("http://localhost/api/show", json={"model": "seer"}))
+        self.assertNotIn("vision", json.loads(self.successResultOf(response.content()))["capabilities"])
 
     def test_the_entry_carries_the_projector(self) -> None:
         entry = self.successResultOf(ensureDeferred(self.gateway.registry.resolve("seer")))

@@ -46,6 +46,12 @@ class HTTPError extends Error {
   constructor(status, message) { super(message); this.status = status; }
 }
 
+// An error body's message: Ollama's {"error": "..."}, or OpenAI's {"error": {"message": "..."}}.
+function errorText(body, fallback) {
+  const err = body && body.error;
+  return typeof err === "string" ? err : (err && err.message) || fallback;
+}
+
 async function api(path, options) {
   const opts = Object.assign({}, options || {});
   opts.headers = headers(opts.headers);
@@ -58,11 +64,7 @@ async function api(path, options) {
   const text = await response.text();
   let body = null;
   try { body = text ? JSON.parse(text) : null; } catch (e) { body = { text }; }
-  if (!response.ok) {
-    const err = body && body.error;
-    const message = typeof err === "string" ? err : (err && err.message) || response.statusText;
-    throw new HTTPError(response.status, message);
-  }
+  if (!response.ok) throw new HTTPError(response.status, errorText(body, response.statusText));
   return body;
 }
 
@@ -264,6 +266,69 @@ async function loadModels() {
 }
 
 $("reset-breakers").addEventListener("click", () => action("/ui/api/breakers/reset", "reset breakers"));
+
+// NDJSON over fetch (Ollama's streamed answers): each line's object, in order, a last line
+// without its newline included.
+async function ndjsonLines(response, onLine) {
+  const reader = response.body.getReader();
+  const decoder = new TextDecoder();
+  let buffered = "";
+  for (;;) {
+    const { value, done } = await reader.read();
+    buffered += done ? decoder.decode() : decoder.decode(value, { stream: true });
+    const lines = buffered.split("\n");
+    buffered = done ? "" : lines.pop();
+    for (const line of lines) if (line.trim()) onLine(JSON.parse(line));
+    if (done) return;
+  }
+}
+
+// One of Ollama's pull progress lines in words: "pulling 1a2b3c4d5e6f: 42% (1.2 MiB / 2.9 MiB)"
+// for a blob's, else its status ("pulling manifest", "verifying sha256 digest", "success").
+function fmtPull(line) {
+  if (String(line.status || "").startsWith("pulling ") && line.total) {
+    const done = line.completed || 0;
+    return `${line.status}: ${Math.floor(100 * done / line.total)}% (${fmtBytes(done)} / ${fmtBytes(line.total)})`;
+  }
+  return line.status || "";
+}
+
+// Pull (admin): Ollama's /api/pull, streamed, its progress under the form; the list refreshed on success.
+$("pull-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const name = $("pull-name").value.trim();
+  if (!name) return;
+  const shown = $("pull-status");
+  const say = (text, bad) => { shown.textContent = text; shown.className = bad ? "error" : "muted"; };
+  $("pull-send").disabled = true;
+  say(`pull ${name}: starting`);
+  let last = null, error = null;
+  try {
+    const response = await fetch("/api/pull", {
+      method: "POST", headers: headers({ "content-type": "application/json" }),
+      body: JSON.stringify({ model: name, stream: true }),
+    });
+    if (!response.ok) {  // refused before the first line: a plain error answer
+      const body = await response.json().catch(() => null);
+      throw new Error(errorText(body, response.statusText));
+    }
+    await ndjsonLines(response, (line) => {
+      if (line.error !== undefined) { error = errorText(line, "the pull failed"); return; }
+      last = line.status;
+      say(`pull ${name}: ${fmtPull(line)}`);
+    });
+    if (error === null && last !== "success") error = "the stream ended before success";
+    if (error !== null) throw new Error(error);
+    $("pull-name").value = "";
+    status(`pull ${name}: done`, false, true);
+    await loadModels().catch((e) => status(e.message, true));
+  } catch (e) {
+    say(`pull ${name}: ${e.message}`, true);
+    status(`pull ${name}: ${e.message}`, true, true);
+  } finally {
+    $("pull-send").disabled = false;
+  }
+});
 
 // -- Queue -------------------------------------------------------------------------
 
