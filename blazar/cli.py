@@ -564,7 +564,10 @@ def _models_pull(args: argparse.Namespace) -> int:
         if line.get("total"):
             done, total = line.get("completed", 0), line["total"]
             bar = "#" * int(30 * done / total)
-            sys.stderr.write(f"\r{line['status']} [{bar:<30}] {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+            if sys.stderr.isatty():
+                sys.stderr.write(f"\r{line['status']} [{bar:<30}] {done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+            elif done == total:  # a log or a pipe: each part once, when it is complete
+                sys.stderr.write(f"\n{line['status']} {total / 2**20:.1f} MiB")
         else:
             sys.stderr.write(f"\n{line.get('status', '')}")
         sys.stderr.flush()
@@ -603,9 +606,15 @@ def _models_quantize(args: argparse.Namespace) -> int:
         return 1
     outcome = {"code": 1}
 
+    shown = {"tenth": -1}
+
     def progress(done: int, total: int) -> None:
         bar = "#" * (30 * done // max(total, 1))
-        sys.stderr.write(f"\rquantizing {source.name} to {ollama_name(qtype)} [{bar:<30}] {done}/{total} tensors")
+        if sys.stderr.isatty():
+            sys.stderr.write(f"\rquantizing {source.name} to {ollama_name(qtype)} [{bar:<30}] {done}/{total} tensors")
+        elif (tenth := 10 * done // max(total, 1)) != shown["tenth"]:  # a log or a pipe: a line per 10 %
+            shown["tenth"] = tenth
+            sys.stderr.write(f"quantizing {source.name} to {ollama_name(qtype)}: {done}/{total} tensors\n")
         sys.stderr.flush()
 
     async def main(reactor: Any) -> None:
@@ -824,7 +833,7 @@ def _bench(args: argparse.Namespace) -> int:
         pool.retryAutomatically = False  # a request is sent once: a retry would be timed twice
         http = treq.client.HTTPClient(Agent(reactor, pool=pool))
         if not args.json:
-            print(f"bench {args.model} through {url}: prompt ~{args.prompt_tokens} tokens, {args.max_tokens} "
+            print(f"bench {args.model} through {url}: prompt ~{args.prompt_tokens} words, {args.max_tokens} "
                   f"generated, {args.rounds} request(s) per stream; a warm-up request first (it loads the model)",
                   flush=True)
             print(bench.LEVEL_HEADER, flush=True)
@@ -1225,8 +1234,10 @@ def parser() -> argparse.ArgumentParser:
                        "before")
     bench.add_argument("--concurrency", type=_concurrency, default=[1, 2, 4], metavar="1,2,4",
                        help="streams at once, one level after another (default 1,2,4)")
-    bench.add_argument("--prompt-tokens", type=int, default=512, metavar="N",
-                       help="the synthetic prompt's length, about (default 512; the measured count is shown)")
+    bench.add_argument("--prompt-tokens", type=int, default=200, metavar="N",
+                       help="the synthetic prompt's length in words, about as many tokens on real models' "
+                            "vocabularies, several times more on generated test models (default 200; the "
+                            "measured token count is shown)")
     bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens generated per request "
                        "(default 128)")
     bench.add_argument("--rounds", type=int, default=2, metavar="N", help="requests per stream (default 2)")

@@ -232,10 +232,13 @@ def sees_images(entry: ModelEntry, meta: GGUFMetadata | None, config: Config) ->
 def context_per_slot(entry: ModelEntry, meta: GGUFMetadata) -> int:
     """
     Tokens of context each slot gets: the configured C{ctx_size}, else the
-    model's trained context capped at L{DEFAULT_CTX_SIZE}.
+    model's trained context capped at L{DEFAULT_CTX_SIZE}; never more than
+    the trained context, where the GGUF names it (llama-server caps each
+    slot there itself, so a larger figure would be one nobody gets).
     """
     if entry.settings.ctx_size is not None:
-        return entry.settings.ctx_size
+        trained = meta.context_length
+        return min(entry.settings.ctx_size, trained) if trained else entry.settings.ctx_size
     trained = meta.context_length or DEFAULT_CTX_SIZE
     return min(trained, DEFAULT_CTX_SIZE)
 

@@ -731,7 +731,7 @@ def thd_link_blob(root: Path, source_path: Path, digest: str, verify: bool = Tru
     temp = _temp_blob(root, digest)
     try:
         try:
-            os.link(source_path, temp)
+            os.link(os.path.realpath(source_path), temp)  # a link to the file, never to a symlink
         except OSError as e:
             if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK):
                 raise

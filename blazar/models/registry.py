@@ -933,7 +933,7 @@ def thd_link(source: Path, target: Path) -> None:
     filesystems. Blocking: call in a thread pool.
     """
     try:
-        os.link(source, target)
+        os.link(os.path.realpath(source), target)  # Linux's link() would alias a symlink itself
     except OSError as e:
         import errno
         import shutil

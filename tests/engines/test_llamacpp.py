@@ -25,6 +25,19 @@ class BuildCommandTests(SynchronousTestCase):
             config=parse_config(config_text),
         )
 
+    def test_ctx_size_is_capped_at_the_trained_context(self) -> None:
+        """
+        llama-server caps each slot at the model's trained context, so a
+        larger C{ctx_size} is planned and shown as what the slots get.
+        """
+        import attrs
+
+        short = attrs.evolve(META, context_length=2048)
+        c = self.command(ModelConfig(ctx_size=4096, parallel=2), short)
+        self.assertEqual(flag(c.argv, "-c"), str(2 * 2048))
+        c = self.command(ModelConfig(ctx_size=1024, parallel=2), short)
+        self.assertEqual(flag(c.argv, "-c"), str(2 * 1024))
+
     def test_defaults(self) -> None:
         c = self.command()
         argv = c.argv

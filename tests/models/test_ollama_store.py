@@ -245,6 +245,17 @@ class BlobTests(SynchronousTestCase):
         self.assertEqual(path.stat().st_ino, self.source.stat().st_ino)
         self.assertRaises(DigestMismatch, store.thd_link_blob, self.root, self.source, sha(b"no"))
 
+    def test_a_symlinked_source_is_linked_as_its_file(self) -> None:
+        """
+        A model linked into models_dir (as the README adds SmolLM2) becomes
+        a blob that is the file itself, not a second symlink to it.
+        """
+        link = self.root / "linked.bin"
+        link.symlink_to(self.source.absolute())
+        path = store.thd_link_blob(self.root, link, self.digest)
+        self.assertFalse(path.is_symlink())
+        self.assertEqual(path.stat().st_ino, self.source.stat().st_ino)
+
     def test_add_bytes(self) -> None:
         digest = store.thd_add_bytes(self.root, b"hello")
         self.assertEqual(blob_path(self.root, digest).read_bytes(), b"hello")

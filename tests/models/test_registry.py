@@ -217,3 +217,20 @@ class AdapterTests(SynchronousTestCase):
         os.utime(self.lora, ns=(st.st_atime_ns, st.st_mtime_ns + 1))  # changed: read again
         with self.assertRaises(GGUFError):
             thd_check_adapters(((self.lora, 1.0),), "llama", checked)
+
+
+def test_an_alias_of_a_symlinked_model_is_the_file_itself(tmp_path: Path) -> None:
+    """
+    C{/api/copy} of a model that is a symlink (as the README links
+    SmolLM2) makes a hard link of its file, not of the symlink.
+    """
+    from blazar.models.registry import thd_link
+
+    real = tmp_path / "elsewhere" / "m.gguf"
+    real.parent.mkdir()
+    real.write_bytes(b"GGUF")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "m.gguf").symlink_to(real)
+    thd_link(tmp_path / "models" / "m.gguf", tmp_path / "models" / "copy.gguf")
+    assert not (tmp_path / "models" / "copy.gguf").is_symlink()
+    assert (tmp_path / "models" / "copy.gguf").stat().st_ino == real.stat().st_ino
