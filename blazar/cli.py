@@ -858,7 +858,7 @@ def _bench(args: argparse.Namespace) -> int:
         if args.json:
             print(strictjson.dumps({"run": stored, "comparison": comparison}))
             return 0
-        print(f"recorded as run {stored['id']} of {stored['model']}")
+        print(f"recorded for {stored['model']} as bench_history id {stored['id']}")
         print(f"  engine:   {stored['engine']}")
         print(f"  profile:  {bench.profile_text(stored['profile'])}")
         print(f"  hardware: {bench.hardware_text(stored['hardware'])}")

@@ -52,7 +52,7 @@ BENCH = ("bench", "smol", "--concurrency", "1,2", "--prompt-tokens", "48", "--ma
 
 def test_a_run_lands_and_the_history_compares_it(daemon: Daemon, engine: str) -> None:
     first = blazar(daemon, *BENCH).stdout
-    assert "recorded as run 1 of smol:latest" in first, first
+    assert "recorded for smol:latest as bench_history id 1" in first, first
     assert "first run of this model" in first, first
     second = json.loads(blazar(daemon, *BENCH, "--json").stdout)
     run: dict[str, Any] = second["run"]
