@@ -859,12 +859,15 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     else:
         started = time.time()
 
-        def status() -> dict[str, Any]:
-            current = live.current
+        def thd_engine_name(current: Config) -> str:
             try:
-                engine = str(find_binary(current, environ))
+                return str(find_binary(current, environ))  # stats files and reads SQLite: a thread's work
             except EngineNotFound:
-                engine = "not found"
+                return "not found"
+
+        async def status_now() -> dict[str, Any]:
+            current = live.current
+            engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
             return {
                 "version": __version__, "uptime": time.time() - started,
                 "listeners": list(current.listen), "engine": engine,
@@ -873,6 +876,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
                 **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
                 **({"engine_update": updates.notice} if updates.notice else {}),
             }
+
+        def status() -> Deferred[dict[str, Any]]:
+            return Deferred.fromCoroutine(status_now())
 
         globalLogPublisher.addObserver(ring)
         control = strports.service(

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.protocol import Factory
 from twisted.logger import ILogObserver, Logger
 from twisted.protocols import amp
@@ -451,7 +451,7 @@ class ControlServer(amp.AMP):
     """
 
     def __init__(
-        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
+        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
         operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,
@@ -495,9 +495,13 @@ class ControlServer(amp.AMP):
             )
         return {"version": __version__, "protocol": PROTOCOL_VERSION}
 
+    def _status_now(self) -> Deferred[dict[str, Any]]:
+        answer = self._status()  # (the daemon's finds the engine in a thread: a Deferred)
+        return answer if isinstance(answer, Deferred) else succeed(answer)
+
     @Status.responder
-    def status(self) -> dict[str, Any]:
-        return self._status()
+    def status(self) -> Deferred[dict[str, Any]]:
+        return self._status_now()
 
     @Ps.responder
     def ps(self, offset: int | None = None) -> Deferred[dict[str, Any]]:
@@ -506,7 +510,7 @@ class ControlServer(amp.AMP):
             everything = await instance_rows(self._supervisor, self._registry, self._hints, self._clock.seconds())
             rows = everything[start:start + PAGE]
             result: dict[str, Any] = {"instances": rows}
-            update = self._status().get("engine_update") if start == 0 else None
+            update = (await self._status_now()).get("engine_update") if start == 0 else None
             if update:
                 result["engine_update"] = update
             if start == 0 and self._hardware is not None and self._hardware.latest is not None:
@@ -725,7 +729,7 @@ class ControlFactory(Factory):
     """
 
     def __init__(
-        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any]], clock: Any,
+        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: Any,
         logs: LogRing | None = None, keys: Any = None,
         queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
         operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,

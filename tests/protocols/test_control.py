@@ -356,3 +356,38 @@ class PsGPUTests(SynchronousTestCase):
                "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)]}
         encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)  # type: ignore[arg-type]
         self.assertLess(len(encoded), 0xFFFF)
+
+
+class StatusOffTheReactorTests(SynchronousTestCase):
+    """
+    C{Status} (and C{Ps}'s update line) take a status that answers later:
+    the daemon finds its engine binary in a thread (stats and SQLite), not
+    on the reactor.
+    """
+
+    def test_a_status_that_answers_later(self) -> None:
+        from blazar.protocols.control import Status
+
+        later: Deferred[dict[str, Any]] = Deferred()
+        root = Path(self.mktemp())
+        (root / "models").mkdir(parents=True)
+        from blazar.config import parse_config
+
+        reactor = fake_process_reactor()
+        config = parse_config(f'models_dir = "{root / "models"}"\n')
+        registry = ModelRegistry(config, reactor)
+
+        async def probe(url: str) -> int:
+            return 200
+
+        supervisor = Supervisor(config, registry, reactor, probe, {}, port_finder=lambda: 5555)
+        client, _, pump = connectedServerAndClient(
+            lambda: ControlServer(supervisor, registry, lambda: later, reactor), amp.AMP)
+        answers: list[Any] = []
+        client.callRemote(Status).addBoth(answers.append)
+        pump.flush()
+        self.assertEqual(answers, [])  # waiting for the thread's answer
+        later.callback({"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d",
+                        "loaded": 0})
+        pump.flush()
+        self.assertEqual(answers[0]["engine"], "/e")
