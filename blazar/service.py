@@ -23,7 +23,6 @@ from twisted.internet.task import LoopingCall
 
 from blazar.engines.update import EngineUpdates
 from twisted.internet.threads import deferToThreadPool
-from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
 from twisted.logger import Logger, globalLogPublisher
 
@@ -66,7 +65,8 @@ from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.imagefetch import ImageFetcher
-from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
+from blazar.gateway.sessions import Sessions
+from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
@@ -170,251 +170,6 @@ class ConnectionPools(Service):
         return DeferredList([ensureDeferred(c.close()) for c in self.clients], consumeErrors=True)  # type: ignore[return-value]
 
 
-class UsageStore(Service):
-    """
-    Keeps per-key day token totals in SQLite: reads today's back into the
-    quotas at start, writes new usage in batches (one transaction a second)
-    from its own single thread, and flushes on stop.
-    """
-
-    def __init__(self, path: Any, quotas: Quotas, reactor: Any) -> None:
-        self._path = path
-        self._quotas = quotas
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-store")
-        self._db: Any = None
-        self._flusher: LoopingCall | None = None
-
-    def _run(self, f: Any, *args: Any) -> Deferred[Any]:
-        return deferToThreadPool(self._reactor, self._pool, f, *args)
-
-    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
-        """
-        C{f(db, *args)} on the store's own thread (a C{thd_*} function of
-        L{blazar.store}).
-        """
-        return self._run(f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        self._pool.start()
-        # at start, before serving: a short blocking read is fine here
-        self._db = self._pool_call(store.thd_open, self._path)
-        day = self._quotas.today()
-        self._quotas.load_day(day, self._pool_call(store.thd_day_usage, self._db, day))
-        self._flusher = LoopingCall(self.flush)
-        self._flusher.clock = self._reactor
-        self._flusher.start(1.0, now=False).addErrback(lambda f: log.failure("usage flusher stopped", f))
-
-    def _pool_call(self, f: Any, *args: Any) -> Any:
-        import queue
-
-        box: queue.Queue[Any] = queue.Queue()
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), f, *args)
-        ok, value = box.get()
-        if not ok:
-            value.raiseException()
-        return value
-
-    def flush(self) -> Deferred[Any]:
-        rows = self._quotas.take_pending()
-        if not rows or self._db is None:
-            return succeed(None)
-        d = self._run(store.thd_add_usage, self._db, rows)
-
-        def failed(f: Any) -> None:
-            log.failure("writing key usage failed; will retry", f)
-            self._quotas._pending[:0] = rows
-
-        return d.addErrback(failed)
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._flusher is not None and self._flusher.running:
-            self._flusher.stop()
-        d = self.flush()
-
-        def close(_: Any) -> Deferred[Any]:
-            return self._run(self._db.close) if self._db is not None else succeed(None)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        d.addCallback(close)
-        d.addBoth(stop_pool)
-        return d
-
-
-class SessionService(Service):
-    """
-    Runs L{blazar.gateway.sessions.Sessions}: its rows in SQLite (its own
-    connection and thread), read back at start; the reaper of sessions
-    unused for C{session_keep_secs}, once a minute. Added before the
-    supervisor, it is stopped after it: it waits for the saves the
-    children's stops begin, then closes.
-    """
-
-    def __init__(self, path: Any, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-sessions")
-        self._db: Any = None
-        self._reaper: LoopingCall | None = None
-
-        def settings() -> tuple[float, float, int, int]:
-            c = live.current
-            return (c.session_keep, c.session_save_timeout, c.session_bank_entry_max_mib << 20,
-                    c.session_bank_max_mib << 20)
-
-        self.sessions = Sessions(
-            reactor, EngineSlots(engines, reactor), lambda: live.current.data_dir, settings,
-            lambda f, *args: deferToThreadPool(self._reactor, self._pool, f, *args),
-            persist=self._persist, forget=self._forget,
-            count=lambda op, result: metrics.session_bank.labels(op, result).inc(),
-        )
-        metrics.gauges(lambda: [gauge(
-            "blazar_sessions", "Sessions kept (blazar.gateway.sessions), by model and whether saved to the bank",
-            ["model", "saved"], self._counts(),
-        )])
-
-    def _counts(self) -> list[tuple[list[str], float]]:
-        counts: dict[tuple[str, str], int] = {}
-        for session in self.sessions.of_key(None):
-            label = (session.model, "true" if session.bank is not None else "false")
-            counts[label] = counts.get(label, 0) + 1
-        return [([m, saved], n) for (m, saved), n in sorted(counts.items())]
-
-    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
-        if self._db is None:
-            return succeed(None)
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def _persist(self, session: Any) -> Deferred[Any]:
-        bank = session.bank
-        row = (session.key, session.name, session.model, bank.file if bank else None, bank.tokens if bank else 0,
-               bank.size if bank else 0, bank.shape if bank else "", bank.saved_at if bank else 0.0,
-               session.last_used)
-        return self._db_call(store.thd_put_session, row)
-
-    def _forget(self, session: Any) -> Deferred[Any]:
-        return self._db_call(store.thd_delete_session, session.key, session.name, session.model)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        import queue
-
-        self._pool.start()
-        box: queue.Queue[Any] = queue.Queue()
-
-        def thd_start(path: Any) -> Any:
-            db = store.thd_open(path)
-            return db, store.thd_sessions(db)
-
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), thd_start, self._path)
-        ok, value = box.get()  # at start, before serving: a short blocking read
-        if not ok:
-            value.raiseException()
-        self._db, rows = value
-        self.sessions.load(sessions_from_rows(rows))
-        self._reaper = LoopingCall(self._expire)
-        self._reaper.clock = self._reactor
-        self._reaper.start(60.0, now=False).addErrback(lambda f: log.failure("session reaper stopped", f))
-
-    def _expire(self) -> None:
-        try:
-            self.sessions.expire()
-        except Exception:
-            log.failure("expiring sessions failed")
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._reaper is not None and self._reaper.running:
-            self._reaper.stop()
-
-        async def drain() -> None:
-            while self.sessions.pending:
-                await DeferredList(list(self.sessions.pending), consumeErrors=True)
-            if self._db is not None:
-                await deferToThreadPool(self._reactor, self._pool, self._db.close)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return ensureDeferred(drain()).addBoth(stop_pool)
-
-
-CACHE_PURGE_SECS = 60.0  # how often expired semantic cache entries are dropped (a lookup skips them anyway)
-
-
-class CacheService(Service):
-    """
-    Runs the semantic cache's L{CacheStore}: its rows in SQLite (its own
-    connection and thread), read back into the index after start (lookups
-    miss until then), and a purge of the expired entries every
-    L{CACHE_PURGE_SECS}. On stop it waits for the stores in flight, then
-    closes.
-
-    @ivar cache: The entries the pipeline looks answers up in.
-    """
-
-    def __init__(self, path: Any, live: LiveConfig, reactor: Any, wall: Callable[[], float] = time.time) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-cache")
-        self._db: Any = None
-        self._purger: LoopingCall | None = None
-        self.started: Deferred[None] | None = None  # the rows read back
-        self.cache = CacheStore(lambda: live.current.cache, wall, self._db_call)
-
-    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        self._pool.start()
-        self.started = Deferred.fromCoroutine(self._open())
-        self.started.addErrback(lambda f: log.failure("the semantic cache did not start; every lookup misses", f))
-        self._purger = LoopingCall(self._purge)
-        self._purger.clock = self._reactor
-        self._purger.start(CACHE_PURGE_SECS, now=False).addErrback(
-            lambda f: log.failure("semantic cache purge stopped", f))
-
-    async def _open(self) -> None:
-        self._db = await deferToThreadPool(self._reactor, self._pool, store.thd_open, self._path)
-        loaded = await self.cache.load()
-        if loaded:
-            log.info("semantic cache: {count} entries read back", count=loaded)
-
-    def _purge(self) -> Deferred[None]:
-        return Deferred.fromCoroutine(self._purge_now())
-
-    async def _purge_now(self) -> None:
-        try:
-            await self.cache.purge()
-        except Exception:
-            log.failure("purging the semantic cache failed; will retry")
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._purger is not None and self._purger.running:
-            self._purger.stop()
-
-        async def drain() -> None:
-            while self.cache.pending:
-                await DeferredList(list(self.cache.pending), consumeErrors=True)
-            if self._db is not None:
-                await deferToThreadPool(self._reactor, self._pool, self._db.close)
-                self._db = None
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return ensureDeferred(drain()).addBoth(stop_pool)
-
-
 class _Hooks(Service):
     """
     A service that runs C{start} and C{stop} with the tree.
@@ -472,61 +227,6 @@ class AuditService(Service):
             self.audit.stop()
             return None
         return self.after().addBoth(lambda _: self.audit.stop())
-
-
-class BatchService(Service):
-    """
-    Runs the Batch API's runner (L{blazar.gateway.batch.BatchRunner}) on
-    its own SQLite connection and thread (so a stop can record the lines
-    it waits for after the other stores have closed): resumes unfinished
-    batches at start; on stop waits for the lines in flight, then closes
-    the line sender's connections and the database.
-    """
-
-    def __init__(self, path: Path, reactor: Any, make_runner: Callable[[Callable[..., Deferred[Any]]], BatchRunner],
-                 sender: LineSender) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-batch")
-        self._db: Any = None
-        self._sender = sender
-        self.runner = make_runner(self.run_db)
-
-    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
-        """
-        C{f(db, *args)} on the runner's own database thread.
-        """
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        import queue
-
-        self._pool.start()
-        box: queue.Queue[Any] = queue.Queue()
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), store.thd_open, self._path)
-        ok, value = box.get()  # at start, before serving: a short blocking open
-        if not ok:
-            value.raiseException()
-        self._db = value
-        Deferred.fromCoroutine(self.runner.start()).addErrback(lambda f: log.failure("resuming batches failed", f))
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-
-        async def stop() -> None:
-            try:
-                await self.runner.stop()
-                await self._sender.close()
-            finally:
-                if self._db is not None:
-                    await deferToThreadPool(self._reactor, self._pool, self._db.close)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return Deferred.fromCoroutine(stop()).addBoth(stop_pool)
 
 
 class ReloadOnHangup(Service):
@@ -723,7 +423,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     ring = LogRing()
     # before the supervisor: stopped after it, once the children's stops
     # have saved their sessions' slots
-    session_service = SessionService(config.data_dir / "blazar.db", live, engines, reactor, metrics)
+    database = StoreService(config.data_dir / "blazar.db", reactor)
+    database.setServiceParent(top)
+    session_service = SessionService(database, live, engines, reactor, metrics)
     session_service.setServiceParent(top)
     # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
     # once on HardwareCensus.invalidate (for each spawn and evict)
@@ -748,20 +450,20 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     hints.setServiceParent(top)
     keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
     quotas = Quotas(reactor)
-    usage_store = UsageStore(config.data_dir / "blazar.db", quotas, reactor)
+    usage_store = UsageStore(database, quotas, reactor)
     usage_store.setServiceParent(top)
     # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
-    bench = BenchRecords(registry, supervisor, usage_store.run_db, hardware.fresh, time.time)
+    bench = BenchRecords(registry, supervisor, database.run_db, hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
     proxy = EngineProxy(supervisor, engines, reactor, registry, live)
     pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
                         in_thread=lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    cache_service = CacheService(config.data_dir / "blazar.db", live, reactor)
+    cache_service = CacheService(database, live, reactor)
     cache_service.setServiceParent(top)
     pipeline.cache = cache_service.cache
     pipeline.images = ImageFetcher(
         reactor, live, lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    responses = Responses(pipeline, live, reactor, usage_store.run_db)
+    responses = Responses(pipeline, live, reactor, database.run_db)
     openai = OpenAISurface(registry, pipeline, reactor, responses, live)
     ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
     anthropic = AnthropicSurface(pipeline, reactor)
@@ -771,13 +473,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     batch_secret = secrets.token_urlsafe(32)
     sender = LineSender(reactor, batch_socket, batch_secret)
     in_pool = lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)  # noqa: E731
-    batch_service = BatchService(
-        config.data_dir / "blazar.db", reactor,
-        lambda run_db: BatchRunner(reactor, run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
-                                   lambda: live.current.max_file_bytes_per_key),
-        sender,
-    )
-    runner = batch_service.runner
+    runner = BatchRunner(reactor, database.run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
+                         lambda: live.current.max_file_bytes_per_key)
+    batch_service = BatchService(database, runner, sender)
     batches = BatchSurface(runner, in_pool)
 
     def before_stop(instance: Any) -> Deferred[None]:

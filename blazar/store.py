@@ -7,9 +7,9 @@ C{<data_dir>/files/<id>} (0600, in a 0700 directory), beside the metadata
 row (migration 7 moved the older ones out), so a download is read in
 pieces and a delete gives the space back at once.
 
-Every function here blocks: the daemon calls them through the store's own
-single-thread pool (SQLite connections belong to one thread), never on the
-reactor thread.
+Every function here blocks: the daemon calls them on its one store thread
+(L{blazar.storeservice.StoreService}: one connection, and SQLite
+connections belong to one thread), never on the reactor thread.
 """
 
 from __future__ import annotations
@@ -174,8 +174,8 @@ def thd_open(path: Path) -> sqlite3.Connection:
     vacuum = False
     for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
         # each step in its own write transaction, the version read again
-        # inside it: another connection opening at the same time (each
-        # store service opens its own) finds a step done, not half done
+        # inside it: another connection opening at the same time (a CLI
+        # command beside the daemon) finds a step done, not half done
         db.execute("BEGIN IMMEDIATE")
         try:
             if db.execute("SELECT version FROM schema_version").fetchone()[0] < number:

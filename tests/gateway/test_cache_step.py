@@ -414,7 +414,7 @@ class CacheStoreTests(SynchronousTestCase):
 
 class CacheServiceTests(SynchronousTestCase):
     def test_loads_at_start_purges_on_a_clock_and_survives_a_failing_purge(self) -> None:
-        from blazar.service import CACHE_PURGE_SECS, CacheService
+        from blazar.storeservice import CACHE_PURGE_SECS, CacheService, StoreService
         from blazar.testing import fake_process_reactor
 
         reactor = fake_process_reactor()
@@ -430,8 +430,9 @@ class CacheServiceTests(SynchronousTestCase):
         wall = Clock()
         wall.advance(105)
         live = LiveConfig(parse_config('[cache]\nttl_secs = 10\n'))
-        service = CacheService(path, live, reactor, wall.seconds)
-        service._pool = SynchronousThreadPool()  # type: ignore[assignment]
+        database = StoreService(path, reactor, SynchronousThreadPool())  # type: ignore[arg-type]
+        database.startService()
+        service = CacheService(database, live, reactor, wall.seconds)
         service.startService()
         self.successResultOf(service.started)  # type: ignore[arg-type]
         self.assertEqual(len(service.cache.index), 1)
@@ -453,6 +454,8 @@ class CacheServiceTests(SynchronousTestCase):
         self.assertEqual(purges, [0, 1])
         self.assertEqual(len(service.cache.index), 0)
         self.successResultOf(service.stopService())
+        self.successResultOf(database.stopService())
+        self.assertFalse(database.is_open)
 
 
 
