@@ -19,12 +19,13 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
 from twisted.internet.endpoints import SSL4ServerEndpoint
 from twisted.internet.interfaces import IOpenSSLContextFactory
+from twisted.web.resource import IResource
 from twisted.internet.task import LoopingCall
 
 from blazar.engines.update import EngineUpdates
 from twisted.internet.threads import deferToThreadPool
 from twisted.internet.error import CannotListenError
-from twisted.logger import Logger, globalLogPublisher
+from twisted.logger import Logger, LogPublisher, globalLogPublisher
 
 import attrs
 from zope.interface import implementer
@@ -52,7 +53,6 @@ from blazar.gateway.admission import Admission
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.bench import BenchRecords
 from blazar.web.batches import BatchSurface
-from blazar.gateway.cachestore import CacheStore
 from blazar.web.dashboard import Dashboard
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
@@ -348,31 +348,324 @@ def thd_free_memory(probe: IHardwareProbe | None = None) -> int:
     return census.ram_available + census.gpu_memory_free
 
 
+def in_reactor_pool(reactor: Any) -> Callable[..., Deferred[Any]]:
+    """
+    C{run(f, *args)}: C{f(*args)} in the reactor's thread pool (CPU work
+    and file reads that must not block the reactor).
+    """
+    return lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+
+
+@attrs.frozen
+class Clients:
+    """
+    The daemon's HTTP clients, each with its own connection pool (closed
+    on stop by L{ConnectionPools}).
+
+    @ivar engines: To the engine children (and remotes).
+    @ivar hub: Hugging Face downloads.
+    @ivar library: Ollama library pulls and pushes.
+    """
+
+    engines: EngineClient
+    hub: HubClient
+    library: RegistryClient
+
+
+def make_clients(live: LiveConfig, reactor: Any, environ: Mapping[str, str]) -> Clients:
+    """
+    The HTTP clients (C{BLAZAR_PULL_MIN_PART} in C{environ}: the smallest
+    ranged part of a library pull, in bytes; for tests).
+    """
+    return Clients(
+        EngineClient(reactor),
+        HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN")),
+        RegistryClient(reactor, lambda: live.current.registry,
+                       min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART)),
+    )
+
+
+@attrs.frozen
+class Stores:
+    """
+    The one SQLite store (L{StoreService}) and the parts that keep their
+    state in it.
+
+    @ivar quotas: The keys' usage, counted in memory; L{UsageStore}
+        writes it down.
+    """
+
+    database: StoreService
+    sessions: SessionService
+    quotas: Quotas
+    usage: UsageStore
+    cache: CacheService
+
+
+def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> Stores:
+    """
+    The store at C{<data_dir>/blazar.db} and its parts (the Batch API's is
+    L{make_batches}).
+    """
+    database = StoreService(config.data_dir / "blazar.db", reactor)
+    quotas = Quotas(reactor)
+    return Stores(
+        database, SessionService(database, live, engines, reactor, metrics), quotas,
+        UsageStore(database, quotas, reactor), CacheService(database, live, reactor),
+    )
+
+
+@attrs.frozen
+class Engines:
+    """
+    The models and what runs them: the registry, the hardware census, the
+    supervisor of the children, the remotes' catalog, the engines' hints
+    and the model operations HTTP and AMP share.
+    """
+
+    registry: ModelRegistry
+    hardware: HardwareCensus
+    supervisor: Supervisor
+    catalog: RemoteCatalog
+    hints: EngineHints
+    operations: ModelOperations
+
+
+def make_engines(
+    live: LiveConfig, clients: Clients, reactor: Any, environ: Mapping[str, str], metrics: Metrics, ring: LogRing,
+) -> Engines:
+    """
+    The engine side of the daemon, wired together.
+    """
+    registry = ModelRegistry(live, reactor)
+    # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
+    # once on HardwareCensus.invalidate (for each spawn and evict)
+    probe = NVMLProbe()
+    hardware = HardwareCensus(probe, reactor, metrics)
+    supervisor = Supervisor(
+        live, registry, reactor, clients.engines.get_status, environ, run_dir=run_dir(live.current.data_dir),
+        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
+    )
+    supervisor.on_hardware_change = hardware.invalidate
+    supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
+    # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
+    catalog = RemoteCatalog(lambda: live.current, clients.engines.get, registry.note_listed, reactor, environ)
+    registry.relist = catalog.relist
+    # /api/create and its uploads: quantized by the llama-quantize beside the engine in use (looked up per create)
+    creator = ModelCreator(registry, reactor, lambda: find_quantize(live.current, environ))
+    operations = ModelOperations(registry, supervisor, clients.hub, reactor, clients.library, creator)
+    hints = EngineHints(supervisor.instances, clients.engines.get, reactor, metrics)
+    return Engines(registry, hardware, supervisor, catalog, hints, operations)
+
+
+@attrs.frozen
+class Gateway:
+    """
+    The API surfaces over the one pipeline (L{build_gateway}).
+
+    @ivar admission: The queue the pipeline admits calls through, if any.
+    """
+
+    proxy: EngineProxy
+    pipeline: Pipeline
+    admission: Admission | None
+    responses: Responses
+    openai: OpenAISurface
+    ollama: OllamaSurface
+    anthropic: AnthropicSurface
+
+    def router(self, *others: IResource | None) -> SurfaceRouter:
+        """
+        The surfaces routed by path, with L{SurfaceRouter}'s others
+        (metrics, dashboard, batches) in its order.
+        """
+        return SurfaceRouter(
+            self.openai.app.resource(), self.ollama.app.resource(), self.anthropic.app.resource(), *others,
+        )
+
+
+def build_gateway(
+    registry: ModelRegistry, supervisor: Supervisor, engines: EngineClient, reactor: Any,
+    config: Callable[[], Config] = Config, *, admission: Admission | None = None, sessions: Sessions | None = None,
+    operations: ModelOperations | None = None, hub: HubClient | None = None,
+    run_db: Callable[..., Deferred[Any]] | None = None, wall: Callable[[], float] = time.time,
+    in_thread: Callable[..., Deferred[Any]] | None = None,
+) -> Gateway:
+    """
+    The surfaces over one pipeline, wired as the daemon wires them: for
+    L{assemble}, and for tests with fakes in place of the supervisor, the
+    engine client and the reactor.
+
+    @param config: The live config every piece reads at each use.
+    @param operations: The shared model operations; L{None}: made from
+        C{registry}, C{supervisor} and C{hub}.
+    @param run_db: Runs a C{thd_*} function of L{blazar.store} (stored
+        Responses); L{None}: none are stored.
+    @param wall: UNIX seconds now, for the Ollama surface's times.
+    @param in_thread: Runs CPU work off the reactor; L{None}: in line.
+    """
+    proxy = EngineProxy(supervisor, engines, reactor, registry, config)
+    pipeline = Pipeline(proxy, reactor, registry, admission, sessions, config, in_thread=in_thread)
+    responses = Responses(pipeline, config, reactor, run_db)
+    if operations is None:
+        operations = ModelOperations(registry, supervisor, hub, reactor)  # type: ignore[arg-type]
+    return Gateway(
+        proxy, pipeline, admission, responses, OpenAISurface(registry, pipeline, reactor, responses, config),
+        OllamaSurface(registry, pipeline, reactor, wall, operations, config), AnthropicSurface(pipeline, reactor),
+    )
+
+
+@attrs.frozen
+class Batches:
+    """
+    The Batch API: its runner (and the service running it on the store)
+    and its surface; its lines come back in through a private listener on
+    C{socket} as their key's requests, at batch priority, with C{secret}.
+    """
+
+    runner: BatchRunner
+    service: BatchService
+    surface: BatchSurface
+    socket: Path
+    secret: str
+
+
+def make_batches(config: Config, live: LiveConfig, database: StoreService, reactor: Any) -> Batches:
+    """
+    The Batch API, its rows in C{database}.
+    """
+    socket = run_dir(config.data_dir) / "batch.sock"
+    secret = secrets.token_urlsafe(32)
+    sender = LineSender(reactor, socket, secret)
+    in_pool = in_reactor_pool(reactor)
+    runner = BatchRunner(reactor, database.run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
+                         lambda: live.current.max_file_bytes_per_key)
+    if len(str(socket)) > 100:
+        log.warn(
+            "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
+            "this daemon; use a shorter data_dir", path=str(socket),
+        )
+        # (a batch made anyway would wait forever: its lines have nowhere to go)
+        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
+                              "than a UNIX socket allows; set a shorter data_dir in the config")
+    return Batches(runner, BatchService(database, runner, sender), BatchSurface(runner, in_pool), socket, secret)
+
+
+def _before_stop(runner: BatchRunner, sessions: Sessions) -> Callable[[Any], Deferred[None]]:
+    """
+    The supervisor's hook before it stops a child: a shutdown lets the
+    batch lines in flight finish first (bounded:
+    L{blazar.gateway.batch.STOP_WAIT}), then saves the sessions' slots.
+    """
+
+    def before_stop(instance: Any) -> Deferred[None]:
+        if instance.stop_reason != "shutdown" or not runner.stopping:
+            return sessions.stopping(instance)
+        return runner.drained().addCallback(lambda _: sessions.stopping(instance))
+
+    return before_stop
+
+
+def _dashboard(
+    live: LiveConfig, engines: Engines, gateway: Gateway, reactor: Any, ring: LogRing,
+    bench: BenchRecords,
+) -> Dashboard:
+    """
+    The dashboard, with the installed engines read in the thread pool.
+    """
+
+    def installed_engines() -> Deferred[list[dict[str, Any]]]:
+        from blazar.engines.installed import EngineStore
+
+        def thd_list() -> list[dict[str, Any]]:
+            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
+                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
+
+        return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
+
+    return Dashboard(engines.registry, gateway.pipeline, engines.operations, reactor, time.time, lambda: live.current,
+                     logs=ring, hints=engines.hints, engines=installed_engines, hardware=engines.hardware,
+                     bench=bench.history)
+
+
+def _observers(config: Config, site: BlazarSite, dashboard: Dashboard, metrics: Metrics, reactor: Any,
+               runner: BatchRunner) -> list[Service]:
+    """
+    The request observer (metrics, and traces to C{otlp_endpoint}) and
+    the audit writer, set on the site; their services. Restart-only
+    (RELOAD_TABLE): both are started with the config the daemon started
+    with.
+    """
+    services: list[Service] = []
+    tracing = None
+    if config.otlp_endpoint is not None:
+        tracing = Tracing(config.otlp_endpoint, reactor, metrics)
+        services.append(tracing)
+    site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
+    if config.audit_log is not None:
+        audit = site.audit = AuditLog(config.audit_log)
+        services.append(AuditService(audit, runner.drained))
+        metrics.gauges(lambda: [gauge(
+            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
+            [], [([], audit.dropped)],
+        ), gauge(
+            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
+            [([], 1 if audit.down else 0)],
+        )])
+    return services
+
+
+def _status(
+    live: LiveConfig, supervisor: Supervisor, site: BlazarSite, updates: EngineUpdates, environ: Mapping[str, str],
+    reactor: Any,
+) -> Callable[[], Deferred[dict[str, Any]]]:
+    """
+    What C{blazar status} shows (the AMP Status command).
+    """
+    started = time.time()
+
+    def thd_engine_name(current: Config) -> str:
+        try:
+            return str(find_binary(current, environ))  # stats files and reads SQLite: a thread's work
+        except EngineNotFound:
+            return "not found"
+
+    async def status_now() -> dict[str, Any]:
+        current = live.current
+        engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
+        return {
+            "version": __version__, "uptime": time.time() - started,
+            "listeners": list(current.listen), "engine": engine,
+            "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
+            "audit_dropped": site.audit.dropped if site.audit is not None else 0,
+            **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
+            **({"engine_update": updates.notice} if updates.notice else {}),
+        }
+
+    def status() -> Deferred[dict[str, Any]]:
+        return Deferred.fromCoroutine(status_now())
+
+    return status
+
+
 @attrs.frozen
 class ServiceTree:
     """
-    The assembled daemon (L{assemble}): the service tree and the pieces that
-    read the live config, for L{make_service} and for tests that look at
-    what a reload changed without sockets.
+    The assembled daemon (L{assemble}): the service tree and its parts,
+    for L{make_service} and for tests that look at what a reload changed
+    without sockets.
     """
 
     top: MultiService
     live: LiveConfig
     site: BlazarSite
-    supervisor: Supervisor
-    registry: ModelRegistry
-    proxy: EngineProxy
-    hub: HubClient
-    ollama: OllamaSurface
-    responses: Responses
-    admission: Admission
     keys: KeyHolder
     key_admin: KeyAdmin
-    sessions: Sessions
-    batches: BatchRunner | None = None
-    pipeline: Pipeline | None = None
-    cache: CacheStore | None = None
-    hardware: HardwareCensus | None = None
+    clients: Clients
+    engines: Engines
+    stores: Stores
+    gateway: Gateway
+    batches: Batches
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -382,7 +675,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     return assemble(config, reactor, environ).top
 
 
-def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> ServiceTree:
+def assemble(
+    config: Config, reactor: Any, environ: Mapping[str, str], publisher: LogPublisher = globalLogPublisher,
+) -> ServiceTree:
     """
     Build the daemon's service tree from a validated config.
 
@@ -394,6 +689,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     Stop order (reverse of start): SIGHUP stops reloading, listeners stop
     accepting, then every engine child is stopped, then the connection
     pool closes.
+
+    @param publisher: Where the log events C{blazar logs} shows come from
+        (the global log; tests pass their own).
     """
     # it holds conversations, usage and the engines' keys: 0700, whatever
     # the umask, and tightened if an older version left it open
@@ -403,126 +701,34 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}"
         )
     live = LiveConfig(config)
-    top = MultiService()
-    registry = ModelRegistry(live, reactor)
-    engines = EngineClient(reactor)
-    hub = HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN"))
-    # Ollama library pulls and pushes (BLAZAR_PULL_MIN_PART: the smallest ranged part, bytes; for tests)
-    library = RegistryClient(reactor, lambda: live.current.registry,
-                             min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART))
-    ConnectionPools(engines, hub, library).setServiceParent(top)
-
-    def sweep() -> None:
-        # what a crash left in the Ollama store (uploads, copies, quantize outputs); it logs its own failure
-        sweep_store(reactor, lambda: live.current.resolved_ollama_models)
-
-    _Hooks(sweep, lambda: None).setServiceParent(top)
+    clients = make_clients(live, reactor, environ)
     metrics = Metrics()
     # what `blazar logs` shows: the daemon's log events and every line the
     # engines print (which reach the daemon's log only as warnings and errors)
     ring = LogRing()
-    # before the supervisor: stopped after it, once the children's stops
-    # have saved their sessions' slots
-    database = StoreService(config.data_dir / "blazar.db", reactor)
-    database.setServiceParent(top)
-    session_service = SessionService(database, live, engines, reactor, metrics)
-    session_service.setServiceParent(top)
-    # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
-    # once on HardwareCensus.invalidate (for each spawn and evict)
-    probe = NVMLProbe()
-    hardware = HardwareCensus(probe, reactor, metrics)
-    hardware.setServiceParent(top)
-    supervisor = Supervisor(
-        live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
-    )
-    supervisor.on_hardware_change = hardware.invalidate
-    supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
-    supervisor.setServiceParent(top)
-    # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
-    catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
-    registry.relist = catalog.relist
-    _Hooks(catalog.start, catalog.stop).setServiceParent(top)
-    # /api/create and its uploads: quantized by the llama-quantize beside the engine in use (looked up per create)
-    creator = ModelCreator(registry, reactor, lambda: find_quantize(live.current, environ))
-    operations = ModelOperations(registry, supervisor, hub, reactor, library, creator)
-    hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
-    hints.setServiceParent(top)
+    stores = make_stores(config, live, clients.engines, reactor, metrics)
+    engines = make_engines(live, clients, reactor, environ, metrics, ring)
+    supervisor, registry = engines.supervisor, engines.registry
     keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
-    quotas = Quotas(reactor)
-    usage_store = UsageStore(database, quotas, reactor)
-    usage_store.setServiceParent(top)
     # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
-    bench = BenchRecords(registry, supervisor, database.run_db, hardware.fresh, time.time)
+    bench = BenchRecords(registry, supervisor, stores.database.run_db, engines.hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
-    proxy = EngineProxy(supervisor, engines, reactor, registry, live)
-    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
-                        in_thread=lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    cache_service = CacheService(database, live, reactor)
-    cache_service.setServiceParent(top)
-    pipeline.cache = cache_service.cache
-    pipeline.images = ImageFetcher(
-        reactor, live, lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    responses = Responses(pipeline, live, reactor, database.run_db)
-    openai = OpenAISurface(registry, pipeline, reactor, responses, live)
-    ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
-    anthropic = AnthropicSurface(pipeline, reactor)
-    # the Batch API: its lines come back in through a private listener
-    # (below) as their key's requests, at batch priority
-    batch_socket = run_dir(config.data_dir) / "batch.sock"
-    batch_secret = secrets.token_urlsafe(32)
-    sender = LineSender(reactor, batch_socket, batch_secret)
-    in_pool = lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)  # noqa: E731
-    runner = BatchRunner(reactor, database.run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
-                         lambda: live.current.max_file_bytes_per_key)
-    batch_service = BatchService(database, runner, sender)
-    batches = BatchSurface(runner, in_pool)
-
-    def before_stop(instance: Any) -> Deferred[None]:
-        # a shutdown lets the batch lines in flight finish first (bounded:
-        # blazar.gateway.batch.STOP_WAIT), then saves the sessions' slots
-        if instance.stop_reason != "shutdown" or not runner.stopping:
-            return session_service.sessions.stopping(instance)
-        return runner.drained().addCallback(lambda _: session_service.sessions.stopping(instance))
-
-    supervisor.before_stop = before_stop
-
-    def installed_engines() -> Any:
-        from blazar.engines.installed import EngineStore
-
-        def thd_list() -> list[dict[str, Any]]:
-            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
-                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
-
-        return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
-
-    dashboard = Dashboard(registry, pipeline, operations, reactor, time.time, lambda: live.current, logs=ring,
-                          hints=hints, engines=installed_engines, hardware=hardware, bench=bench.history)
+    gateway = build_gateway(
+        registry, supervisor, clients.engines, reactor, live, admission=admission,
+        sessions=stores.sessions.sessions, operations=engines.operations, run_db=stores.database.run_db,
+        in_thread=in_reactor_pool(reactor),
+    )
+    gateway.pipeline.cache = stores.cache.cache
+    gateway.pipeline.images = ImageFetcher(reactor, live, in_reactor_pool(reactor))
+    batches = make_batches(config, live, stores.database, reactor)
+    supervisor.before_stop = _before_stop(batches.runner, stores.sessions.sessions)
+    dashboard = _dashboard(live, engines, gateway, reactor, ring, bench)
     root = AuthGate(
-        SurfaceRouter(
-            openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
-            MetricsResource(metrics), dashboard.app.resource(), batches.app.resource(),
-        ),
-        keys, quotas,
+        gateway.router(MetricsResource(metrics), dashboard.app.resource(), batches.surface.app.resource()),
+        keys, stores.quotas,
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
-    # restart-only (RELOAD_TABLE): the exporter and the audit writer are
-    # started with the config the daemon started with
-    tracing = None
-    if config.otlp_endpoint is not None:
-        tracing = Tracing(config.otlp_endpoint, reactor, metrics)
-        tracing.setServiceParent(top)
-    site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
-    if config.audit_log is not None:
-        audit = site.audit = AuditLog(config.audit_log)
-        AuditService(audit, runner.drained).setServiceParent(top)
-        metrics.gauges(lambda: [gauge(
-            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
-            [], [([], audit.dropped)],
-        ), gauge(
-            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
-            [([], 1 if audit.down else 0)],
-        )])
+    observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
     key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
     if exposed is not None:
@@ -530,24 +736,14 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     listeners = Listeners()
     for description in config.listen:
         listener_service(description, site, reactor).setServiceParent(listeners)
-    if len(str(batch_socket)) > 100:
-        log.warn(
-            "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
-            "this daemon; use a shorter data_dir", path=str(batch_socket),
-        )
-        # (a batch made anyway would wait forever: its lines have nowhere to go)
-        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
-                              "than a UNIX socket allows; set a shorter data_dir in the config")
-    else:
+    if batches.runner.unavailable is None:
         # the one listener that honours the batch secret: 0600 in the 0700 run/ directory
         batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
-        batch_site.batch_secret = batch_secret.encode("ascii")
+        batch_site.batch_secret = batches.secret.encode("ascii")
         batch_site.audit, batch_site.observer = site.audit, site.observer
-        private = strports.service(f"unix:{batch_socket}:mode=600:lockfile=1", batch_site, reactor=reactor)
-        private._raiseSynchronously = True
-        private.setServiceParent(listeners)
+        private = f"unix:{batches.socket}:mode=600:lockfile=1"
+        listener_service(private, batch_site, reactor).setServiceParent(listeners)
     updates = EngineUpdates(reactor, lambda: live.current.engine_index_url, lambda: live.current.data_dir)
-    top.addService(_Hooks(lambda: updates.start(config.engine_check), updates.stop))
     control_path = run_dir(config.data_dir) / "control.sock"
     if len(str(control_path)) > 100:
         log.warn(
@@ -555,48 +751,39 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "this daemon; use a shorter data_dir", path=str(control_path),
         )
     else:
-        started = time.time()
-
-        def thd_engine_name(current: Config) -> str:
-            try:
-                return str(find_binary(current, environ))  # stats files and reads SQLite: a thread's work
-            except EngineNotFound:
-                return "not found"
-
-        async def status_now() -> dict[str, Any]:
-            current = live.current
-            engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
-            return {
-                "version": __version__, "uptime": time.time() - started,
-                "listeners": list(current.listen), "engine": engine,
-                "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
-                "audit_dropped": site.audit.dropped if site.audit is not None else 0,
-                **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
-                **({"engine_update": updates.notice} if updates.notice else {}),
-            }
-
-        def status() -> Deferred[dict[str, Any]]:
-            return Deferred.fromCoroutine(status_now())
-
-        globalLogPublisher.addObserver(ring)
-        control = strports.service(
-            f"unix:{control_path}:mode=600:lockfile=1",
-            ControlFactory(
-                supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints, operations, session_service.sessions, hardware, bench=bench,
-            ),
-            reactor=reactor,
+        publisher.addObserver(ring)
+        control = ControlFactory(
+            supervisor, registry, _status(live, supervisor, site, updates, environ, reactor), reactor, ring,
+            key_admin, admission.snapshot, engines.hints, engines.operations,
+            stores.sessions.sessions, engines.hardware, bench=bench,
         )
-        control._raiseSynchronously = True
-        control.setServiceParent(listeners)
-    listeners.setServiceParent(top)
-    # after the listeners: resumed batches start once their listener is bound
-    batch_service.setServiceParent(top)
-    # last: started once everything serves, stopped first
-    ReloadOnHangup(key_admin.reload, reactor, config.source).setServiceParent(top)
-    return ServiceTree(
-        top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
-        hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
-        key_admin=key_admin, sessions=session_service.sessions, batches=runner, pipeline=pipeline,
-        cache=cache_service.cache, hardware=hardware,
-    )
+        listener_service(f"unix:{control_path}:mode=600:lockfile=1", control, reactor).setServiceParent(listeners)
+
+    def sweep() -> None:
+        # what a crash left in the Ollama store (uploads, copies, quantize outputs); it logs its own failure
+        sweep_store(reactor, lambda: live.current.resolved_ollama_models)
+
+    # the tree, in start order (stopped in reverse)
+    top = MultiService()
+    for service in (
+        ConnectionPools(clients.engines, clients.hub, clients.library),
+        _Hooks(sweep, lambda: None),
+        # the store first: open before any part reads, closed after every part's stop has written
+        stores.database,
+        # before the supervisor: stopped after it, once the children's stops have saved their sessions' slots
+        stores.sessions,
+        engines.hardware,  # before the supervisor: its first census is there for the first spawn
+        supervisor,
+        _Hooks(engines.catalog.start, engines.catalog.stop),
+        engines.hints,
+        stores.usage,
+        stores.cache,
+        *observers,
+        _Hooks(lambda: updates.start(config.engine_check), updates.stop),
+        listeners,
+        batches.service,  # after the listeners: resumed batches start once their listener is bound
+        # last: started once everything serves, stopped first
+        ReloadOnHangup(key_admin.reload, reactor, config.source),
+    ):
+        service.setServiceParent(top)
+    return ServiceTree(top, live, site, keys, key_admin, clients, engines, stores, gateway, batches)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
-from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import LogEvent, LogLevel, LogPublisher, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import ConfigError, ReloadReport, load_config
@@ -231,7 +231,6 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     SECRET = "reloaded-secret-0123456789"
 
     def setUp(self) -> None:
-        from blazar.protocols.control import LogRing
         from blazar.service import assemble
         from blazar.models.testmodel import make_test_model
 
@@ -241,11 +240,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path = self.root / "config.toml"
         self.write()
         self.reactor = fake_process_reactor()
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
-        self.tree = assemble(load_config(self.path), self.reactor, {})
-        for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
-            if isinstance(observer, LogRing) and observer not in before:
-                globalLogPublisher.removeObserver(observer)
+        self.tree = assemble(load_config(self.path), self.reactor, {}, LogPublisher())
 
     def write(self, top: str = "", tables: str = "") -> None:
         self.path.write_text(
@@ -266,16 +261,16 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         """
         from twisted.internet.defer import ensureDeferred
 
-        d = ensureDeferred(self.tree.supervisor.instance_for("m"))
+        d = ensureDeferred(self.tree.engines.supervisor.instance_for("m"))
         transport, _, argv, _ = self.reactor.spawned[-1]
-        (instance,) = [i for i in self.tree.supervisor._all if i.transport is transport]
+        (instance,) = [i for i in self.tree.engines.supervisor._all if i.transport is transport]
         return instance, argv, d
 
     def end(self, instance: Any, d: Deferred[Any]) -> None:
         if not instance.transport.ended:
             instance.transport.exit(signal=15)
         d.addErrback(lambda f: None)
-        self.tree.supervisor.reset_breakers()
+        self.tree.engines.supervisor.reset_breakers()
 
     def applied(self, report: Any, key: str) -> None:
         self.assertEqual((report.applied, report.restart), ((key,), ()))
@@ -320,7 +315,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         # the registry resolves NAME:model and the supervisor hands out its instance from the live config
         def remote_url() -> Any:
-            d = ensureDeferred(self.tree.supervisor.instance_for("peer:tiny"))
+            d = ensureDeferred(self.tree.engines.supervisor.instance_for("peer:tiny"))
             d.addErrback(lambda f: None)
             instance = self.successResultOf(d)
             return None if instance is None else (instance.base_url, instance.lane, instance.entry.remote_model)
@@ -330,26 +325,26 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
     def test_batch_max_in_flight(self) -> None:
         # the batch runner reads it from the live config at each line it starts
-        runner = self.tree.batches
+        runner = self.tree.batches.runner
         assert runner is not None
         self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
 
     def test_max_file_bytes_per_key(self) -> None:
         # the Files API reads it from the live config at each upload
-        runner = self.tree.batches
+        runner = self.tree.batches.runner
         assert runner is not None
         self.check("max_file_bytes_per_key", "max_file_bytes_per_key = 9\n", "", runner.max_file_bytes, 9)
 
     def test_cache_keys(self) -> None:
         # the cache's store reads [cache] from the live config at each lookup, store and purge
-        cache = self.tree.cache
-        assert cache is not None and self.tree.pipeline is not None
-        self.assertIs(self.tree.pipeline.cache, cache)  # the one the pipeline looks answers up in
+        cache = self.tree.stores.cache.cache
+        assert cache is not None and self.tree.gateway.pipeline is not None
+        self.assertIs(self.tree.gateway.pipeline.cache, cache)  # the one the pipeline looks answers up in
         self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: cache._config().threshold, 0.5)
         self.check("cache.ttl_secs", "", "[cache]\nttl_secs = 5\n", lambda: cache._config().ttl, 5)
         self.check("cache.max_entries", "", "[cache]\nmax_entries = 7\n", lambda: cache._config().max_entries, 7)
         # and the pipeline its switch, per call
-        pipeline = self.tree.pipeline
+        pipeline = self.tree.gateway.pipeline
         assert pipeline is not None
         report = self.reload("", '[cache]\nenabled = true\nembedding_model = "e"\n[models."e"]\nembedding = true\n')
         self.assertEqual((report.applied, report.restart),
@@ -362,7 +357,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         from blazar.testing import FakeInstance
 
         # the supervisor reads them from its live config at each whisper or sd child's start
-        supervisor = self.tree.supervisor
+        supervisor = self.tree.engines.supervisor
         self.check("whisper_idle_secs", "whisper_idle_secs = 5\n", "", lambda: supervisor._config.whisper_idle, 5)
         self.check("engines.whisper.binary", "", '[engines.whisper]\nbinary = "/bin/sh"\n',
                    lambda: str(supervisor._config.whisper.binary), "/bin/sh")
@@ -371,11 +366,11 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         # and the proxy its header timer for an sd child (a chat child's is child_header_timeout_secs)
         sd = FakeInstance("img", lane="sdcpp")
         self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
-                   lambda: header_timeout_of(self.tree.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
+                   lambda: header_timeout_of(self.tree.gateway.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
 
     def test_image_fetch_keys(self) -> None:
         # the pipeline's image fetcher reads them from the live config at each fetch
-        images = self.tree.pipeline.images
+        images = self.tree.gateway.pipeline.images
         assert images is not None
         self.check("image_fetch_max_bytes", "image_fetch_max_bytes = 9\n", "",
                    lambda: images._config().image_fetch_max_bytes, 9)
@@ -397,7 +392,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: self.tree.live.current.sentinel_stall, 3)
 
     def test_session_keys(self) -> None:
-        settings = self.tree.sessions._settings
+        settings = self.tree.stores.sessions.sessions._settings
         self.check("session_keep_secs", "session_keep_secs = 0\n", "", lambda: settings()[0], 0)
         self.check("session_save_timeout_secs", "session_save_timeout_secs = 7\n", "", lambda: settings()[1], 7)
         self.check("session_bank_entry_max_mib", "session_bank_entry_max_mib = 3\n", "",
@@ -460,7 +455,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def header_timer() -> float:
             request: Deferred[Any] = Deferred()
-            d = Deferred.fromCoroutine(self.tree.proxy._headers(FakeInstance("m"), request))  # type: ignore[arg-type]
+            d = Deferred.fromCoroutine(self.tree.gateway.proxy._headers(FakeInstance("m"), request))  # type: ignore[arg-type]
             now = self.reactor.seconds()
             (timer,) = [c for c in self.reactor.getDelayedCalls() if c.getTime() > now]
             d.cancel()
@@ -473,7 +468,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, request)  # type: ignore[arg-type]
+                self.tree.gateway.proxy.relay(FakeInstance("m"), engine, request.write, request)  # type: ignore[arg-type]
             )
             bound = request.producer._stall_close_secs  # type: ignore[attr-defined]
             engine.end()
@@ -481,7 +476,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             return bound  # type: ignore[no-any-return]
 
         self.check("stream_stall_close_secs", "stream_stall_close_secs = 4\n", "", stall_bound, 4)
-        self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.supervisor.ctx_policy, "fit")
+        self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.engines.supervisor.ctx_policy, "fit")
 
     def test_the_next_spawn_keys(self) -> None:
         def argv() -> list[str]:
@@ -514,7 +509,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.assertEqual(self.reload().applied, both)
         self.assertNotEqual(lane_binary(), "/bin/alt")
         self.check("models_dir", f'models_dir = "{self.root / "other"}"\n', "",
-                   lambda: self.tree.registry.models_dir, self.root / "other")
+                   lambda: self.tree.engines.registry.models_dir, self.root / "other")
 
         def ready_failure() -> str:
             instance, _, d = self.spawn()
@@ -531,7 +526,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def kill_after() -> float:
             instance, _, d = self.spawn()
-            self.tree.supervisor.stop_instance(instance, "test")
+            self.tree.engines.supervisor.stop_instance(instance, "test")
             grace = instance.kill_timer.getTime() - self.reactor.seconds()
             self.end(instance, d)
             return grace  # type: ignore[no-any-return]
@@ -547,21 +542,21 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             from blazar.gateway.call import CallKind
 
             # an Ollama request without keep_alive gets the default, and ends
-            call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
-            InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
+            call = self.tree.gateway.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
+            InstanceLease(self.tree.engines.supervisor, instance).finish(call.keep_alive)
             return instance.keep_alive  # type: ignore[no-any-return]
 
         self.check("keep_alive", 'keep_alive = "9m"\n', "", default_keep_alive, 540)
         self.end(instance, d)
 
     def test_breakers_admission_responses_hub(self) -> None:
-        breaker = self.tree.supervisor.breaker("m:latest")  # made before the reload: retuned
+        breaker = self.tree.engines.supervisor.breaker("m:latest")  # made before the reload: retuned
         for key, attr, value in [
             ("breaker_crashes", "threshold", 9), ("breaker_window_secs", "window", 99),
             ("breaker_backoff_secs", "base_backoff", 4), ("breaker_max_backoff_secs", "max_backoff", 44),
         ]:
             self.check(key, f"{key} = {value}\n", "", lambda: getattr(breaker, attr), value)
-        supervisor = self.tree.supervisor
+        supervisor = self.tree.engines.supervisor
         self.check("max_loaded_models", "max_loaded_models = 2\n", "",
                    lambda: supervisor._config.max_loaded_models, 2)
         self.check("memory_budget_bytes", "memory_budget_bytes = 1073741824\n", "",
@@ -570,21 +565,21 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: supervisor._config.gpu_reserve, 2 << 30)
         self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
                    lambda: supervisor._config.drain_timeout, 3)
-        queue = self.tree.admission.queue("m:latest")
+        queue = self.tree.gateway.admission.queue("m:latest")
         self.check("queue.max_waiting", "", "[queue]\nmax_waiting = 3\n",
-                   lambda: self.tree.admission.queue("m:latest").settings.max_waiting, 3)
-        self.assertIs(self.tree.admission.queue("m:latest"), queue)
+                   lambda: self.tree.gateway.admission.queue("m:latest").settings.max_waiting, 3)
+        self.assertIs(self.tree.gateway.admission.queue("m:latest"), queue)
         self.check("responses_ttl_secs", "responses_ttl_secs = 60\n", "",
-                   lambda: self.tree.responses._config().responses_ttl, 60)
+                   lambda: self.tree.gateway.responses._config().responses_ttl, 60)
         self.check("responses_max_stored", "responses_max_stored = 5\n", "",
-                   lambda: self.tree.responses._config().responses_max_stored, 5)
+                   lambda: self.tree.gateway.responses._config().responses_max_stored, 5)
         self.check("hf_endpoint", 'hf_endpoint = "http://127.0.0.1:9/hub/"\n', "",
-                   lambda: self.tree.hub._endpoint, "http://127.0.0.1:9/hub")
+                   lambda: self.tree.clients.hub._endpoint, "http://127.0.0.1:9/hub")
         self.check("ollama_models", f'ollama_models = "{self.root / "store"}"\n', "",
-                   lambda: self.tree.registry.ollama_models, self.root / "store")
+                   lambda: self.tree.engines.registry.ollama_models, self.root / "store")
         from blazar.models.ollama_store import parse_name
 
-        library: Any = self.tree.ollama._operations._library
+        library: Any = self.tree.gateway.ollama._operations._library
         self.check("registry", 'registry = "http://127.0.0.1:9/"\n', "",
                    lambda: library.base_url(parse_name("tiny")), "http://127.0.0.1:9")
 
@@ -599,7 +594,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path.write_text(f'data_dir = "{self.root / "elsewhere"}"\n')
         report = self.successResultOf(Deferred.fromCoroutine(self.tree.key_admin.reload()))
         self.assertIn("data_dir", report.restart)
-        self.assertEqual(self.tree.registry.models_dir, self.root / "data" / "models")  # not moved
+        self.assertEqual(self.tree.engines.registry.models_dir, self.root / "data" / "models")  # not moved
 
 
 class StartupWarningTests(SynchronousTestCase):
@@ -608,7 +603,6 @@ class StartupWarningTests(SynchronousTestCase):
         Issue 36: the daemon says at startup that its config file's secrets
         are readable by others, and how to fix it; it leaves the mode be.
         """
-        from blazar.protocols.control import LogRing
         from blazar.service import assemble
 
         root = Path(self.mktemp()).absolute()
@@ -619,14 +613,10 @@ class StartupWarningTests(SynchronousTestCase):
         path.chmod(0o644)
         events: list[LogEvent] = []
         globalLogPublisher.addObserver(events.append)
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
         try:
-            assemble(load_config(path), fake_process_reactor(), {})
+            assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
         finally:
             globalLogPublisher.removeObserver(events.append)
-            for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
-                if isinstance(observer, LogRing) and observer not in before:
-                    globalLogPublisher.removeObserver(observer)
         warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]
         self.assertIn(f"config file {path} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
                       f"run `chmod 600 {path}`", warnings)
