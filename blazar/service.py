@@ -20,7 +20,6 @@ from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succe
 from twisted.internet.endpoints import SSL4ServerEndpoint
 from twisted.internet.interfaces import IOpenSSLContextFactory
 from twisted.web.resource import IResource
-from twisted.internet.task import LoopingCall
 
 from blazar.engines.update import EngineUpdates
 from twisted.internet.threads import deferToThreadPool
@@ -31,7 +30,7 @@ import attrs
 from zope.interface import implementer
 
 from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
-from blazar import __version__, store
+from blazar import __version__
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
 from blazar.engines.remote import RemoteCatalog

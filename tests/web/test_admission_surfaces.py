@@ -16,18 +16,12 @@ from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.gateway.admission import Admission, Lease
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.web.root import SurfaceRouter
+from blazar.service import build_gateway
 
 from .test_openai import StubEngineClient
 
@@ -46,16 +40,9 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
-        proxy = Pipeline(EngineProxy(
-            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
-        ), self.reactor, registry, self.admission)
-        router = SurfaceRouter(
-            OpenAISurface(registry, proxy, self.reactor).app.resource(),
-            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
-            AnthropicSurface(proxy, self.reactor).app.resource(),
-        )
-        self.client = StubTreq(router)
+        gateway = build_gateway(registry, self.supervisor, StubEngineClient(self.engine),  # type: ignore[arg-type]
+                                self.reactor, lambda: config, admission=self.admission, wall=lambda: 0.0)
+        self.client = StubTreq(gateway.router())
 
     def start(self, path: str, body: Any, **headers: str) -> Deferred[Any]:
         return self.client.request(

@@ -16,15 +16,13 @@ from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.models.create import ModelCreator
 from blazar.models.modelfile import parse
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
+from blazar.service import build_gateway
 
 
 def sha(data: bytes) -> str:
@@ -42,9 +40,9 @@ class CreateSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["base:latest", "mine:latest"])
         creator = ModelCreator(self.registry, self.reactor, lambda: Path("/e/bin/llama-quantize"))
         operations = ModelOperations(self.registry, self.supervisor, None, self.reactor, None, creator)  # type: ignore[arg-type]
-        pipeline = Pipeline(EngineProxy(self.supervisor, None, self.reactor, self.registry),  # type: ignore[arg-type]
-                            self.reactor, self.registry)
-        self.resource = OllamaSurface(self.registry, pipeline, self.reactor, lambda: 0.0, operations).app.resource()
+        surface = build_gateway(self.registry, self.supervisor, None, self.reactor,  # type: ignore[arg-type]
+                                operations=operations, wall=lambda: 0.0).ollama
+        self.resource = surface.app.resource()
         self.client = StubTreq(self.resource)
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:

@@ -16,9 +16,7 @@ from blazar.engines.supervisor import InstanceState
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.pipeline import Pipeline
+from blazar.service import build_gateway
 
 
 class PsTests(SynchronousTestCase):
@@ -30,8 +28,7 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        proxy = Pipeline(EngineProxy(self.supervisor, engine, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
-        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, None)  # type: ignore[arg-type]
+        surface = build_gateway(registry, self.supervisor, engine, self.reactor, wall=lambda: 1000.0).ollama  # type: ignore[arg-type]
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:

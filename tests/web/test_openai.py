@@ -6,14 +6,12 @@ from treq.testing import StubTreq
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
+from blazar.service import build_gateway
 
 
 class StubEngineClient:
@@ -43,9 +41,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(self.supervisor, self.engine_client, self.reactor, registry),  # type: ignore[arg-type]
-                         self.reactor, registry)
-        surface = OpenAISurface(registry, proxy, self.reactor)
+        surface = build_gateway(registry, self.supervisor, self.engine_client, self.reactor).openai  # type: ignore[arg-type]
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:
