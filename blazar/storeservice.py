@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Collection, TypeVar
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred, DeferredList, succeed
+from twisted.internet.defer import Deferred, DeferredList, maybeDeferred, succeed
 from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
@@ -53,6 +53,37 @@ async def settle(pending: Collection[Deferred[Any]]) -> None:
     """
     while pending:
         await DeferredList(list(pending), consumeErrors=True)
+
+
+class PeriodicJob:
+    """
+    A part's job run every C{interval} seconds on the injected clock, the
+    first time one interval after L{start}. It cannot die: a failure of
+    the body (raised, or of the Deferred it returns) is logged as
+    C{failed} and the job runs again at the next interval.
+    """
+
+    def __init__(self, clock: Any, interval: float, body: Callable[[], object], failed: str) -> None:
+        self._clock = clock
+        self._interval = interval
+        self._body = body
+        self._failed = failed
+        self._loop: LoopingCall | None = None
+
+    def start(self) -> None:
+        self._loop = LoopingCall(lambda: Deferred.fromCoroutine(self._run()))
+        self._loop.clock = self._clock
+        self._loop.start(self._interval, now=False).addErrback(lambda f: log.failure("a store job stopped", f))
+
+    async def _run(self) -> None:
+        try:
+            await maybeDeferred(self._body)
+        except Exception:
+            log.failure(self._failed)
+
+    def stop(self) -> None:
+        if self._loop is not None and self._loop.running:
+            self._loop.stop()
 
 
 class StoreService(Service):
@@ -161,16 +192,13 @@ class UsageStore(Service):
     def __init__(self, database: StoreService, quotas: Quotas, reactor: Any) -> None:
         self._database = database
         self._quotas = quotas
-        self._reactor = reactor
-        self._flusher: LoopingCall | None = None
+        self._flusher = PeriodicJob(reactor, 1.0, self.flush, "writing key usage failed")
 
     def startService(self) -> None:
         Service.startService(self)
         day = self._quotas.today()
         self._quotas.load_day(day, self._database.run_db_now(store.thd_day_usage, day))
-        self._flusher = LoopingCall(self.flush)
-        self._flusher.clock = self._reactor
-        self._flusher.start(1.0, now=False).addErrback(lambda f: log.failure("usage flusher stopped", f))
+        self._flusher.start()
 
     def flush(self) -> Deferred[Any]:
         rows = self._quotas.take_pending()
@@ -186,8 +214,7 @@ class UsageStore(Service):
 
     def stopService(self) -> Deferred[Any]:
         Service.stopService(self)
-        if self._flusher is not None and self._flusher.running:
-            self._flusher.stop()
+        self._flusher.stop()
         return self._database.hold(self.flush())
 
 
@@ -202,8 +229,7 @@ class SessionService(Service):
     def __init__(self, database: StoreService, live: LiveConfig, engines: EngineClient, reactor: Any,
                  metrics: Metrics) -> None:
         self._database = database
-        self._reactor = reactor
-        self._reaper: LoopingCall | None = None
+        self._reaper = PeriodicJob(reactor, 60.0, lambda: self.sessions.expire(), "expiring sessions failed")
 
         def settings() -> tuple[float, float, int, int]:
             c = live.current
@@ -245,20 +271,11 @@ class SessionService(Service):
     def startService(self) -> None:
         Service.startService(self)
         self.sessions.load(sessions_from_rows(self._database.run_db_now(store.thd_sessions)))
-        self._reaper = LoopingCall(self._expire)
-        self._reaper.clock = self._reactor
-        self._reaper.start(60.0, now=False).addErrback(lambda f: log.failure("session reaper stopped", f))
-
-    def _expire(self) -> None:
-        try:
-            self.sessions.expire()
-        except Exception:
-            log.failure("expiring sessions failed")
+        self._reaper.start()
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
-        if self._reaper is not None and self._reaper.running:
-            self._reaper.stop()
+        self._reaper.stop()
         return self._database.hold(Deferred.fromCoroutine(settle(self.sessions.pending)))
 
 
@@ -276,38 +293,25 @@ class CacheService(Service):
     def __init__(self, database: StoreService, live: LiveConfig, reactor: Any,
                  wall: Callable[[], float] = time.time) -> None:
         self._database = database
-        self._reactor = reactor
-        self._purger: LoopingCall | None = None
         self.started: Deferred[None] | None = None
         self.cache = CacheStore(lambda: live.current.cache, wall, database.run_db)
+        self._purger = PeriodicJob(reactor, CACHE_PURGE_SECS, lambda: Deferred.fromCoroutine(self.cache.purge()),
+                                   "purging the semantic cache failed; will retry")
 
     def startService(self) -> None:
         Service.startService(self)
         self.started = Deferred.fromCoroutine(self._load())
         self.started.addErrback(lambda f: log.failure("the semantic cache did not start; every lookup misses", f))
-        self._purger = LoopingCall(self._purge)
-        self._purger.clock = self._reactor
-        self._purger.start(CACHE_PURGE_SECS, now=False).addErrback(
-            lambda f: log.failure("semantic cache purge stopped", f))
+        self._purger.start()
 
     async def _load(self) -> None:
         loaded = await self.cache.load()
         if loaded:
             log.info("semantic cache: {count} entries read back", count=loaded)
 
-    def _purge(self) -> Deferred[None]:
-        return Deferred.fromCoroutine(self._purge_now())
-
-    async def _purge_now(self) -> None:
-        try:
-            await self.cache.purge()
-        except Exception:
-            log.failure("purging the semantic cache failed; will retry")
-
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
-        if self._purger is not None and self._purger.running:
-            self._purger.stop()
+        self._purger.stop()
         return self._database.hold(Deferred.fromCoroutine(settle(self.cache.pending)))
 
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.config import KeyConfig
 from blazar.gateway.quota import Quotas
-from blazar.storeservice import StoreService, UsageStore
+from blazar.storeservice import PeriodicJob, StoreService, UsageStore
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
 
 
@@ -72,3 +73,29 @@ class StoreServiceTests(SynchronousTestCase):
             database.run_db_now(lambda db: db.close())
             database._pool.stop()
         self.assertEqual(len(names), 1)
+
+
+class PeriodicJobTests(SynchronousTestCase):
+    def test_a_failing_body_is_logged_and_the_job_keeps_running(self) -> None:
+        clock = Clock()
+        runs: list[int] = []
+
+        def body() -> Deferred[None] | None:
+            runs.append(len(runs))
+            if len(runs) == 1:
+                raise RuntimeError("the disk is gone")
+            if len(runs) == 2:
+                return fail(ValueError("and again"))
+            return None
+
+        job = PeriodicJob(clock, 5.0, body, "the job failed")
+        job.start()
+        clock.advance(4.9)
+        self.assertEqual(runs, [])  # the first run is one interval after start
+        for _ in range(3):
+            clock.advance(5.0)
+        self.assertEqual(runs, [0, 1, 2])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError, ValueError)), 2)
+        job.stop()
+        clock.advance(50.0)
+        self.assertEqual(runs, [0, 1, 2])
