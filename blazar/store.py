@@ -21,7 +21,7 @@ import sqlite3
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, Protocol, Union
 
-from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode
+from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
 from blazar import strictjson
 
 CHUNK = 1024 * 1024
@@ -383,23 +383,18 @@ def _write_content(folder: Path, id_: str, content: bytes | _Readable) -> int:
     final = _content_path(folder, id_)
     if final.exists():  # (ids are random: never another file's content overwritten)
         raise FileExistsError(errno.EEXIST, "a file's content is already stored under this id", str(final))
-    temp = folder / f".{id_}.part"
-    size = 0
-    try:
-        with os.fdopen(open_private(temp, os.O_WRONLY | os.O_TRUNC), "wb") as out:
-            if isinstance(content, (bytes, bytearray, memoryview)):
-                out.write(content)
-                size = len(content)
-            else:
-                while piece := content.read(CHUNK):
-                    out.write(piece)
-                    size += len(piece)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    def write(out: BinaryIO) -> int:
+        if isinstance(content, (bytes, bytearray, memoryview)):
+            out.write(content)
+            return len(content)
+        size = 0
+        while piece := content.read(CHUNK):
+            out.write(piece)
+            size += len(piece)
+        return size
+
+    size = write_whole(folder / f".{id_}.part", final, write, private=True)
     directory = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself
