@@ -647,6 +647,25 @@ def _status(
     return status
 
 
+def _listeners(config: Config, live: LiveConfig, site: BlazarSite, root: AuthGate, batches: Batches,
+               reactor: Any) -> Listeners:
+    """
+    The site on every C{listen} endpoint, and the Batch API's private
+    listener (the one that honours the batch secret: 0600 in the 0700
+    run/ directory) unless its socket path is too long.
+    """
+    listeners = Listeners()
+    for description in config.listen:
+        listener_service(description, site, reactor).setServiceParent(listeners)
+    if batches.runner.unavailable is None:
+        batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
+        batch_site.batch_secret = batches.secret.encode("ascii")
+        batch_site.audit, batch_site.observer = site.audit, site.observer
+        private = f"unix:{batches.socket}:mode=600:lockfile=1"
+        listener_service(private, batch_site, reactor).setServiceParent(listeners)
+    return listeners
+
+
 @attrs.frozen
 class ServiceTree:
     """
@@ -732,16 +751,7 @@ def assemble(
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
     if exposed is not None:
         log.warn("{problem}", problem=exposed)
-    listeners = Listeners()
-    for description in config.listen:
-        listener_service(description, site, reactor).setServiceParent(listeners)
-    if batches.runner.unavailable is None:
-        # the one listener that honours the batch secret: 0600 in the 0700 run/ directory
-        batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
-        batch_site.batch_secret = batches.secret.encode("ascii")
-        batch_site.audit, batch_site.observer = site.audit, site.observer
-        private = f"unix:{batches.socket}:mode=600:lockfile=1"
-        listener_service(private, batch_site, reactor).setServiceParent(listeners)
+    listeners = _listeners(config, live, site, root, batches, reactor)
     updates = EngineUpdates(reactor, lambda: live.current.engine_index_url, lambda: live.current.data_dir)
     control_path = run_dir(config.data_dir) / "control.sock"
     if len(str(control_path)) > 100:

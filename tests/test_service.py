@@ -670,3 +670,37 @@ class StoreSweepTests(SynchronousTestCase):
         reactor.advance(2000.0)  # the daemon starts
         self.successResultOf(sweep_store(reactor, lambda: root))
         self.assertEqual([p.name for p in (root / "blobs").iterdir()], [fresh.name])
+
+
+def assembled(root: Path) -> Any:
+    """
+    The daemon assembled (L{blazar.service.assemble}, no sockets: a fake
+    process reactor) from a config with its data and models under
+    C{root}, which is made.
+    """
+    from blazar.service import assemble
+
+    root.mkdir()
+    path = root / "config.toml"
+    path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n')
+    return assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
+
+
+class AssembledStoreTests(SynchronousTestCase):
+    def test_one_store_started_before_its_parts(self) -> None:
+        """
+        One L{StoreService} in the tree, started before every part that
+        keeps its state in it (and so stopped after them all).
+        """
+        from blazar.storeservice import StoreService
+
+        root = Path(self.mktemp()).absolute()
+        tree = assembled(root)
+        services = list(tree.top)
+        database = tree.stores.database
+        self.assertEqual([s for s in services if isinstance(s, StoreService)], [database])
+        self.assertEqual(database.path, root / "data" / "blazar.db")
+        for part in (tree.stores.sessions, tree.stores.usage, tree.stores.cache, tree.batches.service):
+            self.assertLess(services.index(database), services.index(part))
+            self.assertIs(part._database, database)
+        self.assertLess(services.index(tree.stores.sessions), services.index(tree.engines.supervisor))

@@ -404,15 +404,9 @@ class FreeMemoryTests(SynchronousTestCase):
         self.assertGreater(thd_free_memory(), 0)
 
     def test_assembled(self) -> None:
-        from blazar.config import load_config
-        from blazar.service import assemble
-        from twisted.logger import LogPublisher
+        from tests.test_service import assembled
 
-        root = Path(self.mktemp()).absolute()
-        root.mkdir()
-        path = root / "config.toml"
-        path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n')
-        tree = assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
+        tree = assembled(Path(self.mktemp()).absolute())
         services = list(tree.top)
         self.assertIsInstance(tree.engines.hardware, HardwareCensus)
         # started before the supervisor: its first census is there for the first spawn
