@@ -118,15 +118,18 @@ class SlugTests(SynchronousTestCase):
     The anchors are GitHub's.
     """
 
+    CASES = {
+        "The `blazar` command": "the-blazar-command",
+        "Leniency: every field real clients send": "leniency-every-field-real-clients-send",
+        "Modelfiles and `/api/create`": "modelfiles-and-apicreate",
+        "On a GPU: `scripts/gpu-check.sh`": "on-a-gpu-scriptsgpu-checksh",
+        "Network, TLS, CORS and auditing": "network-tls-cors-and-auditing",
+        "[Docs](docs/README.md) and *more*": "docs-and-more",
+        "snake_case ok": "snake_case-ok",
+    }
+
     def test_slugs(self) -> None:
-        self.assertEqual(slug("The `blazar` command"), "the-blazar-command")
-        self.assertEqual(slug("Leniency: every field real clients send"),
-                         "leniency-every-field-real-clients-send")
-        self.assertEqual(slug("Modelfiles and `/api/create`"), "modelfiles-and-apicreate")
-        self.assertEqual(slug("On a GPU: `scripts/gpu-check.sh`"), "on-a-gpu-scriptsgpu-checksh")
-        self.assertEqual(slug("Network, TLS, CORS and auditing"), "network-tls-cors-and-auditing")
-        self.assertEqual(slug("[Docs](docs/README.md) and *more*"), "docs-and-more")
-        self.assertEqual(slug("snake_case ok"), "snake_case-ok")
+        self.assertEqual({heading: slug(heading) for heading in self.CASES}, self.CASES)
 
     def test_repeated_headings(self) -> None:
         text = "# A\n## What differs\n```\n# not a heading\n```\n## What differs\n"
