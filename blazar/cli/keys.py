@@ -9,7 +9,7 @@ import argparse
 from typing import TYPE_CHECKING
 
 from blazar import strictjson
-from blazar.cli.daemon import OK, Verbs, control
+from blazar.cli.daemon import OK, Verbs, control, verb_group
 
 if TYPE_CHECKING:
     from twisted.protocols.amp import AMP
@@ -45,20 +45,12 @@ def add_verbs(verbs: Verbs) -> None:
     """
     Add C{keys} and its verbs to the parser.
     """
-    keys = verbs.add_parser("keys", help="API keys (written to the daemon's config file)")
-    key_verbs = keys.add_subparsers(dest="keys_verb", required=True)
-    for name, help_, params in [
+    verb_group(verbs, "keys", "API keys (written to the daemon's config file)", _keys, [
         ("list", "keys, secrets redacted", []),
         ("add", "a new key; prints its secret once", ["name"]),
         ("rotate", "a new secret for a key; prints it once", ["name"]),
         ("rm", "remove a key", ["name"]),
-    ]:
-        verb = key_verbs.add_parser(name, help=help_)
-        for param in params:
-            verb.add_argument(param)
-        if name == "add":
-            verb.add_argument("--model", dest="models", action="append",
-                              help="scope the key to this model (repeatable); none: all models + admin")
-        verb.add_argument("--config", "-c")
-        verb.add_argument("--json", action="store_true")
-        verb.set_defaults(func=_keys)
+    ], {
+        "add": lambda verb: verb.add_argument("--model", dest="models", action="append",
+                                              help="scope the key to this model (repeatable); none: all models + admin"),
+    })
