@@ -245,10 +245,6 @@ def _remote_models(raw: Any, at: At) -> tuple[str, ...]:
     return names
 
 
-def _key_id(raw: Any, at: At) -> str:
-    return _matching(r"[A-Za-z0-9_-]{1,64}")(raw, at)
-
-
 def _non_empty(raw: Any, at: At) -> str:
     if not isinstance(raw, str) or not raw:
         raise ValueError(raw)
@@ -380,7 +376,8 @@ class KeyConfig:
         None, value=POSITIVE_INT, shown="`max_file_bytes_per_key`", doc="What its Batch API files may hold in all.")
     id: str | None = setting(
         None, value=Value("1 to 64 letters, digits, '_' or '-' (`blazar keys add` makes it; do not change it: the "
-                          "key's files, batches and responses are filed under it)", _key_id),
+                          "key's files, batches and responses are filed under it)",
+                          _matching(r"[A-Za-z0-9_-]{1,64}")),
         shown="its name alone",
         doc="Made once by `blazar keys add`: what sets it apart from a later key of its name; keep it.")
 

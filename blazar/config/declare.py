@@ -235,21 +235,6 @@ def str_list(value: object, source: str, key: str) -> tuple[str, ...]:
     return tuple(str(v) for v in value)
 
 
-def positive_int(value: object, source: str, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise expected(source, key, "a positive integer", value)
-    return int(value)
-
-
-def positive_number(value: object, source: str, key: str, what: str = "a positive number of seconds") -> float:
-    if (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
-        or value <= 0
-    ):
-        raise expected(source, key, what, value)
-    return float(value)
-
-
 # The values most keys take. Each converter raises ValueError (or a
 # ConfigError of its own) for a value that is not what its words say.
 
@@ -274,17 +259,16 @@ def _checked(test: Callable[[Any], bool], convert: Callable[[Any], _T]) -> Calla
     return check
 
 
-SECONDS = Value("a positive number of seconds", _checked(lambda v: math.isfinite(v) and v > 0, _number))
 def _bool(raw: Any, at: At) -> bool:
     if not isinstance(raw, bool):
         raise TypeError(raw)
     return raw
 
 
+SECONDS = Value("a positive number of seconds", _checked(lambda v: math.isfinite(v) and v > 0, _number))
 BOOL = Value("true or false", _bool)
 PATH = Value("a non-empty path string", lambda raw, at: path(raw, at.where, at.key, at.base))
 STRINGS = Value("a list of strings", lambda raw, at: str_list(raw, at.where, at.key))
-IDENTITY = Value("", lambda raw, at: raw)
 
 
 def positive(what: str) -> Value:
