@@ -367,7 +367,7 @@ class ResolveInScopeTests(SynchronousTestCase):
 
     def test_remote_models_with_colons_and_slashes(self) -> None:
         """
-        The README's own example (issue 36): a key scoped to
+        The example in docs/remotes.md (issue 36): a key scoped to
         C{peer:qwen3:8b}, a remote's model whose id has its own C{:}, is
         accepted by the config and reaches that model (and C{router:meta/llama},
         an id with C{/}); another of the remote's models stays unknown to it.

@@ -10,7 +10,7 @@ the Keys page; the Models page's Pull form pulls from a real distribution
 server (Debian's docker-registry on loopback) with its progress shown as it
 streams, and shows a refused pull's error; and no page logs a console
 error. Each page's screenshot is taken here (into $BLAZAR_SCREENSHOTS when
-set: the README's come from it).
+set: docs/dashboard.md's come from it).
 """
 
 from __future__ import annotations
