@@ -31,8 +31,7 @@ from blazar.gateway.context import count_request, key_of
 from blazar.gateway.errors import BadRequest
 from blazar.web.body import read_json
 from blazar.web.download import FileProducer
-from blazar.web.errors import answer
-from blazar.web.openai import render
+from blazar.web.errors import answer, openai_error
 from blazar import strictjson
 
 log = Logger()
@@ -228,4 +227,4 @@ class BatchSurface:
         code = getattr(failure.value, "code", None)
         if problem.code is None and isinstance(code, str):
             problem = attrs.evolve(problem, code=code)
-        return render(problem)
+        return openai_error(problem)

@@ -33,7 +33,7 @@ from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import context_of, note_error, wants_usage
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
-from blazar.gateway.errors import BadRequest, Category, EngineRejected, Problem
+from blazar.gateway.errors import BadRequest, EngineRejected
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
@@ -41,7 +41,7 @@ from blazar.engines.llamacpp import model_kind
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
-from blazar.web.errors import answer, in_stream
+from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
 from blazar.web.responses import Responses
@@ -650,22 +650,7 @@ class OpenAISurface:
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
         problem = answer(request, failure.value, "openai")
-        return None if problem is None else render(problem)
-
-
-_TYPES = {
-    Category.INVALID: "invalid_request_error", Category.NOT_FOUND: "invalid_request_error",
-    Category.PERMISSION: "invalid_request_error", Category.RATE_LIMIT: "rate_limit_error",
-    Category.BUSY: "server_error", Category.UNAVAILABLE: "engine_unavailable",
-    Category.TIMEOUT: "engine_error", Category.ENGINE: "engine_error", Category.INTERNAL: "server_error",
-}
-
-
-def render(problem: Problem) -> bytes:
-    """
-    A L{Problem} in OpenAI's envelope.
-    """
-    return error_body(problem.message, _TYPES[problem.category], problem.code, problem.param)
+        return None if problem is None else openai_error(problem)
 
 
 _KINDS = {"chat": CallKind.CHAT, "completion": CallKind.COMPLETION, "embedding": CallKind.EMBEDDING}
