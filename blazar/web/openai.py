@@ -561,8 +561,7 @@ class OpenAISurface:
         except Exception as e:
             # once the loading comments are out, the failure is an error event
             problem = in_stream(request, e, model, "openai", headers_out)
-            request.write(b"data: " + error_body(problem.message, "engine_error", problem.code or "engine_error")
-                          + b"\n\n")
+            request.write(b"data: " + openai_error(problem) + b"\n\n")
             return None
 
     async def _engine_fix(
@@ -630,8 +629,9 @@ class OpenAISurface:
         except (EngineError, EngineRejected) as error:
             # the stream is under way: an error event, never an error body
             problem = in_stream(request, error, reply.model, "openai")
-            code = "engine_crashed" if isinstance(error, EngineError) else problem.code or "engine_error"
-            relay.fail(error_body(problem.message, "engine_error", code))
+            if isinstance(error, EngineError):  # it died mid-answer
+                problem = attrs.evolve(problem, code="engine_crashed")
+            relay.fail(openai_error(problem))
             return
         if rewriter is not None:
             rewriter.finish()
