@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import attrs
 from klein import Klein
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -46,7 +45,7 @@ from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
 from blazar.web.responses import Responses
 from blazar.httpbody import multipart_body
-from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
+from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter, loading_comments
 from blazar.web.translate import chat_logprobs, completions, leniency
 from blazar.web.translate import audio as audio_tr
 from blazar.web.translate import images as images_tr
@@ -59,8 +58,6 @@ OWNED_BY = "blazar"
 IMAGE_FILES = "/v1/images/files/"  # images made with response_format "url" (HeldImages)
 HELD_SECS = 3600.0  # as OpenAI's image URLs: an hour
 HELD_MAX_BYTES = 256 * 1024 * 1024
-LOADING = b": loading\n\n"
-LOADING_PING = 2.0
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -518,11 +515,7 @@ class OpenAISurface:
             # clients with a header timeout do not give up
             headers_out = True
             self._sse_headers(request)
-            request.write(LOADING)
-            pinger = LoopingCall(request.write, LOADING)
-            pinger.clock = self._clock
-            pinger.start(LOADING_PING, now=False).addErrback(lambda f: log.failure("loading keepalive failed", f))
-            return lambda: pinger.stop() if pinger.running else None
+            return loading_comments(request.write, self._clock)
 
         call = Call(
             "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream and top is None,
