@@ -116,12 +116,18 @@ def _failure(error: BaseException) -> Failure:
     return Failure(error, type(error), error.__traceback__)
 
 
-_OPENAI_TYPES = {
-    Category.INVALID: "invalid_request_error", Category.AUTHENTICATION: "invalid_request_error",
-    Category.NOT_FOUND: "invalid_request_error", Category.PERMISSION: "invalid_request_error",
-    Category.RATE_LIMIT: "rate_limit_error", Category.BUSY: "server_error",
-    Category.UNAVAILABLE: "engine_unavailable", Category.TIMEOUT: "engine_error", Category.ENGINE: "engine_error",
-    Category.INTERNAL: "server_error",
+# each category's error type: (OpenAI's, Anthropic's)
+_TYPES = {
+    Category.INVALID: ("invalid_request_error", "invalid_request_error"),
+    Category.AUTHENTICATION: ("invalid_request_error", "authentication_error"),
+    Category.NOT_FOUND: ("invalid_request_error", "not_found_error"),
+    Category.PERMISSION: ("invalid_request_error", "permission_error"),
+    Category.RATE_LIMIT: ("rate_limit_error", "rate_limit_error"),
+    Category.BUSY: ("server_error", "overloaded_error"),
+    Category.UNAVAILABLE: ("engine_unavailable", "overloaded_error"),
+    Category.TIMEOUT: ("engine_error", "api_error"),
+    Category.ENGINE: ("engine_error", "api_error"),
+    Category.INTERNAL: ("server_error", "api_error"),
 }
 
 
@@ -132,18 +138,11 @@ def openai_error(problem: Problem) -> bytes:
     event's data (the same C{type} and C{code} either way).
     """
     return strictjson.dumps({"error": {
-        "message": problem.message, "type": _OPENAI_TYPES[problem.category], "param": problem.param,
+        "message": problem.message, "type": _TYPES[problem.category][0], "param": problem.param,
         "code": problem.code,
     }}).encode("utf-8")
 
 
-_ANTHROPIC_TYPES = {
-    Category.INVALID: "invalid_request_error", Category.AUTHENTICATION: "authentication_error",
-    Category.NOT_FOUND: "not_found_error", Category.PERMISSION: "permission_error",
-    Category.RATE_LIMIT: "rate_limit_error", Category.BUSY: "overloaded_error",
-    Category.UNAVAILABLE: "overloaded_error", Category.TIMEOUT: "api_error", Category.ENGINE: "api_error",
-    Category.INTERNAL: "api_error",
-}
 # Anthropic's statuses where they differ from the table's: 529 for an
 # overloaded API, 500 for its own failures
 _ANTHROPIC_STATUSES = {Category.UNAVAILABLE: 529, Category.ENGINE: 500}
@@ -157,7 +156,7 @@ def anthropic_type(problem: Problem) -> str:
     """
     Anthropic's C{error.type} for a L{Problem}.
     """
-    return "request_too_large" if problem.status == 413 else _ANTHROPIC_TYPES[problem.category]
+    return "request_too_large" if problem.status == 413 else _TYPES[problem.category][1]
 
 
 def anthropic_status(problem: Problem) -> int:

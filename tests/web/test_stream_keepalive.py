@@ -12,7 +12,7 @@ import json
 from typing import Any
 
 from treq import collect
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
@@ -35,8 +35,7 @@ class SlowLoad(FakeSupervisor):
     loaded_now: Deferred[None] | None = None
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
-        if self.loaded_now is not None:
-            await self.loaded_now
+        await (self.loaded_now or succeed(None))
         return await super().instance_for(name, ctx_size)
 
 
