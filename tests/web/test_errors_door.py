@@ -83,7 +83,7 @@ class DashboardTests(SynchronousTestCase):
 
     def test_its_errors_are_the_doors_envelope(self) -> None:
         for error in [BadRequest("no such model", "model"), Forbidden("scoped key"), *DOOR]:
-            async def history(model: str | None, limit: int) -> list[dict[str, Any]]:
+            async def history(model: str | None, limit: int, error: Exception = error) -> list[dict[str, Any]]:
                 raise error
 
             dashboard = Dashboard(None, None, None, Clock(), lambda: 0.0, lambda: None,  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ class OpenAIStreamErrorTests(SynchronousTestCase):
         for error, _, _, kind, openai_type, code in CASES:
             self.supervisor.failure = error
             where = f"{type(error).__name__}({error})"
-            status, headers, data = self.gateway.post(
+            status, _, data = self.gateway.post(
                 "/v1/chat/completions", {"model": "m", "messages": HELLO, "stream": True})
             self.assertEqual(status, 200, where)  # the loading comments went out first
             self.assertTrue(data.startswith(b": loading\n\n"), where)
