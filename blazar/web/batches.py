@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import IO, Any, Callable
 
-import attrs
 from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IConsumer
@@ -221,10 +220,5 @@ class BatchSurface:
 
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
-        problem = answer(request, failure.value, "openai")
-        if problem is None:
-            return None
-        code = getattr(failure.value, "code", None)
-        if problem.code is None and isinstance(code, str):
-            problem = attrs.evolve(problem, code=code)
-        return openai_error(problem)
+        problem = answer(request, failure.value, "openai")  # (a BadRequest's code is the table's)
+        return None if problem is None else openai_error(problem)
