@@ -438,6 +438,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         from twisted.internet.address import IPv4Address
         from twisted.web.test.requesthelper import DummyRequest
 
+        from blazar.gateway.errors import describe
         from blazar.web.auth import Refusal
 
         def door(path: bytes, secret: str | None = None) -> Any:
@@ -447,7 +448,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             if secret is not None:
                 request.requestHeaders.setRawHeaders(b"authorization", [f"Bearer {secret}".encode()])
             found = self.tree.site.gate.authenticate(request)  # type: ignore[union-attr]
-            return found.status if isinstance(found, Refusal) else found.name if found else None
+            return describe(found).status if isinstance(found, Refusal) else found.name if found else None
 
         self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
                    lambda: door(b"/v1/models", self.SECRET), "late")

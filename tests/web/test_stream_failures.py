@@ -111,11 +111,12 @@ class StreamFailureTests(SynchronousTestCase):
     def events(self, data: bytes) -> list[tuple[str, dict[str, Any]]]:
         """
         The stream's events, each C{event:} and C{data:} framed; fails the
-        test on anything else (a bare JSON body after the events).
+        test on anything else (a bare JSON body after the events). SSE
+        comments (C{: loading} while a model loads) are skipped.
         """
         out = []
         for block in data.decode().split("\n\n"):
-            if not block.strip():
+            if not block.strip() or block.startswith(":"):
                 continue
             fields = dict(line.split(": ", 1) for line in block.split("\n"))
             self.assertEqual(set(fields), {"event", "data"}, block)
