@@ -15,7 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.logtext import RENDERED, TextObserver, event_text
 
 
-def events_of(emit: "callable") -> list[dict[str, object]]:  # type: ignore[valid-type]
+def events_of(emit: "callable") -> list[dict[str, object]]:
     publisher = LogPublisher()
     events: list[dict[str, object]] = []
     publisher.addObserver(events.append)

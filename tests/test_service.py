@@ -241,9 +241,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path = self.root / "config.toml"
         self.write()
         self.reactor = fake_process_reactor()
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        before = list(globalLogPublisher._observers)
         self.tree = assemble(load_config(self.path), self.reactor, {})
-        for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+        for observer in list(globalLogPublisher._observers):
             if isinstance(observer, LogRing) and observer not in before:
                 globalLogPublisher.removeObserver(observer)
 
@@ -446,7 +446,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request.client = IPv4Address("TCP", "127.0.0.1", 5000)
             if secret is not None:
                 request.requestHeaders.setRawHeaders(b"authorization", [f"Bearer {secret}".encode()])
-            found = self.tree.site.gate.authenticate(request)  # type: ignore[union-attr]
+            found = self.tree.site.gate.authenticate(request)
             return found.status if isinstance(found, Refusal) else found.name if found else None
 
         self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
@@ -460,7 +460,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def header_timer() -> float:
             request: Deferred[Any] = Deferred()
-            d = Deferred.fromCoroutine(self.tree.proxy._headers(FakeInstance("m"), request))  # type: ignore[arg-type]
+            d = Deferred.fromCoroutine(self.tree.proxy._headers(FakeInstance("m"), request))
             now = self.reactor.seconds()
             (timer,) = [c for c in self.reactor.getDelayedCalls() if c.getTime() > now]
             d.cancel()
@@ -473,12 +473,12 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, request)  # type: ignore[arg-type]
+                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, request)
             )
-            bound = request.producer._stall_close_secs  # type: ignore[attr-defined]
+            bound = request.producer._stall_close_secs
             engine.end()
             self.successResultOf(relay)
-            return bound  # type: ignore[no-any-return]
+            return bound
 
         self.check("stream_stall_close_secs", "stream_stall_close_secs = 4\n", "", stall_bound, 4)
         self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.supervisor.ctx_policy, "fit")
@@ -534,7 +534,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             self.tree.supervisor.stop_instance(instance, "test")
             grace = instance.kill_timer.getTime() - self.reactor.seconds()
             self.end(instance, d)
-            return grace  # type: ignore[no-any-return]
+            return grace
 
         self.check("stop_grace", "stop_grace = 2.5\n", "", kill_after, 2.5)
 
@@ -549,7 +549,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             # an Ollama request without keep_alive gets the default, and ends
             call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
             InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
-            return instance.keep_alive  # type: ignore[no-any-return]
+            return instance.keep_alive
 
         self.check("keep_alive", 'keep_alive = "9m"\n', "", default_keep_alive, 540)
         self.end(instance, d)
@@ -619,12 +619,12 @@ class StartupWarningTests(SynchronousTestCase):
         path.chmod(0o644)
         events: list[LogEvent] = []
         globalLogPublisher.addObserver(events.append)
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        before = list(globalLogPublisher._observers)
         try:
             assemble(load_config(path), fake_process_reactor(), {})
         finally:
             globalLogPublisher.removeObserver(events.append)
-            for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+            for observer in list(globalLogPublisher._observers):
                 if isinstance(observer, LogRing) and observer not in before:
                     globalLogPublisher.removeObserver(observer)
         warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]

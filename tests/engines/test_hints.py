@@ -64,7 +64,7 @@ class HintsTests(SynchronousTestCase):
             answer = self.answers.pop(0)
             if isinstance(answer, Exception):
                 raise answer
-            return answer  # type: ignore[no-any-return]
+            return answer
 
         self.hints = EngineHints(lambda: self.children, fetch, self.clock, self.metrics)
         self.hints.startService()

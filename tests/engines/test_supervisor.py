@@ -318,7 +318,7 @@ class LifecycleTests(SynchronousTestCase):
 
     def test_reaper_survives_a_failing_round(self) -> None:
         instance = self.ready()
-        instance.last_used = None  # type: ignore[assignment]
+        instance.last_used = None
         for _ in range(5):
             self.reactor.advance(1)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 5)

@@ -130,9 +130,9 @@ class RelayBackpressureTests(SynchronousTestCase):
         ))
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
-        proxy = EngineProxy(Supervisor(), None, self.clock, config=lambda: Config(stream_stall_close=STALL))  # type: ignore[arg-type]
+        proxy = EngineProxy(Supervisor(), None, self.clock, config=lambda: Config(stream_stall_close=STALL))
         self.relayed = Deferred.fromCoroutine(
-            proxy.relay(self.instance, self.engine, self.request.write, self.request)  # type: ignore[arg-type]
+            proxy.relay(self.instance, self.engine, self.request.write, self.request)
         )
         self.engine.send(EVENT)
 

@@ -403,7 +403,7 @@ class ExpiryTests(RunnerCase):
 
     def test_the_job_survives_an_error(self) -> None:
         self.ok(self.runner.start())
-        self.runner._active["boom"] = None  # type: ignore[assignment]
+        self.runner._active["boom"] = None
         self.clock.advance(60)
         self.assertEqual(len(self.flushLoggedErrors(AttributeError)), 1)
         del self.runner._active["boom"]

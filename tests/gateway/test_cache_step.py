@@ -215,7 +215,7 @@ class CacheStepTests(SynchronousTestCase):
         self.assertEqual(self.door.used, [12])
         self.assertEqual(self.gateway.context().tokens, (7, 5))
         self.gateway.pipeline.admission = None  # a hit never asks for a slot (this would fail if it did)
-        self.gateway.pipeline._admit = None  # type: ignore[assignment, method-assign]
+        self.gateway.pipeline._admit = None
         status, header, _ = self.chat("hello there")
         self.assertEqual((status, header), (200, ["hit"]))
         self.assertEqual(self.door.used, [12])  # not counted against the key's tpm or daily tokens
@@ -375,28 +375,28 @@ class CacheStoreTests(SynchronousTestCase):
 
     def test_nothing_before_load(self) -> None:
         cache = CacheStore(lambda: self.config, self.clock.seconds, lambda f, *args: succeed(None))
-        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"{}"))  # type: ignore[arg-type]
-        self.assertEqual(cache.lookup("s", normalized([1.0, 0.0])), (-1.0, None))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"{}"))
+        self.assertEqual(cache.lookup("s", normalized([1.0, 0.0])), (-1.0, None))
 
     def test_rebuilt_from_sqlite_and_bounded(self) -> None:
         cache = self.store()
         for i in range(5):
-            self.successResultOf(cache.store(f"s{i}", normalized([1.0, float(i)]), b"answer %d" % i))  # type: ignore[arg-type]
+            self.successResultOf(cache.store(f"s{i}", normalized([1.0, float(i)]), b"answer %d" % i))
             self.clock.advance(1)
         self.assertEqual(len(cache.index), 3)
         self.assertEqual(len(self.db.execute("SELECT id FROM cache_entries").fetchall()), 3)
         again = self.store()
         self.assertEqual(len(again.index), 3)
-        similarity, entry = again.lookup("s4", normalized([1.0, 4.0]))  # type: ignore[arg-type]
+        similarity, entry = again.lookup("s4", normalized([1.0, 4.0]))
         self.assertAlmostEqual(similarity, 1.0, places=5)
         self.assertEqual(entry.answer if entry else None, b"answer 4")
-        self.assertIsNone(again.lookup("s0", normalized([1.0, 0.0]))[1])  # type: ignore[arg-type]
+        self.assertIsNone(again.lookup("s0", normalized([1.0, 0.0]))[1])
 
     def test_purge_drops_the_expired(self) -> None:
         cache = self.store()
-        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"old"))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"old"))
         self.clock.advance(8)
-        self.successResultOf(cache.store("t", normalized([1.0, 0.0]), b"new"))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("t", normalized([1.0, 0.0]), b"new"))
         self.clock.advance(3)
         self.assertEqual(self.successResultOf(Deferred.fromCoroutine(cache.purge())), 1)
         self.assertEqual(len(cache.index), 1)
@@ -405,7 +405,7 @@ class CacheStoreTests(SynchronousTestCase):
     def test_a_failing_store_is_logged(self) -> None:
         cache = self.store()
         self.db.close()
-        d = cache.store("s", normalized([1.0, 0.0]), b"x")  # type: ignore[arg-type]
+        d = cache.store("s", normalized([1.0, 0.0]), b"x")
         self.successResultOf(d)
         self.assertEqual(len(self.flushLoggedErrors()), 1)
         self.assertEqual((len(cache.index), cache.pending), (0, set()))
@@ -431,9 +431,9 @@ class CacheServiceTests(SynchronousTestCase):
         wall.advance(105)
         live = LiveConfig(parse_config('[cache]\nttl_secs = 10\n'))
         service = CacheService(path, live, reactor, wall.seconds)
-        service._pool = SynchronousThreadPool()  # type: ignore[assignment]
+        service._pool = SynchronousThreadPool()
         service.startService()
-        self.successResultOf(service.started)  # type: ignore[arg-type]
+        self.successResultOf(service.started)
         self.assertEqual(len(service.cache.index), 1)
         purges: list[int] = []
         real = service.cache.purge
@@ -445,7 +445,7 @@ class CacheServiceTests(SynchronousTestCase):
             purges.append(await real())
             return purges[-1]
 
-        service.cache.purge = purge  # type: ignore[method-assign]
+        service.cache.purge = purge
         wall.advance(10)
         reactor.advance(CACHE_PURGE_SECS)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)

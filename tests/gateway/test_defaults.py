@@ -150,7 +150,7 @@ class ThroughTheSurfacesTests(SynchronousTestCase):
         self.gateway = MemoryGateway(self, self.supervisor, self.app, config=f'ollama_models = "{store}"')
 
     def sent(self) -> dict[str, Any]:
-        return self.app.requests[-1][1]  # type: ignore[no-any-return]
+        return self.app.requests[-1][1]
 
     def test_every_surface(self) -> None:
         cases = [

@@ -25,7 +25,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.supervisor = HealthSupervisor()
-        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(child_header_timeout=10))  # type: ignore[arg-type]
+        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(child_header_timeout=10))
 
     def test_busy_but_healthy_child_is_waited_for(self) -> None:
         request: Deferred[str] = Deferred()
@@ -51,7 +51,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
         # an sd-server writes its headers only when the whole image is done:
         # sdcpp_child_header_timeout_secs, not child_header_timeout_secs,
         # before its health is asked, and a silent one is wedged then
-        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(  # type: ignore[arg-type]
+        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(
             child_header_timeout=10, sdcpp_child_header_timeout=900))
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
@@ -88,7 +88,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
         async def probe(instance: Any) -> bool:
             return await probing
 
-        self.supervisor.probe_health = probe  # type: ignore[method-assign]
+        self.supervisor.probe_health = probe
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
         d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
@@ -127,7 +127,7 @@ class PreflightTests(SynchronousTestCase):
         supervisor = type("Sup", (), {
             "loaded": lambda _, name: self.loaded.get(name), "context_for": context_for,
         })()
-        self.proxy = EngineProxy(supervisor, None, reactor, registry)  # type: ignore[arg-type]
+        self.proxy = EngineProxy(supervisor, None, reactor, registry)
         self.registry = registry
         self.counted = 0
 
@@ -167,7 +167,7 @@ class PreflightTests(SynchronousTestCase):
         def no_read(*args: Any) -> Any:
             raise AssertionError("the GGUF was read")
 
-        self.registry._read = no_read  # type: ignore[misc]
+        self.registry._read = no_read
         f = self.failureResultOf(self.check(600, 10, 1), PromptTooLong)
         self.assertIn("512", str(f.value))
 
@@ -225,7 +225,7 @@ class PreflightTests(SynchronousTestCase):
         started[0].callback(10)
         self.assertEqual(self.successResultOf(checks[0]), 10)
         self.assertEqual(len(started), COUNTS_PER_MODEL + 1)
-        self.proxy._clock.advance(COUNT_DEADLINE_SECS)  # type: ignore[attr-defined]
+        self.proxy._clock.advance(COUNT_DEADLINE_SECS)
         for late in checks[1:]:
             f = self.failureResultOf(late, EngineRejected)
             self.assertEqual(f.value.status, 503)
@@ -282,7 +282,7 @@ class ChildExitedTests(SynchronousTestCase):
         self.first = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
 
     def send(self, engines: ScriptedEngines, stream: bool = False) -> Deferred[Any]:
-        proxy = EngineProxy(self.supervisor, engines, self.clock)  # type: ignore[arg-type]
+        proxy = EngineProxy(self.supervisor, engines, self.clock)
         return ensureDeferred(proxy.send("m", "/v1/chat/completions", b"{}", stream=stream))
 
     def reset(self) -> Any:
@@ -410,7 +410,7 @@ class TemplateProbeTests(SynchronousTestCase):
                 return json.dumps({"prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
                                    if proxy.accepting[id(instance)] else "no"}).encode()
 
-        self.proxy = Probing(Supervisor(), None, Clock())  # type: ignore[arg-type]
+        self.proxy = Probing(Supervisor(), None, Clock())
 
     def child(self, accepts: bool) -> FakeInstance:
         instance = FakeInstance("m")

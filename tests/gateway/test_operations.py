@@ -86,7 +86,7 @@ class OperationsTests(SynchronousTestCase):
         self.registry = ModelRegistry(config, self.reactor)
         self.supervisor = StoppingSupervisor(["m:latest", "outside:latest"], models_dir=self.models)
         self.puller = ScriptedPuller(self.reactor)
-        self.operations = ModelOperations(self.registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
+        self.operations = ModelOperations(self.registry, self.supervisor, self.puller, self.reactor)
 
     def call(self, coroutine: Any) -> Deferred[Any]:
         return ensureDeferred(coroutine)
@@ -206,7 +206,7 @@ class OperationsTests(SynchronousTestCase):
         self.assertEqual((logged["model"], logged["error"]), ("hf.co/someone/tiny-GGUF", str(failure.value)))
 
     def test_pull_without_a_puller(self) -> None:
-        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor)  # type: ignore[arg-type]
+        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor)
         failure = self.failureResultOf(self.call(operations.pull("hf.co/someone/tiny-GGUF")), PullError)
         self.assertEqual(failure.value.status, 501)
 

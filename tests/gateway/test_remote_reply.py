@@ -117,7 +117,7 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
             headers = Headers({b"content-type": [kind]})
 
         made = Reply.__new__(Reply)
-        made._lease, made._response, made._proxy = Lease(), Response(), Proxy()  # type: ignore[assignment]
+        made._lease, made._response, made._proxy = Lease(), Response(), Proxy()
         made.made, made.model, made.wants_usage = None, "peer:m", True
         made.anthropic = AnthropicStream("peer:m", 7, True) if anthropic else None
         made.renamed = not anthropic

@@ -107,7 +107,7 @@ class SessionTests(SynchronousTestCase):
         self.assertEqual(c.slot, a.slot)
         a_file = a.session.file
         self.assertEqual(self.bank.calls, [("save", a.slot, a_file)])
-        self.assertEqual(a.session.bank.tokens, 100)  # type: ignore[union-attr]
+        self.assertEqual(a.session.bank.tokens, 100)
         self.assertIn(("k", "a", "m:latest"), self.rows)
         again = self.turn("a", 120)  # b is now the least recent: saved; a restored where b was
         self.assertEqual(again.slot, b.slot)
@@ -207,7 +207,7 @@ class SessionTests(SynchronousTestCase):
 
     def test_rows_read_back(self) -> None:
         [session] = sessions_from_rows([("k", "a", "m:latest", "f.bin", 100, 51200, "shape", 5.0, 6.0)])
-        self.assertEqual((session.bank.file, session.bank.tokens, session.last_used), ("f.bin", 100, 6.0))  # type: ignore[union-attr]
+        self.assertEqual((session.bank.file, session.bank.tokens, session.last_used), ("f.bin", 100, 6.0))
 
     def test_the_fake_bank_keeps_the_contract(self) -> None:
         bank = FakeSlotBank()
@@ -259,7 +259,7 @@ class HardeningTests(SessionTests):
         async def slow_restore(instance: Any, slot: int, filename: str, timeout: float) -> int:
             return await waiting
 
-        self.bank.restore = slow_restore  # type: ignore[method-assign]
+        self.bank.restore = slow_restore
         d = Deferred.fromCoroutine(self.sessions.pin("k", "a", fresh))
         d.cancel()
         self.failureResultOf(d, CancelledError)

@@ -119,7 +119,7 @@ class HubDownloadTests(SynchronousTestCase):
 
         models = models or Path(self.mktemp())
         client = HubClient(fake_process_reactor(), "http://hub.test")
-        client._http = StubTreq(hub.resource)  # type: ignore[assignment]
+        client._http = StubTreq(hub.resource)
         progress = lines.append if lines is not None else (lambda line: None)
         return models, ensureDeferred(client.pull(HubName("u", "r", tag), models, progress))
 

@@ -250,7 +250,7 @@ class MemoryRegistry(Resource):
         wanted = request.getHeader("range")
         start, end = 0, len(data) - 1
         if wanted and not self.ignore_range:
-            a, b = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted).groups()  # type: ignore[union-attr]
+            a, b = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted).groups()
             start, end = int(a), int(b)
             request.setResponseCode(206)
             request.setHeader("content-range", f"bytes {start}-{end}/{len(data)}")

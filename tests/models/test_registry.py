@@ -72,7 +72,7 @@ class RegistryTests(SynchronousTestCase):
         reads = []
         original = self.registry._read
 
-        def counting(path, shards):  # type: ignore[no-untyped-def]
+        def counting(path, shards):
             reads.append(path)
             return original(path, shards)
 
@@ -103,7 +103,7 @@ class UnreadableModelTests(SynchronousTestCase):
         self.entry = self.successResultOf(ensureDeferred(self.registry.resolve("x")))
 
     def unreadable(self, call: object) -> ModelUnreadable:
-        f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)  # type: ignore[arg-type]
+        f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)
         error = f.value
         self.assertIsInstance(error, GGUFError)
         self.assertTrue(str(error).startswith('model "x:latest": its file '), str(error))

@@ -354,7 +354,7 @@ class PsGPUTests(SynchronousTestCase):
                "rss": 2**45, "cache_hit": 0.123456789, "draft_acceptance": 0.123456789, "kind": "transcription",
                "lane": "a-command-lane-name", "vram": 2**45,
                "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)]}
-        encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)  # type: ignore[arg-type]
+        encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)
         self.assertLess(len(encoded), 0xFFFF)
 
 

@@ -26,7 +26,7 @@ class KeyAdminTests(SynchronousTestCase):
         self.holder = KeyHolder(load_config(self.path))
         self.admin = KeyAdmin(self.path, self.holder.live, fake_process_reactor())
 
-    def run_change(self, plan):  # type: ignore[no-untyped-def]
+    def run_change(self, plan):
         return ensureDeferred(self.admin.change(plan))
 
     def test_add_rotate_remove_keep_comments_and_back_up(self) -> None:
@@ -93,7 +93,7 @@ class KeyChangeAppliesTheWholeFileTests(SynchronousTestCase):
         live = LiveConfig(load_config(path))
         admin = KeyAdmin(path, live, fake_process_reactor())
         path.write_text("max_body_bytes = 1000\n" + TEXT)  # edited by hand, not reloaded
-        events: list[dict] = []  # type: ignore[type-arg]
+        events: list[dict] = []
         globalLogPublisher.addObserver(events.append)
         self.addCleanup(globalLogPublisher.removeObserver, events.append)
         self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("alice", []))))
@@ -122,7 +122,7 @@ class KeyIdentityTests(SynchronousTestCase):
         self.assertEqual(alice.owner, f"alice#{alice.id}")
         self.assertIn(f'id = "{alice.id}"', self.path.read_text())
         rotated = self.successResultOf(self.run_change(lambda a: a.rotate("alice")))
-        self.assertEqual(self.holder.find(rotated["secret"].encode()).owner, alice.owner)  # type: ignore[union-attr]
+        self.assertEqual(self.holder.find(rotated["secret"].encode()).owner, alice.owner)
         self.successResultOf(self.run_change(lambda a: a.remove("alice")))
         again = self.successResultOf(self.run_change(lambda a: a.add("alice", [])))
         later = self.holder.find(again["secret"].encode())

@@ -83,7 +83,7 @@ class MemoryGateway:
         self.registry = ModelRegistry(parsed, self.reactor)
         if supervise is not None:
             supervisor = supervise(parsed, self.registry, self.reactor)
-        self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), self.reactor, self.registry)  # type: ignore[arg-type]
+        self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), self.reactor, self.registry)
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
@@ -91,7 +91,7 @@ class MemoryGateway:
             OpenAISurface(self.registry, self.pipeline, self.reactor,
                           Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
             OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
-                          ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+                          ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),
             AnthropicSurface(self.pipeline, self.reactor).app.resource(),
         )
         # with [[keys]] in the config, behind the gate that checks them (as the daemon's site is)

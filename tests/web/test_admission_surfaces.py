@@ -47,12 +47,12 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
         proxy = Pipeline(EngineProxy(
-            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
+            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,
         ), self.reactor, registry, self.admission)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),
             AnthropicSurface(proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)

@@ -33,7 +33,7 @@ class DashboardBenchTests(SynchronousTestCase):
             self.asked.append((model, limit))
             return [r for r in runs if model is None or r["model"] == model]
 
-        dashboard = Dashboard(None, None, None, Clock(), lambda: 0.0, lambda: None,  # type: ignore[arg-type]
+        dashboard = Dashboard(None, None, None, Clock(), lambda: 0.0, lambda: None,
                               bench=history)
         self.client = StubTreq(dashboard.app.resource())
 

@@ -44,7 +44,7 @@ class DashboardGPUTests(SynchronousTestCase):
         self.supervisor.hardware = census.fresh
         self.supervisor.on_hardware_change = census.invalidate
         self.supervisor.engine_devices = lambda binary, known: ((str(binary), 0.0), ["CUDA0: fake"])  # a cuda build
-        dashboard = Dashboard(registry, None, ModelOperations(registry, self.supervisor, None, self.reactor),  # type: ignore[arg-type]
+        dashboard = Dashboard(registry, None, ModelOperations(registry, self.supervisor, None, self.reactor),
                               self.reactor, lambda: 0.0, lambda: config, hardware=census if hardware else None)
         self.client = StubTreq(dashboard.app.resource())
 

@@ -98,10 +98,10 @@ def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> N
     from blazar.web.dashboard import LOG_STALL, Dashboard
 
     clock = Clock()
-    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)  # type: ignore[arg-type]
+    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)
     ring = [{"seq": 1, "model": "m", "text": "one"}]
     request = StreamRequest()
-    done = dash._follow(request, lambda since: [r for r in ring if r["seq"] > since], 0, "k")  # type: ignore[arg-type]
+    done = dash._follow(request, lambda since: [r for r in ring if r["seq"] > since], 0, "k")
     clock.advance(0)
     assert b"one" in b"".join(request.written) and dash._streams == {"k": 1}
     request.producer.pauseProducing()  # its socket's buffer is full
@@ -123,9 +123,9 @@ def test_a_follower_that_leaves_unregisters_the_producer() -> None:
     from blazar.web.dashboard import Dashboard
 
     clock = Clock()
-    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)  # type: ignore[arg-type]
+    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)
     request = StreamRequest()
-    done = dash._follow(request, lambda since: [], 0, "k")  # type: ignore[arg-type]
+    done = dash._follow(request, lambda since: [], 0, "k")
     clock.advance(0)
     assert request.producer is not None
     request.ended.errback(Exception("connection lost"))

@@ -41,8 +41,8 @@ class CreateSurfaceTests(SynchronousTestCase):
             parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"'), self.reactor)
         self.supervisor = FakeSupervisor(["base:latest", "mine:latest"])
         creator = ModelCreator(self.registry, self.reactor, lambda: Path("/e/bin/llama-quantize"))
-        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor, None, creator)  # type: ignore[arg-type]
-        pipeline = Pipeline(EngineProxy(self.supervisor, None, self.reactor, self.registry),  # type: ignore[arg-type]
+        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor, None, creator)
+        pipeline = Pipeline(EngineProxy(self.supervisor, None, self.reactor, self.registry),
                             self.reactor, self.registry)
         self.resource = OllamaSurface(self.registry, pipeline, self.reactor, lambda: 0.0, operations).app.resource()
         self.client = StubTreq(self.resource)

@@ -64,8 +64,8 @@ class LibrarySurfaceTests(SynchronousTestCase):
             parse_config(f'models_dir = "{root / "models"}"\nollama_models = "{self.store}"\n'), self.reactor)
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
-        operations = ModelOperations(registry, supervisor, None, self.reactor, self.library)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, supervisor, None, self.reactor, self.library)
+        proxy = Pipeline(EngineProxy(supervisor, None, self.reactor, registry), self.reactor, registry)
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, bytes]:

@@ -45,8 +45,8 @@ class OllamaModelsTests(SynchronousTestCase):
         registry = ModelRegistry(parse_config(f'models_dir = "{self.root}"'), self.reactor)
         self.supervisor = FakeSupervisor(["m:latest"])
         self.puller = BreakingPuller(PullError("download of x broke after 5 of 10 bytes; pull again to resume", 502))
-        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)
+        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)
         surface = OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations)
         self.client = StubTreq(surface.app.resource())
 
@@ -75,8 +75,8 @@ class OllamaModelsTests(SynchronousTestCase):
                               'base_url = "http://127.0.0.1:9/v1"\nmodels = "*"\n')
         registry = ModelRegistry(config, self.reactor)
         registry.note_listed("peer", ('a"b', "tiny:latest"))
-        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)
+        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
         self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
         status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})

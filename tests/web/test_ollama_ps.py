@@ -30,8 +30,8 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        proxy = Pipeline(EngineProxy(self.supervisor, engine, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
-        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, None)  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(self.supervisor, engine, self.reactor, registry), self.reactor, registry)
+        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, None)
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:
@@ -39,7 +39,7 @@ class PsTests(SynchronousTestCase):
         self.client.flush()
         response = self.successResultOf(d)
         self.assertEqual(response.code, 200)
-        return json.loads(self.successResultOf(response.content()))["models"]  # type: ignore[no-any-return]
+        return json.loads(self.successResultOf(response.content()))["models"]
 
     def test_lists_live_instances_from_the_view(self) -> None:
         self.assertEqual(self.ps(), [])

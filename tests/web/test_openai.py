@@ -43,7 +43,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(self.supervisor, self.engine_client, self.reactor, registry),  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(self.supervisor, self.engine_client, self.reactor, registry),
                          self.reactor, registry)
         surface = OpenAISurface(registry, proxy, self.reactor)
         self.client = StubTreq(surface.app.resource())

@@ -85,7 +85,7 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        self.engines = EngineProxy(self.supervisor, StubEngineClient(self.engine), self.reactor, registry)  # type: ignore[arg-type]
+        self.engines = EngineProxy(self.supervisor, StubEngineClient(self.engine), self.reactor, registry)
         self.proxy = Pipeline(self.engines,
                               self.reactor, registry)
         responses = Responses(self.proxy, lambda: config, self.reactor, None)
@@ -93,7 +93,7 @@ class StreamFailureTests(SynchronousTestCase):
             OpenAISurface(registry, self.proxy, self.reactor, responses).app.resource(),
             OllamaSurface(
                 registry, self.proxy, self.reactor, lambda: 0.0,
-                ModelOperations(registry, self.supervisor, FakeHub(), self.reactor),  # type: ignore[arg-type]
+                ModelOperations(registry, self.supervisor, FakeHub(), self.reactor),
             ).app.resource(),
             AnthropicSurface(self.proxy, self.reactor).app.resource(),
         )

@@ -107,7 +107,7 @@ class VisionSurfaceTests(SynchronousTestCase):
         make_test_projector(self.gateway.root / "mmproj-seer-f16.gguf")
         self.gateway.registry.forget()
         self.fetcher = FakeFetcher()
-        self.gateway.pipeline.images = self.fetcher  # type: ignore[assignment]
+        self.gateway.pipeline.images = self.fetcher
 
     def test_each_surfaces_image_reaches_the_engine(self) -> None:
         for surface, (path, body) in image_requests("seer", {"data": PNG}).items():
@@ -257,7 +257,7 @@ class VisionSurfaceTests(SynchronousTestCase):
                 self.assertNotIn("vision", model["capabilities"], (path, model))
         # as /api/show says
         ollama = StubTreq(OllamaSurface(gateway.registry, gateway.pipeline, gateway.reactor, lambda: 0.0,
-                                        None, lambda: live).app.resource())  # type: ignore[arg-type]
+                                        None, lambda: live).app.resource())
         response = self.successResultOf(ollama.post("http://localhost/api/show", json={"model": "seer"}))
         self.assertNotIn("vision", json.loads(self.successResultOf(response.content()))["capabilities"])
 

@@ -152,7 +152,7 @@ class PromptTextTests(SynchronousTestCase):
 
 class LegacyLogprobsTests(SynchronousTestCase):
     def test_shape(self) -> None:
-        entries = REPLY["choices"][0]["logprobs"]["content"]  # type: ignore[index]
+        entries = REPLY["choices"][0]["logprobs"]["content"]
         out, end = tr.legacy_logprobs(entries, 2, 5)
         self.assertEqual(out["tokens"], ["e", ",", "?"])
         self.assertEqual(out["token_logprobs"], [-2.43, -3.86, -0.37])
@@ -167,7 +167,7 @@ class LegacyLogprobsTests(SynchronousTestCase):
         ])
 
     def test_top_is_cut_to_n(self) -> None:
-        entries = REPLY["choices"][0]["logprobs"]["content"]  # type: ignore[index]
+        entries = REPLY["choices"][0]["logprobs"]["content"]
         out, _ = tr.legacy_logprobs(entries, 0, 0)
         self.assertEqual(out["top_logprobs"], [{"e": -2.43}, {",": -3.86}, {"?": -0.37}])
 
@@ -196,7 +196,7 @@ class ReplyTests(SynchronousTestCase):
 
     def test_echo_without_logprobs(self) -> None:
         plan = tr.plan_completion({"prompt": "Hello", "echo": True})
-        reply = {**REPLY, "choices": [{**REPLY["choices"][0], "logprobs": None}]}  # type: ignore[dict-item]
+        reply = {**REPLY, "choices": [{**REPLY["choices"][0], "logprobs": None}]}
         (choice,) = tr.completion_reply(reply, plan, [tr.prompt_text("Hello")])["choices"]
         self.assertEqual((choice["text"], choice["logprobs"]), ("Helloe,?", None))
 
