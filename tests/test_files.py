@@ -16,7 +16,8 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.files import open_private, private_dir, set_mode
-from tests.mixins import TestCaseMixin
+
+from tests.typed import TestCaseMixin
 
 
 def mode(path: Path) -> int:

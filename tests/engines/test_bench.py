@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines import bench
 from blazar.engines.bench import Level, Sample, StreamRecorder
+from blazar.engines.gate import _Child
+
+from tests.typed import StubTreq
 
 
 def chunk(**fields: Any) -> bytes:
@@ -226,7 +228,7 @@ class SpeedMarginTests(SynchronousTestCase):
 
         candidate = Child("c", [1.0, 50.0, 70.0, 60.0])
         active = Child("a", [1.0, 90.0, 80.0, 100.0])
-        self.assertEqual(thd_compare_speed(candidate, active, rounds=3), (70.0, 100.0))
+        self.assertEqual(thd_compare_speed(cast(_Child, candidate), cast(_Child, active), rounds=3), (70.0, 100.0))
         self.assertEqual(calls, ["c4", "a4", "c64", "a64", "c64", "a64", "c64", "a64"])  # warm-ups, then turns
 
 
@@ -238,7 +240,7 @@ def gateway_app(status: int = 200, busy_after: int | None = None) -> Any:
     """
     from klein import Klein
 
-    app = Klein()
+    app: Any = Klein()  # and what it records
     app.prompts = []
     app.auth = []
 

@@ -21,7 +21,8 @@ from zope.interface.verify import verifyObject
 
 from blazar.engines.hardware import GPU, Census, IHardwareProbe, NVMLProbe
 from blazar.testing import GIB, FakeNVML, RecordedNVML
-from tests.mixins import TestCaseMixin
+
+from tests.typed import TestCaseMixin
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
 H200 = json.loads((FIXTURES / "h200.json").read_text())

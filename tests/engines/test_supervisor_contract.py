@@ -36,7 +36,8 @@ from blazar.engines.supervisor import (
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_process_reactor
-from tests.mixins import TestCaseMixin
+
+from tests.typed import TestCaseMixin
 
 
 class SupervisorContract(TestCaseMixin):

@@ -14,16 +14,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.gateway.cache import (
-    Entry, SemanticIndex, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
+    Entry, SemanticIndex, Vector, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
 )
 
 
-def chat(text: str, **extra: object) -> dict[str, object]:
+def chat(text: str, **extra: object) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "system", "content": "be brief"},
                                        {"role": "user", "content": text}], **extra}
 
 
-def unit(*values: float) -> object:
+def unit(*values: float) -> Vector:
     vector = normalized(values)
     assert vector is not None
     return vector
@@ -174,8 +174,9 @@ class IndexTests(SynchronousTestCase):
     def test_expired_entries_do_not_answer_and_are_purged(self) -> None:
         _, entry = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)
         self.assertIsNone(entry)
-        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0), 700.0, 600.0, 0.9)[1].answer,
-                         b"one")
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 700.0, 600.0, 0.9)
+        assert entry is not None
+        self.assertEqual(entry.answer, b"one")
         self.index.add(Entry(3, "s", 650.0, unit(1.0, 0.0), b"three"), 10)
         _, newer = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)
         assert newer is not None

@@ -196,7 +196,7 @@ class CreateTests(SynchronousTestCase):
         digest = self.upload(self.source)
         other = self.upload(make_test_model(self.models / "o" / "other.gguf", seed=3).path)
         text = self.upload_bytes(b"not a model")
-        cases = [
+        cases: list[tuple[dict[str, Any], int, str]] = [
             ({}, 400, "neither 'from' or 'files' was specified"),
             ({"source": "nope"}, 404, 'model "nope" not found'),
             ({"name": "base", "source": "base"}, 400, 'model "base:latest" is a file in models_dir'),

@@ -7,6 +7,7 @@ their sha256 matches, deletes that keep shared blobs.
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -60,7 +61,7 @@ class ManifestTests(SynchronousTestCase):
         self.source = self.root / "src.gguf"
         self.source.write_bytes(b"GGUF weights")
 
-    def model(self, name: str, extra: list[dict[str, object]] | None = None) -> dict[str, object]:
+    def model(self, name: str, extra: list[dict[str, object]] | None = None) -> dict[str, Any]:
         digest = sha(self.source.read_bytes())
         store.thd_add_blob(self.root, self.source, digest)
         config = store.thd_add_bytes(self.root, b'{"model_format":"gguf"}')

@@ -1,6 +1,7 @@
 import errno
 import os
 from pathlib import Path
+from typing import Any, Coroutine
 
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
@@ -102,7 +103,7 @@ class UnreadableModelTests(SynchronousTestCase):
         self.registry = ModelRegistry(parse_config(f'models_dir = "{self.dir}"'), fake_process_reactor())
         self.entry = self.successResultOf(ensureDeferred(self.registry.resolve("x")))
 
-    def unreadable(self, call: object) -> ModelUnreadable:
+    def unreadable(self, call: Coroutine[Any, Any, Any]) -> ModelUnreadable:
         f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)
         error = f.value
         self.assertIsInstance(error, GGUFError)

@@ -7,6 +7,7 @@ seed 1; compact JSON as it writes it, timings cut short).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,7 +58,7 @@ TWO_PROMPTS = (
 )
 
 # the same request as STREAM, not streamed
-REPLY = {
+REPLY: dict[str, Any] = {
     "choices": [{"text": "e,?", "index": 0, "finish_reason": "length", "logprobs": {"content": [
         {"id": 104, "token": "e", "bytes": [101], "logprob": -2.43, "top_logprobs": [
             {"id": 209, "token": "", "bytes": [206], "logprob": -0.56},
@@ -109,8 +110,9 @@ class PlanTests(SynchronousTestCase):
         self.assertEqual((plan.rewrites, plan.include_usage, plan.needs_pieces), (False, True, False))
 
     def test_malformed(self) -> None:
-        for body, param in [({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-                            ({"logprobs": "2"}, "logprobs"), ({"echo": 1}, "echo")]:
+        cases: list[tuple[dict[str, Any], str]] = [({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                                                   ({"logprobs": "2"}, "logprobs"), ({"echo": 1}, "echo")]
+        for body, param in cases:
             with self.assertRaises(tr.CompletionRequestError) as e:
                 tr.plan_completion({"prompt": "x", **body})
             self.assertEqual(e.exception.param, param)
