@@ -96,7 +96,9 @@ class HintsTests(SynchronousTestCase):
         self.tick((200, page(prompt=90, cached=110)))
         self.assertAlmostEqual(self.gauge("blazar_engine_cache_hit_ratio"), 0.41)
         self.assertEqual(self.gauge("blazar_engine_prompt_tokens_cached_total"), 110)
-        self.assertEqual(not_none(self.hints.for_model("m:latest")).cache_hit, self.gauge("blazar_engine_cache_hit_ratio"))
+        self.assertEqual(
+            not_none(self.hints.for_model("m:latest")).cache_hit, self.gauge("blazar_engine_cache_hit_ratio")
+        )
         # nothing drafted yet: no acceptance figure
         self.assertIsNone(self.gauge("blazar_engine_draft_acceptance_ratio"))
 

@@ -135,7 +135,12 @@ class RelayBackpressureTests(SynchronousTestCase):
         ))
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
-        proxy = EngineProxy(cast(RealSupervisor, Supervisor()), cast(EngineClient, None), self.clock, config=lambda: Config(stream_stall_close=STALL))
+        proxy = EngineProxy(
+            cast(RealSupervisor, Supervisor()),
+            cast(EngineClient, None),
+            self.clock,
+            config=lambda: Config(stream_stall_close=STALL),
+        )
         self.relayed = Deferred.fromCoroutine(
             proxy.relay(cast(Instance, self.instance), self.engine, self.request.write, self.request)
         )
@@ -269,7 +274,9 @@ class BodyValveTests(SynchronousTestCase):
         self.engine = EngineBody()
         self.valve = BodyValve()
         self.chunks: list[bytes] = []
-        self.d = relay_body(cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=10, valve=self.valve)
+        self.d = relay_body(
+            cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=10, valve=self.valve
+        )
 
     def test_pause_and_resume(self) -> None:
         self.valve.pause()
@@ -326,7 +333,9 @@ class QuietTests(SynchronousTestCase):
             self.asked.append(d)
             return d
 
-        self.d = relay_body(cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=600, quiet=(5, alive))
+        self.d = relay_body(
+            cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=600, quiet=(5, alive)
+        )
 
     def test_a_silent_sender_that_answers_is_waited_for(self) -> None:
         self.engine.send(b"a")

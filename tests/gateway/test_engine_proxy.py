@@ -28,7 +28,12 @@ class HeaderTimeoutTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.supervisor = HealthSupervisor()
-        self.proxy = EngineProxy(cast(RealSupervisor, self.supervisor), cast(EngineClient, None), self.clock, config=lambda: Config(child_header_timeout=10))
+        self.proxy = EngineProxy(
+            cast(RealSupervisor, self.supervisor),
+            cast(EngineClient, None),
+            self.clock,
+            config=lambda: Config(child_header_timeout=10),
+        )
 
     def test_busy_but_healthy_child_is_waited_for(self) -> None:
         request: Deferred[str] = Deferred()

@@ -36,7 +36,11 @@ WEATHER: dict[str, Any] = {
         "units": {"type": "string", "enum": ["metric", "imperial"]},
     }, "required": ["city", "units"]},
 }
-TIME: dict[str, Any] = {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}
+TIME: dict[str, Any] = {
+    "name": "get_time",
+    "description": "The time now",
+    "parameters": {"type": "object", "properties": {}},
+}
 SCHEMAS = {WEATHER["name"]: WEATHER["parameters"], TIME["name"]: TIME["parameters"]}
 # sent through both SDKs, so typed as neither
 ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]

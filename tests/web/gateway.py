@@ -85,7 +85,9 @@ class MemoryGateway:
         self.registry = ModelRegistry(parsed, self.reactor)
         if supervise is not None:
             supervisor = supervise(parsed, self.registry, self.reactor)
-        self.proxy = EngineProxy(cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, self.registry)
+        self.proxy = EngineProxy(
+            cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, self.registry
+        )
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)

@@ -44,6 +44,10 @@ class AuthHelperTests(SynchronousTestCase):
         check_admin(cast(IRequest, FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True)), "pull models")
         # from loopback, but a page of another site (cross-site request forgery): refused
         with self.assertRaises(Forbidden):
-            check_admin(cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"https://evil.example"})), "pull models")
-        check_admin(cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"})), "pull models")
+            check_admin(
+                cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"https://evil.example"})), "pull models"
+            )
+        check_admin(
+            cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"})), "pull models"
+        )
 

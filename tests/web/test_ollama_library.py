@@ -68,7 +68,11 @@ class LibrarySurfaceTests(SynchronousTestCase):
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
         operations = ModelOperations(registry, cast(Supervisor, supervisor), None, self.reactor, self.library)
-        proxy = Pipeline(EngineProxy(cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor, registry), self.reactor, registry)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, bytes]:

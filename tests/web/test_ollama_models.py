@@ -48,7 +48,11 @@ class OllamaModelsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.puller = BreakingPuller(PullError("download of x broke after 5 of 10 bytes; pull again to resume", 502))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        proxy = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry), self.reactor, registry)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         surface = OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations)
         self.client = StubTreq(surface.app.resource())
 
@@ -78,7 +82,11 @@ class OllamaModelsTests(SynchronousTestCase):
         registry = ModelRegistry(config, self.reactor)
         registry.note_listed("peer", ('a"b', "tiny:latest"))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        proxy = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry), self.reactor, registry)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
         self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
         status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})

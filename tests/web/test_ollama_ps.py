@@ -33,7 +33,11 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        proxy = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, registry), self.reactor, registry)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, cast(ModelOperations, None))
         self.client = StubTreq(surface.app.resource())
 

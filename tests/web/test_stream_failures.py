@@ -88,7 +88,9 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        self.engines = EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry)
+        self.engines = EngineProxy(
+            cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry
+        )
         self.proxy = Pipeline(self.engines,
                               self.reactor, registry)
         responses = Responses(self.proxy, lambda: config, self.reactor, None)
