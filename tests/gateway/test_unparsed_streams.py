@@ -33,15 +33,8 @@ class Proxy:
 
 def relayed(pieces: list[bytes]) -> bytes:
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(
-        cast(EngineProxy, Proxy(pieces)),
-        SimpleNamespace(startedWriting=True),
-        cast(InstanceLease, lease),
-        None,
-        None,
-        0.0,
-        0.0,
-    )
+    reply = Reply(cast(EngineProxy, Proxy(pieces)), SimpleNamespace(startedWriting=True), cast(InstanceLease, lease),
+                  None, None, 0.0, 0.0)
     reply.watched = BODY
     got: list[bytes] = []
     d = ensureDeferred(reply.relay(got.append))
@@ -101,15 +94,8 @@ def test_forced_call_arguments_quoting_the_phrase() -> None:
     args = json.dumps({"title": "The model produced output that does not match the expected format"})
     made = chat_stream("m", [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": args}}], None, None)
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(
-        cast(EngineProxy, Proxy([])),
-        SimpleNamespace(startedWriting=True),
-        cast(InstanceLease, lease),
-        None,
-        None,
-        0.0,
-        0.0,
-    )
+    reply = Reply(cast(EngineProxy, Proxy([])), SimpleNamespace(startedWriting=True), cast(InstanceLease, lease),
+                  None, None, 0.0, 0.0)
     reply.watched, reply.made = BODY, made
     got: list[bytes] = []
     ensureDeferred(reply.relay(got.append))
