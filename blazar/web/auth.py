@@ -437,7 +437,7 @@ class AuthGate(Resource):
             return self._keys.config.metrics_require_key is False
         return False
 
-    def render(self, request: IRequest) -> Any:  # type: ignore[override]
+    def render(self, request: IRequest) -> Any:
         context = context_of(request)
         context.key, context.keys_active = None, self._keys.active
         # the site asked at the headers

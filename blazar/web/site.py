@@ -295,7 +295,7 @@ class BlazarRequest(Request):
         super().connectionLost(reason)
 
     def process(self) -> None:
-        site = self.channel.site  # type: ignore[union-attr,attr-defined]
+        site = self.channel.site  # type: ignore[attr-defined]
         context = self.blazar
         context.started = site.reactor.seconds()
         offered = self.getHeader(TRACE_HEADER)
@@ -407,7 +407,7 @@ class BlazarChannel(HTTPChannel):
 
     def _arm(self, delay: float, call: Callable[[], None]) -> None:
         self._cancel_deadline()
-        self._deadline = self.site.reactor.callLater(delay, call)  # type: ignore[attr-defined]
+        self._deadline = self.site.reactor.callLater(delay, call)
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -431,7 +431,7 @@ class BlazarChannel(HTTPChannel):
         self._cancel_deadline()
         super().allHeadersReceived()
         if self.length != 0 and not self._refused:  # a body follows
-            self._body_started = self.site.reactor.seconds()  # type: ignore[attr-defined]
+            self._body_started = self.site.reactor.seconds()
             self._body_bytes = 0
             self._arm(self.site.header_timeout, self._body_check)
 
@@ -444,9 +444,9 @@ class BlazarChannel(HTTPChannel):
         self._deadline = None
         site = self.site
         due = self._body_started + site.header_timeout + self._body_bytes / site.body_min_rate
-        now = site.reactor.seconds()  # type: ignore[attr-defined]
+        now = site.reactor.seconds()
         if now < due:
-            self._deadline = site.reactor.callLater(due - now, self._body_check)  # type: ignore[attr-defined]
+            self._deadline = site.reactor.callLater(due - now, self._body_check)
             return
         self._refuse_now(Refused(408, "timeout", (
             f"the request body came slower than body_min_bytes_per_sec = {site.body_min_rate} "
@@ -576,7 +576,7 @@ class BlazarChannel(HTTPChannel):
         transport.unregisterProducer()  # type: ignore[union-attr]  # so the half-close is not held up
         transport.resumeProducing()  # type: ignore[union-attr]
         transport.loseWriteConnection()  # type: ignore[union-attr]  # FIN once the answer is out
-        self._lingering = self.site.reactor.callLater(LINGER_SECS, self._stop_lingering)  # type: ignore[attr-defined]
+        self._lingering = self.site.reactor.callLater(LINGER_SECS, self._stop_lingering)
 
     def _discard(self, data: bytes) -> None:
         self._lingered += len(data)

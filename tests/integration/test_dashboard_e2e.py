@@ -419,7 +419,10 @@ def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
     )
     try:
         first = follow.stdout.readline() if follow.stdout is not None else ""
-        assert "tiny:latest" in first, (first, follow.stderr.read() if follow.poll() is not None else "")
+        assert "tiny:latest" in first, (
+            first,
+            follow.stderr.read() if follow.poll() is not None and follow.stderr else "",
+        )
         status, _ = api(daemon, "POST", "/v1/chat/completions", body={
             "model": "tiny", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2})
         assert status == 200

@@ -10,11 +10,11 @@ past the door, in that surface's one envelope.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.errors import BadRequest, Forbidden, Refused, TooManyConnections, Unauthorized
@@ -23,6 +23,7 @@ from blazar.testing import fake_engine_app
 from blazar.web.auth import render_refusal
 from blazar.web.dashboard import Dashboard
 
+from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 from tests.web.test_error_table import SURFACES, Failing
 
@@ -44,9 +45,10 @@ def at_the_door(path: str, error: Exception) -> tuple[int, list[bytes] | None, A
     with for a request to C{path}.
     """
     request = DummyRequest([b""])
-    request.path = path.encode()
-    body = render_refusal(request, error)
-    return request.responseCode, request.responseHeaders.getRawHeaders(b"retry-after"), json.loads(body)
+    cast(Any, request).path = path.encode()  # the door reads it; DummyRequest does not declare it
+    body = render_refusal(cast(IRequest, request), error)
+    retry = request.responseHeaders.getRawHeaders(b"retry-after")
+    return int(request.responseCode or 0), None if retry is None else list(retry), json.loads(body)
 
 
 class DoorTests(SynchronousTestCase):
@@ -65,8 +67,8 @@ class DoorTests(SynchronousTestCase):
 
     def test_a_401_names_the_scheme(self) -> None:
         request = DummyRequest([b""])
-        request.path = b"/v1/models"
-        render_refusal(request, DOOR[0])
+        cast(Any, request).path = b"/v1/models"
+        render_refusal(cast(IRequest, request), DOOR[0])
         self.assertEqual(request.responseHeaders.getRawHeaders(b"www-authenticate"), [b'Bearer realm="blazar"'])
 
     def test_anthropic_keeps_https_own_refusals_statuses(self) -> None:
@@ -86,7 +88,7 @@ class DashboardTests(SynchronousTestCase):
             async def history(model: str | None, limit: int, error: Exception = error) -> list[dict[str, Any]]:
                 raise error
 
-            dashboard = Dashboard(None, None, None, Clock(), lambda: 0.0, lambda: None,  # type: ignore[arg-type]
+            dashboard = Dashboard(cast(Any, None), cast(Any, None), cast(Any, None), Clock(), lambda: 0.0, cast(Any, lambda: None),
                                   bench=history)
             response = self.successResultOf(StubTreq(dashboard.app.resource()).get("http://127.0.0.1/ui/api/bench"))
             data = json.loads(self.successResultOf(response.content()))
