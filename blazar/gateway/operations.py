@@ -317,18 +317,19 @@ class ModelOperations:
         hub_name = parse_hub_name(name)
         if self._puller is None:
             raise PullError("this daemon was built without a hub client; pulls are off", 501)
-        return await self._timed(hub_name.name, self._puller.pull(hub_name, self._registry.models_dir, progress))
+        return await self._timed(hub_name.name, self._puller.pull(hub_name, self._registry.models_dir, progress), name)
 
-    async def _timed(self, display: str, pulling: Awaitable[list[Path]]) -> Pulled:
+    async def _timed(self, display: str, pulling: Awaitable[list[Path]], asked: str | None = None) -> Pulled:
         """
         Await one pull of the model shown as C{display}, log its outcome and
-        time, and have the registry look again whatever happened.
+        time, and have the registry look again whatever happened. A failure
+        is logged under the name as C{asked}, where that differs.
         """
         started = self._clock.seconds()
         try:
             files = await pulling
         except PullError as e:
-            log.error("pull of {model} failed: {error}", model=display, error=str(e))
+            log.error("pull of {model} failed: {error}", model=asked or display, error=str(e))
             raise
         finally:
             self._registry.forget()
