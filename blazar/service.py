@@ -40,7 +40,7 @@ from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
-from blazar.gateway.operations import ModelOperations
+from blazar.gateway.operations import ModelOperations, Puller
 from blazar.models.hub import HubClient
 from blazar.models.create import ModelCreator
 from blazar.models.ollama_registry import MIN_PART, RegistryClient
@@ -486,7 +486,7 @@ class Gateway:
 def build_gateway(
     registry: ModelRegistry, supervisor: Supervisor, engines: EngineClient, reactor: Any,
     config: Callable[[], Config] = Config, *, admission: Admission | None = None, sessions: Sessions | None = None,
-    operations: ModelOperations | None = None, hub: HubClient | None = None,
+    operations: ModelOperations | None = None, hub: Puller | None = None,
     run_db: Callable[..., Deferred[Any]] | None = None, wall: Callable[[], float] = time.time,
     in_thread: Callable[..., Deferred[Any]] | None = None,
 ) -> Gateway:
@@ -507,7 +507,7 @@ def build_gateway(
     pipeline = Pipeline(proxy, reactor, registry, admission, sessions, config, in_thread=in_thread)
     responses = Responses(pipeline, config, reactor, run_db)
     if operations is None:
-        operations = ModelOperations(registry, supervisor, hub, reactor)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, supervisor, hub, reactor)
     return Gateway(
         proxy, pipeline, admission, responses, OpenAISurface(registry, pipeline, reactor, responses, config),
         OllamaSurface(registry, pipeline, reactor, wall, operations, config), AnthropicSurface(pipeline, reactor),

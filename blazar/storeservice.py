@@ -141,7 +141,7 @@ class StoreService(Service):
         ok, value = box.get()
         if not ok:
             value.raiseException()
-        return value  # type: ignore[no-any-return]
+        return value
 
     def hold(self, d: Deferred[T]) -> Deferred[T]:
         """

@@ -104,7 +104,7 @@ def context_of(request: Any) -> RequestContext:
     context = getattr(request, "blazar", None)
     if context is None:
         context = request.blazar = RequestContext()
-    return context  # type: ignore[no-any-return]
+    return context
 
 
 def count_request(request: Any) -> None:

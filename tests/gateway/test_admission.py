@@ -6,12 +6,13 @@ queuing between keys, expiry, disconnects, introspection.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.context import context_of
@@ -443,7 +444,7 @@ class AdmitRequestTests(SynchronousTestCase):
         return request
 
     def admit(self, request: DummyRequest, work: WorkClass = WorkClass.INTERACTIVE) -> Deferred[Lease]:
-        return Deferred.fromCoroutine(admit_request(self.admission, request, "m", 1, work, 10))
+        return Deferred.fromCoroutine(admit_request(self.admission, cast(IRequest, request), "m", 1, work, 10))
 
     def test_slot_held_until_the_response_finishes(self) -> None:
         first = self.request()

@@ -4,13 +4,17 @@ x-blazar-ignored and the once-per-client-and-field log line.
 
 from __future__ import annotations
 
-from twisted.logger import globalLogPublisher
+from typing import cast
+
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields, beta_values
 from blazar.testing import FakeSupervisor, fake_engine_app
 
+from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
 
 
@@ -23,8 +27,8 @@ def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyReques
 class IgnoredFieldsTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def lines(self) -> list[str]:
         return [e["field"] for e in self.events if "field" in e]
@@ -32,23 +36,23 @@ class IgnoredFieldsTests(SynchronousTestCase):
     def test_header_and_one_line_per_client_and_field(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(r, "anthropic", ["metadata", "context_management", "metadata"])
+        seen.note(cast(IRequest, r), "anthropic", ["metadata", "context_management", "metadata"])
         self.assertEqual(r.responseHeaders.getRawHeaders(IGNORED_HEADER), [b"metadata,context_management"])
-        seen.note(request(), "anthropic", ["metadata"])
+        seen.note(cast(IRequest, request()), "anthropic", ["metadata"])
         self.assertEqual(self.lines(), ["metadata", "context_management"])
-        seen.note(request(b"codex_exec/0.171.0"), "anthropic", ["metadata"])  # another client
+        seen.note(cast(IRequest, request(b"codex_exec/0.171.0")), "anthropic", ["metadata"])  # another client
         self.assertEqual(self.lines(), ["metadata", "context_management", "metadata"])
 
     def test_nothing_ignored_sets_no_header(self) -> None:
         r = request()
-        IgnoredFields().note(r, "openai", [])
+        IgnoredFields().note(cast(IRequest, r), "openai", [])
         self.assertIsNone(r.responseHeaders.getRawHeaders(IGNORED_HEADER))
 
     def test_bounded(self) -> None:
         seen = IgnoredFields(limit=2)
         for name in ("a", "b", "c"):
-            seen.note(request(), "openai", [name])
-        seen.note(request(), "openai", ["a"])  # forgotten, so logged again
+            seen.note(cast(IRequest, request()), "openai", [name])
+        seen.note(cast(IRequest, request()), "openai", ["a"])  # forgotten, so logged again
         self.assertEqual(self.lines(), ["a", "b", "c", "a"])
 
     def test_beta_values(self) -> None:
@@ -61,16 +65,16 @@ class IgnoredFieldsTests(SynchronousTestCase):
 class HostileRequestTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def test_many_and_long_names_are_bounded(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(r, "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
+        seen.note(cast(IRequest, r), "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
         self.assertLessEqual(len(self.events), 65)  # 64 names and one count line
         self.assertLessEqual(sum(len(k[2]) for k in seen._seen), 64 * 100)
-        header = r.responseHeaders.getRawHeaders(IGNORED_HEADER)[0]
+        header = not_none(r.responseHeaders.getRawHeaders(IGNORED_HEADER))[0]
         self.assertLessEqual(len(header), 1100)
         self.assertTrue(any("936" in str(e.get("count", "")) for e in self.events))
 

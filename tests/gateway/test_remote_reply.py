@@ -10,10 +10,12 @@ remote's fault (502).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.engines.lease import InstanceLease
+from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.errors import EngineRejected
 from blazar.gateway.pipeline import Reply
 from blazar.gateway.remotewire import AnthropicStream
@@ -117,7 +119,8 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
             headers = Headers({b"content-type": [kind]})
 
         made = Reply.__new__(Reply)
-        made._lease, made._response, made._proxy = Lease(), Response(), Proxy()  # type: ignore[assignment]
+        made._lease = cast(InstanceLease, Lease())
+        made._response, made._proxy = Response(), cast(EngineProxy, Proxy())
         made.made, made.model, made.wants_usage = None, "peer:m", True
         made.anthropic = AnthropicStream("peer:m", 7, True) if anthropic else None
         made.renamed = not anthropic

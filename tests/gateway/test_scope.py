@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from klein import Klein
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 
 from blazar.gateway.context import context_of
 from blazar.config import KeyConfig, parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
@@ -28,6 +30,7 @@ from blazar.gateway.quota import QuotaExceeded
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
 from tests.web.test_openai import StubEngineClient
+from tests.typed import StubTreq
 
 ADMIN = "admin-secret-0123456789"
 SCOPED = "scoped-secret-0123456789"
@@ -114,8 +117,9 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(engine_app().resource())
         names = ["broken:latest", "mine:latest", "minevec:latest", "theirs:latest", "theirvec:latest"]
         registry = ModelRegistry(config, self.reactor)
-        router = build_gateway(registry, FakeSupervisor(names), StubEngineClient(self.engine),  # type: ignore[arg-type]
-                               self.reactor, lambda: config, wall=lambda: 0.0).router()
+        router = build_gateway(registry, cast(Supervisor, FakeSupervisor(names)),
+                               cast(EngineClient, StubEngineClient(self.engine)), self.reactor, lambda: config,
+                               wall=lambda: 0.0).router()
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))
 
     def call(self, method: str, path: str, body: dict[str, Any], secret: str | None) -> tuple[int, bytes, bytes]:
@@ -222,7 +226,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
 
     def test_engine_and_gguf_errors_have_no_paths_for_a_scoped_key(self) -> None:
         failing = {"model": "{model}", "messages": HELLO, "chat_template_kwargs": {"fail": 400}}
-        cases = [
+        cases: list[tuple[str, str, dict[str, Any], str]] = [
             # the engine's text (a 4xx, a 5xx), a GGUF reader's
             ("POST", "/v1/chat/completions", failing, "mine"),
             ("POST", "/v1/chat/completions", {**failing, "chat_template_kwargs": {"fail": 503}}, "mine"),
@@ -316,7 +320,7 @@ class ResolveInScopeTests(SynchronousTestCase):
         self.registry = ModelRegistry(parse_config(f'models_dir = "{self.root}"'), fake_process_reactor())
 
     def resolve(self, request: Any, name: object) -> Any:
-        d = resolve_in_scope(request, self.registry, name)  # type: ignore[arg-type]
+        d = resolve_in_scope(request, self.registry, name)
         from twisted.internet.defer import ensureDeferred
 
         return ensureDeferred(d)
@@ -353,7 +357,7 @@ class ResolveInScopeTests(SynchronousTestCase):
 
     def test_remote_models_with_colons_and_slashes(self) -> None:
         """
-        The README's own example (issue 36): a key scoped to
+        The example in docs/remotes.md (issue 36): a key scoped to
         C{peer:qwen3:8b}, a remote's model whose id has its own C{:}, is
         accepted by the config and reaches that model (and C{router:meta/llama},
         an id with C{/}); another of the remote's models stays unknown to it.
@@ -380,10 +384,10 @@ class ResolveInScopeTests(SynchronousTestCase):
             self.assertEqual(self.successResultOf(self.resolve(request, "b")).name, "b:latest")
             failure = self.failureResultOf(self.resolve(request, "nope"), ModelNotFound)
             self.assertEqual(failure.value.available, ["a:latest", "b:latest"])
-            self.assertEqual(visible(request, ["a:latest", "b:latest"]), ["a:latest", "b:latest"])  # type: ignore[arg-type]
-            self.assertEqual(redact(request, "/srv/m/a.gguf"), "/srv/m/a.gguf")  # type: ignore[arg-type]
+            self.assertEqual(visible(cast(IRequest, request), ["a:latest", "b:latest"]), ["a:latest", "b:latest"])
+            self.assertEqual(redact(cast(IRequest, request), "/srv/m/a.gguf"), "/srv/m/a.gguf")
         scoped = FakeRequest(KeyConfig("s", "x" * 16, models=("B",)))
-        self.assertEqual(visible(scoped, ["a:latest", "b:latest"]), ["b:latest"])  # type: ignore[arg-type]
+        self.assertEqual(visible(cast(IRequest, scoped), ["a:latest", "b:latest"]), ["b:latest"])
 
 
 class RedactTests(SynchronousTestCase):
@@ -399,7 +403,7 @@ class RedactTests(SynchronousTestCase):
             "path:/a/b/c": "path:c",
         }
         for text, shown in cases.items():
-            self.assertEqual(redact(self.scoped, text), shown)  # type: ignore[arg-type]
+            self.assertEqual(redact(cast(IRequest, self.scoped), text), shown)
 
     def test_names_and_urls_left_alone(self) -> None:
         for text in (
@@ -408,11 +412,11 @@ class RedactTests(SynchronousTestCase):
             "library/qwen:7b and ns/model",
             "a / b and 1/2/3",
         ):
-            self.assertEqual(redact(self.scoped, text), text)  # type: ignore[arg-type]
+            self.assertEqual(redact(cast(IRequest, self.scoped), text), text)
 
     def test_metadata_values(self) -> None:
         kv = {"quantize.imatrix.file": "/data/imatrix/m.dat", "general.name": "m",
               "list": ["/a/b/c", 1], "n": 4, "none": None}
-        self.assertEqual(redact_value(self.scoped, kv), {  # type: ignore[arg-type]
+        self.assertEqual(redact_value(cast(IRequest, self.scoped), kv), {
             "quantize.imatrix.file": "m.dat", "general.name": "m", "list": ["c", 1], "n": 4, "none": None,
         })

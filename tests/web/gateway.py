@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from blazar.config import Config, parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.admission import Admission
 from blazar.gateway.context import RequestContext, context_of
 from blazar.models.registry import ModelRegistry
@@ -25,6 +26,7 @@ from blazar.service import build_gateway
 from blazar.web.auth import AuthGate, KeyHolder
 
 from tests.web.test_openai import StubEngineClient
+from tests.typed import StubTreq
 
 
 class Capture(Resource):
@@ -78,8 +80,10 @@ class MemoryGateway:
             supervisor = supervise(parsed, self.registry, self.reactor)
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
-        gateway = build_gateway(self.registry, supervisor, StubEngineClient(self.engine), self.reactor,  # type: ignore[arg-type]
-                                lambda: parsed, admission=self.admission, wall=lambda: 0.0)
+        gateway = build_gateway(
+            self.registry, cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: parsed, admission=self.admission, wall=lambda: 0.0,
+        )
         self.proxy, self.pipeline = gateway.proxy, gateway.pipeline
         router = gateway.router()
         # with [[keys]] in the config, behind the gate that checks them (as the daemon's site is)

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
@@ -24,6 +25,8 @@ from blazar.gateway.admission import Admission, Lease
 from blazar.service import build_gateway
 
 from .test_openai import StubEngineClient
+
+from tests.typed import StubTreq
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 ANTHROPIC = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
@@ -40,8 +43,10 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
-        gateway = build_gateway(registry, self.supervisor, StubEngineClient(self.engine),  # type: ignore[arg-type]
-                                self.reactor, lambda: config, admission=self.admission, wall=lambda: 0.0)
+        gateway = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: config, admission=self.admission, wall=lambda: 0.0,
+        )
         self.client = StubTreq(gateway.router())
 
     def start(self, path: str, body: Any, **headers: str) -> Deferred[Any]:

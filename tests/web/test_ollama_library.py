@@ -7,12 +7,13 @@ first is a plain error), /api/tags shows store models as Ollama does.
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.operations import ModelOperations
 from blazar.models import ollama_store as store
 from blazar.models.ollama_registry import PushError
@@ -21,6 +22,8 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
+
+from tests.typed import StubTreq
 
 
 class ScriptedLibrary:
@@ -62,8 +65,8 @@ class LibrarySurfaceTests(SynchronousTestCase):
             parse_config(f'models_dir = "{root / "models"}"\nollama_models = "{self.store}"\n'), self.reactor)
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
-        operations = ModelOperations(registry, supervisor, None, self.reactor, self.library)  # type: ignore[arg-type]
-        surface = build_gateway(registry, supervisor, None, self.reactor,  # type: ignore[arg-type]
+        operations = ModelOperations(registry, cast(Supervisor, supervisor), None, self.reactor, self.library)
+        surface = build_gateway(registry, cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor,
                                 operations=operations, wall=lambda: 0.0).ollama
         self.client = StubTreq(surface.app.resource())
 

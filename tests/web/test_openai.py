@@ -1,17 +1,19 @@
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.engines.client import NotDelivered
+from blazar.engines.client import EngineClient, NotDelivered
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
+
+from tests.typed import StubTreq
 
 
 class StubEngineClient:
@@ -41,7 +43,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        surface = build_gateway(registry, self.supervisor, self.engine_client, self.reactor).openai  # type: ignore[arg-type]
+        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client),
+                                self.reactor).openai
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
 from blazar.engines.llamacpp import EngineNotFound
+from blazar.engines.supervisor import Supervisor
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
@@ -25,6 +26,8 @@ from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_p
 from blazar.service import build_gateway
 
 from .test_openai import StubEngineClient
+
+from tests.typed import StubTreq
 
 HELLO = [{"role": "user", "content": "hi"}]
 STREAMS: list[tuple[str, dict[str, Any]]] = [
@@ -78,8 +81,10 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        gateway = build_gateway(registry, self.supervisor, StubEngineClient(self.engine),  # type: ignore[arg-type]
-                                self.reactor, lambda: config, hub=FakeHub(), wall=lambda: 0.0)  # type: ignore[arg-type]
+        gateway = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: config, hub=FakeHub(), wall=lambda: 0.0,
+        )
         self.engines, self.proxy = gateway.proxy, gateway.pipeline
         self.client = StubTreq(gateway.router())
 
@@ -95,11 +100,12 @@ class StreamFailureTests(SynchronousTestCase):
     def events(self, data: bytes) -> list[tuple[str, dict[str, Any]]]:
         """
         The stream's events, each C{event:} and C{data:} framed; fails the
-        test on anything else (a bare JSON body after the events).
+        test on anything else (a bare JSON body after the events). SSE
+        comments (C{: loading} while a model loads) are skipped.
         """
         out = []
         for block in data.decode().split("\n\n"):
-            if not block.strip():
+            if not block.strip() or block.startswith(":"):
                 continue
             fields = dict(line.split(": ", 1) for line in block.split("\n"))
             self.assertEqual(set(fields), {"event", "data"}, block)
@@ -164,11 +170,12 @@ class StreamFailureTests(SynchronousTestCase):
 
     def test_ollama_streams_end_with_an_error_line(self) -> None:
         self.broken_relay()
-        for path, body in [
+        asks: list[tuple[str, dict[str, Any]]] = [
             ("/api/chat", {"model": "m", "messages": HELLO}),
             ("/api/generate", {"model": "m", "prompt": "hi"}),
             ("/api/pull", {"model": "hf.co/someone/some-GGUF"}),
-        ]:
+        ]
+        for path, body in asks:
             status, kind, data = self.post(path, body)
             self.assertEqual((status, kind), (200, b"application/x-ndjson"), (path, data))
             lines = [json.loads(line) for line in data.splitlines()]
