@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
+from typing import cast
 
 from twisted.internet.defer import Deferred, fail
 from twisted.internet.task import Clock
+from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
@@ -23,7 +25,7 @@ class StoreServiceTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.path = Path(self.mktemp()) / "blazar.db"
         self.clock = fake_process_reactor()
-        self.database = StoreService(self.path, self.clock, SynchronousThreadPool())  # type: ignore[arg-type]
+        self.database = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
 
     def test_opened_at_start_and_migrated(self) -> None:
         self.assertFalse(self.database.is_open)
@@ -59,7 +61,7 @@ class StoreServiceTests(SynchronousTestCase):
         quotas.record(KeyConfig("alice", "alice-secret-0123456789"), 12)
         self.successResultOf(usage.stopService())
         self.successResultOf(self.database.stopService())
-        again = StoreService(self.path, self.clock, SynchronousThreadPool())  # type: ignore[arg-type]
+        again = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
         again.startService()
         self.assertEqual(again.run_db_now(store.thd_day_usage, quotas.today()), {"alice": 12})
         self.successResultOf(again.stopService())
