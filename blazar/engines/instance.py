@@ -11,6 +11,7 @@ from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ProcessExitedAlready
 from zope.interface import Attribute, Interface, implementer
 
 from blazar.engines.lanes import BUILTIN, SDCPP, SERVER_NAME
@@ -18,6 +19,7 @@ from blazar.engines.llamacpp import DEFAULT_PARALLEL
 from blazar.engines.process import EngineProcessProtocol, ExitStatus
 from blazar.engines.waiters import Waiters
 from blazar.models.registry import ModelEntry
+from blazar.names import name_key
 
 
 class InstanceState(enum.StrEnum):
@@ -293,6 +295,36 @@ class Instance:
             return None
         return self.last_used + keep
 
+    def terminate(self, clock: Any, grace: float) -> Deferred[ExitStatus]:
+        """
+        SIGTERM the child (again after a second), SIGKILL after C{grace}
+        seconds; fires with its L{ExitStatus} once it has exited. The
+        timers are cancelled when it exits (L{blazar.engines.supervisor}).
+        """
+        instance = self
+        ended = instance.protocol.when_ended()
+        if instance.protocol.status is not None or instance.state == InstanceState.DEAD:
+            return ended  # (dead: it exited, its exit not yet reported)
+        instance.state = InstanceState.STOPPING
+        transport = instance.transport
+        try:
+            transport.signalProcess("TERM")
+        except ProcessExitedAlready:
+            return ended
+
+        def signal(name: str) -> None:
+            try:
+                transport.signalProcess(name)
+            except ProcessExitedAlready:
+                pass
+
+        # llama-server finishes in-flight work on its first SIGTERM and
+        # exits at once on a second one; SIGKILL if even that hangs.
+        instance.kill_timer = clock.callLater(grace, signal, "KILL")
+        if grace > 1.0:
+            instance.term_timer = clock.callLater(1.0, signal, "TERM")
+        return ended
+
     def describe_exit(self, status: ExitStatus, full: bool = False) -> str:
         """
         What became of the child, for a client (with the one sanitized
@@ -309,3 +341,21 @@ class Instance:
             return message + f" (its output is in the daemon log: `blazar logs {self.entry.name}`)"
         line = self.protocol.error_line()
         return message + (f"; it said: {line} (the daemon log has the rest)" if line else "")
+
+
+def evicted_name(key: str) -> str | None:
+    """
+    The model (as L{blazar.names.name_key}) an eviction key names:
+    C{name}, or C{name#replica} / C{name@lane} for one instance (Blazar
+    runs one instance per model today: replica C{0}, lane C{text});
+    L{None} if it names none.
+    """
+    base, lane = (key.split("@", 1) + [""])[:2] if "@" in key else (key, "")
+    base, replica = (base.split("#", 1) + [""])[:2] if "#" in base else (base, "")
+    try:
+        wanted = name_key(base)
+    except ValueError:
+        return None
+    if replica not in ("", "0") or lane not in ("", "text"):
+        return None
+    return wanted

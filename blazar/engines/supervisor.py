@@ -17,8 +17,6 @@ take L{Supervisor.snapshot}'s frozen L{InstanceView}s.
 from __future__ import annotations
 
 import os
-import secrets
-import sys
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping
 
@@ -53,27 +51,14 @@ from blazar.engines.errors import (
     UnloadedWhileLoading,
 )
 from blazar.engines.growth import ContextGrowth, ContextPlan, estimate_bytes
-from blazar.engines.instance import IInstance, Instance, InstanceState, InstanceView, view_of
+from blazar.engines.instance import IInstance, Instance, InstanceState, InstanceView, evicted_name, view_of
 from blazar.engines.interfaces import ISupervisor
-from blazar.engines.lanes import (
-    BUILTIN,
-    WHISPER,
-    LaneError,
-    ServerNotFound,
-    architecture_error_text,
-    builtin_argv,
-    lane_argv,
-    lane_for_architecture,
-    route,
-    thd_find_server,
-)
-from blazar.engines.llamacpp import (
-    DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, find_binary, slot_save_dir, thd_engine_devices,
-)
-from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol, ExitStatus, process_alive, thd_rss
+from blazar.engines.lanes import LaneError, architecture_error_text, lane_for_architecture
+from blazar.engines.llamacpp import find_binary
+from blazar.engines.process import ExitStatus, process_alive, thd_rss
 from blazar.engines.remote import RemoteInstance, Remotes, failure_text
 from blazar.engines.room import Room
-from blazar.engines.spawn import child_environment, child_shape, free_port, thd_identity, thd_slot_dir
+from blazar.engines.spawn import Launcher, child_shape, free_port, probe_health, thd_identity
 from blazar.engines.waiters import Waiters
 from blazar.metrics import Metrics, gauge, label_reason
 from blazar.models.gguf_meta import GGUFMetadata
@@ -93,25 +78,6 @@ log = Logger()
 # how many unloads of the child it waited for one request sits out before its
 # answer is the unload's error
 MAX_UNLOADS_WAITED = 3
-
-
-def evicted_name(key: str) -> str | None:
-    """
-    The model (as L{blazar.names.name_key}) an eviction key names:
-    C{name}, or C{name#replica} / C{name@lane} for one instance (Blazar
-    runs one instance per model today: replica C{0}, lane C{text});
-    L{None} if it names none.
-    """
-    base, lane = (key.split("@", 1) + [""])[:2] if "@" in key else (key, "")
-    base, replica = (base.split("#", 1) + [""])[:2] if "#" in base else (base, "")
-    try:
-        wanted = name_key(base)
-    except ValueError:
-        return None
-    if replica not in ("", "0") or lane not in ("", "text"):
-        return None
-    return wanted
-
 
 
 @implementer(ISupervisor)
@@ -161,6 +127,7 @@ class Supervisor(Service):
     _room: Room = attrs.field(init=False)
     _growth: ContextGrowth = attrs.field(init=False)
     _remotes: Remotes = attrs.field(init=False)
+    _launcher: Launcher = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -172,6 +139,8 @@ class Supervisor(Service):
             self.stop_instance, self._join_spawn, lambda: self._shutting_down,
         )
         self._remotes = Remotes(config, self._reactor, self._breakers, self._environ, self.metrics)
+        self._launcher = Launcher(config, self._reactor, self._environ, self._find_binary, self._port_finder,
+                                  self._run_dir, self._engine_output, self.metrics)
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
 
@@ -489,36 +458,7 @@ class Supervisor(Service):
         pinned = entry.settings.engine or self._rerouted.get(entry.name)
         meta = await self._registry.metadata(entry)
         # LaneError: none serves it
-        lane = route(entry.name, entry.format, pinned, self._config, meta.architecture)
-        if lane is not None and lane.name == WHISPER and self._run_dir is not None:
-            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
-                                    self._run_dir / "child-cwd")
-        if lane is not None and lane.name in BUILTIN:
-            try:
-                binary = await deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), thd_find_server, lane.name, self._config,
-                    self._environ,
-                )
-            except ServerNotFound as e:
-                raise EngineStartFailed(entry.name, f"model {entry.name!r}: {e}") from None
-        elif lane is not None:
-            binary = Path(lane.command[0])
-        else:
-            binary = await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), self._find_binary,
-                self._config, self._environ,
-            )
-        if lane is None and not entry.settings.embedding:
-            # llama-server refuses a --slot-save-path that is not a directory
-            await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
-                slot_save_dir(self._config.data_dir, entry.name),
-            )
-        # the files as this child will load them (a file replaced later does
-        # not change what it holds)
-        identity = "" if lane is not None else await deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), thd_identity, Path(entry.path), Path(binary),
-        )
+        lane, binary, identity = await self._launcher.prepare(entry, meta, pinned)
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
@@ -545,68 +485,11 @@ class Supervisor(Service):
         self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "",
         lane: CommandLane | None = None, placed: Any = None,
     ) -> Instance:
-        port = self._port_finder()
-        api_key = secrets.token_urlsafe(24)
         profile = self._profiles.get(entry.name, ()) if lane is None else ()
-        if profile:
-            entry = attrs.evolve(entry, settings=attrs.evolve(entry.settings, **dict(profile)))
-        if lane is None:
-            command = build_command(
-                binary, entry, meta, port=port, api_key=api_key, config=self._config,
-                plan=placed[0] if placed is not None else None,
-            )
-        elif lane.name in BUILTIN:
-            command = EngineCommand(tuple(builtin_argv(
-                lane.name, str(binary), model=str(entry.path), port=port, secret=api_key,
-                args=(*getattr(self._config, lane.name).args, *entry.settings.args),
-            )), {})
-        else:
-            command = EngineCommand(tuple(lane_argv(
-                lane, model=str(entry.path), port=port, api_key=api_key, alias=entry.name,
-                ctx_size=context_per_slot(entry, meta), parallel=entry.settings.parallel or DEFAULT_PARALLEL,
-            )), {lane.api_key_env: api_key} if lane.api_key_env else {})
-        protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
-        now = self._reactor.seconds()
-        self.metrics.loads.labels(entry.name).inc()
-        idle = self._config.idle_timeout
-        if lane is not None and lane.name == WHISPER:  # whisper_idle_secs; 0: kept until the daemon stops
-            idle = self._config.whisper_idle or -1.0
-        instance = Instance(
-            entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=idle, binary=str(binary),
-            ctx=0 if lane is not None and lane.name in BUILTIN else context_per_slot(entry, meta),  # 0: no context
-            shape=child_shape(identity, command.argv) if lane is None else "",
-            lane=lane.name if lane is not None else "llamacpp",
-            kv_bank=lane is None and "--slot-save-path" in command.argv,
-            health_path=lane.health if lane is not None else "/health",
-            path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
-            profile=profile,
-            plan=placed[0] if placed is not None else None, need=placed[1] if placed is not None else None,
-            argv=tuple(command.argv),
-        )
-        env = child_environment(self._environ)
-        env.update(command.env)
-        argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
-        log.info(
-            "starting {model}: {argv}", model=entry.name, engine=instance.lane,
-            argv=" ".join(command.argv).replace(api_key, "<per-child key>"),
-        )
-        # whisper-server serves ./examples/server/public from its working directory: give it an empty one
-        cwd = str(self._run_dir / "child-cwd") if lane is not None and lane.name == WHISPER and self._run_dir else None
-        transport = self._reactor.spawnProcess(
-            protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}, path=cwd,
-        )
-        instance.pid = transport.pid
-        instance.transport = transport
-        if self._run_dir is not None:
-            instance.run_files = deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), runfiles.thd_write, self._run_dir,
-                entry.name, transport.pid, port, list(command.argv), api_key,
-            )
-            instance.run_files.addErrback(lambda f: log.failure("writing run files failed", f))
+        instance = self._launcher.launch(entry, meta, binary, identity, lane, placed, profile)
         self._instances[entry.name] = instance
         self._all.add(instance)
-        ended = protocol.when_ended()
+        ended = instance.protocol.when_ended()
         ended.addCallback(self._ended, instance)
         ended.addErrback(lambda f: log.failure("engine exit bookkeeping failed", f))
         d = ensureDeferred(self._await_ready(instance))
@@ -654,7 +537,7 @@ class Supervisor(Service):
                         + instance.protocol.error_line(),
                     )
                 )
-                self._terminate(instance)
+                instance.terminate(self._reactor, self._config.stop_grace)
                 return
             await deferLater(self._reactor, self._health_interval, lambda: None)
         # Exited while starting: _ended settles the waiters.
@@ -777,31 +660,6 @@ class Supervisor(Service):
             timer.cancel()
         return EngineCrashed(instance.entry.name, instance.describe_exit(status))
 
-    def _terminate(self, instance: Instance) -> Deferred[ExitStatus]:
-        ended = instance.protocol.when_ended()
-        if instance.protocol.status is not None or instance.state == InstanceState.DEAD:
-            return ended  # (dead: it exited, its exit not yet reported)
-        instance.state = InstanceState.STOPPING
-        transport = instance.transport
-        try:
-            transport.signalProcess("TERM")
-        except ProcessExitedAlready:
-            return ended
-
-        def signal(name: str) -> None:
-            try:
-                transport.signalProcess(name)
-            except ProcessExitedAlready:
-                pass
-
-        # llama-server finishes in-flight work on its first SIGTERM and
-        # exits at once on a second one; SIGKILL if even that hangs.
-        grace = self._config.stop_grace
-        instance.kill_timer = self._reactor.callLater(grace, signal, "KILL")
-        if grace > 1.0:
-            instance.term_timer = self._reactor.callLater(1.0, signal, "TERM")
-        return ended
-
     def touch(self, instance: Instance, keep_alive: float | None = None) -> None:
         """
         Record a use of C{instance}; C{keep_alive} (seconds, negative for
@@ -861,10 +719,10 @@ class Supervisor(Service):
                 saving.addCallback(lambda _: finished.append(True))
                 if not finished:
                     ended = instance.protocol.when_ended()
-                    saving.addCallback(lambda _: self._terminate(instance))
+                    saving.addCallback(lambda _: instance.terminate(self._reactor, self._config.stop_grace))
                     saving.addErrback(lambda f: log.failure("stopping {model} failed", f, model=instance.entry.name))
                     return ended
-        return self._terminate(instance)
+        return instance.terminate(self._reactor, self._config.stop_grace)
 
     async def probe_health(self, instance: Instance) -> bool:
         """
@@ -877,35 +735,7 @@ class Supervisor(Service):
             client reports it as C{ResponseNeverReceived([CancelledError])},
             not as a bare C{CancelledError}).
         """
-        caller_left = False
-        url = instance.base_url + instance.health_path
-        probe: Deferred[int] = ensureDeferred(self._probe(url))  # type: ignore[arg-type]
-
-        def leave(_: Deferred[int]) -> None:
-            nonlocal caller_left
-            caller_left = True
-            probe.cancel()
-
-        answer: Deferred[int] = Deferred(leave)
-
-        def relay(result: Any) -> None:
-            if not answer.called:
-                if isinstance(result, Failure):
-                    answer.errback(result)
-                else:
-                    answer.callback(result)
-
-        probe.addBoth(relay)
-        timer = self._reactor.callLater(3.0, probe.cancel)
-        try:
-            return await answer == 200
-        except Exception:
-            if caller_left:
-                raise CancelledError() from None
-            return False  # refused, reset, its own timeout or ours: not healthy
-        finally:
-            if timer.active():
-                timer.cancel()
+        return await probe_health(self._probe, self._reactor, instance.base_url + instance.health_path)
 
     def kill_instance(self, instance: Instance, reason: str) -> Deferred[ExitStatus]:
         """
