@@ -117,6 +117,18 @@ class ISupervisor(Interface):
         to it that broke with C{error}.
         """
 
+    def remote_failed(instance: Any, error: str) -> str:
+        """
+        A remote instance could not be reached, timed out or answered 5xx:
+        counted against its model's breaker, as a crash is; C{error}
+        without the remote's key.
+        """
+
+    def remote_ok(instance: Any) -> None:
+        """
+        A remote instance answered: a half-open breaker closes.
+        """
+
     def breaker(name: str) -> Breaker:
         """
         The crash breaker for canonical model C{name}.

@@ -23,7 +23,7 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.ollama import OllamaSurface
@@ -34,7 +34,6 @@ from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
-from tests.web.test_openai import StubEngineClient
 
 ADMIN = "admin-secret-0123456789"
 SCOPED = "scoped-secret-0123456789"

@@ -23,15 +23,13 @@ from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_process_reactor
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
-
-from tests.web.test_openai import StubEngineClient
 
 
 class Capture(Resource):

@@ -21,7 +21,7 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from blazar.gateway.admission import Admission, Lease
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
@@ -29,7 +29,6 @@ from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.web.root import SurfaceRouter
 
-from .test_openai import StubEngineClient
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 ANTHROPIC = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}

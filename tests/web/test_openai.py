@@ -3,33 +3,15 @@ from pathlib import Path
 from typing import Any
 
 from treq.testing import StubTreq
-from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
-from blazar.engines.client import NotDelivered
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
-
-
-class StubEngineClient:
-    def __init__(self, stub: StubTreq, supervisor: FakeSupervisor | None = None) -> None:
-        self.stub = stub
-        self.supervisor = supervisor
-        self.refuse = 0
-
-    async def request(self, method: str, url: str, body: bytes, headers: Any, stream: bool = True) -> Any:
-        if self.refuse:
-            # the next requests' children have exited (unreported): they refuse
-            self.refuse -= 1
-            for instance in self.supervisor.table.values() if self.supervisor else ():
-                instance.alive = False
-            raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
-        return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
 
 
 class OpenAISurfaceTests(SynchronousTestCase):

@@ -23,7 +23,7 @@ from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.testing import FakeInstance, FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
@@ -31,7 +31,6 @@ from blazar.gateway.engine_proxy import EngineProxy
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 
-from .test_openai import StubEngineClient
 
 HELLO = [{"role": "user", "content": "hi"}]
 STREAMS: list[tuple[str, dict[str, Any]]] = [
