@@ -32,6 +32,7 @@ from blazar.engines.instance import IInstance, InstanceState, InstanceView, evic
 from blazar.engines.interfaces import ISupervisor
 from blazar.engines.process import EngineProcessProtocol, ExitStatus
 from blazar.gateway.sessions import ISlotBank, SlotActionFailed
+from blazar.httpbody import BodyTooLarge
 from blazar.models import testmodel
 from blazar.models.registry import ModelEntry, ModelNotFound
 from blazar.names import name_key
@@ -483,7 +484,9 @@ class FakeEngineClient:
         self.sent.append(("GET", url))
         response = await self._http.request("GET", url, headers=headers)
         body = await response.content()
-        return int(response.code), bytes(body[:max_bytes])
+        if len(body) > max_bytes:  # (as the real client's read_body)
+            raise BodyTooLarge(f"body over {max_bytes} bytes")
+        return int(response.code), bytes(body)
 
     async def request(
         self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,

@@ -26,7 +26,7 @@ from twisted.web.server import NOT_DONE_YET, Request, Site
 from blazar.gateway.context import context_of
 from blazar.config import Config
 from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
-from blazar.testing import FakeInstance
+from blazar.testing import FakeInstance, FakeSupervisor
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.engine_proxy import STREAM_IDLE_TIMEOUT, EngineProxy
@@ -97,7 +97,10 @@ class EngineBody:
         self.protocol.connectionLost(Failure(ResponseDone()))
 
 
-class Supervisor:
+class Supervisor(FakeSupervisor):
+    def __init__(self) -> None:
+        super().__init__([])
+
     async def explain_failure(self, instance: Any, error: BaseException) -> BaseException:
         return error
 

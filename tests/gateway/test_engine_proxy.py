@@ -7,12 +7,13 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.lease import InstanceLease
 from blazar.config import Config
-from blazar.testing import FakeInstance
+from blazar.testing import FakeEngineClient, FakeInstance, FakeSupervisor
 from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
 
 
-class HealthSupervisor:
+class HealthSupervisor(FakeSupervisor):
     def __init__(self) -> None:
+        super().__init__([])
         self.healthy = True
         self.probes = 0
 
@@ -234,7 +235,7 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.proxy._counts, {})
 
 
-class ScriptedEngines:
+class ScriptedEngines(FakeEngineClient):
     """
     An engine client whose requests end, in turn, as C{outcomes} say: an
     exception is raised, a callable is called first (a test's way to change
@@ -243,6 +244,7 @@ class ScriptedEngines:
     """
 
     def __init__(self, *outcomes: Any) -> None:
+        super().__init__(None)
         self.outcomes = list(outcomes)
         self.sent: list[tuple[str, bool]] = []
 
@@ -265,8 +267,6 @@ class ChildExitedTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         import attrs
-
-        from blazar.testing import FakeSupervisor
 
         @attrs.define
         class ExplainingSupervisor(FakeSupervisor):
