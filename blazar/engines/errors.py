@@ -1,6 +1,7 @@
 """
-The engine failures the supervisor raises; the gateway's error table
-(L{blazar.gateway.errors}) gives each its status and wording per surface.
+The engine failures: the supervisor's (the gateway's error table,
+L{blazar.gateway.errors}, gives each its status and wording per surface)
+and an engine install's (L{blazar.engines.installed}, L{blazar.engines.build}).
 """
 
 from __future__ import annotations
@@ -74,3 +75,10 @@ class BreakerOpen(EngineError):
     def __init__(self, model: str, message: str, retry_after: float) -> None:
         super().__init__(model, message)
         self.retry_after = retry_after
+
+
+class EngineInstallError(Exception):
+    """
+    An install, switch or removal refused or failed; the message says why
+    and what to run instead.
+    """

@@ -726,14 +726,11 @@ class Supervisor(Service):
 
     async def probe_health(self, instance: Instance) -> bool:
         """
-        Whether C{instance}'s C{/health} answers 200 within a few seconds.
+        Whether C{instance}'s C{/health} answers 200 within a few seconds
+        (L{blazar.engines.spawn.probe_health}).
 
         @raise CancelledError: The caller was cancelled (its client left):
-            that says nothing about the child, so it is not a L{False}
-            (which would get a busy, healthy child killed as wedged),
-            whatever the probe fails with once cancelled (Twisted's HTTP
-            client reports it as C{ResponseNeverReceived([CancelledError])},
-            not as a bare C{CancelledError}).
+            never L{False}.
         """
         return await probe_health(self._probe, self._reactor, instance.base_url + instance.health_path)
 
