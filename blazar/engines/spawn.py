@@ -22,9 +22,20 @@ from twisted.python.failure import Failure
 
 from blazar.config import CommandLane, Config
 from blazar.engines import runfiles
-from blazar.engines.errors import EngineStartFailed
+from blazar.engines.errors import EngineStartFailed, UnknownArchitecture
 from blazar.engines.instance import Instance
-from blazar.engines.lanes import BUILTIN, WHISPER, ServerNotFound, builtin_argv, lane_argv, route, thd_find_server
+from blazar.engines.lanes import (
+    BUILTIN,
+    WHISPER,
+    LaneError,
+    ServerNotFound,
+    architecture_error_text,
+    builtin_argv,
+    lane_argv,
+    lane_for_architecture,
+    route,
+    thd_find_server,
+)
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, slot_save_dir
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol
 from blazar.files import private_dir
@@ -157,6 +168,32 @@ class Launcher:
     _run_dir: Path | None
     _engine_output: Callable[[str, str], None] | None
     _metrics: Metrics
+    # models whose children died with llama.cpp's unknown-architecture error: the lane that serves them
+    _rerouted: dict[str, str] = attrs.field(factory=dict)
+
+    def pinned(self, entry: ModelEntry) -> str | None:
+        """
+        The lane C{entry} is pinned to: by its config, else by a re-route
+        (L{reroute}); L{None}: routed by its format and architecture.
+        """
+        return entry.settings.engine or self._rerouted.get(entry.name)
+
+    def reroute(self, entry: ModelEntry, error: UnknownArchitecture) -> ModelEntry:
+        """
+        A child of C{entry} died at load with llama.cpp's unknown-architecture
+        error: the entry pinned to a lane that declares the architecture
+        (once: that lane was not the one tried); its breaker is the
+        caller's to reset.
+
+        @raise LaneError: No such lane; the text names the install or config step.
+        """
+        lane = lane_for_architecture(error.architecture, self._config(), tried=error.lane)
+        if lane is None or entry.settings.engine is not None or entry.name in self._rerouted:
+            raise LaneError(entry.name, architecture_error_text(entry.name, error.architecture)) from None
+        log.warn("{model}: llama.cpp does not know its architecture {arch!r}; re-routed to the {lane} lane, "
+                 "which declares it", model=entry.name, arch=error.architecture, lane=lane.name)
+        self._rerouted[entry.name] = lane.name  # until the daemon restarts (or the config pins a lane)
+        return attrs.evolve(entry, settings=attrs.evolve(entry.settings, engine=lane.name))
 
     async def prepare(self, entry: ModelEntry, meta: GGUFMetadata,
                       pinned: str | None) -> tuple[CommandLane | None, Path, str]:

@@ -23,7 +23,6 @@ from typing import Any, Awaitable, Callable, Mapping
 import attrs
 from twisted.application.service import Service
 from twisted.internet.defer import (
-    CancelledError,
     Deferred,
     DeferredList,
     DeferredLock,
@@ -31,7 +30,7 @@ from twisted.internet.defer import (
     succeed,
 )
 from twisted.internet.error import ProcessExitedAlready
-from twisted.internet.task import LoopingCall, deferLater
+from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -53,14 +52,14 @@ from blazar.engines.errors import (
 from blazar.engines.growth import ContextGrowth, ContextPlan, estimate_bytes
 from blazar.engines.instance import IInstance, Instance, InstanceState, InstanceView, evicted_name, view_of
 from blazar.engines.interfaces import ISupervisor
-from blazar.engines.lanes import LaneError, architecture_error_text, lane_for_architecture
 from blazar.engines.llamacpp import find_binary
 from blazar.engines.process import ExitStatus, process_alive, thd_rss
-from blazar.engines.remote import RemoteInstance, Remotes, failure_text
+from blazar.engines.remote import RemoteInstance, Remotes
 from blazar.engines.room import Room
 from blazar.engines.spawn import Launcher, child_shape, free_port, probe_health, thd_identity
 from blazar.engines.waiters import Waiters
-from blazar.metrics import Metrics, gauge, label_reason
+from blazar.engines.watch import ChildWatch
+from blazar.metrics import Metrics, gauge
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.names import name_key
@@ -106,8 +105,6 @@ class Supervisor(Service):
     _spawning: dict[str, Waiters[Instance]] = attrs.field(factory=dict)
     # the placement clients last asked for, per model (want_profile): sorted (profile key, value) items
     _profiles: dict[str, tuple[tuple[str, Any], ...]] = attrs.field(factory=dict)
-    # models whose children died with llama.cpp's unknown-architecture error: the lane that serves them
-    _rerouted: dict[str, str] = attrs.field(factory=dict)
     _shutting_down: bool = False
     _reaper: Any = None
     _run_dir: Path | None = None
@@ -128,6 +125,7 @@ class Supervisor(Service):
     _growth: ContextGrowth = attrs.field(init=False)
     _remotes: Remotes = attrs.field(init=False)
     _launcher: Launcher = attrs.field(init=False)
+    _watch: ChildWatch = attrs.field(init=False)
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -141,6 +139,9 @@ class Supervisor(Service):
         self._remotes = Remotes(config, self._reactor, self._breakers, self._environ, self.metrics)
         self._launcher = Launcher(config, self._reactor, self._environ, self._find_binary, self._port_finder,
                                   self._run_dir, self._engine_output, self.metrics)
+        self._watch = ChildWatch(config, self._reactor, self._probe, self._health_interval, self._instances, self._all,
+                                 self._breakers, self._room, self._remotes, self.metrics, self._hardware_changed,
+                                 self._process_alive, self._run_dir)
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
 
@@ -343,7 +344,8 @@ class Supervisor(Service):
             try:
                 ready = await instance.wait_ready()
             except UnknownArchitecture as e:
-                entry = self._reroute(entry, e)  # once, to a lane that declares it; else the teaching error
+                entry = self._launcher.reroute(entry, e)  # once, to a lane that declares it; else the teaching error
+                self.breaker(entry.name).reset()
                 continue
             except UnloadedWhileLoading:
                 # (an unload or eviction of the child this request waited
@@ -370,23 +372,6 @@ class Supervisor(Service):
         A remote answered: a half-open breaker closes.
         """
         self._remotes.ok(instance)
-
-    def _reroute(self, entry: ModelEntry, error: UnknownArchitecture) -> ModelEntry:
-        """
-        A child of C{entry} died at load with llama.cpp's unknown-architecture
-        error: the entry pinned to a lane that declares the architecture
-        (once: that lane was not the one tried).
-
-        @raise LaneError: No such lane; the text names the install or config step.
-        """
-        lane = lane_for_architecture(error.architecture, self._config, tried=error.lane)
-        if lane is None or entry.settings.engine is not None or entry.name in self._rerouted:
-            raise LaneError(entry.name, architecture_error_text(entry.name, error.architecture)) from None
-        log.warn("{model}: llama.cpp does not know its architecture {arch!r}; re-routed to the {lane} lane, "
-                 "which declares it", model=entry.name, arch=error.architecture, lane=lane.name)
-        self._rerouted[entry.name] = lane.name  # until the daemon restarts (or the config pins a lane)
-        self.breaker(entry.name).reset()
-        return attrs.evolve(entry, settings=attrs.evolve(entry.settings, engine=lane.name))
 
     async def want_profile(self, name: str, wishes: Mapping[str, Any]) -> None:
         """
@@ -455,7 +440,7 @@ class Supervisor(Service):
         # while another caller could also decide to spawn: resolve the
         # awaitable parts first, then check the table again.
         self._breakers.check(entry.name)
-        pinned = entry.settings.engine or self._rerouted.get(entry.name)
+        pinned = self._launcher.pinned(entry)
         meta = await self._registry.metadata(entry)
         # LaneError: none serves it
         lane, binary, identity = await self._launcher.prepare(entry, meta, pinned)
@@ -490,57 +475,11 @@ class Supervisor(Service):
         self._instances[entry.name] = instance
         self._all.add(instance)
         ended = instance.protocol.when_ended()
-        ended.addCallback(self._ended, instance)
+        ended.addCallback(self._watch.ended, instance)
         ended.addErrback(lambda f: log.failure("engine exit bookkeeping failed", f))
-        d = ensureDeferred(self._await_ready(instance))
+        d = ensureDeferred(self._watch.await_ready(instance))
         d.addErrback(lambda f: log.failure("engine start failed unexpectedly", f))
         return instance
-
-    async def _await_ready(self, instance: Instance) -> None:
-        deadline = self._reactor.seconds() + self._config.ready_timeout
-        url = instance.base_url + instance.health_path
-        while instance.protocol.status is None:
-            try:
-                status = await self._probe(url)
-            except CancelledError:
-                raise
-            except Exception:
-                status = 0
-            if instance.protocol.status is not None:
-                break
-            if status == 200:
-                instance.state = InstanceState.READY
-                self._hardware_changed()  # (llama-server allocates its VRAM while it loads)
-                if self.hardware is not None:
-                    ensureDeferred(self._room.measure(instance)).addErrback(
-                        lambda f: log.failure("measuring {model}'s GPU memory", f, model=instance.entry.name))
-                log.info(
-                    "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
-                    model=instance.entry.name, engine="llamacpp", port=instance.port,
-                    pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
-                )
-                self.breaker(instance.entry.name).ready()
-                self.metrics.load_duration.labels(instance.entry.name).observe(
-                    self._reactor.seconds() - instance.started_at
-                )
-                instance.ready_once = True
-                instance.ready_at = self._reactor.seconds()
-                instance._settle(None)
-                return
-            if self._reactor.seconds() >= deadline:
-                instance._settle(
-                    EngineStartFailed(
-                        instance.entry.name,
-                        f"{instance.server} for model {instance.entry.name!r} did not answer "
-                        f"{instance.health_path} 200 within ready_timeout = {self._config.ready_timeout:g} s; "
-                        f"raise ready_timeout in the config if the model is large. It said: "
-                        + instance.protocol.error_line(),
-                    )
-                )
-                instance.terminate(self._reactor, self._config.stop_grace)
-                return
-            await deferLater(self._reactor, self._health_interval, lambda: None)
-        # Exited while starting: _ended settles the waiters.
 
     def _hardware_changed(self) -> None:
         """
@@ -552,56 +491,6 @@ class Supervisor(Service):
                 self.on_hardware_change()
             except Exception:
                 log.failure("telling the hardware census a child came or went")
-
-    def _ended(self, status: ExitStatus, instance: Instance) -> None:
-        if self._run_dir is not None and instance.run_files is not None:
-            run_dir, pid = self._run_dir, instance.pid or 0
-            instance.run_files.addCallback(
-                lambda _: deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), runfiles.thd_remove,
-                    run_dir, instance.entry.name, pid,
-                )
-            ).addErrback(lambda f: log.failure("removing run files failed", f))
-        was = instance.state
-        instance.state = InstanceState.DEAD
-        self._room.release(instance)
-        self._hardware_changed()
-        self._all.discard(instance)
-        if self._instances.get(instance.entry.name) is instance:
-            del self._instances[instance.entry.name]
-        message = instance.describe_exit(status)
-        if was == InstanceState.STOPPING:
-            self.metrics.evictions.labels(instance.entry.name, label_reason(instance.stop_reason)).inc()
-            log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
-                     engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
-            if status.signal is None and status.code == 0:
-                self.breaker(instance.entry.name).reset()
-        else:
-            log.error("{message}", message=instance.describe_exit(status, full=True),
-                      model=instance.entry.name, engine="llamacpp")
-            detail = f"{status.describe()}; {instance.protocol.error_line()}"
-            if was == InstanceState.DEAD:
-                # a request found it exited first and counted the crash
-                self.breaker(instance.entry.name).last_error = detail
-            else:
-                self.metrics.crashes.labels(instance.entry.name).inc()
-                self.breaker(instance.entry.name).crashed(self._reactor.seconds(), detail)
-        if instance._failure is None and not instance.ready_once:
-            # it never became ready (crashed, or stopped while loading):
-            # every request waiting for it gets an answer
-            if was == InstanceState.STOPPING:
-                message = (f"model {instance.entry.name!r} was unloaded while it was loading "
-                           f"({instance.stop_reason}); send the request again")
-            architecture = instance.protocol.unknown_architecture() if was != InstanceState.STOPPING else None
-            if architecture is not None:
-                instance._settle(UnknownArchitecture(instance.entry.name, message, architecture, instance.lane))
-            elif was == InstanceState.STOPPING:
-                instance._settle(UnloadedWhileLoading(instance.entry.name, message))
-            else:
-                instance._settle(EngineStartFailed(instance.entry.name, message))
-        for timer in (instance.kill_timer, instance.term_timer):
-            if timer is not None and timer.active():
-                timer.cancel()
 
     def exited(self, instance: Instance) -> bool:
         """
@@ -616,25 +505,7 @@ class Supervisor(Service):
         that wants one), and its crash counts now, once, for the breaker;
         the report does the rest of the bookkeeping when it comes.
         """
-        if isinstance(instance, RemoteInstance):
-            return False  # never spawned: a refused connection is the remote's failure (explain_failure)
-        if instance.state == InstanceState.DEAD or instance.protocol.status is not None:
-            return True
-        if self._process_alive(instance.pid):
-            return False
-        if instance.state == InstanceState.READY:
-            name = instance.entry.name
-            instance.state = InstanceState.DEAD
-            if self._instances.get(name) is instance:
-                del self._instances[name]
-            self.metrics.crashes.labels(name).inc()
-            self.breaker(name).crashed(
-                self._reactor.seconds(),
-                f"pid {instance.pid} exited (found by a request before its exit was reported)",
-            )
-            log.info("{model}: its engine (pid {pid}) has exited; the next request starts a fresh one",
-                     model=name, engine="llamacpp", pid=instance.pid)
-        return True
+        return self._watch.exited(instance)
 
     async def explain_failure(self, instance: Instance, error: BaseException) -> EngineError:
         """
@@ -643,22 +514,7 @@ class Supervisor(Service):
         waiting up to two seconds for the exit to be reported. A remote's
         is its failure (L{remote_failed}): it counts for its breaker.
         """
-        if isinstance(instance, RemoteInstance):
-            error_text = self._remotes.failed(instance, failure_text(error))
-            return EngineCrashed(instance.entry.name, f"{instance.server} for model {instance.entry.name!r} could "
-                                 f"not be reached: {error_text}")
-        ended = instance.protocol.when_ended()
-        timer = self._reactor.callLater(2.0, ended.cancel)
-        try:
-            status = await ended
-        except CancelledError:
-            return EngineCrashed(
-                instance.entry.name,
-                f"connection to {instance.server} for model {instance.entry.name!r} failed: {error}",
-            )
-        if timer.active():
-            timer.cancel()
-        return EngineCrashed(instance.entry.name, instance.describe_exit(status))
+        return await self._watch.explain(instance, error)
 
     def touch(self, instance: Instance, keep_alive: float | None = None) -> None:
         """
