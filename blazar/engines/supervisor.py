@@ -8,10 +8,22 @@ reported by the reactor, or found by a request, L{Supervisor.exited}). A
 dead instance leaves the table at once, so the next request spawns a fresh
 child.
 
-The seams: L{ISupervisor} and L{IInstance} are what the rest of Blazar may
-use (L{blazar.testing.FakeSupervisor} provides them too, checked by one
-shared contract test); readers that only look (C{/api/ps}, the metrics)
-take L{Supervisor.snapshot}'s frozen L{InstanceView}s.
+The seams: L{ISupervisor} and L{IInstance} (L{blazar.engines.interfaces})
+are what the rest of Blazar may use (L{blazar.testing.FakeSupervisor}
+provides them too, checked by one shared contract test); readers that only
+look (C{/api/ps}, the metrics) take L{Supervisor.snapshot}'s frozen
+L{InstanceView}s.
+
+The L{Supervisor} is the facade over the table of children; each concept
+it composes has its module:
+  - L{blazar.engines.errors}: the failures it raises;
+  - L{blazar.engines.instance}: a child (L{Instance}) and its views;
+  - L{blazar.engines.breaker}: the crash breakers (L{Breakers});
+  - L{blazar.engines.growth}: context plans and grows (L{ContextGrowth});
+  - L{blazar.engines.room}: GPU placement and eviction (L{Room});
+  - L{blazar.engines.remote}: remote models' instances (L{Remotes});
+  - L{blazar.engines.spawn}: lanes, command lines, the spawn (L{Launcher});
+  - L{blazar.engines.watch}: health wait and exits (L{ChildWatch}).
 """
 
 from __future__ import annotations

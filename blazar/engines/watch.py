@@ -163,16 +163,9 @@ class ChildWatch:
 
     def exited(self, instance: Instance) -> bool:
         """
-        Whether C{instance}'s child has exited: its exit was reported, or
-        C{/proc} shows its pid gone or a zombie (the reactor reaps it and
-        reports the exit a moment later). Called on the request path when a
-        request could not reach the child.
-
-        A ready child found exited here is dead from then on, without
-        waiting for the report: it leaves the table, so the next
-        L{instance_for} starts a fresh child (one spawn for every request
-        that wants one), and its crash counts now, once, for the breaker;
-        the report does the rest of the bookkeeping when it comes.
+        Whether C{instance}'s child has exited, reported or not
+        (L{blazar.engines.supervisor.Supervisor.exited}); a ready one found
+        exited leaves the table now and its crash counts once.
         """
         if isinstance(instance, RemoteInstance):
             return False  # never spawned: a refused connection is the remote's failure (explain_failure)
@@ -196,10 +189,8 @@ class ChildWatch:
 
     async def explain(self, instance: Instance, error: BaseException) -> EngineError:
         """
-        Turn a broken connection to C{instance} into an L{EngineCrashed}
-        that names the exit status and the tail of the child's output,
-        waiting up to two seconds for the exit to be reported. A remote's
-        is its failure (L{remote_failed}): it counts for its breaker.
+        What a broken connection to C{instance} means
+        (L{blazar.engines.supervisor.Supervisor.explain_failure}).
         """
         if isinstance(instance, RemoteInstance):
             error_text = self._remotes.failed(instance, failure_text(error))

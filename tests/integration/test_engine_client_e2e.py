@@ -8,11 +8,11 @@ or model is a failure, never a skip.
 
 from __future__ import annotations
 
-import http.client
 import secrets
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Iterator
 
@@ -42,6 +42,17 @@ react(lambda reactor: ensureDeferred(main(reactor)))
 """
 
 
+def healthy(port: int) -> bool:
+    """
+    Whether the child's C{/health} answers 200 (503 while it loads).
+    """
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as answer:
+            return bool(answer.status == 200)
+    except OSError:  # refused, or an HTTPError (503)
+        return False
+
+
 @pytest.fixture(scope="module")
 def llama_server(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[int, str]]:
     """
@@ -59,15 +70,8 @@ def llama_server(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     )
     try:
         deadline = time.monotonic() + 120
-        while True:
+        while not healthy(port):
             assert child.poll() is None, output.read_text(errors="replace")[-2000:]
-            try:
-                connection = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-                connection.request("GET", "/health")
-                if connection.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
             assert time.monotonic() < deadline, "llama-server did not answer /health 200 within 120 s"
             time.sleep(0.2)
         yield port, key
