@@ -33,8 +33,12 @@ from blazar.testing import (
     fake_engine_app,
     fake_process_reactor,
 )
+from tests.engines.test_hardware import BrokenOnce
 from tests.gateway.test_backpressure import Supervisor as ExplainingFailures
 from tests.gateway.test_engine_proxy import HealthSupervisor, ScriptedEngines
+from tests.gateway.test_operations import StoppingSupervisor
+from tests.web.test_error_table import Failing
+from tests.web.test_stream_failures import FailingSupervisor
 
 
 class InterfaceTests(SynchronousTestCase):
@@ -50,6 +54,8 @@ class InterfaceTests(SynchronousTestCase):
     def test_supervisor_fakes_in_tests(self) -> None:
         self.assertTrue(verifyObject(ISupervisor, HealthSupervisor()))
         self.assertTrue(verifyObject(ISupervisor, ExplainingFailures()))
+        for fake in (Failing, FailingSupervisor, StoppingSupervisor):
+            self.assertTrue(verifyObject(ISupervisor, fake(["m:latest"])))
 
     def test_control_socket_dependencies(self) -> None:
         reactor = fake_process_reactor()
@@ -62,6 +68,7 @@ class InterfaceTests(SynchronousTestCase):
     def test_slot_bank_and_hardware_probe_fakes(self) -> None:
         self.assertTrue(verifyObject(ISlotBank, FakeSlotBank()))
         self.assertTrue(verifyObject(IHardwareProbe, FakeNVML.with_gpus()))
+        self.assertTrue(verifyObject(IHardwareProbe, BrokenOnce(FakeNVML.with_gpus())))
 
     def test_registry(self) -> None:
         self.assertTrue(verifyObject(IModelRegistry, ModelRegistry(parse_config(""), fake_process_reactor())))
