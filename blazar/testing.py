@@ -10,26 +10,32 @@ The tiny GGUF model generator is a product feature
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import attrs
 from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.error import ConnectionRefusedError, ProcessDone, ProcessExitedAlready, ProcessTerminated
 from twisted.internet.task import Clock
+from twisted.internet.testing import MemoryReactorClock
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from blazar.engines.client import IEngineClient
-from blazar.engines.hardware import GPU, Census, IHardwareProbe, cuda_version
-from blazar.gateway.sessions import ISlotBank
-from blazar.engines.supervisor import (
-    Breaker,
-    EngineError,
-    IInstance,
-    InstanceState,
-    InstanceView,
-    ISupervisor,
-)
-from blazar.models.registry import ModelEntry
 from blazar import strictjson
+from blazar.config import ModelConfig
+from blazar.engines.breaker import Breaker
+from blazar.engines.client import IEngineClient, NotDelivered
+from blazar.engines.errors import EngineCrashed, EngineError, EngineStartFailed
+from blazar.engines.growth import ContextPlan, estimate_bytes
+from blazar.engines.hardware import GPU, Census, IHardwareProbe, cuda_version
+from blazar.engines.instance import IInstance, InstanceState, InstanceView, evicted_name, view_of
+from blazar.engines.interfaces import ISupervisor
+from blazar.engines.process import EngineProcessProtocol, ExitStatus
+from blazar.gateway.sessions import ISlotBank, SlotActionFailed
+from blazar.httpbody import BodyTooLarge
+from blazar.models import testmodel
+from blazar.models.registry import ModelEntry, ModelNotFound
+from blazar.names import name_key
 
 # -- fakes for unit tests ---------------------------------------------------
 
@@ -50,8 +56,6 @@ class SynchronousThreadPool:
         try:
             result = func(*args, **kw)
         except BaseException:
-            from twisted.python.failure import Failure
-
             onResult(False, Failure())
         else:
             onResult(True, result)
@@ -72,8 +76,6 @@ class FakeProcessTransport:
     zombie: bool = False
 
     def signalProcess(self, signal: str) -> None:
-        from twisted.internet.error import ProcessExitedAlready
-
         if self.ended:
             raise ProcessExitedAlready()
         self.signals.append(signal)
@@ -86,9 +88,6 @@ class FakeProcessTransport:
         End the process as the real reactor reports it: C{processExited}
         first, then C{processEnded}.
         """
-        from twisted.internet.error import ProcessDone, ProcessTerminated
-        from twisted.python.failure import Failure
-
         self.ended = True
         reason = (
             Failure(ProcessDone(0))
@@ -116,8 +115,6 @@ def fake_process_reactor():
     C{process_alive} argument): false once a child's transport has died or
     exited.
     """
-    from twisted.internet.testing import MemoryReactorClock
-
     class FakeProcessReactor(MemoryReactorClock):
         def __init__(self) -> None:
             super().__init__()
@@ -199,8 +196,6 @@ def fake_engine_app(model_name: str = "m:latest"):
 
 
 def _engine_protocol(instance: "FakeInstance") -> Any:
-    from blazar.engines.process import EngineProcessProtocol
-
     return EngineProcessProtocol(instance.name)
 
 
@@ -249,8 +244,6 @@ class FakeInstance:
 
     @property
     def entry(self) -> ModelEntry:
-        from blazar.config import ModelConfig
-
         return ModelEntry(self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"),
                           settings=ModelConfig(parallel=self.parallel))
 
@@ -271,8 +264,6 @@ class FakeInstance:
     def wait_ready(self) -> Deferred[Any]:
         if self.state == InstanceState.READY:
             return succeed(self)
-        from blazar.engines.supervisor import EngineStartFailed
-
         return fail(EngineStartFailed(self.name, f"model {self.name!r} is {self.state}"))
 
 
@@ -306,9 +297,6 @@ class FakeSupervisor:
     _config: Any = None
 
     async def instance_for(self, name: str, ctx_size: int | None = None) -> FakeInstance:
-        from blazar.models.registry import ModelNotFound
-        from blazar.names import name_key
-
         try:
             key = name_key(name)
         except ValueError:
@@ -330,8 +318,6 @@ class FakeSupervisor:
         As the real one for a model trained for C{ctx} tokens per slot,
         loaded with all of it: C{ctx} whatever C{ctx_size} asks.
         """
-        from blazar.engines.supervisor import ContextPlan
-
         return ContextPlan(self.ctx, ctx_size, self.ctx_policy, name, self.ctx)
 
     async def want_profile(self, name: str, wishes: Any) -> None:
@@ -349,8 +335,6 @@ class FakeSupervisor:
         return sorted(self.table.values(), key=lambda i: i.started_at)
 
     def snapshot(self) -> list[InstanceView]:
-        from blazar.engines.supervisor import view_of
-
         return [view_of(i, self.breaker(i.name).state) for i in self.instances()]
 
     async def measured_snapshot(self) -> list[InstanceView]:
@@ -371,8 +355,6 @@ class FakeSupervisor:
         As the real one, with a child that exits at once: it leaves the
         table, and the result fires with a clean L{ExitStatus}.
         """
-        from blazar.engines.process import ExitStatus
-
         if self.table.get(instance.name) is instance:
             del self.table[instance.name]
         if instance.state != InstanceState.DEAD:
@@ -434,13 +416,21 @@ class FakeSupervisor:
         As the real one when the child has exited: the instance is dead and
         leaves the table.
         """
-        from blazar.engines.supervisor import EngineCrashed
-
         instance.state = InstanceState.DEAD
         instance.alive = False
         if self.table.get(instance.name) is instance:
             del self.table[instance.name]
         return EngineCrashed(instance.name, f"engine connection failed: {error}")
+
+    def remote_failed(self, instance: Any, error: str) -> str:
+        """
+        As the real one: the failure counts against the model's breaker.
+        """
+        self.breaker(instance.entry.name).crashed(self.clock.seconds(), error)
+        return error
+
+    def remote_ok(self, instance: Any) -> None:
+        self.breaker(instance.entry.name).ready()
 
     def breaker(self, name: str) -> Breaker:
         found = self.breakers.get(name)
@@ -456,9 +446,6 @@ class FakeSupervisor:
         return [n for n in names if n in self.breakers]
 
     def evict(self, key: str) -> list[FakeInstance]:
-        from blazar.engines.supervisor import evicted_name
-        from blazar.names import name_key
-
         wanted = evicted_name(key)
         chosen = [i for i in self.instances() if wanted is not None and name_key(i.name) == wanted]
         for instance in chosen:
@@ -466,8 +453,6 @@ class FakeSupervisor:
         return chosen
 
     def estimate(self, entry: ModelEntry, meta: Any) -> int:
-        from blazar.engines.supervisor import estimate_bytes
-
         return estimate_bytes(entry, meta)
 
     def reconfigure(self, config: Any) -> None:
@@ -499,7 +484,9 @@ class FakeEngineClient:
         self.sent.append(("GET", url))
         response = await self._http.request("GET", url, headers=headers)
         body = await response.content()
-        return int(response.code), bytes(body[:max_bytes])
+        if len(body) > max_bytes:  # (as the real client's read_body)
+            raise BodyTooLarge(f"body over {max_bytes} bytes")
+        return int(response.code), bytes(body)
 
     async def request(
         self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
@@ -509,6 +496,33 @@ class FakeEngineClient:
 
     async def close(self) -> None:
         self.closed = True
+
+
+@implementer(IEngineClient)
+class StubEngineClient(FakeEngineClient):
+    """
+    A L{FakeEngineClient} over C{stub} whose next C{refuse} requests find
+    their children exited, unreported: each kills the live instances of
+    C{supervisor} (a L{FakeSupervisor}) and raises L{NotDelivered}, as a
+    refused connection to a dead child does.
+    """
+
+    def __init__(self, stub: Any, supervisor: FakeSupervisor | None = None) -> None:
+        super().__init__(stub)
+        self.stub = stub
+        self.supervisor = supervisor
+        self.refuse = 0
+
+    async def request(
+        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+    ) -> Any:
+        if self.refuse:
+            # the next requests' children have exited (unreported): they refuse
+            self.refuse -= 1
+            for instance in self.supervisor.table.values() if self.supervisor else ():
+                instance.alive = False
+            raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
+        return await super().request(method, url, body, headers, stream)
 
 
 def forced_tool_call_request(
@@ -531,9 +545,7 @@ def forced_tool_call_request(
     model then writes several parsed calls until C{max_tokens}
     (C{finish_reason: "length"}).
     """
-    from blazar.models.testmodel import vocabulary
-
-    ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
+    ids = {tok: i for i, tok in enumerate(testmodel.vocabulary()[0])}
     bias = {
         ids["<tool_call>"]: 100, ids["\n"]: 100,
         ids["<0x09>"]: -100, ids["<0x20>"]: -100, ids["<0x0A>"]: -100, ids["▁"]: -100,
@@ -597,8 +609,6 @@ class FakeSlotBank:
         return tokens, tokens * 512
 
     async def restore(self, instance: Any, slot: int, filename: str, timeout: float) -> int:
-        from blazar.gateway.sessions import SlotActionFailed
-
         self.calls.append(("restore", slot, filename))
         if self.unreachable:
             raise SlotActionFailed("restore: Connection refused", transient=True)
@@ -614,8 +624,6 @@ class FakeSlotBank:
 
     async def slots(self, instance: Any, timeout: float) -> list[tuple[int, bool, bool]]:
         if self.unreachable:
-            from blazar.gateway.sessions import SlotActionFailed
-
             raise SlotActionFailed("slots: Connection refused", transient=True)
         used = {slot for (ident, slot) in self.slots_held if ident == id(instance)}
         return [(slot, slot in used, slot in self.busy) for slot in range(max(used | self.busy | {0}) + 1)]
@@ -841,8 +849,6 @@ class RecordedNVML:
         return self._answer(self._device(handle)["uuid"])
 
     def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
-        from types import SimpleNamespace
-
         memory = self._device(handle)["memory"]
         if version is not None:
             if not self._v2 or "v2" not in memory:
@@ -857,11 +863,7 @@ class RecordedNVML:
         return self._answer(self._device(handle)["temperature_c"])
 
     def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
-        from types import SimpleNamespace
-
         return SimpleNamespace(**self._answer(self._device(handle)["utilization"]))
 
     def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[Any]:
-        from types import SimpleNamespace
-
         return [SimpleNamespace(**p) for p in self._answer(self._device(handle)["processes"])]

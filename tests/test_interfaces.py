@@ -12,17 +12,32 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
 from zope.interface.verify import verifyClass, verifyObject
 
-from blazar.config import parse_config
+from blazar.config import LiveConfig, parse_config
 from blazar.engines.client import EngineClient, IEngineClient
+from blazar.engines.hardware import HardwareCensus, IHardwareCensus, IHardwareProbe
+from blazar.engines.hints import EngineHints, IEngineHints
 from blazar.engines.supervisor import IInstance, Instance, ISupervisor, Supervisor
+from blazar.gateway.bench import BenchRecords, IBenchRecords
+from blazar.gateway.sessions import ISessions, ISlotBank, Sessions
+from blazar.metrics import Metrics
 from blazar.models.registry import IModelRegistry, ModelRegistry
+from blazar.protocols.keyadmin import IKeyAdmin, KeyAdmin
 from blazar.testing import (
     FakeEngineClient,
     FakeInstance,
+    FakeNVML,
+    FakeSlotBank,
     FakeSupervisor,
+    StubEngineClient,
     fake_engine_app,
     fake_process_reactor,
 )
+from tests.engines.test_hardware import BrokenOnce
+from tests.gateway.test_backpressure import Supervisor as ExplainingFailures
+from tests.gateway.test_engine_proxy import HealthSupervisor, ScriptedEngines
+from tests.gateway.test_operations import StoppingSupervisor
+from tests.web.test_error_table import Failing
+from tests.web.test_stream_failures import FailingSupervisor
 
 from tests.typed import StubTreq
 
@@ -31,6 +46,30 @@ class InterfaceTests(SynchronousTestCase):
     def test_engine_clients(self) -> None:
         self.assertTrue(verifyObject(IEngineClient, EngineClient(MemoryReactorClock())))
         self.assertTrue(verifyObject(IEngineClient, FakeEngineClient(StubTreq(fake_engine_app().resource()))))
+
+    def test_engine_client_fakes(self) -> None:
+        stub = StubTreq(fake_engine_app().resource())
+        self.assertTrue(verifyObject(IEngineClient, StubEngineClient(stub, FakeSupervisor(["m:latest"]))))
+        self.assertTrue(verifyObject(IEngineClient, ScriptedEngines()))
+
+    def test_supervisor_fakes_in_tests(self) -> None:
+        self.assertTrue(verifyObject(ISupervisor, HealthSupervisor()))
+        self.assertTrue(verifyObject(ISupervisor, ExplainingFailures()))
+        for fake in (Failing, FailingSupervisor, StoppingSupervisor):
+            self.assertTrue(verifyObject(ISupervisor, fake(["m:latest"])))
+
+    def test_control_socket_dependencies(self) -> None:
+        reactor = fake_process_reactor()
+        self.assertTrue(verifyObject(IEngineHints, EngineHints(list, FakeEngineClient(None).get, reactor, Metrics())))
+        self.assertTrue(verifyObject(IHardwareCensus, HardwareCensus(FakeNVML.with_gpus(), reactor)))
+        self.assertTrue(verifyObject(IBenchRecords, BenchRecords(None, None, lambda f, *a: f(None, *a), None, float)))
+        self.assertTrue(verifyObject(IKeyAdmin, KeyAdmin(None, LiveConfig(parse_config("")), reactor)))
+        self.assertTrue(verifyClass(ISessions, Sessions))
+
+    def test_slot_bank_and_hardware_probe_fakes(self) -> None:
+        self.assertTrue(verifyObject(ISlotBank, FakeSlotBank()))
+        self.assertTrue(verifyObject(IHardwareProbe, FakeNVML.with_gpus()))
+        self.assertTrue(verifyObject(IHardwareProbe, BrokenOnce(FakeNVML.with_gpus())))
 
     def test_registry(self) -> None:
         self.assertTrue(verifyObject(IModelRegistry, ModelRegistry(parse_config(""), fake_process_reactor())))

@@ -53,10 +53,10 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple
 
-if TYPE_CHECKING:
-    from blazar.engines.hardware import Census
+from blazar.engines.errors import EngineInstallError
+from blazar.engines.hardware import Census, NVMLProbe
 
 
 class Source(NamedTuple):
@@ -181,8 +181,6 @@ def cached_builds(version: str, environ: Mapping[str, str], kind: str = "llamacp
 
 
 def _census() -> Census:
-    from blazar.engines.hardware import NVMLProbe
-
     probe = NVMLProbe()
     try:
         return probe.thd_census()
@@ -598,8 +596,6 @@ def thd_build(spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[st
     try:
         cached = thd_build_cached(spec.target, spec.flavour, environ, kind=kind, census=census)
     except BuildFailed as e:
-        from blazar.engines.installed import EngineInstallError
-
         raise EngineInstallError(str(e)) from None
     (into / "bin").mkdir(parents=True)
     target = into / "bin" / SOURCES[kind].target

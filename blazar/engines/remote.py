@@ -26,8 +26,10 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
 from blazar.config import Config, RemoteConfig
+from blazar.engines.breaker import Breakers
+from blazar.metrics import Metrics
+from blazar.models.registry import ModelEntry, ModelNotFound
 from blazar.names import fair_remote_model
-from blazar.models.registry import ModelEntry
 
 log = Logger()
 
@@ -178,6 +180,84 @@ def models_url(remote: RemoteConfig) -> str:
 
 def is_remote(instance: Any) -> TypeGuard[RemoteInstance]:
     return isinstance(instance, RemoteInstance)
+
+
+def failure_text(error: BaseException) -> str:
+    """
+    What a failed HTTP request to a remote says: the reasons inside
+    Twisted's wrappers (C{ResponseNeverReceived}, C{NotDelivered}).
+    """
+    inner = getattr(error, "error", None)
+    if isinstance(inner, BaseException):
+        error = inner
+    reasons = getattr(error, "reasons", None)
+    if reasons:
+        return "; ".join(str(getattr(r, "value", r)) for r in reasons)[:500]
+    return (str(error) or type(error).__name__)[:500]
+
+
+
+@attrs.define(eq=False)
+class Remotes:
+    """
+    The instances of remote models: one always-ready instance each, never
+    spawned; a failure counts against the breaker its remote's models
+    share (L{shared_name}), as a crash does.
+
+    @ivar _breakers: The supervisor's breakers.
+    @ivar _environ: The daemon's environment (the remotes' keys, scrubbed
+        from what is logged).
+    """
+
+    _config: Callable[[], Config]
+    _clock: Any
+    _breakers: Breakers
+    _environ: Mapping[str, str]
+    _metrics: Metrics
+    _remotes: dict[str, RemoteInstance] = attrs.field(factory=dict)
+
+    def instance(self, entry: ModelEntry) -> RemoteInstance:
+        """
+        The instance of a remote model, with its remote's config as it is
+        now; its breaker checked as a start's is.
+
+        @raise ModelNotFound: Its remote is no longer configured.
+        @raise blazar.engines.errors.BreakerOpen: The remote failed too
+            often lately.
+        """
+        remote = self._config().remote(entry.remote or "")
+        if remote is None:
+            raise ModelNotFound(entry.name, [])
+        self._breakers.check(shared_name(remote.name),
+                             lambda crashes, wait: f"remote {remote.name!r} failed {crashes} times lately; Blazar "
+                                                   f"tries it again in {wait} s")
+        instance = self._remotes.get(entry.name)
+        if instance is None:
+            if len(self._remotes) > 4096:
+                self._remotes = {n: i for n, i in self._remotes.items() if i.in_flight}
+            instance = self._remotes[entry.name] = RemoteInstance(entry, remote, self._environ)
+        instance.remote = remote
+        return instance
+
+    def failed(self, instance: RemoteInstance, error: str) -> str:
+        """
+        A remote could not be reached, timed out or answered 5xx: counted
+        against its model's breaker, as a crash is.
+
+        @return: C{error} without the remote's key.
+        """
+        error = scrub(error, instance.remote, self._environ)
+        self._metrics.crashes.labels(instance.shared).inc()
+        self._breakers.of(instance.shared).crashed(self._clock.seconds(), error)
+        log.warn("{model}: {server} ({url}) failed: {error}", model=instance.entry.name, server=instance.server,
+                 url=instance.remote.root, error=error)
+        return error
+
+    def ok(self, instance: RemoteInstance) -> None:
+        """
+        A remote answered: a half-open breaker closes.
+        """
+        self._breakers.of(instance.shared).ready()
 
 
 @attrs.define(eq=False)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from twisted.internet.defer import Deferred
+from zope.interface import Interface, implementer
 
 from blazar import store, strictjson
 from blazar.engines.bench import check_run
@@ -91,6 +92,23 @@ def row_json(row: store.StoredBenchRow) -> dict[str, Any]:
             "hardware": json.loads(hardware), "settings": json.loads(settings), "levels": json.loads(levels)}
 
 
+class IBenchRecords(Interface):
+    """
+    The bench history, as the control socket uses it.
+    """
+
+    async def record(model: str, run: Any) -> dict[str, Any]:
+        """
+        Record a checked C{blazar bench} run of C{model}; the stored row.
+        """
+
+    async def history(model: str | None, limit: int) -> list[dict[str, Any]]:
+        """
+        Up to C{limit} runs of C{model} (every model's for L{None}), newest first.
+        """
+
+
+@implementer(IBenchRecords)
 class BenchRecords:
     """
     Records bench runs and reads them back (see the module docstring).

@@ -20,13 +20,15 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from blazar.config import Config, parse_duration
-from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
+from blazar.engines.client import IEngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
 from blazar.engines.lanes import LLAMACPP, SDCPP
 from blazar.engines.lease import InstanceLease
 from blazar.engines.remote import is_remote, scrub
-from blazar.engines.supervisor import EngineError, EngineTimeout, Instance, InstanceState, Supervisor
+from blazar.engines.errors import EngineError, EngineTimeout
+from blazar.engines.instance import IInstance, InstanceState
+from blazar.engines.interfaces import ISupervisor
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
@@ -162,7 +164,7 @@ class EngineProxy:
     """
 
     def __init__(
-        self, supervisor: Supervisor, engines: EngineClient, clock: Any,
+        self, supervisor: ISupervisor, engines: IEngineClient, clock: Any,
         registry: ModelRegistry | None = None, config: Callable[[], Config] = Config,
     ) -> None:
         """
@@ -414,7 +416,7 @@ class EngineProxy:
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        request: Any = None, stream: bool = True, ready: tuple[Instance, float] | None = None,
+        request: Any = None, stream: bool = True, ready: tuple[IInstance, float] | None = None,
         content_type: str = "application/json",
     ) -> tuple[InstanceLease, Any]:
         """
@@ -471,7 +473,7 @@ class EngineProxy:
         raise AssertionError("unreachable")
 
     async def _send_to(
-        self, instance: Instance, model: str, path: str, body: bytes, attempt: int, stream: bool = True,
+        self, instance: IInstance, model: str, path: str, body: bytes, attempt: int, stream: bool = True,
         content_type: str = "application/json",
     ) -> Any:
         """
@@ -566,7 +568,7 @@ class EngineProxy:
                                        f"set api_key or api_key_env of [[remotes]] name = {remote.name!r}")
         return EngineRejected(status, f"{instance.server}: {message}", retry_after if status == 429 else None)
 
-    async def _headers(self, instance: Instance, request: Deferred[Any]) -> Any:
+    async def _headers(self, instance: IInstance, request: Deferred[Any]) -> Any:
         """
         Wait for the child's response headers. Every
         C{child_header_timeout_secs} without them, ask the child's
@@ -621,7 +623,7 @@ class EngineProxy:
                 request.cancel()
                 raise ChildWedged()
 
-    async def read(self, instance: Instance, response: Any) -> bytes:
+    async def read(self, instance: IInstance, response: Any) -> bytes:
         """
         The whole body of a child's response.
 
@@ -639,7 +641,7 @@ class EngineProxy:
             raise await self.supervisor.explain_failure(instance, e) from None
 
     async def relay_chunks(
-        self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
+        self, instance: IInstance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
         request: Any = None,
     ) -> None:
         """
@@ -662,7 +664,7 @@ class EngineProxy:
         await self.relay(instance, response, SSEEvents(on_event).feed, request)
 
     async def relay(
-        self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None],
+        self, instance: IInstance, response: Any, on_chunk: Callable[[bytes], None],
         request: Any = None,
     ) -> None:
         """

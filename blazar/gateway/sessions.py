@@ -33,7 +33,7 @@ from typing import Any, Callable, Sequence
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, DeferredLock, ensureDeferred
 from twisted.logger import Logger
-from zope.interface import Interface, implementer
+from zope.interface import Attribute, Interface, implementer
 
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
 from blazar.engines.supervisor import child_shape, thd_identity
@@ -302,6 +302,26 @@ class Pin:
     slot: int
 
 
+class ISessions(Interface):
+    """
+    The session table, as the control socket uses it.
+    """
+
+    enabled = Attribute("Whether sessions are on (C{[sessions] max_sessions} above 0).")
+
+    def of_key(key: str | None) -> list[Session]:
+        """
+        The sessions of C{key} (every key's for L{None}), most recent first.
+        """
+
+    def close(key: str | None, name: str) -> list[Session]:
+        """
+        End C{key}'s sessions named C{name} (any key's for L{None}); the
+        sessions ended.
+        """
+
+
+@implementer(ISessions)
 class Sessions:
     """
     The sessions of every key and model (see the module docstring).

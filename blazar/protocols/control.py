@@ -26,7 +26,16 @@ from blazar.logtext import event_text, printable
 from blazar import strictjson
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
+    from twisted.internet.interfaces import IReactorTime
+
+    from blazar.engines.hardware import IHardwareCensus
+    from blazar.engines.hints import IEngineHints
+    from blazar.engines.interfaces import ISupervisor
+    from blazar.gateway.bench import IBenchRecords
     from blazar.gateway.operations import ModelOperations
+    from blazar.gateway.sessions import ISessions
+    from blazar.models.registry import IModelRegistry
+    from blazar.protocols.keyadmin import IKeyAdmin
 
 PROTOCOL_VERSION = 1
 PAGE = 50
@@ -451,11 +460,12 @@ class ControlServer(amp.AMP):
     """
 
     def __init__(
-        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: Any,
-        logs: LogRing | None = None, keys: Any = None,
-        queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,
-        bench: Any = None,
+        self, supervisor: ISupervisor, registry: IModelRegistry,
+        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: IReactorTime,
+        logs: LogRing | None = None, keys: IKeyAdmin | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None, hints: IEngineHints | None = None,
+        operations: ModelOperations | None = None, sessions: ISessions | None = None,
+        hardware: IHardwareCensus | None = None, bench: IBenchRecords | None = None,
     ) -> None:
         """
         @param bench: The bench history (L{blazar.gateway.bench.BenchRecords});
@@ -475,7 +485,8 @@ class ControlServer(amp.AMP):
         if operations is None:
             from blazar.gateway.operations import ModelOperations
 
-            operations = ModelOperations(registry, supervisor, None, clock)
+            # (its registry is the concrete one: it lists the Ollama store too)
+            operations = ModelOperations(registry, supervisor, None, clock)  # type: ignore[arg-type]
         self._operations = operations
         self._hints = hints
         self._queue = queue
@@ -667,13 +678,25 @@ class ControlServer(amp.AMP):
         text, truncated = fit_queue(self._queue() if self._queue is not None else {"models": []})
         return {"queue": text, "truncated": truncated}
 
+    def _admin(self) -> IKeyAdmin:
+        """
+        The key admin (the daemon always has one).
+
+        @raise KeyError_: This server was made without one.
+        """
+        if self._key_admin is None:
+            raise KeyError_("this daemon manages no keys here")
+        return self._key_admin
+
     @ReloadConfig.responder
     def reload_config(self) -> Deferred[dict[str, Any]]:
         from blazar.config import ConfigError
 
+        admin = self._admin()
+
         async def answer() -> dict[str, Any]:
             try:
-                report = await self._key_admin.reload()
+                report = await admin.reload()
             except (ConfigError, OSError) as e:
                 log.error("blazar reload: the config file was not applied: {error}", error=str(e))
                 raise KeyError_(str(e)) from None
@@ -687,15 +710,17 @@ class ControlServer(amp.AMP):
     def keys_list(self) -> dict[str, Any]:
         return {"keys": [
             {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models)}
-            for k in self._key_admin.config.keys
+            for k in self._admin().config.keys
         ]}
 
     def _keys_change(self, change: Callable[[Any], Any]) -> Deferred[dict[str, Any]]:
         from blazar.config import ConfigError
 
+        admin = self._admin()
+
         async def answer() -> dict[str, Any]:
             try:
-                return await self._key_admin.change(change)
+                return await admin.change(change)
             except (ConfigError, OSError, ValueError) as e:
                 raise KeyError_(str(e)) from None
 
@@ -729,11 +754,12 @@ class ControlFactory(Factory):
     """
 
     def __init__(
-        self, supervisor: Any, registry: Any, status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: Any,
-        logs: LogRing | None = None, keys: Any = None,
-        queue: Callable[[], dict[str, Any]] | None = None, hints: Any = None,
-        operations: ModelOperations | None = None, sessions: Any = None, hardware: Any = None,
-        bench: Any = None,
+        self, supervisor: ISupervisor, registry: IModelRegistry,
+        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: IReactorTime,
+        logs: LogRing | None = None, keys: IKeyAdmin | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None, hints: IEngineHints | None = None,
+        operations: ModelOperations | None = None, sessions: ISessions | None = None,
+        hardware: IHardwareCensus | None = None, bench: IBenchRecords | None = None,
     ) -> None:
         self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations, sessions, hardware,
                       bench)

@@ -17,6 +17,7 @@ from typing import Any, Callable
 from twisted.internet.defer import DeferredLock
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+from zope.interface import Attribute, Interface, implementer
 
 from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, load_config, thd_rewrite
 
@@ -33,6 +34,26 @@ def new_secret() -> str:
     return "blz-" + secrets.token_urlsafe(30)
 
 
+class IKeyAdmin(Interface):
+    """
+    Key changes and config reloads, as the control socket asks for them.
+    """
+
+    config = Attribute("The live config's current L{Config}.")
+
+    async def change(plan: Callable[[Any], tuple[Callable[[Any], None], dict[str, Any]]]) -> dict[str, Any]:
+        """
+        Run C{plan(self)}: a change to the config file and the answer; the
+        file is rewritten and the live config swapped.
+        """
+
+    async def reload() -> ReloadReport:
+        """
+        Re-read the config file and swap it in whole.
+        """
+
+
+@implementer(IKeyAdmin)
 class KeyAdmin:
     """
     Applies key changes and reloads of the config file to the file and the

@@ -954,7 +954,7 @@ class GPUPlacementTests(SynchronousTestCase):
         self.health = 200
         self.reactor.advance(0.05)
         self.assertIs(self.successResultOf(d), instance)
-        self.assertEqual(supervisor._corrections["m:latest"], 50 * 2**20)
+        self.assertEqual(supervisor._room.corrections["m:latest"], 50 * 2**20)
         self.assertEqual([v.vram for v in supervisor.snapshot()], [sum(instance.plan.gpu_bytes.values())])
 
     def test_a_model_that_cannot_be_placed_is_refused_with_its_levers(self) -> None:
@@ -993,7 +993,7 @@ class GPUPlacementTests(SynchronousTestCase):
         self.assertNotIn("-ngl", argv)
         self.assertNotIn("CUDA_VISIBLE_DEVICES", env)
         self.assertIsNone(instance.plan)
-        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._room.engine_uses_gpus(Path("/bin/true"), 1))))
         self.assertEqual(self.asked, [Path("/bin/true")])  # once per binary file
 
     def test_an_engine_that_cannot_say_is_asked_again(self) -> None:
@@ -1005,10 +1005,10 @@ class GPUPlacementTests(SynchronousTestCase):
 
         supervisor = self.make(FakeNVML.with_gpus(24 * GIB))
         self.engine_devices = None
-        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertFalse(self.successResultOf(ensureDeferred(supervisor._room.engine_uses_gpus(Path("/bin/true"), 1))))
         self.engine_devices = ["CUDA0: NVIDIA GeForce RTX 4090 (24564 MiB, 24000 MiB free)"]
-        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
-        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._room.engine_uses_gpus(Path("/bin/true"), 1))))
+        self.assertTrue(self.successResultOf(ensureDeferred(supervisor._room.engine_uses_gpus(Path("/bin/true"), 1))))
         self.assertEqual(self.asked, [Path("/bin/true")] * 2)
 
     def test_a_machine_without_gpus_is_as_before(self) -> None:
@@ -1119,4 +1119,4 @@ class GPUMemoryTests(SynchronousTestCase):
         self.assertEqual(self.vram(supervisor, 0), 200 * 2**20)
         (view,) = supervisor.snapshot()
         self.assertEqual(view.gpu_memory(), [(0, None, 200 * 2**20)])
-        self.assertEqual(supervisor._corrections, {})  # no plan: nothing to correct
+        self.assertEqual(supervisor._room.corrections, {})  # no plan: nothing to correct

@@ -28,7 +28,7 @@ from blazar.gateway.context import context_of
 from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
-from blazar.testing import FakeInstance
+from blazar.testing import FakeInstance, FakeSupervisor
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.engine_proxy import STREAM_IDLE_TIMEOUT, EngineProxy
@@ -101,8 +101,11 @@ class EngineBody:
         self.protocol.connectionLost(Failure(ResponseDone()))
 
 
-class Supervisor:
-    async def explain_failure(self, instance: Any, error: BaseException) -> BaseException:
+class Supervisor(FakeSupervisor):
+    def __init__(self) -> None:
+        super().__init__([])
+
+    async def explain_failure(self, instance: Any, error: BaseException) -> Any:  # passes the error on as it is
         return error
 
 

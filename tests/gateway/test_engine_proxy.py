@@ -9,13 +9,15 @@ from blazar.engines.lease import InstanceLease
 from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.testing import FakeInstance
+from blazar.testing import FakeEngineClient, FakeSupervisor
 from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
 from blazar.engines.supervisor import EngineError, Instance
 from blazar.engines.supervisor import Supervisor as RealSupervisor
 
 
-class HealthSupervisor:
+class HealthSupervisor(FakeSupervisor):
     def __init__(self) -> None:
+        super().__init__([])
         self.healthy = True
         self.probes = 0
 
@@ -242,20 +244,21 @@ class PreflightTests(SynchronousTestCase):
         self.assertEqual(self.proxy._counts, {})
 
 
-class ScriptedEngines:
+class ScriptedEngines(FakeEngineClient):
     """
     An engine client whose requests end, in turn, as C{outcomes} say: an
     exception is raised, a callable is called first (a test's way to change
     the world as a request goes out), anything else is a 200 response.
-    C{sent} records C{(url, stream)}.
+    C{routed} records C{(url, stream)}.
     """
 
     def __init__(self, *outcomes: Any) -> None:
+        super().__init__(None)
         self.outcomes = list(outcomes)
-        self.sent: list[tuple[str, bool]] = []
+        self.routed: list[tuple[str, bool]] = []
 
     async def request(self, method: str, url: str, body: Any, headers: Any, stream: bool = True) -> Any:
-        self.sent.append((url, stream))
+        self.routed.append((url, stream))
         outcome = self.outcomes.pop(0)
         if callable(outcome):
             outcome = outcome()
@@ -273,8 +276,6 @@ class ChildExitedTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         import attrs
-
-        from blazar.testing import FakeSupervisor
 
         @attrs.define
         class ExplainingSupervisor(FakeSupervisor):
@@ -322,7 +323,7 @@ class ChildExitedTests(SynchronousTestCase):
             self.assertIsNot(instance, self.first)
             self.assertEqual(self.first.state, "dead")
             self.assertEqual((self.first.in_flight, instance.in_flight), (0, 1))
-            self.assertEqual(len(engines.sent), 2)
+            self.assertEqual(len(engines.routed), 2)
             self.assertEqual(self.supervisor.explained, [])  # no wait for the exit report
             lease.release()  # the caller's, once the answer is read
             self.first = instance
@@ -332,7 +333,7 @@ class ChildExitedTests(SynchronousTestCase):
         engines = ScriptedEngines(self.reset(), 200)
         lease, _ = self.successResultOf(self.send(engines))
         self.assertIs(lease.instance, self.first)
-        self.assertEqual([stream for _, stream in engines.sent], [False, True])
+        self.assertEqual([stream for _, stream in engines.routed], [False, True])
         self.assertEqual(self.supervisor.started, 1)
 
     def test_exiting_when_asked_exited_by_the_second_try(self) -> None:
@@ -347,7 +348,7 @@ class ChildExitedTests(SynchronousTestCase):
         engines = ScriptedEngines(self.reset(), refused_now_gone, 200)
         lease, _ = self.successResultOf(self.send(engines))
         self.assertIsNot(lease.instance, self.first)
-        self.assertEqual(len(engines.sent), 3)
+        self.assertEqual(len(engines.routed), 3)
 
     def test_a_clean_close_from_a_child_now_dead_is_a_crash(self) -> None:
         from blazar.engines.client import StaleConnection
@@ -358,7 +359,7 @@ class ChildExitedTests(SynchronousTestCase):
             self.first.alive = False
             engines = ScriptedEngines(error, 200)
             self.failureResultOf(self.send(engines, stream), EngineCrashed)
-            self.assertEqual(len(engines.sent), 1)  # not run again
+            self.assertEqual(len(engines.routed), 1)  # not run again
             self.assertEqual(self.first.in_flight, 0)
             self.first = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
 
@@ -372,7 +373,7 @@ class ChildExitedTests(SynchronousTestCase):
         self.first.alive = False
         engines = ScriptedEngines(ResponseFailed([Failure(ConnectionLost())]), 200)
         self.failureResultOf(self.send(engines), EngineCrashed)
-        self.assertEqual(len(engines.sent), 1)
+        self.assertEqual(len(engines.routed), 1)
 
     def test_a_fresh_child_dead_on_arrival_too_is_a_502_not_a_loop(self) -> None:
         from blazar.engines.supervisor import EngineCrashed
@@ -384,7 +385,7 @@ class ChildExitedTests(SynchronousTestCase):
 
         engines = ScriptedEngines(dies, dies, 200)
         self.failureResultOf(self.send(engines), EngineCrashed)
-        self.assertEqual(len(engines.sent), 2)
+        self.assertEqual(len(engines.routed), 2)
         self.assertEqual(self.supervisor.started, 2)
 
 

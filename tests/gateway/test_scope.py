@@ -25,11 +25,11 @@ from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
+from blazar.testing import StubEngineClient
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.gateway.quota import QuotaExceeded
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
-from tests.web.test_openai import StubEngineClient
 from tests.typed import StubTreq
 
 ADMIN = "admin-secret-0123456789"

@@ -23,11 +23,10 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
+from blazar.testing import StubEngineClient
 from blazar.web.auth import AuthGate, KeyHolder
 
-from tests.web.test_openai import StubEngineClient
 from tests.typed import StubTreq
-
 
 class Capture(Resource):
     """

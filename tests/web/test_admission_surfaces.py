@@ -20,11 +20,10 @@ from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from blazar.gateway.admission import Admission, Lease
 from blazar.service import build_gateway
 
-from .test_openai import StubEngineClient
 
 from tests.typed import StubTreq
 

@@ -2,34 +2,17 @@ import json
 from pathlib import Path
 from typing import Any, cast
 
-from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.engines.client import EngineClient, NotDelivered
+from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
-
 from tests.typed import StubTreq
-
-
-class StubEngineClient:
-    def __init__(self, stub: StubTreq, supervisor: FakeSupervisor | None = None) -> None:
-        self.stub = stub
-        self.supervisor = supervisor
-        self.refuse = 0
-
-    async def request(self, method: str, url: str, body: bytes, headers: Any, stream: bool = True) -> Any:
-        if self.refuse:
-            # the next requests' children have exited (unreported): they refuse
-            self.refuse -= 1
-            for instance in self.supervisor.table.values() if self.supervisor else ():
-                instance.alive = False
-            raise NotDelivered(ConnectionRefusedError("127.0.0.1", 1))
-        return await self.stub.request(method, url, data=body, headers=headers, unbuffered=True)
+from blazar.testing import StubEngineClient
 
 
 class OpenAISurfaceTests(SynchronousTestCase):

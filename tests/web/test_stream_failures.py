@@ -24,8 +24,8 @@ from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
+from blazar.testing import StubEngineClient
 
-from .test_openai import StubEngineClient
 
 from tests.typed import StubTreq
 
