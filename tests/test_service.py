@@ -19,6 +19,7 @@ from blazar.protocols.keyadmin import KeyAdmin
 from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
+from blazar.web.client import context_of
 
 GOOD = '[[keys]]\nname = "first"\nsecret = "first-secret-0123456789"\n'
 
@@ -473,7 +474,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, request)  # type: ignore[arg-type]
+                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, context_of(request))  # type: ignore[arg-type]
             )
             bound = request.producer._stall_close_secs  # type: ignore[attr-defined]
             engine.end()

@@ -47,11 +47,10 @@ from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
-from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
-from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.quota import retry_after_value
 
 PRIORITY_HEADER = b"x-blazar-priority"
@@ -630,63 +629,53 @@ class Admission:
         ]}
 
 
-def body_size(request: IRequest) -> int:
-    """
-    Bytes of the request's body (as received, whatever was read of it).
-    """
-    content = request.content
-    if content is None:
-        return 0
-    here = content.tell()
-    content.seek(0, 2)
-    size = int(content.tell())
-    content.seek(here)
-    return size
-
-
 async def admit_request(
-    admission: Admission, request: IRequest, model: str, slots: int, work: WorkClass,
+    admission: Admission, context: RequestContext | None, model: str, slots: int, work: WorkClass,
     size: int | None = None,
 ) -> Lease:
     """
-    Wait for a slot of C{model} on behalf of a web request: priority and
-    deadline from its headers, the API key it was admitted with (its
+    Wait for a slot of C{model} on behalf of a client's request: priority
+    and deadline as its client (L{blazar.gateway.context.IClient}) reports
+    them, the API key it was admitted with (its
     C{weight}), its trace id. The slot is released when the response is
     finished or the client leaves; C{x-blazar-queue-ms} tells the client
     how long it waited.
 
     @param slots: The model's slot count.
     @param size: Bytes of the request body as sent (default:
-        L{body_size}).
+        the client's).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
     @raise CancelledError: The client left while waiting.
     """
-    key = key_of(request)
+    key = key_of(context)
+    client = context.client if context is not None else None
     queue = admission.queue(model)
-    priority = parse_priority(request.getHeader(PRIORITY_HEADER))
-    if priority is Priority.BATCH and not context_of(request).batch_line:
+    priority = parse_priority(client.priority() if client is not None else None)
+    if priority is Priority.BATCH and not (context is not None and context.batch_line):
         # batch (below everything, a day's wait) is the Batch API runner's own:
         # from a client it is low (issue 36: it let one key park 1,024 waiters)
         priority = Priority.LOW
     ticket = queue.ticket(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
         priority=priority,
-        deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
-        work=work, body_size=body_size(request) if size is None else size,
-        trace_id=trace_id_of(request),
+        deadline=parse_deadline_ms(client.deadline() if client is not None else None),
+        work=work, body_size=(client.body_size() if client is not None else 0) if size is None else size,
+        trace_id=trace_id_of(context),
     )
     waiting = queue.admit(ticket, slots)
-    gone = request.notifyFinish()  # type: ignore[attr-defined]
-    if not waiting.called:
+    gone = client.finished() if client is not None else None
+    if gone is not None and not waiting.called:
         # the client left while waiting: leave the queue at once, even if
         # the handler's Deferred is not cancelled (e.g. a resource that
         # does not propagate the disconnect)
         gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
     lease = await waiting
-    gone.addBoth(lambda _: lease.release())
-    context = context_of(request)
+    if gone is not None:
+        gone.addBoth(lambda _: lease.release())
+    if context is None:
+        return lease
     if context.started is not None:  # observed: for its trace
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
-    request.setHeader(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
+    context.set_reply_header(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
 

@@ -30,7 +30,7 @@ from blazar.engines.supervisor import EngineError, EngineTimeout, Instance, Inst
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
-from blazar.gateway.context import context_of, note_span, timing_of
+from blazar.gateway.context import RequestContext, note_span, timing_of
 from blazar.engines.sse import SSEEvents
 from blazar.gateway import placement
 from blazar import strictjson
@@ -146,14 +146,14 @@ def stream_error_message(error: Any) -> str:
     return str(error)[:2000]
 
 
-def note_load(request: Any, instance: Any, began: float, now: float) -> None:
+def note_load(context: RequestContext | None, instance: Any, began: float, now: float) -> None:
     """
-    A C{load} span in C{request}'s trace if C{instance} became ready while
+    A C{load} span in the request's trace if C{instance} became ready while
     the request waited for it (from C{began} to C{now}, clock seconds).
     """
     ready_at = getattr(instance, "ready_at", None)
     if ready_at is not None and ready_at >= began:
-        note_span(request, "load", began, now)
+        note_span(context, "load", began, now)
 
 
 class EngineProxy:
@@ -414,7 +414,7 @@ class EngineProxy:
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        request: Any = None, stream: bool = True, ready: tuple[Instance, float] | None = None,
+        context: RequestContext | None = None, stream: bool = True, ready: tuple[Instance, float] | None = None,
         content_type: str = "application/json",
     ) -> tuple[InstanceLease, Any]:
         """
@@ -430,8 +430,8 @@ class EngineProxy:
         (a clean close before any answer, any byte of an answer) fails:
         running it again could run it twice.
 
-        @param request: The web request this is for (its trace gets
-            C{load} and C{generate} spans).
+        @param context: The request this is for (its trace gets C{load}
+            and C{generate} spans).
         @param stream: Whether the child streams its answer (L{False}: a
             reply read whole, sent over a kept-alive connection).
         @param ready: The child the caller already waited for, and when it
@@ -449,10 +449,10 @@ class EngineProxy:
                 # unload or an eviction since: the next one serves it)
                 began = self._clock.seconds()
                 instance = await self.supervisor.instance_for(model, ctx_size)
-            if request is not None:
+            if context is not None:
                 now = self._clock.seconds()
-                note_load(request, instance, began, now)
-                note_span(request, "generate", now)
+                note_load(context, instance, began, now)
+                note_span(context, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
             # requests wait for this one (the caller ends the lease)
             lease = InstanceLease(self.supervisor, instance)
@@ -463,7 +463,7 @@ class EngineProxy:
                 continue
             except CancelledError:
                 lease.release()
-                self.count_abandoned(request, instance)
+                self.count_abandoned(context, instance)
                 raise
             except BaseException:
                 lease.release()
@@ -640,7 +640,7 @@ class EngineProxy:
 
     async def relay_chunks(
         self, instance: Instance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
-        request: Any = None,
+        context: RequestContext | None = None,
     ) -> None:
         """
         Feed each JSON chunk of a child's SSE stream to C{on_chunk} (for
@@ -659,18 +659,19 @@ class EngineProxy:
                 raise EngineRejected(500, message)
             on_chunk(chunk)
 
-        await self.relay(instance, response, SSEEvents(on_event).feed, request)
+        await self.relay(instance, response, SSEEvents(on_event).feed, context)
 
     async def relay(
         self, instance: Instance, response: Any, on_chunk: Callable[[bytes], None],
-        request: Any = None,
+        context: RequestContext | None = None,
     ) -> None:
         """
-        Feed the child's body to C{on_chunk} as it arrives; with C{request},
+        Feed the child's body to C{on_chunk} as it arrives; with C{context},
         note when bytes arrived on it (L{blazar.gateway.context.StreamTiming},
         for time to first token and time per output token).
 
-        With C{request} on a live HTTP channel, the relay is the request's
+        With a client on a live HTTP channel (its
+        L{blazar.gateway.context.IClient.consumer}), the relay is the response's
         producer (L{ClientPacer}): while the client does not read, the
         child's connection is not read either, and a client paused for
         C{stream_stall_close_secs} is disconnected. It returns once the
@@ -682,7 +683,7 @@ class EngineProxy:
             the stream (C{ValueError}).
         @raise CancelledError: The client left (or was cut off as stalled).
         """
-        timing = timing_of(request)
+        timing = timing_of(context)
         if timing is not None:
             tick, seconds, feed = timing.tick, self._clock.seconds, on_chunk
 
@@ -691,8 +692,10 @@ class EngineProxy:
                 feed(data)
 
         valve, pacer = BodyValve(), None
-        if request is not None:
-            pacer = ClientPacer(request, valve, self._clock, self._config().stream_stall_close, instance.entry.name)
+        consumer = context.client.consumer() if context is not None and context.client is not None else None
+        if consumer is not None:
+            pacer = ClientPacer(consumer, valve, self._clock, self._config().stream_stall_close, instance.entry.name,
+                                context)
             if not pacer.register():
                 pacer = None
         quiet = None
@@ -712,7 +715,7 @@ class EngineProxy:
             if pacer is not None:
                 await pacer.drained()
         except CancelledError:
-            self.count_abandoned(request, instance)
+            self.count_abandoned(context, instance)
             raise
         except (EngineRejected, StreamStopped):
             raise
@@ -735,9 +738,9 @@ class EngineProxy:
             if pacer is not None:
                 pacer.unregister()
 
-    def count_abandoned(self, request: Any, instance: Any) -> None:
+    def count_abandoned(self, context: RequestContext | None, instance: Any) -> None:
         """
-        The client of C{request} left while a llama.cpp child worked on it,
+        The client of the request left while a llama.cpp child worked on it,
         before the answer's usage was counted: what the child reports for
         the task it stopped (the prompt and the tokens generated until the
         stop, L{blazar.engines.process.EngineProcessProtocol.next_cancelled})
@@ -745,7 +748,7 @@ class EngineProxy:
         C{daily_tokens}). A task the child finished, or never started,
         reports nothing within L{CANCEL_REPORT_SECS}, and nothing is counted.
         """
-        record = context_of(request).usage if request is not None else None
+        record = context.usage if context is not None else None
         protocol = getattr(instance, "protocol", None)
         if record is None or protocol is None or is_remote(instance):
             return

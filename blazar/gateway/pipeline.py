@@ -63,7 +63,7 @@ from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
-from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
+from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens, record_usage
 from blazar.gateway.defaults import apply_model_defaults, model_context
 from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
@@ -113,7 +113,7 @@ class Reply:
     """
 
     def __init__(
-        self, proxy: EngineProxy, request: Any, lease: InstanceLease | None, response: Any,
+        self, proxy: EngineProxy, context: RequestContext | None, lease: InstanceLease | None, response: Any,
         prompt_tokens: int | None, started: float, loaded: float, model: str | None = None,
     ) -> None:
         """
@@ -122,7 +122,7 @@ class Reply:
             the model).
         """
         self._proxy = proxy
-        self._request = request
+        self._context = context
         self._lease = lease
         self._response = response
         if model is None:
@@ -180,7 +180,7 @@ class Reply:
         keep, self.keep = self.keep, None
         if keep is not None and not findings:
             keep(data)
-        if scoped(self._request):
+        if scoped(self._context):
             data = hide_prompt_cache_bytes(data)
         return data
 
@@ -384,7 +384,7 @@ class Reply:
         pace (L{EngineProxy.relay}).
         """
         await self._remote_json()
-        hider = _CacheHider(feed) if scoped(self._request) else None
+        hider = _CacheHider(feed) if scoped(self._context) else None
         if hider is not None:
             feed = hider.feed
         watch = StreamWatch(self.watched) if self.watched is not None else None
@@ -415,18 +415,18 @@ class Reply:
             elif self.anthropic is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
-                                        self._request)
+                                        self._context)
             elif self.completion is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._completion_bytes(feed),
-                                        self._request)
+                                        self._context)
             elif self.renamed:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._renamed_events(feed),
-                                        self._request)
+                                        self._context)
             else:
                 assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
+                await self._proxy.relay(self._lease.instance, self._response, feed, self._context)
         finally:
             if timer is not None and timer.active():
                 timer.cancel()
@@ -462,7 +462,7 @@ class Reply:
         @raise blazar.gateway.errors.EngineRejected: An in-stream error.
         """
         await self._remote_json()
-        if scoped(self._request):
+        if scoped(self._context):
             hidden = on_chunk
 
             def on_chunk(chunk: dict[str, Any]) -> Any:
@@ -496,15 +496,15 @@ class Reply:
             elif self.anthropic is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
-                                        self._request)
+                                        self._context)
             elif self.completion is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, self._completion_events(on_chunk),
-                                        self._request)
+                                        self._context)
             else:
                 assert self._lease is not None
                 try:
-                    await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
+                    await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._context)
                 except EngineRejected as e:
                     if watch is None or not str(e).startswith(UNPARSED):
                         raise
@@ -534,11 +534,13 @@ class Reply:
         if not findings:
             return
         codes = tuple(dict.fromkeys(code for code, _ in findings))
-        context_of(self._request).sentinel = codes
-        request = self._request
-        if request is None or getattr(request, "startedWriting", True):
+        context = self._context
+        if context is None:
+            return
+        context.sentinel = codes
+        if context.client is None or context.client.writing():
             return  # streamed to the client already: counted, never cut
-        request.setHeader(SENTINEL_HEADER, ",".join(codes))
+        context.set_reply_header(SENTINEL_HEADER.encode("ascii"), ",".join(codes).encode("ascii"))
         if self.enforce:
             raise SentinelViolation(findings)
 
@@ -551,8 +553,8 @@ class Reply:
         """
         if self.cached:
             return
-        note_tokens(self._request, prompt, completion)
-        record_usage(self._request, prompt + completion)
+        note_tokens(self._context, prompt, completion)
+        record_usage(self._context, prompt + completion)
 
     def tokens(self, prompt: int, completion: int) -> None:
         """
@@ -561,15 +563,15 @@ class Reply:
         """
         if self.cached:
             return
-        note_tokens(self._request, prompt, completion)
+        note_tokens(self._context, prompt, completion)
 
     def audio_used(self) -> float:
         """
         The seconds of audio a transcription decoded, counted against the
         key's token limits (each second as one token) once it is answered.
         """
-        seconds = context_of(self._request).audio_seconds or 0.0
-        record_usage(self._request, math.ceil(seconds))
+        seconds = (self._context.audio_seconds if self._context is not None else None) or 0.0
+        record_usage(self._context, math.ceil(seconds))
         return seconds
 
     def record(self, total: int) -> None:
@@ -578,34 +580,34 @@ class Reply:
         """
         if self.cached:
             return
-        record_usage(self._request, total)
+        record_usage(self._context, total)
 
 
 class Opened:
     """
-    C{async with pipeline.open(request, call) as reply}: the steps up to
+    C{async with pipeline.open(context, call) as reply}: the steps up to
     the send on entry; the lease's end on exit, however the block ends.
     """
 
-    def __init__(self, pipeline: Pipeline, request: Any, call: Call) -> None:
+    def __init__(self, pipeline: Pipeline, context: RequestContext | None, call: Call) -> None:
         self._pipeline = pipeline
-        self._request = request
+        self._context = context
         self._call = call
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
 
     async def __aenter__(self) -> Reply:
-        self._reply, self._lease = await self._pipeline._start(self._request, self._call)
+        self._reply, self._lease = await self._pipeline._start(self._context, self._call)
         return self._reply
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if self._reply is not None and self._reply.isolated is not None:
             self._pipeline.isolation.release(self._reply.isolated)
         if self._reply is not None and self._reply.pin is not None and self._pipeline.sessions is not None:
-            tokens = context_of(self._request).tokens
+            tokens = self._context.tokens if self._context is not None else None
             self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
         if self._lease is not None:
-            self._pipeline._end(self._lease, keep_alive_of(self._request, self._call))
+            self._pipeline._end(self._lease, keep_alive_of(self._context, self._call))
 
 
 class Pipeline:
@@ -634,19 +636,19 @@ class Pipeline:
         self.images: ImageFetcher | None = None  # fetches image URLs (L{_vision}); None: they are refused
         self.isolation = KeyIsolation(clock)  # the slots of models with isolate_keys
 
-    def open(self, request: Any, call: Call) -> Opened:
+    def open(self, context: RequestContext | None, call: Call) -> Opened:
         """
         Run C{call} up to the engine's answer; see L{Opened}.
         """
-        return Opened(self, request, call)
+        return Opened(self, context, call)
 
-    async def count(self, request: Any, call: Call) -> int:
+    async def count(self, context: RequestContext | None, call: Call) -> int:
         """
         The prompt tokens C{call} would report, counted by the child on the
         same rendering (steps 1-4, then the count): C{count_tokens},
         C{input_tokens}.
         """
-        await self._check(request, call)
+        await self._check(context, call)
         if call.lane is not None:
             raise UnsupportedByModel(
                 f"model {call.model!r} is served by the {call.lane.name} lane, whose server Blazar cannot ask to "
@@ -655,7 +657,7 @@ class Pipeline:
             await call.rewrite(call)
         return await self._count(call)
 
-    async def load(self, request: Any, call: Call) -> tuple[float, float]:
+    async def load(self, context: RequestContext | None, call: Call) -> tuple[float, float]:
         """
         Make sure a child for C{call.model} is ready (scope checked) and
         record the use with C{call.keep_alive}: Ollama's load with an empty
@@ -663,17 +665,17 @@ class Pipeline:
 
         @return: Clock seconds when it began and when the child was ready.
         """
-        call.entry = await self._scope(request, call.model)
+        call.entry = await self._scope(context, call.model)
         model_context(call)  # a model's own num_ctx
         started = self._clock.seconds()
-        await self._placement(request, call)
+        await self._placement(context, call)
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
-        note_load(request, instance, started, loaded)
-        self._end(InstanceLease(self.supervisor, instance), keep_alive_of(request, call))
+        note_load(context, instance, started, loaded)
+        self._end(InstanceLease(self.supervisor, instance), keep_alive_of(context, call))
         return started, loaded
 
-    async def scope(self, request: Any, model: str) -> str:
+    async def scope(self, context: RequestContext | None, model: str) -> str:
         """
         Step 2 alone, for what is not a call (Ollama's unload with an
         empty prompt): the canonical name of a model the request's key may
@@ -681,20 +683,20 @@ class Pipeline:
 
         @raise ModelNotFound: No such model, or one the key may not use.
         """
-        entry = await self._scope(request, model)
+        entry = await self._scope(context, model)
         return entry.name if entry is not None else model
 
-    async def lane_kind(self, request: Any, model: str) -> str | None:
+    async def lane_kind(self, context: RequestContext | None, model: str) -> str | None:
         """
         What a built-in lane's model serves (C{transcription} or C{image}),
         or L{None} for llama.cpp's and command lanes' models: for a surface
         whose one endpoint takes more than one kind (Ollama's
         C{/api/generate} makes images too). The scope step runs here (its
-        rate check once per request, as always).
+        rate check once per context, as always).
 
         @raise ModelNotFound: No such model, or one the key may not use.
         """
-        entry = await self._scope(request, model)
+        entry = await self._scope(context, model)
         if entry is None:
             return None
         architecture, _ = await self._facts_of(entry)
@@ -729,10 +731,10 @@ class Pipeline:
 
     # -- the steps ----------------------------------------------------------
 
-    async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease | None]:
+    async def _start(self, context: RequestContext | None, call: Call) -> tuple[Reply, InstanceLease | None]:
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
-        canonical = await self._check(request, call)
-        hit, keep = await self._cached(request, call, asked, canonical)
+        canonical = await self._check(context, call)
+        hit, keep = await self._cached(context, call, asked, canonical)
         if hit is not None:
             return hit, None
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
@@ -742,7 +744,7 @@ class Pipeline:
         raw = call.raw if call.raw is not None else strictjson.dumps(call.body).encode("utf-8")
         path, anthropic = call.path, None
         if lane is not None and lane.name == REMOTE:
-            raw, path, anthropic = self._remote_body(request, call)
+            raw, path, anthropic = self._remote_body(context, call)
         counted = None
         if lane is None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
@@ -751,10 +753,10 @@ class Pipeline:
             )
         if call.images:
             await self._image_sizes(call.images)
-        await self._admit(request, canonical, call.work, call.entry, call.lane)
+        await self._admit(context, canonical, call.work, call.entry, call.lane)
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
-            await self._audio(request, call)
+            await self._audio(context, call)
             raw = call.raw or b""
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
@@ -771,42 +773,42 @@ class Pipeline:
         json_route = lane is None and forced is None and await self._json_route(call)
         completion: jsonanswer.ChatFromCompletion | None = None
         try:
-            await self._placement(request, call)
+            await self._placement(context, call)
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
-            pin = await self._pin(request, call, instance)
-            isolated = self._isolate(request, call, instance, pin)
+            pin = await self._pin(context, call, instance)
+            isolated = self._isolate(context, call, instance, pin)
             slot = isolated.fields() if isolated is not None else {"id_slot": pin.slot} if pin is not None else {}
             made, noted = None, None
             if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
                 forced = None  # re-routed to a lane (an architecture llama.cpp did not know): its server decides
                 json_route = False
             if forced is not None:
-                lease, made = await self._forced(request, call, forced, instance, started, slot)
+                lease, made = await self._forced(context, call, forced, instance, started, slot)
                 response = None
             elif json_route and not call.stream:
-                lease, made = await self._json_answer(request, call, instance, slot)
+                lease, made = await self._json_answer(context, call, instance, slot)
                 response = None
             elif json_route:
-                lease, response = await self._json_send(request, call, instance, slot, stream=True)
+                lease, response = await self._json_send(context, call, instance, slot, stream=True)
                 completion = jsonanswer.ChatFromCompletion(lease.instance.entry.name, call.body)
             else:
                 raw = with_fields(raw, slot) or raw
                 try:
                     lease, response = await self._proxy.send(
-                        call.model, path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
+                        call.model, path, raw, call.ctx_size, context, call.stream, ready=(instance, started),
                         content_type=call.content_type,
                     )
                 except EngineRejected as e:
                     if not (call.kind is CallKind.CHAT and UNPARSED in str(e)):
                         raise
                     if call.body.get("tools"):
-                        noted, lease, response = await self._as_text(request, call, instance, slot, str(e))
+                        noted, lease, response = await self._as_text(context, call, instance, slot, str(e))
                     elif jsonanswer.json_format(call.body) is not None:
                         # (a reasoning model's JSON): its text without the parser
                         log.info("{model}: the engine's chat parser refused the model's JSON answer; asked once "
                                  "more without it, so its text is the answer", model=call.model)
-                        lease, made = await self._json_answer(request, call, instance, slot)
+                        lease, made = await self._json_answer(context, call, instance, slot)
                         response = None
                     else:
                         raise
@@ -819,7 +821,7 @@ class Pipeline:
         finally:
             if stop is not None:
                 stop()
-        reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
+        reply = Reply(self._proxy, context, lease, response, counted, started, loaded)
         reply.pin = pin
         reply.isolated = isolated
         reply.made = made
@@ -833,13 +835,13 @@ class Pipeline:
         reply.completion = completion
         if call.kind is CallKind.CHAT:
             reply.watched = asked
-            reply.enforce = self._enforce(request, lease.instance.entry)
+            reply.enforce = self._enforce(context, lease.instance.entry)
             reply.stall = self._config().sentinel_stall
             reply.clock = self._clock
         return reply, lease
 
     async def _cached(
-        self, request: Any, call: Call, asked: dict[str, Any], canonical: str,
+        self, context: RequestContext | None, call: Call, asked: dict[str, Any], canonical: str,
     ) -> tuple[Reply | None, Callable[[bytes], None] | None]:
         """
         The semantic cache step (L{blazar.gateway.cache}), after scope,
@@ -867,45 +869,44 @@ class Pipeline:
         if cache is None or call.kind is not CallKind.CHAT:
             return None, None
         config = self._config().cache
-        key = key_of(request)
+        key = key_of(context)
         entry = call.entry
         if not semantic.enabled_for(config.enabled, entry.settings.cache if entry is not None else None,
                                     key.cache if key is not None else None):
             return None, None
-        context = context_of(request)
         streamed = call.stream if call.client_stream is None else call.client_stream
         if call.stream and not streamed:  # the engine streams a whole answer: as a non-streamed chat
             asked = {k: v for k, v in asked.items() if k not in ("stream", "stream_options")}
         text = semantic.prompt_text(asked)
         if text is None or semantic.bypass(asked, streamed) is not None:
-            context.cache = semantic.BYPASSED
+            _note_cache(context, semantic.BYPASSED)
             return None, None
         began = self._clock.seconds()
         vector = await self._embed(config.embedding_model or "", text, canonical)
-        note_span(request, "cache", began, self._clock.seconds())
+        note_span(context, "cache", began, self._clock.seconds())
         if vector is None:
-            context.cache = semantic.FAILED
+            _note_cache(context, semantic.FAILED)
             return None, None
         lane = call.lane.name if call.lane is not None else LLAMACPP
         scope = semantic.scope_of(canonical, key.owner if key is not None else "", lane, asked)
         similarity, found = cache.lookup(scope, vector)
         if found is None:
-            context.cache = semantic.MISS
-            if request is not None:
-                request.setHeader(semantic.HEADER, semantic.MISS.encode("ascii"))
+            _note_cache(context, semantic.MISS)
+            if context is not None:
+                context.set_reply_header(semantic.HEADER, semantic.MISS.encode("ascii"))
 
             def keep(answer: bytes) -> None:
                 if semantic.storable(answer):
                     cache.store(scope, vector, answer)
 
             return None, keep
-        context.cache = semantic.HIT
-        if request is not None:
-            request.setHeader(semantic.HEADER, semantic.HIT.encode("ascii"))
+        _note_cache(context, semantic.HIT)
+        if context is not None:
+            context.set_reply_header(semantic.HEADER, semantic.HIT.encode("ascii"))
         log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical,
                   similarity=similarity)
         now = self._clock.seconds()
-        reply = Reply(self._proxy, request, None, None, None, now, now, model=canonical)
+        reply = Reply(self._proxy, context, None, None, None, now, now, model=canonical)
         reply.made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
         reply.cached = True
         return reply, None
@@ -937,7 +938,7 @@ class Pipeline:
             return None
 
     async def _forced(
-        self, request: Any, call: Call, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Call, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
@@ -964,7 +965,7 @@ class Pipeline:
                                    if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
                                             "reasoning_effort")})
         try:
-            prompt, rendered_by = await self._rendered(request, call, template, instance, started)
+            prompt, rendered_by = await self._rendered(context, call, template, instance, started)
         except EngineRejected as e:
             if e.status == 400:
                 raise BadRequest(f"tools: the model's template refused the tools {names}: {e}", "tools") from None
@@ -973,7 +974,7 @@ class Pipeline:
         body.update(slot)
         try:
             lease, response = await self._proxy.send(
-                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
+                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
                 stream=False, ready=(rendered_by, self._clock.seconds()),
             )
         except EngineRejected as e:
@@ -1006,7 +1007,7 @@ class Pipeline:
             lease.release()
             raise
         usage = usage_of(done)
-        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        note_tokens(context, usage["prompt_tokens"], usage["completion_tokens"])
         name = lease.instance.entry.name
         if not call.stream:
             return lease, chat_completion(name, calls, usage, finish)
@@ -1014,7 +1015,7 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
-    async def _rendered(self, request: Any, call: Call, template: dict[str, Any], instance: Any,
+    async def _rendered(self, context: RequestContext | None, call: Call, template: dict[str, Any], instance: Any,
                         started: float) -> tuple[str, Any]:
         """
         The prompt the model's chat template renders for C{template} (a
@@ -1025,7 +1026,7 @@ class Pipeline:
         """
         lease, response = await self._proxy.send(
             call.model, "/apply-template", strictjson.dumps(template).encode("utf-8"), call.ctx_size,
-            request, stream=False, ready=(instance, started),
+            context, stream=False, ready=(instance, started),
         )
         try:
             return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
@@ -1033,7 +1034,7 @@ class Pipeline:
             lease.release()
 
     async def _json_send(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], stream: bool,
+        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any], stream: bool,
     ) -> tuple[InstanceLease, Any]:
         """
         A JSON answer without the engine's chat parser
@@ -1049,16 +1050,16 @@ class Pipeline:
         template = {k: v for k, v in call.body.items()
                     if k in ("messages", "response_format", "chat_template_kwargs", "reasoning_effort",
                              "add_generation_prompt", "continue_final_message")}
-        prompt, instance = await self._rendered(request, call, template, instance, self._clock.seconds())
+        prompt, instance = await self._rendered(context, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
         body.update(slot)
         return await self._proxy.send(
-            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
+            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
             stream=stream, ready=(instance, self._clock.seconds()),
         )
 
     async def _json_answer(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
@@ -1067,7 +1068,7 @@ class Pipeline:
         @return: The lease on the child (held until the call ends, as every
             answer's is) and the chat completion.
         """
-        lease, response = await self._json_send(request, call, instance, slot, stream=False)
+        lease, response = await self._json_send(context, call, instance, slot, stream=False)
         try:
             done = json.loads(await self._proxy.read(lease.instance, response))
             if not jsonanswer.results_of(done):
@@ -1076,7 +1077,7 @@ class Pipeline:
             lease.release()
             raise
         usage = jsonanswer.usage_all(done)
-        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        note_tokens(context, usage["prompt_tokens"], usage["completion_tokens"])
         return lease, jsonanswer.chat_completion(lease.instance.entry.name, done, call.body)
 
     async def _json_route(self, call: Call) -> bool:
@@ -1091,17 +1092,17 @@ class Pipeline:
         capabilities = await self._capabilities(call.entry)
         return capabilities is not None and "thinking" not in capabilities
 
-    def _enforce(self, request: Any, entry: ModelEntry) -> bool:
+    def _enforce(self, context: RequestContext | None, entry: ModelEntry) -> bool:
         """
         C{sentinel_enforce}: the key's, else the model's, else the global.
         """
-        key = key_of(request)
+        key = key_of(context)
         choices = (key.sentinel_enforce if key is not None else None, entry.settings.sentinel_enforce,
                    self._config().sentinel_enforce)
         return next(c for c in choices if c is not None)
 
     async def _as_text(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], error: str,
+        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any], error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
         """
         The engine could not parse the model's answer to a chat that offered
@@ -1116,10 +1117,10 @@ class Pipeline:
         """
         noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
                                       "model's text, asked once more with tool_choice none")
-        if self._enforce(request, instance.entry):
-            context_of(request).sentinel = ("tool_args_invalid",)
-            if request is not None:
-                request.setHeader(SENTINEL_HEADER, "tool_args_invalid")
+        if self._enforce(context, instance.entry):
+            if context is not None:
+                context.sentinel = ("tool_args_invalid",)
+                context.set_reply_header(SENTINEL_HEADER.encode("ascii"), b"tool_args_invalid")
             raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
         log.info("{model}: the engine could not parse the model's tool call ({error}); asking once more "
                  "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
@@ -1128,7 +1129,7 @@ class Pipeline:
         raw = strictjson.dumps(body).encode("utf-8")
         raw = with_fields(raw, slot) or raw
         lease, response = await self._proxy.send(
-            call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, self._clock.seconds()),
+            call.model, call.path, raw, call.ctx_size, context, call.stream, ready=(instance, self._clock.seconds()),
         )
         return noted, lease, response
 
@@ -1207,7 +1208,7 @@ class Pipeline:
         except ToolChoiceError as e:
             raise BadRequest(str(e), "tool_choice") from None
 
-    async def _pin(self, request: Any, call: Call, instance: Any) -> Pin | None:
+    async def _pin(self, context: RequestContext | None, call: Call, instance: Any) -> Pin | None:
         """
         The session step: a request that names a session
         (L{blazar.gateway.sessions.session_name}) goes to its session's slot
@@ -1221,7 +1222,7 @@ class Pipeline:
         await self.sessions.warm(instance)
         if "id_slot" in call.body:
             return None
-        headers = getattr(request, "requestHeaders", None)
+        headers = getattr(context, "requestHeaders", None)
 
         def header(name: str) -> str | None:
             # bytes decoded leniently: a header that is not UTF-8 still names a session
@@ -1231,10 +1232,10 @@ class Pipeline:
         name = session_name(header, call.session_hint)
         if name is None:
             return None
-        key = key_of(request)
+        key = key_of(context)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
 
-    async def _placement(self, request: Any, call: Call) -> None:
+    async def _placement(self, context: RequestContext | None, call: Call) -> None:
         """
         The placement a request asks for (Ollama's C{num_gpu}, C{main_gpu},
         C{num_thread}, C{use_mmap}: L{Call.profile}) becomes the model's
@@ -1244,13 +1245,13 @@ class Pipeline:
         """
         if not call.profile or call.lane is not None:
             return
-        if scoped(request):
-            note_ignored(request, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
+        if scoped(context) and context is not None:
+            note_ignored(context, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
                                                  if key in call.profile])
             return
         await self.supervisor.want_profile(call.model, call.profile)
 
-    def _isolate(self, request: Any, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
+    def _isolate(self, context: RequestContext | None, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
         """
         The isolation step, for models with C{isolate_keys}
         (L{blazar.gateway.isolation}): the slot a chat or completion goes
@@ -1264,7 +1265,7 @@ class Pipeline:
             return None
         if getattr(instance, "lane", LLAMACPP) != LLAMACPP or is_remote(instance):
             return None
-        key = key_of(request)
+        key = key_of(context)
         owner = key.owner if key is not None else ""
         slots = int(instance.entry.settings.parallel or DEFAULT_PARALLEL)
         if pin is not None:
@@ -1273,17 +1274,18 @@ class Pipeline:
             return Isolated(instance, owner, None, True)
         return self.isolation.take(instance, slots, owner)
 
-    async def _check(self, request: Any, call: Call) -> str:
+    async def _check(self, context: RequestContext | None, call: Call) -> str:
         """
         Steps 1-3: scope, purpose, placement.
 
         @return: The canonical model name.
         """
-        call.entry = await self._scope(request, call.model)
+        call.entry = await self._scope(context, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
         if call.entry is not None and call.entry.remote is not None:
             call.lane = self._remote_lane(call)  # the remote decides the rest: no purpose, no placement
-            context_of(request).remote = call.entry.remote
+            if context is not None:
+                context.remote = call.entry.remote
             return canonical
         # a command lane's server (vLLM, MLX, ...) gets the OpenAI request as
         # it is: none of the llama-server extras (LaneError: no lane serves it);
@@ -1326,7 +1328,7 @@ class Pipeline:
                 f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}")
         return CommandLane(REMOTE, (), health="/v1/models", formats=(), api=remote.api)
 
-    def _remote_body(self, request: Any, call: Call) -> tuple[bytes, str, AnthropicStream | None]:
+    def _remote_body(self, context: RequestContext | None, call: Call) -> tuple[bytes, str, AnthropicStream | None]:
         """
         The body a remote is sent, with its own name for the model; for
         C{api = "anthropic"}, the chat as a Messages request
@@ -1342,14 +1344,14 @@ class Pipeline:
             body = dict(call.body, model=model)
             return strictjson.dumps(body).encode("utf-8"), call.path, None
         body, ignored = to_anthropic(call.body, model)
-        if ignored and request is not None:
-            note_ignored(request, "remote", ignored)
+        if ignored and context is not None:
+            note_ignored(context, "remote", ignored)
         options = call.body.get("stream_options")
         stream = AnthropicStream(call.model, int(self._clock.seconds()),
                                  isinstance(options, dict) and bool(options.get("include_usage")))
         return strictjson.dumps(body).encode("utf-8"), "/v1/messages", stream
 
-    async def _scope(self, request: Any, model: str) -> ModelEntry | None:
+    async def _scope(self, context: RequestContext | None, model: str) -> ModelEntry | None:
         """
         The scope check (L{blazar.gateway.scope.resolve_in_scope}): for a
         scoped key, a model outside its scope is answered as one that does
@@ -1361,10 +1363,10 @@ class Pipeline:
         @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
         """
         if self._registry is None:
-            if not may_use(request, model):
+            if not may_use(context, model):
                 raise ModelNotFound(model, [])
             return None
-        return await resolve_in_scope(request, self._registry, model)
+        return await resolve_in_scope(context, self._registry, model)
 
     async def _facts_of(self, entry: ModelEntry) -> tuple[str | None, bool]:
         """
@@ -1442,7 +1444,7 @@ class Pipeline:
                 raise BadRequest(f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
                                  "side: scale it down first", "image")
 
-    async def _audio(self, request: Any, call: Call) -> None:
+    async def _audio(self, context: RequestContext | None, call: Call) -> None:
         """
         The audio step: the upload decoded and resampled to 16 kHz mono WAV
         (L{blazar.gateway.audio}, in the thread pool), then the child's
@@ -1459,7 +1461,8 @@ class Pipeline:
         except ValueError as e:  # a field that is not text
             raise BadRequest(f"a form field is not text: {e}") from None
         call.audio = None
-        context_of(request).audio_seconds = seconds
+        if context is not None:
+            context.audio_seconds = seconds
 
     async def _purpose(self, call: Call) -> None:
         """
@@ -1604,7 +1607,7 @@ class Pipeline:
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
 
-    async def _admit(self, request: Any, canonical: str, work: WorkClass, entry: ModelEntry | None,
+    async def _admit(self, context: RequestContext | None, canonical: str, work: WorkClass, entry: ModelEntry | None,
                      lane: Any = None) -> None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
@@ -1625,7 +1628,7 @@ class Pipeline:
             remote = self._config().remote(entry.remote or "")
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
             canonical = shared_name(entry.remote or "")  # one queue for all its models
-        await admit_request(self.admission, request, canonical, slots, work)
+        await admit_request(self.admission, context, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
         """
@@ -1681,7 +1684,7 @@ def prompt_text_bytes(body: dict[str, Any]) -> int:
     UTF-8 bytes of the text a request's prompt holds for certain: its
     messages' C{content} (strings, and the C{text} of text parts), or its
     C{prompt} (the longest, for a list of prompts, each its own
-    request). Every chat template renders a message's content; what else
+    context). Every chat template renders a message's content; what else
     a body holds (names, tools, other fields) is not counted, since a
     template may leave it out.
     """
@@ -1772,15 +1775,23 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     return f(*args)
 
 
-def scoped(request: Any) -> bool:
+def _note_cache(context: RequestContext | None, outcome: str) -> None:
     """
-    Whether C{request} came with a key scoped to models (not an admin's).
+    The semantic cache's outcome for the request (C{blazar_cache_total}).
     """
-    key = key_of(request)
+    if context is not None:
+        context.cache = outcome
+
+
+def scoped(context: RequestContext | None) -> bool:
+    """
+    Whether the request came with a key scoped to models (not an admin's).
+    """
+    key = key_of(context)
     return key is not None and not key.admin
 
 
-def keep_alive_of(request: Any, call: Call) -> float | None:
+def keep_alive_of(context: RequestContext | None, call: Call) -> float | None:
     """
     The C{keep_alive} a call's end applies: the client's, unless its key is
     scoped to models. A model is shared: a scoped key's C{keep_alive} 0
@@ -1788,8 +1799,9 @@ def keep_alive_of(request: Any, call: Call) -> float | None:
     a second unloaded it soon (issue 36). Theirs is named in
     C{x-blazar-ignored}, and the model's own C{keep_alive} applies.
     """
-    if call.keep_alive is not None and scoped(request):
-        note_ignored(request, call.surface, ["keep_alive"])
+    if call.keep_alive is not None and scoped(context):
+        if context is not None:
+            note_ignored(context, call.surface, ["keep_alive"])
         return None
     return call.keep_alive
 

@@ -26,13 +26,14 @@ from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, StreamStopped, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
-from blazar.gateway.ignored import beta_values, note_ignored
+from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -51,6 +52,19 @@ def error_body(kind: str, message: str) -> bytes:
     return strictjson.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode("utf-8")
 
 
+
+def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
+    """
+    The C{anthropic-beta} header's values Blazar does not act on, as
+    C{anthropic-beta=VALUE} names for C{x-blazar-ignored}.
+    """
+    raw = request.getHeader(b"anthropic-beta")
+    if not raw:
+        return []
+    values = [v.strip() for v in raw.decode("ascii", "replace").split(",")]
+    return [f"anthropic-beta={v}" for v in values if v and v not in honoured]
+
+
 class AnthropicSurface:
     """
     Anthropic Messages API over the pipeline.
@@ -63,7 +77,7 @@ class AnthropicSurface:
         self._clock = clock
 
     def _request_id(self, request: IRequest) -> None:
-        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode("ascii"))
+        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode("ascii"))
 
     def _call(self, request: IRequest, counting: bool = False) -> tuple[Call, dict[str, Any], list[str]]:
         """
@@ -73,7 +87,7 @@ class AnthropicSurface:
         body = read_json(request)
         ignored = leniency.screen("anthropic", body)
         engine_body, stops = tr.request_to_openai(body, counting=counting, ignored=ignored)
-        note_ignored(request, "anthropic", ignored + beta_values(request, HONOURED_BETAS))
+        note_ignored(context_of(request), "anthropic", ignored + beta_values(request, HONOURED_BETAS))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream: must be a boolean", "stream")
@@ -92,7 +106,7 @@ class AnthropicSurface:
     @app.route("/v1/messages/count_tokens", methods=["POST"])
     async def count_tokens(self, request: IRequest) -> bytes:
         call, _, _ = self._call(request, counting=True)
-        count = await self._pipeline.count(request, call)
+        count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps({"input_tokens": count}).encode("utf-8")
 
@@ -106,7 +120,7 @@ class AnthropicSurface:
             # arrives: the prompt is counted up front
             call.counting = Counting.ALWAYS if stops else Counting.NEVER
             call.client_stream = False  # the engine's stream makes one message (the semantic cache may answer)
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens
                 await reply.chunks(self._feeder(translator, None))
@@ -138,7 +152,7 @@ class AnthropicSurface:
 
         call.on_send = on_send
         try:
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 if not headers_out:
                     if reply.prompt_tokens is not None:
                         translator.input_tokens = reply.prompt_tokens

@@ -23,10 +23,11 @@ from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig, LiveConfig, live_config
 from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
-from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.context import key_of, trace_id_of
 from blazar.gateway.errors import Forbidden
-from blazar.gateway.quota import QuotaExceeded, Quotas, retry_after
+from blazar.gateway.quota import QuotaExceeded, Quotas
 from blazar import strictjson
+from blazar.web.client import context_of, retry_after
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -317,7 +318,7 @@ def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
     if refusal.retry_after is not None:
         retry_after(request, refusal.retry_after)
     if surface == "anthropic":
-        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode())
+        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode())
     return error_body(surface, refusal.status, refusal.message, refusal.code)
 
 
@@ -494,7 +495,7 @@ class AuthGate(Resource):
                     request.setHeader(b"content-type", b"application/json")
                     retry_after(request, e.retry_after)
                     if surface == "anthropic":
-                        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode())
+                        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode())
                     return error_body(surface, 429, str(e))
                 # the lease rides the response: released when it is fully
                 # sent, or when the client goes away
@@ -517,7 +518,7 @@ def check_admin(request: IRequest, what: str) -> None:
 
     @raise Forbidden: A scoped key, or a keyless request from the network.
     """
-    key = key_of(request)
+    key = key_of(context_of(request))
     if key is not None and not key.admin:
         raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
     if key is None and not context_of(request).keys_active:

@@ -32,6 +32,7 @@ from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.web.errors import in_stream
 from blazar.web.translate import responses as tr
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -66,7 +67,7 @@ class Responses:
     # -- storage ---------------------------------------------------------------
 
     def _key(self, request: IRequest) -> str:
-        key = key_of(request)
+        key = key_of(context_of(request))
         return key.owner if key is not None else ""
 
     async def _load(self, request: IRequest, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
@@ -122,7 +123,7 @@ class Responses:
         ignored: list[str] = []
         names = tr.ToolNames()
         chat = tr.request_to_chat(body, history, ignored, names)
-        note_ignored(request, "responses", ignored)
+        note_ignored(context_of(request), "responses", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
@@ -145,7 +146,7 @@ class Responses:
         inputs = tr.input_items(body)
         if not body.get("stream"):
             call.client_stream = False  # the engine's stream makes one response (the semantic cache may answer)
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()
             self._usage(reply, translator)
@@ -167,7 +168,7 @@ class Responses:
         call.on_send = on_send
         ended = False
         try:
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(lambda chunk: self._write(request, translator.feed(chunk)))
                 self._write(request, translator.finish())
                 ended = True
@@ -194,7 +195,7 @@ class Responses:
         this body would report, counted by the child on the same rendering.
         """
         call, _, _ = await self._translate(request, body)
-        count = await self._pipeline.count(request, call)
+        count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
 

@@ -238,8 +238,8 @@ class ScopeTests(SynchronousTestCase):
         class Request:
             blazar = RequestContext(key=KeyConfig("k", "k" * 16, ("peer:tiny",)))
 
-        entry = self.successResultOf(ensureDeferred(resolve_in_scope(Request(), registry, "PEER:tiny")))
+        entry = self.successResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "PEER:tiny")))
         self.assertEqual(entry.remote_model, "tiny")
-        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(Request(), registry, "peer:Tiny")),
+        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "peer:Tiny")),
                                        ModelNotFound)
         self.assertEqual(failure.value.available, ["peer:tiny"])

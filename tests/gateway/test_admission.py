@@ -14,7 +14,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.config import Config, KeyConfig, QueueConfig, parse_config
 from blazar.gateway.admission import (
     LONG_PREFILL_BYTES,
@@ -443,7 +443,7 @@ class AdmitRequestTests(SynchronousTestCase):
         return request
 
     def admit(self, request: DummyRequest, work: WorkClass = WorkClass.INTERACTIVE) -> Deferred[Lease]:
-        return Deferred.fromCoroutine(admit_request(self.admission, request, "m", 1, work, 10))
+        return Deferred.fromCoroutine(admit_request(self.admission, context_of(request), "m", 1, work, 10))
 
     def test_slot_held_until_the_response_finishes(self) -> None:
         first = self.request()

@@ -23,7 +23,7 @@ from twisted.web.http import HTTPChannel
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.config import Config
 from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
 from blazar.testing import FakeInstance
@@ -126,13 +126,13 @@ class RelayBackpressureTests(SynchronousTestCase):
         self.request, self.client, self.channel = connect(self.clock)
         self.admission = Admission(self.clock, lambda: Config())
         self.lease = self.successResultOf(Deferred.fromCoroutine(
-            admit_request(self.admission, self.request, "m", 1, WorkClass.INTERACTIVE, 0)
+            admit_request(self.admission, context_of(self.request), "m", 1, WorkClass.INTERACTIVE, 0)
         ))
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
         proxy = EngineProxy(Supervisor(), None, self.clock, config=lambda: Config(stream_stall_close=STALL))  # type: ignore[arg-type]
         self.relayed = Deferred.fromCoroutine(
-            proxy.relay(self.instance, self.engine, self.request.write, self.request)  # type: ignore[arg-type]
+            proxy.relay(self.instance, self.engine, self.request.write, context_of(self.request))  # type: ignore[arg-type]
         )
         self.engine.send(EVENT)
 

@@ -18,7 +18,7 @@ from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.operations import ModelOperations
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
 from blazar.models.registry import ModelNotFound, ModelRegistry
@@ -330,7 +330,7 @@ class ResolveInScopeTests(SynchronousTestCase):
         self.registry = ModelRegistry(parse_config(f'models_dir = "{self.root}"'), fake_process_reactor())
 
     def resolve(self, request: Any, name: object) -> Any:
-        d = resolve_in_scope(request, self.registry, name)  # type: ignore[arg-type]
+        d = resolve_in_scope(context_of(request), self.registry, name)
         from twisted.internet.defer import ensureDeferred
 
         return ensureDeferred(d)
@@ -394,10 +394,10 @@ class ResolveInScopeTests(SynchronousTestCase):
             self.assertEqual(self.successResultOf(self.resolve(request, "b")).name, "b:latest")
             failure = self.failureResultOf(self.resolve(request, "nope"), ModelNotFound)
             self.assertEqual(failure.value.available, ["a:latest", "b:latest"])
-            self.assertEqual(visible(request, ["a:latest", "b:latest"]), ["a:latest", "b:latest"])  # type: ignore[arg-type]
-            self.assertEqual(redact(request, "/srv/m/a.gguf"), "/srv/m/a.gguf")  # type: ignore[arg-type]
+            self.assertEqual(visible(context_of(request), ["a:latest", "b:latest"]), ["a:latest", "b:latest"])
+            self.assertEqual(redact(context_of(request), "/srv/m/a.gguf"), "/srv/m/a.gguf")
         scoped = FakeRequest(KeyConfig("s", "x" * 16, models=("B",)))
-        self.assertEqual(visible(scoped, ["a:latest", "b:latest"]), ["b:latest"])  # type: ignore[arg-type]
+        self.assertEqual(visible(context_of(scoped), ["a:latest", "b:latest"]), ["b:latest"])
 
 
 class RedactTests(SynchronousTestCase):
@@ -413,7 +413,7 @@ class RedactTests(SynchronousTestCase):
             "path:/a/b/c": "path:c",
         }
         for text, shown in cases.items():
-            self.assertEqual(redact(self.scoped, text), shown)  # type: ignore[arg-type]
+            self.assertEqual(redact(context_of(self.scoped), text), shown)
 
     def test_names_and_urls_left_alone(self) -> None:
         for text in (
@@ -422,11 +422,11 @@ class RedactTests(SynchronousTestCase):
             "library/qwen:7b and ns/model",
             "a / b and 1/2/3",
         ):
-            self.assertEqual(redact(self.scoped, text), text)  # type: ignore[arg-type]
+            self.assertEqual(redact(context_of(self.scoped), text), text)
 
     def test_metadata_values(self) -> None:
         kv = {"quantize.imatrix.file": "/data/imatrix/m.dat", "general.name": "m",
               "list": ["/a/b/c", 1], "n": 4, "none": None}
-        self.assertEqual(redact_value(self.scoped, kv), {  # type: ignore[arg-type]
+        self.assertEqual(redact_value(context_of(self.scoped), kv), {
             "quantize.imatrix.file": "m.dat", "general.name": "m", "list": ["c", 1], "n": 4, "none": None,
         })

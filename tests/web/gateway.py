@@ -17,7 +17,8 @@ from twisted.web.resource import Resource
 
 from blazar.config import Config, parse_config
 from blazar.gateway.admission import Admission
-from blazar.gateway.context import RequestContext, context_of
+from blazar.gateway.context import RequestContext
+from blazar.web.client import context_of
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
