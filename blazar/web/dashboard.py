@@ -165,7 +165,7 @@ class Dashboard:
         reading).
         """
         _viewer(request)
-        from blazar.engines.llamacpp import model_kind
+        from blazar.gateway.engine_facts import model_kind
 
         entries = await self._registry.refresh()
         allowed = set(visible_entries(context_of(request), entries))
@@ -258,7 +258,7 @@ class Dashboard:
         (L{blazar.engines.bench.compare}). Admin: the rows hold every
         model's command line and the machine's hardware.
         """
-        from blazar.engines.bench import compare
+        from blazar.gateway.engine_facts import compare
 
         check_admin(request, "see the bench history")
         model = (request.args or {}).get(b"model", [b""])[-1].decode("utf-8", "replace") or None

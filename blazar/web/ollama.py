@@ -20,7 +20,7 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.config import Config
-from blazar.engines.llamacpp import context_per_slot, model_kind, sees_images
+from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error

@@ -28,16 +28,15 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.config import Config
-from blazar.engines.supervisor import EngineError
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
 from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
-from blazar.gateway.errors import BadRequest, Category, EngineRejected, Problem
+from blazar.gateway.engine_facts import model_kind
+from blazar.gateway.errors import BadRequest, Category, EngineError, EngineRejected, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
-from blazar.engines.llamacpp import model_kind
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json

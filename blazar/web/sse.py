@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from typing import Callable
 
-from blazar.engines.sse import WholeEvents
+from blazar.gateway.engine_facts import WholeEvents
 from blazar import strictjson
 
 DONE = b"data: [DONE]\n\n"
@@ -50,7 +50,7 @@ class _EventBuffer:
         The complete events that C{chunk} (after what was held) ends,
         whole; the rest is held for the next call. C{b""}: none yet.
 
-        @raise blazar.engines.sse.EventTooLong: An event over the cap.
+        @raise blazar.gateway.engine_facts.EventTooLong: An event over the cap.
         """
         return self._whole.feed(chunk)
 
