@@ -33,7 +33,8 @@ from typing import Any, Mapping
 
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 
-# a model parameter -> the engine's field (llama-server's OpenAI endpoints take llama.cpp's samplers too)
+# a model parameter -> the engine's field (llama-server's OpenAI endpoints take llama.cpp's samplers too):
+# the one table; Ollama's request options use it too (blazar.web.translate.ollama)
 ENGINE_FIELDS: Mapping[str, str] = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "typical_p": "typical_p",
     "seed": "seed", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",

@@ -19,7 +19,7 @@ from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from blazar.config import Config, parse_duration
+from blazar.config import Config
 from blazar.engines.client import EngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
@@ -80,31 +80,6 @@ class ChildWedged(Exception):
 
 
 _TICK = object()
-
-
-KEEP_ALIVE_HEADER = b"x-blazar-keep-alive"
-
-
-def keep_alive_of(body: dict[str, Any], header: bytes | None) -> float | None:
-    """
-    The C{keep_alive} an OpenAI or Anthropic request carries, as an extra
-    body field or the C{x-blazar-keep-alive} header (Ollama's semantics:
-    duration string or seconds; 0 unloads after the answer; negative keeps
-    the model loaded).
-
-    @raise ValueError: Not a duration; the message says what is expected.
-    """
-    value: Any = body.get("keep_alive")
-    if value is None and header is not None:
-        value = header.decode("ascii", "replace")
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError:
-        raise ValueError(
-            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
-        ) from None
 
 
 def was_cancelled(error: BaseException) -> bool:

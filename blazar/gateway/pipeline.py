@@ -607,7 +607,7 @@ class Opened:
             tokens = self._context.tokens if self._context is not None else None
             self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
         if self._lease is not None:
-            self._pipeline._end(self._lease, keep_alive_of(self._context, self._call))
+            self._pipeline._end(self._lease, applied_keep_alive(self._context, self._call))
 
 
 class Pipeline:
@@ -672,7 +672,7 @@ class Pipeline:
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
         note_load(context, instance, started, loaded)
-        self._end(InstanceLease(self.supervisor, instance), keep_alive_of(context, call))
+        self._end(InstanceLease(self.supervisor, instance), applied_keep_alive(context, call))
         return started, loaded
 
     async def scope(self, context: RequestContext | None, model: str) -> str:
@@ -1791,7 +1791,7 @@ def scoped(context: RequestContext | None) -> bool:
     return key is not None and not key.admin
 
 
-def keep_alive_of(context: RequestContext | None, call: Call) -> float | None:
+def applied_keep_alive(context: RequestContext | None, call: Call) -> float | None:
     """
     The C{keep_alive} a call's end applies: the client's, unless its key is
     scoped to models. A model is shared: a scoped key's C{keep_alive} 0

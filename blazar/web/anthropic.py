@@ -24,7 +24,8 @@ from blazar.gateway.admission import WorkClass
 from blazar.gateway.sessions import anthropic_hint
 from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, StreamStopped, keep_alive_of
+from blazar.gateway.engine_proxy import StreamStopped
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply

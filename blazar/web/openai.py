@@ -31,7 +31,7 @@ from blazar.config import Config
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.engine_facts import model_kind
 from blazar.gateway.errors import BadRequest, Category, EngineError, EngineRejected, Problem
 from blazar.gateway.ignored import note_ignored

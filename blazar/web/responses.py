@@ -25,7 +25,7 @@ from blazar.config import Config
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import NotFound
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline, Reply
