@@ -51,7 +51,7 @@ from twisted.internet.defer import Deferred, succeed
 from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
-from blazar.gateway.quota import retry_after_value
+from blazar.gateway.errors import AllSlotsBusy
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
@@ -137,29 +137,6 @@ def parse_deadline_ms(value: bytes | None) -> float | None:
     if not math.isfinite(ms) or ms <= 0:
         return None
     return min(ms, 24 * 3600 * 1000.0) / 1000.0
-
-
-class AllSlotsBusy(Exception):
-    """
-    Every slot of the model stayed busy until the request's deadline, or
-    its queue is full. Surfaces answer 503 C{all_slots_busy} with
-    C{Retry-After}.
-
-    @ivar waited: Seconds the request waited.
-    @ivar retry_after: Seconds after which a retry is likely to be admitted.
-    """
-
-    def __init__(self, message: str, waited: float, retry_after: float) -> None:
-        self.waited = waited
-        self.retry_after = retry_after
-        super().__init__(message)
-
-    @property
-    def retry_after_header(self) -> bytes:
-        """
-        The C{Retry-After} value surfaces send.
-        """
-        return retry_after_value(self.retry_after)
 
 
 @attrs.define(eq=False)
