@@ -48,7 +48,6 @@ change here, not in the surfaces. Errors are domain errors
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 from typing import Any, Awaitable, Callable
@@ -63,16 +62,14 @@ from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
-from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens, record_usage
+from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens
 from blazar.gateway.defaults import apply_model_defaults, model_context
-from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
+from blazar.gateway.engine_proxy import EngineProxy, note_load
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
-from blazar.gateway.sentinel import (
-    UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
-)
+from blazar.gateway.sentinel import UNPARSED, SentinelViolation
 from blazar.gateway.sessions import Pin, Sessions, session_name
 from blazar.gateway.isolation import Isolated, KeyIsolation, with_fields
 from blazar.gateway.toolcalls import (
@@ -81,11 +78,11 @@ from blazar.gateway.toolcalls import (
 )
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
-from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
-from blazar.engines.sse import SSEEvents, WholeEvents
+from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, answer_chunks, from_anthropic, to_anthropic
+from blazar.gateway.remotewire import AnthropicStream, to_anthropic
+from blazar.gateway.reply import Reply, scoped
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
 from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
@@ -94,493 +91,6 @@ from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar import strictjson
 
 log = Logger()
-
-
-class Reply:
-    """
-    A child's answer to one call, held on a lease until the call ends.
-
-    @ivar model: The canonical name of the model that answers.
-    @ivar prompt_tokens: The prompt's token count, if the pipeline counted
-        it (L{Call.counting}, or the preflight needed it).
-    @ivar started: Clock seconds when the pipeline began waiting for a child.
-    @ivar loaded: Clock seconds when a ready child was there.
-    @ivar cached: A semantic cache hit (L{Pipeline._cached}): no lease,
-        no child; C{made} is the stored answer, and its usage counts
-        against nothing (L{usage}).
-    @ivar keep: Called with the whole answer once L{read} has it and the
-        sentinel found nothing: the cache step's store on a miss.
-    """
-
-    def __init__(
-        self, proxy: EngineProxy, context: RequestContext | None, lease: InstanceLease | None, response: Any,
-        prompt_tokens: int | None, started: float, loaded: float, model: str | None = None,
-    ) -> None:
-        """
-        @param lease: The hold on the child that answers; L{None} for an
-            answer the pipeline has already (C{made}, then C{model} names
-            the model).
-        """
-        self._proxy = proxy
-        self._context = context
-        self._lease = lease
-        self._response = response
-        if model is None:
-            assert lease is not None, "a reply without a lease names its model"
-            model = lease.instance.entry.name
-        self.model = model
-        self.cached = False
-        self.keep: Callable[[bytes], None] | None = None
-        self.prompt_tokens = prompt_tokens
-        self.started = started
-        self.loaded = loaded
-        self.pin: Pin | None = None
-        self.isolated: Isolated | None = None  # its slot on a model that isolates keys
-        # an answer the pipeline made itself (a forced tool call): the OpenAI
-        # chat completion, or its SSE stream
-        self.made: bytes | None = None
-        # the chat request the sentinel judges the answer by (None: no chat)
-        self.watched: dict[str, Any] | None = None
-        self.enforce = False
-        self.max_tokens: int | None = None
-        # a finding the pipeline made while it got the answer (an engine
-        # that could not parse the model's tool call: L{Pipeline._start})
-        self.noted: tuple[str, str] | None = None
-        self.stall = 30.0  # seconds without a chunk: a stream is flagged stalled
-        self.clock: Any = None
-        # an api = "anthropic" remote's answer: turned into OpenAI's on the way (L{_from_remote})
-        self.anthropic: AnthropicStream | None = None
-        # an OpenAI-compatible remote's answer names its own model: this one's name put there instead
-        self.renamed = False
-        # the request's stream_options.include_usage (a remote's JSON answer made a stream: L{_remote_json})
-        self.wants_usage = False
-        # a JSON answer streamed by llama-server's /completion
-        # (L{blazar.gateway.jsonanswer}): turned into OpenAI's chat chunks
-        self.completion: jsonanswer.ChatFromCompletion | None = None
-
-    async def read(self) -> bytes:
-        """
-        The whole answer.
-
-        @raise blazar.engines.supervisor.EngineError: The child died or
-            stalled before it finished.
-        """
-        if self.made is not None:
-            data = self.made
-        else:
-            assert self._lease is not None
-            data = await self._proxy.read(self._lease.instance, self._response)
-            if self.anthropic is not None:
-                data = self._from_anthropic(self._scrubbed(data))
-            elif self.renamed:
-                data = _with_model(self._scrubbed(data), self.model, self._lease.instance.server)
-        findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
-            if self.watched is not None else []
-        self._judge(findings)
-        keep, self.keep = self.keep, None
-        if keep is not None and not findings:
-            keep(data)
-        if scoped(self._context):
-            data = hide_prompt_cache_bytes(data)
-        return data
-
-    def _from_anthropic(self, data: bytes) -> bytes:
-        """
-        An Anthropic Messages answer as the OpenAI chat completion every
-        surface translates from.
-
-        @raise EngineRejected: Not a Messages answer.
-        """
-        assert self.anthropic is not None
-        try:
-            message = json.loads(data)
-            if not isinstance(message, dict) or message.get("type") != "message":
-                raise ValueError("not a message object")
-            answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
-        return strictjson.dumps(answer, ensure_ascii=False).encode("utf-8")
-
-    def _anthropic_events(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
-        """
-        A feed for an Anthropic Messages stream's bytes that hands each
-        OpenAI chunk it translates to (L{AnthropicStream}) to C{on_chunk}.
-
-        @raise EngineRejected: The remote's stream reported an error.
-        """
-        stream = self.anthropic
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            try:
-                event = json.loads(self._scrubbed(data))
-            except ValueError:
-                raise EngineRejected(502, "the remote's stream is not Anthropic's: an event is not JSON") from None
-            if not isinstance(event, dict):
-                return
-            try:
-                chunks = stream.feed(str(event.get("type", "")), event)
-            except RemoteStreamError as e:
-                raise EngineRejected(502, f"the remote's stream failed ({e.kind}): {e}") from None
-            for chunk in chunks:
-                on_chunk(chunk)
-
-        return SSEEvents(on_event).feed
-
-    def _completion_events(
-        self, on_chunk: Callable[[dict[str, Any]], Any], on_end: Callable[[], None] | None = None,
-    ) -> Callable[[bytes], None]:
-        """
-        A feed for llama-server's C{/completion} SSE stream (a JSON answer:
-        L{blazar.gateway.jsonanswer}) that hands each OpenAI chat chunk it
-        translates to to C{on_chunk}, then calls C{on_end} after the last.
-
-        @raise EngineRejected: The engine's stream reported an error.
-        """
-        stream = self.completion
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            if data == b"[DONE]":
-                return
-            event = json.loads(data)
-            if not isinstance(event, dict):
-                return
-            if "error" in event:
-                raise EngineRejected(500, stream_error_message(event["error"]))
-            ended = stream.finished
-            for chunk in stream.feed(event):
-                on_chunk(chunk)
-            if stream.finished and not ended and on_end is not None:
-                on_end()
-
-        return SSEEvents(on_event).feed
-
-    def _completion_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_completion_events}, encoded as OpenAI's SSE (C{data: [DONE]}
-        after the last chunk), for the byte relay.
-        """
-        return self._completion_events(lambda chunk: feed(jsonanswer.encode(chunk)),
-                                       lambda: feed(b"data: [DONE]\n\n"))
-
-    def _renamed_events(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        A feed for an OpenAI-compatible remote's SSE stream that hands each
-        event on with this reply's model name in its C{model} (the remote
-        wrote its own: C{tiny} for C{peer:tiny}, a dated snapshot for an
-        alias), as compact JSON, whole events only.
-        """
-        assert self._lease is not None
-        server = self._lease.instance.server
-
-        def on_event(data: bytes) -> None:
-            data = data if data == b"[DONE]" else _with_model(self._scrubbed(data), self.model, server)
-            feed(b"data: " + data + b"\n\n")
-
-        return SSEEvents(on_event).feed
-
-    def _scrubbed(self, data: bytes) -> bytes:
-        """
-        A remote's answer without its key, should it have echoed it
-        (L{blazar.engines.remote.scrub_bytes}).
-        """
-        instance = self._lease.instance if self._lease is not None else None
-        return scrub_bytes(data, instance.remote, instance.environ) if is_remote(instance) else data
-
-    def _anthropic_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_anthropic_events}, encoded as OpenAI's SSE (C{data: [DONE]} after
-        the last chunk), for the byte relay.
-        """
-        stream = self.anthropic
-        assert stream is not None
-        done = False
-
-        def on_chunk(chunk: dict[str, Any]) -> None:
-            nonlocal done
-            feed(b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-                 .encode("utf-8") + b"\n\n")
-            if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
-                done = True
-                feed(b"data: [DONE]\n\n")
-
-        return self._anthropic_events(on_chunk)
-
-    async def _cut_end(self, watch: StreamWatch) -> list[dict[str, Any]]:
-        """
-        The end of a stream the engine cut with L{UNPARSED} (an answer, not
-        a fault): the finding, and the chunks a good stream ends with, its
-        token counts from the child's tokenizer (the engine sent none).
-
-        @raise EngineRejected: A JSON answer without tools (a model whose
-            template reasons: the others' JSON answers do not go through
-            the chat parser, L{blazar.gateway.jsonanswer}): the engine held
-            text back, so the JSON is incomplete; the stream ends with the
-            surface's error, never as a C{stop} with its JSON cut.
-        """
-        if self.watched is not None and not self.watched.get("tools") and jsonanswer.json_format(self.watched):
-            watch.noted = ("format_invalid", "the engine could not parse the model's JSON answer and held its end "
-                                             "back; the stream ended with an error")
-            log.info("{model}: the engine could not parse the model's JSON answer and held its end back; the "
-                     "stream ends with an error", model=self.model)
-            raise EngineRejected(502, "the engine's chat parser refused the model's JSON answer at its end and "
-                                      "held the rest of it back: the answer is incomplete; ask again")
-        code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
-        watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
-                             "for; the stream ended with its text")
-        log.info("{model}: the engine could not parse the model's output ({code}); the stream ends with its "
-                 "text instead of the engine's error", model=self.model, code=code)
-        completion, prompt = watch.deltas, self.prompt_tokens or 0
-        try:
-            text = watch.text()
-            if text:
-                completion = await self._proxy.count_text_tokens(self.model, text, add_special=False)
-            if not prompt and self.watched is not None:
-                prompt = await self._proxy.count_chat_tokens(self.model, self.watched)
-        except Exception as e:
-            log.info("{model}: could not count a cut stream's tokens ({error}); estimated", model=self.model,
-                     error=str(e)[:200])
-        finish = "length" if self.max_tokens and completion >= self.max_tokens else "stop"
-        options = (self.watched or {}).get("stream_options")
-        usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return ending(watch.last, finish, prompt, completion, usage)
-
-    async def _remote_json(self) -> None:
-        """
-        A remote that answered a stream request with one JSON answer (its
-        C{content-type} is C{application/json}, not C{text/event-stream}):
-        that answer, read whole and translated as a non-streamed one is,
-        becomes the stream it would have sent (L{answer_chunks}), so the
-        client gets its surface's stream, not an empty one.
-
-        @raise EngineRejected: The JSON is no answer (a 502 naming the
-            remote).
-        """
-        lease = self._lease
-        if self.made is not None or lease is None or self._response is None \
-                or not (self.anthropic is not None or self.renamed):
-            return
-        instance = lease.instance
-        kind = (self._response.headers.getRawHeaders(b"content-type") or [b""])[0].lower()
-        if not is_remote(instance) or not kind.startswith(b"application/json"):
-            return
-        data = await self._proxy.read(lease.instance, self._response)
-        if self.anthropic is not None:
-            data = self._from_anthropic(self._scrubbed(data))
-        else:
-            data = _with_model(self._scrubbed(data), self.model, instance.server)
-        try:
-            chunks = answer_chunks(json.loads(data), self.wants_usage)
-        except ValueError as e:
-            raise EngineRejected(502, f"{instance.server} answered a stream request with JSON, and {e}: "
-                                      "check its base_url and api") from None
-        self.made = b"".join(b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":"))
-                             .encode("utf-8") + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-
-    async def relay(self, feed: Callable[[bytes], None]) -> None:
-        """
-        Feed the answer's bytes to C{feed} as they arrive, at the client's
-        pace (L{EngineProxy.relay}).
-        """
-        await self._remote_json()
-        hider = _CacheHider(feed) if scoped(self._context) else None
-        if hider is not None:
-            feed = hider.feed
-        watch = StreamWatch(self.watched) if self.watched is not None else None
-        timer = self._stall_timer(watch)
-        cut = False
-        whole = WholeEvents()
-        if watch is not None:
-            inner = feed
-
-            def feed(data: bytes) -> None:
-                nonlocal cut
-                data = whole.feed(data)  # whole events only (a cut one can then be seen)
-                if not data:
-                    return
-                if UNPARSED_BYTES in data:
-                    data, dropped = drop_unparsed(data)
-                    cut = cut or dropped
-                    if not data.strip():
-                        return
-                watch.events(data)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
-                inner(data)
-
-        try:
-            if self.made is not None:
-                feed(self.made)
-            elif self.anthropic is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
-                                        self._context)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_bytes(feed),
-                                        self._context)
-            elif self.renamed:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._renamed_events(feed),
-                                        self._context)
-            else:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, feed, self._context)
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-        if watch is not None:
-            held = whole.rest()
-            if held:
-                inner(held)  # an unfinished last event: as the engine left it
-            if cut:
-                # an answer, not a fault: the stream ends as a good one does
-                events = b"".join(b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-                                  for c in await self._cut_end(watch)) + b"data: [DONE]\n\n"
-                watch.events(events)
-                inner(events)
-            self._judge(watch.findings())
-        if hider is not None:
-            hider.flush()
-
-    def _stall_timer(self, watch: StreamWatch | None) -> Any:
-        """
-        A timer that flags the stream C{stalled} (once) if no chunk comes for
-        C{sentinel_stall_secs}; the stream goes on.
-        """
-        if watch is None or self.made is not None or self.stall <= 0 or self.clock is None:
-            return None
-        return self.clock.callLater(self.stall, watch.stalled, self.stall)
-
-    async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
-        """
-        Feed each JSON chunk of the answer's SSE stream to C{on_chunk}; an
-        C{on_chunk} that raises L{StreamStopped} ends the stream early, on
-        purpose (a stop sequence matched), and this returns normally.
-
-        @raise blazar.gateway.errors.EngineRejected: An in-stream error.
-        """
-        await self._remote_json()
-        if scoped(self._context):
-            hidden = on_chunk
-
-            def on_chunk(chunk: dict[str, Any]) -> Any:
-                hide_prompt_cache(chunk)
-                return hidden(chunk)
-
-        watch = StreamWatch(self.watched) if self.watched is not None else None
-        timer = self._stall_timer(watch)
-        keep, self.keep = self.keep, None
-        answer = semantic.StreamedAnswer() if keep is not None else None
-        if watch is not None:
-            inner = on_chunk
-
-            def on_chunk(chunk: dict[str, Any]) -> Any:
-                watch.deltas += 1
-                watch.chunk(chunk)
-                if answer is not None:
-                    answer.feed(chunk)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
-                return inner(chunk)
-
-        try:
-            if self.cached and self.made is not None:  # a stored completion, as the stream it was made from
-                for chunk in semantic.as_chunks(self.made):
-                    on_chunk(chunk)
-            elif self.made is not None:
-                for event in self.made.split(b"\n\n"):
-                    if event.startswith(b"data: {"):
-                        on_chunk(json.loads(event[len(b"data: "):]))
-            elif self.anthropic is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
-                                        self._context)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_events(on_chunk),
-                                        self._context)
-            else:
-                assert self._lease is not None
-                try:
-                    await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._context)
-                except EngineRejected as e:
-                    if watch is None or not str(e).startswith(UNPARSED):
-                        raise
-                    # an answer, not a fault: the stream ends as a good one does
-                    answer = None  # (not the engine's answer: never stored)
-                    for chunk in await self._cut_end(watch):
-                        on_chunk(chunk)
-        except StreamStopped:
-            return  # cut short on purpose (a surface's stop sequence): not a whole answer to keep
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-        findings = watch.findings() if watch is not None else []
-        self._judge(findings)
-        made = answer.completion() if answer is not None and not findings else None
-        if keep is not None and made is not None:
-            keep(made)
-
-    def _judge(self, findings: list[tuple[str, str]]) -> None:
-        """
-        The sentinel's findings on the whole answer: recorded (metrics,
-        audit); on an answer not yet written (a non-streamed one), named in
-        C{x-blazar-sentinel}, or refused under C{sentinel_enforce}.
-
-        @raise SentinelViolation: Enforced, and something was found.
-        """
-        if not findings:
-            return
-        codes = tuple(dict.fromkeys(code for code, _ in findings))
-        context = self._context
-        if context is None:
-            return
-        context.sentinel = codes
-        if context.client is None or context.client.writing():
-            return  # streamed to the client already: counted, never cut
-        context.set_reply_header(SENTINEL_HEADER.encode("ascii"), ",".join(codes).encode("ascii"))
-        if self.enforce:
-            raise SentinelViolation(findings)
-
-    def usage(self, prompt: int, completion: int) -> None:
-        """
-        The tokens this call used, as the engine reported them: counted in
-        the metrics and against the key's token limits. A cache hit's
-        tokens count nowhere: no engine made them now (its answer still
-        shows the usage of when it was made).
-        """
-        if self.cached:
-            return
-        note_tokens(self._context, prompt, completion)
-        record_usage(self._context, prompt + completion)
-
-    def tokens(self, prompt: int, completion: int) -> None:
-        """
-        The tokens, for the metrics only (the key's limits were counted
-        from the stream's usage chunk: L{record}).
-        """
-        if self.cached:
-            return
-        note_tokens(self._context, prompt, completion)
-
-    def audio_used(self) -> float:
-        """
-        The seconds of audio a transcription decoded, counted against the
-        key's token limits (each second as one token) once it is answered.
-        """
-        seconds = (self._context.audio_seconds if self._context is not None else None) or 0.0
-        record_usage(self._context, math.ceil(seconds))
-        return seconds
-
-    def record(self, total: int) -> None:
-        """
-        Tokens counted against the key's token limits only.
-        """
-        if self.cached:
-            return
-        record_usage(self._context, total)
 
 
 class Opened:
@@ -821,23 +331,16 @@ class Pipeline:
         finally:
             if stop is not None:
                 stop()
-        reply = Reply(self._proxy, context, lease, response, counted, started, loaded)
-        reply.pin = pin
-        reply.isolated = isolated
-        reply.made = made
-        reply.noted = noted
-        reply.keep = keep
-        reply.max_tokens = call.max_tokens
-        reply.anthropic = anthropic
-        reply.renamed = anthropic is None and lane is not None and lane.name == REMOTE
         options = call.body.get("stream_options")
-        reply.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        reply.completion = completion
-        if call.kind is CallKind.CHAT:
-            reply.watched = asked
-            reply.enforce = self._enforce(context, lease.instance.entry)
-            reply.stall = self._config().sentinel_stall
-            reply.clock = self._clock
+        chat = call.kind is CallKind.CHAT
+        reply = Reply(
+            self._proxy, context, lease, response, counted, started, loaded,
+            made=made, keep=keep, pin=pin, isolated=isolated, noted=noted, max_tokens=call.max_tokens,
+            anthropic=anthropic, renamed=anthropic is None and lane is not None and lane.name == REMOTE,
+            wants_usage=isinstance(options, dict) and bool(options.get("include_usage")), completion=completion,
+            watched=asked if chat else None, enforce=chat and self._enforce(context, lease.instance.entry),
+            stall=self._config().sentinel_stall if chat else 30.0, clock=self._clock if chat else None,
+        )
         return reply, lease
 
     async def _cached(
@@ -906,10 +409,8 @@ class Pipeline:
         log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical,
                   similarity=similarity)
         now = self._clock.seconds()
-        reply = Reply(self._proxy, context, None, None, None, now, now, model=canonical)
-        reply.made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
-        reply.cached = True
-        return reply, None
+        made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
+        return Reply(self._proxy, context, None, None, None, now, now, model=canonical, made=made, cached=True), None
 
     async def _embed(self, model: str, text: str, chat_model: str) -> semantic.Vector | None:
         """
@@ -1783,14 +1284,6 @@ def _note_cache(context: RequestContext | None, outcome: str) -> None:
         context.cache = outcome
 
 
-def scoped(context: RequestContext | None) -> bool:
-    """
-    Whether the request came with a key scoped to models (not an admin's).
-    """
-    key = key_of(context)
-    return key is not None and not key.admin
-
-
 def applied_keep_alive(context: RequestContext | None, call: Call) -> float | None:
     """
     The C{keep_alive} a call's end applies: the client's, unless its key is
@@ -1804,79 +1297,6 @@ def applied_keep_alive(context: RequestContext | None, call: Call) -> float | No
             note_ignored(context, call.surface, ["keep_alive"])
         return None
     return call.keep_alive
-
-
-def hide_prompt_cache(value: Any) -> None:
-    """
-    In place, in an answer or chunk: no sign of how much of the prompt the
-    engine's KV cache held (C{prompt_tokens_details.cached_tokens} 0,
-    C{timings.cache_n} folded into C{prompt_n}; the prompt's size stays).
-    For keys scoped to models: another key's prompts on the same model
-    are in that cache, and how far a guessed prefix matched told the
-    guesser a secret in them a digit at a time (issue 36).
-    """
-    if isinstance(value, dict):
-        timings = value.get("timings")
-        if isinstance(timings, dict) and timings.get("cache_n"):
-            timings["prompt_n"] = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
-            timings["cache_n"] = 0
-        details = value.get("prompt_tokens_details")
-        if isinstance(details, dict) and details.get("cached_tokens"):
-            details["cached_tokens"] = 0
-        for item in value.values():
-            if isinstance(item, (dict, list)):
-                hide_prompt_cache(item)
-    elif isinstance(value, list):
-        for item in value:
-            hide_prompt_cache(item)
-
-
-_CACHE_MARKS = (b'"cache_n"', b'"cached_tokens"')
-
-
-def hide_prompt_cache_bytes(data: bytes) -> bytes:
-    """
-    L{hide_prompt_cache} on one JSON document (compact again), or C{data}
-    as it is when it holds neither field or is not JSON.
-    """
-    if not any(mark in data for mark in _CACHE_MARKS):
-        return data
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return data
-    hide_prompt_cache(value)
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-class _CacheHider:
-    """
-    Hands an SSE stream on whole events at a time, each with
-    L{hide_prompt_cache} applied to its C{data:} JSON where it has those
-    fields; L{flush} hands on an unfinished last event as it is.
-    """
-
-    def __init__(self, feed: Callable[[bytes], None]) -> None:
-        self._feed = feed
-        self._whole = WholeEvents()
-
-    def feed(self, data: bytes) -> None:
-        events = self._whole.feed(data)
-        if not events:
-            return
-        if any(mark in events for mark in _CACHE_MARKS):
-            out = []
-            for event in events.split(b"\n\n")[:-1]:
-                if event.startswith(b"data: {") and any(mark in event for mark in _CACHE_MARKS):
-                    event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: "):])
-                out.append(event + b"\n\n")
-            events = b"".join(out)
-        self._feed(events)
-
-    def flush(self) -> None:
-        rest = self._whole.rest()
-        if rest:
-            self._feed(rest)
 
 
 def schema_nodes(value: Any, limit: int) -> int:
@@ -1910,27 +1330,6 @@ def _rendered_only(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
         return {k: v for k, v in body.items() if k != "parallel_tool_calls"} | {"tool_choice": "none"}
     return body
-
-
-def _with_model(data: bytes, model: str, server: str) -> bytes:
-    """
-    An OpenAI-compatible remote's JSON object (an answer, a stream's
-    event) with C{model} as its C{"model"} (compact, so the surfaces'
-    byte-level renames find it).
-
-    @raise EngineRejected: Not a JSON object (a 502 naming C{server}).
-    """
-    try:
-        value = json.loads(data)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise EngineRejected(502, f"{server} answered with something that is not an OpenAI JSON object "
-                                  f"(it began {data[:60]!r}): check its base_url and api")
-    if "model" not in value:
-        return data
-    value["model"] = model
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _not_of_lane(model: str, lane: str, section: str) -> str:

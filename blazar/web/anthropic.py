@@ -28,7 +28,8 @@ from blazar.gateway.engine_proxy import StreamStopped
 from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import BadRequest, Category, Problem
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
 from blazar.web.body import read_json
 from blazar.web.errors import answer, in_stream
 from blazar.web.translate import anthropic as tr

@@ -26,7 +26,8 @@ from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
 from blazar.gateway.errors import BadRequest, Problem
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply, scoped
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities

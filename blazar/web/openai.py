@@ -35,7 +35,8 @@ from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.engine_facts import model_kind
 from blazar.gateway.errors import BadRequest, Category, EngineError, EngineRejected, Problem
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry

@@ -28,7 +28,8 @@ from blazar.gateway.context import key_of
 from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import NotFound
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
 from blazar.web.errors import in_stream
 from blazar.web.translate import responses as tr
 from blazar import strictjson

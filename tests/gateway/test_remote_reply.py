@@ -1,6 +1,6 @@
 """
 An api = "anthropic" remote's answer on the way back
-(L{blazar.gateway.pipeline.Reply}): a Messages answer read whole becomes
+(L{blazar.gateway.reply.Reply}): a Messages answer read whole becomes
 an OpenAI chat completion; its stream, however the reads split it,
 becomes OpenAI chunks (the byte relay's SSE ends with [DONE] after the
 usage chunk); an error event or a body that is no message is the
@@ -15,7 +15,7 @@ from typing import Any
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.errors import EngineRejected
-from blazar.gateway.pipeline import Reply
+from blazar.gateway.reply import Reply
 from blazar.gateway.remotewire import AnthropicStream
 
 from tests.gateway.test_remotewire import STREAM
