@@ -1,7 +1,9 @@
 """
-The canonical call: what a surface decoded from its JSON, in one object
-the pipeline (L{blazar.gateway.pipeline}) runs. A surface builds one per
-request and never orchestrates the steps itself.
+The canonical call: what a surface decoded from its JSON, in one frozen
+object (L{Call}) the pipeline (L{blazar.gateway.pipeline}) runs. A surface
+builds one per request, whole, and never orchestrates the steps itself;
+what the pipeline's steps make of it (the model's entry and lane, a body
+they change) is the pipeline's own L{Run}.
 """
 
 from __future__ import annotations
@@ -47,20 +49,19 @@ class Counting(enum.Enum):
     for twice)."""
 
 
-@attrs.define
+@attrs.frozen
 class Call:
     """
-    One request as the pipeline runs it.
+    One request as its surface decoded it, built whole.
 
     @ivar surface: C{"openai"}, C{"responses"}, C{"anthropic"} or
         C{"ollama"} (log lines, C{x-blazar-ignored}).
     @ivar kind: The L{CallKind}.
     @ivar model: The model as the client spelled it.
-    @ivar entry: The model, resolved once by the scope step (L{None}
-        before it, or on a pipeline without a registry).
     @ivar path: The engine path (C{/v1/chat/completions}, C{/infill}, ...).
     @ivar body: The OpenAI-shaped body the engine gets; the pipeline's
-        steps may change it (system-message placement, L{rewrite}).
+        steps may change it (system-message placement, L{rewrite}): the
+        surface hands it over.
     @ivar raw: C{body} encoded, if the surface has it (the client's own
         bytes, when nothing changed); L{None}: the pipeline encodes it,
         once, after every step that may change it.
@@ -80,7 +81,7 @@ class Call:
         (L{Reply.prompt_tokens}).
     @ivar rewrite: A surface's step after placement and before the
         preflight (e.g. the OpenAI surface's engine fixes); it may replace
-        C{body} (set C{raw} to L{None} when it does).
+        the L{Run}'s C{body} (set its C{raw} to L{None} when it does).
     @ivar on_send: Called with whether the model must be loaded first,
         right before the pipeline waits for a child: a streaming surface
         writes its headers (and starts keep-alive pings) there; it returns
@@ -102,11 +103,9 @@ class Call:
     work: WorkClass = WorkClass.INTERACTIVE
     names: tuple[str, str] = ("max_tokens", "messages")
     counting: Counting = Counting.NEVER
-    rewrite: Callable[[Call], Awaitable[None]] | None = None
+    rewrite: Callable[[Run], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
-    entry: ModelEntry | None = None
     session_hint: str | None = None
-    lane: Any = None  # the command lane that serves it (blazar.config.CommandLane), or None: llama.cpp
     content_type: str = "application/json"  # of raw, as the engine gets it
     audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
     audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
@@ -118,6 +117,115 @@ class Call:
     @property
     def embedding(self) -> bool:
         return self.kind is CallKind.EMBEDDING
+
+
+@attrs.define
+class Run:
+    """
+    A L{Call} as the pipeline runs it: the surface's call, as decoded, and
+    what the steps make of it.
+
+    @ivar call: The surface's call.
+    @ivar body: The body the engine gets (C{call.body} until a step
+        replaces it).
+    @ivar raw: C{body} encoded, or L{None}: the pipeline encodes it.
+    @ivar ctx_size: The context per slot (the call's, or the model's own
+        C{num_ctx}).
+    @ivar max_tokens: The output limit the preflight checks (the call's,
+        or the model's own C{num_predict}).
+    @ivar content_type: Of C{raw}, as the engine gets it.
+    @ivar audio: A transcription's upload until the audio step converted it.
+    @ivar entry: The model, resolved once by the scope step (L{None}
+        before it, or on a pipeline without a registry).
+    @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
+        or L{None}: llama.cpp.
+    """
+
+    call: Call
+    body: dict[str, Any]
+    raw: bytes | None
+    ctx_size: int | None
+    max_tokens: int | None
+    content_type: str
+    audio: bytes | None
+    entry: ModelEntry | None = None
+    lane: Any = None
+
+    @classmethod
+    def of(cls, call: Call) -> Run:
+        """
+        The run of C{call}, before any step.
+        """
+        return cls(call, call.body, call.raw, call.ctx_size, call.max_tokens, call.content_type, call.audio)
+
+    # what the steps never change: the surface's call, as decoded
+    @property
+    def surface(self) -> str:
+        return self.call.surface
+
+    @property
+    def kind(self) -> CallKind:
+        return self.call.kind
+
+    @property
+    def model(self) -> str:
+        return self.call.model
+
+    @property
+    def path(self) -> str:
+        return self.call.path
+
+    @property
+    def stream(self) -> bool:
+        return self.call.stream
+
+    @property
+    def keep_alive(self) -> float | None:
+        return self.call.keep_alive
+
+    @property
+    def profile(self) -> dict[str, Any] | None:
+        return self.call.profile
+
+    @property
+    def work(self) -> WorkClass:
+        return self.call.work
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return self.call.names
+
+    @property
+    def counting(self) -> Counting:
+        return self.call.counting
+
+    @property
+    def rewrite(self) -> Callable[[Run], Awaitable[None]] | None:
+        return self.call.rewrite
+
+    @property
+    def on_send(self) -> Callable[[bool], Callable[[], None] | None] | None:
+        return self.call.on_send
+
+    @property
+    def session_hint(self) -> str | None:
+        return self.call.session_hint
+
+    @property
+    def audio_fields(self) -> dict[str, str] | None:
+        return self.call.audio_fields
+
+    @property
+    def images(self) -> list[bytes] | None:
+        return self.call.images
+
+    @property
+    def client_stream(self) -> bool | None:
+        return self.call.client_stream
+
+    @property
+    def embedding(self) -> bool:
+        return self.call.embedding
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:

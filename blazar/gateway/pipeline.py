@@ -61,7 +61,7 @@ from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
-from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
+from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
 from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens
 from blazar.gateway.defaults import apply_model_defaults, model_context
 from blazar.gateway.engine_proxy import EngineProxy, note_load
@@ -102,7 +102,7 @@ class Opened:
     def __init__(self, pipeline: Pipeline, context: RequestContext | None, call: Call) -> None:
         self._pipeline = pipeline
         self._context = context
-        self._call = call
+        self._call = Run.of(call)
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
 
@@ -158,6 +158,9 @@ class Pipeline:
         same rendering (steps 1-4, then the count): C{count_tokens},
         C{input_tokens}.
         """
+        return await self._counted(context, Run.of(call))
+
+    async def _counted(self, context: RequestContext | None, call: Run) -> int:
         await self._check(context, call)
         if call.lane is not None:
             raise UnsupportedByModel(
@@ -175,6 +178,9 @@ class Pipeline:
 
         @return: Clock seconds when it began and when the child was ready.
         """
+        return await self._loaded(context, Run.of(call))
+
+    async def _loaded(self, context: RequestContext | None, call: Run) -> tuple[float, float]:
         call.entry = await self._scope(context, call.model)
         model_context(call)  # a model's own num_ctx
         started = self._clock.seconds()
@@ -241,7 +247,7 @@ class Pipeline:
 
     # -- the steps ----------------------------------------------------------
 
-    async def _start(self, context: RequestContext | None, call: Call) -> tuple[Reply, InstanceLease | None]:
+    async def _start(self, context: RequestContext | None, call: Run) -> tuple[Reply, InstanceLease | None]:
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
         canonical = await self._check(context, call)
         hit, keep = await self._cached(context, call, asked, canonical)
@@ -344,7 +350,7 @@ class Pipeline:
         return reply, lease
 
     async def _cached(
-        self, context: RequestContext | None, call: Call, asked: dict[str, Any], canonical: str,
+        self, context: RequestContext | None, call: Run, asked: dict[str, Any], canonical: str,
     ) -> tuple[Reply | None, Callable[[bytes], None] | None]:
         """
         The semantic cache step (L{blazar.gateway.cache}), after scope,
@@ -439,7 +445,7 @@ class Pipeline:
             return None
 
     async def _forced(
-        self, context: RequestContext | None, call: Call, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Run, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
@@ -516,7 +522,7 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
-    async def _rendered(self, context: RequestContext | None, call: Call, template: dict[str, Any], instance: Any,
+    async def _rendered(self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any,
                         started: float) -> tuple[str, Any]:
         """
         The prompt the model's chat template renders for C{template} (a
@@ -535,7 +541,7 @@ class Pipeline:
             lease.release()
 
     async def _json_send(
-        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any], stream: bool,
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], stream: bool,
     ) -> tuple[InstanceLease, Any]:
         """
         A JSON answer without the engine's chat parser
@@ -560,7 +566,7 @@ class Pipeline:
         )
 
     async def _json_answer(
-        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
@@ -581,7 +587,7 @@ class Pipeline:
         note_tokens(context, usage["prompt_tokens"], usage["completion_tokens"])
         return lease, jsonanswer.chat_completion(lease.instance.entry.name, done, call.body)
 
-    async def _json_route(self, call: Call) -> bool:
+    async def _json_route(self, call: Run) -> bool:
         """
         Whether a chat's answer is decoded by L{_json_send} instead of the
         engine's chat path: it asks for JSON, offers no tools, and its
@@ -603,7 +609,7 @@ class Pipeline:
         return next(c for c in choices if c is not None)
 
     async def _as_text(
-        self, context: RequestContext | None, call: Call, instance: Any, slot: dict[str, Any], error: str,
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
         """
         The engine could not parse the model's answer to a chat that offered
@@ -634,7 +640,7 @@ class Pipeline:
         )
         return noted, lease, response
 
-    def _within_limits(self, call: Call) -> None:
+    def _within_limits(self, call: Run) -> None:
         """
         A chat request's size in what costs the engine most to render and
         tokenize (before admission, for the preflight) and Blazar to make a
@@ -662,7 +668,7 @@ class Pipeline:
             raise BadRequest(f"the tools' and the response format's schemas hold more than {budget} subschemas "
                              f"(max_schema_nodes = {budget} in its config)", "tools" if tools else "response_format")
 
-    async def _tools_seen(self, call: Call) -> None:
+    async def _tools_seen(self, call: Run) -> None:
         """
         Tools offered to a model whose chat template renders none
         (SmolLM2's, a base model's): the model would never see them, and
@@ -695,7 +701,7 @@ class Pipeline:
             f'(args = ["--chat-template-file", "..."] under [models."{entry.name}"]), or force the call with '
             'tool_choice ("required" or a named function; Blazar\'s grammar makes the call on any model)')
 
-    def _forced_call(self, call: Call) -> Forced | None:
+    def _forced_call(self, call: Run) -> Forced | None:
         """
         The forced tool call a chat call asks for (C{tool_choice} required
         or a named function), if any.
@@ -709,7 +715,7 @@ class Pipeline:
         except ToolChoiceError as e:
             raise BadRequest(str(e), "tool_choice") from None
 
-    async def _pin(self, context: RequestContext | None, call: Call, instance: Any) -> Pin | None:
+    async def _pin(self, context: RequestContext | None, call: Run, instance: Any) -> Pin | None:
         """
         The session step: a request that names a session
         (L{blazar.gateway.sessions.session_name}) goes to its session's slot
@@ -736,7 +742,7 @@ class Pipeline:
         key = key_of(context)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
 
-    async def _placement(self, context: RequestContext | None, call: Call) -> None:
+    async def _placement(self, context: RequestContext | None, call: Run) -> None:
         """
         The placement a request asks for (Ollama's C{num_gpu}, C{main_gpu},
         C{num_thread}, C{use_mmap}: L{Call.profile}) becomes the model's
@@ -752,7 +758,7 @@ class Pipeline:
             return
         await self.supervisor.want_profile(call.model, call.profile)
 
-    def _isolate(self, context: RequestContext | None, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
+    def _isolate(self, context: RequestContext | None, call: Run, instance: Any, pin: Pin | None) -> Isolated | None:
         """
         The isolation step, for models with C{isolate_keys}
         (L{blazar.gateway.isolation}): the slot a chat or completion goes
@@ -775,7 +781,7 @@ class Pipeline:
             return Isolated(instance, owner, None, True)
         return self.isolation.take(instance, slots, owner)
 
-    async def _check(self, context: RequestContext | None, call: Call) -> str:
+    async def _check(self, context: RequestContext | None, call: Run) -> str:
         """
         Steps 1-3: scope, purpose, placement.
 
@@ -809,7 +815,7 @@ class Pipeline:
             call.raw = None
         return canonical
 
-    def _remote_lane(self, call: Call) -> CommandLane:
+    def _remote_lane(self, call: Run) -> CommandLane:
         """
         The lane of a remote model (C{[[remotes]]}): what it is asked must
         be something its API does.
@@ -829,7 +835,7 @@ class Pipeline:
                 f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}")
         return CommandLane(REMOTE, (), health="/v1/models", formats=(), api=remote.api)
 
-    def _remote_body(self, context: RequestContext | None, call: Call) -> tuple[bytes, str, AnthropicStream | None]:
+    def _remote_body(self, context: RequestContext | None, call: Run) -> tuple[bytes, str, AnthropicStream | None]:
         """
         The body a remote is sent, with its own name for the model; for
         C{api = "anthropic"}, the chat as a Messages request
@@ -906,7 +912,7 @@ class Pipeline:
             self._facts[key] = known
         return known
 
-    async def _prompt_floor(self, call: Call, size: int) -> int:
+    async def _prompt_floor(self, call: Run, size: int) -> int:
         """
         Tokens the prompt has at least, by its text's size alone: its
         bytes of text over the longest entry of the model's vocabulary
@@ -945,7 +951,7 @@ class Pipeline:
                 raise BadRequest(f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
                                  "side: scale it down first", "image")
 
-    async def _audio(self, context: RequestContext | None, call: Call) -> None:
+    async def _audio(self, context: RequestContext | None, call: Run) -> None:
         """
         The audio step: the upload decoded and resampled to 16 kHz mono WAV
         (L{blazar.gateway.audio}, in the thread pool), then the child's
@@ -965,7 +971,7 @@ class Pipeline:
         if context is not None:
             context.audio_seconds = seconds
 
-    async def _purpose(self, call: Call) -> None:
+    async def _purpose(self, call: Run) -> None:
         """
         No chat on an embedding model or a reranker, no embeddings on a
         chat model, no reranking on anything but a reranker, before any
@@ -1011,7 +1017,7 @@ class Pipeline:
                 f"{section}); use a chat model here"
             )
 
-    async def _vision(self, call: Call) -> None:
+    async def _vision(self, call: Run) -> None:
         """
         The vision step, for a chat: its images (C{image_url} content
         parts, which every surface's images become) need a model whose
@@ -1098,7 +1104,7 @@ class Pipeline:
                 raise BadRequest(f"{where}.url: not a data: or http(s) URL, and not base64; send one of those",
                                  where)
 
-    async def _count(self, call: Call) -> int:
+    async def _count(self, call: Run) -> int:
         """
         The prompt's tokens, by the child's own template and tokenizer.
         """
@@ -1284,7 +1290,7 @@ def _note_cache(context: RequestContext | None, outcome: str) -> None:
         context.cache = outcome
 
 
-def applied_keep_alive(context: RequestContext | None, call: Call) -> float | None:
+def applied_keep_alive(context: RequestContext | None, call: Run) -> float | None:
     """
     The C{keep_alive} a call's end applies: the client's, unless its key is
     scoped to models. A model is shared: a scoped key's C{keep_alive} 0

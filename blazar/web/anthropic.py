@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+import attrs
 from klein import Klein
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -120,8 +121,8 @@ class AnthropicSurface:
         if not body.get("stream", False):
             # a stop sequence cuts the child's stream before its usage
             # arrives: the prompt is counted up front
-            call.counting = Counting.ALWAYS if stops else Counting.NEVER
-            call.client_stream = False  # the engine's stream makes one message (the semantic cache may answer)
+            # (client_stream: the engine's stream makes one message; the semantic cache may answer)
+            call = attrs.evolve(call, counting=Counting.ALWAYS if stops else Counting.NEVER, client_stream=False)
             async with self._pipeline.open(context_of(request), call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens
@@ -135,7 +136,6 @@ class AnthropicSurface:
         # with an error event, and message_start carries the prompt's
         # token count. A model that must load first gets the headers and
         # message_start at once, then pings while the child is silent.
-        call.counting = Counting.IF_READY
         pinger = LoopingCall(request.write, tr.sse_event("ping", {"type": "ping"}))
         pinger.clock = self._clock
         headers_out = False
@@ -152,7 +152,7 @@ class AnthropicSurface:
                 start()
                 pinger.start(PING_INTERVAL, now=False).addErrback(lambda f: log.failure("ping failed", f))
 
-        call.on_send = on_send
+        call = attrs.evolve(call, counting=Counting.IF_READY, on_send=on_send)
         try:
             async with self._pipeline.open(context_of(request), call) as reply:
                 if not headers_out:

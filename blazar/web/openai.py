@@ -29,7 +29,7 @@ from twisted.web.iweb import IRequest
 
 from blazar.config import Config
 from blazar.gateway.admission import WorkClass
-from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.call import Call, CallKind, Run, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
 from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.engine_facts import model_kind
@@ -501,7 +501,7 @@ class OpenAISurface:
             work = WorkClass.INTERACTIVE
         fixes: list[EngineFix] = []
 
-        async def rewrite(call: Call) -> None:
+        async def rewrite(call: Run) -> None:
             fix = await self._engine_fix(model, kind, call.body, stream)
             if fix is not None:
                 fixes.append(fix)

@@ -16,6 +16,7 @@ import json
 import time
 from typing import Any, Callable
 
+import attrs
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
@@ -146,7 +147,7 @@ class Responses:
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
-            call.client_stream = False  # the engine's stream makes one response (the semantic cache may answer)
+            call = attrs.evolve(call, client_stream=False)  # the engine's stream makes one response (the cache may answer)
             async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()
@@ -166,7 +167,7 @@ class Responses:
 
         # once the headers are out, every failure ends the stream with
         # response.failed, never with an error body of its own
-        call.on_send = on_send
+        call = attrs.evolve(call, on_send=on_send)
         ended = False
         try:
             async with self._pipeline.open(context_of(request), call) as reply:
