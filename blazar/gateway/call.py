@@ -9,13 +9,15 @@ they change) is the pipeline's own L{Run}.
 from __future__ import annotations
 
 import enum
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import attrs
 
 from blazar.gateway.admission import WorkClass
 from blazar.models.registry import ModelEntry
 
+
+T = TypeVar("T")
 
 # Ollama's placement options and the model profile keys they set (blazar.config.PROFILE_KEYS)
 OLLAMA_PLACEMENT = {"num_gpu": "gpu_layers", "main_gpu": "main_gpu", "num_thread": "threads", "use_mmap": "use_mmap"}
@@ -119,6 +121,19 @@ class Call:
         return self.kind is CallKind.EMBEDDING
 
 
+class Decoded(Generic[T]):
+    """
+    An attribute of a L{Run} that reads the same-named one of its L{Call}:
+    what the pipeline's steps never change.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, run: Any, owner: Any = None) -> T:
+        return getattr(run.call, self._name)  # type: ignore[no-any-return]
+
+
 @attrs.define
 class Run:
     """
@@ -159,73 +174,23 @@ class Run:
         return cls(call, call.body, call.raw, call.ctx_size, call.max_tokens, call.content_type, call.audio)
 
     # what the steps never change: the surface's call, as decoded
-    @property
-    def surface(self) -> str:
-        return self.call.surface
-
-    @property
-    def kind(self) -> CallKind:
-        return self.call.kind
-
-    @property
-    def model(self) -> str:
-        return self.call.model
-
-    @property
-    def path(self) -> str:
-        return self.call.path
-
-    @property
-    def stream(self) -> bool:
-        return self.call.stream
-
-    @property
-    def keep_alive(self) -> float | None:
-        return self.call.keep_alive
-
-    @property
-    def profile(self) -> dict[str, Any] | None:
-        return self.call.profile
-
-    @property
-    def work(self) -> WorkClass:
-        return self.call.work
-
-    @property
-    def names(self) -> tuple[str, str]:
-        return self.call.names
-
-    @property
-    def counting(self) -> Counting:
-        return self.call.counting
-
-    @property
-    def rewrite(self) -> Callable[[Run], Awaitable[None]] | None:
-        return self.call.rewrite
-
-    @property
-    def on_send(self) -> Callable[[bool], Callable[[], None] | None] | None:
-        return self.call.on_send
-
-    @property
-    def session_hint(self) -> str | None:
-        return self.call.session_hint
-
-    @property
-    def audio_fields(self) -> dict[str, str] | None:
-        return self.call.audio_fields
-
-    @property
-    def images(self) -> list[bytes] | None:
-        return self.call.images
-
-    @property
-    def client_stream(self) -> bool | None:
-        return self.call.client_stream
-
-    @property
-    def embedding(self) -> bool:
-        return self.call.embedding
+    surface = Decoded[str]()
+    kind = Decoded[CallKind]()
+    model = Decoded[str]()
+    path = Decoded[str]()
+    stream = Decoded[bool]()
+    keep_alive = Decoded["float | None"]()
+    profile = Decoded["dict[str, Any] | None"]()
+    work = Decoded[WorkClass]()
+    names = Decoded["tuple[str, str]"]()
+    counting = Decoded[Counting]()
+    rewrite = Decoded["Callable[[Run], Awaitable[None]] | None"]()
+    on_send = Decoded["Callable[[bool], Callable[[], None] | None] | None"]()
+    session_hint = Decoded["str | None"]()
+    audio_fields = Decoded["dict[str, str] | None"]()
+    images = Decoded["list[bytes] | None"]()
+    client_stream = Decoded["bool | None"]()
+    embedding = Decoded[bool]()
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:
