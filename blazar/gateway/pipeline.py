@@ -83,6 +83,7 @@ from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.remotewire import AnthropicStream, to_anthropic
 from blazar.gateway.reply import Reply, scoped
+from blazar.gateway.translated import FromAnthropic, FromCompletion, Renamed, Translated, scrubber
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
 from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
@@ -337,13 +338,19 @@ class Pipeline:
         finally:
             if stop is not None:
                 stop()
+        translated: Translated | None = None
+        if anthropic is not None:
+            translated = FromAnthropic(anthropic, scrubber(lease.instance))
+        elif lane is not None and lane.name == REMOTE:
+            translated = Renamed(lease.instance.entry.name, lease.instance.server, scrubber(lease.instance))
+        elif completion is not None:
+            translated = FromCompletion(completion)
         options = call.body.get("stream_options")
         chat = call.kind is CallKind.CHAT
         reply = Reply(
             self._proxy, context, lease, response, counted, started, loaded,
             made=made, keep=keep, pin=pin, isolated=isolated, noted=noted, max_tokens=call.max_tokens,
-            anthropic=anthropic, renamed=anthropic is None and lane is not None and lane.name == REMOTE,
-            wants_usage=isinstance(options, dict) and bool(options.get("include_usage")), completion=completion,
+            translated=translated, wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
             watched=asked if chat else None, enforce=chat and self._enforce(context, lease.instance.entry),
             stall=self._config().sentinel_stall if chat else 30.0, clock=self._clock if chat else None,
         )

@@ -5,7 +5,8 @@ pipeline made itself (a forced tool call, a JSON answer, a semantic cache
 hit: C{made}), the child's own OpenAI answer, and a child's answer in
 another shape translated on the way (an C{api = "anthropic"} remote's, an
 OpenAI-compatible remote's that names its own model, llama-server's
-C{/completion} stream of a JSON answer). The sentinel judges each
+C{/completion} stream of a JSON answer: L{blazar.gateway.translated}).
+The sentinel judges each
 (L{blazar.gateway.sentinel}); usage is counted here.
 """
 
@@ -19,20 +20,21 @@ from twisted.logger import Logger
 
 from blazar import strictjson
 from blazar.engines.lease import InstanceLease
-from blazar.engines.remote import is_remote, scrub_bytes
-from blazar.engines.sse import SSEEvents, WholeEvents
+from blazar.engines.remote import is_remote
+from blazar.engines.sse import WholeEvents
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
 from blazar.gateway.context import RequestContext, key_of, note_tokens, record_usage
-from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, stream_error_message
+from blazar.gateway.engine_proxy import EngineProxy, StreamStopped
 from blazar.gateway.errors import EngineRejected
 from blazar.gateway.isolation import Isolated
-from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, answer_chunks, from_anthropic
+from blazar.gateway.remotewire import answer_chunks
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import (
     UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
 )
 from blazar.gateway.sessions import Pin
+from blazar.gateway.translated import Translated
 
 log = Logger()
 
@@ -59,8 +61,7 @@ class Reply:
         made: bytes | None = None, cached: bool = False, keep: Callable[[bytes], None] | None = None,
         pin: Pin | None = None, isolated: Isolated | None = None, noted: tuple[str, str] | None = None,
         watched: dict[str, Any] | None = None, enforce: bool = False, max_tokens: int | None = None,
-        stall: float = 30.0, clock: Any = None, anthropic: AnthropicStream | None = None, renamed: bool = False,
-        wants_usage: bool = False, completion: jsonanswer.ChatFromCompletion | None = None,
+        stall: float = 30.0, clock: Any = None, translated: Translated | None = None, wants_usage: bool = False,
     ) -> None:
         """
         Built whole by the pipeline (L{blazar.gateway.pipeline.Pipeline._start}, L{blazar.gateway.pipeline.Pipeline._cached});
@@ -88,15 +89,11 @@ class Reply:
         @param stall: Seconds without a chunk before a stream is flagged
             stalled.
         @param clock: C{IReactorTime} for the stall timer.
-        @param anthropic: An C{api = "anthropic"} remote's answer, turned
-            into OpenAI's on the way (L{_from_anthropic}).
-        @param renamed: An OpenAI-compatible remote's answer, which names
-            its own model: this one's name put there instead.
+        @param translated: How the child's answer, in another shape, is
+            turned into OpenAI's on the way (L{blazar.gateway.translated});
+            L{None}: it is OpenAI's own.
         @param wants_usage: The request's C{stream_options.include_usage}
             (a remote's JSON answer made a stream: L{_remote_json}).
-        @param completion: A JSON answer streamed by llama-server's
-            C{/completion} (L{blazar.gateway.jsonanswer}), turned into
-            OpenAI's chat chunks.
         """
         self._proxy = proxy
         self._context = context
@@ -120,10 +117,8 @@ class Reply:
         self.noted = noted
         self.stall = stall
         self.clock = clock
-        self.anthropic = anthropic
-        self.renamed = renamed
+        self.translated = translated
         self.wants_usage = wants_usage
-        self.completion = completion
 
     async def read(self) -> bytes:
         """
@@ -137,10 +132,8 @@ class Reply:
         else:
             assert self._lease is not None
             data = await self._proxy.read(self._lease.instance, self._response)
-            if self.anthropic is not None:
-                data = self._from_anthropic(self._scrubbed(data))
-            elif self.renamed:
-                data = _with_model(self._scrubbed(data), self.model, self._lease.instance.server)
+            if self.translated is not None:
+                data = self.translated.whole(data)
         findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
             if self.watched is not None else []
         self._judge(findings)
@@ -150,129 +143,6 @@ class Reply:
         if scoped(self._context):
             data = hide_prompt_cache_bytes(data)
         return data
-
-    def _from_anthropic(self, data: bytes) -> bytes:
-        """
-        An Anthropic Messages answer as the OpenAI chat completion every
-        surface translates from.
-
-        @raise EngineRejected: Not a Messages answer.
-        """
-        assert self.anthropic is not None
-        try:
-            message = json.loads(data)
-            if not isinstance(message, dict) or message.get("type") != "message":
-                raise ValueError("not a message object")
-            answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
-        return strictjson.dumps(answer, ensure_ascii=False).encode("utf-8")
-
-    def _anthropic_events(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
-        """
-        A feed for an Anthropic Messages stream's bytes that hands each
-        OpenAI chunk it translates to (L{AnthropicStream}) to C{on_chunk}.
-
-        @raise EngineRejected: The remote's stream reported an error.
-        """
-        stream = self.anthropic
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            try:
-                event = json.loads(self._scrubbed(data))
-            except ValueError:
-                raise EngineRejected(502, "the remote's stream is not Anthropic's: an event is not JSON") from None
-            if not isinstance(event, dict):
-                return
-            try:
-                chunks = stream.feed(str(event.get("type", "")), event)
-            except RemoteStreamError as e:
-                raise EngineRejected(502, f"the remote's stream failed ({e.kind}): {e}") from None
-            for chunk in chunks:
-                on_chunk(chunk)
-
-        return SSEEvents(on_event).feed
-
-    def _completion_events(
-        self, on_chunk: Callable[[dict[str, Any]], Any], on_end: Callable[[], None] | None = None,
-    ) -> Callable[[bytes], None]:
-        """
-        A feed for llama-server's C{/completion} SSE stream (a JSON answer:
-        L{blazar.gateway.jsonanswer}) that hands each OpenAI chat chunk it
-        translates to to C{on_chunk}, then calls C{on_end} after the last.
-
-        @raise EngineRejected: The engine's stream reported an error.
-        """
-        stream = self.completion
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            if data == b"[DONE]":
-                return
-            event = json.loads(data)
-            if not isinstance(event, dict):
-                return
-            if "error" in event:
-                raise EngineRejected(500, stream_error_message(event["error"]))
-            ended = stream.finished
-            for chunk in stream.feed(event):
-                on_chunk(chunk)
-            if stream.finished and not ended and on_end is not None:
-                on_end()
-
-        return SSEEvents(on_event).feed
-
-    def _completion_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_completion_events}, encoded as OpenAI's SSE (C{data: [DONE]}
-        after the last chunk), for the byte relay.
-        """
-        return self._completion_events(lambda chunk: feed(jsonanswer.encode(chunk)),
-                                       lambda: feed(b"data: [DONE]\n\n"))
-
-    def _renamed_events(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        A feed for an OpenAI-compatible remote's SSE stream that hands each
-        event on with this reply's model name in its C{model} (the remote
-        wrote its own: C{tiny} for C{peer:tiny}, a dated snapshot for an
-        alias), as compact JSON, whole events only.
-        """
-        assert self._lease is not None
-        server = self._lease.instance.server
-
-        def on_event(data: bytes) -> None:
-            data = data if data == b"[DONE]" else _with_model(self._scrubbed(data), self.model, server)
-            feed(b"data: " + data + b"\n\n")
-
-        return SSEEvents(on_event).feed
-
-    def _scrubbed(self, data: bytes) -> bytes:
-        """
-        A remote's answer without its key, should it have echoed it
-        (L{blazar.engines.remote.scrub_bytes}).
-        """
-        instance = self._lease.instance if self._lease is not None else None
-        return scrub_bytes(data, instance.remote, instance.environ) if is_remote(instance) else data
-
-    def _anthropic_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_anthropic_events}, encoded as OpenAI's SSE (C{data: [DONE]} after
-        the last chunk), for the byte relay.
-        """
-        stream = self.anthropic
-        assert stream is not None
-        done = False
-
-        def on_chunk(chunk: dict[str, Any]) -> None:
-            nonlocal done
-            feed(b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-                 .encode("utf-8") + b"\n\n")
-            if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
-                done = True
-                feed(b"data: [DONE]\n\n")
-
-        return self._anthropic_events(on_chunk)
 
     async def _cut_end(self, watch: StreamWatch) -> list[dict[str, Any]]:
         """
@@ -326,17 +196,14 @@ class Reply:
         """
         lease = self._lease
         if self.made is not None or lease is None or self._response is None \
-                or not (self.anthropic is not None or self.renamed):
+                or self.translated is None or not self.translated.remote:
             return
         instance = lease.instance
         kind = (self._response.headers.getRawHeaders(b"content-type") or [b""])[0].lower()
         if not is_remote(instance) or not kind.startswith(b"application/json"):
             return
         data = await self._proxy.read(lease.instance, self._response)
-        if self.anthropic is not None:
-            data = self._from_anthropic(self._scrubbed(data))
-        else:
-            data = _with_model(self._scrubbed(data), self.model, instance.server)
+        data = self.translated.whole(data)
         try:
             chunks = answer_chunks(json.loads(data), self.wants_usage)
         except ValueError as e:
@@ -379,21 +246,10 @@ class Reply:
         try:
             if self.made is not None:
                 feed(self.made)
-            elif self.anthropic is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
-                                        self._context)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_bytes(feed),
-                                        self._context)
-            elif self.renamed:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._renamed_events(feed),
-                                        self._context)
             else:
                 assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, feed, self._context)
+                relayed = self.translated.sse(feed) if self.translated is not None else feed
+                await self._proxy.relay(self._lease.instance, self._response, relayed, self._context)
         finally:
             if timer is not None and timer.active():
                 timer.cancel()
@@ -460,14 +316,9 @@ class Reply:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         on_chunk(json.loads(event[len(b"data: "):]))
-            elif self.anthropic is not None:
+            elif self.translated is not None and (events := self.translated.events(on_chunk)) is not None:
                 assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
-                                        self._context)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_events(on_chunk),
-                                        self._context)
+                await self._proxy.relay(self._lease.instance, self._response, events, self._context)
             else:
                 assert self._lease is not None
                 try:
@@ -630,23 +481,3 @@ class _CacheHider:
         if rest:
             self._feed(rest)
 
-
-def _with_model(data: bytes, model: str, server: str) -> bytes:
-    """
-    An OpenAI-compatible remote's JSON object (an answer, a stream's
-    event) with C{model} as its C{"model"} (compact, so the surfaces'
-    byte-level renames find it).
-
-    @raise EngineRejected: Not a JSON object (a 502 naming C{server}).
-    """
-    try:
-        value = json.loads(data)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise EngineRejected(502, f"{server} answered with something that is not an OpenAI JSON object "
-                                  f"(it began {data[:60]!r}): check its base_url and api")
-    if "model" not in value:
-        return data
-    value["model"] = model
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
