@@ -52,9 +52,8 @@ from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.errors import AllSlotsBusy
+from blazar.gateway.priority import Priority
 
-PRIORITY_HEADER = b"x-blazar-priority"
-DEADLINE_HEADER = b"x-blazar-deadline-ms"
 QUEUE_MS_HEADER = b"x-blazar-queue-ms"
 LONG_PREFILL_BYTES = 64 * 1024
 CREDIT_RESET = 256
@@ -64,18 +63,6 @@ SERVICE_EWMA = 0.3
 SNAPSHOT_REQUESTS = 200
 # seconds a batch line may wait for a slot (OpenAI's completion_window, 24h)
 BATCH_DEADLINE = 24 * 3600.0
-
-
-class Priority(IntEnum):
-    """
-    Priority tiers, most urgent first.
-    """
-
-    HIGH = 0
-    NORMAL = 1
-    LOW = 2
-    # offline work (Batch API lines): a slot only when nobody else waits
-    BATCH = 3
 
 
 class WorkClass(IntEnum):
@@ -101,42 +88,6 @@ def human_wait(seconds: float) -> str:
     if whole < 60:
         return f"{whole}s"
     return f"{whole // 60}m{whole % 60:02d}s"
-
-
-def parse_priority(value: bytes | None) -> Priority:
-    """
-    C{x-blazar-priority}: C{high}, C{low} or C{batch} (any case; C{batch}
-    is below C{low}: a slot only when nothing else waits); anything else,
-    or no header, is normal.
-    """
-    if value is None:
-        return Priority.NORMAL
-    word = value.strip().lower()
-    if word == b"high":
-        return Priority.HIGH
-    if word == b"low":
-        return Priority.LOW
-    if word == b"batch":
-        return Priority.BATCH
-    return Priority.NORMAL
-
-
-def parse_deadline_ms(value: bytes | None) -> float | None:
-    """
-    C{x-blazar-deadline-ms}: how long (ms, from arrival) the request may
-    wait for a slot; L{None} when absent, not a number, or not positive.
-
-    @return: Seconds.
-    """
-    if value is None:
-        return None
-    try:
-        ms = float(value.strip())
-    except ValueError:
-        return None
-    if not math.isfinite(ms) or ms <= 0:
-        return None
-    return min(ms, 24 * 3600 * 1000.0) / 1000.0
 
 
 @attrs.define(eq=False)
@@ -627,7 +578,7 @@ async def admit_request(
     key = key_of(context)
     client = context.client if context is not None else None
     queue = admission.queue(model)
-    priority = parse_priority(client.priority() if client is not None else None)
+    priority = client.priority() if client is not None else Priority.NORMAL
     if priority is Priority.BATCH and not (context is not None and context.batch_line):
         # batch (below everything, a day's wait) is the Batch API runner's own:
         # from a client it is low (issue 36: it let one key park 1,024 waiters)
@@ -635,7 +586,7 @@ async def admit_request(
     ticket = queue.ticket(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
         priority=priority,
-        deadline=parse_deadline_ms(client.deadline() if client is not None else None),
+        deadline=client.deadline() if client is not None else None,
         work=work, body_size=(client.body_size() if client is not None else 0) if size is None else size,
         trace_id=trace_id_of(context),
     )

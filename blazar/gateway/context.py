@@ -22,6 +22,7 @@ from zope.interface import Interface
 
 from blazar.config import KeyConfig
 from blazar.gateway.errors import describe
+from blazar.gateway.priority import Priority
 
 
 class StreamTiming:
@@ -59,14 +60,15 @@ class IClient(Interface):
     before the response is written). Only C{blazar.web} implements it.
     """
 
-    def priority() -> bytes | None:
+    def priority() -> Priority:
         """
-        C{x-blazar-priority} as sent, or L{None}.
+        The admission tier the client asked for (C{x-blazar-priority}).
         """
 
-    def deadline() -> bytes | None:
+    def deadline() -> float | None:
         """
-        C{x-blazar-deadline-ms} as sent, or L{None}.
+        Seconds the request may wait for a slot (C{x-blazar-deadline-ms}),
+        or L{None}.
         """
 
     def agent() -> str:

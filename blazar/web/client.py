@@ -8,15 +8,56 @@ the request itself.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from blazar.gateway.admission import DEADLINE_HEADER, PRIORITY_HEADER
 from blazar.gateway.context import IClient, RequestContext
+from blazar.gateway.priority import Priority
 from blazar.gateway.quota import retry_after_value
+
+
+PRIORITY_HEADER = b"x-blazar-priority"
+DEADLINE_HEADER = b"x-blazar-deadline-ms"
+
+
+def parse_priority(value: bytes | None) -> Priority:
+    """
+    C{x-blazar-priority}: C{high}, C{low} or C{batch} (any case; C{batch}
+    is below C{low}: a slot only when nothing else waits); anything else,
+    or no header, is normal.
+    """
+    if value is None:
+        return Priority.NORMAL
+    word = value.strip().lower()
+    if word == b"high":
+        return Priority.HIGH
+    if word == b"low":
+        return Priority.LOW
+    if word == b"batch":
+        return Priority.BATCH
+    return Priority.NORMAL
+
+
+def parse_deadline_ms(value: bytes | None) -> float | None:
+    """
+    C{x-blazar-deadline-ms}: how long (ms, from arrival) the request may
+    wait for a slot; L{None} when absent, not a number, or not positive.
+
+    @return: Seconds.
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(ms) or ms <= 0:
+        return None
+    return min(ms, 24 * 3600 * 1000.0) / 1000.0
 
 
 @implementer(IClient)
@@ -28,11 +69,11 @@ class RequestClient:
     def __init__(self, request: IRequest) -> None:
         self._request = request
 
-    def priority(self) -> bytes | None:
-        return self._request.getHeader(PRIORITY_HEADER)
+    def priority(self) -> Priority:
+        return parse_priority(self._request.getHeader(PRIORITY_HEADER))
 
-    def deadline(self) -> bytes | None:
-        return self._request.getHeader(DEADLINE_HEADER)
+    def deadline(self) -> float | None:
+        return parse_deadline_ms(self._request.getHeader(DEADLINE_HEADER))
 
     def agent(self) -> str:
         return (self._request.getHeader(b"user-agent") or b"").decode("ascii", "replace").split(" ", 1)[0][:60]

@@ -14,7 +14,7 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.web.client import context_of
+from blazar.web.client import context_of, parse_deadline_ms, parse_priority
 from blazar.config import Config, KeyConfig, QueueConfig, parse_config
 from blazar.gateway.admission import (
     LONG_PREFILL_BYTES,
@@ -26,8 +26,6 @@ from blazar.gateway.admission import (
     WorkClass,
     admit_request,
     human_wait,
-    parse_deadline_ms,
-    parse_priority,
 )
 
 
