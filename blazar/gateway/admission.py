@@ -35,7 +35,8 @@ disconnects while waiting leaves the queue at once (cancelling the
 L{Deferred} L{ModelQueue.admit} returned).
 
 The scheduler is pure logic on an injected clock (C{seconds()} and
-C{callLater()}); L{admit_request} is the glue to a web request.
+C{callLater()}); L{admit_request} is the glue to a client's request
+(its L{blazar.gateway.context.IClient}).
 """
 
 from __future__ import annotations

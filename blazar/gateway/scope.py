@@ -64,7 +64,7 @@ def may_use(context: RequestContext | None, name: object) -> bool:
 
 def is_scoped(context: RequestContext | None) -> bool:
     """
-    Whether C{request} came with a key scoped to some models.
+    Whether the request came with a key scoped to some models.
     """
     key = key_of(context)
     return key is not None and not key.admin
