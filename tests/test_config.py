@@ -368,7 +368,7 @@ class ExposedSecretsTests(SynchronousTestCase):
 def test_doctor_names_a_readable_config_with_secrets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     import argparse
 
-    from blazar.cli import _doctor
+    from blazar.cli.doctor import doctor as _doctor
 
     config = tmp_path / "c.toml"
     config.write_text(f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{tmp_path}"\nengine_check_secs = 0\n'

@@ -17,18 +17,20 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar import store
 from blazar.files import open_private, private_dir, set_mode
 
+from tests.typed import TestCaseMixin
+
 
 def mode(path: Path) -> int:
     return stat.S_IMODE(os.stat(path).st_mode)
 
 
-class UmaskMixin:
+class UmaskMixin(TestCaseMixin):
     umask = 0
 
     def setUp(self) -> None:
         old = os.umask(self.umask)
-        self.addCleanup(os.umask, old)  # type: ignore[attr-defined]
-        self.root = Path(self.mktemp())  # type: ignore[attr-defined]
+        self.addCleanup(os.umask, old)
+        self.root = Path(self.mktemp())
         self.root.mkdir()
 
 

@@ -7,7 +7,6 @@ shared contract: tests/engines/test_supervisor_contract.py.
 
 import json
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.trial.unittest import SynchronousTestCase
@@ -24,6 +23,8 @@ from blazar.testing import (
     fake_engine_app,
     fake_process_reactor,
 )
+
+from tests.typed import StubTreq
 
 
 class InterfaceTests(SynchronousTestCase):

@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import io
 import time
+from typing import Callable, cast
 
-from twisted.logger import Logger, LogPublisher, formatEventAsClassicLogText, formatTime
+from twisted.logger import ILogObserver, Logger, LogPublisher, formatEventAsClassicLogText, formatTime
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.logtext import RENDERED, TextObserver, event_text
 
 
-def events_of(emit: "callable") -> list[dict[str, object]]:  # type: ignore[valid-type]
+def events_of(emit: Callable[[Logger], None]) -> list[dict[str, object]]:
     publisher = LogPublisher()
     events: list[dict[str, object]] = []
-    publisher.addObserver(events.append)
+    publisher.addObserver(cast(ILogObserver, events.append))
     emit(Logger(namespace="blazar.web.site", observer=publisher))
     return events
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import signal
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 from twisted.internet.defer import Deferred
-from twisted.logger import LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 
 from blazar.config import ConfigError, ReloadReport, load_config
+from blazar.engines.supervisor import Instance
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
 from blazar.web.client import context_of
+
+from tests.typed import not_none
 
 GOOD = '[[keys]]\nname = "first"\nsecret = "first-secret-0123456789"\n'
 
@@ -57,8 +61,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
         self.reactor.callFromThread = lambda f, *a, **kw: self.queued.append(lambda: f(*a, **kw))
         self.signals = SignalTable(previous="twistd's")
         self.events: list[LogEvent] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def service(self, reload: Callable[[], Any], source: Path | None = None) -> ReloadOnHangup:
         service = ReloadOnHangup(reload, self.reactor, source or Path("/etc/blazar.toml"), self.signals)
@@ -242,9 +246,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path = self.root / "config.toml"
         self.write()
         self.reactor = fake_process_reactor()
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        before = list(globalLogPublisher._observers)
         self.tree = assemble(load_config(self.path), self.reactor, {})
-        for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+        for observer in list(globalLogPublisher._observers):
             if isinstance(observer, LogRing) and observer not in before:
                 globalLogPublisher.removeObserver(observer)
 
@@ -376,7 +380,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
     def test_image_fetch_keys(self) -> None:
         # the pipeline's image fetcher reads them from the live config at each fetch
-        images = self.tree.pipeline.images
+        images = not_none(self.tree.pipeline).images
         assert images is not None
         self.check("image_fetch_max_bytes", "image_fetch_max_bytes = 9\n", "",
                    lambda: images._config().image_fetch_max_bytes, 9)
@@ -439,16 +443,18 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         from twisted.internet.address import IPv4Address
         from twisted.web.test.requesthelper import DummyRequest
 
+        from blazar.gateway.errors import describe
         from blazar.web.auth import Refusal
 
         def door(path: bytes, secret: str | None = None) -> Any:
-            request = DummyRequest([path.decode()[1:]])
-            request.path, request.method = path, b"GET"
+            request = DummyRequest([path[1:]])
+            request.method = b"GET"
+            cast(Any, request).path = path  # the gate reads it; DummyRequest does not declare it
             request.client = IPv4Address("TCP", "127.0.0.1", 5000)
             if secret is not None:
                 request.requestHeaders.setRawHeaders(b"authorization", [f"Bearer {secret}".encode()])
-            found = self.tree.site.gate.authenticate(request)  # type: ignore[union-attr]
-            return found.status if isinstance(found, Refusal) else found.name if found else None
+            found = not_none(self.tree.site.gate).authenticate(cast(IRequest, request))
+            return describe(found).status if isinstance(found, Refusal) else found.name if found else None
 
         self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
                    lambda: door(b"/v1/models", self.SECRET), "late")
@@ -461,7 +467,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def header_timer() -> float:
             request: Deferred[Any] = Deferred()
-            d = Deferred.fromCoroutine(self.tree.proxy._headers(FakeInstance("m"), request))  # type: ignore[arg-type]
+            d = Deferred.fromCoroutine(self.tree.proxy._headers(cast(Instance, FakeInstance("m")), request))
             now = self.reactor.seconds()
             (timer,) = [c for c in self.reactor.getDelayedCalls() if c.getTime() > now]
             d.cancel()
@@ -474,12 +480,12 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.proxy.relay(FakeInstance("m"), engine, request.write, context_of(request))  # type: ignore[arg-type]
+                self.tree.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, context_of(request))
             )
-            bound = request.producer._stall_close_secs  # type: ignore[attr-defined]
+            bound = not_none(request.producer)._stall_close_secs
             engine.end()
             self.successResultOf(relay)
-            return bound  # type: ignore[no-any-return]
+            return bound
 
         self.check("stream_stall_close_secs", "stream_stall_close_secs = 4\n", "", stall_bound, 4)
         self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.supervisor.ctx_policy, "fit")
@@ -535,7 +541,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             self.tree.supervisor.stop_instance(instance, "test")
             grace = instance.kill_timer.getTime() - self.reactor.seconds()
             self.end(instance, d)
-            return grace  # type: ignore[no-any-return]
+            return grace
 
         self.check("stop_grace", "stop_grace = 2.5\n", "", kill_after, 2.5)
 
@@ -550,7 +556,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             # an Ollama request without keep_alive gets the default, and ends
             call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
             InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
-            return instance.keep_alive  # type: ignore[no-any-return]
+            return instance.keep_alive
 
         self.check("keep_alive", 'keep_alive = "9m"\n', "", default_keep_alive, 540)
         self.end(instance, d)
@@ -619,13 +625,13 @@ class StartupWarningTests(SynchronousTestCase):
                         '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n')
         path.chmod(0o644)
         events: list[LogEvent] = []
-        globalLogPublisher.addObserver(events.append)
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        before = list(globalLogPublisher._observers)
         try:
             assemble(load_config(path), fake_process_reactor(), {})
         finally:
-            globalLogPublisher.removeObserver(events.append)
-            for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+            globalLogPublisher.removeObserver(cast(ILogObserver, events.append))
+            for observer in list(globalLogPublisher._observers):
                 if isinstance(observer, LogRing) and observer not in before:
                     globalLogPublisher.removeObserver(observer)
         warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]

@@ -165,7 +165,7 @@ class LoadsTests(SynchronousTestCase):
         for encoding in ("utf-8", "utf-16-le", "utf-16-be", "utf-32-le", "utf-32-be"):
             with self.subTest(encoding=encoding):
                 self.assertEqual(strictjson.loads('{"é": 1.5}'.encode(encoding)), {"é": 1.5})
-        self.assertEqual(strictjson.loads(bytearray(b"[1]")), [1])
+        self.assertEqual(strictjson.loads(bytearray(b"[1]")), [1])  # type: ignore[arg-type]  # bytearray too, as json.loads takes
 
     def test_not_json(self) -> None:
         """

@@ -324,7 +324,7 @@ class EngineClient:
             C{CancelledError} after C{timeout} seconds without headers.
         """
         d = self._fresh.request(b"GET", url.encode("ascii"), Headers(headers), None)
-        timer = self._reactor.callLater(timeout, d.cancel)  # type: ignore[attr-defined]
+        timer = self._reactor.callLater(timeout, d.cancel)
         try:
             response: IResponse = await d
         finally:

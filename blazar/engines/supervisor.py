@@ -1851,7 +1851,7 @@ class Supervisor(Service):
             C{shutdown}, ...).
         """
         if isinstance(instance, RemoteInstance):
-            return succeed(None)  # type: ignore[arg-type]  # nothing runs here (keep_alive 0, an unload)
+            return succeed(None)  # nothing runs here (keep_alive 0, an unload)
         if self._instances.get(instance.entry.name) is instance:
             del self._instances[instance.entry.name]
         if instance.stop_reason:

@@ -614,7 +614,7 @@ class BatchRunner:
         text = await self.run_db(store.thd_batch, batch_id, key)
         if text is None:
             raise _no_batch(batch_id)
-        return json.loads(text)  # type: ignore[no-any-return]
+        return json.loads(text)
 
     async def batches(self, key: str, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         """

@@ -131,7 +131,7 @@ class Decoded(Generic[T]):
         self._name = name
 
     def __get__(self, run: Any, owner: Any = None) -> T:
-        return getattr(run.call, self._name)  # type: ignore[no-any-return]
+        return getattr(run.call, self._name)
 
 
 @attrs.define

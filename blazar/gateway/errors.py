@@ -11,7 +11,11 @@ never build HTTP bodies, and no surface keeps a table of its own.
 
 The errors the gateway itself defines live here too: L{BadRequest} (and the
 translators' request errors, which subclass it), L{NotFound},
-L{Forbidden}, L{PromptTooLong}, L{UnsupportedByModel}, L{EngineRejected}.
+L{Forbidden}, L{PromptTooLong}, L{UnsupportedByModel}, L{EngineRejected};
+and those a request meets at the door, before any surface sees it
+(L{blazar.web.auth}, L{blazar.web.site}): L{Unauthorized}, L{Refused},
+L{TooManyConnections}, and L{Forbidden} again. The door answers them by
+this table too, so a status means the same thing whichever turned it away.
 """
 
 from __future__ import annotations
@@ -38,9 +42,14 @@ class BadRequest(ValueError):
 
     @ivar param: The offending field, or L{None}.
     @ivar status: The HTTP status (400 unless a subclass says otherwise).
+    @ivar kind: Its C{blazar_errors_total} kind, or L{None} (counted by
+        its status class).
+    @ivar code: OpenAI's C{error.code}, or L{None}.
     """
 
     status = 400
+    kind: str | None = None
+    code: str | None = None
 
     def __init__(self, message: str, param: str | None = None) -> None:
         self.param = param
@@ -56,6 +65,40 @@ class NotFound(BadRequest):
     status = 404
 
 
+class Refused(BadRequest):
+    """
+    A request turned away at the door for how it came, before its body is
+    read: a credential header sent twice or two that disagree, HTTP that
+    does not parse (400), too slow (408), a body over its limit (413), a
+    head over its limit (414, 431). The message names the limit and its
+    setting.
+    """
+
+    def __init__(self, status: int, kind: str, message: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.code = status, kind, code
+
+
+class Unauthorized(Exception):
+    """
+    No API key where one is needed, or one that no key has (401); the
+    message says how to send one.
+    """
+
+
+class TooManyConnections(Exception):
+    """
+    A client over C{max_connections_per_ip} (503): busy for it, as when
+    every slot is.
+
+    @ivar retry_after: Seconds for C{Retry-After}.
+    """
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        self.retry_after = retry_after
+        super().__init__(message)
+
+
 class Unavailable(Exception):
     """
     Something the request needs cannot run on this daemon as configured
@@ -69,7 +112,15 @@ class Forbidden(Exception):
     scoped key, or from the network without keys). A model outside a key's
     scope is not this but L{blazar.models.registry.ModelNotFound}
     (L{blazar.gateway.scope}).
+
+    @ivar code: OpenAI's C{error.code}: C{insufficient_permissions} unless
+        the refusal names another rule (C{host_not_allowed},
+        C{origin_not_allowed}).
     """
+
+    def __init__(self, message: str, code: str = "insufficient_permissions") -> None:
+        self.code = code
+        super().__init__(message)
 
 
 class PromptTooLong(Exception):
@@ -115,6 +166,7 @@ class Category(enum.Enum):
     """
 
     INVALID = "invalid"
+    AUTHENTICATION = "authentication"
     NOT_FOUND = "not_found"
     PERMISSION = "permission"
     RATE_LIMIT = "rate_limit"
@@ -136,11 +188,11 @@ class Problem:
         key: the renderer does that).
     @ivar kind: The C{blazar_errors_total} kind, or L{None} (counted by
         its status class).
+    @ivar logged: Whether it is a fault worth a log line (engine failures,
+        not the client's mistakes).
     @ivar code: OpenAI's C{error.code}.
     @ivar param: OpenAI's C{error.param}.
     @ivar retry_after: Seconds for C{Retry-After}, or L{None}.
-    @ivar logged: Whether it is a fault worth a log line (engine failures,
-        not the client's mistakes).
     @ivar subject: What was not found, as the client spelled it (a
         model's name), for surfaces whose clients expect their own wording.
     """
@@ -149,18 +201,18 @@ class Problem:
     status: int
     message: str
     kind: str | None = None
+    logged: bool = False
     code: str | None = None
     param: str | None = None
     retry_after: float | None = None
-    logged: bool = False
     subject: str | None = None
 
 
 def _bad_request(e: BaseException) -> Problem:
     assert isinstance(e, BadRequest)
     if e.status == 404:
-        return Problem(Category.NOT_FOUND, 404, str(e), code="not_found", param=e.param)
-    return Problem(Category.INVALID, e.status, str(e), param=e.param, kind=getattr(e, "kind", None))
+        return Problem(Category.NOT_FOUND, 404, str(e), code=e.code or "not_found", param=e.param, kind=e.kind)
+    return Problem(Category.INVALID, e.status, str(e), param=e.param, kind=e.kind, code=e.code)
 
 
 def _engine_rejected(e: BaseException) -> Problem:
@@ -258,10 +310,14 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         (UnsupportedByModel, lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported",
                                                param="model")),
         (ModelNotFound, _model_not_found),
+        (Unauthorized, lambda e: Problem(Category.AUTHENTICATION, 401, str(e), kind="auth",
+                                         code="invalid_api_key")),
         (Forbidden, lambda e: Problem(Category.PERMISSION, 403, str(e), kind="forbidden",
-                                      code="insufficient_permissions")),
+                                      code=getattr(e, "code", "insufficient_permissions"))),
         (QuotaExceeded, _quota),
         (AllSlotsBusy, _busy),
+        (TooManyConnections, lambda e: Problem(Category.BUSY, 503, str(e), kind="too_many_connections",
+                                               code="too_many_connections", retry_after=_retry_after(e, 1.0))),
         (BreakerOpen, _unavailable("breaker_open")),
         (Unavailable, _unavailable("unavailable")),
         (NoCapacity, _unavailable("no_capacity")),

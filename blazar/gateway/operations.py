@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol
 
 import attrs
 from twisted.internet.interfaces import IReactorTime
@@ -316,17 +316,25 @@ class ModelOperations:
         hub_name = parse_hub_name(name)
         if self._puller is None:
             raise PullError("this daemon was built without a hub client; pulls are off", 501)
+        return await self._timed(hub_name.name, self._puller.pull(hub_name, self._registry.models_dir, progress), name)
+
+    async def _timed(self, display: str, pulling: Awaitable[list[Path]], asked: str | None = None) -> Pulled:
+        """
+        Await one pull of the model shown as C{display}, log its outcome and
+        time, and have the registry look again whatever happened. A failure
+        is logged under the name as C{asked}, where that differs.
+        """
         started = self._clock.seconds()
         try:
-            files = await self._puller.pull(hub_name, self._registry.models_dir, progress)
+            files = await pulling
         except PullError as e:
-            log.error("pull of {model} failed: {error}", model=name, error=str(e))
+            log.error("pull of {model} failed: {error}", model=asked or display, error=str(e))
             raise
         finally:
             self._registry.forget()
         seconds = self._clock.seconds() - started
-        log.info("pulled {model} in {seconds:.1f} s", model=hub_name.name, seconds=seconds)
-        return Pulled(hub_name.name, tuple(files), seconds)
+        log.info("pulled {model} in {seconds:.1f} s", model=display, seconds=seconds)
+        return Pulled(display, tuple(files), seconds)
 
     def _library_name(self, name: str, verb: str) -> OllamaName:
         try:
@@ -341,17 +349,8 @@ class ModelOperations:
     async def _pull_library(self, name: str, progress: Progress, insecure: bool) -> Pulled:
         parsed = self._library_name(name, "pull")
         assert self._library is not None
-        started = self._clock.seconds()
-        try:
-            files = await self._library.pull(parsed, self._registry.ollama_models, progress, insecure)
-        except PullError as e:
-            log.error("pull of {model} failed: {error}", model=parsed.display, error=str(e))
-            raise
-        finally:
-            self._registry.forget()
-        seconds = self._clock.seconds() - started
-        log.info("pulled {model} in {seconds:.1f} s", model=parsed.display, seconds=seconds)
-        return Pulled(parsed.display, tuple(files), seconds)
+        return await self._timed(parsed.display,
+                                 self._library.pull(parsed, self._registry.ollama_models, progress, insecure))
 
     async def push(self, name: str, progress: Progress = _ignore, insecure: bool = False) -> str:
         """

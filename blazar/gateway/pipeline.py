@@ -227,7 +227,7 @@ class Pipeline:
         """
         A read-only view of each live child (C{GET /api/ps}).
         """
-        return self.supervisor.snapshot()  # type: ignore[no-any-return]
+        return self.supervisor.snapshot()
 
     def queues(self, show: Callable[[str, Any], bool]) -> dict[str, Any]:
         """

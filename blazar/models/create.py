@@ -38,8 +38,8 @@ from blazar.models.modelfile import go_json
 from blazar.models.ollama_store import (
     MEDIA_ADAPTER, MEDIA_CONFIG, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_PROJECTOR,
     MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, Hold, OllamaName, StoreError, blob_path, digest_hex, hold,
-    layer, make_manifest, thd_add_bytes, thd_has_blob, thd_link_blob, thd_read_manifest, thd_sha256_file,
-    thd_write_manifest,
+    layer, make_manifest, thd_add_bytes, thd_copy_hashed, thd_has_blob, thd_link_blob, thd_read_manifest,
+    thd_sha256_file, thd_write_manifest,
 )
 from blazar.models.quantize import QuantizeError, quantize
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -255,15 +255,8 @@ def thd_store_upload(root: Path, upload: IO[bytes], digest: str) -> bool:
     blobs.mkdir(parents=True, exist_ok=True)
     temp = blobs / f"{_UPLOAD_PREFIX}{secrets.token_hex(6)}"
     try:
-        h = hashlib.sha256()
         upload.seek(0)
-        with open(temp, "wb") as out:
-            while chunk := upload.read(1 << 20):
-                h.update(chunk)
-                out.write(chunk)
-            out.flush()
-            os.fsync(out.fileno())
-        actual = "sha256:" + h.hexdigest()
+        actual = thd_copy_hashed(upload, temp)
         if actual != expected:
             raise DigestMismatch(expected, actual, "the upload")
         os.replace(temp, target)

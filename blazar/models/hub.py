@@ -20,10 +20,12 @@ it with each of the repository's quants (L{blazar.models.registry.pair_projector
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
+from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Callable
 
@@ -211,33 +213,40 @@ def thd_install(partials: list[Path], targets: list[Path]) -> None:
         os.replace(partial, target)
 
 
-class _SerialWriter:
+class SerialWriter(ABC):
     """
-    Appends downloaded bytes to a file in the thread pool, in order, in
-    batches of L{WRITE_BATCH}, hashing as it goes.
+    Writes downloaded bytes in the thread pool, in order, in batches of
+    L{batch} bytes (the rest at L{drain}); a subclass says what writing a
+    batch is (L{_job}).
     """
 
-    def __init__(self, reactor: Any, partial: Path, h: Any) -> None:
+    batch = WRITE_BATCH
+
+    def __init__(self, reactor: Any) -> None:
         self._reactor = reactor
-        self._partial = partial
-        self._h = h
         self._pending = bytearray()
         self._tail: Deferred[Any] = succeed(None)
+
+    @abstractmethod
+    def _job(self, data: bytes) -> Callable[[], object]:
+        """
+        The thread-side work that writes the batch C{data}; asked on the
+        reactor thread, batch after batch, in order.
+        """
 
     def _submit(self) -> None:
         data = bytes(self._pending)
         self._pending.clear()
+        job = self._job(data)
 
-        def go(_: Any) -> Deferred[Any]:
-            return deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), thd_append, self._partial, data, self._h
-            )
+        def go(_: object) -> Deferred[object]:
+            return deferToThreadPool(self._reactor, self._reactor.getThreadPool(), job)
 
         self._tail.addCallback(go)
 
     def write(self, data: bytes) -> None:
         self._pending.extend(data)
-        if len(self._pending) >= WRITE_BATCH:
+        if len(self._pending) >= self.batch:
             self._submit()
 
     async def drain(self) -> None:
@@ -250,6 +259,20 @@ class _SerialWriter:
             self._submit()
         tail, self._tail = self._tail, succeed(None)
         await tail
+
+
+class _HashingWriter(SerialWriter):
+    """
+    Appends downloaded bytes to a partial file, hashing as it goes.
+    """
+
+    def __init__(self, reactor: Any, partial: Path, h: Any) -> None:
+        super().__init__(reactor)
+        self._partial = partial
+        self._h = h
+
+    def _job(self, data: bytes) -> Callable[[], object]:
+        return functools.partial(thd_append, self._partial, data, self._h)
 
 
 class _QuietPool(HTTPConnectionPool):
@@ -384,7 +407,7 @@ class HubClient:
             elif response.code not in (200, 206):
                 raise PullError(f"downloading {path}: the hub answered {response.code}", 502)
             completed = have
-            writer = _SerialWriter(self._reactor, partial, h)
+            writer = _HashingWriter(self._reactor, partial, h)
             reported = have
 
             def on_chunk(data: bytes) -> None:

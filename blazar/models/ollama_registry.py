@@ -44,6 +44,7 @@ holds no registry credentials.
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import json
 import os
@@ -54,7 +55,7 @@ from urllib.parse import urlencode, urljoin, urlsplit
 
 import attrs
 from treq.client import HTTPClient
-from twisted.internet.defer import CancelledError, Deferred, DeferredList, FirstError, succeed
+from twisted.internet.defer import CancelledError, Deferred, DeferredList, FirstError
 from twisted.internet.interfaces import IConsumer
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThreadPool
@@ -66,7 +67,7 @@ from zope.interface import implementer
 
 from blazar import strictjson
 from blazar.httpbody import read_body, relay_body
-from blazar.models.hub import PullError, _QuietPool
+from blazar.models.hub import PullError, SerialWriter, _QuietPool
 from blazar.models.ollama_store import (
     MEDIA_MANIFEST, DigestMismatch, OllamaName, StoreError, blob_path, check_manifest, descriptors, digest_hex, hold,
     manifest_bytes, partial_path, thd_find_manifest, thd_free_bytes, thd_has_blob, thd_write_manifest,
@@ -362,51 +363,27 @@ def _read_at(path: Path, offset: int, size: int) -> bytes:
         return f.read(size)
 
 
-class _PartWriter:
+class _PartWriter(SerialWriter):
     """
-    Writes a part's bytes to the partial file in the thread pool, in
-    order, in batches of L{WRITE_BATCH}, recording its progress after each.
+    Writes a part's bytes to the partial file, recording its progress after
+    each batch.
     """
 
+    batch = WRITE_BATCH
+
     def __init__(self, reactor: Any, root: Path, digest: str, part: Part) -> None:
-        self._reactor = reactor
+        super().__init__(reactor)
         self._root = root
         self._digest = digest
         self._part = part
-        self._pending = bytearray()
         self._position = part.offset + part.completed  # where the pending bytes go
         self._written = part.completed
-        self._tail: Deferred[Any] = succeed(None)
 
-    def _submit(self) -> None:
-        data = bytes(self._pending)
-        self._pending.clear()
+    def _job(self, data: bytes) -> Callable[[], object]:
         position = self._position
         self._position += len(data)
         self._written += len(data)
-        completed = self._written
-
-        def go(_: object) -> Deferred[None]:
-            return deferToThreadPool(self._reactor, self._reactor.getThreadPool(), thd_write_part, self._root,
-                                     self._digest, self._part, position, data, completed)
-
-        self._tail.addCallback(go)
-
-    def write(self, data: bytes) -> None:
-        self._pending.extend(data)
-        if len(self._pending) >= WRITE_BATCH:
-            self._submit()
-
-    async def drain(self) -> None:
-        """
-        Wait until everything written so far is on disk.
-
-        @raise OSError: A write failed.
-        """
-        if self._pending:
-            self._submit()
-        tail, self._tail = self._tail, succeed(None)
-        await tail
+        return functools.partial(thd_write_part, self._root, self._digest, self._part, position, data, self._written)
 
 
 class _Retry(Exception):

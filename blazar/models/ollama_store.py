@@ -56,7 +56,7 @@ import threading
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import IO, Any, Iterable, Iterator
 
 import attrs
 
@@ -653,6 +653,23 @@ def thd_sha256_file(path: Path) -> str:
     return "sha256:" + h.hexdigest()
 
 
+def thd_copy_hashed(source: IO[bytes], target: Path) -> str:
+    """
+    Copy the rest of C{source} into a new file C{target}, on disk when this
+    returns. Blocking: thread pool.
+
+    @return: The sha256 digest of what was copied (C{sha256:HEX}).
+    """
+    h = hashlib.sha256()
+    with open(target, "wb") as out:
+        while chunk := source.read(1 << 20):
+            h.update(chunk)
+            out.write(chunk)
+        out.flush()
+        os.fsync(out.fileno())
+    return "sha256:" + h.hexdigest()
+
+
 def _temp_blob(root: Path, digest: str) -> Path:
     blobs = root / "blobs"
     blobs.mkdir(parents=True, exist_ok=True)
@@ -674,14 +691,8 @@ def thd_add_blob(root: Path, source_path: Path, digest: str) -> Path:
         return target
     temp = _temp_blob(root, digest)
     try:
-        h = hashlib.sha256()
-        with open(source_path, "rb") as src, open(temp, "wb") as dst:
-            while chunk := src.read(1 << 20):
-                h.update(chunk)
-                dst.write(chunk)
-            dst.flush()
-            os.fsync(dst.fileno())
-        actual = "sha256:" + h.hexdigest()
+        with open(source_path, "rb") as src:
+            actual = thd_copy_hashed(src, temp)
         if actual != f"sha256:{digest_hex(digest)}":
             raise DigestMismatch(digest, actual)
         os.replace(temp, target)

@@ -13,6 +13,7 @@ C{[models."name"]} names its own with C{mmproj}.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
@@ -481,6 +482,15 @@ class IModelRegistry(Interface):
         """
 
 
+def _thd_unlink_each(paths: tuple[Path, ...]) -> None:
+    """
+    Unlink each of C{paths} in turn, stopping at the first that fails.
+    Blocking: thread pool.
+    """
+    for path in paths:
+        os.unlink(path)
+
+
 @implementer(IModelRegistry)
 @attrs.define
 class ModelRegistry:
@@ -817,22 +827,17 @@ class ModelRegistry:
         """
         self.check_removable(entry)
         if entry.ollama is not None and entry.settings.path is None:
-            try:
-                await self.in_thread(thd_delete_manifest, self.ollama_models, entry.ollama.name)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                raise ModelChangeError(f"cannot delete {entry.name}: {e.strerror}") from None
-            finally:
-                self.forget()
-            return
+            what = entry.name
+            delete: Callable[[], object] = functools.partial(thd_delete_manifest, self.ollama_models, entry.ollama.name)
+        else:
+            what = str(entry.path)
+            delete = functools.partial(_thd_unlink_each, (entry.path, *entry.shards))
         try:
-            for path in (entry.path, *entry.shards):
-                await self.in_thread(os.unlink, path)
+            await self.in_thread(delete)
         except FileNotFoundError:
             pass
         except OSError as e:
-            raise ModelChangeError(f"cannot delete {entry.path}: {e.strerror}") from None
+            raise ModelChangeError(f"cannot delete {what}: {e.strerror}") from None
         finally:
             self.forget()
 

@@ -33,6 +33,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from blazar.models.testmodel import write_whole
+
 VOCAB = 151936
 HEAD_DIM = 128
 
@@ -107,21 +109,34 @@ def _build(llm_hidden: int = 16, llm_inter: int = 16, llm_layers: int = 28, dit_
             r += conv(name + ".nin_shortcut", cin, cout, 1)
         return r
 
+    def mid(coder: str, ch: int) -> list[tuple[str, list[int]]]:
+        # the decoder's and the encoder's middle: two resblocks around a 1x1-conv attention
+        r = resblock(coder + "mid.block_1", ch, ch) + resblock(coder + "mid.block_2", ch, ch)
+        r += norm(coder + "mid.attn_1.norm", ch)
+        for n in ("q", "k", "v", "proj_out"):
+            r += conv(coder + "mid.attn_1." + n, ch, ch, 1)
+        return r
+
+    def levels(way: str, ch: int, base: int, order: list[int], blocks: int) -> tuple[list[tuple[str, list[int]]], int]:
+        # the resolution levels, in C{order}: C{blocks} resblocks each (to C{base} x its multiplier
+        # channels), then an up- or downsampling conv but after the last; the tensors and the
+        # channels they end with
+        r: list[tuple[str, list[int]]] = []
+        for lvl in order:
+            cout = base * mult[lvl]
+            for j in range(blocks):
+                r += resblock(f"{way}.{lvl}.block.{j}", ch, cout)
+                ch = cout
+            if lvl != order[-1]:
+                r += conv(f"{way}.{lvl}.{way.rsplit('.', 1)[-1]}sample.conv", ch, ch, 3)
+        return r, ch
+
     t += conv(p + "post_quant_conv", z, z, 1)
     d = p + "decoder."
     t += conv(d + "conv_in", z, top, 3)
-    t += resblock(d + "mid.block_1", top, top) + resblock(d + "mid.block_2", top, top)
-    t += norm(d + "mid.attn_1.norm", top)
-    for n in ("q", "k", "v", "proj_out"):
-        t += conv(d + "mid.attn_1." + n, top, top, 1)
-    ch = top
-    for lvl in reversed(range(4)):
-        cout = vae_ch * mult[lvl]
-        for j in range(3):
-            t += resblock(f"{d}up.{lvl}.block.{j}", ch, cout)
-            ch = cout
-        if lvl != 0:
-            t += conv(f"{d}up.{lvl}.upsample.conv", ch, ch, 3)
+    t += mid(d, top)
+    r, ch = levels(d + "up", top, vae_ch, [3, 2, 1, 0], 3)
+    t += r
     t += norm(d + "norm_out", ch) + conv(d + "conv_out", ch, 3, 3)
 
     # VAE encoder: sd-server always builds the context with vae_decode_only=false, so the
@@ -132,18 +147,9 @@ def _build(llm_hidden: int = 16, llm_inter: int = 16, llm_layers: int = 28, dit_
         ech = 128
         t += conv(p + "quant_conv", 2 * z, 2 * z, 1)
         t += conv(e + "conv_in", 3, ech, 3)
-        ch = ech
-        for lvl in range(4):
-            cout = ech * mult[lvl]
-            for j in range(2):
-                t += resblock(f"{e}down.{lvl}.block.{j}", ch, cout)
-                ch = cout
-            if lvl != 3:
-                t += conv(f"{e}down.{lvl}.downsample.conv", ch, ch, 3)
-        t += resblock(e + "mid.block_1", ch, ch) + resblock(e + "mid.block_2", ch, ch)
-        t += norm(e + "mid.attn_1.norm", ch)
-        for n in ("q", "k", "v", "proj_out"):
-            t += conv(e + "mid.attn_1." + n, ch, ch, 1)
+        r, ch = levels(e + "down", ech, ech, [0, 1, 2, 3], 2)
+        t += r
+        t += mid(e, ch)
         t += norm(e + "norm_out", ch) + conv(e + "conv_out", ch, 2 * z, 3)
     return t
 
@@ -206,11 +212,7 @@ def _write_gguf(path: Path, tensors: list[tuple[str, list[int]]], rng: Any, std:
             arr = (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float16)
         n_params += arr.size
         w.add_tensor(name, arr)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    os.replace(tmp, path)
+    write_whole(w, tmp, path)
 
 
 def make_test_image_model(path: Path, tae: Path, *, seed: int = 0, std: float = 0.02) -> tuple[Path, Path]:

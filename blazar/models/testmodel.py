@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -105,6 +106,19 @@ class GeneratedModel:
 
     path: Path
     token_ids: dict[str, int]
+
+
+def write_whole(writer: Any, tmp: Path, out: Path) -> None:
+    """
+    Write what the L{gguf.GGUFWriter} C{writer} holds (header, metadata,
+    tensors) to its file C{tmp}, close it, then rename it C{out}, so the
+    model appears whole or not at all.
+    """
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, out)
 
 
 def vocabulary() -> tuple[list[str], list[int]]:
@@ -214,11 +228,7 @@ def make_test_model(
     writer.add_tensor("output_norm.weight", np.ones(n_embd, dtype=np.float32))
     writer.add_tensor("output.weight", weights(n_vocab, n_embd))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
+    write_whole(writer, tmp, out)
     return GeneratedModel(out, {tok: i for i, tok in enumerate(tokens)})
 
 
@@ -274,9 +284,5 @@ def make_test_lora(
                               (rng.standard_normal((rank, columns)) * 0.1).astype(np.float32))
             writer.add_tensor(f"blk.{i}.{target}.weight.lora_b",
                               (rng.standard_normal((rows, rank)) * 0.1).astype(np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
+    write_whole(writer, tmp, out)
     return out

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from blazar.models.testmodel import write_whole
+
 IMAGE_SIZE = 32  # pixels a side: every image is resized (padded) to this square
 PATCH_SIZE = 8  # pixels a side of a patch: one prompt token each
 
@@ -124,9 +126,5 @@ def make_test_projector(
     writer.add_tensor("mm.2.weight", weights(text_embd, hidden))
     writer.add_tensor("mm.2.bias", np.zeros(text_embd, dtype=np.float32))
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(tmp, out)
+    write_whole(writer, tmp, out)
     return out

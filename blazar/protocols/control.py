@@ -63,7 +63,7 @@ class Status(amp.Command):
     """
 
     commandName = b"Status"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [
         (b"version", amp.Unicode()),
         (b"uptime", amp.Float()),
@@ -151,7 +151,7 @@ class Models(amp.Command):
     """
 
     commandName = b"Models"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [(b"models", amp.AmpList([(b"name", amp.Unicode()), (b"path", amp.Unicode())]))]
 
 
@@ -288,7 +288,7 @@ class KeysList(amp.Command):
     """
 
     commandName = b"KeysList"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [(b"keys", amp.AmpList(KEY))]
 
 
@@ -334,7 +334,7 @@ class Queue(amp.Command):
     """
 
     commandName = b"Queue"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [(b"queue", amp.Unicode()), (b"truncated", amp.Boolean())]
 
 
@@ -346,7 +346,7 @@ class SessionList(amp.Command):
     """
 
     commandName = b"SessionList"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [(b"sessions", amp.Unicode()), (b"truncated", amp.Boolean())]
 
 
@@ -396,7 +396,7 @@ class ReloadConfig(amp.Command):
     """
 
     commandName = b"ReloadConfig"
-    arguments = []  # type: ignore[var-annotated]
+    arguments = []
     response = [
         (b"restart_needed", amp.ListOf(amp.Unicode())),
         (b"applied", amp.ListOf(amp.Unicode(), optional=True)),

@@ -26,13 +26,13 @@ from blazar.gateway.sessions import anthropic_hint
 from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import StreamStopped
-from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
-from blazar.gateway.errors import BadRequest, Category, Problem
+from blazar.gateway.errors import BadRequest
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.web.body import read_json
-from blazar.web.errors import answer, in_stream
+from blazar.web.errors import anthropic_error, anthropic_status, anthropic_type, answer, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
 from blazar import strictjson
@@ -46,14 +46,6 @@ HONOURED_BETAS = frozenset({
     "mid-conversation-system-2026-04-07", "interleaved-thinking-2025-05-14", "token-counting-2024-11-01",
     "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13", "effort-2025-11-24",
 })
-
-
-def error_body(kind: str, message: str) -> bytes:
-    """
-    Anthropic's error envelope, encoded.
-    """
-    return strictjson.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode("utf-8")
-
 
 
 def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
@@ -163,7 +155,7 @@ class AnthropicSurface:
         except Exception as e:
             problem = in_stream(request, e, model, "anthropic", headers_out)
             request.write(tr.sse_event("error", {"type": "error", "error": {
-                "type": _TYPES[problem.category], "message": problem.message}}))
+                "type": anthropic_type(problem), "message": problem.message}}))
             return None
         finally:
             if pinger.running:
@@ -201,29 +193,5 @@ class AnthropicSurface:
         if problem is None:
             return None
         self._request_id(request)
-        return render(request, problem)
-
-
-_TYPES = {
-    Category.INVALID: "invalid_request_error", Category.NOT_FOUND: "not_found_error",
-    Category.PERMISSION: "permission_error", Category.RATE_LIMIT: "rate_limit_error",
-    Category.BUSY: "overloaded_error", Category.UNAVAILABLE: "overloaded_error",
-    Category.TIMEOUT: "api_error", Category.ENGINE: "api_error", Category.INTERNAL: "api_error",
-}
-# Anthropic's statuses where they differ from the table's: 529 for an
-# overloaded API, 500 for its own failures
-_STATUSES = {Category.UNAVAILABLE: 529, Category.ENGINE: 500}
-
-
-def render(request: IRequest, problem: Problem) -> bytes:
-    """
-    A L{Problem} in Anthropic's envelope, with Anthropic's status.
-    """
-    if problem.category in _STATUSES:
-        request.setResponseCode(_STATUSES[problem.category])
-    elif problem.category is Category.INVALID and problem.status not in (400, 405, 413) and problem.kind != "sentinel":
-        request.setResponseCode(400)  # Anthropic's one status for a request at fault (an engine's 404, 422, ...)
-    kind = "request_too_large" if problem.status == 413 else _TYPES[problem.category]
-    if problem.kind == "model_not_found":
-        return error_body(kind, f"model: {problem.subject} ({problem.message})")  # Anthropic's wording
-    return error_body(kind, problem.message)
+        request.setResponseCode(anthropic_status(problem))
+        return anthropic_error(problem)

@@ -16,7 +16,6 @@ import hmac
 import ipaddress
 from typing import Any
 
-import attrs
 from twisted.internet.address import UNIXAddress
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
@@ -24,10 +23,10 @@ from twisted.web.resource import IResource, Resource
 from blazar.config import Config, KeyConfig, LiveConfig, live_config
 from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
 from blazar.gateway.context import key_of, trace_id_of
-from blazar.gateway.errors import Forbidden
+from blazar.gateway.errors import Forbidden, Refused, Unauthorized
 from blazar.gateway.quota import QuotaExceeded, Quotas
-from blazar import strictjson
-from blazar.web.client import context_of, retry_after
+from blazar.web.errors import answer, envelope
+from blazar.web.client import context_of
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -199,7 +198,7 @@ def check_same_machine_page(request: IRequest, host_too: bool = False) -> None:
                 f"host {text!r} is not one (add a key: `blazar keys add admin`)")
 
 
-def keyless_refusal(request: IRequest, config: Any) -> "Refusal | None":
+def keyless_refusal(request: IRequest, config: Any) -> Forbidden | None:
     """
     On a gateway without keys, whoever can reach it may use it; a web page
     must not be able to (issue 36; Ollama's CVE-2024-28224). A DNS-rebinding
@@ -213,13 +212,13 @@ def keyless_refusal(request: IRequest, config: Any) -> "Refusal | None":
     Clients that are not browsers (curl, the SDKs) send no C{Origin} and
     the address they dialled as C{Host}: they pass.
 
-    @return: A 403 L{Refusal} naming the fix, or L{None}.
+    @return: A L{Forbidden} (403) naming the fix, or L{None}.
     """
     host_raw = request.getHeader(b"host")
     host = host_raw.decode("latin-1") if isinstance(host_raw, bytes) else str(host_raw or "")
     allowed = tuple(getattr(config, "allowed_hosts", ()))
     if host and not _unrebindable(host) and _host_name(host) not in allowed:
-        return Refusal(403, "forbidden", (
+        return Forbidden((
             f"this gateway has no API keys, so it answers only under this machine's own names; host "
             f"{_host_name(host)!r} is not one: add it to allowed_hosts in the config, or add a key "
             "(`blazar keys add admin`)"), code="host_not_allowed")
@@ -232,30 +231,10 @@ def keyless_refusal(request: IRequest, config: Any) -> "Refusal | None":
     if origin != "null" and ("*" in cors or origin in cors or _local_name(page)
                              or (host and page.lower() == host.lower()) or _host_name(page) in allowed):
         return None
-    return Refusal(403, "forbidden", (
+    return Forbidden((
         f"this gateway has no API keys, so web pages of other sites may not use it; the page at {origin!r} "
         "is not this machine's: list it in cors_origins to let it, or add a key (`blazar keys add admin`)"),
         code="origin_not_allowed")
-
-
-def error_body(surface: str, status: int, message: str, code: str | None = None) -> bytes:
-    """
-    An error in the surface's own shape.
-
-    @param code: OpenAI's C{code}, where the status alone does not give it.
-    """
-    if surface == "ollama":
-        return strictjson.dumps({"error": message}).encode()
-    if surface == "anthropic":
-        kind = {401: "authentication_error", 403: "permission_error", 413: "request_too_large",
-                429: "rate_limit_error", 503: "overloaded_error"}.get(status, "invalid_request_error")
-        return strictjson.dumps({"type": "error", "error": {"type": kind, "message": message}}).encode()
-    if code is None:
-        code = {401: "invalid_api_key", 403: "model_not_allowed", 413: "request_too_large",
-                429: "rate_limit_exceeded"}.get(status)
-    kind = "rate_limit_error" if status == 429 else "server_error" if status >= 500 else "invalid_request_error"
-    return strictjson.dumps({"error": {"message": message, "type": kind,
-                                 "param": None, "code": code}}).encode()
 
 
 def bearer_secret(request: IRequest) -> bytes | None:
@@ -279,47 +258,31 @@ def presented_secret(request: IRequest) -> bytes | None:
     return api_key.strip() if api_key else None
 
 
-@attrs.frozen
-class Refusal:
-    """
-    A request turned away at the door, before its body is read and before
-    any surface sees it; L{render_refusal} answers it in the surface's
-    error shape.
-
-    @ivar status: The HTTP status.
-    @ivar kind: Its C{blazar_errors_total} kind: C{auth}, C{bad_request},
-        C{too_large}, C{timeout}, C{headers_too_large} or
-        C{too_many_connections}.
-    @ivar message: What the client is told; it names the setting when one
-        is the cause.
-    @ivar retry_after: Seconds for C{Retry-After}, when a retry may succeed.
-    @ivar code: OpenAI's C{code}, where the status alone does not give it.
-    """
-
-    status: int
-    kind: str
-    message: str
-    retry_after: float | None = None
-    code: str | None = None
+Refusal = Exception
+"""
+What the door answers a request with instead of passing it on: a domain
+error of L{blazar.gateway.errors} (L{Unauthorized}, L{Forbidden},
+L{Refused}, L{TooManyConnections}, L{QuotaExceeded}), by the one table.
+"""
 
 
 def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
     """
     Set C{request}'s status and headers for C{refusal} (C{WWW-Authenticate}
-    on a 401, C{Retry-After} when it has one, Anthropic's C{request-id})
-    and return the body, in the surface's shape.
+    on a 401, C{Retry-After} when it has one, Anthropic's C{request-id}),
+    note its kind for the metrics, and return the body, in the surface's
+    shape (L{blazar.web.errors.envelope}).
     """
     surface = surface_of(request.path or b"")
-    context_of(request).error = refusal.kind
-    request.setResponseCode(refusal.status)
-    request.setHeader(b"content-type", b"application/json")
-    if refusal.status == 401:
+    problem = answer(request, refusal, surface)
+    assert problem is not None  # (a domain error, not a departure)
+    status, body = envelope(surface, problem)
+    request.setResponseCode(status)
+    if status == 401:
         request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
-    if refusal.retry_after is not None:
-        retry_after(request, refusal.retry_after)
     if surface == "anthropic":
         request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode())
-    return error_body(surface, refusal.status, refusal.message, refusal.code)
+    return body
 
 
 def is_local(address: object) -> bool:
@@ -389,7 +352,7 @@ class AuthGate(Resource):
         for name in CREDENTIAL_HEADERS:
             given = request.requestHeaders.getRawHeaders(name) or []
             if len(given) > 1:
-                return Refusal(400, "bad_request", (
+                return Refused(400, "bad_request", (
                     f"the {name.decode('ascii')} header was sent {len(given)} times; send it once"
                 ))
         if not self._keys.active:
@@ -402,12 +365,12 @@ class AuthGate(Resource):
             # (a front proxy that checks the Authorization would see another
             # identity than the x-api-key used here: issue 36)
             scheme = authorization.split(b" ", 1)[0].decode("latin-1")[:20]
-            return Refusal(400, "bad_request", (
+            return Refused(400, "bad_request", (
                 f"Authorization: {scheme} and x-api-key were both sent: send the key once, as "
                 "`Authorization: Bearer <key>` or as `x-api-key`"
             ))
         if bearer and api_key and not hmac.compare_digest(bearer, api_key.strip()):
-            return Refusal(400, "bad_request", (
+            return Refused(400, "bad_request", (
                 "Authorization: Bearer and x-api-key carry different keys; send one key, "
                 "in one of them (or the same key in both)"
             ))
@@ -415,18 +378,18 @@ class AuthGate(Resource):
         key = self._keys.find(secret) if secret else None
         if key is None:
             what = "missing" if not secret else "invalid"
-            return Refusal(401, "auth", (
+            return Unauthorized(
                 f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
                 "(keys are listed with `blazar keys list`)"
-            ))
+            )
         if request.path == b"/metrics" and not key.admin:
             # the series name every model and key: to a scoped key, models
             # outside its scope do not exist
-            return Refusal(403, "forbidden", (
+            return Forbidden(
                 f"key {key.name!r} is scoped to models and may not read /metrics, which names "
                 "every model and key: scrape with an unscoped (admin) key, or set "
                 "metrics_require_key = false to open /metrics to everyone"
-            ), code="insufficient_permissions")
+            )
         return key
 
     def authenticate_batch_line(self, request: IRequest, secret: bytes) -> KeyConfig | Refusal | None:
@@ -444,14 +407,14 @@ class AuthGate(Resource):
         """
         given = request.getHeader(SECRET_HEADER)
         if not given or not hmac.compare_digest(given, secret):
-            return Refusal(401, "auth", "this listener serves only the daemon's own Batch API lines")
+            return Unauthorized("this listener serves only the daemon's own Batch API lines")
         if not self._keys.active:
             return None
         raw = request.getHeader(KEY_HEADER) or b""
         name = raw.decode("utf-8", "replace")
         key = self._keys.named(name)
         if key is None:
-            return Refusal(401, "auth", f"the API key {name!r} that made this batch no longer exists")
+            return Unauthorized(f"the API key {name!r} that made this batch no longer exists")
         return key
 
     def _page_route(self, request: IRequest) -> bool:
@@ -475,7 +438,7 @@ class AuthGate(Resource):
             return self._keys.config.metrics_require_key is False
         return False
 
-    def render(self, request: IRequest) -> Any:  # type: ignore[override]
+    def render(self, request: IRequest) -> Any:
         context = context_of(request)
         context.key, context.keys_active = None, self._keys.active
         # the site asked at the headers
@@ -489,14 +452,7 @@ class AuthGate(Resource):
                 try:
                     self._quotas.lease(key)
                 except QuotaExceeded as e:
-                    context.error = "quota"
-                    surface = surface_of(request.path)
-                    request.setResponseCode(429)
-                    request.setHeader(b"content-type", b"application/json")
-                    retry_after(request, e.retry_after)
-                    if surface == "anthropic":
-                        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode())
-                    return error_body(surface, 429, str(e))
+                    return render_refusal(request, e)
                 # the lease rides the response: released when it is fully
                 # sent, or when the client goes away
                 quotas = self._quotas

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 from typing import IO, Any, Callable
 
-import attrs
 from klein import Klein
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IConsumer
@@ -31,8 +30,7 @@ from blazar.gateway.context import count_request, key_of
 from blazar.gateway.errors import BadRequest
 from blazar.web.body import read_json
 from blazar.web.download import FileProducer
-from blazar.web.errors import answer
-from blazar.web.openai import render
+from blazar.web.errors import answer, openai_error
 from blazar import strictjson
 from blazar.web.client import context_of
 
@@ -223,10 +221,5 @@ class BatchSurface:
 
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
-        problem = answer(request, failure.value, "openai")
-        if problem is None:
-            return None
-        code = getattr(failure.value, "code", None)
-        if problem.code is None and isinstance(code, str):
-            problem = attrs.evolve(problem, code=code)
-        return render(problem)
+        problem = answer(request, failure.value, "openai")  # (a BadRequest's code is the table's)
+        return None if problem is None else openai_error(problem)

@@ -89,7 +89,7 @@ class RequestClient:
         return size
 
     def finished(self) -> Deferred[None]:
-        return self._request.notifyFinish()  # type: ignore[attr-defined,no-any-return]
+        return self._request.notifyFinish()  # type: ignore[attr-defined]
 
     def writing(self) -> bool:
         return bool(getattr(self._request, "startedWriting", True))
@@ -117,7 +117,7 @@ def context_of(request: Any) -> RequestContext:
         context = request.blazar = RequestContext()
     if context.client is None:
         context.client = RequestClient(request)
-    return context  # type: ignore[no-any-return]
+    return context
 
 
 def retry_after(request: IRequest, seconds: float) -> None:

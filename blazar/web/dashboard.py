@@ -45,7 +45,7 @@ from blazar.models.registry import ModelRegistry
 from blazar.names import strip_dirs
 from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_headers
 from blazar.web.body import read_json
-from blazar.web.errors import answer
+from blazar.web.errors import answer, openai_error
 from blazar.web.ollama import capabilities
 from blazar import strictjson
 from blazar.web.client import context_of
@@ -467,5 +467,4 @@ class Dashboard:
         if problem is None:
             return None
         secure(request)
-        body = {"error": {"message": problem.message, "code": problem.code}}
-        return strictjson.dumps(body).encode("utf-8")
+        return openai_error(problem)  # the envelope the door's refusals of its requests have

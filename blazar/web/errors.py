@@ -1,9 +1,13 @@
 """
 What every surface does with an error before it encodes it: one
 function for an error answered with its own status (L{answer}), one for an
-error after a stream's headers went out (L{in_stream}). Each surface then
-renders the L{Problem} in its own shape, in one small function; the table
-of what each error means is L{blazar.gateway.errors}.
+error after a stream's headers went out (L{in_stream}); then the
+L{Problem}'s envelope in each API's shape: OpenAI's (L{openai_error}: the
+OpenAI and Responses surfaces, the Batch API and the dashboard),
+Anthropic's (L{anthropic_error}), Ollama's (L{ollama_message}), and
+L{envelope}, which picks one by surface for the door (L{blazar.web.auth}),
+where no surface is reached. The table of what each error means is
+L{blazar.gateway.errors}; nothing here or in a surface keeps another.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from blazar.gateway.context import note_error, trace_id_of
 from blazar.gateway.errors import Category, EngineRejected, Problem, describe
 from blazar.web.client import context_of, retry_after
 from blazar.gateway.scope import redact
+from blazar import strictjson
 
 log = Logger()
 
@@ -109,3 +114,94 @@ def _logged(error: BaseException) -> str:
 
 def _failure(error: BaseException) -> Failure:
     return Failure(error, type(error), error.__traceback__)
+
+
+# each category's error type: (OpenAI's, Anthropic's)
+_TYPES = {
+    Category.INVALID: ("invalid_request_error", "invalid_request_error"),
+    Category.AUTHENTICATION: ("invalid_request_error", "authentication_error"),
+    Category.NOT_FOUND: ("invalid_request_error", "not_found_error"),
+    Category.PERMISSION: ("invalid_request_error", "permission_error"),
+    Category.RATE_LIMIT: ("rate_limit_error", "rate_limit_error"),
+    Category.BUSY: ("server_error", "overloaded_error"),
+    Category.UNAVAILABLE: ("engine_unavailable", "overloaded_error"),
+    Category.TIMEOUT: ("engine_error", "api_error"),
+    Category.ENGINE: ("engine_error", "api_error"),
+    Category.INTERNAL: ("server_error", "api_error"),
+}
+
+
+def openai_error(problem: Problem) -> bytes:
+    """
+    A L{Problem} in OpenAI's envelope, C{{"error": {"message", "type",
+    "param", "code"}}}, encoded: the answer's body, or a stream's error
+    event's data (the same C{type} and C{code} either way).
+    """
+    return strictjson.dumps({"error": {
+        "message": problem.message, "type": _TYPES[problem.category][0], "param": problem.param,
+        "code": problem.code,
+    }}).encode("utf-8")
+
+
+# Anthropic's statuses where they differ from the table's: 529 for an
+# overloaded API, 500 for its own failures
+_ANTHROPIC_STATUSES = {Category.UNAVAILABLE: 529, Category.ENGINE: 500}
+# what a request at fault keeps on Anthropic's surface (any other, an
+# engine's 404 or 422, is its one 400): HTTP's own refusals, and the
+# sentinel's 422
+_ANTHROPIC_KEPT = (400, 405, 408, 413, 414, 431)
+
+
+def anthropic_type(problem: Problem) -> str:
+    """
+    Anthropic's C{error.type} for a L{Problem}.
+    """
+    return "request_too_large" if problem.status == 413 else _TYPES[problem.category][1]
+
+
+def anthropic_status(problem: Problem) -> int:
+    """
+    The status a L{Problem} is answered with on Anthropic's surface.
+    """
+    if problem.category in _ANTHROPIC_STATUSES:
+        return _ANTHROPIC_STATUSES[problem.category]
+    if problem.category is Category.INVALID and problem.status not in _ANTHROPIC_KEPT and problem.kind != "sentinel":
+        return 400
+    return problem.status
+
+
+def anthropic_error(problem: Problem) -> bytes:
+    """
+    A L{Problem} in Anthropic's envelope, C{{"type": "error", "error":
+    {"type", "message"}}}, encoded.
+    """
+    message = problem.message
+    if problem.kind == "model_not_found":
+        message = f"model: {problem.subject} ({problem.message})"  # Anthropic's wording
+    return strictjson.dumps({"type": "error", "error": {"type": anthropic_type(problem), "message": message}}
+                            ).encode("utf-8")
+
+
+def ollama_message(problem: Problem) -> str:
+    """
+    A L{Problem}'s message in Ollama's words (its shape is
+    C{{"error": message}}).
+    """
+    if problem.subject == "route":
+        return "404 page not found" if problem.status == 404 else "405 method not allowed"
+    if problem.kind == "model_not_found":
+        return f'model "{problem.subject}" not found, try pulling it first'  # clients look for it
+    return problem.message
+
+
+def envelope(surface: str, problem: Problem) -> tuple[int, bytes]:
+    """
+    The status and body that answer a L{Problem} on C{surface}
+    (L{blazar.web.auth.surface_of}): C{"ollama"}, C{"anthropic"}, or
+    OpenAI's shape for C{"openai"}, C{"responses"} and C{"ui"}.
+    """
+    if surface == "ollama":
+        return problem.status, strictjson.dumps({"error": ollama_message(problem)}).encode("utf-8")
+    if surface == "anthropic":
+        return anthropic_status(problem), anthropic_error(problem)
+    return problem.status, openai_error(problem)

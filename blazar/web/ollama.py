@@ -24,7 +24,7 @@ from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_image
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
-from blazar.gateway.errors import BadRequest, Problem
+from blazar.gateway.errors import BadRequest
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply, scoped
@@ -36,7 +36,7 @@ from blazar.models.modelfile import DEFAULT_TEMPLATE, model_commands, show_model
 from blazar.models.ollama_store import DigestMismatch, StoreError
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
-from blazar.web.errors import answer, in_stream
+from blazar.web.errors import answer, in_stream, ollama_message
 from blazar.web.translate import leniency
 from blazar.web.translate import images as images_tr
 from blazar.web.translate import create as create_tr
@@ -807,15 +807,4 @@ class OllamaSurface:
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
         problem = answer(request, failure.value, "ollama")
-        return None if problem is None else _json(request, {"error": message_of(problem)}, problem.status)
-
-
-def message_of(problem: Problem) -> str:
-    """
-    A L{Problem}'s message in Ollama's words (its shape is C{{"error": message}}).
-    """
-    if problem.subject == "route":
-        return "404 page not found" if problem.status == 404 else "405 method not allowed"
-    if problem.kind == "model_not_found":
-        return f'model "{problem.subject}" not found, try pulling it first'  # clients look for it
-    return problem.message
+        return None if problem is None else _json(request, {"error": ollama_message(problem)}, problem.status)

@@ -22,7 +22,6 @@ from typing import Any, Callable
 
 import attrs
 from klein import Klein
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
@@ -33,7 +32,7 @@ from blazar.gateway.call import Call, CallKind, Run, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
 from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.engine_facts import model_kind
-from blazar.gateway.errors import BadRequest, Category, EngineError, EngineRejected, Problem
+from blazar.gateway.errors import BadRequest, EngineError, EngineRejected
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
@@ -41,12 +40,12 @@ from blazar.gateway.scope import resolve_in_scope, visible_entries
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
-from blazar.web.errors import answer, in_stream
+from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
 from blazar.web.responses import Responses
 from blazar.httpbody import multipart_body
-from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter
+from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter, loading_comments
 from blazar.web.translate import chat_logprobs, completions, leniency
 from blazar.web.translate import audio as audio_tr
 from blazar.web.translate import images as images_tr
@@ -60,8 +59,6 @@ OWNED_BY = "blazar"
 IMAGE_FILES = "/v1/images/files/"  # images made with response_format "url" (HeldImages)
 HELD_SECS = 3600.0  # as OpenAI's image URLs: an hour
 HELD_MAX_BYTES = 256 * 1024 * 1024
-LOADING = b": loading\n\n"
-LOADING_PING = 2.0
 
 
 def error_body(message: str, type_: str, code: str | None, param: str | None = None) -> bytes:
@@ -519,11 +516,7 @@ class OpenAISurface:
             # clients with a header timeout do not give up
             headers_out = True
             self._sse_headers(request)
-            request.write(LOADING)
-            pinger = LoopingCall(request.write, LOADING)
-            pinger.clock = self._clock
-            pinger.start(LOADING_PING, now=False).addErrback(lambda f: log.failure("loading keepalive failed", f))
-            return lambda: pinger.stop() if pinger.running else None
+            return loading_comments(request.write, self._clock)
 
         call = Call(
             "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream and top is None,
@@ -562,8 +555,7 @@ class OpenAISurface:
         except Exception as e:
             # once the loading comments are out, the failure is an error event
             problem = in_stream(request, e, model, "openai", headers_out)
-            request.write(b"data: " + error_body(problem.message, "engine_error", problem.code or "engine_error")
-                          + b"\n\n")
+            request.write(b"data: " + openai_error(problem) + b"\n\n")
             return None
 
     async def _engine_fix(
@@ -631,8 +623,9 @@ class OpenAISurface:
         except (EngineError, EngineRejected) as error:
             # the stream is under way: an error event, never an error body
             problem = in_stream(request, error, reply.model, "openai")
-            code = "engine_crashed" if isinstance(error, EngineError) else problem.code or "engine_error"
-            relay.fail(error_body(problem.message, "engine_error", code))
+            if isinstance(error, EngineError):  # it died mid-answer
+                problem = attrs.evolve(problem, code="engine_crashed")
+            relay.fail(openai_error(problem))
             return
         if rewriter is not None:
             rewriter.finish()
@@ -651,22 +644,7 @@ class OpenAISurface:
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:
         problem = answer(request, failure.value, "openai")
-        return None if problem is None else render(problem)
-
-
-_TYPES = {
-    Category.INVALID: "invalid_request_error", Category.NOT_FOUND: "invalid_request_error",
-    Category.PERMISSION: "invalid_request_error", Category.RATE_LIMIT: "rate_limit_error",
-    Category.BUSY: "server_error", Category.UNAVAILABLE: "engine_unavailable",
-    Category.TIMEOUT: "engine_error", Category.ENGINE: "engine_error", Category.INTERNAL: "server_error",
-}
-
-
-def render(problem: Problem) -> bytes:
-    """
-    A L{Problem} in OpenAI's envelope.
-    """
-    return error_body(problem.message, _TYPES[problem.category], problem.code, problem.param)
+        return None if problem is None else openai_error(problem)
 
 
 _KINDS = {"chat": CallKind.CHAT, "completion": CallKind.COMPLETION, "embedding": CallKind.EMBEDDING}

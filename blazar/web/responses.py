@@ -32,6 +32,7 @@ from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.web.errors import in_stream
+from blazar.web.sse import loading_comments
 from blazar.web.translate import responses as tr
 from blazar import strictjson
 from blazar.web.client import context_of
@@ -158,12 +159,14 @@ class Responses:
 
         headers_out = False
 
-        def on_send(cold: bool) -> None:
+        def on_send(cold: bool) -> Callable[[], None] | None:
             nonlocal headers_out
             headers_out = True
             request.setHeader(b"content-type", b"text/event-stream")
             request.setHeader(b"cache-control", b"no-cache")
             self._write(request, translator.start())
+            # a model load first: comments until it answers, as on the OpenAI surface
+            return loading_comments(request.write, self._clock) if cold else None
 
         # once the headers are out, every failure ends the stream with
         # response.failed, never with an error body of its own

@@ -35,7 +35,7 @@ class SurfaceRouter(Resource):
         self._ollama = ollama
         self._anthropic = anthropic
 
-    def render(self, request: IRequest) -> Any:  # type: ignore[override]
+    def render(self, request: IRequest) -> Any:
         path = request.path
         if path == b"/metrics" and self._metrics is not None:
             return self._metrics.render(request)

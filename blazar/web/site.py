@@ -72,13 +72,14 @@ from twisted.web.server import Request, Site
 from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
-from blazar.gateway.errors import Forbidden
+from blazar.gateway.errors import Forbidden, Refused, TooManyConnections, describe
 from blazar.logtext import RENDERED
 from blazar.models.create import upload_spool
 from blazar.web.auth import (
-    AuthGate, Refusal, check_keyless_management, error_body, is_local, render_refusal, surface_of, ui_headers,
+    AuthGate, Refusal, check_keyless_management, is_local, render_refusal, surface_of, ui_headers,
 )
 from blazar.web.client import context_of
+from blazar.web.errors import envelope
 
 log = Logger()
 
@@ -121,7 +122,7 @@ def reason_phrase(code: int) -> bytes:
         return RESPONSES.get(code, b"Unknown Status")
 
 
-def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False) -> Refusal:
+def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False) -> Refused:
     """
     The 413 for a body over C{limit} bytes.
 
@@ -133,11 +134,11 @@ def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False)
         limit is C{max_blob_bytes}.
     """
     if blob and keyed:
-        return Refusal(413, "too_large", (
+        return Refused(413, "too_large", (
             f"blob upload too large: the limit is max_blob_bytes = {limit} bytes; raise it in the config if this "
-            "is intended"))
+            "is intended"), code="request_too_large")
     if upload and keyed:
-        return Refusal(413, "too_large", (
+        return Refused(413, "too_large", (
             f"file upload too large: a file may be at most 200 MB ({FILE_MAX_BYTES} bytes), "
             f"the whole upload at most {limit} bytes"
         ), code="file_too_large")
@@ -148,7 +149,7 @@ def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False)
         )
     else:
         message = f"request body too large: a request without an API key may send at most {limit} bytes"
-    return Refusal(413, "too_large", message)
+    return Refused(413, "too_large", message, code="request_too_large")
 
 
 class BlazarRequest(Request):
@@ -224,10 +225,10 @@ class BlazarRequest(Request):
         self.method, self.uri = channel.request_line()
         self.path = self.uri.split(b"?", 1)[0]
         if channel.over_cap:
-            return Refusal(503, "too_many_connections", (
+            return TooManyConnections(
                 f"too many connections from {channel.counted_as}: at most max_connections_per_ip = "
                 f"{site.max_connections_per_ip} at once; reuse or close idle ones"
-            ), retry_after=1, code="too_many_connections"), False
+            ), False
         self.body_limit = site.max_body_bytes
         if self.method == b"POST" and self.path == b"/v1/files":
             self.body_limit, self._upload = max(self.body_limit, UPLOAD_BODY_BYTES), True
@@ -295,7 +296,7 @@ class BlazarRequest(Request):
         super().connectionLost(reason)
 
     def process(self) -> None:
-        site = self.channel.site  # type: ignore[union-attr,attr-defined]
+        site = self.channel.site  # type: ignore[attr-defined]
         context = self.blazar
         context.started = site.reactor.seconds()
         offered = self.getHeader(TRACE_HEADER)
@@ -407,7 +408,7 @@ class BlazarChannel(HTTPChannel):
 
     def _arm(self, delay: float, call: Callable[[], None]) -> None:
         self._cancel_deadline()
-        self._deadline = self.site.reactor.callLater(delay, call)  # type: ignore[attr-defined]
+        self._deadline = self.site.reactor.callLater(delay, call)
 
     def _cancel_deadline(self) -> None:
         if self._deadline is not None:
@@ -423,7 +424,7 @@ class BlazarChannel(HTTPChannel):
         if not self.requests and not self._buffer:
             self.timeoutConnection()  # not a byte of a request: nothing to answer
             return
-        self._refuse_now(Refusal(408, "timeout", (
+        self._refuse_now(Refused(408, "timeout", (
             f"the request's headers did not arrive within header_timeout_secs = {self.site.header_timeout:g} s"
         ), code="request_timeout"))
 
@@ -431,7 +432,7 @@ class BlazarChannel(HTTPChannel):
         self._cancel_deadline()
         super().allHeadersReceived()
         if self.length != 0 and not self._refused:  # a body follows
-            self._body_started = self.site.reactor.seconds()  # type: ignore[attr-defined]
+            self._body_started = self.site.reactor.seconds()
             self._body_bytes = 0
             self._arm(self.site.header_timeout, self._body_check)
 
@@ -444,11 +445,11 @@ class BlazarChannel(HTTPChannel):
         self._deadline = None
         site = self.site
         due = self._body_started + site.header_timeout + self._body_bytes / site.body_min_rate
-        now = site.reactor.seconds()  # type: ignore[attr-defined]
+        now = site.reactor.seconds()
         if now < due:
-            self._deadline = site.reactor.callLater(due - now, self._body_check)  # type: ignore[attr-defined]
+            self._deadline = site.reactor.callLater(due - now, self._body_check)
             return
-        self._refuse_now(Refusal(408, "timeout", (
+        self._refuse_now(Refused(408, "timeout", (
             f"the request body came slower than body_min_bytes_per_sec = {site.body_min_rate} "
             f"(after the first header_timeout_secs = {site.header_timeout:g} s)"
         ), code="request_timeout"))
@@ -479,19 +480,19 @@ class BlazarChannel(HTTPChannel):
 
     def _head_too_large(self) -> None:
         if self.requests and hasattr(self, "_command"):
-            self._refuse_now(Refusal(431, "headers_too_large", (
+            self._refuse_now(Refused(431, "headers_too_large", (
                 f"request headers too large: at most {self.totalHeadersSize} bytes "
                 f"and {self.maxHeaders} header lines"
             ), code="request_header_fields_too_large"))
         else:
-            self._answer_raw(Refusal(414, "headers_too_large", (
+            self._answer_raw(Refused(414, "headers_too_large", (
                 f"request line too long: at most {self.MAX_LENGTH} bytes"
             ), code="uri_too_long"))
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # twisted.web's own refusals (a malformed request line, header or
         # chunk, two Content-Lengths, ...): a bare 400 before
-        self._answer_raw(Refusal(400, "bad_request", "malformed HTTP request", code="bad_request"))
+        self._answer_raw(Refused(400, "bad_request", "malformed HTTP request", code="bad_request"))
 
     # -- refusing ------------------------------------------------------------
 
@@ -546,17 +547,18 @@ class BlazarChannel(HTTPChannel):
         self.persistent = False
         self._cancel_deadline()
         path = getattr(self, "_path", b"").split(b"?", 1)[0]
-        body = error_body(surface_of(path), refusal.status, refusal.message, refusal.code)
+        problem = describe(refusal)
+        status, body = envelope(surface_of(path), problem)
         self.transport.write(b"".join([  # type: ignore[union-attr]
-            b"HTTP/1.1 %d %s\r\n" % (refusal.status, reason_phrase(refusal.status)),
+            b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)),
             b"Content-Type: application/json\r\n",
             TRACE_HEADER + b": " + self.site.new_trace_id().encode("ascii") + b"\r\n",
             b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body),
             body,
         ]))
         log.info(
-            "{status} before a request: {why} (client {peer})", status=refusal.status,
-            why=refusal.message, peer=str(self.transport.getPeer()),  # type: ignore[union-attr]
+            "{status} before a request: {why} (client {peer})", status=status,
+            why=problem.message, peer=str(self.transport.getPeer()),  # type: ignore[union-attr]
         )
         self.loseConnection()
 
@@ -575,7 +577,7 @@ class BlazarChannel(HTTPChannel):
         transport.unregisterProducer()  # type: ignore[union-attr]  # so the half-close is not held up
         transport.resumeProducing()  # type: ignore[union-attr]
         transport.loseWriteConnection()  # type: ignore[union-attr]  # FIN once the answer is out
-        self._lingering = self.site.reactor.callLater(LINGER_SECS, self._stop_lingering)  # type: ignore[attr-defined]
+        self._lingering = self.site.reactor.callLater(LINGER_SECS, self._stop_lingering)
 
     def _discard(self, data: bytes) -> None:
         self._lingered += len(data)

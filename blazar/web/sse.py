@@ -1,18 +1,43 @@
 """
 Relaying an engine's Server-Sent Events stream (WHATWG HTML, "Server-sent
 events") to a client as bytes, event by event, without parsing the JSON in
-each event.
+each event; and the comments that keep a stream alive while its model
+loads (L{loading_comments}).
 """
 
 from __future__ import annotations
 
 import json
-from typing import Callable
+from typing import Any, Callable
+
+from twisted.internet.task import LoopingCall
+from twisted.logger import Logger
 
 from blazar.gateway.engine_facts import WholeEvents
 from blazar import strictjson
 
+log = Logger()
+
 DONE = b"data: [DONE]\n\n"
+LOADING = b": loading\n\n"
+LOADING_PING = 2.0
+
+
+def loading_comments(write: Callable[[bytes], None], clock: Any) -> Callable[[], None]:
+    """
+    Keep a stream whose headers are out alive while its model loads: an
+    SSE comment (C{: loading}, which every SSE client skips) now and
+    another every L{LOADING_PING} seconds of C{clock}, so clients with a
+    read timeout do not give up.
+
+    @param write: Writes bytes to the client.
+    @return: What stops the comments (once the child answered).
+    """
+    write(LOADING)
+    pinger = LoopingCall(write, LOADING)
+    pinger.clock = clock
+    pinger.start(LOADING_PING, now=False).addErrback(lambda f: log.failure("loading keepalive failed", f))
+    return lambda: pinger.stop() if pinger.running else None
 
 
 class ModelRenamer:

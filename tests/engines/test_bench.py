@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import json
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines import bench
 from blazar.engines.bench import Level, Sample, StreamRecorder
+from blazar.engines.gate import _Child
+
+from tests.typed import StubTreq
 
 
 def chunk(**fields: Any) -> bytes:
@@ -52,9 +54,9 @@ class StreamRecorderTests(SynchronousTestCase):
         self.assertEqual((sample.prompt_tokens, sample.cached_tokens, sample.completion_tokens), (100, 20, 5))
         self.assertEqual((sample.engine_pp_tps, sample.engine_gen_tps), (900.5, 55.25))
         self.assertIsNone(sample.error)
-        self.assertAlmostEqual(sample.ttft, 1.0)  # type: ignore[arg-type]
-        self.assertAlmostEqual(sample.pp_tps, 80.0)  # type: ignore[arg-type]  # (100 - 20 cached) / 1 s
-        self.assertAlmostEqual(sample.gen_tps, 10.0)  # type: ignore[arg-type]  # 4 tokens after the first in 0.4 s
+        self.assertAlmostEqual(sample.ttft, 1.0)
+        self.assertAlmostEqual(sample.pp_tps, 80.0)  # (100 - 20 cached) / 1 s
+        self.assertAlmostEqual(sample.gen_tps, 10.0)  # 4 tokens after the first in 0.4 s
 
     def test_reasoning_and_tool_call_fragments_are_generated_tokens(self) -> None:
         recorder = StreamRecorder(scripted([1.0, 2.0]))
@@ -86,7 +88,7 @@ class MathTests(SynchronousTestCase):
         self.assertIsNone(bench.percentile([], 50))
         self.assertEqual(bench.percentile([7.0], 90), 7.0)
         self.assertEqual(bench.percentile([4.0, 1.0, 3.0, 2.0], 50), 2.5)
-        self.assertAlmostEqual(bench.percentile([10.0, 20.0, 30.0, 40.0, 50.0], 90), 46.0)  # type: ignore[arg-type]
+        self.assertAlmostEqual(bench.percentile([10.0, 20.0, 30.0, 40.0, 50.0], 90), 46.0)
         self.assertEqual(bench.percentile([1.0, 2.0], 100), 2.0)
 
     def test_a_level_summarises_its_requests(self) -> None:
@@ -226,7 +228,7 @@ class SpeedMarginTests(SynchronousTestCase):
 
         candidate = Child("c", [1.0, 50.0, 70.0, 60.0])
         active = Child("a", [1.0, 90.0, 80.0, 100.0])
-        self.assertEqual(thd_compare_speed(candidate, active, rounds=3), (70.0, 100.0))  # type: ignore[arg-type]
+        self.assertEqual(thd_compare_speed(cast(_Child, candidate), cast(_Child, active), rounds=3), (70.0, 100.0))
         self.assertEqual(calls, ["c4", "a4", "c64", "a64", "c64", "a64", "c64", "a64"])  # warm-ups, then turns
 
 
@@ -238,16 +240,16 @@ def gateway_app(status: int = 200, busy_after: int | None = None) -> Any:
     """
     from klein import Klein
 
-    app = Klein()
-    app.prompts = []  # type: ignore[attr-defined]
-    app.auth = []  # type: ignore[attr-defined]
+    app: Any = Klein()  # and what it records
+    app.prompts = []
+    app.auth = []
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request: Any) -> bytes:
         body = json.loads(request.content.read())
-        app.prompts.append(body["messages"][0]["content"])  # type: ignore[attr-defined]
-        app.auth.append(request.getHeader(b"authorization"))  # type: ignore[attr-defined]
-        if busy_after is not None and len(app.prompts) > busy_after:  # type: ignore[attr-defined]
+        app.prompts.append(body["messages"][0]["content"])
+        app.auth.append(request.getHeader(b"authorization"))
+        if busy_after is not None and len(app.prompts) > busy_after:
             request.setResponseCode(503)
             return json.dumps({"error": {"message": "all slots are busy"}}).encode()
         if status != 200:

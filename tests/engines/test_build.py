@@ -33,7 +33,7 @@ FILES = {"files": [
 ]}
 
 
-def opener(seen: list[Any]):  # type: ignore[no-untyped-def]
+def opener(seen: list[Any]):
     def open_(request: Any, timeout: float) -> io.BytesIO:
         seen.append(request)
         return io.BytesIO(json.dumps(FILES).encode())

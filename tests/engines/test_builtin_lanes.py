@@ -114,7 +114,7 @@ def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(tmp_path: Path
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     import argparse
 
-    from blazar.cli import _doctor
+    from blazar.cli.doctor import doctor as _doctor
 
     models = tmp_path / "models"
     models.mkdir()

@@ -188,7 +188,7 @@ class RequestFailureTests(SynchronousTestCase):
         reactor = MemoryReactorClock()
         client = EngineClient(reactor)
         agent = FakeAgent(reactor, error, takes)
-        client._fresh = client._kept = agent  # type: ignore[assignment]
+        client._fresh = client._kept = agent
         d = ensureDeferred(client.request("POST", "http://127.0.0.1:1/x", b"{}", {}, stream))
         return self.failureResultOf(d)
 

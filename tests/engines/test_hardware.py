@@ -180,7 +180,7 @@ class HeldThreadPool:
     def __init__(self) -> None:
         self.pending: list[tuple[Callable[[bool, Any], None], Callable[[], Any]]] = []
 
-    def callInThreadWithCallback(self, on_result, func, *args, **kw):  # type: ignore[no-untyped-def]
+    def callInThreadWithCallback(self, on_result, func, *args, **kw):
         self.pending.append((on_result, lambda: func(*args, **kw)))
 
     def finish(self) -> None:
@@ -258,7 +258,7 @@ class HardwareCensusTests(SynchronousTestCase):
 
     def test_fresh_waits_for_a_reading_begun_after_invalidate(self) -> None:
         pool = HeldThreadPool()
-        self.reactor.getThreadPool = lambda: pool  # type: ignore[method-assign]
+        self.reactor.getThreadPool = lambda: pool
         self.start()  # the first reading is under way
         self.census.invalidate()  # a spawn, while it runs
         d = self.census.fresh()
@@ -275,7 +275,7 @@ class HardwareCensusTests(SynchronousTestCase):
 
     def test_one_reading_at_a_time(self) -> None:
         pool = HeldThreadPool()
-        self.reactor.getThreadPool = lambda: pool  # type: ignore[method-assign]
+        self.reactor.getThreadPool = lambda: pool
         self.start()
         self.reactor.advance(30)  # three ticks while the first reading hangs
         self.census.invalidate()
@@ -301,7 +301,7 @@ class HardwareCensusTests(SynchronousTestCase):
 
     def test_fresh_after_a_failure_gives_the_last_census(self) -> None:
         pool = HeldThreadPool()
-        self.reactor.getThreadPool = lambda: pool  # type: ignore[method-assign]
+        self.reactor.getThreadPool = lambda: pool
         broken = BrokenOnce(self.fake)
         census = HardwareCensus(broken, self.reactor)
         census.startService()
@@ -413,11 +413,11 @@ class FreeMemoryTests(SynchronousTestCase):
         root.mkdir()
         path = root / "config.toml"
         path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n')
-        before = list(globalLogPublisher._observers)  # type: ignore[attr-defined]
+        before = list(globalLogPublisher._observers)
         try:
             tree = assemble(load_config(path), fake_process_reactor(), {})
         finally:
-            for observer in list(globalLogPublisher._observers):  # type: ignore[attr-defined]
+            for observer in list(globalLogPublisher._observers):
                 if isinstance(observer, LogRing) and observer not in before:
                     globalLogPublisher.removeObserver(observer)
         services = list(tree.top)

@@ -22,6 +22,8 @@ from zope.interface.verify import verifyObject
 from blazar.engines.hardware import GPU, Census, IHardwareProbe, NVMLProbe
 from blazar.testing import GIB, FakeNVML, RecordedNVML
 
+from tests.typed import TestCaseMixin
+
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
 H200 = json.loads((FIXTURES / "h200.json").read_text())
 H200_TOTAL = 150754820096
@@ -36,7 +38,7 @@ def has_nvidia_device() -> bool:
     return Path("/dev/nvidiactl").exists()
 
 
-class HardwareProbeContract:
+class HardwareProbeContract(TestCaseMixin):
     """
     The assertions; mixed into one L{SynchronousTestCase} per
     implementation, whose L{make_probe} builds it.
@@ -54,63 +56,63 @@ class HardwareProbeContract:
         self.census: Census = self.probe.thd_census()
 
     def test_provides_the_interface(self) -> None:
-        self.assertTrue(verifyObject(IHardwareProbe, self.probe))  # type: ignore[attr-defined]
+        self.assertTrue(verifyObject(IHardwareProbe, self.probe))
 
     def test_host(self) -> None:
         c = self.census
-        self.assertIsInstance(c, Census)  # type: ignore[attr-defined]
-        self.assertGreaterEqual(c.cpu_physical_cores, 1)  # type: ignore[attr-defined]
-        self.assertGreaterEqual(c.cpu_logical_cores, c.cpu_physical_cores)  # type: ignore[attr-defined]
-        self.assertGreater(c.ram_available, 0)  # type: ignore[attr-defined]
-        self.assertLessEqual(c.ram_available, c.ram_total)  # type: ignore[attr-defined]
+        self.assertIsInstance(c, Census)
+        self.assertGreaterEqual(c.cpu_physical_cores, 1)
+        self.assertGreaterEqual(c.cpu_logical_cores, c.cpu_physical_cores)
+        self.assertGreater(c.ram_available, 0)
+        self.assertLessEqual(c.ram_available, c.ram_total)
 
     def test_gpus(self) -> None:
         gpus = self.census.gpus
-        self.assertIsInstance(gpus, tuple)  # type: ignore[attr-defined]
-        self.assertEqual([g.index for g in gpus], sorted({g.index for g in gpus}))  # type: ignore[attr-defined]
+        self.assertIsInstance(gpus, tuple)
+        self.assertEqual([g.index for g in gpus], sorted({g.index for g in gpus}))
         for g in gpus:
-            self.assertIsInstance(g, GPU)  # type: ignore[attr-defined]
-            self.assertTrue(g.name)  # type: ignore[attr-defined]
-            self.assertTrue(g.uuid.startswith("GPU-"), g.uuid)  # type: ignore[attr-defined]
-            self.assertGreater(g.memory_total, 0)  # type: ignore[attr-defined]
-            self.assertTrue(0 <= g.memory_free <= g.memory_total)  # type: ignore[attr-defined]
+            self.assertIsInstance(g, GPU)
+            self.assertTrue(g.name)
+            self.assertTrue(g.uuid.startswith("GPU-"), g.uuid)
+            self.assertGreater(g.memory_total, 0)
+            self.assertTrue(0 <= g.memory_free <= g.memory_total)
             # Blazar's "used" is total - free, the driver's reserve included
-            self.assertEqual(g.memory_used, g.memory_total - g.memory_free)  # type: ignore[attr-defined]
-            self.assertTrue(0 <= g.memory_reserved <= g.memory_used)  # type: ignore[attr-defined]
-            self.assertLessEqual(sum(b for _, b in g.processes), g.memory_used)  # type: ignore[attr-defined]
-            self.assertEqual([p for p, _ in g.processes], sorted({p for p, _ in g.processes}))  # type: ignore
-            self.assertTrue(all(b > 0 for _, b in g.processes))  # type: ignore[attr-defined]
-        self.assertEqual(self.census.gpu_memory_free, sum(g.memory_free for g in gpus))  # type: ignore
+            self.assertEqual(g.memory_used, g.memory_total - g.memory_free)
+            self.assertTrue(0 <= g.memory_reserved <= g.memory_used)
+            self.assertLessEqual(sum(b for _, b in g.processes), g.memory_used)
+            self.assertEqual([p for p, _ in g.processes], sorted({p for p, _ in g.processes}))
+            self.assertTrue(all(b > 0 for _, b in g.processes))
+        self.assertEqual(self.census.gpu_memory_free, sum(g.memory_free for g in gpus))
 
     def test_no_gpu_says_why(self) -> None:
         if not self.census.gpus:
-            self.assertTrue(self.census.gpu_note)  # type: ignore[attr-defined]
+            self.assertTrue(self.census.gpu_note)
 
     def test_process_memory_matches_the_census(self) -> None:
         pids = {p for g in self.census.gpus for p, _ in g.processes} if self.still else set()
         pids.add(os.getpid())
         for pid in pids:
-            self.assertEqual(  # type: ignore[attr-defined]
+            self.assertEqual(
                 self.probe.thd_process_gpu_memory(pid), self.census.process_gpu_memory(pid),
             )
         # no process holds memory under a pid that cannot exist
-        self.assertEqual(self.probe.thd_process_gpu_memory(2**31 - 1), {})  # type: ignore[attr-defined]
+        self.assertEqual(self.probe.thd_process_gpu_memory(2**31 - 1), {})
 
     def test_readings_go_forward(self) -> None:
         again = self.probe.thd_census()
-        self.assertGreaterEqual(again.taken_at, self.census.taken_at)  # type: ignore[attr-defined]
-        self.assertEqual([g.uuid for g in again.gpus], [g.uuid for g in self.census.gpus])  # type: ignore
+        self.assertGreaterEqual(again.taken_at, self.census.taken_at)
+        self.assertEqual([g.uuid for g in again.gpus], [g.uuid for g in self.census.gpus])
 
     def test_reads_in_another_thread(self) -> None:
         found: list[Census] = []
         worker = threading.Thread(target=lambda: found.append(self.probe.thd_census()))
         worker.start()
         worker.join(30)
-        self.assertEqual(len(found), 1)  # type: ignore[attr-defined]
-        self.assertEqual(len(found[0].gpus), len(self.census.gpus))  # type: ignore[attr-defined]
+        self.assertEqual(len(found), 1)
+        self.assertEqual(len(found[0].gpus), len(self.census.gpus))
 
 
-class H200Expectations:
+class H200Expectations(TestCaseMixin):
     """
     What the recorded H200 must read as, through either implementation.
     """
@@ -119,18 +121,18 @@ class H200Expectations:
 
     def test_the_h200(self) -> None:
         (gpu,) = self.census.gpus
-        self.assertEqual(gpu.name, "NVIDIA H200")  # type: ignore[attr-defined]
-        self.assertEqual(gpu.uuid, "GPU-28deb8df-d7c0-ff30-e8a6-48043f3f8792")  # type: ignore[attr-defined]
-        self.assertEqual(  # type: ignore[attr-defined]
+        self.assertEqual(gpu.name, "NVIDIA H200")
+        self.assertEqual(gpu.uuid, "GPU-28deb8df-d7c0-ff30-e8a6-48043f3f8792")
+        self.assertEqual(
             (gpu.memory_total, gpu.memory_free, gpu.memory_used, gpu.memory_reserved),
             (H200_TOTAL, H200_FREE, H200_TOTAL - H200_FREE, H200_RESERVED),
         )
-        self.assertEqual(gpu.compute_capability, (9, 0))  # type: ignore[attr-defined]
-        self.assertEqual(gpu.driver_version, "580.159.04")  # type: ignore[attr-defined]
-        self.assertEqual(gpu.cuda_driver_version, (13, 0))  # type: ignore[attr-defined]
-        self.assertEqual((gpu.temperature_c, gpu.utilization_percent), (38, 0))  # type: ignore[attr-defined]
-        self.assertEqual(gpu.processes, ())  # type: ignore[attr-defined]
-        self.assertEqual(self.census.gpu_note, "")  # type: ignore[attr-defined]
+        self.assertEqual(gpu.compute_capability, (9, 0))
+        self.assertEqual(gpu.driver_version, "580.159.04")
+        self.assertEqual(gpu.cuda_driver_version, (13, 0))
+        self.assertEqual((gpu.temperature_c, gpu.utilization_percent), (38, 0))
+        self.assertEqual(gpu.processes, ())
+        self.assertEqual(self.census.gpu_note, "")
 
 
 class RealProbeTests(HardwareProbeContract, SynchronousTestCase):

@@ -6,17 +6,19 @@ that leave the job running (logged once per state change).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from prometheus_client.parser import text_string_to_metric_families
 from twisted.internet.task import Clock
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.hints import EngineHints, ScrapeError, parse_engine_metrics
 from blazar.engines.supervisor import InstanceState
 from blazar.metrics import Metrics
+
+from tests.typed import not_none
 
 
 def page(prompt: float, cached: float, drafted: float = 0, accepted: float = 0) -> bytes:
@@ -64,7 +66,7 @@ class HintsTests(SynchronousTestCase):
             answer = self.answers.pop(0)
             if isinstance(answer, Exception):
                 raise answer
-            return answer  # type: ignore[no-any-return]
+            return answer
 
         self.hints = EngineHints(lambda: self.children, fetch, self.clock, self.metrics)
         self.hints.startService()
@@ -75,8 +77,8 @@ class HintsTests(SynchronousTestCase):
             if event.get("log_level") in (LogLevel.warn, LogLevel.error, LogLevel.critical):
                 self.warnings.append(event.get("log_format", ""))
 
-        globalLogPublisher.addObserver(observe)
-        self.addCleanup(globalLogPublisher.removeObserver, observe)
+        globalLogPublisher.addObserver(cast(ILogObserver, observe))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, observe))
 
     def tick(self, *answers: Any) -> None:
         self.answers.extend(answers)
@@ -94,7 +96,9 @@ class HintsTests(SynchronousTestCase):
         self.tick((200, page(prompt=90, cached=110)))
         self.assertAlmostEqual(self.gauge("blazar_engine_cache_hit_ratio"), 0.41)
         self.assertEqual(self.gauge("blazar_engine_prompt_tokens_cached_total"), 110)
-        self.assertEqual(self.hints.for_model("m:latest").cache_hit, self.gauge("blazar_engine_cache_hit_ratio"))
+        self.assertEqual(
+            not_none(self.hints.for_model("m:latest")).cache_hit, self.gauge("blazar_engine_cache_hit_ratio")
+        )
         # nothing drafted yet: no acceptance figure
         self.assertIsNone(self.gauge("blazar_engine_draft_acceptance_ratio"))
 

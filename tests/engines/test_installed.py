@@ -19,6 +19,8 @@ from blazar.engines.installed import (
     EngineInstallError, EngineStore, parse_name, parse_spec, resolve_flavour, thd_active_binary,
 )
 
+from tests.typed import not_none
+
 
 def archive(tmp: Path, name: str = "llama-b7001-bin-ubuntu-x64.tar.gz", binary: str = "llama-server") -> Path:
     out = tmp / name
@@ -34,7 +36,7 @@ def sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def copy_fetch(source: Path):  # type: ignore[no-untyped-def]
+def copy_fetch(source: Path):
     return lambda url, out: shutil.copyfile(source, out)
 
 
@@ -136,7 +138,7 @@ def test_use_rollback_and_the_active_binary(tmp_path: Path) -> None:
         s.previous("llamacpp")
     s.activate("llamacpp", "b101")
     s.activate("llamacpp", "b102")
-    assert s.active("llamacpp").tag == "b102"  # type: ignore[union-attr]
+    assert not_none(s.active("llamacpp")).tag == "b102"
     assert thd_active_binary(tmp_path / "data") == Path(s.get("llamacpp", "b102").path)
     assert s.previous("llamacpp").tag == "b101"
     s.activate("llamacpp", "b101")

@@ -14,6 +14,8 @@ from blazar.config import CommandLane, ConfigError, parse_config
 from blazar.engines.lanes import LaneError, lane_argv, lane_error_text, route
 from blazar.models.formats import thd_model_format
 
+from tests.typed import not_none
+
 VLLM = ('[engines.vllm]\ncommand = ["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]\n'
         'formats = ["safetensors", "awq"]\n')
 
@@ -40,8 +42,8 @@ def test_lanes_in_the_config() -> None:
 def test_routing_by_pin_then_format() -> None:
     config = parse_config(VLLM + '[engines.fork]\ncommand = ["fork", "{port}"]\nformats = ["gguf"]\n')
     assert route("m", "gguf", None, config) is None  # llama.cpp first for GGUF
-    assert route("m", "gguf", "fork", config).name == "fork"  # type: ignore[union-attr]
-    assert route("m", "awq", None, config).name == "vllm"  # type: ignore[union-attr]
+    assert not_none(route("m", "gguf", "fork", config)).name == "fork"
+    assert not_none(route("m", "awq", None, config)).name == "vllm"
     assert route("m", "safetensors", "llamacpp", config) is None
     with pytest.raises(LaneError) as caught:
         route("m", "mlx", None, config)
@@ -90,7 +92,7 @@ def test_the_unknown_architecture_is_read_from_the_engines_output() -> None:
     protocol.childDataReceived(2, b"tecture: 'zorg\xc3")  # an unfinished line, cut inside a UTF-8 sequence
     assert protocol.unknown_architecture() == "zorg\ufffd"
     config = parse_config('[engines.fork]\ncommand = ["f", "{port}"]\narchitectures = ["zorg"]\n')
-    assert lane_for_architecture("zorg", config).name == "fork"  # type: ignore[union-attr]
+    assert not_none(lane_for_architecture("zorg", config)).name == "fork"
     assert lane_for_architecture("zorg", config, tried="fork") is None
     assert lane_for_architecture("other", config) is None
     assert "blazar engine install" in architecture_error_text("m", "zorg")

@@ -18,7 +18,7 @@ def flag(argv: tuple[str, ...], name: str) -> str:
 
 
 class BuildCommandTests(SynchronousTestCase):
-    def command(self, settings: ModelConfig = ModelConfig(), meta: GGUFMetadata = META, config_text: str = ""):  # type: ignore[no-untyped-def]
+    def command(self, settings: ModelConfig = ModelConfig(), meta: GGUFMetadata = META, config_text: str = ""):
         entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=settings)
         return build_command(
             Path("/bin/llama-server"), entry, meta, port=4321, api_key="k3y",
@@ -210,7 +210,7 @@ class ProjectorTests(SynchronousTestCase):
     C{--mmproj}; L{sees_images} says whether its child takes images.
     """
 
-    def command(self, entry: ModelEntry, config_text: str = ""):  # type: ignore[no-untyped-def]
+    def command(self, entry: ModelEntry, config_text: str = ""):
         return build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k",
                              config=parse_config(config_text)).argv
 

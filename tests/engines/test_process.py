@@ -4,6 +4,9 @@ What of an engine's output a client may see: one sanitized line.
 
 from __future__ import annotations
 
+from typing import Any, cast
+
+from twisted.logger import ILogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.process import EngineProcessProtocol, sanitize_line
@@ -51,10 +54,10 @@ class OutputTests(SynchronousTestCase):
         from blazar.protocols.control import LogRing
 
         ring = LogRing()
-        events: list[dict[str, object]] = []
-        globalLogPublisher.addObserver(events.append)
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
         globalLogPublisher.addObserver(ring)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         self.addCleanup(globalLogPublisher.removeObserver, ring)
         protocol = EngineProcessProtocol("m:latest", output=ring.engine_line)
         protocol.childDataReceived(2, (
@@ -78,9 +81,9 @@ class OutputTests(SynchronousTestCase):
     def test_without_a_ring_every_line_is_logged(self) -> None:
         from twisted.logger import globalLogPublisher
 
-        events: list[dict[str, object]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         EngineProcessProtocol("m").childDataReceived(1, b"0.00.002.435 I srv  hello\n")
         self.assertEqual([e["line"] for e in events if e.get("model") == "m"], ["0.00.002.435 I srv  hello"])
 
@@ -95,9 +98,9 @@ class OutputTests(SynchronousTestCase):
         from blazar.protocols.control import LogRing
 
         ring = LogRing()
-        events: list[dict[str, object]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         EngineProcessProtocol("m", output=ring.engine_line).childDataReceived(2, (
             b"0.09.376.270 W slot   operator(): id 63 | task 1094 | need to evaluate at least 1 token for each "
             b"active slot (n_past = 21, task.n_tokens() = 21)\n"

@@ -1,5 +1,5 @@
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, cast
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.python.failure import Failure
@@ -19,6 +19,8 @@ from blazar.engines.supervisor import (
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import fake_process_reactor
+
+from tests.typed import not_none
 
 
 class SupervisorTests(SynchronousTestCase):
@@ -267,7 +269,7 @@ class LifecycleTests(SynchronousTestCase):
         # the shutdown's hook: the batch lines drained (fired at once), then the
         # sessions' slots saved (still going): SIGTERM only after both
         saving: Deferred[None] = Deferred()
-        chained = Deferred()
+        chained: Deferred[None] = Deferred()
         chained.callback(None)
         chained.addCallback(lambda _: saving)
         self.assertTrue(chained.called)  # fired, and paused on saving
@@ -318,7 +320,7 @@ class LifecycleTests(SynchronousTestCase):
 
     def test_reaper_survives_a_failing_round(self) -> None:
         instance = self.ready()
-        instance.last_used = None  # type: ignore[assignment]
+        instance.last_used = cast(float, None)  # so the round fails
         for _ in range(5):
             self.reactor.advance(1)
         self.assertEqual(len(self.flushLoggedErrors(TypeError)), 5)
@@ -483,7 +485,7 @@ class ContextPolicyTests(SynchronousTestCase):
 
         return Supervisor(config, ModelRegistry(config, reactor), reactor, probe, {},
                           port_finder=lambda: 5555,
-                          free_memory=(lambda: self.free) if free is not None else None), reactor
+                          free_memory=(lambda: cast(int, self.free)) if free is not None else None), reactor
 
     def get(self, supervisor: Supervisor, ctx: int | None = None) -> Deferred:
         return ensureDeferred(supervisor.instance_for("m", ctx))
@@ -948,7 +950,7 @@ class GPUPlacementTests(SynchronousTestCase):
         self.assertEqual(argv[argv.index("--fit") + 1], "off")
         self.assertNotIn("--tensor-split", argv)
         # ready: NVML's figure for the child corrects the next plan
-        nvml.set_process_memory(instance.pid, 1, sum(instance.plan.gpu_bytes.values()) + 50 * 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 1, sum(instance.plan.gpu_bytes.values()) + 50 * 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.assertIs(self.successResultOf(d), instance)
@@ -1027,7 +1029,8 @@ class GPUMemoryTests(SynchronousTestCase):
     the child. (Against blazar.testing.FakeNVML.)
     """
 
-    make = GPUPlacementTests.make
+    make: Callable[..., Supervisor] = GPUPlacementTests.make
+    reactor: Any  # set by the borrowed make
 
     def vram(self, supervisor: Supervisor, gpu: int) -> float | None:
         return supervisor.metrics.registry.get_sample_value(
@@ -1049,7 +1052,7 @@ class GPUMemoryTests(SynchronousTestCase):
         self.assertEqual(view.gpu_memory(), [(0, planned, None)])
         self.assertEqual(view.gpu_held(), {0: planned})
         # ready: NVML's
-        nvml.set_process_memory(instance.pid, 0, planned + 64 * 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 0, planned + 64 * 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.successResultOf(d)
@@ -1076,7 +1079,7 @@ class GPUMemoryTests(SynchronousTestCase):
         self.assertEqual([self.vram(supervisor, g) for g in (0, 1)],
                          [instance.plan.gpu_bytes[0], instance.plan.gpu_bytes[1]])
         # NVML sees it on GPU 0 only: GPU 1 is measured at 0, not left at its plan
-        nvml.set_process_memory(instance.pid, 0, 300 * 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 0, 300 * 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.successResultOf(d)
@@ -1109,7 +1112,7 @@ class GPUMemoryTests(SynchronousTestCase):
         d = ensureDeferred(supervisor.instance_for("m"))
         instance = supervisor.instances()[0]
         instance.plan = instance.need = None  # as a child of another lane, or spawned without a census
-        nvml.set_process_memory(instance.pid, 0, 200 * 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 0, 200 * 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.successResultOf(d)

@@ -37,8 +37,10 @@ from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_process_reactor
 
+from tests.typed import TestCaseMixin
 
-class SupervisorContract:
+
+class SupervisorContract(TestCaseMixin):
     """
     The assertions; mixed into one L{SynchronousTestCase} per
     implementation, which sets C{self.supervisor} and the hooks.
@@ -86,7 +88,7 @@ class SupervisorContract:
     def ready(self, name: str = "m") -> Any:
         d = ensureDeferred(self.supervisor.instance_for(name))
         self.settle()
-        return self.successResultOf(d)  # type: ignore[attr-defined]
+        return self.successResultOf(d)
 
     def probe(self, instance: Any) -> Deferred[bool]:
         return Deferred.fromCoroutine(self.supervisor.probe_health(instance))
@@ -94,82 +96,82 @@ class SupervisorContract:
     # -- the contract -------------------------------------------------------
 
     def test_provides_the_interfaces(self) -> None:
-        self.assertTrue(verifyObject(ISupervisor, self.supervisor))  # type: ignore[attr-defined]
-        self.assertTrue(verifyObject(IInstance, self.ready()))  # type: ignore[attr-defined]
+        self.assertTrue(verifyObject(ISupervisor, self.supervisor))
+        self.assertTrue(verifyObject(IInstance, self.ready()))
 
     def test_instance_for_gives_a_ready_instance(self) -> None:
         instance = self.ready("m")
-        self.assertEqual(instance.entry.name, "m:latest")  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.READY)  # type: ignore[attr-defined]
-        self.assertIsNotNone(instance.pid)  # type: ignore[attr-defined]
-        self.assertIsNotNone(instance.ready_at)  # type: ignore[attr-defined]
-        self.assertIs(self.successResultOf(instance.wait_ready()), instance)  # type: ignore[attr-defined]
-        self.assertIs(self.supervisor.loaded("m:latest"), instance)  # type: ignore[attr-defined]
-        self.assertEqual(list(self.supervisor.instances()), [instance])  # type: ignore[attr-defined]
+        self.assertEqual(instance.entry.name, "m:latest")
+        self.assertEqual(instance.state, InstanceState.READY)
+        self.assertIsNotNone(instance.pid)
+        self.assertIsNotNone(instance.ready_at)
+        self.assertIs(self.successResultOf(instance.wait_ready()), instance)
+        self.assertIs(self.supervisor.loaded("m:latest"), instance)
+        self.assertEqual(list(self.supervisor.instances()), [instance])
 
     def test_one_instance_per_model(self) -> None:
         first = self.ready("m")
-        self.assertIs(self.ready("m:latest"), first)  # type: ignore[attr-defined]
+        self.assertIs(self.ready("m:latest"), first)
 
     def test_unknown_model(self) -> None:
         d = ensureDeferred(self.supervisor.instance_for("nope"))
         self.settle()
-        self.failureResultOf(d, ModelNotFound)  # type: ignore[attr-defined]
+        self.failureResultOf(d, ModelNotFound)
 
     def test_touch_and_keep_alive(self) -> None:
         instance = self.ready()
         served = instance.served
         self.advance(5.0)
         self.supervisor.touch(instance, 30.0)
-        self.assertEqual(instance.served, served + 1)  # type: ignore[attr-defined]
-        self.assertEqual(instance.keep_alive, 30.0)  # type: ignore[attr-defined]
-        self.assertEqual(instance.expires_at(), instance.last_used + 30.0)  # type: ignore[attr-defined]
+        self.assertEqual(instance.served, served + 1)
+        self.assertEqual(instance.keep_alive, 30.0)
+        self.assertEqual(instance.expires_at(), instance.last_used + 30.0)
         self.supervisor.touch(instance)  # keeps the request's keep_alive
-        self.assertEqual(instance.keep_alive, 30.0)  # type: ignore[attr-defined]
+        self.assertEqual(instance.keep_alive, 30.0)
         self.supervisor.touch(instance, -1.0)  # forever
-        self.assertIsNone(instance.expires_at())  # type: ignore[attr-defined]
+        self.assertIsNone(instance.expires_at())
 
     def test_stop_instance(self) -> None:
         instance = self.ready()
         stopped = self.supervisor.stop_instance(instance, "keep_alive 0")
-        self.assertIsNone(self.supervisor.loaded("m:latest"))  # type: ignore[attr-defined]
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
         self.finish_stop(instance)
-        self.successResultOf(stopped)  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.DEAD)  # type: ignore[attr-defined]
-        self.assertNotIn(instance, self.supervisor.instances())  # type: ignore[attr-defined]
-        self.assertIsNot(self.ready(), instance)  # type: ignore[attr-defined]
+        self.successResultOf(stopped)
+        self.assertEqual(instance.state, InstanceState.DEAD)
+        self.assertNotIn(instance, self.supervisor.instances())
+        self.assertIsNot(self.ready(), instance)
 
     def test_kill_instance(self) -> None:
         instance = self.ready()
         killed = self.supervisor.kill_instance(instance, "wedged: no response headers")
-        self.assertIsNone(self.supervisor.loaded("m:latest"))  # type: ignore[attr-defined]
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
         self.finish_stop(instance)
-        self.successResultOf(killed)  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.DEAD)  # type: ignore[attr-defined]
+        self.successResultOf(killed)
+        self.assertEqual(instance.state, InstanceState.DEAD)
 
     def test_evict(self) -> None:
         instance = self.ready()
-        self.assertEqual(list(self.supervisor.evict("m#1")), [])  # type: ignore[attr-defined]
-        self.assertEqual(list(self.supervisor.evict("other")), [])  # type: ignore[attr-defined]
-        self.assertEqual(list(self.supervisor.evict("m@text")), [instance])  # type: ignore[attr-defined]
-        self.assertIsNone(self.supervisor.loaded("m:latest"))  # type: ignore[attr-defined]
+        self.assertEqual(list(self.supervisor.evict("m#1")), [])
+        self.assertEqual(list(self.supervisor.evict("other")), [])
+        self.assertEqual(list(self.supervisor.evict("m@text")), [instance])
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
 
     def test_probe_health_of_an_answering_child(self) -> None:
-        self.assertIs(self.successResultOf(self.probe(self.ready())), True)  # type: ignore[attr-defined]
+        self.assertIs(self.successResultOf(self.probe(self.ready())), True)
 
     def test_probe_health_false_on_a_dead_child(self) -> None:
         instance = self.ready()
         self.die(instance)
-        self.assertIs(self.successResultOf(self.probe(instance)), False)  # type: ignore[attr-defined]
+        self.assertIs(self.successResultOf(self.probe(instance)), False)
 
     def test_probe_health_false_after_3s_of_silence(self) -> None:
         instance = self.ready()
         self.silence(instance)
         d = self.probe(instance)
         self.advance(2.9)
-        self.assertNoResult(d)  # type: ignore[attr-defined]
+        self.assertNoResult(d)
         self.advance(0.1)
-        self.assertIs(self.successResultOf(d), False)  # type: ignore[attr-defined]
+        self.assertIs(self.successResultOf(d), False)
 
     def test_probe_health_propagates_the_callers_cancellation(self) -> None:
         """
@@ -181,75 +183,75 @@ class SupervisorContract:
         d = self.probe(instance)
         self.advance(1.0)
         d.cancel()
-        self.failureResultOf(d, CancelledError)  # type: ignore[attr-defined]
+        self.failureResultOf(d, CancelledError)
         self.advance(5.0)  # the probe's own timer is gone: nothing fires later
-        self.assertIs(self.supervisor.loaded("m:latest"), instance)  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.READY)  # type: ignore[attr-defined]
-        self.assertFalse(self.supervisor.exited(instance))  # type: ignore[attr-defined]
+        self.assertIs(self.supervisor.loaded("m:latest"), instance)
+        self.assertEqual(instance.state, InstanceState.READY)
+        self.assertFalse(self.supervisor.exited(instance))
 
     def test_exited_false_while_the_child_runs(self) -> None:
         instance = self.ready()
-        self.assertFalse(self.supervisor.exited(instance))  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.READY)  # type: ignore[attr-defined]
+        self.assertFalse(self.supervisor.exited(instance))
+        self.assertEqual(instance.state, InstanceState.READY)
 
     def test_exited_finds_an_unreported_exit(self) -> None:
         instance = self.ready()
         self.die(instance)
-        self.assertTrue(self.supervisor.exited(instance))  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.DEAD)  # type: ignore[attr-defined]
-        self.assertIsNone(self.supervisor.loaded("m:latest"))  # type: ignore[attr-defined]
-        self.assertIsNot(self.ready(), instance)  # type: ignore[attr-defined]
+        self.assertTrue(self.supervisor.exited(instance))
+        self.assertEqual(instance.state, InstanceState.DEAD)
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
+        self.assertIsNot(self.ready(), instance)
 
     def test_explain_failure_of_a_crashed_child(self) -> None:
         instance = self.ready()
         self.die(instance)
         explained = ensureDeferred(self.supervisor.explain_failure(instance, ConnectionError("reset")))
         self.exit_reported(instance)
-        error = self.successResultOf(explained)  # type: ignore[attr-defined]
-        self.assertIsInstance(error, EngineCrashed)  # type: ignore[attr-defined]
-        self.assertEqual(error.model, "m:latest")  # type: ignore[attr-defined]
-        self.assertEqual(instance.state, InstanceState.DEAD)  # type: ignore[attr-defined]
-        self.assertIsNone(self.supervisor.loaded("m:latest"))  # type: ignore[attr-defined]
+        error = self.successResultOf(explained)
+        self.assertIsInstance(error, EngineCrashed)
+        self.assertEqual(error.model, "m:latest")
+        self.assertEqual(instance.state, InstanceState.DEAD)
+        self.assertIsNone(self.supervisor.loaded("m:latest"))
 
     def test_snapshot(self) -> None:
         instance = self.ready()
         self.supervisor.touch(instance, 30.0)
         instance.in_flight += 1
         (view,) = self.supervisor.snapshot()
-        self.assertIsInstance(view, InstanceView)  # type: ignore[attr-defined]
-        self.assertEqual(  # type: ignore[attr-defined]
+        self.assertIsInstance(view, InstanceView)
+        self.assertEqual(
             (view.name, view.entry, view.state, view.pid, view.port, view.ctx),
             ("m:latest", instance.entry, InstanceState.READY, instance.pid, instance.port, instance.ctx),
         )
         slots = instance.entry.settings.parallel or DEFAULT_PARALLEL
-        self.assertEqual((view.in_flight, view.busy, view.slots), (1, 1, slots))  # type: ignore[attr-defined]
-        self.assertEqual(view.expires_at, instance.expires_at())  # type: ignore[attr-defined]
-        self.assertEqual((view.ready_at, view.served), (instance.ready_at, instance.served))  # type: ignore[attr-defined]
-        self.assertEqual(view.breaker, "closed")  # type: ignore[attr-defined]
-        self.assertTrue(view.live)  # type: ignore[attr-defined]
-        self.assertIsNone(view.rss)  # type: ignore[attr-defined]
-        with self.assertRaises(attrs.exceptions.FrozenInstanceError):  # type: ignore[attr-defined]
-            view.in_flight = 0  # type: ignore[misc]
+        self.assertEqual((view.in_flight, view.busy, view.slots), (1, 1, slots))
+        self.assertEqual(view.expires_at, instance.expires_at())
+        self.assertEqual((view.ready_at, view.served), (instance.ready_at, instance.served))
+        self.assertEqual(view.breaker, "closed")
+        self.assertTrue(view.live)
+        self.assertIsNone(view.rss)
+        with self.assertRaises(attrs.exceptions.FrozenInstanceError):
+            view.in_flight = 0
         # a view is a copy: later changes are not in it
         instance.in_flight -= 1
-        self.assertEqual(view.in_flight, 1)  # type: ignore[attr-defined]
+        self.assertEqual(view.in_flight, 1)
         self.supervisor.stop_instance(instance, "requested")
         self.finish_stop(instance)
-        self.assertEqual(self.supervisor.snapshot(), [])  # type: ignore[attr-defined]
+        self.assertEqual(self.supervisor.snapshot(), [])
 
     def test_breakers(self) -> None:
         self.ready()
-        self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")  # type: ignore[attr-defined]
-        self.assertEqual(self.supervisor.reset_breakers("m:latest"), ["m:latest"])  # type: ignore[attr-defined]
-        self.assertEqual(self.supervisor.reset_breakers("never-loaded"), [])  # type: ignore[attr-defined]
+        self.assertEqual(self.supervisor.breaker("m:latest").state, "closed")
+        self.assertEqual(self.supervisor.reset_breakers("m:latest"), ["m:latest"])
+        self.assertEqual(self.supervisor.reset_breakers("never-loaded"), [])
 
     def test_ctx_policy_and_context_for(self) -> None:
-        self.assertEqual(self.supervisor.ctx_policy, "grow")  # type: ignore[attr-defined]
+        self.assertEqual(self.supervisor.ctx_policy, "grow")
         d = ensureDeferred(self.supervisor.context_for("m:latest", 512))
         self.settle()
-        plan = self.successResultOf(d)  # type: ignore[attr-defined]
-        self.assertEqual((plan.model, plan.asked, plan.policy), ("m:latest", 512, "grow"))  # type: ignore[attr-defined]
-        self.assertGreaterEqual(plan.ctx, 512)  # type: ignore[attr-defined]
+        plan = self.successResultOf(d)
+        self.assertEqual((plan.model, plan.asked, plan.policy), ("m:latest", 512, "grow"))
+        self.assertGreaterEqual(plan.ctx, 512)
 
 
 class FakeSupervisorContractTests(SupervisorContract, SynchronousTestCase):

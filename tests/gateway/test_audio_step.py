@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import io
 import wave
+from typing import cast
 
 import pytest
+from twisted.python.failure import Failure
 
 from blazar.gateway.audio import SAMPLE_RATE, AudioUnreadable, thd_to_wav
 
@@ -69,14 +71,14 @@ def test_bounded_work_holds_its_place_until_the_thread_ends() -> None:
     second = ensureDeferred(bounded.run(in_thread, print))
     assert len(started) == 1 and bounded.running == 1
     first.cancel()  # the first caller's client left: its decode still runs
-    assert isinstance(first.result.value, CancelledError)  # type: ignore[attr-defined]
+    assert isinstance(cast(Failure, first.result).value, CancelledError)
     first.addErrback(lambda f: None)
     assert len(started) == 1, "a second decode started while the first still ran"
     started[0].callback("done")  # the thread ends: the second starts
     assert len(started) == 2 and bounded.running == 1
     started[1].callback("two")
-    assert second.result == "two" and bounded.running == 0  # type: ignore[attr-defined]
+    assert second.result == "two" and bounded.running == 0
     third = ensureDeferred(bounded.run(in_thread, print))
     started[2].errback(ValueError("bad"))
-    assert isinstance(third.result.value, ValueError) and bounded.running == 0  # type: ignore[attr-defined]
+    assert isinstance(cast(Failure, third.result).value, ValueError) and bounded.running == 0
     third.addErrback(lambda f: None)

@@ -10,7 +10,7 @@ protocol's C{connectionLost}.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.error import ConnectionAborted, ConnectionDone
@@ -20,16 +20,20 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 from twisted.web.http import HTTPChannel
+from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
 from blazar.web.client import context_of
 from blazar.config import Config
+from blazar.engines.client import EngineClient
 from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
 from blazar.testing import FakeInstance
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.engine_proxy import STREAM_IDLE_TIMEOUT, EngineProxy
+from blazar.engines.supervisor import Instance
+from blazar.engines.supervisor import Supervisor as RealSupervisor
 
 STALL = 3.0
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
@@ -109,7 +113,8 @@ def connect(clock: Clock) -> tuple[Request, ClientTransport, HTTPChannel]:
     """
     resource = Capture()
     site = Site(resource, reactor=clock)
-    site.protocol = HTTPChannel  # HTTP/1.1 only, without the HTTP/2 negotiating wrapper
+    # HTTP/1.1 only, without the HTTP/2 negotiating wrapper (typed as a factory method, a class is one)
+    site.protocol = HTTPChannel  # type: ignore[method-assign, assignment]
     channel = site.buildProtocol(None)
     assert isinstance(channel, HTTPChannel)
     transport = ClientTransport()
@@ -130,9 +135,14 @@ class RelayBackpressureTests(SynchronousTestCase):
         ))
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
-        proxy = EngineProxy(Supervisor(), None, self.clock, config=lambda: Config(stream_stall_close=STALL))  # type: ignore[arg-type]
+        proxy = EngineProxy(
+            cast(RealSupervisor, Supervisor()),
+            cast(EngineClient, None),
+            self.clock,
+            config=lambda: Config(stream_stall_close=STALL),
+        )
         self.relayed = Deferred.fromCoroutine(
-            proxy.relay(self.instance, self.engine, self.request.write, context_of(self.request))  # type: ignore[arg-type]
+            proxy.relay(cast(Instance, self.instance), self.engine, self.request.write, context_of(self.request))
         )
         self.engine.send(EVENT)
 
@@ -264,7 +274,9 @@ class BodyValveTests(SynchronousTestCase):
         self.engine = EngineBody()
         self.valve = BodyValve()
         self.chunks: list[bytes] = []
-        self.d = relay_body(self.engine, self.chunks.append, self.clock, idle_timeout=10, valve=self.valve)
+        self.d = relay_body(
+            cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=10, valve=self.valve
+        )
 
     def test_pause_and_resume(self) -> None:
         self.valve.pause()
@@ -299,7 +311,7 @@ class BodyValveTests(SynchronousTestCase):
         def on_chunk(data: bytes) -> None:
             valve.pause()  # the client's buffer filled on the first write
 
-        relay_body(engine, on_chunk, self.clock, idle_timeout=10, valve=valve)
+        relay_body(cast(IResponse, engine), on_chunk, self.clock, idle_timeout=10, valve=valve)
         self.assertEqual(engine.transport.producerState, "paused")
 
 
@@ -321,7 +333,9 @@ class QuietTests(SynchronousTestCase):
             self.asked.append(d)
             return d
 
-        self.d = relay_body(self.engine, self.chunks.append, self.clock, idle_timeout=600, quiet=(5, alive))
+        self.d = relay_body(
+            cast(IResponse, self.engine), self.chunks.append, self.clock, idle_timeout=600, quiet=(5, alive)
+        )
 
     def test_a_silent_sender_that_answers_is_waited_for(self) -> None:
         self.engine.send(b"a")

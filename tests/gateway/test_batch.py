@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import sqlite3
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from openai.types import Batch, FileObject
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -27,6 +27,7 @@ from blazar.gateway.errors import BadRequest, Unavailable
 
 CHAT = "/v1/chat/completions"
 NOW = 1_700_000_000.0
+E = TypeVar("E", bound=BaseException)
 
 
 def line(custom_id: str, url: str = CHAT, **body: Any) -> bytes:
@@ -127,8 +128,8 @@ class RunnerCase(SynchronousTestCase):
     def ok(self, coroutine: Any) -> Any:
         return self.successResultOf(Deferred.fromCoroutine(coroutine))
 
-    def fails(self, coroutine: Any, error: type[BaseException]) -> BaseException:
-        return self.failureResultOf(Deferred.fromCoroutine(coroutine), error).value
+    def fails(self, coroutine: Any, error: type[E]) -> E:
+        return cast(E, self.failureResultOf(Deferred.fromCoroutine(coroutine), error).value)
 
     def make_batch(self, n: int = 5, key: str = "alice", endpoint: str = CHAT, **extra: Any) -> dict[str, Any]:
         content = jsonl(*[line(f"req-{i}", url=endpoint) for i in range(n)])
@@ -192,9 +193,9 @@ class FilesTests(RunnerCase):
         error = self.fails(runner.upload("alice", "in.jsonl", "batch", b"x\n"), Unavailable)
         self.assertIn("data_dir is full", str(error))
         self.patch(batch_mod, "FILE_MAX_BYTES", 3)
-        error = self.fails(self.runner.upload("alice", "f", "batch", b"abcd"), FileTooLarge)
-        self.assertEqual(error.status, 413)
-        self.assertIn("200 MB", str(error))
+        too_big = self.fails(self.runner.upload("alice", "f", "batch", b"abcd"), FileTooLarge)
+        self.assertEqual(too_big.status, 413)
+        self.assertIn("200 MB", str(too_big))
         self.assertEqual(FILE_MAX_BYTES, 200 * 1024 * 1024)
 
 
@@ -213,9 +214,10 @@ class CreateTests(RunnerCase):
     def test_bad_parameters_are_400(self) -> None:
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
         good = {"input_file_id": file["id"], "endpoint": CHAT, "completion_window": "24h"}
-        for change, param in [({"input_file_id": None}, "input_file_id"), ({"endpoint": "/v1/moderations"}, "endpoint"),
-                              ({"completion_window": "48h"}, "completion_window"),
-                              ({"metadata": {"k": 1}}, "metadata")]:
+        changes: list[tuple[dict[str, Any], str]] = [
+            ({"input_file_id": None}, "input_file_id"), ({"endpoint": "/v1/moderations"}, "endpoint"),
+            ({"completion_window": "48h"}, "completion_window"), ({"metadata": {"k": 1}}, "metadata")]
+        for change, param in changes:
             error = self.fails(self.runner.create("alice", {**good, **change}), BadRequest)
             self.assertEqual(error.param, param)
         self.assertEqual(self.send.calls, [])
@@ -403,7 +405,7 @@ class ExpiryTests(RunnerCase):
 
     def test_the_job_survives_an_error(self) -> None:
         self.ok(self.runner.start())
-        self.runner._active["boom"] = None  # type: ignore[assignment]
+        self.runner._active["boom"] = None  # type: ignore[assignment]  # a broken entry: its round fails
         self.clock.advance(60)
         self.assertEqual(len(self.flushLoggedErrors(AttributeError)), 1)
         del self.runner._active["boom"]

@@ -14,16 +14,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.gateway.cache import (
-    Entry, SemanticIndex, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
+    Entry, SemanticIndex, Vector, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
 )
 
 
-def chat(text: str, **extra: object) -> dict[str, object]:
+def chat(text: str, **extra: object) -> dict[str, Any]:
     return {"model": "m", "messages": [{"role": "system", "content": "be brief"},
                                        {"role": "user", "content": text}], **extra}
 
 
-def unit(*values: float) -> object:
+def unit(*values: float) -> Vector:
     vector = normalized(values)
     assert vector is not None
     return vector
@@ -121,7 +121,7 @@ class ScopeTests(SynchronousTestCase):
 
     def test_a_prefill_after_the_last_user_turn_is_part_of_the_scope(self) -> None:
         body = chat("hi")
-        prefilled = {"messages": [*body["messages"], {"role": "assistant", "content": "Sure"}]}  # type: ignore
+        prefilled = {"messages": [*body["messages"], {"role": "assistant", "content": "Sure"}]}
         self.assertNotEqual(scope_of("m", "", "llamacpp", body), scope_of("m", "", "llamacpp", prefilled))
 
 
@@ -145,39 +145,40 @@ class VectorTests(SynchronousTestCase):
 
     def test_blob_round_trip(self) -> None:
         vector = unit(1.0, 2.0, 3.0)
-        self.assertEqual(from_blob(to_blob(vector)).tolist(), vector.tolist())  # type: ignore[attr-defined]
+        self.assertEqual(from_blob(to_blob(vector)).tolist(), vector.tolist())
 
 
 class IndexTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.index = SemanticIndex()
-        self.index.add(Entry(1, "s", 100.0, unit(1.0, 0.0), b"one"), 10)  # type: ignore[arg-type]
-        self.index.add(Entry(2, "s", 100.0, unit(0.0, 1.0), b"two"), 10)  # type: ignore[arg-type]
+        self.index.add(Entry(1, "s", 100.0, unit(1.0, 0.0), b"one"), 10)
+        self.index.add(Entry(2, "s", 100.0, unit(0.0, 1.0), b"two"), 10)
 
     def test_the_most_similar_above_the_threshold(self) -> None:
-        similarity, entry = self.index.lookup("s", unit(1.0, 0.1), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        similarity, entry = self.index.lookup("s", unit(1.0, 0.1), 101.0, 600.0, 0.9)
         assert entry is not None
         self.assertEqual(entry.answer, b"one")
         self.assertGreater(similarity, 0.99)
 
     def test_below_the_threshold_is_a_miss(self) -> None:
-        similarity, entry = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        similarity, entry = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.9)
         self.assertIsNone(entry)
         self.assertAlmostEqual(similarity, math.sqrt(0.5), places=5)
-        _, exact = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.7)  # type: ignore[arg-type]
+        _, exact = self.index.lookup("s", unit(1.0, 1.0), 101.0, 600.0, 0.7)
         self.assertIsNotNone(exact)
 
     def test_another_scope_never_answers(self) -> None:
-        self.assertEqual(self.index.lookup("other", unit(1.0, 0.0), 101.0, 600.0, 0.0),  # type: ignore[arg-type]
+        self.assertEqual(self.index.lookup("other", unit(1.0, 0.0), 101.0, 600.0, 0.0),
                          (-1.0, None))
 
     def test_expired_entries_do_not_answer_and_are_purged(self) -> None:
-        _, entry = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)  # type: ignore[arg-type]
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)
         self.assertIsNone(entry)
-        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0), 700.0, 600.0, 0.9)[1].answer,  # type: ignore
-                         b"one")
-        self.index.add(Entry(3, "s", 650.0, unit(1.0, 0.0), b"three"), 10)  # type: ignore[arg-type]
-        _, newer = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)  # type: ignore[arg-type]
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 700.0, 600.0, 0.9)
+        assert entry is not None
+        self.assertEqual(entry.answer, b"one")
+        self.index.add(Entry(3, "s", 650.0, unit(1.0, 0.0), b"three"), 10)
+        _, newer = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)
         assert newer is not None
         self.assertEqual(newer.answer, b"three")
         self.assertEqual(self.index.purge(101.0), [1, 2])
@@ -193,33 +194,33 @@ class IndexTests(SynchronousTestCase):
         for i in (0, 1234, 2999):
             query = vectors[i] + rng.normal(scale=0.01, size=64).astype(np.float32)
             query /= np.linalg.norm(query)
-            similarity, entry = self.index.lookup("many", query, 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+            similarity, entry = self.index.lookup("many", query, 101.0, 600.0, 0.9)
             assert entry is not None
             self.assertEqual(entry.answer, b"%d" % i)
             self.assertAlmostEqual(similarity, float(np.dot(query, vectors[i] / np.linalg.norm(vectors[i]))), places=5)
         self.index.drop(100 + 1234)
-        _, entry = self.index.lookup("many", vectors[1234] / np.linalg.norm(vectors[1234]), 101.0, 600.0, 0.9)  # type: ignore
+        _, entry = self.index.lookup("many", vectors[1234] / np.linalg.norm(vectors[1234]), 101.0, 600.0, 0.9)
         self.assertIsNone(entry)  # dropped from the index too: random others are far below 0.9
 
     def test_another_embedding_models_entries_are_not_searched(self) -> None:
-        self.index.add(Entry(3, "s", 100.0, unit(0.0, 0.0, 1.0), b"three"), 10)  # type: ignore[arg-type]
-        _, entry = self.index.lookup("s", unit(0.0, 0.0, 1.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        self.index.add(Entry(3, "s", 100.0, unit(0.0, 0.0, 1.0), b"three"), 10)
+        _, entry = self.index.lookup("s", unit(0.0, 0.0, 1.0), 101.0, 600.0, 0.9)
         assert entry is not None
         self.assertEqual(entry.answer, b"three")
-        _, old = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        _, old = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)
         self.assertIsNone(old)  # of two dimensions: made by the model configured before
         self.index.drop(1)  # and dropping one of them is fine
         self.assertEqual(len(self.index), 2)
 
     def test_the_oldest_go_beyond_max_entries(self) -> None:
-        dropped = self.index.add(Entry(3, "t", 100.0, unit(1.0, 0.0), b"three"), 2)  # type: ignore[arg-type]
+        dropped = self.index.add(Entry(3, "t", 100.0, unit(1.0, 0.0), b"three"), 2)
         self.assertEqual(dropped, [1])
         self.assertEqual(len(self.index), 2)
-        _, entry = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)  # type: ignore[arg-type]
+        _, entry = self.index.lookup("s", unit(1.0, 0.0), 101.0, 600.0, 0.9)
         self.assertIsNone(entry)  # "one" is gone; "two" is orthogonal
 
     def test_vectors_of_another_dimension_never_answer(self) -> None:
-        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0),  # type: ignore
+        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0),
                          (-1.0, None))
 
 
@@ -230,7 +231,7 @@ class StoreTests(SynchronousTestCase):
 
     def put(self, created: float, expired_before: float = 0.0, keep: int = 10) -> tuple[int, list[int]]:
         answer = json.dumps({"choices": [{"message": {"content": str(created)}}]}).encode()
-        return store.thd_put_cache(self.db, ("s", created, to_blob(unit(1.0, 2.0)), answer),  # type: ignore
+        return store.thd_put_cache(self.db, ("s", created, to_blob(unit(1.0, 2.0)), answer),
                                    expired_before, keep)
 
     def test_rows_round_trip_oldest_first(self) -> None:
@@ -239,7 +240,7 @@ class StoreTests(SynchronousTestCase):
         rows = store.thd_cache_entries(self.db, 0.0, 10)
         self.assertEqual([r[0] for r in rows], [first, second])
         self.assertEqual(rows[0][1], "s")
-        self.assertEqual(from_blob(rows[0][3]).tolist(), unit(1.0, 2.0).tolist())  # type: ignore[attr-defined]
+        self.assertEqual(from_blob(rows[0][3]).tolist(), unit(1.0, 2.0).tolist())
 
     def test_bounded_and_expired_rows_go(self) -> None:
         ids = [self.put(float(t))[0] for t in range(1, 4)]

@@ -11,22 +11,24 @@ import json
 import math
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred, succeed
 from twisted.internet.task import Clock
+from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from blazar import store
 from blazar.config import CacheConfig, KeyConfig, LiveConfig, parse_config
-from blazar.gateway.cache import normalized
+from blazar.gateway.cache import Vector, normalized
 from blazar.gateway.cachestore import CacheStore
 from blazar.web.client import context_of
 from blazar.metrics import Metrics
 from blazar.testing import FakeSupervisor, SynchronousThreadPool
 from blazar.web.observe import RequestObserver
 
+from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 
 CONFIG = '[models."e"]\nembedding = true\n[cache]\nenabled = true\nembedding_model = "e"\nttl_secs = 60\n'
@@ -44,6 +46,12 @@ def bag_of_words(text: str) -> list[float]:
     return vector
 
 
+def unit(*values: float) -> Vector:
+    vector = normalized(values)
+    assert vector is not None
+    return vector
+
+
 def cache_engine() -> Any:
     """
     A llama-server stand-in for chat and embeddings. C{app.requests}
@@ -52,7 +60,7 @@ def cache_engine() -> Any:
     """
     from klein import Klein
 
-    app = Klein()
+    app: Any = Klein()  # and the recorder's fields below
     app.requests = []
     app.embed_status = 200
     app.finish = "stop"
@@ -165,8 +173,6 @@ class CacheStepTests(SynchronousTestCase):
         self.successResultOf(Deferred.fromCoroutine(self.cache.load()))
         self.gateway.pipeline.cache = self.cache
         self.door = Door(self.gateway.capture)
-        from treq.testing import StubTreq
-
         self.gateway.client = StubTreq(self.door)
         self.metrics = Metrics()
         self.observer = RequestObserver(self.metrics, self.gateway.reactor)
@@ -215,7 +221,7 @@ class CacheStepTests(SynchronousTestCase):
         self.assertEqual(self.door.used, [12])
         self.assertEqual(self.gateway.context().tokens, (7, 5))
         self.gateway.pipeline.admission = None  # a hit never asks for a slot (this would fail if it did)
-        self.gateway.pipeline._admit = None  # type: ignore[assignment, method-assign]
+        self.patch(self.gateway.pipeline, "_admit", None)
         status, header, _ = self.chat("hello there")
         self.assertEqual((status, header), (200, ["hit"]))
         self.assertEqual(self.door.used, [12])  # not counted against the key's tpm or daily tokens
@@ -264,7 +270,8 @@ class CacheStepTests(SynchronousTestCase):
 
     def test_streams_tools_and_formats_bypass_both_ways(self) -> None:
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-        for extra in [{"stream": True}, {"tools": tools}, {"response_format": {"type": "json_object"}}]:
+        extras: list[dict[str, Any]] = [{"stream": True}, {"tools": tools}, {"response_format": {"type": "json_object"}}]
+        for extra in extras:
             status, header, _ = self.chat("bypassing words", **extra)
             self.assertEqual((status, header), (200, None), extra)
             self.assertEqual(self.gateway.context().cache, "bypass")
@@ -375,28 +382,28 @@ class CacheStoreTests(SynchronousTestCase):
 
     def test_nothing_before_load(self) -> None:
         cache = CacheStore(lambda: self.config, self.clock.seconds, lambda f, *args: succeed(None))
-        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"{}"))  # type: ignore[arg-type]
-        self.assertEqual(cache.lookup("s", normalized([1.0, 0.0])), (-1.0, None))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("s", unit(1.0, 0.0), b"{}"))
+        self.assertEqual(cache.lookup("s", unit(1.0, 0.0)), (-1.0, None))
 
     def test_rebuilt_from_sqlite_and_bounded(self) -> None:
         cache = self.store()
         for i in range(5):
-            self.successResultOf(cache.store(f"s{i}", normalized([1.0, float(i)]), b"answer %d" % i))  # type: ignore[arg-type]
+            self.successResultOf(cache.store(f"s{i}", unit(1.0, float(i)), b"answer %d" % i))
             self.clock.advance(1)
         self.assertEqual(len(cache.index), 3)
         self.assertEqual(len(self.db.execute("SELECT id FROM cache_entries").fetchall()), 3)
         again = self.store()
         self.assertEqual(len(again.index), 3)
-        similarity, entry = again.lookup("s4", normalized([1.0, 4.0]))  # type: ignore[arg-type]
+        similarity, entry = again.lookup("s4", unit(1.0, 4.0))
         self.assertAlmostEqual(similarity, 1.0, places=5)
         self.assertEqual(entry.answer if entry else None, b"answer 4")
-        self.assertIsNone(again.lookup("s0", normalized([1.0, 0.0]))[1])  # type: ignore[arg-type]
+        self.assertIsNone(again.lookup("s0", unit(1.0, 0.0))[1])
 
     def test_purge_drops_the_expired(self) -> None:
         cache = self.store()
-        self.successResultOf(cache.store("s", normalized([1.0, 0.0]), b"old"))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("s", unit(1.0, 0.0), b"old"))
         self.clock.advance(8)
-        self.successResultOf(cache.store("t", normalized([1.0, 0.0]), b"new"))  # type: ignore[arg-type]
+        self.successResultOf(cache.store("t", unit(1.0, 0.0), b"new"))
         self.clock.advance(3)
         self.assertEqual(self.successResultOf(Deferred.fromCoroutine(cache.purge())), 1)
         self.assertEqual(len(cache.index), 1)
@@ -405,7 +412,7 @@ class CacheStoreTests(SynchronousTestCase):
     def test_a_failing_store_is_logged(self) -> None:
         cache = self.store()
         self.db.close()
-        d = cache.store("s", normalized([1.0, 0.0]), b"x")  # type: ignore[arg-type]
+        d = cache.store("s", unit(1.0, 0.0), b"x")
         self.successResultOf(d)
         self.assertEqual(len(self.flushLoggedErrors()), 1)
         self.assertEqual((len(cache.index), cache.pending), (0, set()))
@@ -420,7 +427,7 @@ class CacheServiceTests(SynchronousTestCase):
         reactor = fake_process_reactor()
         path = Path(self.mktemp()) / "blazar.db"
         db = store.thd_open(path)
-        vector = normalized([0.0, 1.0])
+        vector = unit(0.0, 1.0)
         assert vector is not None
         from blazar.gateway.cache import to_blob
 
@@ -431,9 +438,10 @@ class CacheServiceTests(SynchronousTestCase):
         wall.advance(105)
         live = LiveConfig(parse_config('[cache]\nttl_secs = 10\n'))
         service = CacheService(path, live, reactor, wall.seconds)
-        service._pool = SynchronousThreadPool()  # type: ignore[assignment]
+        service._pool = cast(ThreadPool, SynchronousThreadPool())
         service.startService()
-        self.successResultOf(service.started)  # type: ignore[arg-type]
+        assert service.started is not None
+        self.successResultOf(service.started)
         self.assertEqual(len(service.cache.index), 1)
         purges: list[int] = []
         real = service.cache.purge
@@ -445,7 +453,7 @@ class CacheServiceTests(SynchronousTestCase):
             purges.append(await real())
             return purges[-1]
 
-        service.cache.purge = purge  # type: ignore[method-assign]
+        self.patch(service.cache, "purge", purge)
         wall.advance(10)
         reactor.advance(CACHE_PURGE_SECS)
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)

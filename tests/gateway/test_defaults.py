@@ -150,10 +150,10 @@ class ThroughTheSurfacesTests(SynchronousTestCase):
         self.gateway = MemoryGateway(self, self.supervisor, self.app, config=f'ollama_models = "{store}"')
 
     def sent(self) -> dict[str, Any]:
-        return self.app.requests[-1][1]  # type: ignore[no-any-return]
+        return self.app.requests[-1][1]
 
     def test_every_surface(self) -> None:
-        cases = [
+        cases: list[tuple[str, dict[str, Any], str, Any]] = [
             ("/v1/chat/completions", {"model": "mine", "messages": HELLO}, "max_tokens", 9),
             ("/api/chat", {"model": "mine", "messages": HELLO, "stream": False}, "max_tokens", 9),
             ("/api/generate", {"model": "mine", "prompt": "hi", "stream": False}, "max_tokens", 9),

@@ -1,5 +1,5 @@
 import json
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
@@ -7,8 +7,11 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.lease import InstanceLease
 from blazar.config import Config
+from blazar.engines.client import EngineClient
 from blazar.testing import FakeInstance
 from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
+from blazar.engines.supervisor import EngineError, Instance
+from blazar.engines.supervisor import Supervisor as RealSupervisor
 
 
 class HealthSupervisor:
@@ -25,11 +28,16 @@ class HeaderTimeoutTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.clock = Clock()
         self.supervisor = HealthSupervisor()
-        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(child_header_timeout=10))  # type: ignore[arg-type]
+        self.proxy = EngineProxy(
+            cast(RealSupervisor, self.supervisor),
+            cast(EngineClient, None),
+            self.clock,
+            config=lambda: Config(child_header_timeout=10),
+        )
 
     def test_busy_but_healthy_child_is_waited_for(self) -> None:
         request: Deferred[str] = Deferred()
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), request))
         for _ in range(25):
             self.clock.advance(1)
         self.assertEqual(self.supervisor.probes, 2)
@@ -41,7 +49,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
     def test_silent_child_is_wedged_and_request_cancelled(self) -> None:
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), request))
         self.supervisor.healthy = False
         self.clock.advance(10)
         self.failureResultOf(d, ChildWedged)
@@ -51,11 +59,11 @@ class HeaderTimeoutTests(SynchronousTestCase):
         # an sd-server writes its headers only when the whole image is done:
         # sdcpp_child_header_timeout_secs, not child_header_timeout_secs,
         # before its health is asked, and a silent one is wedged then
-        self.proxy = EngineProxy(self.supervisor, None, self.clock, config=lambda: Config(  # type: ignore[arg-type]
+        self.proxy = EngineProxy(cast(RealSupervisor, self.supervisor), cast(EngineClient, None), self.clock, config=lambda: Config(
             child_header_timeout=10, sdcpp_child_header_timeout=900))
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
-        d = ensureDeferred(self.proxy._headers(FakeInstance("img", lane="sdcpp"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("img", lane="sdcpp")), request))
         self.supervisor.healthy = False
         self.clock.advance(899)
         self.assertEqual(self.supervisor.probes, 0)
@@ -64,7 +72,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
         self.failureResultOf(d, ChildWedged)
         self.assertEqual((self.supervisor.probes, cancelled), (1, [True]))
         chat: Deferred[str] = Deferred(lambda d: None)
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), chat))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), chat))
         self.clock.advance(10)  # a llama-server child: the short one
         self.failureResultOf(d, ChildWedged)
 
@@ -75,7 +83,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
         # cancelling a connect in progress fails the engine request with
         # the endpoint's own error, synchronously, inside the cancel
         request: Deferred[str] = Deferred(lambda d: d.errback(DNSLookupError("127.0.0.1")))
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), request))
         d.cancel()
         self.failureResultOf(d, CancelledError)
         self.assertEqual(self.clock.getDelayedCalls(), [])
@@ -88,10 +96,10 @@ class HeaderTimeoutTests(SynchronousTestCase):
         async def probe(instance: Any) -> bool:
             return await probing
 
-        self.supervisor.probe_health = probe  # type: ignore[method-assign]
+        self.patch(self.supervisor, "probe_health", probe)
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), request))
         self.clock.advance(10)
         d.cancel()
         self.failureResultOf(d, CancelledError)  # not ChildWedged: nobody kills the child
@@ -99,7 +107,7 @@ class HeaderTimeoutTests(SynchronousTestCase):
 
     def test_errors_pass_through(self) -> None:
         request: Deferred[str] = Deferred()
-        d = ensureDeferred(self.proxy._headers(FakeInstance("m"), request))
+        d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("m")), request))
         request.errback(ConnectionRefusedError("x"))
         self.failureResultOf(d, ConnectionRefusedError)
         self.assertEqual(self.clock.getDelayedCalls(), [])
@@ -127,7 +135,7 @@ class PreflightTests(SynchronousTestCase):
         supervisor = type("Sup", (), {
             "loaded": lambda _, name: self.loaded.get(name), "context_for": context_for,
         })()
-        self.proxy = EngineProxy(supervisor, None, reactor, registry)  # type: ignore[arg-type]
+        self.proxy = EngineProxy(supervisor, cast(EngineClient, None), reactor, registry)
         self.registry = registry
         self.counted = 0
 
@@ -167,7 +175,7 @@ class PreflightTests(SynchronousTestCase):
         def no_read(*args: Any) -> Any:
             raise AssertionError("the GGUF was read")
 
-        self.registry._read = no_read  # type: ignore[misc]
+        self.registry._read = no_read
         f = self.failureResultOf(self.check(600, 10, 1), PromptTooLong)
         self.assertIn("512", str(f.value))
 
@@ -225,7 +233,7 @@ class PreflightTests(SynchronousTestCase):
         started[0].callback(10)
         self.assertEqual(self.successResultOf(checks[0]), 10)
         self.assertEqual(len(started), COUNTS_PER_MODEL + 1)
-        self.proxy._clock.advance(COUNT_DEADLINE_SECS)  # type: ignore[attr-defined]
+        self.proxy._clock.advance(COUNT_DEADLINE_SECS)
         for late in checks[1:]:
             f = self.failureResultOf(late, EngineRejected)
             self.assertEqual(f.value.status, 503)
@@ -272,7 +280,7 @@ class ChildExitedTests(SynchronousTestCase):
         class ExplainingSupervisor(FakeSupervisor):
             explained: list[BaseException] = attrs.field(factory=list)
 
-            async def explain_failure(self, instance: Any, error: BaseException) -> Exception:
+            async def explain_failure(self, instance: Any, error: BaseException) -> EngineError:
                 # the real one waits up to 2 s for the exit to be reported
                 self.explained.append(error)
                 return await super().explain_failure(instance, error)
@@ -282,7 +290,7 @@ class ChildExitedTests(SynchronousTestCase):
         self.first = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
 
     def send(self, engines: ScriptedEngines, stream: bool = False) -> Deferred[Any]:
-        proxy = EngineProxy(self.supervisor, engines, self.clock)  # type: ignore[arg-type]
+        proxy = EngineProxy(cast(RealSupervisor, self.supervisor), cast(EngineClient, engines), self.clock)
         return ensureDeferred(proxy.send("m", "/v1/chat/completions", b"{}", stream=stream))
 
     def reset(self) -> Any:
@@ -410,7 +418,7 @@ class TemplateProbeTests(SynchronousTestCase):
                 return json.dumps({"prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
                                    if proxy.accepting[id(instance)] else "no"}).encode()
 
-        self.proxy = Probing(Supervisor(), None, Clock())  # type: ignore[arg-type]
+        self.proxy = Probing(cast(RealSupervisor, Supervisor()), cast(EngineClient, None), Clock())
 
     def child(self, accepts: bool) -> FakeInstance:
         instance = FakeInstance("m")

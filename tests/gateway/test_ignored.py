@@ -4,7 +4,9 @@ x-blazar-ignored and the once-per-client-and-field log line.
 
 from __future__ import annotations
 
-from twisted.logger import globalLogPublisher
+from typing import cast
+
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
@@ -13,6 +15,7 @@ from blazar.web.anthropic import beta_values
 from blazar.web.client import context_of
 from blazar.testing import FakeSupervisor, fake_engine_app
 
+from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
 
 
@@ -25,8 +28,8 @@ def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyReques
 class IgnoredFieldsTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def lines(self) -> list[str]:
         return [e["field"] for e in self.events if "field" in e]
@@ -63,8 +66,8 @@ class IgnoredFieldsTests(SynchronousTestCase):
 class HostileRequestTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.events: list[dict] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def test_many_and_long_names_are_bounded(self) -> None:
         seen = IgnoredFields()
@@ -72,7 +75,7 @@ class HostileRequestTests(SynchronousTestCase):
         seen.note(context_of(r), "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
         self.assertLessEqual(len(self.events), 65)  # 64 names and one count line
         self.assertLessEqual(sum(len(k[2]) for k in seen._seen), 64 * 100)
-        header = r.responseHeaders.getRawHeaders(IGNORED_HEADER)[0]
+        header = not_none(r.responseHeaders.getRawHeaders(IGNORED_HEADER))[0]
         self.assertLessEqual(len(header), 1100)
         self.assertTrue(any("936" in str(e.get("count", "")) for e in self.events))
 

@@ -4,16 +4,18 @@ it connects (the fetch itself, over real sockets, is in
 C{tests/integration/test_vision_e2e.py}).
 """
 
-from typing import Any
+from typing import Any, cast
 
 import attrs
 from twisted.internet.defer import CancelledError, ensureDeferred
 from twisted.internet.testing import MemoryReactorClock, StringTransport
-from twisted.logger import LogLevel, globalLogPublisher
+from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import Config, parse_config
 from blazar.gateway.imagefetch import ImageFetchError, ImageFetcher, refused_address
+
+from tests.typed import not_none
 
 NOT_PUBLIC = "its host does not resolve to a public address"
 
@@ -70,8 +72,8 @@ class FetchRefusalTests(SynchronousTestCase):
     def test_a_refusal_does_not_map_the_network(self) -> None:
         # a key holder learns neither whether a name resolves nor to what: the log has it
         events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         messages = {}
         for url in ("http://nowhere.example/a.png", "http://metadata.example/latest", "https://sneaky.example/a.png"):
             failure = self.failureResultOf(ensureDeferred(self.fetcher().fetch(url, "x", 1 << 20)), ImageFetchError)
@@ -105,7 +107,7 @@ class FetchRefusalTests(SynchronousTestCase):
         fetching = ensureDeferred(self.fetcher().fetch("http://cdn.example/a.png", "x", 1 << 20))
         ((host, port, factory, *_),) = self.reactor.tcpClients
         self.assertEqual(host, "93.184.216.34")
-        protocol = factory.buildProtocol(None)
+        protocol = not_none(factory.buildProtocol(None))
         transport = StringTransport()
         protocol.makeConnection(transport)
         self.assertTrue(transport.value().startswith(b"GET /a.png HTTP/1.1\r\n"))

@@ -24,7 +24,7 @@ CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required"
 FORMAT = {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}
 ASK = [{"role": "user", "content": "Where?"}]
 UNPARSED = "The model produced output that does not match the expected peg-native format"
-PROBS = [{"id": 1, "token": '{"city":', "bytes": [123], "logprob": -0.5,
+PROBS: list[dict[str, Any]] = [{"id": 1, "token": '{"city":', "bytes": [123], "logprob": -0.5,
           "top_logprobs": [{"id": 1, "token": '{"city":', "bytes": [123], "logprob": -0.5},
                            {"id": 2, "token": "x", "bytes": [120], "logprob": -2.0}]}]
 
@@ -104,7 +104,7 @@ def refusing_engine() -> Any:
     not streamed; streamed, two pieces of text then its in-stream error.
     C{/apply-template} and C{/completion} work.
     """
-    app = Klein()
+    app: Any = Klein()  # and the requests it records
     app.requests = []
 
     @app.route("/v1/chat/completions", methods=["POST"])

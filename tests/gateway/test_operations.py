@@ -6,11 +6,11 @@ reactor (the fake has no instance key matching).
 """
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import attrs
 from twisted.internet.defer import Deferred, ensureDeferred
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
@@ -86,7 +86,7 @@ class OperationsTests(SynchronousTestCase):
         self.registry = ModelRegistry(config, self.reactor)
         self.supervisor = StoppingSupervisor(["m:latest", "outside:latest"], models_dir=self.models)
         self.puller = ScriptedPuller(self.reactor)
-        self.operations = ModelOperations(self.registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
+        self.operations = ModelOperations(self.registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
 
     def call(self, coroutine: Any) -> Deferred[Any]:
         return ensureDeferred(coroutine)
@@ -196,8 +196,8 @@ class OperationsTests(SynchronousTestCase):
 
     def test_failed_pull(self) -> None:
         events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         self.puller.failure = PullError("download of x broke; pull again to resume", 502)
         lines: list[dict[str, Any]] = []
         failure = self.failureResultOf(self.call(self.operations.pull("hf.co/someone/tiny-GGUF", lines.append)), PullError)
@@ -206,7 +206,7 @@ class OperationsTests(SynchronousTestCase):
         self.assertEqual((logged["model"], logged["error"]), ("hf.co/someone/tiny-GGUF", str(failure.value)))
 
     def test_pull_without_a_puller(self) -> None:
-        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor)  # type: ignore[arg-type]
+        operations = ModelOperations(self.registry, cast(Supervisor, self.supervisor), None, self.reactor)
         failure = self.failureResultOf(self.call(operations.pull("hf.co/someone/tiny-GGUF")), PullError)
         self.assertEqual(failure.value.status, 501)
 

@@ -10,10 +10,12 @@ remote's fault (502).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.engines.lease import InstanceLease
+from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.errors import EngineRejected
 from blazar.gateway.reply import Reply
 from blazar.gateway.remotewire import AnthropicStream
@@ -117,7 +119,7 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
         scrub = scrubber(Lease.instance)
         translated = FromAnthropic(AnthropicStream("peer:m", 7, True), scrub) if anthropic \
             else Renamed("peer:m", Lease.instance.server, scrub)
-        return Reply(Proxy(), None, Lease(), Response(), None, 0.0, 0.0,  # type: ignore[arg-type]
+        return Reply(cast(EngineProxy, Proxy()), None, cast(InstanceLease, Lease()), Response(), None, 0.0, 0.0,
                      translated=translated, wants_usage=True)
 
     def events(self, made: Reply) -> list[Any]:

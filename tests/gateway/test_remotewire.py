@@ -202,7 +202,7 @@ class RequestTests(SynchronousTestCase):
                                                                          {"type": "text", "text": "b"}]}])
 
 
-MESSAGE = {
+MESSAGE: dict[str, Any] = {
     "id": "msg_01", "type": "message", "role": "assistant", "model": "claude-x",
     "content": [
         {"type": "thinking", "thinking": "let me see", "signature": "sig"},

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from klein import Klein
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.operations import ModelOperations
 from blazar.web.client import context_of
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
@@ -35,6 +36,7 @@ from blazar.web.root import SurfaceRouter
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
 from tests.web.test_openai import StubEngineClient
+from tests.typed import StubTreq
 
 ADMIN = "admin-secret-0123456789"
 SCOPED = "scoped-secret-0123456789"
@@ -121,13 +123,13 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(engine_app().resource())
         names = ["broken:latest", "mine:latest", "minevec:latest", "theirs:latest", "theirvec:latest"]
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(FakeSupervisor(names), StubEngineClient(self.engine), self.reactor, registry),  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(cast(Supervisor, FakeSupervisor(names)), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry),
                          self.reactor, registry)
         responses = Responses(proxy, lambda: config, self.reactor, None)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor, responses).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),
             AnthropicSurface(proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))
@@ -236,7 +238,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
 
     def test_engine_and_gguf_errors_have_no_paths_for_a_scoped_key(self) -> None:
         failing = {"model": "{model}", "messages": HELLO, "chat_template_kwargs": {"fail": 400}}
-        cases = [
+        cases: list[tuple[str, str, dict[str, Any], str]] = [
             # the engine's text (a 4xx, a 5xx), a GGUF reader's
             ("POST", "/v1/chat/completions", failing, "mine"),
             ("POST", "/v1/chat/completions", {**failing, "chat_template_kwargs": {"fail": 503}}, "mine"),
@@ -367,7 +369,7 @@ class ResolveInScopeTests(SynchronousTestCase):
 
     def test_remote_models_with_colons_and_slashes(self) -> None:
         """
-        The README's own example (issue 36): a key scoped to
+        The example in docs/remotes.md (issue 36): a key scoped to
         C{peer:qwen3:8b}, a remote's model whose id has its own C{:}, is
         accepted by the config and reaches that model (and C{router:meta/llama},
         an id with C{/}); another of the remote's models stays unknown to it.

@@ -19,6 +19,7 @@ from blazar.gateway.sessions import (
 )
 from blazar.testing import FakeInstance, FakeSlotBank
 from tests.gateway.slot_bank_contract import check_slot_bank
+from tests.typed import not_none
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "clients"
 
@@ -35,7 +36,7 @@ class NamingTests(SynchronousTestCase):
         self.assertEqual(session_name(headers.get, "hint"), "cc")
         del headers["x-claude-code-session-id"]
         self.assertEqual(session_name(headers.get, "hint"), "codex")
-        self.assertEqual(session_name({}.get, " hint "), "hint")
+        self.assertEqual(session_name(dict[str, str]().get, " hint "), "hint")
         self.assertIsNone(session_name({"x-blazar-session": "  "}.get, None))
 
     def test_the_recorded_agents_name_their_sessions(self) -> None:
@@ -107,7 +108,7 @@ class SessionTests(SynchronousTestCase):
         self.assertEqual(c.slot, a.slot)
         a_file = a.session.file
         self.assertEqual(self.bank.calls, [("save", a.slot, a_file)])
-        self.assertEqual(a.session.bank.tokens, 100)  # type: ignore[union-attr]
+        self.assertEqual(not_none(a.session.bank).tokens, 100)
         self.assertIn(("k", "a", "m:latest"), self.rows)
         again = self.turn("a", 120)  # b is now the least recent: saved; a restored where b was
         self.assertEqual(again.slot, b.slot)
@@ -207,7 +208,8 @@ class SessionTests(SynchronousTestCase):
 
     def test_rows_read_back(self) -> None:
         [session] = sessions_from_rows([("k", "a", "m:latest", "f.bin", 100, 51200, "shape", 5.0, 6.0)])
-        self.assertEqual((session.bank.file, session.bank.tokens, session.last_used), ("f.bin", 100, 6.0))  # type: ignore[union-attr]
+        bank = not_none(session.bank)
+        self.assertEqual((bank.file, bank.tokens, session.last_used), ("f.bin", 100, 6.0))
 
     def test_the_fake_bank_keeps_the_contract(self) -> None:
         bank = FakeSlotBank()
@@ -259,7 +261,7 @@ class HardeningTests(SessionTests):
         async def slow_restore(instance: Any, slot: int, filename: str, timeout: float) -> int:
             return await waiting
 
-        self.bank.restore = slow_restore  # type: ignore[method-assign]
+        self.patch(self.bank, "restore", slow_restore)
         d = Deferred.fromCoroutine(self.sessions.pin("k", "a", fresh))
         d.cancel()
         self.failureResultOf(d, CancelledError)

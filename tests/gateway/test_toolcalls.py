@@ -6,6 +6,7 @@ decoded under (L{blazar.gateway.grammar}): pure functions.
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -15,7 +16,7 @@ from blazar.gateway.toolcalls import (
     needed_tokens, parse_calls, tool_calls,
 )
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 3},
                                      "units": {"enum": ["metric", "imperial"]}},
     "required": ["city"]}}}

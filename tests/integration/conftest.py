@@ -78,7 +78,7 @@ def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyt
         d.close(check_engines=True)
 
 
-def pytest_terminal_summary(terminalreporter) -> None:  # type: ignore[no-untyped-def]
+def pytest_terminal_summary(terminalreporter) -> None:
     """
     The reliability suite's counts, when it ran (tests/integration/reliability.py).
     """

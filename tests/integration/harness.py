@@ -95,6 +95,12 @@ class Daemon:
     One daemon process under test.
     """
 
+    # set by the fixtures that add a TLS listener
+    tls_port: int
+    cert: Path
+    # set by the fixture that points the daemon's TMPDIR at it
+    tmp: Path
+
     def __init__(self, root: Path, config_text: str, port: int | None = None) -> None:
         self.root = root
         self.port = port or free_port()
@@ -224,7 +230,7 @@ class Daemon:
                     argv = p.cmdline()
                     # freeze the command line: the process may exit (and
                     # become a zombie) before the test reads it
-                    p.cmdline = lambda argv=argv: argv  # type: ignore[method-assign]
+                    p.cmdline = lambda argv=argv: argv
                     found.append(p)
             except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
                 pass

@@ -87,7 +87,7 @@ def strict_json_loads() -> Iterator[None]:
     C{json.loads} is L{strict_loads} inside the block, and is put back
     after.
     """
-    json.loads = strict_loads  # type: ignore[assignment]
+    json.loads = strict_loads
     try:
         yield
     finally:

@@ -65,7 +65,7 @@ def queue_of(d: Daemon) -> dict[str, Any]:
     assert status == 200, body
     for model in json.loads(body)["models"]:
         if model["model"] == CANONICAL:
-            return model  # type: ignore[no-any-return]
+            return model
     return {"waiting": {"total": 0}, "requests": [], "slots": {"busy": 0, "total": 1}}
 
 

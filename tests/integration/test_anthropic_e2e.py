@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import http.client
 import json
-from typing import Any
+from typing import Any, cast
 
 import anthropic
 import jsonschema
 import pytest
+from anthropic.types import MessageParam, TextBlock, ToolParam
 
 from blazar.testing import forced_tool_call_request
 from tests.integration.harness import Daemon
 
-HELLO = [{"role": "user", "content": "Say hello."}]
-WEATHER = forced_tool_call_request("tiny")["tools"][0]["function"]  # type: ignore[index]
-TOOL = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+HELLO: list[MessageParam] = [{"role": "user", "content": "Say hello."}]
+WEATHER = forced_tool_call_request("tiny")["tools"][0]["function"]
+TOOL: ToolParam = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
 
 
 @pytest.fixture(scope="module")
@@ -43,10 +44,10 @@ def test_create_and_stream_give_the_same_shape(client: anthropic.Anthropic) -> N
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert shape(final) == shape(created)
-    assert final.content[0].text == text
+    assert cast(TextBlock, final.content[0]).text == text
     # the prompt is the same; the second time most of it comes from the KV cache
     assert prompt_of(final.usage) == prompt_of(created.usage)
-    assert final.usage.cache_read_input_tokens > 0
+    assert (final.usage.cache_read_input_tokens or 0) > 0
 
 
 def prompt_of(usage: Any) -> int:
@@ -223,7 +224,7 @@ def test_sdk_raises_typed_errors(client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError):
         client.messages.create(model="nope", max_tokens=5, messages=HELLO)
     with pytest.raises(anthropic.BadRequestError):
-        client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "system", "content": "x"}])  # type: ignore[list-item]
+        client.messages.create(model="tiny", max_tokens=5, messages=[{"role": "system", "content": "x"}])
 
 
 def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:

@@ -49,13 +49,13 @@ class AuditTests(SynchronousTestCase):
         path = Path(self.mktemp()) / "audit.jsonl"
         audit = AuditLog(path, retry_secs=0.05)
         real_open = audit._open
-        audit._open = lambda: open("/dev/full", "a", encoding="utf-8")  # type: ignore[method-assign]
+        self.patch(audit, "_open", lambda: open("/dev/full", "a", encoding="utf-8"))
         audit.start()
         self.addCleanup(audit.stop)
         audit.submit({"trace": "t0", "status": 200})
         self.wait_for(lambda: audit.dropped == 1)
         self.assertIn("No space left on device", audit.down or "")
-        audit._open = real_open  # type: ignore[method-assign]
+        self.patch(audit, "_open", real_open)
         time.sleep(0.2)  # past the back-off
         audit.submit({"trace": "t1", "status": 200})
         self.wait_for(lambda: audit.written == 1)

@@ -386,7 +386,7 @@ def test_tools_a_models_template_cannot_show_are_a_400_on_every_surface(smol: Da
     SmolLM2's template renders no tools: the model would never see them
     (the prompt was the same, token for token, with or without them).
     """
-    asks = {
+    asks: dict[str, dict[str, Any]] = {
         "/v1/chat/completions": {"model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)],
                                  "max_tokens": 20},
         "/v1/messages": {"model": "smollm", "max_tokens": 20, "messages": PARIS, "tools": [anthropic_tool(WEATHER)]},

@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import ollama
 import pytest
@@ -67,7 +67,7 @@ def sha256(path: Path) -> str:
 def show(daemon: Daemon, model: str) -> dict[str, Any]:
     status, shown = daemon.post_json("/api/show", {"model": model})
     assert status == 200, shown
-    return shown  # type: ignore[no-any-return]
+    return shown
 
 
 def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -> None:
@@ -78,7 +78,7 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
 
     lines = list(client.create(model="paris", files={"smollm2.gguf": digest}, system=SYSTEM, stream=True,
                                parameters={"temperature": 0, "num_predict": 24, "num_ctx": 2048}))
-    statuses = [line.status for line in lines]
+    statuses = cast(list[str], [line.status for line in lines])
     assert statuses[:2] == ["parsing GGUF", f"using existing layer {digest}"], statuses
     assert all(s.startswith(("creating new layer sha256:", "using existing layer sha256:")) for s in statuses[2:4])
     assert statuses[-2:] == ["writing manifest", "success"], statuses
@@ -98,7 +98,7 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
     base = client.chat(model="smollm", messages=[{"role": "system", "content": SYSTEM}, *asked],
                        options={"temperature": 0, "num_predict": 24})
     made = client.chat(model="paris", messages=asked)
-    assert "Paris" in made.message.content, made.message.content
+    assert made.message.content is not None and "Paris" in made.message.content, made.message.content
     assert (made.message.content, made.prompt_eval_count) == (base.message.content, base.prompt_eval_count)
     bare = client.chat(model="smollm", messages=asked, options={"temperature": 0, "num_predict": 24})
     assert bare.prompt_eval_count != made.prompt_eval_count  # (SmolLM2's template puts its own system prompt)
@@ -119,6 +119,7 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
     # stop cuts the answer where the city would come; the source's other parameters and system are kept
     client.create(model="paris-stop", from_="paris", parameters={"stop": ["Paris"]})
     stopped = client.chat(model="paris-stop", messages=asked)
+    assert stopped.message.content is not None
     assert stopped.done_reason == "stop" and "Paris" not in stopped.message.content, stopped.message.content
     assert made.message.content.startswith(stopped.message.content)
     assert show(daemon, "paris-stop")["system"] == SYSTEM
@@ -141,12 +142,12 @@ def test_quantize_q8_0(daemon: Daemon, client: ollama.Client, engine: str, tmp_p
     source = make_test_model(tmp_path / "f32.gguf", seed=4).path
     digest = client.create_blob(source)
     lines = list(client.create(model="tiny-q8", files={"f32.gguf": digest}, quantize="q8_0", stream=True))
-    quantizing = [line for line in lines if line.status.startswith("quantizing")]
+    quantizing = [line for line in lines if (line.status or "").startswith("quantizing")]
     size = source.stat().st_size
     assert quantizing and all(line.status == "quantizing F32 model to Q8_0" and line.digest == "0" * 19
                               and line.total == size for line in quantizing), quantizing
     assert quantizing[-1].completed == size
-    statuses = [line.status for line in lines]
+    statuses = cast(list[str], [line.status for line in lines])
     new = [s for s in statuses if s.startswith("creating new layer")]
     assert statuses[-4:] == ["verifying conversion", new[0], "writing manifest", "success"], statuses
     shown = client.show("tiny-q8")

@@ -10,7 +10,7 @@ the Keys page; the Models page's Pull form pulls from a real distribution
 server (Debian's docker-registry on loopback) with its progress shown as it
 streams, and shows a refused pull's error; and no page logs a console
 error. Each page's screenshot is taken here (into $BLAZAR_SCREENSHOTS when
-set: the README's come from it).
+set: docs/dashboard.md's come from it).
 """
 
 from __future__ import annotations
@@ -419,7 +419,10 @@ def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
     )
     try:
         first = follow.stdout.readline() if follow.stdout is not None else ""
-        assert "tiny:latest" in first, (first, follow.stderr.read() if follow.poll() is not None else "")
+        assert "tiny:latest" in first, (
+            first,
+            follow.stderr.read() if follow.poll() is not None and follow.stderr else "",
+        )
         status, _ = api(daemon, "POST", "/v1/chat/completions", body={
             "model": "tiny", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2})
         assert status == 200

@@ -40,10 +40,10 @@ def door(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytes
         f'[[keys]]\nname = "slow"\nsecret = "{ONE_RPM}"\nrpm = 1\n'
     ))
     # the daemon's temporary files go here, so a test can see whether a body was spooled
-    d.tmp = root / "tmp"  # type: ignore[attr-defined]
-    d.tmp.mkdir()  # type: ignore[attr-defined]
+    d.tmp = root / "tmp"
+    d.tmp.mkdir()
     before = os.environ.get("TMPDIR")
-    os.environ["TMPDIR"] = str(d.tmp)  # type: ignore[attr-defined]
+    os.environ["TMPDIR"] = str(d.tmp)
     try:
         d.start()
     finally:
@@ -70,7 +70,7 @@ def temp_files(d: Daemon) -> list[str]:
             target = os.readlink(fd)
         except OSError:
             continue
-        if target.startswith(str(d.tmp)):  # type: ignore[attr-defined]
+        if target.startswith(str(d.tmp)):
             found.append(target)
     return found
 
@@ -121,7 +121,7 @@ def test_unauthenticated_45_mib_body_is_401_at_once_with_nothing_spooled(door: D
     assert headers[b"connection"] == b"close"
     assert json.loads(body)["error"]["code"] == "invalid_api_key"
     assert temp_files(door) == []
-    assert list(door.tmp.iterdir()) == []  # type: ignore[attr-defined]
+    assert list(door.tmp.iterdir()) == []
 
 
 def test_a_keyed_big_body_is_spooled_so_the_check_above_can_see_one(door: Daemon) -> None:

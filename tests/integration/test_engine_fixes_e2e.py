@@ -21,7 +21,7 @@ import json
 import re
 import socket
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import openai
 import pytest
@@ -365,4 +365,4 @@ def test_sdk_clients_read_the_413_without_a_key(daemon: Daemon) -> None:
     with pytest.raises(anthropic.APIStatusError) as a:
         anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=1, messages=[{"role": "user", "content": big}])
-    assert a.value.status_code == 413 and a.value.body["error"]["type"] == "request_too_large"  # type: ignore[index]
+    assert a.value.status_code == 413 and cast(dict[str, Any], a.value.body)["error"]["type"] == "request_too_large"

@@ -11,27 +11,39 @@ from __future__ import annotations
 import json
 import time
 import signal
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence, cast
 
 import anthropic
 import jsonschema
 import openai
 import pytest
+from anthropic.types import ToolChoiceParam, ToolParam
+from openai.types.chat import (
+    ChatCompletionMessageFunctionToolCall,
+    ChatCompletionToolChoiceOptionParam,
+    ChatCompletionToolParam,
+)
+from openai.types.shared_params import FunctionDefinition
 
 from blazar.models.testmodel import THINKING_CHAT_TEMPLATE, make_test_model
 from tests.integration.harness import Daemon
 
 SEEDS = range(1, 51)
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "name": "get_weather", "description": "Current weather for a city",
     "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer", "minimum": 1, "maximum": 7},
         "units": {"type": "string", "enum": ["metric", "imperial"]},
     }, "required": ["city", "units"]},
 }
-TIME = {"name": "get_time", "description": "The time now", "parameters": {"type": "object", "properties": {}}}
+TIME: dict[str, Any] = {
+    "name": "get_time",
+    "description": "The time now",
+    "parameters": {"type": "object", "properties": {}},
+}
 SCHEMAS = {WEATHER["name"]: WEATHER["parameters"], TIME["name"]: TIME["parameters"]}
-ASK = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
+# sent through both SDKs, so typed as neither
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris, and the time?"}]
 
 
 @pytest.fixture(scope="module")
@@ -63,28 +75,31 @@ def check(name: str, arguments: Any) -> None:
     jsonschema.validate(value, SCHEMAS[name])
 
 
-def openai_tools(*tools: dict[str, Any]) -> list[dict[str, Any]]:
-    return [{"type": "function", "function": t} for t in tools]
+def openai_tools(*tools: dict[str, Any]) -> list[ChatCompletionToolParam]:
+    return [{"type": "function", "function": cast(FunctionDefinition, t)} for t in tools]
 
 
 def test_openai_forced_calls_parse(daemon: Daemon) -> None:
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="none")
     for seed in SEEDS:
-        for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        choices: tuple[ChatCompletionToolChoiceOptionParam, ...] = (
+            "required", {"type": "function", "function": {"name": "get_weather"}})
+        for choice in choices:
             reply = client.chat.completions.create(
-                model="tiny", messages=ASK, tools=openai_tools(WEATHER, TIME), tool_choice=choice,  # type: ignore[arg-type]
+                model="tiny", messages=ASK, tools=openai_tools(WEATHER, TIME), tool_choice=choice,
                 parallel_tool_calls=False, max_tokens=200, seed=seed,
             )
             choice0 = reply.choices[0]
             assert choice0.finish_reason == "tool_calls", reply
-            calls = choice0.message.tool_calls or []
+            calls: Sequence[ChatCompletionMessageFunctionToolCall] = cast(
+                list[ChatCompletionMessageFunctionToolCall], choice0.message.tool_calls or [])
             assert len(calls) == 1, calls
             check(calls[0].function.name, calls[0].function.arguments)
             if isinstance(choice, dict):
                 assert calls[0].function.name == "get_weather"
         # streamed, through the SDK's helper
         with client.beta.chat.completions.stream(
-            model="tiny", messages=ASK, tools=openai_tools(WEATHER), tool_choice="required",  # type: ignore[arg-type]
+            model="tiny", messages=ASK, tools=openai_tools(WEATHER), tool_choice="required",
             max_tokens=200, seed=seed,
         ) as stream:
             final = stream.get_final_completion()
@@ -130,19 +145,20 @@ def test_openai_stream_fragments_follow_the_rules(daemon: Daemon) -> None:
 
 def test_anthropic_forced_calls_parse(daemon: Daemon) -> None:
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="none")
-    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
-             for t in (WEATHER, TIME)]
+    tools: list[ToolParam] = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
+                              for t in (WEATHER, TIME)]
     for seed in SEEDS:
-        for choice in ({"type": "any"}, {"type": "tool", "name": "get_weather"}):
+        tool_choices: tuple[ToolChoiceParam, ...] = ({"type": "any"}, {"type": "tool", "name": "get_weather"})
+        for choice in tool_choices:
             message = client.messages.create(
-                model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice=choice,  # type: ignore[arg-type]
+                model="tiny", max_tokens=200, messages=ASK, tools=tools, tool_choice=choice,
                 extra_body={"seed": seed},
             )
             uses = [b for b in message.content if b.type == "tool_use"]
             assert uses and message.stop_reason == "tool_use", message
             for block in uses:
                 check(block.name, block.input)
-        with client.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools,  # type: ignore[arg-type]
+        with client.messages.stream(model="tiny", max_tokens=200, messages=ASK, tools=tools,
                                     tool_choice={"type": "any"}, extra_body={"seed": seed}) as stream:
             final = stream.get_final_message()
         uses = [b for b in final.content if b.type == "tool_use"]
@@ -208,7 +224,7 @@ def test_a_schema_the_grammar_cannot_express_is_a_400(daemon: Daemon) -> None:
 # -- the sentinel -----------------------------------------------------------------
 
 
-def end_at_once() -> dict[str, str]:
+def end_at_once() -> dict[str, int]:
     from blazar.models.testmodel import vocabulary
 
     ids = {tok: i for i, tok in enumerate(vocabulary()[0])}
@@ -376,12 +392,13 @@ def test_a_call_the_engine_cannot_parse_is_an_answer_not_a_500(daemon: Daemon) -
         assert events[-1] == "[DONE]" and not any('"error"' in e for e in events), events[-3:]
         assert json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length"), events[-2]
     client = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="none", max_retries=0)
-    tool = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+    tool: ToolParam = {"name": WEATHER["name"], "description": WEATHER["description"],
+                       "input_schema": WEATHER["parameters"]}
     # greedy (temperature 0): the same garbled call every run, as the seeded ones above
-    message = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
+    message = client.messages.create(model="tiny", max_tokens=60, messages=ASK, tools=[tool],
                                      extra_body={"logit_bias": toward_calls(), "temperature": 0})
     assert message.stop_reason in ("end_turn", "max_tokens"), message
-    with client.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=[tool],  # type: ignore[list-item]
+    with client.messages.stream(model="tiny", max_tokens=60, messages=ASK, tools=[tool],
                                 extra_body={"logit_bias": toward_calls(), "temperature": 0}) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("end_turn", "max_tokens"), final

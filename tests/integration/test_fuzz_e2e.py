@@ -20,7 +20,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
@@ -84,7 +84,7 @@ objects = st.fixed_dictionaries(
         "instructions": values, "max_output_tokens": st.integers(-5, 5000) | values,
         "previous_response_id": st.text(max_size=20) | values, "text": values, "store": values,
     },
-).map(lambda d: {**d, "options": {**d.get("options", {}), "num_predict": 4}} if "options" in d else d)
+).map(lambda d: {**d, "options": {**cast(dict[str, Any], d.get("options", {})), "num_predict": 4}} if "options" in d else d)
 
 
 def raw_bodies() -> st.SearchStrategy[bytes]:

@@ -85,7 +85,7 @@ def test_a_forced_calls_schema_cannot_stall_the_daemon(daemon: Daemon) -> None:
     }
     for name, schema in attacks.items():
         TALLY.inputs += 1
-        stop, times = threading.Event(), []
+        stop, times = threading.Event(), list[float]()
         watcher = threading.Thread(target=health_times, args=(daemon, stop, times))
         watcher.start()
         began = time.monotonic()

@@ -1,7 +1,7 @@
 """
 Hardening, the low findings (issue 36), on one real daemon in the
 reliability suite (its closing line counts the inputs tried here): a
-remote whose ids are no Ollama names, scoped to a key as the README
+remote whose ids are no Ollama names, scoped to a key as docs/remotes.md
 writes it, answering a stream request with one JSON answer; terminal
 escapes from clients in the log; a key added under a removed key's name;
 /metrics with keys on; a config file others may read; TLS 1.2's suites;
@@ -105,7 +105,7 @@ def daemon(engine: str, remote: JSONRemote, hub: FakeHub, tls_port: int,
         f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
         f'[[remotes]]\nname = "peer"\nbase_url = "{remote.url}"\nmodels = "*"\n'
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        # the README's example: a remote's model whose id has its own ':'
+        # docs/remotes.md's example: a remote's model whose id has its own ':'
         f'[[keys]]\nname = "webui"\nsecret = "{SCOPED}"\nmodels = ["peer:qwen3:8b"]\n'
     ))
     d.config.write_text(d.config.read_text().replace(

@@ -68,7 +68,7 @@ def stream_lines(d: Daemon, body: Any, kill: bool = False) -> list[Any]:
             "content-type": "application/json", "authorization": f"Bearer {ADMIN}"})
         resp = conn.getresponse()
         assert resp.status == 200
-        events = []
+        events: list[str] = []
         for raw in resp:
             line = raw.decode("utf-8").strip()
             if not line.startswith("data: "):
@@ -202,8 +202,9 @@ def test_engine_hints_job_scrapes_the_real_child(daemon: Daemon) -> None:
         base_url = f"http://127.0.0.1:{port}"
         auth_headers = {b"authorization": [f"Bearer {api_key}".encode()]}
         entry = type("Entry", (), {"name": MODEL})()
+        pid: int
 
-    Child.pid = pid  # type: ignore[attr-defined]
+    Child.pid = pid
 
     async def fetch(url: str, headers: dict[bytes, list[bytes]]) -> tuple[int, bytes]:
         request = urllib.request.Request(url, headers={k.decode(): v[0].decode() for k, v in headers.items()})

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import http.client
 import json
+from typing import Any
 
 import ollama
 import pytest
@@ -74,11 +75,11 @@ def test_chat_with_client(client: ollama.Client) -> None:
 
 def test_generate_with_client(client: ollama.Client) -> None:
     reply = client.generate(model="tiny", prompt="Once", options={"num_predict": 5})
-    assert reply.done and isinstance(reply.response, str) and reply.eval_count <= 5
+    assert reply.done and isinstance(reply.response, str) and reply.eval_count is not None and reply.eval_count <= 5
     raw = client.generate(model="tiny", prompt="Once", raw=True, options={"num_predict": 5})
     assert raw.done
     parts = list(client.generate(model="tiny:latest", prompt="Once", stream=True, options={"num_predict": 5}))
-    assert parts[-1].done and sum(p.done for p in parts) == 1
+    assert parts[-1].done and sum(bool(p.done) for p in parts) == 1
 
 
 def test_embed_with_client(client: ollama.Client) -> None:
@@ -104,13 +105,13 @@ def test_list_show_ps(client: ollama.Client) -> None:
     names = {m.model for m in client.list().models}
     assert {"tiny:latest", "tiny-embed:latest", "cold:latest"} <= names
     model = next(m for m in client.list().models if m.model == "tiny:latest")
-    assert model.digest and len(model.digest) == 64 and model.size > 0
-    assert model.details.format == "gguf" and model.details.family == "llama"
+    assert model.digest and len(model.digest) == 64 and model.size is not None and model.size > 0
+    assert model.details is not None and model.details.format == "gguf" and model.details.family == "llama"
     shown = client.show("tiny")
-    assert "tools" in shown.capabilities and "completion" in shown.capabilities
-    assert shown.modelinfo["general.architecture"] == "llama"
+    assert shown.capabilities is not None and "tools" in shown.capabilities and "completion" in shown.capabilities
+    assert shown.modelinfo is not None and shown.modelinfo["general.architecture"] == "llama"
     assert shown.modelinfo["tokenizer.ggml.tokens"] == []  # long arrays empty unless verbose, as Ollama shows them
-    assert "<|im_start|>" in shown.template
+    assert shown.template is not None and "<|im_start|>" in shown.template
     client.chat(model="tiny", messages=HELLO, options={"num_predict": 1})
     running = {m.model: m for m in client.ps().models}
     assert "tiny:latest" in running
@@ -155,10 +156,11 @@ def test_load_and_unload_without_messages(client: ollama.Client, daemon: Daemon)
 
 
 def test_wire_stream_shape(daemon: Daemon) -> None:
-    for path, body in [
+    asks: list[tuple[str, dict[str, Any]]] = [
         ("/api/chat", {"model": "tiny", "messages": HELLO, "options": {"num_predict": 6}}),
         ("/api/generate", {"model": "tiny", "prompt": "hi", "options": {"num_predict": 6}}),
-    ]:
+    ]
+    for path, body in asks:
         status, headers, lines = ndjson(daemon, path, body)
         assert status == 200
         assert headers["content-type"] == "application/x-ndjson"
@@ -236,7 +238,7 @@ def test_generate_with_suffix_uses_infill(client: ollama.Client) -> None:
     assert reply.eval_count is not None and reply.eval_count <= 4
     parts = list(client.generate(model="tiny", prompt="def f(", suffix="return 1", stream=True,
                                  options={"num_predict": 4}))
-    assert parts[-1].done and sum(p.done for p in parts) == 1
+    assert parts[-1].done and sum(bool(p.done) for p in parts) == 1
 
 
 def test_engine_killed_mid_stream_ends_with_error_line(daemon: Daemon) -> None:

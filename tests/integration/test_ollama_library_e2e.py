@@ -117,7 +117,7 @@ def client_of(d: Daemon) -> ollama.Client:
     return ollama.Client(host=f"http://127.0.0.1:{d.port}", timeout=300)
 
 
-def tags(client: ollama.Client) -> dict[str, Any]:
+def tags(client: ollama.Client) -> dict[str | None, Any]:
     return {m.model: m for m in client.list().models}
 
 

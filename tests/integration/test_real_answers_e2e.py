@@ -157,7 +157,7 @@ def test_the_same_question_gets_the_same_answer_on_every_surface(smol: Daemon) -
     assert {name: text for name, text in answers.items() if text.strip() != expected.strip()} == {}, answers
 
 
-WEATHER_TOOLS = {
+WEATHER_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
     "openai": ("/v1/chat/completions", {
         "messages": PARIS_WEATHER, "tools": [{"type": "function", "function": {
             "name": "get_weather", "description": "The weather now in a city", "parameters": WEATHER}}],

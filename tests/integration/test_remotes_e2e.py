@@ -23,6 +23,8 @@ from typing import Iterator
 import anthropic
 import openai
 import pytest
+from anthropic.types import MessageParam
+from openai.types.chat import ChatCompletionMessageParam
 
 from blazar.models.testmodel import GeneratedModel
 from tests.integration.conftest import daemon_config
@@ -33,7 +35,8 @@ PEER_SECRET = "peer-secret-remote-0123456789"
 WRONG_SECRET = "wrong-secret-remote-0123456789"
 ADMIN = "front-admin-0123456789"
 LIMITED = "front-limited-0123456789"
-HELLO = [{"role": "user", "content": "hi"}]
+HELLO: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hi"}]
+CLAUDE_HELLO: list[MessageParam] = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +47,11 @@ def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytes
         f'[[keys]]\nname = "front"\nsecret = "{PEER_SECRET}"\n'
     ))
     # a TLS listener too, for an https remote (its certificate trusted through SSL_CERT_FILE)
-    d.tls_port, d.cert = free_port(), cert  # type: ignore[attr-defined]
+    d.tls_port, d.cert = free_port(), cert
     d.config.write_text(d.config.read_text().replace(
         f'listen = "tcp:{d.port}:interface=127.0.0.1"',
         f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
-        f'"ssl:{d.tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]'))  # type: ignore[attr-defined]
+        f'"ssl:{d.tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]'))
     d.start()
     try:
         yield d
@@ -90,16 +93,16 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                 outer.seen += 1
                 if not outer.release.wait(30):
                     return
-                body = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
+                text = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
                                    "choices": [{"index": 0, "finish_reason": "stop",
                                                 "message": {"role": "assistant", "content": "ok"}}],
                                    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
                 try:
                     self.send_response(200)
                     self.send_header("content-type", "application/json")
-                    self.send_header("content-length", str(len(body)))
+                    self.send_header("content-length", str(len(text)))
                     self.end_headers()
-                    self.wfile.write(body.encode())
+                    self.wfile.write(text.encode())
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # the timed-out request: Blazar has hung up, as it should
 
@@ -148,7 +151,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
         f'[[remotes]]\nname = "claude"\nbase_url = "{url}"\napi = "anthropic"\napi_key = "{PEER_SECRET}"\n'
         'models = ["tiny"]\n'
         f'[[remotes]]\nname = "box"\nbase_url = "{url}"\napi = "ollama"\napi_key = "{PEER_SECRET}"\nmodels = "*"\n'
-        f'[[remotes]]\nname = "secure"\nbase_url = "https://localhost:{peer.tls_port}/v1"\n'  # type: ignore[attr-defined]
+        f'[[remotes]]\nname = "secure"\nbase_url = "https://localhost:{peer.tls_port}/v1"\n'
         f'api_key = "{PEER_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
@@ -159,7 +162,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
     )
     d = Daemon(tmp_path_factory.mktemp("front"), config)
     os.environ["BLAZAR_TEST_PEER_KEY"] = PEER_SECRET  # read by the daemon at each request
-    os.environ["SSL_CERT_FILE"] = str(peer.cert)  # type: ignore[attr-defined]  # OpenSSL's trust store
+    os.environ["SSL_CERT_FILE"] = str(peer.cert)  # OpenSSL's trust store
     try:
         d.start()
     finally:
@@ -218,12 +221,12 @@ def test_listed_with_their_remote_names(front: Daemon) -> None:
 def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
     before = peer_requests(peer)
     client = oai(front)
-    answer = client.chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=4)
     assert answer.choices[0].message.content is not None
     assert answer.usage is not None and answer.usage.completion_tokens > 0
     assert answer.model == "peer:tiny"  # the name asked for, not the remote's own
     chunks = list(client.chat.completions.create(
-        model="PEER:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        model="PEER:tiny", messages=HELLO, max_tokens=4, stream=True,
         stream_options={"include_usage": True}))
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 2 and isinstance(text, str)
@@ -240,9 +243,9 @@ def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
 
 def test_anthropic_and_responses_and_ollama_surfaces(front: Daemon) -> None:
     claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=ADMIN, max_retries=0)
-    message = claude.messages.create(model="peer:tiny", max_tokens=4, messages=HELLO)  # type: ignore[arg-type]
+    message = claude.messages.create(model="peer:tiny", max_tokens=4, messages=CLAUDE_HELLO)
     assert message.role == "assistant" and message.usage.output_tokens > 0
-    with claude.messages.stream(model="peer:tiny", max_tokens=4, messages=HELLO) as stream:  # type: ignore[arg-type]
+    with claude.messages.stream(model="peer:tiny", max_tokens=4, messages=CLAUDE_HELLO) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("max_tokens", "end_turn")
 
@@ -273,11 +276,11 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     # api = "anthropic": the front speaks Messages to the peer's /v1/messages and translates back
     before = peer_requests(peer, "anthropic")
     client = oai(front)
-    answer = client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4)
     assert answer.choices[0].finish_reason in ("length", "stop")
     assert answer.usage is not None and answer.usage.completion_tokens > 0
     chunks = list(client.chat.completions.create(
-        model="claude:tiny", messages=HELLO, max_tokens=4, stream=True,  # type: ignore[arg-type]
+        model="claude:tiny", messages=HELLO, max_tokens=4, stream=True,
         stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
@@ -285,7 +288,7 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     assert peer_requests(peer, "anthropic") == before + 2  # both went to the peer's Messages surface
     # the other surfaces reach it too: Anthropic in, OpenAI inside, Anthropic out, and back
     claude = anthropic.Anthropic(base_url=f"http://127.0.0.1:{front.port}", api_key=ADMIN, max_retries=0)
-    with claude.messages.stream(model="claude:tiny", max_tokens=4, messages=HELLO) as stream:  # type: ignore[arg-type]
+    with claude.messages.stream(model="claude:tiny", max_tokens=4, messages=CLAUDE_HELLO) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens > 0
     events = [e.type for e in client.responses.create(model="claude:tiny", input="hi", max_output_tokens=16,
@@ -294,23 +297,23 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     assert peer_requests(peer, "anthropic") == before + 4
     # Messages has no n: refused, not silently one answer
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)  # type: ignore[arg-type]
+        client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)
     # an ollama-api remote with models = "*" serves what it lists
-    answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO,  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO,
                                             max_tokens=4)
     assert answer.choices[0].message is not None and answer.model == "box:tiny:latest"
-    answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)
     assert answer.model == "box:tiny"  # a bare name means the :latest it lists, as on Ollama and Blazar
     with pytest.raises(openai.NotFoundError):
-        client.chat.completions.create(model="box:never-listed", messages=HELLO, max_tokens=4)  # type: ignore[arg-type]
+        client.chat.completions.create(model="box:never-listed", messages=HELLO, max_tokens=4)
 
 
 def test_front_keys_scopes_and_quotas_apply(front: Daemon) -> None:
     limited = oai(front, LIMITED)
     with pytest.raises(openai.NotFoundError):
-        limited.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+        limited.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=2)
     with pytest.raises(openai.NotFoundError):  # a remote's ids are case-sensitive: exactly as scoped
-        limited.chat.completions.create(model="peer:TINY", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+        limited.chat.completions.create(model="peer:TINY", messages=HELLO, max_tokens=2)
     codes = []
     for _ in range(4):
         status, _, _ = front.request("POST", "/v1/chat/completions",
@@ -401,16 +404,16 @@ def test_max_concurrent_is_the_remotes_slots_and_timeout_secs_its_bound(front: D
 
 def test_an_https_remote(front: Daemon) -> None:
     # TLS to the peer's ssl: listener, its certificate checked against the trust store and the host name
-    answer = oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    answer = oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2)
     assert answer.choices[0].message.role == "assistant"
-    chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+    chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2,
                                                      stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
 def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> None:
     # last in the module: it stops the peer
-    assert oai(front).chat.completions.create(model="peer:tiny", messages=HELLO,  # type: ignore[arg-type]
+    assert oai(front).chat.completions.create(model="peer:tiny", messages=HELLO,
                                               max_tokens=2).choices
     code = peer.stop()
     assert code in (0, -signal.SIGTERM)
@@ -421,7 +424,7 @@ def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> No
     status, _, second = front.request("POST", "/api/chat", {**body, "stream": False}, headers=auth())
     assert status == 502 and "remote 'peer'" in json.loads(second)["error"], second  # Ollama's shape
     with pytest.raises(openai.APIStatusError) as caught:
-        list(oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+        list(oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2,
                                                 stream=True))
     assert caught.value.status_code == 503 and "failed 2 times lately" in str(caught.value)
     status, _, metrics = front.request("GET", "/metrics", headers=auth())
@@ -435,9 +438,9 @@ def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> No
 def test_a_close_delimited_answer_is_whole(front: Daemon) -> None:
     # HTTP/1.0 without a length: the close ends the body (a local child's close without one is a crash)
     client = oai(front)
-    answer = client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2)  # type: ignore[arg-type]
+    answer = client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2)
     assert answer.choices[0].message.content == "closed" and answer.model == "held:close"
-    chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2,  # type: ignore[arg-type]
+    chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2,
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "closed"
 

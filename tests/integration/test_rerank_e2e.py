@@ -136,9 +136,10 @@ def test_a_rag_stacks_reranker_integration(daemon: Daemon) -> None:
     # langchain's CohereRerank document compressor, pointed at Blazar as a user would
     from langchain_cohere import CohereRerank
     from langchain_core.documents import Document
+    from pydantic import SecretStr
 
     reranker = CohereRerank(model="ranker", top_n=2, base_url=f"http://127.0.0.1:{daemon.port}",
-                            cohere_api_key="none")  # type: ignore[arg-type]
+                            cohere_api_key=SecretStr("none"))
     docs = [Document(page_content=t, metadata={"n": i}) for i, t in enumerate(["hello world", "the test model",
                                                                                 "yes no ok"])]
     kept = reranker.compress_documents(docs, "hello")

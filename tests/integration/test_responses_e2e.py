@@ -9,11 +9,12 @@ import http.client
 import json
 import signal
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, cast
 
 import jsonschema
 import openai
 import pytest
+from openai.types.responses import FunctionToolParam, ResponseInputParam
 
 from blazar.models.testmodel import GeneratedModel
 
@@ -24,9 +25,10 @@ from tests.integration.harness import Daemon
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"
 RECIPE = forced_tool_call_request("tiny")
-FUNCTION = RECIPE["tools"][0]["function"]  # type: ignore[index]
-TOOL = {"type": "function", "name": FUNCTION["name"], "description": FUNCTION["description"],
-        "parameters": FUNCTION["parameters"]}
+FUNCTION = RECIPE["tools"][0]["function"]
+TOOL = cast(FunctionToolParam, {  # without "strict", which the SDK's type requires and the API does not
+    "type": "function", "name": FUNCTION["name"], "description": FUNCTION["description"],
+    "parameters": FUNCTION["parameters"]})
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
@@ -53,15 +55,16 @@ def test_create_with_a_string_and_with_items(daemon: Daemon) -> None:
     assert r.status in ("completed", "incomplete") and isinstance(r.output_text, str)
     assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
-    r2 = c.responses.create(model="tiny", instructions="You are terse.", max_output_tokens=8, input=[
-        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-        {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
-        {"role": "user", "content": "again"},
-    ])
+    r2 = c.responses.create(model="tiny", instructions="You are terse.", max_output_tokens=8, input=cast(
+        ResponseInputParam, [  # an assistant turn as clients send it back, looser than the SDK's type
+            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+            {"role": "user", "content": "again"},
+        ]))
     assert r2.usage is not None and r2.usage.input_tokens > r.usage.input_tokens
-    count = c.post("/responses/input_tokens", cast_to=object, body={
-        "model": "tiny", "input": "hi"})
-    assert count["input_tokens"] == r.usage.input_tokens  # type: ignore[index]
+    count = cast(dict[str, Any], c.post("/responses/input_tokens", cast_to=object, body={
+        "model": "tiny", "input": "hi"}))
+    assert count["input_tokens"] == r.usage.input_tokens
 
 
 def ends_early(seed: int, push: int) -> dict[str, Any]:
@@ -102,7 +105,7 @@ def test_forced_function_call_then_its_output(daemon: Daemon) -> None:
     c = client(daemon)
     for seed in range(1, 6):
         r = c.responses.create(
-            model="tiny", input="What is the weather in Paris?", tools=[TOOL],  # type: ignore[list-item]
+            model="tiny", input="What is the weather in Paris?", tools=[TOOL],
             tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
             extra_body={"logit_bias": RECIPE["logit_bias"], "seed": seed},
         )
@@ -116,7 +119,7 @@ def test_forced_function_call_then_its_output(daemon: Daemon) -> None:
         {"role": "user", "content": "What is the weather in Paris?"},
         {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
-    ], tools=[TOOL])  # type: ignore[list-item]
+    ], tools=[TOOL])
     assert follow.status in ("completed", "incomplete")
 
 
@@ -152,7 +155,8 @@ def test_previous_response_id_store_retrieve_delete_and_keys(daemon: Daemon) -> 
     follow = c.responses.create(model="tiny", input="which word?", max_output_tokens=8,
                                 previous_response_id=first.id)
     assert follow.previous_response_id == first.id
-    assert follow.usage.input_tokens > fresh.usage.input_tokens  # type: ignore[union-attr]
+    assert follow.usage is not None and fresh.usage is not None
+    assert follow.usage.input_tokens > fresh.usage.input_tokens
     assert c.responses.retrieve(first.id).id == first.id
     items = c.responses.input_items.list(first.id)
     assert [i.type for i in items.data] == ["message"] and items.data[0].id
@@ -167,7 +171,8 @@ def test_previous_response_id_store_retrieve_delete_and_keys(daemon: Daemon) -> 
     daemon.start()
     again = client(daemon).responses.create(model="tiny", input="which word?", max_output_tokens=8,
                                             previous_response_id=follow.id)
-    assert again.usage.input_tokens > follow.usage.input_tokens  # type: ignore[union-attr]
+    assert again.usage is not None and follow.usage is not None
+    assert again.usage.input_tokens > follow.usage.input_tokens
     client(daemon).responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
         client(daemon).responses.retrieve(first.id)

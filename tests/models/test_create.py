@@ -100,10 +100,10 @@ class CreateTests(SynchronousTestCase):
         return self.successResultOf(self.start(**fields))
 
     def refused(self, **fields: Any) -> CreateError:
-        return self.failureResultOf(self.start(**fields), CreateError).value  # type: ignore[return-value]
+        return self.failureResultOf(self.start(**fields), CreateError).value
 
     def manifest(self, name: str = "mine") -> dict[str, Any]:
-        return thd_read_manifest(self.root, parse_name(name))  # type: ignore[no-any-return]
+        return thd_read_manifest(self.root, parse_name(name))
 
     def statuses(self) -> list[str]:
         return [line["status"] for line in self.lines]
@@ -196,7 +196,7 @@ class CreateTests(SynchronousTestCase):
         digest = self.upload(self.source)
         other = self.upload(make_test_model(self.models / "o" / "other.gguf", seed=3).path)
         text = self.upload_bytes(b"not a model")
-        cases = [
+        cases: list[tuple[dict[str, Any], int, str]] = [
             ({}, 400, "neither 'from' or 'files' was specified"),
             ({"source": "nope"}, 404, 'model "nope" not found'),
             ({"name": "base", "source": "base"}, 400, 'model "base:latest" is a file in models_dir'),
@@ -269,7 +269,7 @@ class CreateTests(SynchronousTestCase):
         transport.exit(1)
         error = self.failureResultOf(d, CreateError).value
         self.assertIn("disk full", str(error))
-        self.assertEqual(error.status, 500)  # type: ignore[attr-defined]
+        self.assertEqual(error.status, 500)
         self.assertFalse((self.root / "manifests" / "registry.ollama.ai" / "library" / "mine").exists())
 
     def test_no_quantizer(self) -> None:

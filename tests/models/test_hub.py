@@ -1,7 +1,7 @@
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -111,6 +111,7 @@ class HubDownloadTests(SynchronousTestCase):
 
     def pull(self, hub: LyingHub | MemoryHub, tag: str = "Q4_K_M", models: Path | None = None,
              lines: list[dict[str, Any]] | None = None) -> tuple[Path, Any]:
+        from treq.client import HTTPClient
         from treq.testing import StubTreq
         from twisted.internet.defer import ensureDeferred
 
@@ -119,7 +120,7 @@ class HubDownloadTests(SynchronousTestCase):
 
         models = models or Path(self.mktemp())
         client = HubClient(fake_process_reactor(), "http://hub.test")
-        client._http = StubTreq(hub.resource)  # type: ignore[assignment]
+        client._http = cast(HTTPClient, StubTreq(hub.resource))  # a stand-in for the client
         progress = lines.append if lines is not None else (lambda line: None)
         return models, ensureDeferred(client.pull(HubName("u", "r", tag), models, progress))
 

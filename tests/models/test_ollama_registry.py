@@ -32,6 +32,8 @@ from blazar.models.ollama_registry import (
 from blazar.models.ollama_store import DigestMismatch, blob_path, layer, make_manifest, parse_name, partial_path
 from blazar.testing import fake_process_reactor
 
+from tests.typed import not_none
+
 
 def sha(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
@@ -207,7 +209,7 @@ class MemoryRegistry(Resource):
             request.setHeader("content-type", store.MEDIA_MANIFEST)
             return raw
         if m and m["kind"] == "manifests" and method == "PUT":
-            self.manifests[(m["repo"], m["ref"])] = request.content.read()
+            self.manifests[(m["repo"], m["ref"])] = not_none(request.content).read()
             request.setResponseCode(201)
             return b""
         if m and m["kind"] == "blobs" and method == "HEAD":
@@ -226,7 +228,7 @@ class MemoryRegistry(Resource):
             request.setHeader("location", f"/v2/upload/{upload}?state=x")
             return b""
         if m2 := re.fullmatch(r"/v2/upload/(u\d+)", path):
-            data = request.content.read()
+            data = not_none(request.content).read()
             digest = request.args[b"digest"][0].decode()
             if sha(data) != digest:
                 request.setResponseCode(400)
@@ -250,7 +252,7 @@ class MemoryRegistry(Resource):
         wanted = request.getHeader("range")
         start, end = 0, len(data) - 1
         if wanted and not self.ignore_range:
-            a, b = re.fullmatch(r"bytes=(\d+)-(\d+)", wanted).groups()  # type: ignore[union-attr]
+            a, b = not_none(re.fullmatch(r"bytes=(\d+)-(\d+)", wanted)).groups()
             start, end = int(a), int(b)
             request.setResponseCode(206)
             request.setHeader("content-range", f"bytes {start}-{end}/{len(data)}")

@@ -7,6 +7,7 @@ their sha256 matches, deletes that keep shared blobs.
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -60,7 +61,7 @@ class ManifestTests(SynchronousTestCase):
         self.source = self.root / "src.gguf"
         self.source.write_bytes(b"GGUF weights")
 
-    def model(self, name: str, extra: list[dict[str, object]] | None = None) -> dict[str, object]:
+    def model(self, name: str, extra: list[dict[str, object]] | None = None) -> dict[str, Any]:
         digest = sha(self.source.read_bytes())
         store.thd_add_blob(self.root, self.source, digest)
         config = store.thd_add_bytes(self.root, b'{"model_format":"gguf"}')
@@ -75,7 +76,7 @@ class ManifestTests(SynchronousTestCase):
         manifest = self.model("tiny")
         path = self.root / "manifests" / "registry.ollama.ai" / "library" / "tiny" / "latest"
         self.assertEqual(json.loads(path.read_bytes()), manifest)
-        digest = manifest["layers"][0]["digest"]  # type: ignore[index]
+        digest = manifest["layers"][0]["digest"]
         self.assertTrue((self.root / "blobs" / f"sha256-{digest[7:]}").is_file())
         self.assertEqual(path.read_bytes(), store.manifest_bytes(manifest))
 
@@ -134,15 +135,15 @@ class ManifestTests(SynchronousTestCase):
 
     def test_delete_leaves_the_blobs_a_pull_or_create_holds(self) -> None:
         manifest = self.model("tiny")
-        weights = manifest["layers"][0]["digest"]  # type: ignore[index]
-        config = manifest["config"]["digest"]  # type: ignore[index]
+        weights = manifest["layers"][0]["digest"]
+        config = manifest["config"]["digest"]
         # a pull of another model naming the same weights: there already, so skipped, then its manifest
         with store.hold(self.root, [weights]):
             self.assertEqual(store.held_digests(self.root), {weights})
             self.assertEqual(store.thd_delete_manifest(self.root, parse_name("tiny")), [config])
             self.assertTrue(store.thd_has_blob(self.root, weights))
             other = make_manifest(layer(store.MEDIA_CONFIG, store.thd_add_bytes(self.root, b"{}"), 2),
-                                  [manifest["layers"][0]])  # type: ignore[index]
+                                  [manifest["layers"][0]])
             store.thd_write_manifest(self.root, parse_name("other"), other)
         self.assertEqual(store.held_digests(self.root), set())
         self.assertEqual(sorted(store.thd_delete_manifest(self.root, parse_name("other"))),
@@ -325,7 +326,7 @@ class RegistryStoreTests(SynchronousTestCase):
         self.registry = ModelRegistry(
             parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"\n'), fake_process_reactor())
 
-    def resolve(self, name: str):  # type: ignore[no-untyped-def]
+    def resolve(self, name: str):
         from twisted.internet.defer import ensureDeferred
 
         return self.successResultOf(ensureDeferred(self.registry.resolve(name)))

@@ -1,6 +1,7 @@
 import errno
 import os
 from pathlib import Path
+from typing import Any, Coroutine
 
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
@@ -72,7 +73,7 @@ class RegistryTests(SynchronousTestCase):
         reads = []
         original = self.registry._read
 
-        def counting(path, shards):  # type: ignore[no-untyped-def]
+        def counting(path, shards):
             reads.append(path)
             return original(path, shards)
 
@@ -102,8 +103,8 @@ class UnreadableModelTests(SynchronousTestCase):
         self.registry = ModelRegistry(parse_config(f'models_dir = "{self.dir}"'), fake_process_reactor())
         self.entry = self.successResultOf(ensureDeferred(self.registry.resolve("x")))
 
-    def unreadable(self, call: object) -> ModelUnreadable:
-        f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)  # type: ignore[arg-type]
+    def unreadable(self, call: Coroutine[Any, Any, Any]) -> ModelUnreadable:
+        f = self.failureResultOf(ensureDeferred(call), ModelUnreadable)
         error = f.value
         self.assertIsInstance(error, GGUFError)
         self.assertTrue(str(error).startswith('model "x:latest": its file '), str(error))

@@ -29,6 +29,8 @@ from blazar.protocols.control import (
 from blazar.models.testmodel import make_test_model
 from blazar.testing import fake_process_reactor
 
+from tests.typed import not_none
+
 
 class ControlTests(SynchronousTestCase):
     def setUp(self) -> None:
@@ -183,7 +185,7 @@ class ControlTests(SynchronousTestCase):
         (row,) = self.successResultOf(self.call(KeysList))["keys"]
         self.assertEqual((row["name"], row["secret"]), ("root", "...6789"))
         secret = self.successResultOf(self.call(KeysAdd, name="bob", models=["m"]))["secret"]
-        self.assertEqual(self.holder.find(secret.encode()).models, ("m:latest",))
+        self.assertEqual(not_none(self.holder.find(secret.encode())).models, ("m:latest",))
         self.failureResultOf(self.call(KeysAdd, name="bob"), KeyError_)
         new = self.successResultOf(self.call(KeysRotate, name="bob"))["secret"]
         self.assertIsNone(self.holder.find(secret.encode()))
@@ -307,7 +309,7 @@ class PsGPUTests(SynchronousTestCase):
         self.assertIsNone(page["gpu_note"])  # (an absent optional field reads as None)
         (row,) = page["instances"]
         self.assertEqual((row["vram"], row["gpus"]), (planned, [{"gpu": 0, "planned": planned, "measured": None}]))
-        nvml.set_process_memory(instance.pid, 0, planned + 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 0, planned + 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.successResultOf(d)
@@ -354,7 +356,7 @@ class PsGPUTests(SynchronousTestCase):
                "rss": 2**45, "cache_hit": 0.123456789, "draft_acceptance": 0.123456789, "kind": "transcription",
                "lane": "a-command-lane-name", "vram": 2**45,
                "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)]}
-        encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)  # type: ignore[arg-type]
+        encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)
         self.assertLess(len(encoded), 0xFFFF)
 
 

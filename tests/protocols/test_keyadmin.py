@@ -1,12 +1,16 @@
 from pathlib import Path
+from typing import Any, Callable, cast
 
-from twisted.internet.defer import ensureDeferred
+from twisted.internet.defer import Deferred, ensureDeferred
+from twisted.logger import ILogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import ConfigError, load_config
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
+
+from tests.typed import not_none
 
 TEXT = """# the operator's notes
 listen = "tcp:1"  # inline comment
@@ -26,7 +30,7 @@ class KeyAdminTests(SynchronousTestCase):
         self.holder = KeyHolder(load_config(self.path))
         self.admin = KeyAdmin(self.path, self.holder.live, fake_process_reactor())
 
-    def run_change(self, plan):  # type: ignore[no-untyped-def]
+    def run_change(self, plan: Callable[[Any], Any]) -> Deferred[Any]:
         return ensureDeferred(self.admin.change(plan))
 
     def test_add_rotate_remove_keep_comments_and_back_up(self) -> None:
@@ -39,7 +43,7 @@ class KeyAdminTests(SynchronousTestCase):
         self.assertEqual(len(list(self.dir.glob("config.toml.*.bak"))), 1)
         rotated = self.successResultOf(self.run_change(lambda a: a.rotate("alice")))
         self.assertIsNone(self.holder.find(added["secret"].encode()))
-        self.assertEqual(self.holder.find(rotated["secret"].encode()).name, "alice")
+        self.assertEqual(not_none(self.holder.find(rotated["secret"].encode())).name, "alice")
         self.assertIn(rotated["secret"], self.path.read_text())
         self.successResultOf(self.run_change(lambda a: a.remove("alice")))
         self.assertEqual([k.name for k in self.holder.config.keys], ["root"])
@@ -93,9 +97,9 @@ class KeyChangeAppliesTheWholeFileTests(SynchronousTestCase):
         live = LiveConfig(load_config(path))
         admin = KeyAdmin(path, live, fake_process_reactor())
         path.write_text("max_body_bytes = 1000\n" + TEXT)  # edited by hand, not reloaded
-        events: list[dict] = []  # type: ignore[type-arg]
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        events: list[dict] = []
+        globalLogPublisher.addObserver(cast(ILogObserver, events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("alice", []))))
         self.assertEqual(live.current.max_body_bytes, 1000)
         self.assertEqual([k.name for k in live.current.keys], ["root", "alice"])
@@ -105,7 +109,10 @@ class KeyChangeAppliesTheWholeFileTests(SynchronousTestCase):
 
 class KeyIdentityTests(SynchronousTestCase):
     setUp = KeyAdminTests.setUp
-    run_change = KeyAdminTests.run_change
+    run_change: Callable[..., Deferred[Any]] = KeyAdminTests.run_change
+    # set by the borrowed setUp
+    holder: KeyHolder
+    path: Path
 
     def test_a_key_added_under_a_removed_keys_name_is_another_owner(self) -> None:
         """
@@ -122,7 +129,7 @@ class KeyIdentityTests(SynchronousTestCase):
         self.assertEqual(alice.owner, f"alice#{alice.id}")
         self.assertIn(f'id = "{alice.id}"', self.path.read_text())
         rotated = self.successResultOf(self.run_change(lambda a: a.rotate("alice")))
-        self.assertEqual(self.holder.find(rotated["secret"].encode()).owner, alice.owner)  # type: ignore[union-attr]
+        self.assertEqual(not_none(self.holder.find(rotated["secret"].encode())).owner, alice.owner)
         self.successResultOf(self.run_change(lambda a: a.remove("alice")))
         again = self.successResultOf(self.run_change(lambda a: a.add("alice", [])))
         later = self.holder.find(again["secret"].encode())

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
 from blazar.config import Config, parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.admission import Admission
 from blazar.gateway.context import RequestContext
 from blazar.web.client import context_of
@@ -33,6 +34,7 @@ from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 
 from tests.web.test_openai import StubEngineClient
+from tests.typed import StubTreq
 
 
 class Capture(Resource):
@@ -84,7 +86,9 @@ class MemoryGateway:
         self.registry = ModelRegistry(parsed, self.reactor)
         if supervise is not None:
             supervisor = supervise(parsed, self.registry, self.reactor)
-        self.proxy = EngineProxy(supervisor, StubEngineClient(self.engine), self.reactor, self.registry)  # type: ignore[arg-type]
+        self.proxy = EngineProxy(
+            cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, self.registry
+        )
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
@@ -92,7 +96,7 @@ class MemoryGateway:
             OpenAISurface(self.registry, self.pipeline, self.reactor,
                           Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
             OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
-                          ModelOperations(self.registry, supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+                          ModelOperations(self.registry, cast(Supervisor, supervisor), None, self.reactor)).app.resource(),
             AnthropicSurface(self.pipeline, self.reactor).app.resource(),
         )
         # with [[keys]] in the config, behind the gate that checks them (as the daemon's site is)

@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
@@ -30,6 +31,8 @@ from blazar.gateway.engine_proxy import EngineProxy
 from blazar.web.root import SurfaceRouter
 
 from .test_openai import StubEngineClient
+
+from tests.typed import StubTreq
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 ANTHROPIC = {"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]}
@@ -47,12 +50,12 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
         proxy = Pipeline(EngineProxy(
-            self.supervisor, StubEngineClient(self.engine), self.reactor, registry,  # type: ignore[arg-type]
+            cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry,
         ), self.reactor, registry, self.admission)
         router = SurfaceRouter(
             OpenAISurface(registry, proxy, self.reactor).app.resource(),
             OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),  # type: ignore[arg-type]
+                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),
             AnthropicSurface(proxy, self.reactor).app.resource(),
         )
         self.client = StubTreq(router)

@@ -1,6 +1,7 @@
-from typing import Any
+from typing import Any, cast
 
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 
 from blazar.web.client import context_of
 from blazar.config import KeyConfig
@@ -33,16 +34,20 @@ class AuthHelperTests(SynchronousTestCase):
                 keys_from_env(bad)
 
     def test_keyless_management_only_from_loopback(self) -> None:
-        check_admin(FakeRequest("127.0.0.1"), "pull models")  # type: ignore[arg-type]
+        check_admin(cast(IRequest, FakeRequest("127.0.0.1")), "pull models")
         with self.assertRaises(Forbidden) as cm:
-            check_admin(FakeRequest("10.1.2.3"), "pull models")  # type: ignore[arg-type]
+            check_admin(cast(IRequest, FakeRequest("10.1.2.3")), "pull models")
         self.assertIn("blazar keys add", str(cm.exception))
         scoped = KeyConfig("s", "x" * 16, models=("m:latest",))
         with self.assertRaises(Forbidden):
-            check_admin(FakeRequest("127.0.0.1", scoped, True), "pull models")  # type: ignore[arg-type]
-        check_admin(FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True), "pull models")  # type: ignore[arg-type]
+            check_admin(cast(IRequest, FakeRequest("127.0.0.1", scoped, True)), "pull models")
+        check_admin(cast(IRequest, FakeRequest("10.1.2.3", KeyConfig("a", "y" * 16), True)), "pull models")
         # from loopback, but a page of another site (cross-site request forgery): refused
         with self.assertRaises(Forbidden):
-            check_admin(FakeRequest("127.0.0.1", headers={b"origin": b"https://evil.example"}), "pull models")  # type: ignore[arg-type]
-        check_admin(FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"}), "pull models")  # type: ignore[arg-type]
+            check_admin(
+                cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"https://evil.example"})), "pull models"
+            )
+        check_admin(
+            cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"})), "pull models"
+        )
 

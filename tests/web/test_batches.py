@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any
 
 from openai.types import Batch, FileDeleted, FileObject
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -27,6 +26,8 @@ from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
 from twisted.web.resource import Resource
+
+from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"

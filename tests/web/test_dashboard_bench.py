@@ -7,14 +7,19 @@ one, one model's only with C{model=}; an admin's page. Through StubTreq.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.config import Config
 from blazar.engines import bench
+from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
+from blazar.models.registry import ModelRegistry
 from blazar.web.dashboard import Dashboard
+
+from tests.typed import StubTreq
 
 
 def a_run(id_: int, model: str, gen_tps: float) -> dict[str, Any]:
@@ -33,7 +38,8 @@ class DashboardBenchTests(SynchronousTestCase):
             self.asked.append((model, limit))
             return [r for r in runs if model is None or r["model"] == model]
 
-        dashboard = Dashboard(None, None, None, Clock(), lambda: 0.0, lambda: None,  # type: ignore[arg-type]
+        dashboard = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), Clock(), lambda: 0.0,
+                              lambda: cast(Config, None),
                               bench=history)
         self.client = StubTreq(dashboard.app.resource())
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -19,10 +18,13 @@ from blazar.config import parse_config
 from blazar.engines.hardware import HardwareCensus
 from blazar.engines.supervisor import Supervisor
 from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import GIB, FakeNVML, fake_process_reactor
 from blazar.web.dashboard import Dashboard
+
+from tests.typed import StubTreq, not_none
 
 
 class DashboardGPUTests(SynchronousTestCase):
@@ -44,7 +46,7 @@ class DashboardGPUTests(SynchronousTestCase):
         self.supervisor.hardware = census.fresh
         self.supervisor.on_hardware_change = census.invalidate
         self.supervisor.engine_devices = lambda binary, known: ((str(binary), 0.0), ["CUDA0: fake"])  # a cuda build
-        dashboard = Dashboard(registry, None, ModelOperations(registry, self.supervisor, None, self.reactor),  # type: ignore[arg-type]
+        dashboard = Dashboard(registry, cast(Pipeline, None), ModelOperations(registry, self.supervisor, None, self.reactor),
                               self.reactor, lambda: 0.0, lambda: config, hardware=census if hardware else None)
         self.client = StubTreq(dashboard.app.resource())
 
@@ -65,7 +67,7 @@ class DashboardGPUTests(SynchronousTestCase):
                                          "memory_used": 0, "memory_free": 24 * GIB}])
         (row,) = data["loaded"]
         self.assertEqual((row["vram"], row["gpus"]), (planned, [{"gpu": 0, "planned": planned, "measured": None}]))
-        nvml.set_process_memory(instance.pid, 0, planned - 2**20)
+        nvml.set_process_memory(not_none(instance.pid), 0, planned - 2**20)
         self.health = 200
         self.reactor.advance(0.05)
         self.successResultOf(d)

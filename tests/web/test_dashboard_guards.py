@@ -8,14 +8,19 @@ that does not read, key names, and the config's .bak copies.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
+from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
+from blazar.config import Config
 from blazar.gateway.errors import Forbidden
+from blazar.gateway.operations import ModelOperations
+from blazar.gateway.pipeline import Pipeline
+from blazar.models.registry import ModelRegistry
 from blazar.web.auth import check_same_machine_page
 
 
@@ -31,7 +36,7 @@ def request_with(**headers: str) -> DummyRequest:
     {"host": "[::1]:11434", "origin": "http://127.0.0.1:11434"}, {},
 ])
 def test_this_machines_pages_and_tools_pass(headers: dict[str, str]) -> None:
-    check_same_machine_page(request_with(**headers), host_too=True)
+    check_same_machine_page(cast(IRequest, request_with(**headers)), host_too=True)
 
 
 @pytest.mark.parametrize("headers", [
@@ -43,14 +48,14 @@ def test_this_machines_pages_and_tools_pass(headers: dict[str, str]) -> None:
 ])
 def test_other_sites_pages_and_rebound_names_are_refused(headers: dict[str, str]) -> None:
     with pytest.raises(Forbidden, match="no API keys"):
-        check_same_machine_page(request_with(**headers), host_too=True)
+        check_same_machine_page(cast(IRequest, request_with(**headers)), host_too=True)
 
 
 def test_management_checks_the_origin_and_the_dashboard_the_host_too() -> None:
-    check_same_machine_page(request_with(host="blazar"))  # a tool under its own name: no Origin, fine
+    check_same_machine_page(cast(IRequest, request_with(host="blazar")))  # a tool under its own name: no Origin, fine
     with pytest.raises(Forbidden):
-        check_same_machine_page(request_with(host="blazar"), host_too=True)
-    check_same_machine_page(request_with(host="10.0.0.5:11434"), host_too=True)  # an address is never rebound
+        check_same_machine_page(cast(IRequest, request_with(host="blazar")), host_too=True)
+    check_same_machine_page(cast(IRequest, request_with(host="10.0.0.5:11434")), host_too=True)  # an address is never rebound
 
 
 class Transport:
@@ -98,10 +103,11 @@ def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> N
     from blazar.web.dashboard import LOG_STALL, Dashboard
 
     clock = Clock()
-    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)  # type: ignore[arg-type]
-    ring = [{"seq": 1, "model": "m", "text": "one"}]
+    dash = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), clock, lambda: 0.0,
+                     lambda: cast(Config, None))
+    ring: list[dict[str, Any]] = [{"seq": 1, "model": "m", "text": "one"}]
     request = StreamRequest()
-    done = dash._follow(request, lambda since: [r for r in ring if r["seq"] > since], 0, "k")  # type: ignore[arg-type]
+    done = dash._follow(cast(IRequest, request), lambda since: [r for r in ring if r["seq"] > since], 0, "k")
     clock.advance(0)
     assert b"one" in b"".join(request.written) and dash._streams == {"k": 1}
     request.producer.pauseProducing()  # its socket's buffer is full
@@ -123,9 +129,10 @@ def test_a_follower_that_leaves_unregisters_the_producer() -> None:
     from blazar.web.dashboard import Dashboard
 
     clock = Clock()
-    dash = Dashboard(None, None, None, clock, lambda: 0.0, lambda: None)  # type: ignore[arg-type]
+    dash = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), clock, lambda: 0.0,
+                     lambda: cast(Config, None))
     request = StreamRequest()
-    done = dash._follow(request, lambda since: [], 0, "k")  # type: ignore[arg-type]
+    done = dash._follow(cast(IRequest, request), lambda since: [], 0, "k")
     clock.advance(0)
     assert request.producer is not None
     request.ended.errback(Exception("connection lost"))

@@ -33,7 +33,7 @@ class Transport:
 
     def registerProducer(self, producer: IProducer, streaming: bool) -> None:
         assert streaming and IPushProducer.providedBy(producer)
-        self.producer = producer  # type: ignore[assignment]
+        self.producer = producer
         self.registrations += 1
 
     def unregisterProducer(self) -> None:

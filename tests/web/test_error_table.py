@@ -27,7 +27,8 @@ from blazar.engines.supervisor import (
 )
 from blazar.gateway.admission import AllSlotsBusy
 from blazar.gateway.errors import (
-    BadRequest, EngineRejected, Forbidden, NotFound, PromptTooLong, Unavailable, UnsupportedByModel, domain_errors,
+    BadRequest, EngineRejected, Forbidden, NotFound, PromptTooLong, Refused, TooManyConnections, Unauthorized,
+    Unavailable, UnsupportedByModel, domain_errors,
 )
 from blazar.gateway.quota import QuotaExceeded
 from blazar.models.gguf_meta import GGUFError
@@ -65,6 +66,17 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
     (ModelNotFound("nope", ["m:latest"]), (404, 404), None, "model_not_found", "invalid_request_error",
      "model_not_found"),
     (Forbidden("scoped key"), (403, 403), None, "forbidden", "invalid_request_error", "insufficient_permissions"),
+    (Forbidden("not this machine's page", code="origin_not_allowed"), (403, 403), None, "forbidden",
+     "invalid_request_error", "origin_not_allowed"),
+    (Unauthorized("missing API key"), (401, 401), None, "auth", "invalid_request_error", "invalid_api_key"),
+    (Refused(400, "bad_request", "x-api-key sent twice"), (400, 400), None, "bad_request", "invalid_request_error",
+     None),
+    (Refused(408, "timeout", "headers too slow", code="request_timeout"), (408, 408), None, "timeout",
+     "invalid_request_error", "request_timeout"),
+    (Refused(413, "too_large", "body too large", code="request_too_large"), (413, 413), None, "too_large",
+     "invalid_request_error", "request_too_large"),
+    (Refused(431, "headers_too_large", "headers too large", code="request_header_fields_too_large"), (431, 431),
+     None, "headers_too_large", "invalid_request_error", "request_header_fields_too_large"),
     (ModelChangeError("in use"), (400, 400), None, None, "invalid_request_error", None),
     (PullError("no such repo", 404), (404, 404), None, None, "invalid_request_error", None),
     (PullError("not a GGUF repo", 400), (400, 400), None, None, "invalid_request_error", None),
@@ -76,6 +88,8 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
     (CreateError("llama-quantize failed", 500), (500, 500), None, "create_failed", "engine_error", "engine_error"),
     (QuotaExceeded("over the rpm limit", 7.2), (429, 429), "8", "quota", "rate_limit_error", "rate_limit_exceeded"),
     (AllSlotsBusy("all slots busy", 3.0, 2.5), (503, 503), "3", "all_slots_busy", "server_error", "all_slots_busy"),
+    (TooManyConnections("too many connections from 10.1.2.3"), (503, 503), "1", "too_many_connections",
+     "server_error", "too_many_connections"),
     (BreakerOpen("m:latest", "crashed too often", 30.0), (503, 529), "30", "breaker_open", "engine_unavailable",
      "engine_unavailable"),
     (NoCapacity("m:latest", "does not fit"), (503, 529), "5", "no_capacity", "engine_unavailable",
@@ -102,7 +116,8 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
 ]
 
 ANTHROPIC_TYPES = {
-    400: "invalid_request_error", 403: "permission_error", 404: "not_found_error", 429: "rate_limit_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    408: "invalid_request_error", 413: "request_too_large", 431: "invalid_request_error", 429: "rate_limit_error",
     500: "api_error", 502: "api_error", 503: "overloaded_error", 504: "api_error", 529: "overloaded_error",
 }
 

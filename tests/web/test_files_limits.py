@@ -13,7 +13,6 @@ import sqlite3
 from pathlib import Path
 from typing import Any
 
-from treq.testing import StubTreq
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
@@ -28,6 +27,8 @@ from blazar.web import download
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
+
+from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"

@@ -103,7 +103,12 @@ def test_image_answers_as_b64_or_url() -> None:
     answer = {"created": 7, "data": [{"b64_json": base64.b64encode(b"PNG1").decode()}, {"nope": 1}]}
     assert images.encode(answer, "b64_json", "png", 9, lambda b, f: "")["data"] == [{"b64_json": "UE5HMQ=="}]
     kept: list[tuple[str, str]] = []
-    out = images.encode(answer, "url", "jpeg", 9, lambda b, f: kept.append((b, f)) or "http://x/1.jpg")
+
+    def keep(b: str, f: str) -> str:
+        kept.append((b, f))
+        return "http://x/1.jpg"
+
+    out = images.encode(answer, "url", "jpeg", 9, keep)
     assert out == {"created": 7, "data": [{"url": "http://x/1.jpg"}], "output_format": "jpeg"}
     assert kept == [("UE5HMQ==", "jpeg")]
 

@@ -10,12 +10,13 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
@@ -25,6 +26,8 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.web.ollama import OllamaSurface
+
+from tests.typed import StubTreq
 
 
 def sha(data: bytes) -> str:
@@ -41,8 +44,8 @@ class CreateSurfaceTests(SynchronousTestCase):
             parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"'), self.reactor)
         self.supervisor = FakeSupervisor(["base:latest", "mine:latest"])
         creator = ModelCreator(self.registry, self.reactor, lambda: Path("/e/bin/llama-quantize"))
-        operations = ModelOperations(self.registry, self.supervisor, None, self.reactor, None, creator)  # type: ignore[arg-type]
-        pipeline = Pipeline(EngineProxy(self.supervisor, None, self.reactor, self.registry),  # type: ignore[arg-type]
+        operations = ModelOperations(self.registry, cast(Supervisor, self.supervisor), None, self.reactor, None, creator)
+        pipeline = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, self.registry),
                             self.reactor, self.registry)
         self.resource = OllamaSurface(self.registry, pipeline, self.reactor, lambda: 0.0, operations).app.resource()
         self.client = StubTreq(self.resource)

@@ -7,12 +7,13 @@ first is a plain error), /api/tags shows store models as Ollama does.
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
@@ -23,6 +24,8 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.web.ollama import OllamaSurface
+
+from tests.typed import StubTreq
 
 
 class ScriptedLibrary:
@@ -64,8 +67,12 @@ class LibrarySurfaceTests(SynchronousTestCase):
             parse_config(f'models_dir = "{root / "models"}"\nollama_models = "{self.store}"\n'), self.reactor)
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
-        operations = ModelOperations(registry, supervisor, None, self.reactor, self.library)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, cast(Supervisor, supervisor), None, self.reactor, self.library)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, bytes]:

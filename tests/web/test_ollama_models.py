@@ -6,14 +6,14 @@ return and raise: statuses, bodies, and a pull stream's lines.
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.engines.supervisor import InstanceState
+from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
 from blazar.gateway.operations import ModelOperations
 from blazar.models.hub import HubName, PullError
 from blazar.models.registry import ModelRegistry
@@ -22,6 +22,8 @@ from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.web.ollama import OllamaSurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
+
+from tests.typed import StubTreq
 
 
 class BreakingPuller:
@@ -45,8 +47,12 @@ class OllamaModelsTests(SynchronousTestCase):
         registry = ModelRegistry(parse_config(f'models_dir = "{self.root}"'), self.reactor)
         self.supervisor = FakeSupervisor(["m:latest"])
         self.puller = BreakingPuller(PullError("download of x broke after 5 of 10 bytes; pull again to resume", 502))
-        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         surface = OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations)
         self.client = StubTreq(surface.app.resource())
 
@@ -75,8 +81,12 @@ class OllamaModelsTests(SynchronousTestCase):
                               'base_url = "http://127.0.0.1:9/v1"\nmodels = "*"\n')
         registry = ModelRegistry(config, self.reactor)
         registry.note_listed("peer", ('a"b', "tiny:latest"))
-        operations = ModelOperations(registry, self.supervisor, self.puller, self.reactor)  # type: ignore[arg-type]
-        proxy = Pipeline(EngineProxy(self.supervisor, None, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
+        operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
         self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
         self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
         status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})

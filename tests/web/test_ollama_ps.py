@@ -5,20 +5,23 @@ C{GET /api/ps} reads the supervisor's read-only view
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.engines.supervisor import InstanceState
+from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.ollama import OllamaSurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.operations import ModelOperations
+
+from tests.typed import StubTreq
 
 
 class PsTests(SynchronousTestCase):
@@ -30,8 +33,12 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        proxy = Pipeline(EngineProxy(self.supervisor, engine, self.reactor, registry), self.reactor, registry)  # type: ignore[arg-type]
-        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, None)  # type: ignore[arg-type]
+        proxy = Pipeline(
+            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, registry),
+            self.reactor,
+            registry,
+        )
+        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, cast(ModelOperations, None))
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:
@@ -39,7 +46,7 @@ class PsTests(SynchronousTestCase):
         self.client.flush()
         response = self.successResultOf(d)
         self.assertEqual(response.code, 200)
-        return json.loads(self.successResultOf(response.content()))["models"]  # type: ignore[no-any-return]
+        return json.loads(self.successResultOf(response.content()))["models"]
 
     def test_lists_live_instances_from_the_view(self) -> None:
         self.assertEqual(self.ps(), [])

@@ -1,19 +1,21 @@
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
-from blazar.engines.client import NotDelivered
+from blazar.engines.client import EngineClient, NotDelivered
+from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
+
+from tests.typed import StubTreq
 
 
 class StubEngineClient:
@@ -43,7 +45,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(self.supervisor, self.engine_client, self.reactor, registry),  # type: ignore[arg-type]
+        proxy = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client), self.reactor, registry),
                          self.reactor, registry)
         surface = OpenAISurface(registry, proxy, self.reactor)
         self.client = StubTreq(surface.app.resource())

@@ -15,6 +15,7 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.engines.lease import InstanceLease
 from blazar.testing import FakeSupervisor, fake_engine_app
 
+from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
 
 def failing_engine(status: int) -> Any:
@@ -135,7 +136,7 @@ class AnthropicAdmissionOrderTests(SynchronousTestCase):
             self.engine.flush()
 
     def hold(self) -> Any:
-        queue = self.admission.queue("m:latest")
+        queue = not_none(self.admission).queue("m:latest")
         return self.successResultOf(queue.admit(queue.ticket(trace_id="holder"), 1))
 
     def start(self) -> Any:

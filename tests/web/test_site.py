@@ -41,7 +41,7 @@ class Recorder(Resource):
         self.seen: list[bytes] = []
         self.keys: list[Any] = []  # the key each request was let in with
 
-    def render(self, request):  # type: ignore[no-untyped-def]
+    def render(self, request):
         self.seen.append(request.content.read())
         self.keys.append(key_of(context_of(request)))
         return b"reached"
@@ -527,7 +527,7 @@ class Status(Resource):
         super().__init__()
         self.code = code
 
-    def render(self, request):  # type: ignore[no-untyped-def]
+    def render(self, request):
         request.setResponseCode(self.code)
         return b"{}"
 
@@ -635,7 +635,7 @@ class BlobUploadDoorTests(SiteCase):
         self.store = Path(self.mktemp()).absolute()
         config = Config(keys=self.keys, max_body_bytes=LIMIT, max_blob_bytes=4 * 1024 * 1024,
                         ollama_models=self.store)
-        self.inner.render = self.keep  # type: ignore[method-assign]
+        self.patch(self.inner, "render", self.keep)
         self.contents: list[Any] = []
         return BlazarSite(self.gate, gate=self.gate, reactor=self.clock, config=lambda: config, **kwargs)
 
@@ -682,6 +682,9 @@ class KeylessBlobDoorTests(SiteCase):
     BLOB = BlobUploadDoorTests.BLOB
     make_site = BlobUploadDoorTests.make_site
     keep = BlobUploadDoorTests.keep
+    # set by the borrowed make_site
+    store: Path
+    contents: list[Any]
 
     def blob(self, size: int, peer: str, host: bytes) -> tuple[Any, StringTransport]:
         return self.send(head(self.BLOB, size).replace(b"Host: x", b"Host: " + host), peer)

@@ -11,14 +11,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
-from treq.testing import StubTreq
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
+from blazar.engines.client import EngineClient
 from blazar.engines.llamacpp import EngineNotFound
+from blazar.engines.supervisor import Supervisor
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
@@ -32,6 +33,8 @@ from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 
 from .test_openai import StubEngineClient
+
+from tests.typed import StubTreq
 
 HELLO = [{"role": "user", "content": "hi"}]
 STREAMS: list[tuple[str, dict[str, Any]]] = [
@@ -85,7 +88,9 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        self.engines = EngineProxy(self.supervisor, StubEngineClient(self.engine), self.reactor, registry)  # type: ignore[arg-type]
+        self.engines = EngineProxy(
+            cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry
+        )
         self.proxy = Pipeline(self.engines,
                               self.reactor, registry)
         responses = Responses(self.proxy, lambda: config, self.reactor, None)
@@ -93,7 +98,7 @@ class StreamFailureTests(SynchronousTestCase):
             OpenAISurface(registry, self.proxy, self.reactor, responses).app.resource(),
             OllamaSurface(
                 registry, self.proxy, self.reactor, lambda: 0.0,
-                ModelOperations(registry, self.supervisor, FakeHub(), self.reactor),  # type: ignore[arg-type]
+                ModelOperations(registry, cast(Supervisor, self.supervisor), FakeHub(), self.reactor),
             ).app.resource(),
             AnthropicSurface(self.proxy, self.reactor).app.resource(),
         )
@@ -111,11 +116,12 @@ class StreamFailureTests(SynchronousTestCase):
     def events(self, data: bytes) -> list[tuple[str, dict[str, Any]]]:
         """
         The stream's events, each C{event:} and C{data:} framed; fails the
-        test on anything else (a bare JSON body after the events).
+        test on anything else (a bare JSON body after the events). SSE
+        comments (C{: loading} while a model loads) are skipped.
         """
         out = []
         for block in data.decode().split("\n\n"):
-            if not block.strip():
+            if not block.strip() or block.startswith(":"):
                 continue
             fields = dict(line.split(": ", 1) for line in block.split("\n"))
             self.assertEqual(set(fields), {"event", "data"}, block)
@@ -180,11 +186,12 @@ class StreamFailureTests(SynchronousTestCase):
 
     def test_ollama_streams_end_with_an_error_line(self) -> None:
         self.broken_relay()
-        for path, body in [
+        asks: list[tuple[str, dict[str, Any]]] = [
             ("/api/chat", {"model": "m", "messages": HELLO}),
             ("/api/generate", {"model": "m", "prompt": "hi"}),
             ("/api/pull", {"model": "hf.co/someone/some-GGUF"}),
-        ]:
+        ]
+        for path, body in asks:
             status, kind, data = self.post(path, body)
             self.assertEqual((status, kind), (200, b"application/x-ndjson"), (path, data))
             lines = [json.loads(line) for line in data.splitlines()]

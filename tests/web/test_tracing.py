@@ -19,6 +19,8 @@ from blazar.testing import SynchronousThreadPool, fake_process_reactor
 from blazar.web import tracing
 from blazar.web.tracing import Tracing
 
+from tests.typed import not_none
+
 
 class Exporter(SpanExporter):
     def __init__(self) -> None:
@@ -70,14 +72,15 @@ class TracingTests(SynchronousTestCase):
         root = spans["POST /v1/chat/completions"]
         self.assertEqual(set(spans), {root.name, "queue", "load", "generate"})
         for name in ("queue", "load", "generate"):
-            self.assertEqual(spans[name].parent.span_id, root.context.span_id)
+            self.assertEqual(not_none(spans[name].parent).span_id, not_none(root.context).span_id)
             self.assertEqual(spans[name].context.trace_id, root.context.trace_id)
         self.assertEqual((root.start_time, root.end_time), (100 * 10**9, 103 * 10**9))
         self.assertEqual((spans["load"].start_time, spans["load"].end_time), (int(100.5e9), 102 * 10**9))
         self.assertEqual(spans["generate"].end_time, 103 * 10**9)
-        self.assertEqual(root.attributes["gen_ai.request.model"], "m:latest")
-        self.assertEqual(root.attributes["gen_ai.usage.output_tokens"], 3)
-        self.assertEqual(root.attributes["blazar.key"], "me")
+        attributes = not_none(root.attributes)
+        self.assertEqual(attributes["gen_ai.request.model"], "m:latest")
+        self.assertEqual(attributes["gen_ai.usage.output_tokens"], 3)
+        self.assertEqual(attributes["blazar.key"], "me")
         self.assertEqual(root.resource.attributes["service.name"], "blazar")
         self.assertEqual(self.dropped(), 0)
 

@@ -10,9 +10,9 @@ import errno
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
-from twisted.logger import formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import Config
@@ -58,8 +58,8 @@ class UnreadableModelTests(SynchronousTestCase):
                                      config='[engines.llamacpp]\nbinary = "/bin/true"\n', supervise=supervisor)
         self.file = self.gateway.root / "x.gguf"
         self.events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(self.events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, self.events.append)
+        globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))
+        self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, self.events.append))
 
     def no_read_permission(self) -> None:
         """

@@ -10,20 +10,21 @@ from __future__ import annotations
 
 import base64
 import json
-from typing import Any
+from typing import Any, cast
 
-from treq.testing import StubTreq
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
-from blazar.gateway.imagefetch import ImageFetchError
+from blazar.gateway.imagefetch import ImageFetcher, ImageFetchError
+from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import MEDIA_PARTS
 from blazar.models.testprojector import make_test_projector, png_image
 from blazar.testing import FakeSupervisor, fake_engine_app
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 
+from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 
 PNG = base64.b64encode(png_image()).decode("ascii")
@@ -61,7 +62,7 @@ def image_requests(model: str, image: dict[str, str]) -> dict[str, tuple[str, di
     url = image.get("url") or "data:image/png;base64," + image["data"]
     anthropic_source = ({"type": "url", "url": image["url"]} if "url" in image
                         else {"type": "base64", "media_type": "image/png", "data": image["data"]})
-    requests = {
+    requests: dict[str, tuple[str, dict[str, Any]]] = {
         "openai": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": [
             {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]}]}),
         "anthropic": ("/v1/messages", {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": [
@@ -107,7 +108,7 @@ class VisionSurfaceTests(SynchronousTestCase):
         make_test_projector(self.gateway.root / "mmproj-seer-f16.gguf")
         self.gateway.registry.forget()
         self.fetcher = FakeFetcher()
-        self.gateway.pipeline.images = self.fetcher  # type: ignore[assignment]
+        self.gateway.pipeline.images = cast(ImageFetcher, self.fetcher)
 
     def test_each_surfaces_image_reaches_the_engine(self) -> None:
         for surface, (path, body) in image_requests("seer", {"data": PNG}).items():
@@ -257,7 +258,7 @@ class VisionSurfaceTests(SynchronousTestCase):
                 self.assertNotIn("vision", model["capabilities"], (path, model))
         # as /api/show says
         ollama = StubTreq(OllamaSurface(gateway.registry, gateway.pipeline, gateway.reactor, lambda: 0.0,
-                                        None, lambda: live).app.resource())  # type: ignore[arg-type]
+                                        cast(ModelOperations, None), lambda: live).app.resource())
         response = self.successResultOf(ollama.post("http://localhost/api/show", json={"model": "seer"}))
         self.assertNotIn("vision", json.loads(self.successResultOf(response.content()))["capabilities"])
 

@@ -3,6 +3,7 @@ Table tests of the Anthropic translator on recorded llama-server streams.
 """
 
 import json
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -183,7 +184,7 @@ class RequestTests(SynchronousTestCase):
         self.assertEqual(tr.tool_choice_to_openai({"type": "none"}), ("none", None))
 
     def test_errors_name_the_field(self) -> None:
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"model": "m", "messages": [{"role": "user", "content": "q"}]}, "max_tokens"),
             ({"model": "m", "max_tokens": 0, "messages": [{"role": "user", "content": "q"}]}, "max_tokens"),
             ({"model": "m", "max_tokens": 5, "messages": []}, "messages"),

@@ -7,6 +7,7 @@ C{get_weather} tool of L{blazar.testing.forced_tool_call_request}).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -39,7 +40,7 @@ LT = entry("<", [60], -2.0)
 A = entry("a", [97], -3.0)
 # a whole answer with tools, asked with logprobs (not streamed): every
 # generated token's logprobs, the tool-call markup's too
-ANSWER = {
+ANSWER: dict[str, Any] = {
     "id": "chatcmpl-x", "created": 1, "model": "tiny", "system_fingerprint": "b0-unknown",
     "object": "chat.completion", "timings": {"predicted_n": 6},
     "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {

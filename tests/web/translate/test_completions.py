@@ -7,6 +7,7 @@ seed 1; compact JSON as it writes it, timings cut short).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -57,7 +58,7 @@ TWO_PROMPTS = (
 )
 
 # the same request as STREAM, not streamed
-REPLY = {
+REPLY: dict[str, Any] = {
     "choices": [{"text": "e,?", "index": 0, "finish_reason": "length", "logprobs": {"content": [
         {"id": 104, "token": "e", "bytes": [101], "logprob": -2.43, "top_logprobs": [
             {"id": 209, "token": "", "bytes": [206], "logprob": -0.56},
@@ -109,8 +110,9 @@ class PlanTests(SynchronousTestCase):
         self.assertEqual((plan.rewrites, plan.include_usage, plan.needs_pieces), (False, True, False))
 
     def test_malformed(self) -> None:
-        for body, param in [({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-                            ({"logprobs": "2"}, "logprobs"), ({"echo": 1}, "echo")]:
+        cases: list[tuple[dict[str, Any], str]] = [({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
+                                                   ({"logprobs": "2"}, "logprobs"), ({"echo": 1}, "echo")]
+        for body, param in cases:
             with self.assertRaises(tr.CompletionRequestError) as e:
                 tr.plan_completion({"prompt": "x", **body})
             self.assertEqual(e.exception.param, param)
@@ -152,7 +154,7 @@ class PromptTextTests(SynchronousTestCase):
 
 class LegacyLogprobsTests(SynchronousTestCase):
     def test_shape(self) -> None:
-        entries = REPLY["choices"][0]["logprobs"]["content"]  # type: ignore[index]
+        entries = REPLY["choices"][0]["logprobs"]["content"]
         out, end = tr.legacy_logprobs(entries, 2, 5)
         self.assertEqual(out["tokens"], ["e", ",", "?"])
         self.assertEqual(out["token_logprobs"], [-2.43, -3.86, -0.37])
@@ -167,7 +169,7 @@ class LegacyLogprobsTests(SynchronousTestCase):
         ])
 
     def test_top_is_cut_to_n(self) -> None:
-        entries = REPLY["choices"][0]["logprobs"]["content"]  # type: ignore[index]
+        entries = REPLY["choices"][0]["logprobs"]["content"]
         out, _ = tr.legacy_logprobs(entries, 0, 0)
         self.assertEqual(out["top_logprobs"], [{"e": -2.43}, {",": -3.86}, {"?": -0.37}])
 
@@ -196,7 +198,7 @@ class ReplyTests(SynchronousTestCase):
 
     def test_echo_without_logprobs(self) -> None:
         plan = tr.plan_completion({"prompt": "Hello", "echo": True})
-        reply = {**REPLY, "choices": [{**REPLY["choices"][0], "logprobs": None}]}  # type: ignore[dict-item]
+        reply = {**REPLY, "choices": [{**REPLY["choices"][0], "logprobs": None}]}
         (choice,) = tr.completion_reply(reply, plan, [tr.prompt_text("Hello")])["choices"]
         self.assertEqual((choice["text"], choice["logprobs"]), ("Helloe,?", None))
 

@@ -59,7 +59,7 @@ class DecodeCreateTests(SynchronousTestCase):
         self.assertEqual(spec.source, "base")
 
     def test_refusals(self) -> None:
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({}, "model is required"),
             ({"model": "a/b/c/d"}, "invalid model name"),
             ({"model": "m", "path": "/srv/Modelfile"}, "path (a Modelfile on the server) is not supported"),

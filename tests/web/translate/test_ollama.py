@@ -4,6 +4,7 @@ llama-server (compact JSON, as it writes it).
 """
 
 import json
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -173,11 +174,12 @@ class RequestTests(SynchronousTestCase):
         self.assertEqual((path, out["input_prefix"], out["input_suffix"], out["n_predict"]), ("/infill", "def f(", "return x", 9))
 
     def test_bad_requests(self) -> None:
-        for body in [
+        bodies: list[dict[str, Any]] = [
             {"messages": "hi"}, {"messages": [{"content": "x"}]}, {"messages": [], "options": 3},
             {"messages": [], "format": 5}, {"messages": [{"role": "user", "content": 1}]},
             {"messages": [{"role": "user", "content": "x", "images": [3]}]},
-        ]:
+        ]
+        for body in bodies:
             with self.assertRaises(tr.TranslationError, msg=body):
                 tr.chat_to_openai(body, stream=False)
         with self.assertRaises(tr.TranslationError):

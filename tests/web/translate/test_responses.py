@@ -75,7 +75,7 @@ class RequestTests(SynchronousTestCase):
         self.assertEqual(chat["response_format"], {"type": "json_object"})
 
     def test_errors_name_the_field(self) -> None:
-        cases = [
+        cases: list[tuple[dict[str, Any], str]] = [
             ({"model": "m", "input": [{"role": "user", "content": "a"}, {"type": "message", "role": "robot", "content": "b"}]}, "input[1]"),
             ({"model": "m", "input": [{"foo": "bar"}]}, "input[0]"),
             ({"model": "m", "input": "x", "tools": [{"name": "f"}]}, "tools[0]"),
