@@ -18,9 +18,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
+from typing import BinaryIO, Callable, TypeVar
 
 PRIVATE_FILE = 0o600
 PRIVATE_DIR = 0o700
+
+T = TypeVar("T")
 
 
 def set_mode(path: Path, mode: int) -> int | None:
@@ -77,3 +80,25 @@ def open_private(path: Path, flags: int) -> int:
         os.close(fd)
         raise
     return fd
+
+
+def write_whole(temp: Path, final: Path, write: Callable[[BinaryIO], T], private: bool = False) -> T:
+    """
+    Write a file whole or not at all: C{write(out)} into C{temp}, flushed
+    to disk, then renamed to C{final}, so C{final} never holds part of a
+    file. On any failure C{temp} is removed and the error raised.
+
+    @param private: Make C{temp} mode 0600 (L{open_private}), whatever the
+        umask; otherwise it gets the usual mode.
+    @return: What C{write} returned.
+    """
+    try:
+        with os.fdopen(open_private(temp, os.O_WRONLY | os.O_TRUNC), "wb") if private else open(temp, "wb") as out:
+            result = write(out)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    return result

@@ -19,19 +19,18 @@ from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
 from twisted.internet.endpoints import SSL4ServerEndpoint
 from twisted.internet.interfaces import IOpenSSLContextFactory
-from twisted.internet.task import LoopingCall
+from twisted.web.resource import IResource
 
 from blazar.engines.update import EngineUpdates
 from twisted.internet.threads import deferToThreadPool
-from twisted.python.threadpool import ThreadPool
 from twisted.internet.error import CannotListenError
-from twisted.logger import Logger, globalLogPublisher
+from twisted.logger import Logger, LogPublisher, globalLogPublisher
 
 import attrs
 from zope.interface import implementer
 
 from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
-from blazar import __version__, store
+from blazar import __version__
 from blazar.files import private_dir
 from blazar.engines.client import EngineClient
 from blazar.engines.remote import RemoteCatalog
@@ -41,7 +40,7 @@ from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
-from blazar.gateway.operations import ModelOperations
+from blazar.gateway.operations import ModelOperations, Puller
 from blazar.models.hub import HubClient
 from blazar.models.create import ModelCreator
 from blazar.models.ollama_registry import MIN_PART, RegistryClient
@@ -53,7 +52,6 @@ from blazar.gateway.admission import Admission
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.bench import BenchRecords
 from blazar.web.batches import BatchSurface
-from blazar.gateway.cachestore import CacheStore
 from blazar.web.dashboard import Dashboard
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
@@ -66,7 +64,8 @@ from blazar.web.openai import OpenAISurface
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.imagefetch import ImageFetcher
-from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
+from blazar.gateway.sessions import Sessions
+from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
@@ -170,251 +169,6 @@ class ConnectionPools(Service):
         return DeferredList([ensureDeferred(c.close()) for c in self.clients], consumeErrors=True)  # type: ignore[return-value]
 
 
-class UsageStore(Service):
-    """
-    Keeps per-key day token totals in SQLite: reads today's back into the
-    quotas at start, writes new usage in batches (one transaction a second)
-    from its own single thread, and flushes on stop.
-    """
-
-    def __init__(self, path: Any, quotas: Quotas, reactor: Any) -> None:
-        self._path = path
-        self._quotas = quotas
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-store")
-        self._db: Any = None
-        self._flusher: LoopingCall | None = None
-
-    def _run(self, f: Any, *args: Any) -> Deferred[Any]:
-        return deferToThreadPool(self._reactor, self._pool, f, *args)
-
-    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
-        """
-        C{f(db, *args)} on the store's own thread (a C{thd_*} function of
-        L{blazar.store}).
-        """
-        return self._run(f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        self._pool.start()
-        # at start, before serving: a short blocking read is fine here
-        self._db = self._pool_call(store.thd_open, self._path)
-        day = self._quotas.today()
-        self._quotas.load_day(day, self._pool_call(store.thd_day_usage, self._db, day))
-        self._flusher = LoopingCall(self.flush)
-        self._flusher.clock = self._reactor
-        self._flusher.start(1.0, now=False).addErrback(lambda f: log.failure("usage flusher stopped", f))
-
-    def _pool_call(self, f: Any, *args: Any) -> Any:
-        import queue
-
-        box: queue.Queue[Any] = queue.Queue()
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), f, *args)
-        ok, value = box.get()
-        if not ok:
-            value.raiseException()
-        return value
-
-    def flush(self) -> Deferred[Any]:
-        rows = self._quotas.take_pending()
-        if not rows or self._db is None:
-            return succeed(None)
-        d = self._run(store.thd_add_usage, self._db, rows)
-
-        def failed(f: Any) -> None:
-            log.failure("writing key usage failed; will retry", f)
-            self._quotas._pending[:0] = rows
-
-        return d.addErrback(failed)
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._flusher is not None and self._flusher.running:
-            self._flusher.stop()
-        d = self.flush()
-
-        def close(_: Any) -> Deferred[Any]:
-            return self._run(self._db.close) if self._db is not None else succeed(None)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        d.addCallback(close)
-        d.addBoth(stop_pool)
-        return d
-
-
-class SessionService(Service):
-    """
-    Runs L{blazar.gateway.sessions.Sessions}: its rows in SQLite (its own
-    connection and thread), read back at start; the reaper of sessions
-    unused for C{session_keep_secs}, once a minute. Added before the
-    supervisor, it is stopped after it: it waits for the saves the
-    children's stops begin, then closes.
-    """
-
-    def __init__(self, path: Any, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-sessions")
-        self._db: Any = None
-        self._reaper: LoopingCall | None = None
-
-        def settings() -> tuple[float, float, int, int]:
-            c = live.current
-            return (c.session_keep, c.session_save_timeout, c.session_bank_entry_max_mib << 20,
-                    c.session_bank_max_mib << 20)
-
-        self.sessions = Sessions(
-            reactor, EngineSlots(engines, reactor), lambda: live.current.data_dir, settings,
-            lambda f, *args: deferToThreadPool(self._reactor, self._pool, f, *args),
-            persist=self._persist, forget=self._forget,
-            count=lambda op, result: metrics.session_bank.labels(op, result).inc(),
-        )
-        metrics.gauges(lambda: [gauge(
-            "blazar_sessions", "Sessions kept (blazar.gateway.sessions), by model and whether saved to the bank",
-            ["model", "saved"], self._counts(),
-        )])
-
-    def _counts(self) -> list[tuple[list[str], float]]:
-        counts: dict[tuple[str, str], int] = {}
-        for session in self.sessions.of_key(None):
-            label = (session.model, "true" if session.bank is not None else "false")
-            counts[label] = counts.get(label, 0) + 1
-        return [([m, saved], n) for (m, saved), n in sorted(counts.items())]
-
-    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
-        if self._db is None:
-            return succeed(None)
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def _persist(self, session: Any) -> Deferred[Any]:
-        bank = session.bank
-        row = (session.key, session.name, session.model, bank.file if bank else None, bank.tokens if bank else 0,
-               bank.size if bank else 0, bank.shape if bank else "", bank.saved_at if bank else 0.0,
-               session.last_used)
-        return self._db_call(store.thd_put_session, row)
-
-    def _forget(self, session: Any) -> Deferred[Any]:
-        return self._db_call(store.thd_delete_session, session.key, session.name, session.model)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        import queue
-
-        self._pool.start()
-        box: queue.Queue[Any] = queue.Queue()
-
-        def thd_start(path: Any) -> Any:
-            db = store.thd_open(path)
-            return db, store.thd_sessions(db)
-
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), thd_start, self._path)
-        ok, value = box.get()  # at start, before serving: a short blocking read
-        if not ok:
-            value.raiseException()
-        self._db, rows = value
-        self.sessions.load(sessions_from_rows(rows))
-        self._reaper = LoopingCall(self._expire)
-        self._reaper.clock = self._reactor
-        self._reaper.start(60.0, now=False).addErrback(lambda f: log.failure("session reaper stopped", f))
-
-    def _expire(self) -> None:
-        try:
-            self.sessions.expire()
-        except Exception:
-            log.failure("expiring sessions failed")
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._reaper is not None and self._reaper.running:
-            self._reaper.stop()
-
-        async def drain() -> None:
-            while self.sessions.pending:
-                await DeferredList(list(self.sessions.pending), consumeErrors=True)
-            if self._db is not None:
-                await deferToThreadPool(self._reactor, self._pool, self._db.close)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return ensureDeferred(drain()).addBoth(stop_pool)
-
-
-CACHE_PURGE_SECS = 60.0  # how often expired semantic cache entries are dropped (a lookup skips them anyway)
-
-
-class CacheService(Service):
-    """
-    Runs the semantic cache's L{CacheStore}: its rows in SQLite (its own
-    connection and thread), read back into the index after start (lookups
-    miss until then), and a purge of the expired entries every
-    L{CACHE_PURGE_SECS}. On stop it waits for the stores in flight, then
-    closes.
-
-    @ivar cache: The entries the pipeline looks answers up in.
-    """
-
-    def __init__(self, path: Any, live: LiveConfig, reactor: Any, wall: Callable[[], float] = time.time) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-cache")
-        self._db: Any = None
-        self._purger: LoopingCall | None = None
-        self.started: Deferred[None] | None = None  # the rows read back
-        self.cache = CacheStore(lambda: live.current.cache, wall, self._db_call)
-
-    def _db_call(self, f: Any, *args: Any) -> Deferred[Any]:
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        self._pool.start()
-        self.started = Deferred.fromCoroutine(self._open())
-        self.started.addErrback(lambda f: log.failure("the semantic cache did not start; every lookup misses", f))
-        self._purger = LoopingCall(self._purge)
-        self._purger.clock = self._reactor
-        self._purger.start(CACHE_PURGE_SECS, now=False).addErrback(
-            lambda f: log.failure("semantic cache purge stopped", f))
-
-    async def _open(self) -> None:
-        self._db = await deferToThreadPool(self._reactor, self._pool, store.thd_open, self._path)
-        loaded = await self.cache.load()
-        if loaded:
-            log.info("semantic cache: {count} entries read back", count=loaded)
-
-    def _purge(self) -> Deferred[None]:
-        return Deferred.fromCoroutine(self._purge_now())
-
-    async def _purge_now(self) -> None:
-        try:
-            await self.cache.purge()
-        except Exception:
-            log.failure("purging the semantic cache failed; will retry")
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-        if self._purger is not None and self._purger.running:
-            self._purger.stop()
-
-        async def drain() -> None:
-            while self.cache.pending:
-                await DeferredList(list(self.cache.pending), consumeErrors=True)
-            if self._db is not None:
-                await deferToThreadPool(self._reactor, self._pool, self._db.close)
-                self._db = None
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return ensureDeferred(drain()).addBoth(stop_pool)
-
-
 class _Hooks(Service):
     """
     A service that runs C{start} and C{stop} with the tree.
@@ -472,61 +226,6 @@ class AuditService(Service):
             self.audit.stop()
             return None
         return self.after().addBoth(lambda _: self.audit.stop())
-
-
-class BatchService(Service):
-    """
-    Runs the Batch API's runner (L{blazar.gateway.batch.BatchRunner}) on
-    its own SQLite connection and thread (so a stop can record the lines
-    it waits for after the other stores have closed): resumes unfinished
-    batches at start; on stop waits for the lines in flight, then closes
-    the line sender's connections and the database.
-    """
-
-    def __init__(self, path: Path, reactor: Any, make_runner: Callable[[Callable[..., Deferred[Any]]], BatchRunner],
-                 sender: LineSender) -> None:
-        self._path = path
-        self._reactor = reactor
-        self._pool = ThreadPool(1, 1, name="blazar-batch")
-        self._db: Any = None
-        self._sender = sender
-        self.runner = make_runner(self.run_db)
-
-    def run_db(self, f: Any, *args: Any) -> Deferred[Any]:
-        """
-        C{f(db, *args)} on the runner's own database thread.
-        """
-        return deferToThreadPool(self._reactor, self._pool, f, self._db, *args)
-
-    def startService(self) -> None:
-        Service.startService(self)
-        import queue
-
-        self._pool.start()
-        box: queue.Queue[Any] = queue.Queue()
-        self._pool.callInThreadWithCallback(lambda ok, value: box.put((ok, value)), store.thd_open, self._path)
-        ok, value = box.get()  # at start, before serving: a short blocking open
-        if not ok:
-            value.raiseException()
-        self._db = value
-        Deferred.fromCoroutine(self.runner.start()).addErrback(lambda f: log.failure("resuming batches failed", f))
-
-    def stopService(self) -> Deferred[Any]:
-        Service.stopService(self)
-
-        async def stop() -> None:
-            try:
-                await self.runner.stop()
-                await self._sender.close()
-            finally:
-                if self._db is not None:
-                    await deferToThreadPool(self._reactor, self._pool, self._db.close)
-
-        def stop_pool(result: Any) -> Any:
-            self._pool.stop()
-            return result
-
-        return Deferred.fromCoroutine(stop()).addBoth(stop_pool)
 
 
 class ReloadOnHangup(Service):
@@ -648,31 +347,343 @@ def thd_free_memory(probe: IHardwareProbe | None = None) -> int:
     return census.ram_available + census.gpu_memory_free
 
 
+def in_reactor_pool(reactor: Any) -> Callable[..., Deferred[Any]]:
+    """
+    C{run(f, *args)}: C{f(*args)} in the reactor's thread pool (CPU work
+    and file reads that must not block the reactor).
+    """
+    return lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)
+
+
+@attrs.frozen
+class Clients:
+    """
+    The daemon's HTTP clients, each with its own connection pool (closed
+    on stop by L{ConnectionPools}).
+
+    @ivar engines: To the engine children (and remotes).
+    @ivar hub: Hugging Face downloads.
+    @ivar library: Ollama library pulls and pushes.
+    """
+
+    engines: EngineClient
+    hub: HubClient
+    library: RegistryClient
+
+
+def make_clients(live: LiveConfig, reactor: Any, environ: Mapping[str, str]) -> Clients:
+    """
+    The HTTP clients (C{BLAZAR_PULL_MIN_PART} in C{environ}: the smallest
+    ranged part of a library pull, in bytes; for tests).
+    """
+    return Clients(
+        EngineClient(reactor),
+        HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN")),
+        RegistryClient(reactor, lambda: live.current.registry,
+                       min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART)),
+    )
+
+
+@attrs.frozen
+class Stores:
+    """
+    The one SQLite store (L{StoreService}) and the parts that keep their
+    state in it.
+
+    @ivar quotas: The keys' usage, counted in memory; L{UsageStore}
+        writes it down.
+    """
+
+    database: StoreService
+    sessions: SessionService
+    quotas: Quotas
+    usage: UsageStore
+    cache: CacheService
+
+
+def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> Stores:
+    """
+    The store at C{<data_dir>/blazar.db} and its parts (the Batch API's is
+    L{make_batches}).
+    """
+    database = StoreService(config.data_dir / "blazar.db", reactor)
+    quotas = Quotas(reactor)
+    return Stores(
+        database, SessionService(database, live, engines, reactor, metrics), quotas,
+        UsageStore(database, quotas, reactor), CacheService(database, live, reactor),
+    )
+
+
+@attrs.frozen
+class Engines:
+    """
+    The models and what runs them: the registry, the hardware census, the
+    supervisor of the children, the remotes' catalog, the engines' hints
+    and the model operations HTTP and AMP share.
+    """
+
+    registry: ModelRegistry
+    hardware: HardwareCensus
+    supervisor: Supervisor
+    catalog: RemoteCatalog
+    hints: EngineHints
+    operations: ModelOperations
+
+
+def make_engines(
+    live: LiveConfig, clients: Clients, reactor: Any, environ: Mapping[str, str], metrics: Metrics, ring: LogRing,
+) -> Engines:
+    """
+    The engine side of the daemon, wired together.
+    """
+    registry = ModelRegistry(live, reactor)
+    # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
+    # once on HardwareCensus.invalidate (for each spawn and evict)
+    probe = NVMLProbe()
+    hardware = HardwareCensus(probe, reactor, metrics)
+    supervisor = Supervisor(
+        live, registry, reactor, clients.engines.get_status, environ, run_dir=run_dir(live.current.data_dir),
+        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
+    )
+    supervisor.on_hardware_change = hardware.invalidate
+    supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
+    # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
+    catalog = RemoteCatalog(lambda: live.current, clients.engines.get, registry.note_listed, reactor, environ)
+    registry.relist = catalog.relist
+    # /api/create and its uploads: quantized by the llama-quantize beside the engine in use (looked up per create)
+    creator = ModelCreator(registry, reactor, lambda: find_quantize(live.current, environ))
+    operations = ModelOperations(registry, supervisor, clients.hub, reactor, clients.library, creator)
+    hints = EngineHints(supervisor.instances, clients.engines.get, reactor, metrics)
+    return Engines(registry, hardware, supervisor, catalog, hints, operations)
+
+
+@attrs.frozen
+class Gateway:
+    """
+    The API surfaces over the one pipeline (L{build_gateway}).
+
+    @ivar admission: The queue the pipeline admits calls through, if any.
+    """
+
+    proxy: EngineProxy
+    pipeline: Pipeline
+    admission: Admission | None
+    responses: Responses
+    openai: OpenAISurface
+    ollama: OllamaSurface
+    anthropic: AnthropicSurface
+
+    def router(self, *others: IResource | None) -> SurfaceRouter:
+        """
+        The surfaces routed by path, with L{SurfaceRouter}'s others
+        (metrics, dashboard, batches) in its order.
+        """
+        return SurfaceRouter(
+            self.openai.app.resource(), self.ollama.app.resource(), self.anthropic.app.resource(), *others,
+        )
+
+
+def build_gateway(
+    registry: ModelRegistry, supervisor: Supervisor, engines: EngineClient, reactor: Any,
+    config: Callable[[], Config] = Config, *, admission: Admission | None = None, sessions: Sessions | None = None,
+    operations: ModelOperations | None = None, hub: Puller | None = None,
+    run_db: Callable[..., Deferred[Any]] | None = None, wall: Callable[[], float] = time.time,
+    in_thread: Callable[..., Deferred[Any]] | None = None,
+) -> Gateway:
+    """
+    The surfaces over one pipeline, wired as the daemon wires them: for
+    L{assemble}, and for tests with fakes in place of the supervisor, the
+    engine client and the reactor.
+
+    @param config: The live config every piece reads at each use.
+    @param operations: The shared model operations; L{None}: made from
+        C{registry}, C{supervisor} and C{hub}.
+    @param run_db: Runs a C{thd_*} function of L{blazar.store} (stored
+        Responses); L{None}: none are stored.
+    @param wall: UNIX seconds now, for the Ollama surface's times.
+    @param in_thread: Runs CPU work off the reactor; L{None}: in line.
+    """
+    proxy = EngineProxy(supervisor, engines, reactor, registry, config)
+    pipeline = Pipeline(proxy, reactor, registry, admission, sessions, config, in_thread=in_thread)
+    responses = Responses(pipeline, config, reactor, run_db)
+    if operations is None:
+        operations = ModelOperations(registry, supervisor, hub, reactor)
+    return Gateway(
+        proxy, pipeline, admission, responses, OpenAISurface(registry, pipeline, reactor, responses, config),
+        OllamaSurface(registry, pipeline, reactor, wall, operations, config), AnthropicSurface(pipeline, reactor),
+    )
+
+
+@attrs.frozen
+class Batches:
+    """
+    The Batch API: its runner (and the service running it on the store)
+    and its surface; its lines come back in through a private listener on
+    C{socket} as their key's requests, at batch priority, with C{secret}.
+    """
+
+    runner: BatchRunner
+    service: BatchService
+    surface: BatchSurface
+    socket: Path
+    secret: str
+
+
+def make_batches(config: Config, live: LiveConfig, database: StoreService, reactor: Any) -> Batches:
+    """
+    The Batch API, its rows in C{database}.
+    """
+    socket = run_dir(config.data_dir) / "batch.sock"
+    secret = secrets.token_urlsafe(32)
+    sender = LineSender(reactor, socket, secret)
+    in_pool = in_reactor_pool(reactor)
+    runner = BatchRunner(reactor, database.run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
+                         lambda: live.current.max_file_bytes_per_key)
+    if len(str(socket)) > 100:
+        log.warn(
+            "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
+            "this daemon; use a shorter data_dir", path=str(socket),
+        )
+        # (a batch made anyway would wait forever: its lines have nowhere to go)
+        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
+                              "than a UNIX socket allows; set a shorter data_dir in the config")
+    return Batches(runner, BatchService(database, runner, sender), BatchSurface(runner, in_pool), socket, secret)
+
+
+def _before_stop(runner: BatchRunner, sessions: Sessions) -> Callable[[Any], Deferred[None]]:
+    """
+    The supervisor's hook before it stops a child: a shutdown lets the
+    batch lines in flight finish first (bounded:
+    L{blazar.gateway.batch.STOP_WAIT}), then saves the sessions' slots.
+    """
+
+    def before_stop(instance: Any) -> Deferred[None]:
+        if instance.stop_reason != "shutdown" or not runner.stopping:
+            return sessions.stopping(instance)
+        return runner.drained().addCallback(lambda _: sessions.stopping(instance))
+
+    return before_stop
+
+
+def _dashboard(
+    live: LiveConfig, engines: Engines, gateway: Gateway, reactor: Any, ring: LogRing,
+    bench: BenchRecords,
+) -> Dashboard:
+    """
+    The dashboard, with the installed engines read in the thread pool.
+    """
+
+    def installed_engines() -> Deferred[list[dict[str, Any]]]:
+        from blazar.engines.installed import EngineStore
+
+        def thd_list() -> list[dict[str, Any]]:
+            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
+                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
+
+        return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
+
+    return Dashboard(engines.registry, gateway.pipeline, engines.operations, reactor, time.time, lambda: live.current,
+                     logs=ring, hints=engines.hints, engines=installed_engines, hardware=engines.hardware,
+                     bench=bench.history)
+
+
+def _observers(config: Config, site: BlazarSite, dashboard: Dashboard, metrics: Metrics, reactor: Any,
+               runner: BatchRunner) -> list[Service]:
+    """
+    The request observer (metrics, and traces to C{otlp_endpoint}) and
+    the audit writer, set on the site; their services. Restart-only
+    (RELOAD_TABLE): both are started with the config the daemon started
+    with.
+    """
+    services: list[Service] = []
+    tracing = None
+    if config.otlp_endpoint is not None:
+        tracing = Tracing(config.otlp_endpoint, reactor, metrics)
+        services.append(tracing)
+    site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
+    if config.audit_log is not None:
+        audit = site.audit = AuditLog(config.audit_log)
+        services.append(AuditService(audit, runner.drained))
+        metrics.gauges(lambda: [gauge(
+            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
+            [], [([], audit.dropped)],
+        ), gauge(
+            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
+            [([], 1 if audit.down else 0)],
+        )])
+    return services
+
+
+def _status(
+    live: LiveConfig, supervisor: Supervisor, site: BlazarSite, updates: EngineUpdates, environ: Mapping[str, str],
+    reactor: Any,
+) -> Callable[[], Deferred[dict[str, Any]]]:
+    """
+    What C{blazar status} shows (the AMP Status command).
+    """
+    started = time.time()
+
+    def thd_engine_name(current: Config) -> str:
+        try:
+            return str(find_binary(current, environ))  # stats files and reads SQLite: a thread's work
+        except EngineNotFound:
+            return "not found"
+
+    async def status_now() -> dict[str, Any]:
+        current = live.current
+        engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
+        return {
+            "version": __version__, "uptime": time.time() - started,
+            "listeners": list(current.listen), "engine": engine,
+            "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
+            "audit_dropped": site.audit.dropped if site.audit is not None else 0,
+            **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
+            **({"engine_update": updates.notice} if updates.notice else {}),
+        }
+
+    def status() -> Deferred[dict[str, Any]]:
+        return Deferred.fromCoroutine(status_now())
+
+    return status
+
+
+def _listeners(config: Config, live: LiveConfig, site: BlazarSite, root: AuthGate, batches: Batches,
+               reactor: Any) -> Listeners:
+    """
+    The site on every C{listen} endpoint, and the Batch API's private
+    listener (the one that honours the batch secret: 0600 in the 0700
+    run/ directory) unless its socket path is too long.
+    """
+    listeners = Listeners()
+    for description in config.listen:
+        listener_service(description, site, reactor).setServiceParent(listeners)
+    if batches.runner.unavailable is None:
+        batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
+        batch_site.batch_secret = batches.secret.encode("ascii")
+        batch_site.audit, batch_site.observer = site.audit, site.observer
+        private = f"unix:{batches.socket}:mode=600:lockfile=1"
+        listener_service(private, batch_site, reactor).setServiceParent(listeners)
+    return listeners
+
+
 @attrs.frozen
 class ServiceTree:
     """
-    The assembled daemon (L{assemble}): the service tree and the pieces that
-    read the live config, for L{make_service} and for tests that look at
-    what a reload changed without sockets.
+    The assembled daemon (L{assemble}): the service tree and its parts,
+    for L{make_service} and for tests that look at what a reload changed
+    without sockets.
     """
 
     top: MultiService
     live: LiveConfig
     site: BlazarSite
-    supervisor: Supervisor
-    registry: ModelRegistry
-    proxy: EngineProxy
-    hub: HubClient
-    ollama: OllamaSurface
-    responses: Responses
-    admission: Admission
     keys: KeyHolder
     key_admin: KeyAdmin
-    sessions: Sessions
-    batches: BatchRunner | None = None
-    pipeline: Pipeline | None = None
-    cache: CacheStore | None = None
-    hardware: HardwareCensus | None = None
+    clients: Clients
+    engines: Engines
+    stores: Stores
+    gateway: Gateway
+    batches: Batches
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:
@@ -682,7 +693,9 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
     return assemble(config, reactor, environ).top
 
 
-def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> ServiceTree:
+def assemble(
+    config: Config, reactor: Any, environ: Mapping[str, str], publisher: LogPublisher = globalLogPublisher,
+) -> ServiceTree:
     """
     Build the daemon's service tree from a validated config.
 
@@ -694,6 +707,9 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
     Stop order (reverse of start): SIGHUP stops reloading, listeners stop
     accepting, then every engine child is stopped, then the connection
     pool closes.
+
+    @param publisher: Where the log events C{blazar logs} shows come from
+        (the global log; tests pass their own).
     """
     # it holds conversations, usage and the engines' keys: 0700, whatever
     # the umask, and tightened if an older version left it open
@@ -703,153 +719,40 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}"
         )
     live = LiveConfig(config)
-    top = MultiService()
-    registry = ModelRegistry(live, reactor)
-    engines = EngineClient(reactor)
-    hub = HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN"))
-    # Ollama library pulls and pushes (BLAZAR_PULL_MIN_PART: the smallest ranged part, bytes; for tests)
-    library = RegistryClient(reactor, lambda: live.current.registry,
-                             min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART))
-    ConnectionPools(engines, hub, library).setServiceParent(top)
-
-    def sweep() -> None:
-        # what a crash left in the Ollama store (uploads, copies, quantize outputs); it logs its own failure
-        sweep_store(reactor, lambda: live.current.resolved_ollama_models)
-
-    _Hooks(sweep, lambda: None).setServiceParent(top)
+    clients = make_clients(live, reactor, environ)
     metrics = Metrics()
     # what `blazar logs` shows: the daemon's log events and every line the
     # engines print (which reach the daemon's log only as warnings and errors)
     ring = LogRing()
-    # before the supervisor: stopped after it, once the children's stops
-    # have saved their sessions' slots
-    session_service = SessionService(config.data_dir / "blazar.db", live, engines, reactor, metrics)
-    session_service.setServiceParent(top)
-    # GPUs, CPU and RAM (blazar.engines.hardware): read every 10 s, and at
-    # once on HardwareCensus.invalidate (for each spawn and evict)
-    probe = NVMLProbe()
-    hardware = HardwareCensus(probe, reactor, metrics)
-    hardware.setServiceParent(top)
-    supervisor = Supervisor(
-        live, registry, reactor, engines.get_status, environ, run_dir=run_dir(config.data_dir),
-        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
-    )
-    supervisor.on_hardware_change = hardware.invalidate
-    supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
-    supervisor.setServiceParent(top)
-    # the models of remotes with models = "*", for the model lists (blazar.engines.remote)
-    catalog = RemoteCatalog(lambda: live.current, engines.get, registry.note_listed, reactor, environ)
-    registry.relist = catalog.relist
-    _Hooks(catalog.start, catalog.stop).setServiceParent(top)
-    # /api/create and its uploads: quantized by the llama-quantize beside the engine in use (looked up per create)
-    creator = ModelCreator(registry, reactor, lambda: find_quantize(live.current, environ))
-    operations = ModelOperations(registry, supervisor, hub, reactor, library, creator)
-    hints = EngineHints(supervisor.instances, engines.get, reactor, metrics)
-    hints.setServiceParent(top)
+    stores = make_stores(config, live, clients.engines, reactor, metrics)
+    engines = make_engines(live, clients, reactor, environ, metrics, ring)
+    supervisor, registry = engines.supervisor, engines.registry
     keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
-    quotas = Quotas(reactor)
-    usage_store = UsageStore(config.data_dir / "blazar.db", quotas, reactor)
-    usage_store.setServiceParent(top)
     # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
-    bench = BenchRecords(registry, supervisor, usage_store.run_db, hardware.fresh, time.time)
+    bench = BenchRecords(registry, supervisor, stores.database.run_db, engines.hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
-    proxy = EngineProxy(supervisor, engines, reactor, registry, live)
-    pipeline = Pipeline(proxy, reactor, registry, admission, session_service.sessions, live,
-                        in_thread=lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    cache_service = CacheService(config.data_dir / "blazar.db", live, reactor)
-    cache_service.setServiceParent(top)
-    pipeline.cache = cache_service.cache
-    pipeline.images = ImageFetcher(
-        reactor, live, lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args))
-    responses = Responses(pipeline, live, reactor, usage_store.run_db)
-    openai = OpenAISurface(registry, pipeline, reactor, responses, live)
-    ollama = OllamaSurface(registry, pipeline, reactor, time.time, operations, live)
-    anthropic = AnthropicSurface(pipeline, reactor)
-    # the Batch API: its lines come back in through a private listener
-    # (below) as their key's requests, at batch priority
-    batch_socket = run_dir(config.data_dir) / "batch.sock"
-    batch_secret = secrets.token_urlsafe(32)
-    sender = LineSender(reactor, batch_socket, batch_secret)
-    in_pool = lambda f, *args: deferToThreadPool(reactor, reactor.getThreadPool(), f, *args)  # noqa: E731
-    batch_service = BatchService(
-        config.data_dir / "blazar.db", reactor,
-        lambda run_db: BatchRunner(reactor, run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
-                                   lambda: live.current.max_file_bytes_per_key),
-        sender,
+    gateway = build_gateway(
+        registry, supervisor, clients.engines, reactor, live, admission=admission,
+        sessions=stores.sessions.sessions, operations=engines.operations, run_db=stores.database.run_db,
+        in_thread=in_reactor_pool(reactor),
     )
-    runner = batch_service.runner
-    batches = BatchSurface(runner, in_pool)
-
-    def before_stop(instance: Any) -> Deferred[None]:
-        # a shutdown lets the batch lines in flight finish first (bounded:
-        # blazar.gateway.batch.STOP_WAIT), then saves the sessions' slots
-        if instance.stop_reason != "shutdown" or not runner.stopping:
-            return session_service.sessions.stopping(instance)
-        return runner.drained().addCallback(lambda _: session_service.sessions.stopping(instance))
-
-    supervisor.before_stop = before_stop
-
-    def installed_engines() -> Any:
-        from blazar.engines.installed import EngineStore
-
-        def thd_list() -> list[dict[str, Any]]:
-            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
-                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
-
-        return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
-
-    dashboard = Dashboard(registry, pipeline, operations, reactor, time.time, lambda: live.current, logs=ring,
-                          hints=hints, engines=installed_engines, hardware=hardware, bench=bench.history)
+    gateway.pipeline.cache = stores.cache.cache
+    gateway.pipeline.images = ImageFetcher(reactor, live, in_reactor_pool(reactor))
+    batches = make_batches(config, live, stores.database, reactor)
+    supervisor.before_stop = _before_stop(batches.runner, stores.sessions.sessions)
+    dashboard = _dashboard(live, engines, gateway, reactor, ring, bench)
     root = AuthGate(
-        SurfaceRouter(
-            openai.app.resource(), ollama.app.resource(), anthropic.app.resource(),
-            MetricsResource(metrics), dashboard.app.resource(), batches.app.resource(),
-        ),
-        keys, quotas,
+        gateway.router(MetricsResource(metrics), dashboard.app.resource(), batches.surface.app.resource()),
+        keys, stores.quotas,
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
-    # restart-only (RELOAD_TABLE): the exporter and the audit writer are
-    # started with the config the daemon started with
-    tracing = None
-    if config.otlp_endpoint is not None:
-        tracing = Tracing(config.otlp_endpoint, reactor, metrics)
-        tracing.setServiceParent(top)
-    site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
-    if config.audit_log is not None:
-        audit = site.audit = AuditLog(config.audit_log)
-        AuditService(audit, runner.drained).setServiceParent(top)
-        metrics.gauges(lambda: [gauge(
-            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
-            [], [([], audit.dropped)],
-        ), gauge(
-            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
-            [([], 1 if audit.down else 0)],
-        )])
+    observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
     key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
     if exposed is not None:
         log.warn("{problem}", problem=exposed)
-    listeners = Listeners()
-    for description in config.listen:
-        listener_service(description, site, reactor).setServiceParent(listeners)
-    if len(str(batch_socket)) > 100:
-        log.warn(
-            "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
-            "this daemon; use a shorter data_dir", path=str(batch_socket),
-        )
-        # (a batch made anyway would wait forever: its lines have nowhere to go)
-        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
-                              "than a UNIX socket allows; set a shorter data_dir in the config")
-    else:
-        # the one listener that honours the batch secret: 0600 in the 0700 run/ directory
-        batch_site = BlazarSite(root, config=live, gate=root, reactor=reactor)
-        batch_site.batch_secret = batch_secret.encode("ascii")
-        batch_site.audit, batch_site.observer = site.audit, site.observer
-        private = strports.service(f"unix:{batch_socket}:mode=600:lockfile=1", batch_site, reactor=reactor)
-        private._raiseSynchronously = True
-        private.setServiceParent(listeners)
+    listeners = _listeners(config, live, site, root, batches, reactor)
     updates = EngineUpdates(reactor, lambda: live.current.engine_index_url, lambda: live.current.data_dir)
-    top.addService(_Hooks(lambda: updates.start(config.engine_check), updates.stop))
     control_path = run_dir(config.data_dir) / "control.sock"
     if len(str(control_path)) > 100:
         log.warn(
@@ -857,48 +760,39 @@ def assemble(config: Config, reactor: Any, environ: Mapping[str, str]) -> Servic
             "this daemon; use a shorter data_dir", path=str(control_path),
         )
     else:
-        started = time.time()
-
-        def thd_engine_name(current: Config) -> str:
-            try:
-                return str(find_binary(current, environ))  # stats files and reads SQLite: a thread's work
-            except EngineNotFound:
-                return "not found"
-
-        async def status_now() -> dict[str, Any]:
-            current = live.current
-            engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
-            return {
-                "version": __version__, "uptime": time.time() - started,
-                "listeners": list(current.listen), "engine": engine,
-                "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
-                "audit_dropped": site.audit.dropped if site.audit is not None else 0,
-                **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
-                **({"engine_update": updates.notice} if updates.notice else {}),
-            }
-
-        def status() -> Deferred[dict[str, Any]]:
-            return Deferred.fromCoroutine(status_now())
-
-        globalLogPublisher.addObserver(ring)
-        control = strports.service(
-            f"unix:{control_path}:mode=600:lockfile=1",
-            ControlFactory(
-                supervisor, registry, status, reactor, ring, key_admin,
-                admission.snapshot, hints, operations, session_service.sessions, hardware, bench=bench,
-            ),
-            reactor=reactor,
+        publisher.addObserver(ring)
+        control = ControlFactory(
+            supervisor, registry, _status(live, supervisor, site, updates, environ, reactor), reactor, ring,
+            key_admin, admission.snapshot, engines.hints, engines.operations,
+            stores.sessions.sessions, engines.hardware, bench=bench,
         )
-        control._raiseSynchronously = True
-        control.setServiceParent(listeners)
-    listeners.setServiceParent(top)
-    # after the listeners: resumed batches start once their listener is bound
-    batch_service.setServiceParent(top)
-    # last: started once everything serves, stopped first
-    ReloadOnHangup(key_admin.reload, reactor, config.source).setServiceParent(top)
-    return ServiceTree(
-        top=top, live=live, site=site, supervisor=supervisor, registry=registry, proxy=proxy,
-        hub=hub, ollama=ollama, responses=responses, admission=admission, keys=keys,
-        key_admin=key_admin, sessions=session_service.sessions, batches=runner, pipeline=pipeline,
-        cache=cache_service.cache, hardware=hardware,
-    )
+        listener_service(f"unix:{control_path}:mode=600:lockfile=1", control, reactor).setServiceParent(listeners)
+
+    def sweep() -> None:
+        # what a crash left in the Ollama store (uploads, copies, quantize outputs); it logs its own failure
+        sweep_store(reactor, lambda: live.current.resolved_ollama_models)
+
+    # the tree, in start order (stopped in reverse)
+    top = MultiService()
+    for service in (
+        ConnectionPools(clients.engines, clients.hub, clients.library),
+        _Hooks(sweep, lambda: None),
+        # the store first: open before any part reads, closed after every part's stop has written
+        stores.database,
+        # before the supervisor: stopped after it, once the children's stops have saved their sessions' slots
+        stores.sessions,
+        engines.hardware,  # before the supervisor: its first census is there for the first spawn
+        supervisor,
+        _Hooks(engines.catalog.start, engines.catalog.stop),
+        engines.hints,
+        stores.usage,
+        stores.cache,
+        *observers,
+        _Hooks(lambda: updates.start(config.engine_check), updates.stop),
+        listeners,
+        batches.service,  # after the listeners: resumed batches start once their listener is bound
+        # last: started once everything serves, stopped first
+        ReloadOnHangup(key_admin.reload, reactor, config.source),
+    ):
+        service.setServiceParent(top)
+    return ServiceTree(top, live, site, keys, key_admin, clients, engines, stores, gateway, batches)

@@ -7,9 +7,9 @@ C{<data_dir>/files/<id>} (0600, in a 0700 directory), beside the metadata
 row (migration 7 moved the older ones out), so a download is read in
 pieces and a delete gives the space back at once.
 
-Every function here blocks: the daemon calls them through the store's own
-single-thread pool (SQLite connections belong to one thread), never on the
-reactor thread.
+Every function here blocks: the daemon calls them on its one store thread
+(L{blazar.storeservice.StoreService}: one connection, and SQLite
+connections belong to one thread), never on the reactor thread.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import sqlite3
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, Protocol, Union
 
-from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode
+from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
 from blazar import strictjson
 
 CHUNK = 1024 * 1024
@@ -174,8 +174,8 @@ def thd_open(path: Path) -> sqlite3.Connection:
     vacuum = False
     for number, step in enumerate(MIGRATIONS[version:], start=version + 1):
         # each step in its own write transaction, the version read again
-        # inside it: another connection opening at the same time (each
-        # store service opens its own) finds a step done, not half done
+        # inside it: another connection opening at the same time (a CLI
+        # command beside the daemon) finds a step done, not half done
         db.execute("BEGIN IMMEDIATE")
         try:
             if db.execute("SELECT version FROM schema_version").fetchone()[0] < number:
@@ -383,23 +383,18 @@ def _write_content(folder: Path, id_: str, content: bytes | _Readable) -> int:
     final = _content_path(folder, id_)
     if final.exists():  # (ids are random: never another file's content overwritten)
         raise FileExistsError(errno.EEXIST, "a file's content is already stored under this id", str(final))
-    temp = folder / f".{id_}.part"
-    size = 0
-    try:
-        with os.fdopen(open_private(temp, os.O_WRONLY | os.O_TRUNC), "wb") as out:
-            if isinstance(content, (bytes, bytearray, memoryview)):
-                out.write(content)
-                size = len(content)
-            else:
-                while piece := content.read(CHUNK):
-                    out.write(piece)
-                    size += len(piece)
-            out.flush()
-            os.fsync(out.fileno())
-        os.replace(temp, final)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+
+    def write(out: BinaryIO) -> int:
+        if isinstance(content, (bytes, bytearray, memoryview)):
+            out.write(content)
+            return len(content)
+        size = 0
+        while piece := content.read(CHUNK):
+            out.write(piece)
+            size += len(piece)
+        return size
+
+    size = write_whole(folder / f".{id_}.part", final, write, private=True)
     directory = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Callable, cast
 
 from twisted.internet.defer import Deferred
-from twisted.logger import ILogObserver, LogEvent, LogLevel, formatEvent, globalLogPublisher
+from twisted.logger import ILogObserver, LogEvent, LogLevel, LogPublisher, formatEvent, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
@@ -236,7 +236,6 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     SECRET = "reloaded-secret-0123456789"
 
     def setUp(self) -> None:
-        from blazar.protocols.control import LogRing
         from blazar.service import assemble
         from blazar.models.testmodel import make_test_model
 
@@ -246,11 +245,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path = self.root / "config.toml"
         self.write()
         self.reactor = fake_process_reactor()
-        before = list(globalLogPublisher._observers)
-        self.tree = assemble(load_config(self.path), self.reactor, {})
-        for observer in list(globalLogPublisher._observers):
-            if isinstance(observer, LogRing) and observer not in before:
-                globalLogPublisher.removeObserver(observer)
+        self.tree = assemble(load_config(self.path), self.reactor, {}, LogPublisher())
 
     def write(self, top: str = "", tables: str = "") -> None:
         self.path.write_text(
@@ -271,16 +266,16 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         """
         from twisted.internet.defer import ensureDeferred
 
-        d = ensureDeferred(self.tree.supervisor.instance_for("m"))
+        d = ensureDeferred(self.tree.engines.supervisor.instance_for("m"))
         transport, _, argv, _ = self.reactor.spawned[-1]
-        (instance,) = [i for i in self.tree.supervisor._all if i.transport is transport]
+        (instance,) = [i for i in self.tree.engines.supervisor._all if i.transport is transport]
         return instance, argv, d
 
     def end(self, instance: Any, d: Deferred[Any]) -> None:
         if not instance.transport.ended:
             instance.transport.exit(signal=15)
         d.addErrback(lambda f: None)
-        self.tree.supervisor.reset_breakers()
+        self.tree.engines.supervisor.reset_breakers()
 
     def applied(self, report: Any, key: str) -> None:
         self.assertEqual((report.applied, report.restart), ((key,), ()))
@@ -325,7 +320,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         # the registry resolves NAME:model and the supervisor hands out its instance from the live config
         def remote_url() -> Any:
-            d = ensureDeferred(self.tree.supervisor.instance_for("peer:tiny"))
+            d = ensureDeferred(self.tree.engines.supervisor.instance_for("peer:tiny"))
             d.addErrback(lambda f: None)
             instance = self.successResultOf(d)
             return None if instance is None else (instance.base_url, instance.lane, instance.entry.remote_model)
@@ -335,26 +330,26 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
     def test_batch_max_in_flight(self) -> None:
         # the batch runner reads it from the live config at each line it starts
-        runner = self.tree.batches
+        runner = self.tree.batches.runner
         assert runner is not None
         self.check("batch_max_in_flight", "batch_max_in_flight = 9\n", "", runner.max_in_flight, 9)
 
     def test_max_file_bytes_per_key(self) -> None:
         # the Files API reads it from the live config at each upload
-        runner = self.tree.batches
+        runner = self.tree.batches.runner
         assert runner is not None
         self.check("max_file_bytes_per_key", "max_file_bytes_per_key = 9\n", "", runner.max_file_bytes, 9)
 
     def test_cache_keys(self) -> None:
         # the cache's store reads [cache] from the live config at each lookup, store and purge
-        cache = self.tree.cache
-        assert cache is not None and self.tree.pipeline is not None
-        self.assertIs(self.tree.pipeline.cache, cache)  # the one the pipeline looks answers up in
+        cache = self.tree.stores.cache.cache
+        assert cache is not None and self.tree.gateway.pipeline is not None
+        self.assertIs(self.tree.gateway.pipeline.cache, cache)  # the one the pipeline looks answers up in
         self.check("cache.threshold", "", "[cache]\nthreshold = 0.5\n", lambda: cache._config().threshold, 0.5)
         self.check("cache.ttl_secs", "", "[cache]\nttl_secs = 5\n", lambda: cache._config().ttl, 5)
         self.check("cache.max_entries", "", "[cache]\nmax_entries = 7\n", lambda: cache._config().max_entries, 7)
         # and the pipeline its switch, per call
-        pipeline = self.tree.pipeline
+        pipeline = self.tree.gateway.pipeline
         assert pipeline is not None
         report = self.reload("", '[cache]\nenabled = true\nembedding_model = "e"\n[models."e"]\nembedding = true\n')
         self.assertEqual((report.applied, report.restart),
@@ -367,7 +362,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         from blazar.testing import FakeInstance
 
         # the supervisor reads them from its live config at each whisper or sd child's start
-        supervisor = self.tree.supervisor
+        supervisor = self.tree.engines.supervisor
         self.check("whisper_idle_secs", "whisper_idle_secs = 5\n", "", lambda: supervisor._config.whisper_idle, 5)
         self.check("engines.whisper.binary", "", '[engines.whisper]\nbinary = "/bin/sh"\n',
                    lambda: str(supervisor._config.whisper.binary), "/bin/sh")
@@ -376,11 +371,11 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         # and the proxy its header timer for an sd child (a chat child's is child_header_timeout_secs)
         sd = FakeInstance("img", lane="sdcpp")
         self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
-                   lambda: header_timeout_of(self.tree.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
+                   lambda: header_timeout_of(self.tree.gateway.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
 
     def test_image_fetch_keys(self) -> None:
         # the pipeline's image fetcher reads them from the live config at each fetch
-        images = not_none(self.tree.pipeline).images
+        images = self.tree.gateway.pipeline.images
         assert images is not None
         self.check("image_fetch_max_bytes", "image_fetch_max_bytes = 9\n", "",
                    lambda: images._config().image_fetch_max_bytes, 9)
@@ -402,7 +397,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: self.tree.live.current.sentinel_stall, 3)
 
     def test_session_keys(self) -> None:
-        settings = self.tree.sessions._settings
+        settings = self.tree.stores.sessions.sessions._settings
         self.check("session_keep_secs", "session_keep_secs = 0\n", "", lambda: settings()[0], 0)
         self.check("session_save_timeout_secs", "session_save_timeout_secs = 7\n", "", lambda: settings()[1], 7)
         self.check("session_bank_entry_max_mib", "session_bank_entry_max_mib = 3\n", "",
@@ -467,7 +462,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def header_timer() -> float:
             request: Deferred[Any] = Deferred()
-            d = Deferred.fromCoroutine(self.tree.proxy._headers(cast(Instance, FakeInstance("m")), request))
+            d = Deferred.fromCoroutine(self.tree.gateway.proxy._headers(cast(Instance, FakeInstance("m")), request))
             now = self.reactor.seconds()
             (timer,) = [c for c in self.reactor.getDelayedCalls() if c.getTime() > now]
             d.cancel()
@@ -480,7 +475,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, context_of(request))
+                self.tree.gateway.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, context_of(request))
             )
             bound = not_none(request.producer)._stall_close_secs
             engine.end()
@@ -488,7 +483,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             return bound
 
         self.check("stream_stall_close_secs", "stream_stall_close_secs = 4\n", "", stall_bound, 4)
-        self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.supervisor.ctx_policy, "fit")
+        self.check("ctx_policy", 'ctx_policy = "fit"\n', "", lambda: self.tree.engines.supervisor.ctx_policy, "fit")
 
     def test_the_next_spawn_keys(self) -> None:
         def argv() -> list[str]:
@@ -521,7 +516,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.assertEqual(self.reload().applied, both)
         self.assertNotEqual(lane_binary(), "/bin/alt")
         self.check("models_dir", f'models_dir = "{self.root / "other"}"\n', "",
-                   lambda: self.tree.registry.models_dir, self.root / "other")
+                   lambda: self.tree.engines.registry.models_dir, self.root / "other")
 
         def ready_failure() -> str:
             instance, _, d = self.spawn()
@@ -538,7 +533,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
         def kill_after() -> float:
             instance, _, d = self.spawn()
-            self.tree.supervisor.stop_instance(instance, "test")
+            self.tree.engines.supervisor.stop_instance(instance, "test")
             grace = instance.kill_timer.getTime() - self.reactor.seconds()
             self.end(instance, d)
             return grace
@@ -554,21 +549,21 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             from blazar.gateway.call import CallKind
 
             # an Ollama request without keep_alive gets the default, and ends
-            call = self.tree.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
-            InstanceLease(self.tree.supervisor, instance).finish(call.keep_alive)
+            call = self.tree.gateway.ollama._call(CallKind.CHAT, "m", "", {}, {}, False)
+            InstanceLease(self.tree.engines.supervisor, instance).finish(call.keep_alive)
             return instance.keep_alive
 
         self.check("keep_alive", 'keep_alive = "9m"\n', "", default_keep_alive, 540)
         self.end(instance, d)
 
     def test_breakers_admission_responses_hub(self) -> None:
-        breaker = self.tree.supervisor.breaker("m:latest")  # made before the reload: retuned
+        breaker = self.tree.engines.supervisor.breaker("m:latest")  # made before the reload: retuned
         for key, attr, value in [
             ("breaker_crashes", "threshold", 9), ("breaker_window_secs", "window", 99),
             ("breaker_backoff_secs", "base_backoff", 4), ("breaker_max_backoff_secs", "max_backoff", 44),
         ]:
             self.check(key, f"{key} = {value}\n", "", lambda: getattr(breaker, attr), value)
-        supervisor = self.tree.supervisor
+        supervisor = self.tree.engines.supervisor
         self.check("max_loaded_models", "max_loaded_models = 2\n", "",
                    lambda: supervisor._config.max_loaded_models, 2)
         self.check("memory_budget_bytes", "memory_budget_bytes = 1073741824\n", "",
@@ -577,21 +572,21 @@ class ReloadEveryKeyTests(SynchronousTestCase):
                    lambda: supervisor._config.gpu_reserve, 2 << 30)
         self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
                    lambda: supervisor._config.drain_timeout, 3)
-        queue = self.tree.admission.queue("m:latest")
+        queue = not_none(self.tree.gateway.admission).queue("m:latest")
         self.check("queue.max_waiting", "", "[queue]\nmax_waiting = 3\n",
-                   lambda: self.tree.admission.queue("m:latest").settings.max_waiting, 3)
-        self.assertIs(self.tree.admission.queue("m:latest"), queue)
+                   lambda: not_none(self.tree.gateway.admission).queue("m:latest").settings.max_waiting, 3)
+        self.assertIs(not_none(self.tree.gateway.admission).queue("m:latest"), queue)
         self.check("responses_ttl_secs", "responses_ttl_secs = 60\n", "",
-                   lambda: self.tree.responses._config().responses_ttl, 60)
+                   lambda: self.tree.gateway.responses._config().responses_ttl, 60)
         self.check("responses_max_stored", "responses_max_stored = 5\n", "",
-                   lambda: self.tree.responses._config().responses_max_stored, 5)
+                   lambda: self.tree.gateway.responses._config().responses_max_stored, 5)
         self.check("hf_endpoint", 'hf_endpoint = "http://127.0.0.1:9/hub/"\n', "",
-                   lambda: self.tree.hub._endpoint, "http://127.0.0.1:9/hub")
+                   lambda: self.tree.clients.hub._endpoint, "http://127.0.0.1:9/hub")
         self.check("ollama_models", f'ollama_models = "{self.root / "store"}"\n', "",
-                   lambda: self.tree.registry.ollama_models, self.root / "store")
+                   lambda: self.tree.engines.registry.ollama_models, self.root / "store")
         from blazar.models.ollama_store import parse_name
 
-        library: Any = self.tree.ollama._operations._library
+        library: Any = self.tree.gateway.ollama._operations._library
         self.check("registry", 'registry = "http://127.0.0.1:9/"\n', "",
                    lambda: library.base_url(parse_name("tiny")), "http://127.0.0.1:9")
 
@@ -606,7 +601,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.path.write_text(f'data_dir = "{self.root / "elsewhere"}"\n')
         report = self.successResultOf(Deferred.fromCoroutine(self.tree.key_admin.reload()))
         self.assertIn("data_dir", report.restart)
-        self.assertEqual(self.tree.registry.models_dir, self.root / "data" / "models")  # not moved
+        self.assertEqual(self.tree.engines.registry.models_dir, self.root / "data" / "models")  # not moved
 
 
 class StartupWarningTests(SynchronousTestCase):
@@ -615,7 +610,6 @@ class StartupWarningTests(SynchronousTestCase):
         Issue 36: the daemon says at startup that its config file's secrets
         are readable by others, and how to fix it; it leaves the mode be.
         """
-        from blazar.protocols.control import LogRing
         from blazar.service import assemble
 
         root = Path(self.mktemp()).absolute()
@@ -626,14 +620,10 @@ class StartupWarningTests(SynchronousTestCase):
         path.chmod(0o644)
         events: list[LogEvent] = []
         globalLogPublisher.addObserver(cast(ILogObserver, events.append))
-        before = list(globalLogPublisher._observers)
         try:
-            assemble(load_config(path), fake_process_reactor(), {})
+            assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
         finally:
             globalLogPublisher.removeObserver(cast(ILogObserver, events.append))
-            for observer in list(globalLogPublisher._observers):
-                if isinstance(observer, LogRing) and observer not in before:
-                    globalLogPublisher.removeObserver(observer)
         warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]
         self.assertIn(f"config file {path} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
                       f"run `chmod 600 {path}`", warnings)
@@ -687,3 +677,37 @@ class StoreSweepTests(SynchronousTestCase):
         reactor.advance(2000.0)  # the daemon starts
         self.successResultOf(sweep_store(reactor, lambda: root))
         self.assertEqual([p.name for p in (root / "blobs").iterdir()], [fresh.name])
+
+
+def assembled(root: Path) -> Any:
+    """
+    The daemon assembled (L{blazar.service.assemble}, no sockets: a fake
+    process reactor) from a config with its data and models under
+    C{root}, which is made.
+    """
+    from blazar.service import assemble
+
+    root.mkdir()
+    path = root / "config.toml"
+    path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n')
+    return assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
+
+
+class AssembledStoreTests(SynchronousTestCase):
+    def test_one_store_started_before_its_parts(self) -> None:
+        """
+        One L{StoreService} in the tree, started before every part that
+        keeps its state in it (and so stopped after them all).
+        """
+        from blazar.storeservice import StoreService
+
+        root = Path(self.mktemp()).absolute()
+        tree = assembled(root)
+        services = list(tree.top)
+        database = tree.stores.database
+        self.assertEqual([s for s in services if isinstance(s, StoreService)], [database])
+        self.assertEqual(database.path, root / "data" / "blazar.db")
+        for part in (tree.stores.sessions, tree.stores.usage, tree.stores.cache, tree.batches.service):
+            self.assertLess(services.index(database), services.index(part))
+            self.assertIs(part._database, database)
+        self.assertLess(services.index(tree.stores.sessions), services.index(tree.engines.supervisor))

@@ -36,6 +36,22 @@ class BatchStoreTests(SynchronousTestCase):
         self.assertTrue(store.thd_delete_file(self.db, "file-a", "alice"))
         self.assertIsNone(store.thd_file_content(self.db, "file-a", None))
 
+    def test_a_content_that_fails_midway_leaves_nothing(self) -> None:
+        class Broken(io.BytesIO):
+            def read(self, size: int | None = -1, /) -> bytes:
+                if self.tell():
+                    raise OSError("the upload broke")
+                return super().read(4)
+
+        with self.assertRaises(OSError):
+            store.thd_put_file(self.db, ("file-b", "alice", "in.jsonl", "batch", 10, Broken(b"12345678")))
+        folder = store.files_dir(self.db)
+        self.assertEqual(sorted(p.name for p in folder.iterdir()), [])
+        self.assertEqual(store.thd_files(self.db, None), [])
+        store.thd_put_file(self.db, ("file-c", "alice", "in.jsonl", "batch", 10, io.BytesIO(b"12345678")))
+        self.assertEqual(((folder / "file-c").read_bytes(), (folder / "file-c").stat().st_mode & 0o777),
+                         (b"12345678", 0o600))
+
     def test_batches_paginate_newest_first(self) -> None:
         for n in range(5):
             store.thd_create_batch(self.db, f"batch_{n}", "alice", 100 + n, json.dumps({"id": f"batch_{n}"}), [])

@@ -3,8 +3,8 @@ The semantic cache's live state (issue 26, part 2): the in-memory
 L{blazar.gateway.cache.SemanticIndex} and the C{cache_entries} rows it
 mirrors in SQLite (L{blazar.store}, migration 6), kept in step. The
 pipeline's cache step (L{blazar.gateway.pipeline.Pipeline._cached}) looks
-answers up here and stores them; L{blazar.service.CacheService} runs it
-(its database thread, the load at start, the purge job).
+answers up here and stores them; L{blazar.storeservice.CacheService} runs it
+(the load at start, the purge job) on the one store thread.
 
 Every database call goes through the injected C{run_db} (the store's own
 thread); the index is touched only on the reactor thread. Times are wall

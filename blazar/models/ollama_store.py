@@ -61,6 +61,7 @@ from typing import IO, Any, Iterable, Iterator
 import attrs
 
 from blazar import strictjson
+from blazar.files import write_whole
 
 DEFAULT_HOST = "registry.ollama.ai"
 DEFAULT_NAMESPACE = "library"
@@ -431,16 +432,7 @@ def thd_manifest_digest(root: Path, name: OllamaName) -> str:
 
 def _atomic_write(target: Path, data: bytes) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = target.with_name(f"{_TEMP}{target.name}-{secrets.token_hex(4)}")
-    try:
-        with open(temp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(temp, target)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    write_whole(target.with_name(f"{_TEMP}{target.name}-{secrets.token_hex(4)}"), target, lambda f: f.write(data))
 
 
 def _root_key(root: Path) -> str:

@@ -404,24 +404,11 @@ class FreeMemoryTests(SynchronousTestCase):
         self.assertGreater(thd_free_memory(), 0)
 
     def test_assembled(self) -> None:
-        from blazar.config import load_config
-        from blazar.protocols.control import LogRing
-        from blazar.service import assemble
-        from twisted.logger import globalLogPublisher
+        from tests.test_service import assembled
 
-        root = Path(self.mktemp()).absolute()
-        root.mkdir()
-        path = root / "config.toml"
-        path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n')
-        before = list(globalLogPublisher._observers)
-        try:
-            tree = assemble(load_config(path), fake_process_reactor(), {})
-        finally:
-            for observer in list(globalLogPublisher._observers):
-                if isinstance(observer, LogRing) and observer not in before:
-                    globalLogPublisher.removeObserver(observer)
+        tree = assembled(Path(self.mktemp()).absolute())
         services = list(tree.top)
-        self.assertIsInstance(tree.hardware, HardwareCensus)
+        self.assertIsInstance(tree.engines.hardware, HardwareCensus)
         # started before the supervisor: its first census is there for the first spawn
-        self.assertLess(services.index(tree.hardware), services.index(tree.supervisor))
+        self.assertLess(services.index(tree.engines.hardware), services.index(tree.engines.supervisor))
 

@@ -421,7 +421,7 @@ class CacheStoreTests(SynchronousTestCase):
 
 class CacheServiceTests(SynchronousTestCase):
     def test_loads_at_start_purges_on_a_clock_and_survives_a_failing_purge(self) -> None:
-        from blazar.service import CACHE_PURGE_SECS, CacheService
+        from blazar.storeservice import CACHE_PURGE_SECS, CacheService, StoreService
         from blazar.testing import fake_process_reactor
 
         reactor = fake_process_reactor()
@@ -437,8 +437,9 @@ class CacheServiceTests(SynchronousTestCase):
         wall = Clock()
         wall.advance(105)
         live = LiveConfig(parse_config('[cache]\nttl_secs = 10\n'))
-        service = CacheService(path, live, reactor, wall.seconds)
-        service._pool = cast(ThreadPool, SynchronousThreadPool())
+        database = StoreService(path, reactor, cast(ThreadPool, SynchronousThreadPool()))
+        database.startService()
+        service = CacheService(database, live, reactor, wall.seconds)
         service.startService()
         assert service.started is not None
         self.successResultOf(service.started)
@@ -461,6 +462,8 @@ class CacheServiceTests(SynchronousTestCase):
         self.assertEqual(purges, [0, 1])
         self.assertEqual(len(service.cache.index), 0)
         self.successResultOf(service.stopService())
+        self.successResultOf(database.stopService())
+        self.assertFalse(database.is_open)
 
 
 

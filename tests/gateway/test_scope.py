@@ -16,23 +16,16 @@ from typing import Any, cast
 from klein import Klein
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.operations import ModelOperations
 from blazar.web.client import context_of
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import KeyConfig, parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.web.anthropic import AnthropicSurface
+from blazar.service import build_gateway
 from blazar.web.auth import AuthGate, KeyHolder
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.quota import QuotaExceeded
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
 
 from tests.web.test_openai import StubEngineClient
@@ -123,15 +116,9 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(engine_app().resource())
         names = ["broken:latest", "mine:latest", "minevec:latest", "theirs:latest", "theirvec:latest"]
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(cast(Supervisor, FakeSupervisor(names)), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry),
-                         self.reactor, registry)
-        responses = Responses(proxy, lambda: config, self.reactor, None)
-        router = SurfaceRouter(
-            OpenAISurface(registry, proxy, self.reactor, responses).app.resource(),
-            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),
-            AnthropicSurface(proxy, self.reactor).app.resource(),
-        )
+        router = build_gateway(registry, cast(Supervisor, FakeSupervisor(names)),
+                               cast(EngineClient, StubEngineClient(self.engine)), self.reactor, lambda: config,
+                               wall=lambda: 0.0).router()
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))
 
     def call(self, method: str, path: str, body: dict[str, Any], secret: str | None) -> tuple[int, bytes, bytes]:

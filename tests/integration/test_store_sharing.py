@@ -1,7 +1,9 @@
 """
-The daemon's SQLite file is shared: several services open it in one
-process, and other processes (the CLI, a backup, sqlite3) read it while
-the daemon runs. Every write the daemon commits must be seen by them.
+The daemon's SQLite file is shared: the store service holds one
+connection, the installed engines' table (blazar.engines.installed) opens
+others in the same process, and other processes (the CLI, a backup,
+sqlite3) read it while the daemon runs. Every write the daemon commits
+must be seen by them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ def test_another_process_sees_every_write(tmp_path: Path) -> None:
     """
     path = tmp_path / "blazar.db"
     usage = store.thd_open(path)
-    others = [store.thd_open(path), store.thd_open(path)]  # the other services
+    others = [store.thd_open(path), store.thd_open(path)]  # the other connections in the process
     try:
         store.thd_add_usage(usage, [("2026-12-04", "a", 5)])
         assert read_usage(path) == "[('a', 5)]"

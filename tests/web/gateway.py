@@ -1,7 +1,7 @@
 """
 The four surfaces over the real pipeline and the real registry, in memory
-(StubTreq), for tests of what a client sees: one place that assembles them
-as L{blazar.service} does.
+(StubTreq), for tests of what a client sees, assembled as the daemon
+assembles them (L{blazar.service.build_gateway}).
 """
 
 from __future__ import annotations
@@ -20,18 +20,11 @@ from blazar.engines.supervisor import Supervisor
 from blazar.gateway.admission import Admission
 from blazar.gateway.context import RequestContext
 from blazar.web.client import context_of
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
+from blazar.service import build_gateway
 from blazar.web.auth import AuthGate, KeyHolder
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
 
 from tests.web.test_openai import StubEngineClient
 from tests.typed import StubTreq
@@ -86,19 +79,14 @@ class MemoryGateway:
         self.registry = ModelRegistry(parsed, self.reactor)
         if supervise is not None:
             supervisor = supervise(parsed, self.registry, self.reactor)
-        self.proxy = EngineProxy(
-            cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, self.registry
-        )
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
-        self.pipeline = Pipeline(self.proxy, self.reactor, self.registry, self.admission)
-        router = SurfaceRouter(
-            OpenAISurface(self.registry, self.pipeline, self.reactor,
-                          Responses(self.pipeline, lambda: parsed, self.reactor, None)).app.resource(),
-            OllamaSurface(self.registry, self.pipeline, self.reactor, lambda: 0.0,
-                          ModelOperations(self.registry, cast(Supervisor, supervisor), None, self.reactor)).app.resource(),
-            AnthropicSurface(self.pipeline, self.reactor).app.resource(),
+        gateway = build_gateway(
+            self.registry, cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: parsed, admission=self.admission, wall=lambda: 0.0,
         )
+        self.proxy, self.pipeline = gateway.proxy, gateway.pipeline
+        router = gateway.router()
         # with [[keys]] in the config, behind the gate that checks them (as the daemon's site is)
         self.capture = Capture(AuthGate(router, KeyHolder(parsed)) if parsed.keys else router)
         self.client = StubTreq(self.capture)

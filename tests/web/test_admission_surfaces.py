@@ -15,8 +15,6 @@ from typing import Any, cast
 from twisted.internet.defer import Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
@@ -24,11 +22,7 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.gateway.admission import Admission, Lease
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.web.root import SurfaceRouter
+from blazar.service import build_gateway
 
 from .test_openai import StubEngineClient
 
@@ -49,16 +43,11 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
-        proxy = Pipeline(EngineProxy(
-            cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry,
-        ), self.reactor, registry, self.admission)
-        router = SurfaceRouter(
-            OpenAISurface(registry, proxy, self.reactor).app.resource(),
-            OllamaSurface(registry, proxy, self.reactor, lambda: 0.0,
-                          ModelOperations(registry, proxy.supervisor, None, self.reactor)).app.resource(),
-            AnthropicSurface(proxy, self.reactor).app.resource(),
+        gateway = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: config, admission=self.admission, wall=lambda: 0.0,
         )
-        self.client = StubTreq(router)
+        self.client = StubTreq(gateway.router())
 
     def start(self, path: str, body: Any, **headers: str) -> Deferred[Any]:
         return self.client.request(

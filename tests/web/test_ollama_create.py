@@ -17,15 +17,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
-from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.models.create import ModelCreator
 from blazar.models.modelfile import parse
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
+from blazar.service import build_gateway
 
 from tests.typed import StubTreq
 
@@ -45,9 +43,9 @@ class CreateSurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["base:latest", "mine:latest"])
         creator = ModelCreator(self.registry, self.reactor, lambda: Path("/e/bin/llama-quantize"))
         operations = ModelOperations(self.registry, cast(Supervisor, self.supervisor), None, self.reactor, None, creator)
-        pipeline = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, self.registry),
-                            self.reactor, self.registry)
-        self.resource = OllamaSurface(self.registry, pipeline, self.reactor, lambda: 0.0, operations).app.resource()
+        surface = build_gateway(self.registry, cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor,
+                                operations=operations, wall=lambda: 0.0).ollama
+        self.resource = surface.app.resource()
         self.client = StubTreq(self.resource)
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:

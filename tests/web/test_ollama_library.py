@@ -14,16 +14,14 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
-from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.operations import ModelOperations
-from blazar.gateway.pipeline import Pipeline
 from blazar.models import ollama_store as store
 from blazar.models.ollama_registry import PushError
 from blazar.models.ollama_store import OllamaName, parse_name
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
+from blazar.service import build_gateway
 
 from tests.typed import StubTreq
 
@@ -68,12 +66,9 @@ class LibrarySurfaceTests(SynchronousTestCase):
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
         operations = ModelOperations(registry, cast(Supervisor, supervisor), None, self.reactor, self.library)
-        proxy = Pipeline(
-            EngineProxy(cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor, registry),
-            self.reactor,
-            registry,
-        )
-        self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
+        surface = build_gateway(registry, cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor,
+                                operations=operations, wall=lambda: 0.0).ollama
+        self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, bytes]:
         d = self.client.request(method, "http://localhost" + path,

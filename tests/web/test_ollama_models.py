@@ -19,9 +19,7 @@ from blazar.models.hub import HubName, PullError
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.pipeline import Pipeline
+from blazar.service import build_gateway
 
 from tests.typed import StubTreq
 
@@ -48,12 +46,8 @@ class OllamaModelsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.puller = BreakingPuller(PullError("download of x broke after 5 of 10 bytes; pull again to resume", 502))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        proxy = Pipeline(
-            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
-            self.reactor,
-            registry,
-        )
-        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations)
+        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor,
+                                operations=operations, wall=lambda: 0.0).ollama
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
@@ -82,12 +76,9 @@ class OllamaModelsTests(SynchronousTestCase):
         registry = ModelRegistry(config, self.reactor)
         registry.note_listed("peer", ('a"b', "tiny:latest"))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        proxy = Pipeline(
-            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor, registry),
-            self.reactor,
-            registry,
-        )
-        self.client = StubTreq(OllamaSurface(registry, proxy, self.reactor, lambda: 0.0, operations).app.resource())
+        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor,
+                                operations=operations, wall=lambda: 0.0).ollama
+        self.client = StubTreq(surface.app.resource())
         self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
         status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})
         self.assertEqual(status, 400)

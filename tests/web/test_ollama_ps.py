@@ -16,10 +16,7 @@ from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.ollama import OllamaSurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.pipeline import Pipeline
-from blazar.gateway.operations import ModelOperations
+from blazar.service import build_gateway
 
 from tests.typed import StubTreq
 
@@ -33,12 +30,8 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        proxy = Pipeline(
-            EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, registry),
-            self.reactor,
-            registry,
-        )
-        surface = OllamaSurface(registry, proxy, self.reactor, lambda: 1000.0, cast(ModelOperations, None))
+        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor,
+                                wall=lambda: 1000.0).ollama
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:

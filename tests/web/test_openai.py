@@ -5,15 +5,13 @@ from typing import Any, cast
 from twisted.internet.error import ConnectionRefusedError
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient, NotDelivered
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
+from blazar.service import build_gateway
 
 from tests.typed import StubTreq
 
@@ -45,9 +43,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        proxy = Pipeline(EngineProxy(cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client), self.reactor, registry),
-                         self.reactor, registry)
-        surface = OpenAISurface(registry, proxy, self.reactor)
+        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client),
+                                self.reactor).openai
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:

@@ -15,22 +15,15 @@ from typing import Any, Callable, cast
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.pipeline import Pipeline
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import Supervisor
-from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
-from blazar.web.anthropic import AnthropicSurface
-from blazar.web.ollama import OllamaSurface
-from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.web.responses import Responses
-from blazar.web.root import SurfaceRouter
+from blazar.service import build_gateway
 
 from .test_openai import StubEngineClient
 
@@ -88,21 +81,12 @@ class StreamFailureTests(SynchronousTestCase):
         self.engine = StubTreq(engine.resource())
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
-        self.engines = EngineProxy(
-            cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)), self.reactor, registry
+        gateway = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor, lambda: config, hub=FakeHub(), wall=lambda: 0.0,
         )
-        self.proxy = Pipeline(self.engines,
-                              self.reactor, registry)
-        responses = Responses(self.proxy, lambda: config, self.reactor, None)
-        router = SurfaceRouter(
-            OpenAISurface(registry, self.proxy, self.reactor, responses).app.resource(),
-            OllamaSurface(
-                registry, self.proxy, self.reactor, lambda: 0.0,
-                ModelOperations(registry, cast(Supervisor, self.supervisor), FakeHub(), self.reactor),
-            ).app.resource(),
-            AnthropicSurface(self.proxy, self.reactor).app.resource(),
-        )
-        self.client = StubTreq(router)
+        self.engines, self.proxy = gateway.proxy, gateway.pipeline
+        self.client = StubTreq(gateway.router())
 
     def post(self, path: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
         d = self.client.request("POST", "http://localhost" + path, data=json.dumps(body).encode())

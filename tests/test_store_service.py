@@ -1,0 +1,103 @@
+"""
+The one store service (L{blazar.storeservice.StoreService}): one
+connection opened at start, every part's writes drained before the close.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import cast
+
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.task import Clock
+from twisted.python.threadpool import ThreadPool
+from twisted.trial.unittest import SynchronousTestCase
+
+from blazar import store
+from blazar.config import KeyConfig
+from blazar.gateway.quota import Quotas
+from blazar.storeservice import PeriodicJob, StoreService, UsageStore
+from blazar.testing import SynchronousThreadPool, fake_process_reactor
+
+
+class StoreServiceTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.path = Path(self.mktemp()) / "blazar.db"
+        self.clock = fake_process_reactor()
+        self.database = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+
+    def test_opened_at_start_and_migrated(self) -> None:
+        self.assertFalse(self.database.is_open)
+        self.database.startService()
+        self.assertTrue(self.database.is_open)
+        version = self.successResultOf(self.database.run_db(
+            lambda db: db.execute("SELECT version FROM schema_version").fetchone()[0]))
+        self.assertEqual(version, len(store.MIGRATIONS))
+        self.successResultOf(self.database.stopService())
+        self.assertFalse(self.database.is_open)
+
+    def test_the_close_waits_for_every_held_stop(self) -> None:
+        self.database.startService()
+        first: Deferred[str] = Deferred()
+        second: Deferred[None] = Deferred()
+        self.assertIs(self.database.hold(first), first)
+        self.database.hold(second)
+        stopped = self.database.stopService()
+        first.callback("written")
+        self.assertEqual(self.successResultOf(first), "written")  # a part's result is its own
+        self.assertNoResult(stopped)
+        self.assertTrue(self.database.is_open)
+        second.errback(RuntimeError("a part's stop failed"))
+        self.failureResultOf(second, RuntimeError)
+        self.successResultOf(stopped)
+        self.assertFalse(self.database.is_open)
+
+    def test_usage_written_on_stop_is_read_back(self) -> None:
+        quotas = Quotas(self.clock, wall=lambda: 86400.0 * 3)
+        self.database.startService()
+        usage = UsageStore(self.database, quotas, self.clock)
+        usage.startService()
+        quotas.record(KeyConfig("alice", "alice-secret-0123456789"), 12)
+        self.successResultOf(usage.stopService())
+        self.successResultOf(self.database.stopService())
+        again = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+        again.startService()
+        self.assertEqual(again.run_db_now(store.thd_day_usage, quotas.today()), {"alice": 12})
+        self.successResultOf(again.stopService())
+
+    def test_one_thread(self) -> None:
+        database = StoreService(self.path, self.clock)
+        database.startService()
+        try:
+            names = {database.run_db_now(lambda db: threading.current_thread().name) for _ in range(3)}
+        finally:
+            database.run_db_now(lambda db: db.close())
+            database._pool.stop()
+        self.assertEqual(len(names), 1)
+
+
+class PeriodicJobTests(SynchronousTestCase):
+    def test_a_failing_body_is_logged_and_the_job_keeps_running(self) -> None:
+        clock = Clock()
+        runs: list[int] = []
+
+        def body() -> Deferred[None] | None:
+            runs.append(len(runs))
+            if len(runs) == 1:
+                raise RuntimeError("the disk is gone")
+            if len(runs) == 2:
+                return fail(ValueError("and again"))
+            return None
+
+        job = PeriodicJob(clock, 5.0, body, "the job failed")
+        job.start()
+        clock.advance(4.9)
+        self.assertEqual(runs, [])  # the first run is one interval after start
+        for _ in range(3):
+            clock.advance(5.0)
+        self.assertEqual(runs, [0, 1, 2])
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError, ValueError)), 2)
+        job.stop()
+        clock.advance(50.0)
+        self.assertEqual(runs, [0, 1, 2])
