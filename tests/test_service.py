@@ -21,6 +21,7 @@ from blazar.protocols.keyadmin import KeyAdmin
 from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
+from blazar.web.client import context_of
 
 from tests.typed import not_none
 
@@ -474,7 +475,7 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.gateway.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, request)
+                self.tree.gateway.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, context_of(request))
             )
             bound = not_none(request.producer)._stall_close_secs
             engine.end()

@@ -35,7 +35,8 @@ disconnects while waiting leaves the queue at once (cancelling the
 L{Deferred} L{ModelQueue.admit} returned).
 
 The scheduler is pure logic on an injected clock (C{seconds()} and
-C{callLater()}); L{admit_request} is the glue to a web request.
+C{callLater()}); L{admit_request} is the glue to a client's request
+(its L{blazar.gateway.context.IClient}).
 """
 
 from __future__ import annotations
@@ -47,15 +48,13 @@ from typing import Any, Callable
 
 import attrs
 from twisted.internet.defer import Deferred, succeed
-from twisted.web.iweb import IRequest
 
 from blazar.config import Config, QueueConfig
 from blazar.metrics import Metrics, gauge
-from blazar.gateway.context import context_of, key_of, trace_id_of
-from blazar.gateway.quota import retry_after_value
+from blazar.gateway.context import RequestContext, key_of, trace_id_of
+from blazar.gateway.errors import AllSlotsBusy
+from blazar.gateway.priority import Priority
 
-PRIORITY_HEADER = b"x-blazar-priority"
-DEADLINE_HEADER = b"x-blazar-deadline-ms"
 QUEUE_MS_HEADER = b"x-blazar-queue-ms"
 LONG_PREFILL_BYTES = 64 * 1024
 CREDIT_RESET = 256
@@ -65,18 +64,6 @@ SERVICE_EWMA = 0.3
 SNAPSHOT_REQUESTS = 200
 # seconds a batch line may wait for a slot (OpenAI's completion_window, 24h)
 BATCH_DEADLINE = 24 * 3600.0
-
-
-class Priority(IntEnum):
-    """
-    Priority tiers, most urgent first.
-    """
-
-    HIGH = 0
-    NORMAL = 1
-    LOW = 2
-    # offline work (Batch API lines): a slot only when nobody else waits
-    BATCH = 3
 
 
 class WorkClass(IntEnum):
@@ -102,65 +89,6 @@ def human_wait(seconds: float) -> str:
     if whole < 60:
         return f"{whole}s"
     return f"{whole // 60}m{whole % 60:02d}s"
-
-
-def parse_priority(value: bytes | None) -> Priority:
-    """
-    C{x-blazar-priority}: C{high}, C{low} or C{batch} (any case; C{batch}
-    is below C{low}: a slot only when nothing else waits); anything else,
-    or no header, is normal.
-    """
-    if value is None:
-        return Priority.NORMAL
-    word = value.strip().lower()
-    if word == b"high":
-        return Priority.HIGH
-    if word == b"low":
-        return Priority.LOW
-    if word == b"batch":
-        return Priority.BATCH
-    return Priority.NORMAL
-
-
-def parse_deadline_ms(value: bytes | None) -> float | None:
-    """
-    C{x-blazar-deadline-ms}: how long (ms, from arrival) the request may
-    wait for a slot; L{None} when absent, not a number, or not positive.
-
-    @return: Seconds.
-    """
-    if value is None:
-        return None
-    try:
-        ms = float(value.strip())
-    except ValueError:
-        return None
-    if not math.isfinite(ms) or ms <= 0:
-        return None
-    return min(ms, 24 * 3600 * 1000.0) / 1000.0
-
-
-class AllSlotsBusy(Exception):
-    """
-    Every slot of the model stayed busy until the request's deadline, or
-    its queue is full. Surfaces answer 503 C{all_slots_busy} with
-    C{Retry-After}.
-
-    @ivar waited: Seconds the request waited.
-    @ivar retry_after: Seconds after which a retry is likely to be admitted.
-    """
-
-    def __init__(self, message: str, waited: float, retry_after: float) -> None:
-        self.waited = waited
-        self.retry_after = retry_after
-        super().__init__(message)
-
-    @property
-    def retry_after_header(self) -> bytes:
-        """
-        The C{Retry-After} value surfaces send.
-        """
-        return retry_after_value(self.retry_after)
 
 
 @attrs.define(eq=False)
@@ -630,63 +558,53 @@ class Admission:
         ]}
 
 
-def body_size(request: IRequest) -> int:
-    """
-    Bytes of the request's body (as received, whatever was read of it).
-    """
-    content = request.content
-    if content is None:
-        return 0
-    here = content.tell()
-    content.seek(0, 2)
-    size = int(content.tell())
-    content.seek(here)
-    return size
-
-
 async def admit_request(
-    admission: Admission, request: IRequest, model: str, slots: int, work: WorkClass,
+    admission: Admission, context: RequestContext | None, model: str, slots: int, work: WorkClass,
     size: int | None = None,
 ) -> Lease:
     """
-    Wait for a slot of C{model} on behalf of a web request: priority and
-    deadline from its headers, the API key it was admitted with (its
+    Wait for a slot of C{model} on behalf of a client's request: priority
+    and deadline as its client (L{blazar.gateway.context.IClient}) reports
+    them, the API key it was admitted with (its
     C{weight}), its trace id. The slot is released when the response is
     finished or the client leaves; C{x-blazar-queue-ms} tells the client
     how long it waited.
 
     @param slots: The model's slot count.
     @param size: Bytes of the request body as sent (default:
-        L{body_size}).
+        the client's).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
     @raise CancelledError: The client left while waiting.
     """
-    key = key_of(request)
+    key = key_of(context)
+    client = context.client if context is not None else None
     queue = admission.queue(model)
-    priority = parse_priority(request.getHeader(PRIORITY_HEADER))
-    if priority is Priority.BATCH and not context_of(request).batch_line:
+    priority = client.priority() if client is not None else Priority.NORMAL
+    if priority is Priority.BATCH and not (context is not None and context.batch_line):
         # batch (below everything, a day's wait) is the Batch API runner's own:
         # from a client it is low (issue 36: it let one key park 1,024 waiters)
         priority = Priority.LOW
     ticket = queue.ticket(
         key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
         priority=priority,
-        deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
-        work=work, body_size=body_size(request) if size is None else size,
-        trace_id=trace_id_of(request),
+        deadline=client.deadline() if client is not None else None,
+        work=work, body_size=(client.body_size() if client is not None else 0) if size is None else size,
+        trace_id=trace_id_of(context),
     )
     waiting = queue.admit(ticket, slots)
-    gone = request.notifyFinish()  # type: ignore[attr-defined]
-    if not waiting.called:
+    gone = client.finished() if client is not None else None
+    if gone is not None and not waiting.called:
         # the client left while waiting: leave the queue at once, even if
         # the handler's Deferred is not cancelled (e.g. a resource that
         # does not propagate the disconnect)
         gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
     lease = await waiting
-    gone.addBoth(lambda _: lease.release())
-    context = context_of(request)
+    if gone is not None:
+        gone.addBoth(lambda _: lease.release())
+    if context is None:
+        return lease
     if context.started is not None:  # observed: for its trace
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
-    request.setHeader(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
+    context.set_reply_header(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
 

@@ -17,6 +17,8 @@ import io
 import struct
 from typing import Mapping
 
+from blazar.httpbody import multipart_body
+
 SAMPLE_RATE = 16000  # WHISPER_SAMPLE_RATE
 MAX_SECONDS = 3 * 3600.0  # longer uploads are refused before decoding the rest (3 h: 346 MB of PCM)
 # FFmpeg's demuxers an upload may be read with: media containers only. Without the list FFmpeg
@@ -97,8 +99,6 @@ def thd_to_multipart(data: bytes, fields: Mapping[str, str], max_seconds: float 
     @return: The body, its content type, and the audio's seconds.
     @raise AudioUnreadable: As L{thd_to_pcm}.
     """
-    from blazar.httpbody import multipart_body
-
     pcm = thd_to_pcm(data, max_seconds)
     seconds = len(pcm) / 2 / SAMPLE_RATE
     body, content_type = multipart_body(fields, [("file", "audio.wav", "audio/wav", (wav_header(len(pcm) // 2), pcm))])

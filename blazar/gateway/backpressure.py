@@ -2,7 +2,8 @@
 Backpressure from a streaming client to the engine child it streams from.
 
 A relayed stream registers a L{ClientPacer} as the push producer of the
-client's request (C{IRequest.registerProducer}): when the client stops
+client's response (the consumer the web layer's
+L{blazar.gateway.context.IClient} gives: C{registerProducer}): when the client stops
 reading and the transport's write buffer fills, Twisted pauses it, and it
 pauses reading the child's connection (L{blazar.engines.client.BodyValve}),
 so TCP backpressure reaches llama-server and the bytes in Blazar's memory
@@ -31,7 +32,7 @@ from twisted.logger import Logger
 from zope.interface import implementer
 
 from blazar.httpbody import BodyValve
-from blazar.gateway.context import note_error, trace_id_of
+from blazar.gateway.context import RequestContext, note_error, trace_id_of
 
 log = Logger()
 
@@ -82,19 +83,22 @@ class ClientPacer:
     """
 
     def __init__(
-        self, request: Any, valve: BodyValve, clock: Any, stall_close_secs: float,
-        model: str = "",
+        self, consumer: Any, valve: BodyValve, clock: Any, stall_close_secs: float,
+        model: str = "", context: RequestContext | None = None,
     ) -> None:
         """
-        @param request: The client's C{twisted.web} request (headers may
-            be out already).
+        @param consumer: The client's response, as a consumer on an HTTP
+            channel (L{blazar.gateway.context.IClient.consumer}; headers
+            may be out already).
         @param valve: The engine body's valve.
         @param clock: C{IReactorTime} for the stall timer.
         @param stall_close_secs: Seconds a client may stay paused before
             its connection is aborted; 0 or less never aborts.
         @param model: For the log line.
+        @param context: The request's context (its error kind, trace id).
         """
-        self._request = request
+        self._request = consumer
+        self._context = context
         self._valve = valve
         self._clock = clock
         self._stall_close_secs = stall_close_secs
@@ -179,7 +183,7 @@ class ClientPacer:
                 waiter.callback(None)
 
     def stopProducing(self) -> None:
-        # the connection is lost; the request's notifyFinish errback
+        # the connection is lost; the client's finished signal (IClient.finished) errback
         # (delivered right after this) cancels the handler, which closes
         # the engine connection. Until then, read nothing more.
         if self.gone:
@@ -211,11 +215,11 @@ class ClientPacer:
             return
         self.stalled = True
         request = self._request
-        note_error(request, "client_stalled")
+        note_error(self._context, "client_stalled")
         log.warn(
             "client stopped reading the {model} stream for stream_stall_close_secs = {secs} s; "
             "closing its connection and freeing the slot",
-            model=self._model, secs=f"{self._stall_close_secs:g}", trace_id=trace_id_of(request),
+            model=self._model, secs=f"{self._stall_close_secs:g}", trace_id=trace_id_of(self._context),
         )
         transport = getattr(request, "transport", None)
         if transport is None:

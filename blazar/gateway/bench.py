@@ -23,6 +23,7 @@ from zope.interface import Interface, implementer
 from blazar import store, strictjson
 from blazar.engines.bench import check_run
 from blazar.engines.hardware import Census
+from blazar.models.registry import ModelNotFound
 
 KEEP = 200  # runs kept per model (the oldest dropped)
 KEY_MARK = "<per-child key>"  # what a child's key is replaced with in a recorded command line
@@ -188,8 +189,6 @@ class BenchRecords:
         newest first (L{row_json}). A name no model has now (one deleted
         since) reads the runs recorded under that name.
         """
-        from blazar.models.registry import ModelNotFound
-
         name = model
         if model is not None:
             try:

@@ -1,19 +1,23 @@
 """
-The canonical call: what a surface decoded from its JSON, in one object
-the pipeline (L{blazar.gateway.pipeline}) runs. A surface builds one per
-request and never orchestrates the steps itself.
+The canonical call: what a surface decoded from its JSON, in one frozen
+object (L{Call}) the pipeline (L{blazar.gateway.pipeline}) runs. A surface
+builds one per request, whole, and never orchestrates the steps itself;
+what the pipeline's steps make of it (the model's entry and lane, a body
+they change) is the pipeline's own L{Run}.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Generic, TypeVar
 
 import attrs
 
 from blazar.gateway.admission import WorkClass
 from blazar.models.registry import ModelEntry
 
+
+T = TypeVar("T")
 
 # Ollama's placement options and the model profile keys they set (blazar.config.PROFILE_KEYS)
 OLLAMA_PLACEMENT = {"num_gpu": "gpu_layers", "main_gpu": "main_gpu", "num_thread": "threads", "use_mmap": "use_mmap"}
@@ -47,20 +51,19 @@ class Counting(enum.Enum):
     for twice)."""
 
 
-@attrs.define
+@attrs.frozen
 class Call:
     """
-    One request as the pipeline runs it.
+    One request as its surface decoded it, built whole.
 
     @ivar surface: C{"openai"}, C{"responses"}, C{"anthropic"} or
         C{"ollama"} (log lines, C{x-blazar-ignored}).
     @ivar kind: The L{CallKind}.
     @ivar model: The model as the client spelled it.
-    @ivar entry: The model, resolved once by the scope step (L{None}
-        before it, or on a pipeline without a registry).
     @ivar path: The engine path (C{/v1/chat/completions}, C{/infill}, ...).
     @ivar body: The OpenAI-shaped body the engine gets; the pipeline's
-        steps may change it (system-message placement, L{rewrite}).
+        steps may change it (system-message placement, L{rewrite}): the
+        surface hands it over.
     @ivar raw: C{body} encoded, if the surface has it (the client's own
         bytes, when nothing changed); L{None}: the pipeline encodes it,
         once, after every step that may change it.
@@ -80,7 +83,7 @@ class Call:
         (L{Reply.prompt_tokens}).
     @ivar rewrite: A surface's step after placement and before the
         preflight (e.g. the OpenAI surface's engine fixes); it may replace
-        C{body} (set C{raw} to L{None} when it does).
+        the L{Run}'s C{body} (set its C{raw} to L{None} when it does).
     @ivar on_send: Called with whether the model must be loaded first,
         right before the pipeline waits for a child: a streaming surface
         writes its headers (and starts keep-alive pings) there; it returns
@@ -102,11 +105,9 @@ class Call:
     work: WorkClass = WorkClass.INTERACTIVE
     names: tuple[str, str] = ("max_tokens", "messages")
     counting: Counting = Counting.NEVER
-    rewrite: Callable[[Call], Awaitable[None]] | None = None
+    rewrite: Callable[[Run], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
-    entry: ModelEntry | None = None
     session_hint: str | None = None
-    lane: Any = None  # the command lane that serves it (blazar.config.CommandLane), or None: llama.cpp
     content_type: str = "application/json"  # of raw, as the engine gets it
     audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
     audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
@@ -118,6 +119,78 @@ class Call:
     @property
     def embedding(self) -> bool:
         return self.kind is CallKind.EMBEDDING
+
+
+class Decoded(Generic[T]):
+    """
+    An attribute of a L{Run} that reads the same-named one of its L{Call}:
+    what the pipeline's steps never change.
+    """
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    def __get__(self, run: Any, owner: Any = None) -> T:
+        return getattr(run.call, self._name)
+
+
+@attrs.define
+class Run:
+    """
+    A L{Call} as the pipeline runs it: the surface's call, as decoded, and
+    what the steps make of it.
+
+    @ivar call: The surface's call.
+    @ivar body: The body the engine gets (C{call.body} until a step
+        replaces it).
+    @ivar raw: C{body} encoded, or L{None}: the pipeline encodes it.
+    @ivar ctx_size: The context per slot (the call's, or the model's own
+        C{num_ctx}).
+    @ivar max_tokens: The output limit the preflight checks (the call's,
+        or the model's own C{num_predict}).
+    @ivar content_type: Of C{raw}, as the engine gets it.
+    @ivar audio: A transcription's upload until the audio step converted it.
+    @ivar entry: The model, resolved once by the scope step (L{None}
+        before it, or on a pipeline without a registry).
+    @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
+        or L{None}: llama.cpp.
+    """
+
+    call: Call
+    body: dict[str, Any]
+    raw: bytes | None
+    ctx_size: int | None
+    max_tokens: int | None
+    content_type: str
+    audio: bytes | None
+    entry: ModelEntry | None = None
+    lane: Any = None
+
+    @classmethod
+    def of(cls, call: Call) -> Run:
+        """
+        The run of C{call}, before any step.
+        """
+        return cls(call, call.body, call.raw, call.ctx_size, call.max_tokens, call.content_type, call.audio)
+
+    # what the steps never change: the surface's call, as decoded
+    surface = Decoded[str]()
+    kind = Decoded[CallKind]()
+    model = Decoded[str]()
+    path = Decoded[str]()
+    stream = Decoded[bool]()
+    keep_alive = Decoded["float | None"]()
+    profile = Decoded["dict[str, Any] | None"]()
+    work = Decoded[WorkClass]()
+    names = Decoded["tuple[str, str]"]()
+    counting = Decoded[Counting]()
+    rewrite = Decoded["Callable[[Run], Awaitable[None]] | None"]()
+    on_send = Decoded["Callable[[bool], Callable[[], None] | None] | None"]()
+    session_hint = Decoded["str | None"]()
+    audio_fields = Decoded["dict[str, str] | None"]()
+    images = Decoded["list[bytes] | None"]()
+    client_stream = Decoded["bool | None"]()
+    embedding = Decoded[bool]()
 
 
 def max_tokens_of(body: dict[str, Any]) -> int | None:

@@ -6,9 +6,10 @@ failed, its tokens, its trace spans and its stream timing. The site makes
 it when the request arrives (L{blazar.web.site.BlazarRequest}); the access
 log, the metrics, the audit line and the trace read it when it ends.
 
-The functions here are the one way to read and write it, so a request
-made another way (C{StubTreq}, a test's C{DummyRequest}) gets one on first
-use.
+The gateway never sees the HTTP request itself: the web layer hands it
+this context, whose L{IClient} (the web layer's own adapter) reports the
+few HTTP facts the gateway needs and takes the response headers it
+decides (L{blazar.web.client.context_of} makes both).
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import attrs
+from twisted.internet.defer import Deferred
+from zope.interface import Interface
 
 from blazar.config import KeyConfig
 from blazar.gateway.errors import describe
+from blazar.gateway.priority import Priority
 
 
 class StreamTiming:
@@ -46,6 +50,65 @@ class StreamTiming:
             self.first = now
         self.last = now
         self.chunks += events
+
+
+class IClient(Interface):
+    """
+    The client's end of one request, as the web layer shows it to the
+    gateway: the HTTP facts the gateway needs, decoded, a signal of the
+    response's end, and the response headers the gateway decides (set
+    before the response is written). Only C{blazar.web} implements it.
+    """
+
+    def priority() -> Priority:
+        """
+        The admission tier the client asked for (C{x-blazar-priority}).
+        """
+
+    def deadline() -> float | None:
+        """
+        Seconds the request may wait for a slot (C{x-blazar-deadline-ms}),
+        or L{None}.
+        """
+
+    def agent() -> str:
+        """
+        The first product of the C{User-Agent} (at most 60 characters), or
+        C{""}.
+        """
+
+    def body_size() -> int:
+        """
+        Bytes of the request's body, as received.
+        """
+
+    def finished() -> Deferred[None]:
+        """
+        A new Deferred that fires when the response is finished and fails
+        when the client leaves first.
+        """
+
+    def writing() -> bool:
+        """
+        Whether the response has started (its headers are out).
+        """
+
+    def reply_header(name: bytes) -> bytes | None:
+        """
+        The value a response header has so far (its last), or L{None}.
+        """
+
+    def set_reply_header(name: bytes, value: bytes) -> None:
+        """
+        Set a response header (before the response is written).
+        """
+
+    def consumer() -> Any:
+        """
+        The response as a Twisted consumer a streaming relay may register
+        its push producer with (L{blazar.gateway.backpressure}), or
+        L{None} when it cannot have one.
+        """
 
 
 @attrs.define
@@ -95,19 +158,17 @@ class RequestContext:
     remote: str | None = None  # the [[remotes]] name that answered it (metrics, audit)
     cache: str | None = None  # the semantic cache's outcome: hit, miss, bypass, error (None: not enabled)
     batch_line: bool = False  # it came over the private batch listener (the daemon's own Batch API runner)
+    client: Any = None  # the web layer's IClient for it (None: a request no web layer made, e.g. a unit test's)
+
+    def set_reply_header(self, name: bytes, value: bytes) -> None:
+        """
+        Set a response header through the L{IClient}, if there is one.
+        """
+        if self.client is not None:
+            self.client.set_reply_header(name, value)
 
 
-def context_of(request: Any) -> RequestContext:
-    """
-    The request's L{RequestContext}, made on first use.
-    """
-    context = getattr(request, "blazar", None)
-    if context is None:
-        context = request.blazar = RequestContext()
-    return context
-
-
-def count_request(request: Any) -> None:
+def count_request(context: RequestContext) -> None:
     """
     Check and count a request of a route that names no model and spends
     no tokens (the Files and Batch APIs) against its key's C{rpm}, once;
@@ -115,81 +176,77 @@ def count_request(request: Any) -> None:
 
     @raise blazar.gateway.quota.QuotaExceeded: Over rpm.
     """
-    context = context_of(request)
     requests, context.requests, context.rates = context.requests, None, None
     if requests is not None:
         requests()
 
 
-def trace_id_of(request: Any) -> str:
+def trace_id_of(context: RequestContext | None) -> str:
     """
     The request's trace id (C{""} before the site gave it one).
     """
-    return context_of(request).trace_id if request is not None else ""
+    return context.trace_id if context is not None else ""
 
 
-def note_error(request: Any, error: BaseException | str | None) -> None:
+def note_error(context: RequestContext | None, error: BaseException | str | None) -> None:
     """
-    Record why C{request} failed (an exception, or a kind), for
+    Record why the request failed (an exception, or a kind), for
     C{blazar_errors_total}. The first specific kind recorded wins.
     """
     kind = error if isinstance(error, str) or error is None else describe(error).kind
-    context = context_of(request)
-    if kind is not None and context.error is None:
+    if context is not None and kind is not None and context.error is None:
         context.error = kind
 
 
-def note_tokens(request: Any, prompt: int, completion: int) -> None:
+def note_tokens(context: RequestContext | None, prompt: int, completion: int) -> None:
     """
-    Record the engine's prompt and completion token counts for C{request}.
+    Record the engine's prompt and completion token counts for the request.
     """
-    context_of(request).tokens = (prompt, completion)
+    if context is not None:
+        context.tokens = (prompt, completion)
 
 
-def note_span(request: Any, name: str, start: float, end: float | None = None) -> None:
+def note_span(context: RequestContext | None, name: str, start: float, end: float | None = None) -> None:
     """
-    Record a phase of C{request} for its trace (C{queue}, C{load},
+    Record a phase of the request for its trace (C{queue}, C{load},
     C{generate}): clock seconds; an end of L{None} means the response's end.
     """
-    if request is not None:
-        context_of(request).spans[name] = (start, end)
+    if context is not None:
+        context.spans[name] = (start, end)
 
 
-def timing_of(request: Any) -> StreamTiming | None:
+def timing_of(context: RequestContext | None) -> StreamTiming | None:
     """
     The request's L{StreamTiming}, made on first use (L{None} for a
     request that is not observed, e.g. in unit tests without a site).
     """
-    if request is None:
-        return None
-    context = context_of(request)
-    if context.started is None:
+    if context is None or context.started is None:
         return None
     if context.timing is None:
         context.timing = StreamTiming()
     return context.timing
 
 
-def key_of(request: Any) -> KeyConfig | None:
+def key_of(context: RequestContext | None) -> KeyConfig | None:
     """
     The key a request was admitted with (L{None}: auth is off).
     """
-    return context_of(request).key
+    return context.key if context is not None else None
 
 
-def wants_usage(request: Any) -> bool:
+def wants_usage(context: RequestContext | None) -> bool:
     """
     Whether this request's key has token limits, so its usage must be
     counted (the OpenAI surface parses replies only then).
     """
-    return context_of(request).usage is not None
+    return context is not None and context.usage is not None
 
 
-def record_usage(request: Any, tokens: int) -> None:
+def record_usage(context: RequestContext | None, tokens: int) -> None:
     """
     Count C{tokens} (prompt + completion, from the child) against the
     request's key, if it has token limits.
     """
-    record = context_of(request).usage
+    record = context.usage if context is not None else None
     if record is not None:
         record(tokens)

@@ -11,7 +11,7 @@ prompt when the request has none, its messages before the request's).
    C{presence_penalty}, C{frequency_penalty}, C{mirostat}, C{mirostat_tau},
    C{mirostat_eta}, C{num_keep} (C{n_keep}), C{num_predict} (C{max_tokens};
    C{n_predict} on C{/infill}; a negative one is no limit), and C{num_ctx}
-   (the context the call asks for, L{Call.ctx_size}; the child is started
+   (the context the call asks for, L{Run.ctx_size}; the child is started
    with it in the first place: L{blazar.models.modelfile.model_settings}).
    The load-time ones (C{num_gpu}, C{num_thread}, ...) are the model's
    settings, not a call's.
@@ -31,9 +31,10 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from blazar.gateway.call import Call, CallKind, max_tokens_of
+from blazar.gateway.call import CallKind, Run, max_tokens_of
 
-# a model parameter -> the engine's field (llama-server's OpenAI endpoints take llama.cpp's samplers too)
+# a model parameter -> the engine's field (llama-server's OpenAI endpoints take llama.cpp's samplers too):
+# the one table; Ollama's request options use it too (blazar.web.translate.ollama)
 ENGINE_FIELDS: Mapping[str, str] = {
     "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "typical_p": "typical_p",
     "seed": "seed", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
@@ -69,10 +70,10 @@ def _unset(body: Mapping[str, Any], *fields: str) -> bool:
     return all(body.get(f) is None for f in fields)
 
 
-def model_context(call: Call) -> None:
+def model_context(call: Run) -> None:
     """
     The model's C{num_ctx} as the context C{call} asks for, when it asks
-    for none (Ollama's C{options.num_ctx} sets L{Call.ctx_size}).
+    for none (Ollama's C{options.num_ctx} sets L{Run.ctx_size}).
     """
     layers = call.entry.ollama if call.entry is not None else None
     if layers is None or call.ctx_size is not None:
@@ -82,11 +83,11 @@ def model_context(call: Call) -> None:
         call.ctx_size = num_ctx
 
 
-def apply_model_defaults(call: Call) -> bool:
+def apply_model_defaults(call: Run) -> bool:
     """
     The defaults step (see the module docstring) on C{call}, whose model
-    is resolved (L{Call.entry}); C{call.body} is changed in place and
-    L{Call.max_tokens} follows a C{num_predict} that became the limit.
+    is resolved (L{Run.entry}); C{call.body} is changed in place and
+    L{Run.max_tokens} follows a C{num_predict} that became the limit.
 
     @return: Whether C{call.body} changed (its encoding is then stale).
     """

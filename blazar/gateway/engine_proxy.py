@@ -19,7 +19,7 @@ from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from blazar.config import Config, parse_duration
+from blazar.config import Config
 from blazar.engines.client import IEngineClient, NotDelivered, StaleConnection
 from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
 from blazar.engines.llamacpp import context_per_slot
@@ -32,7 +32,7 @@ from blazar.engines.interfaces import ISupervisor
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.errors import EngineRejected, PromptTooLong
-from blazar.gateway.context import context_of, note_span, timing_of
+from blazar.gateway.context import RequestContext, note_span, timing_of
 from blazar.engines.sse import SSEEvents
 from blazar.gateway import placement
 from blazar import strictjson
@@ -84,31 +84,6 @@ class ChildWedged(Exception):
 _TICK = object()
 
 
-KEEP_ALIVE_HEADER = b"x-blazar-keep-alive"
-
-
-def keep_alive_of(body: dict[str, Any], header: bytes | None) -> float | None:
-    """
-    The C{keep_alive} an OpenAI or Anthropic request carries, as an extra
-    body field or the C{x-blazar-keep-alive} header (Ollama's semantics:
-    duration string or seconds; 0 unloads after the answer; negative keeps
-    the model loaded).
-
-    @raise ValueError: Not a duration; the message says what is expected.
-    """
-    value: Any = body.get("keep_alive")
-    if value is None and header is not None:
-        value = header.decode("ascii", "replace")
-    if value is None:
-        return None
-    try:
-        return parse_duration(value)
-    except ValueError:
-        raise ValueError(
-            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
-        ) from None
-
-
 def was_cancelled(error: BaseException) -> bool:
     """
     Whether C{error} is, or wraps, a cancellation (a client that left):
@@ -148,14 +123,14 @@ def stream_error_message(error: Any) -> str:
     return str(error)[:2000]
 
 
-def note_load(request: Any, instance: Any, began: float, now: float) -> None:
+def note_load(context: RequestContext | None, instance: Any, began: float, now: float) -> None:
     """
-    A C{load} span in C{request}'s trace if C{instance} became ready while
+    A C{load} span in the request's trace if C{instance} became ready while
     the request waited for it (from C{began} to C{now}, clock seconds).
     """
     ready_at = getattr(instance, "ready_at", None)
     if ready_at is not None and ready_at >= began:
-        note_span(request, "load", began, now)
+        note_span(context, "load", began, now)
 
 
 class EngineProxy:
@@ -416,7 +391,7 @@ class EngineProxy:
 
     async def send(
         self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        request: Any = None, stream: bool = True, ready: tuple[IInstance, float] | None = None,
+        context: RequestContext | None = None, stream: bool = True, ready: tuple[IInstance, float] | None = None,
         content_type: str = "application/json",
     ) -> tuple[InstanceLease, Any]:
         """
@@ -432,8 +407,8 @@ class EngineProxy:
         (a clean close before any answer, any byte of an answer) fails:
         running it again could run it twice.
 
-        @param request: The web request this is for (its trace gets
-            C{load} and C{generate} spans).
+        @param context: The request this is for (its trace gets C{load}
+            and C{generate} spans).
         @param stream: Whether the child streams its answer (L{False}: a
             reply read whole, sent over a kept-alive connection).
         @param ready: The child the caller already waited for, and when it
@@ -451,10 +426,10 @@ class EngineProxy:
                 # unload or an eviction since: the next one serves it)
                 began = self._clock.seconds()
                 instance = await self.supervisor.instance_for(model, ctx_size)
-            if request is not None:
+            if context is not None:
                 now = self._clock.seconds()
-                note_load(request, instance, began, now)
-                note_span(request, "generate", now)
+                note_load(context, instance, began, now)
+                note_span(context, "generate", now)
             # busy from now on: idle eviction and keep_alive 0 of other
             # requests wait for this one (the caller ends the lease)
             lease = InstanceLease(self.supervisor, instance)
@@ -465,7 +440,7 @@ class EngineProxy:
                 continue
             except CancelledError:
                 lease.release()
-                self.count_abandoned(request, instance)
+                self.count_abandoned(context, instance)
                 raise
             except BaseException:
                 lease.release()
@@ -642,7 +617,7 @@ class EngineProxy:
 
     async def relay_chunks(
         self, instance: IInstance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
-        request: Any = None,
+        context: RequestContext | None = None,
     ) -> None:
         """
         Feed each JSON chunk of a child's SSE stream to C{on_chunk} (for
@@ -661,18 +636,19 @@ class EngineProxy:
                 raise EngineRejected(500, message)
             on_chunk(chunk)
 
-        await self.relay(instance, response, SSEEvents(on_event).feed, request)
+        await self.relay(instance, response, SSEEvents(on_event).feed, context)
 
     async def relay(
         self, instance: IInstance, response: Any, on_chunk: Callable[[bytes], None],
-        request: Any = None,
+        context: RequestContext | None = None,
     ) -> None:
         """
-        Feed the child's body to C{on_chunk} as it arrives; with C{request},
+        Feed the child's body to C{on_chunk} as it arrives; with C{context},
         note when bytes arrived on it (L{blazar.gateway.context.StreamTiming},
         for time to first token and time per output token).
 
-        With C{request} on a live HTTP channel, the relay is the request's
+        With a client on a live HTTP channel (its
+        L{blazar.gateway.context.IClient.consumer}), the relay is the response's
         producer (L{ClientPacer}): while the client does not read, the
         child's connection is not read either, and a client paused for
         C{stream_stall_close_secs} is disconnected. It returns once the
@@ -684,7 +660,7 @@ class EngineProxy:
             the stream (C{ValueError}).
         @raise CancelledError: The client left (or was cut off as stalled).
         """
-        timing = timing_of(request)
+        timing = timing_of(context)
         if timing is not None:
             tick, seconds, feed = timing.tick, self._clock.seconds, on_chunk
 
@@ -693,8 +669,10 @@ class EngineProxy:
                 feed(data)
 
         valve, pacer = BodyValve(), None
-        if request is not None:
-            pacer = ClientPacer(request, valve, self._clock, self._config().stream_stall_close, instance.entry.name)
+        consumer = context.client.consumer() if context is not None and context.client is not None else None
+        if consumer is not None:
+            pacer = ClientPacer(consumer, valve, self._clock, self._config().stream_stall_close, instance.entry.name,
+                                context)
             if not pacer.register():
                 pacer = None
         quiet = None
@@ -714,7 +692,7 @@ class EngineProxy:
             if pacer is not None:
                 await pacer.drained()
         except CancelledError:
-            self.count_abandoned(request, instance)
+            self.count_abandoned(context, instance)
             raise
         except (EngineRejected, StreamStopped):
             raise
@@ -737,9 +715,9 @@ class EngineProxy:
             if pacer is not None:
                 pacer.unregister()
 
-    def count_abandoned(self, request: Any, instance: Any) -> None:
+    def count_abandoned(self, context: RequestContext | None, instance: Any) -> None:
         """
-        The client of C{request} left while a llama.cpp child worked on it,
+        The client of the request left while a llama.cpp child worked on it,
         before the answer's usage was counted: what the child reports for
         the task it stopped (the prompt and the tokens generated until the
         stop, L{blazar.engines.process.EngineProcessProtocol.next_cancelled})
@@ -747,7 +725,7 @@ class EngineProxy:
         C{daily_tokens}). A task the child finished, or never started,
         reports nothing within L{CANCEL_REPORT_SECS}, and nothing is counted.
         """
-        record = context_of(request).usage if request is not None else None
+        record = context.usage if context is not None else None
         protocol = getattr(instance, "protocol", None)
         if record is None or protocol is None or is_remote(instance):
             return

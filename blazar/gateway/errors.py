@@ -29,6 +29,9 @@ from blazar.engines.lanes import LaneError
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineError, EngineTimeout, NoCapacity
 from blazar.models.gguf_meta import GGUFError
+from blazar.gateway.quota import QuotaExceeded, retry_after_value
+from blazar.models.create import CreateError
+from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound
 
 
@@ -263,6 +266,29 @@ def _engine(kind: str, code: str = "engine_error") -> Callable[[BaseException], 
     return problem
 
 
+class AllSlotsBusy(Exception):
+    """
+    Every slot of the model stayed busy until the request's deadline, or
+    its queue is full. Surfaces answer 503 C{all_slots_busy} with
+    C{Retry-After}.
+
+    @ivar waited: Seconds the request waited.
+    @ivar retry_after: Seconds after which a retry is likely to be admitted.
+    """
+
+    def __init__(self, message: str, waited: float, retry_after: float) -> None:
+        self.waited = waited
+        self.retry_after = retry_after
+        super().__init__(message)
+
+    @property
+    def retry_after_header(self) -> bytes:
+        """
+        The C{Retry-After} value surfaces send.
+        """
+        return retry_after_value(self.retry_after)
+
+
 def _busy(e: BaseException) -> Problem:
     return Problem(Category.BUSY, 503, str(e), kind="all_slots_busy", code="all_slots_busy",
                    retry_after=_retry_after(e, 1.0))
@@ -274,10 +300,6 @@ def _quota(e: BaseException) -> Problem:
 
 
 def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Problem]]]:
-    from blazar.gateway.admission import AllSlotsBusy
-    from blazar.gateway.quota import QuotaExceeded
-    from blazar.models.create import CreateError
-    from blazar.models.hub import PullError
     return [
         (BadRequest, _bad_request),
         (ModelChangeError, lambda e: Problem(Category.INVALID, 400, str(e))),

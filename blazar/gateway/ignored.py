@@ -8,12 +8,10 @@ C{x-blazar-ignored}, and into the log once per client and field
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Any, Iterable
+from typing import Iterable
 
 from twisted.logger import Logger
-from twisted.web.iweb import IRequest
-
-from blazar.gateway.context import key_of, trace_id_of
+from blazar.gateway.context import RequestContext, key_of, trace_id_of
 
 log = Logger()
 
@@ -34,18 +32,18 @@ class IgnoredFields:
         self._seen: OrderedDict[tuple[str, str, str], None] = OrderedDict()
         self._limit = limit
 
-    def client_of(self, request: IRequest) -> str:
+    def client_of(self, context: RequestContext) -> str:
         """
         Who sent a request, for the log: its key's name (or C{-}) and the
         first product of its C{User-Agent}.
         """
-        key = key_of(request)
-        agent = (request.getHeader(b"user-agent") or b"").decode("ascii", "replace").split(" ", 1)[0][:60]
+        key = key_of(context)
+        agent = context.client.agent() if context.client is not None else ""
         return f"{key.name if key is not None else '-'} {agent or '-'}"
 
-    def note(self, request: IRequest, surface: str, names: Iterable[str]) -> None:
+    def note(self, context: RequestContext, surface: str, names: Iterable[str]) -> None:
         """
-        Set C{x-blazar-ignored} on C{request}'s response (call before
+        Set C{x-blazar-ignored} on the request's response (call before
         anything is written; names noted earlier for it are kept) and log
         each name not yet logged for this
         client. Bounded: names are cut to 100 characters and at most 64 a
@@ -65,17 +63,16 @@ class IgnoredFields:
             return
         shown = list(kept) + ([f"(+{more} more)"] if more else [])
         # a later step's names join an earlier step's (the surface's, then the pipeline's)
-        headers = getattr(request, "responseHeaders", None)
-        earlier = headers.getRawHeaders(IGNORED_HEADER) if headers is not None else None
-        before = [n for n in earlier[-1].decode("ascii", "replace").split(",") if n and n != "..."] \
+        earlier = context.client.reply_header(IGNORED_HEADER) if context.client is not None else None
+        before = [n for n in earlier.decode("ascii", "replace").split(",") if n and n != "..."] \
             if earlier else []
-        request.setHeader(IGNORED_HEADER, header_value(before + shown))
-        client = self.client_of(request)[:_NAME_MAX]
+        context.set_reply_header(IGNORED_HEADER, header_value(before + shown))
+        client = self.client_of(context)[:_NAME_MAX]
         if more:
             log.info(
                 "ignored {count} more request fields on the {surface} surface (client {client}) "
                 "than are listed", count=more, surface=surface, client=client,
-                trace_id=trace_id_of(request),
+                trace_id=trace_id_of(context),
             )
         for name in kept:
             triple = (client, surface, name)
@@ -88,7 +85,7 @@ class IgnoredFields:
             log.info(
                 "ignored request field {field!r} on the {surface} surface (client {client}); "
                 "see the README's leniency table", field=name, surface=surface, client=client,
-                trace_id=trace_id_of(request),
+                trace_id=trace_id_of(context),
             )
 
 
@@ -96,23 +93,11 @@ class IgnoredFields:
 IGNORED = IgnoredFields()
 
 
-def note_ignored(request: IRequest, surface: str, names: Iterable[str]) -> None:
+def note_ignored(context: RequestContext, surface: str, names: Iterable[str]) -> None:
     """
     L{IgnoredFields.note} on the process's L{IGNORED}.
     """
-    IGNORED.note(request, surface, names)
-
-
-def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
-    """
-    The C{anthropic-beta} header's values Blazar does not act on, as
-    C{anthropic-beta=VALUE} names for C{x-blazar-ignored}.
-    """
-    raw = request.getHeader(b"anthropic-beta")
-    if not raw:
-        return []
-    values = [v.strip() for v in raw.decode("ascii", "replace").split(",")]
-    return [f"anthropic-beta={v}" for v in values if v and v not in honoured]
+    IGNORED.note(context, surface, names)
 
 
 def header_value(names: list[str], limit: int = 1024) -> bytes:

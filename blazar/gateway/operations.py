@@ -30,6 +30,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from blazar.engines.llamacpp import model_kind
 from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.create import CreateError, CreateSpec, ModelCreator
 from blazar.models.hub import HubName, PullError, parse_hub_name
@@ -125,8 +126,6 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
     (L{blazar.engines.supervisor.InstanceView.gpu_memory}; either figure
     L{None} where unknown; C{[]}: on the CPU).
     """
-    from blazar.engines.llamacpp import model_kind
-
     rows = []
     for view in await supervisor.measured_snapshot():
         kind, estimate = None, None

@@ -48,7 +48,6 @@ change here, not in the surfaces. Errors are domain errors
 from __future__ import annotations
 
 import json
-import math
 import re
 import secrets
 from typing import Any, Awaitable, Callable
@@ -62,17 +61,15 @@ from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
 from blazar.gateway.cachestore import CacheStore
-from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting
-from blazar.gateway.context import context_of, key_of, note_span, note_tokens, record_usage
+from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
+from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens
 from blazar.gateway.defaults import apply_model_defaults, model_context
-from blazar.gateway.engine_proxy import EngineProxy, StreamStopped, note_load, stream_error_message
+from blazar.gateway.engine_proxy import EngineProxy, note_load
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
 from blazar.config import Config
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
-from blazar.gateway.sentinel import (
-    UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
-)
+from blazar.gateway.sentinel import UNPARSED, SentinelViolation
 from blazar.gateway.sessions import Pin, Sessions, session_name
 from blazar.gateway.isolation import Isolated, KeyIsolation, with_fields
 from blazar.gateway.toolcalls import (
@@ -81,11 +78,12 @@ from blazar.gateway.toolcalls import (
 )
 from blazar.config import CommandLane
 from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
-from blazar.engines.remote import REMOTE, is_remote, scrub_bytes, shared_name
-from blazar.engines.sse import SSEEvents, WholeEvents
+from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.gateway import jsonanswer
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.remotewire import AnthropicStream, RemoteStreamError, answer_chunks, from_anthropic, to_anthropic
+from blazar.gateway.remotewire import AnthropicStream, to_anthropic
+from blazar.gateway.reply import Reply, scoped
+from blazar.gateway.translated import FromAnthropic, FromCompletion, Renamed, Translated, scrubber
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
 from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
@@ -96,516 +94,31 @@ from blazar import strictjson
 log = Logger()
 
 
-class Reply:
-    """
-    A child's answer to one call, held on a lease until the call ends.
-
-    @ivar model: The canonical name of the model that answers.
-    @ivar prompt_tokens: The prompt's token count, if the pipeline counted
-        it (L{Call.counting}, or the preflight needed it).
-    @ivar started: Clock seconds when the pipeline began waiting for a child.
-    @ivar loaded: Clock seconds when a ready child was there.
-    @ivar cached: A semantic cache hit (L{Pipeline._cached}): no lease,
-        no child; C{made} is the stored answer, and its usage counts
-        against nothing (L{usage}).
-    @ivar keep: Called with the whole answer once L{read} has it and the
-        sentinel found nothing: the cache step's store on a miss.
-    """
-
-    def __init__(
-        self, proxy: EngineProxy, request: Any, lease: InstanceLease | None, response: Any,
-        prompt_tokens: int | None, started: float, loaded: float, model: str | None = None,
-    ) -> None:
-        """
-        @param lease: The hold on the child that answers; L{None} for an
-            answer the pipeline has already (C{made}, then C{model} names
-            the model).
-        """
-        self._proxy = proxy
-        self._request = request
-        self._lease = lease
-        self._response = response
-        if model is None:
-            assert lease is not None, "a reply without a lease names its model"
-            model = lease.instance.entry.name
-        self.model = model
-        self.cached = False
-        self.keep: Callable[[bytes], None] | None = None
-        self.prompt_tokens = prompt_tokens
-        self.started = started
-        self.loaded = loaded
-        self.pin: Pin | None = None
-        self.isolated: Isolated | None = None  # its slot on a model that isolates keys
-        # an answer the pipeline made itself (a forced tool call): the OpenAI
-        # chat completion, or its SSE stream
-        self.made: bytes | None = None
-        # the chat request the sentinel judges the answer by (None: no chat)
-        self.watched: dict[str, Any] | None = None
-        self.enforce = False
-        self.max_tokens: int | None = None
-        # a finding the pipeline made while it got the answer (an engine
-        # that could not parse the model's tool call: L{Pipeline._start})
-        self.noted: tuple[str, str] | None = None
-        self.stall = 30.0  # seconds without a chunk: a stream is flagged stalled
-        self.clock: Any = None
-        # an api = "anthropic" remote's answer: turned into OpenAI's on the way (L{_from_remote})
-        self.anthropic: AnthropicStream | None = None
-        # an OpenAI-compatible remote's answer names its own model: this one's name put there instead
-        self.renamed = False
-        # the request's stream_options.include_usage (a remote's JSON answer made a stream: L{_remote_json})
-        self.wants_usage = False
-        # a JSON answer streamed by llama-server's /completion
-        # (L{blazar.gateway.jsonanswer}): turned into OpenAI's chat chunks
-        self.completion: jsonanswer.ChatFromCompletion | None = None
-
-    async def read(self) -> bytes:
-        """
-        The whole answer.
-
-        @raise blazar.engines.supervisor.EngineError: The child died or
-            stalled before it finished.
-        """
-        if self.made is not None:
-            data = self.made
-        else:
-            assert self._lease is not None
-            data = await self._proxy.read(self._lease.instance, self._response)
-            if self.anthropic is not None:
-                data = self._from_anthropic(self._scrubbed(data))
-            elif self.renamed:
-                data = _with_model(self._scrubbed(data), self.model, self._lease.instance.server)
-        findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
-            if self.watched is not None else []
-        self._judge(findings)
-        keep, self.keep = self.keep, None
-        if keep is not None and not findings:
-            keep(data)
-        if scoped(self._request):
-            data = hide_prompt_cache_bytes(data)
-        return data
-
-    def _from_anthropic(self, data: bytes) -> bytes:
-        """
-        An Anthropic Messages answer as the OpenAI chat completion every
-        surface translates from.
-
-        @raise EngineRejected: Not a Messages answer.
-        """
-        assert self.anthropic is not None
-        try:
-            message = json.loads(data)
-            if not isinstance(message, dict) or message.get("type") != "message":
-                raise ValueError("not a message object")
-            answer = from_anthropic(message, self.anthropic.model, self.anthropic.created)
-        except (ValueError, TypeError, AttributeError) as e:
-            raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
-        return strictjson.dumps(answer, ensure_ascii=False).encode("utf-8")
-
-    def _anthropic_events(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[bytes], None]:
-        """
-        A feed for an Anthropic Messages stream's bytes that hands each
-        OpenAI chunk it translates to (L{AnthropicStream}) to C{on_chunk}.
-
-        @raise EngineRejected: The remote's stream reported an error.
-        """
-        stream = self.anthropic
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            try:
-                event = json.loads(self._scrubbed(data))
-            except ValueError:
-                raise EngineRejected(502, "the remote's stream is not Anthropic's: an event is not JSON") from None
-            if not isinstance(event, dict):
-                return
-            try:
-                chunks = stream.feed(str(event.get("type", "")), event)
-            except RemoteStreamError as e:
-                raise EngineRejected(502, f"the remote's stream failed ({e.kind}): {e}") from None
-            for chunk in chunks:
-                on_chunk(chunk)
-
-        return SSEEvents(on_event).feed
-
-    def _completion_events(
-        self, on_chunk: Callable[[dict[str, Any]], Any], on_end: Callable[[], None] | None = None,
-    ) -> Callable[[bytes], None]:
-        """
-        A feed for llama-server's C{/completion} SSE stream (a JSON answer:
-        L{blazar.gateway.jsonanswer}) that hands each OpenAI chat chunk it
-        translates to to C{on_chunk}, then calls C{on_end} after the last.
-
-        @raise EngineRejected: The engine's stream reported an error.
-        """
-        stream = self.completion
-        assert stream is not None
-
-        def on_event(data: bytes) -> None:
-            if data == b"[DONE]":
-                return
-            event = json.loads(data)
-            if not isinstance(event, dict):
-                return
-            if "error" in event:
-                raise EngineRejected(500, stream_error_message(event["error"]))
-            ended = stream.finished
-            for chunk in stream.feed(event):
-                on_chunk(chunk)
-            if stream.finished and not ended and on_end is not None:
-                on_end()
-
-        return SSEEvents(on_event).feed
-
-    def _completion_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_completion_events}, encoded as OpenAI's SSE (C{data: [DONE]}
-        after the last chunk), for the byte relay.
-        """
-        return self._completion_events(lambda chunk: feed(jsonanswer.encode(chunk)),
-                                       lambda: feed(b"data: [DONE]\n\n"))
-
-    def _renamed_events(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        A feed for an OpenAI-compatible remote's SSE stream that hands each
-        event on with this reply's model name in its C{model} (the remote
-        wrote its own: C{tiny} for C{peer:tiny}, a dated snapshot for an
-        alias), as compact JSON, whole events only.
-        """
-        assert self._lease is not None
-        server = self._lease.instance.server
-
-        def on_event(data: bytes) -> None:
-            data = data if data == b"[DONE]" else _with_model(self._scrubbed(data), self.model, server)
-            feed(b"data: " + data + b"\n\n")
-
-        return SSEEvents(on_event).feed
-
-    def _scrubbed(self, data: bytes) -> bytes:
-        """
-        A remote's answer without its key, should it have echoed it
-        (L{blazar.engines.remote.scrub_bytes}).
-        """
-        instance = self._lease.instance if self._lease is not None else None
-        return scrub_bytes(data, instance.remote, instance.environ) if is_remote(instance) else data
-
-    def _anthropic_bytes(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
-        """
-        L{_anthropic_events}, encoded as OpenAI's SSE (C{data: [DONE]} after
-        the last chunk), for the byte relay.
-        """
-        stream = self.anthropic
-        assert stream is not None
-        done = False
-
-        def on_chunk(chunk: dict[str, Any]) -> None:
-            nonlocal done
-            feed(b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-                 .encode("utf-8") + b"\n\n")
-            if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
-                done = True
-                feed(b"data: [DONE]\n\n")
-
-        return self._anthropic_events(on_chunk)
-
-    async def _cut_end(self, watch: StreamWatch) -> list[dict[str, Any]]:
-        """
-        The end of a stream the engine cut with L{UNPARSED} (an answer, not
-        a fault): the finding, and the chunks a good stream ends with, its
-        token counts from the child's tokenizer (the engine sent none).
-
-        @raise EngineRejected: A JSON answer without tools (a model whose
-            template reasons: the others' JSON answers do not go through
-            the chat parser, L{blazar.gateway.jsonanswer}): the engine held
-            text back, so the JSON is incomplete; the stream ends with the
-            surface's error, never as a C{stop} with its JSON cut.
-        """
-        if self.watched is not None and not self.watched.get("tools") and jsonanswer.json_format(self.watched):
-            watch.noted = ("format_invalid", "the engine could not parse the model's JSON answer and held its end "
-                                             "back; the stream ended with an error")
-            log.info("{model}: the engine could not parse the model's JSON answer and held its end back; the "
-                     "stream ends with an error", model=self.model)
-            raise EngineRejected(502, "the engine's chat parser refused the model's JSON answer at its end and "
-                                      "held the rest of it back: the answer is incomplete; ask again")
-        code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
-        watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
-                             "for; the stream ended with its text")
-        log.info("{model}: the engine could not parse the model's output ({code}); the stream ends with its "
-                 "text instead of the engine's error", model=self.model, code=code)
-        completion, prompt = watch.deltas, self.prompt_tokens or 0
-        try:
-            text = watch.text()
-            if text:
-                completion = await self._proxy.count_text_tokens(self.model, text, add_special=False)
-            if not prompt and self.watched is not None:
-                prompt = await self._proxy.count_chat_tokens(self.model, self.watched)
-        except Exception as e:
-            log.info("{model}: could not count a cut stream's tokens ({error}); estimated", model=self.model,
-                     error=str(e)[:200])
-        finish = "length" if self.max_tokens and completion >= self.max_tokens else "stop"
-        options = (self.watched or {}).get("stream_options")
-        usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        return ending(watch.last, finish, prompt, completion, usage)
-
-    async def _remote_json(self) -> None:
-        """
-        A remote that answered a stream request with one JSON answer (its
-        C{content-type} is C{application/json}, not C{text/event-stream}):
-        that answer, read whole and translated as a non-streamed one is,
-        becomes the stream it would have sent (L{answer_chunks}), so the
-        client gets its surface's stream, not an empty one.
-
-        @raise EngineRejected: The JSON is no answer (a 502 naming the
-            remote).
-        """
-        lease = self._lease
-        if self.made is not None or lease is None or self._response is None \
-                or not (self.anthropic is not None or self.renamed):
-            return
-        instance = lease.instance
-        kind = (self._response.headers.getRawHeaders(b"content-type") or [b""])[0].lower()
-        if not is_remote(instance) or not kind.startswith(b"application/json"):
-            return
-        data = await self._proxy.read(lease.instance, self._response)
-        if self.anthropic is not None:
-            data = self._from_anthropic(self._scrubbed(data))
-        else:
-            data = _with_model(self._scrubbed(data), self.model, instance.server)
-        try:
-            chunks = answer_chunks(json.loads(data), self.wants_usage)
-        except ValueError as e:
-            raise EngineRejected(502, f"{instance.server} answered a stream request with JSON, and {e}: "
-                                      "check its base_url and api") from None
-        self.made = b"".join(b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":"))
-                             .encode("utf-8") + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
-
-    async def relay(self, feed: Callable[[bytes], None]) -> None:
-        """
-        Feed the answer's bytes to C{feed} as they arrive, at the client's
-        pace (L{EngineProxy.relay}).
-        """
-        await self._remote_json()
-        hider = _CacheHider(feed) if scoped(self._request) else None
-        if hider is not None:
-            feed = hider.feed
-        watch = StreamWatch(self.watched) if self.watched is not None else None
-        timer = self._stall_timer(watch)
-        cut = False
-        whole = WholeEvents()
-        if watch is not None:
-            inner = feed
-
-            def feed(data: bytes) -> None:
-                nonlocal cut
-                data = whole.feed(data)  # whole events only (a cut one can then be seen)
-                if not data:
-                    return
-                if UNPARSED_BYTES in data:
-                    data, dropped = drop_unparsed(data)
-                    cut = cut or dropped
-                    if not data.strip():
-                        return
-                watch.events(data)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
-                inner(data)
-
-        try:
-            if self.made is not None:
-                feed(self.made)
-            elif self.anthropic is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_bytes(feed),
-                                        self._request)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_bytes(feed),
-                                        self._request)
-            elif self.renamed:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._renamed_events(feed),
-                                        self._request)
-            else:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, feed, self._request)
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-        if watch is not None:
-            held = whole.rest()
-            if held:
-                inner(held)  # an unfinished last event: as the engine left it
-            if cut:
-                # an answer, not a fault: the stream ends as a good one does
-                events = b"".join(b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-                                  for c in await self._cut_end(watch)) + b"data: [DONE]\n\n"
-                watch.events(events)
-                inner(events)
-            self._judge(watch.findings())
-        if hider is not None:
-            hider.flush()
-
-    def _stall_timer(self, watch: StreamWatch | None) -> Any:
-        """
-        A timer that flags the stream C{stalled} (once) if no chunk comes for
-        C{sentinel_stall_secs}; the stream goes on.
-        """
-        if watch is None or self.made is not None or self.stall <= 0 or self.clock is None:
-            return None
-        return self.clock.callLater(self.stall, watch.stalled, self.stall)
-
-    async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
-        """
-        Feed each JSON chunk of the answer's SSE stream to C{on_chunk}; an
-        C{on_chunk} that raises L{StreamStopped} ends the stream early, on
-        purpose (a stop sequence matched), and this returns normally.
-
-        @raise blazar.gateway.errors.EngineRejected: An in-stream error.
-        """
-        await self._remote_json()
-        if scoped(self._request):
-            hidden = on_chunk
-
-            def on_chunk(chunk: dict[str, Any]) -> Any:
-                hide_prompt_cache(chunk)
-                return hidden(chunk)
-
-        watch = StreamWatch(self.watched) if self.watched is not None else None
-        timer = self._stall_timer(watch)
-        keep, self.keep = self.keep, None
-        answer = semantic.StreamedAnswer() if keep is not None else None
-        if watch is not None:
-            inner = on_chunk
-
-            def on_chunk(chunk: dict[str, Any]) -> Any:
-                watch.deltas += 1
-                watch.chunk(chunk)
-                if answer is not None:
-                    answer.feed(chunk)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
-                return inner(chunk)
-
-        try:
-            if self.cached and self.made is not None:  # a stored completion, as the stream it was made from
-                for chunk in semantic.as_chunks(self.made):
-                    on_chunk(chunk)
-            elif self.made is not None:
-                for event in self.made.split(b"\n\n"):
-                    if event.startswith(b"data: {"):
-                        on_chunk(json.loads(event[len(b"data: "):]))
-            elif self.anthropic is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._anthropic_events(on_chunk),
-                                        self._request)
-            elif self.completion is not None:
-                assert self._lease is not None
-                await self._proxy.relay(self._lease.instance, self._response, self._completion_events(on_chunk),
-                                        self._request)
-            else:
-                assert self._lease is not None
-                try:
-                    await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._request)
-                except EngineRejected as e:
-                    if watch is None or not str(e).startswith(UNPARSED):
-                        raise
-                    # an answer, not a fault: the stream ends as a good one does
-                    answer = None  # (not the engine's answer: never stored)
-                    for chunk in await self._cut_end(watch):
-                        on_chunk(chunk)
-        except StreamStopped:
-            return  # cut short on purpose (a surface's stop sequence): not a whole answer to keep
-        finally:
-            if timer is not None and timer.active():
-                timer.cancel()
-        findings = watch.findings() if watch is not None else []
-        self._judge(findings)
-        made = answer.completion() if answer is not None and not findings else None
-        if keep is not None and made is not None:
-            keep(made)
-
-    def _judge(self, findings: list[tuple[str, str]]) -> None:
-        """
-        The sentinel's findings on the whole answer: recorded (metrics,
-        audit); on an answer not yet written (a non-streamed one), named in
-        C{x-blazar-sentinel}, or refused under C{sentinel_enforce}.
-
-        @raise SentinelViolation: Enforced, and something was found.
-        """
-        if not findings:
-            return
-        codes = tuple(dict.fromkeys(code for code, _ in findings))
-        context_of(self._request).sentinel = codes
-        request = self._request
-        if request is None or getattr(request, "startedWriting", True):
-            return  # streamed to the client already: counted, never cut
-        request.setHeader(SENTINEL_HEADER, ",".join(codes))
-        if self.enforce:
-            raise SentinelViolation(findings)
-
-    def usage(self, prompt: int, completion: int) -> None:
-        """
-        The tokens this call used, as the engine reported them: counted in
-        the metrics and against the key's token limits. A cache hit's
-        tokens count nowhere: no engine made them now (its answer still
-        shows the usage of when it was made).
-        """
-        if self.cached:
-            return
-        note_tokens(self._request, prompt, completion)
-        record_usage(self._request, prompt + completion)
-
-    def tokens(self, prompt: int, completion: int) -> None:
-        """
-        The tokens, for the metrics only (the key's limits were counted
-        from the stream's usage chunk: L{record}).
-        """
-        if self.cached:
-            return
-        note_tokens(self._request, prompt, completion)
-
-    def audio_used(self) -> float:
-        """
-        The seconds of audio a transcription decoded, counted against the
-        key's token limits (each second as one token) once it is answered.
-        """
-        seconds = context_of(self._request).audio_seconds or 0.0
-        record_usage(self._request, math.ceil(seconds))
-        return seconds
-
-    def record(self, total: int) -> None:
-        """
-        Tokens counted against the key's token limits only.
-        """
-        if self.cached:
-            return
-        record_usage(self._request, total)
-
-
 class Opened:
     """
-    C{async with pipeline.open(request, call) as reply}: the steps up to
+    C{async with pipeline.open(context, call) as reply}: the steps up to
     the send on entry; the lease's end on exit, however the block ends.
     """
 
-    def __init__(self, pipeline: Pipeline, request: Any, call: Call) -> None:
+    def __init__(self, pipeline: Pipeline, context: RequestContext | None, call: Call) -> None:
         self._pipeline = pipeline
-        self._request = request
-        self._call = call
+        self._context = context
+        self._call = Run.of(call)
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
 
     async def __aenter__(self) -> Reply:
-        self._reply, self._lease = await self._pipeline._start(self._request, self._call)
+        self._reply, self._lease = await self._pipeline._start(self._context, self._call)
         return self._reply
 
     async def __aexit__(self, *exc_info: Any) -> None:
         if self._reply is not None and self._reply.isolated is not None:
             self._pipeline.isolation.release(self._reply.isolated)
         if self._reply is not None and self._reply.pin is not None and self._pipeline.sessions is not None:
-            tokens = context_of(self._request).tokens
+            tokens = self._context.tokens if self._context is not None else None
             self._pipeline.sessions.release(self._reply.pin, sum(tokens) if tokens else None)
         if self._lease is not None:
-            self._pipeline._end(self._lease, keep_alive_of(self._request, self._call))
+            self._pipeline._end(self._lease, applied_keep_alive(self._context, self._call))
 
 
 class Pipeline:
@@ -634,19 +147,22 @@ class Pipeline:
         self.images: ImageFetcher | None = None  # fetches image URLs (L{_vision}); None: they are refused
         self.isolation = KeyIsolation(clock)  # the slots of models with isolate_keys
 
-    def open(self, request: Any, call: Call) -> Opened:
+    def open(self, context: RequestContext | None, call: Call) -> Opened:
         """
         Run C{call} up to the engine's answer; see L{Opened}.
         """
-        return Opened(self, request, call)
+        return Opened(self, context, call)
 
-    async def count(self, request: Any, call: Call) -> int:
+    async def count(self, context: RequestContext | None, call: Call) -> int:
         """
         The prompt tokens C{call} would report, counted by the child on the
         same rendering (steps 1-4, then the count): C{count_tokens},
         C{input_tokens}.
         """
-        await self._check(request, call)
+        return await self._counted(context, Run.of(call))
+
+    async def _counted(self, context: RequestContext | None, call: Run) -> int:
+        await self._check(context, call)
         if call.lane is not None:
             raise UnsupportedByModel(
                 f"model {call.model!r} is served by the {call.lane.name} lane, whose server Blazar cannot ask to "
@@ -655,7 +171,7 @@ class Pipeline:
             await call.rewrite(call)
         return await self._count(call)
 
-    async def load(self, request: Any, call: Call) -> tuple[float, float]:
+    async def load(self, context: RequestContext | None, call: Call) -> tuple[float, float]:
         """
         Make sure a child for C{call.model} is ready (scope checked) and
         record the use with C{call.keep_alive}: Ollama's load with an empty
@@ -663,17 +179,20 @@ class Pipeline:
 
         @return: Clock seconds when it began and when the child was ready.
         """
-        call.entry = await self._scope(request, call.model)
+        return await self._loaded(context, Run.of(call))
+
+    async def _loaded(self, context: RequestContext | None, call: Run) -> tuple[float, float]:
+        call.entry = await self._scope(context, call.model)
         model_context(call)  # a model's own num_ctx
         started = self._clock.seconds()
-        await self._placement(request, call)
+        await self._placement(context, call)
         instance = await self.supervisor.instance_for(call.model, call.ctx_size)
         loaded = self._clock.seconds()
-        note_load(request, instance, started, loaded)
-        self._end(InstanceLease(self.supervisor, instance), keep_alive_of(request, call))
+        note_load(context, instance, started, loaded)
+        self._end(InstanceLease(self.supervisor, instance), applied_keep_alive(context, call))
         return started, loaded
 
-    async def scope(self, request: Any, model: str) -> str:
+    async def scope(self, context: RequestContext | None, model: str) -> str:
         """
         Step 2 alone, for what is not a call (Ollama's unload with an
         empty prompt): the canonical name of a model the request's key may
@@ -681,20 +200,20 @@ class Pipeline:
 
         @raise ModelNotFound: No such model, or one the key may not use.
         """
-        entry = await self._scope(request, model)
+        entry = await self._scope(context, model)
         return entry.name if entry is not None else model
 
-    async def lane_kind(self, request: Any, model: str) -> str | None:
+    async def lane_kind(self, context: RequestContext | None, model: str) -> str | None:
         """
         What a built-in lane's model serves (C{transcription} or C{image}),
         or L{None} for llama.cpp's and command lanes' models: for a surface
         whose one endpoint takes more than one kind (Ollama's
         C{/api/generate} makes images too). The scope step runs here (its
-        rate check once per request, as always).
+        rate check once per context, as always).
 
         @raise ModelNotFound: No such model, or one the key may not use.
         """
-        entry = await self._scope(request, model)
+        entry = await self._scope(context, model)
         if entry is None:
             return None
         architecture, _ = await self._facts_of(entry)
@@ -729,10 +248,10 @@ class Pipeline:
 
     # -- the steps ----------------------------------------------------------
 
-    async def _start(self, request: Any, call: Call) -> tuple[Reply, InstanceLease | None]:
+    async def _start(self, context: RequestContext | None, call: Run) -> tuple[Reply, InstanceLease | None]:
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
-        canonical = await self._check(request, call)
-        hit, keep = await self._cached(request, call, asked, canonical)
+        canonical = await self._check(context, call)
+        hit, keep = await self._cached(context, call, asked, canonical)
         if hit is not None:
             return hit, None
         if call.rewrite is not None and call.lane is None:  # a surface's llama-server dialect fixes
@@ -742,7 +261,7 @@ class Pipeline:
         raw = call.raw if call.raw is not None else strictjson.dumps(call.body).encode("utf-8")
         path, anthropic = call.path, None
         if lane is not None and lane.name == REMOTE:
-            raw, path, anthropic = self._remote_body(request, call)
+            raw, path, anthropic = self._remote_body(context, call)
         counted = None
         if lane is None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
@@ -751,10 +270,10 @@ class Pipeline:
             )
         if call.images:
             await self._image_sizes(call.images)
-        await self._admit(request, canonical, call.work, call.entry, call.lane)
+        await self._admit(context, canonical, call.work, call.entry, call.lane)
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
-            await self._audio(request, call)
+            await self._audio(context, call)
             raw = call.raw or b""
         # after admission: no engine call for a request still queued, and a
         # model that loaded while it waited is found ready
@@ -771,42 +290,42 @@ class Pipeline:
         json_route = lane is None and forced is None and await self._json_route(call)
         completion: jsonanswer.ChatFromCompletion | None = None
         try:
-            await self._placement(request, call)
+            await self._placement(context, call)
             instance = await self.supervisor.instance_for(call.model, call.ctx_size)
             loaded = self._clock.seconds()  # (Ollama's load_duration ends here)
-            pin = await self._pin(request, call, instance)
-            isolated = self._isolate(request, call, instance, pin)
+            pin = await self._pin(context, call, instance)
+            isolated = self._isolate(context, call, instance, pin)
             slot = isolated.fields() if isolated is not None else {"id_slot": pin.slot} if pin is not None else {}
             made, noted = None, None
             if getattr(instance, "lane", LLAMACPP) != LLAMACPP:
                 forced = None  # re-routed to a lane (an architecture llama.cpp did not know): its server decides
                 json_route = False
             if forced is not None:
-                lease, made = await self._forced(request, call, forced, instance, started, slot)
+                lease, made = await self._forced(context, call, forced, instance, started, slot)
                 response = None
             elif json_route and not call.stream:
-                lease, made = await self._json_answer(request, call, instance, slot)
+                lease, made = await self._json_answer(context, call, instance, slot)
                 response = None
             elif json_route:
-                lease, response = await self._json_send(request, call, instance, slot, stream=True)
+                lease, response = await self._json_send(context, call, instance, slot, stream=True)
                 completion = jsonanswer.ChatFromCompletion(lease.instance.entry.name, call.body)
             else:
                 raw = with_fields(raw, slot) or raw
                 try:
                     lease, response = await self._proxy.send(
-                        call.model, path, raw, call.ctx_size, request, call.stream, ready=(instance, started),
+                        call.model, path, raw, call.ctx_size, context, call.stream, ready=(instance, started),
                         content_type=call.content_type,
                     )
                 except EngineRejected as e:
                     if not (call.kind is CallKind.CHAT and UNPARSED in str(e)):
                         raise
                     if call.body.get("tools"):
-                        noted, lease, response = await self._as_text(request, call, instance, slot, str(e))
+                        noted, lease, response = await self._as_text(context, call, instance, slot, str(e))
                     elif jsonanswer.json_format(call.body) is not None:
                         # (a reasoning model's JSON): its text without the parser
                         log.info("{model}: the engine's chat parser refused the model's JSON answer; asked once "
                                  "more without it, so its text is the answer", model=call.model)
-                        lease, made = await self._json_answer(request, call, instance, slot)
+                        lease, made = await self._json_answer(context, call, instance, slot)
                         response = None
                     else:
                         raise
@@ -819,27 +338,26 @@ class Pipeline:
         finally:
             if stop is not None:
                 stop()
-        reply = Reply(self._proxy, request, lease, response, counted, started, loaded)
-        reply.pin = pin
-        reply.isolated = isolated
-        reply.made = made
-        reply.noted = noted
-        reply.keep = keep
-        reply.max_tokens = call.max_tokens
-        reply.anthropic = anthropic
-        reply.renamed = anthropic is None and lane is not None and lane.name == REMOTE
+        translated: Translated | None = None
+        if anthropic is not None:
+            translated = FromAnthropic(anthropic, scrubber(lease.instance))
+        elif lane is not None and lane.name == REMOTE:
+            translated = Renamed(lease.instance.entry.name, lease.instance.server, scrubber(lease.instance))
+        elif completion is not None:
+            translated = FromCompletion(completion)
         options = call.body.get("stream_options")
-        reply.wants_usage = isinstance(options, dict) and bool(options.get("include_usage"))
-        reply.completion = completion
-        if call.kind is CallKind.CHAT:
-            reply.watched = asked
-            reply.enforce = self._enforce(request, lease.instance.entry)
-            reply.stall = self._config().sentinel_stall
-            reply.clock = self._clock
+        chat = call.kind is CallKind.CHAT
+        reply = Reply(
+            self._proxy, context, lease, response, counted, started, loaded,
+            made=made, keep=keep, pin=pin, isolated=isolated, noted=noted, max_tokens=call.max_tokens,
+            translated=translated, wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            watched=asked if chat else None, enforce=chat and self._enforce(context, lease.instance.entry),
+            stall=self._config().sentinel_stall if chat else 30.0, clock=self._clock if chat else None,
+        )
         return reply, lease
 
     async def _cached(
-        self, request: Any, call: Call, asked: dict[str, Any], canonical: str,
+        self, context: RequestContext | None, call: Run, asked: dict[str, Any], canonical: str,
     ) -> tuple[Reply | None, Callable[[bytes], None] | None]:
         """
         The semantic cache step (L{blazar.gateway.cache}), after scope,
@@ -867,48 +385,45 @@ class Pipeline:
         if cache is None or call.kind is not CallKind.CHAT:
             return None, None
         config = self._config().cache
-        key = key_of(request)
+        key = key_of(context)
         entry = call.entry
         if not semantic.enabled_for(config.enabled, entry.settings.cache if entry is not None else None,
                                     key.cache if key is not None else None):
             return None, None
-        context = context_of(request)
         streamed = call.stream if call.client_stream is None else call.client_stream
         if call.stream and not streamed:  # the engine streams a whole answer: as a non-streamed chat
             asked = {k: v for k, v in asked.items() if k not in ("stream", "stream_options")}
         text = semantic.prompt_text(asked)
         if text is None or semantic.bypass(asked, streamed) is not None:
-            context.cache = semantic.BYPASSED
+            _note_cache(context, semantic.BYPASSED)
             return None, None
         began = self._clock.seconds()
         vector = await self._embed(config.embedding_model or "", text, canonical)
-        note_span(request, "cache", began, self._clock.seconds())
+        note_span(context, "cache", began, self._clock.seconds())
         if vector is None:
-            context.cache = semantic.FAILED
+            _note_cache(context, semantic.FAILED)
             return None, None
         lane = call.lane.name if call.lane is not None else LLAMACPP
         scope = semantic.scope_of(canonical, key.owner if key is not None else "", lane, asked)
         similarity, found = cache.lookup(scope, vector)
         if found is None:
-            context.cache = semantic.MISS
-            if request is not None:
-                request.setHeader(semantic.HEADER, semantic.MISS.encode("ascii"))
+            _note_cache(context, semantic.MISS)
+            if context is not None:
+                context.set_reply_header(semantic.HEADER, semantic.MISS.encode("ascii"))
 
             def keep(answer: bytes) -> None:
                 if semantic.storable(answer):
                     cache.store(scope, vector, answer)
 
             return None, keep
-        context.cache = semantic.HIT
-        if request is not None:
-            request.setHeader(semantic.HEADER, semantic.HIT.encode("ascii"))
+        _note_cache(context, semantic.HIT)
+        if context is not None:
+            context.set_reply_header(semantic.HEADER, semantic.HIT.encode("ascii"))
         log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical,
                   similarity=similarity)
         now = self._clock.seconds()
-        reply = Reply(self._proxy, request, None, None, None, now, now, model=canonical)
-        reply.made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
-        reply.cached = True
-        return reply, None
+        made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
+        return Reply(self._proxy, context, None, None, None, now, now, model=canonical, made=made, cached=True), None
 
     async def _embed(self, model: str, text: str, chat_model: str) -> semantic.Vector | None:
         """
@@ -937,7 +452,7 @@ class Pipeline:
             return None
 
     async def _forced(
-        self, request: Any, call: Call, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Run, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
@@ -964,7 +479,7 @@ class Pipeline:
                                    if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
                                             "reasoning_effort")})
         try:
-            prompt, rendered_by = await self._rendered(request, call, template, instance, started)
+            prompt, rendered_by = await self._rendered(context, call, template, instance, started)
         except EngineRejected as e:
             if e.status == 400:
                 raise BadRequest(f"tools: the model's template refused the tools {names}: {e}", "tools") from None
@@ -973,7 +488,7 @@ class Pipeline:
         body.update(slot)
         try:
             lease, response = await self._proxy.send(
-                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
+                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
                 stream=False, ready=(rendered_by, self._clock.seconds()),
             )
         except EngineRejected as e:
@@ -1006,7 +521,7 @@ class Pipeline:
             lease.release()
             raise
         usage = usage_of(done)
-        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        note_tokens(context, usage["prompt_tokens"], usage["completion_tokens"])
         name = lease.instance.entry.name
         if not call.stream:
             return lease, chat_completion(name, calls, usage, finish)
@@ -1014,7 +529,7 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
-    async def _rendered(self, request: Any, call: Call, template: dict[str, Any], instance: Any,
+    async def _rendered(self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any,
                         started: float) -> tuple[str, Any]:
         """
         The prompt the model's chat template renders for C{template} (a
@@ -1025,7 +540,7 @@ class Pipeline:
         """
         lease, response = await self._proxy.send(
             call.model, "/apply-template", strictjson.dumps(template).encode("utf-8"), call.ctx_size,
-            request, stream=False, ready=(instance, started),
+            context, stream=False, ready=(instance, started),
         )
         try:
             return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
@@ -1033,7 +548,7 @@ class Pipeline:
             lease.release()
 
     async def _json_send(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], stream: bool,
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], stream: bool,
     ) -> tuple[InstanceLease, Any]:
         """
         A JSON answer without the engine's chat parser
@@ -1049,16 +564,16 @@ class Pipeline:
         template = {k: v for k, v in call.body.items()
                     if k in ("messages", "response_format", "chat_template_kwargs", "reasoning_effort",
                              "add_generation_prompt", "continue_final_message")}
-        prompt, instance = await self._rendered(request, call, template, instance, self._clock.seconds())
+        prompt, instance = await self._rendered(context, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
         body.update(slot)
         return await self._proxy.send(
-            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, request,
+            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
             stream=stream, ready=(instance, self._clock.seconds()),
         )
 
     async def _json_answer(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any],
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
@@ -1067,7 +582,7 @@ class Pipeline:
         @return: The lease on the child (held until the call ends, as every
             answer's is) and the chat completion.
         """
-        lease, response = await self._json_send(request, call, instance, slot, stream=False)
+        lease, response = await self._json_send(context, call, instance, slot, stream=False)
         try:
             done = json.loads(await self._proxy.read(lease.instance, response))
             if not jsonanswer.results_of(done):
@@ -1076,10 +591,10 @@ class Pipeline:
             lease.release()
             raise
         usage = jsonanswer.usage_all(done)
-        note_tokens(request, usage["prompt_tokens"], usage["completion_tokens"])
+        note_tokens(context, usage["prompt_tokens"], usage["completion_tokens"])
         return lease, jsonanswer.chat_completion(lease.instance.entry.name, done, call.body)
 
-    async def _json_route(self, call: Call) -> bool:
+    async def _json_route(self, call: Run) -> bool:
         """
         Whether a chat's answer is decoded by L{_json_send} instead of the
         engine's chat path: it asks for JSON, offers no tools, and its
@@ -1091,17 +606,17 @@ class Pipeline:
         capabilities = await self._capabilities(call.entry)
         return capabilities is not None and "thinking" not in capabilities
 
-    def _enforce(self, request: Any, entry: ModelEntry) -> bool:
+    def _enforce(self, context: RequestContext | None, entry: ModelEntry) -> bool:
         """
         C{sentinel_enforce}: the key's, else the model's, else the global.
         """
-        key = key_of(request)
+        key = key_of(context)
         choices = (key.sentinel_enforce if key is not None else None, entry.settings.sentinel_enforce,
                    self._config().sentinel_enforce)
         return next(c for c in choices if c is not None)
 
     async def _as_text(
-        self, request: Any, call: Call, instance: Any, slot: dict[str, Any], error: str,
+        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
         """
         The engine could not parse the model's answer to a chat that offered
@@ -1116,10 +631,10 @@ class Pipeline:
         """
         noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
                                       "model's text, asked once more with tool_choice none")
-        if self._enforce(request, instance.entry):
-            context_of(request).sentinel = ("tool_args_invalid",)
-            if request is not None:
-                request.setHeader(SENTINEL_HEADER, "tool_args_invalid")
+        if self._enforce(context, instance.entry):
+            if context is not None:
+                context.sentinel = ("tool_args_invalid",)
+                context.set_reply_header(SENTINEL_HEADER.encode("ascii"), b"tool_args_invalid")
             raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
         log.info("{model}: the engine could not parse the model's tool call ({error}); asking once more "
                  "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
@@ -1128,11 +643,11 @@ class Pipeline:
         raw = strictjson.dumps(body).encode("utf-8")
         raw = with_fields(raw, slot) or raw
         lease, response = await self._proxy.send(
-            call.model, call.path, raw, call.ctx_size, request, call.stream, ready=(instance, self._clock.seconds()),
+            call.model, call.path, raw, call.ctx_size, context, call.stream, ready=(instance, self._clock.seconds()),
         )
         return noted, lease, response
 
-    def _within_limits(self, call: Call) -> None:
+    def _within_limits(self, call: Run) -> None:
         """
         A chat request's size in what costs the engine most to render and
         tokenize (before admission, for the preflight) and Blazar to make a
@@ -1160,7 +675,7 @@ class Pipeline:
             raise BadRequest(f"the tools' and the response format's schemas hold more than {budget} subschemas "
                              f"(max_schema_nodes = {budget} in its config)", "tools" if tools else "response_format")
 
-    async def _tools_seen(self, call: Call) -> None:
+    async def _tools_seen(self, call: Run) -> None:
         """
         Tools offered to a model whose chat template renders none
         (SmolLM2's, a base model's): the model would never see them, and
@@ -1193,7 +708,7 @@ class Pipeline:
             f'(args = ["--chat-template-file", "..."] under [models."{entry.name}"]), or force the call with '
             'tool_choice ("required" or a named function; Blazar\'s grammar makes the call on any model)')
 
-    def _forced_call(self, call: Call) -> Forced | None:
+    def _forced_call(self, call: Run) -> Forced | None:
         """
         The forced tool call a chat call asks for (C{tool_choice} required
         or a named function), if any.
@@ -1207,7 +722,7 @@ class Pipeline:
         except ToolChoiceError as e:
             raise BadRequest(str(e), "tool_choice") from None
 
-    async def _pin(self, request: Any, call: Call, instance: Any) -> Pin | None:
+    async def _pin(self, context: RequestContext | None, call: Run, instance: Any) -> Pin | None:
         """
         The session step: a request that names a session
         (L{blazar.gateway.sessions.session_name}) goes to its session's slot
@@ -1221,7 +736,7 @@ class Pipeline:
         await self.sessions.warm(instance)
         if "id_slot" in call.body:
             return None
-        headers = getattr(request, "requestHeaders", None)
+        headers = getattr(context, "requestHeaders", None)
 
         def header(name: str) -> str | None:
             # bytes decoded leniently: a header that is not UTF-8 still names a session
@@ -1231,10 +746,10 @@ class Pipeline:
         name = session_name(header, call.session_hint)
         if name is None:
             return None
-        key = key_of(request)
+        key = key_of(context)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
 
-    async def _placement(self, request: Any, call: Call) -> None:
+    async def _placement(self, context: RequestContext | None, call: Run) -> None:
         """
         The placement a request asks for (Ollama's C{num_gpu}, C{main_gpu},
         C{num_thread}, C{use_mmap}: L{Call.profile}) becomes the model's
@@ -1244,13 +759,13 @@ class Pipeline:
         """
         if not call.profile or call.lane is not None:
             return
-        if scoped(request):
-            note_ignored(request, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
+        if scoped(context) and context is not None:
+            note_ignored(context, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
                                                  if key in call.profile])
             return
         await self.supervisor.want_profile(call.model, call.profile)
 
-    def _isolate(self, request: Any, call: Call, instance: Any, pin: Pin | None) -> Isolated | None:
+    def _isolate(self, context: RequestContext | None, call: Run, instance: Any, pin: Pin | None) -> Isolated | None:
         """
         The isolation step, for models with C{isolate_keys}
         (L{blazar.gateway.isolation}): the slot a chat or completion goes
@@ -1264,7 +779,7 @@ class Pipeline:
             return None
         if getattr(instance, "lane", LLAMACPP) != LLAMACPP or is_remote(instance):
             return None
-        key = key_of(request)
+        key = key_of(context)
         owner = key.owner if key is not None else ""
         slots = int(instance.entry.settings.parallel or DEFAULT_PARALLEL)
         if pin is not None:
@@ -1273,17 +788,18 @@ class Pipeline:
             return Isolated(instance, owner, None, True)
         return self.isolation.take(instance, slots, owner)
 
-    async def _check(self, request: Any, call: Call) -> str:
+    async def _check(self, context: RequestContext | None, call: Run) -> str:
         """
         Steps 1-3: scope, purpose, placement.
 
         @return: The canonical model name.
         """
-        call.entry = await self._scope(request, call.model)
+        call.entry = await self._scope(context, call.model)
         canonical = call.entry.name if call.entry is not None else call.model
         if call.entry is not None and call.entry.remote is not None:
             call.lane = self._remote_lane(call)  # the remote decides the rest: no purpose, no placement
-            context_of(request).remote = call.entry.remote
+            if context is not None:
+                context.remote = call.entry.remote
             return canonical
         # a command lane's server (vLLM, MLX, ...) gets the OpenAI request as
         # it is: none of the llama-server extras (LaneError: no lane serves it);
@@ -1306,7 +822,7 @@ class Pipeline:
             call.raw = None
         return canonical
 
-    def _remote_lane(self, call: Call) -> CommandLane:
+    def _remote_lane(self, call: Run) -> CommandLane:
         """
         The lane of a remote model (C{[[remotes]]}): what it is asked must
         be something its API does.
@@ -1326,7 +842,7 @@ class Pipeline:
                 f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}")
         return CommandLane(REMOTE, (), health="/v1/models", formats=(), api=remote.api)
 
-    def _remote_body(self, request: Any, call: Call) -> tuple[bytes, str, AnthropicStream | None]:
+    def _remote_body(self, context: RequestContext | None, call: Run) -> tuple[bytes, str, AnthropicStream | None]:
         """
         The body a remote is sent, with its own name for the model; for
         C{api = "anthropic"}, the chat as a Messages request
@@ -1342,14 +858,14 @@ class Pipeline:
             body = dict(call.body, model=model)
             return strictjson.dumps(body).encode("utf-8"), call.path, None
         body, ignored = to_anthropic(call.body, model)
-        if ignored and request is not None:
-            note_ignored(request, "remote", ignored)
+        if ignored and context is not None:
+            note_ignored(context, "remote", ignored)
         options = call.body.get("stream_options")
         stream = AnthropicStream(call.model, int(self._clock.seconds()),
                                  isinstance(options, dict) and bool(options.get("include_usage")))
         return strictjson.dumps(body).encode("utf-8"), "/v1/messages", stream
 
-    async def _scope(self, request: Any, model: str) -> ModelEntry | None:
+    async def _scope(self, context: RequestContext | None, model: str) -> ModelEntry | None:
         """
         The scope check (L{blazar.gateway.scope.resolve_in_scope}): for a
         scoped key, a model outside its scope is answered as one that does
@@ -1361,10 +877,10 @@ class Pipeline:
         @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
         """
         if self._registry is None:
-            if not may_use(request, model):
+            if not may_use(context, model):
                 raise ModelNotFound(model, [])
             return None
-        return await resolve_in_scope(request, self._registry, model)
+        return await resolve_in_scope(context, self._registry, model)
 
     async def _facts_of(self, entry: ModelEntry) -> tuple[str | None, bool]:
         """
@@ -1403,7 +919,7 @@ class Pipeline:
             self._facts[key] = known
         return known
 
-    async def _prompt_floor(self, call: Call, size: int) -> int:
+    async def _prompt_floor(self, call: Run, size: int) -> int:
         """
         Tokens the prompt has at least, by its text's size alone: its
         bytes of text over the longest entry of the model's vocabulary
@@ -1442,7 +958,7 @@ class Pipeline:
                 raise BadRequest(f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
                                  "side: scale it down first", "image")
 
-    async def _audio(self, request: Any, call: Call) -> None:
+    async def _audio(self, context: RequestContext | None, call: Run) -> None:
         """
         The audio step: the upload decoded and resampled to 16 kHz mono WAV
         (L{blazar.gateway.audio}, in the thread pool), then the child's
@@ -1459,9 +975,10 @@ class Pipeline:
         except ValueError as e:  # a field that is not text
             raise BadRequest(f"a form field is not text: {e}") from None
         call.audio = None
-        context_of(request).audio_seconds = seconds
+        if context is not None:
+            context.audio_seconds = seconds
 
-    async def _purpose(self, call: Call) -> None:
+    async def _purpose(self, call: Run) -> None:
         """
         No chat on an embedding model or a reranker, no embeddings on a
         chat model, no reranking on anything but a reranker, before any
@@ -1507,7 +1024,7 @@ class Pipeline:
                 f"{section}); use a chat model here"
             )
 
-    async def _vision(self, call: Call) -> None:
+    async def _vision(self, call: Run) -> None:
         """
         The vision step, for a chat: its images (C{image_url} content
         parts, which every surface's images become) need a model whose
@@ -1594,7 +1111,7 @@ class Pipeline:
                 raise BadRequest(f"{where}.url: not a data: or http(s) URL, and not base64; send one of those",
                                  where)
 
-    async def _count(self, call: Call) -> int:
+    async def _count(self, call: Run) -> int:
         """
         The prompt's tokens, by the child's own template and tokenizer.
         """
@@ -1604,7 +1121,7 @@ class Pipeline:
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
 
-    async def _admit(self, request: Any, canonical: str, work: WorkClass, entry: ModelEntry | None,
+    async def _admit(self, context: RequestContext | None, canonical: str, work: WorkClass, entry: ModelEntry | None,
                      lane: Any = None) -> None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
@@ -1625,7 +1142,7 @@ class Pipeline:
             remote = self._config().remote(entry.remote or "")
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
             canonical = shared_name(entry.remote or "")  # one queue for all its models
-        await admit_request(self.admission, request, canonical, slots, work)
+        await admit_request(self.admission, context, canonical, slots, work)
 
     def is_ready(self, canonical: str) -> bool:
         """
@@ -1681,7 +1198,7 @@ def prompt_text_bytes(body: dict[str, Any]) -> int:
     UTF-8 bytes of the text a request's prompt holds for certain: its
     messages' C{content} (strings, and the C{text} of text parts), or its
     C{prompt} (the longest, for a list of prompts, each its own
-    request). Every chat template renders a message's content; what else
+    context). Every chat template renders a message's content; what else
     a body holds (names, tools, other fields) is not counted, since a
     template may leave it out.
     """
@@ -1772,15 +1289,15 @@ async def _inline(f: Callable[..., Any], *args: Any) -> Any:
     return f(*args)
 
 
-def scoped(request: Any) -> bool:
+def _note_cache(context: RequestContext | None, outcome: str) -> None:
     """
-    Whether C{request} came with a key scoped to models (not an admin's).
+    The semantic cache's outcome for the request (C{blazar_cache_total}).
     """
-    key = key_of(request)
-    return key is not None and not key.admin
+    if context is not None:
+        context.cache = outcome
 
 
-def keep_alive_of(request: Any, call: Call) -> float | None:
+def applied_keep_alive(context: RequestContext | None, call: Run) -> float | None:
     """
     The C{keep_alive} a call's end applies: the client's, unless its key is
     scoped to models. A model is shared: a scoped key's C{keep_alive} 0
@@ -1788,83 +1305,11 @@ def keep_alive_of(request: Any, call: Call) -> float | None:
     a second unloaded it soon (issue 36). Theirs is named in
     C{x-blazar-ignored}, and the model's own C{keep_alive} applies.
     """
-    if call.keep_alive is not None and scoped(request):
-        note_ignored(request, call.surface, ["keep_alive"])
+    if call.keep_alive is not None and scoped(context):
+        if context is not None:
+            note_ignored(context, call.surface, ["keep_alive"])
         return None
     return call.keep_alive
-
-
-def hide_prompt_cache(value: Any) -> None:
-    """
-    In place, in an answer or chunk: no sign of how much of the prompt the
-    engine's KV cache held (C{prompt_tokens_details.cached_tokens} 0,
-    C{timings.cache_n} folded into C{prompt_n}; the prompt's size stays).
-    For keys scoped to models: another key's prompts on the same model
-    are in that cache, and how far a guessed prefix matched told the
-    guesser a secret in them a digit at a time (issue 36).
-    """
-    if isinstance(value, dict):
-        timings = value.get("timings")
-        if isinstance(timings, dict) and timings.get("cache_n"):
-            timings["prompt_n"] = int(timings.get("prompt_n") or 0) + int(timings.get("cache_n") or 0)
-            timings["cache_n"] = 0
-        details = value.get("prompt_tokens_details")
-        if isinstance(details, dict) and details.get("cached_tokens"):
-            details["cached_tokens"] = 0
-        for item in value.values():
-            if isinstance(item, (dict, list)):
-                hide_prompt_cache(item)
-    elif isinstance(value, list):
-        for item in value:
-            hide_prompt_cache(item)
-
-
-_CACHE_MARKS = (b'"cache_n"', b'"cached_tokens"')
-
-
-def hide_prompt_cache_bytes(data: bytes) -> bytes:
-    """
-    L{hide_prompt_cache} on one JSON document (compact again), or C{data}
-    as it is when it holds neither field or is not JSON.
-    """
-    if not any(mark in data for mark in _CACHE_MARKS):
-        return data
-    try:
-        value = json.loads(data)
-    except ValueError:
-        return data
-    hide_prompt_cache(value)
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-
-
-class _CacheHider:
-    """
-    Hands an SSE stream on whole events at a time, each with
-    L{hide_prompt_cache} applied to its C{data:} JSON where it has those
-    fields; L{flush} hands on an unfinished last event as it is.
-    """
-
-    def __init__(self, feed: Callable[[bytes], None]) -> None:
-        self._feed = feed
-        self._whole = WholeEvents()
-
-    def feed(self, data: bytes) -> None:
-        events = self._whole.feed(data)
-        if not events:
-            return
-        if any(mark in events for mark in _CACHE_MARKS):
-            out = []
-            for event in events.split(b"\n\n")[:-1]:
-                if event.startswith(b"data: {") and any(mark in event for mark in _CACHE_MARKS):
-                    event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: "):])
-                out.append(event + b"\n\n")
-            events = b"".join(out)
-        self._feed(events)
-
-    def flush(self) -> None:
-        rest = self._whole.rest()
-        if rest:
-            self._feed(rest)
 
 
 def schema_nodes(value: Any, limit: int) -> int:
@@ -1898,27 +1343,6 @@ def _rendered_only(body: dict[str, Any]) -> dict[str, Any]:
     if body.get("tools") and (choice == "required" or isinstance(choice, dict)):
         return {k: v for k, v in body.items() if k != "parallel_tool_calls"} | {"tool_choice": "none"}
     return body
-
-
-def _with_model(data: bytes, model: str, server: str) -> bytes:
-    """
-    An OpenAI-compatible remote's JSON object (an answer, a stream's
-    event) with C{model} as its C{"model"} (compact, so the surfaces'
-    byte-level renames find it).
-
-    @raise EngineRejected: Not a JSON object (a 502 naming C{server}).
-    """
-    try:
-        value = json.loads(data)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise EngineRejected(502, f"{server} answered with something that is not an OpenAI JSON object "
-                                  f"(it began {data[:60]!r}): check its base_url and api")
-    if "model" not in value:
-        return data
-    value["model"] = model
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def _not_of_lane(model: str, lane: str, section: str) -> str:

@@ -29,13 +29,6 @@ def retry_after_value(seconds: float) -> bytes:
     return str(max(1, math.ceil(seconds))).encode("ascii")
 
 
-def retry_after(request: Any, seconds: float) -> None:
-    """
-    Set C{Retry-After} on a refusal (quota, all slots busy, breaker open).
-    """
-    request.setHeader(b"retry-after", retry_after_value(seconds))
-
-
 class QuotaExceeded(Exception):
     """
     A key is over a limit (answered 429 with C{Retry-After}).

@@ -21,12 +21,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from twisted.web.iweb import IRequest
-
 from blazar.config import KeyConfig
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import name_key, strip_dirs
-from blazar.gateway.context import context_of, key_of
+from blazar.gateway.context import RequestContext, key_of
 
 def in_scope(key: KeyConfig | None, name: object) -> bool:
     """
@@ -56,45 +54,45 @@ def _same_model(scoped: str, name: str) -> bool:
         return bool(model) and remote.casefold() == other.casefold() and model == asked
 
 
-def may_use(request: IRequest, name: object) -> bool:
+def may_use(context: RequestContext | None, name: object) -> bool:
     """
     Whether the request's key may use the model named C{name}
     (L{in_scope}).
     """
-    return in_scope(key_of(request), name)
+    return in_scope(key_of(context), name)
 
 
-def is_scoped(request: IRequest) -> bool:
+def is_scoped(context: RequestContext | None) -> bool:
     """
-    Whether C{request} came with a key scoped to some models.
+    Whether the request came with a key scoped to some models.
     """
-    key = key_of(request)
+    key = key_of(context)
     return key is not None and not key.admin
 
 
-def visible(request: IRequest, names: list[str]) -> list[str]:
+def visible(context: RequestContext | None, names: list[str]) -> list[str]:
     """
     The model names of C{names} that the request's key may see, in order.
     """
-    key = key_of(request)
+    key = key_of(context)
     return [n for n in names if in_scope(key, n)]
 
 
-def visible_entries(request: IRequest, entries: list[ModelEntry]) -> list[str]:
+def visible_entries(context: RequestContext | None, entries: list[ModelEntry]) -> list[str]:
     """
     The names of C{entries} the request's key may see, in order: by
     L{in_scope}, and a remote's model only as its scope spells it (a
     remote's ids are case-sensitive).
     """
-    key = key_of(request)
+    key = key_of(context)
     scoped = key is not None and not key.admin
     return [e.name for e in entries if in_scope(key, e.name)
             and not (scoped and e.remote is not None and not any(_is_remote_model(m, e) for m in key.models))]  # type: ignore[union-attr]
 
 
-async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: object) -> ModelEntry:
+async def resolve_in_scope(context: RequestContext | None, registry: ModelRegistry, name: object) -> ModelEntry:
     """
-    The model C{request} names, if its key may use it; then the key's rate
+    The model the request names, if its key may use it; then the key's rate
     limits (rpm, tpm, daily_tokens), once per request. Call it before
     anything else that looks at the model.
 
@@ -109,20 +107,21 @@ async def resolve_in_scope(request: IRequest, registry: ModelRegistry, name: obj
     @raise blazar.gateway.quota.QuotaExceeded: Over a rate limit.
     """
     spelled = name if isinstance(name, str) else str(name)
-    if not may_use(request, name):
+    if not may_use(context, name):
         entries = await registry.refresh()
-        raise ModelNotFound(spelled, visible_entries(request, entries))
+        raise ModelNotFound(spelled, visible_entries(context, entries))
     try:
         entry = await registry.resolve(name)
     except ModelNotFound as e:
-        raise ModelNotFound(e.name, visible(request, e.available)) from None
-    key = key_of(request)
+        raise ModelNotFound(e.name, visible(context, e.available)) from None
+    key = key_of(context)
     if entry.remote is not None and key is not None and not key.admin \
             and not any(_is_remote_model(m, entry) for m in key.models):
         # a remote's ids are case-sensitive (peer:Tiny may be another model than peer:tiny): exactly as scoped
         entries = await registry.refresh()
-        raise ModelNotFound(spelled, visible_entries(request, entries))
-    context = context_of(request)
+        raise ModelNotFound(spelled, visible_entries(context, entries))
+    if context is None:
+        return entry
     context.model = entry.name
     rates = context.rates
     if rates is not None:
@@ -140,28 +139,28 @@ def _is_remote_model(scoped: str, entry: ModelEntry) -> bool:
     return remote.casefold() == (entry.remote or "").casefold() and model == entry.remote_model
 
 
-def redact(request: IRequest, text: str) -> str:
+def redact(context: RequestContext | None, text: str) -> str:
     """
     C{text} (an error message: the engine's, a GGUF reader's, the
     supervisor's) as the request's key may see it: for a scoped key, every
     absolute file path cut to its last component; for others, unchanged.
     """
-    if not is_scoped(request):
+    if not is_scoped(context):
         return text
     return strip_dirs(text)
 
 
-def redact_value(request: IRequest, value: Any) -> Any:
+def redact_value(context: RequestContext | None, value: Any) -> Any:
     """
     L{redact} over the strings in C{value} (GGUF metadata: strings, numbers,
     lists of them, L{None}).
     """
-    if not is_scoped(request):
+    if not is_scoped(context):
         return value
     if isinstance(value, str):
-        return redact(request, value)
+        return redact(context, value)
     if isinstance(value, list):
-        return [redact_value(request, v) for v in value]
+        return [redact_value(context, v) for v in value]
     if isinstance(value, dict):
-        return {k: redact_value(request, v) for k, v in value.items()}
+        return {k: redact_value(context, v) for k, v in value.items()}
     return value

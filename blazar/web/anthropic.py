@@ -14,6 +14,7 @@ from __future__ import annotations
 import secrets
 from typing import Any
 
+import attrs
 from klein import Klein
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
@@ -24,15 +25,18 @@ from blazar.gateway.admission import WorkClass
 from blazar.gateway.sessions import anthropic_hint
 from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, StreamStopped, keep_alive_of
+from blazar.gateway.engine_proxy import StreamStopped
 from blazar.gateway.errors import BadRequest
-from blazar.gateway.ignored import beta_values, note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.ignored import note_ignored
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.web.body import read_json
 from blazar.web.errors import anthropic_error, anthropic_status, anthropic_type, answer, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -42,6 +46,18 @@ HONOURED_BETAS = frozenset({
     "mid-conversation-system-2026-04-07", "interleaved-thinking-2025-05-14", "token-counting-2024-11-01",
     "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13", "effort-2025-11-24",
 })
+
+
+def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
+    """
+    The C{anthropic-beta} header's values Blazar does not act on, as
+    C{anthropic-beta=VALUE} names for C{x-blazar-ignored}.
+    """
+    raw = request.getHeader(b"anthropic-beta")
+    if not raw:
+        return []
+    values = [v.strip() for v in raw.decode("ascii", "replace").split(",")]
+    return [f"anthropic-beta={v}" for v in values if v and v not in honoured]
 
 
 class AnthropicSurface:
@@ -56,7 +72,7 @@ class AnthropicSurface:
         self._clock = clock
 
     def _request_id(self, request: IRequest) -> None:
-        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode("ascii"))
+        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode("ascii"))
 
     def _call(self, request: IRequest, counting: bool = False) -> tuple[Call, dict[str, Any], list[str]]:
         """
@@ -66,7 +82,7 @@ class AnthropicSurface:
         body = read_json(request)
         ignored = leniency.screen("anthropic", body)
         engine_body, stops = tr.request_to_openai(body, counting=counting, ignored=ignored)
-        note_ignored(request, "anthropic", ignored + beta_values(request, HONOURED_BETAS))
+        note_ignored(context_of(request), "anthropic", ignored + beta_values(request, HONOURED_BETAS))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream: must be a boolean", "stream")
@@ -85,7 +101,7 @@ class AnthropicSurface:
     @app.route("/v1/messages/count_tokens", methods=["POST"])
     async def count_tokens(self, request: IRequest) -> bytes:
         call, _, _ = self._call(request, counting=True)
-        count = await self._pipeline.count(request, call)
+        count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps({"input_tokens": count}).encode("utf-8")
 
@@ -97,9 +113,9 @@ class AnthropicSurface:
         if not body.get("stream", False):
             # a stop sequence cuts the child's stream before its usage
             # arrives: the prompt is counted up front
-            call.counting = Counting.ALWAYS if stops else Counting.NEVER
-            call.client_stream = False  # the engine's stream makes one message (the semantic cache may answer)
-            async with self._pipeline.open(request, call) as reply:
+            # (client_stream: the engine's stream makes one message; the semantic cache may answer)
+            call = attrs.evolve(call, counting=Counting.ALWAYS if stops else Counting.NEVER, client_stream=False)
+            async with self._pipeline.open(context_of(request), call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens
                 await reply.chunks(self._feeder(translator, None))
@@ -112,7 +128,6 @@ class AnthropicSurface:
         # with an error event, and message_start carries the prompt's
         # token count. A model that must load first gets the headers and
         # message_start at once, then pings while the child is silent.
-        call.counting = Counting.IF_READY
         pinger = LoopingCall(request.write, tr.sse_event("ping", {"type": "ping"}))
         pinger.clock = self._clock
         headers_out = False
@@ -129,9 +144,9 @@ class AnthropicSurface:
                 start()
                 pinger.start(PING_INTERVAL, now=False).addErrback(lambda f: log.failure("ping failed", f))
 
-        call.on_send = on_send
+        call = attrs.evolve(call, counting=Counting.IF_READY, on_send=on_send)
         try:
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 if not headers_out:
                     if reply.prompt_tokens is not None:
                         translator.input_tokens = reply.prompt_tokens

@@ -22,10 +22,11 @@ from twisted.web.resource import IResource, Resource
 
 from blazar.config import Config, KeyConfig, LiveConfig, live_config
 from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
-from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.context import key_of, trace_id_of
 from blazar.gateway.errors import Forbidden, Refused, Unauthorized
 from blazar.gateway.quota import QuotaExceeded, Quotas
 from blazar.web.errors import answer, envelope
+from blazar.web.client import context_of
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -280,7 +281,7 @@ def render_refusal(request: IRequest, refusal: Refusal) -> bytes:
     if status == 401:
         request.setHeader(b"www-authenticate", b'Bearer realm="blazar"')
     if surface == "anthropic":
-        request.setHeader(b"request-id", ("req_" + trace_id_of(request)).encode())
+        request.setHeader(b"request-id", ("req_" + trace_id_of(context_of(request))).encode())
     return body
 
 
@@ -473,7 +474,7 @@ def check_admin(request: IRequest, what: str) -> None:
 
     @raise Forbidden: A scoped key, or a keyless request from the network.
     """
-    key = key_of(request)
+    key = key_of(context_of(request))
     if key is not None and not key.admin:
         raise Forbidden(f"key {key.name!r} is scoped to models and may not {what}; use an unscoped key")
     if key is None and not context_of(request).keys_active:

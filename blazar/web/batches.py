@@ -32,6 +32,7 @@ from blazar.web.body import read_json
 from blazar.web.download import FileProducer
 from blazar.web.errors import answer, openai_error
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -135,8 +136,8 @@ class BatchSurface:
 
         @raise blazar.gateway.quota.QuotaExceeded: Over rpm.
         """
-        count_request(request)
-        key = key_of(request)
+        count_request(context_of(request))
+        key = key_of(context_of(request))
         return key.owner if key is not None else ""  # (not its name: a later key of the name is not it)
 
     def _quota(self, request: IRequest) -> int:
@@ -144,7 +145,7 @@ class BatchSurface:
         What the request's key's files may hold in all: its C{file_bytes},
         else the live C{max_file_bytes_per_key}.
         """
-        key = key_of(request)
+        key = key_of(context_of(request))
         if key is not None and key.file_bytes is not None:
             return key.file_bytes
         return self.batches.max_file_bytes()
@@ -164,7 +165,7 @@ class BatchSurface:
             purpose = fields.get("purpose")
             if not purpose:
                 raise BadRequest("missing required parameter 'purpose' (use 'batch')", "purpose")
-            key = key_of(request)
+            key = key_of(context_of(request))
             made = await self.batches.upload(owner, filename, purpose, content, self._quota(request),
                                              key.name if key is not None else "")
         finally:

@@ -35,7 +35,7 @@ from zope.interface import implementer
 from blazar import __version__
 from blazar.config import Config, ConfigError
 from blazar.gateway.call import Call, CallKind
-from blazar.gateway.context import context_of, key_of
+from blazar.gateway.context import key_of
 from blazar.gateway.errors import BadRequest, Forbidden
 from blazar.gateway.operations import ModelOperations, gpu_listing
 from blazar.gateway.pipeline import Pipeline
@@ -48,6 +48,7 @@ from blazar.web.body import read_json
 from blazar.web.errors import answer, openai_error
 from blazar.web.ollama import capabilities
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -71,7 +72,7 @@ def _viewer(request: IRequest) -> None:
 
     @raise Forbidden: A keyless request from the network.
     """
-    if key_of(request) is None and not context_of(request).keys_active:
+    if key_of(context_of(request)) is None and not context_of(request).keys_active:
         if not is_local(request.getClientAddress()):
             raise Forbidden("this gateway has no API keys, so its dashboard answers this machine only; add a key "
                             "(`blazar keys add admin`) and sign in with it")
@@ -79,7 +80,7 @@ def _viewer(request: IRequest) -> None:
 
 
 def _is_admin(request: IRequest) -> bool:
-    key = key_of(request)
+    key = key_of(context_of(request))
     return key.admin if key is not None else True  # no key on a keyless gateway (loopback: _viewer)
 
 
@@ -145,7 +146,7 @@ class Dashboard:
     @app.route("/ui/api/me", methods=["GET"])
     def me(self, request: IRequest) -> bytes:
         _viewer(request)
-        key = key_of(request)
+        key = key_of(context_of(request))
         return self._json(request, {
             "key": key.name if key is not None else None, "admin": _is_admin(request),
             "keys_active": context_of(request).keys_active, "version": __version__,
@@ -164,10 +165,10 @@ class Dashboard:
         reading).
         """
         _viewer(request)
-        from blazar.engines.llamacpp import model_kind
+        from blazar.gateway.engine_facts import model_kind
 
         entries = await self._registry.refresh()
-        allowed = set(visible_entries(request, entries))
+        allowed = set(visible_entries(context_of(request), entries))
         files = []
         for e in entries:
             if e.name not in allowed:
@@ -186,14 +187,14 @@ class Dashboard:
             except (GGUFError, OSError):
                 row.update(kind="unknown", size=None, error="unreadable")
             files.append(row)
-        loaded = [r for r in await self._operations.instances(self._hints) if may_use(request, r["model"])]
+        loaded = [r for r in await self._operations.instances(self._hints) if may_use(context_of(request), r["model"])]
         census = self._hardware.latest if self._hardware is not None else None
         return self._json(request, {"files": files, "loaded": loaded, "now": self._wall(), **gpu_listing(census)})
 
     @app.route("/ui/api/models/<path:name>/load", methods=["POST"])
     async def load(self, request: IRequest, name: str) -> bytes:
         check_admin(request, "load models")
-        started, loaded = await self._pipeline.load(request, Call("ui", CallKind.CHAT, name, "", {}))
+        started, loaded = await self._pipeline.load(context_of(request), Call("ui", CallKind.CHAT, name, "", {}))
         return self._json(request, {"model": context_of(request).model or name, "seconds": round(loaded - started, 3)})
 
     @app.route("/ui/api/models/<path:name>/unload", methods=["POST"])
@@ -236,11 +237,11 @@ class Dashboard:
             limit = max(1, min(500, int(arg("limit") or 100)))
         except ValueError:
             raise BadRequest("limit must be a number from 1 to 500", "limit") from None
-        key = key_of(request)
+        key = key_of(context_of(request))
         mine = None if key is None or key.admin else key.name
         rows = self.observer.activity.recent(limit, arg("model"), mine or arg("key"), arg("status")) \
             if self.observer is not None else []
-        return self._json(request, {"requests": [r.to_json() for r in rows if may_use(request, r.model)]})
+        return self._json(request, {"requests": [r.to_json() for r in rows if may_use(context_of(request), r.model)]})
 
     @app.route("/ui/api/performance", methods=["GET"])
     def performance(self, request: IRequest) -> bytes:
@@ -257,7 +258,7 @@ class Dashboard:
         (L{blazar.engines.bench.compare}). Admin: the rows hold every
         model's command line and the machine's hardware.
         """
-        from blazar.engines.bench import compare
+        from blazar.gateway.engine_facts import compare
 
         check_admin(request, "see the bench history")
         model = (request.args or {}).get(b"model", [b""])[-1].decode("utf-8", "replace") or None
@@ -290,11 +291,11 @@ class Dashboard:
         else:
             from blazar.models.registry import ModelNotFound
 
-            if not may_use(request, model):
-                raise ModelNotFound(model, visible_entries(request, await self._registry.refresh()))
+            if not may_use(context_of(request), model):
+                raise ModelNotFound(model, visible_entries(context_of(request), await self._registry.refresh()))
             model = (await self._registry.resolve(model)).name  # the ring names models canonically
-            if not may_use(request, model):
-                raise ModelNotFound(model, visible_entries(request, await self._registry.refresh()))
+            if not may_use(context_of(request), model):
+                raise ModelNotFound(model, visible_entries(context_of(request), await self._registry.refresh()))
         try:
             after = int(args.get(b"after", [b"0"])[-1] or 0)
         except ValueError:
@@ -324,7 +325,7 @@ class Dashboard:
 
         if not follow:
             return self._json(request, {"lines": lines(after)[-2000:]})
-        who = key_of(request)
+        who = key_of(context_of(request))
         owner = who.name if who is not None else f"peer {getattr(request.getClientAddress(), 'host', '')}"
         if self._streams.get(owner, 0) >= LOG_STREAMS:
             raise Forbidden(f"{LOG_STREAMS} log streams are open for {owner} already; close one first")

@@ -23,7 +23,7 @@ from werkzeug.routing import RequestRedirect
 
 from blazar.gateway.context import note_error, trace_id_of
 from blazar.gateway.errors import Category, EngineRejected, Problem, describe
-from blazar.gateway.quota import retry_after
+from blazar.web.client import context_of, retry_after
 from blazar.gateway.scope import redact
 from blazar import strictjson
 
@@ -53,12 +53,12 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
     else:
         problem = describe(error)
         if problem.category is Category.INTERNAL:
-            log.failure("unexpected error", _failure(error), trace_id=trace_id_of(request), surface=surface)
-            problem = Problem(Category.INTERNAL, 500, f"internal error (trace id {trace_id_of(request)})",
+            log.failure("unexpected error", _failure(error), trace_id=trace_id_of(context_of(request)), surface=surface)
+            problem = Problem(Category.INTERNAL, 500, f"internal error (trace id {trace_id_of(context_of(request))})",
                               code="internal_error")
         elif problem.logged:
-            log.error("{error}", error=_logged(error), trace_id=trace_id_of(request), surface=surface)
-        note_error(request, problem.kind)
+            log.error("{error}", error=_logged(error), trace_id=trace_id_of(context_of(request)), surface=surface)
+        note_error(context_of(request), problem.kind)
     if problem.retry_after is not None:
         retry_after(request, problem.retry_after)
     request.setResponseCode(problem.status)
@@ -85,20 +85,20 @@ def in_stream(
     problem = describe(error)
     if problem.category is Category.INTERNAL:
         log.failure("{surface} stream for {model} broke", _failure(error), surface=surface, model=model,
-                    trace_id=trace_id_of(request))
-        note_error(request, "5xx")
+                    trace_id=trace_id_of(context_of(request)))
+        note_error(context_of(request), "5xx")
         return Problem(Category.INTERNAL, 500, "internal error; see the daemon log", code="internal_error")
     log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=_logged(error),
-              trace_id=trace_id_of(request))
+              trace_id=trace_id_of(context_of(request)))
     # the status is the stream's 200: a kind is noted for every failure, or
     # the metrics would not count it (an engine's own 4xx is an engine_error)
     kind = problem.kind or ("engine_error" if isinstance(error, EngineRejected) else f"{problem.status // 100}xx")
-    note_error(request, kind)
+    note_error(context_of(request), kind)
     return _redacted(request, problem)
 
 
 def _redacted(request: Any, problem: Problem) -> Problem:
-    message = redact(request, problem.message)
+    message = redact(context_of(request), problem.message)
     return problem if message == problem.message else attrs.evolve(problem, message=message)
 
 

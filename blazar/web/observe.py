@@ -18,9 +18,10 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
-from blazar.gateway.context import context_of
+
 from blazar.metrics import CONTENT_TYPE, Metrics
 from blazar.web.activity import Activity, Finished, Performance
+from blazar.web.client import context_of
 
 log = Logger()
 

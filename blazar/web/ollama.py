@@ -20,13 +20,14 @@ from twisted.web.iweb import IRequest
 
 from blazar import __version__
 from blazar.config import Config
-from blazar.engines.llamacpp import context_per_slot, model_kind, sees_images
+from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
-from blazar.gateway.context import context_of, key_of, note_error
+from blazar.gateway.context import key_of, note_error
 from blazar.gateway.errors import BadRequest
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply, scoped
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
 from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
@@ -42,6 +43,7 @@ from blazar.web.translate import create as create_tr
 from blazar.web.translate import rerank as rerank_tr
 from blazar.web.translate import ollama as tr
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -206,7 +208,7 @@ class OllamaSurface:
         check_admin(request, "create models")
         stream = self._stream_flag(body)
         spec, ignored = create_tr.decode_create(body)
-        note_ignored(request, "ollama", ignored)
+        note_ignored(context_of(request), "ollama", ignored)
         if not stream:
             await self._operations.create(spec)
             return _json(request, {"status": "success"})
@@ -273,11 +275,11 @@ class OllamaSurface:
         """
         try:
             if request is not None:
-                return await resolve_in_scope(request, self._registry, name)
+                return await resolve_in_scope(context_of(request), self._registry, name)
             return await self._registry.resolve(name)
         except ModelNotFound as e:
             if request is not None:
-                note_error(request, e)
+                note_error(context_of(request), e)
             shown = name if len(name) <= 200 else name[:200] + "..."
             raise OllamaError(404, f'model "{shown}" not found, try pulling it first') from None
 
@@ -359,11 +361,11 @@ class OllamaSurface:
     async def _load_or_unload(self, request: IRequest, kind: str, call: Call) -> bytes:
         # (a key scoped to models may not unload a model other keys share:
         # its keep_alive is ignored, keep_alive_of, and the request loads it)
-        if self._keep_alive(call.body) == 0 and not scoped(request):
-            await self._operations.unload(await self._pipeline.scope(request, call.model), "keep_alive 0")
+        if self._keep_alive(call.body) == 0 and not scoped(context_of(request)):
+            await self._operations.unload(await self._pipeline.scope(context_of(request), call.model), "keep_alive 0")
             reason, duration = "unload", None
         else:
-            started, loaded = await self._pipeline.load(request, call)
+            started, loaded = await self._pipeline.load(context_of(request), call)
             reason, duration = "load", loaded - started
         line: dict[str, Any] = {"model": call.model, "created_at": _rfc3339(self._now())}
         if kind == "chat":
@@ -381,7 +383,7 @@ class OllamaSurface:
         what is accepted but not honoured; a field whose meaning would be
         lost is a 400.
         """
-        note_ignored(request, "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
+        note_ignored(context_of(request), "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
 
     async def _image(self, request: IRequest, model: str, body: dict[str, Any], stream: bool) -> bytes:
         """
@@ -408,7 +410,7 @@ class OllamaSurface:
         except BadRequest as e:
             raise OllamaError(400, str(e)) from None
         call = self._call(CallKind.IMAGE, model, "/v1/images/generations", engine_body, body, False)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             started = reply.started
             try:
                 answer = json.loads(await reply.read())
@@ -427,7 +429,7 @@ class OllamaSurface:
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
         model = self._model_field(body)
-        if kind == "generate" and body.get("prompt") and await self._pipeline.lane_kind(request, model) == "image":
+        if kind == "generate" and body.get("prompt") and await self._pipeline.lane_kind(context_of(request), model) == "image":
             return await self._image(request, model, body, self._stream_flag(body))
         self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         stream = self._stream_flag(body)
@@ -454,7 +456,7 @@ class OllamaSurface:
             )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
         call = self._call(call_kind, model, path, engine_body, body, stream, work)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
                 answer = json.loads(await reply.read())
@@ -511,7 +513,7 @@ class OllamaSurface:
         model = self._model_field(body)
         inputs = tr.embed_input(body)
         call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
             reply.usage(out["prompt_eval_count"], 0)
@@ -532,9 +534,9 @@ class OllamaSurface:
             engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
         except BadRequest as e:
             raise OllamaError(400, str(e)) from None
-        note_ignored(request, "ollama", ignored)
+        note_ignored(context_of(request), "ollama", ignored)
         call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -553,10 +555,10 @@ class OllamaSurface:
         if not isinstance(prompt, str):
             raise OllamaError(400, "prompt must be a string")
         if prompt == "":
-            await self._pipeline.scope(request, model)  # an unknown model is still a 404
+            await self._pipeline.scope(context_of(request), model)  # an unknown model is still a 404
             return _json(request, {"embedding": []})
         call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             out = json.loads(await reply.read())
         return _json(request, {"embedding": out["data"][0]["embedding"]})
 
@@ -566,7 +568,7 @@ class OllamaSurface:
     async def tags(self, request: IRequest) -> bytes:
         models = []
         entries = await self._registry.refresh()
-        allowed = set(visible_entries(request, entries))
+        allowed = set(visible_entries(context_of(request), entries))
         for entry in (e for e in entries if e.name in allowed):
             if entry.remote is not None:
                 models.append(remote_tag(entry))
@@ -605,7 +607,7 @@ class OllamaSurface:
         # the model's parameters, then (Blazar's) the context per slot and the slots it is served with
         shown = {**own, "num_ctx": own.get("num_ctx", context_per_slot(entry, meta)),
                  "num_parallel": entry.settings.parallel or 4}
-        hidden = is_scoped(request)  # no file paths for a scoped key: the model by name
+        hidden = is_scoped(context_of(request))  # no file paths for a scoped key: the model by name
         commands = model_commands(
             entry.name if hidden else str(entry.path),
             adapters=[] if hidden else [str(path) for path, _ in entry.adapters],
@@ -629,13 +631,13 @@ class OllamaSurface:
             "details": details(meta),
             "messages": [{"role": m.get("role", ""), "content": m.get("content", "")}
                          for m in (layers.messages if layers is not None else []) if isinstance(m, dict)],
-            "model_info": redact_value(request, kv),
+            "model_info": redact_value(context_of(request), kv),
             "capabilities": show_capabilities(entry, meta, config),
             "modified_at": _rfc3339(entry.modified),
         }
         if entry.projector is not None:
             projector = await self._registry.metadata(ModelEntry(entry.name, entry.projector))
-            shaped["projector_info"] = redact_value(request, show_kv(projector.kv, verbose))
+            shaped["projector_info"] = redact_value(context_of(request), show_kv(projector.kv, verbose))
         # (Ollama leaves out what is empty, model_info aside)
         return _json(request, {k: v for k, v in shaped.items() if v or k == "model_info"})
 
@@ -644,7 +646,7 @@ class OllamaSurface:
         models = []
         offset = self._now() - self._clock.seconds()
         views = self._pipeline.running()
-        allowed = set(visible(request, [view.name for view in views]))
+        allowed = set(visible(context_of(request), [view.name for view in views]))
         for view in views:
             if not view.live or view.name not in allowed:
                 continue
@@ -678,10 +680,10 @@ class OllamaSurface:
         estimated start; shape in L{blazar.gateway.admission.ModelQueue.snapshot}.
         A scoped key sees its models, and only its own requests in them.
         """
-        key = key_of(request)
+        key = key_of(context_of(request))
 
         def show(model: str, ticket: Ticket | None) -> bool:
-            if not may_use(request, model):
+            if not may_use(context_of(request), model):
                 return False
             return ticket is None or key is None or key.admin or ticket.key == key.name
 
@@ -695,7 +697,7 @@ class OllamaSurface:
         child, or null), C{last_used} (RFC 3339), C{tokens_cached},
         C{saved} (a KV bank entry on disk) and C{saved_tokens}.
         """
-        key = key_of(request)
+        key = key_of(context_of(request))
         table = self._pipeline.sessions
         offset = self._now() - self._clock.seconds()
         shown = []
@@ -718,7 +720,7 @@ class OllamaSurface:
         name = body.get("session")
         if not isinstance(name, str) or not name:
             raise OllamaError(400, "session is required: the name of one of this key's sessions (GET /api/session)")
-        key = key_of(request)
+        key = key_of(context_of(request))
         table = self._pipeline.sessions
         closed = table.close(key.owner if key is not None else "", name) if table is not None else []
         if not closed:

@@ -27,16 +27,16 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
 from blazar.config import Config
-from blazar.engines.supervisor import EngineError
 from blazar.gateway.admission import WorkClass
-from blazar.gateway.call import Call, CallKind, max_tokens_of
-from blazar.gateway.context import context_of, note_error, wants_usage
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
-from blazar.gateway.errors import BadRequest, EngineRejected
+from blazar.gateway.call import Call, CallKind, Run, max_tokens_of
+from blazar.gateway.context import note_error, wants_usage
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.gateway.engine_facts import model_kind
+from blazar.gateway.errors import BadRequest, EngineError, EngineRejected
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
-from blazar.engines.llamacpp import model_kind
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
@@ -51,6 +51,7 @@ from blazar.web.translate import audio as audio_tr
 from blazar.web.translate import images as images_tr
 from blazar.web.translate import rerank as rerank_tr
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -282,14 +283,14 @@ class OpenAISurface:
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:
         entries = await self._registry.refresh()
-        allowed = set(visible_entries(request, entries))
+        allowed = set(visible_entries(context_of(request), entries))
         data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps({"object": "list", "data": data}).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
-        entry = await resolve_in_scope(request, self._registry, model_id)
+        entry = await resolve_in_scope(context_of(request), self._registry, model_id)
         answer = await self._model_object(model_id, entry)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps(answer).encode("utf-8")
@@ -322,13 +323,13 @@ class OpenAISurface:
         body = json_object(raw)
         model = require_model(body)
         engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
-        note_ignored(request, "openai", ignored)
+        note_ignored(context_of(request), "openai", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
         call = Call("openai", CallKind.RERANK, model, "/v1/rerank", engine_body, keep_alive=keep_alive)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -356,10 +357,10 @@ class OpenAISurface:
         if not uploads:
             raise BadRequest("you must provide the audio as the 'file' part of the form", "file")
         fields, response_format, granularities, ignored = audio_tr.decode(form, translate)
-        note_ignored(request, "openai", ignored)
+        note_ignored(context_of(request), "openai", ignored)
         call = Call("openai", CallKind.TRANSCRIBE, model, "/inference", {}, audio=uploads[0].data,
                     audio_fields=fields)
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -377,7 +378,7 @@ class OpenAISurface:
         body = read_json(request)
         model = require_model(body)
         engine_body, response_format, ignored = images_tr.decode(body)
-        note_ignored(request, "openai", ignored)
+        note_ignored(context_of(request), "openai", ignored)
         call = Call("openai", CallKind.IMAGE, model, "/v1/images/generations", engine_body)
         return await self._images(request, call, response_format, engine_body["output_format"])
 
@@ -387,7 +388,7 @@ class OpenAISurface:
         values = images_tr.form_fields(form)
         model = require_model(values)
         engine_body, response_format, ignored = images_tr.decode(values)
-        note_ignored(request, "openai", ignored)
+        note_ignored(context_of(request), "openai", ignored)
         images = files.get("image[]", []) + files.get("image", [])
         if not images:
             raise BadRequest("you must provide the image to edit as the 'image' (or 'image[]') part of the form",
@@ -401,7 +402,7 @@ class OpenAISurface:
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
-        async with self._pipeline.open(request, call) as reply:
+        async with self._pipeline.open(context_of(request), call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -468,14 +469,14 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         ignored, changed = lenient(kind, body)
-        note_ignored(request, "openai", ignored)
+        note_ignored(context_of(request), "openai", ignored)
         stream = bool(body.get("stream") or False) and kind != "embedding"
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
         hide_usage = False
-        if stream and wants_usage(request):
+        if stream and wants_usage(context_of(request)):
             # token limits need the child's usage: ask for it, and keep the
             # usage chunk from a client that did not ask for it
             options = body.get("stream_options") or {}
@@ -497,7 +498,7 @@ class OpenAISurface:
             work = WorkClass.INTERACTIVE
         fixes: list[EngineFix] = []
 
-        async def rewrite(call: Call) -> None:
+        async def rewrite(call: Run) -> None:
             fix = await self._engine_fix(model, kind, call.body, stream)
             if fix is not None:
                 fixes.append(fix)
@@ -527,7 +528,7 @@ class OpenAISurface:
             session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
         )
         try:
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 fix = fixes[0] if fixes else None
                 renamer = ModelRenamer(reply.model, model)
                 if top is not None:
@@ -605,7 +606,7 @@ class OpenAISurface:
         hide_usage: bool = False, fix: EngineFix | None = None,
     ) -> None:
         self._sse_headers(request)
-        on_usage = reply.record if wants_usage(request) else None
+        on_usage = reply.record if wants_usage(context_of(request)) else None
 
         def on_timings(events: bytes) -> None:
             tokens = usage_of_timings(events)
@@ -630,7 +631,7 @@ class OpenAISurface:
             rewriter.finish()
         relay.finish()
         if not relay.done:
-            note_error(request, "engine_crash")
+            note_error(context_of(request), "engine_crash")
             relay.fail(
                 error_body(
                     f"llama-server for model {reply.model!r} ended the stream early",

@@ -16,6 +16,7 @@ import json
 import time
 from typing import Any, Callable
 
+import attrs
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
@@ -25,14 +26,16 @@ from blazar.config import Config
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of
-from blazar.gateway.engine_proxy import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import NotFound
 from blazar.gateway.ignored import note_ignored
-from blazar.gateway.pipeline import Pipeline, Reply
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.reply import Reply
 from blazar.web.errors import in_stream
 from blazar.web.sse import loading_comments
 from blazar.web.translate import responses as tr
 from blazar import strictjson
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -67,7 +70,7 @@ class Responses:
     # -- storage ---------------------------------------------------------------
 
     def _key(self, request: IRequest) -> str:
-        key = key_of(request)
+        key = key_of(context_of(request))
         return key.owner if key is not None else ""
 
     async def _load(self, request: IRequest, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
@@ -123,7 +126,7 @@ class Responses:
         ignored: list[str] = []
         names = tr.ToolNames()
         chat = tr.request_to_chat(body, history, ignored, names)
-        note_ignored(request, "responses", ignored)
+        note_ignored(context_of(request), "responses", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
@@ -145,8 +148,8 @@ class Responses:
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
-            call.client_stream = False  # the engine's stream makes one response (the semantic cache may answer)
-            async with self._pipeline.open(request, call) as reply:
+            call = attrs.evolve(call, client_stream=False)  # the engine's stream makes one response (the cache may answer)
+            async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()
             self._usage(reply, translator)
@@ -167,10 +170,10 @@ class Responses:
 
         # once the headers are out, every failure ends the stream with
         # response.failed, never with an error body of its own
-        call.on_send = on_send
+        call = attrs.evolve(call, on_send=on_send)
         ended = False
         try:
-            async with self._pipeline.open(request, call) as reply:
+            async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(lambda chunk: self._write(request, translator.feed(chunk)))
                 self._write(request, translator.finish())
                 ended = True
@@ -197,7 +200,7 @@ class Responses:
         this body would report, counted by the child on the same rendering.
         """
         call, _, _ = await self._translate(request, body)
-        count = await self._pipeline.count(request, call)
+        count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
 

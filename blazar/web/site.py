@@ -71,13 +71,14 @@ from twisted.web.server import Request, Site
 
 from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
-from blazar.gateway.context import RequestContext, context_of, key_of, trace_id_of
+from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden, Refused, TooManyConnections, describe
 from blazar.logtext import RENDERED
 from blazar.models.create import upload_spool
 from blazar.web.auth import (
     AuthGate, Refusal, check_keyless_management, is_local, render_refusal, surface_of, ui_headers,
 )
+from blazar.web.client import context_of
 from blazar.web.errors import envelope
 
 log = Logger()
@@ -683,13 +684,13 @@ class BlazarSite(Site):
         # One structured access event per request (replaces the combined log).
         started = context_of(request).started
         ms = (self.reactor.seconds() - started) * 1000 if started is not None else 0.0
-        key = key_of(request)
+        key = key_of(context_of(request))
         event = {
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
             "status": 499 if getattr(request, "client_gone", False) else request.code,
             "ms": round(ms, 1), "bytes": request.sentLength,
-            "key": key.name if key is not None else "", "trace": trace_id_of(request),
+            "key": key.name if key is not None else "", "trace": trace_id_of(context_of(request)),
             "model": context_of(request).model or "",
         }
         if context_of(request).sentinel:

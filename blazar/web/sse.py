@@ -13,7 +13,7 @@ from typing import Any, Callable
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from blazar.engines.sse import WholeEvents
+from blazar.gateway.engine_facts import WholeEvents
 from blazar import strictjson
 
 log = Logger()
@@ -75,7 +75,7 @@ class _EventBuffer:
         The complete events that C{chunk} (after what was held) ends,
         whole; the rest is held for the next call. C{b""}: none yet.
 
-        @raise blazar.engines.sse.EventTooLong: An event over the cap.
+        @raise blazar.gateway.engine_facts.EventTooLong: An event over the cap.
         """
         return self._whole.feed(chunk)
 

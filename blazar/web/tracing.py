@@ -35,8 +35,9 @@ from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
 from blazar import __version__
-from blazar.gateway.context import context_of, key_of, trace_id_of
+from blazar.gateway.context import key_of, trace_id_of
 from blazar.metrics import Metrics
+from blazar.web.client import context_of
 
 log = Logger()
 
@@ -110,13 +111,13 @@ class Tracing(Service):
         and end seconds).
         """
         started = context_of(request).started or 0.0
-        key = key_of(request)
+        key = key_of(context_of(request))
         attributes: dict[str, Any] = {
             "http.request.method": request.method.decode("ascii", "replace"),
             "url.path": request.path.decode("ascii", "replace"),
             "http.response.status_code": int(getattr(request, "code", 200) or 200),
             "blazar.surface": surface,
-            "blazar.trace_id": trace_id_of(request),
+            "blazar.trace_id": trace_id_of(context_of(request)),
         }
         model = context_of(request).model
         if model:

@@ -7,13 +7,12 @@ catalog, and the supervisor's breaker for a remote.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet.defer import ensureDeferred, fail, succeed
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.iweb import IRequest
 
 from blazar.config import ConfigError, RemoteConfig, parse_config
 from blazar.engines.remote import RemoteCatalog, RemoteInstance, auth_headers, listed_models, scrub, scrub_bytes
@@ -239,8 +238,8 @@ class ScopeTests(SynchronousTestCase):
         class Request:
             blazar = RequestContext(key=KeyConfig("k", "k" * 16, ("peer:tiny",)))
 
-        entry = self.successResultOf(ensureDeferred(resolve_in_scope(cast(IRequest, Request()), registry, "PEER:tiny")))
+        entry = self.successResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "PEER:tiny")))
         self.assertEqual(entry.remote_model, "tiny")
-        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(cast(IRequest, Request()), registry, "peer:Tiny")),
+        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "peer:Tiny")),
                                        ModelNotFound)
         self.assertEqual(failure.value.available, ["peer:tiny"])

@@ -6,16 +6,15 @@ queuing between keys, expiry, disconnects, introspection.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of, parse_deadline_ms, parse_priority
 from blazar.config import Config, KeyConfig, QueueConfig, parse_config
 from blazar.gateway.admission import (
     LONG_PREFILL_BYTES,
@@ -27,8 +26,6 @@ from blazar.gateway.admission import (
     WorkClass,
     admit_request,
     human_wait,
-    parse_deadline_ms,
-    parse_priority,
 )
 
 
@@ -444,7 +441,7 @@ class AdmitRequestTests(SynchronousTestCase):
         return request
 
     def admit(self, request: DummyRequest, work: WorkClass = WorkClass.INTERACTIVE) -> Deferred[Lease]:
-        return Deferred.fromCoroutine(admit_request(self.admission, cast(IRequest, request), "m", 1, work, 10))
+        return Deferred.fromCoroutine(admit_request(self.admission, context_of(request), "m", 1, work, 10))
 
     def test_slot_held_until_the_response_finishes(self) -> None:
         first = self.request()

@@ -24,7 +24,7 @@ from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.config import Config
 from blazar.engines.client import EngineClient
 from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
@@ -134,7 +134,7 @@ class RelayBackpressureTests(SynchronousTestCase):
         self.request, self.client, self.channel = connect(self.clock)
         self.admission = Admission(self.clock, lambda: Config())
         self.lease = self.successResultOf(Deferred.fromCoroutine(
-            admit_request(self.admission, self.request, "m", 1, WorkClass.INTERACTIVE, 0)
+            admit_request(self.admission, context_of(self.request), "m", 1, WorkClass.INTERACTIVE, 0)
         ))
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
@@ -145,7 +145,7 @@ class RelayBackpressureTests(SynchronousTestCase):
             config=lambda: Config(stream_stall_close=STALL),
         )
         self.relayed = Deferred.fromCoroutine(
-            proxy.relay(cast(Instance, self.instance), self.engine, self.request.write, self.request)
+            proxy.relay(cast(Instance, self.instance), self.engine, self.request.write, context_of(self.request))
         )
         self.engine.send(EVENT)
 

@@ -23,7 +23,7 @@ from blazar import store
 from blazar.config import CacheConfig, KeyConfig, LiveConfig, parse_config
 from blazar.gateway.cache import Vector, normalized
 from blazar.gateway.cachestore import CacheStore
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.metrics import Metrics
 from blazar.testing import FakeSupervisor, SynchronousThreadPool
 from blazar.web.observe import RequestObserver

@@ -12,7 +12,7 @@ from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.call import Call, CallKind
+from blazar.gateway.call import Call, CallKind, Run
 from blazar.gateway.defaults import apply_model_defaults, model_context
 from blazar.models.ollama_store import OllamaLayers, parse_name
 from blazar.models.registry import ModelEntry
@@ -26,15 +26,15 @@ def entry(**layers: Any) -> ModelEntry:
 
 
 def call(kind: CallKind = CallKind.CHAT, body: dict[str, Any] | None = None, path: str = "/v1/chat/completions",
-         **layers: Any) -> Call:
-    made = Call("openai", kind, "mine", path, body if body is not None else {"messages": list(HELLO)})
+         **layers: Any) -> Run:
+    made = Run.of(Call("openai", kind, "mine", path, body if body is not None else {"messages": list(HELLO)}))
     made.entry = entry(**layers)
     return made
 
 
 class DefaultsTests(SynchronousTestCase):
     def test_a_model_without_layers_is_left_alone(self) -> None:
-        plain = Call("openai", CallKind.CHAT, "m", "/v1/chat/completions", {"messages": list(HELLO)})
+        plain = Run.of(Call("openai", CallKind.CHAT, "m", "/v1/chat/completions", {"messages": list(HELLO)}))
         self.assertFalse(apply_model_defaults(plain))
         plain.entry = ModelEntry("m:latest", Path("/m.gguf"))
         self.assertFalse(apply_model_defaults(plain))

@@ -8,10 +8,11 @@ from typing import cast
 
 from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields, beta_values
+from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields
+from blazar.web.anthropic import beta_values
+from blazar.web.client import context_of
 from blazar.testing import FakeSupervisor, fake_engine_app
 
 from tests.typed import not_none
@@ -36,23 +37,23 @@ class IgnoredFieldsTests(SynchronousTestCase):
     def test_header_and_one_line_per_client_and_field(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(cast(IRequest, r), "anthropic", ["metadata", "context_management", "metadata"])
+        seen.note(context_of(r), "anthropic", ["metadata", "context_management", "metadata"])
         self.assertEqual(r.responseHeaders.getRawHeaders(IGNORED_HEADER), [b"metadata,context_management"])
-        seen.note(cast(IRequest, request()), "anthropic", ["metadata"])
+        seen.note(context_of(request()), "anthropic", ["metadata"])
         self.assertEqual(self.lines(), ["metadata", "context_management"])
-        seen.note(cast(IRequest, request(b"codex_exec/0.171.0")), "anthropic", ["metadata"])  # another client
+        seen.note(context_of(request(b"codex_exec/0.171.0")), "anthropic", ["metadata"])  # another client
         self.assertEqual(self.lines(), ["metadata", "context_management", "metadata"])
 
     def test_nothing_ignored_sets_no_header(self) -> None:
         r = request()
-        IgnoredFields().note(cast(IRequest, r), "openai", [])
+        IgnoredFields().note(context_of(r), "openai", [])
         self.assertIsNone(r.responseHeaders.getRawHeaders(IGNORED_HEADER))
 
     def test_bounded(self) -> None:
         seen = IgnoredFields(limit=2)
         for name in ("a", "b", "c"):
-            seen.note(cast(IRequest, request()), "openai", [name])
-        seen.note(cast(IRequest, request()), "openai", ["a"])  # forgotten, so logged again
+            seen.note(context_of(request()), "openai", [name])
+        seen.note(context_of(request()), "openai", ["a"])  # forgotten, so logged again
         self.assertEqual(self.lines(), ["a", "b", "c", "a"])
 
     def test_beta_values(self) -> None:
@@ -71,7 +72,7 @@ class HostileRequestTests(SynchronousTestCase):
     def test_many_and_long_names_are_bounded(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(cast(IRequest, r), "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
+        seen.note(context_of(r), "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
         self.assertLessEqual(len(self.events), 65)  # 64 names and one count line
         self.assertLessEqual(sum(len(k[2]) for k in seen._seen), 64 * 100)
         header = not_none(r.responseHeaders.getRawHeaders(IGNORED_HEADER))[0]

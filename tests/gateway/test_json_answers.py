@@ -206,7 +206,7 @@ class RouteTests(SynchronousTestCase):
 
 class CacheHiderTests(SynchronousTestCase):
     def test_whole_events_hidden_and_an_unfinished_one_kept(self) -> None:
-        from blazar.gateway.pipeline import _CacheHider
+        from blazar.gateway.reply import _CacheHider
 
         out: list[bytes] = []
         hider = _CacheHider(out.append)

@@ -1,6 +1,6 @@
 """
 An api = "anthropic" remote's answer on the way back
-(L{blazar.gateway.pipeline.Reply}): a Messages answer read whole becomes
+(L{blazar.gateway.translated.FromAnthropic}): a Messages answer read whole becomes
 an OpenAI chat completion; its stream, however the reads split it,
 becomes OpenAI chunks (the byte relay's SSE ends with [DONE] after the
 usage chunk); an error event or a body that is no message is the
@@ -17,18 +17,16 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.engines.lease import InstanceLease
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.errors import EngineRejected
-from blazar.gateway.pipeline import Reply
+from blazar.gateway.reply import Reply
 from blazar.gateway.remotewire import AnthropicStream
+from blazar.gateway.translated import FromAnthropic, Renamed, scrubber
 
 from tests.gateway.test_remotewire import STREAM
 
 
-def reply(include_usage: bool = True) -> Reply:
+def reply(include_usage: bool = True) -> FromAnthropic:
     # the translation steps read only the translator: the rest of a Reply is a lease's
-    made = Reply.__new__(Reply)
-    made._lease = None
-    made.anthropic = AnthropicStream("claude:m", 7, include_usage)
-    return made
+    return FromAnthropic(AnthropicStream("claude:m", 7, include_usage), scrubber(None))
 
 
 def sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
@@ -40,24 +38,24 @@ class AnthropicReplyTests(SynchronousTestCase):
         message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "max_tokens",
                    "content": [{"type": "text", "text": "hello"}],
                    "usage": {"input_tokens": 3, "output_tokens": 2}}
-        out = json.loads(reply()._from_anthropic(json.dumps(message).encode()))
+        out = json.loads(reply().whole(json.dumps(message).encode()))
         self.assertEqual(out["object"], "chat.completion")
         self.assertEqual(out["model"], "claude:m")
         self.assertEqual(out["choices"][0]["message"]["content"], "hello")
         self.assertEqual(out["choices"][0]["finish_reason"], "length")
         self.assertEqual(out["usage"]["completion_tokens"], 2)
         with self.assertRaises(EngineRejected) as caught:
-            reply()._from_anthropic(b"[1]")
+            reply().whole(b"[1]")
         self.assertEqual(caught.exception.status, 502)
 
     def test_a_stream_split_anywhere(self) -> None:
         data = sse(STREAM)
         whole: list[bytes] = []
-        feed = reply()._anthropic_bytes(whole.append)
+        feed = reply().sse(whole.append)
         feed(data)
         for step in (1, 7, 64):
             parts: list[bytes] = []
-            feed = reply()._anthropic_bytes(parts.append)
+            feed = reply().sse(parts.append)
             for i in range(0, len(data), step):
                 feed(data[i:i + step])
             self.assertEqual(b"".join(parts), b"".join(whole), step)
@@ -75,14 +73,14 @@ class AnthropicReplyTests(SynchronousTestCase):
 
     def test_without_usage_the_finish_chunk_ends_it(self) -> None:
         out: list[bytes] = []
-        reply(include_usage=False)._anthropic_bytes(out.append)(sse(STREAM))
+        reply(include_usage=False).sse(out.append)(sse(STREAM))
         events = b"".join(out).split(b"\n\n")[:-1]
         self.assertEqual(events[-1], b"data: [DONE]")
         self.assertNotIn(b'"usage"', events[-2])
 
     def test_an_error_event(self) -> None:
         chunks: list[Any] = []
-        feed = reply()._anthropic_events(chunks.append)
+        feed = reply().events(chunks.append)
         with self.assertRaises(EngineRejected) as caught:
             feed(sse([("error", {"type": "error", "error": {"type": "overloaded_error", "message": "busy"}})]))
         self.assertEqual(caught.exception.status, 502)
@@ -118,13 +116,11 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
         class Response:
             headers = Headers({b"content-type": [kind]})
 
-        made = Reply.__new__(Reply)
-        made._lease = cast(InstanceLease, Lease())
-        made._response, made._proxy = Response(), cast(EngineProxy, Proxy())
-        made.made, made.model, made.wants_usage = None, "peer:m", True
-        made.anthropic = AnthropicStream("peer:m", 7, True) if anthropic else None
-        made.renamed = not anthropic
-        return made
+        scrub = scrubber(Lease.instance)
+        translated = FromAnthropic(AnthropicStream("peer:m", 7, True), scrub) if anthropic \
+            else Renamed("peer:m", Lease.instance.server, scrub)
+        return Reply(cast(EngineProxy, Proxy()), None, cast(InstanceLease, Lease()), Response(), None, 0.0, 0.0,
+                     translated=translated, wants_usage=True)
 
     def events(self, made: Reply) -> list[Any]:
         from twisted.internet.defer import ensureDeferred

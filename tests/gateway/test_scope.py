@@ -15,9 +15,8 @@ from typing import Any, cast
 
 from klein import Klein
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.iweb import IRequest
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.config import KeyConfig, parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
@@ -320,7 +319,7 @@ class ResolveInScopeTests(SynchronousTestCase):
         self.registry = ModelRegistry(parse_config(f'models_dir = "{self.root}"'), fake_process_reactor())
 
     def resolve(self, request: Any, name: object) -> Any:
-        d = resolve_in_scope(request, self.registry, name)
+        d = resolve_in_scope(context_of(request), self.registry, name)
         from twisted.internet.defer import ensureDeferred
 
         return ensureDeferred(d)
@@ -384,10 +383,10 @@ class ResolveInScopeTests(SynchronousTestCase):
             self.assertEqual(self.successResultOf(self.resolve(request, "b")).name, "b:latest")
             failure = self.failureResultOf(self.resolve(request, "nope"), ModelNotFound)
             self.assertEqual(failure.value.available, ["a:latest", "b:latest"])
-            self.assertEqual(visible(cast(IRequest, request), ["a:latest", "b:latest"]), ["a:latest", "b:latest"])
-            self.assertEqual(redact(cast(IRequest, request), "/srv/m/a.gguf"), "/srv/m/a.gguf")
+            self.assertEqual(visible(context_of(request), ["a:latest", "b:latest"]), ["a:latest", "b:latest"])
+            self.assertEqual(redact(context_of(request), "/srv/m/a.gguf"), "/srv/m/a.gguf")
         scoped = FakeRequest(KeyConfig("s", "x" * 16, models=("B",)))
-        self.assertEqual(visible(cast(IRequest, scoped), ["a:latest", "b:latest"]), ["b:latest"])
+        self.assertEqual(visible(context_of(scoped), ["a:latest", "b:latest"]), ["b:latest"])
 
 
 class RedactTests(SynchronousTestCase):
@@ -403,7 +402,7 @@ class RedactTests(SynchronousTestCase):
             "path:/a/b/c": "path:c",
         }
         for text, shown in cases.items():
-            self.assertEqual(redact(cast(IRequest, self.scoped), text), shown)
+            self.assertEqual(redact(context_of(self.scoped), text), shown)
 
     def test_names_and_urls_left_alone(self) -> None:
         for text in (
@@ -412,11 +411,11 @@ class RedactTests(SynchronousTestCase):
             "library/qwen:7b and ns/model",
             "a / b and 1/2/3",
         ):
-            self.assertEqual(redact(cast(IRequest, self.scoped), text), text)
+            self.assertEqual(redact(context_of(self.scoped), text), text)
 
     def test_metadata_values(self) -> None:
         kv = {"quantize.imatrix.file": "/data/imatrix/m.dat", "general.name": "m",
               "list": ["/a/b/c", 1], "n": 4, "none": None}
-        self.assertEqual(redact_value(cast(IRequest, self.scoped), kv), {
+        self.assertEqual(redact_value(context_of(self.scoped), kv), {
             "quantize.imatrix.file": "m.dat", "general.name": "m", "list": ["c", 1], "n": 4, "none": None,
         })

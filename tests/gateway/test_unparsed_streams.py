@@ -12,9 +12,10 @@ from types import SimpleNamespace
 from typing import Any, cast
 from twisted.internet.defer import ensureDeferred
 from blazar.engines.lease import InstanceLease
-from blazar.gateway.pipeline import Reply
-from blazar.gateway.sentinel import StreamWatch, inspect
 from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.reply import Reply
+from blazar.gateway.sentinel import StreamWatch, inspect
+from blazar.web.client import context_of
 
 TEXT = b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
 ERR = (b'data: {"error":{"code":500,"message":"The model produced output that does not match the expected '
@@ -33,9 +34,8 @@ class Proxy:
 
 def relayed(pieces: list[bytes]) -> bytes:
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(cast(EngineProxy, Proxy(pieces)), SimpleNamespace(startedWriting=True), cast(InstanceLease, lease),
-                  None, None, 0.0, 0.0)
-    reply.watched = BODY
+    reply = Reply(cast(EngineProxy, Proxy(pieces)), context_of(SimpleNamespace(startedWriting=True)),
+                  cast(InstanceLease, lease), None, None, 0.0, 0.0, watched=BODY)
     got: list[bytes] = []
     d = ensureDeferred(reply.relay(got.append))
     assert d.called, d
@@ -81,10 +81,8 @@ def test_split_error_is_still_flagged() -> None:
     cut = len(TEXT) + 40
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
     req = SimpleNamespace(startedWriting=True)
-    reply = Reply(
-        cast(EngineProxy, Proxy([whole[:cut], whole[cut:]])), req, cast(InstanceLease, lease), None, None, 0.0, 0.0
-    )
-    reply.watched = BODY
+    reply = Reply(cast(EngineProxy, Proxy([whole[:cut], whole[cut:]])), context_of(req), cast(InstanceLease, lease),
+                  None, None, 0.0, 0.0, watched=BODY)
     ensureDeferred(reply.relay(lambda b: None))
     assert "tool_args_invalid" in (req.blazar.sentinel or ())
 
@@ -94,9 +92,8 @@ def test_forced_call_arguments_quoting_the_phrase() -> None:
     args = json.dumps({"title": "The model produced output that does not match the expected format"})
     made = chat_stream("m", [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": args}}], None, None)
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(cast(EngineProxy, Proxy([])), SimpleNamespace(startedWriting=True), cast(InstanceLease, lease),
-                  None, None, 0.0, 0.0)
-    reply.watched, reply.made = BODY, made
+    reply = Reply(cast(EngineProxy, Proxy([])), context_of(SimpleNamespace(startedWriting=True)),
+                  cast(InstanceLease, lease), None, None, 0.0, 0.0, watched=BODY, made=made)
     got: list[bytes] = []
     ensureDeferred(reply.relay(got.append))
     out = b"".join(got)

@@ -18,7 +18,8 @@ from blazar.config import Config, parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.gateway.admission import Admission
-from blazar.gateway.context import RequestContext, context_of
+from blazar.gateway.context import RequestContext
+from blazar.web.client import context_of
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_process_reactor

@@ -3,7 +3,7 @@ from typing import Any, cast
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
-from blazar.gateway.context import context_of
+from blazar.web.client import context_of
 from blazar.config import KeyConfig
 from blazar.gateway.errors import Forbidden
 from blazar.web.auth import check_admin, keys_from_env

@@ -14,7 +14,8 @@ from blazar.config import KeyConfig
 from blazar.engines.supervisor import EngineCrashed
 from blazar.metrics import Metrics, label_reason
 from blazar.gateway.admission import AllSlotsBusy
-from blazar.gateway.context import context_of, note_error, note_tokens, timing_of
+from blazar.gateway.context import note_error, note_tokens, timing_of
+from blazar.web.client import context_of
 from blazar.gateway.errors import describe
 from blazar.web.observe import RequestObserver, usage_of_reply, usage_of_timings
 
@@ -45,12 +46,12 @@ class ObserverTests(SynchronousTestCase):
         self.assertEqual(self.value("blazar_requests_in_flight", surface="openai"), 1)
         context_of(request).model = "m:latest"
         context_of(request).key = KeyConfig("me", "x" * 16)
-        timing = timing_of(request)
+        timing = timing_of(context_of(request))
         assert timing is not None
         for t in (0.5, 0.6, 0.7, 0.8):
             self.clock.advance(t - self.clock.seconds())
             timing.tick(self.clock.seconds())
-        note_tokens(request, 12, 3)
+        note_tokens(context_of(request), 12, 3)
         self.clock.advance(0.2)
         request.finish()
         labels = {"surface": "openai", "model": "m:latest"}
@@ -65,8 +66,8 @@ class ObserverTests(SynchronousTestCase):
     def test_errors_by_kind_then_by_status(self) -> None:
         request = self.request()
         self.observer.started(request, "ollama")
-        note_error(request, AllSlotsBusy("busy", 1.0, 1.0))
-        note_error(request, "5xx")  # the first specific kind wins
+        note_error(context_of(request), AllSlotsBusy("busy", 1.0, 1.0))
+        note_error(context_of(request), "5xx")  # the first specific kind wins
         request.setResponseCode(503)
         request.finish()
         self.assertEqual(self.value("blazar_errors_total", surface="ollama", model="", kind="all_slots_busy"), 1)

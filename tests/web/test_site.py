@@ -23,6 +23,7 @@ from blazar.gateway.context import key_of
 from blazar.config import Config, KeyConfig
 from blazar.web.auth import AuthGate, KeyHolder, is_local
 from blazar.web.site import LINGER_BYTES, LINGER_SECS, OPEN_BODY_BYTES, BlazarSite, reason_phrase
+from blazar.web.client import context_of
 
 LIMIT = 1000
 SECRET = "door-secret-0123456789"
@@ -42,7 +43,7 @@ class Recorder(Resource):
 
     def render(self, request):
         self.seen.append(request.content.read())
-        self.keys.append(key_of(request))
+        self.keys.append(key_of(context_of(request)))
         return b"reached"
 
 

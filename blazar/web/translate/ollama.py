@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from blazar.gateway.errors import BadRequest
 from blazar.gateway.call import OLLAMA_PLACEMENT
+from blazar.gateway.defaults import ENGINE_FIELDS
 
 import base64
 import math
@@ -29,7 +30,7 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from blazar.config import parse_duration
+from blazar.web.translate import keep_alive
 from blazar import strictjson
 
 
@@ -41,26 +42,10 @@ class TranslationError(BadRequest):
 
 
 # Ollama option -> llama-server (OpenAI-compatible, plus llama.cpp's own
-# sampling fields, which its /v1 endpoints accept).
-_OPTION_NAMES = {
-    "temperature": "temperature",
-    "top_p": "top_p",
-    "top_k": "top_k",
-    "min_p": "min_p",
-    "typical_p": "typical_p",
-    "seed": "seed",
-    "stop": "stop",
-    "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "repeat_last_n",
-    "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty",
-    "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau",
-    "mirostat_eta": "mirostat_eta",
-    "num_keep": "n_keep",
-    # not Ollama's, but llama.cpp takes it: token id -> bias
-    "logit_bias": "logit_bias",
-}
+# sampling fields, which its /v1 endpoints accept): the one table of sampling
+# parameters (a Modelfile's PARAMETER uses it too), plus stop and logit_bias
+# (not Ollama's, but llama.cpp takes it: token id -> bias)
+_OPTION_NAMES = {**ENGINE_FIELDS, "stop": "stop", "logit_bias": "logit_bias"}
 _INTEGER_OPTIONS = {"num_predict", "num_ctx", "top_k", "seed", "repeat_last_n", "mirostat",
                     "num_keep", "num_batch", "num_gpu", "num_thread", "main_gpu"}
 _NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
@@ -80,19 +65,16 @@ _IGNORED_OPTIONS = {
 
 def parse_keep_alive(value: Any) -> float | None:
     """
-    Ollama's C{keep_alive} (see L{blazar.config.parse_duration}).
+    Ollama's C{keep_alive} (L{keep_alive.parse_keep_alive}, the one
+    parser every surface uses).
 
     @return: Seconds; negative means keep loaded forever; L{None} if absent.
     @raise TranslationError: Not a duration.
     """
-    if value is None:
-        return None
     try:
-        return parse_duration(value)
-    except ValueError:
-        raise TranslationError(
-            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
-        ) from None
+        return keep_alive.parse_keep_alive(value)
+    except ValueError as e:
+        raise TranslationError(str(e)) from None
 
 
 def _image_url(data: Any) -> dict[str, Any]:

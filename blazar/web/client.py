@@ -1,0 +1,127 @@
+"""
+The one place a twisted.web request meets the gateway: L{context_of}
+gives a request's L{RequestContext} with its L{RequestClient}, the
+L{IClient} through which the gateway reads the HTTP facts it needs and
+sets the response headers it decides. Nothing below C{blazar.web} holds
+the request itself.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.web.iweb import IRequest
+from zope.interface import implementer
+
+from blazar.gateway.context import IClient, RequestContext
+from blazar.gateway.priority import Priority
+from blazar.gateway.quota import retry_after_value
+
+
+PRIORITY_HEADER = b"x-blazar-priority"
+DEADLINE_HEADER = b"x-blazar-deadline-ms"
+
+
+def parse_priority(value: bytes | None) -> Priority:
+    """
+    C{x-blazar-priority}: C{high}, C{low} or C{batch} (any case; C{batch}
+    is below C{low}: a slot only when nothing else waits); anything else,
+    or no header, is normal.
+    """
+    if value is None:
+        return Priority.NORMAL
+    word = value.strip().lower()
+    if word == b"high":
+        return Priority.HIGH
+    if word == b"low":
+        return Priority.LOW
+    if word == b"batch":
+        return Priority.BATCH
+    return Priority.NORMAL
+
+
+def parse_deadline_ms(value: bytes | None) -> float | None:
+    """
+    C{x-blazar-deadline-ms}: how long (ms, from arrival) the request may
+    wait for a slot; L{None} when absent, not a number, or not positive.
+
+    @return: Seconds.
+    """
+    if value is None:
+        return None
+    try:
+        ms = float(value.strip())
+    except ValueError:
+        return None
+    if not math.isfinite(ms) or ms <= 0:
+        return None
+    return min(ms, 24 * 3600 * 1000.0) / 1000.0
+
+
+@implementer(IClient)
+class RequestClient:
+    """
+    L{IClient} over one twisted.web request.
+    """
+
+    def __init__(self, request: IRequest) -> None:
+        self._request = request
+
+    def priority(self) -> Priority:
+        return parse_priority(self._request.getHeader(PRIORITY_HEADER))
+
+    def deadline(self) -> float | None:
+        return parse_deadline_ms(self._request.getHeader(DEADLINE_HEADER))
+
+    def agent(self) -> str:
+        return (self._request.getHeader(b"user-agent") or b"").decode("ascii", "replace").split(" ", 1)[0][:60]
+
+    def body_size(self) -> int:
+        content = self._request.content
+        if content is None:
+            return 0
+        here = content.tell()
+        content.seek(0, 2)
+        size = int(content.tell())
+        content.seek(here)
+        return size
+
+    def finished(self) -> Deferred[None]:
+        return self._request.notifyFinish()  # type: ignore[attr-defined]
+
+    def writing(self) -> bool:
+        return bool(getattr(self._request, "startedWriting", True))
+
+    def reply_header(self, name: bytes) -> bytes | None:
+        headers = getattr(self._request, "responseHeaders", None)
+        values = headers.getRawHeaders(name) if headers is not None else None
+        return values[-1] if values else None
+
+    def set_reply_header(self, name: bytes, value: bytes) -> None:
+        self._request.setHeader(name, value)
+
+    def consumer(self) -> Any:
+        return self._request
+
+
+def context_of(request: Any) -> RequestContext:
+    """
+    The request's L{RequestContext} (made on first use, e.g. for a
+    C{StubTreq} or C{DummyRequest} request no L{blazar.web.site} made),
+    with its L{RequestClient}.
+    """
+    context = getattr(request, "blazar", None)
+    if context is None:
+        context = request.blazar = RequestContext()
+    if context.client is None:
+        context.client = RequestClient(request)
+    return context
+
+
+def retry_after(request: IRequest, seconds: float) -> None:
+    """
+    Set C{Retry-After} on a refusal (quota, all slots busy, breaker open).
+    """
+    request.setHeader(b"retry-after", retry_after_value(seconds))
