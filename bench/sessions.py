@@ -30,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from run import Bench
 
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
-         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+    "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 TURNS = 5
 
 
@@ -43,9 +45,20 @@ def chat(port: int, key: str | None, messages: list[dict[str, str]], session: st
         headers["x-blazar-session"] = session
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps({
-            "model": "two", "messages": messages, "max_tokens": 8, "temperature": 0, "seed": 1,
-        }), headers)
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(
+                {
+                    "model": "two",
+                    "messages": messages,
+                    "max_tokens": 8,
+                    "temperature": 0,
+                    "seed": 1,
+                }
+            ),
+            headers,
+        )
         resp = conn.getresponse()
         body = resp.read()
         if resp.status != 200:
@@ -55,8 +68,9 @@ def chat(port: int, key: str | None, messages: list[dict[str, str]], session: st
         conn.close()
 
 
-def conversations(bench: Bench, first: int, count: int, port: Any, key: str | None, named: bool,
-                  evict: bool) -> dict[str, float]:
+def conversations(
+    bench: Bench, first: int, count: int, port: Any, key: str | None, named: bool, evict: bool
+) -> dict[str, float]:
     """
     C{count} conversations, numbered from C{first}, C{TURNS} turns each;
     C{port()} is where to send (it changes after an evict, for direct).
@@ -69,7 +83,7 @@ def conversations(bench: Bench, first: int, count: int, port: Any, key: str | No
     started = time.monotonic()
     for turn in range(TURNS):
         for session, messages in talks:
-            messages.append({"role": "user", "content": f"Turn {turn}: " + " ".join(WORDS[turn:turn + 5])})
+            messages.append({"role": "user", "content": f"Turn {turn}: " + " ".join(WORDS[turn : turn + 5])})
             reply = chat(port(), key, messages, session)
             messages.append({"role": "assistant", "content": reply["choices"][0]["message"]["content"]})
             usage = reply["usage"]
@@ -77,12 +91,21 @@ def conversations(bench: Bench, first: int, count: int, port: Any, key: str | No
                 prompt += usage["prompt_tokens"]
                 cached += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
         if evict and turn < TURNS - 1:
-            out = subprocess.run([str(Path(sys.executable).parent / "blazar"), "evict", "two", "-c",
-                                  str(bench.config)], capture_output=True, text=True, timeout=60)
+            out = subprocess.run(
+                [str(Path(sys.executable).parent / "blazar"), "evict", "two", "-c", str(bench.config)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
             if out.returncode != 0:
                 raise SystemExit(f"blazar evict two: {out.stdout}{out.stderr}")
-    return {"prompt_tokens": prompt, "cached_tokens": cached, "evaluated_tokens": prompt - cached,
-            "cached_share": cached / prompt if prompt else 0.0, "wall_s": time.monotonic() - started}
+    return {
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "evaluated_tokens": prompt - cached,
+        "cached_share": cached / prompt if prompt else 0.0,
+        "wall_s": time.monotonic() - started,
+    }
 
 
 def sessions_scenario(bench: Bench) -> None:
@@ -110,11 +133,15 @@ def sessions_scenario(bench: Bench) -> None:
 
 
 def sessions_table(r: dict[str, Any]) -> str:
-    lines = [f"Sessions: conversations round-robin on a 2-slot model, {r['turns']} turns each "
-             "(figures over every turn after each conversation's first)",
-             f"{'conversations':>13}  {'target':<48} {'evaluated':>10} {'from cache':>10} {'wall':>8}"]
+    lines = [
+        f"Sessions: conversations round-robin on a 2-slot model, {r['turns']} turns each "
+        "(figures over every turn after each conversation's first)",
+        f"{'conversations':>13}  {'target':<48} {'evaluated':>10} {'from cache':>10} {'wall':>8}",
+    ]
     for count in ("8", "32"):
         for name, row in r[count].items():
-            lines.append(f"{count:>13}  {name:<48} {row['evaluated_tokens']:>10,} {row['cached_share']:>9.1%} "
-                         f"{row['wall_s']:>7.1f}s")
+            lines.append(
+                f"{count:>13}  {name:<48} {row['evaluated_tokens']:>10,} {row['cached_share']:>9.1%} "
+                f"{row['wall_s']:>7.1f}s"
+            )
     return "\n".join(lines)

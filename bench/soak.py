@@ -73,22 +73,70 @@ def nested(depth: int, kinds: list[str]) -> dict[str, Any]:
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}}
 # (name, Host header or None for the daemon's own, extra headers, body, wanted status, seconds allowed)
 ATTACKS: list[tuple[str, str | None, dict[str, str], dict[str, Any], int, float]] = [
-    ("H1 nested type lists", None, {}, {
-        "model": "tiny", "messages": HELLO, "max_tokens": 32,
-        "tools": [{"type": "function", "function": {"name": "emit", "parameters": nested(4, ["object"] * 30)}}],
-        "tool_choice": {"type": "function", "function": {"name": "emit"}}}, 200, 10.0),
-    ("H2 20k tools", None, {}, {"model": "tiny", "messages": HELLO, "max_tokens": 8, "tools": [
-        {"type": "function", "function": {"name": f"t{i}", "parameters": WEATHER}} for i in range(20_000)]}, 400, 1.0),
-    ("H2 20k properties", None, {}, {"model": "tiny", "messages": HELLO, "max_tokens": 8, "tool_choice": "required",
-                                     "tools": [{"type": "function", "function": {"name": "wide", "parameters": {
-                                         "type": "object",
-                                         "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}}}]},
-     400, 1.0),
+    (
+        "H1 nested type lists",
+        None,
+        {},
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "max_tokens": 32,
+            "tools": [{"type": "function", "function": {"name": "emit", "parameters": nested(4, ["object"] * 30)}}],
+            "tool_choice": {"type": "function", "function": {"name": "emit"}},
+        },
+        200,
+        10.0,
+    ),
+    (
+        "H2 20k tools",
+        None,
+        {},
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "max_tokens": 8,
+            "tools": [
+                {"type": "function", "function": {"name": f"t{i}", "parameters": WEATHER}} for i in range(20_000)
+            ],
+        },
+        400,
+        1.0,
+    ),
+    (
+        "H2 20k properties",
+        None,
+        {},
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "max_tokens": 8,
+            "tool_choice": "required",
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "wide",
+                        "parameters": {
+                            "type": "object",
+                            "properties": {f"p{i}": {"type": "string"} for i in range(20_000)},
+                        },
+                    },
+                }
+            ],
+        },
+        400,
+        1.0,
+    ),
     ("H2 50k messages", None, {}, {"model": "tiny", "max_tokens": 8, "messages": HELLO * 50_000}, 400, 1.0),
-    ("H3 rebound Host", "rebind.attacker.example", {}, {"model": "tiny", "messages": HELLO, "max_tokens": 2},
-     403, 1.0),
-    ("H3 cross-site POST", None, {"Origin": "https://evil.example"},
-     {"model": "tiny", "messages": HELLO, "max_tokens": 2}, 403, 1.0),
+    ("H3 rebound Host", "rebind.attacker.example", {}, {"model": "tiny", "messages": HELLO, "max_tokens": 2}, 403, 1.0),
+    (
+        "H3 cross-site POST",
+        None,
+        {"Origin": "https://evil.example"},
+        {"model": "tiny", "messages": HELLO, "max_tokens": 2},
+        403,
+        1.0,
+    ),
 ]
 
 
@@ -114,8 +162,11 @@ def main() -> int:
             '[models."tiny"]\nparallel = 4\n[models."tiny-embed"]\nembedding = true\n'
         )
         log = open(work / "daemon.log", "wb")
-        proc = subprocess.Popen([str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(config)],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(config)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
         daemon = psutil.Process(proc.pid)
         try:
             return soak(args, port, daemon, work)
@@ -211,8 +262,11 @@ def soak(args: argparse.Namespace, port: int, daemon: psutil.Process, work: Path
             name, host, extra, body, wanted, allowed = ATTACKS[turn % len(ATTACKS)]
             turn += 1
             before = chat_child_rss()
-            headers = {"content-type": "text/plain" if name.startswith("H3") else "application/json",
-                       "Host": host or f"127.0.0.1:{port}", **extra}
+            headers = {
+                "content-type": "text/plain" if name.startswith("H3") else "application/json",
+                "Host": host or f"127.0.0.1:{port}",
+                **extra,
+            }
             began = time.monotonic()
             conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
             try:
@@ -227,11 +281,23 @@ def soak(args: argparse.Namespace, port: int, daemon: psutil.Process, work: Path
             after = chat_child_rss()
             grew = after[1] - before[1] if before and after and before[0] == after[0] else None
             # a client's status for a killed child is no fault of the attack's: only H1 can meet one
-            ok = (status == wanted or (name.startswith("H1") and 400 <= status < 600 and status != 500)) \
-                and ended - began <= allowed and (grew is None or grew < 100 << 20)
-            attacks.append({"name": name, "status": status, "seconds": round(ended - began, 3), "began": began,
-                            "ended": ended, "child_rss_growth_mib": None if grew is None else grew / 2**20,
-                            "ok": ok, "answer": data[:200].decode("utf-8", "replace")})
+            ok = (
+                (status == wanted or (name.startswith("H1") and 400 <= status < 600 and status != 500))
+                and ended - began <= allowed
+                and (grew is None or grew < 100 << 20)
+            )
+            attacks.append(
+                {
+                    "name": name,
+                    "status": status,
+                    "seconds": round(ended - began, 3),
+                    "began": began,
+                    "ended": ended,
+                    "child_rss_growth_mib": None if grew is None else grew / 2**20,
+                    "ok": ok,
+                    "answer": data[:200].decode("utf-8", "replace"),
+                }
+            )
 
     # warm-up, then the baseline
     for request in REQUESTS:
@@ -271,29 +337,45 @@ def soak(args: argparse.Namespace, port: int, daemon: psutil.Process, work: Path
     growth = end["rss_mib"] - start["rss_mib"]
     rss_ok = not (growth > 20 and end["rss_mib"] > 1.2 * start["rss_mib"])
     report = {
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "machine": machine(),
-        "minutes": args.minutes, "clients": args.clients, "child_kills": kills,
-        "requests": done[0], "lost": len(lost), "gateway_500": len(own_500), "answers": statuses,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        "minutes": args.minutes,
+        "clients": args.clients,
+        "child_kills": kills,
+        "requests": done[0],
+        "lost": len(lost),
+        "gateway_500": len(own_500),
+        "answers": statuses,
         "p50_ms": 1000 * statistics.median(latencies) if latencies else None,
         "p99_ms": 1000 * latencies[int(0.99 * (len(latencies) - 1))] if latencies else None,
-        "start": start, "end": end, "rss_growth_mib": growth, "rss_ok": rss_ok,
-        "lost_examples": lost[:5], "gateway_500_examples": own_500[:5],
+        "start": start,
+        "end": end,
+        "rss_growth_mib": growth,
+        "rss_ok": rss_ok,
+        "lost_examples": lost[:5],
+        "gateway_500_examples": own_500[:5],
         "health_p99_ms": round(1000 * sorted(t for _, t in health)[int(0.99 * (len(health) - 1))], 1)
-        if health else None,
-        "attacks": attacks, "attacks_ok": attacks_ok,
+        if health
+        else None,
+        "attacks": attacks,
+        "attacks_ok": attacks_ok,
     }
     out = HERE / "results" / ("soak-" + report["when"].replace(":", "") + ".json")
     out.parent.mkdir(exist_ok=True)
     out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"soak {args.minutes:g} min, {args.clients} clients, {kills} child kills: {done[0]} requests, "
-          f"{len(lost)} lost, {len(own_500)} gateway 500s")
+    print(
+        f"soak {args.minutes:g} min, {args.clients} clients, {kills} child kills: {done[0]} requests, "
+        f"{len(lost)} lost, {len(own_500)} gateway 500s"
+    )
     print(f"answers: {json.dumps(statuses, sort_keys=True)}")
     print(f"latency p50 {report['p50_ms']:.1f} ms, p99 {report['p99_ms']:.1f} ms")
     print(f"daemon RSS {start['rss_mib']:.1f} -> {end['rss_mib']:.1f} MiB, fds {start['fds']} -> {end['fds']}")
     for attack in attacks:
-        print(f"  {attack['name']}: {attack['status']} in {attack['seconds']:.2f} s, /health at most "
-              f"{attack['health_max_ms']} ms, child +{attack['child_rss_growth_mib'] or 0:.0f} MiB"
-              f"{'' if attack['ok'] else '  <- FAILED'}")
+        print(
+            f"  {attack['name']}: {attack['status']} in {attack['seconds']:.2f} s, /health at most "
+            f"{attack['health_max_ms']} ms, child +{attack['child_rss_growth_mib'] or 0:.0f} MiB"
+            f"{'' if attack['ok'] else '  <- FAILED'}"
+        )
     print(f"written {out.relative_to(ROOT)}")
     return 0 if not lost and not own_500 and rss_ok and end["fds"] <= start["fds"] + 4 and attacks_ok else 1
 

@@ -254,19 +254,26 @@ def relay_body(
 
 
 async def read_body(
-    response: IResponse, clock: IReactorTime, *, idle_timeout: float, max_bytes: int, close_ends: bool = False,
+    response: IResponse,
+    clock: IReactorTime,
+    *,
+    idle_timeout: float,
+    max_bytes: int,
+    close_ends: bool = False,
 ) -> bytes:
     """
     The whole body of C{response}, bounded as L{relay_body}.
     """
     parts: list[bytes] = []
-    await relay_body(response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes,
-                     close_ends=close_ends)
+    await relay_body(
+        response, parts.append, clock, idle_timeout=idle_timeout, max_bytes=max_bytes, close_ends=close_ends
+    )
     return b"".join(parts)
 
 
-def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, str, Any]],
-                   boundary: str | None = None) -> tuple[bytes, str]:
+def multipart_body(
+    fields: Mapping[str, str], files: Sequence[tuple[str, str, str, Any]], boundary: str | None = None
+) -> tuple[bytes, str]:
     """
     A C{multipart/form-data} body (RFC 7578): text C{fields}, then
     C{files} as C{(field name, file name, content type, data)}, C{data}
@@ -283,11 +290,16 @@ def multipart_body(fields: Mapping[str, str], files: Sequence[tuple[str, str, st
 
     parts = []
     for name, value in fields.items():
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"\r\n\r\n'.encode()
-                     + value.encode("utf-8") + b"\r\n")
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"\r\n\r\n'.encode()
+            + value.encode("utf-8")
+            + b"\r\n"
+        )
     for name, filename, content_type, data in files:
-        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"; '
-                     f'filename="{quoted(filename)}"\r\nContent-Type: {quoted(content_type)}\r\n\r\n'.encode())
+        parts.append(
+            f'--{boundary}\r\nContent-Disposition: form-data; name="{quoted(name)}"; '
+            f'filename="{quoted(filename)}"\r\nContent-Type: {quoted(content_type)}\r\n\r\n'.encode()
+        )
         parts.extend(data if isinstance(data, tuple) else (data,))
         parts.append(b"\r\n")
     parts.append(f"--{boundary}--\r\n".encode())

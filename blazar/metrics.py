@@ -73,85 +73,129 @@ class Metrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
-            "blazar_requests", "Requests answered, by surface, model, API key and status class",
-            ["surface", "model", "key", "status"], registry=r,
+            "blazar_requests",
+            "Requests answered, by surface, model, API key and status class",
+            ["surface", "model", "key", "status"],
+            registry=r,
         )
         self.remote_requests = Counter(
-            "blazar_remote_requests", "Requests sent to a remote ([[remotes]]), by remote, model, API key and "
-            "status class", ["remote", "model", "key", "status"], registry=r,
+            "blazar_remote_requests",
+            "Requests sent to a remote ([[remotes]]), by remote, model, API key and status class",
+            ["remote", "model", "key", "status"],
+            registry=r,
         )
         self.in_flight = Gauge(
-            "blazar_requests_in_flight", "Requests being answered now", ["surface"], registry=r,
+            "blazar_requests_in_flight",
+            "Requests being answered now",
+            ["surface"],
+            registry=r,
         )
         self.duration = Histogram(
-            "blazar_request_duration_seconds", "Time from a request's arrival to its last byte",
-            ["surface", "model"], buckets=LATENCY_BUCKETS, registry=r,
+            "blazar_request_duration_seconds",
+            "Time from a request's arrival to its last byte",
+            ["surface", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.errors = Counter(
-            "blazar_errors", "Requests that failed, by the most specific kind known",
-            ["surface", "model", "kind"], registry=r,
+            "blazar_errors",
+            "Requests that failed, by the most specific kind known",
+            ["surface", "model", "kind"],
+            registry=r,
         )
         self.prompt_tokens = Counter(
-            "blazar_prompt_tokens", "Prompt tokens, as the engine counted them",
-            ["model", "key"], registry=r,
+            "blazar_prompt_tokens",
+            "Prompt tokens, as the engine counted them",
+            ["model", "key"],
+            registry=r,
         )
         self.completion_tokens = Counter(
-            "blazar_completion_tokens", "Generated tokens, as the engine counted them",
-            ["model", "key"], registry=r,
+            "blazar_completion_tokens",
+            "Generated tokens, as the engine counted them",
+            ["model", "key"],
+            registry=r,
         )
         self.audio_seconds = Counter(
-            "blazar_audio_seconds", "Seconds of audio transcribed or translated (the whisper lane)",
-            ["model", "key"], registry=r,
+            "blazar_audio_seconds",
+            "Seconds of audio transcribed or translated (the whisper lane)",
+            ["model", "key"],
+            registry=r,
         )
         self.images = Counter(
-            "blazar_images", "Images generated or edited (the sdcpp lane)", ["model", "key"], registry=r,
+            "blazar_images",
+            "Images generated or edited (the sdcpp lane)",
+            ["model", "key"],
+            registry=r,
         )
         self.ttft = Histogram(
             "blazar_time_to_first_token_seconds",
             "From a request's arrival to the engine's first streamed bytes, measured by Blazar",
-            ["surface", "model"], buckets=LATENCY_BUCKETS, registry=r,
+            ["surface", "model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.tpot = Histogram(
             "blazar_time_per_output_token_seconds",
             "Mean time between the engine's streamed chunks, per request, measured by Blazar",
-            ["surface", "model"], buckets=TOKEN_BUCKETS, registry=r,
+            ["surface", "model"],
+            buckets=TOKEN_BUCKETS,
+            registry=r,
         )
         self.queue_wait = Histogram(
-            "blazar_queue_wait_seconds", "Time admitted requests waited for a slot",
-            ["model", "priority", "class"], buckets=LATENCY_BUCKETS, registry=r,
+            "blazar_queue_wait_seconds",
+            "Time admitted requests waited for a slot",
+            ["model", "priority", "class"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.loads = Counter("blazar_loads", "Engine children started", ["model"], registry=r)
         self.load_duration = Histogram(
-            "blazar_load_duration_seconds", "From spawning an engine child to its /health 200",
-            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+            "blazar_load_duration_seconds",
+            "From spawning an engine child to its /health 200",
+            ["model"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
         )
         self.sentinel = Counter(
-            "blazar_sentinel", "Answers the sentinel flagged (blazar.gateway.sentinel), by code",
-            ["model", "code"], registry=r,
+            "blazar_sentinel",
+            "Answers the sentinel flagged (blazar.gateway.sentinel), by code",
+            ["model", "code"],
+            registry=r,
         )
         self.cache = Counter(
-            "blazar_cache", "Chat calls the semantic cache was enabled for (blazar.gateway.cache), by result "
+            "blazar_cache",
+            "Chat calls the semantic cache was enabled for (blazar.gateway.cache), by result "
             "(hit, miss, bypass: a stream, tools or a response format; error: the prompt could not be embedded)",
-            ["model", "result"], registry=r,
+            ["model", "result"],
+            registry=r,
         )
         self.session_bank = Counter(
-            "blazar_session_bank", "KV bank slot saves and restores (blazar.gateway.sessions), by result "
-            "(ok, failed, discarded, other_shape)", ["op", "result"], registry=r,
+            "blazar_session_bank",
+            "KV bank slot saves and restores (blazar.gateway.sessions), by result (ok, failed, discarded, other_shape)",
+            ["op", "result"],
+            registry=r,
         )
         self.evictions = Counter(
-            "blazar_evictions", "Engine children stopped on purpose, by reason",
-            ["model", "reason"], registry=r,
+            "blazar_evictions",
+            "Engine children stopped on purpose, by reason",
+            ["model", "reason"],
+            registry=r,
         )
         self.crashes = Counter(
-            "blazar_engine_crashes", "Engine children that exited without being asked",
-            ["model"], registry=r,
+            "blazar_engine_crashes",
+            "Engine children that exited without being asked",
+            ["model"],
+            registry=r,
         )
         self.engine_scrape_failures = Counter(
-            "blazar_engine_scrape_failures", "Failed scrapes of an engine child's /metrics",
-            ["model"], registry=r,
+            "blazar_engine_scrape_failures",
+            "Failed scrapes of an engine child's /metrics",
+            ["model"],
+            registry=r,
         )
         self.spans_dropped = Counter(
-            "blazar_otlp_spans_dropped", "Trace spans dropped (export queue full, or export failed)",
+            "blazar_otlp_spans_dropped",
+            "Trace spans dropped (export queue full, or export failed)",
             registry=r,
         )
         Info("blazar_build", "Blazar's version", registry=r).info({"version": __version__})
@@ -178,4 +222,3 @@ def label_reason(reason: str) -> str:
     for qwen:7b"} or C{"wedged: no response headers"}.
     """
     return reason.split(":", 1)[0].split(" for ", 1)[0].strip() or "requested"
-

@@ -30,8 +30,7 @@ def canonical_name(name: str) -> str:
     """
     if not isinstance(name, str) or not _NAME.match(name) or len(name) > 350:
         raise ValueError(
-            f"invalid model name {name!r}: use [namespace/]model[:tag] with letters, "
-            "digits, '_', '.', '-'"
+            f"invalid model name {name!r}: use [namespace/]model[:tag] with letters, digits, '_', '.', '-'"
         )
     last = name.rsplit("/", 1)[-1]
     if ":" not in last:

@@ -11,64 +11,61 @@ import signal
 import sys
 import time
 from pathlib import Path
-
 from typing import Any, Awaitable, Callable, Mapping
 
+import attrs
 from twisted.application import strports
 from twisted.application.service import MultiService, Service
 from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succeed
 from twisted.internet.endpoints import SSL4ServerEndpoint
-from twisted.internet.interfaces import IOpenSSLContextFactory
-from twisted.web.resource import IResource
-
-from blazar.engines.update import EngineUpdates
-from twisted.internet.threads import deferToThreadPool
 from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IOpenSSLContextFactory
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger, LogPublisher, globalLogPublisher
-
-import attrs
+from twisted.web.resource import IResource
 from zope.interface import implementer
 
-from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
 from blazar import __version__
-from blazar.files import private_dir
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
 from blazar.engines.client import EngineClient
-from blazar.engines.remote import RemoteCatalog
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
-from blazar.metrics import Metrics, gauge
 from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
+from blazar.engines.remote import RemoteCatalog
 from blazar.engines.runfiles import run_dir
 from blazar.engines.supervisor import Supervisor
+from blazar.engines.update import EngineUpdates
+from blazar.files import private_dir
+from blazar.gateway.admission import Admission
+from blazar.gateway.batch import BatchRunner, LineSender
+from blazar.gateway.bench import BenchRecords
+from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.operations import ModelOperations, Puller
-from blazar.models.hub import HubClient
+from blazar.gateway.pipeline import Pipeline
+from blazar.gateway.quota import Quotas
+from blazar.gateway.sessions import Sessions
+from blazar.metrics import Metrics, gauge
 from blazar.models.create import ModelCreator
+from blazar.models.hub import HubClient
 from blazar.models.ollama_registry import MIN_PART, RegistryClient
 from blazar.models.ollama_store import thd_sweep_temporaries
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlFactory, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
-from blazar.gateway.admission import Admission
-from blazar.gateway.batch import BatchRunner, LineSender
-from blazar.gateway.bench import BenchRecords
-from blazar.web.batches import BatchSurface
-from blazar.web.dashboard import Dashboard
+from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
-from blazar.gateway.quota import Quotas
+from blazar.web.batches import BatchSurface
+from blazar.web.dashboard import Dashboard
 from blazar.web.observe import MetricsResource, RequestObserver
-from blazar.web.tracing import Tracing
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-from blazar.gateway.engine_proxy import EngineProxy
-from blazar.gateway.pipeline import Pipeline
-from blazar.gateway.imagefetch import ImageFetcher
-from blazar.gateway.sessions import Sessions
-from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
 from blazar.web.site import BlazarSite
+from blazar.web.tracing import Tracing
 
 log = Logger()
 
@@ -195,11 +192,13 @@ def sweep_store(reactor: Any, root: Callable[[], Path]) -> Deferred[None]:
 
     def swept(removed: list[Path]) -> None:
         if removed:
-            log.info("removed {count} temporary files a previous run left in {path}", count=len(removed),
-                     path=str(root()))
+            log.info(
+                "removed {count} temporary files a previous run left in {path}", count=len(removed), path=str(root())
+            )
 
-    d: Deferred[None] = deferToThreadPool(reactor, reactor.getThreadPool(), thd_sweep_temporaries, root(),
-                                          reactor.seconds()).addCallback(swept)
+    d: Deferred[None] = deferToThreadPool(
+        reactor, reactor.getThreadPool(), thd_sweep_temporaries, root(), reactor.seconds()
+    ).addCallback(swept)
     return d.addErrback(lambda f: log.failure("sweeping the model store's temporary files failed", f))
 
 
@@ -250,7 +249,10 @@ class ReloadOnHangup(Service):
     """
 
     def __init__(
-        self, reload: Callable[[], Awaitable[ReloadReport]], reactor: Any, source: Path | None,
+        self,
+        reload: Callable[[], Awaitable[ReloadReport]],
+        reactor: Any,
+        source: Path | None,
         install: Callable[[int, Any], Any] = signal.signal,
     ) -> None:
         """
@@ -309,9 +311,7 @@ class ReloadOnHangup(Service):
         try:
             report = await self._reload()
         except (ConfigError, OSError) as e:
-            log.error(
-                "SIGHUP: config not reloaded, the running config stays: {error}", error=str(e)
-            )
+            log.error("SIGHUP: config not reloaded, the running config stays: {error}", error=str(e))
         except Exception:
             log.failure("SIGHUP: config reload failed; the running config stays")
         else:
@@ -322,7 +322,9 @@ class ReloadOnHangup(Service):
                 text += "; restart the daemon to apply: {restart}"
             emit = log.warn if report.restart else log.info
             emit(
-                text, path=str(self._source), applied=", ".join(report.applied),
+                text,
+                path=str(self._source),
+                applied=", ".join(report.applied),
                 restart=", ".join(report.restart),
             )
 
@@ -379,8 +381,9 @@ def make_clients(live: LiveConfig, reactor: Any, environ: Mapping[str, str]) -> 
     return Clients(
         EngineClient(reactor),
         HubClient(reactor, lambda: live.current.hf_endpoint, environ.get("HF_TOKEN")),
-        RegistryClient(reactor, lambda: live.current.registry,
-                       min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART)),
+        RegistryClient(
+            reactor, lambda: live.current.registry, min_part=int(environ.get("BLAZAR_PULL_MIN_PART") or MIN_PART)
+        ),
     )
 
 
@@ -409,8 +412,11 @@ def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor
     database = StoreService(config.data_dir / "blazar.db", reactor)
     quotas = Quotas(reactor)
     return Stores(
-        database, SessionService(database, live, engines, reactor, metrics), quotas,
-        UsageStore(database, quotas, reactor), CacheService(database, live, reactor),
+        database,
+        SessionService(database, live, engines, reactor, metrics),
+        quotas,
+        UsageStore(database, quotas, reactor),
+        CacheService(database, live, reactor),
     )
 
 
@@ -431,7 +437,12 @@ class Engines:
 
 
 def make_engines(
-    live: LiveConfig, clients: Clients, reactor: Any, environ: Mapping[str, str], metrics: Metrics, ring: LogRing,
+    live: LiveConfig,
+    clients: Clients,
+    reactor: Any,
+    environ: Mapping[str, str],
+    metrics: Metrics,
+    ring: LogRing,
 ) -> Engines:
     """
     The engine side of the daemon, wired together.
@@ -442,8 +453,15 @@ def make_engines(
     probe = NVMLProbe()
     hardware = HardwareCensus(probe, reactor, metrics)
     supervisor = Supervisor(
-        live, registry, reactor, clients.engines.get_status, environ, run_dir=run_dir(live.current.data_dir),
-        free_memory=functools.partial(thd_free_memory, probe), metrics=metrics, engine_output=ring.engine_line,
+        live,
+        registry,
+        reactor,
+        clients.engines.get_status,
+        environ,
+        run_dir=run_dir(live.current.data_dir),
+        free_memory=functools.partial(thd_free_memory, probe),
+        metrics=metrics,
+        engine_output=ring.engine_line,
     )
     supervisor.on_hardware_change = hardware.invalidate
     supervisor.hardware = hardware.fresh  # with GPUs, children are placed by blazar.engines.planner
@@ -479,15 +497,26 @@ class Gateway:
         (metrics, dashboard, batches) in its order.
         """
         return SurfaceRouter(
-            self.openai.app.resource(), self.ollama.app.resource(), self.anthropic.app.resource(), *others,
+            self.openai.app.resource(),
+            self.ollama.app.resource(),
+            self.anthropic.app.resource(),
+            *others,
         )
 
 
 def build_gateway(
-    registry: ModelRegistry, supervisor: Supervisor, engines: EngineClient, reactor: Any,
-    config: Callable[[], Config] = Config, *, admission: Admission | None = None, sessions: Sessions | None = None,
-    operations: ModelOperations | None = None, hub: Puller | None = None,
-    run_db: Callable[..., Deferred[Any]] | None = None, wall: Callable[[], float] = time.time,
+    registry: ModelRegistry,
+    supervisor: Supervisor,
+    engines: EngineClient,
+    reactor: Any,
+    config: Callable[[], Config] = Config,
+    *,
+    admission: Admission | None = None,
+    sessions: Sessions | None = None,
+    operations: ModelOperations | None = None,
+    hub: Puller | None = None,
+    run_db: Callable[..., Deferred[Any]] | None = None,
+    wall: Callable[[], float] = time.time,
     in_thread: Callable[..., Deferred[Any]] | None = None,
 ) -> Gateway:
     """
@@ -509,8 +538,13 @@ def build_gateway(
     if operations is None:
         operations = ModelOperations(registry, supervisor, hub, reactor)
     return Gateway(
-        proxy, pipeline, admission, responses, OpenAISurface(registry, pipeline, reactor, responses, config),
-        OllamaSurface(registry, pipeline, reactor, wall, operations, config), AnthropicSurface(pipeline, reactor),
+        proxy,
+        pipeline,
+        admission,
+        responses,
+        OpenAISurface(registry, pipeline, reactor, responses, config),
+        OllamaSurface(registry, pipeline, reactor, wall, operations, config),
+        AnthropicSurface(pipeline, reactor),
     )
 
 
@@ -537,16 +571,25 @@ def make_batches(config: Config, live: LiveConfig, database: StoreService, react
     secret = secrets.token_urlsafe(32)
     sender = LineSender(reactor, socket, secret)
     in_pool = in_reactor_pool(reactor)
-    runner = BatchRunner(reactor, database.run_db, in_pool, sender.send, lambda: live.current.batch_max_in_flight,
-                         lambda: live.current.max_file_bytes_per_key)
+    runner = BatchRunner(
+        reactor,
+        database.run_db,
+        in_pool,
+        sender.send,
+        lambda: live.current.batch_max_in_flight,
+        lambda: live.current.max_file_bytes_per_key,
+    )
     if len(str(socket)) > 100:
         log.warn(
             "batch socket path {path} is too long for a UNIX socket: Batch API lines cannot run on "
-            "this daemon; use a shorter data_dir", path=str(socket),
+            "this daemon; use a shorter data_dir",
+            path=str(socket),
         )
         # (a batch made anyway would wait forever: its lines have nowhere to go)
-        runner.unavailable = ("the Batch API cannot run on this daemon: its private socket path would be longer "
-                              "than a UNIX socket allows; set a shorter data_dir in the config")
+        runner.unavailable = (
+            "the Batch API cannot run on this daemon: its private socket path would be longer "
+            "than a UNIX socket allows; set a shorter data_dir in the config"
+        )
     return Batches(runner, BatchService(database, runner, sender), BatchSurface(runner, in_pool), socket, secret)
 
 
@@ -566,7 +609,11 @@ def _before_stop(runner: BatchRunner, sessions: Sessions) -> Callable[[Any], Def
 
 
 def _dashboard(
-    live: LiveConfig, engines: Engines, gateway: Gateway, reactor: Any, ring: LogRing,
+    live: LiveConfig,
+    engines: Engines,
+    gateway: Gateway,
+    reactor: Any,
+    ring: LogRing,
     bench: BenchRecords,
 ) -> Dashboard:
     """
@@ -577,18 +624,38 @@ def _dashboard(
         from blazar.engines.installed import EngineStore
 
         def thd_list() -> list[dict[str, Any]]:
-            return [{"kind": e.kind, "tag": e.tag, "source": e.source, "path": e.path, "active": e.active,
-                     "installed_at": e.installed_at} for e in EngineStore(live.current.data_dir).installed()]
+            return [
+                {
+                    "kind": e.kind,
+                    "tag": e.tag,
+                    "source": e.source,
+                    "path": e.path,
+                    "active": e.active,
+                    "installed_at": e.installed_at,
+                }
+                for e in EngineStore(live.current.data_dir).installed()
+            ]
 
         return deferToThreadPool(reactor, reactor.getThreadPool(), thd_list)
 
-    return Dashboard(engines.registry, gateway.pipeline, engines.operations, reactor, time.time, lambda: live.current,
-                     logs=ring, hints=engines.hints, engines=installed_engines, hardware=engines.hardware,
-                     bench=bench.history)
+    return Dashboard(
+        engines.registry,
+        gateway.pipeline,
+        engines.operations,
+        reactor,
+        time.time,
+        lambda: live.current,
+        logs=ring,
+        hints=engines.hints,
+        engines=installed_engines,
+        hardware=engines.hardware,
+        bench=bench.history,
+    )
 
 
-def _observers(config: Config, site: BlazarSite, dashboard: Dashboard, metrics: Metrics, reactor: Any,
-               runner: BatchRunner) -> list[Service]:
+def _observers(
+    config: Config, site: BlazarSite, dashboard: Dashboard, metrics: Metrics, reactor: Any, runner: BatchRunner
+) -> list[Service]:
     """
     The request observer (metrics, and traces to C{otlp_endpoint}) and
     the audit writer, set on the site; their services. Restart-only
@@ -604,18 +671,31 @@ def _observers(config: Config, site: BlazarSite, dashboard: Dashboard, metrics: 
     if config.audit_log is not None:
         audit = site.audit = AuditLog(config.audit_log)
         services.append(AuditService(audit, runner.drained))
-        metrics.gauges(lambda: [gauge(
-            "blazar_audit_dropped_lines", "Audit lines dropped because the writer fell behind or could not write",
-            [], [([], audit.dropped)],
-        ), gauge(
-            "blazar_audit_writer_down", "1 while the audit writer cannot write its file (a full disk), else 0", [],
-            [([], 1 if audit.down else 0)],
-        )])
+        metrics.gauges(
+            lambda: [
+                gauge(
+                    "blazar_audit_dropped_lines",
+                    "Audit lines dropped because the writer fell behind or could not write",
+                    [],
+                    [([], audit.dropped)],
+                ),
+                gauge(
+                    "blazar_audit_writer_down",
+                    "1 while the audit writer cannot write its file (a full disk), else 0",
+                    [],
+                    [([], 1 if audit.down else 0)],
+                ),
+            ]
+        )
     return services
 
 
 def _status(
-    live: LiveConfig, supervisor: Supervisor, site: BlazarSite, updates: EngineUpdates, environ: Mapping[str, str],
+    live: LiveConfig,
+    supervisor: Supervisor,
+    site: BlazarSite,
+    updates: EngineUpdates,
+    environ: Mapping[str, str],
     reactor: Any,
 ) -> Callable[[], Deferred[dict[str, Any]]]:
     """
@@ -633,9 +713,12 @@ def _status(
         current = live.current
         engine = await deferToThreadPool(reactor, reactor.getThreadPool(), thd_engine_name, current)
         return {
-            "version": __version__, "uptime": time.time() - started,
-            "listeners": list(current.listen), "engine": engine,
-            "data_dir": str(current.data_dir), "loaded": len(supervisor.instances()),
+            "version": __version__,
+            "uptime": time.time() - started,
+            "listeners": list(current.listen),
+            "engine": engine,
+            "data_dir": str(current.data_dir),
+            "loaded": len(supervisor.instances()),
             "audit_dropped": site.audit.dropped if site.audit is not None else 0,
             **({"audit_down": site.audit.down} if site.audit is not None and site.audit.down else {}),
             **({"engine_update": updates.notice} if updates.notice else {}),
@@ -647,8 +730,9 @@ def _status(
     return status
 
 
-def _listeners(config: Config, live: LiveConfig, site: BlazarSite, root: AuthGate, batches: Batches,
-               reactor: Any) -> Listeners:
+def _listeners(
+    config: Config, live: LiveConfig, site: BlazarSite, root: AuthGate, batches: Batches, reactor: Any
+) -> Listeners:
     """
     The site on every C{listen} endpoint, and the Batch API's private
     listener (the one that honours the batch secret: 0600 in the 0700
@@ -694,7 +778,10 @@ def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> Mu
 
 
 def assemble(
-    config: Config, reactor: Any, environ: Mapping[str, str], publisher: LogPublisher = globalLogPublisher,
+    config: Config,
+    reactor: Any,
+    environ: Mapping[str, str],
+    publisher: LogPublisher = globalLogPublisher,
 ) -> ServiceTree:
     """
     Build the daemon's service tree from a validated config.
@@ -715,9 +802,7 @@ def assemble(
     # the umask, and tightened if an older version left it open
     old_mode = private_dir(config.data_dir)
     if old_mode is not None:
-        log.info(
-            "data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}"
-        )
+        log.info("data dir {path} was mode {old}; set to 0700", path=str(config.data_dir), old=f"{old_mode:04o}")
     live = LiveConfig(config)
     clients = make_clients(live, reactor, environ)
     metrics = Metrics()
@@ -732,8 +817,15 @@ def assemble(
     bench = BenchRecords(registry, supervisor, stores.database.run_db, engines.hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
     gateway = build_gateway(
-        registry, supervisor, clients.engines, reactor, live, admission=admission,
-        sessions=stores.sessions.sessions, operations=engines.operations, run_db=stores.database.run_db,
+        registry,
+        supervisor,
+        clients.engines,
+        reactor,
+        live,
+        admission=admission,
+        sessions=stores.sessions.sessions,
+        operations=engines.operations,
+        run_db=stores.database.run_db,
         in_thread=in_reactor_pool(reactor),
     )
     gateway.pipeline.cache = stores.cache.cache
@@ -743,7 +835,8 @@ def assemble(
     dashboard = _dashboard(live, engines, gateway, reactor, ring, bench)
     root = AuthGate(
         gateway.router(MetricsResource(metrics), dashboard.app.resource(), batches.surface.app.resource()),
-        keys, stores.quotas,
+        keys,
+        stores.quotas,
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
     observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
@@ -757,14 +850,24 @@ def assemble(
     if len(str(control_path)) > 100:
         log.warn(
             "control socket path {path} is too long for a UNIX socket: the blazar CLI cannot reach "
-            "this daemon; use a shorter data_dir", path=str(control_path),
+            "this daemon; use a shorter data_dir",
+            path=str(control_path),
         )
     else:
         publisher.addObserver(ring)
         control = ControlFactory(
-            supervisor, registry, _status(live, supervisor, site, updates, environ, reactor), reactor, ring,
-            key_admin, admission.snapshot, engines.hints, engines.operations,
-            stores.sessions.sessions, engines.hardware, bench=bench,
+            supervisor,
+            registry,
+            _status(live, supervisor, site, updates, environ, reactor),
+            reactor,
+            ring,
+            key_admin,
+            admission.snapshot,
+            engines.hints,
+            engines.operations,
+            stores.sessions.sessions,
+            engines.hardware,
+            bench=bench,
         )
         listener_service(f"unix:{control_path}:mode=600:lockfile=1", control, reactor).setServiceParent(listeners)
 

@@ -21,8 +21,8 @@ import sqlite3
 from pathlib import Path
 from typing import IO, BinaryIO, Callable, Protocol, Union
 
-from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
 from blazar import strictjson
+from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
 
 CHUNK = 1024 * 1024
 """Bytes copied at a time into a stored file."""
@@ -222,8 +222,9 @@ def _files_out_of_the_database(db: sqlite3.Connection) -> bool:
         assert folder is not None
         with db.blobopen("batch_files", "content", rowid, readonly=True) as blob:
             size = _write_content(folder, str(id_), blob)
-        db.execute("INSERT INTO batch_files_7 VALUES (?, ?, ?, ?, ?, ?)", (id_, key, filename, purpose, created_at,
-                                                                        size))
+        db.execute(
+            "INSERT INTO batch_files_7 VALUES (?, ?, ?, ?, ?, ?)", (id_, key, filename, purpose, created_at, size)
+        )
     db.execute("DROP TABLE batch_files")
     db.execute("ALTER TABLE batch_files_7 RENAME TO batch_files")
     db.execute("CREATE INDEX batch_files_by_key ON batch_files (key)")
@@ -412,8 +413,9 @@ def _size_of(content: bytes | IO[bytes]) -> int:
     return size
 
 
-def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes | IO[bytes]],
-                 quota: int | None = None) -> int:
+def thd_put_file(
+    db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes | IO[bytes]], quota: int | None = None
+) -> int:
     """
     Store C{(id, key, filename, purpose, created_at, content)}: the content
     (bytes, or a readable file read from where it is, in pieces) to
@@ -433,8 +435,10 @@ def thd_put_file(db: sqlite3.Connection, row: tuple[str, str, str, str, int, byt
     folder = files_dir(db)
     size = _write_content(folder, id_, content)
     try:
-        db.execute("INSERT INTO batch_files (id, key, filename, purpose, created_at, bytes) VALUES (?, ?, ?, ?, ?, ?)",
-                   (id_, key, filename, purpose, created_at, size))
+        db.execute(
+            "INSERT INTO batch_files (id, key, filename, purpose, created_at, bytes) VALUES (?, ?, ?, ?, ?, ?)",
+            (id_, key, filename, purpose, created_at, size),
+        )
     except BaseException:
         _content_path(folder, id_).unlink(missing_ok=True)
         raise
@@ -534,17 +538,22 @@ def thd_delete_file(db: sqlite3.Connection, id_: str, key: str | None) -> bool:
     return deleted
 
 
-def thd_create_batch(db: sqlite3.Connection, id_: str, key: str, created_at: int, batch: str,
-                     lines: list[tuple[str, str]]) -> None:
+def thd_create_batch(
+    db: sqlite3.Connection, id_: str, key: str, created_at: int, batch: str, lines: list[tuple[str, str]]
+) -> None:
     """
     A batch and its C{(custom_id, body JSON)} lines, all pending, in one
     transaction.
     """
     db.execute("BEGIN")
     try:
-        db.execute("INSERT INTO batches (id, key, created_at, batch) VALUES (?, ?, ?, ?)", (id_, key, created_at, batch))
-        db.executemany("INSERT INTO batch_lines (batch, line, custom_id, body, state) VALUES (?, ?, ?, ?, 'pending')",
-                       [(id_, n, custom, body) for n, (custom, body) in enumerate(lines)])
+        db.execute(
+            "INSERT INTO batches (id, key, created_at, batch) VALUES (?, ?, ?, ?)", (id_, key, created_at, batch)
+        )
+        db.executemany(
+            "INSERT INTO batch_lines (batch, line, custom_id, body, state) VALUES (?, ?, ?, ?, 'pending')",
+            [(id_, n, custom, body) for n, (custom, body) in enumerate(lines)],
+        )
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -585,10 +594,16 @@ def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tupl
     """
     db.execute("BEGIN IMMEDIATE")
     try:
-        rows = list(db.execute("SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
-                               "ORDER BY line LIMIT ?", (batch, count)))
-        db.executemany("UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line = ?",
-                       [(batch, r[0]) for r in rows])
+        rows = list(
+            db.execute(
+                "SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
+                "ORDER BY line LIMIT ?",
+                (batch, count),
+            )
+        )
+        db.executemany(
+            "UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line = ?", [(batch, r[0]) for r in rows]
+        )
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -601,8 +616,10 @@ def thd_finish_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, res
     Record a running line as done (C{ok}) or failed, with its output or
     error line (JSON), in one statement.
     """
-    db.execute("UPDATE batch_lines SET state = ?, result = ? WHERE batch = ? AND line = ? AND state = 'running'",
-               ("done" if ok else "failed", result, batch, line))
+    db.execute(
+        "UPDATE batch_lines SET state = ?, result = ? WHERE batch = ? AND line = ? AND state = 'running'",
+        ("done" if ok else "failed", result, batch, line),
+    )
 
 
 def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> int:
@@ -622,12 +639,15 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
     """
     db.execute("BEGIN IMMEDIATE")
     try:
-        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?",
-                               (batch, state)))
+        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?", (batch, state)))
         template = json.loads(result)
-        db.executemany("UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
-                       [(strictjson.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
-                        for n, custom in rows])
+        db.executemany(
+            "UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
+            [
+                (strictjson.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
+                for n, custom in rows
+            ],
+        )
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -640,8 +660,9 @@ def thd_file(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[str, st
     C{(id, key, filename, purpose, created_at, bytes)} of one file, if it
     exists and belongs to C{key} (any key's for L{None}).
     """
-    row = db.execute("SELECT id, key, filename, purpose, created_at, bytes FROM batch_files WHERE id = ?",
-                     (id_,)).fetchone()
+    row = db.execute(
+        "SELECT id, key, filename, purpose, created_at, bytes FROM batch_files WHERE id = ?", (id_,)
+    ).fetchone()
     if row is None or (key is not None and row[1] != key):
         return None
     return (str(row[0]), str(row[1]), str(row[2]), str(row[3]), int(row[4]), int(row[5]))
@@ -664,8 +685,9 @@ def thd_release_line(db: sqlite3.Connection, batch: str, line: int) -> None:
     an engine (a quota's 429, a 503 with C{Retry-After}), so sending it
     again cannot run it twice.
     """
-    db.execute("UPDATE batch_lines SET state = 'pending' WHERE batch = ? AND line = ? AND state = 'running'",
-               (batch, line))
+    db.execute(
+        "UPDATE batch_lines SET state = 'pending' WHERE batch = ? AND line = ? AND state = 'running'", (batch, line)
+    )
 
 
 def thd_fail_pending(db: sqlite3.Connection, batch: str, result: str) -> int:
@@ -689,15 +711,21 @@ def thd_results(db: sqlite3.Connection, batch: str, ok: bool) -> bytes:
     The output (C{ok}) or error file of C{batch}: its lines' results as
     JSONL, in input order.
     """
-    rows = db.execute("SELECT result FROM batch_lines WHERE batch = ? AND state = ? ORDER BY line",
-                      (batch, "done" if ok else "failed"))
+    rows = db.execute(
+        "SELECT result FROM batch_lines WHERE batch = ? AND state = ? ORDER BY line",
+        (batch, "done" if ok else "failed"),
+    )
     return b"".join(r[0].encode("utf-8") + b"\n" for r in rows)
 
 
 # -- the semantic cache (migration 6: blazar.gateway.cache) --------------------
 
+
 def thd_put_cache(
-    db: sqlite3.Connection, row: tuple[str, float, bytes, bytes], expired_before: float, keep: int,
+    db: sqlite3.Connection,
+    row: tuple[str, float, bytes, bytes],
+    expired_before: float,
+    keep: int,
 ) -> tuple[int, list[int]]:
     """
     Store a cache entry C{(scope, created, vector, answer)}; drop the
@@ -708,11 +736,17 @@ def thd_put_cache(
     """
     db.execute("BEGIN")
     try:
-        id_ = db.execute("INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)",
-                         row).lastrowid
-        dropped = [i for (i,) in db.execute(
-            "SELECT id FROM cache_entries WHERE created < ? OR id NOT IN "
-            "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?)", (expired_before, keep))]
+        id_ = db.execute(
+            "INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)", row
+        ).lastrowid
+        dropped = [
+            i
+            for (i,) in db.execute(
+                "SELECT id FROM cache_entries WHERE created < ? OR id NOT IN "
+                "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?)",
+                (expired_before, keep),
+            )
+        ]
         db.executemany("DELETE FROM cache_entries WHERE id = ?", [(i,) for i in dropped])
         db.execute("COMMIT")
     except BaseException:
@@ -728,8 +762,9 @@ def thd_cache_entries(db: sqlite3.Connection, since: float, keep: int) -> list[t
     rebuilt from them at start). Older ones are deleted.
     """
     db.execute("DELETE FROM cache_entries WHERE created < ?", (since,))
-    rows = db.execute("SELECT id, scope, created, vector, answer FROM cache_entries ORDER BY id DESC LIMIT ?",
-                      (keep,)).fetchall()
+    rows = db.execute(
+        "SELECT id, scope, created, vector, answer FROM cache_entries ORDER BY id DESC LIMIT ?", (keep,)
+    ).fetchall()
     if rows:
         db.execute("DELETE FROM cache_entries WHERE id < ?", (rows[-1][0],))
     return [(int(r[0]), str(r[1]), float(r[2]), bytes(r[3]), bytes(r[4])) for r in reversed(rows)]
@@ -759,10 +794,16 @@ def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
     """
     db.execute("BEGIN")
     try:
-        id_ = db.execute("INSERT INTO bench_history (model, created, engine, profile, hardware, settings, levels) "
-                         "VALUES (?, ?, ?, ?, ?, ?, ?)", row).lastrowid
-        db.execute("DELETE FROM bench_history WHERE model = ? AND id NOT IN "
-                   "(SELECT id FROM bench_history WHERE model = ? ORDER BY id DESC LIMIT ?)", (row[0], row[0], keep))
+        id_ = db.execute(
+            "INSERT INTO bench_history (model, created, engine, profile, hardware, settings, levels) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            row,
+        ).lastrowid
+        db.execute(
+            "DELETE FROM bench_history WHERE model = ? AND id NOT IN "
+            "(SELECT id FROM bench_history WHERE model = ? ORDER BY id DESC LIMIT ?)",
+            (row[0], row[0], keep),
+        )
         db.execute("COMMIT")
     except BaseException:
         db.execute("ROLLBACK")
@@ -780,8 +821,10 @@ def thd_bench_history(db: sqlite3.Connection, model: str | None, limit: int) -> 
     args: tuple[object, ...] = ()
     if model is not None:
         sql, args = sql + " WHERE model = ?", (model,)
-    return [(int(r[0]), str(r[1]), float(r[2]), str(r[3]), str(r[4]), str(r[5]), str(r[6]), str(r[7]))
-            for r in db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit))]
+    return [
+        (int(r[0]), str(r[1]), float(r[2]), str(r[3]), str(r[4]), str(r[5]), str(r[6]), str(r[7]))
+        for r in db.execute(sql + " ORDER BY id DESC LIMIT ?", (*args, limit))
+    ]
 
 
 def thd_engine_named(db: sqlite3.Connection, path: str) -> str | None:

@@ -226,25 +226,41 @@ class SessionService(Service):
     waits for the saves the children's stops begin.
     """
 
-    def __init__(self, database: StoreService, live: LiveConfig, engines: EngineClient, reactor: Any,
-                 metrics: Metrics) -> None:
+    def __init__(
+        self, database: StoreService, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics
+    ) -> None:
         self._database = database
         self._reaper = PeriodicJob(reactor, 60.0, lambda: self.sessions.expire(), "expiring sessions failed")
 
         def settings() -> tuple[float, float, int, int]:
             c = live.current
-            return (c.session_keep, c.session_save_timeout, c.session_bank_entry_max_mib << 20,
-                    c.session_bank_max_mib << 20)
+            return (
+                c.session_keep,
+                c.session_save_timeout,
+                c.session_bank_entry_max_mib << 20,
+                c.session_bank_max_mib << 20,
+            )
 
         self.sessions = Sessions(
-            reactor, EngineSlots(engines, reactor), lambda: live.current.data_dir, settings, database.run,
-            persist=self._persist, forget=self._forget,
+            reactor,
+            EngineSlots(engines, reactor),
+            lambda: live.current.data_dir,
+            settings,
+            database.run,
+            persist=self._persist,
+            forget=self._forget,
             count=lambda op, result: metrics.session_bank.labels(op, result).inc(),
         )
-        metrics.gauges(lambda: [gauge(
-            "blazar_sessions", "Sessions kept (blazar.gateway.sessions), by model and whether saved to the bank",
-            ["model", "saved"], self._counts(),
-        )])
+        metrics.gauges(
+            lambda: [
+                gauge(
+                    "blazar_sessions",
+                    "Sessions kept (blazar.gateway.sessions), by model and whether saved to the bank",
+                    ["model", "saved"],
+                    self._counts(),
+                )
+            ]
+        )
 
     def _counts(self) -> list[tuple[list[str], float]]:
         counts: dict[tuple[str, str], int] = {}
@@ -260,9 +276,17 @@ class SessionService(Service):
 
     def _persist(self, session: Any) -> Deferred[Any]:
         bank = session.bank
-        row = (session.key, session.name, session.model, bank.file if bank else None, bank.tokens if bank else 0,
-               bank.size if bank else 0, bank.shape if bank else "", bank.saved_at if bank else 0.0,
-               session.last_used)
+        row = (
+            session.key,
+            session.name,
+            session.model,
+            bank.file if bank else None,
+            bank.tokens if bank else 0,
+            bank.size if bank else 0,
+            bank.shape if bank else "",
+            bank.saved_at if bank else 0.0,
+            session.last_used,
+        )
         return self._db_call(store.thd_put_session, row)
 
     def _forget(self, session: Any) -> Deferred[Any]:
@@ -290,13 +314,18 @@ class CacheService(Service):
     @ivar started: Fires when the rows are read back.
     """
 
-    def __init__(self, database: StoreService, live: LiveConfig, reactor: Any,
-                 wall: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, database: StoreService, live: LiveConfig, reactor: Any, wall: Callable[[], float] = time.time
+    ) -> None:
         self._database = database
         self.started: Deferred[None] | None = None
         self.cache = CacheStore(lambda: live.current.cache, wall, database.run_db)
-        self._purger = PeriodicJob(reactor, CACHE_PURGE_SECS, lambda: Deferred.fromCoroutine(self.cache.purge()),
-                                   "purging the semantic cache failed; will retry")
+        self._purger = PeriodicJob(
+            reactor,
+            CACHE_PURGE_SECS,
+            lambda: Deferred.fromCoroutine(self.cache.purge()),
+            "purging the semantic cache failed; will retry",
+        )
 
     def startService(self) -> None:
         Service.startService(self)

@@ -21,7 +21,9 @@ class Options(usage.Options):
 
     optParameters = [
         [
-            "config", "c", None,
+            "config",
+            "c",
+            None,
             "Path to config.toml (default: $BLAZAR_CONFIG, else ~/.config/blazar/config.toml).",
         ],
     ]

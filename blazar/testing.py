@@ -89,11 +89,7 @@ class FakeProcessTransport:
         first, then C{processEnded}.
         """
         self.ended = True
-        reason = (
-            Failure(ProcessDone(0))
-            if code == 0 and signal is None
-            else Failure(ProcessTerminated(code, signal))
-        )
+        reason = Failure(ProcessDone(0)) if code == 0 and signal is None else Failure(ProcessTerminated(code, signal))
         self.protocol.processExited(reason)  # type: ignore[attr-defined]
         self.protocol.processEnded(reason)  # type: ignore[attr-defined]
 
@@ -115,6 +111,7 @@ def fake_process_reactor():
     C{process_alive} argument): false once a child's transport has died or
     exited.
     """
+
     class FakeProcessReactor(MemoryReactorClock):
         def __init__(self) -> None:
             super().__init__()
@@ -130,8 +127,9 @@ def fake_process_reactor():
         def callFromThread(self, f, *args, **kw):
             f(*args, **kw)
 
-        def spawnProcess(self, protocol, executable, args=(), env=None, path=None,
-                         uid=None, gid=None, usePTY=False, childFDs=None):
+        def spawnProcess(
+            self, protocol, executable, args=(), env=None, path=None, uid=None, gid=None, usePTY=False, childFDs=None
+        ):
             transport = FakeProcessTransport(protocol, pid=1000 + len(self.spawned))
             protocol.makeConnection(transport)
             self.spawned.append((transport, executable, list(args), dict(env or {})))
@@ -161,7 +159,9 @@ def fake_engine_app(model_name: str = "m:latest"):
     def chunk(i: int, text: str) -> bytes:
         body = {
             "choices": [{"finish_reason": None, "index": 0, "delta": {"content": text}}],
-            "created": 1, "id": "chatcmpl-x", "model": model_name,
+            "created": 1,
+            "id": "chatcmpl-x",
+            "model": model_name,
             "object": "chat.completion.chunk",
         }
         return b"data: " + strictjson.dumps(body, separators=(",", ":")).encode() + b"\n\n"
@@ -184,9 +184,12 @@ def fake_engine_app(model_name: str = "m:latest"):
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps(
             {
-                "choices": [{"finish_reason": "stop", "index": 0,
-                             "message": {"role": "assistant", "content": "Hello"}}],
-                "created": 1, "model": model_name, "object": "chat.completion",
+                "choices": [
+                    {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "Hello"}}
+                ],
+                "created": 1,
+                "model": model_name,
+                "object": "chat.completion",
                 "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
             },
             separators=(",", ":"),
@@ -244,8 +247,9 @@ class FakeInstance:
 
     @property
     def entry(self) -> ModelEntry:
-        return ModelEntry(self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"),
-                          settings=ModelConfig(parallel=self.parallel))
+        return ModelEntry(
+            self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"), settings=ModelConfig(parallel=self.parallel)
+        )
 
     @property
     def auth_headers(self) -> dict[bytes, list[bytes]]:
@@ -307,8 +311,13 @@ class FakeSupervisor:
                     self.started += 1
                     now = self.clock.seconds()
                     self.table[canonical] = FakeInstance(
-                        canonical, pid=1000 + self.started, port=5000 + self.started,
-                        started_at=now, ready_at=now, last_used=now, ctx=self.ctx,
+                        canonical,
+                        pid=1000 + self.started,
+                        port=5000 + self.started,
+                        started_at=now,
+                        ready_at=now,
+                        last_used=now,
+                        ctx=self.ctx,
                     )
                 return self.table[canonical]
         raise ModelNotFound(name, self.names)
@@ -479,7 +488,11 @@ class FakeEngineClient:
         return (await self.get(url, {}, timeout, max_bytes=1 << 16))[0]
 
     async def get(
-        self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0, max_bytes: int = 1 << 20,
+        self,
+        url: str,
+        headers: dict[bytes, list[bytes]],
+        timeout: float = 5.0,
+        max_bytes: int = 1 << 20,
     ) -> tuple[int, bytes]:
         self.sent.append(("GET", url))
         response = await self._http.request("GET", url, headers=headers)
@@ -489,7 +502,12 @@ class FakeEngineClient:
         return int(response.code), bytes(body)
 
     async def request(
-        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[bytes, list[bytes]],
+        stream: bool = True,
     ) -> Any:
         self.sent.append((method, url))
         return await self._http.request(method, url, data=body, headers=headers, unbuffered=True)
@@ -514,7 +532,12 @@ class StubEngineClient(FakeEngineClient):
         self.refuse = 0
 
     async def request(
-        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[bytes, list[bytes]],
+        stream: bool = True,
     ) -> Any:
         if self.refuse:
             # the next requests' children have exited (unreported): they refuse
@@ -547,26 +570,32 @@ def forced_tool_call_request(
     """
     ids = {tok: i for i, tok in enumerate(testmodel.vocabulary()[0])}
     bias = {
-        ids["<tool_call>"]: 100, ids["\n"]: 100,
-        ids["<0x09>"]: -100, ids["<0x20>"]: -100, ids["<0x0A>"]: -100, ids["▁"]: -100,
+        ids["<tool_call>"]: 100,
+        ids["\n"]: 100,
+        ids["<0x09>"]: -100,
+        ids["<0x20>"]: -100,
+        ids["<0x0A>"]: -100,
+        ids["▁"]: -100,
     }
     if tool_choice == "required":
         bias[ids["<|im_end|>"]] = 100
     return {
         "model": model,
         "messages": [{"role": "user", "content": "What is the weather in Paris?"}],
-        "tools": [{
-            "type": "function",
-            "function": {
-                "name": "get_weather",
-                "description": "Current weather for a city",
-                "parameters": {
-                    "type": "object",
-                    "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                    "required": ["city"],
+        "tools": [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "Current weather for a city",
+                    "parameters": {
+                        "type": "object",
+                        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+                        "required": ["city"],
+                    },
                 },
-            },
-        }],
+            }
+        ],
         "tool_choice": tool_choice,
         "logit_bias": {str(k): v for k, v in bias.items()},
         "max_tokens": 200,
@@ -613,8 +642,9 @@ class FakeSlotBank:
         if self.unreachable:
             raise SlotActionFailed("restore: Connection refused", transient=True)
         if filename not in self.files or filename in self.corrupt:
-            raise SlotActionFailed("restore: 400 'Unable to restore slot: No available space in KV cache or "
-                                   "invalid slot save file'")
+            raise SlotActionFailed(
+                "restore: 400 'Unable to restore slot: No available space in KV cache or invalid slot save file'"
+            )
         self.fill(instance, slot, self.files[filename])
         return self.files[filename]
 
@@ -722,22 +752,34 @@ class FakeNVML:
             v2 = _recorded(memory.get("v2"))
             info = v2 if v2 and "reserved" in v2 else memory["v1"]
             reserved = int(info.get("reserved", 0)) if info is v2 else 0
-            processes = {int(p["pid"]): int(p["usedGpuMemory"]) for p in _recorded(device["processes"]) or []
-                         if p["usedGpuMemory"] is not None}
+            processes = {
+                int(p["pid"]): int(p["usedGpuMemory"])
+                for p in _recorded(device["processes"]) or []
+                if p["usedGpuMemory"] is not None
+            }
             capability = _recorded(device.get("compute_capability"))
             utilization = _recorded(device.get("utilization"))
-            gpus.append(FakeGPU(
-                index=int(device["index"]), memory_total=int(info["total"]), name=device["name"],
-                uuid=device["uuid"], memory_reserved=reserved,
-                other_used=max(0, int(info["total"]) - int(info["free"]) - reserved - sum(processes.values())),
-                processes=processes,
-                compute_capability=tuple(capability) if capability else None,
-                temperature_c=_recorded(device.get("temperature_c")),
-                utilization_percent=utilization.get("gpu") if utilization else None,
-            ))
+            gpus.append(
+                FakeGPU(
+                    index=int(device["index"]),
+                    memory_total=int(info["total"]),
+                    name=device["name"],
+                    uuid=device["uuid"],
+                    memory_reserved=reserved,
+                    other_used=max(0, int(info["total"]) - int(info["free"]) - reserved - sum(processes.values())),
+                    processes=processes,
+                    compute_capability=tuple(capability) if capability else None,
+                    temperature_c=_recorded(device.get("temperature_c")),
+                    utilization_percent=utilization.get("gpu") if utilization else None,
+                )
+            )
         cuda = _recorded(snapshot.get("cuda_driver_version"))
-        return cls(gpus=gpus, driver_version=_recorded(snapshot.get("driver_version")),
-                   cuda_driver_version=cuda_version(cuda) if cuda is not None else None, **host)
+        return cls(
+            gpus=gpus,
+            driver_version=_recorded(snapshot.get("driver_version")),
+            cuda_driver_version=cuda_version(cuda) if cuda is not None else None,
+            **host,
+        )
 
     def gpu(self, index: int) -> FakeGPU:
         return next(g for g in self.gpus if g.index == index)
@@ -764,19 +806,30 @@ class FakeNVML:
     def _gpu(self, g: FakeGPU) -> GPU:
         free = g.memory_free
         return GPU(
-            index=g.index, uuid=g.uuid, name=g.name, memory_total=g.memory_total, memory_free=free,
-            memory_used=g.memory_total - free, memory_reserved=g.memory_reserved,
-            compute_capability=g.compute_capability, driver_version=self.driver_version,
-            cuda_driver_version=self.cuda_driver_version, temperature_c=g.temperature_c,
-            utilization_percent=g.utilization_percent, processes=tuple(sorted(g.processes.items())),
+            index=g.index,
+            uuid=g.uuid,
+            name=g.name,
+            memory_total=g.memory_total,
+            memory_free=free,
+            memory_used=g.memory_total - free,
+            memory_reserved=g.memory_reserved,
+            compute_capability=g.compute_capability,
+            driver_version=self.driver_version,
+            cuda_driver_version=self.cuda_driver_version,
+            temperature_c=g.temperature_c,
+            utilization_percent=g.utilization_percent,
+            processes=tuple(sorted(g.processes.items())),
         )
 
     def thd_census(self) -> Census:
         self.readings += 1
         return Census(
             gpus=tuple(self._gpu(g) for g in sorted(self.gpus, key=lambda g: g.index)),
-            cpu_physical_cores=self.cpu_physical_cores, cpu_logical_cores=self.cpu_logical_cores,
-            ram_total=self.ram_total, ram_available=self.ram_available, taken_at=self.now(),
+            cpu_physical_cores=self.cpu_physical_cores,
+            cpu_logical_cores=self.cpu_logical_cores,
+            ram_total=self.ram_total,
+            ram_available=self.ram_available,
+            taken_at=self.now(),
             gpu_note=(self.gpu_note or "NVML sees no GPU") if not self.gpus else self.gpu_note,
         )
 

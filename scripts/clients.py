@@ -120,9 +120,18 @@ def install(agent: Agent) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{agent.name}-", dir=CLIENTS_HOME))
     say(f"installing {agent.package}@{agent.version} into {agent.prefix}")
     done = subprocess.run(
-        [npm, "install", "--prefix", str(tmp), "--no-fund", "--no-audit", "--loglevel=error",
-         f"{agent.package}@{agent.version}"],
-        capture_output=True, text=True,
+        [
+            npm,
+            "install",
+            "--prefix",
+            str(tmp),
+            "--no-fund",
+            "--no-audit",
+            "--loglevel=error",
+            f"{agent.package}@{agent.version}",
+        ],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -140,8 +149,9 @@ def install(agent: Agent) -> Path:
     # Claude Code's native binary is put in place by its postinstall script
     # (copied from @anthropic-ai/claude-code-<platform>): an npm that skips
     # install scripts leaves a stub that cannot run
-    check = subprocess.run([str(agent.executable), "--version"], capture_output=True, text=True,
-                           stdin=subprocess.DEVNULL)
+    check = subprocess.run(
+        [str(agent.executable), "--version"], capture_output=True, text=True, stdin=subprocess.DEVNULL
+    )
     if check.returncode != 0 or agent.version not in check.stdout:
         shutil.rmtree(agent.prefix, ignore_errors=True)
         raise SystemExit(
@@ -190,11 +200,15 @@ def claude_home(home: Path, api_key: str) -> Path:
     }
     for path in (home / ".claude.json", config_dir / ".claude.json"):
         path.write_text(json.dumps(state))
-    (config_dir / "settings.json").write_text(json.dumps({
-        "autoUpdates": False,
-        "includeCoAuthoredBy": False,
-        "env": {},
-    }))
+    (config_dir / "settings.json").write_text(
+        json.dumps(
+            {
+                "autoUpdates": False,
+                "includeCoAuthoredBy": False,
+                "env": {},
+            }
+        )
+    )
     return config_dir
 
 
@@ -206,30 +220,32 @@ def claude_environment(home: Path, base_url: str, api_key: str) -> dict[str, str
     """
     config_dir = claude_home(home, api_key)
     env = base_environment(home)
-    env.update({
-        "CLAUDE_CONFIG_DIR": str(config_dir),
-        "ANTHROPIC_BASE_URL": base_url,
-        "ANTHROPIC_API_KEY": api_key,
-        "ANTHROPIC_MODEL": MODEL,
-        "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
-        "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
-        "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
-        # an id it does not know is "assumed to be 1m tokens": compact
-        # before the model's real context runs out
-        "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(CONTEXT),
-        "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
-        "DISABLE_TELEMETRY": "1",
-        "DISABLE_AUTOUPDATER": "1",
-        "DISABLE_ERROR_REPORTING": "1",
-        "DISABLE_BUG_COMMAND": "1",
-        "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
-        # a slow CPU prefill is not a dead server
-        "API_TIMEOUT_MS": str(int(RUN_TIMEOUT * 1000)),
-        # running as root in a container: allowed, it is a throwaway home
-        "IS_SANDBOX": "1",
-    })
+    env.update(
+        {
+            "CLAUDE_CONFIG_DIR": str(config_dir),
+            "ANTHROPIC_BASE_URL": base_url,
+            "ANTHROPIC_API_KEY": api_key,
+            "ANTHROPIC_MODEL": MODEL,
+            "ANTHROPIC_SMALL_FAST_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_HAIKU_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_SONNET_MODEL": MODEL,
+            "ANTHROPIC_DEFAULT_OPUS_MODEL": MODEL,
+            "CLAUDE_CODE_SUBAGENT_MODEL": MODEL,
+            # an id it does not know is "assumed to be 1m tokens": compact
+            # before the model's real context runs out
+            "CLAUDE_CODE_AUTO_COMPACT_WINDOW": str(CONTEXT),
+            "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
+            "DISABLE_TELEMETRY": "1",
+            "DISABLE_AUTOUPDATER": "1",
+            "DISABLE_ERROR_REPORTING": "1",
+            "DISABLE_BUG_COMMAND": "1",
+            "CLAUDE_CODE_DISABLE_FEEDBACK_SURVEY": "1",
+            # a slow CPU prefill is not a dead server
+            "API_TIMEOUT_MS": str(int(RUN_TIMEOUT * 1000)),
+            # running as root in a container: allowed, it is a throwaway home
+            "IS_SANDBOX": "1",
+        }
+    )
     return env
 
 
@@ -278,15 +294,18 @@ def codex_environment(home: Path, base_url: str, api_key: str) -> dict[str, str]
     (home / "tmp").mkdir(exist_ok=True)
     (codex_home / "config.toml").write_text(codex_config(base_url))
     env = base_environment(home)
-    env.update({
-        "CODEX_HOME": str(codex_home),
-        "BLAZAR_API_KEY": api_key,
-        "RUST_LOG": "warn",
-    })
+    env.update(
+        {
+            "CODEX_HOME": str(codex_home),
+            "BLAZAR_API_KEY": api_key,
+            "RUST_LOG": "warn",
+        }
+    )
     return env
 
 
 # -- the conformance run -------------------------------------------------------
+
 
 @dataclass
 class Run:
@@ -313,8 +332,11 @@ class Run:
 
     @property
     def passed(self) -> bool:
-        return (self.exit_code == 0 and bool(self.generations)
-                and all(200 <= int(r.get("status", 0)) < 300 for r in self.generations))
+        return (
+            self.exit_code == 0
+            and bool(self.generations)
+            and all(200 <= int(r.get("status", 0)) < 300 for r in self.generations)
+        )
 
     def row(self) -> dict[str, Any]:
         seen: dict[str, int] = {}
@@ -322,10 +344,17 @@ class Run:
             what = f"{r.get('method')} {r.get('path')} {r.get('status')}"
             seen[what] = seen.get(what, 0) + 1
         return {
-            "client": self.agent.name, "version": self.agent.version, "surface": self.agent.surface,
-            "turn": self.turn, "command": " ".join([self.agent.command, *self.argv[1:]]),
-            "exit_code": self.exit_code, "timed_out": self.timed_out, "seconds": round(self.seconds, 1),
-            "requests_seen": len(self.requests), "requests": seen, "tool_calls": self.tool_calls,
+            "client": self.agent.name,
+            "version": self.agent.version,
+            "surface": self.agent.surface,
+            "turn": self.turn,
+            "command": " ".join([self.agent.command, *self.argv[1:]]),
+            "exit_code": self.exit_code,
+            "timed_out": self.timed_out,
+            "seconds": round(self.seconds, 1),
+            "requests_seen": len(self.requests),
+            "requests": seen,
+            "tool_calls": self.tool_calls,
             "prefill_tokens": self.prefill_tokens,
             "passed": self.passed,
             "stdout_tail": self.stdout[-400:],
@@ -393,8 +422,11 @@ class Daemon:
         self.logit_bias: dict[str, str] = {}
         if not tool_tokens:
             self.logit_bias = {str(vocabulary()[0].index("<tool_call>")): "-inf"}
-            lines.append("args = [" + ", ".join(
-                f'"--logit-bias", "{token}{bias}"' for token, bias in self.logit_bias.items()) + "]")
+            lines.append(
+                "args = ["
+                + ", ".join(f'"--logit-bias", "{token}{bias}"' for token, bias in self.logit_bias.items())
+                + "]"
+            )
         for name, secret in keys.items():
             lines += ["[[keys]]", f'name = "{name}"', f'secret = "{secret}"']
         self.config.write_text("\n".join(lines) + "\n")
@@ -407,8 +439,12 @@ class Daemon:
     def start(self) -> None:
         blazar = Path(sys.executable).parent / "blazar"
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen([str(blazar), "serve", "--config", str(self.config)],
-                                         stdout=log, stderr=subprocess.STDOUT, cwd=self.root)
+            self.proc = subprocess.Popen(
+                [str(blazar), "serve", "--config", str(self.config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+            )
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -447,8 +483,9 @@ class Daemon:
         are not in the daemon's own log.
         """
         blazar = Path(sys.executable).parent / "blazar"
-        out = subprocess.run([str(blazar), "logs", "tiny", "-c", str(self.config)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(blazar), "logs", "tiny", "-c", str(self.config)], capture_output=True, text=True, timeout=60
+        )
         return [int(n) for n in re.findall(r"prompt eval time =\s*[\d.]+ ms /\s*(\d+) tokens", out.stdout)]
 
     def log_size(self) -> int:
@@ -541,8 +578,9 @@ def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout:
     say(f"{run.agent.name} turn {run.turn}: {run.row()['command']}")
     started = time.monotonic()
     try:
-        done = subprocess.run(run.argv, cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout, stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            run.argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
         run.exit_code, run.stdout, run.stderr = done.returncode, done.stdout, done.stderr
     except subprocess.TimeoutExpired as e:
         run.timed_out = True
@@ -553,27 +591,32 @@ def run_agent(run: Run, daemon: Daemon, cwd: Path, env: dict[str, str], timeout:
     time.sleep(1.5)
     run.requests = [r for r in daemon.audited()[before:] if r.get("key") == run.agent.name]
     run.prefill_tokens = daemon.prefills(log_before)
-    run.tool_calls = [name for call, name in transcript_tool_calls(run.agent, home).items()
-                      if call not in calls_before]
+    run.tool_calls = [name for call, name in transcript_tool_calls(run.agent, home).items() if call not in calls_before]
     verdict = "ok" if run.passed else "FAILED"
-    say(f"{run.agent.name} turn {run.turn}: {verdict}, exit {run.exit_code}"
+    say(
+        f"{run.agent.name} turn {run.turn}: {verdict}, exit {run.exit_code}"
         f"{' (timed out)' if run.timed_out else ''}, {run.seconds:.1f} s, "
         f"{len(run.requests)} requests: {run.row()['requests']}"
         f"; prompt tokens evaluated: {run.prefill_tokens}"
-        f"{'; tool calls run: ' + ', '.join(run.tool_calls) if run.tool_calls else ''}")
+        f"{'; tool calls run: ' + ', '.join(run.tool_calls) if run.tool_calls else ''}"
+    )
     if run.stdout.strip():
         print(f"--- {run.agent.name} turn {run.turn} said:\n{run.stdout.strip()[-1500:]}", flush=True)
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'client':<12} {'version':<9} {'surface':<10} {'turn':>4} {'exit':>5} {'seconds':>8} "
-            f"{'requests':>8} {'tool calls':>10}  result")
+    head = (
+        f"{'client':<12} {'version':<9} {'surface':<10} {'turn':>4} {'exit':>5} {'seconds':>8} "
+        f"{'requests':>8} {'tool calls':>10}  result"
+    )
     out = [head, "-" * len(head)]
     for r in rows:
         code = "T/O" if r["timed_out"] else str(r["exit_code"])
-        out.append(f"{r['client']:<12} {r['version']:<9} {r['surface']:<10} {r['turn']:>4} {code:>5} "
-                   f"{r['seconds']:>8.1f} {r['requests_seen']:>8} {len(r['tool_calls']):>10}  "
-                   f"{'ok' if r['passed'] else 'FAILED'}")
+        out.append(
+            f"{r['client']:<12} {r['version']:<9} {r['surface']:<10} {r['turn']:>4} {code:>5} "
+            f"{r['seconds']:>8.1f} {r['requests_seen']:>8} {len(r['tool_calls']):>10}  "
+            f"{'ok' if r['passed'] else 'FAILED'}"
+        )
     return "\n".join(out)
 
 
@@ -586,9 +629,13 @@ def machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "kernel": platform.release(), "node": subprocess.run(
-                ["node", "--version"], capture_output=True, text=True).stdout.strip()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "kernel": platform.release(),
+        "node": subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip(),
+    }
 
 
 def source() -> dict[str, Any]:
@@ -606,8 +653,11 @@ def source() -> dict[str, Any]:
         return done.stdout.strip() if done.returncode == 0 else None
 
     status = git("status", "--porcelain", "--", "blazar", "twisted", "pyproject.toml")
-    return {"commit": git("rev-parse", "HEAD"), "uncommitted_changes": None if status is None else bool(status),
-            "package": str(Path(blazar.__file__).parent)}
+    return {
+        "commit": git("rev-parse", "HEAD"),
+        "uncommitted_changes": None if status is None else bool(status),
+        "package": str(Path(blazar.__file__).parent),
+    }
 
 
 def main() -> int:
@@ -617,8 +667,11 @@ def main() -> int:
     p.add_argument("--out", type=Path, help="results file (default: bench/results/clients-<UTC time>.json)")
     p.add_argument("--timeout", type=float, default=RUN_TIMEOUT, help="seconds per agent run (default %(default)s)")
     p.add_argument("--keep", action="store_true", help="keep the scratch directory (homes, daemon log)")
-    p.add_argument("--tool-tokens", action="store_true",
-                   help="let the random model sample <tool_call> (its noise then fails a stream now and then)")
+    p.add_argument(
+        "--tool-tokens",
+        action="store_true",
+        help="let the random model sample <tool_call> (its noise then fails a stream now and then)",
+    )
     args = p.parse_args()
 
     agents = [a for a in AGENTS if args.only in (None, a.name)]
@@ -642,30 +695,47 @@ def main() -> int:
             exe = str(agent.executable)
             if agent is CLAUDE_CODE:
                 env = claude_environment(home, daemon.base_url, keys[agent.name])
-                turns = [[exe, "-p", "say hi", "--model", MODEL],
-                         [exe, "-p", "--continue", "say hi again", "--model", MODEL]]
+                turns = [
+                    [exe, "-p", "say hi", "--model", MODEL],
+                    [exe, "-p", "--continue", "say hi again", "--model", MODEL],
+                ]
             else:
                 env = codex_environment(home, daemon.base_url, keys[agent.name])
-                turns = [[exe, "exec", "--skip-git-repo-check", "--color", "never", "say hi"],
-                         [exe, "exec", "--skip-git-repo-check", "--color", "never", "resume", "--last", "again"]]
+                turns = [
+                    [exe, "exec", "--skip-git-repo-check", "--color", "never", "say hi"],
+                    [exe, "exec", "--skip-git-repo-check", "--color", "never", "resume", "--last", "again"],
+                ]
             for turn, argv in enumerate(turns, 1):
                 run = Run(agent, turn, argv)
                 runs.append(run)
                 run_agent(run, daemon, cwd, env, args.timeout)
                 if not run.passed:
-                    print(f"--- {agent.name} turn {turn} FAILED; its stderr (tail):\n{run.stderr[-3000:]}\n"
-                          f"--- its stdout (tail):\n{run.stdout[-1500:]}\n"
-                          f"--- the daemon's log (tail):\n{daemon.log_tail()}", flush=True)
+                    print(
+                        f"--- {agent.name} turn {turn} FAILED; its stderr (tail):\n{run.stderr[-3000:]}\n"
+                        f"--- its stdout (tail):\n{run.stdout[-1500:]}\n"
+                        f"--- the daemon's log (tail):\n{daemon.log_tail()}",
+                        flush=True,
+                    )
     finally:
         daemon.stop()
 
     rows = [r.row() for r in runs]
     passed = bool(rows) and all(r["passed"] for r in rows) and len(rows) == 2 * len(agents)
     result = {
-        "when": stamp, "passed": passed, "blazar": source(), "machine": machine(), "engine": engine,
-        "model": {"name": MODEL, "ctx_size": CONTEXT, "parallel": 1, "weights": "random (blazar.models.testmodel)",
-                  "engine_logit_bias": daemon.logit_bias},
-        "keys": "on", "runs": rows,
+        "when": stamp,
+        "passed": passed,
+        "blazar": source(),
+        "machine": machine(),
+        "engine": engine,
+        "model": {
+            "name": MODEL,
+            "ctx_size": CONTEXT,
+            "parallel": 1,
+            "weights": "random (blazar.models.testmodel)",
+            "engine_logit_bias": daemon.logit_bias,
+        },
+        "keys": "on",
+        "runs": rows,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

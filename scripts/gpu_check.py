@@ -54,8 +54,23 @@ CTX, PARALLEL = 4096, 2
 SHAPES = [("small-a", 1, 1024, 16, 16, 2816), ("small-b", 2, 1024, 16, 16, 2816), ("mid", 3, 2048, 16, 16, 5632)]
 # left out of the trimmed source: what a llama-server build does not read
 TRIM = ("models", "docs", "media", ".github", "benches", "tests", "examples", "pocs") + tuple(
-    f"ggml/src/ggml-{b}" for b in ("sycl", "opencl", "vulkan", "hexagon", "metal", "cann", "musa", "webgpu",
-                                   "zdnn", "zendnn", "openvino", "virtgpu", "et"))
+    f"ggml/src/ggml-{b}"
+    for b in (
+        "sycl",
+        "opencl",
+        "vulkan",
+        "hexagon",
+        "metal",
+        "cann",
+        "musa",
+        "webgpu",
+        "zdnn",
+        "zendnn",
+        "openvino",
+        "virtgpu",
+        "et",
+    )
+)
 
 
 def prepare(into: Path) -> None:
@@ -117,8 +132,7 @@ def free_port() -> int:
 def request(port: int, method: str, path: str, body: Any = None, timeout: float = 300) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None,
-                     {"content-type": "application/json"})
+        conn.request(method, path, json.dumps(body) if body is not None else None, {"content-type": "application/json"})
         response = conn.getresponse()
         raw = response.read()
         try:
@@ -134,9 +148,16 @@ def decode_speed(port: int, model: str, max_tokens: int = 128) -> tuple[float, i
     C{(decode tokens/s, tokens, seconds to the first token)} of one
     streamed chat completion through the gateway.
     """
-    body = {"model": model, "messages": [{"role": "user", "content": "Count from one to one hundred."}],
-            "max_tokens": max_tokens, "temperature": 0, "seed": 1, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count from one to one hundred."}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "seed": 1,
+        "stream": True,
+        "ignore_eos": True,
+        "stream_options": {"include_usage": True},
+    }
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     start = time.monotonic()
     first = last = None
@@ -178,8 +199,15 @@ def make_models(models: Path) -> None:
 
     models.mkdir(parents=True)
     for name, seed, embd, layers, heads, ff in SHAPES:
-        make_test_model(models / f"{name}.gguf", seed=seed, n_embd=embd, n_layer=layers, n_head=heads, n_ff=ff,
-                        context_length=131072)
+        make_test_model(
+            models / f"{name}.gguf",
+            seed=seed,
+            n_embd=embd,
+            n_layer=layers,
+            n_head=heads,
+            n_ff=ff,
+            context_length=131072,
+        )
     (models / "small-a-cpu.gguf").symlink_to("small-a.gguf")  # the same file, all of it on the CPU
     (models / "huge.gguf").symlink_to("mid.gguf")  # the same weights with a KV cache no budget holds
 
@@ -188,8 +216,10 @@ def planned_bytes(models: Path) -> dict[str, int]:
     from blazar.engines.planner import estimate_need
     from blazar.models.gguf_meta import thd_read_metadata
 
-    return {name: estimate_need(name, thd_read_metadata(models / f"{name}.gguf"), CTX, PARALLEL).total
-            for name, *_ in SHAPES}
+    return {
+        name: estimate_need(name, thd_read_metadata(models / f"{name}.gguf"), CTX, PARALLEL).total
+        for name, *_ in SHAPES
+    }
 
 
 def gib(n: float) -> str:
@@ -214,14 +244,17 @@ def main() -> int:
     probe = NVMLProbe()
     census = probe.thd_census()
     report.say(f"# Blazar GPU check, {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime())}")
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
     report.say(f"commit {commit or '?'}; engine {args.engine} ({Path(args.engine).parent.parent.name})")
     for line in describe(census):
         report.say(line)
     devices = subprocess.run([args.engine, "--list-devices"], capture_output=True, text=True, timeout=120)
-    report.say("llama-server --list-devices: " + " | ".join(
-        line.strip() for line in (devices.stdout + devices.stderr).splitlines() if line.strip())[-600:])
+    report.say(
+        "llama-server --list-devices: "
+        + " | ".join(line.strip() for line in (devices.stdout + devices.stderr).splitlines() if line.strip())[-600:]
+    )
     gpu = census.gpus[0] if census.gpus else None
 
     with tempfile.TemporaryDirectory(prefix="blazar-gpu-check-") as tmp:
@@ -229,29 +262,55 @@ def main() -> int:
         started = time.monotonic()
         make_models(root / "models")
         need = planned_bytes(root / "models")
-        report.say(f"models made in {time.monotonic() - started:.0f} s: "
-                   + ", ".join(f"{n} (plan {gib(b)})" for n, b in need.items()))
+        report.say(
+            f"models made in {time.monotonic() - started:.0f} s: "
+            + ", ".join(f"{n} (plan {gib(b)})" for n, b in need.items())
+        )
         # room for the two small ones, or one small one and mid, never all three
         budget = int(max(need["small-a"] + need["small-b"], need["small-b"] + need["mid"]) * 1.08)
         reserve = max(0, gpu.memory_free - budget) if gpu else 0
         if gpu:
-            report.say(f"GPU budget: {gib(budget)} of GPU {gpu.index}'s {gib(gpu.memory_free)} free "
-                       f"(gpu_reserve_bytes = {reserve})")
+            report.say(
+                f"GPU budget: {gib(budget)} of GPU {gpu.index}'s {gib(gpu.memory_free)} free "
+                f"(gpu_reserve_bytes = {reserve})"
+            )
         port = free_port()
         config = root / "config.toml"
-        config.write_text("\n".join([
-            f'listen = "tcp:{port}:interface=127.0.0.1"', f'data_dir = "{root / "data"}"',
-            f'models_dir = "{root / "models"}"', f"gpu_reserve_bytes = {reserve}", 'keep_alive = "30m"',
-            "[engines.llamacpp]", f'binary = "{args.engine}"',
-            *(line for name, *_ in SHAPES for line in (f'[models."{name}"]', f"ctx_size = {CTX}",
-                                                        f"parallel = {PARALLEL}")),
-            '[models."small-a-cpu"]', f"ctx_size = {CTX}", f"parallel = {PARALLEL}", "gpu_layers = 0",
-            '[models."huge"]', "ctx_size = 131072", "parallel = 4", "gpu_layers = 99",
-        ]) + "\n")
+        config.write_text(
+            "\n".join(
+                [
+                    f'listen = "tcp:{port}:interface=127.0.0.1"',
+                    f'data_dir = "{root / "data"}"',
+                    f'models_dir = "{root / "models"}"',
+                    f"gpu_reserve_bytes = {reserve}",
+                    'keep_alive = "30m"',
+                    "[engines.llamacpp]",
+                    f'binary = "{args.engine}"',
+                    *(
+                        line
+                        for name, *_ in SHAPES
+                        for line in (f'[models."{name}"]', f"ctx_size = {CTX}", f"parallel = {PARALLEL}")
+                    ),
+                    '[models."small-a-cpu"]',
+                    f"ctx_size = {CTX}",
+                    f"parallel = {PARALLEL}",
+                    "gpu_layers = 0",
+                    '[models."huge"]',
+                    "ctx_size = 131072",
+                    "parallel = 4",
+                    "gpu_layers = 99",
+                ]
+            )
+            + "\n"
+        )
         log_path = root / "daemon.log"
         with open(log_path, "wb") as log:
-            daemon = subprocess.Popen([sys.executable, "-m", "blazar.cli", "serve", "--config", str(config)],
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "blazar.cli", "serve", "--config", str(config)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         try:
             for _ in range(120):
                 try:
@@ -272,7 +331,9 @@ def main() -> int:
         table(report, log_path.read_text(errors="replace"), gpu is not None)
     if gpu is None:
         report.say("no GPU: NVML sees none here, so only the CPU figures above mean anything")
-    report.say(f"result: {'no GPU' if gpu is None else 'FAILED: ' + '; '.join(report.failed) if report.failed else 'all checks passed'}")
+    report.say(
+        f"result: {'no GPU' if gpu is None else 'FAILED: ' + '; '.join(report.failed) if report.failed else 'all checks passed'}"
+    )
     report.save()
     return 2 if gpu is None else 1 if report.failed else 0
 
@@ -302,10 +363,16 @@ def run_checks(report: Report, port: int, gpu: bool) -> None:
     after = loaded(port)
     report.say("after mid: " + ", ".join(f"{n} (size_vram {gib(m.get('size_vram', 0))})" for n, m in after.items()))
     if gpu:
-        report.check("mid" in after and "small-a" not in after and "small-b" in after,
-                     "mid fitted by evicting small-a, the least recently used")
-    status, body = request(port, "POST", "/v1/chat/completions",
-                           {"model": "huge", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+        report.check(
+            "mid" in after and "small-a" not in after and "small-b" in after,
+            "mid fitted by evicting small-a, the least recently used",
+        )
+    status, body = request(
+        port,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "huge", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     message = body.get("error", {}).get("message", "") if isinstance(body, dict) else str(body)
     report.say(f"huge (ctx_size 131072 x 4, gpu_layers 99): {status} {message}")
     if gpu:

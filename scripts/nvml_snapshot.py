@@ -65,28 +65,38 @@ def snapshot(pynvml: Any) -> dict[str, Any]:
     for i in range(count):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         util = _try(lambda: pynvml.nvmlDeviceGetUtilizationRates(h))
-        devices.append({
-            "index": i,
-            "name": _try(lambda: pynvml.nvmlDeviceGetName(h)),
-            "uuid": _try(lambda: pynvml.nvmlDeviceGetUUID(h)),
-            "pci_bus_id": _try(lambda: pynvml.nvmlDeviceGetPciInfo(h).busId),
-            "memory": _memory(pynvml, h),
-            "bar1_memory": _try(lambda: {k: getattr(pynvml.nvmlDeviceGetBAR1MemoryInfo(h), k)
-                                         for k in ("bar1Total", "bar1Free", "bar1Used")}),
-            "compute_capability": _try(lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(h))),
-            "temperature_c": _try(lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
-            "utilization": util if isinstance(util, dict) else {"gpu": util.gpu, "memory": util.memory},
-            "power_mw": _try(lambda: pynvml.nvmlDeviceGetPowerUsage(h)),
-            "power_limit_mw": _try(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h)),
-            "clocks_mhz": {name: _try(lambda c=clock: pynvml.nvmlDeviceGetClockInfo(h, c))
-                           for name, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM))},
-            "max_clocks_mhz": {name: _try(lambda c=clock: pynvml.nvmlDeviceGetMaxClockInfo(h, c))
-                               for name, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM))},
-            "mig_mode": _try(lambda: list(pynvml.nvmlDeviceGetMigMode(h))),
-            "persistence_mode": _try(lambda: pynvml.nvmlDeviceGetPersistenceMode(h)),
-            "compute_mode": _try(lambda: pynvml.nvmlDeviceGetComputeMode(h)),
-            "processes": _processes(pynvml, h),
-        })
+        devices.append(
+            {
+                "index": i,
+                "name": _try(lambda: pynvml.nvmlDeviceGetName(h)),
+                "uuid": _try(lambda: pynvml.nvmlDeviceGetUUID(h)),
+                "pci_bus_id": _try(lambda: pynvml.nvmlDeviceGetPciInfo(h).busId),
+                "memory": _memory(pynvml, h),
+                "bar1_memory": _try(
+                    lambda: {
+                        k: getattr(pynvml.nvmlDeviceGetBAR1MemoryInfo(h), k)
+                        for k in ("bar1Total", "bar1Free", "bar1Used")
+                    }
+                ),
+                "compute_capability": _try(lambda: list(pynvml.nvmlDeviceGetCudaComputeCapability(h))),
+                "temperature_c": _try(lambda: pynvml.nvmlDeviceGetTemperature(h, pynvml.NVML_TEMPERATURE_GPU)),
+                "utilization": util if isinstance(util, dict) else {"gpu": util.gpu, "memory": util.memory},
+                "power_mw": _try(lambda: pynvml.nvmlDeviceGetPowerUsage(h)),
+                "power_limit_mw": _try(lambda: pynvml.nvmlDeviceGetEnforcedPowerLimit(h)),
+                "clocks_mhz": {
+                    name: _try(lambda c=clock: pynvml.nvmlDeviceGetClockInfo(h, c))
+                    for name, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM))
+                },
+                "max_clocks_mhz": {
+                    name: _try(lambda c=clock: pynvml.nvmlDeviceGetMaxClockInfo(h, c))
+                    for name, clock in (("sm", pynvml.NVML_CLOCK_SM), ("mem", pynvml.NVML_CLOCK_MEM))
+                },
+                "mig_mode": _try(lambda: list(pynvml.nvmlDeviceGetMigMode(h))),
+                "persistence_mode": _try(lambda: pynvml.nvmlDeviceGetPersistenceMode(h)),
+                "compute_mode": _try(lambda: pynvml.nvmlDeviceGetComputeMode(h)),
+                "processes": _processes(pynvml, h),
+            }
+        )
     return {
         "driver_version": _try(pynvml.nvmlSystemGetDriverVersion),
         "nvml_version": _try(pynvml.nvmlSystemGetNVMLVersion),
@@ -111,8 +121,12 @@ def allocation(pynvml: Any, gib: float) -> dict[str, Any]:
     steps["context_only"] = {"memory": _memory(pynvml, h), "processes": _processes(pynvml, h)}
     held = torch.empty(int(gib * (1 << 30)), dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
-    steps["holding"] = {"gib": gib, "memory": _memory(pynvml, h), "processes": _processes(pynvml, h),
-                        "torch_reserved": torch.cuda.memory_reserved()}
+    steps["holding"] = {
+        "gib": gib,
+        "memory": _memory(pynvml, h),
+        "processes": _processes(pynvml, h),
+        "torch_reserved": torch.cuda.memory_reserved(),
+    }
     del held
     torch.cuda.empty_cache()
     torch.cuda.synchronize()
@@ -130,8 +144,11 @@ def main(argv: list[str]) -> int:
 
     pynvml.nvmlInit()
     try:
-        out: dict[str, Any] = {"taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                               "nvidia_ml_py": getattr(pynvml, "__version__", None), "snapshot": snapshot(pynvml)}
+        out: dict[str, Any] = {
+            "taken_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            "nvidia_ml_py": getattr(pynvml, "__version__", None),
+            "snapshot": snapshot(pynvml),
+        }
         if args.allocate > 0:
             out["allocation"] = allocation(pynvml, args.allocate)
     finally:

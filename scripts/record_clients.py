@@ -48,7 +48,15 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from clients import (  # noqa: E402
-    CLAUDE_CODE, CODEX, MODEL, ROOT, Agent, claude_environment, codex_environment, install, say,
+    CLAUDE_CODE,
+    CODEX,
+    MODEL,
+    ROOT,
+    Agent,
+    claude_environment,
+    codex_environment,
+    install,
+    say,
 )
 
 FIXTURES = ROOT / "tests" / "fixtures" / "clients"
@@ -138,16 +146,27 @@ def anthropic_message(body: dict[str, Any], tool: bool) -> dict[str, Any]:
     else the text C{hi}.
     """
     if tool:
-        content = [{"type": "tool_use", "id": "toolu_" + uuid.uuid4().hex[:24], "name": "Bash",
-                    "input": {"command": "echo hi", "description": "Print hi"}}]
+        content = [
+            {
+                "type": "tool_use",
+                "id": "toolu_" + uuid.uuid4().hex[:24],
+                "name": "Bash",
+                "input": {"command": "echo hi", "description": "Print hi"},
+            }
+        ]
         stop = "tool_use"
     else:
         content = [{"type": "text", "text": "hi"}]
         stop = "end_turn"
     return {
-        "id": "msg_" + uuid.uuid4().hex[:24], "type": "message", "role": "assistant",
-        "model": body.get("model", MODEL), "content": content, "stop_reason": stop,
-        "stop_sequence": None, "usage": {"input_tokens": 10, "output_tokens": 2},
+        "id": "msg_" + uuid.uuid4().hex[:24],
+        "type": "message",
+        "role": "assistant",
+        "model": body.get("model", MODEL),
+        "content": content,
+        "stop_reason": stop,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 10, "output_tokens": 2},
     }
 
 
@@ -156,18 +175,46 @@ def anthropic_stream(message: dict[str, Any]) -> bytes:
     out = [sse("message_start", {"type": "message_start", "message": start})]
     for i, block in enumerate(message["content"]):
         if block["type"] == "text":
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": i,
-                                                   "content_block": {"type": "text", "text": ""}}))
-            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": i,
-                                                   "delta": {"type": "text_delta", "text": block["text"]}}))
+            out.append(
+                sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": i, "content_block": {"type": "text", "text": ""}},
+                )
+            )
+            out.append(
+                sse(
+                    "content_block_delta",
+                    {"type": "content_block_delta", "index": i, "delta": {"type": "text_delta", "text": block["text"]}},
+                )
+            )
         else:
-            out.append(sse("content_block_start", {"type": "content_block_start", "index": i,
-                                                   "content_block": dict(block, input={})}))
-            out.append(sse("content_block_delta", {"type": "content_block_delta", "index": i, "delta": {
-                "type": "input_json_delta", "partial_json": json.dumps(block["input"])}}))
+            out.append(
+                sse(
+                    "content_block_start",
+                    {"type": "content_block_start", "index": i, "content_block": dict(block, input={})},
+                )
+            )
+            out.append(
+                sse(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": i,
+                        "delta": {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+                    },
+                )
+            )
         out.append(sse("content_block_stop", {"type": "content_block_stop", "index": i}))
-    out.append(sse("message_delta", {"type": "message_delta", "delta": {
-        "stop_reason": message["stop_reason"], "stop_sequence": None}, "usage": {"output_tokens": 2}}))
+    out.append(
+        sse(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": message["stop_reason"], "stop_sequence": None},
+                "usage": {"output_tokens": 2},
+            },
+        )
+    )
     out.append(sse("message_stop", {"type": "message_stop"}))
     return b"".join(out)
 
@@ -192,8 +239,14 @@ def codex_tool_call(body: dict[str, Any]) -> dict[str, Any]:
         name, arguments = "shell_command", {"command": "echo hi"}
     else:
         name, arguments = "shell", {"command": ["bash", "-lc", "echo hi"]}
-    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex[:24], "status": "completed",
-            "call_id": "call_" + uuid.uuid4().hex[:24], "name": name, "arguments": json.dumps(arguments)}
+    return {
+        "type": "function_call",
+        "id": "fc_" + uuid.uuid4().hex[:24],
+        "status": "completed",
+        "call_id": "call_" + uuid.uuid4().hex[:24],
+        "name": name,
+        "arguments": json.dumps(arguments),
+    }
 
 
 def responses_stream(body: dict[str, Any], tool: bool) -> bytes:
@@ -203,8 +256,14 @@ def responses_stream(body: dict[str, Any], tool: bool) -> bytes:
     """
     rid = "resp_" + uuid.uuid4().hex[:24]
     created = int(time.time())
-    base = {"id": rid, "object": "response", "created_at": created, "model": body.get("model", MODEL),
-            "status": "in_progress", "output": []}
+    base = {
+        "id": rid,
+        "object": "response",
+        "created_at": created,
+        "model": body.get("model", MODEL),
+        "status": "in_progress",
+        "output": [],
+    }
     seq = iter(range(1000))
 
     def ev(kind: str, **data: Any) -> bytes:
@@ -213,23 +272,34 @@ def responses_stream(body: dict[str, Any], tool: bool) -> bytes:
     out = [ev("response.created", response=base), ev("response.in_progress", response=base)]
     if tool:
         item = codex_tool_call(body)
-        out.append(ev("response.output_item.added", output_index=0, item=dict(item, arguments="", status="in_progress")))
-        out.append(ev("response.function_call_arguments.delta", output_index=0, item_id=item["id"], delta=item["arguments"]))
-        out.append(ev("response.function_call_arguments.done", output_index=0, item_id=item["id"], arguments=item["arguments"]))
+        out.append(
+            ev("response.output_item.added", output_index=0, item=dict(item, arguments="", status="in_progress"))
+        )
+        out.append(
+            ev("response.function_call_arguments.delta", output_index=0, item_id=item["id"], delta=item["arguments"])
+        )
+        out.append(
+            ev("response.function_call_arguments.done", output_index=0, item_id=item["id"], arguments=item["arguments"])
+        )
     else:
         mid = "msg_" + uuid.uuid4().hex[:24]
         part = {"type": "output_text", "text": "hi", "annotations": []}
         item = {"type": "message", "id": mid, "status": "completed", "role": "assistant", "content": [part]}
-        out.append(ev("response.output_item.added", output_index=0,
-                      item=dict(item, content=[], status="in_progress")))
-        out.append(ev("response.content_part.added", output_index=0, item_id=mid, content_index=0,
-                      part=dict(part, text="")))
+        out.append(ev("response.output_item.added", output_index=0, item=dict(item, content=[], status="in_progress")))
+        out.append(
+            ev("response.content_part.added", output_index=0, item_id=mid, content_index=0, part=dict(part, text=""))
+        )
         out.append(ev("response.output_text.delta", output_index=0, item_id=mid, content_index=0, delta="hi"))
         out.append(ev("response.output_text.done", output_index=0, item_id=mid, content_index=0, text="hi"))
         out.append(ev("response.content_part.done", output_index=0, item_id=mid, content_index=0, part=part))
     out.append(ev("response.output_item.done", output_index=0, item=item))
-    usage = {"input_tokens": 10, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 2,
-             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 12}
+    usage = {
+        "input_tokens": 10,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": 2,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 12,
+    }
     out.append(ev("response.completed", response=dict(base, status="completed", output=[item], usage=usage)))
     return b"".join(out)
 
@@ -279,11 +349,26 @@ class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         path, _ = self._record()
         if path in ("/v1/models", "/models"):
-            self._json(200, {
-                "object": "list", "has_more": False, "first_id": MODEL, "last_id": MODEL,
-                "data": [{"id": MODEL, "object": "model", "type": "model", "display_name": MODEL,
-                          "created": 0, "created_at": "2026-01-01T00:00:00Z", "owned_by": "blazar"}],
-            })
+            self._json(
+                200,
+                {
+                    "object": "list",
+                    "has_more": False,
+                    "first_id": MODEL,
+                    "last_id": MODEL,
+                    "data": [
+                        {
+                            "id": MODEL,
+                            "object": "model",
+                            "type": "model",
+                            "display_name": MODEL,
+                            "created": 0,
+                            "created_at": "2026-01-01T00:00:00Z",
+                            "owned_by": "blazar",
+                        }
+                    ],
+                },
+            )
         elif path in ("/", "/health"):
             self._send(200, b"Blazar recorder\n", "text/plain")
         else:
@@ -320,24 +405,35 @@ def has_tool_result(agent: Agent, body: Any) -> bool:
         for message in body.get("messages") or []:
             content = message.get("content")
             if isinstance(content, list) and any(
-                    isinstance(b, dict) and b.get("type") == "tool_result" for b in content):
+                isinstance(b, dict) and b.get("type") == "tool_result" for b in content
+            ):
                 return True
         return False
     items = body.get("input")
     return isinstance(items, list) and any(
-        isinstance(i, dict) and i.get("type") == "function_call_output" for i in items)
+        isinstance(i, dict) and i.get("type") == "function_call_output" for i in items
+    )
 
 
 def main_requests(agent: Agent, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
     path = "/v1/messages" if agent is CLAUDE_CODE else "/v1/responses"
-    return [r for r in requests if r["method"] == "POST" and r["path"].split("?")[0] == path
-            and isinstance(r["body"], dict) and r["body"].get("tools")]
+    return [
+        r
+        for r in requests
+        if r["method"] == "POST"
+        and r["path"].split("?")[0] == path
+        and isinstance(r["body"], dict)
+        and r["body"].get("tools")
+    ]
 
 
 def fixture(agent: Agent, request: dict[str, Any]) -> dict[str, Any]:
     return {
-        "client": agent.name, "version": agent.version, "method": request["method"],
-        "path": request["path"], "headers": redact_headers(request["headers"]),
+        "client": agent.name,
+        "version": agent.version,
+        "method": request["method"],
+        "path": request["path"],
+        "headers": redact_headers(request["headers"]),
         "body": redact_body(request["body"]),
     }
 
@@ -356,8 +452,13 @@ def run_agent(agent: Agent, base_url: str, mode: str, work: Path) -> subprocess.
         return run_claude_tui(exe, claude_environment(home, base_url, API_KEY), home, cwd)
     if agent is CLAUDE_CODE:
         env = claude_environment(home, base_url, API_KEY)
-        argv = [exe, "-p", "say hi" if mode == "text" else "run `echo hi` and tell me what it printed",
-                "--model", MODEL]
+        argv = [
+            exe,
+            "-p",
+            "say hi" if mode == "text" else "run `echo hi` and tell me what it printed",
+            "--model",
+            MODEL,
+        ]
         if mode == "tool":
             argv += ["--allowedTools", "Bash(echo:*)"]
     else:
@@ -367,8 +468,7 @@ def run_agent(agent: Agent, base_url: str, mode: str, work: Path) -> subprocess.
             argv += ["--sandbox", "danger-full-access"]
         argv.append("say hi" if mode == "text" else "run `echo hi` and tell me what it printed")
     say(f"{agent.name} ({mode}): {' '.join(argv[1:])}")
-    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)
+    done = subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=300, stdin=subprocess.DEVNULL)
     say(f"{agent.name} ({mode}): exit {done.returncode}; stdout {done.stdout[-500:]!r}")
     if done.returncode != 0:
         say(f"stderr: {done.stderr[-3000:]}")
@@ -463,14 +563,18 @@ def main() -> int:
                 else:
                     chosen = next((r for r in mains if has_tool_result(agent, r["body"])), None)
                 if done.returncode != 0 or chosen is None:
-                    say(f"{agent.name} ({mode}): no {name} request recorded "
-                        f"(exit {done.returncode}, {len(mains)} main requests of {len(seen)})")
+                    say(
+                        f"{agent.name} ({mode}): no {name} request recorded "
+                        f"(exit {done.returncode}, {len(mains)} main requests of {len(seen)})"
+                    )
                     failed = True
                     continue
                 path = args.out / f"{agent.name}-{name}.json"
                 path.write_text(json.dumps(fixture(agent, chosen), ensure_ascii=False) + "\n")
-                say(f"wrote {path} ({path.stat().st_size} bytes); endpoints seen: "
-                    + ", ".join(sorted({f"{r['method']} {r['path']}" for r in seen})))
+                say(
+                    f"wrote {path} ({path.stat().st_size} bytes); endpoints seen: "
+                    + ", ".join(sorted({f"{r['method']} {r['path']}" for r in seen}))
+                )
     finally:
         if log:
             log.close()

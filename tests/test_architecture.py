@@ -59,8 +59,10 @@ class PureTranslatorTests(SynchronousTestCase):
         offenders = []
         for path in (PACKAGE / "web" / "translate").glob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
                 )
                 offenders += [f"{path.name}: {n}" for n in names if n.startswith(self.FORBIDDEN)]
         self.assertEqual(offenders, [])
@@ -70,10 +72,26 @@ SURFACES = ("openai.py", "responses.py", "anthropic.py", "ollama.py")
 # what only the pipeline (blazar/gateway/pipeline.py) may touch: the
 # supervisor, the engine client and its calls, admission, a child's
 # in_flight count
-ORCHESTRATION = ("supervisor", "EngineProxy", "EngineClient", "engine_proxy.EngineProxy", ".send(",
-                 "instance_for", "in_flight", "admit_request", ".admission", "Admission", "stop_instance",
-                 "relay_chunks", "count_chat_tokens", "count_text_tokens", "preflight(", "check_scope",
-                 "check_purpose", "place_system_messages")
+ORCHESTRATION = (
+    "supervisor",
+    "EngineProxy",
+    "EngineClient",
+    "engine_proxy.EngineProxy",
+    ".send(",
+    "instance_for",
+    "in_flight",
+    "admit_request",
+    ".admission",
+    "Admission",
+    "stop_instance",
+    "relay_chunks",
+    "count_chat_tokens",
+    "count_text_tokens",
+    "preflight(",
+    "check_scope",
+    "check_purpose",
+    "place_system_messages",
+)
 
 
 def orchestration_in(source: str) -> list[str]:
@@ -142,17 +160,19 @@ class ArchitecturePageTests(SynchronousTestCase):
             '[[tool.importlinter.contracts]]\nname = "r"\ntype = "layers"\n'
             'layers = ["blazar.cli | blazar.tap", "blazar.web", "twisted.web"]\n'
         )
-        self.assertEqual(contract_modules("[tool.importlinter]\n" + pyproject),
-                         {"blazar.cli", "blazar.tap", "blazar.web"})
-        self.assertEqual(named_paths("`blazar/web/site.py` and tests/web/, not blazarish/x"),
-                         {"blazar/web/site.py", "tests/web/"})
+        self.assertEqual(
+            contract_modules("[tool.importlinter]\n" + pyproject), {"blazar.cli", "blazar.tap", "blazar.web"}
+        )
+        self.assertEqual(
+            named_paths("`blazar/web/site.py` and tests/web/, not blazarish/x"), {"blazar/web/site.py", "tests/web/"}
+        )
 
     def test_every_contract_module_is_on_the_map(self) -> None:
         text = ARCHITECTURE.read_text()
         missing = sorted(
-            name for name in contract_modules((ROOT / "pyproject.toml").read_text())
-            if name not in text and name.replace(".", "/") not in text
-            and f"`{name.rsplit('.', 1)[-1]}.py`" not in text
+            name
+            for name in contract_modules((ROOT / "pyproject.toml").read_text())
+            if name not in text and name.replace(".", "/") not in text and f"`{name.rsplit('.', 1)[-1]}.py`" not in text
         )
         self.assertEqual(missing, [])
 

@@ -16,10 +16,27 @@ GIB = 2**30
 
 
 def row(model: str, gpus: list[dict[str, Any]], vram: int = 0) -> dict[str, Any]:
-    return {"model": model, "key": f"{model}#0@text", "state": "ready", "pid": 42, "port": 5555, "slots": 4,
-            "busy": 0, "ctx": 2048, "expires_in": None, "breaker": "closed", "served": 1, "memory_estimate": GIB,
-            "rss": GIB, "cache_hit": None, "draft_acceptance": None, "kind": "chat", "lane": "llamacpp",
-            "vram": vram, "gpus": gpus}
+    return {
+        "model": model,
+        "key": f"{model}#0@text",
+        "state": "ready",
+        "pid": 42,
+        "port": 5555,
+        "slots": 4,
+        "busy": 0,
+        "ctx": 2048,
+        "expires_in": None,
+        "breaker": "closed",
+        "served": 1,
+        "memory_estimate": GIB,
+        "rss": GIB,
+        "cache_hit": None,
+        "draft_acceptance": None,
+        "kind": "chat",
+        "lane": "llamacpp",
+        "vram": vram,
+        "gpus": gpus,
+    }
 
 
 def gpu(index: int, used: int, total: int = 24 * GIB, name: str = "NVIDIA GeForce RTX 4090") -> dict[str, Any]:
@@ -38,9 +55,14 @@ def test_one_gpu_planned_and_measured(capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_two_gpus_a_split_model_and_an_idle_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    rows = [row("big", [{"gpu": 0, "planned": 10 * GIB, "measured": None},
-                        {"gpu": 1, "planned": 9 * GIB, "measured": None}], vram=19 * GIB),
-            row("small", [{"gpu": 1, "planned": None, "measured": 512 * 2**20}], vram=512 * 2**20)]
+    rows = [
+        row(
+            "big",
+            [{"gpu": 0, "planned": 10 * GIB, "measured": None}, {"gpu": 1, "planned": 9 * GIB, "measured": None}],
+            vram=19 * GIB,
+        ),
+        row("small", [{"gpu": 1, "planned": None, "measured": 512 * 2**20}], vram=512 * 2**20),
+    ]
     gpus = [gpu(0, 10 * GIB), gpu(1, 10 * GIB), gpu(2, GIB // 2)]
     print_instances(rows, gpus)
     print_gpus(gpus, "", rows)

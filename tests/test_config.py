@@ -52,7 +52,8 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertConfigError("idle_timeout_secs = inf\n", "idle_timeout_secs")
         self.assertConfigError(
             '[[keys]]\nname = "k"\nsecret = "0123456789abcdef"\nweight = inf\n',
-            "keys[0].weight", "share of busy slots",
+            "keys[0].weight",
+            "share of busy slots",
         )
 
     def test_door_settings(self) -> None:
@@ -86,7 +87,7 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertConfigError("lisen = 'tcp:1'", "'lisen'", "listen")
 
     def test_unknown_model_key(self) -> None:
-        self.assertConfigError('[models.a]\nctx = 1', "'models.a.ctx'", "ctx_size")
+        self.assertConfigError("[models.a]\nctx = 1", "'models.a.ctx'", "ctx_size")
 
     def test_unknown_engine_key(self) -> None:
         self.assertConfigError('[engines.llamacpp]\nbin = "x"', "'engines.llamacpp.bin'")
@@ -96,9 +97,9 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertConfigError("data_dir = 1", "'data_dir'")
         self.assertConfigError("ready_timeout = -1", "'ready_timeout'", "positive")
         self.assertConfigError('[models.a]\nctx_size = "big"', "'models.a.ctx_size'", "positive integer")
-        self.assertConfigError('[models.a]\nembedding = 1', "'models.a.embedding'", "true or false")
+        self.assertConfigError("[models.a]\nembedding = 1", "'models.a.embedding'", "true or false")
         self.assertConfigError('[models.a]\nargs = "-x"', "'models.a.args'", "list of strings")
-        self.assertConfigError('[models.a]\nparallel = true', "'models.a.parallel'")
+        self.assertConfigError("[models.a]\nparallel = true", "'models.a.parallel'")
 
     def test_not_toml(self) -> None:
         self.assertConfigError("listen = [", "not valid TOML")
@@ -174,10 +175,19 @@ class ReloadTableTests(SynchronousTestCase):
         )
         report = config_changes(old, new)
         self.assertEqual(report.restart, ("listen",))
-        self.assertEqual(report.applied, (
-            "keep_alive", "child_header_timeout_secs", "engines.llamacpp.args",
-            "queue.deadline_high_secs", "queue.max_waiting", 'models."a:latest"', 'models."c:latest"', "keys",
-        ))
+        self.assertEqual(
+            report.applied,
+            (
+                "keep_alive",
+                "child_header_timeout_secs",
+                "engines.llamacpp.args",
+                "queue.deadline_high_secs",
+                "queue.max_waiting",
+                'models."a:latest"',
+                'models."c:latest"',
+                "keys",
+            ),
+        )
         self.assertEqual(config_changes(new, new).applied, ())
 
 
@@ -220,7 +230,6 @@ class LiveConfigTests(SynchronousTestCase):
         self.assertEqual(live_config(Config(keep_alive=1)).current.keep_alive, 1)
 
 
-
 def test_sentinel_enforce_per_model_and_key() -> None:
     from blazar.config import parse_config
 
@@ -248,10 +257,11 @@ def test_file_storage_quota_globally_and_per_key() -> None:
         '[[keys]]\nname = "j"\nsecret = "0123456789abcdef0124"\n'
     )
     assert (config.max_file_bytes_per_key, config.keys[0].file_bytes, config.keys[1].file_bytes) == (5000, 7, None)
-    for text, key in [("max_file_bytes_per_key = 0\n", "max_file_bytes_per_key"),
-                      ('max_file_bytes_per_key = "1G"\n', "max_file_bytes_per_key"),
-                      ('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nfile_bytes = -1\n',
-                       "keys[0].file_bytes")]:
+    for text, key in [
+        ("max_file_bytes_per_key = 0\n", "max_file_bytes_per_key"),
+        ('max_file_bytes_per_key = "1G"\n', "max_file_bytes_per_key"),
+        ('[[keys]]\nname = "k"\nsecret = "0123456789abcdef0123"\nfile_bytes = -1\n', "keys[0].file_bytes"),
+    ]:
         with pytest.raises(ConfigError, match=re.escape(repr(key))):
             parse_config(text)
 
@@ -270,19 +280,29 @@ class CacheConfigTests(SynchronousTestCase):
 
         self.assertEqual(parse_config("").cache, CacheConfig())
         self.assertEqual(
-            (CacheConfig().enabled, CacheConfig().embedding_model, CacheConfig().threshold, CacheConfig().ttl,
-             CacheConfig().max_entries), (False, None, 0.90, 600.0, 10000))
+            (
+                CacheConfig().enabled,
+                CacheConfig().embedding_model,
+                CacheConfig().threshold,
+                CacheConfig().ttl,
+                CacheConfig().max_entries,
+            ),
+            (False, None, 0.90, 600.0, 10000),
+        )
         self.assertIsNone(parse_config('[models."m"]\n').models["m:latest"].cache)
 
     def test_every_key(self) -> None:
         config = parse_config(
             '[cache]\nenabled = true\nembedding_model = "e"\nthreshold = 1\nttl_secs = 2.5\nmax_entries = 3\n'
-            + self.EMBED + '[models."m"]\ncache = false\n'
+            + self.EMBED
+            + '[models."m"]\ncache = false\n'
             f'[[keys]]\nname = "k"\nsecret = "{self.SECRET}"\ncache = true\n'
         )
         cache = config.cache
-        self.assertEqual((cache.enabled, cache.embedding_model, cache.threshold, cache.ttl, cache.max_entries),
-                         (True, "e:latest", 1.0, 2.5, 3))
+        self.assertEqual(
+            (cache.enabled, cache.embedding_model, cache.threshold, cache.ttl, cache.max_entries),
+            (True, "e:latest", 1.0, 2.5, 3),
+        )
         self.assertIs(config.models["m:latest"].cache, False)
         self.assertIs(config.keys[0].cache, True)
 
@@ -318,8 +338,10 @@ class CacheConfigTests(SynchronousTestCase):
         parse_config('[cache]\nenabled = false\n[models."m"]\ncache = false\n')
 
     def test_the_embedding_model_must_serve_embeddings(self) -> None:
-        for text in ['[cache]\nenabled = true\nembedding_model = "m"\n',
-                     '[cache]\nenabled = true\nembedding_model = "m"\n[models."m"]\nctx_size = 512\n']:
+        for text in [
+            '[cache]\nenabled = true\nembedding_model = "m"\n',
+            '[cache]\nenabled = true\nembedding_model = "m"\n[models."m"]\nctx_size = 512\n',
+        ]:
             with self.assertRaises(ConfigError) as caught:
                 parse_config(text)
             self.assertIn('set embedding = true under [models."m:latest"]', str(caught.exception))
@@ -353,8 +375,11 @@ class ExposedSecretsTests(SynchronousTestCase):
         remote = '[[remotes]]\nname = "peer"\nbase_url = "http://127.0.0.1:9/v1"\napi_key = "sk-x"\nmodels = ["a"]\n'
         path = self.write(keys + remote, 0o644)
         warning = thd_exposed_secrets(load_config(path))
-        self.assertEqual(warning, f"config file {path} holds secrets ([[keys]] secret, [[remotes]] api_key) and "
-                         f"everyone may read it (mode 644): run `chmod 600 {path}`")
+        self.assertEqual(
+            warning,
+            f"config file {path} holds secrets ([[keys]] secret, [[remotes]] api_key) and "
+            f"everyone may read it (mode 644): run `chmod 600 {path}`",
+        )
         self.assertEqual(path.stat().st_mode & 0o777, 0o644)  # not changed behind the operator's back
         path.chmod(0o640)
         self.assertIn("its group may read it (mode 640)", thd_exposed_secrets(load_config(path)) or "")
@@ -371,13 +396,17 @@ def test_doctor_names_a_readable_config_with_secrets(tmp_path: Path, capsys: pyt
     from blazar.cli.doctor import doctor as _doctor
 
     config = tmp_path / "c.toml"
-    config.write_text(f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{tmp_path}"\nengine_check_secs = 0\n'
-                      '[[keys]]\nname = "me"\nsecret = "' + "s" * 16 + '"\n')
+    config.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{tmp_path}"\nengine_check_secs = 0\n'
+        '[[keys]]\nname = "me"\nsecret = "' + "s" * 16 + '"\n'
+    )
     config.chmod(0o644)
     assert _doctor(argparse.Namespace(config=str(config))) == 1
     out = capsys.readouterr().out
-    assert f"[FAIL] config file {config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): " \
-           f"run `chmod 600 {config}`" in out, out
+    assert (
+        f"[FAIL] config file {config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
+        f"run `chmod 600 {config}`" in out
+    ), out
 
 
 def test_gate_max_slowdown_is_an_engines_setting_not_a_lane() -> None:
@@ -399,17 +428,21 @@ class LoraConfigTests(SynchronousTestCase):
     """
 
     def test_paths_and_scales(self) -> None:
-        c = parse_config('models_dir = "/m"\n[models."a"]\n'
-                         'lora = ["style.gguf", {path = "/abs/b.gguf", scale = 0.5}, {path = "c.gguf"}]\n')
-        self.assertEqual(c.models["a:latest"].lora, (
-            (Path("/m/style.gguf"), 1.0), (Path("/abs/b.gguf"), 0.5), (Path("/m/c.gguf"), 1.0)))
+        c = parse_config(
+            'models_dir = "/m"\n[models."a"]\n'
+            'lora = ["style.gguf", {path = "/abs/b.gguf", scale = 0.5}, {path = "c.gguf"}]\n'
+        )
+        self.assertEqual(
+            c.models["a:latest"].lora,
+            ((Path("/m/style.gguf"), 1.0), (Path("/abs/b.gguf"), 0.5), (Path("/m/c.gguf"), 1.0)),
+        )
         self.assertEqual(parse_config('[models."a"]\nctx_size = 1\n').models["a:latest"].lora, ())
 
     def test_bad_values_name_the_key(self) -> None:
         for text, said in [
             ('lora = "a.gguf"', "'models.a.lora' must be a list of LoRA adapter files"),
             ("lora = [1]", "'models.a.lora[0]' must be a list of LoRA adapter files"),
-            ('lora = [{scale = 0.5}]', "models.a.lora[0] has no path"),
+            ("lora = [{scale = 0.5}]", "models.a.lora[0] has no path"),
             ('lora = [{path = "a.gguf", scale = "half"}]', "'models.a.lora[0].scale' must be a number"),
             ('lora = [{path = "a.gguf", scale = true}]', "'models.a.lora[0].scale' must be a number"),
             ('lora = [{path = "a.gguf", weight = 1}]', "unknown key 'models.a.lora[0].weight'"),
@@ -419,8 +452,10 @@ class LoraConfigTests(SynchronousTestCase):
                 parse_config(f'[models."a"]\n{text}\n')
             self.assertIn(said, str(cm.exception), text)
         # a ':' is fine at scale 1 (--lora FILE)
-        self.assertEqual(parse_config('models_dir = "/m"\n[models."a"]\nlora = ["x:y.gguf"]\n')
-                         .models["a:latest"].lora, ((Path("/m/x:y.gguf"), 1.0),))
+        self.assertEqual(
+            parse_config('models_dir = "/m"\n[models."a"]\nlora = ["x:y.gguf"]\n').models["a:latest"].lora,
+            ((Path("/m/x:y.gguf"), 1.0),),
+        )
 
     def test_a_reload_names_the_model_whose_adapters_changed(self) -> None:
         from blazar.config import config_changes

@@ -8,8 +8,16 @@ from pathlib import Path
 import attrs
 import pytest
 
-from blazar.config import CacheConfig, CommandLane, Config, KeyConfig, LlamaCppConfig, ModelConfig, QueueConfig, \
-    RemoteConfig
+from blazar.config import (
+    CacheConfig,
+    CommandLane,
+    Config,
+    KeyConfig,
+    LlamaCppConfig,
+    ModelConfig,
+    QueueConfig,
+    RemoteConfig,
+)
 from blazar.config.declare import declared
 from blazar.config.reference import REGENERATE, main, markdown
 
@@ -18,11 +26,13 @@ REFERENCE = Path(__file__).parent.parent / "docs" / "config-reference.md"
 
 def test_the_committed_reference_is_what_the_declarations_say() -> None:
     assert REFERENCE.read_text(encoding="utf-8") == markdown(), (
-        f"{REFERENCE} differs from the config keys' declarations: run `{REGENERATE}` and commit it")
+        f"{REFERENCE} differs from the config keys' declarations: run `{REGENERATE}` and commit it"
+    )
 
 
-@pytest.mark.parametrize("cls", [Config, QueueConfig, CacheConfig, LlamaCppConfig, CommandLane, ModelConfig, KeyConfig,
-                                 RemoteConfig])
+@pytest.mark.parametrize(
+    "cls", [Config, QueueConfig, CacheConfig, LlamaCppConfig, CommandLane, ModelConfig, KeyConfig, RemoteConfig]
+)
 def test_every_key_is_declared_with_its_doc(cls: type) -> None:
     names = {field.name for field, _ in declared(cls)}
     # a lane's name is its table's ([engines.NAME]), not a key
@@ -56,13 +66,22 @@ def _wrong_type_cases() -> list[tuple[str, str]]:
         (KeyConfig, f'[[keys]]\nname = "k"\nsecret = "{secret}"\n', "keys[0].", "name secret"),
         (RemoteConfig, '[[remotes]]\nname = "r"\nbase_url = "http://h/v1"\n', "remotes[0].", "name base_url"),
     ]
-    cases = [(f"{key.name.split('.')[-1]} = {{}}\n" if "." not in key.name else
-              f"[{key.name.split('.')[0]}]\n{key.name.split('.')[1]} = 1.5\n", key.name)
-             for field, key in declared(Config)
-             if key.in_file and key.value is not None and not attrs.has(type(field.default))]
+    cases = [
+        (
+            f"{key.name.split('.')[-1]} = {{}}\n"
+            if "." not in key.name
+            else f"[{key.name.split('.')[0]}]\n{key.name.split('.')[1]} = 1.5\n",
+            key.name,
+        )
+        for field, key in declared(Config)
+        if key.in_file and key.value is not None and not attrs.has(type(field.default))
+    ]
     for cls, head, prefix, skip in tables:
-        cases += [(f"{head}{key.name} = {{}}\n", prefix + key.name)
-                  for _, key in declared(cls) if key.value is not None and key.name not in skip.split()]
+        cases += [
+            (f"{head}{key.name} = {{}}\n", prefix + key.name)
+            for _, key in declared(cls)
+            if key.value is not None and key.name not in skip.split()
+        ]
     return cases
 
 

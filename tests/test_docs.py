@@ -59,8 +59,7 @@ def slug(heading: str) -> str:
     text = re.sub(r"<[^>]+>", "", text)  # inline HTML
     text = re.sub(r"(\*\*|__|\*)", "", text)  # emphasis (a lone _ is kept)
     kept = "".join(
-        ch for ch in text.lower()
-        if ch.isalnum() or ch in " -_" or unicodedata.category(ch) in ("Mn", "Mc", "Me", "Pc")
+        ch for ch in text.lower() if ch.isalnum() or ch in " -_" or unicodedata.category(ch) in ("Mn", "Mc", "Me", "Pc")
     )
     return kept.replace(" ", "-")
 
@@ -136,7 +135,7 @@ class SlugTests(SynchronousTestCase):
         self.assertEqual(anchors(text), {"a", "what-differs", "what-differs-1"})
 
     def test_links_outside_code(self) -> None:
-        text = "[a](x.md) `[b](y.md)` ![c](i.png \"t\")\n```\n[d](z.md)\n```\n[e](https://e.org)\n"
+        text = '[a](x.md) `[b](y.md)` ![c](i.png "t")\n```\n[d](z.md)\n```\n[e](https://e.org)\n'
         self.assertEqual(links(text), ["x.md", "i.png", "https://e.org"])
 
 
@@ -157,6 +156,9 @@ class DocsTests(SynchronousTestCase):
     def test_index_lists_every_page(self) -> None:
         index = DOCS / "README.md"
         linked = {(DOCS / target.partition("#")[0]).resolve() for target in links(index.read_text())}
-        missing = [str(page.relative_to(ROOT)) for page in sorted(DOCS.rglob("*.md"))
-                   if page != index and page.resolve() not in linked]
+        missing = [
+            str(page.relative_to(ROOT))
+            for page in sorted(DOCS.rglob("*.md"))
+            if page != index and page.resolve() not in linked
+        ]
         self.assertEqual(missing, [])

@@ -16,7 +16,6 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.files import open_private, private_dir, set_mode
-
 from tests.typed import TestCaseMixin
 
 

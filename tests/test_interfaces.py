@@ -36,10 +36,9 @@ from tests.engines.test_hardware import BrokenOnce
 from tests.gateway.test_backpressure import Supervisor as ExplainingFailures
 from tests.gateway.test_engine_proxy import HealthSupervisor, ScriptedEngines
 from tests.gateway.test_operations import StoppingSupervisor
+from tests.typed import StubTreq
 from tests.web.test_error_table import Failing
 from tests.web.test_stream_failures import FailingSupervisor
-
-from tests.typed import StubTreq
 
 
 class InterfaceTests(SynchronousTestCase):
@@ -92,10 +91,15 @@ class FakeEngineClientTests(SynchronousTestCase):
 
     def test_request_reaches_the_fake_engine(self) -> None:
         body = json.dumps({"model": "m", "messages": []}).encode()
-        d = ensureDeferred(self.client.request(
-            "POST", "http://engine.invalid/v1/chat/completions", body, {b"content-type": [b"application/json"]},
-            stream=False,
-        ))
+        d = ensureDeferred(
+            self.client.request(
+                "POST",
+                "http://engine.invalid/v1/chat/completions",
+                body,
+                {b"content-type": [b"application/json"]},
+                stream=False,
+            )
+        )
         self.http.flush()
         response = self.successResultOf(d)
         self.assertEqual(response.code, 200)

@@ -37,13 +37,15 @@ class TextObserverTests(SynchronousTestCase):
         def emit(log: Logger) -> None:
             log.info("{method} {path} {status}", method="POST", path="/v1/{odd}", status=200)
             log.warn("two\nlines")
-            log.info(RENDERED, rendered="POST /v1/chat/completions 200 573 11.8ms model=tiny key= trace=t",
-                     method="POST")
+            log.info(
+                RENDERED, rendered="POST /v1/chat/completions 200 573 11.8ms model=tiny key= trace=t", method="POST"
+            )
             log.error("{x!r}", x={"a": 1})
             try:
                 1 / 0
             except ZeroDivisionError:
                 log.failure("it broke", Failure())
+
         events = events_of(emit)
         events.append({"log_format": "system set", "log_system": "-", "log_time": time.time()})
         events.append({"log_format": "no time", "log_namespace": "n"})

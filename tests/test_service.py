@@ -22,7 +22,6 @@ from blazar.service import ReloadOnHangup
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
 from blazar.web.client import context_of
-
 from tests.typed import not_none
 
 GOOD = '[[keys]]\nname = "first"\nsecret = "first-secret-0123456789"\n'
@@ -76,7 +75,8 @@ class ReloadOnHangupTests(SynchronousTestCase):
 
     def messages(self, level: LogLevel | None = None) -> list[str]:
         return [
-            formatEvent(e) for e in self.events
+            formatEvent(e)
+            for e in self.events
             if e.get("log_namespace") == "blazar.service" and (level is None or e["log_level"] == level)
         ]
 
@@ -236,8 +236,8 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     SECRET = "reloaded-secret-0123456789"
 
     def setUp(self) -> None:
-        from blazar.service import assemble
         from blazar.models.testmodel import make_test_model
+        from blazar.service import assemble
 
         self.root = Path(self.mktemp()).absolute()
         make_test_model(self.root / "models" / "m.gguf")
@@ -250,8 +250,10 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     def write(self, top: str = "", tables: str = "") -> None:
         self.path.write_text(
             f'data_dir = "{self.root / "data"}"\n'
-            + ("" if "models_dir" in top else f'models_dir = "{self.root / "models"}"\n') + top
-            + '[engines.llamacpp]\nbinary = "/bin/true"\n' + tables
+            + ("" if "models_dir" in top else f'models_dir = "{self.root / "models"}"\n')
+            + top
+            + '[engines.llamacpp]\nbinary = "/bin/true"\n'
+            + tables
             + '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n'
         )
 
@@ -294,26 +296,72 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.assertEqual(runtime, set(self.CHECKED))
 
     CHECKED = (
-        "models_dir", "ready_timeout", "stop_grace", "max_body_bytes", "header_timeout_secs",
-        "body_min_bytes_per_sec", "max_connections_per_ip", "cors_origins", "allowed_hosts", "keep_alive",
-        "idle_timeout_secs", "breaker_crashes", "breaker_window_secs", "breaker_backoff_secs",
-        "breaker_max_backoff_secs", "max_loaded_models", "memory_budget_bytes", "gpu_reserve_bytes",
-        "drain_timeout_secs", "child_header_timeout_secs", "stream_stall_close_secs", "ctx_policy", "hf_endpoint",
-        "metrics_require_key", "responses_ttl_secs", "responses_max_stored", "engines.llamacpp",
-        "queue", "models", "keys", "session_keep_secs", "session_save_timeout_secs",
-        "session_bank_entry_max_mib", "session_bank_max_mib", "sentinel_enforce", "sentinel_stall_secs",
-        "engines.NAME (command lanes)", "whisper_idle_secs", "sdcpp_child_header_timeout_secs",
-        "engines.whisper", "engines.sdcpp", "remotes", "batch_max_in_flight", "cache",
-        "max_messages", "max_tools", "max_schema_nodes", "max_file_bytes_per_key", "engines.gate_max_slowdown",
+        "models_dir",
+        "ready_timeout",
+        "stop_grace",
+        "max_body_bytes",
+        "header_timeout_secs",
+        "body_min_bytes_per_sec",
+        "max_connections_per_ip",
+        "cors_origins",
+        "allowed_hosts",
+        "keep_alive",
+        "idle_timeout_secs",
+        "breaker_crashes",
+        "breaker_window_secs",
+        "breaker_backoff_secs",
+        "breaker_max_backoff_secs",
+        "max_loaded_models",
+        "memory_budget_bytes",
+        "gpu_reserve_bytes",
+        "drain_timeout_secs",
+        "child_header_timeout_secs",
+        "stream_stall_close_secs",
+        "ctx_policy",
+        "hf_endpoint",
+        "metrics_require_key",
+        "responses_ttl_secs",
+        "responses_max_stored",
+        "engines.llamacpp",
+        "queue",
+        "models",
+        "keys",
+        "session_keep_secs",
+        "session_save_timeout_secs",
+        "session_bank_entry_max_mib",
+        "session_bank_max_mib",
+        "sentinel_enforce",
+        "sentinel_stall_secs",
+        "engines.NAME (command lanes)",
+        "whisper_idle_secs",
+        "sdcpp_child_header_timeout_secs",
+        "engines.whisper",
+        "engines.sdcpp",
+        "remotes",
+        "batch_max_in_flight",
+        "cache",
+        "max_messages",
+        "max_tools",
+        "max_schema_nodes",
+        "max_file_bytes_per_key",
+        "engines.gate_max_slowdown",
         "max_blob_bytes",
-        "image_fetch_max_bytes", "image_fetch_timeout_secs", "image_fetch_private_hosts",
-        "ollama_models", "registry",
+        "image_fetch_max_bytes",
+        "image_fetch_timeout_secs",
+        "image_fetch_private_hosts",
+        "ollama_models",
+        "registry",
     )
 
     def test_gate_max_slowdown(self) -> None:
         # read by `blazar engine use` from the file each time; the daemon's live config follows it too
-        self.check("engines.gate_max_slowdown", "", "[engines]\ngate_max_slowdown = 0.2\n",
-                   lambda: self.tree.live.current.gate_max_slowdown, 0.2)
+        self.check(
+            "engines.gate_max_slowdown",
+            "",
+            "[engines]\ngate_max_slowdown = 0.2\n",
+            lambda: self.tree.live.current.gate_max_slowdown,
+            0.2,
+        )
 
     def test_remote_keys(self) -> None:
         from twisted.internet.defer import ensureDeferred
@@ -325,8 +373,13 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             instance = self.successResultOf(d)
             return None if instance is None else (instance.base_url, instance.lane, instance.entry.remote_model)
 
-        self.check("remotes", "", '[[remotes]]\nname = "peer"\nbase_url = "http://10.0.0.2:8080/v1"\n'
-                   'models = ["tiny"]\n', remote_url, ("http://10.0.0.2:8080", "remote", "tiny"))
+        self.check(
+            "remotes",
+            "",
+            '[[remotes]]\nname = "peer"\nbase_url = "http://10.0.0.2:8080/v1"\nmodels = ["tiny"]\n',
+            remote_url,
+            ("http://10.0.0.2:8080", "remote", "tiny"),
+        )
 
     def test_batch_max_in_flight(self) -> None:
         # the batch runner reads it from the live config at each line it starts
@@ -352,8 +405,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         pipeline = self.tree.gateway.pipeline
         assert pipeline is not None
         report = self.reload("", '[cache]\nenabled = true\nembedding_model = "e"\n[models."e"]\nembedding = true\n')
-        self.assertEqual((report.applied, report.restart),
-                         (("cache.enabled", "cache.embedding_model", 'models."e:latest"'), ()))
+        self.assertEqual(
+            (report.applied, report.restart), (("cache.enabled", "cache.embedding_model", 'models."e:latest"'), ())
+        )
         self.assertEqual(pipeline._config().cache.embedding_model, "e:latest")
         self.assertTrue(pipeline._config().cache.enabled)
 
@@ -364,25 +418,55 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         # the supervisor reads them from its live config at each whisper or sd child's start
         supervisor = self.tree.engines.supervisor
         self.check("whisper_idle_secs", "whisper_idle_secs = 5\n", "", lambda: supervisor._config.whisper_idle, 5)
-        self.check("engines.whisper.binary", "", '[engines.whisper]\nbinary = "/bin/sh"\n',
-                   lambda: str(supervisor._config.whisper.binary), "/bin/sh")
-        self.check("engines.sdcpp.args", "", '[engines.sdcpp]\nargs = ["--steps", "1"]\n',
-                   lambda: supervisor._config.sdcpp.args, ("--steps", "1"))
+        self.check(
+            "engines.whisper.binary",
+            "",
+            '[engines.whisper]\nbinary = "/bin/sh"\n',
+            lambda: str(supervisor._config.whisper.binary),
+            "/bin/sh",
+        )
+        self.check(
+            "engines.sdcpp.args",
+            "",
+            '[engines.sdcpp]\nargs = ["--steps", "1"]\n',
+            lambda: supervisor._config.sdcpp.args,
+            ("--steps", "1"),
+        )
         # and the proxy its header timer for an sd child (a chat child's is child_header_timeout_secs)
         sd = FakeInstance("img", lane="sdcpp")
-        self.check("sdcpp_child_header_timeout_secs", "sdcpp_child_header_timeout_secs = 33\n", "",
-                   lambda: header_timeout_of(self.tree.gateway.proxy._config(), sd), ("sdcpp_child_header_timeout_secs", 33))
+        self.check(
+            "sdcpp_child_header_timeout_secs",
+            "sdcpp_child_header_timeout_secs = 33\n",
+            "",
+            lambda: header_timeout_of(self.tree.gateway.proxy._config(), sd),
+            ("sdcpp_child_header_timeout_secs", 33),
+        )
 
     def test_image_fetch_keys(self) -> None:
         # the pipeline's image fetcher reads them from the live config at each fetch
         images = self.tree.gateway.pipeline.images
         assert images is not None
-        self.check("image_fetch_max_bytes", "image_fetch_max_bytes = 9\n", "",
-                   lambda: images._config().image_fetch_max_bytes, 9)
-        self.check("image_fetch_timeout_secs", "image_fetch_timeout_secs = 2\n", "",
-                   lambda: images._config().image_fetch_timeout, 2)
-        self.check("image_fetch_private_hosts", 'image_fetch_private_hosts = ["Img.LAN."]\n', "",
-                   lambda: images._config().image_fetch_private_hosts, ("img.lan",))
+        self.check(
+            "image_fetch_max_bytes",
+            "image_fetch_max_bytes = 9\n",
+            "",
+            lambda: images._config().image_fetch_max_bytes,
+            9,
+        )
+        self.check(
+            "image_fetch_timeout_secs",
+            "image_fetch_timeout_secs = 2\n",
+            "",
+            lambda: images._config().image_fetch_timeout,
+            2,
+        )
+        self.check(
+            "image_fetch_private_hosts",
+            'image_fetch_private_hosts = ["Img.LAN."]\n',
+            "",
+            lambda: images._config().image_fetch_private_hosts,
+            ("img.lan",),
+        )
 
     def test_request_limits(self) -> None:
         # the pipeline reads them from the live config with each chat
@@ -391,17 +475,18 @@ class ReloadEveryKeyTests(SynchronousTestCase):
 
     def test_sentinel_enforce(self) -> None:
         # the pipeline reads it from the live config with each answer
-        self.check("sentinel_enforce", "sentinel_enforce = true\n", "",
-                   lambda: self.tree.live.current.sentinel_enforce, True)
-        self.check("sentinel_stall_secs", "sentinel_stall_secs = 3\n", "",
-                   lambda: self.tree.live.current.sentinel_stall, 3)
+        self.check(
+            "sentinel_enforce", "sentinel_enforce = true\n", "", lambda: self.tree.live.current.sentinel_enforce, True
+        )
+        self.check(
+            "sentinel_stall_secs", "sentinel_stall_secs = 3\n", "", lambda: self.tree.live.current.sentinel_stall, 3
+        )
 
     def test_session_keys(self) -> None:
         settings = self.tree.stores.sessions.sessions._settings
         self.check("session_keep_secs", "session_keep_secs = 0\n", "", lambda: settings()[0], 0)
         self.check("session_save_timeout_secs", "session_save_timeout_secs = 7\n", "", lambda: settings()[1], 7)
-        self.check("session_bank_entry_max_mib", "session_bank_entry_max_mib = 3\n", "",
-                   lambda: settings()[2], 3 << 20)
+        self.check("session_bank_entry_max_mib", "session_bank_entry_max_mib = 3\n", "", lambda: settings()[2], 3 << 20)
         self.check("session_bank_max_mib", "session_bank_max_mib = 5\n", "", lambda: settings()[3], 5 << 20)
 
     def test_site_keys(self) -> None:
@@ -411,11 +496,17 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         self.check("max_blob_bytes", "max_blob_bytes = 4321\n", "", lambda: site.config().max_blob_bytes, 4321)
         self.check("header_timeout_secs", "header_timeout_secs = 3\n", "", lambda: site.header_timeout, 3)
         self.check("body_min_bytes_per_sec", "body_min_bytes_per_sec = 7\n", "", lambda: site.body_min_rate, 7)
-        self.check("cors_origins", 'cors_origins = ["https://app.example"]\n', "",
-                   lambda: site.cors_origins, ("https://app.example",))
+        self.check(
+            "cors_origins",
+            'cors_origins = ["https://app.example"]\n',
+            "",
+            lambda: site.cors_origins,
+            ("https://app.example",),
+        )
         # (the door reads it from the live config at every keyless request)
-        self.check("allowed_hosts", 'allowed_hosts = ["GPU.lan."]\n', "",
-                   lambda: self.tree.live().allowed_hosts, ("gpu.lan",))
+        self.check(
+            "allowed_hosts", 'allowed_hosts = ["GPU.lan."]\n', "", lambda: self.tree.live().allowed_hosts, ("gpu.lan",)
+        )
 
     def test_max_connections_per_ip_caps_the_next_connection(self) -> None:
         from twisted.internet.address import IPv4Address
@@ -451,8 +542,13 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             found = not_none(self.tree.site.gate).authenticate(cast(IRequest, request))
             return describe(found).status if isinstance(found, Refusal) else found.name if found else None
 
-        self.check("keys", "", f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
-                   lambda: door(b"/v1/models", self.SECRET), "late")
+        self.check(
+            "keys",
+            "",
+            f'[[keys]]\nname = "late"\nsecret = "{self.SECRET}"\n',
+            lambda: door(b"/v1/models", self.SECRET),
+            "late",
+        )
         # unset: /metrics needs an (admin) key, from loopback too; false: it is open
         self.check("metrics_require_key", "metrics_require_key = false\n", "", lambda: door(b"/metrics"), None)
 
@@ -475,7 +571,9 @@ class ReloadEveryKeyTests(SynchronousTestCase):
             request, _, _ = connect(self.reactor)
             engine = EngineBody()
             relay = Deferred.fromCoroutine(
-                self.tree.gateway.proxy.relay(cast(Instance, FakeInstance("m")), engine, request.write, context_of(request))
+                self.tree.gateway.proxy.relay(
+                    cast(Instance, FakeInstance("m")), engine, request.write, context_of(request)
+                )
             )
             bound = not_none(request.producer)._stall_close_secs
             engine.end()
@@ -489,34 +587,51 @@ class ReloadEveryKeyTests(SynchronousTestCase):
         def argv() -> list[str]:
             instance, argv, d = self.spawn()
             self.end(instance, d)
-            return argv[argv.index("/bin/true"):]
+            return argv[argv.index("/bin/true") :]
 
         self.check("engines.llamacpp.args", "", 'args = ["--reloaded"]\n', lambda: argv()[-1], "--reloaded")
-        self.check('models."m:latest"', "", '[models."m"]\nctx_size = 1024\nparallel = 1\n',
-                   lambda: argv()[argv().index("-c"):][:4], ["-c", "1024", "-np", "1"])
+        self.check(
+            'models."m:latest"',
+            "",
+            '[models."m"]\nctx_size = 1024\nparallel = 1\n',
+            lambda: argv()[argv().index("-c") :][:4],
+            ["-c", "1024", "-np", "1"],
+        )
 
         def projector() -> str | None:
             started = argv()
             return started[started.index("--mmproj") + 1] if "--mmproj" in started else None
 
-        self.check('models."m:latest"', "", '[models."m"]\nmmproj = "mmproj-m.gguf"\n', projector,
-                   str(self.root / "models" / "mmproj-m.gguf"))
+        self.check(
+            'models."m:latest"',
+            "",
+            '[models."m"]\nmmproj = "mmproj-m.gguf"\n',
+            projector,
+            str(self.root / "models" / "mmproj-m.gguf"),
+        )
+
         def lane_binary() -> str:
             instance, argv, d = self.spawn()
             self.end(instance, d)
             return argv[3]  # after the launcher: the lane's command
 
         # a lane serves a model that names it: both keys change together
-        both = ('engines.NAME (command lanes)', 'models."m:latest"')
+        both = ("engines.NAME (command lanes)", 'models."m:latest"')
         self.assertNotEqual(lane_binary(), "/bin/alt")
-        report = self.reload("", '[engines.alt]\ncommand = ["/bin/alt", "--port", "{port}"]\n'
-                                 '[models."m"]\nengine = "alt"\n')
+        report = self.reload(
+            "", '[engines.alt]\ncommand = ["/bin/alt", "--port", "{port}"]\n[models."m"]\nengine = "alt"\n'
+        )
         self.assertEqual((report.applied, report.restart), (both, ()))
         self.assertEqual(lane_binary(), "/bin/alt")
         self.assertEqual(self.reload().applied, both)
         self.assertNotEqual(lane_binary(), "/bin/alt")
-        self.check("models_dir", f'models_dir = "{self.root / "other"}"\n', "",
-                   lambda: self.tree.engines.registry.models_dir, self.root / "other")
+        self.check(
+            "models_dir",
+            f'models_dir = "{self.root / "other"}"\n',
+            "",
+            lambda: self.tree.engines.registry.models_dir,
+            self.root / "other",
+        )
 
         def ready_failure() -> str:
             instance, _, d = self.spawn()
@@ -559,41 +674,75 @@ class ReloadEveryKeyTests(SynchronousTestCase):
     def test_breakers_admission_responses_hub(self) -> None:
         breaker = self.tree.engines.supervisor.breaker("m:latest")  # made before the reload: retuned
         for key, attr, value in [
-            ("breaker_crashes", "threshold", 9), ("breaker_window_secs", "window", 99),
-            ("breaker_backoff_secs", "base_backoff", 4), ("breaker_max_backoff_secs", "max_backoff", 44),
+            ("breaker_crashes", "threshold", 9),
+            ("breaker_window_secs", "window", 99),
+            ("breaker_backoff_secs", "base_backoff", 4),
+            ("breaker_max_backoff_secs", "max_backoff", 44),
         ]:
             self.check(key, f"{key} = {value}\n", "", lambda: getattr(breaker, attr), value)
         supervisor = self.tree.engines.supervisor
-        self.check("max_loaded_models", "max_loaded_models = 2\n", "",
-                   lambda: supervisor._config.max_loaded_models, 2)
-        self.check("memory_budget_bytes", "memory_budget_bytes = 1073741824\n", "",
-                   lambda: supervisor._config.memory_budget, 1 << 30)
-        self.check("gpu_reserve_bytes", "gpu_reserve_bytes = 2147483648\n", "",
-                   lambda: supervisor._config.gpu_reserve, 2 << 30)
-        self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "",
-                   lambda: supervisor._config.drain_timeout, 3)
+        self.check("max_loaded_models", "max_loaded_models = 2\n", "", lambda: supervisor._config.max_loaded_models, 2)
+        self.check(
+            "memory_budget_bytes",
+            "memory_budget_bytes = 1073741824\n",
+            "",
+            lambda: supervisor._config.memory_budget,
+            1 << 30,
+        )
+        self.check(
+            "gpu_reserve_bytes", "gpu_reserve_bytes = 2147483648\n", "", lambda: supervisor._config.gpu_reserve, 2 << 30
+        )
+        self.check("drain_timeout_secs", "drain_timeout_secs = 3\n", "", lambda: supervisor._config.drain_timeout, 3)
         queue = not_none(self.tree.gateway.admission).queue("m:latest")
-        self.check("queue.max_waiting", "", "[queue]\nmax_waiting = 3\n",
-                   lambda: not_none(self.tree.gateway.admission).queue("m:latest").settings.max_waiting, 3)
+        self.check(
+            "queue.max_waiting",
+            "",
+            "[queue]\nmax_waiting = 3\n",
+            lambda: not_none(self.tree.gateway.admission).queue("m:latest").settings.max_waiting,
+            3,
+        )
         self.assertIs(not_none(self.tree.gateway.admission).queue("m:latest"), queue)
-        self.check("responses_ttl_secs", "responses_ttl_secs = 60\n", "",
-                   lambda: self.tree.gateway.responses._config().responses_ttl, 60)
-        self.check("responses_max_stored", "responses_max_stored = 5\n", "",
-                   lambda: self.tree.gateway.responses._config().responses_max_stored, 5)
-        self.check("hf_endpoint", 'hf_endpoint = "http://127.0.0.1:9/hub/"\n', "",
-                   lambda: self.tree.clients.hub._endpoint, "http://127.0.0.1:9/hub")
-        self.check("ollama_models", f'ollama_models = "{self.root / "store"}"\n', "",
-                   lambda: self.tree.engines.registry.ollama_models, self.root / "store")
+        self.check(
+            "responses_ttl_secs",
+            "responses_ttl_secs = 60\n",
+            "",
+            lambda: self.tree.gateway.responses._config().responses_ttl,
+            60,
+        )
+        self.check(
+            "responses_max_stored",
+            "responses_max_stored = 5\n",
+            "",
+            lambda: self.tree.gateway.responses._config().responses_max_stored,
+            5,
+        )
+        self.check(
+            "hf_endpoint",
+            'hf_endpoint = "http://127.0.0.1:9/hub/"\n',
+            "",
+            lambda: self.tree.clients.hub._endpoint,
+            "http://127.0.0.1:9/hub",
+        )
+        self.check(
+            "ollama_models",
+            f'ollama_models = "{self.root / "store"}"\n',
+            "",
+            lambda: self.tree.engines.registry.ollama_models,
+            self.root / "store",
+        )
         from blazar.models.ollama_store import parse_name
 
         library: Any = self.tree.gateway.ollama._operations._library
-        self.check("registry", 'registry = "http://127.0.0.1:9/"\n', "",
-                   lambda: library.base_url(parse_name("tiny")), "http://127.0.0.1:9")
+        self.check(
+            "registry",
+            'registry = "http://127.0.0.1:9/"\n',
+            "",
+            lambda: library.base_url(parse_name("tiny")),
+            "http://127.0.0.1:9",
+        )
 
     def test_restart_keys_are_named_and_keep_their_running_values(self) -> None:
-        report = self.reload(
-            'listen = "tcp:1"\naudit_log = "/tmp/x.jsonl"\notlp_endpoint = "http://127.0.0.1:4318"\n'
-        )
+        report = self.reload('listen = "tcp:1"\naudit_log = "/tmp/x.jsonl"\notlp_endpoint = "http://127.0.0.1:4318"\n')
         self.assertEqual((report.applied, report.restart), ((), ("listen", "audit_log", "otlp_endpoint")))
         self.assertEqual(self.tree.live.current.listen, ("tcp:11434:interface=127.0.0.1",))
         # named again at the next reload: still not applied
@@ -615,8 +764,10 @@ class StartupWarningTests(SynchronousTestCase):
         root = Path(self.mktemp()).absolute()
         root.mkdir()
         path = root / "config.toml"
-        path.write_text(f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n'
-                        '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n')
+        path.write_text(
+            f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n'
+            '[[keys]]\nname = "root"\nsecret = "root-secret-0123456789"\n'
+        )
         path.chmod(0o644)
         events: list[LogEvent] = []
         globalLogPublisher.addObserver(cast(ILogObserver, events.append))
@@ -625,8 +776,11 @@ class StartupWarningTests(SynchronousTestCase):
         finally:
             globalLogPublisher.removeObserver(cast(ILogObserver, events.append))
         warnings = [formatEvent(e) for e in events if e.get("log_level") == LogLevel.warn]
-        self.assertIn(f"config file {path} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
-                      f"run `chmod 600 {path}`", warnings)
+        self.assertIn(
+            f"config file {path} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
+            f"run `chmod 600 {path}`",
+            warnings,
+        )
         self.assertEqual(path.stat().st_mode & 0o777, 0o644)
 
 
@@ -648,8 +802,9 @@ class TLSListenerTests(SynchronousTestCase):
         root = Path(self.mktemp())
         root.mkdir()
         cert, key = self_signed(root)
-        service = listener_service(f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}", Factory(),
-                                   MemoryReactor())
+        service = listener_service(
+            f"ssl:0:interface=127.0.0.1:privateKey={key}:certKey={cert}", Factory(), MemoryReactor()
+        )
         context = service.endpoint._sslContextFactory.getContext()
         suites = SSL.Connection(context, None).get_cipher_list()
         tls12 = [s for s in suites if not s.startswith("TLS_")]

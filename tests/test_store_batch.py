@@ -49,8 +49,9 @@ class BatchStoreTests(SynchronousTestCase):
         self.assertEqual(sorted(p.name for p in folder.iterdir()), [])
         self.assertEqual(store.thd_files(self.db, None), [])
         store.thd_put_file(self.db, ("file-c", "alice", "in.jsonl", "batch", 10, io.BytesIO(b"12345678")))
-        self.assertEqual(((folder / "file-c").read_bytes(), (folder / "file-c").stat().st_mode & 0o777),
-                         (b"12345678", 0o600))
+        self.assertEqual(
+            ((folder / "file-c").read_bytes(), (folder / "file-c").stat().st_mode & 0o777), (b"12345678", 0o600)
+        )
 
     def test_batches_paginate_newest_first(self) -> None:
         for n in range(5):
@@ -70,7 +71,8 @@ class BatchStoreTests(SynchronousTestCase):
         store.thd_finish_line(self.db, "batch_x", 0, True, json.dumps({"custom_id": "c0"}))
         # the daemon dies with c1 in flight; on start the line is failed, not pending
         failed = store.thd_interrupted_lines(
-            self.db, "batch_x", json.dumps({"error": {"code": "interrupted", "message": "m"}}))
+            self.db, "batch_x", json.dumps({"error": {"code": "interrupted", "message": "m"}})
+        )
         self.assertEqual(failed, 1)
         # a late answer for it changes nothing
         store.thd_finish_line(self.db, "batch_x", 1, True, json.dumps({"custom_id": "late"}))
@@ -98,8 +100,9 @@ class FileContentTests(SynchronousTestCase):
         self.assertEqual(size, 3_000_000)
         self.assertEqual((self.files / "file-a").read_bytes(), b"x" * 3_000_000)
         self.assertEqual(sorted(os.listdir(self.files)), ["file-a"])  # no temporary left
-        self.assertEqual(store.thd_file(self.db, "file-a", "alice"), ("file-a", "alice", "in.jsonl", "batch", 10,
-                                                                      3_000_000))
+        self.assertEqual(
+            store.thd_file(self.db, "file-a", "alice"), ("file-a", "alice", "in.jsonl", "batch", 10, 3_000_000)
+        )
         found = store.thd_open_content(self.db, "file-a", "alice")
         assert found is not None
         with found[1] as handle:
@@ -158,8 +161,9 @@ class FileContentTests(SynchronousTestCase):
         self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
         self.assertEqual(store.thd_file_content(db, "file-big", "alice"), big)
         self.assertEqual(store.thd_file_content(db, "file-empty", ""), b"")
-        self.assertEqual(sorted((r[0], r[5]) for r in store.thd_files(db, None)),
-                         [("file-big", len(big)), ("file-empty", 0)])
+        self.assertEqual(
+            sorted((r[0], r[5]) for r in store.thd_files(db, None)), [("file-big", len(big)), ("file-empty", 0)]
+        )
         db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
         self.assertLess(path.stat().st_size, 1_000_000)  # the BLOB's pages went back to the file system
         self.assertEqual(oct(os.stat(path.parent / "files" / "file-big").st_mode & 0o777), "0o600")

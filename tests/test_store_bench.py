@@ -29,8 +29,10 @@ class BenchStoreTests(SynchronousTestCase):
         old = sqlite3.connect(path, isolation_level=None)
         old.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
         old.execute("INSERT INTO schema_version VALUES (7)")
-        old.execute("CREATE TABLE engines (kind TEXT, tag TEXT, source TEXT, sha256 TEXT, path TEXT, "
-                    "installed_at REAL, active INTEGER DEFAULT 0, activated_at REAL)")
+        old.execute(
+            "CREATE TABLE engines (kind TEXT, tag TEXT, source TEXT, sha256 TEXT, path TEXT, "
+            "installed_at REAL, active INTEGER DEFAULT 0, activated_at REAL)"
+        )
         old.close()
         db = store.thd_open(path)
         self.addCleanup(db.close)
@@ -44,8 +46,9 @@ class BenchStoreTests(SynchronousTestCase):
         third = store.thd_put_bench(self.db, row("a:latest", 3.0, "llamacpp@b"), 10)
         self.assertGreater(third, first)
         runs = store.thd_bench_history(self.db, "a:latest", 10)
-        self.assertEqual([(r[0], r[1], r[3]) for r in runs], [(third, "a:latest", "llamacpp@b"),
-                                                               (first, "a:latest", "llamacpp@a")])
+        self.assertEqual(
+            [(r[0], r[1], r[3]) for r in runs], [(third, "a:latest", "llamacpp@b"), (first, "a:latest", "llamacpp@a")]
+        )
         self.assertEqual(runs[0][1:], row("a:latest", 3.0, "llamacpp@b"))
         self.assertEqual([r[1] for r in store.thd_bench_history(self.db, None, 2)], ["a:latest", "b:latest"])
         self.assertEqual(store.thd_bench_history(self.db, "c:latest", 10), [])
@@ -58,7 +61,9 @@ class BenchStoreTests(SynchronousTestCase):
         self.assertEqual(len(store.thd_bench_history(self.db, "b:latest", 10)), 1)  # another model's untouched
 
     def test_an_installed_engine_is_named_by_its_binary(self) -> None:
-        self.db.execute("INSERT INTO engines (kind, tag, source, sha256, path, installed_at, active) VALUES "
-                        "('llamacpp', '11434.0.0-cpu', 'pypi:x', 'h', '/e/bin/llama-server', 1.0, 1)")
+        self.db.execute(
+            "INSERT INTO engines (kind, tag, source, sha256, path, installed_at, active) VALUES "
+            "('llamacpp', '11434.0.0-cpu', 'pypi:x', 'h', '/e/bin/llama-server', 1.0, 1)"
+        )
         self.assertEqual(store.thd_engine_named(self.db, "/e/bin/llama-server"), "llamacpp@11434.0.0-cpu")
         self.assertIsNone(store.thd_engine_named(self.db, "/other/llama-server"))

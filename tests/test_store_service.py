@@ -31,8 +31,9 @@ class StoreServiceTests(SynchronousTestCase):
         self.assertFalse(self.database.is_open)
         self.database.startService()
         self.assertTrue(self.database.is_open)
-        version = self.successResultOf(self.database.run_db(
-            lambda db: db.execute("SELECT version FROM schema_version").fetchone()[0]))
+        version = self.successResultOf(
+            self.database.run_db(lambda db: db.execute("SELECT version FROM schema_version").fetchone()[0])
+        )
         self.assertEqual(version, len(store.MIGRATIONS))
         self.successResultOf(self.database.stopService())
         self.assertFalse(self.database.is_open)

@@ -43,12 +43,13 @@ def lenient_writes(source: str, strict_too: bool = False) -> list[int]:
             continue
         f = node.func
         writer = (
-            isinstance(f, ast.Attribute) and f.attr in WRITERS
-            and isinstance(f.value, ast.Name) and f.value.id in modules
+            isinstance(f, ast.Attribute)
+            and f.attr in WRITERS
+            and isinstance(f.value, ast.Name)
+            and f.value.id in modules
         ) or (isinstance(f, ast.Name) and f.id in names)
         strict = any(
-            k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False
-            for k in node.keywords
+            k.arg == "allow_nan" and isinstance(k.value, ast.Constant) and k.value.value is False for k in node.keywords
         )
         if writer and (strict_too or not strict):
             lines.append(node.lineno)
@@ -61,23 +62,25 @@ class LenientWritesTests(SynchronousTestCase):
         The detector finds each way of writing JSON that may allow NaN, and
         passes the strict ones.
         """
-        source = "\n".join([
-            "import json",
-            "import json as j",
-            "from json import dumps, dump as d, JSONEncoder",
-            "json.dumps(v)",  # 4
-            "json.dumps(v, allow_nan=False)",
-            "json.dump(v, f, allow_nan=True)",  # 6
-            "j.dumps(v)",  # 7
-            "dumps(v)",  # 8
-            "d(v, f)",  # 9
-            "JSONEncoder()",  # 10
-            "json.JSONEncoder(allow_nan=False)",
-            "json.dumps(v, **options)",  # 12
-            "json.loads(t)",
-            "other.dumps(v)",
-            "json.dumps(\n    v,\n    allow_nan=False,\n)",
-        ])
+        source = "\n".join(
+            [
+                "import json",
+                "import json as j",
+                "from json import dumps, dump as d, JSONEncoder",
+                "json.dumps(v)",  # 4
+                "json.dumps(v, allow_nan=False)",
+                "json.dump(v, f, allow_nan=True)",  # 6
+                "j.dumps(v)",  # 7
+                "dumps(v)",  # 8
+                "d(v, f)",  # 9
+                "JSONEncoder()",  # 10
+                "json.JSONEncoder(allow_nan=False)",
+                "json.dumps(v, **options)",  # 12
+                "json.loads(t)",
+                "other.dumps(v)",
+                "json.dumps(\n    v,\n    allow_nan=False,\n)",
+            ]
+        )
         self.assertEqual(lenient_writes(source), [4, 6, 7, 8, 9, 10, 12])
 
     def test_every_write_refuses_nan(self) -> None:
@@ -98,7 +101,8 @@ class LenientWritesTests(SynchronousTestCase):
         """
         offenders = [
             f"{path.relative_to(PACKAGE.parent)}:{line}"
-            for path in sorted(PACKAGE.rglob("*.py")) if path.name != "strictjson.py"
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if path.name != "strictjson.py"
             for line in lenient_writes(path.read_text(encoding="utf-8"), strict_too=True)
         ]
         self.assertEqual(offenders, [], "write JSON with blazar.strictjson.dumps")
@@ -107,8 +111,9 @@ class LenientWritesTests(SynchronousTestCase):
     def test_the_writer_refuses_what_is_not_json(self) -> None:
         for value in (float("nan"), float("inf"), {"a": [1.0, float("-inf")]}):
             self.assertRaises(ValueError, strictjson.dumps, value)
-        self.assertEqual(strictjson.dumps({"b": 1, "a": [1.5]}, sort_keys=True, separators=(",", ":")),
-                         '{"a":[1.5],"b":1}')
+        self.assertEqual(
+            strictjson.dumps({"b": 1, "a": [1.5]}, sort_keys=True, separators=(",", ":")), '{"a":[1.5],"b":1}'
+        )
 
 
 class LoadsTests(SynchronousTestCase):
@@ -116,8 +121,17 @@ class LoadsTests(SynchronousTestCase):
     L{strictjson.loads} reads RFC 8259 JSON only.
     """
 
-    REFUSED = ["NaN", "Infinity", "-Infinity", "1e999", "-1e999", "1E400", "123456789e999", "1" + "0" * 400,
-               "-" + "9" * 309]
+    REFUSED = [
+        "NaN",
+        "Infinity",
+        "-Infinity",
+        "1e999",
+        "-1e999",
+        "1E400",
+        "123456789e999",
+        "1" + "0" * 400,
+        "-" + "9" * 309,
+    ]
 
     def test_refused(self) -> None:
         """

@@ -36,9 +36,14 @@ class Body:
         consumer.write(self.data)
         return succeed(None)
 
-    def pauseProducing(self): pass
-    def resumeProducing(self): pass
-    def stopProducing(self): pass
+    def pauseProducing(self):
+        pass
+
+    def resumeProducing(self):
+        pass
+
+    def stopProducing(self):
+        pass
 
 
 class Proxy(resource.Resource):
@@ -49,9 +54,11 @@ class Proxy(resource.Resource):
 
         async def forward():
             response = await agent.request(
-                b"POST", url,
+                b"POST",
+                url,
                 Headers({b"content-type": [b"application/json"], b"authorization": [b"Bearer " + key.encode()]}),
-                Body(body))
+                Body(body),
+            )
             data = await readBody(response)
             request.setHeader(b"content-type", b"application/json")
             request.write(data)

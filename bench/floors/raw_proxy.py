@@ -32,8 +32,11 @@ class Client(protocol.Protocol):
         head, sep, body = self.buffer.partition(b"\r\n\r\n")
         if not sep:
             return
-        length = next(int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
-                      if k.lower() == b"content-length")
+        length = next(
+            int(v)
+            for k, _, v in (line.partition(b":") for line in head.split(b"\r\n")[1:])
+            if k.lower() == b"content-length"
+        )
         if len(body) >= length:
             idle.append(self)
             self.done.callback(body[:length])
@@ -44,8 +47,10 @@ class Proxy(resource.Resource):
 
     def render_POST(self, request):
         body = request.content.read()
-        data = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        data = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + key.encode() + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+        )
 
         def reply(payload):
             request.setHeader(b"content-type", b"application/json")

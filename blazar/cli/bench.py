@@ -76,14 +76,23 @@ def _bench(args: argparse.Namespace) -> int:
         pool.retryAutomatically = False  # a request is sent once: a retry would be timed twice
         http = treq.client.HTTPClient(Agent(reactor, pool=pool))
         if not args.json:
-            print(f"bench {args.model} through {url}: prompt ~{args.prompt_tokens} words, {args.max_tokens} "
-                  f"generated, {args.rounds} request(s) per stream; a warm-up request first (it loads the model)",
-                  flush=True)
+            print(
+                f"bench {args.model} through {url}: prompt ~{args.prompt_tokens} words, {args.max_tokens} "
+                f"generated, {args.rounds} request(s) per stream; a warm-up request first (it loads the model)",
+                flush=True,
+            )
             print(bench.LEVEL_HEADER, flush=True)
         try:
             levels = await bench.run_bench(
-                http, url, args.model, args.concurrency, rounds=args.rounds, prompt_tokens=args.prompt_tokens,
-                max_tokens=args.max_tokens, clock=reactor, now=time.perf_counter,
+                http,
+                url,
+                args.model,
+                args.concurrency,
+                rounds=args.rounds,
+                prompt_tokens=args.prompt_tokens,
+                max_tokens=args.max_tokens,
+                clock=reactor,
+                now=time.perf_counter,
                 headers={"authorization": f"Bearer {key}"} if key else {},
                 say=say,
             )
@@ -92,9 +101,16 @@ def _bench(args: argparse.Namespace) -> int:
             return ERROR
         finally:
             await pool.closeCachedConnections()
-        run = {"settings": {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
-                            "rounds": args.rounds, "concurrency": args.concurrency, "url": url},
-               "levels": [level.to_json() for level in levels]}
+        run = {
+            "settings": {
+                "prompt_tokens": args.prompt_tokens,
+                "max_tokens": args.max_tokens,
+                "rounds": args.rounds,
+                "concurrency": args.concurrency,
+                "url": url,
+            },
+            "levels": [level.to_json() for level in levels],
+        }
         stored = json.loads((await p.callRemote(BenchRecord, model=args.model, run=strictjson.dumps(run)))["bench"])
         runs = json.loads((await p.callRemote(BenchHistory, model=stored["model"], limit=2))["runs"])
         comparison = bench.compare(runs[1], runs[0]) if len(runs) == 2 and runs[0]["id"] == stored["id"] else None
@@ -155,19 +171,35 @@ def add_verbs(verbs: Verbs) -> None:
     """
     Add C{bench} to the parser.
     """
-    bench = daemon_verb(verbs, "bench", "tokens/s and time to first token through the gateway, recorded; --history "
-                        "compares runs", _bench)
+    bench = daemon_verb(
+        verbs,
+        "bench",
+        "tokens/s and time to first token through the gateway, recorded; --history compares runs",
+        _bench,
+    )
     bench.add_argument("model", nargs="?", help="the model to measure (with --history: only its runs)")
-    bench.add_argument("--history", action="store_true", help="list the recorded runs; the latest against the one "
-                       "before")
-    bench.add_argument("--concurrency", type=_concurrency, default=[1, 2, 4], metavar="1,2,4",
-                       help="streams at once, one level after another (default 1,2,4)")
-    bench.add_argument("--prompt-tokens", type=int, default=200, metavar="N",
-                       help="the synthetic prompt's length in words, about as many tokens on real models' "
-                            "vocabularies, several times more on generated test models (default 200; the "
-                            "measured token count is shown)")
-    bench.add_argument("--max-tokens", type=int, default=128, metavar="N", help="tokens generated per request "
-                       "(default 128)")
+    bench.add_argument(
+        "--history", action="store_true", help="list the recorded runs; the latest against the one before"
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=_concurrency,
+        default=[1, 2, 4],
+        metavar="1,2,4",
+        help="streams at once, one level after another (default 1,2,4)",
+    )
+    bench.add_argument(
+        "--prompt-tokens",
+        type=int,
+        default=200,
+        metavar="N",
+        help="the synthetic prompt's length in words, about as many tokens on real models' "
+        "vocabularies, several times more on generated test models (default 200; the "
+        "measured token count is shown)",
+    )
+    bench.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="tokens generated per request (default 128)"
+    )
     bench.add_argument("--rounds", type=int, default=2, metavar="N", help="requests per stream (default 2)")
     bench.add_argument("--limit", type=int, default=20, metavar="N", help="--history: runs listed (default 20)")
     bench.add_argument("--key", help="an API key, for a gateway with keys (default: $BLAZAR_API_KEY)")

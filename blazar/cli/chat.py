@@ -26,8 +26,9 @@ def _run(args: argparse.Namespace) -> int:
 
     def ask(prompt: str) -> int:
         history.append({"role": "user", "content": prompt})
-        resp = post_ndjson(host, port, base, "/api/chat",
-                           {"model": args.model, "messages": history}, timeout=600, key=api_key(args))
+        resp = post_ndjson(
+            host, port, base, "/api/chat", {"model": args.model, "messages": history}, timeout=600, key=api_key(args)
+        )
         if isinstance(resp, int):
             return resp
         answer = []

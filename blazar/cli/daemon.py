@@ -108,8 +108,11 @@ def control(args: argparse.Namespace, action: Action) -> int:
         try:
             protocol = await connectProtocol(UNIXClientEndpoint(reactor, str(path), timeout=5), AMP())
         except Exception:
-            print(f"blazar: no daemon is running for data_dir {config.data_dir} "
-                  f"(no answer on {path}); start one with `blazar serve`", file=sys.stderr)
+            print(
+                f"blazar: no daemon is running for data_dir {config.data_dir} "
+                f"(no answer on {path}); start one with `blazar serve`",
+                file=sys.stderr,
+            )
             return NO_DAEMON
         try:
             await protocol.callRemote(Version, protocol=PROTOCOL_VERSION)
@@ -173,7 +176,13 @@ def daemon_http(args: argparse.Namespace, verb: str) -> tuple[str, int, str] | i
 
 
 def post_ndjson(
-    host: str, port: int, base: str, path: str, body: Any, timeout: float, key: str | None = None,
+    host: str,
+    port: int,
+    base: str,
+    path: str,
+    body: Any,
+    timeout: float,
+    key: str | None = None,
 ) -> Any:
     """
     POST to the daemon's Ollama API; the response (to read as NDJSON) on
@@ -214,8 +223,9 @@ def api_key(args: argparse.Namespace) -> str | None:
     return getattr(args, "key", None) or os.environ.get("BLAZAR_API_KEY") or None
 
 
-def daemon_verb(verbs: Verbs, name: str, help: str, func: Callable[[argparse.Namespace], int]
-                ) -> argparse.ArgumentParser:
+def daemon_verb(
+    verbs: Verbs, name: str, help: str, func: Callable[[argparse.Namespace], int]
+) -> argparse.ArgumentParser:
     """
     Add a verb that asks the running daemon: it takes C{--config} (to
     find the daemon's data_dir) and C{--json}.
@@ -227,9 +237,15 @@ def daemon_verb(verbs: Verbs, name: str, help: str, func: Callable[[argparse.Nam
     return v
 
 
-def verb_group(verbs: Verbs, name: str, help: str, func: Callable[[argparse.Namespace], int],
-               rows: list[tuple[str, str, list[str]]], flags: Mapping[str, Callable[[argparse.ArgumentParser], object]],
-               config_help: str | None = None) -> None:
+def verb_group(
+    verbs: Verbs,
+    name: str,
+    help: str,
+    func: Callable[[argparse.Namespace], int],
+    rows: list[tuple[str, str, list[str]]],
+    flags: Mapping[str, Callable[[argparse.ArgumentParser], object]],
+    config_help: str | None = None,
+) -> None:
     """
     Add C{name}, a verb of verbs (C{blazar engine list}, C{blazar keys
     add}): one per row of C{rows} (its name, help and positional

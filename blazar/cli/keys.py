@@ -45,12 +45,23 @@ def add_verbs(verbs: Verbs) -> None:
     """
     Add C{keys} and its verbs to the parser.
     """
-    verb_group(verbs, "keys", "API keys (written to the daemon's config file)", _keys, [
-        ("list", "keys, secrets redacted", []),
-        ("add", "a new key; prints its secret once", ["name"]),
-        ("rotate", "a new secret for a key; prints it once", ["name"]),
-        ("rm", "remove a key", ["name"]),
-    ], {
-        "add": lambda verb: verb.add_argument("--model", dest="models", action="append",
-                                              help="scope the key to this model (repeatable); none: all models + admin"),
-    })
+    verb_group(
+        verbs,
+        "keys",
+        "API keys (written to the daemon's config file)",
+        _keys,
+        [
+            ("list", "keys, secrets redacted", []),
+            ("add", "a new key; prints its secret once", ["name"]),
+            ("rotate", "a new secret for a key; prints it once", ["name"]),
+            ("rm", "remove a key", ["name"]),
+        ],
+        {
+            "add": lambda verb: verb.add_argument(
+                "--model",
+                dest="models",
+                action="append",
+                help="scope the key to this model (repeatable); none: all models + admin",
+            ),
+        },
+    )

@@ -53,7 +53,7 @@ def _follow_http(args: argparse.Namespace) -> int | None:
         for raw in resp:
             line = raw.decode("utf-8", "replace").rstrip("\n")
             if line.startswith("data: "):
-                print(json.loads(line[len("data: "):])["text"], flush=True)
+                print(json.loads(line[len("data: ") :])["text"], flush=True)
     except (OSError, http.client.HTTPException, ValueError):
         print("blazar: the daemon closed the log stream", file=sys.stderr)
         return ERROR

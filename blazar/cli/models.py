@@ -55,8 +55,17 @@ def _models_show(args: argparse.Namespace) -> int:
         if args.json:
             print(strictjson.dumps(m))
         else:
-            for key in ("name", "path", "size", "architecture", "parameters", "quantization",
-                        "context_length", "chat_template", "loaded"):
+            for key in (
+                "name",
+                "path",
+                "size",
+                "architecture",
+                "parameters",
+                "quantization",
+                "context_length",
+                "chat_template",
+                "loaded",
+            ):
                 print(f"{key:<15} {m[key]}")
         return OK
 
@@ -66,8 +75,13 @@ def _models_show(args: argparse.Namespace) -> int:
 def _models_cp(args: argparse.Namespace) -> int:
     from blazar.protocols.control import ModelCopy
 
-    return one_call(args, ModelCopy, lambda done: f"copied {args.source} to {done['name']}",
-                    source=args.source, destination=args.destination)
+    return one_call(
+        args,
+        ModelCopy,
+        lambda done: f"copied {args.source} to {done['name']}",
+        source=args.source,
+        destination=args.destination,
+    )
 
 
 def _models_rm(args: argparse.Namespace) -> int:
@@ -172,29 +186,48 @@ def _make_test(args: argparse.Namespace) -> int:
         tae = path.with_name(path.stem + ".taesd.gguf.tae")  # not a .gguf: models_dir would list it as a model
         made, tae = make_test_image_model(path, tae, seed=args.seed)
         print(made)
-        print(f"# sd-server needs its tiny autoencoder: put this in the config\n[models.\"{path.stem}\"]\n"
-              f"args = [\"--taesd\", \"{tae}\"]", file=sys.stderr)
+        print(
+            f'# sd-server needs its tiny autoencoder: put this in the config\n[models."{path.stem}"]\n'
+            f'args = ["--taesd", "{tae}"]',
+            file=sys.stderr,
+        )
         return OK
     from blazar.models import testmodel
 
     if args.heads < 1 or args.embd % args.heads or (args.embd // args.heads) % 2:
-        print(f"blazar: --embd {args.embd} must be a multiple of 2 x --heads {args.heads} (an even head size)",
-              file=sys.stderr)
+        print(
+            f"blazar: --embd {args.embd} must be a multiple of 2 x --heads {args.heads} (an even head size)",
+            file=sys.stderr,
+        )
         return USAGE
     if min(args.ctx, args.layers, args.ff) < 1:
         print("blazar: --ctx, --layers and --ff must be positive", file=sys.stderr)
         return USAGE
-    template = {"plain": testmodel.CHAT_TEMPLATE, "strict": testmodel.STRICT_CHAT_TEMPLATE,
-                "thinking": testmodel.THINKING_CHAT_TEMPLATE}[args.template]
+    template = {
+        "plain": testmodel.CHAT_TEMPLATE,
+        "strict": testmodel.STRICT_CHAT_TEMPLATE,
+        "thinking": testmodel.THINKING_CHAT_TEMPLATE,
+    }[args.template]
     model = testmodel.make_test_model(
-        args.path, seed=args.seed, embedding=args.embedding, rerank=args.rerank, context_length=args.ctx,
-        n_embd=args.embd, n_layer=args.layers, n_head=args.heads, n_ff=args.ff, chat_template=template,
+        args.path,
+        seed=args.seed,
+        embedding=args.embedding,
+        rerank=args.rerank,
+        context_length=args.ctx,
+        n_embd=args.embd,
+        n_layer=args.layers,
+        n_head=args.heads,
+        n_ff=args.ff,
+        chat_template=template,
     )
     print(model.path)
     if args.ctx > 4096:
         name = Path(args.path).stem
-        print(f"# its trained context is {args.ctx} tokens; Blazar starts it with 4096 per slot unless told:\n"
-              f"[models.\"{name}\"]\nctx_size = {args.ctx}", file=sys.stderr)
+        print(
+            f"# its trained context is {args.ctx} tokens; Blazar starts it with 4096 per slot unless told:\n"
+            f'[models."{name}"]\nctx_size = {args.ctx}',
+            file=sys.stderr,
+        )
     return OK
 
 
@@ -212,8 +245,12 @@ def add_verbs(verbs: Verbs) -> None:
         ("show", "one model's file and GGUF facts", _models_show, ["name"]),
         ("cp", "another name for a model (a hard link, no copy)", _models_cp, ["source", "destination"]),
         ("rm", "delete a model's file (its engine is stopped first)", _models_rm, ["name"]),
-        ("pull", "download name[:tag], ns/name[:tag] (the registry) or hf.co/{user}/{repo}[:{quant}] through the daemon",
-         _models_pull, ["name"]),
+        (
+            "pull",
+            "download name[:tag], ns/name[:tag] (the registry) or hf.co/{user}/{repo}[:{quant}] through the daemon",
+            _models_pull,
+            ["name"],
+        ),
     ]:
         verb = model_verbs.add_parser(name, help=help_)
         for param in params:
@@ -224,7 +261,8 @@ def add_verbs(verbs: Verbs) -> None:
             verb.add_argument("--key", help="an unscoped API key, for a gateway with keys (default: $BLAZAR_API_KEY)")
         verb.set_defaults(func=func)
     quantize = model_verbs.add_parser(
-        "quantize", help="quantize a GGUF file with the engine's own llama-quantize (no daemon needed)")
+        "quantize", help="quantize a GGUF file with the engine's own llama-quantize (no daemon needed)"
+    )
     quantize.add_argument("source", help="the GGUF model file (F32, F16 or BF16 weights)")
     quantize.add_argument("type", help="q4_K_M, q4_K_S, q8_0, q5_K_M, q6_K, ... (any case)")
     quantize.add_argument("--out", metavar="PATH", help="where to write it (default: beside it, named for the type)")
@@ -237,17 +275,30 @@ def add_verbs(verbs: Verbs) -> None:
     make.add_argument("--seed", type=int, default=0)
     make.add_argument("--embedding", action="store_true", help="mark it for mean-pooled embeddings")
     make.add_argument("--rerank", action="store_true", help="a reranker (rank pooling: POST /v1/rerank)")
-    make.add_argument("--ctx", type=int, default=2048, metavar="N",
-                      help="its trained context in tokens (a coding agent wants 131072; default 2048)")
+    make.add_argument(
+        "--ctx",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="its trained context in tokens (a coding agent wants 131072; default 2048)",
+    )
     make.add_argument("--embd", type=int, default=64, metavar="N", help="embedding width (default 64)")
     make.add_argument("--layers", type=int, default=2, metavar="N", help="transformer blocks (default 2)")
     make.add_argument("--heads", type=int, default=4, metavar="N", help="attention heads (default 4)")
     make.add_argument("--ff", type=int, default=128, metavar="N", help="feed-forward width (default 128)")
-    make.add_argument("--template", choices=("plain", "strict", "thinking"), default="plain",
-                      help="its chat template: plain ChatML with tools (default); strict (a system message "
-                           "only first); thinking (a reasoning block first)")
-    make.add_argument("--whisper", action="store_true",
-                      help="a whisper.cpp model (speech to text: POST /v1/audio/transcriptions)")
-    make.add_argument("--image", action="store_true",
-                      help="a Flux.2-klein GGUF and its tiny autoencoder (POST /v1/images/generations)")
+    make.add_argument(
+        "--template",
+        choices=("plain", "strict", "thinking"),
+        default="plain",
+        help="its chat template: plain ChatML with tools (default); strict (a system message "
+        "only first); thinking (a reasoning block first)",
+    )
+    make.add_argument(
+        "--whisper", action="store_true", help="a whisper.cpp model (speech to text: POST /v1/audio/transcriptions)"
+    )
+    make.add_argument(
+        "--image",
+        action="store_true",
+        help="a Flux.2-klein GGUF and its tiny autoencoder (POST /v1/images/generations)",
+    )
     make.set_defaults(func=_make_test)

@@ -33,8 +33,10 @@ def _status(args: argparse.Namespace) -> int:
             print(f"engine:    {s['engine']}")
             print(f"data dir:  {s['data_dir']}")
             if s.get("audit_down"):
-                print(f"audit:     writer down: {s['audit_down']} (lines are dropped until it can write; "
-                      "check the disk of audit_log)")
+                print(
+                    f"audit:     writer down: {s['audit_down']} (lines are dropped until it can write; "
+                    "check the disk of audit_log)"
+                )
             if s.get("audit_dropped"):
                 print(f"audit:     {s['audit_dropped']} line(s) dropped (the writer fell behind or could not write)")
             if s.get("engine_update"):
@@ -126,18 +128,22 @@ def print_instances(rows: list[dict[str, Any]], gpus: list[dict[str, Any]] | Non
     def pct(x: Any) -> str:
         return "-" if x is None else f"{x * 100:.0f}%"
 
-    print(f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
-          f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'DRAFT':>6} {'BREAKER':<9} "
-          f"{'VRAM':>7} GPU")
+    print(
+        f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
+        f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'DRAFT':>6} {'BREAKER':<9} "
+        f"{'VRAM':>7} GPU"
+    )
     for r in rows:
         expires = "forever" if r.get("expires_in") is None else f"{r['expires_in']:.0f}s"
         on = ",".join(str(g["gpu"]) for g in r.get("gpus") or [])
         where = on or ("-" if gpus is None else "CPU")
         vram = _mib(r.get("vram")) if on else "-"
-        print(f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
-              f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
-              f"{_mib(r.get('memory_estimate')):>7} {_mib(r.get('rss')):>7} {expires:>8} "
-              f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']:<9} {vram:>7} {where}")
+        print(
+            f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
+            f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
+            f"{_mib(r.get('memory_estimate')):>7} {_mib(r.get('rss')):>7} {expires:>8} "
+            f"{pct(r.get('cache_hit')):>6} {pct(r.get('draft_acceptance')):>6} {r['breaker']:<9} {vram:>7} {where}"
+        )
 
 
 def print_gpus(gpus: list[dict[str, Any]], note: str, rows: list[dict[str, Any]]) -> None:
@@ -150,8 +156,10 @@ def print_gpus(gpus: list[dict[str, Any]], note: str, rows: list[dict[str, Any]]
         print(f"GPUs: none seen, models run on the CPU ({note or 'NVML sees no GPU'})")
         return
     for g in gpus:
-        print(f"GPU {g['index']}  {g['name']}  {_size(g['memory_used'])} used of {_size(g['memory_total'])} "
-              f"({_size(g['memory_free'])} free)")
+        print(
+            f"GPU {g['index']}  {g['name']}  {_size(g['memory_used'])} used of {_size(g['memory_total'])} "
+            f"({_size(g['memory_free'])} free)"
+        )
         shares = [(r["model"], share) for r in rows for share in r.get("gpus") or [] if share["gpu"] == g["index"]]
         for model, share in shares:
             print(f"  {model:<30} {_gpu_share(share)}")
@@ -178,17 +186,23 @@ def _queue(args: argparse.Namespace) -> int:
         for m in models:
             w = m["waiting"]
             service = "-" if m["service_ms"] is None else f"{m['service_ms'] / 1000:.1f}s"
-            print(f"{m['model']}: {m['slots']['busy']}/{m['slots']['total']} slots busy, "
-                  f"{w['total']} waiting (high {w['by_priority']['high']}, normal "
-                  f"{w['by_priority']['normal']}, low {w['by_priority']['low']}), oldest "
-                  f"{m['oldest_wait_ms'] / 1000:.1f}s, average hold {service}")
+            print(
+                f"{m['model']}: {m['slots']['busy']}/{m['slots']['total']} slots busy, "
+                f"{w['total']} waiting (high {w['by_priority']['high']}, normal "
+                f"{w['by_priority']['normal']}, low {w['by_priority']['low']}), oldest "
+                f"{m['oldest_wait_ms'] / 1000:.1f}s, average hold {service}"
+            )
             if m["requests"]:
-                print(f"  {'POS':>4} {'TRACE':<28} {'KEY':<12} {'PRIORITY':<8} {'CLASS':<11} "
-                      f"{'WAITED':>7} {'START IN':>8}")
+                print(
+                    f"  {'POS':>4} {'TRACE':<28} {'KEY':<12} {'PRIORITY':<8} {'CLASS':<11} "
+                    f"{'WAITED':>7} {'START IN':>8}"
+                )
             for r in m["requests"]:
                 start = "-" if r["estimated_start_ms"] is None else f"{r['estimated_start_ms'] / 1000:.1f}s"
-                print(f"  {r['position']:>4} {r['trace_id']:<28} {r['key'] or '-':<12} "
-                      f"{r['priority']:<8} {r['class']:<11} {r['waited_ms'] / 1000:>6.1f}s {start:>8}")
+                print(
+                    f"  {r['position']:>4} {r['trace_id']:<28} {r['key'] or '-':<12} "
+                    f"{r['priority']:<8} {r['class']:<11} {r['waited_ms'] / 1000:>6.1f}s {start:>8}"
+                )
             unlisted = w["total"] - len(m["requests"])
             if unlisted > 0:
                 print(f"  ... and {unlisted} more waiting, not listed (GET /api/queue lists 200 per model)")
@@ -203,8 +217,10 @@ def _sessions(args: argparse.Namespace) -> int:
     async def action(p: AMP) -> int:
         if args.action == "close":
             if not args.name:
-                print("blazar sessions close NAME [--key KEY]: name the session (blazar sessions lists them)",
-                      file=sys.stderr)
+                print(
+                    "blazar sessions close NAME [--key KEY]: name the session (blazar sessions lists them)",
+                    file=sys.stderr,
+                )
                 return ERROR
             answer = await p.callRemote(SessionClose, name=args.name, key=args.key)
             if args.json:
@@ -233,8 +249,10 @@ def _sessions(args: argparse.Namespace) -> int:
         for r in rows:
             slot = "-" if r["slot"] is None else str(r["slot"])
             bank = f"{r['saved_tokens']}" if r["saved"] else "-"
-            print(f"{r['session'][:38]:<38} {r['key'] or '-':<12} {r['model'][:20]:<20} {slot:>4} "
-                  f"{r['tokens_cached']:>7} {bank:>7} {now - r['last_used']:>6.0f}s")
+            print(
+                f"{r['session'][:38]:<38} {r['key'] or '-':<12} {r['model'][:20]:<20} {slot:>4} "
+                f"{r['tokens_cached']:>7} {bank:>7} {now - r['last_used']:>6.0f}s"
+            )
         if answer["truncated"]:
             print("... more sessions, not listed (--json lists as many as fit)")
         return OK
@@ -249,8 +267,7 @@ def _evict(args: argparse.Namespace) -> int:
         print("blazar evict: name a model or instance key, or use --all", file=sys.stderr)
         return ERROR
 
-    return one_call(args, Evict, lambda done: f"evicted: {', '.join(done['evicted'])}",
-                     key=args.key, all=args.all)
+    return one_call(args, Evict, lambda done: f"evicted: {', '.join(done['evicted'])}", key=args.key, all=args.all)
 
 
 def _reload(args: argparse.Namespace) -> int:
@@ -279,8 +296,9 @@ def add_verbs(verbs: Verbs) -> None:
     ps = daemon_verb(verbs, "ps", "loaded models: state, pid, slots, expiry, crash breaker", _ps)
     ps.add_argument("--reset", action="store_true", help="close every crash breaker first")
     daemon_verb(verbs, "queue", "admission queues: busy slots, waiting requests, estimated starts", _queue)
-    sessions = daemon_verb(verbs, "sessions", "sessions (every key's): slot, tokens cached, KV bank; or close one",
-                           _sessions)
+    sessions = daemon_verb(
+        verbs, "sessions", "sessions (every key's): slot, tokens cached, KV bank; or close one", _sessions
+    )
     sessions.add_argument("action", nargs="?", choices=["close"], help="close NAME: end a session")
     sessions.add_argument("name", nargs="?", help="the session to close")
     sessions.add_argument("--key", help="close only this key's session of that name")
@@ -288,5 +306,6 @@ def add_verbs(verbs: Verbs) -> None:
     evict.add_argument("key", nargs="?", help="model name or instance key")
     evict.add_argument("--all", action="store_true", help="unload every model")
 
-    daemon_verb(verbs, "reload", "re-read the config file: applies every runtime key, names those needing a restart",
-                _reload)
+    daemon_verb(
+        verbs, "reload", "re-read the config file: applies every runtime key, names those needing a restart", _reload
+    )

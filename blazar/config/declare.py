@@ -110,8 +110,16 @@ class Key:
 
 
 def setting(
-    default: _T, *, value: Value | None, doc: str, key: str | None = None, reload: str = RUNTIME,
-    shown: str | None = None, group: str = "", in_file: bool = True, repr: bool = True,
+    default: _T,
+    *,
+    value: Value | None,
+    doc: str,
+    key: str | None = None,
+    reload: str = RUNTIME,
+    shown: str | None = None,
+    group: str = "",
+    in_file: bool = True,
+    repr: bool = True,
 ) -> _T:
     """
     An attrs field declaring a config key (L{Key}).
@@ -161,7 +169,9 @@ def known_keys(cls: type) -> set[str]:
     return {key.name.split(".")[0] for _, key in declared(cls) if key.in_file}
 
 
-def parse_fields(cls: type, table_: Mapping[str, Any], where: str, prefix: str, base: Path | None = None) -> dict[str, Any]:
+def parse_fields(
+    cls: type, table_: Mapping[str, Any], where: str, prefix: str, base: Path | None = None
+) -> dict[str, Any]:
     """
     Every key of C{cls} with a L{Value} that C{table} holds, parsed: the
     keyword arguments for C{cls} (its defaults fill in the rest). A key that
@@ -203,9 +213,7 @@ def unknown(table: Mapping[str, Any], known: set[str], source: str, prefix: str)
 
 
 def expected(source: str, key: str, what: str, got: object) -> ConfigError:
-    return ConfigError(
-        f"{source}: key {key!r} must be {what}, got {type(got).__name__} {got!r}"
-    )
+    return ConfigError(f"{source}: key {key!r} must be {what}, got {type(got).__name__} {got!r}")
 
 
 def table(value: object, source: str, key: str) -> Mapping[str, Any]:
@@ -238,6 +246,7 @@ def str_list(value: object, source: str, key: str) -> tuple[str, ...]:
 # The values most keys take. Each converter raises ValueError (or a
 # ConfigError of its own) for a value that is not what its words say.
 
+
 def _number(raw: object) -> float:
     if isinstance(raw, bool) or not isinstance(raw, (int, float)):
         raise TypeError(raw)
@@ -256,6 +265,7 @@ def _checked(test: Callable[[Any], bool], convert: Callable[[Any], _T]) -> Calla
         if not test(value):
             raise ValueError(raw)
         return value
+
     return check
 
 
@@ -309,6 +319,7 @@ def choice(what: str, choices: tuple[str, ...], aliases: Mapping[str, str] | Non
         if not isinstance(raw, str) or raw not in (*choices, *renamed):
             raise ValueError(raw)
         return renamed.get(raw, raw)
+
     return Value(what, convert)
 
 
@@ -317,10 +328,12 @@ def url(what: str, strip: bool = True) -> Value:
     An http:// or https:// URL, C{what} in words; without a trailing C{/}
     when C{strip}.
     """
+
     def convert(raw: Any, at: At) -> str:
         if not isinstance(raw, str) or not raw.startswith(("http://", "https://")):
             raise ValueError(raw)
         return raw.rstrip("/") if strip else raw
+
     return Value(what, convert)
 
 
@@ -329,7 +342,9 @@ def hosts(brackets: bool) -> Value:
     Host names as the operator writes them, compared as the requests' are:
     lower case, no trailing dot; without IPv6 brackets unless C{brackets}.
     """
+
     def convert(raw: Any, at: At) -> tuple[str, ...]:
         names = (h.lower().rstrip(".") for h in str_list(raw, at.where, at.key))
         return tuple(names if brackets else (h.removeprefix("[").removesuffix("]") for h in names))
+
     return Value("a list of strings", convert)

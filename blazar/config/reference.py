@@ -17,7 +17,14 @@ import attrs
 import tomlkit
 
 from blazar.config import (
-    DEFAULT_CONFIG_PATH, CacheConfig, CommandLane, Config, KeyConfig, LlamaCppConfig, ModelConfig, QueueConfig,
+    DEFAULT_CONFIG_PATH,
+    CacheConfig,
+    CommandLane,
+    Config,
+    KeyConfig,
+    LlamaCppConfig,
+    ModelConfig,
+    QueueConfig,
     RemoteConfig,
 )
 from blazar.config.declare import RESTART, Key, declared
@@ -84,10 +91,15 @@ def _keys(cls: type, under: str = "") -> list[_Item]:
     C{cls}'s keys read from the file (not its tables), those named under
     table C{under} (C{engines.}) alone when given, their names without it.
     """
-    return [(field, attrs.evolve(key, name=key.name.removeprefix(under)))
-            for field, key in declared(cls)
-            if key.in_file and key.value is not None and not _is_table(field)
-            and key.name.startswith(under) and "." not in key.name.removeprefix(under)]
+    return [
+        (field, attrs.evolve(key, name=key.name.removeprefix(under)))
+        for field, key in declared(cls)
+        if key.in_file
+        and key.value is not None
+        and not _is_table(field)
+        and key.name.startswith(under)
+        and "." not in key.name.removeprefix(under)
+    ]
 
 
 def _section(title: str, doc: str, items: list[_Item], reload: str = "") -> Iterator[str]:
@@ -100,7 +112,8 @@ def _section(title: str, doc: str, items: list[_Item], reload: str = "") -> Iter
         assert key.value is not None
         kind = "restart" if RESTART in (key.reload, reload) else "live"
         groups.setdefault(key.group, []).append(
-            f"| `{key.name}` | {_cell(key.value.what)} | {_cell(_default(field, key))} | {kind} | {_cell(key.doc)} |")
+            f"| `{key.name}` | {_cell(key.value.what)} | {_cell(_default(field, key))} | {kind} | {_cell(key.doc)} |"
+        )
     for group, rows in groups.items():
         if group:
             yield from ("", f"### {group[0].upper()}{group[1:]}")
@@ -119,18 +132,38 @@ def markdown() -> str:
     lines += _section("Top level", "Keys outside any table.", _keys(Config))
     for name, cls in [("queue", QueueConfig), ("cache", CacheConfig)]:
         lines += _section(f"`[{name}]`", top[name].doc, _keys(cls), top[name].reload)
-    lines += _section("`[engines]`", "Settings of the engines; its tables are the built-in engines and the "
-                      "command lanes (below).", _keys(Config, under="engines."))
-    lines += _section(", ".join(f"`[{key.name}]`" for key in builtins),
-                      "The built-in engines, the same two keys in each: "
-                      + "; ".join(f"`{key.name.split('.')[1]}`, {key.doc.rstrip('.')}" for key in builtins) + ".",
-                      _keys(LlamaCppConfig), builtins[0].reload)
-    lines += _section("`[engines.NAME]`: command lanes", top["lanes"].doc + " NAME is letters, digits, `-` and "
-                      "`_`; a model takes the lane with `engine = \"NAME\"`.", _keys(CommandLane), top["lanes"].reload)
-    lines += _section('`[models."NAME"]`', top["models"].doc + " A reload applies a changed model at its next "
-                      "start. The launch profile's keys, unset, leave llama-server's own default.", _keys(ModelConfig), top["models"].reload)
-    lines += _section("`[[keys]]`", top["keys"].doc + " With at least one key, every request but `/health`, "
-                      "`/healthz` and `GET /` needs one.", _keys(KeyConfig), top["keys"].reload)
+    lines += _section(
+        "`[engines]`",
+        "Settings of the engines; its tables are the built-in engines and the command lanes (below).",
+        _keys(Config, under="engines."),
+    )
+    lines += _section(
+        ", ".join(f"`[{key.name}]`" for key in builtins),
+        "The built-in engines, the same two keys in each: "
+        + "; ".join(f"`{key.name.split('.')[1]}`, {key.doc.rstrip('.')}" for key in builtins)
+        + ".",
+        _keys(LlamaCppConfig),
+        builtins[0].reload,
+    )
+    lines += _section(
+        "`[engines.NAME]`: command lanes",
+        top["lanes"].doc + ' NAME is letters, digits, `-` and `_`; a model takes the lane with `engine = "NAME"`.',
+        _keys(CommandLane),
+        top["lanes"].reload,
+    )
+    lines += _section(
+        '`[models."NAME"]`',
+        top["models"].doc + " A reload applies a changed model at its next "
+        "start. The launch profile's keys, unset, leave llama-server's own default.",
+        _keys(ModelConfig),
+        top["models"].reload,
+    )
+    lines += _section(
+        "`[[keys]]`",
+        top["keys"].doc + " With at least one key, every request but `/health`, `/healthz` and `GET /` needs one.",
+        _keys(KeyConfig),
+        top["keys"].reload,
+    )
     lines += _section("`[[remotes]]`", top["remotes"].doc, _keys(RemoteConfig), top["remotes"].reload)
     return "\n".join(lines) + "\n"
 

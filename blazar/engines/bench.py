@@ -51,8 +51,12 @@ from blazar.httpbody import read_body, relay_body
 
 #: metrics a level reports, with whether more is better (TTFT: less is)
 METRICS: Mapping[str, bool] = {
-    "gen_tps": True, "gen_tps_total": True, "pp_tps": True, "ttft_ms": False,
-    "engine_gen_tps": True, "engine_pp_tps": True,
+    "gen_tps": True,
+    "gen_tps_total": True,
+    "pp_tps": True,
+    "ttft_ms": False,
+    "engine_gen_tps": True,
+    "engine_pp_tps": True,
 }
 MAX_LEVELS = 16  # concurrency levels in one run
 MAX_CONCURRENCY = 256  # streams at once in one level
@@ -92,8 +96,13 @@ def request_body(model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
     C{max_tokens} long and two runs decode as much.
     """
     return {
-        "model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-        "stream": True, "stream_options": {"include_usage": True}, "temperature": 0, "ignore_eos": True,
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "temperature": 0,
+        "ignore_eos": True,
     }
 
 
@@ -189,8 +198,9 @@ class StreamRecorder:
             self.error = self.error or str(error.get("message") if isinstance(error, dict) else error)[:500]
         for choice in chunk.get("choices") or ():
             delta = choice.get("delta") if isinstance(choice, dict) else None
-            if isinstance(delta, dict) and (delta.get("content") or delta.get("reasoning_content")
-                                            or delta.get("tool_calls")):
+            if isinstance(delta, dict) and (
+                delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+            ):
                 if self.first is None:
                     self.first = at
                 self.last = at
@@ -211,7 +221,10 @@ class StreamRecorder:
         if error is None and self.first is None:
             error = "the stream carried no generated text"
         return Sample(
-            sent=sent, first=self.first, last=self.last, done=done,
+            sent=sent,
+            first=self.first,
+            last=self.last,
+            done=done,
             prompt_tokens=_count(usage.get("prompt_tokens")),
             cached_tokens=_count(cached) or 0,
             completion_tokens=_count(usage.get("completion_tokens")) or self.chunks,
@@ -302,11 +315,15 @@ def summarise(concurrency: int, samples: Sequence[Sample], wall: float) -> Level
     generated = sum(s.completion_tokens for s in good)
     prompt = _median(s.prompt_tokens for s in good)
     return Level(
-        concurrency=concurrency, requests=len(samples), errors=len(samples) - len(good),
+        concurrency=concurrency,
+        requests=len(samples),
+        errors=len(samples) - len(good),
         prompt_tokens=None if prompt is None else int(round(prompt)),
         completion_tokens=generated,
-        ttft_ms=_round(percentile(ttfts, 50)), ttft_ms_p90=_round(percentile(ttfts, 90)),
-        pp_tps=_round(_median(s.pp_tps for s in good)), gen_tps=_round(_median(s.gen_tps for s in good)),
+        ttft_ms=_round(percentile(ttfts, 50)),
+        ttft_ms_p90=_round(percentile(ttfts, 90)),
+        pp_tps=_round(_median(s.pp_tps for s in good)),
+        gen_tps=_round(_median(s.gen_tps for s in good)),
         gen_tps_total=_round(generated / wall) if good and wall > 0 else None,
         wall_s=round(wall, 3),
         engine_pp_tps=_round(_median(s.engine_pp_tps for s in good)),
@@ -318,8 +335,13 @@ def summarise(concurrency: int, samples: Sequence[Sample], wall: float) -> Level
 
 
 async def stream_sample(
-    http: Any, url: str, body: dict[str, Any], headers: Mapping[str, str], clock: Any,
-    now: Callable[[], float], idle_timeout: float = IDLE_TIMEOUT,
+    http: Any,
+    url: str,
+    body: dict[str, Any],
+    headers: Mapping[str, str],
+    clock: Any,
+    now: Callable[[], float],
+    idle_timeout: float = IDLE_TIMEOUT,
 ) -> Sample:
     """
     Send one streamed chat completion and time it (L{StreamRecorder}). A
@@ -333,8 +355,12 @@ async def stream_sample(
     """
     sent = now()
     try:
-        response = await http.post(url, data=strictjson.dumps(body).encode("utf-8"),
-                                   headers={"content-type": "application/json", **headers}, unbuffered=True)
+        response = await http.post(
+            url,
+            data=strictjson.dumps(body).encode("utf-8"),
+            headers={"content-type": "application/json", **headers},
+            unbuffered=True,
+        )
     except Exception as e:
         return Sample(sent=sent, error=f"no answer from {url}: {e}")
     if response.code != 200:
@@ -354,8 +380,18 @@ async def stream_sample(
 
 
 async def run_level(
-    http: Any, url: str, model: str, concurrency: int, *, rounds: int, prompt_tokens: int, max_tokens: int,
-    clock: Any, now: Callable[[], float], headers: Mapping[str, str] | None = None, salt: str = "",
+    http: Any,
+    url: str,
+    model: str,
+    concurrency: int,
+    *,
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    clock: Any,
+    now: Callable[[], float],
+    headers: Mapping[str, str] | None = None,
+    salt: str = "",
 ) -> tuple[Level, str | None]:
     """
     C{concurrency} streams at once, each sending C{rounds} requests one
@@ -369,8 +405,9 @@ async def run_level(
         out = []
         for r in range(rounds):
             prompt = synthetic_prompt(prompt_tokens, f"{salt or secrets.token_hex(4)}-{concurrency}-{n}-{r}")
-            out.append(await stream_sample(http, url, request_body(model, prompt, max_tokens), headers or {}, clock,
-                                           now))
+            out.append(
+                await stream_sample(http, url, request_body(model, prompt, max_tokens), headers or {}, clock, now)
+            )
         return out
 
     started = now()
@@ -381,8 +418,17 @@ async def run_level(
 
 
 async def run_bench(
-    http: Any, url: str, model: str, levels: Sequence[int], *, rounds: int, prompt_tokens: int, max_tokens: int,
-    clock: Any, now: Callable[[], float], headers: Mapping[str, str] | None = None,
+    http: Any,
+    url: str,
+    model: str,
+    levels: Sequence[int],
+    *,
+    rounds: int,
+    prompt_tokens: int,
+    max_tokens: int,
+    clock: Any,
+    now: Callable[[], float],
+    headers: Mapping[str, str] | None = None,
     say: Callable[[Level], None] = lambda _: None,
 ) -> list[Level]:
     """
@@ -393,14 +439,26 @@ async def run_bench(
     @raise BenchFailed: The warm-up failed, or every request of a level.
     """
     salt = secrets.token_hex(4)
-    warm = await stream_sample(http, url, request_body(model, synthetic_prompt(8, f"{salt}-warm-up"), 2),
-                               headers or {}, clock, now)
+    warm = await stream_sample(
+        http, url, request_body(model, synthetic_prompt(8, f"{salt}-warm-up"), 2), headers or {}, clock, now
+    )
     if warm.error is not None:
         raise BenchFailed(f"the warm-up request failed: {warm.error}")
     results = []
     for concurrency in levels:
-        level, error = await run_level(http, url, model, concurrency, rounds=rounds, prompt_tokens=prompt_tokens,
-                                       max_tokens=max_tokens, clock=clock, now=now, headers=headers, salt=salt)
+        level, error = await run_level(
+            http,
+            url,
+            model,
+            concurrency,
+            rounds=rounds,
+            prompt_tokens=prompt_tokens,
+            max_tokens=max_tokens,
+            clock=clock,
+            now=now,
+            headers=headers,
+            salt=salt,
+        )
         if level.errors == level.requests:
             raise BenchFailed(f"every request at concurrency {concurrency} failed, the first with: {error}")
         say(level)
@@ -415,8 +473,11 @@ def check_run(run: Any) -> dict[str, Any]:
 
     @raise ValueError: It is not one; the message says what is wrong.
     """
-    if not isinstance(run, dict) or not isinstance(run.get("settings"), dict) or not isinstance(run.get("levels"),
-                                                                                                list):
+    if (
+        not isinstance(run, dict)
+        or not isinstance(run.get("settings"), dict)
+        or not isinstance(run.get("levels"), list)
+    ):
         raise ValueError('a run is {"settings": {...}, "levels": [...]}')
     levels = run["levels"]
     if not 1 <= len(levels) <= MAX_LEVELS:
@@ -427,8 +488,9 @@ def check_run(run: Any) -> dict[str, Any]:
         if not isinstance(level, dict) or set(level) != fields:
             raise ValueError(f"a level has the fields {', '.join(sorted(fields))}")
         for name, value in level.items():
-            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
-                                      or not math.isfinite(value) or value < 0):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0
+            ):
                 raise ValueError(f"level field {name}: {value!r} is not a number of 0 or more")
         if not isinstance(level["concurrency"], int) or not 1 <= level["concurrency"] <= MAX_CONCURRENCY:
             raise ValueError(f"concurrency is 1 to {MAX_CONCURRENCY}")
@@ -439,8 +501,11 @@ def check_run(run: Any) -> dict[str, Any]:
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"settings.{key}: {value!r} is not a whole number of 0 or more")
     concurrency = settings.get("concurrency")
-    if not isinstance(concurrency, list) or not all(isinstance(c, int) and not isinstance(c, bool)
-                                                    for c in concurrency) or len(concurrency) > MAX_LEVELS:
+    if (
+        not isinstance(concurrency, list)
+        or not all(isinstance(c, int) and not isinstance(c, bool) for c in concurrency)
+        or len(concurrency) > MAX_LEVELS
+    ):
         raise ValueError(f"settings.concurrency: a list of at most {MAX_LEVELS} whole numbers")
     url = settings.get("url", "")
     if not isinstance(url, str) or len(url) > 2000:
@@ -473,8 +538,9 @@ def flags(argv: Sequence[str]) -> dict[str, str]:
     for i, arg in enumerate(args):
         if arg.startswith("-") and not _number(arg):
             following = args[i + 1] if i + 1 < len(args) else None
-            out[arg] = following if following is not None and (not following.startswith("-")
-                                                                or _number(following)) else ""
+            out[arg] = (
+                following if following is not None and (not following.startswith("-") or _number(following)) else ""
+            )
     return out
 
 
@@ -499,8 +565,9 @@ def changes(before: Mapping[str, Any], after: Mapping[str, Any]) -> list[str]:
     new = flags((after.get("profile") or {}).get("argv") or [])
     for flag in sorted({*old, *new}):
         if old.get(flag) != new.get(flag):
-            out.append(f"profile: {flag} {old.get(flag, '(unset)') or '(set)'} -> "
-                       f"{new.get(flag, '(unset)') or '(set)'}")
+            out.append(
+                f"profile: {flag} {old.get(flag, '(unset)') or '(set)'} -> {new.get(flag, '(unset)') or '(set)'}"
+            )
     if before.get("hardware") != after.get("hardware"):
         out.append("hardware: changed")
     old_settings, new_settings = before.get("settings") or {}, after.get("settings") or {}
@@ -528,11 +595,13 @@ def compare(before: Mapping[str, Any], after: Mapping[str, Any]) -> dict[str, An
             continue
         row: dict[str, Any] = {"concurrency": level["concurrency"]}
         for metric in METRICS:
-            row[metric] = {"before": previous.get(metric), "after": level.get(metric),
-                           "delta_percent": delta_percent(previous.get(metric), level.get(metric))}
+            row[metric] = {
+                "before": previous.get(metric),
+                "after": level.get(metric),
+                "delta_percent": delta_percent(previous.get(metric), level.get(metric)),
+            }
         levels.append(row)
-    return {"before": before.get("id"), "after": after.get("id"), "changes": changes(before, after),
-            "levels": levels}
+    return {"before": before.get("id"), "after": after.get("id"), "changes": changes(before, after), "levels": levels}
 
 
 # -- the engine gate's speed margin ---------------------------------------------------
@@ -558,16 +627,20 @@ def speed_refusal(active_tps: float, candidate_tps: float, max_slowdown: float) 
     slower = slowdown(active_tps, candidate_tps)
     if slower <= max_slowdown:
         return None
-    return (f"it decodes {candidate_tps:.1f} tokens/s where the engine in use decodes {active_tps:.1f} "
-            f"({slower * 100:.1f} % slower; [engines] gate_max_slowdown = {max_slowdown:g} allows "
-            f"{max_slowdown * 100:g} %). Keep the engine in use, or raise gate_max_slowdown in the config "
-            "(0 turns the speed check off) to switch anyway")
+    return (
+        f"it decodes {candidate_tps:.1f} tokens/s where the engine in use decodes {active_tps:.1f} "
+        f"({slower * 100:.1f} % slower; [engines] gate_max_slowdown = {max_slowdown:g} allows "
+        f"{max_slowdown * 100:g} %). Keep the engine in use, or raise gate_max_slowdown in the config "
+        "(0 turns the speed check off) to switch anyway"
+    )
 
 
 # -- as text (blazar bench) ------------------------------------------------------------
 
-LEVEL_HEADER = (f"{'CONC':>4} {'REQS':>5} {'ERRS':>4} {'PROMPT':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
-                f"{'PP tok/s':>9} {'GEN tok/s':>9} {'ALL tok/s':>9} {'ENG PP':>9} {'ENG GEN':>9}")
+LEVEL_HEADER = (
+    f"{'CONC':>4} {'REQS':>5} {'ERRS':>4} {'PROMPT':>6} {'TTFT p50':>9} {'TTFT p90':>9} "
+    f"{'PP tok/s':>9} {'GEN tok/s':>9} {'ALL tok/s':>9} {'ENG PP':>9} {'ENG GEN':>9}"
+)
 
 
 def _figure(value: Any, unit: str = "") -> str:
@@ -580,12 +653,14 @@ def level_line(level: Mapping[str, Any]) -> str:
     """
     One level (L{Level.to_json}) as a row under L{LEVEL_HEADER}.
     """
-    return (f"{level['concurrency']:>4} {level['requests']:>5} {level['errors']:>4} "
-            f"{_figure(level.get('prompt_tokens')).removesuffix('.0'):>6} "
-            f"{_figure(level.get('ttft_ms'), ' ms'):>9} {_figure(level.get('ttft_ms_p90'), ' ms'):>9} "
-            f"{_figure(level.get('pp_tps')):>9} {_figure(level.get('gen_tps')):>9} "
-            f"{_figure(level.get('gen_tps_total')):>9} {_figure(level.get('engine_pp_tps')):>9} "
-            f"{_figure(level.get('engine_gen_tps')):>9}")
+    return (
+        f"{level['concurrency']:>4} {level['requests']:>5} {level['errors']:>4} "
+        f"{_figure(level.get('prompt_tokens')).removesuffix('.0'):>6} "
+        f"{_figure(level.get('ttft_ms'), ' ms'):>9} {_figure(level.get('ttft_ms_p90'), ' ms'):>9} "
+        f"{_figure(level.get('pp_tps')):>9} {_figure(level.get('gen_tps')):>9} "
+        f"{_figure(level.get('gen_tps_total')):>9} {_figure(level.get('engine_pp_tps')):>9} "
+        f"{_figure(level.get('engine_gen_tps')):>9}"
+    )
 
 
 def hardware_text(hardware: Mapping[str, Any]) -> str:
@@ -594,10 +669,16 @@ def hardware_text(hardware: Mapping[str, Any]) -> str:
     """
     if not hardware:
         return "not read"
-    gpus = "; ".join(f"GPU {g['index']} {g['name']} {g['memory_total'] / 2**30:.0f} GiB"
-                     for g in hardware.get("gpus") or ()) or "no GPU"
-    return (f"{hardware.get('cpu_physical_cores')} CPU cores ({hardware.get('cpu_logical_cores')} threads), "
-            f"{(hardware.get('ram_total') or 0) / 2**30:.1f} GiB RAM, {gpus}")
+    gpus = (
+        "; ".join(
+            f"GPU {g['index']} {g['name']} {g['memory_total'] / 2**30:.0f} GiB" for g in hardware.get("gpus") or ()
+        )
+        or "no GPU"
+    )
+    return (
+        f"{hardware.get('cpu_physical_cores')} CPU cores ({hardware.get('cpu_logical_cores')} threads), "
+        f"{(hardware.get('ram_total') or 0) / 2**30:.1f} GiB RAM, {gpus}"
+    )
 
 
 def profile_text(profile: Mapping[str, Any]) -> str:
@@ -610,10 +691,9 @@ def profile_text(profile: Mapping[str, Any]) -> str:
     args = list(profile.get("argv") or [])[1:]
     if "-m" in args:
         at = args.index("-m")
-        del args[at:at + 2]
+        del args[at : at + 2]
     gpus = profile.get("gpus") or []
-    return " ".join(args) + (f"  [GPUs {','.join(map(str, gpus))}, {profile.get('gpu_layers')} layers]"
-                             if gpus else "")
+    return " ".join(args) + (f"  [GPUs {','.join(map(str, gpus))}, {profile.get('gpu_layers')} layers]" if gpus else "")
 
 
 def run_line(run: Mapping[str, Any]) -> str:
@@ -625,10 +705,14 @@ def run_line(run: Mapping[str, Any]) -> str:
 
     when = time.strftime("%Y-%m-%d %H:%M", time.localtime(run["created"]))
     settings = run.get("settings") or {}
-    levels = " | ".join(f"c{lv['concurrency']}: {_figure(lv.get('gen_tps'))} tok/s, {_figure(lv.get('ttft_ms'), ' ms')}"
-                        for lv in run.get("levels") or ())
-    return (f"{run['id']:>5}  {when}  {run['engine']:<30} prompt {settings.get('prompt_tokens')}, "
-            f"max {settings.get('max_tokens')}:  {levels}")
+    levels = " | ".join(
+        f"c{lv['concurrency']}: {_figure(lv.get('gen_tps'))} tok/s, {_figure(lv.get('ttft_ms'), ' ms')}"
+        for lv in run.get("levels") or ()
+    )
+    return (
+        f"{run['id']:>5}  {when}  {run['engine']:<30} prompt {settings.get('prompt_tokens')}, "
+        f"max {settings.get('max_tokens')}:  {levels}"
+    )
 
 
 _SHOWN = (("gen_tps", "GEN tok/s"), ("gen_tps_total", "ALL tok/s"), ("pp_tps", "PP tok/s"), ("ttft_ms", "TTFT p50"))

@@ -133,9 +133,13 @@ class Breakers:
         wait = breaker.allow(self._clock.seconds())
         if wait is not None:
             if what is None:
+
                 def what(crashes: int, seconds: str) -> str:
-                    return (f"model {name!r} is failing to run: its engine crashed {crashes} times lately; "
-                            f"next try in {seconds} s")
+                    return (
+                        f"model {name!r} is failing to run: its engine crashed {crashes} times lately; "
+                        f"next try in {seconds} s"
+                    )
+
             raise BreakerOpen(
                 name,
                 what(len(breaker.crashes), f"{wait:.0f}")
@@ -148,5 +152,9 @@ class Breakers:
         The metric C{blazar_breaker_state{model}}: 0 closed, 1 half-open, 2 open.
         """
         value = {"closed": 0, "half-open": 1, "open": 2}
-        return gauge("blazar_breaker_state", "Crash breaker per model: 0 closed, 1 half-open, 2 open",
-                     ["model"], [([n], value[b.state]) for n, b in sorted(self._breakers.items())])
+        return gauge(
+            "blazar_breaker_state",
+            "Crash breaker per model: 0 closed, 1 half-open, 2 open",
+            ["model"],
+            [([n], value[b.state]) for n, b in sorted(self._breakers.items())],
+        )

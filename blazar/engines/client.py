@@ -14,7 +14,11 @@ from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionLo
 from twisted.internet.interfaces import IReactorTime
 from twisted.python.failure import Failure
 from twisted.web._newclient import (
-    HTTP11ClientProtocol, Request, RequestNotSent, RequestTransmissionFailed, ResponseNeverReceived,
+    HTTP11ClientProtocol,
+    Request,
+    RequestNotSent,
+    RequestTransmissionFailed,
+    ResponseNeverReceived,
 )
 from twisted.web.client import Agent, HTTPConnectionPool, _HTTP11ClientFactory
 from twisted.web.http import PotentialDataLoss
@@ -181,8 +185,9 @@ class _LoopbackEndpoints:
             from twisted.internet.endpoints import HostnameEndpoint, wrapClientTLS
             from twisted.internet.ssl import optionsForClientTLS
 
-            return wrapClientTLS(optionsForClientTLS(host),
-                                 HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout))
+            return wrapClientTLS(
+                optionsForClientTLS(host), HostnameEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
+            )
         if _is_ipv4(host):
             return TCP4ClientEndpoint(self._reactor, host, uri.port, timeout=self._timeout)
         from twisted.internet.endpoints import HostnameEndpoint
@@ -236,7 +241,10 @@ class IEngineClient(Interface):
         """
 
     async def get(
-        url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0, max_bytes: int = 1 << 20,
+        url: str,
+        headers: dict[bytes, list[bytes]],
+        timeout: float = 5.0,
+        max_bytes: int = 1 << 20,
     ) -> tuple[int, bytes]:
         """
         GET C{url} (a child's C{/health}, C{/metrics}): its status and body
@@ -244,7 +252,11 @@ class IEngineClient(Interface):
         """
 
     async def request(
-        method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]], stream: bool = True,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[bytes, list[bytes]],
+        stream: bool = True,
     ) -> IResponse:
         """
         Send one request; return as soon as the response headers arrive
@@ -313,7 +325,10 @@ class EngineClient:
         return (await self.get(url, {}, timeout, max_bytes=1 << 16))[0]
 
     async def get(
-        self, url: str, headers: dict[bytes, list[bytes]], timeout: float = 5.0,
+        self,
+        url: str,
+        headers: dict[bytes, list[bytes]],
+        timeout: float = 5.0,
         max_bytes: int = 1 << 20,
     ) -> tuple[int, bytes]:
         """
@@ -340,7 +355,11 @@ class EngineClient:
         return int(response.code), body
 
     async def request(
-        self, method: str, url: str, body: bytes | None, headers: dict[bytes, list[bytes]],
+        self,
+        method: str,
+        url: str,
+        body: bytes | None,
+        headers: dict[bytes, list[bytes]],
         stream: bool = True,
     ) -> IResponse:
         """
@@ -361,7 +380,11 @@ class EngineClient:
         try:
             response: IResponse = await agent.request(verb, uri, raw_headers, producer())
         except (
-            ConnectError, ResponseNeverReceived, RequestTransmissionFailed, RequestNotSent, RequestNotRead,
+            ConnectError,
+            ResponseNeverReceived,
+            RequestTransmissionFailed,
+            RequestNotSent,
+            RequestNotRead,
         ) as e:
             if any(r.check(CancelledError) for r in getattr(e, "reasons", [])):
                 raise

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Callable, Iterator
+
 from blazar import strictjson
 from blazar.engines.bench import StreamRecorder, request_body, speed_refusal, synthetic_prompt
 
@@ -56,8 +57,23 @@ class _Child:
     def __init__(self, binary: Path, model: Path, workdir: Path, extra: list[str]) -> None:
         self.port = _free_port()
         self.stderr = open(workdir / f"stderr-{self.port}.log", "w+b")
-        argv = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                "--jinja", "-np", "1", "-c", "512", "--threads", "1", *extra]
+        argv = [
+            str(binary),
+            "-m",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--jinja",
+            "-np",
+            "1",
+            "-c",
+            "512",
+            "--threads",
+            "1",
+            *extra,
+        ]
         try:
             self.process = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=self.stderr, stderr=self.stderr)
         except OSError as e:
@@ -85,9 +101,9 @@ class _Child:
         raise GateFailed("health", f"/health did not answer 200 within {timeout:g} s: {self.tail()}")
 
     def post(self, step: str, path: str, body: dict[str, object]) -> bytes:
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}",
-                                         strictjson.dumps(body).encode(),
-                                         {"content-type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}{path}", strictjson.dumps(body).encode(), {"content-type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
                 return bytes(r.read())
@@ -109,8 +125,11 @@ class _Child:
         """
         body = request_body("gate", synthetic_prompt(16, f"gate-{time.monotonic_ns()}"), tokens)
         body.pop("stream_options")  # (llama-server sends its usage and timings on a stream's last chunk anyway)
-        request = urllib.request.Request(f"http://127.0.0.1:{self.port}/v1/chat/completions",
-                                         strictjson.dumps(body).encode(), {"content-type": "application/json"})
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{self.port}/v1/chat/completions",
+            strictjson.dumps(body).encode(),
+            {"content-type": "application/json"},
+        )
         recorder = StreamRecorder(time.perf_counter)
         sent = time.perf_counter()
         try:
@@ -154,8 +173,13 @@ def _children(binary: Path, workdir: Path) -> Iterator[Callable[..., _Child]]:
             child.stop()
 
 
-def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None, *, baseline: Path | None = None,
-             max_slowdown: float = 0.0) -> list[str]:
+def thd_gate(
+    binary: Path,
+    say: Callable[[str], None] = lambda _: None,
+    *,
+    baseline: Path | None = None,
+    max_slowdown: float = 0.0,
+) -> list[str]:
     """
     Run the gate on C{binary}; the steps passed (all of L{STEPS}, then
     L{SPEED} if it ran).
@@ -180,13 +204,19 @@ def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None, *, basel
             chat.wait_healthy(START_TIMEOUT)
             passed.append("health")
             say("gate: started, /health 200")
-            reply = json.loads(chat.post("chat", "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}))
+            reply = json.loads(
+                chat.post(
+                    "chat", "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+                )
+            )
             if not isinstance(reply.get("choices"), list) or not reply["choices"]:
                 raise GateFailed("chat", f"no choices in the answer: {str(reply)[:200]}")
             passed.append("chat")
-            events = chat.post("stream", "/v1/chat/completions", {
-                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})
+            events = chat.post(
+                "stream",
+                "/v1/chat/completions",
+                {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+            )
             if not events.rstrip().endswith(b"data: [DONE]"):
                 raise GateFailed("stream", f"the stream did not end with [DONE]: {events[-200:]!r}")
             passed.append("stream")
@@ -207,8 +237,10 @@ def thd_gate(binary: Path, say: Callable[[str], None] = lambda _: None, *, basel
                 if refusal is not None:
                     raise GateFailed(SPEED, refusal)
                 passed.append(SPEED)
-                say(f"gate: decodes {candidate_tps:.1f} tokens/s, the engine in use {active_tps:.1f} "
-                    f"(gate_max_slowdown = {max_slowdown:g})")
+                say(
+                    f"gate: decodes {candidate_tps:.1f} tokens/s, the engine in use {active_tps:.1f} "
+                    f"(gate_max_slowdown = {max_slowdown:g})"
+                )
         return passed
 
 

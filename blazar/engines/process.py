@@ -88,7 +88,7 @@ def process_alive(pid: int | None) -> bool:
             stat = f.read()
     except OSError:
         return False
-    state = stat[stat.rfind(b")") + 2:stat.rfind(b")") + 3]
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
     return state not in (b"Z", b"X", b"x")
 
 
@@ -156,7 +156,10 @@ class EngineProcessProtocol(ProcessProtocol):
     log = Logger()
 
     def __init__(
-        self, model: str, engine: str = "llamacpp", output: Callable[[str, str], None] | None = None,
+        self,
+        model: str,
+        engine: str = "llamacpp",
+        output: Callable[[str, str], None] | None = None,
     ) -> None:
         """
         @param output: Takes C{(model, line)} for every line of output.
@@ -250,8 +253,9 @@ class EngineProcessProtocol(ProcessProtocol):
         characters. The whole tail stays in the daemon's log.
         """
         lines = list(self.tail)[-16:]
-        chosen = next((line for line in lines if " E " in line[:24] or "error" in line.lower()),
-                      lines[-1] if lines else "")
+        chosen = next(
+            (line for line in lines if " E " in line[:24] or "error" in line.lower()), lines[-1] if lines else ""
+        )
         return sanitize_line(chosen)
 
     def processEnded(self, reason: Failure) -> None:

@@ -166,8 +166,11 @@ def listed_models(body: bytes) -> tuple[str, ...]:
     else:
         raise ValueError("not a model list (no data[] or models[])")
     # (another Blazar lists its speech, image and rerank models too: remotes serve chat and embeddings)
-    names = [item.get(field) for item in items
-             if isinstance(item, dict) and item.get("kind") not in ("transcription", "image", "rerank")]
+    names = [
+        item.get(field)
+        for item in items
+        if isinstance(item, dict) and item.get("kind") not in ("transcription", "image", "rerank")
+    ]
     return tuple(sorted({n for n in names if isinstance(n, str) and "*" not in n and fair_remote_model(n)}))
 
 
@@ -194,7 +197,6 @@ def failure_text(error: BaseException) -> str:
     if reasons:
         return "; ".join(str(getattr(r, "value", r)) for r in reasons)[:500]
     return (str(error) or type(error).__name__)[:500]
-
 
 
 @attrs.define(eq=False)
@@ -228,9 +230,12 @@ class Remotes:
         remote = self._config().remote(entry.remote or "")
         if remote is None:
             raise ModelNotFound(entry.name, [])
-        self._breakers.check(shared_name(remote.name),
-                             lambda crashes, wait: f"remote {remote.name!r} failed {crashes} times lately; Blazar "
-                                                   f"tries it again in {wait} s")
+        self._breakers.check(
+            shared_name(remote.name),
+            lambda crashes, wait: (
+                f"remote {remote.name!r} failed {crashes} times lately; Blazar tries it again in {wait} s"
+            ),
+        )
         instance = self._remotes.get(entry.name)
         if instance is None:
             if len(self._remotes) > 4096:
@@ -249,8 +254,13 @@ class Remotes:
         error = scrub(error, instance.remote, self._environ)
         self._metrics.crashes.labels(instance.shared).inc()
         self._breakers.of(instance.shared).crashed(self._clock.seconds(), error)
-        log.warn("{model}: {server} ({url}) failed: {error}", model=instance.entry.name, server=instance.server,
-                 url=instance.remote.root, error=error)
+        log.warn(
+            "{model}: {server} ({url}) failed: {error}",
+            model=instance.entry.name,
+            server=instance.server,
+            url=instance.remote.root,
+            error=error,
+        )
         return error
 
     def ok(self, instance: RemoteInstance) -> None:
@@ -349,9 +359,12 @@ class RemoteCatalog:
         except Exception as e:
             if remote.name not in self._failing:
                 self._failing.add(remote.name)
-                log.warn("remote {remote}: could not list its models ({error}); with models = \"*\" they are "
-                         "served once it answers", remote=remote.name,
-                         error=scrub(str(e) or type(e).__name__, remote, self.environ)[:300])
+                log.warn(
+                    'remote {remote}: could not list its models ({error}); with models = "*" they are '
+                    "served once it answers",
+                    remote=remote.name,
+                    error=scrub(str(e) or type(e).__name__, remote, self.environ)[:300],
+                )
             return
         self._failing.discard(remote.name)
         self.note(remote.name, names)

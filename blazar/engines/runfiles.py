@@ -19,8 +19,8 @@ from typing import Any
 
 import psutil
 
-from blazar.files import open_private, private_dir
 from blazar import strictjson
+from blazar.files import open_private, private_dir
 
 
 def run_dir(data_dir: Path) -> Path:
@@ -114,5 +114,3 @@ def thd_stop_orphans(run: Path, grace: float = 5.0) -> list[int]:
             except FileNotFoundError:
                 pass
     return stopped
-
-

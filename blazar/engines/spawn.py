@@ -69,7 +69,7 @@ def child_shape(identity: str, argv: Sequence[str]) -> str:
     args = list(argv)
     if "--port" in args:
         at = args.index("--port")
-        del args[at:at + 2]
+        del args[at : at + 2]
     return hashlib.sha256((identity + "\0" + "\0".join(args)).encode("utf-8")).hexdigest()[:32]
 
 
@@ -97,10 +97,7 @@ def child_environment(environ: Mapping[str, str]) -> dict[str, str]:
     C{LLAMA_ARG_*} or C{LLAMA_API_KEY*} variable (those would silently
     change engine flags or keys).
     """
-    return {
-        k: v for k, v in environ.items()
-        if not k.startswith("LLAMA_ARG_") and not k.startswith("LLAMA_API_KEY")
-    }
+    return {k: v for k, v in environ.items() if not k.startswith("LLAMA_ARG_") and not k.startswith("LLAMA_API_KEY")}
 
 
 async def probe_health(probe: Callable[[str], Awaitable[int]], clock: Any, url: str) -> bool:
@@ -190,13 +187,19 @@ class Launcher:
         lane = lane_for_architecture(error.architecture, self._config(), tried=error.lane)
         if lane is None or entry.settings.engine is not None or entry.name in self._rerouted:
             raise LaneError(entry.name, architecture_error_text(entry.name, error.architecture)) from None
-        log.warn("{model}: llama.cpp does not know its architecture {arch!r}; re-routed to the {lane} lane, "
-                 "which declares it", model=entry.name, arch=error.architecture, lane=lane.name)
+        log.warn(
+            "{model}: llama.cpp does not know its architecture {arch!r}; re-routed to the {lane} lane, "
+            "which declares it",
+            model=entry.name,
+            arch=error.architecture,
+            lane=lane.name,
+        )
         self._rerouted[entry.name] = lane.name  # until the daemon restarts (or the config pins a lane)
         return attrs.evolve(entry, settings=attrs.evolve(entry.settings, engine=lane.name))
 
-    async def prepare(self, entry: ModelEntry, meta: GGUFMetadata,
-                      pinned: str | None) -> tuple[CommandLane | None, Path, str]:
+    async def prepare(
+        self, entry: ModelEntry, meta: GGUFMetadata, pinned: str | None
+    ) -> tuple[CommandLane | None, Path, str]:
         """
         What a child of C{entry} runs: its lane (L{None}: llama.cpp), its
         binary, and the identity of the files it loads (L{thd_identity};
@@ -207,12 +210,17 @@ class Launcher:
         """
         lane = route(entry.name, entry.format, pinned, self._config(), meta.architecture)
         if lane is not None and lane.name == WHISPER and self._run_dir is not None:
-            await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
-                                    self._run_dir / "child-cwd")
+            await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), thd_slot_dir, self._run_dir / "child-cwd"
+            )
         if lane is not None and lane.name in BUILTIN:
             try:
                 binary = await deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), thd_find_server, lane.name, self._config(),
+                    self._reactor,
+                    self._reactor.getThreadPool(),
+                    thd_find_server,
+                    lane.name,
+                    self._config(),
                     self._environ,
                 )
             except ServerNotFound as e:
@@ -221,25 +229,44 @@ class Launcher:
             binary = Path(lane.command[0])
         else:
             binary = await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), self._find_binary,
-                self._config(), self._environ,
+                self._reactor,
+                self._reactor.getThreadPool(),
+                self._find_binary,
+                self._config(),
+                self._environ,
             )
         if lane is None and not entry.settings.embedding:
             # llama-server refuses a --slot-save-path that is not a directory
             await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), thd_slot_dir,
+                self._reactor,
+                self._reactor.getThreadPool(),
+                thd_slot_dir,
                 slot_save_dir(self._config().data_dir, entry.name),
             )
         # the files as this child will load them (a file replaced later does
         # not change what it holds)
-        identity = "" if lane is not None else await deferToThreadPool(
-            self._reactor, self._reactor.getThreadPool(), thd_identity, Path(entry.path), Path(binary),
+        identity = (
+            ""
+            if lane is not None
+            else await deferToThreadPool(
+                self._reactor,
+                self._reactor.getThreadPool(),
+                thd_identity,
+                Path(entry.path),
+                Path(binary),
+            )
         )
         return lane, binary, identity
 
     def launch(
-        self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str,
-        lane: CommandLane | None, placed: Any, profile: tuple[tuple[str, Any], ...],
+        self,
+        entry: ModelEntry,
+        meta: GGUFMetadata,
+        binary: Path,
+        identity: str,
+        lane: CommandLane | None,
+        placed: Any,
+        profile: tuple[tuple[str, Any], ...],
     ) -> Instance:
         """
         Spawn a child of C{entry}, placed as C{placed} (the planner's plan
@@ -252,19 +279,43 @@ class Launcher:
             entry = attrs.evolve(entry, settings=attrs.evolve(entry.settings, **dict(profile)))
         if lane is None:
             command = build_command(
-                binary, entry, meta, port=port, api_key=api_key, config=self._config(),
+                binary,
+                entry,
+                meta,
+                port=port,
+                api_key=api_key,
+                config=self._config(),
                 plan=placed[0] if placed is not None else None,
             )
         elif lane.name in BUILTIN:
-            command = EngineCommand(tuple(builtin_argv(
-                lane.name, str(binary), model=str(entry.path), port=port, secret=api_key,
-                args=(*getattr(self._config(), lane.name).args, *entry.settings.args),
-            )), {})
+            command = EngineCommand(
+                tuple(
+                    builtin_argv(
+                        lane.name,
+                        str(binary),
+                        model=str(entry.path),
+                        port=port,
+                        secret=api_key,
+                        args=(*getattr(self._config(), lane.name).args, *entry.settings.args),
+                    )
+                ),
+                {},
+            )
         else:
-            command = EngineCommand(tuple(lane_argv(
-                lane, model=str(entry.path), port=port, api_key=api_key, alias=entry.name,
-                ctx_size=context_per_slot(entry, meta), parallel=entry.settings.parallel or DEFAULT_PARALLEL,
-            )), {lane.api_key_env: api_key} if lane.api_key_env else {})
+            command = EngineCommand(
+                tuple(
+                    lane_argv(
+                        lane,
+                        model=str(entry.path),
+                        port=port,
+                        api_key=api_key,
+                        alias=entry.name,
+                        ctx_size=context_per_slot(entry, meta),
+                        parallel=entry.settings.parallel or DEFAULT_PARALLEL,
+                    )
+                ),
+                {lane.api_key_env: api_key} if lane.api_key_env else {},
+            )
         protocol = EngineProcessProtocol(entry.name, output=self._engine_output)
         now = self._reactor.seconds()
         self._metrics.loads.labels(entry.name).inc()
@@ -272,8 +323,14 @@ class Launcher:
         if lane is not None and lane.name == WHISPER:  # whisper_idle_secs; 0: kept until the daemon stops
             idle = self._config().whisper_idle or -1.0
         instance = Instance(
-            entry, port, api_key, protocol, started_at=now, last_used=now,
-            idle_timeout=idle, binary=str(binary),
+            entry,
+            port,
+            api_key,
+            protocol,
+            started_at=now,
+            last_used=now,
+            idle_timeout=idle,
+            binary=str(binary),
             ctx=0 if lane is not None and lane.name in BUILTIN else context_per_slot(entry, meta),  # 0: no context
             shape=child_shape(identity, command.argv) if lane is None else "",
             lane=lane.name if lane is not None else "llamacpp",
@@ -281,27 +338,42 @@ class Launcher:
             health_path=lane.health if lane is not None else "/health",
             path_prefix="/" + api_key if lane is not None and lane.name == WHISPER else "",
             profile=profile,
-            plan=placed[0] if placed is not None else None, need=placed[1] if placed is not None else None,
+            plan=placed[0] if placed is not None else None,
+            need=placed[1] if placed is not None else None,
             argv=tuple(command.argv),
         )
         env = child_environment(self._environ)
         env.update(command.env)
         argv = [sys.executable, "-c", DEATHSIG_LAUNCHER, *command.argv]
         log.info(
-            "starting {model}: {argv}", model=entry.name, engine=instance.lane,
+            "starting {model}: {argv}",
+            model=entry.name,
+            engine=instance.lane,
             argv=" ".join(command.argv).replace(api_key, "<per-child key>"),
         )
         # whisper-server serves ./examples/server/public from its working directory: give it an empty one
         cwd = str(self._run_dir / "child-cwd") if lane is not None and lane.name == WHISPER and self._run_dir else None
         transport = self._reactor.spawnProcess(
-            protocol, sys.executable, argv, env=env, childFDs={0: "w", 1: "r", 2: "r"}, path=cwd,
+            protocol,
+            sys.executable,
+            argv,
+            env=env,
+            childFDs={0: "w", 1: "r", 2: "r"},
+            path=cwd,
         )
         instance.pid = transport.pid
         instance.transport = transport
         if self._run_dir is not None:
             instance.run_files = deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), runfiles.thd_write, self._run_dir,
-                entry.name, transport.pid, port, list(command.argv), api_key,
+                self._reactor,
+                self._reactor.getThreadPool(),
+                runfiles.thd_write,
+                self._run_dir,
+                entry.name,
+                transport.pid,
+                port,
+                list(command.argv),
+                api_key,
             )
             instance.run_files.addErrback(lambda f: log.failure("writing run files failed", f))
         return instance

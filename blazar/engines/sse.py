@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-
 MAX_EVENT_BYTES = 16 << 20  # one SSE event, at most (llama-server's are a few KiB)
 
 
@@ -92,8 +91,6 @@ class SSEEvents:
         if not events:
             return
         for event in events.split(b"\n\n"):
-            payload = [
-                line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")
-            ]
+            payload = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if payload:
                 self._on_event(b"\n".join(payload))

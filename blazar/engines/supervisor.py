@@ -78,10 +78,28 @@ from blazar.names import name_key
 
 # the names other modules import from here (moved to the modules of their concepts)
 __all__ = [
-    "MAX_UNLOADS_WAITED", "BreakerOpen", "Breaker", "ContextPlan", "EngineCrashed", "EngineError",
-    "EngineStartFailed", "EngineTimeout", "IInstance", "ISupervisor", "Instance", "InstanceState",
-    "InstanceView", "NoCapacity", "Supervisor", "UnknownArchitecture", "UnloadedWhileLoading", "child_shape",
-    "estimate_bytes", "evicted_name", "thd_identity", "view_of",
+    "MAX_UNLOADS_WAITED",
+    "BreakerOpen",
+    "Breaker",
+    "ContextPlan",
+    "EngineCrashed",
+    "EngineError",
+    "EngineStartFailed",
+    "EngineTimeout",
+    "IInstance",
+    "ISupervisor",
+    "Instance",
+    "InstanceState",
+    "InstanceView",
+    "NoCapacity",
+    "Supervisor",
+    "UnknownArchitecture",
+    "UnloadedWhileLoading",
+    "child_shape",
+    "estimate_bytes",
+    "evicted_name",
+    "thd_identity",
+    "view_of",
 ]
 
 log = Logger()
@@ -145,15 +163,41 @@ class Supervisor(Service):
         self._breakers = Breakers(config, self._reactor)
         self._room = Room(config, self._reactor, self._all, self.stop_instance, self._free_memory)
         self._growth = ContextGrowth(
-            config, self._reactor, self._registry.metadata, self.loaded, self._room.memory_free,
-            self.stop_instance, self._join_spawn, lambda: self._shutting_down,
+            config,
+            self._reactor,
+            self._registry.metadata,
+            self.loaded,
+            self._room.memory_free,
+            self.stop_instance,
+            self._join_spawn,
+            lambda: self._shutting_down,
         )
         self._remotes = Remotes(config, self._reactor, self._breakers, self._environ, self.metrics)
-        self._launcher = Launcher(config, self._reactor, self._environ, self._find_binary, self._port_finder,
-                                  self._run_dir, self._engine_output, self.metrics)
-        self._watch = ChildWatch(config, self._reactor, self._probe, self._health_interval, self._instances, self._all,
-                                 self._breakers, self._room, self._remotes, self.metrics, self._hardware_changed,
-                                 self._process_alive, self._run_dir)
+        self._launcher = Launcher(
+            config,
+            self._reactor,
+            self._environ,
+            self._find_binary,
+            self._port_finder,
+            self._run_dir,
+            self._engine_output,
+            self.metrics,
+        )
+        self._watch = ChildWatch(
+            config,
+            self._reactor,
+            self._probe,
+            self._health_interval,
+            self._instances,
+            self._all,
+            self._breakers,
+            self._room,
+            self._remotes,
+            self.metrics,
+            self._hardware_changed,
+            self._process_alive,
+            self._run_dir,
+        )
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
 
@@ -171,16 +215,19 @@ class Supervisor(Service):
         self._room.hardware = census
 
     @property
-    def engine_devices(self) -> Callable[[Path, Mapping[tuple[str, float], list[str]]],
-                                         tuple[tuple[str, float], list[str] | None]]:
+    def engine_devices(
+        self,
+    ) -> Callable[[Path, Mapping[tuple[str, float], list[str]]], tuple[tuple[str, float], list[str] | None]]:
         """
         The GPUs an engine binary can use (thread side: L{thd_engine_devices}).
         """
         return self._room.engine_devices
 
     @engine_devices.setter
-    def engine_devices(self, devices: Callable[[Path, Mapping[tuple[str, float], list[str]]],
-                                               tuple[tuple[str, float], list[str] | None]]) -> None:
+    def engine_devices(
+        self,
+        devices: Callable[[Path, Mapping[tuple[str, float], list[str]]], tuple[tuple[str, float], list[str] | None]],
+    ) -> None:
         self._room.engine_devices = devices
 
     @property
@@ -198,19 +245,31 @@ class Supervisor(Service):
         """
         states = (InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING)
         views = self.snapshot()
-        yield gauge("blazar_instances_loaded", "Engine children, by state", ["state"],
-                    [([st], sum(1 for v in views if v.state == st)) for st in states])
+        yield gauge(
+            "blazar_instances_loaded",
+            "Engine children, by state",
+            ["state"],
+            [([st], sum(1 for v in views if v.state == st)) for st in states],
+        )
         lanes = sorted({v.lane for v in views if v.live} | {"llamacpp"})
-        yield gauge("blazar_instances_by_lane", "Live engine children, by lane (llamacpp, whisper, sdcpp, ...)",
-                    ["lane"], [([lane], sum(1 for v in views if v.live and v.lane == lane)) for lane in lanes])
+        yield gauge(
+            "blazar_instances_by_lane",
+            "Live engine children, by lane (llamacpp, whisper, sdcpp, ...)",
+            ["lane"],
+            [([lane], sum(1 for v in views if v.live and v.lane == lane)) for lane in lanes],
+        )
         yield self._breakers.gauge()
         held: dict[tuple[str, int], int] = {}
         for v in views:  # (a model being reloaded has two children for a moment: one series, summed)
             for gpu, used in v.gpu_held().items():
                 held[v.name, gpu] = held.get((v.name, gpu), 0) + used
-        yield gauge("blazar_model_vram_bytes", "GPU memory in bytes a model's engine children hold, by NVML "
-                    "device index: as NVML measured once ready, else as planned", ["model", "gpu"],
-                    [([name, str(gpu)], float(used)) for (name, gpu), used in sorted(held.items())])
+        yield gauge(
+            "blazar_model_vram_bytes",
+            "GPU memory in bytes a model's engine children hold, by NVML "
+            "device index: as NVML measured once ready, else as planned",
+            ["model", "gpu"],
+            [([name, str(gpu)], float(used)) for (name, gpu), used in sorted(held.items())],
+        )
 
     def startService(self) -> None:
         Service.startService(self)
@@ -221,9 +280,7 @@ class Supervisor(Service):
                 log.warn("stopped orphaned engine pid {pid} left by an earlier daemon", pid=pid)
         self._reaper = LoopingCall(self.reap)
         self._reaper.clock = self._reactor
-        self._reaper.start(1.0, now=False).addErrback(
-            lambda f: log.failure("idle reaper stopped", f)
-        )
+        self._reaper.start(1.0, now=False).addErrback(lambda f: log.failure("idle reaper stopped", f))
 
     def reap(self) -> None:
         """
@@ -235,8 +292,10 @@ class Supervisor(Service):
             for instance in list(self._all):
                 expires = instance.expires_at()
                 if (
-                    instance.state == InstanceState.READY and instance.in_flight == 0
-                    and expires is not None and expires <= now
+                    instance.state == InstanceState.READY
+                    and instance.in_flight == 0
+                    and expires is not None
+                    and expires <= now
                 ):
                     self.stop_instance(instance, "idle")
         except Exception:
@@ -336,8 +395,9 @@ class Supervisor(Service):
             wanted = self._profiles.get(entry.name, ())
             reprofile = instance is not None and instance.lane == "llamacpp" and instance.profile != wanted
             if grow is None and instance is not None and (target > instance.ctx or reprofile):
-                grow = self._growth.begin(entry, instance, max(target, instance.ctx),
-                                        "reload" if target <= instance.ctx else "grow")
+                grow = self._growth.begin(
+                    entry, instance, max(target, instance.ctx), "reload" if target <= instance.ctx else "grow"
+                )
             if grow is not None:
                 if target > grow.target and not grow.spawning:
                     grow.target = target  # one restart for every growing request
@@ -438,8 +498,7 @@ class Supervisor(Service):
             pending = self._spawning.pop(entry.name, waiters)
             if isinstance(result, Failure):
                 if not pending.pending():
-                    log.error("loading {model} failed: {error}", model=entry.name,
-                              error=result.getErrorMessage())
+                    log.error("loading {model} failed: {error}", model=entry.name, error=result.getErrorMessage())
                 pending.fail(result)
             else:
                 pending.fire(result)
@@ -479,8 +538,13 @@ class Supervisor(Service):
         return estimate_bytes(entry, meta)
 
     def _start(
-        self, entry: ModelEntry, meta: GGUFMetadata, binary: Path, identity: str = "",
-        lane: CommandLane | None = None, placed: Any = None,
+        self,
+        entry: ModelEntry,
+        meta: GGUFMetadata,
+        binary: Path,
+        identity: str = "",
+        lane: CommandLane | None = None,
+        placed: Any = None,
     ) -> Instance:
         profile = self._profiles.get(entry.name, ()) if lane is None else ()
         instance = self._launcher.launch(entry, meta, binary, identity, lane, placed, profile)
@@ -556,8 +620,12 @@ class Supervisor(Service):
         if instance.in_flight == 0 and not (instance.state == InstanceState.STARTING and instance.awaited()):
             return self.stop_instance(instance, reason)
         instance.unload_when_idle = reason
-        log.info("{model}: unloading once its {n} running request(s) end ({reason})",
-                 model=instance.entry.name, n=instance.in_flight, reason=reason)
+        log.info(
+            "{model}: unloading once its {n} running request(s) end ({reason})",
+            model=instance.entry.name,
+            n=instance.in_flight,
+            reason=reason,
+        )
         return None
 
     def stop_instance(self, instance: Instance, reason: str = "requested") -> Deferred[ExitStatus]:
@@ -628,7 +696,8 @@ class Supervisor(Service):
         if wanted is None:
             return []
         chosen = [
-            i for i in self._all
+            i
+            for i in self._all
             if name_key(i.entry.name) == wanted and i.state not in (InstanceState.STOPPING, InstanceState.DEAD)
         ]
         for instance in chosen:

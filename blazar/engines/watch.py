@@ -19,7 +19,13 @@ from twisted.logger import Logger
 from blazar.config import Config
 from blazar.engines import runfiles
 from blazar.engines.breaker import Breakers
-from blazar.engines.errors import EngineCrashed, EngineError, EngineStartFailed, UnknownArchitecture, UnloadedWhileLoading
+from blazar.engines.errors import (
+    EngineCrashed,
+    EngineError,
+    EngineStartFailed,
+    UnknownArchitecture,
+    UnloadedWhileLoading,
+)
 from blazar.engines.instance import Instance, InstanceState
 from blazar.engines.process import ExitStatus
 from blazar.engines.remote import RemoteInstance, Remotes, failure_text
@@ -77,11 +83,15 @@ class ChildWatch:
                 self._changed()  # (llama-server allocates its VRAM while it loads)
                 if self._room.hardware is not None:
                     ensureDeferred(self._room.measure(instance)).addErrback(
-                        lambda f: log.failure("measuring {model}'s GPU memory", f, model=instance.entry.name))
+                        lambda f: log.failure("measuring {model}'s GPU memory", f, model=instance.entry.name)
+                    )
                 log.info(
                     "{model} ready on port {port} (pid {pid}) after {secs:.2f}s",
-                    model=instance.entry.name, engine="llamacpp", port=instance.port,
-                    pid=instance.pid, secs=self._reactor.seconds() - instance.started_at,
+                    model=instance.entry.name,
+                    engine="llamacpp",
+                    port=instance.port,
+                    pid=instance.pid,
+                    secs=self._reactor.seconds() - instance.started_at,
                 )
                 self._breakers.of(instance.entry.name).ready()
                 self._metrics.load_duration.labels(instance.entry.name).observe(
@@ -116,8 +126,12 @@ class ChildWatch:
             run_dir, pid = self._run_dir, instance.pid or 0
             instance.run_files.addCallback(
                 lambda _: deferToThreadPool(
-                    self._reactor, self._reactor.getThreadPool(), runfiles.thd_remove,
-                    run_dir, instance.entry.name, pid,
+                    self._reactor,
+                    self._reactor.getThreadPool(),
+                    runfiles.thd_remove,
+                    run_dir,
+                    instance.entry.name,
+                    pid,
                 )
             ).addErrback(lambda f: log.failure("removing run files failed", f))
         was = instance.state
@@ -130,13 +144,22 @@ class ChildWatch:
         message = instance.describe_exit(status)
         if was == InstanceState.STOPPING:
             self._metrics.evictions.labels(instance.entry.name, label_reason(instance.stop_reason)).inc()
-            log.info("{model} stopped ({reason}; {status})", model=instance.entry.name,
-                     engine="llamacpp", status=status.describe(), reason=instance.stop_reason)
+            log.info(
+                "{model} stopped ({reason}; {status})",
+                model=instance.entry.name,
+                engine="llamacpp",
+                status=status.describe(),
+                reason=instance.stop_reason,
+            )
             if status.signal is None and status.code == 0:
                 self._breakers.of(instance.entry.name).reset()
         else:
-            log.error("{message}", message=instance.describe_exit(status, full=True),
-                      model=instance.entry.name, engine="llamacpp")
+            log.error(
+                "{message}",
+                message=instance.describe_exit(status, full=True),
+                model=instance.entry.name,
+                engine="llamacpp",
+            )
             detail = f"{status.describe()}; {instance.protocol.error_line()}"
             if was == InstanceState.DEAD:
                 # a request found it exited first and counted the crash
@@ -148,8 +171,10 @@ class ChildWatch:
             # it never became ready (crashed, or stopped while loading):
             # every request waiting for it gets an answer
             if was == InstanceState.STOPPING:
-                message = (f"model {instance.entry.name!r} was unloaded while it was loading "
-                           f"({instance.stop_reason}); send the request again")
+                message = (
+                    f"model {instance.entry.name!r} was unloaded while it was loading "
+                    f"({instance.stop_reason}); send the request again"
+                )
             architecture = instance.protocol.unknown_architecture() if was != InstanceState.STOPPING else None
             if architecture is not None:
                 instance._settle(UnknownArchitecture(instance.entry.name, message, architecture, instance.lane))
@@ -183,8 +208,12 @@ class ChildWatch:
                 self._reactor.seconds(),
                 f"pid {instance.pid} exited (found by a request before its exit was reported)",
             )
-            log.info("{model}: its engine (pid {pid}) has exited; the next request starts a fresh one",
-                     model=name, engine="llamacpp", pid=instance.pid)
+            log.info(
+                "{model}: its engine (pid {pid}) has exited; the next request starts a fresh one",
+                model=name,
+                engine="llamacpp",
+                pid=instance.pid,
+            )
         return True
 
     async def explain(self, instance: Instance, error: BaseException) -> EngineError:
@@ -194,8 +223,10 @@ class ChildWatch:
         """
         if isinstance(instance, RemoteInstance):
             error_text = self._remotes.failed(instance, failure_text(error))
-            return EngineCrashed(instance.entry.name, f"{instance.server} for model {instance.entry.name!r} could "
-                                 f"not be reached: {error_text}")
+            return EngineCrashed(
+                instance.entry.name,
+                f"{instance.server} for model {instance.entry.name!r} could not be reached: {error_text}",
+            )
         ended = instance.protocol.when_ended()
         timer = self._reactor.callLater(2.0, ended.cancel)
         try:

@@ -50,10 +50,10 @@ import attrs
 from twisted.internet.defer import Deferred, succeed
 
 from blazar.config import Config, QueueConfig
-from blazar.metrics import Metrics, gauge
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.errors import AllSlotsBusy
 from blazar.gateway.priority import Priority
+from blazar.metrics import Metrics, gauge
 
 QUEUE_MS_HEADER = b"x-blazar-queue-ms"
 LONG_PREFILL_BYTES = 64 * 1024
@@ -151,9 +151,7 @@ class ModelQueue:
         before the first release.
     """
 
-    def __init__(
-        self, model: str, clock: Any, settings: QueueConfig, metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, model: str, clock: Any, settings: QueueConfig, metrics: Metrics | None = None) -> None:
         self._metrics = metrics
         self.model = model
         self._clock = clock
@@ -171,9 +169,15 @@ class ModelQueue:
     # -- the request side -------------------------------------------------
 
     def ticket(
-        self, *, key: str = "", weight: float = 1.0, priority: Priority = Priority.NORMAL,
-        work: WorkClass = WorkClass.INTERACTIVE, deadline: float | None = None,
-        body_size: int = 0, trace_id: str = "",
+        self,
+        *,
+        key: str = "",
+        weight: float = 1.0,
+        priority: Priority = Priority.NORMAL,
+        work: WorkClass = WorkClass.INTERACTIVE,
+        deadline: float | None = None,
+        body_size: int = 0,
+        trace_id: str = "",
     ) -> Ticket:
         """
         A ticket for a request arriving now.
@@ -200,8 +204,14 @@ class ModelQueue:
         now = self._clock.seconds()
         self._seq += 1
         return Ticket(
-            key=key, weight=weight if weight > 0 else 1.0, priority=priority, work=work,
-            arrived=now, deadline=now + deadline, trace_id=trace_id, seq=self._seq,
+            key=key,
+            weight=weight if weight > 0 else 1.0,
+            priority=priority,
+            work=work,
+            arrived=now,
+            deadline=now + deadline,
+            trace_id=trace_id,
+            seq=self._seq,
         )
 
     def admit(self, ticket: Ticket, slots: int | None = None) -> Deferred[Lease]:
@@ -222,7 +232,9 @@ class ModelQueue:
             raise AllSlotsBusy(
                 f"all_slots_busy: key {ticket.key!r} already has {share} requests waiting for model "
                 f"{self.model!r}, half of queue.max_waiting = {self.settings.max_waiting}: one key may not fill "
-                "the queue; retry later", 0.0, self._retry_after(),
+                "the queue; retry later",
+                0.0,
+                self._retry_after(),
             )
         if len(self.waiting) >= self.settings.max_waiting:
             # a full queue makes room for a more urgent arrival: its least
@@ -236,7 +248,9 @@ class ModelQueue:
                 f"all_slots_busy: {len(self.waiting)} requests already wait for the "
                 f"{self.slots} slot(s) of model {self.model!r} (queue.max_waiting = "
                 f"{self.settings.max_waiting}); retry later, or raise parallel under "
-                f'[models."{self.model}"]', 0.0, self._retry_after(),
+                f'[models."{self.model}"]',
+                0.0,
+                self._retry_after(),
             )
         active = {t.key for t in self.waiting} | {t.key for t in self.running}
         if ticket.key not in active and active:
@@ -246,9 +260,13 @@ class ModelQueue:
             others = min(self.credits.get(k, 0.0) for k in active)
             self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), others)
 
-        if not self.waiting and len(self.running) < self.slots and (
-            ticket.work != WorkClass.RAW_LONG
-            or sum(1 for t in self.running if t.work == WorkClass.RAW_LONG) < self.slots
+        if (
+            not self.waiting
+            and len(self.running) < self.slots
+            and (
+                ticket.work != WorkClass.RAW_LONG
+                or sum(1 for t in self.running if t.work == WorkClass.RAW_LONG) < self.slots
+            )
         ):
             # the usual case: a free slot and nobody ahead
             return succeed(self._start(ticket))
@@ -302,9 +320,9 @@ class ModelQueue:
             ticket.timer.cancel()
         ticket.admitted_at = self._clock.seconds()
         if self._metrics is not None:
-            self._metrics.queue_wait.labels(
-                self.model, ticket.priority.name.lower(), CLASS_NAMES[ticket.work]
-            ).observe(ticket.admitted_at - ticket.arrived)
+            self._metrics.queue_wait.labels(self.model, ticket.priority.name.lower(), CLASS_NAMES[ticket.work]).observe(
+                ticket.admitted_at - ticket.arrived
+            )
         self.running.append(ticket)
         self.credits[ticket.key] = self.credits.get(ticket.key, 0.0) + 1.0 / ticket.weight
         self.admitted_total += 1
@@ -326,9 +344,7 @@ class ModelQueue:
             self.admissions = 0
         assert ticket.admitted_at is not None
         held = self._clock.seconds() - ticket.admitted_at
-        self.service = held if self.service is None else (
-            (1 - SERVICE_EWMA) * self.service + SERVICE_EWMA * held
-        )
+        self.service = held if self.service is None else ((1 - SERVICE_EWMA) * self.service + SERVICE_EWMA * held)
         self._dispatch()
 
     def _leave(self, ticket: Ticket) -> None:
@@ -356,18 +372,26 @@ class ModelQueue:
         retry = self._retry_after()
         self._dispatch()
         if shed:
-            waiter.errback(AllSlotsBusy(
-                f"all_slots_busy: the queue of model {self.model!r} is full (queue.max_waiting = "
-                f"{self.settings.max_waiting}) and a more urgent request took this one's place after "
-                f"{human_wait(waited)}; retry in {max(1, math.ceil(retry))}s", waited, retry))
+            waiter.errback(
+                AllSlotsBusy(
+                    f"all_slots_busy: the queue of model {self.model!r} is full (queue.max_waiting = "
+                    f"{self.settings.max_waiting}) and a more urgent request took this one's place after "
+                    f"{human_wait(waited)}; retry in {max(1, math.ceil(retry))}s",
+                    waited,
+                    retry,
+                )
+            )
             return
-        waiter.errback(AllSlotsBusy(
-            f"all_slots_busy: all {self.slots} slot(s) of model {self.model!r} stayed busy; "
-            f"waited {human_wait(waited)} (position {position} of {len(self.waiting) + 1}). "
-            f"Retry in {max(1, math.ceil(retry))}s, allow a longer wait with the "
-            f"x-blazar-deadline-ms header, or raise parallel under [models.\"{self.model}\"]",
-            waited, retry,
-        ))
+        waiter.errback(
+            AllSlotsBusy(
+                f"all_slots_busy: all {self.slots} slot(s) of model {self.model!r} stayed busy; "
+                f"waited {human_wait(waited)} (position {position} of {len(self.waiting) + 1}). "
+                f"Retry in {max(1, math.ceil(retry))}s, allow a longer wait with the "
+                f'x-blazar-deadline-ms header, or raise parallel under [models."{self.model}"]',
+                waited,
+                retry,
+            )
+        )
 
     # -- introspection ----------------------------------------------------
 
@@ -418,9 +442,9 @@ class ModelQueue:
         if self.service is None:
             return None
         now = self._clock.seconds()
-        free = [
-            max(0.0, self.service - (now - (t.admitted_at or now))) for t in self.running
-        ] + [0.0] * max(0, self.slots - len(self.running))
+        free = [max(0.0, self.service - (now - (t.admitted_at or now))) for t in self.running] + [0.0] * max(
+            0, self.slots - len(self.running)
+        )
         heapq.heapify(free)
         starts = []
         for _ in range(count):
@@ -461,15 +485,20 @@ class ModelQueue:
                 break
             if not show(t):
                 continue
-            requests.append({
-                "trace_id": t.trace_id, "key": t.key, "position": position + 1,
-                "priority": t.priority.name.lower(), "class": CLASS_NAMES[t.work],
-                "waited_ms": round((now - t.arrived) * 1000),
-                "deadline_in_ms": round((t.deadline - now) * 1000),
-                "estimated_start_ms": (
-                    round(starts[position] * 1000) if starts is not None and position < len(starts) else None
-                ),
-            })
+            requests.append(
+                {
+                    "trace_id": t.trace_id,
+                    "key": t.key,
+                    "position": position + 1,
+                    "priority": t.priority.name.lower(),
+                    "class": CLASS_NAMES[t.work],
+                    "waited_ms": round((now - t.arrived) * 1000),
+                    "deadline_in_ms": round((t.deadline - now) * 1000),
+                    "estimated_start_ms": (
+                        round(starts[position] * 1000) if starts is not None and position < len(starts) else None
+                    ),
+                }
+            )
         return {
             "model": self.model,
             "slots": {"busy": len(self.running), "total": self.slots},
@@ -487,11 +516,17 @@ class ModelQueue:
             "admitted": self.admitted_total,
             "expired": self.expired_total,
             "requests": requests,
-            "running": [{
-                "trace_id": t.trace_id, "key": t.key, "priority": t.priority.name.lower(),
-                "class": CLASS_NAMES[t.work],
-                "elapsed_ms": round((now - (t.admitted_at if t.admitted_at is not None else t.arrived)) * 1000),
-            } for t in self.running[:SNAPSHOT_REQUESTS] if show(t)],
+            "running": [
+                {
+                    "trace_id": t.trace_id,
+                    "key": t.key,
+                    "priority": t.priority.name.lower(),
+                    "class": CLASS_NAMES[t.work],
+                    "elapsed_ms": round((now - (t.admitted_at if t.admitted_at is not None else t.arrived)) * 1000),
+                }
+                for t in self.running[:SNAPSHOT_REQUESTS]
+                if show(t)
+            ],
         }
 
 
@@ -503,9 +538,7 @@ class Admission:
         C{[queue]} settings apply to requests arriving after a change.
     """
 
-    def __init__(
-        self, clock: Any, config: Callable[[], Config], metrics: Metrics | None = None
-    ) -> None:
+    def __init__(self, clock: Any, config: Callable[[], Config], metrics: Metrics | None = None) -> None:
         self._clock = clock
         self._config = config
         self._metrics = metrics
@@ -526,13 +559,22 @@ class Admission:
                 counts[cell] = counts.get(cell, 0) + 1
             depth += [
                 ([name, p.name.lower(), CLASS_NAMES[w]], counts.get((p.name.lower(), CLASS_NAMES[w]), 0))
-                for p in Priority for w in WorkClass
+                for p in Priority
+                for w in WorkClass
             ]
         yield gauge("blazar_queue_depth", "Requests waiting for a slot", ["model", "priority", "class"], depth)
-        yield gauge("blazar_slots_busy", "Slots held by admitted requests", ["model"],
-                    [([n], len(q.running)) for n, q in sorted(self.queues.items())])
-        yield gauge("blazar_slots_total", "Slots of the model (its parallel)", ["model"],
-                    [([n], q.slots) for n, q in sorted(self.queues.items())])
+        yield gauge(
+            "blazar_slots_busy",
+            "Slots held by admitted requests",
+            ["model"],
+            [([n], len(q.running)) for n, q in sorted(self.queues.items())],
+        )
+        yield gauge(
+            "blazar_slots_total",
+            "Slots of the model (its parallel)",
+            ["model"],
+            [([n], q.slots) for n, q in sorted(self.queues.items())],
+        )
 
     def queue(self, model: str) -> ModelQueue:
         """
@@ -550,16 +592,19 @@ class Admission:
         C{{"models": [ModelQueue.snapshot(), ...]}} for the models C{show}
         allows (called with a ticket of L{None} for the model itself).
         """
+
         def rows(model: str) -> Callable[[Ticket], bool]:
             return lambda t: show(model, t)
 
-        return {"models": [
-            q.snapshot(rows(name)) for name, q in sorted(self.queues.items()) if show(name, None)
-        ]}
+        return {"models": [q.snapshot(rows(name)) for name, q in sorted(self.queues.items()) if show(name, None)]}
 
 
 async def admit_request(
-    admission: Admission, context: RequestContext | None, model: str, slots: int, work: WorkClass,
+    admission: Admission,
+    context: RequestContext | None,
+    model: str,
+    slots: int,
+    work: WorkClass,
     size: int | None = None,
 ) -> Lease:
     """
@@ -585,10 +630,12 @@ async def admit_request(
         # from a client it is low (issue 36: it let one key park 1,024 waiters)
         priority = Priority.LOW
     ticket = queue.ticket(
-        key=key.name if key is not None else "", weight=key.weight if key is not None else 1.0,
+        key=key.name if key is not None else "",
+        weight=key.weight if key is not None else 1.0,
         priority=priority,
         deadline=client.deadline() if client is not None else None,
-        work=work, body_size=(client.body_size() if client is not None else 0) if size is None else size,
+        work=work,
+        body_size=(client.body_size() if client is not None else 0) if size is None else size,
         trace_id=trace_id_of(context),
     )
     waiting = queue.admit(ticket, slots)
@@ -607,4 +654,3 @@ async def admit_request(
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
     context.set_reply_header(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
-

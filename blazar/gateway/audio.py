@@ -77,8 +77,22 @@ def wav_header(samples: int) -> bytes:
     samples (the canonical layout: RIFF, fmt, data).
     """
     size = samples * 2
-    return struct.pack("<4sI4s4sIHHIIHH4sI", b"RIFF", 36 + size, b"WAVE", b"fmt ", 16, 1, 1, SAMPLE_RATE,
-                       SAMPLE_RATE * 2, 2, 16, b"data", size)
+    return struct.pack(
+        "<4sI4s4sIHHIIHH4sI",
+        b"RIFF",
+        36 + size,
+        b"WAVE",
+        b"fmt ",
+        16,
+        1,
+        1,
+        SAMPLE_RATE,
+        SAMPLE_RATE * 2,
+        2,
+        16,
+        b"data",
+        size,
+    )
 
 
 def thd_to_wav(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[bytes, float]:
@@ -89,8 +103,11 @@ def thd_to_wav(data: bytes, max_seconds: float = MAX_SECONDS) -> tuple[bytes, fl
     return wav_header(len(pcm) // 2) + bytes(pcm), len(pcm) / 2 / SAMPLE_RATE
 
 
-def thd_to_multipart(data: bytes, fields: Mapping[str, str], max_seconds: float = MAX_SECONDS,
-                     ) -> tuple[bytes, str, float]:
+def thd_to_multipart(
+    data: bytes,
+    fields: Mapping[str, str],
+    max_seconds: float = MAX_SECONDS,
+) -> tuple[bytes, str, float]:
     """
     The child's whole C{multipart/form-data} body: C{fields} and the upload
     as a 16 kHz WAV C{file} part, built with one copy of the samples (a

@@ -31,8 +31,8 @@ from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.logger import Logger
 from zope.interface import implementer
 
-from blazar.httpbody import BodyValve
 from blazar.gateway.context import RequestContext, note_error, trace_id_of
+from blazar.httpbody import BodyValve
 
 log = Logger()
 
@@ -83,8 +83,13 @@ class ClientPacer:
     """
 
     def __init__(
-        self, consumer: Any, valve: BodyValve, clock: Any, stall_close_secs: float,
-        model: str = "", context: RequestContext | None = None,
+        self,
+        consumer: Any,
+        valve: BodyValve,
+        clock: Any,
+        stall_close_secs: float,
+        model: str = "",
+        context: RequestContext | None = None,
     ) -> None:
         """
         @param consumer: The client's response, as a consumer on an HTTP
@@ -219,7 +224,9 @@ class ClientPacer:
         log.warn(
             "client stopped reading the {model} stream for stream_stall_close_secs = {secs} s; "
             "closing its connection and freeing the slot",
-            model=self._model, secs=f"{self._stall_close_secs:g}", trace_id=trace_id_of(self._context),
+            model=self._model,
+            secs=f"{self._stall_close_secs:g}",
+            trace_id=trace_id_of(self._context),
         )
         transport = getattr(request, "transport", None)
         if transport is None:

@@ -54,10 +54,9 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory
 from zope.interface import implementer
 
-from blazar import store
+from blazar import store, strictjson
 from blazar.config import DEFAULT_FILE_BYTES_PER_KEY
 from blazar.gateway.errors import BadRequest, NotFound, Unavailable
-from blazar import strictjson
 
 log = Logger()
 
@@ -95,11 +94,15 @@ EXPIRY_CHECK = 60.0
 MAX_ERRORS = 100
 """Validation errors listed in a failed batch's C{errors}, at most."""
 
-EXPIRED = {"code": "batch_expired",
-           "message": "This request could not be executed before the completion window expired."}
-INTERRUPTED = {"code": "batch_interrupted",
-               "message": "the daemon stopped while this request was in flight; it may have run, so it is "
-                          "not sent again (each batch line runs at most once)"}
+EXPIRED = {
+    "code": "batch_expired",
+    "message": "This request could not be executed before the completion window expired.",
+}
+INTERRUPTED = {
+    "code": "batch_interrupted",
+    "message": "the daemon stopped while this request was in flight; it may have run, so it is "
+    "not sent again (each batch line runs at most once)",
+}
 
 
 class FileNotFound(NotFound):
@@ -150,12 +153,17 @@ def storage_refusal(key: str, used: int, size: int, quota: int) -> StorageQuotaE
     keys) whose files hold C{used} bytes, refused a C{size}-byte file.
     """
     whose = f"key {key!r}'s files hold" if key else "the files stored on this gateway (it has no keys) hold"
-    setting = (f"{FILE_BYTES_SETTING} in the config, or file_bytes in the key's [[keys]] entry" if key
-               else f"{FILE_BYTES_SETTING} in the config")
+    setting = (
+        f"{FILE_BYTES_SETTING} in the config, or file_bytes in the key's [[keys]] entry"
+        if key
+        else f"{FILE_BYTES_SETTING} in the config"
+    )
     return StorageQuotaExceeded(
         f"{whose} {used} bytes; this {size}-byte file would take them past the quota of {quota} bytes "
         f"({setting}): delete files no longer needed with DELETE /v1/files/{{file_id}} (GET /v1/files lists "
-        "them; a finished batch's output and error files count too), or raise the quota", "file")
+        "them; a finished batch's output and error files count too), or raise the quota",
+        "file",
+    )
 
 
 def new_id(prefix: str) -> str:
@@ -171,8 +179,17 @@ def file_object(row: tuple[str, str, str, str, int, int]) -> dict[str, Any]:
     C{(id, key, filename, purpose, created_at, bytes)} row.
     """
     id_, _, filename, purpose, created_at, size = row
-    return {"id": id_, "object": "file", "bytes": size, "created_at": created_at, "filename": filename,
-            "purpose": purpose, "status": "processed", "expires_at": None, "status_details": None}
+    return {
+        "id": id_,
+        "object": "file",
+        "bytes": size,
+        "created_at": created_at,
+        "filename": filename,
+        "purpose": purpose,
+        "status": "processed",
+        "expires_at": None,
+        "status_details": None,
+    }
 
 
 def check_metadata(value: object) -> dict[str, str] | None:
@@ -184,11 +201,17 @@ def check_metadata(value: object) -> dict[str, str] | None:
     """
     if value is None:
         return None
-    if (not isinstance(value, dict) or len(value) > 16
-            or not all(isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
-                       for k, v in value.items())):
-        raise BadRequest("'metadata' must be an object of at most 16 string pairs (keys up to 64 characters, "
-                         "values up to 512)", "metadata")
+    if (
+        not isinstance(value, dict)
+        or len(value) > 16
+        or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512 for k, v in value.items()
+        )
+    ):
+        raise BadRequest(
+            "'metadata' must be an object of at most 16 string pairs (keys up to 64 characters, values up to 512)",
+            "metadata",
+        )
     return dict(value)
 
 
@@ -216,19 +239,36 @@ def _is_text(value: str) -> bool:
     return True
 
 
-def new_batch(id_: str, endpoint: str, input_file_id: str, window: str, now: int,
-              metadata: dict[str, str] | None) -> dict[str, Any]:
+def new_batch(
+    id_: str, endpoint: str, input_file_id: str, window: str, now: int, metadata: dict[str, str] | None
+) -> dict[str, Any]:
     """
     A new batch object in OpenAI's shape (C{openai.types.Batch}), status
     C{validating}, every timestamp but C{created_at} and C{expires_at}
     null.
     """
     return {
-        "id": id_, "object": "batch", "endpoint": endpoint, "errors": None, "input_file_id": input_file_id,
-        "completion_window": window, "status": "validating", "output_file_id": None, "error_file_id": None,
-        "created_at": now, "in_progress_at": None, "expires_at": now + WINDOWS[window], "finalizing_at": None,
-        "completed_at": None, "failed_at": None, "expired_at": None, "cancelling_at": None, "cancelled_at": None,
-        "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
+        "id": id_,
+        "object": "batch",
+        "endpoint": endpoint,
+        "errors": None,
+        "input_file_id": input_file_id,
+        "completion_window": window,
+        "status": "validating",
+        "output_file_id": None,
+        "error_file_id": None,
+        "created_at": now,
+        "in_progress_at": None,
+        "expires_at": now + WINDOWS[window],
+        "finalizing_at": None,
+        "completed_at": None,
+        "failed_at": None,
+        "expired_at": None,
+        "cancelling_at": None,
+        "cancelled_at": None,
+        "request_counts": {"total": 0, "completed": 0, "failed": 0},
+        "metadata": metadata,
+        "model": None,
     }
 
 
@@ -275,8 +315,13 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
             fail("missing_required_parameter", f"line {n} has no 'custom_id' (a non-empty string)", n, "custom_id")
             continue
         if custom_id in seen:
-            fail("duplicate_custom_id", f"line {n}: custom_id {custom_id[:100]!r} is used by an earlier line; "
-                 "each custom_id must be unique within the batch", n, "custom_id")
+            fail(
+                "duplicate_custom_id",
+                f"line {n}: custom_id {custom_id[:100]!r} is used by an earlier line; "
+                "each custom_id must be unique within the batch",
+                n,
+                "custom_id",
+            )
             continue
         seen.add(custom_id)
         if item.get("method") != "POST":
@@ -296,8 +341,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
     if not lines and not errors:
         fail("empty_file", "the input file has no requests", None)
     if len(lines) > MAX_LINES:
-        fail("too_many_requests", f"a batch may have at most {MAX_LINES} requests; this file has {len(lines)}",
-             None)
+        fail("too_many_requests", f"a batch may have at most {MAX_LINES} requests; this file has {len(lines)}", None)
     model = next(iter(models)) if len(models) == 1 else None
     return lines, errors, model if isinstance(model, str) else None
 
@@ -306,16 +350,24 @@ def output_line(batch: str, line: int, custom_id: str, status: int, request_id: 
     """
     The output (or error) file line of a request that got a response.
     """
-    return {"id": store.line_request_id(batch, line), "custom_id": custom_id,
-            "response": {"status_code": status, "request_id": request_id, "body": body}, "error": None}
+    return {
+        "id": store.line_request_id(batch, line),
+        "custom_id": custom_id,
+        "response": {"status_code": status, "request_id": request_id, "body": body},
+        "error": None,
+    }
 
 
 def error_line(batch: str, line: int, custom_id: str, code: str, message: str) -> dict[str, Any]:
     """
     The error file line of a request that got no response.
     """
-    return {"id": store.line_request_id(batch, line), "custom_id": custom_id, "response": None,
-            "error": {"code": code, "message": message}}
+    return {
+        "id": store.line_request_id(batch, line),
+        "custom_id": custom_id,
+        "response": None,
+        "error": {"code": code, "message": message},
+    }
 
 
 def error_template(error: Mapping[str, str]) -> str:
@@ -354,8 +406,14 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     db.execute("BEGIN")
     try:
         counts = store.thd_line_counts(db, batch["id"])
-        batch = {**batch, "request_counts": {"total": sum(counts.values()), "completed": counts.get("done", 0),
-                                             "failed": counts.get("failed", 0)}}
+        batch = {
+            **batch,
+            "request_counts": {
+                "total": sum(counts.values()),
+                "completed": counts.get("done", 0),
+                "failed": counts.get("failed", 0),
+            },
+        }
         for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
             content = store.thd_results(db, batch["id"], ok)
             if content:
@@ -379,9 +437,14 @@ def thd_unfinished(db: sqlite3.Connection) -> list[tuple[str, str]]:
     oldest first.
     """
     marks = ", ".join("?" * len(TERMINAL))
-    return [(str(k), str(b)) for k, b in db.execute(
-        f"SELECT key, batch FROM batches WHERE json_extract(batch, '$.status') NOT IN ({marks}) "
-        "ORDER BY created_at, id", TERMINAL)]
+    return [
+        (str(k), str(b))
+        for k, b in db.execute(
+            f"SELECT key, batch FROM batches WHERE json_extract(batch, '$.status') NOT IN ({marks}) "
+            "ORDER BY created_at, id",
+            TERMINAL,
+        )
+    ]
 
 
 #: (key name, endpoint, body, trace id) -> (status, lower-cased headers, body)
@@ -455,8 +518,15 @@ class BatchRunner:
 
     # -- files -----------------------------------------------------------------
 
-    async def upload(self, key: str, filename: str, purpose: str, content: bytes | IO[bytes],
-                     quota: int | None = None, name: str | None = None) -> dict[str, Any]:
+    async def upload(
+        self,
+        key: str,
+        filename: str,
+        purpose: str,
+        content: bytes | IO[bytes],
+        quota: int | None = None,
+        name: str | None = None,
+    ) -> dict[str, Any]:
         """
         Store an uploaded file.
 
@@ -471,11 +541,15 @@ class BatchRunner:
         @raise StorageQuotaExceeded: It would take C{key}'s files past C{quota}.
         """
         if purpose != "batch":
-            raise BadRequest(f"purpose {purpose[:50]!r} is not supported here: this gateway takes files for the "
-                             "Batch API only (purpose 'batch')", "purpose")
+            raise BadRequest(
+                f"purpose {purpose[:50]!r} is not supported here: this gateway takes files for the "
+                "Batch API only (purpose 'batch')",
+                "purpose",
+            )
         if isinstance(content, bytes) and len(content) > FILE_MAX_BYTES:
-            raise FileTooLarge(f"the file is {len(content)} bytes; a file may be at most 200 MB "
-                               f"({FILE_MAX_BYTES} bytes)", "file")
+            raise FileTooLarge(
+                f"the file is {len(content)} bytes; a file may be at most 200 MB ({FILE_MAX_BYTES} bytes)", "file"
+            )
         row = (new_id("file-"), key, filename or "upload.jsonl", purpose, self._now(), content)
         try:
             size = await self.run_db(store.thd_put_file, row, quota)
@@ -484,12 +558,15 @@ class BatchRunner:
         except (sqlite3.OperationalError, OSError) as e:
             if not _disk_full(e):
                 raise
-            raise Unavailable("the disk that holds the daemon's data_dir is full: the file was not stored; free "
-                              "space there, or move data_dir to a larger disk") from None
+            raise Unavailable(
+                "the disk that holds the daemon's data_dir is full: the file was not stored; free "
+                "space there, or move data_dir to a larger disk"
+            ) from None
         return file_object((*row[:5], int(size)))
 
-    async def files(self, key: str, purpose: str | None = None, after: str | None = None, limit: int = 10000,
-                    order: str = "desc") -> dict[str, Any]:
+    async def files(
+        self, key: str, purpose: str | None = None, after: str | None = None, limit: int = 10000, order: str = "desc"
+    ) -> dict[str, Any]:
         """
         C{key}'s files, OpenAI's list object (C{data}, C{first_id},
         C{last_id}, C{has_more}): newest first (C{order="asc"}: oldest),
@@ -502,10 +579,15 @@ class BatchRunner:
             rows = [r for r in rows if r[3] == purpose]
         if after is not None:
             ids = [r[0] for r in rows]
-            rows = rows[ids.index(after) + 1:] if after in ids else rows
+            rows = rows[ids.index(after) + 1 :] if after in ids else rows
         page = [file_object(r) for r in rows[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(rows) > limit}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(rows) > limit,
+        }
 
     async def file(self, key: str, file_id: str) -> dict[str, Any]:
         """
@@ -584,8 +666,10 @@ class BatchRunner:
         if row is None:
             raise _no_file(file_id, "input_file_id")
         if row[3] != "batch":
-            raise BadRequest(f"file {file_id!r} has purpose {row[3]!r}; a batch's input file must be uploaded "
-                             "with purpose 'batch'", "input_file_id")
+            raise BadRequest(
+                f"file {file_id!r} has purpose {row[3]!r}; a batch's input file must be uploaded with purpose 'batch'",
+                "input_file_id",
+            )
         content = await self.run_db(store.thd_file_content, file_id, key)
         lines, errors, model = await self.in_thread(parse_input, bytes(content or b""), endpoint)
         now = self._now()
@@ -595,14 +679,18 @@ class BatchRunner:
             batch.update(status="failed", failed_at=now, errors={"object": "list", "data": errors})
             lines = []
         else:
-            batch.update(status="in_progress", in_progress_at=now,
-                         request_counts={"total": len(lines), "completed": 0, "failed": 0})
+            batch.update(
+                status="in_progress",
+                in_progress_at=now,
+                request_counts={"total": len(lines), "completed": 0, "failed": 0},
+            )
         await self.run_db(store.thd_create_batch, batch["id"], key, now, strictjson.dumps(batch), lines)
         if errors:
             log.info("batch {batch} failed validation: {count} errors", batch=batch["id"], count=len(errors))
         else:
-            log.info("batch {batch}: {lines} lines to {endpoint}", batch=batch["id"], lines=len(lines),
-                     endpoint=endpoint)
+            log.info(
+                "batch {batch}: {lines} lines to {endpoint}", batch=batch["id"], lines=len(lines), endpoint=endpoint
+            )
             self._active[batch["id"]] = _Running(key, batch)
             self._kick()
         return dict(batch)
@@ -622,8 +710,13 @@ class BatchRunner:
         """
         rows = await self.run_db(store.thd_batches, key, after, limit + 1)
         page = [json.loads(b) for _, b in rows[:limit]]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(rows) > limit}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(rows) > limit,
+        }
 
     async def cancel(self, key: str, batch_id: str) -> dict[str, Any]:
         """
@@ -667,14 +760,19 @@ class BatchRunner:
             interrupted = await self.run_db(store.thd_interrupted_lines, batch["id"], error_template(INTERRUPTED))
             counts = await self.run_db(store.thd_line_counts, batch["id"])
             batch["request_counts"] = {
-                "total": sum(counts.values()), "completed": counts.get("done", 0), "failed": counts.get("failed", 0),
+                "total": sum(counts.values()),
+                "completed": counts.get("done", 0),
+                "failed": counts.get("failed", 0),
             }
             running = self._active[batch["id"]] = _Running(key, batch)
             await self._save(running)
             log.info(
                 "batch {batch} resumed ({status}): {pending} lines pending, {interrupted} were in flight at the "
-                "last stop and are failed, not sent again", batch=batch["id"], status=batch["status"],
-                pending=counts.get("pending", 0), interrupted=interrupted,
+                "last stop and are failed, not sent again",
+                batch=batch["id"],
+                status=batch["status"],
+                pending=counts.get("pending", 0),
+                interrupted=interrupted,
             )
             if batch["status"] in ("cancelling", "finalizing"):
                 self._finish_later(running)
@@ -699,6 +797,7 @@ class BatchRunner:
         if not lines:
             return
         log.info("waiting up to {secs} s for {count} batch lines in flight", secs=STOP_WAIT, count=len(lines))
+
         def cut_short() -> None:
             for d in lines:
                 d.cancel()
@@ -751,8 +850,12 @@ class BatchRunner:
                     free = self.max_in_flight() - self._in_flight
                     if free <= 0 or self._stopping:
                         break
-                    if (running.batch["status"] != "in_progress" or running.exhausted or running.finishing
-                            or running.paused_until > self.reactor.seconds()):
+                    if (
+                        running.batch["status"] != "in_progress"
+                        or running.exhausted
+                        or running.finishing
+                        or running.paused_until > self.reactor.seconds()
+                    ):
                         continue
                     running.claiming = True
                     try:
@@ -811,13 +914,16 @@ class BatchRunner:
     async def _send_line(self, running: _Running, line: int, custom_id: str, body: str) -> None:
         trace = f"{running.id}.{line}"
         try:
-            status, headers, payload = await self.send(running.key, running.batch["endpoint"], body.encode("utf-8"),
-                                                       trace)
+            status, headers, payload = await self.send(
+                running.key, running.batch["endpoint"], body.encode("utf-8"), trace
+            )
         except CancelledError:
             raise
         except Exception as e:
-            ok, result = False, error_line(running.id, line, custom_id, "request_failed",
-                                           f"the request could not be sent: {e}")
+            ok, result = (
+                False,
+                error_line(running.id, line, custom_id, "request_failed", f"the request could not be sent: {e}"),
+            )
         else:
             wait = _retry_after(headers) if status in (429, 503) else None
             if wait is not None and not running.expiring:
@@ -829,20 +935,26 @@ class BatchRunner:
                 self._later(wait, self._kick)
                 return
             ok = 200 <= status < 300
-            result = output_line(running.id, line, custom_id, status, headers.get("x-blazar-trace-id", trace),
-                                 _body_of(payload))
+            result = output_line(
+                running.id, line, custom_id, status, headers.get("x-blazar-trace-id", trace), _body_of(payload)
+            )
         counts = running.batch["request_counts"]
-        running.batch["request_counts"] = {**counts, "completed": counts["completed"] + ok,
-                                           "failed": counts["failed"] + (not ok)}
-        await self.run_db(thd_record_line, running.id, line, ok,
-                          strictjson.dumps(result), strictjson.dumps(running.batch))
+        running.batch["request_counts"] = {
+            **counts,
+            "completed": counts["completed"] + ok,
+            "failed": counts["failed"] + (not ok),
+        }
+        await self.run_db(
+            thd_record_line, running.id, line, ok, strictjson.dumps(result), strictjson.dumps(running.batch)
+        )
 
     def _finish_later(self, running: _Running) -> None:
         if running.finishing or running.claiming or self._stopping:
             return  # (a claim in progress finishes it when it is done)
         running.finishing = True
         Deferred.fromCoroutine(self._finish(running)).addErrback(
-            lambda f: log.failure("finishing batch {batch} failed", f, batch=running.id))
+            lambda f: log.failure("finishing batch {batch} failed", f, batch=running.id)
+        )
 
     async def _finish(self, running: _Running) -> None:
         """
@@ -863,8 +975,12 @@ class BatchRunner:
             running.batch = await self.run_db(thd_finalize, {**batch, **final}, running.key, now)
             self._active.pop(running.id, None)
             counts = running.batch["request_counts"]
-            log.info("batch {batch} {status}: {completed} completed, {failed} failed of {total}",
-                     batch=running.id, status=running.batch["status"], **counts)
+            log.info(
+                "batch {batch} {status}: {completed} completed, {failed} failed of {total}",
+                batch=running.id,
+                status=running.batch["status"],
+                **counts,
+            )
         except BaseException:
             running.finishing = False
             raise
@@ -889,10 +1005,14 @@ class BatchRunner:
         try:
             now = self.reactor.seconds()
             for running in list(self._active.values()):
-                if (running.batch["status"] == "in_progress" and not running.expiring
-                        and now >= running.batch["expires_at"]):
+                if (
+                    running.batch["status"] == "in_progress"
+                    and not running.expiring
+                    and now >= running.batch["expires_at"]
+                ):
                     Deferred.fromCoroutine(self._expire_batch(running)).addErrback(
-                        lambda f: log.failure("expiring a batch failed", f))
+                        lambda f: log.failure("expiring a batch failed", f)
+                    )
         except Exception:
             log.failure("looking for expired batches failed")
 
@@ -958,16 +1078,23 @@ class LineSender:
         @return: The status, the response headers (lower-cased names, last
             value) and the body.
         """
-        headers = Headers({
-            b"content-type": [b"application/json"], b"x-blazar-priority": [PRIORITY],
-            b"x-blazar-trace-id": [trace.encode("ascii")], SECRET_HEADER: [self._secret],
-            KEY_HEADER: [key.encode("utf-8")],
-        })
-        response = await self._agent.request(b"POST", b"http://blazar-batch" + endpoint.encode("ascii"), headers,
-                                             FileBodyProducer(BytesIO(body)))
+        headers = Headers(
+            {
+                b"content-type": [b"application/json"],
+                b"x-blazar-priority": [PRIORITY],
+                b"x-blazar-trace-id": [trace.encode("ascii")],
+                SECRET_HEADER: [self._secret],
+                KEY_HEADER: [key.encode("utf-8")],
+            }
+        )
+        response = await self._agent.request(
+            b"POST", b"http://blazar-batch" + endpoint.encode("ascii"), headers, FileBodyProducer(BytesIO(body))
+        )
         payload = await readBody(response)
-        found = {name.decode("latin-1").lower(): values[-1].decode("latin-1")
-                 for name, values in response.headers.getAllRawHeaders()}
+        found = {
+            name.decode("latin-1").lower(): values[-1].decode("latin-1")
+            for name, values in response.headers.getAllRawHeaders()
+        }
         return int(response.code), found, bytes(payload)
 
     async def close(self) -> None:

@@ -45,7 +45,7 @@ def recorded_argv(argv: Any, api_key: str) -> list[str]:
     args = [str(a) for a in argv]
     if "--port" in args:
         at = args.index("--port")
-        del args[at:at + 2]
+        del args[at : at + 2]
     return [a.replace(api_key, KEY_MARK) if api_key else a for a in args]
 
 
@@ -74,11 +74,18 @@ def hardware_of(census: Census | None) -> dict[str, Any]:
     if census is None:
         return {}
     return {
-        "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total,
-                  "driver_version": g.driver_version,
-                  "compute_capability": ".".join(map(str, g.compute_capability)) if g.compute_capability else None}
-                 for g in census.gpus],
-        "cpu_physical_cores": census.cpu_physical_cores, "cpu_logical_cores": census.cpu_logical_cores,
+        "gpus": [
+            {
+                "index": g.index,
+                "name": g.name,
+                "memory_total": g.memory_total,
+                "driver_version": g.driver_version,
+                "compute_capability": ".".join(map(str, g.compute_capability)) if g.compute_capability else None,
+            }
+            for g in census.gpus
+        ],
+        "cpu_physical_cores": census.cpu_physical_cores,
+        "cpu_logical_cores": census.cpu_logical_cores,
         "ram_total": census.ram_total,
     }
 
@@ -89,8 +96,16 @@ def row_json(row: store.StoredBenchRow) -> dict[str, Any]:
     hardware, settings, levels}}.
     """
     id_, model, created, engine, profile, hardware, settings, levels = row
-    return {"id": id_, "model": model, "created": created, "engine": engine, "profile": json.loads(profile),
-            "hardware": json.loads(hardware), "settings": json.loads(settings), "levels": json.loads(levels)}
+    return {
+        "id": id_,
+        "model": model,
+        "created": created,
+        "engine": engine,
+        "profile": json.loads(profile),
+        "hardware": json.loads(hardware),
+        "settings": json.loads(settings),
+        "levels": json.loads(levels),
+    }
 
 
 class IBenchRecords(Interface):
@@ -125,8 +140,13 @@ class BenchRecords:
     """
 
     def __init__(
-        self, registry: Any, supervisor: Any, run_db: Callable[..., Deferred[Any]],
-        hardware: Callable[[], Deferred[Census]] | None, wall: Callable[[], float], keep: int = KEEP,
+        self,
+        registry: Any,
+        supervisor: Any,
+        run_db: Callable[..., Deferred[Any]],
+        hardware: Callable[[], Deferred[Census]] | None,
+        wall: Callable[[], float],
+        keep: int = KEEP,
     ) -> None:
         self._registry = registry
         self._supervisor = supervisor
@@ -156,16 +176,20 @@ class BenchRecords:
         else:
             instance = self._supervisor.loaded(entry.name)
             if instance is None or not getattr(instance, "argv", None):
-                raise BenchError(f"{entry.name} is not loaded any more, so the launch profile it was measured "
-                                 "with cannot be read: run `blazar bench` again (a keep_alive long enough for "
-                                 "the run keeps it loaded)")
+                raise BenchError(
+                    f"{entry.name} is not loaded any more, so the launch profile it was measured "
+                    "with cannot be read: run `blazar bench` again (a keep_alive long enough for "
+                    "the run keeps it loaded)"
+                )
             binary = str(getattr(instance, "binary", "") or instance.argv[0])
             installed = await self._run_db(store.thd_engine_named, binary)
             engine = engine_tag(binary, installed)
             plan = getattr(instance, "plan", None)
             profile = {
-                "argv": recorded_argv(instance.argv, instance.api_key), "binary": binary,
-                "lane": getattr(instance, "lane", "llamacpp"), "ctx": instance.ctx,
+                "argv": recorded_argv(instance.argv, instance.api_key),
+                "binary": binary,
+                "lane": getattr(instance, "lane", "llamacpp"),
+                "ctx": instance.ctx,
                 "wishes": dict(getattr(instance, "profile", ()) or ()),
                 "gpus": list(plan.devices) if plan is not None else [],
                 "gpu_layers": plan.gpu_layers if plan is not None else None,
@@ -177,8 +201,13 @@ class BenchRecords:
             except RuntimeError:  # the probe never answered: the run is kept without it
                 census = None
         row: store.BenchRow = (
-            entry.name, self._wall(), engine, strictjson.dumps(profile), strictjson.dumps(hardware_of(census)),
-            strictjson.dumps(checked["settings"]), strictjson.dumps(checked["levels"]),
+            entry.name,
+            self._wall(),
+            engine,
+            strictjson.dumps(profile),
+            strictjson.dumps(hardware_of(census)),
+            strictjson.dumps(checked["settings"]),
+            strictjson.dumps(checked["levels"]),
         )
         id_ = await self._run_db(store.thd_put_bench, row, self._keep)
         return row_json((id_, *row))

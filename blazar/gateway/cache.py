@@ -43,13 +43,24 @@ import attrs
 import numpy as np
 import numpy.typing as npt
 from usearch.index import Index
+
 from blazar import strictjson
 
 Vector = npt.NDArray[np.float32]
 
 # request fields that cannot change the answer: left out of the scope (every other field is in it)
-UNHASHED = ("model", "messages", "stream", "stream_options", "user", "metadata", "store", "keep_alive",
-            "prompt_cache_key", "safety_identifier")
+UNHASHED = (
+    "model",
+    "messages",
+    "stream",
+    "stream_options",
+    "user",
+    "metadata",
+    "store",
+    "keep_alive",
+    "prompt_cache_key",
+    "safety_identifier",
+)
 # request fields that make a call bypass the cache both ways
 BYPASS = ("tools", "functions", "response_format", "grammar", "json_schema")
 
@@ -110,10 +121,28 @@ def as_chunks(answer: bytes) -> list[dict[str, Any]]:
             continue
         index, message = choice.get("index", 0), choice.get("message") or {}
         if message.get("reasoning_content"):
-            chunks.append(chunk([{"index": index, "finish_reason": None,
-                                  "delta": {"role": "assistant", "reasoning_content": message["reasoning_content"]}}]))
-        chunks.append(chunk([{"index": index, "finish_reason": None,
-                              "delta": {"role": "assistant", "content": message.get("content") or ""}}]))
+            chunks.append(
+                chunk(
+                    [
+                        {
+                            "index": index,
+                            "finish_reason": None,
+                            "delta": {"role": "assistant", "reasoning_content": message["reasoning_content"]},
+                        }
+                    ]
+                )
+            )
+        chunks.append(
+            chunk(
+                [
+                    {
+                        "index": index,
+                        "finish_reason": None,
+                        "delta": {"role": "assistant", "content": message.get("content") or ""},
+                    }
+                ]
+            )
+        )
         chunks.append(chunk([{"index": index, "finish_reason": choice.get("finish_reason"), "delta": {}}]))
     if isinstance(parsed.get("usage"), dict):
         chunks.append(chunk([], usage=parsed["usage"]))
@@ -166,7 +195,8 @@ class StreamedAnswer:
         if self._reasoning:
             message["reasoning_content"] = "".join(self._reasoning)
         answer: dict[str, Any] = {
-            **self._meta, "object": "chat.completion",
+            **self._meta,
+            "object": "chat.completion",
             "choices": [{"index": 0, "message": message, "finish_reason": self._finish}],
         }
         if self._usage is not None:
@@ -184,9 +214,11 @@ def storable(answer: bytes) -> bool:
     except ValueError:
         return False
     choices = parsed.get("choices") if isinstance(parsed, dict) else None
-    return (isinstance(choices, list) and bool(choices)
-            and all(isinstance(c, dict) and isinstance(c.get("message"), dict) and c.get("finish_reason")
-                    for c in choices))
+    return (
+        isinstance(choices, list)
+        and bool(choices)
+        and all(isinstance(c, dict) and isinstance(c.get("message"), dict) and c.get("finish_reason") for c in choices)
+    )
 
 
 def bypass(body: dict[str, Any], stream: bool) -> str | None:
@@ -215,8 +247,7 @@ def _last_user(body: dict[str, Any]) -> tuple[list[Any], int] | None:
     messages = body.get("messages")
     if not isinstance(messages, list):
         return None
-    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"),
-               default=None)
+    last = max((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), default=None)
     return None if last is None else (messages, last)
 
 
@@ -236,8 +267,11 @@ def prompt_text(body: dict[str, Any]) -> str | None:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(p["text"] if isinstance(p, dict) else p for p in content
-                         if (isinstance(p, dict) and isinstance(p.get("text"), str)) or isinstance(p, str))
+        return "\n".join(
+            p["text"] if isinstance(p, dict) else p
+            for p in content
+            if (isinstance(p, dict) and isinstance(p.get("text"), str)) or isinstance(p, str)
+        )
     return ""
 
 
@@ -255,13 +289,22 @@ def scope_of(model: str, key: str, lane: str, body: dict[str, Any]) -> str:
         turn = dict(messages[found[1]])
         content = turn.get("content")
         if isinstance(content, list):
-            turn["content"] = [p for p in content if not (isinstance(p, str) or (isinstance(p, dict)
-                               and isinstance(p.get("text"), str) and p.get("type", "text") == "text"))]
+            turn["content"] = [
+                p
+                for p in content
+                if not (
+                    isinstance(p, str)
+                    or (isinstance(p, dict) and isinstance(p.get("text"), str) and p.get("type", "text") == "text")
+                )
+            ]
         else:
             turn.pop("content", None)
         messages[found[1]] = turn
     parts = {
-        "model": model, "key": key, "lane": lane, "messages": messages,
+        "model": model,
+        "key": key,
+        "lane": lane,
+        "messages": messages,
         "fields": {k: v for k, v in body.items() if k not in UNHASHED},
     }
     return hashlib.sha256(strictjson.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
@@ -428,8 +471,14 @@ class SemanticIndex:
             self.drop(id_)
         return gone
 
-    def lookup(self, scope: str, vector: Vector, now: float, ttl: float, threshold: float,
-               ) -> tuple[float, Entry | None]:
+    def lookup(
+        self,
+        scope: str,
+        vector: Vector,
+        now: float,
+        ttl: float,
+        threshold: float,
+    ) -> tuple[float, Entry | None]:
         """
         The answer for a call of C{scope} whose prompt embeds to the unit
         vector C{vector}: the most similar entry of the same scope made

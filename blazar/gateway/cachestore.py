@@ -37,7 +37,9 @@ class CacheStore:
     """
 
     def __init__(
-        self, config: Callable[[], CacheConfig], wall: Callable[[], float],
+        self,
+        config: Callable[[], CacheConfig],
+        wall: Callable[[], float],
         run_db: Callable[..., Deferred[Any]],
     ) -> None:
         """
@@ -105,7 +107,10 @@ class CacheStore:
         config = self._config()
         created = self._wall()
         id_, dropped = await self._run_db(
-            store.thd_put_cache, (scope, created, to_blob(vector), answer), created - config.ttl, config.max_entries,
+            store.thd_put_cache,
+            (scope, created, to_blob(vector), answer),
+            created - config.ttl,
+            config.max_entries,
         )
         for gone in dropped:
             self.index.drop(gone)

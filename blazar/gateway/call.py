@@ -16,7 +16,6 @@ import attrs
 from blazar.gateway.admission import WorkClass
 from blazar.models.registry import ModelEntry
 
-
 T = TypeVar("T")
 
 # Ollama's placement options and the model profile keys they set (blazar.config.PROFILE_KEYS)

@@ -36,10 +36,20 @@ from blazar.gateway.call import CallKind, Run, max_tokens_of
 # a model parameter -> the engine's field (llama-server's OpenAI endpoints take llama.cpp's samplers too):
 # the one table; Ollama's request options use it too (blazar.web.translate.ollama)
 ENGINE_FIELDS: Mapping[str, str] = {
-    "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "typical_p": "typical_p",
-    "seed": "seed", "repeat_penalty": "repeat_penalty", "repeat_last_n": "repeat_last_n",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta", "num_keep": "n_keep",
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "typical_p": "typical_p",
+    "seed": "seed",
+    "repeat_penalty": "repeat_penalty",
+    "repeat_last_n": "repeat_last_n",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "mirostat": "mirostat",
+    "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta",
+    "num_keep": "n_keep",
 }
 _INTEGERS = {"top_k", "seed", "repeat_last_n", "mirostat", "num_keep", "num_predict", "num_ctx"}
 _SYSTEM_ROLES = ("system", "developer")
@@ -111,8 +121,11 @@ def apply_model_defaults(call: Run) -> bool:
                 changed = True
         elif name == "num_predict":
             limit = _number(name, value)
-            if isinstance(limit, int) and limit >= 0 and _unset(body, "max_tokens", "max_completion_tokens",
-                                                                "n_predict"):
+            if (
+                isinstance(limit, int)
+                and limit >= 0
+                and _unset(body, "max_tokens", "max_completion_tokens", "n_predict")
+            ):
                 body["n_predict" if call.kind is CallKind.INFILL else "max_tokens"] = limit
                 changed = True
                 if call.kind is not CallKind.INFILL and call.max_tokens is None:
@@ -131,8 +144,11 @@ def _conversation(body: dict[str, Any], system: str | None, messages: list[Any])
     chat = body.get("messages")
     if not isinstance(chat, list):
         return False
-    history = [{"role": m["role"], "content": m.get("content") or ""} for m in messages
-               if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)]
+    history = [
+        {"role": m["role"], "content": m.get("content") or ""}
+        for m in messages
+        if isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content") or "", str)
+    ]
     has_system = any(isinstance(m, dict) and m.get("role") in _SYSTEM_ROLES for m in chat)
     lead = 0
     while lead < len(chat) and isinstance(chat[lead], dict) and chat[lead].get("role") in _SYSTEM_ROLES:

@@ -13,37 +13,48 @@ from typing import Any, Awaitable, Callable
 from weakref import WeakKeyDictionary
 
 from twisted.internet.defer import (
-    CancelledError, Deferred, DeferredSemaphore, TimeoutError as DeferredTimeout, ensureDeferred,
+    CancelledError,
+    Deferred,
+    DeferredSemaphore,
+    ensureDeferred,
+)
+from twisted.internet.defer import (
+    TimeoutError as DeferredTimeout,
 )
 from twisted.internet.error import ConnectingCancelledError
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from blazar import strictjson
 from blazar.config import Config
 from blazar.engines.client import IEngineClient, NotDelivered, StaleConnection
-from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
-from blazar.engines.llamacpp import context_per_slot
-from blazar.engines.lanes import LLAMACPP, SDCPP
-from blazar.engines.lease import InstanceLease
-from blazar.engines.remote import is_remote, scrub
 from blazar.engines.errors import EngineError, EngineTimeout
 from blazar.engines.instance import IInstance, InstanceState
 from blazar.engines.interfaces import ISupervisor
-from blazar.models.registry import ModelEntry, ModelRegistry
-from blazar.gateway.backpressure import ClientPacer
-from blazar.gateway.errors import EngineRejected, PromptTooLong
-from blazar.gateway.context import RequestContext, note_span, timing_of
+from blazar.engines.lanes import LLAMACPP, SDCPP
+from blazar.engines.lease import InstanceLease
+from blazar.engines.llamacpp import context_per_slot
+from blazar.engines.remote import is_remote, scrub
 from blazar.engines.sse import SSEEvents
 from blazar.gateway import placement
-from blazar import strictjson
+from blazar.gateway.backpressure import ClientPacer
+from blazar.gateway.context import RequestContext, note_span, timing_of
+from blazar.gateway.errors import EngineRejected, PromptTooLong
+from blazar.httpbody import BodyStalled, BodyTooLarge, BodyValve, read_body, relay_body
+from blazar.models.registry import ModelEntry, ModelRegistry
 
 log = Logger()
 
 STREAM_IDLE_TIMEOUT = 600.0
 # llama-server answers 500 for these, but the request is at fault
 CLIENT_FAULTS = (
-    "Failed to parse", "is not supported", "not supported by", "too large to process",
-    "exceeds the available context", "exceed_context_size", "Invalid ",
+    "Failed to parse",
+    "is not supported",
+    "not supported by",
+    "too large to process",
+    "exceeds the available context",
+    "exceed_context_size",
+    "Invalid ",
 )
 MAX_ENGINE_BODY = 256 * 1024 * 1024
 MAX_ERROR_BODY = 1 << 20
@@ -139,8 +150,12 @@ class EngineProxy:
     """
 
     def __init__(
-        self, supervisor: ISupervisor, engines: IEngineClient, clock: Any,
-        registry: ModelRegistry | None = None, config: Callable[[], Config] = Config,
+        self,
+        supervisor: ISupervisor,
+        engines: IEngineClient,
+        clock: Any,
+        registry: ModelRegistry | None = None,
+        config: Callable[[], Config] = Config,
     ) -> None:
         """
         @param config: The live config (L{blazar.config.LiveConfig}):
@@ -161,9 +176,15 @@ class EngineProxy:
         self._counts: dict[str, DeferredSemaphore] = {}  # model -> its preflight counts (L{_bounded_count})
 
     async def preflight(
-        self, model: str, max_tokens: int | None, body_size: int,
-        count: Callable[[], Awaitable[int]], ctx_size: int | None = None, entry: ModelEntry | None = None,
-        names: tuple[str, str] = ("max_tokens", "messages"), floor: int = 0,
+        self,
+        model: str,
+        max_tokens: int | None,
+        body_size: int,
+        count: Callable[[], Awaitable[int]],
+        ctx_size: int | None = None,
+        entry: ModelEntry | None = None,
+        names: tuple[str, str] = ("max_tokens", "messages"),
+        floor: int = 0,
     ) -> int | None:
         """
         Refuse a request whose prompt plus C{max_tokens} exceeds the
@@ -196,9 +217,7 @@ class EngineProxy:
             entry = await self._registry.resolve(model)
         limit, prompt_field = names
         loaded = self.supervisor.loaded(entry.name)
-        levers = (
-            f'shorten the prompt, lower {limit}, or raise ctx_size under [models."{entry.name}"]'
-        )
+        levers = f'shorten the prompt, lower {limit}, or raise ctx_size under [models."{entry.name}"]'
         if ctx_size is not None:
             plan = await self.supervisor.context_for(entry.name, ctx_size)
             ctx = plan.ctx
@@ -213,26 +232,30 @@ class EngineProxy:
             if floor > ctx:
                 raise PromptTooLong(
                     f"the prompt is at least {floor} tokens (by its size): over the {ctx}-token context of "
-                    f"{entry.name!r} (per slot): {levers}", prompt_field,
+                    f"{entry.name!r} (per slot): {levers}",
+                    prompt_field,
                 )
             return None
         if max_tokens >= ctx:
             raise PromptTooLong(
                 f"{limit} = {max_tokens} does not fit in the {ctx}-token context of "
-                f"{entry.name!r} (per slot), which also holds the prompt: {levers}", limit,
+                f"{entry.name!r} (per slot), which also holds the prompt: {levers}",
+                limit,
             )
         if body_size + TEMPLATE_SLACK + max_tokens <= ctx:
             return None
         if floor + max_tokens > ctx:
             raise PromptTooLong(
                 f"the prompt is at least {floor} tokens (by its size) and {limit} is {max_tokens}: over the "
-                f"{ctx}-token context of {entry.name!r} (per slot): {levers}", prompt_field,
+                f"{ctx}-token context of {entry.name!r} (per slot): {levers}",
+                prompt_field,
             )
         prompt = await self._bounded_count(entry.name, count)
         if prompt + max_tokens > ctx:
             raise PromptTooLong(
                 f"the prompt is {prompt} tokens and {limit} is {max_tokens}: {prompt + max_tokens} "
-                f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}", prompt_field,
+                f"tokens exceed the {ctx}-token context of {entry.name!r} (per slot): {levers}",
+                prompt_field,
             )
         return prompt
 
@@ -246,6 +269,7 @@ class EngineProxy:
         gate = self._counts.get(model)
         if gate is None:
             gate = self._counts[model] = DeferredSemaphore(COUNTS_PER_MODEL)
+
         async def counted() -> int:
             return await count()
 
@@ -255,7 +279,8 @@ class EngineProxy:
             return await work
         except DeferredTimeout:
             raise EngineRejected(
-                503, f"counting the prompt's tokens for {model!r} took over {COUNT_DEADLINE_SECS:g} s (the "
+                503,
+                f"counting the prompt's tokens for {model!r} took over {COUNT_DEADLINE_SECS:g} s (the "
                 f"model's child is busy counting other large prompts); send it again shortly, or a shorter prompt",
                 retry_after=5.0,
             ) from None
@@ -301,7 +326,8 @@ class EngineProxy:
             # not tied to the request: a client that leaves does not stop
             # the probe the others wait for
             ensureDeferred(self._probe_template(model, name)).addErrback(
-                lambda f: log.failure("probing {model}'s chat template failed", f, model=name))
+                lambda f: log.failure("probing {model}'s chat template failed", f, model=name)
+            )
         waiter: Deferred[bool] = Deferred()
         waiters.append(waiter)
         return await waiter
@@ -315,9 +341,12 @@ class EngineProxy:
                 )
                 instance = lease.instance
             except EngineRejected as e:
-                log.info("{model}: its chat template refuses a system message after the first turn "
-                         "({error}); such messages are rendered as <system-reminder> blocks",
-                         model=name, error=str(e)[:200])
+                log.info(
+                    "{model}: its chat template refuses a system message after the first turn "
+                    "({error}); such messages are rendered as <system-reminder> blocks",
+                    model=name,
+                    error=str(e)[:200],
+                )
                 ok, child = False, self.supervisor.loaded(name)
             else:
                 try:
@@ -329,8 +358,11 @@ class EngineProxy:
                 except (ValueError, AttributeError):
                     ok = False
                 if not ok:
-                    log.info("{model}: its chat template drops a system message after the first turn; "
-                             "such messages are rendered as <system-reminder> blocks", model=name)
+                    log.info(
+                        "{model}: its chat template drops a system message after the first turn; "
+                        "such messages are rendered as <system-reminder> blocks",
+                        model=name,
+                    )
                 child = instance
             if child is not None:
                 self._mid_system[child] = ok
@@ -365,9 +397,7 @@ class EngineProxy:
         C{add_special}, text a model wrote), by the child's tokenizer.
         """
         body = {"content": text, "add_special": add_special}
-        lease, response = await self.send(
-            model, "/tokenize", strictjson.dumps(body).encode("utf-8"), stream=False
-        )
+        lease, response = await self.send(model, "/tokenize", strictjson.dumps(body).encode("utf-8"), stream=False)
         try:
             return len(json.loads(await self.read(lease.instance, response))["tokens"])
         finally:
@@ -380,7 +410,9 @@ class EngineProxy:
         """
         body = {"content": prompt, "add_special": False, "with_pieces": True}
         lease, response = await self.send(
-            model, "/tokenize", strictjson.dumps(body).encode("utf-8"),
+            model,
+            "/tokenize",
+            strictjson.dumps(body).encode("utf-8"),
             stream=False,
         )
         try:
@@ -390,8 +422,14 @@ class EngineProxy:
         return tokens if isinstance(tokens, list) else []
 
     async def send(
-        self, model: str, path: str, body: bytes, ctx_size: int | None = None,
-        context: RequestContext | None = None, stream: bool = True, ready: tuple[IInstance, float] | None = None,
+        self,
+        model: str,
+        path: str,
+        body: bytes,
+        ctx_size: int | None = None,
+        context: RequestContext | None = None,
+        stream: bool = True,
+        ready: tuple[IInstance, float] | None = None,
         content_type: str = "application/json",
     ) -> tuple[InstanceLease, Any]:
         """
@@ -448,7 +486,13 @@ class EngineProxy:
         raise AssertionError("unreachable")
 
     async def _send_to(
-        self, instance: IInstance, model: str, path: str, body: bytes, attempt: int, stream: bool = True,
+        self,
+        instance: IInstance,
+        model: str,
+        path: str,
+        body: bytes,
+        attempt: int,
+        stream: bool = True,
         content_type: str = "application/json",
     ) -> Any:
         """
@@ -460,9 +504,9 @@ class EngineProxy:
         url = instance.base_url + path
         try:
             try:
-                response = await self._headers(instance, ensureDeferred(
-                    self._engines.request("POST", url, body, headers, stream)
-                ))
+                response = await self._headers(
+                    instance, ensureDeferred(self._engines.request("POST", url, body, headers, stream))
+                )
             except (NotDelivered, StaleConnection) as failed:
                 if self.supervisor.exited(instance):
                     if isinstance(failed, NotDelivered):
@@ -471,9 +515,9 @@ class EngineProxy:
                 # the child is alive and closed the connection as it was
                 # reused (an idle one, or on its way out) without reading
                 # this request; once more on a fresh connection
-                response = await self._headers(instance, ensureDeferred(
-                    self._engines.request("POST", url, body, headers, True)
-                ))
+                response = await self._headers(
+                    instance, ensureDeferred(self._engines.request("POST", url, body, headers, True))
+                )
         except EngineError:
             raise  # a remote's timeout (L{_headers}): already the answer
         except ChildWedged:
@@ -503,7 +547,9 @@ class EngineProxy:
         if response.code != 200:
             try:
                 error_body = await read_body(
-                    response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT,
+                    response,
+                    self._clock,
+                    idle_timeout=STREAM_IDLE_TIMEOUT,
                     max_bytes=MAX_ERROR_BODY,
                 )
                 message = engine_error_message(error_body)
@@ -521,8 +567,9 @@ class EngineProxy:
             self.supervisor.remote_ok(instance)
         return response
 
-    def _remote_rejected(self, instance: Any, status: int, message: str,
-                         retry_after: float | None = None) -> EngineRejected:
+    def _remote_rejected(
+        self, instance: Any, status: int, message: str, retry_after: float | None = None
+    ) -> EngineRejected:
         """
         A remote's error answer, as the client's: its 5xx counts for its
         breaker and is a 502; a refused key is Blazar's config to fix (a
@@ -539,8 +586,11 @@ class EngineProxy:
             # (another 5xx may be one request's doing: a client must not open the breaker for all)
             return EngineRejected(502, f"{instance.server} answered {status}: {message}")
         if status in (401, 403):
-            return EngineRejected(502, f"{instance.server} refused Blazar's credentials ({status}: {message}); "
-                                       f"set api_key or api_key_env of [[remotes]] name = {remote.name!r}")
+            return EngineRejected(
+                502,
+                f"{instance.server} refused Blazar's credentials ({status}: {message}); "
+                f"set api_key or api_key_env of [[remotes]] name = {remote.name!r}",
+            )
         return EngineRejected(status, f"{instance.server}: {message}", retry_after if status == 429 else None)
 
     async def _headers(self, instance: IInstance, request: Deferred[Any]) -> Any:
@@ -582,8 +632,11 @@ class EngineProxy:
                 cancelled = True  # so settle ignores the cancellation
                 request.cancel()
                 error = self.supervisor.remote_failed(instance, "no response headers within timeout_secs")
-                raise EngineTimeout(instance.entry.name, f"{instance.server} for model {instance.entry.name!r}: "
-                                    f"{error} = {instance.remote.timeout:g} s ([[remotes]] timeout_secs)")
+                raise EngineTimeout(
+                    instance.entry.name,
+                    f"{instance.server} for model {instance.entry.name!r}: "
+                    f"{error} = {instance.remote.timeout:g} s ([[remotes]] timeout_secs)",
+                )
             outcome = Deferred(cancel)
             try:
                 healthy = await self.supervisor.probe_health(instance)
@@ -607,7 +660,10 @@ class EngineProxy:
         """
         try:
             return await read_body(
-                response, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, max_bytes=MAX_ENGINE_BODY,
+                response,
+                self._clock,
+                idle_timeout=STREAM_IDLE_TIMEOUT,
+                max_bytes=MAX_ENGINE_BODY,
                 close_ends=is_remote(instance),
             )
         except Exception as e:
@@ -616,7 +672,10 @@ class EngineProxy:
             raise await self.supervisor.explain_failure(instance, e) from None
 
     async def relay_chunks(
-        self, instance: IInstance, response: Any, on_chunk: Callable[[dict[str, Any]], Any],
+        self,
+        instance: IInstance,
+        response: Any,
+        on_chunk: Callable[[dict[str, Any]], Any],
         context: RequestContext | None = None,
     ) -> None:
         """
@@ -624,6 +683,7 @@ class EngineProxy:
         surfaces that translate); C{[DONE]} is dropped and an in-stream
         C{error} raises L{EngineRejected}.
         """
+
         def on_event(data: bytes) -> None:
             if data == b"[DONE]":
                 return
@@ -631,15 +691,19 @@ class EngineProxy:
             if "error" in chunk:
                 message = stream_error_message(chunk["error"])
                 if is_remote(instance):
-                    raise EngineRejected(502, f"{instance.server}'s stream failed: "
-                                              f"{scrub(message, instance.remote, instance.environ)}")
+                    raise EngineRejected(
+                        502, f"{instance.server}'s stream failed: {scrub(message, instance.remote, instance.environ)}"
+                    )
                 raise EngineRejected(500, message)
             on_chunk(chunk)
 
         await self.relay(instance, response, SSEEvents(on_event).feed, context)
 
     async def relay(
-        self, instance: IInstance, response: Any, on_chunk: Callable[[bytes], None],
+        self,
+        instance: IInstance,
+        response: Any,
+        on_chunk: Callable[[bytes], None],
         context: RequestContext | None = None,
     ) -> None:
         """
@@ -671,20 +735,28 @@ class EngineProxy:
         valve, pacer = BodyValve(), None
         consumer = context.client.consumer() if context is not None and context.client is not None else None
         if consumer is not None:
-            pacer = ClientPacer(consumer, valve, self._clock, self._config().stream_stall_close, instance.entry.name,
-                                context)
+            pacer = ClientPacer(
+                consumer, valve, self._clock, self._config().stream_stall_close, instance.entry.name, context
+            )
             if not pacer.register():
                 pacer = None
         quiet = None
         if not is_remote(instance) and getattr(instance, "protocol", None) is not None:
             # silent for as long as headers may take: is the child still there? (a child
             # SIGSTOPped mid-stream held the stream for STREAM_IDLE_TIMEOUT)
-            quiet = (header_timeout_of(self._config(), instance)[1],
-                     lambda: ensureDeferred(self.supervisor.probe_health(instance)))
+            quiet = (
+                header_timeout_of(self._config(), instance)[1],
+                lambda: ensureDeferred(self.supervisor.probe_health(instance)),
+            )
         try:
             reading = relay_body(
-                response, on_chunk, self._clock, idle_timeout=STREAM_IDLE_TIMEOUT, valve=valve,
-                close_ends=is_remote(instance), quiet=quiet,
+                response,
+                on_chunk,
+                self._clock,
+                idle_timeout=STREAM_IDLE_TIMEOUT,
+                valve=valve,
+                close_ends=is_remote(instance),
+                quiet=quiet,
             )
             if pacer is not None:
                 pacer.follow(reading)
@@ -709,7 +781,8 @@ class EngineProxy:
                     instance.entry.name,
                     f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} stopped "
                     f"sending its answer for {key} = {secs:g} s and stopped answering its health check; it was "
-                    "stopped", ) from None
+                    "stopped",
+                ) from None
             raise await self.supervisor.explain_failure(instance, e) from None
         finally:
             if pacer is not None:
@@ -737,14 +810,18 @@ class EngineProxy:
 
         def counted(tokens: int) -> None:
             record(tokens)
-            log.info("{model}: the client left; the {tokens} tokens the engine used for it were counted against "
-                     "its key", model=model, tokens=tokens)
+            log.info(
+                "{model}: the client left; the {tokens} tokens the engine used for it were counted against its key",
+                model=model,
+                tokens=tokens,
+            )
 
         def nothing(failure: Failure) -> None:
             failure.trap(DeferredTimeout, CancelledError)
 
         reported.addCallbacks(counted, nothing).addErrback(
-            lambda f: log.failure("counting an abandoned request's tokens", f))
+            lambda f: log.failure("counting an abandoned request's tokens", f)
+        )
 
 
 def _stopping(instance: Any) -> bool:
@@ -752,7 +829,9 @@ def _stopping(instance: Any) -> bool:
     Whether a child is being stopped or is gone (a remote never is).
     """
     return bool(getattr(instance, "stop_reason", "")) or getattr(instance, "state", None) in (
-        InstanceState.STOPPING, InstanceState.DEAD)
+        InstanceState.STOPPING,
+        InstanceState.DEAD,
+    )
 
 
 def _retry_after(response: Any) -> float | None:

@@ -28,9 +28,9 @@ import attrs
 from blazar.engines.lanes import LaneError
 from blazar.engines.llamacpp import EngineNotFound
 from blazar.engines.supervisor import BreakerOpen, EngineCrashed, EngineError, EngineTimeout, NoCapacity
-from blazar.models.gguf_meta import GGUFError
 from blazar.gateway.quota import QuotaExceeded, retry_after_value
 from blazar.models.create import CreateError
+from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound
 
@@ -218,20 +218,28 @@ def _bad_request(e: BaseException) -> Problem:
 def _engine_rejected(e: BaseException) -> Problem:
     assert isinstance(e, EngineRejected)
     if e.status == 429:  # a remote's own rate limit: the client waits as it asks
-        return Problem(Category.RATE_LIMIT, 429, str(e), kind="quota", code="rate_limit_exceeded",
-                       retry_after=e.retry_after if e.retry_after is not None else 1.0)
+        return Problem(
+            Category.RATE_LIMIT,
+            429,
+            str(e),
+            kind="quota",
+            code="rate_limit_exceeded",
+            retry_after=e.retry_after if e.retry_after is not None else 1.0,
+        )
     if 400 <= e.status < 500 or e.status == 501:
         # 501: the engine cannot do this for this model (no --embeddings, no FIM tokens)
         return Problem(Category.INVALID, 400 if e.status == 501 else e.status, str(e))
-    return Problem(Category.ENGINE, 502, f"engine error ({e.status}): {e}", kind="engine_error",
-                   code="engine_error", logged=True)
+    return Problem(
+        Category.ENGINE, 502, f"engine error ({e.status}): {e}", kind="engine_error", code="engine_error", logged=True
+    )
 
 
 def _model_not_found(e: BaseException) -> Problem:
     assert isinstance(e, ModelNotFound)
     spelled = e.name if len(e.name) <= 200 else e.name[:200] + "..."
-    return Problem(Category.NOT_FOUND, 404, str(e), kind="model_not_found", code="model_not_found",
-                   param="model", subject=spelled)
+    return Problem(
+        Category.NOT_FOUND, 404, str(e), kind="model_not_found", code="model_not_found", param="model", subject=spelled
+    )
 
 
 def _pull(e: BaseException) -> Problem:
@@ -255,14 +263,17 @@ def _retry_after(e: BaseException, default: float) -> float:
 
 def _unavailable(kind: str) -> Callable[[BaseException], Problem]:
     def problem(e: BaseException) -> Problem:
-        return Problem(Category.UNAVAILABLE, 503, str(e), kind=kind, code="engine_unavailable",
-                       retry_after=_retry_after(e, 5.0))
+        return Problem(
+            Category.UNAVAILABLE, 503, str(e), kind=kind, code="engine_unavailable", retry_after=_retry_after(e, 5.0)
+        )
+
     return problem
 
 
 def _engine(kind: str, code: str = "engine_error") -> Callable[[BaseException], Problem]:
     def problem(e: BaseException) -> Problem:
         return Problem(Category.ENGINE, 502, str(e), kind=kind, code=code, logged=True)
+
     return problem
 
 
@@ -290,13 +301,15 @@ class AllSlotsBusy(Exception):
 
 
 def _busy(e: BaseException) -> Problem:
-    return Problem(Category.BUSY, 503, str(e), kind="all_slots_busy", code="all_slots_busy",
-                   retry_after=_retry_after(e, 1.0))
+    return Problem(
+        Category.BUSY, 503, str(e), kind="all_slots_busy", code="all_slots_busy", retry_after=_retry_after(e, 1.0)
+    )
 
 
 def _quota(e: BaseException) -> Problem:
-    return Problem(Category.RATE_LIMIT, 429, str(e), kind="quota", code="rate_limit_exceeded",
-                   retry_after=_retry_after(e, 1.0))
+    return Problem(
+        Category.RATE_LIMIT, 429, str(e), kind="quota", code="rate_limit_exceeded", retry_after=_retry_after(e, 1.0)
+    )
 
 
 def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Problem]]]:
@@ -305,24 +318,44 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         (ModelChangeError, lambda e: Problem(Category.INVALID, 400, str(e))),
         (PullError, _pull),
         (CreateError, _create),
-        (PromptTooLong, lambda e: Problem(Category.INVALID, 400, str(e), code="context_length_exceeded",
-                                          param=getattr(e, "param", "messages"))),
-        (UnsupportedByModel, lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported",
-                                               param="model")),
+        (
+            PromptTooLong,
+            lambda e: Problem(
+                Category.INVALID, 400, str(e), code="context_length_exceeded", param=getattr(e, "param", "messages")
+            ),
+        ),
+        (
+            UnsupportedByModel,
+            lambda e: Problem(Category.INVALID, 400, str(e), code="model_not_supported", param="model"),
+        ),
         (ModelNotFound, _model_not_found),
-        (Unauthorized, lambda e: Problem(Category.AUTHENTICATION, 401, str(e), kind="auth",
-                                         code="invalid_api_key")),
-        (Forbidden, lambda e: Problem(Category.PERMISSION, 403, str(e), kind="forbidden",
-                                      code=getattr(e, "code", "insufficient_permissions"))),
+        (Unauthorized, lambda e: Problem(Category.AUTHENTICATION, 401, str(e), kind="auth", code="invalid_api_key")),
+        (
+            Forbidden,
+            lambda e: Problem(
+                Category.PERMISSION, 403, str(e), kind="forbidden", code=getattr(e, "code", "insufficient_permissions")
+            ),
+        ),
         (QuotaExceeded, _quota),
         (AllSlotsBusy, _busy),
-        (TooManyConnections, lambda e: Problem(Category.BUSY, 503, str(e), kind="too_many_connections",
-                                               code="too_many_connections", retry_after=_retry_after(e, 1.0))),
+        (
+            TooManyConnections,
+            lambda e: Problem(
+                Category.BUSY,
+                503,
+                str(e),
+                kind="too_many_connections",
+                code="too_many_connections",
+                retry_after=_retry_after(e, 1.0),
+            ),
+        ),
         (BreakerOpen, _unavailable("breaker_open")),
         (Unavailable, _unavailable("unavailable")),
         (NoCapacity, _unavailable("no_capacity")),
-        (EngineTimeout, lambda e: Problem(Category.TIMEOUT, 504, str(e), kind="wedge", code="engine_timeout",
-                                          logged=True)),
+        (
+            EngineTimeout,
+            lambda e: Problem(Category.TIMEOUT, 504, str(e), kind="wedge", code="engine_timeout", logged=True),
+        ),
         (EngineCrashed, _engine("engine_crash")),
         (EngineError, _engine("engine_error")),
         (EngineNotFound, _engine("engine_not_found", "engine_not_found")),
@@ -355,4 +388,3 @@ def describe(error: BaseException) -> Problem:
         if isinstance(error, cls):
             return problem(error)
     return Problem(Category.INTERNAL, 500, "internal error", kind=None, code="internal_error")
-

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from typing import Any
+
 from blazar import strictjson
 
 NODE_BUDGET = 4096  # subschemas one grammar may walk (Claude Code's whole toolset: about 600)
@@ -33,15 +34,31 @@ FREE_MEMBERS = 4
 FREE_ITEMS = 8
 MAX_DEPTH = 24
 RANGE_LIMIT = 256
-UNSUPPORTED = ("pattern", "patternProperties", "allOf", "not", "if", "then", "else", "dependentSchemas",
-               "dependentRequired", "propertyNames", "contains", "prefixItems", "unevaluatedProperties",
-               "multipleOf", "uniqueItems", "minProperties", "maxProperties")
+UNSUPPORTED = (
+    "pattern",
+    "patternProperties",
+    "allOf",
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentSchemas",
+    "dependentRequired",
+    "propertyNames",
+    "contains",
+    "prefixItems",
+    "unevaluatedProperties",
+    "multipleOf",
+    "uniqueItems",
+    "minProperties",
+    "maxProperties",
+)
 
 PRIMITIVES = {
     # one character each: a \u escape is never a lone surrogate (no UTF-8
     # can carry it), and a pair of them is one character, as minLength counts
     "char": r'[^"\\\x00-\x1f] | "\\" (["\\/bfnrt] | "u" ([0-9a-cA-CefEF] [0-9a-fA-F]{3} | [dD] [0-7] [0-9a-fA-F]{2} | '
-            r'[dD] [89abAB] [0-9a-fA-F]{2} "\\u" [dD] [c-fC-F] [0-9a-fA-F]{2}))',
+    r'[dD] [89abAB] [0-9a-fA-F]{2} "\\u" [dD] [c-fC-F] [0-9a-fA-F]{2}))',
     "integer": '"-"? ("0" | [1-9] [0-9]{0,15})',
     "natural": '"0" | [1-9] [0-9]{0,15}',
     "number": 'integer ("." [0-9]{1,15})? ([eE] [-+]? [0-9]{1,2})?',
@@ -77,8 +94,9 @@ class Grammar:
     is refused (L{Unsupported}).
     """
 
-    def __init__(self, root_schema: Any, string_cap: int, nodes: int = NODE_BUDGET,
-                 deadline: float | None = None) -> None:
+    def __init__(
+        self, root_schema: Any, string_cap: int, nodes: int = NODE_BUDGET, deadline: float | None = None
+    ) -> None:
         """
         @param nodes: The most subschemas the walk may visit.
         @param deadline: C{time.monotonic()} past which the walk stops.
@@ -139,8 +157,9 @@ class Grammar:
         """
         self._nodes -= 1  # every subschema counts, walked or remembered
         if self._nodes < 0:
-            raise Unsupported(f"{where}: the schema is too large for a forced call's grammar (more than "
-                              f"{NODE_BUDGET} subschemas)")
+            raise Unsupported(
+                f"{where}: the schema is too large for a forced call's grammar (more than {NODE_BUDGET} subschemas)"
+            )
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise Unsupported(f"{where}: the schema took too long to make a grammar of (over {DEADLINE:g} s)")
         try:
@@ -179,8 +198,9 @@ class Grammar:
                     raise Unsupported(f"{where}: {key} must be a non-empty array")
                 base = {k: v for k, v in schema.items() if k != key}
                 at = [f"{where}/{key}/{i}" for i in range(len(options))]
-                return "(" + " | ".join(self.value(_branch(base, o, w), w, depth + 1)
-                                        for o, w in zip(options, at)) + ")"
+                return (
+                    "(" + " | ".join(self.value(_branch(base, o, w), w, depth + 1) for o, w in zip(options, at)) + ")"
+                )
         kind = schema.get("type")
         if isinstance(kind, list):
             # each type once
@@ -272,8 +292,9 @@ class Grammar:
             # additionalProperties' shape (any, if it gives none)
             extra = schema.get("additionalProperties")
             if extra is False:
-                raise Unsupported(f"{where}: required {missing[0]!r} is not a property, and additionalProperties "
-                                  "is false")
+                raise Unsupported(
+                    f"{where}: required {missing[0]!r} is not a property, and additionalProperties is false"
+                )
             properties = {**declared, **{k: extra if isinstance(extra, dict) else {} for k in missing}}
         if not properties:
             # only what is declared, unless more is asked for explicitly (as
@@ -316,15 +337,19 @@ class Grammar:
         Any JSON value, nested at most two levels.
         """
         if depth > 2:
-            return f"({self._string({}, '')} | {self._primitive('number')} | {self._primitive('boolean')} | " \
-                   f"{self._primitive('null')})"
+            return (
+                f"({self._string({}, '')} | {self._primitive('number')} | {self._primitive('boolean')} | "
+                f"{self._primitive('null')})"
+            )
         inner = self._free(depth + 1)
         name = self._rule("free", inner)
         self._used.add("char")
         member = f'"\\"" char{{1,32}} "\\"" ":" {name}'
-        return (f'({self._string({}, "")} | {self._primitive("number")} | {self._primitive("boolean")} | '
-                f'{self._primitive("null")} | ("[]" | "[" {name} ("," {name}){{0,{FREE_ITEMS - 1}}} "]") | '
-                f'("{{}}" | "{{" {member} ("," {member}){{0,{FREE_MEMBERS - 1}}} "}}"))')
+        return (
+            f"({self._string({}, '')} | {self._primitive('number')} | {self._primitive('boolean')} | "
+            f'{self._primitive("null")} | ("[]" | "[" {name} ("," {name}){{0,{FREE_ITEMS - 1}}} "]") | '
+            f'("{{}}" | "{{" {member} ("," {member}){{0,{FREE_MEMBERS - 1}}} "}}"))'
+        )
 
     def _ref(self, ref: Any, where: str, depth: int) -> str:
         if not isinstance(ref, str) or not ref.startswith("#/"):
@@ -376,8 +401,9 @@ def _branch(base: dict[str, Any], option: Any, where: str) -> Any:
     if not isinstance(option, dict):
         return option
     merged = {**base, **option}
-    extras = [s["additionalProperties"] for s in (base, option)
-              if s.get("additionalProperties", True) not in (True, {})]
+    extras = [
+        s["additionalProperties"] for s in (base, option) if s.get("additionalProperties", True) not in (True, {})
+    ]
     if extras:
         merged["additionalProperties"] = extras[0] if extras[-1] == extras[0] else False
     if isinstance(base.get("required"), list) and isinstance(option.get("required"), list):
@@ -386,13 +412,18 @@ def _branch(base: dict[str, Any], option: Any, where: str) -> Any:
     theirs: dict[str, Any] = option["properties"] if isinstance(option.get("properties"), dict) else {}
     every = {**ours, **theirs}
     if every:
-        merged["properties"] = {k: v for k, v in every.items()
-                                if (k in ours or base.get("additionalProperties", True) in (True, {}))
-                                and (k in theirs or option.get("additionalProperties", True) in (True, {}))}
+        merged["properties"] = {
+            k: v
+            for k, v in every.items()
+            if (k in ours or base.get("additionalProperties", True) in (True, {}))
+            and (k in theirs or option.get("additionalProperties", True) in (True, {}))
+        }
         for name in merged.get("required") or []:
             if name in every and name not in merged["properties"]:
-                raise Unsupported(f"{where}: required {name!r} is a property on one side and an additional "
-                                  "one, constrained, on the other")
+                raise Unsupported(
+                    f"{where}: required {name!r} is a property on one side and an additional "
+                    "one, constrained, on the other"
+                )
     return merged
 
 
@@ -450,7 +481,7 @@ def int_range(low: float | None, high: float | None, where: str = "#") -> str:
         first = _digits(start) + 1
         last = min(16, _digits(hi) - 1) if hi is not None else 16
         if first <= last:
-            parts.append(f'[1-9] [0-9]{{{first - 1},{last - 1}}}')
+            parts.append(f"[1-9] [0-9]{{{first - 1},{last - 1}}}")
         parts += [f'"{n}"' for n in small]
     # negative part
     if lo is None or lo < 0:

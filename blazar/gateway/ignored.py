@@ -11,6 +11,7 @@ from collections import OrderedDict
 from typing import Iterable
 
 from twisted.logger import Logger
+
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
 
 log = Logger()
@@ -64,14 +65,15 @@ class IgnoredFields:
         shown = list(kept) + ([f"(+{more} more)"] if more else [])
         # a later step's names join an earlier step's (the surface's, then the pipeline's)
         earlier = context.client.reply_header(IGNORED_HEADER) if context.client is not None else None
-        before = [n for n in earlier.decode("ascii", "replace").split(",") if n and n != "..."] \
-            if earlier else []
+        before = [n for n in earlier.decode("ascii", "replace").split(",") if n and n != "..."] if earlier else []
         context.set_reply_header(IGNORED_HEADER, header_value(before + shown))
         client = self.client_of(context)[:_NAME_MAX]
         if more:
             log.info(
-                "ignored {count} more request fields on the {surface} surface (client {client}) "
-                "than are listed", count=more, surface=surface, client=client,
+                "ignored {count} more request fields on the {surface} surface (client {client}) than are listed",
+                count=more,
+                surface=surface,
+                client=client,
                 trace_id=trace_id_of(context),
             )
         for name in kept:
@@ -84,7 +86,10 @@ class IgnoredFields:
                 self._seen.popitem(last=False)
             log.info(
                 "ignored request field {field!r} on the {surface} surface (client {client}); "
-                "see the README's leniency table", field=name, surface=surface, client=client,
+                "see the README's leniency table",
+                field=name,
+                surface=surface,
+                client=client,
                 trace_id=trace_id_of(context),
             )
 

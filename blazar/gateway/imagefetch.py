@@ -27,12 +27,13 @@ import socket
 from typing import Any, Awaitable, Callable
 from urllib.parse import urljoin, urlsplit
 
-from twisted.internet.defer import CancelledError, Deferred, TimeoutError as DeferredTimeout
-from twisted.internet.error import ConnectingCancelledError
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.defer import TimeoutError as DeferredTimeout
 from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint, wrapClientTLS
+from twisted.internet.error import ConnectingCancelledError
 from twisted.internet.ssl import optionsForClientTLS
 from twisted.logger import Logger
-from twisted.web.client import Agent, HTTPConnectionPool, URI
+from twisted.web.client import URI, Agent, HTTPConnectionPool
 from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IResponse
 from zope.interface import implementer
@@ -129,7 +130,9 @@ class ImageFetcher:
     """
 
     def __init__(
-        self, reactor: Any, config: Callable[[], Config],
+        self,
+        reactor: Any,
+        config: Callable[[], Config],
         in_thread: Callable[..., Awaitable[Any]],
         resolve: Callable[[str, int], list[str]] = thd_resolve,
     ) -> None:
@@ -162,9 +165,12 @@ class ImageFetcher:
         """
         timeout = self._config().image_fetch_timeout
         left = timeout if seconds is None else min(seconds, timeout)
-        late = ImageFetchError(f"image URL {_shown(url)}: the request's image URLs took longer than {timeout:g} s "
-                               "to fetch, together (image_fetch_timeout_secs); send the images as base64 data "
-                               "instead", where)
+        late = ImageFetchError(
+            f"image URL {_shown(url)}: the request's image URLs took longer than {timeout:g} s "
+            "to fetch, together (image_fetch_timeout_secs); send the images as base64 data "
+            "instead",
+            where,
+        )
         if left <= 0:
             raise late
         fetching: Deferred[tuple[str, int]] = Deferred.fromCoroutine(self._fetch(url, where, budget))
@@ -207,13 +213,19 @@ class ImageFetcher:
         not_public = ImageFetchError(
             f"image URL {_shown(url)}: its host does not resolve to a public address, and Blazar fetches image "
             "URLs only from public addresses. Send the image as base64 data, or allow the host with "
-            "image_fetch_private_hosts in the gateway's config", where)
+            "image_fetch_private_hosts in the gateway's config",
+            where,
+        )
         try:
-            addresses = [str(ipaddress.ip_address(host))] if _is_address(host) else \
-                await self._in_thread(self._resolve, host, port)
+            addresses = (
+                [str(ipaddress.ip_address(host))]
+                if _is_address(host)
+                else await self._in_thread(self._resolve, host, port)
+            )
         except OSError as e:
-            log.info("image URL host {host!r} ({where}) does not resolve: {error}", host=host, where=where,
-                     error=str(e))
+            log.info(
+                "image URL host {host!r} ({where}) does not resolve: {error}", host=host, where=where, error=str(e)
+            )
             if listed:
                 raise ImageFetchError(f"image URL {_shown(url)}: its host does not resolve", where) from None
             raise not_public from None
@@ -224,19 +236,26 @@ class ImageFetcher:
             for address in addresses:
                 why = refused_address(address)
                 if why is not None:
-                    log.info("image URL host {host!r} ({where}) refused: a {why} address ({address})",
-                             host=host, where=where, why=why, address=address)
+                    log.info(
+                        "image URL host {host!r} ({where}) refused: a {why} address ({address})",
+                        host=host,
+                        where=where,
+                        why=why,
+                        address=address,
+                    )
                     raise not_public
-        agent = Agent.usingEndpointFactory(self._reactor, _Pinned(self._reactor, addresses[0], host,
-                                                                  config.image_fetch_timeout), pool=self._pool)
+        agent = Agent.usingEndpointFactory(
+            self._reactor, _Pinned(self._reactor, addresses[0], host, config.image_fetch_timeout), pool=self._pool
+        )
         headers = Headers({b"user-agent": [b"blazar"], b"accept": [b"image/*"]})
         try:
             response: IResponse = await agent.request(b"GET", wire, headers)
         except Exception as e:
             if _cancelled(e):
                 raise CancelledError() from None
-            raise ImageFetchError(f"image URL {_shown(url)} could not be fetched ({type(e).__name__}: "
-                                  f"{str(e)[:200]})", where) from None
+            raise ImageFetchError(
+                f"image URL {_shown(url)} could not be fetched ({type(e).__name__}: {str(e)[:200]})", where
+            ) from None
         return response
 
     async def _image(self, response: IResponse, url: str, where: str, budget: int) -> tuple[str, int]:
@@ -249,27 +268,28 @@ class ImageFetcher:
             raise ImageFetchError(f"image URL {_shown(url)} answered HTTP {response.code}", where)
         kind = (response.headers.getRawHeaders(b"content-type") or [b""])[0].decode("latin-1")
         kind = kind.split(";", 1)[0].strip().lower()
-        if not kind.startswith("image/") or not kind[len("image/"):]:
+        if not kind.startswith("image/") or not kind[len("image/") :]:
             _discard(response, self._reactor)
-            raise ImageFetchError(f"image URL {_shown(url)} is not an image (content-type {kind or 'none'!r})",
-                                  where)
+            raise ImageFetchError(f"image URL {_shown(url)} is not an image (content-type {kind or 'none'!r})", where)
         limit = min(budget, config.image_fetch_max_bytes)
         too_big = ImageFetchError(
             f"image URL {_shown(url)}: the images of one request may take {config.image_fetch_max_bytes} bytes in "
-            "all (image_fetch_max_bytes), and this one is more than what is left; send a smaller image", where)
+            "all (image_fetch_max_bytes), and this one is more than what is left; send a smaller image",
+            where,
+        )
         if isinstance(response.length, int) and response.length > limit:
             _discard(response, self._reactor)
             raise too_big
         try:
-            data = await read_body(response, self._reactor, idle_timeout=config.image_fetch_timeout,
-                                   max_bytes=limit, close_ends=True)
+            data = await read_body(
+                response, self._reactor, idle_timeout=config.image_fetch_timeout, max_bytes=limit, close_ends=True
+            )
         except BodyTooLarge:
             raise too_big from None
         except Exception as e:
             if _cancelled(e):
                 raise CancelledError() from None
-            raise ImageFetchError(f"image URL {_shown(url)}: its body broke off ({type(e).__name__})",
-                                  where) from None
+            raise ImageFetchError(f"image URL {_shown(url)}: its body broke off ({type(e).__name__})", where) from None
         encoded = await self._in_thread(base64.b64encode, data)
         return f"data:{kind};base64,{encoded.decode('ascii')}", len(data)
 

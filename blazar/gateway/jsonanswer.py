@@ -34,19 +34,48 @@ import secrets
 import time
 from typing import Any
 
-from blazar.gateway.toolcalls import usage_of
 from blazar import strictjson
+from blazar.gateway.toolcalls import usage_of
 
 COMPACT = (",", ":")
 # chat fields /completion has no use for (the rest, sampling settings and
 # llama.cpp's own, pass as the client sent them)
-CHAT_ONLY = frozenset({
-    "model", "messages", "response_format", "stream", "stream_options", "tools", "tool_choice",
-    "parallel_tool_calls", "max_tokens", "max_completion_tokens", "logprobs", "top_logprobs", "n", "user",
-    "metadata", "store", "chat_template_kwargs", "reasoning_effort", "reasoning_format", "modalities", "audio",
-    "prediction", "service_tier", "web_search_options", "prompt_cache_key", "safety_identifier",
-    "verbosity", "add_generation_prompt", "continue_final_message", "json_schema", "grammar", "prompt",
-})
+CHAT_ONLY = frozenset(
+    {
+        "model",
+        "messages",
+        "response_format",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "max_tokens",
+        "max_completion_tokens",
+        "logprobs",
+        "top_logprobs",
+        "n",
+        "user",
+        "metadata",
+        "store",
+        "chat_template_kwargs",
+        "reasoning_effort",
+        "reasoning_format",
+        "modalities",
+        "audio",
+        "prediction",
+        "service_tier",
+        "web_search_options",
+        "prompt_cache_key",
+        "safety_identifier",
+        "verbosity",
+        "add_generation_prompt",
+        "continue_final_message",
+        "json_schema",
+        "grammar",
+        "prompt",
+    }
+)
 
 
 def json_format(chat: dict[str, Any]) -> dict[str, Any] | None:
@@ -88,8 +117,13 @@ def completion_request(chat: dict[str, Any], prompt: str, schema: dict[str, Any]
     """
     body = {k: v for k, v in chat.items() if k not in CHAT_ONLY}
     limit = chat.get("max_completion_tokens", chat.get("max_tokens"))
-    body.update(prompt=prompt, json_schema=schema, stream=stream, cache_prompt=True,
-                n_predict=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else -1)
+    body.update(
+        prompt=prompt,
+        json_schema=schema,
+        stream=stream,
+        cache_prompt=True,
+        n_predict=limit if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0 else -1,
+    )
     top = top_logprobs(chat)
     if top is not None:
         body["n_probs"] = max(top, 1)  # (the engine sends none at 0)
@@ -153,15 +187,27 @@ def chat_completion(model: str, done: Any, chat: dict[str, Any]) -> bytes:
     results = results_of(done)
     top = top_logprobs(chat)
     timings = results[0].get("timings") if results else None
-    return strictjson.dumps({
-        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": i, "finish_reason": finish_of(r),
-                     "message": {"role": "assistant", "content": str(r.get("content") or "")},
-                     "logprobs": _logprobs(r, top)} for i, r in enumerate(results)],
-        "usage": usage_all(results),
-        **({"timings": timings} if isinstance(timings, dict) else {}),
-    }, ensure_ascii=False, separators=COMPACT).encode("utf-8")
+    return strictjson.dumps(
+        {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [
+                {
+                    "index": i,
+                    "finish_reason": finish_of(r),
+                    "message": {"role": "assistant", "content": str(r.get("content") or "")},
+                    "logprobs": _logprobs(r, top),
+                }
+                for i, r in enumerate(results)
+            ],
+            "usage": usage_all(results),
+            **({"timings": timings} if isinstance(timings, dict) else {}),
+        },
+        ensure_ascii=False,
+        separators=COMPACT,
+    ).encode("utf-8")
 
 
 class ChatFromCompletion:
@@ -175,8 +221,12 @@ class ChatFromCompletion:
     """
 
     def __init__(self, model: str, chat: dict[str, Any]) -> None:
-        self._base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
-                      "created": int(time.time()), "model": model}
+        self._base = {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion.chunk",
+            "created": int(time.time()),
+            "model": model,
+        }
         options = chat.get("stream_options")
         self._usage = isinstance(options, dict) and bool(options.get("include_usage"))
         self._top = top_logprobs(chat)
@@ -212,8 +262,9 @@ class ChatFromCompletion:
         if event.get("stop") is True:
             self._ended[index] = event
             timings = event.get("timings")
-            out.append(self._chunk(index, {}, finish_of(event),
-                                   **({"timings": timings} if isinstance(timings, dict) else {})))
+            out.append(
+                self._chunk(index, {}, finish_of(event), **({"timings": timings} if isinstance(timings, dict) else {}))
+            )
             if len(self._ended) == self._n:
                 self.finished = True
                 if self._usage:
@@ -225,5 +276,4 @@ def encode(chunk: dict[str, Any]) -> bytes:
     """
     One chunk as an SSE event.
     """
-    return b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=COMPACT).encode("utf-8") \
-        + b"\n\n"
+    return b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=COMPACT).encode("utf-8") + b"\n\n"

@@ -136,19 +136,32 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
         except Exception:
             pass
         hint = hints.for_model(view.name) if hints is not None else None
-        rows.append({
-            "cache_hit": hint.cache_hit if hint is not None else None,
-            "draft_acceptance": hint.draft_acceptance if hint is not None else None,
-            "model": view.name, "key": f"{view.name}#0@text", "state": str(view.state),
-            "pid": view.pid, "port": view.port, "slots": view.slots,
-            "busy": view.in_flight, "ctx": view.ctx,
-            "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
-            "breaker": view.breaker, "served": view.served, "memory_estimate": estimate,
-            "rss": view.rss, "kind": kind, "lane": view.lane,
-            "vram": sum(view.gpu_held().values()),
-            "gpus": [{"gpu": gpu, "planned": planned, "measured": measured}
-                     for gpu, planned, measured in view.gpu_memory()],
-        })
+        rows.append(
+            {
+                "cache_hit": hint.cache_hit if hint is not None else None,
+                "draft_acceptance": hint.draft_acceptance if hint is not None else None,
+                "model": view.name,
+                "key": f"{view.name}#0@text",
+                "state": str(view.state),
+                "pid": view.pid,
+                "port": view.port,
+                "slots": view.slots,
+                "busy": view.in_flight,
+                "ctx": view.ctx,
+                "expires_in": None if view.expires_at is None else max(0.0, view.expires_at - now),
+                "breaker": view.breaker,
+                "served": view.served,
+                "memory_estimate": estimate,
+                "rss": view.rss,
+                "kind": kind,
+                "lane": view.lane,
+                "vram": sum(view.gpu_held().values()),
+                "gpus": [
+                    {"gpu": gpu, "planned": planned, "measured": measured}
+                    for gpu, planned, measured in view.gpu_memory()
+                ],
+            }
+        )
     return rows
 
 
@@ -165,8 +178,16 @@ def gpu_listing(census: Census | None) -> dict[str, Any]:
     if census is None:
         return {"gpus": None, "gpu_note": ""}
     return {
-        "gpus": [{"index": g.index, "name": g.name, "memory_total": g.memory_total,
-                  "memory_used": g.memory_used, "memory_free": g.memory_free} for g in census.gpus],
+        "gpus": [
+            {
+                "index": g.index,
+                "name": g.name,
+                "memory_total": g.memory_total,
+                "memory_used": g.memory_used,
+                "memory_free": g.memory_free,
+            }
+            for g in census.gpus
+        ],
         "gpu_note": census.gpu_note,
     }
 
@@ -260,17 +281,13 @@ class ModelOperations:
         if everything:
             chosen = [i for i in self._supervisor.instances() if i.state != InstanceState.STOPPING]
             for instance in chosen:
-                self._supervisor.stop_instance(instance, "evicted").addErrback(
-                    self._stop_failed, instance.entry.name
-                )
+                self._supervisor.stop_instance(instance, "evicted").addErrback(self._stop_failed, instance.entry.name)
         else:
             chosen = self._supervisor.evict(key or "")
         if not chosen:
             if everything:
                 raise NothingToEvict("nothing is loaded")
-            raise NothingToEvict(
-                f"no loaded instance matches {key!r}; `blazar ps` lists the loaded ones"
-            )
+            raise NothingToEvict(f"no loaded instance matches {key!r}; `blazar ps` lists the loaded ones")
         return [i.entry.name for i in chosen]
 
     async def instances(self, hints: Any = None) -> list[dict[str, Any]]:
@@ -340,8 +357,9 @@ class ModelOperations:
         try:
             parsed = parse_name(name)
         except InvalidName as e:
-            raise PullError(f"cannot {verb} {name[:200]!r}: {e}; hf.co/{{user}}/{{repo}}[:{{quant}}] pulls from "
-                            "Hugging Face", 400) from None
+            raise PullError(
+                f"cannot {verb} {name[:200]!r}: {e}; hf.co/{{user}}/{{repo}}[:{{quant}}] pulls from Hugging Face", 400
+            ) from None
         if self._library is None:
             raise PullError(f"this daemon was built without a registry client; {verb}ing library models is off", 501)
         return parsed
@@ -349,8 +367,9 @@ class ModelOperations:
     async def _pull_library(self, name: str, progress: Progress, insecure: bool) -> Pulled:
         parsed = self._library_name(name, "pull")
         assert self._library is not None
-        return await self._timed(parsed.display,
-                                 self._library.pull(parsed, self._registry.ollama_models, progress, insecure))
+        return await self._timed(
+            parsed.display, self._library.pull(parsed, self._registry.ollama_models, progress, insecure)
+        )
 
     async def push(self, name: str, progress: Progress = _ignore, insecure: bool = False) -> str:
         """
@@ -373,9 +392,12 @@ class ModelOperations:
         except ModelNotFound as e:
             raise ModelNotFound(name, e.available) from None  # as the client spelled it
         if entry.ollama is None:
-            raise PushError(f'model "{entry.name}" is a file in models_dir, not a model of the Ollama store '
-                            "(ollama_models): only those have the manifest a registry takes; create one from it "
-                            "(/api/create with FROM) and push that", 400)
+            raise PushError(
+                f'model "{entry.name}" is a file in models_dir, not a model of the Ollama store '
+                "(ollama_models): only those have the manifest a registry takes; create one from it "
+                "(/api/create with FROM) and push that",
+                400,
+            )
         try:
             await self._library.push(entry.ollama.name, self._registry.ollama_models, progress, insecure)
         except PullError as e:

@@ -56,40 +56,48 @@ import attrs
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.logger import Logger
 
+from blazar import strictjson
+from blazar.config import CommandLane, Config
+from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
 from blazar.engines.lease import InstanceLease
+from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
+from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.engines.supervisor import InstanceState, InstanceView
-from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway import cache as semantic
+from blazar.gateway import jsonanswer
+from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
 from blazar.gateway.context import RequestContext, key_of, note_span, note_tokens
 from blazar.gateway.defaults import apply_model_defaults, model_context
 from blazar.gateway.engine_proxy import EngineProxy, note_load
 from blazar.gateway.errors import BadRequest, EngineRejected, UnsupportedByModel
-from blazar.config import Config
+from blazar.gateway.ignored import note_ignored
+from blazar.gateway.imagefetch import ImageFetcher
+from blazar.gateway.isolation import Isolated, KeyIsolation, with_fields
+from blazar.gateway.remotewire import AnthropicStream, to_anthropic
+from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import UNPARSED, SentinelViolation
 from blazar.gateway.sessions import Pin, Sessions, session_name
-from blazar.gateway.isolation import Isolated, KeyIsolation, with_fields
 from blazar.gateway.toolcalls import (
-    Forced, ToolChoiceError, ToolSchemaError, chat_completion, chat_stream, cut_short, forced_call, parse_calls,
-    thd_prepare, tool_calls, usage_of,
+    Forced,
+    ToolChoiceError,
+    ToolSchemaError,
+    chat_completion,
+    chat_stream,
+    cut_short,
+    forced_call,
+    parse_calls,
+    thd_prepare,
+    tool_calls,
+    usage_of,
 )
-from blazar.config import CommandLane
-from blazar.engines.lanes import BUILTIN, LANE_KIND, LLAMACPP, SDCPP, WHISPER, route
-from blazar.engines.remote import REMOTE, is_remote, shared_name
-from blazar.gateway import jsonanswer
-from blazar.gateway.ignored import note_ignored
-from blazar.gateway.remotewire import AnthropicStream, to_anthropic
-from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.translated import FromAnthropic, FromCompletion, Renamed, Translated, scrubber
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, is_reranker, sees_images
-from blazar.gateway.imagefetch import ImageFetcher
-from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.models.gguf_meta import template_capabilities
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
-from blazar import strictjson
 
 log = Logger()
 
@@ -127,8 +135,12 @@ class Pipeline:
     """
 
     def __init__(
-        self, proxy: EngineProxy, clock: Any, registry: ModelRegistry | None = None,
-        admission: Admission | None = None, sessions: Sessions | None = None,
+        self,
+        proxy: EngineProxy,
+        clock: Any,
+        registry: ModelRegistry | None = None,
+        admission: Admission | None = None,
+        sessions: Sessions | None = None,
         config: Callable[[], Config] = Config,
         in_thread: Callable[..., Awaitable[Any]] | None = None,
     ) -> None:
@@ -166,7 +178,8 @@ class Pipeline:
         if call.lane is not None:
             raise UnsupportedByModel(
                 f"model {call.model!r} is served by the {call.lane.name} lane, whose server Blazar cannot ask to "
-                "count tokens (counting needs llama-server)")
+                "count tokens (counting needs llama-server)"
+            )
         if call.rewrite is not None:
             await call.rewrite(call)
         return await self._count(call)
@@ -265,7 +278,13 @@ class Pipeline:
         counted = None
         if lane is None and call.kind not in (CallKind.EMBEDDING, CallKind.INFILL):
             counted = await self._proxy.preflight(
-                call.model, call.max_tokens, len(raw), lambda: self._count(call), call.ctx_size, call.entry, call.names,
+                call.model,
+                call.max_tokens,
+                len(raw),
+                lambda: self._count(call),
+                call.ctx_size,
+                call.entry,
+                call.names,
                 floor=await self._prompt_floor(call, len(raw)),
             )
         if call.images:
@@ -313,7 +332,13 @@ class Pipeline:
                 raw = with_fields(raw, slot) or raw
                 try:
                     lease, response = await self._proxy.send(
-                        call.model, path, raw, call.ctx_size, context, call.stream, ready=(instance, started),
+                        call.model,
+                        path,
+                        raw,
+                        call.ctx_size,
+                        context,
+                        call.stream,
+                        ready=(instance, started),
                         content_type=call.content_type,
                     )
                 except EngineRejected as e:
@@ -323,8 +348,11 @@ class Pipeline:
                         noted, lease, response = await self._as_text(context, call, instance, slot, str(e))
                     elif jsonanswer.json_format(call.body) is not None:
                         # (a reasoning model's JSON): its text without the parser
-                        log.info("{model}: the engine's chat parser refused the model's JSON answer; asked once "
-                                 "more without it, so its text is the answer", model=call.model)
+                        log.info(
+                            "{model}: the engine's chat parser refused the model's JSON answer; asked once "
+                            "more without it, so its text is the answer",
+                            model=call.model,
+                        )
                         lease, made = await self._json_answer(context, call, instance, slot)
                         response = None
                     else:
@@ -348,16 +376,34 @@ class Pipeline:
         options = call.body.get("stream_options")
         chat = call.kind is CallKind.CHAT
         reply = Reply(
-            self._proxy, context, lease, response, counted, started, loaded,
-            made=made, keep=keep, pin=pin, isolated=isolated, noted=noted, max_tokens=call.max_tokens,
-            translated=translated, wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
-            watched=asked if chat else None, enforce=chat and self._enforce(context, lease.instance.entry),
-            stall=self._config().sentinel_stall if chat else 30.0, clock=self._clock if chat else None,
+            self._proxy,
+            context,
+            lease,
+            response,
+            counted,
+            started,
+            loaded,
+            made=made,
+            keep=keep,
+            pin=pin,
+            isolated=isolated,
+            noted=noted,
+            max_tokens=call.max_tokens,
+            translated=translated,
+            wants_usage=isinstance(options, dict) and bool(options.get("include_usage")),
+            watched=asked if chat else None,
+            enforce=chat and self._enforce(context, lease.instance.entry),
+            stall=self._config().sentinel_stall if chat else 30.0,
+            clock=self._clock if chat else None,
         )
         return reply, lease
 
     async def _cached(
-        self, context: RequestContext | None, call: Run, asked: dict[str, Any], canonical: str,
+        self,
+        context: RequestContext | None,
+        call: Run,
+        asked: dict[str, Any],
+        canonical: str,
     ) -> tuple[Reply | None, Callable[[bytes], None] | None]:
         """
         The semantic cache step (L{blazar.gateway.cache}), after scope,
@@ -387,8 +433,9 @@ class Pipeline:
         config = self._config().cache
         key = key_of(context)
         entry = call.entry
-        if not semantic.enabled_for(config.enabled, entry.settings.cache if entry is not None else None,
-                                    key.cache if key is not None else None):
+        if not semantic.enabled_for(
+            config.enabled, entry.settings.cache if entry is not None else None, key.cache if key is not None else None
+        ):
             return None, None
         streamed = call.stream if call.client_stream is None else call.client_stream
         if call.stream and not streamed:  # the engine streams a whole answer: as a non-streamed chat
@@ -419,8 +466,7 @@ class Pipeline:
         _note_cache(context, semantic.HIT)
         if context is not None:
             context.set_reply_header(semantic.HEADER, semantic.HIT.encode("ascii"))
-        log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical,
-                  similarity=similarity)
+        log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical, similarity=similarity)
         now = self._clock.seconds()
         made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
         return Reply(self._proxy, context, None, None, None, now, now, model=canonical, made=made, cached=True), None
@@ -447,12 +493,23 @@ class Pipeline:
         except CancelledError:
             raise
         except Exception as e:
-            log.warn("{model}: the semantic cache could not embed the prompt with {embedding_model} ({error}); "
-                     "the request goes on uncached", model=chat_model, embedding_model=model, error=str(e)[:300])
+            log.warn(
+                "{model}: the semantic cache could not embed the prompt with {embedding_model} ({error}); "
+                "the request goes on uncached",
+                model=chat_model,
+                embedding_model=model,
+                error=str(e)[:300],
+            )
             return None
 
     async def _forced(
-        self, context: RequestContext | None, call: Run, forced: Forced, instance: Any, started: float, slot: dict[str, Any],
+        self,
+        context: RequestContext | None,
+        call: Run,
+        forced: Forced,
+        instance: Any,
+        started: float,
+        slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         The tool-call step (L{blazar.gateway.toolcalls}): a forced call is
@@ -473,11 +530,17 @@ class Pipeline:
             raise BadRequest(f"tools: {e}", "tools") from None
         names = ", ".join(t["function"]["name"] for t in forced.tools)
         if dropped:
-            log.info("forced tool call: left out of the grammar (not callable correctly): {dropped}",
-                     dropped="; ".join(dropped))
-        template = _rendered_only({k: v for k, v in call.body.items()
-                                   if k in ("messages", "tools", "tool_choice", "chat_template_kwargs",
-                                            "reasoning_effort")})
+            log.info(
+                "forced tool call: left out of the grammar (not callable correctly): {dropped}",
+                dropped="; ".join(dropped),
+            )
+        template = _rendered_only(
+            {
+                k: v
+                for k, v in call.body.items()
+                if k in ("messages", "tools", "tool_choice", "chat_template_kwargs", "reasoning_effort")
+            }
+        )
         try:
             prompt, rendered_by = await self._rendered(context, call, template, instance, started)
         except EngineRejected as e:
@@ -488,8 +551,13 @@ class Pipeline:
         body.update(slot)
         try:
             lease, response = await self._proxy.send(
-                call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
-                stream=False, ready=(rendered_by, self._clock.seconds()),
+                call.model,
+                "/completion",
+                strictjson.dumps(body).encode("utf-8"),
+                call.ctx_size,
+                context,
+                stream=False,
+                ready=(rendered_by, self._clock.seconds()),
             )
         except EngineRejected as e:
             if e.status == 400:
@@ -509,14 +577,18 @@ class Pipeline:
                     raise
                 # the client's max_tokens ended it mid-call: the surface's
                 # truncation, with no call (half a call is not a call)
-                log.info("{model}: a forced tool call did not fit max_tokens={limit}; answered as cut short",
-                         model=call.model, limit=budget)
+                log.info(
+                    "{model}: a forced tool call did not fit max_tokens={limit}; answered as cut short",
+                    model=call.model,
+                    limit=budget,
+                )
                 calls, finish = [], "length"
         except ValueError as e:
             lease.release()
             content = str(done.get("content") or "")[-120:] if isinstance(done, dict) else ""
-            raise EngineRejected(502, f"the engine's forced tool call did not parse ({e}); it ended {content!r}"
-                                 ) from None
+            raise EngineRejected(
+                502, f"the engine's forced tool call did not parse ({e}); it ended {content!r}"
+            ) from None
         except BaseException:
             lease.release()
             raise
@@ -529,8 +601,9 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
-    async def _rendered(self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any,
-                        started: float) -> tuple[str, Any]:
+    async def _rendered(
+        self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any, started: float
+    ) -> tuple[str, Any]:
         """
         The prompt the model's chat template renders for C{template} (a
         chat body's messages and template settings: llama-server's
@@ -539,8 +612,13 @@ class Pipeline:
         @raise EngineRejected: The template refused it.
         """
         lease, response = await self._proxy.send(
-            call.model, "/apply-template", strictjson.dumps(template).encode("utf-8"), call.ctx_size,
-            context, stream=False, ready=(instance, started),
+            call.model,
+            "/apply-template",
+            strictjson.dumps(template).encode("utf-8"),
+            call.ctx_size,
+            context,
+            stream=False,
+            ready=(instance, started),
         )
         try:
             return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
@@ -548,7 +626,12 @@ class Pipeline:
             lease.release()
 
     async def _json_send(
-        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], stream: bool,
+        self,
+        context: RequestContext | None,
+        call: Run,
+        instance: Any,
+        slot: dict[str, Any],
+        stream: bool,
     ) -> tuple[InstanceLease, Any]:
         """
         A JSON answer without the engine's chat parser
@@ -561,19 +644,38 @@ class Pipeline:
         """
         schema = jsonanswer.json_format(call.body)
         assert schema is not None
-        template = {k: v for k, v in call.body.items()
-                    if k in ("messages", "response_format", "chat_template_kwargs", "reasoning_effort",
-                             "add_generation_prompt", "continue_final_message")}
+        template = {
+            k: v
+            for k, v in call.body.items()
+            if k
+            in (
+                "messages",
+                "response_format",
+                "chat_template_kwargs",
+                "reasoning_effort",
+                "add_generation_prompt",
+                "continue_final_message",
+            )
+        }
         prompt, instance = await self._rendered(context, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
         body.update(slot)
         return await self._proxy.send(
-            call.model, "/completion", strictjson.dumps(body).encode("utf-8"), call.ctx_size, context,
-            stream=stream, ready=(instance, self._clock.seconds()),
+            call.model,
+            "/completion",
+            strictjson.dumps(body).encode("utf-8"),
+            call.ctx_size,
+            context,
+            stream=stream,
+            ready=(instance, self._clock.seconds()),
         )
 
     async def _json_answer(
-        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any],
+        self,
+        context: RequestContext | None,
+        call: Run,
+        instance: Any,
+        slot: dict[str, Any],
     ) -> tuple[InstanceLease, bytes]:
         """
         A non-streamed JSON answer by L{_json_send}, as an OpenAI chat
@@ -611,12 +713,20 @@ class Pipeline:
         C{sentinel_enforce}: the key's, else the model's, else the global.
         """
         key = key_of(context)
-        choices = (key.sentinel_enforce if key is not None else None, entry.settings.sentinel_enforce,
-                   self._config().sentinel_enforce)
+        choices = (
+            key.sentinel_enforce if key is not None else None,
+            entry.settings.sentinel_enforce,
+            self._config().sentinel_enforce,
+        )
         return next(c for c in choices if c is not None)
 
     async def _as_text(
-        self, context: RequestContext | None, call: Run, instance: Any, slot: dict[str, Any], error: str,
+        self,
+        context: RequestContext | None,
+        call: Run,
+        instance: Any,
+        slot: dict[str, Any],
+        error: str,
     ) -> tuple[tuple[str, str], InstanceLease, Any]:
         """
         The engine could not parse the model's answer to a chat that offered
@@ -629,21 +739,34 @@ class Pipeline:
 
         @raise SentinelViolation: Enforced.
         """
-        noted = ("tool_args_invalid", "the engine could not parse the model's tool call; the answer is the "
-                                      "model's text, asked once more with tool_choice none")
+        noted = (
+            "tool_args_invalid",
+            "the engine could not parse the model's tool call; the answer is the "
+            "model's text, asked once more with tool_choice none",
+        )
         if self._enforce(context, instance.entry):
             if context is not None:
                 context.sentinel = ("tool_args_invalid",)
                 context.set_reply_header(SENTINEL_HEADER.encode("ascii"), b"tool_args_invalid")
             raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
-        log.info("{model}: the engine could not parse the model's tool call ({error}); asking once more "
-                 "with tool_choice none, so its text is the answer", model=call.model, error=error[:200])
+        log.info(
+            "{model}: the engine could not parse the model's tool call ({error}); asking once more "
+            "with tool_choice none, so its text is the answer",
+            model=call.model,
+            error=error[:200],
+        )
         body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
         body["tool_choice"] = "none"
         raw = strictjson.dumps(body).encode("utf-8")
         raw = with_fields(raw, slot) or raw
         lease, response = await self._proxy.send(
-            call.model, call.path, raw, call.ctx_size, context, call.stream, ready=(instance, self._clock.seconds()),
+            call.model,
+            call.path,
+            raw,
+            call.ctx_size,
+            context,
+            call.stream,
+            ready=(instance, self._clock.seconds()),
         )
         return noted, lease, response
 
@@ -665,15 +788,24 @@ class Pipeline:
         body = call.body
         messages, tools = body.get("messages"), body.get("tools")
         if isinstance(messages, list) and len(messages) > config.max_messages:
-            raise BadRequest(f"{len(messages)} messages are more than this gateway takes in one request "
-                             f"(max_messages = {config.max_messages} in its config)", "messages")
+            raise BadRequest(
+                f"{len(messages)} messages are more than this gateway takes in one request "
+                f"(max_messages = {config.max_messages} in its config)",
+                "messages",
+            )
         if isinstance(tools, list) and len(tools) > config.max_tools:
-            raise BadRequest(f"{len(tools)} tools are more than this gateway takes in one request "
-                             f"(max_tools = {config.max_tools} in its config)", "tools")
+            raise BadRequest(
+                f"{len(tools)} tools are more than this gateway takes in one request "
+                f"(max_tools = {config.max_tools} in its config)",
+                "tools",
+            )
         budget = config.max_schema_nodes
         if schema_nodes([tools, body.get("response_format")], budget) > budget:
-            raise BadRequest(f"the tools' and the response format's schemas hold more than {budget} subschemas "
-                             f"(max_schema_nodes = {budget} in its config)", "tools" if tools else "response_format")
+            raise BadRequest(
+                f"the tools' and the response format's schemas hold more than {budget} subschemas "
+                f"(max_schema_nodes = {budget} in its config)",
+                "tools" if tools else "response_format",
+            )
 
     async def _tools_seen(self, call: Run) -> None:
         """
@@ -706,7 +838,8 @@ class Pipeline:
             f"model {call.model!r} does not support tools: its chat template renders none, so the model would "
             "never see them. Use a model whose template supports tools, give this one such a template "
             f'(args = ["--chat-template-file", "..."] under [models."{entry.name}"]), or force the call with '
-            'tool_choice ("required" or a named function; Blazar\'s grammar makes the call on any model)')
+            'tool_choice ("required" or a named function; Blazar\'s grammar makes the call on any model)'
+        )
 
     def _forced_call(self, call: Run) -> Forced | None:
         """
@@ -760,8 +893,11 @@ class Pipeline:
         if not call.profile or call.lane is not None:
             return
         if scoped(context) and context is not None:
-            note_ignored(context, call.surface, [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items()
-                                                 if key in call.profile])
+            note_ignored(
+                context,
+                call.surface,
+                [f"options.{option}" for option, key in OLLAMA_PLACEMENT.items() if key in call.profile],
+            )
             return
         await self.supervisor.want_profile(call.model, call.profile)
 
@@ -806,8 +942,9 @@ class Pipeline:
         # whisper and sd models go to their built-in lanes
         if call.entry is not None:
             architecture, _ = await self._facts_of(call.entry)
-            call.lane = route(call.entry.name, call.entry.format, call.entry.settings.engine, self._config(),
-                              architecture)
+            call.lane = route(
+                call.entry.name, call.entry.format, call.entry.settings.engine, self._config(), architecture
+            )
         else:
             call.lane = None
         await self._purpose(call)
@@ -817,8 +954,11 @@ class Pipeline:
         await self._vision(call)
         if call.lane is None:
             await self._tools_seen(call)
-        if call.lane is None and call.kind is CallKind.CHAT \
-                and await self._proxy.place_system_messages(call.model, call.body):
+        if (
+            call.lane is None
+            and call.kind is CallKind.CHAT
+            and await self._proxy.place_system_messages(call.model, call.body)
+        ):
             call.raw = None
         return canonical
 
@@ -834,12 +974,14 @@ class Pipeline:
         remote = self._config().remote(call.entry.remote or "")
         if remote is None:
             raise ModelNotFound(call.model, [])
-        kinds = (CallKind.CHAT,) if remote.api == "anthropic" else (CallKind.CHAT, CallKind.COMPLETION,
-                                                                      CallKind.EMBEDDING)
+        kinds = (
+            (CallKind.CHAT,) if remote.api == "anthropic" else (CallKind.CHAT, CallKind.COMPLETION, CallKind.EMBEDDING)
+        )
         if call.kind not in kinds:
             raise UnsupportedByModel(
                 f"model {call.model!r} is on remote {remote.name!r} (api = {remote.api!r}), which Blazar sends "
-                f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}")
+                f"{', '.join(k.value for k in kinds)} requests only; use a local model for {call.kind.value}"
+            )
         return CommandLane(REMOTE, (), health="/v1/models", formats=(), api=remote.api)
 
     def _remote_body(self, context: RequestContext | None, call: Run) -> tuple[bytes, str, AnthropicStream | None]:
@@ -861,8 +1003,9 @@ class Pipeline:
         if ignored and context is not None:
             note_ignored(context, "remote", ignored)
         options = call.body.get("stream_options")
-        stream = AnthropicStream(call.model, int(self._clock.seconds()),
-                                 isinstance(options, dict) and bool(options.get("include_usage")))
+        stream = AnthropicStream(
+            call.model, int(self._clock.seconds()), isinstance(options, dict) and bool(options.get("include_usage"))
+        )
         return strictjson.dumps(body).encode("utf-8"), "/v1/messages", stream
 
     async def _scope(self, context: RequestContext | None, model: str) -> ModelEntry | None:
@@ -912,8 +1055,12 @@ class Pipeline:
                 meta = await self._registry.metadata(entry)
             except Exception:
                 return None  # unreadable: the child's start says why
-            known = _Facts(meta.architecture, is_reranker(entry, meta),
-                           tuple(template_capabilities(meta.chat_template)), meta.longest_token)
+            known = _Facts(
+                meta.architecture,
+                is_reranker(entry, meta),
+                tuple(template_capabilities(meta.chat_template)),
+                meta.longest_token,
+            )
             if len(self._facts) > 4096:
                 self._facts.clear()
             self._facts[key] = known
@@ -955,8 +1102,11 @@ class Pipeline:
             except AudioUnreadable as e:
                 raise BadRequest(str(e), "image") from None
             if width > MAX_IMAGE_SIDE or height > MAX_IMAGE_SIDE:
-                raise BadRequest(f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
-                                 "side: scale it down first", "image")
+                raise BadRequest(
+                    f"the image is {width}x{height}; edits take at most {MAX_IMAGE_SIDE} pixels a "
+                    "side: scale it down first",
+                    "image",
+                )
 
     async def _audio(self, context: RequestContext | None, call: Run) -> None:
         """
@@ -969,7 +1119,8 @@ class Pipeline:
         """
         try:
             call.raw, call.content_type, seconds = await self._decodes.run(
-                self._in_thread, thd_to_multipart, call.audio or b"", call.audio_fields or {})
+                self._in_thread, thd_to_multipart, call.audio or b"", call.audio_fields or {}
+            )
         except AudioUnreadable as e:
             raise BadRequest(f"{e}: send a WAV, MP3, OGG, FLAC, M4A or WebM file", "file") from None
         except ValueError as e:  # a field that is not text
@@ -997,22 +1148,27 @@ class Pipeline:
                 raise UnsupportedByModel(_not_of_lane(call.model, wanted, section))
             return
         if lane_kind is not None:
-            endpoint = "POST /v1/audio/transcriptions" if lane_kind == "transcription" else "POST /v1/images/generations"
+            endpoint = (
+                "POST /v1/audio/transcriptions" if lane_kind == "transcription" else "POST /v1/images/generations"
+            )
             raise UnsupportedByModel(
                 f"model {call.model!r} is {'a speech-to-text' if lane_kind == 'transcription' else 'an image'} "
-                f"model (served by the {call.lane.name} lane); send it {endpoint}, or use a chat model here")
+                f"model (served by the {call.lane.name} lane); send it {endpoint}, or use a chat model here"
+            )
         reranker = await self._is_reranker(entry)
         if call.kind is CallKind.RERANK:
             if not reranker:
                 raise UnsupportedByModel(
                     f"model {call.model!r} is not a reranker: set rerank = true under {section} in the config "
                     "for a reranker GGUF (one whose metadata says rank pooling is one already), or rerank with "
-                    "such a model")
+                    "such a model"
+                )
             return
         if reranker:
             raise UnsupportedByModel(
                 f"model {call.model!r} is a reranker (rank pooling in its GGUF, or rerank = true under "
-                f"{section}); send it POST /v1/rerank, or use a chat or embedding model here")
+                f"{section}); send it POST /v1/rerank, or use a chat or embedding model here"
+            )
         if call.embedding and not entry.settings.embedding:
             raise UnsupportedByModel(
                 f"model {call.model!r} is not an embedding model: set embedding = true under "
@@ -1058,8 +1214,9 @@ class Pipeline:
                     image = part.get("image_url")
                     url = image.get("url") if isinstance(image, dict) else image
                     if not isinstance(url, str):
-                        raise BadRequest(f"{where}.image_url.url: required (a data: or http(s) URL)",
-                                         f"{where}.image_url")
+                        raise BadRequest(
+                            f"{where}.image_url.url: required (a data: or http(s) URL)", f"{where}.image_url"
+                        )
                     if not isinstance(image, dict):  # a bare URL string: as the engine reads it
                         part["image_url"] = {"url": url}
                         call.raw = None
@@ -1071,8 +1228,11 @@ class Pipeline:
                     values = {k: media[k] for k in ("data", "url") if isinstance(media.get(k), str)}
                     for key, value in values.items():
                         if _engine_fetches(value):
-                            raise BadRequest(f"{where}.{kind}.{key}: Blazar does not fetch {kind} URLs; send "
-                                             "the data itself (base64, or a data: URL)", f"{where}.{kind}")
+                            raise BadRequest(
+                                f"{where}.{kind}.{key}: Blazar does not fetch {kind} URLs; send "
+                                "the data itself (base64, or a data: URL)",
+                                f"{where}.{kind}",
+                            )
                     part[kind] = {k: v for k, v in media.items() if k not in ("data", "url")}
                     part[kind].update(list(values.items())[:1])
                     call.raw = None
@@ -1084,7 +1244,8 @@ class Pipeline:
             raise UnsupportedByModel(
                 f"model {call.model!r} cannot see images: it has no vision projector. Put its projector (the "
                 f"model's *mmproj*.gguf, named like mmproj-{stem}.gguf) beside its GGUF file, or set "
-                f'mmproj = "/path/to/mmproj.gguf" under [models."{entry.name}"] in the config; or send text only')
+                f'mmproj = "/path/to/mmproj.gguf" under [models."{entry.name}"] in the config; or send text only'
+            )
         config = self._config()
         # one request's fetches, one after another, share the byte and the time bound
         budget, began = config.image_fetch_max_bytes, self._clock.seconds()
@@ -1092,24 +1253,25 @@ class Pipeline:
             scheme = _scheme(url)
             if scheme in ("http", "https"):
                 if self.images is None:
-                    raise BadRequest(f"{where}: this gateway does not fetch image URLs; send the image as base64 "
-                                     "data (a data: URL)", where)
+                    raise BadRequest(
+                        f"{where}: this gateway does not fetch image URLs; send the image as base64 data (a data: URL)",
+                        where,
+                    )
                 seconds = config.image_fetch_timeout - (self._clock.seconds() - began)
                 data, size = await self.images.fetch(url, where, budget, seconds)
                 budget -= size
                 part["image_url"] = {**part["image_url"], "url": data}
                 call.raw = None
             elif scheme == "data":
-                head = url[len("data:"):].partition(",")[0].lower()
+                head = url[len("data:") :].partition(",")[0].lower()
                 if not head.startswith("image/") or not head.endswith(";base64"):
-                    raise BadRequest(f"{where}.url: a data: URL of an image must be base64 "
-                                     "(data:image/png;base64,...)", where)
+                    raise BadRequest(
+                        f"{where}.url: a data: URL of an image must be base64 (data:image/png;base64,...)", where
+                    )
             elif scheme is not None:
-                raise BadRequest(f"{where}.url: {scheme}: URLs are not taken; send a data: or http(s) URL",
-                                 where)
+                raise BadRequest(f"{where}.url: {scheme}: URLs are not taken; send a data: or http(s) URL", where)
             elif _engine_fetches(url):  # (llama-server would fetch it)
-                raise BadRequest(f"{where}.url: not a data: or http(s) URL, and not base64; send one of those",
-                                 where)
+                raise BadRequest(f"{where}.url: not a data: or http(s) URL, and not base64; send one of those", where)
 
     async def _count(self, call: Run) -> int:
         """
@@ -1121,8 +1283,14 @@ class Pipeline:
         texts = [prompt] if isinstance(prompt, str) else [p for p in prompt or [] if isinstance(p, str)]
         return max([await self._proxy.count_text_tokens(call.model, t) for t in texts] or [0])
 
-    async def _admit(self, context: RequestContext | None, canonical: str, work: WorkClass, entry: ModelEntry | None,
-                     lane: Any = None) -> None:
+    async def _admit(
+        self,
+        context: RequestContext | None,
+        canonical: str,
+        work: WorkClass,
+        entry: ModelEntry | None,
+        lane: Any = None,
+    ) -> None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
         slot is held until the response is finished or the client leaves.
@@ -1216,8 +1384,13 @@ def prompt_text_bytes(body: dict[str, Any]) -> int:
                         total += len(text.encode("utf-8", "surrogatepass"))
         return total
     prompt = body.get("prompt")
-    texts = [prompt] if isinstance(prompt, str) else [p for p in prompt if isinstance(p, str)] \
-        if isinstance(prompt, list) else []
+    texts = (
+        [prompt]
+        if isinstance(prompt, str)
+        else [p for p in prompt if isinstance(p, str)]
+        if isinstance(prompt, list)
+        else []
+    )
     return max((len(t.encode("utf-8", "surrogatepass")) for t in texts), default=0)
 
 
@@ -1347,8 +1520,12 @@ def _rendered_only(body: dict[str, Any]) -> dict[str, Any]:
 
 def _not_of_lane(model: str, lane: str, section: str) -> str:
     if lane == WHISPER:
-        return (f"model {model!r} is not a speech-to-text model: transcriptions need a whisper.cpp model (a ggml "
-                f"whisper .bin file such as ggml-base.en.bin under models_dir, or engine = \"whisper\" under "
-                f"{section})")
-    return (f"model {model!r} is not an image model: images need a diffusion model stable-diffusion.cpp loads (a "
-            f"Flux or Stable Diffusion GGUF, or engine = \"sdcpp\" under {section})")
+        return (
+            f"model {model!r} is not a speech-to-text model: transcriptions need a whisper.cpp model (a ggml "
+            f'whisper .bin file such as ggml-base.en.bin under models_dir, or engine = "whisper" under '
+            f"{section})"
+        )
+    return (
+        f"model {model!r} is not an image model: images need a diffusion model stable-diffusion.cpp loads (a "
+        f'Flux or Stable Diffusion GGUF, or engine = "sdcpp" under {section})'
+    )

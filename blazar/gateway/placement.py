@@ -25,13 +25,15 @@ MARK = "blazar-probe-mid-system-7f3a"
 
 #: What the engine is asked to render (C{/apply-template}) to learn whether
 #: its template takes a system message after the first user turn.
-PROBE = {"messages": [
-    {"role": "system", "content": "blazar-probe-first"},
-    {"role": "user", "content": "blazar-probe-user-1"},
-    {"role": "assistant", "content": "blazar-probe-assistant"},
-    {"role": "system", "content": MARK},
-    {"role": "user", "content": "blazar-probe-user-2"},
-]}
+PROBE = {
+    "messages": [
+        {"role": "system", "content": "blazar-probe-first"},
+        {"role": "user", "content": "blazar-probe-user-1"},
+        {"role": "assistant", "content": "blazar-probe-assistant"},
+        {"role": "system", "content": MARK},
+        {"role": "user", "content": "blazar-probe-user-2"},
+    ]
+}
 
 
 def probe_accepts(prompt: Any) -> bool:
@@ -72,9 +74,7 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(
-            p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)
-        )
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
     return ""
 
 

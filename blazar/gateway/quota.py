@@ -13,7 +13,6 @@ L{blazar.service} through L{blazar.store}.
 from __future__ import annotations
 
 import math
-
 import time
 from collections import defaultdict, deque
 from typing import Any, Callable
@@ -123,7 +122,8 @@ class Quotas:
         if key.max_concurrent is not None and self._active[key.owner] >= key.max_concurrent:
             raise QuotaExceeded(
                 f"key {key.name!r} already has {key.max_concurrent} request(s) running "
-                "(max_concurrent); retry when one finishes", 1.0,
+                "(max_concurrent); retry when one finishes",
+                1.0,
             )
         self._active[key.owner] += 1
 

@@ -26,8 +26,8 @@ import json
 import math
 from typing import Any
 
-from blazar.gateway.errors import BadRequest
 from blazar import strictjson
+from blazar.gateway.errors import BadRequest
 
 DEFAULT_MAX_TOKENS = 4096
 """
@@ -43,11 +43,29 @@ C{max_tokens}). C{"none"} turns thinking off.
 """
 
 # OpenAI fields that are handled by to_anthropic (everything else is ignored, and named)
-_HANDLED = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "stop", "temperature", "top_p", "top_k",
-    "stream", "stream_options", "tools", "tool_choice", "parallel_tool_calls", "reasoning_effort", "user",
-    "n", "logprobs", "top_logprobs", "response_format",
-})
+_HANDLED = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "stop",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "stream_options",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning_effort",
+        "user",
+        "n",
+        "logprobs",
+        "top_logprobs",
+        "response_format",
+    }
+)
 
 # Anthropic's base64 image types (Base64ImageSourceParam.media_type)
 _IMAGE_TYPES = frozenset({"image/jpeg", "image/png", "image/gif", "image/webp"})
@@ -117,8 +135,9 @@ def _image(part: dict[str, Any], where: str) -> dict[str, Any]:
         header, comma, data = url[5:].partition(",")
         media, _, encoding = header.partition(";")
         if not comma or encoding != "base64" or media not in _IMAGE_TYPES:
-            raise _fail(f"{where}.image_url.url",
-                        "a data: URL must be base64 image/jpeg, image/png, image/gif or image/webp")
+            raise _fail(
+                f"{where}.image_url.url", "a data: URL must be base64 image/jpeg, image/png, image/gif or image/webp"
+            )
         return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
     if url.startswith(("http://", "https://")):
         return {"type": "image", "source": {"type": "url", "url": url}}
@@ -136,14 +155,20 @@ def _user_blocks(content: Any, where: str) -> list[dict[str, Any]]:
             blocks.append(_image(part, f"{where}.{i}"))
         elif kind == "text":
             blocks += _text([part], where)
-        elif kind == "file" and isinstance(part.get("file"), dict) \
-                and str(part["file"].get("file_data", "")).startswith("data:application/pdf;base64,"):
+        elif (
+            kind == "file"
+            and isinstance(part.get("file"), dict)
+            and str(part["file"].get("file_data", "")).startswith("data:application/pdf;base64,")
+        ):
             data = part["file"]["file_data"].partition(",")[2]
-            blocks.append({"type": "document",
-                           "source": {"type": "base64", "media_type": "application/pdf", "data": data}})
+            blocks.append(
+                {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": data}}
+            )
         else:
-            raise _fail(f"{where}.{i}.type", f"{kind!r} parts cannot be sent to an Anthropic remote "
-                        "(text, image_url and PDF file parts can)")
+            raise _fail(
+                f"{where}.{i}.type",
+                f"{kind!r} parts cannot be sent to an Anthropic remote (text, image_url and PDF file parts can)",
+            )
     return blocks
 
 
@@ -213,18 +238,29 @@ def _messages(messages: Any, ignored: list[str]) -> tuple[list[dict[str, Any]], 
                 ignored.append("messages:reasoning_content")  # unsigned: Anthropic cannot take it back
             for j, call in enumerate(m.get("tool_calls") or []):
                 fn = call.get("function") if isinstance(call, dict) else None
-                if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
-                        or not isinstance(call.get("id"), str):
+                if (
+                    not isinstance(fn, dict)
+                    or not isinstance(fn.get("name"), str)
+                    or not isinstance(call.get("id"), str)
+                ):
                     raise _fail(f"{where}.tool_calls.{j}", "needs id and function.name")
-                blocks.append({"type": "tool_use", "id": call["id"], "name": fn["name"],
-                               "input": _tool_input(fn.get("arguments"), ignored)})
+                blocks.append(
+                    {
+                        "type": "tool_use",
+                        "id": call["id"],
+                        "name": fn["name"],
+                        "input": _tool_input(fn.get("arguments"), ignored),
+                    }
+                )
             anthropic_role = "assistant"
         elif role == "tool":
             blocks = [_tool_result(m, where)]
             anthropic_role = "user"
         else:
-            raise _fail(f"{where}.role", f"{role!r} cannot be sent to an Anthropic remote "
-                        "(system, developer, user, assistant and tool can)")
+            raise _fail(
+                f"{where}.role",
+                f"{role!r} cannot be sent to an Anthropic remote (system, developer, user, assistant and tool can)",
+            )
         if not blocks:
             continue  # an empty turn (Anthropic rejects empty content)
         if out and out[-1]["role"] == anthropic_role:
@@ -262,8 +298,7 @@ def _tools(body: dict[str, Any], ignored: list[str]) -> list[dict[str, Any]]:
         fn = t.get("function") if isinstance(t, dict) else None
         if not isinstance(t, dict) or t.get("type", "function") != "function" or not isinstance(fn, dict):
             kind = t.get("type") if isinstance(t, dict) else None
-            raise _fail(f"tools.{i}.type", f"{kind!r} tools cannot be sent to an Anthropic remote "
-                        "(function tools can)")
+            raise _fail(f"tools.{i}.type", f"{kind!r} tools cannot be sent to an Anthropic remote (function tools can)")
         if not isinstance(fn.get("name"), str):
             raise _fail(f"tools.{i}.function.name", "required")
         if fn.get("strict"):
@@ -292,15 +327,19 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]], ignored: lis
         out = {"type": "none"}
     elif choice == "required":
         out = {"type": "any"}
-    elif isinstance(choice, dict) and choice.get("type") == "function" \
-            and isinstance((choice.get("function") or {}).get("name"), str):
+    elif (
+        isinstance(choice, dict)
+        and choice.get("type") == "function"
+        and isinstance((choice.get("function") or {}).get("name"), str)
+    ):
         name = choice["function"]["name"]
         if not any(t["name"] == name for t in tools):
             raise _fail("tool_choice.function.name", f"no tool named {name!r} in tools")
         out = {"type": "tool", "name": name}
     else:
-        raise _fail("tool_choice", 'must be "auto", "none", "required" or '
-                    '{"type": "function", "function": {"name": ...}}')
+        raise _fail(
+            "tool_choice", 'must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}'
+        )
     if not tools:
         if out is not None and out["type"] in ("any", "tool"):
             raise _fail("tool_choice", "requires a tool call, but the request has no tools")
@@ -353,14 +392,15 @@ def to_anthropic(body: dict[str, Any], model: str) -> tuple[dict[str, Any], list
     if n is not None and n != 1:
         raise _fail("n", "an Anthropic remote gives one choice per request (n must be 1)")
     if body.get("logprobs") or body.get("top_logprobs"):
-        raise _fail("logprobs" if body.get("logprobs") else "top_logprobs",
-                    "an Anthropic remote does not return log probabilities")
+        raise _fail(
+            "logprobs" if body.get("logprobs") else "top_logprobs",
+            "an Anthropic remote does not return log probabilities",
+        )
     fmt = body.get("response_format")
     if fmt is not None:
         kind = fmt.get("type") if isinstance(fmt, dict) else None
         if kind != "text":
-            raise _fail("response_format", f"{kind!r} cannot be honoured by an Anthropic remote "
-                        "(it has no JSON mode)")
+            raise _fail("response_format", f"{kind!r} cannot be honoured by an Anthropic remote (it has no JSON mode)")
     system, messages = _messages(body.get("messages"), ignored)
     out: dict[str, Any] = {"model": model}
     max_tokens = body.get("max_completion_tokens")
@@ -421,9 +461,13 @@ def to_anthropic(body: dict[str, Any], model: str) -> tuple[dict[str, Any], list
 
 
 FINISH_REASONS = {
-    "end_turn": "stop", "stop_sequence": "stop", "pause_turn": "stop",
-    "max_tokens": "length", "model_context_window_exceeded": "length",
-    "tool_use": "tool_calls", "refusal": "content_filter",
+    "end_turn": "stop",
+    "stop_sequence": "stop",
+    "pause_turn": "stop",
+    "max_tokens": "length",
+    "model_context_window_exceeded": "length",
+    "tool_use": "tool_calls",
+    "refusal": "content_filter",
 }
 """
 Anthropic C{stop_reason} to OpenAI C{finish_reason} (anything else, or
@@ -455,8 +499,12 @@ def openai_usage(usage: Any) -> dict[str, Any]:
     cached = _count(usage, "cache_read_input_tokens")
     prompt = _count(usage, "input_tokens") + cached + _count(usage, "cache_creation_input_tokens")
     completion = _count(usage, "output_tokens")
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": cached}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
 
 
 def _completion_id(message_id: Any) -> str:
@@ -488,19 +536,29 @@ def from_anthropic(message: dict[str, Any], model: str, created: int) -> dict[st
         elif kind == "thinking":
             thinking.append(str(block.get("thinking", "")))
         elif kind == "tool_use":
-            calls.append({"id": block.get("id"), "type": "function", "function": {
-                "name": block.get("name"),
-                "arguments": strictjson.dumps(block.get("input") or {}, ensure_ascii=False)}})
+            calls.append(
+                {
+                    "id": block.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": block.get("name"),
+                        "arguments": strictjson.dumps(block.get("input") or {}, ensure_ascii=False),
+                    },
+                }
+            )
     reply: dict[str, Any] = {"role": "assistant", "content": "".join(texts) if texts or not calls else None}
     if thinking:
         reply["reasoning_content"] = "".join(thinking)
     if calls:
         reply["tool_calls"] = calls
     return {
-        "id": _completion_id(message.get("id")), "object": "chat.completion", "created": created,
+        "id": _completion_id(message.get("id")),
+        "object": "chat.completion",
+        "created": created,
         "model": model,
-        "choices": [{"index": 0, "message": reply, "finish_reason": finish_reason(message.get("stop_reason")),
-                     "logprobs": None}],
+        "choices": [
+            {"index": 0, "message": reply, "finish_reason": finish_reason(message.get("stop_reason")), "logprobs": None}
+        ],
         "usage": openai_usage(message.get("usage")),
     }
 
@@ -537,9 +595,13 @@ class AnthropicStream:
         self.finished = False
 
     def _chunk(self, delta: dict[str, Any], finish: str | None = None) -> dict[str, Any]:
-        return {"id": self._id, "object": "chat.completion.chunk", "created": self.created,
-                "model": self.model,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]}
+        return {
+            "id": self._id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
 
     def _start(self, message: dict[str, Any]) -> list[dict[str, Any]]:
         self._id = _completion_id(message.get("id"))
@@ -559,8 +621,9 @@ class AnthropicStream:
         if event == "error":
             error = data.get("error")
             error = error if isinstance(error, dict) else {}
-            raise RemoteStreamError(str(error.get("message") or "the remote's stream failed"),
-                                    str(error.get("type") or "error"))
+            raise RemoteStreamError(
+                str(error.get("message") or "the remote's stream failed"), str(error.get("type") or "error")
+            )
         if event == "message_start":
             return self._start(data.get("message") or {})
         chunks = [] if self._started or event in ("ping", "message_stop") else self._start({})
@@ -575,9 +638,20 @@ class AnthropicStream:
             elif kind == "tool_use" and isinstance(index, int):
                 call = self._tools[index] = len(self._tools)
                 args = strictjson.dumps(block["input"], ensure_ascii=False) if block.get("input") else ""
-                chunks.append(self._chunk({"tool_calls": [{
-                    "index": call, "id": block.get("id"), "type": "function",
-                    "function": {"name": block.get("name"), "arguments": args}}]}))
+                chunks.append(
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {
+                                    "index": call,
+                                    "id": block.get("id"),
+                                    "type": "function",
+                                    "function": {"name": block.get("name"), "arguments": args},
+                                }
+                            ]
+                        }
+                    )
+                )
         elif event == "content_block_delta":
             delta = data.get("delta") or {}
             kind = delta.get("type")
@@ -586,8 +660,15 @@ class AnthropicStream:
             elif kind == "thinking_delta" and delta.get("thinking"):
                 chunks.append(self._chunk({"reasoning_content": delta["thinking"]}))
             elif kind == "input_json_delta" and delta.get("partial_json") and data.get("index") in self._tools:
-                chunks.append(self._chunk({"tool_calls": [{
-                    "index": self._tools[data["index"]], "function": {"arguments": delta["partial_json"]}}]}))
+                chunks.append(
+                    self._chunk(
+                        {
+                            "tool_calls": [
+                                {"index": self._tools[data["index"]], "function": {"arguments": delta["partial_json"]}}
+                            ]
+                        }
+                    )
+                )
         elif event == "message_delta":
             self._stop_reason = (data.get("delta") or {}).get("stop_reason", self._stop_reason)
             if isinstance(data.get("usage"), dict):
@@ -597,8 +678,16 @@ class AnthropicStream:
             self.finished = True
             chunks.append(self._chunk({}, finish_reason(self._stop_reason)))
             if self.include_usage:
-                chunks.append({"id": self._id, "object": "chat.completion.chunk", "created": self.created,
-                               "model": self.model, "choices": [], "usage": self.usage()})
+                chunks.append(
+                    {
+                        "id": self._id,
+                        "object": "chat.completion.chunk",
+                        "created": self.created,
+                        "model": self.model,
+                        "choices": [],
+                        "usage": self.usage(),
+                    }
+                )
         return chunks
 
     def usage(self) -> dict[str, Any]:
@@ -657,22 +746,56 @@ def answer_chunks(answer: Any, include_usage: bool) -> list[dict[str, Any]]:
             continue
         index, finish = choice.get("index", 0), choice.get("finish_reason")
         if text:
-            chunks.append(chunk([{"index": index, "text": str(choice.get("text") or ""), "logprobs": None,
-                                  "finish_reason": None}]))
+            chunks.append(
+                chunk(
+                    [{"index": index, "text": str(choice.get("text") or ""), "logprobs": None, "finish_reason": None}]
+                )
+            )
             chunks.append(chunk([{"index": index, "text": "", "logprobs": None, "finish_reason": finish}]))
             continue
         message = choice.get("message")
         if not isinstance(message, dict):
             message = {}
         if message.get("reasoning_content"):
-            chunks.append(chunk([{"index": index, "finish_reason": None, "delta": {
-                "role": "assistant", "reasoning_content": message["reasoning_content"]}}]))
-        chunks.append(chunk([{"index": index, "finish_reason": None,
-                              "delta": {"role": "assistant", "content": message.get("content") or ""}}]))
+            chunks.append(
+                chunk(
+                    [
+                        {
+                            "index": index,
+                            "finish_reason": None,
+                            "delta": {"role": "assistant", "reasoning_content": message["reasoning_content"]},
+                        }
+                    ]
+                )
+            )
+        chunks.append(
+            chunk(
+                [
+                    {
+                        "index": index,
+                        "finish_reason": None,
+                        "delta": {"role": "assistant", "content": message.get("content") or ""},
+                    }
+                ]
+            )
+        )
         calls = message.get("tool_calls")
         if isinstance(calls, list) and calls:
-            chunks.append(chunk([{"index": index, "finish_reason": None, "delta": {"tool_calls": [
-                {**call, "index": i} for i, call in enumerate(calls) if isinstance(call, dict)]}}]))
+            chunks.append(
+                chunk(
+                    [
+                        {
+                            "index": index,
+                            "finish_reason": None,
+                            "delta": {
+                                "tool_calls": [
+                                    {**call, "index": i} for i, call in enumerate(calls) if isinstance(call, dict)
+                                ]
+                            },
+                        }
+                    ]
+                )
+            )
         chunks.append(chunk([{"index": index, "finish_reason": finish, "delta": {}}]))
     if include_usage and isinstance(answer.get("usage"), dict):
         chunks.append(chunk([], usage=answer["usage"]))

@@ -31,7 +31,13 @@ from blazar.gateway.isolation import Isolated
 from blazar.gateway.remotewire import answer_chunks
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import (
-    UNPARSED, UNPARSED_BYTES, SentinelViolation, StreamWatch, drop_unparsed, ending, inspect_reply,
+    UNPARSED,
+    UNPARSED_BYTES,
+    SentinelViolation,
+    StreamWatch,
+    drop_unparsed,
+    ending,
+    inspect_reply,
 )
 from blazar.gateway.sessions import Pin
 from blazar.gateway.translated import Translated
@@ -56,12 +62,29 @@ class Reply:
     """
 
     def __init__(
-        self, proxy: EngineProxy, context: RequestContext | None, lease: InstanceLease | None, response: Any,
-        prompt_tokens: int | None, started: float, loaded: float, model: str | None = None, *,
-        made: bytes | None = None, cached: bool = False, keep: Callable[[bytes], None] | None = None,
-        pin: Pin | None = None, isolated: Isolated | None = None, noted: tuple[str, str] | None = None,
-        watched: dict[str, Any] | None = None, enforce: bool = False, max_tokens: int | None = None,
-        stall: float = 30.0, clock: Any = None, translated: Translated | None = None, wants_usage: bool = False,
+        self,
+        proxy: EngineProxy,
+        context: RequestContext | None,
+        lease: InstanceLease | None,
+        response: Any,
+        prompt_tokens: int | None,
+        started: float,
+        loaded: float,
+        model: str | None = None,
+        *,
+        made: bytes | None = None,
+        cached: bool = False,
+        keep: Callable[[bytes], None] | None = None,
+        pin: Pin | None = None,
+        isolated: Isolated | None = None,
+        noted: tuple[str, str] | None = None,
+        watched: dict[str, Any] | None = None,
+        enforce: bool = False,
+        max_tokens: int | None = None,
+        stall: float = 30.0,
+        clock: Any = None,
+        translated: Translated | None = None,
+        wants_usage: bool = False,
     ) -> None:
         """
         Built whole by the pipeline (L{blazar.gateway.pipeline.Pipeline._start}, L{blazar.gateway.pipeline.Pipeline._cached});
@@ -134,8 +157,9 @@ class Reply:
             data = await self._proxy.read(self._lease.instance, self._response)
             if self.translated is not None:
                 data = self.translated.whole(data)
-        findings = inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) \
-            if self.watched is not None else []
+        findings = (
+            inspect_reply(self.watched, data) + ([self.noted] if self.noted else []) if self.watched is not None else []
+        )
         self._judge(findings)
         keep, self.keep = self.keep, None
         if keep is not None and not findings:
@@ -157,17 +181,33 @@ class Reply:
             surface's error, never as a C{stop} with its JSON cut.
         """
         if self.watched is not None and not self.watched.get("tools") and jsonanswer.json_format(self.watched):
-            watch.noted = ("format_invalid", "the engine could not parse the model's JSON answer and held its end "
-                                             "back; the stream ended with an error")
-            log.info("{model}: the engine could not parse the model's JSON answer and held its end back; the "
-                     "stream ends with an error", model=self.model)
-            raise EngineRejected(502, "the engine's chat parser refused the model's JSON answer at its end and "
-                                      "held the rest of it back: the answer is incomplete; ask again")
+            watch.noted = (
+                "format_invalid",
+                "the engine could not parse the model's JSON answer and held its end "
+                "back; the stream ended with an error",
+            )
+            log.info(
+                "{model}: the engine could not parse the model's JSON answer and held its end back; the "
+                "stream ends with an error",
+                model=self.model,
+            )
+            raise EngineRejected(
+                502,
+                "the engine's chat parser refused the model's JSON answer at its end and "
+                "held the rest of it back: the answer is incomplete; ask again",
+            )
         code = "tool_args_invalid" if self.watched and self.watched.get("tools") else "format_invalid"
-        watch.noted = (code, "the engine could not parse the model's output as a tool call or the format asked "
-                             "for; the stream ended with its text")
-        log.info("{model}: the engine could not parse the model's output ({code}); the stream ends with its "
-                 "text instead of the engine's error", model=self.model, code=code)
+        watch.noted = (
+            code,
+            "the engine could not parse the model's output as a tool call or the format asked "
+            "for; the stream ended with its text",
+        )
+        log.info(
+            "{model}: the engine could not parse the model's output ({code}); the stream ends with its "
+            "text instead of the engine's error",
+            model=self.model,
+            code=code,
+        )
         completion, prompt = watch.deltas, self.prompt_tokens or 0
         try:
             text = watch.text()
@@ -176,8 +216,11 @@ class Reply:
             if not prompt and self.watched is not None:
                 prompt = await self._proxy.count_chat_tokens(self.model, self.watched)
         except Exception as e:
-            log.info("{model}: could not count a cut stream's tokens ({error}); estimated", model=self.model,
-                     error=str(e)[:200])
+            log.info(
+                "{model}: could not count a cut stream's tokens ({error}); estimated",
+                model=self.model,
+                error=str(e)[:200],
+            )
         finish = "length" if self.max_tokens and completion >= self.max_tokens else "stop"
         options = (self.watched or {}).get("stream_options")
         usage = isinstance(options, dict) and bool(options.get("include_usage"))
@@ -195,8 +238,13 @@ class Reply:
             remote).
         """
         lease = self._lease
-        if self.made is not None or lease is None or self._response is None \
-                or self.translated is None or not self.translated.remote:
+        if (
+            self.made is not None
+            or lease is None
+            or self._response is None
+            or self.translated is None
+            or not self.translated.remote
+        ):
             return
         instance = lease.instance
         kind = (self._response.headers.getRawHeaders(b"content-type") or [b""])[0].lower()
@@ -207,10 +255,16 @@ class Reply:
         try:
             chunks = answer_chunks(json.loads(data), self.wants_usage)
         except ValueError as e:
-            raise EngineRejected(502, f"{instance.server} answered a stream request with JSON, and {e}: "
-                                      "check its base_url and api") from None
-        self.made = b"".join(b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":"))
-                             .encode("utf-8") + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+            raise EngineRejected(
+                502, f"{instance.server} answered a stream request with JSON, and {e}: check its base_url and api"
+            ) from None
+        self.made = (
+            b"".join(
+                b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+                for c in chunks
+            )
+            + b"data: [DONE]\n\n"
+        )
 
     async def relay(self, feed: Callable[[bytes], None]) -> None:
         """
@@ -259,8 +313,13 @@ class Reply:
                 inner(held)  # an unfinished last event: as the engine left it
             if cut:
                 # an answer, not a fault: the stream ends as a good one does
-                events = b"".join(b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-                                  for c in await self._cut_end(watch)) + b"data: [DONE]\n\n"
+                events = (
+                    b"".join(
+                        b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                        for c in await self._cut_end(watch)
+                    )
+                    + b"data: [DONE]\n\n"
+                )
                 watch.events(events)
                 inner(events)
             self._judge(watch.findings())
@@ -315,7 +374,7 @@ class Reply:
             elif self.made is not None:
                 for event in self.made.split(b"\n\n"):
                     if event.startswith(b"data: {"):
-                        on_chunk(json.loads(event[len(b"data: "):]))
+                        on_chunk(json.loads(event[len(b"data: ") :]))
             elif self.translated is not None and (events := self.translated.events(on_chunk)) is not None:
                 assert self._lease is not None
                 await self._proxy.relay(self._lease.instance, self._response, events, self._context)
@@ -471,7 +530,7 @@ class _CacheHider:
             out = []
             for event in events.split(b"\n\n")[:-1]:
                 if event.startswith(b"data: {") and any(mark in event for mark in _CACHE_MARKS):
-                    event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: "):])
+                    event = b"data: " + hide_prompt_cache_bytes(event[len(b"data: ") :])
                 out.append(event + b"\n\n")
             events = b"".join(out)
         self._feed(events)
@@ -480,4 +539,3 @@ class _CacheHider:
         rest = self._whole.rest()
         if rest:
             self._feed(rest)
-

@@ -22,9 +22,10 @@ from __future__ import annotations
 from typing import Any
 
 from blazar.config import KeyConfig
+from blazar.gateway.context import RequestContext, key_of
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.names import name_key, strip_dirs
-from blazar.gateway.context import RequestContext, key_of
+
 
 def in_scope(key: KeyConfig | None, name: object) -> bool:
     """
@@ -86,8 +87,13 @@ def visible_entries(context: RequestContext | None, entries: list[ModelEntry]) -
     """
     key = key_of(context)
     scoped = key is not None and not key.admin
-    return [e.name for e in entries if in_scope(key, e.name)
-            and not (scoped and e.remote is not None and not any(_is_remote_model(m, e) for m in key.models))]  # type: ignore[union-attr]
+    models = key.models if key is not None else ()
+    return [
+        e.name
+        for e in entries
+        if in_scope(key, e.name)
+        and not (scoped and e.remote is not None and not any(_is_remote_model(m, e) for m in models))
+    ]
 
 
 async def resolve_in_scope(context: RequestContext | None, registry: ModelRegistry, name: object) -> ModelEntry:
@@ -115,8 +121,12 @@ async def resolve_in_scope(context: RequestContext | None, registry: ModelRegist
     except ModelNotFound as e:
         raise ModelNotFound(e.name, visible(context, e.available)) from None
     key = key_of(context)
-    if entry.remote is not None and key is not None and not key.admin \
-            and not any(_is_remote_model(m, entry) for m in key.models):
+    if (
+        entry.remote is not None
+        and key is not None
+        and not key.admin
+        and not any(_is_remote_model(m, entry) for m in key.models)
+    ):
         # a remote's ids are case-sensitive (peer:Tiny may be another model than peer:tiny): exactly as scoped
         entries = await registry.refresh()
         raise ModelNotFound(spelled, visible_entries(context, entries))

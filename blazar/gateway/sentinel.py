@@ -32,14 +32,29 @@ from blazar.gateway.errors import BadRequest
 # the engine's parse is a call that did not become one: the model's own
 # decision (auto tool choice), judged, never rewritten (issue 21, point 4).
 # Without tools, such text is prose about the syntax, and not judged.
-CALL_MARKERS = ("<tool_call>", "<|tool_call|>", "[TOOL_CALLS]", "<|python_tag|>", "<function=",
-                "<\uff5ctool\u2581calls\u2581begin\uff5c>", "<|tool_calls_section_begin|>")
+CALL_MARKERS = (
+    "<tool_call>",
+    "<|tool_call|>",
+    "[TOOL_CALLS]",
+    "<|python_tag|>",
+    "<function=",
+    "<\uff5ctool\u2581calls\u2581begin\uff5c>",
+    "<|tool_calls_section_begin|>",
+)
 # llama-server's error when the model's output does not fit the format its
 # parser expects (tool-call syntax that went wrong): an answer, not a fault
 UNPARSED = "The model produced output that does not match the expected"
 UNPARSED_BYTES = UNPARSED.encode()
-CODES = ("truncated", "tool_args_invalid", "tool_name_unknown", "tool_args_schema", "format_invalid", "empty",
-         "reasoning_only", "stalled")
+CODES = (
+    "truncated",
+    "tool_args_invalid",
+    "tool_name_unknown",
+    "tool_args_schema",
+    "format_invalid",
+    "empty",
+    "reasoning_only",
+    "stalled",
+)
 HEADER = "x-blazar-sentinel"
 
 
@@ -57,8 +72,11 @@ class SentinelViolation(BadRequest):
 
 
 def _tools(body: dict[str, Any]) -> dict[str, Any]:
-    return {t["function"]["name"]: t["function"].get("parameters") for t in body.get("tools") or []
-            if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]}
+    return {
+        t["function"]["name"]: t["function"].get("parameters")
+        for t in body.get("tools") or []
+        if isinstance(t, dict) and isinstance(t.get("function"), dict) and "name" in t["function"]
+    }
 
 
 def _schema_error(value: Any, schema: Any) -> str | None:
@@ -129,7 +147,7 @@ def _calls_in_text(offered: dict[str, Any], content: str, found: list[tuple[str,
             continue
         start = at + len(marker)
         end = content.find("</tool_call>", start)
-        inner = content[start:end if end >= 0 else len(content)].strip()
+        inner = content[start : end if end >= 0 else len(content)].strip()
         try:
             value = json.loads(inner)
         except ValueError:
@@ -137,13 +155,21 @@ def _calls_in_text(offered: dict[str, Any], content: str, found: list[tuple[str,
         if isinstance(value, dict) and isinstance(value.get("name"), str):
             _check_call(offered, value["name"], value.get("arguments", value.get("parameters", {})), judged)
         else:
-            judged.append(("tool_args_invalid", "the text holds a <tool_call> that does not parse"
-                          + ("" if end >= 0 else " (never closed)")))
+            judged.append(
+                (
+                    "tool_args_invalid",
+                    "the text holds a <tool_call> that does not parse" + ("" if end >= 0 else " (never closed)"),
+                )
+            )
     found.extend(judged)
 
 
 def inspect(
-    body: dict[str, Any], finish: str | None, content: str, reasoning: str, calls: list[tuple[str, str]],
+    body: dict[str, Any],
+    finish: str | None,
+    content: str,
+    reasoning: str,
+    calls: list[tuple[str, str]],
 ) -> list[tuple[str, str]]:
     """
     The findings on one answer: C{(code, detail)} each.
@@ -175,8 +201,11 @@ def inspect(
             elif fmt["type"] == "json_object" and not isinstance(value, dict):
                 found.append(("format_invalid", "the answer is JSON but not an object"))
     if not content.strip() and not calls:
-        found.append(("reasoning_only", "reasoning but no answer") if reasoning.strip()
-                     else ("empty", "no text and no tool call"))
+        found.append(
+            ("reasoning_only", "reasoning but no answer")
+            if reasoning.strip()
+            else ("empty", "no text and no tool call")
+        )
     return found
 
 
@@ -190,10 +219,14 @@ def inspect_reply(body: dict[str, Any], reply: bytes) -> list[tuple[str, str]]:
     except (ValueError, KeyError, IndexError, TypeError):
         return []
     message = choice.get("message") or {}
-    calls = [((c.get("function") or {}).get("name") or "", (c.get("function") or {}).get("arguments") or "")
-             for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-    return inspect(body, choice.get("finish_reason"), message.get("content") or "",
-                   message.get("reasoning_content") or "", calls)
+    calls = [
+        ((c.get("function") or {}).get("name") or "", (c.get("function") or {}).get("arguments") or "")
+        for c in message.get("tool_calls") or []
+        if isinstance(c, dict)
+    ]
+    return inspect(
+        body, choice.get("finish_reason"), message.get("content") or "", message.get("reasoning_content") or "", calls
+    )
 
 
 class StreamWatch:
@@ -248,19 +281,24 @@ class StreamWatch:
         if cut < 0:
             self._held = data
             return
-        self._held = data[cut + 2:]
+        self._held = data[cut + 2 :]
         for event in data[:cut].split(b"\n\n"):
             if not event.startswith(b"data: {"):
                 continue
             if b'"delta":{}' not in event and b'"role":"assistant","content":null' not in event:
                 self.deltas += 1
-            if not self._whole_text and b'"tool_calls"' not in event and b'"reasoning_content"' not in event \
-                    and b'"finish_reason":"' not in event and b'"finish_reason": "' not in event:
+            if (
+                not self._whole_text
+                and b'"tool_calls"' not in event
+                and b'"reasoning_content"' not in event
+                and b'"finish_reason":"' not in event
+                and b'"finish_reason": "' not in event
+            ):
                 if not self._some_text and b'"content":"' in event and b'"content":""' not in event:
                     self._some_text = True  # some text (what it says does not matter here)
                 continue
             try:
-                self.chunk(json.loads(event[len(b"data: "):]))
+                self.chunk(json.loads(event[len(b"data: ") :]))
             except ValueError:
                 pass
 
@@ -269,8 +307,7 @@ class StreamWatch:
         What the stream carried that the model wrote: text, reasoning, call
         arguments (whole only when L{_whole_text}).
         """
-        return "".join(self._content) + "".join(self._reasoning) + "".join(
-            n + a for n, a in self._calls.values())
+        return "".join(self._content) + "".join(self._reasoning) + "".join(n + a for n, a in self._calls.values())
 
     _stalled: float | None = None
     noted: tuple[str, str] | None = None  # a finding the relay made (L{unparsed_end})
@@ -301,7 +338,7 @@ def is_unparsed(event: bytes) -> bool:
     if not event.startswith(b"data: {") or UNPARSED_BYTES not in event:
         return False
     try:
-        error = json.loads(event[len(b"data: "):]).get("error")
+        error = json.loads(event[len(b"data: ") :]).get("error")
     except (ValueError, AttributeError):
         return False
     return isinstance(error, dict) and str(error.get("message", "")).startswith(UNPARSED)
@@ -329,12 +366,21 @@ def ending(last: dict[str, Any] | None, finish: str, prompt: int, completion: in
     @param last: The last chunk seen (its C{id}, C{created}, C{model} and
         C{system_fingerprint} are kept).
     """
-    head: dict[str, Any] = {k: last[k] for k in ("id", "created", "model", "system_fingerprint")
-                            if last and k in last}
+    head: dict[str, Any] = {k: last[k] for k in ("id", "created", "model", "system_fingerprint") if last and k in last}
     head["object"] = "chat.completion.chunk"
-    chunks = [dict(head, choices=[{"index": 0, "delta": {}, "finish_reason": finish}],
-                   timings={"prompt_n": prompt, "cache_n": 0, "predicted_n": completion})]
+    chunks = [
+        dict(
+            head,
+            choices=[{"index": 0, "delta": {}, "finish_reason": finish}],
+            timings={"prompt_n": prompt, "cache_n": 0, "predicted_n": completion},
+        )
+    ]
     if usage:
-        chunks.append(dict(head, choices=[], usage={
-            "prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}))
+        chunks.append(
+            dict(
+                head,
+                choices=[],
+                usage={"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion},
+            )
+        )
     return chunks

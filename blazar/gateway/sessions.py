@@ -35,11 +35,11 @@ from twisted.internet.defer import CancelledError, Deferred, DeferredLock, ensur
 from twisted.logger import Logger
 from zope.interface import Attribute, Interface, implementer
 
+from blazar import strictjson
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, slot_save_dir
 from blazar.engines.supervisor import child_shape, thd_identity
 from blazar.gateway.engine_proxy import was_cancelled
 from blazar.httpbody import read_body
-from blazar import strictjson
 
 log = Logger()
 
@@ -191,8 +191,9 @@ class EngineSlots:
             raise
         except Exception as e:
             if timed_out:
-                raise SlotActionFailed(f"{what}: no answer in {timeout:g} s (session_save_timeout_secs)",
-                                       transient=True) from None
+                raise SlotActionFailed(
+                    f"{what}: no answer in {timeout:g} s (session_save_timeout_secs)", transient=True
+                ) from None
             if was_cancelled(e):
                 raise CancelledError() from None
             raise SlotActionFailed(f"{what}: {str(e) or type(e).__name__}", transient=True) from None
@@ -203,9 +204,11 @@ class EngineSlots:
     async def _action(self, instance: Any, slot: int, action: str, body: dict[str, Any], timeout: float) -> Any:
         async def go() -> Any:
             response = await self._engines.request(
-                "POST", f"{instance.base_url}/slots/{slot}?action={action}",
+                "POST",
+                f"{instance.base_url}/slots/{slot}?action={action}",
                 strictjson.dumps(body).encode("utf-8"),
-                {**instance.auth_headers, b"content-type": [b"application/json"]}, stream=False,
+                {**instance.auth_headers, b"content-type": [b"application/json"]},
+                stream=False,
             )
             data = await read_body(response, self._clock, idle_timeout=timeout, max_bytes=1 << 16)
             try:
@@ -233,13 +236,18 @@ class EngineSlots:
 
     async def slots(self, instance: Any, timeout: float) -> list[tuple[int, bool, bool]]:
         status, body = await self._bounded(
-            self._engines.get(f"{instance.base_url}/slots", instance.auth_headers, timeout=timeout), timeout, "slots",
+            self._engines.get(f"{instance.base_url}/slots", instance.auth_headers, timeout=timeout),
+            timeout,
+            "slots",
         )
         if status != 200:
             raise SlotActionFailed(f"slots: {status} {body[:200]!r}")
         # a slot that never ran a task shows no id_task
-        return [(int(s["id"]), s.get("id_task") is not None, bool(s.get("is_processing")))
-                for s in json.loads(body) if isinstance(s, dict)]
+        return [
+            (int(s["id"]), s.get("id_task") is not None, bool(s.get("is_processing")))
+            for s in json.loads(body)
+            if isinstance(s, dict)
+        ]
 
 
 @attrs.frozen
@@ -285,9 +293,13 @@ class Session:
         What C{GET /api/session} shows of it.
         """
         return {
-            "session": self.name, "model": self.model, "slot": self.slot if self.instance is not None else None,
-            "last_used": self.last_used, "tokens_cached": self.tokens,
-            "saved": self.bank is not None, "saved_tokens": self.bank.tokens if self.bank is not None else 0,
+            "session": self.name,
+            "model": self.model,
+            "slot": self.slot if self.instance is not None else None,
+            "last_used": self.last_used,
+            "tokens_cached": self.tokens,
+            "saved": self.bank is not None,
+            "saved_tokens": self.bank.tokens if self.bank is not None else 0,
         }
 
 
@@ -337,7 +349,10 @@ class Sessions:
     """
 
     def __init__(
-        self, clock: Any, bank: ISlotBank, data_dir: Callable[[], Path],
+        self,
+        clock: Any,
+        bank: ISlotBank,
+        data_dir: Callable[[], Path],
         settings: Callable[[], tuple[float, float, int, int]],
         run: Callable[..., Deferred[Any]],
         persist: Callable[[Session], Deferred[Any]] | None = None,
@@ -395,8 +410,12 @@ class Sessions:
         try:
             await self._bank.erase(instance, slot, self._settings()[1])
         except Exception as e:
-            log.warn("{model}: erasing slot {slot} of a closed session failed: {error}",
-                     model=instance.entry.name, slot=slot, error=str(e) or type(e).__name__)
+            log.warn(
+                "{model}: erasing slot {slot} of a closed session failed: {error}",
+                model=instance.entry.name,
+                slot=slot,
+                error=str(e) or type(e).__name__,
+            )
 
     def load(self, sessions: Sequence[Session]) -> None:
         """
@@ -551,8 +570,9 @@ class Sessions:
         """
         shape = getattr(instance, "shape", "") or self._shapes.get(id(instance))
         if not shape:
-            shape = await self._run(thd_shape, str(instance.entry.path), str(getattr(instance, "binary", "")),
-                                    int(instance.ctx))
+            shape = await self._run(
+                thd_shape, str(instance.entry.path), str(getattr(instance, "binary", "")), int(instance.ctx)
+            )
             self._shapes[id(instance)] = shape
         return str(shape)
 
@@ -580,13 +600,23 @@ class Sessions:
             raise
         except Exception as e:
             self._count("save", "failed")
-            log.warn("{model}: saving session {session}'s slot {slot} failed: {error}",
-                     model=session.model, session=session.name, slot=slot, error=str(e) or type(e).__name__)
+            log.warn(
+                "{model}: saving session {session}'s slot {slot} failed: {error}",
+                model=session.model,
+                session=session.name,
+                slot=slot,
+                error=str(e) or type(e).__name__,
+            )
             return
         if tokens <= 0 or size > entry_max:
             if size > entry_max:
-                log.warn("{model}: session {session}'s bank entry is {size} bytes, over "
-                         "session_bank_entry_max_mib; not kept", model=session.model, session=session.name, size=size)
+                log.warn(
+                    "{model}: session {session}'s bank entry is {size} bytes, over "
+                    "session_bank_entry_max_mib; not kept",
+                    model=session.model,
+                    session=session.name,
+                    size=size,
+                )
             self._count("save", "discarded")
             await self._run(_thd_unlink, bank_dir(self._data_dir(), session.model) / session.file)
             session.bank = None
@@ -615,8 +645,12 @@ class Sessions:
         if bank.shape != shape:
             # another model file, engine, context size or engine flags: never restored
             self._count("restore", "other_shape")
-            log.info("{model}: session {session}'s bank entry was made for another model file, engine, context "
-                     "size or engine flags; prefilling instead", model=session.model, session=session.name)
+            log.info(
+                "{model}: session {session}'s bank entry was made for another model file, engine, context "
+                "size or engine flags; prefilling instead",
+                model=session.model,
+                session=session.name,
+            )
             self._drop_bank(session)
             return True
         try:
@@ -624,8 +658,12 @@ class Sessions:
         except SlotActionFailed as e:
             if e.transient:
                 self._count("restore", "no_answer")
-                log.warn("{model}: restoring session {session}'s bank entry: {error}; the entry is kept for "
-                         "its next turn", model=session.model, session=session.name, error=str(e))
+                log.warn(
+                    "{model}: restoring session {session}'s bank entry: {error}; the entry is kept for its next turn",
+                    model=session.model,
+                    session=session.name,
+                    error=str(e),
+                )
                 return False
             restored, error = -1, str(e)
         else:
@@ -635,13 +673,23 @@ class Sessions:
             session.tokens = restored
             return True
         self._count("restore", "failed")
-        log.warn("{model}: restoring session {session}'s bank entry into slot {slot} failed ({error}); "
-                 "the prompt is prefilled instead", model=session.model, session=session.name, slot=slot, error=error)
+        log.warn(
+            "{model}: restoring session {session}'s bank entry into slot {slot} failed ({error}); "
+            "the prompt is prefilled instead",
+            model=session.model,
+            session=session.name,
+            slot=slot,
+            error=error,
+        )
         try:
             await self._bank.erase(instance, slot, timeout)
         except SlotActionFailed as e:
-            log.warn("{model}: erasing slot {slot} after a failed restore failed: {error}",
-                     model=session.model, slot=slot, error=str(e))
+            log.warn(
+                "{model}: erasing slot {slot} after a failed restore failed: {error}",
+                model=session.model,
+                slot=slot,
+                error=str(e),
+            )
         self._drop_bank(session)
         return True
 
@@ -658,16 +706,21 @@ class Sessions:
         Keep the bank's total size within C{bank_max} bytes, oldest saves
         dropped first.
         """
-        banked = sorted((s for s in self._sessions.values() if s.bank is not None),
-                        key=lambda s: s.bank.saved_at if s.bank is not None else 0.0)
+        banked = sorted(
+            (s for s in self._sessions.values() if s.bank is not None),
+            key=lambda s: s.bank.saved_at if s.bank is not None else 0.0,
+        )
         total = sum(s.bank.size for s in banked if s.bank is not None)
         for session in banked:
             if total <= bank_max:
                 break
             assert session.bank is not None
             total -= session.bank.size
-            log.info("session bank over session_bank_max_mib: dropping {session}'s entry ({model})",
-                     session=session.name, model=session.model)
+            log.info(
+                "session bank over session_bank_max_mib: dropping {session}'s entry ({model})",
+                session=session.name,
+                model=session.model,
+            )
             self._drop_bank(session)
 
     def _drop(self, session: Session) -> None:
@@ -727,8 +780,11 @@ class Sessions:
         try:
             used = [slot for slot, was_used, _ in await self._bank.slots(instance, timeout) if was_used]
         except SlotActionFailed as e:
-            log.warn("{model}: listing its slots before it stops failed ({error}); its unnamed conversations "
-                     "are not saved", model=instance.entry.name, error=str(e) or type(e).__name__)
+            log.warn(
+                "{model}: listing its slots before it stops failed ({error}); its unnamed conversations are not saved",
+                model=instance.entry.name,
+                error=str(e) or type(e).__name__,
+            )
             return
         model = instance.entry.name
         now = self._clock.seconds()

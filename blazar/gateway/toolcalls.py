@@ -26,8 +26,8 @@ from typing import Any
 
 import attrs
 
-from blazar.gateway.grammar import DEADLINE, Grammar, Unsupported, literal, min_chars
 from blazar import strictjson
+from blazar.gateway.grammar import DEADLINE, Grammar, Unsupported, literal, min_chars
 
 MAX_CALLS = 4  # parallel calls at most, when allowed
 DEFAULT_BUDGET = 1024  # tokens for a call when the client set no limit
@@ -63,11 +63,17 @@ def forced_call(body: dict[str, Any]) -> Forced | None:
     @raise ToolChoiceError: A named tool that is not among C{tools}.
     """
     choice = body.get("tool_choice")
-    tools = [t for t in body.get("tools") or [] if isinstance(t, dict) and t.get("type") == "function"
-             and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)]
+    tools = [
+        t
+        for t in body.get("tools") or []
+        if isinstance(t, dict)
+        and t.get("type") == "function"
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
     if choice == "required":
         if not tools:
-            raise ToolChoiceError("tool_choice is \"required\" but no function tool is offered")
+            raise ToolChoiceError('tool_choice is "required" but no function tool is offered')
         chosen = tools
     elif isinstance(choice, dict) and isinstance(choice.get("function"), dict):
         name = choice["function"].get("name")
@@ -100,8 +106,7 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     token), and how many calls fit in C{budget} (1 without parallel calls).
     """
     strings = max(_strings(t["function"].get("parameters") or {}) for t in forced.tools)
-    syntax = max(48 + len(strictjson.dumps(t["function"].get("parameters") or {})) // 2
-                 for t in forced.tools)
+    syntax = max(48 + len(strictjson.dumps(t["function"].get("parameters") or {})) // 2 for t in forced.tools)
     per_call = syntax + 6 * MIN_STRING * strings
     calls = max(1, min(MAX_CALLS, budget // per_call)) if forced.parallel else 1
     return strings, syntax, calls
@@ -122,7 +127,8 @@ def expressible(forced: Forced, deadline: float | None = None) -> tuple[Forced, 
     for tool in forced.tools:
         try:
             Grammar(tool["function"].get("parameters") or {}, MIN_STRING, deadline=deadline).value(
-                tool["function"].get("parameters") or {"type": "object", "properties": {}}, "#")
+                tool["function"].get("parameters") or {"type": "object", "properties": {}}, "#"
+            )
         except Unsupported as e:
             dropped.append(f"{tool['function']['name']}: {e}")
             continue
@@ -173,8 +179,9 @@ def call_grammar(forced: Forced, budget: int, deadline: float | None = None) -> 
         try:
             arguments = g.value(parameters, "#")
         except Unsupported as e:
-            raise ToolSchemaError(f"tool {fn['name']!r}: its parameters use {e}, which a grammar cannot "
-                                  "express for a forced call") from None
+            raise ToolSchemaError(
+                f"tool {fn['name']!r}: its parameters use {e}, which a grammar cannot express for a forced call"
+            ) from None
         options.append(g.rule("call", f'"{{\\"name\\":" {literal(fn["name"])} ",\\"arguments\\":" {arguments} "}}"'))
     one = options[0] if len(options) == 1 else "(" + " | ".join(options) + ")"
     root = f'"[" {one} ("," {one}){{0,{calls - 1}}} "]"' if forced.parallel else one
@@ -182,25 +189,46 @@ def call_grammar(forced: Forced, budget: int, deadline: float | None = None) -> 
 
 
 def completion_body(
-    chat: dict[str, Any], prompt: str, forced: Forced, budget: int, deadline: float | None = None,
+    chat: dict[str, Any],
+    prompt: str,
+    forced: Forced,
+    budget: int,
+    deadline: float | None = None,
 ) -> dict[str, Any]:
     """
     llama-server's C{/completion} request for the call: the rendered
     C{prompt}, the schema, and the chat request's sampling settings.
     """
     body: dict[str, Any] = {
-        "prompt": prompt, "grammar": call_grammar(forced, budget, deadline), "n_predict": budget, "stream": False,
+        "prompt": prompt,
+        "grammar": call_grammar(forced, budget, deadline),
+        "n_predict": budget,
+        "stream": False,
         "cache_prompt": True,
     }
-    for key in ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                "repeat_penalty", "logit_bias", "mirostat", "typical_p"):
+    for key in (
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "seed",
+        "presence_penalty",
+        "frequency_penalty",
+        "repeat_penalty",
+        "logit_bias",
+        "mirostat",
+        "typical_p",
+    ):
         if key in chat:
             body[key] = chat[key]
     return body
 
 
 def thd_prepare(
-    chat: dict[str, Any], forced: Forced, budget: int | None, seconds: float = DEADLINE,
+    chat: dict[str, Any],
+    forced: Forced,
+    budget: int | None,
+    seconds: float = DEADLINE,
 ) -> tuple[Forced, list[str], int, dict[str, Any]]:
     """
     The grammar work of a forced call, in a thread (it is CPU work that
@@ -260,37 +288,61 @@ def usage_of(done: dict[str, Any]) -> dict[str, Any]:
     timings = done.get("timings") or {}
     prompt = int(done.get("tokens_evaluated") or (timings.get("prompt_n", 0) + timings.get("cache_n", 0)) or 0)
     completion = int(done.get("tokens_predicted") or timings.get("predicted_n") or 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n") or 0)}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": int(timings.get("cache_n") or 0)},
+    }
 
 
 def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
-    return [{"id": f"call_{secrets.token_hex(12)}", "type": "function",
-             "function": {"name": name,
-                          "arguments": strictjson.dumps(arguments, ensure_ascii=False, separators=COMPACT)}}
-            for name, arguments in calls]
+    return [
+        {
+            "id": f"call_{secrets.token_hex(12)}",
+            "type": "function",
+            "function": {
+                "name": name,
+                "arguments": strictjson.dumps(arguments, ensure_ascii=False, separators=COMPACT),
+            },
+        }
+        for name, arguments in calls
+    ]
 
 
 def chat_completion(
-    model: str, calls: list[dict[str, Any]], usage: dict[str, Any], finish: str = "tool_calls",
+    model: str,
+    calls: list[dict[str, Any]],
+    usage: dict[str, Any],
+    finish: str = "tool_calls",
 ) -> bytes:
     """
     A non-streamed OpenAI chat completion carrying C{calls}; with none (a
     call cut short by the client's C{max_tokens}: C{finish} C{"length"}),
     empty content: half a call is not a call.
     """
-    message: dict[str, Any] = ({"role": "assistant", "content": None, "tool_calls": calls} if calls
-                               else {"role": "assistant", "content": ""})
-    return strictjson.dumps({
-        "id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion", "created": int(time.time()),
-        "model": model,
-        "choices": [{"index": 0, "finish_reason": finish, "message": message}],
-        "usage": usage,
-    }, ensure_ascii=False, separators=COMPACT).encode("utf-8")
+    message: dict[str, Any] = (
+        {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": ""}
+    )
+    return strictjson.dumps(
+        {
+            "id": f"chatcmpl-{secrets.token_hex(12)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": model,
+            "choices": [{"index": 0, "finish_reason": finish, "message": message}],
+            "usage": usage,
+        },
+        ensure_ascii=False,
+        separators=COMPACT,
+    ).encode("utf-8")
 
 
 def chat_stream(
-    model: str, calls: list[dict[str, Any]], usage: dict[str, Any] | None, timings: dict[str, Any] | None = None,
+    model: str,
+    calls: list[dict[str, Any]],
+    usage: dict[str, Any] | None,
+    timings: dict[str, Any] | None = None,
     finish: str = "tool_calls",
 ) -> bytes:
     """
@@ -299,20 +351,27 @@ def chat_stream(
     chunk (with llama-server's C{timings}), the usage chunk if asked for
     (C{choices: []}), C{[DONE]}.
     """
-    base = {"id": f"chatcmpl-{secrets.token_hex(12)}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": model}
+    base = {
+        "id": f"chatcmpl-{secrets.token_hex(12)}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
 
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
-        return (b"data: " + strictjson.dumps({**base, "choices": choices, **extra}, ensure_ascii=False,
-                                       separators=COMPACT).encode("utf-8") + b"\n\n")
+        return (
+            b"data: "
+            + strictjson.dumps({**base, "choices": choices, **extra}, ensure_ascii=False, separators=COMPACT).encode(
+                "utf-8"
+            )
+            + b"\n\n"
+        )
 
     out = [event([{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}])]
     for i, call in enumerate(calls):
-        out.append(event([{"index": 0, "finish_reason": None,
-                           "delta": {"tool_calls": [{"index": i, **call}]}}]))
+        out.append(event([{"index": 0, "finish_reason": None, "delta": {"tool_calls": [{"index": i, **call}]}}]))
     # llama-server's timings ride on its last chunk (the surfaces read them)
-    out.append(event([{"index": 0, "delta": {}, "finish_reason": finish}],
-                     **({"timings": timings} if timings else {})))
+    out.append(event([{"index": 0, "delta": {}, "finish_reason": finish}], **({"timings": timings} if timings else {})))
     if usage is not None:
         out.append(event([], usage=usage))
     out.append(b"data: [DONE]\n\n")

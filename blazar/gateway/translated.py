@@ -124,8 +124,9 @@ class FromAnthropic(Translated):
 
         def on_chunk(chunk: dict[str, Any]) -> None:
             nonlocal done
-            feed(b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":"))
-                 .encode("utf-8") + b"\n\n")
+            feed(
+                b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+            )
             if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
                 done = True
                 feed(DONE)
@@ -158,6 +159,7 @@ class Renamed(Translated):
         Each event handed on with this model's name, as compact JSON, whole
         events only.
         """
+
         def on_event(data: bytes) -> None:
             data = data if data == b"[DONE]" else with_model(self._scrub(data), self._model, self._server)
             feed(b"data: " + data + b"\n\n")
@@ -215,8 +217,11 @@ def with_model(data: bytes, model: str, server: str) -> bytes:
     except ValueError:
         value = None
     if not isinstance(value, dict):
-        raise EngineRejected(502, f"{server} answered with something that is not an OpenAI JSON object "
-                                  f"(it began {data[:60]!r}): check its base_url and api")
+        raise EngineRejected(
+            502,
+            f"{server} answered with something that is not an OpenAI JSON object "
+            f"(it began {data[:60]!r}): check its base_url and api",
+        )
     if "model" not in value:
         return data
     value["model"] = model

@@ -36,10 +36,31 @@ from twisted.logger import Logger
 from blazar.models.gguf_meta import GGUFError, thd_read_metadata
 from blazar.models.modelfile import go_json
 from blazar.models.ollama_store import (
-    MEDIA_ADAPTER, MEDIA_CONFIG, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_PROJECTOR,
-    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, Hold, OllamaName, StoreError, blob_path, digest_hex, hold,
-    layer, make_manifest, thd_add_bytes, thd_copy_hashed, thd_has_blob, thd_link_blob, thd_read_manifest,
-    thd_sha256_file, thd_write_manifest,
+    MEDIA_ADAPTER,
+    MEDIA_CONFIG,
+    MEDIA_LICENSE,
+    MEDIA_MESSAGES,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_PROJECTOR,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
+    DigestMismatch,
+    Hold,
+    OllamaName,
+    StoreError,
+    blob_path,
+    digest_hex,
+    hold,
+    layer,
+    make_manifest,
+    thd_add_bytes,
+    thd_copy_hashed,
+    thd_has_blob,
+    thd_link_blob,
+    thd_read_manifest,
+    thd_sha256_file,
+    thd_write_manifest,
 )
 from blazar.models.quantize import QuantizeError, quantize
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
@@ -127,6 +148,7 @@ class Layer:
 
 # -- thread-side ---------------------------------------------------------------
 
+
 def thd_gguf_kind(path: Path) -> str:
     """
     What a GGUF file is, as Ollama's create decides a layer's media type:
@@ -143,14 +165,19 @@ def thd_gguf_kind(path: Path) -> str:
     except OSError as e:
         raise CreateError(f"cannot read blob {path.name}: {e.strerror}", 500) from None
     if magic != b"GGUF":
-        raise CreateError("supplied file was not in GGUF format (Blazar creates models from GGUF files only; "
-                          "convert safetensors with llama.cpp's convert_hf_to_gguf.py first)")
+        raise CreateError(
+            "supplied file was not in GGUF format (Blazar creates models from GGUF files only; "
+            "convert safetensors with llama.cpp's convert_hf_to_gguf.py first)"
+        )
     try:
         from gguf import GGUFReader
 
         reader = GGUFReader(os.fspath(path))
-        fields = {name: reader.fields[name].contents() for name in ("general.type", "general.architecture")
-                  if name in reader.fields}
+        fields = {
+            name: reader.fields[name].contents()
+            for name in ("general.type", "general.architecture")
+            if name in reader.fields
+        }
     except Exception as e:  # gguf raises ValueError and friends on a broken file
         raise CreateError(f"supplied file is not a readable GGUF file ({type(e).__name__}: {e})") from None
     kind = fields.get("general.type")
@@ -173,8 +200,12 @@ def thd_model_facts(path: Path) -> dict[str, Any]:
         meta = thd_read_metadata(path)
     except GGUFError as e:
         raise CreateError(f"the model's GGUF {e.reason}; {e.hint}") from None
-    return {"model_family": meta.architecture, "model_families": [meta.architecture],
-            "model_type": meta.parameter_size, "file_type": meta.quantization_level}
+    return {
+        "model_family": meta.architecture,
+        "model_families": [meta.architecture],
+        "model_type": meta.parameter_size,
+        "file_type": meta.quantization_level,
+    }
 
 
 def thd_adopt(root: Path, path: Path, held: Hold | None = None) -> tuple[str, bool]:
@@ -277,6 +308,7 @@ def valid_file_name(name: str) -> bool:
 
 # -- the creator ---------------------------------------------------------------
 
+
 @attrs.define
 class ModelCreator:
     """
@@ -347,8 +379,10 @@ class ModelCreator:
             if not models:
                 raise CreateError("no model layer: files must hold a GGUF model (not only adapters or projectors)")
             if len(models) > 1:
-                raise CreateError("more than one model GGUF: Blazar serves one file per model; merge a split model "
-                                  "first (llama-gguf-split --merge)")
+                raise CreateError(
+                    "more than one model GGUF: Blazar serves one file per model; merge a split model "
+                    "first (llama-gguf-split --merge)"
+                )
             model = models[0]
             assert model.path is not None
             facts = await self._in_thread(thd_model_facts, model.path)
@@ -359,11 +393,17 @@ class ModelCreator:
                     assert model.path is not None
                     facts = await self._in_thread(thd_model_facts, model.path)
             layers = await self._text_layers(base, spec, parameters, held)
-            body = {**{k: v for k, v in config.items() if k in ("renderer", "parser", "requires")},
-                    "model_format": "gguf", **facts, "architecture": "amd64", "os": "linux",
-                    "rootfs": {"type": "layers", "diff_ids": [entry.digest for entry in layers]}}
-            config_layer = await self._in_thread(thd_text_layer, self.root, MEDIA_CONFIG,
-                                                 go_json(body, sort_keys=False), held)
+            body = {
+                **{k: v for k, v in config.items() if k in ("renderer", "parser", "requires")},
+                "model_format": "gguf",
+                **facts,
+                "architecture": "amd64",
+                "os": "linux",
+                "rootfs": {"type": "layers", "diff_ids": [entry.digest for entry in layers]},
+            }
+            config_layer = await self._in_thread(
+                thd_text_layer, self.root, MEDIA_CONFIG, go_json(body, sort_keys=False), held
+            )
             for entry in layers:
                 progress({"status": entry.status})
             progress({"status": "writing manifest"})
@@ -406,18 +446,22 @@ class ModelCreator:
         try:
             entry = await self._registry.resolve(source)
         except ModelNotFound:
-            raise CreateError(f'model "{source}" not found: "from" names a model Blazar serves (GET /api/tags); pull '
-                              "it first", 404) from None
+            raise CreateError(
+                f'model "{source}" not found: "from" names a model Blazar serves (GET /api/tags); pull it first', 404
+            ) from None
         if entry.remote is not None:
-            raise CreateError(f'model "{entry.name}" is a remote\'s model ([[remotes]]): it has no file here to '
-                              "create from")
+            raise CreateError(
+                f'model "{entry.name}" is a remote\'s model ([[remotes]]): it has no file here to create from'
+            )
         if entry.ollama is not None:
             return await self._store_layers(entry)
         if entry.format != "gguf":
             raise CreateError(f'model "{entry.name}" is a {entry.format} model directory; create from GGUF models only')
         if entry.shards:
-            raise CreateError(f'model "{entry.name}" is split into {len(entry.shards) + 1} files; Blazar creates from '
-                              "one-file models: merge it first (llama-gguf-split --merge)")
+            raise CreateError(
+                f'model "{entry.name}" is split into {len(entry.shards) + 1} files; Blazar creates from '
+                "one-file models: merge it first (llama-gguf-split --merge)"
+            )
         try:
             digest = await self._registry.digest(entry)
         except GGUFError as e:
@@ -466,23 +510,27 @@ class ModelCreator:
         for name in sorted(files):
             digest = files[name]
             if name.endswith(".safetensors"):
-                raise CreateError("Blazar creates models from GGUF files only; convert safetensors with llama.cpp's "
-                                  "convert_hf_to_gguf.py (and convert_lora_to_gguf.py for adapters) first")
+                raise CreateError(
+                    "Blazar creates models from GGUF files only; convert safetensors with llama.cpp's "
+                    "convert_hf_to_gguf.py (and convert_lora_to_gguf.py for adapters) first"
+                )
             path = blob_path(self.root, digest)
             if not await self._in_thread(thd_has_blob, self.root, digest):
-                raise CreateError(f"blob {digest} ({name}) is not on this server: upload it first "
-                                  f"(POST /api/blobs/{digest})", 404)
+                raise CreateError(
+                    f"blob {digest} ({name}) is not on this server: upload it first (POST /api/blobs/{digest})", 404
+                )
             progress({"status": "parsing GGUF"})
             kind = await self._in_thread(thd_gguf_kind, path)
             if media == MEDIA_ADAPTER and kind != MEDIA_ADAPTER:
-                raise CreateError(f"adapter {name} is not a LoRA adapter GGUF (its general.type is not \"adapter\"; "
-                                  "convert_lora_to_gguf.py writes them)")
+                raise CreateError(
+                    f'adapter {name} is not a LoRA adapter GGUF (its general.type is not "adapter"; '
+                    "convert_lora_to_gguf.py writes them)"
+                )
             size = (await self._in_thread(os.stat, path)).st_size
             layers.append(Layer(kind, digest, size, f"using existing layer {digest}", path))
         return layers
 
-    async def _quantize(self, model: Layer, file_type: str, spec: CreateSpec, progress: Progress,
-                        held: Hold) -> Layer:
+    async def _quantize(self, model: Layer, file_type: str, spec: CreateSpec, progress: Progress, held: Hold) -> Layer:
         """
         The model layer quantized to C{spec.quantize} with llama-quantize,
         its progress as Ollama's C{quantizing F16 model to Q8_0} lines; the
@@ -502,8 +550,14 @@ class ModelCreator:
         progress({"status": status, "digest": QUANTIZE_DIGEST, "total": size, "completed": 0})
 
         def tensors(done: int, total: int) -> None:
-            progress({"status": status, "digest": QUANTIZE_DIGEST, "total": size,
-                      "completed": int(size * done / total) if total else 0})
+            progress(
+                {
+                    "status": status,
+                    "digest": QUANTIZE_DIGEST,
+                    "total": size,
+                    "completed": int(size * done / total) if total else 0,
+                }
+            )
 
         temporary = self.root / "blobs" / f".tmp-quantize-{secrets.token_hex(6)}.gguf"
         try:
@@ -516,11 +570,17 @@ class ModelCreator:
             size = (await self._in_thread(os.stat, blob_path(self.root, digest))).st_size
         except OSError as e:
             raise CreateError(f"cannot store the quantized model: {e.strerror}", 500) from None
-        return Layer(MEDIA_MODEL, digest, size, f"{'creating new' if new else 'using existing'} layer {digest}",
-                     blob_path(self.root, digest))
+        return Layer(
+            MEDIA_MODEL,
+            digest,
+            size,
+            f"{'creating new' if new else 'using existing'} layer {digest}",
+            blob_path(self.root, digest),
+        )
 
-    async def _text_layers(self, base: list[Layer], spec: CreateSpec, parameters: dict[str, Any],
-                           held: Hold) -> list[Layer]:
+    async def _text_layers(
+        self, base: list[Layer], spec: CreateSpec, parameters: dict[str, Any], held: Hold
+    ) -> list[Layer]:
         """
         C{base} with the request's text layers, as Ollama's C{createModel}
         sets them: a template, system prompt or messages replace the
@@ -547,6 +607,11 @@ class ModelCreator:
         if merged:
             await put(MEDIA_PARAMS, go_json(merged))
         if spec.messages:
-            await put(MEDIA_MESSAGES, go_json([{"role": m.get("role", ""), "content": m.get("content", "")}
-                                               for m in spec.messages], sort_keys=False))
+            await put(
+                MEDIA_MESSAGES,
+                go_json(
+                    [{"role": m.get("role", ""), "content": m.get("content", "")} for m in spec.messages],
+                    sort_keys=False,
+                ),
+            )
         return layers

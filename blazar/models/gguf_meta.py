@@ -288,7 +288,13 @@ def _per_layer(reader: Any, key: str, block_count: int | None) -> tuple[int, ...
 # load_swa_pattern): every layer is a sliding-window one except every
 # N-th, the last of each period (il % N == N - 1).
 SWA_PATTERNS: Mapping[str, int] = {
-    "gemma2": 2, "gemma3": 6, "gemma3n": 5, "cohere2": 4, "gpt-oss": 2, "exaone4": 4, "olmo2": 4,
+    "gemma2": 2,
+    "gemma3": 6,
+    "gemma3n": 5,
+    "cohere2": 4,
+    "gpt-oss": 2,
+    "exaone4": 4,
+    "olmo2": 4,
     "llama4": 4,
 }
 

@@ -124,8 +124,11 @@ def choose_files(files: list[dict[str, Any]], tag: str) -> list[dict[str, Any]]:
 
     @raise PullError: No match (404), naming the quants there are.
     """
-    ggufs = [f for f in files if f.get("type", "file") == "file" and str(f.get("path", "")).endswith(".gguf")
-             and not _is_projector(f)]
+    ggufs = [
+        f
+        for f in files
+        if f.get("type", "file") == "file" and str(f.get("path", "")).endswith(".gguf") and not _is_projector(f)
+    ]
     wanted = tag.upper()
     match = [f for f in ggufs if _quant(f) == wanted]
     if not match and tag == "latest":
@@ -340,9 +343,7 @@ class HubClient:
             raise PullError(f"{self._endpoint} sent an unreadable file listing", 502)
         return files
 
-    async def pull(
-        self, name: HubName, models_dir: Path, progress: Callable[[dict[str, Any]], None]
-    ) -> list[Path]:
+    async def pull(self, name: HubName, models_dir: Path, progress: Callable[[dict[str, Any]], None]) -> list[Path]:
         """
         Download C{name} into C{models_dir}, and the repository's vision
         projector (L{choose_projector}) beside it unless it is there
@@ -369,8 +370,9 @@ class HubClient:
                 raise PullError(f"{f['path']} has no sha256 in the hub's listing; cannot verify it", 502)
             if f is projector and total and await self._thread(thd_size, target) == total:
                 # (pulled with another quant: one projector serves them all)
-                progress({"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": total,
-                          "completed": total})
+                progress(
+                    {"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": total, "completed": total}
+                )
                 continue
             partial = partial_dir / f"{name.user}--{name.repo}--{target.name}.partial"
             partials.append(partial)
@@ -383,7 +385,12 @@ class HubClient:
         return targets
 
     async def _download(
-        self, name: HubName, path: str, partial: Path, sha: str, total: int,
+        self,
+        name: HubName,
+        path: str,
+        partial: Path,
+        sha: str,
+        total: int,
         progress: Callable[[dict[str, Any]], None],
     ) -> None:
         digest = f"sha256:{sha}"
@@ -420,33 +427,37 @@ class HubClient:
 
             try:
                 # no more than the listing's size: a hub that sends more is not filling the disk
-                await relay_body(response, on_chunk, self._reactor, idle_timeout=120,
-                                 max_bytes=total - have if total else None)
+                await relay_body(
+                    response, on_chunk, self._reactor, idle_timeout=120, max_bytes=total - have if total else None
+                )
             except BodyTooLarge:
                 await writer.drain()
                 await self._thread(thd_discard, partial)
                 raise PullError(
                     f"{self._endpoint} sent more of {path} than the {total} bytes its listing gives; the "
                     "download was stopped and its partial file removed. Check hf_endpoint in the config, "
-                    "then pull again", 502,
+                    "then pull again",
+                    502,
                 ) from None
             except Exception as e:
                 await writer.drain()
                 raise PullError(
-                    f"download of {path} broke after {completed} of {total} bytes ({e}); "
-                    "pull again to resume", 502,
+                    f"download of {path} broke after {completed} of {total} bytes ({e}); pull again to resume",
+                    502,
                 ) from None
             await writer.drain()
             if total and completed < total:
                 raise PullError(
                     f"download of {path} ended after {completed} of the {total} bytes the hub's listing "
-                    "gives; pull again to resume", 502,
+                    "gives; pull again to resume",
+                    502,
                 )
         if h.hexdigest() != sha:
             await self._thread(partial.unlink)
             raise PullError(
                 f"{path}: sha256 mismatch (got {h.hexdigest()}, expected {sha}); the partial file "
-                "was removed, pull again", 502,
+                "was removed, pull again",
+                502,
             )
         progress({"status": status, "digest": digest, "total": total, "completed": total or have})
 

@@ -30,7 +30,6 @@ Pure: no I/O, no reactor.
 from __future__ import annotations
 
 import decimal
-import json
 import math
 import re
 import struct
@@ -68,12 +67,25 @@ class Command:
         return render_command(self)
 
 
-COMMANDS = ("from", "license", "template", "system", "adapter", "draft", "renderer", "parser", "parameter",
-            "message", "requires")
+COMMANDS = (
+    "from",
+    "license",
+    "template",
+    "system",
+    "adapter",
+    "draft",
+    "renderer",
+    "parser",
+    "parameter",
+    "message",
+    "requires",
+)
 ROLES = ("system", "user", "assistant")
 
-_INVALID_COMMAND = ('command must be one of "from", "license", "template", "system", "adapter", "draft", '
-                    '"renderer", "parser", "parameter", "message", or "requires"')
+_INVALID_COMMAND = (
+    'command must be one of "from", "license", "template", "system", "adapter", "draft", '
+    '"renderer", "parser", "parameter", "message", or "requires"'
+)
 _INVALID_ROLE = 'message role must be one of "system", "user", or "assistant"'
 _UNEXPECTED_EOF = "unexpected EOF"
 
@@ -283,13 +295,30 @@ INT, FLOAT, BOOL, STRINGS = "int", "float", "bool", "strings"
 
 PARAMETERS: Mapping[str, str] = {
     # api.Options (runtime) and api.Runner (load time), by their JSON names
-    "num_keep": INT, "seed": INT, "num_predict": INT, "top_k": INT, "top_p": FLOAT, "min_p": FLOAT,
-    "typical_p": FLOAT, "repeat_last_n": INT, "temperature": FLOAT, "repeat_penalty": FLOAT,
-    "presence_penalty": FLOAT, "frequency_penalty": FLOAT, "stop": STRINGS,
-    "num_ctx": INT, "num_batch": INT, "num_gpu": INT, "main_gpu": INT, "use_mmap": BOOL, "num_thread": INT,
+    "num_keep": INT,
+    "seed": INT,
+    "num_predict": INT,
+    "top_k": INT,
+    "top_p": FLOAT,
+    "min_p": FLOAT,
+    "typical_p": FLOAT,
+    "repeat_last_n": INT,
+    "temperature": FLOAT,
+    "repeat_penalty": FLOAT,
+    "presence_penalty": FLOAT,
+    "frequency_penalty": FLOAT,
+    "stop": STRINGS,
+    "num_ctx": INT,
+    "num_batch": INT,
+    "num_gpu": INT,
+    "main_gpu": INT,
+    "use_mmap": BOOL,
+    "num_thread": INT,
     "draft_num_predict": INT,
     # gone from Ollama's Options in 0.12, still llama.cpp's samplers: kept
-    "mirostat": INT, "mirostat_tau": FLOAT, "mirostat_eta": FLOAT,
+    "mirostat": INT,
+    "mirostat_tau": FLOAT,
+    "mirostat_eta": FLOAT,
 }
 """Every parameter a Modelfile may set, and its type."""
 
@@ -397,6 +426,7 @@ def check_parameters(parameters: Any) -> tuple[dict[str, Any], list[str]]:
 
 # -- Go's formatting, for what /api/show prints ------------------------------
 
+
 def go_float(value: float) -> str:
     """
     A float64 as Go's C{%v} and C{%#v} write it (C{strconv}'s shortest
@@ -435,8 +465,7 @@ def go_quote(text: str) -> str:
         if c in ('"', "\\"):
             out.append("\\" + c)
         elif c in "\a\b\f\n\r\t\v":
-            out.append({"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t",
-                        "\v": "\\v"}[c])
+            out.append({"\a": "\\a", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r", "\t": "\\t", "\v": "\\v"}[c])
         elif _is_print(c):
             out.append(c)
         elif ord(c) < 0x80:
@@ -493,6 +522,7 @@ def go_json(value: Any, sort_keys: bool = True) -> bytes:
     and U+2028/U+2029 escaped, whole floats without a fraction, a newline
     at the end.
     """
+
     def whole(v: Any) -> Any:
         if isinstance(v, float) and v.is_integer() and abs(v) < 1e21:
             return int(v)
@@ -503,13 +533,19 @@ def go_json(value: Any, sort_keys: bool = True) -> bytes:
         return v
 
     text = strictjson.dumps(whole(value), separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False)
-    for c, escaped in (("<", "\\u003c"), (">", "\\u003e"), ("&", "\\u0026"), ("\u2028", "\\u2028"),
-                       ("\u2029", "\\u2029")):
+    for c, escaped in (
+        ("<", "\\u003c"),
+        (">", "\\u003e"),
+        ("&", "\\u0026"),
+        ("\u2028", "\\u2028"),
+        ("\u2029", "\\u2029"),
+    ):
         text = text.replace(c, escaped)
     return (text + "\n").encode("utf-8")
 
 
 # -- the Modelfile as a create request -----------------------------------------
+
 
 @attrs.frozen
 class CreateFields:
@@ -571,7 +607,8 @@ def create_fields(commands: Iterable[Command]) -> CreateFields:
                 raise ModelfileError(
                     f"{'FROM' if name == 'model' else 'ADAPTER'} {args}: a file on the client's machine, which "
                     "Blazar cannot read; upload it first (POST /api/blobs/sha256:<hex>) and name it as "
-                    "@sha256:<hex>, or send the JSON form with files/adapters")
+                    "@sha256:<hex>, or send the JSON form with files/adapters"
+                )
             source = args
         elif name == "template":
             template = args
@@ -592,13 +629,17 @@ def create_fields(commands: Iterable[Command]) -> CreateFields:
                 parameters.setdefault("stop", []).append(value)
             else:
                 parameters[name] = value
-    return CreateFields(source, files, adapters, template, system, tuple(licenses), parameters, tuple(messages),
-                        tuple(ignored))
+    return CreateFields(
+        source, files, adapters, template, system, tuple(licenses), parameters, tuple(messages), tuple(ignored)
+    )
 
 
 def _looks_like_path(text: str) -> bool:
-    return (text.startswith(("/", "./", "../", "~", "\\")) or text.lower().endswith((".gguf", ".bin", ".safetensors"))
-            or re.match(r"[A-Za-z]:[\\/]", text) is not None)
+    return (
+        text.startswith(("/", "./", "../", "~", "\\"))
+        or text.lower().endswith((".gguf", ".bin", ".safetensors"))
+        or re.match(r"[A-Za-z]:[\\/]", text) is not None
+    )
 
 
 # -- a model's Modelfile, as /api/show renders it ----------------------------
@@ -608,8 +649,13 @@ DEFAULT_TEMPLATE = "{{ .Prompt }}"
 
 
 def model_commands(
-    model: str, adapters: Iterable[str] = (), projectors: Iterable[str] = (), template: str | None = None,
-    system: str | None = None, parameters: Mapping[str, Any] | None = None, license: Iterable[str] = (),
+    model: str,
+    adapters: Iterable[str] = (),
+    projectors: Iterable[str] = (),
+    template: str | None = None,
+    system: str | None = None,
+    parameters: Mapping[str, Any] | None = None,
+    license: Iterable[str] = (),
     messages: Iterable[Mapping[str, Any]] = (),
 ) -> list[Command]:
     """
@@ -634,12 +680,15 @@ def show_modelfile(short_name: str, commands: Iterable[Command]) -> str:
     """
     C{/api/show}'s C{modelfile}: Ollama's header, then the commands.
     """
-    return ('# Modelfile generated by "ollama show"\n'
-            "# To build a new Modelfile based on this, replace FROM with:\n"
-            f"# FROM {short_name}\n\n" + render(commands))
+    return (
+        '# Modelfile generated by "ollama show"\n'
+        "# To build a new Modelfile based on this, replace FROM with:\n"
+        f"# FROM {short_name}\n\n" + render(commands)
+    )
 
 
 # -- a model's parameters as how it is run -------------------------------------
+
 
 def _whole(value: Any, least: int) -> int | None:
     if isinstance(value, float) and value.is_integer():

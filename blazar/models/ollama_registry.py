@@ -69,8 +69,20 @@ from blazar import strictjson
 from blazar.httpbody import read_body, relay_body
 from blazar.models.hub import PullError, SerialWriter, _QuietPool
 from blazar.models.ollama_store import (
-    MEDIA_MANIFEST, DigestMismatch, OllamaName, StoreError, blob_path, check_manifest, descriptors, digest_hex, hold,
-    manifest_bytes, partial_path, thd_find_manifest, thd_free_bytes, thd_has_blob, thd_write_manifest,
+    MEDIA_MANIFEST,
+    DigestMismatch,
+    OllamaName,
+    StoreError,
+    blob_path,
+    check_manifest,
+    descriptors,
+    digest_hex,
+    hold,
+    partial_path,
+    thd_find_manifest,
+    thd_free_bytes,
+    thd_has_blob,
+    thd_write_manifest,
 )
 
 log = Logger()
@@ -120,7 +132,9 @@ class Part:
         """
         The part file's JSON with C{completed} bytes on disk (Ollama's shape).
         """
-        return strictjson.dumps({"N": self.n, "Offset": self.offset, "Size": self.size, "Completed": completed}).encode()
+        return strictjson.dumps(
+            {"N": self.n, "Offset": self.offset, "Size": self.size, "Completed": completed}
+        ).encode()
 
 
 def plan_parts(total: int, parts: int = PARTS, min_part: int = MIN_PART) -> list[Part]:
@@ -144,7 +158,7 @@ def _part_files(root: Path, digest: str) -> list[Path]:
     temporary file a kill left is not a part).
     """
     base = partial_path(root, digest)
-    return sorted(p for p in base.parent.glob(base.name + "-*") if p.name[len(base.name) + 1:].isdigit())
+    return sorted(p for p in base.parent.glob(base.name + "-*") if p.name[len(base.name) + 1 :].isdigit())
 
 
 def _record_temp(record: Path) -> Path:
@@ -304,8 +318,9 @@ def _disk_full(what: str, e: OSError, root: Path) -> PullError:
         why = "the daemon's file size limit (ulimit -f) is lower than the blob"
     else:
         why = f"the disk holding {root} is full"
-    return PullError(f"{what}: {why} ({e.strerror}); nothing was kept. Free space (or raise the limit), "
-                     "then pull again", 507)
+    return PullError(
+        f"{what}: {why} ({e.strerror}); nothing was kept. Free space (or raise the limit), then pull again", 507
+    )
 
 
 @implementer(IBodyProducer)
@@ -421,8 +436,15 @@ class RegistryClient:
     """
 
     def __init__(
-        self, reactor: Any, registry: str | Callable[[], str], *, http: Any = None, parts: int = PARTS,
-        min_part: int = MIN_PART, stall: float = STALL, retries: int = RETRIES,
+        self,
+        reactor: Any,
+        registry: str | Callable[[], str],
+        *,
+        http: Any = None,
+        parts: int = PARTS,
+        min_part: int = MIN_PART,
+        stall: float = STALL,
+        retries: int = RETRIES,
     ) -> None:
         """
         @param registry: The URL names without a host (or with the default
@@ -463,8 +485,14 @@ class RegistryClient:
         return f"{'http' if insecure else 'https'}://{name.host}"
 
     async def _request(
-        self, method: str, url: str, *, headers: dict[bytes, list[bytes]] | None = None, data: Any = None,
-        scope: str, follow: bool = False,
+        self,
+        method: str,
+        url: str,
+        *,
+        headers: dict[bytes, list[bytes]] | None = None,
+        data: Any = None,
+        scope: str,
+        follow: bool = False,
     ) -> IResponse:
         """
         One request, with the anonymous token flow on a Bearer challenge
@@ -487,7 +515,8 @@ class RegistryClient:
                 sent[b"authorization"] = [b"Bearer " + token.encode()]
             try:
                 response: IResponse = await self._http.request(
-                    method, url, headers=Headers(sent), data=data, allow_redirects=False, unbuffered=True)
+                    method, url, headers=Headers(sent), data=data, allow_redirects=False, unbuffered=True
+                )
             except CancelledError:
                 raise
             except Exception as e:
@@ -524,23 +553,30 @@ class RegistryClient:
         @raise PullError: Not a Bearer challenge, or no token given (401).
         """
         if not challenge.lower().startswith("bearer "):
-            raise PullError(f"{urlsplit(url).netloc} wants credentials ({challenge or 'no challenge'}); Blazar "
-                            "pulls and pushes anonymously", 401)
+            raise PullError(
+                f"{urlsplit(url).netloc} wants credentials ({challenge or 'no challenge'}); Blazar "
+                "pulls and pushes anonymously",
+                401,
+            )
         fields = dict(re.findall(r'(\w+)="([^"]*)"', challenge))
         realm = fields.get("realm")
         if not realm:
             raise PullError(f"{urlsplit(url).netloc} sent a token challenge without a realm", 502)
         query = {k: v for k, v in (("service", fields.get("service")), ("scope", fields.get("scope") or scope)) if v}
         try:
-            response = await self._http.request("GET", f"{realm}?{urlencode(query)}", unbuffered=True,
-                                                headers=Headers({b"user-agent": [b"blazar"]}))
+            response = await self._http.request(
+                "GET", f"{realm}?{urlencode(query)}", unbuffered=True, headers=Headers({b"user-agent": [b"blazar"]})
+            )
             body = await read_body(response, self._reactor, idle_timeout=30, max_bytes=1 << 20)
             token = json.loads(body).get("token") or json.loads(body).get("access_token")
         except Exception as e:
             raise PullError(f"cannot get a token from {realm}: {e}", 502) from None
         if response.code != 200 or not isinstance(token, str) or not token:
-            raise PullError(f"{urlsplit(url).netloc} refused an anonymous token ({response.code}); the "
-                            "repository needs credentials, which Blazar does not hold", 401)
+            raise PullError(
+                f"{urlsplit(url).netloc} refused an anonymous token ({response.code}); the "
+                "repository needs credentials, which Blazar does not hold",
+                401,
+            )
         return token
 
     # -- pull -------------------------------------------------------------------
@@ -573,8 +609,9 @@ class RegistryClient:
             except BaseException:
                 # what this pull reserved and got no byte of goes (a part begun stays, to resume)
                 for digest in made:
-                    if digest not in self.pulls and not await self._thread(thd_partial_bytes, root, digest,
-                                                                            _size(wanted, digest)):
+                    if digest not in self.pulls and not await self._thread(
+                        thd_partial_bytes, root, digest, _size(wanted, digest)
+                    ):
                         await self._thread(thd_discard_download, root, digest)
                 raise
             progress({"status": "verifying sha256 digest"})  # (each blob was checked before it was named)
@@ -593,8 +630,9 @@ class RegistryClient:
     async def _manifest(self, base: str, name: OllamaName, scope: str) -> dict[str, Any]:
         url = f"{base}/v2/{name.repository}/manifests/{name.tag}"
         try:
-            response = await self._request("GET", url, headers={b"accept": [MEDIA_MANIFEST.encode()]}, scope=scope,
-                                           follow=True)
+            response = await self._request(
+                "GET", url, headers={b"accept": [MEDIA_MANIFEST.encode()]}, scope=scope, follow=True
+            )
             body = await read_body(response, self._reactor, idle_timeout=60, max_bytes=1 << 20)
         except _Retry as e:
             raise PullError(f"{e} (registry {base}; check registry in the config)", 502) from None
@@ -603,8 +641,7 @@ class RegistryClient:
         except Exception as e:
             raise PullError(f"reading the manifest of {name.display} from {base} failed: {e}", 502) from None
         if response.code == 404:
-            raise PullError(f'pull model manifest: file does not exist: model "{name.display}" is not on {base}',
-                            404)
+            raise PullError(f'pull model manifest: file does not exist: model "{name.display}" is not on {base}', 404)
         if response.code != 200:
             raise PullError(f"{base} answered {response.code} for the manifest of {name.display}", 502)
         try:
@@ -626,7 +663,9 @@ class RegistryClient:
         if need > free:
             raise PullError(
                 f"not enough disk space to pull {name.display}: it needs {need} more bytes and the disk holding "
-                f"{root} has {free} free; nothing was downloaded", 507)
+                f"{root} has {free} free; nothing was downloaded",
+                507,
+            )
 
     async def _reserve(self, name: OllamaName, root: Path, wanted: list[dict[str, Any]]) -> list[str]:
         """
@@ -646,8 +685,9 @@ class RegistryClient:
                     continue  # (a blob another pull is fetching: that pull reserved it)
                 if not await self._thread(lambda p: p.exists(), partial_path(root, digest)):
                     made.append(digest)
-                await self._thread(thd_open_download, root, digest, total,
-                                   lambda n: plan_parts(n, self._parts, self._min_part))
+                await self._thread(
+                    thd_open_download, root, digest, total, lambda n: plan_parts(n, self._parts, self._min_part)
+                )
         except OSError as e:
             for digest in made:
                 await self._thread(thd_discard_download, root, digest)
@@ -657,7 +697,13 @@ class RegistryClient:
         return made
 
     async def _blob(
-        self, base: str, name: OllamaName, root: Path, d: dict[str, Any], scope: str, progress: Progress,
+        self,
+        base: str,
+        name: OllamaName,
+        root: Path,
+        d: dict[str, Any],
+        scope: str,
+        progress: Progress,
     ) -> None:
         digest, total = d["digest"], d["size"]
         status = _status("pulling", digest)
@@ -680,13 +726,20 @@ class RegistryClient:
             done.callback(None)
 
     async def _download(
-        self, base: str, name: OllamaName, root: Path, digest: str, total: int, scope: str, status: str,
+        self,
+        base: str,
+        name: OllamaName,
+        root: Path,
+        digest: str,
+        total: int,
+        scope: str,
+        status: str,
         progress: Progress,
     ) -> None:
         try:
             parts: list[Part] = await self._thread(
-                thd_open_download, root, digest, total,
-                lambda n: plan_parts(n, self._parts, self._min_part))
+                thd_open_download, root, digest, total, lambda n: plan_parts(n, self._parts, self._min_part)
+            )
         except OSError as e:
             if e.errno in _DISK_FULL:
                 raise _disk_full(f"cannot pull {name.display}", e, root) from None
@@ -703,8 +756,13 @@ class RegistryClient:
         report(force=True)
         url = f"{base}/v2/{name.repository}/blobs/{digest}"
         try:
-            await _all([Deferred.fromCoroutine(self._part(url, root, digest, p, scope, report))
-                         for p in parts if p.completed < p.size])
+            await _all(
+                [
+                    Deferred.fromCoroutine(self._part(url, root, digest, p, scope, report))
+                    for p in parts
+                    if p.completed < p.size
+                ]
+            )
         except OSError as e:
             if e.errno in _DISK_FULL:
                 await self._thread(thd_discard_download, root, digest)
@@ -713,12 +771,21 @@ class RegistryClient:
         try:
             await self._thread(thd_finish_download, root, digest)
         except DigestMismatch as e:
-            raise PullError(f"{name.display}: the registry sent a blob whose sha256 is {e.actual}, not its "
-                            f"digest {digest}; it was refused and not kept, and no model was named", 502) from None
+            raise PullError(
+                f"{name.display}: the registry sent a blob whose sha256 is {e.actual}, not its "
+                f"digest {digest}; it was refused and not kept, and no model was named",
+                502,
+            ) from None
         report(force=True)
 
     async def _part(
-        self, url: str, root: Path, digest: str, part: Part, scope: str, report: Callable[[bool], None],
+        self,
+        url: str,
+        root: Path,
+        digest: str,
+        part: Part,
+        scope: str,
+        report: Callable[[bool], None],
     ) -> None:
         failures = 0
         last = ""
@@ -735,19 +802,30 @@ class RegistryClient:
                 break
             failures = 0 if part.completed > before else failures + 1
             if failures > self._retries:
-                raise PullError(f"downloading {digest} failed {failures} times in a row ({last or 'it ended short'}); "
-                                "pull again to resume", 502)
-            log.info("part {n} of {digest} stopped at {completed} of {size} bytes ({why}); asking again",
-                     n=part.n, digest=digest, completed=part.completed, size=part.size, why=last or "ended short")
-            await deferLater(self._reactor, min(0.5 * 2 ** failures, 8.0), lambda: None)
+                raise PullError(
+                    f"downloading {digest} failed {failures} times in a row ({last or 'it ended short'}); "
+                    "pull again to resume",
+                    502,
+                )
+            log.info(
+                "part {n} of {digest} stopped at {completed} of {size} bytes ({why}); asking again",
+                n=part.n,
+                digest=digest,
+                completed=part.completed,
+                size=part.size,
+                why=last or "ended short",
+            )
+            await deferLater(self._reactor, min(0.5 * 2**failures, 8.0), lambda: None)
         report(True)
 
-    async def _range(self, url: str, part: Part, scope: str, writer: _PartWriter,
-                     report: Callable[[bool], None]) -> None:
+    async def _range(
+        self, url: str, part: Part, scope: str, writer: _PartWriter, report: Callable[[bool], None]
+    ) -> None:
         start = part.offset + part.completed
         end = part.offset + part.size - 1
-        response = await self._request("GET", url, headers={b"range": [f"bytes={start}-{end}".encode()]},
-                                       scope=scope, follow=True)
+        response = await self._request(
+            "GET", url, headers={b"range": [f"bytes={start}-{end}".encode()]}, scope=scope, follow=True
+        )
         skip = 0
         if response.code == 200:
             skip = start  # the server ignored Range: the whole blob comes; keep the part's bytes
@@ -784,8 +862,13 @@ class RegistryClient:
             if part.completed >= part.size and finished is not None:
                 finished.cancel()  # (a server ignoring Range: the rest is not this part's)
 
-        finished = relay_body(response, on_chunk, self._reactor, idle_timeout=self._stall,
-                              max_bytes=None if response.code == 200 else wanted)
+        finished = relay_body(
+            response,
+            on_chunk,
+            self._reactor,
+            idle_timeout=self._stall,
+            max_bytes=None if response.code == 200 else wanted,
+        )
         try:
             await finished
         except CancelledError:
@@ -824,18 +907,28 @@ class RegistryClient:
                 await self._upload(base, name, root, d, scope, progress)
             progress({"status": "pushing manifest"})
             url = f"{base}/v2/{name.repository}/manifests/{name.tag}"
-            response = await self._request("PUT", url, headers={b"content-type": [MEDIA_MANIFEST.encode()]},
-                                           data=raw, scope=scope)
+            response = await self._request(
+                "PUT", url, headers={b"content-type": [MEDIA_MANIFEST.encode()]}, data=raw, scope=scope
+            )
             body = await read_body(response, self._reactor, idle_timeout=60, max_bytes=1 << 20)
         except _Retry as e:
             raise PushError(f"{e} (pushing {name.display} to {base})", 502) from None
         if response.code not in (200, 201, 202):
-            raise PushError(f"{base} refused the manifest of {name.display} ({response.code}: "
-                            f"{body[:300].decode('utf-8', 'replace')})", 502)
+            raise PushError(
+                f"{base} refused the manifest of {name.display} ({response.code}: "
+                f"{body[:300].decode('utf-8', 'replace')})",
+                502,
+            )
         progress({"status": "success"})
 
     async def _upload(
-        self, base: str, name: OllamaName, root: Path, d: dict[str, Any], scope: str, progress: Progress,
+        self,
+        base: str,
+        name: OllamaName,
+        root: Path,
+        d: dict[str, Any],
+        scope: str,
+        progress: Progress,
     ) -> None:
         digest, total = d["digest"], d["size"]
         status = _status("pushing", digest)
@@ -853,8 +946,11 @@ class RegistryClient:
         body = await read_body(started, self._reactor, idle_timeout=60, max_bytes=1 << 20)
         location = (started.headers.getRawHeaders(b"location") or [b""])[0].decode("latin-1")
         if started.code not in (201, 202) or not location:
-            raise PushError(f"{base} refused to start an upload of {digest} ({started.code}: "
-                            f"{body[:300].decode('utf-8', 'replace')})", 401 if started.code == 401 else 502)
+            raise PushError(
+                f"{base} refused to start an upload of {digest} ({started.code}: "
+                f"{body[:300].decode('utf-8', 'replace')})",
+                401 if started.code == 401 else 502,
+            )
         target = urljoin(f"{repo}/blobs/uploads/", location)
         target += ("&" if "?" in target else "?") + urlencode({"digest": digest})
         reported = 0
@@ -866,12 +962,17 @@ class RegistryClient:
                 progress({"status": status, "digest": digest, "total": total, "completed": n})
 
         response = await self._request(
-            "PUT", target, scope=scope, data=_FileBody(self._reactor, path, total, sent) if total else b"",
-            headers={b"content-type": [b"application/octet-stream"]})
+            "PUT",
+            target,
+            scope=scope,
+            data=_FileBody(self._reactor, path, total, sent) if total else b"",
+            headers={b"content-type": [b"application/octet-stream"]},
+        )
         body = await read_body(response, self._reactor, idle_timeout=120, max_bytes=1 << 20)
         if response.code not in (201, 204):
-            raise PushError(f"{base} refused blob {digest} ({response.code}: "
-                            f"{body[:300].decode('utf-8', 'replace')})", 502)
+            raise PushError(
+                f"{base} refused blob {digest} ({response.code}: {body[:300].decode('utf-8', 'replace')})", 502
+            )
         if total == 0 or reported != total:
             progress({"status": status, "digest": digest, "total": total, "completed": total})
 
@@ -895,4 +996,3 @@ async def _wait(d: Deferred[None]) -> None:
 
     d.addBoth(passthrough)
     await waiter
-

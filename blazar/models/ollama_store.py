@@ -224,7 +224,7 @@ def parse_name(text: str) -> OllamaName:
         raise InvalidName(f"invalid model name {text!r}: digest-pinned names (@sha256:...) are not supported")
     for scheme in ("https://", "http://"):
         if s.startswith(scheme):
-            s = s[len(scheme):]
+            s = s[len(scheme) :]
     tag = DEFAULT_TAG
     if s.rfind(":") > s.rfind("/"):
         s, tag = s.rsplit(":", 1)
@@ -746,8 +746,12 @@ def thd_link_blob(root: Path, source_path: Path, digest: str, verify: bool = Tru
 
 
 def thd_put_model(
-    root: Path, name: OllamaName, model_path: Path, texts: dict[str, bytes] | None = None,
-    blobs: list[tuple[str, Path]] | None = None, config: dict[str, Any] | None = None,
+    root: Path,
+    name: OllamaName,
+    model_path: Path,
+    texts: dict[str, bytes] | None = None,
+    blobs: list[tuple[str, Path]] | None = None,
+    config: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """
     Store a GGUF file as the model C{name}: its blob hard-linked
@@ -773,8 +777,13 @@ def thd_put_model(
         for media, data in (texts or {}).items():
             held.add(["sha256:" + hashlib.sha256(data).hexdigest()])
             layers.append(layer(media, thd_add_bytes(root, data), len(data)))
-        body = {"model_format": "gguf", "architecture": "amd64", "os": "linux", **(config or {}),
-                "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layers]}}
+        body = {
+            "model_format": "gguf",
+            "architecture": "amd64",
+            "os": "linux",
+            **(config or {}),
+            "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layers]},
+        }
         data = strictjson.dumps(body, separators=(",", ":")).encode()
         held.add(["sha256:" + hashlib.sha256(data).hexdigest()])
         manifest = make_manifest(layer(MEDIA_CONFIG, thd_add_bytes(root, data), len(data)), layers)
@@ -886,8 +895,9 @@ def thd_layers(root: Path, name: OllamaName, manifest: dict[str, Any], digest: s
     if model is None:
         raise StoreError(f"{name.display}: the manifest has no model layer ({MEDIA_MODEL})")
     license_ = "\n\n".join(licenses) if licenses else None
-    return OllamaLayers(name, digest, size, model, template, system, parameters, messages, license_, projector,
-                        tuple(adapters), config)
+    return OllamaLayers(
+        name, digest, size, model, template, system, parameters, messages, license_, projector, tuple(adapters), config
+    )
 
 
 def thd_models(root: Path) -> list[OllamaLayers]:
@@ -919,8 +929,11 @@ def _is_temporary(name: str) -> bool:
     being deleted), C{.*.quantizing} (llama-quantize's output), or
     C{.sha256-<hex>-partial-<N>.tmp} (a part's record, before its rename).
     """
-    return (name.startswith(_TEMP) or (name.startswith(".") and name.endswith(".quantizing"))
-            or (name.startswith(".sha256-") and name.endswith(".tmp")))
+    return (
+        name.startswith(_TEMP)
+        or (name.startswith(".") and name.endswith(".quantizing"))
+        or (name.startswith(".sha256-") and name.endswith(".tmp"))
+    )
 
 
 def thd_sweep_temporaries(root: Path, before: float) -> list[Path]:

@@ -47,11 +47,43 @@ log = Logger()
 # llama-quantize's types (QUANT_OPTIONS of the pinned engine's tools/quantize/quantize.cpp) and
 # their llama_ftype (include/llama.h); Q3_K, Q4_K, Q5_K are its aliases of the _M mixes
 QUANT_TYPES: Mapping[str, int] = {
-    "Q1_0": 40, "Q2_0": 41, "Q4_0": 2, "Q4_1": 3, "MXFP4_MOE": 38, "Q5_0": 8, "Q5_1": 9,
-    "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28, "IQ2_M": 29, "IQ1_S": 24, "IQ1_M": 31, "TQ1_0": 36, "TQ2_0": 37,
-    "Q2_K": 10, "Q2_K_S": 21, "IQ3_XXS": 23, "IQ3_S": 26, "IQ3_M": 27, "Q3_K": 12, "IQ3_XS": 22,
-    "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "IQ4_NL": 25, "IQ4_XS": 30, "Q4_K": 15, "Q4_K_S": 14,
-    "Q4_K_M": 15, "Q5_K": 17, "Q5_K_S": 16, "Q5_K_M": 17, "Q6_K": 18, "Q8_0": 7, "F16": 1, "BF16": 32,
+    "Q1_0": 40,
+    "Q2_0": 41,
+    "Q4_0": 2,
+    "Q4_1": 3,
+    "MXFP4_MOE": 38,
+    "Q5_0": 8,
+    "Q5_1": 9,
+    "IQ2_XXS": 19,
+    "IQ2_XS": 20,
+    "IQ2_S": 28,
+    "IQ2_M": 29,
+    "IQ1_S": 24,
+    "IQ1_M": 31,
+    "TQ1_0": 36,
+    "TQ2_0": 37,
+    "Q2_K": 10,
+    "Q2_K_S": 21,
+    "IQ3_XXS": 23,
+    "IQ3_S": 26,
+    "IQ3_M": 27,
+    "Q3_K": 12,
+    "IQ3_XS": 22,
+    "Q3_K_S": 11,
+    "Q3_K_M": 12,
+    "Q3_K_L": 13,
+    "IQ4_NL": 25,
+    "IQ4_XS": 30,
+    "Q4_K": 15,
+    "Q4_K_S": 14,
+    "Q4_K_M": 15,
+    "Q5_K": 17,
+    "Q5_K_S": 16,
+    "Q5_K_M": 17,
+    "Q6_K": 18,
+    "Q8_0": 7,
+    "F16": 1,
+    "BF16": 32,
     "F32": 0,
 }
 # the types whose tensors llama-quantize makes only with an importance matrix (src/llama-quant.cpp
@@ -85,11 +117,15 @@ def quant_type(name: str) -> str:
     """
     wanted = name.strip().upper() if isinstance(name, str) else ""
     if wanted not in QUANT_TYPES:
-        raise QuantizeError(f"unknown quantization type {name!r}: use one of {', '.join(ollama_name(t) for t in QUANT_TYPES)} "
-                            "(q4_K_M is a good default, q8_0 is near lossless)")
+        raise QuantizeError(
+            f"unknown quantization type {name!r}: use one of {', '.join(ollama_name(t) for t in QUANT_TYPES)} "
+            "(q4_K_M is a good default, q8_0 is near lossless)"
+        )
     if wanted in NEEDS_IMATRIX:
-        raise QuantizeError(f"{ollama_name(wanted)} needs an importance matrix (llama-imatrix), which Blazar does not "
-                            "make; use q4_K_M, q4_K_S, q3_K_M or another k-quant")
+        raise QuantizeError(
+            f"{ollama_name(wanted)} needs an importance matrix (llama-imatrix), which Blazar does not "
+            "make; use q4_K_M, q4_K_S, q3_K_M or another k-quant"
+        )
     return wanted
 
 
@@ -134,21 +170,27 @@ def thd_check_source(source: Path, qtype: str) -> None:
         return reader.fields[key].contents() if key in reader.fields else None
 
     if field("general.type") == "adapter":
-        raise QuantizeError(f"{source}: is a LoRA adapter, not a model; quantize the base model and use the "
-                            "adapter with it (lora = [...] under its [models.\"name\"])")
+        raise QuantizeError(
+            f"{source}: is a LoRA adapter, not a model; quantize the base model and use the "
+            'adapter with it (lora = [...] under its [models."name"])'
+        )
     quantized = sorted({t.tensor_type.name for t in reader.tensors if int(t.tensor_type) not in _PLAIN_TENSORS})
     if not quantized:
         return
     file_type = field("general.file_type")
     if isinstance(file_type, int) and file_type == QUANT_TYPES[qtype] and qtype not in _PLAIN_FILE_TYPES.values():
         return  # already this type: llama-quantize copies what it would make
-    named = [ollama_name(n) for n, v in QUANT_TYPES.items()
-             if v == file_type and n not in _ALIASES and n not in _PLAIN_FILE_TYPES.values()]
+    named = [
+        ollama_name(n)
+        for n, v in QUANT_TYPES.items()
+        if v == file_type and n not in _ALIASES and n not in _PLAIN_FILE_TYPES.values()
+    ]
     was = named[0] if named else f"{'/'.join(quantized)} tensors"  # (a file type that says otherwise is wrong)
     raise QuantizeError(
         f"{source} is already quantized ({was}); quantizing it again to {ollama_name(qtype)} would stack a second "
         "rounding error on the first (llama-quantize --allow-requantize), so Blazar quantizes only from "
-        "unquantized weights: start from the F16, BF16 or F32 GGUF of the model")
+        "unquantized weights: start from the F16, BF16 or F32 GGUF of the model"
+    )
 
 
 def _temporary(target: Path) -> Path:
@@ -208,7 +250,7 @@ class QuantizeProtocol(ProcessProtocol):
             self.reason = (failed.group(1) or failed.group(2)).decode("utf-8", "replace").strip()
         text = raw.rstrip(b"\r").decode("utf-8", "replace").strip()
         if text:
-            self.tail = [*self.tail[-(TAIL_LINES - 1):], text]
+            self.tail = [*self.tail[-(TAIL_LINES - 1) :], text]
         found = _PROGRESS.match(raw)
         if found:  # the line is written out once its tensor is done
             done, total = int(found.group(1)), int(found.group(2))
@@ -267,8 +309,15 @@ class QuantizeProtocol(ProcessProtocol):
 
 
 async def quantize(
-    reactor: Any, binary: Path, source: Path, target: Path, qtype: str, progress: Callable[[int, int], None],
-    *, threads: int | None = None, environ: Mapping[str, str] | None = None,
+    reactor: Any,
+    binary: Path,
+    source: Path,
+    target: Path,
+    qtype: str,
+    progress: Callable[[int, int], None],
+    *,
+    threads: int | None = None,
+    environ: Mapping[str, str] | None = None,
 ) -> None:
     """
     Quantize GGUF C{source} to C{target} as C{qtype} with llama-quantize
@@ -315,8 +364,10 @@ async def quantize(
             raise
         if child.exit_code != 0:
             why = child.reason or " / ".join(child.tail[-3:]) or "no output"
-            raise QuantizeError(f"llama-quantize could not quantize {source.name} to {ollama_name(name)} "
-                                f"(exit {child.exit_code}): {why}")
+            raise QuantizeError(
+                f"llama-quantize could not quantize {source.name} to {ollama_name(name)} "
+                f"(exit {child.exit_code}): {why}"
+            )
         try:
             await deferToThreadPool(reactor, pool, thd_finish, temporary, target)
         except OSError as e:

@@ -31,7 +31,12 @@ from blazar.models.formats import is_whisper_file, thd_model_format
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, thd_read_metadata, unreadable
 from blazar.models.modelfile import model_settings
 from blazar.models.ollama_store import (
-    OllamaLayers, StoreError, parse_name, thd_copy_manifest, thd_delete_manifest, thd_models,
+    OllamaLayers,
+    StoreError,
+    parse_name,
+    thd_copy_manifest,
+    thd_delete_manifest,
+    thd_models,
 )
 from blazar.names import canonical_name, fair_remote_model, name_key
 
@@ -90,8 +95,13 @@ class AdapterUnusable(ModelUnreadable):
     """
 
     def __init__(self, model: str, error: GGUFError) -> None:
-        GGUFError.__init__(self, error.path, error.reason, error.hint,
-                           f'model "{model}": {error.reason}; {error.hint} (the daemon log names the file)')
+        GGUFError.__init__(
+            self,
+            error.path,
+            error.reason,
+            error.hint,
+            f'model "{model}": {error.reason}; {error.hint} (the daemon log names the file)',
+        )
         self.model = model
         self.log_detail = f"file {error.path}"
 
@@ -186,8 +196,11 @@ def thd_tree_size(path: Path) -> int:
 
 
 def thd_tree_listing(path: Path) -> str:
-    return "\n".join(f"{f.relative_to(path)} {f.stat().st_size} {f.stat().st_mtime_ns}"
-                     for f in sorted(path.rglob("*")) if f.is_file())
+    return "\n".join(
+        f"{f.relative_to(path)} {f.stat().st_size} {f.stat().st_mtime_ns}"
+        for f in sorted(path.rglob("*"))
+        if f.is_file()
+    )
 
 
 def _add(found: dict[str, ModelEntry], name: str, path: Path, **fields: Any) -> bool:
@@ -206,7 +219,9 @@ def _add(found: dict[str, ModelEntry], name: str, path: Path, **fields: Any) -> 
 
 
 def thd_scan(
-    models_dir: Path, configured: Mapping[str, ModelConfig], store: Path | None = None,
+    models_dir: Path,
+    configured: Mapping[str, ModelConfig],
+    store: Path | None = None,
     hidden: list[str] | None = None,
 ) -> dict[str, ModelEntry]:
     """
@@ -228,8 +243,11 @@ def thd_scan(
         whisper: list[Path] = []
         for root, dirs, names in os.walk(models_dir, followlinks=True):
             dirs[:] = [d for d in dirs if not d.startswith(".")]  # .partial downloads
-            files += [Path(root) / f for f in names if f.endswith(".gguf") and not f.startswith(".")
-                      and not is_projector_name(f)]
+            files += [
+                Path(root) / f
+                for f in names
+                if f.endswith(".gguf") and not f.startswith(".") and not is_projector_name(f)
+            ]
             projectors += [Path(root) / f for f in names if is_projector_name(f) and not f.startswith(".")]
             whisper += [Path(root) / f for f in names if f.endswith(".bin") and not f.startswith(".")]
         files.sort()
@@ -237,7 +255,7 @@ def thd_scan(
             if not is_whisper_file(path):
                 continue
             stem = path.name[: -len(".bin")]
-            name = _stem_name("whisper-" + stem[len("ggml-"):] if stem.startswith("ggml-") else stem)
+            name = _stem_name("whisper-" + stem[len("ggml-") :] if stem.startswith("ggml-") else stem)
             _add(found, name, path, format="whisper")
         for path in files:
             stem = path.name[: -len(".gguf")]
@@ -248,10 +266,7 @@ def thd_scan(
                     continue
                 stem = m["stem"]
                 count = int(m["count"])
-                shards = tuple(
-                    path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf")
-                    for i in range(2, count + 1)
-                )
+                shards = tuple(path.with_name(f"{stem}-{i:05d}-of-{count:05d}.gguf") for i in range(2, count + 1))
             name = _hub_name(path.parent, models_dir, stem) or _stem_name(stem)
             if _add(found, name, path, shards=shards):
                 by_path[path] = name_key(name)
@@ -266,9 +281,15 @@ def thd_scan(
                 if hidden is not None:
                     hidden.append(name)
                 continue
-            found[key] = ModelEntry(name, layers.model, modified=layers.modified, projector=layers.projector,
-                                    adapters=tuple((p, 1.0) for p in layers.adapters), ollama=layers,
-                                    settings=model_settings(layers.parameters))  # its num_ctx, num_gpu, ...
+            found[key] = ModelEntry(
+                name,
+                layers.model,
+                modified=layers.modified,
+                projector=layers.projector,
+                adapters=tuple((p, 1.0) for p in layers.adapters),
+                ollama=layers,
+                settings=model_settings(layers.parameters),
+            )  # its num_ctx, num_gpu, ...
     for name, settings in configured.items():
         key = name_key(name)
         if settings.path is not None:
@@ -276,8 +297,9 @@ def thd_scan(
                 mtime = settings.path.stat().st_mtime
             except OSError:
                 mtime = 0.0
-            found[key] = ModelEntry(name, settings.path, (), settings, mtime, thd_model_format(settings.path),
-                                    adapters=settings.lora)
+            found[key] = ModelEntry(
+                name, settings.path, (), settings, mtime, thd_model_format(settings.path), adapters=settings.lora
+            )
         elif key in found:
             stored = found[key].ollama
             if stored is not None:  # the operator's table over the Modelfile's load-time parameters
@@ -579,9 +601,12 @@ class ModelRegistry:
             base = entry.name.split(":", 1)[0].casefold()
             if base in remotes and entry.name not in self._shadowed:
                 self._shadowed.add(entry.name)
-                log.warn("local model {model} is hidden by [[remotes]] name = {remote!r}: {model} now names that "
-                         "remote's model; rename the remote (or the file) to reach it", model=entry.name,
-                         remote=remotes[base])
+                log.warn(
+                    "local model {model} is hidden by [[remotes]] name = {remote!r}: {model} now names that "
+                    "remote's model; rename the remote (or the file) to reach it",
+                    model=entry.name,
+                    remote=remotes[base],
+                )
 
     def _warn_hidden(self, hidden: list[str]) -> None:
         """
@@ -591,9 +616,12 @@ class ModelRegistry:
         for name in hidden:
             if name not in self._hidden:
                 self._hidden.add(name)
-                log.warn("the pulled model {model} (in ollama_models) is hidden by a file of the same name in "
-                         "models_dir, which is served under that name; rename or delete the file to serve the "
-                         "pulled one", model=name)
+                log.warn(
+                    "the pulled model {model} (in ollama_models) is hidden by a file of the same name in "
+                    "models_dir, which is served under that name; rename or delete the file to serve the "
+                    "pulled one",
+                    model=name,
+                )
 
     def remote_entries(self) -> list[ModelEntry]:
         """
@@ -626,6 +654,7 @@ class ModelRegistry:
         remote = self._config.remote(prefix) if model else None
         if remote is None:
             return None
+
         def listed() -> str | None:
             names = self._listed.get(remote.name, ())
             if model in names:
@@ -680,8 +709,9 @@ class ModelRegistry:
         try:
             meta = await self._metadata(entry)
             if entry.adapters:
-                checked = await self.in_thread(thd_check_adapters, entry.adapters, meta.architecture,
-                                               self._adapters_checked)
+                checked = await self.in_thread(
+                    thd_check_adapters, entry.adapters, meta.architecture, self._adapters_checked
+                )
                 assert isinstance(checked, frozenset)
                 self._adapters_checked = checked
             return meta
@@ -698,9 +728,18 @@ class ModelRegistry:
         if entry.format != "gguf":
             size = await self.in_thread(thd_tree_size, entry.path)
             assert isinstance(size, int)
-            return GGUFMetadata(architecture=entry.format, context_length=None, block_count=None,
-                                embedding_length=None, head_count=None, head_count_kv=None, file_type=None,
-                                has_chat_template=True, pooling_type=None, size=size)
+            return GGUFMetadata(
+                architecture=entry.format,
+                context_length=None,
+                block_count=None,
+                embedding_length=None,
+                head_count=None,
+                head_count_kv=None,
+                file_type=None,
+                has_chat_template=True,
+                pooling_type=None,
+                size=size,
+            )
         st = await self.in_thread(os.stat, entry.path)
         assert isinstance(st, os.stat_result)
         key = (entry.path, st.st_mtime_ns, st.st_size)
@@ -767,8 +806,10 @@ class ModelRegistry:
         if _SHARD.match(dest.removesuffix(":latest")):
             raise ModelChangeError("destination looks like a split-model shard (-0000N-of-0000M); pick another name")
         if entry.remote is not None:
-            raise ModelChangeError(f'model "{entry.name}" is a remote\'s model ([[remotes]]): it has no file '
-                                   "here to copy; pull or copy it on the remote")
+            raise ModelChangeError(
+                f'model "{entry.name}" is a remote\'s model ([[remotes]]): it has no file '
+                "here to copy; pull or copy it on the remote"
+            )
         wanted = name_key(dest)
         if any(_taken_key(e.name) == wanted for e in await self.refresh()):
             raise ModelChangeError(f'model "{destination}" already exists; delete it first')
@@ -870,7 +911,8 @@ def remote_entry(remote: str, model: str) -> ModelEntry:
 
 
 def thd_check_adapters(
-    adapters: tuple[tuple[Path, float], ...], architecture: str,
+    adapters: tuple[tuple[Path, float], ...],
+    architecture: str,
     checked: frozenset[tuple[Path, int, int, str]] = frozenset(),
 ) -> frozenset[tuple[Path, int, int, str]]:
     """
@@ -900,23 +942,37 @@ def thd_check_adapters(
             from gguf import GGUFReader
 
             reader = GGUFReader(os.fspath(path))
-            fields = {name: reader.fields[name].contents() for name in
-                      ("general.type", "adapter.type", "general.architecture") if name in reader.fields}
+            fields = {
+                name: reader.fields[name].contents()
+                for name in ("general.type", "adapter.type", "general.architecture")
+                if name in reader.fields
+            }
         except OSError as e:
             raise unreadable(path, e, f"{which} cannot be read") from None
         except Exception as e:  # gguf raises ValueError and friends on a file that is not GGUF
             raise GGUFError(path, f"{which} is not a GGUF file ({type(e).__name__})", hint) from None
         if fields.get("general.type") != "adapter" or fields.get("adapter.type") != "lora":
-            got = (f'general.type is {fields["general.type"]!r}' if "general.type" in fields
-                   else "it has no general.type: a model file")
+            got = (
+                f"general.type is {fields['general.type']!r}"
+                if "general.type" in fields
+                else "it has no general.type: a model file"
+            )
             if fields.get("general.type") == "adapter":
-                got = f'adapter.type is {fields.get("adapter.type", "missing")!r}'
-            raise GGUFError(path, f"{which} is not a LoRA adapter GGUF ({got}; llama-server takes only files with "
-                            'general.type "adapter" and adapter.type "lora", as convert_lora_to_gguf.py writes '
-                            "them)", hint)
+                got = f"adapter.type is {fields.get('adapter.type', 'missing')!r}"
+            raise GGUFError(
+                path,
+                f"{which} is not a LoRA adapter GGUF ({got}; llama-server takes only files with "
+                'general.type "adapter" and adapter.type "lora", as convert_lora_to_gguf.py writes '
+                "them)",
+                hint,
+            )
         if fields.get("general.architecture") != architecture:
-            raise GGUFError(path, f"{which} was made for architecture {fields.get('general.architecture')!r}, "
-                            f"and the model is {architecture!r}", "use the adapter made for this base model")
+            raise GGUFError(
+                path,
+                f"{which} was made for architecture {fields.get('general.architecture')!r}, "
+                f"and the model is {architecture!r}",
+                "use the adapter made for this base model",
+            )
         passed.add(key)
     return frozenset(passed)
 

@@ -39,38 +39,52 @@ VOCAB = 151936
 HEAD_DIM = 128
 
 
-def _build(llm_hidden: int = 16, llm_inter: int = 16, llm_layers: int = 28, dit_hidden: int = 128, dit_double: int = 1,
-           dit_single: int = 1, vae_ch: int = 32, encoder: bool = True) -> list[tuple[str, list[int]]]:
+def _build(
+    llm_hidden: int = 16,
+    llm_inter: int = 16,
+    llm_layers: int = 28,
+    dit_hidden: int = 128,
+    dit_double: int = 1,
+    dit_single: int = 1,
+    vae_ch: int = 32,
+    encoder: bool = True,
+) -> list[tuple[str, list[int]]]:
     """Return list of (name, ne) with ne in ggml order (ne[0] = fastest dim)."""
     t: list[tuple[str, list[int]]] = []
     H = dit_hidden
     ctx_in = 3 * llm_hidden  # concat of 3 LLM hidden layers
-    mlp = 3 * H              # mlp_ratio 3
+    mlp = 3 * H  # mlp_ratio 3
     p = "model.diffusion_model."
-    t += [(p + "img_in.weight", [128, H]),
-          (p + "txt_in.weight", [ctx_in, H]),
-          (p + "time_in.in_layer.weight", [256, H]),
-          (p + "time_in.out_layer.weight", [H, H]),
-          (p + "double_stream_modulation_img.lin.weight", [H, 6 * H]),
-          (p + "double_stream_modulation_txt.lin.weight", [H, 6 * H]),
-          (p + "single_stream_modulation.lin.weight", [H, 3 * H]),
-          (p + "final_layer.adaLN_modulation.1.weight", [H, 2 * H]),
-          (p + "final_layer.linear.weight", [H, 128])]
+    t += [
+        (p + "img_in.weight", [128, H]),
+        (p + "txt_in.weight", [ctx_in, H]),
+        (p + "time_in.in_layer.weight", [256, H]),
+        (p + "time_in.out_layer.weight", [H, H]),
+        (p + "double_stream_modulation_img.lin.weight", [H, 6 * H]),
+        (p + "double_stream_modulation_txt.lin.weight", [H, 6 * H]),
+        (p + "single_stream_modulation.lin.weight", [H, 3 * H]),
+        (p + "final_layer.adaLN_modulation.1.weight", [H, 2 * H]),
+        (p + "final_layer.linear.weight", [H, 128]),
+    ]
     for i in range(dit_double):
         b = f"{p}double_blocks.{i}."
         for s in ("img", "txt"):
-            t += [(b + f"{s}_attn.norm.key_norm.scale", [HEAD_DIM]),
-                  (b + f"{s}_attn.norm.query_norm.scale", [HEAD_DIM]),
-                  (b + f"{s}_attn.proj.weight", [H, H]),
-                  (b + f"{s}_attn.qkv.weight", [H, 3 * H]),
-                  (b + f"{s}_mlp.0.weight", [H, 2 * mlp]),   # SiLU-gated: x2
-                  (b + f"{s}_mlp.2.weight", [mlp, H])]
+            t += [
+                (b + f"{s}_attn.norm.key_norm.scale", [HEAD_DIM]),
+                (b + f"{s}_attn.norm.query_norm.scale", [HEAD_DIM]),
+                (b + f"{s}_attn.proj.weight", [H, H]),
+                (b + f"{s}_attn.qkv.weight", [H, 3 * H]),
+                (b + f"{s}_mlp.0.weight", [H, 2 * mlp]),  # SiLU-gated: x2
+                (b + f"{s}_mlp.2.weight", [mlp, H]),
+            ]
     for i in range(dit_single):
         b = f"{p}single_blocks.{i}."
-        t += [(b + "linear1.weight", [H, 3 * H + 2 * mlp]),
-              (b + "linear2.weight", [H + mlp, H]),
-              (b + "norm.key_norm.scale", [HEAD_DIM]),
-              (b + "norm.query_norm.scale", [HEAD_DIM])]
+        t += [
+            (b + "linear1.weight", [H, 3 * H + 2 * mlp]),
+            (b + "linear2.weight", [H + mlp, H]),
+            (b + "norm.key_norm.scale", [HEAD_DIM]),
+            (b + "norm.query_norm.scale", [HEAD_DIM]),
+        ]
 
     # Qwen3-style text encoder
     q_heads = 16 if llm_layers == 28 else 32
@@ -78,17 +92,19 @@ def _build(llm_hidden: int = 16, llm_inter: int = 16, llm_layers: int = 28, dit_
     t += [(p + "embed_tokens.weight", [llm_hidden, VOCAB]), (p + "norm.weight", [llm_hidden])]
     for i in range(llm_layers):
         b = f"{p}layers.{i}."
-        t += [(b + "input_layernorm.weight", [llm_hidden]),
-              (b + "post_attention_layernorm.weight", [llm_hidden]),
-              (b + "mlp.gate_proj.weight", [llm_hidden, llm_inter]),
-              (b + "mlp.up_proj.weight", [llm_hidden, llm_inter]),
-              (b + "mlp.down_proj.weight", [llm_inter, llm_hidden]),
-              (b + "self_attn.q_proj.weight", [llm_hidden, q_heads * HEAD_DIM]),
-              (b + "self_attn.k_proj.weight", [llm_hidden, 8 * HEAD_DIM]),
-              (b + "self_attn.v_proj.weight", [llm_hidden, 8 * HEAD_DIM]),
-              (b + "self_attn.o_proj.weight", [q_heads * HEAD_DIM, llm_hidden]),
-              (b + "self_attn.q_norm.weight", [HEAD_DIM]),
-              (b + "self_attn.k_norm.weight", [HEAD_DIM])]
+        t += [
+            (b + "input_layernorm.weight", [llm_hidden]),
+            (b + "post_attention_layernorm.weight", [llm_hidden]),
+            (b + "mlp.gate_proj.weight", [llm_hidden, llm_inter]),
+            (b + "mlp.up_proj.weight", [llm_hidden, llm_inter]),
+            (b + "mlp.down_proj.weight", [llm_inter, llm_hidden]),
+            (b + "self_attn.q_proj.weight", [llm_hidden, q_heads * HEAD_DIM]),
+            (b + "self_attn.k_proj.weight", [llm_hidden, 8 * HEAD_DIM]),
+            (b + "self_attn.v_proj.weight", [llm_hidden, 8 * HEAD_DIM]),
+            (b + "self_attn.o_proj.weight", [q_heads * HEAD_DIM, llm_hidden]),
+            (b + "self_attn.q_norm.weight", [HEAD_DIM]),
+            (b + "self_attn.k_norm.weight", [HEAD_DIM]),
+        ]
 
     # VAE decoder (flux2 VAE layout, ch_mult 1,2,4,4, num_res_blocks 2 -> 3 per level)
     p = "first_stage_model."
@@ -203,8 +219,18 @@ def _write_gguf(path: Path, tensors: list[tuple[str, list[int]]], rng: Any, std:
     for name, ne in tensors:
         shape = tuple(reversed(ne))  # numpy order is the reverse of ggml ne
         if len(ne) == 1:
-            if name.endswith(("norm.weight", "layernorm.weight", "_norm.weight", ".scale",
-                              "norm1.weight", "norm2.weight", "norm_out.weight", "pool.1.weight")):
+            if name.endswith(
+                (
+                    "norm.weight",
+                    "layernorm.weight",
+                    "_norm.weight",
+                    ".scale",
+                    "norm1.weight",
+                    "norm2.weight",
+                    "norm_out.weight",
+                    "pool.1.weight",
+                )
+            ):
                 arr = np.ones(shape, dtype=np.float32)
             else:
                 arr = np.zeros(shape, dtype=np.float32)

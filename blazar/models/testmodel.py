@@ -52,9 +52,32 @@ CHAT_TEMPLATE = """\
 _CONTROL = ["<|im_start|>", "<|im_end|>", "<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"]
 _USER_DEFINED = ["<tool_call>", "</tool_call>"]
 _WORDS = [
-    "\n", "hello", "▁hello", "▁world", "▁the", "▁a", "▁is", "▁test", "▁model",
-    "{", "}", '"', ":", ",", "▁", "name", "arguments", "true", "false", "null",
-    "▁yes", "▁no", "ok", ".", "!", "?",
+    "\n",
+    "hello",
+    "▁hello",
+    "▁world",
+    "▁the",
+    "▁a",
+    "▁is",
+    "▁test",
+    "▁model",
+    "{",
+    "}",
+    '"',
+    ":",
+    ",",
+    "▁",
+    "name",
+    "arguments",
+    "true",
+    "false",
+    "null",
+    "▁yes",
+    "▁no",
+    "ok",
+    ".",
+    "!",
+    "?",
 ]
 
 # A template that, like Mistral's and Gemma's, takes a system message only
@@ -268,9 +291,15 @@ def make_test_lora(
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     # (output width, input width) of each matrix: numpy's order, the reverse of ggml's ne
-    shapes = {"attn_q": (n_embd, n_embd), "attn_k": (n_embd, n_embd), "attn_v": (n_embd, n_embd),
-              "attn_output": (n_embd, n_embd), "ffn_gate": (n_ff, n_embd), "ffn_up": (n_ff, n_embd),
-              "ffn_down": (n_embd, n_ff)}
+    shapes = {
+        "attn_q": (n_embd, n_embd),
+        "attn_k": (n_embd, n_embd),
+        "attn_v": (n_embd, n_embd),
+        "attn_output": (n_embd, n_embd),
+        "ffn_gate": (n_ff, n_embd),
+        "ffn_up": (n_ff, n_embd),
+        "ffn_down": (n_embd, n_ff),
+    }
     tmp = out.with_name(out.name + ".tmp")
     writer = GGUFWriter(os.fspath(tmp), architecture)
     writer.add_type("adapter")
@@ -280,9 +309,11 @@ def make_test_lora(
     for i in range(n_layer):
         for target in targets:
             rows, columns = shapes[target]
-            writer.add_tensor(f"blk.{i}.{target}.weight.lora_a",
-                              (rng.standard_normal((rank, columns)) * 0.1).astype(np.float32))
-            writer.add_tensor(f"blk.{i}.{target}.weight.lora_b",
-                              (rng.standard_normal((rows, rank)) * 0.1).astype(np.float32))
+            writer.add_tensor(
+                f"blk.{i}.{target}.weight.lora_a", (rng.standard_normal((rank, columns)) * 0.1).astype(np.float32)
+            )
+            writer.add_tensor(
+                f"blk.{i}.{target}.weight.lora_b", (rng.standard_normal((rows, rank)) * 0.1).astype(np.float32)
+            )
     write_whole(writer, tmp, out)
     return out

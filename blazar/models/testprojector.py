@@ -45,8 +45,12 @@ def png_image(width: int = 4, height: int = 4, rgb: tuple[int, int, int] = (255,
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data) & 0xFFFFFFFF)
 
     rows = b"".join(b"\x00" + bytes(rgb) * width for _ in range(height))
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", zlib.compress(rows)) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", zlib.compress(rows))
+        + chunk(b"IEND", b"")
+    )
 
 
 def make_test_projector(
@@ -114,8 +118,14 @@ def make_test_projector(
     writer.add_tensor("v.patch_embd.weight", weights(n_embd, 3, patch_size, patch_size))
     writer.add_tensor("v.position_embd.weight", weights(patches, n_embd))
     block = "v.blk.0"
-    for name, shape in [("attn_q", (n_embd, n_embd)), ("attn_k", (n_embd, n_embd)), ("attn_v", (n_embd, n_embd)),
-                        ("attn_out", (n_embd, n_embd)), ("ffn_up", (n_ff, n_embd)), ("ffn_down", (n_embd, n_ff))]:
+    for name, shape in [
+        ("attn_q", (n_embd, n_embd)),
+        ("attn_k", (n_embd, n_embd)),
+        ("attn_v", (n_embd, n_embd)),
+        ("attn_out", (n_embd, n_embd)),
+        ("ffn_up", (n_ff, n_embd)),
+        ("ffn_down", (n_embd, n_ff)),
+    ]:
         writer.add_tensor(f"{block}.{name}.weight", weights(*shape))
         writer.add_tensor(f"{block}.{name}.bias", np.zeros(shape[0], dtype=np.float32))
     for norm in ("ln1", "ln2"):

@@ -45,15 +45,26 @@ def _tensors(state: int, layers: int) -> list[tuple[str, tuple[int, ...]]]:
     ]
 
     def block(prefix: str, cross: bool) -> list[tuple[str, tuple[int, ...]]]:
-        parts = [(f"{prefix}.mlp_ln.weight", (state,)), (f"{prefix}.mlp_ln.bias", (state,)),
-                 (f"{prefix}.mlp.0.weight", (4 * state, state)), (f"{prefix}.mlp.0.bias", (4 * state,)),
-                 (f"{prefix}.mlp.2.weight", (state, 4 * state)), (f"{prefix}.mlp.2.bias", (state,))]
+        parts = [
+            (f"{prefix}.mlp_ln.weight", (state,)),
+            (f"{prefix}.mlp_ln.bias", (state,)),
+            (f"{prefix}.mlp.0.weight", (4 * state, state)),
+            (f"{prefix}.mlp.0.bias", (4 * state,)),
+            (f"{prefix}.mlp.2.weight", (state, 4 * state)),
+            (f"{prefix}.mlp.2.bias", (state,)),
+        ]
         for attn in ("attn", "cross_attn") if cross else ("attn",):
-            parts += [(f"{prefix}.{attn}_ln.weight", (state,)), (f"{prefix}.{attn}_ln.bias", (state,)),
-                      (f"{prefix}.{attn}.query.weight", (state, state)), (f"{prefix}.{attn}.query.bias", (state,)),
-                      (f"{prefix}.{attn}.key.weight", (state, state)),
-                      (f"{prefix}.{attn}.value.weight", (state, state)), (f"{prefix}.{attn}.value.bias", (state,)),
-                      (f"{prefix}.{attn}.out.weight", (state, state)), (f"{prefix}.{attn}.out.bias", (state,))]
+            parts += [
+                (f"{prefix}.{attn}_ln.weight", (state,)),
+                (f"{prefix}.{attn}_ln.bias", (state,)),
+                (f"{prefix}.{attn}.query.weight", (state, state)),
+                (f"{prefix}.{attn}.query.bias", (state,)),
+                (f"{prefix}.{attn}.key.weight", (state, state)),
+                (f"{prefix}.{attn}.value.weight", (state, state)),
+                (f"{prefix}.{attn}.value.bias", (state,)),
+                (f"{prefix}.{attn}.out.weight", (state, state)),
+                (f"{prefix}.{attn}.out.bias", (state,)),
+            ]
         return parts
 
     for i in range(layers):
@@ -79,8 +90,9 @@ def make_test_whisper_model(path: Path, *, state: int = 64, heads: int = 2, laye
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as f:
         f.write(struct.pack("<I", GGML_MAGIC))
-        f.write(struct.pack("<11i", N_VOCAB, N_AUDIO_CTX, state, heads, layers, N_TEXT_CTX, state, heads, layers,
-                            N_MELS, 1))
+        f.write(
+            struct.pack("<11i", N_VOCAB, N_AUDIO_CTX, state, heads, layers, N_TEXT_CTX, state, heads, layers, N_MELS, 1)
+        )
         f.write(struct.pack("<2i", N_MELS, N_FFT_BINS))
         f.write(rng.uniform(0.0, 0.02, N_MELS * N_FFT_BINS).astype("<f4").tobytes())
         # the text tokens: printable ASCII, the ones whisper.cpp's decoder looks

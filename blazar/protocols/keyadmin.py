@@ -73,7 +73,9 @@ class KeyAdmin:
     def config(self) -> Config:
         return self._live.current
 
-    async def change(self, plan: Callable[["KeyAdmin"], tuple[Callable[[Any], None], dict[str, Any]]]) -> dict[str, Any]:
+    async def change(
+        self, plan: Callable[["KeyAdmin"], tuple[Callable[[Any], None], dict[str, Any]]]
+    ) -> dict[str, Any]:
         """
         Run C{plan(self)}, which returns (a tomlkit document mutation, the
         answer), through the file round trip, then swap the file's new
@@ -83,9 +85,7 @@ class KeyAdmin:
         @raise OSError: The write failed.
         """
         if self._path is None:
-            raise ConfigError(
-                "this daemon runs without a config file: start it with --config PATH to manage keys"
-            )
+            raise ConfigError("this daemon runs without a config file: start it with --config PATH to manage keys")
         await self._lock.acquire()
         try:
             mutate, answer = plan(self)
@@ -98,8 +98,10 @@ class KeyAdmin:
                 # the operator had edited the file by hand since the last reload
                 log.info(
                     "config file {path} rewritten for a key change; also applied: {applied}; "
-                    "restart the daemon to apply: {restart}", path=str(self._path),
-                    applied=", ".join(others) or "nothing", restart=", ".join(report.restart) or "nothing",
+                    "restart the daemon to apply: {restart}",
+                    path=str(self._path),
+                    applied=", ".join(others) or "nothing",
+                    restart=", ".join(report.restart) or "nothing",
                 )
             return answer
         finally:
@@ -134,8 +136,10 @@ class KeyAdmin:
 
     def add(self, name: str, models: list[str]) -> tuple[Callable[[Any], None], dict[str, Any]]:
         if not KEY_NAME.fullmatch(name):
-            raise ConfigError(f"a key's name is 1 to 64 letters, digits, '.', '_' or '-' (not {name[:80]!r}): it "
-                              "appears in logs, metrics and the dashboard")
+            raise ConfigError(
+                f"a key's name is 1 to 64 letters, digits, '.', '_' or '-' (not {name[:80]!r}): it "
+                "appears in logs, metrics and the dashboard"
+            )
         secret = new_secret()
 
         def mutate(doc: Any) -> None:

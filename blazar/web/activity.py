@@ -63,8 +63,14 @@ class Activity:
     def add(self, finished: Finished) -> None:
         self._ring.append(finished)
 
-    def recent(self, limit: int = RING, model: str | None = None, key: str | None = None,
-               status: str | None = None, models: set[str] | None = None) -> list[Finished]:
+    def recent(
+        self,
+        limit: int = RING,
+        model: str | None = None,
+        key: str | None = None,
+        status: str | None = None,
+        models: set[str] | None = None,
+    ) -> list[Finished]:
         """
         The newest C{limit} requests, newest first, filtered.
 
@@ -72,8 +78,15 @@ class Activity:
         """
         out = []
         for f in reversed(self._ring):
-            if model and f.model != model and not f.model.startswith(model + ":") \
-                    or key and f.key != key or status and f.status != status:
+            if (
+                model
+                and f.model != model
+                and not f.model.startswith(model + ":")
+                or key
+                and f.key != key
+                or status
+                and f.status != status
+            ):
                 continue
             if models is not None and f.model not in models:
                 continue
@@ -134,11 +147,18 @@ class Performance:
                 continue
             span = max(1.0, min(60.0, now - m.start))  # the current minute so far
             ordered = sorted(m.latencies)
-            out.append({
-                "minute": m.start, "requests": m.requests, "errors": m.errors, "tokens": m.tokens,
-                "requests_per_sec": round(m.requests / span, 3), "tokens_per_sec": round(m.tokens / span, 2),
-                "p50_ms": round(_quantile(ordered, 0.50) * 1000, 1), "p95_ms": round(_quantile(ordered, 0.95) * 1000, 1),
-            })
+            out.append(
+                {
+                    "minute": m.start,
+                    "requests": m.requests,
+                    "errors": m.errors,
+                    "tokens": m.tokens,
+                    "requests_per_sec": round(m.requests / span, 3),
+                    "tokens_per_sec": round(m.tokens / span, 2),
+                    "p50_ms": round(_quantile(ordered, 0.50) * 1000, 1),
+                    "p95_ms": round(_quantile(ordered, 0.95) * 1000, 1),
+                }
+            )
         return out
 
 

@@ -21,8 +21,8 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from blazar import strictjson
 from blazar.gateway.admission import WorkClass
-from blazar.gateway.sessions import anthropic_hint
 from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import StreamStopped
@@ -30,22 +30,28 @@ from blazar.gateway.errors import BadRequest
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
-from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
+from blazar.gateway.sessions import anthropic_hint
 from blazar.web.body import read_json
-from blazar.web.errors import anthropic_error, anthropic_status, anthropic_type, answer, in_stream
+from blazar.web.client import context_of
+from blazar.web.errors import answer, anthropic_error, anthropic_status, anthropic_type, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
-from blazar import strictjson
-from blazar.web.client import context_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 
 log = Logger()
 
 PING_INTERVAL = 5.0
 # anthropic-beta values whose feature Blazar serves (others are listed in x-blazar-ignored)
-HONOURED_BETAS = frozenset({
-    "mid-conversation-system-2026-04-07", "interleaved-thinking-2025-05-14", "token-counting-2024-11-01",
-    "fine-grained-tool-streaming-2025-05-14", "structured-outputs-2025-11-13", "effort-2025-11-24",
-})
+HONOURED_BETAS = frozenset(
+    {
+        "mid-conversation-system-2026-04-07",
+        "interleaved-thinking-2025-05-14",
+        "token-counting-2024-11-01",
+        "fine-grained-tool-streaming-2025-05-14",
+        "structured-outputs-2025-11-13",
+        "effort-2025-11-24",
+    }
+)
 
 
 def beta_values(request: Any, honoured: frozenset[str] = frozenset()) -> list[str]:
@@ -91,8 +97,14 @@ class AnthropicSurface:
         except ValueError as e:
             raise BadRequest(f"keep_alive: {e}", "keep_alive") from None
         call = Call(
-            "anthropic", CallKind.CHAT, body["model"], "/v1/chat/completions", engine_body, stream=True,
-            keep_alive=keep_alive, max_tokens=max_tokens_of(engine_body),
+            "anthropic",
+            CallKind.CHAT,
+            body["model"],
+            "/v1/chat/completions",
+            engine_body,
+            stream=True,
+            keep_alive=keep_alive,
+            max_tokens=max_tokens_of(engine_body),
             work=WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE,
             session_hint=anthropic_hint(body),
         )
@@ -154,8 +166,11 @@ class AnthropicSurface:
                 await reply.chunks(self._feeder(translator, request, pinger))
         except Exception as e:
             problem = in_stream(request, e, model, "anthropic", headers_out)
-            request.write(tr.sse_event("error", {"type": "error", "error": {
-                "type": anthropic_type(problem), "message": problem.message}}))
+            request.write(
+                tr.sse_event(
+                    "error", {"type": "error", "error": {"type": anthropic_type(problem), "message": problem.message}}
+                )
+            )
             return None
         finally:
             if pinger.running:
@@ -165,7 +180,10 @@ class AnthropicSurface:
         return None
 
     def _feeder(
-        self, translator: tr.AnthropicStream, request: IRequest | None, pinger: LoopingCall | None = None,
+        self,
+        translator: tr.AnthropicStream,
+        request: IRequest | None,
+        pinger: LoopingCall | None = None,
     ) -> Any:
         def on_chunk(chunk: dict[str, Any]) -> None:
             if pinger is not None and pinger.running:

@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, TextIO
 
-from blazar.files import PRIVATE_FILE, open_private, set_mode
 from blazar import strictjson
+from blazar.files import PRIVATE_FILE, open_private, set_mode
 
 _STOP = object()
 
@@ -34,8 +34,13 @@ class AuditLog:
     """
 
     def __init__(
-        self, path: Path, *, max_bytes: int = 16 * 1024 * 1024, queue_size: int = 4096,
-        wall: Callable[[], float] = time.time, retry_secs: float = 1.0,
+        self,
+        path: Path,
+        *,
+        max_bytes: int = 16 * 1024 * 1024,
+        queue_size: int = 4096,
+        wall: Callable[[], float] = time.time,
+        retry_secs: float = 1.0,
     ) -> None:
         """
         @param retry_secs: The first back-off after a failed write (it
@@ -59,13 +64,24 @@ class AuditLog:
         the key is named, not shown.
         """
         line = {
-            "ts": round(self._wall(), 3), "trace": event.get("trace"), "key": event.get("key") or None,
-            "method": event.get("method"), "path": event.get("path"), "model": event.get("model"),
-            "status": event.get("status"), "ms": event.get("ms"),
-            "priority": event.get("priority"), "queue_depth": event.get("queue_depth"),
+            "ts": round(self._wall(), 3),
+            "trace": event.get("trace"),
+            "key": event.get("key") or None,
+            "method": event.get("method"),
+            "path": event.get("path"),
+            "model": event.get("model"),
+            "status": event.get("status"),
+            "ms": event.get("ms"),
+            "priority": event.get("priority"),
+            "queue_depth": event.get("queue_depth"),
             "sentinel": event.get("sentinel") or [],  # what the sentinel flagged (blazar.gateway.sentinel)
         }
-        for usage in ("audio_seconds", "images", "remote", "cache"):  # the lanes' usage; the [[remotes]] name; the cache's outcome
+        for usage in (
+            "audio_seconds",
+            "images",
+            "remote",
+            "cache",
+        ):  # the lanes' usage; the [[remotes]] name; the cache's outcome
             if usage in event:
                 line[usage] = event[usage]
         try:

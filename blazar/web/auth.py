@@ -25,8 +25,8 @@ from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
 from blazar.gateway.context import key_of, trace_id_of
 from blazar.gateway.errors import Forbidden, Refused, Unauthorized
 from blazar.gateway.quota import QuotaExceeded, Quotas
-from blazar.web.errors import answer, envelope
 from blazar.web.client import context_of
+from blazar.web.errors import answer, envelope
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -114,8 +114,10 @@ def surface_of(path: bytes) -> str:
     return "openai"
 
 
-UI_CSP = (b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
-          b"font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+UI_CSP = (
+    b"default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+    b"font-src 'self'; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+)
 
 
 def ui_headers(request: IRequest) -> None:
@@ -183,19 +185,22 @@ def check_same_machine_page(request: IRequest, host_too: bool = False) -> None:
     if origin is not None:
         text = origin.decode("latin-1") if isinstance(origin, bytes) else str(origin)
         if text == "null":
-            raise Forbidden("this gateway has no API keys, so a page of no origin (a sandboxed frame, a "
-                            "file) may not manage it")
+            raise Forbidden(
+                "this gateway has no API keys, so a page of no origin (a sandboxed frame, a file) may not manage it"
+            )
         if not _local_name(text.split("://", 1)[-1]):
             raise Forbidden(
                 f"this gateway has no API keys, so it takes management only from this machine's own pages and "
-                f"tools; the page at {text!r} is not one (add a key: `blazar keys add admin`)")
+                f"tools; the page at {text!r} is not one (add a key: `blazar keys add admin`)"
+            )
     if host_too:
         host = request.getHeader(b"host")
         text = host.decode("latin-1") if isinstance(host, bytes) else str(host or "")
         if text and not _unrebindable(text):
             raise Forbidden(
                 f"this gateway has no API keys, so its dashboard answers only under this machine's own names; "
-                f"host {text!r} is not one (add a key: `blazar keys add admin`)")
+                f"host {text!r} is not one (add a key: `blazar keys add admin`)"
+            )
 
 
 def keyless_refusal(request: IRequest, config: Any) -> Forbidden | None:
@@ -218,23 +223,35 @@ def keyless_refusal(request: IRequest, config: Any) -> Forbidden | None:
     host = host_raw.decode("latin-1") if isinstance(host_raw, bytes) else str(host_raw or "")
     allowed = tuple(getattr(config, "allowed_hosts", ()))
     if host and not _unrebindable(host) and _host_name(host) not in allowed:
-        return Forbidden((
-            f"this gateway has no API keys, so it answers only under this machine's own names; host "
-            f"{_host_name(host)!r} is not one: add it to allowed_hosts in the config, or add a key "
-            "(`blazar keys add admin`)"), code="host_not_allowed")
+        return Forbidden(
+            (
+                f"this gateway has no API keys, so it answers only under this machine's own names; host "
+                f"{_host_name(host)!r} is not one: add it to allowed_hosts in the config, or add a key "
+                "(`blazar keys add admin`)"
+            ),
+            code="host_not_allowed",
+        )
     origin_raw = request.getHeader(b"origin")
     if origin_raw is None:
         return None
     origin = origin_raw.decode("latin-1") if isinstance(origin_raw, bytes) else str(origin_raw)
     cors = tuple(getattr(config, "cors_origins", ()))
     page = origin.split("://", 1)[-1]
-    if origin != "null" and ("*" in cors or origin in cors or _local_name(page)
-                             or (host and page.lower() == host.lower()) or _host_name(page) in allowed):
+    if origin != "null" and (
+        "*" in cors
+        or origin in cors
+        or _local_name(page)
+        or (host and page.lower() == host.lower())
+        or _host_name(page) in allowed
+    ):
         return None
-    return Forbidden((
-        f"this gateway has no API keys, so web pages of other sites may not use it; the page at {origin!r} "
-        "is not this machine's: list it in cors_origins to let it, or add a key (`blazar keys add admin`)"),
-        code="origin_not_allowed")
+    return Forbidden(
+        (
+            f"this gateway has no API keys, so web pages of other sites may not use it; the page at {origin!r} "
+            "is not this machine's: list it in cors_origins to let it, or add a key (`blazar keys add admin`)"
+        ),
+        code="origin_not_allowed",
+    )
 
 
 def bearer_secret(request: IRequest) -> bytes | None:
@@ -352,9 +369,9 @@ class AuthGate(Resource):
         for name in CREDENTIAL_HEADERS:
             given = request.requestHeaders.getRawHeaders(name) or []
             if len(given) > 1:
-                return Refused(400, "bad_request", (
-                    f"the {name.decode('ascii')} header was sent {len(given)} times; send it once"
-                ))
+                return Refused(
+                    400, "bad_request", (f"the {name.decode('ascii')} header was sent {len(given)} times; send it once")
+                )
         if not self._keys.active:
             return None if self._page_route(request) else keyless_refusal(request, self._keys.config)
         if self._open_route(request):
@@ -365,15 +382,23 @@ class AuthGate(Resource):
             # (a front proxy that checks the Authorization would see another
             # identity than the x-api-key used here: issue 36)
             scheme = authorization.split(b" ", 1)[0].decode("latin-1")[:20]
-            return Refused(400, "bad_request", (
-                f"Authorization: {scheme} and x-api-key were both sent: send the key once, as "
-                "`Authorization: Bearer <key>` or as `x-api-key`"
-            ))
+            return Refused(
+                400,
+                "bad_request",
+                (
+                    f"Authorization: {scheme} and x-api-key were both sent: send the key once, as "
+                    "`Authorization: Bearer <key>` or as `x-api-key`"
+                ),
+            )
         if bearer and api_key and not hmac.compare_digest(bearer, api_key.strip()):
-            return Refused(400, "bad_request", (
-                "Authorization: Bearer and x-api-key carry different keys; send one key, "
-                "in one of them (or the same key in both)"
-            ))
+            return Refused(
+                400,
+                "bad_request",
+                (
+                    "Authorization: Bearer and x-api-key carry different keys; send one key, "
+                    "in one of them (or the same key in both)"
+                ),
+            )
         secret = presented_secret(request)
         key = self._keys.find(secret) if secret else None
         if key is None:
@@ -427,9 +452,13 @@ class AuthGate(Resource):
 
     def _open_route(self, request: IRequest) -> bool:
         path, method = request.path, request.method
-        if path in OPEN_PATHS or method == b"OPTIONS" or (path == b"/" and method in (b"GET", b"HEAD")) \
-                or (path.startswith(HELD_IMAGES) and method in (b"GET", b"HEAD")) \
-                or (method in (b"GET", b"HEAD") and (path in UI_PAGE or path.startswith(UI_ASSETS))):
+        if (
+            path in OPEN_PATHS
+            or method == b"OPTIONS"
+            or (path == b"/" and method in (b"GET", b"HEAD"))
+            or (path.startswith(HELD_IMAGES) and method in (b"GET", b"HEAD"))
+            or (method in (b"GET", b"HEAD") and (path in UI_PAGE or path.startswith(UI_ASSETS)))
+        ):
             return True
         if path == b"/metrics":
             # it names every model and key: once keys exist, an admin key from everywhere (a

@@ -25,14 +25,14 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from blazar import strictjson
 from blazar.gateway.batch import FILE_MAX_BYTES, BatchRunner, FileTooLarge
 from blazar.gateway.context import count_request, key_of
 from blazar.gateway.errors import BadRequest
 from blazar.web.body import read_json
+from blazar.web.client import context_of
 from blazar.web.download import FileProducer
 from blazar.web.errors import answer, openai_error
-from blazar import strictjson
-from blazar.web.client import context_of
 
 log = Logger()
 
@@ -52,17 +52,27 @@ def thd_read_upload(content: IO[bytes], content_type: str) -> tuple[dict[str, st
 
     kind, options = multipart.parse_options_header(content_type)
     if kind != "multipart/form-data" or not options.get("boundary"):
-        raise BadRequest("upload the file as multipart/form-data with a 'file' part and a 'purpose' field, "
-                         f"not {kind or 'a body without a content-type'}")
+        raise BadRequest(
+            "upload the file as multipart/form-data with a 'file' part and a 'purpose' field, "
+            f"not {kind or 'a body without a content-type'}"
+        )
     content.seek(0, 2)
     size = content.tell()
     content.seek(0)
     fields: dict[str, str] = {}
     upload: tuple[str, IO[bytes]] | None = None
     try:
-        parser = multipart.MultipartParser(content, options["boundary"], size, strict=True, part_limit=16,
-                                           memory_limit=1024 * 1024, spool_limit=1024 * 1024,
-                                           disk_limit=FILE_MAX_BYTES + 1, partsize_limit=FILE_MAX_BYTES + 1)
+        parser = multipart.MultipartParser(
+            content,
+            options["boundary"],
+            size,
+            strict=True,
+            part_limit=16,
+            memory_limit=1024 * 1024,
+            spool_limit=1024 * 1024,
+            disk_limit=FILE_MAX_BYTES + 1,
+            partsize_limit=FILE_MAX_BYTES + 1,
+        )
         for part in parser:
             if part.name == "file":
                 if part.size > FILE_MAX_BYTES:
@@ -166,8 +176,9 @@ class BatchSurface:
             if not purpose:
                 raise BadRequest("missing required parameter 'purpose' (use 'batch')", "purpose")
             key = key_of(context_of(request))
-            made = await self.batches.upload(owner, filename, purpose, content, self._quota(request),
-                                             key.name if key is not None else "")
+            made = await self.batches.upload(
+                owner, filename, purpose, content, self._quota(request), key.name if key is not None else ""
+            )
         finally:
             # (a spooled part is a temporary file: closing it removes it)
             self.in_thread(content.close).addErrback(lambda f: log.failure("closing an upload failed", f))
@@ -177,10 +188,17 @@ class BatchSurface:
     async def list_files(self, request: IRequest) -> bytes:
         order = _arg(request, "order") or "desc"
         if order not in ("asc", "desc"):
-            raise BadRequest("'order' must be \"asc\" or \"desc\"", "order")
-        return _json(request, await self.batches.files(
-            self._owner(request), _arg(request, "purpose"), _arg(request, "after"), _limit(request, 10000, 10000),
-            order))
+            raise BadRequest('\'order\' must be "asc" or "desc"', "order")
+        return _json(
+            request,
+            await self.batches.files(
+                self._owner(request),
+                _arg(request, "purpose"),
+                _arg(request, "after"),
+                _limit(request, 10000, 10000),
+                order,
+            ),
+        )
 
     @app.route("/v1/files/<string:file_id>", methods=["GET"])
     async def retrieve_file(self, request: IRequest, file_id: str) -> bytes:
@@ -206,8 +224,9 @@ class BatchSurface:
 
     @app.route("/v1/batches", methods=["GET"])
     async def list_batches(self, request: IRequest) -> bytes:
-        return _json(request, await self.batches.batches(self._owner(request), _arg(request, "after"),
-                                                         _limit(request, 20, 100)))
+        return _json(
+            request, await self.batches.batches(self._owner(request), _arg(request, "after"), _limit(request, 20, 100))
+        )
 
     @app.route("/v1/batches/<string:batch_id>", methods=["GET"])
     async def retrieve_batch(self, request: IRequest, batch_id: str) -> bytes:

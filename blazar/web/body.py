@@ -67,15 +67,24 @@ def read_form(request: Any) -> tuple[dict[str, list[str]], dict[str, list[Upload
     header = request.getHeader(b"content-type") or ""
     kind, options = multipart.parse_options_header(header if isinstance(header, str) else header.decode("latin-1"))
     if kind != "multipart/form-data" or not options.get("boundary"):
-        raise BadRequest("this endpoint takes multipart/form-data (a file upload with its fields), "
-                         f"not {kind or 'a body without a content-type'}")
+        raise BadRequest(
+            "this endpoint takes multipart/form-data (a file upload with its fields), "
+            f"not {kind or 'a body without a content-type'}"
+        )
     content = request.content
     raw = content.read() if content is not None else b""
     fields: dict[str, list[str]] = {}
     files: dict[str, list[Upload]] = {}
     try:
-        parser = multipart.MultipartParser(io.BytesIO(raw), options["boundary"], len(raw), strict=True,
-                                           memory_limit=len(raw) + 1, spool_limit=len(raw) + 1, part_limit=256)
+        parser = multipart.MultipartParser(
+            io.BytesIO(raw),
+            options["boundary"],
+            len(raw),
+            strict=True,
+            memory_limit=len(raw) + 1,
+            spool_limit=len(raw) + 1,
+            part_limit=256,
+        )
         for part in parser:
             if part.filename is not None or part.name in FILE_FIELDS:
                 files.setdefault(part.name, []).append(Upload(part.filename or "", part.content_type or "", part.raw))

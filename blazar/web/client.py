@@ -19,7 +19,6 @@ from blazar.gateway.context import IClient, RequestContext
 from blazar.gateway.priority import Priority
 from blazar.gateway.quota import retry_after_value
 
-
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
 

@@ -32,7 +32,7 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from blazar import __version__
+from blazar import __version__, strictjson
 from blazar.config import Config, ConfigError
 from blazar.gateway.call import Call, CallKind
 from blazar.gateway.context import key_of
@@ -45,15 +45,17 @@ from blazar.models.registry import ModelRegistry
 from blazar.names import strip_dirs
 from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_headers
 from blazar.web.body import read_json
+from blazar.web.client import context_of
 from blazar.web.errors import answer, openai_error
 from blazar.web.ollama import capabilities
-from blazar import strictjson
-from blazar.web.client import context_of
 
 log = Logger()
 
-ASSETS = {"app.js": b"text/javascript; charset=utf-8", "app.css": b"text/css; charset=utf-8",
-          "favicon.svg": b"image/svg+xml"}
+ASSETS = {
+    "app.js": b"text/javascript; charset=utf-8",
+    "app.css": b"text/css; charset=utf-8",
+    "favicon.svg": b"image/svg+xml",
+}
 LOG_PING = 15.0  # seconds between SSE comments on a quiet log stream (proxies close idle ones)
 LOG_POLL = 0.25  # how often a followed log stream looks for new lines
 LOG_STALL = 30.0  # a follower that reads nothing this long is disconnected (nothing is buffered for it)
@@ -74,8 +76,10 @@ def _viewer(request: IRequest) -> None:
     """
     if key_of(context_of(request)) is None and not context_of(request).keys_active:
         if not is_local(request.getClientAddress()):
-            raise Forbidden("this gateway has no API keys, so its dashboard answers this machine only; add a key "
-                            "(`blazar keys add admin`) and sign in with it")
+            raise Forbidden(
+                "this gateway has no API keys, so its dashboard answers this machine only; add a key "
+                "(`blazar keys add admin`) and sign in with it"
+            )
         check_same_machine_page(request, host_too=True)  # not another site's page, not a rebound name
 
 
@@ -92,10 +96,20 @@ class Dashboard:
     app = Klein()
 
     def __init__(
-        self, registry: ModelRegistry, pipeline: Pipeline, operations: ModelOperations, clock: Any,
-        wall: Callable[[], float], config: Callable[[], Config], logs: Any = None, observer: Any = None,
-        key_admin: Any = None, hints: Any = None, engines: Callable[[], Deferred[list[dict[str, Any]]]] | None = None,
-        hardware: Any = None, bench: Callable[[str | None, int], Awaitable[list[dict[str, Any]]]] | None = None,
+        self,
+        registry: ModelRegistry,
+        pipeline: Pipeline,
+        operations: ModelOperations,
+        clock: Any,
+        wall: Callable[[], float],
+        config: Callable[[], Config],
+        logs: Any = None,
+        observer: Any = None,
+        key_admin: Any = None,
+        hints: Any = None,
+        engines: Callable[[], Deferred[list[dict[str, Any]]]] | None = None,
+        hardware: Any = None,
+        bench: Callable[[str | None, int], Awaitable[list[dict[str, Any]]]] | None = None,
     ) -> None:
         self._bench = bench  # blazar.gateway.bench.BenchRecords.history: `blazar bench` runs, newest first
         self._registry = registry
@@ -147,10 +161,15 @@ class Dashboard:
     def me(self, request: IRequest) -> bytes:
         _viewer(request)
         key = key_of(context_of(request))
-        return self._json(request, {
-            "key": key.name if key is not None else None, "admin": _is_admin(request),
-            "keys_active": context_of(request).keys_active, "version": __version__,
-        })
+        return self._json(
+            request,
+            {
+                "key": key.name if key is not None else None,
+                "admin": _is_admin(request),
+                "keys_active": context_of(request).keys_active,
+                "version": __version__,
+            },
+        )
 
     # -- models ----------------------------------------------------------------
 
@@ -182,8 +201,14 @@ class Dashboard:
                 meta = await self._registry.metadata(e)
                 kind = model_kind(e, meta)
                 can = capabilities(e, meta, self._config()) if kind in ("chat", "embedding") else [kind]
-                row.update(kind=kind, size=meta.size, architecture=meta.architecture,
-                           trained_ctx=meta.context_length, file_type=meta.file_type, capabilities=can)
+                row.update(
+                    kind=kind,
+                    size=meta.size,
+                    architecture=meta.architecture,
+                    trained_ctx=meta.context_length,
+                    file_type=meta.file_type,
+                    capabilities=can,
+                )
             except (GGUFError, OSError):
                 row.update(kind="unknown", size=None, error="unreadable")
             files.append(row)
@@ -239,8 +264,11 @@ class Dashboard:
             raise BadRequest("limit must be a number from 1 to 500", "limit") from None
         key = key_of(context_of(request))
         mine = None if key is None or key.admin else key.name
-        rows = self.observer.activity.recent(limit, arg("model"), mine or arg("key"), arg("status")) \
-            if self.observer is not None else []
+        rows = (
+            self.observer.activity.recent(limit, arg("model"), mine or arg("key"), arg("status"))
+            if self.observer is not None
+            else []
+        )
         return self._json(request, {"requests": [r.to_json() for r in rows if may_use(context_of(request), r.model)]})
 
     @app.route("/ui/api/performance", methods=["GET"])
@@ -331,8 +359,9 @@ class Dashboard:
             raise Forbidden(f"{LOG_STREAMS} log streams are open for {owner} already; close one first")
         return await self._follow(request, lines, after, owner)
 
-    def _follow(self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int,
-                owner: str) -> Deferred[None]:
+    def _follow(
+        self, request: IRequest, lines: Callable[[int], list[dict[str, Any]]], after: int, owner: str
+    ) -> Deferred[None]:
         """
         Stream the ring's new lines as they come. Nothing is queued for a
         follower that does not read: the transport pauses us (we write
@@ -409,11 +438,24 @@ class Dashboard:
     @app.route("/ui/api/keys", methods=["GET"])
     def keys(self, request: IRequest) -> bytes:
         check_admin(request, "manage keys")
-        return self._json(request, {"keys": [
-            {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models), "admin": k.admin,
-             "rpm": k.rpm, "tpm": k.tpm, "daily_tokens": k.daily_tokens}
-            for k in self._config().keys
-        ], "config": str(self._config().source) if self._config().source else None})
+        return self._json(
+            request,
+            {
+                "keys": [
+                    {
+                        "name": k.name,
+                        "secret": "..." + k.secret[-4:],
+                        "models": list(k.models),
+                        "admin": k.admin,
+                        "rpm": k.rpm,
+                        "tpm": k.tpm,
+                        "daily_tokens": k.daily_tokens,
+                    }
+                    for k in self._config().keys
+                ],
+                "config": str(self._config().source) if self._config().source else None,
+            },
+        )
 
     @app.route("/ui/api/keys", methods=["POST"])
     async def add_key(self, request: IRequest) -> bytes:
@@ -438,8 +480,9 @@ class Dashboard:
 
     async def _change(self, request: IRequest, change: Callable[[Any], Any], **extra: Any) -> bytes:
         if self.key_admin is None:
-            raise BadRequest("keys cannot be changed here: the daemon has no config file to write "
-                             "(start it with --config FILE)")
+            raise BadRequest(
+                "keys cannot be changed here: the daemon has no config file to write (start it with --config FILE)"
+            )
         try:
             result = await self.key_admin.change(change)
         except (ConfigError, OSError, ValueError) as e:

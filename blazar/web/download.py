@@ -53,8 +53,9 @@ class FileProducer:
     left) ends it early.
     """
 
-    def __init__(self, request: IConsumer, handle: BinaryIO, in_thread: Callable[..., Deferred[Any]],
-                 piece: int | None = None) -> None:
+    def __init__(
+        self, request: IConsumer, handle: BinaryIO, in_thread: Callable[..., Deferred[Any]], piece: int | None = None
+    ) -> None:
         """
         @param request: Where the file goes: a request (twisted.web's
             C{Request} is an C{IConsumer}), its headers set.
@@ -101,7 +102,8 @@ class FileProducer:
                 self._request.unregisterProducer()
             # in the pool, after any read still under way (a cancelled one)
             self._in_thread(self._reader.thd_close).addErrback(
-                lambda f: log.failure("closing a file sent to a client failed", f))
+                lambda f: log.failure("closing a file sent to a client failed", f)
+            )
         return sent
 
     def _wake(self) -> None:

@@ -21,11 +21,11 @@ from twisted.python.failure import Failure
 from werkzeug.exceptions import MethodNotAllowed, NotFound
 from werkzeug.routing import RequestRedirect
 
+from blazar import strictjson
 from blazar.gateway.context import note_error, trace_id_of
 from blazar.gateway.errors import Category, EngineRejected, Problem, describe
-from blazar.web.client import context_of, retry_after
 from blazar.gateway.scope import redact
-from blazar import strictjson
+from blazar.web.client import context_of, retry_after
 
 log = Logger()
 
@@ -43,19 +43,31 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
     if error is None or isinstance(error, CancelledError):
         return None
     if isinstance(error, (NotFound, RequestRedirect)):
-        problem = Problem(Category.NOT_FOUND, 404,
-                          f"no route for {request.path.decode('ascii', 'replace')}", code="not_found",
-                          subject="route")
+        problem = Problem(
+            Category.NOT_FOUND,
+            404,
+            f"no route for {request.path.decode('ascii', 'replace')}",
+            code="not_found",
+            subject="route",
+        )
     elif isinstance(error, MethodNotAllowed):
-        problem = Problem(Category.INVALID, 405,
-                          f"method {request.method.decode('ascii', 'replace')} not allowed here",
-                          code="method_not_allowed", subject="route")
+        problem = Problem(
+            Category.INVALID,
+            405,
+            f"method {request.method.decode('ascii', 'replace')} not allowed here",
+            code="method_not_allowed",
+            subject="route",
+        )
     else:
         problem = describe(error)
         if problem.category is Category.INTERNAL:
             log.failure("unexpected error", _failure(error), trace_id=trace_id_of(context_of(request)), surface=surface)
-            problem = Problem(Category.INTERNAL, 500, f"internal error (trace id {trace_id_of(context_of(request))})",
-                              code="internal_error")
+            problem = Problem(
+                Category.INTERNAL,
+                500,
+                f"internal error (trace id {trace_id_of(context_of(request))})",
+                code="internal_error",
+            )
         elif problem.logged:
             log.error("{error}", error=_logged(error), trace_id=trace_id_of(context_of(request)), surface=surface)
         note_error(context_of(request), problem.kind)
@@ -67,7 +79,11 @@ def answer(request: Any, error: BaseException | None, surface: str) -> Problem |
 
 
 def in_stream(
-    request: Any, error: BaseException, model: str, surface: str, headers_out: bool = True,
+    request: Any,
+    error: BaseException,
+    model: str,
+    surface: str,
+    headers_out: bool = True,
 ) -> Problem:
     """
     The L{Problem} to end a stream with whose headers are out (an error
@@ -84,12 +100,22 @@ def in_stream(
         raise error
     problem = describe(error)
     if problem.category is Category.INTERNAL:
-        log.failure("{surface} stream for {model} broke", _failure(error), surface=surface, model=model,
-                    trace_id=trace_id_of(context_of(request)))
+        log.failure(
+            "{surface} stream for {model} broke",
+            _failure(error),
+            surface=surface,
+            model=model,
+            trace_id=trace_id_of(context_of(request)),
+        )
         note_error(context_of(request), "5xx")
         return Problem(Category.INTERNAL, 500, "internal error; see the daemon log", code="internal_error")
-    log.error("{surface} stream for {model} failed: {error}", surface=surface, model=model, error=_logged(error),
-              trace_id=trace_id_of(context_of(request)))
+    log.error(
+        "{surface} stream for {model} failed: {error}",
+        surface=surface,
+        model=model,
+        error=_logged(error),
+        trace_id=trace_id_of(context_of(request)),
+    )
     # the status is the stream's 200: a kind is noted for every failure, or
     # the metrics would not count it (an engine's own 4xx is an engine_error)
     kind = problem.kind or ("engine_error" if isinstance(error, EngineRejected) else f"{problem.status // 100}xx")
@@ -137,10 +163,16 @@ def openai_error(problem: Problem) -> bytes:
     "param", "code"}}}, encoded: the answer's body, or a stream's error
     event's data (the same C{type} and C{code} either way).
     """
-    return strictjson.dumps({"error": {
-        "message": problem.message, "type": _TYPES[problem.category][0], "param": problem.param,
-        "code": problem.code,
-    }}).encode("utf-8")
+    return strictjson.dumps(
+        {
+            "error": {
+                "message": problem.message,
+                "type": _TYPES[problem.category][0],
+                "param": problem.param,
+                "code": problem.code,
+            }
+        }
+    ).encode("utf-8")
 
 
 # Anthropic's statuses where they differ from the table's: 529 for an
@@ -178,8 +210,9 @@ def anthropic_error(problem: Problem) -> bytes:
     message = problem.message
     if problem.kind == "model_not_found":
         message = f"model: {problem.subject} ({problem.message})"  # Anthropic's wording
-    return strictjson.dumps({"type": "error", "error": {"type": anthropic_type(problem), "message": message}}
-                            ).encode("utf-8")
+    return strictjson.dumps({"type": "error", "error": {"type": anthropic_type(problem), "message": message}}).encode(
+        "utf-8"
+    )
 
 
 def ollama_message(problem: Problem) -> str:

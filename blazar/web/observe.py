@@ -18,7 +18,6 @@ from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
 
-
 from blazar.metrics import CONTENT_TYPE, Metrics
 from blazar.web.activity import Activity, Finished, Performance
 from blazar.web.client import context_of
@@ -37,7 +36,7 @@ def _object_after(data: bytes, marker: bytes) -> dict[str, Any] | None:
     if at < 0:
         return None
     try:
-        value, _ = json.JSONDecoder().raw_decode(data[at + len(marker) - 1:].decode("utf-8", "replace"))
+        value, _ = json.JSONDecoder().raw_decode(data[at + len(marker) - 1 :].decode("utf-8", "replace"))
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -138,13 +137,24 @@ class RequestObserver:
                 child(m.tpot, surface, model).observe(tpot)
         if model and surface != "ui":  # a model's request (not a poll of /api/ps, /metrics or the dashboard)
             seconds = max(0.0, end - started)
-            self.activity.add(Finished(
-                at=end, surface=surface, method=(getattr(request, "method", b"") or b"").decode("ascii", "replace"),
-                path=(getattr(request, "path", b"") or b"").decode("ascii", "replace")[:200], model=model,
-                key=key_name, status=status,
-                code=code, ms=round(seconds * 1000, 1), prompt_tokens=tokens[0] if tokens else None,
-                completion_tokens=tokens[1] if tokens else None, ttft=ttft, tpot=tpot, trace=context.trace_id,
-            ))
+            self.activity.add(
+                Finished(
+                    at=end,
+                    surface=surface,
+                    method=(getattr(request, "method", b"") or b"").decode("ascii", "replace"),
+                    path=(getattr(request, "path", b"") or b"").decode("ascii", "replace")[:200],
+                    model=model,
+                    key=key_name,
+                    status=status,
+                    code=code,
+                    ms=round(seconds * 1000, 1),
+                    prompt_tokens=tokens[0] if tokens else None,
+                    completion_tokens=tokens[1] if tokens else None,
+                    ttft=ttft,
+                    tpot=tpot,
+                    trace=context.trace_id,
+                )
+            )
             self.performance.add(end, seconds, tokens[1] if tokens else 0, not gone and code >= 500)
         if self.tracing is not None:
             self.tracing.record(request, surface, end)

@@ -18,32 +18,31 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
-from blazar import __version__
+from blazar import __version__, strictjson
 from blazar.config import Config
-from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.admission import Ticket, WorkClass
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
+from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.errors import BadRequest
 from blazar.gateway.ignored import note_ignored
+from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
-from blazar.gateway.operations import ModelOperations
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
-from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.models.modelfile import DEFAULT_TEMPLATE, model_commands, show_modelfile, show_parameters
 from blazar.models.ollama_store import DigestMismatch, StoreError
+from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
-from blazar.web.errors import answer, in_stream, ollama_message
-from blazar.web.translate import leniency
-from blazar.web.translate import images as images_tr
-from blazar.web.translate import create as create_tr
-from blazar.web.translate import rerank as rerank_tr
-from blazar.web.translate import ollama as tr
-from blazar import strictjson
 from blazar.web.client import context_of
+from blazar.web.errors import answer, in_stream, ollama_message
+from blazar.web.translate import create as create_tr
+from blazar.web.translate import images as images_tr
+from blazar.web.translate import leniency
+from blazar.web.translate import ollama as tr
+from blazar.web.translate import rerank as rerank_tr
 
 log = Logger()
 
@@ -98,11 +97,22 @@ def remote_tag(entry: ModelEntry) -> dict[str, Any]:
     C{remote_host}).
     """
     return {
-        "name": entry.name, "model": entry.name, "modified_at": _rfc3339(entry.modified), "size": 0,
+        "name": entry.name,
+        "model": entry.name,
+        "modified_at": _rfc3339(entry.modified),
+        "size": 0,
         "digest": hashlib.sha256(entry.name.encode("utf-8")).hexdigest(),
-        "details": {"parent_model": "", "format": "remote", "family": "", "families": None, "parameter_size": "",
-                    "quantization_level": ""},
-        "kind": "remote", "remote_model": entry.remote_model, "remote_host": entry.remote,
+        "details": {
+            "parent_model": "",
+            "format": "remote",
+            "family": "",
+            "families": None,
+            "parameter_size": "",
+            "quantization_level": "",
+        },
+        "kind": "remote",
+        "remote_model": entry.remote_model,
+        "remote_host": entry.remote,
     }
 
 
@@ -166,8 +176,12 @@ class OllamaSurface:
     app = Klein()
 
     def __init__(
-        self, registry: ModelRegistry, pipeline: Pipeline, clock: Any,
-        wall_clock: Callable[[], float], operations: ModelOperations,
+        self,
+        registry: ModelRegistry,
+        pipeline: Pipeline,
+        clock: Any,
+        wall_clock: Callable[[], float],
+        operations: ModelOperations,
         config: Callable[[], Config] = Config,
     ) -> None:
         """
@@ -335,17 +349,30 @@ class OllamaSurface:
         return {k: v for k, v in wanted.items() if v is not None} or None
 
     def _call(
-        self, kind: CallKind, model: str, path: str, engine_body: dict[str, Any], body: dict[str, Any],
-        stream: bool, work: WorkClass = WorkClass.INTERACTIVE,
+        self,
+        kind: CallKind,
+        model: str,
+        path: str,
+        engine_body: dict[str, Any],
+        body: dict[str, Any],
+        stream: bool,
+        work: WorkClass = WorkClass.INTERACTIVE,
     ) -> Call:
         keep_alive = self._keep_alive(body)
         return Call(
-            "ollama", kind, model, path, engine_body, stream=stream,
+            "ollama",
+            kind,
+            model,
+            path,
+            engine_body,
+            stream=stream,
             # Ollama applies its default keep_alive to every request without one
             keep_alive=self._config().keep_alive if keep_alive is None else keep_alive,
-            ctx_size=self._num_ctx(body), profile=self._placement(body),
+            ctx_size=self._num_ctx(body),
+            profile=self._placement(body),
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
-            work=work, names=("num_predict", "messages" if kind is CallKind.CHAT else "prompt"),
+            work=work,
+            names=("num_predict", "messages" if kind is CallKind.CHAT else "prompt"),
         )
 
     # -- chat and generate -------------------------------------------------------
@@ -383,7 +410,9 @@ class OllamaSurface:
         what is accepted but not honoured; a field whose meaning would be
         lost is a 400.
         """
-        note_ignored(context_of(request), "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
+        note_ignored(
+            context_of(request), "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options"))
+        )
 
     async def _image(self, request: IRequest, model: str, body: dict[str, Any], stream: bool) -> bytes:
         """
@@ -398,8 +427,9 @@ class OllamaSurface:
         if width is not None or height is not None:
             for name, value in (("width", width), ("height", height)):
                 if isinstance(value, bool) or not isinstance(value, int) or not 16 <= value <= images_tr.MAX_SIDE:
-                    raise OllamaError(400, f"{name} must be an integer from 16 to {images_tr.MAX_SIDE} (both width "
-                                      "and height)")
+                    raise OllamaError(
+                        400, f"{name} must be an integer from 16 to {images_tr.MAX_SIDE} (both width and height)"
+                    )
             fields["size"] = f"{width}x{height}"
         if body.get("steps") is not None:
             fields["steps"] = body["steps"]
@@ -418,9 +448,14 @@ class OllamaSurface:
                 answer = {}
         data = [d for d in (answer.get("data") or []) if isinstance(d, dict)] if isinstance(answer, dict) else []
         context_of(request).images = len(data[:1])
-        line = {"model": model, "created_at": _rfc3339(self._now()),
-                "image": str(data[0].get("b64_json", "")) if data else "", "done": True, "done_reason": "stop",
-                "total_duration": int(max(0.0, self._clock.seconds() - started) * 1e9)}
+        line = {
+            "model": model,
+            "created_at": _rfc3339(self._now()),
+            "image": str(data[0].get("b64_json", "")) if data else "",
+            "done": True,
+            "done_reason": "stop",
+            "total_duration": int(max(0.0, self._clock.seconds() - started) * 1e9),
+        }
         if stream:
             request.setHeader(b"content-type", b"application/x-ndjson")
             return strictjson.dumps(line).encode("utf-8") + b"\n"
@@ -429,17 +464,18 @@ class OllamaSurface:
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:
         body = self._body(request)
         model = self._model_field(body)
-        if kind == "generate" and body.get("prompt") and await self._pipeline.lane_kind(context_of(request), model) == "image":
+        if (
+            kind == "generate"
+            and body.get("prompt")
+            and await self._pipeline.lane_kind(context_of(request), model) == "image"
+        ):
             return await self._image(request, model, body, self._stream_flag(body))
         self._lenient(request, "ollama_chat" if kind == "chat" else "ollama_generate", body)
         stream = self._stream_flag(body)
         self._keep_alive(body)
         if kind == "generate" and body.get("prompt") is not None and not isinstance(body["prompt"], str):
             raise OllamaError(400, "prompt must be a string")
-        empty = (
-            not body.get("messages") if kind == "chat"
-            else not body.get("prompt") and not body.get("suffix")
-        )
+        empty = not body.get("messages") if kind == "chat" else not body.get("prompt") and not body.get("suffix")
         if empty:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
@@ -451,8 +487,11 @@ class OllamaSurface:
         else:
             path, engine_body = tr.generate_to_openai(body, stream)
             call_kind = (
-                CallKind.INFILL if path == "/infill"
-                else CallKind.CHAT if "messages" in engine_body else CallKind.COMPLETION
+                CallKind.INFILL
+                if path == "/infill"
+                else CallKind.CHAT
+                if "messages" in engine_body
+                else CallKind.COMPLETION
             )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
         call = self._call(call_kind, model, path, engine_body, body, stream, work)
@@ -472,7 +511,13 @@ class OllamaSurface:
             return None
 
     async def _stream(
-        self, request: IRequest, kind: str, model: str, reply: Reply, timing: tr.Timing, infill: bool,
+        self,
+        request: IRequest,
+        kind: str,
+        model: str,
+        reply: Reply,
+        timing: tr.Timing,
+        infill: bool,
     ) -> None:
         request.setHeader(b"content-type", NDJSON)
         translator = tr.OllamaStream(kind, model, timing, self._clock.seconds)
@@ -579,15 +624,18 @@ class OllamaSurface:
             except (GGUFError, OSError) as e:
                 log.warn("skipping {path}: {error}", path=str(entry.path), error=str(e))
                 continue
-            models.append({
-                "name": entry.name, "model": entry.name,
-                "modified_at": _rfc3339(entry.modified),
-                # a store model: all its blobs, as Ollama counts it
-                "size": entry.ollama.size if entry.ollama is not None else meta.size,
-                "digest": digest.removeprefix("sha256:"),
-                "details": details(meta),
-                "kind": model_kind(entry, meta),  # Blazar's: chat, embedding or rerank
-            })
+            models.append(
+                {
+                    "name": entry.name,
+                    "model": entry.name,
+                    "modified_at": _rfc3339(entry.modified),
+                    # a store model: all its blobs, as Ollama counts it
+                    "size": entry.ollama.size if entry.ollama is not None else meta.size,
+                    "digest": digest.removeprefix("sha256:"),
+                    "details": details(meta),
+                    "kind": model_kind(entry, meta),  # Blazar's: chat, embedding or rerank
+                }
+            )
         return _json(request, {"models": models})
 
     @app.route("/api/show", methods=["POST"])
@@ -597,23 +645,36 @@ class OllamaSurface:
         entry = await self._entry(model, request)
         if entry.remote is not None:
             # nothing of it is on this machine: what Ollama shows of its own remote models
-            return _json(request, {"modelfile": f"# Served by Blazar from remote {entry.remote}\nFROM {entry.name}\n",
-                                   "parameters": "", "template": "", "details": remote_tag(entry)["details"],
-                                   "model_info": {}, "capabilities": ["completion"],
-                                   "remote_model": entry.remote_model, "remote_host": entry.remote})
+            return _json(
+                request,
+                {
+                    "modelfile": f"# Served by Blazar from remote {entry.remote}\nFROM {entry.name}\n",
+                    "parameters": "",
+                    "template": "",
+                    "details": remote_tag(entry)["details"],
+                    "model_info": {},
+                    "capabilities": ["completion"],
+                    "remote_model": entry.remote_model,
+                    "remote_host": entry.remote,
+                },
+            )
         meta = await self._registry.metadata(entry)
         layers = entry.ollama
         own = dict(layers.parameters) if layers is not None else {}
         # the model's parameters, then (Blazar's) the context per slot and the slots it is served with
-        shown = {**own, "num_ctx": own.get("num_ctx", context_per_slot(entry, meta)),
-                 "num_parallel": entry.settings.parallel or 4}
+        shown = {
+            **own,
+            "num_ctx": own.get("num_ctx", context_per_slot(entry, meta)),
+            "num_parallel": entry.settings.parallel or 4,
+        }
         hidden = is_scoped(context_of(request))  # no file paths for a scoped key: the model by name
         commands = model_commands(
             entry.name if hidden else str(entry.path),
             adapters=[] if hidden else [str(path) for path, _ in entry.adapters],
             projectors=[] if hidden or entry.projector is None else [str(entry.projector)],
             template=layers.template if layers is not None else None,
-            system=layers.system if layers is not None else None, parameters=own,
+            system=layers.system if layers is not None else None,
+            parameters=own,
             license=[layers.license] if layers is not None and layers.license else [],
             messages=layers.messages if layers is not None else [],
         )
@@ -629,8 +690,11 @@ class OllamaSurface:
             "template": meta.chat_template or (layers.template if layers is not None else None) or DEFAULT_TEMPLATE,
             "system": layers.system if layers is not None else None,
             "details": details(meta),
-            "messages": [{"role": m.get("role", ""), "content": m.get("content", "")}
-                         for m in (layers.messages if layers is not None else []) if isinstance(m, dict)],
+            "messages": [
+                {"role": m.get("role", ""), "content": m.get("content", "")}
+                for m in (layers.messages if layers is not None else [])
+                if isinstance(m, dict)
+            ],
             "model_info": redact_value(context_of(request), kv),
             "capabilities": show_capabilities(entry, meta, config),
             "modified_at": _rfc3339(entry.modified),
@@ -657,18 +721,23 @@ class OllamaSurface:
             except (GGUFError, OSError):
                 continue
             expires = view.expires_at
-            models.append({
-                "name": entry.name, "model": entry.name, "size": meta.size,
-                # NVML's figure for the child once measured, its plan's before (Ollama reads its child's log)
-                "size_vram": sum(view.gpu_held().values()),
-                "digest": digest.removeprefix("sha256:"), "details": details(meta),
-                # "forever" is shown far in the future, as Ollama does
-                "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
-                "context_length": view.ctx or context_per_slot(entry, meta),
-                # Blazar's: starting | ready | stopping, and the crash breaker
-                "state": view.state,
-                "breaker": view.breaker,
-            })
+            models.append(
+                {
+                    "name": entry.name,
+                    "model": entry.name,
+                    "size": meta.size,
+                    # NVML's figure for the child once measured, its plan's before (Ollama reads its child's log)
+                    "size_vram": sum(view.gpu_held().values()),
+                    "digest": digest.removeprefix("sha256:"),
+                    "details": details(meta),
+                    # "forever" is shown far in the future, as Ollama does
+                    "expires_at": _rfc3339(expires + offset if expires is not None else 253402300799.0),
+                    "context_length": view.ctx or context_per_slot(entry, meta),
+                    # Blazar's: starting | ready | stopping, and the crash breaker
+                    "state": view.state,
+                    "breaker": view.breaker,
+                }
+            )
         return _json(request, {"models": models})
 
     @app.route("/api/queue", methods=["GET"])
@@ -771,7 +840,10 @@ class OllamaSurface:
         return None
 
     async def _progress(
-        self, request: IRequest, model: str, run: Callable[[Callable[[dict[str, Any]], None]], Awaitable[object]],
+        self,
+        request: IRequest,
+        model: str,
+        run: Callable[[Callable[[dict[str, Any]], None]], Awaitable[object]],
     ) -> None:
         """
         Stream the progress lines C{run} reports as NDJSON; a failure after

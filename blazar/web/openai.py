@@ -26,32 +26,32 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 
+from blazar import strictjson
 from blazar.config import Config
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, Run, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
-from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.engine_facts import model_kind
 from blazar.gateway.errors import BadRequest, EngineError, EngineRejected
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
+from blazar.httpbody import multipart_body
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
+from blazar.web.client import context_of
 from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
 from blazar.web.responses import Responses
-from blazar.httpbody import multipart_body
 from blazar.web.sse import ModelRenamer, SSERelay, SSERewriter, loading_comments
-from blazar.web.translate import chat_logprobs, completions, leniency
 from blazar.web.translate import audio as audio_tr
+from blazar.web.translate import chat_logprobs, completions, leniency
 from blazar.web.translate import images as images_tr
 from blazar.web.translate import rerank as rerank_tr
-from blazar import strictjson
-from blazar.web.client import context_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 
 log = Logger()
 
@@ -106,9 +106,7 @@ def validate(kind: str, body: dict[str, Any]) -> None:
     if body.get("stream") is not None and not isinstance(body["stream"], bool):
         raise BadRequest("'stream' must be true or false", "stream")
     tools = body.get("tools")
-    if tools is not None and (
-        not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)
-    ):
+    if tools is not None and (not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools)):
         raise BadRequest("'tools' must be an array of tool objects", "tools")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
@@ -187,16 +185,21 @@ def _tool_choice(body: dict[str, Any]) -> None:
                 body["tool_choice"] = mode
                 return
             if mode == "required":
-                raise BadRequest('tool_choice: allowed_tools with mode "required" names no function tool in tools',
-                                 "tool_choice")
+                raise BadRequest(
+                    'tool_choice: allowed_tools with mode "required" names no function tool in tools', "tool_choice"
+                )
             del body["tools"]
             body.pop("tool_choice")
             return
     if kind == "custom":
-        raise BadRequest("tool_choice: custom tools are not served by this gateway; offer function tools",
-                         "tool_choice")
-    raise BadRequest('tool_choice: must be "auto", "none", "required", {"type": "function", "function": '
-                     '{"name": ...}} or {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}', "tool_choice")
+        raise BadRequest(
+            "tool_choice: custom tools are not served by this gateway; offer function tools", "tool_choice"
+        )
+    raise BadRequest(
+        'tool_choice: must be "auto", "none", "required", {"type": "function", "function": '
+        '{"name": ...}} or {"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}',
+        "tool_choice",
+    )
 
 
 #: an SSE payload -> the payloads the client gets instead
@@ -241,7 +244,11 @@ class OpenAISurface:
     app = Klein()
 
     def __init__(
-        self, registry: ModelRegistry, pipeline: Pipeline, clock: Any, responses: Responses | None = None,
+        self,
+        registry: ModelRegistry,
+        pipeline: Pipeline,
+        clock: Any,
+        responses: Responses | None = None,
         config: Callable[[], Config] = Config,
     ) -> None:
         """
@@ -277,8 +284,14 @@ class OpenAISurface:
         except (GGUFError, OSError):
             kind, can = "chat", ["completion"]  # unreadable: its start says why
         # kind is Blazar's (chat, embedding or rerank): the endpoint it serves
-        return {"id": name, "object": "model", "created": int(entry.modified), "owned_by": OWNED_BY, "kind": kind,
-                "capabilities": can}
+        return {
+            "id": name,
+            "object": "model",
+            "created": int(entry.modified),
+            "owned_by": OWNED_BY,
+            "kind": kind,
+            "capabilities": can,
+        }
 
     @app.route("/v1/models", methods=["GET"])
     async def list_models(self, request: IRequest) -> bytes:
@@ -334,8 +347,7 @@ class OpenAISurface:
                 answer = json.loads(await reply.read())
             except ValueError:
                 answer = {}
-            out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n,
-                                   return_documents)
+            out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n, return_documents)
             reply.usage(out["usage"]["prompt_tokens"], 0)
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps(out).encode("utf-8")
@@ -358,16 +370,16 @@ class OpenAISurface:
             raise BadRequest("you must provide the audio as the 'file' part of the form", "file")
         fields, response_format, granularities, ignored = audio_tr.decode(form, translate)
         note_ignored(context_of(request), "openai", ignored)
-        call = Call("openai", CallKind.TRANSCRIBE, model, "/inference", {}, audio=uploads[0].data,
-                    audio_fields=fields)
+        call = Call("openai", CallKind.TRANSCRIBE, model, "/inference", {}, audio=uploads[0].data, audio_fields=fields)
         async with self._pipeline.open(context_of(request), call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
                 answer = {}
             seconds = reply.audio_used()
-        body, content_type = audio_tr.encode(answer if isinstance(answer, dict) else {}, response_format,
-                                             granularities, translate, seconds)
+        body, content_type = audio_tr.encode(
+            answer if isinstance(answer, dict) else {}, response_format, granularities, translate, seconds
+        )
         request.setHeader(b"content-type", content_type.encode("ascii"))
         return body
 
@@ -391,14 +403,24 @@ class OpenAISurface:
         note_ignored(context_of(request), "openai", ignored)
         images = files.get("image[]", []) + files.get("image", [])
         if not images:
-            raise BadRequest("you must provide the image to edit as the 'image' (or 'image[]') part of the form",
-                             "image")
+            raise BadRequest(
+                "you must provide the image to edit as the 'image' (or 'image[]') part of the form", "image"
+            )
         parts = [("image[]", u.filename or "image.png", u.content_type or "image/png", u.data) for u in images]
-        parts += [("mask", u.filename or "mask.png", u.content_type or "image/png", u.data)
-                  for u in files.get("mask", [])[:1]]
+        parts += [
+            ("mask", u.filename or "mask.png", u.content_type or "image/png", u.data) for u in files.get("mask", [])[:1]
+        ]
         raw, content_type = multipart_body({k: str(v) for k, v in engine_body.items()}, parts)
-        call = Call("openai", CallKind.IMAGE, model, "/v1/images/edits", engine_body, raw=raw,
-                    content_type=content_type, images=[u.data for u in images + files.get("mask", [])[:1]])
+        call = Call(
+            "openai",
+            CallKind.IMAGE,
+            model,
+            "/v1/images/edits",
+            engine_body,
+            raw=raw,
+            content_type=content_type,
+            images=[u.data for u in images + files.get("mask", [])[:1]],
+        )
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
@@ -408,9 +430,13 @@ class OpenAISurface:
             except ValueError:
                 answer = {}
         base = _base_url(request)
-        out = images_tr.encode(answer if isinstance(answer, dict) else {}, response_format, output_format,
-                               int(self._clock.seconds()),
-                               lambda b64, fmt: base + IMAGE_FILES + self.images.keep(b64, fmt))
+        out = images_tr.encode(
+            answer if isinstance(answer, dict) else {},
+            response_format,
+            output_format,
+            int(self._clock.seconds()),
+            lambda b64, fmt: base + IMAGE_FILES + self.images.keep(b64, fmt),
+        )
         context_of(request).images = len(out["data"])
         request.setHeader(b"content-type", b"application/json")
         return strictjson.dumps(out).encode("utf-8")
@@ -426,8 +452,11 @@ class OpenAISurface:
         if held is None:
             request.setResponseCode(404)
             request.setHeader(b"content-type", b"application/json")
-            return error_body("no such image: image URLs expire an hour after they were made; generate it again",
-                              "invalid_request_error", "not_found")
+            return error_body(
+                "no such image: image URLs expire an hour after they were made; generate it again",
+                "invalid_request_error",
+                "not_found",
+            )
         data, content_type = held
         request.setHeader(b"content-type", content_type.encode("ascii"))
         request.setHeader(b"cache-control", b"private, max-age=3600")
@@ -519,12 +548,23 @@ class OpenAISurface:
             return loading_comments(request.write, self._clock)
 
         call = Call(
-            "openai", _KINDS[kind], model, path, body, raw=None if changed else raw, stream=stream and top is None,
+            "openai",
+            _KINDS[kind],
+            model,
+            path,
+            body,
+            raw=None if changed else raw,
+            stream=stream and top is None,
             client_stream=True if top is not None else None,
-            keep_alive=keep_alive, max_tokens=None if kind == "embedding" else max_tokens_of(body),
-            work=work, rewrite=rewrite, on_send=on_send,
-            names=("max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
-                   "prompt" if kind == "completion" else "messages"),
+            keep_alive=keep_alive,
+            max_tokens=None if kind == "embedding" else max_tokens_of(body),
+            work=work,
+            rewrite=rewrite,
+            on_send=on_send,
+            names=(
+                "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
+                "prompt" if kind == "completion" else "messages",
+            ),
             session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
         )
         try:
@@ -558,9 +598,7 @@ class OpenAISurface:
             request.write(b"data: " + openai_error(problem) + b"\n\n")
             return None
 
-    async def _engine_fix(
-        self, model: str, kind: str, body: dict[str, Any], stream: bool
-    ) -> EngineFix | None:
+    async def _engine_fix(self, model: str, kind: str, body: dict[str, Any], stream: bool) -> EngineFix | None:
         """
         The L{EngineFix} a request needs, if any: every completion (its
         stream's usage chunk; legacy C{logprobs}; C{echo}). (A streamed chat
@@ -579,7 +617,8 @@ class OpenAISurface:
         if stream:
             translator = completions.CompletionStream(plan, texts)
             return EngineFix(
-                plan.engine_body, rewrite=translator.event,
+                plan.engine_body,
+                rewrite=translator.event,
                 wants=None if plan.rewrites else _completion_events,
             )
         if not plan.rewrites:
@@ -602,8 +641,12 @@ class OpenAISurface:
         request.setHeader(b"x-accel-buffering", b"no")
 
     async def _relay_stream(
-        self, request: IRequest, reply: Reply, renamer: ModelRenamer,
-        hide_usage: bool = False, fix: EngineFix | None = None,
+        self,
+        request: IRequest,
+        reply: Reply,
+        renamer: ModelRenamer,
+        hide_usage: bool = False,
+        fix: EngineFix | None = None,
     ) -> None:
         self._sse_headers(request)
         on_usage = reply.record if wants_usage(context_of(request)) else None
@@ -635,7 +678,8 @@ class OpenAISurface:
             relay.fail(
                 error_body(
                     f"llama-server for model {reply.model!r} ended the stream early",
-                    "engine_error", "engine_crashed",
+                    "engine_error",
+                    "engine_crashed",
                 )
             )
 
@@ -694,8 +738,11 @@ class HeldImages:
             oldest = next(iter(self._held))
             self._bytes -= len(self._held.pop(oldest)[1])
         token = secrets.token_urlsafe(24) + (".jpg" if output_format == "jpeg" else ".png")
-        self._held[token] = (self._clock.seconds() + HELD_SECS, data,
-                             "image/jpeg" if output_format == "jpeg" else "image/png")
+        self._held[token] = (
+            self._clock.seconds() + HELD_SECS,
+            data,
+            "image/jpeg" if output_format == "jpeg" else "image/png",
+        )
         self._bytes += len(data)
         return token
 

@@ -21,21 +21,20 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.web.iweb import IRequest
 
-from blazar import store
+from blazar import store, strictjson
 from blazar.config import Config
 from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of
-from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 from blazar.gateway.errors import NotFound
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
+from blazar.web.client import context_of
 from blazar.web.errors import in_stream
 from blazar.web.sse import loading_comments
 from blazar.web.translate import responses as tr
-from blazar import strictjson
-from blazar.web.client import context_of
+from blazar.web.translate.keep_alive import KEEP_ALIVE_HEADER, keep_alive_of
 
 log = Logger()
 
@@ -58,8 +57,12 @@ class Responses:
     """
 
     def __init__(
-        self, pipeline: Pipeline, config: Callable[[], Config], clock: Any,
-        run_db: Callable[..., Deferred[Any]] | None, wall: Callable[[], float] = time.time,
+        self,
+        pipeline: Pipeline,
+        config: Callable[[], Config],
+        clock: Any,
+        run_db: Callable[..., Deferred[Any]] | None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._pipeline = pipeline
         self._config = config
@@ -73,15 +76,20 @@ class Responses:
         key = key_of(context_of(request))
         return key.owner if key is not None else ""
 
-    async def _load(self, request: IRequest, response_id: str, param: str | None = None) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
+    async def _load(
+        self, request: IRequest, response_id: str, param: str | None = None
+    ) -> tuple[dict[str, Any], list[dict[str, Any]], str | None]:
         row = None
         text = isinstance(response_id, str) and response_id.encode("utf-8", "replace").decode("utf-8") == response_id
         if self._run_db is not None and text:  # (a lone surrogate is no id, and SQLite cannot take it)
             row = await self._run_db(store.thd_get_response, response_id, self._key(request), self._wall())
         if row is None:
             shown = (response_id if len(response_id) <= 100 else "(too long)") if text else "(not a valid id)"
-            raise ResponseNotFound(f"no response with id {shown!r} (responses are kept "
-                                   f"responses_ttl_secs, for the API key that made them)", param)
+            raise ResponseNotFound(
+                f"no response with id {shown!r} (responses are kept "
+                f"responses_ttl_secs, for the API key that made them)",
+                param,
+            )
         return json.loads(row[0]), json.loads(row[1]), row[2]
 
     async def _history(self, request: IRequest, previous: str) -> list[dict[str, Any]]:
@@ -93,8 +101,8 @@ class Responses:
         while current is not None:
             if len(turns) >= MAX_CHAIN:
                 raise tr.ResponsesRequestError(
-                    f"previous_response_id: the conversation is longer than {MAX_CHAIN} turns; "
-                    "start a new one", "previous_response_id",
+                    f"previous_response_id: the conversation is longer than {MAX_CHAIN} turns; start a new one",
+                    "previous_response_id",
                 )
             response, inputs, earlier = await self._load(request, current, "previous_response_id")
             turns.append(inputs + tr.output_as_input(response.get("output") or []))
@@ -106,11 +114,19 @@ class Responses:
         if self._run_db is None or config.responses_ttl <= 0 or not response.get("store"):
             return
         now = self._wall()
-        items = [{"id": item.get("id") or tr.new_id("msg" if item.get("type", "message") == "message" else "item"),
-                  **item} for item in inputs]
-        row = (response["id"], self._key(request), now, now + config.responses_ttl,
-               response.get("previous_response_id"),
-               strictjson.dumps(response), strictjson.dumps(items))
+        items = [
+            {"id": item.get("id") or tr.new_id("msg" if item.get("type", "message") == "message" else "item"), **item}
+            for item in inputs
+        ]
+        row = (
+            response["id"],
+            self._key(request),
+            now,
+            now + config.responses_ttl,
+            response.get("previous_response_id"),
+            strictjson.dumps(response),
+            strictjson.dumps(items),
+        )
         try:
             await self._run_db(store.thd_put_response, row, config.responses_max_stored)
         except Exception:
@@ -132,8 +148,15 @@ class Responses:
         except ValueError as e:
             raise tr.ResponsesRequestError(str(e), "keep_alive") from None
         call = Call(
-            "responses", CallKind.CHAT, body["model"], "/v1/chat/completions", chat, stream=True,
-            keep_alive=keep_alive, max_tokens=max_tokens_of(chat), names=("max_output_tokens", "input"),
+            "responses",
+            CallKind.CHAT,
+            body["model"],
+            "/v1/chat/completions",
+            chat,
+            stream=True,
+            keep_alive=keep_alive,
+            max_tokens=max_tokens_of(chat),
+            names=("max_output_tokens", "input"),
             work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE,
             session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
         )
@@ -148,7 +171,9 @@ class Responses:
         translator = tr.ResponsesStream(tr.response_object(body, model, int(self._wall()), previous), names)
         inputs = tr.input_items(body)
         if not body.get("stream"):
-            call = attrs.evolve(call, client_stream=False)  # the engine's stream makes one response (the cache may answer)
+            call = attrs.evolve(
+                call, client_stream=False
+            )  # the engine's stream makes one response (the cache may answer)
             async with self._pipeline.open(context_of(request), call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()
@@ -212,10 +237,15 @@ class Responses:
     async def items(self, request: IRequest, response_id: str) -> bytes:
         _, inputs, _ = await self._load(request, response_id)
         request.setHeader(b"content-type", b"application/json")
-        return tr.dump({
-            "object": "list", "data": inputs, "has_more": False,
-            "first_id": inputs[0]["id"] if inputs else None, "last_id": inputs[-1]["id"] if inputs else None,
-        })
+        return tr.dump(
+            {
+                "object": "list",
+                "data": inputs,
+                "has_more": False,
+                "first_id": inputs[0]["id"] if inputs else None,
+                "last_id": inputs[-1]["id"] if inputs else None,
+            }
+        )
 
     async def delete(self, request: IRequest, response_id: str) -> bytes:
         deleted = self._run_db is not None and await self._run_db(

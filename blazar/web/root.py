@@ -23,8 +23,12 @@ class SurfaceRouter(Resource):
     isLeaf = True
 
     def __init__(
-        self, openai: IResource, ollama: IResource, anthropic: IResource,
-        metrics: IResource | None = None, dashboard: IResource | None = None,
+        self,
+        openai: IResource,
+        ollama: IResource,
+        anthropic: IResource,
+        metrics: IResource | None = None,
+        dashboard: IResource | None = None,
         batches: IResource | None = None,
     ) -> None:
         super().__init__()
@@ -50,8 +54,9 @@ class SurfaceRouter(Resource):
             return self._ollama.render(request)
         if path == b"/v1/messages" or path.startswith(b"/v1/messages/"):
             return self._anthropic.render(request)
-        if self._batches is not None and (path in (b"/v1/files", b"/v1/batches")
-                                          or path.startswith((b"/v1/files/", b"/v1/batches/"))):
+        if self._batches is not None and (
+            path in (b"/v1/files", b"/v1/batches") or path.startswith((b"/v1/files/", b"/v1/batches/"))
+        ):
             return self._batches.render(request)
         return self._openai.render(request)
 

@@ -76,7 +76,13 @@ from blazar.gateway.errors import Forbidden, Refused, TooManyConnections, descri
 from blazar.logtext import RENDERED
 from blazar.models.create import upload_spool
 from blazar.web.auth import (
-    AuthGate, Refusal, check_keyless_management, is_local, render_refusal, surface_of, ui_headers,
+    AuthGate,
+    Refusal,
+    check_keyless_management,
+    is_local,
+    render_refusal,
+    surface_of,
+    ui_headers,
 )
 from blazar.web.client import context_of
 from blazar.web.errors import envelope
@@ -134,14 +140,25 @@ def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False)
         limit is C{max_blob_bytes}.
     """
     if blob and keyed:
-        return Refused(413, "too_large", (
-            f"blob upload too large: the limit is max_blob_bytes = {limit} bytes; raise it in the config if this "
-            "is intended"), code="request_too_large")
+        return Refused(
+            413,
+            "too_large",
+            (
+                f"blob upload too large: the limit is max_blob_bytes = {limit} bytes; raise it in the config if this "
+                "is intended"
+            ),
+            code="request_too_large",
+        )
     if upload and keyed:
-        return Refused(413, "too_large", (
-            f"file upload too large: a file may be at most 200 MB ({FILE_MAX_BYTES} bytes), "
-            f"the whole upload at most {limit} bytes"
-        ), code="file_too_large")
+        return Refused(
+            413,
+            "too_large",
+            (
+                f"file upload too large: a file may be at most 200 MB ({FILE_MAX_BYTES} bytes), "
+                f"the whole upload at most {limit} bytes"
+            ),
+            code="file_too_large",
+        )
     if keyed:
         message = (
             f"request body too large: the limit is max_body_bytes = {limit} bytes; "
@@ -187,8 +204,14 @@ class BlazarRequest(Request):
         sequence of four, each checked and buffered: a stream writes one
         per relayed event.)
         """
-        if (self.startedWriting and self.chunked and data and not self.finished and not self._disconnected
-                and self._encoder is None):
+        if (
+            self.startedWriting
+            and self.chunked
+            and data
+            and not self.finished
+            and not self._disconnected
+            and self._encoder is None
+        ):
             self.sentLength += len(data)
             self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
             return
@@ -232,8 +255,11 @@ class BlazarRequest(Request):
         self.body_limit = site.max_body_bytes
         if self.method == b"POST" and self.path == b"/v1/files":
             self.body_limit, self._upload = max(self.body_limit, UPLOAD_BODY_BYTES), True
-        elif self.method == b"POST" and self.path.startswith(BLOBS_PATH) and (
-                (site.gate is not None and site.gate.active) or self._manages_keyless()):
+        elif (
+            self.method == b"POST"
+            and self.path.startswith(BLOBS_PATH)
+            and ((site.gate is not None and site.gate.active) or self._manages_keyless())
+        ):
             self.body_limit, self._blob = max(self.body_limit, site.config().max_blob_bytes), True
         if length is not None and length > self.body_limit:
             return too_large(self.body_limit, True, self._upload, self._blob), False
@@ -316,8 +342,11 @@ class BlazarRequest(Request):
             # on every response, errors included
             self.setHeader(b"access-control-allow-origin", b"*" if "*" in allowed else origin)
             self.setHeader(b"vary", b"Origin")
-            self.setHeader(b"access-control-expose-headers", TRACE_HEADER + b", request-id, retry-after, "
-                           b"x-blazar-cache, x-blazar-sentinel, x-blazar-ignored, x-blazar-queue-ms")
+            self.setHeader(
+                b"access-control-expose-headers",
+                TRACE_HEADER + b", request-id, retry-after, "
+                b"x-blazar-cache, x-blazar-sentinel, x-blazar-ignored, x-blazar-queue-ms",
+            )
             if self.method == b"OPTIONS" and refusal is None:
                 self.setHeader(b"access-control-allow-methods", b"GET, POST, DELETE, OPTIONS")
                 requested = self.getHeader(b"access-control-request-headers")
@@ -401,7 +430,10 @@ class BlazarChannel(HTTPChannel):
         super().requestDone(request)
         # a pipelined request whose first bytes came while this one was served
         if (
-            self.persistent and self._deadline is None and self.line_mode and not self._handlingRequest
+            self.persistent
+            and self._deadline is None
+            and self.line_mode
+            and not self._handlingRequest
             and (self._buffer or self.requests)
         ):
             self._expect_headers()
@@ -424,9 +456,14 @@ class BlazarChannel(HTTPChannel):
         if not self.requests and not self._buffer:
             self.timeoutConnection()  # not a byte of a request: nothing to answer
             return
-        self._refuse_now(Refused(408, "timeout", (
-            f"the request's headers did not arrive within header_timeout_secs = {self.site.header_timeout:g} s"
-        ), code="request_timeout"))
+        self._refuse_now(
+            Refused(
+                408,
+                "timeout",
+                (f"the request's headers did not arrive within header_timeout_secs = {self.site.header_timeout:g} s"),
+                code="request_timeout",
+            )
+        )
 
     def allHeadersReceived(self) -> None:
         self._cancel_deadline()
@@ -449,10 +486,17 @@ class BlazarChannel(HTTPChannel):
         if now < due:
             self._deadline = site.reactor.callLater(due - now, self._body_check)
             return
-        self._refuse_now(Refused(408, "timeout", (
-            f"the request body came slower than body_min_bytes_per_sec = {site.body_min_rate} "
-            f"(after the first header_timeout_secs = {site.header_timeout:g} s)"
-        ), code="request_timeout"))
+        self._refuse_now(
+            Refused(
+                408,
+                "timeout",
+                (
+                    f"the request body came slower than body_min_bytes_per_sec = {site.body_min_rate} "
+                    f"(after the first header_timeout_secs = {site.header_timeout:g} s)"
+                ),
+                code="request_timeout",
+            )
+        )
 
     def rawDataReceived(self, data: bytes) -> None:
         if not self._handlingRequest:
@@ -480,14 +524,26 @@ class BlazarChannel(HTTPChannel):
 
     def _head_too_large(self) -> None:
         if self.requests and hasattr(self, "_command"):
-            self._refuse_now(Refused(431, "headers_too_large", (
-                f"request headers too large: at most {self.totalHeadersSize} bytes "
-                f"and {self.maxHeaders} header lines"
-            ), code="request_header_fields_too_large"))
+            self._refuse_now(
+                Refused(
+                    431,
+                    "headers_too_large",
+                    (
+                        f"request headers too large: at most {self.totalHeadersSize} bytes "
+                        f"and {self.maxHeaders} header lines"
+                    ),
+                    code="request_header_fields_too_large",
+                )
+            )
         else:
-            self._answer_raw(Refused(414, "headers_too_large", (
-                f"request line too long: at most {self.MAX_LENGTH} bytes"
-            ), code="uri_too_long"))
+            self._answer_raw(
+                Refused(
+                    414,
+                    "headers_too_large",
+                    (f"request line too long: at most {self.MAX_LENGTH} bytes"),
+                    code="uri_too_long",
+                )
+            )
 
     def _respondToBadRequestAndDisconnect(self) -> None:
         # twisted.web's own refusals (a malformed request line, header or
@@ -549,16 +605,23 @@ class BlazarChannel(HTTPChannel):
         path = getattr(self, "_path", b"").split(b"?", 1)[0]
         problem = describe(refusal)
         status, body = envelope(surface_of(path), problem)
-        self.transport.write(b"".join([  # type: ignore[union-attr]
-            b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)),
-            b"Content-Type: application/json\r\n",
-            TRACE_HEADER + b": " + self.site.new_trace_id().encode("ascii") + b"\r\n",
-            b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body),
-            body,
-        ]))
+        assert self.transport is not None  # a request being read has its connection
+        self.transport.write(
+            b"".join(
+                [
+                    b"HTTP/1.1 %d %s\r\n" % (status, reason_phrase(status)),
+                    b"Content-Type: application/json\r\n",
+                    TRACE_HEADER + b": " + self.site.new_trace_id().encode("ascii") + b"\r\n",
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body),
+                    body,
+                ]
+            )
+        )
         log.info(
-            "{status} before a request: {why} (client {peer})", status=status,
-            why=problem.message, peer=str(self.transport.getPeer()),  # type: ignore[union-attr]
+            "{status} before a request: {why} (client {peer})",
+            status=status,
+            why=problem.message,
+            peer=str(self.transport.getPeer()),
         )
         self.loseConnection()
 
@@ -613,9 +676,17 @@ class BlazarSite(Site):
     protocol = BlazarChannel  # type: ignore[assignment]  # HTTP/1.1 only (no h2 here)
 
     def __init__(
-        self, resource: IResource, *, max_body_bytes: int = 50 * 1024 * 1024, cors_origins: tuple[str, ...] = (),
-        gate: AuthGate | None = None, header_timeout: float = 10.0, body_min_rate: int = 4096,
-        max_connections_per_ip: int = 64, config: Callable[[], Config] | None = None, **kwargs: Any,
+        self,
+        resource: IResource,
+        *,
+        max_body_bytes: int = 50 * 1024 * 1024,
+        cors_origins: tuple[str, ...] = (),
+        gate: AuthGate | None = None,
+        header_timeout: float = 10.0,
+        body_min_rate: int = 4096,
+        max_connections_per_ip: int = 64,
+        config: Callable[[], Config] | None = None,
+        **kwargs: Any,
     ) -> None:
         """
         @param config: The live config (L{blazar.config.LiveConfig}), read
@@ -628,8 +699,11 @@ class BlazarSite(Site):
         super().__init__(resource, **kwargs)
         if config is None:
             fixed = Config(
-                max_body_bytes=max_body_bytes, cors_origins=cors_origins, header_timeout=header_timeout,
-                body_min_bytes_per_sec=body_min_rate, max_connections_per_ip=max_connections_per_ip,
+                max_body_bytes=max_body_bytes,
+                cors_origins=cors_origins,
+                header_timeout=header_timeout,
+                body_min_bytes_per_sec=body_min_rate,
+                max_connections_per_ip=max_connections_per_ip,
             )
             config = lambda: fixed  # noqa: E731
         self.config = config
@@ -689,8 +763,10 @@ class BlazarSite(Site):
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
             "status": 499 if getattr(request, "client_gone", False) else request.code,
-            "ms": round(ms, 1), "bytes": request.sentLength,
-            "key": key.name if key is not None else "", "trace": trace_id_of(context_of(request)),
+            "ms": round(ms, 1),
+            "bytes": request.sentLength,
+            "key": key.name if key is not None else "",
+            "trace": trace_id_of(context_of(request)),
             "model": context_of(request).model or "",
         }
         if context_of(request).sentinel:
@@ -706,8 +782,10 @@ class BlazarSite(Site):
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(
-            RENDERED, rendered=f"{event['method']} {event['path']} {event['status']} {event['bytes']} "
-            f"{event['ms']}ms model={event['model']} key={event['key']} trace={event['trace']}", **event,
+            RENDERED,
+            rendered=f"{event['method']} {event['path']} {event['status']} {event['bytes']} "
+            f"{event['ms']}ms model={event['model']} key={event['key']} trace={event['trace']}",
+            **event,
         )
         if self.audit is not None:
             self.audit.submit(event)

@@ -13,8 +13,8 @@ from typing import Any, Callable
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 
-from blazar.gateway.engine_facts import WholeEvents
 from blazar import strictjson
+from blazar.gateway.engine_facts import WholeEvents
 
 log = Logger()
 
@@ -95,8 +95,11 @@ class SSERelay(_EventBuffer):
     """
 
     def __init__(
-        self, write: Callable[[bytes], None], renamer: ModelRenamer,
-        on_usage: Callable[[int], None] | None = None, hide_usage: bool = False,
+        self,
+        write: Callable[[bytes], None],
+        renamer: ModelRenamer,
+        on_usage: Callable[[int], None] | None = None,
+        hide_usage: bool = False,
         on_timings: Callable[[bytes], None] | None = None,
     ) -> None:
         self._on_timings = on_timings
@@ -131,7 +134,7 @@ class SSERelay(_EventBuffer):
         for event in events.split(b"\n\n"):
             if event.startswith(b"data: {") and b'"usage":{' in event:
                 try:
-                    chunk = json.loads(event[len(b"data: "):])
+                    chunk = json.loads(event[len(b"data: ") :])
                 except ValueError:
                     chunk = {}
                 usage = chunk.get("usage") or {}
@@ -175,7 +178,9 @@ class SSERewriter(_EventBuffer):
     """
 
     def __init__(
-        self, feed: Callable[[bytes], None], rewrite: Callable[[bytes], list[bytes]],
+        self,
+        feed: Callable[[bytes], None],
+        rewrite: Callable[[bytes], list[bytes]],
         wants: Callable[[bytes], bool] | None = None,
     ) -> None:
         self._feed = feed

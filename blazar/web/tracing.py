@@ -80,8 +80,13 @@ class Tracing(Service):
     """
 
     def __init__(
-        self, endpoint: str, reactor: Any, metrics: Metrics, exporter: SpanExporter | None = None,
-        interval: float = INTERVAL, pool: Any = None,
+        self,
+        endpoint: str,
+        reactor: Any,
+        metrics: Metrics,
+        exporter: SpanExporter | None = None,
+        interval: float = INTERVAL,
+        pool: Any = None,
     ) -> None:
         if exporter is None:
             from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
@@ -92,9 +97,7 @@ class Tracing(Service):
         self._metrics = metrics
         self._interval = interval
         self.queue = BoundedQueue(MAX_QUEUE, metrics)
-        provider = TracerProvider(resource=Resource.create(
-            {"service.name": "blazar", "service.version": __version__}
-        ))
+        provider = TracerProvider(resource=Resource.create({"service.name": "blazar", "service.version": __version__}))
         provider.add_span_processor(self.queue)
         self._tracer = provider.get_tracer("blazar", __version__)
         self._pool = pool if pool is not None else ThreadPool(1, 1, name="blazar-otlp")
@@ -133,7 +136,9 @@ class Tracing(Service):
             attributes["error.type"] = kind
         root = self._tracer.start_span(
             f"{attributes['http.request.method']} {attributes['url.path']}",
-            kind=trace.SpanKind.SERVER, start_time=_ns(started), attributes=attributes,
+            kind=trace.SpanKind.SERVER,
+            start_time=_ns(started),
+            attributes=attributes,
         )
         context = trace.set_span_in_context(root)
         for name, (start, stop) in context_of(request).spans.items():
@@ -148,9 +153,7 @@ class Tracing(Service):
         self._pool.start()
         self._job = LoopingCall(self.export)
         self._job.clock = self._reactor
-        self._job.start(self._interval, now=False).addErrback(
-            lambda f: log.failure("trace export job stopped", f)
-        )
+        self._job.start(self._interval, now=False).addErrback(lambda f: log.failure("trace export job stopped", f))
 
     def export(self) -> Deferred[Any]:
         """

@@ -18,7 +18,10 @@ CHAT = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 8
 
 
 async def check_engine_client(
-    client: Any, base_url: str, headers: dict[bytes, list[bytes]], read: Callable[[Any], Awaitable[bytes]],
+    client: Any,
+    base_url: str,
+    headers: dict[bytes, list[bytes]],
+    read: Callable[[Any], Awaitable[bytes]],
 ) -> None:
     """
     @param base_url: The engine's root (C{http://127.0.0.1:PORT}).
@@ -42,8 +45,9 @@ async def check_engine_client(
     response = await client.request("POST", url, json.dumps({**CHAT, "stream": True}).encode(), sent, stream=True)
     assert response.code == 200, response.code
     assert response.headers.getRawHeaders(b"content-type")[0].startswith(b"text/event-stream")
-    events = [line[len("data: "):] for line in (await read(response)).decode().splitlines()
-              if line.startswith("data: ")]
+    events = [
+        line[len("data: ") :] for line in (await read(response)).decode().splitlines() if line.startswith("data: ")
+    ]
     assert events and events[-1] == "[DONE]", events
     chunks = [json.loads(event) for event in events[:-1]]
     assert chunks and all(chunk["object"] == "chat.completion.chunk" for chunk in chunks), chunks

@@ -18,7 +18,6 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.engines import bench
 from blazar.engines.bench import Level, Sample, StreamRecorder
 from blazar.engines.gate import _Child
-
 from tests.typed import StubTreq
 
 
@@ -30,9 +29,11 @@ def text(content: str) -> bytes:
     return chunk(choices=[{"index": 0, "delta": {"content": content}, "finish_reason": None}])
 
 
-USAGE = chunk(choices=[], usage={"prompt_tokens": 100, "completion_tokens": 5,
-                                 "prompt_tokens_details": {"cached_tokens": 20}},
-              timings={"prompt_per_second": 900.5, "predicted_per_second": 55.25})
+USAGE = chunk(
+    choices=[],
+    usage={"prompt_tokens": 100, "completion_tokens": 5, "prompt_tokens_details": {"cached_tokens": 20}},
+    timings={"prompt_per_second": 900.5, "predicted_per_second": 55.25},
+)
 
 
 def scripted(times: list[float]) -> Callable[[], float]:
@@ -45,10 +46,15 @@ class StreamRecorderTests(SynchronousTestCase):
         # one reading of the clock per event: role chunk, 5 texts, the finish, the usage
         recorder = StreamRecorder(scripted([1.0, 1.5, 1.6, 1.7, 1.8, 1.9, 1.95, 2.0]))
         role = chunk(choices=[{"index": 0, "delta": {"role": "assistant", "content": None}}])
-        stream = role + b"".join(text(t) for t in "abcde") + chunk(
-            choices=[{"index": 0, "delta": {}, "finish_reason": "length"}]) + USAGE + b"data: [DONE]\n\n"
+        stream = (
+            role
+            + b"".join(text(t) for t in "abcde")
+            + chunk(choices=[{"index": 0, "delta": {}, "finish_reason": "length"}])
+            + USAGE
+            + b"data: [DONE]\n\n"
+        )
         for i in range(0, len(stream), 7):  # split anywhere
-            recorder.feed(stream[i:i + 7])
+            recorder.feed(stream[i : i + 7])
         sample = recorder.sample(sent=0.5, done=2.1)
         self.assertEqual((sample.first, sample.last), (1.5, 1.9))
         self.assertEqual((sample.prompt_tokens, sample.cached_tokens, sample.completion_tokens), (100, 20, 5))
@@ -61,8 +67,9 @@ class StreamRecorderTests(SynchronousTestCase):
     def test_reasoning_and_tool_call_fragments_are_generated_tokens(self) -> None:
         recorder = StreamRecorder(scripted([1.0, 2.0]))
         recorder.feed(chunk(choices=[{"index": 0, "delta": {"reasoning_content": "hm"}}]))
-        recorder.feed(chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {
-            "arguments": "{"}}]}}]))
+        recorder.feed(
+            chunk(choices=[{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]}}])
+        )
         sample = recorder.sample(0.0, 2.5)
         self.assertEqual((sample.first, sample.last, sample.completion_tokens), (1.0, 2.0, 2))  # counted: no usage
 
@@ -74,8 +81,14 @@ class StreamRecorderTests(SynchronousTestCase):
 
     def test_bad_numbers_are_not_rates(self) -> None:
         recorder = StreamRecorder(scripted([1.0, 1.1]))
-        recorder.feed(text("a") + chunk(choices=[], usage={"prompt_tokens": True, "completion_tokens": -3},
-                                        timings={"prompt_per_second": 0, "predicted_per_second": "fast"}))
+        recorder.feed(
+            text("a")
+            + chunk(
+                choices=[],
+                usage={"prompt_tokens": True, "completion_tokens": -3},
+                timings={"prompt_per_second": 0, "predicted_per_second": "fast"},
+            )
+        )
         sample = recorder.sample(0.0, 1.2)
         self.assertEqual((sample.prompt_tokens, sample.completion_tokens), (None, 1))
         self.assertEqual((sample.engine_pp_tps, sample.engine_gen_tps), (None, None))
@@ -94,8 +107,16 @@ class MathTests(SynchronousTestCase):
     def test_a_level_summarises_its_requests(self) -> None:
         samples = [
             Sample(sent=0.0, first=0.1, last=1.1, done=1.2, prompt_tokens=50, completion_tokens=11),  # 10 tok/s
-            Sample(sent=0.0, first=0.3, last=0.8, done=0.9, prompt_tokens=60, cached_tokens=10,
-                   completion_tokens=11, engine_gen_tps=25.0),  # 20 tok/s
+            Sample(
+                sent=0.0,
+                first=0.3,
+                last=0.8,
+                done=0.9,
+                prompt_tokens=60,
+                cached_tokens=10,
+                completion_tokens=11,
+                engine_gen_tps=25.0,
+            ),  # 20 tok/s
             Sample(sent=0.0, error="HTTP 503: busy"),
         ]
         level = bench.summarise(2, samples, wall=2.0)
@@ -118,8 +139,10 @@ class MathTests(SynchronousTestCase):
         self.assertEqual(a[2:], b[2:])  # the same text after the salt: runs measure the same work
         self.assertEqual(len(a.split(": ", 2)[-1].split()), 50)
         body = bench.request_body("m", a, 16)
-        self.assertEqual((body["stream"], body["stream_options"], body["max_tokens"], body["ignore_eos"]),
-                         (True, {"include_usage": True}, 16, True))
+        self.assertEqual(
+            (body["stream"], body["stream_options"], body["max_tokens"], body["ignore_eos"]),
+            (True, {"include_usage": True}, 16, True),
+        )
 
 
 def level_json(concurrency: int, **figures: Any) -> dict[str, Any]:
@@ -127,12 +150,23 @@ def level_json(concurrency: int, **figures: Any) -> dict[str, Any]:
     return {**base, "requests": 2, **figures}
 
 
-def run(id_: int, engine: str = "llamacpp@a", argv: tuple[str, ...] = ("/bin/llama-server", "-ngl", "5"),
-        levels: list[dict[str, Any]] | None = None, **settings: Any) -> dict[str, Any]:
-    return {"id": id_, "model": "m:latest", "created": 1.0, "engine": engine,
-            "profile": {"argv": list(argv)}, "hardware": {"cpu_physical_cores": 2},
-            "settings": {"prompt_tokens": 512, "max_tokens": 128, "rounds": 2, **settings},
-            "levels": levels or [level_json(1, gen_tps=100.0, ttft_ms=50.0)]}
+def run(
+    id_: int,
+    engine: str = "llamacpp@a",
+    argv: tuple[str, ...] = ("/bin/llama-server", "-ngl", "5"),
+    levels: list[dict[str, Any]] | None = None,
+    **settings: Any,
+) -> dict[str, Any]:
+    return {
+        "id": id_,
+        "model": "m:latest",
+        "created": 1.0,
+        "engine": engine,
+        "profile": {"argv": list(argv)},
+        "hardware": {"cpu_physical_cores": 2},
+        "settings": {"prompt_tokens": 512, "max_tokens": 128, "rounds": 2, **settings},
+        "levels": levels or [level_json(1, gen_tps=100.0, ttft_ms=50.0)],
+    }
 
 
 class CompareTests(SynchronousTestCase):
@@ -161,25 +195,45 @@ class CompareTests(SynchronousTestCase):
         before = run(1)
         after = run(2, engine="llamacpp@b", argv=("/other/llama-server", "-ngl", "99", "-fa", "on"), max_tokens=64)
         after["hardware"] = {"cpu_physical_cores": 16}
-        self.assertEqual(bench.changes(before, after), [
-            "engine: llamacpp@a -> llamacpp@b", "profile: -fa (unset) -> on", "profile: -ngl 5 -> 99",
-            "hardware: changed", "settings: max_tokens 128 -> 64"])
+        self.assertEqual(
+            bench.changes(before, after),
+            [
+                "engine: llamacpp@a -> llamacpp@b",
+                "profile: -fa (unset) -> on",
+                "profile: -ngl 5 -> 99",
+                "hardware: changed",
+                "settings: max_tokens 128 -> 64",
+            ],
+        )
 
     def test_flags_read_values_and_switches(self) -> None:
-        self.assertEqual(bench.flags(["bin", "-m", "/x.gguf", "--jinja", "-ngl", "-1", "--threads", "4",
-                                      "--threads", "8", "--no-webui"]),
-                         {"-m": "/x.gguf", "--jinja": "", "-ngl": "-1", "--threads": "8", "--no-webui": ""})
+        self.assertEqual(
+            bench.flags(
+                ["bin", "-m", "/x.gguf", "--jinja", "-ngl", "-1", "--threads", "4", "--threads", "8", "--no-webui"]
+            ),
+            {"-m": "/x.gguf", "--jinja": "", "-ngl": "-1", "--threads": "8", "--no-webui": ""},
+        )
 
 
 class CheckRunTests(SynchronousTestCase):
     def good(self) -> dict[str, Any]:
-        return {"settings": {"prompt_tokens": 8, "max_tokens": 4, "rounds": 1, "concurrency": [1], "url": "u",
-                             "extra": "dropped"}, "levels": [level_json(1, gen_tps=5.0)]}
+        return {
+            "settings": {
+                "prompt_tokens": 8,
+                "max_tokens": 4,
+                "rounds": 1,
+                "concurrency": [1],
+                "url": "u",
+                "extra": "dropped",
+            },
+            "levels": [level_json(1, gen_tps=5.0)],
+        }
 
     def test_a_run_is_checked_and_trimmed(self) -> None:
         checked = bench.check_run(self.good())
-        self.assertEqual(checked["settings"], {"prompt_tokens": 8, "max_tokens": 4, "rounds": 1,
-                                               "concurrency": [1], "url": "u"})
+        self.assertEqual(
+            checked["settings"], {"prompt_tokens": 8, "max_tokens": 4, "rounds": 1, "concurrency": [1], "url": "u"}
+        )
 
     def test_malformed_runs_are_refused(self) -> None:
         for change in (
@@ -256,8 +310,11 @@ def gateway_app(status: int = 200, busy_after: int | None = None) -> Any:
             request.setResponseCode(status)
             return json.dumps({"error": {"message": "model 'm' not found"}}).encode()
         request.setHeader(b"content-type", b"text/event-stream")
-        return b"".join(text(t) for t in "abc") + chunk(choices=[], usage={
-            "prompt_tokens": 30, "completion_tokens": 3}) + b"data: [DONE]\n\n"
+        return (
+            b"".join(text(t) for t in "abc")
+            + chunk(choices=[], usage={"prompt_tokens": 30, "completion_tokens": 3})
+            + b"data: [DONE]\n\n"
+        )
 
     return app
 
@@ -268,10 +325,21 @@ class DriverTests(SynchronousTestCase):
         ticks = itertools.count()
         said: list[Level] = []
         self.said = said
-        d = Deferred.fromCoroutine(bench.run_bench(
-            http, "http://gw/v1/chat/completions", "m", levels, rounds=2, prompt_tokens=5, max_tokens=3,
-            clock=Clock(), now=lambda: next(ticks) * 0.01, headers={"authorization": "Bearer k"}, say=said.append,
-        ))
+        d = Deferred.fromCoroutine(
+            bench.run_bench(
+                http,
+                "http://gw/v1/chat/completions",
+                "m",
+                levels,
+                rounds=2,
+                prompt_tokens=5,
+                max_tokens=3,
+                clock=Clock(),
+                now=lambda: next(ticks) * 0.01,
+                headers={"authorization": "Bearer k"},
+                say=said.append,
+            )
+        )
         for _ in range(50):
             if d.called:
                 break
@@ -296,8 +364,9 @@ class DriverTests(SynchronousTestCase):
 
     def test_a_level_whose_every_request_fails_fails_the_run_with_the_first_error(self) -> None:
         failure = self.failureResultOf(self.drive(gateway_app(busy_after=1), [1]), bench.BenchFailed)
-        self.assertEqual(str(failure.value), "every request at concurrency 1 failed, the first with: "
-                                             "HTTP 503: all slots are busy")
+        self.assertEqual(
+            str(failure.value), "every request at concurrency 1 failed, the first with: HTTP 503: all slots are busy"
+        )
 
     def test_some_failed_requests_are_counted_not_measured(self) -> None:
         (level,) = self.successResultOf(self.drive(gateway_app(busy_after=2), [2]))

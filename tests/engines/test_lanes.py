@@ -13,17 +13,25 @@ import pytest
 from blazar.config import CommandLane, ConfigError, parse_config
 from blazar.engines.lanes import LaneError, lane_argv, lane_error_text, route
 from blazar.models.formats import thd_model_format
-
 from tests.typed import not_none
 
-VLLM = ('[engines.vllm]\ncommand = ["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]\n'
-        'formats = ["safetensors", "awq"]\n')
+VLLM = (
+    '[engines.vllm]\ncommand = ["vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"]\n'
+    'formats = ["safetensors", "awq"]\n'
+)
 
 
 def test_lanes_in_the_config() -> None:
     config = parse_config(VLLM + '[models."q"]\npath = "/m/q"\nengine = "vllm"\n')
-    assert config.lanes == (CommandLane("vllm", ("vllm", "serve", "{model}", "--port", "{port}", "--api-key",
-                                                 "{api_key}"), "/health", ("safetensors", "awq"), "openai"),)
+    assert config.lanes == (
+        CommandLane(
+            "vllm",
+            ("vllm", "serve", "{model}", "--port", "{port}", "--api-key", "{api_key}"),
+            "/health",
+            ("safetensors", "awq"),
+            "openai",
+        ),
+    )
     assert config.models["q:latest"].engine == "vllm"
     for bad, needle in (
         ('[engines.x]\ncommand = ["srv"]\n', "{port}"),
@@ -51,10 +59,21 @@ def test_routing_by_pin_then_format() -> None:
 
 
 def test_the_argv_is_filled_in() -> None:
-    lane = CommandLane("x", ("srv", "--model={model}", "--port", "{port}", "-k", "{api_key}", "{alias}",
-                             "{ctx_size}x{parallel}", "{host}"))
+    lane = CommandLane(
+        "x",
+        ("srv", "--model={model}", "--port", "{port}", "-k", "{api_key}", "{alias}", "{ctx_size}x{parallel}", "{host}"),
+    )
     assert lane_argv(lane, model="/m", port=5, api_key="s", alias="a:latest", ctx_size=512, parallel=2) == [
-        "srv", "--model=/m", "--port", "5", "-k", "s", "a:latest", "512x2", "127.0.0.1"]
+        "srv",
+        "--model=/m",
+        "--port",
+        "5",
+        "-k",
+        "s",
+        "a:latest",
+        "512x2",
+        "127.0.0.1",
+    ]
 
 
 def test_formats(tmp_path: Path) -> None:

@@ -4,11 +4,16 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import ModelConfig, parse_config
 from blazar.engines.llamacpp import (
-    EngineNotFound, build_command, find_binary, find_quantize, lora_flags, sees_images,
+    EngineNotFound,
+    build_command,
+    find_binary,
+    find_quantize,
+    lora_flags,
+    sees_images,
 )
 from blazar.models.gguf_meta import GGUFMetadata
-from blazar.models.registry import ModelEntry
 from blazar.models.quantize import QuantizeError
+from blazar.models.registry import ModelEntry
 
 META = GGUFMetadata("llama", 32768, 2, 64, 4, 4, 0, True, None, 1000)
 
@@ -21,7 +26,11 @@ class BuildCommandTests(SynchronousTestCase):
     def command(self, settings: ModelConfig = ModelConfig(), meta: GGUFMetadata = META, config_text: str = ""):
         entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=settings)
         return build_command(
-            Path("/bin/llama-server"), entry, meta, port=4321, api_key="k3y",
+            Path("/bin/llama-server"),
+            entry,
+            meta,
+            port=4321,
+            api_key="k3y",
             config=parse_config(config_text),
         )
 
@@ -77,14 +86,15 @@ class BuildCommandTests(SynchronousTestCase):
         argv = self.command(ModelConfig(embedding=True), meta=meta).argv
         self.assertNotIn("--pooling", argv)
 
-
     def test_the_launch_profile_from_the_models_keys(self) -> None:
         config = parse_config(
             '[models."m"]\ngpu_layers = 20\nmain_gpu = 1\ntensor_split = [3, 1]\ncache_type_k = "q8_0"\n'
-            'cache_type_v = "q4_0"\nflash_attn = "on"\nthreads = 6\nn_cpu_moe = 2\nuse_mmap = false\n')
+            'cache_type_v = "q4_0"\nflash_attn = "on"\nthreads = 6\nn_cpu_moe = 2\nuse_mmap = false\n'
+        )
         argv = self.command(config.models["m:latest"]).argv
-        self.assertEqual((flag(argv, "-ngl"), flag(argv, "--main-gpu"), flag(argv, "--tensor-split")),
-                         ("20", "1", "3,1"))
+        self.assertEqual(
+            (flag(argv, "-ngl"), flag(argv, "--main-gpu"), flag(argv, "--tensor-split")), ("20", "1", "3,1")
+        )
         self.assertEqual((flag(argv, "-ctk"), flag(argv, "-ctv"), flag(argv, "-fa")), ("q8_0", "q4_0", "on"))
         self.assertEqual((flag(argv, "--threads"), flag(argv, "-ncmoe")), ("6", "2"))
         self.assertEqual(flag(argv, "--load-mode"), "none")
@@ -100,8 +110,16 @@ class BuildCommandTests(SynchronousTestCase):
     def test_profile_keys_are_checked(self) -> None:
         from blazar.config import ConfigError
 
-        for bad in ('gpu_layers = -1', 'gpu_layers = "all"', 'tensor_split = []', 'tensor_split = [0, 0]',
-                    'cache_type_k = "q3"', 'flash_attn = true', 'threads = 0', 'use_mmap = "no"'):
+        for bad in (
+            "gpu_layers = -1",
+            'gpu_layers = "all"',
+            "tensor_split = []",
+            "tensor_split = [0, 0]",
+            'cache_type_k = "q3"',
+            "flash_attn = true",
+            "threads = 0",
+            'use_mmap = "no"',
+        ):
             with self.assertRaises(ConfigError, msg=bad) as cm:
                 parse_config(f'[models."m"]\n{bad}\n')
             self.assertIn("models.m.", str(cm.exception))
@@ -148,23 +166,36 @@ class LoraFlagsTests(SynchronousTestCase):
     """
 
     def test_adapters_in_order_before_the_operators_args(self) -> None:
-        entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=ModelConfig(args=("--lora", "/x.gguf")),
-                           adapters=((Path("/models/a.gguf"), 1.0), (Path("/models/b.gguf"), 0.5)))
-        argv = build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k",
-                             config=parse_config("")).argv
-        self.assertEqual(argv[argv.index("--lora"):argv.index("--lora") + 4],
-                         ("--lora", "/models/a.gguf", "--lora-scaled", "/models/b.gguf:0.5"))
+        entry = ModelEntry(
+            "m:latest",
+            Path("/models/m.gguf"),
+            settings=ModelConfig(args=("--lora", "/x.gguf")),
+            adapters=((Path("/models/a.gguf"), 1.0), (Path("/models/b.gguf"), 0.5)),
+        )
+        argv = build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k", config=parse_config("")).argv
+        self.assertEqual(
+            argv[argv.index("--lora") : argv.index("--lora") + 4],
+            ("--lora", "/models/a.gguf", "--lora-scaled", "/models/b.gguf:0.5"),
+        )
         self.assertEqual(argv[-2:], ("--lora", "/x.gguf"))  # the operator's own, last
 
     def test_no_adapters_no_flags(self) -> None:
-        argv = build_command(Path("/bin/llama-server"), ModelEntry("m:latest", Path("/m.gguf")), META, port=1,
-                             api_key="k", config=parse_config("")).argv
+        argv = build_command(
+            Path("/bin/llama-server"),
+            ModelEntry("m:latest", Path("/m.gguf")),
+            META,
+            port=1,
+            api_key="k",
+            config=parse_config(""),
+        ).argv
         self.assertNotIn("--lora", argv)
         self.assertNotIn("--lora-scaled", argv)
 
     def test_a_comma_in_a_path_is_quoted(self) -> None:
-        self.assertEqual(lora_flags(((Path("/m/a,b.gguf"), 1.0), (Path('/m/"c,d.gguf'), 2.0))),
-                         ["--lora", '"/m/a,b.gguf"', "--lora-scaled", '"/m/""c,d.gguf":2.0'])
+        self.assertEqual(
+            lora_flags(((Path("/m/a,b.gguf"), 1.0), (Path('/m/"c,d.gguf'), 2.0))),
+            ["--lora", '"/m/a,b.gguf"', "--lora-scaled", '"/m/""c,d.gguf":2.0'],
+        )
         self.assertEqual(lora_flags(((Path("/m/x:y.gguf"), 1.0),)), ["--lora", "/m/x:y.gguf"])
 
 
@@ -188,7 +219,9 @@ class FindQuantizeTests(SynchronousTestCase):
         quantize.chmod(0o755)
         config = parse_config(f'[engines.llamacpp]\nbinary = "{binary}"')
         self.assertEqual(find_quantize(config, {}), quantize)
-        link = Path(self.mktemp()).absolute() / "llama-server"  # a server reached through a link: beside the file it names
+        link = (
+            Path(self.mktemp()).absolute() / "llama-server"
+        )  # a server reached through a link: beside the file it names
         link.parent.mkdir()
         link.symlink_to(binary)
         self.assertEqual(find_quantize(parse_config(f'[engines.llamacpp]\nbinary = "{link}"'), {}), quantize)
@@ -211,8 +244,9 @@ class ProjectorTests(SynchronousTestCase):
     """
 
     def command(self, entry: ModelEntry, config_text: str = ""):
-        return build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k",
-                             config=parse_config(config_text)).argv
+        return build_command(
+            Path("/bin/llama-server"), entry, META, port=1, api_key="k", config=parse_config(config_text)
+        ).argv
 
     def test_a_projector_is_mmproj(self) -> None:
         entry = ModelEntry("m:latest", Path("/models/m.gguf"), projector=Path("/models/mmproj-m.gguf"))
@@ -224,9 +258,12 @@ class ProjectorTests(SynchronousTestCase):
 
     def test_no_projector_for_embeddings_or_with_no_mmproj(self) -> None:
         projector = Path("/models/mmproj-m.gguf")
-        for settings, config in [(ModelConfig(embedding=True), ""), (ModelConfig(rerank=True), ""),
-                                 (ModelConfig(args=("--no-mmproj",)), ""),
-                                 (ModelConfig(), '[engines.llamacpp]\nargs = ["--no-mmproj"]')]:
+        for settings, config in [
+            (ModelConfig(embedding=True), ""),
+            (ModelConfig(rerank=True), ""),
+            (ModelConfig(args=("--no-mmproj",)), ""),
+            (ModelConfig(), '[engines.llamacpp]\nargs = ["--no-mmproj"]'),
+        ]:
             entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=settings, projector=projector)
             self.assertNotIn("--mmproj", self.command(entry, config))
             self.assertFalse(sees_images(entry, META, parse_config(config)))

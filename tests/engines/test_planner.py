@@ -40,8 +40,16 @@ from blazar.models.testmodel import make_test_model
 
 def need(measured: int = 0, **kw: Any) -> ModelNeed:
     values: dict[str, Any] = dict(
-        name="m", layer_weights=(100 * MiB,) * 10, layer_kv=(10 * MiB,) * 10, output=50 * MiB, input=20 * MiB,
-        compute=100 * MiB, overhead=0, measured=measured, ctx_size=4096, parallel=4,
+        name="m",
+        layer_weights=(100 * MiB,) * 10,
+        layer_kv=(10 * MiB,) * 10,
+        output=50 * MiB,
+        input=20 * MiB,
+        compute=100 * MiB,
+        overhead=0,
+        measured=measured,
+        ctx_size=4096,
+        parallel=4,
     )
     values.update(kw)
     return ModelNeed(**values)
@@ -78,15 +86,27 @@ class PlacementTests(SynchronousTestCase):
             # 800 MiB: compute 100, room for the largest CPU layer's weights
             # (op offload) 100, the output layer 50 and 5 blocks of 110
             ("too small: partial", [gpu(0, 800)], Wishes(), ((0,), (), 6, ())),
-            ("main_gpu too small: partial there, no split", [gpu(0, 800), gpu(1, 800)], Wishes(main_gpu=0),
-             ((0,), (), 6, ())),
+            (
+                "main_gpu too small: partial there, no split",
+                [gpu(0, 800), gpu(1, 800)],
+                Wishes(main_gpu=0),
+                ((0,), (), 6, ()),
+            ),
             ("split evenly", [gpu(0, 800), gpu(1, 800)], Wishes(), ((0, 1), (5.0, 6.0), 11, ())),
             ("split by room", [gpu(0, 600), gpu(1, 1100)], Wishes(), ((0, 1), (3.0, 8.0), 11, ())),
             ("the fewest GPUs", [gpu(0, 100), gpu(1, 800), gpu(2, 800)], Wishes(), ((1, 2), (5.0, 6.0), 11, ())),
-            ("tensor_split as llama.cpp splits", [gpu(0, 2048), gpu(1, 2048)], Wishes(tensor_split=(1.0, 1.0)),
-             ((0, 1), (6.0, 5.0), 11, ())),
-            ("tensor_split leaving a GPU out", [gpu(0, 2048), gpu(1, 2048)], Wishes(tensor_split=(0.0, 1.0)),
-             ((1,), (), 11, ())),
+            (
+                "tensor_split as llama.cpp splits",
+                [gpu(0, 2048), gpu(1, 2048)],
+                Wishes(tensor_split=(1.0, 1.0)),
+                ((0, 1), (6.0, 5.0), 11, ()),
+            ),
+            (
+                "tensor_split leaving a GPU out",
+                [gpu(0, 2048), gpu(1, 2048)],
+                Wishes(tensor_split=(0.0, 1.0)),
+                ((1,), (), 11, ()),
+            ),
             ("gpu_layers", [gpu(0, 2048)], Wishes(gpu_layers=4), ((0,), (), 4, ())),
             ("gpu_layers above the model's", [gpu(0, 2048)], Wishes(gpu_layers=99), ((0,), (), 11, ())),
             ("gpu_layers 0", [gpu(0, 2048)], Wishes(gpu_layers=0), ((), (), 0, ())),
@@ -134,8 +154,9 @@ class PlacementTests(SynchronousTestCase):
         self.assertEqual(summary(place(need(), [gpu(0, 800)], ram_free=None))[2], 6)
         self.assertEqual(summary(place(need(), [gpu(0, 800)], ram_free=670 * MiB))[2], 6)
         short = refused(self, place(need(), [gpu(0, 800)], ram_free=669 * MiB))
-        self.assertIn("with 6 of its 11 layers on GPU 0 the rest needs 670 MiB of RAM and 669 MiB is free",
-                      short.message)
+        self.assertIn(
+            "with 6 of its 11 layers on GPU 0 the rest needs 670 MiB of RAM and 669 MiB is free", short.message
+        )
 
     def test_split_matches_llamacpp(self) -> None:
         """
@@ -188,16 +209,36 @@ class EvictionTests(SynchronousTestCase):
         cases: list[tuple[str, list[GPUFree], list[Loaded], Wishes, tuple[Any, ...]]] = [
             ("LRU", [gpu(0, 800)], [a, b], Wishes(), ((0,), (), 11, ("b", "a"))),
             ("pinned last", [gpu(0, 800)], [pinned, a, b], Wishes(), ((0,), (), 11, ("b", "a"))),
-            ("pinned when needed, and only what is needed", [gpu(0, 800)], [small, pinned], Wishes(),
-             ((0,), (), 11, ("pinned",))),
+            (
+                "pinned when needed, and only what is needed",
+                [gpu(0, 800)],
+                [small, pinned],
+                Wishes(),
+                ((0,), (), 11, ("pinned",)),
+            ),
             ("busy never", [gpu(0, 800)], [busy], Wishes(), ((0,), (), 6, ())),
             ("not for a partial offload", [gpu(0, 500)], [a], Wishes(), ((0,), (), 3, ())),
-            ("not from a GPU it may not use", [gpu(0, 800), gpu(1, 100)], [elsewhere], Wishes(devices=(0,)),
-             ((0,), (), 6, ())),
-            ("from another GPU when that one then holds it", [gpu(0, 800), gpu(1, 100)], [elsewhere], Wishes(),
-             ((1,), (), 11, ("elsewhere",))),
-            ("for an explicit gpu_layers", [gpu(0, 800)], [Loaded("c", {0: 500 * MiB})], Wishes(gpu_layers=11),
-             ((0,), (), 11, ("c",))),
+            (
+                "not from a GPU it may not use",
+                [gpu(0, 800), gpu(1, 100)],
+                [elsewhere],
+                Wishes(devices=(0,)),
+                ((0,), (), 6, ()),
+            ),
+            (
+                "from another GPU when that one then holds it",
+                [gpu(0, 800), gpu(1, 100)],
+                [elsewhere],
+                Wishes(),
+                ((1,), (), 11, ("elsewhere",)),
+            ),
+            (
+                "for an explicit gpu_layers",
+                [gpu(0, 800)],
+                [Loaded("c", {0: 500 * MiB})],
+                Wishes(gpu_layers=11),
+                ((0,), (), 11, ("c",)),
+            ),
             ("nothing to evict when it fits", [gpu(0, 2048)], [a, b], Wishes(), ((0,), (), 11, ())),
         ]
         for label, gpus, loaded, wishes, expected in cases:
@@ -231,28 +272,76 @@ class NoFitTests(SynchronousTestCase):
         """
         busy = Loaded("big", {0: 1024 * MiB}, ram=GiB, busy=True)
         cases: list[tuple[str, list[GPUFree], Wishes, list[Loaded], int | None, set[str], list[str]]] = [
-            ("too little anywhere", [gpu(0, 100)], Wishes(), [], 100 * MiB,
-             {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "quantization"},
-             ["m does not fit: it needs 1.2 GiB on one GPU (1.0 GiB of weights, 100 MiB of KV cache for ctx_size "
-              "4096 x parallel 4 at f16/f16, 100 MiB of compute buffer), and the most free is 100 MiB on GPU 0, "
-              "with 100 MiB of RAM free", 'lower ctx_size (now 4096) or parallel (now 4) in [models."m"]',
-              'cache_type_k and cache_type_v = "q8_0"', "smaller quantization"]),
-            ("gpu_layers too many", [gpu(0, 800)], Wishes(gpu_layers=11), [], None,
-             {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "gpu_layers", "quantization"},
-             ["with every layer on the GPU", "set gpu_layers lower"]),
-            ("gpu_layers too many, busy model", [gpu(0, 800)], Wishes(gpu_layers=8), [busy], None,
-             {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "gpu_layers", "unload", "quantization"},
-             ["with gpu_layers = 8", "unload another model (blazar evict big)"]),
-            ("RAM short for the CPU part", [gpu(0, 800)], Wishes(), [busy], 100 * MiB,
-             {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"},
-             ["the rest needs 670 MiB of RAM and 100 MiB is free", "blazar evict big"]),
-            ("no GPU, RAM short", [], Wishes(), [], GiB,
-             {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "quantization"},
-             ["on the CPU it needs 1.2 GiB of RAM"]),
-            ("main_gpu not there", [gpu(0, 2048)], Wishes(main_gpu=3), [], None, {"main_gpu"},
-             ["main_gpu = 3 names no GPU it may use (this machine has GPUs 0)", "set main_gpu in"]),
-            ("devices not there", [gpu(0, 2048)], Wishes(devices=(2, 3)), [], None, {"devices"},
-             ["the GPUs it may use (2, 3) are not on this machine (it has GPUs 0)"]),
+            (
+                "too little anywhere",
+                [gpu(0, 100)],
+                Wishes(),
+                [],
+                100 * MiB,
+                {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "quantization"},
+                [
+                    "m does not fit: it needs 1.2 GiB on one GPU (1.0 GiB of weights, 100 MiB of KV cache for ctx_size "
+                    "4096 x parallel 4 at f16/f16, 100 MiB of compute buffer), and the most free is 100 MiB on GPU 0, "
+                    "with 100 MiB of RAM free",
+                    'lower ctx_size (now 4096) or parallel (now 4) in [models."m"]',
+                    'cache_type_k and cache_type_v = "q8_0"',
+                    "smaller quantization",
+                ],
+            ),
+            (
+                "gpu_layers too many",
+                [gpu(0, 800)],
+                Wishes(gpu_layers=11),
+                [],
+                None,
+                {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "gpu_layers", "quantization"},
+                ["with every layer on the GPU", "set gpu_layers lower"],
+            ),
+            (
+                "gpu_layers too many, busy model",
+                [gpu(0, 800)],
+                Wishes(gpu_layers=8),
+                [busy],
+                None,
+                {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "gpu_layers", "unload", "quantization"},
+                ["with gpu_layers = 8", "unload another model (blazar evict big)"],
+            ),
+            (
+                "RAM short for the CPU part",
+                [gpu(0, 800)],
+                Wishes(),
+                [busy],
+                100 * MiB,
+                {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "unload", "quantization"},
+                ["the rest needs 670 MiB of RAM and 100 MiB is free", "blazar evict big"],
+            ),
+            (
+                "no GPU, RAM short",
+                [],
+                Wishes(),
+                [],
+                GiB,
+                {"ctx_size", "parallel", "cache_type_k", "cache_type_v", "quantization"},
+                ["on the CPU it needs 1.2 GiB of RAM"],
+            ),
+            (
+                "main_gpu not there",
+                [gpu(0, 2048)],
+                Wishes(main_gpu=3),
+                [],
+                None,
+                {"main_gpu"},
+                ["main_gpu = 3 names no GPU it may use (this machine has GPUs 0)", "set main_gpu in"],
+            ),
+            (
+                "devices not there",
+                [gpu(0, 2048)],
+                Wishes(devices=(2, 3)),
+                [],
+                None,
+                {"devices"},
+                ["the GPUs it may use (2, 3) are not on this machine (it has GPUs 0)"],
+            ),
         ]
         for label, gpus, wishes, loaded, ram, levers, phrases in cases:
             no = refused(self, place(need(), gpus, wishes=wishes, loaded=loaded, ram_free=ram))
@@ -269,10 +358,26 @@ class NoFitTests(SynchronousTestCase):
 
 def meta(**kw: Any) -> GGUFMetadata:
     values: dict[str, Any] = dict(
-        architecture="llama", context_length=4096, block_count=2, embedding_length=256, head_count=8,
-        head_count_kv=2, file_type=1, has_chat_template=True, pooling_type=None, size=3000,
-        layer_bytes=(1000, 1000), other_bytes=1000, output_bytes=600, input_bytes=400, head_count_max=8,
-        head_counts_kv=(2, 2), key_length=32, value_length=32, feed_forward_length=1024, vocab_size=1000,
+        architecture="llama",
+        context_length=4096,
+        block_count=2,
+        embedding_length=256,
+        head_count=8,
+        head_count_kv=2,
+        file_type=1,
+        has_chat_template=True,
+        pooling_type=None,
+        size=3000,
+        layer_bytes=(1000, 1000),
+        other_bytes=1000,
+        output_bytes=600,
+        input_bytes=400,
+        head_count_max=8,
+        head_counts_kv=(2, 2),
+        key_length=32,
+        value_length=32,
+        feed_forward_length=1024,
+        vocab_size=1000,
     )
     values.update(kw)
     return GGUFMetadata(**values)
@@ -296,8 +401,9 @@ class EstimateTests(SynchronousTestCase):
             estimate = estimate_need("m", meta(), 1024, 2, cache_type_k=k, cache_type_v=v)
             self.assertEqual(estimate.layer_kv, (per_layer,) * 2, (k, v))
             self.assertEqual((estimate.cache_type_k, estimate.cache_type_v), (k, v))
-        smaller = [estimate_need("m", meta(), 1024, 2, cache_type_k=t, cache_type_v=t).total
-                   for t in ("f16", "q8_0", "q4_0")]
+        smaller = [
+            estimate_need("m", meta(), 1024, 2, cache_type_k=t, cache_type_v=t).total for t in ("f16", "q8_0", "q4_0")
+        ]
         self.assertEqual(smaller, sorted(smaller, reverse=True))
         self.assertRaises(ValueError, estimate_need, "m", meta(), 1024, 2, cache_type_k="q2_k")
 
@@ -316,8 +422,7 @@ class EstimateTests(SynchronousTestCase):
             # the window: pad256(min(1024, 128 + 512)) = 768 cells per stream
             ({"swa_layers": (True, False), "sliding_window": 128}, 1024, 2, (1536 * 2 * 128, 2048 * 2 * 128)),
             # no figures at all: n_head_kv falls back to the scalar, head dim to n_embd / n_head
-            ({"head_counts_kv": (), "key_length": None, "value_length": None}, 1024, 1,
-             (1024 * 2 * 128,) * 2),
+            ({"head_counts_kv": (), "key_length": None, "value_length": None}, 1024, 1, (1024 * 2 * 128,) * 2),
         ]
         for overrides, ctx, parallel, kv in cases:
             self.assertEqual(estimate_need("m", meta(**overrides), ctx, parallel).layer_kv, kv, overrides)
@@ -344,14 +449,19 @@ class EstimateTests(SynchronousTestCase):
         at most 10 % above the second.
         """
         smol = meta(embedding_length=576, feed_forward_length=1536, head_count=9, head_count_max=9)
-        for ctx, flash, reported in [(4096, True, 18.64), (16384, True, 30.64), (4096, False, 87.51),
-                                     (16384, False, 327.51)]:
+        for ctx, flash, reported in [
+            (4096, True, 18.64),
+            (16384, True, 30.64),
+            (4096, False, 87.51),
+            (16384, False, 327.51),
+        ]:
             estimate = compute_bytes(smol, ctx, flash) / MiB
             self.assertGreaterEqual(estimate, reported * 0.99, (ctx, flash))
             self.assertLessEqual(estimate, reported * 1.1, (ctx, flash))
         # a micro-batch never exceeds the context; embedding children pass their own
-        self.assertEqual(compute_bytes(smol, 256, True, n_ubatch=DEFAULT_UBATCH),
-                         compute_bytes(smol, 256, True, n_ubatch=256))
+        self.assertEqual(
+            compute_bytes(smol, 256, True, n_ubatch=DEFAULT_UBATCH), compute_bytes(smol, 256, True, n_ubatch=256)
+        )
         self.assertLess(compute_bytes(smol, 4096, True, n_ubatch=128), compute_bytes(smol, 4096, True))
 
     def test_generated_model(self) -> None:

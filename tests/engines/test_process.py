@@ -25,21 +25,27 @@ class ErrorLineTests(SynchronousTestCase):
             "0.00.011.269 E srv    load_model: failed to load model, '/srv/models/secret/alien.gguf'",
             "0.00.012.127 E srv  llama_server: exiting due to model loading error",
         )
-        self.assertEqual(p.error_line(),
-                         "0.00.009.756 E llama_model_load: error loading model: unknown model architecture: 'nosucharch'")
+        self.assertEqual(
+            p.error_line(),
+            "0.00.009.756 E llama_model_load: error loading model: unknown model architecture: 'nosucharch'",
+        )
 
     def test_without_an_error_line_the_last_line(self) -> None:
         self.assertEqual(self.protocol("a", "b").error_line(), "b")
         self.assertEqual(self.protocol().error_line(), "")
 
     def test_paths_lose_their_directories_and_control_characters_go(self) -> None:
-        self.assertEqual(sanitize_line("failed to load model, '/srv/models/secret/alien.gguf'\x1b[0m"),
-                         "failed to load model, 'alien.gguf' [0m")
+        self.assertEqual(
+            sanitize_line("failed to load model, '/srv/models/secret/alien.gguf'\x1b[0m"),
+            "failed to load model, 'alien.gguf' [0m",
+        )
         self.assertEqual(len(sanitize_line("x" * 1000)), 300)
 
     def test_model_names_and_urls_are_left_alone(self) -> None:
-        self.assertEqual(sanitize_line("pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health"),
-                         "pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health")
+        self.assertEqual(
+            sanitize_line("pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health"),
+            "pulling hf.co/user/repo:tag from http://127.0.0.1:5555/health",
+        )
 
 
 class OutputTests(SynchronousTestCase):
@@ -60,21 +66,32 @@ class OutputTests(SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         self.addCleanup(globalLogPublisher.removeObserver, ring)
         protocol = EngineProcessProtocol("m:latest", output=ring.engine_line)
-        protocol.childDataReceived(2, (
-            b"0.00.002.435 I srv  llama_server: initializing\n"
-            b"0.00.005.317 W srv  load_model: no chat template\n"
-            b"0.00.007.468 E srv  load_model: failed to load\nplain line\n"
-        ))
+        protocol.childDataReceived(
+            2,
+            (
+                b"0.00.002.435 I srv  llama_server: initializing\n"
+                b"0.00.005.317 W srv  load_model: no chat template\n"
+                b"0.00.007.468 E srv  load_model: failed to load\nplain line\n"
+            ),
+        )
         lines, _ = ring.after(0, "m:latest")
-        self.assertEqual(lines, [
-            "m:latest | 0.00.002.435 I srv  llama_server: initializing",
-            "m:latest | 0.00.005.317 W srv  load_model: no chat template",
-            "m:latest | 0.00.007.468 E srv  load_model: failed to load",
-            "m:latest | plain line",
-        ])  # each once: the logged warning and error are not added again
+        self.assertEqual(
+            lines,
+            [
+                "m:latest | 0.00.002.435 I srv  llama_server: initializing",
+                "m:latest | 0.00.005.317 W srv  load_model: no chat template",
+                "m:latest | 0.00.007.468 E srv  load_model: failed to load",
+                "m:latest | plain line",
+            ],
+        )  # each once: the logged warning and error are not added again
         logged = [(e["log_level"].name, e["line"]) for e in events if e.get("model") == "m:latest"]
-        self.assertEqual(logged, [("warn", "0.00.005.317 W srv  load_model: no chat template"),
-                                  ("error", "0.00.007.468 E srv  load_model: failed to load")])
+        self.assertEqual(
+            logged,
+            [
+                ("warn", "0.00.005.317 W srv  load_model: no chat template"),
+                ("error", "0.00.007.468 E srv  load_model: failed to load"),
+            ],
+        )
         self.flushLoggedErrors()
         self.assertEqual(len(protocol.tail), 4)  # the 502 bodies' tail has every line
 
@@ -101,15 +118,20 @@ class OutputTests(SynchronousTestCase):
         events: list[dict[str, Any]] = []
         globalLogPublisher.addObserver(cast(ILogObserver, events.append))
         self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
-        EngineProcessProtocol("m", output=ring.engine_line).childDataReceived(2, (
-            b"0.09.376.270 W slot   operator(): id 63 | task 1094 | need to evaluate at least 1 token for each "
-            b"active slot (n_past = 21, task.n_tokens() = 21)\n"
-            b"0.09.376.270 W slot   operator(): id 63 | task 1094 | n_past was set to 20\n"
-            b"0.09.376.300 W srv  operator(): slot 3 context shift disabled\n"
-        ))
+        EngineProcessProtocol("m", output=ring.engine_line).childDataReceived(
+            2,
+            (
+                b"0.09.376.270 W slot   operator(): id 63 | task 1094 | need to evaluate at least 1 token for each "
+                b"active slot (n_past = 21, task.n_tokens() = 21)\n"
+                b"0.09.376.270 W slot   operator(): id 63 | task 1094 | n_past was set to 20\n"
+                b"0.09.376.300 W srv  operator(): slot 3 context shift disabled\n"
+            ),
+        )
         self.assertEqual(len(ring.after(0, "m")[0]), 3)
-        self.assertEqual([e["line"] for e in events if e.get("model") == "m"],
-                         ["0.09.376.300 W srv  operator(): slot 3 context shift disabled"])
+        self.assertEqual(
+            [e["line"] for e in events if e.get("model") == "m"],
+            ["0.09.376.300 W srv  operator(): slot 3 context shift disabled"],
+        )
 
 
 class CancelledTaskTests(SynchronousTestCase):
@@ -125,16 +147,21 @@ class CancelledTaskTests(SynchronousTestCase):
     def test_a_stopped_tasks_tokens(self) -> None:
         protocol = EngineProcessProtocol("m:latest", output=lambda model, line: None)
         first, second = protocol.next_cancelled(), protocol.next_cancelled()
-        self.feed(protocol,
-                  "0.00.571.495 I slot launch_slot_: id  1 | task 5 | processing task, is_child = 0",
-                  # a task that ends normally is no one's report
-                  "0.00.600.000 I slot      release: id  0 | task 4 | stop processing: n_tokens = 32, truncated = 0",
-                  "0.03.071.465 W srv          stop: cancel task, id_task = 5",
-                  "0.03.086.475 I slot      release: id  1 | task 5 | stop processing: n_tokens = 178, truncated = 0")
+        self.feed(
+            protocol,
+            "0.00.571.495 I slot launch_slot_: id  1 | task 5 | processing task, is_child = 0",
+            # a task that ends normally is no one's report
+            "0.00.600.000 I slot      release: id  0 | task 4 | stop processing: n_tokens = 32, truncated = 0",
+            "0.03.071.465 W srv          stop: cancel task, id_task = 5",
+            "0.03.086.475 I slot      release: id  1 | task 5 | stop processing: n_tokens = 178, truncated = 0",
+        )
         self.assertEqual(self.successResultOf(first), 178)
         self.assertNoResult(second)
-        self.feed(protocol, "0.04.000.000 W srv          stop: cancel task, id_task = 9",
-                  "0.04.000.100 I slot      release: id  0 | task 9 | stop processing: n_tokens = 40, truncated = 0")
+        self.feed(
+            protocol,
+            "0.04.000.000 W srv          stop: cancel task, id_task = 9",
+            "0.04.000.100 I slot      release: id  0 | task 9 | stop processing: n_tokens = 40, truncated = 0",
+        )
         self.assertEqual(self.successResultOf(second), 40)
 
     def test_a_wait_given_up_is_not_served(self) -> None:
@@ -142,13 +169,19 @@ class CancelledTaskTests(SynchronousTestCase):
         gone, kept = protocol.next_cancelled(), protocol.next_cancelled()
         gone.cancel()
         self.failureResultOf(gone)
-        self.feed(protocol, "W srv          stop: cancel task, id_task = 2",
-                  "I slot      release: id  1 | task 2 | stop processing: n_tokens = 12, truncated = 0")
+        self.feed(
+            protocol,
+            "W srv          stop: cancel task, id_task = 2",
+            "I slot      release: id  1 | task 2 | stop processing: n_tokens = 12, truncated = 0",
+        )
         self.assertEqual(self.successResultOf(kept), 12)
 
     def test_a_task_stopped_before_it_had_a_slot_reports_nothing(self) -> None:
         protocol = EngineProcessProtocol("m:latest", output=lambda model, line: None)
         waiting = protocol.next_cancelled()
-        self.feed(protocol, "W srv          stop: cancel task, id_task = 3",
-                  "I slot      release: id  1 | task 4 | stop processing: n_tokens = 12, truncated = 0")
+        self.feed(
+            protocol,
+            "W srv          stop: cancel task, id_task = 3",
+            "I slot      release: id  1 | task 4 | stop processing: n_tokens = 12, truncated = 0",
+        )
         self.assertNoResult(waiting)

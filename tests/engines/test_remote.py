@@ -26,8 +26,10 @@ PEER = '[[remotes]]\nname = "peer"\nbase_url = "http://10.0.0.2:8080/v1/"\napi_k
 class RemoteConfigTests(SynchronousTestCase):
     def test_defaults_and_root(self) -> None:
         (remote,) = parse_config(PEER).remotes
-        self.assertEqual((remote.name, remote.api, remote.models, remote.max_concurrent, remote.timeout),
-                         ("peer", "openai", ("*",), 4, 120.0))
+        self.assertEqual(
+            (remote.name, remote.api, remote.models, remote.max_concurrent, remote.timeout),
+            ("peer", "openai", ("*",), 4, 120.0),
+        )
         self.assertEqual(remote.root, "http://10.0.0.2:8080")
         self.assertNotIn("sk-peer", repr(remote))
 
@@ -35,11 +37,14 @@ class RemoteConfigTests(SynchronousTestCase):
         config = parse_config(
             '[[remotes]]\nname = "claude"\nbase_url = "https://api.anthropic.com"\napi = "anthropic"\n'
             'api_key_env = "ANTHROPIC_API_KEY"\nmodels = ["claude-sonnet-4-5"]\nmax_concurrent = 8\n'
-            'timeout_secs = 30\n')
+            "timeout_secs = 30\n"
+        )
         remote = config.remote("Claude")
         assert remote is not None
-        self.assertEqual((remote.api, remote.models, remote.max_concurrent, remote.timeout, remote.root),
-                         ("anthropic", ("claude-sonnet-4-5",), 8, 30.0, "https://api.anthropic.com"))
+        self.assertEqual(
+            (remote.api, remote.models, remote.max_concurrent, remote.timeout, remote.root),
+            ("anthropic", ("claude-sonnet-4-5",), 8, 30.0, "https://api.anthropic.com"),
+        )
         self.assertEqual(remote.key({"ANTHROPIC_API_KEY": "k-1"}), "k-1")
         self.assertIsNone(remote.key({}))
 
@@ -65,13 +70,16 @@ class RemoteConfigTests(SynchronousTestCase):
         openai = RemoteConfig("p", "http://x", api_key="sk-1")
         self.assertEqual(auth_headers(openai, {}), {b"authorization": [b"Bearer sk-1"]})
         claude = RemoteConfig("c", "http://x", api="anthropic", api_key_env="K")
-        self.assertEqual(auth_headers(claude, {"K": "ak"}), {b"anthropic-version": [b"2023-06-01"], b"x-api-key": [b"ak"]})
+        self.assertEqual(
+            auth_headers(claude, {"K": "ak"}), {b"anthropic-version": [b"2023-06-01"], b"x-api-key": [b"ak"]}
+        )
         self.assertEqual(auth_headers(RemoteConfig("o", "http://x", api="ollama"), {}), {})
 
     def test_scrub(self) -> None:
         remote = RemoteConfig("p", "http://x", api_key="sk-secret-1")
-        self.assertEqual(scrub("Incorrect API key provided: sk-secret-1.", remote, {}),
-                         "Incorrect API key provided: [redacted].")
+        self.assertEqual(
+            scrub("Incorrect API key provided: sk-secret-1.", remote, {}), "Incorrect API key provided: [redacted]."
+        )
         self.assertEqual(scrub("BEARER SK-SECRET-1", remote, {}), "BEARER [redacted]")
         self.assertEqual(scrub_bytes(b'{"e":"sk-secret-1"}', remote, {}), b'{"e":"[redacted]"}')
 
@@ -85,7 +93,7 @@ class RemoteConfigTests(SynchronousTestCase):
         self.assertEqual(listed_models(b'{"object":"list","data":[{"id":"b"},{"id":"a"},{"x":1}]}'), ("a", "b"))
         self.assertEqual(listed_models(b'{"models":[{"name":"llama3:8b"}]}'), ("llama3:8b",))
         with self.assertRaises(ValueError):
-            listed_models(b'[]')
+            listed_models(b"[]")
 
 
 class RegistryTests(SynchronousTestCase):
@@ -93,8 +101,10 @@ class RegistryTests(SynchronousTestCase):
         self.root = Path(self.mktemp())
         self.root.mkdir()
         (self.root / "peer.gguf").write_bytes(b"GGUF")  # a local model that an Ollama name:tag would also hit
-        self.config = parse_config(f'models_dir = "{self.root}"\n' + PEER.replace("/v1/", "") + 'models = ["tiny"]\n'
-                                   '[[remotes]]\nname = "any"\nbase_url = "http://h"\n')
+        self.config = parse_config(
+            f'models_dir = "{self.root}"\n' + PEER.replace("/v1/", "") + 'models = ["tiny"]\n'
+            '[[remotes]]\nname = "any"\nbase_url = "http://h"\n'
+        )
         self.registry = ModelRegistry(self.config, fake_process_reactor())
 
     def resolve(self, name: str) -> Any:
@@ -102,8 +112,9 @@ class RegistryTests(SynchronousTestCase):
 
     def test_remote_names_first(self) -> None:
         entry = self.resolve("peer:tiny")
-        self.assertEqual((entry.name, entry.format, entry.remote, entry.remote_model), ("peer:tiny", "remote", "peer",
-                                                                                       "tiny"))
+        self.assertEqual(
+            (entry.name, entry.format, entry.remote, entry.remote_model), ("peer:tiny", "remote", "peer", "tiny")
+        )
         self.assertEqual(self.resolve("peer").name, "peer:latest")  # the local file, by its own name
         self.registry.note_listed("any", ("whatever/model-1",))
         self.assertEqual(self.resolve("any:whatever/model-1").remote_model, "whatever/model-1")
@@ -166,13 +177,17 @@ class CatalogTests(SynchronousTestCase):
         self.assertEqual(len(answers), 2)
 
     def test_other_lanes_models_are_not_listed(self) -> None:
-        body = (b'{"data":[{"id":"tiny:latest","kind":"chat"},{"id":"w","kind":"transcription"},'
-                b'{"id":"i","kind":"image"},{"id":"r","kind":"rerank"},{"id":"e","kind":"embedding"}]}')
+        body = (
+            b'{"data":[{"id":"tiny:latest","kind":"chat"},{"id":"w","kind":"transcription"},'
+            b'{"id":"i","kind":"image"},{"id":"r","kind":"rerank"},{"id":"e","kind":"embedding"}]}'
+        )
         self.assertEqual(listed_models(body), ("e", "tiny:latest"))
 
     def test_asks_star_remotes_and_survives_failures(self) -> None:
-        config = parse_config('[[remotes]]\nname = "a"\nbase_url = "http://a/v1"\napi_key = "sk-a-123"\n'
-                              '[[remotes]]\nname = "b"\nbase_url = "http://b"\nmodels = ["x"]\n')
+        config = parse_config(
+            '[[remotes]]\nname = "a"\nbase_url = "http://a/v1"\napi_key = "sk-a-123"\n'
+            '[[remotes]]\nname = "b"\nbase_url = "http://b"\nmodels = ["x"]\n'
+        )
         asked: list[tuple[str, Any]] = []
         answers = [fail(ConnectionRefusedError()), succeed((200, b'{"data":[{"id":"m"}]}'))]
 
@@ -204,7 +219,9 @@ class SupervisorRemoteTests(SynchronousTestCase):
     def test_an_instance_that_never_spawns(self) -> None:
         instance = self.instance()
         self.assertIsInstance(instance, RemoteInstance)
-        self.assertEqual((instance.base_url, instance.lane, instance.state), ("http://10.0.0.2:8080", "remote", "ready"))
+        self.assertEqual(
+            (instance.base_url, instance.lane, instance.state), ("http://10.0.0.2:8080", "remote", "ready")
+        )
         self.assertIs(self.instance(), instance)
         self.assertEqual(self.reactor.spawned, [])
         self.assertEqual(self.supervisor.snapshot(), [])  # not a child: not in /api/ps
@@ -213,8 +230,11 @@ class SupervisorRemoteTests(SynchronousTestCase):
 
     def test_failures_open_its_breaker(self) -> None:
         instance = self.instance()
-        error = self.successResultOf(ensureDeferred(self.supervisor.explain_failure(
-            instance, ConnectionRefusedError("sk-peer-0123456789 refused"))))
+        error = self.successResultOf(
+            ensureDeferred(
+                self.supervisor.explain_failure(instance, ConnectionRefusedError("sk-peer-0123456789 refused"))
+            )
+        )
         self.assertIsInstance(error, EngineCrashed)
         self.assertIn("remote 'peer'", str(error))
         self.assertNotIn("sk-peer-0123456789", str(error))
@@ -240,6 +260,7 @@ class ScopeTests(SynchronousTestCase):
 
         entry = self.successResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "PEER:tiny")))
         self.assertEqual(entry.remote_model, "tiny")
-        failure = self.failureResultOf(ensureDeferred(resolve_in_scope(Request.blazar, registry, "peer:Tiny")),
-                                       ModelNotFound)
+        failure = self.failureResultOf(
+            ensureDeferred(resolve_in_scope(Request.blazar, registry, "peer:Tiny")), ModelNotFound
+        )
         self.assertEqual(failure.value.available, ["peer:tiny"])

@@ -19,7 +19,7 @@ class WholeEventsTests(SynchronousTestCase):
         for size in range(1, len(stream) + 1):
             whole, out = WholeEvents(), b""
             for i in range(0, len(stream), size):
-                out += whole.feed(stream[i:i + size])
+                out += whole.feed(stream[i : i + size])
             self.assertEqual((out, whole.rest()), (stream, b""), size)
 
     def test_the_rest_is_held(self) -> None:
@@ -48,7 +48,7 @@ class SSEEventsTests(SynchronousTestCase):
     def test_payloads_and_crlf_split_between_chunks(self) -> None:
         got: list[bytes] = []
         events = SSEEvents(got.append)
-        for piece in (b"data: {\"a\": 1}\r", b"\n\r", b"\ndata: x\r\ndata: y\r\n\r\n", b"data: [DONE]\n\n"):
+        for piece in (b'data: {"a": 1}\r', b"\n\r", b"\ndata: x\r\ndata: y\r\n\r\n", b"data: [DONE]\n\n"):
             events.feed(piece)
         self.assertEqual(got, [b'{"a": 1}', b"x\ny", b"[DONE]"])
 

@@ -3,8 +3,8 @@ from typing import Any, Callable, cast
 
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.python.failure import Failure
-from twisted.web._newclient import ResponseNeverReceived
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web._newclient import ResponseNeverReceived
 
 from blazar.config import parse_config
 from blazar.engines.supervisor import (
@@ -19,7 +19,6 @@ from blazar.engines.supervisor import (
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import fake_process_reactor
-
 from tests.typed import not_none
 
 
@@ -40,7 +39,10 @@ class SupervisorTests(SynchronousTestCase):
             return self.health
 
         self.supervisor = Supervisor(
-            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe,
+            self.config,
+            ModelRegistry(self.config, self.reactor),
+            self.reactor,
+            probe,
             {"PATH": "/usr/bin", "LLAMA_ARG_THREADS": "99"},
             port_finder=lambda: 5555,
         )
@@ -158,9 +160,6 @@ class SupervisorTests(SynchronousTestCase):
         self.successResultOf(stopped)
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
-
-
-
     def test_a_request_waiting_for_a_child_unloaded_while_loading_gets_the_next(self) -> None:
         """
         A request that waited for a loading child someone unloaded got a
@@ -204,7 +203,6 @@ class SupervisorTests(SynchronousTestCase):
         failure = self.failureResultOf(waiting, UnloadedWhileLoading)
         self.assertIn("send the request again", str(failure.value))
 
-
     def test_a_placement_asked_for_reloads_the_model_with_it(self) -> None:
         """
         Ollama's num_gpu (and main_gpu, num_thread, use_mmap) on a loaded
@@ -247,7 +245,11 @@ class LifecycleTests(SynchronousTestCase):
             return self.health
 
         self.supervisor = Supervisor(
-            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {},
+            self.config,
+            ModelRegistry(self.config, self.reactor),
+            self.reactor,
+            probe,
+            {},
             port_finder=lambda: 5555,
         )
         self.supervisor.startService()
@@ -399,8 +401,13 @@ class CapacityTests(SynchronousTestCase):
             return 200
 
         self.supervisor = Supervisor(
-            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {},
-            port_finder=lambda: 5555, free_memory=lambda: self.free,
+            self.config,
+            ModelRegistry(self.config, self.reactor),
+            self.reactor,
+            probe,
+            {},
+            port_finder=lambda: 5555,
+            free_memory=lambda: self.free,
         )
 
     def load(self, name: str) -> Deferred:
@@ -483,9 +490,15 @@ class ContextPolicyTests(SynchronousTestCase):
         async def probe(url: str) -> int:
             return 200
 
-        return Supervisor(config, ModelRegistry(config, reactor), reactor, probe, {},
-                          port_finder=lambda: 5555,
-                          free_memory=(lambda: cast(int, self.free)) if free is not None else None), reactor
+        return Supervisor(
+            config,
+            ModelRegistry(config, reactor),
+            reactor,
+            probe,
+            {},
+            port_finder=lambda: 5555,
+            free_memory=(lambda: cast(int, self.free)) if free is not None else None,
+        ), reactor
 
     def get(self, supervisor: Supervisor, ctx: int | None = None) -> Deferred:
         return ensureDeferred(supervisor.instance_for("m", ctx))
@@ -687,8 +700,13 @@ class ExitFoundByARequestTests(SynchronousTestCase):
             return 200
 
         return Supervisor(
-            config, ModelRegistry(config, self.reactor), self.reactor, probe, {},
-            port_finder=lambda: 5555, process_alive=self.reactor.process_alive,
+            config,
+            ModelRegistry(config, self.reactor),
+            self.reactor,
+            probe,
+            {},
+            port_finder=lambda: 5555,
+            process_alive=self.reactor.process_alive,
         )
 
     def ready(self) -> Instance:
@@ -697,9 +715,7 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         return self.successResultOf(d)
 
     def crashes(self) -> float | None:
-        return self.supervisor.metrics.registry.get_sample_value(
-            "blazar_engine_crashes_total", {"model": "m:latest"}
-        )
+        return self.supervisor.metrics.registry.get_sample_value("blazar_engine_crashes_total", {"model": "m:latest"})
 
     def test_a_live_child_has_not_exited(self) -> None:
         instance = self.ready()
@@ -760,8 +776,12 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         instance.transport.exit(None, signal=9)
         self.successResultOf(stopped)
         self.assertEqual(self.crashes(), 1)  # a crash, not an eviction
-        evictions = [s for m in self.supervisor.metrics.registry.collect() for s in m.samples
-                     if s.name == "blazar_evictions_total"]
+        evictions = [
+            s
+            for m in self.supervisor.metrics.registry.collect()
+            for s in m.samples
+            if s.name == "blazar_evictions_total"
+        ]
         self.assertEqual(evictions, [])
         self.assertEqual(self.reactor.getDelayedCalls(), [])
 
@@ -773,7 +793,6 @@ class ExitFoundByARequestTests(SynchronousTestCase):
         self.assertEqual(instance.state, InstanceState.STOPPING)
         instance.transport.exit(0)
         self.assertIsNone(self.crashes())
-
 
     def test_a_second_stop_is_the_same_stop(self) -> None:
         """
@@ -804,9 +823,7 @@ class HealthProbeTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
-        config = parse_config(
-            f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n'
-        )
+        config = parse_config(f'models_dir = "{root / "models"}"\n[engines.llamacpp]\nbinary = "/bin/true"\n')
         self.reactor = fake_process_reactor()
         self.pending: list[Deferred[int]] = []
 
@@ -819,8 +836,14 @@ class HealthProbeTests(SynchronousTestCase):
             self.pending.append(d)
             return d
 
-        self.supervisor = Supervisor(config, ModelRegistry(config, self.reactor), self.reactor, probe,
-                                     {"PATH": "/usr/bin"}, port_finder=lambda: 5555)
+        self.supervisor = Supervisor(
+            config,
+            ModelRegistry(config, self.reactor),
+            self.reactor,
+            probe,
+            {"PATH": "/usr/bin"},
+            port_finder=lambda: 5555,
+        )
 
     def probe(self) -> Deferred[bool]:
         instance: Any = type("I", (), {"base_url": "http://127.0.0.1:5555", "health_path": "/health"})()
@@ -909,8 +932,10 @@ class GPUPlacementTests(SynchronousTestCase):
 
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
-        config = parse_config(f'{top}models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
-                              '[engines.llamacpp]\nbinary = "/bin/true"\n')
+        config = parse_config(
+            f'{top}models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
         self.reactor = fake_process_reactor()
 
         self.health = 200
@@ -918,8 +943,9 @@ class GPUPlacementTests(SynchronousTestCase):
         async def probe(url: str) -> int:
             return self.health
 
-        supervisor = Supervisor(config, ModelRegistry(config, self.reactor), self.reactor, probe, {},
-                                port_finder=lambda: 5555)
+        supervisor = Supervisor(
+            config, ModelRegistry(config, self.reactor), self.reactor, probe, {}, port_finder=lambda: 5555
+        )
         supervisor.hardware = lambda: succeed(nvml.thd_census())
         self.asked: list[Path] = []
 
@@ -1034,7 +1060,8 @@ class GPUMemoryTests(SynchronousTestCase):
 
     def vram(self, supervisor: Supervisor, gpu: int) -> float | None:
         return supervisor.metrics.registry.get_sample_value(
-            "blazar_model_vram_bytes", {"model": "m:latest", "gpu": str(gpu)})
+            "blazar_model_vram_bytes", {"model": "m:latest", "gpu": str(gpu)}
+        )
 
     def test_one_gpu_planned_then_measured_then_gone(self) -> None:
         from blazar.testing import GIB, FakeNVML
@@ -1076,8 +1103,9 @@ class GPUMemoryTests(SynchronousTestCase):
         d = ensureDeferred(supervisor.instance_for("m"))
         instance = supervisor.instances()[0]
         self.assertEqual(sorted(instance.plan.gpu_bytes), [0, 1])
-        self.assertEqual([self.vram(supervisor, g) for g in (0, 1)],
-                         [instance.plan.gpu_bytes[0], instance.plan.gpu_bytes[1]])
+        self.assertEqual(
+            [self.vram(supervisor, g) for g in (0, 1)], [instance.plan.gpu_bytes[0], instance.plan.gpu_bytes[1]]
+        )
         # NVML sees it on GPU 0 only: GPU 1 is measured at 0, not left at its plan
         nvml.set_process_memory(not_none(instance.pid), 0, 300 * 2**20)
         self.health = 200
@@ -1085,8 +1113,9 @@ class GPUMemoryTests(SynchronousTestCase):
         self.successResultOf(d)
         self.assertEqual([self.vram(supervisor, g) for g in (0, 1)], [300 * 2**20, None])
         (view,) = supervisor.snapshot()
-        self.assertEqual(view.gpu_memory(), [(0, instance.plan.gpu_bytes[0], 300 * 2**20),
-                                             (1, instance.plan.gpu_bytes[1], 0)])
+        self.assertEqual(
+            view.gpu_memory(), [(0, instance.plan.gpu_bytes[0], 300 * 2**20), (1, instance.plan.gpu_bytes[1], 0)]
+        )
         instance.transport.exit(0)
         self.assertEqual([self.vram(supervisor, g) for g in (0, 1)], [None, None])
 
@@ -1098,8 +1127,9 @@ class GPUMemoryTests(SynchronousTestCase):
         self.reactor.advance(0.05)
         self.assertIsNone(instance.vram_measured)
         (view,) = supervisor.snapshot()
-        self.assertEqual((view.vram_planned, view.vram_measured, view.gpu_memory(), view.gpu_held()),
-                         (None, None, [], {}))
+        self.assertEqual(
+            (view.vram_planned, view.vram_measured, view.gpu_memory(), view.gpu_held()), (None, None, [], {})
+        )
         self.assertNotIn(b"blazar_model_vram_bytes{", supervisor.metrics.render())
         self.assertIn(b"# TYPE blazar_model_vram_bytes gauge", supervisor.metrics.render())
 

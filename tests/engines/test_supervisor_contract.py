@@ -36,7 +36,6 @@ from blazar.engines.supervisor import (
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeInstance, FakeSupervisor, fake_process_reactor
-
 from tests.typed import TestCaseMixin
 
 
@@ -302,6 +301,7 @@ class RealSupervisorContractTests(SupervisorContract, SynchronousTestCase):
             if not self.reactor.process_alive(instance.pid):
                 raise ConnectionRefusedError("127.0.0.1", port)
             if port in self.silent:
+
                 def cancel(d: Deferred[int]) -> None:
                     d.errback(ResponseNeverReceived([Failure(CancelledError())]))
 
@@ -310,8 +310,13 @@ class RealSupervisorContractTests(SupervisorContract, SynchronousTestCase):
 
         self.gone: list[Any] = []
         self.supervisor = Supervisor(
-            config, ModelRegistry(config, self.reactor), self.reactor, probe, {"PATH": "/usr/bin"},
-            port_finder=lambda: next(ports), process_alive=self.reactor.process_alive,
+            config,
+            ModelRegistry(config, self.reactor),
+            self.reactor,
+            probe,
+            {"PATH": "/usr/bin"},
+            port_finder=lambda: next(ports),
+            process_alive=self.reactor.process_alive,
         )
 
     def settle(self) -> None:
@@ -333,8 +338,10 @@ class RealSupervisorContractTests(SupervisorContract, SynchronousTestCase):
 
     def finish_stop(self, instance: Any) -> None:
         self.assertIn("TERM", instance.transport.signals)
-        instance.transport.exit(0 if "KILL" not in instance.transport.signals else None,
-                                signal=9 if "KILL" in instance.transport.signals else None)
+        instance.transport.exit(
+            0 if "KILL" not in instance.transport.signals else None,
+            signal=9 if "KILL" in instance.transport.signals else None,
+        )
 
     def test_kill_instance_sends_sigkill_at_once(self) -> None:
         instance = self.ready()

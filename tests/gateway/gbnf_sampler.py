@@ -31,7 +31,17 @@ UNBOUNDED_EXTRA = 3
 # characters (a class that forgot to refuse them shows it), DEL, and
 # non-ASCII of every UTF-8 length (é: 2 bytes, 中 and U+2028: 3, emoji: 4)
 NEGATED_POOL = tuple(chr(c) for c in range(0x20, 0x7F)) + (
-    "\x00", "\t", "\n", "\x1f", "\x7f", "é", "ß", "中", "\u2028", "😀", "\U0001f9ea",
+    "\x00",
+    "\t",
+    "\n",
+    "\x1f",
+    "\x7f",
+    "é",
+    "ß",
+    "中",
+    "\u2028",
+    "😀",
+    "\U0001f9ea",
 )
 
 MAX_NESTING = 200
@@ -98,7 +108,7 @@ class _Parser:
 
     def _fail(self, what: str) -> GrammarSyntaxError:
         line = self._text.count("\n", 0, self._pos) + 1
-        return GrammarSyntaxError(f"line {line}: {what} at {self._text[self._pos:self._pos + 30]!r}")
+        return GrammarSyntaxError(f"line {line}: {what} at {self._text[self._pos : self._pos + 30]!r}")
 
     def _peek(self) -> str:
         return self._text[self._pos] if self._pos < len(self._text) else ""
@@ -116,12 +126,13 @@ class _Parser:
 
     def _name(self) -> str:
         start = self._pos
-        while self._pos < len(self._text) and (self._text[self._pos].isalnum() and self._text[self._pos].isascii()
-                                               or self._text[self._pos] in "-_"):
+        while self._pos < len(self._text) and (
+            self._text[self._pos].isalnum() and self._text[self._pos].isascii() or self._text[self._pos] in "-_"
+        ):
             self._pos += 1
         if start == self._pos:
             raise self._fail("expected a rule name")
-        return self._text[start:self._pos]
+        return self._text[start : self._pos]
 
     def _int(self) -> int:
         start = self._pos
@@ -129,7 +140,7 @@ class _Parser:
             self._pos += 1
         if start == self._pos:
             raise self._fail("expected a number")
-        return int(self._text[start:self._pos])
+        return int(self._text[start : self._pos])
 
     def _char(self) -> str:
         """
@@ -141,12 +152,12 @@ class _Parser:
         if c != "\\":
             self._pos += 1
             return c
-        kind = self._text[self._pos + 1:self._pos + 2]
+        kind = self._text[self._pos + 1 : self._pos + 2]
         if kind in _SIMPLE_ESCAPES:
             self._pos += 2
             return _SIMPLE_ESCAPES[kind]
         if kind in _HEX_ESCAPES:
-            digits = self._text[self._pos + 2:self._pos + 2 + _HEX_ESCAPES[kind]]
+            digits = self._text[self._pos + 2 : self._pos + 2 + _HEX_ESCAPES[kind]]
             if len(digits) != _HEX_ESCAPES[kind] or any(d not in "0123456789abcdefABCDEF" for d in digits):
                 raise self._fail(f"a \\{kind} escape needs {_HEX_ESCAPES[kind]} hex digits")
             self._pos += 2 + len(digits)
@@ -199,7 +210,7 @@ class _Parser:
                 while self._peek() != "]":
                     low = self._char()
                     high = low
-                    if self._peek() == "-" and self._text[self._pos + 1:self._pos + 2] != "]":
+                    if self._peek() == "-" and self._text[self._pos + 1 : self._pos + 2] != "]":
                         self._pos += 1
                         high = self._char()
                     if ord(high) < ord(low):

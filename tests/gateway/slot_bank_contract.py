@@ -12,7 +12,10 @@ from blazar.gateway.sessions import ISlotBank, SlotActionFailed
 
 
 async def check_slot_bank(
-    bank: Any, instance: Any, fill: Callable[[int], Awaitable[int]], corrupt: Callable[[str], None],
+    bank: Any,
+    instance: Any,
+    fill: Callable[[int], Awaitable[int]],
+    corrupt: Callable[[str], None],
 ) -> None:
     """
     @param fill: Run a request in slot N; the tokens it leaves there.

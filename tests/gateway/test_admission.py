@@ -14,7 +14,6 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
-from blazar.web.client import context_of, parse_deadline_ms, parse_priority
 from blazar.config import Config, KeyConfig, QueueConfig, parse_config
 from blazar.gateway.admission import (
     LONG_PREFILL_BYTES,
@@ -27,6 +26,7 @@ from blazar.gateway.admission import (
     admit_request,
     human_wait,
 )
+from blazar.web.client import context_of, parse_deadline_ms, parse_priority
 
 
 class QueueTestCase(SynchronousTestCase):
@@ -395,8 +395,14 @@ class SnapshotTests(QueueTestCase):
         weights = {"a": 1.0, "b": 3.0}
         for i in range(40):
             key = "ab"[i % 2]
-            self.enqueue(f"{key}{i}", key=key, weight=weights[key],
-                         priority=Priority(i % 3), work=WorkClass(i % 2), deadline=float(i % 7 + 1))
+            self.enqueue(
+                f"{key}{i}",
+                key=key,
+                weight=weights[key],
+                priority=Priority(i % 3),
+                work=WorkClass(i % 2),
+                deadline=float(i % 7 + 1),
+            )
         predicted = [t.trace_id for t in self.queue.order()]
         self.drain()
         self.assertEqual(self.admitted[1:], predicted)

@@ -33,9 +33,13 @@ def test_any_rate_and_layout_becomes_16k_mono() -> None:
         assert abs(w.getnframes() - SAMPLE_RATE * 1.5) < 200
 
 
-@pytest.mark.parametrize("data, reason", [
-    (b"", "empty"), (b"this is plainly text, not audio" * 20, "could not be decoded"),
-])
+@pytest.mark.parametrize(
+    "data, reason",
+    [
+        (b"", "empty"),
+        (b"this is plainly text, not audio" * 20, "could not be decoded"),
+    ],
+)
 def test_what_ffmpeg_cannot_read_is_refused(data: bytes, reason: str) -> None:
     with pytest.raises(AudioUnreadable, match=reason):
         thd_to_wav(data)

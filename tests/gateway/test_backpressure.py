@@ -24,16 +24,16 @@ from twisted.web.iweb import IResponse
 from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request, Site
 
-from blazar.web.client import context_of
 from blazar.config import Config
 from blazar.engines.client import EngineClient
-from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
-from blazar.testing import FakeInstance, FakeSupervisor
+from blazar.engines.supervisor import Instance
+from blazar.engines.supervisor import Supervisor as RealSupervisor
 from blazar.gateway.admission import Admission, WorkClass, admit_request
 from blazar.gateway.backpressure import ClientPacer
 from blazar.gateway.engine_proxy import STREAM_IDLE_TIMEOUT, EngineProxy
-from blazar.engines.supervisor import Instance
-from blazar.engines.supervisor import Supervisor as RealSupervisor
+from blazar.httpbody import BodyIdleTimeout, BodyValve, relay_body
+from blazar.testing import FakeInstance, FakeSupervisor
+from blazar.web.client import context_of
 
 STALL = 3.0
 EVENT = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
@@ -133,9 +133,11 @@ class RelayBackpressureTests(SynchronousTestCase):
         self.clock = Clock()
         self.request, self.client, self.channel = connect(self.clock)
         self.admission = Admission(self.clock, lambda: Config())
-        self.lease = self.successResultOf(Deferred.fromCoroutine(
-            admit_request(self.admission, context_of(self.request), "m", 1, WorkClass.INTERACTIVE, 0)
-        ))
+        self.lease = self.successResultOf(
+            Deferred.fromCoroutine(
+                admit_request(self.admission, context_of(self.request), "m", 1, WorkClass.INTERACTIVE, 0)
+            )
+        )
         self.engine = EngineBody()
         self.instance = FakeInstance("m")
         proxy = EngineProxy(

@@ -21,7 +21,13 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar import store
 from blazar.gateway import batch as batch_mod
 from blazar.gateway.batch import (
-    FILE_MAX_BYTES, BatchConflict, BatchNotFound, BatchRunner, FileNotFound, FileTooLarge, parse_input,
+    FILE_MAX_BYTES,
+    BatchConflict,
+    BatchNotFound,
+    BatchRunner,
+    FileNotFound,
+    FileTooLarge,
+    parse_input,
 )
 from blazar.gateway.errors import BadRequest, Unavailable
 
@@ -31,8 +37,14 @@ E = TypeVar("E", bound=BaseException)
 
 
 def line(custom_id: str, url: str = CHAT, **body: Any) -> bytes:
-    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
-                       "body": {"model": "m", "messages": [{"role": "user", "content": custom_id}], **body}}).encode()
+    return json.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": url,
+            "body": {"model": "m", "messages": [{"role": "user", "content": custom_id}], **body},
+        }
+    ).encode()
 
 
 def jsonl(*lines: bytes) -> bytes:
@@ -49,26 +61,37 @@ class ParseInputTests(SynchronousTestCase):
 
     def test_each_bad_line_is_named_with_its_number(self) -> None:
         content = jsonl(
-            line("a"), b"{not json", b"[1]", json.dumps({"method": "POST", "url": CHAT, "body": {}}).encode(),
-            line("a"), json.dumps({"custom_id": "g", "method": "GET", "url": CHAT, "body": {}}).encode(),
-            line("u", url="/v1/embeddings"), json.dumps({"custom_id": "n", "method": "POST", "url": CHAT}).encode(),
+            line("a"),
+            b"{not json",
+            b"[1]",
+            json.dumps({"method": "POST", "url": CHAT, "body": {}}).encode(),
+            line("a"),
+            json.dumps({"custom_id": "g", "method": "GET", "url": CHAT, "body": {}}).encode(),
+            line("u", url="/v1/embeddings"),
+            json.dumps({"custom_id": "n", "method": "POST", "url": CHAT}).encode(),
             line("s", stream=True),
         )
         _, errors, _ = parse_input(content, CHAT)
-        self.assertEqual([(e["code"], e["line"], e["param"]) for e in errors], [
-            ("invalid_json_line", 2, None), ("invalid_json_line", 3, None),
-            ("missing_required_parameter", 4, "custom_id"), ("duplicate_custom_id", 5, "custom_id"),
-            ("invalid_method", 6, "method"), ("invalid_url", 7, "url"), ("missing_required_parameter", 8, "body"),
-            ("invalid_value", 9, "body.stream"),
-        ])
+        self.assertEqual(
+            [(e["code"], e["line"], e["param"]) for e in errors],
+            [
+                ("invalid_json_line", 2, None),
+                ("invalid_json_line", 3, None),
+                ("missing_required_parameter", 4, "custom_id"),
+                ("duplicate_custom_id", 5, "custom_id"),
+                ("invalid_method", 6, "method"),
+                ("invalid_url", 7, "url"),
+                ("missing_required_parameter", 8, "body"),
+                ("invalid_value", 9, "body.stream"),
+            ],
+        )
         for error in errors:  # OpenAI's BatchError shape
             Batch.model_validate({**_batch_fields(), "errors": {"object": "list", "data": [error]}})
 
     def test_an_empty_file_and_too_many_lines(self) -> None:
         self.assertEqual(parse_input(b"\n\n", CHAT)[1][0]["code"], "empty_file")
         self.patch(batch_mod, "MAX_LINES", 2)
-        self.assertEqual(parse_input(jsonl(line("a"), line("b"), line("c")), CHAT)[1][0]["code"],
-                         "too_many_requests")
+        self.assertEqual(parse_input(jsonl(line("a"), line("b"), line("c")), CHAT)[1][0]["code"], "too_many_requests")
 
     def test_several_models_name_none(self) -> None:
         self.assertIsNone(parse_input(jsonl(line("a"), line("b", model="other")), CHAT)[2])
@@ -121,8 +144,11 @@ class RunnerCase(SynchronousTestCase):
 
     def make_runner(self) -> BatchRunner:
         return BatchRunner(
-            self.clock, lambda f, *args: maybeDeferred(f, self.db, *args), lambda f, *args: maybeDeferred(f, *args),
-            self.send, lambda: self.in_flight,
+            self.clock,
+            lambda f, *args: maybeDeferred(f, self.db, *args),
+            lambda f, *args: maybeDeferred(f, *args),
+            self.send,
+            lambda: self.in_flight,
         )
 
     def ok(self, coroutine: Any) -> Any:
@@ -134,8 +160,11 @@ class RunnerCase(SynchronousTestCase):
     def make_batch(self, n: int = 5, key: str = "alice", endpoint: str = CHAT, **extra: Any) -> dict[str, Any]:
         content = jsonl(*[line(f"req-{i}", url=endpoint) for i in range(n)])
         file = self.ok(self.runner.upload(key, "in.jsonl", "batch", content))
-        return self.ok(self.runner.create(key, {"input_file_id": file["id"], "endpoint": endpoint,
-                                                "completion_window": "24h", **extra}))
+        return self.ok(
+            self.runner.create(
+                key, {"input_file_id": file["id"], "endpoint": endpoint, "completion_window": "24h", **extra}
+            )
+        )
 
     def get(self, batch_id: str, key: str = "alice") -> dict[str, Any]:
         return self.ok(self.runner.batch(key, batch_id))
@@ -149,16 +178,20 @@ class FilesTests(RunnerCase):
     def test_upload_list_retrieve_content_delete(self) -> None:
         made = self.ok(self.runner.upload("alice", "in.jsonl", "batch", b"abc\n"))
         FileObject.model_validate(made)
-        self.assertEqual((made["object"], made["bytes"], made["purpose"], made["filename"], made["created_at"]),
-                         ("file", 4, "batch", "in.jsonl", int(NOW)))
+        self.assertEqual(
+            (made["object"], made["bytes"], made["purpose"], made["filename"], made["created_at"]),
+            ("file", 4, "batch", "in.jsonl", int(NOW)),
+        )
         self.assertTrue(made["id"].startswith("file-"))
         self.assertEqual(self.ok(self.runner.file("alice", made["id"])), made)
         self.assertEqual(self.ok(self.runner.content("alice", made["id"])), b"abc\n")
         listed = self.ok(self.runner.files("alice"))
-        self.assertEqual((listed["object"], [f["id"] for f in listed["data"]], listed["has_more"]),
-                         ("list", [made["id"]], False))
-        self.assertEqual(self.ok(self.runner.delete_file("alice", made["id"])),
-                         {"id": made["id"], "object": "file", "deleted": True})
+        self.assertEqual(
+            (listed["object"], [f["id"] for f in listed["data"]], listed["has_more"]), ("list", [made["id"]], False)
+        )
+        self.assertEqual(
+            self.ok(self.runner.delete_file("alice", made["id"])), {"id": made["id"], "object": "file", "deleted": True}
+        )
         self.fails(self.runner.file("alice", made["id"]), FileNotFound)
 
     def test_another_keys_files_do_not_exist(self) -> None:
@@ -188,8 +221,9 @@ class FilesTests(RunnerCase):
         def full(f: Any, *args: Any) -> Any:
             raise sqlite3.OperationalError("database or disk is full")
 
-        runner = BatchRunner(self.clock, full, lambda f, *args: maybeDeferred(f, *args), self.send,
-                             lambda: self.in_flight)
+        runner = BatchRunner(
+            self.clock, full, lambda f, *args: maybeDeferred(f, *args), self.send, lambda: self.in_flight
+        )
         error = self.fails(runner.upload("alice", "in.jsonl", "batch", b"x\n"), Unavailable)
         self.assertIn("data_dir is full", str(error))
         self.patch(batch_mod, "FILE_MAX_BYTES", 3)
@@ -205,8 +239,9 @@ class CreateTests(RunnerCase):
         Batch.model_validate(made)
         self.assertEqual(made["status"], "in_progress")
         self.assertEqual(made["request_counts"], {"total": 3, "completed": 0, "failed": 0})
-        self.assertEqual((made["created_at"], made["in_progress_at"], made["expires_at"]),
-                         (int(NOW), int(NOW), int(NOW) + 86400))
+        self.assertEqual(
+            (made["created_at"], made["in_progress_at"], made["expires_at"]), (int(NOW), int(NOW), int(NOW) + 86400)
+        )
         self.assertEqual((made["metadata"], made["model"], made["completion_window"]), ({"job": "nightly"}, "m", "24h"))
         self.assertTrue(made["id"].startswith("batch_"))
         self.assertEqual(self.get(made["id"])["id"], made["id"])
@@ -215,8 +250,11 @@ class CreateTests(RunnerCase):
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
         good = {"input_file_id": file["id"], "endpoint": CHAT, "completion_window": "24h"}
         changes: list[tuple[dict[str, Any], str]] = [
-            ({"input_file_id": None}, "input_file_id"), ({"endpoint": "/v1/moderations"}, "endpoint"),
-            ({"completion_window": "48h"}, "completion_window"), ({"metadata": {"k": 1}}, "metadata")]
+            ({"input_file_id": None}, "input_file_id"),
+            ({"endpoint": "/v1/moderations"}, "endpoint"),
+            ({"completion_window": "48h"}, "completion_window"),
+            ({"metadata": {"k": 1}}, "metadata"),
+        ]
         for change, param in changes:
             error = self.fails(self.runner.create("alice", {**good, **change}), BadRequest)
             self.assertEqual(error.param, param)
@@ -227,20 +265,25 @@ class CreateTests(RunnerCase):
 
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
         self.runner.unavailable = "the Batch API cannot run on this daemon: set a shorter data_dir"
-        error = self.fails(self.runner.create("alice", {"input_file_id": file["id"], "endpoint": CHAT,
-                                                        "completion_window": "24h"}), Unavailable)
+        error = self.fails(
+            self.runner.create("alice", {"input_file_id": file["id"], "endpoint": CHAT, "completion_window": "24h"}),
+            Unavailable,
+        )
         self.assertIn("data_dir", str(error))
         self.assertEqual(self.send.calls, [])
 
     def test_another_keys_file_is_404(self) -> None:
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"))))
-        self.fails(self.runner.create("bob", {"input_file_id": file["id"], "endpoint": CHAT,
-                                              "completion_window": "24h"}), FileNotFound)
+        self.fails(
+            self.runner.create("bob", {"input_file_id": file["id"], "endpoint": CHAT, "completion_window": "24h"}),
+            FileNotFound,
+        )
 
     def test_bad_lines_fail_the_batch_at_validation(self) -> None:
         file = self.ok(self.runner.upload("alice", "in.jsonl", "batch", jsonl(line("a"), line("a"))))
-        made = self.ok(self.runner.create("alice", {"input_file_id": file["id"], "endpoint": CHAT,
-                                                    "completion_window": "24h"}))
+        made = self.ok(
+            self.runner.create("alice", {"input_file_id": file["id"], "endpoint": CHAT, "completion_window": "24h"})
+        )
         Batch.model_validate(made)
         self.assertEqual((made["status"], made["failed_at"], made["in_progress_at"]), ("failed", int(NOW), None))
         self.assertEqual(made["errors"]["object"], "list")
@@ -260,8 +303,10 @@ class CreateTests(RunnerCase):
             ids.append(self.make_batch(1)["id"])
             self.clock.advance(1)
         page = self.ok(self.runner.batches("alice", limit=2))
-        self.assertEqual(([b["id"] for b in page["data"]], page["has_more"], page["first_id"], page["last_id"]),
-                         (ids[::-1][:2], True, ids[2], ids[1]))
+        self.assertEqual(
+            ([b["id"] for b in page["data"]], page["has_more"], page["first_id"], page["last_id"]),
+            (ids[::-1][:2], True, ids[2], ids[1]),
+        )
         rest = self.ok(self.runner.batches("alice", after=page["last_id"], limit=2))
         self.assertEqual(([b["id"] for b in rest["data"]], rest["has_more"]), ([ids[0]], False))
 
@@ -279,8 +324,10 @@ class RunTests(RunnerCase):
         self.assertEqual(self.send.custom_ids(), [f"req-{i}" for i in range(5)])
         done = self.get(made["id"])
         Batch.model_validate(done)
-        self.assertEqual((done["status"], done["completed_at"], done["finalizing_at"], done["error_file_id"]),
-                         ("completed", int(NOW), int(NOW), None))
+        self.assertEqual(
+            (done["status"], done["completed_at"], done["finalizing_at"], done["error_file_id"]),
+            ("completed", int(NOW), int(NOW), None),
+        )
         self.assertEqual(done["request_counts"], {"total": 5, "completed": 5, "failed": 0})
         output = self.lines_of(done["output_file_id"])
         self.assertEqual([o["custom_id"] for o in output], [f"req-{i}" for i in range(5)])
@@ -289,8 +336,14 @@ class RunTests(RunnerCase):
         self.assertTrue(first["id"].startswith("batch_req_"))
         self.assertEqual(len({o["id"] for o in output}), 5)
         self.assertEqual(first["error"], None)
-        self.assertEqual(first["response"], {"status_code": 200, "request_id": made["id"] + ".0",
-                                             "body": {"object": "chat.completion", "echo": "req-0"}})
+        self.assertEqual(
+            first["response"],
+            {
+                "status_code": 200,
+                "request_id": made["id"] + ".0",
+                "body": {"object": "chat.completion", "echo": "req-0"},
+            },
+        )
         out_file = self.ok(self.runner.file("alice", done["output_file_id"]))
         self.assertEqual((out_file["purpose"], out_file["filename"]), ("batch_output", f"{made['id']}_output.jsonl"))
         self.fails(self.runner.content("bob", done["output_file_id"]), FileNotFound)
@@ -333,11 +386,28 @@ class RunTests(RunnerCase):
         self.assertEqual(self.get(second["id"], "bob")["status"], "completed")
 
     def test_embeddings_lines(self) -> None:
-        file = self.ok(self.runner.upload("alice", "e.jsonl", "batch", jsonl(json.dumps({
-            "custom_id": "e", "method": "POST", "url": "/v1/embeddings", "body": {"model": "m", "input": "hi"},
-        }).encode())))
-        made = self.ok(self.runner.create("alice", {"input_file_id": file["id"], "endpoint": "/v1/embeddings",
-                                                    "completion_window": "24h"}))
+        file = self.ok(
+            self.runner.upload(
+                "alice",
+                "e.jsonl",
+                "batch",
+                jsonl(
+                    json.dumps(
+                        {
+                            "custom_id": "e",
+                            "method": "POST",
+                            "url": "/v1/embeddings",
+                            "body": {"model": "m", "input": "hi"},
+                        }
+                    ).encode()
+                ),
+            )
+        )
+        made = self.ok(
+            self.runner.create(
+                "alice", {"input_file_id": file["id"], "endpoint": "/v1/embeddings", "completion_window": "24h"}
+            )
+        )
         self.assertEqual(self.send.calls[0][1:3], ("/v1/embeddings", {"model": "m", "input": "hi"}))
         self.send.answer(0, body={"object": "list", "data": []})
         self.assertEqual(self.lines_of(self.get(made["id"])["output_file_id"])[0]["response"]["body"]["object"], "list")
@@ -375,8 +445,9 @@ class CancelTests(RunnerCase):
         d.callback(f(self.db, *args))
         self.assertEqual(self.send.calls, [])
         done = self.get(made["id"])
-        self.assertEqual((done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0,
-                                                                                  "failed": 0}))
+        self.assertEqual(
+            (done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0, "failed": 0})
+        )
         self.assertEqual(store.thd_line_counts(self.db, made["id"]), {"pending": 3})
 
     def test_a_finished_batch_cannot_be_cancelled(self) -> None:
@@ -431,8 +502,10 @@ class RestartTests(RunnerCase):
         self.assertEqual(done["status"], "completed")
         self.assertEqual(done["request_counts"], {"total": 5, "completed": 3, "failed": 2})
         errors = self.lines_of(done["error_file_id"])
-        self.assertEqual([(e["custom_id"], e["error"]["code"]) for e in errors],
-                         [("req-1", "batch_interrupted"), ("req-2", "batch_interrupted")])
+        self.assertEqual(
+            [(e["custom_id"], e["error"]["code"]) for e in errors],
+            [("req-1", "batch_interrupted"), ("req-2", "batch_interrupted")],
+        )
         self.assertEqual([o["custom_id"] for o in self.lines_of(done["output_file_id"])], ["req-0", "req-3", "req-4"])
 
     def test_a_clean_stop_waits_for_the_lines_in_flight(self) -> None:
@@ -459,8 +532,9 @@ class RestartTests(RunnerCase):
         self.runner = self.make_runner()
         self.ok(self.runner.start())
         done = self.get(made["id"])
-        self.assertEqual((done["status"], done["request_counts"]), ("completed", {"total": 2, "completed": 0,
-                                                                                  "failed": 2}))
+        self.assertEqual(
+            (done["status"], done["request_counts"]), ("completed", {"total": 2, "completed": 0, "failed": 2})
+        )
 
     def test_a_cancelling_batch_is_cancelled_at_start(self) -> None:
         made = self.make_batch(3)
@@ -468,5 +542,6 @@ class RestartTests(RunnerCase):
         self.runner = self.make_runner()  # stopped before its lines answered
         self.ok(self.runner.start())
         done = self.get(made["id"])
-        self.assertEqual((done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0,
-                                                                                  "failed": 2}))
+        self.assertEqual(
+            (done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0, "failed": 2})
+        )

@@ -7,20 +7,32 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
 from blazar.gateway.cache import (
-    Entry, SemanticIndex, Vector, bypass, embedding_of, from_blob, normalized, prompt_text, scope_of, to_blob,
+    Entry,
+    SemanticIndex,
+    Vector,
+    bypass,
+    embedding_of,
+    from_blob,
+    normalized,
+    prompt_text,
+    scope_of,
+    to_blob,
 )
 
 
 def chat(text: str, **extra: object) -> dict[str, Any]:
-    return {"model": "m", "messages": [{"role": "system", "content": "be brief"},
-                                       {"role": "user", "content": text}], **extra}
+    return {
+        "model": "m",
+        "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": text}],
+        **extra,
+    }
 
 
 def unit(*values: float) -> Vector:
@@ -47,14 +59,22 @@ class BypassTests(SynchronousTestCase):
 
 class PromptTests(SynchronousTestCase):
     def test_the_last_user_turns_text_is_embedded(self) -> None:
-        body = {"messages": [
-            {"role": "system", "content": "s"}, {"role": "user", "content": "one"},
-            {"role": "assistant", "content": "a"},
-            {"role": "user", "content": [{"type": "text", "text": "two"}, {"type": "image_url",
-                                                                          "image_url": {"url": "data:x"}},
-                                         {"type": "text", "text": "three"}]},
-            {"role": "assistant", "content": "prefill"},
-        ]}
+        body = {
+            "messages": [
+                {"role": "system", "content": "s"},
+                {"role": "user", "content": "one"},
+                {"role": "assistant", "content": "a"},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "two"},
+                        {"type": "image_url", "image_url": {"url": "data:x"}},
+                        {"type": "text", "text": "three"},
+                    ],
+                },
+                {"role": "assistant", "content": "prefill"},
+            ]
+        }
         self.assertEqual(prompt_text(body), "two\nthree")
         self.assertEqual(prompt_text(chat("hi")), "hi")
 
@@ -77,16 +97,26 @@ class ScopeTests(SynchronousTestCase):
         self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=1)))
         self.assertNotEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, max_tokens=5)))
         # what cannot change the answer does not separate them
-        self.assertEqual(base, scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, user="u", stream=False,
-                                                                       metadata={"a": "b"})))
+        self.assertEqual(
+            base,
+            scope_of("m", "alice", "llamacpp", chat("hi", temperature=0, user="u", stream=False, metadata={"a": "b"})),
+        )
 
     def test_every_other_field_separates_them(self) -> None:
         # llama-server's own samplers, tool settings, Ollama's options: none of them is listed anywhere
         base = scope_of("m", "", "llamacpp", chat("hi"))
-        for field, value in (("xtc_probability", 0.5), ("dry_multiplier", 0.8), ("samplers", ["top_k"]),
-                             ("ignore_eos", True), ("tool_choice", "none"), ("parallel_tool_calls", False),
-                             ("prediction", {"type": "content", "content": "x"}), ("verbosity", "low"),
-                             ("options", {"num_ctx": 8192}), ("thinking", {"type": "enabled"})):
+        for field, value in (
+            ("xtc_probability", 0.5),
+            ("dry_multiplier", 0.8),
+            ("samplers", ["top_k"]),
+            ("ignore_eos", True),
+            ("tool_choice", "none"),
+            ("parallel_tool_calls", False),
+            ("prediction", {"type": "content", "content": "x"}),
+            ("verbosity", "low"),
+            ("options", {"num_ctx": 8192}),
+            ("thinking", {"type": "enabled"}),
+        ):
             self.assertNotEqual(base, scope_of("m", "", "llamacpp", chat("hi", **{field: value})), field)
 
     def test_the_context_before_the_last_user_turn_must_be_identical(self) -> None:
@@ -94,29 +124,50 @@ class ScopeTests(SynchronousTestCase):
         merged = turns(("user", "a\nuser: b"))
         self.assertNotEqual(scope_of("m", "", "llamacpp", two), scope_of("m", "", "llamacpp", merged))
         long_system = "lorem ipsum dolor " * 100
-        self.assertEqual(scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "What is 2+2?"))),
-                         scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "Delete my files"))))
+        self.assertEqual(
+            scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "What is 2+2?"))),
+            scope_of("m", "", "llamacpp", turns(("system", long_system), ("user", "Delete my files"))),
+        )
         # ... so that only the questions are compared, not the system prompt that swamps them
         self.assertEqual(prompt_text(turns(("system", long_system), ("user", "Delete my files"))), "Delete my files")
-        calls = [{"role": "user", "content": "weather?"},
-                 {"role": "assistant", "tool_calls": [{"id": "1", "type": "function",
-                                                       "function": {"name": "w", "arguments": '{"city":"Paris"}'}}]},
-                 {"role": "tool", "tool_call_id": "1", "content": "sunny"}, {"role": "user", "content": "and?"}]
+        calls = [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "1", "type": "function", "function": {"name": "w", "arguments": '{"city":"Paris"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+            {"role": "user", "content": "and?"},
+        ]
         oslo = json.loads(json.dumps(calls).replace("Paris", "Oslo"))
-        self.assertNotEqual(scope_of("m", "", "llamacpp", {"messages": calls}),
-                            scope_of("m", "", "llamacpp", {"messages": oslo}))
+        self.assertNotEqual(
+            scope_of("m", "", "llamacpp", {"messages": calls}), scope_of("m", "", "llamacpp", {"messages": oslo})
+        )
         named = [{"role": "user", "name": "ann", "content": "hi"}]
-        self.assertNotEqual(scope_of("m", "", "llamacpp", {"messages": named}),
-                            scope_of("m", "", "llamacpp", {"messages": [{**named[0], "name": "bo"}]}))
+        self.assertNotEqual(
+            scope_of("m", "", "llamacpp", {"messages": named}),
+            scope_of("m", "", "llamacpp", {"messages": [{**named[0], "name": "bo"}]}),
+        )
 
     def test_the_last_turns_other_parts_are_matched_exactly(self) -> None:
         def with_audio(data: str) -> dict[str, Any]:
-            return {"messages": [{"role": "user", "content": [
-                {"type": "text", "text": "what is said?"},
-                {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}]}]}
+            return {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is said?"},
+                            {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}},
+                        ],
+                    }
+                ]
+            }
 
-        self.assertNotEqual(scope_of("m", "", "llamacpp", with_audio("AAAA")),
-                            scope_of("m", "", "llamacpp", with_audio("BBBB")))
+        self.assertNotEqual(
+            scope_of("m", "", "llamacpp", with_audio("AAAA")), scope_of("m", "", "llamacpp", with_audio("BBBB"))
+        )
         self.assertEqual(prompt_text(with_audio("AAAA")), "what is said?")
 
     def test_a_prefill_after_the_last_user_turn_is_part_of_the_scope(self) -> None:
@@ -168,8 +219,7 @@ class IndexTests(SynchronousTestCase):
         self.assertIsNotNone(exact)
 
     def test_another_scope_never_answers(self) -> None:
-        self.assertEqual(self.index.lookup("other", unit(1.0, 0.0), 101.0, 600.0, 0.0),
-                         (-1.0, None))
+        self.assertEqual(self.index.lookup("other", unit(1.0, 0.0), 101.0, 600.0, 0.0), (-1.0, None))
 
     def test_expired_entries_do_not_answer_and_are_purged(self) -> None:
         _, entry = self.index.lookup("s", unit(1.0, 0.0), 701.0, 600.0, 0.9)
@@ -220,8 +270,7 @@ class IndexTests(SynchronousTestCase):
         self.assertIsNone(entry)  # "one" is gone; "two" is orthogonal
 
     def test_vectors_of_another_dimension_never_answer(self) -> None:
-        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0),
-                         (-1.0, None))
+        self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0), (-1.0, None))
 
 
 class StoreTests(SynchronousTestCase):
@@ -231,8 +280,7 @@ class StoreTests(SynchronousTestCase):
 
     def put(self, created: float, expired_before: float = 0.0, keep: int = 10) -> tuple[int, list[int]]:
         answer = json.dumps({"choices": [{"message": {"content": str(created)}}]}).encode()
-        return store.thd_put_cache(self.db, ("s", created, to_blob(unit(1.0, 2.0)), answer),
-                                   expired_before, keep)
+        return store.thd_put_cache(self.db, ("s", created, to_blob(unit(1.0, 2.0)), answer), expired_before, keep)
 
     def test_rows_round_trip_oldest_first(self) -> None:
         first, _ = self.put(1.0)

@@ -23,11 +23,10 @@ from blazar import store
 from blazar.config import CacheConfig, KeyConfig, LiveConfig, parse_config
 from blazar.gateway.cache import Vector, normalized
 from blazar.gateway.cachestore import CacheStore
-from blazar.web.client import context_of
 from blazar.metrics import Metrics
 from blazar.testing import FakeSupervisor, SynchronousThreadPool
+from blazar.web.client import context_of
 from blazar.web.observe import RequestObserver
-
 from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 
@@ -73,11 +72,17 @@ def cache_engine() -> Any:
         request.setHeader(b"content-type", b"application/json")
         if app.embed_status != 200:
             request.setResponseCode(app.embed_status)
-            return json.dumps({"error": {"code": app.embed_status, "message": "no embeddings here",
-                                         "type": "server_error"}}).encode()
-        return json.dumps({"object": "list", "model": body["model"], "data": [
-            {"object": "embedding", "index": 0, "embedding": bag_of_words(body["input"])}],
-            "usage": {"prompt_tokens": 3, "total_tokens": 3}}).encode()
+            return json.dumps(
+                {"error": {"code": app.embed_status, "message": "no embeddings here", "type": "server_error"}}
+            ).encode()
+        return json.dumps(
+            {
+                "object": "list",
+                "model": body["model"],
+                "data": [{"object": "embedding", "index": 0, "embedding": bag_of_words(body["input"])}],
+                "usage": {"prompt_tokens": 3, "total_tokens": 3},
+            }
+        ).encode()
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request: Any) -> bytes:
@@ -86,26 +91,48 @@ def cache_engine() -> Any:
         app.answers += 1
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
-            meta = {"created": 1, "id": f"chatcmpl-s{app.answers}", "model": "m:latest",
-                    "object": "chat.completion.chunk"}
+            meta = {
+                "created": 1,
+                "id": f"chatcmpl-s{app.answers}",
+                "model": "m:latest",
+                "object": "chat.completion.chunk",
+            }
             chunks = [
-                {**meta, "choices": [{"finish_reason": None, "index": 0,
-                                      "delta": {"role": "assistant", "content": "streamed "}}]},
+                {
+                    **meta,
+                    "choices": [
+                        {"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": "streamed "}}
+                    ],
+                },
                 {**meta, "choices": [{"finish_reason": None, "index": 0, "delta": {"content": f"{app.answers}"}}]},
                 {**meta, "choices": [{"finish_reason": app.finish, "index": 0, "delta": {}}]},
             ]
             if (body.get("stream_options") or {}).get("include_usage"):
-                chunks.append({**meta, "choices": [],
-                               "usage": {"completion_tokens": 2, "prompt_tokens": 6, "total_tokens": 8}})
-            return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n"
-                            for c in chunks) + b"data: [DONE]\n\n"
+                chunks.append(
+                    {**meta, "choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 6, "total_tokens": 8}}
+                )
+            return (
+                b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
+                + b"data: [DONE]\n\n"
+            )
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({
-            "choices": [{"finish_reason": app.finish, "index": 0,
-                         "message": {"role": "assistant", "content": f"answer {app.answers}"}}],
-            "created": 1, "id": f"chatcmpl-{app.answers}", "model": "m:latest", "object": "chat.completion",
-            "usage": {"completion_tokens": 5, "prompt_tokens": 7, "total_tokens": 12},
-        }, separators=(",", ":")).encode()  # compact, as llama-server's
+        return json.dumps(
+            {
+                "choices": [
+                    {
+                        "finish_reason": app.finish,
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"answer {app.answers}"},
+                    }
+                ],
+                "created": 1,
+                "id": f"chatcmpl-{app.answers}",
+                "model": "m:latest",
+                "object": "chat.completion",
+                "usage": {"completion_tokens": 5, "prompt_tokens": 7, "total_tokens": 12},
+            },
+            separators=(",", ":"),
+        ).encode()  # compact, as llama-server's
 
     @app.route("/apply-template", methods=["POST"])
     def apply_template(request: Any) -> bytes:
@@ -121,8 +148,15 @@ def cache_engine() -> Any:
         app.requests.append(("/completion", body))
         app.answers += 1
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({"content": json.dumps({"answer": app.answers}), "stop": True, "stop_type": "eos",
-                           "tokens_predicted": 5, "tokens_evaluated": 7}).encode()
+        return json.dumps(
+            {
+                "content": json.dumps({"answer": app.answers}),
+                "stop": True,
+                "stop_type": "eos",
+                "tokens_predicted": 5,
+                "tokens_evaluated": 7,
+            }
+        ).encode()
 
     return app
 
@@ -163,13 +197,20 @@ class CacheStepTests(SynchronousTestCase):
         C{extra}, with the cache on a fresh database.
         """
         self.app = cache_engine()
-        self.gateway = MemoryGateway(self, FakeSupervisor(["m:latest", "e:latest"]), self.app, models=("m", "e"),
-                                     config=CONFIG + extra, admission=True)
+        self.gateway = MemoryGateway(
+            self,
+            FakeSupervisor(["m:latest", "e:latest"]),
+            self.app,
+            models=("m", "e"),
+            config=CONFIG + extra,
+            admission=True,
+        )
         self.config = parse_config(f'models_dir = "{self.gateway.registry.models_dir}"\n{CONFIG}{extra}')
         self.gateway.pipeline._config = lambda: self.config
         self.db = memory_db(self)
-        self.cache = CacheStore(lambda: self.config.cache, self.gateway.reactor.seconds,
-                                lambda f, *args: maybeDeferred(f, self.db, *args))
+        self.cache = CacheStore(
+            lambda: self.config.cache, self.gateway.reactor.seconds, lambda f, *args: maybeDeferred(f, self.db, *args)
+        )
         self.successResultOf(Deferred.fromCoroutine(self.cache.load()))
         self.gateway.pipeline.cache = self.cache
         self.door = Door(self.gateway.capture)
@@ -270,7 +311,11 @@ class CacheStepTests(SynchronousTestCase):
 
     def test_streams_tools_and_formats_bypass_both_ways(self) -> None:
         tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
-        extras: list[dict[str, Any]] = [{"stream": True}, {"tools": tools}, {"response_format": {"type": "json_object"}}]
+        extras: list[dict[str, Any]] = [
+            {"stream": True},
+            {"tools": tools},
+            {"response_format": {"type": "json_object"}},
+        ]
         for extra in extras:
             status, header, _ = self.chat("bypassing words", **extra)
             self.assertEqual((status, header), (200, None), extra)
@@ -302,8 +347,9 @@ class CacheStepTests(SynchronousTestCase):
 
     def test_the_key_then_the_model_then_the_global_switch(self) -> None:
         self.build('[models."m"]\ncache = true\n')
-        self.config = parse_config(self.config_text().replace("enabled = true", "enabled = false")
-                                   + '[models."m"]\ncache = true\n')
+        self.config = parse_config(
+            self.config_text().replace("enabled = true", "enabled = false") + '[models."m"]\ncache = true\n'
+        )
         self.chat("switch words")
         self.assertEqual(self.chat("switch words")[1], ["hit"])  # the model's switch
         self.door.key = KeyConfig("k", "k" * 16, cache=False)
@@ -332,12 +378,13 @@ class CacheStepTests(SynchronousTestCase):
         first_message, second_message = json.loads(first), json.loads(second)
         self.assertEqual(second_message["content"], [{"type": "text", "text": "streamed 1"}])
         self.assertEqual(second_message["content"], first_message["content"])
-        self.assertEqual((second_message["stop_reason"], second_message["usage"]["output_tokens"]),
-                         (first_message["stop_reason"], first_message["usage"]["output_tokens"]))
+        self.assertEqual(
+            (second_message["stop_reason"], second_message["usage"]["output_tokens"]),
+            (first_message["stop_reason"], first_message["usage"]["output_tokens"]),
+        )
         self.assertIsNone(self.gateway.context().tokens)  # a hit's tokens count nowhere
         responses = {"model": "m", "max_output_tokens": 8, "input": "responses words"}
-        self.assertEqual(self.gateway.post("/v1/responses", responses)[1].getRawHeaders(b"x-blazar-cache"),
-                         [b"miss"])
+        self.assertEqual(self.gateway.post("/v1/responses", responses)[1].getRawHeaders(b"x-blazar-cache"), [b"miss"])
         status, headers, data = self.gateway.post("/v1/responses", responses)
         self.assertEqual((status, headers.getRawHeaders(b"x-blazar-cache")), (200, [b"hit"]))
         self.assertEqual(json.loads(data)["output"][0]["content"][0]["text"], "streamed 2")
@@ -347,8 +394,7 @@ class CacheStepTests(SynchronousTestCase):
         self.app.finish = "length"
         messages = {"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "cut words"}]}
         self.gateway.post("/v1/messages", messages)
-        self.assertEqual(self.gateway.post("/v1/messages", messages)[1].getRawHeaders(b"x-blazar-cache"),
-                         [b"miss"])
+        self.assertEqual(self.gateway.post("/v1/messages", messages)[1].getRawHeaders(b"x-blazar-cache"), [b"miss"])
         self.assertEqual(len(self.cache.index), 0)
 
     def test_the_audit_line_names_the_outcome(self) -> None:
@@ -431,12 +477,14 @@ class CacheServiceTests(SynchronousTestCase):
         assert vector is not None
         from blazar.gateway.cache import to_blob
 
-        db.execute("INSERT INTO cache_entries (scope, created, vector, answer) VALUES ('s', 100, ?, ?)",
-                   (to_blob(vector), b"a"))
+        db.execute(
+            "INSERT INTO cache_entries (scope, created, vector, answer) VALUES ('s', 100, ?, ?)",
+            (to_blob(vector), b"a"),
+        )
         db.close()
         wall = Clock()
         wall.advance(105)
-        live = LiveConfig(parse_config('[cache]\nttl_secs = 10\n'))
+        live = LiveConfig(parse_config("[cache]\nttl_secs = 10\n"))
         database = StoreService(path, reactor, cast(ThreadPool, SynchronousThreadPool()))
         database.startService()
         service = CacheService(database, live, reactor, wall.seconds)
@@ -466,7 +514,6 @@ class CacheServiceTests(SynchronousTestCase):
         self.assertFalse(database.is_open)
 
 
-
 class StreamShapeTests(SynchronousTestCase):
     """
     A completion as the stream it was made from, and back.
@@ -475,14 +522,30 @@ class StreamShapeTests(SynchronousTestCase):
     def test_round_trip(self) -> None:
         from blazar.gateway.cache import StreamedAnswer, as_chunks
 
-        completion = {"id": "chatcmpl-1", "created": 5, "model": "m", "object": "chat.completion",
-                      "choices": [{"index": 0, "finish_reason": "stop",
-                                   "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"}}],
-                      "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}}
+        completion = {
+            "id": "chatcmpl-1",
+            "created": 5,
+            "model": "m",
+            "object": "chat.completion",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "stop",
+                    "message": {"role": "assistant", "content": "hi", "reasoning_content": "hm"},
+                }
+            ],
+            "usage": {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3},
+        }
         chunks = as_chunks(json.dumps(completion).encode())
-        self.assertEqual([c["choices"][0]["delta"] if c["choices"] else c["usage"] for c in chunks], [
-            {"role": "assistant", "reasoning_content": "hm"}, {"role": "assistant", "content": "hi"}, {},
-            completion["usage"]])
+        self.assertEqual(
+            [c["choices"][0]["delta"] if c["choices"] else c["usage"] for c in chunks],
+            [
+                {"role": "assistant", "reasoning_content": "hm"},
+                {"role": "assistant", "content": "hi"},
+                {},
+                completion["usage"],
+            ],
+        )
         answer = StreamedAnswer()
         for chunk in chunks:
             answer.feed(chunk)

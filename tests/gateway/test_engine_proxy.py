@@ -5,14 +5,13 @@ from twisted.internet.defer import Deferred, ensureDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.engines.lease import InstanceLease
 from blazar.config import Config
 from blazar.engines.client import EngineClient
-from blazar.testing import FakeInstance
-from blazar.testing import FakeEngineClient, FakeSupervisor
-from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
+from blazar.engines.lease import InstanceLease
 from blazar.engines.supervisor import EngineError, Instance
 from blazar.engines.supervisor import Supervisor as RealSupervisor
+from blazar.gateway.engine_proxy import ChildWedged, EngineProxy
+from blazar.testing import FakeEngineClient, FakeInstance, FakeSupervisor
 
 
 class HealthSupervisor(FakeSupervisor):
@@ -61,8 +60,12 @@ class HeaderTimeoutTests(SynchronousTestCase):
         # an sd-server writes its headers only when the whole image is done:
         # sdcpp_child_header_timeout_secs, not child_header_timeout_secs,
         # before its health is asked, and a silent one is wedged then
-        self.proxy = EngineProxy(cast(RealSupervisor, self.supervisor), cast(EngineClient, None), self.clock, config=lambda: Config(
-            child_header_timeout=10, sdcpp_child_header_timeout=900))
+        self.proxy = EngineProxy(
+            cast(RealSupervisor, self.supervisor),
+            cast(EngineClient, None),
+            self.clock,
+            config=lambda: Config(child_header_timeout=10, sdcpp_child_header_timeout=900),
+        )
         cancelled = []
         request: Deferred[str] = Deferred(lambda d: cancelled.append(True))
         d = ensureDeferred(self.proxy._headers(cast(Instance, FakeInstance("img", lane="sdcpp")), request))
@@ -134,9 +137,14 @@ class PreflightTests(SynchronousTestCase):
         async def context_for(_: Any, name: str, ctx_size: int) -> Any:
             return self.plan
 
-        supervisor = type("Sup", (), {
-            "loaded": lambda _, name: self.loaded.get(name), "context_for": context_for,
-        })()
+        supervisor = type(
+            "Sup",
+            (),
+            {
+                "loaded": lambda _, name: self.loaded.get(name),
+                "context_for": context_for,
+            },
+        )()
         self.proxy = EngineProxy(supervisor, cast(EngineClient, None), reactor, registry)
         self.registry = registry
         self.counted = 0
@@ -174,6 +182,7 @@ class PreflightTests(SynchronousTestCase):
         from blazar.gateway.engine_proxy import PromptTooLong
 
         self.loaded["m:latest"] = type("Inst", (), {"ctx": 512})()
+
         def no_read(*args: Any) -> Any:
             raise AssertionError("the GGUF was read")
 
@@ -196,15 +205,13 @@ class PreflightTests(SynchronousTestCase):
         f = self.failureResultOf(self.check(3000, 3000, 100, ctx=8192), PromptTooLong)
         self.assertIn("2048-token context", str(f.value))
         self.assertIn("above the 2048-token context 'm:latest' was trained for", str(f.value))
-        self.plan = ContextPlan(4096, 65536, "grow", "m:latest", 131072, memory_limit=4096,
-                                parallel=4, free=2**30)
+        self.plan = ContextPlan(4096, 65536, "grow", "m:latest", 131072, memory_limit=4096, parallel=4, free=2**30)
         f = self.failureResultOf(self.check(100, 10**6, 5000, ctx=65536), PromptTooLong)
         self.assertIn("does not fit in memory (1.0 GiB free)", str(f.value))
         self.assertIn("lower parallel", str(f.value))
         self.plan = ContextPlan(2048, 8192, "fit", "m:latest", 32768)
         f = self.failureResultOf(self.check(3000, 3000, 100, ctx=8192), PromptTooLong)
         self.assertIn('ctx_policy = "grow"', str(f.value))
-
 
     def test_a_prompt_too_large_by_its_size_alone_is_not_counted(self) -> None:
         from blazar.gateway.engine_proxy import PromptTooLong
@@ -213,8 +220,9 @@ class PreflightTests(SynchronousTestCase):
             self.counted += 1
             return 1
 
-        f = self.failureResultOf(ensureDeferred(self.proxy.preflight("m", 100, 10**6, count, floor=1990)),
-                                 PromptTooLong)
+        f = self.failureResultOf(
+            ensureDeferred(self.proxy.preflight("m", 100, 10**6, count, floor=1990)), PromptTooLong
+        )
         self.assertIn("at least 1990 tokens (by its size)", str(f.value))
         self.assertEqual(self.counted, 0)
         self.successResultOf(ensureDeferred(self.proxy.preflight("m", 100, 10**6, count, floor=1000)))
@@ -416,8 +424,14 @@ class TemplateProbeTests(SynchronousTestCase):
 
             async def read(self, instance: Any, response: Any) -> bytes:
                 from blazar.gateway import placement
-                return json.dumps({"prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
-                                   if proxy.accepting[id(instance)] else "no"}).encode()
+
+                return json.dumps(
+                    {
+                        "prompt": "blazar-probe-assistant " + placement.MARK + " blazar-probe-user-2"
+                        if proxy.accepting[id(instance)]
+                        else "no"
+                    }
+                ).encode()
 
         self.proxy = Probing(cast(RealSupervisor, Supervisor()), cast(EngineClient, None), Clock())
 

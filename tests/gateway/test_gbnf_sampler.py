@@ -27,14 +27,14 @@ def test_alternation_groups_and_bounded_repetition() -> None:
 
 
 def test_unbounded_repetition_is_capped_small() -> None:
-    assert outputs('root ::= "a"* "b"+') == {"a" * i + "b" * j for i in range(UNBOUNDED_EXTRA + 1)
-                                             for j in range(1, UNBOUNDED_EXTRA + 2)}
+    assert outputs('root ::= "a"* "b"+') == {
+        "a" * i + "b" * j for i in range(UNBOUNDED_EXTRA + 1) for j in range(1, UNBOUNDED_EXTRA + 2)
+    }
     assert outputs('root ::= "z"{2,}') == {"z" * i for i in range(2, UNBOUNDED_EXTRA + 3)}
 
 
 def test_literal_and_class_escapes_as_llama_cpp_reads_them() -> None:
-    assert outputs(r'root ::= "\"\\\n\t\x41\u00e9\U0001F600" [\x30-\x31\]]') == {
-        '"\\\n\tAé😀' + c for c in "01]"}
+    assert outputs(r'root ::= "\"\\\n\t\x41\u00e9\U0001F600" [\x30-\x31\]]') == {'"\\\n\tAé😀' + c for c in "01]"}
     assert outputs(r'root ::= "\\" (["\\/bfnrt])') == {"\\" + c for c in '"\\/bfnrt'}
     with pytest.raises(GrammarSyntaxError, match="unknown escape"):
         parse(r'root ::= "\b"')  # JSON has \b; llama.cpp's grammar does not
@@ -46,7 +46,7 @@ def test_a_negated_class_picks_from_the_pool() -> None:
     got = outputs(r'root ::= [^"\\\x00-\x1f]', n=5000)
     assert got == {c for c in NEGATED_POOL if c not in '"\\' and ord(c) >= 0x20}
     assert {"é", "中", "😀", "\x7f"} <= got
-    assert outputs(r'root ::= [^a-z]', n=5000) >= {"\x00", "\n", "A"}  # control characters too, unless refused
+    assert outputs(r"root ::= [^a-z]", n=5000) >= {"\x00", "\n", "A"}  # control characters too, unless refused
 
 
 def test_rules_span_lines_only_inside_parentheses_and_comments_are_skipped() -> None:
@@ -60,12 +60,12 @@ def test_rules_span_lines_only_inside_parentheses_and_comments_are_skipped() -> 
 
 def test_malformed_grammars_are_refused() -> None:
     for text, message in [
-        ('root ::= missing', "not defined"),
+        ("root ::= missing", "not defined"),
         ('root ::= "a"\nroot ::= "b"', "twice"),
         ('root = "a"', "::="),
         ('root ::= ("a"', r"expected \)"),
         ('root ::= "a"{3,1}', "below"),
-        ('root ::= [b-a]', "below"),
+        ("root ::= [b-a]", "below"),
         ('root ::= "unterminated', "end"),
     ]:
         with pytest.raises(GrammarSyntaxError, match=message):
@@ -73,4 +73,4 @@ def test_malformed_grammars_are_refused() -> None:
     with pytest.raises(GrammarSyntaxError, match="recursive"):
         sample('root ::= "(" root ")"', random.Random(0))
     with pytest.raises(GrammarSyntaxError, match="pool"):
-        sample(r'root ::= [^\x00-\U0010FFFF]', random.Random(0))
+        sample(r"root ::= [^\x00-\U0010FFFF]", random.Random(0))

@@ -49,8 +49,10 @@ class BoundsTests(SynchronousTestCase):
         self.assertLess(time.monotonic() - began, 2.0)
 
     def test_too_many_subschemas_are_refused_by_name(self) -> None:
-        schema = {"type": "object", "properties": {f"p{i}": {"type": "integer", "minimum": i, "maximum": i + 300}
-                                                    for i in range(20_000)}}
+        schema = {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "integer", "minimum": i, "maximum": i + 300} for i in range(20_000)},
+        }
         with self.assertRaises(Unsupported) as caught:
             to_gbnf(schema, 8)
         self.assertIn("too large for a forced call's grammar", str(caught.exception))
@@ -75,8 +77,13 @@ class BoundsTests(SynchronousTestCase):
         self.assertLess(walked, grammar.NODE_BUDGET // 2, walked)
 
     def test_a_forced_call_of_too_large_a_tool_is_refused_off_the_reactor(self) -> None:
-        huge = {"type": "function", "function": {"name": "huge", "parameters": {
-            "type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}}}}
+        huge = {
+            "type": "function",
+            "function": {
+                "name": "huge",
+                "parameters": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(20_000)}},
+            },
+        }
         with self.assertRaises(ToolSchemaError) as caught:
             thd_prepare({"messages": []}, Forced((huge,), parallel=False, named=True), 64)
         self.assertIn("huge", str(caught.exception))

@@ -17,12 +17,18 @@ from typing import Any, Callable
 
 import jsonschema
 import pytest
-from hypothesis import HealthCheck, given, reject, settings, strategies as st
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
 
 from blazar import strictjson
 from blazar.gateway.grammar import PRIMITIVES, Unsupported, to_gbnf
 from blazar.gateway.toolcalls import (
-    MAX_CALLS, Forced, ToolSchemaError, call_grammar, needed_tokens, parse_calls,
+    MAX_CALLS,
+    Forced,
+    ToolSchemaError,
+    call_grammar,
+    needed_tokens,
+    parse_calls,
 )
 from tests.gateway.gbnf_sampler import parse
 
@@ -33,21 +39,29 @@ Schema = dict[str, Any]
 Draw = Callable[[st.SearchStrategy[Any]], Any]
 
 # property names with what JSON and GBNF escape, and what neither does
-NAMES = st.sampled_from(["a", "b", "city", "x_y", "", 'q"uote', "back\\slash", "new\nline", "é", "中文",
-                         "sp ace", "a/b", "~0", "😀"])
+NAMES = st.sampled_from(
+    ["a", "b", "city", "x_y", "", 'q"uote', "back\\slash", "new\nline", "é", "中文", "sp ace", "a/b", "~0", "😀"]
+)
 TEXT = st.text(st.characters(codec="utf-8") | st.sampled_from('"\\\n\x00\x1f\u2028é😀'), max_size=6)
 SCALARS: dict[str, st.SearchStrategy[Any]] = {
     "string": TEXT,
-    "integer": st.integers(-10**20, 10**20),
+    "integer": st.integers(-(10**20), 10**20),
     "number": st.floats(allow_nan=False, allow_infinity=False),
     "boolean": st.booleans(),
     "null": st.none(),
 }
 JSON_VALUES = st.recursive(
     st.one_of(*SCALARS.values()),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3), max_leaves=6)
-BOUNDS = (st.integers(-12, 12) | st.floats(-12, 12) | st.integers(-300, 300) | st.integers(-10**18, 10**18)
-          | st.floats(-1e6, 1e6))
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(TEXT, inner, max_size=3),
+    max_leaves=6,
+)
+BOUNDS = (
+    st.integers(-12, 12)
+    | st.floats(-12, 12)
+    | st.integers(-300, 300)
+    | st.integers(-(10**18), 10**18)
+    | st.floats(-1e6, 1e6)
+)
 FORMATS = st.sampled_from(["date-time", "date", "email", "uri", "uuid", "ipv4"])
 # JSON types no value has two of ("number" stands for "integer" too)
 DISJOINT = ["string", "boolean", "null", "number", "array", "object"]
@@ -96,8 +110,9 @@ def typed(draw: Draw, kind: str, depth: int, refs: tuple[str, ...]) -> Schema:
         if properties and draw(st.integers(0, 3)) == 0:
             # the common "one of these must be given": each branch adds to the siblings
             names = sorted(properties)
-            schema["anyOf"] = draw(st.lists(st.builds(lambda n: {"required": [n]}, st.sampled_from(names)),
-                                            min_size=1, max_size=3))
+            schema["anyOf"] = draw(
+                st.lists(st.builds(lambda n: {"required": [n]}, st.sampled_from(names)), min_size=1, max_size=3)
+            )
     return schema
 
 
@@ -122,8 +137,11 @@ def schemas(draw: Draw, depth: int, refs: tuple[str, ...] = ()) -> Schema | bool
         return {"const": draw(JSON_VALUES)}
     if shape == "types":
         # a list of types, each with its own constraints (integer and number share theirs)
-        kinds = draw(st.lists(st.sampled_from(["string", "integer", "number", "boolean", "null"]), min_size=1,
-                              max_size=3, unique=True))
+        kinds = draw(
+            st.lists(
+                st.sampled_from(["string", "integer", "number", "boolean", "null"]), min_size=1, max_size=3, unique=True
+            )
+        )
         if "integer" in kinds and "number" in kinds:
             kinds.remove("number")
         schema: Schema = {}
@@ -136,8 +154,12 @@ def schemas(draw: Draw, depth: int, refs: tuple[str, ...] = ()) -> Schema | bool
     if shape == "oneOf":
         # branches of disjoint types, so no value matches two of them
         kinds = draw(st.lists(st.sampled_from(DISJOINT), min_size=1, max_size=3, unique=True))
-        return {"oneOf": [draw(typed(draw(st.sampled_from(["integer", "number"])) if k == "number" else k,
-                                     depth - 1, refs)) for k in kinds]}
+        return {
+            "oneOf": [
+                draw(typed(draw(st.sampled_from(["integer", "number"])) if k == "number" else k, depth - 1, refs))
+                for k in kinds
+            ]
+        }
     if shape == "union":
         # a discriminated union: each branch narrows the shared "kind" to
         # its own value, and adds members of its own
@@ -197,7 +219,9 @@ def check_value(text: str, validator: jsonschema.protocols.Validator, grammar: s
 @PROPERTY
 @given(documents(), st.integers(0, 12), st.randoms(use_true_random=True))
 def test_every_value_a_schema_grammar_admits_is_strict_valid_json(
-    schema: Schema | bool, cap: int, rng: random.Random,
+    schema: Schema | bool,
+    cap: int,
+    rng: random.Random,
 ) -> None:
     jsonschema.Draft202012Validator.check_schema(schema)
     try:
@@ -224,8 +248,11 @@ def forced_calls(draw: Draw) -> tuple[Forced, int]:
     budget that fits at least one call.
     """
     named = draw(st.booleans())
-    names = draw(st.lists(st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True), min_size=1,
-                          max_size=1 if named else 3, unique=True))
+    names = draw(
+        st.lists(
+            st.from_regex(r"[A-Za-z0-9_-]{1,12}", fullmatch=True), min_size=1, max_size=1 if named else 3, unique=True
+        )
+    )
     tools = []
     for name in names:
         function: Schema = {"name": name, "description": "a tool"}
@@ -239,15 +266,20 @@ def forced_calls(draw: Draw) -> tuple[Forced, int]:
 @PROPERTY
 @given(forced_calls(), st.randoms(use_true_random=True))
 def test_every_forced_call_the_grammar_admits_parses_and_validates(
-    call: tuple[Forced, int], rng: random.Random,
+    call: tuple[Forced, int],
+    rng: random.Random,
 ) -> None:
     forced, budget = call
     try:
         grammar = call_grammar(forced, budget)
     except ToolSchemaError:
         reject()
-    validators = {t["function"]["name"]: jsonschema.Draft202012Validator(
-        t["function"].get("parameters") or {"type": "object", "properties": {}}) for t in forced.tools}
+    validators = {
+        t["function"]["name"]: jsonschema.Draft202012Validator(
+            t["function"].get("parameters") or {"type": "object", "properties": {}}
+        )
+        for t in forced.tools
+    }
     parsed = parse(grammar)
     for _ in range(SAMPLES):
         text = parsed.sample(rng)
@@ -280,18 +312,29 @@ def test_the_number_primitive_cannot_overflow_a_double() -> None:
 
 
 # what the properties found in the grammar, each its smallest schema
-@pytest.mark.parametrize("schema", [
-    {"type": "number", "minimum": -1},  # admitted -1.5: a fraction goes down from a negative whole part
-    {"type": "number", "minimum": -7.5, "maximum": 3},
-    {"type": "number", "maximum": 0},  # and up from 0: 0.5 stays out
-    {"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]},  # admitted {}: "b" was dropped
-    # admitted {"a":null}: the branch's required list replaced the sibling one
-    {"type": "object", "properties": {"a": {"type": "null"}, "b": {"type": "null"}}, "required": ["a"],
-     "anyOf": [{"required": ["b"]}]},
-    # admitted {"kind":"x"}: the branch's properties replaced the sibling ones, required "n" went with them
-    {"type": "object", "properties": {"kind": {"enum": ["x", "y"]}, "n": {"type": "null"}}, "required": ["kind", "n"],
-     "oneOf": [{"properties": {"kind": {"const": "x"}}}, {"properties": {"kind": {"const": "y"}}}]},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "number", "minimum": -1},  # admitted -1.5: a fraction goes down from a negative whole part
+        {"type": "number", "minimum": -7.5, "maximum": 3},
+        {"type": "number", "maximum": 0},  # and up from 0: 0.5 stays out
+        {"type": "object", "properties": {"a": {"type": "null"}}, "required": ["b"]},  # admitted {}: "b" was dropped
+        # admitted {"a":null}: the branch's required list replaced the sibling one
+        {
+            "type": "object",
+            "properties": {"a": {"type": "null"}, "b": {"type": "null"}},
+            "required": ["a"],
+            "anyOf": [{"required": ["b"]}],
+        },
+        # admitted {"kind":"x"}: the branch's properties replaced the sibling ones, required "n" went with them
+        {
+            "type": "object",
+            "properties": {"kind": {"enum": ["x", "y"]}, "n": {"type": "null"}},
+            "required": ["kind", "n"],
+            "oneOf": [{"properties": {"kind": {"const": "x"}}}, {"properties": {"kind": {"const": "y"}}}],
+        },
+    ],
+)
 def test_found_by_the_properties(schema: Schema) -> None:
     grammar = to_gbnf(schema, 8)
     validator = jsonschema.Draft202012Validator(schema)
@@ -301,12 +344,18 @@ def test_found_by_the_properties(schema: Schema) -> None:
         check_value(parsed.sample(rng), validator, grammar)
 
 
-@pytest.mark.parametrize("schema", [
-    {"type": "object", "required": ["a"], "additionalProperties": False},
-    {"type": "object", "properties": {"b": {}}, "required": ["a"], "additionalProperties": False},
-    {"type": "object", "additionalProperties": {"type": "boolean"},
-     "anyOf": [{"properties": {"a": {"type": "null"}}, "required": ["a"]}]},
-])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "required": ["a"], "additionalProperties": False},
+        {"type": "object", "properties": {"b": {}}, "required": ["a"], "additionalProperties": False},
+        {
+            "type": "object",
+            "additionalProperties": {"type": "boolean"},
+            "anyOf": [{"properties": {"a": {"type": "null"}}, "required": ["a"]}],
+        },
+    ],
+)
 def test_what_no_value_satisfies_is_refused(schema: Schema) -> None:
     with pytest.raises(Unsupported, match="required 'a'"):
         to_gbnf(schema, 8)

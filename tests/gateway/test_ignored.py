@@ -11,10 +11,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields
+from blazar.testing import FakeSupervisor, fake_engine_app
 from blazar.web.anthropic import beta_values
 from blazar.web.client import context_of
-from blazar.testing import FakeSupervisor, fake_engine_app
-
 from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
 
@@ -93,9 +92,14 @@ class SurfaceTests(SynchronousTestCase):
         """
         gateway = MemoryGateway(self, FakeSupervisor(["m:latest"]), fake_engine_app("m:latest"))
         tool = {"input_schema": {"type": "object"}, "eager_input_streaming": True}
-        code, headers, body = gateway.post("/v1/messages", {
-            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-            "tools": [{"name": "f", **tool}, {"name": "g", **tool}],
-        })
+        code, headers, body = gateway.post(
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+                "tools": [{"name": "f", **tool}, {"name": "g", **tool}],
+            },
+        )
         self.assertEqual(code, 200, body)
         self.assertEqual(headers.getRawHeaders(IGNORED_HEADER), [b"tools.eager_input_streaming"])

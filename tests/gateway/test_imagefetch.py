@@ -13,8 +13,7 @@ from twisted.logger import ILogObserver, LogLevel, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import Config, parse_config
-from blazar.gateway.imagefetch import ImageFetchError, ImageFetcher, refused_address
-
+from blazar.gateway.imagefetch import ImageFetcher, ImageFetchError, refused_address
 from tests.typed import not_none
 
 NOT_PUBLIC = "its host does not resolve to a public address"
@@ -27,11 +26,23 @@ async def inline(f: Any, *args: Any) -> Any:
 class AddressTests(SynchronousTestCase):
     def test_what_is_refused(self) -> None:
         table = {
-            "127.0.0.1": "loopback", "::1": "loopback", "10.1.2.3": "private", "172.16.0.1": "private",
-            "192.168.1.1": "private", "169.254.169.254": "link-local", "fe80::1": "link-local",
-            "100.64.0.1": "shared", "0.0.0.0": "unspecified", "224.0.0.1": "multicast", "fc00::1": "private",
-            "::ffff:127.0.0.1": "loopback", "64:ff9b::a00:1": "private", "240.0.0.1": "private",
-            "8.8.8.8": None, "2606:4700:4700::1111": None, "64:ff9b::808:808": None,
+            "127.0.0.1": "loopback",
+            "::1": "loopback",
+            "10.1.2.3": "private",
+            "172.16.0.1": "private",
+            "192.168.1.1": "private",
+            "169.254.169.254": "link-local",
+            "fe80::1": "link-local",
+            "100.64.0.1": "shared",
+            "0.0.0.0": "unspecified",
+            "224.0.0.1": "multicast",
+            "fc00::1": "private",
+            "::ffff:127.0.0.1": "loopback",
+            "64:ff9b::a00:1": "private",
+            "240.0.0.1": "private",
+            "8.8.8.8": None,
+            "2606:4700:4700::1111": None,
+            "64:ff9b::808:808": None,
         }
         self.assertEqual({a: refused_address(a) for a in table}, table)
 
@@ -39,8 +50,12 @@ class AddressTests(SynchronousTestCase):
 class FetchRefusalTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.reactor = MemoryReactorClock()
-        self.addresses: dict[str, list[str]] = {"cdn.example": ["93.184.216.34"], "sneaky.example": ["8.8.8.8", "10.0.0.5"],
-                                                "metadata.example": ["169.254.169.254"], "lan.example": ["192.168.1.9"]}
+        self.addresses: dict[str, list[str]] = {
+            "cdn.example": ["93.184.216.34"],
+            "sneaky.example": ["8.8.8.8", "10.0.0.5"],
+            "metadata.example": ["169.254.169.254"],
+            "lan.example": ["192.168.1.9"],
+        }
         self.config = parse_config('image_fetch_private_hosts = ["LAN.example.", "[::1]"]')
 
     def resolve(self, host: str, port: int) -> list[str]:
@@ -52,8 +67,9 @@ class FetchRefusalTests(SynchronousTestCase):
         return ImageFetcher(self.reactor, lambda: config or self.config, inline, self.resolve)
 
     def refused(self, url: str, *needles: str) -> None:
-        failure = self.failureResultOf(ensureDeferred(self.fetcher().fetch(url, "messages[0].content[1].image_url",
-                                                                              10 << 20)), ImageFetchError)
+        failure = self.failureResultOf(
+            ensureDeferred(self.fetcher().fetch(url, "messages[0].content[1].image_url", 10 << 20)), ImageFetchError
+        )
         for needle in needles:
             self.assertIn(needle, str(failure.value))
         self.assertEqual(failure.value.param, "messages[0].content[1].image_url")
@@ -82,9 +98,14 @@ class FetchRefusalTests(SynchronousTestCase):
         for needle in ("169.254.169.254", "10.0.0.5", "link-local", "private address", "no such host"):
             self.assertNotIn(needle, str(messages))
         logged = [(e["host"], e.get("address"), e.get("why") or e.get("error")) for e in events if "host" in e]
-        self.assertEqual(logged, [("nowhere.example", None, "no such host"),
-                                  ("metadata.example", "169.254.169.254", "link-local"),
-                                  ("sneaky.example", "10.0.0.5", "private")])
+        self.assertEqual(
+            logged,
+            [
+                ("nowhere.example", None, "no such host"),
+                ("metadata.example", "169.254.169.254", "link-local"),
+                ("sneaky.example", "10.0.0.5", "private"),
+            ],
+        )
         self.assertTrue(all(e["log_level"] is LogLevel.info for e in events if "host" in e))
 
     def test_the_checked_address_is_the_one_connected_to(self) -> None:
@@ -111,8 +132,9 @@ class FetchRefusalTests(SynchronousTestCase):
         transport = StringTransport()
         protocol.makeConnection(transport)
         self.assertTrue(transport.value().startswith(b"GET /a.png HTTP/1.1\r\n"))
-        protocol.dataReceived(b"HTTP/1.1 302 Found\r\nLocation: http://metadata.example/latest\r\n"
-                              b"Content-Length: 0\r\n\r\n")
+        protocol.dataReceived(
+            b"HTTP/1.1 302 Found\r\nLocation: http://metadata.example/latest\r\nContent-Length: 0\r\n\r\n"
+        )
         failure = self.failureResultOf(fetching, ImageFetchError)
         self.assertIn(NOT_PUBLIC, str(failure.value))
         self.assertEqual(len(self.reactor.tcpClients), 1)  # the metadata address was never connected to
@@ -134,6 +156,7 @@ class FetchRefusalTests(SynchronousTestCase):
         self.assertIn("together", str(failure.value))
         # none left: refused before connecting
         del self.reactor.tcpClients[:]
-        self.failureResultOf(ensureDeferred(self.fetcher(config).fetch("http://cdn.example/a.png", "x", 1 << 20,
-                                                                         0.0)), ImageFetchError)
+        self.failureResultOf(
+            ensureDeferred(self.fetcher(config).fetch("http://cdn.example/a.png", "x", 1 << 20, 0.0)), ImageFetchError
+        )
         self.assertEqual(self.reactor.tcpClients, [])

@@ -50,12 +50,14 @@ class ScriptedPuller:
     """
 
     clock: Any
-    lines: list[dict[str, Any]] = attrs.field(factory=lambda: [
-        {"status": "pulling manifest"},
-        {"status": "pulling 0123456789ab", "digest": "sha256:0123", "total": 10, "completed": 0},
-        {"status": "pulling 0123456789ab", "digest": "sha256:0123", "total": 10, "completed": 10},
-        {"status": "success"},
-    ])
+    lines: list[dict[str, Any]] = attrs.field(
+        factory=lambda: [
+            {"status": "pulling manifest"},
+            {"status": "pulling 0123456789ab", "digest": "sha256:0123", "total": 10, "completed": 0},
+            {"status": "pulling 0123456789ab", "digest": "sha256:0123", "total": 10, "completed": 10},
+            {"status": "success"},
+        ]
+    )
     seconds: float = 2.5
     failure: Exception | None = None
     calls: list[tuple[HubName, Path]] = attrs.field(factory=list)
@@ -200,7 +202,9 @@ class OperationsTests(SynchronousTestCase):
         self.addCleanup(globalLogPublisher.removeObserver, cast(ILogObserver, events.append))
         self.puller.failure = PullError("download of x broke; pull again to resume", 502)
         lines: list[dict[str, Any]] = []
-        failure = self.failureResultOf(self.call(self.operations.pull("hf.co/someone/tiny-GGUF", lines.append)), PullError)
+        failure = self.failureResultOf(
+            self.call(self.operations.pull("hf.co/someone/tiny-GGUF", lines.append)), PullError
+        )
         self.assertEqual((failure.value.status, lines), (502, self.puller.lines[:-1]))
         (logged,) = [e for e in events if e.get("log_namespace") == "blazar.gateway.operations"]
         self.assertEqual((logged["model"], logged["error"]), ("hf.co/someone/tiny-GGUF", str(failure.value)))

@@ -16,7 +16,6 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import KeyConfig
 from blazar.testing import FakeSupervisor, fake_engine_app
-
 from tests.web.gateway import MemoryGateway
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -27,8 +26,10 @@ def requests(model: str, max_tokens: int = 8) -> dict[str, tuple[str, dict[str, 
         "openai": ("/v1/chat/completions", {"model": model, "messages": HELLO, "max_tokens": max_tokens}),
         "responses": ("/v1/responses", {"model": model, "input": "hi", "max_output_tokens": max_tokens}),
         "anthropic": ("/v1/messages", {"model": model, "max_tokens": max_tokens, "messages": HELLO}),
-        "ollama": ("/api/chat", {"model": model, "messages": HELLO, "stream": False,
-                                 "options": {"num_predict": max_tokens}}),
+        "ollama": (
+            "/api/chat",
+            {"model": model, "messages": HELLO, "stream": False, "options": {"num_predict": max_tokens}},
+        ),
     }
 
 
@@ -43,8 +44,12 @@ class OnePathTests(SynchronousTestCase):
                 return await super().instance_for(name, ctx_size)
 
         self.gateway = MemoryGateway(
-            self, Observed(["m:latest", "e:latest"]), fake_engine_app("m:latest"), models=("m", "e"),
-            config='[models."e"]\nembedding = true\n', admission=True,
+            self,
+            Observed(["m:latest", "e:latest"]),
+            fake_engine_app("m:latest"),
+            models=("m", "e"),
+            config='[models."e"]\nembedding = true\n',
+            admission=True,
         )
         self.gate = self.gateway.capture
         self.pipeline, self.proxy = self.gateway.pipeline, self.gateway.proxy
@@ -86,7 +91,7 @@ class OnePathTests(SynchronousTestCase):
         # a chat request for an embedding model: refused by purpose (400) ...
         self.assertEqual(statuses("e"), dict.fromkeys(requests("e"), 400))
         # ... before the preflight would look at its context
-        for surface, (path, body) in requests("e", 10 ** 7).items():
+        for surface, (path, body) in requests("e", 10**7).items():
             status, answer = self.post(path, body)
             self.assertEqual(status, 400, surface)
             self.assertIn("embedding", json.dumps(answer), surface)
@@ -96,15 +101,19 @@ class OnePathTests(SynchronousTestCase):
         self.assertEqual(statuses("m"), dict.fromkeys(requests("m"), 200))
         # the preflight before admission and the engine: nothing was sent for these
         del self.steps[:]
-        for surface, (path, body) in requests("m", 10 ** 7).items():
+        for surface, (path, body) in requests("m", 10**7).items():
             self.assertEqual(self.post(path, body)[0], 400, surface)
         self.assertNotIn("admission", self.steps)
         self.assertNotIn("send", self.steps)
 
     def test_the_preflight_names_each_apis_own_field(self) -> None:
-        fields = {"openai": "max_tokens", "responses": "max_output_tokens", "anthropic": "max_tokens",
-                  "ollama": "num_predict"}
-        for surface, (path, body) in requests("m", 10 ** 7).items():
+        fields = {
+            "openai": "max_tokens",
+            "responses": "max_output_tokens",
+            "anthropic": "max_tokens",
+            "ollama": "num_predict",
+        }
+        for surface, (path, body) in requests("m", 10**7).items():
             status, answer = self.post(path, body)
             self.assertEqual(status, 400, surface)
             message = json.dumps(answer)
@@ -122,13 +131,24 @@ class PromptTextBytesTests(SynchronousTestCase):
     def test_messages_and_prompts(self) -> None:
         from blazar.gateway.pipeline import prompt_text_bytes
 
-        self.assertEqual(prompt_text_bytes({"messages": [
-            {"role": "system", "content": "héllo"},  # 6 bytes
-            {"role": "user", "content": [{"type": "text", "text": "abc"}, {"type": "image_url", "image_url": {}}]},
-            {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "x" * 99}}]},
-            {"role": "tool", "name": "n" * 50, "content": "1234"},
-            "junk",
-        ], "tools": [{"x": "y" * 1000}]}), 13)
+        self.assertEqual(
+            prompt_text_bytes(
+                {
+                    "messages": [
+                        {"role": "system", "content": "héllo"},  # 6 bytes
+                        {
+                            "role": "user",
+                            "content": [{"type": "text", "text": "abc"}, {"type": "image_url", "image_url": {}}],
+                        },
+                        {"role": "assistant", "content": None, "tool_calls": [{"function": {"arguments": "x" * 99}}]},
+                        {"role": "tool", "name": "n" * 50, "content": "1234"},
+                        "junk",
+                    ],
+                    "tools": [{"x": "y" * 1000}],
+                }
+            ),
+            13,
+        )
         self.assertEqual(prompt_text_bytes({"prompt": ["ab", "abcd", 3]}), 4)
         self.assertEqual(prompt_text_bytes({"prompt": "\ud800x"}), 4)  # a lone surrogate: not an error
         self.assertEqual(prompt_text_bytes({"input": "x"}), 0)

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from blazar.gateway import placement
 
@@ -25,8 +26,10 @@ def test_nothing_to_do_for_one_leading_system_message() -> None:
 
 
 def test_mid_system_kept_in_place_when_the_template_takes_it() -> None:
-    out = placement.place(msgs(("developer", "d1"), ("system", "d2"), ("user", "u"), ("system", "late"),
-                               ("assistant", "a")), mid_system_ok=True)
+    out = placement.place(
+        msgs(("developer", "d1"), ("system", "d2"), ("user", "u"), ("system", "late"), ("assistant", "a")),
+        mid_system_ok=True,
+    )
     assert out == msgs(("system", "d1\n\nd2"), ("user", "u"), ("system", "late"), ("assistant", "a"))
 
 
@@ -36,17 +39,23 @@ def test_mid_system_merged_into_the_user_turn_before_it() -> None:
 
 
 def test_mid_system_after_an_assistant_turn_joins_the_next_user_turn() -> None:
-    out = placement.place(msgs(("user", "u1"), ("assistant", "a"), ("system", "note"), ("user", "u2")),
-                          mid_system_ok=False)
-    assert out == msgs(("user", "u1"), ("assistant", "a"),
-                       ("user", "<system-reminder>\nnote\n</system-reminder>\n\nu2"))
+    out = placement.place(
+        msgs(("user", "u1"), ("assistant", "a"), ("system", "note"), ("user", "u2")), mid_system_ok=False
+    )
+    assert out == msgs(
+        ("user", "u1"), ("assistant", "a"), ("user", "<system-reminder>\nnote\n</system-reminder>\n\nu2")
+    )
 
 
 def test_parts_content_is_joined_as_parts() -> None:
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
-    out = placement.place([{"role": "user", "content": [image]},
-                           {"role": "system", "content": [{"type": "text", "text": "x"}]}], mid_system_ok=False)
-    assert out == [{"role": "user", "content": [image, {"type": "text", "text": "<system-reminder>\nx\n</system-reminder>"}]}]
+    out = placement.place(
+        [{"role": "user", "content": [image]}, {"role": "system", "content": [{"type": "text", "text": "x"}]}],
+        mid_system_ok=False,
+    )
+    assert out == [
+        {"role": "user", "content": [image, {"type": "text", "text": "<system-reminder>\nx\n</system-reminder>"}]}
+    ]
 
 
 def test_probe_reading() -> None:

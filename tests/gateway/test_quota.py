@@ -71,7 +71,6 @@ class TokenQuotaTests(SynchronousTestCase):
         q.admit(key)  # a new day
         self.assertEqual(q.daily("k"), 0)
 
-
     def test_a_key_added_under_a_removed_keys_name_starts_afresh(self) -> None:
         q = Quotas(Clock())
         removed = KeyConfig("alice", "s" * 16, daily_tokens=50, id="a1")
@@ -82,6 +81,7 @@ class TokenQuotaTests(SynchronousTestCase):
         q.admit(again)
         q.record(again, 5)
         self.assertEqual(q.take_pending(), [(q.today(), "alice#b2", 5)])
+
 
 class StoreTests(SynchronousTestCase):
     def test_usage_round_trip_and_migrations(self) -> None:

@@ -17,10 +17,9 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.engines.lease import InstanceLease
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.errors import EngineRejected
-from blazar.gateway.reply import Reply
 from blazar.gateway.remotewire import AnthropicStream
+from blazar.gateway.reply import Reply
 from blazar.gateway.translated import FromAnthropic, Renamed, scrubber
-
 from tests.gateway.test_remotewire import STREAM
 
 
@@ -35,9 +34,15 @@ def sse(events: list[tuple[str, dict[str, Any]]]) -> bytes:
 
 class AnthropicReplyTests(SynchronousTestCase):
     def test_a_message_read_whole(self) -> None:
-        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "max_tokens",
-                   "content": [{"type": "text", "text": "hello"}],
-                   "usage": {"input_tokens": 3, "output_tokens": 2}}
+        message = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "stop_reason": "max_tokens",
+            "content": [{"type": "text", "text": "hello"}],
+            "usage": {"input_tokens": 3, "output_tokens": 2},
+        }
         out = json.loads(reply().whole(json.dumps(message).encode()))
         self.assertEqual(out["object"], "chat.completion")
         self.assertEqual(out["model"], "claude:m")
@@ -57,14 +62,15 @@ class AnthropicReplyTests(SynchronousTestCase):
             parts: list[bytes] = []
             feed = reply().sse(parts.append)
             for i in range(0, len(data), step):
-                feed(data[i:i + step])
+                feed(data[i : i + step])
             self.assertEqual(b"".join(parts), b"".join(whole), step)
         events = b"".join(whole).split(b"\n\n")[:-1]
         self.assertEqual(events[-1], b"data: [DONE]")
-        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
         self.assertEqual(chunks[0]["choices"][0]["delta"]["role"], "assistant")
-        self.assertEqual("".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]),
-                         "Let me check.")
+        self.assertEqual(
+            "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]), "Let me check."
+        )
         calls = [t for c in chunks if c["choices"] for t in c["choices"][0]["delta"].get("tool_calls") or []]
         self.assertEqual([t["function"]["name"] for t in calls if "id" in t], ["get_weather", "get_time"])
         self.assertEqual([c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1], "tool_calls")
@@ -110,17 +116,31 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
                 return succeed(body)
 
         class Lease:
-            instance = RemoteInstance(ModelEntry("peer:m", Path("peer"), format="remote", remote="peer"),
-                                      RemoteConfig("peer", "http://127.0.0.1:9/v1"))
+            instance = RemoteInstance(
+                ModelEntry("peer:m", Path("peer"), format="remote", remote="peer"),
+                RemoteConfig("peer", "http://127.0.0.1:9/v1"),
+            )
 
         class Response:
             headers = Headers({b"content-type": [kind]})
 
         scrub = scrubber(Lease.instance)
-        translated = FromAnthropic(AnthropicStream("peer:m", 7, True), scrub) if anthropic \
+        translated = (
+            FromAnthropic(AnthropicStream("peer:m", 7, True), scrub)
+            if anthropic
             else Renamed("peer:m", Lease.instance.server, scrub)
-        return Reply(cast(EngineProxy, Proxy()), None, cast(InstanceLease, Lease()), Response(), None, 0.0, 0.0,
-                     translated=translated, wants_usage=True)
+        )
+        return Reply(
+            cast(EngineProxy, Proxy()),
+            None,
+            cast(InstanceLease, Lease()),
+            Response(),
+            None,
+            0.0,
+            0.0,
+            translated=translated,
+            wants_usage=True,
+        )
 
     def events(self, made: Reply) -> list[Any]:
         from twisted.internet.defer import ensureDeferred
@@ -129,13 +149,27 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
         assert made.made is not None
         events = made.made.split(b"\n\n")[:-1]
         self.assertEqual(events[-1], b"data: [DONE]")
-        return [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        return [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
 
     def test_a_chat_completion(self) -> None:
-        answer = {"id": "c1", "object": "chat.completion", "created": 5, "model": "m", "choices": [
-            {"index": 0, "finish_reason": "tool_calls", "message": {"role": "assistant", "content": "hi", "tool_calls": [
-                {"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}],
-            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        answer = {
+            "id": "c1",
+            "object": "chat.completion",
+            "created": 5,
+            "model": "m",
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": "tool_calls",
+                    "message": {
+                        "role": "assistant",
+                        "content": "hi",
+                        "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                }
+            ],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5},
+        }
         chunks = self.events(self.reply(json.dumps(answer).encode()))
         self.assertEqual({c["model"] for c in chunks}, {"peer:m"})
         self.assertEqual({c["object"] for c in chunks}, {"chat.completion.chunk"})
@@ -145,15 +179,26 @@ class JSONAnswerToAStreamTests(SynchronousTestCase):
         self.assertEqual((chunks[3]["choices"], chunks[3]["usage"]["total_tokens"]), ([], 5))
 
     def test_a_text_completion(self) -> None:
-        answer = {"id": "c2", "object": "text_completion", "model": "m",
-                  "choices": [{"index": 0, "text": "once", "finish_reason": "length"}]}
+        answer = {
+            "id": "c2",
+            "object": "text_completion",
+            "model": "m",
+            "choices": [{"index": 0, "text": "once", "finish_reason": "length"}],
+        }
         chunks = self.events(self.reply(json.dumps(answer).encode()))
         self.assertEqual([c["choices"][0]["text"] for c in chunks], ["once", ""])
         self.assertEqual(chunks[-1]["choices"][0]["finish_reason"], "length")
 
     def test_an_anthropic_message(self) -> None:
-        message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "stop_reason": "end_turn",
-                   "content": [{"type": "text", "text": "hello"}], "usage": {"input_tokens": 3, "output_tokens": 2}}
+        message = {
+            "id": "msg_1",
+            "type": "message",
+            "role": "assistant",
+            "model": "m",
+            "stop_reason": "end_turn",
+            "content": [{"type": "text", "text": "hello"}],
+            "usage": {"input_tokens": 3, "output_tokens": 2},
+        }
         chunks = self.events(self.reply(json.dumps(message).encode(), anthropic=True))
         self.assertEqual(chunks[0]["choices"][0]["delta"]["content"], "hello")
         self.assertEqual(chunks[-1]["usage"]["completion_tokens"], 2)

@@ -16,19 +16,17 @@ from typing import Any, cast
 from klein import Klein
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.web.client import context_of
 from blazar.config import KeyConfig, parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
-from blazar.models.registry import ModelNotFound, ModelRegistry
-from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
-from blazar.service import build_gateway
-from blazar.testing import StubEngineClient
-from blazar.web.auth import AuthGate, KeyHolder
 from blazar.gateway.quota import QuotaExceeded
 from blazar.gateway.scope import redact, redact_value, resolve_in_scope, visible
-
+from blazar.models.registry import ModelNotFound, ModelRegistry
+from blazar.models.testmodel import make_test_model
+from blazar.service import build_gateway
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_process_reactor
+from blazar.web.auth import AuthGate, KeyHolder
+from blazar.web.client import context_of
 from tests.typed import StubTreq
 
 ADMIN = "admin-secret-0123456789"
@@ -78,15 +76,27 @@ def engine_app() -> Klein:
         fail = (body.get("chat_template_kwargs") or {}).get("fail")
         if fail:
             request.setResponseCode(fail)
-            return json.dumps({"error": {"code": fail, "type": "server_error",
-                                         "message": f"failed to open {ENGINE_PATH}: no such file"}}).encode()
+            return json.dumps(
+                {
+                    "error": {
+                        "code": fail,
+                        "type": "server_error",
+                        "message": f"failed to open {ENGINE_PATH}: no such file",
+                    }
+                }
+            ).encode()
         request.setHeader(b"content-type", b"application/json")
-        return json.dumps({
-            "choices": [{"finish_reason": "stop", "index": 0,
-                         "message": {"role": "assistant", "content": "Hello"}}],
-            "created": 1, "model": body.get("model", "mine:latest"), "object": "chat.completion",
-            "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
-        }).encode()
+        return json.dumps(
+            {
+                "choices": [
+                    {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "Hello"}}
+                ],
+                "created": 1,
+                "model": body.get("model", "mine:latest"),
+                "object": "chat.completion",
+                "usage": {"completion_tokens": 1, "prompt_tokens": 2, "total_tokens": 3},
+            }
+        ).encode()
 
     return app
 
@@ -116,9 +126,14 @@ class ScopeSurfaceTests(SynchronousTestCase):
         self.engine = StubTreq(engine_app().resource())
         names = ["broken:latest", "mine:latest", "minevec:latest", "theirs:latest", "theirvec:latest"]
         registry = ModelRegistry(config, self.reactor)
-        router = build_gateway(registry, cast(Supervisor, FakeSupervisor(names)),
-                               cast(EngineClient, StubEngineClient(self.engine)), self.reactor, lambda: config,
-                               wall=lambda: 0.0).router()
+        router = build_gateway(
+            registry,
+            cast(Supervisor, FakeSupervisor(names)),
+            cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor,
+            lambda: config,
+            wall=lambda: 0.0,
+        ).router()
         self.client = StubTreq(AuthGate(router, KeyHolder(config)))
 
     def call(self, method: str, path: str, body: dict[str, Any], secret: str | None) -> tuple[int, bytes, bytes]:
@@ -127,7 +142,10 @@ class ScopeSurfaceTests(SynchronousTestCase):
         """
         headers = {"x-api-key": secret} if secret else {}
         d = self.client.request(
-            method, "http://localhost" + path, data=json.dumps(body).encode() if body else None, headers=headers,
+            method,
+            "http://localhost" + path,
+            data=json.dumps(body).encode() if body else None,
+            headers=headers,
         )
         for _ in range(20):
             self.client.flush()
@@ -136,8 +154,9 @@ class ScopeSurfaceTests(SynchronousTestCase):
         content = self.successResultOf(response.content())
         return response.code, (response.headers.getRawHeaders("content-type") or [b""])[0], content
 
-    def route(self, method: str, path: str, body: dict[str, Any], model: str,
-              secret: str | None = SCOPED) -> tuple[int, bytes, bytes]:
+    def route(
+        self, method: str, path: str, body: dict[str, Any], model: str, secret: str | None = SCOPED
+    ) -> tuple[int, bytes, bytes]:
         filled = json.loads(json.dumps(body).replace("{model}", model))
         return self.call(method, path.replace("{model}", model), filled, secret)
 
@@ -154,9 +173,7 @@ class ScopeSurfaceTests(SynchronousTestCase):
             self.assertIn(unknown[0], (403, 404), (path, body, unknown))
             for other in ("theirs", "theirvec", "Theirs:latest"):
                 status, kind, data = self.route(method, path, body, other)
-                self.assertEqual(
-                    (status, kind, data.replace(other.encode(), b"nope")), unknown, (path, body, other)
-                )
+                self.assertEqual((status, kind, data.replace(other.encode(), b"nope")), unknown, (path, body, other))
                 self.assertNotIn(b"their", data.replace(other.encode(), b"nope").lower())
 
     def test_scoped_not_found_lists_only_its_models(self) -> None:
@@ -173,11 +190,15 @@ class ScopeSurfaceTests(SynchronousTestCase):
             self.assertEqual(error["type"], "not_found_error")
             self.assertIn("broken:latest, mine:latest, minevec:latest)", error["message"])
             status, _, data = self.route("POST", "/api/chat", ROUTES[11][2], model)
-            self.assertEqual((status, json.loads(data)), (404, {"error": f'model "{model}" not found, try pulling it first'}))
+            self.assertEqual(
+                (status, json.loads(data)), (404, {"error": f'model "{model}" not found, try pulling it first'})
+            )
 
     def test_scoped_listings(self) -> None:
         _, _, data = self.call("GET", "/v1/models", {}, SCOPED)
-        self.assertEqual([m["id"] for m in json.loads(data)["data"]], ["broken:latest", "mine:latest", "minevec:latest"])
+        self.assertEqual(
+            [m["id"] for m in json.loads(data)["data"]], ["broken:latest", "mine:latest", "minevec:latest"]
+        )
         _, _, data = self.call("GET", "/api/tags", {}, SCOPED)
         # (broken is skipped: not a readable GGUF)
         self.assertEqual([m["name"] for m in json.loads(data)["models"]], ["mine:latest", "minevec:latest"])
@@ -254,8 +275,11 @@ class ScopeSurfaceTests(SynchronousTestCase):
         # a cold model: the 200 and its loading comments are out when the engine fails
         for secret, shown in ((SCOPED, "failed to open mine.gguf"), (ADMIN, f"failed to open {ENGINE_PATH}")):
             status, _, data = self.route(
-                "POST", "/v1/chat/completions",
-                {"model": "{model}", "messages": HELLO, "stream": True, "chat_template_kwargs": {"fail": 400}}, "mine", secret,
+                "POST",
+                "/v1/chat/completions",
+                {"model": "{model}", "messages": HELLO, "stream": True, "chat_template_kwargs": {"fail": 400}},
+                "mine",
+                secret,
             )
             self.assertIn(shown.encode(), data)
             if secret == SCOPED:
@@ -278,8 +302,10 @@ class KeylessScopeTests(ScopeSurfaceTests):
     def test_scoped_not_found_lists_only_its_models(self) -> None:
         status, _, data = self.route("POST", "/v1/chat/completions", ROUTES[0][2], "nope", None)
         self.assertEqual(status, 404)
-        self.assertIn("broken:latest, mine:latest, minevec:latest, theirs:latest, theirvec:latest",
-                      json.loads(data)["error"]["message"])
+        self.assertIn(
+            "broken:latest, mine:latest, minevec:latest, theirs:latest, theirvec:latest",
+            json.loads(data)["error"]["message"],
+        )
 
     def test_scoped_listings(self) -> None:
         _, _, data = self.call("GET", "/v1/models", {}, None)
@@ -414,8 +440,20 @@ class RedactTests(SynchronousTestCase):
             self.assertEqual(redact(context_of(self.scoped), text), text)
 
     def test_metadata_values(self) -> None:
-        kv = {"quantize.imatrix.file": "/data/imatrix/m.dat", "general.name": "m",
-              "list": ["/a/b/c", 1], "n": 4, "none": None}
-        self.assertEqual(redact_value(context_of(self.scoped), kv), {
-            "quantize.imatrix.file": "m.dat", "general.name": "m", "list": ["c", 1], "n": 4, "none": None,
-        })
+        kv = {
+            "quantize.imatrix.file": "/data/imatrix/m.dat",
+            "general.name": "m",
+            "list": ["/a/b/c", 1],
+            "n": 4,
+            "none": None,
+        }
+        self.assertEqual(
+            redact_value(context_of(self.scoped), kv),
+            {
+                "quantize.imatrix.file": "m.dat",
+                "general.name": "m",
+                "list": ["c", 1],
+                "n": 4,
+                "none": None,
+            },
+        )

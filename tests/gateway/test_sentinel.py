@@ -9,8 +9,17 @@ import json
 
 from blazar.gateway.sentinel import StreamWatch, inspect, inspect_reply
 
-TOOLS = {"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-    "type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}}}]}
+TOOLS = {
+    "tools": [
+        {
+            "type": "function",
+            "function": {
+                "name": "f",
+                "parameters": {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]},
+            },
+        }
+    ]
+}
 
 
 def codes(found: list[tuple[str, str]]) -> list[str]:
@@ -26,8 +35,12 @@ def test_each_code() -> None:
     assert codes(inspect(TOOLS, "tool_calls", "", "", [("f", '{"x": 1}')])) == []
     fmt = {"response_format": {"type": "json_object"}}
     assert codes(inspect(fmt, "length", '{"a": ', "", [])) == ["truncated", "format_invalid"]
-    schema = {"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
-        "type": "object", "required": ["a"]}}}}
+    schema = {
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "s", "schema": {"type": "object", "required": ["a"]}},
+        }
+    }
     assert codes(inspect(schema, "stop", '{"b": 1}', "", [])) == ["format_invalid"]
     assert codes(inspect(schema, "stop", '{"a": 1}', "", [])) == []
     # a number beyond a double is no JSON a client can read (Python reads it as inf)
@@ -39,21 +52,39 @@ def test_each_code() -> None:
 
 
 def test_a_reply_and_a_stream_give_the_same_findings() -> None:
-    reply = {"choices": [{"index": 0, "finish_reason": "length", "message": {
-        "role": "assistant", "content": None, "tool_calls": [
-            {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": "no"}'}}]}}]}
+    reply = {
+        "choices": [
+            {
+                "index": 0,
+                "finish_reason": "length",
+                "message": {
+                    "role": "assistant",
+                    "content": None,
+                    "tool_calls": [
+                        {"id": "a", "type": "function", "function": {"name": "f", "arguments": '{"x": "no"}'}}
+                    ],
+                },
+            }
+        ]
+    }
     assert codes(inspect_reply(TOOLS, json.dumps(reply).encode())) == ["truncated", "tool_args_schema"]
     chunks = [
         {"choices": [{"index": 0, "delta": {"role": "assistant"}}]},
-        {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f",
-                                                                                              "arguments": '{"x"'}}]}}]},
+        {
+            "choices": [
+                {
+                    "index": 0,
+                    "delta": {"tool_calls": [{"index": 0, "id": "a", "function": {"name": "f", "arguments": '{"x"'}}]},
+                }
+            ]
+        },
         {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": ': "no"}'}}]}}]},
         {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]},
     ]
     data = b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
     watch = StreamWatch(TOOLS)
     for i in range(0, len(data), 7):  # split anywhere
-        watch.events(data[i:i + 7])
+        watch.events(data[i : i + 7])
     assert codes(watch.findings()) == ["truncated", "tool_args_schema"]
 
 
@@ -70,7 +101,9 @@ def test_call_syntax_left_in_the_text_is_judged_as_a_call() -> None:
     assert codes(inspect(TOOLS, "stop", call.format("f", '"x"'), "", [])) == ["tool_args_invalid"]
     assert codes(inspect(TOOLS, "stop", "ok " + call.format("f", '{"x": 1}'), "", [])) == []
     assert codes(inspect(TOOLS, "length", '<tool_call>\n{"name": "f", "argu', "", [])) == [
-        "truncated", "tool_args_invalid"]
+        "truncated",
+        "tool_args_invalid",
+    ]
     two = call.format("f", '{"x": 1}') + "\n" + call.format("g", "{}")
     assert codes(inspect(TOOLS, "stop", two, "", [])) == ["tool_name_unknown"]
     # without tools offered, call syntax is prose about it; with them, only
@@ -100,10 +133,14 @@ def test_only_the_engines_own_unparsed_error_event_is_dropped() -> None:
     from blazar.gateway.sentinel import drop_unparsed, ending, is_unparsed
 
     phrase = "The model produced output that does not match the expected peg-native format"
-    text = ('data: {"id":"c1","choices":[{"index":0,"delta":{"content":' + json.dumps("Error: " + phrase)
-            + '}}]}').encode()
-    call = ('data: {"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":'
-            + json.dumps(json.dumps({"title": phrase})) + '}}]}}]}').encode()
+    text = (
+        'data: {"id":"c1","choices":[{"index":0,"delta":{"content":' + json.dumps("Error: " + phrase) + "}}]}"
+    ).encode()
+    call = (
+        'data: {"id":"c1","choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":'
+        + json.dumps(json.dumps({"title": phrase}))
+        + "}}]}}]}"
+    ).encode()
     error = ('data: {"error":{"code":500,"message":"' + phrase + '","type":"server_error"}}').encode()
     assert not is_unparsed(text) and not is_unparsed(call) and is_unparsed(error)
     kept, dropped = drop_unparsed(text + b"\n\n" + call + b"\n\n" + error + b"\n\n")

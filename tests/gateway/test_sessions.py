@@ -15,7 +15,11 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.gateway.sessions import (
-    Pin, Sessions, anthropic_hint, session_name, sessions_from_rows,
+    Pin,
+    Sessions,
+    anthropic_hint,
+    session_name,
+    sessions_from_rows,
 )
 from blazar.testing import FakeInstance, FakeSlotBank
 from tests.gateway.slot_bank_contract import check_slot_bank
@@ -53,8 +57,10 @@ class NamingTests(SynchronousTestCase):
         from blazar.gateway.isolation import with_fields
 
         self.assertEqual(json.loads(with_fields(b'{"a": 1}\n', {"id_slot": 3}) or b""), {"a": 1, "id_slot": 3})
-        self.assertEqual(json.loads(with_fields(b"{}", {"id_slot": 0, "cache_prompt": False}) or b""),
-                         {"id_slot": 0, "cache_prompt": False})
+        self.assertEqual(
+            json.loads(with_fields(b"{}", {"id_slot": 0, "cache_prompt": False}) or b""),
+            {"id_slot": 0, "cache_prompt": False},
+        )
         self.assertIsNone(with_fields(b"[1]", {"id_slot": 0}))
         self.assertEqual(with_fields(b"[1]", {}), b"[1]")
 
@@ -68,8 +74,14 @@ class SessionTests(SynchronousTestCase):
         self.counted: list[tuple[str, str]] = []
         self.rows: dict[tuple[str, str, str], Any] = {}
         self.sessions = Sessions(
-            self.clock, self.bank, lambda: self.data, lambda: (self.keep, 2.0, 512 << 20, 4096 << 20), run_now,
-            persist=self.persist, forget=self.forget, count=lambda op, result: self.counted.append((op, result)),
+            self.clock,
+            self.bank,
+            lambda: self.data,
+            lambda: (self.keep, 2.0, 512 << 20, 4096 << 20),
+            run_now,
+            persist=self.persist,
+            forget=self.forget,
+            count=lambda op, result: self.counted.append((op, result)),
         )
         self.child = FakeInstance("m:latest", parallel=2, ctx=2048)
 

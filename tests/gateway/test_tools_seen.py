@@ -14,11 +14,12 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.models.testmodel import make_test_model
 from blazar.testing import FakeSupervisor, fake_engine_app
-
 from tests.web.gateway import MemoryGateway
 
-NO_TOOLS = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+NO_TOOLS = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 HI = [{"role": "user", "content": "hi"}]
 
@@ -27,18 +28,26 @@ def asks(model: str, **extra: Any) -> dict[str, dict[str, Any]]:
     return {
         "/v1/chat/completions": {"model": model, "messages": HI, "tools": [TOOL], **extra},
         "/api/chat": {"model": model, "messages": HI, "tools": [TOOL], "stream": False, **extra},
-        "/v1/messages": {"model": model, "max_tokens": 8, "messages": HI,
-                         "tools": [{"name": "f", "input_schema": {"type": "object"}}]},
-        "/v1/responses": {"model": model, "input": "hi", "tools": [{"type": "function", "name": "f",
-                                                                     "parameters": {"type": "object"}}]},
+        "/v1/messages": {
+            "model": model,
+            "max_tokens": 8,
+            "messages": HI,
+            "tools": [{"name": "f", "input_schema": {"type": "object"}}],
+        },
+        "/v1/responses": {
+            "model": model,
+            "input": "hi",
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}}],
+        },
     }
 
 
 class ToolsSeenTests(SynchronousTestCase):
     def build(self, config: str = "") -> None:
         self.app = fake_engine_app("plain:latest")
-        self.gateway = MemoryGateway(self, FakeSupervisor(["plain:latest", "m:latest"]), self.app,
-                                     models=("plain", "m"), config=config)
+        self.gateway = MemoryGateway(
+            self, FakeSupervisor(["plain:latest", "m:latest"]), self.app, models=("plain", "m"), config=config
+        )
         make_test_model(self.gateway.root / "plain.gguf", seed=3, chat_template=NO_TOOLS)
 
     def test_refused_on_every_surface_before_the_engine(self) -> None:
@@ -53,8 +62,9 @@ class ToolsSeenTests(SynchronousTestCase):
         self.build()
         for path, body in asks("m").items():
             self.assertEqual(self.gateway.post(path, body)[0], 200, path)
-        status, _, data = self.gateway.post("/v1/chat/completions", {
-            "model": "plain", "messages": HI, "tools": [TOOL], "tool_choice": "none"})
+        status, _, data = self.gateway.post(
+            "/v1/chat/completions", {"model": "plain", "messages": HI, "tools": [TOOL], "tool_choice": "none"}
+        )
         self.assertEqual(status, 200, data)
         self.build('[models."plain"]\nargs = ["--chat-template-file", "/etc/tools.jinja"]\n')
         status, _, data = self.gateway.post("/v1/chat/completions", {"model": "plain", "messages": HI, "tools": [TOOL]})

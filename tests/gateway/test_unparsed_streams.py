@@ -7,10 +7,13 @@ first version.)
 """
 
 from __future__ import annotations
+
 import json
 from types import SimpleNamespace
 from typing import Any, cast
+
 from twisted.internet.defer import ensureDeferred
+
 from blazar.engines.lease import InstanceLease
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.reply import Reply
@@ -18,8 +21,10 @@ from blazar.gateway.sentinel import StreamWatch, inspect
 from blazar.web.client import context_of
 
 TEXT = b'data: {"id":"c1","created":5,"model":"m","choices":[{"index":0,"delta":{"content":"hi"}}]}\n\n'
-ERR = (b'data: {"error":{"code":500,"message":"The model produced output that does not match the expected '
-       b'peg-native format","type":"server_error"}}\n\n')
+ERR = (
+    b'data: {"error":{"code":500,"message":"The model produced output that does not match the expected '
+    b'peg-native format","type":"server_error"}}\n\n'
+)
 BODY = {"messages": [], "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}
 
 
@@ -34,8 +39,16 @@ class Proxy:
 
 def relayed(pieces: list[bytes]) -> bytes:
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(cast(EngineProxy, Proxy(pieces)), context_of(SimpleNamespace(startedWriting=True)),
-                  cast(InstanceLease, lease), None, None, 0.0, 0.0, watched=BODY)
+    reply = Reply(
+        cast(EngineProxy, Proxy(pieces)),
+        context_of(SimpleNamespace(startedWriting=True)),
+        cast(InstanceLease, lease),
+        None,
+        None,
+        0.0,
+        0.0,
+        watched=BODY,
+    )
     got: list[bytes] = []
     d = ensureDeferred(reply.relay(got.append))
     assert d.called, d
@@ -69,8 +82,12 @@ def test_prose_without_tools_is_not_a_call() -> None:
 def test_stream_without_tools_marker_split_across_tokens() -> None:
     # non-streamed judges '<tool_call>{...}' (tool_name_unknown); a stream whose tokens split the marker
     pieces = ["<tool", "_call>", '{"name": "f", "arguments": {}}', "</tool_call>"]
-    data = b"".join(b"data: " + json.dumps({"choices": [{"index": 0, "delta": {"content": p}}]}, separators=(",", ":")).encode() + b"\n\n"
-                    for p in pieces)
+    data = b"".join(
+        b"data: "
+        + json.dumps({"choices": [{"index": 0, "delta": {"content": p}}]}, separators=(",", ":")).encode()
+        + b"\n\n"
+        for p in pieces
+    )
     w = StreamWatch({"messages": []})
     w.events(data)
     assert [c for c, _ in w.findings()] == [c for c, _ in inspect({"messages": []}, None, "".join(pieces), "", [])]
@@ -81,19 +98,39 @@ def test_split_error_is_still_flagged() -> None:
     cut = len(TEXT) + 40
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
     req = SimpleNamespace(startedWriting=True)
-    reply = Reply(cast(EngineProxy, Proxy([whole[:cut], whole[cut:]])), context_of(req), cast(InstanceLease, lease),
-                  None, None, 0.0, 0.0, watched=BODY)
+    reply = Reply(
+        cast(EngineProxy, Proxy([whole[:cut], whole[cut:]])),
+        context_of(req),
+        cast(InstanceLease, lease),
+        None,
+        None,
+        0.0,
+        0.0,
+        watched=BODY,
+    )
     ensureDeferred(reply.relay(lambda b: None))
     assert "tool_args_invalid" in (req.blazar.sentinel or ())
 
 
 def test_forced_call_arguments_quoting_the_phrase() -> None:
     from blazar.gateway.toolcalls import chat_stream
+
     args = json.dumps({"title": "The model produced output that does not match the expected format"})
-    made = chat_stream("m", [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": args}}], None, None)
+    made = chat_stream(
+        "m", [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": args}}], None, None
+    )
     lease = SimpleNamespace(instance=SimpleNamespace(entry=SimpleNamespace(name="m")))
-    reply = Reply(cast(EngineProxy, Proxy([])), context_of(SimpleNamespace(startedWriting=True)),
-                  cast(InstanceLease, lease), None, None, 0.0, 0.0, watched=BODY, made=made)
+    reply = Reply(
+        cast(EngineProxy, Proxy([])),
+        context_of(SimpleNamespace(startedWriting=True)),
+        cast(InstanceLease, lease),
+        None,
+        None,
+        0.0,
+        0.0,
+        watched=BODY,
+        made=made,
+    )
     got: list[bytes] = []
     ensureDeferred(reply.relay(got.append))
     out = b"".join(got)

@@ -69,7 +69,9 @@ def daemon_config(engine: str, models: dict[str, GeneratedModel], extra: str = "
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("daemon"), daemon_config(engine, models))
     d.start()
     try:

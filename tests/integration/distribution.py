@@ -36,8 +36,10 @@ def registry_binary() -> str:
     """
     found = os.environ.get("BLAZAR_DOCKER_REGISTRY") or shutil.which("docker-registry")
     if not found:
-        pytest.fail("the library pull e2e needs Debian's docker-registry (sudo apt-get install -y docker-registry; "
-                    "./dev.sh test installs it as root)")
+        pytest.fail(
+            "the library pull e2e needs Debian's docker-registry (sudo apt-get install -y docker-registry; "
+            "./dev.sh test installs it as root)"
+        )
     return found
 
 
@@ -58,8 +60,9 @@ class DistributionRegistry:
             f"http:\n  addr: 127.0.0.1:{self.port}\n"
         )
         self.log = open(root / "registry.log", "ab")
-        self.proc = subprocess.Popen([registry_binary(), "serve", str(config)], stdout=self.log,
-                                     stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            [registry_binary(), "serve", str(config)], stdout=self.log, stderr=subprocess.STDOUT
+        )
         deadline = time.monotonic() + 30
         while True:
             try:
@@ -83,8 +86,9 @@ class DistributionRegistry:
         self.log.close()
 
 
-def request(base: str, method: str, path: str, body: bytes | None = None,
-            headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def request(
+    base: str, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     """
     One HTTP request to C{base} (C{http://host:port}); C{path} may be an
     absolute URL on the same server.
@@ -113,8 +117,15 @@ def seed(base: str, repository: str, tag: str, layers: list[tuple[str, bytes]]) 
 
     @return: The manifest's bytes (their sha256 is the model's digest).
     """
-    config = json.dumps({"model_format": "gguf", "model_family": "llama", "model_families": ["llama"],
-                         "architecture": "amd64", "os": "linux"}).encode()
+    config = json.dumps(
+        {
+            "model_format": "gguf",
+            "model_family": "llama",
+            "model_families": ["llama"],
+            "architecture": "amd64",
+            "os": "linux",
+        }
+    ).encode()
     descriptors = []
     for media, data in [*layers, (store.MEDIA_CONFIG, config)]:
         status, headers, body = request(base, "POST", f"/v2/{repository}/blobs/uploads/")
@@ -125,8 +136,9 @@ def seed(base: str, repository: str, tag: str, layers: list[tuple[str, bytes]]) 
         assert status == 201, (status, body)
         descriptors.append(store.layer(media, digest_of(data), len(data)))
     raw = store.manifest_bytes(store.make_manifest(descriptors[-1], descriptors[:-1]))
-    status, _, body = request(base, "PUT", f"/v2/{repository}/manifests/{tag}", raw,
-                              {"content-type": store.MEDIA_MANIFEST})
+    status, _, body = request(
+        base, "PUT", f"/v2/{repository}/manifests/{tag}", raw, {"content-type": store.MEDIA_MANIFEST}
+    )
     assert status == 201, (status, body)
     return raw
 
@@ -202,7 +214,7 @@ class BlobProxy:
                 data = bytes([data[0] ^ 0xFF]) + data[1:]
             step = 64 * 1024
             for i in range(0, len(data), step):
-                chunk = data[i:i + step]
+                chunk = data[i : i + step]
                 handler.wfile.write(chunk)
                 if digest is not None:
                     with self.lock:

@@ -64,12 +64,20 @@ class Handler(BaseHTTPRequestHandler):
                 idle.set()
             self.close_connection = True
             return
-        self.answer(200, json.dumps({
-            "choices": [{"finish_reason": "stop", "index": 0,
-                         "message": {"role": "assistant", "content": "done"}}],
-            "created": 1, "model": "tiny", "object": "chat.completion",
-            "usage": {"completion_tokens": 1, "prompt_tokens": 1, "total_tokens": 2},
-        }).encode())
+        self.answer(
+            200,
+            json.dumps(
+                {
+                    "choices": [
+                        {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "done"}}
+                    ],
+                    "created": 1,
+                    "model": "tiny",
+                    "object": "chat.completion",
+                    "usage": {"completion_tokens": 1, "prompt_tokens": 1, "total_tokens": 2},
+                }
+            ).encode(),
+        )
 
 
 def main() -> None:

@@ -41,13 +41,21 @@ def serve(conn: socket.socket, alias: str) -> None:
     if head.startswith(b"GET /health"):
         body = b'{"status":"ok"}'
     else:
-        body = json.dumps({
-            "choices": [{"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "ok"}}],
-            "created": 1, "model": alias, "object": "chat.completion", "id": "x",
-            "usage": {"completion_tokens": 1, "prompt_tokens": 1, "total_tokens": 2},
-        }, separators=(",", ":")).encode()
-    conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5, max=100\r\n"
-                 b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        body = json.dumps(
+            {
+                "choices": [{"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "ok"}}],
+                "created": 1,
+                "model": alias,
+                "object": "chat.completion",
+                "id": "x",
+                "usage": {"completion_tokens": 1, "prompt_tokens": 1, "total_tokens": 2},
+            },
+            separators=(",", ":"),
+        ).encode()
+    conn.sendall(
+        b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nKeep-Alive: timeout=5, max=100\r\n"
+        b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body
+    )
     if read_request(conn, rest) is not None:
         print("closed a kept connection under a request", file=sys.stderr, flush=True)
     conn.close()

@@ -22,7 +22,7 @@ def main() -> None:
         conn, _ = server.accept()
         if not answered:
             conn.recv(65536)
-            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{\"status\":\"ok\"}")
+            conn.sendall(b'HTTP/1.1 200 OK\r\nContent-Length: 15\r\nConnection: close\r\n\r\n{"status":"ok"}')
             conn.close()
             answered = True
         else:

@@ -53,21 +53,25 @@ class FakeHub:
     def handle(self, h: BaseHTTPRequestHandler) -> None:
         path = h.path.split("?")[0]
         if path.startswith("/api/models/") and path.endswith("/tree/main"):
-            repo = path[len("/api/models/"):-len("/tree/main")]
+            repo = path[len("/api/models/") : -len("/tree/main")]
             files = self.repos.get(repo)
             if files is None:
                 return self._send(h, 404, b'{"error":"Repository not found"}')
             listing = [
-                {"type": "file", "path": name, "size": len(data), "oid": "0" * 40,
-                 "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data),
-                         "pointerSize": 134}}
+                {
+                    "type": "file",
+                    "path": name,
+                    "size": len(data),
+                    "oid": "0" * 40,
+                    "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data), "pointerSize": 134},
+                }
                 for name, data in files.items()
             ] + [{"type": "file", "path": "README.md", "size": 5, "oid": "1" * 40}]
             return self._send(h, 200, json.dumps(listing).encode())
         for repo, files in self.repos.items():
             prefix = f"/{repo}/resolve/main/"
-            if path.startswith(prefix) and path[len(prefix):] in files:
-                data = files[path[len(prefix):]]
+            if path.startswith(prefix) and path[len(prefix) :] in files:
+                data = files[path[len(prefix) :]]
                 if self.corrupt:
                     data = bytes(b ^ 0xFF for b in data)
                 rng = h.headers.get("Range")
@@ -75,7 +79,7 @@ class FakeHub:
                 start = int(rng.split("=")[1].split("-")[0]) if rng else 0
                 body = data[start:] + self.extra
                 if self.cut is not None:
-                    body = body[:self.cut]
+                    body = body[: self.cut]
                 h.send_response(206 if rng else 200)
                 h.send_header("Content-Length", str(len(body)))
                 if rng:

@@ -107,8 +107,7 @@ class Daemon:
         root.mkdir(parents=True, exist_ok=True)
         self.config = root / "config.toml"
         self.config.write_text(
-            f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
-            f'data_dir = "{root / "data"}"\n' + config_text
+            f'listen = "tcp:{self.port}:interface=127.0.0.1"\ndata_dir = "{root / "data"}"\n' + config_text
         )
         self.log_path = root / "daemon.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -116,15 +115,22 @@ class Daemon:
 
     def command(self) -> list[str]:
         return [
-            str(Path(sys.executable).parent / "twistd"), "--nodaemon", "--pidfile=",
+            str(Path(sys.executable).parent / "twistd"),
+            "--nodaemon",
+            "--pidfile=",
             "--logger=blazar.logtext.observer",  # as blazar serve runs it
-            "blazar", "--config", str(self.config),
+            "blazar",
+            "--config",
+            str(self.config),
         ]
 
     def start(self, wait: bool = True) -> "Daemon":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
                 # as from a terminal: a suite started in the background (`./dev.sh test &`)
                 # has SIGINT ignored, which the daemon would inherit (and honour)
                 preexec_fn=_sigint_default,
@@ -159,14 +165,21 @@ class Daemon:
 
         result = subprocess.run(
             [str(Path(sys.executable).parent / "blazar"), "logs", model, "-c", str(self.config)],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert result.returncode == 0, result.stdout + result.stderr
         return result.stdout
 
     def request(
-        self, method: str, path: str, body: Any = None, timeout: float = 120.0,
-        raw: bytes | None = None, headers: dict[str, str] | None = None,
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        timeout: float = 120.0,
+        raw: bytes | None = None,
+        headers: dict[str, str] | None = None,
     ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
         try:
@@ -201,7 +214,7 @@ class Daemon:
             for raw in resp:
                 line = raw.decode("utf-8").rstrip("\n")
                 if line.startswith("data: "):
-                    payload = line[len("data: "):]
+                    payload = line[len("data: ") :]
                     if payload != "[DONE]":
                         try:
                             strict_loads(payload)
@@ -306,6 +319,6 @@ def fake_engine(tmp_path: Path, script: str, pids: Path | None = None) -> Path:
 
     shim = tmp_path / script.removesuffix(".py").replace("_", "-")
     record = f"echo $$ >> {pids}\n" if pids is not None else ""
-    shim.write_text(f"#!/bin/sh\n{record}exec {sys.executable} {Path(__file__).with_name(script)} \"$@\"\n")
+    shim.write_text(f'#!/bin/sh\n{record}exec {sys.executable} {Path(__file__).with_name(script)} "$@"\n')
     shim.chmod(0o755)
     return shim

@@ -40,7 +40,8 @@ def _constant(name: str) -> Any:
 
 
 def strict_loads(
-    s: str | bytes | bytearray, *,
+    s: str | bytes | bytearray,
+    *,
     parse_float: Callable[[str], Any] | None = None,
     parse_int: Callable[[str], Any] | None = None,
     parse_constant: Callable[[str], Any] | None = None,

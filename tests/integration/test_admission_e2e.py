@@ -32,13 +32,19 @@ STREAM_BODY = {"model": MODEL, "messages": HELLO, "stream": True, "max_tokens": 
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("admission"), daemon_config(engine, models) + (
-        f'[models."{MODEL}"]\npath = "{models["tiny"].path}"\nparallel = 1\n'
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "light"\nsecret = "{LIGHT}"\nweight = 1\n'
-        f'[[keys]]\nname = "heavy"\nsecret = "{HEAVY}"\nweight = 3\n'
-    ))
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("admission"),
+        daemon_config(engine, models)
+        + (
+            f'[models."{MODEL}"]\npath = "{models["tiny"].path}"\nparallel = 1\n'
+            f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+            f'[[keys]]\nname = "light"\nsecret = "{LIGHT}"\nweight = 1\n'
+            f'[[keys]]\nname = "heavy"\nsecret = "{HEAVY}"\nweight = 3\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -46,14 +52,21 @@ def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyt
         d.close()
 
 
-def call(d: Daemon, method: str, path: str, body: Any = None, secret: str = ADMIN,
-         **headers: str) -> tuple[int, dict[str, str], bytes]:
+def call(
+    d: Daemon, method: str, path: str, body: Any = None, secret: str = ADMIN, **headers: str
+) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None, {
-            "content-type": "application/json", "authorization": f"Bearer {secret}",
-            **{k.replace("_", "-"): v for k, v in headers.items()},
-        })
+        conn.request(
+            method,
+            path,
+            json.dumps(body) if body is not None else None,
+            {
+                "content-type": "application/json",
+                "authorization": f"Bearer {secret}",
+                **{k.replace("_", "-"): v for k, v in headers.items()},
+            },
+        )
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -94,11 +107,17 @@ def stream(d: Daemon, outcome: Outcome, **headers: str) -> None:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
     try:
         outcome.sent = time.monotonic()
-        conn.request("POST", "/v1/chat/completions", json.dumps(STREAM_BODY), {
-            "content-type": "application/json", "authorization": f"Bearer {ADMIN}",
-            "x-blazar-trace-id": outcome.trace_id,
-            **{k.replace("_", "-"): v for k, v in headers.items()},
-        })
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(STREAM_BODY),
+            {
+                "content-type": "application/json",
+                "authorization": f"Bearer {ADMIN}",
+                "x-blazar-trace-id": outcome.trace_id,
+                **{k.replace("_", "-"): v for k, v in headers.items()},
+            },
+        )
         resp = conn.getresponse()
         outcome.status = resp.status
         outcome.retry_after = resp.getheader("retry-after")
@@ -129,16 +148,18 @@ def test_high_priority_overtakes_waiting_low_priority(daemon: Daemon) -> None:
     assert status == 200, body  # loaded: what follows measures the queue, not the load
     lows = [Outcome(f"low-request-{i:02d}") for i in range(20)]
     highs = [Outcome(f"high-request-{i}") for i in range(5)]
-    threads = [threading.Thread(target=stream, args=(daemon, o), kwargs={"x_blazar_priority": "low"})
-               for o in lows]
+    threads = [threading.Thread(target=stream, args=(daemon, o), kwargs={"x_blazar_priority": "low"}) for o in lows]
     for t in threads:
         t.start()
     # most of the lows wait (one runs) before the highs are sent
     wait_for(lambda: queue_of(daemon)["waiting"]["total"] >= 15)
     high_threads = [
-        threading.Thread(target=stream, args=(daemon, o),
-                         # later than the lows' (120 s): priority, not deadline, puts them first
-                         kwargs={"x_blazar_priority": "HIGH", "x_blazar_deadline_ms": "150000"})
+        threading.Thread(
+            target=stream,
+            args=(daemon, o),
+            # later than the lows' (120 s): priority, not deadline, puts them first
+            kwargs={"x_blazar_priority": "HIGH", "x_blazar_deadline_ms": "150000"},
+        )
         for o in highs
     ]
     for t in high_threads:
@@ -159,7 +180,7 @@ def test_high_priority_overtakes_waiting_low_priority(daemon: Daemon) -> None:
     assert all(r["position"] == i + 1 for i, r in enumerate(rows))
     waiting_highs = [r for r in rows if r["trace_id"] in ids]
     assert [r["position"] for r in waiting_highs] == list(range(1, len(waiting_highs) + 1)), rows
-    assert all(r["priority"] == "low" for r in rows[len(waiting_highs):]), rows
+    assert all(r["priority"] == "low" for r in rows[len(waiting_highs) :]), rows
     assert snapshot["waiting"]["by_priority"]["low"] >= 10
     for t in threads + high_threads:
         t.join(120)
@@ -185,12 +206,12 @@ def test_a_clients_batch_priority_is_low(daemon: Daemon) -> None:
     park 1,024 waiters for a day). They wait as low requests, and finish.
     """
     batch = [Outcome(f"batch-request-{i:02d}") for i in range(6)]
-    threads = [threading.Thread(target=stream, args=(daemon, o), kwargs={"x_blazar_priority": "batch"})
-               for o in batch]
+    threads = [threading.Thread(target=stream, args=(daemon, o), kwargs={"x_blazar_priority": "batch"}) for o in batch]
     for t in threads:
         t.start()
-    snapshot = wait_for(lambda: (lambda m: m if m["waiting"]["total"] >= 3 or all(o.status for o in batch)
-                                 else None)(queue_of(daemon)))
+    snapshot = wait_for(
+        lambda: (lambda m: m if m["waiting"]["total"] >= 3 or all(o.status for o in batch) else None)(queue_of(daemon))
+    )
     assert snapshot["waiting"]["by_priority"].get("batch", 0) == 0, snapshot
     assert all(r["priority"] == "low" for r in snapshot["requests"]), snapshot["requests"]
     for t in threads:
@@ -203,9 +224,14 @@ def test_deadline_gives_503_with_retry_after_on_every_surface(daemon: Daemon) ->
     # high-priority streams keep the only slot busy for a few seconds (each
     # waits behind the other; the probes below, normal priority, behind all)
     body = {**STREAM_BODY, "max_tokens": 1900}
-    holders = [threading.Thread(target=call, args=(daemon, "POST", "/v1/chat/completions", body),
-                                kwargs={"x_blazar_priority": "high", "x_blazar_deadline_ms": "60000"})
-               for _ in range(3)]
+    holders = [
+        threading.Thread(
+            target=call,
+            args=(daemon, "POST", "/v1/chat/completions", body),
+            kwargs={"x_blazar_priority": "high", "x_blazar_deadline_ms": "60000"},
+        )
+        for _ in range(3)
+    ]
     for t in holders:
         t.start()
     wait_for(lambda: queue_of(daemon)["waiting"]["total"] == 2)
@@ -259,8 +285,11 @@ def test_two_keys_share_a_slot_by_weight(daemon: Daemon) -> None:
                     failures.append(f"{status} {raw[:200]!r}")
 
     # the same number of clients per key, each always sending the next request
-    threads = [threading.Thread(target=client, args=(name, secret))
-               for name, secret in [("light", LIGHT), ("heavy", HEAVY)] for _ in range(4)]
+    threads = [
+        threading.Thread(target=client, args=(name, secret))
+        for name, secret in [("light", LIGHT), ("heavy", HEAVY)]
+        for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -279,11 +308,13 @@ def test_clients_that_leave_at_once_are_logged_and_crash_nothing(daemon: Daemon)
     body = json.dumps({"model": MODEL, "messages": HELLO, "max_tokens": 50})
     for i in range(10):
         s = socket.create_connection(("127.0.0.1", daemon.port))
-        s.sendall((
-            "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
-            f"authorization: Bearer {ADMIN}\r\nx-blazar-trace-id: gone-request-{i:02d}\r\n"
-            f"content-length: {len(body)}\r\n\r\n{body}"
-        ).encode())
+        s.sendall(
+            (
+                "POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
+                f"authorization: Bearer {ADMIN}\r\nx-blazar-trace-id: gone-request-{i:02d}\r\n"
+                f"content-length: {len(body)}\r\n\r\n{body}"
+            ).encode()
+        )
         s.close()
     wait_for(lambda: all(f"trace=gone-request-{i:02d}" in daemon.log() for i in range(10)))
     time.sleep(2.5)  # a misread cancellation took 2 s to surface as an "engine crash"

@@ -19,7 +19,11 @@ from tests.integration.harness import Daemon
 
 HELLO: list[MessageParam] = [{"role": "user", "content": "Say hello."}]
 WEATHER = forced_tool_call_request("tiny")["tools"][0]["function"]
-TOOL: ToolParam = {"name": WEATHER["name"], "description": WEATHER["description"], "input_schema": WEATHER["parameters"]}
+TOOL: ToolParam = {
+    "name": WEATHER["name"],
+    "description": WEATHER["description"],
+    "input_schema": WEATHER["parameters"],
+}
 
 
 @pytest.fixture(scope="module")
@@ -28,9 +32,15 @@ def client(daemon: Daemon) -> anthropic.Anthropic:
 
 
 def shape(message: Any) -> tuple:
-    return (message.type, message.role, message.model, [b.type for b in message.content],
-            type(message.usage.input_tokens), type(message.usage.output_tokens),
-            message.stop_reason is not None)
+    return (
+        message.type,
+        message.role,
+        message.model,
+        [b.type for b in message.content],
+        type(message.usage.input_tokens),
+        type(message.usage.output_tokens),
+        message.stop_reason is not None,
+    )
 
 
 def test_create_and_stream_give_the_same_shape(client: anthropic.Anthropic) -> None:
@@ -61,8 +71,11 @@ def prompt_of(usage: Any) -> int:
 def forced_tool_call(client: anthropic.Anthropic, seed: int) -> Any:
     recipe = forced_tool_call_request("tiny", seed)
     return client.messages.create(
-        model="tiny", max_tokens=200, messages=[{"role": "user", "content": "Weather in Paris?"}],
-        tools=[TOOL], tool_choice={"type": "tool", "name": "get_weather"},
+        model="tiny",
+        max_tokens=200,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[TOOL],
+        tool_choice={"type": "tool", "name": "get_weather"},
         extra_body={"logit_bias": recipe["logit_bias"], "seed": seed},
     )
 
@@ -79,7 +92,9 @@ def test_forced_tool_call_then_tool_result(client: anthropic.Anthropic) -> None:
     assert isinstance(use.input, dict)
     jsonschema.validate(use.input, TOOL["input_schema"])
     follow = client.messages.create(
-        model="tiny", max_tokens=8, tools=[TOOL],
+        model="tiny",
+        max_tokens=8,
+        tools=[TOOL],
         messages=[
             {"role": "user", "content": "Weather in Paris?"},
             {"role": "assistant", "content": [b.model_dump() for b in message.content]},
@@ -107,10 +122,17 @@ def test_count_tokens_matches_usage(client: anthropic.Anthropic) -> None:
 
 def raw_events(daemon: Daemon, body: dict) -> list[tuple[str, dict]]:
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
-    conn.request("POST", "/v1/messages?beta=true", json.dumps(body), {
-        "content-type": "application/json", "anthropic-version": "2023-06-01",
-        "anthropic-beta": "tools-2024-04-04", "x-api-key": "whatever",
-    })
+    conn.request(
+        "POST",
+        "/v1/messages?beta=true",
+        json.dumps(body),
+        {
+            "content-type": "application/json",
+            "anthropic-version": "2023-06-01",
+            "anthropic-beta": "tools-2024-04-04",
+            "x-api-key": "whatever",
+        },
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     assert resp.getheader("content-type") == "text/event-stream"
@@ -124,7 +146,7 @@ def raw_events(daemon: Daemon, body: dict) -> list[tuple[str, dict]]:
             continue
         lines = block.split("\n")
         assert lines[0].startswith("event: ") and lines[1].startswith("data: "), block
-        name, payload = lines[0][len("event: "):], json.loads(lines[1][len("data: "):])
+        name, payload = lines[0][len("event: ") :], json.loads(lines[1][len("data: ") :])
         assert payload["type"] == name
         events.append((name, payload))
     return events
@@ -164,12 +186,19 @@ def test_raw_sse_text(daemon: Daemon) -> None:
 def test_raw_sse_tool_use(daemon: Daemon) -> None:
     for seed in range(1, 6):
         recipe = forced_tool_call_request("tiny", seed)
-        events = raw_events(daemon, {
-            "model": "tiny", "max_tokens": 200, "stream": True,
-            "messages": [{"role": "user", "content": "Weather in Paris?"}],
-            "tools": [TOOL], "tool_choice": {"type": "any"},
-            "logit_bias": recipe["logit_bias"], "seed": seed,
-        })
+        events = raw_events(
+            daemon,
+            {
+                "model": "tiny",
+                "max_tokens": 200,
+                "stream": True,
+                "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                "tools": [TOOL],
+                "tool_choice": {"type": "any"},
+                "logit_bias": recipe["logit_bias"],
+                "seed": seed,
+            },
+        )
         assert_anthropic_order(events)
         if events[-2][1]["delta"]["stop_reason"] == "tool_use":
             break
@@ -177,16 +206,16 @@ def test_raw_sse_tool_use(daemon: Daemon) -> None:
         raise AssertionError("no tool_use answer")
     starts = [p["content_block"] for n, p in events if n == "content_block_start"]
     assert starts[0]["type"] == "tool_use" and starts[0]["input"] == {}
-    partial = "".join(p["delta"]["partial_json"] for n, p in events
-                      if n == "content_block_delta" and p["index"] == 0)
+    partial = "".join(p["delta"]["partial_json"] for n, p in events if n == "content_block_delta" and p["index"] == 0)
     jsonschema.validate(json.loads(partial), TOOL["input_schema"])
 
 
 def test_stop_sequence(client: anthropic.Anthropic) -> None:
     # The random model writes byte noise; stop on a very common character.
     for seed in range(1, 20):
-        message = client.messages.create(model="tiny", max_tokens=60, messages=HELLO,
-                                         stop_sequences=["a", "e", "o"], extra_body={"seed": seed})
+        message = client.messages.create(
+            model="tiny", max_tokens=60, messages=HELLO, stop_sequences=["a", "e", "o"], extra_body={"seed": seed}
+        )
         if message.stop_reason == "stop_sequence":
             assert message.stop_sequence in {"a", "e", "o"}
             text = "".join(b.text for b in message.content if b.type == "text")
@@ -195,11 +224,14 @@ def test_stop_sequence(client: anthropic.Anthropic) -> None:
     raise AssertionError("no stop_sequence in 19 seeds")
 
 
-@pytest.mark.parametrize("body, status, kind", [
-    ({"model": "tiny", "messages": HELLO}, 400, "invalid_request_error"),
-    ({"model": "nope", "max_tokens": 5, "messages": HELLO}, 404, "not_found_error"),
-    ({"model": "tiny", "max_tokens": 5, "messages": "hi"}, 400, "invalid_request_error"),
-])
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        ({"model": "tiny", "messages": HELLO}, 400, "invalid_request_error"),
+        ({"model": "nope", "max_tokens": 5, "messages": HELLO}, 404, "not_found_error"),
+        ({"model": "tiny", "max_tokens": 5, "messages": "hi"}, 400, "invalid_request_error"),
+    ],
+)
 def test_error_shapes(daemon: Daemon, body: dict, status: int, kind: str) -> None:
     code, headers, data = daemon.request("POST", "/v1/messages", body)
     assert code == status
@@ -215,8 +247,12 @@ def test_too_large_is_413(daemon: Daemon) -> None:
     # httpx (the SDKs' client) reads that answer; bare http.client would
     # fail writing the rest of the body (EPIPE) before it looks
     big = b'{"model":"tiny","max_tokens":1,"messages":[{"role":"user","content":"' + b"x" * (51 * 1024 * 1024) + b'"}]}'
-    r = httpx.post(f"http://127.0.0.1:{daemon.port}/v1/messages", content=big, timeout=60,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        f"http://127.0.0.1:{daemon.port}/v1/messages",
+        content=big,
+        timeout=60,
+        headers={"content-type": "application/json"},
+    )
     assert r.status_code == 413 and r.json()["error"]["type"] == "request_too_large"
 
 
@@ -234,17 +270,27 @@ def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:
     from blazar.models.testmodel import vocabulary
 
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
-    conn.request("POST", "/v1/messages", json.dumps({
-        "model": "tiny", "max_tokens": 1900, "stream": True, "messages": HELLO,
-        # the random model ends its turn on </s> as well as <|im_end|>
-        "logit_bias": {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")},
-    }), {"content-type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/messages",
+        json.dumps(
+            {
+                "model": "tiny",
+                "max_tokens": 1900,
+                "stream": True,
+                "messages": HELLO,
+                # the random model ends its turn on </s> as well as <|im_end|>
+                "logit_bias": {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")},
+            }
+        ),
+        {"content-type": "application/json"},
+    )
     resp = conn.getresponse()
     seen = []
     while True:
         line = resp.readline().decode()
         if line.startswith("event: "):
-            seen.append(line[len("event: "):].strip())
+            seen.append(line[len("event: ") :].strip())
         if "content_block_delta" in seen:
             break
     daemon.engine_for("tiny:latest").send_signal(signal.SIGKILL)
@@ -255,7 +301,7 @@ def test_engine_killed_mid_stream_gives_error_event(daemon: Daemon) -> None:
     events = [b for b in rest.split("\n\n") if b.strip()]
     last = events[-1].split("\n")
     assert last[0] == "event: error"
-    error = json.loads(last[1][len("data: "):])
+    error = json.loads(last[1][len("data: ") :])
     assert error["type"] == "error" and error["error"]["type"] == "api_error"
     assert "killed by signal 9" in error["error"]["message"]
     assert "message_stop" not in rest

@@ -80,16 +80,19 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models.mkdir()
     make_test_whisper_model(models / "ggml-tiny-test.bin")  # found by its magic: whisper-tiny-test
     make_test_model(models / "tiny.gguf")
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nwhisper_idle_secs = {IDLE}\nready_timeout = 60\n'
-        f'audit_log = "{root / "audit.jsonl"}"\n'
-        f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
-        # a scoped key whose token limit counts audio seconds
-        f'[[keys]]\nname = "stt"\nsecret = "{STT}"\nmodels = ["whisper-1"]\ndaily_tokens = 5\n'
-        '[models."whisper-1"]\npath = "ggml-tiny-test.bin"\n'  # the name OpenAI clients send
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[engines.whisper]\nbinary = "{lane_binary("whisper")}"\nargs = ["--threads", "1"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nwhisper_idle_secs = {IDLE}\nready_timeout = 60\n'
+            f'audit_log = "{root / "audit.jsonl"}"\n'
+            f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
+            # a scoped key whose token limit counts audio seconds
+            f'[[keys]]\nname = "stt"\nsecret = "{STT}"\nmodels = ["whisper-1"]\ndaily_tokens = 5\n'
+            '[models."whisper-1"]\npath = "ggml-tiny-test.bin"\n'  # the name OpenAI clients send
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            f'[engines.whisper]\nbinary = "{lane_binary("whisper")}"\nargs = ["--threads", "1"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -115,14 +118,22 @@ def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tm
         answer = c.audio.transcriptions.create(model="whisper-1", file=f)
     assert isinstance(answer.text, str)
     with audio.open("rb") as f:
-        verbose = c.audio.transcriptions.create(model="whisper-tiny-test", file=f, response_format="verbose_json",
-                                                timestamp_granularities=["word", "segment"], language="en")
+        verbose = c.audio.transcriptions.create(
+            model="whisper-tiny-test",
+            file=f,
+            response_format="verbose_json",
+            timestamp_granularities=["word", "segment"],
+            language="en",
+        )
     assert (verbose.model_extra or {})["task"] == "transcribe" and abs(verbose.duration - 2.0) < 0.05, verbose
     assert verbose.segments is not None and verbose.words is not None
     for segment in verbose.segments:
         assert 0 <= segment.start <= segment.end
-    for fmt, shape in (("text", r"(?s).*\n"), ("srt", r"(?s)(1\n\d\d:\d\d:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n.*)?"),
-                       ("vtt", r"(?s)WEBVTT\n\n.*")):
+    for fmt, shape in (
+        ("text", r"(?s).*\n"),
+        ("srt", r"(?s)(1\n\d\d:\d\d:\d\d,\d{3} --> \d\d:\d\d:\d\d,\d{3}\n.*)?"),
+        ("vtt", r"(?s)WEBVTT\n\n.*"),
+    ):
         with audio.open("rb") as f:
             body = c.audio.transcriptions.create(model="whisper-1", file=f, response_format=cast(Any, fmt))
         assert isinstance(body, str) and re.fullmatch(shape, body), (fmt, body)
@@ -130,14 +141,19 @@ def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tm
     kinds = {m["id"]: m["kind"] for m in json.loads(raw)["data"]}
     assert kinds["whisper-tiny-test:latest"] == "transcription" and kinds["tiny:latest"] == "chat", kinds
     status, _, metrics = daemon.request("GET", "/metrics", headers={"authorization": f"Bearer {ROOT}"})
-    assert re.search(rb'blazar_audio_seconds_total\{key="root",model="whisper-1:latest"\} ([0-9.]+)', metrics), \
-        metrics[-2000:]
+    assert re.search(rb'blazar_audio_seconds_total\{key="root",model="whisper-1:latest"\} ([0-9.]+)', metrics), metrics[
+        -2000:
+    ]
     assert re.search(rb'blazar_instances_by_lane\{lane="whisper"\} [12]\.0', metrics), metrics[-2000:]
     status, _, raw = daemon.request("GET", "/api/tags", headers={"authorization": f"Bearer {ROOT}"})
     tags = {m["name"]: m for m in json.loads(raw)["models"]}
     assert status == 200 and tags["whisper-tiny-test:latest"]["kind"] == "transcription", tags
-    ps = subprocess.run([str(Path(sys.executable).parent / "blazar"), "ps", "--json", "-c", str(daemon.config)],
-                        capture_output=True, text=True, timeout=60)
+    ps = subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), "ps", "--json", "-c", str(daemon.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     rows = {r["model"]: r for r in json.loads(ps.stdout)}
     assert rows["whisper-1:latest"]["kind"] == "transcription" and rows["whisper-1:latest"]["lane"] == "whisper", rows
     assert rows["whisper-1:latest"]["slots"] == 1, rows  # one request at a time, as admission gives it
@@ -145,12 +161,15 @@ def test_every_response_format_from_a_wav_with_the_openai_sdk(daemon: Daemon, tm
 
 def test_mp3_and_ogg_and_a_translation(daemon: Daemon) -> None:
     c = client(daemon)
-    for name, data in (("tone.mp3", encoded("mp3", "libmp3lame", 44100)),
-                       ("tone.ogg", encoded("ogg", "libopus", 48000))):
+    for name, data in (
+        ("tone.mp3", encoded("mp3", "libmp3lame", 44100)),
+        ("tone.ogg", encoded("ogg", "libopus", 48000)),
+    ):
         answer = c.audio.transcriptions.create(model="whisper-1", file=(name, data), response_format="verbose_json")
         assert abs(answer.duration - 2.0) < 0.1, (name, answer.duration)
-    translated = c.audio.translations.create(model="whisper-1", file=("tone.wav", wav_bytes()),
-                                             response_format="verbose_json")
+    translated = c.audio.translations.create(
+        model="whisper-1", file=("tone.wav", wav_bytes()), response_format="verbose_json"
+    )
     assert (translated.model_extra or {})["task"] == "translate"
 
 
@@ -175,8 +194,9 @@ def test_an_unreadable_file_and_the_wrong_models(daemon: Daemon) -> None:
     regional = c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()), language="en-US")
     assert isinstance(regional.text, str)  # the language alone: en
     with pytest.raises(openai.BadRequestError) as fmt:
-        c.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()),
-                                      response_format=cast(Any, "yaml"))  # not a format, on purpose
+        c.audio.transcriptions.create(
+            model="whisper-1", file=("tone.wav", wav_bytes()), response_format=cast(Any, "yaml")
+        )  # not a format, on purpose
     assert "response_format" in str(fmt.value)
 
 
@@ -206,7 +226,8 @@ def test_keys_scopes_token_limits_and_the_audit_line(daemon: Daemon) -> None:
         scoped.audio.transcriptions.create(model="whisper-tiny-test", file=("tone.wav", wav_bytes()))
     with pytest.raises(openai.AuthenticationError):
         client(daemon, "wrong-secret-0123456789").audio.transcriptions.create(
-            model="whisper-1", file=("tone.wav", wav_bytes()))
+            model="whisper-1", file=("tone.wav", wav_bytes())
+        )
     for _ in range(3):  # 2 s each: one token per second of audio, 6 > daily_tokens 5
         scoped.audio.transcriptions.create(model="whisper-1", file=("tone.wav", wav_bytes()))
     with pytest.raises(openai.RateLimitError) as over:

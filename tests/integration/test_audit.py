@@ -38,8 +38,10 @@ class AuditTests(SynchronousTestCase):
         self.wait_for(lambda: audit.written + audit.dropped == 10_000)
         lines = path.read_text().splitlines()
         first = json.loads(lines[0])
-        self.assertEqual(set(first), {"ts", "trace", "key", "method", "path", "model", "status", "ms",
-                                      "priority", "queue_depth", "sentinel"})
+        self.assertEqual(
+            set(first),
+            {"ts", "trace", "key", "method", "path", "model", "status", "ms", "priority", "queue_depth", "sentinel"},
+        )
 
     def test_a_full_disk_drops_and_counts_then_the_writer_comes_back(self) -> None:
         """
@@ -72,8 +74,6 @@ class AuditTests(SynchronousTestCase):
         self.assertTrue(path.with_name("audit.jsonl.1").exists())
         self.assertLessEqual(path.stat().st_size, 2000)
 
-
-
     def test_files_are_0600_whatever_the_umask(self) -> None:
         import os
 
@@ -102,17 +102,24 @@ class AuditTests(SynchronousTestCase):
 
 def test_daemon_writes_one_line_per_request(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
     path = tmp_path / "audit.jsonl"
-    d = Daemon(tmp_path / "d", f'audit_log = "{path}"\n' + daemon_config(engine, models) + (
-        '[[keys]]\nname = "auditor"\nsecret = "audit-secret-0123456789"\n'))
+    d = Daemon(
+        tmp_path / "d",
+        f'audit_log = "{path}"\n'
+        + daemon_config(engine, models)
+        + ('[[keys]]\nname = "auditor"\nsecret = "audit-secret-0123456789"\n'),
+    )
     d.start()
     try:
         import http.client
 
         for _ in range(3):
             conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
-            conn.request("POST", "/v1/chat/completions", json.dumps(
-                {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
-                {"content-type": "application/json", "x-api-key": "audit-secret-0123456789"})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+                {"content-type": "application/json", "x-api-key": "audit-secret-0123456789"},
+            )
             assert conn.getresponse().status == 200
             conn.close()
     finally:

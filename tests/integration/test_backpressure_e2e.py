@@ -37,22 +37,44 @@ def _no_end_of_turn() -> dict[str, int]:
 
 
 STREAMS: dict[str, tuple[str, dict[str, Any]]] = {
-    "openai": ("/v1/chat/completions", {
-        "model": "tiny", "messages": HELLO, "stream": True, "max_tokens": LONG,
-        "logit_bias": _no_end_of_turn(),
-    }),
-    "anthropic": ("/v1/messages", {
-        "model": "tiny", "messages": HELLO, "stream": True, "max_tokens": LONG,
-        "logit_bias": _no_end_of_turn(),
-    }),
-    "ollama": ("/api/chat", {
-        "model": "tiny", "messages": HELLO,
-        "options": {"num_predict": LONG, "logit_bias": _no_end_of_turn()},
-    }),
-    "responses": ("/v1/responses", {
-        "model": "tiny", "input": "hi", "stream": True, "max_output_tokens": LONG,
-        "logit_bias": _no_end_of_turn(),
-    }),
+    "openai": (
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "stream": True,
+            "max_tokens": LONG,
+            "logit_bias": _no_end_of_turn(),
+        },
+    ),
+    "anthropic": (
+        "/v1/messages",
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "stream": True,
+            "max_tokens": LONG,
+            "logit_bias": _no_end_of_turn(),
+        },
+    ),
+    "ollama": (
+        "/api/chat",
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "options": {"num_predict": LONG, "logit_bias": _no_end_of_turn()},
+        },
+    ),
+    "responses": (
+        "/v1/responses",
+        {
+            "model": "tiny",
+            "input": "hi",
+            "stream": True,
+            "max_output_tokens": LONG,
+            "logit_bias": _no_end_of_turn(),
+        },
+    ),
 }
 
 
@@ -62,8 +84,7 @@ def daemon(
 ) -> Iterator[Daemon]:
     d = Daemon(
         tmp_path_factory.mktemp("backpressure"),
-        f"stream_stall_close_secs = {STALL:g}\n"
-        + daemon_config(engine, models, '[models."tiny"]\nparallel = 4\n'),
+        f"stream_stall_close_secs = {STALL:g}\n" + daemon_config(engine, models, '[models."tiny"]\nparallel = 4\n'),
     )
     with tallied(d):
         yield d
@@ -88,8 +109,7 @@ def engine_connections(d: Daemon) -> int:
     connections = psutil.Process(d.proc.pid).net_connections("tcp")
     listening = {c.laddr.port for c in connections if c.status == psutil.CONN_LISTEN}
     return sum(
-        1 for c in connections
-        if c.raddr and c.laddr.port not in listening and c.status == psutil.CONN_ESTABLISHED
+        1 for c in connections if c.raddr and c.laddr.port not in listening and c.status == psutil.CONN_ESTABLISHED
     )
 
 
@@ -119,7 +139,8 @@ def stalled_client(d: Daemon, surface: str) -> socket.socket:
     s.connect(("127.0.0.1", d.port))
     s.sendall(
         f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload
+        f"Content-Length: {len(payload)}\r\n\r\n".encode()
+        + payload
     )
     return s
 
@@ -174,15 +195,15 @@ def test_stalled_readers_are_bounded_held_then_cut_off(daemon: Daemon) -> None:
         for s in clients:
             s.close()
     assert wait_for(lambda: engine_connections(daemon) == 0, 10), "an engine connection outlived its stream"
-    status, reply = daemon.post_json(
-        "/v1/chat/completions", {"model": "tiny", "max_tokens": 4, "messages": HELLO}
-    )
+    status, reply = daemon.post_json("/v1/chat/completions", {"model": "tiny", "max_tokens": 4, "messages": HELLO})
     assert status == 200, reply
     time.sleep(1.0)
     after = rss(daemon)
     mib = 1 << 20
-    print(f"daemon RSS: before {before / mib:.1f} MiB, 4 stalled streams {during / mib:.1f} MiB, "
-          f"after they left {after / mib:.1f} MiB")
+    print(
+        f"daemon RSS: before {before / mib:.1f} MiB, 4 stalled streams {during / mib:.1f} MiB, "
+        f"after they left {after / mib:.1f} MiB"
+    )
     assert during <= before * 1.10, f"RSS grew from {before / mib:.1f} to {during / mib:.1f} MiB while stalled"
     assert after <= before * 1.10, f"RSS {before / mib:.1f} -> {after / mib:.1f} MiB after the clients left"
 
@@ -203,7 +224,8 @@ def test_a_slow_reader_is_never_cut_off(daemon: Daemon) -> None:
     try:
         s.sendall(
             f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode() + payload
+            f"Connection: close\r\nContent-Length: {len(payload)}\r\n\r\n".encode()
+            + payload
         )
         s.settimeout(30)
         while chunk := s.recv(4096):

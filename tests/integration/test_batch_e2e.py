@@ -34,13 +34,20 @@ CANONICAL = "one-slot:latest"
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("batch")
-    d = Daemon(root, f'audit_log = "{root / "audit.jsonl"}"\nbatch_max_in_flight = 4\n' + daemon_config(engine, models) + (
-        f'[models."{MODEL}"]\npath = "{models["tiny"].path}"\nparallel = 1\n'
-        f'[[keys]]\nname = "alice"\nsecret = "{ALICE}"\n'
-        f'[[keys]]\nname = "bob"\nsecret = "{BOB}"\n'
-    ))
+    d = Daemon(
+        root,
+        f'audit_log = "{root / "audit.jsonl"}"\nbatch_max_in_flight = 4\n'
+        + daemon_config(engine, models)
+        + (
+            f'[models."{MODEL}"]\npath = "{models["tiny"].path}"\nparallel = 1\n'
+            f'[[keys]]\nname = "alice"\nsecret = "{ALICE}"\n'
+            f'[[keys]]\nname = "bob"\nsecret = "{BOB}"\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -53,10 +60,23 @@ def client(d: Daemon, secret: str = ALICE) -> openai.OpenAI:
 
 
 def chat_lines(n: int, prefix: str, **body: Any) -> bytes:
-    return b"".join(json.dumps({
-        "custom_id": f"{prefix}-{i}", "method": "POST", "url": "/v1/chat/completions",
-        "body": {"model": MODEL, "messages": [{"role": "user", "content": f"say {i}"}], "max_tokens": 8, **body},
-    }).encode() + b"\n" for i in range(n))
+    return b"".join(
+        json.dumps(
+            {
+                "custom_id": f"{prefix}-{i}",
+                "method": "POST",
+                "url": "/v1/chat/completions",
+                "body": {
+                    "model": MODEL,
+                    "messages": [{"role": "user", "content": f"say {i}"}],
+                    "max_tokens": 8,
+                    **body,
+                },
+            }
+        ).encode()
+        + b"\n"
+        for i in range(n)
+    )
 
 
 Endpoint = Literal["/v1/chat/completions", "/v1/responses", "/v1/embeddings"]
@@ -161,11 +181,24 @@ def test_an_interactive_request_goes_ahead_of_waiting_batch_lines(daemon: Daemon
         conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
         try:
             outcome["sent"] = time.monotonic()
-            conn.request("POST", "/v1/chat/completions", json.dumps({
-                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1500,
-                "ignore_eos": True, "stream": True,
-            }), {"content-type": "application/json", "authorization": f"Bearer {ALICE}",
-                 "x-blazar-trace-id": "interactive-request"})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(
+                    {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 1500,
+                        "ignore_eos": True,
+                        "stream": True,
+                    }
+                ),
+                {
+                    "content-type": "application/json",
+                    "authorization": f"Bearer {ALICE}",
+                    "x-blazar-trace-id": "interactive-request",
+                },
+            )
             resp = conn.getresponse()
             outcome["status"], outcome["queue_ms"] = resp.status, resp.getheader("x-blazar-queue-ms")
             outcome["done"] = b"data: [DONE]" in resp.read()
@@ -257,10 +290,18 @@ def test_a_daemon_killed_mid_batch_never_sends_a_line_twice(daemon: Daemon) -> N
 
 
 def test_responses_lines(daemon: Daemon) -> None:
-    content = b"".join(json.dumps({
-        "custom_id": f"r{i}", "method": "POST", "url": "/v1/responses",
-        "body": {"model": MODEL, "input": f"say {i}", "max_output_tokens": 8},
-    }).encode() + b"\n" for i in range(3))
+    content = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/responses",
+                "body": {"model": MODEL, "input": f"say {i}", "max_output_tokens": 8},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(3)
+    )
     batch = start_batch(daemon, content, "/v1/responses")
     done = wait_batch(daemon, batch.id, lambda b: b.status in ("completed", "failed"))
     assert done.status == "completed" and done.request_counts.completed == 3, done
@@ -270,10 +311,18 @@ def test_responses_lines(daemon: Daemon) -> None:
 
 
 def test_embeddings_lines(daemon: Daemon) -> None:
-    content = b"".join(json.dumps({
-        "custom_id": f"e{i}", "method": "POST", "url": "/v1/embeddings",
-        "body": {"model": "tiny-embed", "input": f"text {i}"},
-    }).encode() + b"\n" for i in range(5))
+    content = b"".join(
+        json.dumps(
+            {
+                "custom_id": f"e{i}",
+                "method": "POST",
+                "url": "/v1/embeddings",
+                "body": {"model": "tiny-embed", "input": f"text {i}"},
+            }
+        ).encode()
+        + b"\n"
+        for i in range(5)
+    )
     batch = start_batch(daemon, content, "/v1/embeddings")
     done = wait_batch(daemon, batch.id, lambda b: b.status in ("completed", "failed"))
     assert done.status == "completed" and done.request_counts.completed == 5, done
@@ -293,8 +342,9 @@ def test_the_private_listener_and_the_upload_limit(daemon: Daemon) -> None:
     sock = daemon.root / "data" / "run" / "batch.sock"
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
     # the batch headers mean nothing on a public listener
-    status, _, body = daemon.request("GET", "/v1/batches", headers={
-        "x-blazar-batch-secret": "guess", "x-blazar-batch-key": "alice"})
+    status, _, body = daemon.request(
+        "GET", "/v1/batches", headers={"x-blazar-batch-secret": "guess", "x-blazar-batch-key": "alice"}
+    )
     assert status == 401, body
     # an upload over 200 MB is refused at its headers, in OpenAI's shape
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)

@@ -28,11 +28,14 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     root = tmp_path_factory.mktemp("bench")
     (root / "models").mkdir()
     (root / "models" / "smol.gguf").symlink_to(real_model())
-    d = Daemon(root, (
-        f'models_dir = "{root / "models"}"\n'
-        '[models."smol"]\nparallel = 2\nctx_size = 1024\nthreads = 2\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\n'
+            '[models."smol"]\nparallel = 2\nctx_size = 1024\nthreads = 2\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -41,8 +44,12 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
 
 
 def blazar(daemon: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    result = subprocess.run([str(Path(sys.executable).parent / "blazar"), *args, "-c", str(daemon.config)],
-                            capture_output=True, text=True, timeout=600)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), *args, "-c", str(daemon.config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result
 
@@ -81,7 +88,9 @@ def test_a_run_lands_and_the_history_compares_it(daemon: Daemon, engine: str) ->
     db = sqlite3.connect(f"file:{daemon.root / 'data' / 'blazar.db'}?mode=ro", uri=True)
     try:
         assert db.execute("SELECT id, model, engine FROM bench_history ORDER BY id").fetchall() == [
-            (1, "smol:latest", run["engine"]), (2, "smol:latest", run["engine"])]
+            (1, "smol:latest", run["engine"]),
+            (2, "smol:latest", run["engine"]),
+        ]
     finally:
         db.close()
 
@@ -101,8 +110,12 @@ def test_a_run_lands_and_the_history_compares_it(daemon: Daemon, engine: str) ->
 
 
 def test_a_model_the_gateway_refuses_is_a_failed_run_not_a_row(daemon: Daemon) -> None:
-    result = subprocess.run([str(Path(sys.executable).parent / "blazar"), "bench", "nope", "--concurrency", "1",
-                             "-c", str(daemon.config)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), "bench", "nope", "--concurrency", "1", "-c", str(daemon.config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1, result.stdout + result.stderr
     assert "the warm-up request failed: HTTP 404" in result.stderr, result.stderr
 

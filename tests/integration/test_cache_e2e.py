@@ -42,8 +42,11 @@ MODEL = "tiny:latest"
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory,
-           ) -> Iterator[Daemon]:
+def daemon(
+    engine: str,
+    models: dict[str, GeneratedModel],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Daemon]:
     extra = (
         f'[cache]\nenabled = true\nembedding_model = "tiny-embed"\nthreshold = {THRESHOLD}\nttl_secs = {TTL}\n'
         f'[[keys]]\nname = "a"\nsecret = "{KEY_A}"\n'
@@ -67,8 +70,8 @@ def ask(d: Daemon, text: str, key: str = KEY_A, **fields: Any) -> tuple[str | No
     completion.
     """
     raw = client(d, key).chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0, seed=1,
-        **fields)
+        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0, seed=1, **fields
+    )
     return raw.headers.get("x-blazar-cache"), raw.parse()
 
 
@@ -176,16 +179,29 @@ def test_streams_and_tools_bypass(daemon: Daemon) -> None:
     bypassed = counted(daemon, "bypass")
     before = predicted(daemon)
     raw = client(daemon).chat.completions.with_raw_response.create(
-        model="tiny", messages=[{"role": "user", "content": text}], max_tokens=24, temperature=0, seed=1,
-        stop=stop, stream=True)
+        model="tiny",
+        messages=[{"role": "user", "content": text}],
+        max_tokens=24,
+        temperature=0,
+        seed=1,
+        stop=stop,
+        stream=True,
+    )
     assert raw.headers.get("x-blazar-cache") is None
     chunks = list(raw.parse())
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert predicted(daemon) > before, "a stream was answered without the engine"
     before = predicted(daemon)
-    tools = [{"type": "function", "function": {"name": "lookup", "description": "Look a word up",
-                                               "parameters": {"type": "object", "properties": {
-                                                   "word": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "lookup",
+                "description": "Look a word up",
+                "parameters": {"type": "object", "properties": {"word": {"type": "string"}}},
+            },
+        }
+    ]
     header, _ = ask(daemon, text, stop=stop, tools=tools)
     assert header is None and predicted(daemon) > before
     assert counted(daemon, "bypass") == bypassed + 2
@@ -194,8 +210,12 @@ def test_streams_and_tools_bypass(daemon: Daemon) -> None:
 def test_the_ollama_surface_answers_a_hit_in_its_own_shape(daemon: Daemon) -> None:
     text = "List two colours."
     stop = clean_stop(daemon, text)
-    body = {"model": "tiny", "messages": [{"role": "user", "content": text}], "stream": False,
-            "options": {"temperature": 0, "seed": 1, "num_predict": 24, "stop": stop}}
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": text}],
+        "stream": False,
+        "options": {"temperature": 0, "seed": 1, "num_predict": 24, "stop": stop},
+    }
     headers = {"authorization": f"Bearer {KEY_A}"}
     status, first_headers, first = daemon.request("POST", "/api/chat", body, headers=headers)
     assert status == 200 and first_headers.get("x-blazar-cache") == "miss", first
@@ -218,8 +238,12 @@ def test_anthropic_whole_answers_are_looked_up(daemon: Daemon) -> None:
 
     sdk = anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key=KEY_A, max_retries=0, timeout=120)
     # greedy, so the answer is the same every run (this SDK no longer takes temperature itself)
-    ask_it: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "extra_body": {"temperature": 0},
-                              "messages": [{"role": "user", "content": "Say something."}]}
+    ask_it: dict[str, Any] = {
+        "model": "tiny",
+        "max_tokens": 8,
+        "extra_body": {"temperature": 0},
+        "messages": [{"role": "user", "content": "Say something."}],
+    }
     raw = sdk.messages.with_raw_response.create(**ask_it)
     assert raw.headers.get("x-blazar-cache") == "miss"
     assert raw.parse().stop_reason == "max_tokens"

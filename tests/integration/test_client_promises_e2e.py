@@ -19,17 +19,27 @@ from blazar import strictjson
 from blazar.models.testmodel import THINKING_CHAT_TEMPLATE, make_test_model
 from tests.integration.harness import Daemon, real_model
 
-EMIT = {"name": "emit", "description": "Emit a long text",
-        "input_schema": {"type": "object", "properties": {"text": {"type": "string", "minLength": 200}},
-                         "required": ["text"]}}
-MEASURE = {"name": "measure", "description": "Record a measurement",
-           "parameters": {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]}}
+EMIT = {
+    "name": "emit",
+    "description": "Emit a long text",
+    "input_schema": {
+        "type": "object",
+        "properties": {"text": {"type": "string", "minLength": 200}},
+        "required": ["text"],
+    },
+}
+MEASURE = {
+    "name": "measure",
+    "description": "Record a measurement",
+    "parameters": {"type": "object", "properties": {"value": {"type": "number"}}, "required": ["value"]},
+}
 ASK = [{"role": "user", "content": "Write it."}]
 
 
 def serving(root: Path, engine: str, models: Path, sections: str) -> Iterator[Daemon]:
-    d = Daemon(root, f'models_dir = "{models}"\n{sections}'
-                     f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n')
+    d = Daemon(
+        root, f'models_dir = "{models}"\n{sections}[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+    )
     d.start()
     try:
         yield d
@@ -42,7 +52,9 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     root = tmp_path_factory.mktemp("promises")
     make_test_model(root / "models" / "tiny.gguf")
     make_test_model(root / "models" / "thinker.gguf", seed=5, chat_template=THINKING_CHAT_TEMPLATE)
-    yield from serving(root, engine, root / "models", '[models."tiny"]\nparallel = 2\n[models."thinker"]\nparallel = 1\n')
+    yield from serving(
+        root, engine, root / "models", '[models."tiny"]\nparallel = 2\n[models."thinker"]\nparallel = 1\n'
+    )
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +87,7 @@ def sse(data: bytes) -> list[Any]:
     out: list[Any] = []
     for line in data.decode("utf-8").splitlines():
         if line.startswith("data: "):
-            payload = line[len("data: "):]
+            payload = line[len("data: ") :]
             out.append(payload if payload == "[DONE]" else strict(payload.encode("utf-8")))
     return out
 
@@ -86,13 +98,18 @@ def ndjson(data: bytes) -> list[Any]:
 
 def openai_tool(tool: dict[str, Any]) -> dict[str, Any]:
     parameters = tool.get("parameters") or tool["input_schema"]
-    return {"type": "function", "function": {"name": tool["name"], "description": tool["description"],
-                                             "parameters": parameters}}
+    return {
+        "type": "function",
+        "function": {"name": tool["name"], "description": tool["description"], "parameters": parameters},
+    }
 
 
 def anthropic_tool(tool: dict[str, Any]) -> dict[str, Any]:
-    return {"name": tool["name"], "description": tool["description"],
-            "input_schema": tool.get("input_schema") or tool["parameters"]}
+    return {
+        "name": tool["name"],
+        "description": tool["description"],
+        "input_schema": tool.get("input_schema") or tool["parameters"],
+    }
 
 
 # -- 1. a forced tool call ends within max_tokens -------------------------------
@@ -103,13 +120,29 @@ def test_a_forced_call_that_does_not_fit_max_tokens_is_cut_short_on_every_surfac
     named = {"type": "function", "function": {"name": "emit"}}
     for stream in (False, True):
         # OpenAI chat
-        status, _, data = daemon.request("POST", "/v1/chat/completions", {
-            "model": "tiny", "messages": ASK, "tools": [openai_tool(EMIT)], "tool_choice": named,
-            "max_tokens": limit, "seed": 1, "stream": stream, "stream_options": {"include_usage": True},
-        } if stream else {
-            "model": "tiny", "messages": ASK, "tools": [openai_tool(EMIT)], "tool_choice": named,
-            "max_tokens": limit, "seed": 1,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [openai_tool(EMIT)],
+                "tool_choice": named,
+                "max_tokens": limit,
+                "seed": 1,
+                "stream": stream,
+                "stream_options": {"include_usage": True},
+            }
+            if stream
+            else {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [openai_tool(EMIT)],
+                "tool_choice": named,
+                "max_tokens": limit,
+                "seed": 1,
+            },
+        )
         assert status == 200, data
         if stream:
             chunks = [c for c in sse(data) if c != "[DONE]"]
@@ -124,17 +157,27 @@ def test_a_forced_call_that_does_not_fit_max_tokens_is_cut_short_on_every_surfac
             usage = reply["usage"]
         assert 0 < usage["completion_tokens"] <= limit, usage
         # Anthropic Messages
-        status, _, data = daemon.request("POST", "/v1/messages", {
-            "model": "tiny", "max_tokens": limit, "messages": ASK, "tools": [anthropic_tool(EMIT)],
-            "tool_choice": {"type": "tool", "name": "emit"}, "seed": 1, "stream": stream,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/messages",
+            {
+                "model": "tiny",
+                "max_tokens": limit,
+                "messages": ASK,
+                "tools": [anthropic_tool(EMIT)],
+                "tool_choice": {"type": "tool", "name": "emit"},
+                "seed": 1,
+                "stream": stream,
+            },
+        )
         assert status == 200, data
         if stream:
             events = sse(data)
             delta = [e for e in events if e["type"] == "message_delta"]
             assert len(delta) == 1 and delta[0]["delta"]["stop_reason"] == "max_tokens", events
-            assert not [e for e in events if e["type"] == "content_block_start"
-                        and e["content_block"]["type"] == "tool_use"], events
+            assert not [
+                e for e in events if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use"
+            ], events
             assert 0 < delta[0]["usage"]["output_tokens"] <= limit, delta
         else:
             message = strict(data)
@@ -142,10 +185,18 @@ def test_a_forced_call_that_does_not_fit_max_tokens_is_cut_short_on_every_surfac
             assert not [b for b in message["content"] if b["type"] == "tool_use"], message
             assert 0 < message["usage"]["output_tokens"] <= limit, message
         # Ollama /api/chat (Blazar takes OpenAI's tool_choice there)
-        status, _, data = daemon.request("POST", "/api/chat", {
-            "model": "tiny", "messages": ASK, "tools": [openai_tool(EMIT)], "tool_choice": named,
-            "stream": stream, "options": {"seed": 1, "num_predict": limit},
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/api/chat",
+            {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [openai_tool(EMIT)],
+                "tool_choice": named,
+                "stream": stream,
+                "options": {"seed": 1, "num_predict": limit},
+            },
+        )
         assert status == 200, data
         lines = ndjson(data)
         last = lines[-1]
@@ -153,10 +204,18 @@ def test_a_forced_call_that_does_not_fit_max_tokens_is_cut_short_on_every_surfac
         assert not [line for line in lines if (line.get("message") or {}).get("tool_calls")], lines
         assert 0 < last["eval_count"] <= limit, last
         # Responses
-        status, _, data = daemon.request("POST", "/v1/responses", {
-            "model": "tiny", "input": "Write it.", "tools": [{"type": "function", **openai_tool(EMIT)["function"]}],
-            "tool_choice": {"type": "function", "name": "emit"}, "max_output_tokens": 16, "stream": stream,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "Write it.",
+                "tools": [{"type": "function", **openai_tool(EMIT)["function"]}],
+                "tool_choice": {"type": "function", "name": "emit"},
+                "max_output_tokens": 16,
+                "stream": stream,
+            },
+        )
         assert status == 200, data
         response = [e for e in sse(data) if e != "[DONE]"][-1]["response"] if stream else strict(data)
         assert response["status"] == "incomplete", response
@@ -166,10 +225,18 @@ def test_a_forced_call_that_does_not_fit_max_tokens_is_cut_short_on_every_surfac
 
 
 def test_a_forced_call_that_fits_is_still_made(daemon: Daemon) -> None:
-    status, reply = daemon.post_json("/v1/chat/completions", {
-        "model": "tiny", "messages": ASK, "tools": [openai_tool(MEASURE)], "tool_choice": "required",
-        "parallel_tool_calls": False, "max_tokens": 100, "seed": 2,
-    })
+    status, reply = daemon.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": ASK,
+            "tools": [openai_tool(MEASURE)],
+            "tool_choice": "required",
+            "parallel_tool_calls": False,
+            "max_tokens": 100,
+            "seed": 2,
+        },
+    )
     assert status == 200, reply
     assert reply["choices"][0]["finish_reason"] == "tool_calls", reply
     assert reply["usage"]["completion_tokens"] <= 100, reply
@@ -182,39 +249,79 @@ def test_forced_number_arguments_are_strict_json_on_every_surface(daemon: Daemon
     named = {"type": "function", "function": {"name": "measure"}}
     for seed in range(1, 41):
         stream = seed % 2 == 0
-        status, _, data = daemon.request("POST", "/v1/chat/completions", {
-            "model": "tiny", "messages": ASK, "tools": [openai_tool(MEASURE)], "tool_choice": named,
-            "parallel_tool_calls": False, "max_tokens": 120, "seed": seed, "stream": stream,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [openai_tool(MEASURE)],
+                "tool_choice": named,
+                "parallel_tool_calls": False,
+                "max_tokens": 120,
+                "seed": seed,
+                "stream": stream,
+            },
+        )
         assert status == 200, data
         if stream:
             chunks = [c for c in sse(data) if c != "[DONE]"]
-            arguments = "".join(tc["function"].get("arguments") or "" for c in chunks if c["choices"]
-                                for tc in c["choices"][0]["delta"].get("tool_calls") or [])
+            arguments = "".join(
+                tc["function"].get("arguments") or ""
+                for c in chunks
+                if c["choices"]
+                for tc in c["choices"][0]["delta"].get("tool_calls") or []
+            )
         else:
             arguments = strict(data)["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]
         value = strict(arguments.encode("utf-8"))["value"]
         assert isinstance(value, (int, float)), value
-        status, _, data = daemon.request("POST", "/v1/messages", {
-            "model": "tiny", "max_tokens": 120, "messages": ASK, "tools": [anthropic_tool(MEASURE)],
-            "tool_choice": {"type": "tool", "name": "measure"}, "seed": seed, "stream": stream,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/messages",
+            {
+                "model": "tiny",
+                "max_tokens": 120,
+                "messages": ASK,
+                "tools": [anthropic_tool(MEASURE)],
+                "tool_choice": {"type": "tool", "name": "measure"},
+                "seed": seed,
+                "stream": stream,
+            },
+        )
         assert status == 200, data
         if stream:
             sse(data)
         else:
             strict(data)
-        status, _, data = daemon.request("POST", "/api/chat", {
-            "model": "tiny", "messages": ASK, "tools": [openai_tool(MEASURE)], "tool_choice": named,
-            "stream": stream, "options": {"seed": seed, "num_predict": 120},
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/api/chat",
+            {
+                "model": "tiny",
+                "messages": ASK,
+                "tools": [openai_tool(MEASURE)],
+                "tool_choice": named,
+                "stream": stream,
+                "options": {"seed": seed, "num_predict": 120},
+            },
+        )
         assert status == 200, data
         ndjson(data)
-        status, _, data = daemon.request("POST", "/v1/responses", {
-            "model": "tiny", "input": "Write it.", "tools": [{"type": "function", **openai_tool(MEASURE)["function"]}],
-            "tool_choice": "required", "max_output_tokens": 120, "stream": stream,
-            "parallel_tool_calls": False, "seed": seed,
-        })
+        status, _, data = daemon.request(
+            "POST",
+            "/v1/responses",
+            {
+                "model": "tiny",
+                "input": "Write it.",
+                "tools": [{"type": "function", **openai_tool(MEASURE)["function"]}],
+                "tool_choice": "required",
+                "max_output_tokens": 120,
+                "stream": stream,
+                "parallel_tool_calls": False,
+                "seed": seed,
+            },
+        )
         assert status == 200, data
         if stream:
             sse(data)
@@ -223,8 +330,11 @@ def test_forced_number_arguments_are_strict_json_on_every_surface(daemon: Daemon
 
 
 def test_a_request_with_a_number_beyond_a_double_is_a_400(daemon: Daemon) -> None:
-    status, _, data = daemon.request("POST", "/v1/chat/completions", raw=(
-        b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'))
+    status, _, data = daemon.request(
+        "POST",
+        "/v1/chat/completions",
+        raw=(b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": 1e999}'),
+    )
     assert status == 400, data
     assert b"out of range" in data, data
 
@@ -236,8 +346,9 @@ CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required"
 
 def _content_of_stream(chunks: list[Any]) -> tuple[str, list[str]]:
     text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
-    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get(
-        "finish_reason")]
+    finishes = [
+        c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")
+    ]
     return text, finishes
 
 
@@ -271,16 +382,19 @@ def test_a_json_answer_is_never_a_502_and_a_stream_keeps_all_of_it(daemon: Daemo
         choice = strict(data)["choices"][0]
         whole = choice["message"]["content"]
         _judged(headers, whole, choice["finish_reason"])
-        status, headers, data = daemon.request("POST", "/v1/chat/completions", {
-            **body, "stream": True, "stream_options": {"include_usage": True}})
+        status, headers, data = daemon.request(
+            "POST", "/v1/chat/completions", {**body, "stream": True, "stream_options": {"include_usage": True}}
+        )
         assert status == 200, data
         chunks = [c for c in sse(data) if c != "[DONE]"]
         assert not [c for c in chunks if "error" in c], chunks[-2:]
         text, finishes = _content_of_stream(chunks)
         assert finishes == [choice["finish_reason"]], (finishes, choice)
         # (a stream drops the bytes of a character the limit cut; the whole answer shows them as U+FFFD)
-        assert whole.rstrip("\ufffd").startswith(text.rstrip("\ufffd")) and \
-            len(whole.rstrip("\ufffd")) - len(text.rstrip("\ufffd")) <= 0, (whole, text)
+        assert (
+            whole.rstrip("\ufffd").startswith(text.rstrip("\ufffd"))
+            and len(whole.rstrip("\ufffd")) - len(text.rstrip("\ufffd")) <= 0
+        ), (whole, text)
         assert chunks[-1]["usage"]["completion_tokens"] <= 60, chunks[-1]
         ends.add(choice["finish_reason"])
     assert ends == {"stop", "length"}, ends  # both ends were seen
@@ -293,8 +407,15 @@ def test_several_json_answers_each_whole(daemon: Daemon) -> None:
     """
     fmt = {"type": "json_object"}
     for seed in range(1, 6):
-        body = {"model": "tiny", "messages": ASK, "max_tokens": 20, "seed": seed, "n": 2, "temperature": 1.0,
-                "response_format": fmt}
+        body = {
+            "model": "tiny",
+            "messages": ASK,
+            "max_tokens": 20,
+            "seed": seed,
+            "n": 2,
+            "temperature": 1.0,
+            "response_format": fmt,
+        }
         status, _, data = daemon.request("POST", "/v1/chat/completions", body)
         assert status == 200, data
         choices = strict(data)["choices"]
@@ -303,15 +424,29 @@ def test_several_json_answers_each_whole(daemon: Daemon) -> None:
         assert status == 200, data
         events = sse(data)
         assert events[-1] == "[DONE]" and not [e for e in events[:-1] if "error" in e], events[-3:]
-        ends = sorted((c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in events[:-1]
-                      if c["choices"] and c["choices"][0]["finish_reason"])
+        ends = sorted(
+            (c["choices"][0]["index"], c["choices"][0]["finish_reason"])
+            for c in events[:-1]
+            if c["choices"] and c["choices"][0]["finish_reason"]
+        )
         assert [i for i, _ in ends] == [0, 1] and all(f in ("stop", "length") for _, f in ends), ends
 
 
 def test_logprobs_with_tools_in_a_stream_for_every_choice(daemon: Daemon) -> None:
-    status, _, data = daemon.request("POST", "/v1/chat/completions", {
-        "model": "tiny", "messages": ASK, "tools": [openai_tool(MEASURE)], "logprobs": True, "max_tokens": 30,
-        "seed": 1, "n": 2, "stream": True})
+    status, _, data = daemon.request(
+        "POST",
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": ASK,
+            "tools": [openai_tool(MEASURE)],
+            "logprobs": True,
+            "max_tokens": 30,
+            "seed": 1,
+            "n": 2,
+            "stream": True,
+        },
+    )
     assert status == 200, data
     chunks = [c for c in sse(data) if c != "[DONE]"]
     assert sorted({c["choices"][0]["index"] for c in chunks if c["choices"]}) == [0, 1], chunks
@@ -322,28 +457,61 @@ def test_logprobs_with_tools_in_a_stream_for_every_choice(daemon: Daemon) -> Non
 def test_json_answers_on_the_other_surfaces(daemon: Daemon) -> None:
     for seed in range(1, 11):
         for stream in (False, True):
-            status, _, data = daemon.request("POST", "/api/chat", {
-                "model": "tiny", "messages": ASK, "format": CITY, "stream": stream,
-                "options": {"seed": seed, "num_predict": 60}})
+            status, _, data = daemon.request(
+                "POST",
+                "/api/chat",
+                {
+                    "model": "tiny",
+                    "messages": ASK,
+                    "format": CITY,
+                    "stream": stream,
+                    "options": {"seed": seed, "num_predict": 60},
+                },
+            )
             assert status == 200, data
             lines = ndjson(data)
             assert lines[-1]["done"] is True and lines[-1]["done_reason"] in ("stop", "length"), lines[-1]
             assert "".join(line["message"]["content"] for line in lines), lines
-            status, _, data = daemon.request("POST", "/api/generate", {
-                "model": "tiny", "prompt": "Write it.", "format": "json", "stream": stream,
-                "options": {"seed": seed, "num_predict": 40}})
+            status, _, data = daemon.request(
+                "POST",
+                "/api/generate",
+                {
+                    "model": "tiny",
+                    "prompt": "Write it.",
+                    "format": "json",
+                    "stream": stream,
+                    "options": {"seed": seed, "num_predict": 40},
+                },
+            )
             assert status == 200, data
             assert ndjson(data)[-1]["done"] is True
-            status, _, data = daemon.request("POST", "/v1/messages", {
-                "model": "tiny", "max_tokens": 60, "messages": ASK, "seed": seed, "stream": stream,
-                "output_config": {"format": {"type": "json_schema", "schema": CITY}}})
+            status, _, data = daemon.request(
+                "POST",
+                "/v1/messages",
+                {
+                    "model": "tiny",
+                    "max_tokens": 60,
+                    "messages": ASK,
+                    "seed": seed,
+                    "stream": stream,
+                    "output_config": {"format": {"type": "json_schema", "schema": CITY}},
+                },
+            )
             assert status == 200, data
-            message = ([e for e in sse(data) if e["type"] == "message_delta"][-1]["delta"] if stream
-                       else strict(data))
+            message = [e for e in sse(data) if e["type"] == "message_delta"][-1]["delta"] if stream else strict(data)
             assert message["stop_reason"] in ("end_turn", "max_tokens"), message
-            status, _, data = daemon.request("POST", "/v1/responses", {
-                "model": "tiny", "input": "Write it.", "max_output_tokens": 60, "seed": seed, "stream": stream,
-                "text": {"format": {"type": "json_schema", "name": "city", "schema": CITY}}})
+            status, _, data = daemon.request(
+                "POST",
+                "/v1/responses",
+                {
+                    "model": "tiny",
+                    "input": "Write it.",
+                    "max_output_tokens": 60,
+                    "seed": seed,
+                    "stream": stream,
+                    "text": {"format": {"type": "json_schema", "name": "city", "schema": CITY}},
+                },
+            )
             assert status == 200, data
             response = [e for e in sse(data) if e != "[DONE]"][-1]["response"] if stream else strict(data)
             assert response["status"] in ("completed", "incomplete"), response
@@ -376,8 +544,11 @@ def test_a_reasoning_models_json_is_an_answer_and_its_cut_stream_is_never_a_stop
 
 # -- 5. tools a model cannot see are refused ----------------------------------------
 
-WEATHER = {"name": "get_weather", "description": "The current weather in a city",
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "name": "get_weather",
+    "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 PARIS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
@@ -387,16 +558,24 @@ def test_tools_a_models_template_cannot_show_are_a_400_on_every_surface(smol: Da
     (the prompt was the same, token for token, with or without them).
     """
     asks: dict[str, dict[str, Any]] = {
-        "/v1/chat/completions": {"model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)],
-                                 "max_tokens": 20},
+        "/v1/chat/completions": {
+            "model": "smollm",
+            "messages": PARIS,
+            "tools": [openai_tool(WEATHER)],
+            "max_tokens": 20,
+        },
         "/v1/messages": {"model": "smollm", "max_tokens": 20, "messages": PARIS, "tools": [anthropic_tool(WEATHER)]},
         "/v1/messages/count_tokens": {"model": "smollm", "messages": PARIS, "tools": [anthropic_tool(WEATHER)]},
         "/api/chat": {"model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)], "stream": False},
-        "/v1/responses": {"model": "smollm", "input": "What is the weather in Paris?", "max_output_tokens": 20,
-                          "tools": [{"type": "function", **openai_tool(WEATHER)["function"]}]},
+        "/v1/responses": {
+            "model": "smollm",
+            "input": "What is the weather in Paris?",
+            "max_output_tokens": 20,
+            "tools": [{"type": "function", **openai_tool(WEATHER)["function"]}],
+        },
     }
     for path, body in asks.items():
-        for stream in ((False, True) if path not in ("/v1/messages/count_tokens",) else (False,)):
+        for stream in (False, True) if path not in ("/v1/messages/count_tokens",) else (False,):
             status, _, data = smol.request("POST", path, {**body, "stream": stream})
             assert status == 400, (path, stream, data)
             answer = strict(data)
@@ -410,33 +589,70 @@ def test_tools_a_models_template_cannot_show_are_a_400_on_every_surface(smol: Da
 
 def test_a_forced_call_is_made_on_a_model_without_tools_and_names_the_city(smol: Daemon) -> None:
     named = {"type": "function", "function": {"name": "get_weather"}}
-    status, reply = smol.post_json("/v1/chat/completions", {
-        "model": "smollm", "messages": PARIS, "tools": [openai_tool(WEATHER)], "tool_choice": named,
-        "temperature": 0, "max_tokens": 40})
+    status, reply = smol.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "smollm",
+            "messages": PARIS,
+            "tools": [openai_tool(WEATHER)],
+            "tool_choice": named,
+            "temperature": 0,
+            "max_tokens": 40,
+        },
+    )
     assert status == 200, reply
     call = reply["choices"][0]["message"]["tool_calls"][0]["function"]
     assert call["name"] == "get_weather" and strictjson.loads(call["arguments"]) == {"city": "Paris"}, reply
-    status, _, data = smol.request("POST", "/v1/messages", {
-        "model": "smollm", "max_tokens": 40, "messages": PARIS, "tools": [anthropic_tool(WEATHER)],
-        "tool_choice": {"type": "tool", "name": "get_weather"}, "temperature": 0})
+    status, _, data = smol.request(
+        "POST",
+        "/v1/messages",
+        {
+            "model": "smollm",
+            "max_tokens": 40,
+            "messages": PARIS,
+            "tools": [anthropic_tool(WEATHER)],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "temperature": 0,
+        },
+    )
     assert status == 200, data
     uses = [b for b in strict(data)["content"] if b["type"] == "tool_use"]
     assert [(u["name"], u["input"]) for u in uses] == [("get_weather", {"city": "Paris"})], data
 
 
 def test_tool_choice_none_is_served_and_counts_what_the_model_sees(smol: Daemon) -> None:
-    status, plain = smol.post_json("/v1/chat/completions", {
-        "model": "smollm", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "temperature": 0, "max_tokens": 20})
+    status, plain = smol.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "smollm",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+    )
     assert status == 200, plain
-    status, none = smol.post_json("/v1/chat/completions", {
-        "model": "smollm", "messages": [{"role": "user", "content": "What is the capital of France?"}],
-        "tools": [openai_tool(WEATHER)], "tool_choice": "none", "temperature": 0, "max_tokens": 20})
+    status, none = smol.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "smollm",
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "tools": [openai_tool(WEATHER)],
+            "tool_choice": "none",
+            "temperature": 0,
+            "max_tokens": 20,
+        },
+    )
     assert status == 200, none
     assert none["usage"]["prompt_tokens"] == plain["usage"]["prompt_tokens"], (none, plain)
-    status, counted = smol.post_json("/v1/messages/count_tokens", {
-        "model": "smollm", "messages": PARIS, "tools": [anthropic_tool(WEATHER)],
-        "tool_choice": {"type": "tool", "name": "get_weather"}})
+    status, counted = smol.post_json(
+        "/v1/messages/count_tokens",
+        {
+            "model": "smollm",
+            "messages": PARIS,
+            "tools": [anthropic_tool(WEATHER)],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        },
+    )
     assert status == 200, counted
     status, bare = smol.post_json("/v1/messages/count_tokens", {"model": "smollm", "messages": PARIS})
     assert status == 200 and counted["input_tokens"] == bare["input_tokens"], (counted, bare)

@@ -26,7 +26,10 @@ def test_coding_agents_work_through_blazar(engine: str, tmp_path: Path) -> None:
     try:
         done = subprocess.run(
             [sys.executable, str(ROOT / "scripts" / "clients.py"), "--engine", engine, "--out", str(out)],
-            capture_output=True, text=True, timeout=3600, stdin=subprocess.DEVNULL,
+            capture_output=True,
+            text=True,
+            timeout=3600,
+            stdin=subprocess.DEVNULL,
         )
     except subprocess.TimeoutExpired as e:
         pytest.fail(f"the conformance run took over an hour:\n{e.stdout!r}\n{e.stderr!r}")
@@ -34,8 +37,11 @@ def test_coding_agents_work_through_blazar(engine: str, tmp_path: Path) -> None:
     assert out.exists(), f"no results written (exit {done.returncode}):\n{report}"
     runs = json.loads(out.read_text())["runs"]
     assert [(r["client"], r["turn"]) for r in runs] == TURNS, report
-    failed = [f"{r['client']} turn {r['turn']}: exit {r['exit_code']}, requests {r['requests']}"
-              for r in runs if not r["passed"]]
+    failed = [
+        f"{r['client']} turn {r['turn']}: exit {r['exit_code']}, requests {r['requests']}"
+        for r in runs
+        if not r["passed"]
+    ]
     assert failed == [] and done.returncode == 0, "\n".join(failed) + "\n" + report
     for r in runs:
         assert r["exit_code"] == 0 and r["requests_seen"] >= 1, r

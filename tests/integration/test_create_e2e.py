@@ -39,11 +39,14 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models.mkdir()
     (models / "smollm.gguf").symlink_to(real_model())
     make_test_model(models / "tiny.gguf")  # an F32 model, a file of its own (for the hard link)
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nollama_models = "{root / "store"}"\nready_timeout = 60\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
-        '[models."smollm"]\nparallel = 1\nctx_size = 2048\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nollama_models = "{root / "store"}"\nready_timeout = 60\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
+            '[models."smollm"]\nparallel = 1\nctx_size = 2048\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -76,8 +79,15 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
     assert digest == sha256(source)
     assert daemon.request("HEAD", f"/api/blobs/{digest}")[0] == 200
 
-    lines = list(client.create(model="paris", files={"smollm2.gguf": digest}, system=SYSTEM, stream=True,
-                               parameters={"temperature": 0, "num_predict": 24, "num_ctx": 2048}))
+    lines = list(
+        client.create(
+            model="paris",
+            files={"smollm2.gguf": digest},
+            system=SYSTEM,
+            stream=True,
+            parameters={"temperature": 0, "num_predict": 24, "num_ctx": 2048},
+        )
+    )
     statuses = cast(list[str], [line.status for line in lines])
     assert statuses[:2] == ["parsing GGUF", f"using existing layer {digest}"], statuses
     assert all(s.startswith(("creating new layer sha256:", "using existing layer sha256:")) for s in statuses[2:4])
@@ -95,8 +105,11 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
 
     # its system prompt applies: the prompt and the answer are the base model's asked with that system message
     asked = [{"role": "user", "content": QUESTION}]
-    base = client.chat(model="smollm", messages=[{"role": "system", "content": SYSTEM}, *asked],
-                       options={"temperature": 0, "num_predict": 24})
+    base = client.chat(
+        model="smollm",
+        messages=[{"role": "system", "content": SYSTEM}, *asked],
+        options={"temperature": 0, "num_predict": 24},
+    )
     made = client.chat(model="paris", messages=asked)
     assert made.message.content is not None and "Paris" in made.message.content, made.message.content
     assert (made.message.content, made.prompt_eval_count) == (base.message.content, base.prompt_eval_count)
@@ -137,32 +150,44 @@ def test_create_show_answer_copy_delete(daemon: Daemon, client: ollama.Client) -
 def test_quantize_q8_0(daemon: Daemon, client: ollama.Client, engine: str, tmp_path: Path) -> None:
     binary = Path(engine).resolve().with_name("llama-quantize")
     if not binary.is_file():
-        pytest.fail(f"no llama-quantize beside {engine}: rebuild the engine with the build lane "
-                    "(python -m blazar.engines.build), which builds both")
+        pytest.fail(
+            f"no llama-quantize beside {engine}: rebuild the engine with the build lane "
+            "(python -m blazar.engines.build), which builds both"
+        )
     source = make_test_model(tmp_path / "f32.gguf", seed=4).path
     digest = client.create_blob(source)
     lines = list(client.create(model="tiny-q8", files={"f32.gguf": digest}, quantize="q8_0", stream=True))
     quantizing = [line for line in lines if (line.status or "").startswith("quantizing")]
     size = source.stat().st_size
-    assert quantizing and all(line.status == "quantizing F32 model to Q8_0" and line.digest == "0" * 19
-                              and line.total == size for line in quantizing), quantizing
+    assert quantizing and all(
+        line.status == "quantizing F32 model to Q8_0" and line.digest == "0" * 19 and line.total == size
+        for line in quantizing
+    ), quantizing
     assert quantizing[-1].completed == size
     statuses = cast(list[str], [line.status for line in lines])
     new = [s for s in statuses if s.startswith("creating new layer")]
     assert statuses[-4:] == ["verifying conversion", new[0], "writing manifest", "success"], statuses
     shown = client.show("tiny-q8")
     assert shown.details is not None and shown.details.quantization_level == "Q8_0"
-    status, reply = daemon.post_json("/v1/chat/completions", {
-        "model": "tiny-q8", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+    status, reply = daemon.post_json(
+        "/v1/chat/completions",
+        {"model": "tiny-q8", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3},
+    )
     assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
     client.delete("tiny-q8")
 
 
 def test_from_a_file_the_legacy_form_and_refusals(daemon: Daemon, client: ollama.Client) -> None:
     # the Modelfile text older clients send; FROM a models_dir file is a hard link into the store
-    status, _, body = daemon.request("POST", "/api/create", {
-        "name": "legacy", "stream": False,
-        "modelfile": "FROM tiny\nSYSTEM \"\"\"Be\nbrief.\"\"\"\nPARAMETER num_predict 2\nPARAMETER stop </s>\n"})
+    status, _, body = daemon.request(
+        "POST",
+        "/api/create",
+        {
+            "name": "legacy",
+            "stream": False,
+            "modelfile": 'FROM tiny\nSYSTEM """Be\nbrief."""\nPARAMETER num_predict 2\nPARAMETER stop </s>\n',
+        },
+    )
     assert (status, json.loads(body)) == (200, {"status": "success"}), body
     shown = show(daemon, "legacy")
     assert shown["system"] == "Be\nbrief." and 'stop                           "</s>"' in shown["parameters"]

@@ -40,8 +40,10 @@ PAGES = ("models", "queue", "activity", "logs", "performance", "playground", "se
 def chromium() -> str:
     found = os.environ.get("BLAZAR_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
     if not found:
-        pytest.fail("the dashboard e2e needs Debian's chromium (sudo apt-get install -y chromium; ./dev.sh test "
-                    "installs it where it may)")
+        pytest.fail(
+            "the dashboard e2e needs Debian's chromium (sudo apt-get install -y chromium; ./dev.sh test "
+            "installs it where it may)"
+        )
     return found
 
 
@@ -52,14 +54,17 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     make_test_model(models / "tiny.gguf")
     make_test_model(models / "other.gguf", seed=3)
     make_test_model(models / "slow.gguf", seed=4, context_length=32768)  # long answers fit
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nready_timeout = 60\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        '[models."slow"]\nparallel = 1\nctx_size = 32768\n'  # one slot, long answers: a queue forms behind it
-        '[queue]\ndeadline_normal_secs = 180\n'  # the one behind it waits its turn, however slow the machine
-        f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
-        f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nready_timeout = 60\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            '[models."slow"]\nparallel = 1\nctx_size = 32768\n'  # one slot, long answers: a queue forms behind it
+            "[queue]\ndeadline_normal_secs = 180\n"  # the one behind it waits its turn, however slow the machine
+            f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
+            f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -88,8 +93,9 @@ class Page:
         self.d, self.shots = d, shots
         self.page = browser.new_page(viewport={"width": 1280, "height": 800})
         self.errors: list[str] = []
-        self.page.on("console", lambda m: self.errors.append(f"console {m.type}: {m.text}")
-                     if m.type == "error" else None)
+        self.page.on(
+            "console", lambda m: self.errors.append(f"console {m.type}: {m.text}") if m.type == "error" else None
+        )
         self.page.on("pageerror", lambda e: self.errors.append(f"page error: {e}"))
 
     def open(self, page: str = "models") -> None:
@@ -171,8 +177,12 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     expect(page.locator("#log")).to_contain_text("tiny:latest", timeout=10000)
     before = page.locator("#log div").count()
     sent = time.monotonic()
-    status, _ = api(daemon, "POST", "/v1/chat/completions", body={
-        "model": "tiny", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4})
+    status, _ = api(
+        daemon,
+        "POST",
+        "/v1/chat/completions",
+        body={"model": "tiny", "messages": [{"role": "user", "content": "one more"}], "max_tokens": 4},
+    )
     assert status == 200
     expect(page.locator("#log")).to_contain_text("print_timing", timeout=10000)
     page.locator(f"#log div >> nth={before}").wait_for(timeout=10000)
@@ -184,9 +194,18 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     results: list[int] = []
 
     def ask(tokens: int) -> None:
-        status, _, _ = daemon.request("POST", "/v1/chat/completions", {
-            "model": "slow", "messages": [{"role": "user", "content": "go on"}], "max_tokens": tokens,
-            "ignore_eos": True}, headers={"authorization": f"Bearer {ROOT}"}, timeout=120)
+        status, _, _ = daemon.request(
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": "slow",
+                "messages": [{"role": "user", "content": "go on"}],
+                "max_tokens": tokens,
+                "ignore_eos": True,
+            },
+            headers={"authorization": f"Bearer {ROOT}"},
+            timeout=120,
+        )
         results.append(status)
 
     status, _ = api(daemon, "POST", "/ui/api/models/slow/load")
@@ -226,9 +245,28 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     import subprocess
     import sys
 
-    done = subprocess.run([str(Path(sys.executable).parent / "blazar"), "bench", "tiny", "--concurrency", "1",
-                           "--prompt-tokens", "8", "--max-tokens", "4", "--rounds", "1", "--key", ROOT,
-                           "-c", str(daemon.config)], capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [
+            str(Path(sys.executable).parent / "blazar"),
+            "bench",
+            "tiny",
+            "--concurrency",
+            "1",
+            "--prompt-tokens",
+            "8",
+            "--max-tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--key",
+            ROOT,
+            "-c",
+            str(daemon.config),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
     tab.go("performance")
     expect(page.locator("#chart-tokens rect.bar1").first).to_be_visible(timeout=15000)
@@ -319,12 +357,15 @@ def test_the_pull_form(engine: str, library: BlobProxy, browser: Any, shots: Pat
 
     root = tmp_path / "daemon"
     (root / "models").mkdir(parents=True)
-    d = Daemon(root, (
-        f'models_dir = "{root / "models"}"\nollama_models = "{root / "store"}"\nregistry = "{library.url}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\n'
-        f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
-        f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["small"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\nollama_models = "{root / "store"}"\nregistry = "{library.url}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\n'
+            f'[[keys]]\nname = "root"\nsecret = "{ROOT}"\n'
+            f'[[keys]]\nname = "scoped"\nsecret = "{SCOPED}"\nmodels = ["small"]\n'
+        ),
+    )
     d.start()
     try:
         tab = Page(browser, d, shots)
@@ -344,7 +385,8 @@ def test_the_pull_form(engine: str, library: BlobProxy, browser: Any, shots: Pat
         page.click("#pull-send")
         # a blob's percentage while the pull is still streaming
         expect(page.locator("#pull-status")).to_have_text(
-            re.compile(r"pull small: pulling [0-9a-f]{12}: [1-9][0-9]?% \("), timeout=30000)
+            re.compile(r"pull small: pulling [0-9a-f]{12}: [1-9][0-9]?% \("), timeout=30000
+        )
         expect(page.locator("#pull-status")).to_have_text("pull small: success", timeout=60000)
         expect(page.locator("#pull-status")).to_have_class("muted")
         # the list is refreshed on success, without waiting for the page's next poll
@@ -353,8 +395,11 @@ def test_the_pull_form(engine: str, library: BlobProxy, browser: Any, shots: Pat
         expect(page.locator("#pull-name")).to_have_value("")
         seen = page.evaluate("window.pullSeen")
         assert seen[:2] == ["pull small: starting", "pull small: pulling manifest"], seen
-        assert seen[-3:] == ["pull small: verifying sha256 digest", "pull small: writing manifest",
-                             "pull small: success"], seen
+        assert seen[-3:] == [
+            "pull small: verifying sha256 digest",
+            "pull small: writing manifest",
+            "pull small: success",
+        ], seen
         blobs = [t for t in seen if re.fullmatch(r"pull small: pulling [0-9a-f]{12}: \d+% \(.*\)", t)]
         assert any(" 100% " in t for t in blobs) and len(blobs) >= 4, seen  # 0%, each MiB, 100%
         status, tags = api(d, "GET", "/api/tags")
@@ -365,8 +410,9 @@ def test_the_pull_form(engine: str, library: BlobProxy, browser: Any, shots: Pat
         library.rate = None
         page.fill("#pull-name", "missing:1")
         page.click("#pull-send")
-        expect(page.locator("#pull-status")).to_contain_text("pull missing:1: pull model manifest: file does not "
-                                                             "exist", timeout=30000)
+        expect(page.locator("#pull-status")).to_contain_text(
+            "pull missing:1: pull model manifest: file does not exist", timeout=30000
+        )
         expect(page.locator("#pull-status")).to_have_class("error")
         expect(page.locator("#pull-name")).to_have_value("missing:1")  # kept, to be corrected
         # a name refused before any line (a plain 400 answer), shown the same way
@@ -409,12 +455,18 @@ def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
     import subprocess
     import sys
 
-    status, _ = api(daemon, "POST", "/v1/chat/completions", body={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    status, _ = api(
+        daemon,
+        "POST",
+        "/v1/chat/completions",
+        body={"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert status == 200
     follow = subprocess.Popen(
         [str(Path(sys.executable).parent / "blazar"), "logs", "tiny", "-f", "-c", str(daemon.config)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "BLAZAR_API_KEY": ROOT},
     )
     try:
@@ -423,8 +475,12 @@ def test_blazar_logs_follow_reads_the_same_stream(daemon: Daemon) -> None:
             first,
             follow.stderr.read() if follow.poll() is not None and follow.stderr else "",
         )
-        status, _ = api(daemon, "POST", "/v1/chat/completions", body={
-            "model": "tiny", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2})
+        status, _ = api(
+            daemon,
+            "POST",
+            "/v1/chat/completions",
+            body={"model": "tiny", "messages": [{"role": "user", "content": "again"}], "max_tokens": 2},
+        )
         assert status == 200
         deadline = time.monotonic() + 10
         seen = ""

@@ -35,10 +35,12 @@ HEADER_TIMEOUT = 2.0
 @pytest.fixture(scope="module")
 def door(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("door")
-    d = Daemon(root, f"header_timeout_secs = {HEADER_TIMEOUT}\n" + daemon_config(engine, models) + (
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "slow"\nsecret = "{ONE_RPM}"\nrpm = 1\n'
-    ))
+    d = Daemon(
+        root,
+        f"header_timeout_secs = {HEADER_TIMEOUT}\n"
+        + daemon_config(engine, models)
+        + (f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n[[keys]]\nname = "slow"\nsecret = "{ONE_RPM}"\nrpm = 1\n'),
+    )
     # the daemon's temporary files go here, so a test can see whether a body was spooled
     d.tmp = root / "tmp"
     d.tmp.mkdir()
@@ -97,22 +99,32 @@ def read_until_closed(s: socket.socket, within: float) -> tuple[bytes, bool]:
 def parse(raw: bytes) -> tuple[bytes, dict[bytes, bytes], bytes]:
     top, _, body = raw.partition(b"\r\n\r\n")
     status, *lines = top.split(b"\r\n")
-    return status, {k.lower(): v.strip() for k, _, v in (l.partition(b":") for l in lines)}, body
+    return status, {k.lower(): v.strip() for k, _, v in (line.partition(b":") for line in lines)}, body
 
 
 def post_head(path: bytes, length: int, *extra: bytes) -> bytes:
-    return b"\r\n".join([
-        b"POST " + path + b" HTTP/1.1", b"Host: 127.0.0.1", b"Content-Type: application/json",
-        b"Content-Length: %d" % length, *extra, b"", b"",
-    ])
+    return b"\r\n".join(
+        [
+            b"POST " + path + b" HTTP/1.1",
+            b"Host: 127.0.0.1",
+            b"Content-Type: application/json",
+            b"Content-Length: %d" % length,
+            *extra,
+            b"",
+            b"",
+        ]
+    )
 
 
 def test_unauthenticated_45_mib_body_is_401_at_once_with_nothing_spooled(door: Daemon) -> None:
     TALLY.faults += 1
     with socket.create_connection(("127.0.0.1", door.port), timeout=5) as s:
         started = time.monotonic()
-        s.sendall(post_head(b"/v1/chat/completions", 45 * MiB)
-                  + b'{"model":"tiny","messages":[{"role":"user","content":"' + b"x" * 4000)
+        s.sendall(
+            post_head(b"/v1/chat/completions", 45 * MiB)
+            + b'{"model":"tiny","messages":[{"role":"user","content":"'
+            + b"x" * 4000
+        )
         data, closed = read_until_closed(s, within=1.0)
         elapsed = time.monotonic() - started
     status, headers, body = parse(data)
@@ -178,10 +190,13 @@ def test_a_stalled_body_is_408(door: Daemon) -> None:
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/api/chat", "/v1/messages"])
-@pytest.mark.parametrize("header, values", [
-    ("authorization", (f"Bearer {ADMIN}", "Bearer someone-else-0123456789")),
-    ("x-api-key", (ADMIN, ADMIN)),
-])
+@pytest.mark.parametrize(
+    "header, values",
+    [
+        ("authorization", (f"Bearer {ADMIN}", "Bearer someone-else-0123456789")),
+        ("x-api-key", (ADMIN, ADMIN)),
+    ],
+)
 def test_credentials_sent_twice_are_400(door: Daemon, path: str, header: str, values: tuple[str, str]) -> None:
     TALLY.faults += 1
     conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=30)
@@ -206,8 +221,13 @@ def test_credentials_sent_twice_are_400(door: Daemon, path: str, header: str, va
 def test_a_64_kib_header_is_431(door: Daemon) -> None:
     TALLY.faults += 1
     with socket.create_connection(("127.0.0.1", door.port), timeout=5) as s:
-        s.sendall(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: " + ADMIN.encode()
-                  + b"\r\nx-junk: " + b"v" * (64 * 1024) + b"\r\n\r\n")
+        s.sendall(
+            b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nx-api-key: "
+            + ADMIN.encode()
+            + b"\r\nx-junk: "
+            + b"v" * (64 * 1024)
+            + b"\r\n\r\n"
+        )
         data, closed = read_until_closed(s, within=5)
     status, headers, body = parse(data)
     assert status == b"HTTP/1.1 431 Request Header Fields Too Large", data[:300]
@@ -221,8 +241,12 @@ def test_429_has_its_reason_phrase(door: Daemon) -> None:
     for _ in range(2):
         conn = http.client.HTTPConnection("127.0.0.1", door.port, timeout=120)
         try:
-            conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                         {"content-type": "application/json", "x-api-key": ONE_RPM})
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(body),
+                {"content-type": "application/json", "x-api-key": ONE_RPM},
+            )
             resp = conn.getresponse()
             answers.append((resp.status, resp.reason, resp.read()))
         finally:

@@ -64,9 +64,23 @@ def llama_server(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
     output = tmp_path_factory.mktemp("llama-server") / "output.log"
     log = output.open("wb")
     child = subprocess.Popen(
-        [engine, "-m", str(real_model()), "--host", "127.0.0.1", "--port", str(port), "--api-key", key,
-         "-c", "2048", "-np", "1"],
-        stdout=log, stderr=subprocess.STDOUT,
+        [
+            engine,
+            "-m",
+            str(real_model()),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--api-key",
+            key,
+            "-c",
+            "2048",
+            "-np",
+            "1",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         deadline = time.monotonic() + 120
@@ -87,6 +101,11 @@ def llama_server(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Itera
 
 def test_the_real_engine_client_keeps_the_contract(llama_server: tuple[int, str]) -> None:
     port, key = llama_server
-    result = subprocess.run([sys.executable, "-c", CONTRACT, str(port), key], capture_output=True, text=True,
-                            timeout=120, cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-c", CONTRACT, str(port), key],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 0 and "contract kept" in result.stdout, result.stdout + result.stderr

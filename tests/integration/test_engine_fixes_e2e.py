@@ -27,7 +27,6 @@ import openai
 import pytest
 
 from blazar.models.testmodel import GeneratedModel
-
 from blazar.testing import forced_tool_call_request
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
@@ -39,10 +38,12 @@ PROMPT = "Hello"
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("fixes"), daemon_config(engine, models) + (
-        f'[[keys]]\nname = "k"\nsecret = "{KEY}"\n'
-    ))
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("fixes"), daemon_config(engine, models) + (f'[[keys]]\nname = "k"\nsecret = "{KEY}"\n')
+    )
     # a top-level key: it goes before the config's tables
     d.config.write_text(f"max_body_bytes = {LIMIT}\n" + d.config.read_text())
     d.start()
@@ -59,7 +60,9 @@ def client(d: Daemon) -> openai.OpenAI:
 def post(d: Daemon, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
     try:
-        conn.request("POST", path, json.dumps(body), {"content-type": "application/json", "authorization": f"Bearer {KEY}"})
+        conn.request(
+            "POST", path, json.dumps(body), {"content-type": "application/json", "authorization": f"Bearer {KEY}"}
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -77,7 +80,7 @@ def events(d: Daemon, path: str, body: dict[str, Any]) -> list[Any]:
         if not event or event.startswith(":"):
             continue  # (": loading" while a cold model loads)
         assert event.startswith("data: ") and "\n" not in event, event
-        payload = event[len("data: "):]
+        payload = event[len("data: ") :]
         out.append(payload if payload == "[DONE]" else json.loads(payload))
     assert out[-1] == "[DONE]" and out.count("[DONE]") == 1
     return out
@@ -91,8 +94,9 @@ def completion(**fields: Any) -> dict[str, Any]:
 
 
 def test_completion_stream_usage_chunk_has_no_choices(daemon: Daemon) -> None:
-    *chunks, usage, _ = events(daemon, "/v1/completions", completion(
-        stream=True, stream_options={"include_usage": True}))
+    *chunks, usage, _ = events(
+        daemon, "/v1/completions", completion(stream=True, stream_options={"include_usage": True})
+    )
     assert usage["choices"] == [] and usage["object"] == "text_completion" and usage["model"] == "tiny"
     assert usage["usage"]["total_tokens"] == usage["usage"]["prompt_tokens"] + usage["usage"]["completion_tokens"] > 0
     assert all(not c.get("usage") for c in chunks), chunks[-1]
@@ -108,15 +112,17 @@ def test_completion_stream_without_include_usage_has_no_usage(daemon: Daemon) ->
 
 def test_completion_stream_usage_with_the_sdk(daemon: Daemon) -> None:
     stream = client(daemon).completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=6, seed=1, stream=True, stream_options={"include_usage": True})
+        model="tiny", prompt=PROMPT, max_tokens=6, seed=1, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert chunks[-1].choices == [] and chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
     assert all(c.usage is None and len(c.choices) == 1 for c in chunks[:-1])
 
 
 def test_several_prompts_one_usage_chunk(daemon: Daemon) -> None:
-    *chunks, usage, _ = events(daemon, "/v1/completions", completion(
-        prompt=["Hi", "Yo"], stream=True, stream_options={"include_usage": True}))
+    *chunks, usage, _ = events(
+        daemon, "/v1/completions", completion(prompt=["Hi", "Yo"], stream=True, stream_options={"include_usage": True})
+    )
     assert None not in chunks  # the engine opens this stream with "data: null"
     assert {c["choices"][0]["index"] for c in chunks} == {0, 1}
     assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
@@ -131,7 +137,7 @@ def token_bytes(name: str) -> bytes:
     not whole UTF-8).
     """
     if name.startswith("bytes:"):
-        return bytes(int(h, 16) for h in name[len("bytes:"):].split("\\x")[1:])
+        return bytes(int(h, 16) for h in name[len("bytes:") :].split("\\x")[1:])
     return name.encode("utf-8")
 
 
@@ -147,8 +153,12 @@ def assert_legacy(logprobs: dict[str, Any], n: int, count: int) -> None:
     come with the next one's).
     """
     assert set(logprobs) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
-    assert len(logprobs["tokens"]) == len(logprobs["token_logprobs"]) == len(logprobs["top_logprobs"]) \
+    assert (
+        len(logprobs["tokens"])
+        == len(logprobs["token_logprobs"])
+        == len(logprobs["top_logprobs"])
         == len(logprobs["text_offset"])
+    )
     assert 1 <= len(logprobs["tokens"]) <= count
     for token, logprob, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
         assert isinstance(token, str) and isinstance(logprob, float) and logprob <= 0
@@ -169,7 +179,10 @@ def test_completion_logprobs_legacy_shape(daemon: Daemon) -> None:
     # the tokens spell the text; the engine has no entry for a last token
     # that left a UTF-8 character unfinished (nor for what follows it)
     text = b"".join(token_bytes(t) for t in lp["tokens"]).decode("utf-8", "replace")
-    assert SAME_TEXT.sub("\ufffd", choice["text"]).startswith(SAME_TEXT.sub("\ufffd", text)), (lp["tokens"], choice["text"])
+    assert SAME_TEXT.sub("\ufffd", choice["text"]).startswith(SAME_TEXT.sub("\ufffd", text)), (
+        lp["tokens"],
+        choice["text"],
+    )
     # with the SDK: its typed legacy object
     typed = client(daemon).completions.create(model="tiny", prompt=PROMPT, max_tokens=6, seed=1, logprobs=0)
     lp = typed.choices[0].logprobs
@@ -204,8 +217,7 @@ def test_completion_echo(daemon: Daemon) -> None:
 
 
 def test_completion_echo_with_logprobs(daemon: Daemon) -> None:
-    reply = client(daemon).completions.create(
-        model="tiny", prompt=PROMPT, max_tokens=6, seed=1, logprobs=1, echo=True)
+    reply = client(daemon).completions.create(model="tiny", prompt=PROMPT, max_tokens=6, seed=1, logprobs=1, echo=True)
     choice = reply.choices[0]
     lp = choice.logprobs
     assert lp is not None and lp.tokens is not None and lp.token_logprobs is not None
@@ -238,6 +250,7 @@ def test_malformed_logprobs_is_a_400_naming_it(daemon: Daemon) -> None:
 
 # -- c. logprobs with tools and stream on chat ---------------------------------
 
+
 def tool_body(**fields: Any) -> dict[str, Any]:
     body = forced_tool_call_request("tiny", seed=2, stream=True, tool_choice="auto")
     body.pop("logit_bias")  # let the random model write text
@@ -255,8 +268,11 @@ def test_logprobs_with_tools_and_stream_are_served(daemon: Daemon) -> None:
         whole = json.loads(post(daemon, "/v1/chat/completions", tool_body(seed=seed, stream=False))[1])
         content = whole["choices"][0]["message"].get("content") or ""
         expected = [e["token"] for e in whole["choices"][0]["logprobs"]["content"]]
-        while expected and not same_text(content[:0] + "".join(expected), content[:len("".join(expected))]) \
-                and not SAME_TEXT.sub("\ufffd", content).startswith(SAME_TEXT.sub("\ufffd", "".join(expected))):
+        while (
+            expected
+            and not same_text(content[:0] + "".join(expected), content[: len("".join(expected))])
+            and not SAME_TEXT.sub("\ufffd", content).startswith(SAME_TEXT.sub("\ufffd", "".join(expected)))
+        ):
             expected.pop()  # the tool-call markup's tokens: not the content's
         chunks = [c for c in events(daemon, "/v1/chat/completions", tool_body(seed=seed)) if c != "[DONE]"]
         streamed, text = [], ""
@@ -280,8 +296,15 @@ def test_logprobs_with_tools_and_stream_are_served(daemon: Daemon) -> None:
 def test_logprobs_with_tools_and_stream_with_the_sdk(daemon: Daemon) -> None:
     body = tool_body()
     stream = client(daemon).chat.completions.create(
-        model="tiny", messages=body["messages"], tools=body["tools"], stream=True, logprobs=True,
-        top_logprobs=1, max_tokens=20, seed=2)
+        model="tiny",
+        messages=body["messages"],
+        tools=body["tools"],
+        stream=True,
+        logprobs=True,
+        top_logprobs=1,
+        max_tokens=20,
+        seed=2,
+    )
     contents = [c.choices[0].logprobs.content for c in stream if c.choices and c.choices[0].logprobs]
     assert contents and all(len(e.top_logprobs) <= 1 for entries in contents for e in entries or [])
 
@@ -303,8 +326,17 @@ def send_head(d: Daemon, path: str, *headers: str, length: int = LIMIT + 1) -> t
     Send only a request's head announcing C{length} body bytes, read
     until the daemon closes; the answer and how long it took.
     """
-    head = "\r\n".join([f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
-                        f"Content-Length: {length}", *headers, "", ""])
+    head = "\r\n".join(
+        [
+            f"POST {path} HTTP/1.1",
+            "Host: 127.0.0.1",
+            "Content-Type: application/json",
+            f"Content-Length: {length}",
+            *headers,
+            "",
+            "",
+        ]
+    )
     began = time.monotonic()
     with socket.create_connection(("127.0.0.1", d.port), timeout=10) as s:
         s.sendall(head.encode("ascii"))
@@ -317,11 +349,18 @@ def send_head(d: Daemon, path: str, *headers: str, length: int = LIMIT + 1) -> t
     return data, time.monotonic() - began
 
 
-@pytest.mark.parametrize("path,surface", [
-    ("/v1/chat/completions", "openai"), ("/v1/completions", "openai"), ("/v1/embeddings", "openai"),
-    ("/v1/responses", "responses"), ("/v1/messages", "anthropic"), ("/api/chat", "ollama"),
-    ("/api/generate", "ollama"),
-])
+@pytest.mark.parametrize(
+    "path,surface",
+    [
+        ("/v1/chat/completions", "openai"),
+        ("/v1/completions", "openai"),
+        ("/v1/embeddings", "openai"),
+        ("/v1/responses", "responses"),
+        ("/v1/messages", "anthropic"),
+        ("/api/chat", "ollama"),
+        ("/api/generate", "ollama"),
+    ],
+)
 def test_oversized_body_is_refused_at_the_headers(daemon: Daemon, path: str, surface: str) -> None:
     # no key: the limit comes before auth, so the body is never invited
     data, took = send_head(daemon, path)
@@ -359,10 +398,12 @@ def test_sdk_clients_read_the_413_without_a_key(daemon: Daemon) -> None:
     # and httpx (under both SDKs) still reads that answer: 413, not 401
     big = "x" * (2 * LIMIT)
     with pytest.raises(openai.APIStatusError) as e:
-        openai.OpenAI(base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="wrong", max_retries=0).chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": big}])
+        openai.OpenAI(
+            base_url=f"http://127.0.0.1:{daemon.port}/v1", api_key="wrong", max_retries=0
+        ).chat.completions.create(model="tiny", messages=[{"role": "user", "content": big}])
     assert e.value.status_code == 413
     with pytest.raises(anthropic.APIStatusError) as a:
         anthropic.Anthropic(base_url=f"http://127.0.0.1:{daemon.port}", api_key="wrong", max_retries=0).messages.create(
-            model="tiny", max_tokens=1, messages=[{"role": "user", "content": big}])
+            model="tiny", max_tokens=1, messages=[{"role": "user", "content": big}]
+        )
     assert a.value.status_code == 413 and cast(dict[str, Any], a.value.body)["error"]["type"] == "request_too_large"

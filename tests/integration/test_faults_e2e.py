@@ -54,13 +54,16 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     make_test_model(models / "tiny.gguf")
     (models / "corrupt.gguf").write_bytes(b"GGUF" + bytes(random.Random(7).randrange(256) for _ in range(4000)))
     write_unknown_architecture(models / "alien.gguf")
-    d = Daemon(root / "d", (
-        f'models_dir = "{models}"\nready_timeout = 60\nbreaker_crashes = 1000\n'
-        "child_header_timeout_secs = 2\n"
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        '[models."tiny"]\nparallel = 2\n'
-        f'[[keys]]\nname = "admin"\nsecret = "{SECRET}"\n'
-    ))
+    d = Daemon(
+        root / "d",
+        (
+            f'models_dir = "{models}"\nready_timeout = 60\nbreaker_crashes = 1000\n'
+            "child_header_timeout_secs = 2\n"
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            '[models."tiny"]\nparallel = 2\n'
+            f'[[keys]]\nname = "admin"\nsecret = "{SECRET}"\n'
+        ),
+    )
     with tallied(d):
         yield d
 
@@ -68,8 +71,12 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
 def call(d: Daemon, method: str, path: str, body: Any = None, timeout: float = 60) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=timeout)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None,
-                     {"content-type": "application/json", "authorization": f"Bearer {SECRET}"})
+        conn.request(
+            method,
+            path,
+            json.dumps(body) if body is not None else None,
+            {"content-type": "application/json", "authorization": f"Bearer {SECRET}"},
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
@@ -98,8 +105,7 @@ def settled(d: Daemon) -> dict[str, Any]:
         "fds": proc.num_fds(),
         # connections the daemon opened (to its children), not ones it accepted
         "engine_connections": sum(
-            1 for c in connections
-            if c.raddr and c.laddr.port not in listening and c.status == psutil.CONN_ESTABLISHED
+            1 for c in connections if c.raddr and c.laddr.port not in listening and c.status == psutil.CONN_ESTABLISHED
         ),
     }
 
@@ -119,10 +125,14 @@ def _no_end_of_turn() -> dict[str, int]:
 
 STREAMS = {
     "openai": ("/v1/chat/completions", {"model": "tiny", "messages": HELLO, "stream": True, "ignore_eos": True}),
-    "anthropic": ("/v1/messages", {"model": "tiny", "max_tokens": 1900, "messages": HELLO, "stream": True,
-                                   "logit_bias": _no_end_of_turn()}),
-    "ollama": ("/api/chat", {"model": "tiny", "messages": HELLO,
-                             "options": {"num_predict": 1900, "logit_bias": _no_end_of_turn()}}),
+    "anthropic": (
+        "/v1/messages",
+        {"model": "tiny", "max_tokens": 1900, "messages": HELLO, "stream": True, "logit_bias": _no_end_of_turn()},
+    ),
+    "ollama": (
+        "/api/chat",
+        {"model": "tiny", "messages": HELLO, "options": {"num_predict": 1900, "logit_bias": _no_end_of_turn()}},
+    ),
 }
 
 
@@ -131,7 +141,9 @@ def test_sigkill_mid_stream_ends_in_the_surfaces_error(daemon: Daemon, surface: 
     chat_ok(daemon)
     path, body = STREAMS[surface]
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
-    conn.request("POST", path, json.dumps(body), {"content-type": "application/json", "authorization": f"Bearer {SECRET}"})
+    conn.request(
+        "POST", path, json.dumps(body), {"content-type": "application/json", "authorization": f"Bearer {SECRET}"}
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     lines = []
@@ -201,8 +213,10 @@ def test_a_request_right_after_an_idle_child_is_killed_gets_a_fresh_child(daemon
     failed = [(i, a) for i, a in enumerate(answers) if a[0] != 200]
     assert failed == [], failed
     resent = daemon.log().count("had exited; sending the request to a fresh child") - before
-    print(f"50 kill-then-request rounds: 50 x 200 in {elapsed:.1f} s; "
-          f"{resent} sent on to a fresh child after reaching the dead one")
+    print(
+        f"50 kill-then-request rounds: 50 x 200 in {elapsed:.1f} s; "
+        f"{resent} sent on to a fresh child after reaching the dead one"
+    )
     assert settled(daemon)["busy"] == 0
 
 
@@ -233,7 +247,9 @@ def test_sigstop_child_takes_the_header_timeout_path(daemon: Daemon) -> None:
     TALLY.faults += 1
     started = time.monotonic()
     try:
-        status, body = call(daemon, "POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO})
+        status, body = call(
+            daemon, "POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO}
+        )
     finally:
         if victim.is_running():
             victim.send_signal(signal.SIGCONT)
@@ -283,7 +299,9 @@ def test_failed_config_write_keeps_the_file_and_the_daemon(daemon: Daemon) -> No
     try:
         out = subprocess.run(
             [str(Path(sys.executable).parent / "blazar"), "keys", "add", "newkey", "--config", str(daemon.config)],
-            capture_output=True, text=True, timeout=30,
+            capture_output=True,
+            text=True,
+            timeout=30,
         )
     finally:
         blocker.rmdir()
@@ -298,7 +316,9 @@ def test_two_hundred_clients_leaving_at_random_points_leak_nothing(daemon: Daemo
     time.sleep(2.5)
     baseline = settled(daemon)
     rng = random.Random(11)
-    body = json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 400, "ignore_eos": True}).encode()
+    body = json.dumps(
+        {"model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 400, "ignore_eos": True}
+    ).encode()
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\ncontent-type: application/json\r\n"
         b"authorization: Bearer " + SECRET.encode() + b"\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
@@ -337,8 +357,12 @@ def test_two_hundred_clients_leaving_at_random_points_leak_nothing(daemon: Daemo
     while True:
         time.sleep(0.5)
         after = settled(daemon)
-        clean = after["busy"] == 0 and after["waiting"] == 0 and after["fds"] <= baseline["fds"] \
+        clean = (
+            after["busy"] == 0
+            and after["waiting"] == 0
+            and after["fds"] <= baseline["fds"]
             and after["engine_connections"] <= baseline["engine_connections"]
+        )
         if clean or time.monotonic() > deadline:
             break
     TALLY.leaked_slots += after["busy"] + after["waiting"]

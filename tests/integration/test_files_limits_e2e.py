@@ -34,25 +34,51 @@ PACED = "paced-secret-0123456789"  # rpm = 3
 STASH = "stash-secret-0123456789"  # file_bytes = 3 MiB
 BULK = "bulk-secret-01234567890"  # no limits
 QUOTA = 3 * 1024 * 1024
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                   "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}}).encode() + b"\n"
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]},
+        }
+    ).encode()
+    + b"\n"
+)
 
 
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("files-limits")
-    with tallied(Daemon(root, (
-        f'[[keys]]\nname = "paced"\nsecret = "{PACED}"\nrpm = 3\n'
-        f'[[keys]]\nname = "stash"\nsecret = "{STASH}"\nfile_bytes = {QUOTA}\n'
-        f'[[keys]]\nname = "bulk"\nsecret = "{BULK}"\n'
-    ))) as d:
+    with tallied(
+        Daemon(
+            root,
+            (
+                f'[[keys]]\nname = "paced"\nsecret = "{PACED}"\nrpm = 3\n'
+                f'[[keys]]\nname = "stash"\nsecret = "{STASH}"\nfile_bytes = {QUOTA}\n'
+                f'[[keys]]\nname = "bulk"\nsecret = "{BULK}"\n'
+            ),
+        )
+    ) as d:
         yield d
 
 
-def call(daemon: Daemon, method: str, path: str, secret: str, raw: bytes | None = None,
-         content_type: str = "application/json", timeout: float = 120.0) -> tuple[int, dict[str, str], bytes]:
-    return daemon.request(method, path, raw=raw, timeout=timeout,
-                          headers={"authorization": f"Bearer {secret}", "content-type": content_type})
+def call(
+    daemon: Daemon,
+    method: str,
+    path: str,
+    secret: str,
+    raw: bytes | None = None,
+    content_type: str = "application/json",
+    timeout: float = 120.0,
+) -> tuple[int, dict[str, str], bytes]:
+    return daemon.request(
+        method,
+        path,
+        raw=raw,
+        timeout=timeout,
+        headers={"authorization": f"Bearer {secret}", "content-type": content_type},
+    )
 
 
 def upload(daemon: Daemon, secret: str, content: bytes) -> tuple[int, Any]:
@@ -68,9 +94,17 @@ def jsonl(size: int) -> bytes:
     """
     lines, total, n = [], 0, 0
     while total < size:
-        line = json.dumps({"custom_id": f"c{n}", "method": "POST", "url": "/v1/chat/completions",
-                           "body": {"model": "tiny", "messages": [{"role": "user", "content": os.urandom(300).hex()}]}
-                           }).encode() + b"\n"
+        line = (
+            json.dumps(
+                {
+                    "custom_id": f"c{n}",
+                    "method": "POST",
+                    "url": "/v1/chat/completions",
+                    "body": {"model": "tiny", "messages": [{"role": "user", "content": os.urandom(300).hex()}]},
+                }
+            ).encode()
+            + b"\n"
+        )
         lines.append(line)
         total += len(line)
         n += 1

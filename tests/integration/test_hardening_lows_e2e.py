@@ -64,10 +64,22 @@ class JSONRemote(http.server.ThreadingHTTPServer):
 
             def do_POST(self) -> None:
                 asked = json.loads(self.rfile.read(int(self.headers["content-length"])))
-                self.send({"id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": asked["model"],
-                           "choices": [{"index": 0, "finish_reason": "stop",
-                                        "message": {"role": "assistant", "content": "from the remote"}}],
-                           "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}})
+                self.send(
+                    {
+                        "id": "chatcmpl-1",
+                        "object": "chat.completion",
+                        "created": 1,
+                        "model": asked["model"],
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": "from the remote"},
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7},
+                    }
+                )
 
         super().__init__(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server_address[1]}/v1"
@@ -95,24 +107,30 @@ def tls_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, remote: JSONRemote, hub: FakeHub, tls_port: int,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, remote: JSONRemote, hub: FakeHub, tls_port: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("lows")
     make_test_model(root / "models" / "tiny.gguf")
     cert, key = self_signed(root)
-    d = Daemon(root, (
-        f'models_dir = "{root / "models"}"\nhf_endpoint = "{hub.url}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[[remotes]]\nname = "peer"\nbase_url = "{remote.url}"\nmodels = "*"\n'
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        # docs/remotes.md's example: a remote's model whose id has its own ':'
-        f'[[keys]]\nname = "webui"\nsecret = "{SCOPED}"\nmodels = ["peer:qwen3:8b"]\n'
-    ))
-    d.config.write_text(d.config.read_text().replace(
-        f'listen = "tcp:{d.port}:interface=127.0.0.1"',
-        f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
-        f'"ssl:{tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]',
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\nhf_endpoint = "{hub.url}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            f'[[remotes]]\nname = "peer"\nbase_url = "{remote.url}"\nmodels = "*"\n'
+            f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+            # docs/remotes.md's example: a remote's model whose id has its own ':'
+            f'[[keys]]\nname = "webui"\nsecret = "{SCOPED}"\nmodels = ["peer:qwen3:8b"]\n'
+        ),
+    )
+    d.config.write_text(
+        d.config.read_text().replace(
+            f'listen = "tcp:{d.port}:interface=127.0.0.1"',
+            f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
+            f'"ssl:{tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]',
+        )
+    )
     d.config.chmod(0o644)  # secrets others may read: named at startup, never changed
     with tallied(d) as started:
         yield started
@@ -134,29 +152,35 @@ def listed(d: Daemon, name: str, timeout: float = 15.0) -> None:
 
 def test_a_config_others_may_read_is_named_at_startup(daemon: Daemon) -> None:
     TALLY.inputs += 1
-    assert f"config file {daemon.config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): " \
-           f"run `chmod 600 {daemon.config}`" in daemon.log(), daemon.log()[-3000:]
+    assert (
+        f"config file {daemon.config} holds secrets ([[keys]] secret) and everyone may read it (mode 644): "
+        f"run `chmod 600 {daemon.config}`" in daemon.log()
+    ), daemon.log()[-3000:]
     assert daemon.config.stat().st_mode & 0o777 == 0o644  # (until `blazar keys` writes it: 0600, below)
 
 
 def test_a_remote_id_that_is_no_name_does_not_break_copy(daemon: Daemon) -> None:
     listed(daemon, 'peer:a"b')
     TALLY.inputs += 2
-    status, _, body = daemon.request("POST", "/api/copy", {"source": "tiny", "destination": "tiny-copy"},
-                                     headers=bearer())
+    status, _, body = daemon.request(
+        "POST", "/api/copy", {"source": "tiny", "destination": "tiny-copy"}, headers=bearer()
+    )
     assert status == 200, body
-    status, _, body = daemon.request("POST", "/api/copy", {"source": 'peer:a"b', "destination": "x"},
-                                     headers=bearer())
+    status, _, body = daemon.request("POST", "/api/copy", {"source": 'peer:a"b', "destination": "x"}, headers=bearer())
     assert status == 400 and b"remote" in body, (status, body)
 
 
-@pytest.mark.parametrize("path,body,marker", [
-    ("/v1/chat/completions", {"stream": True}, b"data: [DONE]"),
-    ("/api/chat", {}, b'"done":true'),
-    ("/v1/messages", {"stream": True, "max_tokens": 8}, b"message_stop"),
-])
-def test_a_scoped_remote_model_streams_a_json_answer(daemon: Daemon, path: str, body: dict[str, Any],
-                                                      marker: bytes) -> None:
+@pytest.mark.parametrize(
+    "path,body,marker",
+    [
+        ("/v1/chat/completions", {"stream": True}, b"data: [DONE]"),
+        ("/api/chat", {}, b'"done":true'),
+        ("/v1/messages", {"stream": True, "max_tokens": 8}, b"message_stop"),
+    ],
+)
+def test_a_scoped_remote_model_streams_a_json_answer(
+    daemon: Daemon, path: str, body: dict[str, Any], marker: bytes
+) -> None:
     listed(daemon, "peer:qwen3:8b")
     TALLY.inputs += 1
     asked = {"model": "peer:qwen3:8b", "messages": [{"role": "user", "content": "hi"}], **body}
@@ -174,10 +198,15 @@ def test_terminal_escapes_from_clients_are_text_in_the_log(daemon: Daemon) -> No
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
     try:
         conn.putrequest("POST", "/v1/chat/completions")
-        body = json.dumps({"model": "peer:qwen3:8b", "service_tier": "auto",
-                           "messages": [{"role": "user", "content": "hi"}]}).encode()
-        for name, value in (("user-agent", agent.encode("latin-1")), ("authorization", f"Bearer {ADMIN}".encode()),
-                            ("content-type", b"application/json"), ("content-length", str(len(body)).encode())):
+        body = json.dumps(
+            {"model": "peer:qwen3:8b", "service_tier": "auto", "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
+        for name, value in (
+            ("user-agent", agent.encode("latin-1")),
+            ("authorization", f"Bearer {ADMIN}".encode()),
+            ("content-type", b"application/json"),
+            ("content-length", str(len(body)).encode()),
+        ):
             conn.putheader(name, value)
         conn.endheaders(body)
         assert conn.getresponse().status == 200
@@ -192,20 +221,30 @@ def test_terminal_escapes_from_clients_are_text_in_the_log(daemon: Daemon) -> No
 
 
 def blazar(d: Daemon, *args: str) -> str:
-    result = subprocess.run([str(Path(sys.executable).parent / "blazar"), *args, "--config", str(d.config)],
-                            capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), *args, "--config", str(d.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
 
 def upload(d: Daemon, secret: str) -> int:
     boundary = uuid.uuid4().hex
-    body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"purpose\"\r\n\r\nbatch\r\n"
-            f"--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.jsonl\"\r\n"
-            "Content-Type: application/jsonl\r\n\r\n{}\n\r\n"
-            f"--{boundary}--\r\n").encode()
-    status, _, data = d.request("POST", "/v1/files", raw=body, headers={
-        **bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}"})
+    body = (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n'
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n'
+        "Content-Type: application/jsonl\r\n\r\n{}\n\r\n"
+        f"--{boundary}--\r\n"
+    ).encode()
+    status, _, data = d.request(
+        "POST",
+        "/v1/files",
+        raw=body,
+        headers={**bearer(secret), "content-type": f"multipart/form-data; boundary={boundary}"},
+    )
     assert status == 200, data
     return status
 
@@ -264,8 +303,9 @@ def test_tls12_accepts_only_forward_secret_aead_suites(daemon: Daemon, tls_port:
 
 
 def pull(d: Daemon) -> tuple[int, bytes]:
-    status, _, data = d.request("POST", "/api/pull", {"model": f"hf.co/{REPO}:Q4_K_M", "stream": False},
-                                headers=bearer())
+    status, _, data = d.request(
+        "POST", "/api/pull", {"model": f"hf.co/{REPO}:Q4_K_M", "stream": False}, headers=bearer()
+    )
     return status, data
 
 

@@ -31,10 +31,13 @@ def test_client_leaving_during_a_health_probe_does_not_kill_the_busy_child(tmp_p
     pids = tmp_path / "engine.pids"
     fake = fake_engine(tmp_path, "fake_busy_engine.py", pids)
     make_test_model(tmp_path / "models" / "tiny.gguf")
-    d = Daemon(tmp_path / "d", (
-        f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'
-        f'[engines.llamacpp]\nbinary = "{fake}"\n'
-    ))
+    d = Daemon(
+        tmp_path / "d",
+        (
+            f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'
+            f'[engines.llamacpp]\nbinary = "{fake}"\n'
+        ),
+    )
     d.start()
     try:
         status, body = d.post_json("/v1/chat/completions", chat("hi"))
@@ -46,8 +49,7 @@ def test_client_leaving_during_a_health_probe_does_not_kill_the_busy_child(tmp_p
         # probes /health, which the busy child does not answer (the probe
         # gives up after 3 s). The client leaves at 2 s, mid-probe.
         conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=2)
-        conn.request("POST", "/v1/chat/completions", json.dumps(chat("hold")),
-                     {"content-type": "application/json"})
+        conn.request("POST", "/v1/chat/completions", json.dumps(chat("hold")), {"content-type": "application/json"})
         try:
             conn.getresponse()
             raise AssertionError("the held request was answered")

@@ -55,13 +55,16 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     _, tae = make_test_image_model(models / "tiny-flux.gguf", root / "tae.gguf")  # flux: the sdcpp lane
     make_test_model(models / "tiny.gguf")
     broken_model(root / "broken.gguf")
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nready_timeout = 60\nbreaker_crashes = 1000\n'
-        f'[models."tiny-flux"]\nargs = ["--taesd", "{tae}"]\n'
-        f'[models."broken-image"]\npath = "{root / "broken.gguf"}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        f'[engines.sdcpp]\nbinary = "{lane_binary("sdcpp")}"\nargs = ["--steps", "1", "--cfg-scale", "1"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nready_timeout = 60\nbreaker_crashes = 1000\n'
+            f'[models."tiny-flux"]\nargs = ["--taesd", "{tae}"]\n'
+            f'[models."broken-image"]\npath = "{root / "broken.gguf"}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            f'[engines.sdcpp]\nbinary = "{lane_binary("sdcpp")}"\nargs = ["--steps", "1", "--cfg-scale", "1"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -77,8 +80,13 @@ def client(d: Daemon) -> openai.OpenAI:
 
 def test_generate_a_64x64_png_with_a_seed_that_repeats(daemon: Daemon) -> None:
     c = client(daemon)
-    first = c.images.generate(model="tiny-flux", prompt="a red fox", size="64x64", response_format="b64_json",
-                              extra_body={"seed": 42, "steps": 1})
+    first = c.images.generate(
+        model="tiny-flux",
+        prompt="a red fox",
+        size="64x64",
+        response_format="b64_json",
+        extra_body={"seed": 42, "steps": 1},
+    )
     assert first.data is not None and len(first.data) == 1
     image = base64.b64decode(first.data[0].b64_json or "")
     assert png_size(image) == (64, 64)
@@ -103,9 +111,17 @@ def test_an_image_url_served_by_blazar_and_an_edit(daemon: Daemon) -> None:
         assert r.headers["content-type"] == "image/png" and png_size(r.read()) == (64, 64)
     status, _, _ = daemon.request("GET", "/v1/images/files/not-a-token.png")
     assert status == 404
-    edited = c.images.edit(model="tiny-flux", image=("in.png", base64.b64decode(
-        (c.images.generate(model="tiny-flux", prompt="a hill", size="64x64").data or [])[0].b64_json or "")),
-        prompt="the same hill at night", size="64x64")
+    edited = c.images.edit(
+        model="tiny-flux",
+        image=(
+            "in.png",
+            base64.b64decode(
+                (c.images.generate(model="tiny-flux", prompt="a hill", size="64x64").data or [])[0].b64_json or ""
+            ),
+        ),
+        prompt="the same hill at night",
+        size="64x64",
+    )
     assert edited.data is not None and png_size(base64.b64decode(edited.data[0].b64_json or "")) == (64, 64)
 
 
@@ -130,8 +146,7 @@ def test_the_wrong_models_and_a_model_sd_server_cannot_load(daemon: Daemon) -> N
 def test_ollamas_image_fields_on_api_generate(daemon: Daemon) -> None:
     # Ollama's experimental image generation (0.14 to its removal): width, height, steps, options.seed in;
     # the final line's base64 "image" out; a stream is that line alone (sd-server reports no progress)
-    body = {"model": "tiny-flux", "prompt": "a fox", "width": 64, "height": 64, "steps": 1,
-            "options": {"seed": 3}}
+    body = {"model": "tiny-flux", "prompt": "a fox", "width": 64, "height": 64, "steps": 1, "options": {"seed": 3}}
     status, answer = daemon.post_json("/api/generate", {**body, "stream": False}, timeout=300)
     assert status == 200 and answer["done"] is True, answer
     assert png_size(base64.b64decode(answer["image"])) == (64, 64)
@@ -157,8 +172,12 @@ def big_png(width: int, height: int) -> bytes:
     def chunk(kind: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
 
-    return (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
-            + chunk(b"IDAT", rows) + chunk(b"IEND", b""))
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0))
+        + chunk(b"IDAT", rows)
+        + chunk(b"IEND", b"")
+    )
 
 
 def test_what_would_take_all_the_memory_is_refused(daemon: Daemon) -> None:
@@ -174,10 +193,17 @@ def test_what_would_take_all_the_memory_is_refused(daemon: Daemon) -> None:
     with pytest.raises(openai.BadRequestError) as long:
         c.images.generate(model="tiny-flux", prompt="a " * 10000, size="16x16")
     assert "at most 4000" in str(long.value)
-    status, _, raw = daemon.request("POST", "/v1/images/generations", raw=b'{"model": "tiny-flux", "prompt": "\\ud800"}')
+    status, _, raw = daemon.request(
+        "POST", "/v1/images/generations", raw=b'{"model": "tiny-flux", "prompt": "\\ud800"}'
+    )
     assert status == 400 and b"surrogate" in raw, raw
     # the url comes from the listener, never from a Host the client sent (one this keyless
     # gateway answers under: another site's name is a 403, issue 36)
-    made = c.images.generate(model="tiny-flux", prompt="a hill", size="64x64", response_format="url",
-                             extra_headers={"host": "127.0.0.1:1/x?y="})
+    made = c.images.generate(
+        model="tiny-flux",
+        prompt="a hill",
+        size="64x64",
+        response_format="url",
+        extra_headers={"host": "127.0.0.1:1/x?y="},
+    )
     assert made.data is not None and (made.data[0].url or "").startswith(f"http://127.0.0.1:{daemon.port}/v1/images/")

@@ -33,15 +33,19 @@ HELLO = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("keys"), daemon_config(engine, models) + (
-        "# keys for the suite: keep this comment\n"
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
-        f'[[keys]]\nname = "one"\nsecret = "{ONE}"\nmax_concurrent = 1\n'
-        f'[[keys]]\nname = "slow"\nsecret = "{SLOW}"\nrpm = 2\n'
-        f'[[keys]]\nname = "few"\nsecret = "{FEW}"\ntpm = 20\n'
-        f'[[keys]]\nname = "daily"\nsecret = "{DAILY}"\ndaily_tokens = 20\n'
-    ))
+    d = Daemon(
+        tmp_path_factory.mktemp("keys"),
+        daemon_config(engine, models)
+        + (
+            "# keys for the suite: keep this comment\n"
+            f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+            f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+            f'[[keys]]\nname = "one"\nsecret = "{ONE}"\nmax_concurrent = 1\n'
+            f'[[keys]]\nname = "slow"\nsecret = "{SLOW}"\nrpm = 2\n'
+            f'[[keys]]\nname = "few"\nsecret = "{FEW}"\ntpm = 20\n'
+            f'[[keys]]\nname = "daily"\nsecret = "{DAILY}"\ndaily_tokens = 20\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -49,11 +53,17 @@ def keyed(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyte
     assert code in (0, -signal.SIGTERM)
 
 
-def call(d: Daemon, method: str, path: str, body: object = None, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+def call(
+    d: Daemon, method: str, path: str, body: object = None, headers: dict[str, str] | None = None
+) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None,
-                     {"content-type": "application/json", **(headers or {})})
+        conn.request(
+            method,
+            path,
+            json.dumps(body) if body is not None else None,
+            {"content-type": "application/json", **(headers or {})},
+        )
         resp = conn.getresponse()
         return resp.status, {k.lower(): v for k, v in resp.getheaders()}, resp.read()
     finally:
@@ -73,8 +83,10 @@ def assert_shape(surface: str, status: int, body: bytes) -> str:
         return str(parsed["error"])
     if surface == "anthropic":
         assert parsed["type"] == "error"
-        assert parsed["error"]["type"] == {
-            401: "authentication_error", 403: "permission_error", 404: "not_found_error"}[status]
+        assert (
+            parsed["error"]["type"]
+            == {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}[status]
+        )
         return str(parsed["error"]["message"])
     assert set(parsed["error"]) == {"message", "type", "param", "code"}
     return str(parsed["error"]["message"])
@@ -121,8 +133,9 @@ def test_keys_rotate_rewrites_config(keyed: Daemon) -> None:
     blazar = str(Path(sys.executable).parent / "blazar")
     listed = subprocess.run([blazar, "keys", "list", "-c", str(keyed.config)], capture_output=True, text=True)
     assert "tinyonly" in listed.stdout and SCOPED not in listed.stdout  # redacted
-    out = subprocess.run([blazar, "keys", "rotate", "tinyonly", "-c", str(keyed.config)],
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        [blazar, "keys", "rotate", "tinyonly", "-c", str(keyed.config)], capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     new = out.stdout.strip().splitlines()[-1]
     assert new.startswith("blz-") and out.stdout.count(new) == 1
@@ -140,9 +153,12 @@ def streaming_request(d: Daemon, secret: str) -> http.client.HTTPConnection:
 
     no_end = {str(vocabulary()[0].index(t)): -100 for t in ("<|im_end|>", "</s>")}
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": "tiny", "messages": HELLO, "stream": True, "logit_bias": no_end}),
-        {"content-type": "application/json", "x-api-key": secret})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps({"model": "tiny", "messages": HELLO, "stream": True, "logit_bias": no_end}),
+        {"content-type": "application/json", "x-api-key": secret},
+    )
     return conn
 
 
@@ -197,8 +213,9 @@ def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None
     blocker = keyed.config.with_name(f".{keyed.config.name}.tmp")
     blocker.mkdir()  # the atomic write's temporary file cannot be created
     try:
-        out = subprocess.run([blazar, "keys", "rotate", "admin", "-c", str(keyed.config)],
-                             capture_output=True, text=True)
+        out = subprocess.run(
+            [blazar, "keys", "rotate", "admin", "-c", str(keyed.config)], capture_output=True, text=True
+        )
     finally:
         blocker.rmdir()
     assert out.returncode == 1 and "Is a directory" in out.stderr, out
@@ -208,23 +225,29 @@ def test_failed_key_write_is_reported_and_changes_nothing(keyed: Daemon) -> None
 
 def test_tpm_counts_the_childs_usage(keyed: Daemon) -> None:
     # the prompt alone is ~21 tokens: one request goes over tpm 20, whatever the answer
-    status, _, _ = call(keyed, "POST", "/v1/chat/completions",
-                        {"model": "tiny", "messages": HELLO, "max_tokens": 16, "stream": True},
-                        {"x-api-key": FEW})
+    status, _, _ = call(
+        keyed,
+        "POST",
+        "/v1/chat/completions",
+        {"model": "tiny", "messages": HELLO, "max_tokens": 16, "stream": True},
+        {"x-api-key": FEW},
+    )
     assert status == 200
-    status, headers, data = call(keyed, "POST", "/api/chat",
-                                 {"model": "tiny", "messages": HELLO, "stream": False},
-                                 {"x-api-key": FEW})
+    status, headers, data = call(
+        keyed, "POST", "/api/chat", {"model": "tiny", "messages": HELLO, "stream": False}, {"x-api-key": FEW}
+    )
     assert status == 429 and "tpm" in json.loads(data)["error"]
     assert 1 <= int(headers["retry-after"]) <= 60
 
 
 def test_daily_tokens_survive_a_restart(keyed: Daemon) -> None:
-    status, _, data = call(keyed, "POST", "/v1/messages",
-                           {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY})
+    status, _, data = call(
+        keyed, "POST", "/v1/messages", {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY}
+    )
     assert status == 200, data
-    status, _, data = call(keyed, "POST", "/v1/messages",
-                           {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY})
+    status, _, data = call(
+        keyed, "POST", "/v1/messages", {"model": "tiny", "max_tokens": 16, "messages": HELLO}, {"x-api-key": DAILY}
+    )
     assert status == 429 and json.loads(data)["error"]["type"] == "rate_limit_error"
     keyed.stop()
     keyed.start()
@@ -245,8 +268,12 @@ def test_big_body_is_413_without_holding_it(keyed: Daemon) -> None:
     for path, surface in (("/v1/chat/completions", "openai"), ("/api/chat", "ollama"), ("/v1/messages", "anthropic")):
         # answered at the headers, the connection closed with the body unread
         # (httpx reads that answer; bare http.client fails writing the body)
-        resp = httpx.post(f"http://127.0.0.1:{keyed.port}{path}", content=big, timeout=120,
-                          headers={"content-type": "application/json", "x-api-key": ADMIN})
+        resp = httpx.post(
+            f"http://127.0.0.1:{keyed.port}{path}",
+            content=big,
+            timeout=120,
+            headers={"content-type": "application/json", "x-api-key": ADMIN},
+        )
         data = resp.content
         assert resp.status_code == 413, (path, data[:200])
         parsed = json.loads(data)

@@ -94,8 +94,8 @@ def test_second_daemon_on_same_port_exits_3(engine: str, models: dict[str, Gener
     "config_text, needle",
     [
         ("listne = 1\n", "'listne'"),
-        ("ready_timeout = \"soon\"\n", "'ready_timeout'"),
-        ('[models.tiny]\nctx_size = -4\n', "'models.tiny.ctx_size'"),
+        ('ready_timeout = "soon"\n', "'ready_timeout'"),
+        ("[models.tiny]\nctx_size = -4\n", "'models.tiny.ctx_size'"),
     ],
 )
 def test_bad_config_exits_nonzero_naming_the_key(tmp_path: Path, config_text: str, needle: str) -> None:
@@ -111,8 +111,7 @@ def blazar_cli(*args: str) -> subprocess.CompletedProcess[str]:
     import sys
     from pathlib import Path as P
 
-    return subprocess.run([str(P(sys.executable).parent / "blazar"), *args],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run([str(P(sys.executable).parent / "blazar"), *args], capture_output=True, text=True, timeout=60)
 
 
 def test_control_verbs(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
@@ -126,7 +125,9 @@ def test_control_verbs(engine: str, models: dict[str, GeneratedModel], tmp_path:
         sock = run / "control.sock"
         assert stat.S_IMODE(sock.stat().st_mode) == 0o600
         assert stat.S_IMODE(run.stat().st_mode) == 0o700
-        status, _ = d.post_json("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1})
+        status, _ = d.post_json(
+            "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        )
         assert status == 200
         (child,) = d.engines()
         ps = blazar_cli("ps", "--json", "-c", cfg)
@@ -173,14 +174,19 @@ def test_run_and_doctor(engine: str, models: dict[str, GeneratedModel], tmp_path
     assert gone.returncode == 2 and "blazar serve" in gone.stderr
 
 
-def test_second_daemon_on_same_data_dir_and_reload(engine: str, models: dict[str, GeneratedModel], tmp_path: Path) -> None:
+def test_second_daemon_on_same_data_dir_and_reload(
+    engine: str, models: dict[str, GeneratedModel], tmp_path: Path
+) -> None:
     first = Daemon(tmp_path / "a", daemon_config(engine, models))
     first.start()
     try:
         # another port, the same data_dir: the control socket's lock refuses it
         second = Daemon(tmp_path / "b", daemon_config(engine, models))
-        second.config.write_text(second.config.read_text().replace(
-            f'data_dir = "{second.root / "data"}"', f'data_dir = "{first.root / "data"}"'))
+        second.config.write_text(
+            second.config.read_text().replace(
+                f'data_dir = "{second.root / "data"}"', f'data_dir = "{first.root / "data"}"'
+            )
+        )
         second.start(wait=False)
         assert second.proc is not None and second.proc.wait(30) == 3
         assert "another blazar daemon runs on this data_dir" in second.log()

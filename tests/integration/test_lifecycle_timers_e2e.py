@@ -5,9 +5,8 @@ Idle eviction and the crash breaker with real llama-server children.
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 import time
-
+from pathlib import Path
 from typing import Iterator
 
 import pytest
@@ -23,13 +22,16 @@ def lifecycle(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     root = tmp_path_factory.mktemp("lifecycle")
     models = root / "models"
     make_test_model(models / "tiny.gguf")
-    d = Daemon(root, (
-        f'models_dir = "{models}"\nidle_timeout_secs = 2\n'
-        "breaker_crashes = 3\nbreaker_window_secs = 60\nbreaker_backoff_secs = 3\n"
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        # a model whose engine exits at start: a flag llama-server rejects
-        '[models."broken"]\npath = "tiny.gguf"\nargs = ["--no-such-flag"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\nidle_timeout_secs = 2\n'
+            "breaker_crashes = 3\nbreaker_window_secs = 60\nbreaker_backoff_secs = 3\n"
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            # a model whose engine exits at start: a flag llama-server rejects
+            '[models."broken"]\npath = "tiny.gguf"\nargs = ["--no-such-flag"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -87,7 +89,8 @@ def test_api_ps_expires_at_counts_down(lifecycle: Daemon) -> None:
 def test_crash_breaker(lifecycle: Daemon) -> None:
     for _ in range(3):
         status, body = lifecycle.post_json(
-            "/v1/chat/completions", {"model": "broken", "messages": HELLO, "max_tokens": 1})
+            "/v1/chat/completions", {"model": "broken", "messages": HELLO, "max_tokens": 1}
+        )
         assert status == 502, body
     t0 = time.monotonic()
     status, body = lifecycle.post_json("/v1/chat/completions", {"model": "broken", "messages": HELLO})
@@ -106,30 +109,30 @@ def test_crash_breaker(lifecycle: Daemon) -> None:
     assert chat(lifecycle)[0] == 200
 
 
-
-
 def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path) -> None:
     import http.client
     import json
-
     import stat
 
     # A wrapper that makes the engine take 5 s to start listening.
     slow = tmp_path / "slow-llama-server"
-    slow.write_text(f"#!/bin/sh\nsleep 5\nexec {engine} \"$@\"\n")
+    slow.write_text(f'#!/bin/sh\nsleep 5\nexec {engine} "$@"\n')
     slow.chmod(slow.stat().st_mode | stat.S_IEXEC)
     make_test_model(tmp_path / "models" / "tiny.gguf")
-    d = Daemon(tmp_path / "d", (
-        f'models_dir = "{tmp_path / "models"}"\n'
-        f'[engines.llamacpp]\nbinary = "{slow}"\nargs = ["--threads", "1"]\n'
-    ))
+    d = Daemon(
+        tmp_path / "d",
+        (f'models_dir = "{tmp_path / "models"}"\n[engines.llamacpp]\nbinary = "{slow}"\nargs = ["--threads", "1"]\n'),
+    )
     d.start()
     try:
         conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
         t0 = time.monotonic()
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
-            {"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
+            {"content-type": "application/json"},
+        )
         resp = conn.getresponse()
         assert time.monotonic() - t0 < 1.0
         assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
@@ -143,9 +146,12 @@ def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path
         for p in d.engines():
             p.wait(10)
         conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
-            {"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "tiny", "messages": HELLO, "max_tokens": 3, "stream": True}),
+            {"content-type": "application/json"},
+        )
         conn.getresponse().readline()
         conn.sock.close()
         conn.close()
@@ -158,16 +164,18 @@ def test_cold_streaming_request_gets_headers_at_once(engine: str, tmp_path: Path
         d.kill_everything()
 
 
-
 def test_max_loaded_models_one_alternating(engine: str, tmp_path: Path) -> None:
     import threading
 
     make_test_model(tmp_path / "models" / "a.gguf", seed=1)
     make_test_model(tmp_path / "models" / "b.gguf", seed=2)
-    d = Daemon(tmp_path / "d", (
-        f'models_dir = "{tmp_path / "models"}"\nmax_loaded_models = 1\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ))
+    d = Daemon(
+        tmp_path / "d",
+        (
+            f'models_dir = "{tmp_path / "models"}"\nmax_loaded_models = 1\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        ),
+    )
     d.start()
     most = [0]
     watching = threading.Event()
@@ -196,10 +204,13 @@ def test_max_loaded_models_one_alternating(engine: str, tmp_path: Path) -> None:
 def test_wedged_child_is_evicted_retried_then_504(tmp_path: Path) -> None:
     fake = fake_engine(tmp_path, "fake_wedged_engine.py")
     make_test_model(tmp_path / "models" / "tiny.gguf")
-    d = Daemon(tmp_path / "d", (
-        f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'
-        f'[engines.llamacpp]\nbinary = "{fake}"\n'
-    ))
+    d = Daemon(
+        tmp_path / "d",
+        (
+            f'models_dir = "{tmp_path / "models"}"\nchild_header_timeout_secs = 1\n'
+            f'[engines.llamacpp]\nbinary = "{fake}"\n'
+        ),
+    )
     d.start()
     try:
         t0 = time.monotonic()
@@ -219,18 +230,24 @@ def test_disconnect_mid_stream_frees_the_slot(engine: str, tmp_path: Path) -> No
     import json
 
     make_test_model(tmp_path / "models" / "one.gguf")
-    d = Daemon(tmp_path / "d", (
-        f'models_dir = "{tmp_path / "models"}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        '[models.one]\nparallel = 1\n'
-    ))
+    d = Daemon(
+        tmp_path / "d",
+        (
+            f'models_dir = "{tmp_path / "models"}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            "[models.one]\nparallel = 1\n"
+        ),
+    )
     d.start()
     try:
         assert d.post_json("/v1/chat/completions", {"model": "one", "messages": HELLO, "max_tokens": 1})[0] == 200
         conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
-        conn.request("POST", "/v1/chat/completions", json.dumps(
-            {"model": "one", "messages": HELLO, "stream": True, "ignore_eos": True}),
-            {"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps({"model": "one", "messages": HELLO, "stream": True, "ignore_eos": True}),
+            {"content-type": "application/json"},
+        )
         resp = conn.getresponse()
         resp.readline()
         conn.sock.close()  # the client goes away mid-generation
@@ -252,10 +269,17 @@ def test_num_ctx_up_to_and_above_the_trained_context_share_one_child(lifecycle: 
     # num_ctx is clamped to that, so nothing grows (growing: test_num_ctx_e2e)
     pids = set()
     for num_ctx in (1024, 8192, 2048):
-        status, _, _ = lifecycle.request("POST", "/api/chat", {
-            "model": "tiny", "messages": HELLO, "stream": False, "keep_alive": "1m",
-            "options": {"num_ctx": num_ctx, "num_predict": 2},
-        })
+        status, _, _ = lifecycle.request(
+            "POST",
+            "/api/chat",
+            {
+                "model": "tiny",
+                "messages": HELLO,
+                "stream": False,
+                "keep_alive": "1m",
+                "options": {"num_ctx": num_ctx, "num_predict": 2},
+            },
+        )
         assert status == 200
         pids.add(lifecycle.engine_for("tiny:latest").pid)
     assert len(pids) == 1  # one child served all three: no reload
@@ -270,14 +294,14 @@ def test_keep_alive_header_on_openai_and_anthropic(lifecycle: Daemon) -> None:
         ("/v1/messages", {"model": "tiny", "messages": HELLO, "max_tokens": 2}),
     ]:
         conn = http.client.HTTPConnection("127.0.0.1", lifecycle.port, timeout=60)
-        conn.request("POST", path, json.dumps(body),
-                     {"content-type": "application/json", "x-blazar-keep-alive": "0"})
+        conn.request("POST", path, json.dumps(body), {"content-type": "application/json", "x-blazar-keep-alive": "0"})
         assert conn.getresponse().status == 200
         conn.close()
         deadline = time.monotonic() + 10
         while [p for p in lifecycle.engines() if "tiny.gguf" in " ".join(p.cmdline())]:
             assert time.monotonic() < deadline, f"{path}: the child outlived keep_alive 0"
             time.sleep(0.05)
-    status, body = lifecycle.post_json("/v1/chat/completions",
-                                       {"model": "tiny", "messages": HELLO, "keep_alive": "soon"})
+    status, body = lifecycle.post_json(
+        "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "keep_alive": "soon"}
+    )
     assert status == 400 and body["error"]["param"] == "keep_alive"

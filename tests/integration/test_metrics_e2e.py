@@ -32,11 +32,16 @@ MODEL = "tiny:latest"
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("metrics"), daemon_config(engine, models) + (
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nrpm = 1\n'
-    ))
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("metrics"),
+        daemon_config(engine, models)
+        + (
+            f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nrpm = 1\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -64,8 +69,12 @@ def stream_lines(d: Daemon, body: Any, kill: bool = False) -> list[Any]:
     """
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=60)
     try:
-        conn.request("POST", "/v1/chat/completions", json.dumps(body), {
-            "content-type": "application/json", "authorization": f"Bearer {ADMIN}"})
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"content-type": "application/json", "authorization": f"Bearer {ADMIN}"},
+        )
         resp = conn.getresponse()
         assert resp.status == 200
         events: list[str] = []
@@ -114,8 +123,16 @@ def test_scripted_mix_is_counted_exactly(daemon: Daemon) -> None:
     status, body = call(daemon, "/v1/chat/completions", {"model": "tiny", "messages": HELLO, "max_tokens": 5})
     assert status == 200, body
     add("admin", body["usage"]["prompt_tokens"], body["usage"]["completion_tokens"])
-    chunks = stream_lines(daemon, {"model": "tiny", "messages": HELLO, "max_tokens": 6, "stream": True,
-                                   "stream_options": {"include_usage": True}})
+    chunks = stream_lines(
+        daemon,
+        {
+            "model": "tiny",
+            "messages": HELLO,
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     usage = chunks[-1]["usage"]
     add("admin", usage["prompt_tokens"], usage["completion_tokens"])
     status, body = call(daemon, "/v1/chat/completions", {"model": "nope", "messages": HELLO})
@@ -126,8 +143,11 @@ def test_scripted_mix_is_counted_exactly(daemon: Daemon) -> None:
     status, body = call(daemon, "/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": HELLO})
     assert status == 200, body
     # (Anthropic's input_tokens leaves out what came from the cache)
-    add("admin", body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"],
-        body["usage"]["output_tokens"])
+    add(
+        "admin",
+        body["usage"]["input_tokens"] + body["usage"]["cache_read_input_tokens"],
+        body["usage"]["output_tokens"],
+    )
     # Ollama: one per minute for "limited": 200 then 429
     ollama = {"model": "tiny", "messages": HELLO, "stream": False, "options": {"num_predict": 3}}
     status, body = call(daemon, "/api/chat", ollama, secret=LIMITED)
@@ -144,22 +164,29 @@ def test_scripted_mix_is_counted_exactly(daemon: Daemon) -> None:
 
     m = scrape(daemon)
     requests = {
-        ("openai", MODEL, "admin", "2xx"): 4, ("openai", "", "admin", "4xx"): 1,
-        ("anthropic", "", "", "4xx"): 1, ("anthropic", MODEL, "admin", "2xx"): 1,
-        ("ollama", MODEL, "limited", "2xx"): 1, ("ollama", MODEL, "limited", "4xx"): 1,
+        ("openai", MODEL, "admin", "2xx"): 4,
+        ("openai", "", "admin", "4xx"): 1,
+        ("anthropic", "", "", "4xx"): 1,
+        ("anthropic", MODEL, "admin", "2xx"): 1,
+        ("ollama", MODEL, "limited", "2xx"): 1,
+        ("ollama", MODEL, "limited", "4xx"): 1,
     }
     seen = {
         (dict(labels)["surface"], dict(labels)["model"], dict(labels)["key"], dict(labels)["status"]): v
-        for (name, labels), v in m.items() if name == "blazar_requests_total"
+        for (name, labels), v in m.items()
+        if name == "blazar_requests_total"
     }
     assert seen == requests
     errors = {
         (dict(labels)["surface"], dict(labels)["model"], dict(labels)["kind"]): v
-        for (name, labels), v in m.items() if name == "blazar_errors_total"
+        for (name, labels), v in m.items()
+        if name == "blazar_errors_total"
     }
     assert errors == {
-        ("openai", "", "model_not_found"): 1, ("anthropic", "", "auth"): 1,
-        ("ollama", MODEL, "quota"): 1, ("openai", MODEL, "engine_crash"): 1,
+        ("openai", "", "model_not_found"): 1,
+        ("anthropic", "", "auth"): 1,
+        ("ollama", MODEL, "quota"): 1,
+        ("openai", MODEL, "engine_crash"): 1,
     }
     for key, (prompt, completion) in tokens.items():
         assert value(m, "blazar_prompt_tokens_total", model=MODEL, key=key) == prompt, (key, m)
@@ -184,8 +211,11 @@ def test_scripted_mix_is_counted_exactly(daemon: Daemon) -> None:
 
 def test_metrics_never_carry_trace_ids_or_prompts(daemon: Daemon) -> None:
     secret_prompt = "a prompt nobody should see in metrics"
-    call(daemon, "/v1/chat/completions", {"model": "tiny", "max_tokens": 1,
-                                          "messages": [{"role": "user", "content": secret_prompt}]})
+    call(
+        daemon,
+        "/v1/chat/completions",
+        {"model": "tiny", "max_tokens": 1, "messages": [{"role": "user", "content": secret_prompt}]},
+    )
     text = " ".join(str(k) for k in scrape(daemon))
     assert secret_prompt not in text and "plm-" not in text
 

@@ -105,8 +105,11 @@ def grows_logged(d: Daemon, to: int) -> int:
     """
     How many times the daemon stopped the model to grow it to C{to}.
     """
-    return sum(1 for line in d.log().splitlines()
-               if f"stopping {MODEL}: context" in line and f"-> {to} tokens per slot" in line)
+    return sum(
+        1
+        for line in d.log().splitlines()
+        if f"stopping {MODEL}: context" in line and f"-> {to} tokens per slot" in line
+    )
 
 
 def test_larger_num_ctx_restarts_once_then_smaller_ones_do_not(daemon: Daemon) -> None:
@@ -150,10 +153,19 @@ def test_a_request_running_on_the_small_child_completes(daemon: Daemon) -> None:
     tokens, types = vocabulary()
     no_end = {str(i): -100 for i, kind in enumerate(types) if kind == types[tokens.index("<|im_end|>")]}
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
-    conn.request("POST", "/api/chat", json.dumps({
-        "model": "grow", "messages": HELLO, "stream": True,
-        "options": {"num_predict": 900, "logit_bias": no_end},
-    }), {"content-type": "application/json"})
+    conn.request(
+        "POST",
+        "/api/chat",
+        json.dumps(
+            {
+                "model": "grow",
+                "messages": HELLO,
+                "stream": True,
+                "options": {"num_predict": 900, "logit_bias": no_end},
+            }
+        ),
+        {"content-type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200
     first = json.loads(resp.readline())
@@ -198,8 +210,9 @@ def test_num_ctx_on_api_embed(daemon: Daemon) -> None:
     status, body = daemon.post_json("/api/embed", {"model": "grow-embed", "input": "hi"})
     assert status == 200, body
     assert ps_context(daemon, EMBED) == 512
-    status, body = daemon.post_json("/api/embed", {"model": "grow-embed", "input": ["hi", "there"],
-                                                   "options": {"num_ctx": 2048}})
+    status, body = daemon.post_json(
+        "/api/embed", {"model": "grow-embed", "input": ["hi", "there"], "options": {"num_ctx": 2048}}
+    )
     assert status == 200, body
     assert len(body["embeddings"]) == 2
     assert (ps_context(daemon, EMBED), engine_n_ctx(daemon, EMBED)) == (2048, 2048)
@@ -216,8 +229,12 @@ def test_fit_policy_keeps_the_400(daemon: Daemon, engine: str) -> None:
             f'listen = "tcp:{daemon.port}:interface=127.0.0.1"\ndata_dir = "{daemon.root / "data"}"\n'
             + config_text(models, engine, policy)
         )
-        out = subprocess.run([str(Path(sys.executable).parent / "blazar"), "reload", "-c", str(daemon.config)],
-                             capture_output=True, text=True, timeout=60)
+        out = subprocess.run(
+            [str(Path(sys.executable).parent / "blazar"), "reload", "-c", str(daemon.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert out.returncode == 0, out.stderr
 
     reload("fit")

@@ -13,7 +13,6 @@ import ollama
 import pytest
 
 from blazar.models.testmodel import vocabulary
-
 from blazar.testing import forced_tool_call_request
 from tests.integration.harness import Daemon
 
@@ -42,8 +41,14 @@ def ndjson(daemon: Daemon, path: str, body: dict) -> tuple[int, dict[str, str], 
     return resp.status, headers, lines
 
 
-DURATIONS = ("total_duration", "load_duration", "prompt_eval_count", "prompt_eval_duration",
-             "eval_count", "eval_duration")
+DURATIONS = (
+    "total_duration",
+    "load_duration",
+    "prompt_eval_count",
+    "prompt_eval_duration",
+    "eval_count",
+    "eval_duration",
+)
 
 
 def assert_final(line: dict) -> None:
@@ -177,10 +182,17 @@ def test_format_json(daemon: Daemon) -> None:
     # (relayed as an error, never a 200); any 200 must parse.
     passed = 0
     for seed in range(1, 13):
-        status, _, lines = ndjson(daemon, "/api/chat", {
-            "model": "tiny", "messages": HELLO, "format": "json", "stream": False,
-            "options": {"num_predict": 200, "seed": seed},
-        })
+        status, _, lines = ndjson(
+            daemon,
+            "/api/chat",
+            {
+                "model": "tiny",
+                "messages": HELLO,
+                "format": "json",
+                "stream": False,
+                "options": {"num_predict": 200, "seed": seed},
+            },
+        )
         if status == 200:
             json.loads(lines[0]["message"]["content"])
             passed += 1
@@ -196,7 +208,9 @@ def test_forced_tool_call_arguments_are_objects(daemon: Daemon) -> None:
         for seed in range(1, 6):
             openai_body = forced_tool_call_request("tiny", seed, tool_choice="auto")
             body = {
-                "model": "tiny", "messages": openai_body["messages"], "tools": openai_body["tools"],
+                "model": "tiny",
+                "messages": openai_body["messages"],
+                "tools": openai_body["tools"],
                 "stream": stream,
                 "options": {"seed": seed, "num_predict": 200},
             }
@@ -236,8 +250,9 @@ def test_generate_with_suffix_uses_infill(client: ollama.Client) -> None:
     reply = client.generate(model="tiny", prompt="def f(", suffix="return 1", options={"num_predict": 4})
     assert reply.done and isinstance(reply.response, str)
     assert reply.eval_count is not None and reply.eval_count <= 4
-    parts = list(client.generate(model="tiny", prompt="def f(", suffix="return 1", stream=True,
-                                 options={"num_predict": 4}))
+    parts = list(
+        client.generate(model="tiny", prompt="def f(", suffix="return 1", stream=True, options={"num_predict": 4})
+    )
     assert parts[-1].done and sum(bool(p.done) for p in parts) == 1
 
 
@@ -250,11 +265,22 @@ def test_engine_killed_mid_stream_ends_with_error_line(daemon: Daemon) -> None:
     # kill lands; such an attempt proves nothing and is tried again.
     for _ in range(3):
         conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=30)
-        conn.request("POST", "/api/generate", json.dumps({
-            # logit_bias keeps the random model from ending its turn early
-            "model": "tiny", "prompt": "go",
-            "options": {"num_predict": -1, "logit_bias": {str(token_id(t)): -100 for t in ("<|im_end|>", "</s>")}},
-        }), {"content-type": "application/json"})
+        conn.request(
+            "POST",
+            "/api/generate",
+            json.dumps(
+                {
+                    # logit_bias keeps the random model from ending its turn early
+                    "model": "tiny",
+                    "prompt": "go",
+                    "options": {
+                        "num_predict": -1,
+                        "logit_bias": {str(token_id(t)): -100 for t in ("<|im_end|>", "</s>")},
+                    },
+                }
+            ),
+            {"content-type": "application/json"},
+        )
         resp = conn.getresponse()
         first = json.loads(resp.readline())
         assert first["done"] is False

@@ -54,8 +54,14 @@ class LibraryDaemon(Daemon):
                 resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, cwd=self.root,
-                                         env={**os.environ, **self.env}, preexec_fn=prepare)
+            self.proc = subprocess.Popen(
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                env={**os.environ, **self.env},
+                preexec_fn=prepare,
+            )
         if wait:
             self.wait_healthy()
         return self
@@ -88,9 +94,17 @@ def seeded(registry: DistributionRegistry, tmp_path_factory: pytest.TempPathFact
     big = make_test_model(root / "big.gguf", seed=12, n_embd=256, n_ff=1024, n_head=4).path.read_bytes()
     bad = make_test_model(root / "bad.gguf", seed=13).path.read_bytes()
     return {
-        "tiny": seed(registry.url, "library/tiny", "latest", [
-            (store.MEDIA_MODEL, tiny), (store.MEDIA_SYSTEM, b"You are a tiny test model."),
-            (store.MEDIA_PARAMS, b'{"top_k": 20}'), (store.MEDIA_LICENSE, b"MIT")]),
+        "tiny": seed(
+            registry.url,
+            "library/tiny",
+            "latest",
+            [
+                (store.MEDIA_MODEL, tiny),
+                (store.MEDIA_SYSTEM, b"You are a tiny test model."),
+                (store.MEDIA_PARAMS, b'{"top_k": 20}'),
+                (store.MEDIA_LICENSE, b"MIT"),
+            ],
+        ),
         "big": seed(registry.url, "me/big", "v1", [(store.MEDIA_MODEL, big)]),
         "bad": seed(registry.url, "me/bad", "v1", [(store.MEDIA_MODEL, bad)]),
     }
@@ -98,15 +112,21 @@ def seeded(registry: DistributionRegistry, tmp_path_factory: pytest.TempPathFact
 
 def daemon_for(root: Path, engine: str, registry_url: str, fsize: int | None = None) -> LibraryDaemon:
     (root / "models").mkdir(parents=True, exist_ok=True)
-    return LibraryDaemon(root, (
-        f'models_dir = "{root / "models"}"\nollama_models = "{root / "store"}"\nregistry = "{registry_url}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ), {"BLAZAR_PULL_MIN_PART": str(PART)}, fsize)
+    return LibraryDaemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\nollama_models = "{root / "store"}"\nregistry = "{registry_url}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        ),
+        {"BLAZAR_PULL_MIN_PART": str(PART)},
+        fsize,
+    )
 
 
 @pytest.fixture(scope="module")
-def libd(engine: str, proxy: BlobProxy, seeded: dict[str, bytes],
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[LibraryDaemon]:
+def libd(
+    engine: str, proxy: BlobProxy, seeded: dict[str, bytes], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LibraryDaemon]:
     d = daemon_for(tmp_path_factory.mktemp("library"), engine, proxy.url)
     d.start()
     yield d
@@ -126,8 +146,9 @@ def blobs(root: Path) -> set[str]:
     return {p.name for p in folder.iterdir()} if folder.is_dir() else set()
 
 
-def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobProxy, seeded: dict[str, bytes],
-                                              registry: DistributionRegistry) -> None:
+def test_pull_show_copy_push_delete_and_serve(
+    libd: LibraryDaemon, proxy: BlobProxy, seeded: dict[str, bytes], registry: DistributionRegistry
+) -> None:
     client = client_of(libd)
     proxy.redirect = True  # blob reads answered with a 307 to a "CDN" path, as registry.ollama.ai does
     try:
@@ -165,13 +186,25 @@ def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobPr
     # create from it (the issue's flow): a system prompt, parameters and quantize q8_0; the new model
     # is quantized by the engine's llama-quantize and answers with its system prompt and parameters
     before = blobs(libd.root)
-    asked = client.chat(model="tiny", messages=[{"role": "system", "content": "You answer in one word."},
-                                                {"role": "user", "content": "hi"}], options={"num_predict": 2})
-    lines = list(client.create(model="tiny-q8", from_="tiny", system="You answer in one word.",
-                               parameters={"num_predict": 3, "temperature": 0}, quantize="q8_0", stream=True))
+    asked = client.chat(
+        model="tiny",
+        messages=[{"role": "system", "content": "You answer in one word."}, {"role": "user", "content": "hi"}],
+        options={"num_predict": 2},
+    )
+    lines = list(
+        client.create(
+            model="tiny-q8",
+            from_="tiny",
+            system="You answer in one word.",
+            parameters={"num_predict": 3, "temperature": 0},
+            quantize="q8_0",
+            stream=True,
+        )
+    )
     assert lines[-1].status == "success", [line.status for line in lines]
-    assert any((line.status or "").startswith("quantizing") and (line.status or "").endswith("to Q8_0")
-               for line in lines), [line.status for line in lines]
+    assert any(
+        (line.status or "").startswith("quantizing") and (line.status or "").endswith("to Q8_0") for line in lines
+    ), [line.status for line in lines]
     made = client.show("tiny-q8")
     assert made.details is not None and made.details.quantization_level == "Q8_0"
     assert "You answer in one word." in (made.modelfile or "") and "num_predict" in (made.parameters or "")
@@ -185,8 +218,9 @@ def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobPr
     client.copy("tiny", "me/tiny2:v2")
     assert "me/tiny2:v2" in tags(client)
     assert blobs(libd.root) == before
-    assert (libd.root / "store" / "manifests" / "registry.ollama.ai" / "me" / "tiny2" / "v2").read_bytes() \
-        == seeded["tiny"]
+    assert (libd.root / "store" / "manifests" / "registry.ollama.ai" / "me" / "tiny2" / "v2").read_bytes() == seeded[
+        "tiny"
+    ]
 
     # push to a second repository (the configured registry, through the proxy)
     progress = list(client.push("me/tiny2:v2", stream=True))
@@ -194,7 +228,9 @@ def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobPr
     assert statuses[0] == "retrieving manifest" and statuses[-2:] == ["pushing manifest", "success"], statuses
     assert {p.digest for p in progress if p.digest} == {d["digest"] for d in [*manifest["layers"], manifest["config"]]}
     assert all(p.status == f"pushing {p.digest[7:19]}" for p in progress if p.digest)
-    status, _, body = request(registry.url, "GET", "/v2/me/tiny2/manifests/v2", headers={"accept": store.MEDIA_MANIFEST})
+    status, _, body = request(
+        registry.url, "GET", "/v2/me/tiny2/manifests/v2", headers={"accept": store.MEDIA_MANIFEST}
+    )
     assert status == 200 and body == seeded["tiny"]
 
     # push to the registry a name names, plain http with insecure (as Ollama takes it)
@@ -202,8 +238,10 @@ def test_pull_show_copy_push_delete_and_serve(libd: LibraryDaemon, proxy: BlobPr
     client.copy("tiny", f"{host}/direct/tiny:v3")
     assert f"{host}/direct/tiny:v3" in tags(client)
     assert client.push(f"{host}/direct/tiny:v3", insecure=True).status == "success"
-    assert request(registry.url, "GET", "/v2/direct/tiny/manifests/v3",
-                   headers={"accept": store.MEDIA_MANIFEST})[2] == seeded["tiny"]
+    assert (
+        request(registry.url, "GET", "/v2/direct/tiny/manifests/v3", headers={"accept": store.MEDIA_MANIFEST})[2]
+        == seeded["tiny"]
+    )
 
     # delete: the manifests go; the blobs once no manifest names them
     client.delete("me/tiny2:v2")
@@ -233,7 +271,8 @@ def test_pull_errors(libd: LibraryDaemon) -> None:
 
 
 def test_a_blob_with_a_wrong_digest_is_refused_and_leaves_no_model(
-        libd: LibraryDaemon, proxy: BlobProxy, seeded: dict[str, bytes]) -> None:
+    libd: LibraryDaemon, proxy: BlobProxy, seeded: dict[str, bytes]
+) -> None:
     client = client_of(libd)
     model = json.loads(seeded["bad"])["layers"][0]["digest"]
     proxy.corrupt.add(model)
@@ -249,7 +288,8 @@ def test_a_blob_with_a_wrong_digest_is_refused_and_leaves_no_model(
 
 
 def test_a_pull_killed_halfway_resumes_without_fetching_its_parts_again(
-        engine: str, proxy: BlobProxy, seeded: dict[str, bytes], tmp_path: Path) -> None:
+    engine: str, proxy: BlobProxy, seeded: dict[str, bytes], tmp_path: Path
+) -> None:
     model = json.loads(seeded["big"])["layers"][0]
     digest, total = model["digest"], model["size"]
     assert total >= 4 * PART
@@ -258,6 +298,7 @@ def test_a_pull_killed_halfway_resumes_without_fetching_its_parts_again(
     try:
         proxy.served.pop(digest, None)
         proxy.rate = 1.5 * PART  # bytes a second: seconds for the whole blob
+
         def pull() -> None:  # a client of its own, in a thread: the daemon dies under it
             try:
                 d.request("POST", "/api/pull", {"model": "me/big:v1"}, timeout=60)
@@ -301,7 +342,8 @@ def test_a_pull_killed_halfway_resumes_without_fetching_its_parts_again(
 
 
 def test_a_full_disk_is_a_clear_error_with_nothing_half_written(
-        engine: str, proxy: BlobProxy, seeded: dict[str, bytes], tmp_path: Path) -> None:
+    engine: str, proxy: BlobProxy, seeded: dict[str, bytes], tmp_path: Path
+) -> None:
     d = daemon_for(tmp_path / "full", engine, proxy.url, fsize=2 * PART)  # the model's blob is larger
     d.start()
     try:

@@ -33,10 +33,13 @@ def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
 def pulld(engine: str, hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("pull")
     (root / "models").mkdir()
-    d = Daemon(root, (
-        f'models_dir = "{root / "models"}"\nhf_endpoint = "{hub.url}"\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\nhf_endpoint = "{hub.url}"\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -93,14 +96,18 @@ def test_corrupt_download_is_rejected(client: ollama.Client, hub: FakeHub, pulld
     assert list((Path(pulld.root / "models") / ".partial").iterdir()) == []
 
 
-def test_a_vision_repositorys_projector_comes_with_it(client: ollama.Client, hub: FakeHub, pulld: Daemon,
-                                                      tmp_path: Path) -> None:
+def test_a_vision_repositorys_projector_comes_with_it(
+    client: ollama.Client, hub: FakeHub, pulld: Daemon, tmp_path: Path
+) -> None:
     from blazar.models.testprojector import make_test_projector
 
     data = make_test_model(tmp_path / "seer.gguf", seed=7).path.read_bytes()
     projector = make_test_projector(tmp_path / "p.gguf").read_bytes()
-    hub.repos["test/seer-GGUF"] = {"seer-Q4_K_M.gguf": data, "mmproj-seer-BF16.gguf": b"not this one",
-                                   "mmproj-seer-F16.gguf": projector}
+    hub.repos["test/seer-GGUF"] = {
+        "seer-Q4_K_M.gguf": data,
+        "mmproj-seer-BF16.gguf": b"not this one",
+        "mmproj-seer-F16.gguf": projector,
+    }
     progress = list(client.pull("hf.co/test/seer-GGUF:Q4_K_M", stream=True))
     assert progress[-1].status == "success"
     assert {p.total for p in progress if p.digest} == {len(data), len(projector)}

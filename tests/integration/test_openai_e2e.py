@@ -56,8 +56,10 @@ def test_model_echoes_the_requested_spelling(daemon: Daemon) -> None:
 
 def test_trace_id_on_every_response(daemon: Daemon) -> None:
     for method, path, body in [
-        ("GET", "/health", None), ("GET", "/v1/models", None),
-        ("POST", CHAT, {"model": "nope", "messages": HELLO}), ("GET", "/nowhere", None),
+        ("GET", "/health", None),
+        ("GET", "/v1/models", None),
+        ("POST", CHAT, {"model": "nope", "messages": HELLO}),
+        ("GET", "/nowhere", None),
     ]:
         _, headers, _ = daemon.request(method, path, body)
         assert re.fullmatch(r"plm-[0-9a-f]{8}-\d+", headers.get("x-blazar-trace-id", "")), (path, headers)
@@ -71,18 +73,22 @@ def test_trace_id_on_every_response(daemon: Daemon) -> None:
 def test_cors_and_preflight(engine: str, models: dict, tmp_path: Path) -> None:
     from tests.integration.conftest import daemon_config
 
-    d = Daemon(tmp_path, daemon_config(engine, models) + (
-        '[[keys]]\nname = "k"\nsecret = "cors-secret-0123456789"\n'
-    ))
+    d = Daemon(tmp_path, daemon_config(engine, models) + ('[[keys]]\nname = "k"\nsecret = "cors-secret-0123456789"\n'))
     # a top-level key: it goes before the config's tables
     d.config.write_text('cors_origins = ["https://ok.example"]\n' + d.config.read_text())
     d.start()
     try:
         for origin, allowed in (("https://ok.example", True), ("https://evil.example", False)):
             conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=10)
-            conn.request("OPTIONS", "/v1/chat/completions", headers={
-                "origin": origin, "access-control-request-method": "POST",
-                "access-control-request-headers": "authorization, content-type"})
+            conn.request(
+                "OPTIONS",
+                "/v1/chat/completions",
+                headers={
+                    "origin": origin,
+                    "access-control-request-method": "POST",
+                    "access-control-request-headers": "authorization, content-type",
+                },
+            )
             resp = conn.getresponse()
             assert resp.status == 204  # never gated by keys
             assert (resp.getheader("access-control-allow-origin") == origin) is allowed
@@ -126,10 +132,16 @@ def test_stream_without_usage(daemon: Daemon) -> None:
 
 
 def test_stream_with_usage(daemon: Daemon) -> None:
-    chunks = parse_stream(daemon, {
-        "model": "tiny:latest", "messages": HELLO, "max_tokens": 12, "stream": True,
-        "stream_options": {"include_usage": True},
-    })
+    chunks = parse_stream(
+        daemon,
+        {
+            "model": "tiny:latest",
+            "messages": HELLO,
+            "max_tokens": 12,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     last = chunks[-1]
     assert last["choices"] == []
     assert_usage(last["usage"])
@@ -145,9 +157,7 @@ def engine_slots(daemon: Daemon, model: str) -> list[dict]:
     argv = engine.cmdline()
     port = argv[argv.index("--port") + 1]
     key = engine.environ()["LLAMA_API_KEY"]
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/slots", headers={"Authorization": f"Bearer {key}"}
-    )
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/slots", headers={"Authorization": f"Bearer {key}"})
     with urllib.request.urlopen(req, timeout=10) as resp:
         return json.loads(resp.read())
 
@@ -155,7 +165,9 @@ def engine_slots(daemon: Daemon, model: str) -> list[dict]:
 def test_first_chunk_arrives_before_the_engine_finishes(daemon: Daemon) -> None:
     body = {
         # no max_tokens: it runs until the slot's context is full
-        "model": "tiny", "messages": HELLO, "stream": True,
+        "model": "tiny",
+        "messages": HELLO,
+        "stream": True,
         "ignore_eos": True,
     }
     stream = daemon.stream(CHAT, body)
@@ -170,9 +182,7 @@ def test_first_chunk_arrives_before_the_engine_finishes(daemon: Daemon) -> None:
 
 def test_unknown_model_is_404_streaming_or_not(daemon: Daemon) -> None:
     for stream in (False, True):
-        status, body = daemon.post_json(
-            CHAT, {"model": "no-such-model", "messages": HELLO, "stream": stream}
-        )
+        status, body = daemon.post_json(CHAT, {"model": "no-such-model", "messages": HELLO, "stream": stream})
         assert status == 404
         assert body["error"]["code"] == "model_not_found"
         assert "tiny:latest" in body["error"]["message"]
@@ -198,9 +208,7 @@ def test_models_list(daemon: Daemon) -> None:
 
 
 def test_completions(daemon: Daemon) -> None:
-    status, body = daemon.post_json(
-        "/v1/completions", {"model": "tiny", "prompt": "Once upon", "max_tokens": 5}
-    )
+    status, body = daemon.post_json("/v1/completions", {"model": "tiny", "prompt": "Once upon", "max_tokens": 5})
     assert status == 200, body
     assert body["model"] == "tiny"
     assert isinstance(body["choices"][0]["text"], str)
@@ -232,9 +240,7 @@ def test_json_object_response_format(daemon: Daemon) -> None:
     # Seeds are tried until one passes; every 200 must be valid JSON.
     passed = 0
     for seed in range(1, 13):
-        status, body = chat(
-            daemon, seed=seed, max_tokens=200, response_format={"type": "json_object"}
-        )
+        status, body = chat(daemon, seed=seed, max_tokens=200, response_format={"type": "json_object"})
         if status == 200:
             json.loads(body["choices"][0]["message"]["content"])
             passed += 1
@@ -250,9 +256,7 @@ def test_ten_concurrent_cold_requests_start_one_engine(daemon: Daemon) -> None:
     results: list[int] = []
 
     def one() -> None:
-        status, _ = daemon.post_json(
-            CHAT, {"model": "cold", "messages": HELLO, "max_tokens": 2}
-        )
+        status, _ = daemon.post_json(CHAT, {"model": "cold", "messages": HELLO, "max_tokens": 2})
         results.append(status)
 
     threads = [threading.Thread(target=one) for _ in range(10)]
@@ -293,8 +297,6 @@ def test_sigkill_during_stream_ends_stream_with_error(daemon: Daemon) -> None:
     assert status == 200, body
 
 
-
-
 def test_forced_tool_call(daemon: Daemon) -> None:
     # forced_tool_call_request's recipe works for seeds 1-4 on the pinned
     # engine; try a few so one unlucky seed cannot fail the test, but
@@ -322,10 +324,7 @@ def test_forced_tool_call_streaming(daemon: Daemon) -> None:
             break
     else:
         raise AssertionError("no seed gave finish_reason tool_calls")
-    fragments = [
-        tc for c in chunks if c["choices"]
-        for tc in c["choices"][0]["delta"].get("tool_calls") or []
-    ]
+    fragments = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls") or []]
     assert fragments
     assert all(isinstance(f["index"], int) and not isinstance(f["index"], bool) for f in fragments)
     by_call: dict[int, list[dict]] = {}
@@ -351,9 +350,7 @@ def test_sigkill_during_non_streaming_request_is_502(daemon: Daemon) -> None:
     for _ in range(5):
         victim = daemon.engine_for("tiny:latest")
         result: list[tuple[int, dict]] = []
-        t = threading.Thread(target=lambda: result.append(
-            chat(daemon, max_tokens=None, ignore_eos=True)
-        ))
+        t = threading.Thread(target=lambda: result.append(chat(daemon, max_tokens=None, ignore_eos=True)))
         t.start()
         deadline = time.monotonic() + 30
         while not any(s.get("is_processing") for s in engine_slots(daemon, "tiny:latest")):

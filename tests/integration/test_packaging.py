@@ -53,8 +53,12 @@ class Installed:
 
     def run(self, *argv: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [str(self.bin / argv[0]), *argv[1:]], capture_output=True, text=True,
-            cwd=self.empty, env=self.env, timeout=timeout,
+            [str(self.bin / argv[0]), *argv[1:]],
+            capture_output=True,
+            text=True,
+            cwd=self.empty,
+            env=self.env,
+            timeout=timeout,
         )
 
 
@@ -66,7 +70,10 @@ def source_copy(dest: Path) -> Path:
     """
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
-        cwd=ROOT, check=True, capture_output=True, text=True,
+        cwd=ROOT,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.split("\0")
     for name in filter(None, listed):
         src = ROOT / name
@@ -83,7 +90,8 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     wheels = tmp / "wheels"
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(wheels), str(src)],
-        check=True, timeout=300,
+        check=True,
+        timeout=300,
     )
     (wheel,) = wheels.glob("blazar-*.whl")
     venv = tmp / "venv"
@@ -93,19 +101,24 @@ def installed(tmp_path_factory: pytest.TempPathFactory) -> Installed:
     # venv's editable blazar
     pip = subprocess.run(
         [str(python), "-m", "pip", "install", "-q", str(wheel)],
-        capture_output=True, text=True, timeout=600,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert pip.returncode == 0, pip.stdout + pip.stderr
     purelib = Path(
         subprocess.run(
             [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-            check=True, capture_output=True, text=True,
+            check=True,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
     )
     empty = tmp / "cwd"
     empty.mkdir()
     env = {
-        k: v for k, v in os.environ.items()
+        k: v
+        for k, v in os.environ.items()
         if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONSTARTUP") and not k.startswith("BLAZAR_")
     }
     return Installed(wheel, venv / "bin", purelib, empty, env)
@@ -133,7 +146,8 @@ def test_wheel_ships_every_package_and_no_twisted_init(installed: Installed) -> 
 
 def test_installed_imports_come_from_the_venv(installed: Installed) -> None:
     probe = installed.run(
-        "python", "-c",
+        "python",
+        "-c",
         "import sys, blazar.tap, blazar.web.translate.responses, twisted, twisted.plugins.blazar_plugin as p\n"
         "print(blazar.tap.__file__); print(p.__file__); print(twisted.__file__)\n"
         "print(repr(sys.path))",
@@ -153,9 +167,7 @@ def test_twistd_lists_the_plugin(installed: Installed) -> None:
     commands = (result.stdout + result.stderr).split("Commands:", 1)[1]
     assert any(line.split()[:1] == ["blazar"] for line in commands.splitlines()), commands
     plugin_help = installed.run("twistd", "blazar", "--help")
-    assert plugin_help.returncode == 0 and "--config" in plugin_help.stdout, (
-        plugin_help.stdout + plugin_help.stderr
-    )
+    assert plugin_help.returncode == 0 and "--config" in plugin_help.stdout, plugin_help.stdout + plugin_help.stderr
 
 
 def test_console_script_runs(installed: Installed) -> None:
@@ -175,15 +187,22 @@ class InstalledDaemon(Daemon):
 
     def command(self) -> list[str]:
         return [
-            str(self.installed.bin / "twistd"), "--nodaemon", "--pidfile=",
-            "blazar", "--config", str(self.config),
+            str(self.installed.bin / "twistd"),
+            "--nodaemon",
+            "--pidfile=",
+            "blazar",
+            "--config",
+            str(self.config),
         ]
 
     def start(self, wait: bool = True) -> "InstalledDaemon":
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                self.command(), stdout=log, stderr=subprocess.STDOUT,
-                cwd=self.installed.empty, env=self.installed.env,
+                self.command(),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.installed.empty,
+                env=self.installed.env,
             )
         if wait:
             self.wait_healthy()
@@ -192,7 +211,10 @@ class InstalledDaemon(Daemon):
 
 @pytest.fixture
 def installed_daemon(
-    installed: Installed, engine: str, models: dict[str, GeneratedModel], tmp_path: Path,
+    installed: Installed,
+    engine: str,
+    models: dict[str, GeneratedModel],
+    tmp_path: Path,
 ) -> Iterator[InstalledDaemon]:
     d = InstalledDaemon(installed, tmp_path / "daemon", daemon_config(engine, models))
     try:
@@ -207,10 +229,15 @@ def installed_daemon(
 
 
 def test_installed_daemon_serves_a_chat_completion(installed_daemon: InstalledDaemon) -> None:
-    status, body = installed_daemon.post_json("/v1/chat/completions", {
-        "model": "tiny", "messages": [{"role": "user", "content": "Say hello."}],
-        "max_tokens": 8, "seed": 1,
-    })
+    status, body = installed_daemon.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 8,
+            "seed": 1,
+        },
+    )
     assert status == 200, (body, installed_daemon.log()[-3000:])
     message = body["choices"][0]["message"]
     assert message["role"] == "assistant" and isinstance(message["content"], str), body

@@ -25,16 +25,22 @@ def quantize_binary(engine: str) -> Path:
     """
     binary = Path(engine).resolve().with_name("llama-quantize")
     if not binary.is_file():
-        pytest.fail(f"no llama-quantize beside {engine}: rebuild the engine with the build lane "
-                    "(python -m blazar.engines.build), which builds both")
+        pytest.fail(
+            f"no llama-quantize beside {engine}: rebuild the engine with the build lane "
+            "(python -m blazar.engines.build), which builds both"
+        )
     return binary
 
 
 def quantize(root: Path, engine: str, *args: str) -> subprocess.CompletedProcess[str]:
     config = root / "quantize.toml"
     config.write_text(f'data_dir = "{root / "data"}"\n[engines.llamacpp]\nbinary = "{engine}"\n')
-    return subprocess.run([str(Path(sys.executable).parent / "blazar"), "models", "quantize", *args,
-                           "-c", str(config)], capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), "models", "quantize", *args, "-c", str(config)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def tensor_types(path: Path) -> tuple[int | None, set[str]]:
@@ -45,8 +51,7 @@ def tensor_types(path: Path) -> tuple[int | None, set[str]]:
     return (field.contents() if field else None), {t.tensor_type.name for t in reader.tensors}
 
 
-def test_a_quantized_model_loads_and_answers(engine: str, quantize_binary: Path,
-                                             tmp_path: Path) -> None:
+def test_a_quantized_model_loads_and_answers(engine: str, quantize_binary: Path, tmp_path: Path) -> None:
     models = tmp_path / "models"
     # 256 wide: the k-quants' blocks (q4_K: 256 values) fit its rows
     make_test_model(models / "tiny-f32.gguf", n_embd=256, n_head=4, n_ff=512)
@@ -63,15 +68,21 @@ def test_a_quantized_model_loads_and_answers(engine: str, quantize_binary: Path,
     assert file_type == 15 and "Q4_K" in types, (file_type, types)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
     assert sorted(p.name for p in models.iterdir()) == ["k.gguf", "tiny-f32.gguf", "tiny-q8_0.gguf"]  # no leftovers
 
-    d = Daemon(tmp_path / "daemon", (
-        f'models_dir = "{models}"\nready_timeout = 60\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-        '[models."tiny-q8_0"]\nparallel = 1\n[models."k"]\nparallel = 1\n'))
+    d = Daemon(
+        tmp_path / "daemon",
+        (
+            f'models_dir = "{models}"\nready_timeout = 60\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+            '[models."tiny-q8_0"]\nparallel = 1\n[models."k"]\nparallel = 1\n'
+        ),
+    )
     d.start()
     try:
         for name in ("tiny-q8_0", "k"):
-            status, reply = d.post_json("/v1/chat/completions", {
-                "model": name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3})
+            status, reply = d.post_json(
+                "/v1/chat/completions",
+                {"model": name, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 3},
+            )
             assert status == 200 and reply["usage"]["completion_tokens"] >= 1, reply
         status, tags = d.post_json("/api/show", {"model": "tiny-q8_0"})
         assert status == 200 and tags["details"]["quantization_level"] == "Q8_0", tags
@@ -79,8 +90,9 @@ def test_a_quantized_model_loads_and_answers(engine: str, quantize_binary: Path,
         d.close(check_engines=True)
 
 
-def test_what_cannot_be_quantized_is_refused_and_leaves_nothing(engine: str, quantize_binary: Path,
-                                                                tmp_path: Path) -> None:
+def test_what_cannot_be_quantized_is_refused_and_leaves_nothing(
+    engine: str, quantize_binary: Path, tmp_path: Path
+) -> None:
     """
     The real SmolLM2 is already quantized (Q4_1): quantizing it again is
     refused before llama-quantize runs; an unknown type too; a file that is
@@ -99,8 +111,9 @@ def test_what_cannot_be_quantized_is_refused_and_leaves_nothing(engine: str, qua
     # llama-quantize itself gives up (an architecture it does not know): its words, and no file
     make_test_model(tmp_path / "odd.gguf", architecture="nonesuch")
     done = quantize(tmp_path, engine, str(tmp_path / "odd.gguf"), "q8_0")
-    assert done.returncode == 1 and "llama-quantize could not quantize odd.gguf to q8_0 (exit 1): " in done.stderr, \
+    assert done.returncode == 1 and "llama-quantize could not quantize odd.gguf to q8_0 (exit 1): " in done.stderr, (
         done.stderr
+    )
     assert "nonesuch" in done.stderr, done.stderr
     assert sorted(p.name for p in tmp_path.glob("*gguf*")) == ["broken.gguf", "odd.gguf"]
     assert not list(tmp_path.glob(".*quantizing"))

@@ -28,8 +28,10 @@ QUESTION = "What is the capital of France?"
 SYSTEM = "You are a helpful assistant."  # (without one SmolLM2's template puts its own, and it wanders)
 ASK = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": QUESTION}]
 WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
-PARIS_WEATHER = [{"role": "system", "content": "You are a helpful assistant."},
-                 {"role": "user", "content": "What is the weather in Paris?"}]
+PARIS_WEATHER = [
+    {"role": "system", "content": "You are a helpful assistant."},
+    {"role": "user", "content": "What is the weather in Paris?"},
+]
 SESSION = "x-blazar-session"
 
 
@@ -38,10 +40,13 @@ def smol(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daem
     root = tmp_path_factory.mktemp("answers")
     (root / "models").mkdir()
     (root / "models" / f"{MODEL}.gguf").symlink_to(real_model())
-    d = Daemon(root, (
-        f'models_dir = "{root / "models"}"\n[models."{MODEL}"]\nparallel = 2\nctx_size = 2048\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{root / "models"}"\n[models."{MODEL}"]\nparallel = 2\nctx_size = 2048\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "2"]\n'
+        ),
+    )
     d.start()
     try:
         yield d
@@ -84,8 +89,9 @@ def raw_stream(d: Daemon, path: str, body: dict[str, Any], headers: dict[str, st
 
 
 def sse_payloads(body: str) -> list[Any]:
-    return [strict(line[6:].encode()) for line in body.splitlines()
-            if line.startswith("data: ") and line != "data: [DONE]"]
+    return [
+        strict(line[6:].encode()) for line in body.splitlines() if line.startswith("data: ") and line != "data: [DONE]"
+    ]
 
 
 def ndjson(body: str) -> list[Any]:
@@ -94,35 +100,44 @@ def ndjson(body: str) -> list[Any]:
 
 # what each surface's stream says, joined; and its non-streamed answer's text
 SURFACES: dict[str, tuple[str, Callable[[str], dict[str, Any]], Callable[[Any], str], Callable[[str], str]]] = {
-    "openai chat": ("/v1/chat/completions",
-                    lambda prompt: {"messages": ASK, "max_tokens": 32, "temperature": 0},
-                    lambda a: a["choices"][0]["message"]["content"],
-                    lambda s: "".join((c["choices"][0]["delta"].get("content") or "") for c in sse_payloads(s)
-                                      if c.get("choices"))),
-    "openai completions": ("/v1/completions",
-                           lambda prompt: {"prompt": prompt, "max_tokens": 32, "temperature": 0},
-                           lambda a: a["choices"][0]["text"],
-                           lambda s: "".join(c["choices"][0]["text"] for c in sse_payloads(s) if c.get("choices"))),
-    "ollama chat": ("/api/chat",
-                    lambda prompt: {"messages": ASK, "options": {"temperature": 0, "num_predict": 32}},
-                    lambda a: a["message"]["content"],
-                    lambda s: "".join(line["message"]["content"] for line in ndjson(s))),
-    "ollama generate": ("/api/generate",
-                        lambda prompt: {"prompt": QUESTION, "system": SYSTEM,
-                                        "options": {"temperature": 0, "num_predict": 32}},
-                        lambda a: a["response"],
-                        lambda s: "".join(line["response"] for line in ndjson(s))),
-    "anthropic": ("/v1/messages",
-                  lambda prompt: {"system": SYSTEM, "messages": ASK[1:], "max_tokens": 32, "temperature": 0},
-                  lambda a: "".join(b["text"] for b in a["content"] if b["type"] == "text"),
-                  lambda s: "".join(e["delta"].get("text", "") for e in sse_payloads(s)
-                                    if e["type"] == "content_block_delta")),
-    "responses": ("/v1/responses",
-                  lambda prompt: {"instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 32,
-                                  "temperature": 0},
-                  lambda a: "".join(c["text"] for o in a["output"] if o["type"] == "message"
-                                    for c in o["content"] if c["type"] == "output_text"),
-                  lambda s: "".join(e["delta"] for e in sse_payloads(s) if e["type"] == "response.output_text.delta")),
+    "openai chat": (
+        "/v1/chat/completions",
+        lambda prompt: {"messages": ASK, "max_tokens": 32, "temperature": 0},
+        lambda a: a["choices"][0]["message"]["content"],
+        lambda s: "".join((c["choices"][0]["delta"].get("content") or "") for c in sse_payloads(s) if c.get("choices")),
+    ),
+    "openai completions": (
+        "/v1/completions",
+        lambda prompt: {"prompt": prompt, "max_tokens": 32, "temperature": 0},
+        lambda a: a["choices"][0]["text"],
+        lambda s: "".join(c["choices"][0]["text"] for c in sse_payloads(s) if c.get("choices")),
+    ),
+    "ollama chat": (
+        "/api/chat",
+        lambda prompt: {"messages": ASK, "options": {"temperature": 0, "num_predict": 32}},
+        lambda a: a["message"]["content"],
+        lambda s: "".join(line["message"]["content"] for line in ndjson(s)),
+    ),
+    "ollama generate": (
+        "/api/generate",
+        lambda prompt: {"prompt": QUESTION, "system": SYSTEM, "options": {"temperature": 0, "num_predict": 32}},
+        lambda a: a["response"],
+        lambda s: "".join(line["response"] for line in ndjson(s)),
+    ),
+    "anthropic": (
+        "/v1/messages",
+        lambda prompt: {"system": SYSTEM, "messages": ASK[1:], "max_tokens": 32, "temperature": 0},
+        lambda a: "".join(b["text"] for b in a["content"] if b["type"] == "text"),
+        lambda s: "".join(e["delta"].get("text", "") for e in sse_payloads(s) if e["type"] == "content_block_delta"),
+    ),
+    "responses": (
+        "/v1/responses",
+        lambda prompt: {"instructions": SYSTEM, "input": QUESTION, "max_output_tokens": 32, "temperature": 0},
+        lambda a: "".join(
+            c["text"] for o in a["output"] if o["type"] == "message" for c in o["content"] if c["type"] == "output_text"
+        ),
+        lambda s: "".join(e["delta"] for e in sse_payloads(s) if e["type"] == "response.output_text.delta"),
+    ),
 }
 
 
@@ -138,8 +153,10 @@ def rendered(d: Daemon, messages: list[dict[str, Any]]) -> str:
     environ = Path(f"/proc/{child.pid}/environ").read_bytes().split(b"\0")
     key = next(e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"LLAMA_API_KEY="))
     request = urllib.request.Request(
-        f"http://127.0.0.1:{port}/apply-template", json.dumps({"messages": messages}).encode(),
-        {"content-type": "application/json", "authorization": f"Bearer {key}"})
+        f"http://127.0.0.1:{port}/apply-template",
+        json.dumps({"messages": messages}).encode(),
+        {"content-type": "application/json", "authorization": f"Bearer {key}"},
+    )
     with urllib.request.urlopen(request, timeout=30) as response:
         return str(json.loads(response.read())["prompt"])
 
@@ -158,23 +175,65 @@ def test_the_same_question_gets_the_same_answer_on_every_surface(smol: Daemon) -
 
 
 WEATHER_TOOLS: dict[str, tuple[str, dict[str, Any]]] = {
-    "openai": ("/v1/chat/completions", {
-        "messages": PARIS_WEATHER, "tools": [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather now in a city", "parameters": WEATHER}}],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-    "ollama": ("/api/chat", {
-        "messages": PARIS_WEATHER, "tools": [{"type": "function", "function": {
-            "name": "get_weather", "description": "The weather now in a city", "parameters": WEATHER}}],
-        "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}),
-    "anthropic": ("/v1/messages", {
-        "system": PARIS_WEATHER[0]["content"], "messages": PARIS_WEATHER[1:],
-        "tools": [{"name": "get_weather", "description": "The weather now in a city", "input_schema": WEATHER}],
-        "tool_choice": {"type": "tool", "name": "get_weather"}}),
-    "responses": ("/v1/responses", {
-        "instructions": PARIS_WEATHER[0]["content"], "input": PARIS_WEATHER[1]["content"], "tools": [{"type": "function", "name": "get_weather",
-                                                         "description": "The weather now in a city",
-                                                         "parameters": WEATHER}],
-        "tool_choice": {"type": "function", "name": "get_weather"}}),
+    "openai": (
+        "/v1/chat/completions",
+        {
+            "messages": PARIS_WEATHER,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "The weather now in a city",
+                        "parameters": WEATHER,
+                    },
+                }
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    ),
+    "ollama": (
+        "/api/chat",
+        {
+            "messages": PARIS_WEATHER,
+            "tools": [
+                {
+                    "type": "function",
+                    "function": {
+                        "name": "get_weather",
+                        "description": "The weather now in a city",
+                        "parameters": WEATHER,
+                    },
+                }
+            ],
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        },
+    ),
+    "anthropic": (
+        "/v1/messages",
+        {
+            "system": PARIS_WEATHER[0]["content"],
+            "messages": PARIS_WEATHER[1:],
+            "tools": [{"name": "get_weather", "description": "The weather now in a city", "input_schema": WEATHER}],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+        },
+    ),
+    "responses": (
+        "/v1/responses",
+        {
+            "instructions": PARIS_WEATHER[0]["content"],
+            "input": PARIS_WEATHER[1]["content"],
+            "tools": [
+                {
+                    "type": "function",
+                    "name": "get_weather",
+                    "description": "The weather now in a city",
+                    "parameters": WEATHER,
+                }
+            ],
+            "tool_choice": {"type": "function", "name": "get_weather"},
+        },
+    ),
 }
 
 
@@ -219,24 +278,54 @@ def test_forced_calls_name_what_was_asked_and_keep_to_max_tokens(smol: Daemon) -
             assert not [o for o in answer["output"] if o["type"] == "function_call"], answer
 
 
-CITY = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
-        "required": ["city", "country"], "additionalProperties": False}
+CITY = {
+    "type": "object",
+    "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
 
 
 def test_json_answers_match_their_schema(smol: Daemon) -> None:
     ask = [{"role": "user", "content": "Name the capital of France and its country as JSON."}]
-    answer = post(smol, "/v1/chat/completions", {
-        "model": MODEL, "messages": ask, "max_tokens": 64, "temperature": 0,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}}})
+    answer = post(
+        smol,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": ask,
+            "max_tokens": 64,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY, "strict": True}},
+        },
+    )
     jsonschema.validate(strictjson.loads(answer["choices"][0]["message"]["content"]), CITY)
-    answer = post(smol, "/api/chat", {"model": MODEL, "messages": ask, "format": CITY, "stream": False,
-                                      "options": {"temperature": 0, "num_predict": 64}})
+    answer = post(
+        smol,
+        "/api/chat",
+        {
+            "model": MODEL,
+            "messages": ask,
+            "format": CITY,
+            "stream": False,
+            "options": {"temperature": 0, "num_predict": 64},
+        },
+    )
     made = strictjson.loads(answer["message"]["content"])
     jsonschema.validate(made, CITY)
     assert "Paris" in made["city"], made
-    text = raw_stream(smol, "/v1/chat/completions", {
-        "model": MODEL, "messages": ask, "max_tokens": 64, "temperature": 0, "stream": True,
-        "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}}})
+    text = raw_stream(
+        smol,
+        "/v1/chat/completions",
+        {
+            "model": MODEL,
+            "messages": ask,
+            "max_tokens": 64,
+            "temperature": 0,
+            "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "city", "schema": CITY}},
+        },
+    )
     streamed = "".join((c["choices"][0]["delta"].get("content") or "") for c in sse_payloads(text) if c.get("choices"))
     jsonschema.validate(strictjson.loads(streamed), CITY)
 
@@ -265,10 +354,24 @@ def test_a_second_turn_reuses_the_first_turns_cache_also_after_an_unload(smol: D
         three = post(smol, path, {"model": MODEL, "messages": again, "max_tokens": 24, "temperature": 0}, headers)
         assert cached(surface, three) >= cached(surface, two), (surface, three)
     # Responses: the second turn by previous_response_id
-    one = post(smol, "/v1/responses", {"model": MODEL, "input": first[0]["content"], "max_output_tokens": 24,
-                                       "temperature": 0}, {SESSION: "real-responses"})
-    two = post(smol, "/v1/responses", {"model": MODEL, "input": "Where do I live?", "previous_response_id": one["id"],
-                                       "max_output_tokens": 24, "temperature": 0}, {SESSION: "real-responses"})
+    one = post(
+        smol,
+        "/v1/responses",
+        {"model": MODEL, "input": first[0]["content"], "max_output_tokens": 24, "temperature": 0},
+        {SESSION: "real-responses"},
+    )
+    two = post(
+        smol,
+        "/v1/responses",
+        {
+            "model": MODEL,
+            "input": "Where do I live?",
+            "previous_response_id": one["id"],
+            "max_output_tokens": 24,
+            "temperature": 0,
+        },
+        {SESSION: "real-responses"},
+    )
     assert cached("responses", two) >= 20, two
     # (Ollama's answers carry no count of cached tokens: its surface is not asked here)
 
@@ -279,12 +382,19 @@ def test_non_ascii_streams_as_it_is_answered(smol: Daemon) -> None:
     whole = post(smol, "/v1/chat/completions", body)["choices"][0]["message"]["content"]
     assert any(ord(c) > 0x7F for c in whole), whole
     assert any(ord(c) > 0xFFFF or 0x4E00 <= ord(c) <= 0x9FFF for c in whole), whole  # CJK or emoji
-    streamed = "".join((c["choices"][0]["delta"].get("content") or "")
-                       for c in sse_payloads(raw_stream(smol, "/v1/chat/completions", {**body, "stream": True}))
-                       if c.get("choices"))
+    streamed = "".join(
+        (c["choices"][0]["delta"].get("content") or "")
+        for c in sse_payloads(raw_stream(smol, "/v1/chat/completions", {**body, "stream": True}))
+        if c.get("choices")
+    )
     assert streamed == whole
-    lines = ndjson(raw_stream(smol, "/api/chat", {"model": MODEL, "messages": ask, "stream": True,
-                                                  "options": {"temperature": 0, "num_predict": 48}}))
+    lines = ndjson(
+        raw_stream(
+            smol,
+            "/api/chat",
+            {"model": MODEL, "messages": ask, "stream": True, "options": {"temperature": 0, "num_predict": 48}},
+        )
+    )
     assert "".join(line["message"]["content"] for line in lines) == whole
     events = sse_payloads(raw_stream(smol, "/v1/messages", {**body, "stream": True}))
     assert "".join(e["delta"].get("text", "") for e in events if e["type"] == "content_block_delta") == whole

@@ -57,16 +57,21 @@ class Reloadable:
 
     def text(self, top: str = "", tables: str = "", binary: str | None = None) -> str:
         lines = {
-            "listen": self.head[0].split(" = ", 1)[1], "data_dir": self.head[1].split(" = ", 1)[1],
-            "models_dir": f'"{self.models_dir}"', "hf_endpoint": '"http://127.0.0.1:9"',
-            "ready_timeout": "60", "stop_grace": "5", "breaker_crashes": "1000",
+            "listen": self.head[0].split(" = ", 1)[1],
+            "data_dir": self.head[1].split(" = ", 1)[1],
+            "models_dir": f'"{self.models_dir}"',
+            "hf_endpoint": '"http://127.0.0.1:9"',
+            "ready_timeout": "60",
+            "stop_grace": "5",
+            "breaker_crashes": "1000",
         }
         for line in top.splitlines():  # the change replaces the base line of its key
             key, value = line.split(" = ", 1)
             lines[key] = value
         return (
             "".join(f"{k} = {v}\n" for k, v in lines.items())
-            + f'[engines.llamacpp]\nbinary = "{binary or self.engine}"\nargs = ["--threads", "1"]\n' + tables
+            + f'[engines.llamacpp]\nbinary = "{binary or self.engine}"\nargs = ["--threads", "1"]\n'
+            + tables
         )
 
     def reload(self, top: str = "", tables: str = "", binary: str | None = None) -> list[str]:
@@ -77,14 +82,17 @@ class Reloadable:
         logged = self.d.log().count("blazar reload: config reloaded")
         out = subprocess.run(
             [str(Path(sys.executable).parent / "blazar"), "reload", "-c", str(self.d.config)],
-            capture_output=True, text=True, timeout=60,
+            capture_output=True,
+            text=True,
+            timeout=60,
         )
         assert out.returncode == 0, out.stdout + out.stderr
         assert self.d.log().count("blazar reload: config reloaded") == logged + 1  # the daemon logs it too
         return [line.strip() for line in out.stdout.splitlines()]
 
-    def request(self, method: str, path: str, body: bytes | None = None,
-                headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
+    def request(
+        self, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, dict[str, str], bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", self.d.port, timeout=60)
         try:
             conn.request(method, path, body, {"content-type": "application/json", **(headers or {})})
@@ -95,8 +103,9 @@ class Reloadable:
 
 
 @pytest.fixture(scope="module")
-def live(engine: str, models: dict[str, GeneratedModel], hub: FakeHub,
-         tmp_path_factory: pytest.TempPathFactory) -> Iterator[Reloadable]:
+def live(
+    engine: str, models: dict[str, GeneratedModel], hub: FakeHub, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Reloadable]:
     root = tmp_path_factory.mktemp("reload")
     d = Daemon(root, "")
     r = Reloadable(d, engine, models["tiny"].path.parent)
@@ -202,7 +211,8 @@ def test_child_header_timeout_and_engine_binary(live: Reloadable, tmp_path: Path
     fake = fake_engine(tmp_path, "fake_wedged_engine.py")
     applied(
         live.reload("child_header_timeout_secs = 1\n", binary=str(fake)),
-        "child_header_timeout_secs", "engines.llamacpp.binary",
+        "child_header_timeout_secs",
+        "engines.llamacpp.binary",
     )
     try:
         t0 = time.monotonic()
@@ -219,7 +229,9 @@ def test_restart_keys_are_named_and_not_applied(live: Reloadable) -> None:
     other = f'listen = "tcp:{live.d.port + 1}:interface=127.0.0.1"\n'
     lines = live.reload(other + 'otlp_endpoint = "http://127.0.0.1:4318"\n')
     assert lines == [
-        "config reloaded", "restart the daemon to apply: listen", "restart the daemon to apply: otlp_endpoint",
+        "config reloaded",
+        "restart the daemon to apply: listen",
+        "restart the daemon to apply: otlp_endpoint",
     ], lines
     assert live.request("GET", "/health")[0] == 200  # still on the old port
     lines = live.reload()

@@ -43,15 +43,16 @@ CLAUDE_HELLO: list[MessageParam] = [{"role": "user", "content": "hi"}]
 def peer(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     root = tmp_path_factory.mktemp("peer")
     cert, key = self_signed(root)
-    d = Daemon(root / "d", daemon_config(engine, models) + (
-        f'[[keys]]\nname = "front"\nsecret = "{PEER_SECRET}"\n'
-    ))
+    d = Daemon(root / "d", daemon_config(engine, models) + (f'[[keys]]\nname = "front"\nsecret = "{PEER_SECRET}"\n'))
     # a TLS listener too, for an https remote (its certificate trusted through SSL_CERT_FILE)
     d.tls_port, d.cert = free_port(), cert
-    d.config.write_text(d.config.read_text().replace(
-        f'listen = "tcp:{d.port}:interface=127.0.0.1"',
-        f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
-        f'"ssl:{d.tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]'))
+    d.config.write_text(
+        d.config.read_text().replace(
+            f'listen = "tcp:{d.port}:interface=127.0.0.1"',
+            f'listen = ["tcp:{d.port}:interface=127.0.0.1", '
+            f'"ssl:{d.tls_port}:interface=127.0.0.1:privateKey={key}:certKey={cert}"]',
+        )
+    )
     d.start()
     try:
         yield d
@@ -93,10 +94,18 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                 outer.seen += 1
                 if not outer.release.wait(30):
                     return
-                text = json.dumps({"id": "c", "object": "chat.completion", "created": 0, "model": "m",
-                                   "choices": [{"index": 0, "finish_reason": "stop",
-                                                "message": {"role": "assistant", "content": "ok"}}],
-                                   "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}})
+                text = json.dumps(
+                    {
+                        "id": "c",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": "m",
+                        "choices": [
+                            {"index": 0, "finish_reason": "stop", "message": {"role": "assistant", "content": "ok"}}
+                        ],
+                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+                    }
+                )
                 try:
                     self.send_response(200)
                     self.send_header("content-type", "application/json")
@@ -114,14 +123,27 @@ class HeldRemote(http.server.ThreadingHTTPServer):
                 message = {"role": "assistant", "content": "closed"}
                 if stream:
                     for chunk in ({"delta": message, "finish_reason": None}, {"delta": {}, "finish_reason": "stop"}):
-                        event = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "close",
-                                 "choices": [{"index": 0, **chunk}]}
+                        event = {
+                            "id": "c",
+                            "object": "chat.completion.chunk",
+                            "created": 0,
+                            "model": "close",
+                            "choices": [{"index": 0, **chunk}],
+                        }
                         self.wfile.write(b"data: " + json.dumps(event).encode() + b"\n\n")
                     self.wfile.write(b"data: [DONE]\n\n")
                 else:
-                    self.wfile.write(json.dumps({
-                        "id": "c", "object": "chat.completion", "created": 0, "model": "close",
-                        "choices": [{"index": 0, "finish_reason": "stop", "message": message}]}).encode())
+                    self.wfile.write(
+                        json.dumps(
+                            {
+                                "id": "c",
+                                "object": "chat.completion",
+                                "created": 0,
+                                "model": "close",
+                                "choices": [{"index": 0, "finish_reason": "stop", "message": message}],
+                            }
+                        ).encode()
+                    )
 
         super().__init__(("127.0.0.1", 0), Handler)
 
@@ -139,8 +161,13 @@ def held() -> Iterator[HeldRemote]:
 
 
 @pytest.fixture(scope="module")
-def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory,
-          ) -> Iterator[Daemon]:
+def front(
+    held: HeldRemote,
+    peer: Daemon,
+    engine: str,
+    models: dict[str, GeneratedModel],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Daemon]:
     url = f"http://127.0.0.1:{peer.port}"
     config = (
         f'models_dir = "{models["tiny"].path.parent}"\n'
@@ -156,7 +183,7 @@ def front(held: HeldRemote, peer: Daemon, engine: str, models: dict[str, Generat
         f'[[remotes]]\nname = "gone"\nbase_url = "http://127.0.0.1:{free_port()}"\nmodels = ["x"]\n'
         f'[[remotes]]\nname = "wrongkey"\nbase_url = "{url}"\napi_key = "{WRONG_SECRET}"\nmodels = ["tiny"]\n'
         f'[[remotes]]\nname = "held"\nbase_url = "http://127.0.0.1:{held.server_address[1]}"\nmodels = ["m", "t", "close", "limited"]\n'
-        'max_concurrent = 1\ntimeout_secs = 2\n'
+        "max_concurrent = 1\ntimeout_secs = 2\n"
         f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
         f'[[keys]]\nname = "limited"\nsecret = "{LIMITED}"\nmodels = ["peer:tiny"]\nrpm = 3\n'
     )
@@ -225,9 +252,11 @@ def test_openai_surface_streamed_and_not(front: Daemon, peer: Daemon) -> None:
     assert answer.choices[0].message.content is not None
     assert answer.usage is not None and answer.usage.completion_tokens > 0
     assert answer.model == "peer:tiny"  # the name asked for, not the remote's own
-    chunks = list(client.chat.completions.create(
-        model="PEER:tiny", messages=HELLO, max_tokens=4, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="PEER:tiny", messages=HELLO, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert len(chunks) > 2 and isinstance(text, str)
     assert {c.model for c in chunks} == {"PEER:tiny"}  # as spelled, on every chunk
@@ -252,23 +281,32 @@ def test_anthropic_and_responses_and_ollama_surfaces(front: Daemon) -> None:
     client = oai(front)
     response = client.responses.create(model="peer:tiny", input="hi", max_output_tokens=16)
     assert response.status in ("completed", "incomplete") and response.usage is not None
-    events = [e.type for e in client.responses.create(model="peer:tiny", input="hi", max_output_tokens=16,
-                                                       stream=True)]
+    events = [e.type for e in client.responses.create(model="peer:tiny", input="hi", max_output_tokens=16, stream=True)]
     assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
 
-    status, _, body = front.request("POST", "/api/chat", {"model": "peer:tiny", "messages": HELLO, "stream": False,
-                                                          "options": {"num_predict": 4}}, headers=auth())
+    status, _, body = front.request(
+        "POST",
+        "/api/chat",
+        {"model": "peer:tiny", "messages": HELLO, "stream": False, "options": {"num_predict": 4}},
+        headers=auth(),
+    )
     assert status == 200, body
     assert json.loads(body)["message"]["role"] == "assistant"
-    status, _, body = front.request("POST", "/api/chat", {"model": "peer:tiny", "messages": HELLO,
-                                                          "options": {"num_predict": 4}}, headers=auth())
+    status, _, body = front.request(
+        "POST", "/api/chat", {"model": "peer:tiny", "messages": HELLO, "options": {"num_predict": 4}}, headers=auth()
+    )
     lines = [json.loads(line) for line in body.splitlines() if line.strip()]
     assert status == 200 and lines[-1]["done"] is True and lines[-1]["eval_count"] > 0
-    status, _, body = front.request("POST", "/api/generate", {"model": "peer:tiny", "prompt": "hi", "stream": False,
-                                                              "options": {"num_predict": 4}}, headers=auth())
+    status, _, body = front.request(
+        "POST",
+        "/api/generate",
+        {"model": "peer:tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 4}},
+        headers=auth(),
+    )
     assert status == 200 and json.loads(body)["done"] is True, body
-    status, _, body = front.request("POST", "/api/embed", {"model": "peer:tiny-embed", "input": ["a", "b"]},
-                                    headers=auth())
+    status, _, body = front.request(
+        "POST", "/api/embed", {"model": "peer:tiny-embed", "input": ["a", "b"]}, headers=auth()
+    )
     assert status == 200 and len(json.loads(body)["embeddings"]) == 2, body
 
 
@@ -279,9 +317,11 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     answer = client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4)
     assert answer.choices[0].finish_reason in ("length", "stop")
     assert answer.usage is not None and answer.usage.completion_tokens > 0
-    chunks = list(client.chat.completions.create(
-        model="claude:tiny", messages=HELLO, max_tokens=4, stream=True,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="claude:tiny", messages=HELLO, max_tokens=4, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
     assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
@@ -291,16 +331,16 @@ def test_anthropic_api_remote(front: Daemon, peer: Daemon) -> None:
     with claude.messages.stream(model="claude:tiny", max_tokens=4, messages=CLAUDE_HELLO) as stream:
         final = stream.get_final_message()
     assert final.stop_reason in ("max_tokens", "end_turn") and final.usage.output_tokens > 0
-    events = [e.type for e in client.responses.create(model="claude:tiny", input="hi", max_output_tokens=16,
-                                                       stream=True)]
+    events = [
+        e.type for e in client.responses.create(model="claude:tiny", input="hi", max_output_tokens=16, stream=True)
+    ]
     assert events[0] == "response.created" and events[-1] in ("response.completed", "response.incomplete")
     assert peer_requests(peer, "anthropic") == before + 4
     # Messages has no n: refused, not silently one answer
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="claude:tiny", messages=HELLO, max_tokens=4, n=2)
     # an ollama-api remote with models = "*" serves what it lists
-    answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO,
-                                            max_tokens=4)
+    answer = client.chat.completions.create(model="box:tiny:latest", messages=HELLO, max_tokens=4)
     assert answer.choices[0].message is not None and answer.model == "box:tiny:latest"
     answer = client.chat.completions.create(model="box:tiny", messages=HELLO, max_tokens=4)
     assert answer.model == "box:tiny"  # a bare name means the :latest it lists, as on Ollama and Blazar
@@ -316,12 +356,17 @@ def test_front_keys_scopes_and_quotas_apply(front: Daemon) -> None:
         limited.chat.completions.create(model="peer:TINY", messages=HELLO, max_tokens=2)
     codes = []
     for _ in range(4):
-        status, _, _ = front.request("POST", "/v1/chat/completions",
-                                     {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2}, headers=auth(LIMITED))
+        status, _, _ = front.request(
+            "POST",
+            "/v1/chat/completions",
+            {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2},
+            headers=auth(LIMITED),
+        )
         codes.append(status)
     assert codes[:3] == [200, 200, 200] and codes[3] == 429, codes  # rpm = 3 (a scope refusal is not counted)
-    status, _, _ = front.request("POST", "/v1/chat/completions",
-                                 {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2})
+    status, _, _ = front.request(
+        "POST", "/v1/chat/completions", {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2}
+    )
     assert status == 401
     status, _, body = front.request("GET", "/metrics", headers=auth())
     metrics = body.decode()
@@ -339,15 +384,17 @@ def test_a_remote_that_is_not_there_opens_its_breaker(front: Daemon) -> None:
     assert "retry-after" in headers
     assert "remote 'gone'" in json.loads(third)["error"]["message"]
     # on the Anthropic surface, in its own shape (Anthropic's "overloaded" status)
-    status, _, data = front.request("POST", "/v1/messages", {"model": "gone:x", "max_tokens": 2, "messages": HELLO},
-                                    headers=auth())
+    status, _, data = front.request(
+        "POST", "/v1/messages", {"model": "gone:x", "max_tokens": 2, "messages": HELLO}, headers=auth()
+    )
     assert status == 529 and json.loads(data)["type"] == "error", data
     assert "remote 'gone'" in json.loads(data)["error"]["message"]
 
 
 def test_a_refused_key_names_the_config_and_no_key_is_shown(front: Daemon) -> None:
-    status, _, body = front.request("POST", "/v1/chat/completions",
-                                    {"model": "wrongkey:tiny", "messages": HELLO, "max_tokens": 2}, headers=auth())
+    status, _, body = front.request(
+        "POST", "/v1/chat/completions", {"model": "wrongkey:tiny", "messages": HELLO, "max_tokens": 2}, headers=auth()
+    )
     assert status == 502, body
     message = json.loads(body)["error"]["message"]
     assert "api_key" in message and "wrongkey" in message
@@ -406,15 +453,13 @@ def test_an_https_remote(front: Daemon) -> None:
     # TLS to the peer's ssl: listener, its certificate checked against the trust store and the host name
     answer = oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2)
     assert answer.choices[0].message.role == "assistant"
-    chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2,
-                                                     stream=True))
+    chunks = list(oai(front).chat.completions.create(model="secure:tiny", messages=HELLO, max_tokens=2, stream=True))
     assert chunks and chunks[-1].choices[0].finish_reason in ("length", "stop")
 
 
 def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> None:
     # last in the module: it stops the peer
-    assert oai(front).chat.completions.create(model="peer:tiny", messages=HELLO,
-                                              max_tokens=2).choices
+    assert oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2).choices
     code = peer.stop()
     assert code in (0, -signal.SIGTERM)
     body = {"model": "peer:tiny", "messages": HELLO, "max_tokens": 2}
@@ -424,13 +469,13 @@ def test_the_remote_stopped_opens_its_breaker(front: Daemon, peer: Daemon) -> No
     status, _, second = front.request("POST", "/api/chat", {**body, "stream": False}, headers=auth())
     assert status == 502 and "remote 'peer'" in json.loads(second)["error"], second  # Ollama's shape
     with pytest.raises(openai.APIStatusError) as caught:
-        list(oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2,
-                                                stream=True))
+        list(oai(front).chat.completions.create(model="peer:tiny", messages=HELLO, max_tokens=2, stream=True))
     assert caught.value.status_code == 503 and "failed 2 times lately" in str(caught.value)
     status, _, metrics = front.request("GET", "/metrics", headers=auth())
     assert 'blazar_breaker_state{model="peer:*"} 2.0' in metrics.decode()  # one breaker for the remote
-    status, _, data = front.request("POST", "/v1/embeddings", {"model": "peer:tiny-embed", "input": "x"},
-                                    headers=auth())
+    status, _, data = front.request(
+        "POST", "/v1/embeddings", {"model": "peer:tiny-embed", "input": "x"}, headers=auth()
+    )
     assert status == 503, data  # its other models too
     assert PEER_SECRET not in front.log()
 
@@ -440,16 +485,17 @@ def test_a_close_delimited_answer_is_whole(front: Daemon) -> None:
     client = oai(front)
     answer = client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2)
     assert answer.choices[0].message.content == "closed" and answer.model == "held:close"
-    chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2,
-                                                 stream=True))
+    chunks = list(client.chat.completions.create(model="held:close", messages=HELLO, max_tokens=2, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == "closed"
 
 
 def test_a_remotes_rate_limit_is_passed_on_with_its_retry_after(front: Daemon) -> None:
-    status, headers, body = front.request("POST", "/v1/chat/completions",
-                                          {"model": "held:limited", "messages": HELLO}, headers=auth())
+    status, headers, body = front.request(
+        "POST", "/v1/chat/completions", {"model": "held:limited", "messages": HELLO}, headers=auth()
+    )
     assert status == 429 and headers.get("retry-after") == "7", (status, headers, body)
     assert "slow down" in json.loads(body)["error"]["message"]
-    status, headers, _ = front.request("POST", "/v1/messages", {"model": "held:limited", "max_tokens": 2,
-                                                                "messages": HELLO}, headers=auth())
+    status, headers, _ = front.request(
+        "POST", "/v1/messages", {"model": "held:limited", "max_tokens": 2, "messages": HELLO}, headers=auth()
+    )
     assert status == 429 and headers.get("retry-after") == "7"

@@ -17,7 +17,6 @@ import pytest
 from openai.types.responses import FunctionToolParam, ResponseInputParam
 
 from blazar.models.testmodel import GeneratedModel
-
 from blazar.testing import forced_tool_call_request
 from tests.integration.conftest import daemon_config
 from tests.integration.harness import Daemon
@@ -26,17 +25,27 @@ ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"
 RECIPE = forced_tool_call_request("tiny")
 FUNCTION = RECIPE["tools"][0]["function"]
-TOOL = cast(FunctionToolParam, {  # without "strict", which the SDK's type requires and the API does not
-    "type": "function", "name": FUNCTION["name"], "description": FUNCTION["description"],
-    "parameters": FUNCTION["parameters"]})
+TOOL = cast(
+    FunctionToolParam,
+    {  # without "strict", which the SDK's type requires and the API does not
+        "type": "function",
+        "name": FUNCTION["name"],
+        "description": FUNCTION["description"],
+        "parameters": FUNCTION["parameters"],
+    },
+)
 TERMINAL = {"response.completed", "response.incomplete", "response.failed"}
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("responses"), daemon_config(engine, models) + (
-        f'[[keys]]\nname = "alice"\nsecret = "{ALICE}"\n[[keys]]\nname = "bob"\nsecret = "{BOB}"\n'
-    ))
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("responses"),
+        daemon_config(engine, models)
+        + (f'[[keys]]\nname = "alice"\nsecret = "{ALICE}"\n[[keys]]\nname = "bob"\nsecret = "{BOB}"\n'),
+    )
     d.start()
     try:
         yield d
@@ -55,15 +64,23 @@ def test_create_with_a_string_and_with_items(daemon: Daemon) -> None:
     assert r.status in ("completed", "incomplete") and isinstance(r.output_text, str)
     assert r.usage is not None and r.usage.input_tokens > 0 and r.usage.output_tokens > 0
     assert r.output[0].type == "message" and r.output[0].content[0].type == "output_text"
-    r2 = c.responses.create(model="tiny", instructions="You are terse.", max_output_tokens=8, input=cast(
-        ResponseInputParam, [  # an assistant turn as clients send it back, looser than the SDK's type
-            {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
-            {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
-            {"role": "user", "content": "again"},
-        ]))
+    r2 = c.responses.create(
+        model="tiny",
+        instructions="You are terse.",
+        max_output_tokens=8,
+        input=cast(
+            ResponseInputParam,
+            [  # an assistant turn as clients send it back, looser than the SDK's type
+                {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+                {"role": "assistant", "content": [{"type": "output_text", "text": "hello"}]},
+                {"role": "user", "content": "again"},
+            ],
+        ),
+    )
     assert r2.usage is not None and r2.usage.input_tokens > r.usage.input_tokens
-    count = cast(dict[str, Any], c.post("/responses/input_tokens", cast_to=object, body={
-        "model": "tiny", "input": "hi"}))
+    count = cast(
+        dict[str, Any], c.post("/responses/input_tokens", cast_to=object, body={"model": "tiny", "input": "hi"})
+    )
     assert count["input_tokens"] == r.usage.input_tokens
 
 
@@ -83,16 +100,18 @@ def test_stream_matches_the_final_response(daemon: Daemon) -> None:
     for seed in range(1, 9):
         for push in (6, 9, 12):
             deltas = []
-            with c.responses.stream(model="tiny", input="hi", max_output_tokens=64,
-                                    extra_body=ends_early(seed, push)) as stream:
+            with c.responses.stream(
+                model="tiny", input="hi", max_output_tokens=64, extra_body=ends_early(seed, push)
+            ) as stream:
                 for event in stream:
                     if event.type == "response.output_text.delta":
                         deltas.append(event.delta)
                     last = event.type
             if last == "response.completed" and deltas:
                 final = stream.get_final_response()
-                plain = c.responses.create(model="tiny", input="hi", max_output_tokens=64,
-                                           extra_body=ends_early(seed, push))
+                plain = c.responses.create(
+                    model="tiny", input="hi", max_output_tokens=64, extra_body=ends_early(seed, push)
+                )
                 assert final.output_text == "".join(deltas)
                 assert set(final.model_dump()) == set(plain.model_dump())
                 assert [o.type for o in final.output] == [o.type for o in plain.output] == ["message"]
@@ -105,8 +124,11 @@ def test_forced_function_call_then_its_output(daemon: Daemon) -> None:
     c = client(daemon)
     for seed in range(1, 6):
         r = c.responses.create(
-            model="tiny", input="What is the weather in Paris?", tools=[TOOL],
-            tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=200,
+            model="tiny",
+            input="What is the weather in Paris?",
+            tools=[TOOL],
+            tool_choice={"type": "function", "name": "get_weather"},
+            max_output_tokens=200,
             extra_body={"logit_bias": RECIPE["logit_bias"], "seed": seed},
         )
         calls = [o for o in r.output if o.type == "function_call"]
@@ -115,24 +137,37 @@ def test_forced_function_call_then_its_output(daemon: Daemon) -> None:
     assert calls, [o.model_dump() for o in r.output]
     call = calls[0]
     assert json.loads(call.arguments)["city"] in {"Paris", "Oslo"}
-    follow = c.responses.create(model="tiny", max_output_tokens=8, input=[
-        {"role": "user", "content": "What is the weather in Paris?"},
-        {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
-        {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
-    ], tools=[TOOL])
+    follow = c.responses.create(
+        model="tiny",
+        max_output_tokens=8,
+        input=[
+            {"role": "user", "content": "What is the weather in Paris?"},
+            {"type": "function_call", "call_id": call.call_id, "name": call.name, "arguments": call.arguments},
+            {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"},
+        ],
+        tools=[TOOL],
+    )
     assert follow.status in ("completed", "incomplete")
 
 
 def test_json_schema_output_validates(daemon: Daemon) -> None:
-    schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-              "required": ["city"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
     c = client(daemon)
     # about half the seeds end inside the JSON on the random model (../shared/ENGINE.md): try several
     for seed in range(1, 9):
         try:
-            r = c.responses.create(model="tiny", input="city?", max_output_tokens=60,
-                                   text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
-                                   extra_body={"seed": seed})
+            r = c.responses.create(
+                model="tiny",
+                input="city?",
+                max_output_tokens=60,
+                text={"format": {"type": "json_schema", "name": "city", "schema": schema, "strict": True}},
+                extra_body={"seed": seed},
+            )
         except openai.APIStatusError:
             continue
         if r.status == "completed":
@@ -142,8 +177,7 @@ def test_json_schema_output_validates(daemon: Daemon) -> None:
 
 
 def test_small_max_output_tokens_is_incomplete(daemon: Daemon) -> None:
-    r = client(daemon).responses.create(model="tiny", input="hi", max_output_tokens=2,
-                                        extra_body={"logit_bias": {}})
+    r = client(daemon).responses.create(model="tiny", input="hi", max_output_tokens=2, extra_body={"logit_bias": {}})
     assert r.status == "incomplete" and r.incomplete_details is not None
     assert r.incomplete_details.reason == "max_output_tokens"
 
@@ -152,8 +186,7 @@ def test_previous_response_id_store_retrieve_delete_and_keys(daemon: Daemon) -> 
     c = client(daemon)
     first = c.responses.create(model="tiny", input="remember the word blue", max_output_tokens=8)
     fresh = c.responses.create(model="tiny", input="which word?", max_output_tokens=8, store=False)
-    follow = c.responses.create(model="tiny", input="which word?", max_output_tokens=8,
-                                previous_response_id=first.id)
+    follow = c.responses.create(model="tiny", input="which word?", max_output_tokens=8, previous_response_id=first.id)
     assert follow.previous_response_id == first.id
     assert follow.usage is not None and fresh.usage is not None
     assert follow.usage.input_tokens > fresh.usage.input_tokens
@@ -169,8 +202,9 @@ def test_previous_response_id_store_retrieve_delete_and_keys(daemon: Daemon) -> 
     # the chain survives a restart
     daemon.stop()
     daemon.start()
-    again = client(daemon).responses.create(model="tiny", input="which word?", max_output_tokens=8,
-                                            previous_response_id=follow.id)
+    again = client(daemon).responses.create(
+        model="tiny", input="which word?", max_output_tokens=8, previous_response_id=follow.id
+    )
     assert again.usage is not None and follow.usage is not None
     assert again.usage.input_tokens > follow.usage.input_tokens
     client(daemon).responses.delete(first.id)
@@ -180,8 +214,12 @@ def test_previous_response_id_store_retrieve_delete_and_keys(daemon: Daemon) -> 
 
 def raw_stream(d: Daemon, body: dict[str, Any], kill: bool = False) -> tuple[list[tuple[str, dict[str, Any]]], float]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
-    conn.request("POST", "/v1/responses", json.dumps({**body, "stream": True}),
-                 {"content-type": "application/json", "authorization": f"Bearer {ALICE}"})
+    conn.request(
+        "POST",
+        "/v1/responses",
+        json.dumps({**body, "stream": True}),
+        {"content-type": "application/json", "authorization": f"Bearer {ALICE}"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200 and resp.getheader("content-type") == "text/event-stream"
     events: list[tuple[str, dict[str, Any]]] = []
@@ -211,14 +249,27 @@ def test_raw_sse_text_and_function_call(daemon: Daemon) -> None:
     events, _ = raw_stream(daemon, {"model": "tiny", "input": "hi", "max_output_tokens": 8})
     check_events(events)
     kinds = [k for k, _ in events]
-    assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") \
-        < kinds.index("response.output_text.delta") < kinds.index("response.output_text.done") \
-        < kinds.index("response.content_part.done") < kinds.index("response.output_item.done")
+    assert (
+        kinds.index("response.output_item.added")
+        < kinds.index("response.content_part.added")
+        < kinds.index("response.output_text.delta")
+        < kinds.index("response.output_text.done")
+        < kinds.index("response.content_part.done")
+        < kinds.index("response.output_item.done")
+    )
     for seed in range(1, 6):
-        events, _ = raw_stream(daemon, {
-            "model": "tiny", "input": "What is the weather in Paris?", "tools": [TOOL],
-            "tool_choice": {"type": "function", "name": "get_weather"}, "max_output_tokens": 200,
-            "logit_bias": RECIPE["logit_bias"], "seed": seed})
+        events, _ = raw_stream(
+            daemon,
+            {
+                "model": "tiny",
+                "input": "What is the weather in Paris?",
+                "tools": [TOOL],
+                "tool_choice": {"type": "function", "name": "get_weather"},
+                "max_output_tokens": 200,
+                "logit_bias": RECIPE["logit_bias"],
+                "seed": seed,
+            },
+        )
         check_events(events)
         done = [p for k, p in events if k == "response.function_call_arguments.done"]
         if done:
@@ -229,8 +280,9 @@ def test_raw_sse_text_and_function_call(daemon: Daemon) -> None:
 
 def test_child_killed_mid_stream_is_response_failed(daemon: Daemon) -> None:
     client(daemon).responses.create(model="tiny", input="hi", max_output_tokens=2)  # loaded
-    events, after_kill = raw_stream(daemon, {"model": "tiny", "input": "hi", "max_output_tokens": 1900,
-                                             "logit_bias": {}, "seed": 3}, kill=True)
+    events, after_kill = raw_stream(
+        daemon, {"model": "tiny", "input": "hi", "max_output_tokens": 1900, "logit_bias": {}, "seed": 3}, kill=True
+    )
     check_events(events)
     assert events[-1][0] == "response.failed", events[-2:]
     assert "killed by signal 9" in events[-1][1]["response"]["error"]["message"], events[-1]
@@ -241,8 +293,9 @@ def test_child_killed_mid_stream_is_response_failed(daemon: Daemon) -> None:
 def post_raw(d: Daemon, body: bytes) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=30)
     try:
-        conn.request("POST", "/v1/responses", body,
-                     {"content-type": "application/json", "authorization": f"Bearer {ALICE}"})
+        conn.request(
+            "POST", "/v1/responses", body, {"content-type": "application/json", "authorization": f"Bearer {ALICE}"}
+        )
         resp = conn.getresponse()
         return resp.status, json.loads(resp.read())
     finally:

@@ -43,8 +43,9 @@ class RunFileTests(SynchronousTestCase):
         (run / "m.apikey").write_text("old")  # left behind with a loose mode
         os.chmod(run / "m.apikey", 0o644)
         thd_write(run, "m", 1, 2, ["x"], "new")
-        self.assertEqual([(p.name, p.stat().st_mode & 0o777) for p in sorted(run.iterdir())],
-                         [("m.apikey", 0o600), ("m.pid", 0o600)])
+        self.assertEqual(
+            [(p.name, p.stat().st_mode & 0o777) for p in sorted(run.iterdir())], [("m.apikey", 0o600), ("m.pid", 0o600)]
+        )
         self.assertEqual((run / "m.apikey").read_text(), "new")
 
     def test_orphans_are_stopped_only_when_the_command_line_matches(self) -> None:
@@ -66,4 +67,3 @@ class RunFileTests(SynchronousTestCase):
                 if p.poll() is None:
                     p.kill()
                 p.wait()
-

@@ -52,11 +52,17 @@ ROUTES: list[tuple[str, str, dict[str, Any]]] = [
 
 
 @pytest.fixture(scope="module")
-def scoped(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
-    d = Daemon(tmp_path_factory.mktemp("scope"), daemon_config(engine, models) + (
-        f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
-        f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
-    ))
+def scoped(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
+    d = Daemon(
+        tmp_path_factory.mktemp("scope"),
+        daemon_config(engine, models)
+        + (
+            f'[[keys]]\nname = "admin"\nsecret = "{ADMIN}"\n'
+            f'[[keys]]\nname = "tinyonly"\nsecret = "{SCOPED}"\nmodels = ["tiny"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -69,17 +75,21 @@ def scoped(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pyt
 def call(d: Daemon, method: str, path: str, body: Any, secret: str) -> tuple[int, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
     try:
-        conn.request(method, path, json.dumps(body) if body else None,
-                     {"content-type": "application/json", "x-api-key": secret})
+        conn.request(
+            method, path, json.dumps(body) if body else None, {"content-type": "application/json", "x-api-key": secret}
+        )
         resp = conn.getresponse()
         return resp.status, resp.read()
     finally:
         conn.close()
 
 
-def route(d: Daemon, method: str, path: str, body: dict[str, Any], model: str, secret: str = SCOPED) -> tuple[int, bytes]:
-    return call(d, method, path.replace("{model}", model),
-                json.loads(json.dumps(body).replace("{model}", model)), secret)
+def route(
+    d: Daemon, method: str, path: str, body: dict[str, Any], model: str, secret: str = SCOPED
+) -> tuple[int, bytes]:
+    return call(
+        d, method, path.replace("{model}", model), json.loads(json.dumps(body).replace("{model}", model)), secret
+    )
 
 
 @pytest.mark.parametrize("method, path, body", ROUTES)
@@ -135,6 +145,8 @@ def test_in_scope_and_admin_answers(scoped: Daemon) -> None:
     assert [m["name"] for m in json.loads(data)["models"]] == ["tiny:latest"]
     # an admin key keeps the purpose check's config fix and the full list
     status, data = route(scoped, *ROUTES[0], "tiny-embed", ADMIN)
-    assert status == 400 and 'embedding = true under [models."tiny-embed:latest"]' in json.loads(data)["error"]["message"], data
+    assert (
+        status == 400 and 'embedding = true under [models."tiny-embed:latest"]' in json.loads(data)["error"]["message"]
+    ), data
     status, data = route(scoped, *ROUTES[0], UNKNOWN, ADMIN)
     assert status == 404 and "cold:latest" in json.loads(data)["error"]["message"], data

@@ -25,8 +25,10 @@ ALICE = "sk-alice-0123456789abcdef0123"
 BOB = "sk-bob-0123456789abcdef012345"
 CAROL = "sk-carol-0123456789abcdef0123"
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "clients"
-WORDS = ("alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
-         "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu").split()
+WORDS = (
+    "alpha bravo charlie delta echo foxtrot golf hotel india juliet kilo lima mike november oscar "
+    "papa quebec romeo sierra tango uniform victor whiskey xray yankee zulu"
+).split()
 
 
 @pytest.fixture(scope="module")
@@ -56,13 +58,22 @@ def config(engine: str, models: Path, ctx: int) -> str:
 
 
 def call(
-    d: Daemon, method: str, path: str, body: Any = None, key: str = ALICE, headers: dict[str, str] | None = None,
+    d: Daemon,
+    method: str,
+    path: str,
+    body: Any = None,
+    key: str = ALICE,
+    headers: dict[str, str] | None = None,
     timeout: float = 600,
 ) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=timeout)
     try:
-        conn.request(method, path, json.dumps(body) if body is not None else None,
-                     {"content-type": "application/json", "authorization": f"Bearer {key}", **(headers or {})})
+        conn.request(
+            method,
+            path,
+            json.dumps(body) if body is not None else None,
+            {"content-type": "application/json", "authorization": f"Bearer {key}", **(headers or {})},
+        )
         resp = conn.getresponse()
         data = resp.read()
         try:
@@ -92,11 +103,22 @@ class Conversation:
         """
         @return: Prompt tokens, how many came from the cache, the answer.
         """
-        self.messages.append({"role": "user", "content": f"Turn {i} of {self.n}: " + " ".join(WORDS[i:i + 5])})
+        self.messages.append({"role": "user", "content": f"Turn {i} of {self.n}: " + " ".join(WORDS[i : i + 5])})
         headers = {"x-blazar-session": self.session} if self.session else {}
-        status, reply = call(self.d, "POST", "/v1/chat/completions", {
-            "model": self.model, "messages": self.messages, "max_tokens": 8, "temperature": 0, "seed": 1,
-        }, self.key, headers)
+        status, reply = call(
+            self.d,
+            "POST",
+            "/v1/chat/completions",
+            {
+                "model": self.model,
+                "messages": self.messages,
+                "max_tokens": 8,
+                "temperature": 0,
+                "seed": 1,
+            },
+            self.key,
+            headers,
+        )
         assert status == 200, reply
         answer = reply["choices"][0]["message"]["content"]
         self.messages.append({"role": "assistant", "content": answer})
@@ -131,8 +153,12 @@ def evict(d: Daemon, model: str) -> None:
 def bank_counts(d: Daemon) -> dict[str, float]:
     status, text = call(d, "GET", "/metrics")
     assert status == 200
-    return {f"{op}/{result}": float(v) for op, result, v in re.findall(
-        r'blazar_session_bank_total\{op="(\w+)",result="(\w+)"\} ([\d.e+]+)', text.decode())}
+    return {
+        f"{op}/{result}": float(v)
+        for op, result, v in re.findall(
+            r'blazar_session_bank_total\{op="(\w+)",result="(\w+)"\} ([\d.e+]+)', text.decode()
+        )
+    }
 
 
 def test_round_robin_sessions_keep_their_cache(daemon: Daemon) -> None:
@@ -146,8 +172,10 @@ def test_round_robin_sessions_keep_their_cache(daemon: Daemon) -> None:
     for sessions in (8, 32):
         own = round_robin(daemon, sessions, 5, named=False, tag=f"own{sessions}")
         pinned = round_robin(daemon, sessions, 5, named=True, tag=f"rr{sessions}")
-        print(f"{sessions} sessions on 2 slots: {pinned:.1%} of prompt tokens from cache with sessions, "
-              f"{own:.1%} with llama-server's own cache alone")
+        print(
+            f"{sessions} sessions on 2 slots: {pinned:.1%} of prompt tokens from cache with sessions, "
+            f"{own:.1%} with llama-server's own cache alone"
+        )
         assert pinned >= 0.80, pinned
         # (answers can differ by a token between the two runs, and with them
         # the next prompt: within two points)
@@ -268,8 +296,11 @@ def test_claude_codes_second_turn_comes_from_the_cache(daemon: Daemon) -> None:
     """
     second = recorded("claude-code-tool-result")
     body = {**second["body"], "model": "big", "max_tokens": 4, "stream": False, "temperature": 0}
-    first = {**body, "messages": body["messages"][:-2],
-             "system": [recorded("claude-code-first")["body"]["system"][0], *body["system"][1:]]}
+    first = {
+        **body,
+        "messages": body["messages"][:-2],
+        "system": [recorded("claude-code-first")["body"]["system"][0], *body["system"][1:]],
+    }
     assert first["system"][0] != body["system"][0]
     headers = replay_headers(second)
     status, reply = call(daemon, "POST", "/v1/messages", first, headers=headers)
@@ -350,14 +381,23 @@ def test_the_real_slot_bank_keeps_the_contract(daemon: Daemon) -> None:
     info = json.loads((run / "two_latest.pid").read_text())
     key = (run / "two_latest.apikey").read_text().strip()
     bank = daemon.root / "data" / "sessions" / "two_latest"
-    result = subprocess.run([sys.executable, "-c", CONTRACT, str(info["port"]), key, str(bank)],
-                            capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    result = subprocess.run(
+        [sys.executable, "-c", CONTRACT, str(info["port"]), key, str(bank)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
     assert result.returncode == 0 and "contract kept" in result.stdout, result.stdout + result.stderr
 
 
 def blazar(d: Daemon, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(Path(sys.executable).parent / "blazar"), *args, "-c", str(d.config)],
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "blazar"), *args, "-c", str(d.config)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 def test_the_cli_lists_and_closes_sessions(daemon: Daemon) -> None:
@@ -397,7 +437,6 @@ def test_an_unnamed_conversation_survives_an_evict(daemon: Daemon) -> None:
     assert any(r["key"] == "(unnamed)" and r["saved"] for r in json.loads(listed.stdout)["sessions"]), listed.stdout
 
 
-
 def test_sentinel_enforce_per_key(daemon: Daemon) -> None:
     """
     carol's key enforces the sentinel (issue 21), alice's does not: the same
@@ -405,8 +444,12 @@ def test_sentinel_enforce_per_key(daemon: Daemon) -> None:
     """
     body = {"model": "two", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=60)
-    conn.request("POST", "/v1/chat/completions", json.dumps(body),
-                 {"content-type": "application/json", "authorization": f"Bearer {ALICE}"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(body),
+        {"content-type": "application/json", "authorization": f"Bearer {ALICE}"},
+    )
     reply = conn.getresponse()
     assert reply.status == 200 and reply.getheader("x-blazar-sentinel") == "truncated", reply.read()[:300]
     reply.read()

@@ -35,7 +35,9 @@ REFUSED = "SIGHUP: config not reloaded, the running config stays"
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     d = Daemon(tmp_path_factory.mktemp("signals"), daemon_config(engine, models))
     with tallied(d):
         yield d
@@ -78,9 +80,16 @@ def test_sighup_reloads_while_a_stream_runs(daemon: Daemon) -> None:
 
     def read() -> None:
         try:
-            for data, at in daemon.stream("/v1/chat/completions", {
-                "model": "tiny", "messages": HELLO, "stream": True, "max_tokens": 1900, "ignore_eos": True,
-            }):
+            for data, at in daemon.stream(
+                "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "messages": HELLO,
+                    "stream": True,
+                    "max_tokens": 1900,
+                    "ignore_eos": True,
+                },
+            ):
                 events.append((data, at))
                 started.set()
         except BaseException as e:
@@ -107,18 +116,23 @@ def test_sighup_reloads_while_a_stream_runs(daemon: Daemon) -> None:
         assert events[-1][1] > reloaded_at, "the stream ended before the reload: make it longer"
         assert call(daemon, "GET", "/v1/models")[0] == 401  # the new key is in force
         assert call(daemon, "GET", "/v1/models", key=KEY)[0] == 200
-        print(f"SIGHUP reload mid-stream; the stream ran {events[-1][1] - reloaded_at:.2f} s past it, "
-              f"{events[-1][1] - events[0][1]:.2f} s in all, {len(events)} events, {sum(1 for _, t in events if t > reloaded_at)} after")
+        print(
+            f"SIGHUP reload mid-stream; the stream ran {events[-1][1] - reloaded_at:.2f} s past it, "
+            f"{events[-1][1] - events[0][1]:.2f} s in all, {len(events)} events, {sum(1 for _, t in events if t > reloaded_at)} after"
+        )
     finally:
         hangup(daemon, RELOADED)  # back to the open config for the next tests
     assert call(daemon, "GET", "/v1/models")[0] == 200
 
 
-@pytest.mark.parametrize("broken", [
-    "not toml = = =\n",                  # not TOML
-    'listen = "tcp:1"\nlisten = "tcp:2"\n',  # a key given twice (inside the [[keys]] table)
-    "no_such_setting = 1\n",             # valid TOML, unknown key
-])
+@pytest.mark.parametrize(
+    "broken",
+    [
+        "not toml = = =\n",  # not TOML
+        'listen = "tcp:1"\nlisten = "tcp:2"\n',  # a key given twice (inside the [[keys]] table)
+        "no_such_setting = 1\n",  # valid TOML, unknown key
+    ],
+)
 def test_sighup_with_a_broken_config_keeps_the_running_one(daemon: Daemon, broken: str) -> None:
     base = daemon.config.read_text()
     try:
@@ -128,8 +142,9 @@ def test_sighup_with_a_broken_config_keeps_the_running_one(daemon: Daemon, broke
         hangup(daemon, REFUSED)
         assert daemon.request("GET", "/health")[0] == 200
         assert call(daemon, "GET", "/v1/models")[0] == 401  # the last good config: keys on
-        status, body = call(daemon, "POST", "/v1/chat/completions",
-                            {"model": "tiny", "max_tokens": 2, "messages": HELLO}, key=KEY)
+        status, body = call(
+            daemon, "POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO}, key=KEY
+        )
         assert status == 200, body
         assert str(daemon.config) in daemon.log().split(REFUSED)[-1].splitlines()[0]
     finally:
@@ -140,7 +155,10 @@ def test_sighup_with_a_broken_config_keeps_the_running_one(daemon: Daemon, broke
 
 @pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_stop_signals_stay_the_graceful_stop(
-    engine: str, models: dict[str, GeneratedModel], tmp_path: Path, stop: signal.Signals,
+    engine: str,
+    models: dict[str, GeneratedModel],
+    tmp_path: Path,
+    stop: signal.Signals,
 ) -> None:
     d = Daemon(tmp_path, daemon_config(engine, models))
     d.start()
@@ -189,8 +207,14 @@ def test_private_files_under_umask_022(engine: str, models: dict[str, GeneratedM
             assert time.monotonic() < deadline, "no audit line"
             time.sleep(0.05)
         run = data / "run"
-        files = [data / "blazar.db", data / "blazar.db-wal", data / "blazar.db-shm", audit,
-                 *run.glob("*.apikey"), *run.glob("*.pid")]
+        files = [
+            data / "blazar.db",
+            data / "blazar.db-wal",
+            data / "blazar.db-shm",
+            audit,
+            *run.glob("*.apikey"),
+            *run.glob("*.pid"),
+        ]
         assert len(files) == 6, sorted(p.name for p in run.iterdir())
         assert modes(files) == {p.name: "0600" for p in files}
         assert modes([data, run]) == {"data": "0700", "run": "0700"}

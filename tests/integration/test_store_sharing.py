@@ -19,10 +19,20 @@ def read_usage(path: Path) -> str:
     """
     The usage table as another process reads it (and closes it after).
     """
-    return subprocess.run([sys.executable, "-c", (
-        "import sqlite3, sys; db = sqlite3.connect(sys.argv[1]); "
-        "print(sorted(db.execute('SELECT key, tokens FROM key_usage'))); db.close()"
-    ), str(path)], capture_output=True, text=True, check=True).stdout.strip()
+    return subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sqlite3, sys; db = sqlite3.connect(sys.argv[1]); "
+                "print(sorted(db.execute('SELECT key, tokens FROM key_usage'))); db.close()"
+            ),
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
 
 
 def test_another_process_sees_every_write(tmp_path: Path) -> None:

@@ -68,8 +68,10 @@ def test_strict_json_read_as_json_loads_reads_it() -> None:
     Strict JSON is read to what C{json.loads} reads, floats to the largest
     double, integers of any size that fits one.
     """
-    text = ('{"a": [1, 1.5, -0.0, 1e308, -1.7976931348623157e308, 5e-324, 1e-999], "b": null, '
-            '"c": true, "d": "NaN Infinity 1e999", "e": ' + "9" * 300 + "}")
+    text = (
+        '{"a": [1, 1.5, -0.0, 1e308, -1.7976931348623157e308, 5e-324, 1e-999], "b": null, '
+        '"c": true, "d": "NaN Infinity 1e999", "e": ' + "9" * 300 + "}"
+    )
     assert strict_loads(text) == strictwire._LOADS(text)
     assert strict_loads(text.encode("utf-16")) == strictwire._LOADS(text)
     assert strictwire.REFUSED == []
@@ -79,6 +81,7 @@ def test_keywords_kept() -> None:
     """
     Every keyword C{json.loads} takes still does what it does.
     """
+
     class Decoder(json.JSONDecoder):
         def decode(self, s: str, *args: Any, **kw: Any) -> Any:
             return ["decoded", super().decode(s, *args, **kw)]
@@ -113,9 +116,11 @@ def test_json_loads_is_strict_here() -> None:
     """
     assert json.loads is strict_loads
     refusal_of = []
-    for read in (lambda: json.loads("[NaN]"),
-                 lambda: json.load(io.StringIO("[NaN]")),
-                 lambda: httpx.Response(200, content=b'{"x": Infinity}').json()):
+    for read in (
+        lambda: json.loads("[NaN]"),
+        lambda: json.load(io.StringIO("[NaN]")),
+        lambda: httpx.Response(200, content=b'{"x": Infinity}').json(),
+    ):
         with pytest.raises(AssertionError):
             read()
         refusal_of.append(strictwire.REFUSED.pop())

@@ -77,11 +77,14 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def daemon(engine: str, models: dict[str, GeneratedModel], receiver: Receiver,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
+def daemon(
+    engine: str, models: dict[str, GeneratedModel], receiver: Receiver, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Daemon]:
     # a top-level key, so before daemon_config's tables
-    d = Daemon(tmp_path_factory.mktemp("tracing"),
-               f'otlp_endpoint = "http://127.0.0.1:{receiver.port}"\n' + daemon_config(engine, models))
+    d = Daemon(
+        tmp_path_factory.mktemp("tracing"),
+        f'otlp_endpoint = "http://127.0.0.1:{receiver.port}"\n' + daemon_config(engine, models),
+    )
     d.start()
     try:
         yield d

@@ -22,11 +22,14 @@ def daemon(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     root = tmp_path_factory.mktemp("unload")
     models = root / "models"
     make_test_model(models / "tiny.gguf")
-    d = Daemon(root, (
-        f'models_dir = "{models}"\n'
-        '[models."tiny"]\nparallel = 1\n'
-        f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
-    ))
+    d = Daemon(
+        root,
+        (
+            f'models_dir = "{models}"\n'
+            '[models."tiny"]\nparallel = 1\n'
+            f'[engines.llamacpp]\nbinary = "{engine}"\nargs = ["--threads", "1"]\n'
+        ),
+    )
     d.start()
     yield d
     code = d.stop()
@@ -38,10 +41,20 @@ def test_unload_does_not_cut_a_running_stream(daemon: Daemon) -> None:
     # the model is loaded (a warm stream: its first line is a data event)
     assert daemon.request("POST", "/api/generate", {"model": "tiny"})[0] == 200
     conn = http.client.HTTPConnection("127.0.0.1", daemon.port, timeout=120)
-    conn.request("POST", "/v1/chat/completions", json.dumps({
-        "model": "tiny", "stream": True, "max_tokens": 1500, "ignore_eos": True,
-        "messages": [{"role": "user", "content": "count"}],
-    }), {"content-type": "application/json"})
+    conn.request(
+        "POST",
+        "/v1/chat/completions",
+        json.dumps(
+            {
+                "model": "tiny",
+                "stream": True,
+                "max_tokens": 1500,
+                "ignore_eos": True,
+                "messages": [{"role": "user", "content": "count"}],
+            }
+        ),
+        {"content-type": "application/json"},
+    )
     resp = conn.getresponse()
     assert resp.status == 200, resp.read()
     first = resp.readline()

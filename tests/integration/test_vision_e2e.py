@@ -91,9 +91,10 @@ def vision(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
     models = {"tiny": make_test_model(root / "seer.gguf", seed=3)}
     make_test_model(root / "plain.gguf", seed=4)
     make_test_projector(root / "mmproj-seer-f16.gguf", text_embd=64)
-    config = daemon_config(engine, models, '[models.seer]\nparallel = 1\n').replace(
-        'ready_timeout = 60\n',
-        f'ready_timeout = 60\nimage_fetch_private_hosts = ["127.0.0.1"]\nimage_fetch_max_bytes = {MAX_IMAGE_BYTES}\n')
+    config = daemon_config(engine, models, "[models.seer]\nparallel = 1\n").replace(
+        "ready_timeout = 60\n",
+        f'ready_timeout = 60\nimage_fetch_private_hosts = ["127.0.0.1"]\nimage_fetch_max_bytes = {MAX_IMAGE_BYTES}\n',
+    )
     d = Daemon(tmp_path_factory.mktemp("vision-daemon"), config)
     d.start()
     try:
@@ -103,13 +104,15 @@ def vision(engine: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Da
 
 
 # each surface: (path, body with the image, body without it, its prompt token count from an answer, error message)
-Surface = tuple[str, Callable[[str, str | None], dict[str, Any]], Callable[[dict[str, Any]], int],
-                Callable[[dict[str, Any]], str]]
+Surface = tuple[
+    str, Callable[[str, str | None], dict[str, Any]], Callable[[dict[str, Any]], int], Callable[[dict[str, Any]], str]
+]
 
 
 def _openai(model: str, url: str | None) -> dict[str, Any]:
-    content: Any = [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}] \
-        if url else QUESTION
+    content: Any = (
+        [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {"url": url}}] if url else QUESTION
+    )
     return {"model": model, "max_tokens": 1, "messages": [{"role": "user", "content": content}]}
 
 
@@ -155,8 +158,12 @@ def _anthropic_error(answer: dict[str, Any]) -> str:
 
 SURFACES: dict[str, Surface] = {
     "openai": ("/v1/chat/completions", _openai, lambda a: a["usage"]["prompt_tokens"], _openai_error),
-    "anthropic": ("/v1/messages", _anthropic,
-                  lambda a: a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"], _anthropic_error),
+    "anthropic": (
+        "/v1/messages",
+        _anthropic,
+        lambda a: a["usage"]["input_tokens"] + a["usage"]["cache_read_input_tokens"],
+        _anthropic_error,
+    ),
     "responses": ("/v1/responses", _responses, lambda a: a["usage"]["input_tokens"], _openai_error),
     "ollama chat": ("/api/chat", _ollama_chat, lambda a: a["prompt_eval_count"], lambda a: str(a["error"])),
     "ollama generate": ("/api/generate", _ollama_generate, lambda a: a["prompt_eval_count"], lambda a: str(a["error"])),
@@ -184,9 +191,23 @@ def test_the_child_has_the_projector(vision: Daemon) -> None:
     assert prompt_tokens(vision, "openai", None) > 0
     argv = vision.engine_for("seer:latest").cmdline()
     assert argv[argv.index("--mmproj") + 1].endswith("mmproj-seer-f16.gguf")
-    status, answer = vision.post_json("/v1/chat/completions", {"model": "seer", "max_tokens": 1, "messages": [
-        {"role": "user", "content": [{"type": "text", "text": QUESTION}, {"type": "image_url", "image_url": {
-            "url": DATA_URL}}, {"type": "image_url", "image_url": {"url": DATA_URL}}]}]})
+    status, answer = vision.post_json(
+        "/v1/chat/completions",
+        {
+            "model": "seer",
+            "max_tokens": 1,
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": QUESTION},
+                        {"type": "image_url", "image_url": {"url": DATA_URL}},
+                        {"type": "image_url", "image_url": {"url": DATA_URL}},
+                    ],
+                }
+            ],
+        },
+    )
     assert status == 200, answer
     assert answer["usage"]["prompt_tokens"] == prompt_tokens(vision, "openai", None) + 2 * image_tokens()
 
@@ -211,11 +232,14 @@ def test_capabilities_say_vision(vision: Daemon) -> None:
     assert not any("mmproj" in name for name in listing)  # a projector is no model
 
 
-@pytest.mark.parametrize("url, why", [
-    ("http://169.254.169.254/latest/meta-data/", "link-local"),
-    ("http://10.0.0.1/cat.png", "private"),
-    ("http://[::1]:9/cat.png", "loopback"),
-])
+@pytest.mark.parametrize(
+    "url, why",
+    [
+        ("http://169.254.169.254/latest/meta-data/", "link-local"),
+        ("http://10.0.0.1/cat.png", "private"),
+        ("http://[::1]:9/cat.png", "loopback"),
+    ],
+)
 def test_a_private_image_url_is_refused(vision: Daemon, url: str, why: str) -> None:
     for surface in ("openai", "anthropic", "responses"):
         status, answer = ask(vision, surface, "seer", url)
@@ -235,8 +259,10 @@ def test_an_allowed_local_image_url_is_fetched_by_blazar(vision: Daemon, images:
     without = prompt_tokens(vision, "openai", None)
     for surface in ("openai", "anthropic", "responses"):
         del images.asked[:]
-        assert prompt_tokens(vision, surface, images.url("/cat.png")) == \
-            prompt_tokens(vision, surface, None) + image_tokens(), surface
+        assert (
+            prompt_tokens(vision, surface, images.url("/cat.png"))
+            == prompt_tokens(vision, surface, None) + image_tokens()
+        ), surface
         assert images.asked == [("/cat.png", "blazar")], images.asked  # by Blazar, once, not by the engine
     del images.asked[:]
     assert prompt_tokens(vision, "openai", images.url("/go")) == without + image_tokens()  # a redirect, followed
@@ -244,8 +270,11 @@ def test_an_allowed_local_image_url_is_fetched_by_blazar(vision: Daemon, images:
 
 
 def test_fetched_images_are_bounded(vision: Daemon, images: ImageServer) -> None:
-    for path, needle in [("/page.html", "is not an image (content-type 'text/html')"),
-                         ("/big.png", "image_fetch_max_bytes"), ("/missing.png", "answered HTTP 404")]:
+    for path, needle in [
+        ("/page.html", "is not an image (content-type 'text/html')"),
+        ("/big.png", "image_fetch_max_bytes"),
+        ("/missing.png", "answered HTTP 404"),
+    ]:
         status, answer = ask(vision, "openai", "seer", images.url(path))
         assert status == 400 and needle in answer["error"]["message"], (path, answer)
 

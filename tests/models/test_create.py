@@ -18,12 +18,30 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
 from blazar.models.create import (
-    QUANTIZE_DIGEST, CreateError, CreateSpec, ModelCreator, thd_gguf_kind, thd_store_upload, upload_spool,
+    QUANTIZE_DIGEST,
+    CreateError,
+    CreateSpec,
+    ModelCreator,
+    thd_gguf_kind,
+    thd_store_upload,
+    upload_spool,
     valid_file_name,
 )
 from blazar.models.ollama_store import (
-    MEDIA_ADAPTER, MEDIA_CONFIG, MEDIA_LICENSE, MEDIA_MESSAGES, MEDIA_MODEL, MEDIA_PARAMS, MEDIA_PROJECTOR,
-    MEDIA_SYSTEM, MEDIA_TEMPLATE, DigestMismatch, blob_path, held_digests, parse_name, thd_delete_manifest,
+    MEDIA_ADAPTER,
+    MEDIA_CONFIG,
+    MEDIA_LICENSE,
+    MEDIA_MESSAGES,
+    MEDIA_MODEL,
+    MEDIA_PARAMS,
+    MEDIA_PROJECTOR,
+    MEDIA_SYSTEM,
+    MEDIA_TEMPLATE,
+    DigestMismatch,
+    blob_path,
+    held_digests,
+    parse_name,
+    thd_delete_manifest,
     thd_read_manifest,
 )
 from blazar.models.registry import ModelRegistry
@@ -82,7 +100,8 @@ class CreateTests(SynchronousTestCase):
         self.source = make_test_model(self.models / "base.gguf").path
         self.reactor = fake_process_reactor()
         self.registry = ModelRegistry(
-            parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"'), self.reactor)
+            parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"'), self.reactor
+        )
         self.creator = ModelCreator(self.registry, self.reactor, lambda: Path("/e/bin/llama-quantize"))
         self.lines: list[dict[str, Any]] = []
 
@@ -110,39 +129,65 @@ class CreateTests(SynchronousTestCase):
 
     def test_from_uploaded_files_with_every_text_layer(self) -> None:
         digest = self.upload(self.source)
-        name = self.create(files={"model.gguf": digest}, template="{{ .Prompt }}", system="Be brief.",
-                           parameters={"stop": ["<|im_end|>"], "num_predict": 3, "temperature": 0.5},
-                           messages=({"role": "user", "content": "hi"},), license=("MIT",))
+        name = self.create(
+            files={"model.gguf": digest},
+            template="{{ .Prompt }}",
+            system="Be brief.",
+            parameters={"stop": ["<|im_end|>"], "num_predict": 3, "temperature": 0.5},
+            messages=({"role": "user", "content": "hi"},),
+            license=("MIT",),
+        )
         self.assertEqual(name, "mine:latest")
         manifest = self.manifest()
         layers = manifest["layers"]
-        self.assertEqual([d["mediaType"] for d in layers], [MEDIA_MODEL, MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_LICENSE,
-                                                             MEDIA_PARAMS, MEDIA_MESSAGES])
+        self.assertEqual(
+            [d["mediaType"] for d in layers],
+            [MEDIA_MODEL, MEDIA_TEMPLATE, MEDIA_SYSTEM, MEDIA_LICENSE, MEDIA_PARAMS, MEDIA_MESSAGES],
+        )
         self.assertEqual(layers[0]["digest"], digest)
-        self.assertEqual(blob_path(self.root, layers[4]["digest"]).read_bytes(),
-                         b'{"num_predict":3,"stop":["\\u003c|im_end|\\u003e"],"temperature":0.5}\n')
-        self.assertEqual(blob_path(self.root, layers[5]["digest"]).read_bytes(),
-                         b'[{"role":"user","content":"hi"}]\n')
-        self.assertEqual(self.statuses(), [
-            "parsing GGUF", f"using existing layer {digest}",
-            *[f"creating new layer {d['digest']}" for d in layers[1:]], "writing manifest"])
+        self.assertEqual(
+            blob_path(self.root, layers[4]["digest"]).read_bytes(),
+            b'{"num_predict":3,"stop":["\\u003c|im_end|\\u003e"],"temperature":0.5}\n',
+        )
+        self.assertEqual(blob_path(self.root, layers[5]["digest"]).read_bytes(), b'[{"role":"user","content":"hi"}]\n')
+        self.assertEqual(
+            self.statuses(),
+            [
+                "parsing GGUF",
+                f"using existing layer {digest}",
+                *[f"creating new layer {d['digest']}" for d in layers[1:]],
+                "writing manifest",
+            ],
+        )
         self.assertEqual(manifest["config"]["mediaType"], MEDIA_CONFIG)
         config = json.loads(blob_path(self.root, manifest["config"]["digest"]).read_bytes())
-        self.assertEqual({k: config[k] for k in ("model_format", "model_family", "model_families", "file_type",
-                                                 "architecture", "os")},
-                         {"model_format": "gguf", "model_family": "llama", "model_families": ["llama"],
-                          "file_type": "F32", "architecture": "amd64", "os": "linux"})
+        self.assertEqual(
+            {
+                k: config[k]
+                for k in ("model_format", "model_family", "model_families", "file_type", "architecture", "os")
+            },
+            {
+                "model_format": "gguf",
+                "model_family": "llama",
+                "model_families": ["llama"],
+                "file_type": "F32",
+                "architecture": "amd64",
+                "os": "linux",
+            },
+        )
         self.assertEqual(config["rootfs"]["diff_ids"], [d["digest"] for d in layers])
         entry = self.successResultOf(ensureDeferred(self.registry.resolve("mine")))
         assert entry.ollama is not None
-        self.assertEqual((entry.ollama.system, entry.ollama.template, entry.ollama.license),
-                         ("Be brief.", "{{ .Prompt }}", "MIT"))
+        self.assertEqual(
+            (entry.ollama.system, entry.ollama.template, entry.ollama.license), ("Be brief.", "{{ .Prompt }}", "MIT")
+        )
         self.assertEqual(entry.ollama.parameters, {"num_predict": 3, "stop": ["<|im_end|>"], "temperature": 0.5})
         # a second create of the same blob and text: every layer is there already
         self.lines.clear()
         self.create(name="again", files={"model.gguf": digest}, system="Be brief.")
-        self.assertEqual(self.statuses()[1:3], [f"using existing layer {digest}",
-                                                f"using existing layer {layers[2]['digest']}"])
+        self.assertEqual(
+            self.statuses()[1:3], [f"using existing layer {digest}", f"using existing layer {layers[2]['digest']}"]
+        )
 
     def test_from_a_models_dir_file_is_a_hard_link(self) -> None:
         from blazar.models.testprojector import make_test_projector
@@ -158,9 +203,15 @@ class CreateTests(SynchronousTestCase):
 
     def test_from_a_store_model_keeps_and_merges_its_layers(self) -> None:
         digest = self.upload(self.source)
-        self.create(name="first", files={"model.gguf": digest}, system="One.", template="{{ .Prompt }}",
-                    parameters={"temperature": 0.5, "stop": ["a"]}, messages=({"role": "user", "content": "x"},),
-                    license=("MIT",))
+        self.create(
+            name="first",
+            files={"model.gguf": digest},
+            system="One.",
+            template="{{ .Prompt }}",
+            parameters={"temperature": 0.5, "stop": ["a"]},
+            messages=({"role": "user", "content": "x"},),
+            license=("MIT",),
+        )
         self.lines.clear()
         self.create(name="second", source="first", parameters={"stop": ["b"], "num_predict": 3}, license=("BSD",))
         second = self.successResultOf(ensureDeferred(self.registry.resolve("second")))
@@ -184,11 +235,14 @@ class CreateTests(SynchronousTestCase):
         lora = self.upload(make_test_lora(self.models / "l" / "style.gguf"))
         projector = self.upload(make_test_projector(self.models / "p" / "mmproj.gguf"))
         self.create(files={"model.gguf": model, "mmproj.gguf": projector}, adapters={"style.gguf": lora})
-        self.assertEqual([(d["mediaType"], d["digest"]) for d in self.manifest()["layers"]],
-                         [(MEDIA_PROJECTOR, projector), (MEDIA_MODEL, model), (MEDIA_ADAPTER, lora)])  # by name
+        self.assertEqual(
+            [(d["mediaType"], d["digest"]) for d in self.manifest()["layers"]],
+            [(MEDIA_PROJECTOR, projector), (MEDIA_MODEL, model), (MEDIA_ADAPTER, lora)],
+        )  # by name
         self.assertEqual(self.statuses().count("parsing GGUF"), 3)
-        self.assertIn("is not a LoRA adapter GGUF", str(self.refused(files={"m.gguf": model},
-                                                                     adapters={"a.gguf": model})))
+        self.assertIn(
+            "is not a LoRA adapter GGUF", str(self.refused(files={"m.gguf": model}, adapters={"a.gguf": model}))
+        )
         self.assertIn("no model layer", str(self.refused(files={"a.gguf": lora})))
         self.assertEqual(thd_gguf_kind(blob_path(self.root, lora)), MEDIA_ADAPTER)
 
@@ -219,8 +273,9 @@ class CreateTests(SynchronousTestCase):
         digest = self.upload(self.source)
         d = self.start(files={"model.gguf": digest}, quantize="Q8_0", asked_quantize="Q8_0")
         ((transport, executable, argv, _),) = self.reactor.spawned
-        self.assertEqual((executable, argv[1], argv[3]), ("/e/bin/llama-quantize", str(blob_path(self.root, digest)),
-                                                          "Q8_0"))
+        self.assertEqual(
+            (executable, argv[1], argv[3]), ("/e/bin/llama-quantize", str(blob_path(self.root, digest)), "Q8_0")
+        )
         output = make_test_model(self.models / "q" / "out.gguf", seed=9).path.read_bytes()
         Path(argv[2]).write_bytes(output)
         transport.protocol.childDataReceived(2, b"[   1/  2] a.weight - done\n[   2/  2] b.weight - done\n")
@@ -229,13 +284,18 @@ class CreateTests(SynchronousTestCase):
         self.successResultOf(d)
         size = blob_path(self.root, digest).stat().st_size
         quantizing = [line for line in self.lines if line["status"].startswith("quantizing")]
-        self.assertEqual(quantizing, [
-            {"status": "quantizing F32 model to Q8_0", "digest": QUANTIZE_DIGEST, "total": size, "completed": c}
-            for c in (0, size // 2, size)])
+        self.assertEqual(
+            quantizing,
+            [
+                {"status": "quantizing F32 model to Q8_0", "digest": QUANTIZE_DIGEST, "total": size, "completed": c}
+                for c in (0, size // 2, size)
+            ],
+        )
         model = self.manifest()["layers"][0]
         self.assertEqual(model["digest"], sha(output))
-        self.assertEqual(self.statuses()[-3:], ["verifying conversion", f"creating new layer {sha(output)}",
-                                                "writing manifest"])
+        self.assertEqual(
+            self.statuses()[-3:], ["verifying conversion", f"creating new layer {sha(output)}", "writing manifest"]
+        )
         leftovers = sorted(p.name for p in (self.root / "blobs").iterdir() if p.name.startswith("."))
         self.assertEqual(leftovers, [])
 
@@ -298,15 +358,22 @@ class CreateTests(SynchronousTestCase):
 
     def test_load_time_parameters_are_the_models_settings(self) -> None:
         digest = self.upload(self.source)
-        self.create(files={"model.gguf": digest}, parameters={"num_ctx": 1024, "num_gpu": 0, "num_thread": 2,
-                                                               "use_mmap": False, "main_gpu": 1})
+        self.create(
+            files={"model.gguf": digest},
+            parameters={"num_ctx": 1024, "num_gpu": 0, "num_thread": 2, "use_mmap": False, "main_gpu": 1},
+        )
         entry = self.successResultOf(ensureDeferred(self.registry.resolve("mine")))
         settings = entry.settings
-        self.assertEqual((settings.ctx_size, settings.gpu_layers, settings.threads, settings.use_mmap,
-                          settings.main_gpu), (1024, 0, 2, False, 1))
+        self.assertEqual(
+            (settings.ctx_size, settings.gpu_layers, settings.threads, settings.use_mmap, settings.main_gpu),
+            (1024, 0, 2, False, 1),
+        )
         # the operator's [models."mine"] wins where it says something
-        registry = ModelRegistry(parse_config(
-            f'models_dir = "{self.models}"\nollama_models = "{self.root}"\n[models."mine"]\nthreads = 8\n'),
-            self.reactor)
+        registry = ModelRegistry(
+            parse_config(
+                f'models_dir = "{self.models}"\nollama_models = "{self.root}"\n[models."mine"]\nthreads = 8\n'
+            ),
+            self.reactor,
+        )
         settings = self.successResultOf(ensureDeferred(registry.resolve("mine"))).settings
         self.assertEqual((settings.ctx_size, settings.threads), (1024, 8))

@@ -58,8 +58,9 @@ class UnreadableFileTests(SynchronousTestCase):
     def test_missing_shard(self) -> None:
         first = make_test_model(self.dir / "big-00001-of-00002.gguf").path
         error = self.refused(first, (self.dir / "big-00002-of-00002.gguf",))
-        self.assertEqual(error.reason, "has a missing or unreadable shard, big-00002-of-00002.gguf "
-                                       "(No such file or directory)")
+        self.assertEqual(
+            error.reason, "has a missing or unreadable shard, big-00002-of-00002.gguf (No such file or directory)"
+        )
 
     def test_readable(self) -> None:
         path = make_test_model(self.dir / "m.gguf").path
@@ -107,8 +108,9 @@ class TensorBytesTests(SynchronousTestCase):
 
         n_vocab = len(vocabulary()[0])
         for n_layer, n_embd, n_head, n_ff in [(2, 64, 4, 128), (3, 32, 2, 96)]:
-            path = make_test_model(self.dir / f"m{n_layer}.gguf", n_layer=n_layer, n_embd=n_embd, n_head=n_head,
-                                   n_ff=n_ff).path
+            path = make_test_model(
+                self.dir / f"m{n_layer}.gguf", n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_ff=n_ff
+            ).path
             meta = thd_read_metadata(path)
             block = 4 * (2 * n_embd + 4 * n_embd * n_embd + 3 * n_ff * n_embd)
             self.assertEqual(meta.layer_bytes, (block,) * n_layer)
@@ -166,10 +168,16 @@ class TensorBytesTests(SynchronousTestCase):
             ("gemma3", {}, ()),  # no window: every layer full size
             ("gemma3", {"attention.sliding_window": 512}, (True,) * 5 + (False,) + (True,) * 2),
             ("gemma2", {"attention.sliding_window": 4096}, (True, False) * 4),
-            ("gemma3", {"attention.sliding_window": 512, "attention.sliding_window_pattern": 4},
-             (True, True, True, False) * 2),
-            ("gemma3", {"attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False] * 4},
-             (True, False) * 4),
+            (
+                "gemma3",
+                {"attention.sliding_window": 512, "attention.sliding_window_pattern": 4},
+                (True, True, True, False) * 2,
+            ),
+            (
+                "gemma3",
+                {"attention.sliding_window": 512, "attention.sliding_window_pattern": [True, False] * 4},
+                (True, False) * 4,
+            ),
             ("mistral", {"attention.sliding_window": 4096}, ()),  # not known here: full size, the safe answer
         ]
         for arch, keys, swa in cases:

@@ -33,13 +33,13 @@ class HubTests(SynchronousTestCase):
     def test_split_models_take_every_shard(self) -> None:
         files = [f("big-Q4_K_M-00002-of-00002.gguf"), f("big-Q4_K_M-00001-of-00002.gguf")]
         chosen = choose_files(files, "Q4_K_M")
-        self.assertEqual([c["path"] for c in chosen],
-                         ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"])
+        self.assertEqual(
+            [c["path"] for c in chosen], ["big-Q4_K_M-00001-of-00002.gguf", "big-Q4_K_M-00002-of-00002.gguf"]
+        )
         self.assertEqual(
             [p.name for p in target_paths(Path("/m"), HubName("u", "r", "Q4_K_M"), chosen)],
             ["Q4_K_M-00001-of-00002.gguf", "Q4_K_M-00002-of-00002.gguf"],
         )
-
 
     def test_the_projector_is_the_f16_one_else_the_first(self) -> None:
         model = f("m-Q4_K_M.gguf")
@@ -65,9 +65,17 @@ class MemoryHub:
 
         @app.route("/api/models/u/r/tree/main")
         def tree(request: object) -> bytes:
-            return json.dumps([{"type": "file", "path": path, "size": len(data),
-                                "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)}}
-                               for path, data in self.files.items()]).encode()
+            return json.dumps(
+                [
+                    {
+                        "type": "file",
+                        "path": path,
+                        "size": len(data),
+                        "lfs": {"oid": hashlib.sha256(data).hexdigest(), "size": len(data)},
+                    }
+                    for path, data in self.files.items()
+                ]
+            ).encode()
 
         @app.route("/u/r/resolve/main/<path:path>")
         def resolve(request: object, path: str) -> bytes:
@@ -91,9 +99,16 @@ class LyingHub:
 
         @app.route("/api/models/u/r/tree/main")
         def tree(request: object) -> bytes:
-            return json.dumps([{"type": "file", "path": "r-Q4_K_M.gguf", "size": len(self.listed),
-                                "lfs": {"oid": hashlib.sha256(self.listed).hexdigest(),
-                                        "size": len(self.listed)}}]).encode()
+            return json.dumps(
+                [
+                    {
+                        "type": "file",
+                        "path": "r-Q4_K_M.gguf",
+                        "size": len(self.listed),
+                        "lfs": {"oid": hashlib.sha256(self.listed).hexdigest(), "size": len(self.listed)},
+                    }
+                ]
+            ).encode()
 
         @app.route("/u/r/resolve/main/r-Q4_K_M.gguf")
         def resolve(request: object) -> bytes:
@@ -109,8 +124,13 @@ class HubDownloadTests(SynchronousTestCase):
     partial file to resume from.
     """
 
-    def pull(self, hub: LyingHub | MemoryHub, tag: str = "Q4_K_M", models: Path | None = None,
-             lines: list[dict[str, Any]] | None = None) -> tuple[Path, Any]:
+    def pull(
+        self,
+        hub: LyingHub | MemoryHub,
+        tag: str = "Q4_K_M",
+        models: Path | None = None,
+        lines: list[dict[str, Any]] | None = None,
+    ) -> tuple[Path, Any]:
         from treq.client import HTTPClient
         from treq.testing import StubTreq
         from twisted.internet.defer import ensureDeferred
@@ -131,8 +151,14 @@ class HubDownloadTests(SynchronousTestCase):
         progress lines, and not fetched again for another quant.
         """
         weights, other, projector = b"GGUF q4" * 10, b"GGUF q8" * 10, b"GGUF projector f16" * 5
-        hub = MemoryHub({"r-Q4_K_M.gguf": weights, "r-Q8_0.gguf": other, "mmproj-r-BF16.gguf": b"GGUF bf16",
-                         "mmproj-r-F16.gguf": projector})
+        hub = MemoryHub(
+            {
+                "r-Q4_K_M.gguf": weights,
+                "r-Q8_0.gguf": other,
+                "mmproj-r-BF16.gguf": b"GGUF bf16",
+                "mmproj-r-F16.gguf": projector,
+            }
+        )
         lines: list[dict[str, Any]] = []
         models, d = self.pull(hub, lines=lines)
         folder = models / "hf.co" / "u" / "r"
@@ -141,26 +167,39 @@ class HubDownloadTests(SynchronousTestCase):
         self.assertEqual(sorted(p.name for p in folder.iterdir()), ["Q4_K_M.gguf", "mmproj-r-F16.gguf"])
         sha = hashlib.sha256(projector).hexdigest()
         mine = [line for line in lines if line.get("digest") == f"sha256:{sha}"]
-        self.assertEqual(mine[0], {"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}",
-                                   "total": len(projector), "completed": 0})
+        self.assertEqual(
+            mine[0],
+            {"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": len(projector), "completed": 0},
+        )
         self.assertEqual(mine[-1]["completed"], len(projector))
-        self.assertEqual([line["status"] for line in lines][-3:], ["verifying sha256 digest", "writing manifest",
-                                                                   "success"])
+        self.assertEqual(
+            [line["status"] for line in lines][-3:], ["verifying sha256 digest", "writing manifest", "success"]
+        )
         # another quant of the repository: its projector is there already
         lines.clear()
         _, d = self.pull(hub, "Q8_0", models, lines)
         self.successResultOf(d)
         self.assertEqual(hub.downloads, {"r-Q4_K_M.gguf": 1, "mmproj-r-F16.gguf": 1, "r-Q8_0.gguf": 1})
-        self.assertIn({"status": f"pulling {sha[:12]}", "digest": f"sha256:{sha}", "total": len(projector),
-                       "completed": len(projector)}, lines)
+        self.assertIn(
+            {
+                "status": f"pulling {sha[:12]}",
+                "digest": f"sha256:{sha}",
+                "total": len(projector),
+                "completed": len(projector),
+            },
+            lines,
+        )
         self.assertEqual(sorted(p.name for p in folder.iterdir()), ["Q4_K_M.gguf", "Q8_0.gguf", "mmproj-r-F16.gguf"])
 
     def test_more_than_listed_is_stopped_and_removed(self) -> None:
         models, d = self.pull(LyingHub(b"GGUF" * 8, b"GGUF" * 8 + b"x" * 4096))
         error = self.failureResultOf(d, PullError).value
-        self.assertEqual(str(error), "http://hub.test sent more of r-Q4_K_M.gguf than the 32 bytes its listing "
-                         "gives; the download was stopped and its partial file removed. Check hf_endpoint in "
-                         "the config, then pull again")
+        self.assertEqual(
+            str(error),
+            "http://hub.test sent more of r-Q4_K_M.gguf than the 32 bytes its listing "
+            "gives; the download was stopped and its partial file removed. Check hf_endpoint in "
+            "the config, then pull again",
+        )
         self.assertEqual(error.status, 502)
         self.assertEqual([p for p in models.rglob("*") if p.is_file()], [])
 
@@ -169,8 +208,10 @@ class HubDownloadTests(SynchronousTestCase):
         hub = LyingHub(data, data[:10])
         models, d = self.pull(hub)
         error = self.failureResultOf(d, PullError).value
-        self.assertEqual(str(error), "download of r-Q4_K_M.gguf ended after 10 of the 32 bytes the hub's listing "
-                         "gives; pull again to resume")
+        self.assertEqual(
+            str(error),
+            "download of r-Q4_K_M.gguf ended after 10 of the 32 bytes the hub's listing gives; pull again to resume",
+        )
         (partial,) = (models / ".partial").iterdir()
         self.assertEqual(partial.read_bytes(), data[:10])
         self.assertFalse((models / "hf.co").exists())

@@ -18,20 +18,25 @@ from treq.testing import RequestTraversalAgent
 from twisted.internet.defer import Deferred, ensureDeferred, succeed
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
-from twisted.web.resource import Resource
 from twisted.web.iweb import IBodyProducer
+from twisted.web.resource import Resource
 from twisted.web.server import NOT_DONE_YET, Request
 from zope.interface import implementer
 
 from blazar.models import ollama_store as store
 from blazar.models.hub import PullError
 from blazar.models.ollama_registry import (
-    Part, RegistryClient, plan_parts, thd_discard_download, thd_finish_download, thd_open_download,
-    thd_partial_bytes, thd_write_part,
+    Part,
+    RegistryClient,
+    plan_parts,
+    thd_discard_download,
+    thd_finish_download,
+    thd_open_download,
+    thd_partial_bytes,
+    thd_write_part,
 )
 from blazar.models.ollama_store import DigestMismatch, blob_path, layer, make_manifest, parse_name, partial_path
 from blazar.testing import fake_process_reactor
-
 from tests.typed import not_none
 
 
@@ -122,7 +127,7 @@ class BookkeepingTests(SynchronousTestCase):
     def test_finished_only_when_the_digest_matches(self) -> None:
         parts = self.open()
         for p in parts:
-            thd_write_part(self.root, self.digest, p, p.offset, self.data[p.offset:p.offset + p.size], p.size)
+            thd_write_part(self.root, self.digest, p, p.offset, self.data[p.offset : p.offset + p.size], p.size)
         path = thd_finish_download(self.root, self.digest)
         self.assertEqual(path.read_bytes(), self.data)
         self.assertEqual(sorted(f.name for f in (self.root / "blobs").iterdir()), [path.name])
@@ -195,8 +200,9 @@ class MemoryRegistry(Resource):
             return json.dumps({"token": self.token}).encode()
         if self.token is not None and request.getHeader("authorization") != f"Bearer {self.token}":
             request.setResponseCode(401)
-            request.setHeader("www-authenticate",
-                              'Bearer realm="http://registry.test/token",service="test",scope="repository:x:pull"')
+            request.setHeader(
+                "www-authenticate", 'Bearer realm="http://registry.test/token",service="test",scope="repository:x:pull"'
+            )
             return b'{"errors":[{"code":"UNAUTHORIZED"}]}'
         if m := re.fullmatch(r"/cdn/(sha256:[0-9a-f]{64})", path):
             return self._blob(request, m[1])
@@ -256,7 +262,7 @@ class MemoryRegistry(Resource):
             start, end = int(a), int(b)
             request.setResponseCode(206)
             request.setHeader("content-range", f"bytes {start}-{end}/{len(data)}")
-        body = data[start:end + 1]
+        body = data[start : end + 1]
         if self.stall_after is not None:
             request.setHeader("content-length", str(len(body)))
             sent = body[: self.stall_after]
@@ -278,9 +284,14 @@ class RegistryCase(SynchronousTestCase):
         http = HTTPClient(self.agent, data_to_body_producer=body_producer)
         self.client = RegistryClient(self.reactor, "http://registry.test", http=http, min_part=1000, stall=30.0)
         self.weights = bytes(range(256)) * 20  # 5120 bytes: 4 parts of 1280
-        self.server.put_model("library/tiny", "latest", {
-            store.MEDIA_MODEL: self.weights, store.MEDIA_SYSTEM: b"Be brief.",
-        })
+        self.server.put_model(
+            "library/tiny",
+            "latest",
+            {
+                store.MEDIA_MODEL: self.weights,
+                store.MEDIA_SYSTEM: b"Be brief.",
+            },
+        )
         self.lines: list[dict[str, Any]] = []
 
     def drive(self, d: Deferred[Any]) -> Any:
@@ -305,8 +316,9 @@ class PullTests(RegistryCase):
         self.assertEqual({k for line in self.lines for k in line}, {"status", "digest", "total", "completed"})
         weights = sha(self.weights)
         mine = [line for line in self.lines if line.get("digest") == weights]
-        self.assertEqual(mine[0], {"status": f"pulling {weights[7:19]}", "digest": weights, "total": 5120,
-                                   "completed": 0})
+        self.assertEqual(
+            mine[0], {"status": f"pulling {weights[7:19]}", "digest": weights, "total": 5120, "completed": 0}
+        )
         self.assertEqual(mine[-1]["completed"], 5120)
         self.assertEqual([line["completed"] for line in mine], sorted(line["completed"] for line in mine))
         self.assertEqual(self.server.served, 5120 + len(b"Be brief.") + len(b'{"model_format":"gguf"}'))
@@ -321,8 +333,10 @@ class PullTests(RegistryCase):
         (model,) = store.thd_models(self.root)
         self.assertEqual((model.name.display, model.system, model.digest), ("tiny:latest", "Be brief.", sha(raw)))
         self.assertEqual(model.model.read_bytes(), self.weights)
-        self.assertEqual(sorted(p.name for p in (self.root / "blobs").iterdir()),
-                         sorted(blob_path(self.root, d).name for d in self.server.blobs))
+        self.assertEqual(
+            sorted(p.name for p in (self.root / "blobs").iterdir()),
+            sorted(blob_path(self.root, d).name for d in self.server.blobs),
+        )
 
     def test_a_second_pull_fetches_nothing(self) -> None:
         self.successResultOf(self.pull())
@@ -415,9 +429,14 @@ class PullTests(RegistryCase):
     def test_anonymous_token(self) -> None:
         self.server.token = "t0k"
         self.successResultOf(self.pull())
-        self.assertEqual(self.server.requests[:3], [
-            ("GET", "/v2/library/tiny/manifests/latest"), ("GET", "/token"),
-            ("GET", "/v2/library/tiny/manifests/latest")])
+        self.assertEqual(
+            self.server.requests[:3],
+            [
+                ("GET", "/v2/library/tiny/manifests/latest"),
+                ("GET", "/token"),
+                ("GET", "/v2/library/tiny/manifests/latest"),
+            ],
+        )
 
     def test_an_expired_token_is_replaced(self) -> None:
         self.server.token = "t0k"
@@ -426,9 +445,14 @@ class PullTests(RegistryCase):
         self.server.put_model("library/other", "latest", {store.MEDIA_MODEL: b"other weights"})
         self.server.requests.clear()
         self.successResultOf(self.pull("other"))
-        self.assertEqual(self.server.requests[:3], [
-            ("GET", "/v2/library/other/manifests/latest"), ("GET", "/token"),
-            ("GET", "/v2/library/other/manifests/latest")])
+        self.assertEqual(
+            self.server.requests[:3],
+            [
+                ("GET", "/v2/library/other/manifests/latest"),
+                ("GET", "/token"),
+                ("GET", "/v2/library/other/manifests/latest"),
+            ],
+        )
         # a pull of the first repository again uses the new token too
         self.server.requests.clear()
         self.successResultOf(self.pull())
@@ -438,8 +462,11 @@ class PullTests(RegistryCase):
         self.server.token = "t0k"
         self.successResultOf(self.pull())
         self.server.authorizations.clear()
-        self.drive(ensureDeferred(self.client.pull(
-            parse_name("other.test/library/tiny"), self.root, self.lines.append, insecure=True)))
+        self.drive(
+            ensureDeferred(
+                self.client.pull(parse_name("other.test/library/tiny"), self.root, self.lines.append, insecure=True)
+            )
+        )
         (first, *_) = self.server.authorizations
         self.assertEqual(first, ("other.test", None))
 
@@ -476,8 +503,7 @@ class ConcurrentPullTests(RegistryCase):
     def test_pulls_of_one_blob_wait_for_each_other_even_when_one_fails(self) -> None:
         # the system prompt's blob is refused once: the pull that fetches it first fails
         self.server.refuse[sha(b"Be brief.")] = 1
-        pulls = [ensureDeferred(self.client.pull(parse_name("tiny"), self.root, self.lines.append))
-                 for _ in range(3)]
+        pulls = [ensureDeferred(self.client.pull(parse_name("tiny"), self.root, self.lines.append)) for _ in range(3)]
         for _ in range(2000):
             if all(d.called for d in pulls):
                 break
@@ -519,8 +545,9 @@ class PushTests(RegistryCase):
         self.assertEqual(statuses[-2:], ["pushing manifest", "success"])
         weights = sha(self.weights)
         mine = [line for line in self.lines if line.get("digest") == weights]
-        self.assertEqual(mine[0], {"status": f"pushing {weights[7:19]}", "digest": weights, "total": 5120,
-                                   "completed": 0})
+        self.assertEqual(
+            mine[0], {"status": f"pushing {weights[7:19]}", "digest": weights, "total": 5120, "completed": 0}
+        )
         self.assertEqual(mine[-1]["completed"], 5120)
 
     def test_blobs_there_already_are_skipped(self) -> None:

@@ -13,7 +13,14 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.models import ollama_store as store
 from blazar.models.ollama_store import (
-    DigestMismatch, InvalidName, OllamaName, StoreError, blob_path, layer, make_manifest, parse_name,
+    DigestMismatch,
+    InvalidName,
+    OllamaName,
+    StoreError,
+    blob_path,
+    layer,
+    make_manifest,
+    parse_name,
 )
 
 
@@ -45,8 +52,20 @@ class NameTests(SynchronousTestCase):
         self.assertEqual(parse_name("Qwen3:Latest").key(), parse_name("qwen3").key())
 
     def test_refused(self) -> None:
-        for bad in ["", ":tag", "a/b/c/d", "-x", "x:-t", "ns.dot/m", "a b", "m@sha256:00", "x:" + "t" * 81,
-                    "../x", "m/..", "a/:t"]:
+        for bad in [
+            "",
+            ":tag",
+            "a/b/c/d",
+            "-x",
+            "x:-t",
+            "ns.dot/m",
+            "a b",
+            "m@sha256:00",
+            "x:" + "t" * 81,
+            "../x",
+            "m/..",
+            "a/:t",
+        ]:
             with self.subTest(bad=bad):
                 self.assertRaises(InvalidName, parse_name, bad)
 
@@ -84,8 +103,10 @@ class ManifestTests(SynchronousTestCase):
         a = self.model("tiny")
         b = self.model("me/other:v2")
         listed = store.thd_list(self.root)
-        self.assertEqual(sorted((n.display, m == (a if n.model == "tiny" else b)) for n, m in listed),
-                         [("me/other:v2", True), ("tiny:latest", True)])
+        self.assertEqual(
+            sorted((n.display, m == (a if n.model == "tiny" else b)) for n, m in listed),
+            [("me/other:v2", True), ("tiny:latest", True)],
+        )
         self.assertEqual(store.thd_read_manifest(self.root, parse_name("TINY:latest")), a)
 
     def test_list_skips_junk(self) -> None:
@@ -142,12 +163,14 @@ class ManifestTests(SynchronousTestCase):
             self.assertEqual(store.held_digests(self.root), {weights})
             self.assertEqual(store.thd_delete_manifest(self.root, parse_name("tiny")), [config])
             self.assertTrue(store.thd_has_blob(self.root, weights))
-            other = make_manifest(layer(store.MEDIA_CONFIG, store.thd_add_bytes(self.root, b"{}"), 2),
-                                  [manifest["layers"][0]])
+            other = make_manifest(
+                layer(store.MEDIA_CONFIG, store.thd_add_bytes(self.root, b"{}"), 2), [manifest["layers"][0]]
+            )
             store.thd_write_manifest(self.root, parse_name("other"), other)
         self.assertEqual(store.held_digests(self.root), set())
-        self.assertEqual(sorted(store.thd_delete_manifest(self.root, parse_name("other"))),
-                         sorted([weights, sha(b"{}")]))
+        self.assertEqual(
+            sorted(store.thd_delete_manifest(self.root, parse_name("other"))), sorted([weights, sha(b"{}")])
+        )
         self.assertEqual(list((self.root / "blobs").iterdir()), [])  # (no renamed blob left behind)
 
     def test_holds_count(self) -> None:
@@ -197,11 +220,21 @@ class SweepTests(SynchronousTestCase):
         tag.mkdir(parents=True)
         blobs.mkdir()
         hexd = "a" * 64
-        stale = [blobs / ".tmp-upload-x1y2", blobs / f".tmp-sha256-{hexd}-0a0b", blobs / ".tmp-quantize-1f.gguf",
-                 blobs / "..tmp-quantize-1f.gguf.0c0d.quantizing", blobs / f".sha256-{hexd}-partial-2.tmp",
-                 tag / ".tmp-latest-0e0f"]
-        kept = [blobs / f"sha256-{hexd}", blobs / f"sha256-{hexd}-partial", blobs / f"sha256-{hexd}-partial-0",
-                tag / "latest", root / store.LOCK_FILE]
+        stale = [
+            blobs / ".tmp-upload-x1y2",
+            blobs / f".tmp-sha256-{hexd}-0a0b",
+            blobs / ".tmp-quantize-1f.gguf",
+            blobs / "..tmp-quantize-1f.gguf.0c0d.quantizing",
+            blobs / f".sha256-{hexd}-partial-2.tmp",
+            tag / ".tmp-latest-0e0f",
+        ]
+        kept = [
+            blobs / f"sha256-{hexd}",
+            blobs / f"sha256-{hexd}-partial",
+            blobs / f"sha256-{hexd}-partial-0",
+            tag / "latest",
+            root / store.LOCK_FILE,
+        ]
         for path in stale + kept:
             path.write_bytes(b"x")
             os.utime(path, (1000.0, 1000.0))
@@ -271,12 +304,17 @@ class LayersTests(SynchronousTestCase):
         projector = store.thd_add_bytes(root, b"GGUF proj")
         adapter = store.thd_add_bytes(root, b"GGUF lora")
         texts = {
-            store.MEDIA_TEMPLATE: b"{{ .Prompt }}", store.MEDIA_SYSTEM: b"Be brief.",
+            store.MEDIA_TEMPLATE: b"{{ .Prompt }}",
+            store.MEDIA_SYSTEM: b"Be brief.",
             store.MEDIA_PARAMS: b'{"num_ctx": 4096, "stop": ["<|im_end|>"]}',
-            store.MEDIA_MESSAGES: b'[{"role": "user", "content": "hi"}]', store.MEDIA_LICENSE: b"MIT",
+            store.MEDIA_MESSAGES: b'[{"role": "user", "content": "hi"}]',
+            store.MEDIA_LICENSE: b"MIT",
         }
-        layers = [layer(store.MEDIA_MODEL, weights, 8), layer(store.MEDIA_PROJECTOR, projector, 9),
-                  layer(store.MEDIA_ADAPTER, adapter, 9)]
+        layers = [
+            layer(store.MEDIA_MODEL, weights, 8),
+            layer(store.MEDIA_PROJECTOR, projector, 9),
+            layer(store.MEDIA_ADAPTER, adapter, 9),
+        ]
         layers += [layer(media, store.thd_add_bytes(root, data), len(data)) for media, data in texts.items()]
         config = store.thd_add_bytes(root, b'{"model_family": "llama"}')
         manifest = make_manifest(layer(store.MEDIA_CONFIG, config, 25), layers)
@@ -321,10 +359,12 @@ class RegistryStoreTests(SynchronousTestCase):
         self.models.mkdir(parents=True)
         self.root = base / "store"
         self.gguf = make_test_model(base / "tiny.gguf").path
-        self.manifest = store.thd_put_model(self.root, parse_name("me/tiny:v1"), self.gguf,
-                                            {store.MEDIA_SYSTEM: b"Be brief."})
+        self.manifest = store.thd_put_model(
+            self.root, parse_name("me/tiny:v1"), self.gguf, {store.MEDIA_SYSTEM: b"Be brief."}
+        )
         self.registry = ModelRegistry(
-            parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"\n'), fake_process_reactor())
+            parse_config(f'models_dir = "{self.models}"\nollama_models = "{self.root}"\n'), fake_process_reactor()
+        )
 
     def resolve(self, name: str):
         from twisted.internet.defer import ensureDeferred
@@ -352,8 +392,10 @@ class RegistryStoreTests(SynchronousTestCase):
         self.assertEqual(copied, "tiny2:latest")
         copy = self.resolve("tiny2")
         self.assertEqual(copy.path, entry.path)
-        self.assertEqual((self.root / "manifests" / "registry.ollama.ai" / "library" / "tiny2" / "latest").read_bytes(),
-                         store.manifest_bytes(self.manifest))
+        self.assertEqual(
+            (self.root / "manifests" / "registry.ollama.ai" / "library" / "tiny2" / "latest").read_bytes(),
+            store.manifest_bytes(self.manifest),
+        )
         self.successResultOf(ensureDeferred(self.registry.remove(entry)))
         self.assertTrue(copy.path.exists())
         self.successResultOf(ensureDeferred(self.registry.remove(copy)))

@@ -29,31 +29,43 @@ class PairTests(SynchronousTestCase):
         d = Path("/m")
         models = [d / "gemma-3-4b-it-Q4_K_M.gguf", d / "qwen2.5-vl-7b-Q8_0.gguf", d / "tiny.gguf", d / "tiny2.gguf"]
         projectors = [d / "mmproj-gemma-3-4b-it-f16.gguf", d / "Qwen2.5-VL-7B-mmproj-F16.gguf", d / "tiny.mmproj.gguf"]
-        self.assertEqual(pair_projectors(models, projectors, never), {
-            d / "gemma-3-4b-it-Q4_K_M.gguf": d / "mmproj-gemma-3-4b-it-f16.gguf",
-            d / "qwen2.5-vl-7b-Q8_0.gguf": d / "Qwen2.5-VL-7B-mmproj-F16.gguf",
-            d / "tiny.gguf": d / "tiny.mmproj.gguf",  # and not tiny2: a name matches up to a "-"
-        })
+        self.assertEqual(
+            pair_projectors(models, projectors, never),
+            {
+                d / "gemma-3-4b-it-Q4_K_M.gguf": d / "mmproj-gemma-3-4b-it-f16.gguf",
+                d / "qwen2.5-vl-7b-Q8_0.gguf": d / "Qwen2.5-VL-7B-mmproj-F16.gguf",
+                d / "tiny.gguf": d / "tiny.mmproj.gguf",  # and not tiny2: a name matches up to a "-"
+            },
+        )
 
     def test_the_longest_name_wins(self) -> None:
         d = Path("/m")
         models = [d / "x-vl-Q4_0.gguf", d / "x-Q4_0.gguf"]
         projectors = [d / "mmproj-x.gguf", d / "mmproj-x-vl.gguf"]
-        self.assertEqual(pair_projectors(models, projectors, never),
-                         {d / "x-vl-Q4_0.gguf": d / "mmproj-x-vl.gguf", d / "x-Q4_0.gguf": d / "mmproj-x.gguf"})
+        self.assertEqual(
+            pair_projectors(models, projectors, never),
+            {d / "x-vl-Q4_0.gguf": d / "mmproj-x-vl.gguf", d / "x-Q4_0.gguf": d / "mmproj-x.gguf"},
+        )
 
     def test_a_generic_name_serves_a_folders_only_model_or_a_shared_folder(self) -> None:
         alone, flat, repo = Path("/a"), Path("/flat"), Path("/hf.co/u/r")
         models = [alone / "only.gguf", flat / "one.gguf", flat / "two.gguf", repo / "Q4_K_M.gguf", repo / "Q8_0.gguf"]
-        projectors = [alone / "mmproj-F16.gguf", flat / "mmproj-model-f16.gguf", repo / "mmproj-BF16.gguf",
-                      repo / "mmproj-F16.gguf"]
+        projectors = [
+            alone / "mmproj-F16.gguf",
+            flat / "mmproj-model-f16.gguf",
+            repo / "mmproj-BF16.gguf",
+            repo / "mmproj-F16.gguf",
+        ]
         pairs = pair_projectors(models, projectors, lambda folder: folder == repo)
-        self.assertEqual(pairs, {
-            alone / "only.gguf": alone / "mmproj-F16.gguf",
-            # each of a pulled repository's quantizations: its first projector by name
-            repo / "Q4_K_M.gguf": repo / "mmproj-BF16.gguf",
-            repo / "Q8_0.gguf": repo / "mmproj-BF16.gguf",
-        })  # and in a folder of two models, a name that names neither serves neither
+        self.assertEqual(
+            pairs,
+            {
+                alone / "only.gguf": alone / "mmproj-F16.gguf",
+                # each of a pulled repository's quantizations: its first projector by name
+                repo / "Q4_K_M.gguf": repo / "mmproj-BF16.gguf",
+                repo / "Q8_0.gguf": repo / "mmproj-BF16.gguf",
+            },
+        )  # and in a folder of two models, a name that names neither serves neither
 
     def test_a_projector_elsewhere_serves_nothing(self) -> None:
         self.assertEqual(pair_projectors([Path("/a/m.gguf")], [Path("/b/mmproj-m.gguf")], never), {})
@@ -94,8 +106,10 @@ class ScanTests(SynchronousTestCase):
         touch(repo / "Q8_0.gguf")
         touch(repo / "mmproj-F16.gguf")
         found = thd_scan(self.dir, {})
-        self.assertEqual({e.name: e.projector for e in found.values()},
-                         {"hf.co/u/r:Q4_K_M": repo / "mmproj-F16.gguf", "hf.co/u/r:Q8_0": repo / "mmproj-F16.gguf"})
+        self.assertEqual(
+            {e.name: e.projector for e in found.values()},
+            {"hf.co/u/r:Q4_K_M": repo / "mmproj-F16.gguf", "hf.co/u/r:Q8_0": repo / "mmproj-F16.gguf"},
+        )
 
     def test_an_alias_has_its_originals_projector(self) -> None:
         touch(self.dir / "seer.gguf")
@@ -130,7 +144,7 @@ class ScanTests(SynchronousTestCase):
 
     def test_mmproj_must_be_a_path(self) -> None:
         with self.assertRaises(ConfigError) as e:
-            parse_config('[models.x]\nmmproj = 3\n')
+            parse_config("[models.x]\nmmproj = 3\n")
         self.assertIn("models.x.mmproj", str(e.exception))
 
 

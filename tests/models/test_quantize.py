@@ -13,7 +13,13 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.models.quantize import (
-    QuantizeError, QuantizeProtocol, ollama_name, quant_type, quantize, quantized_name, thd_check_source,
+    QuantizeError,
+    QuantizeProtocol,
+    ollama_name,
+    quant_type,
+    quantize,
+    quantized_name,
+    thd_check_source,
 )
 from blazar.models.testmodel import make_test_lora, make_test_model
 from blazar.testing import fake_process_reactor
@@ -40,11 +46,18 @@ def quantized_model(path: Path, file_type: int = 7) -> Path:
 
 class TypeTests(SynchronousTestCase):
     def test_names_in_any_case_as_ollama_takes_them(self) -> None:
-        for given, name in [("q4_K_M", "Q4_K_M"), ("Q4_k_s", "Q4_K_S"), ("q8_0", "Q8_0"), (" F16 ", "F16"),
-                            ("iq4_xs", "IQ4_XS"), ("q4_k", "Q4_K")]:
+        for given, name in [
+            ("q4_K_M", "Q4_K_M"),
+            ("Q4_k_s", "Q4_K_S"),
+            ("q8_0", "Q8_0"),
+            (" F16 ", "F16"),
+            ("iq4_xs", "IQ4_XS"),
+            ("q4_k", "Q4_K"),
+        ]:
             self.assertEqual(quant_type(given), name)
-        self.assertEqual([ollama_name(t) for t in ("Q4_K_M", "Q8_0", "F16", "IQ4_XS")],
-                         ["q4_K_M", "q8_0", "F16", "IQ4_XS"])
+        self.assertEqual(
+            [ollama_name(t) for t in ("Q4_K_M", "Q8_0", "F16", "IQ4_XS")], ["q4_K_M", "q8_0", "F16", "IQ4_XS"]
+        )
 
     def test_unknown_and_imatrix_types_are_refused(self) -> None:
         with self.assertRaises(QuantizeError) as cm:
@@ -119,7 +132,7 @@ class ProtocolTests(SynchronousTestCase):
         seen: list[tuple[int, int]] = []
         child = QuantizeProtocol(lambda done, total: seen.append((done, total)))
         for i in range(0, len(OUTPUT), 37):
-            child.childDataReceived(2, OUTPUT[i:i + 37])
+            child.childDataReceived(2, OUTPUT[i : i + 37])
         self.assertEqual(seen, [(1, 3), (2, 3), (3, 3)])
         self.assertEqual(child.total, 3)
         self.assertIsNone(child.reason)
@@ -128,9 +141,12 @@ class ProtocolTests(SynchronousTestCase):
     def test_a_failure_is_quoted_and_a_long_line_is_cut(self) -> None:
         child = QuantizeProtocol(lambda done, total: None)
         child.childDataReceived(1, b"x" * 100_000 + b"\n")
-        child.childDataReceived(2, b"[   1/   9] blk.0.attn_q.weight - [64, 64, 1, 1], type = q8_0, "
-                                   b"llama_model_quantize: failed to quantize: requantizing from type q8_0 is "
-                                   b"disabled\n")
+        child.childDataReceived(
+            2,
+            b"[   1/   9] blk.0.attn_q.weight - [64, 64, 1, 1], type = q8_0, "
+            b"llama_model_quantize: failed to quantize: requantizing from type q8_0 is "
+            b"disabled\n",
+        )
         self.assertEqual(child.reason, "requantizing from type q8_0 is disabled")
         self.assertLessEqual(len(child.tail[0]), 8192)
 
@@ -160,9 +176,17 @@ class QuantizeTests(SynchronousTestCase):
         self.seen: list[tuple[int, int]] = []
 
     def start(self, qtype: str = "q8_0") -> Deferred[None]:
-        return Deferred.fromCoroutine(quantize(
-            self.reactor, Path("/e/bin/llama-quantize"), self.source, self.target, qtype,
-            lambda done, total: self.seen.append((done, total)), environ={"PATH": "/bin", "LLAMA_ARG_CTX_SIZE": "9"}))
+        return Deferred.fromCoroutine(
+            quantize(
+                self.reactor,
+                Path("/e/bin/llama-quantize"),
+                self.source,
+                self.target,
+                qtype,
+                lambda done, total: self.seen.append((done, total)),
+                environ={"PATH": "/bin", "LLAMA_ARG_CTX_SIZE": "9"},
+            )
+        )
 
     def leftovers(self) -> list[str]:
         return sorted(p.name for p in self.target.parent.iterdir())
@@ -222,8 +246,12 @@ class QuantizeTests(SynchronousTestCase):
 
     def test_refused_before_anything_runs(self) -> None:
         self.failureResultOf(self.start("q9_9"), QuantizeError)
-        self.failureResultOf(Deferred.fromCoroutine(quantize(
-            self.reactor, Path("/q"), self.source, self.source, "q8_0", lambda done, total: None)), QuantizeError)
+        self.failureResultOf(
+            Deferred.fromCoroutine(
+                quantize(self.reactor, Path("/q"), self.source, self.source, "q8_0", lambda done, total: None)
+            ),
+            QuantizeError,
+        )
         self.source = make_test_lora(self.dir / "a.gguf")
         self.failureResultOf(self.start(), QuantizeError)
         self.assertEqual(self.reactor.spawned, [])

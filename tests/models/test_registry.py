@@ -39,8 +39,7 @@ class ScanTests(SynchronousTestCase):
     def test_configured_names(self) -> None:
         touch(self.dir / "a.gguf")
         config = parse_config(
-            f'models_dir = "{self.dir}"\n[models."chat:7b"]\npath = "a.gguf"\n'
-            '[models.a]\nctx_size = 512\n'
+            f'models_dir = "{self.dir}"\n[models."chat:7b"]\npath = "a.gguf"\n[models.a]\nctx_size = 512\n'
         )
         found = thd_scan(self.dir, config.models)
         self.assertEqual(found["chat:7b"].path, self.dir / "a.gguf")
@@ -117,14 +116,18 @@ class UnreadableModelTests(SynchronousTestCase):
         """
         The reader meets EACCES (as on a file of mode 000, unless root).
         """
+
         def read(path: Path, shards: tuple[Path, ...]) -> GGUFMetadata:
             raise unreadable(path, PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path)))
 
         self.registry._read = read
         error = self.unreadable(self.registry.metadata(self.entry))
-        self.assertEqual(str(error), 'model "x:latest": its file cannot be read (Permission denied); check the '
-                         "file's permissions: the daemon's user must be able to read it (the daemon log names "
-                         "the file)")
+        self.assertEqual(
+            str(error),
+            'model "x:latest": its file cannot be read (Permission denied); check the '
+            "file's permissions: the daemon's user must be able to read it (the daemon log names "
+            "the file)",
+        )
 
     def test_not_gguf(self) -> None:
         self.path.write_bytes(b"not a model" * 10)
@@ -171,8 +174,9 @@ class AdapterTests(SynchronousTestCase):
         self.not_lora = make_test_model(self.dir / "adapters" / "model.gguf").path
 
     def registry(self, lora: str) -> ModelRegistry:
-        return ModelRegistry(parse_config(f'models_dir = "{self.dir}"\n[models.x]\nlora = {lora}\n'),
-                             fake_process_reactor())
+        return ModelRegistry(
+            parse_config(f'models_dir = "{self.dir}"\n[models.x]\nlora = {lora}\n'), fake_process_reactor()
+        )
 
     def test_the_config_sets_the_entrys_adapters(self) -> None:
         registry = self.registry('["adapters/style.gguf", {path = "adapters/style.gguf", scale = 0.5}]')
@@ -187,8 +191,13 @@ class AdapterTests(SynchronousTestCase):
         entry = self.successResultOf(ensureDeferred(registry.resolve("x")))
         error = self.failureResultOf(ensureDeferred(registry.metadata(entry)), AdapterUnusable).value
         self.assertIsInstance(error, ModelUnreadable)  # rendered as the surfaces render an unreadable model
-        self.assertTrue(str(error).startswith('model "x:latest": LoRA adapter 2 of 2 is not a LoRA adapter GGUF '
-                                              "(it has no general.type: a model file;"), str(error))
+        self.assertTrue(
+            str(error).startswith(
+                'model "x:latest": LoRA adapter 2 of 2 is not a LoRA adapter GGUF '
+                "(it has no general.type: a model file;"
+            ),
+            str(error),
+        )
         self.assertIn("check its lora list", str(error))
         self.assertNotIn(str(self.dir), str(error))
         self.assertEqual(error.log_detail, f"file {self.not_lora}")

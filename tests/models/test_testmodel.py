@@ -34,8 +34,10 @@ class TestModelTests(SynchronousTestCase):
             if path.name == "testing.py":
                 continue
             for node in ast.walk(ast.parse(path.read_text())):
-                names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
-                    [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                names = (
+                    [node.module or ""]
+                    if isinstance(node, ast.ImportFrom)
+                    else ([a.name for a in node.names] if isinstance(node, ast.Import) else [])
                 )
                 offenders += [str(path.relative_to(PACKAGE)) for n in names if n == "blazar.testing"]
         self.assertEqual(offenders, [])
@@ -51,15 +53,35 @@ class MakeTestVerbTests(SynchronousTestCase):
         from blazar.cli import main
 
         path = Path(self.mktemp()) / "long.gguf"
-        self.assertEqual(main(["models", "make-test", str(path), "--ctx", "131072", "--embd", "128",
-                               "--heads", "8", "--layers", "3", "--template", "thinking"]), 0)
+        self.assertEqual(
+            main(
+                [
+                    "models",
+                    "make-test",
+                    str(path),
+                    "--ctx",
+                    "131072",
+                    "--embd",
+                    "128",
+                    "--heads",
+                    "8",
+                    "--layers",
+                    "3",
+                    "--template",
+                    "thinking",
+                ]
+            ),
+            0,
+        )
         meta = thd_read_metadata(path, ())
-        self.assertEqual((meta.context_length, meta.embedding_length, meta.head_count, meta.block_count),
-                         (131072, 128, 8, 3))
+        self.assertEqual(
+            (meta.context_length, meta.embedding_length, meta.head_count, meta.block_count), (131072, 128, 8, 3)
+        )
         self.assertIn("<think>", meta.chat_template or "")
 
     def test_a_shape_the_generator_cannot_make_is_refused(self) -> None:
         from blazar.cli import main
 
-        self.assertEqual(main(["models", "make-test", str(Path(self.mktemp()) / "x.gguf"), "--embd", "60",
-                               "--heads", "8"]), 2)
+        self.assertEqual(
+            main(["models", "make-test", str(Path(self.mktemp()) / "x.gguf"), "--embd", "60", "--heads", "8"]), 2
+        )

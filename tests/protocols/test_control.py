@@ -13,6 +13,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
+from blazar.models.testmodel import make_test_model
 from blazar.protocols.control import (
     PROTOCOL_VERSION,
     ControlServer,
@@ -26,9 +27,7 @@ from blazar.protocols.control import (
     Status,
     Version,
 )
-from blazar.models.testmodel import make_test_model
 from blazar.testing import fake_process_reactor
-
 from tests.typed import not_none
 
 
@@ -56,8 +55,7 @@ class ControlTests(SynchronousTestCase):
         registry = self.registry = ModelRegistry(live, self.reactor)
         self.models = root / "models"
         self.supervisor = Supervisor(live, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
-        status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e",
-                  "data_dir": "/d", "loaded": 0}
+        status = {"version": "x", "uptime": 1.0, "listeners": ["tcp:1"], "engine": "/e", "data_dir": "/d", "loaded": 0}
         self.holder = KeyHolder(live)
         admin = KeyAdmin(self.config_path, live, self.reactor)
         from blazar.gateway.admission import Admission
@@ -65,7 +63,12 @@ class ControlTests(SynchronousTestCase):
         self.admission = Admission(self.reactor, lambda: config)
         self.client, self.server, self.pump = connectedServerAndClient(
             lambda: ControlServer(
-                self.supervisor, registry, lambda: status, self.reactor, None, admin,
+                self.supervisor,
+                registry,
+                lambda: status,
+                self.reactor,
+                None,
+                admin,
                 self.admission.snapshot,
             ),
             amp.AMP,
@@ -97,8 +100,7 @@ class ControlTests(SynchronousTestCase):
         (model,) = json.loads(answer["queue"])["models"]
         self.assertEqual(model["slots"], {"busy": 1, "total": 1})
         self.assertEqual(model["oldest_wait_ms"], 1500)
-        self.assertEqual([(r["trace_id"], r["key"], r["position"]) for r in model["requests"]],
-                         [("waiting", "k", 1)])
+        self.assertEqual([(r["trace_id"], r["key"], r["position"]) for r in model["requests"]], [("waiting", "k", 1)])
 
     def test_queue_listing_fits_an_amp_value(self) -> None:
         import json
@@ -116,8 +118,9 @@ class ControlTests(SynchronousTestCase):
         self.assertLessEqual(len(answer["queue"]), 60_000)
 
     def test_version(self) -> None:
-        self.assertEqual(self.successResultOf(self.call(Version, protocol=PROTOCOL_VERSION))["protocol"],
-                         PROTOCOL_VERSION)
+        self.assertEqual(
+            self.successResultOf(self.call(Version, protocol=PROTOCOL_VERSION))["protocol"], PROTOCOL_VERSION
+        )
         self.failureResultOf(self.call(Version, protocol=99), IncompatibleClient)
         # the connection survives a declared error
         self.successResultOf(self.call(Status))
@@ -129,7 +132,9 @@ class ControlTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(self.call(Ps))["instances"], [])
         instance = self.load()
         (row,) = self.successResultOf(self.call(Ps))["instances"]
-        self.assertEqual((row["model"], row["state"], row["pid"], row["port"]), ("m:latest", "ready", instance.pid, 5555))
+        self.assertEqual(
+            (row["model"], row["state"], row["pid"], row["port"]), ("m:latest", "ready", instance.pid, 5555)
+        )
         self.assertEqual(row["breaker"], "closed")
         self.failureResultOf(self.call(Evict, key="other"), NothingToEvict)
         self.assertEqual(self.successResultOf(self.call(Evict, key="m"))["evicted"], ["m:latest"])
@@ -270,8 +275,9 @@ class PsGPUTests(SynchronousTestCase):
 
         from blazar.config import parse_config
 
-        config = parse_config(f'models_dir = "{root / "models"}"\n[models."m"]\n{model_config}'
-                              '[engines.llamacpp]\nbinary = "/bin/true"\n')
+        config = parse_config(
+            f'models_dir = "{root / "models"}"\n[models."m"]\n{model_config}[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
         registry = ModelRegistry(config, self.reactor)
         self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
         census = HardwareCensus(nvml, self.reactor)
@@ -281,8 +287,9 @@ class PsGPUTests(SynchronousTestCase):
         self.supervisor.engine_devices = lambda binary, known: ((str(binary), 0.0), ["CUDA0: fake"])  # a cuda build
         status = {"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d", "loaded": 0}
         self.client, _, self.pump = connectedServerAndClient(
-            lambda: ControlServer(self.supervisor, registry, lambda: status, self.reactor,
-                                  hardware=census if hardware else None),
+            lambda: ControlServer(
+                self.supervisor, registry, lambda: status, self.reactor, hardware=census if hardware else None
+            ),
             amp.AMP,
         )
 
@@ -314,8 +321,9 @@ class PsGPUTests(SynchronousTestCase):
         self.reactor.advance(0.05)
         self.successResultOf(d)
         (row,) = self.ps()["instances"]
-        self.assertEqual((row["vram"], row["gpus"]),
-                         (planned + 2**20, [{"gpu": 0, "planned": planned, "measured": planned + 2**20}]))
+        self.assertEqual(
+            (row["vram"], row["gpus"]), (planned + 2**20, [{"gpu": 0, "planned": planned, "measured": planned + 2**20}])
+        )
 
     def test_two_gpus(self) -> None:
         from blazar.testing import GIB, FakeNVML
@@ -350,12 +358,27 @@ class PsGPUTests(SynchronousTestCase):
     def test_a_full_page_on_eight_gpus_fits_an_amp_value(self) -> None:
         from blazar.protocols.control import INSTANCE, PAGE
 
-        row = {"model": "hf.co/" + "x" * 90 + ":Q4_K_M", "key": "hf.co/" + "x" * 90 + ":Q4_K_M#0@text",
-               "state": "ready", "pid": 4_000_000, "port": 65535, "slots": 64, "busy": 64, "ctx": 1_048_576,
-               "expires_in": 1e9, "breaker": "half-open", "served": 10**12, "memory_estimate": 2**45,
-               "rss": 2**45, "cache_hit": 0.123456789, "draft_acceptance": 0.123456789, "kind": "transcription",
-               "lane": "a-command-lane-name", "vram": 2**45,
-               "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)]}
+        row = {
+            "model": "hf.co/" + "x" * 90 + ":Q4_K_M",
+            "key": "hf.co/" + "x" * 90 + ":Q4_K_M#0@text",
+            "state": "ready",
+            "pid": 4_000_000,
+            "port": 65535,
+            "slots": 64,
+            "busy": 64,
+            "ctx": 1_048_576,
+            "expires_in": 1e9,
+            "breaker": "half-open",
+            "served": 10**12,
+            "memory_estimate": 2**45,
+            "rss": 2**45,
+            "cache_hit": 0.123456789,
+            "draft_acceptance": 0.123456789,
+            "kind": "transcription",
+            "lane": "a-command-lane-name",
+            "vram": 2**45,
+            "gpus": [{"gpu": g, "planned": 2**40, "measured": 2**40} for g in range(8)],
+        }
         encoded = amp.AmpList(INSTANCE).toStringProto([row] * PAGE, None)
         self.assertLess(len(encoded), 0xFFFF)
 
@@ -384,12 +407,12 @@ class StatusOffTheReactorTests(SynchronousTestCase):
 
         supervisor = Supervisor(config, registry, reactor, probe, {}, port_finder=lambda: 5555)
         client, _, pump = connectedServerAndClient(
-            lambda: ControlServer(supervisor, registry, lambda: later, reactor), amp.AMP)
+            lambda: ControlServer(supervisor, registry, lambda: later, reactor), amp.AMP
+        )
         answers: list[Any] = []
         client.callRemote(Status).addBoth(answers.append)
         pump.flush()
         self.assertEqual(answers, [])  # waiting for the thread's answer
-        later.callback({"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d",
-                        "loaded": 0})
+        later.callback({"version": "x", "uptime": 1.0, "listeners": [], "engine": "/e", "data_dir": "/d", "loaded": 0})
         pump.flush()
         self.assertEqual(answers[0]["engine"], "/e")

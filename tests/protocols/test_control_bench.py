@@ -31,8 +31,18 @@ GIB = 1 << 30
 
 def a_run(gen_tps: float = 50.0) -> str:
     level = {**bench.summarise(1, [], 1.0).to_json(), "requests": 2, "gen_tps": gen_tps, "ttft_ms": 20.0}
-    return json.dumps({"settings": {"prompt_tokens": 64, "max_tokens": 16, "rounds": 2, "concurrency": [1],
-                                    "url": "http://127.0.0.1:1/v1/chat/completions"}, "levels": [level]})
+    return json.dumps(
+        {
+            "settings": {
+                "prompt_tokens": 64,
+                "max_tokens": 16,
+                "rounds": 2,
+                "concurrency": [1],
+                "url": "http://127.0.0.1:1/v1/chat/completions",
+            },
+            "levels": [level],
+        }
+    )
 
 
 class BenchCommandTests(SynchronousTestCase):
@@ -46,9 +56,12 @@ class BenchCommandTests(SynchronousTestCase):
         async def probe(url: str) -> int:
             return 200
 
-        live = LiveConfig(parse_config(
-            f'models_dir = "{root / "models"}"\ndata_dir = "{root / "data"}"\n'
-            '[models."m"]\nthreads = 3\n[engines.llamacpp]\nbinary = "/bin/true"\n'))
+        live = LiveConfig(
+            parse_config(
+                f'models_dir = "{root / "models"}"\ndata_dir = "{root / "data"}"\n'
+                '[models."m"]\nthreads = 3\n[engines.llamacpp]\nbinary = "/bin/true"\n'
+            )
+        )
         self.registry = ModelRegistry(live, self.reactor)
         self.supervisor = Supervisor(live, self.registry, self.reactor, probe, {}, port_finder=lambda: 5555)
         self.db = store.thd_open(root / "blazar.db")
@@ -95,8 +108,10 @@ class BenchCommandTests(SynchronousTestCase):
         self.assertEqual(row[0], 1)
 
     def test_an_installed_engine_is_named_by_its_tag(self) -> None:
-        self.db.execute("INSERT INTO engines (kind, tag, source, sha256, path, installed_at, active) VALUES "
-                        "('llamacpp', 'b7000', 'url:x', 'h', '/bin/true', 1.0, 1)")
+        self.db.execute(
+            "INSERT INTO engines (kind, tag, source, sha256, path, installed_at, active) VALUES "
+            "('llamacpp', 'b7000', 'url:x', 'h', '/bin/true', 1.0, 1)"
+        )
         self.load()
         stored = json.loads(self.successResultOf(self.call(BenchRecord, model="m", run=a_run()))["bench"])
         self.assertEqual(stored["engine"], "llamacpp@b7000")
@@ -142,11 +157,15 @@ class BenchCommandTests(SynchronousTestCase):
 
 class RecordedShapeTests(SynchronousTestCase):
     def test_the_port_and_a_childs_key_are_left_out(self) -> None:
-        self.assertEqual(recorded_argv(["vllm", "--port", "5555", "--api-key", "s3cret", "--x", "a-s3cret"], "s3cret"),
-                         ["vllm", "--api-key", KEY_MARK, "--x", f"a-{KEY_MARK}"])
+        self.assertEqual(
+            recorded_argv(["vllm", "--port", "5555", "--api-key", "s3cret", "--x", "a-s3cret"], "s3cret"),
+            ["vllm", "--api-key", KEY_MARK, "--x", f"a-{KEY_MARK}"],
+        )
 
     def test_engine_tags(self) -> None:
         self.assertEqual(engine_tag("/any/path", "llamacpp@b7000"), "llamacpp@b7000")
-        self.assertEqual(engine_tag("/home/u/.cache/blazar/engines/llamacpp-11434.0.0-native-off/bin/llama-server",
-                                    None), "llamacpp-11434.0.0-native-off")
+        self.assertEqual(
+            engine_tag("/home/u/.cache/blazar/engines/llamacpp-11434.0.0-native-off/bin/llama-server", None),
+            "llamacpp-11434.0.0-native-off",
+        )
         self.assertEqual(engine_tag("/usr/local/llama-server", None), "/usr/local/llama-server")

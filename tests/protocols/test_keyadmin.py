@@ -9,7 +9,6 @@ from blazar.config import ConfigError, load_config
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.testing import fake_process_reactor
 from blazar.web.auth import KeyHolder
-
 from tests.typed import not_none
 
 TEXT = """# the operator's notes
@@ -149,5 +148,7 @@ class KeyIdentityTests(SynchronousTestCase):
             with self.assertRaises(ConfigError):
                 parse_config(key.format(name="a", secret="s" * 16, id=bad))
         with self.assertRaises(ConfigError) as caught:
-            parse_config(key.format(name="a", secret="s" * 16, id="k1") + key.format(name="b", secret="t" * 16, id="k1"))
+            parse_config(
+                key.format(name="a", secret="s" * 16, id="k1") + key.format(name="b", secret="t" * 16, id="k1")
+            )
         self.assertIn("reuses another key's id", str(caught.exception))

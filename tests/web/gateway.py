@@ -19,15 +19,14 @@ from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.gateway.admission import Admission
 from blazar.gateway.context import RequestContext
-from blazar.web.client import context_of
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
-from blazar.testing import StubEngineClient
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_process_reactor
 from blazar.web.auth import AuthGate, KeyHolder
-
+from blazar.web.client import context_of
 from tests.typed import StubTreq
+
 
 class Capture(Resource):
     """
@@ -65,8 +64,13 @@ class MemoryGateway:
     """
 
     def __init__(
-        self, test: SynchronousTestCase, supervisor: FakeSupervisor | None, engine_app: Any,
-        models: tuple[str, ...] = ("m",), config: str = "", admission: bool = False,
+        self,
+        test: SynchronousTestCase,
+        supervisor: FakeSupervisor | None,
+        engine_app: Any,
+        models: tuple[str, ...] = ("m",),
+        config: str = "",
+        admission: bool = False,
         supervise: Callable[[Config, ModelRegistry, Any], Any] | None = None,
     ) -> None:
         root = Path(test.mktemp()).absolute()
@@ -81,8 +85,13 @@ class MemoryGateway:
         self.root = root
         self.admission = Admission(self.reactor, lambda: parsed) if admission else None
         gateway = build_gateway(
-            self.registry, cast(Supervisor, supervisor), cast(EngineClient, StubEngineClient(self.engine)),
-            self.reactor, lambda: parsed, admission=self.admission, wall=lambda: 0.0,
+            self.registry,
+            cast(Supervisor, supervisor),
+            cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor,
+            lambda: parsed,
+            admission=self.admission,
+            wall=lambda: 0.0,
         )
         self.proxy, self.pipeline = gateway.proxy, gateway.pipeline
         router = gateway.router()
@@ -93,14 +102,19 @@ class MemoryGateway:
         # the models are found once, before any request (the registry's first scan)
         test.successResultOf(ensureDeferred(self.registry.refresh()))
 
-    def post(self, path: str, body: dict[str, Any], raw: bytes | None = None,
-             headers: dict[str, str] | None = None) -> tuple[int, Any, bytes]:
+    def post(
+        self, path: str, body: dict[str, Any], raw: bytes | None = None, headers: dict[str, str] | None = None
+    ) -> tuple[int, Any, bytes]:
         """
         POST C{body} (or C{raw} bytes) and pump until answered: status,
         headers, body bytes.
         """
-        d = self.client.request("POST", "http://localhost" + path, data=raw if raw is not None else json.dumps(body).encode(),
-                                headers=headers)
+        d = self.client.request(
+            "POST",
+            "http://localhost" + path,
+            data=raw if raw is not None else json.dumps(body).encode(),
+            headers=headers,
+        )
         for _ in range(20):
             self.client.flush()
             self.engine.flush()

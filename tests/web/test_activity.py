@@ -9,9 +9,22 @@ from blazar.web.activity import SAMPLES_PER_MINUTE, Activity, Finished, Performa
 
 
 def finished(n: int, model: str = "m", key: str = "k", status: str = "2xx") -> Finished:
-    return Finished(at=float(n), surface="openai", method="POST", path="/v1/chat/completions", model=model,
-                    key=key, status=status, code=200, ms=1.0, prompt_tokens=1, completion_tokens=2, ttft=None,
-                    tpot=None, trace=f"t{n}")
+    return Finished(
+        at=float(n),
+        surface="openai",
+        method="POST",
+        path="/v1/chat/completions",
+        model=model,
+        key=key,
+        status=status,
+        code=200,
+        ms=1.0,
+        prompt_tokens=1,
+        completion_tokens=2,
+        ttft=None,
+        tpot=None,
+        trace=f"t{n}",
+    )
 
 
 def test_the_ring_keeps_the_newest_and_filters() -> None:
@@ -37,8 +50,9 @@ def test_per_minute_rates_and_percentiles() -> None:
     assert (first["requests_per_sec"], first["tokens_per_sec"]) == (round(100 / 60, 3), round(1000 / 60, 2))
     assert (first["p50_ms"], first["p95_ms"]) == (51.0, 96.0)
     assert second["requests"] == 1 and second["requests_per_sec"] == round(1 / 30, 3)  # 30 s into it
-    assert perf.series(now=60.0 * 61) == [{**second, "requests_per_sec": round(1 / 60, 3),
-                                          "tokens_per_sec": 0.0}]  # the hour's window moved on
+    assert perf.series(now=60.0 * 61) == [
+        {**second, "requests_per_sec": round(1 / 60, 3), "tokens_per_sec": 0.0}
+    ]  # the hour's window moved on
 
 
 def test_a_busy_minute_keeps_a_bounded_sample() -> None:

@@ -18,13 +18,11 @@ from twisted.trial.unittest import SynchronousTestCase
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
+from blazar.gateway.admission import Admission, Lease
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
-from blazar.gateway.admission import Admission, Lease
 from blazar.service import build_gateway
-
-
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from tests.typed import StubTreq
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
@@ -43,14 +41,21 @@ class AdmissionSurfaceTests(SynchronousTestCase):
         registry = ModelRegistry(config, self.reactor)
         self.admission = Admission(self.reactor, lambda: config)
         gateway = build_gateway(
-            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
-            self.reactor, lambda: config, admission=self.admission, wall=lambda: 0.0,
+            registry,
+            cast(Supervisor, self.supervisor),
+            cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor,
+            lambda: config,
+            admission=self.admission,
+            wall=lambda: 0.0,
         )
         self.client = StubTreq(gateway.router())
 
     def start(self, path: str, body: Any, **headers: str) -> Deferred[Any]:
         return self.client.request(
-            "POST", "http://localhost" + path, data=json.dumps(body).encode(),
+            "POST",
+            "http://localhost" + path,
+            data=json.dumps(body).encode(),
             headers={k.replace("_", "-"): v for k, v in headers.items()},
         )
 
@@ -132,9 +137,10 @@ class AdmissionSurfaceTests(SynchronousTestCase):
     def test_tool_chat_goes_ahead_of_plain_chat(self) -> None:
         lease = self.hold()
         plain = self.start("/v1/chat/completions", CHAT)
-        tool = self.start("/v1/chat/completions", {**CHAT, "tools": [
-            {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
-        ]})
+        tool = self.start(
+            "/v1/chat/completions",
+            {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]},
+        )
         self.pump()
         order = [r["class"] for r in self.admission.queue("m:latest").snapshot()["requests"]]
         self.assertEqual(order, ["tool", "interactive"])

@@ -3,15 +3,16 @@ from typing import Any, cast
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.iweb import IRequest
 
-from blazar.web.client import context_of
 from blazar.config import KeyConfig
 from blazar.gateway.errors import Forbidden
 from blazar.web.auth import check_admin, keys_from_env
+from blazar.web.client import context_of
 
 
 class FakeRequest:
-    def __init__(self, host: str, key: Any = None, keys_active: bool = False,
-                 headers: dict[bytes, bytes] | None = None) -> None:
+    def __init__(
+        self, host: str, key: Any = None, keys_active: bool = False, headers: dict[bytes, bytes] | None = None
+    ) -> None:
         self.host = host
         self.headers = headers or {}
         context_of(self).key = key
@@ -50,4 +51,3 @@ class AuthHelperTests(SynchronousTestCase):
         check_admin(
             cast(IRequest, FakeRequest("127.0.0.1", headers={b"origin": b"http://localhost:11434"})), "pull models"
         )
-

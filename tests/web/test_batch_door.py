@@ -52,8 +52,12 @@ class BatchDoorTests(SiteCase):
 
     def test_on_the_private_site_the_secret_is_required(self) -> None:
         site = self.batch_site()
-        for extra in [(), line_headers(secret=b"wrong"), (b"Authorization: Bearer " + SECRET.encode(),),
-                      line_headers(key=b"deleted-key")]:
+        for extra in [
+            (),
+            line_headers(secret=b"wrong"),
+            (b"Authorization: Bearer " + SECRET.encode(),),
+            line_headers(key=b"deleted-key"),
+        ]:
             transport = self.send_to(site, head(b"/v1/chat/completions", 2, *extra) + b"{}")
             self.assertEqual(self.status(transport), b"401", extra)
             self.assertNotIn(BATCH_SECRET, transport.value())
@@ -74,8 +78,9 @@ class BatchDoorTests(SiteCase):
         _, transport = self.send(head(b"/v1/files", UPLOAD_BODY_BYTES + 1, key))
         status, _, body = parse(transport.value())
         error = json.loads(body)["error"]
-        self.assertEqual((status.split(b" ")[1], error["code"], error["type"]),
-                         (b"413", "file_too_large", "invalid_request_error"))
+        self.assertEqual(
+            (status.split(b" ")[1], error["code"], error["type"]), (b"413", "file_too_large", "invalid_request_error")
+        )
         self.assertIn("200 MB", error["message"])
         # other paths keep max_body_bytes
         _, transport = self.send(head(b"/v1/chat/completions", 60 * 1024 * 1024, key))

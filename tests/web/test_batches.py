@@ -16,6 +16,7 @@ from openai.types import Batch, FileDeleted, FileObject
 from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.resource import Resource
 
 from blazar import store
 from blazar.config import Config, KeyConfig
@@ -25,14 +26,21 @@ from blazar.web import batches as surface_mod
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
-from twisted.web.resource import Resource
-
 from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                   "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}).encode() + b"\n"
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        }
+    ).encode()
+    + b"\n"
+)
 
 
 class Elsewhere(Resource):
@@ -56,8 +64,9 @@ class SurfaceTests(SynchronousTestCase):
             return d
 
         in_thread = lambda f, *args: maybeDeferred(f, *args)  # noqa: E731
-        self.runner = BatchRunner(self.clock, lambda f, *args: maybeDeferred(f, self.db, *args), in_thread, send,
-                                  lambda: 4)
+        self.runner = BatchRunner(
+            self.clock, lambda f, *args: maybeDeferred(f, self.db, *args), in_thread, send, lambda: 4
+        )
         other = Elsewhere()
         router = SurfaceRouter(other, other, other, batches=BatchSurface(self.runner, in_thread).app.resource())
         gate = AuthGate(router, KeyHolder(Config(keys=(KeyConfig("alice", ALICE), KeyConfig("bob", BOB)))))
@@ -89,8 +98,9 @@ class SurfaceTests(SynchronousTestCase):
         status, deleted = self.call("DELETE", f"/v1/files/{made['id']}")
         FileDeleted.model_validate(deleted)
         status, error = self.call("GET", f"/v1/files/{made['id']}")
-        self.assertEqual((status, error["error"]["code"], error["error"]["type"]),
-                         (404, "not_found", "invalid_request_error"))
+        self.assertEqual(
+            (status, error["error"]["code"], error["error"]["type"]), (404, "not_found", "invalid_request_error")
+        )
 
     def test_upload_errors(self) -> None:
         status, error = self.upload(purpose="assistants")
@@ -105,8 +115,11 @@ class SurfaceTests(SynchronousTestCase):
 
     def test_batches_in_openais_shapes_and_ownership(self) -> None:
         _, made = self.upload()
-        status, batch = self.call("POST", "/v1/batches", json={
-            "input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        status, batch = self.call(
+            "POST",
+            "/v1/batches",
+            json={"input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
         self.assertEqual(status, 200, batch)
         Batch.model_validate(batch)
         self.assertEqual((batch["status"], batch["object"]), ("in_progress", "batch"))
@@ -116,8 +129,11 @@ class SurfaceTests(SynchronousTestCase):
         status, page = self.call("GET", "/v1/batches?limit=1")
         self.assertEqual(([b["id"] for b in page["data"]], page["has_more"]), ([batch["id"]], False))
         # bob sees none of alice's
-        for method, path in [("GET", f"/v1/batches/{batch['id']}"), ("POST", f"/v1/batches/{batch['id']}/cancel"),
-                             ("GET", f"/v1/files/{made['id']}/content")]:
+        for method, path in [
+            ("GET", f"/v1/batches/{batch['id']}"),
+            ("POST", f"/v1/batches/{batch['id']}/cancel"),
+            ("GET", f"/v1/files/{made['id']}/content"),
+        ]:
             status, error = self.call(method, path, BOB)
             self.assertEqual((status, error["error"]["code"]), (404, "not_found"), path)
         self.assertEqual(self.call("GET", "/v1/batches", BOB)[1]["data"], [])
@@ -131,10 +147,16 @@ class SurfaceTests(SynchronousTestCase):
         for body, status, param in [
             ({"endpoint": "/v1/chat/completions", "completion_window": "24h"}, 400, "input_file_id"),
             ({"input_file_id": made["id"], "endpoint": "/v1/audio", "completion_window": "24h"}, 400, "endpoint"),
-            ({"input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "1h"}, 400,
-             "completion_window"),
-            ({"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"}, 404,
-             "input_file_id"),
+            (
+                {"input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "1h"},
+                400,
+                "completion_window",
+            ),
+            (
+                {"input_file_id": "file-nope", "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+                404,
+                "input_file_id",
+            ),
         ]:
             got, error = self.call("POST", "/v1/batches", json=body)
             self.assertEqual((got, error["error"]["param"]), (status, param), body)
@@ -144,8 +166,11 @@ class SurfaceTests(SynchronousTestCase):
 
     def test_a_finished_batch_cannot_be_cancelled(self) -> None:
         _, made = self.upload()
-        _, batch = self.call("POST", "/v1/batches", json={
-            "input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"})
+        _, batch = self.call(
+            "POST",
+            "/v1/batches",
+            json={"input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"},
+        )
         self.sent[0].callback((200, {}, b'{"object": "chat.completion"}'))
         status, error = self.call("POST", f"/v1/batches/{batch['id']}/cancel")
         self.assertEqual(status, 409, error)

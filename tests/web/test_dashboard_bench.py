@@ -18,29 +18,46 @@ from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.models.registry import ModelRegistry
 from blazar.web.dashboard import Dashboard
-
 from tests.typed import StubTreq
 
 
 def a_run(id_: int, model: str, gen_tps: float) -> dict[str, Any]:
     level = {**bench.summarise(1, [], 1.0).to_json(), "gen_tps": gen_tps}
-    return {"id": id_, "model": model, "created": float(id_), "engine": "llamacpp@a", "profile": {"argv": ["x"]},
-            "hardware": {}, "settings": {}, "levels": [level]}
+    return {
+        "id": id_,
+        "model": model,
+        "created": float(id_),
+        "engine": "llamacpp@a",
+        "profile": {"argv": ["x"]},
+        "hardware": {},
+        "settings": {},
+        "levels": [level],
+    }
 
 
 class DashboardBenchTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.asked: list[tuple[str | None, int]] = []
-        runs = [a_run(4, "a:latest", 90.0), a_run(3, "b:latest", 10.0), a_run(2, "a:latest", 100.0),
-                a_run(1, "a:latest", 50.0)]
+        runs = [
+            a_run(4, "a:latest", 90.0),
+            a_run(3, "b:latest", 10.0),
+            a_run(2, "a:latest", 100.0),
+            a_run(1, "a:latest", 50.0),
+        ]
 
         async def history(model: str | None, limit: int) -> list[dict[str, Any]]:
             self.asked.append((model, limit))
             return [r for r in runs if model is None or r["model"] == model]
 
-        dashboard = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), Clock(), lambda: 0.0,
-                              lambda: cast(Config, None),
-                              bench=history)
+        dashboard = Dashboard(
+            cast(ModelRegistry, None),
+            cast(Pipeline, None),
+            cast(ModelOperations, None),
+            Clock(),
+            lambda: 0.0,
+            lambda: cast(Config, None),
+            bench=history,
+        )
         self.client = StubTreq(dashboard.app.resource())
 
     def get(self, url: str) -> Any:

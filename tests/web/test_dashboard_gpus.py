@@ -23,7 +23,6 @@ from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.testing import GIB, FakeNVML, fake_process_reactor
 from blazar.web.dashboard import Dashboard
-
 from tests.typed import StubTreq, not_none
 
 
@@ -37,8 +36,9 @@ class DashboardGPUTests(SynchronousTestCase):
         async def probe(url: str) -> int:
             return self.health
 
-        config = parse_config(f'models_dir = "{root / "models"}"\n[models."m"]\n{model_config}'
-                              '[engines.llamacpp]\nbinary = "/bin/true"\n')
+        config = parse_config(
+            f'models_dir = "{root / "models"}"\n[models."m"]\n{model_config}[engines.llamacpp]\nbinary = "/bin/true"\n'
+        )
         registry = ModelRegistry(config, self.reactor)
         self.supervisor = Supervisor(config, registry, self.reactor, probe, {}, port_finder=lambda: 5555)
         census = HardwareCensus(nvml, self.reactor)
@@ -46,8 +46,15 @@ class DashboardGPUTests(SynchronousTestCase):
         self.supervisor.hardware = census.fresh
         self.supervisor.on_hardware_change = census.invalidate
         self.supervisor.engine_devices = lambda binary, known: ((str(binary), 0.0), ["CUDA0: fake"])  # a cuda build
-        dashboard = Dashboard(registry, cast(Pipeline, None), ModelOperations(registry, self.supervisor, None, self.reactor),
-                              self.reactor, lambda: 0.0, lambda: config, hardware=census if hardware else None)
+        dashboard = Dashboard(
+            registry,
+            cast(Pipeline, None),
+            ModelOperations(registry, self.supervisor, None, self.reactor),
+            self.reactor,
+            lambda: 0.0,
+            lambda: config,
+            hardware=census if hardware else None,
+        )
         self.client = StubTreq(dashboard.app.resource())
 
     def models(self) -> Any:
@@ -63,8 +70,18 @@ class DashboardGPUTests(SynchronousTestCase):
         instance = self.supervisor.instances()[0]
         planned = instance.plan.gpu_bytes[0]
         data = self.models()
-        self.assertEqual(data["gpus"], [{"index": 0, "name": "NVIDIA GeForce RTX 4090", "memory_total": 24 * GIB,
-                                         "memory_used": 0, "memory_free": 24 * GIB}])
+        self.assertEqual(
+            data["gpus"],
+            [
+                {
+                    "index": 0,
+                    "name": "NVIDIA GeForce RTX 4090",
+                    "memory_total": 24 * GIB,
+                    "memory_used": 0,
+                    "memory_free": 24 * GIB,
+                }
+            ],
+        )
         (row,) = data["loaded"]
         self.assertEqual((row["vram"], row["gpus"]), (planned, [{"gpu": 0, "planned": planned, "measured": None}]))
         nvml.set_process_memory(not_none(instance.pid), 0, planned - 2**20)

@@ -31,21 +31,29 @@ def request_with(**headers: str) -> DummyRequest:
     return r
 
 
-@pytest.mark.parametrize("headers", [
-    {"host": "127.0.0.1:11434"}, {"host": "localhost:11434", "origin": "http://localhost:11434"},
-    {"host": "[::1]:11434", "origin": "http://127.0.0.1:11434"}, {},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"host": "127.0.0.1:11434"},
+        {"host": "localhost:11434", "origin": "http://localhost:11434"},
+        {"host": "[::1]:11434", "origin": "http://127.0.0.1:11434"},
+        {},
+    ],
+)
 def test_this_machines_pages_and_tools_pass(headers: dict[str, str]) -> None:
     check_same_machine_page(cast(IRequest, request_with(**headers)), host_too=True)
 
 
-@pytest.mark.parametrize("headers", [
-    {"host": "127.0.0.1:11434", "origin": "https://evil.example"},  # another site's page (CSRF)
-    {"host": "evil.example:11434"},  # a rebound name
-    {"host": "127.0.0.1:11434", "origin": "null"},  # a sandboxed page or a file
-    {"host": "127.0.0.1.evil.example:11434"},
-    {"host": "localhost:11434", "origin": "http://127.0.0.1.evil.example"},
-])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {"host": "127.0.0.1:11434", "origin": "https://evil.example"},  # another site's page (CSRF)
+        {"host": "evil.example:11434"},  # a rebound name
+        {"host": "127.0.0.1:11434", "origin": "null"},  # a sandboxed page or a file
+        {"host": "127.0.0.1.evil.example:11434"},
+        {"host": "localhost:11434", "origin": "http://127.0.0.1.evil.example"},
+    ],
+)
 def test_other_sites_pages_and_rebound_names_are_refused(headers: dict[str, str]) -> None:
     with pytest.raises(Forbidden, match="no API keys"):
         check_same_machine_page(cast(IRequest, request_with(**headers)), host_too=True)
@@ -55,7 +63,9 @@ def test_management_checks_the_origin_and_the_dashboard_the_host_too() -> None:
     check_same_machine_page(cast(IRequest, request_with(host="blazar")))  # a tool under its own name: no Origin, fine
     with pytest.raises(Forbidden):
         check_same_machine_page(cast(IRequest, request_with(host="blazar")), host_too=True)
-    check_same_machine_page(cast(IRequest, request_with(host="10.0.0.5:11434")), host_too=True)  # an address is never rebound
+    check_same_machine_page(
+        cast(IRequest, request_with(host="10.0.0.5:11434")), host_too=True
+    )  # an address is never rebound
 
 
 class Transport:
@@ -103,8 +113,14 @@ def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> N
     from blazar.web.dashboard import LOG_STALL, Dashboard
 
     clock = Clock()
-    dash = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), clock, lambda: 0.0,
-                     lambda: cast(Config, None))
+    dash = Dashboard(
+        cast(ModelRegistry, None),
+        cast(Pipeline, None),
+        cast(ModelOperations, None),
+        clock,
+        lambda: 0.0,
+        lambda: cast(Config, None),
+    )
     ring: list[dict[str, Any]] = [{"seq": 1, "model": "m", "text": "one"}]
     request = StreamRequest()
     done = dash._follow(cast(IRequest, request), lambda since: [r for r in ring if r["seq"] > since], 0, "k")
@@ -129,8 +145,14 @@ def test_a_follower_that_leaves_unregisters_the_producer() -> None:
     from blazar.web.dashboard import Dashboard
 
     clock = Clock()
-    dash = Dashboard(cast(ModelRegistry, None), cast(Pipeline, None), cast(ModelOperations, None), clock, lambda: 0.0,
-                     lambda: cast(Config, None))
+    dash = Dashboard(
+        cast(ModelRegistry, None),
+        cast(Pipeline, None),
+        cast(ModelOperations, None),
+        clock,
+        lambda: 0.0,
+        lambda: cast(Config, None),
+    )
     request = StreamRequest()
     done = dash._follow(cast(IRequest, request), lambda since: [], 0, "k")
     clock.advance(0)

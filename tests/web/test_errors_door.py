@@ -22,7 +22,6 @@ from blazar.gateway.quota import QuotaExceeded
 from blazar.testing import fake_engine_app
 from blazar.web.auth import render_refusal
 from blazar.web.dashboard import Dashboard
-
 from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 from tests.web.test_error_table import SURFACES, Failing
@@ -62,8 +61,9 @@ class DoorTests(SynchronousTestCase):
             for surface, (path, body) in SURFACES.items():
                 where = f"{type(error).__name__}({error}) on {surface}"
                 status, headers, data = self.gateway.post(path, body)
-                self.assertEqual(at_the_door(path, error),
-                                 (status, headers.getRawHeaders(b"retry-after"), json.loads(data)), where)
+                self.assertEqual(
+                    at_the_door(path, error), (status, headers.getRawHeaders(b"retry-after"), json.loads(data)), where
+                )
 
     def test_a_401_names_the_scheme(self) -> None:
         request = DummyRequest([b""])
@@ -85,14 +85,25 @@ class DashboardTests(SynchronousTestCase):
 
     def test_its_errors_are_the_doors_envelope(self) -> None:
         for error in [BadRequest("no such model", "model"), Forbidden("scoped key"), *DOOR]:
+
             async def history(model: str | None, limit: int, error: Exception = error) -> list[dict[str, Any]]:
                 raise error
 
-            dashboard = Dashboard(cast(Any, None), cast(Any, None), cast(Any, None), Clock(), lambda: 0.0, cast(Any, lambda: None),
-                                  bench=history)
+            dashboard = Dashboard(
+                cast(Any, None),
+                cast(Any, None),
+                cast(Any, None),
+                Clock(),
+                lambda: 0.0,
+                cast(Any, lambda: None),
+                bench=history,
+            )
             response = self.successResultOf(StubTreq(dashboard.app.resource()).get("http://127.0.0.1/ui/api/bench"))
             data = json.loads(self.successResultOf(response.content()))
             self.assertEqual(set(data["error"]), {"message", "type", "param", "code"}, error)
             self.assertIn(str(error), data["error"]["message"])
-            self.assertEqual((response.code, response.headers.getRawHeaders(b"retry-after"), data),
-                             at_the_door("/ui/api/bench", error), error)
+            self.assertEqual(
+                (response.code, response.headers.getRawHeaders(b"retry-after"), data),
+                at_the_door("/ui/api/bench", error),
+                error,
+            )

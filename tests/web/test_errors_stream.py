@@ -12,7 +12,6 @@ import json
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.testing import fake_engine_app
-
 from tests.web.gateway import MemoryGateway
 from tests.web.test_error_table import CASES, HELLO, Bug, Failing
 
@@ -27,12 +26,13 @@ class OpenAIStreamErrorTests(SynchronousTestCase):
             self.supervisor.failure = error
             where = f"{type(error).__name__}({error})"
             status, _, data = self.gateway.post(
-                "/v1/chat/completions", {"model": "m", "messages": HELLO, "stream": True})
+                "/v1/chat/completions", {"model": "m", "messages": HELLO, "stream": True}
+            )
             self.assertEqual(status, 200, where)  # the loading comments went out first
             self.assertTrue(data.startswith(b": loading\n\n"), where)
             last = data.strip().split(b"\n\n")[-1]
             self.assertTrue(last.startswith(b"data: "), where)
-            event = json.loads(last[len(b"data: "):])["error"]
+            event = json.loads(last[len(b"data: ") :])["error"]
             self.assertEqual((event["type"], event["code"]), (openai_type, code), where)
             self.assertEqual(set(event), {"message", "type", "param", "code"}, where)
             self.assertNotIn(b"[DONE]", data, where)

@@ -27,13 +27,21 @@ from blazar.web import download
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
-
 from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
 BOB = "bob-secret-0123456789abc"
-LINE = json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/chat/completions",
-                   "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]}}).encode() + b"\n"
+LINE = (
+    json.dumps(
+        {
+            "custom_id": "a",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+        }
+    ).encode()
+    + b"\n"
+)
 
 
 class Elsewhere(Resource):
@@ -49,8 +57,9 @@ class Gateway:
     SQLite file.
     """
 
-    def __init__(self, case: SynchronousTestCase, keys: tuple[KeyConfig, ...], max_file_bytes: int = 1 << 30,
-                 host: str = "x") -> None:
+    def __init__(
+        self, case: SynchronousTestCase, keys: tuple[KeyConfig, ...], max_file_bytes: int = 1 << 30, host: str = "x"
+    ) -> None:
         self.case = case
         self.host = host
         self.db: sqlite3.Connection = store.thd_open(Path(case.mktemp()) / "blazar.db")
@@ -66,8 +75,14 @@ class Gateway:
         def send(key: str, endpoint: str, body: bytes, trace: str) -> Deferred[Any]:
             return Deferred()
 
-        self.runner = BatchRunner(self.clock, lambda f, *args: maybeDeferred(f, self.db, *args), in_thread, send,
-                                  lambda: 4, lambda: max_file_bytes)
+        self.runner = BatchRunner(
+            self.clock,
+            lambda f, *args: maybeDeferred(f, self.db, *args),
+            in_thread,
+            send,
+            lambda: 4,
+            lambda: max_file_bytes,
+        )
         other = Elsewhere()
         surface = BatchSurface(self.runner, in_thread)
         router = SurfaceRouter(other, other, other, batches=surface.app.resource())
@@ -76,8 +91,9 @@ class Gateway:
 
     def response(self, method: str, path: str, secret: str | None = ALICE, **kwargs: Any) -> Any:
         headers = {**({"authorization": f"Bearer {secret}"} if secret else {}), **kwargs.pop("headers", {})}
-        return self.case.successResultOf(self.client.request(method, f"http://{self.host}" + path, headers=headers,
-                                                             **kwargs))
+        return self.case.successResultOf(
+            self.client.request(method, f"http://{self.host}" + path, headers=headers, **kwargs)
+        )
 
     def call(self, method: str, path: str, secret: str | None = ALICE, **kwargs: Any) -> tuple[int, Any]:
         response = self.response(method, path, secret, **kwargs)
@@ -103,8 +119,11 @@ class RateLimitTests(SynchronousTestCase):
             ("GET", f"/v1/files/{made['id']}", {}),
             ("GET", f"/v1/files/{made['id']}/content", {}),
             ("DELETE", "/v1/files/file-nope", {}),
-            ("POST", "/v1/batches", {"json": {"input_file_id": made["id"], "endpoint": "/v1/chat/completions",
-                                              "completion_window": "24h"}}),
+            (
+                "POST",
+                "/v1/batches",
+                {"json": {"input_file_id": made["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}},
+            ),
             ("GET", "/v1/batches", {}),
             ("GET", "/v1/batches/batch_nope", {}),
             ("POST", "/v1/batches/batch_nope/cancel", {}),
@@ -116,8 +135,11 @@ class RateLimitTests(SynchronousTestCase):
             self.assertNotEqual(gateway.call("GET", "/v1/files")[0], 429)  # the minute's one request
             response = gateway.response(method, path, **kwargs)
             error = json.loads(self.successResultOf(response.content()))
-            self.assertEqual((response.code, error["error"]["code"], error["error"]["type"]),
-                             (429, "rate_limit_exceeded", "rate_limit_error"), path)
+            self.assertEqual(
+                (response.code, error["error"]["code"], error["error"]["type"]),
+                (429, "rate_limit_exceeded", "rate_limit_error"),
+                path,
+            )
             self.assertIn("rpm", error["error"]["message"])
             self.assertEqual(response.headers.getRawHeaders("retry-after"), ["60"], path)
             self.assertEqual(gateway.call("GET", "/v1/files", BOB)[0], 200)  # bob has his own window
@@ -158,16 +180,26 @@ class RateLimitTests(SynchronousTestCase):
 
 class StorageQuotaTests(SynchronousTestCase):
     def test_an_upload_past_the_keys_quota_is_refused_until_a_delete(self) -> None:
-        gateway = Gateway(self, (KeyConfig("alice", ALICE, file_bytes=2 * len(LINE), id="k1"), KeyConfig("bob", BOB)),
-                          max_file_bytes=len(LINE))
+        gateway = Gateway(
+            self,
+            (KeyConfig("alice", ALICE, file_bytes=2 * len(LINE), id="k1"), KeyConfig("bob", BOB)),
+            max_file_bytes=len(LINE),
+        )
         _, first = gateway.upload()
         self.assertEqual(gateway.upload()[0], 200)
         status, error = gateway.upload()
-        self.assertEqual((status, error["error"]["code"], error["error"]["param"], error["error"]["type"]),
-                         (413, "storage_quota_exceeded", "file", "invalid_request_error"))
+        self.assertEqual(
+            (status, error["error"]["code"], error["error"]["param"], error["error"]["type"]),
+            (413, "storage_quota_exceeded", "file", "invalid_request_error"),
+        )
         message = error["error"]["message"]
-        for words in ("key 'alice'", f"{2 * len(LINE)} bytes", "max_file_bytes_per_key", "file_bytes",
-                      "DELETE /v1/files/"):
+        for words in (
+            "key 'alice'",
+            f"{2 * len(LINE)} bytes",
+            "max_file_bytes_per_key",
+            "file_bytes",
+            "DELETE /v1/files/",
+        ):
             self.assertIn(words, message)
         self.assertEqual(len(gateway.call("GET", "/v1/files")[1]["data"]), 2)  # nothing was stored
         # bob's quota is the config's, and his own

@@ -12,11 +12,11 @@ from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.config import KeyConfig
 from blazar.engines.supervisor import EngineCrashed
-from blazar.metrics import Metrics, label_reason
 from blazar.gateway.admission import AllSlotsBusy
 from blazar.gateway.context import note_error, note_tokens, timing_of
-from blazar.web.client import context_of
 from blazar.gateway.errors import describe
+from blazar.metrics import Metrics, label_reason
+from blazar.web.client import context_of
 from blazar.web.observe import RequestObserver, usage_of_reply, usage_of_timings
 
 
@@ -81,8 +81,7 @@ class ObserverTests(SynchronousTestCase):
         request = self.request()
         self.observer.started(request, "anthropic")
         request.processingFailed(Failure(ConnectionError("gone")))
-        self.assertEqual(self.value("blazar_requests_total", surface="anthropic", model="", key="",
-                                    status="gone"), 1)
+        self.assertEqual(self.value("blazar_requests_total", surface="anthropic", model="", key="", status="gone"), 1)
         self.assertIsNone(self.value("blazar_errors_total", surface="anthropic", model="", kind="gone"))
 
     def test_kinds(self) -> None:
@@ -100,7 +99,9 @@ class TokenFinderTests(SynchronousTestCase):
         self.assertIsNone(usage_of_reply(b'{"usage":{"broken'))
 
     def test_usage_of_timings(self) -> None:
-        event = (b'data: {"choices":[{"finish_reason":"length","delta":{}}],'
-                 b'"timings":{"cache_n":20,"prompt_n":1,"predicted_n":3}}\n\ndata: [DONE]\n\n')
+        event = (
+            b'data: {"choices":[{"finish_reason":"length","delta":{}}],'
+            b'"timings":{"cache_n":20,"prompt_n":1,"predicted_n":3}}\n\ndata: [DONE]\n\n'
+        )
         self.assertEqual(usage_of_timings(event), (21, 3))
         self.assertIsNone(usage_of_timings(b"data: {}\n\n"))

@@ -20,9 +20,8 @@ from blazar.models.ollama_registry import PushError
 from blazar.models.ollama_store import OllamaName, parse_name
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
-
+from blazar.testing import FakeSupervisor, fake_process_reactor
 from tests.typed import StubTreq
 
 
@@ -37,16 +36,18 @@ class ScriptedLibrary:
         self.calls: list[tuple[str, str, bool]] = []
         self.push_failure: Exception | None = None
 
-    async def pull(self, name: OllamaName, root: Path, progress: Callable[[dict[str, Any]], None],
-                   insecure: bool = False) -> list[Path]:
+    async def pull(
+        self, name: OllamaName, root: Path, progress: Callable[[dict[str, Any]], None], insecure: bool = False
+    ) -> list[Path]:
         self.calls.append(("pull", name.full, insecure))
         progress({"status": "pulling manifest"})
         progress({"status": "success"})
         store.thd_put_model(root, name, self.source)
         return []
 
-    async def push(self, name: OllamaName, root: Path, progress: Callable[[dict[str, Any]], None],
-                   insecure: bool = False) -> None:
+    async def push(
+        self, name: OllamaName, root: Path, progress: Callable[[dict[str, Any]], None], insecure: bool = False
+    ) -> None:
         self.calls.append(("push", name.full, insecure))
         progress({"status": "retrieving manifest"})
         if self.push_failure is not None:
@@ -62,17 +63,25 @@ class LibrarySurfaceTests(SynchronousTestCase):
         self.gguf = make_test_model(root / "src.gguf", seed=3).path
         self.reactor = fake_process_reactor()
         registry = ModelRegistry(
-            parse_config(f'models_dir = "{root / "models"}"\nollama_models = "{self.store}"\n'), self.reactor)
+            parse_config(f'models_dir = "{root / "models"}"\nollama_models = "{self.store}"\n'), self.reactor
+        )
         supervisor = FakeSupervisor(["m:latest"])
         self.library = ScriptedLibrary(self.gguf)
         operations = ModelOperations(registry, cast(Supervisor, supervisor), None, self.reactor, self.library)
-        surface = build_gateway(registry, cast(Supervisor, supervisor), cast(EngineClient, None), self.reactor,
-                                operations=operations, wall=lambda: 0.0).ollama
+        surface = build_gateway(
+            registry,
+            cast(Supervisor, supervisor),
+            cast(EngineClient, None),
+            self.reactor,
+            operations=operations,
+            wall=lambda: 0.0,
+        ).ollama
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> tuple[int, bytes, bytes]:
-        d = self.client.request(method, "http://localhost" + path,
-                                data=json.dumps(body).encode() if body is not None else None)
+        d = self.client.request(
+            method, "http://localhost" + path, data=json.dumps(body).encode() if body is not None else None
+        )
         self.client.flush()
         response = self.successResultOf(d)
         content = self.successResultOf(response.content())
@@ -81,8 +90,9 @@ class LibrarySurfaceTests(SynchronousTestCase):
     def test_pull_streams_and_names_the_model(self) -> None:
         status, kind, data = self.call("POST", "/api/pull", {"model": "me/tiny:v1", "insecure": True})
         self.assertEqual((status, kind), (200, b"application/x-ndjson"))
-        self.assertEqual([json.loads(line) for line in data.splitlines()],
-                         [{"status": "pulling manifest"}, {"status": "success"}])
+        self.assertEqual(
+            [json.loads(line) for line in data.splitlines()], [{"status": "pulling manifest"}, {"status": "success"}]
+        )
         self.assertEqual(self.library.calls, [("pull", "registry.ollama.ai/me/tiny:v1", True)])
         status, _, data = self.call("POST", "/api/pull", {"model": "tiny", "stream": False})
         self.assertEqual((status, json.loads(data)), (200, {"status": "success"}))
@@ -101,13 +111,14 @@ class LibrarySurfaceTests(SynchronousTestCase):
         store.thd_put_model(self.store, parse_name("me/tiny:v1"), self.gguf)
         status, kind, data = self.call("POST", "/api/push", {"model": "me/tiny:v1"})
         self.assertEqual((status, kind), (200, b"application/x-ndjson"))
-        self.assertEqual([json.loads(line)["status"] for line in data.splitlines()],
-                         ["retrieving manifest", "success"])
+        self.assertEqual([json.loads(line)["status"] for line in data.splitlines()], ["retrieving manifest", "success"])
         self.assertEqual(self.library.calls, [("push", "registry.ollama.ai/me/tiny:v1", False)])
         self.library.push_failure = PushError("the registry refused", 502)
         status, kind, data = self.call("POST", "/api/push", {"model": "me/tiny:v1"})
-        self.assertEqual([json.loads(line) for line in data.splitlines()],
-                         [{"status": "retrieving manifest"}, {"error": "the registry refused"}])
+        self.assertEqual(
+            [json.loads(line) for line in data.splitlines()],
+            [{"status": "retrieving manifest"}, {"error": "the registry refused"}],
+        )
 
     def test_push_refusals_are_plain_errors(self) -> None:
         status, _, data = self.call("POST", "/api/push", {"model": "m"})

@@ -11,16 +11,15 @@ from typing import Any, Callable, cast
 from twisted.internet.defer import ensureDeferred
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
+from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.gateway.operations import ModelOperations
 from blazar.models.hub import HubName, PullError
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_process_reactor
 from blazar.service import build_gateway
-
+from blazar.testing import FakeSupervisor, fake_process_reactor
 from tests.typed import StubTreq
 
 
@@ -46,8 +45,14 @@ class OllamaModelsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.puller = BreakingPuller(PullError("download of x broke after 5 of 10 bytes; pull again to resume", 502))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor,
-                                operations=operations, wall=lambda: 0.0).ollama
+        surface = build_gateway(
+            registry,
+            cast(Supervisor, self.supervisor),
+            cast(EngineClient, None),
+            self.reactor,
+            operations=operations,
+            wall=lambda: 0.0,
+        ).ollama
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, bytes, bytes]:
@@ -71,13 +76,21 @@ class OllamaModelsTests(SynchronousTestCase):
         Copies still work, and copying the remote's model is a 400 that says
         why.
         """
-        config = parse_config(f'models_dir = "{self.root}"\n[[remotes]]\nname = "peer"\n'
-                              'base_url = "http://127.0.0.1:9/v1"\nmodels = "*"\n')
+        config = parse_config(
+            f'models_dir = "{self.root}"\n[[remotes]]\nname = "peer"\n'
+            'base_url = "http://127.0.0.1:9/v1"\nmodels = "*"\n'
+        )
         registry = ModelRegistry(config, self.reactor)
         registry.note_listed("peer", ('a"b', "tiny:latest"))
         operations = ModelOperations(registry, cast(Supervisor, self.supervisor), self.puller, self.reactor)
-        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, None), self.reactor,
-                                operations=operations, wall=lambda: 0.0).ollama
+        surface = build_gateway(
+            registry,
+            cast(Supervisor, self.supervisor),
+            cast(EngineClient, None),
+            self.reactor,
+            operations=operations,
+            wall=lambda: 0.0,
+        ).ollama
         self.client = StubTreq(surface.app.resource())
         self.assertEqual(self.call("POST", "/api/copy", {"source": "m", "destination": "m2"})[0], 200)
         status, _, data = self.call("POST", "/api/copy", {"source": "m", "destination": "peer:tiny:latest"})
@@ -89,7 +102,9 @@ class OllamaModelsTests(SynchronousTestCase):
     def test_delete(self) -> None:
         instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
         self.assertEqual(self.call("DELETE", "/api/delete", {"model": "m"})[0], 200)
-        self.assertEqual(instance.state, InstanceState.DEAD)  # stopped and exited before the files went, as a real child
+        self.assertEqual(
+            instance.state, InstanceState.DEAD
+        )  # stopped and exited before the files went, as a real child
         self.assertFalse((self.root / "m.gguf").exists())
         status, _, data = self.call("DELETE", "/api/delete", {"model": "m"})
         self.assertEqual((status, json.loads(data)), (404, {"error": 'model "m" not found, try pulling it first'}))
@@ -104,11 +119,15 @@ class OllamaModelsTests(SynchronousTestCase):
         status, kind, data = self.call("POST", "/api/pull", {"model": "hf.co/u/r-GGUF"})
         self.assertEqual((status, kind), (200, b"application/x-ndjson"))
         lines = [json.loads(line) for line in data.splitlines()]
-        self.assertEqual(lines, [
-            {"status": "pulling manifest"},
-            {"error": "download of x broke after 5 of 10 bytes; pull again to resume"},
-        ])
+        self.assertEqual(
+            lines,
+            [
+                {"status": "pulling manifest"},
+                {"error": "download of x broke after 5 of 10 bytes; pull again to resume"},
+            ],
+        )
         status, _, data = self.call("POST", "/api/pull", {"model": "hf.co/u/r-GGUF", "stream": False})
         self.assertEqual(
-            (status, json.loads(data)), (502, {"error": "download of x broke after 5 of 10 bytes; pull again to resume"})
+            (status, json.loads(data)),
+            (502, {"error": "download of x broke after 5 of 10 bytes; pull again to resume"}),
         )

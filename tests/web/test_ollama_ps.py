@@ -15,9 +15,8 @@ from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import InstanceState, Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
-
+from blazar.testing import FakeEngineClient, FakeSupervisor, fake_engine_app, fake_process_reactor
 from tests.typed import StubTreq
 
 
@@ -30,8 +29,9 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
-        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor,
-                                wall=lambda: 1000.0).ollama
+        surface = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, wall=lambda: 1000.0
+        ).ollama
         self.client = StubTreq(surface.app.resource())
 
     def ps(self) -> list[dict[str, Any]]:
@@ -67,8 +67,15 @@ class PsTests(SynchronousTestCase):
         instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
         instance.path = self.gguf
         self.assertEqual(self.ps()[0]["size_vram"], 0)
-        instance.plan = Plan(devices=(0, 1), gpu_layers=3, n_units=3, gpu_bytes={0: 3 << 30, 1: 1 << 30},
-                             ram_bytes=0, tensor_split=(3, 1), evictions=())
+        instance.plan = Plan(
+            devices=(0, 1),
+            gpu_layers=3,
+            n_units=3,
+            gpu_bytes={0: 3 << 30, 1: 1 << 30},
+            ram_bytes=0,
+            tensor_split=(3, 1),
+            evictions=(),
+        )
         self.assertEqual(self.ps()[0]["size_vram"], 4 << 30)
         instance.vram_measured = {0: (3 << 30) + (200 << 20), 1: 1 << 30}
         self.assertEqual(self.ps()[0]["size_vram"], (4 << 30) + (200 << 20))

@@ -9,10 +9,9 @@ from blazar.engines.client import EngineClient
 from blazar.engines.supervisor import Supervisor
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
+from blazar.testing import FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from tests.typed import StubTreq
-from blazar.testing import StubEngineClient
 
 
 class OpenAISurfaceTests(SynchronousTestCase):
@@ -26,8 +25,9 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest"])
         self.engine_client = StubEngineClient(self.engine, self.supervisor)
         registry = ModelRegistry(config, self.reactor)
-        surface = build_gateway(registry, cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client),
-                                self.reactor).openai
+        surface = build_gateway(
+            registry, cast(Supervisor, self.supervisor), cast(EngineClient, self.engine_client), self.reactor
+        ).openai
         self.client = StubTreq(surface.app.resource())
 
     def call(self, method: str, path: str, body: Any = None, raw: bytes | None = None) -> tuple[int, Any, bytes]:
@@ -54,7 +54,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
 
     def test_chat_streaming_relays_events(self) -> None:
         code, headers, body = self.call(
-            "POST", "/v1/chat/completions",
+            "POST",
+            "/v1/chat/completions",
             {"model": "M:latest", "stream": True, "messages": [{"role": "user", "content": "hi"}]},
         )
         self.assertEqual(code, 200)
@@ -63,7 +64,7 @@ class OpenAISurfaceTests(SynchronousTestCase):
         self.assertTrue(body.startswith(b": loading\n\n"))
         events = [e for e in body.split(b"\n\n") if e and not e.startswith(b":")]
         self.assertEqual(events[-1], b"data: [DONE]")
-        chunks = [json.loads(e[len(b"data: "):]) for e in events[:-1]]
+        chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
         self.assertEqual([c["model"] for c in chunks], ["M:latest", "M:latest"])
         self.assertEqual("".join(c["choices"][0]["delta"]["content"] for c in chunks), "Hello")
 
@@ -79,7 +80,8 @@ class OpenAISurfaceTests(SynchronousTestCase):
     def test_unknown_model_404_names_available(self) -> None:
         for stream in (False, True):
             code, _, body = self.call(
-                "POST", "/v1/chat/completions",
+                "POST",
+                "/v1/chat/completions",
                 {"model": "nope", "stream": stream, "messages": [{"role": "user", "content": "x"}]},
             )
             self.assertOpenAIError(code, body, 404, "model_not_found", "nope", "m:latest")
@@ -105,14 +107,16 @@ class OpenAISurfaceTests(SynchronousTestCase):
 
     def test_engine_failure_is_502_with_engine_message(self) -> None:
         code, _, body = self.call(
-            "POST", "/v1/chat/completions",
+            "POST",
+            "/v1/chat/completions",
             {"model": "m", "chat_template_kwargs": {"fail": 500}, "messages": [{"role": "user", "content": "x"}]},
         )
         self.assertOpenAIError(code, body, 502, "engine_error", "engine says no")
 
     def test_engine_4xx_keeps_status(self) -> None:
         code, _, body = self.call(
-            "POST", "/v1/chat/completions",
+            "POST",
+            "/v1/chat/completions",
             {"model": "m", "chat_template_kwargs": {"fail": 400}, "messages": [{"role": "user", "content": "x"}]},
         )
         self.assertOpenAIError(code, body, 400, None, "engine says no")

@@ -37,8 +37,13 @@ def test_named_tool_choice_offers_only_that_tool_and_requires_a_call() -> None:
 
 
 def test_allowed_tools() -> None:
-    body = chat(tools=[F, G], tool_choice={"type": "allowed_tools", "allowed_tools": {
-        "mode": "required", "tools": [{"type": "function", "function": {"name": "f"}}]}})
+    body = chat(
+        tools=[F, G],
+        tool_choice={
+            "type": "allowed_tools",
+            "allowed_tools": {"mode": "required", "tools": [{"type": "function", "function": {"name": "f"}}]},
+        },
+    )
     lenient("chat", body)
     assert body["tools"] == [F] and body["tool_choice"] == "required"
     body = chat(tools=[F], tool_choice={"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": []}})
@@ -46,12 +51,15 @@ def test_allowed_tools() -> None:
     assert "tools" not in body and "tool_choice" not in body
 
 
-@pytest.mark.parametrize("choice", [
-    {"type": "function", "function": {"name": "ghost"}},
-    {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},
-    {"type": "custom", "custom": {"name": "x"}},
-    {"type": "sometimes"},
-])
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "function", "function": {"name": "ghost"}},
+        {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": []}},
+        {"type": "custom", "custom": {"name": "x"}},
+        {"type": "sometimes"},
+    ],
+)
 def test_tool_choices_that_cannot_be_honoured_are_400(choice: dict[str, Any]) -> None:
     with pytest.raises(BadRequest) as caught:
         lenient("chat", chat(tools=[F], tool_choice=choice))
@@ -59,6 +67,8 @@ def test_tool_choices_that_cannot_be_honoured_are_400(choice: dict[str, Any]) ->
 
 
 def test_built_in_tools_leave_and_take_their_choice_with_them() -> None:
-    body = chat(tools=[{"type": "custom", "custom": {"name": "x"}}], tool_choice={"type": "custom", "custom": {"name": "x"}})
+    body = chat(
+        tools=[{"type": "custom", "custom": {"name": "x"}}], tool_choice={"type": "custom", "custom": {"name": "x"}}
+    )
     ignored, _ = lenient("chat", body)
     assert ignored == ["tools:custom"] and "tools" not in body and "tool_choice" not in body

@@ -14,9 +14,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.lease import InstanceLease
 from blazar.testing import FakeSupervisor, fake_engine_app
-
 from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
+
 
 def failing_engine(status: int) -> Any:
     """
@@ -91,9 +91,14 @@ class ReviewFindingsTests(SynchronousTestCase):
         404) leaks through as a not_found_error.
         """
         self.build(failing_engine(404))
-        code, _, body = self.post("/v1/messages", {
-            "model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
-        })
+        code, _, body = self.post(
+            "/v1/messages",
+            {
+                "model": "m",
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "hi"}],
+            },
+        )
         self.assertEqual((code, json.loads(body)["error"]["type"]), (400, "invalid_request_error"), body)
 
     def test_openai_refusal_before_the_pipeline_names_ignored_fields(self) -> None:
@@ -102,10 +107,15 @@ class ReviewFindingsTests(SynchronousTestCase):
         screen; now only the pipeline's first step does, so a request the
         surface refuses itself (here a bad keep_alive) loses the header.
         """
-        code, headers, body = self.post("/v1/chat/completions", {
-            "model": "m", "messages": [{"role": "user", "content": "hi"}],
-            "service_tier": "auto", "keep_alive": "soon",
-        })
+        code, headers, body = self.post(
+            "/v1/chat/completions",
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": "hi"}],
+                "service_tier": "auto",
+                "keep_alive": "soon",
+            },
+        )
         self.assertEqual(code, 400, body)
         self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"service_tier"])
 
@@ -140,9 +150,18 @@ class AnthropicAdmissionOrderTests(SynchronousTestCase):
         return self.successResultOf(queue.admit(queue.ticket(trace_id="holder"), 1))
 
     def start(self) -> Any:
-        return self.client.request("POST", "http://localhost/v1/messages", data=json.dumps({
-            "model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}],
-        }).encode())
+        return self.client.request(
+            "POST",
+            "http://localhost/v1/messages",
+            data=json.dumps(
+                {
+                    "model": "m",
+                    "max_tokens": 8,
+                    "stream": True,
+                    "messages": [{"role": "user", "content": "hi"}],
+                }
+            ).encode(),
+        )
 
     def test_message_start_counts_a_prompt_whose_model_loaded_while_it_queued(self) -> None:
         held = self.hold()
@@ -196,12 +215,13 @@ class InStreamMetricsTests(SynchronousTestCase):
         self.assertEqual(kind, "engine_error")
 
     def test_anthropic_cold_stream_engine_400_is_counted(self) -> None:
-        code, data, kind = self.stream("/v1/messages", {
-            "model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]})
+        code, data, kind = self.stream(
+            "/v1/messages",
+            {"model": "m", "max_tokens": 8, "stream": True, "messages": [{"role": "user", "content": "hi"}]},
+        )
         self.assertEqual(code, 200)
         self.assertIn(b"event: error", data)
         self.assertEqual(kind, "engine_error")
-
 
 
 class PlacementOptionsTests(SynchronousTestCase):
@@ -214,29 +234,47 @@ class PlacementOptionsTests(SynchronousTestCase):
 
     def setUp(self) -> None:
         self.supervisor = FakeSupervisor(["m:latest"])
-        self.gateway = MemoryGateway(self, self.supervisor, fake_engine_app("m:latest"), config=(
-            '[[keys]]\nname = "admin"\nsecret = "admin-secret-0123456789"\n'
-            '[[keys]]\nname = "tenant"\nsecret = "tenant-secret-0123456789"\nmodels = ["m"]\n'))
+        self.gateway = MemoryGateway(
+            self,
+            self.supervisor,
+            fake_engine_app("m:latest"),
+            config=(
+                '[[keys]]\nname = "admin"\nsecret = "admin-secret-0123456789"\n'
+                '[[keys]]\nname = "tenant"\nsecret = "tenant-secret-0123456789"\nmodels = ["m"]\n'
+            ),
+        )
 
     def test_an_unscoped_keys_placement_is_the_models(self) -> None:
         options = {"num_gpu": 12, "main_gpu": 1, "num_thread": 4, "use_mmap": False, "num_batch": 9}
-        code, headers, body = self.gateway.post("/api/chat", {
-            "model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}], "options": options},
-            headers={"authorization": "Bearer admin-secret-0123456789"})
+        code, headers, body = self.gateway.post(
+            "/api/chat",
+            {"model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}], "options": options},
+            headers={"authorization": "Bearer admin-secret-0123456789"},
+        )
         self.assertEqual(code, 200, body)
-        self.assertEqual(self.supervisor.profiles["m"],
-                         {"gpu_layers": 12, "main_gpu": 1, "threads": 4, "use_mmap": False})
+        self.assertEqual(
+            self.supervisor.profiles["m"], {"gpu_layers": 12, "main_gpu": 1, "threads": 4, "use_mmap": False}
+        )
         self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch"])
-        code, _, body = self.gateway.post("/api/generate", {"model": "m", "options": {"num_gpu": 0}},
-                                          headers={"authorization": "Bearer admin-secret-0123456789"})
+        code, _, body = self.gateway.post(
+            "/api/generate",
+            {"model": "m", "options": {"num_gpu": 0}},
+            headers={"authorization": "Bearer admin-secret-0123456789"},
+        )
         self.assertEqual(code, 200, body)  # a load
         self.assertEqual(self.supervisor.profiles["m"], {"gpu_layers": 0})
 
     def test_a_scoped_keys_placement_is_ignored(self) -> None:
-        code, headers, body = self.gateway.post("/api/chat", {
-            "model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}],
-            "options": {"num_gpu": 12, "num_thread": 2}},
-            headers={"authorization": "Bearer tenant-secret-0123456789"})
+        code, headers, body = self.gateway.post(
+            "/api/chat",
+            {
+                "model": "m",
+                "stream": False,
+                "messages": [{"role": "user", "content": "hi"}],
+                "options": {"num_gpu": 12, "num_thread": 2},
+            },
+            headers={"authorization": "Bearer tenant-secret-0123456789"},
+        )
         self.assertEqual(code, 200, body)
         self.assertEqual(self.supervisor.profiles, {})
         ignored = b",".join(headers.getRawHeaders(b"x-blazar-ignored") or []).decode()

@@ -19,11 +19,11 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from blazar.gateway.context import key_of
 from blazar.config import Config, KeyConfig
+from blazar.gateway.context import key_of
 from blazar.web.auth import AuthGate, KeyHolder, is_local
-from blazar.web.site import LINGER_BYTES, LINGER_SECS, OPEN_BODY_BYTES, BlazarSite, reason_phrase
 from blazar.web.client import context_of
+from blazar.web.site import LINGER_BYTES, LINGER_SECS, OPEN_BODY_BYTES, BlazarSite, reason_phrase
 
 LIMIT = 1000
 SECRET = "door-secret-0123456789"
@@ -48,10 +48,17 @@ class Recorder(Resource):
 
 
 def head(path: bytes, length: int, *extra: bytes) -> bytes:
-    return b"\r\n".join([
-        b"POST " + path + b" HTTP/1.1", b"Host: x", b"Content-Type: application/json",
-        b"Content-Length: " + str(length).encode(), *extra, b"", b"",
-    ])
+    return b"\r\n".join(
+        [
+            b"POST " + path + b" HTTP/1.1",
+            b"Host: x",
+            b"Content-Type: application/json",
+            b"Content-Length: " + str(length).encode(),
+            *extra,
+            b"",
+            b"",
+        ]
+    )
 
 
 class BodyLimitTests(SynchronousTestCase):
@@ -119,7 +126,8 @@ class BodyLimitTests(SynchronousTestCase):
         chunk = b"x" * 600
         self.channel.dataReceived(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 2 + b"0\r\n\r\n"
+            + (b"%x\r\n" % len(chunk) + chunk + b"\r\n") * 2
+            + b"0\r\n\r\n"
         )
         status, _, body = self.response()
         self.assertEqual(status.split(b" ")[1], b"413")
@@ -129,7 +137,8 @@ class BodyLimitTests(SynchronousTestCase):
         # no last chunk: the answer may not wait for one
         self.channel.dataReceived(
             b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
-            + b"%x\r\n" % (LIMIT + 1) + b"x" * (LIMIT + 1)
+            + b"%x\r\n" % (LIMIT + 1)
+            + b"x" * (LIMIT + 1)
         )
         status, headers, _ = self.response()
         self.assertEqual(status.split(b" ")[1], b"413")
@@ -185,9 +194,7 @@ class SiteCase(SynchronousTestCase):
         self.patch(tempfile, "TemporaryFile", temporary_file)
 
     def make_site(self, **kwargs: Any) -> BlazarSite:
-        return BlazarSite(
-            self.gate, max_body_bytes=50 * 1024 * 1024, gate=self.gate, reactor=self.clock, **kwargs
-        )
+        return BlazarSite(self.gate, max_body_bytes=50 * 1024 * 1024, gate=self.gate, reactor=self.clock, **kwargs)
 
     def connect(self, host: str = "10.1.2.3", kind: type[StringTransport] = StringTransport) -> tuple[Any, Any]:
         transport = kind(peerAddress=IPv4Address("TCP", host, 40000))
@@ -204,8 +211,15 @@ class SiteCase(SynchronousTestCase):
 class DoorTests(SiteCase):
     def test_a_client_trace_id_is_echoed_but_never_a_batch_lines(self) -> None:
         for offered, echoed in ((b"my-trace-1", True), (b"batch_abc.0", False)):
-            _, transport = self.send(head(b"/v1/chat/completions", 2, b"Authorization: Bearer " + SECRET.encode(),
-                                          b"x-blazar-trace-id: " + offered) + b"{}")
+            _, transport = self.send(
+                head(
+                    b"/v1/chat/completions",
+                    2,
+                    b"Authorization: Bearer " + SECRET.encode(),
+                    b"x-blazar-trace-id: " + offered,
+                )
+                + b"{}"
+            )
             _, headers, _ = parse(transport.value())
             self.assertEqual(headers[b"x-blazar-trace-id"] == offered, echoed, offered)
 
@@ -333,8 +347,9 @@ class DoorTests(SiteCase):
         for host in ("10.1.2.3", "127.0.0.1", "::1", "::ffff:127.0.0.1"):
             _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", host=host)
             self.assertIn(b"401", transport.value().split(b"\r\n")[0], host)
-            _, transport = self.send(b"GET /metrics HTTP/1.1\r\nHost: x\r\nx-api-key: " + SECRET.encode()
-                                     + b"\r\n\r\n", host=host)
+            _, transport = self.send(
+                b"GET /metrics HTTP/1.1\r\nHost: x\r\nx-api-key: " + SECRET.encode() + b"\r\n\r\n", host=host
+            )
             self.assertIn(b"200 OK", transport.value(), host)
 
     def test_is_local(self) -> None:
@@ -362,8 +377,7 @@ class MetricsRequireKeyTests(SiteCase):
         scoped = KeyConfig("webui", "scoped-secret-0123456789", models=("qwen:7b",))
         get = b"GET /metrics HTTP/1.1\r\nHost: x\r\n"
         for required, host in ((None, "10.1.2.3"), (None, "127.0.0.1"), (True, "127.0.0.1")):
-            self.gate = AuthGate(self.inner, KeyHolder(Config(
-                keys=(*self.keys, scoped), metrics_require_key=required)))
+            self.gate = AuthGate(self.inner, KeyHolder(Config(keys=(*self.keys, scoped), metrics_require_key=required)))
             self.site = self.make_site()
             _, transport = self.send(get + b"Authorization: Bearer " + scoped.secret.encode() + b"\r\n\r\n", host=host)
             status, _, body = parse(transport.value())
@@ -380,8 +394,7 @@ class MetricsRequireKeyTests(SiteCase):
         self.assertEqual(len(self.inner.seen), 3)
         # false opens it to scrapes without a key, from anywhere
         for required, host in ((False, "127.0.0.1"), (False, "10.1.2.3")):
-            self.gate = AuthGate(self.inner, KeyHolder(Config(
-                keys=(*self.keys, scoped), metrics_require_key=required)))
+            self.gate = AuthGate(self.inner, KeyHolder(Config(keys=(*self.keys, scoped), metrics_require_key=required)))
             self.site = self.make_site()
             _, transport = self.send(get + b"\r\n", host=host)
             self.assertIn(b"200 OK", transport.value(), (required, host))
@@ -535,9 +548,14 @@ class Status(Resource):
 class ReasonPhraseTests(SynchronousTestCase):
     def test_every_status_has_its_phrase(self) -> None:
         for code, phrase in [
-            (429, b"Too Many Requests"), (431, b"Request Header Fields Too Large"),
-            (408, b"Request Timeout"), (413, b"Request Entity Too Large"), (422, b"Unprocessable Entity"),
-            (499, b"Client Closed Request"), (529, b"Overloaded"), (503, b"Service Unavailable"),
+            (429, b"Too Many Requests"),
+            (431, b"Request Header Fields Too Large"),
+            (408, b"Request Timeout"),
+            (413, b"Request Entity Too Large"),
+            (422, b"Unprocessable Entity"),
+            (499, b"Client Closed Request"),
+            (529, b"Overloaded"),
+            (503, b"Service Unavailable"),
             (504, b"Gateway Timeout"),
         ]:
             site = BlazarSite(Status(code), max_body_bytes=LIMIT, reactor=MemoryReactorClock())
@@ -633,8 +651,7 @@ class BlobUploadDoorTests(SiteCase):
 
     def make_site(self, **kwargs: Any) -> BlazarSite:
         self.store = Path(self.mktemp()).absolute()
-        config = Config(keys=self.keys, max_body_bytes=LIMIT, max_blob_bytes=4 * 1024 * 1024,
-                        ollama_models=self.store)
+        config = Config(keys=self.keys, max_body_bytes=LIMIT, max_blob_bytes=4 * 1024 * 1024, ollama_models=self.store)
         self.patch(self.inner, "render", self.keep)
         self.contents: list[Any] = []
         return BlazarSite(self.gate, gate=self.gate, reactor=self.clock, config=lambda: config, **kwargs)
@@ -700,8 +717,12 @@ class KeylessBlobDoorTests(SiteCase):
         channel.dataReceived(b"0123456789")
         self.assertIsInstance(self.contents[-1][0], io.BytesIO)
         # and one from loopback for a page that is not this machine's (check_admin refuses it too)
-        _, transport = self.send(head(self.BLOB, 2 * 1024 * 1024, b"Origin: http://10.0.0.2:11434").replace(
-            b"Host: x", b"Host: 10.0.0.2:11434"), "127.0.0.1")
+        _, transport = self.send(
+            head(self.BLOB, 2 * 1024 * 1024, b"Origin: http://10.0.0.2:11434").replace(
+                b"Host: x", b"Host: 10.0.0.2:11434"
+            ),
+            "127.0.0.1",
+        )
         self.assertIn(b"max_body_bytes = 1000", parse(transport.value())[2])
 
     def test_from_loopback_it_is_spooled_into_the_store(self) -> None:

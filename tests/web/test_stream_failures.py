@@ -22,11 +22,8 @@ from blazar.engines.supervisor import Supervisor
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry, ModelUnreadable
 from blazar.models.testmodel import make_test_model
-from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app, fake_process_reactor
 from blazar.service import build_gateway
-from blazar.testing import StubEngineClient
-
-
+from blazar.testing import FakeInstance, FakeSupervisor, StubEngineClient, fake_engine_app, fake_process_reactor
 from tests.typed import StubTreq
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -82,8 +79,13 @@ class StreamFailureTests(SynchronousTestCase):
         self.supervisor = FailingSupervisor(["m:latest"])
         registry = ModelRegistry(config, self.reactor)
         gateway = build_gateway(
-            registry, cast(Supervisor, self.supervisor), cast(EngineClient, StubEngineClient(self.engine)),
-            self.reactor, lambda: config, hub=FakeHub(), wall=lambda: 0.0,
+            registry,
+            cast(Supervisor, self.supervisor),
+            cast(EngineClient, StubEngineClient(self.engine)),
+            self.reactor,
+            lambda: config,
+            hub=FakeHub(),
+            wall=lambda: 0.0,
         )
         self.engines, self.proxy = gateway.proxy, gateway.pipeline
         self.client = StubTreq(gateway.router())
@@ -128,8 +130,13 @@ class StreamFailureTests(SynchronousTestCase):
 
     def test_domain_errors_at_the_load_end_the_stream(self) -> None:
         for failure, message in [
-            (ModelUnreadable("m:latest", GGUFError(self.gguf, "is not a readable GGUF file (truncated GGUF file, "
-                                                    "wanted 8 bytes at 99328)")), "truncated GGUF"),
+            (
+                ModelUnreadable(
+                    "m:latest",
+                    GGUFError(self.gguf, "is not a readable GGUF file (truncated GGUF file, wanted 8 bytes at 99328)"),
+                ),
+                "truncated GGUF",
+            ),
             (ModelNotFound("m", []), "m"),
             (EngineNotFound("no llama-server found; set BLAZAR_ENGINE"), "BLAZAR_ENGINE"),
         ]:

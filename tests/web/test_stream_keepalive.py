@@ -17,7 +17,6 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
 from blazar.web.sse import LOADING, LOADING_PING
-
 from tests.web.gateway import MemoryGateway
 
 HELLO = [{"role": "user", "content": "hi"}]

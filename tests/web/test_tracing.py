@@ -12,13 +12,12 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.gateway.context import RequestContext
 from blazar.config import KeyConfig
+from blazar.gateway.context import RequestContext
 from blazar.metrics import Metrics
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
 from blazar.web import tracing
 from blazar.web.tracing import Tracing
-
 from tests.typed import not_none
 
 
@@ -45,8 +44,12 @@ class Request:
 
     def __init__(self) -> None:
         self.blazar = RequestContext(
-            trace_id="plm-1-1", started=100.0, model="m:latest", key=KeyConfig("me", "x" * 16),
-            tokens=(12, 3), spans={"queue": (100.0, 100.5), "load": (100.5, 102.0), "generate": (102.0, None)},
+            trace_id="plm-1-1",
+            started=100.0,
+            model="m:latest",
+            key=KeyConfig("me", "x" * 16),
+            tokens=(12, 3),
+            spans={"queue": (100.0, 100.5), "load": (100.5, 102.0), "generate": (102.0, None)},
         )
 
 
@@ -55,8 +58,9 @@ class TracingTests(SynchronousTestCase):
         self.reactor = fake_process_reactor()
         self.metrics = Metrics()
         self.exporter = Exporter()
-        self.tracing = Tracing("http://collector", self.reactor, self.metrics, self.exporter,
-                               pool=SynchronousThreadPool())
+        self.tracing = Tracing(
+            "http://collector", self.reactor, self.metrics, self.exporter, pool=SynchronousThreadPool()
+        )
         self.tracing.startService()
 
     def dropped(self) -> float:
@@ -97,8 +101,7 @@ class TracingTests(SynchronousTestCase):
 
     def test_full_queue_drops_and_counts(self) -> None:
         self.patch(tracing, "MAX_QUEUE", 6)
-        small = Tracing("http://collector", self.reactor, self.metrics, self.exporter,
-                        pool=SynchronousThreadPool())
+        small = Tracing("http://collector", self.reactor, self.metrics, self.exporter, pool=SynchronousThreadPool())
         small.record(Request(), "openai", 103.0)
         small.record(Request(), "openai", 103.0)
         self.assertEqual(len(small.queue.spans), 6)

@@ -20,7 +20,6 @@ from blazar.engines.supervisor import Supervisor
 from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata, unreadable
 from blazar.models.registry import ModelRegistry
 from blazar.testing import fake_engine_app
-
 from tests.web.gateway import MemoryGateway
 
 HELLO = [{"role": "user", "content": "hi"}]
@@ -46,6 +45,7 @@ def supervisor(config: Config, registry: ModelRegistry, reactor: Any) -> Supervi
     The real supervisor, which reads a model's GGUF header before it starts
     the model's child.
     """
+
     async def probe(url: str) -> int:
         return 200
 
@@ -54,8 +54,14 @@ def supervisor(config: Config, registry: ModelRegistry, reactor: Any) -> Supervi
 
 class UnreadableModelTests(SynchronousTestCase):
     def setUp(self) -> None:
-        self.gateway = MemoryGateway(self, None, fake_engine_app("x:latest"), models=("m", "x"),
-                                     config='[engines.llamacpp]\nbinary = "/bin/true"\n', supervise=supervisor)
+        self.gateway = MemoryGateway(
+            self,
+            None,
+            fake_engine_app("x:latest"),
+            models=("m", "x"),
+            config='[engines.llamacpp]\nbinary = "/bin/true"\n',
+            supervise=supervisor,
+        )
         self.file = self.gateway.root / "x.gguf"
         self.events: list[dict[str, Any]] = []
         globalLogPublisher.addObserver(cast(ILogObserver, self.events.append))

@@ -23,7 +23,6 @@ from blazar.models.testprojector import make_test_projector, png_image
 from blazar.testing import FakeSupervisor, fake_engine_app
 from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
-
 from tests.typed import StubTreq
 from tests.web.gateway import MemoryGateway
 
@@ -60,21 +59,72 @@ def image_requests(model: str, image: dict[str, str]) -> dict[str, tuple[str, di
     (C{{"data": base64}} or C{{"url": ...}}) in that surface's own form.
     """
     url = image.get("url") or "data:image/png;base64," + image["data"]
-    anthropic_source = ({"type": "url", "url": image["url"]} if "url" in image
-                        else {"type": "base64", "media_type": "image/png", "data": image["data"]})
+    anthropic_source = (
+        {"type": "url", "url": image["url"]}
+        if "url" in image
+        else {"type": "base64", "media_type": "image/png", "data": image["data"]}
+    )
     requests: dict[str, tuple[str, dict[str, Any]]] = {
-        "openai": ("/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": [
-            {"type": "text", "text": "what is it?"}, {"type": "image_url", "image_url": {"url": url}}]}]}),
-        "anthropic": ("/v1/messages", {"model": model, "max_tokens": 8, "messages": [{"role": "user", "content": [
-            {"type": "image", "source": anthropic_source}, {"type": "text", "text": "what is it?"}]}]}),
-        "responses": ("/v1/responses", {"model": model, "input": [{"role": "user", "content": [
-            {"type": "input_text", "text": "what is it?"}, {"type": "input_image", "image_url": url}]}]}),
+        "openai": (
+            "/v1/chat/completions",
+            {
+                "model": model,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "text", "text": "what is it?"},
+                            {"type": "image_url", "image_url": {"url": url}},
+                        ],
+                    }
+                ],
+            },
+        ),
+        "anthropic": (
+            "/v1/messages",
+            {
+                "model": model,
+                "max_tokens": 8,
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "image", "source": anthropic_source},
+                            {"type": "text", "text": "what is it?"},
+                        ],
+                    }
+                ],
+            },
+        ),
+        "responses": (
+            "/v1/responses",
+            {
+                "model": model,
+                "input": [
+                    {
+                        "role": "user",
+                        "content": [
+                            {"type": "input_text", "text": "what is it?"},
+                            {"type": "input_image", "image_url": url},
+                        ],
+                    }
+                ],
+            },
+        ),
     }
     if "data" in image:
-        requests["ollama chat"] = ("/api/chat", {"model": model, "stream": False, "messages": [
-            {"role": "user", "content": "what is it?", "images": [image["data"]]}]})
-        requests["ollama generate"] = ("/api/generate", {"model": model, "stream": False, "prompt": "what is it?",
-                                                         "images": [image["data"]]})
+        requests["ollama chat"] = (
+            "/api/chat",
+            {
+                "model": model,
+                "stream": False,
+                "messages": [{"role": "user", "content": "what is it?", "images": [image["data"]]}],
+            },
+        )
+        requests["ollama generate"] = (
+            "/api/generate",
+            {"model": model, "stream": False, "prompt": "what is it?", "images": [image["data"]]},
+        )
     return requests
 
 
@@ -96,15 +146,21 @@ def sent_images(request: dict[str, Any]) -> list[str]:
     """
     The image URLs of an engine request's messages.
     """
-    return [part["image_url"]["url"] for message in request["messages"] if isinstance(message.get("content"), list)
-            for part in message["content"] if part.get("type") == "image_url"]
+    return [
+        part["image_url"]["url"]
+        for message in request["messages"]
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+        if part.get("type") == "image_url"
+    ]
 
 
 class VisionSurfaceTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.engine_app = fake_engine_app("seer:latest")
-        self.gateway = MemoryGateway(self, FakeSupervisor(["seer:latest", "plain:latest"]), self.engine_app,
-                                     models=("seer", "plain"))
+        self.gateway = MemoryGateway(
+            self, FakeSupervisor(["seer:latest", "plain:latest"]), self.engine_app, models=("seer", "plain")
+        )
         make_test_projector(self.gateway.root / "mmproj-seer-f16.gguf")
         self.gateway.registry.forget()
         self.fetcher = FakeFetcher()
@@ -124,8 +180,12 @@ class VisionSurfaceTests(SynchronousTestCase):
             code, _, answer = self.gateway.post(path, body)
             self.assertEqual(code, 400, (surface, answer))
             message = error_message(surface, answer)
-            for needle in ("cannot see images", "mmproj-plain.gguf", 'mmproj = "/path/to/mmproj.gguf"',
-                           '[models."plain:latest"]'):
+            for needle in (
+                "cannot see images",
+                "mmproj-plain.gguf",
+                'mmproj = "/path/to/mmproj.gguf"',
+                '[models."plain:latest"]',
+            ):
                 self.assertIn(needle, message, surface)
         self.assertEqual(self.engine_app.requests, [])  # never dropped, never sent
 
@@ -143,8 +203,13 @@ class VisionSurfaceTests(SynchronousTestCase):
     def test_a_requests_image_urls_share_one_fetch_deadline(self) -> None:
         self.fetcher.taking = (self.gateway.reactor, 4.0)
         url = {"type": "image_url", "image_url": {"url": "https://img.example/cat.png"}}
-        code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "x"}, url, url, url]}]})
+        code, _, answer = self.gateway.post(
+            "/v1/chat/completions",
+            {
+                "model": "seer",
+                "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, url, url, url]}],
+            },
+        )
         self.assertEqual(code, 200, answer)
         self.assertEqual(self.fetcher.seconds, [10.0, 6.0, 2.0])  # of image_fetch_timeout_secs, in all
 
@@ -167,25 +232,35 @@ class VisionSurfaceTests(SynchronousTestCase):
             ({"type": "image_url", "image_url": {"url": "data:text/plain;base64,aGk="}}, "must be base64"),
             ({"type": "input_audio", "input_audio": {"url": "http://10.0.0.1/a.wav"}}, "does not fetch input_audio"),
         ]:
-            code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
-                {"role": "user", "content": [{"type": "text", "text": "x"}, part]}]})
+            code, _, answer = self.gateway.post(
+                "/v1/chat/completions",
+                {"model": "seer", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]},
+            )
             self.assertEqual(code, 400, answer)
             self.assertIn(needle, error_message("openai", answer))
         self.assertEqual(self.engine_app.requests, [])
 
     def media_answer(self, part: dict[str, Any]) -> tuple[int, bytes]:
-        code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "x"}, part]}]})
+        code, _, answer = self.gateway.post(
+            "/v1/chat/completions",
+            {"model": "seer", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]},
+        )
         return code, answer
 
     def test_every_media_value_is_checked_whatever_its_key(self) -> None:
         # llama-server reads data before url, and fetches any value that starts with "http"
         wav, metadata = "data:audio/wav;base64,AAAA", "http://169.254.169.254/"
         for kind in MEDIA_PARTS:
-            for media in ({"url": wav, "data": metadata}, {"data": metadata, "url": wav},
-                          {"url": metadata, "data": wav}, {"data": wav, "url": metadata},
-                          {"data": "AAAA", "url": "https://10.0.0.1/a.wav"}, {"data": "file:///etc/passwd"},
-                          {"data": "http//169.254.169.254/"}, {"url": "HTTP://169.254.169.254/"}):
+            for media in (
+                {"url": wav, "data": metadata},
+                {"data": metadata, "url": wav},
+                {"url": metadata, "data": wav},
+                {"data": wav, "url": metadata},
+                {"data": "AAAA", "url": "https://10.0.0.1/a.wav"},
+                {"data": "file:///etc/passwd"},
+                {"data": "http//169.254.169.254/"},
+                {"url": "HTTP://169.254.169.254/"},
+            ):
                 code, answer = self.media_answer({"type": kind, kind: media})
                 self.assertEqual(code, 400, (kind, media, answer))
                 self.assertIn(f"does not fetch {kind}", error_message("openai", answer))
@@ -214,8 +289,18 @@ class VisionSurfaceTests(SynchronousTestCase):
         self.assertEqual((self.engine_app.requests, self.fetcher.fetched), ([], []))
 
     def test_a_bare_url_string_is_sent_as_the_engine_reads_it(self) -> None:
-        code, _, answer = self.gateway.post("/v1/chat/completions", {"model": "seer", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": DATA_URL}]}]})
+        code, _, answer = self.gateway.post(
+            "/v1/chat/completions",
+            {
+                "model": "seer",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "x"}, {"type": "image_url", "image_url": DATA_URL}],
+                    }
+                ],
+            },
+        )
         self.assertEqual(code, 200, answer)
         ((_, request),) = self.engine_app.requests
         self.assertEqual(request["messages"][0]["content"][1], {"type": "image_url", "image_url": {"url": DATA_URL}})
@@ -229,8 +314,9 @@ class VisionSurfaceTests(SynchronousTestCase):
 
     def test_ollama_images_with_raw_or_suffix_are_refused(self) -> None:
         for extra in ({"raw": True}, {"suffix": "end"}):
-            code, _, answer = self.gateway.post("/api/generate", {"model": "seer", "prompt": "x", "stream": False,
-                                                                  "images": [PNG], **extra})
+            code, _, answer = self.gateway.post(
+                "/api/generate", {"model": "seer", "prompt": "x", "stream": False, "images": [PNG], **extra}
+            )
             self.assertEqual(code, 400, answer)
             self.assertIn("images cannot be sent with", error_message("ollama", answer))
 
@@ -243,22 +329,33 @@ class VisionSurfaceTests(SynchronousTestCase):
         for _ in range(5):
             self.gateway.client.flush()
         listing = json.loads(self.successResultOf(self.successResultOf(d).content()))
-        self.assertEqual({m["id"]: "vision" in m["capabilities"] for m in listing["data"]},
-                         {"seer:latest": True, "plain:latest": False})
+        self.assertEqual(
+            {m["id"]: "vision" in m["capabilities"] for m in listing["data"]},
+            {"seer:latest": True, "plain:latest": False},
+        )
 
     def test_the_live_configs_no_mmproj_takes_vision_away_everywhere(self) -> None:
         live = parse_config(f'models_dir = "{self.gateway.root}"\n[engines.llamacpp]\nargs = ["--no-mmproj"]')
         gateway = self.gateway
-        openai = StubTreq(OpenAISurface(gateway.registry, gateway.pipeline, gateway.reactor,
-                                        config=lambda: live).app.resource())
+        openai = StubTreq(
+            OpenAISurface(gateway.registry, gateway.pipeline, gateway.reactor, config=lambda: live).app.resource()
+        )
         for path in ("/v1/models", "/v1/models/seer:latest"):
             response = self.successResultOf(openai.get("http://localhost" + path))
             answer = json.loads(self.successResultOf(response.content()))
             for model in answer.get("data", [answer]):
                 self.assertNotIn("vision", model["capabilities"], (path, model))
         # as /api/show says
-        ollama = StubTreq(OllamaSurface(gateway.registry, gateway.pipeline, gateway.reactor, lambda: 0.0,
-                                        cast(ModelOperations, None), lambda: live).app.resource())
+        ollama = StubTreq(
+            OllamaSurface(
+                gateway.registry,
+                gateway.pipeline,
+                gateway.reactor,
+                lambda: 0.0,
+                cast(ModelOperations, None),
+                lambda: live,
+            ).app.resource()
+        )
         response = self.successResultOf(ollama.post("http://localhost/api/show", json={"model": "seer"}))
         self.assertNotIn("vision", json.loads(self.successResultOf(response.content()))["capabilities"])
 

@@ -14,13 +14,13 @@ start of a stop sequence is held back until it is known not to be.
 
 from __future__ import annotations
 
-from blazar.gateway.errors import BadRequest
-
 import math
 from typing import Any
 
 import attrs
+
 from blazar import strictjson
+from blazar.gateway.errors import BadRequest
 
 
 class AnthropicRequestError(BadRequest):
@@ -37,7 +37,7 @@ def _text_of(blocks: Any, where: str) -> str:
     parts = []
     for i, b in enumerate(blocks):
         if not isinstance(b, dict) or b.get("type") != "text" or not isinstance(b.get("text"), str):
-            raise AnthropicRequestError(f"{where}.{i}: expected a text block {{\"type\": \"text\", \"text\": ...}}")
+            raise AnthropicRequestError(f'{where}.{i}: expected a text block {{"type": "text", "text": ...}}')
         parts.append(b["text"])
     return "\n\n".join(parts)
 
@@ -61,8 +61,14 @@ def _system_text(blocks: Any, where: str, ignored: list[str]) -> str:
     if isinstance(blocks, list):
         if any(isinstance(b, dict) and "cache_control" in b for b in blocks):
             ignored.append("cache_control")
-        billing = [b for b in blocks if isinstance(b, dict) and b.get("type") == "text"
-                   and isinstance(b.get("text"), str) and b["text"].startswith(BILLING_HEADER)]
+        billing = [
+            b
+            for b in blocks
+            if isinstance(b, dict)
+            and b.get("type") == "text"
+            and isinstance(b.get("text"), str)
+            and b["text"].startswith(BILLING_HEADER)
+        ]
         if billing:
             ignored.append("system:x-anthropic-billing-header")
             blocks = [b for b in blocks if not any(b is x for x in billing)]
@@ -85,7 +91,7 @@ def _image_part(block: dict[str, Any], where: str) -> dict[str, Any]:
         return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
     if source.get("type") == "url" and isinstance(source.get("url"), str):
         return {"type": "image_url", "image_url": {"url": source["url"]}}
-    raise AnthropicRequestError(f"{where}.source.type: must be \"base64\" or \"url\"")
+    raise AnthropicRequestError(f'{where}.source.type: must be "base64" or "url"')
 
 
 def _tool_result_text(block: dict[str, Any], where: str) -> str:
@@ -99,12 +105,18 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
                 texts.append("[image]")
             elif isinstance(b, dict) and b.get("type") == "search_result":
                 texts.append("\n".join(str(c.get("text", "")) for c in b.get("content") or [] if isinstance(c, dict)))
-            elif isinstance(b, dict) and b.get("type") == "document" and isinstance(b.get("source"), dict) \
-                    and isinstance(b["source"].get("data"), str) and b["source"].get("type") == "text":
+            elif (
+                isinstance(b, dict)
+                and b.get("type") == "document"
+                and isinstance(b.get("source"), dict)
+                and isinstance(b["source"].get("data"), str)
+                and b["source"].get("type") == "text"
+            ):
                 texts.append(b["source"]["data"])
             else:
-                raise AnthropicRequestError(f"{where}.content.{i}: expected text, image, search_result or "
-                                            "text document blocks")
+                raise AnthropicRequestError(
+                    f"{where}.content.{i}: expected text, image, search_result or text document blocks"
+                )
         content = "\n".join(texts)
     elif content is None:
         content = ""
@@ -117,11 +129,20 @@ def _tool_result_text(block: dict[str, Any], where: str) -> str:
 
 # content blocks of Anthropic's server tools (run by Anthropic, not here):
 # history the local model cannot use, left out
-SERVER_BLOCKS = frozenset({
-    "server_tool_use", "web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
-    "bash_code_execution_tool_result", "text_editor_code_execution_tool_result", "mcp_tool_use",
-    "mcp_tool_result", "container_upload", "tool_search_tool_result",
-})
+SERVER_BLOCKS = frozenset(
+    {
+        "server_tool_use",
+        "web_search_tool_result",
+        "web_fetch_tool_result",
+        "code_execution_tool_result",
+        "bash_code_execution_tool_result",
+        "text_editor_code_execution_tool_result",
+        "mcp_tool_use",
+        "mcp_tool_result",
+        "container_upload",
+        "tool_search_tool_result",
+    }
+)
 
 
 def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[dict[str, Any]]:
@@ -152,7 +173,7 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
             out.append({"role": "system", "content": text})
             continue
         if role not in ("user", "assistant"):
-            raise AnthropicRequestError(f"{where}.role: must be \"user\", \"assistant\" or \"system\"")
+            raise AnthropicRequestError(f'{where}.role: must be "user", "assistant" or "system"')
         content = m.get("content")
         if isinstance(content, str):
             if not content and not (role == "assistant" and i == len(messages) - 1):
@@ -190,10 +211,13 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                     raise AnthropicRequestError(f"{bwhere}.input: must be an object")
                 tool_ids.add(block["id"])
                 arguments = strictjson.dumps(block.get("input") or {}, ensure_ascii=False)
-                tool_calls.append({
-                    "id": block["id"], "type": "function",
-                    "function": {"name": block["name"], "arguments": arguments},
-                })
+                tool_calls.append(
+                    {
+                        "id": block["id"],
+                        "type": "function",
+                        "function": {"name": block["name"], "arguments": arguments},
+                    }
+                )
             elif kind == "tool_result":
                 if role != "user":
                     raise AnthropicRequestError(f"{bwhere}: tool_result blocks belong to user turns")
@@ -204,10 +228,13 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                         f"{bwhere}.tool_use_id: no tool_use block with id {block['tool_use_id']!r} "
                         "in an earlier assistant turn"
                     )
-                tool_results.append({
-                    "role": "tool", "tool_call_id": block["tool_use_id"],
-                    "content": _tool_result_text(block, bwhere),
-                })
+                tool_results.append(
+                    {
+                        "role": "tool",
+                        "tool_call_id": block["tool_use_id"],
+                        "content": _tool_result_text(block, bwhere),
+                    }
+                )
             elif kind in ("thinking", "redacted_thinking"):
                 continue  # earlier reasoning is not sent back to the model
             elif kind == "document":
@@ -217,8 +244,11 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                 else:
                     raise AnthropicRequestError(f"{bwhere}: only text documents are supported")
             elif kind == "search_result":
-                texts = [b.get("text", "") for b in block.get("content") or []
-                         if isinstance(b, dict) and isinstance(b.get("text"), str)]
+                texts = [
+                    b.get("text", "")
+                    for b in block.get("content") or []
+                    if isinstance(b, dict) and isinstance(b.get("text"), str)
+                ]
                 parts.append({"type": "text", "text": "\n".join(texts)})
             elif not isinstance(kind, str):
                 raise AnthropicRequestError(f"{bwhere}.type: required (a string)")
@@ -263,7 +293,7 @@ def tool_choice_to_openai(choice: Any) -> tuple[Any, bool | None]:
         return "none", None
     if kind == "tool":
         if not isinstance(choice.get("name"), str):
-            raise AnthropicRequestError("tool_choice.name: required when type is \"tool\"")
+            raise AnthropicRequestError('tool_choice.name: required when type is "tool"')
         return {"type": "function", "function": {"name": choice["name"]}}, parallel
     raise AnthropicRequestError("tool_choice.type: must be auto, any, tool or none")
 
@@ -272,7 +302,10 @@ EFFORTS = {"low": "low", "medium": "medium", "high": "high", "max": "high", "xhi
 
 
 def request_to_openai(
-    body: dict[str, Any], *, counting: bool = False, ignored: list[str] | None = None,
+    body: dict[str, Any],
+    *,
+    counting: bool = False,
+    ignored: list[str] | None = None,
 ) -> tuple[dict[str, Any], list[str]]:
     """
     A C{/v1/messages} body to the child's streaming C{/v1/chat/completions}
@@ -336,9 +369,16 @@ def request_to_openai(
             schema = t.get("input_schema")
             if not isinstance(schema, dict):
                 raise AnthropicRequestError(f"tools.{i}.input_schema: Field required")
-            converted.append({"type": "function", "function": {
-                "name": t["name"], "description": t.get("description", ""), "parameters": schema,
-            }})
+            converted.append(
+                {
+                    "type": "function",
+                    "function": {
+                        "name": t["name"],
+                        "description": t.get("description", ""),
+                        "parameters": schema,
+                    },
+                }
+            )
         if converted:
             out["tools"] = converted
     choice, parallel = tool_choice_to_openai(body.get("tool_choice"))
@@ -361,10 +401,8 @@ def request_to_openai(
     fmt = (body.get("output_config") or {}).get("format") if isinstance(body.get("output_config"), dict) else None
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
-            raise AnthropicRequestError(
-                'output_config.format: must be {"type": "json_schema", "schema": {...}}')
-        out["response_format"] = {"type": "json_schema",
-                                  "json_schema": {"name": "output", "schema": fmt["schema"]}}
+            raise AnthropicRequestError('output_config.format: must be {"type": "json_schema", "schema": {...}}')
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
     return out, list(stops)
 
 
@@ -385,7 +423,7 @@ def _reasoning(body: dict[str, Any], out: dict[str, Any]) -> None:
         if kind == "enabled":
             budget = thinking.get("budget_tokens")
             if isinstance(budget, bool) or not isinstance(budget, int) or budget < 0:
-                raise AnthropicRequestError("thinking.budget_tokens: required (an integer) when type is \"enabled\"")
+                raise AnthropicRequestError('thinking.budget_tokens: required (an integer) when type is "enabled"')
             out["thinking_budget_tokens"] = budget
     config = body.get("output_config")
     if config is not None and not isinstance(config, dict):
@@ -442,11 +480,24 @@ class AnthropicStream:
         """
         The C{message_start} event.
         """
-        return [("message_start", {"type": "message_start", "message": {
-            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-            "content": [], "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
-        }})]
+        return [
+            (
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": self.message_id,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": self.model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": {"input_tokens": self.input_tokens, "output_tokens": 0},
+                    },
+                },
+            )
+        ]
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
         if self._open is None:
@@ -460,8 +511,9 @@ class AnthropicStream:
         self._index += 1
         self._open = kind
         self.content.append(dict(block))
-        events.append(("content_block_start", {"type": "content_block_start", "index": self._index,
-                                               "content_block": block}))
+        events.append(
+            ("content_block_start", {"type": "content_block_start", "index": self._index, "content_block": block})
+        )
         return events
 
     def _text(self, text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -469,8 +521,12 @@ class AnthropicStream:
             return []
         events = [] if self._open == "text" else self._flush_tools() + self._begin("text", {"type": "text", "text": ""})
         self.content[-1]["text"] += text
-        events.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                               "delta": {"type": "text_delta", "text": text}}))
+        events.append(
+            (
+                "content_block_delta",
+                {"type": "content_block_delta", "index": self._index, "delta": {"type": "text_delta", "text": text}},
+            )
+        )
         return events
 
     def _scan(self, text: str) -> list[tuple[str, dict[str, Any]]]:
@@ -494,7 +550,7 @@ class AnthropicStream:
                 if s.startswith(buffered[-n:]):
                     hold = max(hold, n)
                     break
-        self._pending_text = buffered[len(buffered) - hold:] if hold else ""
+        self._pending_text = buffered[len(buffered) - hold :] if hold else ""
         return self._text(buffered[: len(buffered) - hold])
 
     def _flush_tools(self) -> list[tuple[str, dict[str, Any]]]:
@@ -504,9 +560,16 @@ class AnthropicStream:
             events += self._begin("tool", {"type": "tool_use", "id": held["id"], "name": held["name"], "input": {}})
             self.content[-1]["_json"] = held["arguments"]
             if held["arguments"]:
-                events.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                                       "delta": {"type": "input_json_delta",
-                                                                 "partial_json": held["arguments"]}}))
+                events.append(
+                    (
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": self._index,
+                            "delta": {"type": "input_json_delta", "partial_json": held["arguments"]},
+                        },
+                    )
+                )
         if events:
             events += self._close()
         return events
@@ -533,8 +596,16 @@ class AnthropicStream:
                 if self._open != "thinking":
                     events += self._begin("thinking", {"type": "thinking", "thinking": "", "signature": ""})
                 self.content[-1]["thinking"] += thinking
-                events.append(("content_block_delta", {"type": "content_block_delta", "index": self._index,
-                                                       "delta": {"type": "thinking_delta", "thinking": thinking}}))
+                events.append(
+                    (
+                        "content_block_delta",
+                        {
+                            "type": "content_block_delta",
+                            "index": self._index,
+                            "delta": {"type": "thinking_delta", "thinking": thinking},
+                        },
+                    )
+                )
             if delta.get("content"):
                 self._output_tokens += 0 if self._usage_seen else 1
                 events += self._scan(delta["content"])
@@ -549,19 +620,39 @@ class AnthropicStream:
                     args = fn.get("arguments") or ""
                     if args:
                         self.content[-1]["_json"] += args
-                        events.append(("content_block_delta", {
-                            "type": "content_block_delta", "index": self._index,
-                            "delta": {"type": "input_json_delta", "partial_json": args}}))
+                        events.append(
+                            (
+                                "content_block_delta",
+                                {
+                                    "type": "content_block_delta",
+                                    "index": self._index,
+                                    "delta": {"type": "input_json_delta", "partial_json": args},
+                                },
+                            )
+                        )
                 elif self._open_tool is None and not self._held_tools and fn.get("name"):
-                    events += self._begin("tool", {
-                        "type": "tool_use", "id": self._tool_ids.get(index) or f"toolu_{index}",
-                        "name": fn["name"], "input": {}})
+                    events += self._begin(
+                        "tool",
+                        {
+                            "type": "tool_use",
+                            "id": self._tool_ids.get(index) or f"toolu_{index}",
+                            "name": fn["name"],
+                            "input": {},
+                        },
+                    )
                     self.content[-1]["_json"] = fn.get("arguments") or ""
                     self._open_tool = index
                     if fn.get("arguments"):
-                        events.append(("content_block_delta", {
-                            "type": "content_block_delta", "index": self._index,
-                            "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]}}))
+                        events.append(
+                            (
+                                "content_block_delta",
+                                {
+                                    "type": "content_block_delta",
+                                    "index": self._index,
+                                    "delta": {"type": "input_json_delta", "partial_json": fn["arguments"]},
+                                },
+                            )
+                        )
                 else:
                     held = self._held_tools.setdefault(index, {"id": "", "name": "", "arguments": ""})
                     held["id"] = held["id"] or self._tool_ids.get(index) or f"toolu_{index}"
@@ -586,11 +677,16 @@ class AnthropicStream:
         if reason == "end_turn" and any(b["type"] == "tool_use" for b in self.content):
             reason = "tool_use"
         self._reason = reason
-        events.append(("message_delta", {
-            "type": "message_delta",
-            "delta": {"stop_reason": reason, "stop_sequence": self._stop_sequence},
-            "usage": self._usage(),
-        }))
+        events.append(
+            (
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": reason, "stop_sequence": self._stop_sequence},
+                    "usage": self._usage(),
+                },
+            )
+        )
         events.append(("message_stop", {"type": "message_stop"}))
         return events
 
@@ -616,8 +712,13 @@ class AnthropicStream:
                 block["input"] = value if isinstance(value, dict) else {}
             content.append(block)
         return {
-            "id": self.message_id, "type": "message", "role": "assistant", "model": self.model,
-            "content": content, "stop_reason": self._reason, "stop_sequence": self._stop_sequence,
+            "id": self.message_id,
+            "type": "message",
+            "role": "assistant",
+            "model": self.model,
+            "content": content,
+            "stop_reason": self._reason,
+            "stop_sequence": self._stop_sequence,
             "usage": self._usage(),
         }
 
@@ -630,8 +731,10 @@ class AnthropicStream:
         counting.)
         """
         return {
-            "input_tokens": self.input_tokens - self._cached_tokens, "output_tokens": self._output_tokens,
-            "cache_creation_input_tokens": 0, "cache_read_input_tokens": self._cached_tokens,
+            "input_tokens": self.input_tokens - self._cached_tokens,
+            "output_tokens": self._output_tokens,
+            "cache_creation_input_tokens": 0,
+            "cache_read_input_tokens": self._cached_tokens,
         }
 
 
@@ -640,6 +743,9 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     One SSE event with an C{event:} line equal to the payload's type.
     """
     return (
-        b"event: " + event.encode("ascii") + b"\ndata: "
-        + strictjson.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+        b"event: "
+        + event.encode("ascii")
+        + b"\ndata: "
+        + strictjson.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        + b"\n\n"
     )

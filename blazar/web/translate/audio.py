@@ -17,20 +17,34 @@ from __future__ import annotations
 import math
 from typing import Any, Mapping
 
-from blazar.gateway.errors import BadRequest
 from blazar import strictjson
+from blazar.gateway.errors import BadRequest
 
 FORMATS = ("json", "text", "srt", "verbose_json", "vtt")
 # whisper.cpp's languages (its g_lang), ISO-639-1 where one exists
 LANGUAGES = frozenset(
     "en zh de es ru ko fr ja pt tr pl ca nl ar sv it id hi fi vi he uk el ms cs ro da hu ta no th ur hr bg lt la mi "
     "ml cy sk te fa lv bn sr az sl kn et mk br eu is hy ne mn bs kk sq sw gl mr pa si km sn yo so af oc ka be tg sd "
-    "gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su yue".split())
-CONTENT_TYPES = {"json": "application/json", "verbose_json": "application/json", "text": "text/plain; charset=utf-8",
-                 "srt": "application/x-subrip; charset=utf-8", "vtt": "text/vtt; charset=utf-8"}
+    "gu am yi lo uz fo ht ps tk nn mt sa lb my bo tl mg as tt haw ln ha ba jw su yue".split()
+)
+CONTENT_TYPES = {
+    "json": "application/json",
+    "verbose_json": "application/json",
+    "text": "text/plain; charset=utf-8",
+    "srt": "application/x-subrip; charset=utf-8",
+    "vtt": "text/vtt; charset=utf-8",
+}
 # accepted and not honoured (whisper models have none of these): named in x-blazar-ignored
-IGNORED = ("stream", "chunking_strategy", "include", "include[]", "known_speaker_names", "known_speaker_names[]",
-           "known_speaker_references", "known_speaker_references[]")
+IGNORED = (
+    "stream",
+    "chunking_strategy",
+    "include",
+    "include[]",
+    "known_speaker_names",
+    "known_speaker_names[]",
+    "known_speaker_references",
+    "known_speaker_references[]",
+)
 
 
 def decode(form: Mapping[str, list[str]], translate: bool) -> tuple[dict[str, str], str, tuple[str, ...], list[str]]:
@@ -43,15 +57,18 @@ def decode(form: Mapping[str, list[str]], translate: bool) -> tuple[dict[str, st
     @raise BadRequest: A field of the wrong type or an impossible value,
         named.
     """
+
     def one(name: str) -> str | None:
         values = form.get(name)
         return values[-1] if values else None
 
     response_format = one("response_format") or "json"
     if response_format == "diarized_json":
-        raise BadRequest("response_format 'diarized_json' needs a diarizing model (OpenAI's "
-                         "gpt-4o-transcribe-diarize); whisper models answer json, text, srt, verbose_json or vtt",
-                         "response_format")
+        raise BadRequest(
+            "response_format 'diarized_json' needs a diarizing model (OpenAI's "
+            "gpt-4o-transcribe-diarize); whisper models answer json, text, srt, verbose_json or vtt",
+            "response_format",
+        )
     if response_format not in FORMATS:
         raise BadRequest(f"response_format must be one of {', '.join(FORMATS)}", "response_format")
     fields = {"response_format": "verbose_json", "translate": "true" if translate else "false"}
@@ -78,8 +95,9 @@ def decode(form: Mapping[str, list[str]], translate: bool) -> tuple[dict[str, st
     prompt = one("prompt")
     if prompt:
         fields["prompt"] = prompt
-    granularities = tuple(dict.fromkeys(form.get("timestamp_granularities[]", []) + form.get(
-        "timestamp_granularities", [])))
+    granularities = tuple(
+        dict.fromkeys(form.get("timestamp_granularities[]", []) + form.get("timestamp_granularities", []))
+    )
     for g in granularities:
         if g not in ("word", "segment"):
             raise BadRequest("timestamp_granularities must be 'word' and/or 'segment'", "timestamp_granularities")
@@ -103,8 +121,9 @@ def _segments(answer: Mapping[str, Any]) -> list[dict[str, Any]]:
     return [s for s in segments if isinstance(s, dict)] if isinstance(segments, list) else []
 
 
-def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple[str, ...], translate: bool,
-           seconds: float) -> tuple[bytes, str]:
+def encode(
+    answer: Mapping[str, Any], response_format: str, granularities: tuple[str, ...], translate: bool, seconds: float
+) -> tuple[bytes, str]:
     """
     OpenAI's answer in C{response_format}, from whisper-server's
     C{verbose_json} C{answer}.
@@ -136,18 +155,31 @@ def encode(answer: Mapping[str, Any], response_format: str, granularities: tuple
         "text": text,
     }
     if not granularities or "segment" in granularities:
-        out["segments"] = [{
-            "id": int(s.get("id", i)), "seek": 0, "start": float(s.get("start") or 0),
-            "end": float(s.get("end") or 0), "text": str(s.get("text", "")),
-            "tokens": [t for t in s.get("tokens") or [] if isinstance(t, int)],
-            "temperature": float(s.get("temperature") or 0), "avg_logprob": _finite(s.get("avg_logprob")),
-            "compression_ratio": 0.0, "no_speech_prob": _finite(s.get("no_speech_prob")),
-        } for i, s in enumerate(segments)]
+        out["segments"] = [
+            {
+                "id": int(s.get("id", i)),
+                "seek": 0,
+                "start": float(s.get("start") or 0),
+                "end": float(s.get("end") or 0),
+                "text": str(s.get("text", "")),
+                "tokens": [t for t in s.get("tokens") or [] if isinstance(t, int)],
+                "temperature": float(s.get("temperature") or 0),
+                "avg_logprob": _finite(s.get("avg_logprob")),
+                "compression_ratio": 0.0,
+                "no_speech_prob": _finite(s.get("no_speech_prob")),
+            }
+            for i, s in enumerate(segments)
+        ]
     if "word" in granularities:
         out["words"] = [
-            {"word": str(w.get("word", "")).strip(), "start": min(float(w.get("start") or 0), duration),
-             "end": min(float(w.get("end") or 0), duration)}
-            for s in segments for w in s.get("words") or [] if isinstance(w, dict) and str(w.get("word", "")).strip()
+            {
+                "word": str(w.get("word", "")).strip(),
+                "start": min(float(w.get("start") or 0), duration),
+                "end": min(float(w.get("end") or 0), duration),
+            }
+            for s in segments
+            for w in s.get("words") or []
+            if isinstance(w, dict) and str(w.get("word", "")).strip()
         ]
     out["usage"] = usage
     return strictjson.dumps(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]

@@ -137,10 +137,14 @@ def stream_of(answer: dict[str, Any], top: int, include_usage: bool) -> list[dic
         found = choice.get("message")
         message: dict[str, Any] = found if isinstance(found, dict) else {}
 
-        def chunk(delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None,
-                  **extra: Any) -> dict[str, Any]:
-            return {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": finish}], **extra}
+        def chunk(
+            delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish: str | None = None, **extra: Any
+        ) -> dict[str, Any]:
+            return {
+                **base,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+                **extra,
+            }
 
         out.append(chunk({"role": "assistant", "content": None}))
         reasoning = message.get("reasoning_content")
@@ -156,8 +160,14 @@ def stream_of(answer: dict[str, Any], top: int, include_usage: bool) -> list[dic
             if isinstance(call, dict):
                 out.append(chunk({"tool_calls": [{"index": i, **call}]}))
         timings = answer.get("timings")
-        out.append(chunk({}, None, choice.get("finish_reason") or "stop",
-                         **({"timings": timings} if isinstance(timings, dict) and position == 0 else {})))
+        out.append(
+            chunk(
+                {},
+                None,
+                choice.get("finish_reason") or "stop",
+                **({"timings": timings} if isinstance(timings, dict) and position == 0 else {}),
+            )
+        )
     if include_usage and isinstance(answer.get("usage"), dict):
         out.append({**base, "choices": [], "usage": answer["usage"]})
     return out

@@ -32,14 +32,14 @@ C{null}. Pure: no reactor, no I/O.
 
 from __future__ import annotations
 
-from blazar.gateway.errors import BadRequest
-from blazar import strictjson
-
 import codecs
 import json
 from typing import Any, Iterable
 
 import attrs
+
+from blazar import strictjson
+from blazar.gateway.errors import BadRequest
 
 
 class CompletionRequestError(BadRequest):
@@ -106,7 +106,8 @@ def plan_completion(body: dict[str, Any]) -> CompletionPlan:
     if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int) or logprobs < 0):
         raise CompletionRequestError(
             "'logprobs' on /v1/completions is an integer: how many of the most likely tokens "
-            "to return at each position (0 for the sampled token only)", "logprobs",
+            "to return at each position (0 for the sampled token only)",
+            "logprobs",
         )
     echo = body.get("echo")
     if echo is not None and not isinstance(echo, bool):
@@ -121,7 +122,8 @@ def plan_completion(body: dict[str, Any]) -> CompletionPlan:
         # the engine has no "sampled token only": ask for one, trim to N
         engine_body["n_probs"] = max(logprobs, 1)
     return CompletionPlan(
-        logprobs=logprobs, echo=bool(echo),
+        logprobs=logprobs,
+        echo=bool(echo),
         n=n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else 1,
         include_usage=isinstance(options, dict) and bool(options.get("include_usage")),
         engine_body=engine_body,
@@ -134,9 +136,7 @@ def prompts_of(prompt: Any) -> list[Any]:
     or an array of token ids is one prompt; any other array is one prompt
     per element.
     """
-    if isinstance(prompt, list) and prompt and not all(
-        isinstance(p, int) and not isinstance(p, bool) for p in prompt
-    ):
+    if isinstance(prompt, list) and prompt and not all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
         return list(prompt)
     return [prompt]
 
@@ -190,9 +190,7 @@ def prompt_text(prompt: Any, pieces: Iterable[Any] | None = None) -> PromptText:
     return PromptText(text, tuple(tokens), tuple(offsets))
 
 
-def legacy_logprobs(
-    entries: Iterable[dict[str, Any]], top: int, offset: int
-) -> tuple[dict[str, list[Any]], int]:
+def legacy_logprobs(entries: Iterable[dict[str, Any]], top: int, offset: int) -> tuple[dict[str, list[Any]], int]:
     """
     The engine's chat-shaped logprobs as OpenAI's legacy ones.
 
@@ -252,8 +250,10 @@ def _echoed_logprobs(prompt: PromptText) -> dict[str, list[Any]]:
     C{null} where the engine gives no number.
     """
     return {
-        "tokens": list(prompt.tokens), "token_logprobs": [None] * len(prompt.tokens),
-        "top_logprobs": [None] * len(prompt.tokens), "text_offset": list(prompt.offsets),
+        "tokens": list(prompt.tokens),
+        "token_logprobs": [None] * len(prompt.tokens),
+        "top_logprobs": [None] * len(prompt.tokens),
+        "text_offset": list(prompt.offsets),
     }
 
 
@@ -272,9 +272,7 @@ def _prompt_for(plan: CompletionPlan, prompts: list[PromptText], index: Any) -> 
     return prompts[i] if 0 <= i < len(prompts) else PromptText("")
 
 
-def completion_reply(
-    reply: dict[str, Any], plan: CompletionPlan, prompts: list[PromptText]
-) -> dict[str, Any]:
+def completion_reply(reply: dict[str, Any], plan: CompletionPlan, prompts: list[PromptText]) -> dict[str, Any]:
     """
     A non-streamed engine reply as OpenAI's legacy completion.
 
@@ -345,10 +343,19 @@ class CompletionStream:
             if index not in self._offsets:
                 self._offsets[index] = len(prompt.text)
                 if self._plan.echo:
-                    out.append({**self._envelope, "choices": [{
-                        "text": prompt.text, "index": index, "finish_reason": None,
-                        "logprobs": _echoed_logprobs(prompt) if self._plan.logprobs is not None else None,
-                    }]})
+                    out.append(
+                        {
+                            **self._envelope,
+                            "choices": [
+                                {
+                                    "text": prompt.text,
+                                    "index": index,
+                                    "finish_reason": None,
+                                    "logprobs": _echoed_logprobs(prompt) if self._plan.logprobs is not None else None,
+                                }
+                            ],
+                        }
+                    )
             if self._plan.logprobs is not None:
                 entries = _engine_entries(choice)
                 if entries:

@@ -23,8 +23,24 @@ from blazar.models.quantize import QuantizeError, quant_type
 
 # fields of Ollama's CreateRequest Blazar accepts and does not honour
 _IGNORED = ("draft_files", "draft_quantize", "renderer", "parser", "requires", "info", "remote_host")
-_KNOWN = {"model", "name", "from", "files", "adapters", "template", "system", "parameters", "messages", "license",
-          "quantize", "quantization", "stream", "modelfile", "path", *_IGNORED}
+_KNOWN = {
+    "model",
+    "name",
+    "from",
+    "files",
+    "adapters",
+    "template",
+    "system",
+    "parameters",
+    "messages",
+    "license",
+    "quantize",
+    "quantization",
+    "stream",
+    "modelfile",
+    "path",
+    *_IGNORED,
+}
 
 
 class CreateRefused(BadRequest):
@@ -105,8 +121,11 @@ def decode_create(body: dict[str, Any]) -> tuple[CreateSpec, list[str]]:
         raise CreateRefused("invalid model name", "model") from None
     ignored = [f for f in _IGNORED if body.get(f)] + sorted(k for k in body if k not in _KNOWN)
     if body.get("path"):
-        raise CreateRefused("path (a Modelfile on the server) is not supported: send the Modelfile's text as "
-                            "modelfile, or the JSON fields (from, files, system, parameters, ...)", "path")
+        raise CreateRefused(
+            "path (a Modelfile on the server) is not supported: send the Modelfile's text as "
+            "modelfile, or the JSON fields (from, files, system, parameters, ...)",
+            "path",
+        )
     modelfile = body.get("modelfile")
     structured = any(body.get(f) is not None for f in ("from", "files", "adapters"))
     if modelfile and not structured:
@@ -118,13 +137,19 @@ def decode_create(body: dict[str, Any]) -> tuple[CreateSpec, list[str]]:
             raise CreateRefused(str(e), "modelfile") from None
         ignored += list(fields.ignored)
         request: dict[str, Any] = {
-            "from": fields.source, "files": dict(fields.files) or None, "adapters": dict(fields.adapters) or None,
-            "template": fields.template, "system": fields.system, "license": list(fields.license) or None,
-            "parameters": dict(fields.parameters) or None, "messages": list(fields.messages) or None,
+            "from": fields.source,
+            "files": dict(fields.files) or None,
+            "adapters": dict(fields.adapters) or None,
+            "template": fields.template,
+            "system": fields.system,
+            "license": list(fields.license) or None,
+            "parameters": dict(fields.parameters) or None,
+            "messages": list(fields.messages) or None,
         }
         # the JSON fields sent beside a Modelfile win, as Ollama's client merges them
-        request.update({k: body[k] for k in ("template", "system", "license", "parameters", "messages")
-                        if body.get(k) is not None})
+        request.update(
+            {k: body[k] for k in ("template", "system", "license", "parameters", "messages") if body.get(k) is not None}
+        )
     else:
         request = body
     source = _text(request, "from")
@@ -146,10 +171,16 @@ def decode_create(body: dict[str, Any]) -> tuple[CreateSpec, list[str]]:
     if template:
         ignored.append("template")
     spec = CreateSpec(
-        name=parsed, source=source or None, files=_digests(request.get("files"), "files"),
-        adapters=_digests(request.get("adapters"), "adapters"), template=template,
-        system=_text(request, "system"), parameters=parameters, messages=_messages(request.get("messages")),
-        license=_licenses(request.get("license")), quantize=quantize,
+        name=parsed,
+        source=source or None,
+        files=_digests(request.get("files"), "files"),
+        adapters=_digests(request.get("adapters"), "adapters"),
+        template=template,
+        system=_text(request, "system"),
+        parameters=parameters,
+        messages=_messages(request.get("messages")),
+        license=_licenses(request.get("license")),
+        quantize=quantize,
         asked_quantize=asked.upper() if isinstance(asked, str) and quantize is not None else None,
     )
     return spec, ignored

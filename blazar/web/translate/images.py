@@ -20,8 +20,8 @@ from __future__ import annotations
 import re
 from typing import Any, Callable, Mapping
 
-from blazar.gateway.errors import BadRequest
 from blazar import strictjson
+from blazar.gateway.errors import BadRequest
 
 OUTPUT_FORMATS = ("png", "jpeg")  # sd-server built without libwebp (blazar.engines.build)
 RESPONSE_FORMATS = ("b64_json", "url")
@@ -55,11 +55,14 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
         raise BadRequest("'prompt' must be a non-empty string describing the image", "prompt")
     _text(prompt, "prompt")
     if "<sd_cpp_extra_args>" in prompt:
-        raise BadRequest("'prompt' may not carry <sd_cpp_extra_args>: use the fields seed, steps, "
-                         "negative_prompt and cfg_scale", "prompt")
+        raise BadRequest(
+            "'prompt' may not carry <sd_cpp_extra_args>: use the fields seed, steps, negative_prompt and cfg_scale",
+            "prompt",
+        )
     if body.get("stream") not in (None, False):
-        raise BadRequest("'stream' (partial images) is not supported by stable-diffusion.cpp: send it without "
-                         "stream", "stream")
+        raise BadRequest(
+            "'stream' (partial images) is not supported by stable-diffusion.cpp: send it without stream", "stream"
+        )
     engine: dict[str, Any] = {"n": _int(body.get("n", 1), "n", 1, MAX_N)}
     size = body.get("size")
     if size is not None and size != "auto":
@@ -140,8 +143,13 @@ def form_fields(form: Mapping[str, list[str]]) -> dict[str, Any]:
     return out
 
 
-def encode(answer: Mapping[str, Any], response_format: str, output_format: str, created: int,
-           url_for: Callable[[str, str], str]) -> dict[str, Any]:
+def encode(
+    answer: Mapping[str, Any],
+    response_format: str,
+    output_format: str,
+    created: int,
+    url_for: Callable[[str, str], str],
+) -> dict[str, Any]:
     """
     OpenAI's answer from sd-server's (C{{"created", "data": [{"b64_json"}],
     "output_format"}}).

@@ -27,9 +27,7 @@ def parse_keep_alive(value: Any) -> float | None:
     try:
         return parse_duration(value)
     except ValueError:
-        raise ValueError(
-            f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}'
-        ) from None
+        raise ValueError(f'keep_alive must be a duration like "5m" or a number of seconds, got {value!r}') from None
 
 
 def keep_alive_of(body: dict[str, Any], header: bytes | None) -> float | None:

@@ -25,26 +25,75 @@ listed the same way, never a 400. Pure: no reactor, no I/O.
 
 from __future__ import annotations
 
-from blazar.gateway.errors import BadRequest
-
 from typing import Any, Callable, Mapping
+
+from blazar.gateway.errors import BadRequest
 
 # llama.cpp's own request fields (tools/server/server-schema.cpp of the
 # pinned engine, names and aliases): forwarded to the engine, which honours them
-LLAMACPP = frozenset({
-    "adaptive_decay", "adaptive_target", "backend_sampling", "cache_prompt", "chat_format",
-    "chat_parser", "chat_template_kwargs", "continue_final_message", "dry_allowed_length", "dry_base",
-    "dry_multiplier", "dry_penalty_last_n", "dry_sequence_breakers", "dynatemp_exponent",
-    "dynatemp_range", "generation_prompt", "grammar", "grammar_lazy", "grammar_triggers", "id_slot",
-    "ignore_eos", "json_schema", "lora", "min_keep", "min_p", "mirostat", "mirostat_eta",
-    "mirostat_tau", "n_cache_reuse", "n_cmpl", "n_discard", "n_indent", "n_keep", "n_predict",
-    "n_probs", "parse_tool_calls", "post_sampling_probs", "preserved_tokens", "reasoning_budget_tokens",
-    "reasoning_budget_message", "reasoning_control", "reasoning_format", "repeat_last_n",
-    "repeat_penalty", "response_fields", "return_progress", "return_tokens", "samplers",
-    "sse_ping_interval", "t_max_predict_ms", "t_max_prompt_ms", "thinking_budget_tokens",
-    "timings_per_token", "top_k", "top_n_sigma", "typical_p", "xtc_probability", "xtc_threshold",
-    "keep_alive",  # Blazar's own (Ollama's semantics), on every surface
-})
+LLAMACPP = frozenset(
+    {
+        "adaptive_decay",
+        "adaptive_target",
+        "backend_sampling",
+        "cache_prompt",
+        "chat_format",
+        "chat_parser",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "dry_allowed_length",
+        "dry_base",
+        "dry_multiplier",
+        "dry_penalty_last_n",
+        "dry_sequence_breakers",
+        "dynatemp_exponent",
+        "dynatemp_range",
+        "generation_prompt",
+        "grammar",
+        "grammar_lazy",
+        "grammar_triggers",
+        "id_slot",
+        "ignore_eos",
+        "json_schema",
+        "lora",
+        "min_keep",
+        "min_p",
+        "mirostat",
+        "mirostat_eta",
+        "mirostat_tau",
+        "n_cache_reuse",
+        "n_cmpl",
+        "n_discard",
+        "n_indent",
+        "n_keep",
+        "n_predict",
+        "n_probs",
+        "parse_tool_calls",
+        "post_sampling_probs",
+        "preserved_tokens",
+        "reasoning_budget_tokens",
+        "reasoning_budget_message",
+        "reasoning_control",
+        "reasoning_format",
+        "repeat_last_n",
+        "repeat_penalty",
+        "response_fields",
+        "return_progress",
+        "return_tokens",
+        "samplers",
+        "sse_ping_interval",
+        "t_max_predict_ms",
+        "t_max_prompt_ms",
+        "thinking_budget_tokens",
+        "timings_per_token",
+        "top_k",
+        "top_n_sigma",
+        "typical_p",
+        "xtc_probability",
+        "xtc_threshold",
+        "keep_alive",  # Blazar's own (Ollama's semantics), on every surface
+    }
+)
 
 
 class MeaningChanged(BadRequest):
@@ -69,7 +118,7 @@ def _truthy(reason: str) -> Refusal:
 
 def _audio_out(value: Any) -> str | None:
     if isinstance(value, list) and "audio" in value:
-        return "audio output is not available from local text models; ask for modalities [\"text\"]"
+        return 'audio output is not available from local text models; ask for modalities ["text"]'
     return None
 
 
@@ -81,8 +130,10 @@ def _functions(value: Any) -> str | None:
 
 def _conversation(value: Any) -> str | None:
     if value is not None:
-        return ("server-side conversation objects are not available; send the history in input, "
-                "or chain turns with previous_response_id")
+        return (
+            "server-side conversation objects are not available; send the history in input, "
+            "or chain turns with previous_response_id"
+        )
     return None
 
 
@@ -94,15 +145,19 @@ def _prompt_template(value: Any) -> str | None:
 
 def _suffix(value: Any) -> str | None:
     if value not in (None, ""):
-        return ("suffix (fill-in-the-middle) is served by Ollama's /api/generate on this gateway; "
-                "send the same request there with prompt and suffix")
+        return (
+            "suffix (fill-in-the-middle) is served by Ollama's /api/generate on this gateway; "
+            "send the same request there with prompt and suffix"
+        )
     return None
 
 
 def _template(value: Any) -> str | None:
     if value not in (None, ""):
-        return ("a per-request prompt template is not available: the model's own chat template is used; "
-                "send raw: true with a prompt you formatted yourself")
+        return (
+            "a per-request prompt template is not available: the model's own chat template is used; "
+            "send raw: true with a prompt you formatted yourself"
+        )
     return None
 
 
@@ -115,80 +170,227 @@ def _dimensions(value: Any) -> str | None:
 #: surface -> (honoured, ignored, refused)
 Policy = tuple[frozenset[str], frozenset[str], Mapping[str, Refusal]]
 
-_CHAT_HONOURED = frozenset({
-    "model", "messages", "frequency_penalty", "logit_bias", "logprobs", "max_completion_tokens",
-    "max_tokens", "n", "parallel_tool_calls", "presence_penalty", "reasoning_effort", "response_format",
-    "seed", "stop", "stream", "stream_options", "temperature", "tool_choice", "tools", "top_logprobs",
-    "top_p", "modalities",
-    "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
-})
-_CHAT_IGNORED = frozenset({
-    "metadata", "store", "user", "safety_identifier", "service_tier",
-    "prompt_cache_retention", "verbosity", "prediction", "web_search_options",
-})
+_CHAT_HONOURED = frozenset(
+    {
+        "model",
+        "messages",
+        "frequency_penalty",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "n",
+        "parallel_tool_calls",
+        "presence_penalty",
+        "reasoning_effort",
+        "response_format",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "modalities",
+        "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
+    }
+)
+_CHAT_IGNORED = frozenset(
+    {
+        "metadata",
+        "store",
+        "user",
+        "safety_identifier",
+        "service_tier",
+        "prompt_cache_retention",
+        "verbosity",
+        "prediction",
+        "web_search_options",
+    }
+)
 
 POLICIES: dict[str, Policy] = {
     # OpenAI POST /v1/chat/completions
-    "chat": (_CHAT_HONOURED | LLAMACPP, _CHAT_IGNORED, {
-        "modalities": _audio_out,
-        "audio": _truthy("audio output is not available from local text models; leave audio out"),
-        "functions": _functions, "function_call": _functions,
-    }),
+    "chat": (
+        _CHAT_HONOURED | LLAMACPP,
+        _CHAT_IGNORED,
+        {
+            "modalities": _audio_out,
+            "audio": _truthy("audio output is not available from local text models; leave audio out"),
+            "functions": _functions,
+            "function_call": _functions,
+        },
+    ),
     # OpenAI POST /v1/completions (legacy)
-    "completion": (frozenset({
-        "model", "prompt", "frequency_penalty", "logit_bias", "logprobs", "max_tokens", "n",
-        "presence_penalty", "seed", "stop", "stream", "stream_options", "temperature", "top_p", "echo",
-    }) | LLAMACPP, frozenset({"user", "best_of"}), {"suffix": _suffix}),
+    "completion": (
+        frozenset(
+            {
+                "model",
+                "prompt",
+                "frequency_penalty",
+                "logit_bias",
+                "logprobs",
+                "max_tokens",
+                "n",
+                "presence_penalty",
+                "seed",
+                "stop",
+                "stream",
+                "stream_options",
+                "temperature",
+                "top_p",
+                "echo",
+            }
+        )
+        | LLAMACPP,
+        frozenset({"user", "best_of"}),
+        {"suffix": _suffix},
+    ),
     # OpenAI POST /v1/embeddings
-    "embedding": (frozenset({"model", "input", "encoding_format"}) | LLAMACPP,
-                  frozenset({"user"}), {"dimensions": _dimensions}),
+    "embedding": (
+        frozenset({"model", "input", "encoding_format"}) | LLAMACPP,
+        frozenset({"user"}),
+        {"dimensions": _dimensions},
+    ),
     # OpenAI POST /v1/responses
-    "responses": (frozenset({
-        "model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls",
-        "max_output_tokens", "temperature", "top_p", "text", "reasoning", "metadata", "store",
-        "previous_response_id", "stream", "seed", "logit_bias", "keep_alive", "background",
-        "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
-    }), frozenset({
-        "user", "truncation", "safety_identifier", "prompt_cache_retention",
-        "service_tier", "include", "stream_options", "client_metadata", "max_tool_calls",
-        "top_logprobs", "context_management",
-    }), {
-        "background": _truthy("background responses are not available; send the request without "
-                              "background and keep the connection (or stream)"),
-        "conversation": _conversation, "prompt": _prompt_template,
-    }),
+    "responses": (
+        frozenset(
+            {
+                "model",
+                "input",
+                "instructions",
+                "tools",
+                "tool_choice",
+                "parallel_tool_calls",
+                "max_output_tokens",
+                "temperature",
+                "top_p",
+                "text",
+                "reasoning",
+                "metadata",
+                "store",
+                "previous_response_id",
+                "stream",
+                "seed",
+                "logit_bias",
+                "keep_alive",
+                "background",
+                "prompt_cache_key",  # names the request's session (blazar.gateway.sessions)
+            }
+        ),
+        frozenset(
+            {
+                "user",
+                "truncation",
+                "safety_identifier",
+                "prompt_cache_retention",
+                "service_tier",
+                "include",
+                "stream_options",
+                "client_metadata",
+                "max_tool_calls",
+                "top_logprobs",
+                "context_management",
+            }
+        ),
+        {
+            "background": _truthy(
+                "background responses are not available; send the request without "
+                "background and keep the connection (or stream)"
+            ),
+            "conversation": _conversation,
+            "prompt": _prompt_template,
+        },
+    ),
     # Anthropic POST /v1/messages (and count_tokens)
-    "anthropic": (frozenset({
-        "model", "messages", "max_tokens", "system", "stop_sequences", "stream", "temperature",
-        "top_k", "top_p", "tools", "tool_choice", "thinking", "output_config", "keep_alive",
-        "logit_bias",
-    }), frozenset({
-        "metadata", "service_tier", "context_management", "container", "mcp_servers",
-        "inference_geo",
-    }), {}),
+    "anthropic": (
+        frozenset(
+            {
+                "model",
+                "messages",
+                "max_tokens",
+                "system",
+                "stop_sequences",
+                "stream",
+                "temperature",
+                "top_k",
+                "top_p",
+                "tools",
+                "tool_choice",
+                "thinking",
+                "output_config",
+                "keep_alive",
+                "logit_bias",
+            }
+        ),
+        frozenset(
+            {
+                "metadata",
+                "service_tier",
+                "context_management",
+                "container",
+                "mcp_servers",
+                "inference_geo",
+            }
+        ),
+        {},
+    ),
     # Ollama POST /api/chat
-    "ollama_chat": (frozenset({
-        "model", "messages", "tools", "format", "options", "stream", "keep_alive", "think",
-        "tool_choice", "parallel_tool_calls",  # Blazar's: a forced call (blazar.gateway.toolcalls)
-    }), frozenset({"logprobs", "top_logprobs", "truncate", "shift"}), {}),
+    "ollama_chat": (
+        frozenset(
+            {
+                "model",
+                "messages",
+                "tools",
+                "format",
+                "options",
+                "stream",
+                "keep_alive",
+                "think",
+                "tool_choice",
+                "parallel_tool_calls",  # Blazar's: a forced call (blazar.gateway.toolcalls)
+            }
+        ),
+        frozenset({"logprobs", "top_logprobs", "truncate", "shift"}),
+        {},
+    ),
     # Ollama POST /api/generate
-    "ollama_generate": (frozenset({
-        "model", "prompt", "suffix", "images", "format", "options", "system", "stream", "raw",
-        "keep_alive", "think",
-    }), frozenset({"logprobs", "top_logprobs", "truncate", "shift", "context",
-                   "width", "height", "steps"}),  # Ollama's image fields, on a text model
-     {"template": _template}),
+    "ollama_generate": (
+        frozenset(
+            {
+                "model",
+                "prompt",
+                "suffix",
+                "images",
+                "format",
+                "options",
+                "system",
+                "stream",
+                "raw",
+                "keep_alive",
+                "think",
+            }
+        ),
+        frozenset(
+            {"logprobs", "top_logprobs", "truncate", "shift", "context", "width", "height", "steps"}
+        ),  # Ollama's image fields, on a text model
+        {"template": _template},
+    ),
     # Ollama POST /api/embed and /api/embeddings
-    "ollama_embed": (frozenset({"model", "input", "prompt", "options", "keep_alive"}),
-                     frozenset({"truncate"}), {"dimensions": _dimensions}),
+    "ollama_embed": (
+        frozenset({"model", "input", "prompt", "options", "keep_alive"}),
+        frozenset({"truncate"}),
+        {"dimensions": _dimensions},
+    ),
 }
 
 #: the nested fields whose unknown keys are ignored visibly, per surface
 _NESTED: dict[str, dict[str, frozenset[str]]] = {
     "chat": {"stream_options": frozenset({"include_usage"})},
     "completion": {"stream_options": frozenset({"include_usage"})},
-    "responses": {"reasoning": frozenset({"effort", "summary", "generate_summary"}),
-                  "text": frozenset({"format"})},
+    "responses": {"reasoning": frozenset({"effort", "summary", "generate_summary"}), "text": frozenset({"format"})},
     "anthropic": {"output_config": frozenset({"effort", "format"}), "thinking": frozenset({"type", "budget_tokens"})},
 }
 

@@ -19,10 +19,6 @@ Shapes (Ollama side):
 
 from __future__ import annotations
 
-from blazar.gateway.errors import BadRequest
-from blazar.gateway.call import OLLAMA_PLACEMENT
-from blazar.gateway.defaults import ENGINE_FIELDS
-
 import base64
 import math
 import time
@@ -30,8 +26,11 @@ from typing import Any, Callable, Iterable
 
 import attrs
 
-from blazar.web.translate import keep_alive
 from blazar import strictjson
+from blazar.gateway.call import OLLAMA_PLACEMENT
+from blazar.gateway.defaults import ENGINE_FIELDS
+from blazar.gateway.errors import BadRequest
+from blazar.web.translate import keep_alive
 
 
 class TranslationError(BadRequest):
@@ -46,10 +45,30 @@ class TranslationError(BadRequest):
 # parameters (a Modelfile's PARAMETER uses it too), plus stop and logit_bias
 # (not Ollama's, but llama.cpp takes it: token id -> bias)
 _OPTION_NAMES = {**ENGINE_FIELDS, "stop": "stop", "logit_bias": "logit_bias"}
-_INTEGER_OPTIONS = {"num_predict", "num_ctx", "top_k", "seed", "repeat_last_n", "mirostat",
-                    "num_keep", "num_batch", "num_gpu", "num_thread", "main_gpu"}
-_NUMBER_OPTIONS = {"temperature", "top_p", "min_p", "typical_p", "repeat_penalty",
-                   "presence_penalty", "frequency_penalty", "mirostat_tau", "mirostat_eta"}
+_INTEGER_OPTIONS = {
+    "num_predict",
+    "num_ctx",
+    "top_k",
+    "seed",
+    "repeat_last_n",
+    "mirostat",
+    "num_keep",
+    "num_batch",
+    "num_gpu",
+    "num_thread",
+    "main_gpu",
+}
+_NUMBER_OPTIONS = {
+    "temperature",
+    "top_p",
+    "min_p",
+    "typical_p",
+    "repeat_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "mirostat_tau",
+    "mirostat_eta",
+}
 
 # honoured by a reload of the model with that placement (blazar.engines.supervisor.want_profile),
 # for unscoped keys
@@ -58,10 +77,21 @@ PLACEMENT_OPTIONS = tuple(OLLAMA_PLACEMENT)
 # config decides, or are obsolete. (num_ctx is not sent to the engine either:
 # the surface hands it to the supervisor, which grows the child's context.)
 _IGNORED_OPTIONS = {
-    "num_batch", "use_mlock",
-    "numa", "low_vram", "f16_kv", "vocab_only", "penalize_newline", "tfs_z", "logits_all",
-    "embedding_only", "rope_frequency_base", "rope_frequency_scale", "num_gqa",
+    "num_batch",
+    "use_mlock",
+    "numa",
+    "low_vram",
+    "f16_kv",
+    "vocab_only",
+    "penalize_newline",
+    "tfs_z",
+    "logits_all",
+    "embedding_only",
+    "rope_frequency_base",
+    "rope_frequency_scale",
+    "num_gqa",
 }
+
 
 def parse_keep_alive(value: Any) -> float | None:
     """
@@ -138,16 +168,17 @@ def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
             for call in calls:
                 fn = call.get("function") if isinstance(call, dict) else None
                 if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-                    raise TranslationError(
-                        f"messages[{i}].tool_calls[] must be {{function: {{name, arguments}}}}"
-                    )
+                    raise TranslationError(f"messages[{i}].tool_calls[] must be {{function: {{name, arguments}}}}")
                 call_id = call.get("id") or f"call_{counter}"
                 counter += 1
                 pending.append((call_id, fn["name"]))
-                converted.append({
-                    "id": call_id, "type": "function",
-                    "function": {"name": fn["name"], "arguments": _arguments_json(fn.get("arguments"))},
-                })
+                converted.append(
+                    {
+                        "id": call_id,
+                        "type": "function",
+                        "function": {"name": fn["name"], "arguments": _arguments_json(fn.get("arguments"))},
+                    }
+                )
             msg["tool_calls"] = converted
         if role == "tool":
             name = m.get("tool_name") or m.get("name")
@@ -243,7 +274,7 @@ def chat_to_openai(body: dict[str, Any], stream: bool) -> dict[str, Any]:
     tools = body.get("tools")
     if tools:
         if not isinstance(tools, list):
-            raise TranslationError("tools must be an array of {type: \"function\", function: {...}}")
+            raise TranslationError('tools must be an array of {type: "function", function: {...}}')
         request["tools"] = tools
         # (not in Ollama's API: the OpenAI field, so that a call can be forced
         # here too, under the tools' grammar: blazar.gateway.toolcalls)
@@ -278,8 +309,10 @@ def generate_to_openai(body: dict[str, Any], stream: bool) -> tuple[str, dict[st
     suffix = body.get("suffix")
     if body.get("images") and (suffix or body.get("raw")):
         # (the prompt goes to the engine as it is: no message an image could be a part of)
-        raise TranslationError(f"images cannot be sent with {'suffix' if suffix else 'raw: true'}: send them "
-                               "with a plain prompt (or in /api/chat messages)")
+        raise TranslationError(
+            f"images cannot be sent with {'suffix' if suffix else 'raw: true'}: send them "
+            "with a plain prompt (or in /api/chat messages)"
+        )
     if suffix:
         if not isinstance(suffix, str):
             raise TranslationError("suffix must be a string")
@@ -362,7 +395,10 @@ class Timing:
 
 
 def final_fields(
-    usage: dict[str, Any] | None, timings: dict[str, Any] | None, timing: Timing, now: float,
+    usage: dict[str, Any] | None,
+    timings: dict[str, Any] | None,
+    timing: Timing,
+    now: float,
     done_reason: str,
 ) -> dict[str, Any]:
     """
@@ -426,7 +462,9 @@ class OllamaStream:
     _timings: dict[str, Any] | None = None
     done: bool = False
 
-    def _line(self, content: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    def _line(
+        self, content: str = "", thinking: str = "", tool_calls: list[dict[str, Any]] | None = None
+    ) -> dict[str, Any]:
         line: dict[str, Any] = {"model": self.model, "created_at": created_at(self.clock())}
         if self.kind == "chat":
             message: dict[str, Any] = {"role": "assistant", "content": content}
@@ -505,9 +543,7 @@ def infill_line(chunk: dict[str, Any], stream: OllamaStream) -> list[dict[str, A
     return out
 
 
-def chat_reply(
-    reply: dict[str, Any], model: str, timing: Timing, now: float
-) -> dict[str, Any]:
+def chat_reply(reply: dict[str, Any], model: str, timing: Timing, now: float) -> dict[str, Any]:
     """
     A non-streaming child reply (C{chat.completion}) as one Ollama object.
     """
@@ -518,13 +554,19 @@ def chat_reply(
         out_message["thinking"] = message["reasoning_content"]
     if message.get("tool_calls"):
         out_message["tool_calls"] = [
-            {"function": {"index": i, "name": c["function"]["name"],
-                          "arguments": parse_arguments(c["function"].get("arguments"))}}
+            {
+                "function": {
+                    "index": i,
+                    "name": c["function"]["name"],
+                    "arguments": parse_arguments(c["function"].get("arguments")),
+                }
+            }
             for i, c in enumerate(message["tool_calls"])
         ]
     out = {"model": model, "created_at": created_at(now), "message": out_message}
-    out.update(final_fields(reply.get("usage"), reply.get("timings"), timing, now,
-                            _done_reason(choice.get("finish_reason"))))
+    out.update(
+        final_fields(reply.get("usage"), reply.get("timings"), timing, now, _done_reason(choice.get("finish_reason")))
+    )
     return out
 
 
@@ -536,8 +578,10 @@ def generate_reply(reply: dict[str, Any], model: str, timing: Timing, now: float
     usage: dict[str, Any] | None
     if "content" in reply and "choices" not in reply:  # /infill
         text = reply.get("content") or ""
-        usage = {"prompt_tokens": reply.get("tokens_evaluated", 0),
-                 "completion_tokens": reply.get("tokens_predicted", 0)}
+        usage = {
+            "prompt_tokens": reply.get("tokens_evaluated", 0),
+            "completion_tokens": reply.get("tokens_predicted", 0),
+        }
         finish = "length" if reply.get("stop_type") == "limit" else "stop"
         thinking = ""
         timings = reply.get("timings")
@@ -569,9 +613,7 @@ def embed_input(body: dict[str, Any]) -> list[str]:
     raise TranslationError("input must be a string or a non-empty array of strings")
 
 
-def embed_reply(
-    reply: dict[str, Any], model: str, timing: Timing, now: float
-) -> dict[str, Any]:
+def embed_reply(reply: dict[str, Any], model: str, timing: Timing, now: float) -> dict[str, Any]:
     """
     The child's C{/v1/embeddings} reply as C{/api/embed}'s, vectors in input
     order.
@@ -592,8 +634,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     Objects as NDJSON bytes, one compact line each.
     """
     return b"".join(
-        strictjson.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n"
-        for line in lines
+        strictjson.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n" for line in lines
     )
 
 

@@ -35,14 +35,15 @@ def decode(body: dict[str, Any]) -> tuple[dict[str, Any], list[str], int, bool, 
         raise BadRequest("query: a non-empty string is required", "query")
     documents = body.get("documents")
     if not isinstance(documents, list) or not documents:
-        raise BadRequest("documents: a non-empty array of strings (or of {\"text\": ...} objects) is required",
-                         "documents")
+        raise BadRequest(
+            'documents: a non-empty array of strings (or of {"text": ...} objects) is required', "documents"
+        )
     texts = []
     for i, document in enumerate(documents):
         if isinstance(document, dict):
             document = document.get("text")
         if not isinstance(document, str):
-            raise BadRequest(f"documents[{i}]: a string, or an object with a string \"text\"", "documents")
+            raise BadRequest(f'documents[{i}]: a string, or an object with a string "text"', "documents")
         texts.append(document)
     top_n = body.get("top_n", len(texts))
     if top_n is None:
@@ -55,12 +56,22 @@ def decode(body: dict[str, Any]) -> tuple[dict[str, Any], list[str], int, bool, 
     if not isinstance(return_documents, bool):
         raise BadRequest("return_documents: true or false", "return_documents")
     ignored = [k for k in body if k not in KNOWN and k != "keep_alive"]
-    return {"query": query, "documents": texts, "top_n": len(texts)}, texts, min(top_n, len(texts)), \
-        return_documents, ignored
+    return (
+        {"query": query, "documents": texts, "top_n": len(texts)},
+        texts,
+        min(top_n, len(texts)),
+        return_documents,
+        ignored,
+    )
 
 
-def encode(answer: dict[str, Any], model: str, texts: list[str], top_n: int, return_documents: bool,
-           ) -> dict[str, Any]:
+def encode(
+    answer: dict[str, Any],
+    model: str,
+    texts: list[str],
+    top_n: int,
+    return_documents: bool,
+) -> dict[str, Any]:
     """
     The client's answer from llama-server's.
     """
@@ -80,7 +91,10 @@ def encode(answer: dict[str, Any], model: str, texts: list[str], top_n: int, ret
     usage = answer.get("usage") or {}
     prompt = int(usage.get("prompt_tokens") or usage.get("total_tokens") or 0)
     return {
-        "id": f"rerank-{secrets.token_hex(12)}", "object": "list", "model": model, "results": results[:top_n],
+        "id": f"rerank-{secrets.token_hex(12)}",
+        "object": "list",
+        "model": model,
+        "results": results[:top_n],
         "usage": {"prompt_tokens": prompt, "total_tokens": prompt},
         "meta": {"billed_units": {"search_units": 1}},
     }

@@ -10,15 +10,14 @@ state machine; no reactor, no I/O.
 
 from __future__ import annotations
 
-from blazar.gateway.errors import BadRequest
-
 import secrets
 from typing import Any
 
 import attrs
 
-from blazar.web.translate import leniency
 from blazar import strictjson
+from blazar.gateway.errors import BadRequest
+from blazar.web.translate import leniency
 
 
 class ResponsesRequestError(BadRequest):
@@ -29,21 +28,52 @@ class ResponsesRequestError(BadRequest):
 
 
 # built-in tools OpenAI runs itself: a local model gets none of them
-BUILT_IN_TOOLS = frozenset({
-    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26",
-    "file_search", "code_interpreter", "computer_use", "computer_use_preview", "computer", "mcp",
-    "image_generation", "local_shell", "shell", "apply_patch", "tool_search",
-})
+BUILT_IN_TOOLS = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "web_search_2025_08_26",
+        "file_search",
+        "code_interpreter",
+        "computer_use",
+        "computer_use_preview",
+        "computer",
+        "mcp",
+        "image_generation",
+        "local_shell",
+        "shell",
+        "apply_patch",
+        "tool_search",
+    }
+)
 # what a namespace's function names become for the engine: NS + SEP + NAME
 NAMESPACE_SEP = "__"
 # output items of built-in tools, in history: the local model cannot use them
-BUILT_IN_ITEMS = frozenset({
-    "web_search_call", "file_search_call", "computer_call", "computer_call_output",
-    "code_interpreter_call", "image_generation_call", "local_shell_call", "local_shell_call_output",
-    "shell_call", "shell_call_output", "apply_patch_call", "apply_patch_call_output", "mcp_call",
-    "mcp_list_tools", "mcp_approval_request", "mcp_approval_response", "item_reference",
-    "tool_search_call", "tool_search_output", "compaction",
-})
+BUILT_IN_ITEMS = frozenset(
+    {
+        "web_search_call",
+        "file_search_call",
+        "computer_call",
+        "computer_call_output",
+        "code_interpreter_call",
+        "image_generation_call",
+        "local_shell_call",
+        "local_shell_call_output",
+        "shell_call",
+        "shell_call_output",
+        "apply_patch_call",
+        "apply_patch_call_output",
+        "mcp_call",
+        "mcp_list_tools",
+        "mcp_approval_request",
+        "mcp_approval_response",
+        "item_reference",
+        "tool_search_call",
+        "tool_search_output",
+        "compaction",
+    }
+)
 
 
 @attrs.define
@@ -119,7 +149,9 @@ def input_items(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def items_to_messages(
-    items: list[dict[str, Any]], where: str = "input", ignored: list[str] | None = None,
+    items: list[dict[str, Any]],
+    where: str = "input",
+    ignored: list[str] | None = None,
 ) -> list[dict[str, Any]]:
     """
     Input items as chat messages: C{message} items (roles user, assistant,
@@ -154,7 +186,9 @@ def items_to_messages(
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
                 raise ResponsesRequestError(
                     f"{at}: a {kind} needs string call_id, name and "
-                    f"{'input' if kind == 'custom_tool_call' else 'arguments'}", at)
+                    f"{'input' if kind == 'custom_tool_call' else 'arguments'}",
+                    at,
+                )
             namespace = item.get("namespace")
             if isinstance(namespace, str) and namespace:
                 name = f"{namespace}{NAMESPACE_SEP}{name}"
@@ -193,13 +227,15 @@ def _check_metadata(metadata: Any) -> None:
     if metadata is None:
         return
     if (
-        not isinstance(metadata, dict) or len(metadata) > 16
-        or not all(isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512
-                   for k, v in metadata.items())
+        not isinstance(metadata, dict)
+        or len(metadata) > 16
+        or not all(
+            isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items()
+        )
     ):
         raise ResponsesRequestError(
-            "metadata: must be an object of at most 16 string values (keys up to 64 characters, "
-            "values up to 512)", "metadata",
+            "metadata: must be an object of at most 16 string values (keys up to 64 characters, values up to 512)",
+            "metadata",
         )
 
 
@@ -228,7 +264,9 @@ def _claim(names: ToolNames, engine_name: str, client: tuple[str | None, str, st
     if engine_name in names.names:
         raise ResponsesRequestError(
             f"{at}.name: {engine_name!r} is offered twice (a namespace's tools are offered as "
-            f"NAMESPACE{NAMESPACE_SEP}NAME); rename one", at)
+            f"NAMESPACE{NAMESPACE_SEP}NAME); rename one",
+            at,
+        )
     names.names[engine_name] = client
 
 
@@ -293,7 +331,8 @@ def _tool_choice(value: Any, ignored: list[str]) -> Any:
         allowed = value.get("tools")
         if mode not in ("auto", "required") or not isinstance(allowed, list):
             raise ResponsesRequestError(
-                'tool_choice: allowed_tools needs mode "auto" or "required" and a tools array', "tool_choice")
+                'tool_choice: allowed_tools needs mode "auto" or "required" and a tools array', "tool_choice"
+            )
         return ("allowed", mode, [t.get("name") for t in allowed if isinstance(t, dict)])
     if isinstance(value, dict) and isinstance(value.get("type"), str):
         ignored.append(f"tool_choice:{value['type']}"[:80])  # a built-in tool: not available here
@@ -329,8 +368,10 @@ EFFORTS = {"none": "none", "minimal": "low", "low": "low", "medium": "medium", "
 
 
 def request_to_chat(
-    body: dict[str, Any], history: list[dict[str, Any]] = (),  # type: ignore[assignment]
-    ignored: list[str] | None = None, names: ToolNames | None = None,
+    body: dict[str, Any],
+    history: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    ignored: list[str] | None = None,
+    names: ToolNames | None = None,
 ) -> dict[str, Any]:
     """
     The chat-completions body for a Responses request; C{history} are the
@@ -363,14 +404,18 @@ def request_to_chat(
     reasoning = body.get("reasoning")
     if reasoning is not None and (
         not isinstance(reasoning, dict)
-        or not all(v is None or isinstance(v, str) for k, v in reasoning.items()
-                   if k in ("effort", "summary", "generate_summary"))
+        or not all(
+            v is None or isinstance(v, str)
+            for k, v in reasoning.items()
+            if k in ("effort", "summary", "generate_summary")
+        )
     ):
         raise ResponsesRequestError('reasoning: must be an object like {"effort": "low"}', "reasoning")
     effort = (reasoning or {}).get("effort")
     if effort is not None and effort not in EFFORTS:
         raise ResponsesRequestError(
-            'reasoning.effort: must be "none", "minimal", "low", "medium", "high" or "xhigh"', "reasoning")
+            'reasoning.effort: must be "none", "minimal", "low", "medium", "high" or "xhigh"', "reasoning"
+        )
     if body.get("logit_bias") is not None and not isinstance(body["logit_bias"], dict):
         raise ResponsesRequestError("logit_bias: must be an object of token id -> bias", "logit_bias")
     messages: list[dict[str, Any]] = []
@@ -383,8 +428,12 @@ def request_to_chat(
     messages += items_to_messages(input_items(body), "input", ignored)
     if not any(m["role"] not in ("system", "developer") for m in messages):
         raise ResponsesRequestError("input: needs at least one item", "input")
-    chat: dict[str, Any] = {"model": body["model"], "messages": messages, "stream": True,
-                            "stream_options": {"include_usage": True}}
+    chat: dict[str, Any] = {
+        "model": body["model"],
+        "messages": messages,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     tools = _tools(body, names, ignored)
     if tools:
         chat["tools"] = tools
@@ -392,7 +441,8 @@ def request_to_chat(
     if isinstance(choice, tuple):
         _, mode, allowed = choice
         allowed_names = {names.engine_name(str(n), None) for n in allowed} | {
-            engine for engine, (_, client, _) in names.names.items() if client in allowed}
+            engine for engine, (_, client, _) in names.names.items() if client in allowed
+        }
         chat["tools"] = tools = [t for t in tools or [] if t["function"]["name"] in allowed_names]
         if not tools:
             chat.pop("tools")
@@ -444,14 +494,19 @@ def output_as_input(output: list[dict[str, Any]]) -> list[dict[str, Any]]:
             text = "".join(p.get("text", "") for p in item.get("content", []) if p.get("type") == "output_text")
             items.append({"type": "message", "role": "assistant", "content": text})
         elif item.get("type") == "function_call":
-            call = {"type": "function_call", "call_id": item["call_id"], "name": item["name"],
-                    "arguments": item["arguments"]}
+            call = {
+                "type": "function_call",
+                "call_id": item["call_id"],
+                "name": item["name"],
+                "arguments": item["arguments"],
+            }
             if item.get("namespace"):
                 call["namespace"] = item["namespace"]
             items.append(call)
         elif item.get("type") == "custom_tool_call":
-            items.append({"type": "custom_tool_call", "call_id": item["call_id"], "name": item["name"],
-                          "input": item["input"]})
+            items.append(
+                {"type": "custom_tool_call", "call_id": item["call_id"], "name": item["name"], "input": item["input"]}
+            )
     return items
 
 
@@ -494,8 +549,10 @@ class ResponsesStream:
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         self.response["status"] = "in_progress"
         snapshot = {**self.response, "output": []}
-        return [self._event("response.created", response=snapshot),
-                self._event("response.in_progress", response=snapshot)]
+        return [
+            self._event("response.created", response=snapshot),
+            self._event("response.in_progress", response=snapshot),
+        ]
 
     def _close(self) -> list[tuple[str, dict[str, Any]]]:
         item, self._open = self._open, None
@@ -506,17 +563,43 @@ class ResponsesStream:
         status = "incomplete" if self._finish == "length" else "completed"
         if item.kind == "message":
             part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
-            full = {"type": "message", "id": item.item_id, "status": status, "role": "assistant",
-                    "content": [part]}
-            events.append(self._event("response.output_text.done", item_id=item.item_id, output_index=item.index,
-                                      content_index=0, text=item.text, logprobs=[]))
-            events.append(self._event("response.content_part.done", item_id=item.item_id,
-                                      output_index=item.index, content_index=0, part=part))
+            full = {"type": "message", "id": item.item_id, "status": status, "role": "assistant", "content": [part]}
+            events.append(
+                self._event(
+                    "response.output_text.done",
+                    item_id=item.item_id,
+                    output_index=item.index,
+                    content_index=0,
+                    text=item.text,
+                    logprobs=[],
+                )
+            )
+            events.append(
+                self._event(
+                    "response.content_part.done",
+                    item_id=item.item_id,
+                    output_index=item.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
         elif item.kind == "reasoning":
-            full = {"type": "reasoning", "id": item.item_id, "summary": [],
-                    "content": [{"type": "reasoning_text", "text": item.text}], "status": status}
-            events.append(self._event("response.reasoning_text.done", item_id=item.item_id,
-                                      output_index=item.index, content_index=0, text=item.text))
+            full = {
+                "type": "reasoning",
+                "id": item.item_id,
+                "summary": [],
+                "content": [{"type": "reasoning_text", "text": item.text}],
+                "status": status,
+            }
+            events.append(
+                self._event(
+                    "response.reasoning_text.done",
+                    item_id=item.item_id,
+                    output_index=item.index,
+                    content_index=0,
+                    text=item.text,
+                )
+            )
         else:
             namespace, name, kind = self.names.client(item.name)
             if kind == "custom":
@@ -526,15 +609,40 @@ class ResponsesStream:
                     parsed = item.text
                 value = parsed.get("input") if isinstance(parsed, dict) else parsed
                 text = value if isinstance(value, str) else item.text
-                full = {"type": "custom_tool_call", "id": item.item_id, "call_id": item.call_id, "name": name,
-                        "input": text, "status": status}
-                events.append(self._event("response.custom_tool_call_input.done", item_id=item.item_id,
-                                          output_index=item.index, input=text))
+                full = {
+                    "type": "custom_tool_call",
+                    "id": item.item_id,
+                    "call_id": item.call_id,
+                    "name": name,
+                    "input": text,
+                    "status": status,
+                }
+                events.append(
+                    self._event(
+                        "response.custom_tool_call_input.done",
+                        item_id=item.item_id,
+                        output_index=item.index,
+                        input=text,
+                    )
+                )
             else:
-                full = {"type": "function_call", "id": item.item_id, "call_id": item.call_id, "name": name,
-                        "arguments": item.text, "status": status}
-                events.append(self._event("response.function_call_arguments.done", item_id=item.item_id,
-                                          output_index=item.index, name=name, arguments=item.text))
+                full = {
+                    "type": "function_call",
+                    "id": item.item_id,
+                    "call_id": item.call_id,
+                    "name": name,
+                    "arguments": item.text,
+                    "status": status,
+                }
+                events.append(
+                    self._event(
+                        "response.function_call_arguments.done",
+                        item_id=item.item_id,
+                        output_index=item.index,
+                        name=name,
+                        arguments=item.text,
+                    )
+                )
             if namespace is not None:
                 full["namespace"] = namespace
         self._items.append(full)
@@ -552,18 +660,36 @@ class ResponsesStream:
         else:
             namespace, client_name, tool_kind = self.names.client(name)
             if tool_kind == "custom":
-                added = {"type": "custom_tool_call", "id": item.item_id, "call_id": call_id,
-                         "name": client_name, "input": "", "status": "in_progress"}
+                added = {
+                    "type": "custom_tool_call",
+                    "id": item.item_id,
+                    "call_id": call_id,
+                    "name": client_name,
+                    "input": "",
+                    "status": "in_progress",
+                }
             else:
-                added = {"type": "function_call", "id": item.item_id, "call_id": call_id, "name": client_name,
-                         "arguments": "", "status": "in_progress"}
+                added = {
+                    "type": "function_call",
+                    "id": item.item_id,
+                    "call_id": call_id,
+                    "name": client_name,
+                    "arguments": "",
+                    "status": "in_progress",
+                }
             if namespace is not None:
                 added["namespace"] = namespace
         events.append(self._event("response.output_item.added", output_index=item.index, item=added))
         if kind == "message":
-            events.append(self._event("response.content_part.added", item_id=item.item_id, output_index=item.index,
-                                      content_index=0, part={"type": "output_text", "text": "", "annotations": [],
-                                                             "logprobs": []}))
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item.item_id,
+                    output_index=item.index,
+                    content_index=0,
+                    part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
+                )
+            )
         return events
 
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -581,23 +707,39 @@ class ResponsesStream:
                     events += self._open_item("reasoning")
                 assert self._open is not None
                 self._open.text += reasoning
-                events.append(self._event("response.reasoning_text.delta", item_id=self._open.item_id,
-                                          output_index=self._open.index, content_index=0, delta=reasoning))
+                events.append(
+                    self._event(
+                        "response.reasoning_text.delta",
+                        item_id=self._open.item_id,
+                        output_index=self._open.index,
+                        content_index=0,
+                        delta=reasoning,
+                    )
+                )
             text = delta.get("content")
             if isinstance(text, str) and text:
                 if self._open is None or self._open.kind != "message":
                     events += self._open_item("message")
                 assert self._open is not None
                 self._open.text += text
-                events.append(self._event("response.output_text.delta", item_id=self._open.item_id,
-                                          output_index=self._open.index, content_index=0, delta=text, logprobs=[]))
+                events.append(
+                    self._event(
+                        "response.output_text.delta",
+                        item_id=self._open.item_id,
+                        output_index=self._open.index,
+                        content_index=0,
+                        delta=text,
+                        logprobs=[],
+                    )
+                )
             for call in delta.get("tool_calls") or []:
                 index = call.get("index", 0)
                 function = call.get("function") or {}
                 item = self._calls.get(index)
                 if item is None:
-                    events += self._open_item("function_call", call.get("id") or new_id("call"),
-                                              function.get("name") or "")
+                    events += self._open_item(
+                        "function_call", call.get("id") or new_id("call"), function.get("name") or ""
+                    )
                     assert self._open is not None
                     item = self._calls[index] = self._open
                 elif item is not self._open:
@@ -608,8 +750,14 @@ class ResponsesStream:
                 if isinstance(fragment, str) and fragment:
                     item.text += fragment
                     if self.names.client(item.name)[2] != "custom":  # a custom tool's input comes whole
-                        events.append(self._event("response.function_call_arguments.delta", item_id=item.item_id,
-                                                  output_index=item.index, delta=fragment))
+                        events.append(
+                            self._event(
+                                "response.function_call_arguments.delta",
+                                item_id=item.item_id,
+                                output_index=item.index,
+                                delta=fragment,
+                            )
+                        )
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return events
@@ -652,9 +800,7 @@ class ResponsesStream:
 
     @property
     def output_text(self) -> str:
-        return "".join(
-            p["text"] for i in self._items if i["type"] == "message" for p in i["content"]
-        )
+        return "".join(p["text"] for i in self._items if i["type"] == "message" for p in i["content"])
 
 
 def response_object(body: dict[str, Any], model: str, created_at: int, previous: str | None) -> dict[str, Any]:
@@ -663,15 +809,30 @@ def response_object(body: dict[str, Any], model: str, created_at: int, previous:
     """
     text = body.get("text") if isinstance(body.get("text"), dict) else {"format": {"type": "text"}}
     return {
-        "id": new_id("resp"), "object": "response", "created_at": created_at, "status": "in_progress",
-        "background": False, "error": None, "incomplete_details": None,
-        "instructions": body.get("instructions"), "max_output_tokens": body.get("max_output_tokens"),
-        "model": model, "output": [], "parallel_tool_calls": body.get("parallel_tool_calls", True),
-        "previous_response_id": previous, "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
-        "store": body.get("store", True) is True, "temperature": body.get("temperature", 1.0),
-        "text": text, "tool_choice": body.get("tool_choice", "auto"), "tools": body.get("tools") or [],
-        "top_p": body.get("top_p", 1.0), "truncation": "disabled", "usage": None,
-        "user": body.get("user"), "metadata": body.get("metadata") or {},
+        "id": new_id("resp"),
+        "object": "response",
+        "created_at": created_at,
+        "status": "in_progress",
+        "background": False,
+        "error": None,
+        "incomplete_details": None,
+        "instructions": body.get("instructions"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "model": model,
+        "output": [],
+        "parallel_tool_calls": body.get("parallel_tool_calls", True),
+        "previous_response_id": previous,
+        "reasoning": body.get("reasoning") or {"effort": None, "summary": None},
+        "store": body.get("store", True) is True,
+        "temperature": body.get("temperature", 1.0),
+        "text": text,
+        "tool_choice": body.get("tool_choice", "auto"),
+        "tools": body.get("tools") or [],
+        "top_p": body.get("top_p", 1.0),
+        "truncation": "disabled",
+        "usage": None,
+        "user": body.get("user"),
+        "metadata": body.get("metadata") or {},
     }
 
 

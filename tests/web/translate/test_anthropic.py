@@ -12,36 +12,69 @@ from blazar.web.translate import anthropic as tr
 
 
 def chunk(delta: dict | None = None, finish: str | None = None, usage: dict | None = None) -> dict:
-    c: dict = {"created": 1, "id": "chatcmpl-x", "model": "m:latest", "object": "chat.completion.chunk",
-               "choices": [] if delta is None and finish is None else
-               [{"index": 0, "finish_reason": finish, "delta": delta or {}}]}
+    c: dict = {
+        "created": 1,
+        "id": "chatcmpl-x",
+        "model": "m:latest",
+        "object": "chat.completion.chunk",
+        "choices": []
+        if delta is None and finish is None
+        else [{"index": 0, "finish_reason": finish, "delta": delta or {}}],
+    }
     if usage:
         c["usage"] = usage
     return c
 
 
 def sse(*chunks: dict) -> bytes:
-    return b"".join(b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-                    for c in chunks) + b"data: [DONE]\n\n"
+    return (
+        b"".join(
+            b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n" for c in chunks
+        )
+        + b"data: [DONE]\n\n"
+    )
 
 
 USAGE = chunk(usage={"prompt_tokens": 12, "completion_tokens": 6, "total_tokens": 18})
 
 TEXT = sse(
-    chunk({"role": "assistant", "content": None}),   # empty first chunk, role only
-    chunk({"content": "h€llo"}), chunk({"content": " wörld 😀"}),
-    chunk(finish="stop"), USAGE,                       # usage-only final chunk
+    chunk({"role": "assistant", "content": None}),  # empty first chunk, role only
+    chunk({"content": "h€llo"}),
+    chunk({"content": " wörld 😀"}),
+    chunk(finish="stop"),
+    USAGE,  # usage-only final chunk
 )
 
 TOOLS = sse(
-    chunk({"content": None}),                          # empty first chunk, no role
-    chunk({"tool_calls": [{"index": 0, "id": "call_a", "type": "function",
-                           "function": {"name": "get_weather", "arguments": "{\"ci"}}]}),
-    chunk({"tool_calls": [{"index": 1, "id": "call_b", "type": "function",
-                           "function": {"name": "get_time", "arguments": "{\"tz\":"}}]}),
-    chunk({"tool_calls": [{"index": 0, "function": {"arguments": "ty\": \"Paris\"}"}}]}),
-    chunk({"tool_calls": [{"index": 1, "function": {"arguments": "\"UTC\"}"}}]}),
-    chunk(finish="tool_calls"), USAGE,
+    chunk({"content": None}),  # empty first chunk, no role
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 0,
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"ci'},
+                }
+            ]
+        }
+    ),
+    chunk(
+        {
+            "tool_calls": [
+                {
+                    "index": 1,
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": '{"tz":'},
+                }
+            ]
+        }
+    ),
+    chunk({"tool_calls": [{"index": 0, "function": {"arguments": 'ty": "Paris"}'}}]}),
+    chunk({"tool_calls": [{"index": 1, "function": {"arguments": '"UTC"}'}}]}),
+    chunk(finish="tool_calls"),
+    USAGE,
 )
 
 
@@ -87,8 +120,10 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(text, "h€llo wörld 😀")
         delta = events[-2]
         self.assertEqual(delta["delta"], {"stop_reason": "end_turn", "stop_sequence": None})
-        self.assertEqual(delta["usage"], {"input_tokens": 12, "output_tokens": 6,
-                                          "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0})
+        self.assertEqual(
+            delta["usage"],
+            {"input_tokens": 12, "output_tokens": 6, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+        )
         message = t.message()
         self.assertEqual(message["content"], [{"type": "text", "text": "h€llo wörld 😀"}])
         self.assertEqual(message["stop_reason"], "end_turn")
@@ -104,11 +139,16 @@ class StreamTests(SynchronousTestCase):
             events, t = run(TOOLS, splits)
             check_order(events)
             starts = [e["content_block"] for e in events if e["type"] == "content_block_start"]
-            self.assertEqual([(b["type"], b["id"], b["name"], b["input"]) for b in starts],
-                             [("tool_use", "call_a", "get_weather", {}), ("tool_use", "call_b", "get_time", {})])
+            self.assertEqual(
+                [(b["type"], b["id"], b["name"], b["input"]) for b in starts],
+                [("tool_use", "call_a", "get_weather", {}), ("tool_use", "call_b", "get_time", {})],
+            )
             for index, expected in [(0, {"city": "Paris"}), (1, {"tz": "UTC"})]:
-                partial = "".join(e["delta"]["partial_json"] for e in events
-                                  if e["type"] == "content_block_delta" and e["index"] == index)
+                partial = "".join(
+                    e["delta"]["partial_json"]
+                    for e in events
+                    if e["type"] == "content_block_delta" and e["index"] == index
+                )
                 self.assertEqual(json.loads(partial), expected)
             self.assertEqual(events[-2]["delta"]["stop_reason"], "tool_use")
             self.assertEqual([b["input"] for b in t.message()["content"]], [{"city": "Paris"}, {"tz": "UTC"}])
@@ -139,23 +179,45 @@ class StreamTests(SynchronousTestCase):
 class RequestTests(SynchronousTestCase):
     def test_full_request(self) -> None:
         body = {
-            "model": "m", "max_tokens": 50, "stop_sequences": ["END"], "temperature": 0.2, "top_k": 3,
-            "system": [{"type": "text", "text": "be", "cache_control": {"type": "ephemeral"}},
-                       {"type": "text", "text": "brief"}],
+            "model": "m",
+            "max_tokens": 50,
+            "stop_sequences": ["END"],
+            "temperature": 0.2,
+            "top_k": 3,
+            "system": [
+                {"type": "text", "text": "be", "cache_control": {"type": "ephemeral"}},
+                {"type": "text", "text": "brief"},
+            ],
             "metadata": {"user_id": "u"},
             "tools": [{"name": "f", "description": "d", "input_schema": {"type": "object"}}],
             "tool_choice": {"type": "tool", "name": "f"},
             "messages": [
-                {"role": "user", "content": [
-                    {"type": "text", "text": "look"},
-                    {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAA"}}]},
-                {"role": "assistant", "content": [
-                    {"type": "text", "text": "calling"},
-                    {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}}]},
-                {"role": "user", "content": [
-                    {"type": "tool_result", "tool_use_id": "t1", "content": [{"type": "text", "text": "42"}],
-                     "is_error": True},
-                    {"type": "text", "text": "thanks"}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "look"},
+                        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAA"}},
+                    ],
+                },
+                {
+                    "role": "assistant",
+                    "content": [
+                        {"type": "text", "text": "calling"},
+                        {"type": "tool_use", "id": "t1", "name": "f", "input": {"x": 1}},
+                    ],
+                },
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t1",
+                            "content": [{"type": "text", "text": "42"}],
+                            "is_error": True,
+                        },
+                        {"type": "text", "text": "thanks"},
+                    ],
+                },
             ],
         }
         out, stops = tr.request_to_openai(body)
@@ -172,10 +234,17 @@ class RequestTests(SynchronousTestCase):
         self.assertEqual(out["tools"][0]["function"]["parameters"], {"type": "object"})
 
     def test_system_string_equals_blocks(self) -> None:
-        a, _ = tr.request_to_openai({"model": "m", "max_tokens": 1, "system": "x",
-                                     "messages": [{"role": "user", "content": "q"}]})
-        b, _ = tr.request_to_openai({"model": "m", "max_tokens": 1, "system": [{"type": "text", "text": "x"}],
-                                     "messages": [{"role": "user", "content": "q"}]})
+        a, _ = tr.request_to_openai(
+            {"model": "m", "max_tokens": 1, "system": "x", "messages": [{"role": "user", "content": "q"}]}
+        )
+        b, _ = tr.request_to_openai(
+            {
+                "model": "m",
+                "max_tokens": 1,
+                "system": [{"type": "text", "text": "x"}],
+                "messages": [{"role": "user", "content": "q"}],
+            }
+        )
         self.assertEqual(a, b)
 
     def test_tool_choice_kinds(self) -> None:
@@ -190,19 +259,51 @@ class RequestTests(SynchronousTestCase):
             ({"model": "m", "max_tokens": 5, "messages": []}, "messages"),
             ({"model": "m", "max_tokens": 5, "messages": [{"role": "robot", "content": "q"}]}, "messages.0.role"),
             ({"model": "m", "max_tokens": 5, "messages": [{"role": "system", "content": "q"}]}, "messages"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
-             "messages.0.content"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
-             "messages.0.content.0.type"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-              "thinking": {"type": "enabled"}}, "thinking.budget_tokens"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-              "thinking": {"type": "sometimes"}}, "thinking.type"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-              "output_config": {"effort": "extreme"}}, "output_config.effort"),
+            (
+                {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+                "messages.0.content",
+            ),
+            (
+                {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": [{"text": "x"}]}]},
+                "messages.0.content.0.type",
+            ),
+            (
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "q"}],
+                    "thinking": {"type": "enabled"},
+                },
+                "thinking.budget_tokens",
+            ),
+            (
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "q"}],
+                    "thinking": {"type": "sometimes"},
+                },
+                "thinking.type",
+            ),
+            (
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "q"}],
+                    "output_config": {"effort": "extreme"},
+                },
+                "output_config.effort",
+            ),
             ({"max_tokens": 5, "messages": [{"role": "user", "content": "q"}]}, "model"),
-            ({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-              "tool_choice": {"type": "tool"}}, "tool_choice.name"),
+            (
+                {
+                    "model": "m",
+                    "max_tokens": 5,
+                    "messages": [{"role": "user", "content": "q"}],
+                    "tool_choice": {"type": "tool"},
+                },
+                "tool_choice.name",
+            ),
         ]
         for body, field in cases:
             with self.assertRaises(tr.AnthropicRequestError, msg=field) as cm:
@@ -217,18 +318,31 @@ class RequestTests(SynchronousTestCase):
         """
         tool = {"name": "f", "input_schema": {"type": "object"}}
         ignored: list[str] = []
-        out, _ = tr.request_to_openai({
-            "model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-            "tools": [{**tool, "eager_input_streaming": True}, {**tool, "name": "g", "eager_input_streaming": False}],
-        }, ignored=ignored)
+        out, _ = tr.request_to_openai(
+            {
+                "model": "m",
+                "max_tokens": 5,
+                "messages": [{"role": "user", "content": "q"}],
+                "tools": [
+                    {**tool, "eager_input_streaming": True},
+                    {**tool, "name": "g", "eager_input_streaming": False},
+                ],
+            },
+            ignored=ignored,
+        )
         self.assertEqual(set(ignored), {"tools.eager_input_streaming"})
-        self.assertEqual([t["function"] for t in out["tools"]], [
-            {"name": "f", "description": "", "parameters": {"type": "object"}},
-            {"name": "g", "description": "", "parameters": {"type": "object"}},
-        ])
+        self.assertEqual(
+            [t["function"] for t in out["tools"]],
+            [
+                {"name": "f", "description": "", "parameters": {"type": "object"}},
+                {"name": "g", "description": "", "parameters": {"type": "object"}},
+            ],
+        )
         ignored = []
-        tr.request_to_openai({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}],
-                              "tools": [tool]}, ignored=ignored)
+        tr.request_to_openai(
+            {"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "q"}], "tools": [tool]},
+            ignored=ignored,
+        )
         self.assertEqual(ignored, [])
 
     def test_sse_event_line_matches_type(self) -> None:
@@ -241,34 +355,59 @@ class ReasoningAndSystemTests(SynchronousTestCase):
 
     def test_thinking_maps_to_the_engine_switches(self) -> None:
         enabled, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "enabled", "budget_tokens": 1024}})
-        self.assertEqual((enabled["chat_template_kwargs"], enabled["thinking_budget_tokens"]),
-                         ({"enable_thinking": True}, 1024))
+        self.assertEqual(
+            (enabled["chat_template_kwargs"], enabled["thinking_budget_tokens"]), ({"enable_thinking": True}, 1024)
+        )
         adaptive, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "adaptive"}})
         self.assertEqual(adaptive["chat_template_kwargs"], {"enable_thinking": True})
         self.assertNotIn("thinking_budget_tokens", adaptive)
-        disabled, _ = tr.request_to_openai({**self.BASE, "thinking": {"type": "disabled"},
-                                            "output_config": {"effort": "high"}})
+        disabled, _ = tr.request_to_openai(
+            {**self.BASE, "thinking": {"type": "disabled"}, "output_config": {"effort": "high"}}
+        )
         self.assertEqual(disabled["chat_template_kwargs"], {"enable_thinking": False})
         self.assertNotIn("reasoning_effort", disabled)  # no thinking: no effort to set
 
     def test_output_config(self) -> None:
-        out, _ = tr.request_to_openai({**self.BASE, "output_config": {
-            "effort": "max", "format": {"type": "json_schema", "schema": {"type": "object"}}}})
+        out, _ = tr.request_to_openai(
+            {
+                **self.BASE,
+                "output_config": {"effort": "max", "format": {"type": "json_schema", "schema": {"type": "object"}}},
+            }
+        )
         self.assertEqual(out["reasoning_effort"], "high")
-        self.assertEqual(out["response_format"], {"type": "json_schema", "json_schema": {
-            "name": "output", "schema": {"type": "object"}}})
+        self.assertEqual(
+            out["response_format"],
+            {"type": "json_schema", "json_schema": {"name": "output", "schema": {"type": "object"}}},
+        )
 
     def test_system_messages_stay_in_place_and_server_blocks_are_named(self) -> None:
         ignored: list[str] = []
-        out, _ = tr.request_to_openai({**self.BASE, "system": "top", "messages": [
-            {"role": "user", "content": [{"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}}]},
-            {"role": "system", "content": [{"type": "text", "text": "mid"}]},
-            {"role": "assistant", "content": [{"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
-                                              {"type": "text", "text": "a"}]},
-            {"role": "user", "content": "again"},
-        ]}, ignored=ignored)
-        self.assertEqual([(m["role"], m["content"]) for m in out["messages"]],
-                         [("system", "top"), ("user", "q"), ("system", "mid"), ("assistant", "a"), ("user", "again")])
+        out, _ = tr.request_to_openai(
+            {
+                **self.BASE,
+                "system": "top",
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "q", "cache_control": {"type": "ephemeral"}}],
+                    },
+                    {"role": "system", "content": [{"type": "text", "text": "mid"}]},
+                    {
+                        "role": "assistant",
+                        "content": [
+                            {"type": "server_tool_use", "id": "s", "name": "web_search", "input": {}},
+                            {"type": "text", "text": "a"},
+                        ],
+                    },
+                    {"role": "user", "content": "again"},
+                ],
+            },
+            ignored=ignored,
+        )
+        self.assertEqual(
+            [(m["role"], m["content"]) for m in out["messages"]],
+            [("system", "top"), ("user", "q"), ("system", "mid"), ("assistant", "a"), ("user", "again")],
+        )
         self.assertEqual(ignored, ["cache_control", "content:server_tool_use"])
 
 
@@ -281,10 +420,24 @@ class CacheUsageTests(SynchronousTestCase):
         translator = tr.AnthropicStream("msg_1", "m")
         translator.feed(chunk({"content": "hi"}))
         translator.feed(chunk(finish="stop"))
-        translator.feed(chunk(usage={"prompt_tokens": 100, "completion_tokens": 2, "total_tokens": 102,
-                                     "prompt_tokens_details": {"cached_tokens": 90}}))
+        translator.feed(
+            chunk(
+                usage={
+                    "prompt_tokens": 100,
+                    "completion_tokens": 2,
+                    "total_tokens": 102,
+                    "prompt_tokens_details": {"cached_tokens": 90},
+                }
+            )
+        )
         translator.finish()
-        self.assertEqual(translator.message()["usage"], {
-            "input_tokens": 10, "output_tokens": 2, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 90,
-        })
+        self.assertEqual(
+            translator.message()["usage"],
+            {
+                "input_tokens": 10,
+                "output_tokens": 2,
+                "cache_creation_input_tokens": 0,
+                "cache_read_input_tokens": 90,
+            },
+        )
         self.assertEqual(translator.total_tokens(), 102)  # Blazar's own count: the whole prompt

@@ -20,16 +20,33 @@ def chunk(delta: dict, logprobs: object = None, finish: str | None = None) -> di
     choice: dict = {"finish_reason": finish, "index": 0, "delta": delta}
     if logprobs is not None:
         choice["logprobs"] = logprobs
-    return {"choices": [choice], "created": 1, "id": "chatcmpl-x", "model": "tiny",
-            "system_fingerprint": "b0-unknown", "object": "chat.completion.chunk"}
+    return {
+        "choices": [choice],
+        "created": 1,
+        "id": "chatcmpl-x",
+        "model": "tiny",
+        "system_fingerprint": "b0-unknown",
+        "object": "chat.completion.chunk",
+    }
 
 
 def entry(token: str, raw: list[int], logprob: float, *top: tuple[str, list[int], float]) -> dict:
-    return {"id": 1, "token": token, "bytes": raw, "logprob": logprob,
-            "top_logprobs": [{"id": 2, "token": t, "bytes": b, "logprob": p} for t, b, p in top]}
+    return {
+        "id": 1,
+        "token": token,
+        "bytes": raw,
+        "logprob": logprob,
+        "top_logprobs": [{"id": 2, "token": t, "bytes": b, "logprob": p} for t, b, p in top],
+    }
 
 
-HELLO = entry(" hello", [32, 104, 101, 108, 108, 111], -1.19, ("\x1b", [27], -0.92), (" hello", [32, 104, 101, 108, 108, 111], -1.19))
+HELLO = entry(
+    " hello",
+    [32, 104, 101, 108, 108, 111],
+    -1.19,
+    ("\x1b", [27], -0.92),
+    (" hello", [32, 104, 101, 108, 108, 111], -1.19),
+)
 # the engine held [245, 173] (an unfinished sequence) and sent it with the next token;
 # its parser wrote two U+FFFD for the three bad bytes, its token text three
 HELD = entry("\ufffd\ufffd\ufffd\x1b", [245, 173, 193, 27], -2.5, ("?", [63], -1.1))
@@ -41,12 +58,26 @@ A = entry("a", [97], -3.0)
 # a whole answer with tools, asked with logprobs (not streamed): every
 # generated token's logprobs, the tool-call markup's too
 ANSWER: dict[str, Any] = {
-    "id": "chatcmpl-x", "created": 1, "model": "tiny", "system_fingerprint": "b0-unknown",
-    "object": "chat.completion", "timings": {"predicted_n": 6},
-    "choices": [{"index": 0, "finish_reason": "tool_calls", "message": {
-        "role": "assistant", "content": " hello\ufffd\ufffd\x1b<a",
-        "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
-        "logprobs": {"content": [HELLO, HELD, LT, A, TOOL_START, QUOTE]}}],
+    "id": "chatcmpl-x",
+    "created": 1,
+    "model": "tiny",
+    "system_fingerprint": "b0-unknown",
+    "object": "chat.completion",
+    "timings": {"predicted_n": 6},
+    "choices": [
+        {
+            "index": 0,
+            "finish_reason": "tool_calls",
+            "message": {
+                "role": "assistant",
+                "content": " hello\ufffd\ufffd\x1b<a",
+                "tool_calls": [
+                    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+                ],
+            },
+            "logprobs": {"content": [HELLO, HELD, LT, A, TOOL_START, QUOTE]},
+        }
+    ],
     "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11},
 }
 
@@ -62,8 +93,14 @@ class PlanTests(SynchronousTestCase):
         self.assertIsNone(tr.tool_stream_logprobs({k: v for k, v in base.items() if k != "tools"}))
 
     def test_the_engine_is_asked_for_the_whole_answer(self) -> None:
-        body = {"messages": [], "tools": TOOLS, "stream": True, "stream_options": {"include_usage": True},
-                "logprobs": True, "top_logprobs": 2}
+        body = {
+            "messages": [],
+            "tools": TOOLS,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
         self.assertEqual(tr.whole_body(body), {"messages": [], "tools": TOOLS, "logprobs": True, "top_logprobs": 2})
         self.assertIn("stream", body)  # the client's body is not changed
 
@@ -86,24 +123,52 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(pieces[1], ("\ufffd\ufffd\x1b<a", [HELD, LT, A]))
 
     def test_the_markup_has_no_logprobs_and_the_rest_is_null(self) -> None:
-        shape = [(list(c["choices"][0]["delta"]) if c["choices"] else "usage",
-                  c["choices"][0]["logprobs"] is not None if c["choices"] else None) for c in self.chunks]
-        self.assertEqual(shape, [(["role", "content"], False), (["content"], True), (["content"], True),
-                                 (["tool_calls"], False), ([], False), ("usage", None)])
+        shape = [
+            (
+                list(c["choices"][0]["delta"]) if c["choices"] else "usage",
+                c["choices"][0]["logprobs"] is not None if c["choices"] else None,
+            )
+            for c in self.chunks
+        ]
+        self.assertEqual(
+            shape,
+            [
+                (["role", "content"], False),
+                (["content"], True),
+                (["content"], True),
+                (["tool_calls"], False),
+                ([], False),
+                ("usage", None),
+            ],
+        )
         self.assertEqual(self.chunks[-2]["choices"][0]["finish_reason"], "tool_calls")
         self.assertEqual(self.chunks[-2]["timings"], {"predicted_n": 6})
         self.assertEqual(self.chunks[-1]["usage"]["completion_tokens"], 6)
 
     def test_every_choice_is_streamed(self) -> None:
-        second = {**ANSWER["choices"][0], "index": 1, "finish_reason": "length",
-                  "message": {"role": "assistant", "content": " hello"}, "logprobs": {"content": [HELLO]}}
+        second = {
+            **ANSWER["choices"][0],
+            "index": 1,
+            "finish_reason": "length",
+            "message": {"role": "assistant", "content": " hello"},
+            "logprobs": {"content": [HELLO]},
+        }
         chunks = tr.stream_of({**ANSWER, "choices": [ANSWER["choices"][0], second]}, 2, include_usage=False)
         self.assertEqual(sorted({c["choices"][0]["index"] for c in chunks}), [0, 1])
-        ends = [(c["choices"][0]["index"], c["choices"][0]["finish_reason"]) for c in chunks
-                if c["choices"][0]["finish_reason"]]
+        ends = [
+            (c["choices"][0]["index"], c["choices"][0]["finish_reason"])
+            for c in chunks
+            if c["choices"][0]["finish_reason"]
+        ]
         self.assertEqual(ends, [(0, "tool_calls"), (1, "length")])
-        self.assertEqual([c["choices"][0]["logprobs"]["content"][0]["token"] for c in chunks
-                          if c["choices"][0]["index"] == 1 and c["choices"][0]["delta"].get("content")], [" hello"])
+        self.assertEqual(
+            [
+                c["choices"][0]["logprobs"]["content"][0]["token"]
+                for c in chunks
+                if c["choices"][0]["index"] == 1 and c["choices"][0]["delta"].get("content")
+            ],
+            [" hello"],
+        )
 
     def test_no_usage_unless_asked_and_done_at_the_end(self) -> None:
         chunks = tr.stream_of(ANSWER, 0, include_usage=False)

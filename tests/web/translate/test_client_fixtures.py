@@ -54,8 +54,16 @@ def test_claude_code_tool_result_turn() -> None:
 
 
 @pytest.mark.parametrize("mid_ok", [True, False])
-@pytest.mark.parametrize("name", ["claude-code-first", "claude-code-tool-result", "claude-code-interactive-first",
-                                  "codex-first", "codex-tool-result"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "claude-code-first",
+        "claude-code-tool-result",
+        "claude-code-interactive-first",
+        "codex-first",
+        "codex-tool-result",
+    ],
+)
 def test_placed_for_either_kind_of_template(name: str, mid_ok: bool) -> None:
     fixture = load(name)
     body = fixture["body"]
@@ -71,7 +79,8 @@ def test_placed_for_either_kind_of_template(name: str, mid_ok: bool) -> None:
     for cut, m in enumerate(chat["messages"]):
         if m["role"] == "assistant":
             assert placed[: len(placement.place(chat["messages"][:cut], mid_ok))] == placement.place(
-                chat["messages"][:cut], mid_ok)
+                chat["messages"][:cut], mid_ok
+            )
 
 
 @pytest.mark.parametrize("name", ["codex-first", "codex-tool-result"])
@@ -98,8 +107,23 @@ def test_codex_namespaced_call_round_trips() -> None:
     responses.request_to_chat(body, ignored=[], names=tools)
     stream = responses.ResponsesStream(responses.response_object(body, "tiny", 1, None), tools)
     stream.start()
-    events = stream.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "call_1", "function": {
-        "name": "multi_agent_v1__spawn_agent", "arguments": "{\"message\": \"x\"}"}}]}}]})
+    events = stream.feed(
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "call_1",
+                                "function": {"name": "multi_agent_v1__spawn_agent", "arguments": '{"message": "x"}'},
+                            }
+                        ]
+                    }
+                }
+            ]
+        }
+    )
     events += stream.feed({"choices": [{"delta": {}, "finish_reason": "tool_calls"}]})
     events += stream.finish()
     added = next(e for k, e in events if k == "response.output_item.added")["item"]
@@ -113,30 +137,57 @@ def test_codex_namespaced_call_round_trips() -> None:
 
 
 def test_custom_tool_round_trips() -> None:
-    body = {"model": "m", "input": "patch it", "tools": [
-        {"type": "custom", "name": "apply_patch", "description": "d", "format": {"type": "grammar"}}]}
+    body = {
+        "model": "m",
+        "input": "patch it",
+        "tools": [{"type": "custom", "name": "apply_patch", "description": "d", "format": {"type": "grammar"}}],
+    }
     tools = responses.ToolNames()
     chat = responses.request_to_chat(body, ignored=[], names=tools)
     assert chat["tools"][0]["function"]["parameters"]["required"] == ["input"]
     stream = responses.ResponsesStream(responses.response_object(body, "m", 1, None), tools)
-    stream.feed({"choices": [{"delta": {"tool_calls": [{"index": 0, "id": "c", "function": {
-        "name": "apply_patch", "arguments": "{\"input\": \"*** Begin Patch\"}"}}]}}]})
+    stream.feed(
+        {
+            "choices": [
+                {
+                    "delta": {
+                        "tool_calls": [
+                            {
+                                "index": 0,
+                                "id": "c",
+                                "function": {"name": "apply_patch", "arguments": '{"input": "*** Begin Patch"}'},
+                            }
+                        ]
+                    }
+                }
+            ]
+        }
+    )
     stream.finish()
     (item,) = stream.response["output"]
     assert (item["type"], item["input"]) == ("custom_tool_call", "*** Begin Patch")
-    history = responses.items_to_messages(responses.output_as_input(stream.response["output"]) + [
-        {"type": "custom_tool_call_output", "call_id": "c", "output": "done"}])
+    history = responses.items_to_messages(
+        responses.output_as_input(stream.response["output"])
+        + [{"type": "custom_tool_call_output", "call_id": "c", "output": "done"}]
+    )
     assert json.loads(history[0]["tool_calls"][0]["function"]["arguments"]) == {"input": "*** Begin Patch"}
     assert history[1] == {"role": "tool", "tool_call_id": "c", "content": "done"}
 
 
-@pytest.mark.parametrize("tools", [
-    [{"type": "function", "name": "ns__spawn"},
-     {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn"}]}],
-    [{"type": "namespace", "name": "a__b", "tools": [{"type": "function", "name": "c"}]},
-     {"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "b__c"}]}],
-    [{"type": "function", "name": "x"}, {"type": "custom", "name": "x"}],
-])
+@pytest.mark.parametrize(
+    "tools",
+    [
+        [
+            {"type": "function", "name": "ns__spawn"},
+            {"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": "spawn"}]},
+        ],
+        [
+            {"type": "namespace", "name": "a__b", "tools": [{"type": "function", "name": "c"}]},
+            {"type": "namespace", "name": "a", "tools": [{"type": "function", "name": "b__c"}]},
+        ],
+        [{"type": "function", "name": "x"}, {"type": "custom", "name": "x"}],
+    ],
+)
 def test_tool_names_that_collide_for_the_engine_are_refused(tools: list[dict[str, Any]]) -> None:
     with pytest.raises(responses.ResponsesRequestError) as caught:
         responses.request_to_chat({"model": "m", "input": "x", "tools": tools})
@@ -145,14 +196,39 @@ def test_tool_names_that_collide_for_the_engine_are_refused(tools: list[dict[str
 
 def test_anthropic_mcp_toolset_and_tool_result_blocks() -> None:
     ignored: list[str] = []
-    chat, _ = anthropic.request_to_openai({"model": "m", "max_tokens": 4, "tools": [
-        {"type": "mcp_toolset", "mcp_server_name": "x"}], "messages": [
-        {"role": "user", "content": "q"},
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
-            {"type": "search_result", "source": "s", "title": "t", "content": [{"type": "text", "text": "found"}]},
-            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "doc"}}]}]}]},
-        ignored=ignored)
+    chat, _ = anthropic.request_to_openai(
+        {
+            "model": "m",
+            "max_tokens": 4,
+            "tools": [{"type": "mcp_toolset", "mcp_server_name": "x"}],
+            "messages": [
+                {"role": "user", "content": "q"},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "t", "name": "f", "input": {}}]},
+                {
+                    "role": "user",
+                    "content": [
+                        {
+                            "type": "tool_result",
+                            "tool_use_id": "t",
+                            "content": [
+                                {
+                                    "type": "search_result",
+                                    "source": "s",
+                                    "title": "t",
+                                    "content": [{"type": "text", "text": "found"}],
+                                },
+                                {
+                                    "type": "document",
+                                    "source": {"type": "text", "media_type": "text/plain", "data": "doc"},
+                                },
+                            ],
+                        }
+                    ],
+                },
+            ],
+        },
+        ignored=ignored,
+    )
     assert ignored == ["tools:mcp_toolset"] and "tools" not in chat
     assert chat["messages"][-1] == {"role": "tool", "tool_call_id": "t", "content": "found\ndoc"}
 

@@ -37,13 +37,13 @@ STREAM = (
     b'"model":"tiny","system_fingerprint":"b0-unknown","object":"text_completion","usage":{"completion_tokens":3,'
     b'"prompt_tokens":5,"total_tokens":8,"prompt_tokens_details":{"cached_tokens":4}},"id":"chatcmpl-mcw3",'
     b'"timings":{"prompt_n":5,"predicted_n":3}}\n\n'
-    b'data: [DONE]\n\n'
+    b"data: [DONE]\n\n"
 )
 
 # POST /v1/completions {"prompt":["Hi","Yo"],"max_tokens":2,"stream":true,"seed":1}: two
 # choices, each with its own usage, after a "data: null"
 TWO_PROMPTS = (
-    b'data: null\n\n'
+    b"data: null\n\n"
     b'data: {"choices":[{"text":"\\u000f","index":0,"logprobs":null,"finish_reason":null}],"created":1,'
     b'"model":"tiny","object":"text_completion","id":"c"}\n\n'
     b'data: {"choices":[{"text":"\xef\xbf\xbd","index":1,"logprobs":null,"finish_reason":null}],"created":1,'
@@ -54,35 +54,76 @@ TWO_PROMPTS = (
     b'data: {"choices":[{"text":"","index":1,"logprobs":null,"finish_reason":"length"}],"created":1,'
     b'"model":"tiny","object":"text_completion","usage":{"completion_tokens":2,"prompt_tokens":2,"total_tokens":4,'
     b'"prompt_tokens_details":{"cached_tokens":1}},"id":"c","timings":{"prompt_n":1,"predicted_n":2}}\n\n'
-    b'data: [DONE]\n\n'
+    b"data: [DONE]\n\n"
 )
 
 # the same request as STREAM, not streamed
 REPLY: dict[str, Any] = {
-    "choices": [{"text": "e,?", "index": 0, "finish_reason": "length", "logprobs": {"content": [
-        {"id": 104, "token": "e", "bytes": [101], "logprob": -2.43, "top_logprobs": [
-            {"id": 209, "token": "", "bytes": [206], "logprob": -0.56},
-            {"id": 102, "token": "c", "bytes": [99], "logprob": -1.77}]},
-        {"id": 279, "token": ",", "bytes": [44], "logprob": -3.86, "top_logprobs": [
-            {"id": 149, "token": "\ufffd", "bytes": [146], "logprob": -1.29},
-            {"id": 113, "token": "n", "bytes": [110], "logprob": -1.54}]},
-        {"id": 66, "token": "?", "bytes": [63], "logprob": -0.37, "top_logprobs": [
-            {"id": 66, "token": "?", "bytes": [63], "logprob": -0.37},
-            {"id": 150, "token": "\ufffd", "bytes": [147], "logprob": -2.0}]},
-    ]}}],
-    "created": 1, "model": "tiny", "object": "text_completion", "id": "c",
+    "choices": [
+        {
+            "text": "e,?",
+            "index": 0,
+            "finish_reason": "length",
+            "logprobs": {
+                "content": [
+                    {
+                        "id": 104,
+                        "token": "e",
+                        "bytes": [101],
+                        "logprob": -2.43,
+                        "top_logprobs": [
+                            {"id": 209, "token": "", "bytes": [206], "logprob": -0.56},
+                            {"id": 102, "token": "c", "bytes": [99], "logprob": -1.77},
+                        ],
+                    },
+                    {
+                        "id": 279,
+                        "token": ",",
+                        "bytes": [44],
+                        "logprob": -3.86,
+                        "top_logprobs": [
+                            {"id": 149, "token": "\ufffd", "bytes": [146], "logprob": -1.29},
+                            {"id": 113, "token": "n", "bytes": [110], "logprob": -1.54},
+                        ],
+                    },
+                    {
+                        "id": 66,
+                        "token": "?",
+                        "bytes": [63],
+                        "logprob": -0.37,
+                        "top_logprobs": [
+                            {"id": 66, "token": "?", "bytes": [63], "logprob": -0.37},
+                            {"id": 150, "token": "\ufffd", "bytes": [147], "logprob": -2.0},
+                        ],
+                    },
+                ]
+            },
+        }
+    ],
+    "created": 1,
+    "model": "tiny",
+    "object": "text_completion",
+    "id": "c",
     "usage": {"completion_tokens": 3, "prompt_tokens": 5, "total_tokens": 8},
 }
 
 # POST /tokenize {"content":"Hello","add_special":false,"with_pieces":true}
-HELLO_PIECES = [{"id": 75, "piece": "H"}, {"id": 104, "piece": "e"}, {"id": 111, "piece": "l"},
-                {"id": 111, "piece": "l"}, {"id": 114, "piece": "o"}]
+HELLO_PIECES = [
+    {"id": 75, "piece": "H"},
+    {"id": 104, "piece": "e"},
+    {"id": 111, "piece": "l"},
+    {"id": 111, "piece": "l"},
+    {"id": 114, "piece": "o"},
+]
 
 
 def run(stream: bytes, plan: tr.CompletionPlan, prompts: list[tr.PromptText], split: int | None = None) -> list:
     out: list[bytes] = []
-    rewriter = SSERewriter(out.append, tr.CompletionStream(plan, prompts).event,
-                           None if plan.rewrites else (lambda b: b'"usage":{' in b or b"[DONE]" in b or b"data: null" in b))
+    rewriter = SSERewriter(
+        out.append,
+        tr.CompletionStream(plan, prompts).event,
+        None if plan.rewrites else (lambda b: b'"usage":{' in b or b"[DONE]" in b or b"data: null" in b),
+    )
     if split is None:
         rewriter.feed(stream)
     else:
@@ -91,7 +132,7 @@ def run(stream: bytes, plan: tr.CompletionPlan, prompts: list[tr.PromptText], sp
     rewriter.finish()
     events = b"".join(out).split(b"\n\n")
     assert events[-1] == b""
-    return [e[len(b"data: "):] if e == b"data: [DONE]" else json.loads(e[len(b"data: "):]) for e in events[:-1]]
+    return [e[len(b"data: ") :] if e == b"data: [DONE]" else json.loads(e[len(b"data: ") :]) for e in events[:-1]]
 
 
 class PlanTests(SynchronousTestCase):
@@ -110,8 +151,12 @@ class PlanTests(SynchronousTestCase):
         self.assertEqual((plan.rewrites, plan.include_usage, plan.needs_pieces), (False, True, False))
 
     def test_malformed(self) -> None:
-        cases: list[tuple[dict[str, Any], str]] = [({"logprobs": True}, "logprobs"), ({"logprobs": -1}, "logprobs"),
-                                                   ({"logprobs": "2"}, "logprobs"), ({"echo": 1}, "echo")]
+        cases: list[tuple[dict[str, Any], str]] = [
+            ({"logprobs": True}, "logprobs"),
+            ({"logprobs": -1}, "logprobs"),
+            ({"logprobs": "2"}, "logprobs"),
+            ({"echo": 1}, "echo"),
+        ]
         for body, param in cases:
             with self.assertRaises(tr.CompletionRequestError) as e:
                 tr.plan_completion({"prompt": "x", **body})
@@ -140,11 +185,21 @@ class PromptTextTests(SynchronousTestCase):
 
     def test_split_utf8_pieces_are_named_by_their_bytes(self) -> None:
         # /tokenize {"content":"café 😀"}: é and 😀 come as byte tokens
-        pieces = [{"piece": "caf"}, {"piece": [195]}, {"piece": [169]}, {"piece": " "},
-                  {"piece": [240]}, {"piece": [159]}, {"piece": [152]}, {"piece": [128]}]
+        pieces = [
+            {"piece": "caf"},
+            {"piece": [195]},
+            {"piece": [169]},
+            {"piece": " "},
+            {"piece": [240]},
+            {"piece": [159]},
+            {"piece": [152]},
+            {"piece": [128]},
+        ]
         prompt = tr.prompt_text("café 😀", pieces)
-        self.assertEqual(prompt.tokens, ("caf", "bytes:\\xc3", "bytes:\\xa9", " ", "bytes:\\xf0",
-                                         "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80"))
+        self.assertEqual(
+            prompt.tokens,
+            ("caf", "bytes:\\xc3", "bytes:\\xa9", " ", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80"),
+        )
         self.assertEqual(prompt.offsets, (0, 3, 3, 4, 5, 5, 5, 5))
 
     def test_token_prompt_text_is_read_back(self) -> None:
@@ -162,11 +217,14 @@ class LegacyLogprobsTests(SynchronousTestCase):
         self.assertEqual(end, 8)
         # the engine writes "" or U+FFFD for a lone byte: named by its bytes;
         # the sampled token is always there (N + 1 entries at most)
-        self.assertEqual(out["top_logprobs"], [
-            {"bytes:\\xce": -0.56, "c": -1.77, "e": -2.43},
-            {"bytes:\\x92": -1.29, "n": -1.54, ",": -3.86},
-            {"?": -0.37, "bytes:\\x93": -2.0},
-        ])
+        self.assertEqual(
+            out["top_logprobs"],
+            [
+                {"bytes:\\xce": -0.56, "c": -1.77, "e": -2.43},
+                {"bytes:\\x92": -1.29, "n": -1.54, ",": -3.86},
+                {"?": -0.37, "bytes:\\x93": -2.0},
+            ],
+        )
 
     def test_top_is_cut_to_n(self) -> None:
         entries = REPLY["choices"][0]["logprobs"]["content"]
@@ -194,7 +252,7 @@ class ReplyTests(SynchronousTestCase):
         self.assertEqual(lp["top_logprobs"][:5], [None] * 5)
         self.assertEqual(lp["text_offset"], list(range(8)))
         for token, offset in zip(lp["tokens"], lp["text_offset"]):
-            self.assertEqual(choice["text"][offset:offset + len(token)], token)
+            self.assertEqual(choice["text"][offset : offset + len(token)], token)
 
     def test_echo_without_logprobs(self) -> None:
         plan = tr.plan_completion({"prompt": "Hello", "echo": True})
@@ -211,8 +269,11 @@ class ReplyTests(SynchronousTestCase):
 
 class StreamTests(SynchronousTestCase):
     def test_usage_chunk_has_no_choices(self) -> None:
-        chunks = run(STREAM, tr.plan_completion({"prompt": "Hello", "stream_options": {"include_usage": True}}),
-                     [tr.prompt_text("Hello")])
+        chunks = run(
+            STREAM,
+            tr.plan_completion({"prompt": "Hello", "stream_options": {"include_usage": True}}),
+            [tr.prompt_text("Hello")],
+        )
         *body, usage, done = chunks
         self.assertEqual(done, b"[DONE]")
         self.assertEqual(usage["choices"], [])
@@ -231,8 +292,9 @@ class StreamTests(SynchronousTestCase):
     def test_other_events_pass_as_they_came(self) -> None:
         out: list[bytes] = []
         plan = tr.plan_completion({"prompt": "Hello"})
-        rewriter = SSERewriter(out.append, tr.CompletionStream(plan, []).event,
-                               lambda b: b'"usage":{' in b or b"[DONE]" in b)
+        rewriter = SSERewriter(
+            out.append, tr.CompletionStream(plan, []).event, lambda b: b'"usage":{' in b or b"[DONE]" in b
+        )
         rewriter.feed(STREAM)
         first = STREAM.split(b"\n\n")[0]
         self.assertTrue(b"".join(out).startswith(first + b"\n\n"))
@@ -243,12 +305,20 @@ class StreamTests(SynchronousTestCase):
         self.assertNotIn(None, chunks)  # the engine's "data: null" is gone
         usage = chunks[-2]
         self.assertEqual(usage["choices"], [])
-        self.assertEqual(usage["usage"], {"completion_tokens": 4, "prompt_tokens": 4, "total_tokens": 8,
-                                          "prompt_tokens_details": {"cached_tokens": 2}})
+        self.assertEqual(
+            usage["usage"],
+            {
+                "completion_tokens": 4,
+                "prompt_tokens": 4,
+                "total_tokens": 8,
+                "prompt_tokens_details": {"cached_tokens": 2},
+            },
+        )
 
     def test_legacy_logprobs_and_echo(self) -> None:
-        plan = tr.plan_completion({"prompt": "Hello", "logprobs": 2, "echo": True,
-                                   "stream_options": {"include_usage": True}})
+        plan = tr.plan_completion(
+            {"prompt": "Hello", "logprobs": 2, "echo": True, "stream_options": {"include_usage": True}}
+        )
         chunks = run(STREAM, plan, [tr.prompt_text("Hello", HELLO_PIECES)])
         echo, *body, usage, done = chunks
         self.assertEqual(echo["choices"][0]["text"], "Hello")
@@ -258,8 +328,10 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual(texts, ["e", ",", "?", ""])
         offsets = [c["choices"][0]["logprobs"]["text_offset"] for c in body[:3]]
         self.assertEqual(offsets, [[5], [6], [7]])
-        self.assertEqual(body[0]["choices"][0]["logprobs"]["top_logprobs"],
-                         [{"bytes:\\xce": -0.5601391792297363, "c": -1.7664790153503418, "e": -2.4368138313293457}])
+        self.assertEqual(
+            body[0]["choices"][0]["logprobs"]["top_logprobs"],
+            [{"bytes:\\xce": -0.5601391792297363, "c": -1.7664790153503418, "e": -2.4368138313293457}],
+        )
         self.assertIsNone(body[-1]["choices"][0]["logprobs"])
         self.assertEqual(usage["choices"], [])
 

@@ -19,15 +19,25 @@ class DecodeCreateTests(SynchronousTestCase):
         return str(self.assertRaises(CreateRefused, decode_create, body))
 
     def test_the_json_form(self) -> None:
-        spec, ignored = decode_create({
-            "model": "mine", "from": "smollm", "files": {"model.gguf": DIGEST}, "adapters": {"a.gguf": DIGEST},
-            "template": "{{ .Prompt }}", "system": "Be brief.", "license": ["MIT", "Apache"],
-            "parameters": {"num_predict": 3, "stop": "x", "temperature": 0}, "quantize": "q8_0",
-            "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}], "stream": True,
-        })
+        spec, ignored = decode_create(
+            {
+                "model": "mine",
+                "from": "smollm",
+                "files": {"model.gguf": DIGEST},
+                "adapters": {"a.gguf": DIGEST},
+                "template": "{{ .Prompt }}",
+                "system": "Be brief.",
+                "license": ["MIT", "Apache"],
+                "parameters": {"num_predict": 3, "stop": "x", "temperature": 0},
+                "quantize": "q8_0",
+                "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}],
+                "stream": True,
+            }
+        )
         self.assertEqual(spec.name.display, "mine:latest")
-        self.assertEqual((spec.source, dict(spec.files), dict(spec.adapters)),
-                         ("smollm", {"model.gguf": DIGEST}, {"a.gguf": DIGEST}))
+        self.assertEqual(
+            (spec.source, dict(spec.files), dict(spec.adapters)), ("smollm", {"model.gguf": DIGEST}, {"a.gguf": DIGEST})
+        )
         self.assertEqual((spec.template, spec.system, spec.license), ("{{ .Prompt }}", "Be brief.", ("MIT", "Apache")))
         self.assertEqual(dict(spec.parameters), {"num_predict": 3, "stop": ["x"], "temperature": 0.0})
         self.assertEqual(spec.messages, ({"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}))
@@ -35,8 +45,16 @@ class DecodeCreateTests(SynchronousTestCase):
         self.assertEqual(ignored, ["template"])  # recorded and shown, never applied
 
     def test_names_and_defaults(self) -> None:
-        spec, ignored = decode_create({"name": "ns/Mine:v1", "from": "x", "quantization": "Q4_K_M", "license": "MIT",
-                                       "renderer": "r", "mystery": 1})
+        spec, ignored = decode_create(
+            {
+                "name": "ns/Mine:v1",
+                "from": "x",
+                "quantization": "Q4_K_M",
+                "license": "MIT",
+                "renderer": "r",
+                "mystery": 1,
+            }
+        )
         self.assertEqual((spec.name.display, spec.quantize, spec.license), ("ns/Mine:v1", "Q4_K_M", ("MIT",)))
         self.assertEqual((spec.messages, dict(spec.parameters), spec.template), (None, {}, None))
         self.assertEqual(ignored, ["renderer", "mystery"])
@@ -44,9 +62,15 @@ class DecodeCreateTests(SynchronousTestCase):
         self.assertEqual((spec.quantize, spec.asked_quantize), ("Q4_K_M", "Q4_K_M"))
 
     def test_the_legacy_modelfile_form(self) -> None:
-        spec, ignored = decode_create({"name": "old", "modelfile": (
-            f"FROM @{DIGEST}\nSYSTEM \"\"\"Be\nbrief.\"\"\"\nPARAMETER stop <|im_end|>\nPARAMETER num_ctx 2048\n"
-            "TEMPLATE {{ .Prompt }}\nMESSAGE user hi\nLICENSE MIT\nPARSER x\n")})
+        spec, ignored = decode_create(
+            {
+                "name": "old",
+                "modelfile": (
+                    f'FROM @{DIGEST}\nSYSTEM """Be\nbrief."""\nPARAMETER stop <|im_end|>\nPARAMETER num_ctx 2048\n'
+                    "TEMPLATE {{ .Prompt }}\nMESSAGE user hi\nLICENSE MIT\nPARSER x\n"
+                ),
+            }
+        )
         self.assertEqual((spec.source, dict(spec.files)), (None, {"model.gguf": DIGEST}))
         self.assertEqual((spec.system, spec.template, spec.license), ("Be\nbrief.", "{{ .Prompt }}", ("MIT",)))
         self.assertEqual(dict(spec.parameters), {"stop": ["<|im_end|>"], "num_ctx": 2048})

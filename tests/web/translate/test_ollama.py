@@ -15,42 +15,68 @@ from blazar.web.translate import ollama as tr
 
 
 def sse(*chunks: dict) -> bytes:
-    return b"".join(
-        b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-        for c in chunks
-    ) + b"data: [DONE]\n\n"
+    return (
+        b"".join(
+            b"data: " + json.dumps(c, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n" for c in chunks
+        )
+        + b"data: [DONE]\n\n"
+    )
 
 
 def delta(**d: object) -> dict:
-    return {"choices": [{"finish_reason": None, "index": 0, "delta": d}], "created": 1,
-            "id": "chatcmpl-x", "model": "m:latest", "object": "chat.completion.chunk"}
+    return {
+        "choices": [{"finish_reason": None, "index": 0, "delta": d}],
+        "created": 1,
+        "id": "chatcmpl-x",
+        "model": "m:latest",
+        "object": "chat.completion.chunk",
+    }
 
 
 def finish(reason: str) -> dict:
-    return {"choices": [{"finish_reason": reason, "index": 0, "delta": {}}], "created": 1,
-            "id": "chatcmpl-x", "model": "m:latest", "object": "chat.completion.chunk"}
+    return {
+        "choices": [{"finish_reason": reason, "index": 0, "delta": {}}],
+        "created": 1,
+        "id": "chatcmpl-x",
+        "model": "m:latest",
+        "object": "chat.completion.chunk",
+    }
 
 
-USAGE = {"choices": [], "created": 1, "id": "chatcmpl-x", "model": "m:latest",
-         "object": "chat.completion.chunk",
-         "usage": {"completion_tokens": 4, "prompt_tokens": 21, "total_tokens": 25},
-         "timings": {"prompt_n": 21, "prompt_ms": 1.5, "predicted_n": 4, "predicted_ms": 2.25}}
+USAGE = {
+    "choices": [],
+    "created": 1,
+    "id": "chatcmpl-x",
+    "model": "m:latest",
+    "object": "chat.completion.chunk",
+    "usage": {"completion_tokens": 4, "prompt_tokens": 21, "total_tokens": 25},
+    "timings": {"prompt_n": 21, "prompt_ms": 1.5, "predicted_n": 4, "predicted_ms": 2.25},
+}
 
 TEXT_STREAM = sse(
-    delta(role="assistant", content=None), delta(content="caf"), delta(content="é €"),
-    delta(content="😀"), finish("length"), USAGE,
+    delta(role="assistant", content=None),
+    delta(content="caf"),
+    delta(content="é €"),
+    delta(content="😀"),
+    finish("length"),
+    USAGE,
 )
 
 TOOL_STREAM = sse(
     delta(role="assistant", content=None),
-    delta(tool_calls=[{"index": 0, "id": "abc", "type": "function",
-                       "function": {"name": "get_weather", "arguments": "{"}}]),
-    delta(tool_calls=[{"index": 0, "function": {"arguments": "\n\n\"ci"}}]),
-    delta(tool_calls=[{"index": 0, "function": {"arguments": "ty\":\"Pa"}}]),
-    delta(tool_calls=[{"index": 0, "function": {"arguments": "ris\"}"}}]),
-    delta(tool_calls=[{"index": 1, "id": "def", "type": "function",
-                       "function": {"name": "get_time", "arguments": "{}"}}]),
-    finish("tool_calls"), USAGE,
+    delta(
+        tool_calls=[
+            {"index": 0, "id": "abc", "type": "function", "function": {"name": "get_weather", "arguments": "{"}}
+        ]
+    ),
+    delta(tool_calls=[{"index": 0, "function": {"arguments": '\n\n"ci'}}]),
+    delta(tool_calls=[{"index": 0, "function": {"arguments": 'ty":"Pa'}}]),
+    delta(tool_calls=[{"index": 0, "function": {"arguments": 'ris"}'}}]),
+    delta(
+        tool_calls=[{"index": 1, "id": "def", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]
+    ),
+    finish("tool_calls"),
+    USAGE,
 )
 
 
@@ -82,8 +108,14 @@ class StreamTests(SynchronousTestCase):
         self.assertEqual("".join(line["message"]["content"] for line in lines), "café €😀")
         final = lines[-1]
         self.assertEqual(final["done_reason"], "length")
-        for key in ("total_duration", "load_duration", "prompt_eval_count",
-                    "prompt_eval_duration", "eval_count", "eval_duration"):
+        for key in (
+            "total_duration",
+            "load_duration",
+            "prompt_eval_count",
+            "prompt_eval_duration",
+            "eval_count",
+            "eval_duration",
+        ):
             self.assertIsInstance(final[key], int, key)
         self.assertEqual((final["prompt_eval_count"], final["eval_count"]), (21, 4))
         self.assertEqual(final["prompt_eval_duration"], 1_500_000)
@@ -96,8 +128,11 @@ class StreamTests(SynchronousTestCase):
         expected = run(TEXT_STREAM, [])
         for cut in range(1, len(TEXT_STREAM)):
             lines = run(TEXT_STREAM, [cut])
-            self.assertEqual([json.loads(x)["message"]["content"] for x in lines],
-                             [json.loads(x)["message"]["content"] for x in expected], cut)
+            self.assertEqual(
+                [json.loads(x)["message"]["content"] for x in lines],
+                [json.loads(x)["message"]["content"] for x in expected],
+                cut,
+            )
             for line in lines:
                 line.decode("utf-8")  # never broken UTF-8
 
@@ -133,12 +168,22 @@ class RequestTests(SynchronousTestCase):
             "messages": [
                 {"role": "system", "content": "be brief"},
                 {"role": "user", "content": "look", "images": ["iVBORw0KGgoAAAANSUhEUg=="]},
-                {"role": "assistant", "content": "",
-                 "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}]},
+                {
+                    "role": "assistant",
+                    "content": "",
+                    "tool_calls": [{"function": {"name": "f", "arguments": {"x": 1}}}],
+                },
                 {"role": "tool", "content": "42", "tool_name": "f"},
             ],
-            "options": {"temperature": 0.1, "num_predict": 7, "seed": 3, "stop": ["\n"],
-                        "repeat_penalty": 1.2, "num_ctx": 8192, "top_k": 5},
+            "options": {
+                "temperature": 0.1,
+                "num_predict": 7,
+                "seed": 3,
+                "stop": ["\n"],
+                "repeat_penalty": 1.2,
+                "num_ctx": 8192,
+                "top_k": 5,
+            },
             "format": "json",
             "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
             "think": True,
@@ -170,13 +215,20 @@ class RequestTests(SynchronousTestCase):
         self.assertEqual(out["messages"], [{"role": "system", "content": "s"}, {"role": "user", "content": "p"}])
         path, out = tr.generate_to_openai({"prompt": "p", "raw": True, "context": [1, 2]}, stream=True)
         self.assertEqual((path, out["prompt"]), ("/v1/completions", "p"))
-        path, out = tr.generate_to_openai({"prompt": "def f(", "suffix": "return x", "options": {"num_predict": 9}}, stream=False)
-        self.assertEqual((path, out["input_prefix"], out["input_suffix"], out["n_predict"]), ("/infill", "def f(", "return x", 9))
+        path, out = tr.generate_to_openai(
+            {"prompt": "def f(", "suffix": "return x", "options": {"num_predict": 9}}, stream=False
+        )
+        self.assertEqual(
+            (path, out["input_prefix"], out["input_suffix"], out["n_predict"]), ("/infill", "def f(", "return x", 9)
+        )
 
     def test_bad_requests(self) -> None:
         bodies: list[dict[str, Any]] = [
-            {"messages": "hi"}, {"messages": [{"content": "x"}]}, {"messages": [], "options": 3},
-            {"messages": [], "format": 5}, {"messages": [{"role": "user", "content": 1}]},
+            {"messages": "hi"},
+            {"messages": [{"content": "x"}]},
+            {"messages": [], "options": 3},
+            {"messages": [], "format": 5},
+            {"messages": [{"role": "user", "content": 1}]},
             {"messages": [{"role": "user", "content": "x", "images": [3]}]},
         ]
         for body in bodies:
@@ -207,10 +259,19 @@ class RequestTests(SynchronousTestCase):
 class ReplyTests(SynchronousTestCase):
     def test_chat_reply(self) -> None:
         reply = {
-            "choices": [{"finish_reason": "tool_calls", "index": 0, "message": {
-                "role": "assistant", "content": "",
-                "tool_calls": [{"type": "function", "id": "x",
-                                "function": {"name": "f", "arguments": "{\"a\":2}"}}]}}],
+            "choices": [
+                {
+                    "finish_reason": "tool_calls",
+                    "index": 0,
+                    "message": {
+                        "role": "assistant",
+                        "content": "",
+                        "tool_calls": [
+                            {"type": "function", "id": "x", "function": {"name": "f", "arguments": '{"a":2}'}}
+                        ],
+                    },
+                }
+            ],
             "usage": {"completion_tokens": 3, "prompt_tokens": 5, "total_tokens": 8},
             "timings": {"prompt_ms": 1.0, "predicted_ms": 2.0},
         }
@@ -221,15 +282,19 @@ class ReplyTests(SynchronousTestCase):
         self.assertEqual((out["prompt_eval_count"], out["eval_count"]), (5, 3))
 
     def test_durations_from_child_timings(self) -> None:
-        reply = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
-                 "usage": {"completion_tokens": 3, "prompt_tokens": 5},
-                 "timings": {"prompt_ms": 1.5, "predicted_ms": 2.0}}
+        reply = {
+            "choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+            "usage": {"completion_tokens": 3, "prompt_tokens": 5},
+            "timings": {"prompt_ms": 1.5, "predicted_ms": 2.0},
+        }
         out = tr.chat_reply(reply, "m", tr.Timing(0.0, 0.25), 1.0)
         self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (1_500_000, 2_000_000))
 
     def test_durations_measured_without_child_timings(self) -> None:
-        reply = {"choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
-                 "usage": {"completion_tokens": 3, "prompt_tokens": 5}}
+        reply = {
+            "choices": [{"finish_reason": "stop", "message": {"content": "x"}}],
+            "usage": {"completion_tokens": 3, "prompt_tokens": 5},
+        }
         out = tr.chat_reply(reply, "m", tr.Timing(0.0, 0.25), 1.0)
         self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (0, 750_000_000))
         timed = tr.Timing(0.0, 0.25, first_token=0.5)
@@ -237,8 +302,10 @@ class ReplyTests(SynchronousTestCase):
         self.assertEqual((out["prompt_eval_duration"], out["eval_duration"]), (250_000_000, 500_000_000))
 
     def test_embed_reply_keeps_input_order(self) -> None:
-        reply = {"data": [{"index": 1, "embedding": [2.0]}, {"index": 0, "embedding": [1.0]}],
-                 "usage": {"prompt_tokens": 4}}
+        reply = {
+            "data": [{"index": 1, "embedding": [2.0]}, {"index": 0, "embedding": [1.0]}],
+            "usage": {"prompt_tokens": 4},
+        }
         out = tr.embed_reply(reply, "e", tr.Timing(0.0, 0.0), 1.0)
         self.assertEqual(out["embeddings"], [[1.0], [2.0]])
         self.assertEqual(out["prompt_eval_count"], 4)
