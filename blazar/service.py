@@ -30,6 +30,7 @@ from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exp
 from blazar.engines.client import EngineClient
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
+from blazar.engines.installed import EngineStore
 from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
 from blazar.engines.remote import RemoteCatalog
 from blazar.engines.runfiles import run_dir
@@ -621,8 +622,6 @@ def _dashboard(
     """
 
     def installed_engines() -> Deferred[list[dict[str, Any]]]:
-        from blazar.engines.installed import EngineStore
-
         def thd_list() -> list[dict[str, Any]]:
             return [
                 {
