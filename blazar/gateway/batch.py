@@ -192,6 +192,21 @@ def file_object(row: tuple[str, str, str, str, int, int]) -> dict[str, Any]:
     }
 
 
+def list_page(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """
+    OpenAI's cursor page of objects (files, batches): C{object: "list"},
+    C{data}, the C{first_id} and C{last_id} of C{page} (L{None} when it
+    is empty) and C{has_more}.
+    """
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": has_more,
+    }
+
+
 def check_metadata(value: object) -> dict[str, str] | None:
     """
     A batch's C{metadata}: at most 16 string pairs, keys up to 64
@@ -580,14 +595,7 @@ class BatchRunner:
         if after is not None:
             ids = [r[0] for r in rows]
             rows = rows[ids.index(after) + 1 :] if after in ids else rows
-        page = [file_object(r) for r in rows[:limit]]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(rows) > limit,
-        }
+        return list_page([file_object(r) for r in rows[:limit]], len(rows) > limit)
 
     async def file(self, key: str, file_id: str) -> dict[str, Any]:
         """
@@ -709,14 +717,7 @@ class BatchRunner:
         C{key}'s batches, newest first, OpenAI's cursor page.
         """
         rows = await self.run_db(store.thd_batches, key, after, limit + 1)
-        page = [json.loads(b) for _, b in rows[:limit]]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(rows) > limit,
-        }
+        return list_page([json.loads(b) for _, b in rows[:limit]], len(rows) > limit)
 
     async def cancel(self, key: str, batch_id: str) -> dict[str, Any]:
         """

@@ -692,6 +692,25 @@ class ResponsesStream:
             )
         return events
 
+    def _text_delta(self, kind: str, event: str, text: str, **extra: Any) -> list[tuple[str, dict[str, Any]]]:
+        """
+        The events for C{text} of an item of C{kind} (C{"reasoning"} or
+        C{"message"}): the open item closed and one of C{kind} opened if
+        it is of another kind, then the delta C{event} (C{extra} fields
+        last).
+        """
+        events = []
+        if self._open is None or self._open.kind != kind:
+            events += self._open_item(kind)
+        assert self._open is not None
+        self._open.text += text
+        events.append(
+            self._event(
+                event, item_id=self._open.item_id, output_index=self._open.index, content_index=0, delta=text, **extra
+            )
+        )
+        return events
+
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
         """
         Events for one child chunk.
@@ -703,35 +722,10 @@ class ResponsesStream:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content")
             if isinstance(reasoning, str) and reasoning:
-                if self._open is None or self._open.kind != "reasoning":
-                    events += self._open_item("reasoning")
-                assert self._open is not None
-                self._open.text += reasoning
-                events.append(
-                    self._event(
-                        "response.reasoning_text.delta",
-                        item_id=self._open.item_id,
-                        output_index=self._open.index,
-                        content_index=0,
-                        delta=reasoning,
-                    )
-                )
+                events += self._text_delta("reasoning", "response.reasoning_text.delta", reasoning)
             text = delta.get("content")
             if isinstance(text, str) and text:
-                if self._open is None or self._open.kind != "message":
-                    events += self._open_item("message")
-                assert self._open is not None
-                self._open.text += text
-                events.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=self._open.item_id,
-                        output_index=self._open.index,
-                        content_index=0,
-                        delta=text,
-                        logprobs=[],
-                    )
-                )
+                events += self._text_delta("message", "response.output_text.delta", text, logprobs=[])
             for call in delta.get("tool_calls") or []:
                 index = call.get("index", 0)
                 function = call.get("function") or {}
