@@ -14,7 +14,6 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.protocol import Factory
 from twisted.logger import ILogObserver, Logger
 from twisted.protocols import amp
 from zope.interface import implementer
@@ -482,7 +481,8 @@ BENCH_MAX_LIMIT = 200
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
-    registry. Created per connection by L{control_factory}.
+    registry. One per CLI connection: the daemon listens with
+    C{Factory.forProtocol(functools.partial(ControlServer, ...))}.
     """
 
     def __init__(
@@ -774,42 +774,3 @@ class ControlServer(amp.AMP):
             }
 
         return Deferred.fromCoroutine(listing())
-
-
-class ControlFactory(Factory):
-    """
-    Builds a L{ControlServer} per CLI connection.
-    """
-
-    def __init__(
-        self,
-        supervisor: ISupervisor,
-        registry: IModelRegistry,
-        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]],
-        clock: IReactorTime,
-        logs: LogRing | None = None,
-        keys: IKeyAdmin | None = None,
-        queue: Callable[[], dict[str, Any]] | None = None,
-        hints: IEngineHints | None = None,
-        operations: ModelOperations | None = None,
-        sessions: ISessions | None = None,
-        hardware: IHardwareCensus | None = None,
-        bench: IBenchRecords | None = None,
-    ) -> None:
-        self._args = (
-            supervisor,
-            registry,
-            status,
-            clock,
-            logs,
-            keys,
-            queue,
-            hints,
-            operations,
-            sessions,
-            hardware,
-            bench,
-        )
-
-    def buildProtocol(self, addr: Any) -> ControlServer:
-        return ControlServer(*self._args)
