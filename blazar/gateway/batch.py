@@ -397,14 +397,9 @@ def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, res
     """
     Record a line's outcome and the batch's new counts, in one transaction.
     """
-    db.execute("BEGIN")
-    try:
+    with store.transaction(db):
         store.thd_finish_line(db, batch, line, ok, result)
         store.thd_put_batch(db, batch, batch_json)
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: int) -> dict[str, Any]:
@@ -418,28 +413,28 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     @return: It with C{output_file_id} and C{error_file_id} filled in.
     """
     written: list[str] = []
-    db.execute("BEGIN")
     try:
-        counts = store.thd_line_counts(db, batch["id"])
-        batch = {
-            **batch,
-            "request_counts": {
-                "total": sum(counts.values()),
-                "completed": counts.get("done", 0),
-                "failed": counts.get("failed", 0),
-            },
-        }
-        for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
-            content = store.thd_results(db, batch["id"], ok)
-            if content:
-                file_id = new_id("file-")
-                store.thd_put_file(db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content))
-                written.append(file_id)
-                batch = {**batch, field: file_id}
-        store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
-        db.execute("COMMIT")
+        with store.transaction(db):
+            counts = store.thd_line_counts(db, batch["id"])
+            batch = {
+                **batch,
+                "request_counts": {
+                    "total": sum(counts.values()),
+                    "completed": counts.get("done", 0),
+                    "failed": counts.get("failed", 0),
+                },
+            }
+            for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
+                content = store.thd_results(db, batch["id"], ok)
+                if content:
+                    file_id = new_id("file-")
+                    store.thd_put_file(
+                        db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content)
+                    )
+                    written.append(file_id)
+                    batch = {**batch, field: file_id}
+            store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
     except BaseException:
-        db.execute("ROLLBACK")
         for file_id in written:  # their rows are gone with the transaction
             store.thd_remove_content(db, file_id)
         raise
