@@ -520,6 +520,22 @@ class _Item:
     name: str = ""
 
 
+def _call_item(item: _Item, name: str, custom: bool, value: str, status: str) -> dict[str, Any]:
+    """
+    The output item of a tool call: a C{custom_tool_call} with C{value} as
+    its C{input} (C{custom}), else a C{function_call} with C{value} as its
+    C{arguments}; C{name} as the client named the tool.
+    """
+    return {
+        "type": "custom_tool_call" if custom else "function_call",
+        "id": item.item_id,
+        "call_id": item.call_id,
+        "name": name,
+        "input" if custom else "arguments": value,
+        "status": status,
+    }
+
+
 @attrs.define
 class ResponsesStream:
     """
@@ -609,14 +625,7 @@ class ResponsesStream:
                     parsed = item.text
                 value = parsed.get("input") if isinstance(parsed, dict) else parsed
                 text = value if isinstance(value, str) else item.text
-                full = {
-                    "type": "custom_tool_call",
-                    "id": item.item_id,
-                    "call_id": item.call_id,
-                    "name": name,
-                    "input": text,
-                    "status": status,
-                }
+                full = _call_item(item, name, True, text, status)
                 events.append(
                     self._event(
                         "response.custom_tool_call_input.done",
@@ -626,14 +635,7 @@ class ResponsesStream:
                     )
                 )
             else:
-                full = {
-                    "type": "function_call",
-                    "id": item.item_id,
-                    "call_id": item.call_id,
-                    "name": name,
-                    "arguments": item.text,
-                    "status": status,
-                }
+                full = _call_item(item, name, False, item.text, status)
                 events.append(
                     self._event(
                         "response.function_call_arguments.done",
@@ -659,24 +661,7 @@ class ResponsesStream:
             added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
         else:
             namespace, client_name, tool_kind = self.names.client(name)
-            if tool_kind == "custom":
-                added = {
-                    "type": "custom_tool_call",
-                    "id": item.item_id,
-                    "call_id": call_id,
-                    "name": client_name,
-                    "input": "",
-                    "status": "in_progress",
-                }
-            else:
-                added = {
-                    "type": "function_call",
-                    "id": item.item_id,
-                    "call_id": call_id,
-                    "name": client_name,
-                    "arguments": "",
-                    "status": "in_progress",
-                }
+            added = _call_item(item, client_name, tool_kind == "custom", "", "in_progress")
             if namespace is not None:
                 added["namespace"] = namespace
         events.append(self._event("response.output_item.added", output_index=item.index, item=added))
