@@ -562,6 +562,13 @@ class ResponsesStream:
         self.sequence += 1
         return kind, event
 
+    def _item_event(self, kind: str, item: _Item, **payload: Any) -> tuple[str, dict[str, Any]]:
+        """
+        An event about C{item}: its C{item_id} and C{output_index}, then
+        C{payload}.
+        """
+        return self._event(kind, item_id=item.item_id, output_index=item.index, **payload)
+
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         self.response["status"] = "in_progress"
         snapshot = {**self.response, "output": []}
@@ -581,24 +588,9 @@ class ResponsesStream:
             part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
             full = {"type": "message", "id": item.item_id, "status": status, "role": "assistant", "content": [part]}
             events.append(
-                self._event(
-                    "response.output_text.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    text=item.text,
-                    logprobs=[],
-                )
+                self._item_event("response.output_text.done", item, content_index=0, text=item.text, logprobs=[])
             )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            events.append(self._item_event("response.content_part.done", item, content_index=0, part=part))
         elif item.kind == "reasoning":
             full = {
                 "type": "reasoning",
@@ -607,15 +599,7 @@ class ResponsesStream:
                 "content": [{"type": "reasoning_text", "text": item.text}],
                 "status": status,
             }
-            events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    text=item.text,
-                )
-            )
+            events.append(self._item_event("response.reasoning_text.done", item, content_index=0, text=item.text))
         else:
             namespace, name, kind = self.names.client(item.name)
             if kind == "custom":
@@ -626,24 +610,11 @@ class ResponsesStream:
                 value = parsed.get("input") if isinstance(parsed, dict) else parsed
                 text = value if isinstance(value, str) else item.text
                 full = _call_item(item, name, True, text, status)
-                events.append(
-                    self._event(
-                        "response.custom_tool_call_input.done",
-                        item_id=item.item_id,
-                        output_index=item.index,
-                        input=text,
-                    )
-                )
+                events.append(self._item_event("response.custom_tool_call_input.done", item, input=text))
             else:
                 full = _call_item(item, name, False, item.text, status)
                 events.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        item_id=item.item_id,
-                        output_index=item.index,
-                        name=name,
-                        arguments=item.text,
-                    )
+                    self._item_event("response.function_call_arguments.done", item, name=name, arguments=item.text)
                 )
             if namespace is not None:
                 full["namespace"] = namespace
@@ -667,10 +638,9 @@ class ResponsesStream:
         events.append(self._event("response.output_item.added", output_index=item.index, item=added))
         if kind == "message":
             events.append(
-                self._event(
+                self._item_event(
                     "response.content_part.added",
-                    item_id=item.item_id,
-                    output_index=item.index,
+                    item,
                     content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                 )
@@ -689,11 +659,7 @@ class ResponsesStream:
             events += self._open_item(kind)
         assert self._open is not None
         self._open.text += text
-        events.append(
-            self._event(
-                event, item_id=self._open.item_id, output_index=self._open.index, content_index=0, delta=text, **extra
-            )
-        )
+        events.append(self._item_event(event, self._open, content_index=0, delta=text, **extra))
         return events
 
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -729,14 +695,7 @@ class ResponsesStream:
                 if isinstance(fragment, str) and fragment:
                     item.text += fragment
                     if self.names.client(item.name)[2] != "custom":  # a custom tool's input comes whole
-                        events.append(
-                            self._event(
-                                "response.function_call_arguments.delta",
-                                item_id=item.item_id,
-                                output_index=item.index,
-                                delta=fragment,
-                            )
-                        )
+                        events.append(self._item_event("response.function_call_arguments.delta", item, delta=fragment))
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return events
