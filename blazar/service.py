@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred, DeferredList, ensureDeferred, succe
 from twisted.internet.endpoints import SSL4ServerEndpoint
 from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IOpenSSLContextFactory
+from twisted.internet.protocol import Factory
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger, LogPublisher, globalLogPublisher
 from twisted.web.resource import IResource
@@ -30,6 +31,7 @@ from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exp
 from blazar.engines.client import EngineClient
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
+from blazar.engines.installed import EngineStore
 from blazar.engines.llamacpp import EngineNotFound, find_binary, find_quantize
 from blazar.engines.remote import RemoteCatalog
 from blazar.engines.runfiles import run_dir
@@ -51,7 +53,7 @@ from blazar.models.hub import HubClient
 from blazar.models.ollama_registry import MIN_PART, RegistryClient
 from blazar.models.ollama_store import thd_sweep_temporaries
 from blazar.models.registry import ModelRegistry
-from blazar.protocols.control import ControlFactory, LogRing
+from blazar.protocols.control import ControlServer, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
 from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
 from blazar.web.anthropic import AnthropicSurface
@@ -621,8 +623,6 @@ def _dashboard(
     """
 
     def installed_engines() -> Deferred[list[dict[str, Any]]]:
-        from blazar.engines.installed import EngineStore
-
         def thd_list() -> list[dict[str, Any]]:
             return [
                 {
@@ -855,19 +855,22 @@ def assemble(
         )
     else:
         publisher.addObserver(ring)
-        control = ControlFactory(
-            supervisor,
-            registry,
-            _status(live, supervisor, site, updates, environ, reactor),
-            reactor,
-            ring,
-            key_admin,
-            admission.snapshot,
-            engines.hints,
-            engines.operations,
-            stores.sessions.sessions,
-            engines.hardware,
-            bench=bench,
+        control = Factory.forProtocol(
+            functools.partial(
+                ControlServer,
+                supervisor,
+                registry,
+                _status(live, supervisor, site, updates, environ, reactor),
+                reactor,
+                ring,
+                key_admin,
+                admission.snapshot,
+                engines.hints,
+                engines.operations,
+                stores.sessions.sessions,
+                engines.hardware,
+                bench=bench,
+            )
         )
         listener_service(f"unix:{control_path}:mode=600:lockfile=1", control, reactor).setServiceParent(listeners)
 

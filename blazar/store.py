@@ -18,8 +18,9 @@ import errno
 import json
 import os
 import sqlite3
+from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, BinaryIO, Callable, Protocol, Union
+from typing import IO, BinaryIO, Callable, Iterator, Protocol, Union
 
 from blazar import strictjson
 from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
@@ -137,6 +138,24 @@ MIGRATIONS: list[Migration] = [
 ]
 
 
+@contextmanager
+def transaction(db: sqlite3.Connection, begin: str = "BEGIN") -> Iterator[None]:
+    """
+    One transaction on C{db} (a connection of L{thd_open}, which leaves
+    transactions to its callers) around the block: C{begin} (C{"BEGIN
+    IMMEDIATE"} to take the write lock at once) before, C{COMMIT} after;
+    C{ROLLBACK} if the block or the commit raises anything, which then
+    propagates.
+    """
+    db.execute(begin)
+    try:
+        yield
+        db.execute("COMMIT")
+    except BaseException:
+        db.execute("ROLLBACK")
+        raise
+
+
 def thd_open(path: Path) -> sqlite3.Connection:
     """
     Open (creating if needed) and migrate the database.
@@ -176,8 +195,7 @@ def thd_open(path: Path) -> sqlite3.Connection:
         # each step in its own write transaction, the version read again
         # inside it: another connection opening at the same time (a CLI
         # command beside the daemon) finds a step done, not half done
-        db.execute("BEGIN IMMEDIATE")
-        try:
+        with transaction(db, "BEGIN IMMEDIATE"):
             if db.execute("SELECT version FROM schema_version").fetchone()[0] < number:
                 if isinstance(step, str):
                     for statement in step.split(";"):
@@ -186,10 +204,6 @@ def thd_open(path: Path) -> sqlite3.Connection:
                 else:
                     vacuum = step(db) or vacuum
                 db.execute("UPDATE schema_version SET version = ?", (number,))
-            db.execute("COMMIT")
-        except BaseException:
-            db.execute("ROLLBACK")
-            raise
     if vacuum:
         try:
             db.execute("VACUUM")  # the pages the moved contents held go back to the file system
@@ -235,17 +249,12 @@ def thd_add_usage(db: sqlite3.Connection, rows: list[tuple[str, str, int]]) -> N
     """
     Add C{(day, key name, tokens)} rows to the day totals, in one transaction.
     """
-    db.execute("BEGIN")
-    try:
+    with transaction(db):
         db.executemany(
             "INSERT INTO key_usage (day, key, tokens) VALUES (?, ?, ?) "
             "ON CONFLICT (day, key) DO UPDATE SET tokens = tokens + excluded.tokens",
             rows,
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def thd_day_usage(db: sqlite3.Connection, day: str) -> dict[str, int]:
@@ -263,8 +272,7 @@ def thd_put_response(
     JSON)}; drop expired rows and all but the newest C{keep} of that key's
     (one key never pushes out another's).
     """
-    db.execute("BEGIN")
-    try:
+    with transaction(db):
         db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
         db.execute("DELETE FROM responses WHERE expires < ?", (row[2],))
         db.execute(
@@ -272,10 +280,6 @@ def thd_put_response(
             "(SELECT id FROM responses WHERE key = ? ORDER BY created DESC LIMIT ?)",
             (row[1], row[1], keep),
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def thd_get_response(db: sqlite3.Connection, id_: str, key: str, now: float) -> tuple[str, str, str | None] | None:
@@ -545,8 +549,7 @@ def thd_create_batch(
     A batch and its C{(custom_id, body JSON)} lines, all pending, in one
     transaction.
     """
-    db.execute("BEGIN")
-    try:
+    with transaction(db):
         db.execute(
             "INSERT INTO batches (id, key, created_at, batch) VALUES (?, ?, ?, ?)", (id_, key, created_at, batch)
         )
@@ -554,10 +557,6 @@ def thd_create_batch(
             "INSERT INTO batch_lines (batch, line, custom_id, body, state) VALUES (?, ?, ?, ?, 'pending')",
             [(id_, n, custom, body) for n, (custom, body) in enumerate(lines)],
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def thd_put_batch(db: sqlite3.Connection, id_: str, batch: str) -> None:
@@ -592,8 +591,7 @@ def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tupl
     Up to C{count} pending lines of C{batch}, marked running (in one
     transaction): C{(line, custom_id, body JSON)}, in input order.
     """
-    db.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(db, "BEGIN IMMEDIATE"):
         rows = list(
             db.execute(
                 "SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
@@ -604,10 +602,6 @@ def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tupl
         db.executemany(
             "UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line = ?", [(batch, r[0]) for r in rows]
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
     return rows
 
 
@@ -637,8 +631,7 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
     the error line C{result} (its C{id} and C{custom_id} filled in); how
     many.
     """
-    db.execute("BEGIN IMMEDIATE")
-    try:
+    with transaction(db, "BEGIN IMMEDIATE"):
         rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?", (batch, state)))
         template = json.loads(result)
         db.executemany(
@@ -648,10 +641,6 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
                 for n, custom in rows
             ],
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
     return len(rows)
 
 
@@ -734,8 +723,7 @@ def thd_put_cache(
 
     @return: The new entry's id, and the ids dropped.
     """
-    db.execute("BEGIN")
-    try:
+    with transaction(db):
         id_ = db.execute(
             "INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)", row
         ).lastrowid
@@ -748,10 +736,6 @@ def thd_put_cache(
             )
         ]
         db.executemany("DELETE FROM cache_entries WHERE id = ?", [(i,) for i in dropped])
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
     return int(id_ or 0), dropped
 
 
@@ -792,8 +776,7 @@ def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
 
     @return: The run's id (ids grow: a later run has a larger one).
     """
-    db.execute("BEGIN")
-    try:
+    with transaction(db):
         id_ = db.execute(
             "INSERT INTO bench_history (model, created, engine, profile, hardware, settings, levels) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -804,10 +787,6 @@ def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
             "(SELECT id FROM bench_history WHERE model = ? ORDER BY id DESC LIMIT ?)",
             (row[0], row[0], keep),
         )
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
     return int(id_ or 0)
 
 

@@ -27,6 +27,8 @@ from typing import Callable, Iterator
 
 from blazar import strictjson
 from blazar.engines.bench import StreamRecorder, request_body, speed_refusal, synthetic_prompt
+from blazar.engines.build import SOURCES
+from blazar.models.testmodel import make_test_model
 
 STEPS = ("start", "health", "chat", "stream", "embedding")
 SPEED = "speed"  # the step after STEPS when a speed margin is set and there is an engine to compare with
@@ -191,8 +193,6 @@ def thd_gate(
         step).
     @raise GateFailed: A step failed.
     """
-    from blazar.models.testmodel import make_test_model
-
     with tempfile.TemporaryDirectory(prefix="blazar-gate-") as tmp:
         workdir = Path(tmp)
         chat_model = make_test_model(workdir / "chat.gguf").path
@@ -269,8 +269,6 @@ def thd_probe(kind: str, binary: Path) -> None:
 
     @raise GateFailed: It does not.
     """
-    from blazar.engines.build import SOURCES
-
     try:
         done = subprocess.run([str(binary), SOURCES[kind].probe], capture_output=True, timeout=30)
     except (OSError, subprocess.SubprocessError) as e:

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from blazar.config import CommandLane, Config
+from blazar.engines.build import SOURCES, engine_home
+from blazar.engines.installed import thd_active_binary
 
 LLAMACPP = "llamacpp"
 WHISPER = "whisper"
@@ -238,9 +240,6 @@ def thd_find_server(
 
     @raise ServerNotFound: None of these; the message names the install.
     """
-    from blazar.engines.build import SOURCES, engine_home
-    from blazar.engines.installed import thd_active_binary
-
     configured = getattr(config, lane).binary
     name = SERVER_NAME[lane]
     if configured is not None:

@@ -22,8 +22,10 @@ import attrs
 
 from blazar.config import Config, ModelConfig
 from blazar.engines.build import PINNED, cached_builds, engine_home
+from blazar.engines.installed import thd_active_binary
 from blazar.engines.lanes import DIFFUSION_ARCHITECTURES, LANE_KIND, SDCPP, WHISPER
 from blazar.models.gguf_meta import GGUFMetadata
+from blazar.models.quantize import QuantizeError
 from blazar.models.registry import ModelEntry
 
 DEFAULT_CTX_SIZE = 4096
@@ -73,8 +75,6 @@ def find_binary(
             f"[engines.llamacpp] binary = {str(configured)!r} in "
             f"{config.source or 'the config'} is not an executable file"
         )
-    from blazar.engines.installed import thd_active_binary
-
     installed = thd_active_binary(config.data_dir)
     if installed is not None:
         return installed
@@ -111,8 +111,6 @@ def find_quantize(config: Config, environ: Mapping[str, str]) -> Path:
     @raise blazar.models.quantize.QuantizeError: No engine, or one without
         C{llama-quantize} beside it; the message names the fix.
     """
-    from blazar.models.quantize import QuantizeError
-
     try:
         server = find_binary(config, environ)
     except EngineNotFound as e:

@@ -16,6 +16,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
+from blazar.engines import lanes
 from blazar.engines.waiters import Waiters
 from blazar.names import strip_dirs
 
@@ -233,10 +234,8 @@ class EngineProcessProtocol(ProcessProtocol):
         so (L{blazar.engines.lanes.unknown_architecture}; the unfinished
         last line of each stream counts too).
         """
-        from blazar.engines.lanes import unknown_architecture
-
         partial = [raw[:MAX_LINE].decode("utf-8", "replace") for raw in self._partial.values() if raw]
-        return unknown_architecture("\n".join(list(self.tail)[-32:] + partial))
+        return lanes.unknown_architecture("\n".join(list(self.tail)[-32:] + partial))
 
     def tail_text(self, lines: int = 8) -> str:
         """

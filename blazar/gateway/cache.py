@@ -45,6 +45,7 @@ import numpy.typing as npt
 from usearch.index import Index
 
 from blazar import strictjson
+from blazar.gateway.remotewire import answer_chunks
 
 Vector = npt.NDArray[np.float32]
 
@@ -100,53 +101,14 @@ def as_chunks(answer: bytes) -> list[dict[str, Any]]:
     A stored chat completion as the chunks of the stream an engine would
     have sent for it (reasoning, text, the finish, then the usage), for a
     surface that reads a stream to make a whole answer (Anthropic
-    Messages, the Responses API).
+    Messages, the Responses API); L{answer_chunks} makes them.
 
     @return: The chunks; none if C{answer} is not a chat completion.
     """
     try:
-        parsed = json.loads(answer)
-    except ValueError:
+        return answer_chunks(json.loads(answer), include_usage=True)
+    except ValueError:  # not JSON, or no choices
         return []
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("choices"), list):
-        return []
-    meta = {k: parsed[k] for k in ("id", "created", "model") if k in parsed}
-
-    def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
-        return {**meta, "object": "chat.completion.chunk", "choices": choices, **extra}
-
-    chunks = []
-    for choice in parsed["choices"]:
-        if not isinstance(choice, dict):
-            continue
-        index, message = choice.get("index", 0), choice.get("message") or {}
-        if message.get("reasoning_content"):
-            chunks.append(
-                chunk(
-                    [
-                        {
-                            "index": index,
-                            "finish_reason": None,
-                            "delta": {"role": "assistant", "reasoning_content": message["reasoning_content"]},
-                        }
-                    ]
-                )
-            )
-        chunks.append(
-            chunk(
-                [
-                    {
-                        "index": index,
-                        "finish_reason": None,
-                        "delta": {"role": "assistant", "content": message.get("content") or ""},
-                    }
-                ]
-            )
-        )
-        chunks.append(chunk([{"index": index, "finish_reason": choice.get("finish_reason"), "delta": {}}]))
-    if isinstance(parsed.get("usage"), dict):
-        chunks.append(chunk([], usage=parsed["usage"]))
-    return chunks
 
 
 class StreamedAnswer:

@@ -523,13 +523,7 @@ class EngineProxy:
         except ChildWedged:
             self.supervisor.kill_instance(instance, "wedged: no response headers")
             if attempt == 2:
-                key, secs = header_timeout_of(self._config(), instance)
-                raise EngineTimeout(
-                    instance.entry.name,
-                    f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} accepted the "
-                    f"request but sent nothing for {key} = {secs:g} s and stopped answering its health check, "
-                    "twice; it was stopped",
-                ) from None
+                raise _wedged(self._config(), instance, "accepted the request but sent nothing", ", twice") from None
             log.warn("{model} is wedged; retrying on a fresh child", model=model)
             raise _Retry()
         except Exception as e:
@@ -776,13 +770,7 @@ class EngineProxy:
                 raise CancelledError() from None
             if isinstance(e, BodyStalled):
                 self.supervisor.kill_instance(instance, "wedged: silent mid-answer, no /health")
-                key, secs = header_timeout_of(self._config(), instance)
-                raise EngineTimeout(
-                    instance.entry.name,
-                    f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} stopped "
-                    f"sending its answer for {key} = {secs:g} s and stopped answering its health check; it was "
-                    "stopped",
-                ) from None
+                raise _wedged(self._config(), instance, "stopped sending its answer") from None
             raise await self.supervisor.explain_failure(instance, e) from None
         finally:
             if pacer is not None:
@@ -860,3 +848,18 @@ def header_timeout_of(config: Config, instance: Any) -> tuple[str, float]:
     if is_remote(instance):
         return "remotes.timeout_secs", instance.remote.timeout
     return "child_header_timeout_secs", config.child_header_timeout
+
+
+def _wedged(config: Config, instance: Any, doing: str, times: str = "") -> EngineTimeout:
+    """
+    The error for a child that went silent and stopped answering its
+    health check (it has been stopped): what it was C{doing}, for how
+    long (L{header_timeout_of}), C{times} after the health check (C{",
+    twice"}).
+    """
+    key, secs = header_timeout_of(config, instance)
+    return EngineTimeout(
+        instance.entry.name,
+        f"{getattr(instance, 'server', 'llama-server')} for model {instance.entry.name!r} {doing} for {key} = "
+        f"{secs:g} s and stopped answering its health check{times}; it was stopped",
+    )

@@ -86,7 +86,7 @@ class IgnoredFields:
                 self._seen.popitem(last=False)
             log.info(
                 "ignored request field {field!r} on the {surface} surface (client {client}); "
-                "see the README's leniency table",
+                "see the leniency table in docs/surfaces.md",
                 field=name,
                 surface=surface,
                 client=client,

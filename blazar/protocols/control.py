@@ -14,24 +14,27 @@ import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from twisted.internet.defer import Deferred, succeed
-from twisted.internet.protocol import Factory
 from twisted.logger import ILogObserver, Logger
 from twisted.protocols import amp
 from zope.interface import implementer
 
 from blazar import __version__, strictjson
-from blazar.gateway.operations import gpu_listing, instance_rows
+from blazar.config import ConfigError
+from blazar.gateway.bench import BenchError as NotRecorded
+from blazar.gateway.operations import ModelOperations, gpu_listing, instance_rows
+from blazar.gateway.operations import NothingToEvict as NoInstance
 from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text, printable
+from blazar.models.gguf_meta import GGUFError
+from blazar.models.registry import ModelChangeError, ModelNotFound
 
-if TYPE_CHECKING:  # the CLI imports this module: the daemon's side is imported lazily
+if TYPE_CHECKING:  # (annotations only)
     from twisted.internet.interfaces import IReactorTime
 
     from blazar.engines.hardware import IHardwareCensus
     from blazar.engines.hints import IEngineHints
     from blazar.engines.interfaces import ISupervisor
     from blazar.gateway.bench import IBenchRecords
-    from blazar.gateway.operations import ModelOperations
     from blazar.gateway.sessions import ISessions
     from blazar.models.registry import IModelRegistry
     from blazar.protocols.keyadmin import IKeyAdmin
@@ -478,7 +481,8 @@ BENCH_MAX_LIMIT = 200
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
-    registry. Created per connection by L{control_factory}.
+    registry. One per CLI connection: the daemon listens with
+    C{Factory.forProtocol(functools.partial(ControlServer, ...))}.
     """
 
     def __init__(
@@ -512,8 +516,6 @@ class ControlServer(amp.AMP):
         self._hardware = hardware
         self._sessions = sessions
         if operations is None:
-            from blazar.gateway.operations import ModelOperations
-
             # (its registry is the concrete one: it lists the Ollama store too)
             operations = ModelOperations(registry, supervisor, None, clock)  # type: ignore[arg-type]
         self._operations = operations
@@ -566,11 +568,9 @@ class ControlServer(amp.AMP):
 
     @Evict.responder
     def evict(self, key: str | None = None, all: bool | None = None) -> dict[str, Any]:
-        from blazar.gateway import operations
-
         try:
             return {"evicted": self._operations.evict(key, everything=bool(all))}
-        except operations.NothingToEvict as e:
+        except NoInstance as e:
             raise NothingToEvict(str(e)) from None
 
     @ResetBreakers.responder
@@ -582,8 +582,6 @@ class ControlServer(amp.AMP):
         async def answer() -> dict[str, Any]:
             canonical = None
             if model:
-                from blazar.models.registry import ModelNotFound
-
                 try:
                     canonical = (await self._registry.resolve(model)).name
                 except ModelNotFound as e:
@@ -594,8 +592,6 @@ class ControlServer(amp.AMP):
         return Deferred.fromCoroutine(answer())
 
     async def _entry(self, name: str) -> Any:
-        from blazar.models.registry import ModelNotFound
-
         try:
             return await self._registry.resolve(name)
         except ModelNotFound as e:
@@ -605,8 +601,6 @@ class ControlServer(amp.AMP):
         """
         C{{"name": ...}} from a model operation, its refusals as L{ModelError}.
         """
-        from blazar.models.registry import ModelChangeError, ModelNotFound
-
         try:
             return {"name": await change}
         except (ModelNotFound, ModelChangeError) as e:
@@ -615,8 +609,6 @@ class ControlServer(amp.AMP):
     @ModelShow.responder
     def model_show(self, name: str) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
-            from blazar.models.gguf_meta import GGUFError
-
             entry = await self._entry(name)
             try:
                 meta = await self._registry.metadata(entry)
@@ -670,9 +662,6 @@ class ControlServer(amp.AMP):
     @BenchRecord.responder
     def bench_record(self, model: str, run: str) -> Deferred[dict[str, Any]]:
         async def answer() -> dict[str, Any]:
-            from blazar.gateway.bench import BenchError as NotRecorded
-            from blazar.models.registry import ModelNotFound
-
             if self._bench is None:
                 raise BenchError("this daemon keeps no bench history")
             try:
@@ -727,8 +716,6 @@ class ControlServer(amp.AMP):
 
     @ReloadConfig.responder
     def reload_config(self) -> Deferred[dict[str, Any]]:
-        from blazar.config import ConfigError
-
         admin = self._admin()
 
         async def answer() -> dict[str, Any]:
@@ -756,8 +743,6 @@ class ControlServer(amp.AMP):
         }
 
     def _keys_change(self, change: Callable[[Any], Any]) -> Deferred[dict[str, Any]]:
-        from blazar.config import ConfigError
-
         admin = self._admin()
 
         async def answer() -> dict[str, Any]:
@@ -789,42 +774,3 @@ class ControlServer(amp.AMP):
             }
 
         return Deferred.fromCoroutine(listing())
-
-
-class ControlFactory(Factory):
-    """
-    Builds a L{ControlServer} per CLI connection.
-    """
-
-    def __init__(
-        self,
-        supervisor: ISupervisor,
-        registry: IModelRegistry,
-        status: Callable[[], dict[str, Any] | Deferred[dict[str, Any]]],
-        clock: IReactorTime,
-        logs: LogRing | None = None,
-        keys: IKeyAdmin | None = None,
-        queue: Callable[[], dict[str, Any]] | None = None,
-        hints: IEngineHints | None = None,
-        operations: ModelOperations | None = None,
-        sessions: ISessions | None = None,
-        hardware: IHardwareCensus | None = None,
-        bench: IBenchRecords | None = None,
-    ) -> None:
-        self._args = (
-            supervisor,
-            registry,
-            status,
-            clock,
-            logs,
-            keys,
-            queue,
-            hints,
-            operations,
-            sessions,
-            hardware,
-            bench,
-        )
-
-    def buildProtocol(self, addr: Any) -> ControlServer:
-        return ControlServer(*self._args)

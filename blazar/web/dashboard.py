@@ -36,12 +36,13 @@ from blazar import __version__, strictjson
 from blazar.config import Config, ConfigError
 from blazar.gateway.call import Call, CallKind
 from blazar.gateway.context import key_of
+from blazar.gateway.engine_facts import compare, model_kind
 from blazar.gateway.errors import BadRequest, Forbidden
-from blazar.gateway.operations import ModelOperations, gpu_listing
+from blazar.gateway.operations import ModelOperations, NothingToEvict, gpu_listing
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.scope import may_use, visible_entries
 from blazar.models.gguf_meta import GGUFError
-from blazar.models.registry import ModelRegistry
+from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.names import strip_dirs
 from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_headers
 from blazar.web.body import read_json
@@ -184,8 +185,6 @@ class Dashboard:
         reading).
         """
         _viewer(request)
-        from blazar.gateway.engine_facts import model_kind
-
         entries = await self._registry.refresh()
         allowed = set(visible_entries(context_of(request), entries))
         files = []
@@ -230,8 +229,6 @@ class Dashboard:
 
     @app.route("/ui/api/models/<path:name>/evict", methods=["POST"])
     def evict(self, request: IRequest, name: str) -> bytes:
-        from blazar.gateway.operations import NothingToEvict
-
         check_admin(request, "evict models")
         try:
             return self._json(request, {"evicted": self._operations.evict(name)})
@@ -286,8 +283,6 @@ class Dashboard:
         (L{blazar.engines.bench.compare}). Admin: the rows hold every
         model's command line and the machine's hardware.
         """
-        from blazar.gateway.engine_facts import compare
-
         check_admin(request, "see the bench history")
         model = (request.args or {}).get(b"model", [b""])[-1].decode("utf-8", "replace") or None
         runs = await self._bench(model, 200) if self._bench is not None else []
@@ -317,8 +312,6 @@ class Dashboard:
         if model is None:
             check_admin(request, "read the daemon's log")
         else:
-            from blazar.models.registry import ModelNotFound
-
             if not may_use(context_of(request), model):
                 raise ModelNotFound(model, visible_entries(context_of(request), await self._registry.refresh()))
             model = (await self._registry.resolve(model)).name  # the ring names models canonically

@@ -808,16 +808,7 @@ class OllamaSurface:
 
     @app.route("/api/pull", methods=["POST"])
     async def pull(self, request: IRequest) -> bytes | None:
-        body = self._body(request)
-        check_admin(request, "pull models")
-        model = self._model_field(body)
-        stream = self._stream_flag(body)
-        insecure = body.get("insecure") is True
-        if not stream:
-            await self._operations.pull(model, insecure=insecure)
-            return _json(request, {"status": "success"})
-        await self._progress(request, model, lambda progress: self._operations.pull(model, progress, insecure))
-        return None
+        return await self._transfer(request, "pull models", self._operations.pull)
 
     @app.route("/api/push", methods=["POST"])
     async def push(self, request: IRequest) -> bytes | None:
@@ -828,15 +819,25 @@ class OllamaSurface:
         progress (C{retrieving manifest}, C{pushing <digest>} with
         C{total} and C{completed}, C{pushing manifest}, C{success}).
         """
+        return await self._transfer(request, "push models", self._operations.push)
+
+    async def _transfer(self, request: IRequest, what: str, transfer: Callable[..., Awaitable[object]]) -> bytes | None:
+        """
+        Pull or push the body's C{model} with C{transfer} (C{name},
+        C{progress}, C{insecure}: L{ModelOperations.pull} or C{push}), for
+        an admin (C{what} names the refusal): C{{"status": "success"}} once
+        done, or, unless C{stream} is false, its progress as it goes
+        (L{_progress}).
+        """
         body = self._body(request)
-        check_admin(request, "push models")
+        check_admin(request, what)
         model = self._model_field(body)
         stream = self._stream_flag(body)
         insecure = body.get("insecure") is True
         if not stream:
-            await self._operations.push(model, insecure=insecure)
+            await transfer(model, insecure=insecure)
             return _json(request, {"status": "success"})
-        await self._progress(request, model, lambda progress: self._operations.push(model, progress, insecure))
+        await self._progress(request, model, lambda progress: transfer(model, progress, insecure))
         return None
 
     async def _progress(

@@ -520,6 +520,22 @@ class _Item:
     name: str = ""
 
 
+def _call_item(item: _Item, name: str, custom: bool, value: str, status: str) -> dict[str, Any]:
+    """
+    The output item of a tool call: a C{custom_tool_call} with C{value} as
+    its C{input} (C{custom}), else a C{function_call} with C{value} as its
+    C{arguments}; C{name} as the client named the tool.
+    """
+    return {
+        "type": "custom_tool_call" if custom else "function_call",
+        "id": item.item_id,
+        "call_id": item.call_id,
+        "name": name,
+        "input" if custom else "arguments": value,
+        "status": status,
+    }
+
+
 @attrs.define
 class ResponsesStream:
     """
@@ -546,6 +562,13 @@ class ResponsesStream:
         self.sequence += 1
         return kind, event
 
+    def _item_event(self, kind: str, item: _Item, **payload: Any) -> tuple[str, dict[str, Any]]:
+        """
+        An event about C{item}: its C{item_id} and C{output_index}, then
+        C{payload}.
+        """
+        return self._event(kind, item_id=item.item_id, output_index=item.index, **payload)
+
     def start(self) -> list[tuple[str, dict[str, Any]]]:
         self.response["status"] = "in_progress"
         snapshot = {**self.response, "output": []}
@@ -565,24 +588,9 @@ class ResponsesStream:
             part = {"type": "output_text", "text": item.text, "annotations": [], "logprobs": []}
             full = {"type": "message", "id": item.item_id, "status": status, "role": "assistant", "content": [part]}
             events.append(
-                self._event(
-                    "response.output_text.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    text=item.text,
-                    logprobs=[],
-                )
+                self._item_event("response.output_text.done", item, content_index=0, text=item.text, logprobs=[])
             )
-            events.append(
-                self._event(
-                    "response.content_part.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    part=part,
-                )
-            )
+            events.append(self._item_event("response.content_part.done", item, content_index=0, part=part))
         elif item.kind == "reasoning":
             full = {
                 "type": "reasoning",
@@ -591,15 +599,7 @@ class ResponsesStream:
                 "content": [{"type": "reasoning_text", "text": item.text}],
                 "status": status,
             }
-            events.append(
-                self._event(
-                    "response.reasoning_text.done",
-                    item_id=item.item_id,
-                    output_index=item.index,
-                    content_index=0,
-                    text=item.text,
-                )
-            )
+            events.append(self._item_event("response.reasoning_text.done", item, content_index=0, text=item.text))
         else:
             namespace, name, kind = self.names.client(item.name)
             if kind == "custom":
@@ -609,39 +609,12 @@ class ResponsesStream:
                     parsed = item.text
                 value = parsed.get("input") if isinstance(parsed, dict) else parsed
                 text = value if isinstance(value, str) else item.text
-                full = {
-                    "type": "custom_tool_call",
-                    "id": item.item_id,
-                    "call_id": item.call_id,
-                    "name": name,
-                    "input": text,
-                    "status": status,
-                }
-                events.append(
-                    self._event(
-                        "response.custom_tool_call_input.done",
-                        item_id=item.item_id,
-                        output_index=item.index,
-                        input=text,
-                    )
-                )
+                full = _call_item(item, name, True, text, status)
+                events.append(self._item_event("response.custom_tool_call_input.done", item, input=text))
             else:
-                full = {
-                    "type": "function_call",
-                    "id": item.item_id,
-                    "call_id": item.call_id,
-                    "name": name,
-                    "arguments": item.text,
-                    "status": status,
-                }
+                full = _call_item(item, name, False, item.text, status)
                 events.append(
-                    self._event(
-                        "response.function_call_arguments.done",
-                        item_id=item.item_id,
-                        output_index=item.index,
-                        name=name,
-                        arguments=item.text,
-                    )
+                    self._item_event("response.function_call_arguments.done", item, name=name, arguments=item.text)
                 )
             if namespace is not None:
                 full["namespace"] = namespace
@@ -659,37 +632,34 @@ class ResponsesStream:
             added = {"type": "reasoning", "id": item.item_id, "summary": [], "content": [], "status": "in_progress"}
         else:
             namespace, client_name, tool_kind = self.names.client(name)
-            if tool_kind == "custom":
-                added = {
-                    "type": "custom_tool_call",
-                    "id": item.item_id,
-                    "call_id": call_id,
-                    "name": client_name,
-                    "input": "",
-                    "status": "in_progress",
-                }
-            else:
-                added = {
-                    "type": "function_call",
-                    "id": item.item_id,
-                    "call_id": call_id,
-                    "name": client_name,
-                    "arguments": "",
-                    "status": "in_progress",
-                }
+            added = _call_item(item, client_name, tool_kind == "custom", "", "in_progress")
             if namespace is not None:
                 added["namespace"] = namespace
         events.append(self._event("response.output_item.added", output_index=item.index, item=added))
         if kind == "message":
             events.append(
-                self._event(
+                self._item_event(
                     "response.content_part.added",
-                    item_id=item.item_id,
-                    output_index=item.index,
+                    item,
                     content_index=0,
                     part={"type": "output_text", "text": "", "annotations": [], "logprobs": []},
                 )
             )
+        return events
+
+    def _text_delta(self, kind: str, event: str, text: str, **extra: Any) -> list[tuple[str, dict[str, Any]]]:
+        """
+        The events for C{text} of an item of C{kind} (C{"reasoning"} or
+        C{"message"}): the open item closed and one of C{kind} opened if
+        it is of another kind, then the delta C{event} (C{extra} fields
+        last).
+        """
+        events = []
+        if self._open is None or self._open.kind != kind:
+            events += self._open_item(kind)
+        assert self._open is not None
+        self._open.text += text
+        events.append(self._item_event(event, self._open, content_index=0, delta=text, **extra))
         return events
 
     def feed(self, chunk: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -703,35 +673,10 @@ class ResponsesStream:
             delta = choice.get("delta") or {}
             reasoning = delta.get("reasoning_content")
             if isinstance(reasoning, str) and reasoning:
-                if self._open is None or self._open.kind != "reasoning":
-                    events += self._open_item("reasoning")
-                assert self._open is not None
-                self._open.text += reasoning
-                events.append(
-                    self._event(
-                        "response.reasoning_text.delta",
-                        item_id=self._open.item_id,
-                        output_index=self._open.index,
-                        content_index=0,
-                        delta=reasoning,
-                    )
-                )
+                events += self._text_delta("reasoning", "response.reasoning_text.delta", reasoning)
             text = delta.get("content")
             if isinstance(text, str) and text:
-                if self._open is None or self._open.kind != "message":
-                    events += self._open_item("message")
-                assert self._open is not None
-                self._open.text += text
-                events.append(
-                    self._event(
-                        "response.output_text.delta",
-                        item_id=self._open.item_id,
-                        output_index=self._open.index,
-                        content_index=0,
-                        delta=text,
-                        logprobs=[],
-                    )
-                )
+                events += self._text_delta("message", "response.output_text.delta", text, logprobs=[])
             for call in delta.get("tool_calls") or []:
                 index = call.get("index", 0)
                 function = call.get("function") or {}
@@ -750,14 +695,7 @@ class ResponsesStream:
                 if isinstance(fragment, str) and fragment:
                     item.text += fragment
                     if self.names.client(item.name)[2] != "custom":  # a custom tool's input comes whole
-                        events.append(
-                            self._event(
-                                "response.function_call_arguments.delta",
-                                item_id=item.item_id,
-                                output_index=item.index,
-                                delta=fragment,
-                            )
-                        )
+                        events.append(self._item_event("response.function_call_arguments.delta", item, delta=fragment))
             if choice.get("finish_reason"):
                 self._finish = choice["finish_reason"]
         return events
