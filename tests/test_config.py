@@ -98,6 +98,9 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertConfigError("ready_timeout = -1", "'ready_timeout'", "positive")
         self.assertConfigError('[models.a]\nctx_size = "big"', "'models.a.ctx_size'", "positive integer")
         self.assertConfigError("[models.a]\nembedding = 1", "'models.a.embedding'", "true or false")
+        # a list or table where a lane's name goes was a TypeError (unhashable) out of the lane check
+        self.assertConfigError("[models.a]\nengine = []", "'models.a.engine'", "got list")
+        self.assertConfigError("[models.a]\nengine = {x = 1}", "'models.a.engine'", "got dict")
         self.assertConfigError('[models.a]\nargs = "-x"', "'models.a.args'", "list of strings")
         self.assertConfigError("[models.a]\nparallel = true", "'models.a.parallel'")
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from blazar.config import ConfigError, parse_config
+
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 README_MAX_LINES = 300
@@ -23,6 +25,24 @@ _CODE_SPAN = re.compile(r"(`+)(.+?)\1")
 # [text](target) and ![alt](target); the target may carry a "title"
 _LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(\s*<?([^)\s>]*)>?(?:\s+\"[^\"]*\")?\s*\)")
 _SCHEME = re.compile(r"^[a-zA-Z][a-zA-Z0-9+.-]*:")
+_TOML = re.compile(r"^```toml\n(.*?)^```", re.S | re.M)
+# what a page writes where a real secret goes (`blazar keys add NAME` makes one)
+_SECRET = re.compile(r'"blz-\.\.\."')
+
+
+def config_examples(page: Path) -> list[tuple[int, str]]:
+    """
+    The Blazar config examples of C{page}: its C{toml} blocks with their
+    line numbers, less those that are another program's (a first line such
+    as C{# ~/.codex/config.toml}).
+    """
+    text = page.read_text()
+    secrets = iter(range(1000))
+    return [
+        (text[: m.start()].count("\n") + 1, _SECRET.sub(lambda _: f'"blz-example-secret-{next(secrets)}"', m.group(1)))
+        for m in _TOML.finditer(text)
+        if not m.group(1).startswith("# ~/")
+    ]
 
 
 def pages() -> list[Path]:
@@ -162,3 +182,17 @@ class DocsTests(SynchronousTestCase):
             if page != index and page.resolve() not in linked
         ]
         self.assertEqual(missing, [])
+
+    def test_config_examples_parse(self) -> None:
+        """
+        Every Blazar config example in the docs is a config Blazar takes
+        (one pasted whole once put top-level keys under [cache] and [queue]).
+        """
+        refused = []
+        for page in pages():
+            for line, example in config_examples(page):
+                try:
+                    parse_config(example)
+                except ConfigError as e:
+                    refused.append(f"{page.relative_to(ROOT)}:{line}: {e}")
+        self.assertEqual(refused, [])

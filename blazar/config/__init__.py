@@ -54,6 +54,7 @@ from blazar.config.declare import (
     seconds_or_zero,
     setting,
     str_list,
+    string,
     table,
     unknown,
     url,
@@ -340,7 +341,7 @@ class ModelConfig:
     )
     engine: str | None = setting(  # None: by format
         None,
-        value=Value("llamacpp, whisper, sdcpp or the name of an [engines.NAME]", lambda raw, at: raw),
+        value=string("llamacpp, whisper, sdcpp or the name of an [engines.NAME]"),
         shown="by format, GGUF to llamacpp",
         doc="Its lane: `llamacpp`, `whisper`, `sdcpp` or an `[engines.NAME]` command lane.",
     )

@@ -281,6 +281,19 @@ PATH = Value("a non-empty path string", lambda raw, at: path(raw, at.where, at.k
 STRINGS = Value("a list of strings", lambda raw, at: str_list(raw, at.where, at.key))
 
 
+def _string(raw: Any, at: At) -> str:
+    if not isinstance(raw, str):
+        raise TypeError(raw)
+    return raw
+
+
+def string(what: str) -> Value:
+    """
+    A string, C{what} in words (anything else is refused naming the key).
+    """
+    return Value(what, _string)
+
+
 def positive(what: str) -> Value:
     """
     A positive finite number, C{what} in words.

@@ -186,7 +186,7 @@ class Supervisor(Service):
         self._watch = ChildWatch(
             config,
             self._reactor,
-            self._probe,
+            lambda url: self._probe(url),  # read when called: one probe for the watch and probe_health
             self._health_interval,
             self._instances,
             self._all,

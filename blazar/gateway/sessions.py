@@ -319,7 +319,7 @@ class ISessions(Interface):
     The session table, as the control socket uses it.
     """
 
-    enabled = Attribute("Whether sessions are on (C{[sessions] max_sessions} above 0).")
+    enabled = Attribute("Whether sessions are on (C{session_keep_secs} above 0).")
 
     def of_key(key: str | None) -> list[Session]:
         """

@@ -625,6 +625,7 @@ class ContextPolicyTests(SynchronousTestCase):
         grow = self.get(supervisor, 8192)
         reactor.advance(0.05)
         (first,) = supervisor.instances()
+        self.assertNoResult(loading)  # the premise: the child is still loading (its /health is 503)
         health[0] = 200
         reactor.advance(0.05)
         # the request that was waiting for the load before the grow came is
