@@ -605,7 +605,7 @@ def _before_stop(runner: BatchRunner, sessions: Sessions) -> Callable[[Any], Def
     def before_stop(instance: Any) -> Deferred[None]:
         if instance.stop_reason != "shutdown" or not runner.stopping:
             return sessions.stopping(instance)
-        return runner.drained().addCallback(lambda _: sessions.stopping(instance))
+        return sessions.stopping(instance, after=runner.drained())
 
     return before_stop
 

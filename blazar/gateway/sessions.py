@@ -798,11 +798,23 @@ class Sessions:
             session.last_used = now
             await self._save(session, instance, slot)
 
-    def stopping(self, instance: Any) -> Deferred[None]:
+    def stopping(self, instance: Any, after: Deferred[Any] | None = None) -> Deferred[None]:
         """
-        L{before_stop} as a tracked Deferred (the supervisor's hook).
+        L{before_stop} as a tracked Deferred (the supervisor's hook), once
+        C{after} (if given: the batch lines draining at shutdown) has
+        fired. Tracked from the call, so a stop of the store that waits for
+        L{pending} waits for the wait as well as for the save.
         """
-        d: Deferred[None] = ensureDeferred(self.before_stop(instance))
+
+        async def stop() -> None:
+            if after is not None:
+                try:
+                    await after
+                except Exception:
+                    log.failure("waiting before {model} stops failed; saving its slots now", model=instance.entry.name)
+            await self.before_stop(instance)
+
+        d: Deferred[None] = ensureDeferred(stop())
         self._track(d)
         return d
 

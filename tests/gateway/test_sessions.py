@@ -137,6 +137,22 @@ class SessionTests(SynchronousTestCase):
         assert pin is not None
         self.assertEqual(self.bank.held(fresh, pin.slot), 200)  # restored before the request
 
+    def test_a_stop_that_waits_first_is_pending_from_the_start(self) -> None:
+        """
+        At shutdown the saves wait for the batch lines to drain; the wait is
+        pending at once, so the store's stop (which settles L{pending})
+        cannot close the database before the saves run.
+        """
+        self.turn("a", 100)
+        drained: Deferred[None] = Deferred()
+        stopping = self.sessions.stopping(self.child, after=drained)
+        self.assertIn(stopping, self.sessions.pending)
+        self.assertEqual(self.bank.calls, [])  # nothing saved while lines still run
+        drained.callback(None)
+        self.successResultOf(stopping)
+        self.assertEqual([c[0] for c in self.bank.calls], ["save"])
+        self.assertEqual(self.sessions.pending, set())
+
     def test_unnamed_conversations_are_saved_and_restored_into_their_slots(self) -> None:
         a = self.turn("a", 100)
         other = 1 - a.slot
