@@ -65,7 +65,7 @@ from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
-from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway.admission import Admission, admit_request
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
@@ -81,7 +81,7 @@ from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import UNPARSED, SentinelViolation
-from blazar.gateway.sessions import Pin, Sessions, session_name
+from blazar.gateway.sessions import Pin, Sessions
 from blazar.gateway.toolcalls import (
     Forced,
     ToolChoiceError,
@@ -289,7 +289,7 @@ class Pipeline:
             )
         if call.images:
             await self._image_sizes(call.images)
-        await self._admit(context, canonical, call.work, call.entry, call.lane)
+        await self._admit(context, canonical, call, call.entry, call.lane)
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
             await self._audio(context, call)
@@ -858,7 +858,7 @@ class Pipeline:
     async def _pin(self, context: RequestContext | None, call: Run, instance: Any) -> Pin | None:
         """
         The session step: a request that names a session
-        (L{blazar.gateway.sessions.session_name}) goes to its session's slot
+        (L{blazar.gateway.call.Asked.session}) goes to its session's slot
         of C{instance}, its bank entry restored there first if it has one.
         A request that picks its own slot (C{id_slot}) is left alone.
         """
@@ -867,17 +867,8 @@ class Pipeline:
         if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or not getattr(instance, "kv_bank", True):
             return None  # slots and the KV bank are llama-server's (not a lane's, not a reranker's)
         await self.sessions.warm(instance)
-        if "id_slot" in call.body:
-            return None
-        headers = getattr(context, "requestHeaders", None)
-
-        def header(name: str) -> str | None:
-            # bytes decoded leniently: a header that is not UTF-8 still names a session
-            raw = headers.getRawHeaders(name.encode("ascii")) if headers is not None else None
-            return raw[0].decode("utf-8", "replace") if raw else None
-
-        name = session_name(header, call.session_hint)
-        if name is None:
+        name = call.asked.session
+        if "id_slot" in call.body or name is None:
             return None
         key = key_of(context)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
@@ -1287,7 +1278,7 @@ class Pipeline:
         self,
         context: RequestContext | None,
         canonical: str,
-        work: WorkClass,
+        call: Run,
         entry: ModelEntry | None,
         lane: Any = None,
     ) -> None:
@@ -1310,7 +1301,10 @@ class Pipeline:
             remote = self._config().remote(entry.remote or "")
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
             canonical = shared_name(entry.remote or "")  # one queue for all its models
-        await admit_request(self.admission, context, canonical, slots, work)
+        asked = call.asked
+        await admit_request(
+            self.admission, context, canonical, slots, call.work, priority=asked.priority, deadline=asked.deadline
+        )
 
     def is_ready(self, canonical: str) -> bool:
         """

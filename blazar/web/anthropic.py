@@ -32,7 +32,7 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.gateway.sessions import anthropic_hint
 from blazar.web.body import read_json
-from blazar.web.client import context_of
+from blazar.web.client import asked_of, context_of
 from blazar.web.errors import answer, anthropic_error, anthropic_status, anthropic_type, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
@@ -106,7 +106,7 @@ class AnthropicSurface:
             keep_alive=keep_alive,
             max_tokens=max_tokens_of(engine_body),
             work=WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE,
-            session_hint=anthropic_hint(body),
+            asked=asked_of(request, anthropic_hint(body)),
         )
         return call, body, stops
 
