@@ -550,15 +550,7 @@ class Pipeline:
         body["prompt"] = prompt
         body.update(slot)
         try:
-            lease, response = await self._proxy.send(
-                call.model,
-                "/completion",
-                strictjson.dumps(body).encode("utf-8"),
-                call.ctx_size,
-                context,
-                stream=False,
-                ready=(rendered_by, self._clock.seconds()),
-            )
+            lease, response = await self._own_send(context, call, "/completion", body, rendered_by)
         except EngineRejected as e:
             if e.status == 400:
                 raise BadRequest(
@@ -601,6 +593,36 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
+    async def _own_send(
+        self,
+        context: RequestContext | None,
+        call: Run,
+        path: str,
+        body: dict[str, Any],
+        instance: Any,
+        started: float | None = None,
+        stream: bool = False,
+    ) -> tuple[InstanceLease, Any]:
+        """
+        One of the pipeline's own requests for C{call} (a render, a forced
+        call's or a JSON answer's C{/completion}): C{body}, as JSON, to
+        C{path} of the ready child C{instance}.
+
+        @param started: Clock seconds since when the child serves it
+            (default: now).
+        @return: The lease on the child (the caller ends it) and its 200
+            response (body not read yet).
+        """
+        return await self._proxy.send(
+            call.model,
+            path,
+            strictjson.dumps(body).encode("utf-8"),
+            call.ctx_size,
+            context,
+            stream=stream,
+            ready=(instance, self._clock.seconds() if started is None else started),
+        )
+
     async def _rendered(
         self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any, started: float
     ) -> tuple[str, Any]:
@@ -611,15 +633,7 @@ class Pipeline:
 
         @raise EngineRejected: The template refused it.
         """
-        lease, response = await self._proxy.send(
-            call.model,
-            "/apply-template",
-            strictjson.dumps(template).encode("utf-8"),
-            call.ctx_size,
-            context,
-            stream=False,
-            ready=(instance, started),
-        )
+        lease, response = await self._own_send(context, call, "/apply-template", template, instance, started)
         try:
             return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
         finally:
@@ -660,15 +674,7 @@ class Pipeline:
         prompt, instance = await self._rendered(context, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
         body.update(slot)
-        return await self._proxy.send(
-            call.model,
-            "/completion",
-            strictjson.dumps(body).encode("utf-8"),
-            call.ctx_size,
-            context,
-            stream=stream,
-            ready=(instance, self._clock.seconds()),
-        )
+        return await self._own_send(context, call, "/completion", body, instance, stream=stream)
 
     async def _json_answer(
         self,
