@@ -614,7 +614,8 @@ async def admit_request(
     priority and deadline it asked for (L{blazar.gateway.call.Asked}), for
     the API key it was admitted with (its C{weight}), with its trace id.
     The slot is released when the response is finished or the client
-    leaves; C{x-blazar-queue-ms} tells the client how long it waited.
+    leaves; the lease says how long it waited (L{queue_ms}: the caller's
+    C{x-blazar-queue-ms}).
 
     @param slots: The model's slot count.
     @param priority: The tier the client asked for.
@@ -650,9 +651,14 @@ async def admit_request(
     lease = await waiting
     if gone is not None:
         gone.addBoth(lambda _: lease.release())
-    if context is None:
-        return lease
-    if context.started is not None:  # observed: for its trace
+    if context is not None and context.started is not None:  # observed: for its trace
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
-    context.set_reply_header(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
+
+
+def queue_ms(lease: Lease) -> bytes:
+    """
+    The C{x-blazar-queue-ms} value of an admitted request: how long it
+    waited for its slot, in whole milliseconds.
+    """
+    return str(round(lease.waited * 1000)).encode("ascii")

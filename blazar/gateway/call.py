@@ -174,6 +174,10 @@ class Run:
         before it, or on a pipeline without a registry).
     @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
         or L{None}: llama.cpp.
+    @ivar headers: The response headers the steps decided so far
+        (C{x-blazar-cache}, C{x-blazar-queue-ms}), in the order decided:
+        the reply carries them, and so does a failure
+        (L{blazar.gateway.pipeline.Opened.headers}).
     """
 
     call: Call
@@ -185,6 +189,7 @@ class Run:
     audio: bytes | None
     entry: ModelEntry | None = None
     lane: Any = None
+    headers: dict[bytes, bytes] = attrs.Factory(dict)
 
     @classmethod
     def of(cls, call: Call) -> Run:

@@ -50,7 +50,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, Awaitable, Callable
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
@@ -65,7 +66,7 @@ from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
-from blazar.gateway.admission import Admission, admit_request
+from blazar.gateway.admission import QUEUE_MS_HEADER, Admission, admit_request, queue_ms
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
@@ -114,6 +115,17 @@ class Opened:
         self._call = Run.of(call)
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
+
+    @property
+    def headers(self) -> Mapping[bytes, bytes]:
+        """
+        The response headers the steps decided so far (C{x-blazar-cache},
+        C{x-blazar-queue-ms}), read-only: what the reply carries
+        (L{Reply.headers}), and what a call that fails after deciding them
+        must go out with; the surface writes them
+        (L{blazar.web.client.opened}).
+        """
+        return MappingProxyType(dict(self._call.headers))
 
     async def __aenter__(self) -> Reply:
         self._reply, self._lease = await self._pipeline._start(self._context, self._call)
@@ -289,7 +301,9 @@ class Pipeline:
             )
         if call.images:
             await self._image_sizes(call.images)
-        await self._admit(context, canonical, call, call.entry, call.lane)
+        waited = await self._admit(context, canonical, call, call.entry, call.lane)
+        if waited is not None:
+            call.headers[QUEUE_MS_HEADER] = waited
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
             await self._audio(context, call)
@@ -395,6 +409,7 @@ class Pipeline:
             enforce=chat and self._enforce(context, lease.instance.entry),
             stall=self._config().sentinel_stall if chat else 30.0,
             clock=self._clock if chat else None,
+            headers=call.headers,
         )
         return reply, lease
 
@@ -455,8 +470,7 @@ class Pipeline:
         similarity, found = cache.lookup(scope, vector)
         if found is None:
             _note_cache(context, semantic.MISS)
-            if context is not None:
-                context.set_reply_header(semantic.HEADER, semantic.MISS.encode("ascii"))
+            call.headers[semantic.HEADER] = semantic.MISS.encode("ascii")
 
             def keep(answer: bytes) -> None:
                 if semantic.storable(answer):
@@ -464,12 +478,14 @@ class Pipeline:
 
             return None, keep
         _note_cache(context, semantic.HIT)
-        if context is not None:
-            context.set_reply_header(semantic.HEADER, semantic.HIT.encode("ascii"))
+        call.headers[semantic.HEADER] = semantic.HIT.encode("ascii")
         log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical, similarity=similarity)
         now = self._clock.seconds()
         made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
-        return Reply(self._proxy, context, None, None, None, now, now, model=canonical, made=made, cached=True), None
+        reply = Reply(
+            self._proxy, context, None, None, None, now, now, canonical, made=made, cached=True, headers=call.headers
+        )
+        return reply, None
 
     async def _embed(self, model: str, text: str, chat_model: str) -> semantic.Vector | None:
         """
@@ -1287,16 +1303,19 @@ class Pipeline:
         call: Run,
         entry: ModelEntry | None,
         lane: Any = None,
-    ) -> None:
+    ) -> bytes | None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
         slot is held until the response is finished or the client leaves.
+
+        @return: How long it waited (C{x-blazar-queue-ms}), or L{None}: no
+            admission.
 
         @raise blazar.gateway.admission.AllSlotsBusy: Still waiting at the
             deadline, or the model's queue is full.
         """
         if self.admission is None:
-            return
+            return None
         loaded = self.supervisor.loaded(canonical)
         if loaded is not None:  # the running child's settings (a reload changes the next one's)
             entry = loaded.entry
@@ -1308,9 +1327,10 @@ class Pipeline:
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
             canonical = shared_name(entry.remote or "")  # one queue for all its models
         asked = call.asked
-        await admit_request(
+        lease = await admit_request(
             self.admission, context, canonical, slots, call.work, priority=asked.priority, deadline=asked.deadline
         )
+        return queue_ms(lease)
 
     def is_ready(self, canonical: str) -> bool:
         """

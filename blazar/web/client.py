@@ -10,16 +10,20 @@ the request itself.
 from __future__ import annotations
 
 import math
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Mapping
 
+import attrs
 from twisted.internet.defer import Deferred
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
-from blazar.gateway.call import Asked
+from blazar.gateway.call import Asked, Call
 from blazar.gateway.context import IClient, RequestContext
+from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.priority import Priority
 from blazar.gateway.quota import retry_after_value
+from blazar.gateway.reply import Reply
 from blazar.gateway.sessions import session_name
 
 PRIORITY_HEADER = b"x-blazar-priority"
@@ -135,6 +139,43 @@ def context_of(request: Any) -> RequestContext:
     if context.client is None:
         context.client = RequestClient(request)
     return context
+
+
+@asynccontextmanager
+async def opened(pipeline: Pipeline, request: IRequest, call: Call) -> AsyncIterator[Reply]:
+    """
+    C{pipeline.open} for a surface: the call run up to its answer, with the
+    response headers the pipeline decided (as data: L{Reply.headers},
+    L{blazar.gateway.pipeline.Opened.headers}) written on the request at
+    the moments they always went out: before a stream's headers
+    (C{Call.on_send}), with the reply, or with the error of a call that
+    failed after deciding them (a cache miss, then a full queue).
+    """
+    inner = call.on_send
+
+    def on_send(cold: bool) -> Callable[[], None] | None:
+        write_headers(request, run.headers)
+        return inner(cold) if inner is not None else None
+
+    run = pipeline.open(context_of(request), attrs.evolve(call, on_send=on_send))
+    entered = False
+    try:
+        async with run as reply:
+            entered = True
+            write_headers(request, reply.headers)
+            yield reply
+    except BaseException:
+        if not entered:
+            write_headers(request, run.headers)
+        raise
+
+
+def write_headers(request: IRequest, headers: Mapping[bytes, bytes]) -> None:
+    """
+    Set C{headers} on the response (before it is written).
+    """
+    for name, value in headers.items():
+        request.setHeader(name, value)
 
 
 def retry_after(request: IRequest, seconds: float) -> None:

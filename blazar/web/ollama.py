@@ -36,7 +36,7 @@ from blazar.models.ollama_store import DigestMismatch, StoreError
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
-from blazar.web.client import asked_of, context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import answer, in_stream, ollama_message
 from blazar.web.translate import create as create_tr
 from blazar.web.translate import images as images_tr
@@ -444,7 +444,7 @@ class OllamaSurface:
         call = self._call(
             CallKind.IMAGE, model, "/v1/images/generations", engine_body, body, False, asked=asked_of(request)
         )
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             started = reply.started
             try:
                 answer = json.loads(await reply.read())
@@ -499,7 +499,7 @@ class OllamaSurface:
             )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
         call = self._call(call_kind, model, path, engine_body, body, stream, work, asked=asked_of(request))
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
                 answer = json.loads(await reply.read())
@@ -564,7 +564,7 @@ class OllamaSurface:
         call = self._call(
             CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False, asked=asked_of(request)
         )
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
             reply.usage(out["prompt_eval_count"], 0)
@@ -587,7 +587,7 @@ class OllamaSurface:
             raise OllamaError(400, str(e)) from None
         note_ignored(context_of(request), "ollama", ignored)
         call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False, asked=asked_of(request))
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -611,7 +611,7 @@ class OllamaSurface:
         call = self._call(
             CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False, asked=asked_of(request)
         )
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             out = json.loads(await reply.read())
         return _json(request, {"embedding": out["data"][0]["embedding"]})
 

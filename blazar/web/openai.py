@@ -41,7 +41,7 @@ from blazar.httpbody import multipart_body
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
-from blazar.web.client import asked_of, context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
@@ -344,7 +344,7 @@ class OpenAISurface:
         call = Call(
             "openai", CallKind.RERANK, model, "/v1/rerank", engine_body, keep_alive=keep_alive, asked=asked_of(request)
         )
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -382,7 +382,7 @@ class OpenAISurface:
             audio_fields=fields,
             asked=asked_of(request),
         )
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -436,7 +436,7 @@ class OpenAISurface:
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -582,7 +582,7 @@ class OpenAISurface:
             ),
         )
         try:
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 fix = fixes[0] if fixes else None
                 renamer = ModelRenamer(reply.model, model)
                 if top is not None:

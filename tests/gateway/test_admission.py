@@ -26,6 +26,7 @@ from blazar.gateway.admission import (
     WorkClass,
     admit_request,
     human_wait,
+    queue_ms,
 )
 from blazar.web.client import asked_of, context_of, parse_deadline_ms, parse_priority
 
@@ -465,15 +466,14 @@ class AdmitRequestTests(SynchronousTestCase):
     def test_slot_held_until_the_response_finishes(self) -> None:
         first = self.request()
         lease = self.successResultOf(self.admit(first))
-        self.assertEqual(first.responseHeaders.getRawHeaders(b"x-blazar-queue-ms"), [b"0"])
+        self.assertEqual(queue_ms(lease), b"0")
         second = self.request()
         waiting = self.admit(second)
         self.assertNoResult(waiting)
         self.clock.advance(0.25)
         first.finish()
         self.assertTrue(lease.released)
-        self.successResultOf(waiting)
-        self.assertEqual(second.responseHeaders.getRawHeaders(b"x-blazar-queue-ms"), [b"250"])
+        self.assertEqual(queue_ms(self.successResultOf(waiting)), b"250")
 
     def test_client_gone_while_waiting_leaves_the_queue(self) -> None:
         holder = self.request()
