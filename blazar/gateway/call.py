@@ -175,7 +175,8 @@ class Run:
     @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
         or L{None}: llama.cpp.
     @ivar headers: The response headers the steps decided so far
-        (C{x-blazar-cache}, C{x-blazar-queue-ms}), in the order decided:
+        (C{x-blazar-cache}, C{x-blazar-queue-ms}, an enforced refusal's
+        C{x-blazar-sentinel}), in the order decided:
         the reply carries them, and so does a failure
         (L{blazar.gateway.pipeline.Opened.headers}).
     """

@@ -120,7 +120,8 @@ class Opened:
     def headers(self) -> Mapping[bytes, bytes]:
         """
         The response headers the steps decided so far (C{x-blazar-cache},
-        C{x-blazar-queue-ms}), read-only: what the reply carries
+        C{x-blazar-queue-ms}, an enforced refusal's C{x-blazar-sentinel}),
+        read-only: what the reply carries
         (L{Reply.headers}), and what a call that fails after deciding them
         must go out with; the surface writes them
         (L{blazar.web.client.opened}).
@@ -769,7 +770,7 @@ class Pipeline:
         if self._enforce(context, instance.entry):
             if context is not None:
                 context.sentinel = ("tool_args_invalid",)
-                context.set_reply_header(SENTINEL_HEADER.encode("ascii"), b"tool_args_invalid")
+            call.headers[SENTINEL_HEADER.encode("ascii")] = b"tool_args_invalid"  # the refusal goes out with it
             raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
         log.info(
             "{model}: the engine could not parse the model's tool call ({error}); asking once more "
