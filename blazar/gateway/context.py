@@ -91,7 +91,12 @@ class IClient(Interface):
 
     def set_reply_header(name: bytes, value: bytes) -> None:
         """
-        Set a response header (before the response is written).
+        Set a response header (before the response is written), for the
+        two decided where no reply can carry them: C{x-blazar-ignored}
+        (noted from the surface's decoding to the call's end) and the
+        sentinel's verdict on an answer as it is read. The pipeline's
+        other headers are data on the reply
+        (L{blazar.gateway.reply.Reply.headers}).
         """
 
     def consumer() -> Any:
