@@ -606,16 +606,20 @@ async def admit_request(
     slots: int,
     work: WorkClass,
     size: int | None = None,
+    priority: Priority = Priority.NORMAL,
+    deadline: float | None = None,
 ) -> Lease:
     """
-    Wait for a slot of C{model} on behalf of a client's request: priority
-    and deadline as its client (L{blazar.gateway.context.IClient}) reports
-    them, the API key it was admitted with (its
-    C{weight}), its trace id. The slot is released when the response is
-    finished or the client leaves; C{x-blazar-queue-ms} tells the client
-    how long it waited.
+    Wait for a slot of C{model} on behalf of a client's request: at the
+    priority and deadline it asked for (L{blazar.gateway.call.Asked}), for
+    the API key it was admitted with (its C{weight}), with its trace id.
+    The slot is released when the response is finished or the client
+    leaves; the lease says how long it waited (L{queue_ms}: the caller's
+    C{x-blazar-queue-ms}).
 
     @param slots: The model's slot count.
+    @param priority: The tier the client asked for.
+    @param deadline: Seconds it may wait, as it asked, or L{None}.
     @param size: Bytes of the request body as sent (default:
         the client's).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
@@ -624,7 +628,6 @@ async def admit_request(
     key = key_of(context)
     client = context.client if context is not None else None
     queue = admission.queue(model)
-    priority = client.priority() if client is not None else Priority.NORMAL
     if priority is Priority.BATCH and not (context is not None and context.batch_line):
         # batch (below everything, a day's wait) is the Batch API runner's own:
         # from a client it is low (issue 36: it let one key park 1,024 waiters)
@@ -633,7 +636,7 @@ async def admit_request(
         key=key.name if key is not None else "",
         weight=key.weight if key is not None else 1.0,
         priority=priority,
-        deadline=client.deadline() if client is not None else None,
+        deadline=deadline,
         work=work,
         body_size=(client.body_size() if client is not None else 0) if size is None else size,
         trace_id=trace_id_of(context),
@@ -648,9 +651,14 @@ async def admit_request(
     lease = await waiting
     if gone is not None:
         gone.addBoth(lambda _: lease.release())
-    if context is None:
-        return lease
-    if context.started is not None:  # observed: for its trace
+    if context is not None and context.started is not None:  # observed: for its trace
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
-    context.set_reply_header(QUEUE_MS_HEADER, str(round(lease.waited * 1000)).encode("ascii"))
     return lease
+
+
+def queue_ms(lease: Lease) -> bytes:
+    """
+    The C{x-blazar-queue-ms} value of an admitted request: how long it
+    waited for its slot, in whole milliseconds.
+    """
+    return str(round(lease.waited * 1000)).encode("ascii")

@@ -14,6 +14,7 @@ from typing import Any, Awaitable, Callable, Generic, TypeVar
 import attrs
 
 from blazar.gateway.admission import WorkClass
+from blazar.gateway.priority import Priority
 from blazar.models.registry import ModelEntry
 
 T = TypeVar("T")
@@ -51,6 +52,25 @@ class Counting(enum.Enum):
 
 
 @attrs.frozen
+class Asked:
+    """
+    What a client asked beside its body (its request's headers), decoded
+    once by the surface: the gateway reads these, never the headers.
+
+    @ivar priority: The admission tier (C{x-blazar-priority}).
+    @ivar deadline: Seconds the request may wait for a slot
+        (C{x-blazar-deadline-ms}), or L{None}.
+    @ivar session: The session it names (C{x-blazar-session}, an agent's
+        session header, else its body's hint:
+        L{blazar.gateway.sessions.session_name}), or L{None}.
+    """
+
+    priority: Priority = Priority.NORMAL
+    deadline: float | None = None
+    session: str | None = None
+
+
+@attrs.frozen
 class Call:
     """
     One request as its surface decoded it, built whole.
@@ -83,6 +103,7 @@ class Call:
     @ivar rewrite: A surface's step after placement and before the
         preflight (e.g. the OpenAI surface's engine fixes); it may replace
         the L{Run}'s C{body} (set its C{raw} to L{None} when it does).
+    @ivar asked: What the client asked beside its body (L{Asked}).
     @ivar on_send: Called with whether the model must be loaded first,
         right before the pipeline waits for a child: a streaming surface
         writes its headers (and starts keep-alive pings) there; it returns
@@ -106,7 +127,7 @@ class Call:
     counting: Counting = Counting.NEVER
     rewrite: Callable[[Run], Awaitable[None]] | None = None
     on_send: Callable[[bool], Callable[[], None] | None] | None = None
-    session_hint: str | None = None
+    asked: Asked = Asked()
     content_type: str = "application/json"  # of raw, as the engine gets it
     audio: bytes | None = None  # a transcription's upload, as the client sent it (the audio step converts it)
     audio_fields: dict[str, str] | None = None  # whisper-server's form fields beside the converted file
@@ -153,6 +174,11 @@ class Run:
         before it, or on a pipeline without a registry).
     @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
         or L{None}: llama.cpp.
+    @ivar headers: The response headers the steps decided so far
+        (C{x-blazar-cache}, C{x-blazar-queue-ms}, an enforced refusal's
+        C{x-blazar-sentinel}), in the order decided:
+        the reply carries them, and so does a failure
+        (L{blazar.gateway.pipeline.Opened.headers}).
     """
 
     call: Call
@@ -164,6 +190,7 @@ class Run:
     audio: bytes | None
     entry: ModelEntry | None = None
     lane: Any = None
+    headers: dict[bytes, bytes] = attrs.Factory(dict)
 
     @classmethod
     def of(cls, call: Call) -> Run:
@@ -185,7 +212,7 @@ class Run:
     counting = Decoded[Counting]()
     rewrite = Decoded["Callable[[Run], Awaitable[None]] | None"]()
     on_send = Decoded["Callable[[bool], Callable[[], None] | None] | None"]()
-    session_hint = Decoded["str | None"]()
+    asked = Decoded[Asked]()
     audio_fields = Decoded["dict[str, str] | None"]()
     images = Decoded["list[bytes] | None"]()
     client_stream = Decoded["bool | None"]()

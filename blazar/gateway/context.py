@@ -7,9 +7,10 @@ it when the request arrives (L{blazar.web.site.BlazarRequest}); the access
 log, the metrics, the audit line and the trace read it when it ends.
 
 The gateway never sees the HTTP request itself: the web layer hands it
-this context, whose L{IClient} (the web layer's own adapter) reports the
-few HTTP facts the gateway needs and takes the response headers it
-decides (L{blazar.web.client.context_of} makes both).
+this context, whose L{IClient} (the web layer's own adapter) follows the
+response and takes the response headers the gateway decides
+(L{blazar.web.client.context_of} makes both); what the client asked in
+its headers comes decoded on the call (L{blazar.gateway.call.Asked}).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from zope.interface import Interface
 
 from blazar.config import KeyConfig
 from blazar.gateway.errors import describe
-from blazar.gateway.priority import Priority
 
 
 class StreamTiming:
@@ -55,21 +55,12 @@ class StreamTiming:
 class IClient(Interface):
     """
     The client's end of one request, as the web layer shows it to the
-    gateway: the HTTP facts the gateway needs, decoded, a signal of the
-    response's end, and the response headers the gateway decides (set
-    before the response is written). Only C{blazar.web} implements it.
+    gateway: who sent it and how big it is, a signal of the response's
+    end, and the response headers the gateway decides (set before the
+    response is written). What the client asked (priority, deadline,
+    session) is not here: the surface decodes it into its call
+    (L{blazar.gateway.call.Asked}). Only C{blazar.web} implements it.
     """
-
-    def priority() -> Priority:
-        """
-        The admission tier the client asked for (C{x-blazar-priority}).
-        """
-
-    def deadline() -> float | None:
-        """
-        Seconds the request may wait for a slot (C{x-blazar-deadline-ms}),
-        or L{None}.
-        """
 
     def agent() -> str:
         """
@@ -100,7 +91,12 @@ class IClient(Interface):
 
     def set_reply_header(name: bytes, value: bytes) -> None:
         """
-        Set a response header (before the response is written).
+        Set a response header (before the response is written), for the
+        two decided where no reply can carry them: C{x-blazar-ignored}
+        (noted from the surface's decoding to the call's end) and the
+        sentinel's verdict on an answer as it is read. The pipeline's
+        other headers are data on the reply
+        (L{blazar.gateway.reply.Reply.headers}).
         """
 
     def consumer() -> Any:

@@ -50,7 +50,8 @@ from __future__ import annotations
 import json
 import re
 import secrets
-from typing import Any, Awaitable, Callable
+from types import MappingProxyType
+from typing import Any, Awaitable, Callable, Mapping
 
 import attrs
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
@@ -65,7 +66,7 @@ from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
-from blazar.gateway.admission import Admission, WorkClass, admit_request
+from blazar.gateway.admission import QUEUE_MS_HEADER, Admission, admit_request, queue_ms
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
@@ -81,7 +82,7 @@ from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import may_use, resolve_in_scope
 from blazar.gateway.sentinel import HEADER as SENTINEL_HEADER
 from blazar.gateway.sentinel import UNPARSED, SentinelViolation
-from blazar.gateway.sessions import Pin, Sessions, session_name
+from blazar.gateway.sessions import Pin, Sessions
 from blazar.gateway.toolcalls import (
     Forced,
     ToolChoiceError,
@@ -114,6 +115,18 @@ class Opened:
         self._call = Run.of(call)
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
+
+    @property
+    def headers(self) -> Mapping[bytes, bytes]:
+        """
+        The response headers the steps decided so far (C{x-blazar-cache},
+        C{x-blazar-queue-ms}, an enforced refusal's C{x-blazar-sentinel}),
+        read-only: what the reply carries
+        (L{Reply.headers}), and what a call that fails after deciding them
+        must go out with; the surface writes them
+        (L{blazar.web.client.opened}).
+        """
+        return MappingProxyType(dict(self._call.headers))
 
     async def __aenter__(self) -> Reply:
         self._reply, self._lease = await self._pipeline._start(self._context, self._call)
@@ -289,7 +302,9 @@ class Pipeline:
             )
         if call.images:
             await self._image_sizes(call.images)
-        await self._admit(context, canonical, call.work, call.entry, call.lane)
+        waited = await self._admit(context, canonical, call, call.entry, call.lane)
+        if waited is not None:
+            call.headers[QUEUE_MS_HEADER] = waited
         if call.kind is CallKind.TRANSCRIBE:
             # after admission: one upload decoded at a time per model (its PCM can be hundreds of MiB)
             await self._audio(context, call)
@@ -395,6 +410,7 @@ class Pipeline:
             enforce=chat and self._enforce(context, lease.instance.entry),
             stall=self._config().sentinel_stall if chat else 30.0,
             clock=self._clock if chat else None,
+            headers=call.headers,
         )
         return reply, lease
 
@@ -455,8 +471,7 @@ class Pipeline:
         similarity, found = cache.lookup(scope, vector)
         if found is None:
             _note_cache(context, semantic.MISS)
-            if context is not None:
-                context.set_reply_header(semantic.HEADER, semantic.MISS.encode("ascii"))
+            call.headers[semantic.HEADER] = semantic.MISS.encode("ascii")
 
             def keep(answer: bytes) -> None:
                 if semantic.storable(answer):
@@ -464,12 +479,14 @@ class Pipeline:
 
             return None, keep
         _note_cache(context, semantic.HIT)
-        if context is not None:
-            context.set_reply_header(semantic.HEADER, semantic.HIT.encode("ascii"))
+        call.headers[semantic.HEADER] = semantic.HIT.encode("ascii")
         log.debug("{model}: semantic cache hit (similarity {similarity:.4f})", model=canonical, similarity=similarity)
         now = self._clock.seconds()
         made = semantic.reissued(found.answer, "chatcmpl-" + secrets.token_hex(12), int(found.created))
-        return Reply(self._proxy, context, None, None, None, now, now, model=canonical, made=made, cached=True), None
+        reply = Reply(
+            self._proxy, context, None, None, None, now, now, canonical, made=made, cached=True, headers=call.headers
+        )
+        return reply, None
 
     async def _embed(self, model: str, text: str, chat_model: str) -> semantic.Vector | None:
         """
@@ -550,15 +567,7 @@ class Pipeline:
         body["prompt"] = prompt
         body.update(slot)
         try:
-            lease, response = await self._proxy.send(
-                call.model,
-                "/completion",
-                strictjson.dumps(body).encode("utf-8"),
-                call.ctx_size,
-                context,
-                stream=False,
-                ready=(rendered_by, self._clock.seconds()),
-            )
+            lease, response = await self._own_send(context, call, "/completion", body, rendered_by)
         except EngineRejected as e:
             if e.status == 400:
                 raise BadRequest(
@@ -601,6 +610,36 @@ class Pipeline:
         wants = isinstance(options, dict) and bool(options.get("include_usage"))
         return lease, chat_stream(name, calls, usage if wants else None, done.get("timings"), finish)
 
+    async def _own_send(
+        self,
+        context: RequestContext | None,
+        call: Run,
+        path: str,
+        body: dict[str, Any],
+        instance: Any,
+        started: float | None = None,
+        stream: bool = False,
+    ) -> tuple[InstanceLease, Any]:
+        """
+        One of the pipeline's own requests for C{call} (a render, a forced
+        call's or a JSON answer's C{/completion}): C{body}, as JSON, to
+        C{path} of the ready child C{instance}.
+
+        @param started: Clock seconds since when the child serves it
+            (default: now).
+        @return: The lease on the child (the caller ends it) and its 200
+            response (body not read yet).
+        """
+        return await self._proxy.send(
+            call.model,
+            path,
+            strictjson.dumps(body).encode("utf-8"),
+            call.ctx_size,
+            context,
+            stream=stream,
+            ready=(instance, self._clock.seconds() if started is None else started),
+        )
+
     async def _rendered(
         self, context: RequestContext | None, call: Run, template: dict[str, Any], instance: Any, started: float
     ) -> tuple[str, Any]:
@@ -611,15 +650,7 @@ class Pipeline:
 
         @raise EngineRejected: The template refused it.
         """
-        lease, response = await self._proxy.send(
-            call.model,
-            "/apply-template",
-            strictjson.dumps(template).encode("utf-8"),
-            call.ctx_size,
-            context,
-            stream=False,
-            ready=(instance, started),
-        )
+        lease, response = await self._own_send(context, call, "/apply-template", template, instance, started)
         try:
             return str(json.loads(await self._proxy.read(lease.instance, response))["prompt"]), lease.instance
         finally:
@@ -660,15 +691,7 @@ class Pipeline:
         prompt, instance = await self._rendered(context, call, template, instance, self._clock.seconds())
         body = jsonanswer.completion_request(call.body, prompt, schema, stream)
         body.update(slot)
-        return await self._proxy.send(
-            call.model,
-            "/completion",
-            strictjson.dumps(body).encode("utf-8"),
-            call.ctx_size,
-            context,
-            stream=stream,
-            ready=(instance, self._clock.seconds()),
-        )
+        return await self._own_send(context, call, "/completion", body, instance, stream=stream)
 
     async def _json_answer(
         self,
@@ -747,7 +770,7 @@ class Pipeline:
         if self._enforce(context, instance.entry):
             if context is not None:
                 context.sentinel = ("tool_args_invalid",)
-                context.set_reply_header(SENTINEL_HEADER.encode("ascii"), b"tool_args_invalid")
+            call.headers[SENTINEL_HEADER.encode("ascii")] = b"tool_args_invalid"  # the refusal goes out with it
             raise SentinelViolation([("tool_args_invalid", "the engine could not parse the model's tool call")])
         log.info(
             "{model}: the engine could not parse the model's tool call ({error}); asking once more "
@@ -858,7 +881,7 @@ class Pipeline:
     async def _pin(self, context: RequestContext | None, call: Run, instance: Any) -> Pin | None:
         """
         The session step: a request that names a session
-        (L{blazar.gateway.sessions.session_name}) goes to its session's slot
+        (L{blazar.gateway.call.Asked.session}) goes to its session's slot
         of C{instance}, its bank entry restored there first if it has one.
         A request that picks its own slot (C{id_slot}) is left alone.
         """
@@ -867,17 +890,8 @@ class Pipeline:
         if call.kind not in (CallKind.CHAT, CallKind.COMPLETION) or not getattr(instance, "kv_bank", True):
             return None  # slots and the KV bank are llama-server's (not a lane's, not a reranker's)
         await self.sessions.warm(instance)
-        if "id_slot" in call.body:
-            return None
-        headers = getattr(context, "requestHeaders", None)
-
-        def header(name: str) -> str | None:
-            # bytes decoded leniently: a header that is not UTF-8 still names a session
-            raw = headers.getRawHeaders(name.encode("ascii")) if headers is not None else None
-            return raw[0].decode("utf-8", "replace") if raw else None
-
-        name = session_name(header, call.session_hint)
-        if name is None:
+        name = call.asked.session
+        if "id_slot" in call.body or name is None:
             return None
         key = key_of(context)
         return await self.sessions.pin(key.owner if key is not None else "", name, instance)
@@ -1287,19 +1301,22 @@ class Pipeline:
         self,
         context: RequestContext | None,
         canonical: str,
-        work: WorkClass,
+        call: Run,
         entry: ModelEntry | None,
         lane: Any = None,
-    ) -> None:
+    ) -> bytes | None:
         """
         Wait for one of the model's slots (L{blazar.gateway.admission}); the
         slot is held until the response is finished or the client leaves.
+
+        @return: How long it waited (C{x-blazar-queue-ms}), or L{None}: no
+            admission.
 
         @raise blazar.gateway.admission.AllSlotsBusy: Still waiting at the
             deadline, or the model's queue is full.
         """
         if self.admission is None:
-            return
+            return None
         loaded = self.supervisor.loaded(canonical)
         if loaded is not None:  # the running child's settings (a reload changes the next one's)
             entry = loaded.entry
@@ -1310,7 +1327,11 @@ class Pipeline:
             remote = self._config().remote(entry.remote or "")
             slots = remote.max_concurrent if remote is not None else 1  # requests it is sent at once
             canonical = shared_name(entry.remote or "")  # one queue for all its models
-        await admit_request(self.admission, context, canonical, slots, work)
+        asked = call.asked
+        lease = await admit_request(
+            self.admission, context, canonical, slots, call.work, priority=asked.priority, deadline=asked.deadline
+        )
+        return queue_ms(lease)
 
     def is_ready(self, canonical: str) -> bool:
         """

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Callable
+from types import MappingProxyType
+from typing import Any, Callable, Mapping
 
 from twisted.logger import Logger
 
@@ -59,6 +60,9 @@ class Reply:
         against nothing (L{usage}).
     @ivar keep: Called with the whole answer once L{read} has it and the
         sentinel found nothing: the cache step's store on a miss.
+    @ivar headers: The response headers the pipeline decided for this
+        answer (C{x-blazar-cache}, C{x-blazar-queue-ms}), as data the
+        surface writes (L{blazar.web.client.opened}); read-only.
     """
 
     def __init__(
@@ -85,6 +89,7 @@ class Reply:
         clock: Any = None,
         translated: Translated | None = None,
         wants_usage: bool = False,
+        headers: Mapping[bytes, bytes] | None = None,
     ) -> None:
         """
         Built whole by the pipeline (L{blazar.gateway.pipeline.Pipeline._start}, L{blazar.gateway.pipeline.Pipeline._cached});
@@ -117,6 +122,7 @@ class Reply:
             L{None}: it is OpenAI's own.
         @param wants_usage: The request's C{stream_options.include_usage}
             (a remote's JSON answer made a stream: L{_remote_json}).
+        @param headers: The response headers decided for it (copied).
         """
         self._proxy = proxy
         self._context = context
@@ -142,6 +148,7 @@ class Reply:
         self.clock = clock
         self.translated = translated
         self.wants_usage = wants_usage
+        self.headers: Mapping[bytes, bytes] = MappingProxyType(dict(headers or {}))
 
     async def read(self) -> bytes:
         """

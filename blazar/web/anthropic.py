@@ -32,7 +32,7 @@ from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.gateway.sessions import anthropic_hint
 from blazar.web.body import read_json
-from blazar.web.client import context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import answer, anthropic_error, anthropic_status, anthropic_type, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
@@ -106,7 +106,7 @@ class AnthropicSurface:
             keep_alive=keep_alive,
             max_tokens=max_tokens_of(engine_body),
             work=WorkClass.TOOL if engine_body.get("tools") else WorkClass.INTERACTIVE,
-            session_hint=anthropic_hint(body),
+            asked=asked_of(request, anthropic_hint(body)),
         )
         return call, body, stops
 
@@ -127,7 +127,7 @@ class AnthropicSurface:
             # arrives: the prompt is counted up front
             # (client_stream: the engine's stream makes one message; the semantic cache may answer)
             call = attrs.evolve(call, counting=Counting.ALWAYS if stops else Counting.NEVER, client_stream=False)
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens
                 await reply.chunks(self._feeder(translator, None))
@@ -158,7 +158,7 @@ class AnthropicSurface:
 
         call = attrs.evolve(call, counting=Counting.IF_READY, on_send=on_send)
         try:
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 if not headers_out:
                     if reply.prompt_tokens is not None:
                         translator.input_tokens = reply.prompt_tokens

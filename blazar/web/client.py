@@ -1,23 +1,30 @@
 """
-The one place a twisted.web request meets the gateway: L{context_of}
-gives a request's L{RequestContext} with its L{RequestClient}, the
-L{IClient} through which the gateway reads the HTTP facts it needs and
-sets the response headers it decides. Nothing below C{blazar.web} holds
+The one place a twisted.web request meets the gateway: L{asked_of}
+decodes what the client asked in its headers for the surface's call;
+L{context_of} gives a request's L{RequestContext} with its
+L{RequestClient}, the L{IClient} through which the gateway follows the
+response and sets the response headers it decides. Nothing below C{blazar.web} holds
 the request itself.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Callable, Mapping
 
+import attrs
 from twisted.internet.defer import Deferred
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
 
+from blazar.gateway.call import Asked, Call
 from blazar.gateway.context import IClient, RequestContext
+from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.priority import Priority
 from blazar.gateway.quota import retry_after_value
+from blazar.gateway.reply import Reply
+from blazar.gateway.sessions import session_name
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
@@ -59,6 +66,27 @@ def parse_deadline_ms(value: bytes | None) -> float | None:
     return min(ms, 24 * 3600 * 1000.0) / 1000.0
 
 
+def asked_of(request: IRequest, session_hint: str | None = None) -> Asked:
+    """
+    What the client asked beside its body, decoded once (for the surface's
+    L{blazar.gateway.call.Call}): its priority, its deadline and the
+    session it names (a header, else C{session_hint}, the surface's own
+    from the body: Responses C{prompt_cache_key}, Anthropic
+    C{metadata.user_id}).
+    """
+
+    def header(name: str) -> str | None:
+        # bytes decoded leniently: a header that is not UTF-8 still names a session
+        raw = request.requestHeaders.getRawHeaders(name.encode("ascii"))
+        return raw[0].decode("utf-8", "replace") if raw else None
+
+    return Asked(
+        priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
+        deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
+        session=session_name(header, session_hint),
+    )
+
+
 @implementer(IClient)
 class RequestClient:
     """
@@ -67,12 +95,6 @@ class RequestClient:
 
     def __init__(self, request: IRequest) -> None:
         self._request = request
-
-    def priority(self) -> Priority:
-        return parse_priority(self._request.getHeader(PRIORITY_HEADER))
-
-    def deadline(self) -> float | None:
-        return parse_deadline_ms(self._request.getHeader(DEADLINE_HEADER))
 
     def agent(self) -> str:
         return (self._request.getHeader(b"user-agent") or b"").decode("ascii", "replace").split(" ", 1)[0][:60]
@@ -117,6 +139,43 @@ def context_of(request: Any) -> RequestContext:
     if context.client is None:
         context.client = RequestClient(request)
     return context
+
+
+@asynccontextmanager
+async def opened(pipeline: Pipeline, request: IRequest, call: Call) -> AsyncIterator[Reply]:
+    """
+    C{pipeline.open} for a surface: the call run up to its answer, with the
+    response headers the pipeline decided (as data: L{Reply.headers},
+    L{blazar.gateway.pipeline.Opened.headers}) written on the request at
+    the moments they always went out: before a stream's headers
+    (C{Call.on_send}), with the reply, or with the error of a call that
+    failed after deciding them (a cache miss, then a full queue).
+    """
+    inner = call.on_send
+
+    def on_send(cold: bool) -> Callable[[], None] | None:
+        write_headers(request, run.headers)
+        return inner(cold) if inner is not None else None
+
+    run = pipeline.open(context_of(request), attrs.evolve(call, on_send=on_send))
+    entered = False
+    try:
+        async with run as reply:
+            entered = True
+            write_headers(request, reply.headers)
+            yield reply
+    except BaseException:
+        if not entered:
+            write_headers(request, run.headers)
+        raise
+
+
+def write_headers(request: IRequest, headers: Mapping[bytes, bytes]) -> None:
+    """
+    Set C{headers} on the response (before it is written).
+    """
+    for name, value in headers.items():
+        request.setHeader(name, value)
 
 
 def retry_after(request: IRequest, seconds: float) -> None:

@@ -21,7 +21,7 @@ from twisted.web.iweb import IRequest
 from blazar import __version__, strictjson
 from blazar.config import Config
 from blazar.gateway.admission import Ticket, WorkClass
-from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, max_tokens_of
+from blazar.gateway.call import OLLAMA_PLACEMENT, Asked, Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of, note_error
 from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.errors import BadRequest
@@ -36,7 +36,7 @@ from blazar.models.ollama_store import DigestMismatch, StoreError
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
-from blazar.web.client import context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import answer, in_stream, ollama_message
 from blazar.web.translate import create as create_tr
 from blazar.web.translate import images as images_tr
@@ -357,6 +357,7 @@ class OllamaSurface:
         body: dict[str, Any],
         stream: bool,
         work: WorkClass = WorkClass.INTERACTIVE,
+        asked: Asked = Asked(),
     ) -> Call:
         keep_alive = self._keep_alive(body)
         return Call(
@@ -373,6 +374,7 @@ class OllamaSurface:
             max_tokens=max_tokens_of(engine_body) if kind in (CallKind.CHAT, CallKind.COMPLETION) else None,
             work=work,
             names=("num_predict", "messages" if kind is CallKind.CHAT else "prompt"),
+            asked=asked,
         )
 
     # -- chat and generate -------------------------------------------------------
@@ -439,8 +441,10 @@ class OllamaSurface:
             engine_body, _, _ = images_tr.decode(fields)
         except BadRequest as e:
             raise OllamaError(400, str(e)) from None
-        call = self._call(CallKind.IMAGE, model, "/v1/images/generations", engine_body, body, False)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = self._call(
+            CallKind.IMAGE, model, "/v1/images/generations", engine_body, body, False, asked=asked_of(request)
+        )
+        async with opened(self._pipeline, request, call) as reply:
             started = reply.started
             try:
                 answer = json.loads(await reply.read())
@@ -479,7 +483,7 @@ class OllamaSurface:
         if empty:
             if kind == "chat" and "messages" in body and not isinstance(body["messages"], list):
                 raise OllamaError(400, "messages must be an array")
-            call = self._call(CallKind.CHAT, model, "", body, body, False)
+            call = self._call(CallKind.CHAT, model, "", body, body, False, asked=asked_of(request))
             return await self._load_or_unload(request, kind, call)
         if kind == "chat":
             path, engine_body = "/v1/chat/completions", tr.chat_to_openai(body, stream)
@@ -494,8 +498,8 @@ class OllamaSurface:
                 else CallKind.COMPLETION
             )
             work = WorkClass.RAW_LONG if body.get("raw") is True else WorkClass.INTERACTIVE
-        call = self._call(call_kind, model, path, engine_body, body, stream, work)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = self._call(call_kind, model, path, engine_body, body, stream, work, asked=asked_of(request))
+        async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
                 answer = json.loads(await reply.read())
@@ -557,8 +561,10 @@ class OllamaSurface:
         self._lenient(request, "ollama_embed", body)
         model = self._model_field(body)
         inputs = tr.embed_input(body)
-        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = self._call(
+            CallKind.EMBEDDING, model, "/v1/embeddings", {"input": inputs}, body, False, asked=asked_of(request)
+        )
+        async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
             reply.usage(out["prompt_eval_count"], 0)
@@ -580,8 +586,8 @@ class OllamaSurface:
         except BadRequest as e:
             raise OllamaError(400, str(e)) from None
         note_ignored(context_of(request), "ollama", ignored)
-        call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False, asked=asked_of(request))
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -602,8 +608,10 @@ class OllamaSurface:
         if prompt == "":
             await self._pipeline.scope(context_of(request), model)  # an unknown model is still a 404
             return _json(request, {"embedding": []})
-        call = self._call(CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = self._call(
+            CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False, asked=asked_of(request)
+        )
+        async with opened(self._pipeline, request, call) as reply:
             out = json.loads(await reply.read())
         return _json(request, {"embedding": out["data"][0]["embedding"]})
 

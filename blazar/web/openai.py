@@ -41,7 +41,7 @@ from blazar.httpbody import multipart_body
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
-from blazar.web.client import context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
@@ -341,8 +341,10 @@ class OpenAISurface:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
             raise BadRequest(str(e), "keep_alive") from None
-        call = Call("openai", CallKind.RERANK, model, "/v1/rerank", engine_body, keep_alive=keep_alive)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = Call(
+            "openai", CallKind.RERANK, model, "/v1/rerank", engine_body, keep_alive=keep_alive, asked=asked_of(request)
+        )
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -370,8 +372,17 @@ class OpenAISurface:
             raise BadRequest("you must provide the audio as the 'file' part of the form", "file")
         fields, response_format, granularities, ignored = audio_tr.decode(form, translate)
         note_ignored(context_of(request), "openai", ignored)
-        call = Call("openai", CallKind.TRANSCRIBE, model, "/inference", {}, audio=uploads[0].data, audio_fields=fields)
-        async with self._pipeline.open(context_of(request), call) as reply:
+        call = Call(
+            "openai",
+            CallKind.TRANSCRIBE,
+            model,
+            "/inference",
+            {},
+            audio=uploads[0].data,
+            audio_fields=fields,
+            asked=asked_of(request),
+        )
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -391,7 +402,7 @@ class OpenAISurface:
         model = require_model(body)
         engine_body, response_format, ignored = images_tr.decode(body)
         note_ignored(context_of(request), "openai", ignored)
-        call = Call("openai", CallKind.IMAGE, model, "/v1/images/generations", engine_body)
+        call = Call("openai", CallKind.IMAGE, model, "/v1/images/generations", engine_body, asked=asked_of(request))
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     @app.route("/v1/images/edits", methods=["POST"])
@@ -420,11 +431,12 @@ class OpenAISurface:
             raw=raw,
             content_type=content_type,
             images=[u.data for u in images + files.get("mask", [])[:1]],
+            asked=asked_of(request),
         )
         return await self._images(request, call, response_format, engine_body["output_format"])
 
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
-        async with self._pipeline.open(context_of(request), call) as reply:
+        async with opened(self._pipeline, request, call) as reply:
             try:
                 answer = json.loads(await reply.read())
             except ValueError:
@@ -565,10 +577,12 @@ class OpenAISurface:
                 "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens",
                 "prompt" if kind == "completion" else "messages",
             ),
-            session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
+            asked=asked_of(
+                request, body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
+            ),
         )
         try:
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 fix = fixes[0] if fixes else None
                 renamer = ModelRenamer(reply.model, model)
                 if top is not None:

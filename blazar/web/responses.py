@@ -30,7 +30,7 @@ from blazar.gateway.errors import NotFound
 from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
-from blazar.web.client import context_of
+from blazar.web.client import asked_of, context_of, opened
 from blazar.web.errors import in_stream
 from blazar.web.sse import loading_comments
 from blazar.web.translate import responses as tr
@@ -158,7 +158,9 @@ class Responses:
             max_tokens=max_tokens_of(chat),
             names=("max_output_tokens", "input"),
             work=WorkClass.TOOL if chat.get("tools") else WorkClass.INTERACTIVE,
-            session_hint=body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None,
+            asked=asked_of(
+                request, body.get("prompt_cache_key") if isinstance(body.get("prompt_cache_key"), str) else None
+            ),
         )
         return call, previous, names
 
@@ -174,7 +176,7 @@ class Responses:
             call = attrs.evolve(
                 call, client_stream=False
             )  # the engine's stream makes one response (the cache may answer)
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 await reply.chunks(translator.feed)
             translator.finish()
             self._usage(reply, translator)
@@ -198,7 +200,7 @@ class Responses:
         call = attrs.evolve(call, on_send=on_send)
         ended = False
         try:
-            async with self._pipeline.open(context_of(request), call) as reply:
+            async with opened(self._pipeline, request, call) as reply:
                 await reply.chunks(lambda chunk: self._write(request, translator.feed(chunk)))
                 self._write(request, translator.finish())
                 ended = True

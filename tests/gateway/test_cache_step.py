@@ -55,7 +55,8 @@ def cache_engine() -> Any:
     """
     A llama-server stand-in for chat and embeddings. C{app.requests}
     records C{(path, body)}; C{app.embed_status} answers embeddings with
-    that status instead; C{app.finish} is the chat answer's finish reason.
+    that status instead (C{app.chat_status} chats); C{app.finish} is the chat
+    answer's finish reason.
     """
     from klein import Klein
 
@@ -64,6 +65,7 @@ def cache_engine() -> Any:
     app.embed_status = 200
     app.finish = "stop"
     app.answers = 0
+    app.chat_status = 200
 
     @app.route("/v1/embeddings", methods=["POST"])
     def embeddings(request: Any) -> bytes:
@@ -89,6 +91,10 @@ def cache_engine() -> Any:
         body = json.loads(request.content.read())
         app.requests.append(("/v1/chat/completions", body))
         app.answers += 1
+        if app.chat_status != 200:
+            request.setResponseCode(app.chat_status)
+            request.setHeader(b"content-type", b"application/json")
+            return json.dumps({"error": {"code": app.chat_status, "message": "no", "type": "server_error"}}).encode()
         if body.get("stream"):
             request.setHeader(b"content-type", b"text/event-stream")
             meta = {
@@ -337,6 +343,16 @@ class CacheStepTests(SynchronousTestCase):
         self.assertEqual(self.gateway.context().cache, "error")
         self.assertEqual(self.counted("error"), 1)
         self.assertEqual(len(self.cache.index), 0)
+
+    def test_a_call_that_fails_after_the_miss_still_says_so(self) -> None:
+        # the headers decided before the failure go out with its error
+        self.app.chat_status = 500
+        body = {"model": "m", "messages": [{"role": "user", "content": "failing words"}]}
+        status, headers, _ = self.gateway.post("/v1/chat/completions", body)
+        self.assertEqual(
+            (status, headers.getRawHeaders(b"x-blazar-cache"), headers.getRawHeaders(b"x-blazar-queue-ms")),
+            (502, [b"miss"], [b"0"]),
+        )
 
     def test_an_answer_the_sentinel_flags_is_not_stored(self) -> None:
         self.app.finish = "length"  # truncated at max_tokens
