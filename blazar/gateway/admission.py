@@ -624,9 +624,14 @@ async def admit_request(
         the client's).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
     @raise CancelledError: The client left while waiting.
+    @raise ValueError: The context has no client (its finish releases the
+        slot).
     """
     key = key_of(context)
     client = context.client if context is not None else None
+    if client is None:
+        # its finish is what releases the slot: without it the slot would leak
+        raise ValueError("admit_request needs the call's client (RequestContext.client) to release its slot")
     queue = admission.queue(model)
     if priority is Priority.BATCH and not (context is not None and context.batch_line):
         # batch (below everything, a day's wait) is the Batch API runner's own:
@@ -638,19 +643,18 @@ async def admit_request(
         priority=priority,
         deadline=deadline,
         work=work,
-        body_size=(client.body_size() if client is not None else 0) if size is None else size,
+        body_size=client.body_size() if size is None else size,
         trace_id=trace_id_of(context),
     )
     waiting = queue.admit(ticket, slots)
-    gone = client.finished() if client is not None else None
-    if gone is not None and not waiting.called:
+    gone = client.finished()
+    if not waiting.called:
         # the client left while waiting: leave the queue at once, even if
         # the handler's Deferred is not cancelled (e.g. a resource that
         # does not propagate the disconnect)
         gone.addErrback(lambda _: waiting.cancel() if not waiting.called else None)
     lease = await waiting
-    if gone is not None:
-        gone.addBoth(lambda _: lease.release())
+    gone.addBoth(lambda _: lease.release())
     if context is not None and context.started is not None:  # observed: for its trace
         context.spans["queue"] = (ticket.arrived, ticket.admitted_at)
     return lease

@@ -28,6 +28,7 @@ from blazar.gateway.admission import (
     human_wait,
     queue_ms,
 )
+from blazar.gateway.context import RequestContext
 from blazar.web.client import asked_of, context_of, parse_deadline_ms, parse_priority
 
 
@@ -489,6 +490,17 @@ class AdmitRequestTests(SynchronousTestCase):
         lease = self.successResultOf(self.admit(request))
         request.processingFailed(Failure(ConnectionError("client left")))
         self.assertTrue(lease.released)
+
+    def test_no_client_is_refused_before_it_queues(self) -> None:
+        """
+        A context without a client could never release its slot: it is a
+        programming error, refused before it takes a place in the queue.
+        """
+        admitting = Deferred.fromCoroutine(
+            admit_request(self.admission, RequestContext(), "m", 1, WorkClass.INTERACTIVE, 10)
+        )
+        self.assertIn("RequestContext.client", str(self.failureResultOf(admitting, ValueError).value))
+        self.assertEqual(self.admission.queue("m").waiting, [])
 
     def test_headers_and_key_weight(self) -> None:
         self.admit(self.request())
