@@ -124,7 +124,9 @@ def control(args: argparse.Namespace, action: Action) -> int:
             print(f"blazar: {e}", file=sys.stderr)
             return ERROR
         finally:
-            protocol.transport.loseConnection()
+            # gone already when the reactor stopped under a suspended verb (Ctrl-C on `logs -f`)
+            if protocol.transport is not None:
+                protocol.transport.loseConnection()
 
     return run_reactor(main)
 
