@@ -8,9 +8,11 @@ log, the metrics, the audit line and the trace read it when it ends.
 
 The gateway never sees the HTTP request itself: the web layer hands it
 this context, whose L{IClient} (the web layer's own adapter) follows the
-response and takes the response headers the gateway decides
-(L{blazar.web.client.context_of} makes both); what the client asked in
-its headers comes decoded on the call (L{blazar.gateway.call.Asked}).
+response (L{blazar.web.client.context_of} makes both); what the client
+asked in its headers comes decoded on the call
+(L{blazar.gateway.call.Asked}), and the response headers the gateway
+decides go back as data (L{blazar.gateway.reply.Reply.headers} and
+C{verdict}, L{RequestContext.ignored}) that the web layer writes.
 """
 
 from __future__ import annotations
@@ -56,10 +58,11 @@ class IClient(Interface):
     """
     The client's end of one request, as the web layer shows it to the
     gateway: who sent it and how big it is, a signal of the response's
-    end, and the response headers the gateway decides (set before the
-    response is written). What the client asked (priority, deadline,
-    session) is not here: the surface decodes it into its call
-    (L{blazar.gateway.call.Asked}). Only C{blazar.web} implements it.
+    end, and whether the response has started. What the client asked
+    (priority, deadline, session) is not here: the surface decodes it
+    into its call (L{blazar.gateway.call.Asked}); nor are the response
+    headers the gateway decides: they are data the web layer writes.
+    Only C{blazar.web} implements it.
     """
 
     def agent() -> str:
@@ -82,21 +85,6 @@ class IClient(Interface):
     def writing() -> bool:
         """
         Whether the response has started (its headers are out).
-        """
-
-    def reply_header(name: bytes) -> bytes | None:
-        """
-        The value a response header has so far (its last), or L{None}.
-        """
-
-    def set_reply_header(name: bytes, value: bytes) -> None:
-        """
-        Set a response header (before the response is written), for the
-        two decided where no reply can carry them: C{x-blazar-ignored}
-        (noted from the surface's decoding to the call's end) and the
-        sentinel's verdict on an answer as it is read. The pipeline's
-        other headers are data on the reply
-        (L{blazar.gateway.reply.Reply.headers}).
         """
 
     def consumer() -> Any:
@@ -155,13 +143,7 @@ class RequestContext:
     cache: str | None = None  # the semantic cache's outcome: hit, miss, bypass, error (None: not enabled)
     batch_line: bool = False  # it came over the private batch listener (the daemon's own Batch API runner)
     client: Any = None  # the web layer's IClient for it (None: a request no web layer made, e.g. a unit test's)
-
-    def set_reply_header(self, name: bytes, value: bytes) -> None:
-        """
-        Set a response header through the L{IClient}, if there is one.
-        """
-        if self.client is not None:
-            self.client.set_reply_header(name, value)
+    ignored: tuple[str, ...] = ()  # what x-blazar-ignored lists, as the web layer writes it (blazar.gateway.ignored)
 
 
 def count_request(context: RequestContext) -> None:

@@ -44,11 +44,12 @@ class IgnoredFields:
 
     def note(self, context: RequestContext, surface: str, names: Iterable[str]) -> None:
         """
-        Set C{x-blazar-ignored} on the request's response (call before
-        anything is written; names noted earlier for it are kept) and log
-        each name not yet logged for this
-        client. Bounded: names are cut to 100 characters and at most 64 a
-        request are listed, logged and remembered (the rest are counted).
+        Add C{names} to the ones C{x-blazar-ignored} lists for the request
+        (L{RequestContext.ignored}: data the web layer writes, with names
+        noted earlier for it kept) and log each name not yet logged for
+        this client. Bounded: names are cut to 100 characters and at most
+        64 a request are listed, logged and remembered (the rest are
+        counted).
         """
         kept: dict[str, None] = {}
         more = 0
@@ -64,9 +65,8 @@ class IgnoredFields:
             return
         shown = list(kept) + ([f"(+{more} more)"] if more else [])
         # a later step's names join an earlier step's (the surface's, then the pipeline's)
-        earlier = context.client.reply_header(IGNORED_HEADER) if context.client is not None else None
-        before = [n for n in earlier.decode("ascii", "replace").split(",") if n and n != "..."] if earlier else []
-        context.set_reply_header(IGNORED_HEADER, header_value(before + shown))
+        before = [n for n in context.ignored if n and n != "..."]
+        context.ignored = tuple(header_value(before + shown).decode("ascii").split(","))
         client = self.client_of(context)[:_NAME_MAX]
         if more:
             log.info(

@@ -63,6 +63,11 @@ class Reply:
     @ivar headers: The response headers the pipeline decided for this
         answer (C{x-blazar-cache}, C{x-blazar-queue-ms}), as data the
         surface writes (L{blazar.web.client.opened}); read-only.
+    @ivar verdict: The sentinel's verdict as a response header
+        (C{x-blazar-sentinel}), decided by L{read}, L{relay} or L{chunks}
+        on an answer not yet written; empty until then (and for a clean
+        answer, or one already streamed). Data the surface writes before
+        its body (L{blazar.web.client.judged}); read-only.
     """
 
     def __init__(
@@ -149,6 +154,7 @@ class Reply:
         self.translated = translated
         self.wants_usage = wants_usage
         self.headers: Mapping[bytes, bytes] = MappingProxyType(dict(headers or {}))
+        self.verdict: Mapping[bytes, bytes] = MappingProxyType({})
 
     async def read(self) -> bytes:
         """
@@ -411,7 +417,8 @@ class Reply:
         """
         The sentinel's findings on the whole answer: recorded (metrics,
         audit); on an answer not yet written (a non-streamed one), named in
-        C{x-blazar-sentinel}, or refused under C{sentinel_enforce}.
+        C{x-blazar-sentinel} (L{verdict}), or refused under
+        C{sentinel_enforce}.
 
         @raise SentinelViolation: Enforced, and something was found.
         """
@@ -424,7 +431,7 @@ class Reply:
         context.sentinel = codes
         if context.client is None or context.client.writing():
             return  # streamed to the client already: counted, never cut
-        context.set_reply_header(SENTINEL_HEADER.encode("ascii"), ",".join(codes).encode("ascii"))
+        self.verdict = MappingProxyType({SENTINEL_HEADER.encode("ascii"): ",".join(codes).encode("ascii")})
         if self.enforce:
             raise SentinelViolation(findings)
 

@@ -27,12 +27,11 @@ from blazar.gateway.call import Call, CallKind, Counting, max_tokens_of
 from blazar.gateway.context import trace_id_of
 from blazar.gateway.engine_proxy import StreamStopped
 from blazar.gateway.errors import BadRequest
-from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.gateway.sessions import anthropic_hint
 from blazar.web.body import read_json
-from blazar.web.client import asked_of, context_of, opened
+from blazar.web.client import asked_of, context_of, judged, note_ignored, opened
 from blazar.web.errors import answer, anthropic_error, anthropic_status, anthropic_type, in_stream
 from blazar.web.translate import anthropic as tr
 from blazar.web.translate import leniency
@@ -88,7 +87,7 @@ class AnthropicSurface:
         body = read_json(request)
         ignored = leniency.screen("anthropic", body)
         engine_body, stops = tr.request_to_openai(body, counting=counting, ignored=ignored)
-        note_ignored(context_of(request), "anthropic", ignored + beta_values(request, HONOURED_BETAS))
+        note_ignored(request, "anthropic", ignored + beta_values(request, HONOURED_BETAS))
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             raise BadRequest("stream: must be a boolean", "stream")
@@ -130,7 +129,7 @@ class AnthropicSurface:
             async with opened(self._pipeline, request, call) as reply:
                 if reply.prompt_tokens is not None:
                     translator.input_tokens = reply.prompt_tokens
-                await reply.chunks(self._feeder(translator, None))
+                await judged(request, reply, reply.chunks(self._feeder(translator, None)))
             translator.finish()
             self._usage(reply, translator)
             request.setHeader(b"content-type", b"application/json")
@@ -163,7 +162,7 @@ class AnthropicSurface:
                     if reply.prompt_tokens is not None:
                         translator.input_tokens = reply.prompt_tokens
                     start()
-                await reply.chunks(self._feeder(translator, request, pinger))
+                await judged(request, reply, reply.chunks(self._feeder(translator, request, pinger)))
         except Exception as e:
             problem = in_stream(request, e, model, "anthropic", headers_out)
             request.write(

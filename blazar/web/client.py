@@ -3,15 +3,16 @@ The one place a twisted.web request meets the gateway: L{asked_of}
 decodes what the client asked in its headers for the surface's call;
 L{context_of} gives a request's L{RequestContext} with its
 L{RequestClient}, the L{IClient} through which the gateway follows the
-response and sets the response headers it decides. Nothing below C{blazar.web} holds
-the request itself.
+response; L{opened}, L{judged} and L{note_ignored} write the response
+headers the gateway decided, which it hands back as data. Nothing below
+C{blazar.web} holds the request itself.
 """
 
 from __future__ import annotations
 
 import math
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Callable, Mapping
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, TypeVar
 
 import attrs
 from twisted.internet.defer import Deferred
@@ -20,6 +21,8 @@ from zope.interface import implementer
 
 from blazar.gateway.call import Asked, Call
 from blazar.gateway.context import IClient, RequestContext
+from blazar.gateway.ignored import IGNORED_HEADER
+from blazar.gateway.ignored import note_ignored as gateway_note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.priority import Priority
 from blazar.gateway.quota import retry_after_value
@@ -28,6 +31,8 @@ from blazar.gateway.sessions import session_name
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
+
+T = TypeVar("T")
 
 
 def parse_priority(value: bytes | None) -> Priority:
@@ -115,14 +120,6 @@ class RequestClient:
     def writing(self) -> bool:
         return bool(getattr(self._request, "startedWriting", True))
 
-    def reply_header(self, name: bytes) -> bytes | None:
-        headers = getattr(self._request, "responseHeaders", None)
-        values = headers.getRawHeaders(name) if headers is not None else None
-        return values[-1] if values else None
-
-    def set_reply_header(self, name: bytes, value: bytes) -> None:
-        self._request.setHeader(name, value)
-
     def consumer(self) -> Any:
         return self._request
 
@@ -155,6 +152,7 @@ async def opened(pipeline: Pipeline, request: IRequest, call: Call) -> AsyncIter
 
     def on_send(cold: bool) -> Callable[[], None] | None:
         write_headers(request, run.headers)
+        write_ignored(request)
         return inner(cold) if inner is not None else None
 
     run = pipeline.open(context_of(request), attrs.evolve(call, on_send=on_send))
@@ -163,11 +161,48 @@ async def opened(pipeline: Pipeline, request: IRequest, call: Call) -> AsyncIter
         async with run as reply:
             entered = True
             write_headers(request, reply.headers)
+            write_ignored(request)
             yield reply
     except BaseException:
         if not entered:
             write_headers(request, run.headers)
         raise
+    finally:
+        write_ignored(request)  # the call's end may name the client's keep_alive
+
+
+async def judged(request: IRequest, reply: Reply, reading: Awaitable[T]) -> T:
+    """
+    C{reading} (the reply's L{Reply.read}, L{Reply.relay} or
+    L{Reply.chunks}) awaited, then the sentinel's verdict on the answer
+    (L{Reply.verdict}: empty unless the answer was not yet written) set on
+    the response, before the surface writes its body or the error of an
+    enforced refusal.
+    """
+    try:
+        return await reading
+    finally:
+        write_headers(request, reply.verdict)
+
+
+def note_ignored(request: IRequest, surface: str, names: Iterable[str]) -> None:
+    """
+    L{blazar.gateway.ignored.note_ignored} for the surface's own decoding,
+    and C{x-blazar-ignored} set on the response (call before anything is
+    written).
+    """
+    gateway_note_ignored(context_of(request), surface, names)
+    write_ignored(request)
+
+
+def write_ignored(request: IRequest) -> None:
+    """
+    Set C{x-blazar-ignored} on the response as the gateway decided it so
+    far (L{RequestContext.ignored}; nothing when nothing was ignored).
+    """
+    names = context_of(request).ignored
+    if names:
+        request.setHeader(IGNORED_HEADER, ",".join(names).encode("ascii"))
 
 
 def write_headers(request: IRequest, headers: Mapping[bytes, bytes]) -> None:

@@ -25,7 +25,6 @@ from blazar.gateway.call import OLLAMA_PLACEMENT, Asked, Call, CallKind, max_tok
 from blazar.gateway.context import key_of, note_error
 from blazar.gateway.engine_facts import context_per_slot, model_kind, sees_images
 from blazar.gateway.errors import BadRequest
-from blazar.gateway.ignored import note_ignored
 from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply, scoped
@@ -36,7 +35,7 @@ from blazar.models.ollama_store import DigestMismatch, StoreError
 from blazar.models.registry import ModelEntry, ModelNotFound, ModelRegistry
 from blazar.web.auth import check_admin
 from blazar.web.body import read_json
-from blazar.web.client import asked_of, context_of, opened
+from blazar.web.client import asked_of, context_of, judged, note_ignored, opened, write_ignored
 from blazar.web.errors import answer, in_stream, ollama_message
 from blazar.web.translate import create as create_tr
 from blazar.web.translate import images as images_tr
@@ -222,7 +221,7 @@ class OllamaSurface:
         check_admin(request, "create models")
         stream = self._stream_flag(body)
         spec, ignored = create_tr.decode_create(body)
-        note_ignored(context_of(request), "ollama", ignored)
+        note_ignored(request, "ollama", ignored)
         if not stream:
             await self._operations.create(spec)
             return _json(request, {"status": "success"})
@@ -394,7 +393,10 @@ class OllamaSurface:
             await self._operations.unload(await self._pipeline.scope(context_of(request), call.model), "keep_alive 0")
             reason, duration = "unload", None
         else:
-            started, loaded = await self._pipeline.load(context_of(request), call)
+            try:
+                started, loaded = await self._pipeline.load(context_of(request), call)
+            finally:
+                write_ignored(request)  # a scoped key's placement and keep_alive
             reason, duration = "load", loaded - started
         line: dict[str, Any] = {"model": call.model, "created_at": _rfc3339(self._now())}
         if kind == "chat":
@@ -412,9 +414,7 @@ class OllamaSurface:
         what is accepted but not honoured; a field whose meaning would be
         lost is a 400.
         """
-        note_ignored(
-            context_of(request), "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options"))
-        )
+        note_ignored(request, "ollama", leniency.screen(surface, body) + tr.ignored_options(body.get("options")))
 
     async def _image(self, request: IRequest, model: str, body: dict[str, Any], stream: bool) -> bytes:
         """
@@ -447,7 +447,7 @@ class OllamaSurface:
         async with opened(self._pipeline, request, call) as reply:
             started = reply.started
             try:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
             except ValueError:
                 answer = {}
         data = [d for d in (answer.get("data") or []) if isinstance(d, dict)] if isinstance(answer, dict) else []
@@ -502,7 +502,7 @@ class OllamaSurface:
         async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
             if not stream:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
                 now = self._clock.seconds()
                 if kind == "chat":
                     out = tr.chat_reply(answer, model, timing, now)
@@ -542,7 +542,7 @@ class OllamaSurface:
                 emit(translator.feed(chunk))
 
         try:
-            await reply.chunks(on_chunk)
+            await judged(request, reply, reply.chunks(on_chunk))
         except Exception as e:
             # lines may be out: whatever broke ends the stream with an error line
             problem = in_stream(request, e, reply.model, "ollama")
@@ -566,7 +566,9 @@ class OllamaSurface:
         )
         async with opened(self._pipeline, request, call) as reply:
             timing = tr.Timing(started=reply.started, loaded=reply.loaded)
-            out = tr.embed_reply(json.loads(await reply.read()), model, timing, self._clock.seconds())
+            out = tr.embed_reply(
+                json.loads(await judged(request, reply, reply.read())), model, timing, self._clock.seconds()
+            )
             reply.usage(out["prompt_eval_count"], 0)
         return _json(request, out)
 
@@ -585,11 +587,11 @@ class OllamaSurface:
             engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
         except BadRequest as e:
             raise OllamaError(400, str(e)) from None
-        note_ignored(context_of(request), "ollama", ignored)
+        note_ignored(request, "ollama", ignored)
         call = self._call(CallKind.RERANK, model, "/v1/rerank", engine_body, body, False, asked=asked_of(request))
         async with opened(self._pipeline, request, call) as reply:
             try:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
             except ValueError:
                 answer = {}
             out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n, return_documents)
@@ -612,7 +614,7 @@ class OllamaSurface:
             CallKind.EMBEDDING, model, "/v1/embeddings", {"input": [prompt]}, body, False, asked=asked_of(request)
         )
         async with opened(self._pipeline, request, call) as reply:
-            out = json.loads(await reply.read())
+            out = json.loads(await judged(request, reply, reply.read()))
         return _json(request, {"embedding": out["data"][0]["embedding"]})
 
     # -- model management ---------------------------------------------------------

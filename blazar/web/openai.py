@@ -33,7 +33,6 @@ from blazar.gateway.call import Call, CallKind, Run, max_tokens_of
 from blazar.gateway.context import note_error, wants_usage
 from blazar.gateway.engine_facts import model_kind
 from blazar.gateway.errors import BadRequest, EngineError, EngineRejected
-from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
 from blazar.gateway.scope import resolve_in_scope, visible_entries
@@ -41,7 +40,7 @@ from blazar.httpbody import multipart_body
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry, ModelRegistry
 from blazar.web.body import json_object, read_form, read_json
-from blazar.web.client import asked_of, context_of, opened
+from blazar.web.client import asked_of, context_of, judged, note_ignored, opened
 from blazar.web.errors import answer, in_stream, openai_error
 from blazar.web.observe import usage_of_reply, usage_of_timings
 from blazar.web.ollama import capabilities
@@ -336,7 +335,7 @@ class OpenAISurface:
         body = json_object(raw)
         model = require_model(body)
         engine_body, texts, top_n, return_documents, ignored = rerank_tr.decode(body)
-        note_ignored(context_of(request), "openai", ignored)
+        note_ignored(request, "openai", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
@@ -346,7 +345,7 @@ class OpenAISurface:
         )
         async with opened(self._pipeline, request, call) as reply:
             try:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
             except ValueError:
                 answer = {}
             out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n, return_documents)
@@ -371,7 +370,7 @@ class OpenAISurface:
         if not uploads:
             raise BadRequest("you must provide the audio as the 'file' part of the form", "file")
         fields, response_format, granularities, ignored = audio_tr.decode(form, translate)
-        note_ignored(context_of(request), "openai", ignored)
+        note_ignored(request, "openai", ignored)
         call = Call(
             "openai",
             CallKind.TRANSCRIBE,
@@ -384,7 +383,7 @@ class OpenAISurface:
         )
         async with opened(self._pipeline, request, call) as reply:
             try:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
             except ValueError:
                 answer = {}
             seconds = reply.audio_used()
@@ -401,7 +400,7 @@ class OpenAISurface:
         body = read_json(request)
         model = require_model(body)
         engine_body, response_format, ignored = images_tr.decode(body)
-        note_ignored(context_of(request), "openai", ignored)
+        note_ignored(request, "openai", ignored)
         call = Call("openai", CallKind.IMAGE, model, "/v1/images/generations", engine_body, asked=asked_of(request))
         return await self._images(request, call, response_format, engine_body["output_format"])
 
@@ -411,7 +410,7 @@ class OpenAISurface:
         values = images_tr.form_fields(form)
         model = require_model(values)
         engine_body, response_format, ignored = images_tr.decode(values)
-        note_ignored(context_of(request), "openai", ignored)
+        note_ignored(request, "openai", ignored)
         images = files.get("image[]", []) + files.get("image", [])
         if not images:
             raise BadRequest(
@@ -438,7 +437,7 @@ class OpenAISurface:
     async def _images(self, request: IRequest, call: Call, response_format: str, output_format: str) -> bytes:
         async with opened(self._pipeline, request, call) as reply:
             try:
-                answer = json.loads(await reply.read())
+                answer = json.loads(await judged(request, reply, reply.read()))
             except ValueError:
                 answer = {}
         base = _base_url(request)
@@ -510,7 +509,7 @@ class OpenAISurface:
         model = require_model(body)
         validate(kind, body)
         ignored, changed = lenient(kind, body)
-        note_ignored(context_of(request), "openai", ignored)
+        note_ignored(request, "openai", ignored)
         stream = bool(body.get("stream") or False) and kind != "embedding"
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
@@ -586,7 +585,7 @@ class OpenAISurface:
                 fix = fixes[0] if fixes else None
                 renamer = ModelRenamer(reply.model, model)
                 if top is not None:
-                    payload = await reply.read()
+                    payload = await judged(request, reply, reply.read())
                     tokens = usage_of_reply(payload)
                     if tokens is not None:
                         reply.usage(*tokens)
@@ -598,7 +597,7 @@ class OpenAISurface:
                 if stream:
                     await self._relay_stream(request, reply, renamer, hide_usage, fix)
                     return None
-                payload = await reply.read()
+                payload = await judged(request, reply, reply.read())
                 if fix is not None and fix.reply is not None:
                     payload = fix.reply(payload)
                 tokens = usage_of_reply(payload)
@@ -676,7 +675,7 @@ class OpenAISurface:
             rewriter = SSERewriter(relay.feed, fix.rewrite, fix.wants)
             feed = rewriter.feed
         try:
-            await reply.relay(feed)
+            await judged(request, reply, reply.relay(feed))
         except (EngineError, EngineRejected) as error:
             # the stream is under way: an error event, never an error body
             problem = in_stream(request, error, reply.model, "openai")

@@ -27,10 +27,9 @@ from blazar.gateway.admission import WorkClass
 from blazar.gateway.call import Call, CallKind, max_tokens_of
 from blazar.gateway.context import key_of
 from blazar.gateway.errors import NotFound
-from blazar.gateway.ignored import note_ignored
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply
-from blazar.web.client import asked_of, context_of, opened
+from blazar.web.client import asked_of, context_of, judged, note_ignored, opened
 from blazar.web.errors import in_stream
 from blazar.web.sse import loading_comments
 from blazar.web.translate import responses as tr
@@ -142,7 +141,7 @@ class Responses:
         ignored: list[str] = []
         names = tr.ToolNames()
         chat = tr.request_to_chat(body, history, ignored, names)
-        note_ignored(context_of(request), "responses", ignored)
+        note_ignored(request, "responses", ignored)
         try:
             keep_alive = keep_alive_of(body, request.getHeader(KEEP_ALIVE_HEADER))
         except ValueError as e:
@@ -177,7 +176,7 @@ class Responses:
                 call, client_stream=False
             )  # the engine's stream makes one response (the cache may answer)
             async with opened(self._pipeline, request, call) as reply:
-                await reply.chunks(translator.feed)
+                await judged(request, reply, reply.chunks(translator.feed))
             translator.finish()
             self._usage(reply, translator)
             await self._store(request, translator.response, inputs)
@@ -201,7 +200,7 @@ class Responses:
         ended = False
         try:
             async with opened(self._pipeline, request, call) as reply:
-                await reply.chunks(lambda chunk: self._write(request, translator.feed(chunk)))
+                await judged(request, reply, reply.chunks(lambda chunk: self._write(request, translator.feed(chunk))))
                 self._write(request, translator.finish())
                 ended = True
         except Exception as e:

@@ -8,14 +8,23 @@ from typing import cast
 
 from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.trial.unittest import SynchronousTestCase
+from twisted.web.iweb import IRequest
 from twisted.web.test.requesthelper import DummyRequest
 
 from blazar.gateway.ignored import IGNORED_HEADER, IgnoredFields
 from blazar.testing import FakeSupervisor, fake_engine_app
 from blazar.web.anthropic import beta_values
-from blazar.web.client import context_of
+from blazar.web.client import context_of, write_ignored
 from tests.typed import not_none
 from tests.web.gateway import MemoryGateway
+
+
+def noted(seen: IgnoredFields, r: DummyRequest, surface: str, names: list[str]) -> None:
+    """
+    C{names} noted for C{r}, and the header written as the surfaces write it.
+    """
+    seen.note(context_of(r), surface, names)
+    write_ignored(cast(IRequest, r))
 
 
 def request(agent: bytes = b"claude-cli/2.1.332 (external, cli)") -> DummyRequest:
@@ -36,7 +45,7 @@ class IgnoredFieldsTests(SynchronousTestCase):
     def test_header_and_one_line_per_client_and_field(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(context_of(r), "anthropic", ["metadata", "context_management", "metadata"])
+        noted(seen, r, "anthropic", ["metadata", "context_management", "metadata"])
         self.assertEqual(r.responseHeaders.getRawHeaders(IGNORED_HEADER), [b"metadata,context_management"])
         seen.note(context_of(request()), "anthropic", ["metadata"])
         self.assertEqual(self.lines(), ["metadata", "context_management"])
@@ -45,7 +54,7 @@ class IgnoredFieldsTests(SynchronousTestCase):
 
     def test_nothing_ignored_sets_no_header(self) -> None:
         r = request()
-        IgnoredFields().note(context_of(r), "openai", [])
+        noted(IgnoredFields(), r, "openai", [])
         self.assertIsNone(r.responseHeaders.getRawHeaders(IGNORED_HEADER))
 
     def test_bounded(self) -> None:
@@ -71,7 +80,7 @@ class HostileRequestTests(SynchronousTestCase):
     def test_many_and_long_names_are_bounded(self) -> None:
         seen = IgnoredFields()
         r = request()
-        seen.note(context_of(r), "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
+        noted(seen, r, "openai", [f"{i}_" + "x" * (1 << 20) for i in range(1000)])
         self.assertLessEqual(len(self.events), 65)  # 64 names and one count line
         self.assertLessEqual(sum(len(k[2]) for k in seen._seen), 64 * 100)
         header = not_none(r.responseHeaders.getRawHeaders(IGNORED_HEADER))[0]

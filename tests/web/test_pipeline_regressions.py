@@ -280,3 +280,19 @@ class PlacementOptionsTests(SynchronousTestCase):
         ignored = b",".join(headers.getRawHeaders(b"x-blazar-ignored") or []).decode()
         self.assertIn("options.num_gpu", ignored)
         self.assertIn("options.num_thread", ignored)
+
+    def test_a_scoped_keys_keep_alive_is_named_at_the_calls_end(self) -> None:
+        """
+        A scoped key's C{keep_alive} is noted when the call ends (its
+        lease's end), after the answer was read: on an answer written
+        after the call, it still joins the surface's names in the header;
+        on a load, too.
+        """
+        tenant = {"authorization": "Bearer tenant-secret-0123456789"}
+        chat = {"model": "m", "stream": False, "messages": [{"role": "user", "content": "hi"}], "keep_alive": "5m"}
+        code, headers, body = self.gateway.post("/api/chat", {**chat, "options": {"num_batch": 9}}, headers=tenant)
+        self.assertEqual(code, 200, body)
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"options.num_batch,keep_alive"])
+        code, headers, body = self.gateway.post("/api/generate", {"model": "m", "keep_alive": "5m"}, headers=tenant)
+        self.assertEqual(code, 200, body)  # a load
+        self.assertEqual(headers.getRawHeaders(b"x-blazar-ignored"), [b"keep_alive"])
