@@ -217,17 +217,22 @@ class StreamRecorder:
         usage, timings = self.usage, self.timings
         details = usage.get("prompt_tokens_details")
         cached = details.get("cached_tokens") if isinstance(details, dict) else None
-        error = self.error
-        if error is None and self.first is None:
+        error, first, last = self.error, self.first, self.last
+        generated = _count(usage.get("completion_tokens"))
+        if first is None and generated:
+            # tokens that are no text yet (a character's first bytes, a random-weight model's
+            # special tokens): generated all the same; when the first came is unknown, so the end
+            first = last = done
+        if error is None and first is None:
             error = "the stream carried no generated text"
         return Sample(
             sent=sent,
-            first=self.first,
-            last=self.last,
+            first=first,
+            last=last,
             done=done,
             prompt_tokens=_count(usage.get("prompt_tokens")),
             cached_tokens=_count(cached) or 0,
-            completion_tokens=_count(usage.get("completion_tokens")) or self.chunks,
+            completion_tokens=generated or self.chunks,
             engine_pp_tps=_rate(timings.get("prompt_per_second")),
             engine_gen_tps=_rate(timings.get("predicted_per_second")),
             error=error,

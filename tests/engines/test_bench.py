@@ -79,6 +79,18 @@ class StreamRecorderTests(SynchronousTestCase):
         self.assertEqual(recorder.sample(0.0, 1.0).error, "the engine crashed")
         self.assertEqual(StreamRecorder(scripted([])).sample(0.0, 1.0).error, "the stream carried no generated text")
 
+    def test_tokens_with_no_text_yet_are_generated(self) -> None:
+        # a random-weight model's few tokens may all be the first bytes of characters (held back
+        # until whole) or special tokens: the usage says they were generated, so not a failure
+        recorder = StreamRecorder(scripted([1.0]))
+        recorder.feed(chunk(choices=[], usage={"prompt_tokens": 10, "completion_tokens": 4}))
+        sample = recorder.sample(0.0, 1.5)
+        self.assertIsNone(sample.error)
+        self.assertEqual((sample.first, sample.last, sample.completion_tokens), (1.5, 1.5, 4))
+        recorder = StreamRecorder(scripted([1.0]))
+        recorder.feed(chunk(choices=[], usage={"prompt_tokens": 10, "completion_tokens": 0}))
+        self.assertEqual(recorder.sample(0.0, 1.5).error, "the stream carried no generated text")
+
     def test_bad_numbers_are_not_rates(self) -> None:
         recorder = StreamRecorder(scripted([1.0, 1.1]))
         recorder.feed(
