@@ -637,7 +637,7 @@ def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> 
         db.executemany(
             "UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
             [
-                (strictjson.dumps({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
+                (strictjson.encode({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
                 for n, custom in rows
             ],
         )

@@ -71,7 +71,7 @@ def is_finite(value: Any) -> bool:
     return True
 
 
-def dumps(value: Any, **options: Any) -> str:
+def encode(value: Any, **options: Any) -> str:
     """
     C{value} as strict JSON: C{json.dumps} with C{allow_nan=False}, so a
     NaN or an infinity raises C{ValueError} instead of being written as

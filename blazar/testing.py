@@ -164,7 +164,7 @@ def fake_engine_app(model_name: str = "m:latest"):
             "model": model_name,
             "object": "chat.completion.chunk",
         }
-        return b"data: " + strictjson.dumps(body, separators=(",", ":")).encode() + b"\n\n"
+        return b"data: " + strictjson.encode(body, separators=(",", ":")).encode() + b"\n\n"
 
     @app.route("/v1/chat/completions", methods=["POST"])
     def chat(request):
@@ -173,7 +173,7 @@ def fake_engine_app(model_name: str = "m:latest"):
         fail = (body.get("chat_template_kwargs") or {}).get("fail")
         if fail:
             request.setResponseCode(fail)
-            return strictjson.dumps(
+            return strictjson.encode(
                 {"error": {"code": fail, "message": "engine says no", "type": "server_error"}},
             ).encode()
         if body.get("stream"):
@@ -182,7 +182,7 @@ def fake_engine_app(model_name: str = "m:latest"):
                 request.write(chunk(i, text))
             return b"data: [DONE]\n\n"
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps(
+        return strictjson.encode(
             {
                 "choices": [
                     {"finish_reason": "stop", "index": 0, "message": {"role": "assistant", "content": "Hello"}}

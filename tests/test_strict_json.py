@@ -1,6 +1,6 @@
 """
 Strict JSON, both ways (issue 35): Blazar writes JSON only through
-L{blazar.strictjson.dumps} (C{allow_nan=False}), so a NaN or an infinity
+L{blazar.strictjson.encode} (C{allow_nan=False}), so a NaN or an infinity
 is refused where Blazar writes it rather than sent as C{NaN} or
 C{Infinity}, which no strict parser reads: no other C{json.dumps},
 C{json.dump} or C{json.JSONEncoder} is in blazar/; and
@@ -96,7 +96,7 @@ class LenientWritesTests(SynchronousTestCase):
 
     def test_every_write_is_strictjsons(self) -> None:
         """
-        Only L{blazar.strictjson.dumps} calls C{json.dumps}: one writer, not
+        Only L{blazar.strictjson.encode} calls C{json.dumps}: one writer, not
         a keyword to remember at every call.
         """
         offenders = [
@@ -105,14 +105,14 @@ class LenientWritesTests(SynchronousTestCase):
             if path.name != "strictjson.py"
             for line in lenient_writes(path.read_text(encoding="utf-8"), strict_too=True)
         ]
-        self.assertEqual(offenders, [], "write JSON with blazar.strictjson.dumps")
+        self.assertEqual(offenders, [], "write JSON with blazar.strictjson.encode")
         self.assertEqual(lenient_writes("import json\njson.dumps(v, allow_nan=False)\n", strict_too=True), [2])
 
     def test_the_writer_refuses_what_is_not_json(self) -> None:
         for value in (float("nan"), float("inf"), {"a": [1.0, float("-inf")]}):
-            self.assertRaises(ValueError, strictjson.dumps, value)
+            self.assertRaises(ValueError, strictjson.encode, value)
         self.assertEqual(
-            strictjson.dumps({"b": 1, "a": [1.5]}, sort_keys=True, separators=(",", ":")), '{"a":[1.5],"b":1}'
+            strictjson.encode({"b": 1, "a": [1.5]}, sort_keys=True, separators=(",", ":")), '{"a":[1.5],"b":1}'
         )
 
 

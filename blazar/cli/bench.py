@@ -111,11 +111,11 @@ def _bench(args: argparse.Namespace) -> int:
             },
             "levels": [level.to_json() for level in levels],
         }
-        stored = json.loads((await p.callRemote(BenchRecord, model=args.model, run=strictjson.dumps(run)))["bench"])
+        stored = json.loads((await p.callRemote(BenchRecord, model=args.model, run=strictjson.encode(run)))["bench"])
         runs = json.loads((await p.callRemote(BenchHistory, model=stored["model"], limit=2))["runs"])
         comparison = bench.compare(runs[1], runs[0]) if len(runs) == 2 and runs[0]["id"] == stored["id"] else None
         if args.json:
-            print(strictjson.dumps({"run": stored, "comparison": comparison}))
+            print(strictjson.encode({"run": stored, "comparison": comparison}))
             return OK
         print(f"recorded for {stored['model']} as bench_history id {stored['id']}")
         print(f"  engine:   {stored['engine']}")
@@ -145,7 +145,7 @@ def _bench_history(args: argparse.Namespace) -> int:
                 latest[run["model"]].append(run)
         comparisons = {m: bench.compare(pair[1], pair[0]) for m, pair in latest.items() if len(pair) == 2}
         if args.json:
-            print(strictjson.dumps({"runs": runs, "comparisons": comparisons, "truncated": answer["truncated"]}))
+            print(strictjson.encode({"runs": runs, "comparisons": comparisons, "truncated": answer["truncated"]}))
             return OK
         if not runs:
             print(f"no bench runs recorded{' of ' + args.model if args.model else ''} (`blazar bench MODEL` makes one)")

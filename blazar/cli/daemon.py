@@ -201,7 +201,7 @@ def post_ndjson(
         headers["authorization"] = f"Bearer {key}"
     try:
         conn = http.client.HTTPConnection(host, port, timeout=timeout)
-        conn.request("POST", path, strictjson.dumps(body), headers)
+        conn.request("POST", path, strictjson.encode(body), headers)
         resp = conn.getresponse()
     except OSError:
         print(f"blazar: no daemon answers on {base}; start one with `blazar serve`", file=sys.stderr)

@@ -98,7 +98,7 @@ def _engine(args: argparse.Namespace) -> int:
             rows = store.installed()
             if args.json:
                 print(
-                    strictjson.dumps(
+                    strictjson.encode(
                         [
                             {
                                 "kind": e.kind,

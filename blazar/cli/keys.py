@@ -22,7 +22,7 @@ def _keys(args: argparse.Namespace) -> int:
         if args.keys_verb == "list":
             keys = (await p.callRemote(KeysList))["keys"]
             if args.json:
-                print(strictjson.dumps(keys))
+                print(strictjson.encode(keys))
             elif not keys:
                 print("no keys: the gateway is open (add one with `blazar keys add NAME`)")
             for k in keys if not args.json else []:

@@ -38,7 +38,7 @@ def _models_list(args: argparse.Namespace) -> int:
     async def action(p: AMP) -> int:
         models = (await p.callRemote(Models))["models"]
         if args.json:
-            print(strictjson.dumps(models))
+            print(strictjson.encode(models))
         else:
             for m in models:
                 print(f"{m['name']:<40} {m['path']}")
@@ -53,7 +53,7 @@ def _models_show(args: argparse.Namespace) -> int:
     async def action(p: AMP) -> int:
         m = await p.callRemote(ModelShow, name=args.name)
         if args.json:
-            print(strictjson.dumps(m))
+            print(strictjson.encode(m))
         else:
             for key in (
                 "name",

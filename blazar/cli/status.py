@@ -26,7 +26,7 @@ def _status(args: argparse.Namespace) -> int:
     async def action(p: AMP) -> int:
         s = await p.callRemote(Status)
         if args.json:
-            print(strictjson.dumps(s))
+            print(strictjson.encode(s))
         else:
             print(f"blazar {s['version']}, up {s['uptime']:.0f} s, {s['loaded']} model(s) loaded")
             print(f"listening: {', '.join(s['listeners'])}")
@@ -80,7 +80,7 @@ def _ps(args: argparse.Namespace) -> int:
                 gpus, gpu_note = page.get("gpus"), page.get("gpu_note") or ""
             offset = page.get("next_offset")
         if args.json:
-            print(strictjson.dumps(rows))
+            print(strictjson.encode(rows))
             return OK
         if update:
             print(f"engine update: {update}")
@@ -177,7 +177,7 @@ def _queue(args: argparse.Namespace) -> int:
         queue = json.loads(answer["queue"])
         if args.json:
             queue["truncated"] = answer["truncated"]  # rows were cut to fit the control channel
-            print(strictjson.dumps(queue))
+            print(strictjson.encode(queue))
             return OK
         models = queue["models"]
         if not models:
@@ -224,7 +224,7 @@ def _sessions(args: argparse.Namespace) -> int:
                 return ERROR
             answer = await p.callRemote(SessionClose, name=args.name, key=args.key)
             if args.json:
-                print(strictjson.dumps({"closed": answer["closed"]}))
+                print(strictjson.encode({"closed": answer["closed"]}))
             elif not answer["closed"]:
                 print(f"no session {args.name!r}" + (f" of key {args.key!r}" if args.key is not None else ""))
             else:
@@ -236,7 +236,7 @@ def _sessions(args: argparse.Namespace) -> int:
             for row in listing["sessions"]:  # RFC 3339, as GET /api/session gives it
                 row["last_used"] = datetime.fromtimestamp(row["last_used"], timezone.utc).isoformat()
             listing["truncated"] = answer["truncated"]
-            print(strictjson.dumps(listing))
+            print(strictjson.encode(listing))
             return OK
         if not listing["enabled"]:
             print("sessions are off (session_keep_secs = 0)")

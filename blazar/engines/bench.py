@@ -362,7 +362,7 @@ async def stream_sample(
     try:
         response = await http.post(
             url,
-            data=strictjson.dumps(body).encode("utf-8"),
+            data=strictjson.encode(body).encode("utf-8"),
             headers={"content-type": "application/json", **headers},
             unbuffered=True,
         )

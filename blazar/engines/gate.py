@@ -104,7 +104,9 @@ class _Child:
 
     def post(self, step: str, path: str, body: dict[str, object]) -> bytes:
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}{path}", strictjson.dumps(body).encode(), {"content-type": "application/json"}
+            f"http://127.0.0.1:{self.port}{path}",
+            strictjson.encode(body).encode(),
+            {"content-type": "application/json"},
         )
         try:
             with urllib.request.urlopen(request, timeout=REQUEST_TIMEOUT) as r:
@@ -129,7 +131,7 @@ class _Child:
         body.pop("stream_options")  # (llama-server sends its usage and timings on a stream's last chunk anyway)
         request = urllib.request.Request(
             f"http://127.0.0.1:{self.port}/v1/chat/completions",
-            strictjson.dumps(body).encode(),
+            strictjson.encode(body).encode(),
             {"content-type": "application/json"},
         )
         recorder = StreamRecorder(time.perf_counter)

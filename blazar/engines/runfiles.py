@@ -44,7 +44,7 @@ def thd_write(run: Path, model: str, pid: int, port: int, argv: list[str], api_k
     info = {"pid": pid, "model": model, "port": port, "argv": argv}
     tmp = run / f".{stem}.pid.tmp"
     with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_TRUNC), "w") as f:
-        f.write(strictjson.dumps(info))
+        f.write(strictjson.encode(info))
     os.replace(tmp, run / f"{stem}.pid")
     with os.fdopen(open_private(run / f"{stem}.apikey", os.O_WRONLY | os.O_TRUNC), "w") as f:
         f.write(api_key)

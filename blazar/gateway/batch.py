@@ -352,7 +352,7 @@ def parse_input(content: bytes, endpoint: str) -> tuple[list[tuple[str, str]], l
             fail("invalid_value", f"line {n}: batch requests cannot stream; drop 'stream'", n, "body.stream")
             continue
         models.add(body.get("model"))
-        lines.append((custom_id, strictjson.dumps(body)))
+        lines.append((custom_id, strictjson.encode(body)))
     if not lines and not errors:
         fail("empty_file", "the input file has no requests", None)
     if len(lines) > MAX_LINES:
@@ -390,7 +390,7 @@ def error_template(error: Mapping[str, str]) -> str:
     An error line with its C{id} and C{custom_id} left for the store to
     fill in per line (L{store.thd_interrupted_lines}, L{store.thd_fail_pending}).
     """
-    return strictjson.dumps({"id": None, "custom_id": None, "response": None, "error": dict(error)})
+    return strictjson.encode({"id": None, "custom_id": None, "response": None, "error": dict(error)})
 
 
 def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
@@ -433,7 +433,7 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
                     )
                     written.append(file_id)
                     batch = {**batch, field: file_id}
-            store.thd_put_batch(db, batch["id"], strictjson.dumps(batch))
+            store.thd_put_batch(db, batch["id"], strictjson.encode(batch))
     except BaseException:
         for file_id in written:  # their rows are gone with the transaction
             store.thd_remove_content(db, file_id)
@@ -687,7 +687,7 @@ class BatchRunner:
                 in_progress_at=now,
                 request_counts={"total": len(lines), "completed": 0, "failed": 0},
             )
-        await self.run_db(store.thd_create_batch, batch["id"], key, now, strictjson.dumps(batch), lines)
+        await self.run_db(store.thd_create_batch, batch["id"], key, now, strictjson.encode(batch), lines)
         if errors:
             log.info("batch {batch} failed validation: {count} errors", batch=batch["id"], count=len(errors))
         else:
@@ -941,7 +941,7 @@ class BatchRunner:
             "failed": counts["failed"] + (not ok),
         }
         await self.run_db(
-            thd_record_line, running.id, line, ok, strictjson.dumps(result), strictjson.dumps(running.batch)
+            thd_record_line, running.id, line, ok, strictjson.encode(result), strictjson.encode(running.batch)
         )
 
     def _finish_later(self, running: _Running) -> None:
@@ -982,7 +982,7 @@ class BatchRunner:
             raise
 
     async def _save(self, running: _Running) -> None:
-        await self.run_db(store.thd_put_batch, running.id, strictjson.dumps(running.batch))
+        await self.run_db(store.thd_put_batch, running.id, strictjson.encode(running.batch))
 
     async def _expire_batch(self, running: _Running) -> None:
         running.expiring = running.exhausted = True

@@ -204,10 +204,10 @@ class BenchRecords:
             entry.name,
             self._wall(),
             engine,
-            strictjson.dumps(profile),
-            strictjson.dumps(hardware_of(census)),
-            strictjson.dumps(checked["settings"]),
-            strictjson.dumps(checked["levels"]),
+            strictjson.encode(profile),
+            strictjson.encode(hardware_of(census)),
+            strictjson.encode(checked["settings"]),
+            strictjson.encode(checked["levels"]),
         )
         id_ = await self._run_db(store.thd_put_bench, row, self._keep)
         return row_json((id_, *row))

@@ -93,7 +93,7 @@ def reissued(answer: bytes, id_: str, created: int) -> bytes:
     if not isinstance(parsed, dict):
         return answer
     parsed["id"], parsed["created"] = id_, created
-    return strictjson.dumps(parsed, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.encode(parsed, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def as_chunks(answer: bytes) -> list[dict[str, Any]]:
@@ -163,7 +163,7 @@ class StreamedAnswer:
         }
         if self._usage is not None:
             answer["usage"] = self._usage
-        return strictjson.dumps(answer, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        return strictjson.encode(answer, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 def storable(answer: bytes) -> bool:
@@ -269,7 +269,7 @@ def scope_of(model: str, key: str, lane: str, body: dict[str, Any]) -> str:
         "messages": messages,
         "fields": {k: v for k, v in body.items() if k not in UNHASHED},
     }
-    return hashlib.sha256(strictjson.dumps(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
+    return hashlib.sha256(strictjson.encode(parts, sort_keys=True, default=str).encode("utf-8")).hexdigest()
 
 
 def normalized(values: Iterable[float]) -> Vector | None:

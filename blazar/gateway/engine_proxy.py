@@ -337,7 +337,7 @@ class EngineProxy:
         try:
             try:
                 lease, response = await self.send(
-                    model, "/apply-template", strictjson.dumps(placement.PROBE).encode("utf-8"), stream=False
+                    model, "/apply-template", strictjson.encode(placement.PROBE).encode("utf-8"), stream=False
                 )
                 instance = lease.instance
             except EngineRejected as e:
@@ -384,7 +384,7 @@ class EngineProxy:
         """
         body = {k: v for k, v in chat_body.items() if k not in ("stream", "stream_options")}
         lease, response = await self.send(
-            model, "/v1/chat/completions/input_tokens", strictjson.dumps(body).encode("utf-8"), stream=False
+            model, "/v1/chat/completions/input_tokens", strictjson.encode(body).encode("utf-8"), stream=False
         )
         try:
             return int(json.loads(await self.read(lease.instance, response))["input_tokens"])
@@ -397,7 +397,7 @@ class EngineProxy:
         C{add_special}, text a model wrote), by the child's tokenizer.
         """
         body = {"content": text, "add_special": add_special}
-        lease, response = await self.send(model, "/tokenize", strictjson.dumps(body).encode("utf-8"), stream=False)
+        lease, response = await self.send(model, "/tokenize", strictjson.encode(body).encode("utf-8"), stream=False)
         try:
             return len(json.loads(await self.read(lease.instance, response))["tokens"])
         finally:
@@ -412,7 +412,7 @@ class EngineProxy:
         lease, response = await self.send(
             model,
             "/tokenize",
-            strictjson.dumps(body).encode("utf-8"),
+            strictjson.encode(body).encode("utf-8"),
             stream=False,
         )
         try:

@@ -78,8 +78,8 @@ def literal(value: Any) -> str:
     """
     A GBNF literal matching C{value}'s compact JSON encoding.
     """
-    text = strictjson.dumps(value, ensure_ascii=False, separators=(",", ":"))
-    return strictjson.dumps(text, ensure_ascii=False)
+    text = strictjson.encode(value, ensure_ascii=False, separators=(",", ":"))
+    return strictjson.encode(text, ensure_ascii=False)
 
 
 class Grammar:
@@ -163,7 +163,7 @@ class Grammar:
         if self._deadline is not None and time.monotonic() > self._deadline:
             raise Unsupported(f"{where}: the schema took too long to make a grammar of (over {DEADLINE:g} s)")
         try:
-            key = (strictjson.dumps(schema, sort_keys=True, separators=(",", ":")), depth)
+            key = (strictjson.encode(schema, sort_keys=True, separators=(",", ":")), depth)
         except (TypeError, ValueError):
             key = None
         if key is not None and key in self._memo:
@@ -204,7 +204,7 @@ class Grammar:
         kind = schema.get("type")
         if isinstance(kind, list):
             # each type once
-            kinds = list(dict.fromkeys(k if isinstance(k, str) else strictjson.dumps(k) for k in kind))
+            kinds = list(dict.fromkeys(k if isinstance(k, str) else strictjson.encode(k) for k in kind))
             return "(" + " | ".join(self.value({**schema, "type": k}, where, depth + 1) for k in kinds) + ")"
         if kind is None:
             if "properties" in schema:
@@ -503,7 +503,7 @@ def min_chars(schema: Any, depth: int = 0) -> int:
         return 2
     if "const" in schema or "enum" in schema:
         values = [schema["const"]] if "const" in schema else schema["enum"] if isinstance(schema["enum"], list) else []
-        return min((len(strictjson.dumps(v)) for v in values), default=2)
+        return min((len(strictjson.encode(v)) for v in values), default=2)
     for key in ("oneOf", "anyOf"):
         if isinstance(schema.get(key), list) and schema[key]:
             return min(min_chars(o, depth + 1) for o in schema[key])

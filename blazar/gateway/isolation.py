@@ -133,6 +133,6 @@ def with_fields(raw: bytes, fields: dict[str, Any]) -> bytes | None:
     if not body.endswith(b"}"):
         return None
     inner = body[:-1].rstrip()
-    added = strictjson.dumps(fields, separators=(",", ":")).encode("utf-8")[1:-1]
+    added = strictjson.encode(fields, separators=(",", ":")).encode("utf-8")[1:-1]
     sep = b"" if inner.endswith(b"{") else b","
     return inner + sep + added + b"}"

@@ -187,7 +187,7 @@ def chat_completion(model: str, done: Any, chat: dict[str, Any]) -> bytes:
     results = results_of(done)
     top = top_logprobs(chat)
     timings = results[0].get("timings") if results else None
-    return strictjson.dumps(
+    return strictjson.encode(
         {
             "id": f"chatcmpl-{secrets.token_hex(12)}",
             "object": "chat.completion",
@@ -276,4 +276,4 @@ def encode(chunk: dict[str, Any]) -> bytes:
     """
     One chunk as an SSE event.
     """
-    return b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=COMPACT).encode("utf-8") + b"\n\n"
+    return b"data: " + strictjson.encode(chunk, ensure_ascii=False, separators=COMPACT).encode("utf-8") + b"\n\n"

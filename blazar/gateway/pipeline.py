@@ -284,7 +284,7 @@ class Pipeline:
             await call.rewrite(call)
         # a command lane's server or a remote: no token counting, no grammar of Blazar's, no slots
         lane = call.lane
-        raw = call.raw if call.raw is not None else strictjson.dumps(call.body).encode("utf-8")
+        raw = call.raw if call.raw is not None else strictjson.encode(call.body).encode("utf-8")
         path, anthropic = call.path, None
         if lane is not None and lane.name == REMOTE:
             raw, path, anthropic = self._remote_body(context, call)
@@ -496,7 +496,7 @@ class Pipeline:
 
         @return: The vector, or L{None} (logged) if the embedding failed.
         """
-        body = strictjson.dumps({"model": model, "input": text}).encode("utf-8")
+        body = strictjson.encode({"model": model, "input": text}).encode("utf-8")
         try:
             lease, response = await self._proxy.send(model, "/v1/embeddings", body, stream=False)
             try:
@@ -633,7 +633,7 @@ class Pipeline:
         return await self._proxy.send(
             call.model,
             path,
-            strictjson.dumps(body).encode("utf-8"),
+            strictjson.encode(body).encode("utf-8"),
             call.ctx_size,
             context,
             stream=stream,
@@ -780,7 +780,7 @@ class Pipeline:
         )
         body = {k: v for k, v in call.body.items() if k != "parallel_tool_calls"}
         body["tool_choice"] = "none"
-        raw = strictjson.dumps(body).encode("utf-8")
+        raw = strictjson.encode(body).encode("utf-8")
         raw = with_fields(raw, slot) or raw
         lease, response = await self._proxy.send(
             call.model,
@@ -1012,7 +1012,7 @@ class Pipeline:
         model = call.entry.remote_model
         if call.lane.api != "anthropic":
             body = dict(call.body, model=model)
-            return strictjson.dumps(body).encode("utf-8"), call.path, None
+            return strictjson.encode(body).encode("utf-8"), call.path, None
         body, ignored = to_anthropic(call.body, model)
         if ignored and context is not None:
             note_ignored(context, "remote", ignored)
@@ -1020,7 +1020,7 @@ class Pipeline:
         stream = AnthropicStream(
             call.model, int(self._clock.seconds()), isinstance(options, dict) and bool(options.get("include_usage"))
         )
-        return strictjson.dumps(body).encode("utf-8"), "/v1/messages", stream
+        return strictjson.encode(body).encode("utf-8"), "/v1/messages", stream
 
     async def _scope(self, context: RequestContext | None, model: str) -> ModelEntry | None:
         """

@@ -190,7 +190,7 @@ def _tool_input(arguments: Any, ignored: list[str]) -> dict[str, Any]:
     if isinstance(value, dict):
         return value
     ignored.append("tool_calls:unparsed-arguments")
-    return {"_raw": arguments if isinstance(arguments, str) else strictjson.dumps(arguments)}
+    return {"_raw": arguments if isinstance(arguments, str) else strictjson.encode(arguments)}
 
 
 def _tool_result(message: dict[str, Any], where: str) -> dict[str, Any]:
@@ -542,7 +542,7 @@ def from_anthropic(message: dict[str, Any], model: str, created: int) -> dict[st
                     "type": "function",
                     "function": {
                         "name": block.get("name"),
-                        "arguments": strictjson.dumps(block.get("input") or {}, ensure_ascii=False),
+                        "arguments": strictjson.encode(block.get("input") or {}, ensure_ascii=False),
                     },
                 }
             )
@@ -637,7 +637,7 @@ class AnthropicStream:
                 chunks.append(self._chunk({"reasoning_content": block["thinking"]}))
             elif kind == "tool_use" and isinstance(index, int):
                 call = self._tools[index] = len(self._tools)
-                args = strictjson.dumps(block["input"], ensure_ascii=False) if block.get("input") else ""
+                args = strictjson.encode(block["input"], ensure_ascii=False) if block.get("input") else ""
                 chunks.append(
                     self._chunk(
                         {

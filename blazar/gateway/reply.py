@@ -273,7 +273,7 @@ class Reply:
             ) from None
         self.made = (
             b"".join(
-                b"data: " + strictjson.dumps(c, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+                b"data: " + strictjson.encode(c, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
                 for c in chunks
             )
             + b"data: [DONE]\n\n"
@@ -328,7 +328,7 @@ class Reply:
                 # an answer, not a fault: the stream ends as a good one does
                 events = (
                     b"".join(
-                        b"data: " + strictjson.dumps(c, separators=(",", ":")).encode() + b"\n\n"
+                        b"data: " + strictjson.encode(c, separators=(",", ":")).encode() + b"\n\n"
                         for c in await self._cut_end(watch)
                     )
                     + b"data: [DONE]\n\n"
@@ -522,7 +522,7 @@ def hide_prompt_cache_bytes(data: bytes) -> bytes:
     except ValueError:
         return data
     hide_prompt_cache(value)
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
 class _CacheHider:

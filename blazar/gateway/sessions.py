@@ -206,7 +206,7 @@ class EngineSlots:
             response = await self._engines.request(
                 "POST",
                 f"{instance.base_url}/slots/{slot}?action={action}",
-                strictjson.dumps(body).encode("utf-8"),
+                strictjson.encode(body).encode("utf-8"),
                 {**instance.auth_headers, b"content-type": [b"application/json"]},
                 stream=False,
             )

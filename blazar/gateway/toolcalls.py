@@ -106,7 +106,7 @@ def plan(forced: Forced, budget: int) -> tuple[int, int, int]:
     token), and how many calls fit in C{budget} (1 without parallel calls).
     """
     strings = max(_strings(t["function"].get("parameters") or {}) for t in forced.tools)
-    syntax = max(48 + len(strictjson.dumps(t["function"].get("parameters") or {})) // 2 for t in forced.tools)
+    syntax = max(48 + len(strictjson.encode(t["function"].get("parameters") or {})) // 2 for t in forced.tools)
     per_call = syntax + 6 * MIN_STRING * strings
     calls = max(1, min(MAX_CALLS, budget // per_call)) if forced.parallel else 1
     return strings, syntax, calls
@@ -303,7 +303,7 @@ def tool_calls(calls: list[tuple[str, dict[str, Any]]]) -> list[dict[str, Any]]:
             "type": "function",
             "function": {
                 "name": name,
-                "arguments": strictjson.dumps(arguments, ensure_ascii=False, separators=COMPACT),
+                "arguments": strictjson.encode(arguments, ensure_ascii=False, separators=COMPACT),
             },
         }
         for name, arguments in calls
@@ -324,7 +324,7 @@ def chat_completion(
     message: dict[str, Any] = (
         {"role": "assistant", "content": None, "tool_calls": calls} if calls else {"role": "assistant", "content": ""}
     )
-    return strictjson.dumps(
+    return strictjson.encode(
         {
             "id": f"chatcmpl-{secrets.token_hex(12)}",
             "object": "chat.completion",
@@ -361,7 +361,7 @@ def chat_stream(
     def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
         return (
             b"data: "
-            + strictjson.dumps({**base, "choices": choices, **extra}, ensure_ascii=False, separators=COMPACT).encode(
+            + strictjson.encode({**base, "choices": choices, **extra}, ensure_ascii=False, separators=COMPACT).encode(
                 "utf-8"
             )
             + b"\n\n"

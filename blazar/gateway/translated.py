@@ -90,7 +90,7 @@ class FromAnthropic(Translated):
             answer = from_anthropic(message, self.stream.model, self.stream.created)
         except (ValueError, TypeError, AttributeError) as e:
             raise EngineRejected(502, f"the remote's answer is not an Anthropic message: {e}") from None
-        return strictjson.dumps(answer, ensure_ascii=False).encode("utf-8")
+        return strictjson.encode(answer, ensure_ascii=False).encode("utf-8")
 
     def events(self, on_chunk: OnChunk) -> Feed:
         """
@@ -125,7 +125,9 @@ class FromAnthropic(Translated):
         def on_chunk(chunk: dict[str, Any]) -> None:
             nonlocal done
             feed(
-                b"data: " + strictjson.dumps(chunk, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n\n"
+                b"data: "
+                + strictjson.encode(chunk, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+                + b"\n\n"
             )
             if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
                 done = True
@@ -225,4 +227,4 @@ def with_model(data: bytes, model: str, server: str) -> bytes:
     if "model" not in value:
         return data
     value["model"] = model
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

@@ -491,7 +491,7 @@ def go_value(value: Any, verbose: bool) -> str:
         return go_quote(value) if verbose else value
     if value is None:
         return "<nil>"
-    return strictjson.dumps(value)
+    return strictjson.encode(value)
 
 
 def parameter_lines(parameters: Mapping[str, Any]) -> list[tuple[str, Any]]:
@@ -532,7 +532,7 @@ def go_json(value: Any, sort_keys: bool = True) -> bytes:
             return [whole(x) for x in v]
         return v
 
-    text = strictjson.dumps(whole(value), separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False)
+    text = strictjson.encode(whole(value), separators=(",", ":"), sort_keys=sort_keys, ensure_ascii=False)
     for c, escaped in (
         ("<", "\\u003c"),
         (">", "\\u003e"),

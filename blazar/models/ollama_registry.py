@@ -132,7 +132,7 @@ class Part:
         """
         The part file's JSON with C{completed} bytes on disk (Ollama's shape).
         """
-        return strictjson.dumps(
+        return strictjson.encode(
             {"N": self.n, "Offset": self.offset, "Size": self.size, "Completed": completed}
         ).encode()
 

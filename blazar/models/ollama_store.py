@@ -303,7 +303,7 @@ def manifest_bytes(manifest: dict[str, Any]) -> bytes:
     The bytes a manifest is stored (and pushed) as: compact JSON, as Ollama
     writes it; its sha256 is the model's digest.
     """
-    return strictjson.dumps(manifest, separators=(",", ":")).encode("utf-8")
+    return strictjson.encode(manifest, separators=(",", ":")).encode("utf-8")
 
 
 def descriptors(manifest: dict[str, Any]) -> list[dict[str, Any]]:
@@ -784,7 +784,7 @@ def thd_put_model(
             **(config or {}),
             "rootfs": {"type": "layers", "diff_ids": [d["digest"] for d in layers]},
         }
-        data = strictjson.dumps(body, separators=(",", ":")).encode()
+        data = strictjson.encode(body, separators=(",", ":")).encode()
         held.add(["sha256:" + hashlib.sha256(data).hexdigest()])
         manifest = make_manifest(layer(MEDIA_CONFIG, thd_add_bytes(root, data), len(data)), layers)
         thd_write_manifest(root, name, manifest)

@@ -406,7 +406,7 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
     rows from the end of each model's list until it fits.
     """
 
-    text = strictjson.dumps(snapshot)
+    text = strictjson.encode(snapshot)
     truncated = False
     while len(text.encode("utf-8")) > budget:
         rows = [m for m in snapshot["models"] if m.get("requests")]
@@ -415,7 +415,7 @@ def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str
         for model in rows:
             model["requests"] = model["requests"][: len(model["requests"]) // 2]
         truncated = True
-        text = strictjson.dumps(snapshot)
+        text = strictjson.encode(snapshot)
     return text, truncated
 
 
@@ -647,10 +647,10 @@ class ControlServer(amp.AMP):
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)
         truncated = False
-        while len(strictjson.dumps(rows)) > QUEUE_BUDGET:
+        while len(strictjson.encode(rows)) > QUEUE_BUDGET:
             rows, truncated = rows[: len(rows) // 2], True
         enabled = bool(table is not None and table.enabled)
-        return {"sessions": strictjson.dumps({"sessions": rows, "enabled": enabled}), "truncated": truncated}
+        return {"sessions": strictjson.encode({"sessions": rows, "enabled": enabled}), "truncated": truncated}
 
     @SessionClose.responder
     def session_close(self, name: str, key: str | None = None) -> dict[str, Any]:
@@ -680,7 +680,7 @@ class ControlServer(amp.AMP):
                 model=stored["model"],
                 engine=stored["engine"],
             )
-            return {"bench": strictjson.dumps(stored)}
+            return {"bench": strictjson.encode(stored)}
 
         return Deferred.fromCoroutine(answer())
 
@@ -691,10 +691,10 @@ class ControlServer(amp.AMP):
                 raise BenchError("this daemon keeps no bench history")
             count = BENCH_LIMIT if limit is None else max(1, min(BENCH_MAX_LIMIT, limit))
             runs = await self._bench.history(model, count)
-            text, truncated = strictjson.dumps(runs), False
+            text, truncated = strictjson.encode(runs), False
             while len(text.encode("utf-8")) > QUEUE_BUDGET and runs:
                 runs, truncated = runs[: len(runs) // 2], True  # the newest kept
-                text = strictjson.dumps(runs)
+                text = strictjson.encode(runs)
             return {"runs": text, "truncated": truncated}
 
         return Deferred.fromCoroutine(answer())

@@ -114,7 +114,7 @@ class AnthropicSurface:
         call, _, _ = self._call(request, counting=True)
         count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps({"input_tokens": count}).encode("utf-8")
+        return strictjson.encode({"input_tokens": count}).encode("utf-8")
 
     @app.route("/v1/messages", methods=["POST"])
     async def messages(self, request: IRequest) -> bytes | None:
@@ -133,7 +133,7 @@ class AnthropicSurface:
             translator.finish()
             self._usage(reply, translator)
             request.setHeader(b"content-type", b"application/json")
-            return strictjson.dumps(translator.message(), ensure_ascii=False).encode("utf-8")
+            return strictjson.encode(translator.message(), ensure_ascii=False).encode("utf-8")
         # A loaded model answers at once: the pipeline sends first, so a
         # request the engine rejects is an HTTP error, not a 200 stream
         # with an error event, and message_start carries the prompt's

@@ -136,7 +136,7 @@ class AuditLog:
                 item = self._queue.get()
                 if item is _STOP:
                     return
-                data = strictjson.dumps(item, separators=(",", ":")) + "\n"
+                data = strictjson.encode(item, separators=(",", ":")) + "\n"
                 if f is None and time.monotonic() < retry_at:
                     self.dropped += 1  # down, before its next try
                     continue

@@ -119,7 +119,7 @@ def _limit(request: IRequest, default: int, most: int) -> int:
 
 def _json(request: IRequest, value: object) -> bytes:
     request.setHeader(b"content-type", b"application/json")
-    return strictjson.dumps(value).encode("utf-8")
+    return strictjson.encode(value).encode("utf-8")
 
 
 class BatchSurface:

@@ -395,7 +395,7 @@ class Dashboard:
             else:
                 fresh = lines(state["seq"])
                 for line in fresh:
-                    request.write(f"id: {line['seq']}\ndata: {strictjson.dumps(line)}\n\n".encode("utf-8"))
+                    request.write(f"id: {line['seq']}\ndata: {strictjson.encode(line)}\n\n".encode("utf-8"))
                     state["seq"] = line["seq"]
                     if state["paused_at"] is not None:
                         break  # the transport's buffer is full: the rest when it drains
@@ -495,7 +495,7 @@ class Dashboard:
     def _json(self, request: IRequest, value: Any) -> bytes:
         secure(request)
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps(value).encode("utf-8")
+        return strictjson.encode(value).encode("utf-8")
 
     @app.handle_errors(Exception)
     def _error(self, request: IRequest, failure: Failure) -> bytes | None:

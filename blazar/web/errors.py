@@ -163,7 +163,7 @@ def openai_error(problem: Problem) -> bytes:
     "param", "code"}}}, encoded: the answer's body, or a stream's error
     event's data (the same C{type} and C{code} either way).
     """
-    return strictjson.dumps(
+    return strictjson.encode(
         {
             "error": {
                 "message": problem.message,
@@ -210,7 +210,7 @@ def anthropic_error(problem: Problem) -> bytes:
     message = problem.message
     if problem.kind == "model_not_found":
         message = f"model: {problem.subject} ({problem.message})"  # Anthropic's wording
-    return strictjson.dumps({"type": "error", "error": {"type": anthropic_type(problem), "message": message}}).encode(
+    return strictjson.encode({"type": "error", "error": {"type": anthropic_type(problem), "message": message}}).encode(
         "utf-8"
     )
 
@@ -234,7 +234,7 @@ def envelope(surface: str, problem: Problem) -> tuple[int, bytes]:
     OpenAI's shape for C{"openai"}, C{"responses"} and C{"ui"}.
     """
     if surface == "ollama":
-        return problem.status, strictjson.dumps({"error": ollama_message(problem)}).encode("utf-8")
+        return problem.status, strictjson.encode({"error": ollama_message(problem)}).encode("utf-8")
     if surface == "anthropic":
         return anthropic_status(problem), anthropic_error(problem)
     return problem.status, openai_error(problem)

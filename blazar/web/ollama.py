@@ -64,11 +64,11 @@ class OllamaError(BadRequest):
 def _json(request: IRequest, value: Any, status: int = 200) -> bytes:
     request.setResponseCode(status)
     request.setHeader(b"content-type", b"application/json; charset=utf-8")
-    text = strictjson.dumps(value, ensure_ascii=False, separators=(",", ":"))
+    text = strictjson.encode(value, ensure_ascii=False, separators=(",", ":"))
     try:
         return text.encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate echoed from the request
-        return strictjson.dumps(value, separators=(",", ":")).encode("ascii")
+        return strictjson.encode(value, separators=(",", ":")).encode("ascii")
 
 
 def _rfc3339(seconds: float) -> str:
@@ -462,7 +462,7 @@ class OllamaSurface:
         }
         if stream:
             request.setHeader(b"content-type", b"application/x-ndjson")
-            return strictjson.dumps(line).encode("utf-8") + b"\n"
+            return strictjson.encode(line).encode("utf-8") + b"\n"
         return _json(request, line)
 
     async def _generate(self, request: IRequest, kind: str) -> bytes | None:

@@ -64,7 +64,7 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     """
     OpenAI's error envelope, encoded.
     """
-    return strictjson.dumps(
+    return strictjson.encode(
         {"error": {"message": message, "type": type_, "param": param, "code": code}},
     ).encode("utf-8")
 
@@ -298,14 +298,14 @@ class OpenAISurface:
         allowed = set(visible_entries(context_of(request), entries))
         data = [await self._model_object(e.name, e) for e in entries if e.name in allowed]
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps({"object": "list", "data": data}).encode("utf-8")
+        return strictjson.encode({"object": "list", "data": data}).encode("utf-8")
 
     @app.route("/v1/models/<path:model_id>", methods=["GET"])
     async def get_model(self, request: IRequest, model_id: str) -> bytes:
         entry = await resolve_in_scope(context_of(request), self._registry, model_id)
         answer = await self._model_object(model_id, entry)
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps(answer).encode("utf-8")
+        return strictjson.encode(answer).encode("utf-8")
 
     # -- inference ------------------------------------------------------------
 
@@ -351,7 +351,7 @@ class OpenAISurface:
             out = rerank_tr.encode(answer if isinstance(answer, dict) else {}, model, texts, top_n, return_documents)
             reply.usage(out["usage"]["prompt_tokens"], 0)
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps(out).encode("utf-8")
+        return strictjson.encode(out).encode("utf-8")
 
     # -- speech to text (blazar.web.translate.audio): the whisper lane --------
 
@@ -450,7 +450,7 @@ class OpenAISurface:
         )
         context_of(request).images = len(out["data"])
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps(out).encode("utf-8")
+        return strictjson.encode(out).encode("utf-8")
 
     @app.route(IMAGE_FILES + "<token>", methods=["GET", "HEAD"])
     def image_file(self, request: IRequest, token: str) -> bytes:

@@ -123,8 +123,8 @@ class Responses:
             now,
             now + config.responses_ttl,
             response.get("previous_response_id"),
-            strictjson.dumps(response),
-            strictjson.dumps(items),
+            strictjson.encode(response),
+            strictjson.encode(items),
         )
         try:
             await self._run_db(store.thd_put_response, row, config.responses_max_stored)
@@ -228,7 +228,7 @@ class Responses:
         call, _, _ = await self._translate(request, body)
         count = await self._pipeline.count(context_of(request), call)
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
+        return strictjson.encode({"object": "response.input_tokens", "input_tokens": count}).encode("utf-8")
 
     async def retrieve(self, request: IRequest, response_id: str) -> bytes:
         response, _, _ = await self._load(request, response_id)
@@ -255,4 +255,4 @@ class Responses:
         if not deleted:
             raise ResponseNotFound(f"no response with id {response_id!r}")
         request.setHeader(b"content-type", b"application/json")
-        return strictjson.dumps({"id": response_id, "object": "response", "deleted": True}).encode("utf-8")
+        return strictjson.encode({"id": response_id, "object": "response", "deleted": True}).encode("utf-8")

@@ -51,8 +51,8 @@ class ModelRenamer:
 
     def __init__(self, engine_name: str, client_name: str) -> None:
         self.needed = engine_name != client_name
-        self._old = b'"model":' + strictjson.dumps(engine_name).encode("utf-8")
-        self._new = b'"model":' + strictjson.dumps(client_name).encode("utf-8")
+        self._old = b'"model":' + strictjson.encode(engine_name).encode("utf-8")
+        self._new = b'"model":' + strictjson.encode(client_name).encode("utf-8")
 
     def rename(self, data: bytes) -> bytes:
         """

@@ -210,7 +210,7 @@ def messages_to_openai(messages: Any, ignored: list[str] | None = None) -> list[
                 if not isinstance(block.get("input", {}), dict):
                     raise AnthropicRequestError(f"{bwhere}.input: must be an object")
                 tool_ids.add(block["id"])
-                arguments = strictjson.dumps(block.get("input") or {}, ensure_ascii=False)
+                arguments = strictjson.encode(block.get("input") or {}, ensure_ascii=False)
                 tool_calls.append(
                     {
                         "id": block["id"],
@@ -746,6 +746,6 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
         b"event: "
         + event.encode("ascii")
         + b"\ndata: "
-        + strictjson.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+        + strictjson.encode(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
         + b"\n\n"
     )

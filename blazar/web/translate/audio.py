@@ -147,7 +147,7 @@ def encode(
             lines += [str(s.get("text", "")).strip(), ""]
         return "\n".join(lines).encode("utf-8") + b"\n", CONTENT_TYPES[response_format]
     if response_format == "json":
-        return strictjson.dumps({"text": text, "usage": usage}).encode("utf-8"), CONTENT_TYPES["json"]
+        return strictjson.encode({"text": text, "usage": usage}).encode("utf-8"), CONTENT_TYPES["json"]
     out: dict[str, Any] = {
         "task": "translate" if translate else "transcribe",
         "language": str(answer.get("language") or ""),
@@ -182,7 +182,7 @@ def encode(
             if isinstance(w, dict) and str(w.get("word", "")).strip()
         ]
     out["usage"] = usage
-    return strictjson.dumps(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]
+    return strictjson.encode(out).encode("utf-8"), CONTENT_TYPES["verbose_json"]
 
 
 def _clamped(segment: dict[str, Any], duration: float) -> dict[str, Any]:

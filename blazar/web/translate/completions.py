@@ -415,4 +415,4 @@ def dumps(value: Any) -> bytes:
     Compact JSON, UTF-8, as llama-server writes it (so the model renamer's
     byte match still finds C{"model":"..."}).
     """
-    return strictjson.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")

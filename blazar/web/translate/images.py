@@ -100,7 +100,7 @@ def decode(body: Mapping[str, Any]) -> tuple[dict[str, Any], str, list[str]]:
         _text(negative, "negative_prompt")
         extra["negative_prompt"] = negative
     if extra:
-        prompt += f"<sd_cpp_extra_args>{strictjson.dumps(extra)}</sd_cpp_extra_args>"
+        prompt += f"<sd_cpp_extra_args>{strictjson.encode(extra)}</sd_cpp_extra_args>"
     engine["prompt"] = prompt
     return engine, response_format, [name for name in IGNORED if name in body]
 

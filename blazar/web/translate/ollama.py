@@ -127,7 +127,7 @@ def _image_url(data: Any) -> dict[str, Any]:
 def _arguments_json(arguments: Any) -> str:
     if isinstance(arguments, str):
         return arguments
-    return strictjson.dumps(arguments if arguments is not None else {}, ensure_ascii=False)
+    return strictjson.encode(arguments if arguments is not None else {}, ensure_ascii=False)
 
 
 def messages_to_openai(messages: Any) -> list[dict[str, Any]]:
@@ -634,7 +634,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     Objects as NDJSON bytes, one compact line each.
     """
     return b"".join(
-        strictjson.dumps(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n" for line in lines
+        strictjson.encode(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n" for line in lines
     )
 
 

@@ -180,7 +180,7 @@ def items_to_messages(
                 raw_input = item.get("input")
                 arguments: Any = None
                 if isinstance(raw_input, str):
-                    arguments = strictjson.dumps({"input": raw_input}, ensure_ascii=False)
+                    arguments = strictjson.encode({"input": raw_input}, ensure_ascii=False)
             else:
                 arguments = item.get("arguments")
             if not all(isinstance(v, str) for v in (call_id, name, arguments)):
@@ -780,9 +780,9 @@ def dump(value: Any) -> bytes:
     surrogate echoed from a request (never a 500 for it).
     """
     try:
-        return strictjson.dumps(value, ensure_ascii=False).encode("utf-8")
+        return strictjson.encode(value, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError:
-        return strictjson.dumps(value).encode("ascii")
+        return strictjson.encode(value).encode("ascii")
 
 
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
