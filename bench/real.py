@@ -469,8 +469,7 @@ def real_engine(bench: Bench, wrk: Any, lua_post: Any) -> None:
         res["ttfb_ms"] = ttfb(ports, key, 30 if bench.seconds < 5 else 100, res["ttfb_errors"])
         res["load_average_after"] = os.getloadavg()
         res["summary"] = summarize(res)
-        relay = bench.results.get("relay")
-        res["targets"] = verdicts(res["summary"], relay["summary"]["blazar"]["chunks_per_s"] if relay else None)
+        res["targets"] = verdicts(res["summary"])  # the relay ceiling's: added by run.py where measured
         bench.results["real_engine"] = res
     finally:
         for proc in procs:

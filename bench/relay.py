@@ -197,6 +197,26 @@ def summarize(runs: dict[str, list[dict[str, Any]]], events: int, warmup_errors:
     return out
 
 
+def ceiling(res: dict[str, Any]) -> dict[str, Any]:
+    """
+    Blazar's relay ceiling on one core and its CPU per chunk, the lesser
+    and the greater of two readings: the chunks/s it relayed with the engine
+    flat out (where events pile up in the socket and one read carries many,
+    the per-read cost spread over them), and, with the paced engine (each
+    event in a read of its own, as from a GPU), 1 s over its CPU per chunk:
+    the rate at which that cost fills one core.
+    """
+    flat = res["summary"]["blazar"]
+    readings = {"flat out, measured": (flat["chunks_per_s"], flat["cpu_us_per_chunk"])}
+    if "paced" in res:
+        us = res["paced"]["summary"]["blazar"]["cpu_us_per_chunk"]
+        readings["paced, 1 s / CPU per chunk"] = (ratio(1e6, us), us)
+    chunks = min(readings.values(), key=lambda v: v[0] if v[0] == v[0] else -1.0)[0]
+    cpu = max(readings.values(), key=lambda v: v[1] if v[1] == v[1] else float("inf"))[1]
+    said = "; ".join(f"{name}: {c:.0f} chunks/s, {us:.1f} us/chunk" for name, (c, us) in readings.items())
+    return {"chunks_per_s": chunks, "cpu_us_per_chunk": cpu, "readings": said}
+
+
 def relay_table(res: dict[str, Any]) -> str:
     s = res["summary"]
     names = {"direct": "canned engine direct", "nginx": "nginx proxy_pass (floor)", "blazar": "Blazar"}
@@ -240,13 +260,15 @@ def relay_table(res: dict[str, Any]) -> str:
         rows += [f"  {name}: {e[:300]}" for name, e in failing]
     rows.append("")
     b = s["blazar"]
+    top = ceiling(res)
     for name, value, op, limit, unit in (
-        ("relay ceiling on one core", b["chunks_per_s"], ">=", CEILING_TARGET, "chunks/s"),
-        ("gateway CPU per relayed chunk at the ceiling", b["cpu_us_per_chunk"], "<=", CHUNK_CPU_TARGET, "us"),
+        ("relay ceiling on one core", top["chunks_per_s"], ">=", CEILING_TARGET, "chunks/s"),
+        ("gateway CPU per relayed chunk", top["cpu_us_per_chunk"], "<=", CHUNK_CPU_TARGET, "us"),
     ):
         met = None if value != value else (value >= limit if op == ">=" else value <= limit)
         word = {True: "MET", False: "NOT MET", None: "not measured"}[met]
         rows.append(f"  [{word}] {name}: {value:.1f} (target {op} {limit} {unit})")
+    rows.append(f"  (the worse of: {top['readings']})")
     if b["gateway_cpu_share"] == b["gateway_cpu_share"] and b["gateway_cpu_share"] < 0.9:
         rows.append(
             f"  (Blazar used {100 * b['gateway_cpu_share']:.0f}% of its core: the load side, not Blazar, "

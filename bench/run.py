@@ -3,8 +3,8 @@
 Blazar's own cost per request and per streamed chunk, measured against the
 engine direct, side by side in one run (A B A B ...), as ratios.
 
-    ./dev.sh bench [--quick] [--profile LABEL] [--only real,nonstream,...]
-    ./dev.sh bench --cprofile LABEL   (only: the daemon's CPU profile, cProfile)
+    ./dev.sh bench [--quick] [--profile LABEL] [--only real,relay,...] [--tree PATH]
+    ./dev.sh bench --cprofile LABEL [--tree PATH]   (only: the daemon's CPU profile, cProfile)
 
 It starts what it needs on loopback and stops it: a Blazar daemon pinned
 to CPU 0; as engines, nginx serving canned llama-server replies (a
@@ -16,11 +16,19 @@ nginx (Debian: apt-get install wrk nginx-light).
 The first table (scenario `real`, bench/real.py) is the real engine: one
 llama-server child direct, behind an nginx proxy_pass hop, behind Blazar
 and behind LiteLLM's proxy (installed into a venv of its own), requests
-alternating between the four. The second (scenario `realmodel`,
+alternating between the four. The second (scenario `relay`, bench/relay.py)
+is the relay ceiling: a canned engine streaming as fast as the socket allows
+(and paced as a GPU engine) to 64 clients, direct, behind nginx and behind
+Blazar on one core. The next (scenario `realmodel`,
 bench/realmodel.py) is a real model, SmolLM2-135M-Instruct from its PyPI
 wheel: decode tokens/s and time to first token through Blazar against the
 engine direct at 1, 4 and 16 concurrent streams, and the share kept. The
 last is the canned upstream, which isolates Blazar's relay.
+
+A target's errors (non-2xx replies, socket errors) are recorded in its row,
+with the first one's status and body, never a reason to stop the table.
+--tree PATH runs the daemon's Blazar from another source tree (its
+PYTHONPATH), so one bench measures before and after.
 """
 
 from __future__ import annotations
@@ -839,7 +847,7 @@ def main() -> int:
     sys.path.insert(0, str(HERE))
     only = set((args.only or "real,relay,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
     from real import real_engine, real_table, verdicts
-    from relay import relay_scenario, relay_table
+    from relay import ceiling, relay_scenario, relay_table
 
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
@@ -897,8 +905,8 @@ def main() -> int:
         **bench.results,
     }
     if "real_engine" in result and "relay" in result:  # the relay ceiling among the real table's targets
-        relay = result["relay"]["summary"]["blazar"]["chunks_per_s"]
-        result["real_engine"]["targets"] = verdicts(result["real_engine"]["summary"], relay)
+        top = ceiling(result["relay"])["chunks_per_s"]
+        result["real_engine"]["targets"] = verdicts(result["real_engine"]["summary"], top)
     print(f"the daemon's Blazar: {bench.daemon_blazar}\n")
     if "real_engine" in result:
         print(real_table(result["real_engine"]))

@@ -237,7 +237,30 @@ class RelayTableTests(SynchronousTestCase):
         self.assertTrue(blazar_row.rstrip().endswith(" 1"), blazar_row)
         self.assertIn("  Blazar: 1 non-2xx (first: 503 busy)", text)
         self.assertIn("  [MET] relay ceiling on one core: 50000.0 (target >= 30000 chunks/s)", text)
-        self.assertIn("  [MET] gateway CPU per relayed chunk at the ceiling: 20.0 (target <= 30 us)", text)
+        self.assertIn("  [MET] gateway CPU per relayed chunk: 20.0 (target <= 30 us)", text)
+
+    def test_ceiling_the_worse_reading(self) -> None:
+        """
+        With the paced engine too, the ceiling is the lesser of the measured
+        chunks/s and 1 s over the paced CPU per chunk, the CPU per chunk the
+        greater.
+        """
+        flat = {"direct": [relay_run(6000, 0.0)], "nginx": [relay_run(5000, 0.8)], "blazar": [relay_run(1000, 2.0)]}
+        paced = {"direct": [relay_run(500, 0.0)], "blazar": [relay_run(400, 1.6)]}  # 40 us per chunk
+        res = {
+            "summary": relay.summarize(flat, 100, {}),
+            "paced": {"summary": relay.summarize(paced, 100, {}), "step_s": 0.002, "offered_chunks_per_s": 32000.0},
+            "events_per_stream": {"direct": 100},
+            "connections": 64,
+            "pinning": "p",
+            "seconds_per_run": 2.0,
+        }
+        top = relay.ceiling(res)
+        self.assertEqual((top["chunks_per_s"], top["cpu_us_per_chunk"]), (25000.0, 40.0))
+        text = relay.relay_table(res)
+        self.assertIn("  [NOT MET] relay ceiling on one core: 25000.0 (target >= 30000 chunks/s)", text)
+        self.assertIn("  [NOT MET] gateway CPU per relayed chunk: 40.0 (target <= 30 us)", text)
+        self.assertIn("paced: Blazar ", text)
 
 
 class FakeTransport:
