@@ -121,7 +121,7 @@ def relay_scenario(bench: Bench, wrk: Any, lua_post: Any) -> None:
             "load_average": os.getloadavg(),
             "runs": runs,
         }
-        res["summary"] = summarize(runs, counted["direct"], warmup_errors)
+        res["summary"] = summarize(runs, counted, warmup_errors)
         res["paced"] = paced(bench, wrk, lua_post)
         bench.results["relay"] = res
     finally:
@@ -159,20 +159,24 @@ def paced(bench: Bench, wrk: Any, lua_post: Any) -> dict[str, Any]:
         "events_per_stream": counted,
         "warmup_errors": warmup_errors,
         "runs": runs,
-        "summary": summarize(runs, counted["direct"] or 0, warmup_errors),
+        "summary": summarize(runs, counted, warmup_errors),
     }
 
 
-def summarize(runs: dict[str, list[dict[str, Any]]], events: int, warmup_errors: dict[str, str]) -> dict[str, Any]:
+def summarize(
+    runs: dict[str, list[dict[str, Any]]], counted: dict[str, int | None], warmup_errors: dict[str, str]
+) -> dict[str, Any]:
     """
     Per target, from its better run without errors: chunks/s, CPU per
     chunk, how busy each core was, and its errors.
 
-    @param events: data events per stream (the direct count: a target that
-        relays a stream whole relays them all).
+    @param counted: data events per stream, per target, as one whole stream
+        read through it had them (every stream carries the same events);
+        where a target's could not be read, direct's.
     """
     out: dict[str, Any] = {}
     for t, rs in runs.items():
+        events = counted.get(t) or counted.get("direct") or 0
         best = best_run(rs)
         ok = best["requests"] - best["non2xx"]
         chunks = ok * events
@@ -269,10 +273,15 @@ def relay_table(res: dict[str, Any]) -> str:
         word = {True: "MET", False: "NOT MET", None: "not measured"}[met]
         rows.append(f"  [{word}] {name}: {value:.1f} (target {op} {limit} {unit})")
     rows.append(f"  (the worse of: {top['readings']})")
-    if b["gateway_cpu_share"] == b["gateway_cpu_share"] and b["gateway_cpu_share"] < 0.9:
+    share = b["gateway_cpu_share"]
+    if share == share and share < 0.9:
+        why = (
+            "other processes took the rest of its core (a shared machine)"
+            if b["gateway_core_busy"] >= 0.95
+            else "the load side, not Blazar, set this pace"
+        )
         rows.append(
-            f"  (Blazar used {100 * b['gateway_cpu_share']:.0f}% of its core: the load side, not Blazar, "
-            "set this ceiling; Blazar's figure is a lower bound)"
+            f"  (flat out, Blazar used {100 * share:.0f}% of its core: {why}; its chunks/s there is a lower bound)"
         )
     return "\n".join(rows)
 

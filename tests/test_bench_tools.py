@@ -219,7 +219,7 @@ class RelayTableTests(SynchronousTestCase):
             "nginx": [relay_run(5000, 0.8), relay_run(5200, 0.8)],
             "blazar": [relay_run(1100, 2.0, 1, "1 non-2xx (first: 503 busy)"), relay_run(1000, 2.0)],
         }
-        s = relay.summarize(runs, 100, {})
+        s = relay.summarize(runs, {"direct": 100, "nginx": 100, "blazar": None}, {})
         self.assertEqual(s["direct"]["chunks_per_s"], 320000.0)
         self.assertEqual(s["blazar"]["chunks_per_s"], 50000.0)  # the run without errors
         self.assertEqual(s["blazar"]["cpu_us_per_chunk"], 20.0)  # 2 s / 100,000 chunks
@@ -248,8 +248,12 @@ class RelayTableTests(SynchronousTestCase):
         flat = {"direct": [relay_run(6000, 0.0)], "nginx": [relay_run(5000, 0.8)], "blazar": [relay_run(1000, 2.0)]}
         paced = {"direct": [relay_run(500, 0.0)], "blazar": [relay_run(400, 1.6)]}  # 40 us per chunk
         res = {
-            "summary": relay.summarize(flat, 100, {}),
-            "paced": {"summary": relay.summarize(paced, 100, {}), "step_s": 0.002, "offered_chunks_per_s": 32000.0},
+            "summary": relay.summarize(flat, {"direct": 100}, {}),
+            "paced": {
+                "summary": relay.summarize(paced, {"direct": 100, "blazar": 100}, {}),
+                "step_s": 0.002,
+                "offered_chunks_per_s": 32000.0,
+            },
             "events_per_stream": {"direct": 100},
             "connections": 64,
             "pinning": "p",
