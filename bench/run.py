@@ -660,8 +660,10 @@ def cprofile(bench: Bench, label: str) -> Path:
     """
     The daemon's CPU profile (cProfile, process time) over 500
     non-streamed C{max_tokens: 1} chat completions and 100 streams of 64
-    tokens, one at a time, on the real engine; into
-    C{bench/results/cprofile-LABEL.txt}.
+    tokens, one at a time, on the real engine, then 5 s of streams from the
+    relay ceiling's canned engine, 64 at a time (bench/relay.py); into
+    C{bench/results/cprofile-LABEL.txt}, headed by the tree the daemon's
+    Blazar came from (C{--tree}).
     """
     import pstats
 
@@ -672,20 +674,12 @@ def cprofile(bench: Bench, label: str) -> Path:
         {"model": "tiny", "messages": HELLO, "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0}
     )
     out = io.StringIO()
-    for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
-        conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
+    out.write(f"daemon's Blazar: {bench.daemon_blazar}\n")
 
-        def send(n: int) -> None:
-            for _ in range(n):
-                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-                reply = conn.getresponse()
-                reply.read()
-                assert reply.status == 200, reply.status
-
-        send(20)
+    def profiled(title: str, work: Any) -> None:
         bench.proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)
-        send(count)
+        said = work()
         assert bench.cprofile_out is not None
         bench.cprofile_out.unlink(missing_ok=True)
         bench.proc.send_signal(signal.SIGUSR2)
@@ -693,17 +687,40 @@ def cprofile(bench: Bench, label: str) -> Path:
         while not bench.cprofile_out.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        conn.close()
         stats = pstats.Stats(str(bench.cprofile_out), stream=out)
-        out.write(f"==== {count} {name} requests, c = 1 (CPU time under cProfile: its own overhead included)\n")
+        out.write(f"==== {title}{said} (CPU time under cProfile: its own overhead included)\n")
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats("blazar/", 30)
+
+    for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
+        conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
+
+        def send(n: int) -> str:
+            for _ in range(n):
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                reply = conn.getresponse()
+                reply.read()
+                assert reply.status == 200, reply.status
+            return ""
+
+        send(20)
+        profiled(f"{count} {name} requests, c = 1", lambda: send(count))
+        conn.close()
+    # the relay: streams from the canned engine, 64 at a time
+    bench.child("relay")
+    script = lua_post(bench.work / "cprofile-relay.lua", {"model": "relay", "messages": HELLO, "stream": True})
+    url = f"http://127.0.0.1:{bench.port}/v1/chat/completions"
+    wrk(url, script, 64, 1, None)
+
+    def relay() -> str:
+        r = wrk(url, script, 64, 5, None)
+        errors = f"; ERRORS {r['first_error']}" if r["errors"] else ""
+        return f": {r['requests'] - r['non2xx']} streams of 100 events in {r['duration_s']:.1f} s{errors}"
+
+    profiled("the relay ceiling's canned engine, 64 streams at a time", relay)
     path = HERE / "results" / f"cprofile-{label}.txt"
-    out = io.StringIO(f"daemon's Blazar: {bench.daemon_blazar}\n" + out.getvalue())
-    out.seek(0, io.SEEK_END)
-    path.write_text(
-        re.sub(r"/\S*/site-packages/", "", out.getvalue()).replace(str(ROOT) + "/", "").replace(f"{bench.tree}/", "")
-    )
+    text = re.sub(r"/\S*/site-packages/", "", out.getvalue()).replace(str(ROOT) + "/", "")
+    path.write_text(text.replace(f"{bench.tree}/", "") if bench.tree else text)
     return path
 
 
