@@ -373,3 +373,57 @@ class RelayEngineTests(SynchronousTestCase):
         )
         self.assertTrue(t.written[1].endswith(engine_shim.canned("relay")[0].encode()))
         self.assertFalse(t.closed)
+
+
+def real_results(failing: dict[str, Any]) -> dict[str, Any]:
+    """
+    A real-engine scenario's results, every target alike but Blazar's
+    C{chat c=64}, which had C{failing}'s errors in one of its two runs.
+    """
+
+    def best(rps: float, cpu_s: float, errors: dict[str, Any] | None = None) -> dict[str, Any]:
+        runs = [{**a_run(rps), "p50_ms": 3.0, "cpu_s": cpu_s, "requests": int(rps * 5)}]
+        runs.append({**runs[0], **errors} if errors else dict(runs[0]))
+        out = run.best_run(runs)
+        out["cpu_ms_per_request"] = run.ratio(1000 * out["cpu_s"], out["requests"])
+        return out
+
+    def rotation(cpu_s: float) -> dict[str, Any]:
+        return {t: best(200.0, 0.0 if t == "direct" else cpu_s * (100 if t == "litellm" else 1)) for t in real.TARGETS}
+
+    res: dict[str, Any] = {
+        "chunks_per_stream": {"direct": 45},
+        "chunks_per_short_stream": {"direct": 3},
+        "chat": {c: rotation(0.5) for c in ("1", "8", "64")},
+        "stream": {c: rotation(2.0) for c in ("1", "16", "64")},
+        "short_stream": {"1": rotation(0.6)},
+        "ttfb_ms": {t: 3.0 for t in real.TARGETS},
+        "ttfb_errors": {"litellm": "SystemExit: port 1: no event in b''"},
+        "warmup_errors": {},
+        "litellm_version": "1.0",
+        "pinning": "p",
+        "seconds_per_run": 5.0,
+    }
+    res["chat"]["64"]["blazar"] = best(150.0, 0.5, failing)
+    res["summary"] = real.summarize(res)
+    res["targets"] = real.verdicts(res["summary"])
+    return res
+
+
+class RealTableTests(SynchronousTestCase):
+    """
+    L{real.real_table}: each target's errors in its row and under the table.
+    """
+
+    def test_errors_shown(self) -> None:
+        res = real_results({"errors": 1, "first_error": '1 non-2xx (first: 503 {"error":"busy"})', "rps": 900.0})
+        self.assertEqual(res["chat"]["64"]["blazar"]["rps"], 150.0)  # the run without errors
+        self.assertEqual(res["summary"]["blazar"]["errors"]["count"], 1)
+        text = real.real_table(res)
+        rows = {line.split("  ")[0]: line for line in text.splitlines()}
+        self.assertTrue(rows["Blazar"].endswith(" 1"), rows["Blazar"])
+        self.assertTrue(rows["llama-server direct"].endswith(" 0"), rows["llama-server direct"])
+        self.assertIn('  Blazar, chat c=64: 1 in 1 of 2 runs; 1 non-2xx (first: 503 {"error":"busy"})', text)
+        self.assertIn("  LiteLLM 1.0, 1 worker, ttfb: SystemExit: port 1: no event in b''", text)
+        self.assertIn("  [not measured] relay ceiling on one core", text)
+        self.assertIn("  [MET] gateway CPU per non-streamed request (c=1): 0.500 (target <= 0.8 ms)", text)
