@@ -12,7 +12,9 @@
 #                   engine direct; needs wrk and nginx: apt-get install wrk nginx-light);
 #                   its first table (--only real) puts llama-server direct, an nginx hop,
 #                   Blazar and LiteLLM (pip-installed once into ~/.cache/blazar/bench/litellm)
-#                   in front of the same engine
+#                   in front of the same engine; --only relay, the relay ceiling (a canned
+#                   engine streaming to 64 clients through Blazar on one core); --tree PATH
+#                   runs the daemon from another checkout (before/after)
 #   ./dev.sh soak   the same setup, then bench/soak.py (10 minutes of mixed traffic
 #                   with engine kills; report in bench/results/soak-*.json)
 #   ./dev.sh clients the same setup, then scripts/clients.py: Claude Code and Codex

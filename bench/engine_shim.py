@@ -3,7 +3,9 @@
 The benchmark's engine binary: Blazar starts it as it starts llama-server
 (`-m FILE --host H --port P ... --alias NAME ...`). For the models named
 `upstream*` it becomes nginx serving canned llama-server replies on that
-port (a near-zero-cost OpenAI-shaped upstream); for every other model it
+port (a near-zero-cost OpenAI-shaped upstream); for `relay*`,
+bench/relay_engine.py (a canned chunked SSE stream, as fast as the socket
+allows: the relay ceiling's engine); for every other model it
 becomes the real llama-server ($BENCH_LLAMA_SERVER) with the same argv.
 Either way it execs, so the PID Blazar supervises is the server's own.
 """
@@ -61,6 +63,10 @@ def canned(alias: str) -> tuple[str, str]:
 
 def main(argv: list[str]) -> None:
     alias = argv[argv.index("--alias") + 1] if "--alias" in argv else ""
+    if alias.startswith("relay"):
+        # the relay ceiling's canned engine: chunked SSE, as fast as the socket allows
+        here = os.path.dirname(os.path.abspath(__file__))
+        os.execv(sys.executable, [sys.executable, os.path.join(here, "relay_engine.py"), *argv])
     if not alias.startswith("upstream"):
         engine = os.environ["BENCH_LLAMA_SERVER"]
         os.execv(engine, [engine, *argv])

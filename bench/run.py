@@ -3,8 +3,8 @@
 Blazar's own cost per request and per streamed chunk, measured against the
 engine direct, side by side in one run (A B A B ...), as ratios.
 
-    ./dev.sh bench [--quick] [--profile LABEL] [--only real,nonstream,...]
-    ./dev.sh bench --cprofile LABEL   (only: the daemon's CPU profile, cProfile)
+    ./dev.sh bench [--quick] [--profile LABEL] [--only real,relay,...] [--tree PATH]
+    ./dev.sh bench --cprofile LABEL [--tree PATH]   (only: the daemon's CPU profile, cProfile)
 
 It starts what it needs on loopback and stops it: a Blazar daemon pinned
 to CPU 0; as engines, nginx serving canned llama-server replies (a
@@ -16,11 +16,19 @@ nginx (Debian: apt-get install wrk nginx-light).
 The first table (scenario `real`, bench/real.py) is the real engine: one
 llama-server child direct, behind an nginx proxy_pass hop, behind Blazar
 and behind LiteLLM's proxy (installed into a venv of its own), requests
-alternating between the four. The second (scenario `realmodel`,
+alternating between the four. The second (scenario `relay`, bench/relay.py)
+is the relay ceiling: a canned engine streaming as fast as the socket allows
+(and paced as a GPU engine) to 64 clients, direct, behind nginx and behind
+Blazar on one core. The next (scenario `realmodel`,
 bench/realmodel.py) is a real model, SmolLM2-135M-Instruct from its PyPI
 wheel: decode tokens/s and time to first token through Blazar against the
 engine direct at 1, 4 and 16 concurrent streams, and the share kept. The
 last is the canned upstream, which isolates Blazar's relay.
+
+A target's errors (non-2xx replies, socket errors) are recorded in its row,
+with the first one's status and body, never a reason to stop the table.
+--tree PATH runs the daemon's Blazar from another source tree (its
+PYTHONPATH), so one bench measures before and after.
 """
 
 from __future__ import annotations
@@ -64,6 +72,27 @@ TARGETS = {
 }
 
 
+def daemon_blazar(env: dict[str, str]) -> str:
+    """
+    Where the daemon started with C{env} imports Blazar from, and that
+    tree's commit: C{"/work/x/blazar (6451fa1)"}.
+    """
+    where = subprocess.run(
+        [sys.executable, "-c", "import blazar, os; print(os.path.dirname(os.path.dirname(blazar.__file__)))"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd="/",
+    ).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", where or ".", "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", where or ".", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout.strip()
+    return f"{where} ({commit or 'no git'}{', with uncommitted changes' if dirty else ''})"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -81,6 +110,24 @@ def engine_binary() -> str:
 # -- wrk ---------------------------------------------------------------------
 
 
+# the first failing response of a wrk run, recorded by each script's
+# response() hook into a file next to the script (wrk -t1: one Lua state)
+FIRST_ERROR_HOOK = """
+local blazar_first_error_path = {path}
+local blazar_first_error_seen = false
+response = function(status, headers, body)
+  if status >= 300 and not blazar_first_error_seen then
+    blazar_first_error_seen = true
+    local f = io.open(blazar_first_error_path, "w")
+    if f then
+      f:write(tostring(status), " ", string.sub(body or "", 1, 300))
+      f:close()
+    end
+  end
+end
+"""
+
+
 def lua_post(path: Path, body: Any, headers: dict[str, str] | None = None) -> Path:
     lines = [
         'wrk.method = "POST"',
@@ -89,8 +136,16 @@ def lua_post(path: Path, body: Any, headers: dict[str, str] | None = None) -> Pa
     ]
     for k, v in (headers or {}).items():
         lines.append(f"wrk.headers[{json.dumps(k)}] = {json.dumps(v)}")
+    lines.append(FIRST_ERROR_HOOK.format(path=json.dumps(str(first_error_path(path)))))
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def first_error_path(script: Path) -> Path:
+    """
+    Where C{script}'s response() hook writes the first non-2xx reply of a run.
+    """
+    return script.with_suffix(".first-error")
 
 
 def _ms(text: str) -> float:
@@ -101,6 +156,77 @@ def _ms(text: str) -> float:
     return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
 
 
+def _seconds(text: str) -> float:
+    return _ms(text) / 1000
+
+
+def parse_wrk(
+    out: str, closes_after_stream: bool = False, first_reply: str = "", returncode: int = 0
+) -> dict[str, Any]:
+    """
+    One wrk run's figures from its output: req/s, p50/p99 ms, completed
+    requests, and its errors, recorded, never raised: C{errors} counts the
+    non-2xx replies and the socket errors that matter, C{first_error} says
+    what the first was (C{first_reply}: the status and body prefix the
+    script's response() hook saw first, if any).
+
+    @param closes_after_stream: llama-server closes the connection after
+        each streamed reply (while announcing keep-alive): wrk counts that
+        as a read error, and reconnects; then read errors are not errors.
+    """
+    requests_m = re.search(r"(\d+) requests in ([\d.]+\w+)", out)
+    rps_m = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    p50_m = re.search(r"^\s+50%\s+(\S+)", out, re.M)
+    p99_m = re.search(r"^\s+99%\s+(\S+)", out, re.M)
+    non2xx_m = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    sock_m = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
+    requests = int(requests_m.group(1)) if requests_m else 0
+    non2xx = int(non2xx_m.group(1)) if non2xx_m else 0
+    socket_errors = (
+        dict(zip(("connect", "read", "write", "timeout"), (int(n) for n in sock_m.groups()))) if sock_m else {}
+    )
+    bad_socket = {k: n for k, n in socket_errors.items() if n and not (k == "read" and closes_after_stream)}
+    problems = []
+    if non2xx:
+        problems.append(f"{non2xx} non-2xx" + (f" (first: {first_reply.strip()[:200]})" if first_reply else ""))
+    if bad_socket:
+        problems.append("socket errors " + ", ".join(f"{k} {n}" for k, n in bad_socket.items()))
+    if returncode != 0 or p50_m is None or rps_m is None:
+        problems.append(f"wrk exit {returncode}, no latency distribution: " + " ".join(out.split())[-300:])
+    return {
+        "rps": float(rps_m.group(1)) if rps_m else 0.0,
+        "p50_ms": _ms(p50_m.group(1)) if p50_m else float("nan"),
+        "p99_ms": _ms(p99_m.group(1)) if p99_m else float("nan"),
+        "requests": requests,
+        "duration_s": _seconds(requests_m.group(2)) if requests_m else float("nan"),
+        "non2xx": non2xx,
+        "socket_errors": socket_errors,
+        "errors": non2xx + sum(bad_socket.values()) + (1 if returncode != 0 or p50_m is None else 0),
+        "first_error": "; ".join(problems),
+    }
+
+
+def best_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """
+    The better of a target's runs (the higher req/s) among those without
+    errors, if any; the errors of all its runs are kept in the answer
+    (C{errors_all_runs}, C{first_error_all_runs}) so a table shows them.
+    """
+    clean = [r for r in runs if not r["errors"]]
+    best = dict(max(clean or runs, key=lambda r: r["rps"]))
+    best["errors_all_runs"] = sum(r["errors"] for r in runs)
+    best["first_error_all_runs"] = next((r["first_error"] for r in runs if r["errors"]), "")
+    best["runs_with_errors"] = sum(1 for r in runs if r["errors"])
+    return best
+
+
+def ratio(a: float, b: float) -> float:
+    """
+    C{a / b}, NaN where C{b} is 0 (a target that answered nothing).
+    """
+    return a / b if b else float("nan")
+
+
 def wrk(
     url: str,
     script: Path,
@@ -108,12 +234,15 @@ def wrk(
     seconds: float,
     watch: psutil.Process | None,
     closes_after_stream: bool = False,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """
-    One wrk run on CPU 1: req/s, p50/p99 ms, and C{watch}'s CPU seconds.
+    One wrk run on CPU 1: req/s, p50/p99 ms, C{watch}'s CPU seconds, and the
+    run's errors (L{parse_wrk}): recorded, never a reason to stop.
     """
+    first = first_error_path(script)
+    first.unlink(missing_ok=True)
     cpu0 = sum(watch.cpu_times()[:2]) if watch else 0.0
-    out = subprocess.run(
+    done = subprocess.run(
         [
             "taskset",
             "-c",
@@ -131,28 +260,14 @@ def wrk(
         ],
         capture_output=True,
         text=True,
-        check=True,
-    ).stdout
-    cpu = (sum(watch.cpu_times()[:2]) - cpu0) if watch else 0.0
-    if "Latency Distribution" not in out:
-        raise SystemExit(f"wrk printed no latency distribution for {url}:\n{out}")
-    requests = int(re.search(r"(\d+) requests in", out).group(1))  # type: ignore[union-attr]
-    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    socket_errors = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)", out)
-    # llama-server closes the connection after each streamed reply (while
-    # announcing keep-alive): wrk counts that as a read error, and reconnects
-    bad_socket = socket_errors is not None and any(
-        int(n) for i, n in enumerate(socket_errors.groups()) if i != 1 or not closes_after_stream
     )
-    if errors or bad_socket:
-        raise SystemExit(f"wrk saw errors against {url}:\n{out}")
-    return {
-        "rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1)),  # type: ignore[union-attr]
-        "p50_ms": _ms(re.search(r"^\s+50%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
-        "p99_ms": _ms(re.search(r"^\s+99%\s+(\S+)", out, re.M).group(1)),  # type: ignore[union-attr]
-        "requests": requests,
-        "cpu_s": cpu,
-    }
+    cpu = (sum(watch.cpu_times()[:2]) - cpu0) if watch else 0.0
+    reply = first.read_text(errors="replace") if first.exists() else ""
+    result = parse_wrk(done.stdout + done.stderr, closes_after_stream, reply, done.returncode)
+    result["cpu_s"] = cpu
+    if result["errors"]:
+        print(f"[bench] {url} c={connections}: {result['first_error']}", file=sys.stderr)
+    return result
 
 
 # -- the daemon ----------------------------------------------------------------
@@ -167,6 +282,7 @@ class Bench:
         self.results: dict[str, Any] = {}
         self.cprofile_out: Path | None = None  # the daemon runs under cProfile (--cprofile)
         self.smol: Path | None = None  # the real model's GGUF, served as smol (the realmodel scenario)
+        self.tree: Path | None = None  # the daemon's Blazar from this source tree (--tree), not this one
 
     def start(self) -> None:
         sys.path.insert(0, str(ROOT))
@@ -186,9 +302,14 @@ class Bench:
             '[models."upstream-sse"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."tiny"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             '[models."two"]\npath = "long.gguf"\nparallel = 2\nctx_size = 4096\n'
+            '[models."relay"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
+            '[models."relay-paced"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             + (f'[models."smol"]\npath = "{self.smol}"\nparallel = 16\nctx_size = 1024\n' if self.smol else "")
         )
         env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
+        if self.tree is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(self.tree), *filter(None, [os.environ.get("PYTHONPATH")])])
+        self.daemon_blazar = daemon_blazar(env)
         self.log = open(self.work / "daemon.log", "wb")
         command = [str(Path(sys.executable).parent / "blazar"), "serve", "--config", str(self.config)]
         if self.cprofile_out is not None:
@@ -271,16 +392,19 @@ class Bench:
         """
         Direct and through Blazar, alternating, twice each; best of each.
         """
-        runs: dict[str, list[dict[str, float]]] = {"direct": [], "blazar": []}
+        runs: dict[str, list[dict[str, Any]]] = {"direct": [], "blazar": []}
         for _ in range(2):
             runs["direct"].append(wrk(direct, script_direct, connections, self.seconds, None, llama))
             runs["blazar"].append(wrk(through, script_through, connections, self.seconds, self.daemon))
-        best = {k: max(v, key=lambda r: r["rps"]) for k, v in runs.items()}
+        best = {k: best_run(v) for k, v in runs.items()}
         d, b = best["direct"], best["blazar"]
         return {
             "direct_rps": d["rps"],
             "blazar_rps": b["rps"],
-            "rps_ratio": b["rps"] / d["rps"],
+            "rps_ratio": ratio(b["rps"], d["rps"]),
+            "direct_errors": d["errors_all_runs"],
+            "blazar_errors": b["errors_all_runs"],
+            "first_error": b["first_error_all_runs"] or d["first_error_all_runs"],
             "direct_p50_ms": d["p50_ms"],
             "blazar_p50_ms": b["p50_ms"],
             "direct_p99_ms": d["p99_ms"],
@@ -536,8 +660,10 @@ def cprofile(bench: Bench, label: str) -> Path:
     """
     The daemon's CPU profile (cProfile, process time) over 500
     non-streamed C{max_tokens: 1} chat completions and 100 streams of 64
-    tokens, one at a time, on the real engine; into
-    C{bench/results/cprofile-LABEL.txt}.
+    tokens, one at a time, on the real engine, then 5 s of streams from the
+    relay ceiling's canned engine, 64 at a time (bench/relay.py); into
+    C{bench/results/cprofile-LABEL.txt}, headed by the tree the daemon's
+    Blazar came from (C{--tree}).
     """
     import pstats
 
@@ -548,20 +674,12 @@ def cprofile(bench: Bench, label: str) -> Path:
         {"model": "tiny", "messages": HELLO, "max_tokens": 64, "stream": True, "ignore_eos": True, "temperature": 0}
     )
     out = io.StringIO()
-    for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
-        conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
+    out.write(f"daemon's Blazar: {bench.daemon_blazar}\n")
 
-        def send(n: int) -> None:
-            for _ in range(n):
-                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
-                reply = conn.getresponse()
-                reply.read()
-                assert reply.status == 200, reply.status
-
-        send(20)
+    def profiled(title: str, work: Any) -> None:
         bench.proc.send_signal(signal.SIGUSR1)
         time.sleep(0.2)
-        send(count)
+        said = work()
         assert bench.cprofile_out is not None
         bench.cprofile_out.unlink(missing_ok=True)
         bench.proc.send_signal(signal.SIGUSR2)
@@ -569,13 +687,40 @@ def cprofile(bench: Bench, label: str) -> Path:
         while not bench.cprofile_out.exists() and time.monotonic() < deadline:
             time.sleep(0.1)
         time.sleep(0.5)
-        conn.close()
         stats = pstats.Stats(str(bench.cprofile_out), stream=out)
-        out.write(f"==== {count} {name} requests, c = 1 (CPU time under cProfile: its own overhead included)\n")
+        out.write(f"==== {title}{said} (CPU time under cProfile: its own overhead included)\n")
         stats.sort_stats("tottime").print_stats(30)
         stats.sort_stats("cumulative").print_stats("blazar/", 30)
+
+    for name, body, count in (("non-streamed", chat, 500), ("streamed", stream, 100)):
+        conn = http.client.HTTPConnection("127.0.0.1", bench.port, timeout=60)
+
+        def send(n: int) -> str:
+            for _ in range(n):
+                conn.request("POST", "/v1/chat/completions", body, {"content-type": "application/json"})
+                reply = conn.getresponse()
+                reply.read()
+                assert reply.status == 200, reply.status
+            return ""
+
+        send(20)
+        profiled(f"{count} {name} requests, c = 1", lambda: send(count))
+        conn.close()
+    # the relay: streams from the canned engine, 64 at a time
+    bench.child("relay")
+    script = lua_post(bench.work / "cprofile-relay.lua", {"model": "relay", "messages": HELLO, "stream": True})
+    url = f"http://127.0.0.1:{bench.port}/v1/chat/completions"
+    wrk(url, script, 64, 1, None)
+
+    def relay() -> str:
+        r = wrk(url, script, 64, 5, None)
+        errors = f"; ERRORS {r['first_error']}" if r["errors"] else ""
+        return f": {r['requests'] - r['non2xx']} streams of 100 events in {r['duration_s']:.1f} s{errors}"
+
+    profiled("the relay ceiling's canned engine, 64 streams at a time", relay)
     path = HERE / "results" / f"cprofile-{label}.txt"
-    path.write_text(re.sub(r"/\S*/site-packages/", "", out.getvalue()).replace(str(ROOT) + "/", ""))
+    text = re.sub(r"/\S*/site-packages/", "", out.getvalue()).replace(str(ROOT) + "/", "")
+    path.write_text(text.replace(f"{bench.tree}/", "") if bench.tree else text)
     return path
 
 
@@ -624,22 +769,32 @@ def machine() -> dict[str, Any]:
     }
 
 
+def error_note(x: dict[str, Any]) -> str:
+    """
+    A row's errors (direct's and Blazar's, all runs), or nothing.
+    """
+    if not x.get("direct_errors") and not x.get("blazar_errors"):
+        return ""
+    return f"  ERRORS direct {x.get('direct_errors', 0)}, Blazar {x.get('blazar_errors', 0)}: {x['first_error'][:160]}"
+
+
 def table(r: dict[str, Any]) -> str:
     rows = ["scenario                                  direct       blazar      ratio   added p50  CPU/req"]
     for name, key in (("openai chat", "openai_chat"), ("ollama chat", "ollama_chat")):
         for c, x in r.get(key, {}).items():
             rows.append(
                 f"{name + ' c=' + c:<38} {x['direct_rps']:>8.0f}/s {x['blazar_rps']:>8.0f}/s "
-                f"{x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms {x['cpu_ms_per_request']:>6.2f}ms"
+                f"{x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms {x['cpu_ms_per_request']:>6.2f}ms" + error_note(x)
             )
     for c, x in r.get("llama_stream", {}).items():
         rows.append(
             f"{'llama-server stream c=' + c:<38} {x['direct_chunks_per_s']:>6.0f}ch/s "
             f"{x['blazar_chunks_per_s']:>6.0f}ch/s {x['rps_ratio']:>7.3f} {x['added_p50_ms']:>8.2f}ms "
-            f"{x['cpu_us_per_chunk']:>5.1f}us/ch"
+            f"{x['cpu_us_per_chunk']:>5.1f}us/ch" + error_note(x)
         )
     for s, us in r.get("relay_chunk_cpu_us", {}).items():
-        rows.append(f"{'canned stream relay, ' + s:<38} {'':>10} {'':>10} {'':>7} {'':>10} {us:>5.1f}us/ch")
+        note = error_note(r.get("canned_stream", {}).get(s, {}))
+        rows.append(f"{'canned stream relay, ' + s:<38} {'':>10} {'':>10} {'':>7} {'':>10} {us:>5.1f}us/ch" + note)
     if "ttfb" in r:
         t = r["ttfb"]
         rows.append(
@@ -682,7 +837,16 @@ def main() -> int:
         help="what --profile loads: the canned engine (default) or the real llama-server",
     )
     p.add_argument(
-        "--only", help="comma-separated scenarios: real,realmodel,sessions,nonstream,stream,ttfb,cold,memory"
+        "--only",
+        help="comma-separated scenarios: real,relay,realmodel,sessions,nonstream,stream,ttfb,cold,memory "
+        "(issue 41's tables: --only real,relay)",
+    )
+    p.add_argument(
+        "--tree",
+        metavar="PATH",
+        type=Path,
+        help="run the daemon's Blazar from this source tree (a checkout or worktree: its PYTHONPATH), "
+        "e.g. the base commit's, to compare before and after with the same bench",
     )
     p.add_argument(
         "--cprofile",
@@ -698,11 +862,13 @@ def main() -> int:
         print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
         return 1
     sys.path.insert(0, str(HERE))
-    only = set((args.only or "real,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
-    from real import real_engine, real_table
+    only = set((args.only or "real,relay,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
+    from real import real_engine, real_table, verdicts
+    from relay import ceiling, relay_scenario, relay_table
 
     with tempfile.TemporaryDirectory(prefix="blazar-bench-") as tmp:
         bench = Bench(2.0 if args.quick else 5.0, Path(tmp))
+        bench.tree = args.tree.resolve() if args.tree else None
         if "realmodel" in only:
             sys.path.insert(0, str(ROOT))
             from blazar.models.wheels import SMOLLM2, thd_fetch
@@ -718,8 +884,11 @@ def main() -> int:
             return 0
         bench.start()
         try:
+            print(f"[bench] the daemon's Blazar: {bench.daemon_blazar}", file=sys.stderr)
             if "real" in only:
                 real_engine(bench, wrk, lua_post)
+            if "relay" in only:
+                relay_scenario(bench, wrk, lua_post)
             if "realmodel" in only:
                 from realmodel import realmodel_scenario
 
@@ -749,10 +918,17 @@ def main() -> int:
         "blazar": blazar.__version__,
         "machine": machine(),
         "seconds_per_run": bench.seconds,
+        "daemon_blazar": bench.daemon_blazar,
         **bench.results,
     }
+    if "real_engine" in result and "relay" in result:  # the relay ceiling among the real table's targets
+        top = ceiling(result["relay"])["chunks_per_s"]
+        result["real_engine"]["targets"] = verdicts(result["real_engine"]["summary"], top)
+    print(f"the daemon's Blazar: {bench.daemon_blazar}\n")
     if "real_engine" in result:
         print(real_table(result["real_engine"]))
+    if "relay" in result:
+        print("\n" + relay_table(result["relay"]))
     if "real_model" in result:
         from realmodel import realmodel_table
 
@@ -761,7 +937,7 @@ def main() -> int:
         from sessions import sessions_table
 
         print("\n" + sessions_table(result["sessions"]))
-    if set(bench.results) - {"real_engine", "real_model", "sessions"}:
+    if set(bench.results) - {"real_engine", "relay", "real_model", "sessions"}:
         if "real_engine" in result:
             print("\nCanned upstream (nginx serving a llama-server reply; isolates Blazar's relay):")
         print(table(result))
