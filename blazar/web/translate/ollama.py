@@ -633,9 +633,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     """
     Objects as NDJSON bytes, one compact line each.
     """
-    return b"".join(
-        strictjson.encode(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n" for line in lines
-    )
+    return b"".join(strictjson.compact(line) + b"\n" for line in lines)
 
 
 def ignored_options(options: Any) -> list[str]:
