@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import sys
 from typing import Any
 
@@ -87,9 +86,12 @@ def encode(value: Any, **options: Any) -> str:
     return json.dumps(value, allow_nan=False, **options)
 
 
-# a run of digits orjson may read differently from C{json} (an integer
-# beyond 64 bits becomes a float there): such text is read by C{json}
-_LONG_DIGITS = re.compile(rb"[0-9]{19}")
+# a run of 19 digits or more: a number orjson may read differently from
+# C{json} (an integer beyond 64 bits becomes a float there), so such text
+# is read by C{json}; found by mapping every digit to 0 and looking for 19
+# of them (a regular expression's search cost more than orjson's parse)
+_DIGITS_AS_ZERO = bytes(ord("0") if chr(i).isdigit() and i < 128 else i for i in range(256))
+_LONG_DIGITS = b"0" * 19
 _NAN_MAY_HIDE = b"null"
 
 
@@ -101,7 +103,7 @@ def parse(data: bytes) -> Any:
 
     @raise ValueError: Not JSON.
     """
-    if _LONG_DIGITS.search(data) is None:
+    if _LONG_DIGITS not in data.translate(_DIGITS_AS_ZERO):
         try:
             return orjson.loads(data)
         except orjson.JSONDecodeError:
