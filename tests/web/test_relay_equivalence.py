@@ -15,6 +15,7 @@ sentinel's findings) is the same as read from the decoded chunks.
 from __future__ import annotations
 
 import json
+import re
 from types import SimpleNamespace
 from typing import Any, cast
 
@@ -26,12 +27,16 @@ from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone
 
+from blazar import strictjson
 from blazar.gateway.context import RequestContext
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.reply import Reply
 from blazar.gateway.sentinel import StreamWatch
 from blazar.web.observe import usage_of_timings
 from blazar.web.sse import ModelRenamer, SSERelay
+from blazar.web.translate import anthropic as atr
+from blazar.web.translate import ollama as otr
+from blazar.web.translate import responses as rtr
 
 ENGINE = "smollm2"
 TOOLS = [
@@ -283,3 +288,112 @@ def _codes(watch: StreamWatch, chunks: list[dict[str, Any]]) -> tuple[str, ...]:
     for chunk in chunks:
         watch.chunk(chunk)
     return tuple(dict.fromkeys(code for code, _ in watch.findings()))
+
+
+def _translated(surface: str, pieces: list[bytes]) -> bytes:
+    """
+    What a translated surface writes for one engine stream, through the
+    server's objects (the body's protocol, L{EngineProxy.relay_chunks},
+    L{Reply.chunks} with the sentinel's watch, the surface's translator and
+    encoder).
+    """
+    clock = Clock()
+    response = _Body()
+    instance = SimpleNamespace(entry=SimpleNamespace(name=ENGINE), protocol=None, lane="llamacpp")
+    reply = Reply(
+        EngineProxy(cast(Any, None), cast(Any, None), clock),
+        RequestContext(started=0.0),
+        cast(Any, SimpleNamespace(instance=instance)),
+        response,
+        None,
+        0.0,
+        0.0,
+        watched={"messages": [{"role": "user", "content": "hi"}], "tools": TOOLS},
+        clock=clock,
+        stall=30.0,
+    )
+    out: list[bytes] = []
+    if surface == "ollama":
+        ollama = otr.OllamaStream("chat", "client", otr.Timing(0.0, 0.0), clock.seconds)
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            out.append(otr.ndjson(ollama.feed(chunk)))
+
+    elif surface == "anthropic":
+        anthropic = atr.AnthropicStream("msg_1", "client", [])
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            out.append(b"".join(atr.sse_event(name, payload) for name, payload in anthropic.feed(chunk)))
+
+    else:
+        responses = rtr.ResponsesStream(rtr.response_object({"model": "client"}, "client", 1, None))
+
+        def on_chunk(chunk: dict[str, Any]) -> None:
+            out.append(b"".join(rtr.sse(kind, payload) for kind, payload in responses.feed(chunk)))
+
+    done = ensureDeferred(reply.chunks(on_chunk))
+    for piece in pieces:
+        response.protocol.dataReceived(piece)
+    response.protocol.connectionLost(Failure(ResponseDone()))
+    failed: list[Failure] = []
+    done.addErrback(failed.append)
+    if failed:
+        failed[0].raiseException()
+    if surface == "ollama":
+        out.append(otr.ndjson([ollama.finish()]))
+    elif surface == "anthropic":
+        out.append(b"".join(atr.sse_event(name, payload) for name, payload in anthropic.finish()))
+    else:
+        out.append(b"".join(rtr.sse(kind, payload) for kind, payload in responses.finish()))
+    return b"".join(out)
+
+
+_RANDOM_ID = re.compile(r"^([a-z]+_)[0-9A-Za-z]{8,}$")
+
+
+def _documents(data: bytes) -> list[Any]:
+    """
+    The JSON documents in NDJSON lines or SSE C{data:} lines, parsed (and
+    the SSE C{event:} names), random ids (C{resp_...}, C{msg_...}) made
+    equal.
+    """
+
+    def same_ids(value: Any) -> Any:
+        if isinstance(value, str):
+            return _RANDOM_ID.sub(r"\1*", value)
+        if isinstance(value, dict):
+            return {k: same_ids(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [same_ids(v) for v in value]
+        return value
+
+    out: list[Any] = []
+    for line in data.split(b"\n"):
+        if line.startswith(b"event: "):
+            out.append(line.decode())
+        elif line.startswith(b"data: "):
+            out.append(same_ids(json.loads(line[len(b"data: ") :])))
+        elif line:
+            out.append(same_ids(json.loads(line)))
+    return out
+
+
+class TranslatedTests(SynchronousTestCase):
+    @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(streams(), st.sampled_from(["ollama", "anthropic", "responses"]))
+    def test_orjson_writes_what_json_writes(self, stream: tuple[bytes, list[bytes]], surface: str) -> None:
+        """
+        A translated surface parses each chunk once and encodes each of its
+        own once with orjson (L{strictjson.parse}, L{strictjson.compact});
+        with json doing both, the client reads the same documents.
+        """
+        _, pieces = stream
+        fast = _translated(surface, pieces)
+        self.assertTrue(fast)
+        self.patch(strictjson, "parse", json.loads)
+        self.patch(
+            strictjson,
+            "compact",
+            lambda value: strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8"),
+        )
+        self.assertEqual(_documents(fast), _documents(_translated(surface, pieces)))
