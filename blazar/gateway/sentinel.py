@@ -286,8 +286,9 @@ class StreamWatch:
 
     def whole(self, events: bytes) -> None:
         """
-        Feed whole SSE events (C{events} ends one: a relay that buffered
-        them already), with nothing held from L{events}.
+        Feed whole SSE events (C{events} ends where an event does): for a
+        relay that buffered them already, and never fed L{events} a part
+        of one.
 
         Only what the findings need is read from the bytes: an event that
         carries nothing but text is not parsed unless the text matters whole
