@@ -81,6 +81,9 @@ class BodyValve:
             relay.pause()
 
 
+_EARLY = 1e-6  # seconds: an idle timer this close to its bound has reached it (float rounding)
+
+
 class _BodyRelay(Protocol):
     def __init__(
         self,
@@ -142,6 +145,12 @@ class _BodyRelay(Protocol):
 
     def _idle(self) -> None:
         silent = self.clock.seconds() - self.last
+        left = self._wait() - silent
+        if left > _EARLY:
+            # bytes came since the timer was set (L{dataReceived} only notes
+            # when, never moves the timer): wait for the rest of the bound
+            self.timer = self.clock.callLater(left, self._idle)
+            return
         if self.quiet is None or silent >= self.idle_timeout:
             self._fail(BodyIdleTimeout(f"engine sent nothing for {self.idle_timeout:g} s"))
             return
@@ -177,9 +186,10 @@ class _BodyRelay(Protocol):
             asking.cancel()
             if not self.paused:
                 self.timer = self.clock.callLater(self._wait(), self._idle)
-        if self.timer.active():
-            # (paused: the rest of a read already taken is still delivered)
-            self.timer.reset(self._wait())
+        # the idle timer is not moved per chunk (that was a reset of a
+        # delayed call per chunk): when it fires, L{_idle} waits on from
+        # C{last}; paused, the rest of a read already taken is still
+        # delivered and resuming starts the wait again
         try:
             self.on_chunk(data)
         except BaseException:

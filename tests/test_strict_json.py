@@ -10,8 +10,12 @@ L{blazar.strictjson.loads} refuses them where Blazar reads them.
 from __future__ import annotations
 
 import ast
+import json
 from pathlib import Path
+from typing import Any
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 import blazar
@@ -201,3 +205,132 @@ class IsFiniteTests(SynchronousTestCase):
             for value in (bad, [bad], {"a": [{"b": bad}]}):
                 with self.subTest(value=value):
                     self.assertFalse(strictjson.is_finite(value))
+        self.assertFalse(strictjson.is_finite(("a", (1.0, float("nan")))))  # tuples too (written as arrays)
+
+
+_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(min_value=-(10**30), max_value=10**30)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text()
+)
+JSON_VALUES = st.recursive(
+    _SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+def _outcome(read: Any, data: bytes) -> Any:
+    try:
+        return ("value", repr(read(data)))  # repr: 1 and 1.0, -0.0 and 0.0 differ
+    except ValueError:
+        return ("refused", None)
+
+
+class ParseTests(SynchronousTestCase):
+    """
+    L{strictjson.parse} reads what C{json.loads} reads, as it reads it
+    (orjson where it agrees): no stricter, no laxer.
+    """
+
+    @settings(max_examples=300, deadline=None)
+    @given(JSON_VALUES, st.booleans())
+    def test_as_json_reads(self, value: Any, ascii: bool) -> None:
+        data = json.dumps(value, ensure_ascii=ascii, allow_nan=False).encode("utf-8")
+        self.assertEqual(_outcome(strictjson.parse, data), _outcome(json.loads, data))
+
+    @settings(max_examples=300, deadline=None)
+    @given(st.binary(max_size=40) | st.text(max_size=40).map(lambda t: t.encode("utf-8", "surrogatepass")))
+    def test_any_bytes(self, data: bytes) -> None:
+        self.assertEqual(_outcome(strictjson.parse, data), _outcome(json.loads, data))
+
+    def test_what_orjson_reads_otherwise(self) -> None:
+        """
+        Where orjson would refuse, or read another value, json decides.
+        """
+        for data in (
+            b"NaN",
+            b'{"a":[Infinity,-Infinity]}',
+            b"1e999",
+            b'"\\ud800"',
+            b"123456789012345678901234567890",
+            b"-99999999999999999999",
+            "[1.5]".encode("utf-16"),
+            b"\xef\xbb\xbf[1]",
+            b"{",
+            b"",
+        ):
+            with self.subTest(data=data):
+                self.assertEqual(_outcome(strictjson.parse, data), _outcome(json.loads, data))
+        self.assertEqual(strictjson.parse(b"123456789012345678901234567890"), 123456789012345678901234567890)
+
+
+class CompactTests(SynchronousTestCase):
+    """
+    L{strictjson.compact} writes what C{encode(ensure_ascii=False,
+    separators=(",", ":"))} writes, as bytes, with the same refusals.
+    """
+
+    @settings(max_examples=300, deadline=None)
+    @given(JSON_VALUES)
+    def test_as_encode_writes(self, value: Any) -> None:
+        out = strictjson.compact(value)
+        self.assertEqual(json.loads(out), value)
+        if "float" not in repr(type(value)) and not _has_float(value):
+            # (a float may be written in another exact form: 1e-05 as 0.00001)
+            self.assertEqual(out, strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode())
+
+    def test_refuses_what_is_not_json(self) -> None:
+        for value in (float("nan"), float("inf"), {"a": [1.0, float("-inf")]}, {"t": (1, float("nan"))}):
+            with self.subTest(value=value):
+                self.assertRaises(ValueError, strictjson.compact, value)
+        self.assertRaises(UnicodeEncodeError, strictjson.compact, {"a": "\ud800"})
+        self.assertRaises(TypeError, strictjson.compact, {(1, 2): 3})
+
+    def test_what_orjson_does_not_write(self) -> None:
+        """
+        An integer beyond 64 bits and keys that are not strings are written
+        as C{json} writes them.
+        """
+        self.assertEqual(
+            strictjson.compact({"n": 2**80, 1: None, None: 2.5}), b'{"n":1208925819614629174706176,"1":null,"null":2.5}'
+        )
+        self.assertEqual(strictjson.compact({2: "x", False: 1.5}), b'{"2":"x","false":1.5}')
+        self.assertEqual(strictjson.compact({"a": None, "b": [None]}), b'{"a":null,"b":[null]}')
+
+
+def _has_float(value: Any) -> bool:
+    if isinstance(value, float):
+        return True
+    if isinstance(value, dict):
+        return any(_has_float(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_float(v) for v in value)
+    return False
+
+
+class OneJSONLibraryTests(SynchronousTestCase):
+    def test_orjson_only_in_strictjson(self) -> None:
+        """
+        orjson (which writes a NaN as C{null}) is used through
+        L{strictjson.parse} and L{strictjson.compact} only.
+        """
+        offenders = [
+            str(path.relative_to(PACKAGE.parent))
+            for path in sorted(PACKAGE.rglob("*.py"))
+            if path.name != "strictjson.py" and _imports_orjson(path.read_text(encoding="utf-8"))
+        ]
+        self.assertEqual(offenders, [])
+        self.assertTrue(_imports_orjson("from orjson import dumps\n"))
+        self.assertFalse(_imports_orjson("# orjson\nimport json\n"))
+
+
+def _imports_orjson(source: str) -> bool:
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import) and any(a.name.split(".")[0] == "orjson" for a in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "orjson":
+            return True
+    return False

@@ -39,6 +39,8 @@ class WholeEvents:
 
         @raise EventTooLong: More than the cap held without an event's end.
         """
+        if not self._parts and chunk.endswith(b"\n\n"):
+            return chunk  # whole events and nothing held (a relay fed whole events): no copy
         tail = self._parts[-1][-1:] if self._parts else b""
         end = (tail + chunk if tail else chunk).rfind(b"\n\n")
         if end < 0:
@@ -90,7 +92,11 @@ class SSEEvents:
         events = self._whole.feed(chunk)
         if not events:
             return
+        on_event = self._on_event
         for event in events.split(b"\n\n"):
+            if event.startswith(b"data:") and b"\n" not in event:
+                on_event(event[5:].lstrip(b" "))  # one line (llama-server's every event)
+                continue
             payload = [line[5:].lstrip(b" ") for line in event.split(b"\n") if line.startswith(b"data:")]
             if payload:
-                self._on_event(b"\n".join(payload))
+                on_event(b"\n".join(payload))

@@ -681,7 +681,7 @@ class EngineProxy:
         def on_event(data: bytes) -> None:
             if data == b"[DONE]":
                 return
-            chunk = json.loads(data)
+            chunk = strictjson.parse(data)  # (orjson where it reads as json does)
             if "error" in chunk:
                 message = stream_error_message(chunk["error"])
                 if is_remote(instance):

@@ -294,6 +294,7 @@ class Reply:
         whole = WholeEvents()
         if watch is not None:
             inner = feed
+            note = timer.note if timer is not None else None
 
             def feed(data: bytes) -> None:
                 nonlocal cut
@@ -305,9 +306,9 @@ class Reply:
                     cut = cut or dropped
                     if not data.strip():
                         return
-                watch.events(data)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
+                watch.whole(data)
+                if note is not None:
+                    note()
                 inner(data)
 
         try:
@@ -318,7 +319,7 @@ class Reply:
                 relayed = self.translated.sse(feed) if self.translated is not None else feed
                 await self._proxy.relay(self._lease.instance, self._response, relayed, self._context)
         finally:
-            if timer is not None and timer.active():
+            if timer is not None:
                 timer.cancel()
         if watch is not None:
             held = whole.rest()
@@ -339,14 +340,14 @@ class Reply:
         if hider is not None:
             hider.flush()
 
-    def _stall_timer(self, watch: StreamWatch | None) -> Any:
+    def _stall_timer(self, watch: StreamWatch | None) -> _StallTimer | None:
         """
         A timer that flags the stream C{stalled} (once) if no chunk comes for
         C{sentinel_stall_secs}; the stream goes on.
         """
         if watch is None or self.made is not None or self.stall <= 0 or self.clock is None:
             return None
-        return self.clock.callLater(self.stall, watch.stalled, self.stall)
+        return _StallTimer(self.clock, self.stall, watch)
 
     async def chunks(self, on_chunk: Callable[[dict[str, Any]], Any]) -> None:
         """
@@ -376,8 +377,8 @@ class Reply:
                 watch.chunk(chunk)
                 if answer is not None:
                     answer.feed(chunk)
-                if timer is not None and timer.active():
-                    timer.reset(self.stall)
+                if timer is not None:
+                    timer.note()
                 return inner(chunk)
 
         try:
@@ -405,7 +406,7 @@ class Reply:
         except StreamStopped:
             return  # cut short on purpose (a surface's stop sequence): not a whole answer to keep
         finally:
-            if timer is not None and timer.active():
+            if timer is not None:
                 timer.cancel()
         findings = watch.findings() if watch is not None else []
         self._judge(findings)
@@ -474,6 +475,44 @@ class Reply:
         record_usage(self._context, total)
 
 
+_EARLY = 1e-6  # seconds: a stall timer this close to its bound has reached it (float rounding)
+
+
+class _StallTimer:
+    """
+    Flags a stream C{stalled} (once) when no chunk came for C{seconds}.
+    A chunk only notes the time (L{note}); the timer, when it fires early,
+    waits on for the rest of the bound: no delayed call is moved per chunk.
+    """
+
+    def __init__(self, clock: Any, seconds: float, watch: StreamWatch) -> None:
+        self._clock = clock
+        self._seconds = seconds
+        self._watch = watch
+        self._last = clock.seconds()
+        self._call = clock.callLater(seconds, self._check)
+
+    def note(self) -> None:
+        """
+        A chunk came now.
+        """
+        self._last = self._clock.seconds()
+
+    def _check(self) -> None:
+        left = self._last + self._seconds - self._clock.seconds()
+        if left > _EARLY:
+            self._call = self._clock.callLater(left, self._check)
+        else:
+            self._watch.stalled(self._seconds)
+
+    def cancel(self) -> None:
+        """
+        The stream ended (idempotent).
+        """
+        if self._call.active():
+            self._call.cancel()
+
+
 def scoped(context: RequestContext | None) -> bool:
     """
     Whether the request came with a key scoped to models (not an admin's).
@@ -515,7 +554,7 @@ def hide_prompt_cache_bytes(data: bytes) -> bytes:
     L{hide_prompt_cache} on one JSON document (compact again), or C{data}
     as it is when it holds neither field or is not JSON.
     """
-    if not any(mark in data for mark in _CACHE_MARKS):
+    if b'"cache_n"' not in data and b'"cached_tokens"' not in data:  # (_CACHE_MARKS)
         return data
     try:
         value = json.loads(data)
@@ -540,7 +579,7 @@ class _CacheHider:
         events = self._whole.feed(data)
         if not events:
             return
-        if any(mark in events for mark in _CACHE_MARKS):
+        if b'"cache_n"' in events or b'"cached_tokens"' in events:  # (_CACHE_MARKS)
             out = []
             for event in events.split(b"\n\n")[:-1]:
                 if event.startswith(b"data: {") and any(mark in event for mark in _CACHE_MARKS):

@@ -276,19 +276,33 @@ class StreamWatch:
         """
         Feed raw SSE bytes, as they come (events may be split anywhere).
         """
-        data = self._held + data
+        data = self._held + data if self._held else data
         cut = data.rfind(b"\n\n")
         if cut < 0:
             self._held = data
             return
         self._held = data[cut + 2 :]
-        for event in data[:cut].split(b"\n\n"):
+        self.whole(data[: cut + 2])
+
+    def whole(self, events: bytes) -> None:
+        """
+        Feed whole SSE events (C{events} ends where an event does): for a
+        relay that buffered them already, and never fed L{events} a part
+        of one.
+
+        Only what the findings need is read from the bytes: an event that
+        carries nothing but text is not parsed unless the text matters whole
+        (L{_whole_text}); finish reasons, tool-call fragments and reasoning
+        are.
+        """
+        whole_text = self._whole_text
+        for event in events.split(b"\n\n"):
             if not event.startswith(b"data: {"):
                 continue
             if b'"delta":{}' not in event and b'"role":"assistant","content":null' not in event:
                 self.deltas += 1
             if (
-                not self._whole_text
+                not whole_text
                 and b'"tool_calls"' not in event
                 and b'"reasoning_content"' not in event
                 and b'"finish_reason":"' not in event
@@ -298,7 +312,7 @@ class StreamWatch:
                     self._some_text = True  # some text (what it says does not matter here)
                 continue
             try:
-                self.chunk(json.loads(event[len(b"data: ") :]))
+                self.chunk(strictjson.parse(event[6:]))
             except ValueError:
                 pass
 

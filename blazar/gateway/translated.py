@@ -100,7 +100,7 @@ class FromAnthropic(Translated):
 
         def on_event(data: bytes) -> None:
             try:
-                event = json.loads(self._scrub(data))
+                event = strictjson.parse(self._scrub(data))
             except ValueError:
                 raise EngineRejected(502, "the remote's stream is not Anthropic's: an event is not JSON") from None
             if not isinstance(event, dict):
@@ -124,11 +124,7 @@ class FromAnthropic(Translated):
 
         def on_chunk(chunk: dict[str, Any]) -> None:
             nonlocal done
-            feed(
-                b"data: "
-                + strictjson.encode(chunk, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-                + b"\n\n"
-            )
+            feed(b"data: " + strictjson.compact(chunk) + b"\n\n")
             if stream.finished and not done and (chunk.get("usage") is not None or not stream.include_usage):
                 done = True
                 feed(DONE)
@@ -189,7 +185,7 @@ class FromCompletion(Translated):
         def on_event(data: bytes) -> None:
             if data == b"[DONE]":
                 return
-            event = json.loads(data)
+            event = strictjson.parse(data)
             if not isinstance(event, dict):
                 return
             if "error" in event:
@@ -215,7 +211,7 @@ def with_model(data: bytes, model: str, server: str) -> bytes:
     @raise EngineRejected: Not a JSON object (a 502 naming C{server}).
     """
     try:
-        value = json.loads(data)
+        value = strictjson.parse(data)
     except ValueError:
         value = None
     if not isinstance(value, dict):
@@ -227,4 +223,4 @@ def with_model(data: bytes, model: str, server: str) -> bytes:
     if "model" not in value:
         return data
     value["model"] = model
-    return strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.compact(value)

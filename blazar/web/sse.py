@@ -7,7 +7,6 @@ loads (L{loading_comments}).
 
 from __future__ import annotations
 
-import json
 from typing import Any, Callable
 
 from twisted.internet.task import LoopingCall
@@ -134,7 +133,7 @@ class SSERelay(_EventBuffer):
         for event in events.split(b"\n\n"):
             if event.startswith(b"data: {") and b'"usage":{' in event:
                 try:
-                    chunk = json.loads(event[len(b"data: ") :])
+                    chunk = strictjson.parse(event[len(b"data: ") :])
                 except ValueError:
                     chunk = {}
                 usage = chunk.get("usage") or {}

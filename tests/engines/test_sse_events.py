@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import time
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.engines.sse import EventTooLong, SSEEvents, WholeEvents
@@ -58,3 +60,39 @@ class SSEEventsTests(SynchronousTestCase):
         events.feed(b"data: a\r")
         events.feed(b"b\n\n")
         self.assertEqual(got, [b"data: a\rb"[6:]])
+
+    @settings(max_examples=300, deadline=None)
+    @given(
+        st.lists(
+            st.lists(
+                st.sampled_from([b"data:", b"data: ", b"data:  ", b"event: x", b": c", b"id: 1", b"data"]).flatmap(
+                    lambda head: st.binary(max_size=6).map(
+                        lambda tail: head + tail.replace(b"\n", b"").replace(b"\r", b"")
+                    )
+                ),
+                min_size=1,
+                max_size=3,
+            ),
+            max_size=6,
+        ),
+        st.lists(st.integers(1, 200), max_size=10),
+    )
+    def test_payloads_as_the_lines_read(self, events: list[list[bytes]], cuts: list[int]) -> None:
+        """
+        Every event's C{data:} lines joined by newlines (their leading
+        spaces dropped), one-line events (read without splitting lines)
+        and many-line ones alike, however the stream is cut.
+        """
+        stream = b"".join(b"\n".join(lines) + b"\n\n" for lines in events)
+        expected = []
+        for lines in events:
+            payload = [line[5:].lstrip(b" ") for line in b"\n".join(lines).split(b"\n") if line.startswith(b"data:")]
+            if payload:
+                expected.append(b"\n".join(payload))
+        got: list[bytes] = []
+        parser = SSEEvents(got.append)
+        at = 0
+        for cut in sorted(set(cuts)) + [len(stream)]:
+            parser.feed(stream[at:cut])
+            at = max(at, cut)
+        self.assertEqual(got, expected)

@@ -381,3 +381,65 @@ class QuietTests(SynchronousTestCase):
             if self.d.called:
                 break
         self.failureResultOf(self.d, BodyIdleTimeout)
+
+    def test_the_question_waits_for_the_quiet_time_after_the_last_byte(self) -> None:
+        self.clock.advance(3)
+        self.engine.send(b"a")
+        self.clock.advance(4.9)
+        self.assertEqual(self.asked, [])
+        self.clock.advance(0.1)
+        self.assertEqual(len(self.asked), 1)
+
+
+class IdleTimeoutTests(SynchronousTestCase):
+    """
+    L{relay_body}'s idle timeout counts from the last byte, though a chunk
+    only notes its time (no delayed call is moved per chunk): the timer,
+    fired early, waits on for the rest.
+    """
+
+    def setUp(self) -> None:
+        self.clock = Clock()
+        self.engine = EngineBody()
+        self.valve = BodyValve()
+        self.d = relay_body(
+            cast(IResponse, self.engine), lambda data: None, self.clock, idle_timeout=10, valve=self.valve
+        )
+
+    def test_a_sender_that_keeps_sending_is_never_cut(self) -> None:
+        for _ in range(50):
+            self.clock.advance(6)
+            self.engine.send(b"x")
+        self.assertNoResult(self.d)
+        self.engine.end()
+        self.successResultOf(self.d)
+
+    def test_silent_for_the_bound_after_the_last_byte_fails(self) -> None:
+        self.clock.advance(7)
+        self.engine.send(b"x")
+        self.clock.advance(9.9)
+        self.assertNoResult(self.d)
+        self.clock.advance(0.1)
+        self.failureResultOf(self.d, BodyIdleTimeout)
+        self.assertEqual(self.engine.transport.producerState, "stopped")
+        self.assertEqual(self.clock.getDelayedCalls(), [])
+
+    def test_a_chunk_moves_no_timer(self) -> None:
+        (call,) = self.clock.getDelayedCalls()
+        at = call.getTime()
+        for _ in range(5):
+            self.clock.advance(1)
+            self.engine.send(b"x")
+        self.assertEqual(self.clock.getDelayedCalls(), [call])
+        self.assertEqual(call.getTime(), at)
+
+    def test_a_pause_between_counts_nothing(self) -> None:
+        self.clock.advance(8)
+        self.engine.send(b"x")
+        self.valve.pause()
+        self.clock.advance(100)
+        self.valve.resume()
+        self.clock.advance(9.9)
+        self.assertNoResult(self.d)
+        self.clock.advance(0.1)
+        self.failureResultOf(self.d, BodyIdleTimeout)

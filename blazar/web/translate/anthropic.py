@@ -742,10 +742,4 @@ def sse_event(event: str, payload: dict[str, Any]) -> bytes:
     """
     One SSE event with an C{event:} line equal to the payload's type.
     """
-    return (
-        b"event: "
-        + event.encode("ascii")
-        + b"\ndata: "
-        + strictjson.encode(payload, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
-        + b"\n\n"
-    )
+    return b"event: " + event.encode("ascii") + b"\ndata: " + strictjson.compact(payload) + b"\n\n"

@@ -33,7 +33,6 @@ C{null}. Pure: no reactor, no I/O.
 from __future__ import annotations
 
 import codecs
-import json
 from typing import Any, Iterable
 
 import attrs
@@ -400,7 +399,7 @@ class CompletionStream:
         if payload == b"[DONE]":
             return [dumps(c) for c in self.done()] + [payload]
         try:
-            chunk = json.loads(payload)
+            chunk = strictjson.parse(payload)
         except (ValueError, UnicodeDecodeError):
             return [payload]
         if chunk is None:
@@ -415,4 +414,4 @@ def dumps(value: Any) -> bytes:
     Compact JSON, UTF-8, as llama-server writes it (so the model renamer's
     byte match still finds C{"model":"..."}).
     """
-    return strictjson.encode(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return strictjson.compact(value)

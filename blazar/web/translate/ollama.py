@@ -349,9 +349,17 @@ def created_at(now: float) -> str:
     RFC 3339 UTC with nanoseconds, as Ollama writes C{created_at}
     (e.g. C{2026-12-01T05:19:00.123456789Z}).
     """
+    global _second
     ns = int(now * 1e9)
     seconds, frac = divmod(ns, 1_000_000_000)
-    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{frac:09d}Z"
+    second, text = _second
+    if seconds != second:  # (a stream's lines share their second: formatted once a second)
+        text = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
+        _second = (seconds, text)
+    return f"{text}.{frac:09d}Z"
+
+
+_second: tuple[int | None, str] = (None, "")  # the last second created_at formatted, and its text
 
 
 def _tool_calls_from_fragments(fragments: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:
@@ -633,9 +641,7 @@ def ndjson(lines: Iterable[dict[str, Any]]) -> bytes:
     """
     Objects as NDJSON bytes, one compact line each.
     """
-    return b"".join(
-        strictjson.encode(line, ensure_ascii=False, separators=(",", ":")).encode("utf-8") + b"\n" for line in lines
-    )
+    return b"".join(strictjson.compact(line) + b"\n" for line in lines)
 
 
 def ignored_options(options: Any) -> list[str]:

@@ -787,6 +787,11 @@ def dump(value: Any) -> bytes:
 
 def sse(kind: str, payload: dict[str, Any]) -> bytes:
     """
-    One Server-Sent Event: C{event:} equal to the payload's type.
+    One Server-Sent Event: C{event:} equal to the payload's type, its
+    data compact JSON.
     """
-    return b"event: " + kind.encode("ascii") + b"\ndata: " + dump(payload) + b"\n\n"
+    try:
+        data = strictjson.compact(payload)
+    except UnicodeEncodeError:  # a lone surrogate echoed from a request: escaped (as L{dump} does)
+        data = strictjson.encode(payload, separators=(",", ":")).encode("ascii")
+    return b"event: " + kind.encode("ascii") + b"\ndata: " + data + b"\n\n"

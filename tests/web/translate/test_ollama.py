@@ -309,3 +309,18 @@ class ReplyTests(SynchronousTestCase):
         out = tr.embed_reply(reply, "e", tr.Timing(0.0, 0.0), 1.0)
         self.assertEqual(out["embeddings"], [[1.0], [2.0]])
         self.assertEqual(out["prompt_eval_count"], 4)
+
+
+class CreatedAtTests(SynchronousTestCase):
+    @given(st.lists(st.floats(min_value=0, max_value=4e9, allow_nan=False), min_size=1, max_size=20))
+    def test_as_strftime_writes_it(self, moments: list[float]) -> None:
+        """
+        L{tr.created_at} (which formats each second once) writes what
+        formatting every moment afresh writes, in any order of moments.
+        """
+        import time
+
+        for now in moments + sorted(moments):
+            seconds, frac = divmod(int(now * 1e9), 1_000_000_000)
+            fresh = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{frac:09d}Z"
+            self.assertEqual(tr.created_at(now), fresh)
