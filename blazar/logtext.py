@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import sys
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from twisted.logger import ILogObserver, eventAsText
 from zope.interface import implementer
@@ -44,7 +44,7 @@ def printable(text: str) -> str:
     sequence. Tabs and newlines stay (a multi-line event is one indented
     entry).
     """
-    if _CONTROLS.search(text) is None:
+    if text.isprintable() or _CONTROLS.search(text) is None:  # (every character it escapes is unprintable)
         return text
     return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)
 
@@ -63,18 +63,35 @@ def event_text(event: dict[str, Any]) -> str | None:
     return printable(text) if text else None
 
 
+FLUSH_SECS = 0.05
+"""How long a line written on the reactor's thread may wait in C{out}'s buffer."""
+
+
 @implementer(ILogObserver)
 class TextObserver:
     """
     Writes each event as one line of C{out}, in twistd's classic format,
-    and flushes.
-
+    and flushes: at once, or, when C{later} takes the flush, within
+    L{FLUSH_SECS} (one write to the file for all the lines of that time,
+    not one per line: a flush was a write system call per request).
     """
 
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], later: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
+        """
+        @param later: C{later(delay, f)} calls C{f} after C{delay} seconds
+            and returns C{True}, or returns C{False} when it cannot (no
+            reactor running, or not on its thread): the line is flushed
+            at once.
+        """
         self._out = out
+        self._later = later
+        self._flush_due: float | None = None  # the log time of the first line waiting for the flush
         self._second = -1
         self._stamp = ""
+
+    def _flush(self) -> None:
+        self._flush_due = None
+        self._out.flush()
 
     def _time(self, when: float) -> str:
         second = int(when)
@@ -101,11 +118,32 @@ class TextObserver:
         if "\n" in text:
             text = text.replace("\n", "\n\t")
         self._out.write(f"{stamp} [{system}] {text}\n")
-        self._out.flush()
+        if self._later is not None and isinstance(when, (int, float)):
+            if self._flush_due is not None and when < self._flush_due + 1.0:
+                return  # (a flush that has not come in a second never will: the reactor stopped)
+            if self._later(FLUSH_SECS, self._flush):
+                self._flush_due = when
+                return
+        self._flush()
+
+
+def _reactor_later(delay: float, f: Callable[[], None]) -> bool:
+    """
+    C{f} called by the running reactor after C{delay} seconds, when called
+    on the reactor's thread (L{TextObserver}'s C{later}).
+    """
+    from twisted.python import threadable
+
+    reactor = sys.modules.get("twisted.internet.reactor")  # never installs one (twistd chooses it)
+    if reactor is None or not getattr(reactor, "running", False) or not threadable.isInIOThread():
+        return False
+    reactor.callLater(delay, f)
+    return True
 
 
 def observer() -> TextObserver:
     """
-    twistd's C{--logger} factory: L{TextObserver} on standard output.
+    twistd's C{--logger} factory: L{TextObserver} on standard output,
+    flushed by the running reactor within L{FLUSH_SECS}.
     """
-    return TextObserver(sys.stdout)
+    return TextObserver(sys.stdout, _reactor_later)

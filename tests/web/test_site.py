@@ -733,3 +733,37 @@ class KeylessBlobDoorTests(SiteCase):
         ((content, data),) = self.contents
         self.assertEqual(data, b"g" * size)
         self.assertEqual(Path(content.name).parent, self.store / "blobs")
+
+
+class KeyLookupTests(SynchronousTestCase):
+    """
+    L{KeyHolder.find} finds a key by one lookup, and only by its exact
+    secret; it follows the live config.
+    """
+
+    def test_only_the_exact_secret(self) -> None:
+        alice = KeyConfig(name="alice", secret="a" * 20)
+        bob = KeyConfig(name="bob", secret="b" * 20, models=("m",))
+        holder = KeyHolder(Config(keys=(alice, bob)))
+        self.assertEqual(holder.find(b"a" * 20), alice)
+        self.assertEqual(holder.find(b"b" * 20), bob)
+        for wrong in (b"a" * 19, b"a" * 21, b"a" * 19 + b"b", b"", b"\xff" * 20):
+            self.assertIsNone(holder.find(wrong))
+
+    def test_the_last_key_of_a_secret_wins(self) -> None:
+        first = KeyConfig(name="first", secret="s" * 20)
+        second = KeyConfig(name="second", secret="s" * 20)
+        self.assertEqual(KeyHolder(Config(keys=(first, second))).find(b"s" * 20), second)
+
+    def test_follows_the_live_config(self) -> None:
+        holder = KeyHolder(Config(keys=(KeyConfig(name="old", secret="o" * 20),)))
+        self.assertIsNotNone(holder.find(b"o" * 20))
+        new = KeyConfig(name="new", secret="n" * 20)
+        holder.set(Config(keys=(new,)))
+        self.assertIsNone(holder.find(b"o" * 20))
+        self.assertEqual(holder.find(b"n" * 20), new)
+
+    def test_extra_keys_too(self) -> None:
+        extra = KeyConfig(name="env", secret="e" * 20)
+        holder = KeyHolder(Config(), (extra,))
+        self.assertEqual(holder.find(b"e" * 20), extra)
