@@ -756,9 +756,10 @@ class BlazarSite(Site):
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access event per request (replaces the combined log).
-        started = context_of(request).started
+        context = context_of(request)
+        started = context.started
         ms = (self.reactor.seconds() - started) * 1000 if started is not None else 0.0
-        key = key_of(context_of(request))
+        key = key_of(context)
         event = {
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
@@ -766,19 +767,19 @@ class BlazarSite(Site):
             "ms": round(ms, 1),
             "bytes": request.sentLength,
             "key": key.name if key is not None else "",
-            "trace": trace_id_of(context_of(request)),
-            "model": context_of(request).model or "",
+            "trace": trace_id_of(context),
+            "model": context.model or "",
         }
-        if context_of(request).sentinel:
-            event["sentinel"] = list(context_of(request).sentinel)
-        if context_of(request).audio_seconds is not None:
-            event["audio_seconds"] = round(context_of(request).audio_seconds or 0.0, 2)
-        if context_of(request).images:
-            event["images"] = context_of(request).images
-        if context_of(request).remote is not None:
-            event["remote"] = context_of(request).remote
-        if context_of(request).cache is not None:
-            event["cache"] = context_of(request).cache  # the semantic cache: hit, miss, bypass, error
+        if context.sentinel:
+            event["sentinel"] = list(context.sentinel)
+        if context.audio_seconds is not None:
+            event["audio_seconds"] = round(context.audio_seconds or 0.0, 2)
+        if context.images:
+            event["images"] = context.images
+        if context.remote is not None:
+            event["remote"] = context.remote
+        if context.cache is not None:
+            event["cache"] = context.cache  # the semantic cache: hit, miss, bypass, error
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(
