@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from twisted.logger import ILogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.engines.process import EngineProcessProtocol, sanitize_line
+from blazar.engines.process import MAX_LINE, EngineProcessProtocol, sanitize_line
 
 
 class ErrorLineTests(SynchronousTestCase):
@@ -189,6 +189,23 @@ class CancelledTaskTests(SynchronousTestCase):
         self.assertNoResult(waiting)
 
 
+class LineByLine(EngineProcessProtocol):
+    """
+    The reading before blocks: every line split off, decoded and searched
+    alone.
+    """
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        buffered = self._partial.get(childFD, b"") + data
+        *lines, rest = buffered.split(b"\n")
+        for line in lines:
+            self._line(line)
+        if len(rest) > MAX_LINE:
+            self._line(rest)
+            rest = b""
+        self._partial[childFD] = rest
+
+
 class BlockEqualsLineTests(SynchronousTestCase):
     """
     Output read in blocks (each decoded and searched once) reaches the
@@ -225,7 +242,7 @@ class BlockEqualsLineTests(SynchronousTestCase):
         data = "".join(line + ("\r\n" if crlf else "\n") for line in lines).encode("utf-8", "surrogatepass")
         data += b"\xe2\x82"  # an unfinished character, and an unfinished last line
 
-        def run(pieces: list[bytes]) -> tuple[Any, ...]:
+        def run(kind: type[EngineProcessProtocol], pieces: list[bytes]) -> tuple[Any, ...]:
             from twisted.logger import globalLogPublisher
 
             ring: list[tuple[str, str]] = []
@@ -233,7 +250,7 @@ class BlockEqualsLineTests(SynchronousTestCase):
             observer = cast(ILogObserver, events.append)
             globalLogPublisher.addObserver(observer)
             try:
-                protocol = EngineProcessProtocol("m", output=lambda model, line: ring.append((model, line)))
+                protocol = kind("m", output=lambda model, line: ring.append((model, line)))
                 cancelled: list[int] = []
                 protocol.next_cancelled().addCallback(cancelled.append)
                 for piece in pieces:
@@ -245,6 +262,5 @@ class BlockEqualsLineTests(SynchronousTestCase):
 
         bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
         pieces = [data[a:b] for a, b in zip(bounds, bounds[1:])]
-        one_by_one = [line + b"\n" for line in data.split(b"\n")[:-1]] + [data.rsplit(b"\n", 1)[-1]]
-        self.assertEqual(run(pieces), run(one_by_one))
+        self.assertEqual(run(EngineProcessProtocol, pieces), run(LineByLine, pieces))
         self.flushLoggedErrors()
