@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from http import HTTPStatus
 from io import BytesIO
 from tempfile import SpooledTemporaryFile
@@ -65,9 +66,10 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import RESPONSES, HTTPChannel
-from twisted.web.resource import IResource
+from twisted.web.http import RESPONSES, HTTPChannel, datetimeToString, unquote
+from twisted.web.resource import IResource, _IEncodingResource
 from twisted.web.server import Request, Site
+from twisted.web.server import version as SERVER_VERSION
 
 from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
@@ -112,6 +114,20 @@ LINGER_BYTES = 1024 * 1024
 """How long, and how much of what a refused client still sends, is read and dropped."""
 
 _REASONS = {499: b"Client Closed Request", 529: b"Overloaded"}
+
+_date: tuple[int, bytes] = (-1, b"")
+
+
+def http_date() -> bytes:
+    """
+    The C{Date} header's value now (RFC 9110's IMF-fixdate, as
+    L{twisted.web.http.datetimeToString} makes it), made once a second.
+    """
+    global _date
+    second = int(time.time())
+    if _date[0] != second:
+        _date = (second, datetimeToString(second))
+    return _date[1]
 
 
 def reason_phrase(code: int) -> bytes:
@@ -368,7 +384,31 @@ class BlazarRequest(Request):
             self.write(body)
             self.finish()
             return
-        super().process()
+        self._render_resource(site)
+
+    def _render_resource(self, site: Any) -> None:
+        """
+        L{twisted.web.server.Request.process}, with the C{Date} header made
+        once a second (L{http_date}), not formatted per request: find the
+        resource and render it.
+        """
+        self.site = site
+        self.setHeader(b"server", SERVER_VERSION)
+        self.setHeader(b"date", http_date())
+        self.prepath = []
+        self.postpath = list(map(unquote, self.path[1:].split(b"/")))
+        if self.path == b"*":
+            self._handleStar()  # type: ignore[no-untyped-call]
+            return
+        try:
+            found = site.getResourceFor(self)
+            if _IEncodingResource.providedBy(found):
+                encoder = found.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(found)
+        except BaseException:
+            self.processingFailed(Failure())
 
 
 class BlazarChannel(HTTPChannel):
@@ -400,6 +440,38 @@ class BlazarChannel(HTTPChannel):
         The method and URI of the request being received.
         """
         return self._command, self._path
+
+    # -- what a connection's requests ask of it again and again ---------------
+
+    _host: Any = None
+    _peer: Any = None
+    _secure: bool | None = None
+
+    def getHost(self) -> Any:
+        """
+        The local address, asked of the socket once per connection (each
+        request asks: a system call and a new address object each time).
+        """
+        if self._host is None:
+            self._host = super().getHost()  # type: ignore[no-untyped-call]
+        return self._host
+
+    def getPeer(self) -> Any:
+        """
+        The client's address, made once per connection.
+        """
+        if self._peer is None:
+            self._peer = super().getPeer()  # type: ignore[no-untyped-call]
+        return self._peer
+
+    def isSecure(self) -> bool:
+        """
+        Whether the connection is TLS, decided once per connection (an
+        interface adaptation per ask: Klein asks for every request).
+        """
+        if self._secure is None:
+            self._secure = bool(super().isSecure())  # type: ignore[no-untyped-call]
+        return self._secure
 
     # -- connections and deadlines -----------------------------------------
 

@@ -767,3 +767,58 @@ class KeyLookupTests(SynchronousTestCase):
         extra = KeyConfig(name="env", secret="e" * 20)
         holder = KeyHolder(Config(), (extra,))
         self.assertEqual(holder.find(b"e" * 20), extra)
+
+
+class PerConnectionTests(SiteCase):
+    """
+    What every request asks of its connection is asked once per
+    connection; the C{Date} header is made once a second, as twisted.web
+    makes it.
+    """
+
+    keys = ()
+
+    def test_addresses_and_tls_asked_once(self) -> None:
+        asked: list[str] = []
+
+        class Counting(StringTransport):
+            def getHost(self) -> Any:
+                asked.append("host")
+                return super().getHost()
+
+            def getPeer(self) -> Any:
+                asked.append("peer")
+                return super().getPeer()
+
+        channel, transport = self.connect(kind=Counting)
+        asked.clear()
+        for _ in range(3):
+            channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200 OK"), 3)
+        self.assertEqual(sorted(asked), ["host", "peer"])
+        self.assertEqual((channel.getHost(), channel.getPeer()), (transport.getHost(), transport.getPeer()))
+        self.assertFalse(channel.isSecure())
+
+    def test_the_date_header(self) -> None:
+        import time as time_module
+
+        from twisted.web.http import datetimeToString
+
+        from blazar.web.site import http_date
+
+        now = [1_700_000_000.2]
+        self.patch(time_module, "time", lambda: now[0])
+        self.assertEqual(http_date(), datetimeToString(1_700_000_000))
+        now[0] += 0.7
+        self.assertEqual(http_date(), datetimeToString(1_700_000_000))
+        now[0] += 0.2
+        self.assertEqual(http_date(), datetimeToString(1_700_000_001))
+        self.assertEqual(http_date(), b"Tue, 14 Nov 2023 22:13:21 GMT")
+
+    def test_responses_carry_date_and_server(self) -> None:
+        from twisted.web.server import version
+
+        _, transport = self.send(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n", host="127.0.0.1")
+        head_text = transport.value().split(b"\r\n\r\n", 1)[0].lower()
+        self.assertIn(b"\r\ndate: ", head_text)
+        self.assertIn(b"\r\nserver: " + version.lower(), head_text)
