@@ -398,7 +398,7 @@ class BlazarRequest(Request):
         self.prepath = []
         self.postpath = list(map(unquote, self.path[1:].split(b"/")))
         if self.path == b"*":
-            self._handleStar()  # type: ignore[no-untyped-call]
+            self._handleStar()
             return
         try:
             found = site.getResourceFor(self)
@@ -453,7 +453,7 @@ class BlazarChannel(HTTPChannel):
         request asks: a system call and a new address object each time).
         """
         if self._host is None:
-            self._host = super().getHost()  # type: ignore[no-untyped-call]
+            self._host = super().getHost()
         return self._host
 
     def getPeer(self) -> Any:
@@ -461,7 +461,7 @@ class BlazarChannel(HTTPChannel):
         The client's address, made once per connection.
         """
         if self._peer is None:
-            self._peer = super().getPeer()  # type: ignore[no-untyped-call]
+            self._peer = super().getPeer()
         return self._peer
 
     def isSecure(self) -> bool:
@@ -470,7 +470,7 @@ class BlazarChannel(HTTPChannel):
         interface adaptation per ask: Klein asks for every request).
         """
         if self._secure is None:
-            self._secure = bool(super().isSecure())  # type: ignore[no-untyped-call]
+            self._secure = bool(super().isSecure())
         return self._secure
 
     # -- connections and deadlines -----------------------------------------
