@@ -124,6 +124,9 @@ ROUTINE_WARNINGS = (
 )
 
 
+_ROUTINE = re.compile("|".join(re.escape(routine) for routine in ROUTINE_WARNINGS))
+
+
 def engine_level(line: str) -> str | None:
     """
     The level llama.cpp's log format gives a line (C{0.00.002.435 W srv  ...}:
@@ -134,7 +137,7 @@ def engine_level(line: str) -> str | None:
     head = line[:24]
     if " E " in head:
         return "E"
-    if " W " in head and not any(routine in line for routine in ROUTINE_WARNINGS):
+    if " W " in head and _ROUTINE.search(line) is None:
         return "W"
     return None
 
