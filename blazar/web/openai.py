@@ -615,8 +615,11 @@ class OpenAISurface:
                 tokens = usage_of_reply(payload)
                 if tokens is not None:
                     reply.usage(*tokens)
+                answer = renamer.rename(payload)
                 request.setHeader(b"content-type", b"application/json")
-                return renamer.rename(payload)
+                # its length known: one write, not chunks and a terminator
+                request.setHeader(b"content-length", b"%d" % len(answer))
+                return answer
         except Exception as e:
             # once the loading comments are out, the failure is an error event
             problem = in_stream(request, e, model, "openai", headers_out)
