@@ -67,6 +67,7 @@ from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.http import RESPONSES, HTTPChannel, datetimeToString, unquote
+from twisted.web.http_headers import Headers
 from twisted.web.resource import IResource, _IEncodingResource
 from twisted.web.server import Request, Site
 from twisted.web.server import version as SERVER_VERSION
@@ -440,6 +441,22 @@ class BlazarChannel(HTTPChannel):
         The method and URI of the request being received.
         """
         return self._command, self._path
+
+    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        """
+        The response head as L{HTTPChannel.writeHeaders} makes it, written
+        as one C{bytes} (Twisted writes it as a sequence of four pieces per
+        header, each checked and buffered).
+        """
+        if not isinstance(headers, Headers):
+            super().writeHeaders(version, code, reason, headers)
+            return
+        parts = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        self.transport.write(b"".join(parts))  # type: ignore[union-attr]
 
     # -- what a connection's requests ask of it again and again ---------------
 

@@ -822,3 +822,24 @@ class PerConnectionTests(SiteCase):
         head_text = transport.value().split(b"\r\n\r\n", 1)[0].lower()
         self.assertIn(b"\r\ndate: ", head_text)
         self.assertIn(b"\r\nserver: " + version.lower(), head_text)
+
+    def test_the_head_as_twisted_writes_it(self) -> None:
+        """
+        The response head written as one piece has twisted.web's bytes.
+        """
+        from twisted.web.http import HTTPChannel
+        from twisted.web.http_headers import Headers
+
+        headers = Headers({b"content-type": [b"application/json"], b"x-two": [b"a", b"b"]})
+        headers.setRawHeaders(b"x-odd", [b"line\r\nbreak"])  # (sanitized as Headers stores it)
+        twisted_transport = StringTransport()
+        twisted_channel = HTTPChannel()
+        twisted_channel.makeConnection(twisted_transport)
+        twisted_channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", headers)
+        ours, transport = self.connect()
+        transport.clear()
+        ours.writeHeaders(b"HTTP/1.1", b"200", b"OK", headers)
+        heads = [twisted_transport.value(), transport.value()]
+        twisted_channel.connectionLost(Failure(Exception("done")))
+        self.assertEqual(heads[0], heads[1])
+        self.assertTrue(heads[1].startswith(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"))
