@@ -16,12 +16,15 @@ same lines, formatted more slowly).
 
 from __future__ import annotations
 
+import atexit
 import re
 import sys
+import threading
 import time
-from typing import IO, Any
+from typing import IO, Any, Callable
 
 from twisted.logger import ILogObserver, eventAsText
+from twisted.python import threadable
 from zope.interface import implementer
 
 RENDERED = "{rendered}"
@@ -44,7 +47,7 @@ def printable(text: str) -> str:
     sequence. Tabs and newlines stay (a multi-line event is one indented
     entry).
     """
-    if _CONTROLS.search(text) is None:
+    if text.isprintable() or _CONTROLS.search(text) is None:  # (every character it escapes is unprintable)
         return text
     return _CONTROLS.sub(lambda m: repr(m.group())[1:-1], text)
 
@@ -63,18 +66,50 @@ def event_text(event: dict[str, Any]) -> str | None:
     return printable(text) if text else None
 
 
+FLUSH_SECS = 0.0
+"""
+How long a line logged on the reactor's thread may be held: until the
+reactor's next turn, which comes before it sends what this turn wrote
+(Twisted's transports write on the next turn), so a response's log lines
+are in the file before the client has the response.
+"""
+
+
 @implementer(ILogObserver)
 class TextObserver:
     """
     Writes each event as one line of C{out}, in twistd's classic format,
-    and flushes.
-
+    and flushes: at once, or, when C{later} takes the flush, after
+    L{FLUSH_SECS}: the lines of that time are held and written together
+    (one write system call for them all, not one per line, even when
+    C{out} writes through, as with C{PYTHONUNBUFFERED}).
     """
 
-    def __init__(self, out: IO[str]) -> None:
+    def __init__(self, out: IO[str], later: Callable[[float, Callable[[], None]], bool] | None = None) -> None:
+        """
+        @param later: C{later(delay, f)} calls C{f} after C{delay} seconds
+            and returns C{True}, or returns C{False} when it cannot (no
+            reactor running, or not on its thread): the line is flushed
+            at once.
+        """
         self._out = out
+        self._later = later
+        self._flush_due: float | None = None  # the log time of the first line waiting for the flush
+        self._held: list[str] = []  # lines waiting for it (C{out} may write through: PYTHONUNBUFFERED)
+        self._lock = threading.Lock()  # (threads log too)
         self._second = -1
         self._stamp = ""
+
+    def flush(self) -> None:
+        """
+        Write the lines held for the next flush, and flush C{out}.
+        """
+        with self._lock:
+            self._flush_due = None
+            if self._held:
+                self._out.write("".join(self._held))
+                self._held.clear()
+            self._out.flush()
 
     def _time(self, when: float) -> str:
         second = int(when)
@@ -100,12 +135,35 @@ class TextObserver:
                 system = "UNFORMATTABLE"
         if "\n" in text:
             text = text.replace("\n", "\n\t")
-        self._out.write(f"{stamp} [{system}] {text}\n")
-        self._out.flush()
+        line = f"{stamp} [{system}] {text}\n"
+        with self._lock:
+            self._held.append(line)
+            if self._later is not None and isinstance(when, (int, float)):
+                if self._flush_due is not None and when < self._flush_due + 1.0:
+                    return  # (a flush that has not come in a second never will: the reactor stopped)
+                if self._later(FLUSH_SECS, self.flush):
+                    self._flush_due = when
+                    return
+        self.flush()
+
+
+def _reactor_later(delay: float, f: Callable[[], None]) -> bool:
+    """
+    C{f} called by the running reactor after C{delay} seconds, when called
+    on the reactor's thread (L{TextObserver}'s C{later}).
+    """
+    reactor = sys.modules.get("twisted.internet.reactor")  # never installs one (twistd chooses it)
+    if reactor is None or not getattr(reactor, "running", False) or not threadable.isInIOThread():
+        return False
+    reactor.callLater(delay, f)
+    return True
 
 
 def observer() -> TextObserver:
     """
-    twistd's C{--logger} factory: L{TextObserver} on standard output.
+    twistd's C{--logger} factory: L{TextObserver} on standard output,
+    flushed by the running reactor on its next turn (L{FLUSH_SECS}).
     """
-    return TextObserver(sys.stdout)
+    text = TextObserver(sys.stdout, _reactor_later)
+    atexit.register(text.flush)  # what the reactor had no time to flush
+    return text

@@ -9,11 +9,12 @@ import io
 import time
 from typing import Callable, cast
 
+from twisted.internet.task import Clock
 from twisted.logger import ILogObserver, Logger, LogPublisher, formatEventAsClassicLogText, formatTime
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.logtext import RENDERED, TextObserver, event_text
+from blazar.logtext import FLUSH_SECS, RENDERED, TextObserver, event_text
 
 
 def events_of(emit: Callable[[Logger], None]) -> list[dict[str, object]]:
@@ -87,3 +88,69 @@ class TextObserverTests(SynchronousTestCase):
             self.assertIn("curl\\x1b[2J\\x1b]0;pwned\\x07\\r\\x9b31m\\x00\\x7f", line)
             self.assertNotRegex(line.replace("\n", "").replace("\t", ""), "[\x00-\x1f\x7f-\x9f]")
         self.assertIn("at\ttwo\n\tlines", self.ours({**formatted, "log_time": 1.0}))
+
+
+class FlushCounter(io.StringIO):
+    flushes = 0
+
+    def flush(self) -> None:
+        self.flushes += 1
+        super().flush()
+
+
+class DeferredFlushTests(SynchronousTestCase):
+    """
+    With a C{later}, the lines written on the reactor's thread share one
+    flush, made within L{FLUSH_SECS}; without one (no running reactor, or
+    another thread) each line is flushed at once.
+    """
+
+    def event(self, when: float) -> dict[str, object]:
+        return {"log_format": "x", "log_time": when, "log_namespace": "n", "log_level": None}
+
+    def test_one_flush_for_the_lines_of_a_moment(self) -> None:
+        clock = Clock()
+        out = FlushCounter()
+
+        def later(delay: float, f: Callable[[], None]) -> bool:
+            clock.callLater(delay, f)
+            return True
+
+        observer = TextObserver(out, later)
+        for when in (10.0, 10.01, 10.02):
+            observer(self.event(when))
+        self.assertEqual((out.flushes, out.getvalue()), (0, ""))  # held: one write for them all
+        clock.advance(FLUSH_SECS)
+        self.assertEqual((out.flushes, len(out.getvalue().splitlines())), (1, 3))
+        observer(self.event(10.1))
+        clock.advance(FLUSH_SECS)
+        self.assertEqual(out.flushes, 2)
+
+    def test_flushed_at_once_when_it_cannot_wait(self) -> None:
+        out = FlushCounter()
+        observer = TextObserver(out, lambda delay, f: False)
+        observer(self.event(1.0))
+        observer(self.event(1.0))
+        self.assertEqual(out.flushes, 2)
+
+    def test_a_flush_that_never_came_does_not_hold_later_lines(self) -> None:
+        """
+        A flush scheduled as the reactor stopped never runs: a line a
+        second later is flushed at once.
+        """
+        out = FlushCounter()
+        can_wait = [True]
+        observer = TextObserver(out, lambda delay, f: can_wait[0])
+        observer(self.event(5.0))
+        can_wait[0] = False
+        observer(self.event(5.5))
+        self.assertEqual(out.flushes, 0)
+        observer(self.event(6.5))
+        self.assertEqual((out.flushes, len(out.getvalue().splitlines())), (1, 3))
+
+    def test_flush_writes_what_is_held(self) -> None:
+        out = FlushCounter()
+        observer = TextObserver(out, lambda delay, f: True)
+        observer(self.event(1.0))
+        observer.flush()
+        self.assertEqual(len(out.getvalue().splitlines()), 1)

@@ -124,6 +124,9 @@ ROUTINE_WARNINGS = (
 )
 
 
+_ROUTINE = re.compile("|".join(re.escape(routine) for routine in ROUTINE_WARNINGS))
+
+
 def engine_level(line: str) -> str | None:
     """
     The level llama.cpp's log format gives a line (C{0.00.002.435 W srv  ...}:
@@ -134,7 +137,7 @@ def engine_level(line: str) -> str | None:
     head = line[:24]
     if " E " in head:
         return "E"
-    if " W " in head and not any(routine in line for routine in ROUTINE_WARNINGS):
+    if " W " in head and _ROUTINE.search(line) is None:
         return "W"
     return None
 
@@ -182,16 +185,56 @@ class EngineProcessProtocol(ProcessProtocol):
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         buffered = self._partial.get(childFD, b"") + data
-        *lines, rest = buffered.split(b"\n")
-        for line in lines:
-            self._line(line)
+        end = buffered.rfind(b"\n")
+        if end < 0:
+            rest = buffered
+        elif end <= MAX_LINE:
+            # no line in the block can be over MAX_LINE: decoded at once
+            # (a newline is never part of a multi-byte character, so this
+            # is each line decoded alone) and checked at once for what
+            # only some lines hold
+            self._lines(buffered[:end].decode("utf-8", "replace"))
+            rest = buffered[end + 1 :]
+        else:
+            *lines, rest = buffered.split(b"\n")
+            for line in lines:
+                self._line(line)
         if len(rest) > MAX_LINE:
             self._line(rest)
             rest = b""
         self._partial[childFD] = rest
 
+    def _lines(self, block: str) -> None:
+        """
+        The complete lines C{block} holds (without its last newline), each
+        as L{_text} takes it; what only some lines hold (a cancel report,
+        a warning or error level) looked for once in the block, and per
+        line only when the block has it.
+        """
+        output = self._output
+        if output is None:
+            for text in block.split("\n"):
+                self._text(text.rstrip("\r"))
+            return
+        cancels = "cancel task" in block or "stop processing" in block
+        levels = " E " in block or " W " in block
+        tail, model = self.tail, self.model
+        for text in block.split("\n"):
+            if text.endswith("\r"):
+                text = text.rstrip("\r")
+            if not text:
+                continue
+            tail.append(text)
+            if cancels and ("cancel task" in text or (self._cancelling and "stop processing" in text)):
+                self._cancel_report(text)
+            output(model, f"{model} | {text}")
+            if levels:
+                self._log_level(text)
+
     def _line(self, raw: bytes) -> None:
-        text = raw[:MAX_LINE].rstrip(b"\r").decode("utf-8", "replace")
+        self._text(raw[:MAX_LINE].rstrip(b"\r").decode("utf-8", "replace"))
+
+    def _text(self, text: str) -> None:
         if not text:
             return
         self.tail.append(text)
@@ -201,6 +244,9 @@ class EngineProcessProtocol(ProcessProtocol):
             self.log.info("{model} | {line}", model=self.model, engine=self.engine, line=text)
             return
         self._output(self.model, f"{self.model} | {text}")
+        self._log_level(text)
+
+    def _log_level(self, text: str) -> None:
         level = engine_level(text)
         if level == "E":
             self.log.error("{model} | {line}", model=self.model, engine=self.engine, line=text, ring=False)

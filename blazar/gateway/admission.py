@@ -165,6 +165,7 @@ class ModelQueue:
         self.expired_total = 0
         self.service: float | None = None
         self._seq = 0
+        self._waits: dict[tuple[Priority, WorkClass], Any] = {}  # queue_wait's children, bound once each
 
     # -- the request side -------------------------------------------------
 
@@ -189,12 +190,15 @@ class ModelQueue:
         """
         if body_size > LONG_PREFILL_BYTES and priority < Priority.LOW:
             priority = Priority(priority + 1)
-        default = {
-            Priority.HIGH: self.settings.deadline_high,
-            Priority.NORMAL: self.settings.deadline_normal,
-            Priority.LOW: self.settings.deadline_low,
-            Priority.BATCH: BATCH_DEADLINE,
-        }[priority]
+        settings = self.settings
+        if priority is Priority.NORMAL:
+            default = settings.deadline_normal
+        elif priority is Priority.HIGH:
+            default = settings.deadline_high
+        elif priority is Priority.LOW:
+            default = settings.deadline_low
+        else:
+            default = BATCH_DEADLINE
         if work == WorkClass.TOOL and priority != Priority.BATCH:  # a batch line waits its day
             default = min(default, self.settings.deadline_tool)
         # a client's deadline may lengthen the wait up to the longest the
@@ -320,9 +324,13 @@ class ModelQueue:
             ticket.timer.cancel()
         ticket.admitted_at = self._clock.seconds()
         if self._metrics is not None:
-            self._metrics.queue_wait.labels(self.model, ticket.priority.name.lower(), CLASS_NAMES[ticket.work]).observe(
-                ticket.admitted_at - ticket.arrived
-            )
+            labels = (ticket.priority, ticket.work)
+            wait = self._waits.get(labels)
+            if wait is None:
+                wait = self._waits[labels] = self._metrics.queue_wait.labels(
+                    self.model, ticket.priority.name.lower(), CLASS_NAMES[ticket.work]
+                )
+            wait.observe(ticket.admitted_at - ticket.arrived)
         self.running.append(ticket)
         self.credits[ticket.key] = self.credits.get(ticket.key, 0.0) + 1.0 / ticket.weight
         self.admitted_total += 1

@@ -174,6 +174,8 @@ class Run:
         before it, or on a pipeline without a registry).
     @ivar lane: The command lane that serves it (L{blazar.config.CommandLane}),
         or L{None}: llama.cpp.
+    @ivar on_send: C{call.on_send}, or what the surface's glue wrapped it
+        in (L{Run.of}).
     @ivar headers: The response headers the steps decided so far
         (C{x-blazar-cache}, C{x-blazar-queue-ms}, an enforced refusal's
         C{x-blazar-sentinel}), in the order decided:
@@ -191,13 +193,26 @@ class Run:
     entry: ModelEntry | None = None
     lane: Any = None
     headers: dict[bytes, bytes] = attrs.Factory(dict)
+    on_send: Callable[[bool], Callable[[], None] | None] | None = None
 
     @classmethod
-    def of(cls, call: Call) -> Run:
+    def of(cls, call: Call, on_send: Callable[[bool], Callable[[], None] | None] | None = None) -> Run:
         """
         The run of C{call}, before any step.
+
+        @param on_send: What the run calls instead of C{call.on_send} (a
+            wrapper of it: L{blazar.web.client.opened}), if given.
         """
-        return cls(call, call.body, call.raw, call.ctx_size, call.max_tokens, call.content_type, call.audio)
+        return cls(
+            call,
+            call.body,
+            call.raw,
+            call.ctx_size,
+            call.max_tokens,
+            call.content_type,
+            call.audio,
+            on_send=on_send if on_send is not None else call.on_send,
+        )
 
     # what the steps never change: the surface's call, as decoded
     surface = Decoded[str]()
@@ -211,7 +226,6 @@ class Run:
     names = Decoded["tuple[str, str]"]()
     counting = Decoded[Counting]()
     rewrite = Decoded["Callable[[Run], Awaitable[None]] | None"]()
-    on_send = Decoded["Callable[[bool], Callable[[], None] | None] | None"]()
     asked = Decoded[Asked]()
     audio_fields = Decoded["dict[str, str] | None"]()
     images = Decoded["list[bytes] | None"]()

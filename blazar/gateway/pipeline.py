@@ -109,10 +109,16 @@ class Opened:
     the send on entry; the lease's end on exit, however the block ends.
     """
 
-    def __init__(self, pipeline: Pipeline, context: RequestContext | None, call: Call) -> None:
+    def __init__(
+        self,
+        pipeline: Pipeline,
+        context: RequestContext | None,
+        call: Call,
+        on_send: Callable[[bool], Callable[[], None] | None] | None = None,
+    ) -> None:
         self._pipeline = pipeline
         self._context = context
-        self._call = Run.of(call)
+        self._call = Run.of(call, on_send)
         self._lease: InstanceLease | None = None
         self._reply: Reply | None = None
 
@@ -172,11 +178,19 @@ class Pipeline:
         self.images: ImageFetcher | None = None  # fetches image URLs (L{_vision}); None: they are refused
         self.isolation = KeyIsolation(clock)  # the slots of models with isolate_keys
 
-    def open(self, context: RequestContext | None, call: Call) -> Opened:
+    def open(
+        self,
+        context: RequestContext | None,
+        call: Call,
+        on_send: Callable[[bool], Callable[[], None] | None] | None = None,
+    ) -> Opened:
         """
         Run C{call} up to the engine's answer; see L{Opened}.
+
+        @param on_send: Called instead of C{call.on_send} (a wrapper of it),
+            if given.
         """
-        return Opened(self, context, call)
+        return Opened(self, context, call, on_send)
 
     async def count(self, context: RequestContext | None, call: Call) -> int:
         """
@@ -736,12 +750,11 @@ class Pipeline:
         C{sentinel_enforce}: the key's, else the model's, else the global.
         """
         key = key_of(context)
-        choices = (
-            key.sentinel_enforce if key is not None else None,
-            entry.settings.sentinel_enforce,
-            self._config().sentinel_enforce,
-        )
-        return next(c for c in choices if c is not None)
+        if key is not None and key.sentinel_enforce is not None:
+            return key.sentinel_enforce
+        if entry.settings.sentinel_enforce is not None:
+            return entry.settings.sentinel_enforce
+        return self._config().sentinel_enforce
 
     async def _as_text(
         self,

@@ -12,8 +12,10 @@ never logged.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import ipaddress
+import socket
 from typing import Any
 
 from twisted.internet.address import UNIXAddress
@@ -48,6 +50,8 @@ class KeyHolder:
         self.live = live_config(config)
         self._seen: Config | None = None
         self._encoded: list[tuple[bytes, KeyConfig]] = []
+        # sha256 of each secret -> (secret, key): one lookup per request, not a compare per key
+        self._by_digest: dict[bytes, tuple[bytes, KeyConfig]] = {}
 
     @property
     def config(self) -> Config:
@@ -65,11 +69,16 @@ class KeyHolder:
 
     @property
     def _keys(self) -> list[tuple[bytes, KeyConfig]]:
+        self._refresh()
+        return self._encoded
+
+    def _refresh(self) -> None:
         current = self.live.current
         if current is not self._seen:
             self._encoded = [(k.secret.encode("utf-8"), k) for k in (*current.keys, *self._extra)]
+            # (the last key of a secret wins, as the scan that compared every key did)
+            self._by_digest = {hashlib.sha256(secret).digest(): (secret, k) for secret, k in self._encoded}
             self._seen = current
-        return self._encoded
 
     @property
     def active(self) -> bool:
@@ -88,14 +97,17 @@ class KeyHolder:
 
     def find(self, presented: bytes) -> KeyConfig | None:
         """
-        The key whose secret is C{presented}; every key is compared, in
-        constant time, so timing says nothing about which one nearly matched.
+        The key whose secret is C{presented}: one dict lookup by the
+        presented bytes' SHA-256 (which says nothing about how near a
+        guess came to a secret), then that secret compared in constant
+        time.
         """
-        found = None
-        for secret, key in self._keys:
-            if hmac.compare_digest(secret, presented):
-                found = key
-        return found
+        self._refresh()
+        candidate = self._by_digest.get(hashlib.sha256(presented).digest())
+        if candidate is None:
+            return None
+        secret, key = candidate
+        return key if hmac.compare_digest(secret, presented) else None
 
 
 def surface_of(path: bytes) -> str:
@@ -152,14 +164,27 @@ def _local_name(host: str) -> bool:
         return False
 
 
+_UNREBINDABLE: dict[str, bool] = {}
+_UNREBINDABLE_MAX = 256  # Host values remembered (clients send a handful; a scanner's are not all kept)
+
+
 def _unrebindable(host: str) -> bool:
     """
     Whether a C{Host} cannot be a DNS-rebound name (as Ollama allows
     them): an IP address, this machine's names, or a name under
-    C{.localhost}, C{.local} or C{.internal}.
+    C{.localhost}, C{.local} or C{.internal}. Remembered per value (a
+    client sends the same C{Host} on every request).
     """
-    import socket
+    known = _UNREBINDABLE.get(host)
+    if known is None:
+        known = _unrebindable_now(host)
+        if len(_UNREBINDABLE) >= _UNREBINDABLE_MAX:
+            _UNREBINDABLE.clear()
+        _UNREBINDABLE[host] = known
+    return known
 
+
+def _unrebindable_now(host: str) -> bool:
     name = _host_name(host)
     try:
         ipaddress.ip_address(name)

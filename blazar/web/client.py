@@ -14,7 +14,6 @@ import math
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Awaitable, Callable, Iterable, Mapping, TypeVar
 
-import attrs
 from twisted.internet.defer import Deferred
 from twisted.web.iweb import IRequest
 from zope.interface import implementer
@@ -155,7 +154,7 @@ async def opened(pipeline: Pipeline, request: IRequest, call: Call) -> AsyncIter
         write_ignored(request)
         return inner(cold) if inner is not None else None
 
-    run = pipeline.open(context_of(request), attrs.evolve(call, on_send=on_send))
+    run = pipeline.open(context_of(request), call, on_send)
     entered = False
     try:
         async with run as reply:

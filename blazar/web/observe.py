@@ -11,6 +11,7 @@ hot path only sets attributes.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from twisted.logger import Logger
@@ -25,18 +26,19 @@ from blazar.web.client import context_of
 log = Logger()
 
 
+_DECODER = json.JSONDecoder()
+
+
 def _object_after(data: bytes, marker: bytes) -> dict[str, Any] | None:
     """
     The JSON object that follows the last C{marker} (C{b'"usage":{'}-like,
     ending in its opening brace) in C{data}, parsed alone.
     """
-    import json
-
     at = data.rfind(marker)
     if at < 0:
         return None
     try:
-        value, _ = json.JSONDecoder().raw_decode(data[at + len(marker) - 1 :].decode("utf-8", "replace"))
+        value, _ = _DECODER.raw_decode(data[at + len(marker) - 1 :].decode("utf-8", "replace"))
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
@@ -66,6 +68,10 @@ def usage_of_timings(event: bytes) -> tuple[int, int] | None:
     return prompt, int(timings.get("predicted_n") or 0)
 
 
+def _counting_failed(failure: Failure) -> None:
+    log.failure("counting a finished request failed", failure)
+
+
 class RequestObserver:
     """
     Counts one finished request into L{Metrics}.
@@ -91,9 +97,7 @@ class RequestObserver:
 
     def started(self, request: Any, surface: str) -> None:
         self._child(self.metrics.in_flight, surface).inc()
-        request.notifyFinish().addBoth(self._finished, request, surface).addErrback(
-            lambda f: log.failure("counting a finished request failed", f)
-        )
+        request.notifyFinish().addBoth(self._finished, request, surface).addErrback(_counting_failed)
 
     def _finished(self, result: Any, request: Any, surface: str) -> None:
         m, child = self.metrics, self._child

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import json
 import re
 import secrets
@@ -67,6 +68,16 @@ def error_body(message: str, type_: str, code: str | None, param: str | None = N
     return strictjson.encode(
         {"error": {"message": message, "type": type_, "param": param, "code": code}},
     ).encode("utf-8")
+
+
+@functools.lru_cache(maxsize=256)
+def _renamer(engine_name: str, client_name: str) -> ModelRenamer:
+    """
+    The L{ModelRenamer} of a pair of names for a whole answer's one
+    rename, made once (it encodes both names as JSON: work a request
+    need not repeat).
+    """
+    return ModelRenamer(engine_name, client_name)
 
 
 def require_model(body: dict[str, Any]) -> str:
@@ -583,7 +594,8 @@ class OpenAISurface:
         try:
             async with opened(self._pipeline, request, call) as reply:
                 fix = fixes[0] if fixes else None
-                renamer = ModelRenamer(reply.model, model)
+                # (a stream's own: the relay may keep state in it)
+                renamer = ModelRenamer(reply.model, model) if stream else _renamer(reply.model, model)
                 if top is not None:
                     payload = await judged(request, reply, reply.read())
                     tokens = usage_of_reply(payload)
@@ -603,8 +615,11 @@ class OpenAISurface:
                 tokens = usage_of_reply(payload)
                 if tokens is not None:
                     reply.usage(*tokens)
+                answer = renamer.rename(payload)
                 request.setHeader(b"content-type", b"application/json")
-                return renamer.rename(payload)
+                # its length known: one write, not chunks and a terminator
+                request.setHeader(b"content-length", b"%d" % len(answer))
+                return answer
         except Exception as e:
             # once the loading comments are out, the failure is an error event
             problem = in_stream(request, e, model, "openai", headers_out)

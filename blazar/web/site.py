@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import re
 import secrets
+import time
 from http import HTTPStatus
 from io import BytesIO
 from tempfile import SpooledTemporaryFile
@@ -65,9 +66,11 @@ from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
-from twisted.web.http import RESPONSES, HTTPChannel
-from twisted.web.resource import IResource
+from twisted.web.http import RESPONSES, HTTPChannel, datetimeToString, unquote
+from twisted.web.http_headers import Headers
+from twisted.web.resource import IResource, _IEncodingResource
 from twisted.web.server import Request, Site
+from twisted.web.server import version as SERVER_VERSION
 
 from blazar.config import Config
 from blazar.gateway.batch import FILE_MAX_BYTES
@@ -112,6 +115,20 @@ LINGER_BYTES = 1024 * 1024
 """How long, and how much of what a refused client still sends, is read and dropped."""
 
 _REASONS = {499: b"Client Closed Request", 529: b"Overloaded"}
+
+_date: tuple[int, bytes] = (-1, b"")
+
+
+def http_date() -> bytes:
+    """
+    The C{Date} header's value now (RFC 9110's IMF-fixdate, as
+    L{twisted.web.http.datetimeToString} makes it), made once a second.
+    """
+    global _date
+    second = int(time.time())
+    if _date[0] != second:
+        _date = (second, datetimeToString(second))
+    return _date[1]
 
 
 def reason_phrase(code: int) -> bytes:
@@ -368,7 +385,31 @@ class BlazarRequest(Request):
             self.write(body)
             self.finish()
             return
-        super().process()
+        self._render_resource(site)
+
+    def _render_resource(self, site: Any) -> None:
+        """
+        L{twisted.web.server.Request.process}, with the C{Date} header made
+        once a second (L{http_date}), not formatted per request: find the
+        resource and render it.
+        """
+        self.site = site
+        self.setHeader(b"server", SERVER_VERSION)
+        self.setHeader(b"date", http_date())
+        self.prepath = []
+        self.postpath = list(map(unquote, self.path[1:].split(b"/")))
+        if self.path == b"*":
+            self._handleStar()
+            return
+        try:
+            found = site.getResourceFor(self)
+            if _IEncodingResource.providedBy(found):
+                encoder = found.getEncoder(self)
+                if encoder is not None:
+                    self._encoder = encoder
+            self.render(found)
+        except BaseException:
+            self.processingFailed(Failure())
 
 
 class BlazarChannel(HTTPChannel):
@@ -400,6 +441,54 @@ class BlazarChannel(HTTPChannel):
         The method and URI of the request being received.
         """
         return self._command, self._path
+
+    def writeHeaders(self, version: bytes, code: bytes, reason: bytes, headers: Any) -> None:
+        """
+        The response head as L{HTTPChannel.writeHeaders} makes it, written
+        as one C{bytes} (Twisted writes it as a sequence of four pieces per
+        header, each checked and buffered).
+        """
+        if not isinstance(headers, Headers):
+            super().writeHeaders(version, code, reason, headers)
+            return
+        parts = [version, b" ", code, b" ", reason, b"\r\n"]
+        for name, values in headers.getAllRawHeaders():
+            for value in values:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(b"\r\n")
+        self.transport.write(b"".join(parts))  # type: ignore[union-attr]
+
+    # -- what a connection's requests ask of it again and again ---------------
+
+    _host: Any = None
+    _peer: Any = None
+    _secure: bool | None = None
+
+    def getHost(self) -> Any:
+        """
+        The local address, asked of the socket once per connection (each
+        request asks: a system call and a new address object each time).
+        """
+        if self._host is None:
+            self._host = super().getHost()
+        return self._host
+
+    def getPeer(self) -> Any:
+        """
+        The client's address, made once per connection.
+        """
+        if self._peer is None:
+            self._peer = super().getPeer()
+        return self._peer
+
+    def isSecure(self) -> bool:
+        """
+        Whether the connection is TLS, decided once per connection (an
+        interface adaptation per ask: Klein asks for every request).
+        """
+        if self._secure is None:
+            self._secure = bool(super().isSecure())
+        return self._secure
 
     # -- connections and deadlines -----------------------------------------
 
@@ -756,9 +845,10 @@ class BlazarSite(Site):
 
     def log(self, request: Request) -> None:  # type: ignore[override]
         # One structured access event per request (replaces the combined log).
-        started = context_of(request).started
+        context = context_of(request)
+        started = context.started
         ms = (self.reactor.seconds() - started) * 1000 if started is not None else 0.0
-        key = key_of(context_of(request))
+        key = key_of(context)
         event = {
             "method": request.method.decode("ascii", "replace"),
             "path": request.path.decode("ascii", "replace"),
@@ -766,19 +856,19 @@ class BlazarSite(Site):
             "ms": round(ms, 1),
             "bytes": request.sentLength,
             "key": key.name if key is not None else "",
-            "trace": trace_id_of(context_of(request)),
-            "model": context_of(request).model or "",
+            "trace": trace_id_of(context),
+            "model": context.model or "",
         }
-        if context_of(request).sentinel:
-            event["sentinel"] = list(context_of(request).sentinel)
-        if context_of(request).audio_seconds is not None:
-            event["audio_seconds"] = round(context_of(request).audio_seconds or 0.0, 2)
-        if context_of(request).images:
-            event["images"] = context_of(request).images
-        if context_of(request).remote is not None:
-            event["remote"] = context_of(request).remote
-        if context_of(request).cache is not None:
-            event["cache"] = context_of(request).cache  # the semantic cache: hit, miss, bypass, error
+        if context.sentinel:
+            event["sentinel"] = list(context.sentinel)
+        if context.audio_seconds is not None:
+            event["audio_seconds"] = round(context.audio_seconds or 0.0, 2)
+        if context.images:
+            event["images"] = context.images
+        if context.remote is not None:
+            event["remote"] = context.remote
+        if context.cache is not None:
+            event["cache"] = context.cache  # the semantic cache: hit, miss, bypass, error
         # made once here: formatting it field by field in every observer
         # was a tenth of the daemon's CPU per request (blazar.logtext)
         log.info(

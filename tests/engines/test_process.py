@@ -6,10 +6,12 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from twisted.logger import ILogObserver
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.engines.process import EngineProcessProtocol, sanitize_line
+from blazar.engines.process import MAX_LINE, EngineProcessProtocol, sanitize_line
 
 
 class ErrorLineTests(SynchronousTestCase):
@@ -185,3 +187,80 @@ class CancelledTaskTests(SynchronousTestCase):
             "I slot      release: id  1 | task 4 | stop processing: n_tokens = 12, truncated = 0",
         )
         self.assertNoResult(waiting)
+
+
+class LineByLine(EngineProcessProtocol):
+    """
+    The reading before blocks: every line split off, decoded and searched
+    alone.
+    """
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        buffered = self._partial.get(childFD, b"") + data
+        *lines, rest = buffered.split(b"\n")
+        for line in lines:
+            self._line(line)
+        if len(rest) > MAX_LINE:
+            self._line(rest)
+            rest = b""
+        self._partial[childFD] = rest
+
+
+class BlockEqualsLineTests(SynchronousTestCase):
+    """
+    Output read in blocks (each decoded and searched once) reaches the
+    ring, the tail, the log and the cancel reports exactly as when every
+    line is taken alone, however the child's writes are cut.
+    """
+
+    @settings(max_examples=150, deadline=None)
+    @given(
+        lines=st.lists(
+            st.one_of(
+                st.sampled_from(
+                    [
+                        "0.00.002.435 I srv  llama_server: initializing",
+                        "0.09.376.270 W slot   operator(): id 63 | task 1094 | n_past was set to 20",
+                        "0.00.005.317 W srv  load_model: no chat template",
+                        "0.00.007.468 E srv  load_model: failed to load",
+                        "srv  cancel_tasks: cancel task, id_task = 7",
+                        "slot      release: id  0 | task 7 | stop processing: n_tokens = 12, truncated = 0",
+                        "",
+                        "\\r",
+                        "caf\\u00e9 \\u2603",
+                        "x" * 9000,
+                    ]
+                ),
+                st.text(max_size=40),
+            ),
+            max_size=12,
+        ),
+        cuts=st.lists(st.integers(min_value=0, max_value=20000), max_size=6),
+        crlf=st.booleans(),
+    )
+    def test_blocks_as_lines(self, lines: list[str], cuts: list[int], crlf: bool) -> None:
+        data = "".join(line + ("\r\n" if crlf else "\n") for line in lines).encode("utf-8", "surrogatepass")
+        data += b"\xe2\x82"  # an unfinished character, and an unfinished last line
+
+        def run(kind: type[EngineProcessProtocol], pieces: list[bytes]) -> tuple[Any, ...]:
+            from twisted.logger import globalLogPublisher
+
+            ring: list[tuple[str, str]] = []
+            events: list[dict[str, Any]] = []
+            observer = cast(ILogObserver, events.append)
+            globalLogPublisher.addObserver(observer)
+            try:
+                protocol = kind("m", output=lambda model, line: ring.append((model, line)))
+                cancelled: list[int] = []
+                protocol.next_cancelled().addCallback(cancelled.append)
+                for piece in pieces:
+                    protocol.childDataReceived(2, piece)
+            finally:
+                globalLogPublisher.removeObserver(observer)
+            logged = [(e["log_level"].name, e["line"]) for e in events if e.get("model") == "m"]
+            return ring, list(protocol.tail), logged, cancelled, protocol.unknown_architecture() is None
+
+        bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+        pieces = [data[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.assertEqual(run(EngineProcessProtocol, pieces), run(LineByLine, pieces))
+        self.flushLoggedErrors()

@@ -52,6 +52,22 @@ class OpenAISurfaceTests(SynchronousTestCase):
         # the request went to the engine as sent
         self.assertEqual(self.engine_app.requests[0][1]["messages"][0]["content"], "hi")
 
+    def test_a_whole_answer_goes_out_with_its_length(self) -> None:
+        """
+        A non-streamed answer carries its C{Content-Length} (its model
+        renamed first), so it is written whole, not as chunks.
+        """
+        body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode()
+        d = self.client.request("POST", "http://localhost/v1/chat/completions", data=body)
+        for _ in range(20):
+            self.client.flush()
+            self.engine.flush()
+        response = self.successResultOf(d)
+        content = self.successResultOf(response.content())
+        self.assertEqual(json.loads(content)["model"], "m")
+        # (the client's parser keeps Content-Length as the length; a chunked answer has none)
+        self.assertEqual(response.length, len(content))
+
     def test_chat_streaming_relays_events(self) -> None:
         code, headers, body = self.call(
             "POST",

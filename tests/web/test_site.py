@@ -733,3 +733,113 @@ class KeylessBlobDoorTests(SiteCase):
         ((content, data),) = self.contents
         self.assertEqual(data, b"g" * size)
         self.assertEqual(Path(content.name).parent, self.store / "blobs")
+
+
+class KeyLookupTests(SynchronousTestCase):
+    """
+    L{KeyHolder.find} finds a key by one lookup, and only by its exact
+    secret; it follows the live config.
+    """
+
+    def test_only_the_exact_secret(self) -> None:
+        alice = KeyConfig(name="alice", secret="a" * 20)
+        bob = KeyConfig(name="bob", secret="b" * 20, models=("m",))
+        holder = KeyHolder(Config(keys=(alice, bob)))
+        self.assertEqual(holder.find(b"a" * 20), alice)
+        self.assertEqual(holder.find(b"b" * 20), bob)
+        for wrong in (b"a" * 19, b"a" * 21, b"a" * 19 + b"b", b"", b"\xff" * 20):
+            self.assertIsNone(holder.find(wrong))
+
+    def test_the_last_key_of_a_secret_wins(self) -> None:
+        first = KeyConfig(name="first", secret="s" * 20)
+        second = KeyConfig(name="second", secret="s" * 20)
+        self.assertEqual(KeyHolder(Config(keys=(first, second))).find(b"s" * 20), second)
+
+    def test_follows_the_live_config(self) -> None:
+        holder = KeyHolder(Config(keys=(KeyConfig(name="old", secret="o" * 20),)))
+        self.assertIsNotNone(holder.find(b"o" * 20))
+        new = KeyConfig(name="new", secret="n" * 20)
+        holder.set(Config(keys=(new,)))
+        self.assertIsNone(holder.find(b"o" * 20))
+        self.assertEqual(holder.find(b"n" * 20), new)
+
+    def test_extra_keys_too(self) -> None:
+        extra = KeyConfig(name="env", secret="e" * 20)
+        holder = KeyHolder(Config(), (extra,))
+        self.assertEqual(holder.find(b"e" * 20), extra)
+
+
+class PerConnectionTests(SiteCase):
+    """
+    What every request asks of its connection is asked once per
+    connection; the C{Date} header is made once a second, as twisted.web
+    makes it.
+    """
+
+    keys = ()
+
+    def test_addresses_and_tls_asked_once(self) -> None:
+        asked: list[str] = []
+
+        class Counting(StringTransport):
+            def getHost(self) -> Any:
+                asked.append("host")
+                return super().getHost()
+
+            def getPeer(self) -> Any:
+                asked.append("peer")
+                return super().getPeer()
+
+        channel, transport = self.connect(kind=Counting)
+        asked.clear()
+        for _ in range(3):
+            channel.dataReceived(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        self.assertEqual(transport.value().count(b"HTTP/1.1 200 OK"), 3)
+        self.assertEqual(sorted(asked), ["host", "peer"])
+        self.assertEqual((channel.getHost(), channel.getPeer()), (transport.getHost(), transport.getPeer()))
+        self.assertFalse(channel.isSecure())
+
+    def test_the_date_header(self) -> None:
+        import time as time_module
+
+        from twisted.web.http import datetimeToString
+
+        from blazar.web.site import http_date
+
+        now = [1_700_000_000.2]
+        self.patch(time_module, "time", lambda: now[0])
+        self.assertEqual(http_date(), datetimeToString(1_700_000_000))
+        now[0] += 0.7
+        self.assertEqual(http_date(), datetimeToString(1_700_000_000))
+        now[0] += 0.2
+        self.assertEqual(http_date(), datetimeToString(1_700_000_001))
+        self.assertEqual(http_date(), b"Tue, 14 Nov 2023 22:13:21 GMT")
+
+    def test_responses_carry_date_and_server(self) -> None:
+        from twisted.web.server import version
+
+        _, transport = self.send(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n", host="127.0.0.1")
+        head_text = transport.value().split(b"\r\n\r\n", 1)[0].lower()
+        self.assertIn(b"\r\ndate: ", head_text)
+        self.assertIn(b"\r\nserver: " + version.lower(), head_text)
+
+    def test_the_head_as_twisted_writes_it(self) -> None:
+        """
+        The response head written as one piece has twisted.web's bytes.
+        """
+        from twisted.web.http import HTTPChannel
+        from twisted.web.http_headers import Headers
+
+        headers = Headers({b"content-type": [b"application/json"], b"x-two": [b"a", b"b"]})
+        headers.setRawHeaders(b"x-odd", [b"line\r\nbreak"])  # (sanitized as Headers stores it)
+        twisted_transport = StringTransport()
+        twisted_channel = HTTPChannel()
+        twisted_channel.makeConnection(twisted_transport)
+        twisted_channel.writeHeaders(b"HTTP/1.1", b"200", b"OK", headers)
+        ours, transport = self.connect()
+        transport.clear()
+        ours.writeHeaders(b"HTTP/1.1", b"200", b"OK", headers)
+        heads = [twisted_transport.value(), transport.value()]
+        twisted_channel.connectionLost(Failure(Exception("done")))
+        self.assertEqual(heads[0], heads[1])
+        self.assertTrue(heads[1].startswith(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n"))
