@@ -62,6 +62,7 @@ from io import BytesIO
 from tempfile import SpooledTemporaryFile
 from typing import IO, Any, Callable, cast
 
+from twisted.internet import tcp
 from twisted.internet.interfaces import IDelayedCall
 from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
@@ -186,6 +187,53 @@ def too_large(limit: int, keyed: bool, upload: bool = False, blob: bool = False)
     return Refused(413, "too_large", message, code="request_too_large")
 
 
+def send_now(transport: Any, data: bytes) -> None:
+    """
+    Write C{data} to C{transport}, sent at once when nothing written before
+    it waits (a stream's chunk: one C{send}, no reactor turn between).
+
+    Twisted's TCP transport buffers every write until the reactor's next
+    turn, which costs a poll and two C{epoll_ctl} calls per relayed chunk.
+    On a plain TCP or UNIX connection with an empty buffer, this sends
+    directly; what the socket does not take, and anything on another
+    transport (TLS, a test's), goes through C{transport.write} as before. A
+    send that fails is left for the transport to find: the bytes go to its
+    buffer, and its own write reports the lost connection.
+    """
+    if (
+        isinstance(transport, tcp.Connection)
+        and transport.connected
+        and not transport.disconnecting
+        and not transport.dataBuffer
+        and not transport._tempDataBuffer
+    ):
+        try:
+            sent = transport.socket.send(data)
+        except OSError:  # (EAGAIN, or a lost connection the transport reports)
+            sent = 0
+        if sent == len(data):
+            return
+        data = data[sent:]
+    transport.write(data)
+
+
+def flush_now(transport: Any) -> None:
+    """
+    Send what C{transport} holds now (a finished answer), not on the
+    reactor's next turn: a plain TCP or UNIX connection that is not
+    closing; anything else is left to the reactor. A failed send stays
+    with the transport, which reports it on the reactor's next turn.
+    """
+    if (
+        isinstance(transport, tcp.Connection)
+        and transport.connected
+        and not transport.disconnecting
+        and not transport._writeDisconnecting
+        and (transport.dataBuffer or transport._tempDataBuffer)
+    ):
+        transport.doWrite()
+
+
 class BlazarRequest(Request):
     """
     A request decided at the door (see the module docstring).
@@ -230,9 +278,19 @@ class BlazarRequest(Request):
             and self._encoder is None
         ):
             self.sentLength += len(data)
-            self.channel.write(b"%x\r\n%b\r\n" % (len(data), data))
+            send_now(self.channel.transport, b"%x\r\n%b\r\n" % (len(data), data))
             return
         super().write(data)
+
+    def finish(self) -> None:
+        """
+        L{Request.finish}, and what it leaves unsent sent now (L{flush_now}),
+        not on the reactor's next turn.
+        """
+        channel = self.channel
+        super().finish()
+        if channel is not None:
+            flush_now(channel.transport)
 
     def gotLength(self, length: int | None) -> None:
         channel = self.channel
