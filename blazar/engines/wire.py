@@ -153,7 +153,7 @@ class WireResponse:
         (chunked, or ended by the close).
     """
 
-    request: Any = None
+    request: object = None  # (the client-side IClientRequest: none kept)
     previousResponse: IResponse | None = None
 
     def __init__(
@@ -458,7 +458,8 @@ class EngineConnection(Protocol):
     def _malformed(self, reason: Failure) -> None:
         self._failed = reason
         self._abort()
-        self._fail_all(Failure(ResponseFailed([reason])), reason)
+        failed = Failure(ResponseFailed([reason]))
+        self._fail_all(failed, failed)
 
     def _fail_all(self, waiting: Failure, body: Failure) -> None:
         waiters, self._waiters = self._waiters, deque()
@@ -501,7 +502,7 @@ class _ConnectFactory(ClientFactory):
         self.connector: Any = None
 
     def _cancel(self, d: Deferred[EngineConnection]) -> None:
-        if self.connector is not None and self.connector.state == "connecting":
+        if self.connector is not None and getattr(self.connector, "state", "connecting") == "connecting":
             self.connector.stopConnecting()  # (clientConnectionFailed after: ignored)
         if not d.called:
             d.errback(CancelledError())
@@ -573,12 +574,15 @@ class WirePool:
                     connection = candidate
                     break
                 candidate.transport.loseConnection()  # type: ignore[union-attr]
-        if stream and not self._closed:
-            self._open_spare(key)
+        taken: EngineConnection | Deferred[EngineConnection]
         if connection is not None:
             connection.reused = True
-            return connection
-        return self.connect(key)
+            taken = connection
+        else:
+            taken = self.connect(key)
+        if stream and not self._closed:
+            self._open_spare(key)
+        return taken
 
     def _expired(self, connection: EngineConnection) -> bool:
         return self._reactor.seconds() - connection.idle_since >= self._idle_secs
