@@ -437,13 +437,14 @@ class EngineConnection(Protocol):
         response, self._body = self._body, None
         keep = self._keep.popleft() if self._keep else False
         self._received = self._not_read = False
-        self._held = self._paused = False
+        if self._held or self._paused:  # (the reader's: the next answer is read)
+            self._held = self._paused = False
+            self._set_reading()
         if response is None:
             return
         if self._waiters:
-            self._set_reading()  # (pipelined: the next answer is awaited)
+            pass  # (pipelined: the next answer is awaited)
         elif keep and self._parser.should_keep_alive() and not self._gone:
-            self._set_reading()
             self._released(self)
         else:
             # not kept: a streamed answer's. llama-server closes the
