@@ -28,7 +28,9 @@ from typing import Any, Callable
 
 import httptools
 from OpenSSL import SSL
+from twisted.internet.address import IPv4Address
 from twisted.internet.defer import CancelledError, Deferred, fail
+from twisted.internet.error import ConnectingCancelledError
 from twisted.internet.interfaces import IDelayedCall, IPushProducer
 from twisted.internet.protocol import ClientFactory, Protocol, connectionDone
 from twisted.python.failure import Failure
@@ -506,7 +508,8 @@ class _ConnectFactory(ClientFactory):
         if self.connector is not None and getattr(self.connector, "state", "connecting") == "connecting":
             self.connector.stopConnecting()  # (clientConnectionFailed after: ignored)
         if not d.called:
-            d.errback(CancelledError())
+            # as Twisted's endpoints report it (the Agent path did)
+            d.errback(ConnectingCancelledError(IPv4Address("TCP", *self._key)))
 
     def buildProtocol(self, addr: Any) -> EngineConnection:
         connection = EngineConnection(self._pool._release, self._pool._drop)
@@ -543,7 +546,7 @@ class WirePool:
     def connect(self, key: tuple[str, int]) -> Deferred[EngineConnection]:
         """
         A new connection to C{key}; fails with C{ConnectError} (refused,
-        timed out) or, cancelled, C{CancelledError}.
+        timed out) or, cancelled, C{ConnectingCancelledError}.
         """
         factory = _ConnectFactory(self, key)
         factory.connector = self._reactor.connectTCP(key[0], key[1], factory, timeout=self._connect_timeout)

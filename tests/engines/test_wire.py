@@ -13,7 +13,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
-from twisted.internet.error import ConnectionDone, ConnectionLost, ConnectionRefusedError
+from twisted.internet.error import ConnectingCancelledError, ConnectionDone, ConnectionLost, ConnectionRefusedError
 from twisted.internet.protocol import Protocol
 from twisted.internet.testing import MemoryReactorClock, StringTransport
 from twisted.python.failure import Failure
@@ -555,7 +555,7 @@ class PoolTests(SynchronousTestCase):
         d = self.pool.take(KEY, stream=False)
         assert isinstance(d, Deferred)
         d.cancel()
-        self.failureResultOf(d, CancelledError)
+        self.failureResultOf(d, ConnectingCancelledError)
 
 
 class EngineClientWireTests(SynchronousTestCase):
@@ -626,7 +626,7 @@ class EngineClientWireTests(SynchronousTestCase):
     def test_cancelled_while_connecting(self) -> None:
         d = self.request()
         d.cancel()
-        self.failureResultOf(d, CancelledError)
+        self.failureResultOf(d, ConnectingCancelledError)  # (as the Agent path raised it)
         self.assertTrue(factory(self.reactor).connector.stoppedConnecting)
 
     def test_get_uses_a_fresh_connection_and_closes_it(self) -> None:
