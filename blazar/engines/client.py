@@ -7,7 +7,6 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from OpenSSL import SSL
 from twisted.internet.defer import CancelledError, Deferred, fail, succeed
 from twisted.internet.endpoints import TCP4ClientEndpoint
 from twisted.internet.error import ConnectError, ConnectionAborted, ConnectionLost
@@ -26,38 +25,10 @@ from twisted.web.http_headers import Headers
 from twisted.web.iweb import IAgentEndpointFactory, IBodyProducer, IResponse
 from zope.interface import Interface, implementer
 
+from blazar.engines.wire import RequestHeads, RequestNotRead, WirePool, peer_closed
 from blazar.httpbody import read_body
 
-
-def peer_closed(transport: Any) -> bool:
-    """
-    Whether the other end of C{transport}'s TCP connection has closed or
-    reset it although the reactor may not have read that yet (it is in the
-    kernel): one non-blocking C{MSG_PEEK} read of the socket
-    (C{getHandle()}). Bytes nobody asked for count as closed too: the
-    connection is not at a request boundary.
-    """
-    handle = getattr(transport, "getHandle", lambda: None)()
-    if isinstance(handle, SSL.Connection):
-        return False  # a TLS connection's handle (to a remote) is OpenSSL's: peeking it reads TLS records
-    recv = getattr(handle, "recv", None)
-    if recv is None:
-        return False
-    try:
-        recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-    except BlockingIOError:
-        return False  # open, and quiet
-    except OSError:
-        return True  # reset
-    return True  # end of stream, or stray bytes
-
-
-class RequestNotRead(Exception):
-    """
-    The child had closed the connection before the request reached it: a
-    close was in the kernel right after the request was sent (on loopback
-    a send arrives at once), and no byte of an answer came.
-    """
+__all__ = ["EngineClient", "IEngineClient", "NotDelivered", "RequestNotRead", "StaleConnection", "peer_closed"]
 
 
 class _CheckedClientProtocol(HTTP11ClientProtocol):
@@ -276,7 +247,7 @@ class IEngineClient(Interface):
 @implementer(IEngineClient)
 class EngineClient:
     """
-    Requests to children on 127.0.0.1.
+    Requests to children on 127.0.0.1, and to remotes.
 
     Non-streamed requests go over kept-alive connections (llama-server
     keeps them for 5 s and 100 requests; Blazar drops its idle ones after
@@ -290,10 +261,16 @@ class EngineClient:
     it again, to a fresh child if this one has exited. Neither is raised
     once any byte of the answer has come.
 
-    Streamed requests get a connection of their own: llama-server closes a
-    connection after a streamed reply while announcing keep-alive.
+    Streamed requests do not leave their connection to another request:
+    llama-server closes a connection after a streamed reply while
+    announcing keep-alive. A stream takes the connection opened ahead for
+    it (and one is opened for the next), else a kept one, else a new one.
 
-    Responses are unbuffered so that streams can be relayed as they arrive.
+    Children (C{http://} to an IPv4 address) are spoken to by
+    L{blazar.engines.wire}: one write per request, llhttp's parser, a pool
+    of its own. Remotes (C{https}, host names) go through Twisted's
+    C{Agent}. Responses are unbuffered so that streams can be relayed as
+    they arrive.
     """
 
     IDLE_CONNECTION_SECS = 2
@@ -304,9 +281,8 @@ class EngineClient:
         self._reactor: IReactorTime = reactor
         self._pool = QuietConnectionPool(reactor, persistent=False)
         self._pool.retryAutomatically = False
-        # the request path: children are on 127.0.0.1, so a plain TCP
-        # endpoint (no name resolution thread, no Happy Eyeballs) and the
-        # bare Agent (no cookie, redirect or decoding wrappers)
+        # remotes: a host name endpoint (TLS for https) and the bare Agent
+        # (no cookie, redirect or decoding wrappers)
         endpoints = _LoopbackEndpoints(reactor, connect_timeout)
         self._fresh = Agent.usingEndpointFactory(reactor, endpoints, pool=self._pool)
         self._kept_pool = QuietConnectionPool(reactor, persistent=True)
@@ -314,6 +290,32 @@ class EngineClient:
         self._kept_pool.maxPersistentPerHost = 64
         self._kept_pool.cachedConnectionTimeout = self.IDLE_CONNECTION_SECS
         self._kept = Agent.usingEndpointFactory(reactor, endpoints, pool=self._kept_pool)
+        # children
+        self._wire = WirePool(reactor, connect_timeout, self.IDLE_CONNECTION_SECS)
+        self._heads = RequestHeads()
+        self._targets: dict[str, tuple[tuple[str, int], bytes] | None] = {}
+
+    def _target(self, url: str) -> tuple[tuple[str, int], bytes, bytes] | None:
+        """
+        C{((host, port), Host header, path)} of a child's C{url}
+        (C{http://<IPv4>:<port>/...}), or L{None} for a remote's.
+        """
+        end = url.find("/", 8)
+        base = url if end < 0 else url[:end]
+        try:
+            known = self._targets[base]
+        except KeyError:
+            known = None
+            if base.startswith("http://"):
+                host, _, port = base[7:].partition(":")
+                if _is_ipv4(host) and port.isdigit():
+                    known = ((host, int(port)), base[7:].encode("ascii"))
+            if len(self._targets) > 1024:
+                self._targets.clear()
+            self._targets[base] = known
+        if known is None:
+            return None
+        return known[0], known[1], url[len(base) :].encode("utf-8") or b"/"
 
     async def get_status(self, url: str, timeout: float = 2.0) -> int:
         """
@@ -332,13 +334,19 @@ class EngineClient:
         max_bytes: int = 1 << 20,
     ) -> tuple[int, bytes]:
         """
-        GET C{url} (a child's C{/health}, C{/metrics}) over a fresh loopback
-        connection: its status and body (at most C{max_bytes}).
+        GET C{url} (a child's C{/health}, C{/metrics}) over a fresh
+        connection (a probe never meets a stale one): its status and body
+        (at most C{max_bytes}).
 
         @raise Exception: Connection errors, L{BodyTooLarge}, or
             C{CancelledError} after C{timeout} seconds without headers.
         """
-        d = self._fresh.request(b"GET", url.encode("ascii"), Headers(headers), None)
+        target = self._target(url)
+        d: Deferred[IResponse]
+        if target is None:
+            d = self._fresh.request(b"GET", url.encode("ascii"), Headers(headers), None)
+        else:
+            d = Deferred.fromCoroutine(self._send(target, b"GET", None, headers, stream=False, fresh=True))
         timer = self._reactor.callLater(timeout, d.cancel)
         try:
             response: IResponse = await d
@@ -354,6 +362,50 @@ class EngineClient:
             body = b""
         return int(response.code), body
 
+    async def _send(
+        self,
+        target: tuple[tuple[str, int], bytes, bytes],
+        method: bytes,
+        body: bytes | None,
+        headers: dict[bytes, list[bytes]],
+        stream: bool,
+        fresh: bool = False,
+    ) -> IResponse:
+        """
+        One request to a child over L{blazar.engines.wire}; on a new
+        connection, closed after it, when C{fresh}.
+
+        @raise StaleConnection: It failed at once, before any answer, on a
+            kept connection (or on any, for a reply read whole: as the
+            Agent-based client did, which could not tell).
+        """
+        key, host, path = target
+        has_body = body is not None or method == b"POST"
+        head = self._heads.build(method, host, path, headers, has_body)
+        if body is not None:
+            data = b"".join((head, b"%d\r\n\r\n" % len(body), body))
+        elif has_body:
+            data = head + b"0\r\n\r\n"
+        else:
+            data = head
+        taken = self._wire.connect(key) if fresh else self._wire.take(key, stream)
+        connection = await taken if isinstance(taken, Deferred) else taken
+        sent = self._reactor.seconds()
+        try:
+            return await connection.request(data, keep=not stream and not fresh)
+        except (ResponseNeverReceived, RequestNotSent, RequestNotRead) as e:
+            if (
+                (connection.reused or not stream)
+                and not fresh
+                and self._reactor.seconds() - sent < self.STALE_WINDOW_SECS
+                and not never_delivered(e)
+                and not any(r.check(CancelledError) for r in getattr(e, "reasons", []))
+            ):
+                if connection.reused:
+                    self._wire.forget(key)  # (the others kept as long may be closed too)
+                raise StaleConnection(e) from None
+            raise
+
     async def request(
         self,
         method: str,
@@ -366,19 +418,22 @@ class EngineClient:
         Send one request and return as soon as the response headers arrive;
         the caller reads (or discards) the body.
 
-        @param stream: The child will stream its answer (a connection of
-            its own); L{False} for a reply read whole (a kept connection).
+        @param stream: The child will stream its answer (its connection
+            serves no other request); L{False} for a reply read whole (a
+            kept connection).
         """
-        uri, raw_headers = url.encode("utf-8"), Headers(headers)
-        verb = method.encode("ascii")
-
-        def producer() -> _BytesProducer | None:
-            return _BytesProducer(body) if body is not None else None
-
-        agent = self._fresh if stream else self._kept
+        target = self._target(url)
         sent = self._reactor.seconds()
         try:
-            response: IResponse = await agent.request(verb, uri, raw_headers, producer())
+            if target is not None:
+                return await self._send(target, method.encode("ascii"), body, headers, stream)
+            agent = self._fresh if stream else self._kept
+            return await agent.request(
+                method.encode("ascii"),
+                url.encode("utf-8"),
+                Headers(headers),
+                _BytesProducer(body) if body is not None else None,
+            )
         except (
             ConnectError,
             ResponseNeverReceived,
@@ -390,14 +445,14 @@ class EngineClient:
                 raise
             if never_delivered(e):
                 raise NotDelivered(e) from None
-            if not stream and self._reactor.seconds() - sent < self.STALE_WINDOW_SECS:
+            if target is None and not stream and self._reactor.seconds() - sent < self.STALE_WINDOW_SECS:
                 raise StaleConnection(e) from None
             raise
-        return response
 
     async def close(self) -> None:
         """
         Drop every cached connection (on daemon stop).
         """
+        self._wire.close()
         await self._pool.closeCachedConnections()
         await self._kept_pool.closeCachedConnections()

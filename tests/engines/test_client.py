@@ -1,7 +1,8 @@
 """
 The engine client's failure classes: which failed requests the child
-cannot have taken (L{NotDelivered}), and a connection that checks its peer
-before and right after a request is written.
+cannot have taken (L{NotDelivered}), and a connection (the Agent path's,
+for remotes) that checks its peer before and right after a request is
+written.
 """
 
 from __future__ import annotations
@@ -184,12 +185,17 @@ class FakeAgent:
 
 
 class RequestFailureTests(SynchronousTestCase):
+    """
+    The Agent path (a remote's URL: a host name); the lean path to children
+    keeps the same classes (tests/engines/test_wire.py, EngineClientWireTests).
+    """
+
     def outcome(self, error: BaseException, stream: bool, takes: float = 0.0) -> Failure:
         reactor = MemoryReactorClock()
         client = EngineClient(reactor)
         agent = FakeAgent(reactor, error, takes)
         client._fresh = client._kept = agent
-        d = ensureDeferred(client.request("POST", "http://127.0.0.1:1/x", b"{}", {}, stream))
+        d = ensureDeferred(client.request("POST", "http://engine.example:1/x", b"{}", {}, stream))
         return self.failureResultOf(d)
 
     def test_never_delivered_on_any_connection(self) -> None:

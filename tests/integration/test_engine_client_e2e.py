@@ -41,6 +41,39 @@ async def main(reactor):
 react(lambda reactor: ensureDeferred(main(reactor)))
 """
 
+REUSE = """
+import json, sys
+from twisted.internet.defer import ensureDeferred
+from twisted.internet.task import deferLater, react
+from blazar.engines.client import EngineClient
+from blazar.httpbody import read_body
+
+port, key = int(sys.argv[1]), sys.argv[2]
+url = f"http://127.0.0.1:{port}/v1/chat/completions"
+headers = {b"authorization": [b"Bearer " + key.encode()], b"content-type": [b"application/json"]}
+
+async def main(reactor):
+    client = EngineClient(reactor)
+    opened = []
+    connect = client._wire.connect
+    client._wire.connect = lambda key: opened.append(key) or connect(key)
+    requests = 0
+    for pause in (0.0, 0.3, 2.5, 6.0, 0.0):  # past the pool's 2 s, past the child's 5 s keep-alive
+        await deferLater(reactor, pause, lambda: None)
+        for stream in (False, True, True, False, False, True):
+            body = json.dumps({"messages": [{"role": "user", "content": "Hi."}], "max_tokens": 2,
+                               "stream": stream}).encode()
+            response = await client.request("POST", url, body, headers, stream=stream)
+            data = await read_body(response, reactor, idle_timeout=30, max_bytes=1 << 20)
+            assert response.code == 200, (response.code, data)
+            assert (b"[DONE]" in data) == stream, data
+            requests += 1
+    await client.close()
+    print(f"{requests} requests, {len(opened)} connections opened")
+
+react(lambda reactor: ensureDeferred(main(reactor)))
+"""
+
 
 def healthy(port: int) -> bool:
     """
@@ -109,3 +142,24 @@ def test_the_real_engine_client_keeps_the_contract(llama_server: tuple[int, str]
         cwd=Path(__file__).resolve().parents[2],
     )
     assert result.returncode == 0 and "contract kept" in result.stdout, result.stdout + result.stderr
+
+
+def test_kept_connections_and_spares_never_surface_as_errors(llama_server: tuple[int, str]) -> None:
+    """
+    Plain requests and streams, back to back and after idle pauses past
+    the pool's bound and the child's keep-alive: every one answered
+    (a connection the child closed is never an error), and connections
+    are reused (fewer opened than requests: kept ones for plain
+    requests, while the child closes each stream's).
+    """
+    port, key = llama_server
+    result = subprocess.run(
+        [sys.executable, "-c", REUSE, str(port), key],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    requests, opened = (int(word) for word in result.stdout.split() if word.isdigit())
+    assert requests == 30 and opened < requests, result.stdout
