@@ -23,12 +23,16 @@ from blazar.names import strip_dirs
 # Python program that makes the child die with the daemon, then becomes the
 # engine (same PID, so signals and accounting go to the engine itself).
 # PR_SET_PDEATHSIG survives exec; 1 is PR_SET_PDEATHSIG, 9 is SIGKILL.
+# The child leaves the daemon's process group: a terminal's Ctrl-C signals
+# the whole foreground group, and the daemon must be the one that stops its
+# engines (after saving their sessions' slots), not the terminal.
 DEATHSIG_LAUNCHER = (
     "import ctypes,os,sys\n"
     "try:\n"
     " ctypes.CDLL(None,use_errno=True).prctl(1,9,0,0,0)\n"
     "except Exception:\n"
     " pass\n"
+    "os.setpgid(0,0)\n"
     # what the engine writes (the KV bank's slot files: conversations) is
     # its owner's alone
     "os.umask(0o077)\n"

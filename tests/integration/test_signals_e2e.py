@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import stat
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -178,6 +179,44 @@ def test_stop_signals_stay_the_graceful_stop(
         assert code == -stop, (code, log[-3000:])
         assert f"Received {stop.name}, shutting down." in log and "Main loop terminated." in log, log[-3000:]
         assert list(run.glob("*.pid")) + list(run.glob("*.apikey")) == []
+        assert [p.pid for p in engines if alive(p)] == []
+    finally:
+        d.kill_everything()
+
+
+def _group_leader() -> None:
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def test_a_terminals_ctrl_c_lets_the_daemon_stop_its_engines(
+    engine: str, models: dict[str, GeneratedModel], tmp_path: Path
+) -> None:
+    """
+    A terminal's Ctrl-C signals its whole foreground process group: the
+    engines are in a group of their own, so the daemon stops them itself,
+    after listing their slots to save the sessions in them.
+    """
+    d = Daemon(tmp_path, daemon_config(engine, models))
+    with open(d.log_path, "ab") as log:
+        d.proc = subprocess.Popen(
+            d.command(), stdout=log, stderr=subprocess.STDOUT, cwd=d.root, preexec_fn=_group_leader
+        )
+    try:
+        d.wait_healthy()
+        assert call(d, "POST", "/v1/chat/completions", {"model": "tiny", "max_tokens": 2, "messages": HELLO})[0] == 200
+        engines = d.engines()
+        assert engines
+        group = os.getpgid(d.proc.pid)
+        assert group == d.proc.pid
+        assert [os.getpgid(p.pid) == group for p in engines] == [False] * len(engines)
+        os.killpg(group, signal.SIGINT)  # what the terminal does
+        TALLY.faults += 1
+        code = d.proc.wait(60)
+        log = d.log()
+        assert code == -signal.SIGINT, (code, log[-3000:])
+        assert "listing its slots before it stops failed" not in log, log[-3000:]
+        assert "Received SIGINT, shutting down." in log and "Main loop terminated." in log, log[-3000:]
         assert [p.pid for p in engines if alive(p)] == []
     finally:
         d.kill_everything()
