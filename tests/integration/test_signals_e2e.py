@@ -198,9 +198,9 @@ def test_a_terminals_ctrl_c_lets_the_daemon_stop_its_engines(
     after listing their slots to save the sessions in them.
     """
     d = Daemon(tmp_path, daemon_config(engine, models))
-    with open(d.log_path, "ab") as log:
+    with open(d.log_path, "ab") as out:
         d.proc = subprocess.Popen(
-            d.command(), stdout=log, stderr=subprocess.STDOUT, cwd=d.root, preexec_fn=_group_leader
+            d.command(), stdout=out, stderr=subprocess.STDOUT, cwd=d.root, preexec_fn=_group_leader
         )
     try:
         d.wait_healthy()
