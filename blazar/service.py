@@ -42,6 +42,7 @@ from blazar.gateway.admission import Admission
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.bench import BenchRecords
 from blazar.gateway.engine_proxy import EngineProxy
+from blazar.gateway.gie import ModelServerGauges
 from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.operations import ModelOperations, Puller
 from blazar.gateway.pipeline import Pipeline
@@ -833,8 +834,19 @@ def assemble(
     batches = make_batches(config, live, stores.database, reactor)
     supervisor.before_stop = _before_stop(batches.runner, stores.sessions.sessions)
     dashboard = _dashboard(live, engines, gateway, reactor, ring, bench)
+    # the vLLM-named gauges GIE's endpoint picker reads (docs/gie.md)
+    model_server = ModelServerGauges(admission, supervisor.instances, clients.engines.get)
+    metrics.gauges(model_server.collect)
+
+    async def canonical(name: str) -> str:
+        return (await registry.resolve(name)).name
+
     root = AuthGate(
-        gateway.router(MetricsResource(metrics), dashboard.app.resource(), batches.surface.app.resource()),
+        gateway.router(
+            MetricsResource(metrics, model_server, canonical),
+            dashboard.app.resource(),
+            batches.surface.app.resource(),
+        ),
         keys,
         stores.quotas,
     )

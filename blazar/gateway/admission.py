@@ -14,7 +14,9 @@ beyond the slots, requests wait in the model's L{ModelQueue}, ordered by:
     L{WorkClass.RAW_LONG} (raw completions, Ollama raw generate). While
     interactive work waits, raw work may hold at most
     C{max(1, N - ceil(N/4))} of the N slots (all N otherwise).
- 3. weighted fair queuing between API keys: each admission adds
+ 3. weighted fair queuing between API keys (and, within a key, between
+    the fairness ids it names: GIE's C{x-gateway-inference-fairness-id},
+    L{Ticket.flow}): each admission adds
     C{1 / weight} to its key's credit and the key with the lowest credit
     goes first (credits reset every L{CREDIT_RESET} admissions and when
     the model goes idle; a key that becomes active starts at the lowest
@@ -96,7 +98,10 @@ class Ticket:
     """
     One request, waiting for or holding a slot.
 
-    @ivar key: The API key's name (C{""} without keys).
+    @ivar key: The API key's name (C{""} without keys): one key may hold
+        at most half of C{max_waiting}.
+    @ivar fairness: The fairness id the request named within its key
+        (GIE's C{x-gateway-inference-fairness-id}), or L{None}.
     @ivar arrived: Clock seconds at arrival.
     @ivar deadline: Clock seconds after which it stops waiting.
     """
@@ -112,6 +117,16 @@ class Ticket:
     admitted_at: float | None = None
     waiter: Deferred[Lease] | None = None
     timer: Any = None
+    fairness: str | None = None
+
+    @property
+    def flow(self) -> str:
+        """
+        What weighted fair queuing shares slots between: the key, or the
+        key and the fairness id it named (one flow per tenant behind one
+        key, e.g. an inference gateway's).
+        """
+        return self.key if self.fairness is None else f"{self.key}\0{self.fairness}"
 
     @property
     def rank(self) -> tuple[int, int]:
@@ -179,6 +194,7 @@ class ModelQueue:
         deadline: float | None = None,
         body_size: int = 0,
         trace_id: str = "",
+        fairness: str | None = None,
     ) -> Ticket:
         """
         A ticket for a request arriving now.
@@ -187,6 +203,7 @@ class ModelQueue:
             C{x-blazar-deadline-ms} header), or L{None} for the default.
         @param body_size: Bytes of the request body; over
             L{LONG_PREFILL_BYTES} demotes it one priority.
+        @param fairness: The fairness id within the key (L{Ticket.flow}).
         """
         if body_size > LONG_PREFILL_BYTES and priority < Priority.LOW:
             priority = Priority(priority + 1)
@@ -216,6 +233,7 @@ class ModelQueue:
             deadline=now + deadline,
             trace_id=trace_id,
             seq=self._seq,
+            fairness=fairness,
         )
 
     def admit(self, ticket: Ticket, slots: int | None = None) -> Deferred[Lease]:
@@ -256,13 +274,13 @@ class ModelQueue:
                 0.0,
                 self._retry_after(),
             )
-        active = {t.key for t in self.waiting} | {t.key for t in self.running}
-        if ticket.key not in active and active:
+        active = {t.flow for t in self.waiting} | {t.flow for t in self.running}
+        if ticket.flow not in active and active:
             # a key that becomes active starts level with the keys already
             # waiting or running: nobody banks credit while idle and spends
             # it as a burst (a newcomer at 0 against a busy incumbent would)
             others = min(self.credits.get(k, 0.0) for k in active)
-            self.credits[ticket.key] = max(self.credits.get(ticket.key, 0.0), others)
+            self.credits[ticket.flow] = max(self.credits.get(ticket.flow, 0.0), others)
 
         if (
             not self.waiting
@@ -307,7 +325,7 @@ class ModelQueue:
         best = min(t.rank for t in candidates)
         return min(
             (t for t in candidates if t.rank == best),
-            key=lambda t: (credits.get(t.key, 0.0), t.deadline, t.seq),
+            key=lambda t: (credits.get(t.flow, 0.0), t.deadline, t.seq),
         )
 
     def _dispatch(self) -> None:
@@ -332,7 +350,7 @@ class ModelQueue:
                 )
             wait.observe(ticket.admitted_at - ticket.arrived)
         self.running.append(ticket)
-        self.credits[ticket.key] = self.credits.get(ticket.key, 0.0) + 1.0 / ticket.weight
+        self.credits[ticket.flow] = self.credits.get(ticket.flow, 0.0) + 1.0 / ticket.weight
         self.admitted_total += 1
         self.admissions += 1
         if self.admissions >= CREDIT_RESET:
@@ -411,7 +429,7 @@ class ModelQueue:
         """
         buckets: dict[tuple[int, int], dict[str, list[Ticket]]] = {}
         for t in self.waiting:
-            buckets.setdefault(t.rank, {}).setdefault(t.key, []).append(t)
+            buckets.setdefault(t.rank, {}).setdefault(t.flow, []).append(t)
         credits = dict(self.credits)
         admissions = self.admissions
         ordered: list[Ticket] = []
@@ -616,6 +634,7 @@ async def admit_request(
     size: int | None = None,
     priority: Priority = Priority.NORMAL,
     deadline: float | None = None,
+    fairness: str | None = None,
 ) -> Lease:
     """
     Wait for a slot of C{model} on behalf of a client's request: at the
@@ -628,6 +647,8 @@ async def admit_request(
     @param slots: The model's slot count.
     @param priority: The tier the client asked for.
     @param deadline: Seconds it may wait, as it asked, or L{None}.
+    @param fairness: The fairness id it named within its key
+        (L{Ticket.flow}), or L{None}.
     @param size: Bytes of the request body as sent (default:
         the client's).
     @raise AllSlotsBusy: At the deadline, or the queue is full.
@@ -653,6 +674,7 @@ async def admit_request(
         work=work,
         body_size=client.body_size() if size is None else size,
         trace_id=trace_id_of(context),
+        fairness=fairness,
     )
     waiting = queue.admit(ticket, slots)
     gone = client.finished()

@@ -57,17 +57,25 @@ class Asked:
     What a client asked beside its body (its request's headers), decoded
     once by the surface: the gateway reads these, never the headers.
 
-    @ivar priority: The admission tier (C{x-blazar-priority}).
+    @ivar priority: The admission tier (C{x-blazar-priority}, else GIE's
+        C{x-gateway-inference-objective}).
     @ivar deadline: Seconds the request may wait for a slot
-        (C{x-blazar-deadline-ms}), or L{None}.
-    @ivar session: The session it names (C{x-blazar-session}, an agent's
-        session header, else its body's hint:
+        (C{x-blazar-deadline-ms}, else GIE's C{x-slo-ttft-ms}), or L{None}.
+    @ivar session: The session it names (C{x-blazar-session}, GIE's
+        C{x-session-id}, an agent's session header, else its body's hint:
         L{blazar.gateway.sessions.session_name}), or L{None}.
+    @ivar fairness: The fairness id it names within its API key (GIE's
+        C{x-gateway-inference-fairness-id}: its own flow in admission's
+        weighted fair queuing), or L{None}.
+    @ivar ignored: Header names whose values were not honoured, for
+        C{x-blazar-ignored} (the pipeline notes them).
     """
 
     priority: Priority = Priority.NORMAL
     deadline: float | None = None
     session: str | None = None
+    fairness: str | None = None
+    ignored: tuple[str, ...] = ()
 
 
 @attrs.frozen

@@ -289,6 +289,8 @@ class Pipeline:
     # -- the steps ----------------------------------------------------------
 
     async def _start(self, context: RequestContext | None, call: Run) -> tuple[Reply, InstanceLease | None]:
+        if call.asked.ignored and context is not None:  # headers decoded and not honoured (an unknown objective)
+            note_ignored(context, call.surface, call.asked.ignored)
         asked = call.body  # what the sentinel judges by: the request as asked, before any rewrite
         canonical = await self._check(context, call)
         hit, keep = await self._cached(context, call, asked, canonical)
@@ -1342,7 +1344,14 @@ class Pipeline:
             canonical = shared_name(entry.remote or "")  # one queue for all its models
         asked = call.asked
         lease = await admit_request(
-            self.admission, context, canonical, slots, call.work, priority=asked.priority, deadline=asked.deadline
+            self.admission,
+            context,
+            canonical,
+            slots,
+            call.work,
+            priority=asked.priority,
+            deadline=asked.deadline,
+            fairness=asked.fairness,
         )
         return queue_ms(lease)
 

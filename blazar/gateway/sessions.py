@@ -48,15 +48,16 @@ SESSION_HEADER = "x-blazar-session"
 # saved when it stops and restored into the same slots when it is next used
 AUTO_KEY = "\0auto"
 MAX_SESSIONS_PER_KEY = 256
-# what coding agents send, in the order they are looked at after the header
-IMPLICIT_HEADERS = ("x-claude-code-session-id", "session-id")
+# what others send, in the order they are looked at after the header: GIE / llm-d's
+# x-session-id, then the coding agents'
+IMPLICIT_HEADERS = ("x-session-id", "x-claude-code-session-id", "session-id")
 MAX_NAME = 200
 
 
 def session_name(header: Callable[[str], str | None], hint: str | None) -> str | None:
     """
-    The session a request names: C{x-blazar-session}, else Claude Code's
-    C{X-Claude-Code-Session-Id} or Codex's C{session-id} header, else
+    The session a request names: C{x-blazar-session}, else GIE's
+    C{x-session-id}, else Claude Code's C{X-Claude-Code-Session-Id} or Codex's C{session-id} header, else
     C{hint} (what the surface found in its body: Anthropic
     C{metadata.user_id}'s C{session_id}, Responses C{prompt_cache_key}).
 

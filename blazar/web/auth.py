@@ -432,7 +432,7 @@ class AuthGate(Resource):
                 f"{what} API key: send it as `Authorization: Bearer <key>` or `x-api-key` "
                 "(keys are listed with `blazar keys list`)"
             )
-        if request.path == b"/metrics" and not key.admin:
+        if is_metrics(request.path) and not key.admin:
             # the series name every model and key: to a scoped key, models
             # outside its scope do not exist
             return Forbidden(
@@ -485,7 +485,7 @@ class AuthGate(Resource):
             or (method in (b"GET", b"HEAD") and (path in UI_PAGE or path.startswith(UI_ASSETS)))
         ):
             return True
-        if path == b"/metrics":
+        if is_metrics(path):
             # it names every model and key: once keys exist, an admin key from everywhere (a
             # scoped key must not read it by leaving its key out, on loopback too: issue 36),
             # unless metrics_require_key = false opens it
@@ -573,3 +573,11 @@ def keys_from_env(value: str | None) -> tuple[KeyConfig, ...]:
             )
         keys.append(KeyConfig(name, secret))
     return tuple(keys)
+
+
+def is_metrics(path: bytes) -> bool:
+    """
+    C{/metrics} or a model's own (C{/metrics/models/NAME}): an admin key's
+    once keys exist, unless C{metrics_require_key = false}.
+    """
+    return path == b"/metrics" or path.startswith(b"/metrics/")

@@ -30,6 +30,25 @@ from blazar.gateway.sessions import session_name
 
 PRIORITY_HEADER = b"x-blazar-priority"
 DEADLINE_HEADER = b"x-blazar-deadline-ms"
+# Kubernetes' Gateway API Inference Extension (GIE) and llm-d's endpoint picker
+# (docs/gie.md): Blazar's own header, where both are sent, wins
+OBJECTIVE_HEADER = b"x-gateway-inference-objective"
+FAIRNESS_HEADER = b"x-gateway-inference-fairness-id"
+TTFT_HEADER = b"x-slo-ttft-ms"
+TPOT_HEADER = b"x-slo-tpot-ms"
+# an InferenceObjective's name -> the admission tier: GIE's criticalities
+# (Critical, Standard, Sheddable) and Blazar's own tier names, any case
+OBJECTIVES = {
+    b"critical": Priority.HIGH,
+    b"high": Priority.HIGH,
+    b"standard": Priority.NORMAL,
+    b"normal": Priority.NORMAL,
+    b"default": Priority.NORMAL,
+    b"sheddable": Priority.LOW,
+    b"low": Priority.LOW,
+    b"batch": Priority.LOW,
+}
+MAX_FAIRNESS = 100
 
 T = TypeVar("T")
 
@@ -70,13 +89,43 @@ def parse_deadline_ms(value: bytes | None) -> float | None:
     return min(ms, 24 * 3600 * 1000.0) / 1000.0
 
 
+def parse_objective(value: bytes) -> Priority | None:
+    """
+    C{x-gateway-inference-objective}: the name of a GIE InferenceObjective,
+    as a tier (L{OBJECTIVES}, any case); L{None} for a name not there.
+    """
+    return OBJECTIVES.get(value.strip().lower())
+
+
+def parse_fairness(value: bytes | None) -> str | None:
+    """
+    C{x-gateway-inference-fairness-id}: the tenant within the API key that
+    weighted fair queuing shares slots between (at most L{MAX_FAIRNESS}
+    characters, longer ids cut); L{None} when absent or blank.
+    """
+    if value is None:
+        return None
+    fairness = value.decode("utf-8", "replace").strip()
+    return fairness[:MAX_FAIRNESS] or None
+
+
 def asked_of(request: IRequest, session_hint: str | None = None) -> Asked:
     """
     What the client asked beside its body, decoded once (for the surface's
-    L{blazar.gateway.call.Call}): its priority, its deadline and the
-    session it names (a header, else C{session_hint}, the surface's own
-    from the body: Responses C{prompt_cache_key}, Anthropic
+    L{blazar.gateway.call.Call}): its priority, its deadline, its fairness
+    id and the session it names (a header, else C{session_hint}, the
+    surface's own from the body: Responses C{prompt_cache_key}, Anthropic
     C{metadata.user_id}).
+
+    GIE's headers (docs/gie.md) count where Blazar's own is absent:
+    C{x-gateway-inference-objective} for C{x-blazar-priority} (an objective
+    not in L{OBJECTIVES} is normal and named in C{x-blazar-ignored}, as is
+    one overruled by C{x-blazar-priority}), C{x-slo-ttft-ms} for
+    C{x-blazar-deadline-ms} (a request that cannot start within its
+    time-to-first-token target has missed it), C{x-session-id} after
+    C{x-blazar-session}. C{x-slo-tpot-ms} has no counterpart (a token's
+    pace is the engine's) and is named in C{x-blazar-ignored}. Values
+    that do not parse are treated as Blazar's own are: absent.
     """
 
     def header(name: str) -> str | None:
@@ -84,10 +133,26 @@ def asked_of(request: IRequest, session_hint: str | None = None) -> Asked:
         raw = request.requestHeaders.getRawHeaders(name.encode("ascii"))
         return raw[0].decode("utf-8", "replace") if raw else None
 
+    ignored: list[str] = []
+    own = request.getHeader(PRIORITY_HEADER)
+    objective = request.getHeader(OBJECTIVE_HEADER)
+    priority = parse_priority(own)
+    if objective is not None:
+        tier = parse_objective(objective)
+        if own is None and tier is not None:
+            priority = tier
+        else:
+            ignored.append(OBJECTIVE_HEADER.decode("ascii"))
+    deadline_header = request.getHeader(DEADLINE_HEADER)
+    deadline = parse_deadline_ms(deadline_header if deadline_header is not None else request.getHeader(TTFT_HEADER))
+    if request.getHeader(TPOT_HEADER) is not None:
+        ignored.append(TPOT_HEADER.decode("ascii"))
     return Asked(
-        priority=parse_priority(request.getHeader(PRIORITY_HEADER)),
-        deadline=parse_deadline_ms(request.getHeader(DEADLINE_HEADER)),
+        priority=priority,
+        deadline=deadline,
         session=session_name(header, session_hint),
+        fairness=parse_fairness(request.getHeader(FAIRNESS_HEADER)),
+        ignored=tuple(ignored),
     )
 
 

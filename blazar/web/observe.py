@@ -12,14 +12,22 @@ hot path only sets attributes.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import unquote
 
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import Metric
+from prometheus_client.exposition import generate_latest
+from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import Resource
+from twisted.web.server import NOT_DONE_YET
 
+from blazar.gateway.gie import ModelServerGauges
 from blazar.metrics import CONTENT_TYPE, Metrics
+from blazar.models.registry import ModelNotFound
 from blazar.web.activity import Activity, Finished, Performance
 from blazar.web.client import context_of
 
@@ -164,17 +172,88 @@ class RequestObserver:
             self.tracing.record(request, surface, end)
 
 
+MODEL_METRICS = b"/metrics/models/"
+
+
 class MetricsResource(Resource):
     """
-    C{GET /metrics}: every series, Prometheus text format.
+    C{GET /metrics}: every series, Prometheus text format. With
+    C{model_server} (L{blazar.gateway.gie.ModelServerGauges}), the
+    children's slots are read first, so that C{vllm:kv_cache_usage_perc}
+    is as of this scrape, and C{GET /metrics/models/NAME} answers the
+    vLLM-named gauges of that one model (GIE's endpoint picker reads one
+    model per scrape target; NAME as a client names the model, 404 for a
+    model that does not exist).
+
+    @param resolve: A model's canonical name from a client's name.
+    @raise ModelNotFound: (from C{resolve}) No such model.
     """
 
     isLeaf = True
 
-    def __init__(self, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        metrics: Metrics,
+        model_server: ModelServerGauges | None = None,
+        resolve: Callable[[str], Awaitable[str]] | None = None,
+    ) -> None:
         super().__init__()
         self._metrics = metrics
+        self._model_server = model_server
+        self._resolve = resolve
 
-    def render_GET(self, request: IRequest) -> bytes:
-        request.setHeader(b"content-type", CONTENT_TYPE)
-        return self._metrics.render()
+    def render_GET(self, request: IRequest) -> Any:
+        if self._model_server is None:
+            if request.path != b"/metrics":
+                request.setResponseCode(404)
+                return b""
+            request.setHeader(b"content-type", CONTENT_TYPE)
+            return self._metrics.render()
+        gone: list[bool] = []
+        request.notifyFinish().addErrback(lambda _: gone.append(True))  # type: ignore[attr-defined]
+
+        def answer(result: tuple[int, bytes]) -> None:
+            if gone:
+                return
+            status, body = result
+            request.setResponseCode(status)
+            request.setHeader(b"content-type", CONTENT_TYPE if status == 200 else b"text/plain; charset=utf-8")
+            request.write(body)
+            request.finish()
+
+        def failed(failure: Failure) -> None:
+            log.failure("rendering {path}", failure, path=request.path.decode("latin-1"))
+            answer((500, b"cannot render the metrics\n"))
+
+        Deferred.fromCoroutine(self._render(request.path)).addCallbacks(answer, failed)
+        return NOT_DONE_YET
+
+    async def _render(self, path: bytes) -> tuple[int, bytes]:
+        model_server = self._model_server
+        assert model_server is not None
+        if path == b"/metrics":
+            await model_server.refresh()
+            return 200, self._metrics.render()
+        name = unquote(path.removeprefix(MODEL_METRICS).decode("utf-8", "replace"))
+        if not path.startswith(MODEL_METRICS) or not name or self._resolve is None:
+            return 404, b"no such metrics path: /metrics or /metrics/models/NAME\n"
+        try:
+            canonical = await self._resolve(name)
+        except ModelNotFound:
+            return 404, f"model {name!r} not found\n".encode("utf-8", "replace")
+        await model_server.refresh(canonical)
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(_Families(lambda: model_server.families(canonical)))
+        return 200, bytes(generate_latest(registry))
+
+
+class _Families:
+    """
+    A one-off collector over a callback's families.
+    """
+
+    def __init__(self, families: Callable[[], Iterable[Metric]]) -> None:
+        self._families = families
+
+    def collect(self) -> Iterable[Metric]:
+        return self._families()

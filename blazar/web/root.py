@@ -12,7 +12,7 @@ from twisted.web.resource import IResource, Resource
 
 class SurfaceRouter(Resource):
     """
-    Sends C{/metrics} to the Prometheus exposition, C{/ui*} and
+    Sends C{/metrics} (and C{/metrics/models/NAME}) to the Prometheus exposition, C{/ui*} and
     C{/api/logs} to the dashboard (and a browser's C{GET /} there), C{/}
     and C{/api/*} to the Ollama surface, C{/v1/messages*} to the
     Anthropic surface, C{/v1/files*} and C{/v1/batches*} to the Batch API
@@ -41,7 +41,7 @@ class SurfaceRouter(Resource):
 
     def render(self, request: IRequest) -> Any:
         path = request.path
-        if path == b"/metrics" and self._metrics is not None:
+        if (path == b"/metrics" or path.startswith(b"/metrics/")) and self._metrics is not None:
             return self._metrics.render(request)
         if self._dashboard is not None:
             if path == b"/ui" or path.startswith(b"/ui/") or path == b"/api/logs":

@@ -399,6 +399,27 @@ class MetricsRequireKeyTests(SiteCase):
             _, transport = self.send(get + b"\r\n", host=host)
             self.assertIn(b"200 OK", transport.value(), (required, host))
 
+    def test_a_models_own_metrics_follow_the_same_rule(self) -> None:
+        """
+        C{/metrics/models/NAME} (the GIE gauges of one model): refused
+        without a key, 403 to a scoped key, open with
+        C{metrics_require_key = false}.
+        """
+        scoped = KeyConfig("webui", "scoped-secret-0123456789", models=("qwen:7b",))
+        get = b"GET /metrics/models/qwen:7b HTTP/1.1\r\nHost: x\r\n"
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=(*self.keys, scoped))))
+        self.site = self.make_site()
+        _, transport = self.send(get + b"\r\n", host="127.0.0.1")
+        self.assertIn(b"401", transport.value().split(b"\r\n")[0])
+        _, transport = self.send(get + b"Authorization: Bearer " + scoped.secret.encode() + b"\r\n\r\n")
+        self.assertIn(b"403", transport.value().split(b"\r\n")[0])
+        _, transport = self.send(get + b"x-api-key: " + SECRET.encode() + b"\r\n\r\n")
+        self.assertIn(b"200 OK", transport.value())
+        self.gate = AuthGate(self.inner, KeyHolder(Config(keys=self.keys, metrics_require_key=False)))
+        self.site = self.make_site()
+        _, transport = self.send(get + b"\r\n", host="10.1.2.3")
+        self.assertIn(b"200 OK", transport.value())
+
     def test_without_keys_it_is_open(self) -> None:
         self.gate = AuthGate(self.inner, KeyHolder(Config()))
         self.site = self.make_site()
