@@ -1021,7 +1021,7 @@ def thd_put_cache(
             i
             for (i,) in db.execute(
                 "SELECT id FROM cache_entries WHERE created < ? OR id NOT IN "
-                "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?)",
+                "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?) ORDER BY id",
                 (expired_before, keep),
             )
         ]

@@ -166,6 +166,13 @@ class PostgresNodesTests(SynchronousTestCase):
         self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], 8)
         self.assertEqual(store.thd_put_bench(db, ("m:latest", 1.0, "e", "{}", "{}", "{}", "[]"), 10), 1)
 
+    def test_reopening_applies_no_migration_twice(self) -> None:
+        store.thd_add_usage(self.nodes[0], [("2026-12-01", "a", 5)])
+        again = store.thd_open_postgres(self.url)
+        self.addCleanup(again.close)
+        self.assertEqual(store.thd_day_usage(again, "2026-12-01"), {"a": 5})
+        self.assertEqual(again.execute("SELECT version FROM schema_version").fetchall(), [(8,)])
+
     def test_a_database_newer_than_this_blazar_is_refused(self) -> None:
         self.nodes[0].execute("UPDATE schema_version SET version = 99")
         with self.assertRaises(RuntimeError) as cm:

@@ -8,8 +8,6 @@ parameters, OpenAI's error envelope, and per-key ownership.
 from __future__ import annotations
 
 import json
-import sqlite3
-from pathlib import Path
 from typing import Any
 
 from openai.types import Batch, FileDeleted, FileObject
@@ -18,7 +16,6 @@ from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from blazar import store
 from blazar.config import Config, KeyConfig
 from blazar.gateway.batch import BatchRunner
 from blazar.httpbody import multipart_body
@@ -26,6 +23,7 @@ from blazar.web import batches as surface_mod
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
+from tests.postgres import PostgresStore, SQLiteStore
 from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
@@ -50,10 +48,9 @@ class Elsewhere(Resource):
         return b"another surface"
 
 
-class SurfaceTests(SynchronousTestCase):
+class SurfaceTests(SQLiteStore, SynchronousTestCase):
     def setUp(self) -> None:
-        self.db: sqlite3.Connection = store.thd_open(Path(self.mktemp()) / "blazar.db")
-        self.addCleanup(self.db.close)
+        self.db = self.open_store()
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.sent: list[Deferred[Any]] = []
@@ -178,3 +175,7 @@ class SurfaceTests(SynchronousTestCase):
     def test_other_paths_go_elsewhere(self) -> None:
         self.assertEqual(self.call("GET", "/v1/models"), (200, b"another surface"))
         self.assertEqual(self.call("GET", "/v1/filesystem"), (200, b"another surface"))
+
+
+class PostgresSurfaceTests(PostgresStore, SurfaceTests):
+    pass
