@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from openai.types import Batch, FileDeleted, FileObject
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
@@ -19,6 +19,7 @@ from twisted.web.resource import Resource
 from blazar.config import Config, KeyConfig
 from blazar.gateway.batch import BatchRunner
 from blazar.httpbody import multipart_body
+from blazar.postgres import StoreUnavailable
 from blazar.web import batches as surface_mod
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
@@ -98,6 +99,20 @@ class SurfaceTests(SQLiteStore, SynchronousTestCase):
         self.assertEqual(
             (status, error["error"]["code"], error["error"]["type"]), (404, "not_found", "invalid_request_error")
         )
+
+    def test_an_unreachable_store_is_a_503_naming_it(self) -> None:
+        def down(f: Any, *args: Any) -> Deferred[Any]:
+            return fail(StoreUnavailable("PostgreSQL at db.lan:5432 is unreachable: connection refused"))
+
+        self.runner.run_db = down
+        for method, path in (("GET", "/v1/files"), ("GET", "/v1/batches"), ("GET", "/v1/files/file-x/content")):
+            status, error = self.call(method, path)
+            self.assertEqual(
+                (status, error["error"]["code"], error["error"]["message"]),
+                (503, "store_unavailable", "PostgreSQL at db.lan:5432 is unreachable: connection refused"),
+                path,
+            )
+        self.assertEqual(self.upload()[0], 503)
 
     def test_upload_errors(self) -> None:
         status, error = self.upload(purpose="assistants")
