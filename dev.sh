@@ -130,6 +130,23 @@ registry() {
   fi
 }
 
+# the durable store's tests on PostgreSQL (tests/test_store_*.py, tests/postgres.py) run Debian's
+# server binaries in a temp dir, as the postgres user: install them where this user may, else say how
+postgres() {
+  if compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null || [ -n "${BLAZAR_POSTGRES_BIN:-}" ]; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's postgresql for the PostgreSQL store's tests (once)"
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql \
+           || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q postgresql; }; } \
+         >.venv/apt.log 2>&1; then
+      cat .venv/apt.log >&2
+      say "apt-get install postgresql failed (log above); the PostgreSQL store's tests will fail in CI without it"
+    fi
+  else
+    say "the PostgreSQL store's tests need PostgreSQL: sudo apt-get install -y postgresql (or set BLAZAR_POSTGRES_BIN)"
+  fi
+}
+
 case "${1:-}" in
   demo)
     setup
@@ -139,6 +156,7 @@ case "${1:-}" in
     setup
     browser
     registry
+    postgres
     shift
     lint
     lint_imports
@@ -149,6 +167,7 @@ case "${1:-}" in
     ;;
   unit)
     python_deps
+    postgres
     shift
     lint
     lint_imports

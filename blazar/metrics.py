@@ -14,7 +14,7 @@ L{blazar.engines.supervisor.Supervisor.collect_metrics}). Never trace
 ids or prompts.
 
 Error kinds (C{blazar_errors_total}): C{auth}, C{forbidden}, C{quota},
-C{all_slots_busy}, C{breaker_open}, C{no_capacity}, C{engine_crash},
+C{all_slots_busy}, C{breaker_open}, C{no_capacity}, C{store_unavailable}, C{engine_crash},
 C{engine_error}, C{wedge}, C{model_not_found}, or plain C{4xx} / C{5xx}.
 
 Counters and histograms are updated where things happen; gauges that

@@ -409,10 +409,11 @@ class Stores:
 
 def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> Stores:
     """
-    The store at C{<data_dir>/blazar.db} and its parts (the Batch API's is
+    The store at C{<data_dir>/blazar.db}, or in the PostgreSQL database of
+    C{[cluster] database}, and its parts (the Batch API's is
     L{make_batches}).
     """
-    database = StoreService(config.data_dir / "blazar.db", reactor)
+    database = StoreService(config.data_dir / "blazar.db", reactor, url=config.cluster.database)
     quotas = Quotas(reactor)
     return Stores(
         database,

@@ -1,29 +1,59 @@
 """
 Blazar's durable state: one SQLite file, C{<data_dir>/blazar.db}, in WAL
-mode, with a schema version and forward migrations.
+mode, with a schema version and forward migrations; or, with C{[cluster]
+database = "postgresql://..."}, a PostgreSQL database that several nodes
+share (L{thd_open_postgres}, the connection of L{blazar.postgres}), with
+the same schema version and its own text of each migration
+(L{POSTGRES_MIGRATIONS}). The same functions run on both: they take a
+L{Database} and branch on L{is_postgres} only where the SQL differs.
 
-The Batch API's file contents are not in it: each is a file of its own,
-C{<data_dir>/files/<id>} (0600, in a 0700 directory), beside the metadata
-row (migration 7 moved the older ones out), so a download is read in
-pieces and a delete gives the space back at once.
+The Batch API's file contents are not in SQLite: each is a file of its
+own, C{<data_dir>/files/<id>} (0600, in a 0700 directory), beside the
+metadata row (migration 7 moved the older ones out), so a download is read
+in pieces and a delete gives the space back at once. On PostgreSQL they
+are rows of 1 MiB pieces (C{batch_file_chunks}), seen by every node, and
+deleted with their file's row.
+
+Counters several nodes add to are single-statement upserts (never read,
+add, write), and batch lines are claimed with C{FOR UPDATE SKIP LOCKED}
+on PostgreSQL, so two connections never claim the same line.
 
 Every function here blocks: the daemon calls them on its one store thread
 (L{blazar.storeservice.StoreService}: one connection, and SQLite
-connections belong to one thread), never on the reactor thread.
+connections belong to one thread), never on the reactor thread. On
+PostgreSQL an unreachable server raises L{StoreUnavailable}, naming it.
 """
 
 from __future__ import annotations
 
 import errno
+import io
 import json
 import os
 import sqlite3
+import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import IO, BinaryIO, Callable, Iterator, Protocol, Union
+from typing import IO, BinaryIO, Callable, Iterator, Protocol, TypeVar, Union
 
 from blazar import strictjson
 from blazar.files import PRIVATE_FILE, open_private, private_dir, set_mode, write_whole
+from blazar.postgres import PgDatabase, StoreUnavailable
+
+__all__ = ["Database", "PgDatabase", "StoreUnavailable"]
+
+#: a connection to the durable store: SQLite's (L{thd_open}) or PostgreSQL's (L{thd_open_postgres})
+Database = Union[sqlite3.Connection, PgDatabase]
+
+_T = TypeVar("_T")
+
+
+def is_postgres(db: Database) -> bool:
+    """
+    Whether C{db} is the PostgreSQL store (else SQLite).
+    """
+    return isinstance(db, PgDatabase)
+
 
 CHUNK = 1024 * 1024
 """Bytes copied at a time into a stored file."""
@@ -137,16 +167,140 @@ MIGRATIONS: list[Migration] = [
     """,
 ]
 
+#: the same schema versions on PostgreSQL, each step's text in its dialect
+#: (BIGINT counts, DOUBLE PRECISION seconds, BYTEA, identity columns). A
+#: PostgreSQL store began at Blazar's migration 8, so migration 5 makes the
+#: files' table as 7 left it on SQLite, and 7 makes the table of their
+#: contents (1 MiB pieces, gone with their file's row): nothing moves.
+POSTGRES_MIGRATIONS: list[str] = [
+    # 1: whole-day token counts per API key
+    """
+    CREATE TABLE key_usage (
+        day TEXT NOT NULL,
+        key TEXT NOT NULL,
+        tokens BIGINT NOT NULL,
+        PRIMARY KEY (day, key)
+    )
+    """,
+    # 2: stored Responses API responses
+    """
+    CREATE TABLE responses (
+        id TEXT PRIMARY KEY,
+        key TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL,
+        expires DOUBLE PRECISION NOT NULL,
+        previous TEXT,
+        response TEXT NOT NULL,
+        input TEXT NOT NULL
+    )
+    """,
+    # 3: sessions and their KV bank entries (which node's bank holds the file: a later step)
+    """
+    CREATE TABLE sessions (
+        key TEXT NOT NULL,
+        name TEXT NOT NULL,
+        model TEXT NOT NULL,
+        file TEXT,
+        tokens BIGINT NOT NULL,
+        size BIGINT NOT NULL,
+        shape TEXT NOT NULL,
+        saved_at DOUBLE PRECISION NOT NULL,
+        last_used DOUBLE PRECISION NOT NULL,
+        PRIMARY KEY (key, name, model)
+    )
+    """,
+    # 4: installed engines (each node keeps its own in its data_dir's SQLite; the table keeps the versions aligned)
+    """
+    CREATE TABLE engines (
+        kind TEXT NOT NULL,
+        tag TEXT NOT NULL,
+        source TEXT NOT NULL,
+        sha256 TEXT NOT NULL,
+        path TEXT NOT NULL,
+        installed_at DOUBLE PRECISION NOT NULL,
+        active INTEGER NOT NULL DEFAULT 0,
+        activated_at DOUBLE PRECISION,
+        PRIMARY KEY (kind, tag)
+    )
+    """,
+    # 5: the Batch API: files (their contents: migration 7), batches, and each line's state
+    """
+    CREATE TABLE batch_files (
+        id TEXT PRIMARY KEY,
+        key TEXT NOT NULL,
+        filename TEXT NOT NULL,
+        purpose TEXT NOT NULL,
+        created_at BIGINT NOT NULL,
+        bytes BIGINT NOT NULL
+    );
+    CREATE INDEX batch_files_by_key ON batch_files (key);
+    CREATE TABLE batches (
+        id TEXT PRIMARY KEY,
+        key TEXT NOT NULL,
+        created_at BIGINT NOT NULL,
+        batch TEXT NOT NULL
+    );
+    CREATE TABLE batch_lines (
+        batch TEXT NOT NULL,
+        line INTEGER NOT NULL,
+        custom_id TEXT NOT NULL,
+        body TEXT NOT NULL,
+        state TEXT NOT NULL,
+        result TEXT,
+        PRIMARY KEY (batch, line)
+    )
+    """,
+    # 6: the semantic cache's answers and their prompt vectors
+    """
+    CREATE TABLE cache_entries (
+        id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+        scope TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL,
+        vector BYTEA NOT NULL,
+        answer BYTEA NOT NULL
+    )
+    """,
+    # 7: the Batch API's file contents, in pieces every node reads
+    """
+    CREATE TABLE batch_file_chunks (
+        id TEXT NOT NULL REFERENCES batch_files (id) ON DELETE CASCADE,
+        n INTEGER NOT NULL,         -- 0-based piece number
+        data BYTEA NOT NULL,        -- at most CHUNK bytes
+        PRIMARY KEY (id, n)
+    )
+    """,
+    # 8: `blazar bench` runs
+    """
+    CREATE TABLE bench_history (
+        id BIGINT GENERATED BY DEFAULT AS IDENTITY PRIMARY KEY,
+        model TEXT NOT NULL,
+        created DOUBLE PRECISION NOT NULL,
+        engine TEXT NOT NULL,
+        profile TEXT NOT NULL,
+        hardware TEXT NOT NULL,
+        settings TEXT NOT NULL,
+        levels TEXT NOT NULL
+    );
+    CREATE INDEX bench_history_by_model ON bench_history (model, id)
+    """,
+]
+
+_MIGRATION_LOCK = 0x626C617A6172  # "blazar": the advisory lock a PostgreSQL migration holds
+
 
 @contextmanager
-def transaction(db: sqlite3.Connection, begin: str = "BEGIN") -> Iterator[None]:
+def transaction(db: Database, begin: str = "BEGIN") -> Iterator[None]:
     """
     One transaction on C{db} (a connection of L{thd_open}, which leaves
     transactions to its callers) around the block: C{begin} (C{"BEGIN
     IMMEDIATE"} to take the write lock at once) before, C{COMMIT} after;
     C{ROLLBACK} if the block or the commit raises anything, which then
-    propagates.
+    propagates. On PostgreSQL, L{PgDatabase.transaction}.
     """
+    if isinstance(db, PgDatabase):
+        with db.transaction(begin):
+            yield
+        return
     db.execute(begin)
     try:
         yield
@@ -212,6 +366,50 @@ def thd_open(path: Path) -> sqlite3.Connection:
     return db
 
 
+def thd_open_postgres(url: str) -> PgDatabase:
+    """
+    Connect to the PostgreSQL database at C{url} and migrate it: the same
+    schema versions as SQLite's (L{POSTGRES_MIGRATIONS}), under an
+    advisory lock, so nodes starting together migrate it once.
+
+    @raise StoreUnavailable: The server cannot be reached.
+    """
+    db = PgDatabase(url)
+    try:
+        with transaction(db):
+            db.execute("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+            db.execute("CREATE TABLE IF NOT EXISTS schema_version (version INTEGER NOT NULL)")
+            row = db.execute("SELECT version FROM schema_version").fetchone()
+            if row is None:
+                db.execute("INSERT INTO schema_version VALUES (0)")
+            version = row[0] if row else 0
+            if version > len(POSTGRES_MIGRATIONS):
+                raise RuntimeError(
+                    f"the database at {db.where} is at schema version {version}, newer than this Blazar's "
+                    f"{len(POSTGRES_MIGRATIONS)}: upgrade Blazar on this node"
+                )
+            for number, step in enumerate(POSTGRES_MIGRATIONS[version:], start=version + 1):
+                for statement in step.split(";"):
+                    if statement.strip():
+                        db.execute(statement)
+                db.execute("UPDATE schema_version SET version = ?", (number,))
+    except BaseException:
+        db.close()
+        raise
+    return db
+
+
+def _in_transaction(db: Database, block: Callable[[], _T]) -> _T:
+    """
+    C{block()} inside a transaction: the caller's, if one is open, else
+    its own.
+    """
+    if db.in_transaction:
+        return block()
+    with transaction(db):
+        return block()
+
+
 def _files_out_of_the_database(db: sqlite3.Connection) -> bool:
     """
     Migration 7: each Batch API file's content moves from its C{content}
@@ -245,35 +443,43 @@ def _files_out_of_the_database(db: sqlite3.Connection) -> bool:
     return bool(rows)
 
 
-def thd_add_usage(db: sqlite3.Connection, rows: list[tuple[str, str, int]]) -> None:
+def thd_add_usage(db: Database, rows: list[tuple[str, str, int]]) -> None:
     """
-    Add C{(day, key name, tokens)} rows to the day totals, in one transaction.
+    Add C{(day, key name, tokens)} rows to the day totals, in one
+    transaction: each an upsert that adds in the database (exact when
+    several nodes add to one key's day at once).
     """
     with transaction(db):
         db.executemany(
             "INSERT INTO key_usage (day, key, tokens) VALUES (?, ?, ?) "
-            "ON CONFLICT (day, key) DO UPDATE SET tokens = tokens + excluded.tokens",
+            "ON CONFLICT (day, key) DO UPDATE SET tokens = key_usage.tokens + excluded.tokens",
             rows,
         )
 
 
-def thd_day_usage(db: sqlite3.Connection, day: str) -> dict[str, int]:
+def thd_day_usage(db: Database, day: str) -> dict[str, int]:
     """
     Token totals per key name for one UTC day.
     """
     return {k: int(t) for k, t in db.execute("SELECT key, tokens FROM key_usage WHERE day = ?", (day,))}
 
 
-def thd_put_response(
-    db: sqlite3.Connection, row: tuple[str, str, float, float, str | None, str, str], keep: int
-) -> None:
+def thd_put_response(db: Database, row: tuple[str, str, float, float, str | None, str, str], keep: int) -> None:
     """
     Store C{(id, key, created, expires, previous, response JSON, input
     JSON)}; drop expired rows and all but the newest C{keep} of that key's
     (one key never pushes out another's).
     """
     with transaction(db):
-        db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
+        if isinstance(db, PgDatabase):
+            db.execute(
+                "INSERT INTO responses VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT (id) DO UPDATE SET "
+                "key = EXCLUDED.key, created = EXCLUDED.created, expires = EXCLUDED.expires, "
+                "previous = EXCLUDED.previous, response = EXCLUDED.response, input = EXCLUDED.input",
+                row,
+            )
+        else:
+            db.execute("INSERT OR REPLACE INTO responses VALUES (?, ?, ?, ?, ?, ?, ?)", row)
         db.execute("DELETE FROM responses WHERE expires < ?", (row[2],))
         db.execute(
             "DELETE FROM responses WHERE key = ? AND id NOT IN "
@@ -282,7 +488,7 @@ def thd_put_response(
         )
 
 
-def thd_get_response(db: sqlite3.Connection, id_: str, key: str, now: float) -> tuple[str, str, str | None] | None:
+def thd_get_response(db: Database, id_: str, key: str, now: float) -> tuple[str, str, str | None] | None:
     """
     C{(response JSON, input JSON, previous)} of a live response made by
     C{key}, else L{None}.
@@ -294,26 +500,34 @@ def thd_get_response(db: sqlite3.Connection, id_: str, key: str, now: float) -> 
     return (row[0], row[1], row[2]) if row else None
 
 
-def thd_delete_response(db: sqlite3.Connection, id_: str, key: str) -> bool:
+def thd_delete_response(db: Database, id_: str, key: str) -> bool:
     """
     Delete a response made by C{key}; whether there was one.
     """
     return db.execute("DELETE FROM responses WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
 
 
-def thd_put_session(db: sqlite3.Connection, row: tuple[object, ...]) -> None:
+def thd_put_session(db: Database, row: tuple[object, ...]) -> None:
     """
     Write a session's row: C{(key, name, model, file, tokens, size, shape,
     saved_at, last_used)}.
     """
-    db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
+    if isinstance(db, PgDatabase):
+        db.execute(
+            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key, name, model) DO UPDATE SET "
+            "file = EXCLUDED.file, tokens = EXCLUDED.tokens, size = EXCLUDED.size, shape = EXCLUDED.shape, "
+            "saved_at = EXCLUDED.saved_at, last_used = EXCLUDED.last_used",
+            row,
+        )
+    else:
+        db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
 
 
-def thd_delete_session(db: sqlite3.Connection, key: str, name: str, model: str) -> None:
+def thd_delete_session(db: Database, key: str, name: str, model: str) -> None:
     db.execute("DELETE FROM sessions WHERE key = ? AND name = ? AND model = ?", (key, name, model))
 
 
-def thd_sessions(db: sqlite3.Connection) -> list[tuple[object, ...]]:
+def thd_sessions(db: Database) -> list[tuple[object, ...]]:
     """
     Every session's row, as L{thd_put_session} wrote it.
     """
@@ -352,13 +566,16 @@ class OverQuota(Exception):
         self.used, self.size, self.quota = used, size, quota
 
 
-def files_dir(db: sqlite3.Connection) -> Path:
+def files_dir(db: Database) -> Path:
     """
     Where the Batch API's file contents live: C{files/} beside the
     database file (C{<data_dir>/files}).
 
-    @raise ValueError: An in-memory database, which has no such place.
+    @raise ValueError: An in-memory database, which has no such place; or
+        PostgreSQL, which keeps them in C{batch_file_chunks}.
     """
+    if isinstance(db, PgDatabase):
+        raise ValueError("on PostgreSQL the Batch API's files are in the database")
     for _, name, file in db.execute("PRAGMA database_list"):
         if name == "main" and file:
             return Path(file).parent / "files"
@@ -417,9 +634,7 @@ def _size_of(content: bytes | IO[bytes]) -> int:
     return size
 
 
-def thd_put_file(
-    db: sqlite3.Connection, row: tuple[str, str, str, str, int, bytes | IO[bytes]], quota: int | None = None
-) -> int:
+def thd_put_file(db: Database, row: tuple[str, str, str, str, int, bytes | IO[bytes]], quota: int | None = None) -> int:
     """
     Store C{(id, key, filename, purpose, created_at, content)}: the content
     (bytes, or a readable file read from where it is, in pieces) to
@@ -427,10 +642,16 @@ def thd_put_file(
     the row goes with it; a content whose row is rolled back is removed by
     L{thd_remove_content} or, after a crash, by L{thd_sweep_files}.
 
+    On PostgreSQL the row and the content's pieces are written in one
+    transaction (the caller's, or one of its own), the quota read under a
+    lock on the key, so two nodes storing at once cannot both pass it.
+
     @param quota: The bytes C{key}'s files may hold in all, if limited.
     @return: The content's size, in bytes.
     @raise OverQuota: The file would take C{key}'s files past C{quota}.
     """
+    if isinstance(db, PgDatabase):
+        return _in_transaction(db, lambda: _put_file_postgres(db, row, quota))
     id_, key, filename, purpose, created_at, content = row
     if quota is not None:
         size, used = _size_of(content), thd_file_bytes(db, key)
@@ -449,22 +670,49 @@ def thd_put_file(
     return size
 
 
-def thd_remove_content(db: sqlite3.Connection, id_: str) -> None:
+def _put_file_postgres(
+    db: PgDatabase, row: tuple[str, str, str, str, int, bytes | IO[bytes]], quota: int | None
+) -> int:
+    id_, key, filename, purpose, created_at, content = row
+    if quota is not None:
+        db.execute("SELECT pg_advisory_xact_lock(hashtext(?))", ("batch_files:" + key,))
+        size, used = _size_of(content), thd_file_bytes(db, key)
+        if used + size > quota:
+            raise OverQuota(used, size, quota)
+    db.execute(
+        "INSERT INTO batch_files (id, key, filename, purpose, created_at, bytes) VALUES (?, ?, ?, ?, ?, 0)",
+        (id_, key, filename, purpose, created_at),
+    )
+    size = n = 0
+    reader: _Readable = io.BytesIO(content) if isinstance(content, (bytes, bytearray, memoryview)) else content
+    while piece := reader.read(CHUNK):
+        db.execute("INSERT INTO batch_file_chunks (id, n, data) VALUES (?, ?, ?)", (id_, n, piece))
+        size, n = size + len(piece), n + 1
+    db.execute("UPDATE batch_files SET bytes = ? WHERE id = ?", (size, id_))
+    return size
+
+
+def thd_remove_content(db: Database, id_: str) -> None:
     """
     Remove a file's content whose row was not kept (its transaction rolled
-    back).
+    back). On PostgreSQL the content went with the row: nothing to do.
     """
+    if isinstance(db, PgDatabase):
+        return
     _content_path(files_dir(db), id_).unlink(missing_ok=True)
 
 
-def thd_sweep_files(db: sqlite3.Connection) -> int:
+def thd_sweep_files(db: Database) -> int:
     """
     Remove what C{<data_dir>/files} holds that no row names: contents of
     rows a crash rolled back, and half-written temporary files. Call it
-    before any file is stored (at start).
+    before any file is stored (at start). On PostgreSQL there is nothing
+    to sweep (a content's pieces are written and deleted with its row).
 
     @return: How many were removed.
     """
+    if isinstance(db, PgDatabase):
+        return 0
     folder = files_dir(db)
     if not folder.is_dir():
         return 0
@@ -478,14 +726,14 @@ def thd_sweep_files(db: sqlite3.Connection) -> int:
     return removed
 
 
-def thd_file_bytes(db: sqlite3.Connection, key: str) -> int:
+def thd_file_bytes(db: Database, key: str) -> int:
     """
     Bytes C{key}'s files hold, all together.
     """
     return int(db.execute("SELECT coalesce(sum(bytes), 0) FROM batch_files WHERE key = ?", (key,)).fetchone()[0])
 
 
-def thd_files(db: sqlite3.Connection, key: str | None) -> list[tuple[str, str, str, str, int, int]]:
+def thd_files(db: Database, key: str | None) -> list[tuple[str, str, str, str, int, int]]:
     """
     C{(id, key, filename, purpose, created_at, bytes)} of C{key}'s files
     (every key's for L{None}), newest first.
@@ -497,15 +745,20 @@ def thd_files(db: sqlite3.Connection, key: str | None) -> list[tuple[str, str, s
     return list(db.execute(sql + " ORDER BY created_at DESC, id DESC", args))
 
 
-def thd_open_content(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[int, BinaryIO] | None:
+def thd_open_content(db: Database, id_: str, key: str | None) -> tuple[int, BinaryIO] | None:
     """
     A file's content, opened for reading, if it exists and belongs to
     C{key} (any key's for L{None}): a delete while it is read does not cut
     the reading short (the name goes, the open file stays).
 
+    On PostgreSQL its pieces are copied, one at a time, into an unnamed
+    temporary file (a delete meanwhile cannot cut it short either).
+
     @return: Its size in bytes and the open file (the caller closes it),
         or L{None}.
     """
+    if isinstance(db, PgDatabase):
+        return _in_transaction(db, lambda: _open_content_postgres(db, id_, key))
     row = db.execute("SELECT key FROM batch_files WHERE id = ?", (id_,)).fetchone()
     if row is None or (key is not None and row[0] != key):
         return None
@@ -516,7 +769,24 @@ def thd_open_content(db: sqlite3.Connection, id_: str, key: str | None) -> tuple
     return os.fstat(handle.fileno()).st_size, handle
 
 
-def thd_file_content(db: sqlite3.Connection, id_: str, key: str | None) -> bytes | None:
+def _open_content_postgres(db: PgDatabase, id_: str, key: str | None) -> tuple[int, BinaryIO] | None:
+    row = db.execute("SELECT key, bytes FROM batch_files WHERE id = ? FOR SHARE", (id_,)).fetchone()
+    if row is None or (key is not None and row[0] != key):
+        return None
+    handle = tempfile.TemporaryFile()
+    try:
+        size = n = 0
+        while piece := db.execute("SELECT data FROM batch_file_chunks WHERE id = ? AND n = ?", (id_, n)).fetchone():
+            handle.write(piece[0])
+            size, n = size + len(piece[0]), n + 1
+        handle.seek(0)
+    except BaseException:
+        handle.close()
+        raise
+    return size, handle
+
+
+def thd_file_content(db: Database, id_: str, key: str | None) -> bytes | None:
     """
     A file's bytes, whole (at most a file's limit: a batch's input), if it
     exists and belongs to C{key} (any key's for L{None}).
@@ -528,7 +798,7 @@ def thd_file_content(db: sqlite3.Connection, id_: str, key: str | None) -> bytes
         return handle.read()
 
 
-def thd_delete_file(db: sqlite3.Connection, id_: str, key: str | None) -> bool:
+def thd_delete_file(db: Database, id_: str, key: str | None) -> bool:
     """
     Delete a file of C{key}'s, its content too (the space is free at once,
     or when the last reader of it closes it); whether there was one.
@@ -543,7 +813,7 @@ def thd_delete_file(db: sqlite3.Connection, id_: str, key: str | None) -> bool:
 
 
 def thd_create_batch(
-    db: sqlite3.Connection, id_: str, key: str, created_at: int, batch: str, lines: list[tuple[str, str]]
+    db: Database, id_: str, key: str, created_at: int, batch: str, lines: list[tuple[str, str]]
 ) -> None:
     """
     A batch and its C{(custom_id, body JSON)} lines, all pending, in one
@@ -559,14 +829,14 @@ def thd_create_batch(
         )
 
 
-def thd_put_batch(db: sqlite3.Connection, id_: str, batch: str) -> None:
+def thd_put_batch(db: Database, id_: str, batch: str) -> None:
     """
     Replace a batch's object (JSON).
     """
     db.execute("UPDATE batches SET batch = ? WHERE id = ?", (batch, id_))
 
 
-def thd_batches(db: sqlite3.Connection, key: str | None, after: str | None, limit: int) -> list[tuple[str, str]]:
+def thd_batches(db: Database, key: str | None, after: str | None, limit: int) -> list[tuple[str, str]]:
     """
     C{(key, batch JSON)} of up to C{limit} of C{key}'s batches (every key's
     for L{None}), newest first, starting after batch C{after} (OpenAI's
@@ -586,11 +856,21 @@ def thd_batches(db: sqlite3.Connection, key: str | None, after: str | None, limi
     return list(db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)))
 
 
-def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tuple[int, str, str]]:
+def thd_claim_lines(db: Database, batch: str, count: int) -> list[tuple[int, str, str]]:
     """
     Up to C{count} pending lines of C{batch}, marked running (in one
-    transaction): C{(line, custom_id, body JSON)}, in input order.
+    transaction): C{(line, custom_id, body JSON)}, in input order. On
+    PostgreSQL one statement, skipping the lines another connection is
+    claiming: two nodes never claim the same line.
     """
+    if isinstance(db, PgDatabase):
+        claimed = db.execute(
+            "UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line IN "
+            "(SELECT line FROM batch_lines WHERE batch = ? AND state = 'pending' ORDER BY line LIMIT ? "
+            "FOR UPDATE SKIP LOCKED) RETURNING line, custom_id, body",
+            (batch, batch, count),
+        ).fetchall()
+        return sorted((int(n), str(c), str(b)) for n, c, b in claimed)
     with transaction(db, "BEGIN IMMEDIATE"):
         rows = list(
             db.execute(
@@ -605,7 +885,7 @@ def thd_claim_lines(db: sqlite3.Connection, batch: str, count: int) -> list[tupl
     return rows
 
 
-def thd_finish_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str) -> None:
+def thd_finish_line(db: Database, batch: str, line: int, ok: bool, result: str) -> None:
     """
     Record a running line as done (C{ok}) or failed, with its output or
     error line (JSON), in one statement.
@@ -616,7 +896,7 @@ def thd_finish_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, res
     )
 
 
-def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> int:
+def thd_interrupted_lines(db: Database, batch: str, result: str) -> int:
     """
     Fail the lines left running by a daemon that stopped uncleanly (they
     may have been sent: never sent twice), with error line C{result}
@@ -625,26 +905,29 @@ def thd_interrupted_lines(db: sqlite3.Connection, batch: str, result: str) -> in
     return _fail_lines(db, batch, "running", result)
 
 
-def _fail_lines(db: sqlite3.Connection, batch: str, state: str, result: str) -> int:
+def _fail_lines(db: Database, batch: str, state: str, result: str) -> int:
     """
     Fail every line of C{batch} in C{state}, in one transaction, each with
     the error line C{result} (its C{id} and C{custom_id} filled in); how
     many.
     """
     with transaction(db, "BEGIN IMMEDIATE"):
-        rows = list(db.execute("SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?", (batch, state)))
+        lock = " FOR UPDATE" if isinstance(db, PgDatabase) else ""
+        rows = list(
+            db.execute(f"SELECT line, custom_id FROM batch_lines WHERE batch = ? AND state = ?{lock}", (batch, state))
+        )
         template = json.loads(result)
         db.executemany(
-            "UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ?",
+            "UPDATE batch_lines SET state = 'failed', result = ? WHERE batch = ? AND line = ? AND state = ?",
             [
-                (strictjson.encode({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n)
+                (strictjson.encode({**template, "id": line_request_id(batch, n), "custom_id": custom}), batch, n, state)
                 for n, custom in rows
             ],
         )
     return len(rows)
 
 
-def thd_file(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[str, str, str, str, int, int] | None:
+def thd_file(db: Database, id_: str, key: str | None) -> tuple[str, str, str, str, int, int] | None:
     """
     C{(id, key, filename, purpose, created_at, bytes)} of one file, if it
     exists and belongs to C{key} (any key's for L{None}).
@@ -657,7 +940,7 @@ def thd_file(db: sqlite3.Connection, id_: str, key: str | None) -> tuple[str, st
     return (str(row[0]), str(row[1]), str(row[2]), str(row[3]), int(row[4]), int(row[5]))
 
 
-def thd_batch(db: sqlite3.Connection, id_: str, key: str | None) -> str | None:
+def thd_batch(db: Database, id_: str, key: str | None) -> str | None:
     """
     A batch's object (JSON), if it exists and belongs to C{key} (any key's
     for L{None}).
@@ -668,7 +951,7 @@ def thd_batch(db: sqlite3.Connection, id_: str, key: str | None) -> str | None:
     return str(row[1])
 
 
-def thd_release_line(db: sqlite3.Connection, batch: str, line: int) -> None:
+def thd_release_line(db: Database, batch: str, line: int) -> None:
     """
     Put a running line back to pending: it was refused before it reached
     an engine (a quota's 429, a 503 with C{Retry-After}), so sending it
@@ -679,7 +962,7 @@ def thd_release_line(db: sqlite3.Connection, batch: str, line: int) -> None:
     )
 
 
-def thd_fail_pending(db: sqlite3.Connection, batch: str, result: str) -> int:
+def thd_fail_pending(db: Database, batch: str, result: str) -> int:
     """
     Fail every pending line of C{batch} (its window expired: they never
     start), with error line C{result} (its C{id} and C{custom_id} filled
@@ -688,14 +971,14 @@ def thd_fail_pending(db: sqlite3.Connection, batch: str, result: str) -> int:
     return _fail_lines(db, batch, "pending", result)
 
 
-def thd_line_counts(db: sqlite3.Connection, batch: str) -> dict[str, int]:
+def thd_line_counts(db: Database, batch: str) -> dict[str, int]:
     """
     C{{state: lines}} of C{batch}.
     """
     return dict(db.execute("SELECT state, count(*) FROM batch_lines WHERE batch = ? GROUP BY state", (batch,)))
 
 
-def thd_results(db: sqlite3.Connection, batch: str, ok: bool) -> bytes:
+def thd_results(db: Database, batch: str, ok: bool) -> bytes:
     """
     The output (C{ok}) or error file of C{batch}: its lines' results as
     JSONL, in input order.
@@ -710,8 +993,17 @@ def thd_results(db: sqlite3.Connection, batch: str, ok: bool) -> bytes:
 # -- the semantic cache (migration 6: blazar.gateway.cache) --------------------
 
 
+def _insert_id(db: Database, sql: str, row: tuple[object, ...]) -> int | None:
+    """
+    Run an C{INSERT} into a table whose C{id} the database gives; that id.
+    """
+    if isinstance(db, PgDatabase):
+        return int(db.execute(sql + " RETURNING id", row).fetchone()[0])
+    return db.execute(sql, row).lastrowid
+
+
 def thd_put_cache(
-    db: sqlite3.Connection,
+    db: Database,
     row: tuple[str, float, bytes, bytes],
     expired_before: float,
     keep: int,
@@ -724,14 +1016,12 @@ def thd_put_cache(
     @return: The new entry's id, and the ids dropped.
     """
     with transaction(db):
-        id_ = db.execute(
-            "INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)", row
-        ).lastrowid
+        id_ = _insert_id(db, "INSERT INTO cache_entries (scope, created, vector, answer) VALUES (?, ?, ?, ?)", row)
         dropped = [
             i
             for (i,) in db.execute(
                 "SELECT id FROM cache_entries WHERE created < ? OR id NOT IN "
-                "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?)",
+                "(SELECT id FROM cache_entries ORDER BY id DESC LIMIT ?) ORDER BY id",
                 (expired_before, keep),
             )
         ]
@@ -739,7 +1029,7 @@ def thd_put_cache(
     return int(id_ or 0), dropped
 
 
-def thd_cache_entries(db: sqlite3.Connection, since: float, keep: int) -> list[tuple[int, str, float, bytes, bytes]]:
+def thd_cache_entries(db: Database, since: float, keep: int) -> list[tuple[int, str, float, bytes, bytes]]:
     """
     The newest C{keep} entries created at or after C{since}, oldest first:
     C{(id, scope, created, vector, answer)} (the in-memory index is
@@ -754,7 +1044,7 @@ def thd_cache_entries(db: sqlite3.Connection, since: float, keep: int) -> list[t
     return [(int(r[0]), str(r[1]), float(r[2]), bytes(r[3]), bytes(r[4])) for r in reversed(rows)]
 
 
-def thd_purge_cache(db: sqlite3.Connection, before: float) -> int:
+def thd_purge_cache(db: Database, before: float) -> int:
     """
     Delete the cache entries created before C{before}; how many.
     """
@@ -769,7 +1059,7 @@ BenchRow = tuple[str, float, str, str, str, str, str]
 StoredBenchRow = tuple[int, str, float, str, str, str, str, str]
 
 
-def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
+def thd_put_bench(db: Database, row: BenchRow, keep: int) -> int:
     """
     Record a bench run; drop all but the newest C{keep} of that model's,
     in one transaction.
@@ -777,11 +1067,12 @@ def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
     @return: The run's id (ids grow: a later run has a larger one).
     """
     with transaction(db):
-        id_ = db.execute(
+        id_ = _insert_id(
+            db,
             "INSERT INTO bench_history (model, created, engine, profile, hardware, settings, levels) "
             "VALUES (?, ?, ?, ?, ?, ?, ?)",
             row,
-        ).lastrowid
+        )
         db.execute(
             "DELETE FROM bench_history WHERE model = ? AND id NOT IN "
             "(SELECT id FROM bench_history WHERE model = ? ORDER BY id DESC LIMIT ?)",
@@ -790,7 +1081,7 @@ def thd_put_bench(db: sqlite3.Connection, row: BenchRow, keep: int) -> int:
     return int(id_ or 0)
 
 
-def thd_bench_history(db: sqlite3.Connection, model: str | None, limit: int) -> list[StoredBenchRow]:
+def thd_bench_history(db: Database, model: str | None, limit: int) -> list[StoredBenchRow]:
     """
     Up to C{limit} recorded runs of C{model} (of every model for
     L{None}), newest first: C{(id, model, created, engine, profile,
@@ -806,7 +1097,7 @@ def thd_bench_history(db: sqlite3.Connection, model: str | None, limit: int) -> 
     ]
 
 
-def thd_engine_named(db: sqlite3.Connection, path: str) -> str | None:
+def thd_engine_named(db: Database, path: str) -> str | None:
     """
     C{kind@tag} of the installed engine (migration 4's C{engines} table)
     whose binary is C{path}, if one is.

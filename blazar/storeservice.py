@@ -1,6 +1,7 @@
 """
-Blazar's durable state at run time: the one SQLite connection to
-C{<data_dir>/blazar.db} (L{blazar.store}) and the one thread it lives on
+Blazar's durable state at run time: the one connection to
+C{<data_dir>/blazar.db}, or to the PostgreSQL database of C{[cluster]
+database} (L{blazar.store}), and the one thread it lives on
 (L{StoreService}), and the parts that keep their state in it, each with
 its own small API and its own place in the service tree: key usage
 (L{UsageStore}), sessions (L{SessionService}), the semantic cache
@@ -18,7 +19,6 @@ started before them and stopped after them.
 from __future__ import annotations
 
 import queue
-import sqlite3
 import time
 from pathlib import Path
 from typing import Any, Callable, Collection, TypeVar
@@ -88,22 +88,25 @@ class PeriodicJob:
 
 class StoreService(Service):
     """
-    The daemon's one connection to its SQLite file and the one thread
-    (a pool of one: SQLite connections belong to one thread) every
-    database call runs on, in the order it was made.
+    The daemon's one connection to its SQLite file (or its PostgreSQL
+    database) and the one thread (a pool of one: SQLite connections belong
+    to one thread) every database call runs on, in the order it was made.
 
-    @ivar path: The database file.
+    @ivar path: The database file (SQLite).
+    @ivar url: The PostgreSQL database's URL (C{[cluster] database}), if
+        the store is there; then C{path} is unused.
     """
 
-    def __init__(self, path: Path, reactor: Any, pool: ThreadPool | None = None) -> None:
+    def __init__(self, path: Path, reactor: Any, pool: ThreadPool | None = None, url: str | None = None) -> None:
         """
         @param pool: The thread the connection lives on (tests pass
             L{blazar.testing.SynchronousThreadPool}).
         """
         self.path = path
+        self.url = url
         self._reactor = reactor
         self._pool = pool if pool is not None else ThreadPool(1, 1, name="blazar-store")
-        self._db: sqlite3.Connection | None = None
+        self._db: store.Database | None = None
         self._held: set[Deferred[None]] = set()
 
     @property
@@ -163,8 +166,12 @@ class StoreService(Service):
     def startService(self) -> None:
         Service.startService(self)
         self._pool.start()
-        # at start, before serving: a short blocking open (and migration)
-        self._db = self._call_now(store.thd_open, self.path)
+        # at start, before serving: a short blocking open (and migration); an
+        # unreachable PostgreSQL stops the start, naming the server
+        if self.url is not None:
+            self._db = self._call_now(store.thd_open_postgres, self.url)
+        else:
+            self._db = self._call_now(store.thd_open, self.path)
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)

@@ -151,7 +151,7 @@ class ReloadTableTests(SynchronousTestCase):
         self.assertEqual({kind for _, kind in RELOAD_TABLE.values()}, {RUNTIME, RESTART})
         self.assertEqual(
             sorted(k for k, kind in RELOAD_TABLE.values() if kind == RESTART),
-            ["audit_log", "data_dir", "engine_check_secs", "engine_index_url", "listen", "otlp_endpoint"],
+            ["audit_log", "cluster", "data_dir", "engine_check_secs", "engine_index_url", "listen", "otlp_endpoint"],
         )
 
     def test_table_names_are_the_files_keys(self) -> None:

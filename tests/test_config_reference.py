@@ -10,6 +10,7 @@ import pytest
 
 from blazar.config import (
     CacheConfig,
+    ClusterConfig,
     CommandLane,
     Config,
     KeyConfig,
@@ -31,7 +32,18 @@ def test_the_committed_reference_is_what_the_declarations_say() -> None:
 
 
 @pytest.mark.parametrize(
-    "cls", [Config, QueueConfig, CacheConfig, LlamaCppConfig, CommandLane, ModelConfig, KeyConfig, RemoteConfig]
+    "cls",
+    [
+        Config,
+        QueueConfig,
+        CacheConfig,
+        ClusterConfig,
+        LlamaCppConfig,
+        CommandLane,
+        ModelConfig,
+        KeyConfig,
+        RemoteConfig,
+    ],
 )
 def test_every_key_is_declared_with_its_doc(cls: type) -> None:
     names = {field.name for field, _ in declared(cls)}
@@ -60,6 +72,7 @@ def _wrong_type_cases() -> list[tuple[str, str]]:
     tables: list[tuple[type, str, str, str]] = [
         (QueueConfig, "[queue]\n", "queue.", ""),
         (CacheConfig, "[cache]\n", "cache.", ""),
+        (ClusterConfig, "[cluster]\n", "cluster.", ""),
         (LlamaCppConfig, "[engines.whisper]\n", "engines.whisper.", ""),
         (CommandLane, '[engines.vllm]\ncommand = ["v", "{port}"]\n', "engines.vllm.", "command"),
         (ModelConfig, '[models."a"]\n', "models.a.", "engine"),  # any engine name: a lane is looked up after

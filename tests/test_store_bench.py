@@ -1,7 +1,7 @@
 """
 The bench history's table (L{blazar.store}, migration 8): a database of
 the version before gains it, runs come back newest first per model, and
-each model keeps its newest runs only.
+each model keeps its newest runs only; on SQLite and on PostgreSQL.
 """
 
 from __future__ import annotations
@@ -12,33 +12,16 @@ from pathlib import Path
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
+from tests.postgres import PostgresStore, SQLiteStore, StoreMixin
 
 
 def row(model: str, created: float, engine: str = "llamacpp@a") -> store.BenchRow:
     return (model, created, engine, '{"argv": []}', "{}", "{}", "[]")
 
 
-class BenchStoreTests(SynchronousTestCase):
+class BenchStoreContract(StoreMixin):
     def setUp(self) -> None:
-        self.db: sqlite3.Connection = store.thd_open(Path(self.mktemp()) / "blazar.db")
-        self.addCleanup(self.db.close)
-
-    def test_a_database_of_version_7_gains_the_table(self) -> None:
-        path = Path(self.mktemp()) / "blazar.db"
-        path.parent.mkdir()
-        old = sqlite3.connect(path, isolation_level=None)
-        old.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
-        old.execute("INSERT INTO schema_version VALUES (7)")
-        old.execute(
-            "CREATE TABLE engines (kind TEXT, tag TEXT, source TEXT, sha256 TEXT, path TEXT, "
-            "installed_at REAL, active INTEGER DEFAULT 0, activated_at REAL)"
-        )
-        old.close()
-        db = store.thd_open(path)
-        self.addCleanup(db.close)
-        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
-        self.assertEqual(store.thd_bench_history(db, None, 10), [])
-        self.assertEqual(store.thd_put_bench(db, row("m:latest", 1.0), 10), 1)
+        self.db = self.open_store()
 
     def test_runs_come_back_newest_first_per_model(self) -> None:
         first = store.thd_put_bench(self.db, row("a:latest", 1.0), 10)
@@ -67,3 +50,26 @@ class BenchStoreTests(SynchronousTestCase):
         )
         self.assertEqual(store.thd_engine_named(self.db, "/e/bin/llama-server"), "llamacpp@11434.0.0-cpu")
         self.assertIsNone(store.thd_engine_named(self.db, "/other/llama-server"))
+
+
+class SQLiteBenchStoreTests(SQLiteStore, BenchStoreContract, SynchronousTestCase):
+    def test_a_database_of_version_7_gains_the_table(self) -> None:
+        path = Path(self.mktemp()) / "blazar.db"
+        path.parent.mkdir()
+        old = sqlite3.connect(path, isolation_level=None)
+        old.execute("CREATE TABLE schema_version (version INTEGER NOT NULL)")
+        old.execute("INSERT INTO schema_version VALUES (7)")
+        old.execute(
+            "CREATE TABLE engines (kind TEXT, tag TEXT, source TEXT, sha256 TEXT, path TEXT, "
+            "installed_at REAL, active INTEGER DEFAULT 0, activated_at REAL)"
+        )
+        old.close()
+        db = store.thd_open(path)
+        self.addCleanup(db.close)
+        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.MIGRATIONS))
+        self.assertEqual(store.thd_bench_history(db, None, 10), [])
+        self.assertEqual(store.thd_put_bench(db, row("m:latest", 1.0), 10), 1)
+
+
+class PostgresBenchStoreTests(PostgresStore, BenchStoreContract, SynchronousTestCase):
+    pass

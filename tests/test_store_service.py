@@ -1,6 +1,7 @@
 """
 The one store service (L{blazar.storeservice.StoreService}): one
-connection opened at start, every part's writes drained before the close.
+connection opened at start, every part's writes drained before the close;
+on SQLite and on PostgreSQL (C{[cluster] database}).
 """
 
 from __future__ import annotations
@@ -19,13 +20,22 @@ from blazar.config import KeyConfig
 from blazar.gateway.quota import Quotas
 from blazar.storeservice import PeriodicJob, StoreService, UsageStore
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
+from tests import postgres
+from tests.typed import TestCaseMixin
 
 
-class StoreServiceTests(SynchronousTestCase):
+class StoreServiceContract(TestCaseMixin):
+    url: str | None = None
+
     def setUp(self) -> None:
         self.path = Path(self.mktemp()) / "blazar.db"
         self.clock = fake_process_reactor()
-        self.database = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+        self.database = self.service()
+
+    def service(self, pool: ThreadPool | None = None) -> StoreService:
+        if pool is None:
+            pool = cast(ThreadPool, SynchronousThreadPool())
+        return StoreService(self.path, self.clock, pool, url=self.url)
 
     def test_opened_at_start_and_migrated(self) -> None:
         self.assertFalse(self.database.is_open)
@@ -62,13 +72,13 @@ class StoreServiceTests(SynchronousTestCase):
         quotas.record(KeyConfig("alice", "alice-secret-0123456789"), 12)
         self.successResultOf(usage.stopService())
         self.successResultOf(self.database.stopService())
-        again = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+        again = self.service()
         again.startService()
         self.assertEqual(again.run_db_now(store.thd_day_usage, quotas.today()), {"alice": 12})
         self.successResultOf(again.stopService())
 
     def test_one_thread(self) -> None:
-        database = StoreService(self.path, self.clock)
+        database = self.service(ThreadPool(1, 1, name="blazar-store"))
         database.startService()
         try:
             names = {database.run_db_now(lambda db: threading.current_thread().name) for _ in range(3)}
@@ -76,6 +86,30 @@ class StoreServiceTests(SynchronousTestCase):
             database.run_db_now(lambda db: db.close())
             database._pool.stop()
         self.assertEqual(len(names), 1)
+
+
+class SQLiteStoreServiceTests(StoreServiceContract, SynchronousTestCase):
+    pass
+
+
+class PostgresStoreServiceTests(StoreServiceContract, SynchronousTestCase):
+    def setUp(self) -> None:
+        self.url = postgres.shared().new_database()
+        super().setUp()
+
+    def test_nothing_is_written_beside_the_data_dir(self) -> None:
+        self.database.startService()
+        self.successResultOf(self.database.run_db(store.thd_put_file, ("file-a", "k", "a", "batch", 1, b"{}")))
+        self.successResultOf(self.database.stopService())
+        self.assertFalse(self.path.parent.exists())
+
+    def test_an_unreachable_server_stops_the_start_naming_it(self) -> None:
+        self.url = f"postgresql://postgres@127.0.0.1:{postgres.free_port()}/nothing"
+        database = self.service()
+        with self.assertRaises(store.StoreUnavailable) as cm:
+            database.startService()
+        self.assertIn("PostgreSQL at 127.0.0.1:", str(cm.exception))
+        self.assertIn("is unreachable", str(cm.exception))
 
 
 class PeriodicJobTests(SynchronousTestCase):

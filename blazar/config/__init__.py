@@ -578,6 +578,34 @@ class CacheConfig:
     max_entries: int = setting(10000, value=POSITIVE_INT, doc="Answers kept (the oldest go first).")
 
 
+def _postgres_url(raw: Any, at: At) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("postgresql://", "postgres://")) or len(raw) <= 13:
+        raise ValueError(raw)
+    return raw
+
+
+@attrs.frozen
+class ClusterConfig:
+    """
+    C{[cluster]}: state that several Blazar nodes share (issue 42).
+
+    @ivar database: A PostgreSQL connection URL: the durable store
+        (L{blazar.store}) is that database instead of
+        C{<data_dir>/blazar.db}; L{None} keeps SQLite.
+    """
+
+    database: str | None = setting(
+        None,
+        reload=RESTART,
+        repr=False,  # it may hold a password
+        value=Value('a PostgreSQL URL ("postgresql://user:password@host:5432/blazar")', _postgres_url),
+        doc="The durable store (usage, stored Responses, Batch API files and batches, the semantic cache's "
+        "entries, sessions) in this PostgreSQL database, which several nodes may share, instead of "
+        "`<data_dir>/blazar.db`; file contents are kept in it too. Unset: SQLite. An unreachable server fails "
+        "the operation, naming it; the next one reconnects.",
+    )
+
+
 @attrs.frozen
 class LlamaCppConfig:
     """
@@ -1117,6 +1145,12 @@ class Config:
     )
     cache: CacheConfig = setting(  # read per chat call; the index keeps what it holds
         CacheConfig(), value=_tables_of(CacheConfig), doc="The semantic cache (opt-in)."
+    )
+    cluster: ClusterConfig = setting(
+        ClusterConfig(),
+        reload=RESTART,
+        value=_tables_of(ClusterConfig),
+        doc="State several nodes share (opt-in): the durable store on PostgreSQL.",
     )
     models: Mapping[str, ModelConfig] = setting(  # at each model's next start
         attrs.Factory(dict), value=None, doc='Per-model settings, under `[models."name:tag"]`.'

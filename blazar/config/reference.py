@@ -19,6 +19,7 @@ import tomlkit
 from blazar.config import (
     DEFAULT_CONFIG_PATH,
     CacheConfig,
+    ClusterConfig,
     CommandLane,
     Config,
     KeyConfig,
@@ -130,7 +131,7 @@ def markdown() -> str:
     builtins = [key for field, key in declared(Config) if isinstance(field.default, LlamaCppConfig)]
     lines = [_INTRO]
     lines += _section("Top level", "Keys outside any table.", _keys(Config))
-    for name, cls in [("queue", QueueConfig), ("cache", CacheConfig)]:
+    for name, cls in [("queue", QueueConfig), ("cache", CacheConfig), ("cluster", ClusterConfig)]:
         lines += _section(f"`[{name}]`", top[name].doc, _keys(cls), top[name].reload)
     lines += _section(
         "`[engines]`",

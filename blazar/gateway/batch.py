@@ -393,7 +393,7 @@ def error_template(error: Mapping[str, str]) -> str:
     return strictjson.encode({"id": None, "custom_id": None, "response": None, "error": dict(error)})
 
 
-def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
+def thd_record_line(db: store.Database, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
     """
     Record a line's outcome and the batch's new counts, in one transaction.
     """
@@ -402,7 +402,7 @@ def thd_record_line(db: sqlite3.Connection, batch: str, line: int, ok: bool, res
         store.thd_put_batch(db, batch, batch_json)
 
 
-def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: int) -> dict[str, Any]:
+def thd_finalize(db: store.Database, batch: dict[str, Any], key: str, now: int) -> dict[str, Any]:
     """
     Write a finished batch's output and error files (purpose
     C{batch_output}, owned by C{key}; none when empty) and its final
@@ -441,17 +441,17 @@ def thd_finalize(db: sqlite3.Connection, batch: dict[str, Any], key: str, now: i
     return batch
 
 
-def thd_unfinished(db: sqlite3.Connection) -> list[tuple[str, str]]:
+def thd_unfinished(db: store.Database) -> list[tuple[str, str]]:
     """
     C{(key, batch JSON)} of every batch not in a L{TERMINAL} status,
     oldest first.
     """
     marks = ", ".join("?" * len(TERMINAL))
+    status = "(batch::jsonb ->> 'status')" if store.is_postgres(db) else "json_extract(batch, '$.status')"
     return [
         (str(k), str(b))
         for k, b in db.execute(
-            f"SELECT key, batch FROM batches WHERE json_extract(batch, '$.status') NOT IN ({marks}) "
-            "ORDER BY created_at, id",
+            f"SELECT key, batch FROM batches WHERE {status} NOT IN ({marks}) ORDER BY created_at, id",
             TERMINAL,
         )
     ]

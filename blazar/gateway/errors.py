@@ -33,6 +33,7 @@ from blazar.models.create import CreateError
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound
+from blazar.postgres import StoreUnavailable
 
 
 class BadRequest(ValueError):
@@ -351,6 +352,17 @@ def _table() -> list[tuple[type[BaseException], Callable[[BaseException], Proble
         ),
         (BreakerOpen, _unavailable("breaker_open")),
         (Unavailable, _unavailable("unavailable")),
+        (
+            StoreUnavailable,
+            lambda e: Problem(
+                Category.UNAVAILABLE,
+                503,
+                str(e),
+                kind="store_unavailable",
+                code="store_unavailable",
+                retry_after=_retry_after(e, 5.0),
+            ),
+        ),
         (NoCapacity, _unavailable("no_capacity")),
         (
             EngineTimeout,

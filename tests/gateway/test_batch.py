@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from openai.types import Batch, FileObject
@@ -30,6 +29,7 @@ from blazar.gateway.batch import (
     parse_input,
 )
 from blazar.gateway.errors import BadRequest, Unavailable
+from tests.postgres import PostgresStore, SQLiteStore
 
 CHAT = "/v1/chat/completions"
 NOW = 1_700_000_000.0
@@ -131,11 +131,14 @@ class FakeSend:
         return [c[2]["messages"][0]["content"] for c in self.calls]
 
 
-class RunnerCase(SynchronousTestCase):
+class RunnerCase(SQLiteStore, SynchronousTestCase):
+    """
+    The runner over a real store: SQLite here, PostgreSQL in the
+    C{Postgres*} twins at the end.
+    """
+
     def setUp(self) -> None:
-        self.path = Path(self.mktemp()) / "blazar.db"
-        self.db: sqlite3.Connection = store.thd_open(self.path)
-        self.addCleanup(self.db.close)
+        self.db = self.open_store()
         self.clock = Clock()
         self.clock.advance(NOW)
         self.send = FakeSend()
@@ -545,3 +548,27 @@ class RestartTests(RunnerCase):
         self.assertEqual(
             (done["status"], done["request_counts"]), ("cancelled", {"total": 3, "completed": 0, "failed": 2})
         )
+
+
+class PostgresFilesTests(PostgresStore, FilesTests):
+    pass
+
+
+class PostgresCreateTests(PostgresStore, CreateTests):
+    pass
+
+
+class PostgresRunTests(PostgresStore, RunTests):
+    pass
+
+
+class PostgresCancelTests(PostgresStore, CancelTests):
+    pass
+
+
+class PostgresExpiryTests(PostgresStore, ExpiryTests):
+    pass
+
+
+class PostgresRestartTests(PostgresStore, RestartTests):
+    pass

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
@@ -25,6 +24,7 @@ from blazar.gateway.cache import (
     scope_of,
     to_blob,
 )
+from tests.postgres import PostgresStore, SQLiteStore
 
 
 def chat(text: str, **extra: object) -> dict[str, Any]:
@@ -273,10 +273,9 @@ class IndexTests(SynchronousTestCase):
         self.assertEqual(self.index.lookup("s", unit(1.0, 0.0, 0.0), 101.0, 600.0, 0.0), (-1.0, None))
 
 
-class StoreTests(SynchronousTestCase):
+class StoreTests(SQLiteStore, SynchronousTestCase):
     def setUp(self) -> None:
-        self.db = store.thd_open(Path(self.mktemp()) / "blazar.db")
-        self.addCleanup(self.db.close)
+        self.db = self.open_store()
 
     def put(self, created: float, expired_before: float = 0.0, keep: int = 10) -> tuple[int, list[int]]:
         answer = json.dumps({"choices": [{"message": {"content": str(created)}}]}).encode()
@@ -305,3 +304,7 @@ class StoreTests(SynchronousTestCase):
         self.assertEqual([r[2] for r in rows], [4.0, 5.0])
         self.assertEqual(len(store.thd_cache_entries(self.db, 0.0, 100)), 2)
         self.assertEqual(store.thd_purge_cache(self.db, 5.0), 1)
+
+
+class PostgresStoreTests(PostgresStore, StoreTests):
+    pass

@@ -8,24 +8,23 @@ parameters, OpenAI's error envelope, and per-key ownership.
 from __future__ import annotations
 
 import json
-import sqlite3
-from pathlib import Path
 from typing import Any
 
 from openai.types import Batch, FileDeleted, FileObject
-from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.internet.task import Clock
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.resource import Resource
 
-from blazar import store
 from blazar.config import Config, KeyConfig
 from blazar.gateway.batch import BatchRunner
 from blazar.httpbody import multipart_body
+from blazar.postgres import StoreUnavailable
 from blazar.web import batches as surface_mod
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
+from tests.postgres import PostgresStore, SQLiteStore
 from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
@@ -50,10 +49,9 @@ class Elsewhere(Resource):
         return b"another surface"
 
 
-class SurfaceTests(SynchronousTestCase):
+class SurfaceTests(SQLiteStore, SynchronousTestCase):
     def setUp(self) -> None:
-        self.db: sqlite3.Connection = store.thd_open(Path(self.mktemp()) / "blazar.db")
-        self.addCleanup(self.db.close)
+        self.db = self.open_store()
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.sent: list[Deferred[Any]] = []
@@ -101,6 +99,20 @@ class SurfaceTests(SynchronousTestCase):
         self.assertEqual(
             (status, error["error"]["code"], error["error"]["type"]), (404, "not_found", "invalid_request_error")
         )
+
+    def test_an_unreachable_store_is_a_503_naming_it(self) -> None:
+        def down(f: Any, *args: Any) -> Deferred[Any]:
+            return fail(StoreUnavailable("PostgreSQL at db.lan:5432 is unreachable: connection refused"))
+
+        self.runner.run_db = down
+        for method, path in (("GET", "/v1/files"), ("GET", "/v1/batches"), ("GET", "/v1/files/file-x/content")):
+            status, error = self.call(method, path)
+            self.assertEqual(
+                (status, error["error"]["code"], error["error"]["message"]),
+                (503, "store_unavailable", "PostgreSQL at db.lan:5432 is unreachable: connection refused"),
+                path,
+            )
+        self.assertEqual(self.upload()[0], 503)
 
     def test_upload_errors(self) -> None:
         status, error = self.upload(purpose="assistants")
@@ -178,3 +190,7 @@ class SurfaceTests(SynchronousTestCase):
     def test_other_paths_go_elsewhere(self) -> None:
         self.assertEqual(self.call("GET", "/v1/models"), (200, b"another surface"))
         self.assertEqual(self.call("GET", "/v1/filesystem"), (200, b"another surface"))
+
+
+class PostgresSurfaceTests(PostgresStore, SurfaceTests):
+    pass

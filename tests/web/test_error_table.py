@@ -49,6 +49,7 @@ from blazar.models.create import CreateError
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.hub import PullError
 from blazar.models.registry import ModelChangeError, ModelNotFound, ModelUnreadable
+from blazar.postgres import StoreUnavailable
 from blazar.testing import FakeInstance, FakeSupervisor, fake_engine_app
 from tests.web.gateway import MemoryGateway
 
@@ -171,6 +172,14 @@ CASES: list[tuple[Exception, tuple[int, int], str | None, str | None, str, str |
         "unavailable",
         "engine_unavailable",
         "engine_unavailable",
+    ),
+    (
+        StoreUnavailable("PostgreSQL at db.lan:5432 is unreachable: connection refused"),
+        (503, 529),
+        "5",
+        "store_unavailable",
+        "engine_unavailable",
+        "store_unavailable",
     ),
     (EngineTimeout("m:latest", "wedged"), (504, 504), None, "wedge", "engine_error", "engine_timeout"),
     (EngineCrashed("m:latest", "died"), (502, 500), None, "engine_crash", "engine_error", "engine_error"),

@@ -3,14 +3,12 @@ The Files and Batch APIs under the per-key limits (issue 36, item 8):
 C{rpm} and C{max_concurrent} on every one of their routes, the per-key
 storage quota (C{file_bytes}, C{max_file_bytes_per_key}) on uploads, and a
 download streamed in pieces. Through C{StubTreq} behind the real auth gate
-and quotas, with the runner on a real SQLite file.
+and quotas, with the runner on a real store (SQLite, and PostgreSQL for the storage tests).
 """
 
 from __future__ import annotations
 
 import json
-import sqlite3
-from pathlib import Path
 from typing import Any
 
 from twisted.internet.defer import Deferred, maybeDeferred
@@ -27,6 +25,7 @@ from blazar.web import download
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.batches import BatchSurface
 from blazar.web.root import SurfaceRouter
+from tests.postgres import PostgresStore, SQLiteStore, StoreMixin
 from tests.typed import StubTreq
 
 ALICE = "alice-secret-0123456789"
@@ -54,7 +53,7 @@ class Elsewhere(Resource):
 class Gateway:
     """
     The Batch API surface behind the auth gate and the quotas, on a real
-    SQLite file.
+    store: the case's (a L{tests.postgres.StoreMixin}: SQLite or PostgreSQL).
     """
 
     def __init__(
@@ -62,8 +61,8 @@ class Gateway:
     ) -> None:
         self.case = case
         self.host = host
-        self.db: sqlite3.Connection = store.thd_open(Path(case.mktemp()) / "blazar.db")
-        case.addCleanup(self.db.close)
+        assert isinstance(case, StoreMixin)
+        self.db = case.open_store()
         self.clock = Clock()
         self.clock.advance(1_700_000_000)
         self.in_thread_calls = 0
@@ -108,7 +107,7 @@ class Gateway:
         return self.call("POST", "/v1/files", secret, data=raw, headers={"content-type": content_type})
 
 
-class RateLimitTests(SynchronousTestCase):
+class RateLimitTests(SQLiteStore, SynchronousTestCase):
     def routes(self, gateway: Gateway) -> list[tuple[str, str, dict[str, Any]]]:
         _, made = gateway.upload()
         gateway.clock.advance(60)
@@ -178,7 +177,7 @@ class RateLimitTests(SynchronousTestCase):
         self.assertEqual(gateway.quotas.active("alice"), 0)
 
 
-class StorageQuotaTests(SynchronousTestCase):
+class StorageQuotaTests(SQLiteStore, SynchronousTestCase):
     def test_an_upload_past_the_keys_quota_is_refused_until_a_delete(self) -> None:
         gateway = Gateway(
             self,
@@ -217,7 +216,7 @@ class StorageQuotaTests(SynchronousTestCase):
         self.assertNotIn("[[keys]]", error["error"]["message"])
 
 
-class DownloadTests(SynchronousTestCase):
+class DownloadTests(SQLiteStore, SynchronousTestCase):
     def test_a_download_is_sent_in_pieces_read_in_threads(self) -> None:
         gateway = Gateway(self, (KeyConfig("alice", ALICE),))
         content = bytes(range(256)) * 4096 + b"tail"  # 1 MiB and a bit
@@ -236,6 +235,16 @@ class DownloadTests(SynchronousTestCase):
         _, made = gateway.upload(b"x" * 100_000)
         size, handle = self.successResultOf(gateway.runner.open_content("alice", made["id"]))
         self.assertEqual(gateway.call("DELETE", f"/v1/files/{made['id']}")[0], 200)
-        self.assertFalse((store.files_dir(gateway.db) / made["id"]).exists())
+        self.assertIsNone(store.thd_file(gateway.db, made["id"], None))
+        if not store.is_postgres(gateway.db):
+            self.assertFalse((store.files_dir(gateway.db) / made["id"]).exists())
         with handle:
             self.assertEqual((size, handle.read()), (100_000, b"x" * 100_000))
+
+
+class PostgresStorageQuotaTests(PostgresStore, StorageQuotaTests):
+    pass
+
+
+class PostgresDownloadTests(PostgresStore, DownloadTests):
+    pass
