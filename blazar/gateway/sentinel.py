@@ -309,7 +309,13 @@ class StreamWatch:
                 and b'"finish_reason": "' not in event
             ):
                 if not self._some_text and b'"content":"' in event and b'"content":""' not in event:
-                    self._some_text = True  # some text (what it says does not matter here)
+                    # read until the text holds more than whitespace (whitespace
+                    # alone is no answer); after that, what it says does not matter
+                    try:
+                        self.chunk(strictjson.parse(event[6:]))
+                    except ValueError:
+                        pass
+                    self._some_text = bool("".join(self._content).strip())
                 continue
             try:
                 self.chunk(strictjson.parse(event[6:]))

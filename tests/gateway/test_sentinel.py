@@ -152,3 +152,21 @@ def test_only_the_engines_own_unparsed_error_event_is_dropped() -> None:
     assert final["timings"] == {"prompt_n": 7, "cache_n": 0, "predicted_n": 3}
     assert usage["choices"] == [] and usage["usage"] == {"prompt_tokens": 7, "completion_tokens": 3, "total_tokens": 10}
     assert len(ending(last, "stop", 1, 1, usage=False)) == 1
+
+
+def test_whitespace_alone_is_an_empty_answer_on_the_bytes_too() -> None:
+    """
+    Read from the bytes (text events unparsed once text is seen), a stream
+    of whitespace alone is still empty, as decoded chunks say; a stream
+    whose text starts with whitespace is not.
+    """
+
+    def stream(*pieces: str) -> bytes:
+        chunks = [{"choices": [{"index": 0, "delta": {"content": p}}]} for p in pieces]
+        chunks.append({"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
+        return b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in chunks)
+
+    for pieces, found in ((("\r", "\n "), ["empty"]), (("\n", "Paris", " "), [])):
+        on_bytes = StreamWatch({})
+        on_bytes.events(stream(*pieces))
+        assert codes(on_bytes.findings()) == found, pieces
