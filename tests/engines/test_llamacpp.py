@@ -133,7 +133,8 @@ class FindBinaryTests(SynchronousTestCase):
         self.assertIn("/nonexistent/llama-server", str(cm.exception))
 
     def test_path_then_bundled_then_cache(self) -> None:
-        config = parse_config("")
+        # a data dir of its own: none has an installed engine (blazar engine use)
+        config = parse_config(f'data_dir = "{self.mktemp()}"')
         home = Path(self.mktemp())
         env = {"BLAZAR_ENGINE_HOME": str(home)}
         self.assertEqual(
@@ -152,7 +153,7 @@ class FindBinaryTests(SynchronousTestCase):
     def test_none_found_says_how_to_install(self) -> None:
         env = {"BLAZAR_ENGINE_HOME": self.mktemp()}
         with self.assertRaises(EngineNotFound) as cm:
-            find_binary(parse_config(""), env, which=lambda _: None, bundled=lambda: None)
+            find_binary(parse_config(f'data_dir = "{self.mktemp()}"'), env, which=lambda _: None, bundled=lambda: None)
         message = str(cm.exception)
         self.assertIn("scripts/build-engine.sh", message)
         self.assertIn("[engines.llamacpp] binary", message)
