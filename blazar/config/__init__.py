@@ -602,7 +602,8 @@ class ClusterConfig:
         doc="The durable store (usage, stored Responses, Batch API files and batches, the semantic cache's "
         "entries, sessions) in this PostgreSQL database, which several nodes may share, instead of "
         "`<data_dir>/blazar.db`; file contents are kept in it too. Unset: SQLite. An unreachable server fails "
-        "the operation, naming it; the next one reconnects.",
+        "the operation, naming it; the next one reconnects. Not yet for several nodes at once: quotas are "
+        "still counted per node, and every node resumes unfinished batches at its start.",
     )
 
 
