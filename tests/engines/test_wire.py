@@ -192,6 +192,31 @@ class ChunkedTests(SynchronousTestCase):
 
 
 class PipelinedTests(SynchronousTestCase):
+    @settings(max_examples=200, deadline=None)
+    @given(st.lists(answers(), min_size=2, max_size=4), st.lists(st.integers(0, 10_000), max_size=12))
+    def test_answers_back_to_back_split_anywhere(
+        self, several: list[tuple[bytes, bytes, bool, int]], cuts: list[int]
+    ) -> None:
+        """
+        Several requests on one connection, their answers back to back and
+        split anywhere (an answer's end and the next one's start in one
+        read): each request gets its own answer, whole.
+        """
+        c = Connected()
+        sent = [c.send() for _ in several]
+        for piece in split(b"".join(raw for raw, _, _, _ in several), cuts):
+            c.feed(piece)
+        bodies = []
+        for d in sent:
+            reader = Collect()
+            self.successResultOf(d).deliverBody(reader)
+            assert reader.reason is not None
+            self.assertTrue(reader.reason.check(ResponseDone))
+            bodies.append(reader.body)
+        self.assertEqual(bodies, [body for _, body, _, _ in several])
+        self.assertEqual(c.released, [c.connection])
+        self.assertFalse(c.transport.disconnecting)
+
     def test_two_answers_in_one_read(self) -> None:
         c = Connected()
         first, second = c.send(), c.send()
@@ -297,6 +322,31 @@ class TruncatedTests(SynchronousTestCase):
 
 
 class OversizedTests(SynchronousTestCase):
+    @settings(max_examples=100, deadline=None)
+    @given(
+        st.lists(st.integers(1, 8_000), max_size=20),
+        st.integers(1, 8_000),
+        st.lists(st.integers(0, 1_000_000), max_size=12),
+    )
+    def test_any_head_over_the_cap_fails_however_it_comes(self, sizes: list[int], over: int, cuts: list[int]) -> None:
+        """
+        A head of any header lines whose total passes the cap, split
+        anywhere, fails the request and closes the connection; nothing
+        after it is read.
+        """
+        sizes = [*sizes, max(1, MAX_HEAD_BYTES - sum(sizes)) + over]  # the last line passes the cap
+        c = Connected()
+        d = c.send()
+        head = b"HTTP/1.1 200 OK\r\n" + b"".join(b"X-F%d: %s\r\n" % (i, b"x" * n) for i, n in enumerate(sizes))
+        for piece in split(head + b"\r\n", cuts):
+            c.feed(piece)
+            if d.called:
+                break
+        f = self.failureResultOf(d, ResponseFailed)
+        self.assertTrue(f.value.reasons[0].check(ResponseHeadTooLarge))
+        self.assertTrue(c.transport.disconnecting)
+        self.assertEqual(c.released, [])
+
     def test_a_head_over_the_cap_fails_and_closes(self) -> None:
         c = Connected()
         d = c.send()
