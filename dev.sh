@@ -147,6 +147,23 @@ postgres() {
   fi
 }
 
+# the Redis quotas' tests (tests/redisserver.py) start Debian's redis-server on a loopback port in a
+# temp dir, never the system service: install it where this user may, else say how
+redis() {
+  if command -v redis-server >/dev/null 2>&1 || [ -n "${BLAZAR_REDIS_SERVER:-}" ]; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's redis-server for the Redis quotas' tests (once)"
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server \
+           || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q redis-server; }; } \
+         >.venv/apt.log 2>&1; then
+      cat .venv/apt.log >&2
+      say "apt-get install redis-server failed (log above); the Redis quotas' tests will fail in CI without it"
+    fi
+  else
+    say "the Redis quotas' tests need redis-server: sudo apt-get install -y redis-server (or set BLAZAR_REDIS_SERVER)"
+  fi
+}
+
 case "${1:-}" in
   demo)
     setup
@@ -157,6 +174,7 @@ case "${1:-}" in
     browser
     registry
     postgres
+    redis
     shift
     lint
     lint_imports
@@ -168,6 +186,7 @@ case "${1:-}" in
   unit)
     python_deps
     postgres
+    redis
     shift
     lint
     lint_imports

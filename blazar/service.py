@@ -46,7 +46,8 @@ from blazar.gateway.gie import ModelServerGauges
 from blazar.gateway.imagefetch import ImageFetcher
 from blazar.gateway.operations import ModelOperations, Puller
 from blazar.gateway.pipeline import Pipeline
-from blazar.gateway.quota import Quotas
+from blazar.gateway.quota import IQuotas, Quotas
+from blazar.gateway.redisquota import RedisQuotas
 from blazar.gateway.sessions import Sessions
 from blazar.metrics import Metrics, gauge
 from blazar.models.create import ModelCreator
@@ -398,6 +399,11 @@ class Stores:
 
     @ivar quotas: The keys' usage, counted in memory; L{UsageStore}
         writes it down.
+    @ivar limits: Where the keys' limits are checked: C{quotas}, or with
+        C{[cluster] redis} the shared L{RedisQuotas} (which still counts
+        tokens into C{quotas} for the store).
+    @ivar redis: The L{RedisQuotas}, if any (started and stopped with the
+        tree).
     """
 
     database: StoreService
@@ -405,6 +411,8 @@ class Stores:
     quotas: Quotas
     usage: UsageStore
     cache: CacheService
+    limits: IQuotas
+    redis: RedisQuotas | None = None
 
 
 def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> Stores:
@@ -415,12 +423,15 @@ def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor
     """
     database = StoreService(config.data_dir / "blazar.db", reactor, url=config.cluster.database)
     quotas = Quotas(reactor)
+    redis = RedisQuotas(config.cluster.redis, reactor, ledger=quotas) if config.cluster.redis else None
     return Stores(
         database,
         SessionService(database, live, engines, reactor, metrics),
         quotas,
         UsageStore(database, quotas, reactor),
         CacheService(database, live, reactor),
+        redis if redis is not None else quotas,
+        redis,
     )
 
 
@@ -849,7 +860,7 @@ def assemble(
             batches.surface.app.resource(),
         ),
         keys,
-        stores.quotas,
+        stores.limits,
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
     observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
@@ -905,6 +916,7 @@ def assemble(
         _Hooks(engines.catalog.start, engines.catalog.stop),
         engines.hints,
         stores.usage,
+        *([_Hooks(stores.redis.start, stores.redis.stop)] if stores.redis is not None else []),
         stores.cache,
         *observers,
         _Hooks(lambda: updates.start(config.engine_check), updates.stop),

@@ -33,6 +33,17 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertEqual((m.ctx_size, m.parallel, m.embedding), (8192, 2, True))
         self.assertEqual(m.args, ("--flash-attn", "on"))
 
+    def test_cluster_redis(self) -> None:
+        """
+        C{[cluster] redis}: a Redis URL, kept out of the repr (it may hold
+        a password); anything else is refused naming the key.
+        """
+        c = parse_config('[cluster]\nredis = "redis://:hunter2-secret@10.0.0.5:6379/1"\n')
+        self.assertEqual(c.cluster.redis, "redis://:hunter2-secret@10.0.0.5:6379/1")
+        self.assertNotIn("hunter2", repr(c.cluster))
+        self.assertIsNone(parse_config("").cluster.redis)
+        self.assertConfigError('[cluster]\nredis = "http://x:6379"\n', "redis")
+
     def test_engine_binary(self) -> None:
         c = parse_config('[engines.llamacpp]\nbinary = "/opt/llama-server"\nargs = ["-t", "2"]')
         self.assertEqual(c.llamacpp.binary, Path("/opt/llama-server"))

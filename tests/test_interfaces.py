@@ -18,6 +18,8 @@ from blazar.engines.hardware import HardwareCensus, IHardwareCensus, IHardwarePr
 from blazar.engines.hints import EngineHints, IEngineHints
 from blazar.engines.supervisor import IInstance, Instance, ISupervisor, Supervisor
 from blazar.gateway.bench import BenchRecords, IBenchRecords
+from blazar.gateway.quota import IQuotas, Quotas
+from blazar.gateway.redisquota import RedisQuotas
 from blazar.gateway.sessions import ISessions, ISlotBank, Sessions
 from blazar.metrics import Metrics
 from blazar.models.registry import IModelRegistry, ModelRegistry
@@ -38,10 +40,23 @@ from tests.gateway.test_engine_proxy import HealthSupervisor, ScriptedEngines
 from tests.gateway.test_operations import StoppingSupervisor
 from tests.typed import StubTreq
 from tests.web.test_error_table import Failing
+from tests.web.test_quota_door import DownQuotas, HeldQuotas
 from tests.web.test_stream_failures import FailingSupervisor
 
 
 class InterfaceTests(SynchronousTestCase):
+    def test_quotas(self) -> None:
+        """
+        The keys' limits: in memory, in Redis (no connection is made until
+        a check), and the door tests' fakes. Their behaviour is one
+        contract: tests/gateway/test_quota_contract.py.
+        """
+        clock = MemoryReactorClock()
+        self.assertTrue(verifyObject(IQuotas, Quotas(clock)))
+        self.assertTrue(verifyObject(IQuotas, RedisQuotas("redis://127.0.0.1:1/0", clock)))
+        self.assertTrue(verifyObject(IQuotas, HeldQuotas()))
+        self.assertTrue(verifyObject(IQuotas, DownQuotas()))
+
     def test_engine_clients(self) -> None:
         self.assertTrue(verifyObject(IEngineClient, EngineClient(MemoryReactorClock())))
         self.assertTrue(verifyObject(IEngineClient, FakeEngineClient(StubTreq(fake_engine_app().resource()))))

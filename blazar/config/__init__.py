@@ -584,6 +584,12 @@ def _postgres_url(raw: Any, at: At) -> str:
     return raw
 
 
+def _redis_url(raw: Any, at: At) -> str:
+    if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")) or len(raw) <= 9:
+        raise ValueError(raw)
+    return raw
+
+
 @attrs.frozen
 class ClusterConfig:
     """
@@ -592,6 +598,9 @@ class ClusterConfig:
     @ivar database: A PostgreSQL connection URL: the durable store
         (L{blazar.store}) is that database instead of
         C{<data_dir>/blazar.db}; L{None} keeps SQLite.
+    @ivar redis: A Redis connection URL: keys' limits are checked and
+        counted there, exactly across nodes
+        (L{blazar.gateway.redisquota}); L{None} keeps them in memory.
     """
 
     database: str | None = setting(
@@ -602,8 +611,20 @@ class ClusterConfig:
         doc="The durable store (usage, stored Responses, Batch API files and batches, the semantic cache's "
         "entries, sessions) in this PostgreSQL database, which several nodes may share, instead of "
         "`<data_dir>/blazar.db`; file contents are kept in it too. Unset: SQLite. An unreachable server fails "
-        "the operation, naming it; the next one reconnects. Not yet for several nodes at once: quotas are "
-        "still counted per node, and every node resumes unfinished batches at its start.",
+        "the operation, naming it; the next one reconnects. Keys' limits are counted per node unless "
+        "`redis` is set too, which makes them exact across nodes. Not yet for several nodes at once: every "
+        "node resumes unfinished batches at its start.",
+    )
+    redis: str | None = setting(
+        None,
+        reload=RESTART,
+        repr=False,  # it may hold a password
+        value=Value('a Redis URL ("redis://:password@host:6379/0")', _redis_url),
+        doc="Keys' limits (`max_concurrent`, `rpm`, `tpm`, `daily_tokens`) checked and counted in this Redis, "
+        "exactly across every node that shares it, instead of in each node's memory: one atomic script per "
+        "check; `rpm` and `tpm` over a sliding 60 s window, `daily_tokens` per UTC day, and each running "
+        "request a lease that expires by itself within 30 s if its node dies. An unreachable Redis answers "
+        "503 `store_unavailable` naming it (limits never open); the next request reconnects. Unset: in memory.",
     )
 
 

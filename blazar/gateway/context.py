@@ -113,7 +113,8 @@ class RequestContext:
     @ivar spans: Trace phases: name -> (start, end or L{None} for the
         response's end), clock seconds.
     @ivar timing: When streamed events arrived (observed requests only).
-    @ivar rates: Checks the key's rate limits (L{blazar.gateway.quota}).
+    @ivar rates: Checks the key's rate limits (L{blazar.gateway.quota};
+        a Deferred, fired already when the limits are counted in memory).
     @ivar requests: Checks the key's C{rpm} alone, for a route that names
         no model (L{count_request}).
     @ivar usage: Counts tokens against the key's token limits, if it has any.
@@ -131,8 +132,8 @@ class RequestContext:
     tokens: tuple[int, int] | None = None
     spans: dict[str, tuple[float, float | None]] = attrs.Factory(dict)
     timing: StreamTiming | None = None
-    rates: Callable[[], None] | None = None
-    requests: Callable[[], None] | None = None
+    rates: Callable[[], Deferred[None]] | None = None
+    requests: Callable[[], Deferred[None]] | None = None
     usage: Callable[[int], None] | None = None
     door: Any = None
     door_asked: bool = False
@@ -146,7 +147,7 @@ class RequestContext:
     ignored: tuple[str, ...] = ()  # what x-blazar-ignored lists, as the web layer writes it (blazar.gateway.ignored)
 
 
-def count_request(context: RequestContext) -> None:
+async def count_request(context: RequestContext) -> None:
     """
     Check and count a request of a route that names no model and spends
     no tokens (the Files and Batch APIs) against its key's C{rpm}, once;
@@ -156,7 +157,7 @@ def count_request(context: RequestContext) -> None:
     """
     requests, context.requests, context.rates = context.requests, None, None
     if requests is not None:
-        requests()
+        await requests()
 
 
 def trace_id_of(context: RequestContext | None) -> str:

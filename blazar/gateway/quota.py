@@ -8,6 +8,11 @@ C{max_concurrent} and C{rpm} only (L{Quotas.requests}). Tokens are the
 child's own usage counts (prompt + completion), recorded after each answer.
 Pure logic on injected clocks; the day totals are persisted by
 L{blazar.service} through L{blazar.store}.
+
+L{IQuotas} is the seam the door (L{blazar.web.auth}) and the scope check
+use: L{Quotas} here, in memory, its Deferreds fired before they are
+returned; or, with C{[cluster] redis}, L{blazar.gateway.redisquota}'s,
+exact across every node that shares the Redis.
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ import math
 import time
 from collections import defaultdict, deque
 from typing import Any, Callable
+
+from twisted.internet.defer import Deferred, fail, succeed
+from zope.interface import Interface, implementer
 
 from blazar.config import KeyConfig
 
@@ -40,6 +48,50 @@ class QuotaExceeded(Exception):
         self.retry_after = retry_after
 
 
+class IQuotas(Interface):
+    """
+    Where keys' limits are checked and counted. Each method returns a
+    Deferred; a refusal is its L{QuotaExceeded} failure, and a counter
+    that cannot be reached is a L{blazar.postgres.StoreUnavailable} one
+    (a check never passes for want of its counter).
+    """
+
+    def take_lease(key: KeyConfig) -> Deferred[object]:
+        """
+        A lease for one request of C{key} (C{max_concurrent}), to hand
+        back to L{give_lease} once its response is sent or its client left.
+
+        @raise QuotaExceeded: (Failure) over max_concurrent.
+        """
+
+    def give_lease(key: KeyConfig, lease: object) -> Deferred[None]:
+        """
+        Hand back a lease L{take_lease} gave.
+        """
+
+    def check_rates(key: KeyConfig) -> Deferred[None]:
+        """
+        Check and count one request against rpm, then tpm, then
+        daily_tokens.
+
+        @raise QuotaExceeded: (Failure) over one of them.
+        """
+
+    def check_requests(key: KeyConfig) -> Deferred[None]:
+        """
+        Check and count a request that spends no tokens against rpm alone.
+
+        @raise QuotaExceeded: (Failure) over rpm.
+        """
+
+    def count_tokens(key: KeyConfig, tokens: int) -> Deferred[None]:
+        """
+        Count C{tokens} (prompt + completion) used by a request of C{key}
+        against its tpm and daily_tokens.
+        """
+
+
+@implementer(IQuotas)
 class Quotas:
     """
     Live counters per key, by its L{blazar.config.KeyConfig.owner}: a key
@@ -189,6 +241,37 @@ class Quotas:
         """
         if self._active[key.owner] > 0:
             self._active[key.owner] -= 1
+
+    # -- IQuotas: the methods above, as Deferreds that have fired ------------
+
+    def take_lease(self, key: KeyConfig) -> Deferred[object]:
+        try:
+            self.lease(key)
+        except QuotaExceeded:
+            return fail()
+        return succeed(None)
+
+    def give_lease(self, key: KeyConfig, lease: object) -> Deferred[None]:
+        self.release(key)
+        return succeed(None)
+
+    def check_rates(self, key: KeyConfig) -> Deferred[None]:
+        try:
+            self.rates(key)
+        except QuotaExceeded:
+            return fail()
+        return succeed(None)
+
+    def check_requests(self, key: KeyConfig) -> Deferred[None]:
+        try:
+            self.requests(key)
+        except QuotaExceeded:
+            return fail()
+        return succeed(None)
+
+    def count_tokens(self, key: KeyConfig, tokens: int) -> Deferred[None]:
+        self.record(key, tokens)
+        return succeed(None)
 
     def active(self, name: str) -> int:
         """

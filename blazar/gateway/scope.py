@@ -136,7 +136,7 @@ async def resolve_in_scope(context: RequestContext | None, registry: ModelRegist
     rates = context.rates
     if rates is not None:
         context.rates = None
-        rates()
+        await rates()
     return entry
 
 

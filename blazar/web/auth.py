@@ -19,16 +19,23 @@ import socket
 from typing import Any
 
 from twisted.internet.address import UNIXAddress
+from twisted.internet.defer import Deferred
+from twisted.logger import Logger
+from twisted.python.failure import Failure
 from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
+from twisted.web.server import NOT_DONE_YET
 
 from blazar.config import Config, KeyConfig, LiveConfig, live_config
 from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
-from blazar.gateway.context import key_of, trace_id_of
+from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden, Refused, Unauthorized
-from blazar.gateway.quota import QuotaExceeded, Quotas
+from blazar.gateway.quota import IQuotas, QuotaExceeded
+from blazar.postgres import StoreUnavailable
 from blazar.web.client import context_of
 from blazar.web.errors import answer, envelope
+
+log = Logger()
 
 OPEN_PATHS = {b"/health", b"/healthz"}
 # images made with response_format "url": the unguessable address is the capability (blazar.web.openai)
@@ -363,7 +370,7 @@ class AuthGate(Resource):
 
     isLeaf = True
 
-    def __init__(self, inner: IResource, keys: KeyHolder, quotas: Quotas | None = None) -> None:
+    def __init__(self, inner: IResource, keys: KeyHolder, quotas: IQuotas | None = None) -> None:
         super().__init__()
         self._inner = inner
         self._keys = keys
@@ -502,22 +509,67 @@ class AuthGate(Resource):
         if found is not None:
             key: KeyConfig = found
             context.key = key
-            if self._quotas is not None:
-                try:
-                    self._quotas.lease(key)
-                except QuotaExceeded as e:
-                    return render_refusal(request, e)
-                # the lease rides the response: released when it is fully
-                # sent, or when the client goes away
-                quotas = self._quotas
-                request.notifyFinish().addBoth(lambda _: quotas.release(key))  # type: ignore[attr-defined]
-                # rpm / tpm / daily come after the scope check (scope.resolve_in_scope)
-                context.rates = lambda: quotas.rates(key)
-                # (routes that name no model, the Files and Batch APIs: rpm alone, at the route)
-                context.requests = lambda: quotas.requests(key)
-                if key.tpm is not None or key.daily_tokens is not None:
-                    context.usage = lambda tokens: quotas.record(key, tokens)
+            quotas = self._quotas
+            if quotas is not None:
+                taken = quotas.take_lease(key)
+                if not taken.called:
+                    # (a shared counter, C{[cluster] redis}: the request waits for its answer)
+                    taken.addCallbacks(
+                        self._leased, self._not_leased, callbackArgs=(request, context, key), errbackArgs=(request,)
+                    )
+                    taken.addErrback(lambda f: log.failure("answering after the quota check failed", f))
+                    return NOT_DONE_YET
+                result = taken.result
+                if isinstance(result, Failure):
+                    taken.addErrback(lambda _: None)
+                    result.trap(QuotaExceeded, StoreUnavailable)
+                    return render_refusal(request, result.value)  # type: ignore[arg-type]
+                self._admit(request, context, key, quotas, result)
         return self._inner.render(request)
+
+    def _admit(
+        self, request: IRequest, context: RequestContext, key: KeyConfig, quotas: IQuotas, lease: object
+    ) -> None:
+        """
+        Hang the key's limits on the request: its C{lease} rides the
+        response (handed back when it is fully sent, or when the client
+        goes away), and the rate checks wait for the scope check
+        (L{blazar.gateway.scope.resolve_in_scope}) or, for routes that name
+        no model (the Files and Batch APIs), for the route (rpm alone).
+        """
+        request.notifyFinish().addBoth(lambda _: _logged(quotas.give_lease(key, lease)))  # type: ignore[attr-defined]
+        context.rates = lambda: quotas.check_rates(key)
+        context.requests = lambda: quotas.check_requests(key)
+        if key.tpm is not None or key.daily_tokens is not None:
+            context.usage = lambda tokens: _logged(quotas.count_tokens(key, tokens))
+
+    def _leased(self, lease: object, request: IRequest, context: RequestContext, key: KeyConfig) -> None:
+        quotas = self._quotas
+        assert quotas is not None
+        if getattr(request, "_disconnected", False) or getattr(request, "finished", False):
+            _logged(quotas.give_lease(key, lease))  # (the client left while the lease was taken)
+            return
+        self._admit(request, context, key, quotas, lease)
+        body = self._inner.render(request)
+        if body is not NOT_DONE_YET:
+            request.write(body)
+            request.finish()
+
+    def _not_leased(self, failure: Failure, request: IRequest) -> None:
+        failure.trap(QuotaExceeded, StoreUnavailable)
+        if getattr(request, "_disconnected", False):
+            return
+        request.write(render_refusal(request, failure.value))  # type: ignore[arg-type]
+        request.finish()
+
+
+def _logged(d: Deferred[None]) -> None:
+    """
+    Log a failure of a quota count or lease hand-back that no request
+    waits for (a lease not handed back expires by itself).
+    """
+    if not d.called or isinstance(d.result, Failure):
+        d.addErrback(lambda f: log.error("a quota count failed: {why}", why=f.getErrorMessage()))
 
 
 def check_admin(request: IRequest, what: str) -> None:

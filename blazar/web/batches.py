@@ -139,14 +139,14 @@ class BatchSurface:
         self.in_thread = in_thread
 
     @staticmethod
-    def _owner(request: IRequest) -> str:
+    async def _owner(request: IRequest) -> str:
         """
         The key the request runs as (its name; C{""} without keys), its
         C{rpm} checked and counted.
 
         @raise blazar.gateway.quota.QuotaExceeded: Over rpm.
         """
-        count_request(context_of(request))
+        await count_request(context_of(request))
         key = key_of(context_of(request))
         return key.owner if key is not None else ""  # (not its name: a later key of the name is not it)
 
@@ -164,7 +164,7 @@ class BatchSurface:
 
     @app.route("/v1/files", methods=["POST"])
     async def upload(self, request: IRequest) -> bytes:
-        owner = self._owner(request)
+        owner = await self._owner(request)
         header = request.getHeader(b"content-type") or b""
         text = header.decode("latin-1") if isinstance(header, bytes) else str(header)
         fields, upload = await self.in_thread(thd_read_upload, request.content, text)
@@ -192,7 +192,7 @@ class BatchSurface:
         return _json(
             request,
             await self.batches.files(
-                self._owner(request),
+                (await self._owner(request)),
                 _arg(request, "purpose"),
                 _arg(request, "after"),
                 _limit(request, 10000, 10000),
@@ -202,11 +202,11 @@ class BatchSurface:
 
     @app.route("/v1/files/<string:file_id>", methods=["GET"])
     async def retrieve_file(self, request: IRequest, file_id: str) -> bytes:
-        return _json(request, await self.batches.file(self._owner(request), file_id))
+        return _json(request, await self.batches.file((await self._owner(request)), file_id))
 
     @app.route("/v1/files/<string:file_id>/content", methods=["GET"])
     async def file_content(self, request: IRequest, file_id: str) -> bytes | None:
-        size, handle = await self.batches.open_content(self._owner(request), file_id)
+        size, handle = await self.batches.open_content((await self._owner(request)), file_id)
         request.setHeader(b"content-type", b"application/octet-stream")
         request.setHeader(b"content-length", str(size).encode("ascii"))
         await FileProducer(IConsumer(request), handle, self.in_thread).send()
@@ -214,27 +214,28 @@ class BatchSurface:
 
     @app.route("/v1/files/<string:file_id>", methods=["DELETE"])
     async def delete_file(self, request: IRequest, file_id: str) -> bytes:
-        return _json(request, await self.batches.delete_file(self._owner(request), file_id))
+        return _json(request, await self.batches.delete_file((await self._owner(request)), file_id))
 
     # -- batches ---------------------------------------------------------------
 
     @app.route("/v1/batches", methods=["POST"])
     async def create_batch(self, request: IRequest) -> bytes:
-        return _json(request, await self.batches.create(self._owner(request), read_json(request)))
+        return _json(request, await self.batches.create((await self._owner(request)), read_json(request)))
 
     @app.route("/v1/batches", methods=["GET"])
     async def list_batches(self, request: IRequest) -> bytes:
         return _json(
-            request, await self.batches.batches(self._owner(request), _arg(request, "after"), _limit(request, 20, 100))
+            request,
+            await self.batches.batches((await self._owner(request)), _arg(request, "after"), _limit(request, 20, 100)),
         )
 
     @app.route("/v1/batches/<string:batch_id>", methods=["GET"])
     async def retrieve_batch(self, request: IRequest, batch_id: str) -> bytes:
-        return _json(request, await self.batches.batch(self._owner(request), batch_id))
+        return _json(request, await self.batches.batch((await self._owner(request)), batch_id))
 
     @app.route("/v1/batches/<string:batch_id>/cancel", methods=["POST"])
     async def cancel_batch(self, request: IRequest, batch_id: str) -> bytes:
-        return _json(request, await self.batches.cancel(self._owner(request), batch_id))
+        return _json(request, await self.batches.cancel((await self._owner(request)), batch_id))
 
     # -- errors ----------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from klein import Klein
+from twisted.internet.defer import Deferred, fail
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import KeyConfig, parse_config
@@ -353,9 +354,9 @@ class ResolveInScopeTests(SynchronousTestCase):
     def test_scope_before_rates_and_rates_once(self) -> None:
         calls: list[int] = []
 
-        def rates() -> None:
+        def rates() -> Deferred[None]:
             calls.append(1)
-            raise QuotaExceeded("over", 5)
+            return fail(QuotaExceeded("over", 5))
 
         request = FakeRequest(KeyConfig("s", "x" * 16, models=("a:latest",)))
         context_of(request).rates = rates
