@@ -608,12 +608,13 @@ class ClusterConfig:
         reload=RESTART,
         repr=False,  # it may hold a password
         value=Value('a PostgreSQL URL ("postgresql://user:password@host:5432/blazar")', _postgres_url),
-        doc="The durable store (usage, stored Responses, Batch API files and batches, the semantic cache's "
-        "entries, sessions) in this PostgreSQL database, which several nodes may share, instead of "
-        "`<data_dir>/blazar.db`; file contents are kept in it too. Unset: SQLite. An unreachable server fails "
-        "the operation, naming it; the next one reconnects. Keys' limits are counted per node unless "
-        "`redis` is set too, which makes them exact across nodes. Not yet for several nodes at once: every "
-        "node resumes unfinished batches at its start.",
+        doc="The durable store (usage, stored Responses, Batch API files and their contents, batches, the "
+        "semantic cache's entries, the sessions' index) in this PostgreSQL database instead of "
+        "`<data_dir>/blazar.db`. Unset: SQLite. An unreachable server answers 503 `store_unavailable` "
+        "naming it; the next operation reconnects. Several nodes may point at one database for stored "
+        "Responses and files, but not yet while they run batches (each node resumes every unfinished "
+        "batch at its start), and a session's saved KV stays in the node's own `data_dir`. Keys' limits "
+        "are `redis`'s, which works with or without this key.",
     )
     redis: str | None = setting(
         None,
@@ -987,7 +988,8 @@ class Config:
         value=BOOL,
         group=_OPERATIONS,
         shown="unset: as `true`",
-        doc="`GET /metrics` needs an admin API key once keys exist (from loopback too); false: open to everyone.",
+        doc="`GET /metrics` (and `/metrics/models/NAME`) needs an admin API key once keys exist (from loopback "
+        "too); false: open to everyone.",
     )
     responses_ttl: float = setting(
         30 * 86400.0,
@@ -1172,7 +1174,7 @@ class Config:
         ClusterConfig(),
         reload=RESTART,
         value=_tables_of(ClusterConfig),
-        doc="State several nodes share (opt-in): the durable store on PostgreSQL.",
+        doc="State several nodes share (opt-in): the durable store on PostgreSQL, keys' limits in Redis.",
     )
     models: Mapping[str, ModelConfig] = setting(  # at each model's next start
         attrs.Factory(dict), value=None, doc='Per-model settings, under `[models."name:tag"]`.'
