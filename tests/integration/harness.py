@@ -156,6 +156,18 @@ class Daemon:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def logged(self, needle: str, times: int = 1, timeout: float = 5.0) -> int:
+        """
+        How often C{needle} is in the log once it is there C{times} times,
+        waiting up to C{timeout} seconds: the daemon writes its log lines
+        once per reactor turn, so a line logged in the turn that sent an
+        answer may reach the file just after the answer reaches the client.
+        """
+        deadline = time.monotonic() + timeout
+        while (count := self.log().count(needle)) < times and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return count
+
     def engine_log(self, model: str) -> str:
         """
         What C{blazar logs MODEL} prints: the model's engine output (which

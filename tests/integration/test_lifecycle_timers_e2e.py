@@ -218,8 +218,8 @@ def test_wedged_child_is_evicted_retried_then_504(tmp_path: Path) -> None:
         assert status == 504, body
         assert "child_header_timeout_secs" in body["error"]["message"]
         assert time.monotonic() - t0 < 20
-        assert d.log().count("starting tiny:latest") == 2  # retried once on a fresh child
-        assert d.log().count("wedged: no response headers") >= 2
+        assert d.logged("starting tiny:latest", 2) == 2  # retried once on a fresh child
+        assert d.logged("wedged: no response headers", 2) >= 2
     finally:
         d.stop()
         d.kill_everything()
