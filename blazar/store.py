@@ -900,6 +900,17 @@ def thd_batches(db: Database, key: str | None, after: str | None, limit: int) ->
     return list(db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)))
 
 
+_NO_CLAIMS = ("cancelling", "cancelled", "completed", "failed", "expired")
+"""Stored batch statuses whose pending lines are never claimed."""
+
+
+def _stopped(db: Database) -> str:
+    """
+    A query with a row when batch C{?} is stored in a L{_NO_CLAIMS} status.
+    """
+    return f"SELECT 1 FROM batches WHERE id = ? AND {batch_status_sql(db)} IN ({', '.join('?' * len(_NO_CLAIMS))})"
+
+
 def thd_claim_lines(
     db: Database,
     batch: str,
@@ -912,7 +923,9 @@ def thd_claim_lines(
     Up to C{count} pending lines of C{batch}, marked running (in one
     transaction): C{(line, custom_id, body JSON)}, in input order. On
     PostgreSQL one statement, skipping the lines another connection is
-    claiming: two nodes never claim the same line.
+    claiming: two nodes never claim the same line. None of a batch stored
+    C{cancelling} or final (another node cancelled it before this one saw
+    it: its pending lines never start).
 
     @param owner: The claiming node's name, recorded on each line.
     @param claim: This claim's token: only a write naming it
@@ -924,17 +937,18 @@ def thd_claim_lines(
     if isinstance(db, PgDatabase):
         claimed = db.execute(
             "UPDATE batch_lines SET state = 'running', owner = ?, claim = ?, lease_until = ? WHERE batch = ? AND "
-            "line IN (SELECT line FROM batch_lines WHERE batch = ? AND state = 'pending' ORDER BY line LIMIT ? "
-            "FOR UPDATE SKIP LOCKED) RETURNING line, custom_id, body",
-            (owner, claim, lease_until, batch, batch, count),
+            "line IN (SELECT line FROM batch_lines WHERE batch = ? AND state = 'pending' "
+            f"AND NOT EXISTS ({_stopped(db)}) ORDER BY line LIMIT ? FOR UPDATE SKIP LOCKED) "
+            "RETURNING line, custom_id, body",
+            (owner, claim, lease_until, batch, batch, batch, *_NO_CLAIMS, count),
         ).fetchall()
         return sorted((int(n), str(c), str(b)) for n, c, b in claimed)
     with transaction(db, "BEGIN IMMEDIATE"):
         rows = list(
             db.execute(
                 "SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
-                "ORDER BY line LIMIT ?",
-                (batch, count),
+                f"AND NOT EXISTS ({_stopped(db)}) ORDER BY line LIMIT ?",
+                (batch, batch, *_NO_CLAIMS, count),
             )
         )
         db.executemany(

@@ -200,6 +200,12 @@ class ClaimStoreTests(NodesCase):
         self.assertEqual(store.thd_line_counts(self.db, "batch_x"), {"failed": 1, "running": 1, "pending": 1})
         self.assertTrue(store.thd_finish_line(self.db_b, "batch_x", 1, True, "{}", "b:1"))
 
+    def test_no_line_of_a_batch_cancelled_elsewhere_is_claimed(self) -> None:
+        cancelling = json.dumps({"id": "batch_x", "status": "cancelling"})
+        self.assertTrue(store.thd_put_batch(self.db_b, "batch_x", cancelling))
+        self.assertEqual(store.thd_claim_lines(self.db, "batch_x", 3, "a", "a:1", NOW + 60), [])
+        self.assertEqual(store.thd_line_counts(self.db, "batch_x"), {"pending": 3})
+
     def test_finalized_exactly_once_and_not_while_a_line_runs(self) -> None:
         store.thd_claim_lines(self.db, "batch_x", 3, "a", "a:1", NOW + 60)
         store.thd_finish_line(self.db, "batch_x", 0, True, '{"custom_id": "c0"}', "a:1")
