@@ -758,14 +758,30 @@ class BatchRunner:
         text = await self.run_db(store.thd_batch, batch_id, key)
         if text is None:
             raise _no_batch(batch_id)
-        return json.loads(text)
+        return await self._counted(json.loads(text))
+
+    async def _counted(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """
+        C{batch} with its C{request_counts} counted from its lines while
+        it runs: the stored ones are the last writer's, and on a shared
+        store each node knows only its own lines' outcomes.
+        """
+        if batch.get("status") in TERMINAL or "request_counts" not in batch:
+            return batch
+        counts = await self.run_db(store.thd_line_counts, batch["id"])
+        batch["request_counts"] = {
+            "total": sum(counts.values()),
+            "completed": counts.get("done", 0),
+            "failed": counts.get("failed", 0),
+        }
+        return batch
 
     async def batches(self, key: str, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         """
         C{key}'s batches, newest first, OpenAI's cursor page.
         """
         rows = await self.run_db(store.thd_batches, key, after, limit + 1)
-        return list_page([json.loads(b) for _, b in rows[:limit]], len(rows) > limit)
+        return list_page([await self._counted(json.loads(b)) for _, b in rows[:limit]], len(rows) > limit)
 
     async def cancel(self, key: str, batch_id: str) -> dict[str, Any]:
         """

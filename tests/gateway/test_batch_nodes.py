@@ -99,6 +99,22 @@ class SharedBatchTests(NodesCase):
         self.assertEqual(self.outputs(), 1)  # finalized once
         self.stop(self.a, self.b)
 
+    def test_each_node_shows_the_counts_of_both_while_it_runs(self) -> None:
+        self.ok(self.a.runner.start())
+        self.ok(self.b.runner.start())
+        made = self.make_batch(self.a, 8)
+        self.clock.advance(batch_mod.TEND_EVERY)
+        self.b.send.answer(0)
+        self.b.send.answer(1, status=400, body={"error": {"message": "no"}})
+        self.a.send.answer(0)
+        for node in (self.a, self.b):
+            got = self.ok(node.runner.batch("alice", made["id"]))
+            self.assertEqual(
+                (got["status"], got["request_counts"]), ("in_progress", {"total": 8, "completed": 2, "failed": 1})
+            )
+            listed = self.ok(node.runner.batches("alice"))["data"]
+            self.assertEqual(listed[0]["request_counts"], got["request_counts"])
+
     def test_a_live_nodes_lines_are_never_taken_back(self) -> None:
         self.ok(self.a.runner.start())
         self.ok(self.b.runner.start())
