@@ -798,6 +798,9 @@ class BatchRunner:
         if batch["status"] in ("cancelling", "cancelled"):
             return batch
         running = self._active.get(batch_id)
+        if running is None and batch["status"] not in TERMINAL:
+            # made on another node since this one last looked: this node takes the cancel
+            running = self._active[batch_id] = _Running(key, batch)
         if batch["status"] in TERMINAL or running is None:
             raise BatchConflict(f"batch {batch_id!r} is {batch['status']}: it cannot be cancelled")
         running.batch.update(status="cancelling", cancelling_at=self._now())

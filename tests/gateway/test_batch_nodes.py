@@ -180,6 +180,20 @@ class SharedBatchTests(NodesCase):
         self.assertEqual(self.outputs(), 1)
         self.stop(self.a, self.b)
 
+    def test_a_node_cancels_a_batch_it_has_not_yet_picked_up(self) -> None:
+        self.ok(self.a.runner.start())
+        self.ok(self.b.runner.start())
+        made = self.make_batch(self.a, 5)
+        self.assertEqual(self.ok(self.b.runner.cancel("alice", made["id"]))["status"], "cancelling")
+        self.a.send.answer_all()
+        self.clock.advance(batch_mod.TEND_EVERY)
+        done = self.get(made["id"])
+        self.assertEqual(
+            (done["status"], done["request_counts"]), ("cancelled", {"total": 5, "completed": 2, "failed": 0})
+        )
+        self.assertEqual(self.b.send.calls, [])
+        self.stop(self.a, self.b)
+
 
 class ClaimStoreTests(NodesCase):
     def setUp(self) -> None:
