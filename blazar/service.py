@@ -27,7 +27,7 @@ from twisted.web.resource import IResource
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, thd_exposed_secrets
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, node_name, thd_exposed_secrets
 from blazar.engines.client import EngineClient
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
@@ -593,6 +593,7 @@ def make_batches(config: Config, live: LiveConfig, database: StoreService, react
         sender.send,
         lambda: live.current.batch_max_in_flight,
         lambda: live.current.max_file_bytes_per_key,
+        node=node_name(config),
     )
     if len(str(socket)) > 100:
         log.warn(

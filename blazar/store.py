@@ -165,6 +165,13 @@ MIGRATIONS: list[Migration] = [
     );
     CREATE INDEX bench_history_by_model ON bench_history (model, id)
     """,
+    # 9: who runs a batch line: its node, the claim's token, and the lease the node renews (issue 42)
+    """
+    ALTER TABLE batch_lines ADD COLUMN owner TEXT;          -- the node running it (running)
+    ALTER TABLE batch_lines ADD COLUMN claim TEXT;          -- that claim's token: only it may answer the line
+    ALTER TABLE batch_lines ADD COLUMN lease_until REAL;    -- UNIX seconds: past it, its node is taken for dead
+    CREATE INDEX batch_lines_by_state ON batch_lines (state, owner)
+    """,
 ]
 
 #: the same schema versions on PostgreSQL, each step's text in its dialect
@@ -282,6 +289,13 @@ POSTGRES_MIGRATIONS: list[str] = [
         levels TEXT NOT NULL
     );
     CREATE INDEX bench_history_by_model ON bench_history (model, id)
+    """,
+    # 9: who runs a batch line: its node, the claim's token, and the lease the node renews (issue 42)
+    """
+    ALTER TABLE batch_lines ADD COLUMN owner TEXT;
+    ALTER TABLE batch_lines ADD COLUMN claim TEXT;
+    ALTER TABLE batch_lines ADD COLUMN lease_until DOUBLE PRECISION;
+    CREATE INDEX batch_lines_by_state ON batch_lines (state, owner)
     """,
 ]
 
@@ -538,10 +552,12 @@ def thd_sessions(db: Database) -> list[tuple[object, ...]]:
 
 # -- the Batch API (migration 5) ---------------------------------------------
 #
-# A line is claimed (pending -> running) before it is sent and recorded
-# (running -> done | failed, with its output line) in one statement once
-# answered: a line found running after an unclean stop was perhaps sent, so
-# thd_interrupted_lines fails it instead of sending it again (at most once).
+# A line is claimed (pending -> running, with its node, a claim token and
+# a lease: migration 9) before it is sent and recorded (running -> done |
+# failed, with its output line) in one statement once answered, only while
+# its claim holds it: a line found running after its node's unclean stop,
+# or past its lease (the node died), was perhaps sent, so
+# thd_take_back_lines fails it instead of sending it again (at most once).
 
 
 def line_request_id(batch: str, line: int) -> str:
@@ -829,11 +845,39 @@ def thd_create_batch(
         )
 
 
-def thd_put_batch(db: Database, id_: str, batch: str) -> None:
+FINAL = ("completed", "failed", "expired", "cancelled")
+"""Batch statuses that never change again."""
+
+
+def batch_status_sql(db: Database) -> str:
     """
-    Replace a batch's object (JSON).
+    The SQL expression of a C{batches} row's status (in its JSON).
     """
-    db.execute("UPDATE batches SET batch = ? WHERE id = ?", (batch, id_))
+    return (
+        "coalesce(batch::jsonb ->> 'status', '')"
+        if is_postgres(db)
+        else "coalesce(json_extract(batch, '$.status'), '')"
+    )
+
+
+def thd_put_batch(db: Database, id_: str, batch: str) -> bool:
+    """
+    Replace a batch's object (JSON), unless the stored one is final
+    (L{FINAL}: another node finalized it) or C{cancelling} and this one
+    is neither C{cancelling} nor C{cancelled} (a node that has not yet
+    seen the cancel never undoes it); whether it was replaced.
+    """
+    status = batch_status_sql(db)
+    new = json.loads(batch).get("status")
+    marks = ", ".join("?" * len(FINAL))
+    return (
+        db.execute(
+            f"UPDATE batches SET batch = ? WHERE id = ? AND {status} NOT IN ({marks}) "
+            f"AND NOT ({status} = 'cancelling' AND ? NOT IN ('cancelling', 'cancelled'))",
+            (batch, id_, *FINAL, new),
+        ).rowcount
+        > 0
+    )
 
 
 def thd_batches(db: Database, key: str | None, after: str | None, limit: int) -> list[tuple[str, str]]:
@@ -856,44 +900,136 @@ def thd_batches(db: Database, key: str | None, after: str | None, limit: int) ->
     return list(db.execute(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", (*args, limit)))
 
 
-def thd_claim_lines(db: Database, batch: str, count: int) -> list[tuple[int, str, str]]:
+_NO_CLAIMS = ("cancelling", "cancelled", "completed", "failed", "expired")
+"""Stored batch statuses whose pending lines are never claimed."""
+
+
+def _stopped(db: Database) -> str:
+    """
+    A query with a row when batch C{?} is stored in a L{_NO_CLAIMS} status.
+    """
+    return f"SELECT 1 FROM batches WHERE id = ? AND {batch_status_sql(db)} IN ({', '.join('?' * len(_NO_CLAIMS))})"
+
+
+def thd_claim_lines(
+    db: Database,
+    batch: str,
+    count: int,
+    owner: str | None = None,
+    claim: str | None = None,
+    lease_until: float | None = None,
+) -> list[tuple[int, str, str]]:
     """
     Up to C{count} pending lines of C{batch}, marked running (in one
     transaction): C{(line, custom_id, body JSON)}, in input order. On
     PostgreSQL one statement, skipping the lines another connection is
-    claiming: two nodes never claim the same line.
+    claiming: two nodes never claim the same line. None of a batch stored
+    C{cancelling} or final (another node cancelled it before this one saw
+    it: its pending lines never start).
+
+    @param owner: The claiming node's name, recorded on each line.
+    @param claim: This claim's token: only a write naming it
+        (L{thd_finish_line}, L{thd_release_line}) changes the line.
+    @param lease_until: UNIX seconds the claim holds unless its node
+        renews it (L{thd_renew_leases}); past them any node may take the
+        line back (L{thd_take_back_lines}).
     """
     if isinstance(db, PgDatabase):
         claimed = db.execute(
-            "UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line IN "
-            "(SELECT line FROM batch_lines WHERE batch = ? AND state = 'pending' ORDER BY line LIMIT ? "
-            "FOR UPDATE SKIP LOCKED) RETURNING line, custom_id, body",
-            (batch, batch, count),
+            "UPDATE batch_lines SET state = 'running', owner = ?, claim = ?, lease_until = ? WHERE batch = ? AND "
+            "line IN (SELECT line FROM batch_lines WHERE batch = ? AND state = 'pending' "
+            f"AND NOT EXISTS ({_stopped(db)}) ORDER BY line LIMIT ? FOR UPDATE SKIP LOCKED) "
+            "RETURNING line, custom_id, body",
+            (owner, claim, lease_until, batch, batch, batch, *_NO_CLAIMS, count),
         ).fetchall()
         return sorted((int(n), str(c), str(b)) for n, c, b in claimed)
     with transaction(db, "BEGIN IMMEDIATE"):
         rows = list(
             db.execute(
                 "SELECT line, custom_id, body FROM batch_lines WHERE batch = ? AND state = 'pending' "
-                "ORDER BY line LIMIT ?",
-                (batch, count),
+                f"AND NOT EXISTS ({_stopped(db)}) ORDER BY line LIMIT ?",
+                (batch, batch, *_NO_CLAIMS, count),
             )
         )
         db.executemany(
-            "UPDATE batch_lines SET state = 'running' WHERE batch = ? AND line = ?", [(batch, r[0]) for r in rows]
+            "UPDATE batch_lines SET state = 'running', owner = ?, claim = ?, lease_until = ? "
+            "WHERE batch = ? AND line = ?",
+            [(owner, claim, lease_until, batch, r[0]) for r in rows],
         )
     return rows
 
 
-def thd_finish_line(db: Database, batch: str, line: int, ok: bool, result: str) -> None:
+def _claimed(claim: str | None) -> tuple[str, tuple[str, ...]]:
+    """
+    The C{WHERE} clause (and its argument) that keeps a write to the lines
+    of claim C{claim} (L{None}: any).
+    """
+    return (" AND claim = ?", (claim,)) if claim is not None else ("", ())
+
+
+def thd_finish_line(db: Database, batch: str, line: int, ok: bool, result: str, claim: str | None = None) -> bool:
     """
     Record a running line as done (C{ok}) or failed, with its output or
-    error line (JSON), in one statement.
+    error line (JSON), in one statement: only while it is still running
+    under C{claim} (when given), so a node whose lease was taken over
+    never answers a line a second time.
+
+    @return: Whether the line was recorded.
     """
-    db.execute(
-        "UPDATE batch_lines SET state = ?, result = ? WHERE batch = ? AND line = ? AND state = 'running'",
-        ("done" if ok else "failed", result, batch, line),
+    where, args = _claimed(claim)
+    return (
+        db.execute(
+            "UPDATE batch_lines SET state = ?, result = ?, lease_until = NULL "
+            "WHERE batch = ? AND line = ? AND state = 'running'" + where,
+            ("done" if ok else "failed", result, batch, line, *args),
+        ).rowcount
+        > 0
     )
+
+
+def thd_renew_leases(db: Database, owner: str, lease_until: float) -> int:
+    """
+    Extend the lease of every line node C{owner} runs to C{lease_until}
+    (UNIX seconds); how many.
+    """
+    return db.execute(
+        "UPDATE batch_lines SET lease_until = ? WHERE owner = ? AND state = 'running'", (lease_until, owner)
+    ).rowcount
+
+
+def thd_take_back_lines(db: Database, now: float, result: str, mine: str | None = None) -> dict[str, int]:
+    """
+    Fail the running lines whose node is taken for dead: their lease ended
+    before C{now} (or they have none: left by a version without leases),
+    or their owner is C{mine} (this node, starting: its earlier life left
+    them). They may have been sent, so they are never sent again: each
+    gets the error line C{result} (its C{id} and C{custom_id} filled in),
+    in one transaction.
+
+    @return: C{{batch id: lines failed}}.
+    """
+    taken: dict[str, int] = {}
+    with transaction(db, "BEGIN IMMEDIATE"):
+        lock = " FOR UPDATE SKIP LOCKED" if isinstance(db, PgDatabase) else ""
+        rows = list(
+            db.execute(
+                "SELECT batch, line, custom_id FROM batch_lines WHERE state = 'running' AND "
+                f"(lease_until IS NULL OR lease_until < ? OR owner = ?){lock}",
+                (now, mine if mine is not None else ""),
+            )
+        )
+        template = json.loads(result)
+        db.executemany(
+            "UPDATE batch_lines SET state = 'failed', result = ?, lease_until = NULL "
+            "WHERE batch = ? AND line = ? AND state = 'running'",
+            [
+                (strictjson.encode({**template, "id": line_request_id(b, n), "custom_id": custom}), b, n)
+                for b, n, custom in rows
+            ],
+        )
+    for b, _, _ in rows:
+        taken[str(b)] = taken.get(str(b), 0) + 1
+    return taken
 
 
 def thd_interrupted_lines(db: Database, batch: str, result: str) -> int:
@@ -951,14 +1087,21 @@ def thd_batch(db: Database, id_: str, key: str | None) -> str | None:
     return str(row[1])
 
 
-def thd_release_line(db: Database, batch: str, line: int) -> None:
+def thd_release_line(db: Database, batch: str, line: int, claim: str | None = None) -> bool:
     """
     Put a running line back to pending: it was refused before it reached
     an engine (a quota's 429, a 503 with C{Retry-After}), so sending it
-    again cannot run it twice.
+    again cannot run it twice. Only while it is still C{claim}'s (when
+    given); whether it was.
     """
-    db.execute(
-        "UPDATE batch_lines SET state = 'pending' WHERE batch = ? AND line = ? AND state = 'running'", (batch, line)
+    where, args = _claimed(claim)
+    return (
+        db.execute(
+            "UPDATE batch_lines SET state = 'pending', owner = NULL, claim = NULL, lease_until = NULL "
+            "WHERE batch = ? AND line = ? AND state = 'running'" + where,
+            (batch, line, *args),
+        ).rowcount
+        > 0
     )
 
 

@@ -220,6 +220,13 @@ class StoreMixin(TestCaseMixin):
     def open_store(self) -> Database:
         raise NotImplementedError
 
+    def open_stores(self, n: int) -> list[Database]:
+        """
+        C{n} connections to one new, migrated store (as C{n} nodes share
+        it).
+        """
+        raise NotImplementedError
+
 
 class SQLiteStore(StoreMixin):
     def open_store(self) -> Database:
@@ -229,6 +236,17 @@ class SQLiteStore(StoreMixin):
         self.addCleanup(db.close)
         return db
 
+    def open_stores(self, n: int) -> list[Database]:
+        from blazar import store
+
+        path = Path(self.mktemp()) / "blazar.db"
+        opened: list[Database] = []
+        for _ in range(n):
+            db = store.thd_open(path)
+            self.addCleanup(db.close)
+            opened.append(db)
+        return opened
+
 
 class PostgresStore(StoreMixin):
     def open_store(self) -> Database:
@@ -237,3 +255,14 @@ class PostgresStore(StoreMixin):
         db = store.thd_open_postgres(shared().new_database())
         self.addCleanup(db.close)
         return db
+
+    def open_stores(self, n: int) -> list[Database]:
+        from blazar import store
+
+        url = shared().new_database()
+        opened: list[Database] = []
+        for _ in range(n):
+            db = store.thd_open_postgres(url)
+            self.addCleanup(db.close)
+            opened.append(db)
+        return opened

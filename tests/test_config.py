@@ -1,10 +1,11 @@
 import re
+import socket
 from pathlib import Path
 
 import pytest
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import DEFAULT_LISTEN, Config, ConfigError, config_path, load_config, parse_config
+from blazar.config import DEFAULT_LISTEN, Config, ConfigError, config_path, load_config, node_name, parse_config
 from blazar.names import canonical_name, name_key
 
 
@@ -43,6 +44,19 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertNotIn("hunter2", repr(c.cluster))
         self.assertIsNone(parse_config("").cluster.redis)
         self.assertConfigError('[cluster]\nredis = "http://x:6379"\n', "redis")
+
+    def test_cluster_node(self) -> None:
+        """
+        C{[cluster] node}: this node's name; unset, the host name and a
+        hash of the data_dir (one per data_dir, the same at every start).
+        """
+        self.assertEqual(node_name(parse_config('[cluster]\nnode = "gpu-1"\n')), "gpu-1")
+        one, two = parse_config('data_dir = "/srv/a"'), parse_config('data_dir = "/srv/b"')
+        self.assertEqual(node_name(one), node_name(parse_config('data_dir = "/srv/a"')))
+        self.assertNotEqual(node_name(one), node_name(two))
+        self.assertTrue(node_name(one).startswith(socket.gethostname() + "-"))
+        self.assertConfigError('[cluster]\nnode = " "\n', "node")
+        self.assertConfigError('[cluster]\nnode = "a\\nb"\n', "node")
 
     def test_engine_binary(self) -> None:
         c = parse_config('[engines.llamacpp]\nbinary = "/opt/llama-server"\nargs = ["-t", "2"]')

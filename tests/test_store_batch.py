@@ -112,6 +112,7 @@ class BatchStoreContract(StoreMixin):
         store.thd_finish_line(self.db, "batch_d", 0, True, '{"custom_id": "c0"}')
         store.thd_finish_line(self.db, "batch_d", 1, False, '{"custom_id": "c1"}')
         done = thd_finalize(self.db, {"id": "batch_d", "status": "completed"}, "alice", 9)
+        assert done is not None
         self.assertEqual(done["request_counts"], {"total": 2, "completed": 1, "failed": 1})
         self.assertEqual(store.thd_file_content(self.db, done["output_file_id"], "alice"), b'{"custom_id": "c0"}\n')
         self.assertEqual(store.thd_file_content(self.db, done["error_file_id"], "alice"), b'{"custom_id": "c1"}\n')

@@ -63,6 +63,10 @@ class SQLiteBenchStoreTests(SQLiteStore, BenchStoreContract, SynchronousTestCase
             "CREATE TABLE engines (kind TEXT, tag TEXT, source TEXT, sha256 TEXT, path TEXT, "
             "installed_at REAL, active INTEGER DEFAULT 0, activated_at REAL)"
         )
+        # (migration 9 adds the batch lines' owner and lease)
+        old.execute(
+            "CREATE TABLE batch_lines (batch TEXT, line INTEGER, custom_id TEXT, body TEXT, state TEXT, result TEXT)"
+        )
         old.close()
         db = store.thd_open(path)
         self.addCleanup(db.close)

@@ -163,7 +163,7 @@ class PostgresNodesTests(SynchronousTestCase):
                     old.execute(statement)
         db = store.thd_open_postgres(url)
         self.addCleanup(db.close)
-        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], 8)
+        self.assertEqual(db.execute("SELECT version FROM schema_version").fetchone()[0], len(store.POSTGRES_MIGRATIONS))
         self.assertEqual(store.thd_put_bench(db, ("m:latest", 1.0, "e", "{}", "{}", "{}", "[]"), 10), 1)
 
     def test_reopening_applies_no_migration_twice(self) -> None:
@@ -171,7 +171,9 @@ class PostgresNodesTests(SynchronousTestCase):
         again = store.thd_open_postgres(self.url)
         self.addCleanup(again.close)
         self.assertEqual(store.thd_day_usage(again, "2026-12-01"), {"a": 5})
-        self.assertEqual(again.execute("SELECT version FROM schema_version").fetchall(), [(8,)])
+        self.assertEqual(
+            again.execute("SELECT version FROM schema_version").fetchall(), [(len(store.POSTGRES_MIGRATIONS),)]
+        )
 
     def test_a_database_newer_than_this_blazar_is_refused(self) -> None:
         self.nodes[0].execute("UPDATE schema_version SET version = 99")

@@ -18,9 +18,11 @@ key, the file and what was expected.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -584,6 +586,24 @@ def _postgres_url(raw: Any, at: At) -> str:
     return raw
 
 
+def _node_name(raw: Any, at: At) -> str:
+    if not isinstance(raw, str) or not raw.strip() or len(raw) > 200 or not raw.isprintable():
+        raise ValueError(raw)
+    return raw
+
+
+def node_name(config: Config) -> str:
+    """
+    This node's name in a cluster: C{[cluster] node}, else C{<host
+    name>-<8 hex of the data_dir's hash>} (the same at every start of one
+    node, different for two daemons on one host).
+    """
+    if config.cluster.node is not None:
+        return config.cluster.node
+    digest = hashlib.sha256(str(config.data_dir.resolve()).encode("utf-8", "surrogateescape")).hexdigest()
+    return f"{socket.gethostname()}-{digest[:8]}"
+
+
 def _redis_url(raw: Any, at: At) -> str:
     if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")) or len(raw) <= 9:
         raise ValueError(raw)
@@ -601,6 +621,8 @@ class ClusterConfig:
     @ivar redis: A Redis connection URL: keys' limits are checked and
         counted there, exactly across nodes
         (L{blazar.gateway.redisquota}); L{None} keeps them in memory.
+    @ivar node: This node's name (L{node_name}: L{None} is the host
+        name and a hash of the data_dir).
     """
 
     database: str | None = setting(
@@ -612,8 +634,10 @@ class ClusterConfig:
         "semantic cache's entries, the sessions' index) in this PostgreSQL database instead of "
         "`<data_dir>/blazar.db`. Unset: SQLite. An unreachable server answers 503 `store_unavailable` "
         "naming it; the next operation reconnects. Several nodes may point at one database for stored "
-        "Responses and files, but not yet while they run batches (each node resumes every unfinished "
-        "batch at its start), and a session's saved KV stays in the node's own `data_dir`. Keys' limits "
+        "Responses, files and batches (any node runs any batch's lines, each line at most once, under a "
+        "lease its node renews; a dead node's lines are failed by the others once its lease expires, and "
+        "each batch is finalized once: see `node`), and a session's saved KV stays in the node's own "
+        "`data_dir`. Keys' limits "
         "are `redis`'s, which works with or without this key.",
     )
     redis: str | None = setting(
@@ -626,6 +650,15 @@ class ClusterConfig:
         "check; `rpm` and `tpm` over a sliding 60 s window, `daily_tokens` per UTC day, and each running "
         "request a lease that expires by itself within 30 s if its node dies. An unreachable Redis answers "
         "503 `store_unavailable` naming it (limits never open); the next request reconnects. Unset: in memory.",
+    )
+    node: str | None = setting(
+        None,
+        reload=RESTART,
+        value=Value("a non-empty printable string of at most 200 characters", _node_name),
+        doc="This node's name, unique among the nodes that share a `database`: the owner recorded on the "
+        "batch lines it runs. Unset: the host name and 8 hex digits of the `data_dir`'s hash (the same at "
+        "every start of one node). A node takes back at its start the lines its earlier life left running, "
+        "and another node's only once their lease (renewed every 10 s while they run) is 60 s stale.",
     )
 
 

@@ -24,10 +24,22 @@ in flight at once, over all batches, oldest batch first.
 State is in SQLite (L{blazar.store}, migration 5) and survives restarts;
 file contents are files of their own beside it (C{<data_dir>/files/<id>},
 migration 7), streamed out in pieces (L{BatchRunner.open_content}).
-Each line runs at most once: it is marked running before it is sent, and a
-line found running at start (the daemon stopped while it was in flight) is
-failed with code C{batch_interrupted}, never sent again. A clean stop waits
-up to L{STOP_WAIT} seconds for the lines in flight to finish.
+Each line runs at most once: it is claimed (marked running, with this
+node's name, a claim token and a lease of L{LEASE} seconds: migration 9)
+before it is sent, and a line found running at start (this node stopped
+while it was in flight) is failed with code C{batch_interrupted}, never
+sent again. A clean stop waits up to L{STOP_WAIT} seconds for the lines in
+flight to finish.
+
+Several nodes on one PostgreSQL store (C{[cluster] database}, issue 42)
+share every batch: each node picks up the batches the others made and
+claims their pending lines (C{FOR UPDATE SKIP LOCKED}); every
+L{TEND_EVERY} seconds it renews the lease of the lines it runs and fails
+the lines of a node whose lease ended (it died), never a live node's; a
+line's answer is written only while its claim still holds it, so a node
+that lost its lease never answers a line twice; and a batch is finalized
+(its files written, its final status set) by one node only, under the
+batch row's lock (L{thd_finalize}), once no line of it runs anywhere.
 
 Files and batches belong to the key that made them (its name; C{""} on a
 gateway without keys): any other key, admin ones included, gets 404, as
@@ -91,6 +103,12 @@ STOP_WAIT = 30.0
 EXPIRY_CHECK = 60.0
 """Seconds between looks for batches past their C{expires_at}."""
 
+LEASE = 60.0
+"""Seconds a node's claim on a line holds unless it renews it: past them, any node takes the line back."""
+
+TEND_EVERY = 10.0
+"""Seconds between a node's rounds of lease renewal, take-back of dead nodes' lines and batch pick-up."""
+
 MAX_ERRORS = 100
 """Validation errors listed in a failed batch's C{errors}, at most."""
 
@@ -100,7 +118,7 @@ EXPIRED = {
 }
 INTERRUPTED = {
     "code": "batch_interrupted",
-    "message": "the daemon stopped while this request was in flight; it may have run, so it is "
+    "message": "the node running this request stopped while it was in flight; it may have run, so it is "
     "not sent again (each batch line runs at most once)",
 }
 
@@ -393,29 +411,56 @@ def error_template(error: Mapping[str, str]) -> str:
     return strictjson.encode({"id": None, "custom_id": None, "response": None, "error": dict(error)})
 
 
-def thd_record_line(db: store.Database, batch: str, line: int, ok: bool, result: str, batch_json: str) -> None:
+def thd_record_line(
+    db: store.Database, batch: str, line: int, ok: bool, result: str, batch_json: str, claim: str | None = None
+) -> bool:
     """
-    Record a line's outcome and the batch's new counts, in one transaction.
+    Record a line's outcome and the batch's new counts, in one transaction:
+    only while the line is still C{claim}'s (L{store.thd_finish_line}).
+
+    @return: Whether it was recorded (else another node took the line
+        back: its answer is dropped, never written twice).
     """
     with store.transaction(db):
-        store.thd_finish_line(db, batch, line, ok, result)
+        if not store.thd_finish_line(db, batch, line, ok, result, claim):
+            return False
         store.thd_put_batch(db, batch, batch_json)
+        return True
 
 
-def thd_finalize(db: store.Database, batch: dict[str, Any], key: str, now: int) -> dict[str, Any]:
+def thd_finalize(db: store.Database, batch: dict[str, Any], key: str, now: int) -> dict[str, Any] | None:
     """
     Write a finished batch's output and error files (purpose
     C{batch_output}, owned by C{key}; none when empty) and its final
     object, its C{request_counts} counted from its lines, in one transaction (a crash never leaves the files without
     the batch naming them).
 
+    Exactly once across nodes: the batch's row is locked first (C{FOR
+    UPDATE} on PostgreSQL, the write lock on SQLite), and a batch already
+    final (another node finalized it) is returned as it is stored. A
+    C{cancelling} one stored is finalized C{cancelled} whatever this node
+    thought.
+
     @param batch: The batch object, its final status and timestamp set.
-    @return: It with C{output_file_id} and C{error_file_id} filled in.
+    @return: It with C{output_file_id} and C{error_file_id} filled in; the
+        stored object if another node finalized it; L{None} if not yet:
+        some line still runs (on another node), or, for a C{completed}
+        one, is pending again.
     """
     written: list[str] = []
     try:
-        with store.transaction(db):
+        with store.transaction(db, "BEGIN IMMEDIATE"):
+            lock = " FOR UPDATE" if store.is_postgres(db) else ""
+            row = db.execute(f"SELECT batch FROM batches WHERE id = ?{lock}", (batch["id"],)).fetchone()
+            stored: dict[str, Any] = json.loads(row[0]) if row is not None else {}
+            if stored.get("status") in TERMINAL:
+                return stored
             counts = store.thd_line_counts(db, batch["id"])
+            if counts.get("running") or (counts.get("pending") and batch["status"] == "completed"):
+                return None
+            if stored.get("status") == "cancelling" and batch["status"] != "cancelled":
+                batch = {k: v for k, v in batch.items() if k not in ("completed_at", "expired_at")}
+                batch.update(status="cancelled", cancelled_at=now)
             batch = {
                 **batch,
                 "request_counts": {
@@ -447,7 +492,7 @@ def thd_unfinished(db: store.Database) -> list[tuple[str, str]]:
     oldest first.
     """
     marks = ", ".join("?" * len(TERMINAL))
-    status = "(batch::jsonb ->> 'status')" if store.is_postgres(db) else "json_extract(batch, '$.status')"
+    status = store.batch_status_sql(db)
     return [
         (str(k), str(b))
         for k, b in db.execute(
@@ -504,6 +549,10 @@ class BatchRunner:
         C{batch_max_in_flight}).
     @ivar max_file_bytes: What a key's files may hold in all, unless its
         C{file_bytes} says (the live C{max_file_bytes_per_key}).
+    @ivar node: This node's name (L{blazar.config.node_name}), recorded
+        as the owner of the lines it claims.
+    @ivar lease: Seconds its claims hold unless renewed (every
+        L{TEND_EVERY} seconds while it runs).
     """
 
     reactor: Any
@@ -512,6 +561,10 @@ class BatchRunner:
     send: Send
     max_in_flight: Callable[[], int]
     max_file_bytes: Callable[[], int] = lambda: DEFAULT_FILE_BYTES_PER_KEY
+    node: str = "local"
+    lease: float = LEASE
+    _tender: LoopingCall | None = None
+    _tending: bool = False
     _active: dict[str, _Running] = attrs.field(factory=dict)
     _lines: set[Deferred[None]] = attrs.field(factory=set)
     _in_flight: int = 0
@@ -705,14 +758,30 @@ class BatchRunner:
         text = await self.run_db(store.thd_batch, batch_id, key)
         if text is None:
             raise _no_batch(batch_id)
-        return json.loads(text)
+        return await self._counted(json.loads(text))
+
+    async def _counted(self, batch: dict[str, Any]) -> dict[str, Any]:
+        """
+        C{batch} with its C{request_counts} counted from its lines while
+        it runs: the stored ones are the last writer's, and on a shared
+        store each node knows only its own lines' outcomes.
+        """
+        if batch.get("status") in TERMINAL or "request_counts" not in batch:
+            return batch
+        counts = await self.run_db(store.thd_line_counts, batch["id"])
+        batch["request_counts"] = {
+            "total": sum(counts.values()),
+            "completed": counts.get("done", 0),
+            "failed": counts.get("failed", 0),
+        }
+        return batch
 
     async def batches(self, key: str, after: str | None = None, limit: int = 20) -> dict[str, Any]:
         """
         C{key}'s batches, newest first, OpenAI's cursor page.
         """
         rows = await self.run_db(store.thd_batches, key, after, limit + 1)
-        return list_page([json.loads(b) for _, b in rows[:limit]], len(rows) > limit)
+        return list_page([await self._counted(json.loads(b)) for _, b in rows[:limit]], len(rows) > limit)
 
     async def cancel(self, key: str, batch_id: str) -> dict[str, Any]:
         """
@@ -729,6 +798,9 @@ class BatchRunner:
         if batch["status"] in ("cancelling", "cancelled"):
             return batch
         running = self._active.get(batch_id)
+        if running is None and batch["status"] not in TERMINAL:
+            # made on another node since this one last looked: this node takes the cancel
+            running = self._active[batch_id] = _Running(key, batch)
         if batch["status"] in TERMINAL or running is None:
             raise BatchConflict(f"batch {batch_id!r} is {batch['status']}: it cannot be cancelled")
         running.batch.update(status="cancelling", cancelling_at=self._now())
@@ -741,19 +813,23 @@ class BatchRunner:
 
     async def start(self) -> None:
         """
-        Resume the unfinished batches: each line left running by the last
-        stop is failed (C{batch_interrupted}: it is not sent again), the
-        counts are rebuilt from the lines, and the pending lines run.
+        Resume the unfinished batches, this node's and every other's: each
+        line this node's earlier life left running (or another node left
+        running past its lease) is failed (C{batch_interrupted}: it is
+        not sent again), the counts are rebuilt from the lines, and the
+        pending lines run. Then, every L{TEND_EVERY} seconds, L{_tend}.
         """
         self._stopping = False
         swept = await self.run_db(store.thd_sweep_files)
         if swept:
             log.info("removed {count} file contents no file row named (left by an unclean stop)", count=swept)
+        taken = await self.run_db(
+            store.thd_take_back_lines, self.reactor.seconds(), error_template(INTERRUPTED), self.node
+        )
         for key, text in await self.run_db(thd_unfinished):
             batch = json.loads(text)
             if batch["id"] in self._active:
                 continue  # made since this start began
-            interrupted = await self.run_db(store.thd_interrupted_lines, batch["id"], error_template(INTERRUPTED))
             counts = await self.run_db(store.thd_line_counts, batch["id"])
             batch["request_counts"] = {
                 "total": sum(counts.values()),
@@ -768,13 +844,71 @@ class BatchRunner:
                 batch=batch["id"],
                 status=batch["status"],
                 pending=counts.get("pending", 0),
-                interrupted=interrupted,
+                interrupted=taken.get(batch["id"], 0),
             )
             if batch["status"] in ("cancelling", "finalizing"):
                 self._finish_later(running)
         self._expiry = LoopingCall(self._expire)
         self._expiry.clock = self.reactor
         self._expiry.start(EXPIRY_CHECK, now=True).addErrback(lambda f: log.failure("batch expiry stopped", f))
+        self._tender = LoopingCall(self._tend)
+        self._tender.clock = self.reactor
+        self._tender.start(TEND_EVERY, now=False).addErrback(lambda f: log.failure("batch tending stopped", f))
+        self._kick()
+
+    def _tend(self) -> None:
+        """
+        The periodic job (L{TEND_EVERY}): one L{_tend_round} at a time.
+        """
+        if self._tending or self._stopping:
+            return
+        self._tending = True
+
+        def done(result: object) -> None:
+            self._tending = False
+
+        try:
+            d = Deferred.fromCoroutine(self._tend_round())
+        except Exception:
+            self._tending = False
+            log.failure("tending the batches failed")
+            return
+        d.addErrback(lambda f: log.failure("tending the batches failed", f)).addBoth(done)
+
+    async def _tend_round(self) -> None:
+        """
+        Renew the lease of the lines this node runs; take back the lines
+        of nodes whose lease ended (failed, never sent again); pick up the
+        batches other nodes made (any node runs any batch's lines) and
+        the cancels they took; and look again for lines to run and
+        batches to finish.
+        """
+        now = self.reactor.seconds()
+        await self.run_db(store.thd_renew_leases, self.node, now + self.lease)
+        taken = await self.run_db(store.thd_take_back_lines, now, error_template(INTERRUPTED), None)
+        for batch_id, count in taken.items():
+            log.info(
+                "batch {batch}: {count} lines were in flight on a node whose lease ended; they are failed, "
+                "not sent again",
+                batch=batch_id,
+                count=count,
+            )
+        for key, text in await self.run_db(thd_unfinished):
+            batch = json.loads(text)
+            running = self._active.get(batch["id"])
+            if running is None:
+                self._active[batch["id"]] = _Running(key, batch)
+                log.info(
+                    "batch {batch} ({status}) picked up from another node", batch=batch["id"], status=batch["status"]
+                )
+            elif batch["status"] == "cancelling" and running.batch["status"] == "in_progress":
+                running.batch.update(status="cancelling", cancelling_at=batch.get("cancelling_at"))
+        for running in list(self._active.values()):
+            if running.in_flight == 0 and not running.finishing and not running.claiming:
+                if running.batch["status"] == "in_progress" and not running.expiring:
+                    running.exhausted = False  # lines put back, or a batch others still run: look again
+                else:
+                    self._finish_later(running)
         self._kick()
 
     async def stop(self) -> None:
@@ -783,8 +917,9 @@ class BatchRunner:
         flight (the rest are cancelled, and failed at the next start).
         """
         self._stopping = True
-        if self._expiry is not None and self._expiry.running:
-            self._expiry.stop()
+        for job in (self._expiry, self._tender):
+            if job is not None and job.running:
+                job.stop()
         for timer in self._timers:
             if timer.active():
                 timer.cancel()
@@ -854,46 +989,54 @@ class BatchRunner:
                     ):
                         continue
                     running.claiming = True
+                    claim = f"{self.node}:{secrets.token_hex(8)}"
                     try:
-                        rows = await self.run_db(store.thd_claim_lines, running.id, free)
+                        rows = await self.run_db(
+                            store.thd_claim_lines,
+                            running.id,
+                            free,
+                            self.node,
+                            claim,
+                            self.reactor.seconds() + self.lease,
+                        )
                         if len(rows) < free:
                             running.exhausted = True
                         if running.batch["status"] != "in_progress" or running.expiring or self._stopping:
                             # cancelled, expired or stopped while the claim ran: those never start
-                            await self._unclaim(running, [row[0] for row in rows])
+                            await self._unclaim(running, [row[0] for row in rows], claim)
                             rows = []
                     finally:
                         running.claiming = False
                     for line, custom_id, body in rows:
-                        self._start_line(running, line, custom_id, body)
+                        self._start_line(running, line, custom_id, body, claim)
                     if running.in_flight == 0 and (running.exhausted or running.batch["status"] == "cancelling"):
                         self._finish_later(running)
         finally:
             self._pumping = False
 
-    async def _unclaim(self, running: _Running, lines: list[int]) -> None:
+    async def _unclaim(self, running: _Running, lines: list[int], claim: str) -> None:
         """
         Put claimed lines that were not sent back to pending (an expiring
         batch's then fail as expired, as its other pending ones did).
         """
         for line in lines:
-            await self.run_db(store.thd_release_line, running.id, line)
+            await self.run_db(store.thd_release_line, running.id, line, claim)
         if lines and running.expiring:
             failed = await self.run_db(store.thd_fail_pending, running.id, error_template(EXPIRED))
             counts = running.batch["request_counts"]
             running.batch["request_counts"] = {**counts, "failed": counts["failed"] + failed}
             await self._save(running)
 
-    def _start_line(self, running: _Running, line: int, custom_id: str, body: str) -> None:
+    def _start_line(self, running: _Running, line: int, custom_id: str, body: str, claim: str) -> None:
         running.in_flight += 1
         self._in_flight += 1
-        d = Deferred.fromCoroutine(self._run_line(running, line, custom_id, body))
+        d = Deferred.fromCoroutine(self._run_line(running, line, custom_id, body, claim))
         self._lines.add(d)
         d.addBoth(lambda _: self._lines.discard(d))
 
-    async def _run_line(self, running: _Running, line: int, custom_id: str, body: str) -> None:
+    async def _run_line(self, running: _Running, line: int, custom_id: str, body: str, claim: str) -> None:
         try:
-            await self._send_line(running, line, custom_id, body)
+            await self._send_line(running, line, custom_id, body, claim)
         except CancelledError:
             # a stop that could not wait: it stays running, and the next start fails it
             log.info("batch {batch} line {line} cut short by the stop", batch=running.id, line=line)
@@ -907,7 +1050,7 @@ class BatchRunner:
                 self._finish_later(running)
             self._kick()
 
-    async def _send_line(self, running: _Running, line: int, custom_id: str, body: str) -> None:
+    async def _send_line(self, running: _Running, line: int, custom_id: str, body: str, claim: str) -> None:
         trace = f"{running.id}.{line}"
         try:
             status, headers, payload = await self.send(
@@ -925,7 +1068,7 @@ class BatchRunner:
             if wait is not None and not running.expiring:
                 # refused before any engine saw it (a quota, a full queue,
                 # an open breaker): it goes back to pending, the batch waits
-                await self.run_db(store.thd_release_line, running.id, line)
+                await self.run_db(store.thd_release_line, running.id, line, claim)
                 running.exhausted = False
                 running.paused_until = max(running.paused_until, self.reactor.seconds() + wait)
                 self._later(wait, self._kick)
@@ -940,9 +1083,17 @@ class BatchRunner:
             "completed": counts["completed"] + ok,
             "failed": counts["failed"] + (not ok),
         }
-        await self.run_db(
-            thd_record_line, running.id, line, ok, strictjson.encode(result), strictjson.encode(running.batch)
+        recorded = await self.run_db(
+            thd_record_line, running.id, line, ok, strictjson.encode(result), strictjson.encode(running.batch), claim
         )
+        if not recorded:
+            running.batch["request_counts"] = counts
+            log.warn(
+                "batch {batch} line {line}: its lease ended and another node took it back (failed it); this "
+                "answer is dropped, never written twice",
+                batch=running.id,
+                line=line,
+            )
 
     def _finish_later(self, running: _Running) -> None:
         if running.finishing or running.claiming or self._stopping:
@@ -954,9 +1105,11 @@ class BatchRunner:
 
     async def _finish(self, running: _Running) -> None:
         """
-        A batch with nothing left in flight: C{cancelling} becomes
-        C{cancelled}, an expired one C{expired}, else C{finalizing} then
-        C{completed}; its output and error files are written.
+        A batch with nothing left in flight here: C{cancelling} becomes
+        C{cancelled}, an expired one C{expired}, else C{completed}
+        (C{finalizing_at} set); its output and error files are written,
+        by one node only (L{thd_finalize}). While another node still runs
+        some of its lines, it waits for the next L{_tend} round.
         """
         try:
             batch, now = running.batch, self._now()
@@ -965,10 +1118,16 @@ class BatchRunner:
             elif running.expiring:
                 final = {"status": "expired", "expired_at": now}
             else:
-                batch.update(status="finalizing", finalizing_at=batch.get("finalizing_at") or now)
-                await self._save(running)
-                final = {"status": "completed", "completed_at": now}
-            running.batch = await self.run_db(thd_finalize, {**batch, **final}, running.key, now)
+                final = {
+                    "status": "completed",
+                    "finalizing_at": batch.get("finalizing_at") or now,
+                    "completed_at": now,
+                }
+            done = await self.run_db(thd_finalize, {**batch, **final}, running.key, now)
+            if done is None:
+                running.finishing = False  # lines still run elsewhere (or were put back): the next round looks again
+                return
+            running.batch = done
             self._active.pop(running.id, None)
             counts = running.batch["request_counts"]
             log.info(
