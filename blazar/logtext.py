@@ -69,9 +69,9 @@ def event_text(event: dict[str, Any]) -> str | None:
 FLUSH_SECS = 0.0
 """
 How long a line logged on the reactor's thread may be held: until the
-reactor's next turn, which comes before it sends what this turn wrote
-(Twisted's transports write on the next turn), so a response's log lines
-are in the file before the client has the response.
+reactor's next turn. A stream's chunks and a finished answer are sent in
+the turn that wrote them (L{blazar.web.site}), so a response's last log
+lines may reach the file just after the client has the response.
 """
 
 
@@ -96,7 +96,13 @@ class TextObserver:
         self._later = later
         self._flush_due: float | None = None  # the log time of the first line waiting for the flush
         self._held: list[str] = []  # lines waiting for it (C{out} may write through: PYTHONUNBUFFERED)
-        self._lock = threading.Lock()  # (threads log too)
+        # threads log too; and a signal handler (twistd's SIGTERM: "Received
+        # SIGTERM, shutting down.") logs on the reactor's thread in the middle
+        # of whatever it interrupted, this observer's own write included: the
+        # lock is re-entrant, and a flush entered again leaves the lines to
+        # the one under way (a lock that is not would wait on itself forever)
+        self._lock = threading.RLock()
+        self._writing = False
         self._second = -1
         self._stamp = ""
 
@@ -105,11 +111,17 @@ class TextObserver:
         Write the lines held for the next flush, and flush C{out}.
         """
         with self._lock:
-            self._flush_due = None
-            if self._held:
-                self._out.write("".join(self._held))
-                self._held.clear()
-            self._out.flush()
+            if self._writing:
+                return  # entered again (a signal handler's line): the flush under way writes it next
+            self._writing = True
+            try:
+                self._flush_due = None
+                while self._held:
+                    lines, self._held = self._held, []
+                    self._out.write("".join(lines))
+                self._out.flush()
+            finally:
+                self._writing = False
 
     def _time(self, when: float) -> str:
         second = int(when)

@@ -154,3 +154,54 @@ class DeferredFlushTests(SynchronousTestCase):
         observer(self.event(1.0))
         observer.flush()
         self.assertEqual(len(out.getvalue().splitlines()), 1)
+
+
+class SignalDuringWrite(io.StringIO):
+    """
+    An output whose first write is interrupted by a signal handler that
+    logs through the same observer (as twistd's SIGTERM handler does).
+    """
+
+    observer: TextObserver
+    line: dict[str, object]
+    interrupted = False
+
+    def write(self, text: str) -> int:
+        if not self.interrupted:
+            self.interrupted = True
+            self.observer(self.line)
+        return super().write(text)
+
+
+class ReentryTests(SynchronousTestCase):
+    def event(self, when: float, text: str) -> dict[str, object]:
+        return {"log_format": text, "log_time": when, "log_namespace": "n", "log_level": None}
+
+    def test_a_signal_handler_logging_mid_write_neither_hangs_nor_loses_lines(self) -> None:
+        """
+        A line logged while the observer writes (a signal handler on the
+        same thread) is written after the lines being written, once; the
+        observer never waits on its own lock.
+        """
+        import threading
+
+        for later in (lambda delay, f: True, lambda delay, f: False):
+            out = SignalDuringWrite()
+            observer = TextObserver(out, later)
+            out.observer, out.line = observer, self.event(2.0, "Received SIGTERM, shutting down.")
+            done = threading.Event()
+
+            def log() -> None:
+                observer(self.event(1.0, "before"))
+                observer.flush()
+                done.set()
+
+            thread = threading.Thread(target=log, daemon=True)
+            thread.start()
+            thread.join(5)
+            self.assertTrue(done.is_set(), "the observer waited on its own lock")
+            observer.flush()
+            self.assertEqual(
+                [line.split("] ", 1)[1] for line in out.getvalue().splitlines()],
+                ["before", "Received SIGTERM, shutting down."],
+            )
