@@ -7,8 +7,7 @@ run as root (initdb refuses root). No system service is touched.
 
 L{shared} starts one server for the whole run (stopped and removed at exit);
 each test takes a fresh database of it (L{PostgresServer.new_database}).
-In CI (C{CI=true}) a missing PostgreSQL fails the test; elsewhere it is
-skipped, saying what to install.
+A missing PostgreSQL fails the test (never a skip), saying what to install.
 """
 
 from __future__ import annotations
@@ -26,8 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from twisted.trial.unittest import SkipTest
-
+from tests.servers import free_port, not_installed
 from tests.typed import TestCaseMixin
 
 if TYPE_CHECKING:
@@ -50,20 +48,8 @@ def binaries() -> Path | None:
     return Path(on_path).parent if on_path else None
 
 
-def missing() -> SkipTest | AssertionError:
-    """
-    What a test does without PostgreSQL: fail in CI, else skip; both say what to install.
-    """
-    message = f"the PostgreSQL store's tests need PostgreSQL's server: {INSTALL}"
-    if os.environ.get("CI") == "true":
-        return AssertionError(message)
-    return SkipTest(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def missing() -> AssertionError:
+    return not_installed("the PostgreSQL store's tests need PostgreSQL's server, which is", INSTALL)
 
 
 class PostgresServer:
@@ -186,7 +172,7 @@ def server() -> PostgresServer:
     """
     A new server of its own (a test that stops it), removed at exit.
 
-    @raise SkipTest: PostgreSQL is not installed (not in CI).
+    @raise AssertionError: it is not installed (L{missing}).
     @raise AssertionError: PostgreSQL is not installed, in CI.
     """
     bin_dir = binaries()
@@ -202,7 +188,7 @@ def shared() -> PostgresServer:
     """
     The run's one shared server, started on first use.
 
-    @raise SkipTest: PostgreSQL is not installed (not in CI).
+    @raise AssertionError: it is not installed (L{missing}).
     @raise AssertionError: PostgreSQL is not installed, in CI.
     """
     global _shared

@@ -7,8 +7,8 @@ touched.
 L{shared} starts one server for the whole run (stopped and removed at
 exit); each test takes a database number of its own (L{RedisServer.url}
 with L{RedisServer.new_db}, flushed first). L{server} starts one for a
-test that stops it. In CI (C{CI=true}) a missing redis-server fails the
-test; elsewhere it is skipped, saying what to install.
+test that stops it. A missing redis-server fails the
+test (never a skip), saying what to install.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from twisted.trial.unittest import SkipTest
+from tests.servers import free_port, not_installed
 
 INSTALL = "apt-get install redis-server (Debian's server, /usr/bin/redis-server)"
 
@@ -38,20 +38,8 @@ def binary() -> str | None:
     return shutil.which("redis-server")
 
 
-def missing() -> SkipTest | AssertionError:
-    """
-    What a test does without redis-server: fail in CI, else skip; both say what to install.
-    """
-    message = f"the Redis quotas' tests need Redis's server: {INSTALL}"
-    if os.environ.get("CI") == "true":
-        return AssertionError(message)
-    return SkipTest(message)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def missing() -> AssertionError:
+    return not_installed("the Redis quotas' tests need Redis's server, which is", INSTALL)
 
 
 class RedisServer:
@@ -148,7 +136,7 @@ def server() -> RedisServer:
     """
     A new server of its own (a test that stops it), removed at exit.
 
-    @raise SkipTest: redis-server is not installed (not in CI).
+    @raise AssertionError: it is not installed (L{missing}).
     @raise AssertionError: redis-server is not installed, in CI.
     """
     path = binary()
@@ -164,7 +152,7 @@ def shared() -> RedisServer:
     """
     The run's one server, started on first use.
 
-    @raise SkipTest: As L{server}.
+    @raise AssertionError: it is not installed (L{missing}).
     """
     global _shared
     if _shared is None:

@@ -9,7 +9,6 @@ import http.client
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import pytest
 from blazar.config import parse_config
 from blazar.engines.llamacpp import EngineNotFound, find_binary
 from tests.integration.strictwire import strict_loads
+from tests.servers import free_port
 
 
 def engine_binary() -> str:
@@ -71,12 +71,6 @@ def lane_binary(lane: str) -> str:
         return str(thd_find_server(lane, parse_config(""), os.environ))
     except ServerNotFound as e:
         pytest.fail(f"these tests need the {lane} engine: run ./dev.sh test ({e})")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(p: psutil.Process) -> bool:
