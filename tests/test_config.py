@@ -5,7 +5,16 @@ from pathlib import Path
 import pytest
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import DEFAULT_LISTEN, Config, ConfigError, config_path, load_config, node_name, parse_config
+from blazar.config import (
+    DEFAULT_LISTEN,
+    Config,
+    ConfigError,
+    config_path,
+    load_config,
+    node_name,
+    node_url,
+    parse_config,
+)
 from blazar.names import canonical_name, name_key
 
 
@@ -57,6 +66,22 @@ class ParseConfigTests(SynchronousTestCase):
         self.assertTrue(node_name(one).startswith(socket.gethostname() + "-"))
         self.assertConfigError('[cluster]\nnode = " "\n', "node")
         self.assertConfigError('[cluster]\nnode = "a\\nb"\n', "node")
+
+    def test_cluster_url(self) -> None:
+        """
+        C{[cluster] url}: where other nodes reach this one; unset, made
+        from the first TCP or TLS listener (the host's name for every
+        interface), C{""} with none.
+        """
+        self.assertEqual(node_url(parse_config('[cluster]\nurl = "http://gpu-2:8080/"\n')), "http://gpu-2:8080")
+        self.assertEqual(node_url(parse_config('listen = "tcp:9000:interface=10.0.0.5"')), "http://10.0.0.5:9000")
+        self.assertEqual(
+            node_url(parse_config('listen = ["unix:/tmp/b.sock", "ssl:9443:interface=\\\\:\\\\:1"]')),
+            "https://[::1]:9443",
+        )
+        self.assertEqual(node_url(parse_config('listen = "tcp:9000"')), f"http://{socket.getfqdn()}:9000")
+        self.assertEqual(node_url(parse_config('listen = "unix:/tmp/b.sock"')), "")
+        self.assertConfigError('[cluster]\nurl = "gpu-2:8080"\n', "url")
 
     def test_engine_binary(self) -> None:
         c = parse_config('[engines.llamacpp]\nbinary = "/opt/llama-server"\nargs = ["-t", "2"]')

@@ -604,6 +604,49 @@ def node_name(config: Config) -> str:
     return f"{socket.gethostname()}-{digest[:8]}"
 
 
+def node_url(config: Config) -> str:
+    """
+    The address other nodes reach this node's HTTP API at: C{[cluster]
+    url}, else made from the first C{tcp:} or C{ssl:} listener (its
+    C{interface}, or this host's name where it listens on every interface).
+
+    @return: C{http://host:port} or C{https://host:port}, no trailing slash;
+        C{""} where this node has no TCP listener and no C{url} is set
+        (other nodes cannot forward to it).
+    """
+    if config.cluster.url is not None:
+        return config.cluster.url
+    for listen in config.listen:
+        kind, _, rest = listen.partition(":")
+        if kind not in ("tcp", "ssl"):
+            continue
+        fields = rest.replace("\\:", "\0").split(":")
+        port = fields[0]
+        interface = ""
+        for field in fields[1:]:
+            name, _, value = field.partition("=")
+            if name == "interface":
+                interface = value.replace("\0", ":")
+        if not port.isdigit():
+            continue
+        if interface in ("", "0.0.0.0", "::"):
+            interface = socket.getfqdn()
+        host = f"[{interface}]" if ":" in interface else interface
+        return f"{'https' if kind == 'ssl' else 'http'}://{host}:{port}"
+    return ""
+
+
+def _node_url(raw: Any, at: At) -> str:
+    if (
+        not isinstance(raw, str)
+        or not raw.startswith(("http://", "https://"))
+        or len(raw) > 500
+        or not raw.isprintable()
+    ):
+        raise ValueError(raw)
+    return raw.rstrip("/")
+
+
 def _redis_url(raw: Any, at: At) -> str:
     if not isinstance(raw, str) or not raw.startswith(("redis://", "rediss://", "unix://")) or len(raw) <= 9:
         raise ValueError(raw)
@@ -623,6 +666,8 @@ class ClusterConfig:
         (L{blazar.gateway.redisquota}); L{None} keeps them in memory.
     @ivar node: This node's name (L{node_name}: L{None} is the host
         name and a hash of the data_dir).
+    @ivar url: The address other nodes reach this node at (L{node_url}:
+        L{None} makes it from the listeners).
     """
 
     database: str | None = setting(
@@ -659,6 +704,14 @@ class ClusterConfig:
         "batch lines it runs. Unset: the host name and 8 hex digits of the `data_dir`'s hash (the same at "
         "every start of one node). A node takes back at its start the lines its earlier life left running, "
         "and another node's only once their lease (renewed every 10 s while they run) is 60 s stale.",
+    )
+    url: str | None = setting(
+        None,
+        reload=RESTART,
+        value=Value('an http:// or https:// URL ("http://gpu-box-2:11434")', _node_url),
+        doc="The address the other nodes that share a `database` reach this node's HTTP API at (to forward a "
+        "session's request to the node that holds its KV cache, and in `blazar cluster`). Unset: the first "
+        "`tcp:`/`ssl:` listener's interface and port (this host's name where it listens on every interface).",
     )
 
 
