@@ -423,12 +423,17 @@ def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor
     """
     database = StoreService(config.data_dir / "blazar.db", reactor, url=config.cluster.database)
     quotas = Quotas(reactor)
-    redis = RedisQuotas(config.cluster.redis, reactor, ledger=quotas) if config.cluster.redis else None
+    usage = UsageStore(database, quotas, reactor)
+    redis = (
+        RedisQuotas(config.cluster.redis, reactor, ledger=quotas, day_used=usage.day_used)
+        if config.cluster.redis
+        else None
+    )
     return Stores(
         database,
         SessionService(database, live, engines, reactor, metrics),
         quotas,
-        UsageStore(database, quotas, reactor),
+        usage,
         CacheService(database, live, reactor),
         redis if redis is not None else quotas,
         redis,

@@ -215,7 +215,7 @@ class UsageStore(Service):
 
         def failed(f: Any) -> None:
             log.failure("writing key usage failed; will retry", f)
-            self._quotas._pending[:0] = rows
+            self._quotas.put_back(rows)
 
         return d.addErrback(failed)
 
@@ -223,6 +223,16 @@ class UsageStore(Service):
         Service.stopService(self)
         self._flusher.stop()
         return self._database.hold(self.flush())
+
+    def day_used(self, owner: str) -> Deferred[int]:
+        """
+        Tokens key C{owner} used today: the store's rows (every node's, on
+        a shared store) and this node's not yet written.
+        """
+        day = self._quotas.today()
+        return self._database.run_db(store.thd_day_usage, day).addCallback(
+            lambda usage: usage.get(owner, 0) + self._quotas.unwritten(day, owner)
+        )
 
 
 class SessionService(Service):

@@ -77,6 +77,24 @@ class StoreServiceContract(TestCaseMixin):
         self.assertEqual(again.run_db_now(store.thd_day_usage, quotas.today()), {"alice": 12})
         self.successResultOf(again.stopService())
 
+    def test_day_used_is_the_stores_and_the_unwritten(self) -> None:
+        """
+        L{UsageStore.day_used} (what a Redis that lost its day counter is
+        seeded with): the store's rows for today plus this node's rows not
+        yet written.
+        """
+        quotas = Quotas(self.clock, wall=lambda: 86400.0 * 3)
+        self.database.startService()
+        usage = UsageStore(self.database, quotas, self.clock)
+        alice = KeyConfig("alice", "alice-secret-0123456789")
+        quotas.record(alice, 12)
+        self.successResultOf(usage.flush())
+        quotas.record(alice, 5)
+        quotas.record(KeyConfig("bob", "bob-secret-0123456789ab"), 7)
+        self.assertEqual(self.successResultOf(usage.day_used("alice")), 17)
+        self.assertEqual(self.successResultOf(usage.day_used("carol")), 0)
+        self.successResultOf(self.database.stopService())
+
     def test_one_thread(self) -> None:
         database = self.service(ThreadPool(1, 1, name="blazar-store"))
         database.startService()

@@ -692,7 +692,8 @@ class ClusterConfig:
         value=Value('a Redis URL ("redis://:password@host:6379/0")', _redis_url),
         doc="Keys' limits (`max_concurrent`, `rpm`, `tpm`, `daily_tokens`) checked and counted in this Redis, "
         "exactly across every node that shares it, instead of in each node's memory: one atomic script per "
-        "check; `rpm` and `tpm` over a sliding 60 s window, `daily_tokens` per UTC day, and each running "
+        "check; `rpm` and `tpm` over a sliding 60 s window, `daily_tokens` per UTC day (a day count Redis "
+        "loses in a restart is seeded again from the store's usage rows), and each running "
         "request a lease that expires by itself within 30 s if its node dies. An unreachable Redis answers "
         "503 `store_unavailable` naming it (limits never open); the next request reconnects. Unset: in memory.",
     )

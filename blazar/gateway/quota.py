@@ -147,6 +147,20 @@ class Quotas:
         rows, self._pending = self._pending, []
         return rows
 
+    def put_back(self, rows: list[tuple[str, str, int]]) -> None:
+        """
+        Return C{rows} taken by L{take_pending} that the store could not
+        write: the next call takes them again, first.
+        """
+        self._pending[:0] = rows
+
+    def unwritten(self, day: str, owner: str) -> int:
+        """
+        Tokens key C{owner} used on C{day} that are not yet taken for the
+        store.
+        """
+        return sum(tokens for d, name, tokens in self._pending if d == day and name == owner)
+
     def daily(self, name: str) -> int:
         """
         Tokens key C{name} used today.

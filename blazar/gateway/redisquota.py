@@ -22,7 +22,17 @@ slot):
   - C{tpm}: a sorted set of token counts (C{ID:TOKENS}) of the last 60 s,
     summed by the script (sliding window).
   - C{day:N}: tokens used on UTC day N (days since the epoch), a counter
-    that expires two days later.
+    that expires two days later. A Redis that lost it (restarted without
+    its data) has it seeded, by the first node that finds it missing, from
+    the durable store's day totals (every node's usage rows, written once a
+    second) and that node's rows not yet written: the day's limit holds
+    across a Redis restart, short of the last second of the other nodes'
+    tokens.
+
+Tokens a node could not count while Redis was unreachable are kept and
+counted into the day when it answers again (L{RedisQuotas.refresh}); the
+minute windows (C{rpm}, C{tpm}) are Redis's alone, so a Redis that loses
+its data forgets the last minute's requests.
 
 The client is redis-py, synchronous, run on a small thread pool of its
 own (C{thd_*} functions touch no Twisted object). An unreachable Redis
@@ -79,8 +89,10 @@ redis.call('PEXPIRE', KEYS[1], ms)
 return n
 """
 
-# KEYS: rpm set, tpm set, day prefix. ARGV: rpm, tpm, daily (-1: none), member, count (1: count the request)
-# -> {0} admitted; {1, retry ms} over rpm; {2, used, retry ms} over tpm; {3, used, retry s} over daily
+# KEYS: rpm set, tpm set, day prefix. ARGV: rpm, tpm, daily (-1: none), member, count (1: count the request),
+# seed (1: a missing day counter is to be seeded first)
+# -> {0} admitted; {1, retry ms} over rpm; {2, used, retry ms} over tpm; {3, used, retry s} over daily;
+# {4, day} today's counter is missing (Redis lost it): seed it (SEED), then check again
 RATES = """
 local t = redis.call('TIME')
 local secs = tonumber(t[1])
@@ -107,7 +119,11 @@ if tpm >= 0 then
   end
 end
 if daily >= 0 then
-  local used = tonumber(redis.call('GET', KEYS[3] .. math.floor(secs / 86400)) or '0')
+  local day = redis.call('GET', KEYS[3] .. math.floor(secs / 86400))
+  if day == false and ARGV[6] == '1' then
+    return {4, math.floor(secs / 86400)}
+  end
+  local used = tonumber(day or '0')
   if used >= daily then
     return {3, used, 86400 - (secs % 86400)}
   end
@@ -119,7 +135,8 @@ end
 return {0}
 """
 
-# KEYS: tpm set, day prefix. ARGV: tokens, member, tpm? (1/0), daily? (1/0) -> {0}
+# KEYS: tpm set, day prefix. ARGV: tokens, member, tpm? (1/0), daily? (1/0), seed (1: a missing day counter is
+# seeded, not counted into) -> {0}; {1, day} today's counter is missing: SEED it (the seed holds these tokens)
 TOKENS = """
 local t = redis.call('TIME')
 local secs = tonumber(t[1])
@@ -130,10 +147,22 @@ if ARGV[3] == '1' then
 end
 if ARGV[4] == '1' then
   local day = KEYS[2] .. math.floor(secs / 86400)
+  if ARGV[5] == '1' and redis.call('EXISTS', day) == 0 then
+    return {1, math.floor(secs / 86400)}
+  end
   redis.call('INCRBY', day, tonumber(ARGV[1]))
   redis.call('EXPIRE', day, 2 * 86400)
 end
 return {0}
+"""
+
+# KEYS: day prefix. ARGV: day, tokens -> 1 if set, 0 if another node seeded it first
+SEED = """
+local day = KEYS[1] .. ARGV[1]
+if redis.call('SET', day, ARGV[2], 'NX', 'EX', 2 * 86400) then
+  return 1
+end
+return 0
 """
 
 
@@ -177,6 +206,7 @@ class RedisConnection:
         self.refresh = self.client.register_script(REFRESH)
         self.rates = self.client.register_script(RATES)
         self.tokens = self.client.register_script(TOKENS)
+        self.seed = self.client.register_script(SEED)
 
     def thd_call(self, script: Any, keys: list[str], args: list[object]) -> Any:
         """
@@ -227,6 +257,9 @@ class RedisQuotas:
     @param threads: The most threads of its pool talking to Redis at once.
     @param in_thread: Runs a blocking function off the reactor and gives
         its result as a Deferred (tests); L{None}: the pool.
+    @param day_used: A key owner's tokens today as the durable store and
+        this node's unwritten rows have them: what a lost day counter is
+        seeded with (L{None}: a lost counter starts again from 0).
     """
 
     def __init__(
@@ -237,6 +270,7 @@ class RedisQuotas:
         lease_secs: float = LEASE_SECS,
         threads: int = 4,
         in_thread: Callable[..., Deferred[Any]] | None = None,
+        day_used: Callable[[str], Deferred[int]] | None = None,
     ) -> None:
         self._reactor = reactor
         self._connection = RedisConnection(url)
@@ -252,6 +286,9 @@ class RedisQuotas:
         self._refresher.clock = reactor
         self._lease_secs = lease_secs
         self._in_pool = in_thread is None
+        self._day_used = day_used
+        # tokens not counted into the day while Redis was unreachable: (key, tokens), counted by refresh()
+        self._unsent: list[tuple[KeyConfig, int]] = []
 
     def start(self) -> None:
         """
@@ -328,9 +365,16 @@ class RedisQuotas:
         if key.rpm is None and tpm is None and daily is None:
             return succeed(None)
         keys = [self._key(key, "rpm"), self._key(key, "tpm"), self._key(key, "day:")]
-        args: list[object] = [_limit(key.rpm), _limit(tpm), _limit(daily), self._member(), 1]
+        seed = int(daily is not None and self._day_used is not None)
+        args: list[object] = [_limit(key.rpm), _limit(tpm), _limit(daily), self._member(), 1, seed]
 
-        def checked(result: list[int]) -> None:
+        def checked(result: list[int]) -> Deferred[None] | None:
+            if result[0] == 4:
+                # the day's counter is gone: seed it, then check once more (not seeding again)
+                again = [*args[:-1], 0]
+                return self._seed(key, result[1]).addCallback(
+                    lambda _: self._run(self._connection.rates, keys, again).addCallback(checked)
+                )
             if result[0] == 1:
                 raise QuotaExceeded(
                     f"key {key.name!r} is over its {key.rpm} requests per minute (rpm)",
@@ -346,22 +390,63 @@ class RedisQuotas:
                     f"key {key.name!r} used its {key.daily_tokens} daily_tokens for today (UTC)",
                     max(1.0, float(result[2])),
                 )
+            return None
 
         return self._run(self._connection.rates, keys, args).addCallback(checked)
+
+    def _seed(self, key: KeyConfig, day: int) -> Deferred[None]:
+        """
+        Set C{key}'s counter of day C{day} (days since the epoch, Redis's)
+        to what the store says it used today, unless another node did first.
+        """
+        assert self._day_used is not None
+        where = self._key(key, "day:")
+
+        def seed(used: int) -> Deferred[None]:
+            log.info(
+                "Redis had no token count for key {key} today: seeded it with {used} from the store",
+                key=key.name,
+                used=used,
+            )
+            return self._run(self._connection.seed, [where], [day, used]).addCallback(lambda _: None)
+
+        return self._day_used(key.owner).addCallback(seed)
 
     def count_tokens(self, key: KeyConfig, tokens: int) -> Deferred[None]:
         if tokens <= 0 or (key.tpm is None and key.daily_tokens is None):
             return succeed(None)
         if self._ledger is not None:
             self._ledger.record(key, tokens)
+        return self._count(key, tokens, key.tpm is not None)
+
+    def _count(self, key: KeyConfig, tokens: int, minute: bool) -> Deferred[None]:
+        """
+        Count C{tokens} into C{key}'s minute window (if C{minute}) and day;
+        a missing day counter is seeded (the seed holds these tokens, which
+        the ledger had before the store was read); tokens Redis could not
+        take are kept for L{refresh}, and the failure passed on.
+        """
         keys = [self._key(key, "tpm"), self._key(key, "day:")]
+        daily = key.daily_tokens is not None
         args: list[object] = [
             tokens,
             self._member(),
-            int(key.tpm is not None),
-            int(key.daily_tokens is not None),
+            int(minute),
+            int(daily),
+            int(daily and self._day_used is not None),
         ]
-        return self._run(self._connection.tokens, keys, args).addCallback(lambda _: None)
+
+        def counted(result: list[int]) -> Deferred[None] | None:
+            if result[0] == 1:
+                return self._seed(key, result[1])
+            return None
+
+        def unsent(f: Failure) -> Failure:
+            if f.check(StoreUnavailable) and daily:
+                self._unsent.append((key, tokens))
+            return f
+
+        return self._run(self._connection.tokens, keys, args).addCallbacks(counted, unsent)
 
     # -- the holder's refreshes ----------------------------------------------
 
@@ -371,14 +456,34 @@ class RedisQuotas:
         key); a failure is logged and the next round tries again.
         """
         held = [(where, sorted(members)) for where, members in self._held.items() if members]
-        if not held:
-            return succeed(None)
-        d = self._in_thread(self._thd_refresh, held)
+        d = self._in_thread(self._thd_refresh, held) if held else succeed(None)
 
         def failed(f: Failure) -> None:
             log.error("refreshing the Redis leases failed: {why}", why=f.getErrorMessage())
 
-        return d.addErrback(failed)
+        d.addErrback(failed)
+        return d.addCallback(lambda _: self._resend())
+
+    def _resend(self) -> Deferred[None]:
+        """
+        Count into the day the tokens Redis could not take while it was
+        unreachable (not into the minute window: they are older than now);
+        those it still cannot take are kept for the next round.
+        """
+        unsent, self._unsent = self._unsent, []
+        if not unsent:
+            return succeed(None)
+
+        async def resend() -> None:
+            for key, tokens in unsent:
+                try:
+                    await self._count(key, tokens, minute=False)
+                except StoreUnavailable:
+                    pass  # kept again by _count
+                except Exception:
+                    log.failure("counting tokens kept while Redis was unreachable failed")
+
+        return Deferred.fromCoroutine(resend())
 
     def _thd_refresh(self, held: list[tuple[str, list[str]]]) -> None:
         for where, members in held:

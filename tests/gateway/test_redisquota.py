@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, cast
 
 import redis
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
@@ -199,6 +199,78 @@ class TwoNodeTests(SynchronousTestCase):
         self.assertEqual([row[1:] for row in ledger.take_pending()], [("k", 12)])
 
 
+class LostDataTests(SynchronousTestCase):
+    """
+    A Redis that lost its data (restarted without persistence, or
+    flushed): the day's counter is seeded from what the store says, so
+    C{daily_tokens} is not opened by the loss.
+    """
+
+    def setUp(self) -> None:
+        self.url = redisserver.shared().new_db()
+        self.client = redis.Redis.from_url(self.url)
+        self.addCleanup(self.client.close)
+        self.asked: list[str] = []
+        self.store = {"k": 900}
+
+        def day_used(owner: str) -> Deferred[int]:
+            self.asked.append(owner)
+            return succeed(self.store.get(owner, 0))
+
+        self.q = RedisQuotas(self.url, Clock(), in_thread=inline, day_used=day_used)
+        self.addCleanup(self.q.stop)
+        self.key = KeyConfig("k", "s" * 16, daily_tokens=1000)
+
+    def test_check_seeds_a_missing_day_once(self) -> None:
+        """
+        The first check that finds no counter seeds it from the store; the
+        next checks read Redis only; the seeded use counts toward the limit.
+        """
+        self.assertIsNone(outcome(self.q.check_rates(self.key)))
+        self.assertIsNone(outcome(self.q.check_rates(self.key)))
+        self.assertEqual(self.asked, ["k"])
+        outcome(self.q.count_tokens(self.key, 100))
+        failure = outcome(self.q.check_rates(self.key))
+        self.assertIsInstance(failure, Failure)
+        failure.trap(QuotaExceeded)
+        self.assertIn("daily_tokens", failure.getErrorMessage())
+
+    def test_flush_then_check_refuses(self) -> None:
+        """
+        The counter is lost after being counted into (FLUSHDB, as a Redis
+        restarted without its data): the next check seeds it again from the
+        store and refuses a key the store says is spent.
+        """
+        outcome(self.q.count_tokens(self.key, 10))
+        self.client.flushdb()
+        self.store["k"] = 1000
+        failure = outcome(self.q.check_rates(self.key))
+        self.assertIsInstance(failure, Failure)
+        failure.trap(QuotaExceeded)
+
+    def test_count_into_a_missing_day_seeds_not_adds(self) -> None:
+        """
+        Counting tokens when the counter is gone seeds it from the store
+        (whose figure already holds these tokens, from the ledger) instead
+        of starting a counter at just these tokens.
+        """
+        self.assertEqual(outcome(self.q.count_tokens(self.key, 50)), None)
+        (day,) = [k for k in self.client.keys("blazar:q:{k}:day:*")]
+        self.assertEqual(int(cast(bytes, self.client.get(day))), 900)
+
+    def test_another_nodes_seed_is_kept(self) -> None:
+        """
+        Two nodes seeding at once: the first one's value stays (SET NX).
+        """
+        self.assertIsNone(outcome(self.q.check_rates(self.key)))
+        self.store["k"] = 5
+        self.client.delete(*self.client.keys("blazar:q:{k}:day:*"))
+        self.client.set("blazar:q:{k}:day:" + str(int(self.client.time()[0]) // 86400), 700)
+        outcome(self.q.check_rates(self.key))
+        (day,) = self.client.keys("blazar:q:{k}:day:*")
+        self.assertEqual(int(cast(bytes, self.client.get(day))), 700)
+
+
 class OutageTests(SynchronousTestCase):
     def test_stopped_then_restarted(self) -> None:
         """
@@ -220,6 +292,32 @@ class OutageTests(SynchronousTestCase):
         server.start()
         self.assertIsNone(outcome(q.check_rates(key)))
         self.assertIsNotNone(outcome(q.take_lease(key)))
+
+    def test_tokens_counted_while_down_are_sent_later(self) -> None:
+        """
+        Tokens Redis could not take while it was down are counted into the
+        day by the next refresh once it is back (not into the minute
+        window: they are older than that).
+        """
+        server = redisserver.server()
+        self.addCleanup(server.remove)
+        q = redis_quotas(server.url())
+        self.addCleanup(q.stop)
+        key = KeyConfig("k", "s" * 16, daily_tokens=100, tpm=1000)
+        outcome(q.count_tokens(key, 30))
+        server.stop()
+        outcome(q.count_tokens(key, 50)).trap(StoreUnavailable)
+        self.assertIsNone(outcome(q.refresh()))  # still down: kept
+        server.start()  # (without its data: this server does not persist)
+        client = redis.Redis.from_url(server.url())
+        self.addCleanup(client.close)
+        self.assertEqual(client.keys("blazar:q:*"), [])
+        self.assertIsNone(outcome(q.refresh()))
+        (day,) = client.keys("blazar:q:{k}:day:*")
+        self.assertEqual(int(cast(bytes, client.get(day))), 50)
+        self.assertEqual(client.keys("blazar:q:{k}:tpm"), [])  # not in the minute window
+        self.assertIsNone(outcome(q.refresh()))  # sent once
+        self.assertEqual(int(cast(bytes, client.get(day))), 50)
 
     def test_describe_hides_the_password(self) -> None:
         self.assertEqual(describe("redis://:hunter2@10.1.2.3:6380/2"), "10.1.2.3:6380")
