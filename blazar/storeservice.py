@@ -413,6 +413,7 @@ class NodeHeartbeat(Service):
         self._models = models
         self._wall = wall
         self.started = 0.0
+        self._unwritten = False  # the last beat found the store unreachable (logged once)
         self._beat = PeriodicJob(reactor, HEARTBEAT_SECS, self.beat, "writing this node's heartbeat failed; will retry")
 
     def _row(self, stopped: bool) -> store.NodeRow:
@@ -421,11 +422,31 @@ class NodeHeartbeat(Service):
 
     def beat(self) -> Deferred[None]:
         """
-        Write this node's row now (what it runs, the time).
+        Write this node's row now (what it runs, the time). An unreachable
+        store is logged once until a beat is written again (the other
+        nodes show this one unreachable meanwhile); anything else fails
+        the returned Deferred.
         """
         if not self._database.is_open:
             return succeed(None)
-        return self._database.run_db(store.thd_put_node, self._row(False))
+        return Deferred.fromCoroutine(self._write(self._row(False)))
+
+    async def _write(self, row: store.NodeRow) -> None:
+        try:
+            await self._database.run_db(store.thd_put_node, row)
+        except store.StoreUnavailable as e:
+            if not self._unwritten:
+                self._unwritten = True
+                log.error(
+                    "this node's heartbeat cannot be written ({error}): the other nodes show it unreachable "
+                    "until it is; will retry every {every} s",
+                    error=str(e),
+                    every=HEARTBEAT_SECS,
+                )
+            return
+        if self._unwritten:
+            self._unwritten = False
+            log.info("this node's heartbeat is written again")
 
     def startService(self) -> None:
         Service.startService(self)
@@ -438,6 +459,11 @@ class NodeHeartbeat(Service):
         self._beat.stop()
         if not self._database.is_open:
             return succeed(None)
-        d = self._database.run_db(store.thd_put_node, self._row(True))
-        d.addErrback(lambda f: log.failure("marking this node stopped failed: it shows unreachable instead", f))
-        return self._database.hold(d)
+
+        def not_marked(f: Any) -> None:
+            if f.check(store.StoreUnavailable):
+                log.error("this node could not mark itself stopped ({error}): it shows unreachable", error=str(f.value))
+            else:
+                log.failure("marking this node stopped failed: it shows unreachable instead", f)
+
+        return self._database.hold(self._database.run_db(store.thd_put_node, self._row(True)).addErrback(not_marked))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred
+from twisted.logger import globalLogPublisher
 from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -111,6 +112,29 @@ class HeartbeatTests(SynchronousTestCase):
         self.clock.advance(HEARTBEAT_SECS)
         self.assertEqual(self.rows()[0][4], 1000.0 + 2 * HEARTBEAT_SECS)
         self.assertEqual(json.loads(self.rows()[0][6]), MODELS)
+        self.successResultOf(self.heartbeat.stopService())
+
+    def test_an_unreachable_store_is_logged_once_until_a_beat_is_written(self) -> None:
+        events: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(events.append)
+        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        self.heartbeat.startService()
+        put = store.thd_put_node
+
+        def unreachable(db: Any, row: Any) -> None:
+            raise store.StoreUnavailable("PostgreSQL at db.lan:5432 is unreachable: refused")
+
+        self.patch(store, "thd_put_node", unreachable)
+        self.clock.advance(HEARTBEAT_SECS)
+        self.clock.advance(HEARTBEAT_SECS)
+        said = [e["log_format"] for e in events if e.get("log_namespace") == "blazar.storeservice"]
+        self.assertEqual(len([s for s in said if "cannot be written" in s]), 1)
+        self.assertEqual(self.rows()[0][4], 1000.0)
+        self.patch(store, "thd_put_node", put)
+        self.clock.advance(HEARTBEAT_SECS)
+        self.assertEqual(self.rows()[0][4], 1000.0 + 3 * HEARTBEAT_SECS)
+        said = [e["log_format"] for e in events if e.get("log_namespace") == "blazar.storeservice"]
+        self.assertIn("this node's heartbeat is written again", said)
         self.successResultOf(self.heartbeat.stopService())
 
     def test_the_store_closes_only_after_the_stop_is_written(self) -> None:
