@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, maybeDeferred
-from twisted.logger import globalLogPublisher
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -116,8 +116,9 @@ class HeartbeatTests(SynchronousTestCase):
 
     def test_an_unreachable_store_is_logged_once_until_a_beat_is_written(self) -> None:
         events: list[dict[str, Any]] = []
-        globalLogPublisher.addObserver(events.append)
-        self.addCleanup(globalLogPublisher.removeObserver, events.append)
+        observer = cast(ILogObserver, events.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
         self.heartbeat.startService()
         put = store.thd_put_node
 
