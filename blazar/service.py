@@ -27,7 +27,7 @@ from twisted.web.resource import IResource
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, node_name, thd_exposed_secrets
+from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, node_name, node_url, thd_exposed_secrets
 from blazar.engines.client import EngineClient
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
@@ -44,6 +44,7 @@ from blazar.gateway.bench import BenchRecords
 from blazar.gateway.engine_proxy import EngineProxy
 from blazar.gateway.gie import ModelServerGauges
 from blazar.gateway.imagefetch import ImageFetcher
+from blazar.gateway.nodes import ClusterNodes, model_rows
 from blazar.gateway.operations import ModelOperations, Puller
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.quota import IQuotas, Quotas
@@ -57,7 +58,14 @@ from blazar.models.ollama_store import thd_sweep_temporaries
 from blazar.models.registry import ModelRegistry
 from blazar.protocols.control import ControlServer, LogRing
 from blazar.protocols.keyadmin import KeyAdmin
-from blazar.storeservice import BatchService, CacheService, SessionService, StoreService, UsageStore
+from blazar.storeservice import (
+    BatchService,
+    CacheService,
+    NodeHeartbeat,
+    SessionService,
+    StoreService,
+    UsageStore,
+)
 from blazar.web.anthropic import AnthropicSurface
 from blazar.web.audit import AuditLog
 from blazar.web.auth import AuthGate, KeyHolder, keys_from_env
@@ -636,6 +644,7 @@ def _dashboard(
     reactor: Any,
     ring: LogRing,
     bench: BenchRecords,
+    nodes: ClusterNodes,
 ) -> Dashboard:
     """
     The dashboard, with the installed engines read in the thread pool.
@@ -669,6 +678,7 @@ def _dashboard(
         engines=installed_engines,
         hardware=engines.hardware,
         bench=bench.history,
+        nodes=nodes.listing,
     )
 
 
@@ -851,7 +861,12 @@ def assemble(
     gateway.pipeline.images = ImageFetcher(reactor, live, in_reactor_pool(reactor))
     batches = make_batches(config, live, stores.database, reactor)
     supervisor.before_stop = _before_stop(batches.runner, stores.sessions.sessions)
-    dashboard = _dashboard(live, engines, gateway, reactor, ring, bench)
+    # the cluster's nodes: this one's row in the store, beaten every few seconds (blazar.gateway.nodes)
+    nodes = ClusterNodes(stores.database.run_db, time.time, node_name(config), config.cluster.database is not None)
+    heartbeat = NodeHeartbeat(
+        stores.database, nodes.name, node_url(config), lambda: model_rows(supervisor.snapshot(), admission), reactor
+    )
+    dashboard = _dashboard(live, engines, gateway, reactor, ring, bench, nodes)
     # the vLLM-named gauges GIE's endpoint picker reads (docs/gie.md)
     model_server = ModelServerGauges(admission, supervisor.instances, clients.engines.get)
     metrics.gauges(model_server.collect)
@@ -900,6 +915,7 @@ def assemble(
                 stores.sessions.sessions,
                 engines.hardware,
                 bench=bench,
+                cluster=nodes.listing,
             )
         )
         listener_service(f"unix:{control_path}:mode=600:lockfile=1", control, reactor).setServiceParent(listeners)
@@ -928,6 +944,7 @@ def assemble(
         _Hooks(lambda: updates.start(config.engine_check), updates.stop),
         listeners,
         batches.service,  # after the listeners: resumed batches start once their listener is bound
+        heartbeat,  # this node's row says up once it serves, and stopped first thing on a clean stop
         # last: started once everything serves, stopped first
         ReloadOnHangup(key_admin.reload, reactor, config.source),
     ):

@@ -172,6 +172,18 @@ MIGRATIONS: list[Migration] = [
     ALTER TABLE batch_lines ADD COLUMN lease_until REAL;    -- UNIX seconds: past it, its node is taken for dead
     CREATE INDEX batch_lines_by_state ON batch_lines (state, owner)
     """,
+    # 10: the cluster's nodes, each row upserted by its node's heartbeat (blazar.gateway.nodes, issue 42)
+    """
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY,      -- the node's name (blazar.config.node_name)
+        url TEXT NOT NULL,          -- where other nodes reach its HTTP API (blazar.config.node_url), "" where none
+        version TEXT NOT NULL,      -- its Blazar version
+        started REAL NOT NULL,      -- UNIX seconds it started
+        heartbeat REAL NOT NULL,    -- UNIX seconds of its last heartbeat (or of its clean stop)
+        stopped INTEGER NOT NULL DEFAULT 0,  -- 1: it stopped cleanly
+        models TEXT NOT NULL        -- what it runs, JSON: [{model, state, slots, busy, waiting, running}, ...]
+    )
+    """,
 ]
 
 #: the same schema versions on PostgreSQL, each step's text in its dialect
@@ -296,6 +308,18 @@ POSTGRES_MIGRATIONS: list[str] = [
     ALTER TABLE batch_lines ADD COLUMN claim TEXT;
     ALTER TABLE batch_lines ADD COLUMN lease_until DOUBLE PRECISION;
     CREATE INDEX batch_lines_by_state ON batch_lines (state, owner)
+    """,
+    # 10: the cluster's nodes, each row upserted by its node's heartbeat
+    """
+    CREATE TABLE nodes (
+        name TEXT PRIMARY KEY,
+        url TEXT NOT NULL,
+        version TEXT NOT NULL,
+        started DOUBLE PRECISION NOT NULL,
+        heartbeat DOUBLE PRECISION NOT NULL,
+        stopped INTEGER NOT NULL DEFAULT 0,
+        models TEXT NOT NULL
+    )
     """,
 ]
 
@@ -1247,3 +1271,40 @@ def thd_engine_named(db: Database, path: str) -> str | None:
     """
     row = db.execute("SELECT kind, tag FROM engines WHERE path = ? ORDER BY active DESC LIMIT 1", (path,)).fetchone()
     return f"{row[0]}@{row[1]}" if row else None
+
+
+# -- the cluster's nodes (migration 10: blazar.gateway.nodes) ---------------------------
+
+#: a nodes row: (name, url, version, started, heartbeat, stopped, models JSON)
+NodeRow = tuple[str, str, str, float, float, bool, str]
+
+
+def thd_put_node(db: Database, row: NodeRow) -> None:
+    """
+    Write a node's row C{(name, url, version, started, heartbeat, stopped,
+    models JSON)} (seconds are UNIX seconds), in one upsert statement: its
+    heartbeat, or its clean stop (C{stopped} true).
+    """
+    name, url, version, started, heartbeat, stopped, models = row
+    db.execute(
+        "INSERT INTO nodes (name, url, version, started, heartbeat, stopped, models) VALUES (?, ?, ?, ?, ?, ?, ?) "
+        "ON CONFLICT (name) DO UPDATE SET url = excluded.url, version = excluded.version, "
+        "started = excluded.started, heartbeat = excluded.heartbeat, stopped = excluded.stopped, "
+        "models = excluded.models",
+        (name, url, version, started, heartbeat, 1 if stopped else 0, models),
+    )
+
+
+def thd_nodes(db: Database, name: str | None = None) -> list[NodeRow]:
+    """
+    Every node's row (only node C{name}'s, when given), by name, as
+    L{thd_put_node} wrote it.
+    """
+    sql = "SELECT name, url, version, started, heartbeat, stopped, models FROM nodes"
+    args: tuple[object, ...] = ()
+    if name is not None:
+        sql, args = sql + " WHERE name = ?", (name,)
+    return [
+        (str(r[0]), str(r[1]), str(r[2]), float(r[3]), float(r[4]), bool(r[5]), str(r[6]))
+        for r in db.execute(sql + " ORDER BY name", args)
+    ]

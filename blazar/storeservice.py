@@ -5,7 +5,8 @@ database} (L{blazar.store}), and the one thread it lives on
 (L{StoreService}), and the parts that keep their state in it, each with
 its own small API and its own place in the service tree: key usage
 (L{UsageStore}), sessions (L{SessionService}), the semantic cache
-(L{CacheService}) and the Batch API (L{BatchService}). Stored Responses
+(L{CacheService}), the Batch API (L{BatchService}) and this node's row in
+the cluster's node registry (L{NodeHeartbeat}). Stored Responses
 and C{blazar bench} runs call L{StoreService.run_db} directly.
 
 One open, one drain, one close: the store opens (and migrates) the
@@ -30,11 +31,12 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
 
-from blazar import store
+from blazar import __version__, store, strictjson
 from blazar.config import LiveConfig
 from blazar.engines.client import EngineClient
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.cachestore import CacheStore
+from blazar.gateway.nodes import HEARTBEAT_SECS
 from blazar.gateway.quota import Quotas
 from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
 from blazar.metrics import Metrics, gauge
@@ -386,3 +388,92 @@ class BatchService(Service):
             await self._sender.close()
 
         return self._database.hold(Deferred.fromCoroutine(stop()))
+
+
+class NodeHeartbeat(Service):
+    """
+    This node's row in the store's C{nodes} table (L{blazar.gateway.nodes}):
+    written at start, then every L{HEARTBEAT_SECS} on the injected clock
+    (a failed write is logged and tried again at the next beat), and
+    marked stopped, with no models, on a clean stop (held until written
+    before the store closes). Started once the node serves, stopped first.
+
+    @ivar started: UNIX seconds this node started (its row's C{started}).
+    """
+
+    def __init__(
+        self,
+        database: StoreService,
+        name: str,
+        url: str,
+        models: Callable[[], list[dict[str, Any]]],
+        reactor: Any,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """
+        @param name: This node's name (L{blazar.config.node_name}).
+        @param url: Where the other nodes reach it (L{blazar.config.node_url}).
+        @param models: What it runs now (L{blazar.gateway.nodes.model_rows}),
+            read on the reactor thread at each beat.
+        @param wall: UNIX seconds now.
+        """
+        self._database = database
+        self._name = name
+        self._url = url
+        self._models = models
+        self._wall = wall
+        self.started = 0.0
+        self._unwritten = False  # the last beat found the store unreachable (logged once)
+        self._beat = PeriodicJob(reactor, HEARTBEAT_SECS, self.beat, "writing this node's heartbeat failed; will retry")
+
+    def _row(self, stopped: bool) -> store.NodeRow:
+        models = [] if stopped else self._models()
+        return (self._name, self._url, __version__, self.started, self._wall(), stopped, strictjson.encode(models))
+
+    def beat(self) -> Deferred[None]:
+        """
+        Write this node's row now (what it runs, the time). An unreachable
+        store is logged once until a beat is written again (the other
+        nodes show this one unreachable meanwhile); anything else fails
+        the returned Deferred.
+        """
+        if not self._database.is_open:
+            return succeed(None)
+        return Deferred.fromCoroutine(self._write(self._row(False)))
+
+    async def _write(self, row: store.NodeRow) -> None:
+        try:
+            await self._database.run_db(store.thd_put_node, row)
+        except store.StoreUnavailable as e:
+            if not self._unwritten:
+                self._unwritten = True
+                log.error(
+                    "this node's heartbeat cannot be written ({error}): the other nodes show it unreachable "
+                    "until it is; will retry every {every} s",
+                    error=str(e),
+                    every=HEARTBEAT_SECS,
+                )
+            return
+        if self._unwritten:
+            self._unwritten = False
+            log.info("this node's heartbeat is written again")
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self.started = self._wall()
+        self.beat().addErrback(lambda f: log.failure("writing this node's first heartbeat failed; will retry", f))
+        self._beat.start()
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        self._beat.stop()
+        if not self._database.is_open:
+            return succeed(None)
+
+        def not_marked(f: Any) -> None:
+            if f.check(store.StoreUnavailable):
+                log.error("this node could not mark itself stopped ({error}): it shows unreachable", error=str(f.value))
+            else:
+                log.failure("marking this node stopped failed: it shows unreachable instead", f)
+
+        return self._database.hold(self._database.run_db(store.thd_put_node, self._row(True)).addErrback(not_marked))

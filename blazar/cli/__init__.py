@@ -6,6 +6,7 @@ The C{blazar} command.
   blazar ps [--json] [--reset]         loaded models (--reset closes crash breakers)
   blazar evict MODEL|KEY | --all       unload models
   blazar queue [--json]                admission: busy slots, who waits, estimated starts
+  blazar cluster [--json]              the cluster's nodes: state, url, models and their queues
   blazar sessions [close NAME [--key K]]  sessions: slot, tokens cached, KV bank; end one
   blazar models list|show|cp|rm|pull   the model registry, through the daemon
   blazar keys list|add|rotate|rm       API keys (changes go to the config file)
@@ -32,7 +33,7 @@ control socket, C{<data_dir>/run/control.sock}.
 The verbs live by group, each module adding its own to the parser
 (L{parser} calls them in the order C{blazar --help} lists them):
 L{blazar.cli.serve}, L{blazar.cli.status} (status, version, ps, queue,
-sessions, evict, reload), L{blazar.cli.bench}, L{blazar.cli.logs},
+sessions, evict, reload), L{blazar.cli.cluster}, L{blazar.cli.bench}, L{blazar.cli.logs},
 L{blazar.cli.chat} (run), L{blazar.cli.doctor}, L{blazar.cli.engines},
 L{blazar.cli.keys}, L{blazar.cli.models}; what they share (exit codes,
 the control socket, the HTTP API) is L{blazar.cli.daemon}.
@@ -44,7 +45,7 @@ import argparse
 import os
 import sys
 
-from blazar.cli import bench, chat, doctor, engines, keys, logs, models, serve, status
+from blazar.cli import bench, chat, cluster, doctor, engines, keys, logs, models, serve, status
 
 
 def parser() -> argparse.ArgumentParser:
@@ -53,7 +54,7 @@ def parser() -> argparse.ArgumentParser:
     """
     p = argparse.ArgumentParser(prog="blazar", description="Local LLM gateway.")
     verbs = p.add_subparsers(dest="verb", required=True)
-    for group in (serve, status, bench, logs, chat, doctor, engines, keys, models):
+    for group in (serve, status, cluster, bench, logs, chat, doctor, engines, keys, models):
         group.add_verbs(verbs)
     return p
 

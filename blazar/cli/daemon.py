@@ -89,6 +89,7 @@ def control(args: argparse.Namespace, action: Action) -> int:
     from blazar.protocols.control import (
         PROTOCOL_VERSION,
         BenchError,
+        ClusterError,
         IncompatibleClient,
         KeyError_,
         ModelError,
@@ -120,7 +121,7 @@ def control(args: argparse.Namespace, action: Action) -> int:
         except RemoteAmpError as e:
             print(f"blazar: {e.description}", file=sys.stderr)
             return ERROR
-        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel, KeyError_, BenchError) as e:
+        except (NothingToEvict, IncompatibleClient, ModelError, UnknownModel, KeyError_, BenchError, ClusterError) as e:
             print(f"blazar: {e}", file=sys.stderr)
             return ERROR
         finally:

@@ -74,6 +74,19 @@ def kv_of_slots(slots: Any) -> tuple[int, int]:
     return used, total
 
 
+def queue_counts(admission: Admission, model: str) -> tuple[int, int]:
+    """
+    C{(waiting, running)}: the requests waiting in admission for a slot of
+    C{model} (a canonical name) and those holding one now, as
+    C{vllm:num_requests_waiting} and C{vllm:num_requests_running} show
+    them (and C{blazar cluster}: L{blazar.gateway.nodes}).
+    """
+    queue = admission.queues.get(model)
+    if queue is None:
+        return 0, 0
+    return len(queue.waiting), len(queue.running)
+
+
 class ModelServerGauges:
     """
     The vLLM-named gauges, for all models (C{GET /metrics}, through
@@ -159,13 +172,9 @@ class ModelServerGauges:
         model admission or the supervisor knows.
         """
         names = self._models(model)
-        queues = self._admission.queues
 
         def count(name: str, running: bool) -> float:
-            queue = queues.get(name)
-            if queue is None:
-                return 0.0
-            return float(len(queue.running if running else queue.waiting))
+            return float(queue_counts(self._admission, name)[1 if running else 0])
 
         def share(used: int, total: int) -> float:
             return min(1.0, used / total) if total > 0 else 0.0

@@ -27,6 +27,7 @@ from blazar.gateway.sessions import AUTO_KEY
 from blazar.logtext import event_text, printable
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelChangeError, ModelNotFound
+from blazar.postgres import StoreUnavailable
 
 if TYPE_CHECKING:  # (annotations only)
     from twisted.internet.interfaces import IReactorTime
@@ -478,6 +479,49 @@ BENCH_LIMIT = 20
 BENCH_MAX_LIMIT = 200
 
 
+class ClusterError(Exception):
+    """
+    The cluster's nodes cannot be listed: the shared store cannot be
+    reached (the message names it), or this daemon keeps no node registry.
+    """
+
+
+class Cluster(amp.Command):
+    """
+    The cluster's nodes as JSON (L{blazar.gateway.nodes.ClusterNodes.listing}:
+    C{{"clustered", "node", "nodes": [...], "hint"}}), cut to fit AMP's
+    value limit (C{truncated}: models, then nodes, were left out).
+    """
+
+    commandName = b"Cluster"
+    arguments = []
+    response = [(b"cluster", amp.Unicode()), (b"truncated", amp.Boolean())]
+    errors = {ClusterError: b"CLUSTER_ERROR"}
+
+
+def fit_cluster(listing: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str, bool]:
+    """
+    C{listing} (L{Cluster}'s) as JSON of at most C{budget} bytes: each
+    node's models halved until it fits, then the nodes (this node kept
+    first).
+    """
+    text = strictjson.encode(listing)
+    truncated = False
+    while len(text.encode("utf-8")) > budget:
+        nodes = listing["nodes"]
+        if any(n["models"] for n in nodes):
+            for n in nodes:
+                n["models"] = n["models"][: len(n["models"]) // 2]
+        elif len(nodes) > 1:
+            nodes.sort(key=lambda n: not n["this"])
+            listing["nodes"] = nodes[: len(nodes) // 2]
+        else:
+            break
+        truncated = True
+        text = strictjson.encode(listing)
+    return text, truncated
+
+
 class ControlServer(amp.AMP):
     """
     The daemon's side: answers the commands from the supervisor and
@@ -499,8 +543,12 @@ class ControlServer(amp.AMP):
         sessions: ISessions | None = None,
         hardware: IHardwareCensus | None = None,
         bench: IBenchRecords | None = None,
+        cluster: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
         """
+        @param cluster: Lists the cluster's nodes
+            (L{blazar.gateway.nodes.ClusterNodes.listing}); L{None}: the
+            C{Cluster} command answers L{ClusterError}.
         @param bench: The bench history (L{blazar.gateway.bench.BenchRecords});
             L{None}: the bench commands answer L{BenchError}.
         @param operations: The model operations the model commands run
@@ -512,6 +560,7 @@ class ControlServer(amp.AMP):
             L{None}: C{Ps} lists none.
         """
         super().__init__()
+        self._cluster = cluster
         self._bench = bench
         self._hardware = hardware
         self._sessions = sessions
@@ -696,6 +745,20 @@ class ControlServer(amp.AMP):
                 runs, truncated = runs[: len(runs) // 2], True  # the newest kept
                 text = strictjson.encode(runs)
             return {"runs": text, "truncated": truncated}
+
+        return Deferred.fromCoroutine(answer())
+
+    @Cluster.responder
+    def cluster(self) -> Deferred[dict[str, Any]]:
+        async def answer() -> dict[str, Any]:
+            if self._cluster is None:
+                raise ClusterError("this daemon keeps no node registry")
+            try:
+                listing = await self._cluster()
+            except StoreUnavailable as e:
+                raise ClusterError(f"{e}; the nodes are listed once [cluster] database answers again") from None
+            text, truncated = fit_cluster(listing)
+            return {"cluster": text, "truncated": truncated}
 
         return Deferred.fromCoroutine(answer())
 

@@ -111,7 +111,9 @@ class Dashboard:
         engines: Callable[[], Deferred[list[dict[str, Any]]]] | None = None,
         hardware: Any = None,
         bench: Callable[[str | None, int], Awaitable[list[dict[str, Any]]]] | None = None,
+        nodes: Callable[[], Awaitable[dict[str, Any]]] | None = None,
     ) -> None:
+        self._nodes = nodes  # blazar.gateway.nodes.ClusterNodes.listing: the cluster's nodes
         self._bench = bench  # blazar.gateway.bench.BenchRecords.history: `blazar bench` runs, newest first
         self._registry = registry
         self._pipeline = pipeline
@@ -239,6 +241,27 @@ class Dashboard:
     def reset_breakers(self, request: IRequest) -> bytes:
         check_admin(request, "reset crash breakers")
         return self._json(request, {"reset": self._operations.reset_breakers()})
+
+    # -- the cluster's nodes -------------------------------------------------------
+
+    @app.route("/ui/api/nodes", methods=["GET"])
+    async def nodes(self, request: IRequest) -> bytes:
+        """
+        The cluster's nodes as C{blazar cluster --json} lists them
+        (L{blazar.gateway.nodes.ClusterNodes.listing}: C{{"clustered",
+        "node", "nodes": [{"name", "url", "version", "state", "started",
+        "last_seen", "seen_ago", "this", "models": [...]}], "hint"}}), each
+        node's models only those the key may use. An unreachable shared
+        store answers 503 C{store_unavailable}, naming it.
+        """
+        _viewer(request)
+        if self._nodes is None:
+            listing: dict[str, Any] = {"clustered": False, "node": "", "nodes": [], "hint": ""}
+        else:
+            listing = await self._nodes()
+        for node in listing["nodes"]:
+            node["models"] = [m for m in node["models"] if may_use(context_of(request), str(m.get("model")))]
+        return self._json(request, listing)
 
     # -- activity and performance ------------------------------------------------
 

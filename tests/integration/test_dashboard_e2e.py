@@ -5,7 +5,8 @@ llama-server children. Sign in with a key; the Models page lists the
 generated model; unloading it from the page empties /api/ps; the
 Playground streams an answer into the page; a line the engine prints
 reaches the Logs page within 2 s; a request queued behind a busy 1-slot
-model shows on the Queue page; a scoped key sees neither other models nor
+model shows on the Queue page; the Nodes page lists this node, up, with
+its loaded model and how to join others; a scoped key sees neither other models nor
 the Keys page; the Models page's Pull form pulls from a real distribution
 server (Debian's docker-registry on loopback) with its progress shown as it
 streams, and shows a refused pull's error; and no page logs a console
@@ -34,7 +35,7 @@ from tests.integration.harness import Daemon
 
 ROOT = "root-secret-0123456789"
 SCOPED = "scoped-secret-0123456789"
-PAGES = ("models", "queue", "activity", "logs", "performance", "playground", "sessions", "keys", "engines")
+PAGES = ("models", "queue", "nodes", "activity", "logs", "performance", "playground", "sessions", "keys", "engines")
 
 
 def chromium() -> str:
@@ -274,6 +275,12 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     expect(page.locator(".bench-model[data-model='tiny:latest'] tbody tr")).to_have_count(1, timeout=15000)
     expect(page.locator("#bench-empty")).to_be_hidden()
     tab.shot("performance")
+    # the Nodes page: this node alone (no [cluster] database), up, with what it runs, and how to join others
+    tab.go("nodes")
+    expect(page.locator("#nodes tr[data-node][data-state=up]")).to_have_count(1, timeout=10000)
+    expect(page.locator("#nodes tr[data-node] tr[data-model='slow:latest']")).to_be_visible(timeout=15000)
+    expect(page.locator("#nodes-hint")).to_contain_text("[cluster] database")
+    tab.shot("nodes")
     for name in ("sessions", "engines"):
         tab.go(name)
         page.wait_for_timeout(500)

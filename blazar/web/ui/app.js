@@ -152,6 +152,7 @@ $("signout").addEventListener("click", () => {
 const PAGES = {
   models: { start: () => every(2000, loadModels) },
   queue: { start: () => every(1000, loadQueue) },
+  nodes: { start: () => every(3000, loadNodes) },
   activity: { start: () => every(2000, loadActivity) },
   logs: { start: startLogs },
   performance: { start: () => every(10000, loadPerformance), admin: true },
@@ -363,6 +364,29 @@ async function loadQueue() {
 }
 
 // -- Activity ----------------------------------------------------------------------
+
+// -- Nodes ------------------------------------------------------------------------
+
+// The cluster's nodes (GET /ui/api/nodes, as `blazar cluster` lists them): each with its state, when its
+// heartbeat was last seen, its address and version, and per model it runs the child's state, slots and queue.
+async function loadNodes() {
+  const data = await api("/ui/api/nodes");
+  $("nodes-hint").hidden = !data.hint;
+  $("nodes-hint").textContent = data.hint || "";
+  $("nodes-empty").hidden = data.nodes.length !== 0;
+  $("nodes").hidden = data.nodes.length === 0;
+  $("nodes").tBodies[0].replaceChildren(...data.nodes.map((n) => el("tr", { "data-node": n.name, "data-state": n.state },
+    el("td", {}, n.name, n.this ? el("span", { class: "muted" }, " (this node)") : null),
+    el("td", {}, pill(n.state, { up: "ready", stopped: "stopping", unreachable: "open" }[n.state])),
+    el("td", { class: "num" }, fmtSecs(n.seen_ago) + " ago"),
+    el("td", {}, n.url || "-"), el("td", {}, n.version),
+    el("td", {}, n.models.length ? el("table", { class: "inner" }, el("tbody", {}, ...n.models.map((m) =>
+      el("tr", { "data-model": m.model },
+        el("td", {}, m.model), el("td", {}, m.state ? pill(m.state) : "-"),
+        el("td", { class: "num" }, `${m.busy} / ${m.slots}`),
+        el("td", { class: "num" }, `${m.waiting} waiting`), el("td", { class: "num" }, `${m.running} running`)))))
+      : (n.state === "up" ? "nothing loaded" : "-")))));
+}
 
 async function loadActivity() {
   const q = new URLSearchParams({ limit: "200" });
