@@ -1318,7 +1318,8 @@ def thd_shared_keys(db: Database) -> tuple[int, list[SharedKeyRow]]:
         rows = db.execute("SELECT name, id, digest, hint, settings, changed FROM shared_keys ORDER BY name").fetchall()
         return version, [(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), float(r[5])) for r in rows]
 
-    return _in_transaction(db, read)
+    with transaction(db):  # (one transaction of its own, whatever another thread's on this connection)
+        return read()
 
 
 def thd_shared_keys_since(db: Database, version: int | None) -> tuple[int, list[SharedKeyRow]] | None:
@@ -1351,7 +1352,8 @@ def thd_add_shared_key(db: Database, row: SharedKeyRow) -> None:
         if not taken:
             raise SharedKeyRefused(f"a key named {row[0]!r} exists; rotate it or pick another name")
 
-    _in_transaction(db, add)
+    with transaction(db):
+        add()
 
 
 def thd_rotate_shared_key(db: Database, name: str, digest: str, hint: str, changed: float) -> None:
@@ -1370,7 +1372,8 @@ def thd_rotate_shared_key(db: Database, name: str, digest: str, hint: str, chang
         if not found:
             raise SharedKeyRefused(f"no key named {name!r} (see `blazar keys list`)")
 
-    _in_transaction(db, rotate)
+    with transaction(db):
+        rotate()
 
 
 def _scoped(settings: str) -> bool:
@@ -1406,4 +1409,5 @@ def thd_remove_shared_key(db: Database, name: str, local_unscoped: bool, local_s
             )
         db.execute("DELETE FROM shared_keys WHERE name = ?", (name,))
 
-    _in_transaction(db, remove)
+    with transaction(db):
+        remove()
