@@ -676,7 +676,9 @@ class ClusterConfig:
         repr=False,  # it may hold a password
         value=Value('a PostgreSQL URL ("postgresql://user:password@host:5432/blazar")', _postgres_url),
         doc="The durable store (usage, stored Responses, Batch API files and their contents, batches, the "
-        "semantic cache's entries, the sessions' index) in this PostgreSQL database instead of "
+        "semantic cache's entries, the sessions' index, and the API keys `blazar keys` and the dashboard "
+        "manage, which every node then uses within seconds: config-file `[[keys]]` stay the node's own) in "
+        "this PostgreSQL database instead of "
         "`<data_dir>/blazar.db`. Unset: SQLite. An unreachable server answers 503 `store_unavailable` "
         "naming it; the next operation reconnects. Several nodes may point at one database for stored "
         "Responses, files and batches (any node runs any batch's lines, each line at most once, under a "
