@@ -831,9 +831,10 @@ def assemble(
     engines = make_engines(live, clients, reactor, environ, metrics, ring)
     supervisor, registry = engines.supervisor, engines.registry
     shared_keys = stores.shared_keys
+    env_keys = keys_from_env(environ.get("BLAZAR_KEYS"))
     keys = KeyHolder(
         live,
-        keys_from_env(environ.get("BLAZAR_KEYS")),
+        env_keys,
         shared=(lambda: shared_keys.keys) if shared_keys is not None else None,
     )
     # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
@@ -874,7 +875,7 @@ def assemble(
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
     observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
-    key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor, shared=shared_keys)
+    key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor, shared=shared_keys, extra=env_keys)
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
     if exposed is not None:
         log.warn("{problem}", problem=exposed)

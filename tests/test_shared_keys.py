@@ -388,6 +388,26 @@ class SharedKeyAdminTests(SharedKeysFixture):
         self.assertIn("PostgreSQL at db.lan:5432 is unreachable", str(f.value))
         self.assertNotIn("team", self.path.read_text())
 
+    def test_a_blazar_keys_name_is_refused_and_counts_as_unscoped(self) -> None:
+        from blazar.config import KeyConfig
+
+        env = (KeyConfig("ops", "ops-secret-0123456789"),)
+        admin = KeyAdmin(self.path, self.live, self.clock, shared=self.shared, extra=env)
+        f = self.failureResultOf(ensureDeferred(admin.change(lambda a: a.add("ops", []))), ConfigError)
+        self.assertIn("BLAZAR_KEYS", str(f.value))
+        self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("scoped", ["tiny"]))))
+        self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("admin", []))))
+        self.path.write_text("")  # (root gone from the file: the env key is the node's unscoped one)
+        self.successResultOf(ensureDeferred(admin.reload()))
+        self.successResultOf(ensureDeferred(admin.change(lambda a: a.remove("admin"))))
+        f2 = self.failureResultOf(
+            ensureDeferred(
+                KeyAdmin(None, self.live, self.clock, shared=self.shared).change(lambda a: a.remove("scoped2"))
+            ),
+            ValueError,
+        )
+        self.assertIn("no key named", str(f2.value))
+
     def test_without_a_config_file_shared_keys_are_managed(self) -> None:
         admin = KeyAdmin(None, self.live, self.clock, shared=self.shared)
         added = self.successResultOf(ensureDeferred(admin.change(lambda a: a.add("team", []))))

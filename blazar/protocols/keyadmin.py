@@ -33,6 +33,7 @@ from blazar import strictjson
 from blazar.config import (
     Config,
     ConfigError,
+    KeyConfig,
     LiveConfig,
     ReloadReport,
     SharedKey,
@@ -150,11 +151,15 @@ class KeyAdmin:
         reactor: Any,
         shared: ISharedKeys | None = None,
         wall: Any = time.time,
+        extra: tuple[KeyConfig, ...] = (),
     ) -> None:
         """
         @param shared: The cluster's shared keys (C{[cluster] database}):
             keys added go there; L{None}, to the config file.
+        @param extra: This node's keys from C{BLAZAR_KEYS} (never written
+            anywhere): a shared key may not take their names either.
         """
+        self._extra = extra
         self._path = path
         self._live = live
         self._reactor = reactor
@@ -311,6 +316,12 @@ class KeyAdmin:
     def _add_shared(self, name: str, secret: str, key_id: str, settings: dict[str, Any]) -> SharedChange:
         shared = self._shared
         assert shared is not None
+        if any(k.name == name for k in self._extra):
+            raise ConfigError(
+                f"a key named {name!r} comes from this node's BLAZAR_KEYS, which only this node reads; a key "
+                "added here is shared by every node of the cluster ([cluster] database), so it needs a name "
+                "no node-local key has: pick another name"
+            )
         if self._in_file(name):
             raise ConfigError(
                 f"a key named {name!r} is in this node's config file ([[keys]]), which only this node "
@@ -348,7 +359,7 @@ class KeyAdmin:
         """
         shared = self._shared
         if shared is not None and not self._in_file(name):
-            local = self.config.keys
+            local = (*self.config.keys, *self._extra)
             unscoped, scoped = any(k.admin for k in local), any(not k.admin for k in local)
             return SharedChange(lambda: shared.remove(name, unscoped, scoped), {"name": name})
         others = [s.key for s in self.shared]

@@ -64,7 +64,9 @@ def within(nodes: tuple[Daemon, ...], secret: str, expected: int) -> float:
         assert took < WITHIN, f"{[n.root.name for n in waiting]} still not {expected} after {took:.1f} s"
         if waiting:
             time.sleep(0.05)
-    return time.monotonic() - started
+    took = time.monotonic() - started
+    print(f"every node answered {expected} after {took:.2f} s")  # (shown with pytest -s)
+    return took
 
 
 def test_keys_managed_on_one_node_count_on_every_node(server: postgres.PostgresServer, tmp_path: Path) -> None:
@@ -130,6 +132,10 @@ def test_keys_managed_on_one_node_count_on_every_node(server: postgres.PostgresS
         assert code == 200, body
         shown = {k["name"]: k for k in json.loads(body)["keys"]}
         assert (shown["web"]["shared"], shown["web"]["tpm"], shown["local-b"]["shared"]) == (True, 100000, False)
+
+        for bad in ({"name": "x", "rpm": "lots"}, {"name": "x", "rpm": 0}):
+            code, _, body = a.request("POST", "/ui/api/keys", bad, headers={"authorization": f"Bearer {LOCAL_A}"})
+            assert (code, "rpm" in json.loads(body)["error"]["message"]) == (400, True), body
 
         # PostgreSQL stopped: the nodes keep the keys they last read; a change fails naming it
         server.stop()
