@@ -63,6 +63,7 @@ from blazar.storeservice import (
     CacheService,
     NodeHeartbeat,
     SessionService,
+    SharedKeys,
     StoreService,
     UsageStore,
 )
@@ -412,6 +413,8 @@ class Stores:
         tokens into C{quotas} for the store).
     @ivar redis: The L{RedisQuotas}, if any (started and stopped with the
         tree).
+    @ivar shared_keys: With C{[cluster] database}, the API keys every node
+        shares (L{SharedKeys}); L{None} on SQLite.
     """
 
     database: StoreService
@@ -421,6 +424,7 @@ class Stores:
     cache: CacheService
     limits: IQuotas
     redis: RedisQuotas | None = None
+    shared_keys: SharedKeys | None = None
 
 
 def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics) -> Stores:
@@ -445,6 +449,7 @@ def make_stores(config: Config, live: LiveConfig, engines: EngineClient, reactor
         CacheService(database, live, reactor),
         redis if redis is not None else quotas,
         redis,
+        SharedKeys(database, live, reactor) if config.cluster.database else None,
     )
 
 
@@ -841,7 +846,13 @@ def assemble(
     stores = make_stores(config, live, clients.engines, reactor, metrics)
     engines = make_engines(live, clients, reactor, environ, metrics, ring)
     supervisor, registry = engines.supervisor, engines.registry
-    keys = KeyHolder(live, keys_from_env(environ.get("BLAZAR_KEYS")))
+    shared_keys = stores.shared_keys
+    env_keys = keys_from_env(environ.get("BLAZAR_KEYS"))
+    keys = KeyHolder(
+        live,
+        env_keys,
+        shared=(lambda: shared_keys.keys) if shared_keys is not None else None,
+    )
     # `blazar bench` runs, with the profile, engine and hardware they measured (blazar.gateway.bench)
     bench = BenchRecords(registry, supervisor, stores.database.run_db, engines.hardware.fresh, time.time)
     admission = Admission(reactor, live, metrics)
@@ -885,7 +896,7 @@ def assemble(
     )
     site = BlazarSite(root, config=live, gate=root, reactor=reactor)
     observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
-    key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor)
+    key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor, shared=shared_keys, extra=env_keys)
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)
     if exposed is not None:
         log.warn("{problem}", problem=exposed)
@@ -938,6 +949,8 @@ def assemble(
         _Hooks(engines.catalog.start, engines.catalog.stop),
         engines.hints,
         stores.usage,
+        # before the listeners: the shared keys are read before the first request
+        *([shared_keys] if shared_keys is not None else []),
         *([_Hooks(stores.redis.start, stores.redis.stop)] if stores.redis is not None else []),
         stores.cache,
         *observers,

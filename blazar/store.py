@@ -184,6 +184,19 @@ MIGRATIONS: list[Migration] = [
         models TEXT NOT NULL        -- what it runs, JSON: [{model, state, slots, busy, waiting, running}, ...]
     )
     """,
+    # 11: API keys every node shares (issue 42): managed at run time, read by each node's poll
+    """
+    CREATE TABLE shared_keys (
+        name TEXT PRIMARY KEY,      -- the key's name (unique with the nodes' config-file keys too)
+        id TEXT NOT NULL,           -- what sets it apart from a later key of its name (KeyConfig.id)
+        digest TEXT NOT NULL UNIQUE,-- hex SHA-256 of its secret (the secret itself is never stored)
+        hint TEXT NOT NULL,         -- the secret's last 4 characters, for listings
+        settings TEXT NOT NULL,     -- its other [[keys]] fields (models, rpm, ...), JSON
+        changed REAL NOT NULL       -- UNIX seconds of its last add or rotate
+    );
+    CREATE TABLE shared_keys_version (version INTEGER NOT NULL);
+    INSERT INTO shared_keys_version VALUES (0)
+    """,
 ]
 
 #: the same schema versions on PostgreSQL, each step's text in its dialect
@@ -320,6 +333,19 @@ POSTGRES_MIGRATIONS: list[str] = [
         stopped INTEGER NOT NULL DEFAULT 0,
         models TEXT NOT NULL
     )
+    """,
+    # 11: API keys every node shares (issue 42)
+    """
+    CREATE TABLE shared_keys (
+        name TEXT PRIMARY KEY,
+        id TEXT NOT NULL,
+        digest TEXT NOT NULL UNIQUE,
+        hint TEXT NOT NULL,
+        settings TEXT NOT NULL,
+        changed DOUBLE PRECISION NOT NULL
+    );
+    CREATE TABLE shared_keys_version (version BIGINT NOT NULL);
+    INSERT INTO shared_keys_version VALUES (0)
     """,
 ]
 
@@ -1271,6 +1297,144 @@ def thd_engine_named(db: Database, path: str) -> str | None:
     """
     row = db.execute("SELECT kind, tag FROM engines WHERE path = ? ORDER BY active DESC LIMIT 1", (path,)).fetchone()
     return f"{row[0]}@{row[1]}" if row else None
+
+
+# -- shared API keys (migration 11, issue 42) ----------------------------------
+#
+# Keys managed at run time on a cluster's nodes (`[cluster] database`): a row
+# per key with the SHA-256 of its secret (never the secret), its id and its
+# other [[keys]] fields as JSON. Every change bumps the one version row in the
+# same transaction (first: on PostgreSQL its row lock orders the nodes' changes),
+# so a node's poll reads one integer while nothing changed.
+
+#: a shared key's row: C{(name, id, digest hex, hint, settings JSON, changed)}
+SharedKeyRow = tuple[str, str, str, str, str, float]
+
+
+class SharedKeyRefused(ValueError):
+    """
+    A change to the shared keys that cannot be made (a name taken, no key
+    of that name, the last unscoped key); the message says why and what to
+    do.
+    """
+
+
+def _bump_shared_keys(db: Database) -> None:
+    db.execute("UPDATE shared_keys_version SET version = version + 1")
+
+
+def thd_shared_keys_version(db: Database) -> int:
+    """
+    The shared keys' version: it grows with every change, so a poll that
+    finds the one it last read need read nothing more.
+    """
+    return int(db.execute("SELECT version FROM shared_keys_version").fetchone()[0])
+
+
+def thd_shared_keys(db: Database) -> tuple[int, list[SharedKeyRow]]:
+    """
+    The version and every shared key's row, read in one transaction (the
+    rows are the ones of that version).
+    """
+
+    def read() -> tuple[int, list[SharedKeyRow]]:
+        version = thd_shared_keys_version(db)
+        rows = db.execute("SELECT name, id, digest, hint, settings, changed FROM shared_keys ORDER BY name").fetchall()
+        return version, [(str(r[0]), str(r[1]), str(r[2]), str(r[3]), str(r[4]), float(r[5])) for r in rows]
+
+    with transaction(db):  # (one transaction of its own, whatever another thread's on this connection)
+        return read()
+
+
+def thd_shared_keys_since(db: Database, version: int | None) -> tuple[int, list[SharedKeyRow]] | None:
+    """
+    What a node's poll reads: L{None} while the version is still
+    C{version} (one integer read), else the version and every row
+    (L{thd_shared_keys}).
+    """
+    if version is not None and thd_shared_keys_version(db) == version:
+        return None
+    return thd_shared_keys(db)
+
+
+def thd_add_shared_key(db: Database, row: SharedKeyRow) -> None:
+    """
+    Add a shared key: C{(name, id, digest hex, hint, settings JSON,
+    changed)}.
+
+    @raise SharedKeyRefused: A shared key of that name, or of that secret,
+        exists (two nodes adding one name at once: one of them).
+    """
+
+    def add() -> None:
+        _bump_shared_keys(db)  # first: on PostgreSQL the version row's lock orders the nodes' changes
+        taken = db.execute(
+            "INSERT INTO shared_keys (name, id, digest, hint, settings, changed) VALUES (?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT DO NOTHING",
+            row,
+        ).rowcount
+        if not taken:
+            raise SharedKeyRefused(f"a key named {row[0]!r} exists; rotate it or pick another name")
+
+    with transaction(db):
+        add()
+
+
+def thd_rotate_shared_key(db: Database, name: str, digest: str, hint: str, changed: float) -> None:
+    """
+    Give the shared key C{name} a new secret (its digest and hint); its id
+    and settings stay.
+
+    @raise SharedKeyRefused: No shared key of that name.
+    """
+
+    def rotate() -> None:
+        _bump_shared_keys(db)
+        found = db.execute(
+            "UPDATE shared_keys SET digest = ?, hint = ?, changed = ? WHERE name = ?", (digest, hint, changed, name)
+        ).rowcount
+        if not found:
+            raise SharedKeyRefused(f"no key named {name!r} (see `blazar keys list`)")
+
+    with transaction(db):
+        rotate()
+
+
+def _scoped(settings: str) -> bool:
+    try:
+        return bool(json.loads(settings).get("models"))
+    except (ValueError, AttributeError):
+        return False
+
+
+def thd_remove_shared_key(db: Database, name: str, local_unscoped: bool, local_scoped: bool) -> None:
+    """
+    Remove the shared key C{name}, unless it is the last unscoped key while
+    scoped keys remain (nobody could manage them), counting the node's own
+    config-file keys as C{local_unscoped} (one of them is unscoped) and
+    C{local_scoped} (one of them is scoped) say.
+
+    @raise SharedKeyRefused: No shared key of that name, or the last
+        unscoped key.
+    """
+
+    def remove() -> None:
+        _bump_shared_keys(db)
+        rows = db.execute("SELECT name, settings FROM shared_keys").fetchall()
+        target = [r for r in rows if r[0] == name]
+        if not target:
+            raise SharedKeyRefused(f"no key named {name!r} (see `blazar keys list`)")
+        rest = [_scoped(str(r[1])) for r in rows if r[0] != name]
+        unscoped_left = local_unscoped or not all(rest)
+        if not _scoped(str(target[0][1])) and not unscoped_left and (local_scoped or any(rest)):
+            raise SharedKeyRefused(
+                f"{name!r} is the last unscoped key and scoped keys remain: nobody could "
+                "manage them; add another unscoped key first (`blazar keys add NAME`)"
+            )
+        db.execute("DELETE FROM shared_keys WHERE name = ?", (name,))
+
+    with transaction(db):
+        remove()
 
 
 # -- the cluster's nodes (migration 10: blazar.gateway.nodes) ---------------------------

@@ -5,8 +5,9 @@ database} (L{blazar.store}), and the one thread it lives on
 (L{StoreService}), and the parts that keep their state in it, each with
 its own small API and its own place in the service tree: key usage
 (L{UsageStore}), sessions (L{SessionService}), the semantic cache
-(L{CacheService}), the Batch API (L{BatchService}) and this node's row in
-the cluster's node registry (L{NodeHeartbeat}). Stored Responses
+(L{CacheService}), the Batch API (L{BatchService}), this node's row in
+the cluster's node registry (L{NodeHeartbeat}) and, on a cluster's shared
+store, the API keys every node shares (L{SharedKeys}). Stored Responses
 and C{blazar bench} runs call L{StoreService.run_db} directly.
 
 One open, one drain, one close: the store opens (and migrates) the
@@ -30,9 +31,10 @@ from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.threadpool import ThreadPool
+from zope.interface import implementer
 
 from blazar import __version__, store, strictjson
-from blazar.config import LiveConfig
+from blazar.config import ConfigError, LiveConfig, SharedKey, shared_key
 from blazar.engines.client import EngineClient
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.cachestore import CacheStore
@@ -40,12 +42,15 @@ from blazar.gateway.nodes import HEARTBEAT_SECS
 from blazar.gateway.quota import Quotas
 from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
 from blazar.metrics import Metrics, gauge
+from blazar.postgres import StoreUnavailable
+from blazar.protocols.keyadmin import ISharedKeys
 
 log = Logger()
 
 T = TypeVar("T")
 
 CACHE_PURGE_SECS = 60.0  # how often expired semantic cache entries are dropped (a lookup skips them anyway)
+SHARED_KEYS_POLL_SECS = 1.0  # how often a node reads the shared keys' version (a change reaches it within this)
 
 
 async def settle(pending: Collection[Deferred[Any]]) -> None:
@@ -388,6 +393,121 @@ class BatchService(Service):
             await self._sender.close()
 
         return self._database.hold(Deferred.fromCoroutine(stop()))
+
+
+@implementer(ISharedKeys)
+class SharedKeys(Service):
+    """
+    The API keys every node of a cluster shares (C{[cluster] database};
+    the table of L{blazar.store.thd_shared_keys}): read at start, before
+    the daemon serves (a node never answers as keyless while shared keys
+    exist), then every L{SHARED_KEYS_POLL_SECS} on the injected clock,
+    one integer (the version) while nothing changed, every row when it
+    did; each read makes a new L{keys} tuple, which the door's
+    L{blazar.web.auth.KeyHolder} merges with the config file's keys.
+
+    While the store cannot be reached the node keeps the keys it last read
+    (and says so once in its log), and changes fail with
+    L{StoreUnavailable}. A row this Blazar cannot read (a field it does not
+    know, a value it does not take) is left out, logged once per version.
+
+    @ivar keys: The shared keys last read.
+    """
+
+    def __init__(
+        self,
+        database: StoreService,
+        live: LiveConfig,
+        reactor: Any,
+        interval: float = SHARED_KEYS_POLL_SECS,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        """
+        @param interval: Seconds between two polls (a change made on
+            another node is used here within it).
+        @param wall: The clock a rotation's time is stamped with.
+        """
+        self._database = database
+        self._wall = wall
+        self._live = live
+        self.keys: tuple[SharedKey, ...] = ()
+        self._version: int | None = None
+        self._down = False
+        self._pending: set[Deferred[Any]] = set()
+        self._poller = PeriodicJob(reactor, interval, self.poll, "reading the shared API keys failed; will retry")
+
+    def startService(self) -> None:
+        Service.startService(self)
+        self._apply(*self._database.run_db_now(store.thd_shared_keys))
+        self._poller.start()
+
+    def stopService(self) -> Deferred[None]:
+        Service.stopService(self)
+        self._poller.stop()
+        return self._database.hold(Deferred.fromCoroutine(settle(self._pending)))
+
+    def _run(self, f: Callable[..., T], *args: Any) -> Deferred[T]:
+        d = self._database.run_db(f, *args)
+        self._pending.add(d)
+
+        def done(result: Any) -> Any:
+            self._pending.discard(d)
+            return result
+
+        return d.addBoth(done)
+
+    def poll(self) -> Deferred[None]:
+        """
+        Read the shared keys if their version moved; a store that cannot
+        be reached keeps the last set (logged once, and once when it is
+        back).
+        """
+        return Deferred.fromCoroutine(self._poll())
+
+    async def _poll(self) -> None:
+        if not self._database.is_open:
+            return
+        try:
+            read = await self._run(store.thd_shared_keys_since, self._version)
+        except StoreUnavailable as e:
+            if not self._down:
+                self._down = True
+                log.error(
+                    "the shared API keys cannot be read ({why}); this node keeps the {count} it last read "
+                    "until the store is back",
+                    why=str(e),
+                    count=len(self.keys),
+                )
+            return
+        if self._down:
+            self._down = False
+            log.info("the shared API keys are read again: the store is back")
+        if read is not None:
+            self._apply(*read)
+
+    def _apply(self, version: int, rows: list[store.SharedKeyRow]) -> None:
+        if self._version is not None and version <= self._version:
+            return  # (a read that a later one overtook)
+        remotes = self._live.current.remotes
+        keys = []
+        for name, key_id, digest, hint, settings, _ in rows:
+            try:
+                keys.append(shared_key(name, key_id, digest, hint, strictjson.loads(settings), remotes))
+            except (ConfigError, ValueError) as e:
+                log.error("the shared key {name!r} is left out: {why}", name=name, why=str(e))
+        self.keys, self._version = tuple(keys), version
+
+    async def add(self, row: tuple[str, str, str, str, str, float]) -> None:
+        await self._run(store.thd_add_shared_key, row)
+        await self._poll()
+
+    async def rotate(self, name: str, digest: str, hint: str) -> None:
+        await self._run(store.thd_rotate_shared_key, name, digest, hint, self._wall())
+        await self._poll()
+
+    async def remove(self, name: str, local_unscoped: bool, local_scoped: bool) -> None:
+        await self._run(store.thd_remove_shared_key, name, local_unscoped, local_scoped)
+        await self._poll()
 
 
 class NodeHeartbeat(Service):

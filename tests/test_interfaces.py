@@ -6,6 +6,7 @@ shared contract: tests/engines/test_supervisor_contract.py.
 """
 
 import json
+from pathlib import Path
 
 from twisted.internet.defer import ensureDeferred
 from twisted.internet.testing import MemoryReactorClock
@@ -23,7 +24,8 @@ from blazar.gateway.redisquota import RedisQuotas
 from blazar.gateway.sessions import ISessions, ISlotBank, Sessions
 from blazar.metrics import Metrics
 from blazar.models.registry import IModelRegistry, ModelRegistry
-from blazar.protocols.keyadmin import IKeyAdmin, KeyAdmin
+from blazar.protocols.keyadmin import IKeyAdmin, ISharedKeys, KeyAdmin
+from blazar.storeservice import SharedKeys, StoreService
 from blazar.testing import (
     FakeEngineClient,
     FakeInstance,
@@ -79,6 +81,8 @@ class InterfaceTests(SynchronousTestCase):
         self.assertTrue(verifyObject(IBenchRecords, BenchRecords(None, None, lambda f, *a: f(None, *a), None, float)))
         self.assertTrue(verifyObject(IKeyAdmin, KeyAdmin(None, LiveConfig(parse_config("")), reactor)))
         self.assertTrue(verifyClass(ISessions, Sessions))
+        shared = SharedKeys(StoreService(Path("unused.db"), reactor), LiveConfig(parse_config("")), reactor)
+        self.assertTrue(verifyObject(ISharedKeys, shared))
 
     def test_slot_bank_and_hardware_probe_fakes(self) -> None:
         self.assertTrue(verifyObject(ISlotBank, FakeSlotBank()))

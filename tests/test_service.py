@@ -866,3 +866,36 @@ class AssembledStoreTests(SynchronousTestCase):
             self.assertLess(services.index(database), services.index(part))
             self.assertIs(part._database, database)
         self.assertLess(services.index(tree.stores.sessions), services.index(tree.engines.supervisor))
+
+    def test_shared_keys_only_with_a_cluster_database_and_read_before_the_listeners(self) -> None:
+        """
+        C{[cluster] database} adds the shared keys' poll to the tree after
+        the store and before the listeners, and the door and the key admin
+        use it; without it there is none.
+        """
+        root = Path(self.mktemp()).absolute()
+        plain = assembled(root)
+        self.assertIsNone(plain.stores.shared_keys)
+        self.assertIsNone(plain.keys._shared)
+        clustered = Path(self.mktemp()).absolute()
+        clustered.mkdir()
+        path = clustered / "config.toml"
+        path.write_text(
+            f'data_dir = "{clustered / "data"}"\nmodels_dir = "{clustered}"\n'
+            '[cluster]\ndatabase = "postgresql://blazar@db.invalid:5432/blazar"\n'
+        )
+        from blazar.service import assemble
+
+        tree = assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
+        shared = tree.stores.shared_keys
+        assert shared is not None
+        services = list(tree.top)
+        self.assertLess(services.index(tree.stores.database), services.index(shared))
+        self.assertLess(services.index(shared), services.index(tree.batches.service))
+        from blazar.service import Listeners
+
+        (listeners,) = [s for s in services if isinstance(s, Listeners)]
+        self.assertLess(services.index(shared), services.index(listeners))
+        self.assertIs(tree.key_admin._shared, shared)
+        shared.keys = ()
+        self.assertFalse(tree.keys.active)

@@ -1,6 +1,8 @@
 """
 C{blazar keys}: the API keys, through the daemon, which writes changes to
-its config file.
+its config file; or, with C{[cluster] database}, to the store every node of
+the cluster shares (keys of the config file stay the node's own, and
+C{list} marks the shared ones).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ if TYPE_CHECKING:
 
 def _keys(args: argparse.Namespace) -> int:
     from blazar.protocols.control import KeysAdd, KeysList, KeysRemove, KeysRotate
+    from blazar.protocols.keyadmin import LIMITS
 
     async def action(p: AMP) -> int:
         if args.keys_verb == "list":
@@ -26,13 +29,20 @@ def _keys(args: argparse.Namespace) -> int:
             elif not keys:
                 print("no keys: the gateway is open (add one with `blazar keys add NAME`)")
             for k in keys if not args.json else []:
-                print(f"{k['name']:<24} {k['secret']:<10} {', '.join(k['models']) or '(all models, admin)'}")
+                where = "shared" if k.get("shared") else "config"
+                print(f"{k['name']:<24} {k['secret']:<10} {where:<7} {', '.join(k['models']) or '(all models, admin)'}")
         elif args.keys_verb == "add":
-            secret = (await p.callRemote(KeysAdd, name=args.name, models=args.models or []))["secret"]
-            print(f"added key {args.name!r}; its secret, shown only now:\n{secret}")
+            limits = {f: getattr(args, f) for f in LIMITS if getattr(args, f, None) is not None}
+            added = await p.callRemote(KeysAdd, name=args.name, models=args.models or [], **limits)
+            where = " (shared by every node of the cluster)" if added.get("shared") else ""
+            print(f"added key {args.name!r}{where}; its secret, shown only now:\n{added['secret']}")
         elif args.keys_verb == "rotate":
-            secret = (await p.callRemote(KeysRotate, name=args.name))["secret"]
-            print(f"rotated key {args.name!r}; the old secret no longer works. New secret, shown only now:\n{secret}")
+            rotated = await p.callRemote(KeysRotate, name=args.name)
+            every = " on every node within seconds" if rotated.get("shared") else ""
+            print(
+                f"rotated key {args.name!r}; the old secret no longer works{every}. New secret, shown only now:\n"
+                f"{rotated['secret']}"
+            )
         else:
             await p.callRemote(KeysRemove, name=args.name)
             print(f"removed key {args.name!r}")
@@ -48,7 +58,7 @@ def add_verbs(verbs: Verbs) -> None:
     verb_group(
         verbs,
         "keys",
-        "API keys (written to the daemon's config file)",
+        "API keys (written to the daemon's config file; with [cluster] database, shared by every node)",
         _keys,
         [
             ("list", "keys, secrets redacted", []),
@@ -56,12 +66,21 @@ def add_verbs(verbs: Verbs) -> None:
             ("rotate", "a new secret for a key; prints it once", ["name"]),
             ("rm", "remove a key", ["name"]),
         ],
-        {
-            "add": lambda verb: verb.add_argument(
-                "--model",
-                dest="models",
-                action="append",
-                help="scope the key to this model (repeatable); none: all models + admin",
-            ),
-        },
+        {"add": _add_options},
     )
+
+
+def _add_options(verb: argparse.ArgumentParser) -> None:
+    verb.add_argument(
+        "--model",
+        dest="models",
+        action="append",
+        help="scope the key to this model (repeatable); none: all models + admin",
+    )
+    verb.add_argument("--rpm", type=int, help="requests per minute (default: no limit)")
+    verb.add_argument("--tpm", type=int, help="tokens per minute (default: no limit)")
+    verb.add_argument("--daily-tokens", dest="daily_tokens", type=int, help="tokens per UTC day (default: no limit)")
+    verb.add_argument(
+        "--max-concurrent", dest="max_concurrent", type=int, help="its requests running at once (default: no limit)"
+    )
+    verb.add_argument("--weight", type=float, help="its share of a busy model's slots (default: 1)")

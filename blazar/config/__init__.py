@@ -676,7 +676,9 @@ class ClusterConfig:
         repr=False,  # it may hold a password
         value=Value('a PostgreSQL URL ("postgresql://user:password@host:5432/blazar")', _postgres_url),
         doc="The durable store (usage, stored Responses, Batch API files and their contents, batches, the "
-        "semantic cache's entries, the sessions' index) in this PostgreSQL database instead of "
+        "semantic cache's entries, the sessions' index, and the API keys `blazar keys` and the dashboard "
+        "manage, which every node then uses within seconds: config-file `[[keys]]` stay the node's own) in "
+        "this PostgreSQL database instead of "
         "`<data_dir>/blazar.db`. Unset: SQLite. An unreachable server answers 503 `store_unavailable` "
         "naming it; the next operation reconnects. Several nodes may point at one database for stored "
         "Responses, files and batches (any node runs any batch's lines, each line at most once, under a "
@@ -1573,6 +1575,61 @@ def _parse_keys(raw: object, where: str, remotes: tuple[RemoteConfig, ...] = ())
             raise ConfigError(f"{where}: key {prefix + 'models'!r}: {e}") from None
         keys.append(KeyConfig(**fields))
     return tuple(keys)
+
+
+SHARED_SETTINGS = frozenset(known_keys(KeyConfig) - {"name", "secret", "id"})
+"""The fields of a shared key kept as its settings: every C{[[keys]]} field but its name, secret and id."""
+
+
+@attrs.frozen
+class SharedKey:
+    """
+    An API key of the store every node shares (C{[cluster] database},
+    L{blazar.store.thd_shared_keys}): only the SHA-256 of its secret is
+    kept, so its L{KeyConfig}'s C{secret} is a marker no request can
+    present (it holds line breaks, which no header value may), ending with
+    the secret's last 4 characters for listings.
+
+    @ivar key: Its name, id, scope and limits, as a C{[[keys]]} entry's.
+    @ivar digest: The SHA-256 of its secret (32 bytes).
+    """
+
+    key: KeyConfig
+    digest: bytes
+
+
+def shared_key(
+    name: str, key_id: str, digest: str, hint: str, settings: Mapping[str, Any], remotes: tuple[RemoteConfig, ...] = ()
+) -> SharedKey:
+    """
+    A shared key from its stored parts, its settings checked as a
+    C{[[keys]]} entry's fields are (the same L{KeyConfig} fields, the same
+    messages).
+
+    @param digest: The hex SHA-256 of its secret.
+    @param hint: The secret's last 4 characters.
+    @param settings: Its other fields (L{SHARED_SETTINGS}): C{models},
+        C{rpm}, C{tpm}, ...
+    @raise ConfigError: A field that is not one, or a value it does not
+        take; the message names it.
+    """
+    where = f"shared key {name!r}"
+    if not isinstance(settings, Mapping):
+        raise ConfigError(f"{where}: its settings must be a table")
+    unknown(settings, set(SHARED_SETTINGS), where, "")
+    entry = {**settings, "name": name, "secret": f"\n(shared: only its SHA-256 is stored)\n{hint}", "id": key_id}
+    fields = parse_fields(KeyConfig, entry, where, "")
+    try:
+        fields["models"] = tuple(_scoped_model(m, remotes) for m in fields.get("models", ()))
+    except ValueError as e:
+        raise ConfigError(f"{where}: key 'models': {e}") from None
+    try:
+        raw = bytes.fromhex(digest)
+    except ValueError:
+        raw = b""
+    if len(raw) != 32:
+        raise ConfigError(f"{where}: its digest is not a SHA-256")
+    return SharedKey(KeyConfig(**fields), raw)
 
 
 def _parse_remotes(raw: object, where: str) -> tuple[RemoteConfig, ...]:

@@ -314,6 +314,7 @@ KEY = [
     (b"name", amp.Unicode()),
     (b"secret", amp.Unicode()),
     (b"models", amp.ListOf(amp.Unicode())),
+    (b"shared", amp.Boolean(optional=True)),  # a key of the cluster's store ([cluster] database), not the file's
 ]
 
 
@@ -329,12 +330,22 @@ class KeysList(amp.Command):
 
 class KeysAdd(amp.Command):
     """
-    Add a key; the new secret is returned once.
+    Add a key, with its limits if given; the new secret is returned once.
+    C{shared}: it went to the store every node of the cluster shares
+    (C{[cluster] database}), not to the config file.
     """
 
     commandName = b"KeysAdd"
-    arguments = [(b"name", amp.Unicode()), (b"models", amp.ListOf(amp.Unicode(), optional=True))]
-    response = [(b"secret", amp.Unicode())]
+    arguments = [
+        (b"name", amp.Unicode()),
+        (b"models", amp.ListOf(amp.Unicode(), optional=True)),
+        (b"max_concurrent", amp.Integer(optional=True)),
+        (b"rpm", amp.Integer(optional=True)),
+        (b"tpm", amp.Integer(optional=True)),
+        (b"daily_tokens", amp.Integer(optional=True)),
+        (b"weight", amp.Float(optional=True)),
+    ]
+    response = [(b"secret", amp.Unicode()), (b"shared", amp.Boolean(optional=True))]
     errors = {KeyError_: b"KEY_ERROR"}
 
 
@@ -345,7 +356,7 @@ class KeysRotate(amp.Command):
 
     commandName = b"KeysRotate"
     arguments = [(b"name", amp.Unicode())]
-    response = [(b"secret", amp.Unicode())]
+    response = [(b"secret", amp.Unicode()), (b"shared", amp.Boolean(optional=True))]
     errors = {KeyError_: b"KEY_ERROR"}
 
 
@@ -800,8 +811,8 @@ class ControlServer(amp.AMP):
     def keys_list(self) -> dict[str, Any]:
         return {
             "keys": [
-                {"name": k.name, "secret": "..." + k.secret[-4:], "models": list(k.models)}
-                for k in self._admin().config.keys
+                {"name": k["name"], "secret": k["secret"], "models": k["models"], "shared": k["shared"]}
+                for k in self._admin().listed()
             ]
         }
 
@@ -813,12 +824,15 @@ class ControlServer(amp.AMP):
                 return await admin.change(change)
             except (ConfigError, OSError, ValueError) as e:
                 raise KeyError_(str(e)) from None
+            except StoreUnavailable as e:
+                # (its message names the server, never its credentials)
+                raise KeyError_(f"{e}; shared keys ([cluster] database) cannot change until it is back") from None
 
         return Deferred.fromCoroutine(answer())
 
     @KeysAdd.responder
-    def keys_add(self, name: str, models: list[str] | None = None) -> Deferred[dict[str, Any]]:
-        return self._keys_change(lambda admin: admin.add(name, models or []))
+    def keys_add(self, name: str, models: list[str] | None = None, **limits: Any) -> Deferred[dict[str, Any]]:
+        return self._keys_change(lambda admin: admin.add(name, models or [], limits))
 
     @KeysRotate.responder
     def keys_rotate(self, name: str) -> Deferred[dict[str, Any]]:

@@ -4,7 +4,9 @@ API keys at the door: which key a request carries, in each surface's own
 management needs an unscoped key (403). What a scoped key may see of models
 is decided in L{blazar.gateway.scope}.
 
-Keys come from C{[[keys]]} in the config (L{blazar.config.KeyConfig}). Auth
+Keys come from C{[[keys]]} in the config (L{blazar.config.KeyConfig}), and
+with C{[cluster] database} from the store the nodes share too
+(L{KeyHolder}). Auth
 is on iff at least one key exists; without keys the gateway trusts its
 (loopback, by default) network. Secrets are compared in constant time and
 never logged.
@@ -16,7 +18,7 @@ import hashlib
 import hmac
 import ipaddress
 import socket
-from typing import Any
+from typing import Any, Callable
 
 from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred
@@ -26,7 +28,7 @@ from twisted.web.iweb import IRequest
 from twisted.web.resource import IResource, Resource
 from twisted.web.server import NOT_DONE_YET
 
-from blazar.config import Config, KeyConfig, LiveConfig, live_config
+from blazar.config import Config, KeyConfig, LiveConfig, SharedKey, live_config
 from blazar.gateway.batch import KEY_HEADER, SECRET_HEADER
 from blazar.gateway.context import RequestContext, key_of, trace_id_of
 from blazar.gateway.errors import Forbidden, Refused, Unauthorized
@@ -47,18 +49,36 @@ UI_ASSETS = b"/ui/static/"
 
 class KeyHolder:
     """
-    The keys of the live config (L{blazar.config.LiveConfig}) and of
-    C{BLAZAR_KEYS}, read from the live config's current object at each
-    lookup; the secrets are re-encoded only when that object changes.
+    The keys of the live config (L{blazar.config.LiveConfig}), of
+    C{BLAZAR_KEYS}, and of the cluster's shared store (C{[cluster]
+    database}: L{blazar.storeservice.SharedKeys}), read from the live
+    config's current object and the shared keys' current tuple at each
+    lookup; the lookup tables are made again only when either changes.
+
+    A shared key whose name a config-file key has is left out (the node's
+    own key wins; adding one is refused, so only a hand edit makes one).
     """
 
-    def __init__(self, config: Config | LiveConfig, extra: tuple[KeyConfig, ...] = ()) -> None:
+    def __init__(
+        self,
+        config: Config | LiveConfig,
+        extra: tuple[KeyConfig, ...] = (),
+        shared: Callable[[], tuple[SharedKey, ...]] | None = None,
+    ) -> None:
+        """
+        @param shared: The shared keys last read (a new tuple at each
+            change); L{None} without a cluster.
+        """
         self._extra = extra
+        self._shared = shared
         self.live = live_config(config)
         self._seen: Config | None = None
-        self._encoded: list[tuple[bytes, KeyConfig]] = []
+        self._shared_seen: tuple[SharedKey, ...] | None = None
+        self._all: list[KeyConfig] = []
         # sha256 of each secret -> (secret, key): one lookup per request, not a compare per key
         self._by_digest: dict[bytes, tuple[bytes, KeyConfig]] = {}
+        # a shared key's sha256 -> the key: only the digest is stored, never the secret
+        self._shared_by_digest: dict[bytes, KeyConfig] = {}
 
     @property
     def config(self) -> Config:
@@ -75,17 +95,29 @@ class KeyHolder:
         self.live.swap(config)
 
     @property
-    def _keys(self) -> list[tuple[bytes, KeyConfig]]:
+    def _keys(self) -> list[KeyConfig]:
         self._refresh()
-        return self._encoded
+        return self._all
 
     def _refresh(self) -> None:
         current = self.live.current
-        if current is not self._seen:
-            self._encoded = [(k.secret.encode("utf-8"), k) for k in (*current.keys, *self._extra)]
+        shared = self._shared() if self._shared is not None else ()
+        if current is not self._seen or shared is not self._shared_seen:
+            local = (*current.keys, *self._extra)
+            encoded = [(k.secret.encode("utf-8"), k) for k in local]
             # (the last key of a secret wins, as the scan that compared every key did)
-            self._by_digest = {hashlib.sha256(secret).digest(): (secret, k) for secret, k in self._encoded}
-            self._seen = current
+            self._by_digest = {hashlib.sha256(secret).digest(): (secret, k) for secret, k in encoded}
+            names = {k.name for k in local}
+            kept = [s for s in shared if s.key.name not in names]
+            for clash in sorted({s.key.name for s in shared} & names):
+                log.warn(
+                    "the shared key {name!r} is not used on this node: its config file has a key of that name "
+                    "(rename or remove one of them)",
+                    name=clash,
+                )
+            self._shared_by_digest = {s.digest: s.key for s in kept}
+            self._all = [*local, *(s.key for s in kept)]
+            self._seen, self._shared_seen = current, shared
 
     @property
     def active(self) -> bool:
@@ -97,7 +129,7 @@ class KeyHolder:
         the key that made its batch; a key removed since, and one added
         under its name, is not it).
         """
-        for _, key in self._keys:
+        for key in self._keys:
             if key.owner == name:
                 return key
         return None
@@ -107,12 +139,13 @@ class KeyHolder:
         The key whose secret is C{presented}: one dict lookup by the
         presented bytes' SHA-256 (which says nothing about how near a
         guess came to a secret), then that secret compared in constant
-        time.
+        time; a shared key, whose secret is not kept, by its SHA-256 alone.
         """
         self._refresh()
-        candidate = self._by_digest.get(hashlib.sha256(presented).digest())
+        digest = hashlib.sha256(presented).digest()
+        candidate = self._by_digest.get(digest)
         if candidate is None:
-            return None
+            return self._shared_by_digest.get(digest)
         secret, key = candidate
         return key if hmac.compare_digest(secret, presented) else None
 

@@ -44,6 +44,7 @@ from blazar.gateway.scope import may_use, visible_entries
 from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelNotFound, ModelRegistry
 from blazar.names import strip_dirs
+from blazar.protocols.keyadmin import LIMITS as KEY_LIMITS
 from blazar.web.auth import check_admin, check_same_machine_page, is_local, ui_headers
 from blazar.web.body import read_json
 from blazar.web.client import context_of
@@ -454,23 +455,25 @@ class Dashboard:
     @app.route("/ui/api/keys", methods=["GET"])
     def keys(self, request: IRequest) -> bytes:
         check_admin(request, "manage keys")
+        if self.key_admin is not None:
+            listed = self.key_admin.listed()  # the config file's, then the cluster's shared ones
+        else:
+            listed = [
+                {
+                    "name": k.name,
+                    "secret": "..." + k.secret[-4:],
+                    "models": list(k.models),
+                    "admin": k.admin,
+                    "rpm": k.rpm,
+                    "tpm": k.tpm,
+                    "daily_tokens": k.daily_tokens,
+                    "shared": False,
+                }
+                for k in self._config().keys
+            ]
         return self._json(
             request,
-            {
-                "keys": [
-                    {
-                        "name": k.name,
-                        "secret": "..." + k.secret[-4:],
-                        "models": list(k.models),
-                        "admin": k.admin,
-                        "rpm": k.rpm,
-                        "tpm": k.tpm,
-                        "daily_tokens": k.daily_tokens,
-                    }
-                    for k in self._config().keys
-                ],
-                "config": str(self._config().source) if self._config().source else None,
-            },
+            {"keys": listed, "config": str(self._config().source) if self._config().source else None},
         )
 
     @app.route("/ui/api/keys", methods=["POST"])
@@ -482,7 +485,13 @@ class Dashboard:
             raise BadRequest("name: the new key's name is required", "name")
         if not isinstance(models, list) or not all(isinstance(m, str) and m for m in models):
             raise BadRequest("models: a list of model names (empty: an unscoped key)", "models")
-        return await self._change(request, lambda admin: admin.add(name.strip(), models), name=name.strip())
+        limits = {}
+        for field in KEY_LIMITS:
+            value = body.get(field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                raise BadRequest(f"{field}: a positive number, or null for no limit", field)
+            limits[field] = value
+        return await self._change(request, lambda admin: admin.add(name.strip(), models, limits), name=name.strip())
 
     @app.route("/ui/api/keys/<name>/rotate", methods=["POST"])
     async def rotate_key(self, request: IRequest, name: str) -> bytes:

@@ -169,7 +169,9 @@ def test_key_names_are_checked_where_keys_are_made(tmp_path: Path) -> None:
     for bad in ("nl\nname", "nul\x00byte", "slash/name", "x" * 65, "", "sp ace"):
         with pytest.raises(ConfigError, match="a key's name"):
             admin.add(bad, [])
-    mutate, result = admin.add("ok-name_1.2", [])
+    planned = admin.add("ok-name_1.2", [])
+    assert isinstance(planned, tuple)  # (no cluster: a change to the config file)
+    mutate, result = planned
     assert result["secret"].startswith("blz-")
 
 

@@ -675,7 +675,7 @@ function showSecret(text) {
 async function loadKeys() {
   const data = await api("/ui/api/keys");
   $("keys").tBodies[0].replaceChildren(...data.keys.map((k) => el("tr", { "data-key": k.name },
-    el("td", {}, k.name), el("td", { class: "muted" }, k.secret),
+    el("td", {}, k.name, k.shared ? " " : null, k.shared ? pill("shared", "ready") : null), el("td", { class: "muted" }, k.secret),
     el("td", {}, k.models.length ? k.models.join(", ") : "every model (admin)"),
     el("td", { class: "muted" }, [k.rpm && `${k.rpm} rpm`, k.tpm && `${k.tpm} tpm`, k.daily_tokens && `${k.daily_tokens}/day`]
       .filter(Boolean).join(", ") || "-"),
