@@ -174,18 +174,36 @@ def what_it_names(request: IRequest, body: bytes) -> tuple[str | None, str | Non
 class _Relay(Protocol):
     """
     The holder's answer's body, written to the client as it comes; C{done}
-    fires with L{None} at its clean end, else with the failure.
+    fires with L{None} at its clean end, else with the failure. The body's
+    transport is the client connection's producer: a client that reads
+    slowly pauses the reading from the holder (nothing piles up here).
     """
 
     def __init__(self, request: IRequest, done: Deferred[Failure | None]) -> None:
         self._request = request
         self._done = done
+        self._registered = False
+
+    def connectionMade(self) -> None:
+        request: Any = self._request
+        if (
+            self.transport is not None
+            and getattr(request, "channel", None) is not None
+            and getattr(request, "producer", None) is None
+        ):
+            request.registerProducer(self.transport, True)
+            self._registered = True
 
     def dataReceived(self, data: bytes) -> None:
         if not getattr(self._request, "_disconnected", False):
             self._request.write(data)
 
     def connectionLost(self, reason: Failure = Failure(ResponseDone())) -> None:
+        request: Any = self._request
+        if self._registered:
+            self._registered = False
+            if getattr(request, "channel", None) is not None:
+                request.unregisterProducer()
         if not self._done.called:
             self._done.callback(None if reason.check(ResponseDone) else reason)
 
