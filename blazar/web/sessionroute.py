@@ -171,15 +171,27 @@ def what_it_names(request: IRequest, body: bytes) -> tuple[str | None, str | Non
     return session_name(header, hint if isinstance(hint, str) else None), model if isinstance(model, str) else None
 
 
+def ended_by(error: BaseException) -> str:
+    """
+    What ended a relayed body, in words: the reasons a
+    L{ResponseFailed} carries, else the error's own text.
+    """
+    reasons = getattr(error, "reasons", None)
+    if reasons:
+        return "; ".join(type(r.value).__name__ for r in reasons)
+    return str(error) or type(error).__name__
+
+
 class _Relay(Protocol):
     """
     The holder's answer's body, written to the client as it comes; C{done}
-    fires with L{None} at its clean end, else with the failure. The body's
+    fires with L{None} at its clean end, else with the error that ended it
+    (as a result: the end of a relay is no failure of the relay's own). The body's
     transport is the client connection's producer: a client that reads
     slowly pauses the reading from the holder (nothing piles up here).
     """
 
-    def __init__(self, request: IRequest, done: Deferred[Failure | None]) -> None:
+    def __init__(self, request: IRequest, done: Deferred[BaseException | None]) -> None:
         self._request = request
         self._done = done
         self._registered = False
@@ -205,7 +217,7 @@ class _Relay(Protocol):
             if getattr(request, "channel", None) is not None:
                 request.unregisterProducer()
         if not self._done.called:
-            self._done.callback(None if reason.check(ResponseDone) else reason)
+            self._done.callback(None if reason.check(ResponseDone) else reason.value)
 
     def stop(self) -> None:
         transport: Any = self.transport
@@ -374,7 +386,7 @@ class SessionRoute(Resource):
         if length:
             request.responseHeaders.setRawHeaders(b"content-length", length[-1:])
         relay: _Relay
-        done: Deferred[Failure | None] = Deferred(lambda _: relay.stop())
+        done: Deferred[BaseException | None] = Deferred(lambda _: relay.stop())
         relay = _Relay(request, done)
         response.deliverBody(relay)
         ended = await done
@@ -388,7 +400,7 @@ class SessionRoute(Resource):
             node=route.node,
             url=route.url,
             session=name,
-            error=ended.getErrorMessage(),
+            error=ended_by(ended),
         )
         if not getattr(request, "_disconnected", False):
             request.loseConnection()  # type: ignore[attr-defined]

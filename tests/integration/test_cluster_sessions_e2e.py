@@ -5,7 +5,9 @@ serving SmolLM2-135M-Instruct. A session's first turns run on node A;
 its next turn, sent to node B, is forwarded to A, which answers it from
 the slot that kept the conversation's KV (llama-server's own
 C{usage.prompt_tokens_details.cached_tokens}); a streamed turn sent to B
-arrives whole; and once A is SIGKILLed, B serves the session itself.
+arrives whole; a streamed turn that A is SIGKILLed in the middle of ends
+with an error at the client (never a clean end); and then B serves the
+session itself.
 """
 
 from __future__ import annotations
@@ -88,6 +90,50 @@ def stream(d: Daemon, messages: list[dict[str, str]], session: str) -> tuple[dic
         conn.close()
 
 
+def cut_stream(d: Daemon, messages: list[dict[str, str]], session: str, kill: Daemon) -> tuple[list[str], str]:
+    """
+    A long streamed answer through C{d}; once its first event is in,
+    C{kill} (the holder) is SIGKILLed with its engine.
+
+    @return: The events read, and the error the read ended with (C{""}:
+        it ended cleanly).
+    """
+    conn = http.client.HTTPConnection("127.0.0.1", d.port, timeout=120)
+    events: list[str] = []
+    try:
+        body = {
+            "model": "smol",
+            "messages": messages,
+            "max_tokens": 1000,
+            "ignore_eos": True,  # (llama-server's: the answer runs long enough to be cut)
+            "temperature": 0,
+            "stream": True,
+        }
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            json.dumps(body),
+            {"content-type": "application/json", "authorization": f"Bearer {ALICE}", "x-blazar-session": session},
+        )
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()[:500]
+        assert resp.getheader("x-blazar-served-by") == "a"
+        # (read1, not readline: http.client's readline takes a chunked body cut short for its end)
+        buffer = b""
+        try:
+            while data := resp.read1(65536):
+                buffer += data
+                *lines, buffer = buffer.split(b"\n")
+                events += [line[6:].decode() for line in lines if line.startswith(b"data: ")]
+                if events and kill.proc is not None and kill.proc.poll() is None:
+                    kill.kill_everything()
+            return events, ""
+        except (http.client.HTTPException, OSError) as e:
+            return events, type(e).__name__
+    finally:
+        conn.close()
+
+
 class Conversation:
     def __init__(self, session: str) -> None:
         self.session = session
@@ -143,8 +189,12 @@ def test_a_session_is_served_where_its_kv_is(server: postgres.PostgresServer, en
         assert text.strip(), chunks
         talk.messages.append({"role": "assistant", "content": text})
 
-        # A dies: B serves the session itself (a fresh prefill) and takes it over in the index
-        a.kill_everything()
+        # A dies while B relays its streamed answer: the client's stream ends with an error
+        events, error = cut_stream(b, talk.messages + [{"role": "user", "content": "Count to a thousand."}], "kept", a)
+        assert error and "[DONE]" not in events, (error, events[-3:])
+        assert b.logged("stopped answering session kept's request before its end", timeout=10) == 1, b.log()[-3000:]
+
+        # and then: B serves the session itself (a fresh prefill) and takes it over in the index
         started = time.monotonic()
         headers, prompt, cached = talk.turn(b, 3)
         assert "x-blazar-served-by" not in headers, headers

@@ -9,11 +9,12 @@ records what it got.
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, cast
 
 from twisted.internet.defer import Deferred, succeed
 from twisted.internet.error import ConnectionRefusedError
 from twisted.internet.protocol import Protocol
+from twisted.logger import ILogObserver, globalLogPublisher
 from twisted.python.failure import Failure
 from twisted.trial.unittest import SynchronousTestCase
 from twisted.web.client import ResponseDone, ResponseFailed
@@ -158,6 +159,10 @@ class ForwardTests(SynchronousTestCase):
         self.taken: list[tuple[str, str]] = []
         self.to_a = StubClient(StubTreq(self.a))
         self.enabled = True
+        self.logged: list[dict[str, Any]] = []
+        observer = cast(ILogObserver, self.logged.append)
+        globalLogPublisher.addObserver(observer)
+        self.addCleanup(globalLogPublisher.removeObserver, observer)
 
     def holders(self, key: str, name: str) -> Deferred[list[tuple[str, str, str, float]]]:
         self.asked.append((key, name))
@@ -277,4 +282,5 @@ class ForwardTests(SynchronousTestCase):
         site.flush()
         self.assertEqual(got[0], b"data: one\n\n")
         self.assertEqual(got[-1], b"END:ResponseFailed")  # never a clean end
-        self.flushLoggedErrors()
+        [event] = [e for e in self.logged if "before its end" in e.get("log_format", "")]
+        self.assertEqual((event["node"], event["error"]), ("a", "ConnectionRefusedError"))
