@@ -9,6 +9,7 @@ records what it got.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any, cast
 
 from twisted.internet.defer import Deferred, succeed
@@ -25,9 +26,12 @@ from zope.interface import implementer
 
 from blazar.config import Config, KeyConfig
 from blazar.gateway.quota import IQuotas
+from blazar.gateway.sessions import Sessions
+from blazar.testing import FakeInstance, FakeSlotBank, FakeSupervisor, fake_engine_app
 from blazar.web.auth import AuthGate, KeyHolder
 from blazar.web.sessionroute import FORWARDED_BY, SERVED_BY, Route, SessionRoute, route_of
 from tests.typed import StubTreq
+from tests.web.gateway import MemoryGateway
 
 SECRET = "alice-secret-0123456789"
 KEY = KeyConfig("alice", SECRET)
@@ -284,3 +288,37 @@ class ForwardTests(SynchronousTestCase):
         self.assertEqual(got[-1], b"END:ResponseFailed")  # never a clean end
         [event] = [e for e in self.logged if "before its end" in e.get("log_format", "")]
         self.assertEqual((event["node"], event["error"]), ("a", "ConnectionRefusedError"))
+
+
+class ListingTests(SynchronousTestCase):
+    """
+    C{GET /api/session} names each session's node: this node's own, and,
+    with C{[cluster] database}, the others' from the index.
+    """
+
+    def test_the_listing_shows_each_sessions_node(self) -> None:
+        gateway = MemoryGateway(self, FakeSupervisor(["m:latest"]), fake_engine_app("m:latest"))
+        sessions = Sessions(
+            gateway.reactor,
+            FakeSlotBank(),
+            lambda: Path(self.mktemp()),
+            lambda: (900.0, 2.0, 1 << 20, 1 << 30),
+            lambda f, *args: succeed(f(*args)),
+            node="b",
+        )
+        gateway.pipeline.sessions = sessions
+        pin = self.successResultOf(Deferred.fromCoroutine(sessions.pin("", "mine", FakeInstance("m:latest"))))
+        assert pin is not None
+        sessions.release(pin, 10)
+
+        def listed() -> list[tuple[str, str]]:
+            d = gateway.client.get("http://localhost/api/session")
+            gateway.client.flush()
+            response = self.successResultOf(d)
+            body = json.loads(self.successResultOf(response.content()))
+            return [(s["session"], s["node"]) for s in body["sessions"]]
+
+        self.assertEqual(listed(), [("mine", "b")])
+        rows = [("", "mine", "m:latest", "b", 3.0), ("", "theirs", "m:latest", "a", 2.0)]
+        sessions.index = lambda key: succeed([r for r in rows if r[0] == key])
+        self.assertEqual(listed(), [("mine", "b"), ("theirs", "a")])
