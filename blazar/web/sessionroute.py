@@ -294,6 +294,8 @@ class SessionRoute(Resource):
         if name is None:
             return self.inner.render(request)
         key = found.owner if found is not None else ""
+        if context is not None:
+            context.key = found  # (for this node's access and audit lines; the gate sets it again if it runs)
         trace = context.trace_id if context is not None else None
         d = Deferred.fromCoroutine(self._route(request, key, name, model, body, trace))
         request.notifyFinish().addErrback(lambda _: d.cancel())  # type: ignore[attr-defined]
