@@ -77,6 +77,7 @@ from blazar.web.ollama import OllamaSurface
 from blazar.web.openai import OpenAISurface
 from blazar.web.responses import Responses
 from blazar.web.root import SurfaceRouter
+from blazar.web.sessionroute import SessionRoute
 from blazar.web.site import BlazarSite
 from blazar.web.tracing import Tracing
 
@@ -894,7 +895,20 @@ def assemble(
         keys,
         stores.limits,
     )
-    site = BlazarSite(root, config=live, gate=root, reactor=reactor)
+    public: IResource = root
+    if config.cluster.database is not None:
+        # sessions stay where their KV is: a session another node holds is forwarded there (issue 42)
+        public = SessionRoute(
+            root,
+            root.authenticate,
+            stores.sessions.holders,
+            clients.engines,
+            stores.sessions.node,
+            stores.sessions.url,
+            lambda: live.current.session_keep > 0,
+            stores.sessions.sessions.disown,
+        )
+    site = BlazarSite(public, config=live, gate=root, reactor=reactor)
     observers = _observers(config, site, dashboard, metrics, reactor, batches.runner)
     key_admin = dashboard.key_admin = KeyAdmin(config.source, live, reactor, shared=shared_keys, extra=env_keys)
     exposed = thd_exposed_secrets(config)  # (at assembly: the reactor does not run yet)

@@ -197,6 +197,12 @@ MIGRATIONS: list[Migration] = [
     CREATE TABLE shared_keys_version (version INTEGER NOT NULL);
     INSERT INTO shared_keys_version VALUES (0)
     """,
+    # 12: the KV bank's index (issue 42): which node holds a session's slot or bank entry (its
+    # [cluster] node name; '': none), and the URL other nodes reach that node at
+    """
+    ALTER TABLE sessions ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sessions ADD COLUMN url TEXT NOT NULL DEFAULT ''
+    """,
 ]
 
 #: the same schema versions on PostgreSQL, each step's text in its dialect
@@ -346,6 +352,11 @@ POSTGRES_MIGRATIONS: list[str] = [
     );
     CREATE TABLE shared_keys_version (version BIGINT NOT NULL);
     INSERT INTO shared_keys_version VALUES (0)
+    """,
+    # 12: the KV bank's index: which node holds a session's slot or bank entry, and where it is reached (issue 42)
+    """
+    ALTER TABLE sessions ADD COLUMN node TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sessions ADD COLUMN url TEXT NOT NULL DEFAULT ''
     """,
 ]
 
@@ -571,33 +582,83 @@ def thd_delete_response(db: Database, id_: str, key: str) -> bool:
     return db.execute("DELETE FROM responses WHERE id = ? AND key = ?", (id_, key)).rowcount > 0
 
 
-def thd_put_session(db: Database, row: tuple[object, ...]) -> None:
+def thd_put_session(db: Database, row: tuple[object, ...], claim: bool = False) -> None:
     """
     Write a session's row: C{(key, name, model, file, tokens, size, shape,
-    saved_at, last_used)}.
+    saved_at, last_used, node, url)}, C{node} and C{url} naming the node
+    that holds its slot or bank entry and where other nodes reach it
+    (migration 12: the KV bank's index).
+
+    @param claim: The node takes the session (it pinned it): the index
+        names it from now on, whoever held it before. Else (a bank save, a
+        drop of its entry) the row is written only while it still names
+        C{node} (or none): on PostgreSQL another node may have taken the
+        session over since, and that claim stands.
     """
-    if isinstance(db, PgDatabase):
+    columns = "key, name, model, file, tokens, size, shape, saved_at, last_used, node, url"
+    update = (
+        "file = excluded.file, tokens = excluded.tokens, size = excluded.size, shape = excluded.shape, "
+        "saved_at = excluded.saved_at, last_used = excluded.last_used, node = excluded.node, url = excluded.url"
+    )
+    unless_taken = "" if claim or not is_postgres(db) else " WHERE sessions.node = excluded.node OR sessions.node = ''"
+    db.execute(
+        f"INSERT INTO sessions ({columns}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
+        f"ON CONFLICT (key, name, model) DO UPDATE SET {update}{unless_taken}",
+        row,
+    )
+
+
+def thd_delete_session(db: Database, key: str, name: str, model: str, node: str | None = None) -> None:
+    """
+    Delete a session's row; on PostgreSQL, with C{node}, only while the
+    row names that node (a session another node took over is its own).
+    """
+    if node is not None and is_postgres(db):
         db.execute(
-            "INSERT INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT (key, name, model) DO UPDATE SET "
-            "file = EXCLUDED.file, tokens = EXCLUDED.tokens, size = EXCLUDED.size, shape = EXCLUDED.shape, "
-            "saved_at = EXCLUDED.saved_at, last_used = EXCLUDED.last_used",
-            row,
+            "DELETE FROM sessions WHERE key = ? AND name = ? AND model = ? AND (node = ? OR node = '')",
+            (key, name, model, node),
         )
-    else:
-        db.execute("INSERT OR REPLACE INTO sessions VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)", row)
-
-
-def thd_delete_session(db: Database, key: str, name: str, model: str) -> None:
+        return
     db.execute("DELETE FROM sessions WHERE key = ? AND name = ? AND model = ?", (key, name, model))
 
 
-def thd_sessions(db: Database) -> list[tuple[object, ...]]:
+def thd_sessions(db: Database, node: str | None = None) -> list[tuple[object, ...]]:
     """
-    Every session's row, as L{thd_put_session} wrote it.
+    The session rows a node reads back at start, as L{thd_put_session}
+    wrote them less C{node} and C{url}: every row on SQLite (one node's
+    own database); on PostgreSQL, with C{node}, only that node's own and
+    those no node holds (the others' bank files are on their disks).
     """
-    return db.execute(
-        "SELECT key, name, model, file, tokens, size, shape, saved_at, last_used FROM sessions"
+    query = "SELECT key, name, model, file, tokens, size, shape, saved_at, last_used FROM sessions"
+    if node is not None and is_postgres(db):
+        return db.execute(query + " WHERE node = ? OR node = ''", (node,)).fetchall()
+    return db.execute(query).fetchall()
+
+
+def thd_session_holders(db: Database, key: str, name: str) -> list[tuple[str, str, str, float]]:
+    """
+    Which nodes hold C{key}'s sessions named C{name} (one row per model):
+    C{(model, node, url, last_used)}, the most recently used first.
+    """
+    rows = db.execute(
+        "SELECT model, node, url, last_used FROM sessions WHERE key = ? AND name = ? ORDER BY last_used DESC",
+        (key, name),
     ).fetchall()
+    return [(str(m), str(n), str(u), float(t)) for m, n, u, t in rows]
+
+
+def thd_session_index(db: Database, key: str | None) -> list[tuple[str, str, str, str, float]]:
+    """
+    The sessions of C{key} (every key's for L{None}) on every node, as the
+    index has them: C{(key, name, model, node, last_used)}, the most
+    recently used first.
+    """
+    query = "SELECT key, name, model, node, last_used FROM sessions"
+    if key is not None:
+        rows = db.execute(query + " WHERE key = ? ORDER BY last_used DESC", (key,)).fetchall()
+    else:
+        rows = db.execute(query + " ORDER BY last_used DESC").fetchall()
+    return [(str(k), str(n), str(m), str(o), float(t)) for k, n, m, o, t in rows]
 
 
 # -- the Batch API (migration 5) ---------------------------------------------

@@ -34,7 +34,7 @@ from twisted.python.threadpool import ThreadPool
 from zope.interface import implementer
 
 from blazar import __version__, store, strictjson
-from blazar.config import ConfigError, LiveConfig, SharedKey, shared_key
+from blazar.config import ConfigError, LiveConfig, SharedKey, node_name, node_url, shared_key
 from blazar.engines.client import EngineClient
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.cachestore import CacheStore
@@ -248,12 +248,19 @@ class SessionService(Service):
     back at start; the reaper of sessions unused for C{session_keep_secs},
     once a minute. Added before the supervisor, it is stopped after it: it
     waits for the saves the children's stops begin.
+
+    Each row names this node (C{blazar.config.node_name}) and the URL
+    other nodes reach it at (C{blazar.config.node_url}): with C{[cluster]
+    database}, the KV bank's index the nodes share; a node reads back only
+    its own rows, and writes a bank save or deletes a row only while the
+    row still names it (another node may have taken the session over).
     """
 
     def __init__(
         self, database: StoreService, live: LiveConfig, engines: EngineClient, reactor: Any, metrics: Metrics
     ) -> None:
         self._database = database
+        self.node, self.url = node_name(live.current), node_url(live.current)
         self._reaper = PeriodicJob(reactor, 60.0, lambda: self.sessions.expire(), "expiring sessions failed")
 
         def settings() -> tuple[float, float, int, int]:
@@ -274,7 +281,11 @@ class SessionService(Service):
             persist=self._persist,
             forget=self._forget,
             count=lambda op, result: metrics.session_bank.labels(op, result).inc(),
+            claim=lambda session: self._persist(session, claim=True),
+            node=self.node,
         )
+        if live.current.cluster.database is not None:
+            self.sessions.index = self.index  # (one node's own database lists only its own)
         metrics.gauges(
             lambda: [
                 gauge(
@@ -298,7 +309,7 @@ class SessionService(Service):
             return succeed(None)
         return self._database.run_db(f, *args)
 
-    def _persist(self, session: Any) -> Deferred[Any]:
+    def _persist(self, session: Any, claim: bool = False) -> Deferred[Any]:
         bank = session.bank
         row = (
             session.key,
@@ -310,15 +321,35 @@ class SessionService(Service):
             bank.shape if bank else "",
             bank.saved_at if bank else 0.0,
             session.last_used,
+            self.node,
+            self.url,
         )
-        return self._db_call(store.thd_put_session, row)
+        return self._db_call(store.thd_put_session, row, claim)
 
     def _forget(self, session: Any) -> Deferred[Any]:
-        return self._db_call(store.thd_delete_session, session.key, session.name, session.model)
+        return self._db_call(store.thd_delete_session, session.key, session.name, session.model, self.node)
+
+    def holders(self, key: str, name: str) -> Deferred[list[tuple[str, str, str, float]]]:
+        """
+        Which nodes hold C{key}'s sessions named C{name}, by the index
+        (L{blazar.store.thd_session_holders}); none while the store is
+        closed.
+        """
+        if not self._database.is_open:
+            return succeed([])
+        return self._database.run_db(store.thd_session_holders, key, name)
+
+    def index(self, key: str | None) -> Deferred[list[tuple[str, str, str, str, float]]]:
+        """
+        Every node's sessions of C{key} (L{blazar.store.thd_session_index}).
+        """
+        if not self._database.is_open:
+            return succeed([])
+        return self._database.run_db(store.thd_session_index, key)
 
     def startService(self) -> None:
         Service.startService(self)
-        self.sessions.load(sessions_from_rows(self._database.run_db_now(store.thd_sessions)))
+        self.sessions.load(sessions_from_rows(self._database.run_db_now(store.thd_sessions, self.node)))
         self._reaper.start()
 
     def stopService(self) -> Deferred[None]:

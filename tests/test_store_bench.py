@@ -67,6 +67,7 @@ class SQLiteBenchStoreTests(SQLiteStore, BenchStoreContract, SynchronousTestCase
         old.execute(
             "CREATE TABLE batch_lines (batch TEXT, line INTEGER, custom_id TEXT, body TEXT, state TEXT, result TEXT)"
         )
+        old.execute(str(store.MIGRATIONS[2]))  # (migration 12 adds the sessions' node and url)
         old.close()
         db = store.thd_open(path)
         self.addCleanup(db.close)

@@ -16,9 +16,12 @@ from twisted.python.threadpool import ThreadPool
 from twisted.trial.unittest import SynchronousTestCase
 
 from blazar import store
-from blazar.config import KeyConfig
+from blazar.config import KeyConfig, LiveConfig, parse_config
+from blazar.engines.client import EngineClient
 from blazar.gateway.quota import Quotas
-from blazar.storeservice import PeriodicJob, StoreService, UsageStore
+from blazar.gateway.sessions import Session
+from blazar.metrics import Metrics
+from blazar.storeservice import PeriodicJob, SessionService, StoreService, UsageStore
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
 from tests import postgres
 from tests.typed import TestCaseMixin
@@ -94,6 +97,39 @@ class StoreServiceContract(TestCaseMixin):
         self.assertEqual(self.successResultOf(usage.day_used("alice")), 17)
         self.assertEqual(self.successResultOf(usage.day_used("carol")), 0)
         self.successResultOf(self.database.stopService())
+
+    def sessions(self, node: str) -> SessionService:
+        text = f'[cluster]\nnode = "{node}"\nurl = "http://{node}:1"\n'
+        if self.url is not None:
+            text += f'database = "{self.url}"\n'
+        service = SessionService(
+            self.database, LiveConfig(parse_config(text)), EngineClient(self.clock), self.clock, Metrics()
+        )
+        service.startService()
+        return service
+
+    def test_a_sessions_row_names_its_node(self) -> None:
+        """
+        The KV bank's index (issue 42): a claim writes the node's name and
+        address; a node reads back its own rows (on SQLite, every row: one
+        node's own database).
+        """
+        self.database.startService()
+        a = self.sessions("a")
+        self.assertEqual(a.sessions.node, "a")
+        session = Session("k", "chat", "m", 7.0)
+        self.successResultOf(a._persist(session, claim=True))
+        self.assertEqual(self.successResultOf(a.holders("k", "chat")), [("m", "a", "http://a:1", 7.0)])
+        b = self.sessions("b")
+        shared = self.url is not None
+        self.assertEqual([s.name for s in b.sessions.of_key(None)], [] if shared else ["chat"])
+        self.assertEqual(b.sessions.index is not None, shared)
+        if shared:
+            index = b.sessions.index
+            assert index is not None
+            self.assertEqual(self.successResultOf(index("k")), [("k", "chat", "m", "a", 7.0)])
+        self.successResultOf(a._forget(session))
+        self.assertEqual(self.successResultOf(a.holders("k", "chat")), [])
 
     def test_one_thread(self) -> None:
         database = self.service(ThreadPool(1, 1, name="blazar-store"))

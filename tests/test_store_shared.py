@@ -52,16 +52,36 @@ class SharedStoreContract(StoreMixin):
         self.assertEqual(store.thd_get_response(self.db, "resp_b", "bob", 120.0), ("{}", "[]", "resp_0"))
 
     def test_sessions_are_written_replaced_and_forgotten(self) -> None:
-        row = ("alice", "chat", "m:latest", "f.bin", 12, 4096, "shape", 10.0, 11.0)
+        row = ("alice", "chat", "m:latest", "f.bin", 12, 4096, "shape", 10.0, 11.0, "a", "http://a:1")
         store.thd_put_session(self.db, row)
-        store.thd_put_session(self.db, ("", "chat", "m:latest", None, 0, 0, "", 0.0, 5.0))
-        store.thd_put_session(self.db, (*row[:8], 20.0))
+        store.thd_put_session(self.db, ("", "chat", "m:latest", None, 0, 0, "", 0.0, 5.0, "a", "http://a:1"))
+        store.thd_put_session(self.db, (*row[:8], 20.0, "a", "http://a:1"))
         self.assertEqual(
             sorted(tuple(r) for r in store.thd_sessions(self.db)),
             [("", "chat", "m:latest", None, 0, 0, "", 0.0, 5.0), (*row[:8], 20.0)],
         )
         store.thd_delete_session(self.db, "alice", "chat", "m:latest")
         self.assertEqual([r[0] for r in store.thd_sessions(self.db)], [""])
+
+    def test_the_index_says_which_node_holds_a_session(self) -> None:
+        store.thd_put_session(self.db, ("alice", "chat", "m", None, 0, 0, "", 0.0, 5.0, "a", "http://a:1"), claim=True)
+        store.thd_put_session(self.db, ("alice", "chat", "n", None, 0, 0, "", 0.0, 9.0, "b", "http://b:2"), claim=True)
+        store.thd_put_session(self.db, ("bob", "chat", "m", None, 0, 0, "", 0.0, 7.0, "b", "http://b:2"), claim=True)
+        self.assertEqual(
+            store.thd_session_holders(self.db, "alice", "chat"),
+            [("n", "b", "http://b:2", 9.0), ("m", "a", "http://a:1", 5.0)],
+        )
+        self.assertEqual(store.thd_session_holders(self.db, "alice", "other"), [])
+        self.assertEqual(
+            store.thd_session_index(self.db, "alice"),
+            [("alice", "chat", "n", "b", 9.0), ("alice", "chat", "m", "a", 5.0)],
+        )
+        self.assertEqual([r[3] for r in store.thd_session_index(self.db, None)], ["b", "b", "a"])
+
+    def test_a_claim_takes_the_session_over(self) -> None:
+        store.thd_put_session(self.db, ("k", "s", "m", "f.bin", 3, 9, "x", 1.0, 1.0, "a", "http://a:1"))
+        store.thd_put_session(self.db, ("k", "s", "m", None, 0, 0, "", 0.0, 2.0, "b", "http://b:2"), claim=True)
+        self.assertEqual(store.thd_session_holders(self.db, "k", "s"), [("m", "b", "http://b:2", 2.0)])
 
     def test_cache_entries_keep_the_newest_and_expire(self) -> None:
         ids = [store.thd_put_cache(self.db, ("s", 100.0 + n, b"\x00\x01" * n, b"{}"), 0.0, 3)[0] for n in range(4)]
@@ -79,7 +99,22 @@ class SQLiteSharedStoreTests(SQLiteStore, SharedStoreContract, SynchronousTestCa
 
 
 class PostgresSharedStoreTests(PostgresStore, SharedStoreContract, SynchronousTestCase):
-    pass
+    def test_a_node_never_overwrites_nor_deletes_a_session_another_took_over(self) -> None:
+        """
+        Node A's later bank save, or its expiry of its stale copy, leaves
+        node B's claim alone; each node reads back only its own rows.
+        """
+        store.thd_put_session(self.db, ("k", "s", "m", None, 0, 0, "", 0.0, 1.0, "a", "http://a:1"), claim=True)
+        store.thd_put_session(self.db, ("k", "s", "m", None, 0, 0, "", 0.0, 2.0, "b", "http://b:2"), claim=True)
+        store.thd_put_session(self.db, ("k", "s", "m", "f.bin", 3, 9, "x", 3.0, 3.0, "a", "http://a:1"))
+        store.thd_delete_session(self.db, "k", "s", "m", "a")
+        self.assertEqual(store.thd_session_holders(self.db, "k", "s"), [("m", "b", "http://b:2", 2.0)])
+        self.assertEqual(store.thd_sessions(self.db, "a"), [])
+        self.assertEqual([r[1] for r in store.thd_sessions(self.db, "b")], ["s"])
+        store.thd_put_session(self.db, ("k", "t", "m", "f.bin", 3, 9, "x", 3.0, 3.0, "a", "http://a:1"))
+        self.assertEqual([r[1] for r in store.thd_sessions(self.db, "a")], ["t"])
+        store.thd_delete_session(self.db, "k", "s", "m", "b")
+        self.assertEqual(store.thd_session_holders(self.db, "k", "s"), [])
 
 
 def run_threads(count: int, body: object) -> list[BaseException]:

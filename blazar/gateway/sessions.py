@@ -19,8 +19,13 @@ restores another token count than was saved is counted and logged, the
 slot erased, and the request prefilled as if there had been no bank.
 
 A session unused for C{session_keep_secs} is dropped with its bank entry.
-Entries are kept in SQLite (C{sessions}) so that a daemon restart finds
-them.
+Entries are kept in the store (C{sessions}) so that a daemon restart finds
+them. With C{[cluster] database}, several nodes share that table, and it
+is the KV bank's index: each row names the node that holds the session
+(its slot, its bank file), written when the node pins the session
+(L{Sessions.pin}: the node I{claims} it), so that another node that gets
+one of its requests forwards it there (L{blazar.web.sessionroute}). A
+node reads back only its own rows at start.
 """
 
 from __future__ import annotations
@@ -283,19 +288,23 @@ class Session:
     bank: BankEntry | None = None
     tokens: int = 0
     in_flight: int = 0
+    # the index (the store's row) names this node as its holder: written at its first pin
+    claimed: bool = False
 
     @property
     def file(self) -> str:
         digest = hashlib.sha256(f"{self.key}\0{self.name}\0{self.model}".encode("utf-8")).hexdigest()
         return f"{digest[:32]}.bin"
 
-    def view(self) -> dict[str, Any]:
+    def view(self, node: str = "") -> dict[str, Any]:
         """
-        What C{GET /api/session} shows of it.
+        What C{GET /api/session} shows of it, C{node} the name of the node
+        that holds it (this one).
         """
         return {
             "session": self.name,
             "model": self.model,
+            "node": node,
             "slot": self.slot if self.instance is not None else None,
             "last_used": self.last_used,
             "tokens_cached": self.tokens,
@@ -321,6 +330,7 @@ class ISessions(Interface):
     """
 
     enabled = Attribute("Whether sessions are on (C{session_keep_secs} above 0).")
+    node = Attribute("This node's name (C{blazar.config.node_name}): the holder of the sessions listed.")
 
     def of_key(key: str | None) -> list[Session]:
         """
@@ -347,6 +357,10 @@ class Sessions:
     @param persist: C{persist(session)}: write its row (bank entry and last
         use); C{forget(session)}: delete it. Both return Deferreds.
     @param count: C{count(op, result)}: a metrics counter.
+    @param claim: C{claim(session)}: write its row naming this node as its
+        holder (the KV bank's index), whoever held it before; a Deferred.
+    @param node: This node's name (C{blazar.config.node_name}), as the
+        listing shows it.
     """
 
     def __init__(
@@ -359,8 +373,15 @@ class Sessions:
         persist: Callable[[Session], Deferred[Any]] | None = None,
         forget: Callable[[Session], Deferred[Any]] | None = None,
         count: Callable[[str, str], None] | None = None,
+        claim: Callable[[Session], Deferred[Any]] | None = None,
+        node: str = "",
     ) -> None:
         self._clock = clock
+        self._claim = claim
+        self.node = node
+        # with [cluster] database: every node's sessions of a key (or every key's), as the index has
+        # them: (key, name, model, node, last_used) rows
+        self.index: Callable[[str | None], Deferred[list[tuple[str, str, str, str, float]]]] | None = None
         self._bank = bank
         self._data_dir = data_dir
         self._settings = settings
@@ -423,7 +444,18 @@ class Sessions:
         Sessions read back from the store at start (bank entries, no slot).
         """
         for session in sessions:
+            session.claimed = True  # (its row names this node: a node reads back only its own)
             self._sessions[(session.key, session.name, session.model)] = session
+
+    def disown(self, key: str, name: str) -> None:
+        """
+        The index names another node as the holder of C{key}'s sessions
+        named C{name}, and this node is taking them over (that node could
+        not be reached): their next pin here claims them again.
+        """
+        for session in self._sessions.values():
+            if session.key == key and session.name == name:
+                session.claimed = False
 
     # -- the pipeline's step ----------------------------------------------
 
@@ -446,6 +478,10 @@ class Sessions:
             self._make_room(key)
             session = self._sessions[(key, name, model)] = Session(key, name, model, now)
         session.last_used = now
+        if not session.claimed and self._claim is not None:
+            # the index names this node from now on (a request for it on another node comes here)
+            session.claimed = True
+            self._track(self._claim(session))
         lock = self._locks.setdefault(id(instance), DeferredLock())
         await lock.acquire()
         try:
@@ -831,6 +867,24 @@ class Sessions:
         for session in old:
             self._drop(session)
         return len(old)
+
+
+def elsewhere(name: str, model: str, node: str, last_used: Any) -> dict[str, Any]:
+    """
+    What C{GET /api/session} shows of a session another node holds (by
+    the KV bank's index): its name, model and node, and when it was last
+    used; its slot and tokens are that node's to say.
+    """
+    return {
+        "session": name,
+        "model": model,
+        "node": node,
+        "slot": None,
+        "last_used": last_used,
+        "tokens_cached": 0,
+        "saved": False,
+        "saved_tokens": 0,
+    }
 
 
 def _thd_unlink(path: Path) -> None:

@@ -701,8 +701,9 @@ class ControlServer(amp.AMP):
         table = self._sessions
         rows = []
         offset = time.time() - self._clock.seconds()
+        node = table.node if table is not None else ""
         for session in table.of_key(None) if table is not None else []:
-            view = session.view()
+            view = session.view(node)
             view["key"] = UNNAMED if session.key == AUTO_KEY else session.key
             view["last_used"] = view["last_used"] + offset  # UNIX seconds
             rows.append(view)

@@ -29,6 +29,7 @@ from blazar.gateway.operations import ModelOperations
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.reply import Reply, scoped
 from blazar.gateway.scope import is_scoped, may_use, redact_value, resolve_in_scope, visible, visible_entries
+from blazar.gateway.sessions import elsewhere
 from blazar.models.gguf_meta import GGUFError, GGUFMetadata, template_capabilities
 from blazar.models.modelfile import DEFAULT_TEMPLATE, model_commands, show_modelfile, show_parameters
 from blazar.models.ollama_store import DigestMismatch, StoreError
@@ -769,22 +770,32 @@ class OllamaSurface:
         return _json(request, self._pipeline.queues(show))
 
     @app.route("/api/session", methods=["GET"])
-    def sessions(self, request: IRequest) -> bytes:
+    async def sessions(self, request: IRequest) -> bytes:
         """
         Blazar's sessions (not in Ollama's API): the caller's key's own,
-        most recent first: C{session}, C{model}, C{slot} (in the running
-        child, or null), C{last_used} (RFC 3339), C{tokens_cached},
-        C{saved} (a KV bank entry on disk) and C{saved_tokens}.
+        most recent first: C{session}, C{model}, C{node} (the node that
+        holds its KV: with C{[cluster] database}, other nodes' sessions too,
+        from the KV bank's index), C{slot} (in the running child, or null),
+        C{last_used} (RFC 3339), C{tokens_cached}, C{saved} (a KV bank entry
+        on disk) and C{saved_tokens}.
         """
         key = key_of(context_of(request))
+        owner = key.owner if key is not None else ""
         table = self._pipeline.sessions
         offset = self._now() - self._clock.seconds()
-        shown = []
-        for session in table.of_key(key.owner if key is not None else "") if table is not None else []:
-            view = session.view()
+        shown: list[dict[str, Any]] = []
+        if table is None:
+            return _json(request, {"sessions": shown, "enabled": False})
+        for session in table.of_key(owner):
+            view = session.view(table.node)
             view["last_used"] = _rfc3339(view["last_used"] + offset)
             shown.append(view)
-        return _json(request, {"sessions": shown, "enabled": bool(table is not None and table.enabled)})
+        if table.index is not None:
+            mine = {(v["session"], v["model"]) for v in shown}
+            for _, name, model, node, last_used in await table.index(owner):
+                if node != table.node and (name, model) not in mine:
+                    shown.append(elsewhere(name, model, node, _rfc3339(last_used)))
+        return _json(request, {"sessions": shown, "enabled": table.enabled})
 
     @app.route("/api/session", methods=["POST"])
     def session_action(self, request: IRequest) -> bytes:

@@ -328,3 +328,55 @@ class HardeningTests(SessionTests):
         names = {session_name({"x-blazar-session": n}.get, None) for n in (one, two)}
         self.assertEqual(len(names), 2)
         self.assertTrue(all(len(n or "") <= MAX_NAME for n in names))
+
+
+class IndexTests(SessionTests):
+    """
+    The KV bank's index (issue 42): a node's row names it from the
+    session's first pin on that node, not only from its first save.
+    """
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.claims: list[tuple[str, str, str]] = []
+        self.sessions = Sessions(
+            self.clock,
+            self.bank,
+            lambda: self.data,
+            lambda: (self.keep, 2.0, 512 << 20, 4096 << 20),
+            run_now,
+            persist=self.persist,
+            forget=self.forget,
+            count=lambda op, result: self.counted.append((op, result)),
+            claim=self.claim,
+            node="node-a",
+        )
+
+    def claim(self, session: Any) -> Deferred[None]:
+        self.claims.append((session.key, session.name, session.model))
+        return succeed(None)
+
+    def test_the_first_pin_claims_the_session_once(self) -> None:
+        self.turn("a", 10)
+        self.assertEqual(self.claims, [("k", "a", "m:latest")])
+        self.assertEqual(self.rows, {})  # no bank entry yet: the claim is the row
+        self.turn("a", 20)
+        self.turn("b", 5)
+        self.assertEqual(self.claims, [("k", "a", "m:latest"), ("k", "b", "m:latest")])
+
+    def test_rows_read_back_are_already_this_nodes(self) -> None:
+        self.sessions.load(sessions_from_rows([("k", "a", "m:latest", None, 0, 0, "", 0.0, 6.0)]))
+        self.turn("a", 10)
+        self.assertEqual(self.claims, [])
+
+    def test_a_session_taken_over_is_claimed_again(self) -> None:
+        self.turn("a", 10)
+        self.sessions.disown("k", "a")
+        self.sessions.disown("k", "other")  # (none by that name: nothing)
+        self.turn("a", 10)
+        self.assertEqual(self.claims, [("k", "a", "m:latest")] * 2)
+
+    def test_the_listing_names_the_node(self) -> None:
+        self.turn("a", 10)
+        [session] = self.sessions.of_key("k")
+        self.assertEqual(session.view(self.sessions.node)["node"], "node-a")
