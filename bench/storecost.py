@@ -19,9 +19,11 @@ path runs and usage is recorded but nothing is refused):
     limits checked and counted there.
 
 The engine is the canned upstream (nginx serving a llama-server reply,
-bench/engine_shim.py), so the figures are the daemon's and its stores'.
+bench/engine_shim.py; for the Responses pairs its 100-event stream, as the
+Responses surface always streams from the engine), so the figures are the
+daemon's and its stores'.
 Each daemon is pinned to CPU 0; wrk, the engines, PostgreSQL and Redis to
-CPU 1. Measured, alternating between the setups (A B C, three times, the
+CPU 1. Measured, alternating between the setups (A B C, five times, the
 best run of each kept):
 
   - non-streamed chat completions with the key, at c = 1 and c = 8 (wrk):
@@ -53,13 +55,14 @@ if TYPE_CHECKING:
     from run import Bench
 
 SETUPS = ("sqlite", "postgres", "postgres+redis")
-MODEL = "upstream"  # the canned engine (bench/engine_shim.py)
+MODEL = "upstream"  # the canned engine (bench/engine_shim.py): a chat completion
+STREAM_MODEL = "upstream-sse"  # its stream (100 events): what the Responses surface asks an engine for
 KEY_NAME = "bench-store"
 KEY_SECRET = "blz-bench-store-0123456789abcdef"
 # every limit on, none reached: rpm's sliding window holds a minute of requests
 LIMITS = {"rpm": 10_000_000, "tpm": 1_000_000_000, "daily_tokens": 1_000_000_000_000, "max_concurrent": 256}
 CONCURRENCY = (1, 8)
-ROUNDS = 3  # each setup's runs, alternating with the others'; the better kept
+ROUNDS = 5  # each setup's runs, alternating with the others'; the best kept (the machine is shared)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
@@ -95,11 +98,11 @@ def node_config(work: Path, port: int, shim: Path, cluster: dict[str, str]) -> s
         "[engines.llamacpp]",
         f"binary = {json.dumps(str(shim))}",
         "",
-        f'[models."{MODEL}"]',
-        'path = "tiny.gguf"',
-        "parallel = 64",
-        "ctx_size = 2048",
-        "",
+        *(
+            line
+            for model in (MODEL, STREAM_MODEL)
+            for line in (f'[models."{model}"]', 'path = "tiny.gguf"', "parallel = 64", "ctx_size = 2048", "")
+        ),
     ]
     if cluster:
         lines += ["[cluster]", *(f"{k} = {json.dumps(v)}" for k, v in sorted(cluster.items())), ""]
@@ -107,7 +110,7 @@ def node_config(work: Path, port: int, shim: Path, cluster: dict[str, str]) -> s
         "[[keys]]",
         f"name = {json.dumps(KEY_NAME)}",
         f"secret = {json.dumps(KEY_SECRET)}",
-        f"models = [{json.dumps(MODEL)}]",
+        f"models = [{json.dumps(MODEL)}, {json.dumps(STREAM_MODEL)}]",
         *(f"{k} = {v}" for k, v in LIMITS.items()),
         "",
     ]
@@ -193,7 +196,7 @@ def responses_pairs(port: int, seconds: float) -> dict[str, Any]:
     deadline = time.monotonic() + seconds
     try:
         while time.monotonic() < deadline:
-            status, data, ms = send({"model": MODEL, "input": "hi", "store": True})
+            status, data, ms = send({"model": STREAM_MODEL, "input": "hi", "store": True})
             if status != 200:
                 errors += 1
                 first_error = first_error or f"{status} {data[:200].decode(errors='replace')}"
@@ -201,7 +204,7 @@ def responses_pairs(port: int, seconds: float) -> dict[str, Any]:
             first.append(ms)
             previous = json.loads(data)["id"]
             status, data, ms = send(
-                {"model": MODEL, "input": "and then?", "store": True, "previous_response_id": previous}
+                {"model": STREAM_MODEL, "input": "and then?", "store": True, "previous_response_id": previous}
             )
             if status != 200:
                 errors += 1
@@ -428,6 +431,7 @@ def store_scenario(bench: Bench, wrk: Callable[..., dict[str, Any]], lua_post: C
             nodes.append(StoreNode(name, node, servers))
             node.start()
             node.child(MODEL)
+            node.child(STREAM_MODEL)
         script = lua_post(bench.work / "store-chat.lua", CHAT, {"Authorization": f"Bearer {KEY_SECRET}"})
         runs: dict[str, dict[str, list[dict[str, Any]]]] = {n.name: {str(c): [] for c in CONCURRENCY} for n in nodes}
         pair_runs: dict[str, list[dict[str, Any]]] = {n.name: [] for n in nodes}

@@ -495,20 +495,21 @@ class StoreScenarioTests(SynchronousTestCase):
 
     def test_config(self) -> None:
         """
-        Every setup's daemon serves the canned engine as C{upstream} on its
-        own port and data dir, and has one key with every limit, scoped to
-        that model.
+        Every setup's daemon serves the canned engine as C{upstream} (and
+        its stream as C{upstream-sse}) on its own port and data dir, and has
+        one key with every limit, scoped to those models.
         """
+        models = ("upstream:latest", "upstream-sse:latest")
         for name, config in self.configs().items():
             self.assertEqual(config.listen, ("tcp:18080:interface=127.0.0.1",), name)
             self.assertEqual(config.data_dir, Path("/srv/bench/data"))
-            self.assertEqual(config.models["upstream:latest"].path, Path("/srv/bench/models/tiny.gguf"))
-            self.assertEqual(config.models["upstream:latest"].parallel, 64)
+            self.assertEqual(sorted(config.models), sorted(models))
+            for model in models:
+                self.assertEqual(config.models[model].path, Path("/srv/bench/models/tiny.gguf"))
+                self.assertEqual(config.models[model].parallel, 64)
             self.assertEqual(config.llamacpp.binary, BENCH / "engine_shim.py")
             (key,) = config.keys
-            self.assertEqual(
-                (key.name, key.secret, key.models), ("bench-store", storecost.KEY_SECRET, ("upstream:latest",))
-            )
+            self.assertEqual((key.name, key.secret, key.models), ("bench-store", storecost.KEY_SECRET, models))
             self.assertEqual(
                 {k: getattr(key, k) for k in storecost.LIMITS},
                 storecost.LIMITS,
