@@ -23,8 +23,9 @@ bench/engine_shim.py; for the Responses pairs its 100-event stream, as the
 Responses surface always streams from the engine), so the figures are the
 daemon's and its stores'.
 Each daemon is pinned to CPU 0; wrk, the engines, PostgreSQL and Redis to
-CPU 1. Measured, alternating between the setups (A B C, five times, the
-best run of each kept):
+CPU 1. Measured, alternating between the setups (A B C, five times; each
+figure is the best of its five readings, the least disturbed on a shared
+machine):
 
   - non-streamed chat completions with the key, at c = 1 and c = 8 (wrk):
     the daemon's CPU per request, p50/p99 latency, requests per second,
@@ -299,37 +300,64 @@ def store_table(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def best_figures(
+    rs: list[dict[str, Any]], count: str, lower: tuple[str, ...], higher: tuple[str, ...]
+) -> dict[str, Any]:
+    """
+    Each figure's best over C{rs} (the runs without errors, if any): the
+    least of each of C{lower} (CPU, latency), the most of each of
+    C{higher}; C{<figure>} per C{count} for C{cpu_s} and C{server_cpu_s}
+    first (C{cpu_ms_per_<count>}, C{server_cpu_ms_per_<count>}). On a shared
+    machine the best of several runs is the least disturbed reading of
+    each figure, which need not all be the same run's. The errors of all
+    runs are kept (L{run.best_run}'s fields).
+    """
+    from run import best_run
+
+    best = best_run(rs)
+    unit = count.rstrip("s")
+    per = [
+        {
+            **r,
+            f"cpu_ms_per_{unit}": 1000 * r["cpu_s"] / max(1, r[count]),
+            f"server_cpu_ms_per_{unit}": 1000 * r["server_cpu_s"] / max(1, r[count]),
+        }
+        for r in rs
+    ]
+    clean = [r for r in per if not r["errors"]] or per
+    for field in (f"cpu_ms_per_{unit}", f"server_cpu_ms_per_{unit}", *lower):
+        best[field] = min(r[field] for r in clean)
+    for field in higher:
+        best[field] = max(r[field] for r in clean)
+    return best
+
+
 def aggregate(
     runs: dict[str, dict[str, list[dict[str, Any]]]], pair_runs: dict[str, list[dict[str, Any]]]
 ) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     """
-    Each setup's better runs (L{run.best_run}: the faster without errors),
-    with CPU per request (the daemon's, and the store servers') and per
-    pair; and each setup's first error, if any.
+    Each setup's figures, each the best of its runs (L{best_figures}): the
+    daemon's and the store servers' CPU per request (and per pair),
+    latencies, requests per second; and each setup's first error, if any.
 
     @param runs: By setup, by concurrency, wrk's runs (L{run.wrk}'s figures
         plus C{server_cpu_s}).
     @param pair_runs: By setup, L{responses_pairs}' runs plus C{cpu_s},
         C{server_cpu_s} and C{rps} (the pairs).
     """
-    from run import best_run
-
     raw: dict[str, dict[str, Any]] = {}
     first_errors: dict[str, str] = {}
     for name in runs:
         chat = {}
         for c, rs in runs[name].items():
-            best = best_run(rs)
-            best["cpu_ms_per_request"] = 1000 * best["cpu_s"] / max(1, best["requests"])
-            best["server_cpu_ms_per_request"] = 1000 * best["server_cpu_s"] / max(1, best["requests"])
+            best = best_figures(rs, "requests", ("p50_ms", "p99_ms"), ("rps",))
             chat[c] = best
             if best["first_error_all_runs"]:
                 first_errors.setdefault(name, best["first_error_all_runs"])
         raw[name] = {"chat": chat, "runs": runs[name]}
         if pair_runs.get(name):
-            pair = best_run(pair_runs[name])
-            pair["cpu_ms_per_pair"] = 1000 * pair["cpu_s"] / max(1, pair["pairs"])
-            pair["server_cpu_ms_per_pair"] = 1000 * pair["server_cpu_s"] / max(1, pair["pairs"])
+            lower = ("store_p50_ms", "store_p99_ms", "continue_p50_ms", "continue_p99_ms")
+            pair = best_figures(pair_runs[name], "pairs", lower, ("rps",))
             if pair["first_error_all_runs"]:
                 first_errors.setdefault(name, pair["first_error_all_runs"])
             raw[name].update(pair=pair, pair_runs=pair_runs[name])
