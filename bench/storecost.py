@@ -23,8 +23,9 @@ bench/engine_shim.py; for the Responses pairs its 100-event stream, as the
 Responses surface always streams from the engine), so the figures are the
 daemon's and its stores'.
 Each daemon is pinned to CPU 0; wrk, the engines, PostgreSQL and Redis to
-CPU 1. Measured, alternating between the setups (A B C, five times; each
-figure is the best of its five readings, the least disturbed on a shared
+CPU 1. Measured, alternating between the setups (A B C, ten times, 5 s a run or
+2 s with --quick; each
+figure is the best of its ten readings, the least disturbed on a shared
 machine):
 
   - non-streamed chat completions with the key, at c = 1 and c = 8 (wrk):
@@ -63,7 +64,7 @@ KEY_SECRET = "blz-bench-store-0123456789abcdef"
 # every limit on, none reached: rpm's sliding window holds a minute of requests
 LIMITS = {"rpm": 10_000_000, "tpm": 1_000_000_000, "daily_tokens": 1_000_000_000_000, "max_concurrent": 256}
 CONCURRENCY = (1, 8)
-ROUNDS = 5  # each setup's runs, alternating with the others'; the best kept (the machine is shared)
+ROUNDS = 10  # each setup's runs, alternating with the others'; each figure the best (the machine is shared)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
 
