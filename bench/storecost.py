@@ -23,10 +23,9 @@ bench/engine_shim.py; for the Responses pairs its 100-event stream, as the
 Responses surface always streams from the engine), so the figures are the
 daemon's and its stores'.
 Each daemon is pinned to CPU 0; wrk, the engines, PostgreSQL and Redis to
-CPU 1. Measured, alternating between the setups (A B C, ten times, 5 s a run or
-2 s with --quick; each
-figure is the best of its ten readings, the least disturbed on a shared
-machine):
+CPU 1. Measured, alternating between the setups (A B C, ten times, 5 s a
+run or 2 s with --quick; each figure is the best of its ten readings, the
+least disturbed on a shared machine):
 
   - non-streamed chat completions with the key, at c = 1 and c = 8 (wrk):
     the daemon's CPU per request, p50/p99 latency, requests per second,
@@ -34,7 +33,9 @@ machine):
   - a Responses pair, one at a time (a Python client on CPU 1): a
     C{store: true} request, then one continuing it by
     C{previous_response_id} (the stored Response read back and a new one
-    written), with each one's p50/p99 and the daemon's CPU per pair.
+    written), with each one's p50/p99 and the daemon's CPU per pair;
+  - what one C{tpm} check costs Redis as the key's last minute fills (the
+    limits' own script on a set of 0 to 20,000 answers).
 
 Each figure's delta against C{sqlite} is in the table.
 """
@@ -64,6 +65,7 @@ KEY_SECRET = "blz-bench-store-0123456789abcdef"
 # every limit on, none reached: rpm's sliding window holds a minute of requests
 LIMITS = {"rpm": 10_000_000, "tpm": 1_000_000_000, "daily_tokens": 1_000_000_000_000, "max_concurrent": 256}
 CONCURRENCY = (1, 8)
+TPM_WINDOWS = (0, 1000, 5000, 20000)  # a key's answers in the last minute (the tpm set's size)
 ROUNDS = 10  # each setup's runs, alternating with the others'; each figure the best (the machine is shared)
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
 
@@ -298,6 +300,10 @@ def store_table(r: dict[str, Any]) -> str:
         )
     for name, first in r.get("first_errors", {}).items():
         lines.append(f"  {name}'s first error: {first[:200]}")
+    if r.get("tpm_check_by_window"):
+        lines.append("One tpm check in Redis, by the key's answers in the last minute: Redis CPU / round trip")
+        for n, x in r["tpm_check_by_window"].items():
+            lines.append(f"  {int(n):>7,} answers: {x['redis_cpu_ms']:.3f} ms / {x['wall_ms']:.3f} ms")
     return "\n".join(lines)
 
 
@@ -426,6 +432,43 @@ def version(argv: list[str]) -> str:
     return " ".join((done.stdout or done.stderr).split())
 
 
+def tpm_window_cost(url: str, server: psutil.Process, sizes: tuple[int, ...] = TPM_WINDOWS) -> dict[str, Any]:
+    """
+    What one C{tpm} check costs Redis as the key's window fills: the
+    Redis limits' own rates script (L{blazar.gateway.redisquota.RATES}),
+    run against a C{tpm} set holding C{n} answers of the last minute, for
+    each C{n} of C{sizes}. Redis's CPU (ms) and the round trip's wall time
+    (ms) per check, by C{n}.
+    """
+    import redis
+
+    from blazar.gateway.redisquota import RATES
+
+    client = redis.Redis.from_url(url)
+    try:
+        sha = client.script_load(RATES)
+        out: dict[str, Any] = {}
+        for n in sizes:
+            client.delete("bench:rpm", "bench:tpm")
+            now = int(time.time() * 1000)
+            for start in range(0, n, 5000):
+                client.zadd("bench:tpm", {f"m{i}:17": now for i in range(start, min(n, start + 5000))})
+            checks = max(20, min(500, 200_000 // max(1, n)))
+            cpu0, started = sum(server.cpu_times()[:2]), time.perf_counter()
+            for i in range(checks):
+                client.evalsha(sha, 3, "bench:rpm", "bench:tpm", "bench:day:", -1, 10**12, -1, f"x{i}", 1)
+            wall = time.perf_counter() - started
+            out[str(n)] = {
+                "checks": checks,
+                "redis_cpu_ms": 1000 * (sum(server.cpu_times()[:2]) - cpu0) / checks,
+                "wall_ms": 1000 * wall / checks,
+            }
+        client.delete("bench:rpm", "bench:tpm")
+        return out
+    finally:
+        client.close()
+
+
 def store_scenario(bench: Bench, wrk: Callable[..., dict[str, Any]], lua_post: Callable[..., Path]) -> None:
     """
     The three setups, measured alternating (see the module's doc); into
@@ -482,6 +525,7 @@ def store_scenario(bench: Bench, wrk: Callable[..., dict[str, Any]], lua_post: C
                 p["rps"] = p["pairs"]  # best_run's ordering: more pairs in the same time
                 pair_runs[n.name].append(p)
         raw, first_errors = aggregate(runs, pair_runs)
+        tpm = tpm_window_cost(rd.url(63), rd_proc)
     finally:
         os.sched_setaffinity(0, affinity)
         for n in nodes:
@@ -495,6 +539,7 @@ def store_scenario(bench: Bench, wrk: Callable[..., dict[str, Any]], lua_post: C
         "setups": raw,
         "summary": summarize(raw),
         "first_errors": first_errors,
+        "tpm_check_by_window": tpm,
         "servers": versions,
         "pinning": "daemons on CPU 0; wrk, the engines, PostgreSQL, Redis and the pairs' client on CPU 1",
     }

@@ -560,6 +560,9 @@ class StoreScenarioTests(SynchronousTestCase):
         self.assertNotIn("(+", lines["sqlite"])
         self.assertTrue(lines["postgres+redis"].endswith("ERRORS 4"), lines["postgres+redis"])
         self.assertIn("  postgres+redis's first error: 1 non-2xx (first: 503 store_unavailable)", text)
+        tpm = {"20000": {"checks": 20, "redis_cpu_ms": 21.5, "wall_ms": 22.25}}
+        text = storecost.store_table({"summary": rows, "tpm_check_by_window": tpm})
+        self.assertIn("   20,000 answers: 21.500 ms / 22.250 ms", text)
 
     def test_helpers(self) -> None:
         """
