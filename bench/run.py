@@ -3,7 +3,7 @@
 Blazar's own cost per request and per streamed chunk, measured against the
 engine direct, side by side in one run (A B A B ...), as ratios.
 
-    ./dev.sh bench [--quick] [--profile LABEL] [--only real,relay,...] [--tree PATH]
+    ./dev.sh bench [--quick] [--profile LABEL] [--only real,relay,store,...] [--tree PATH]
     ./dev.sh bench --cprofile LABEL [--tree PATH]   (only: the daemon's CPU profile, cProfile)
 
 It starts what it needs on loopback and stops it: a Blazar daemon pinned
@@ -22,8 +22,11 @@ is the relay ceiling: a canned engine streaming as fast as the socket allows
 Blazar on one core. The next (scenario `realmodel`,
 bench/realmodel.py) is a real model, SmolLM2-135M-Instruct from its PyPI
 wheel: decode tokens/s and time to first token through Blazar against the
-engine direct at 1, 4 and 16 concurrent streams, and the share kept. The
-last is the canned upstream, which isolates Blazar's relay.
+engine direct at 1, 4 and 16 concurrent streams, and the share kept.
+Scenario `store` (bench/storecost.py) is what the shared store costs per
+request: a keyed workload against SQLite, PostgreSQL, and PostgreSQL with
+Redis (real servers on loopback). The last is the canned upstream, which
+isolates Blazar's relay.
 
 A target's errors (non-2xx replies, socket errors) are recorded in its row,
 with the first one's status and body, never a reason to stop the table.
@@ -274,25 +277,33 @@ def wrk(
 
 
 class Bench:
-    def __init__(self, seconds: float, work: Path) -> None:
+    def __init__(self, seconds: float, work: Path, llama: str | None = None) -> None:
         self.seconds = seconds
         self.work = work
         self.port = free_port()
-        self.llama = engine_binary()
+        self.llama = llama or engine_binary()
+        self.auth: str | None = None  # a key's secret, sent by get/post/child (the daemon has keys)
+        self.config_text: str | None = None  # the daemon's whole config instead of the bench's (tiny.gguf only)
         self.results: dict[str, Any] = {}
         self.cprofile_out: Path | None = None  # the daemon runs under cProfile (--cprofile)
         self.smol: Path | None = None  # the real model's GGUF, served as smol (the realmodel scenario)
         self.tree: Path | None = None  # the daemon's Blazar from this source tree (--tree), not this one
 
-    def start(self) -> None:
+    def write_config(self) -> Path:
+        """
+        The daemon's models and its config file; the file's path.
+        """
         sys.path.insert(0, str(ROOT))
         from blazar.models.testmodel import make_test_model
 
         models = self.work / "models"
         make_test_model(models / "tiny.gguf")
+        config = self.work / "config.toml"
+        if self.config_text is not None:
+            config.write_text(self.config_text)
+            return config
         make_test_model(models / "long.gguf", context_length=16384)  # the sessions scenario's
-        self.config = self.work / "config.toml"
-        self.config.write_text(
+        config.write_text(
             f'listen = "tcp:{self.port}:interface=127.0.0.1"\n'
             f'data_dir = "{self.work / "data"}"\nmodels_dir = "{models}"\n'
             "breaker_crashes = 1000\n"
@@ -306,6 +317,10 @@ class Bench:
             '[models."relay-paced"]\npath = "tiny.gguf"\nparallel = 64\nctx_size = 2048\n'
             + (f'[models."smol"]\npath = "{self.smol}"\nparallel = 16\nctx_size = 1024\n' if self.smol else "")
         )
+        return config
+
+    def start(self) -> None:
+        self.config = self.write_config()
         env = {**os.environ, "BENCH_LLAMA_SERVER": self.llama}
         if self.tree is not None:
             env["PYTHONPATH"] = os.pathsep.join([str(self.tree), *filter(None, [os.environ.get("PYTHONPATH")])])
@@ -334,21 +349,31 @@ class Bench:
         # twistd may run the reactor in the process blazar serve execs into
         self.daemon.cpu_affinity([BLAZAR_CPU])
 
-    def stop(self) -> None:
+    def stop(self, strays: bool = True) -> None:
+        """
+        Stop the daemon (TERM, KILL after 30 s); with C{strays}, kill any
+        canned engine's nginx left behind (of every daemon of the bench).
+        """
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
-        for p in psutil.process_iter(["cmdline"]):
+        for p in psutil.process_iter(["cmdline"]) if strays else ():
             if any("bench-nginx-" in a for a in (p.info["cmdline"] or [])):
                 p.kill()
+
+    def headers(self) -> dict[str, str]:
+        """
+        The key's C{Authorization} header where the daemon has keys (L{auth}).
+        """
+        return {"authorization": f"Bearer {self.auth}"} if self.auth else {}
 
     def get(self, path: str, port: int | None = None) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
         try:
-            conn.request("GET", path)
+            conn.request("GET", path, headers=self.headers())
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -357,7 +382,7 @@ class Bench:
     def post(self, path: str, body: Any, port: int | None = None) -> tuple[int, bytes]:
         conn = http.client.HTTPConnection("127.0.0.1", port or self.port, timeout=60)
         try:
-            conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+            conn.request("POST", path, json.dumps(body), {"content-type": "application/json", **self.headers()})
             resp = conn.getresponse()
             return resp.status, resp.read()
         finally:
@@ -838,8 +863,8 @@ def main() -> int:
     )
     p.add_argument(
         "--only",
-        help="comma-separated scenarios: real,relay,realmodel,sessions,nonstream,stream,ttfb,cold,memory "
-        "(issue 41's tables: --only real,relay)",
+        help="comma-separated scenarios: real,relay,realmodel,sessions,store,nonstream,stream,ttfb,cold,memory "
+        "(issue 41's tables: --only real,relay; the shared store's cost against SQLite: --only store)",
     )
     p.add_argument(
         "--tree",
@@ -862,7 +887,7 @@ def main() -> int:
         print("bench needs 2 CPUs (daemon on one, load on the other)", file=sys.stderr)
         return 1
     sys.path.insert(0, str(HERE))
-    only = set((args.only or "real,relay,realmodel,sessions,nonstream,stream,ttfb,cold,memory").split(","))
+    only = set((args.only or "real,relay,realmodel,sessions,store,nonstream,stream,ttfb,cold,memory").split(","))
     from real import real_engine, real_table, verdicts
     from relay import ceiling, relay_scenario, relay_table
 
@@ -897,6 +922,10 @@ def main() -> int:
                 from sessions import sessions_scenario
 
                 sessions_scenario(bench)
+            if "store" in only:
+                from storecost import store_scenario
+
+                store_scenario(bench, wrk, lua_post)
             if "nonstream" in only:
                 bench.non_streaming()
             if "stream" in only:
@@ -937,7 +966,11 @@ def main() -> int:
         from sessions import sessions_table
 
         print("\n" + sessions_table(result["sessions"]))
-    if set(bench.results) - {"real_engine", "relay", "real_model", "sessions"}:
+    if "store" in result:
+        from storecost import store_table
+
+        print("\n" + store_table(result["store"]))
+    if set(bench.results) - {"real_engine", "relay", "real_model", "sessions", "store"}:
         if "real_engine" in result:
             print("\nCanned upstream (nginx serving a llama-server reply; isolates Blazar's relay):")
         print(table(result))

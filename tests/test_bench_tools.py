@@ -1,10 +1,12 @@
 """
 The bench's own logic (bench/run.py, bench/real.py, bench/relay.py,
-bench/relay_engine.py), without wrk, daemons or sockets: a wrk run's errors
-are recorded in its figures, never raised; the better of two runs is one
-without errors; the targets' verdicts; the relay ceiling's canned engine
-writes llama-server's chunked SSE stream, one event of every stream per
-step.
+bench/relay_engine.py, bench/storecost.py), without wrk, daemons or
+sockets: a wrk run's errors are recorded in its figures, never raised; the
+better of two runs is one without errors; the targets' verdicts; the relay
+ceiling's canned engine writes llama-server's chunked SSE stream, one event
+of every stream per step; the store scenario's daemons' configs are
+Blazar's, with the setup's C{[cluster]} and a key with every limit, and its
+figures are set against SQLite's.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ real = load("real")
 relay = load("relay")
 engine_shim = load("engine_shim")
 relay_engine = load("relay_engine")
+storecost = load("storecost")
 
 
 def wrk_output(extra: str = "", distribution: bool = True) -> str:
@@ -427,3 +430,146 @@ class RealTableTests(SynchronousTestCase):
         self.assertIn("  LiteLLM 1.0, 1 worker, ttfb: SystemExit: port 1: no event in b''", text)
         self.assertIn("  [not measured] relay ceiling on one core", text)
         self.assertIn("  [MET] gateway CPU per non-streamed request (c=1): 0.500 (target <= 0.8 ms)", text)
+
+
+def store_run(rps: float, requests: int, cpu_s: float, p50: float, errors: int = 0) -> dict[str, Any]:
+    return {
+        "rps": rps,
+        "p50_ms": p50,
+        "p99_ms": 2 * p50,
+        "requests": requests,
+        "errors": errors,
+        "first_error": "1 non-2xx (first: 503 store_unavailable)" if errors else "",
+        "cpu_s": cpu_s,
+        "server_cpu_s": cpu_s / 10,
+    }
+
+
+def pair_run(pairs: int, cpu_s: float, p50: float) -> dict[str, Any]:
+    return {
+        "pairs": pairs,
+        "rps": pairs,
+        "store_p50_ms": p50,
+        "store_p99_ms": 2 * p50,
+        "continue_p50_ms": 2 * p50,
+        "continue_p99_ms": 4 * p50,
+        "errors": 0,
+        "first_error": "",
+        "cpu_s": cpu_s,
+        "server_cpu_s": 0.0,
+    }
+
+
+class StoreScenarioTests(SynchronousTestCase):
+    """
+    L{storecost}: each setup's daemon config, and the figures per setup
+    with their deltas against SQLite's.
+    """
+
+    def configs(self) -> dict[str, Any]:
+        from blazar.config import parse_config
+
+        work = Path("/srv/bench")
+        clusters = storecost.setup_clusters("postgresql://postgres@127.0.0.1:5432/b", "redis://127.0.0.1:6379/3")
+        return {
+            name: parse_config(storecost.node_config(work, 18080, BENCH / "engine_shim.py", cluster))
+            for name, cluster in clusters.items()
+        }
+
+    def test_setups(self) -> None:
+        """
+        Three setups: SQLite with limits in memory, PostgreSQL, and
+        PostgreSQL with Redis; without a database, SQLite alone.
+        """
+        configs = self.configs()
+        self.assertEqual(list(configs), list(storecost.SETUPS))
+        self.assertEqual(
+            {name: (c.cluster.database, c.cluster.redis) for name, c in configs.items()},
+            {
+                "sqlite": (None, None),
+                "postgres": ("postgresql://postgres@127.0.0.1:5432/b", None),
+                "postgres+redis": ("postgresql://postgres@127.0.0.1:5432/b", "redis://127.0.0.1:6379/3"),
+            },
+        )
+        self.assertEqual(list(storecost.setup_clusters(None, "redis://127.0.0.1:6379/3")), ["sqlite"])
+
+    def test_config(self) -> None:
+        """
+        Every setup's daemon serves the canned engine as C{upstream} (and
+        its stream as C{upstream-sse}) on its own port and data dir, and has
+        one key with every limit, scoped to those models.
+        """
+        models = ("upstream:latest", "upstream-sse:latest")
+        for name, config in self.configs().items():
+            self.assertEqual(config.listen, ("tcp:18080:interface=127.0.0.1",), name)
+            self.assertEqual(config.data_dir, Path("/srv/bench/data"))
+            self.assertEqual(sorted(config.models), sorted(models))
+            for model in models:
+                self.assertEqual(config.models[model].path, Path("/srv/bench/models/tiny.gguf"))
+                self.assertEqual(config.models[model].parallel, 64)
+            self.assertEqual(config.llamacpp.binary, BENCH / "engine_shim.py")
+            (key,) = config.keys
+            self.assertEqual((key.name, key.secret, key.models), ("bench-store", storecost.KEY_SECRET, models))
+            self.assertEqual(
+                {k: getattr(key, k) for k in storecost.LIMITS},
+                storecost.LIMITS,
+            )
+
+    def test_summary_against_sqlite(self) -> None:
+        """
+        Each figure the best of the setup's runs without errors (not all
+        from one run), the daemon's CPU per request (and per pair), and each
+        figure's delta against SQLite's; a run's errors are shown in its
+        setup's row and under the table.
+        """
+        runs = {
+            "sqlite": {"1": [store_run(500.0, 2500, 2.0, 1.8), store_run(600.0, 3000, 3.0, 1.6)], "8": []},
+            "postgres": {"1": [store_run(400.0, 2000, 2.4, 2.2)], "8": []},
+            "postgres+redis": {
+                "1": [store_run(300.0, 1500, 3.0, 3.1, errors=2), store_run(250.0, 1250, 3.0, 3.5)],
+                "8": [],
+            },
+        }
+        for setup in runs.values():
+            setup["8"] = list(setup["1"])
+        pairs = {
+            "sqlite": [pair_run(100, 0.5, 2.0)],
+            "postgres": [pair_run(80, 0.6, 3.0)],
+            "postgres+redis": [pair_run(70, 0.7, 4.0)],
+        }
+        raw, first = storecost.aggregate(runs, pairs)
+        self.assertEqual(raw["sqlite"]["chat"]["1"]["rps"], 600.0)
+        self.assertEqual(raw["postgres+redis"]["chat"]["1"]["rps"], 250.0)  # the run without errors
+        self.assertEqual(first, {"postgres+redis": "1 non-2xx (first: 503 store_unavailable)"})
+        rows = storecost.summarize(raw)
+        self.assertAlmostEqual(rows["sqlite"]["c1_cpu_ms"], 0.8)  # 2 s / 2500, the first run's
+        self.assertEqual((rows["sqlite"]["c1_rps"], rows["sqlite"]["c1_p50_ms"]), (600.0, 1.6))  # the second's
+        self.assertAlmostEqual(rows["postgres"]["c1_cpu_ms"], 1.2)
+        self.assertAlmostEqual(rows["postgres+redis"]["c1_cpu_ms"], 2.4)
+        self.assertAlmostEqual(rows["postgres+redis"]["c1_cpu_ms_delta"], 1.6)
+        self.assertEqual(rows["postgres+redis"]["c1_p50_ms"], 3.5)  # not the failing run's 3.1
+        self.assertAlmostEqual(rows["postgres"]["c1_p50_ms_delta"], 0.6)
+        self.assertAlmostEqual(rows["sqlite"]["c1_p50_ms_delta"], 0.0)
+        self.assertAlmostEqual(rows["postgres"]["pair_cpu_ms"], 7.5)  # 0.6 s / 80 pairs
+        self.assertAlmostEqual(rows["postgres"]["pair_cpu_ms_delta"], 2.5)
+        self.assertAlmostEqual(rows["postgres+redis"]["continue_p50_ms_delta"], 4.0)
+        self.assertEqual(rows["postgres+redis"]["c1_errors"], 2)
+        text = storecost.store_table({"summary": rows, "first_errors": first})
+        lines = {line.split()[0]: line for line in text.splitlines()[2:]}
+        self.assertIn("1.20 (+0.40)", lines["postgres"])
+        self.assertNotIn("(+", lines["sqlite"])
+        self.assertTrue(lines["postgres+redis"].endswith("ERRORS 4"), lines["postgres+redis"])
+        self.assertIn("  postgres+redis's first error: 1 non-2xx (first: 503 store_unavailable)", text)
+        tpm = {"20000": {"checks": 20, "redis_cpu_ms": 21.5, "wall_ms": 22.25}}
+        text = storecost.store_table({"summary": rows, "tpm_check_by_window": tpm})
+        self.assertIn("   20,000 answers: 21.500 ms / 22.250 ms", text)
+
+    def test_helpers(self) -> None:
+        """
+        Nearest-rank percentiles; CPU spent across two readings of a
+        process tree counts a process born in between from 0.
+        """
+        self.assertEqual(storecost.percentile([5.0, 1.0, 3.0, 2.0, 4.0], 50), 3.0)
+        self.assertEqual(storecost.percentile([float(n) for n in range(1, 101)], 99), 99.0)
+        self.assertTrue(math.isnan(storecost.percentile([], 50)))
+        self.assertAlmostEqual(storecost.cpu_spent({1: 1.0, 2: 5.0}, {1: 1.5, 2: 5.25, 3: 0.5}), 1.25)
