@@ -435,35 +435,39 @@ def version(argv: list[str]) -> str:
 def tpm_window_cost(url: str, server: psutil.Process, sizes: tuple[int, ...] = TPM_WINDOWS) -> dict[str, Any]:
     """
     What one C{tpm} check costs Redis as the key's window fills: the
-    Redis limits' own rates script (L{blazar.gateway.redisquota.RATES}),
-    run against a C{tpm} set holding C{n} answers of the last minute, for
-    each C{n} of C{sizes}. Redis's CPU (ms) and the round trip's wall time
-    (ms) per check, by C{n}.
+    Redis limits' own scripts (L{blazar.gateway.redisquota.TOKENS} counts
+    C{n} answers into the window, L{blazar.gateway.redisquota.RATES}
+    checks it), for each C{n} of C{sizes}. Redis's CPU (ms) and the round
+    trip's wall time (ms) per check, by C{n}. (The window is one count per
+    second, so the check's cost should not grow with C{n}.)
     """
     import redis
 
-    from blazar.gateway.redisquota import RATES
+    from blazar.gateway.redisquota import RATES, TOKENS
 
     client = redis.Redis.from_url(url)
     try:
-        sha = client.script_load(RATES)
+        sha, count = client.script_load(RATES), client.script_load(TOKENS)
         out: dict[str, Any] = {}
         for n in sizes:
-            client.delete("bench:rpm", "bench:tpm")
-            now = int(time.time() * 1000)
-            for start in range(0, n, 5000):
-                client.zadd("bench:tpm", {f"m{i}:17": now for i in range(start, min(n, start + 5000))})
+            client.delete("bench:rpm", "bench:tpm:s")
+            pipe = client.pipeline(transaction=False)
+            for i in range(n):
+                pipe.evalsha(count, 2, "bench:tpm:s", "bench:day:", 17, f"m{i}", 1, 0, 0)
+                if i % 1000 == 999:
+                    pipe.execute()
+            pipe.execute()
             checks = max(20, min(500, 200_000 // max(1, n)))
             cpu0, started = sum(server.cpu_times()[:2]), time.perf_counter()
             for i in range(checks):
-                client.evalsha(sha, 3, "bench:rpm", "bench:tpm", "bench:day:", -1, 10**12, -1, f"x{i}", 1)
+                client.evalsha(sha, 3, "bench:rpm", "bench:tpm:s", "bench:day:", -1, 10**12, -1, f"x{i}", 1, 0)
             wall = time.perf_counter() - started
             out[str(n)] = {
                 "checks": checks,
                 "redis_cpu_ms": 1000 * (sum(server.cpu_times()[:2]) - cpu0) / checks,
                 "wall_ms": 1000 * wall / checks,
             }
-        client.delete("bench:rpm", "bench:tpm")
+        client.delete("bench:rpm", "bench:tpm:s", *client.keys("bench:day:*"))
         return out
     finally:
         client.close()

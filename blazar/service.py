@@ -704,7 +704,7 @@ def _observers(
         services.append(tracing)
     site.observer = dashboard.observer = RequestObserver(metrics, reactor, tracing)
     if config.audit_log is not None:
-        audit = site.audit = AuditLog(config.audit_log)
+        audit = site.audit = AuditLog(config.audit_log, node=node_name(config))
         services.append(AuditService(audit, runner.drained))
         metrics.gauges(
             lambda: [

@@ -19,8 +19,10 @@ slot):
   - C{rpm}: a sorted set of the requests of the last 60 s (sliding window:
     a request is refused while C{rpm} requests were admitted in the 60 s
     before it; the same rule as in memory).
-  - C{tpm}: a sorted set of token counts (C{ID:TOKENS}) of the last 60 s,
-    summed by the script (sliding window).
+  - C{tpm:s}: the tokens of the last 60 s, a hash of one count per
+    second (Redis's C{TIME}), summed by the script: a sliding window to the
+    second, whose check costs the same however many answers it holds
+    (at most 60 fields; older ones are dropped as it reads).
   - C{day:N}: tokens used on UTC day N (days since the epoch), a counter
     that expires two days later. A Redis that lost it (restarted without
     its data) has it seeded, by the first node that finds it missing, from
@@ -89,7 +91,7 @@ redis.call('PEXPIRE', KEYS[1], ms)
 return n
 """
 
-# KEYS: rpm set, tpm set, day prefix. ARGV: rpm, tpm, daily (-1: none), member, count (1: count the request),
+# KEYS: rpm set, tpm hash, day prefix. ARGV: rpm, tpm, daily (-1: none), member, count (1: count the request),
 # seed (1: a missing day counter is to be seeded first)
 # -> {0} admitted; {1, retry ms} over rpm; {2, used, retry ms} over tpm; {3, used, retry s} over daily;
 # {4, day} today's counter is missing (Redis lost it): seed it (SEED), then check again
@@ -107,15 +109,23 @@ if rpm >= 0 then
   end
 end
 if tpm >= 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - 60000)
-  local used, oldest = 0, nil
-  local rows = redis.call('ZRANGE', KEYS[2], 0, -1, 'WITHSCORES')
+  -- one field per second (at most 60 live ones): the check's cost does not grow with the traffic
+  local used, oldest, stale = 0, nil, {}
+  local rows = redis.call('HGETALL', KEYS[2])
   for i = 1, #rows, 2 do
-    used = used + tonumber(string.match(rows[i], ':(%d+)$'))
-    if oldest == nil then oldest = tonumber(rows[i + 1]) end
+    local second = tonumber(rows[i])
+    if second <= secs - 60 then
+      stale[#stale + 1] = rows[i]
+    else
+      used = used + tonumber(rows[i + 1])
+      if oldest == nil or second < oldest then oldest = second end
+    end
+  end
+  if #stale > 0 then
+    redis.call('HDEL', KEYS[2], unpack(stale))
   end
   if used >= tpm then
-    return {2, used, 60000 - (now - (oldest or now))}
+    return {2, used, ((oldest or secs) + 60) * 1000 - now}
   end
 end
 if daily >= 0 then
@@ -135,15 +145,15 @@ end
 return {0}
 """
 
-# KEYS: tpm set, day prefix. ARGV: tokens, member, tpm? (1/0), daily? (1/0), seed (1: a missing day counter is
+# KEYS: tpm hash, day prefix. ARGV: tokens, member, tpm? (1/0), daily? (1/0), seed (1: a missing day counter is
 # seeded, not counted into) -> {0}; {1, day} today's counter is missing: SEED it (the seed holds these tokens)
 TOKENS = """
 local t = redis.call('TIME')
 local secs = tonumber(t[1])
 local now = secs * 1000 + math.floor(tonumber(t[2]) / 1000)
 if ARGV[3] == '1' then
-  redis.call('ZADD', KEYS[1], now, ARGV[2] .. ':' .. ARGV[1])
-  redis.call('PEXPIRE', KEYS[1], 61000)
+  redis.call('HINCRBY', KEYS[1], secs, tonumber(ARGV[1]))
+  redis.call('EXPIRE', KEYS[1], 61)
 end
 if ARGV[4] == '1' then
   local day = KEYS[2] .. math.floor(secs / 86400)
@@ -364,7 +374,7 @@ class RedisQuotas:
     def _rates(self, key: KeyConfig, tpm: int | None, daily: int | None) -> Deferred[None]:
         if key.rpm is None and tpm is None and daily is None:
             return succeed(None)
-        keys = [self._key(key, "rpm"), self._key(key, "tpm"), self._key(key, "day:")]
+        keys = [self._key(key, "rpm"), self._key(key, "tpm:s"), self._key(key, "day:")]
         seed = int(daily is not None and self._day_used is not None)
         args: list[object] = [_limit(key.rpm), _limit(tpm), _limit(daily), self._member(), 1, seed]
 
@@ -426,7 +436,7 @@ class RedisQuotas:
         the ledger had before the store was read); tokens Redis could not
         take are kept for L{refresh}, and the failure passed on.
         """
-        keys = [self._key(key, "tpm"), self._key(key, "day:")]
+        keys = [self._key(key, "tpm:s"), self._key(key, "day:")]
         daily = key.daily_tokens is not None
         args: list[object] = [
             tokens,

@@ -1,7 +1,8 @@
 """
 The audit lane (opt-in, C{audit_log = PATH}): one JSON line per request,
-C{{ts, trace, key, method, path, model, status, ms, priority,
-queue_depth}}, handed to a writer thread through a bounded queue. A full
+C{{ts, node, trace, key, method, path, model, status, ms, priority,
+queue_depth}} (C{node}: this node's name, L{blazar.config.node_name}, so
+the lines of a cluster's nodes can be merged), handed to a writer thread through a bounded queue. A full
 queue drops the line and counts it (C{dropped}, shown by C{blazar status}):
 auditing never blocks a request. The file rotates to C{PATH.1} at
 C{max_bytes}. Both files are mode 0600 (set at open, whatever the umask).
@@ -41,10 +42,12 @@ class AuditLog:
         queue_size: int = 4096,
         wall: Callable[[], float] = time.time,
         retry_secs: float = 1.0,
+        node: str | None = None,
     ) -> None:
         """
         @param retry_secs: The first back-off after a failed write (it
             doubles, to 60 s).
+        @param node: This node's name, in every line.
         """
         self.path = path
         self.max_bytes = max_bytes
@@ -54,6 +57,7 @@ class AuditLog:
         self._queue: queue.Queue[Any] = queue.Queue(maxsize=queue_size)
         self._wall = wall
         self._retry = retry_secs
+        self._node = node
         self._thread: threading.Thread | None = None
         self.gate = threading.Event()  # tests close it to stall the writer
         self.gate.set()
@@ -65,6 +69,7 @@ class AuditLog:
         """
         line = {
             "ts": round(self._wall(), 3),
+            "node": self._node,
             "trace": event.get("trace"),
             "key": event.get("key") or None,
             "method": event.get("method"),

@@ -40,7 +40,20 @@ class AuditTests(SynchronousTestCase):
         first = json.loads(lines[0])
         self.assertEqual(
             set(first),
-            {"ts", "trace", "key", "method", "path", "model", "status", "ms", "priority", "queue_depth", "sentinel"},
+            {
+                "ts",
+                "node",
+                "trace",
+                "key",
+                "method",
+                "path",
+                "model",
+                "status",
+                "ms",
+                "priority",
+                "queue_depth",
+                "sentinel",
+            },
         )
 
     def test_a_full_disk_drops_and_counts_then_the_writer_comes_back(self) -> None:
@@ -106,6 +119,7 @@ def test_daemon_writes_one_line_per_request(engine: str, models: dict[str, Gener
         tmp_path / "d",
         f'audit_log = "{path}"\n'
         + daemon_config(engine, models)
+        + '\n[cluster]\nnode = "gpu-7"\n'
         + ('[[keys]]\nname = "auditor"\nsecret = "audit-secret-0123456789"\n'),
     )
     d.start()
@@ -129,4 +143,5 @@ def test_daemon_writes_one_line_per_request(engine: str, models: dict[str, Gener
     chats = [line for line in lines if line["path"] == "/v1/chat/completions"]
     assert len(chats) == 3
     assert chats[0]["key"] == "auditor" and chats[0]["model"] == "tiny:latest" and chats[0]["status"] == 200
+    assert {line["node"] for line in lines} == {"gpu-7"}  # each node's own log names it (issue 42)
     assert "audit-secret" not in path.read_text()
