@@ -128,6 +128,8 @@ class Responses:
         )
         try:
             await self._run_db(store.thd_put_response, row, config.responses_max_stored)
+        except store.StoreUnavailable:
+            raise  # (the client asked for store: true: an answer it could not continue is not a success)
         except Exception:
             log.failure("storing response {id} failed", id=response["id"])
 
@@ -198,18 +200,28 @@ class Responses:
         # response.failed, never with an error body of its own
         call = attrs.evolve(call, on_send=on_send)
         ended = False
+        terminal: list[tuple[str, dict[str, Any]]] = []
         try:
             async with opened(self._pipeline, request, call) as reply:
                 await judged(request, reply, reply.chunks(lambda chunk: self._write(request, translator.feed(chunk))))
-                self._write(request, translator.finish())
+                events = translator.finish()
+                # the terminal event (response.completed) waits for the store: a response the
+                # client asked to store and that could not be is response.failed instead
+                self._write(request, events[:-1])
+                terminal = events[-1:]
                 ended = True
         except Exception as e:
             problem = in_stream(request, e, model, "responses", headers_out)
-            if not ended:
-                self._write(request, translator.fail(problem.message))
+            self._write(request, terminal if ended else translator.fail(problem.message))
             return None
         self._usage(reply, translator)
-        await self._store(request, translator.response, inputs)
+        try:
+            await self._store(request, translator.response, inputs)
+        except store.StoreUnavailable as e:
+            log.error("response {id} not stored: {why}", id=translator.response["id"], why=str(e))
+            self._write(request, translator.fail(f"the response was not stored: {e}", "store_unavailable"))
+            return None
+        self._write(request, terminal)
         return None
 
     def _write(self, request: IRequest, events: list[tuple[str, dict[str, Any]]]) -> None:

@@ -726,14 +726,16 @@ class ResponsesStream:
             events.append(self._event("response.completed", response=self.response))
         return events
 
-    def fail(self, message: str) -> list[tuple[str, dict[str, Any]]]:
+    def fail(self, message: str, code: str = "server_error") -> list[tuple[str, dict[str, Any]]]:
         """
-        The terminal C{response.failed} event (the child failed mid-way).
+        The terminal C{response.failed} event (the child failed mid-way,
+        or the finished response could not be stored: C{code}
+        C{store_unavailable}).
         """
         self.done = True
         self.response["status"] = "failed"
         self.response["output"] = self._items
-        self.response["error"] = {"code": "server_error", "message": message}
+        self.response["error"] = {"code": code, "message": message}
         return [self._event("response.failed", response=self.response)]
 
     @property
