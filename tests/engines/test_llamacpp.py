@@ -346,3 +346,21 @@ class SpeculativeTests(SynchronousTestCase):
         ]:
             e = self.assertRaises(ConfigError, parse_config, '[models."m"]\n' + toml)
             self.assertIn(words, str(e))
+
+    def test_the_spawner_makes_the_lookup_cache_file_and_keeps_it(self) -> None:
+        """
+        llama-server aborts on a C{-lcd} file that does not exist: the
+        spawner makes it empty (0600, in a 0700 directory), and leaves a
+        file already there as it is.
+        """
+        from blazar.engines.llamacpp import lookup_cache
+        from blazar.engines.spawn import thd_lookup_cache
+
+        data = Path(self.mktemp()).resolve()
+        cache = lookup_cache(data, "m:latest")
+        thd_lookup_cache(cache)
+        self.assertEqual(cache.read_bytes(), b"")
+        self.assertEqual((cache.stat().st_mode & 0o777, cache.parent.stat().st_mode & 0o777), (0o600, 0o700))
+        cache.write_bytes(b"ngrams")
+        thd_lookup_cache(cache)
+        self.assertEqual(cache.read_bytes(), b"ngrams")
