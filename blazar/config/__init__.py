@@ -446,7 +446,8 @@ class ModelConfig:
         value=POSITIVE_INT,
         group="speculative decoding",
         shown="llama-server's, 3",
-        doc="Most tokens drafted at a time, `--spec-draft-n-max`.",
+        doc="Most tokens drafted at a time, `--spec-draft-n-max` (the pinned engine's ngram-cache drafts ~8 whatever "
+        "it says).",
     )
     draft_min: int | None = setting(
         None,
