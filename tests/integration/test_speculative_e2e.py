@@ -6,7 +6,8 @@ C{<data_dir>/speccache/}; a "repeat this code with one change" request
 (temperature 0) drafts from the code it was shown, and C{/api/ps} shows
 the acceptance the hints job read from the child's C{/metrics}; the cache
 file outlives the child and a daemon restart, and is the one the next
-child is given. A draft model of another vocabulary stops twistd at
+child is given. C{speculative = "draft"} with a draft model named by its
+model name drafts; a draft model of another vocabulary stops twistd at
 startup with the fix.
 """
 
@@ -150,6 +151,42 @@ def test_ngram_lookup_drafts_and_its_cache_outlives_a_restart(engine: str, tmp_p
         assert cache.stat().st_ino == before  # the same file, given to the new child
         shown = speculative(daemon, SCRAPE + 30)
         assert shown["acceptance"] is not None and shown["acceptance"] > 0, shown
+    finally:
+        daemon.close(check_engines=True)
+
+
+def test_a_draft_model_by_name_drafts(engine: str, tmp_path: Path) -> None:
+    """
+    C{speculative = "draft"} with C{draft_model} naming another model of
+    C{models_dir}: the child gets that model's file as its draft model
+    (here SmolLM2 drafting for itself, the same vocabulary), answers, and
+    C{/api/ps} shows what it accepted.
+    """
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "smollm.gguf").symlink_to(real_model())
+    (tmp_path / "models" / "smoldraft.gguf").symlink_to(real_model())
+    daemon = Daemon(
+        tmp_path,
+        f'models_dir = "{tmp_path / "models"}"\n[engines.llamacpp]\nbinary = "{engine}"\n'
+        '[models."smollm"]\nparallel = 1\nctx_size = 2048\nspeculative = "draft"\ndraft_model = "smoldraft"\n'
+        "draft_max = 4\n",
+    ).start()
+    try:
+        status, body = daemon.post_json(
+            "/v1/chat/completions",
+            {"model": "smollm", "messages": REPEAT, "temperature": 0, "max_tokens": 64},
+            timeout=600,
+        )
+        assert status == 200 and body["choices"][0]["message"]["content"], body
+        argv = daemon.engine_for(MODEL).cmdline()
+        assert argv[argv.index("--spec-type") + 1] == "draft-simple"
+        assert argv[argv.index("--spec-draft-model") + 1] == str(tmp_path / "models" / "smoldraft.gguf")
+        assert argv[argv.index("--spec-draft-n-max") + 1] == "4"
+        shown = speculative(daemon, SCRAPE + 30)
+        assert shown["mode"] == "draft"
+        assert shown["acceptance"] is not None and shown["acceptance"] > 0.5, shown
+        # at most draft_max tokens a draft
+        assert shown["accepted_per_draft"] is not None and 0 < shown["accepted_per_draft"] <= 4, shown
     finally:
         daemon.close(check_engines=True)
 
