@@ -552,6 +552,7 @@ def build_gateway(
     run_db: Callable[..., Deferred[Any]] | None = None,
     wall: Callable[[], float] = time.time,
     in_thread: Callable[..., Deferred[Any]] | None = None,
+    hints: Any = None,
 ) -> Gateway:
     """
     The surfaces over one pipeline, wired as the daemon wires them: for
@@ -565,6 +566,8 @@ def build_gateway(
         Responses); L{None}: none are stored.
     @param wall: UNIX seconds now, for the Ollama surface's times.
     @param in_thread: Runs CPU work off the reactor; L{None}: in line.
+    @param hints: The engines' hints (L{blazar.engines.hints.EngineHints}),
+        which C{/api/ps} shows; L{None}: none.
     """
     proxy = EngineProxy(supervisor, engines, reactor, registry, config)
     pipeline = Pipeline(proxy, reactor, registry, admission, sessions, config, in_thread=in_thread)
@@ -577,7 +580,7 @@ def build_gateway(
         admission,
         responses,
         OpenAISurface(registry, pipeline, reactor, responses, config),
-        OllamaSurface(registry, pipeline, reactor, wall, operations, config),
+        OllamaSurface(registry, pipeline, reactor, wall, operations, config, hints),
         AnthropicSurface(pipeline, reactor),
     )
 
@@ -868,6 +871,7 @@ def assemble(
         operations=engines.operations,
         run_db=stores.database.run_db,
         in_thread=in_reactor_pool(reactor),
+        hints=engines.hints,
     )
     gateway.pipeline.cache = stores.cache.cache
     gateway.pipeline.images = ImageFetcher(reactor, live, in_reactor_pool(reactor))

@@ -29,8 +29,12 @@ class Options(usage.Options):
     ]
 
     def postOptions(self) -> None:
+        from blazar.models.speculative import thd_check_drafts
+
         try:
             self["parsed"] = resolve_config(self["config"])
+            # reads the draft models' GGUF headers: blocking, and allowed here, before the reactor runs
+            thd_check_drafts(self["parsed"])
         except ConfigError as e:
             raise usage.UsageError(str(e)) from None
         from blazar.web.auth import keys_from_env

@@ -236,6 +236,7 @@ class FakeInstance:
     served: int = 0
     answers_health: bool = True
     path: Path | None = None  # its model file (entry.path), if a test needs a real one
+    settings: ModelConfig | None = None  # its entry's settings, if a test needs others than parallel's
     binary: str = ""
     shape: str = ""  # as the real one's (blazar.engines.supervisor.child_shape); "": computed from the files
     lane: str = "llamacpp"  # as the real one's: llamacpp, whisper, sdcpp or a command lane's name
@@ -248,7 +249,9 @@ class FakeInstance:
     @property
     def entry(self) -> ModelEntry:
         return ModelEntry(
-            self.name, self.path or Path(f"/nonexistent/{self.name}.gguf"), settings=ModelConfig(parallel=self.parallel)
+            self.name,
+            self.path or Path(f"/nonexistent/{self.name}.gguf"),
+            settings=self.settings or ModelConfig(parallel=self.parallel),
         )
 
     @property

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from blazar.cli.doctor import engine_sees_gpus
 
 
@@ -45,3 +47,22 @@ def test_the_device_listing_says_when_it_could_not_ask(tmp_path: Path) -> None:
     key = (str(binary), binary.stat().st_mtime)
     assert thd_engine_devices(binary, {key: ["asked before"]}) == (key, ["asked before"])  # not run again
     assert thd_engine_devices(binary, {}) == (key, ["CUDA0: NVIDIA H200 (143771 MiB, 142934 MiB free)"])
+
+
+def test_a_draft_model_of_another_vocabulary_is_a_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    import argparse
+
+    from blazar.cli.doctor import doctor
+    from blazar.models.testmodel import make_test_model
+
+    make_test_model(tmp_path / "models" / "big.gguf")
+    make_test_model(tmp_path / "models" / "other.gguf", extra_words=("zebra",))
+    config = tmp_path / "config.toml"
+    config.write_text(
+        f'data_dir = "{tmp_path / "data"}"\nmodels_dir = "{tmp_path / "models"}"\nengine_check_secs = 0\n'
+        f'[engines.llamacpp]\nbinary = "{_engine(tmp_path, "Available devices:")}"\n'
+        '[models."big"]\nspeculative = "draft"\ndraft_model = "other"\n'
+    )
+    doctor(argparse.Namespace(config=str(config)))
+    out = capsys.readouterr().out
+    assert "[FAIL] draft models: " in out and "does not share the model's vocabulary" in out, out

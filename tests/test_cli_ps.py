@@ -94,3 +94,22 @@ def test_a_daemon_that_lists_no_gpus_says_nothing_of_them(capsys: pytest.Capture
     del old["vram"], old["gpus"]  # an older daemon: the fields are absent (None over AMP)
     print_instances([old], None)
     assert capsys.readouterr().out.splitlines()[1].split()[-2:] == ["-", "-"]
+
+
+def test_speculative_decoding_columns(capsys: pytest.CaptureFixture[str]) -> None:
+    """
+    C{SPEC} (the mode), C{DRAFT} (acceptance) and C{ACC/D} (accepted
+    tokens per draft); C{-} before the engine drafted, or from an older
+    daemon that sends neither.
+    """
+    measured = row("coder", [])
+    measured.update(speculative="ngram", draft_acceptance=0.575, accepted_per_draft=4.6)
+    fresh = row("fresh", [])
+    fresh.update(speculative="draft")
+    print_instances([measured, fresh, row("old", [])], None)
+    out = capsys.readouterr().out.splitlines()
+    header = out[0].split()
+    spec, draft, per = header.index("SPEC"), header.index("DRAFT"), header.index("ACC/D")
+    assert [out[1].split()[i] for i in (spec, draft, per)] == ["ngram", "57%", "4.6"]
+    assert [out[2].split()[i] for i in (spec, draft, per)] == ["draft", "-", "-"]
+    assert [out[3].split()[i] for i in (spec, draft, per)] == ["-", "-", "-"]

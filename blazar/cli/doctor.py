@@ -48,6 +48,14 @@ def doctor(args: argparse.Namespace) -> int:
     exposed = thd_exposed_secrets(config)
     if exposed is not None:
         report(False, exposed)
+    if any(m.speculative == "draft" for m in config.models.values()):
+        from blazar.models.speculative import thd_check_drafts
+
+        try:
+            thd_check_drafts(config)
+            report(True, "draft models: each shares its model's vocabulary")
+        except ConfigError as e:
+            report(False, f"draft models: {e}")
     binary = None
     try:
         binary = find_binary(config, os.environ)

@@ -305,6 +305,15 @@ def _tables_of(cls: type) -> Value:
     return Value("a table", convert)
 
 
+SPECULATIVE_MODES = ("off", "ngram", "draft", "auto")
+
+
+def _probability(raw: Any, at: At) -> float:
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not 0 <= raw <= 1:
+        raise ValueError(raw)
+    return float(raw)
+
+
 @attrs.frozen
 class ModelConfig:
     """
@@ -414,6 +423,45 @@ class ModelConfig:
     )
     use_mmap: bool | None = setting(
         None, value=BOOL, group="launch profile", doc="`--load-mode mmap`; false: `--load-mode none`."
+    )
+    # speculative decoding (blazar.engines.llamacpp.speculative_flags): off leaves the argv unchanged
+    speculative: str = setting(
+        "off",
+        value=choice('"off", "ngram", "draft" or "auto"', SPECULATIVE_MODES),
+        group="speculative decoding",
+        doc='`"ngram"`: n-gram lookup (`--spec-type ngram-cache`, its dynamic lookup cache kept in '
+        '`<data_dir>/speccache/<model>/`); `"draft"`: a draft model (`draft_model`, `--spec-type draft-simple`); '
+        '`"auto"`: for now the same as `"ngram"`.',
+    )
+    draft_model: str | None = setting(
+        None,
+        value=Value("a model's name or a GGUF path", _non_empty),
+        group="speculative decoding",
+        shown="none",
+        doc='With `speculative = "draft"`: the draft model, a model\'s name or a GGUF path (relative: under '
+        "`models_dir`), `--spec-draft-model`; it must share the model's vocabulary (checked at config load).",
+    )
+    draft_max: int | None = setting(
+        None,
+        value=POSITIVE_INT,
+        group="speculative decoding",
+        shown="llama-server's, 3",
+        doc="Most tokens drafted at a time, `--spec-draft-n-max` (the pinned engine's ngram-cache drafts ~8 whatever "
+        "it says).",
+    )
+    draft_min: int | None = setting(
+        None,
+        value=count("a whole number, 0 or more"),
+        group="speculative decoding",
+        shown="llama-server's, 0",
+        doc="Fewest tokens drafted at a time, `--spec-draft-n-min`.",
+    )
+    draft_p_min: float | None = setting(
+        None,
+        value=Value("a probability from 0 to 1", _probability),
+        group="speculative decoding",
+        shown="llama-server's, 0",
+        doc="Least probability a draft model's token needs to be drafted (greedy), `--spec-draft-p-min`.",
     )
     mmproj: Path | None = setting(
         None,
@@ -1527,8 +1575,35 @@ def _parse_models(raw: object, where: str, base: Path, lanes: tuple[CommandLane,
                 f"{where}: models.{name}.engine = {engine!r}: no such engine lane (llamacpp, whisper, sdcpp, or one of "
                 f"[engines.NAME]: {', '.join(lane.name for lane in lanes) or 'none configured'})"
             )
+        _check_speculative(fields, where, name)
         models[canonical] = ModelConfig(**fields)
     return models
+
+
+def _check_speculative(fields: Mapping[str, Any], where: str, name: str) -> None:
+    """
+    A model's speculative keys agree: C{speculative = "draft"} names its
+    C{draft_model}, and only it does. (That the draft model shares the
+    model's vocabulary is checked where files may be read:
+    L{blazar.models.speculative.thd_check_drafts}.)
+
+    @raise ConfigError: They do not.
+    """
+    mode = fields.get("speculative", "off")
+    draft = fields.get("draft_model")
+    if mode == "draft" and draft is None:
+        raise ConfigError(
+            f'{where}: [models.{name!r}]: speculative = "draft" needs draft_model = "NAME" (a small model with the '
+            'same vocabulary, by name or GGUF path), or use speculative = "ngram", which needs no draft model'
+        )
+    if draft is not None and mode != "draft":
+        raise ConfigError(
+            f'{where}: [models.{name!r}]: draft_model is set but speculative = "{mode}": set speculative = "draft" '
+            "to use it, or remove draft_model"
+        )
+    low, high = fields.get("draft_min"), fields.get("draft_max")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"{where}: [models.{name!r}]: draft_min ({low}) is above draft_max ({high})")
 
 
 def _parse_lane(name: str, raw: object, where: str) -> CommandLane:

@@ -2,16 +2,18 @@
 The engine hints job: every minute, read each ready child's own
 C{/metrics} (llama-server's Prometheus counters, served with C{--metrics})
 and keep per model what they say about the work: the prompt cache hit
-ratio and the speculative-decoding draft acceptance, as EWMAs (0.7 old,
-0.3 new), plus the latest raw counters.
+ratio and the speculative-decoding draft acceptance and accepted tokens per
+draft, as EWMAs (0.7 old, 0.3 new), plus the latest raw counters.
 
 Counters read (llama.cpp C{tools/server}, names as this build serves them):
 C{llamacpp:prompt_tokens_total} (prompt tokens evaluated, cached ones
 excluded), C{llamacpp:prompt_tokens_cached_total},
-C{llamacpp:spec_decode_num_draft_tokens_total} and
-C{llamacpp:spec_decode_num_accepted_tokens_total}. Per interval,
-cache hit = cached / (cached + evaluated) and draft acceptance = accepted /
-drafted (skipped while nothing was drafted).
+C{llamacpp:spec_decode_num_draft_tokens_total},
+C{llamacpp:spec_decode_num_accepted_tokens_total} and
+C{llamacpp:spec_decode_num_drafts_total} (docs/speculative.md). Per
+interval, cache hit = cached / (cached + evaluated), draft acceptance =
+accepted / drafted tokens and accepted per draft = accepted tokens /
+drafts (both skipped while nothing was drafted).
 
 A scrape that fails (no answer, an error status, not the Prometheus text
 format) is counted and logged once when a model's scrape state changes;
@@ -42,6 +44,7 @@ PROMPT = "llamacpp:prompt_tokens_total"
 CACHED = "llamacpp:prompt_tokens_cached_total"
 DRAFTED = "llamacpp:spec_decode_num_draft_tokens_total"
 ACCEPTED = "llamacpp:spec_decode_num_accepted_tokens_total"
+DRAFTS = "llamacpp:spec_decode_num_drafts_total"
 
 
 class ScrapeError(Exception):
@@ -82,6 +85,8 @@ class EngineHint:
     @ivar counters: The latest C{llamacpp:*} samples.
     @ivar cache_hit: EWMA of the prompt cache hit ratio (0-1), or L{None}.
     @ivar draft_acceptance: EWMA of accepted / drafted tokens, or L{None}.
+    @ivar accepted_per_draft: EWMA of the tokens accepted per draft (0 to
+        the most a draft holds), or L{None}.
     @ivar pid: The child the counters came from (a new child restarts
         the counters, not the averages).
     """
@@ -89,6 +94,7 @@ class EngineHint:
     counters: dict[str, float] = attrs.field(factory=dict)
     cache_hit: float | None = None
     draft_acceptance: float | None = None
+    accepted_per_draft: float | None = None
     pid: int | None = None
     failing: bool = False
 
@@ -104,6 +110,9 @@ class EngineHint:
         drafted = delta(DRAFTED)
         if drafted > 0:
             self.draft_acceptance = ewma(self.draft_acceptance, min(1.0, delta(ACCEPTED) / drafted))
+        drafts = delta(DRAFTS)
+        if drafts > 0:
+            self.accepted_per_draft = ewma(self.accepted_per_draft, delta(ACCEPTED) / drafts)
         self.counters = counters
         self.pid = pid
 
@@ -192,7 +201,8 @@ class EngineHints(Service):
     def collect_metrics(self) -> Iterable[Metric]:
         """
         Scrape-time gauges: C{blazar_engine_cache_hit_ratio},
-        C{blazar_engine_draft_acceptance_ratio} and every C{llamacpp:*}
+        C{blazar_engine_draft_acceptance_ratio},
+        C{blazar_engine_accepted_per_draft} and every C{llamacpp:*}
         counter as C{blazar_engine_<name>}, by model.
         """
         hints = sorted(self.hints.items())
@@ -207,6 +217,12 @@ class EngineHints(Service):
             "EWMA of the engine's accepted / drafted speculative tokens",
             ["model"],
             [([n], h.draft_acceptance) for n, h in hints if h.draft_acceptance is not None],
+        )
+        yield gauge(
+            "blazar_engine_accepted_per_draft",
+            "EWMA of the speculative tokens the engine accepted per draft",
+            ["model"],
+            [([n], h.accepted_per_draft) for n, h in hints if h.accepted_per_draft is not None],
         )
         names = sorted({k for _, h in hints for k in h.counters})
         for counter in names:

@@ -252,6 +252,64 @@ def slot_save_dir(data_dir: Path, model: str) -> Path:
     return data_dir / "sessions" / safe
 
 
+NGRAM_SPEC_TYPE = "ngram-cache"
+DRAFT_SPEC_TYPE = "draft-simple"
+LOOKUP_CACHE = "lookup-dynamic.bin"
+
+
+def speccache_dir(data_dir: Path, model: str) -> Path:
+    """
+    Where a model's n-gram lookup cache lives: C{<data_dir>/speccache/<model>},
+    the name made safe for a directory (as L{slot_save_dir}).
+    """
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in model)
+    return data_dir / "speccache" / safe
+
+
+def lookup_cache(data_dir: Path, model: str) -> Path:
+    """
+    A model's dynamic lookup cache (llama-server's C{-lcd}), in
+    L{speccache_dir}. The engine aborts at load when the file is missing,
+    so the spawner makes it (empty) first: L{blazar.engines.spawn.thd_lookup_cache}.
+    """
+    return speccache_dir(data_dir, model) / LOOKUP_CACHE
+
+
+def speculative_flags(entry: ModelEntry, data_dir: Path) -> list[str]:
+    """
+    llama-server's speculative-decoding flags for C{entry}, from its
+    C{[models."name"]} keys (docs/speculative.md):
+
+      - C{speculative = "off"} (the default): none, the argv as before;
+      - C{"ngram"} and, until it is tuned, C{"auto"}: n-gram lookup
+        (C{--spec-type ngram-cache}) with the model's dynamic lookup cache
+        (C{-lcd}, L{lookup_cache});
+      - C{"draft"}: a draft model (C{--spec-type draft-simple
+        --spec-draft-model FILE}, the file L{ModelEntry.draft} resolved).
+
+    Then the knobs that are set: C{draft_max} (C{--spec-draft-n-max}),
+    C{draft_min} (C{--spec-draft-n-min}) and C{draft_p_min}
+    (C{--spec-draft-p-min}).
+    """
+    settings = entry.settings
+    mode = settings.speculative
+    if mode == "off":
+        return []
+    if mode == "draft":
+        if entry.draft is None:  # (the config refuses "draft" without draft_model)
+            return []
+        flags = ["--spec-type", DRAFT_SPEC_TYPE, "--spec-draft-model", str(entry.draft)]
+    else:
+        flags = ["--spec-type", NGRAM_SPEC_TYPE, "-lcd", str(lookup_cache(data_dir, entry.name))]
+    if settings.draft_max is not None:
+        flags += ["--spec-draft-n-max", str(settings.draft_max)]
+    if settings.draft_min is not None:
+        flags += ["--spec-draft-n-min", str(settings.draft_min)]
+    if settings.draft_p_min is not None:
+        flags += ["--spec-draft-p-min", f"{settings.draft_p_min:g}"]
+    return flags
+
+
 @attrs.frozen
 class EngineCommand:
     """
@@ -325,6 +383,8 @@ def build_command(
             # model that declares no pooling gets mean pooling.
             argv += ["--pooling", "mean"]
     argv += lora_flags(entry.adapters)
+    if not settings.embedding and not is_reranker(entry, meta):
+        argv += speculative_flags(entry, config.data_dir)
     if sees_images(entry, meta, config) and entry.projector is not None:
         argv += ["--mmproj", str(entry.projector)]
     env = {"LLAMA_API_KEY": api_key}

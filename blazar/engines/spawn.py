@@ -36,7 +36,14 @@ from blazar.engines.lanes import (
     route,
     thd_find_server,
 )
-from blazar.engines.llamacpp import DEFAULT_PARALLEL, EngineCommand, build_command, context_per_slot, slot_save_dir
+from blazar.engines.llamacpp import (
+    DEFAULT_PARALLEL,
+    EngineCommand,
+    build_command,
+    context_per_slot,
+    lookup_cache,
+    slot_save_dir,
+)
 from blazar.engines.process import DEATHSIG_LAUNCHER, EngineProcessProtocol
 from blazar.files import private_dir
 from blazar.metrics import Metrics
@@ -80,6 +87,21 @@ def thd_slot_dir(path: Path) -> None:
     if not path.is_dir():
         private_dir(path.parent)
         private_dir(path)
+
+
+def thd_lookup_cache(path: Path) -> None:
+    """
+    Make a model's n-gram lookup cache file (empty) and its directory
+    (0700) if missing: llama-server aborts at load on a C{-lcd} file that
+    does not exist, and this engine version reads the file but never
+    writes it (docs/speculative.md).
+    """
+    if not path.parent.is_dir():
+        private_dir(path.parent.parent)
+        private_dir(path.parent)
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        os.close(fd)
 
 
 def free_port() -> int:
@@ -242,6 +264,13 @@ class Launcher:
                 self._reactor.getThreadPool(),
                 thd_slot_dir,
                 slot_save_dir(self._config().data_dir, entry.name),
+            )
+        if lane is None and entry.settings.speculative in ("ngram", "auto") and not entry.settings.embedding:
+            await deferToThreadPool(
+                self._reactor,
+                self._reactor.getThreadPool(),
+                thd_lookup_cache,
+                lookup_cache(self._config().data_dir, entry.name),
             )
         # the files as this child will load them (a file replaced later does
         # not change what it holds)

@@ -118,7 +118,9 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
     Each loaded instance as C{blazar ps} and the dashboard show it: model,
     kind, lane, state, pid, port, busy and total slots, context, seconds
     until idle-evictable, breaker, served, memory estimate and RSS, the
-    engine's cache-hit and draft-acceptance EWMAs, and its GPU memory:
+    engine's cache-hit, draft-acceptance and accepted-per-draft EWMAs,
+    its C{speculative} mode (C{off}, C{ngram}, C{draft}, C{auto}), and
+    its GPU memory:
     C{vram} (bytes over every GPU: NVML's figure once measured, else the
     plan's; 0 for a CPU child) and C{gpus}, one
     C{{"gpu": index, "planned": bytes, "measured": bytes}} per GPU it is
@@ -140,6 +142,8 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
             {
                 "cache_hit": hint.cache_hit if hint is not None else None,
                 "draft_acceptance": hint.draft_acceptance if hint is not None else None,
+                "accepted_per_draft": hint.accepted_per_draft if hint is not None else None,
+                "speculative": view.entry.settings.speculative,
                 "model": view.name,
                 "key": f"{view.name}#0@text",
                 "state": str(view.state),

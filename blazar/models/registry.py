@@ -147,6 +147,8 @@ class ModelEntry:
     adapters: tuple[tuple[Path, float], ...] = ()
     # a model of the Ollama store (ollama_models): its manifest's name, digest and text layers
     ollama: OllamaLayers | None = None
+    # its draft model's file (speculative = "draft", --spec-draft-model): resolve_draft
+    draft: Path | None = None
 
     @property
     def remote_model(self) -> str:
@@ -306,7 +308,25 @@ def thd_scan(
                 settings = model_settings(stored.parameters, settings)
             found[key] = attrs.evolve(found[key], settings=settings, adapters=settings.lora or found[key].adapters)
     thd_attach_projectors(found, projectors, models_dir)
+    for key, entry in found.items():
+        if entry.settings.draft_model is not None:
+            found[key] = attrs.evolve(entry, draft=resolve_draft(entry.settings.draft_model, found, models_dir))
     return found
+
+
+def resolve_draft(draft: str, found: Mapping[str, ModelEntry], models_dir: Path) -> Path:
+    """
+    The file of a C{draft_model}: a model's file when C{draft} names one
+    of C{found}, else C{draft} as a path (relative: under C{models_dir}).
+    """
+    try:
+        named = found.get(name_key(draft))
+    except ValueError:
+        named = None
+    if named is not None:
+        return named.path
+    path = Path(draft).expanduser()
+    return path if path.is_absolute() else models_dir / path
 
 
 def is_projector_name(name: str) -> bool:

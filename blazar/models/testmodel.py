@@ -174,6 +174,7 @@ def make_test_model(
     chat_template: str = CHAT_TEMPLATE,
     architecture: str = "llama",
     rerank: bool = False,
+    extra_words: tuple[str, ...] = (),
 ) -> GeneratedModel:
     """
     Write a tiny random-weight llama GGUF to C{path} (about 0.5 MB).
@@ -191,6 +192,9 @@ def make_test_model(
         a query and a document by the pooled state's first value).
     @param architecture: C{general.architecture}: another name makes a file
         llama.cpp refuses to load ("unknown model architecture").
+    @param extra_words: Normal tokens added after the usual vocabulary: a
+        model whose vocabulary differs (a draft model that does not fit,
+        L{blazar.models.speculative}).
     """
     import numpy as np
     from gguf import GGUFWriter
@@ -199,6 +203,7 @@ def make_test_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
     tokens, types = vocabulary()
+    tokens, types = tokens + list(extra_words), types + [_NORMAL] * len(extra_words)
     n_vocab = len(tokens)
     head_dim = n_embd // n_head
 

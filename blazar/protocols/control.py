@@ -105,6 +105,8 @@ INSTANCE = [
     (b"rss", amp.Integer(optional=True)),
     (b"cache_hit", amp.Float(optional=True)),
     (b"draft_acceptance", amp.Float(optional=True)),
+    (b"accepted_per_draft", amp.Float(optional=True)),
+    (b"speculative", amp.Unicode(optional=True)),  # off, ngram, draft or auto
     (b"kind", amp.Unicode(optional=True)),  # chat, embedding, rerank, transcription, image
     (b"lane", amp.Unicode(optional=True)),  # llamacpp, whisper, sdcpp or a command lane
     # bytes on the GPUs (NVML's figure once measured, else the plan's), and per GPU both figures

@@ -41,11 +41,25 @@ from blazar.config import (
     shared_key,
     thd_rewrite,
 )
+from blazar.models.speculative import thd_check_drafts
 
 log = Logger()
 
 
 KEY_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+
+def thd_load_checked(path: Path) -> Config:
+    """
+    Load the config file at C{path} (which must exist) and check what only
+    files say: each draft model shares its model's vocabulary
+    (L{thd_check_drafts}). Blocking: reads files.
+
+    @raise ConfigError: As L{load_config} and L{thd_check_drafts}.
+    """
+    config = load_config(path, required=True)
+    thd_check_drafts(config)
+    return config
 
 
 def new_secret() -> str:
@@ -250,9 +264,7 @@ class KeyAdmin:
             raise ConfigError("this daemon runs without a config file: nothing to reload")
         await self._lock.acquire()
         try:
-            new = await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), load_config, self._path, required=True
-            )
+            new = await deferToThreadPool(self._reactor, self._reactor.getThreadPool(), thd_load_checked, self._path)
             return self._live.swap(new)
         finally:
             self._lock.release()

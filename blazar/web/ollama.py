@@ -183,11 +183,16 @@ class OllamaSurface:
         wall_clock: Callable[[], float],
         operations: ModelOperations,
         config: Callable[[], Config] = Config,
+        hints: Any = None,
     ) -> None:
         """
         @param config: The live config (L{blazar.config.LiveConfig}); its
             C{keep_alive} is read per request.
+        @param hints: What the engines say about themselves per model
+            (L{blazar.engines.hints.IEngineHints}: C{for_model(name)});
+            C{/api/ps} shows its speculative-decoding figures.
         """
+        self._hints = hints
         self._operations = operations
         self._config = config
         self._registry = registry
@@ -747,9 +752,25 @@ class OllamaSurface:
                     # Blazar's: starting | ready | stopping, and the crash breaker
                     "state": view.state,
                     "breaker": view.breaker,
+                    "speculative": self._speculative(entry),
                 }
             )
         return _json(request, {"models": models})
+
+    def _speculative(self, entry: ModelEntry) -> dict[str, Any]:
+        """
+        Blazar's C{speculative} object in C{/api/ps} (not in Ollama's API):
+        the model's C{mode} (C{off}, C{ngram}, C{draft}, C{auto}) and what
+        its engine measured, as EWMAs (L{blazar.engines.hints}):
+        C{acceptance} (accepted / drafted tokens, 0-1) and
+        C{accepted_per_draft} (tokens); L{None} until it drafted.
+        """
+        hint = self._hints.for_model(entry.name) if self._hints is not None else None
+        return {
+            "mode": entry.settings.speculative,
+            "acceptance": hint.draft_acceptance if hint is not None else None,
+            "accepted_per_draft": hint.accepted_per_draft if hint is not None else None,
+        }
 
     @app.route("/api/queue", methods=["GET"])
     def queue(self, request: IRequest) -> bytes:

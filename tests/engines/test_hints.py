@@ -20,7 +20,7 @@ from blazar.metrics import Metrics
 from tests.typed import not_none
 
 
-def page(prompt: float, cached: float, drafted: float = 0, accepted: float = 0) -> bytes:
+def page(prompt: float, cached: float, drafted: float = 0, accepted: float = 0, drafts: float = 0) -> bytes:
     return (
         "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed\n"
         "# TYPE llamacpp:prompt_tokens_total counter\n"
@@ -31,6 +31,8 @@ def page(prompt: float, cached: float, drafted: float = 0, accepted: float = 0) 
         f"llamacpp:spec_decode_num_draft_tokens_total {drafted}\n"
         "# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter\n"
         f"llamacpp:spec_decode_num_accepted_tokens_total {accepted}\n"
+        "# TYPE llamacpp:spec_decode_num_drafts_total counter\n"
+        f"llamacpp:spec_decode_num_drafts_total {drafts}\n"
         "# TYPE llamacpp:requests_processing gauge\n"
         "llamacpp:requests_processing 0\n"
     ).encode()
@@ -105,6 +107,25 @@ class HintsTests(SynchronousTestCase):
         self.tick((200, page(prompt=10, cached=0, drafted=100, accepted=50)))
         self.tick((200, page(prompt=10, cached=0, drafted=200, accepted=150)))
         self.assertAlmostEqual(self.gauge("blazar_engine_draft_acceptance_ratio"), 0.7 * 0.5 + 0.3 * 1.0)
+
+    def test_accepted_tokens_per_draft(self) -> None:
+        """
+        The EWMA of accepted tokens per draft, per interval: 40 drafts
+        that got 184 of 320 tokens accepted (a real ngram-cache run's
+        counters), then 10 more drafts with 20 more accepted.
+        """
+        self.tick((200, page(prompt=10, cached=0)))
+        self.assertIsNone(self.gauge("blazar_engine_accepted_per_draft"))
+        self.tick((200, page(prompt=10, cached=0, drafted=320, accepted=184, drafts=40)))
+        self.assertAlmostEqual(self.gauge("blazar_engine_accepted_per_draft"), 4.6)
+        self.tick((200, page(prompt=10, cached=0, drafted=400, accepted=204, drafts=50)))
+        self.assertAlmostEqual(self.gauge("blazar_engine_accepted_per_draft"), 0.7 * 4.6 + 0.3 * 2.0)
+        hint = not_none(self.hints.for_model("m:latest"))
+        self.assertAlmostEqual(not_none(hint.accepted_per_draft), 0.7 * 4.6 + 0.3 * 2.0)
+        self.assertAlmostEqual(not_none(hint.draft_acceptance), 0.7 * (184 / 320) + 0.3 * (20 / 80))
+        # nothing drafted in an interval: the averages stay
+        self.tick((200, page(prompt=20, cached=0, drafted=400, accepted=204, drafts=50)))
+        self.assertAlmostEqual(self.gauge("blazar_engine_accepted_per_draft"), 0.7 * 4.6 + 0.3 * 2.0)
 
     def test_a_new_child_restarts_counters_not_averages(self) -> None:
         self.tick((200, page(prompt=50, cached=50)))

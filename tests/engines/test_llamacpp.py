@@ -273,3 +273,94 @@ class ProjectorTests(SynchronousTestCase):
         entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=ModelConfig(args=("-mm", "/p.gguf")))
         self.assertTrue(sees_images(entry, META, parse_config("")))
         self.assertEqual(self.command(entry).count("--mmproj"), 0)
+
+
+class SpeculativeTests(SynchronousTestCase):
+    """
+    C{speculative} and its knobs, compiled into the argv by the one
+    profile function (L{build_command}).
+    """
+
+    def argv(self, toml: str, draft: Path | None = None, meta: GGUFMetadata = META) -> tuple[str, ...]:
+        config = parse_config('data_dir = "/data"\n[models."m"]\n' + toml)
+        entry = ModelEntry("m:latest", Path("/models/m.gguf"), settings=config.models["m:latest"], draft=draft)
+        return build_command(Path("/bin/llama-server"), entry, META, port=1, api_key="k", config=config).argv
+
+    def spec(self, argv: tuple[str, ...]) -> tuple[str, ...]:
+        start = argv.index("--spec-type")
+        return argv[start : argv.index("--threads")]
+
+    def test_off_leaves_the_argv_as_it_was(self) -> None:
+        before = self.argv("")
+        self.assertEqual(self.argv('speculative = "off"'), before)
+        for name in ("--spec-type", "-lcd", "--spec-draft-model", "--spec-draft-n-max"):
+            self.assertNotIn(name, before)
+
+    def test_ngram_is_the_lookup_cache_under_speccache(self) -> None:
+        self.assertEqual(
+            self.spec(self.argv('speculative = "ngram"')),
+            ("--spec-type", "ngram-cache", "-lcd", "/data/speccache/m_latest/lookup-dynamic.bin"),
+        )
+
+    def test_auto_is_ngram_for_now(self) -> None:
+        self.assertEqual(self.argv('speculative = "auto"'), self.argv('speculative = "ngram"'))
+
+    def test_draft_names_the_draft_models_file(self) -> None:
+        argv = self.argv('speculative = "draft"\ndraft_model = "small"', draft=Path("/models/small.gguf"))
+        self.assertEqual(self.spec(argv), ("--spec-type", "draft-simple", "--spec-draft-model", "/models/small.gguf"))
+
+    def test_the_knobs(self) -> None:
+        argv = self.argv(
+            'speculative = "draft"\ndraft_model = "small"\ndraft_max = 16\ndraft_min = 2\ndraft_p_min = 0.75',
+            draft=Path("/models/small.gguf"),
+        )
+        self.assertEqual(
+            self.spec(argv)[4:],
+            ("--spec-draft-n-max", "16", "--spec-draft-n-min", "2", "--spec-draft-p-min", "0.75"),
+        )
+        argv = self.argv('speculative = "ngram"\ndraft_max = 8')
+        self.assertEqual(self.spec(argv)[4:], ("--spec-draft-n-max", "8"))
+
+    def test_knobs_without_speculation_do_nothing(self) -> None:
+        self.assertNotIn("--spec-draft-n-max", self.argv("draft_max = 8"))
+
+    def test_not_for_embeddings_or_rerankers(self) -> None:
+        self.assertNotIn("--spec-type", self.argv('speculative = "ngram"\nembedding = true'))
+        self.assertNotIn("--spec-type", self.argv('speculative = "ngram"\nrerank = true'))
+
+    def test_the_operators_args_still_win(self) -> None:
+        argv = self.argv('speculative = "ngram"\nargs = ["--spec-type", "ngram-mod"]')
+        self.assertEqual(argv[-2:], ("--spec-type", "ngram-mod"))
+
+    def test_the_keys_are_checked(self) -> None:
+        from blazar.config import ConfigError
+
+        for toml, words in [
+            ('speculative = "fast"', '"off", "ngram", "draft" or "auto"'),
+            ('speculative = "draft"', "needs draft_model"),
+            ('draft_model = "small"', 'set speculative = "draft"'),
+            ("draft_max = 0", "a positive integer"),
+            ("draft_min = -1", "0 or more"),
+            ("draft_p_min = 1.5", "a probability from 0 to 1"),
+            ("draft_min = 4\ndraft_max = 2", "draft_min (4) is above draft_max (2)"),
+        ]:
+            e = self.assertRaises(ConfigError, parse_config, '[models."m"]\n' + toml)
+            self.assertIn(words, str(e))
+
+    def test_the_spawner_makes_the_lookup_cache_file_and_keeps_it(self) -> None:
+        """
+        llama-server aborts on a C{-lcd} file that does not exist: the
+        spawner makes it empty (0600, in a 0700 directory), and leaves a
+        file already there as it is.
+        """
+        from blazar.engines.llamacpp import lookup_cache
+        from blazar.engines.spawn import thd_lookup_cache
+
+        data = Path(self.mktemp()).resolve()
+        cache = lookup_cache(data, "m:latest")
+        thd_lookup_cache(cache)
+        self.assertEqual(cache.read_bytes(), b"")
+        self.assertEqual((cache.stat().st_mode & 0o777, cache.parent.stat().st_mode & 0o777), (0o600, 0o700))
+        cache.write_bytes(b"ngrams")
+        thd_lookup_cache(cache)
+        self.assertEqual(cache.read_bytes(), b"ngrams")

@@ -155,6 +155,8 @@ def test_the_admins_dashboard(daemon: Daemon, browser: Any, shots: Path) -> None
     else:
         expect(page.locator("#gpus-none")).to_contain_text("No GPU", timeout=10000)
         expect(page.locator("#loaded tr[data-model='tiny:latest'] td[data-gpus]")).to_have_text("CPU")
+    # speculative decoding: off unless the model's table turns it on
+    expect(page.locator("#loaded tr[data-model='tiny:latest'] td[data-speculative]")).to_have_text("off")
     tab.shot("models")
     page.click("#loaded tr[data-model='tiny:latest'] button.unload")
     expect(page.locator("#loaded tr[data-model='tiny:latest']")).to_have_count(0, timeout=30000)

@@ -374,6 +374,8 @@ class PsGPUTests(SynchronousTestCase):
             "rss": 2**45,
             "cache_hit": 0.123456789,
             "draft_acceptance": 0.123456789,
+            "accepted_per_draft": 12.123456789,
+            "speculative": "ngram",
             "kind": "transcription",
             "lane": "a-command-lane-name",
             "vram": 2**45,

@@ -12,7 +12,9 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from blazar.config import parse_config
 from blazar.engines.client import EngineClient
+from blazar.engines.hints import EngineHint, EngineHints
 from blazar.engines.supervisor import InstanceState, Supervisor
+from blazar.metrics import Metrics
 from blazar.models.registry import ModelRegistry
 from blazar.models.testmodel import make_test_model
 from blazar.service import build_gateway
@@ -29,8 +31,14 @@ class PsTests(SynchronousTestCase):
         self.supervisor = FakeSupervisor(["m:latest", "n:latest"], clock=self.reactor)
         registry = ModelRegistry(parse_config(f'models_dir = "{root}"'), self.reactor)
         engine = FakeEngineClient(StubTreq(fake_engine_app().resource()))
+        self.hints = EngineHints(list, cast(Any, None), self.reactor, Metrics())
         surface = build_gateway(
-            registry, cast(Supervisor, self.supervisor), cast(EngineClient, engine), self.reactor, wall=lambda: 1000.0
+            registry,
+            cast(Supervisor, self.supervisor),
+            cast(EngineClient, engine),
+            self.reactor,
+            wall=lambda: 1000.0,
+            hints=self.hints,
         ).ollama
         self.client = StubTreq(surface.app.resource())
 
@@ -79,3 +87,18 @@ class PsTests(SynchronousTestCase):
         self.assertEqual(self.ps()[0]["size_vram"], 4 << 30)
         instance.vram_measured = {0: (3 << 30) + (200 << 20), 1: 1 << 30}
         self.assertEqual(self.ps()[0]["size_vram"], (4 << 30) + (200 << 20))
+
+    def test_speculative_decoding_as_measured(self) -> None:
+        """
+        Each model's C{speculative}: its mode and its engine's EWMAs of
+        draft acceptance and accepted tokens per draft (null until it
+        drafted).
+        """
+        import attrs
+
+        instance = self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+        instance.path = self.gguf
+        self.assertEqual(self.ps()[0]["speculative"], {"mode": "off", "acceptance": None, "accepted_per_draft": None})
+        instance.settings = attrs.evolve(instance.entry.settings, speculative="ngram")
+        self.hints.hints["m:latest"] = EngineHint(draft_acceptance=0.575, accepted_per_draft=4.6)
+        self.assertEqual(self.ps()[0]["speculative"], {"mode": "ngram", "acceptance": 0.575, "accepted_per_draft": 4.6})

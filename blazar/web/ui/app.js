@@ -235,6 +235,14 @@ function showGPUs(data) {
   }));
 }
 
+// speculative decoding: the mode, and once the engine drafted, acceptance and accepted tokens per draft
+function fmtSpeculative(r) {
+  if (!r.speculative || r.speculative === "off") return "off";
+  if (r.draft_acceptance === null || r.draft_acceptance === undefined) return r.speculative;
+  const per = r.accepted_per_draft === null || r.accepted_per_draft === undefined ? "" : ` · ${r.accepted_per_draft.toFixed(1)}/draft`;
+  return `${r.speculative}: ${Math.round(r.draft_acceptance * 100)}%${per}`;
+}
+
 async function loadModels() {
   const data = await api("/ui/api/models");
   state.models = data.files;
@@ -248,6 +256,7 @@ async function loadModels() {
     el("td", { class: "num" }, fmtBytes(r.rss)),
     el("td", { "data-gpus": "1" }, fmtPlacement(r, data.gpus)),
     el("td", { class: "num" }, r.cache_hit === null || r.cache_hit === undefined ? "-" : Math.round(r.cache_hit * 100) + "%"),
+    el("td", { "data-speculative": "1" }, fmtSpeculative(r)),
     el("td", {}, pill(r.breaker)),
     admin ? el("td", {},
       el("button", { type: "button", class: "unload", onclick: () => action(`/ui/api/models/${encodeURIComponent(r.model)}/unload`, "unload " + r.model) }, "Unload"), " ",

