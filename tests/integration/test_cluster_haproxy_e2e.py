@@ -16,7 +16,9 @@ Requests go through HAProxy and to the nodes directly, 32 at once:
   - PostgreSQL, then Redis, stopped and started under traffic: 503s naming
     the store while it is down, no 5xx and no quota opened after;
   - (last, as it kills node A) a batch of 100 lines made on A, A SIGKILLed
-    mid-batch, finished by B and C, every line answered once.
+    mid-batch, finished by B and C, every line answered once; a stream
+    HAProxy had sent to A is seen cut by its client, never cleanly short;
+    HAProxy takes A out.
 """
 
 from __future__ import annotations
@@ -618,8 +620,67 @@ def lines_of(port: int, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(x) for x in data.splitlines()]
 
 
+@attrs.define
+class Streaming:
+    """
+    One long streamed chat through HAProxy under session C{session}, read
+    on a thread: L{started} is set at its first event; L{outcome} is the
+    exception that ended the read, or the body when it ended cleanly.
+    """
+
+    port: int
+    session: str
+    started: threading.Event = attrs.Factory(threading.Event)
+    outcome: BaseException | bytes | None = None
+    _thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
+        try:
+            headers = {
+                "content-type": "application/json",
+                "authorization": f"Bearer {ADMIN}",
+                "x-blazar-session": self.session,
+            }
+            conn.request(
+                "POST", "/v1/chat/completions", json.dumps(chat(7, 1500, stream=True, ignore_eos=True)), headers
+            )
+            resp = conn.getresponse()
+            assert resp.status == 200, resp.read()
+            body = resp.readline()
+            self.started.set()
+            body += resp.read()
+            self.outcome = body
+        except BaseException as e:
+            self.outcome = e
+        finally:
+            self.started.set()
+            conn.close()
+
+    def wait(self) -> BaseException | bytes | None:
+        assert self._thread is not None
+        self._thread.join(120)
+        return self.outcome
+
+
 def test_a_batch_made_on_a_finishes_on_b_and_c_after_a_is_killed(cluster: Cluster) -> None:
     a, b, c = (cluster.nodes[n] for n in "abc")
+    # a stream in flight on A, through HAProxy (a session that hashes to A), when A dies
+    session = next(
+        f"pinned-{i}"
+        for i in range(60)
+        if call(
+            cluster.proxy.port, "POST", "/v1/chat/completions", chat(i, 1), headers={"x-blazar-session": f"pinned-{i}"}
+        ).headers["x-blazar-node"]
+        == "a"
+    )
+    stream = Streaming(cluster.proxy.port, session)
+    stream.start()
+    assert stream.started.wait(60) and stream.outcome is None, stream.outcome
     made = call(
         a.port,
         "POST",
@@ -642,7 +703,9 @@ def test_a_batch_made_on_a_finishes_on_b_and_c_after_a_is_killed(cluster: Cluste
     a.proc.wait()
     for p in engines:
         p.kill()
-    # through HAProxy too, once it has seen A go
+    # the stream's client sees it cut (a chunked body never ended), never a clean but short answer
+    cut = stream.wait()
+    assert isinstance(cut, (http.client.IncompleteRead, ConnectionError)), cut
     deadline = time.monotonic() + LEASE + 3 * TEND_EVERY + 120
     while (done := call(b.port, "GET", f"/v1/batches/{batch_id}").body)["status"] not in (
         "completed",
