@@ -48,6 +48,9 @@ TPM = 1000
 DAILY = 800
 MAX_CONCURRENT = 4
 STEADY_RPM = 10000
+# admitted but not yet counted in Redis when a token limit is reached, at most: the requests running
+# and the counts of answers sent still on their way to Redis (test_tpm_counts_every_token_...)
+UNCOUNTED = 2 * WAYS
 SYSTEM = "You are a helpful assistant."
 
 # name -> (secret, limits)
@@ -222,18 +225,22 @@ def tokens_of(r: Reply) -> int:
 def test_tpm_counts_every_token_and_admits_none_over_it(cluster: Cluster) -> None:
     """
     C{tpm} is checked before a request (refused once the tokens counted in
-    the last 60 s reach it) and its tokens counted after: what the 200s
-    used is exactly what Redis counted, and it passes C{tpm} by at most
-    what the requests in flight when it was reached used (at most C{WAYS}
-    of them, each at most the largest request).
+    the last 60 s reach it) and its tokens counted after, without the
+    answer waiting for the count to land in Redis: what the 200s used is
+    exactly what Redis counted, and it passes C{tpm} by at most what was
+    admitted and not yet counted when it was reached, each at most the
+    largest request: the C{WAYS} requests running, and the counts still on
+    their way of answers already sent (a client's next request, on another
+    node, can be checked before its last one's count lands; at most one
+    more each, for the test's bound).
     """
-    replies = spread(cluster, 3 * WAYS, lambda port, i: call(port, "POST", "/v1/chat/completions", chat(i), "tpm"))
+    replies = spread(cluster, 4 * WAYS, lambda port, i: call(port, "POST", "/v1/chat/completions", chat(i), "tpm"))
     ok = [r for r in replies if r.status == 200]
     assert {r.status for r in replies} == {200, 429}, [(r.status, r.body) for r in replies if r.status != 200][:3]
     assert all("tpm" in r.message for r in replies if r.status == 429)
     used = sum(tokens_of(r) for r in ok)
     biggest = max(tokens_of(r) for r in ok)
-    assert used <= TPM - 1 + WAYS * biggest, (used, len(ok), biggest)
+    assert used <= TPM - 1 + UNCOUNTED * biggest, (used, len(ok), biggest)
     # counted, not sampled: Redis's window holds exactly the 200s' tokens (the counts land just after the answers)
     window = cluster.redis_client()
     deadline = time.monotonic() + 5
@@ -246,12 +253,12 @@ def test_tpm_counts_every_token_and_admits_none_over_it(cluster: Cluster) -> Non
 
 
 def test_daily_tokens_count_every_token_and_admit_none_over_them(cluster: Cluster) -> None:
-    replies = spread(cluster, 3 * WAYS, lambda port, i: call(port, "POST", "/v1/chat/completions", chat(i), "daily"))
+    replies = spread(cluster, 4 * WAYS, lambda port, i: call(port, "POST", "/v1/chat/completions", chat(i), "daily"))
     ok = [r for r in replies if r.status == 200]
     assert {r.status for r in replies} == {200, 429}, [(r.status, r.body) for r in replies if r.status != 200][:3]
     assert all("daily_tokens" in r.message for r in replies if r.status == 429)
     used = sum(tokens_of(r) for r in ok)
-    assert used <= DAILY - 1 + WAYS * max(tokens_of(r) for r in ok), used
+    assert used <= DAILY - 1 + UNCOUNTED * max(tokens_of(r) for r in ok), used
     day = cluster.redis_client()
     deadline = time.monotonic() + 5
     while (counted := int(day.get(owner_key("daily", f"day:{int(time.time()) // 86400}")) or 0)) != used:
@@ -437,6 +444,21 @@ class Traffic:
     def during(self, phase: str) -> list[Reply]:
         return [r for p, r in self.seen if p == phase]
 
+    def failures(self, phase: str) -> list[tuple[int, str | None, str, str | None]]:
+        """
+        What was not a 200 in C{phase}: status, node, message, trace id.
+        """
+        return [
+            (
+                r.status,
+                r.headers.get("x-blazar-node"),
+                r.message or str(r.body)[:200],
+                r.headers.get("x-blazar-trace-id"),
+            )
+            for r in self.during(phase)
+            if r.status != 200
+        ]
+
 
 def running(server: postgres.PostgresServer | redisserver.RedisServer) -> None:
     """
@@ -485,13 +507,11 @@ def test_postgresql_stopped_and_started_under_traffic(cluster: Cluster) -> None:
     finally:
         traffic.stop()
         running(cluster.pg)
-    assert {r.status for r in traffic.during("before")} == {200}
+    assert {r.status for r in traffic.during("before")} == {200}, traffic.failures("before")
     # what needs no store goes on while it is down; what does is refused naming it
     for r in traffic.during("down") + traffic.during("starting"):
         assert r.status == 200 or (r.status == 503 and store in r.message), r.body
-    assert traffic.during("after") and {r.status for r in traffic.during("after")} == {200}, [
-        r.body for r in traffic.during("after") if r.status != 200
-    ][:3]
+    assert traffic.during("after") and {r.status for r in traffic.during("after")} == {200}, traffic.failures("after")
 
 
 @pytest.mark.xfail(
@@ -529,15 +549,13 @@ def test_redis_stopped_and_started_under_traffic_never_opens_a_limit(cluster: Cl
     finally:
         traffic.stop()
         running(cluster.redis)
-    assert {r.status for r in traffic.during("before")} == {200}
+    assert {r.status for r in traffic.during("before")} == {200}, traffic.failures("before")
     for r in traffic.during("starting"):
         assert r.status == 200 or (r.status == 503 and store in r.message), r.body
     assert traffic.during("down") and all(r.status == 503 and store in r.message for r in traffic.during("down")), {
         (r.status, r.message) for r in traffic.during("down")
     }
-    assert traffic.during("after") and {r.status for r in traffic.during("after")} == {200}, [
-        r.body for r in traffic.during("after") if r.status != 200
-    ][:3]
+    assert traffic.during("after") and {r.status for r in traffic.during("after")} == {200}, traffic.failures("after")
     # the limits count exactly again (this Redis keeps nothing over a restart: a fresh window)
     replies = spread(cluster, 3 * RPM, lambda port, i: call(port, "POST", "/v1/chat/completions", chat(i, 1), "outage"))
     assert Counter(r.status for r in replies) == Counter({200: RPM, 429: 2 * RPM}), Counter(
