@@ -241,10 +241,11 @@ def test_tpm_counts_every_token_and_admits_none_over_it(cluster: Cluster) -> Non
     used = sum(tokens_of(r) for r in ok)
     biggest = max(tokens_of(r) for r in ok)
     assert used <= TPM - 1 + UNCOUNTED * biggest, (used, len(ok), biggest)
-    # counted, not sampled: Redis's window holds exactly the 200s' tokens (the counts land just after the answers)
+    # counted, not sampled: Redis's window (one count per second) holds exactly the 200s' tokens (the
+    # counts land just after the answers)
     window = cluster.redis_client()
     deadline = time.monotonic() + 5
-    while (counted := sum(int(m.rsplit(b":", 1)[1]) for m in window.zrange(owner_key("tpm", "tpm"), 0, -1))) != used:
+    while (counted := sum(int(n) for n in window.hvals(owner_key("tpm", "tpm:s")))) != used:
         assert time.monotonic() < deadline, (counted, used)
         time.sleep(0.05)
     # and, the window over the limit, no node admits another
