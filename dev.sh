@@ -164,6 +164,24 @@ redis() {
   fi
 }
 
+# the cluster's e2e (tests/integration/test_cluster_haproxy_e2e.py, tests/haproxyserver.py) runs
+# Debian's haproxy on loopback from contrib/haproxy/blazar.cfg, never the system service: install it
+# where this user may, else say how
+haproxy_server() {
+  if command -v haproxy >/dev/null 2>&1 || [ -x /usr/sbin/haproxy ] || [ -n "${BLAZAR_HAPROXY:-}" ]; then return; fi
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    say "installing Debian's haproxy for the cluster's balancer test (once)"
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -q haproxy \
+           || { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q haproxy; }; } \
+         >.venv/apt.log 2>&1; then
+      cat .venv/apt.log >&2
+      say "apt-get install haproxy failed (log above); the cluster's balancer test will fail without it"
+    fi
+  else
+    say "the cluster's balancer test needs haproxy: sudo apt-get install -y haproxy (or set BLAZAR_HAPROXY)"
+  fi
+}
+
 case "${1:-}" in
   demo)
     setup
@@ -175,6 +193,7 @@ case "${1:-}" in
     registry
     postgres
     redis
+    haproxy_server
     shift
     lint
     lint_imports
