@@ -516,11 +516,6 @@ def test_postgresql_stopped_and_started_under_traffic(cluster: Cluster) -> None:
     assert traffic.during("after") and {r.status for r in traffic.during("after")} == {200}, traffic.failures("after")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: POST /v1/responses with store=true while PostgreSQL is down answers 200 with an id "
-    "that was never stored (blazar/web/responses.py _store logs the StoreUnavailable and goes on)",
-)
 def test_a_response_to_store_while_postgresql_is_down_is_refused_naming_it(cluster: Cluster) -> None:
     store = f"PostgreSQL at 127.0.0.1:{cluster.pg.port}"
     stored = {"model": MODEL, "input": "Say yes.", "store": True, "max_output_tokens": 2}
