@@ -12,7 +12,10 @@ Requests go through HAProxy and to the nodes directly, 32 at once:
     across the nodes, counted request by request;
   - a Responses chain made on A is continued on B, then on C;
   - HAProxy keeps a session on one node, whose later turns reuse its KV
-    (C{cached_tokens});
+    (C{cached_tokens}); a session held by A and sent to B or C is forwarded
+    to A and keeps its KV;
+  - a key added with the CLI on B works on C (and everywhere) within 5 s,
+    and removed on C works nowhere within 5 s;
   - PostgreSQL, then Redis, stopped and started under traffic: 503s naming
     the store while it is down, no 5xx and no quota opened after;
   - (last, as it kills node A) a batch of 100 lines made on A, A SIGKILLed
@@ -404,6 +407,91 @@ def test_haproxy_keeps_a_session_on_one_node_with_its_kv(cluster: Cluster) -> No
         lambda port, i: call(cluster.proxy.port, "POST", "/v1/chat/completions", chat(i, 1)).headers["x-blazar-node"],
     )
     assert set(nodes) == set(haproxyserver.NODES), nodes
+
+
+def test_a_session_held_by_a_reached_through_b_keeps_its_kv(cluster: Cluster) -> None:
+    """
+    A session's turns on A; its next turn sent to B (no HAProxy: as a
+    balancer without affinity, or a client that moved, would) is forwarded
+    to A, which holds its KV: served by A (C{x-blazar-served-by}) with the
+    earlier turns' tokens cached; C sends it there too.
+    """
+    messages: list[dict[str, str]] = [{"role": "system", "content": SYSTEM + " You answer in one short sentence."}]
+    pinned = {"x-blazar-session": "held-by-a"}
+
+    def turn(port: int, n: int) -> Reply:
+        messages.append({"role": "user", "content": f"Name fruit number {n}."})
+        reply = call(
+            port,
+            "POST",
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0},
+            headers=pinned,
+        )
+        assert reply.status == 200, reply.body
+        messages.append({"role": "assistant", "content": reply.body["choices"][0]["message"]["content"]})
+        return reply
+
+    a, b, c = (cluster.nodes[n] for n in haproxyserver.NODES)
+    first = turn(a.port, 1)
+    assert first.headers.get("x-blazar-served-by", "a") == "a"
+    second = turn(a.port, 2)
+    for n, node in ((3, b), (4, c)):
+        reply = turn(node.port, n)
+        assert reply.headers.get("x-blazar-served-by") == "a", reply.headers
+        usage = reply.body["usage"]
+        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+        # most of the conversation so far came from A's KV, not a fresh prefill
+        assert cached >= second.body["usage"]["prompt_tokens"] // 2, (usage, second.body["usage"])
+
+
+def test_a_key_added_on_b_works_on_c_and_removed_works_nowhere_within_5s(cluster: Cluster) -> None:
+    """
+    Keys managed from any node: one added with the real CLI on B answers
+    200 on C (and A, and through HAProxy) within 5 s; removed on C, it is
+    refused everywhere within 5 s.
+    """
+    import subprocess
+    import sys
+
+    a, b, c = (cluster.nodes[n] for n in haproxyserver.NODES)
+
+    def keys(node: Daemon, *args: str) -> str:
+        done = subprocess.run(
+            [str(Path(sys.executable).parent / "blazar"), "keys", *args, "-c", str(node.config)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    def answers(port: int, secret: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        try:
+            conn.request("GET", "/v1/models", headers={"authorization": f"Bearer {secret}"})
+            resp = conn.getresponse()
+            resp.read()
+            return resp.status
+        finally:
+            conn.close()
+
+    def everywhere(secret: str, expected: int) -> float:
+        started = time.monotonic()
+        ports = [c.port, a.port, b.port, cluster.proxy.port]
+        while ports:
+            ports = [p for p in ports if answers(p, secret) != expected]
+            took = time.monotonic() - started
+            assert took < 5.0, f"ports {ports} not {expected} after {took:.1f} s"
+            if ports:
+                time.sleep(0.05)
+        return time.monotonic() - started
+
+    secret = keys(b, "add", "visitor", "--rpm", "1000").strip().splitlines()[-1]
+    assert secret.startswith("blz-")
+    everywhere(secret, 200)
+    keys(c, "rm", "visitor")
+    everywhere(secret, 401)
 
 
 # -- the stores stopped and started ------------------------------------------
