@@ -1283,6 +1283,19 @@ def thd_put_cache(
     return int(id_ or 0), dropped
 
 
+def thd_cache_entries_after(db: Database, after: int, since: float) -> list[tuple[int, str, float, bytes, bytes]]:
+    """
+    The entries whose id is above C{after}, created at or after C{since},
+    oldest first, as L{thd_cache_entries} gives them; nothing deleted
+    (what the nodes sharing a database read of each other's entries).
+    """
+    rows = db.execute(
+        "SELECT id, scope, created, vector, answer FROM cache_entries WHERE id > ? AND created >= ? ORDER BY id",
+        (after, since),
+    ).fetchall()
+    return [(int(r[0]), str(r[1]), float(r[2]), bytes(r[3]), bytes(r[4])) for r in rows]
+
+
 def thd_cache_entries(db: Database, since: float, keep: int) -> list[tuple[int, str, float, bytes, bytes]]:
     """
     The newest C{keep} entries created at or after C{since}, oldest first:

@@ -50,6 +50,7 @@ log = Logger()
 T = TypeVar("T")
 
 CACHE_PURGE_SECS = 60.0  # how often expired semantic cache entries are dropped (a lookup skips them anyway)
+CACHE_SYNC_SECS = 2.0  # how often a node of a shared database reads the cache entries the others stored
 SHARED_KEYS_POLL_SECS = 1.0  # how often a node reads the shared keys' version (a change reaches it within this)
 
 
@@ -362,8 +363,10 @@ class CacheService(Service):
     """
     Runs the semantic cache's L{CacheStore}: its rows in the store, read
     back into the index after start (lookups miss until then), and a purge
-    of the expired entries every L{CACHE_PURGE_SECS}. On stop it waits for
-    the stores in flight.
+    of the expired entries every L{CACHE_PURGE_SECS}; on a database that
+    several nodes share, the entries the others store are read into the
+    index every L{CACHE_SYNC_SECS}. On stop it waits for the stores in
+    flight.
 
     @ivar cache: The entries the pipeline looks answers up in.
     @ivar started: Fires when the rows are read back.
@@ -381,12 +384,24 @@ class CacheService(Service):
             lambda: Deferred.fromCoroutine(self.cache.purge()),
             "purging the semantic cache failed; will retry",
         )
+        self._syncer = (
+            PeriodicJob(
+                reactor,
+                CACHE_SYNC_SECS,
+                lambda: Deferred.fromCoroutine(self.cache.sync()),
+                "reading the other nodes' semantic cache entries failed; will retry",
+            )
+            if live.current.cluster.database is not None
+            else None
+        )
 
     def startService(self) -> None:
         Service.startService(self)
         self.started = Deferred.fromCoroutine(self._load())
         self.started.addErrback(lambda f: log.failure("the semantic cache did not start; every lookup misses", f))
         self._purger.start()
+        if self._syncer is not None:
+            self._syncer.start()
 
     async def _load(self) -> None:
         loaded = await self.cache.load()
@@ -396,6 +411,8 @@ class CacheService(Service):
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)
         self._purger.stop()
+        if self._syncer is not None:
+            self._syncer.stop()
         return self._database.hold(Deferred.fromCoroutine(settle(self.cache.pending)))
 
 

@@ -10,6 +10,7 @@ and a migration that nodes starting together run once.
 from __future__ import annotations
 
 import threading
+from typing import Any
 
 from twisted.trial.unittest import SynchronousTestCase
 
@@ -93,6 +94,13 @@ class SharedStoreContract(StoreMixin):
         self.assertEqual(store.thd_purge_cache(self.db, 150.0), 1)
         self.assertEqual(len(store.thd_cache_entries(self.db, 0.0, 10)), 1)
 
+    def test_cache_entries_after_an_id(self) -> None:
+        ids = [store.thd_put_cache(self.db, ("s", 100.0 + n, b"v", b"a"), 0.0, 10)[0] for n in range(4)]
+        after = store.thd_cache_entries_after(self.db, ids[1], 102.5)
+        self.assertEqual([e[0] for e in after], [ids[3]])  # above ids[1], and live
+        self.assertEqual([e[0] for e in store.thd_cache_entries_after(self.db, 0, 0.0)], ids)
+        self.assertEqual(len(store.thd_cache_entries(self.db, 0.0, 10)), 4)  # nothing deleted
+
 
 class SQLiteSharedStoreTests(SQLiteStore, SharedStoreContract, SynchronousTestCase):
     pass
@@ -149,6 +157,38 @@ class PostgresNodesTests(SynchronousTestCase):
         self.nodes = [store.thd_open_postgres(self.url) for _ in range(2)]
         for db in self.nodes:
             self.addCleanup(db.close)
+
+    def test_a_nodes_cache_finds_the_entries_another_stored(self) -> None:
+        """
+        Two nodes' semantic caches on one database: an entry one stores is
+        in the other's index after its next sync (and only once).
+        """
+        from twisted.internet.defer import Deferred, maybeDeferred
+
+        from blazar.config import CacheConfig
+        from blazar.gateway.cachestore import CacheStore
+        from tests.gateway.test_cache import unit
+
+        config = CacheConfig()
+        caches = []
+        for db in self.nodes:
+
+            def run_db(f: Any, *args: Any, db: Any = db) -> Deferred[Any]:
+                return maybeDeferred(f, db, *args)
+
+            cache = CacheStore(lambda: config, lambda: 1000.0, run_db)
+            self.successResultOf(Deferred.fromCoroutine(cache.load()))
+            caches.append(cache)
+        a, b = caches
+        vector = unit(1.0, 2.0)
+        self.successResultOf(a.store("scope", vector, b'{"answer": 1}'))
+        self.assertIsNone(b.lookup("scope", vector)[1])
+        self.assertEqual(self.successResultOf(Deferred.fromCoroutine(b.sync())), 1)
+        found = b.lookup("scope", vector)[1]
+        assert found is not None
+        self.assertEqual(found.answer, b'{"answer": 1}')
+        self.assertEqual(self.successResultOf(Deferred.fromCoroutine(b.sync())), 0)
+        self.assertEqual(self.successResultOf(Deferred.fromCoroutine(a.sync())), 0)  # its own: held already
 
     def test_two_nodes_adding_to_one_counter_from_many_threads_lose_nothing(self) -> None:
         rounds = 40

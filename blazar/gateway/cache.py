@@ -400,6 +400,9 @@ class SemanticIndex:
     def __len__(self) -> int:
         return len(self._order)
 
+    def __contains__(self, id_: object) -> bool:
+        return id_ in self._order
+
     def add(self, entry: Entry, max_entries: int) -> list[int]:
         """
         Add C{entry}; drop the oldest beyond C{max_entries}.

@@ -25,6 +25,10 @@ from blazar.gateway.cache import Entry, SemanticIndex, Vector, from_blob, to_blo
 
 log = Logger()
 
+#: ids below the highest one read that a sync reads again: on PostgreSQL an id is taken when a
+#: row is inserted, so a row of a transaction that commits later than a higher id's is still seen
+SYNC_LOOKBACK = 1000
+
 
 class CacheStore:
     """
@@ -54,6 +58,7 @@ class CacheStore:
         self.index = SemanticIndex()
         self.ready = False
         self.pending: set[Deferred[Any]] = set()
+        self._highest = 0  # the highest id read from the store
 
     async def load(self) -> int:
         """
@@ -66,8 +71,32 @@ class CacheStore:
         rows = await self._run_db(store.thd_cache_entries, self._wall() - config.ttl, config.max_entries)
         for id_, scope, created, blob, answer in rows:
             self.index.add(Entry(id_, scope, created, from_blob(blob), answer), config.max_entries)
+            self._highest = max(self._highest, id_)
         self.ready = True
         return len(rows)
+
+    async def sync(self) -> int:
+        """
+        Add to the index the live entries other nodes stored since the last
+        read (several nodes sharing one database, C{[cluster] database}):
+        the rows above the highest id read (less L{SYNC_LOOKBACK}) that the
+        index does not hold.
+
+        @return: How many entries were added.
+        """
+        if not self.ready:
+            return 0
+        config = self._config()
+        rows = await self._run_db(
+            store.thd_cache_entries_after, max(0, self._highest - SYNC_LOOKBACK), self._wall() - config.ttl
+        )
+        added = 0
+        for id_, scope, created, blob, answer in rows:
+            self._highest = max(self._highest, id_)
+            if id_ not in self.index:
+                self.index.add(Entry(id_, scope, created, from_blob(blob), answer), config.max_entries)
+                added += 1
+        return added
 
     def lookup(self, scope: str, vector: Vector) -> tuple[float, Entry | None]:
         """
@@ -115,6 +144,7 @@ class CacheStore:
         for gone in dropped:
             self.index.drop(gone)
         self.index.add(Entry(id_, scope, created, vector, answer), config.max_entries)
+        self._highest = max(self._highest, id_)
 
     async def purge(self) -> int:
         """
