@@ -161,3 +161,13 @@ class SpecTunerTests(SynchronousTestCase):
         self.feed(4, True, 130.0)
         self.feed(4, False, 100.0)
         self.assertEqual(self.tuner.state("m")["decided"], "on")
+
+
+class SpecColumnTests(SynchronousTestCase):
+    def test_blazar_ps_column(self) -> None:
+        from blazar.gateway.operations import spec_column
+
+        self.assertEqual(spec_column({"decided": "off", "running": "off"}), "auto=off")
+        self.assertEqual(spec_column({"decided": "on", "running": None}), "auto=on")
+        self.assertEqual(spec_column({"decided": "measuring", "running": "on"}), "auto?on")
+        self.assertEqual(spec_column({"decided": "measuring", "running": None}), "auto?")
