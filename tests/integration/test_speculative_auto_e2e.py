@@ -2,7 +2,8 @@
 C{speculative = "auto"} on the real llama-server with a real model
 (SmolLM2-135M-Instruct, from its wheel): free-prose chat requests, one at
 a time, until the tuner has decided (C{speculative_window = 3}: three
-answers with n-gram lookup, an idle reload, three without); the decision
+answers with n-gram lookup, an idle reload, three without; every other
+request streamed, each answer counted); the decision
 is logged with its figures, C{/api/ps} shows it, and after the next idle
 reload the child's argv (its C{/proc/PID/cmdline}) matches it.
 
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from blazar.engines.spectune import MARGIN
+from blazar.engines.spectune import MARGIN, MIN_TOKENS
 from tests.integration.harness import Daemon, real_model
 
 MODEL = "smollm:latest"
@@ -54,20 +55,24 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
         f'speculative = "auto"\nspeculative_window = {WINDOW}\n',
     ).start()
     try:
-        asked = 0
+        asked, counted = 0, 0
         while True:
-            status, body = daemon.post_json(
-                "/v1/chat/completions",
-                {
-                    "model": "smollm",
-                    "messages": [{"role": "user", "content": PROSE[asked % len(PROSE)]}],
-                    "temperature": 0,
-                    "max_tokens": 96,
-                },
-                timeout=120,
-            )
-            assert status == 200, body
+            body = {
+                "model": "smollm",
+                "messages": [{"role": "user", "content": PROSE[asked % len(PROSE)]}],
+                "temperature": 0,
+                "max_tokens": 96,
+            }
+            if asked % 2:  # every other one streamed: the timings ride on its last chunk
+                body |= {"stream": True, "stream_options": {"include_usage": True}}
+                chunks = [json.loads(p) for p, _ in daemon.stream("/v1/chat/completions", body) if p != "[DONE]"]
+                tokens = next(c["usage"]["completion_tokens"] for c in chunks if c.get("usage"))
+            else:
+                status, answer = daemon.post_json("/v1/chat/completions", body, timeout=120)
+                assert status == 200, answer
+                tokens = answer["usage"]["completion_tokens"]
             asked += 1
+            counted += tokens >= MIN_TOKENS
             if asked == 1:
                 argv = daemon.engine_for(MODEL).cmdline()
                 assert argv[argv.index("--spec-type") + 1] == "ngram-cache", argv  # a trial starts with lookup
@@ -76,6 +81,9 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
             if shown["decided"] != "measuring" or asked >= 6 * WINDOW:
                 break
             time.sleep(1.5)  # the reaper's idle reload (checked each second) gets its turn between requests
+        # every answer, streamed or not, was measured (the tuner leaves out those under MIN_TOKENS)
+        rates = shown["rates"]["interactive"]
+        assert rates["on_n"] + rates["off_n"] == counted, (asked, counted, shown)
         assert shown["mode"] == "auto"
         assert shown["decided"] in ("on", "off"), (asked, shown, daemon.log()[-3000:])
         last = shown["last"]
