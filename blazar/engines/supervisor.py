@@ -351,6 +351,11 @@ class Supervisor(Service):
         entry = self._auto.get(name)
         if running is None or entry is None or self._instances.get(name) is not instance:
             return
+        settings = self._config.models.get(name)
+        if settings is None or settings.speculative != "auto":
+            # (a config reload took the model off "auto": its next child gets the new setting)
+            del self._auto[name]
+            return
         wanted = "ngram" if self.spec_tuner.lookup(name) else "off"
         if running == wanted or self._growth.under_way(name) is not None:
             return

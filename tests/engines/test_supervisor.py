@@ -237,15 +237,17 @@ class SpeculativeAutoTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
-        self.config = parse_config(
+        self.config_text = (
             f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n'
             '[engines.llamacpp]\nbinary = "/bin/true"\n[models."m"]\nspeculative = "auto"\n'
         )
+        self.config = parse_config(self.config_text)
         self.reactor = fake_process_reactor()
 
         async def probe(url: str) -> int:
             return 200
 
+        self.probe = probe
         self.supervisor = Supervisor(
             self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {}, port_finder=lambda: 5555
         )
@@ -282,6 +284,21 @@ class SpeculativeAutoTests(SynchronousTestCase):
         self.assertEqual(tuner.state("m:latest")["decided"], "off")
         self.supervisor.reap()
         self.assertEqual(second.transport.signals, [])
+
+    def test_a_reload_off_auto_stops_the_tuning(self) -> None:
+        from blazar.config import LiveConfig
+
+        live = LiveConfig(self.config)
+        self.supervisor = Supervisor(
+            live, ModelRegistry(self.config, self.reactor), self.reactor, self.probe, {}, port_finder=lambda: 5555
+        )
+        first = self.instance_for()
+        for _ in range(4):
+            self.supervisor.spec_tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
+        live.swap(parse_config(str(self.config_text).replace('"auto"', '"ngram"')))
+        self.supervisor.reap()
+        self.assertEqual(first.transport.signals, [])
+        self.assertIsNone(self.supervisor.speculative_auto("m:latest"))
 
     def test_pays_stays_on(self) -> None:
         first = self.instance_for()
