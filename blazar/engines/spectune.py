@@ -10,7 +10,10 @@ the child that gave it ran with lookup. Per answer rather than from the
 C{/metrics} counters: the counters are scraped once a minute and mix the
 work classes; a timing belongs to one answer, one class and one child.
 Answers shorter than L{MIN_TOKENS} are left out (their rate is mostly
-noise).
+noise), and so is the first answer of each child (given its pid): a
+child just started may decode its first answer slower (cold caches, pages
+not yet faulted in), and each side of a trial is measured on a fresh
+child, so neither side is measured on a cold start.
 
 A trial, per model: its child starts with lookup (C{decided}:
 C{"measuring"}); once one work class has C{window} answers with lookup,
@@ -133,6 +136,7 @@ class SpecTuner:
         self.retry_secs = retry_secs
         self.retry_answers = retry_answers
         self.trials: dict[str, Trial] = {}
+        self._children: dict[str, int] = {}  # model -> the child whose first answer was seen
 
     def lookup(self, model: str) -> bool:
         """
@@ -145,12 +149,27 @@ class SpecTuner:
     def state(self, model: str) -> dict[str, Any]:
         return self.trials.get(model, Trial()).state()
 
-    def observe(self, model: str, work: str, lookup: bool, rate: float, tokens: int, window: int | None = None) -> None:
+    def observe(
+        self,
+        model: str,
+        work: str,
+        lookup: bool,
+        rate: float,
+        tokens: int,
+        window: int | None = None,
+        child: int | None = None,
+    ) -> None:
         """
         One answer of C{model}, of work class C{work}, from a child that
         ran with lookup (C{lookup}) or without, decoding C{tokens} tokens
         at C{rate} tokens/s.
+
+        @param child: The child's pid: its first answer is not counted
+            (L{None}: every answer counts).
         """
+        if child is not None and self._children.get(model) != child:
+            self._children[model] = child
+            return  # a fresh child's first answer: warming up
         if tokens < MIN_TOKENS or not rate > 0:
             return
         window = window or WINDOW

@@ -442,13 +442,13 @@ class Pipeline:
         tuner = getattr(self.supervisor, "spec_tuner", None)
         if running is None or tuner is None:
             return None
-        name, work = instance.entry.name, CLASS_NAMES[call.work]
+        name, work, child = instance.entry.name, CLASS_NAMES[call.work], getattr(instance, "pid", None)
         window = getattr(instance.entry.settings, "speculative_window", None)
 
         def timed(timings: dict[str, Any]) -> None:
             rate, tokens = timings.get("predicted_per_second"), timings.get("predicted_n")
             if isinstance(rate, (int, float)) and isinstance(tokens, int):
-                tuner.observe(name, work, running == "ngram", float(rate), tokens, window)
+                tuner.observe(name, work, running == "ngram", float(rate), tokens, window, child)
 
         return timed
 

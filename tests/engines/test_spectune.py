@@ -78,6 +78,14 @@ class SpecTunerTests(SynchronousTestCase):
         self.assertEqual(self.tuner.state("m")["decided"], "measuring")
         self.assertEqual(self.tuner.state("m")["rates"]["interactive"]["on_n"], 14)
 
+    def test_a_childs_first_answer_ignored(self) -> None:
+        """
+        Given the child's pid, its first answer (warming up) is not counted.
+        """
+        for child in (7, 7, 7, 8, 8):
+            self.tuner.observe("m", "interactive", True, 50.0, 100, window=10, child=child)
+        self.assertEqual(self.tuner.state("m")["rates"]["interactive"]["on_n"], 3)
+
     def test_short_answers_ignored(self) -> None:
         for _ in range(10):
             self.tuner.observe("m", "interactive", True, 500.0, MIN_TOKENS - 1, window=4)

@@ -94,11 +94,11 @@ class SpecTimingsTests(SynchronousTestCase):
         self.assertEqual(
             self.tuner.seen,
             [
-                ("m:latest", "interactive", False, 62.5, 40, None),
-                ("m:latest", "interactive", False, 62.5, 40, None),
-                ("m:latest", "tool", False, 62.5, 40, None),
-                ("m:latest", "interactive", False, 62.5, 40, None),  # Ollama's
-                ("m:latest", "interactive", False, 62.5, 40, None),
-                ("m:latest", "interactive", False, 62.5, 40, None),  # Anthropic's
+                ("m:latest", "interactive", False, 62.5, 40, None, 1001),
+                ("m:latest", "interactive", False, 62.5, 40, None, 1001),
+                ("m:latest", "tool", False, 62.5, 40, None, 1001),
+                ("m:latest", "interactive", False, 62.5, 40, None, 1001),  # Ollama's
+                ("m:latest", "interactive", False, 62.5, 40, None, 1001),
+                ("m:latest", "interactive", False, 62.5, 40, None, 1001),  # Anthropic's
             ],
         )

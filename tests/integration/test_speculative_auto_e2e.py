@@ -39,10 +39,25 @@ PROSE = [
 
 
 def spec(daemon: Daemon) -> dict[str, Any]:
+    """
+    C{smollm}'s C{speculative} object in C{/api/ps}; C{{}} while no child
+    of it is listed (between the two children of an idle reload).
+    """
     status, _, raw = daemon.request("GET", "/api/ps")
     assert status == 200, raw
-    (row,) = [m for m in json.loads(raw)["models"] if m["name"] == MODEL]
-    return dict(row["speculative"])
+    rows = [m for m in json.loads(raw)["models"] if m["name"] == MODEL]
+    return dict(rows[0]["speculative"]) if rows else {}
+
+
+def listed(daemon: Daemon) -> dict[str, Any]:
+    """
+    L{spec} once a child is listed (waiting out an idle reload).
+    """
+    deadline = time.monotonic() + 30
+    while not (shown := spec(daemon)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert shown, "no child of the model listed in /api/ps"
+    return shown
 
 
 def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path: Path) -> None:
@@ -76,14 +91,15 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
             if asked == 1:
                 argv = daemon.engine_for(MODEL).cmdline()
                 assert argv[argv.index("--spec-type") + 1] == "ngram-cache", argv  # a trial starts with lookup
-                assert spec(daemon)["decided"] == "measuring"
-            shown = spec(daemon)
+                assert listed(daemon)["decided"] == "measuring"
+            shown = listed(daemon)
             if shown["decided"] != "measuring" or asked >= 6 * WINDOW:
                 break
             time.sleep(1.5)  # the reaper's idle reload (checked each second) gets its turn between requests
-        # every answer, streamed or not, was measured (the tuner leaves out those under MIN_TOKENS)
+        # every answer, streamed or not, was measured but those under MIN_TOKENS and the first of
+        # each of the two children (warming up): at most two fewer than counted
         rates = shown["rates"]["interactive"]
-        assert rates["on_n"] + rates["off_n"] == counted, (asked, counted, shown)
+        assert counted - 2 <= rates["on_n"] + rates["off_n"] < counted, (asked, counted, shown)
         assert shown["mode"] == "auto"
         assert shown["decided"] in ("on", "off"), (asked, shown, daemon.log()[-3000:])
         last = shown["last"]
@@ -99,9 +115,9 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
         assert kept >= figures["off"], last
         # the next idle reload applies it: the child's argv follows the decision
         deadline = time.monotonic() + 30
-        while spec(daemon)["running"] != shown["decided"] and time.monotonic() < deadline:
+        while spec(daemon).get("running") != shown["decided"] and time.monotonic() < deadline:
             time.sleep(0.5)
-        assert spec(daemon)["running"] == shown["decided"], spec(daemon)
+        assert spec(daemon).get("running") == shown["decided"], spec(daemon)
         status, body = daemon.post_json(
             "/v1/chat/completions",
             {"model": "smollm", "messages": [{"role": "user", "content": PROSE[0]}], "max_tokens": 32},
@@ -110,6 +126,6 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
         assert status == 200, body
         argv = daemon.engine_for(MODEL).cmdline()
         assert ("--spec-type" in argv) == (shown["decided"] == "on"), argv
-        assert spec(daemon)["decided"] == shown["decided"]
+        assert listed(daemon)["decided"] == shown["decided"]
     finally:
         daemon.close(check_engines=True)
