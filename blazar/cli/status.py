@@ -133,7 +133,7 @@ def print_instances(rows: list[dict[str, Any]], gpus: list[dict[str, Any]] | Non
 
     print(
         f"{'MODEL':<30} {'KIND':<13} {'STATE':<9} {'PID':>7} {'PORT':>6} {'BUSY':>7} {'CTX':>6} "
-        f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'SPEC':>5} {'DRAFT':>6} {'ACC/D':>5} "
+        f"{'SERVED':>6} {'EST':>7} {'RSS':>7} {'EXPIRES':>8} {'CACHE':>6} {'SPEC':>8} {'DRAFT':>6} {'ACC/D':>5} "
         f"{'BREAKER':<9} "
         f"{'VRAM':>7} GPU"
     )
@@ -146,7 +146,7 @@ def print_instances(rows: list[dict[str, Any]], gpus: list[dict[str, Any]] | Non
             f"{r['model']:<30} {r.get('kind') or '-':<13} {r['state']:<9} {r.get('pid') or '-':>7} {r['port']:>6} "
             f"{r['busy']:>3}/{r['slots']:<3} {r['ctx'] or '-':>6} {r.get('served') or 0:>6} "
             f"{_mib(r.get('memory_estimate')):>7} {_mib(r.get('rss')):>7} {expires:>8} "
-            f"{pct(r.get('cache_hit')):>6} {r.get('speculative') or '-':>5} {pct(r.get('draft_acceptance')):>6} "
+            f"{pct(r.get('cache_hit')):>6} {r.get('speculative') or '-':>8} {pct(r.get('draft_acceptance')):>6} "
             f"{per(r.get('accepted_per_draft')):>5} {r['breaker']:<9} {vram:>7} {where}"
         )
 

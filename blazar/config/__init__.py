@@ -431,7 +431,16 @@ class ModelConfig:
         group="speculative decoding",
         doc='`"ngram"`: n-gram lookup (`--spec-type ngram-cache`, its dynamic lookup cache kept in '
         '`<data_dir>/speccache/<model>/`); `"draft"`: a draft model (`draft_model`, `--spec-type draft-simple`); '
-        '`"auto"`: for now the same as `"ngram"`.',
+        '`"auto"`: starts with `"ngram"` and keeps it only while it makes decoding faster, measured on the model\'s '
+        "traffic (docs/speculative.md#auto).",
+    )
+    speculative_window: int | None = setting(
+        None,
+        value=POSITIVE_INT,
+        group="speculative decoding",
+        shown="20",
+        doc='With `speculative = "auto"`: answers of one work class measured with n-gram lookup, then without, '
+        "before it decides (each answer's own decode tokens/s; answers under 16 tokens are not counted).",
     )
     draft_model: str | None = setting(
         None,

@@ -232,7 +232,12 @@ class ContextGrowth:
         if old.state == InstanceState.STOPPING:
             await old.protocol.when_ended()  # someone else stopped it: no second SIGTERM
         elif old.state != InstanceState.DEAD:
-            await self._stop(old, f"context {old.ctx} -> {grow.target} tokens per slot (num_ctx)")
+            why = (
+                "reload with another launch profile (placement asked for, or speculative auto)"
+                if grow.why == "reload" and grow.target == old.ctx
+                else f"context {old.ctx} -> {grow.target} tokens per slot (num_ctx)"
+            )
+            await self._stop(old, why)
         if self._shutting_down():
             raise EngineStartFailed(entry.name, f"Blazar is shutting down; {entry.name!r} was not restarted")
         grown = attrs.evolve(entry, settings=attrs.evolve(entry.settings, ctx_size=grow.target))

@@ -281,7 +281,9 @@ def speculative_flags(entry: ModelEntry, data_dir: Path) -> list[str]:
     C{[models."name"]} keys (docs/speculative.md):
 
       - C{speculative = "off"} (the default): none, the argv as before;
-      - C{"ngram"} and, until it is tuned, C{"auto"}: n-gram lookup
+      - C{"ngram"} (and C{"auto"} where no tuner chose: the supervisor
+        launches an C{"auto"} model's child as C{"ngram"} or C{"off"},
+        L{blazar.engines.spectune}): n-gram lookup
         (C{--spec-type ngram-cache}) with the model's dynamic lookup cache
         (C{-lcd}, L{lookup_cache});
       - C{"draft"}: a draft model (C{--spec-type draft-simple

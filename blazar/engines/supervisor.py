@@ -69,6 +69,7 @@ from blazar.engines.process import ExitStatus, process_alive, thd_rss
 from blazar.engines.remote import RemoteInstance, Remotes
 from blazar.engines.room import Room
 from blazar.engines.spawn import Launcher, child_shape, free_port, probe_health, thd_identity
+from blazar.engines.spectune import SpecTuner
 from blazar.engines.waiters import Waiters
 from blazar.engines.watch import ChildWatch
 from blazar.metrics import Metrics, gauge
@@ -156,6 +157,9 @@ class Supervisor(Service):
     _remotes: Remotes = attrs.field(init=False)
     _launcher: Launcher = attrs.field(init=False)
     _watch: ChildWatch = attrs.field(init=False)
+    # speculative = "auto": the tuner, and each tuned model's entry as the registry gave it (the idle reload's)
+    spec_tuner: SpecTuner = attrs.field(init=False)
+    _auto: dict[str, ModelEntry] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
         Service.__init__(self)
@@ -198,6 +202,7 @@ class Supervisor(Service):
             self._process_alive,
             self._run_dir,
         )
+        self.spec_tuner = SpecTuner(self._reactor)
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
 
@@ -298,8 +303,70 @@ class Supervisor(Service):
                     and expires <= now
                 ):
                     self.stop_instance(instance, "idle")
+                elif instance.state == InstanceState.READY and instance.in_flight == 0:
+                    self._retune(instance)
         except Exception:
             log.failure("idle reaper failed")
+
+    def _profile(self, entry: ModelEntry) -> tuple[tuple[str, Any], ...]:
+        """
+        What a llama.cpp child of C{entry} is launched with over its
+        settings: the client's placement (L{want_profile}) and, for
+        C{speculative = "auto"}, the tuner's choice (C{"ngram"} or
+        C{"off"}), which L{blazar.engines.llamacpp.build_command} compiles.
+        """
+        profile = self._profiles.get(entry.name, ())
+        if entry.settings.speculative != "auto":
+            self._auto.pop(entry.name, None)
+            return profile
+        self._auto[entry.name] = entry
+        mode = "ngram" if self.spec_tuner.lookup(entry.name) else "off"
+        return tuple(sorted((*profile, ("speculative", mode))))
+
+    def speculative_auto(self, name: str) -> dict[str, Any] | None:
+        """
+        For a C{speculative = "auto"} model (canonical C{name}) that has had
+        a child: the tuner's state (L{blazar.engines.spectune.Trial.state}:
+        C{decided}, the C{lookup} the next child gets, the C{rates} being
+        measured, the C{last} decision's figures) and C{running}, whether
+        the loaded child runs with lookup (C{"on"}, C{"off"}, or L{None}
+        with none loaded). L{None} for any other model.
+        """
+        if name not in self._auto:
+            return None
+        state = self.spec_tuner.state(name)
+        instance = self._instances.get(name)
+        running = dict(instance.profile).get("speculative") if instance is not None else None
+        state["running"] = None if running is None else "on" if running == "ngram" else "off"
+        return state
+
+    def _retune(self, instance: Instance) -> None:
+        """
+        The idle reload of C{speculative = "auto"}: a ready child running no
+        request whose lookup is not what the tuner now wants is replaced by
+        one that has it (requests that come meanwhile wait for the new one).
+        """
+        running = dict(instance.profile).get("speculative")
+        name = instance.entry.name
+        entry = self._auto.get(name)
+        if running is None or entry is None or self._instances.get(name) is not instance:
+            return
+        settings = self._config.models.get(name)
+        if settings is None or settings.speculative != "auto":
+            # (a config reload took the model off "auto": its next child gets the new setting)
+            del self._auto[name]
+            return
+        wanted = "ngram" if self.spec_tuner.lookup(name) else "off"
+        if running == wanted or self._growth.under_way(name) is not None:
+            return
+        log.info(
+            "{model}: idle reload for speculative auto: n-gram lookup {was} -> {now} ({decided})",
+            model=name,
+            was=running,
+            now=wanted,
+            decided=self.spec_tuner.state(name)["decided"],
+        )
+        self._growth.begin(entry, instance, instance.ctx, "reload")
 
     def breaker(self, name: str) -> Breaker:
         """
@@ -393,7 +460,12 @@ class Supervisor(Service):
             grow = self._growth.under_way(entry.name)
             instance = self._instances.get(entry.name)
             wanted = self._profiles.get(entry.name, ())
-            reprofile = instance is not None and instance.lane == "llamacpp" and instance.profile != wanted
+            # (the tuner's speculative choice waits for the idle reload: _retune)
+            reprofile = (
+                instance is not None
+                and instance.lane == "llamacpp"
+                and tuple(kv for kv in instance.profile if kv[0] != "speculative") != wanted
+            )
             if grow is None and instance is not None and (target > instance.ctx or reprofile):
                 grow = self._growth.begin(
                     entry, instance, max(target, instance.ctx), "reload" if target <= instance.ctx else "grow"
@@ -546,7 +618,7 @@ class Supervisor(Service):
         lane: CommandLane | None = None,
         placed: Any = None,
     ) -> Instance:
-        profile = self._profiles.get(entry.name, ()) if lane is None else ()
+        profile = self._profile(entry) if lane is None else ()
         instance = self._launcher.launch(entry, meta, binary, identity, lane, placed, profile)
         self._instances[entry.name] = instance
         self._all.add(instance)

@@ -119,7 +119,8 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
     kind, lane, state, pid, port, busy and total slots, context, seconds
     until idle-evictable, breaker, served, memory estimate and RSS, the
     engine's cache-hit, draft-acceptance and accepted-per-draft EWMAs,
-    its C{speculative} mode (C{off}, C{ngram}, C{draft}, C{auto}), and
+    its C{speculative} mode (C{off}, C{ngram}, C{draft}, or for C{auto}
+    L{spec_column}'s C{auto=on}, C{auto=off}, C{auto?on}, C{auto?off}), and
     its GPU memory:
     C{vram} (bytes over every GPU: NVML's figure once measured, else the
     plan's; 0 for a CPU child) and C{gpus}, one
@@ -138,12 +139,13 @@ async def instance_rows(supervisor: Any, registry: Any, hints: Any, now: float) 
         except Exception:
             pass
         hint = hints.for_model(view.name) if hints is not None else None
+        auto = getattr(supervisor, "speculative_auto", lambda name: None)(view.name)
         rows.append(
             {
                 "cache_hit": hint.cache_hit if hint is not None else None,
                 "draft_acceptance": hint.draft_acceptance if hint is not None else None,
                 "accepted_per_draft": hint.accepted_per_draft if hint is not None else None,
-                "speculative": view.entry.settings.speculative,
+                "speculative": spec_column(auto) if auto is not None else view.entry.settings.speculative,
                 "model": view.name,
                 "key": f"{view.name}#0@text",
                 "state": str(view.state),
@@ -452,3 +454,15 @@ class ModelOperations:
         @raise blazar.models.ollama_store.DigestMismatch: It is not.
         """
         return await self._created_by().store_upload(digest, upload)
+
+
+def spec_column(auto: dict[str, Any]) -> str:
+    """
+    C{blazar ps}'s SPEC for a C{speculative = "auto"} model: C{auto=on} or
+    C{auto=off} once decided, C{auto?on} or C{auto?off} while measuring
+    (the lookup its child runs with; C{?} alone with none loaded).
+    """
+    running = auto.get("running")
+    if auto.get("decided") in ("on", "off"):
+        return f"auto={auto['decided']}"
+    return f"auto?{running or ''}"

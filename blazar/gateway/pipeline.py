@@ -66,7 +66,7 @@ from blazar.engines.remote import REMOTE, is_remote, shared_name
 from blazar.engines.supervisor import InstanceState, InstanceView
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
-from blazar.gateway.admission import QUEUE_MS_HEADER, Admission, admit_request, queue_ms
+from blazar.gateway.admission import CLASS_NAMES, QUEUE_MS_HEADER, Admission, admit_request, queue_ms
 from blazar.gateway.audio import AudioUnreadable, thd_image_size, thd_to_multipart
 from blazar.gateway.cachestore import CacheStore
 from blazar.gateway.call import OLLAMA_PLACEMENT, Call, CallKind, Counting, Run
@@ -427,8 +427,30 @@ class Pipeline:
             stall=self._config().sentinel_stall if chat else 30.0,
             clock=self._clock if chat else None,
             headers=call.headers,
+            timed=self._timed(call, lease.instance),
         )
         return reply, lease
+
+    def _timed(self, call: Run, instance: Any) -> Callable[[dict[str, Any]], None] | None:
+        """
+        For a child of a C{speculative = "auto"} model: what hands its
+        answer's decode rate (C{timings.predicted_per_second}) to the
+        supervisor's tuner (L{blazar.engines.spectune.SpecTuner}), with the
+        call's work class and whether the child runs with n-gram lookup.
+        """
+        running = dict(getattr(instance, "profile", ())).get("speculative")
+        tuner = getattr(self.supervisor, "spec_tuner", None)
+        if running is None or tuner is None:
+            return None
+        name, work, child = instance.entry.name, CLASS_NAMES[call.work], getattr(instance, "pid", None)
+        window = getattr(instance.entry.settings, "speculative_window", None)
+
+        def timed(timings: dict[str, Any]) -> None:
+            rate, tokens = timings.get("predicted_per_second"), timings.get("predicted_n")
+            if isinstance(rate, (int, float)) and isinstance(tokens, int):
+                tuner.observe(name, work, running == "ngram", float(rate), tokens, window, child)
+
+        return timed
 
     async def _cached(
         self,

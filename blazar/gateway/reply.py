@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from types import MappingProxyType
 from typing import Any, Callable, Mapping
 
@@ -44,6 +45,28 @@ from blazar.gateway.sessions import Pin
 from blazar.gateway.translated import Translated
 
 log = Logger()
+
+
+TIMINGS = b'"timings"'
+_TIMINGS_AT = re.compile(rb'"timings"\s*:\s*\{')
+_DECODER = json.JSONDecoder()
+
+
+def timings_in(data: bytes) -> dict[str, Any] | None:
+    """
+    The last llama-server C{timings} object in C{data} (an answer, or
+    stream events), parsed alone; L{None} if none is whole there.
+    """
+    found = None
+    for found in _TIMINGS_AT.finditer(data):
+        pass
+    if found is None:
+        return None
+    try:
+        value, _ = _DECODER.raw_decode(data[found.end() - 1 :].decode("utf-8", "replace"))
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
 
 
 class Reply:
@@ -95,6 +118,7 @@ class Reply:
         translated: Translated | None = None,
         wants_usage: bool = False,
         headers: Mapping[bytes, bytes] | None = None,
+        timed: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         """
         Built whole by the pipeline (L{blazar.gateway.pipeline.Pipeline._start}, L{blazar.gateway.pipeline.Pipeline._cached});
@@ -128,6 +152,10 @@ class Reply:
         @param wants_usage: The request's C{stream_options.include_usage}
             (a remote's JSON answer made a stream: L{_remote_json}).
         @param headers: The response headers decided for it (copied).
+        @param timed: Called with llama-server's C{timings} object of the
+            answer, once (a non-streamed answer's, or a stream's last
+            chunk's): C{speculative = "auto"}'s tuner
+            (L{blazar.engines.spectune}).
         """
         self._proxy = proxy
         self._context = context
@@ -155,6 +183,21 @@ class Reply:
         self.wants_usage = wants_usage
         self.headers: Mapping[bytes, bytes] = MappingProxyType(dict(headers or {}))
         self.verdict: Mapping[bytes, bytes] = MappingProxyType({})
+        self._timed = timed
+
+    def _note_timings(self, data: bytes) -> None:
+        """
+        Hand the last C{timings} object in C{data} to C{timed} (once).
+        """
+        if self._timed is None:
+            return
+        timings = timings_in(data)
+        if timings is not None:
+            timed, self._timed = self._timed, None
+            try:
+                timed(timings)
+            except Exception:
+                log.failure("noting an answer's timings failed")
 
     async def read(self) -> bytes:
         """
@@ -168,6 +211,7 @@ class Reply:
         else:
             assert self._lease is not None
             data = await self._proxy.read(self._lease.instance, self._response)
+            self._note_timings(data)
             if self.translated is not None:
                 data = self.translated.whole(data)
         findings = (
@@ -317,6 +361,8 @@ class Reply:
             else:
                 assert self._lease is not None
                 relayed = self.translated.sse(feed) if self.translated is not None else feed
+                if self._timed is not None:
+                    relayed = self._timing(relayed)
                 await self._proxy.relay(self._lease.instance, self._response, relayed, self._context)
         finally:
             if timer is not None:
@@ -339,6 +385,35 @@ class Reply:
             self._judge(watch.findings())
         if hider is not None:
             hider.flush()
+
+    def _timing(self, feed: Callable[[bytes], None]) -> Callable[[bytes], None]:
+        """
+        C{feed}, first looking for C{timings} in each piece of a stream.
+        """
+
+        def timing(data: bytes) -> None:
+            if self._timed is not None and TIMINGS in data:
+                self._note_timings(data)
+            feed(data)
+
+        return timing
+
+    def _chunk_timing(self, on_chunk: Callable[[dict[str, Any]], Any]) -> Callable[[dict[str, Any]], Any]:
+        """
+        C{on_chunk}, first handing a chunk's C{timings} to C{timed}.
+        """
+
+        def timing(chunk: dict[str, Any]) -> Any:
+            timings = chunk.get("timings")
+            if self._timed is not None and isinstance(timings, dict):
+                timed, self._timed = self._timed, None
+                try:
+                    timed(dict(timings))
+                except Exception:
+                    log.failure("noting an answer's timings failed")
+            return on_chunk(chunk)
+
+        return timing
 
     def _stall_timer(self, watch: StreamWatch | None) -> _StallTimer | None:
         """
@@ -394,6 +469,8 @@ class Reply:
                 await self._proxy.relay(self._lease.instance, self._response, events, self._context)
             else:
                 assert self._lease is not None
+                if self._timed is not None:
+                    on_chunk = self._chunk_timing(on_chunk)
                 try:
                     await self._proxy.relay_chunks(self._lease.instance, self._response, on_chunk, self._context)
                 except EngineRejected as e:

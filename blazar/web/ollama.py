@@ -763,14 +763,22 @@ class OllamaSurface:
         the model's C{mode} (C{off}, C{ngram}, C{draft}, C{auto}) and what
         its engine measured, as EWMAs (L{blazar.engines.hints}):
         C{acceptance} (accepted / drafted tokens, 0-1) and
-        C{accepted_per_draft} (tokens); L{None} until it drafted.
+        C{accepted_per_draft} (tokens); L{None} until it drafted. For
+        C{auto}, the tuner's state too
+        (L{blazar.engines.supervisor.Supervisor.speculative_auto}):
+        C{decided} (C{"measuring"}, C{"on"}, C{"off"}), C{running}, C{lookup},
+        C{rates} and C{last}.
         """
         hint = self._hints.for_model(entry.name) if self._hints is not None else None
-        return {
+        shown: dict[str, Any] = {
             "mode": entry.settings.speculative,
             "acceptance": hint.draft_acceptance if hint is not None else None,
             "accepted_per_draft": hint.accepted_per_draft if hint is not None else None,
         }
+        auto = getattr(self._pipeline.supervisor, "speculative_auto", lambda name: None)(entry.name)
+        if auto is not None:
+            shown.update(auto, mode="auto")
+        return shown
 
     @app.route("/api/queue", methods=["GET"])
     def queue(self, request: IRequest) -> bytes:

@@ -228,6 +228,99 @@ class SupervisorTests(SynchronousTestCase):
         self.assertEqual(len(self.reactor.spawned), 2)
 
 
+class SpeculativeAutoTests(SynchronousTestCase):
+    """
+    C{speculative = "auto"}: the child's argv follows the tuner
+    (L{blazar.engines.spectune}), changed at the next idle reload only.
+    """
+
+    def setUp(self) -> None:
+        root = Path(self.mktemp())
+        make_test_model(root / "models" / "m.gguf")
+        self.config_text = (
+            f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n'
+            '[engines.llamacpp]\nbinary = "/bin/true"\n[models."m"]\nspeculative = "auto"\n'
+        )
+        self.config = parse_config(self.config_text)
+        self.reactor = fake_process_reactor()
+
+        async def probe(url: str) -> int:
+            return 200
+
+        self.probe = probe
+        self.supervisor = Supervisor(
+            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {}, port_finder=lambda: 5555
+        )
+
+    def instance_for(self) -> Any:
+        return self.successResultOf(ensureDeferred(self.supervisor.instance_for("m")))
+
+    def test_off_at_the_next_idle_reload_not_before(self) -> None:
+        first = self.instance_for()
+        argv = self.reactor.spawned[0][2]
+        self.assertEqual(argv[argv.index("--spec-type") + 1], "ngram-cache")
+        self.assertEqual(dict(first.profile)["speculative"], "ngram")
+        tuner = self.supervisor.spec_tuner
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
+        self.assertFalse(tuner.lookup("m:latest"))
+        first.in_flight += 1  # a request runs: nothing is cut, nothing reloads
+        self.supervisor.reap()
+        self.assertEqual(first.transport.signals, [])
+        self.assertIs(self.instance_for(), first)  # a request that comes meanwhile: the same child
+        first.in_flight -= 1
+        self.supervisor.reap()  # idle now: the reload
+        self.assertEqual(first.transport.signals, ["TERM"])
+        first.transport.exit(0)
+        self.reactor.advance(0.05)
+        second = self.instance_for()
+        self.assertIsNot(second, first)
+        self.assertNotIn("--spec-type", self.reactor.spawned[1][2])
+        self.assertEqual(dict(second.profile)["speculative"], "off")
+        self.supervisor.reap()  # what the tuner wants: kept
+        self.assertEqual(second.transport.signals, [])
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", False, 50.0, 100, window=4)
+        self.assertEqual(tuner.state("m:latest")["decided"], "off")
+        self.supervisor.reap()
+        self.assertEqual(second.transport.signals, [])
+
+    def test_a_reload_off_auto_stops_the_tuning(self) -> None:
+        from blazar.config import LiveConfig
+
+        live = LiveConfig(self.config)
+        self.supervisor = Supervisor(
+            live, ModelRegistry(self.config, self.reactor), self.reactor, self.probe, {}, port_finder=lambda: 5555
+        )
+        first = self.instance_for()
+        for _ in range(4):
+            self.supervisor.spec_tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
+        live.swap(parse_config(str(self.config_text).replace('"auto"', '"ngram"')))
+        self.supervisor.reap()
+        self.assertEqual(first.transport.signals, [])
+        self.assertIsNone(self.supervisor.speculative_auto("m:latest"))
+
+    def test_pays_stays_on(self) -> None:
+        first = self.instance_for()
+        tuner = self.supervisor.spec_tuner
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", True, 80.0, 100, window=4)
+        self.supervisor.reap()
+        first.transport.exit(0)
+        self.reactor.advance(0.05)
+        second = self.instance_for()
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", False, 50.0, 100, window=4)
+        self.assertEqual(tuner.state("m:latest")["decided"], "on")
+        self.supervisor.reap()
+        self.assertEqual(second.transport.signals, ["TERM"])
+        second.transport.exit(0)
+        self.reactor.advance(0.05)
+        third = self.instance_for()
+        self.assertIn("--spec-type", self.reactor.spawned[2][2])
+        self.assertEqual(dict(third.profile)["speculative"], "ngram")
+
+
 class LifecycleTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())

@@ -100,3 +100,54 @@ class StallTests(SynchronousTestCase):
         self.assertEqual({id(c): c.getTime() for c in self.clock.getDelayedCalls()}, calls)
         self.body.protocol.connectionLost(Failure(ResponseDone()))
         self.assertEqual(self.clock.getDelayedCalls(), [])  # the timers end with the stream
+
+
+class TimingsTests(SynchronousTestCase):
+    """
+    L{Reply}'s C{timed}: llama-server's C{timings} of an answer reach it
+    once, from a non-streamed answer, a relayed stream or parsed chunks
+    (C{speculative = "auto"}'s tuner reads C{predicted_per_second}).
+    """
+
+    def make(self) -> tuple[Reply, _Body, list[dict[str, Any]]]:
+        body = _Body()
+        got: list[dict[str, Any]] = []
+        instance = SimpleNamespace(entry=SimpleNamespace(name="m"), protocol=None, lane="llamacpp")
+        reply = Reply(
+            EngineProxy(cast(Any, None), cast(Any, None), Clock()),
+            RequestContext(started=0.0),
+            cast(Any, SimpleNamespace(instance=instance)),
+            body,
+            None,
+            0.0,
+            0.0,
+            timed=got.append,
+        )
+        return reply, body, got
+
+    def last(self) -> bytes:
+        chunk = {
+            "choices": [{"finish_reason": "stop", "index": 0, "delta": {}}],
+            "timings": {"predicted_n": 40, "predicted_per_second": 71.5},
+        }
+        return b"data: " + json.dumps(chunk).encode() + b"\n\ndata: [DONE]\n\n"
+
+    def test_streams(self) -> None:
+        for chunks in (False, True):
+            with self.subTest(chunks=chunks):
+                reply, body, got = self.make()
+                done = ensureDeferred(reply.chunks(lambda c: None) if chunks else reply.relay(lambda d: None))
+                body.protocol.dataReceived(_event({"content": "hi"}))
+                body.protocol.dataReceived(self.last())
+                body.protocol.dataReceived(self.last())  # (once only)
+                body.protocol.connectionLost(Failure(ResponseDone()))
+                self.successResultOf(done)
+                self.assertEqual(got, [{"predicted_n": 40, "predicted_per_second": 71.5}])
+
+    def test_whole_answer(self) -> None:
+        reply, body, got = self.make()
+        done = ensureDeferred(reply.read())
+        body.protocol.dataReceived(b'{"choices":[],"timings":{"predicted_n":40,"predicted_per_second":9.5}}')
+        body.protocol.connectionLost(Failure(ResponseDone()))
+        self.successResultOf(done)
+        self.assertEqual(got, [{"predicted_n": 40, "predicted_per_second": 9.5}])
