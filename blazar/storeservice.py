@@ -175,11 +175,17 @@ class StoreService(Service):
         Service.startService(self)
         self._pool.start()
         # at start, before serving: a short blocking open (and migration); an
-        # unreachable PostgreSQL stops the start, naming the server
-        if self.url is not None:
-            self._db = self._call_now(store.thd_open_postgres, self.url)
-        else:
-            self._db = self._call_now(store.thd_open, self.path)
+        # unreachable PostgreSQL stops the start, naming the server (the pool
+        # stopped first: its thread would keep the failed process alive)
+        try:
+            if self.url is not None:
+                self._db = self._call_now(store.thd_open_postgres, self.url)
+            else:
+                self._db = self._call_now(store.thd_open, self.path)
+        except BaseException:
+            self._pool.stop()
+            Service.stopService(self)
+            raise
 
     def stopService(self) -> Deferred[None]:
         Service.stopService(self)

@@ -158,12 +158,21 @@ class PostgresStoreServiceTests(StoreServiceContract, SynchronousTestCase):
         self.assertFalse(self.path.parent.exists())
 
     def test_an_unreachable_server_stops_the_start_naming_it(self) -> None:
+        """
+        The start fails naming the server, and leaves no thread behind (the
+        pool's thread kept a daemon whose database was down from exiting:
+        found by a README trial).
+        """
         self.url = f"postgresql://postgres@127.0.0.1:{postgres.free_port()}/nothing"
-        database = self.service()
+        pool = ThreadPool(1, 1, name="blazar-store-test")
+        database = self.service(pool)
         with self.assertRaises(store.StoreUnavailable) as cm:
             database.startService()
         self.assertIn("PostgreSQL at 127.0.0.1:", str(cm.exception))
         self.assertIn("is unreachable", str(cm.exception))
+        self.assertFalse(pool.started)
+        self.assertFalse([t for t in pool.threads if t.is_alive()])
+        self.assertFalse(database.running)
 
 
 class PeriodicJobTests(SynchronousTestCase):

@@ -66,3 +66,26 @@ def test_two_nodes_share_files_and_ride_out_an_outage(server: postgres.PostgresS
         for node in (a, b):
             if node.proc is not None:
                 node.close()
+
+
+def test_a_node_whose_database_is_down_exits_naming_it(tmp_path: Path) -> None:
+    """
+    A node that cannot reach its database at start stops (non-zero, the
+    server named in its log), never a half-started process holding its
+    port (found by a README trial: the store's thread kept it alive).
+    """
+    from subprocess import TimeoutExpired
+
+    from tests.servers import free_port
+
+    port = free_port()
+    d = Daemon(tmp_path / "down", f'[cluster]\ndatabase = "postgresql://blazar@127.0.0.1:{port}/blazar"\n')
+    d.start(wait=False)
+    assert d.proc is not None
+    try:
+        code = d.proc.wait(timeout=60)
+    except TimeoutExpired:
+        d.kill_everything()
+        raise AssertionError(f"the daemon did not exit:\n{d.log()[-2000:]}") from None
+    assert code != 0
+    assert f"PostgreSQL at 127.0.0.1:{port} is unreachable" in d.log()
