@@ -269,6 +269,17 @@ class Pipeline:
         """
         return self.supervisor.snapshot()
 
+    def speculative_auto(self, model: str) -> dict[str, Any] | None:
+        """
+        The speculative-decoding tuner's state for C{model} when its
+        C{speculative} is C{"auto"} (C{GET /api/ps}; shape in
+        L{blazar.engines.supervisor.Supervisor.speculative_auto}), else
+        L{None}.
+        """
+        auto = getattr(self.supervisor, "speculative_auto", None)
+        result: dict[str, Any] | None = auto(model) if auto is not None else None
+        return result
+
     def queues(self, show: Callable[[str, Any], bool]) -> dict[str, Any]:
         """
         The admission queues as C{GET /api/queue} shows them

@@ -765,7 +765,7 @@ class OllamaSurface:
         C{acceptance} (accepted / drafted tokens, 0-1) and
         C{accepted_per_draft} (tokens); L{None} until it drafted. For
         C{auto}, the tuner's state too
-        (L{blazar.engines.supervisor.Supervisor.speculative_auto}):
+        (L{blazar.gateway.pipeline.Pipeline.speculative_auto}):
         C{decided} (C{"measuring"}, C{"on"}, C{"off"}), C{running}, C{lookup},
         C{rates} and C{last}.
         """
@@ -775,7 +775,7 @@ class OllamaSurface:
             "acceptance": hint.draft_acceptance if hint is not None else None,
             "accepted_per_draft": hint.accepted_per_draft if hint is not None else None,
         }
-        auto = getattr(self._pipeline.supervisor, "speculative_auto", lambda name: None)(entry.name)
+        auto = self._pipeline.speculative_auto(entry.name)
         if auto is not None:
             shown.update(auto, mode="auto")
         return shown
