@@ -2,9 +2,12 @@
 """
 Speculative decoding's table: decode tokens/s of one real model
 (SmolLM2-135M-Instruct, from its PyPI wheel) with n-gram lookup
-(C{speculative = "ngram"}) against without (C{"off"}), on two workloads:
-"repeat this code with one change" (the code it was shown, which lookup
-drafts from) and free prose.
+(C{speculative = "ngram"}: llama-server's ngram-mod and ngram-cache
+drafters) against without (C{"off"}), on two workloads: "repeat this
+code with one change" (the code it was shown, which lookup drafts from)
+and free prose (a new story each round). The code is the same each
+round, so from the second round on the child has also seen its earlier
+answer; the first round's figures are in the runs.
 
     .venv/bin/python bench/speculative.py [--rounds N] [--threads N]
 
@@ -46,10 +49,25 @@ from blazar.models.registry import ModelEntry  # noqa: E402
 from blazar.models.wheels import SMOLLM2, thd_fetch  # noqa: E402
 from tests.integration.test_speculative_e2e import REPEAT  # noqa: E402
 
-WORKLOADS = {
-    "code": REPEAT,  # the e2e's "repeat this code with one change", the answer begun with ```python
-    "prose": [{"role": "user", "content": "Tell me a long story about a lighthouse keeper and the sea."}],
-}
+# the e2e's "repeat this code with one change", the answer begun with ```python; free prose, a new
+# story each round (ngram-mod remembers a child's earlier answers: the same story again would be drafted)
+STORIES = (
+    "a lighthouse keeper and the sea",
+    "a baker who finds a map",
+    "two robots on the moon",
+    "a girl who trains a dragon",
+    "an old clock maker",
+    "a fox who learns to sail",
+    "a city under the ice",
+    "a river that flows uphill",
+)
+WORKLOADS = ("code", "prose")
+
+
+def messages(workload: str, round_: int) -> list[dict[str, str]]:
+    if workload == "code":
+        return REPEAT
+    return [{"role": "user", "content": f"Tell me a long story about {STORIES[round_ % len(STORIES)]}."}]
 TOKENS = 256
 
 
@@ -147,8 +165,8 @@ class Child:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     binary, model = engine(), thd_fetch(SMOLLM2)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {"off": [], "ngram": []} for w in WORKLOADS}
@@ -158,9 +176,9 @@ def main() -> int:
             for child in children.values():
                 child.wait_ready()
             for round_ in range(args.rounds):
-                for workload, messages in WORKLOADS.items():
+                for workload in WORKLOADS:
                     for mode, child in children.items():
-                        answer = child.ask(messages)
+                        answer = child.ask(messages(workload, round_))
                         timings = answer.get("timings", {})
                         runs[workload][mode].append(
                             {

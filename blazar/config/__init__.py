@@ -429,8 +429,8 @@ class ModelConfig:
         "off",
         value=choice('"off", "ngram", "draft" or "auto"', SPECULATIVE_MODES),
         group="speculative decoding",
-        doc='`"ngram"`: n-gram lookup (`--spec-type ngram-cache`, its dynamic lookup cache kept in '
-        '`<data_dir>/speccache/<model>/`); `"draft"`: a draft model (`draft_model`, `--spec-type draft-simple`); '
+        doc='`"ngram"`: n-gram lookup (`--spec-type ngram-mod,ngram-cache`, the lookup cache Blazar keeps from '
+        'the model\'s answers in `<data_dir>/speccache/<model>/`); `"draft"`: a draft model (`draft_model`, `--spec-type draft-simple`); '
         '`"auto"`: starts with `"ngram"` and keeps it only while it makes decoding faster, measured on the model\'s '
         "traffic (docs/speculative.md#auto).",
     )
@@ -454,23 +454,25 @@ class ModelConfig:
         None,
         value=POSITIVE_INT,
         group="speculative decoding",
-        shown="llama-server's, 3",
-        doc="Most tokens drafted at a time, `--spec-draft-n-max` (the pinned engine's ngram-cache drafts ~8 whatever "
-        "it says).",
+        shown="16 for ngram, llama-server's 3 for draft",
+        doc="Most tokens drafted at a time: `--spec-ngram-mod-n-max` for n-gram lookup, `--spec-draft-n-max` for a "
+        "draft model.",
     )
     draft_min: int | None = setting(
         None,
         value=count("a whole number, 0 or more"),
         group="speculative decoding",
-        shown="llama-server's, 0",
-        doc="Fewest tokens drafted at a time, `--spec-draft-n-min`.",
+        shown="4 for ngram, llama-server's 0 for draft",
+        doc="Fewest tokens drafted at a time: `--spec-ngram-mod-n-min` for n-gram lookup, `--spec-draft-n-min` for "
+        "a draft model.",
     )
     draft_p_min: float | None = setting(
         None,
         value=Value("a probability from 0 to 1", _probability),
         group="speculative decoding",
         shown="llama-server's, 0",
-        doc="Least probability a draft model's token needs to be drafted (greedy), `--spec-draft-p-min`.",
+        doc="Least probability a draft model's token needs to be drafted (greedy), `--spec-draft-p-min` (draft "
+        "model only).",
     )
     mmproj: Path | None = setting(
         None,

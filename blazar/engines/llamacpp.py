@@ -252,7 +252,18 @@ def slot_save_dir(data_dir: Path, model: str) -> Path:
     return data_dir / "sessions" / safe
 
 
-NGRAM_SPEC_TYPE = "ngram-cache"
+# n-gram lookup: ngram-mod first (long drafts where the text repeats a run
+# of its context or of what the child answered before: what llama-server's
+# own --spec-default picks), then ngram-cache (short drafts from the
+# context's and the model's lookup cache's n-gram counts)
+NGRAM_SPEC_TYPE = "ngram-mod,ngram-cache"
+# ngram-mod's sizes where the model's keys leave them: tokens that must
+# match, fewest and most drafted. llama-server's --spec-default (24, 48,
+# 64) drafts runs a CPU pays for at every miss; these measured faster on
+# "repeat this code" (bench/speculative.py, docs/speculative.md)
+NGRAM_MATCH = 8
+NGRAM_MIN = 4
+NGRAM_MAX = 16
 DRAFT_SPEC_TYPE = "draft-simple"
 LOOKUP_CACHE = "lookup-dynamic.bin"
 
@@ -284,14 +295,16 @@ def speculative_flags(entry: ModelEntry, data_dir: Path) -> list[str]:
       - C{"ngram"} (and C{"auto"} where no tuner chose: the supervisor
         launches an C{"auto"} model's child as C{"ngram"} or C{"off"},
         L{blazar.engines.spectune}): n-gram lookup
-        (C{--spec-type ngram-cache}) with the model's dynamic lookup cache
-        (C{-lcd}, L{lookup_cache});
+        (C{--spec-type ngram-mod,ngram-cache}, L{NGRAM_SPEC_TYPE}) with the
+        model's dynamic lookup cache (C{-lcd}, L{lookup_cache}, which
+        Blazar writes: L{blazar.engines.lookupcache}); C{draft_max} and
+        C{draft_min} size ngram-mod's drafts (C{--spec-ngram-mod-n-max},
+        C{--spec-ngram-mod-n-min}; L{NGRAM_MAX}, L{NGRAM_MIN} where unset);
       - C{"draft"}: a draft model (C{--spec-type draft-simple
-        --spec-draft-model FILE}, the file L{ModelEntry.draft} resolved).
-
-    Then the knobs that are set: C{draft_max} (C{--spec-draft-n-max}),
-    C{draft_min} (C{--spec-draft-n-min}) and C{draft_p_min}
-    (C{--spec-draft-p-min}).
+        --spec-draft-model FILE}, the file L{ModelEntry.draft} resolved),
+        then the knobs that are set: C{draft_max} (C{--spec-draft-n-max}),
+        C{draft_min} (C{--spec-draft-n-min}) and C{draft_p_min}
+        (C{--spec-draft-p-min}).
     """
     settings = entry.settings
     mode = settings.speculative
@@ -302,7 +315,20 @@ def speculative_flags(entry: ModelEntry, data_dir: Path) -> list[str]:
             return []
         flags = ["--spec-type", DRAFT_SPEC_TYPE, "--spec-draft-model", str(entry.draft)]
     else:
-        flags = ["--spec-type", NGRAM_SPEC_TYPE, "-lcd", str(lookup_cache(data_dir, entry.name))]
+        high = settings.draft_max if settings.draft_max is not None else NGRAM_MAX
+        low = settings.draft_min if settings.draft_min is not None else min(NGRAM_MIN, high)
+        return [
+            "--spec-type",
+            NGRAM_SPEC_TYPE,
+            "--spec-ngram-mod-n-match",
+            str(NGRAM_MATCH),
+            "--spec-ngram-mod-n-min",
+            str(low),
+            "--spec-ngram-mod-n-max",
+            str(high),
+            "-lcd",
+            str(lookup_cache(data_dir, entry.name)),
+        ]
     if settings.draft_max is not None:
         flags += ["--spec-draft-n-max", str(settings.draft_max)]
     if settings.draft_min is not None:

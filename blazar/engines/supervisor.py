@@ -64,7 +64,8 @@ from blazar.engines.errors import (
 from blazar.engines.growth import ContextGrowth, ContextPlan, estimate_bytes
 from blazar.engines.instance import IInstance, Instance, InstanceState, InstanceView, evicted_name, view_of
 from blazar.engines.interfaces import ISupervisor
-from blazar.engines.llamacpp import find_binary
+from blazar.engines.llamacpp import find_binary, lookup_cache
+from blazar.engines.lookupcache import LookupCaches
 from blazar.engines.process import ExitStatus, process_alive, thd_rss
 from blazar.engines.remote import RemoteInstance, Remotes
 from blazar.engines.room import Room
@@ -159,6 +160,8 @@ class Supervisor(Service):
     _watch: ChildWatch = attrs.field(init=False)
     # speculative = "auto": the tuner, and each tuned model's entry as the registry gave it (the idle reload's)
     spec_tuner: SpecTuner = attrs.field(init=False)
+    # n-gram lookup: each model's lookup cache, counted from its answers (the pipeline feeds it)
+    lookup_caches: LookupCaches = attrs.field(init=False)
     _auto: dict[str, ModelEntry] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
@@ -203,6 +206,7 @@ class Supervisor(Service):
             self._run_dir,
         )
         self.spec_tuner = SpecTuner(self._reactor)
+        self.lookup_caches = LookupCaches(self._reactor, lambda name: lookup_cache(self._live.current.data_dir, name))
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
 
@@ -286,6 +290,7 @@ class Supervisor(Service):
         self._reaper = LoopingCall(self.reap)
         self._reaper.clock = self._reactor
         self._reaper.start(1.0, now=False).addErrback(lambda f: log.failure("idle reaper stopped", f))
+        self.lookup_caches.start()
 
     def reap(self) -> None:
         """
@@ -784,5 +789,6 @@ class Supervisor(Service):
         self._shutting_down = True
         if self._reaper is not None and self._reaper.running:
             self._reaper.stop()
-        waits = [self.stop_instance(i, "shutdown") for i in list(self._all)]
+        waits: list[Deferred[Any]] = [self.stop_instance(i, "shutdown") for i in list(self._all)]
+        waits.append(ensureDeferred(self.lookup_caches.stop()))  # (answers still being counted, then written)
         return DeferredList(waits, consumeErrors=True)  # type: ignore[return-value]

@@ -421,6 +421,29 @@ class EngineProxy:
             lease.release()
         return tokens if isinstance(tokens, list) else []
 
+    async def answer_tokens(self, instance: IInstance, text: str) -> list[int]:
+        """
+        The tokens the child C{instance} gives C{text} (C{/tokenize}, no
+        BOS): an answer it wrote, for the model's lookup cache
+        (L{blazar.engines.lookupcache}). Only that child is asked, never a
+        fresh one started for it: C{[]} when it is being stopped or gone.
+        """
+        if _stopping(instance) or self.supervisor.exited(instance):
+            return []
+        headers = dict(instance.auth_headers)
+        headers[b"content-type"] = [b"application/json"]
+        body = strictjson.encode({"content": text, "add_special": False}).encode("utf-8")
+        lease = InstanceLease(self.supervisor, instance)  # busy meanwhile: not evicted under it
+        try:
+            response = await self._engines.request("POST", instance.base_url + "/tokenize", body, headers, False)
+            data = await self.read(instance, response)
+        finally:
+            lease.release()
+        if response.code != 200:
+            return []
+        tokens = json.loads(data).get("tokens")
+        return [t for t in tokens if isinstance(t, int)] if isinstance(tokens, list) else []
+
     async def send(
         self,
         model: str,

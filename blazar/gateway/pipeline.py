@@ -442,24 +442,31 @@ class Pipeline:
         )
         return reply, lease
 
-    def _timed(self, call: Run, instance: Any) -> Callable[[dict[str, Any]], None] | None:
+    def _timed(self, call: Run, instance: Any) -> Callable[[dict[str, Any], str], None] | None:
         """
-        For a child of a C{speculative = "auto"} model: what hands its
-        answer's decode rate (C{timings.predicted_per_second}) to the
-        supervisor's tuner (L{blazar.engines.spectune.SpecTuner}), with the
-        call's work class and whether the child runs with n-gram lookup.
+        For a child with n-gram lookup (C{speculative = "ngram"}, or
+        C{"auto"}): what hands its answer's text to the model's lookup
+        cache (L{blazar.engines.lookupcache}, tokenized by that child) and,
+        for C{"auto"}, its decode rate (C{timings.predicted_per_second}) to
+        the supervisor's tuner (L{blazar.engines.spectune.SpecTuner}), with
+        the call's work class and whether the child runs with n-gram lookup.
         """
         running = dict(getattr(instance, "profile", ())).get("speculative")
+        settings = getattr(getattr(instance, "entry", None), "settings", None)
+        ngram = getattr(settings, "speculative", None) == "ngram"
         tuner = getattr(self.supervisor, "spec_tuner", None)
-        if running is None or tuner is None:
+        caches = getattr(self.supervisor, "lookup_caches", None)
+        if running is None and not ngram:
             return None
         name, work, child = instance.entry.name, CLASS_NAMES[call.work], getattr(instance, "pid", None)
-        window = getattr(instance.entry.settings, "speculative_window", None)
+        window = getattr(settings, "speculative_window", None)
 
-        def timed(timings: dict[str, Any]) -> None:
+        def timed(timings: dict[str, Any], text: str) -> None:
             rate, tokens = timings.get("predicted_per_second"), timings.get("predicted_n")
-            if isinstance(rate, (int, float)) and isinstance(tokens, int):
+            if running is not None and tuner is not None and isinstance(rate, (int, float)) and isinstance(tokens, int):
                 tuner.observe(name, work, running == "ngram", float(rate), tokens, window, child)
+            if caches is not None and text:
+                caches.add(name, text, lambda t: self._proxy.answer_tokens(instance, t))
 
         return timed
 

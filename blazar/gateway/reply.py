@@ -69,6 +69,34 @@ def timings_in(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def answer_text(answer: Any) -> str:
+    """
+    The text of a non-streamed OpenAI answer (a chat completion's message
+    content, a completion's text; C{""} if it has none).
+    """
+    choices = answer.get("choices") if isinstance(answer, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
+def delta_text(chunk: Any) -> str:
+    """
+    The text one OpenAI stream chunk adds (a chat delta's content, a
+    completion chunk's text).
+    """
+    choices = chunk.get("choices") if isinstance(chunk, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    choice = choices[0]
+    delta = choice.get("delta")
+    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
+    return text if isinstance(text, str) else ""
+
+
 class Reply:
     """
     A child's answer to one call, held on a lease until the call ends.
@@ -118,7 +146,7 @@ class Reply:
         translated: Translated | None = None,
         wants_usage: bool = False,
         headers: Mapping[bytes, bytes] | None = None,
-        timed: Callable[[dict[str, Any]], None] | None = None,
+        timed: Callable[[dict[str, Any], str], None] | None = None,
     ) -> None:
         """
         Built whole by the pipeline (L{blazar.gateway.pipeline.Pipeline._start}, L{blazar.gateway.pipeline.Pipeline._cached});
@@ -153,9 +181,10 @@ class Reply:
             (a remote's JSON answer made a stream: L{_remote_json}).
         @param headers: The response headers decided for it (copied).
         @param timed: Called with llama-server's C{timings} object of the
-            answer, once (a non-streamed answer's, or a stream's last
-            chunk's): C{speculative = "auto"}'s tuner
-            (L{blazar.engines.spectune}).
+            answer and the answer's text, once (at a non-streamed answer, or
+            a stream's last chunk): C{speculative = "auto"}'s tuner
+            (L{blazar.engines.spectune}) and the model's lookup cache
+            (L{blazar.engines.lookupcache}).
         """
         self._proxy = proxy
         self._context = context
@@ -184,20 +213,27 @@ class Reply:
         self.headers: Mapping[bytes, bytes] = MappingProxyType(dict(headers or {}))
         self.verdict: Mapping[bytes, bytes] = MappingProxyType({})
         self._timed = timed
+        self._text: list[str] = []  # a stream's text so far, for timed
 
-    def _note_timings(self, data: bytes) -> None:
+    def _note_timings(self, data: bytes, text: str | None = None) -> None:
         """
-        Hand the last C{timings} object in C{data} to C{timed} (once).
+        Hand the last C{timings} object in C{data} to C{timed} (once), with
+        the answer's text (C{text}, else what the stream gave so far).
         """
         if self._timed is None:
             return
         timings = timings_in(data)
         if timings is not None:
-            timed, self._timed = self._timed, None
-            try:
-                timed(timings)
-            except Exception:
-                log.failure("noting an answer's timings failed")
+            self._call_timed(timings, "".join(self._text) if text is None else text)
+
+    def _call_timed(self, timings: dict[str, Any], text: str) -> None:
+        timed, self._timed = self._timed, None
+        if timed is None:
+            return
+        try:
+            timed(timings, text)
+        except Exception:
+            log.failure("noting an answer's timings failed")
 
     async def read(self) -> bytes:
         """
@@ -211,7 +247,12 @@ class Reply:
         else:
             assert self._lease is not None
             data = await self._proxy.read(self._lease.instance, self._response)
-            self._note_timings(data)
+            if self._timed is not None and TIMINGS in data:
+                try:
+                    text = answer_text(json.loads(data))
+                except ValueError:
+                    text = ""
+                self._note_timings(data, text)
             if self.translated is not None:
                 data = self.translated.whole(data)
         findings = (
@@ -391,9 +432,19 @@ class Reply:
         C{feed}, first looking for C{timings} in each piece of a stream.
         """
 
+        events = WholeEvents()
+
         def timing(data: bytes) -> None:
-            if self._timed is not None and TIMINGS in data:
-                self._note_timings(data)
+            if self._timed is not None:
+                whole = events.feed(data)  # (a timings object cut between pieces is read whole)
+                for event in whole.split(b"\n\n"):
+                    if event.startswith(b"data: {"):
+                        try:
+                            self._text.append(delta_text(json.loads(event[len(b"data: ") :])))
+                        except ValueError:
+                            pass
+                if TIMINGS in whole:
+                    self._note_timings(whole)
             feed(data)
 
         return timing
@@ -404,13 +455,11 @@ class Reply:
         """
 
         def timing(chunk: dict[str, Any]) -> Any:
-            timings = chunk.get("timings")
-            if self._timed is not None and isinstance(timings, dict):
-                timed, self._timed = self._timed, None
-                try:
-                    timed(dict(timings))
-                except Exception:
-                    log.failure("noting an answer's timings failed")
+            if self._timed is not None:
+                self._text.append(delta_text(chunk))
+                timings = chunk.get("timings")
+                if isinstance(timings, dict):
+                    self._call_timed(dict(timings), "".join(self._text))
             return on_chunk(chunk)
 
         return timing

@@ -299,7 +299,18 @@ class SpeculativeTests(SynchronousTestCase):
     def test_ngram_is_the_lookup_cache_under_speccache(self) -> None:
         self.assertEqual(
             self.spec(self.argv('speculative = "ngram"')),
-            ("--spec-type", "ngram-cache", "-lcd", "/data/speccache/m_latest/lookup-dynamic.bin"),
+            (
+                "--spec-type",
+                "ngram-mod,ngram-cache",
+                "--spec-ngram-mod-n-match",
+                "8",
+                "--spec-ngram-mod-n-min",
+                "4",
+                "--spec-ngram-mod-n-max",
+                "16",
+                "-lcd",
+                "/data/speccache/m_latest/lookup-dynamic.bin",
+            ),
         )
 
     def test_auto_is_ngram_for_now(self) -> None:
@@ -318,8 +329,15 @@ class SpeculativeTests(SynchronousTestCase):
             self.spec(argv)[4:],
             ("--spec-draft-n-max", "16", "--spec-draft-n-min", "2", "--spec-draft-p-min", "0.75"),
         )
-        argv = self.argv('speculative = "ngram"\ndraft_max = 8')
-        self.assertEqual(self.spec(argv)[4:], ("--spec-draft-n-max", "8"))
+        # for n-gram lookup they size ngram-mod's drafts; a draft_max under the default minimum lowers it
+        argv = self.argv('speculative = "ngram"\ndraft_max = 32\ndraft_min = 6')
+        self.assertEqual(
+            self.spec(argv)[2:8],
+            ("--spec-ngram-mod-n-match", "8", "--spec-ngram-mod-n-min", "6", "--spec-ngram-mod-n-max", "32"),
+        )
+        argv = self.argv('speculative = "ngram"\ndraft_max = 2')
+        self.assertEqual(self.spec(argv)[4:8], ("--spec-ngram-mod-n-min", "2", "--spec-ngram-mod-n-max", "2"))
+        self.assertNotIn("--spec-draft-n-max", argv)
 
     def test_knobs_without_speculation_do_nothing(self) -> None:
         self.assertNotIn("--spec-draft-n-max", self.argv("draft_max = 8"))

@@ -258,7 +258,7 @@ class SpeculativeAutoTests(SynchronousTestCase):
     def test_off_at_the_next_idle_reload_not_before(self) -> None:
         first = self.instance_for()
         argv = self.reactor.spawned[0][2]
-        self.assertEqual(argv[argv.index("--spec-type") + 1], "ngram-cache")
+        self.assertEqual(argv[argv.index("--spec-type") + 1], "ngram-mod,ngram-cache")
         self.assertEqual(dict(first.profile)["speculative"], "ngram")
         tuner = self.supervisor.spec_tuner
         for _ in range(4):

@@ -105,13 +105,14 @@ class StallTests(SynchronousTestCase):
 class TimingsTests(SynchronousTestCase):
     """
     L{Reply}'s C{timed}: llama-server's C{timings} of an answer reach it
-    once, from a non-streamed answer, a relayed stream or parsed chunks
-    (C{speculative = "auto"}'s tuner reads C{predicted_per_second}).
+    once, from a non-streamed answer, a relayed stream or parsed chunks,
+    with the answer's text (C{speculative = "auto"}'s tuner reads
+    C{predicted_per_second}; the lookup cache counts the text).
     """
 
-    def make(self) -> tuple[Reply, _Body, list[dict[str, Any]]]:
+    def make(self) -> tuple[Reply, _Body, list[tuple[dict[str, Any], str]]]:
         body = _Body()
-        got: list[dict[str, Any]] = []
+        got: list[tuple[dict[str, Any], str]] = []
         instance = SimpleNamespace(entry=SimpleNamespace(name="m"), protocol=None, lane="llamacpp")
         reply = Reply(
             EngineProxy(cast(Any, None), cast(Any, None), Clock()),
@@ -121,7 +122,7 @@ class TimingsTests(SynchronousTestCase):
             None,
             0.0,
             0.0,
-            timed=got.append,
+            timed=lambda timings, text: got.append((timings, text)),
         )
         return reply, body, got
 
@@ -138,16 +139,24 @@ class TimingsTests(SynchronousTestCase):
                 reply, body, got = self.make()
                 done = ensureDeferred(reply.chunks(lambda c: None) if chunks else reply.relay(lambda d: None))
                 body.protocol.dataReceived(_event({"content": "hi"}))
-                body.protocol.dataReceived(self.last())
+                event = _event({"content": " there"})
+                body.protocol.dataReceived(event[:9])  # (an event cut between pieces)
+                body.protocol.dataReceived(event[9:])
+                last = self.last()
+                body.protocol.dataReceived(last[:40])
+                body.protocol.dataReceived(last[40:])
                 body.protocol.dataReceived(self.last())  # (once only)
                 body.protocol.connectionLost(Failure(ResponseDone()))
                 self.successResultOf(done)
-                self.assertEqual(got, [{"predicted_n": 40, "predicted_per_second": 71.5}])
+                self.assertEqual(got, [({"predicted_n": 40, "predicted_per_second": 71.5}, "hi there")])
 
     def test_whole_answer(self) -> None:
         reply, body, got = self.make()
         done = ensureDeferred(reply.read())
-        body.protocol.dataReceived(b'{"choices":[],"timings":{"predicted_n":40,"predicted_per_second":9.5}}')
+        body.protocol.dataReceived(
+            b'{"choices":[{"index":0,"message":{"role":"assistant","content":"def f():"}}],'
+            b'"timings":{"predicted_n":40,"predicted_per_second":9.5}}'
+        )
         body.protocol.connectionLost(Failure(ResponseDone()))
         self.successResultOf(done)
-        self.assertEqual(got, [{"predicted_n": 40, "predicted_per_second": 9.5}])
+        self.assertEqual(got, [({"predicted_n": 40, "predicted_per_second": 9.5}, "def f():")])

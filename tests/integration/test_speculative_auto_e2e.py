@@ -90,7 +90,9 @@ def test_auto_decides_from_prose_and_the_reload_applies_it(engine: str, tmp_path
             counted += tokens >= MIN_TOKENS
             if asked == 1:
                 argv = daemon.engine_for(MODEL).cmdline()
-                assert argv[argv.index("--spec-type") + 1] == "ngram-cache", argv  # a trial starts with lookup
+                assert argv[argv.index("--spec-type") + 1] == "ngram-mod,ngram-cache", (
+                    argv
+                )  # a trial starts with lookup
                 assert listed(daemon)["decided"] == "measuring"
             shown = listed(daemon)
             if shown["decided"] != "measuring" or asked >= 6 * WINDOW:

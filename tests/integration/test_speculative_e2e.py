@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from blazar.engines.lookupcache import NgramCounts
 from blazar.models.testmodel import make_test_model
 from tests.integration.harness import Daemon, real_model
 
@@ -122,7 +123,7 @@ def serving(root: Path, engine: str) -> Daemon:
     )
 
 
-def test_ngram_lookup_drafts_and_its_cache_outlives_a_restart(engine: str, tmp_path: Path) -> None:
+def test_ngram_lookup_drafts(engine: str, tmp_path: Path) -> None:
     (tmp_path / "models").mkdir()
     (tmp_path / "models" / "smollm.gguf").symlink_to(real_model())
     cache = tmp_path / "data" / "speccache" / "smollm_latest" / "lookup-dynamic.bin"
@@ -130,7 +131,8 @@ def test_ngram_lookup_drafts_and_its_cache_outlives_a_restart(engine: str, tmp_p
     try:
         answer = ask(daemon)
         argv = daemon.engine_for(MODEL).cmdline()
-        assert argv[argv.index("--spec-type") + 1] == "ngram-cache"
+        assert argv[argv.index("--spec-type") + 1] == "ngram-mod,ngram-cache"
+        assert argv[argv.index("--spec-ngram-mod-n-max") + 1] == "16"
         assert argv[argv.index("-lcd") + 1] == str(cache)
         # the model repeats the code: the lines the change leaves alone, as they were
         assert copied(answer) >= 0.8, answer
@@ -140,19 +142,72 @@ def test_ngram_lookup_drafts_and_its_cache_outlives_a_restart(engine: str, tmp_p
         assert shown["accepted_per_draft"] is not None and shown["accepted_per_draft"] > 0, shown
     finally:
         daemon.close(check_engines=True)
-    # the child stopped; its lookup cache stays, for the next child
-    assert cache.is_file()
-    before = cache.stat().st_ino
+
+
+STORY = [{"role": "user", "content": "Write a short story about a fox who learns to sail."}]
+
+
+def story(daemon: Daemon) -> tuple[str, int, int]:
+    """
+    The model's story (temperature 0: the same each time), with the tokens
+    its child drafted and accepted for it (llama-server's C{timings}, which
+    Blazar passes on).
+    """
+    status, body = daemon.post_json(
+        "/v1/chat/completions",
+        {"model": "smollm", "messages": STORY, "temperature": 0, "max_tokens": 200},
+        timeout=600,
+    )
+    assert status == 200, body
+    timings = body["timings"]
+    return str(body["choices"][0]["message"]["content"]), int(timings["draft_n"]), int(timings["draft_n_accepted"])
+
+
+def test_the_lookup_cache_outlives_a_restart(engine: str, tmp_path: Path) -> None:
+    """
+    The lookup cache Blazar keeps from the model's answers: a story told
+    twice is counted into C{<data_dir>/speccache/}, written at stop in the
+    engine's format; after a daemon restart the new child loads it and
+    drafts the story from it (the prompt has none of it), where a child
+    given an empty cache drafts next to nothing: acceptance is not back
+    to zero.
+    """
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "smollm.gguf").symlink_to(real_model())
+    cache = tmp_path / "data" / "speccache" / "smollm_latest" / "lookup-dynamic.bin"
     daemon = serving(tmp_path, engine).start()
     try:
-        ask(daemon)
-        argv = daemon.engine_for(MODEL).cmdline()
-        assert argv[argv.index("-lcd") + 1] == str(cache)
-        assert cache.stat().st_ino == before  # the same file, given to the new child
-        shown = speculative(daemon, SCRAPE + 30)
-        assert shown["acceptance"] is not None and shown["acceptance"] > 0, shown
+        told, _, _ = story(daemon)
+        assert story(daemon)[0] == told
     finally:
         daemon.close(check_engines=True)
+    counts = NgramCounts.from_bytes(cache.read_bytes())  # the engine's format, whole
+    assert len(counts) > 100, len(counts)
+    saved = cache.read_bytes()
+
+    daemon = serving(tmp_path, engine).start()
+    try:
+        text, drafted, accepted = story(daemon)
+        argv = daemon.engine_for(MODEL).cmdline()
+        assert argv[argv.index("-lcd") + 1] == str(cache)
+    finally:
+        daemon.close(check_engines=True)
+    assert text == told
+    # the same story again: now from the cache the child loaded
+    assert accepted >= 50 and accepted / drafted >= 0.5, (drafted, accepted)
+
+    # the same restart with the cache emptied: the child has nothing to draft the story from
+    cache.write_bytes(b"")
+    daemon = serving(tmp_path, engine).start()
+    try:
+        text, fresh_drafted, fresh_accepted = story(daemon)
+    finally:
+        daemon.close(check_engines=True)
+    print(
+        f"\nstory after a restart: drafted {drafted} accepted {accepted}; with an empty cache: drafted {fresh_drafted} accepted {fresh_accepted}"
+    )
+    assert accepted >= 2 * fresh_accepted + 20, (accepted, fresh_accepted, fresh_drafted)
+    assert len(saved) > 0
 
 
 def test_a_draft_model_by_name_drafts(engine: str, tmp_path: Path) -> None:
