@@ -7,7 +7,12 @@ drafters) against without (C{"off"}), on two workloads: "repeat this
 code with one change" (the code it was shown, which lookup drafts from)
 and free prose (a new story each round). The code is the same each
 round, so from the second round on the child has also seen its earlier
-answer; the first round's figures are in the runs.
+answer; the first round's ratio is given apart. Then C{"auto"}: the
+tuner (L{blazar.engines.spectune.SpecTuner}, window = rounds) is fed each
+workload's rates with and without lookup and decides; the model is then
+asked ROUNDS more times as it decided, beside C{"off"} (the table's
+"after deciding" rows: what a workload gets under C{"auto"} once it has
+decided).
 
     .venv/bin/python bench/speculative.py [--rounds N] [--threads N]
 
@@ -44,6 +49,7 @@ sys.path.insert(0, str(ROOT))
 
 from blazar.config import parse_config  # noqa: E402
 from blazar.engines.llamacpp import build_command  # noqa: E402
+from blazar.engines.spectune import SpecTuner  # noqa: E402
 from blazar.models.gguf_meta import thd_read_metadata  # noqa: E402
 from blazar.models.registry import ModelEntry  # noqa: E402
 from blazar.models.wheels import SMOLLM2, thd_fetch  # noqa: E402
@@ -62,13 +68,21 @@ STORIES = (
     "a river that flows uphill",
 )
 WORKLOADS = ("code", "prose")
+WARM = [{"role": "user", "content": "List the days of the week, one a line."}]
 
 
 def messages(workload: str, round_: int) -> list[dict[str, str]]:
     if workload == "code":
         return REPEAT
     return [{"role": "user", "content": f"Tell me a long story about {STORIES[round_ % len(STORIES)]}."}]
+
+
 TOKENS = 256
+
+
+class _Clock:
+    def seconds(self) -> float:
+        return time.monotonic()
 
 
 def free_port() -> int:
@@ -170,11 +184,13 @@ def main() -> int:
     args = parser.parse_args()
     binary, model = engine(), thd_fetch(SMOLLM2)
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {w: {"off": [], "ngram": []} for w in WORKLOADS}
+    autos: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="blazar-spec-bench-") as tmp:
         children = {mode: Child(binary, model, mode, Path(tmp), args.threads) for mode in ("off", "ngram")}
         try:
             for child in children.values():
                 child.wait_ready()
+                child.ask(WARM)  # a first answer on each child, unmeasured (cold caches, first batch shapes)
             for round_ in range(args.rounds):
                 for workload in WORKLOADS:
                     for mode, child in children.items():
@@ -195,6 +211,29 @@ def main() -> int:
                             f"drafted {timings.get('draft_n', 0):4} accepted {timings.get('draft_n_accepted', 0):4}",
                             flush=True,
                         )
+            # speculative = "auto": the tuner decides each workload from the rates above
+            # (window = rounds), then the model runs as it decided: asked again beside "off"
+            for workload in WORKLOADS:
+                tuner = SpecTuner(_Clock())
+                for lookup in (True, False):
+                    for r in runs[workload]["ngram" if lookup else "off"]:
+                        tuner.observe("smol", "interactive", lookup, r["decode_tokens_per_s"], r["tokens"], args.rounds)
+                state = tuner.state("smol")
+                decided = children["ngram" if tuner.lookup("smol") else "off"]
+                after: dict[str, list[float]] = {"auto": [], "off": []}
+                for round_ in range(args.rounds, 2 * args.rounds):
+                    for mode, child in (("auto", decided), ("off", children["off"])):
+                        rate = child.ask(messages(workload, round_)).get("timings", {}).get("predicted_per_second")
+                        after[mode].append(rate)
+                        print(f"auto  {workload:<5} {mode:<4} ({child.mode}) {rate:7.1f} tok/s", flush=True)
+                autos[workload] = {
+                    "decided": state["decided"],
+                    "figures": state["last"],
+                    "after": after,
+                    "auto_decode_tokens_per_s": statistics.median(after["auto"]),
+                    "off_decode_tokens_per_s": statistics.median(after["off"]),
+                    "ratio": statistics.median(after["auto"]) / statistics.median(after["off"]),
+                }
             argv = {mode: child.argv[1:] for mode, child in children.items()}
         finally:
             for child in children.values():
@@ -209,8 +248,12 @@ def main() -> int:
         "threads": args.threads,
         "argv": argv,
         "workloads": {},
+        "auto": autos,
     }
-    print(f"\n{'workload':<8} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'acceptance':>10} same answer")
+    print(
+        f"\n{'workload':<8} {'off tok/s':>10} {'ngram tok/s':>12} {'ratio':>6} {'round 1':>7} {'acceptance':>10} "
+        "same answer"
+    )
     for workload, by_mode in runs.items():
         off = statistics.median(r["decode_tokens_per_s"] for r in by_mode["off"])
         ngram = statistics.median(r["decode_tokens_per_s"] for r in by_mode["ngram"])
@@ -218,10 +261,14 @@ def main() -> int:
         accepted = sum(r["draft_n_accepted"] for r in by_mode["ngram"])
         same = all(a["text"] == b["text"] for a, b in zip(by_mode["off"], by_mode["ngram"]))
         acceptance = accepted / drafted if drafted else None
+        first = by_mode["ngram"][0]["decode_tokens_per_s"] / by_mode["off"][0]["decode_tokens_per_s"]
         result["workloads"][workload] = {
             "off_decode_tokens_per_s": off,
             "ngram_decode_tokens_per_s": ngram,
             "ratio": ngram / off,
+            # round 1: the ngram child had not answered this workload before (later code rounds
+            # also draft from its earlier answer, which ngram-mod remembers)
+            "first_round_ratio": first,
             "acceptance": acceptance,
             "drafted": drafted,
             "accepted": accepted,
@@ -229,7 +276,13 @@ def main() -> int:
             "runs": {mode: [{k: v for k, v in r.items() if k != "text"} for r in rs] for mode, rs in by_mode.items()},
         }
         shown = "-" if acceptance is None else f"{acceptance:.2f}"
-        print(f"{workload:<8} {off:>10.1f} {ngram:>12.1f} {ngram / off:>6.2f} {shown:>10} {same}")
+        print(f"{workload:<8} {off:>10.1f} {ngram:>12.1f} {ngram / off:>6.2f} {first:>7.2f} {shown:>10} {same}")
+    print(f"\n{'auto':<8} {'decided':>8} {'auto tok/s':>11} {'off tok/s':>10} {'ratio':>6}  (after deciding)")
+    for workload, a in autos.items():
+        print(
+            f"{workload:<8} {a['decided']:>8} {a['auto_decode_tokens_per_s']:>11.1f} "
+            f"{a['off_decode_tokens_per_s']:>10.1f} {a['ratio']:>6.2f}"
+        )
     out = HERE / "results" / time.strftime("speculative-%Y-%m-%dT%H%M%SZ.json", time.gmtime())
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\nwrote {out.relative_to(ROOT)}")
