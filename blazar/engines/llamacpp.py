@@ -423,6 +423,9 @@ def build_command(
         argv += ["-ngl", str(plan.gpu_layers), "--fit", "off"]
         if len(plan.devices) > 1:
             argv += ["--tensor-split", ",".join(f"{x:g}" for x in plan.tensor_split)]
+        if "--spec-draft-model" in argv:
+            # where the plan counted the draft model (L{blazar.engines.planner.ModelNeed.draft})
+            argv += ["--spec-draft-ngl", "all" if plan.gpu_layers > 0 else "0"]
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"  # the child's device numbers are NVML's
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, plan.devices))
     argv += list(config.llamacpp.args)

@@ -166,6 +166,11 @@ class ModelNeed:
     @ivar parallel: Slots.
     @ivar cache_type_k: The KV cache's K type.
     @ivar cache_type_v: The KV cache's V type.
+    @ivar draft: Bytes of a draft model (C{speculative = "draft"}): its
+        weights, KV cache and compute buffer at the same slots
+        (L{draft_bytes}); counted whole on each GPU that holds units
+        (llama-server places the draft on the child's GPUs, C{--spec-draft-ngl
+        all}), or in RAM when none does.
     """
 
     name: str
@@ -181,6 +186,7 @@ class ModelNeed:
     parallel: int = 1
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    draft: int = 0
 
     @property
     def n_units(self) -> int:
@@ -211,7 +217,16 @@ class ModelNeed:
         Bytes on one GPU with every layer there: the plan's figure for a
         single-GPU placement, without the correction.
         """
-        return sum(self.units()) + self.compute + self.logits + self.overhead
+        return sum(self.units()) + self.compute + self.logits + self.overhead + self.draft
+
+
+def draft_bytes(need: ModelNeed) -> int:
+    """
+    What a draft model adds to its target's child: its L{estimate_need}
+    less the per-GPU overhead the target already counts, with its input
+    layer (held where the draft runs).
+    """
+    return sum(need.units()) + need.compute + need.logits + need.input
 
 
 def estimate_need(
@@ -449,7 +464,7 @@ def _one_device(need: ModelNeed, k: int, first: int, count: int, is_first: bool)
     """
     prefix = _prefix(need)
     end = first + count
-    total = prefix[end] - prefix[first] + need.compute + need.overhead
+    total = prefix[end] - prefix[first] + need.compute + need.overhead + need.draft
     if end == need.n_units:  # it holds the output layer
         total += need.logits
     start = need.n_units - k
@@ -486,7 +501,7 @@ def _ram_bytes(need: ModelNeed, k: int) -> int:
     """
     units = need.units()[: need.n_units - k]
     host_compute = need.compute if units else 0
-    return need.input + sum(units) + host_compute + (need.logits if k == 0 else 0)
+    return need.input + sum(units) + host_compute + (need.logits + need.draft if k == 0 else 0)
 
 
 def _fits(sizes: Mapping[int, int], room: Mapping[int, int]) -> bool:
@@ -795,7 +810,7 @@ def _parts(need: ModelNeed) -> str:
     return (
         f"{_fmt(need.weights)} of weights, {_fmt(need.kv)} of KV cache for ctx_size {need.ctx_size} x "
         f"parallel {need.parallel} at {need.cache_type_k}/{need.cache_type_v}, {_fmt(need.compute)} of "
-        f"compute buffer"
+        f"compute buffer" + (f", {_fmt(need.draft)} for the draft model" if need.draft else "")
     )
 
 

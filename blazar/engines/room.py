@@ -22,8 +22,17 @@ from blazar.engines.errors import NoCapacity
 from blazar.engines.growth import estimate_bytes
 from blazar.engines.instance import Instance, InstanceState
 from blazar.engines.llamacpp import DEFAULT_PARALLEL, context_per_slot, thd_engine_devices
-from blazar.engines.planner import GPUFree, Loaded, NoFit, Wishes, correction, estimate_need, place
-from blazar.models.gguf_meta import GGUFMetadata
+from blazar.engines.planner import (
+    GPUFree,
+    Loaded,
+    NoFit,
+    Wishes,
+    correction,
+    draft_bytes,
+    estimate_need,
+    place,
+)
+from blazar.models.gguf_meta import GGUFMetadata, thd_read_metadata
 from blazar.models.registry import ModelEntry
 
 log = Logger()
@@ -171,6 +180,19 @@ class Room:
             n_ubatch=per_slot if settings.embedding or settings.rerank else 512,
             measured=self.corrections.get(entry.name, 0),
         )
+        if settings.speculative == "draft" and entry.draft is not None:
+            # the draft model rides in the same child, at the same slots
+            draft_meta = await deferToThreadPool(
+                self._reactor, self._reactor.getThreadPool(), thd_read_metadata, entry.draft
+            )
+            drafted = estimate_need(
+                f"{entry.name} (draft)",
+                draft_meta,
+                per_slot,
+                settings.parallel or DEFAULT_PARALLEL,
+                flash_attn=settings.flash_attn == "on",
+            )
+            need = attrs.evolve(need, draft=draft_bytes(drafted))
         loaded = [
             Loaded(
                 i.entry.name,

@@ -339,6 +339,23 @@ class SpeculativeTests(SynchronousTestCase):
         self.assertEqual(self.spec(argv)[4:8], ("--spec-ngram-mod-n-min", "2", "--spec-ngram-mod-n-max", "2"))
         self.assertNotIn("--spec-draft-n-max", argv)
 
+    def test_a_planned_draft_model_goes_where_the_plan_counted_it(self) -> None:
+        from blazar.engines.planner import Plan
+
+        config = parse_config('data_dir = "/data"\n[models."m"]\nspeculative = "draft"\ndraft_model = "small"')
+        entry = ModelEntry(
+            "m:latest", Path("/models/m.gguf"), settings=config.models["m:latest"], draft=Path("/d.gguf")
+        )
+        for layers, where in ((5, "all"), (0, "0")):
+            plan = Plan((0,), (), layers, (), {0: 1}, 1, 11)
+            argv = build_command(
+                Path("/bin/llama-server"), entry, META, port=1, api_key="k", config=config, plan=plan
+            ).argv
+            self.assertEqual(argv[argv.index("--spec-draft-ngl") + 1], where)
+        self.assertNotIn(
+            "--spec-draft-ngl", self.argv('speculative = "draft"\ndraft_model = "small"', draft=Path("/d.gguf"))
+        )
+
     def test_knobs_without_speculation_do_nothing(self) -> None:
         self.assertNotIn("--spec-draft-n-max", self.argv("draft_max = 8"))
 

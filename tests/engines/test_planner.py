@@ -134,11 +134,26 @@ class PlacementTests(SynchronousTestCase):
             # 5 blocks on the CPU with the CPU's compute buffer
             ([gpu(0, 800)], need(), {0: 800 * MiB}, (20 + 550 + 100) * MiB),
             ([], need(logits=1 * MiB), {}, (20 + 1150 + 100 + 1) * MiB),
+            # a draft model: whole on each GPU that holds units, in RAM when none does
+            ([gpu(0, 2048)], need(draft=200 * MiB), {0: 1450 * MiB}, 20 * MiB),
+            ([gpu(0, 800), gpu(1, 900)], need(draft=100 * MiB), {0: 750 * MiB, 1: 800 * MiB}, 20 * MiB),
+            ([], need(draft=200 * MiB), {}, (20 + 1150 + 100 + 200) * MiB),
         ]
         for gpus, model, gpu_bytes, ram in cases:
             result = place(model, gpus)
             assert isinstance(result, Plan), result
             self.assertEqual((dict(result.gpu_bytes), result.ram_bytes), (gpu_bytes, ram))
+
+    def test_a_draft_model_takes_room(self) -> None:
+        """
+        A model that fits whole alone gets fewer layers on the GPU with a
+        draft model beside it, and the refusal names the draft's bytes.
+        """
+        self.assertEqual(summary(place(need(), [gpu(0, 1300)]))[2], 11)
+        # 1300 - 300 draft - 100 compute - 100 (a CPU layer copied for big batches) = 800: output + 6 blocks
+        self.assertEqual(summary(place(need(draft=300 * MiB), [gpu(0, 1300)]))[2], 7)
+        short = refused(self, place(need(draft=300 * MiB), [], ram_free=1000 * MiB))
+        self.assertIn("300 MiB for the draft model", short.message)
 
     def test_reserve(self) -> None:
         """

@@ -1026,6 +1026,7 @@ class GPUPlacementTests(SynchronousTestCase):
 
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
+        make_test_model(root / "models" / "d.gguf")
         config = parse_config(
             f'{top}models_dir = "{root / "models"}"\n[models."m"]\nparallel = 2\n{model_config}'
             '[engines.llamacpp]\nbinary = "/bin/true"\n'
@@ -1076,6 +1077,27 @@ class GPUPlacementTests(SynchronousTestCase):
         self.assertIs(self.successResultOf(d), instance)
         self.assertEqual(supervisor._room.corrections["m:latest"], 50 * 2**20)
         self.assertEqual([v.vram for v in supervisor.snapshot()], [sum(instance.plan.gpu_bytes.values())])
+
+    def test_a_draft_model_is_counted_in_the_plan_and_rides_on_its_gpu(self) -> None:
+        from blazar.engines.llamacpp import context_per_slot
+        from blazar.engines.planner import draft_bytes, estimate_need
+        from blazar.models.gguf_meta import thd_read_metadata
+        from blazar.testing import GIB, FakeNVML
+
+        plain = self.make(FakeNVML.with_gpus(24 * GIB))
+        ensureDeferred(plain.instance_for("m"))
+        without = sum(plain.instances()[0].plan.gpu_bytes.values())
+        supervisor = self.make(FakeNVML.with_gpus(24 * GIB), 'speculative = "draft"\ndraft_model = "d"\n')
+        ensureDeferred(supervisor.instance_for("m"))
+        instance = supervisor.instances()[0]
+        _, _, argv, _ = self.reactor.spawned[0]
+        self.assertEqual(argv[argv.index("--spec-draft-ngl") + 1], "all")
+        # the draft's weights, KV cache and compute buffer at the target's slots, on the target's GPU
+        assert instance.entry.draft is not None
+        per_slot = context_per_slot(instance.entry, thd_read_metadata(instance.entry.path))
+        draft = draft_bytes(estimate_need("d", thd_read_metadata(instance.entry.draft), per_slot, 2))
+        self.assertGreater(draft, 0)
+        self.assertEqual(sum(instance.plan.gpu_bytes.values()) - without, draft)
 
     def test_a_model_that_cannot_be_placed_is_refused_with_its_levers(self) -> None:
         from blazar.engines.supervisor import NoCapacity
