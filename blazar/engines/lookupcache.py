@@ -24,12 +24,12 @@ the cache keeps at most L{MAX_NGRAMS} n-grams, dropping the rarest first.
 Every read and write of a model's counts runs in the thread pool, under
 the model's lock: counting an answer and writing the file (a few MB at
 most) never block the reactor. The file is written whole to a temporary
-name and renamed over the old one, so a child never loads half of one.
+name and renamed over the old one (mode 0600, in a 0700 directory), so a
+child never loads half of one.
 """
 
 from __future__ import annotations
 
-import os
 import struct
 import threading
 from collections.abc import Awaitable, Callable, Iterable
@@ -40,6 +40,8 @@ from twisted.internet.defer import Deferred, DeferredList, ensureDeferred
 from twisted.internet.task import LoopingCall
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+
+from blazar.files import private_dir, write_whole
 
 log = Logger()
 
@@ -192,13 +194,12 @@ class ModelCache:
             data = self.counts.to_bytes()
             self.dirty = False
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            temporary = self.path.with_name(self.path.name + ".tmp")
-            with open(temporary, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(temporary, self.path)
+            if not self.path.parent.is_dir():
+                private_dir(self.path.parent.parent)
+                private_dir(self.path.parent)
+            write_whole(
+                self.path.with_name(self.path.name + ".tmp"), self.path, lambda out: out.write(data), private=True
+            )
         except BaseException:
             self.dirty = True  # (tried again at the next write)
             raise

@@ -97,6 +97,7 @@ class LookupCachesTests(SynchronousTestCase):
         self.successResultOf(ensureDeferred(self.caches.stop()))
         self.assertEqual(self.read().ngrams[(ord("a"), N, N, N)], {ord("b"): 3})
         self.assertFalse((self.dir / "m" / "lookup-dynamic.bin.tmp").exists())
+        self.assertEqual((path.stat().st_mode & 0o777, path.parent.stat().st_mode & 0o777), (0o600, 0o700))
 
     def test_a_restart_adds_to_the_file(self) -> None:
         self.caches.add("m", "xyxy", self.tokenize)
