@@ -27,14 +27,45 @@ at least L{MARGIN} (5%), else it goes (C{"off"}), again at the next idle
 reload. The decision is logged with both rates, the counts and the margin.
 After L{RETRY_SECS} or L{RETRY_ANSWERS} answers the trial starts again
 (traffic changes).
+
+A decision outlives the daemon: given C{path_for}, each model's decided
+state is written to C{<data_dir>/speccache/<model>/}L{STATE_FILE} when it
+is decided and again at stop (with its C{since}), and read, in the thread
+pool, before the model's first child is spawned (L{SpecTuner.load}), so a
+restarted daemon does not measure again (lookup on for a window or more,
+which costs free prose some 15% of its decode speed). The file (strict
+JSON, written whole to a temporary name renamed over the old one)::
+
+    {"version": 1, "decided": "off", "decided_at": 1754390400.5,
+     "since": 12, "last": {"decided": "off", "ratio": 0.884, ...}}
+
+C{decided_at} is wall-clock time (Unix seconds), since the tuner's clock
+(the reactor, a L{twisted.internet.task.Clock} in tests) need not run
+from any epoch. Read back, the decision's age (wall clock now minus
+C{decided_at}, never below 0: a clock set back makes a decision new, not
+older) is subtracted from the tuner's clock, so the re-trial comes when
+it would have come without the restart. A decision of L{RETRY_SECS} or
+more ago (or after L{RETRY_ANSWERS} answers) is expired: the trial starts
+over, keeping its figures as C{last}. A trial still measuring is not
+written (the file of the decision it re-tries is removed when the
+re-trial starts); a file that cannot be read or is not such a state is
+logged and ignored.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 import attrs
+from twisted.internet.defer import Deferred, DeferredList, DeferredLock
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
+
+from blazar import strictjson
+from blazar.files import private_dir, write_whole
 
 log = Logger()
 
@@ -50,6 +81,9 @@ RETRY_ANSWERS = 1000
 STALL = 3
 # answers with fewer generated tokens are not counted
 MIN_TOKENS = 16
+# a model's decided state, in its speccache directory
+STATE_FILE = "tuner.json"
+STATE_VERSION = 1
 
 
 @attrs.define
@@ -79,6 +113,8 @@ class Trial:
     @ivar lookup: Whether the model's next child should run with lookup.
     @ivar on: Rates with lookup, per work class.
     @ivar off: Rates without, per work class.
+    @ivar decided_at: When it was decided, in seconds on the tuner's clock.
+    @ivar since: Answers counted since it was decided.
     @ivar last: The figures of the last decision (for C{/api/ps}).
     """
 
@@ -117,11 +153,91 @@ def _round(x: float | None) -> float | None:
     return None if x is None else round(x, 2)
 
 
+def saved_state(trial: Trial, decided_at: float) -> dict[str, Any]:
+    """
+    What L{STATE_FILE} holds for a decided C{trial}: C{version},
+    C{decided} (C{"on"} or C{"off"}), C{decided_at} (the wall-clock time
+    of the decision, Unix seconds), C{since} (answers since) and C{last}
+    (the decision's figures, as L{Trial.state} shows them).
+    """
+    return {
+        "version": STATE_VERSION,
+        "decided": trial.decided,
+        "decided_at": decided_at,
+        "since": trial.since,
+        "last": trial.last,
+    }
+
+
+def restored_trial(saved: Any, now: float, wall: float, retry_secs: float, retry_answers: int) -> tuple[Trial, float]:
+    """
+    The trial a saved state (L{saved_state}, decoded) gives back, and the
+    decision's age in seconds (the wall clock C{wall} minus its
+    C{decided_at}, at least 0). Its C{decided_at} is on the tuner's clock
+    (C{now} minus the age). An expired decision (L{RETRY_SECS} or
+    L{RETRY_ANSWERS} reached) gives a new trial (measuring, with lookup)
+    that keeps the figures as C{last}.
+
+    @raise ValueError: C{saved} is not such a state.
+    """
+    if not isinstance(saved, dict) or saved.get("version") != STATE_VERSION:
+        raise ValueError(f"not a state of version {STATE_VERSION}")
+    decided, decided_at, since, last = (saved.get(k) for k in ("decided", "decided_at", "since", "last"))
+    if decided not in ("on", "off"):
+        raise ValueError(f'decided is {decided!r}, not "on" or "off"')
+    if isinstance(decided_at, bool) or not isinstance(decided_at, (int, float)) or not math.isfinite(decided_at):
+        raise ValueError(f"decided_at is {decided_at!r}, not a time")
+    if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+        raise ValueError(f"since is {since!r}, not a count of answers")
+    if last is not None and not isinstance(last, dict):
+        raise ValueError(f"last is {last!r}, not an object")
+    age = max(0.0, wall - decided_at)
+    if age >= retry_secs or since >= retry_answers:
+        return Trial(last=last), age
+    return Trial(decided=decided, lookup=decided == "on", decided_at=now - age, since=since, last=last), age
+
+
+def thd_read_state(path: Path) -> Any:
+    """
+    The decoded strict JSON of a state file, L{None} if there is none.
+
+    @raise OSError: It cannot be read.
+    @raise ValueError: It is not strict JSON in UTF-8 (or -16, -32).
+    """
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    return strictjson.loads(data)
+
+
+def thd_write_state(path: Path, data: bytes) -> None:
+    """
+    Write a state file whole (a temporary name renamed over the old
+    file), making its directory (0700, as the lookup cache's) if missing.
+    """
+    if not path.parent.is_dir():
+        private_dir(path.parent.parent)
+        private_dir(path.parent)
+    write_whole(path.with_name(path.name + ".tmp"), path, lambda out: out.write(data))
+
+
+def thd_remove_state(path: Path) -> None:
+    path.unlink(missing_ok=True)
+
+
 class SpecTuner:
     """
-    The trials of every C{speculative = "auto"} model, in memory.
+    The trials of every C{speculative = "auto"} model, in memory, and
+    their decisions in files when given C{path_for}.
 
-    @param clock: C{IReactorTime} (for the re-trial).
+    @param clock: C{IReactorTime} (the decisions' times, the re-trial).
+    @param path_for: A model's canonical name -> its L{STATE_FILE}
+        (L{None}: nothing is read or written).
+    @param reactor: C{IReactorThreads}, which reads and writes the files
+        in its thread pool (L{None}: C{clock}).
+    @param wall: The wall-clock time in Unix seconds (C{time.time}): what
+        the files hold.
     """
 
     def __init__(
@@ -130,6 +246,9 @@ class SpecTuner:
         margin: float = MARGIN,
         retry_secs: float = RETRY_SECS,
         retry_answers: int = RETRY_ANSWERS,
+        path_for: Callable[[str], Path] | None = None,
+        reactor: Any = None,
+        wall: Callable[[], float] = time.time,
     ) -> None:
         self._clock = clock
         self.margin = margin
@@ -137,6 +256,107 @@ class SpecTuner:
         self.retry_answers = retry_answers
         self.trials: dict[str, Trial] = {}
         self._children: dict[str, int] = {}  # model -> the child whose first answer was seen
+        self._path_for = path_for
+        self._reactor = clock if reactor is None else reactor
+        self._wall = wall
+        self._loading: dict[str, Deferred[None]] = {}
+        # one file operation at a time per model, in order (a decision's write, a re-trial's removal)
+        self._locks: dict[str, DeferredLock] = {}
+        self._pending: set[Deferred[Any]] = set()
+
+    async def load(self, model: str) -> None:
+        """
+        Read C{model}'s saved decision (L{STATE_FILE}) in the thread pool,
+        once: the supervisor awaits it before spawning the model's child,
+        so a decision that outlived a restart gives its lookup to the first
+        child. A decision still in force becomes the model's trial, unless
+        answers were counted meanwhile (then memory wins); an expired one
+        starts a new trial that shows its figures as C{last}. Never fails:
+        a file that cannot be read or is not a state is logged and ignored.
+        """
+        if self._path_for is None:
+            return
+        loading = self._loading.get(model)
+        if loading is None:
+            loading = self._loading[model] = Deferred.fromCoroutine(self._load(model, self._path_for(model)))
+            loading.addErrback(lambda f: log.failure("{model}: reading the speculative tuner's state", f, model=model))
+        await loading
+
+    async def _load(self, model: str, path: Path) -> None:
+        try:
+            saved = await self._thread(thd_read_state, path)
+            if saved is None or model in self.trials:
+                return
+            trial, age = restored_trial(saved, self._clock.seconds(), self._wall(), self.retry_secs, self.retry_answers)
+        except (OSError, ValueError) as e:
+            log.warn(
+                "{model}: ignoring the speculative tuner's state {path} ({error}): it measures afresh",
+                model=model,
+                path=str(path),
+                error=str(e) or repr(e),
+            )
+            return
+        self.trials[model] = trial
+        if trial.decided == "measuring":
+            log.info(
+                "{model}: speculative auto's saved decision ({decided}, {age:.0f}s and {answers} answers ago) "
+                "has expired: it tries n-gram lookup again",
+                model=model,
+                decided=(trial.last or {}).get("decided"),
+                age=age,
+                answers=saved["since"],
+            )
+        else:
+            log.info(
+                "{model}: speculative auto keeps its saved decision: {decided} ({age:.0f}s and {answers} answers ago)",
+                model=model,
+                decided=trial.decided,
+                age=age,
+                answers=trial.since,
+            )
+
+    async def stop(self) -> None:
+        """
+        Write every decided trial again (its C{since} changed), then wait
+        for every file operation under way. Never fails.
+        """
+        for model, trial in sorted(self.trials.items()):
+            if trial.decided != "measuring":
+                self._save(model, trial)
+        await DeferredList(list(self._pending), consumeErrors=True)
+
+    def _thread(self, f: Callable[..., Any], *args: Any) -> Deferred[Any]:
+        return deferToThreadPool(self._reactor, self._reactor.getThreadPool(), f, *args)
+
+    def _save(self, model: str, trial: Trial) -> None:
+        assert trial.decided_at is not None
+        # the decision's wall-clock time: now on the wall clock, less its age on the tuner's
+        decided_at = self._wall() - (self._clock.seconds() - trial.decided_at)
+        data = strictjson.encode(saved_state(trial, decided_at), sort_keys=True).encode("utf-8")
+        self._file(model, "write", thd_write_state, data)
+
+    def _file(self, model: str, verb: str, f: Callable[..., None], *args: Any) -> None:
+        # f(path, *args) in the thread pool, after the model's earlier ones; a failure is logged
+        if self._path_for is None:
+            return
+        path = self._path_for(model)
+        d = self._locks.setdefault(model, DeferredLock()).run(self._thread, f, path, *args)
+        self._pending.add(d)
+
+        def failed(failure: Any) -> None:
+            if failure.check(OSError):
+                log.error(
+                    "{model}: cannot {verb} the speculative tuner's state {path}: {error}",
+                    model=model,
+                    verb=verb,
+                    path=str(path),
+                    error=failure.getErrorMessage(),
+                )
+            else:
+                log.failure("{model}: {verb} the speculative tuner's state", failure, model=model, verb=verb)
+
+        d.addErrback(failed)
+        d.addBoth(lambda _: self._pending.discard(d))
 
     def lookup(self, model: str) -> bool:
         """
@@ -187,6 +407,7 @@ class SpecTuner:
                     decided=trial.decided,
                 )
                 trial = self.trials[model] = Trial(last=trial.last)
+                self._file(model, "remove", thd_remove_state)  # (the decision no longer holds)
             else:
                 return
         (trial.on if lookup else trial.off).setdefault(work, Rates()).add(rate)
@@ -245,3 +466,4 @@ class SpecTuner:
             verb="stays" if keep else "goes",
             need=1 + self.margin,
         )
+        self._save(model, trial)

@@ -64,13 +64,13 @@ from blazar.engines.errors import (
 from blazar.engines.growth import ContextGrowth, ContextPlan, estimate_bytes
 from blazar.engines.instance import IInstance, Instance, InstanceState, InstanceView, evicted_name, view_of
 from blazar.engines.interfaces import ISupervisor
-from blazar.engines.llamacpp import find_binary, lookup_cache
+from blazar.engines.llamacpp import find_binary, lookup_cache, speccache_dir
 from blazar.engines.lookupcache import LookupCaches
 from blazar.engines.process import ExitStatus, process_alive, thd_rss
 from blazar.engines.remote import RemoteInstance, Remotes
 from blazar.engines.room import Room
 from blazar.engines.spawn import Launcher, child_shape, free_port, probe_health, thd_identity
-from blazar.engines.spectune import SpecTuner
+from blazar.engines.spectune import STATE_FILE, SpecTuner
 from blazar.engines.waiters import Waiters
 from blazar.engines.watch import ChildWatch
 from blazar.metrics import Metrics, gauge
@@ -205,7 +205,9 @@ class Supervisor(Service):
             self._process_alive,
             self._run_dir,
         )
-        self.spec_tuner = SpecTuner(self._reactor)
+        self.spec_tuner = SpecTuner(
+            self._reactor, path_for=lambda name: speccache_dir(self._live.current.data_dir, name) / STATE_FILE
+        )
         self.lookup_caches = LookupCaches(self._reactor, lambda name: lookup_cache(self._live.current.data_dir, name))
         self.metrics.gauges(self.collect_metrics)
         self._live.subscribe(self.reconfigure)
@@ -250,7 +252,13 @@ class Supervisor(Service):
         C{blazar_breaker_state{model}} (0 closed, 1 half-open, 2 open) and
         C{blazar_model_vram_bytes{model,gpu}} (the bytes a model's children
         hold on GPU C{gpu}, an NVML index: measured by NVML once a child is
-        ready, else planned; a series goes when the child exits).
+        ready, else planned; a series goes when the child exits); for each
+        C{speculative = "auto"} model that has had a child
+        (L{speculative_auto}), C{blazar_engine_speculative_decided{model,state}}
+        (1 for the tuner's state, C{measuring}, C{on} or C{off}; 0 for the
+        other two) and C{blazar_engine_speculative_lookup{model}} (1 when
+        the loaded child runs with n-gram lookup, 0 without; no series with
+        none loaded).
         """
         states = (InstanceState.STARTING, InstanceState.READY, InstanceState.STOPPING)
         views = self.snapshot()
@@ -278,6 +286,20 @@ class Supervisor(Service):
             "device index: as NVML measured once ready, else as planned",
             ["model", "gpu"],
             [([name, str(gpu)], float(used)) for (name, gpu), used in sorted(held.items())],
+        )
+        tuned = [(name, state) for name in sorted(self._auto) if (state := self.speculative_auto(name)) is not None]
+        yield gauge(
+            "blazar_engine_speculative_decided",
+            'The speculative = "auto" tuner\'s state of a model: 1 for its state '
+            "(measuring, on: n-gram lookup kept, off: dropped), 0 for the others",
+            ["model", "state"],
+            [([name, st], float(state["decided"] == st)) for name, state in tuned for st in ("measuring", "on", "off")],
+        )
+        yield gauge(
+            "blazar_engine_speculative_lookup",
+            'Whether the loaded child of a speculative = "auto" model runs with n-gram lookup (1) or without (0)',
+            ["model"],
+            [([name], float(state["running"] == "on")) for name, state in tuned if state["running"] is not None],
         )
 
     def startService(self) -> None:
@@ -592,6 +614,8 @@ class Supervisor(Service):
         meta = await self._registry.metadata(entry)
         # LaneError: none serves it
         lane, binary, identity = await self._launcher.prepare(entry, meta, pinned)
+        if lane is None and entry.settings.speculative == "auto":
+            await self.spec_tuner.load(entry.name)  # (a decision saved before a restart: once per model)
         existing = self._instances.get(entry.name)
         if existing is not None:
             return existing
@@ -791,4 +815,5 @@ class Supervisor(Service):
             self._reaper.stop()
         waits: list[Deferred[Any]] = [self.stop_instance(i, "shutdown") for i in list(self._all)]
         waits.append(ensureDeferred(self.lookup_caches.stop()))  # (answers still being counted, then written)
+        waits.append(ensureDeferred(self.spec_tuner.stop()))  # (the decisions, with their answers since)
         return DeferredList(waits, consumeErrors=True)  # type: ignore[return-value]

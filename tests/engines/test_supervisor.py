@@ -1,3 +1,4 @@
+import json
 from pathlib import Path
 from typing import Any, Callable, cast
 
@@ -237,10 +238,12 @@ class SpeculativeAutoTests(SynchronousTestCase):
     def setUp(self) -> None:
         root = Path(self.mktemp())
         make_test_model(root / "models" / "m.gguf")
+        # (its own data_dir: the tuner's decisions are saved in <data_dir>/speccache)
         self.config_text = (
-            f'models_dir = "{root / "models"}"\nready_timeout = 5\nstop_grace = 3\n'
+            f'models_dir = "{root / "models"}"\ndata_dir = "{root / "data"}"\nready_timeout = 5\nstop_grace = 3\n'
             '[engines.llamacpp]\nbinary = "/bin/true"\n[models."m"]\nspeculative = "auto"\n'
         )
+        self.root = root
         self.config = parse_config(self.config_text)
         self.reactor = fake_process_reactor()
 
@@ -319,6 +322,88 @@ class SpeculativeAutoTests(SynchronousTestCase):
         third = self.instance_for()
         self.assertIn("--spec-type", self.reactor.spawned[2][2])
         self.assertEqual(dict(third.profile)["speculative"], "ngram")
+
+    def decide_off(self) -> Any:
+        first = self.instance_for()
+        tuner = self.supervisor.spec_tuner
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
+        self.supervisor.reap()
+        first.transport.exit(0)
+        self.reactor.advance(0.05)
+        second = self.instance_for()
+        for _ in range(4):
+            tuner.observe("m:latest", "interactive", False, 50.0, 100, window=4)
+        self.assertEqual(tuner.state("m:latest")["decided"], "off")
+        return second
+
+    def test_decision_survives_a_restart(self) -> None:
+        """
+        The decision is saved in the model's speccache directory; a
+        restarted daemon's first child of the model runs as decided, with
+        no trial.
+        """
+        second = self.decide_off()
+        saved = self.root / "data" / "speccache" / "m_latest" / "tuner.json"
+        self.assertEqual(json.loads(saved.read_text())["decided"], "off")
+        stopped = self.supervisor.stopService()
+        second.transport.exit(0)
+        self.successResultOf(stopped)
+        self.reactor = fake_process_reactor()
+        self.supervisor = Supervisor(
+            self.config,
+            ModelRegistry(self.config, self.reactor),
+            self.reactor,
+            self.probe,
+            {},
+            port_finder=lambda: 5555,
+        )
+        first = self.instance_for()
+        self.assertNotIn("--spec-type", self.reactor.spawned[0][2])
+        self.assertEqual(dict(first.profile)["speculative"], "off")
+        self.assertEqual(not_none(self.supervisor.speculative_auto("m:latest"))["decided"], "off")
+
+    def sample(self, name: str, **labels: str) -> float | None:
+        return self.supervisor.metrics.registry.get_sample_value(name, {"model": "m:latest", **labels})
+
+    def decided(self) -> dict[str, float | None]:
+        return {st: self.sample("blazar_engine_speculative_decided", state=st) for st in ("measuring", "on", "off")}
+
+    def test_prometheus(self) -> None:
+        """
+        C{blazar_engine_speculative_decided{model,state}} (1 for the
+        tuner's state) and C{blazar_engine_speculative_lookup{model}}
+        (whether the loaded child runs with lookup).
+        """
+        self.assertNotIn(b"blazar_engine_speculative_decided{", self.supervisor.metrics.render())
+        first = self.instance_for()
+        self.assertEqual(self.decided(), {"measuring": 1.0, "on": 0.0, "off": 0.0})
+        self.assertEqual(self.sample("blazar_engine_speculative_lookup"), 1.0)
+        stopped = self.supervisor.stop_instance(first)
+        first.transport.exit(0)
+        self.successResultOf(stopped)
+        self.assertIsNone(self.sample("blazar_engine_speculative_lookup"))  # none loaded
+        self.assertEqual(self.decided()["measuring"], 1.0)
+        second = self.decide_off()
+        self.assertEqual(self.decided(), {"measuring": 0.0, "on": 0.0, "off": 1.0})
+        self.assertEqual(self.sample("blazar_engine_speculative_lookup"), 0.0)
+        self.assertIs(self.instance_for(), second)
+
+    def test_prometheus_only_auto(self) -> None:
+        self.config = parse_config(self.config_text.replace('"auto"', '"ngram"'))
+        self.supervisor = Supervisor(
+            self.config,
+            ModelRegistry(self.config, self.reactor),
+            self.reactor,
+            self.probe,
+            {},
+            port_finder=lambda: 5555,
+        )
+        self.instance_for()
+        rendered = self.supervisor.metrics.render()
+        self.assertNotIn(b"blazar_engine_speculative_decided{", rendered)
+        self.assertNotIn(b"blazar_engine_speculative_lookup{", rendered)
+        self.assertIn(b"# TYPE blazar_engine_speculative_lookup gauge", rendered)
 
 
 class LifecycleTests(SynchronousTestCase):
