@@ -164,25 +164,34 @@ class ModelCache:
         self.loaded = False
         self.dirty = False
 
-    def _load(self) -> None:
-        # the file's counts first, so a write keeps what earlier children's answers taught
+    def _load(self) -> str | None:
+        # the file's counts first, so a write keeps what earlier children's answers taught;
+        # what was wrong with it, for the reactor to log (nothing here touches Twisted)
         if self.loaded:
-            return
+            return None
         self.loaded = True
         try:
             data = self.path.read_bytes()
         except FileNotFoundError:
-            return
+            return None
         try:
             self.counts.merge(NgramCounts.from_bytes(data, self.counts.max_ngrams))
         except ValueError as e:
-            log.warn("{path}: not a lookup cache ({why}); starting it afresh", path=str(self.path), why=str(e))
+            return str(e)
+        return None
 
-    def thd_add(self, tokens: list[int]) -> None:
+    def thd_add(self, tokens: list[int]) -> str | None:
+        """
+        Count C{tokens}; the first time, read the file's counts first.
+
+        @return: Why the file could not be read (it is started afresh), or
+            L{None}.
+        """
         with self.lock:
-            self._load()
+            why = self._load()
             self.counts.update(tokens)
             self.dirty = True
+        return why
 
     def thd_save(self) -> bool:
         """
@@ -269,7 +278,9 @@ class LookupCaches:
         cache = self.models.get(model)
         if cache is None:
             cache = self.models[model] = ModelCache(self._path_for(model), self._max_ngrams)
-        await self._thread(cache.thd_add, [int(t) for t in tokens])
+        why = await self._thread(cache.thd_add, [int(t) for t in tokens])
+        if why is not None:
+            log.warn("{path}: not a lookup cache ({why}); starting it afresh", path=str(cache.path), why=why)
 
     def save(self, models: Iterable[str] | None = None) -> Deferred[Any]:
         """
