@@ -26,6 +26,15 @@ if TYPE_CHECKING:
     import psycopg
 
 CONNECT_TIMEOUT_SECS = 5
+# a server that stops answering without closing (a partition, a host gone) is found dead
+# within ~15 s rather than hanging the store's thread, and with it the key poll, for good
+DEAD_PEER = {
+    "keepalives": 1,
+    "keepalives_idle": 5,
+    "keepalives_interval": 2,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 15000,  # ms: data sent and not acknowledged
+}
 """How long a connection attempt may take before the store is unreachable."""
 
 
@@ -123,9 +132,11 @@ class PgDatabase:
             self._broken_in_transaction = True
             raise self._unavailable()
         import psycopg
+        import psycopg.conninfo
 
         try:
-            self._conn = psycopg.connect(self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECS)
+            conninfo = psycopg.conninfo.make_conninfo(self.url, **DEAD_PEER)
+            self._conn = psycopg.connect(conninfo, autocommit=True, connect_timeout=CONNECT_TIMEOUT_SECS)
         except psycopg.OperationalError as e:
             raise self._unavailable(e) from None
         return self._conn

@@ -449,6 +449,10 @@ class BatchService(Service):
         return self._database.hold(Deferred.fromCoroutine(stop()))
 
 
+# a shared keys' poll reads every row, not only the version, once in this many polls
+FULL_READ_POLLS = 60
+
+
 @implementer(ISharedKeys)
 class SharedKeys(Service):
     """
@@ -457,7 +461,9 @@ class SharedKeys(Service):
     the daemon serves (a node never answers as keyless while shared keys
     exist), then every L{SHARED_KEYS_POLL_SECS} on the injected clock,
     one integer (the version) while nothing changed, every row when it
-    did; each read makes a new L{keys} tuple, which the door's
+    did (whether the version went up or back: a failover to a replica or a
+    restored backup can move it back) and every L{FULL_READ_POLLS} polls
+    whatever it says; each read makes a new L{keys} tuple, which the door's
     L{blazar.web.auth.KeyHolder} merges with the config file's keys.
 
     While the store cannot be reached the node keeps the keys it last read
@@ -486,6 +492,8 @@ class SharedKeys(Service):
         self._live = live
         self.keys: tuple[SharedKey, ...] = ()
         self._version: int | None = None
+        self._rows: list[store.SharedKeyRow] = []
+        self._polls = 0
         self._down = False
         self._pending: set[Deferred[Any]] = set()
         self._poller = PeriodicJob(reactor, interval, self.poll, "reading the shared API keys failed; will retry")
@@ -521,8 +529,12 @@ class SharedKeys(Service):
     async def _poll(self) -> None:
         if not self._database.is_open:
             return
+        self._polls += 1
+        # every FULL_READ_POLLS polls every row, whatever the version says: a counter that went back
+        # (a failover to a replica that lagged, a restored backup) must not hide a change for good
+        since = None if self._polls % FULL_READ_POLLS == 0 else self._version
         try:
-            read = await self._run(store.thd_shared_keys_since, self._version)
+            read = await self._run(store.thd_shared_keys_since, since)
         except StoreUnavailable as e:
             if not self._down:
                 self._down = True
@@ -540,8 +552,11 @@ class SharedKeys(Service):
             self._apply(*read)
 
     def _apply(self, version: int, rows: list[store.SharedKeyRow]) -> None:
-        if self._version is not None and version <= self._version:
-            return  # (a read that a later one overtook)
+        # any version read is the store's state now, lower or higher: the store's reads run one
+        # at a time, in order, so no read overtakes a later one; a counter that went back (a
+        # failover, a restore) is taken as it is
+        if version == self._version and rows == self._rows:
+            return  # (a full read that found nothing new: the door's tables stay)
         remotes = self._live.current.remotes
         keys = []
         for name, key_id, digest, hint, settings, _ in rows:
@@ -549,7 +564,7 @@ class SharedKeys(Service):
                 keys.append(shared_key(name, key_id, digest, hint, strictjson.loads(settings), remotes))
             except (ConfigError, ValueError) as e:
                 log.error("the shared key {name!r} is left out: {why}", name=name, why=str(e))
-        self.keys, self._version = tuple(keys), version
+        self.keys, self._version, self._rows = tuple(keys), version, rows
 
     async def add(self, row: tuple[str, str, str, str, str, float]) -> None:
         await self._run(store.thd_add_shared_key, row)

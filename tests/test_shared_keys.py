@@ -29,7 +29,7 @@ from blazar import store
 from blazar.config import ConfigError, LiveConfig, load_config, parse_config
 from blazar.postgres import StoreUnavailable
 from blazar.protocols.keyadmin import KeyAdmin
-from blazar.storeservice import SharedKeys, StoreService
+from blazar.storeservice import FULL_READ_POLLS, SharedKeys, StoreService
 from blazar.testing import SynchronousThreadPool, fake_process_reactor
 from blazar.web.auth import KeyHolder
 from tests import postgres
@@ -237,9 +237,37 @@ class SharedKeysPollTests(SharedKeysFixture):
         store.thd_add_shared_key(self.other, row("team", TEAM))
         self.start()
         keys = self.shared.keys
-        self.clock.advance(1.0)
-        self.clock.advance(1.0)
+        for _ in range(FULL_READ_POLLS + 1):  # (a full read among them)
+            self.clock.advance(1.0)
         self.assertIs(self.shared.keys, keys)  # the same tuple: the door's tables are not made again
+
+    def test_a_version_that_went_back_is_read_and_a_full_read_catches_a_hidden_change(self) -> None:
+        """
+        A failover to a replica that lagged, or a restored backup, can move
+        the version back: a lower version is read like a higher one, and a
+        change that lands on the very number this node last read is read
+        by the full read every L{FULL_READ_POLLS} polls.
+        """
+
+        def set_version(version: int) -> None:
+            with self.other:
+                self.other.execute("UPDATE shared_keys_version SET version = ?", (version,))
+
+        store.thd_add_shared_key(self.other, row("team", TEAM))
+        self.start()
+        seen = store.thd_shared_keys_version(self.other)
+        store.thd_remove_shared_key(self.other, "team", True, False)
+        set_version(seen - 1)  # lower than what this node read
+        self.clock.advance(1.0)
+        self.assertIsNone(self.holder.find(TEAM.encode()))
+        store.thd_add_shared_key(self.other, row("team", TEAM))
+        set_version(seen - 1)  # the same number as last read: the version says nothing changed
+        for _ in range(FULL_READ_POLLS - 2):
+            self.clock.advance(1.0)
+        self.assertIsNone(self.holder.find(TEAM.encode()))
+        self.clock.advance(1.0)
+        self.clock.advance(1.0)
+        self.assertEqual(not_none(self.holder.find(TEAM.encode())).name, "team")
 
     def test_a_shared_keys_scope_and_limits_are_a_config_keys(self) -> None:
         limits = {"models": ["tiny"], "rpm": 2, "tpm": 20, "daily_tokens": 50, "max_concurrent": 1, "weight": 2.5}

@@ -1831,7 +1831,7 @@ def thd_exposed_secrets(config: Config) -> str | None:
 BACKUPS = 5  # .bak copies of the config file kept by thd_rewrite
 
 
-def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
+def thd_rewrite(path: Path, change: Any, check: Callable[[Config], None] | None = None) -> tuple[Config, str]:
     """
     The config file round trip for runtime changes: parse the file with
     tomlkit, apply C{change(document)}, validate the result with
@@ -1843,6 +1843,9 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
     thread pool, one at a time.
 
     @param change: Mutates the tomlkit document; may raise L{ConfigError}.
+    @param check: Checks the new config before anything is written (as a
+        load does: L{blazar.models.speculative.thd_check_drafts}); may
+        raise L{ConfigError}.
     @return: The new L{Config} and the new text.
     @raise ConfigError: The change is invalid; nothing was written.
     @raise OSError: The write failed; the file on disk is untouched.
@@ -1855,6 +1858,8 @@ def thd_rewrite(path: Path, change: Any) -> tuple[Config, str]:
     change(doc)
     new_text = tomlkit.dumps(doc)
     config = parse_config(new_text, path)
+    if check is not None:
+        check(config)  # (what a load checks beyond the text: the draft models' vocabularies)
     stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
     tmp = path.with_name(f".{path.name}.tmp")
     fd = open_private(tmp, os.O_WRONLY | os.O_TRUNC)  # it holds the keys' secrets

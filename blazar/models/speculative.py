@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import struct
 from pathlib import Path
 from typing import Callable
 
@@ -57,19 +58,20 @@ def thd_vocabulary(path: Path) -> Vocabulary:
 
     try:
         reader = GGUFReader(os.fspath(path), "r")
+        tokens = reader.get_field("tokenizer.ggml.tokens")
+        if tokens is None:
+            raise GGUFError(path, "has no tokenizer.ggml.tokens (no vocabulary)", "use a model GGUF")
+        digest = hashlib.sha256()
+        for index in tokens.data:
+            digest.update(bytes(tokens.parts[index]))
+            digest.update(b"\0")
+        model = reader.get_field("tokenizer.ggml.model")
+        kind = model.contents() if model is not None else None
     except OSError as e:
         raise unreadable(path, e) from None
-    except ValueError as e:
+    except (ValueError, IndexError, KeyError, TypeError, struct.error) as e:
+        # (gguf's reader raises IndexError and the like on a file cut short: one still being copied)
         raise GGUFError(path, f"is not a readable GGUF file ({e})", "check the file") from None
-    tokens = reader.get_field("tokenizer.ggml.tokens")
-    if tokens is None:
-        raise GGUFError(path, "has no tokenizer.ggml.tokens (no vocabulary)", "use a model GGUF")
-    digest = hashlib.sha256()
-    for index in tokens.data:
-        digest.update(bytes(tokens.parts[index]))
-        digest.update(b"\0")
-    model = reader.get_field("tokenizer.ggml.model")
-    kind = model.contents() if model is not None else None
     return Vocabulary(kind if isinstance(kind, str) else None, len(tokens.data), digest.hexdigest())
 
 

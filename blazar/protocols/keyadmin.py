@@ -233,7 +233,7 @@ class KeyAdmin:
                 raise ConfigError("this daemon runs without a config file: start it with --config PATH to manage keys")
             mutate, answer = planned
             config, _ = await deferToThreadPool(
-                self._reactor, self._reactor.getThreadPool(), thd_rewrite, self._path, mutate
+                self._reactor, self._reactor.getThreadPool(), thd_rewrite, self._path, mutate, thd_check_drafts
             )
             report = self._live.swap(config)
             others = [k for k in report.applied if k != "keys"]

@@ -37,7 +37,7 @@ from blazar.config import Config, ConfigError
 from blazar.gateway.call import Call, CallKind
 from blazar.gateway.context import key_of
 from blazar.gateway.engine_facts import compare, model_kind
-from blazar.gateway.errors import BadRequest, Forbidden
+from blazar.gateway.errors import BadRequest, Forbidden, Unavailable
 from blazar.gateway.operations import ModelOperations, NothingToEvict, gpu_listing
 from blazar.gateway.pipeline import Pipeline
 from blazar.gateway.scope import may_use, visible_entries
@@ -510,8 +510,15 @@ class Dashboard:
             )
         try:
             result = await self.key_admin.change(change)
-        except (ConfigError, OSError, ValueError) as e:
+        except (ConfigError, ValueError) as e:
             raise BadRequest(str(e)) from None
+        except OSError as e:
+            # (the error names the server's config path: the log has it, the body does not)
+            log.error("a key change could not write the config file: {why}", why=str(e))
+            raise Unavailable(
+                "the key change could not be written to the config file (the daemon's log says why): "
+                "check that the daemon may write the config file's directory"
+            ) from None
         return self._json(request, {**extra, **result})
 
     # -- sessions and engines -------------------------------------------------------

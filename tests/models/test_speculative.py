@@ -4,11 +4,13 @@ generated GGUFs.
 """
 
 from pathlib import Path
+from typing import Any
 
 from twisted.python import usage
 from twisted.trial.unittest import SynchronousTestCase
 
-from blazar.config import ConfigError, parse_config
+from blazar.config import ConfigError, parse_config, thd_rewrite
+from blazar.models.gguf_meta import GGUFError
 from blazar.models.registry import ModelEntry
 from blazar.models.speculative import thd_check_drafts, thd_vocabulary
 from blazar.models.testmodel import make_test_model
@@ -38,6 +40,19 @@ class VocabularyTests(SynchronousTestCase):
         self.assertEqual(more.size, base.size + 1)
         self.assertEqual(more.size, other.size)
         self.assertNotEqual(more.digest, other.digest)
+
+    def test_a_file_cut_short_is_a_gguf_error_wherever_it_is_cut(self) -> None:
+        """
+        A GGUF still being copied (cut anywhere) is a L{GGUFError} naming
+        the file, never the reader's own IndexError or struct.error.
+        """
+        data = self.model("whole.gguf").read_bytes()
+        cut = self.dir / "cut.gguf"
+        for size in range(8, min(len(data), 40000), 331):
+            cut.write_bytes(data[:size])
+            with self.subTest(size=size):
+                error = self.assertRaises(GGUFError, thd_vocabulary, cut)
+                self.assertIn("cut.gguf", str(error))
 
 
 class CheckDraftsTests(SynchronousTestCase):
@@ -79,6 +94,22 @@ class CheckDraftsTests(SynchronousTestCase):
         e = self.assertRaises(ConfigError, self.check, "nowhere")
         self.assertIn("the draft model's file cannot be read", str(e))
         self.assertIn("name a configured model or a GGUF path", str(e))
+
+    def test_a_key_change_written_to_the_file_checks_it_too(self) -> None:
+        """
+        A runtime key change rewrites the whole file (L{thd_rewrite}): a
+        draft model hand-edited in since the last load is refused there as
+        at load, and the file is left as it was.
+        """
+        make_test_model(self.dir / "models" / "other.gguf", extra_words=("zebra",))
+        path = self.dir / "config.toml"
+        path.write_text(self.config("other"))
+
+        def add(doc: Any) -> None:
+            doc["keys"] = {"team": "blz-team-secret-0123456789"}
+
+        self.assertRaises(ConfigError, thd_rewrite, path, add, thd_check_drafts)
+        self.assertEqual(path.read_text(), self.config("other"))
 
     def test_nothing_is_read_without_a_draft_model(self) -> None:
         def scan(*args: object) -> dict[str, ModelEntry]:

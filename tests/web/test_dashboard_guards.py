@@ -188,3 +188,30 @@ def test_the_config_keeps_its_newest_backups(tmp_path: Path) -> None:
             os.utime(b, ns=(b.stat().st_mtime_ns, b.stat().st_mtime_ns))
     assert len(list(tmp_path.glob("c.toml.*.bak"))) == BACKUPS
     assert 'keep_alive = "9m"' in path.read_text()
+
+
+def test_a_key_change_the_config_file_refuses_names_no_server_path() -> None:
+    from twisted.internet.defer import ensureDeferred
+
+    from blazar.gateway.errors import Unavailable
+    from blazar.web.dashboard import Dashboard
+
+    class Admin:
+        async def change(self, plan: Any) -> dict[str, Any]:
+            raise PermissionError(13, "Permission denied", "/etc/blazar/.config.toml.tmp")
+
+    dash = Dashboard(
+        cast(ModelRegistry, None),
+        cast(Pipeline, None),
+        cast(ModelOperations, None),
+        Clock(),
+        lambda: 0.0,
+        lambda: cast(Config, None),
+    )
+    dash.key_admin = cast(Any, Admin())
+    failure = ensureDeferred(dash._change(cast(IRequest, request_with()), lambda admin: None))
+    errors: list[Any] = []
+    failure.addErrback(errors.append)
+    (error,) = errors
+    assert error.check(Unavailable), error
+    assert "/etc/blazar" not in str(error.value) and "config file" in str(error.value)
