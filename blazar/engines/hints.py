@@ -64,7 +64,8 @@ def parse_engine_metrics(text: str) -> dict[str, float]:
             sample.name: float(sample.value)
             for family in text_string_to_metric_families(text)
             for sample in family.samples
-            if sample.name.startswith("llamacpp:")
+            if sample.name.startswith("llamacpp:") and not sample.labels
+            # (a labelled series, as the accepted tokens per draft position, is not one number)
         }
     except (ValueError, TypeError, IndexError, KeyError) as e:
         raise ScrapeError(f"not the Prometheus text format: {e}") from None
@@ -100,6 +101,9 @@ class EngineHint:
 
     def update(self, pid: int | None, counters: dict[str, float]) -> None:
         previous = self.counters if pid == self.pid else {}
+        if pid != self.pid:
+            # a new child (a reload, auto turning lookup off): its drafting is its own, from nothing
+            self.draft_acceptance = self.accepted_per_draft = None
 
         def delta(name: str) -> float:
             return max(0.0, counters.get(name, 0.0) - previous.get(name, 0.0))

@@ -118,8 +118,9 @@ def thd_check_drafts(
             draft = vocabulary(entry.draft)
         except GGUFError as e:
             raise ConfigError(
-                f"{where}: {key}: the draft model's file {e.reason}; name a configured model or a GGUF path "
-                f'(relative paths are under models_dir), or set speculative = "ngram", which needs no draft model'
+                f"{where}: {key}: the draft model's file {entry.draft} {e.reason}; name a model `blazar models "
+                f"list` shows or a GGUF path (relative paths are under models_dir), or set speculative = "
+                f'"ngram", which needs no draft model'
             ) from None
         try:
             target = vocabulary(entry.path)

@@ -134,6 +134,27 @@ class HintsTests(SynchronousTestCase):
         self.tick((200, page(prompt=10, cached=10)))
         self.assertAlmostEqual(self.gauge("blazar_engine_cache_hit_ratio"), 0.5)
 
+    def test_a_new_child_starts_its_draft_figures_afresh(self) -> None:
+        """
+        A new child's drafting is its own: after an idle reload that took
+        n-gram lookup off (C{speculative = "auto"}), the acceptance of the
+        child before is no longer shown as the model's.
+        """
+        self.tick((200, page(prompt=10, cached=0, drafted=100, accepted=80, drafts=10)))
+        self.assertAlmostEqual(self.gauge("blazar_engine_draft_acceptance_ratio"), 0.8)
+        self.children[0].pid = 200
+        self.tick((200, page(prompt=10, cached=0)))
+        self.assertIsNone(self.gauge("blazar_engine_draft_acceptance_ratio"))
+        self.assertIsNone(self.gauge("blazar_engine_accepted_per_draft"))
+
+    def test_a_labelled_series_is_not_one_number(self) -> None:
+        text = page(1, 2).decode() + (
+            "# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter\n"
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 38\n'
+            'llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 20\n'
+        )
+        self.assertNotIn("llamacpp:spec_decode_num_accepted_tokens_per_pos_total", parse_engine_metrics(text))
+
     def test_failures_and_garbage_leave_the_job_running(self) -> None:
         self.tick(ConnectionRefusedError("refused"))
         self.tick((200, b"<html>not metrics</html>\x00{{{"))

@@ -92,8 +92,10 @@ class CheckDraftsTests(SynchronousTestCase):
 
     def test_a_missing_draft_is_refused(self) -> None:
         e = self.assertRaises(ConfigError, self.check, "nowhere")
-        self.assertIn("the draft model's file cannot be read", str(e))
-        self.assertIn("name a configured model or a GGUF path", str(e))
+        self.assertIn("the draft model's file ", str(e))
+        self.assertIn("cannot be read", str(e))
+        self.assertIn("name a model `blazar models list` shows or a GGUF path", str(e))
+        self.assertIn(str(self.dir / "models" / "nowhere"), str(e))  # the path it tried
 
     def test_a_key_change_written_to_the_file_checks_it_too(self) -> None:
         """
