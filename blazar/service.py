@@ -882,6 +882,9 @@ def assemble(
     heartbeat = NodeHeartbeat(
         stores.database, nodes.name, node_url(config), lambda: model_rows(supervisor.snapshot(), admission), reactor
     )
+    # a second node of one [cluster] node name stops at the store's open: before the batch runner's
+    # start fails the live namesake's lines in flight as this name's earlier life's
+    stores.database.add_start_check(heartbeat.thd_refuse_a_live_namesake)
     dashboard = _dashboard(live, engines, gateway, reactor, ring, bench, nodes)
     # the vLLM-named gauges GIE's endpoint picker reads (docs/gie.md)
     model_server = ModelServerGauges(admission, supervisor.instances, clients.engines.get)

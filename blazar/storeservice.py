@@ -38,7 +38,7 @@ from blazar.config import ConfigError, LiveConfig, SharedKey, node_name, node_ur
 from blazar.engines.client import EngineClient
 from blazar.gateway.batch import BatchRunner, LineSender
 from blazar.gateway.cachestore import CacheStore
-from blazar.gateway.nodes import HEARTBEAT_SECS
+from blazar.gateway.nodes import HEARTBEAT_SECS, live_namesake
 from blazar.gateway.quota import Quotas
 from blazar.gateway.sessions import EngineSlots, Sessions, sessions_from_rows
 from blazar.metrics import Metrics, gauge
@@ -116,6 +116,7 @@ class StoreService(Service):
         self._pool = pool if pool is not None else ThreadPool(1, 1, name="blazar-store")
         self._db: store.Database | None = None
         self._held: set[Deferred[None]] = set()
+        self._start_checks: list[Callable[[store.Database], object]] = []
 
     @property
     def is_open(self) -> bool:
@@ -171,17 +172,36 @@ class StoreService(Service):
 
         return d.addBoth(fired)
 
+    def add_start_check(self, check: Callable[[store.Database], object]) -> None:
+        """
+        Run C{check(db)} on the store's thread right after the open at
+        start, before any part starts (L{NodeHeartbeat.thd_refuse_a_live_namesake}).
+        What it raises stops the start as an unreachable server does: the
+        connection closed, the thread stopped, the exception raised from
+        L{startService} (twistd exits non-zero with its message).
+        """
+        self._start_checks.append(check)
+
     def startService(self) -> None:
         Service.startService(self)
         self._pool.start()
-        # at start, before serving: a short blocking open (and migration); an
-        # unreachable PostgreSQL stops the start, naming the server (the pool
-        # stopped first: its thread would keep the failed process alive)
+        # at start, before serving: a short blocking open (and migration) and
+        # the start checks; an unreachable PostgreSQL or a failed check stops
+        # the start, naming the server or the problem (the pool stopped first:
+        # its thread would keep the failed process alive)
         try:
+            db: store.Database
             if self.url is not None:
-                self._db = self._call_now(store.thd_open_postgres, self.url)
+                db = self._call_now(store.thd_open_postgres, self.url)
             else:
-                self._db = self._call_now(store.thd_open, self.path)
+                db = self._call_now(store.thd_open, self.path)
+            try:
+                for check in self._start_checks:
+                    self._call_now(check, db)
+            except BaseException:
+                self._call_now(db.close)
+                raise
+            self._db = db
         except BaseException:
             self._pool.stop()
             Service.stopService(self)
@@ -579,6 +599,13 @@ class SharedKeys(Service):
         await self._poll()
 
 
+class NodeNameTaken(Exception):
+    """
+    Another node of this node's name (C{[cluster] node}) is up at another
+    URL; the message says which and what to change.
+    """
+
+
 class NodeHeartbeat(Service):
     """
     This node's row in the store's C{nodes} table (L{blazar.gateway.nodes}):
@@ -586,6 +613,9 @@ class NodeHeartbeat(Service):
     (a failed write is logged and tried again at the next beat), and
     marked stopped, with no models, on a clean stop (held until written
     before the store closes). Started once the node serves, stopped first.
+    Its name is checked earlier, at the store's open
+    (L{thd_refuse_a_live_namesake}), before the batch runner takes back
+    the lines of this name's earlier life.
 
     @ivar started: UNIX seconds this node started (its row's C{started}).
     """
@@ -614,6 +644,20 @@ class NodeHeartbeat(Service):
         self.started = 0.0
         self._unwritten = False  # the last beat found the store unreachable (logged once)
         self._beat = PeriodicJob(reactor, HEARTBEAT_SECS, self.beat, "writing this node's heartbeat failed; will retry")
+
+    def thd_refuse_a_live_namesake(self, db: store.Database) -> None:
+        """
+        On the store's thread, at its open (L{StoreService.add_start_check}):
+        read this node's row and refuse to start while another node of
+        this name is up at another URL (L{blazar.gateway.nodes.live_namesake}).
+
+        @raise NodeNameTaken: Such a node is up; the message names it and
+            the C{[cluster] node} key.
+        """
+        for row in store.thd_nodes(db, self._name):
+            problem = live_namesake(row, self._url, self._wall())
+            if problem is not None:
+                raise NodeNameTaken(problem)
 
     def _row(self, stopped: bool) -> store.NodeRow:
         models = [] if stopped else self._models()

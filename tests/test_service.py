@@ -867,6 +867,38 @@ class AssembledStoreTests(SynchronousTestCase):
             self.assertIs(part._database, database)
         self.assertLess(services.index(tree.stores.sessions), services.index(tree.engines.supervisor))
 
+    def test_a_live_namesake_stops_the_start_before_the_batch_runner_takes_back_lines(self) -> None:
+        """
+        Another node of this C{[cluster] node} name up at another URL stops
+        the start at the store's open, before any part starts: the batch
+        runner never takes back (fails) the live node's lines in flight.
+        """
+        import time
+
+        from blazar import store
+        from blazar.service import assemble
+        from blazar.storeservice import NodeNameTaken
+
+        root = Path(self.mktemp()).absolute()
+        (root / "data").mkdir(parents=True)
+        path = root / "config.toml"
+        path.write_text(
+            f'data_dir = "{root / "data"}"\nmodels_dir = "{root}"\n[cluster]\nnode = "gpu-1"\nurl = "http://me:11434"\n'
+        )
+        db = store.thd_open(root / "data" / "blazar.db")
+        store.thd_put_node(db, ("gpu-1", "http://other:11434", "1", 1.0, time.time(), False, "[]"))
+        db.close()
+        tree = assemble(load_config(path), fake_process_reactor(), {}, LogPublisher())
+        services = list(tree.top)
+        with self.assertRaises(NodeNameTaken) as cm:
+            tree.top.startService()
+        self.assertIn("[cluster] node", str(cm.exception))
+        for started in services[: services.index(tree.stores.database)]:
+            self.addCleanup(started.stopService)
+        self.assertFalse(tree.stores.database.is_open)
+        self.assertLess(services.index(tree.stores.database), services.index(tree.batches.service))
+        self.assertFalse(tree.batches.service.running)
+
     def test_shared_keys_only_with_a_cluster_database_and_read_before_the_listeners(self) -> None:
         """
         C{[cluster] database} adds the shared keys' poll to the tree after

@@ -485,6 +485,61 @@ class SharedKeyControlTests(SharedKeysFixture):
         self.assertEqual(self.successResultOf(self.call(KeysRemove, name="team"))["name"], "team")
         self.assertIsNone(self.holder.find(rotated["secret"].encode()))
 
+    def test_keys_list_pages_through_a_clusters_many_keys(self) -> None:
+        """
+        1,200 shared keys (over 64 KiB as one AMP value: the daemon raised
+        C{TooLong} answering and dropped the control connection, found in
+        review) are listed whole, a page at a time, each page one value
+        that fits; C{blazar keys list} asks until the last.
+        """
+        from blazar.protocols.control import QUEUE_BUDGET, KeysList
+
+        for i in range(1200):
+            store.thd_add_shared_key(
+                self.other,
+                row(f"customer-{i:05d}", f"secret-number-{i:06d}-abcdefghijkl", {"models": ["tiny"]}, key_id=f"id{i}"),
+            )
+        self.clock.advance(1.0)
+        self.assertEqual(len(self.shared.keys), 1200)
+        first = self.successResultOf(self.call(KeysList))
+        from blazar.cli.keys import every_key
+        from blazar.protocols.control import KEY
+
+        self.assertLess(len(amp.AmpList(KEY).toStringProto(first["keys"], None)), QUEUE_BUDGET)
+        self.assertEqual(first["next_offset"], len(first["keys"]))
+        result: list[Any] = []
+        Deferred.fromCoroutine(every_key(cast(amp.AMP, self.client))).addBoth(result.append)
+        self.pump.flush()
+        (keys,) = result
+        self.assertEqual([k["name"] for k in keys], ["root", *(f"customer-{i:05d}" for i in range(1200))])
+        self.assertEqual(
+            keys[-1],
+            {
+                "name": "customer-01199",
+                "secret": "...ijkl",
+                "models": ["tiny:latest"],
+                "shared": True,
+                "models_left_out": None,
+            },
+        )
+        self.assertEqual(self.successResultOf(self.call(KeysList, offset=1199))["keys"], [keys[-2], keys[-1]])
+
+    def test_a_key_whose_models_alone_overflow_a_value_keeps_those_that_fit(self) -> None:
+        from blazar.protocols.control import KEY, QUEUE_BUDGET, page_keys
+
+        models = [f"model-{i:05d}:latest" for i in range(5000)]
+        huge = {"name": "wide", "secret": "...abcd", "models": models, "shared": True}
+        small = {"name": "small", "secret": "...wxyz", "models": [], "shared": False}
+        self.assertEqual(page_keys([small, huge, small], 0), ([small], 1))
+        page, next_offset = page_keys([small, huge, small], 1)
+        self.assertEqual(next_offset, 2)
+        (cut,) = page
+        kept = len(cut["models"])
+        self.assertEqual((cut["models"], cut["models_left_out"]), (models[:kept], 5000 - kept))
+        self.assertGreater(kept, 2500)  # as many as fit, not a halving's
+        self.assertLess(len(amp.AmpList(KEY).toStringProto(page, None)), QUEUE_BUDGET)
+        self.assertEqual(page_keys([small, huge, small], 2), ([small], None))
+
     def test_an_unreachable_store_is_a_key_error_naming_it(self) -> None:
         from blazar.protocols.control import KeyError_, KeysAdd
 

@@ -150,6 +150,86 @@ class HeartbeatTests(SynchronousTestCase):
         self.successResultOf(again.stopService())
 
 
+class NamesakeTests(SynchronousTestCase):
+    """
+    Two nodes given one C{[cluster] node} name (found in review: the
+    second's start failed the first's batch lines in flight, and both
+    overwrote one row): the second refuses to start at the store's open,
+    naming the key, while the first is up at another URL.
+    """
+
+    def setUp(self) -> None:
+        self.clock = fake_process_reactor()
+        self.clock.advance(1000.0)
+        self.path = Path(self.mktemp()) / "blazar.db"
+
+    def start(self, *rows: store.NodeRow) -> StoreService:
+        """
+        Node C{node-a} at C{http://a:11434} starting on a store that
+        holds C{rows}: its store, started with the heartbeat's check.
+        """
+        db = store.thd_open(self.path)
+        for r in rows:
+            store.thd_put_node(db, r)
+        db.close()
+        database = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+        heartbeat = NodeHeartbeat(database, "node-a", "http://a:11434", list, self.clock, wall=self.clock.seconds)
+        database.add_start_check(heartbeat.thd_refuse_a_live_namesake)
+        database.startService()
+        self.addCleanup(database.stopService)
+        return database
+
+    def test_a_live_namesake_at_another_url_stops_the_start_naming_the_key(self) -> None:
+        from blazar.storeservice import NodeNameTaken
+
+        live = ("node-a", "http://b:11434", "9.9", 900.0, 1000.0 - UNREACHABLE_SECS + 1, False, "[]")
+        with self.assertRaises(NodeNameTaken) as cm:
+            self.start(live)
+        message = str(cm.exception)
+        self.assertIn("another node named 'node-a' is up at http://b:11434", message)
+        self.assertIn('[cluster] node = "..."', message)
+        self.assertIn("start it again in 1 s", message)
+        database = StoreService(self.path, self.clock, cast(ThreadPool, SynchronousThreadPool()))
+        database.startService()  # the refused start wrote nothing: the live node's row is as it was
+        self.assertEqual(database.run_db_now(store.thd_nodes), [live])
+        self.successResultOf(database.stopService())
+
+    def test_the_refused_store_is_closed_and_its_thread_stopped(self) -> None:
+        from blazar.storeservice import NodeNameTaken
+
+        class Pool(SynchronousThreadPool):
+            started = False
+
+            def start(self) -> None:
+                self.started = True
+
+            def stop(self) -> None:
+                self.started = False
+
+        pool = Pool()
+        database = StoreService(self.path, self.clock, cast(ThreadPool, pool))
+        heartbeat = NodeHeartbeat(database, "node-a", "http://a:11434", list, self.clock, wall=self.clock.seconds)
+        database.add_start_check(heartbeat.thd_refuse_a_live_namesake)
+        db = store.thd_open(self.path)
+        store.thd_put_node(db, ("node-a", "http://b:11434", "1", 900.0, 999.0, False, "[]"))
+        db.close()
+        self.assertRaises(NodeNameTaken, database.startService)
+        self.assertFalse(database.is_open)
+        self.assertFalse(database.running)
+        self.assertFalse(pool.started)
+
+    def test_its_own_row_a_stopped_or_an_unreachable_namesake_and_other_names_start(self) -> None:
+        for rows in [
+            (),
+            (("node-a", "http://a:11434", "1", 900.0, 999.0, False, "[]"),),  # its own earlier life (killed)
+            (("node-a", "http://b:11434", "1", 900.0, 999.0, True, "[]"),),  # stopped cleanly
+            (("node-a", "http://b:11434", "1", 900.0, 1000.0 - UNREACHABLE_SECS - 1, False, "[]"),),  # dead
+            (("node-b", "http://b:11434", "1", 900.0, 999.0, False, "[]"),),  # another name
+        ]:
+            self.path = Path(self.mktemp()) / "blazar.db"
+            self.assertTrue(self.start(*rows).is_open, rows)
+
+
 class ListingTests(SynchronousTestCase):
     def setUp(self) -> None:
         self.db = store.thd_open(Path(self.mktemp()) / "blazar.db")

@@ -8,7 +8,7 @@ C{list} marks the shared ones).
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from blazar import strictjson
 from blazar.cli.daemon import OK, Verbs, control, verb_group
@@ -17,20 +17,39 @@ if TYPE_CHECKING:
     from twisted.protocols.amp import AMP
 
 
+async def every_key(p: AMP) -> list[dict[str, Any]]:
+    """
+    Every key the daemon lists, asking for C{KeysList}'s pages until the
+    last (one answer holds as many keys as fit one AMP value).
+    """
+    from blazar.protocols.control import KeysList
+
+    keys: list[dict[str, Any]] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = await p.callRemote(KeysList, offset=offset)
+        keys += page["keys"]
+        offset = page.get("next_offset")
+    return keys
+
+
 def _keys(args: argparse.Namespace) -> int:
-    from blazar.protocols.control import KeysAdd, KeysList, KeysRemove, KeysRotate
+    from blazar.protocols.control import KeysAdd, KeysRemove, KeysRotate
     from blazar.protocols.keyadmin import LIMITS
 
     async def action(p: AMP) -> int:
         if args.keys_verb == "list":
-            keys = (await p.callRemote(KeysList))["keys"]
+            keys = await every_key(p)
             if args.json:
                 print(strictjson.encode(keys))
             elif not keys:
                 print("no keys: the gateway is open (add one with `blazar keys add NAME`)")
             for k in keys if not args.json else []:
                 where = "shared" if k.get("shared") else "config"
-                print(f"{k['name']:<24} {k['secret']:<10} {where:<7} {', '.join(k['models']) or '(all models, admin)'}")
+                models = ", ".join(k["models"]) or "(all models, admin)"
+                if k.get("models_left_out"):
+                    models += f" (and {k['models_left_out']} more)"
+                print(f"{k['name']:<24} {k['secret']:<10} {where:<7} {models}")
         elif args.keys_verb == "add":
             limits = {f: getattr(args, f) for f in LIMITS if getattr(args, f, None) is not None}
             added = await p.callRemote(KeysAdd, name=args.name, models=args.models or [], **limits)

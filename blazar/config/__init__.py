@@ -765,7 +765,9 @@ class ClusterConfig:
         doc="This node's name, unique among the nodes that share a `database`: the owner recorded on the "
         "batch lines it runs, and the holder recorded on the sessions whose KV cache it keeps. Unset: the host name and 8 hex digits of the `data_dir`'s hash (the same at "
         "every start of one node). A node takes back at its start the lines its earlier life left running, "
-        "and another node's only once their lease (renewed every 10 s while they run) is 60 s stale.",
+        "and another node's only once their lease (renewed every 10 s while they run) is 60 s stale. A node "
+        "whose name another node is using (that node up, its heartbeat under 15 s old, at another `url`) "
+        "refuses to start, naming this key.",
     )
     url: str | None = setting(
         None,

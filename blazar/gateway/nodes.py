@@ -93,6 +93,30 @@ def node_state(heartbeat: float, stopped: bool, now: float) -> str:
     return UNREACHABLE if now - heartbeat > UNREACHABLE_SECS else UP
 
 
+def live_namesake(row: store.NodeRow, url: str, now: float) -> str | None:
+    """
+    Why a node whose URL is C{url} must not start under the name of
+    C{row} (the C{nodes} row of its name, read at its start, C{now} UNIX
+    seconds): another node of that name is L{UP} (not stopped, a heartbeat
+    at most L{UNREACHABLE_SECS} old) at another URL, so the two would
+    overwrite one row and each fail the other's batch lines as its own
+    earlier life's. L{None}: no such node (the row is this node's own,
+    stopped, or old enough to be a dead node's).
+    """
+    name, other_url, version, _, heartbeat, stopped, _ = row
+    if node_state(heartbeat, stopped, now) != UP or other_url == url:
+        return None
+    wait = max(0.0, UNREACHABLE_SECS - (now - heartbeat))
+    return (
+        f"another node named {name!r} is up at {other_url or '(no url)'} (Blazar {version}, its heartbeat "
+        f"{max(0.0, now - heartbeat):.0f} s ago), and this node's url is {url or '(none)'}: two nodes of one "
+        "name would overwrite one row of the nodes table and fail each other's batch lines. Give each node "
+        'its own name: [cluster] node = "..." in its config file (unset, it is made from the host name and '
+        "the data_dir). If that node was this one under its earlier url, stopped uncleanly, start it again "
+        f"in {wait:.0f} s, once its heartbeat is {UNREACHABLE_SECS:.0f} s old"
+    )
+
+
 def node_view(row: store.NodeRow, now: float, this: str) -> dict[str, Any]:
     """
     One node as C{blazar cluster --json} and C{GET /ui/api/nodes} show it::

@@ -5,7 +5,7 @@ over the private UNIX socket C{<data_dir>/run/control.sock} (mode 0600, in a
 every domain error declared, so a failure never drops the connection.
 
 Source: Twisted's AMP (C{twisted.protocols.amp}); values stay under 64 KiB
-(C{Ps} pages).
+(C{Ps} and C{KeysList} pages).
 """
 
 from __future__ import annotations
@@ -317,17 +317,23 @@ KEY = [
     (b"secret", amp.Unicode()),
     (b"models", amp.ListOf(amp.Unicode())),
     (b"shared", amp.Boolean(optional=True)),  # a key of the cluster's store ([cluster] database), not the file's
+    # models of this key left out of C{models}: alone they would not fit one AMP value (L{page_keys})
+    (b"models_left_out", amp.Integer(optional=True)),
 ]
 
 
 class KeysList(amp.Command):
     """
-    The keys, secrets redacted to their last 4 characters.
+    The keys, secrets redacted to their last 4 characters, a page at a
+    time (L{page_keys}: as many keys from C{offset}, 0 if absent, as fit
+    one AMP value; a cluster may share thousands). C{next_offset} is the
+    next page's C{offset}, absent on the last page: a client asks again
+    until it is absent (C{blazar keys list} does).
     """
 
     commandName = b"KeysList"
-    arguments = []
-    response = [(b"keys", amp.AmpList(KEY))]
+    arguments = [(b"offset", amp.Integer(optional=True))]
+    response = [(b"keys", amp.AmpList(KEY)), (b"next_offset", amp.Integer(optional=True))]
 
 
 class KeysAdd(amp.Command):
@@ -412,6 +418,48 @@ class SessionClose(amp.Command):
 
 QUEUE_BUDGET = 60_000
 UNNAMED = "(unnamed)"  # how the conversations no client named are listed
+
+
+def _key_bytes(row: dict[str, Any]) -> int:
+    """
+    The bytes C{row} (a L{KEY}) takes in L{KeysList}'s C{keys} value;
+    over 64 KiB (a C{models} list AMP cannot encode): more than any budget.
+    """
+    try:
+        return len(amp.AmpList(KEY).toStringProto([row], None))
+    except amp.TooLong:
+        return 1 << 30
+
+
+def page_keys(
+    rows: list[dict[str, Any]], offset: int, budget: int = QUEUE_BUDGET
+) -> tuple[list[dict[str, Any]], int | None]:
+    """
+    The page of C{rows} (L{KEY}s) from C{offset} that L{KeysList} answers:
+    the most rows whose encoding fits C{budget} bytes, at least one (a
+    row alone too large keeps the first of its models that fit, the
+    number left out in C{models_left_out}), and the next page's offset
+    (L{None}: this page is the last).
+    """
+    page: list[dict[str, Any]] = []
+    size = 0
+    for row in rows[max(0, offset) :]:
+        row_size = _key_bytes(row)
+        if page and size + row_size > budget:
+            break
+        if row_size > budget:
+            models = row["models"]
+            fits, over = 0, len(models)  # (a binary search for the most models that fit)
+            while over - fits > 1:
+                middle = (fits + over) // 2
+                cut = {**row, "models": models[:middle], "models_left_out": len(models) - middle}
+                fits, over = (middle, over) if _key_bytes(cut) <= budget else (fits, middle)
+            row = {**row, "models": models[:fits], "models_left_out": len(models) - fits}
+            row_size = _key_bytes(row)
+        page.append(row)
+        size += row_size
+    end = max(0, offset) + len(page)
+    return page, (end if end < len(rows) else None)
 
 
 def fit_queue(snapshot: dict[str, Any], budget: int = QUEUE_BUDGET) -> tuple[str, bool]:
@@ -811,13 +859,16 @@ class ControlServer(amp.AMP):
         return Deferred.fromCoroutine(answer())
 
     @KeysList.responder
-    def keys_list(self) -> dict[str, Any]:
-        return {
-            "keys": [
-                {"name": k["name"], "secret": k["secret"], "models": k["models"], "shared": k["shared"]}
-                for k in self._admin().listed()
-            ]
-        }
+    def keys_list(self, offset: int | None = None) -> dict[str, Any]:
+        rows = [
+            {"name": k["name"], "secret": k["secret"], "models": k["models"], "shared": k["shared"]}
+            for k in self._admin().listed()
+        ]
+        page, next_offset = page_keys(rows, offset or 0)
+        result: dict[str, Any] = {"keys": page}
+        if next_offset is not None:
+            result["next_offset"] = next_offset
+        return result
 
     def _keys_change(self, change: Callable[[Any], Any]) -> Deferred[dict[str, Any]]:
         admin = self._admin()

@@ -252,7 +252,9 @@ class Dashboard:
         (L{blazar.gateway.nodes.ClusterNodes.listing}: C{{"clustered",
         "node", "nodes": [{"name", "url", "version", "state", "started",
         "last_seen", "seen_ago", "this", "models": [...]}], "hint"}}), each
-        node's models only those the key may use. An unreachable shared
+        node's models only those the key may use. A scoped (non-admin) key
+        gets no C{url} and no C{version}: the nodes' internal addresses
+        and the Blazar they run are the operator's. An unreachable shared
         store answers 503 C{store_unavailable}, naming it.
         """
         _viewer(request)
@@ -260,8 +262,12 @@ class Dashboard:
             listing: dict[str, Any] = {"clustered": False, "node": "", "nodes": [], "hint": ""}
         else:
             listing = await self._nodes()
+        admin = _is_admin(request)
         for node in listing["nodes"]:
             node["models"] = [m for m in node["models"] if may_use(context_of(request), str(m.get("model")))]
+            if not admin:
+                node.pop("url", None)
+                node.pop("version", None)
         return self._json(request, listing)
 
     # -- activity and performance ------------------------------------------------

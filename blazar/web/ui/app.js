@@ -377,7 +377,8 @@ async function loadQueue() {
 // -- Nodes ------------------------------------------------------------------------
 
 // The cluster's nodes (GET /ui/api/nodes, as `blazar cluster` lists them): each with its state, when its
-// heartbeat was last seen, its address and version, and per model it runs the child's state, slots and queue.
+// heartbeat was last seen, its address and version (an admin's: "-" to a scoped key), and per model it runs the
+// child's state, slots and queue.
 async function loadNodes() {
   const data = await api("/ui/api/nodes");
   $("nodes-hint").hidden = !data.hint;
@@ -388,7 +389,7 @@ async function loadNodes() {
     el("td", {}, n.name, n.this ? el("span", { class: "muted" }, " (this node)") : null),
     el("td", {}, pill(n.state, { up: "ready", stopped: "stopping", unreachable: "open" }[n.state])),
     el("td", { class: "num" }, fmtSecs(n.seen_ago) + " ago"),
-    el("td", {}, n.url || "-"), el("td", {}, n.version),
+    el("td", {}, n.url || "-"), el("td", {}, n.version || "-"),
     el("td", {}, n.models.length ? el("table", { class: "inner" }, el("tbody", {}, ...n.models.map((m) =>
       el("tr", { "data-model": m.model },
         el("td", {}, m.model), el("td", {}, m.state ? pill(m.state) : "-"),
