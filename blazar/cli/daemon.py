@@ -212,6 +212,13 @@ def post_ndjson(
             message = json.loads(resp.read()).get("error", "")
         except ValueError:
             message = f"HTTP {resp.status}"
+        if resp.status == 401:
+            # (the gateway's own hint is for HTTP clients; this is the CLI's)
+            message = (
+                f"{message}; this command sends the key given with --key or in $BLAZAR_API_KEY"
+                if not key
+                else f"{message}; the key given (--key or $BLAZAR_API_KEY) was refused"
+            )
         print(f"blazar: {message}", file=sys.stderr)
         return ERROR
     return resp
