@@ -69,18 +69,22 @@ def timings_in(data: bytes) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
+def _choice_text(obj: Any, part: str) -> str:
+    # choices[0][part]["content"] (a chat answer's message, a chunk's delta), else choices[0]["text"]
+    choices = obj.get("choices") if isinstance(obj, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        return ""
+    inner = choices[0].get(part)
+    text = inner.get("content") if isinstance(inner, dict) else choices[0].get("text")
+    return text if isinstance(text, str) else ""
+
+
 def answer_text(answer: Any) -> str:
     """
     The text of a non-streamed OpenAI answer (a chat completion's message
     content, a completion's text; C{""} if it has none).
     """
-    choices = answer.get("choices") if isinstance(answer, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
-    choice = choices[0]
-    message = choice.get("message")
-    text = message.get("content") if isinstance(message, dict) else choice.get("text")
-    return text if isinstance(text, str) else ""
+    return _choice_text(answer, "message")
 
 
 def delta_text(chunk: Any) -> str:
@@ -88,13 +92,7 @@ def delta_text(chunk: Any) -> str:
     The text one OpenAI stream chunk adds (a chat delta's content, a
     completion chunk's text).
     """
-    choices = chunk.get("choices") if isinstance(chunk, dict) else None
-    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
-        return ""
-    choice = choices[0]
-    delta = choice.get("delta")
-    text = delta.get("content") if isinstance(delta, dict) else choice.get("text")
-    return text if isinstance(text, str) else ""
+    return _choice_text(chunk, "delta")
 
 
 class Reply:

@@ -304,17 +304,7 @@ class SpeculativeAutoTests(SynchronousTestCase):
         self.assertIsNone(self.supervisor.speculative_auto("m:latest"))
 
     def test_pays_stays_on(self) -> None:
-        first = self.instance_for()
-        tuner = self.supervisor.spec_tuner
-        for _ in range(4):
-            tuner.observe("m:latest", "interactive", True, 80.0, 100, window=4)
-        self.supervisor.reap()
-        first.transport.exit(0)
-        self.reactor.advance(0.05)
-        second = self.instance_for()
-        for _ in range(4):
-            tuner.observe("m:latest", "interactive", False, 50.0, 100, window=4)
-        self.assertEqual(tuner.state("m:latest")["decided"], "on")
+        second = self.decide(80.0, "on")
         self.supervisor.reap()
         self.assertEqual(second.transport.signals, ["TERM"])
         second.transport.exit(0)
@@ -323,19 +313,26 @@ class SpeculativeAutoTests(SynchronousTestCase):
         self.assertIn("--spec-type", self.reactor.spawned[2][2])
         self.assertEqual(dict(third.profile)["speculative"], "ngram")
 
-    def decide_off(self) -> Any:
+    def decide(self, with_lookup: float, decided: str) -> Any:
+        """
+        A trial: 4 answers at C{with_lookup} tok/s on the first child, an
+        idle reload, 4 at 50 tok/s without; the second child.
+        """
         first = self.instance_for()
         tuner = self.supervisor.spec_tuner
         for _ in range(4):
-            tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
+            tuner.observe("m:latest", "interactive", True, with_lookup, 100, window=4)
         self.supervisor.reap()
         first.transport.exit(0)
         self.reactor.advance(0.05)
         second = self.instance_for()
         for _ in range(4):
             tuner.observe("m:latest", "interactive", False, 50.0, 100, window=4)
-        self.assertEqual(tuner.state("m:latest")["decided"], "off")
+        self.assertEqual(tuner.state("m:latest")["decided"], decided)
         return second
+
+    def decide_off(self) -> Any:
+        return self.decide(50.0, "off")
 
     def test_decision_survives_a_restart(self) -> None:
         """
