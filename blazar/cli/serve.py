@@ -7,11 +7,22 @@ from __future__ import annotations
 import argparse
 import sys
 
-from blazar.cli.daemon import OK, Verbs
+from blazar.cli.daemon import ERROR, OK, Verbs
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from twisted.python import usage
     from twisted.scripts.twistd import run
+
+    from blazar.tap import Options
+
+    # the config's checks first, here: twistd would print its own usage block above a config error
+    # (read as a command-line mistake); the draft models' vocabularies are remembered for twistd's pass
+    try:
+        Options().parseOptions(["--config", args.config] if args.config else [])
+    except usage.UsageError as e:
+        print(f"blazar serve: {e}", file=sys.stderr)
+        return ERROR
 
     # blazar.logtext: the same log lines as twistd's own observer, made at a
     # sixth of its cost

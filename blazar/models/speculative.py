@@ -47,13 +47,31 @@ class Vocabulary:
     digest: str
 
 
+# vocabularies read, by (path, size, mtime_ns): a file is read once per process, not at each
+# check (startup's two passes, each reload)
+_READ: dict[tuple[str, int, int], Vocabulary] = {}
+
+
 def thd_vocabulary(path: Path) -> Vocabulary:
     """
-    Read C{path}'s tokenizer. Blocking: reads the GGUF header.
+    Read C{path}'s tokenizer (once per file as it is: remembered by its
+    size and modification time). Blocking: reads the GGUF header.
 
     @raise GGUFError: The file cannot be read, is not GGUF, or has no token
         list.
     """
+    try:
+        stat = path.stat()
+    except OSError as e:
+        raise unreadable(path, e) from None
+    key = (os.fspath(path), stat.st_size, stat.st_mtime_ns)
+    known = _READ.get(key)
+    if known is None:
+        known = _READ[key] = _read_vocabulary(path)
+    return known
+
+
+def _read_vocabulary(path: Path) -> Vocabulary:
     from gguf import GGUFReader
 
     try:
