@@ -27,7 +27,16 @@ from twisted.web.resource import IResource
 from zope.interface import implementer
 
 from blazar import __version__
-from blazar.config import Config, ConfigError, LiveConfig, ReloadReport, node_name, node_url, thd_exposed_secrets
+from blazar.config import (
+    Config,
+    ConfigError,
+    LiveConfig,
+    ReloadReport,
+    node_name,
+    node_url,
+    resolve_config,
+    thd_exposed_secrets,
+)
 from blazar.engines.client import EngineClient
 from blazar.engines.hardware import HardwareCensus, IHardwareProbe, NVMLProbe
 from blazar.engines.hints import EngineHints
@@ -806,6 +815,27 @@ class ServiceTree:
     stores: Stores
     gateway: Gateway
     batches: Batches
+
+
+def thd_startup_config(path: str | None, environ: Mapping[str, str]) -> Config:
+    """
+    The config a daemon starts with, checked as startup checks it (twistd's
+    options, L{blazar.tap.Options}, and C{blazar serve} before it):
+    L{resolve_config}, the draft models' vocabularies and C{BLAZAR_KEYS}.
+    Blocking: reads files (before the reactor runs).
+
+    @raise ConfigError: The config cannot be used; the message names the fix.
+    """
+    from blazar.models.speculative import thd_check_drafts
+    from blazar.web.auth import keys_from_env
+
+    config = resolve_config(path)
+    thd_check_drafts(config)
+    try:
+        keys_from_env(environ.get("BLAZAR_KEYS"))
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    return config
 
 
 def make_service(config: Config, reactor: Any, environ: Mapping[str, str]) -> MultiService:

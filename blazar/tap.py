@@ -9,7 +9,7 @@ import os
 from twisted.application.service import IService
 from twisted.python import usage
 
-from blazar.config import ConfigError, resolve_config
+from blazar.config import ConfigError
 
 
 class Options(usage.Options):
@@ -29,19 +29,12 @@ class Options(usage.Options):
     ]
 
     def postOptions(self) -> None:
-        from blazar.models.speculative import thd_check_drafts
+        from blazar.service import thd_startup_config
 
         try:
-            self["parsed"] = resolve_config(self["config"])
             # reads the draft models' GGUF headers: blocking, and allowed here, before the reactor runs
-            thd_check_drafts(self["parsed"])
+            self["parsed"] = thd_startup_config(self["config"], os.environ)
         except ConfigError as e:
-            raise usage.UsageError(str(e)) from None
-        from blazar.web.auth import keys_from_env
-
-        try:
-            keys_from_env(os.environ.get("BLAZAR_KEYS"))
-        except ValueError as e:
             raise usage.UsageError(str(e)) from None
 
 

@@ -11,16 +11,18 @@ from blazar.cli.daemon import ERROR, OK, Verbs
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from twisted.python import usage
+    import os
+
     from twisted.scripts.twistd import run
 
-    from blazar.tap import Options
+    from blazar.config import ConfigError
+    from blazar.service import thd_startup_config
 
     # the config's checks first, here: twistd would print its own usage block above a config error
     # (read as a command-line mistake); the draft models' vocabularies are remembered for twistd's pass
     try:
-        Options().parseOptions(["--config", args.config] if args.config else [])
-    except usage.UsageError as e:
+        thd_startup_config(args.config, os.environ)
+    except ConfigError as e:
         print(f"blazar serve: {e}", file=sys.stderr)
         return ERROR
 
