@@ -251,8 +251,15 @@ class SpeculativeAutoTests(SynchronousTestCase):
             return 200
 
         self.probe = probe
-        self.supervisor = Supervisor(
-            self.config, ModelRegistry(self.config, self.reactor), self.reactor, probe, {}, port_finder=lambda: 5555
+        self.supervisor = self.make(self.config)
+
+    def make(self, config: Any) -> Supervisor:
+        """
+        A supervisor of C{config} (a L{Config} or a L{LiveConfig}) on
+        C{self.reactor}.
+        """
+        return Supervisor(
+            config, ModelRegistry(self.config, self.reactor), self.reactor, self.probe, {}, port_finder=lambda: 5555
         )
 
     def instance_for(self) -> Any:
@@ -292,9 +299,7 @@ class SpeculativeAutoTests(SynchronousTestCase):
         from blazar.config import LiveConfig
 
         live = LiveConfig(self.config)
-        self.supervisor = Supervisor(
-            live, ModelRegistry(self.config, self.reactor), self.reactor, self.probe, {}, port_finder=lambda: 5555
-        )
+        self.supervisor = self.make(live)
         first = self.instance_for()
         for _ in range(4):
             self.supervisor.spec_tuner.observe("m:latest", "interactive", True, 50.0, 100, window=4)
@@ -347,14 +352,7 @@ class SpeculativeAutoTests(SynchronousTestCase):
         second.transport.exit(0)
         self.successResultOf(stopped)
         self.reactor = fake_process_reactor()
-        self.supervisor = Supervisor(
-            self.config,
-            ModelRegistry(self.config, self.reactor),
-            self.reactor,
-            self.probe,
-            {},
-            port_finder=lambda: 5555,
-        )
+        self.supervisor = self.make(self.config)
         first = self.instance_for()
         self.assertNotIn("--spec-type", self.reactor.spawned[0][2])
         self.assertEqual(dict(first.profile)["speculative"], "off")
@@ -388,14 +386,7 @@ class SpeculativeAutoTests(SynchronousTestCase):
 
     def test_prometheus_only_auto(self) -> None:
         self.config = parse_config(self.config_text.replace('"auto"', '"ngram"'))
-        self.supervisor = Supervisor(
-            self.config,
-            ModelRegistry(self.config, self.reactor),
-            self.reactor,
-            self.probe,
-            {},
-            port_finder=lambda: 5555,
-        )
+        self.supervisor = self.make(self.config)
         self.instance_for()
         rendered = self.supervisor.metrics.render()
         self.assertNotIn(b"blazar_engine_speculative_decided{", rendered)

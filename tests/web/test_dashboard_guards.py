@@ -24,6 +24,22 @@ from blazar.models.registry import ModelRegistry
 from blazar.web.auth import check_same_machine_page
 
 
+def bare_dashboard(clock: Clock) -> Any:
+    """
+    A dashboard with nothing behind it (what these guards need is its own).
+    """
+    from blazar.web.dashboard import Dashboard
+
+    return Dashboard(
+        cast(ModelRegistry, None),
+        cast(Pipeline, None),
+        cast(ModelOperations, None),
+        clock,
+        lambda: 0.0,
+        lambda: cast(Config, None),
+    )
+
+
 def request_with(**headers: str) -> DummyRequest:
     r = DummyRequest([b""])
     for name, value in headers.items():
@@ -110,17 +126,10 @@ class StreamRequest:
 
 
 def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> None:
-    from blazar.web.dashboard import LOG_STALL, Dashboard
+    from blazar.web.dashboard import LOG_STALL
 
     clock = Clock()
-    dash = Dashboard(
-        cast(ModelRegistry, None),
-        cast(Pipeline, None),
-        cast(ModelOperations, None),
-        clock,
-        lambda: 0.0,
-        lambda: cast(Config, None),
-    )
+    dash = bare_dashboard(clock)
     ring: list[dict[str, Any]] = [{"seq": 1, "model": "m", "text": "one"}]
     request = StreamRequest()
     done = dash._follow(cast(IRequest, request), lambda since: [r for r in ring if r["seq"] > since], 0, "k")
@@ -142,17 +151,9 @@ def test_a_follower_that_does_not_read_gets_nothing_queued_and_is_dropped() -> N
 
 def test_a_follower_that_leaves_unregisters_the_producer() -> None:
     # else Twisted refuses to finish the request: "Producer was not unregistered" (a critical log line)
-    from blazar.web.dashboard import Dashboard
 
     clock = Clock()
-    dash = Dashboard(
-        cast(ModelRegistry, None),
-        cast(Pipeline, None),
-        cast(ModelOperations, None),
-        clock,
-        lambda: 0.0,
-        lambda: cast(Config, None),
-    )
+    dash = bare_dashboard(clock)
     request = StreamRequest()
     done = dash._follow(cast(IRequest, request), lambda since: [], 0, "k")
     clock.advance(0)
@@ -194,20 +195,12 @@ def test_a_key_change_the_config_file_refuses_names_no_server_path() -> None:
     from twisted.internet.defer import ensureDeferred
 
     from blazar.gateway.errors import Unavailable
-    from blazar.web.dashboard import Dashboard
 
     class Admin:
         async def change(self, plan: Any) -> dict[str, Any]:
             raise PermissionError(13, "Permission denied", "/etc/blazar/.config.toml.tmp")
 
-    dash = Dashboard(
-        cast(ModelRegistry, None),
-        cast(Pipeline, None),
-        cast(ModelOperations, None),
-        Clock(),
-        lambda: 0.0,
-        lambda: cast(Config, None),
-    )
+    dash = bare_dashboard(Clock())
     dash.key_admin = cast(Any, Admin())
     failure = ensureDeferred(dash._change(cast(IRequest, request_with()), lambda admin: None))
     errors: list[Any] = []
