@@ -23,7 +23,7 @@ from twisted.logger import Logger
 from blazar import strictjson
 from blazar.engines.lease import InstanceLease
 from blazar.engines.remote import is_remote
-from blazar.engines.sse import WholeEvents
+from blazar.engines.sse import EventTooLong, WholeEvents
 from blazar.gateway import cache as semantic
 from blazar.gateway import jsonanswer
 from blazar.gateway.context import RequestContext, key_of, note_tokens, record_usage
@@ -434,7 +434,13 @@ class Reply:
 
         def timing(data: bytes) -> None:
             if self._timed is not None:
-                whole = events.feed(data)  # (a timings object cut between pieces is read whole)
+                try:
+                    whole = events.feed(data)  # (a timings object cut between pieces is read whole)
+                except EventTooLong:
+                    # a hint's bookkeeping never stops the client's stream: this answer goes unnoted
+                    self._timed = None
+                    feed(data)
+                    return
                 for event in whole.split(b"\n\n"):
                     if event.startswith(b"data: {"):
                         try:

@@ -150,6 +150,20 @@ class TimingsTests(SynchronousTestCase):
                 self.successResultOf(done)
                 self.assertEqual(got, [({"predicted_n": 40, "predicted_per_second": 71.5}, "hi there")])
 
+    def test_an_event_too_long_for_the_notes_still_reaches_the_client(self) -> None:
+        from blazar.engines.sse import MAX_EVENT_BYTES
+
+        reply, body, got = self.make()
+        seen: list[bytes] = []
+        done = ensureDeferred(reply.relay(seen.append))
+        huge = b"data: " + b"x" * (MAX_EVENT_BYTES + 10)  # no event end yet
+        body.protocol.dataReceived(huge)
+        body.protocol.dataReceived(b"\n\n" + self.last())
+        body.protocol.connectionLost(Failure(ResponseDone()))
+        self.successResultOf(done)
+        self.assertEqual(b"".join(seen), huge + b"\n\n" + self.last())
+        self.assertEqual(got, [])  # unnoted
+
     def test_whole_answer(self) -> None:
         reply, body, got = self.make()
         done = ensureDeferred(reply.read())
